@@ -1,0 +1,255 @@
+"""Clusters: devices and the links between them, as plain numbers with their sources.
+
+A :class:`Cluster` is ``nodes`` identical nodes of ``devices_per_node`` devices; devices
+inside a node talk over ``intra_node`` (NVLink, loopback), nodes over ``inter_node``
+(InfiniBand, Ethernet). Heterogeneous clusters would add a list of node groups; every
+consumer reads devices through :attr:`Cluster.device`, which keeps room for that.
+
+Units: bytes, seconds, FLOP/s. ``LinkSpec.bandwidth_bytes_per_s`` is the achievable bus
+bandwidth per device in one direction, as nccl-tests reports ``busbw`` (NVLink's
+advertised 600 GB/s is a bidirectional total over all links).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from autopar.errors import ClusterError
+from autopar.vocab import DType
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceSpec:
+    """One accelerator (or one CPU process).
+
+    Attributes:
+        name: marketing name, e.g. ``"A100-SXM4-80GB"``.
+        memory_bytes: memory the framework can allocate on the device.
+        peak_flops: dense peak FLOP/s per precision; a precision missing here is not
+            supported by the device (V100 has no bf16).
+        memory_bandwidth_bytes_per_s: peak memory bandwidth.
+        matmul_efficiency: fraction of ``peak_flops`` a large matrix multiply reaches.
+        memory_efficiency: fraction of the memory bandwidth a streaming kernel reaches.
+        matmul_curves: measured achieved FLOP/s against matmul size (FLOPs of one call)
+            per precision, from a profiler report; when present the cost model
+            interpolates it instead of using ``matmul_efficiency``.
+        source: where the numbers come from.
+    """
+
+    name: str
+    memory_bytes: float
+    peak_flops: Mapping[DType, float]
+    memory_bandwidth_bytes_per_s: float
+    matmul_efficiency: float = 0.8
+    memory_efficiency: float = 0.8
+    matmul_curves: Mapping[DType, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        _check_positive(f"device {self.name!r} memory_bytes", self.memory_bytes)
+        _check_positive(f"device {self.name!r} memory_bandwidth_bytes_per_s", self.memory_bandwidth_bytes_per_s)
+        for eff_name in ("matmul_efficiency", "memory_efficiency"):
+            eff = getattr(self, eff_name)
+            if not (isinstance(eff, (int, float)) and 0 < eff <= 1):
+                raise ClusterError(f"device {self.name!r} {eff_name}={eff!r} is not allowed: it must be in (0, 1].")
+        if not self.peak_flops:
+            raise ClusterError(f"device {self.name!r} has no peak_flops: give at least one precision, e.g. {{'bf16': 3.12e14}}.")
+        coerced = {}
+        for key, value in self.peak_flops.items():
+            coerced[_dtype(key, f"device {self.name!r} peak_flops")] = _check_positive(f"device {self.name!r} peak_flops[{key}]", value)
+        object.__setattr__(self, "peak_flops", coerced)
+        curves = {}
+        for key, points in self.matmul_curves.items():
+            pts = tuple(sorted((float(f), float(r)) for f, r in points))
+            if not pts or any(f <= 0 or r <= 0 for f, r in pts):
+                raise ClusterError(f"device {self.name!r} matmul_curves[{key}] must be non-empty (flops, flop/s) pairs > 0, got {points!r}.")
+            curves[_dtype(key, f"device {self.name!r} matmul_curves")] = pts
+        object.__setattr__(self, "matmul_curves", curves)
+
+    def peak(self, dtype: DType) -> float:
+        """Peak FLOP/s in ``dtype``; raises ClusterError if the device lacks it."""
+        if dtype not in self.peak_flops:
+            have = ", ".join(sorted(self.peak_flops))
+            raise ClusterError(
+                f"device {self.name} does not support dtype={dtype.value}: it has {have}. "
+                f"Pick one of those with dtype=... (V100 trains in fp16, not bf16)."
+            )
+        return self.peak_flops[dtype]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkSpec:
+    """A level of the interconnect: achievable busbw per device and per-hop latency."""
+
+    bandwidth_bytes_per_s: float
+    latency_s: float
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        _check_positive("link bandwidth_bytes_per_s", self.bandwidth_bytes_per_s)
+        if not (isinstance(self.latency_s, (int, float)) and 0 <= self.latency_s < math.inf):
+            raise ClusterError(f"link latency_s={self.latency_s!r} is not allowed: it must be a finite number >= 0 seconds.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """``nodes`` x ``devices_per_node`` identical devices."""
+
+    name: str
+    nodes: int
+    devices_per_node: int
+    device: DeviceSpec
+    intra_node: LinkSpec
+    inter_node: LinkSpec
+
+    def __post_init__(self) -> None:
+        for attr in ("nodes", "devices_per_node"):
+            value = getattr(self, attr)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ClusterError(f"cluster {self.name!r} {attr}={value!r} is not allowed: it must be a positive integer.")
+
+    @property
+    def world_size(self) -> int:
+        """Total number of devices."""
+        return self.nodes * self.devices_per_node
+
+    def with_nodes(self, nodes: int) -> "Cluster":
+        """The same cluster with another node count (for what-if questions)."""
+        return replace(self, nodes=nodes, name=_rename(self.name, nodes))
+
+    def describe(self) -> str:
+        """One line: ``dgx-a100-80gb x 128 nodes = 1024 A100-SXM4-80GB (80.0 GiB)``."""
+        return (f"{self.name}: {self.nodes} node(s) x {self.devices_per_node} = {self.world_size} "
+                f"{self.device.name} ({self.device.memory_bytes / 2**30:.1f} GiB each)")
+
+    # ----- construction -------------------------------------------------------------
+
+    @staticmethod
+    def preset(name: str, *, nodes: int = 1, devices_per_node: int | None = None) -> "Cluster":
+        """A cluster of ``nodes`` nodes of a known type; see :func:`autopar.presets.preset_names`.
+
+        ``devices_per_node`` overrides the node's device count (e.g. 4 processes of
+        ``local-cpu``).
+        """
+        from autopar.presets import build_preset
+
+        return build_preset(name, nodes=nodes, devices_per_node=devices_per_node)
+
+    @staticmethod
+    def parse(spec: str) -> "Cluster":
+        """``"dgx-a100-80gb:128"`` (preset:nodes), a preset name, or a JSON file path."""
+        if spec.endswith(".json") or Path(spec).is_file():
+            return Cluster.from_json(spec)
+        name, _, count = spec.partition(":")
+        if not count:
+            return Cluster.preset(name)
+        try:
+            nodes = int(count)
+        except ValueError:
+            raise ClusterError(f"cluster spec {spec!r}: the node count after ':' must be an integer, e.g. 'dgx-a100-80gb:128'.") from None
+        return Cluster.preset(name, nodes=nodes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able data, the inverse of :meth:`from_dict`."""
+        dev = self.device
+        return {
+            "name": self.name,
+            "nodes": self.nodes,
+            "devices_per_node": self.devices_per_node,
+            "device": {
+                "name": dev.name,
+                "memory_bytes": dev.memory_bytes,
+                "peak_flops": {k.value: v for k, v in dev.peak_flops.items()},
+                "memory_bandwidth_bytes_per_s": dev.memory_bandwidth_bytes_per_s,
+                "matmul_efficiency": dev.matmul_efficiency,
+                "memory_efficiency": dev.memory_efficiency,
+                "matmul_curves": {k.value: [list(p) for p in v] for k, v in dev.matmul_curves.items()},
+                "source": dev.source,
+            },
+            "intra_node": _link_dict(self.intra_node),
+            "inter_node": _link_dict(self.inter_node),
+        }
+
+    @staticmethod
+    def from_dict(data: Mapping[str, Any], *, origin: str = "cluster data") -> "Cluster":
+        """Build from :meth:`to_dict` output; errors name the missing or bad field."""
+        try:
+            dev = dict(data["device"])
+            device = DeviceSpec(
+                name=str(dev["name"]),
+                memory_bytes=dev["memory_bytes"],
+                peak_flops=dict(dev["peak_flops"]),
+                memory_bandwidth_bytes_per_s=dev["memory_bandwidth_bytes_per_s"],
+                matmul_efficiency=dev.get("matmul_efficiency", 0.8),
+                memory_efficiency=dev.get("memory_efficiency", 0.8),
+                matmul_curves={k: tuple(tuple(p) for p in v) for k, v in dev.get("matmul_curves", {}).items()},
+                source=str(dev.get("source", "")),
+            )
+            return Cluster(
+                name=str(data.get("name", "custom")),
+                nodes=data["nodes"],
+                devices_per_node=data["devices_per_node"],
+                device=device,
+                intra_node=LinkSpec(**_link_kwargs(data["intra_node"])),
+                inter_node=LinkSpec(**_link_kwargs(data.get("inter_node", data["intra_node"]))),
+            )
+        except KeyError as exc:
+            raise ClusterError(f"{origin}: missing field {exc.args[0]!r}. See Cluster.to_dict() for the expected layout.") from None
+        except (TypeError, AttributeError) as exc:
+            raise ClusterError(f"{origin}: malformed cluster description ({exc}). See Cluster.to_dict() for the expected layout.") from None
+
+    @staticmethod
+    def from_json(path: str | Path) -> "Cluster":
+        """Read a cluster file written by :meth:`save` (or by hand in that layout)."""
+        p = Path(path)
+        try:
+            data = json.loads(p.read_text())
+        except FileNotFoundError:
+            raise ClusterError(f"cluster file {str(p)!r} does not exist; give a path to a JSON file or a preset name such as 'dgx-a100-80gb:4'.") from None
+        except json.JSONDecodeError as exc:
+            raise ClusterError(f"cluster file {str(p)!r} is not valid JSON: {exc}.") from None
+        if not isinstance(data, dict):
+            raise ClusterError(f"cluster file {str(p)!r} must hold a JSON object, got {type(data).__name__}.")
+        return Cluster.from_dict(data, origin=f"cluster file {str(p)!r}")
+
+    def save(self, path: str | Path) -> None:
+        """Write :meth:`to_dict` as JSON."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @staticmethod
+    def from_profile(*reports: Any, base: "Cluster | None" = None) -> "Cluster":
+        """A cluster whose numbers come from profiler reports (see :mod:`autopar.profiles`)."""
+        from autopar.profiles import cluster_from_profiles
+
+        return cluster_from_profiles(reports, base=base)
+
+
+def _rename(name: str, nodes: int) -> str:
+    base = name.split(" x ")[0]
+    return f"{base} x {nodes}"
+
+
+def _link_dict(link: LinkSpec) -> dict[str, Any]:
+    return {"bandwidth_bytes_per_s": link.bandwidth_bytes_per_s, "latency_s": link.latency_s, "source": link.source}
+
+
+def _link_kwargs(data: Mapping[str, Any]) -> dict[str, Any]:
+    return {"bandwidth_bytes_per_s": data["bandwidth_bytes_per_s"], "latency_s": data["latency_s"], "source": str(data.get("source", ""))}
+
+
+def _dtype(key: object, where: str) -> DType:
+    try:
+        return DType(key)
+    except ValueError:
+        allowed = ", ".join(d.value for d in DType)
+        raise ClusterError(f"{where}: unknown precision {key!r}; allowed: {allowed}.") from None
+
+
+def _check_positive(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+        raise ClusterError(f"{name}={value!r} is not allowed: it must be a finite number > 0.")
+    return float(value)

@@ -1,0 +1,52 @@
+"""Typed errors. Every message says the value, why it is wrong and what to do."""
+
+from __future__ import annotations
+
+
+class AutoparError(Exception):
+    """Base class of every error autopar raises on purpose."""
+
+
+class ConfigError(AutoparError, ValueError):
+    """A value given by the user (a size, a mode, a constraint) is not allowed."""
+
+
+class ClusterError(ConfigError):
+    """A cluster description is malformed or names an unknown preset."""
+
+
+class ModelError(AutoparError, ValueError):
+    """The model cannot be analysed (no forward input, an unsupported structure)."""
+
+
+class PlanFormatError(AutoparError, ValueError):
+    """A plan file is malformed, of an unknown schema version, or inconsistent."""
+
+
+class InfeasiblePlanError(AutoparError):
+    """No configuration in the searched space fits in device memory.
+
+    Attributes:
+        min_memory_bytes: the smallest peak memory per device found.
+        capacity_bytes: the memory of one device.
+    """
+
+    def __init__(self, message: str, *, min_memory_bytes: float, capacity_bytes: float):
+        super().__init__(message)
+        self.min_memory_bytes = min_memory_bytes
+        self.capacity_bytes = capacity_bytes
+
+
+def check_positive_int(name: str, value: object, hint: str = "") -> int:
+    """Return ``value`` if it is an int >= 1, else raise ConfigError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        extra = f" {hint}" if hint else ""
+        raise ConfigError(f"{name}={value!r} is not allowed: it must be a positive integer.{extra}")
+    return value
+
+
+def check_positive_float(name: str, value: object, unit: str = "") -> float:
+    """Return ``value`` as float if it is a finite number > 0, else raise ConfigError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+        raise ConfigError(f"{name}={value!r} is not allowed: it must be a finite number > 0{(' ' + unit) if unit else ''}.")
+    return float(value)

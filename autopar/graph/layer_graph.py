@@ -1,0 +1,255 @@
+"""LayerGraph: what the planner knows about a model, as plain numbers.
+
+A model is a sequence of *units* (embeddings, each block, final norm, head: what a
+pipeline stage holds whole). Each unit has a :class:`UnitProfile`, shared by identical
+units (a 96-block GPT has three profiles: embeddings, block, head). A profile lists the
+unit's *leaves* (modules with parameters, where tensor-parallel styles apply) and the
+*flows* between them (the tensors and the parameter-free "glue" ops in between: attention
+core, activations, residual adds), so that resharding and glue costs can be priced per
+layout. Every size is **per sample** at the traced sequence length, in the compute
+precision: the cost model scales by the micro-batch size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from functools import cached_property
+
+import networkx as nx
+
+from autopar.vocab import Attention, DType, TPStyle
+
+UNIT_INPUT = -1
+"""Flow endpoint: the unit's input (the previous unit's output)."""
+UNIT_OUTPUT = -2
+"""Flow endpoint: the unit's output (or, for the last unit, the loss)."""
+
+
+class LeafKind(StrEnum):
+    """What a leaf is, which decides the tensor-parallel styles it allows."""
+
+    LINEAR = "linear"
+    EMBEDDING = "embedding"
+    NORM = "norm"
+    OTHER = "other"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Leaf:
+    """A module with parameters inside a unit.
+
+    Attributes:
+        name: FQN relative to the unit (``"attention.wq"``; ``""`` when the unit is the leaf).
+        kind: see :class:`LeafKind`.
+        param_numel: parameters of this leaf (all of them).
+        weight_numel: parameters a column/row/vocab split shards (the weight, and the
+            bias of a column split); the rest stay replicated.
+        in_features, out_features: matrix sizes (embedding: vocabulary rows, dim).
+        in_heads, out_heads: attention heads this leaf's input comes from (a row split
+            must divide them) and its output feeds (a column split must divide them); 0
+            when it touches no attention.
+        vocab: True for a vocabulary dimension (embedding rows, LM head outputs), which
+            may be padded to a multiple of 128 x tp as Megatron-LM does.
+        fwd_flops, fwd_bytes: forward FLOPs and bytes moved, per sample.
+        saved_bytes: activation bytes this leaf saves for backward, per sample.
+        matmul_flops: the part of ``fwd_flops`` done by matrix multiplies (tensor cores).
+    """
+
+    name: str
+    kind: LeafKind
+    param_numel: int
+    weight_numel: int
+    in_features: int
+    out_features: int
+    in_heads: int
+    out_heads: int
+    vocab: bool
+    fwd_flops: float
+    matmul_flops: float
+    fwd_bytes: float
+    saved_bytes: float
+
+    def styles(self, *, sequence_parallel: bool) -> tuple[TPStyle, ...]:
+        """Tensor-parallel styles this kind of leaf allows (divisibility aside)."""
+        if self.kind is LeafKind.LINEAR:
+            return (TPStyle.REPLICATE, TPStyle.COLUMN, TPStyle.ROW)
+        if self.kind is LeafKind.EMBEDDING:
+            return (TPStyle.REPLICATE, TPStyle.VOCAB)
+        if self.kind is LeafKind.NORM and sequence_parallel:
+            return (TPStyle.REPLICATE, TPStyle.SEQUENCE)
+        return (TPStyle.REPLICATE,)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Flow:
+    """Tensors flowing from one leaf (or the unit input) to another (or the unit output),
+    with the parameter-free ops between them.
+
+    ``tensor_bytes`` is the size of the producer's output that reaches the consumer
+    (what a resharding collective moves). ``attn_*`` is the part of the glue inside an
+    attention core (``F.scaled_dot_product_attention``), which selective recomputation
+    drops from memory and recomputes.
+    """
+
+    src: int
+    dst: int
+    tensor_bytes: float
+    glue_flops: float
+    glue_bytes: float
+    saved_bytes: float
+    attn_flops: float
+    attn_bytes: float
+    attn_saved_bytes: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnitProfile:
+    """Per-sample costs of one kind of unit.
+
+    ``input_bytes``/``output_bytes``: the activation entering and leaving the unit (what
+    pipeline point-to-point sends, and what full recomputation keeps).
+    """
+
+    signature: str
+    leaves: tuple[Leaf, ...]
+    flows: tuple[Flow, ...]
+    input_bytes: float
+    output_bytes: float
+
+    @cached_property
+    def param_numel(self) -> int:
+        """Parameters of the unit."""
+        return sum(leaf.param_numel for leaf in self.leaves)
+
+    @cached_property
+    def fwd_flops(self) -> float:
+        """Forward FLOPs per sample (leaves and glue)."""
+        return sum(leaf.fwd_flops for leaf in self.leaves) + sum(f.glue_flops + f.attn_flops for f in self.flows)
+
+    @cached_property
+    def saved_bytes(self) -> float:
+        """Activation bytes kept for backward without recomputation, per sample, unsharded."""
+        return (sum(leaf.saved_bytes for leaf in self.leaves)
+                + sum(f.saved_bytes + f.attn_saved_bytes for f in self.flows))
+
+    @cached_property
+    def has_attention(self) -> bool:
+        """Whether the unit runs an attention core (selective recompute applies)."""
+        return any(f.attn_flops > 0 or f.attn_saved_bytes > 0 for f in self.flows)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Unit:
+    """One unit of the model, in execution order.
+
+    Attributes:
+        fqn: display name (a block's FQN; the joined module names of a prologue or
+            epilogue, which run before the first and after the last block and are
+            never split by a pipeline).
+        modules: the module FQNs the unit holds (what ``Plan.stages`` lists).
+        prefix: what leaf names of its profile are relative to (a block's FQN, or
+            ``""`` when leaf names are full FQNs).
+        profile: index into ``LayerGraph.profiles``.
+        param_numel: parameters of the unit.
+    """
+
+    fqn: str
+    modules: tuple[str, ...]
+    prefix: str
+    profile: int
+    param_numel: int
+
+    def leaf_fqn(self, leaf_name: str) -> str:
+        """The model-level FQN of one of this unit's leaves."""
+        if not self.prefix:
+            return leaf_name
+        return f"{self.prefix}.{leaf_name}" if leaf_name else self.prefix
+
+
+@dataclass(frozen=True, kw_only=True)
+class SharedParam:
+    """A parameter held by two units (tied embeddings): a pipeline that puts them on
+    different stages keeps a copy on each and all-reduces its gradient."""
+
+    first_unit: int
+    second_unit: int
+    numel: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerGraph:
+    """The model as the planner sees it.
+
+    Attributes:
+        name: model class name.
+        units: in execution order.
+        profiles: distinct unit profiles (``Unit.profile`` indexes this).
+        shared: parameters shared between units.
+        num_params: unique parameters of the model.
+        seq_len: tokens per sample (1 for non-sequence models).
+        dtype: the compute precision the sizes are in.
+        attention: the attention implementation assumed.
+        sequential: every unit runs once, in order (pipelining needs it).
+        fingerprint: identifies the model's parameter names and shapes.
+        vocab_size: the vocabulary of token models (0 otherwise).
+    """
+
+    name: str
+    units: tuple[Unit, ...]
+    profiles: tuple[UnitProfile, ...]
+    shared: tuple[SharedParam, ...]
+    num_params: int
+    seq_len: int
+    dtype: DType
+    attention: Attention
+    sequential: bool
+    fingerprint: str
+    vocab_size: int = 0
+
+    def profile_of(self, unit_index: int) -> UnitProfile:
+        """The profile of unit ``unit_index``."""
+        return self.profiles[self.units[unit_index].profile]
+
+    @cached_property
+    def fwd_flops_per_sample(self) -> float:
+        """Forward FLOPs of one sample through the whole model (loss included)."""
+        return sum(self.profiles[u.profile].fwd_flops for u in self.units)
+
+    @property
+    def unit_names(self) -> tuple[str, ...]:
+        """Unit display names in order."""
+        return tuple(u.fqn for u in self.units)
+
+    @property
+    def module_names(self) -> tuple[str, ...]:
+        """Every top-level module FQN in order (what ``Plan.stages`` lists)."""
+        return tuple(m for u in self.units for m in u.modules)
+
+    def to_networkx(self) -> nx.DiGraph:
+        """Units and leaves as a directed graph: unit -> next unit edges carry the
+        activation bytes per sample; leaf -> leaf edges the flow sizes."""
+        g = nx.DiGraph(name=self.name, seq_len=self.seq_len)
+        for i, unit in enumerate(self.units):
+            prof = self.profiles[unit.profile]
+            g.add_node(unit.fqn, kind="unit", params=prof.param_numel, fwd_flops=prof.fwd_flops,
+                       saved_bytes=prof.saved_bytes)
+            for leaf in prof.leaves:
+                name = unit.leaf_fqn(leaf.name)
+                if name != unit.fqn:
+                    g.add_node(name, kind=leaf.kind.value, unit=unit.fqn, params=leaf.param_numel,
+                               fwd_flops=leaf.fwd_flops, saved_bytes=leaf.saved_bytes)
+            for flow in prof.flows:
+                src = _endpoint(unit, prof, flow.src)
+                dst = _endpoint(unit, prof, flow.dst)
+                if src != dst:
+                    g.add_edge(src, dst, tensor_bytes=flow.tensor_bytes, glue_flops=flow.glue_flops)
+            if i + 1 < len(self.units):
+                g.add_edge(unit.fqn, self.units[i + 1].fqn, tensor_bytes=prof.output_bytes)
+        return g
+
+
+def _endpoint(unit: Unit, prof: UnitProfile, index: int) -> str:
+    if index < 0:
+        return unit.fqn
+    return unit.leaf_fqn(prof.leaves[index].name)

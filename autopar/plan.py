@@ -1,0 +1,356 @@
+"""The Plan: what the planner decided, what it predicts, and why. Plain frozen data.
+
+A plan file is the contract between the planner (which may run on a laptop) and the
+runtime (which runs it on the cluster). ``Plan.to_json`` / ``Plan.from_json`` round-trip
+exactly; unknown schema versions and malformed fields are refused with the path of the
+offending field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+from autopar.cluster import Cluster
+from autopar.errors import ConfigError, PlanFormatError
+from autopar.serialize import decode, encode
+from autopar.vocab import ZERO_STAGES, Attention, DType, Optimizer, Recompute, Schedule, TPStyle
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """How the job is split. ``dp * tp * pp`` is the world size.
+
+    Attributes:
+        dp: data-parallel degree.
+        tp: tensor-parallel degree (consecutive ranks; inside a node when possible).
+        pp: pipeline-parallel degree (pipeline ranks).
+        micro_batch_size: samples per micro-batch on one data-parallel rank.
+        num_microbatches: micro-batches per step and data-parallel rank (gradient
+            accumulation); the global batch is ``dp * micro_batch_size * num_microbatches``.
+        schedule: pipeline schedule (ignored when ``pp == 1``).
+        virtual_stages: stages per pipeline rank (> 1 only with ``interleaved-1f1b``).
+        zero_stage: 0-3, see :data:`autopar.vocab.ZERO_STAGES`.
+        recompute: the default activation recomputation of every unit;
+            ``Plan.layer_strategies.recompute`` lists the units that differ.
+        sequence_parallel: norms and dropouts run on sequence shards of the TP group.
+        dtype: training precision.
+    """
+
+    dp: int
+    tp: int
+    pp: int
+    micro_batch_size: int
+    num_microbatches: int
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    virtual_stages: int = 1
+    zero_stage: int = 0
+    recompute: Recompute = Recompute.NONE
+    sequence_parallel: bool = False
+    dtype: DType = DType.BF16
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "micro_batch_size", "num_microbatches", "virtual_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} is not allowed: it must be a positive integer.")
+        object.__setattr__(self, "schedule", _enum(Schedule, self.schedule, "schedule"))
+        object.__setattr__(self, "recompute", _enum(Recompute, self.recompute, "recompute"))
+        object.__setattr__(self, "dtype", _enum(DType, self.dtype, "dtype"))
+        if isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES:
+            raise ConfigError(f"zero_stage={self.zero_stage!r} is not allowed: use 0 (DDP), 1 (sharded optimizer state), "
+                              f"2 (+ sharded gradients) or 3 (+ sharded parameters).")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ConfigError(f"sequence_parallel={self.sequence_parallel!r} is not allowed: use True or False.")
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("sequence_parallel=True needs tp > 1: sequence parallelism shards norms over the "
+                              "tensor-parallel group. Set tp >= 2 or sequence_parallel=False.")
+        if self.virtual_stages > 1 and self.schedule is not Schedule.INTERLEAVED_1F1B:
+            raise ConfigError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved-1f1b' "
+                              f"(got {self.schedule.value!r}); use virtual_stages=1 for {self.schedule.value}.")
+        if self.schedule is Schedule.INTERLEAVED_1F1B and self.virtual_stages < 2:
+            raise ConfigError("schedule='interleaved-1f1b' needs virtual_stages >= 2 (stages per pipeline rank); "
+                              "use schedule='1f1b' for one stage per rank.")
+        if self.schedule is Schedule.INTERLEAVED_1F1B and self.pp < 2:
+            raise ConfigError("schedule='interleaved-1f1b' needs pp >= 2.")
+
+    @property
+    def world_size(self) -> int:
+        """Devices the plan runs on."""
+        return self.dp * self.tp * self.pp
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step over all data-parallel ranks."""
+        return self.dp * self.micro_batch_size * self.num_microbatches
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages in total (pp x virtual_stages)."""
+        return self.pp * self.virtual_stages
+
+    def short(self) -> str:
+        """Compact text: ``dp=8 tp=8 pp=16 mbs=1 m=12 1f1b zero=1 recompute=full sp bf16``."""
+        sched = self.schedule.value if self.pp > 1 else "no-pp"
+        if self.virtual_stages > 1:
+            sched += f"(v={self.virtual_stages})"
+        sp = " sp" if self.sequence_parallel else ""
+        return (f"dp={self.dp} tp={self.tp} pp={self.pp} mbs={self.micro_batch_size} m={self.num_microbatches} "
+                f"{sched} zero={self.zero_stage} recompute={self.recompute.value}{sp} {self.dtype.value}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerStrategies:
+    """Per-layer decisions.
+
+    Attributes:
+        tp: leaf-module FQN -> tensor-parallel style; leaves not listed are replicated.
+        recompute: unit FQN -> recompute mode, only where it differs from
+            ``ParallelConfig.recompute``.
+    """
+
+    tp: Mapping[str, TPStyle] = field(default_factory=dict)
+    recompute: Mapping[str, Recompute] = field(default_factory=dict)
+
+    def tp_style(self, fqn: str) -> TPStyle:
+        """The style of leaf ``fqn`` (replicate when not listed)."""
+        return self.tp.get(fqn, TPStyle.REPLICATE)
+
+    def recompute_of(self, unit: str, default: Recompute) -> Recompute:
+        """The recompute mode of ``unit`` given the config's default."""
+        return self.recompute.get(unit, default)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryBreakdown:
+    """Peak bytes on one device of a stage, by what they hold."""
+
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activations_bytes: float
+    transient_bytes: float
+    buffers_bytes: float
+    reserve_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        """The sum of every term: the predicted peak."""
+        return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
+                + self.transient_bytes + self.buffers_bytes + self.reserve_bytes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagePrediction:
+    """One pipeline stage: per-micro-batch times and per-device memory.
+
+    ``forward_s``/``backward_s`` are per micro-batch and include tensor-parallel
+    communication and recomputation; ``dp_comm_s`` is the step's exposed data-parallel
+    communication and ``optimizer_s`` the optimizer step.
+    """
+
+    index: int
+    pipeline_rank: int
+    units: tuple[str, ...]
+    forward_s: float
+    backward_s: float
+    tp_comm_s: float
+    pp_comm_s: float
+    recompute_s: float
+    dp_comm_s: float
+    optimizer_s: float
+    inflight_microbatches: float
+    memory: MemoryBreakdown
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepBreakdown:
+    """The step time split into terms that add up to it (critical path of the slowest
+    pipeline rank)."""
+
+    compute_s: float
+    recompute_s: float
+    tp_comm_s: float
+    pp_comm_s: float
+    bubble_s: float
+    dp_comm_s: float
+    optimizer_s: float
+
+    @property
+    def total_s(self) -> float:
+        """Sum of the terms (equals ``Prediction.step_time_s``)."""
+        return (self.compute_s + self.recompute_s + self.tp_comm_s + self.pp_comm_s + self.bubble_s
+                + self.dp_comm_s + self.optimizer_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """What the cost model predicts for one step of a configuration.
+
+    ``mfu`` counts model FLOPs without recomputation, ``hfu`` with it (Chowdhery et al.
+    2022, PaLM, appendix B). ``memory_bytes_per_device`` is the peak on the most loaded
+    device, compared with ``memory_capacity_bytes``.
+    """
+
+    step_time_s: float
+    samples_per_s: float
+    tokens_per_s: float
+    tflops_per_device: float
+    mfu: float
+    hfu: float
+    memory_bytes_per_device: float
+    memory_capacity_bytes: float
+    fits: bool
+    breakdown: StepBreakdown
+    stages: tuple[StagePrediction, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Alternative:
+    """A configuration the search also considered, and why it lost.
+
+    ``status``: ``runner-up`` (fits, slower by ``slower_by`` as a fraction of the
+    winner's step time) or ``out-of-memory`` (needs ``over_memory_bytes`` more than a
+    device has, even with its best per-layer choices).
+    """
+
+    config: ParallelConfig
+    status: Literal["runner-up", "out-of-memory"]
+    step_time_s: float
+    memory_bytes_per_device: float
+    slower_by: float
+    over_memory_bytes: float
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSummary:
+    """Enough about the model to check that the runtime is handed the same one."""
+
+    name: str
+    num_params: int
+    units: tuple[str, ...]
+    fingerprint: str
+    seq_len: int
+    global_batch_size: int
+    flops_per_sample: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanSettings:
+    """Inputs of the search other than the model and the cluster."""
+
+    optimizer: Optimizer = Optimizer.ADAM
+    attention: Attention = Attention.FLASH
+    profile_sources: tuple[str, ...] = ()
+    solver: str = "highs"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A parallel training plan: the config, the per-stage and per-layer decisions, the
+    predicted cost and the alternatives it beat."""
+
+    config: ParallelConfig
+    stages: tuple[tuple[str, ...], ...]
+    layer_strategies: LayerStrategies
+    prediction: Prediction
+    alternatives: tuple[Alternative, ...]
+    model: ModelSummary
+    cluster: Cluster
+    settings: PlanSettings = PlanSettings()
+    notes: tuple[str, ...] = ()
+    search_time_s: float = 0.0
+    candidates_evaluated: int = 0
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if len(self.stages) != self.config.num_stages:
+            raise PlanFormatError(f"plan has {len(self.stages)} stages but pp x virtual_stages = "
+                                  f"{self.config.pp} x {self.config.virtual_stages} = {self.config.num_stages}.")
+        if self.config.world_size != self.cluster.world_size:
+            raise PlanFormatError(f"plan uses dp x tp x pp = {self.config.world_size} devices but its cluster has "
+                                  f"{self.cluster.world_size}.")
+        listed = [u for stage in self.stages for u in stage]
+        if tuple(listed) != self.model.units:
+            raise PlanFormatError("plan stages do not cover the model's units once each, in order: "
+                                  f"stages list {len(listed)} units, the model has {len(self.model.units)}.")
+
+    def stage_of_rank(self, pipeline_rank: int) -> tuple[int, ...]:
+        """Indices of the stages a pipeline rank runs (stage i on rank i % pp)."""
+        return tuple(i for i in range(self.config.num_stages) if i % self.config.pp == pipeline_rank)
+
+    def explain(self, *, top: int = 5) -> str:
+        """A report a person reads: the plan, its predicted cost, and why it won."""
+        from autopar.explain import explain_plan
+
+        return explain_plan(self, top=top)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able data, the inverse of :meth:`from_dict`."""
+        return {f: encode(getattr(self, f)) for f in _PLAN_FIELDS}
+
+    def to_json(self) -> str:
+        """The plan file's text."""
+        return json.dumps(self.to_dict(), indent=1) + "\n"
+
+    @staticmethod
+    def from_dict(data: Any, *, origin: str = "plan") -> "Plan":
+        """Parse plan data; raises PlanFormatError naming any bad field."""
+        if not isinstance(data, dict):
+            raise PlanFormatError(f"{origin}: expected a JSON object, got {type(data).__name__}.")
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise PlanFormatError(f"{origin}: schema_version {version!r} is not supported; this autopar reads version "
+                                  f"{SCHEMA_VERSION}. Re-create the plan with this autopar version.")
+        from autopar.serialize import _decode_dataclass
+
+        return _decode_dataclass(Plan, data, origin)
+
+    @staticmethod
+    def from_json(text: str, *, origin: str = "plan") -> "Plan":
+        """Parse the text written by :meth:`to_json`."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanFormatError(f"{origin}: not valid JSON ({exc}).") from None
+        return Plan.from_dict(data, origin=origin)
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan file (atomically: a crash never leaves half a file)."""
+        p = Path(path)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(self.to_json())
+        tmp.replace(p)
+
+    @staticmethod
+    def load(path: str | Path) -> "Plan":
+        """Read a plan file written by :meth:`save`."""
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except FileNotFoundError:
+            raise PlanFormatError(f"plan file {str(p)!r} does not exist; create one with 'autopar plan ... --out {p}'.") from None
+        return Plan.from_json(text, origin=f"plan file {str(p)!r}")
+
+    def with_alternatives(self, alternatives: tuple[Alternative, ...]) -> "Plan":
+        """A copy with another list of alternatives."""
+        return replace(self, alternatives=alternatives)
+
+
+_PLAN_FIELDS = ("schema_version", "config", "stages", "layer_strategies", "prediction", "alternatives", "model",
+                "cluster", "settings", "notes", "search_time_s", "candidates_evaluated")
+
+
+def _enum(cls: Any, value: Any, name: str) -> Any:
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(value)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in cls)
+        raise ConfigError(f"{name}={value!r} is not allowed; use one of {allowed}.") from None

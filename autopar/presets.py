@@ -1,0 +1,175 @@
+"""Preset clusters. Every number names its source.
+
+Bandwidths follow the convention of :mod:`autopar.cluster`: achievable bus bandwidth per
+device in one direction. Datasheets give line rates; the achievable fraction comes from
+published nccl-tests results and is stated next to each number.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+from autopar.cluster import Cluster, DeviceSpec, LinkSpec
+from autopar.errors import ClusterError
+from autopar.vocab import DType
+
+GIB = 2**30
+MIB = 2**20
+
+_A100_DATASHEET = "NVIDIA A100 Tensor Core GPU datasheet (2021): dense BF16/FP16 312 TFLOP/s, TF32 156, FP32 19.5"
+_H100_DATASHEET = "NVIDIA H100 Tensor Core GPU datasheet (SXM5): dense BF16/FP16 989 TFLOP/s (1979 with sparsity), FP32 67"
+_H200_DATASHEET = "NVIDIA H200 Tensor Core GPU datasheet (SXM): dense BF16/FP16 989 TFLOP/s, FP32 67, 141 GB HBM3e at 4.8 TB/s"
+_V100_DATASHEET = "NVIDIA V100 Tensor Core GPU datasheet (SXM2): FP16 tensor 125 TFLOP/s, FP32 15.7, 900 GB/s HBM2; no BF16"
+_EFFICIENCY = ("matmul 0.8 of peak: large cuBLAS GEMMs reach 75-90% of dense peak (NVIDIA Matrix Multiplication "
+               "Background guide); memory 0.8 of peak: STREAM-like kernels reach ~80% of HBM bandwidth")
+
+
+def _a100(memory_mib: int, hbm_bytes_per_s: float, label: str) -> DeviceSpec:
+    return DeviceSpec(
+        name=f"A100-SXM4-{label}",
+        memory_bytes=memory_mib * MIB,
+        peak_flops={DType.BF16: 312e12, DType.FP16: 312e12, DType.FP32: 19.5e12},
+        memory_bandwidth_bytes_per_s=hbm_bytes_per_s,
+        source=f"{_A100_DATASHEET}; memory {memory_mib} MiB as nvidia-smi reports; {_EFFICIENCY}",
+    )
+
+
+def _h100() -> DeviceSpec:
+    return DeviceSpec(
+        name="H100-SXM5-80GB",
+        memory_bytes=81559 * MIB,
+        peak_flops={DType.BF16: 989e12, DType.FP16: 989e12, DType.FP32: 67e12},
+        memory_bandwidth_bytes_per_s=3.35e12,
+        source=f"{_H100_DATASHEET}; HBM3 3.35 TB/s; memory 81559 MiB as nvidia-smi reports; {_EFFICIENCY}",
+    )
+
+
+def _h200() -> DeviceSpec:
+    return DeviceSpec(
+        name="H200-SXM-141GB",
+        memory_bytes=143771 * MIB,
+        peak_flops={DType.BF16: 989e12, DType.FP16: 989e12, DType.FP32: 67e12},
+        memory_bandwidth_bytes_per_s=4.8e12,
+        source=f"{_H200_DATASHEET}; memory 143771 MiB as nvidia-smi reports; {_EFFICIENCY}",
+    )
+
+
+def _v100() -> DeviceSpec:
+    return DeviceSpec(
+        name="V100-SXM2-16GB",
+        memory_bytes=16160 * MIB,
+        peak_flops={DType.FP16: 125e12, DType.FP32: 15.7e12},
+        memory_bandwidth_bytes_per_s=900e9,
+        matmul_efficiency=0.75,
+        source=f"{_V100_DATASHEET}; memory 16160 MiB as nvidia-smi reports; matmul 0.75 of peak (V100 "
+               f"tensor-core GEMMs reach 70-80%), memory 0.8 of peak",
+    )
+
+
+_NVLINK3 = LinkSpec(
+    bandwidth_bytes_per_s=230e9, latency_s=2e-6,
+    source="NVLink3 + NVSwitch, 300 GB/s per direction (600 GB/s total, A100 datasheet); nccl-tests all_reduce "
+           "busbw on DGX A100 reaches ~230 GB/s; ~2 us per hop (NCCL LL protocol)",
+)
+_NVLINK4 = LinkSpec(
+    bandwidth_bytes_per_s=360e9, latency_s=2e-6,
+    source="NVLink4 + NVSwitch, 450 GB/s per direction (900 GB/s total, H100/H200 datasheets); nccl-tests "
+           "all_reduce busbw without NVLS ~360 GB/s; ~2 us per hop",
+)
+_NVLINK2_HCM = LinkSpec(
+    bandwidth_bytes_per_s=120e9, latency_s=3e-6,
+    source="NVLink2 hybrid cube-mesh, 150 GB/s per direction (300 GB/s total, V100 datasheet); ~0.8 reached "
+           "by NCCL rings on DGX-1/p3.16xlarge",
+)
+_HDR_IB = LinkSpec(
+    bandwidth_bytes_per_s=22.5e9, latency_s=5e-6,
+    source="DGX A100 datasheet: one 200 Gb/s HDR InfiniBand ConnectX-6 per GPU = 25 GB/s per direction; "
+           "~90% achievable (nccl-tests); ~5 us per hop",
+)
+_NDR_IB = LinkSpec(
+    bandwidth_bytes_per_s=45e9, latency_s=5e-6,
+    source="DGX H100 / HGX H200 reference: one 400 Gb/s NDR InfiniBand ConnectX-7 per GPU = 50 GB/s per "
+           "direction; ~90% achievable (nccl-tests); ~5 us per hop",
+)
+_P3_ETHERNET = LinkSpec(
+    bandwidth_bytes_per_s=25e9 / 8 / 8 * 0.9, latency_s=30e-6,
+    source="AWS p3.16xlarge: 25 Gb/s ENA per instance shared by 8 GPUs = 0.39 GB/s per GPU, ~90% "
+           "achievable; TCP latency ~30 us",
+)
+
+
+def _dgx(name: str, device: DeviceSpec, intra: LinkSpec, inter: LinkSpec) -> Callable[[int, int], Cluster]:
+    def build(nodes: int, devices_per_node: int) -> Cluster:
+        return Cluster(name=f"{name} x {nodes}", nodes=nodes, devices_per_node=devices_per_node,
+                       device=device, intra_node=intra, inter_node=inter)
+
+    return build
+
+
+def local_cpu_device(devices_per_node: int) -> DeviceSpec:
+    """One CPU process of this machine: memory is the machine's RAM split over the processes.
+
+    The FLOP/s and bandwidth are nominal figures for one x86-64 core with AVX2/AVX-512
+    FMA and one DDR channel; ``autopar profile device`` measures the real ones.
+    """
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = 16 * GIB
+    return DeviceSpec(
+        name="cpu-process",
+        memory_bytes=float(ram) / devices_per_node,
+        peak_flops={DType.FP32: 60e9, DType.BF16: 30e9},
+        memory_bandwidth_bytes_per_s=10e9,
+        matmul_efficiency=1.0,
+        memory_efficiency=1.0,
+        source="nominal: ~60 GFLOP/s fp32 per core (oneDNN/MKL SGEMM on one AVX-512 core), bf16 half of that "
+               "without AMX; ~10 GB/s per core; memory = physical RAM / processes. Measure with "
+               "'autopar profile device' for real numbers.",
+    )
+
+
+def _local_cpu(nodes: int, devices_per_node: int) -> Cluster:
+    loopback = LinkSpec(
+        bandwidth_bytes_per_s=0.4e9, latency_s=0.5e-3,
+        source="gloo over loopback TCP on a 2-core VM: all_reduce busbw 0.3-0.9 GB/s, ~1 ms for 1 KB at 2 "
+               "processes (shared/TORCH-CPU.md); measure with 'autopar profile network'",
+    )
+    return Cluster(name=f"local-cpu x {nodes}", nodes=nodes, devices_per_node=devices_per_node,
+                   device=local_cpu_device(devices_per_node), intra_node=loopback, inter_node=loopback)
+
+
+_PRESETS: dict[str, tuple[Callable[[int, int], Cluster], Callable[[], int], str]] = {
+    "dgx-a100-80gb": (_dgx("dgx-a100-80gb", _a100(81920, 2.039e12, "80GB"), _NVLINK3, _HDR_IB), lambda: 8,
+                      "NVIDIA DGX A100: 8x A100 80GB, NVLink3/NVSwitch, 8x HDR InfiniBand"),
+    "dgx-a100-40gb": (_dgx("dgx-a100-40gb", _a100(40960, 1.555e12, "40GB"), _NVLINK3, _HDR_IB), lambda: 8,
+                      "NVIDIA DGX A100: 8x A100 40GB, NVLink3/NVSwitch, 8x HDR InfiniBand"),
+    "dgx-h100": (_dgx("dgx-h100", _h100(), _NVLINK4, _NDR_IB), lambda: 8,
+                 "NVIDIA DGX H100: 8x H100 SXM5 80GB, NVLink4/NVSwitch, 8x NDR InfiniBand"),
+    "hgx-h200": (_dgx("hgx-h200", _h200(), _NVLINK4, _NDR_IB), lambda: 8,
+                 "NVIDIA HGX H200: 8x H200 SXM 141GB, NVLink4/NVSwitch, 8x NDR InfiniBand"),
+    "p3.16xlarge": (_dgx("p3.16xlarge", _v100(), _NVLINK2_HCM, _P3_ETHERNET), lambda: 8,
+                    "AWS p3.16xlarge: 8x V100 16GB, NVLink2 hybrid cube-mesh, 25 Gb/s Ethernet"),
+    "local-cpu": (_local_cpu, lambda: os.cpu_count() or 1,
+                  "this machine: one gloo process per core, loopback TCP"),
+}
+
+
+def preset_names() -> dict[str, str]:
+    """Preset name -> one-line description."""
+    return {name: desc for name, (_, _, desc) in _PRESETS.items()}
+
+
+def build_preset(name: str, *, nodes: int = 1, devices_per_node: int | None = None) -> Cluster:
+    """Build preset ``name`` with ``nodes`` nodes (see :meth:`Cluster.preset`)."""
+    if name not in _PRESETS:
+        known = ", ".join(sorted(_PRESETS))
+        raise ClusterError(f"unknown cluster preset {name!r}; known presets: {known}. Or pass a JSON file (Cluster.from_json).")
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        raise ClusterError(f"nodes={nodes!r} is not allowed for preset {name!r}: it must be a positive integer.")
+    build, default_dpn, _ = _PRESETS[name]
+    dpn = default_dpn() if devices_per_node is None else devices_per_node
+    if isinstance(dpn, bool) or not isinstance(dpn, int) or dpn < 1:
+        raise ClusterError(f"devices_per_node={dpn!r} is not allowed for preset {name!r}: it must be a positive integer.")
+    return build(nodes, dpn)

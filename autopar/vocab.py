@@ -1,0 +1,112 @@
+"""The vocabulary shared by the planner, the plan file and the runtime.
+
+One definition of every mode a plan can name, so that the planner never emits a
+word the runtime does not understand. Values are the strings written in plan files.
+
+Glossary (used throughout autopar):
+
+- *axis*: a named dimension of the device mesh (``pp``, ``dp``, ``tp``); *dim*: a
+  tensor dimension.
+- *unit*: a top-level sequential piece of a model that a pipeline stage holds whole
+  (the embeddings, one transformer block, the final norm, the head).
+- *leaf*: a module with parameters and no children that have parameters (a Linear,
+  an Embedding, a norm); tensor-parallel styles are chosen per leaf.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class MeshAxis(StrEnum):
+    """Axes of the device mesh, outermost first: ranks are laid out row-major over
+    (pp, dp, tp), so a tensor-parallel group is consecutive ranks and stays inside a
+    node whenever it can (Megatron-LM's placement)."""
+
+    PP = "pp"
+    DP = "dp"
+    TP = "tp"
+
+
+class Schedule(StrEnum):
+    """Pipeline schedules of ``torch.distributed.pipelining`` that plans may name."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved-1f1b"
+
+
+class Recompute(StrEnum):
+    """Activation recomputation of a unit.
+
+    ``selective`` recomputes only the attention core (scores, softmax, dropout), as in
+    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+    Models"; ``full`` keeps only the unit's input and recomputes its whole forward.
+    """
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+class TPStyle(StrEnum):
+    """Tensor-parallel style of one leaf module.
+
+    ``column``: weight split over output features (Megatron's column-parallel linear);
+    ``row``: split over input features, output all-reduced or reduce-scattered;
+    ``vocab``: an embedding split over its vocabulary rows;
+    ``sequence``: a norm run on a sequence shard (sequence parallelism);
+    ``replicate``: every tensor-parallel rank holds and runs the whole leaf.
+    """
+
+    REPLICATE = "replicate"
+    COLUMN = "column"
+    ROW = "row"
+    VOCAB = "vocab"
+    SEQUENCE = "sequence"
+
+
+class DType(StrEnum):
+    """Training precision. ``bf16``/``fp16`` mean mixed precision: compute in the low
+    precision, fp32 master weights, gradients and optimizer state."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes of one element in this precision."""
+        return 4 if self is DType.FP32 else 2
+
+
+class Optimizer(StrEnum):
+    """Optimizers whose state size the memory model knows.
+
+    ``adam``: two fp32 moments per parameter (Kingma & Ba 2015); ``sgd``: SGD with one
+    fp32 momentum buffer; ``adafactor``: factored second moment, one fp32 row and one
+    column vector per matrix and no momentum (Shazeer & Stern 2018).
+    """
+
+    ADAM = "adam"
+    SGD = "sgd"
+    ADAFACTOR = "adafactor"
+
+
+class Attention(StrEnum):
+    """Attention implementation assumed when a model calls
+    ``F.scaled_dot_product_attention``.
+
+    ``flash``: a fused kernel that keeps only q, k, v, the output and a log-sum-exp for
+    backward (Dao et al. 2022); ``materialized``: scores and softmax probabilities of
+    size heads x seq x seq are stored, as in an unfused implementation.
+    """
+
+    FLASH = "flash"
+    MATERIALIZED = "materialized"
+
+
+ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
+"""ZeRO stages (Rajbhandari et al. 2020) as autopar's runtime realises them: 0 DDP;
+1 optimizer state sharded (ZeroRedundancyOptimizer); 2 FSDP2 without resharding after
+forward; 3 FSDP2 with parameters resharded after forward."""

@@ -34,6 +34,9 @@ class DeviceSpec:
         memory_bandwidth_bytes_per_s: peak memory bandwidth.
         matmul_efficiency: fraction of ``peak_flops`` a large matrix multiply reaches.
         memory_efficiency: fraction of the memory bandwidth a streaming kernel reaches.
+        reserved_bytes: memory the framework cannot use for the model: runtime context,
+            communication buffers, allocator fragmentation.
+        preferred_dtype: the precision plans use unless told otherwise.
         matmul_curves: measured achieved FLOP/s against matmul size (FLOPs of one call)
             per precision, from a profiler report; when present the cost model
             interpolates it instead of using ``matmul_efficiency``.
@@ -46,12 +49,17 @@ class DeviceSpec:
     memory_bandwidth_bytes_per_s: float
     matmul_efficiency: float = 0.8
     memory_efficiency: float = 0.8
+    reserved_bytes: float = 0.0
+    preferred_dtype: DType = DType.BF16
     matmul_curves: Mapping[DType, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     source: str = ""
 
     def __post_init__(self) -> None:
         _check_positive(f"device {self.name!r} memory_bytes", self.memory_bytes)
         _check_positive(f"device {self.name!r} memory_bandwidth_bytes_per_s", self.memory_bandwidth_bytes_per_s)
+        if not (isinstance(self.reserved_bytes, (int, float)) and 0 <= self.reserved_bytes < self.memory_bytes):
+            raise ClusterError(f"device {self.name!r} reserved_bytes={self.reserved_bytes!r} is not allowed: it must be "
+                               f">= 0 and below memory_bytes={self.memory_bytes!r}.")
         for eff_name in ("matmul_efficiency", "memory_efficiency"):
             eff = getattr(self, eff_name)
             if not (isinstance(eff, (int, float)) and 0 < eff <= 1):
@@ -62,6 +70,9 @@ class DeviceSpec:
         for key, value in self.peak_flops.items():
             coerced[_dtype(key, f"device {self.name!r} peak_flops")] = _check_positive(f"device {self.name!r} peak_flops[{key}]", value)
         object.__setattr__(self, "peak_flops", coerced)
+        object.__setattr__(self, "preferred_dtype", _dtype(self.preferred_dtype, f"device {self.name!r} preferred_dtype"))
+        if self.preferred_dtype not in coerced:
+            raise ClusterError(f"device {self.name!r} preferred_dtype={self.preferred_dtype.value} has no peak_flops entry.")
         curves = {}
         for key, points in self.matmul_curves.items():
             pts = tuple(sorted((float(f), float(r)) for f, r in points))
@@ -167,6 +178,8 @@ class Cluster:
                 "memory_bandwidth_bytes_per_s": dev.memory_bandwidth_bytes_per_s,
                 "matmul_efficiency": dev.matmul_efficiency,
                 "memory_efficiency": dev.memory_efficiency,
+                "reserved_bytes": dev.reserved_bytes,
+                "preferred_dtype": dev.preferred_dtype.value,
                 "matmul_curves": {k.value: [list(p) for p in v] for k, v in dev.matmul_curves.items()},
                 "source": dev.source,
             },
@@ -186,6 +199,8 @@ class Cluster:
                 memory_bandwidth_bytes_per_s=dev["memory_bandwidth_bytes_per_s"],
                 matmul_efficiency=dev.get("matmul_efficiency", 0.8),
                 memory_efficiency=dev.get("memory_efficiency", 0.8),
+                reserved_bytes=dev.get("reserved_bytes", 0.0),
+                preferred_dtype=dev.get("preferred_dtype", "bf16"),
                 matmul_curves={k: tuple(tuple(p) for p in v) for k, v in dev.get("matmul_curves", {}).items()},
                 source=str(dev.get("source", "")),
             )

@@ -21,6 +21,9 @@ _A100_DATASHEET = "NVIDIA A100 Tensor Core GPU datasheet (2021): dense BF16/FP16
 _H100_DATASHEET = "NVIDIA H100 Tensor Core GPU datasheet (SXM5): dense BF16/FP16 989 TFLOP/s (1979 with sparsity), FP32 67"
 _H200_DATASHEET = "NVIDIA H200 Tensor Core GPU datasheet (SXM): dense BF16/FP16 989 TFLOP/s, FP32 67, 141 GB HBM3e at 4.8 TB/s"
 _V100_DATASHEET = "NVIDIA V100 Tensor Core GPU datasheet (SXM2): FP16 tensor 125 TFLOP/s, FP32 15.7, 900 GB/s HBM2; no BF16"
+_GPU_RESERVE = 1.5 * GIB
+_RESERVE_NOTE = ("1.5 GiB reserved: CUDA context (~0.5 GiB) and NCCL communicator buffers (~1 GiB over the "
+                 "TP/DP/PP groups), which torch.cuda memory statistics do not show")
 _EFFICIENCY = ("matmul 0.8 of peak: large cuBLAS GEMMs reach 75-90% of dense peak (NVIDIA Matrix Multiplication "
                "Background guide); memory 0.8 of peak: STREAM-like kernels reach ~80% of HBM bandwidth")
 
@@ -31,7 +34,8 @@ def _a100(memory_mib: int, hbm_bytes_per_s: float, label: str) -> DeviceSpec:
         memory_bytes=memory_mib * MIB,
         peak_flops={DType.BF16: 312e12, DType.FP16: 312e12, DType.FP32: 19.5e12},
         memory_bandwidth_bytes_per_s=hbm_bytes_per_s,
-        source=f"{_A100_DATASHEET}; memory {memory_mib} MiB as nvidia-smi reports; {_EFFICIENCY}",
+        reserved_bytes=_GPU_RESERVE,
+        source=f"{_A100_DATASHEET}; memory {memory_mib} MiB as nvidia-smi reports; {_EFFICIENCY}; {_RESERVE_NOTE}",
     )
 
 
@@ -41,7 +45,9 @@ def _h100() -> DeviceSpec:
         memory_bytes=81559 * MIB,
         peak_flops={DType.BF16: 989e12, DType.FP16: 989e12, DType.FP32: 67e12},
         memory_bandwidth_bytes_per_s=3.35e12,
-        source=f"{_H100_DATASHEET}; HBM3 3.35 TB/s; memory 81559 MiB as nvidia-smi reports; {_EFFICIENCY}",
+        reserved_bytes=_GPU_RESERVE,
+        source=f"{_H100_DATASHEET}; HBM3 3.35 TB/s; memory 81559 MiB as nvidia-smi reports; {_EFFICIENCY}; "
+               f"{_RESERVE_NOTE}",
     )
 
 
@@ -51,7 +57,8 @@ def _h200() -> DeviceSpec:
         memory_bytes=143771 * MIB,
         peak_flops={DType.BF16: 989e12, DType.FP16: 989e12, DType.FP32: 67e12},
         memory_bandwidth_bytes_per_s=4.8e12,
-        source=f"{_H200_DATASHEET}; memory 143771 MiB as nvidia-smi reports; {_EFFICIENCY}",
+        reserved_bytes=_GPU_RESERVE,
+        source=f"{_H200_DATASHEET}; memory 143771 MiB as nvidia-smi reports; {_EFFICIENCY}; {_RESERVE_NOTE}",
     )
 
 
@@ -62,8 +69,10 @@ def _v100() -> DeviceSpec:
         peak_flops={DType.FP16: 125e12, DType.FP32: 15.7e12},
         memory_bandwidth_bytes_per_s=900e9,
         matmul_efficiency=0.75,
+        reserved_bytes=_GPU_RESERVE,
+        preferred_dtype=DType.FP16,
         source=f"{_V100_DATASHEET}; memory 16160 MiB as nvidia-smi reports; matmul 0.75 of peak (V100 "
-               f"tensor-core GEMMs reach 70-80%), memory 0.8 of peak",
+               f"tensor-core GEMMs reach 70-80%), memory 0.8 of peak; {_RESERVE_NOTE}",
     )
 
 
@@ -124,8 +133,11 @@ def local_cpu_device(devices_per_node: int) -> DeviceSpec:
         memory_bandwidth_bytes_per_s=10e9,
         matmul_efficiency=1.0,
         memory_efficiency=1.0,
+        reserved_bytes=64 * MIB,
+        preferred_dtype=DType.FP32,
         source="nominal: ~60 GFLOP/s fp32 per core (oneDNN/MKL SGEMM on one AVX-512 core), bf16 half of that "
-               "without AMX; ~10 GB/s per core; memory = physical RAM / processes. Measure with "
+               "without AMX; ~10 GB/s per core; memory = physical RAM / processes, 64 MiB reserved for gloo "
+               "buffers (peak memory is measured above the process's baseline after importing torch). Measure with "
                "'autopar profile device' for real numbers.",
     )
 

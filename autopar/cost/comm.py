@@ -1,0 +1,102 @@
+"""Collective and point-to-point times: the alpha-beta model, hierarchical across nodes.
+
+Bandwidths are bus bandwidths (nccl-tests ``busbw``): a ring all-reduce of ``S`` bytes
+over ``n`` devices moves ``2 (n-1)/n S`` through each device, an all-gather or
+reduce-scatter ``(n-1)/n S`` (Thakur et al. 2005; nccl-tests PERFORMANCE.md). A group
+that spans nodes runs hierarchically, as NCCL does: reduce-scatter inside each node,
+all-reduce of the ``1/n_local`` shard across nodes (every local device on its own NIC),
+all-gather inside the node; so each device's inter-node link carries ``1/n_local`` of
+the data. Latency: ``alpha`` per ring step inside a node, a tree (``log2``) across nodes.
+
+All functions are pure: numbers in, seconds out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from autopar.cluster import Cluster
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupSpan:
+    """Where a process group's devices are: ``per_node`` devices in each of ``nodes`` nodes."""
+
+    size: int
+    per_node: int
+    nodes: int
+
+    @property
+    def crosses_nodes(self) -> bool:
+        """Whether the group spans more than one node."""
+        return self.nodes > 1
+
+
+def group_span(size: int, stride: int, devices_per_node: int) -> GroupSpan:
+    """The span of a group of ``size`` ranks spaced ``stride`` apart (rank-major layout).
+
+    With mesh axes (pp, dp, tp) row-major, a tp group has stride 1, a dp group stride
+    ``tp`` and a pp group stride ``tp * dp``; node ``k`` holds ranks
+    ``[k * devices_per_node, (k + 1) * devices_per_node)``.
+    """
+    if size <= 1:
+        return GroupSpan(size=1, per_node=1, nodes=1)
+    per_node = max(1, min(size, devices_per_node // stride)) if stride < devices_per_node else 1
+    return GroupSpan(size=size, per_node=per_node, nodes=math.ceil(size / per_node))
+
+
+def _ring_latency_s(n: int, alpha_s: float) -> float:
+    return (n - 1) * alpha_s if n > 1 else 0.0
+
+
+def _tree_latency_s(n: int, alpha_s: float) -> float:
+    return math.ceil(math.log2(n)) * alpha_s if n > 1 else 0.0
+
+
+def all_reduce_s(nbytes: float, span: GroupSpan, cluster: Cluster) -> float:
+    """Time of an all-reduce of ``nbytes`` (the full buffer on every device)."""
+    if span.size <= 1 or nbytes <= 0:
+        return 0.0
+    intra, inter = cluster.intra_node, cluster.inter_node
+    nl, nn = span.per_node, span.nodes
+    t = 0.0
+    if nl > 1:
+        t += 2 * (nl - 1) / nl * nbytes / intra.bandwidth_bytes_per_s + 2 * _ring_latency_s(nl, intra.latency_s)
+    if nn > 1:
+        t += 2 * (nn - 1) / nn * (nbytes / nl) / inter.bandwidth_bytes_per_s + 2 * _tree_latency_s(nn, inter.latency_s)
+    return t
+
+
+def all_gather_s(nbytes: float, span: GroupSpan, cluster: Cluster) -> float:
+    """Time of an all-gather whose *result* is ``nbytes`` on every device (a
+    reduce-scatter of an ``nbytes`` input costs the same)."""
+    if span.size <= 1 or nbytes <= 0:
+        return 0.0
+    intra, inter = cluster.intra_node, cluster.inter_node
+    nl, nn = span.per_node, span.nodes
+    t = 0.0
+    if nl > 1:
+        t += (nl - 1) / nl * nbytes / intra.bandwidth_bytes_per_s + _ring_latency_s(nl, intra.latency_s)
+    if nn > 1:
+        t += (nn - 1) / nn * (nbytes / nl) / inter.bandwidth_bytes_per_s + _tree_latency_s(nn, inter.latency_s)
+    return t
+
+
+reduce_scatter_s = all_gather_s
+
+
+def all_to_all_s(nbytes: float, span: GroupSpan, cluster: Cluster) -> float:
+    """Time of an all-to-all exchanging ``nbytes`` per device (``(n-1)/n`` leaves it)."""
+    if span.size <= 1 or nbytes <= 0:
+        return 0.0
+    link = cluster.inter_node if span.crosses_nodes else cluster.intra_node
+    return (span.size - 1) / span.size * nbytes / link.bandwidth_bytes_per_s + (span.size - 1) * link.latency_s
+
+
+def p2p_s(nbytes: float, *, cross_node: bool, cluster: Cluster) -> float:
+    """Time to send ``nbytes`` to one peer."""
+    if nbytes <= 0:
+        return 0.0
+    link = cluster.inter_node if cross_node else cluster.intra_node
+    return nbytes / link.bandwidth_bytes_per_s + link.latency_s

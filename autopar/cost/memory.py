@@ -1,0 +1,93 @@
+"""Memory per device: model states by ZeRO stage, activations by recompute mode.
+
+Model states follow ZeRO (Rajbhandari et al. 2020) as autopar's runtime realises them in
+PyTorch, per parameter held by a TP rank:
+
+- fp32 master weight (4 bytes), fp32 gradient (4), optimizer state (Adam: two fp32
+  moments, 8; SGD: one momentum, 4; Adafactor: factored, see
+  :func:`autopar.cost.tensor_parallel.leaf_factored_numel`);
+- with mixed precision a low-precision compute copy (2): autocast's weight cache under
+  DDP, FSDP2's unsharded parameters under ZeRO-2/3;
+- ZeRO-1 (``ZeroRedundancyOptimizer``) shards the optimizer state over ``dp``; ZeRO-2
+  (FSDP2, ``reshard_after_forward=False``) also the master weights and gradients, and
+  keeps the unsharded compute copy from forward to backward; ZeRO-3 (FSDP2) gathers a
+  unit's parameters only while it runs (this unit and the prefetched next one).
+- Under pipeline parallelism ``torch.distributed.pipelining`` keeps FSDP2 parameters
+  unsharded after backward and accumulates unsharded gradients until the last
+  micro-batch (``PipelineStage`` sets ``reshard_after_backward`` and
+  ``requires_gradient_sync`` to False), so ZeRO-2/3 then hold a full compute copy and a
+  full fp32 gradient of their stage; the optimizer state and master weights stay sharded.
+
+Pure functions of numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.vocab import DType, Optimizer
+
+MASTER_BYTES = 4.0
+GRAD_BYTES = 4.0
+_OPT_BYTES = {Optimizer.ADAM: 8.0, Optimizer.SGD: 4.0}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateBytes:
+    """Model-state bytes on one device, and the transient peak they add."""
+
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    transient_bytes: float
+
+
+def compute_copy_bytes(dtype: DType) -> float:
+    """Bytes per parameter of the low-precision copy used in compute (0 in fp32)."""
+    return 0.0 if dtype is DType.FP32 else float(dtype.itemsize)
+
+
+def state_bytes(*, param_numel: float, factored_numel: float, largest_unit_numel: float, dtype: DType,
+                optimizer: Optimizer, zero_stage: int, dp: int, pipelined: bool) -> StateBytes:
+    """Model-state memory of a pipeline stage on one device.
+
+    Args:
+        param_numel: parameters the device's TP shard of the stage holds.
+        factored_numel: Adafactor state elements for those parameters.
+        largest_unit_numel: parameters of the stage's largest unit (what ZeRO-3
+            gathers at once, and what ZeRO-2/3 hold as unsharded gradients while they
+            reduce-scatter).
+        dtype: training precision.
+        optimizer: which optimizer.
+        zero_stage: 0-3.
+        dp: data-parallel degree.
+        pipelined: the stage runs under a pipeline schedule (pp > 1).
+    """
+    copy = compute_copy_bytes(dtype)
+    opt_full = factored_numel * 4.0 if optimizer is Optimizer.ADAFACTOR else param_numel * _OPT_BYTES[optimizer]
+    unsharded_copy = copy if copy else MASTER_BYTES  # what FSDP2 gathers: the compute copy, or fp32 params
+    if zero_stage == 0:
+        return StateBytes(params_bytes=param_numel * (MASTER_BYTES + copy), grads_bytes=param_numel * GRAD_BYTES,
+                          optimizer_bytes=opt_full, transient_bytes=0.0)
+    if zero_stage == 1:
+        return StateBytes(params_bytes=param_numel * (MASTER_BYTES + copy), grads_bytes=param_numel * GRAD_BYTES,
+                          optimizer_bytes=opt_full / dp, transient_bytes=0.0)
+    master = param_numel * MASTER_BYTES / dp
+    if pipelined:
+        return StateBytes(params_bytes=master + param_numel * unsharded_copy,
+                          grads_bytes=param_numel * GRAD_BYTES / dp + param_numel * GRAD_BYTES,
+                          optimizer_bytes=opt_full / dp, transient_bytes=0.0)
+    grads = param_numel * GRAD_BYTES / dp
+    reduce_buffer = largest_unit_numel * GRAD_BYTES
+    if zero_stage == 2:
+        return StateBytes(params_bytes=master + param_numel * unsharded_copy, grads_bytes=grads,
+                          optimizer_bytes=opt_full / dp, transient_bytes=reduce_buffer)
+    return StateBytes(params_bytes=master, grads_bytes=grads, optimizer_bytes=opt_full / dp,
+                      transient_bytes=2 * largest_unit_numel * unsharded_copy + reduce_buffer)
+
+
+def optimizer_step_bytes(optimizer: Optimizer) -> float:
+    """Bytes of memory traffic per parameter of one optimizer step: read and write the
+    fp32 weight and each state, read the gradient, write the compute copy."""
+    states = {Optimizer.ADAM: 2, Optimizer.SGD: 1, Optimizer.ADAFACTOR: 0}[optimizer]
+    return 2 * MASTER_BYTES + GRAD_BYTES + states * 2 * 4.0 + 2.0

@@ -1,0 +1,332 @@
+"""The cost of one unit under one tensor-parallel layout (a style per leaf).
+
+Each style consumes and produces a tensor *layout* on the TP group:
+
+=========  ===========  ============  =============================================
+style      input        output        what runs where
+=========  ===========  ============  =============================================
+replicate  R (full)     R             every rank runs the whole leaf
+column     R            F (features)  weight split over outputs, compute / t
+row        F            P (partial)   weight split over inputs, compute / t
+vocab      R (ids)      P             embedding rows split; every rank looks up all
+sequence   Q (seq)      Q             a norm on a sequence shard, compute / t
+=========  ===========  ============  =============================================
+
+Where a producer's layout ``a`` differs from what a consumer needs ``b``, a collective
+converts it (P->R all-reduce, P->Q reduce-scatter, Q->R all-gather, ...), and backward
+runs the conjugate (Megatron-LM's f/g operators, Shoeybi et al. 2019; the sequence
+parallel all-gather/reduce-scatter pairs of Korthikanti et al. 2022). A tensor is
+converted once per target layout however many consumers need it, and the input
+gradient of column-parallel consumers, which is a partial sum, is reduced once per
+producer. Parameter-free glue between leaves (attention core, activations, residual
+adds) runs in the producer's layout, or the consumer's when the producer's is partial:
+sharded layouts divide its work by ``t``.
+
+For a standard transformer block this gives two all-reduces forward and two backward
+(Megatron-LM), or two all-gathers and two reduce-scatters each way with sequence
+parallelism, and activation memory matching Korthikanti et al. 2022, table 2: derived,
+not hard-coded. :func:`evaluate_layout` is the reference the intra-op ILP must match.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+
+from autopar.cluster import Cluster
+from autopar.cost.comm import GroupSpan, all_gather_s, all_reduce_s, all_to_all_s, reduce_scatter_s
+from autopar.cost.compute import ComputeRates, work_s
+from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, Flow, Leaf, LeafKind, UnitProfile
+from autopar.vocab import TPStyle
+
+BACKWARD_FACTOR = 2.0
+"""Backward costs twice the forward: a GEMM's backward computes both the input and the
+weight gradient (Narayanan et al. 2021, section 5.1); a memory-bound op reads the output
+gradient and its saved input and writes the input gradient, about twice its traffic."""
+
+VOCAB_MULTIPLE = 128
+"""Megatron-LM pads the vocabulary to a multiple of 128 x tp (``make_vocab_size_divisible_by``)."""
+
+
+class Layout(StrEnum):
+    """How a tensor lies on the TP group: replicated, feature-sharded, partial, sequence-sharded."""
+
+    R = "R"
+    F = "F"
+    P = "P"
+    Q = "Q"
+
+
+STYLE_IO: dict[TPStyle, tuple[Layout, Layout]] = {
+    TPStyle.REPLICATE: (Layout.R, Layout.R),
+    TPStyle.COLUMN: (Layout.R, Layout.F),
+    TPStyle.ROW: (Layout.F, Layout.P),
+    TPStyle.VOCAB: (Layout.R, Layout.P),
+    TPStyle.SEQUENCE: (Layout.Q, Layout.Q),
+}
+_SHARDED = (Layout.F, Layout.Q)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TPContext:
+    """Everything a layout's cost depends on besides the layout.
+
+    Attributes:
+        tp: tensor-parallel degree.
+        span: where the TP group's devices are.
+        cluster: the links.
+        rates: the device's roofline in the compute precision.
+        micro_batch: samples per micro-batch.
+        tokens: tokens per sample (the loss-parallel reductions move one float each).
+        boundary: the layout of activations between units (R, or Q with sequence
+            parallelism).
+        first: the unit takes the model's inputs (token ids: replicated).
+        last: the unit ends in the loss.
+        loss_parallel: the loss is a cross-entropy over a vocabulary that can run on
+            vocabulary shards (``loss_parallel``).
+        sequence_parallel: norms may take the ``sequence`` style.
+    """
+
+    tp: int
+    span: GroupSpan
+    cluster: Cluster
+    rates: ComputeRates
+    micro_batch: int
+    tokens: int
+    boundary: Layout
+    first: bool
+    last: bool
+    loss_parallel: bool
+    sequence_parallel: bool
+
+    @property
+    def input_layout(self) -> Layout:
+        """Layout of the unit's input."""
+        return Layout.R if self.first else self.boundary
+
+    def output_layouts(self) -> tuple[Layout, ...]:
+        """Layouts the unit's output may take."""
+        if self.last:
+            return (Layout.R, Layout.F) if self.loss_parallel and self.tp > 1 else (Layout.R,)
+        return (self.boundary,)
+
+
+def padded(n: int, tp: int) -> int:
+    """``n`` rounded up to Megatron-LM's vocabulary multiple for ``tp``."""
+    if n % tp == 0:
+        return n
+    step = VOCAB_MULTIPLE * tp
+    return math.ceil(n / step) * step
+
+
+def allowed_styles(leaf: Leaf, ctx: TPContext) -> tuple[TPStyle, ...]:
+    """Styles ``leaf`` may take at this TP degree (divisibility of features and heads;
+    vocabulary dimensions may be padded)."""
+    styles = leaf.styles(sequence_parallel=ctx.sequence_parallel)
+    t = ctx.tp
+    if t == 1:
+        return (TPStyle.REPLICATE,)
+    out = []
+    for s in styles:
+        if s is TPStyle.COLUMN:
+            ok = (leaf.out_features % t == 0 or leaf.vocab) and (leaf.out_heads == 0 or leaf.out_heads % t == 0)
+        elif s is TPStyle.ROW:
+            ok = leaf.in_features % t == 0 and (leaf.in_heads == 0 or leaf.in_heads % t == 0)
+        else:
+            ok = True
+        if ok:
+            out.append(s)
+    return tuple(out)
+
+
+def leaf_param_numel(leaf: Leaf, style: TPStyle, tp: int) -> float:
+    """Parameters of ``leaf`` held by one TP rank under ``style``."""
+    if style in (TPStyle.COLUMN, TPStyle.ROW, TPStyle.VOCAB) and tp > 1:
+        weight = leaf.weight_numel
+        if leaf.vocab:
+            rows = leaf.in_features if leaf.kind is LeafKind.EMBEDDING else leaf.out_features
+            weight = weight / rows * padded(rows, tp)
+        return weight / tp + (leaf.param_numel - leaf.weight_numel)
+    return float(leaf.param_numel)
+
+
+def leaf_factored_numel(leaf: Leaf, style: TPStyle, tp: int) -> float:
+    """Elements of a factored second moment (Shazeer & Stern 2018) for ``leaf``'s local
+    shard: rows + columns of the weight matrix, the other parameters in full."""
+    if leaf.kind not in (LeafKind.LINEAR, LeafKind.EMBEDDING) or leaf.weight_numel == 0:
+        return float(leaf.param_numel)
+    rows, cols = leaf.out_features, leaf.in_features
+    if style in (TPStyle.COLUMN, TPStyle.VOCAB):
+        rows = rows / tp if style is TPStyle.COLUMN else rows
+        cols = cols / tp if style is TPStyle.VOCAB else cols
+    elif style is TPStyle.ROW:
+        cols = cols / tp
+    return rows + cols + (leaf.param_numel - leaf.weight_numel)
+
+
+def leaf_fwd_s(leaf: Leaf, style: TPStyle, ctx: TPContext) -> float:
+    """Forward compute time of ``leaf`` for one micro-batch on one TP rank."""
+    scale = ctx.micro_batch
+    if style in (TPStyle.COLUMN, TPStyle.ROW, TPStyle.SEQUENCE):
+        scale /= ctx.tp
+    return work_s(matmul_flops=leaf.matmul_flops * scale, other_flops=(leaf.fwd_flops - leaf.matmul_flops) * scale,
+                  nbytes=leaf.fwd_bytes * scale, r=ctx.rates)
+
+
+def glue_layout(a: Layout, b: Layout) -> Layout:
+    """The layout glue between a producer (``a``) and a consumer (``b``) runs in."""
+    return b if a is Layout.P else a
+
+
+def glue_fwd_s(flow: Flow, layout: Layout, ctx: TPContext, *, attention_only: bool = False) -> float:
+    """Forward time of a flow's glue (or only its attention core) in ``layout``."""
+    scale = ctx.micro_batch / (ctx.tp if layout in _SHARDED else 1)
+    attn = work_s(matmul_flops=flow.attn_flops * scale, other_flops=0.0, nbytes=flow.attn_bytes * scale, r=ctx.rates)
+    if attention_only:
+        return attn
+    rest = work_s(matmul_flops=0.0, other_flops=flow.glue_flops * scale, nbytes=flow.glue_bytes * scale, r=ctx.rates)
+    return attn + rest
+
+
+def conversion_s(a: Layout, b: Layout, nbytes: float, ctx: TPContext) -> tuple[float, float]:
+    """(forward, backward) seconds to turn a tensor of ``nbytes`` (full size) from
+    layout ``a`` into ``b``, not counting partial-gradient reductions."""
+    if a is b or ctx.tp == 1:
+        return 0.0, 0.0
+    sp, cl = ctx.span, ctx.cluster
+    if a is Layout.R:
+        return 0.0, all_gather_s(nbytes, sp, cl)                      # slice; gather the sharded gradient
+    if b is Layout.R:
+        if a is Layout.P:
+            return all_reduce_s(nbytes, sp, cl), 0.0                  # Megatron's g: all-reduce, identity
+        return all_gather_s(nbytes, sp, cl), 0.0                      # gather; slice the full gradient
+    if a is Layout.P:
+        return reduce_scatter_s(nbytes, sp, cl), all_gather_s(nbytes, sp, cl)
+    return all_to_all_s(nbytes / ctx.tp, sp, cl), all_to_all_s(nbytes / ctx.tp, sp, cl)  # F <-> Q
+
+
+def reduction_s(a: Layout, nbytes: float, ctx: TPContext) -> float:
+    """Backward seconds to reduce the partial input gradient that column-parallel
+    consumers return for a replicated copy of a producer in layout ``a``."""
+    if ctx.tp == 1:
+        return 0.0
+    if a in (Layout.R, Layout.P):
+        return all_reduce_s(nbytes, ctx.span, ctx.cluster)           # Megatron's f operator
+    return reduce_scatter_s(nbytes, ctx.span, ctx.cluster)          # sequence parallel: gather <-> scatter
+
+
+def loss_parallel_s(ctx: TPContext) -> float:
+    """Forward+backward seconds of a vocabulary-parallel cross-entropy's reductions:
+    max, sum of exponentials and the target logit, one fp32 per token each."""
+    per = ctx.micro_batch * ctx.tokens * 4
+    return 3 * all_reduce_s(per, ctx.span, ctx.cluster)
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnitCost:
+    """Per micro-batch, per TP rank.
+
+    Attributes:
+        styles: the style of each leaf (profile order).
+        output: the layout of the unit's output.
+        fwd_compute_s, bwd_compute_s: compute time.
+        fwd_comm_s, bwd_comm_s: tensor-parallel communication time.
+        attn_fwd_s: forward time of the attention core (what selective recompute redoes).
+        param_numel: parameters held.
+        saved_bytes: activations kept for backward (no recomputation), attention core
+            excluded; ``attn_saved_bytes``: the attention core's.
+        input_bytes: the unit's input as held (what full recomputation keeps).
+        output_bytes: the unit's output as sent to the next pipeline stage.
+        factored_numel: optimizer state elements of a factored optimizer (Adafactor:
+            one row and one column vector per local weight matrix, vectors in full).
+        working_bytes: backward working memory: the gradients of the largest tensor
+            flowing in the unit (its output gradient and its input gradient).
+    """
+
+    styles: tuple[TPStyle, ...]
+    output: Layout
+    fwd_compute_s: float
+    bwd_compute_s: float
+    fwd_comm_s: float
+    bwd_comm_s: float
+    attn_fwd_s: float
+    param_numel: float
+    saved_bytes: float
+    attn_saved_bytes: float
+    input_bytes: float
+    output_bytes: float
+    factored_numel: float
+    working_bytes: float
+
+    @property
+    def time_s(self) -> float:
+        """Forward plus backward, compute plus communication: the ILP objective."""
+        return self.fwd_compute_s + self.bwd_compute_s + self.fwd_comm_s + self.bwd_comm_s
+
+    @property
+    def fwd_s(self) -> float:
+        """Forward time (what full recomputation redoes)."""
+        return self.fwd_compute_s + self.fwd_comm_s
+
+
+def out_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], ctx: TPContext, node: int) -> Layout:
+    """Output layout of a flow endpoint."""
+    if node == UNIT_INPUT:
+        return ctx.input_layout
+    return STYLE_IO[styles[node]][1]
+
+
+def in_layout(styles: tuple[TPStyle, ...], output: Layout, node: int) -> Layout:
+    """Input layout a flow endpoint needs."""
+    if node == UNIT_OUTPUT:
+        return output
+    return STYLE_IO[styles[node]][0]
+
+
+def _shard(nbytes: float, layout: Layout, tp: int) -> float:
+    return nbytes / tp if layout in _SHARDED else nbytes
+
+
+def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: Layout, ctx: TPContext) -> UnitCost:
+    """The cost of one layout, computed directly (the reference for the ILP)."""
+    b = ctx.micro_batch
+    t = ctx.tp
+    fwd_compute = sum(leaf_fwd_s(leaf, s, ctx) for leaf, s in zip(profile.leaves, styles))
+    attn_fwd = 0.0
+    saved = sum(_shard(leaf.saved_bytes * b, STYLE_IO[s][0], t) for leaf, s in zip(profile.leaves, styles))
+    attn_saved = 0.0
+    conversions: dict[tuple[int, Layout], tuple[Layout, float]] = {}
+    partial: dict[int, tuple[Layout, float]] = {}
+    for flow in profile.flows:
+        a = out_layout(profile, styles, ctx, flow.src)
+        need = in_layout(styles, output, flow.dst)
+        g = glue_layout(a, need)
+        fwd_compute += glue_fwd_s(flow, g, ctx)
+        attn_fwd += glue_fwd_s(flow, g, ctx, attention_only=True)
+        saved += _shard(flow.saved_bytes * b, g, t)
+        attn_saved += _shard(flow.attn_saved_bytes * b, g, t)
+        nbytes = flow.tensor_bytes * b
+        key = (flow.src, need)
+        conversions[key] = (a, max(nbytes, conversions.get(key, (a, 0.0))[1]))
+        if need is Layout.R and flow.dst >= 0 and styles[flow.dst] is TPStyle.COLUMN:
+            partial[flow.src] = (a, max(nbytes, partial.get(flow.src, (a, 0.0))[1]))
+    fwd_comm = bwd_comm = 0.0
+    for (src, need), (a, nbytes) in conversions.items():
+        f, bw = conversion_s(a, need, nbytes, ctx)
+        fwd_comm += f
+        bwd_comm += bw
+    for src, (a, nbytes) in partial.items():
+        bwd_comm += reduction_s(a, nbytes, ctx)
+    if ctx.last and output is Layout.F:
+        fwd_comm += loss_parallel_s(ctx)
+    params = sum(leaf_param_numel(leaf, s, t) for leaf, s in zip(profile.leaves, styles))
+    factored = sum(leaf_factored_numel(leaf, s, t) for leaf, s in zip(profile.leaves, styles))
+    largest = max((_shard(f.tensor_bytes * b, out_layout(profile, styles, ctx, f.src), t) for f in profile.flows),
+                  default=0.0)
+    return UnitCost(
+        styles=styles, output=output, fwd_compute_s=fwd_compute, bwd_compute_s=BACKWARD_FACTOR * fwd_compute,
+        fwd_comm_s=fwd_comm, bwd_comm_s=bwd_comm, attn_fwd_s=attn_fwd, param_numel=params, saved_bytes=saved,
+        attn_saved_bytes=attn_saved, input_bytes=_shard(profile.input_bytes * b, ctx.input_layout, t),
+        output_bytes=_shard(profile.output_bytes * b, output if not ctx.last else Layout.R, t),
+        factored_numel=factored, working_bytes=2 * largest)

@@ -1,0 +1,106 @@
+"""The pipeline split: contiguous units per stage, minimising the pipeline time.
+
+With stage ``k`` costing ``c_k`` per micro-batch, one stage per rank, the pipeline takes
+``(m - 1) max_k c_k + sum_k c_k`` (:mod:`autopar.cost.pipeline`). As in Alpa's
+inter-operator pass (Zheng et al. 2022, section 5.2), the max is removed by enumerating
+a threshold ``C`` over the distinct stage costs: for each ``C`` a dynamic program finds
+the split of least ``sum c_k`` with every stage at most ``C``; thresholds are tried in
+increasing order and the scan stops once ``(m - 1) C`` plus a lower bound of the sum
+cannot beat the best split found. Stage costs depend on the stage's index (its
+in-flight micro-batches and memory), and infeasible stages (out of memory) cost
+infinity.
+
+The DP is over a cost table ``cost[k][i][j]`` (stage ``k`` holds units ``i..j-1``);
+:func:`brute_force_split` enumerates every split and is what the DP is tested against.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Callable
+
+import numpy as np
+
+StageCost = Callable[[int, int, int], float]
+"""``cost(k, i, j)``: time of stage ``k`` holding units ``i..j-1`` (inf when it does not fit)."""
+
+
+def cost_table(num_units: int, num_stages: int, cost: StageCost) -> np.ndarray:
+    """``table[k, i, j]`` for every stage and range a split can use (inf elsewhere)."""
+    table = np.full((num_stages, num_units + 1, num_units + 1), np.inf)
+    for k in range(num_stages):
+        for i in range(k, num_units - (num_stages - k) + 1):
+            for j in range(i + 1, num_units - (num_stages - k - 1) + 1):
+                if (k == 0) != (i == 0) or (k == num_stages - 1) != (j == num_units):
+                    continue
+                table[k, i, j] = cost(k, i, j)
+    return table
+
+
+def best_split(table: np.ndarray, num_microbatches: int) -> tuple[float, tuple[int, ...]] | None:
+    """The split (stage boundaries ``0 = b_0 < ... < b_S = L``) minimising
+    ``(m - 1) max c + sum c``, with its value; None if no split fits."""
+    num_stages, n1, _ = table.shape
+    num_units = n1 - 1
+    finite = table[np.isfinite(table)]
+    if finite.size == 0:
+        return None
+    thresholds = np.unique(finite)
+    lower_sum = _min_sum(table, np.inf)
+    if lower_sum is None:
+        return None
+    best_value, best_bounds = math.inf, None
+    for c in thresholds:
+        if (num_microbatches - 1) * c + lower_sum[0] >= best_value:
+            break
+        found = _min_sum(table, c)
+        if found is None:
+            continue
+        total, bounds = found
+        value = (num_microbatches - 1) * _max_stage(table, bounds) + total
+        if value < best_value:
+            best_value, best_bounds = value, bounds
+    if best_bounds is None:
+        return None
+    return best_value, best_bounds
+
+
+def _min_sum(table: np.ndarray, cap: float) -> tuple[float, tuple[int, ...]] | None:
+    num_stages, n1, _ = table.shape
+    masked = np.where(table <= cap, table, np.inf)
+    best = np.full(n1, np.inf)
+    best[0] = 0.0
+    parents = []
+    for k in range(num_stages):
+        cand = best[:, None] + masked[k]          # [i, j]
+        arg = np.argmin(cand, axis=0)
+        best = cand[arg, np.arange(n1)]
+        parents.append(arg)
+    if not np.isfinite(best[n1 - 1]):
+        return None
+    bounds = [n1 - 1]
+    for k in range(num_stages - 1, -1, -1):
+        bounds.append(int(parents[k][bounds[-1]]))
+    return float(best[n1 - 1]), tuple(reversed(bounds))
+
+
+def _max_stage(table: np.ndarray, bounds: tuple[int, ...]) -> float:
+    return max(table[k, bounds[k], bounds[k + 1]] for k in range(len(bounds) - 1))
+
+
+def brute_force_split(table: np.ndarray, num_microbatches: int) -> tuple[float, tuple[int, ...]] | None:
+    """Every split, exhaustively (tests only)."""
+    num_stages, n1, _ = table.shape
+    best_value, best_bounds = math.inf, None
+    for cuts in itertools.combinations(range(1, n1 - 1), num_stages - 1):
+        bounds = (0, *cuts, n1 - 1)
+        costs = [table[k, bounds[k], bounds[k + 1]] for k in range(num_stages)]
+        if not all(np.isfinite(costs)):
+            continue
+        value = (num_microbatches - 1) * max(costs) + sum(costs)
+        if value < best_value:
+            best_value, best_bounds = value, bounds
+    if best_bounds is None:
+        return None
+    return best_value, best_bounds

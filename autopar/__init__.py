@@ -1,0 +1,18 @@
+"""autopar: plan and run data x tensor x pipeline parallel training for PyTorch.
+
+    plan = autopar.plan(model, autopar.Cluster.preset("dgx-a100-80gb", nodes=128),
+                        global_batch_size=1536, seq_len=2048)
+    print(plan.explain())
+"""
+
+from autopar.cluster import Cluster, DeviceSpec, LinkSpec
+from autopar.errors import AutoparError, ClusterError, ConfigError, InfeasiblePlanError, ModelError, PlanFormatError
+from autopar.plan import Alternative, LayerStrategies, ParallelConfig, Plan, Prediction
+from autopar.search.planner import estimate, plan
+from autopar.vocab import Attention, DType, MeshAxis, Optimizer, Recompute, Schedule, TPStyle
+
+__all__ = [
+    "plan", "estimate", "Cluster", "DeviceSpec", "LinkSpec", "Plan", "ParallelConfig", "Prediction", "Alternative",
+    "LayerStrategies", "AutoparError", "ClusterError", "ConfigError", "InfeasiblePlanError", "ModelError",
+    "PlanFormatError", "Attention", "DType", "MeshAxis", "Optimizer", "Recompute", "Schedule", "TPStyle",
+]

@@ -1,0 +1,1 @@
+"""Executing plans: process groups, meshes, sharding, pipeline stages, checkpoints."""

@@ -409,19 +409,17 @@ def run_trace(model: nn.Module, *, segments: dict[str, list[str]], blocks: list[
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     params: dict[str, torch.Tensor] = {}
     param_storages: set[int] = set()
-    converted: dict[int, torch.Tensor] = {}
+    # One fake tensor per (shape, dtype, device): the weights' values are never read, and
+    # a 1T-parameter model has thousands of parameters but a handful of shapes.
+    by_shape: dict[tuple, torch.Tensor] = {}
     with fake:
         for name, p in model.named_parameters(remove_duplicate=False):
-            if id(p) in converted:  # tied weights stay tied
-                params[name] = converted[id(p)]
-                continue
-            fp = fake.from_tensor(p)
-            if fp.is_floating_point() and fp.dtype != compute_dtype:
-                fp = fp.detach().to(compute_dtype).requires_grad_(True)
-            elif not fp.requires_grad and fp.is_floating_point():
-                fp = fp.detach().requires_grad_(True)
-            params[name] = converted[id(p)] = fp
-            param_storages.add(fp.untyped_storage()._cdata)
+            dtype = compute_dtype if p.is_floating_point() else p.dtype
+            key = (tuple(p.shape), dtype, p.device)
+            if key not in by_shape:
+                by_shape[key] = torch.empty(key[0], dtype=dtype, device=p.device).requires_grad_(p.is_floating_point())
+                param_storages.add(by_shape[key].untyped_storage()._cdata)
+            params[name] = by_shape[key]
         for name, b in model.named_buffers(remove_duplicate=False):
             params[name] = fake.from_tensor(b)
         args, kwargs = make_inputs(fake)

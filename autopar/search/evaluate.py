@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+
+import numpy as np
 from dataclasses import dataclass, field
 
 from autopar.cluster import Cluster
@@ -22,10 +24,12 @@ from autopar.graph.layer_graph import LayerGraph
 from autopar.plan import (
     LayerStrategies, MemoryBreakdown, ParallelConfig, Prediction, StagePrediction, StepBreakdown,
 )
+from autopar.search.ilp import make_solver
+from autopar.search.intra_op import LayoutSolver
 from autopar.search.options import UnitOption, unit_options
-from autopar.search.split import best_split, cost_table
-from autopar.search.stage_solver import Priced, StageChoice, solve_stage
-from autopar.vocab import Optimizer, Recompute, Schedule, TPStyle
+from autopar.search.split import best_split
+from autopar.search.stage_solver import Priced, StageChoice, homogeneous_times, solve_stage
+from autopar.vocab import Optimizer, Recompute, TPStyle
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,20 +44,29 @@ class StagePlan:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Timing:
+    """Where a step's time goes: per pipeline rank work per micro-batch, per stage
+    (forward, backward) point-to-point and (exposed data-parallel, optimizer) tails."""
+
+    rank_work: tuple[float, ...]
+    p2p: tuple[tuple[float, float], ...]
+    tails: tuple[tuple[float, float], ...]
+    pipeline_s: float
+    worst_tail: int
+    step_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class Outcome:
     """The result of evaluating one configuration."""
 
     config: ParallelConfig
     fits: bool
-    prediction: Prediction | None
+    step_time_s: float = math.inf
     stages: tuple[StagePlan, ...] = ()
     min_memory_bytes: float = 0.0
     reason: str = ""
-
-    @property
-    def step_time_s(self) -> float:
-        """Predicted step time (infinite when nothing fits)."""
-        return self.prediction.step_time_s if self.prediction is not None else math.inf
+    prediction: Prediction | None = None
 
 
 @dataclass
@@ -65,7 +78,47 @@ class Evaluator:
     optimizer: Optimizer
     global_batch_size: int
     solver: str = "highs"
-    _options: dict = field(default_factory=dict)
+    micro_batches: tuple[int, ...] = ()
+    _options: dict = field(default_factory=dict, repr=False)
+    _stages: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self._layouts = LayoutSolver(solver=self.solver, micro_batches=self.micro_batches)
+        self._ilp = make_solver(self.solver)
+        n = len(self.graph.units)
+        self._keys = tuple((u.profile, i == 0, i == n - 1) for i, u in enumerate(self.graph.units))
+        first: dict[tuple, int] = {}
+        counts: Counter = Counter()
+        for i, key in enumerate(self._keys):
+            first.setdefault(key, i)
+            counts[key] += 1
+        self._kinds = tuple((first[k], counts[k]) for k in first)
+        run_end = list(range(n))
+        for i in range(n - 2, -1, -1):
+            if self._keys[i] == self._keys[i + 1]:
+                run_end[i] = run_end[i + 1]
+        self._run_end = np.array(run_end + [n], dtype=np.int64)
+        kind_ids: dict[tuple, int] = {}
+        self._kind_id = np.array([kind_ids.setdefault(key, len(kind_ids)) for key in self._keys] + [0], dtype=np.int64)
+        sigs: dict[tuple, int] = {}
+        self._range_sig = np.zeros((n + 1, n + 1), dtype=np.int64)
+        for i in range(n):
+            counts: dict[tuple, int] = {}
+            for j in range(i + 1, n + 1):
+                key = self._keys[j - 1]
+                counts[key] = counts.get(key, 0) + 1
+                sig = (tuple(counts.items()), self._keys[i], key)
+                self._range_sig[i, j] = sigs.setdefault(sig, len(sigs))
+
+    @property
+    def unit_kinds(self) -> tuple[tuple[int, int], ...]:
+        """One representative unit per distinct (profile, position) and how many there are."""
+        return self._kinds
+
+    @property
+    def layout_solves(self) -> int:
+        """ILP solves so far (for benchmarks)."""
+        return self._layouts.solves
 
     # ----- per-unit options ---------------------------------------------------------
     def tp_context(self, unit: int, config: ParallelConfig) -> TPContext:
@@ -85,7 +138,7 @@ class Evaluator:
                config.micro_batch_size, config.dtype, modes)
         if key not in self._options:
             self._options[key] = unit_options(self.graph.profile_of(unit), self.tp_context(unit, config),
-                                              solver=self.solver, recompute_modes=modes)
+                                              solver=self._layouts, recompute_modes=modes)
         return self._options[key]
 
     # ----- pricing ------------------------------------------------------------------
@@ -96,6 +149,19 @@ class Evaluator:
         return Priced(time_s=opt.time_s, static_bytes=st.params_bytes + st.grads_bytes + st.optimizer_bytes,
                       act_bytes=opt.act_bytes, transient_bytes=opt.transient_bytes + st.transient_bytes,
                       layout=layout_id)
+
+    def _priced_options(self, unit: int, config: ParallelConfig,
+                        modes: tuple[Recompute, ...]) -> tuple[tuple[UnitOption, ...], tuple[Priced, ...]]:
+        key = ("priced", self._keys[unit], self._config_key(config, modes))
+        if key not in self._options:
+            opts = self.options(unit, config, modes)
+            lay_ids: dict[tuple, int] = {}
+            priced = []
+            for o in opts:
+                lay = lay_ids.setdefault((o.layout.styles, o.layout.output), len(lay_ids))
+                priced.append(self._priced(o, config, lay))
+            self._options[key] = (opts, tuple(priced))
+        return self._options[key]
 
     def _shared_bytes(self, config: ParallelConfig) -> float:
         """State bytes of the tied parameters counted twice when both owners share a stage."""
@@ -113,17 +179,35 @@ class Evaluator:
 
     # ----- stages -------------------------------------------------------------------
     def solve_units(self, units: tuple[int, ...], config: ParallelConfig, modes: tuple[Recompute, ...],
-                    inflight: float, stage_index: int, cache: dict) -> StagePlan | None:
+                    inflight: float, stage_index: int) -> StagePlan | None:
         """Fastest options for ``units`` as one stage (None if they cannot fit)."""
-        key = (tuple(self._unit_key(u) for u in units), inflight)
-        if key in cache:
-            found = cache[key]
-            return None if found is None else StagePlan(index=stage_index, units=units, options=found[1],
-                                                        inflight=inflight, choice=found[0])
+        found = self._solve_memo(units, config, modes, inflight)
+        if found is None:
+            return None
+        choice, options = found
+        return StagePlan(index=stage_index, units=units, options=options, inflight=inflight, choice=choice)
+
+    def _config_key(self, config: ParallelConfig, modes: tuple[Recompute, ...]) -> tuple:
+        return (config.tp, config.sequence_parallel, config.micro_batch_size, config.dtype, config.zero_stage,
+                config.dp, config.pp > 1, modes)
+
+    def _solve_memo(self, units: tuple[int, ...], config: ParallelConfig, modes: tuple[Recompute, ...],
+                    inflight: float) -> tuple[StageChoice, tuple[UnitOption, ...]] | None:
+        if units[-1] - units[0] + 1 == len(units):  # contiguous: the precomputed range signature
+            content: object = int(self._range_sig[units[0], units[-1] + 1])
+        else:
+            content = tuple(self._keys[u] for u in units)
+        key = (content, self._config_key(config, modes), inflight)
+        if key not in self._stages:
+            self._stages[key] = self._solve(units, config, modes, inflight)
+        return self._stages[key]
+
+    def _solve(self, units: tuple[int, ...], config: ParallelConfig, modes: tuple[Recompute, ...],
+               inflight: float) -> tuple[StageChoice, tuple[UnitOption, ...]] | None:
         groups_keys: list[tuple] = []
         members: dict[tuple, list[int]] = {}
         for u in units:
-            k = self._unit_key(u)
+            k = self._keys[u]
             if k not in members:
                 members[k] = []
                 groups_keys.append(k)
@@ -131,33 +215,21 @@ class Evaluator:
         groups = []
         group_opts = []
         for k in groups_keys:
-            opts = self.options(members[k][0], config, modes)
-            lay_ids = {}
-            priced = []
-            for o in opts:
-                lay_ids.setdefault((o.layout.styles, o.layout.output), len(lay_ids))
-                priced.append(self._priced(o, config, lay_ids[(o.layout.styles, o.layout.output)]))
-            groups.append((len(members[k]), tuple(priced)))
+            opts, priced = self._priced_options(members[k][0], config, modes)
+            groups.append((len(members[k]), priced))
             group_opts.append(opts)
         budget = self._budget()
         if 0 in units and len(self.graph.units) - 1 in units:
             budget += self._shared_bytes(config)
-        choice = solve_stage(groups, budget, inflight, self.solver)
+        choice = solve_stage(groups, budget, inflight, self._ilp)
         if choice is None:
-            cache[key] = None
             return None
         chosen: dict[int, UnitOption] = {}
         for k, opts, counts in zip(groups_keys, group_opts, choice.counts):
             picks = [o for o, c in zip(opts, counts) for _ in range(c)]
             for u, o in zip(members[k], picks):
                 chosen[u] = o
-        options = tuple(chosen[u] for u in units)
-        cache[key] = (choice, options)
-        return StagePlan(index=stage_index, units=units, options=options, inflight=inflight, choice=choice)
-
-    def _unit_key(self, u: int) -> tuple:
-        n = len(self.graph.units)
-        return (self.graph.units[u].profile, u == 0, u == n - 1)
+        return choice, tuple(chosen[u] for u in units)
 
     def _p2p_s(self, stage_units: tuple[int, ...], options: tuple[UnitOption, ...], config: ParallelConfig) -> tuple[float, float]:
         """(forward, backward) point-to-point seconds per micro-batch of a stage."""
@@ -221,42 +293,169 @@ class Evaluator:
         optimizer = optimizer_step_bytes(self.optimizer) * local / r.bytes_per_s
         return exposed, optimizer
 
+    def bound_s(self, config: ParallelConfig, modes: tuple[Recompute, ...]) -> float:
+        """A lower bound of the step time: every unit at its fastest option, the pipeline
+        perfectly balanced, plus the optimizer step and the data-parallel traffic that
+        no schedule hides, on a stage holding an even share of the parameters."""
+        total = 0.0
+        params = 0.0
+        for unit, count in self.unit_kinds:
+            opts = self.options(unit, config, modes)
+            total += count * min(o.time_s for o in opts)
+            params += count * min(o.layout.param_numel for o in opts)
+        pp, m, v = config.pp, config.num_microbatches, config.virtual_stages
+        pipe = (m - 1 + pp) / pp * total if v == 1 else (m + (pp - 1) / v) * total / pp
+        share = params / pp
+        local = share / config.dp if config.zero_stage >= 1 else share
+        tail = optimizer_step_bytes(self.optimizer) * local / rates(self.cluster.device, config.dtype).bytes_per_s
+        if config.dp > 1:
+            span = group_span(config.dp, config.tp, self.cluster.devices_per_node)
+            if config.zero_stage == 1:
+                tail += all_gather_s(4.0 * share, span, self.cluster)
+            elif config.zero_stage >= 2 and pp > 1:
+                tail += reduce_scatter_s(4.0 * share, span, self.cluster)
+        return pipe + tail
+
     # ----- whole configurations -----------------------------------------------------
     def evaluate(self, config: ParallelConfig, modes: tuple[Recompute, ...],
                  bounds: tuple[int, ...] | None = None) -> Outcome:
         """The fastest split and choices of ``config`` (or the given stage ``bounds``)."""
-        n = len(self.graph.units)
-        cache: dict = {}
         pp, v = config.pp, config.virtual_stages
         if v > 1:
-            stages = self._interleaved(config, modes, cache)
+            stages = self._interleaved(config, modes)
         else:
             inflight = [inflight_microbatches(config.schedule, pp, v, config.num_microbatches, k) for k in range(pp)]
             if bounds is None:
-                def cost(k: int, i: int, j: int) -> float:
-                    plan = self.solve_units(tuple(range(i, j)), config, modes, inflight[k], k, cache)
-                    return math.inf if plan is None else self.stage_cost_s(plan, config)
-                table = cost_table(n, pp, cost)
-                found = best_split(table, config.num_microbatches)
+                cutoff = self._split_cutoff(config, modes, inflight)
+                found = best_split(self.cost_table(config, modes, inflight, cutoff), config.num_microbatches)
                 bounds = found[1] if found is not None else None
             stages = None
             if bounds is not None:
                 stages = []
                 for k in range(pp):
-                    plan = self.solve_units(tuple(range(bounds[k], bounds[k + 1])), config, modes, inflight[k], k, cache)
+                    plan = self.solve_units(tuple(range(bounds[k], bounds[k + 1])), config, modes, inflight[k], k)
                     if plan is None:
                         stages = None
                         break
                     stages.append(plan)
         if stages is None:
             need = self.min_memory_bytes(config)
-            return Outcome(config=config, fits=False, prediction=None, min_memory_bytes=need,
+            return Outcome(config=config, fits=False, min_memory_bytes=need,
                            reason=f"out of memory: needs at least {_gib(need)} per device, "
                                   f"{_gib(self.cluster.device.memory_bytes)} available")
-        return Outcome(config=config, fits=True, prediction=self.predict(config, stages), stages=tuple(stages),
+        return Outcome(config=config, fits=True, step_time_s=self.timing(config, stages).step_s, stages=tuple(stages),
                        min_memory_bytes=max(s.choice.memory_bytes for s in stages) + self.cluster.device.reserved_bytes)
 
-    def _interleaved(self, config: ParallelConfig, modes: tuple[Recompute, ...], cache: dict) -> list[StagePlan] | None:
+    def cost_table(self, config: ParallelConfig, modes: tuple[Recompute, ...], inflight: list[float],
+                   cutoff_s: float = math.inf) -> np.ndarray:
+        """``table[k, i, j]``: per-micro-batch time of stage ``k`` holding units ``i..j-1``
+        (inf where it does not fit or a split cannot put it), priced once per distinct
+        range content. A stage's time grows with its range, so ranges are extended only
+        while their time is at most ``cutoff_s`` (no better split uses a longer one)."""
+        n = len(self.graph.units)
+        pp = config.pp
+        table = np.full((pp, n + 1, n + 1), np.inf)
+        costs: dict[tuple[int, float], float] = {}
+        for k in range(pp):
+            lo_i, hi_i = (0, 0) if k == 0 else (k, n - (pp - k))
+            lo_j, hi_j = (n, n) if k == pp - 1 else (k + 1, n - (pp - k - 1))
+            starts = np.arange(lo_i, hi_i + 1)
+            alive = np.ones(starts.size, dtype=bool)
+            for w in range(max(1, lo_j - hi_i), hi_j - lo_i + 1):
+                live = starts[alive]
+                if live.size == 0 or live[0] + w > hi_j:
+                    break
+                ends = starts + w
+                ok = alive & (ends >= lo_j) & (ends <= hi_j)
+                if not ok.any():
+                    continue
+                ii, jj = starts[ok], ends[ok]
+                row = np.empty(ii.size)
+                homog = jj <= self._run_end[ii] + 1
+                if homog.any():
+                    hi_idx = np.flatnonzero(homog)
+                    kind = self._kind_id[ii[hi_idx]] * 4 + (ii[hi_idx] == 0) * 2 + (jj[hi_idx] == n)
+                    kinds, first_at, inv = np.unique(kind, return_index=True, return_inverse=True)
+                    vals = np.array([self._homogeneous_cost(int(ii[hi_idx[a]]), w, config, modes, inflight[k])
+                                     for a in first_at.tolist()])
+                    row[hi_idx] = vals[inv]
+                rest = np.flatnonzero(~homog)
+                if rest.size:
+                    self._fill_general(row, rest, ii, jj, w, k, costs, config, modes, inflight)
+                keep = row <= cutoff_s
+                table[k, ii[keep], jj[keep]] = row[keep]
+                dead = np.flatnonzero(ok)[~keep]
+                alive[dead] = False
+                if lo_j == hi_j and not keep.any():
+                    break  # the last stage's ranges all end at the last unit: longer ones only cost more
+        return table
+
+    def _fill_general(self, row, rest, ii, jj, w, k, costs, config, modes, inflight) -> None:
+        """Price ranges that mix unit kinds, once per distinct content."""
+        uniq, first, inverse = np.unique(self._range_sig[ii[rest], jj[rest]], return_index=True,
+                                         return_inverse=True)
+        values = np.empty(uniq.size)
+        for u_idx, (s_id, at) in enumerate(zip(uniq.tolist(), first.tolist())):
+            key = (s_id, inflight[k])
+            if key not in costs:
+                i0 = int(ii[rest[at]])
+                plan = self.solve_units(tuple(range(i0, i0 + w)), config, modes, inflight[k], k)
+                costs[key] = math.inf if plan is None else self.stage_cost_s(plan, config)
+            values[u_idx] = costs[key]
+        row[rest] = values[inverse]
+
+    def _homogeneous_cost(self, start: int, count: int, config: ParallelConfig, modes: tuple[Recompute, ...],
+                          inflight: float) -> float:
+        """Per-micro-batch time of ``count`` identical units from ``start`` as a stage,
+        from a table over counts computed once per unit kind and in-flight count."""
+        key = ("homog", self._keys[start], self._config_key(config, modes), inflight)
+        table = self._stages.get(key)
+        if table is None or table.size <= count:
+            grow = max(count, 8, 2 * (table.size if table is not None else 0))
+            opts, priced = self._priced_options(start, config, modes)
+            table = homogeneous_times(priced, grow, self._budget(), inflight)
+            self._stages[key] = table
+        t = float(table[count])
+        if not math.isfinite(t):
+            return math.inf
+        opts = self._priced_options(start, config, modes)[0]
+        units = (start, start + count - 1)
+        f, b = self._p2p_s(units, (opts[0],) * 2, config)
+        return t + f + b
+
+    def _split_cutoff(self, config: ParallelConfig, modes: tuple[Recompute, ...], inflight: list[float]) -> float:
+        """``T_even / m``: in any split no worse than the even one, every stage costs at
+        most this, since ``(m - 1) max c + sum c >= m c_k`` for each stage ``k``."""
+        bounds = self.even_split(config.pp)
+        if bounds is None or config.pp == 1:
+            return math.inf
+        costs = []
+        for k in range(config.pp):
+            plan = self.solve_units(tuple(range(bounds[k], bounds[k + 1])), config, modes, inflight[k], k)
+            if plan is None:
+                return math.inf
+            costs.append(self.stage_cost_s(plan, config))
+        m = config.num_microbatches
+        return ((m - 1) * max(costs) + sum(costs)) / m * (1 + 1e-12)
+
+    def even_split(self, pp: int) -> tuple[int, ...] | None:
+        """Blocks spread as evenly as possible over ``pp`` stages (prologue first, epilogue
+        last): a feasible split, if any, bounds how long a useful stage can be."""
+        n = len(self.graph.units)
+        units = self.graph.units
+        first = 1 if n > 1 and not units[0].prefix else 0
+        last = 1 if n > 2 and not units[-1].prefix else 0
+        blocks = n - first - last
+        if blocks < pp:
+            return None
+        sizes = [blocks // pp + (1 if k < blocks % pp else 0) for k in range(pp)]
+        bounds = [0]
+        for k, size in enumerate(sizes):
+            bounds.append(bounds[-1] + size + (first if k == 0 else 0))
+        bounds[-1] = n
+        return tuple(bounds)
+
+    def _interleaved(self, config: ParallelConfig, modes: tuple[Recompute, ...]) -> list[StagePlan] | None:
         """Interleaved 1F1B: blocks split evenly over the pp x v chunks (Megatron-LM's
         rule), the prologue on chunk 0 and the epilogue on the last; each rank's options
         are chosen over the union of its chunks, under its memory."""
@@ -270,7 +469,7 @@ class Evaluator:
         for r in range(config.pp):
             units = tuple(u for c in range(r, chunks, config.pp) for u in range(bounds[c], bounds[c + 1]))
             infl = inflight_microbatches(config.schedule, config.pp, config.virtual_stages, config.num_microbatches, r)
-            plan = self.solve_units(units, config, modes, infl, r, cache)
+            plan = self.solve_units(units, config, modes, infl, r)
             if plan is None:
                 return None
             per_rank[r] = plan
@@ -316,31 +515,39 @@ class Evaluator:
         return total_static / config.pp + inflight * total_act / config.pp + self.cluster.device.reserved_bytes
 
     # ----- prediction ---------------------------------------------------------------
-    def predict(self, config: ParallelConfig, stages: list[StagePlan]) -> Prediction:
-        """Assemble the prediction of a solved configuration."""
+    def timing(self, config: ParallelConfig, stages: list[StagePlan] | tuple[StagePlan, ...]) -> "Timing":
+        """Per-rank work, per-stage point-to-point and tails, and the step time."""
         pp, v, m = config.pp, config.virtual_stages, config.num_microbatches
-        dev = self.cluster.device
-        stage_preds = []
         rank_work = [0.0] * pp
-        tails = []
+        p2p = []
         for plan in stages:
             f_p2p, b_p2p = self._p2p_s(plan.units, plan.options, config)
-            exposed, opt_s = self.tail_s(plan, config) if v == 1 else (0.0, 0.0)
             rank_work[plan.index % pp] += plan.choice.time_s + f_p2p + b_p2p
-            tails.append((exposed, opt_s))
-            stage_preds.append((plan, f_p2p, b_p2p, exposed, opt_s))
-        if v > 1:  # tails are per rank: over the union of its chunks
-            tails = []
+            p2p.append((f_p2p, b_p2p))
+        if v == 1:
+            tails = [self.tail_s(plan, config) for plan in stages]
+        else:  # tails are per rank: over the union of its chunks
+            per_rank = []
             for r in range(pp):
                 rank_stages = [p for p in stages if p.index % pp == r]
                 merged = StagePlan(index=r, units=tuple(u for p in rank_stages for u in p.units),
                                    options=tuple(o for p in rank_stages for o in p.options),
                                    inflight=rank_stages[0].inflight, choice=rank_stages[0].choice)
-                tails.append(self.tail_s(merged, config))
-            stage_preds = [(p, f, b, tails[p.index % pp][0], tails[p.index % pp][1]) for p, f, b, _, _ in stage_preds]
+                per_rank.append(self.tail_s(merged, config))
+            tails = [per_rank[p.index % pp] for p in stages]
         t_pipe = pipeline_time_s(rank_work, m, v)
-        worst_tail = max(range(len(tails)), key=lambda i: tails[i][0] + tails[i][1])
-        step = t_pipe + tails[worst_tail][0] + tails[worst_tail][1]
+        worst = max(range(len(tails)), key=lambda i: tails[i][0] + tails[i][1])
+        return Timing(rank_work=tuple(rank_work), p2p=tuple(p2p), tails=tuple(tails), pipeline_s=t_pipe,
+                      worst_tail=worst, step_s=t_pipe + tails[worst][0] + tails[worst][1])
+
+    def predict(self, config: ParallelConfig, stages: list[StagePlan] | tuple[StagePlan, ...]) -> Prediction:
+        """Assemble the prediction of a solved configuration."""
+        pp, m = config.pp, config.num_microbatches
+        dev = self.cluster.device
+        tm = self.timing(config, stages)
+        rank_work, t_pipe, step = list(tm.rank_work), tm.pipeline_s, tm.step_s
+        tails, worst_tail = tm.tails, tm.worst_tail
+        stage_preds = [(plan, f, b, tails[i][0], tails[i][1]) for i, (plan, (f, b)) in enumerate(zip(stages, tm.p2p))]
         crit = max(range(pp), key=lambda r: rank_work[r])
         crit_stages = [p for p in stages if p.index % pp == crit]
         comp = sum(o.layout.fwd_compute_s + o.layout.bwd_compute_s for p in crit_stages for o in p.options)
@@ -421,4 +628,3 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.1f} GiB"
 
 
-__all__ = ["Evaluator", "Outcome", "StagePlan", "Schedule"]

@@ -8,13 +8,16 @@ and target layout however many consumers need it, and the partial input gradient
 column-parallel consumers once per producer (see :mod:`autopar.cost.tensor_parallel`,
 whose :func:`evaluate_layout` is the reference this ILP is tested against).
 
-Solved once per distinct unit structure, TP degree, boundary layout and micro-batch
-size; a 96-block GPT needs three solves per configuration of those, not 96.
+Solved once per distinct unit structure, TP degree and boundary layout (and, only
+where the costs are not affine in it, micro-batch size); a 96-block GPT needs one block
+solve per such configuration, not 96.
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
+
 import pulp
 
 from autopar.cost.tensor_parallel import (
@@ -26,27 +29,86 @@ from autopar.search.ilp import make_solver, solve
 from autopar.vocab import TPStyle
 
 
-def best_layout(profile: UnitProfile, ctx: TPContext, *, solver: str = "highs") -> UnitCost:
-    """The fastest layout of ``profile`` (forward plus backward of one micro-batch)."""
-    options = [allowed_styles(leaf, ctx) for leaf in profile.leaves]
-    outputs = ctx.output_layouts()
-    if all(len(o) == 1 for o in options) and len(outputs) == 1:
-        return evaluate_layout(profile, tuple(o[0] for o in options), outputs[0], ctx)
-    styles, output = _solve_ilp(profile, ctx, options, outputs, solver)
-    return evaluate_layout(profile, styles, output, ctx)
+ENUMERATE_LIMIT = 64
+"""Layout spaces up to this size are enumerated (exactly, like the ILP) instead of solved:
+a two-leaf embedding unit is cheaper to enumerate than to hand to a solver."""
 
 
-def smallest_layout(profile: UnitProfile, ctx: TPContext, *, solver: str = "highs") -> UnitCost:
-    """The fastest layout among those holding the fewest parameters (two ILP solves:
-    minimise parameters, then time with parameters capped at that minimum)."""
-    options = [allowed_styles(leaf, ctx) for leaf in profile.leaves]
-    outputs = ctx.output_layouts()
-    if all(len(o) == 1 for o in options) and len(outputs) == 1:
-        return evaluate_layout(profile, tuple(o[0] for o in options), outputs[0], ctx)
-    styles, output = _solve_ilp(profile, ctx, options, outputs, solver, minimize_params=True)
-    fewest = evaluate_layout(profile, styles, output, ctx).param_numel
-    styles, output = _solve_ilp(profile, ctx, options, outputs, solver, param_cap=fewest * (1 + 1e-9) + 1e-6)
-    return evaluate_layout(profile, styles, output, ctx)
+class LayoutSolver:
+    """Finds, and caches, the fastest layout and the fastest of the smallest layouts of
+    each unit structure.
+
+    Without measured matmul curves a layout's time is affine in the micro-batch size
+    ``b`` (roofline terms scale with ``b``; collective latencies do not), so the best time
+    over layouts is concave in ``b``: a layout optimal at the smallest and the largest
+    ``b`` of the search is optimal at every ``b`` between them, and two solves serve all
+    micro-batch sizes.
+    """
+
+    def __init__(self, *, solver: str = "highs", micro_batches: tuple[int, ...] = ()):
+        self._solver = make_solver(solver)
+        self._ends = (min(micro_batches), max(micro_batches)) if micro_batches else ()
+        self._cache: dict[tuple, tuple[tuple[TPStyle, ...], Layout]] = {}
+        self.solves = 0
+
+    def fastest(self, profile: UnitProfile, ctx: TPContext) -> UnitCost:
+        """The fastest layout (forward plus backward of one micro-batch)."""
+        return self._layout(profile, ctx, small=False)
+
+    def smallest(self, profile: UnitProfile, ctx: TPContext) -> UnitCost:
+        """The fastest among the layouts holding the fewest parameters (often the
+        fastest layout itself, which then needs no second solve)."""
+        fast = self._layout(profile, ctx, small=False)
+        if fast.param_numel <= self._fewest(profile, ctx):
+            return fast
+        return self._layout(profile, ctx, small=True)
+
+    @staticmethod
+    def _fewest(profile: UnitProfile, ctx: TPContext) -> float:
+        """The fewest parameters any layout holds: separable per leaf."""
+        return sum(min(leaf_param_numel(leaf, s, ctx.tp) for s in allowed_styles(leaf, ctx))
+                   for leaf in profile.leaves) * (1 + 1e-9) + 1e-6
+
+    def _layout(self, profile: UnitProfile, ctx: TPContext, *, small: bool) -> UnitCost:
+        options = [allowed_styles(leaf, ctx) for leaf in profile.leaves]
+        outputs = ctx.output_layouts()
+        cap = self._fewest(profile, ctx) if small else None
+        key = (id(profile), ctx.tp, ctx.sequence_parallel, ctx.first, ctx.last, ctx.boundary, ctx.rates, small)
+        b = ctx.micro_batch
+        affine = not ctx.rates.curve
+        if affine and self._ends and self._ends[0] <= b <= self._ends[1]:
+            lo = self._styles(profile, replace(ctx, micro_batch=self._ends[0]), options, outputs, cap, key)
+            hi = self._styles(profile, replace(ctx, micro_batch=self._ends[1]), options, outputs, cap, key)
+            if lo == hi:
+                return evaluate_layout(profile, lo[0], lo[1], ctx)
+        styles, output = self._styles(profile, ctx, options, outputs, cap, key)
+        return evaluate_layout(profile, styles, output, ctx)
+
+    def _styles(self, profile, ctx, options, outputs, cap, key) -> tuple[tuple[TPStyle, ...], Layout]:
+        full_key = (*key, ctx.micro_batch)
+        if full_key not in self._cache:
+            size = len(outputs)
+            for o in options:
+                size *= len(o)
+            if size <= ENUMERATE_LIMIT:
+                self._cache[full_key] = _enumerate(profile, ctx, options, outputs, cap)
+            else:
+                self.solves += 1
+                self._cache[full_key] = _solve_ilp(profile, ctx, options, outputs, self._solver, param_cap=cap)
+        return self._cache[full_key]
+
+
+def _enumerate(profile, ctx, options, outputs, cap) -> tuple[tuple[TPStyle, ...], Layout]:
+    best, best_t = None, None
+    for styles in itertools.product(*options):
+        for output in outputs:
+            cost = evaluate_layout(profile, tuple(styles), output, ctx)
+            if cap is not None and cost.param_numel > cap:
+                continue
+            if best_t is None or cost.time_s < best_t - 1e-15:
+                best, best_t = (tuple(styles), output), cost.time_s
+    assert best is not None, "the replicate layout always qualifies"
+    return best
 
 
 def brute_force_layout(profile: UnitProfile, ctx: TPContext) -> UnitCost:
@@ -63,7 +125,7 @@ def brute_force_layout(profile: UnitProfile, ctx: TPContext) -> UnitCost:
 
 
 def _solve_ilp(profile: UnitProfile, ctx: TPContext, options: list[tuple[TPStyle, ...]],
-               outputs: tuple[Layout, ...], solver: str, *, minimize_params: bool = False,
+               outputs: tuple[Layout, ...], solver: pulp.LpSolver, *,
                param_cap: float | None = None) -> tuple[tuple[TPStyle, ...], Layout]:
     prob = pulp.LpProblem("tp_layout", pulp.LpMinimize)
     b = ctx.micro_batch
@@ -125,8 +187,8 @@ def _solve_ilp(profile: UnitProfile, ctx: TPContext, options: list[tuple[TPStyle
                         for i, opts in enumerate(options) for s in opts)
     if param_cap is not None:
         prob += params <= param_cap
-    prob += params if minimize_params else pulp.lpSum(terms)
-    solve(prob, make_solver(solver))
+    prob += pulp.lpSum(terms)
+    solve(prob, solver)
     styles = tuple(next(s for s in opts if (x[i, s].value() or 0) > 0.5) for i, opts in enumerate(options))
     output = next(lay for lay in outputs if (o[lay].value() or 0) > 0.5)
     return styles, output

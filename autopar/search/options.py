@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from autopar.cost.tensor_parallel import TPContext, UnitCost
 from autopar.graph.layer_graph import UnitProfile
-from autopar.search.intra_op import best_layout, smallest_layout
+from autopar.search.intra_op import LayoutSolver
 from autopar.vocab import Recompute
 
 
@@ -60,16 +60,16 @@ class UnitOption:
         return self.layout.fwd_comm_s + self.layout.bwd_comm_s + extra
 
 
-def layouts(profile: UnitProfile, ctx: TPContext, solver: str) -> tuple[UnitCost, ...]:
+def layouts(profile: UnitProfile, ctx: TPContext, solver: LayoutSolver) -> tuple[UnitCost, ...]:
     """The fastest layout and, if different, the fastest of the smallest."""
-    fast = best_layout(profile, ctx, solver=solver)
-    small = smallest_layout(profile, ctx, solver=solver)
+    fast = solver.fastest(profile, ctx)
+    small = solver.smallest(profile, ctx)
     if small.styles == fast.styles and small.output == fast.output:
         return (fast,)
     return (fast, small)
 
 
-def unit_options(profile: UnitProfile, ctx: TPContext, *, solver: str,
+def unit_options(profile: UnitProfile, ctx: TPContext, *, solver: LayoutSolver,
                  recompute_modes: tuple[Recompute, ...]) -> tuple[UnitOption, ...]:
     """Every (layout, recompute) option of a unit, dominated ones removed."""
     found: list[UnitOption] = []

@@ -21,7 +21,7 @@ from autopar.graph.extract import extract
 from autopar.graph.layer_graph import LayerGraph
 from autopar.plan import Alternative, ModelSummary, ParallelConfig, Plan, PlanSettings
 from autopar.search.evaluate import Evaluator, Outcome
-from autopar.search.space import Rejection, check_constraints, enumerate_space, lower_bounds
+from autopar.search.space import Rejection, check_constraints, enumerate_space, lower_bounds, micro_batch_range
 from autopar.vocab import Attention, DType, Optimizer, Recompute
 
 ALL_MODES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
@@ -67,7 +67,8 @@ def plan(model: nn.Module | LayerGraph, cluster: Cluster, *, global_batch_size: 
     cluster, sources = _apply_profile(cluster, profile)
     graph = _graph(model, cluster, fixed, seq_len, sample_input, attention)
     evaluator = Evaluator(graph=graph, cluster=cluster, optimizer=Optimizer(optimizer),
-                          global_batch_size=global_batch_size, solver=solver)
+                          global_batch_size=global_batch_size, solver=solver,
+                          micro_batches=micro_batch_range(graph, cluster, global_batch_size, fixed))
     result = search(evaluator, fixed, top=top)
     if not result.best.fits:
         raise _infeasible(result, cluster, graph)
@@ -118,10 +119,10 @@ def search(evaluator: Evaluator, fixed: Mapping[str, Any], *, top: int) -> Searc
     for cfg in configs:
         b = lower_bounds(graph, cluster, cfg, evaluator.optimizer, cache)
         if b.memory_bytes > cluster.device.memory_bytes:
-            infeasible.append(Outcome(config=cfg, fits=False, prediction=None, min_memory_bytes=b.memory_bytes,
+            infeasible.append(Outcome(config=cfg, fits=False, min_memory_bytes=b.memory_bytes,
                                       reason=f"out of memory: needs at least {b.memory_bytes / 2**30:.1f} GiB"))
             continue
-        bounded.append((b.time_s, cfg))
+        bounded.append((evaluator.bound_s(cfg, modes), cfg))
     bounded.sort(key=lambda x: x[0])
     fitting: list[Outcome] = []
     evaluated = 0
@@ -140,7 +141,8 @@ def search(evaluator: Evaluator, fixed: Mapping[str, Any], *, top: int) -> Searc
         smallest = min(infeasible, key=lambda o: o.min_memory_bytes)
         return SearchResult(best=smallest, runners_up=(), infeasible=tuple(infeasible), rejected=tuple(rejected),
                             evaluated=evaluated, considered=len(configs))
-    return SearchResult(best=fitting[0], runners_up=tuple(fitting[1:keep]), infeasible=tuple(infeasible),
+    finished = [replace(o, prediction=evaluator.predict(o.config, o.stages)) for o in fitting[:keep]]
+    return SearchResult(best=finished[0], runners_up=tuple(finished[1:]), infeasible=tuple(infeasible),
                         rejected=tuple(rejected), evaluated=evaluated, considered=len(configs))
 
 
@@ -180,15 +182,15 @@ def _overflow(evaluator: Evaluator, config: ParallelConfig, fixed: Mapping[str, 
     """What a configuration that does not fit would need: its fastest choices without a
     memory cap when recompute was given, else its smallest (full recomputation)."""
     modes = (fixed["recompute"],) if "recompute" in fixed else (Recompute.FULL,)
-    unbounded = replace(evaluator, cluster=_huge(evaluator.cluster), _options={})
+    unbounded = replace(evaluator, cluster=_huge(evaluator.cluster), _options={}, _stages={})
     outcome = unbounded.evaluate(config, modes)
-    pred = outcome.prediction
-    assert pred is not None
+    pred = unbounded.predict(config, outcome.stages)
     real = evaluator.cluster.device.memory_bytes
     pred = replace(pred, memory_capacity_bytes=real, fits=pred.memory_bytes_per_device <= real,
                    mfu=pred.mfu * unbounded.cluster.device.peak(config.dtype) / evaluator.cluster.device.peak(config.dtype))
     need = pred.memory_bytes_per_device
-    return Outcome(config=config, fits=False, prediction=pred, stages=outcome.stages, min_memory_bytes=need,
+    return Outcome(config=config, fits=False, step_time_s=pred.step_time_s, prediction=pred, stages=outcome.stages,
+                   min_memory_bytes=need,
                    reason=f"out of memory: needs {need / 2**30:.1f} GiB per device, {real / 2**30:.1f} GiB available")
 
 

@@ -28,7 +28,7 @@ from autopar.cost.tensor_parallel import (
 )
 from autopar.cost.comm import group_span
 from autopar.errors import ConfigError
-from autopar.graph.layer_graph import LayerGraph
+from autopar.graph.layer_graph import LayerGraph, Leaf, LeafKind
 from autopar.plan import ParallelConfig
 from autopar.vocab import ZERO_STAGES, DType, Optimizer, Recompute, Schedule, TPStyle
 
@@ -77,16 +77,26 @@ class Rejection:
 
 
 def tp_degrees(graph: LayerGraph, world: int) -> list[int]:
-    """TP degrees that divide the device count and let some block leaf be split."""
+    """TP degrees that divide the device count and the layer shapes: every linear leaf
+    of the repeated blocks (or of every unit, for a model without repeats) must be
+    splittable (heads, KV heads and FFN sizes divisible), as in Megatron-LM."""
+    block_profiles = {u.profile for u in graph.units if u.prefix} or {u.profile for u in graph.units}
+    linears = [leaf for p in block_profiles for leaf in graph.profiles[p].leaves if leaf.kind is LeafKind.LINEAR]
     out = [1]
+    if not linears:
+        return out
     for t in divisors(world)[1:]:
-        for prof in graph.profiles:
-            ctx_like = _ShapeOnly(t)
-            if any(s is not TPStyle.REPLICATE for leaf in prof.leaves
-                   for s in allowed_styles(leaf, ctx_like) if not leaf.vocab):
-                out.append(t)
-                break
+        if all(_splittable(leaf, t) for leaf in linears):
+            out.append(t)
     return out
+
+
+def _splittable(leaf: Leaf, t: int) -> bool:
+    """Attention projections need whole heads (and KV heads) per rank; other linears a
+    divisible input or output dimension."""
+    if leaf.out_heads or leaf.in_heads:
+        return all(h % t == 0 for h in (leaf.out_heads, leaf.in_heads) if h)
+    return any(s is not TPStyle.REPLICATE for s in allowed_styles(leaf, _ShapeOnly(t)))
 
 
 @dataclass(frozen=True)
@@ -143,6 +153,8 @@ def enumerate_space(graph: LayerGraph, cluster: Cluster, global_batch_size: int,
                     problem = schedule_problem(schedule, pp, v, m)
                     if problem:
                         continue
+                    if schedule is Schedule.GPIPE and "schedule" not in c and m >= pp:
+                        continue  # dominated: 1F1B takes the same time and holds fewer micro-batches
                     zeros = [c["zero_stage"]] if "zero_stage" in c else ([0] if dp == 1 else list(ZERO_STAGES))
                     sps = [c["sequence_parallel"]] if "sequence_parallel" in c else ([False, True] if tp > 1 else [False])
                     for zero in zeros:
@@ -171,6 +183,14 @@ def _schedules(pp: int, graph: LayerGraph, c: Mapping[str, Any]) -> Iterator[tup
                 yield Schedule.INTERLEAVED_1F1B, v
 
 
+def micro_batch_range(graph: LayerGraph, cluster: Cluster, global_batch_size: int,
+                      constraints: Mapping[str, Any]) -> tuple[int, ...]:
+    """The micro-batch sizes the search may meet (all divisors up to the cap)."""
+    if "micro_batch_size" in constraints:
+        return (constraints["micro_batch_size"],)
+    return tuple(d for d in divisors(global_batch_size) if d <= MAX_MICRO_BATCH)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Bounds:
     """Lower bounds of a candidate's step time and peak memory per device."""
@@ -183,20 +203,27 @@ def lower_bounds(graph: LayerGraph, cluster: Cluster, config: ParallelConfig, op
                  cache: dict) -> Bounds:
     """Cheap bounds (see the module docstring); ``cache`` memoises per-unit terms."""
     n = len(graph.units)
+    kinds = cache.get("kinds")
+    if kinds is None:
+        counts: dict[tuple, list[int]] = {}
+        for u in range(n):
+            counts.setdefault((graph.units[u].profile, u == 0, u == n - 1), []).append(u)
+        kinds = cache["kinds"] = [(us[0], len(us)) for us in counts.values()]
     time_sum = 0.0
-    static = 0.0
+    params_sum = 0.0
     act = 0.0
-    for u in range(n):
+    for u, count in kinds:
         key = (graph.units[u].profile, u == 0, u == n - 1, config.tp, config.sequence_parallel,
                config.micro_batch_size, config.dtype)
         if key not in cache:
             cache[key] = _unit_bounds(graph, cluster, u, config)
         t, params, inp = cache[key]
-        time_sum += t
-        st = state_bytes(param_numel=params, factored_numel=0.0, largest_unit_numel=0.0, dtype=config.dtype,
-                         optimizer=optimizer, zero_stage=config.zero_stage, dp=config.dp, pipelined=config.pp > 1)
-        static += st.params_bytes + st.grads_bytes + (st.optimizer_bytes if optimizer is not Optimizer.ADAFACTOR else 0)
-        act += inp
+        time_sum += count * t
+        params_sum += count * params
+        act += count * inp
+    st = state_bytes(param_numel=params_sum, factored_numel=0.0, largest_unit_numel=0.0, dtype=config.dtype,
+                     optimizer=optimizer, zero_stage=config.zero_stage, dp=config.dp, pipelined=config.pp > 1)
+    static = st.params_bytes + st.grads_bytes + (st.optimizer_bytes if optimizer is not Optimizer.ADAFACTOR else 0)
     pp, m = config.pp, config.num_microbatches
     inflight = min(inflight_microbatches(config.schedule, pp, config.virtual_stages, m, k) for k in range(pp))
     time = (m - 1 + pp) / pp * time_sum if config.virtual_stages == 1 else (m + (pp - 1) / config.virtual_stages) * time_sum / pp

@@ -4,9 +4,10 @@ With stage ``k`` costing ``c_k`` per micro-batch, one stage per rank, the pipeli
 ``(m - 1) max_k c_k + sum_k c_k`` (:mod:`autopar.cost.pipeline`). As in Alpa's
 inter-operator pass (Zheng et al. 2022, section 5.2), the max is removed by enumerating
 a threshold ``C`` over the distinct stage costs: for each ``C`` a dynamic program finds
-the split of least ``sum c_k`` with every stage at most ``C``; thresholds are tried in
-increasing order and the scan stops once ``(m - 1) C`` plus a lower bound of the sum
-cannot beat the best split found. Stage costs depend on the stage's index (its
+the split of least ``sum c_k`` with every stage at most ``C``. Feasibility is monotone
+in ``C``, so the smallest feasible threshold is found by bisection; from there
+thresholds are tried in increasing order and the scan stops once ``(m - 1) C`` plus a
+lower bound of the sum cannot beat the best split found. Stage costs depend on the stage's index (its
 in-flight micro-batches and memory), and infeasible stages (out of memory) cost
 infinity.
 
@@ -47,14 +48,23 @@ def best_split(table: np.ndarray, num_microbatches: int) -> tuple[float, tuple[i
     if finite.size == 0:
         return None
     thresholds = np.unique(finite)
-    lower_sum = _min_sum(table, np.inf)
+    band = _band(table)
+    lower_sum = _min_sum(band, np.inf)
     if lower_sum is None:
         return None
+    # feasibility is monotone in the threshold: bisect for the smallest feasible one
+    lo, hi = 0, len(thresholds) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _min_sum(band, thresholds[mid]) is None:
+            lo = mid + 1
+        else:
+            hi = mid
     best_value, best_bounds = math.inf, None
-    for c in thresholds:
+    for c in thresholds[lo:]:
         if (num_microbatches - 1) * c + lower_sum[0] >= best_value:
             break
-        found = _min_sum(table, c)
+        found = _min_sum(band, c)
         if found is None:
             continue
         total, bounds = found
@@ -66,16 +76,35 @@ def best_split(table: np.ndarray, num_microbatches: int) -> tuple[float, tuple[i
     return best_value, best_bounds
 
 
-def _min_sum(table: np.ndarray, cap: float) -> tuple[float, tuple[int, ...]] | None:
+def _band(table: np.ndarray) -> np.ndarray:
+    """``band[k, i, w - 1] = table[k, i, i + w]`` for the lengths ``w`` that have any
+    finite entry: ranges are short next to the model, so the DP runs on the band."""
     num_stages, n1, _ = table.shape
-    masked = np.where(table <= cap, table, np.inf)
+    i_idx, j_idx = np.nonzero(np.isfinite(table).any(axis=0))
+    width = int((j_idx - i_idx).max()) if i_idx.size else 1
+    band = np.full((num_stages, n1, width), np.inf)
+    for w in range(1, width + 1):
+        rows = np.arange(n1 - w)
+        band[:, rows, w - 1] = table[:, rows, rows + w]
+    return band
+
+
+def _min_sum(band: np.ndarray, cap: float) -> tuple[float, tuple[int, ...]] | None:
+    """Least ``sum c_k`` over splits with every stage at most ``cap`` (None if none)."""
+    num_stages, n1, width = band.shape
+    masked = np.where(band <= cap, band, np.inf)
     best = np.full(n1, np.inf)
     best[0] = 0.0
     parents = []
     for k in range(num_stages):
-        cand = best[:, None] + masked[k]          # [i, j]
-        arg = np.argmin(cand, axis=0)
-        best = cand[arg, np.arange(n1)]
+        new = np.full(n1, np.inf)
+        arg = np.zeros(n1, dtype=np.int64)
+        for w in range(1, width + 1):
+            cand = best[: n1 - w] + masked[k, : n1 - w, w - 1]
+            better = cand < new[w:]
+            new[w:] = np.where(better, cand, new[w:])
+            arg[w:] = np.where(better, np.arange(n1 - w), arg[w:])
+        best = new
         parents.append(arg)
     if not np.isfinite(best[n1 - 1]):
         return None

@@ -23,6 +23,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import pulp
 
 from autopar.search.ilp import SolverError, make_solver, solve
@@ -70,7 +71,7 @@ def time_of(groups: list[tuple[int, tuple[Priced, ...]]], counts: tuple[tuple[in
 
 
 def solve_stage(groups: list[tuple[int, tuple[Priced, ...]]], budget_bytes: float, inflight: float,
-                solver: str = "highs") -> StageChoice | None:
+                solver: pulp.LpSolver | None = None) -> StageChoice | None:
     """Fastest counts within ``budget_bytes``, or None if nothing fits.
 
     ``groups``: (number of identical units, their options)."""
@@ -78,7 +79,7 @@ def solve_stage(groups: list[tuple[int, tuple[Priced, ...]]], budget_bytes: floa
     mem = memory_of(groups, fastest, inflight)
     if mem <= budget_bytes:
         return StageChoice(time_s=time_of(groups, fastest), memory_bytes=mem, counts=fastest)
-    levels = sorted({o.transient_bytes for _, opts in groups for o in opts})
+    levels = sorted({o.transient_bytes for _, opts in groups for o in opts}, reverse=True)
     best: StageChoice | None = None
     multi = [i for i, (k, _) in enumerate(groups) if k > 1]
     singles = [i for i, (k, _) in enumerate(groups) if k == 1]
@@ -87,6 +88,8 @@ def solve_stage(groups: list[tuple[int, tuple[Priced, ...]]], budget_bytes: floa
         allowed = [(k, tuple(o for o in opts if o.transient_bytes <= tau)) for k, opts in groups]
         if any(not opts for _, opts in allowed):
             continue
+        if best is not None and sum(k * min(o.time_s for o in opts) for k, opts in allowed) >= best.time_s:
+            continue  # even the fastest options allowed at this level cannot do better
         room = budget_bytes - tau
         if len(multi) <= 1 and single_combos <= 64:
             found = _solve_closed_form(allowed, room, inflight, multi, singles)
@@ -215,7 +218,7 @@ def _pareto(opts: tuple[Priced, ...], idx: list[int], inflight: float) -> list[i
     return kept
 
 
-def _solve_ilp(groups, room: float, inflight: float, solver: str):
+def _solve_ilp(groups, room: float, inflight: float, solver: pulp.LpSolver | None):
     prob = pulp.LpProblem("stage_recompute", pulp.LpMinimize)
     n = {}
     layout_of = {}
@@ -234,10 +237,40 @@ def _solve_ilp(groups, room: float, inflight: float, solver: str):
                        for g, (_, opts) in enumerate(groups) for j, o in enumerate(opts)) <= room
     prob += pulp.lpSum(n[g, j] * o.time_s for g, (_, opts) in enumerate(groups) for j, o in enumerate(opts))
     try:
-        solve(prob, make_solver(solver))
+        solve(prob, solver or make_solver())
     except SolverError:
         if pulp.LpStatus[prob.status] == "Infeasible":
             return None
         raise
     return [{j: int(round(n[g, j].value() or 0)) for j in range(len(opts)) if round(n[g, j].value() or 0)}
             for g, (_, opts) in enumerate(groups)]
+
+
+def homogeneous_times(opts: tuple[Priced, ...], n_max: int, budget_bytes: float, inflight: float) -> "np.ndarray":
+    """``out[n]``: the fastest time of ``n`` identical units with options ``opts`` in one
+    stage (inf where they do not fit), for every ``n <= n_max`` at once: the closed form
+    of :func:`solve_stage` vectorised over ``n`` (what pipeline splits of repeated blocks
+    ask for, once per in-flight count)."""
+    n = np.arange(n_max + 1, dtype=np.float64)[:, None]
+    n3 = np.arange(n_max + 1, dtype=np.float64)[None, :]
+    best = np.full(n_max + 1, np.inf)
+    best[0] = 0.0
+    for tau in sorted({o.transient_bytes for o in opts}):
+        allowed = [i for i, o in enumerate(opts) if o.transient_bytes <= tau]
+        room = budget_bytes - tau
+        for lay in sorted({opts[i].layout for i in allowed}):
+            idx = _pareto(opts, [i for i in allowed if opts[i].layout == lay], inflight)
+            w = [opts[i].static_bytes + inflight * opts[i].act_bytes for i in idx]
+            t = [opts[i].time_s for i in idx]
+            if len(idx) == 1:
+                times = np.where(n[:, 0] * w[0] <= room, n[:, 0] * t[0], np.inf)
+            else:
+                slow = n3 if len(idx) == 3 else np.zeros_like(n3[:, :1])
+                r = n - slow
+                left = room - (slow * w[2] if len(idx) == 3 else 0.0)
+                ok = (slow <= n) & ~(r * w[1] > left + 1e-9 * np.maximum(1.0, np.abs(left)))
+                n1 = r if w[0] <= w[1] else np.minimum(r, np.floor((left - r * w[1]) / (w[0] - w[1]) + 1e-12))
+                total = n1 * t[0] + (r - n1) * t[1] + (slow * t[2] if len(idx) == 3 else 0.0)
+                times = np.where(ok, total, np.inf).min(axis=1)
+            best[1:] = np.minimum(best[1:], times[1:])
+    return best

@@ -36,6 +36,7 @@ class DeviceSpec:
         memory_efficiency: fraction of the memory bandwidth a streaming kernel reaches.
         reserved_bytes: memory the framework cannot use for the model: runtime context,
             communication buffers, allocator fragmentation.
+        fragmentation: fraction of the allocated bytes lost to allocator fragmentation.
         preferred_dtype: the precision plans use unless told otherwise.
         matmul_curves: measured achieved FLOP/s against matmul size (FLOPs of one call)
             per precision, from a profiler report; when present the cost model
@@ -50,16 +51,23 @@ class DeviceSpec:
     matmul_efficiency: float = 0.8
     memory_efficiency: float = 0.8
     reserved_bytes: float = 0.0
+    fragmentation: float = 0.0
     preferred_dtype: DType = DType.BF16
     matmul_curves: Mapping[DType, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     source: str = ""
 
     def __post_init__(self) -> None:
-        _check_positive(f"device {self.name!r} memory_bytes", self.memory_bytes)
-        _check_positive(f"device {self.name!r} memory_bandwidth_bytes_per_s", self.memory_bandwidth_bytes_per_s)
+        for attr in ("memory_bytes", "memory_bandwidth_bytes_per_s"):
+            object.__setattr__(self, attr, _check_positive(f"device {self.name!r} {attr}", getattr(self, attr)))
         if not (isinstance(self.reserved_bytes, (int, float)) and 0 <= self.reserved_bytes < self.memory_bytes):
             raise ClusterError(f"device {self.name!r} reserved_bytes={self.reserved_bytes!r} is not allowed: it must be "
                                f">= 0 and below memory_bytes={self.memory_bytes!r}.")
+        object.__setattr__(self, "reserved_bytes", float(self.reserved_bytes))
+        if isinstance(self.fragmentation, bool) or not (isinstance(self.fragmentation, (int, float))
+                                                        and 0 <= self.fragmentation < 1):
+            raise ClusterError(f"device {self.name!r} fragmentation={self.fragmentation!r} is not allowed: it must be in "
+                               f"[0, 1).")
+        object.__setattr__(self, "fragmentation", float(self.fragmentation))
         for eff_name in ("matmul_efficiency", "memory_efficiency"):
             eff = getattr(self, eff_name)
             if not (isinstance(eff, (int, float)) and 0 < eff <= 1):
@@ -101,9 +109,12 @@ class LinkSpec:
     source: str = ""
 
     def __post_init__(self) -> None:
-        _check_positive("link bandwidth_bytes_per_s", self.bandwidth_bytes_per_s)
-        if not (isinstance(self.latency_s, (int, float)) and 0 <= self.latency_s < math.inf):
+        object.__setattr__(self, "bandwidth_bytes_per_s",
+                           _check_positive("link bandwidth_bytes_per_s", self.bandwidth_bytes_per_s))
+        if isinstance(self.latency_s, bool) or not (isinstance(self.latency_s, (int, float))
+                                                    and 0 <= self.latency_s < math.inf):
             raise ClusterError(f"link latency_s={self.latency_s!r} is not allowed: it must be a finite number >= 0 seconds.")
+        object.__setattr__(self, "latency_s", float(self.latency_s))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,6 +190,7 @@ class Cluster:
                 "matmul_efficiency": dev.matmul_efficiency,
                 "memory_efficiency": dev.memory_efficiency,
                 "reserved_bytes": dev.reserved_bytes,
+                "fragmentation": dev.fragmentation,
                 "preferred_dtype": dev.preferred_dtype.value,
                 "matmul_curves": {k.value: [list(p) for p in v] for k, v in dev.matmul_curves.items()},
                 "source": dev.source,
@@ -200,6 +212,7 @@ class Cluster:
                 matmul_efficiency=dev.get("matmul_efficiency", 0.8),
                 memory_efficiency=dev.get("memory_efficiency", 0.8),
                 reserved_bytes=dev.get("reserved_bytes", 0.0),
+                fragmentation=dev.get("fragmentation", 0.0),
                 preferred_dtype=dev.get("preferred_dtype", "bf16"),
                 matmul_curves={k: tuple(tuple(p) for p in v) for k, v in dev.get("matmul_curves", {}).items()},
                 source=str(dev.get("source", "")),

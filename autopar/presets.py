@@ -22,8 +22,10 @@ _H100_DATASHEET = "NVIDIA H100 Tensor Core GPU datasheet (SXM5): dense BF16/FP16
 _H200_DATASHEET = "NVIDIA H200 Tensor Core GPU datasheet (SXM): dense BF16/FP16 989 TFLOP/s, FP32 67, 141 GB HBM3e at 4.8 TB/s"
 _V100_DATASHEET = "NVIDIA V100 Tensor Core GPU datasheet (SXM2): FP16 tensor 125 TFLOP/s, FP32 15.7, 900 GB/s HBM2; no BF16"
 _GPU_RESERVE = 1.5 * GIB
+_GPU_FRAGMENTATION = 0.05
 _RESERVE_NOTE = ("1.5 GiB reserved: CUDA context (~0.5 GiB) and NCCL communicator buffers (~1 GiB over the "
-                 "TP/DP/PP groups), which torch.cuda memory statistics do not show")
+                 "TP/DP/PP groups), which torch.cuda memory statistics do not show; 5% of allocations lost to "
+                 "caching-allocator fragmentation")
 _EFFICIENCY = ("matmul 0.8 of peak: large cuBLAS GEMMs reach 75-90% of dense peak (NVIDIA Matrix Multiplication "
                "Background guide); memory 0.8 of peak: STREAM-like kernels reach ~80% of HBM bandwidth")
 
@@ -35,6 +37,7 @@ def _a100(memory_mib: int, hbm_bytes_per_s: float, label: str) -> DeviceSpec:
         peak_flops={DType.BF16: 312e12, DType.FP16: 312e12, DType.FP32: 19.5e12},
         memory_bandwidth_bytes_per_s=hbm_bytes_per_s,
         reserved_bytes=_GPU_RESERVE,
+        fragmentation=_GPU_FRAGMENTATION,
         source=f"{_A100_DATASHEET}; memory {memory_mib} MiB as nvidia-smi reports; {_EFFICIENCY}; {_RESERVE_NOTE}",
     )
 
@@ -46,6 +49,7 @@ def _h100() -> DeviceSpec:
         peak_flops={DType.BF16: 989e12, DType.FP16: 989e12, DType.FP32: 67e12},
         memory_bandwidth_bytes_per_s=3.35e12,
         reserved_bytes=_GPU_RESERVE,
+        fragmentation=_GPU_FRAGMENTATION,
         source=f"{_H100_DATASHEET}; HBM3 3.35 TB/s; memory 81559 MiB as nvidia-smi reports; {_EFFICIENCY}; "
                f"{_RESERVE_NOTE}",
     )
@@ -58,6 +62,7 @@ def _h200() -> DeviceSpec:
         peak_flops={DType.BF16: 989e12, DType.FP16: 989e12, DType.FP32: 67e12},
         memory_bandwidth_bytes_per_s=4.8e12,
         reserved_bytes=_GPU_RESERVE,
+        fragmentation=_GPU_FRAGMENTATION,
         source=f"{_H200_DATASHEET}; memory 143771 MiB as nvidia-smi reports; {_EFFICIENCY}; {_RESERVE_NOTE}",
     )
 
@@ -70,6 +75,7 @@ def _v100() -> DeviceSpec:
         memory_bandwidth_bytes_per_s=900e9,
         matmul_efficiency=0.75,
         reserved_bytes=_GPU_RESERVE,
+        fragmentation=_GPU_FRAGMENTATION,
         preferred_dtype=DType.FP16,
         source=f"{_V100_DATASHEET}; memory 16160 MiB as nvidia-smi reports; matmul 0.75 of peak (V100 "
                f"tensor-core GEMMs reach 70-80%), memory 0.8 of peak; {_RESERVE_NOTE}",

@@ -527,7 +527,7 @@ def run_trace(model: nn.Module, *, segments: dict[str, list[str]], blocks: list[
             handles.append(mod.register_forward_hook(leaf_post, with_kwargs=True))
     for name in blocks:
         mod = modules[name]
-        handles.append(mod.register_forward_pre_hook(block_pre(name), with_kwargs=True))
+        handles.append(mod.register_forward_pre_hook(block_pre(name), with_kwargs=True, prepend=True))
         handles.append(mod.register_forward_hook(block_post(name), with_kwargs=True))
         mod.forward = cached_forward(name, mod.forward)
         overridden.append(mod)

@@ -31,6 +31,12 @@ from autopar.search.split import best_split
 from autopar.search.stage_solver import Priced, StageChoice, homogeneous_times, solve_stage
 from autopar.vocab import Optimizer, Recompute, TPStyle
 
+OVERLAP_EFFICIENCY = 0.8
+"""Share of the compute time that can hide data-parallel communication. Overlapped
+collectives are not free: NCCL's kernels occupy streaming multiprocessors and both
+compete for memory bandwidth, so overlapped compute runs slower; 0.8 is a conservative
+middle of the 10-30% slowdowns reported for overlapped FSDP/DDP communication."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class StagePlan:
@@ -174,8 +180,10 @@ class Evaluator:
         return st.params_bytes + st.grads_bytes + st.optimizer_bytes
 
     def _budget(self) -> float:
+        """Bytes the model may allocate: capacity less the fixed reserve, less the
+        allocator's fragmentation on what is allocated."""
         dev = self.cluster.device
-        return dev.memory_bytes - dev.reserved_bytes
+        return (dev.memory_bytes - dev.reserved_bytes) / (1 + dev.fragmentation)
 
     # ----- stages -------------------------------------------------------------------
     def solve_units(self, units: tuple[int, ...], config: ParallelConfig, modes: tuple[Recompute, ...],
@@ -266,8 +274,8 @@ class Evaluator:
         grad_bytes = 4.0 * params
         exposed = 0.0
         if config.dp > 1:
-            hidden_bwd = bwd * (1 - 1 / units)
-            hidden_fwd = fwd * (1 - 1 / units)
+            hidden_bwd = OVERLAP_EFFICIENCY * bwd * (1 - 1 / units)
+            hidden_fwd = OVERLAP_EFFICIENCY * fwd * (1 - 1 / units)
             if config.zero_stage <= 1:
                 exposed = max(all_reduce_s(grad_bytes, span, cl) - hidden_bwd, 0.0)
                 if config.zero_stage == 1:
@@ -339,7 +347,7 @@ class Evaluator:
                         break
                     stages.append(plan)
         if stages is None:
-            need = self.min_memory_bytes(config)
+            need = self.smallest_footprint_bytes(config)
             return Outcome(config=config, fits=False, min_memory_bytes=need,
                            reason=f"out of memory: needs at least {_gib(need)} per device, "
                                   f"{_gib(self.cluster.device.memory_bytes)} available")
@@ -583,27 +591,53 @@ class Evaluator:
             memory_capacity_bytes=dev.memory_bytes, fits=peak <= dev.memory_bytes, breakdown=breakdown,
             stages=tuple(preds))
 
-    def _memory(self, plan: StagePlan, config: ParallelConfig, stages: list[StagePlan]) -> MemoryBreakdown:
+    def _memory(self, plan: StagePlan, config: ParallelConfig, stages: list[StagePlan] | tuple[StagePlan, ...]) -> MemoryBreakdown:
+        """The memory of the pipeline rank that runs ``plan``, term by term, priced as
+        the stage solver prices it."""
         pp = config.pp
-        rank_units = [o for p in stages if p.index % pp == plan.index % pp for o in p.options]
-        params = sum(o.layout.param_numel for o in rank_units)
-        factored = sum(o.layout.factored_numel for o in rank_units)
-        largest = max(o.layout.param_numel for o in rank_units)
-        st = state_bytes(param_numel=params, factored_numel=factored, largest_unit_numel=largest, dtype=config.dtype,
+        rank = [(u, o) for p in stages if p.index % pp == plan.index % pp for u, o in zip(p.units, p.options)]
+        priced = [self._priced(o, config, 0) for _, o in rank]
+        params = sum(o.layout.param_numel for _, o in rank)
+        factored = sum(o.layout.factored_numel for _, o in rank)
+        st = state_bytes(param_numel=params, factored_numel=factored, largest_unit_numel=0.0, dtype=config.dtype,
                          optimizer=self.optimizer, zero_stage=config.zero_stage, dp=config.dp, pipelined=pp > 1)
         n = len(self.graph.units)
-        all_units = {u for p in stages if p.index % pp == plan.index % pp for u in p.units}
-        shared = 0.0
-        if 0 in all_units and n - 1 in all_units:
-            shared = self._shared_bytes(config)
-        transient = max(o.transient_bytes for o in rank_units) + st.transient_bytes
-        acts = plan.inflight * sum(o.act_bytes for o in rank_units)
-        scale = params and (st.params_bytes + st.grads_bytes + st.optimizer_bytes - shared) / (
-            st.params_bytes + st.grads_bytes + st.optimizer_bytes)
+        units = {u for u, _ in rank}
+        static = st.params_bytes + st.grads_bytes + st.optimizer_bytes
+        shared = self._shared_bytes(config) if 0 in units and n - 1 in units else 0.0
+        scale = (static - shared) / static if static else 1.0
+        acts = plan.inflight * sum(p.act_bytes for p in priced)
+        transient = max(p.transient_bytes for p in priced)
+        dev = self.cluster.device
+        allocated = static - shared + acts + transient
         return MemoryBreakdown(params_bytes=st.params_bytes * scale, grads_bytes=st.grads_bytes * scale,
                                optimizer_bytes=st.optimizer_bytes * scale, activations_bytes=acts,
                                transient_bytes=transient, buffers_bytes=0.0,
-                               reserve_bytes=self.cluster.device.reserved_bytes)
+                               reserve_bytes=dev.reserved_bytes + dev.fragmentation * allocated)
+
+    def smallest_footprint_bytes(self, config: ParallelConfig) -> float:
+        """Peak memory per device with every unit at its smallest option (fewest
+        parameters, full recomputation) on the even split: what a configuration that
+        does not fit needs at least, about."""
+        modes = (Recompute.FULL,)
+        pp, v = config.pp, config.virtual_stages
+        chunks = pp * v
+        bounds = self.even_split(chunks) if chunks > 1 else (0, len(self.graph.units))
+        if bounds is None:
+            return math.inf
+        dev = self.cluster.device
+        worst = 0.0
+        for r in range(pp):
+            units = [u for c in range(r, chunks, pp) for u in range(bounds[c], bounds[c + 1])]
+            inflight = inflight_microbatches(config.schedule, pp, v, config.num_microbatches, r)
+            total, transient = 0.0, 0.0
+            for u in units:
+                smallest = min((self._priced(o, config, 0) for o in self.options(u, config, modes)),
+                               key=lambda p: p.static_bytes + inflight * p.act_bytes + p.transient_bytes)
+                total += smallest.static_bytes + inflight * smallest.act_bytes
+                transient = max(transient, smallest.transient_bytes)
+            worst = max(worst, (total + transient) * (1 + dev.fragmentation) + dev.reserved_bytes)
+        return worst
 
     # ----- the plan's per-layer decisions -------------------------------------------
     def strategies(self, stages: tuple[StagePlan, ...], config: ParallelConfig) -> tuple[LayerStrategies, Recompute]:

@@ -129,8 +129,8 @@ def _solve_ilp(profile: UnitProfile, ctx: TPContext, options: list[tuple[TPStyle
                param_cap: float | None = None) -> tuple[tuple[TPStyle, ...], Layout]:
     prob = pulp.LpProblem("tp_layout", pulp.LpMinimize)
     b = ctx.micro_batch
-    x = {(i, s): pulp.LpVariable(f"x_{i}_{s.value}", cat="Binary") for i, opts in enumerate(options) for s in opts}
-    o = {lay: pulp.LpVariable(f"out_{lay.value}", cat="Binary") for lay in outputs}
+    x = {(i, s): prob.add_variable(f"x_{i}_{s.value}", cat="Binary") for i, opts in enumerate(options) for s in opts}
+    o = {lay: prob.add_variable(f"out_{lay.value}", cat="Binary") for lay in outputs}
     for i, opts in enumerate(options):
         prob += pulp.lpSum(x[i, s] for s in opts) == 1
     prob += pulp.lpSum(o.values()) == 1
@@ -164,14 +164,14 @@ def _solve_ilp(profile: UnitProfile, ctx: TPContext, options: list[tuple[TPStyle
         for (a, xa), (need, xn) in itertools.product(produces(flow.src), needs(flow.dst)):
             glue = (1 + BACKWARD_FACTOR) * glue_fwd_s(flow, glue_layout(a, need), ctx)
             if glue > 0:
-                y = pulp.LpVariable(f"g_{k}_{a.value}{need.value}", lowBound=0)
+                y = prob.add_variable(f"g_{k}_{a.value}{need.value}", lowBound=0)
                 prob += y >= xa + xn - 1
                 terms.append(glue * y)
             f, bw = conversion_s(a, need, nbytes, ctx)
             if f + bw > 0:
                 key = (flow.src, a, need)
                 if key not in conv:
-                    conv[key] = pulp.LpVariable(f"c_{flow.src + 2}_{a.value}{need.value}", lowBound=0)
+                    conv[key] = prob.add_variable(f"c_{flow.src + 2}_{a.value}{need.value}", lowBound=0)
                     terms.append((f + bw) * conv[key])
                 prob += conv[key] >= xa + xn - 1
         if flow.dst >= 0 and TPStyle.COLUMN in options[flow.dst]:
@@ -180,7 +180,7 @@ def _solve_ilp(profile: UnitProfile, ctx: TPContext, options: list[tuple[TPStyle
                 if cost > 0:
                     key2 = (flow.src, a)
                     if key2 not in reduce_vars:
-                        reduce_vars[key2] = pulp.LpVariable(f"r_{flow.src + 2}_{a.value}", lowBound=0)
+                        reduce_vars[key2] = prob.add_variable(f"r_{flow.src + 2}_{a.value}", lowBound=0)
                         terms.append(cost * reduce_vars[key2])
                     prob += reduce_vars[key2] >= xa + x[flow.dst, TPStyle.COLUMN] - 1
     params = pulp.lpSum(leaf_param_numel(profile.leaves[i], s, ctx.tp) * x[i, s]

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from collections import Counter
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from torch import nn
@@ -37,6 +38,8 @@ class SearchResult:
     rejected: tuple[Rejection, ...]
     evaluated: int
     considered: int
+    region_sizes: Mapping[tuple[int, int], int] = field(default_factory=dict)
+    """How many candidates each (tp, pp) region has: a region is out of memory when all are."""
 
 
 def plan(model: nn.Module | LayerGraph, cluster: Cluster, *, global_batch_size: int, seq_len: int | None = None,
@@ -113,6 +116,7 @@ def search(evaluator: Evaluator, fixed: Mapping[str, Any], *, top: int) -> Searc
                           f"{evaluator.global_batch_size} with constraints {dict(fixed)}: {reasons}. Change the batch "
                           f"size, the device count or the constraints.")
     modes = (fixed["recompute"],) if "recompute" in fixed else ALL_MODES
+    region_sizes = Counter((c.tp, c.pp) for c in configs)
     cache: dict = {}
     bounded = []
     infeasible: list[Outcome] = []
@@ -140,10 +144,10 @@ def search(evaluator: Evaluator, fixed: Mapping[str, Any], *, top: int) -> Searc
     if not fitting:
         smallest = min(infeasible, key=lambda o: o.min_memory_bytes)
         return SearchResult(best=smallest, runners_up=(), infeasible=tuple(infeasible), rejected=tuple(rejected),
-                            evaluated=evaluated, considered=len(configs))
+                            evaluated=evaluated, considered=len(configs), region_sizes=region_sizes)
     finished = [replace(o, prediction=evaluator.predict(o.config, o.stages)) for o in fitting[:keep]]
     return SearchResult(best=finished[0], runners_up=tuple(finished[1:]), infeasible=tuple(infeasible),
-                        rejected=tuple(rejected), evaluated=evaluated, considered=len(configs))
+                        rejected=tuple(rejected), evaluated=evaluated, considered=len(configs), region_sizes=region_sizes)
 
 
 def _graph(model, cluster: Cluster, fixed, seq_len, sample_input, attention) -> LayerGraph:
@@ -222,7 +226,7 @@ def _to_plan(evaluator: Evaluator, result: SearchResult, cluster: Cluster, graph
     strategies, default = evaluator.strategies(best.stages, best.config)
     config = replace(best.config, recompute=default)
     stages = tuple(tuple(m for u in s.units for m in graph.units[u].modules) for s in best.stages)
-    alternatives = _alternatives(result)
+    alternatives = _alternatives(result, evaluator)
     notes = _notes(graph, config, strategies)
     return Plan(
         config=config, stages=stages, layer_strategies=strategies, prediction=best.prediction,
@@ -236,7 +240,7 @@ def _to_plan(evaluator: Evaluator, result: SearchResult, cluster: Cluster, graph
         notes=notes, search_time_s=time.perf_counter() - started, candidates_evaluated=result.evaluated)
 
 
-def _alternatives(result: SearchResult) -> tuple[Alternative, ...]:
+def _alternatives(result: SearchResult, evaluator: Evaluator) -> tuple[Alternative, ...]:
     best_t = result.best.step_time_s
     out = []
     for o in result.runners_up:
@@ -245,20 +249,33 @@ def _alternatives(result: SearchResult) -> tuple[Alternative, ...]:
                                memory_bytes_per_device=p.memory_bytes_per_device,
                                slower_by=p.step_time_s / best_t - 1, over_memory_bytes=0.0,
                                reason=f"{100 * (p.step_time_s / best_t - 1):.1f}% slower"))
-    by_region: dict[tuple[int, int], Outcome] = {}
-    for o in result.infeasible:
-        key = (o.config.tp, o.config.pp)
-        if key not in by_region or o.min_memory_bytes < by_region[key].min_memory_bytes:
-            by_region[key] = o
     cap = result.best.prediction.memory_capacity_bytes if result.best.prediction else 0.0
-    for key in sorted(by_region, key=lambda k: by_region[k].min_memory_bytes)[:5]:
-        o = by_region[key]
+    for o in _oom_regions(result, cap, evaluator):
         over = o.min_memory_bytes - cap
-        out.append(Alternative(config=o.config, status="out-of-memory", step_time_s=math.inf if False else 0.0,
+        out.append(Alternative(config=o.config, status="out-of-memory", step_time_s=0.0,
                                memory_bytes_per_device=o.min_memory_bytes, slower_by=0.0, over_memory_bytes=over,
-                               reason=f"tp={o.config.tp} pp={o.config.pp}: out of memory by {over / 2**30:.1f} GiB "
-                                      f"even at best ({o.min_memory_bytes / 2**30:.1f} GiB needed)"))
+                               reason=f"tp={o.config.tp} pp={o.config.pp}: needs about {o.min_memory_bytes / 2**30:.1f} "
+                                      f"GiB per device even with full recomputation ({over / 2**30:.1f} GiB over)"))
     return tuple(out)
+
+
+def _oom_regions(result: SearchResult, cap: float, evaluator: Evaluator, limit: int = 5) -> list[Outcome]:
+    """For each (tp, pp) region where no candidate fits, the closest to fitting: among
+    its smallest micro-batch size, the one with the smallest footprint."""
+    regions: dict[tuple[int, int], list[Outcome]] = {}
+    for o in result.infeasible:
+        regions.setdefault((o.config.tp, o.config.pp), []).append(o)
+    found = []
+    for key, members in regions.items():
+        if len(members) < result.region_sizes.get(key, 0):
+            continue  # some candidate of this region fits (or was only slower)
+        smallest_mbs = min(o.config.micro_batch_size for o in members)
+        sized = [replace(o, min_memory_bytes=max(o.min_memory_bytes, evaluator.smallest_footprint_bytes(o.config)))
+                 for o in members if o.config.micro_batch_size == smallest_mbs]
+        best = min(sized, key=lambda o: o.min_memory_bytes)
+        if best.min_memory_bytes > cap:
+            found.append(best)
+    return sorted(found, key=lambda o: o.min_memory_bytes)[:limit]
 
 
 def _notes(graph: LayerGraph, config: ParallelConfig, strategies) -> tuple[str, ...]:

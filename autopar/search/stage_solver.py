@@ -226,10 +226,10 @@ def _solve_ilp(groups, room: float, inflight: float, solver: pulp.LpSolver | Non
         lays = sorted({o.layout for o in opts})
         if k > 1 and len(lays) > 1:
             for lay in lays:
-                layout_of[g, lay] = pulp.LpVariable(f"lay_{g}_{lay}", cat="Binary")
+                layout_of[g, lay] = prob.add_variable(f"lay_{g}_{lay}", cat="Binary")
             prob += pulp.lpSum(layout_of[g, lay] for lay in lays) == 1
         for j, o in enumerate(opts):
-            n[g, j] = pulp.LpVariable(f"n_{g}_{j}", lowBound=0, upBound=k, cat="Integer")
+            n[g, j] = prob.add_variable(f"n_{g}_{j}", lowBound=0, upBound=k, cat="Integer")
             if (g, o.layout) in layout_of:
                 prob += n[g, j] <= k * layout_of[g, o.layout]
         prob += pulp.lpSum(n[g, j] for j in range(len(opts))) == k

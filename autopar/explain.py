@@ -1,0 +1,129 @@
+"""``Plan.explain()``: the plan, its predicted cost and why it won, as text a person reads."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+
+from autopar.plan import Plan
+
+GIB = 2**30
+
+
+def explain_plan(plan: Plan, *, top: int = 5) -> str:
+    """The report behind :meth:`Plan.explain`."""
+    c, p, m, cl = plan.config, plan.prediction, plan.model, plan.cluster
+    b = p.breakdown
+    lines = [
+        f"autopar plan: {m.name} ({m.num_params / 1e9:.2f}B parameters) on {cl.describe()}",
+        f"  batch {m.global_batch_size} x {m.seq_len} tokens, {c.dtype.value}, {plan.settings.optimizer.value} "
+        f"optimizer, {plan.settings.attention.value} attention",
+        "",
+        f"Configuration  dp={c.dp} x tp={c.tp} x pp={c.pp} (mesh pp, dp, tp), micro-batch {c.micro_batch_size} x "
+        f"{c.num_microbatches} per step, {_schedule(plan)}, ZeRO-{c.zero_stage}, {_recompute(plan)}"
+        f"{', sequence parallel' if c.sequence_parallel else ''}",
+        f"Predicted      step {p.step_time_s:.3g} s | {p.samples_per_s:,.1f} samples/s | {p.tokens_per_s:,.0f} tokens/s | "
+        f"{p.tflops_per_device:.1f} TFLOP/s per device | MFU {100 * p.mfu:.1f}% (HFU {100 * p.hfu:.1f}%)",
+        f"Memory         {p.memory_bytes_per_device / GIB:.1f} GiB peak per device of "
+        f"{p.memory_capacity_bytes / GIB:.1f} GiB ({'fits' if p.fits else 'DOES NOT FIT'}); {_worst_memory(plan)}",
+        f"Step time      {_breakdown(p.step_time_s, b)}",
+        "",
+        "Stages (pipeline rank: units | forward / backward per micro-batch | peak memory)",
+    ]
+    shown = p.stages if len(p.stages) <= 8 else p.stages[:4] + p.stages[-3:]
+    for s in shown:
+        if len(p.stages) > 8 and s is p.stages[-3]:
+            lines.append(f"  ... {len(p.stages) - 7} more stages ...")
+        lines.append(f"  {s.index:>3} (rank {s.pipeline_rank}): {compact(s.units)} | {1e3 * s.forward_s:.3g} ms / "
+                     f"{1e3 * s.backward_s:.3g} ms | {s.memory.total_bytes / GIB:.1f} GiB")
+    tp = _tp_summary(plan)
+    if tp:
+        lines += ["", f"Tensor parallelism (tp={c.tp})", *[f"  {line}" for line in tp]]
+    runners = [a for a in plan.alternatives if a.status == "runner-up"][:top]
+    oom = [a for a in plan.alternatives if a.status == "out-of-memory"][:top]
+    lines += ["", f"Why this plan ({plan.candidates_evaluated} configurations costed in {plan.search_time_s:.2f} s; "
+                  f"the search is exact for its cost model)"]
+    if runners:
+        lines.append("  runners-up:")
+        for a in runners:
+            lines.append(f"    {a.config.short():<78} {a.step_time_s:.3g} s  +{100 * a.slower_by:.1f}%  "
+                         f"{a.memory_bytes_per_device / GIB:.1f} GiB")
+    if oom:
+        lines.append("  rejected (out of memory):")
+        for a in oom:
+            lines.append(f"    {a.reason}")
+    if plan.settings.profile_sources:
+        lines += ["", "Measurements used:", *[f"  {s}" for s in plan.settings.profile_sources]]
+    if plan.notes:
+        lines += ["", "Notes:", *[f"  - {n}" for n in plan.notes]]
+    return "\n".join(lines)
+
+
+def _schedule(plan: Plan) -> str:
+    c = plan.config
+    if c.pp == 1:
+        return "no pipeline"
+    if c.virtual_stages > 1:
+        return f"{c.schedule.value} with {c.virtual_stages} stages per rank"
+    return f"{c.schedule.value} schedule"
+
+
+def _recompute(plan: Plan) -> str:
+    c = plan.config
+    text = f"recompute {c.recompute.value}"
+    if plan.layer_strategies.recompute:
+        counts = Counter(v.value for v in plan.layer_strategies.recompute.values())
+        text += " (" + ", ".join(f"{n} unit(s) {mode}" for mode, n in sorted(counts.items())) + ")"
+    return text
+
+
+def _breakdown(total: float, b) -> str:
+    parts = [("compute", b.compute_s), ("recompute", b.recompute_s), ("TP comm", b.tp_comm_s),
+             ("PP comm", b.pp_comm_s), ("bubble", b.bubble_s), ("DP comm", b.dp_comm_s), ("optimizer", b.optimizer_s)]
+    return " | ".join(f"{name} {v:.3g} s ({100 * v / total:.0f}%)" for name, v in parts if v > 1e-4 * total)
+
+
+def _worst_memory(plan: Plan) -> str:
+    s = max(plan.prediction.stages, key=lambda st: st.memory.total_bytes)
+    mb = s.memory
+    parts = [("params", mb.params_bytes), ("grads", mb.grads_bytes), ("optimizer", mb.optimizer_bytes),
+             ("activations", mb.activations_bytes), ("transient", mb.transient_bytes), ("reserve", mb.reserve_bytes)]
+    return f"stage {s.index}: " + " | ".join(f"{n} {v / GIB:.1f}" for n, v in parts)
+
+
+def compact(names: tuple[str, ...] | list[str]) -> str:
+    """``layers.0, layers.1, layers.2, norm`` -> ``layers.0-2, norm``."""
+    out: list[str] = []
+    run: list[tuple[str, int]] = []
+
+    def flush() -> None:
+        if not run:
+            return
+        prefix, first = run[0]
+        last = run[-1][1]
+        out.append(f"{prefix}{first}" if first == last else f"{prefix}{first}-{last}")
+        run.clear()
+
+    for name in names:
+        match = re.fullmatch(r"(.*?)(\d+)", name)
+        if match:
+            prefix, num = match.group(1), int(match.group(2))
+            if run and run[-1][0] == prefix and run[-1][1] + 1 == num:
+                run.append((prefix, num))
+                continue
+            flush()
+            run.append((prefix, num))
+        else:
+            flush()
+            out.append(name)
+    flush()
+    return ", ".join(out)
+
+
+def _tp_summary(plan: Plan) -> list[str]:
+    by_pattern: dict[str, Counter] = defaultdict(Counter)
+    for fqn, style in plan.layer_strategies.tp.items():
+        pattern = re.sub(r"\.\d+\.", ".*.", fqn, count=1)
+        by_pattern[pattern][style.value] += 1
+    return [f"{pattern}: " + ", ".join(f"{s}" + (f" x{n}" if n > 1 else "") for s, n in counts.items())
+            for pattern, counts in sorted(by_pattern.items())]

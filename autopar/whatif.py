@@ -1,0 +1,88 @@
+"""The questions users ask after the first plan: how few devices, how long, what if.
+
+Each answer is the same search run again with one input changed, so it inherits the
+planner's exactness and its assumptions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from autopar.cluster import Cluster
+from autopar.errors import ConfigError, InfeasiblePlanError, check_positive_float, check_positive_int
+from autopar.graph.extract import extract
+from autopar.graph.layer_graph import LayerGraph
+from autopar.plan import Plan
+from autopar.search.planner import plan as make_plan
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingTime:
+    """How long a token budget takes under a plan.
+
+    Attributes:
+        steps: optimizer steps (rounded up).
+        seconds: wall time at the predicted step time.
+        device_hours: seconds x devices / 3600.
+    """
+
+    steps: int
+    seconds: float
+    device_hours: float
+
+    @property
+    def days(self) -> float:
+        """Wall time in days."""
+        return self.seconds / 86400
+
+
+def time_to_train(plan: Plan, tokens: float) -> TrainingTime:
+    """Steps, wall time and device-hours to train on ``tokens`` tokens with ``plan``."""
+    check_positive_float("tokens", tokens)
+    per_step = plan.model.global_batch_size * plan.model.seq_len
+    steps = int(-(-tokens // per_step))
+    seconds = steps * plan.prediction.step_time_s
+    return TrainingTime(steps=steps, seconds=seconds, device_hours=seconds * plan.config.world_size / 3600)
+
+
+def fewest_nodes(model: nn.Module | LayerGraph, cluster: Cluster, *, global_batch_size: int,
+                 seq_len: int | None = None, sample_input: Any = None, max_nodes: int = 4096,
+                 **plan_kwargs: Any) -> Plan:
+    """The plan on the fewest nodes of ``cluster``'s type that fit the model.
+
+    Doubles the node count until a plan fits, then bisects between the last two counts
+    (a count that fits may still be passed over if the batch does not divide it).
+    """
+    check_positive_int("max_nodes", max_nodes)
+    graph = model if isinstance(model, LayerGraph) else extract(
+        model, seq_len=seq_len, sample_input=sample_input,
+        dtype=plan_kwargs.get("constraints", {}).get("dtype", cluster.device.preferred_dtype),
+        attention=plan_kwargs.get("attention", "flash"))
+
+    def attempt(nodes: int) -> Plan | None:
+        try:
+            return make_plan(graph, cluster.with_nodes(nodes), global_batch_size=global_batch_size, **plan_kwargs)
+        except (InfeasiblePlanError, ConfigError):
+            return None
+
+    lo, hi, found = 0, 1, None
+    while hi <= max_nodes:
+        found = attempt(hi)
+        if found is not None:
+            break
+        lo, hi = hi, hi * 2
+    if found is None:
+        raise InfeasiblePlanError(f"no plan fits on up to {max_nodes} nodes of {cluster.name.split(' x ')[0]}; the "
+                                  f"model needs another device type or a smaller batch/sequence.",
+                                  min_memory_bytes=float("inf"), capacity_bytes=cluster.device.memory_bytes)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        candidate = attempt(mid)
+        if candidate is not None:
+            hi, found = mid, candidate
+        else:
+            lo = mid
+    return found

@@ -1,0 +1,157 @@
+"""Model extraction against hand counts: FLOPs (Narayanan et al. 2021), saved activations
+(Korthikanti et al. 2022 accounting, for this implementation), units and leaves."""
+
+import pytest
+import torch
+from torch import nn
+
+from autopar import ModelError
+from autopar.graph import LeafKind, extract
+from autopar.models import CNNConfig, GPT, GPTConfig, Llama, LlamaConfig, MLPConfig, MLPStack, ResNet, build_named_model
+
+S, H, A, L, V = 64, 128, 4, 4, 256
+
+
+def _gpt():
+    return GPT(GPTConfig(vocab_size=V, seq_len=S, dim=H, n_layers=L, n_heads=A))
+
+
+def test_gpt_flops_match_the_megatron_formula():
+    g = extract(_gpt(), seq_len=S, dtype="fp32")
+    matmul = sum(leaf.matmul_flops for u in g.units for leaf in g.profiles[u.profile].leaves)
+    assert matmul == pytest.approx(L * 24 * S * H * H + 2 * S * H * V, rel=1e-12)
+    attention = sum(f.attn_flops for u in g.units for f in g.profiles[u.profile].flows)
+    assert attention == pytest.approx(L * 4 * S * S * H, rel=1e-12)
+
+
+def test_gpt_units_leaves_and_tied_weights():
+    g = extract(_gpt(), seq_len=S, dtype="fp32")
+    assert g.unit_names == ("tok_embeddings+pos_embeddings", "layers.0", "layers.1", "layers.2", "layers.3", "norm+output")
+    assert len(g.profiles) == 3  # repeated blocks are analysed once
+    block = g.profile_of(1)
+    kinds = {leaf.name: leaf.kind for leaf in block.leaves}
+    assert kinds["attention.wq"] is LeafKind.LINEAR and kinds["attention_norm"] is LeafKind.NORM
+    heads = {leaf.name: (leaf.in_heads, leaf.out_heads) for leaf in block.leaves}
+    assert heads["attention.wq"] == (0, A) and heads["attention.wo"] == (A, 0) and heads["feed_forward.w1"] == (0, 0)
+    assert g.shared[0].numel == V * H  # tok_embeddings.weight is output.weight
+    assert g.num_params == sum(p.numel() for p in _gpt().parameters())
+
+
+def test_saved_activations_materialized_hand_count():
+    """fp32, no dropout, per sample: inputs of ln1, the q/k/v projections (shared), wo,
+    ln2, w1 and w2 (4h wide), the GELU input (4h), q, k and v; LayerNorm mean and rstd;
+    softmax probabilities (a s^2) and the causal mask (s^2 booleans)."""
+    g = extract(_gpt(), seq_len=S, dtype="fp32", attention="materialized")
+    sh = S * H * 4
+    expected = 16 * sh + 2 * 2 * S * 4 + A * S * S * 4 + S * S
+    assert g.profile_of(1).saved_bytes == expected
+    attn_core = sum(f.attn_saved_bytes for f in g.profile_of(1).flows)
+    assert attn_core == A * S * S * 4 + S * S  # what selective recomputation drops
+
+
+def test_flash_attention_keeps_no_scores():
+    g = extract(_gpt(), seq_len=S, dtype="fp32", attention="flash")
+    sh = S * H * 4
+    base = 16 * sh + 2 * 2 * S * 4
+    saved = g.profile_of(1).saved_bytes
+    # plus the log-sum-exp (a s, fp32) and the RNG seeds of the fused kernel; its output
+    # is laid out (b, s, heads, d), so the projection's input is a view of it: one storage
+    assert base + A * S * 4 <= saved <= base + A * S * 4 + 64
+
+
+def test_bf16_halves_the_activations():
+    f32 = extract(_gpt(), seq_len=S, dtype="fp32", attention="materialized").profile_of(1)
+    b16 = extract(_gpt(), seq_len=S, dtype="bf16", attention="materialized").profile_of(1)
+    assert b16.fwd_flops == f32.fwd_flops
+    assert 0.45 * f32.saved_bytes < b16.saved_bytes < 0.6 * f32.saved_bytes
+
+
+def test_llama_grouped_query_attention():
+    cfg = LlamaConfig(vocab_size=V, seq_len=S, dim=H, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=352)
+    g = extract(Llama(cfg), seq_len=S, dtype="fp32")
+    block = g.profile_of(1)
+    heads = {leaf.name: leaf.out_heads for leaf in block.leaves}
+    assert heads["attention.wq"] == 8 and heads["attention.wk"] == 2 and heads["attention.wv"] == 2
+    kv = 2 * H // 8
+    per_layer = 2 * S * (2 * H * H + 2 * H * kv + 3 * H * 352)
+    matmul = sum(leaf.matmul_flops for leaf in block.leaves)
+    assert matmul == pytest.approx(per_layer, rel=1e-12)
+
+
+def test_hf_gpt2_conv1d_and_fused_qkv():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_embd=H, n_layer=2, n_head=A, n_positions=S, vocab_size=V)
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(cfg)
+    g = extract(model, seq_len=S, dtype="fp32")
+    assert g.units[0].modules == ("transformer.wte", "transformer.wpe", "transformer.drop")
+    assert g.units[-1].modules == ("transformer.ln_f", "lm_head")
+    block = g.profile_of(1)
+    c_attn = next(leaf for leaf in block.leaves if leaf.name == "attn.c_attn")
+    assert c_attn.kind is LeafKind.LINEAR and (c_attn.in_features, c_attn.out_features) == (H, 3 * H)
+    assert c_attn.out_heads == A  # q, k and v each carry A heads
+    matmul = sum(leaf.matmul_flops for leaf in block.leaves)
+    assert matmul == pytest.approx(24 * S * H * H, rel=1e-12)
+    assert g.shared and g.shared[0].numel == V * H
+
+
+def test_hf_llama_bert_bloom_extract():
+    transformers = pytest.importorskip("transformers")
+    with torch.device("meta"):
+        llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_size=H, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+            vocab_size=V, max_position_embeddings=S))
+        bert = transformers.BertForMaskedLM(transformers.BertConfig(
+            hidden_size=H, num_hidden_layers=2, num_attention_heads=A, intermediate_size=256, vocab_size=V,
+            max_position_embeddings=S))
+        bloom = transformers.BloomForCausalLM(transformers.BloomConfig(hidden_size=H, n_layer=2, n_head=A,
+                                                                       vocab_size=V))
+    gl = extract(llama, seq_len=S, dtype="fp32")
+    assert [u.fqn for u in gl.units[1:-1]] == ["model.layers.0", "model.layers.1"]
+    assert {leaf.name: leaf.out_heads for leaf in gl.profile_of(1).leaves}["self_attn.k_proj"] == 2
+    gb = extract(bert, seq_len=S, dtype="fp32")
+    assert [u.fqn for u in gb.units[1:-1]] == ["bert.encoder.layer.0", "bert.encoder.layer.1"]
+    go = extract(bloom, seq_len=S, dtype="fp32")
+    assert len(go.units) == 4 and go.fwd_flops_per_sample > 0
+
+
+def test_cnn_units_and_conv_flops():
+    cfg = CNNConfig(image_size=32, width=16, stages=2, blocks_per_stage=2, num_classes=10)
+    g = extract(ResNet(cfg), sample_input=torch.zeros(2, 3, 32, 32), dtype="fp32")
+    assert g.unit_names == ("stem", "layers.0", "layers.1", "layers.2", "layers.3", "head")
+    stem_conv = g.profile_of(0).leaves[0]
+    assert stem_conv.kind is LeafKind.OTHER
+    assert stem_conv.matmul_flops == pytest.approx(2 * 3 * 16 * 9 * 32 * 32)  # per sample
+    assert not any(p.has_attention for p in g.profiles)
+
+
+def test_mlp_stack_and_plain_sequential():
+    g = extract(MLPStack(MLPConfig(in_dim=8, dim=16, ffn_dim=32, n_layers=3, out_dim=4)),
+                sample_input=torch.zeros(4, 8), dtype="fp32")
+    assert g.unit_names == ("inp", "layers.0", "layers.1", "layers.2", "out")
+    seq = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
+    gs = extract(seq, sample_input=torch.zeros(3, 8), dtype="fp32")
+    assert gs.unit_names == ("0", "1", "2", "3", "4")
+    assert gs.profile_of(0).leaves[0].matmul_flops == pytest.approx(2 * 8 * 16)
+
+
+def test_trillion_parameter_model_on_meta():
+    g = extract(build_named_model("gpt-1t"), seq_len=2048)
+    assert g.num_params > 1.0e12 and len(g.units) == 130 and len(g.profiles) == 3
+
+
+def test_real_weights_are_not_touched(tiny_gpt):
+    before = {k: v.clone() for k, v in tiny_gpt.state_dict().items()}
+    extract(tiny_gpt, seq_len=S)
+    assert all(torch.equal(before[k], v) for k, v in tiny_gpt.state_dict().items())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in tiny_gpt.modules())
+    assert "forward" not in vars(tiny_gpt.layers["1"])
+
+
+def test_input_errors():
+    with pytest.raises(ModelError, match="exactly one of seq_len"):
+        extract(_gpt())
+    with pytest.raises(ModelError, match="has no nn.Embedding"):
+        extract(MLPStack(MLPConfig()), seq_len=16)
+    with pytest.raises(ModelError, match="tracing MLPStack on fake tensors failed"):
+        extract(MLPStack(MLPConfig(in_dim=8)), sample_input=torch.zeros(2, 5))

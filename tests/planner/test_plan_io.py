@@ -1,0 +1,56 @@
+"""Plan files: exact round trip, versioned, malformed input named precisely."""
+
+import json
+
+import pytest
+
+from autopar import Plan, PlanFormatError
+
+
+@pytest.mark.parametrize("fixture", ["gpt2_plan", "pipelined_plan"])
+def test_exact_round_trip(fixture, request, tmp_path):
+    plan = request.getfixturevalue(fixture)
+    text = plan.to_json()
+    again = Plan.from_json(text)
+    assert again == plan
+    assert again.to_json() == text
+    path = tmp_path / "p.json"
+    plan.save(path)
+    assert Plan.load(path) == plan
+
+
+def test_unknown_schema_version(gpt2_plan):
+    data = json.loads(gpt2_plan.to_json())
+    data["schema_version"] = 99
+    with pytest.raises(PlanFormatError, match="schema_version 99 is not supported"):
+        Plan.from_dict(data)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d["config"].__setitem__("tp", "8"), r"plan.config.tp: expected an integer, got '8'"),
+    (lambda d: d["config"].__setitem__("schedule", "zigzag"), r"plan.config.schedule: 'zigzag' is not allowed"),
+    (lambda d: d["layer_strategies"]["tp"].__setitem__("x", "diagonal"), r"plan.layer_strategies.tp\['x'\]"),
+    (lambda d: d["config"].pop("dp"), r"plan.config: missing field 'dp'"),
+    (lambda d: d["config"].__setitem__("extra", 1), r"plan.config: unknown field"),
+    (lambda d: d["cluster"].__setitem__("nodes", 0), r"plan.cluster: .*nodes=0"),
+])
+def test_malformed_fields_are_named(pipelined_plan, mutate, message):
+    data = json.loads(pipelined_plan.to_json())
+    mutate(data)
+    with pytest.raises(PlanFormatError, match=message):
+        Plan.from_dict(data)
+
+
+def test_inconsistent_plan_refused(pipelined_plan):
+    data = json.loads(pipelined_plan.to_json())
+    data["stages"] = data["stages"][:1]
+    with pytest.raises(PlanFormatError, match="stages but pp x virtual_stages"):
+        Plan.from_dict(data)
+
+
+def test_missing_and_broken_files(tmp_path):
+    with pytest.raises(PlanFormatError, match="does not exist"):
+        Plan.load(tmp_path / "none.json")
+    (tmp_path / "x.json").write_text("[1, 2")
+    with pytest.raises(PlanFormatError, match="not valid JSON"):
+        Plan.load(tmp_path / "x.json")

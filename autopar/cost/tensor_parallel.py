@@ -288,6 +288,15 @@ def _shard(nbytes: float, layout: Layout, tp: int) -> float:
     return nbytes / tp if layout in _SHARDED else nbytes
 
 
+def producer_bytes(profile: UnitProfile) -> dict[int, float]:
+    """Per producer, the largest tensor it sends along any flow (per sample): what a
+    conversion of its output moves."""
+    out: dict[int, float] = {}
+    for flow in profile.flows:
+        out[flow.src] = max(out.get(flow.src, 0.0), flow.tensor_bytes)
+    return out
+
+
 def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: Layout, ctx: TPContext) -> UnitCost:
     """The cost of one layout, computed directly (the reference for the ILP)."""
     b = ctx.micro_batch
@@ -296,8 +305,9 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
     attn_fwd = 0.0
     saved = sum(_shard(leaf.saved_bytes * b, STYLE_IO[s][0], t) for leaf, s in zip(profile.leaves, styles))
     attn_saved = 0.0
-    conversions: dict[tuple[int, Layout], tuple[Layout, float]] = {}
-    partial: dict[int, tuple[Layout, float]] = {}
+    conversions: dict[tuple[int, Layout], Layout] = {}
+    partial: dict[int, Layout] = {}
+    largest = producer_bytes(profile)
     for flow in profile.flows:
         a = out_layout(profile, styles, ctx, flow.src)
         need = in_layout(styles, output, flow.dst)
@@ -306,18 +316,16 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         attn_fwd += glue_fwd_s(flow, g, ctx, attention_only=True)
         saved += _shard(flow.saved_bytes * b, g, t)
         attn_saved += _shard(flow.attn_saved_bytes * b, g, t)
-        nbytes = flow.tensor_bytes * b
-        key = (flow.src, need)
-        conversions[key] = (a, max(nbytes, conversions.get(key, (a, 0.0))[1]))
+        conversions[(flow.src, need)] = a
         if need is Layout.R and flow.dst >= 0 and styles[flow.dst] is TPStyle.COLUMN:
-            partial[flow.src] = (a, max(nbytes, partial.get(flow.src, (a, 0.0))[1]))
+            partial[flow.src] = a
     fwd_comm = bwd_comm = 0.0
-    for (src, need), (a, nbytes) in conversions.items():
-        f, bw = conversion_s(a, need, nbytes, ctx)
+    for (src, need), a in conversions.items():
+        f, bw = conversion_s(a, need, largest[src] * b, ctx)
         fwd_comm += f
         bwd_comm += bw
-    for src, (a, nbytes) in partial.items():
-        bwd_comm += reduction_s(a, nbytes, ctx)
+    for src, a in partial.items():
+        bwd_comm += reduction_s(a, largest[src] * b, ctx)
     if ctx.last and output is Layout.F:
         fwd_comm += loss_parallel_s(ctx)
     params = sum(leaf_param_numel(leaf, s, t) for leaf, s in zip(profile.leaves, styles))

@@ -156,8 +156,10 @@ class Evaluator:
                       act_bytes=opt.act_bytes, transient_bytes=opt.transient_bytes + st.transient_bytes,
                       layout=layout_id)
 
-    def _priced_options(self, unit: int, config: ParallelConfig,
-                        modes: tuple[Recompute, ...]) -> tuple[tuple[UnitOption, ...], tuple[Priced, ...]]:
+    def priced_options(self, unit: int, config: ParallelConfig,
+                       modes: tuple[Recompute, ...]) -> tuple[tuple[UnitOption, ...], tuple[Priced, ...]]:
+        """The options of ``unit`` and their prices under ``config`` (identical
+        options of different layouts carry different layout ids)."""
         key = ("priced", self._keys[unit], self._config_key(config, modes))
         if key not in self._options:
             opts = self.options(unit, config, modes)
@@ -223,7 +225,7 @@ class Evaluator:
         groups = []
         group_opts = []
         for k in groups_keys:
-            opts, priced = self._priced_options(members[k][0], config, modes)
+            opts, priced = self.priced_options(members[k][0], config, modes)
             groups.append((len(members[k]), priced))
             group_opts.append(opts)
         budget = self._budget()
@@ -420,13 +422,13 @@ class Evaluator:
         table = self._stages.get(key)
         if table is None or table.size <= count:
             grow = max(count, 8, 2 * (table.size if table is not None else 0))
-            opts, priced = self._priced_options(start, config, modes)
+            opts, priced = self.priced_options(start, config, modes)
             table = homogeneous_times(priced, grow, self._budget(), inflight)
             self._stages[key] = table
         t = float(table[count])
         if not math.isfinite(t):
             return math.inf
-        opts = self._priced_options(start, config, modes)[0]
+        opts = self.priced_options(start, config, modes)[0]
         units = (start, start + count - 1)
         f, b = self._p2p_s(units, (opts[0],) * 2, config)
         return t + f + b

@@ -22,7 +22,7 @@ import pulp
 
 from autopar.cost.tensor_parallel import (
     BACKWARD_FACTOR, STYLE_IO, Layout, TPContext, UnitCost, allowed_styles, conversion_s, evaluate_layout,
-    glue_fwd_s, glue_layout, leaf_fwd_s, leaf_param_numel, loss_parallel_s, reduction_s,
+    glue_fwd_s, glue_layout, leaf_fwd_s, leaf_param_numel, loss_parallel_s, producer_bytes, reduction_s,
 )
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, UnitProfile
 from autopar.search.ilp import make_solver, solve
@@ -159,8 +159,9 @@ def _solve_ilp(profile: UnitProfile, ctx: TPContext, options: list[tuple[TPStyle
         terms.append(loss_parallel_s(ctx) * o[Layout.F])
     conv: dict[tuple[int, Layout, Layout], pulp.LpVariable] = {}
     reduce_vars: dict[tuple[int, Layout], pulp.LpVariable] = {}
+    largest = producer_bytes(profile)
     for k, flow in enumerate(profile.flows):
-        nbytes = flow.tensor_bytes * b
+        nbytes = largest[flow.src] * b
         for (a, xa), (need, xn) in itertools.product(produces(flow.src), needs(flow.dst)):
             glue = (1 + BACKWARD_FACTOR) * glue_fwd_s(flow, glue_layout(a, need), ctx)
             if glue > 0:

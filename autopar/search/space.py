@@ -117,7 +117,11 @@ def enumerate_space(graph: LayerGraph, cluster: Cluster, global_batch_size: int,
     dtype = c.get("dtype", cluster.device.preferred_dtype)
     cluster.device.peak(dtype)  # raises a clear error if the device lacks it
     n_units = len(graph.units)
-    tps = [c["tp"]] if "tp" in c else tp_degrees(graph, world)
+    allowed_tp = tp_degrees(graph, world)
+    if "tp" in c and c["tp"] not in allowed_tp:
+        raise ConfigError(f"tp={c['tp']} does not fit the model's layer shapes on {world} devices (attention heads, "
+                          f"KV heads and FFN sizes must divide by it); allowed: {allowed_tp}.")
+    tps = [c["tp"]] if "tp" in c else allowed_tp
     configs: list[ParallelConfig] = []
     for tp in tps:
         if world % tp:

@@ -1,0 +1,132 @@
+"""Cost-model terms against closed-form hand calculations."""
+
+import math
+
+import pytest
+
+from autopar import Cluster
+from autopar.cost.comm import all_gather_s, all_reduce_s, group_span, p2p_s
+from autopar.cost.compute import ComputeRates, interpolate_loglog, work_s
+from autopar.cost.memory import state_bytes
+from autopar.cost.pipeline import inflight_microbatches, pipeline_time_s, schedule_problem
+from autopar.cost.tensor_parallel import Layout, TPContext, evaluate_layout, padded
+from autopar.cost.compute import rates
+from autopar.graph import extract
+from autopar.models import build_named_model
+from autopar.vocab import DType, Optimizer, Schedule, TPStyle
+
+DGX = Cluster.preset("dgx-a100-80gb", nodes=4)
+BI, BE = DGX.intra_node.bandwidth_bytes_per_s, DGX.inter_node.bandwidth_bytes_per_s
+AI, AE = DGX.intra_node.latency_s, DGX.inter_node.latency_s
+
+
+def test_group_spans_follow_the_rank_layout():
+    assert group_span(8, 1, 8) == group_span(8, 1, 8).__class__(size=8, per_node=8, nodes=1)
+    dp = group_span(4, 8, 8)        # tp=8 fills a node: one dp rank per node
+    assert (dp.per_node, dp.nodes) == (1, 4)
+    dp = group_span(16, 2, 8)       # tp=2: four dp ranks per node
+    assert (dp.per_node, dp.nodes) == (4, 4)
+    tp = group_span(16, 1, 8)       # a TP group across two nodes
+    assert (tp.per_node, tp.nodes) == (8, 2)
+
+
+def test_ring_all_reduce_inside_a_node():
+    size = 1e9
+    assert all_reduce_s(size, group_span(8, 1, 8), DGX) == pytest.approx(2 * 7 / 8 * size / BI + 2 * 7 * AI)
+    assert all_gather_s(size, group_span(8, 1, 8), DGX) == pytest.approx(7 / 8 * size / BI + 7 * AI)
+
+
+def test_hierarchical_all_reduce_across_nodes():
+    size = 1e9
+    span = group_span(32, 1, 8)     # 8 per node x 4 nodes
+    expected = 2 * 7 / 8 * size / BI + 2 * 7 * AI + 2 * 3 / 4 * (size / 8) / BE + 2 * 2 * AE
+    assert all_reduce_s(size, span, DGX) == pytest.approx(expected)
+    assert all_reduce_s(size, group_span(1, 1, 8), DGX) == 0.0
+    assert p2p_s(1e6, cross_node=True, cluster=DGX) == pytest.approx(1e6 / BE + AE)
+
+
+def test_roofline():
+    r = ComputeRates(matmul_flops_per_s=100e12, vector_flops_per_s=10e12, bytes_per_s=1e12)
+    assert work_s(matmul_flops=1e12, other_flops=0, nbytes=1e9, r=r) == pytest.approx(0.01)      # compute bound
+    assert work_s(matmul_flops=1e9, other_flops=0, nbytes=1e10, r=r) == pytest.approx(0.01)      # memory bound
+    curve = ((1e6, 1e12), (1e9, 1e14))
+    assert interpolate_loglog(curve, 1e3) == 1e12 and interpolate_loglog(curve, 1e12) == 1e14
+    assert interpolate_loglog(curve, math.sqrt(1e6 * 1e9)) == pytest.approx(1e13)
+
+
+@pytest.mark.parametrize("zero, dp, expected", [
+    (0, 8, 4 + 2 + 4 + 8),          # ZeRO paper's mixed-precision Adam, with fp32 gradients: 18 B/param
+    (1, 8, 4 + 2 + 4 + 8 / 8),
+    (2, 8, 4 / 8 + 2 + 4 / 8 + 8 / 8),
+    (3, 8, (4 + 4 + 8) / 8),
+])
+def test_model_state_bytes_per_parameter(zero, dp, expected):
+    st = state_bytes(param_numel=1.0, factored_numel=0.0, largest_unit_numel=0.0, dtype=DType.BF16,
+                     optimizer=Optimizer.ADAM, zero_stage=zero, dp=dp, pipelined=False)
+    assert st.params_bytes + st.grads_bytes + st.optimizer_bytes == pytest.approx(expected)
+
+
+def test_model_states_other_cases():
+    fp32 = state_bytes(param_numel=1.0, factored_numel=0.0, largest_unit_numel=0.0, dtype=DType.FP32,
+                       optimizer=Optimizer.SGD, zero_stage=0, dp=1, pipelined=False)
+    assert fp32.params_bytes + fp32.grads_bytes + fp32.optimizer_bytes == 12  # weight, grad, momentum
+    piped = state_bytes(param_numel=1.0, factored_numel=0.0, largest_unit_numel=0.0, dtype=DType.BF16,
+                        optimizer=Optimizer.ADAM, zero_stage=3, dp=4, pipelined=True)
+    # pipelining keeps FSDP2's unsharded compute copy and accumulates unsharded fp32 grads
+    assert piped.params_bytes + piped.grads_bytes + piped.optimizer_bytes == pytest.approx(4 / 4 + 2 + 4 / 4 + 4 + 8 / 4)
+    z3 = state_bytes(param_numel=100.0, factored_numel=0.0, largest_unit_numel=10.0, dtype=DType.BF16,
+                     optimizer=Optimizer.ADAM, zero_stage=3, dp=4, pipelined=False)
+    assert z3.transient_bytes == pytest.approx(2 * 10 * 2 + 10 * 4)  # two gathered units + one unsharded grad
+    ada = state_bytes(param_numel=1000.0, factored_numel=60.0, largest_unit_numel=0.0, dtype=DType.FP32,
+                      optimizer=Optimizer.ADAFACTOR, zero_stage=0, dp=1, pipelined=False)
+    assert ada.optimizer_bytes == 240.0
+
+
+def test_pipeline_bubble_and_inflight():
+    w = 1.0
+    assert pipeline_time_s([w] * 4, 8, 1) == pytest.approx((8 + 4 - 1) * w)     # bubble (p-1)/m
+    assert pipeline_time_s([2 * w] * 4, 8, 2) == pytest.approx((8 + 3 / 2) * 2 * w)  # interleaved: (p-1)/(v m)
+    assert pipeline_time_s([1.0, 3.0], 4, 1) == pytest.approx(3 * 3.0 + 1.0 + 3.0)
+    assert [inflight_microbatches(Schedule.ONE_F_ONE_B, 4, 1, 8, r) for r in range(4)] == [4, 3, 2, 1]
+    assert inflight_microbatches(Schedule.GPIPE, 4, 1, 8, 0) == 8
+    # torch's interleaved warm-up: (v-1) * m_per_round + 2 (p-1-r) chunk forwards, then one more
+    assert inflight_microbatches(Schedule.INTERLEAVED_1F1B, 4, 2, 8, 0) == (4 + 6 + 1) / 2
+    assert schedule_problem(Schedule.ONE_F_ONE_B, 4, 1, 2) is not None
+
+
+def test_megatron_block_communication_and_memory():
+    """A GPT block at tp=t: two all-reduces forward and two backward of b s h bytes
+    (Shoeybi et al. 2019); with sequence parallelism two all-gathers and two
+    reduce-scatters each way, and activations divided by t (Korthikanti et al. 2022)."""
+    graph = extract(build_named_model("gpt3-6.7b"), seq_len=2048, attention="flash")
+    block = graph.profile_of(1)
+    t, b, s, h = 8, 1, 2048, 4096
+    x = b * s * h * 2
+    span = group_span(t, 1, 8)
+    styles = {"attention_norm": TPStyle.REPLICATE, "ffn_norm": TPStyle.REPLICATE, "attention.wo": TPStyle.ROW,
+              "feed_forward.w2": TPStyle.ROW}
+    chosen = tuple(styles.get(leaf.name, TPStyle.COLUMN) for leaf in block.leaves)
+    ctx = TPContext(tp=t, span=span, cluster=DGX, rates=rates(DGX.device, DType.BF16), micro_batch=b, tokens=s,
+                    boundary=Layout.R, first=False, last=False, loss_parallel=False, sequence_parallel=False)
+    cost = evaluate_layout(block, chosen, Layout.R, ctx)
+    assert cost.fwd_comm_s == pytest.approx(2 * all_reduce_s(x, span, DGX))
+    assert cost.bwd_comm_s == pytest.approx(2 * all_reduce_s(x, span, DGX))
+    sp_styles = tuple(TPStyle.SEQUENCE if leaf.name.endswith("norm") else s for leaf, s in zip(block.leaves, chosen))
+    sp_ctx = TPContext(**{**ctx.__dict__, "boundary": Layout.Q, "sequence_parallel": True})
+    sp = evaluate_layout(block, sp_styles, Layout.Q, sp_ctx)
+    assert sp.fwd_comm_s == pytest.approx(4 * all_gather_s(x, span, DGX))
+    assert sp.bwd_comm_s == pytest.approx(4 * all_gather_s(x, span, DGX))
+    full = evaluate_layout(block, (TPStyle.REPLICATE,) * len(block.leaves), Layout.R,
+                           TPContext(**{**ctx.__dict__, "tp": 1, "span": group_span(1, 1, 8)}))
+    # With SP everything is divided by t except the inputs of the two column-parallel
+    # groups (q/k/v and w1): DTensor saves the all-gathered input, where Megatron-LM
+    # keeps the shard and gathers again in backward (Korthikanti et al. 2022, 4.2.2).
+    gathered = 2 * x
+    whole = full.saved_bytes + full.attn_saved_bytes
+    assert sp.saved_bytes + sp.attn_saved_bytes == pytest.approx((whole - gathered) / t + gathered, rel=1e-9)
+    assert cost.saved_bytes + cost.attn_saved_bytes > sp.saved_bytes + sp.attn_saved_bytes
+    assert cost.param_numel == pytest.approx((block.param_numel - 2 * 2 * h - h) / t + 2 * 2 * h + h, rel=1e-3)
+
+
+def test_megatron_vocabulary_padding():
+    assert padded(50257, 8) == 51200 and padded(51200, 8) == 51200

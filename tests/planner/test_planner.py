@@ -1,0 +1,120 @@
+"""plan() and estimate(): behaviour a user relies on, and errors a user can act on."""
+
+import pytest
+import torch
+
+import autopar
+from autopar import ConfigError, InfeasiblePlanError, Recompute
+from autopar.models import GPT, GPTConfig, MLPConfig, MLPStack, build_named_model
+from autopar.whatif import fewest_nodes, time_to_train
+
+DGX1 = autopar.Cluster.preset("dgx-a100-80gb", nodes=1)
+
+
+def test_plan_basics(gpt2_plan):
+    p = gpt2_plan
+    assert p.config.world_size == 8 and p.prediction.fits
+    assert p.config.global_batch_size == 64
+    assert 0.2 < p.prediction.mfu < 0.8 and p.prediction.hfu >= p.prediction.mfu
+    assert p.prediction.memory_bytes_per_device <= DGX1.device.memory_bytes
+    assert p.prediction.breakdown.total_s == pytest.approx(p.prediction.step_time_s, rel=1e-9)
+    runners = [a for a in p.alternatives if a.status == "runner-up"]
+    assert runners and all(a.step_time_s >= p.prediction.step_time_s for a in runners)
+    text = p.explain()
+    assert "Configuration" in text and "Why this plan" in text and "runners-up" in text
+
+
+def test_constraints_are_honoured():
+    m = build_named_model("gpt2-medium")
+    p = autopar.plan(m, DGX1, global_batch_size=32, seq_len=1024, constraints={"tp": 2, "pp": 2})
+    assert (p.config.tp, p.config.pp, p.config.dp) == (2, 2, 2)
+    assert len(p.stages) == 2 and sum(len(s) for s in p.stages) == len(p.model.units)
+
+
+def test_estimate_is_a_space_of_size_one_and_never_raises_for_memory():
+    m = build_named_model("gpt3-13b")
+    e = autopar.estimate(m, DGX1, {"tp": 8, "micro_batch_size": 1, "recompute": "full"}, global_batch_size=8,
+                         seq_len=2048)
+    assert (e.config.tp, e.config.dp, e.config.num_microbatches) == (8, 1, 8)
+    assert e.config.recompute is Recompute.FULL
+    huge = autopar.estimate(build_named_model("gpt3-175b"), DGX1, {"tp": 8}, global_batch_size=8, seq_len=2048)
+    assert not huge.prediction.fits
+    assert huge.prediction.memory_bytes_per_device > DGX1.device.memory_bytes
+
+
+def test_infeasible_plan_names_the_memory():
+    with pytest.raises(InfeasiblePlanError, match=r"needs at least [\d.]+ GiB per device.*has 80.0 GiB") as err:
+        autopar.plan(build_named_model("gpt-1t"), DGX1, global_batch_size=8, seq_len=2048)
+    assert err.value.min_memory_bytes > err.value.capacity_bytes
+
+
+def test_tp_only_where_shapes_allow():
+    model = GPT(GPTConfig(vocab_size=1000, seq_len=128, dim=768, n_layers=2, n_heads=12))
+    cluster = autopar.Cluster.preset("dgx-a100-80gb", nodes=2)
+    with pytest.raises(ConfigError, match=r"tp=16 does not fit.*allowed: \[1, 2, 4\]"):
+        autopar.plan(model, cluster, global_batch_size=16, seq_len=128, constraints={"tp": 16})
+    p = autopar.plan(model, cluster, global_batch_size=16, seq_len=128)
+    assert p.config.tp in (1, 2, 4) and all(a.config.tp in (1, 2, 4) for a in p.alternatives)
+
+
+def test_vocabulary_padding_is_reported():
+    p = autopar.estimate(build_named_model("gpt2-small"), DGX1, {"tp": 4}, global_batch_size=8, seq_len=1024)
+    assert any("50257 padded to 50688" in n for n in p.notes)
+
+
+def test_uneven_stages():
+    p = autopar.estimate(build_named_model("gpt-530b"), autopar.Cluster.preset("dgx-a100-80gb", nodes=64),
+                         {"tp": 8, "pp": 8, "micro_batch_size": 1, "recompute": "full"}, global_batch_size=64,
+                         seq_len=2048)
+    blocks = [sum(1 for u in s if u.startswith("layers.")) for s in p.stages]
+    assert sum(blocks) == 105 and len(set(blocks)) > 1
+
+
+def test_optimizer_and_attention_change_memory():
+    m = build_named_model("gpt3-1.3b")
+    kw = dict(global_batch_size=8, seq_len=2048)
+    cfg = {"micro_batch_size": 1, "recompute": "none", "zero_stage": 0}
+    mem = {opt: autopar.estimate(m, DGX1, cfg, optimizer=opt, **kw).prediction.memory_bytes_per_device
+           for opt in ("adam", "sgd", "adafactor")}
+    assert mem["adam"] > mem["sgd"] > mem["adafactor"]
+    flash = autopar.estimate(m, DGX1, cfg, attention="flash", **kw).prediction
+    mat = autopar.estimate(m, DGX1, cfg, attention="materialized", **kw).prediction
+    assert mat.memory_bytes_per_device > flash.memory_bytes_per_device
+
+
+def test_fewest_nodes_and_time_to_train():
+    m = build_named_model("gpt3-13b")
+    p = fewest_nodes(m, autopar.Cluster.preset("dgx-a100-40gb"), global_batch_size=256, seq_len=2048)
+    assert p.prediction.fits
+    if p.cluster.nodes > 1:
+        with pytest.raises(InfeasiblePlanError):
+            autopar.plan(m, p.cluster.with_nodes(p.cluster.nodes - 1), global_batch_size=256, seq_len=2048)
+    t = time_to_train(p, tokens=1e9)
+    assert t.steps == -(-int(1e9) // (256 * 2048))
+    assert t.device_hours == pytest.approx(t.seconds * p.config.world_size / 3600)
+
+
+def test_gpt3_175b_on_1024_a100():
+    p = autopar.plan(build_named_model("gpt3-175b"), autopar.Cluster.preset("dgx-a100-80gb", nodes=128),
+                     global_batch_size=1536, seq_len=2048)
+    assert p.config.world_size == 1024 and p.prediction.fits
+    assert 0.3 < p.prediction.mfu < 0.8
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(global_batch_size=0, seq_len=128), "global_batch_size=0"),
+    (dict(global_batch_size=8, seq_len=-4), "seq_len=-4"),
+    (dict(global_batch_size=8, seq_len=128, constraints={"tpp": 2}), r"unknown constraint\(s\) \['tpp'\]"),
+    (dict(global_batch_size=8, seq_len=128, constraints={"schedule": "zigzag"}), "schedule='zigzag'"),
+    (dict(global_batch_size=8, seq_len=128, constraints={"zero_stage": 5}), "zero_stage=5"),
+    (dict(global_batch_size=7, seq_len=128, constraints={"dp": 8}), "global batch 7 is not divisible by dp=8"),
+])
+def test_bad_input_gets_a_clear_error(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        autopar.plan(GPT(GPTConfig(vocab_size=1000, seq_len=128, dim=64, n_layers=2, n_heads=4)), DGX1, **kwargs)
+
+
+def test_non_token_models_plan_with_a_sample():
+    model = MLPStack(MLPConfig(in_dim=64, dim=512, ffn_dim=2048, n_layers=4, out_dim=10))
+    p = autopar.plan(model, DGX1, global_batch_size=64, sample_input=torch.zeros(1, 64))
+    assert p.prediction.fits and p.model.seq_len == 1

@@ -40,7 +40,7 @@ def schedule_problem(schedule: Schedule, pp: int, virtual_stages: int, num_micro
 def inflight_microbatches(schedule: Schedule, pp: int, virtual_stages: int, num_microbatches: int,
                           pipeline_rank: int) -> float:
     """Micro-batches whose activations rank ``pipeline_rank`` holds at its peak, in units
-    of "all of the rank's stages for one micro-batch"."""
+    of "all of the rank's stages for one micro-batch" (non-increasing in the rank)."""
     m = num_microbatches
     if pp == 1:
         return 1.0

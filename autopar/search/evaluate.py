@@ -349,10 +349,8 @@ class Evaluator:
                         break
                     stages.append(plan)
         if stages is None:
-            need = self.smallest_footprint_bytes(config)
-            return Outcome(config=config, fits=False, min_memory_bytes=need,
-                           reason=f"out of memory: needs at least {_gib(need)} per device, "
-                                  f"{_gib(self.cluster.device.memory_bytes)} available")
+            return Outcome(config=config, fits=False, min_memory_bytes=self.cluster.device.memory_bytes,
+                           reason="out of memory: no split and per-unit choice fits")
         return Outcome(config=config, fits=True, step_time_s=self.timing(config, stages).step_s, stages=tuple(stages),
                        min_memory_bytes=max(s.choice.memory_bytes for s in stages) + self.cluster.device.reserved_bytes)
 
@@ -369,6 +367,9 @@ class Evaluator:
         for k in range(pp):
             lo_i, hi_i = (0, 0) if k == 0 else (k, n - (pp - k))
             lo_j, hi_j = (n, n) if k == pp - 1 else (k + 1, n - (pp - k - 1))
+            if 0 < lo_i and hi_j < n and self._run_end[lo_i] >= hi_j - 1:
+                self._fill_repeated(table[k], lo_i, hi_i, lo_j, hi_j, config, modes, inflight[k], cutoff_s)
+                continue
             starts = np.arange(lo_i, hi_i + 1)
             alive = np.ones(starts.size, dtype=bool)
             for w in range(max(1, lo_j - hi_i), hi_j - lo_i + 1):
@@ -399,6 +400,17 @@ class Evaluator:
                 if lo_j == hi_j and not keep.any():
                     break  # the last stage's ranges all end at the last unit: longer ones only cost more
         return table
+
+    def _fill_repeated(self, row: np.ndarray, lo_i: int, hi_i: int, lo_j: int, hi_j: int, config: ParallelConfig,
+                       modes: tuple[Recompute, ...], inflight: float, cutoff_s: float) -> None:
+        """A middle stage inside a run of identical units: the cost depends on the
+        range's length only, so price each length once and fill the table at once."""
+        for w in range(1, hi_j - lo_i + 1):
+            c = self._homogeneous_cost(lo_i, w, config, modes, inflight)
+            if c > cutoff_s:
+                break
+            starts = np.arange(max(lo_i, lo_j - w), min(hi_i, hi_j - w) + 1)
+            row[starts, starts + w] = c
 
     def _fill_general(self, row, rest, ii, jj, w, k, costs, config, modes, inflight) -> None:
         """Price ranges that mix unit kinds, once per distinct content."""
@@ -507,22 +519,6 @@ class Evaluator:
         per = blocks // chunks
         bounds = [0] + [first + per * c for c in range(1, chunks)] + [n]
         return tuple(bounds)
-
-    def min_memory_bytes(self, config: ParallelConfig) -> float:
-        """A lower bound of the peak memory per device: model states of the smallest
-        layouts spread evenly over the pipeline, plus fully recomputed activations."""
-        n = len(self.graph.units)
-        modes = (Recompute.FULL,)
-        total_static = 0.0
-        total_act = 0.0
-        for u in range(n):
-            opts = self.options(u, config, modes)
-            best = min((self._priced(o, config, 0) for o in opts), key=lambda p: p.static_bytes)
-            total_static += best.static_bytes
-            total_act += best.act_bytes
-        inflight = min(inflight_microbatches(config.schedule, config.pp, config.virtual_stages,
-                                             config.num_microbatches, k) for k in range(config.pp))
-        return total_static / config.pp + inflight * total_act / config.pp + self.cluster.device.reserved_bytes
 
     # ----- prediction ---------------------------------------------------------------
     def timing(self, config: ParallelConfig, stages: list[StagePlan] | tuple[StagePlan, ...]) -> "Timing":
@@ -660,7 +656,5 @@ class Evaluator:
         return LayerStrategies(tp=tp_map, recompute=overrides), default
 
 
-def _gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.1f} GiB"
 
 

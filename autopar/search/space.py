@@ -229,7 +229,7 @@ def lower_bounds(graph: LayerGraph, cluster: Cluster, config: ParallelConfig, op
                      optimizer=optimizer, zero_stage=config.zero_stage, dp=config.dp, pipelined=config.pp > 1)
     static = st.params_bytes + st.grads_bytes + (st.optimizer_bytes if optimizer is not Optimizer.ADAFACTOR else 0)
     pp, m = config.pp, config.num_microbatches
-    inflight = min(inflight_microbatches(config.schedule, pp, config.virtual_stages, m, k) for k in range(pp))
+    inflight = inflight_microbatches(config.schedule, pp, config.virtual_stages, m, pp - 1)  # the least loaded rank
     time = (m - 1 + pp) / pp * time_sum if config.virtual_stages == 1 else (m + (pp - 1) / config.virtual_stages) * time_sum / pp
     memory = (static + inflight * act) / pp + cluster.device.reserved_bytes
     return Bounds(time_s=time, memory_bytes=memory)

@@ -260,8 +260,9 @@ def _alternatives(result: SearchResult, evaluator: Evaluator) -> tuple[Alternati
 
 
 def _oom_regions(result: SearchResult, cap: float, evaluator: Evaluator, limit: int = 5) -> list[Outcome]:
-    """For each (tp, pp) region where no candidate fits, the closest to fitting: among
-    its smallest micro-batch size, the one with the smallest footprint."""
+    """For each (tp, pp) region where no candidate fits, the closest to fitting: the
+    smaller footprint of its two most frugal candidates (smallest micro-batch, highest
+    ZeRO stage, sequence parallel)."""
     regions: dict[tuple[int, int], list[Outcome]] = {}
     for o in result.infeasible:
         regions.setdefault((o.config.tp, o.config.pp), []).append(o)
@@ -270,8 +271,10 @@ def _oom_regions(result: SearchResult, cap: float, evaluator: Evaluator, limit: 
         if len(members) < result.region_sizes.get(key, 0):
             continue  # some candidate of this region fits (or was only slower)
         smallest_mbs = min(o.config.micro_batch_size for o in members)
+        frugal = sorted((o for o in members if o.config.micro_batch_size == smallest_mbs),
+                        key=lambda o: (-o.config.zero_stage, not o.config.sequence_parallel, o.config.virtual_stages))
         sized = [replace(o, min_memory_bytes=max(o.min_memory_bytes, evaluator.smallest_footprint_bytes(o.config)))
-                 for o in members if o.config.micro_batch_size == smallest_mbs]
+                 for o in frugal[:2]]
         best = min(sized, key=lambda o: o.min_memory_bytes)
         if best.min_memory_bytes > cap:
             found.append(best)

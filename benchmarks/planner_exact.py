@@ -1,0 +1,130 @@
+"""The search against brute-force enumeration of its own cost model, at scale.
+
+Four differential checks on seeded random instances (the test suite runs a few of each;
+this runs many): the intra-op layout ILP, the per-stage knapsack, the pipeline-split DP,
+and the whole search on small real models at several memory capacities (a configuration
+space small enough to enumerate every configuration, split and per-unit option).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "planner"))
+
+from test_search_exact import (  # noqa: E402 - the reference enumerations live with the tests
+    _brute_force_search, _ctx, _random_groups, _random_profile, _tiny_cluster,
+)
+
+from _report import write_result  # noqa: E402
+from autopar.cluster import Cluster  # noqa: E402
+from autopar.graph import extract  # noqa: E402
+from autopar.models import CNNConfig, GPT, GPTConfig, ResNet  # noqa: E402
+from autopar.search.evaluate import Evaluator  # noqa: E402
+from autopar.search.intra_op import LayoutSolver, brute_force_layout  # noqa: E402
+from autopar.search.planner import search  # noqa: E402
+from autopar.search.space import check_constraints  # noqa: E402
+from autopar.search.split import best_split, brute_force_split  # noqa: E402
+from autopar.search.stage_solver import brute_force_stage, solve_stage  # noqa: E402
+from autopar.vocab import Optimizer  # noqa: E402
+
+
+def layouts(n: int) -> tuple[int, int, float]:
+    cluster = Cluster.preset("dgx-a100-80gb", nodes=2)
+    ok, start = 0, time.perf_counter()
+    for seed in range(n):
+        rng = random.Random(seed)
+        prof = _random_profile(rng)
+        ctx = _ctx(cluster, tp=rng.choice([2, 4, 8, 16]), sp=rng.random() < 0.5, mbs=rng.choice([1, 2, 8]),
+                   last=rng.random() < 0.3)
+        ok += math.isclose(LayoutSolver().fastest(prof, ctx).time_s, brute_force_layout(prof, ctx).time_s,
+                           rel_tol=1e-9, abs_tol=1e-15)
+    return ok, n, time.perf_counter() - start
+
+
+def stages(n: int) -> tuple[int, int, float]:
+    ok, start = 0, time.perf_counter()
+    for seed in range(n):
+        rng = random.Random(10_000 + seed)
+        groups = _random_groups(rng)
+        budget, inflight = rng.uniform(5, 60), rng.choice([1.0, 2.0, 3.5])
+        a, b = solve_stage(groups, budget, inflight), brute_force_stage(groups, budget, inflight)
+        ok += (a is None and b is None) or (a is not None and b is not None and math.isclose(a.time_s, b.time_s,
+                                                                                            rel_tol=1e-12))
+    return ok, n, time.perf_counter() - start
+
+
+def splits(n: int) -> tuple[int, int, float]:
+    ok, start = 0, time.perf_counter()
+    for seed in range(n):
+        rng = np.random.default_rng(20_000 + seed)
+        units, m = int(rng.integers(2, 11)), int(rng.integers(1, 17))
+        count = int(rng.integers(1, min(units, 5) + 1))
+        table = np.full((count, units + 1, units + 1), np.inf)
+        for k in range(count):
+            for i in range(units + 1):
+                for j in range(i + 1, units + 1):
+                    if (k == 0) == (i == 0) and (k == count - 1) == (j == units) and rng.random() > 0.15:
+                        table[k, i, j] = float(rng.integers(1, 50)) + (j - i)
+        a, b = best_split(table, m), brute_force_split(table, m)
+        ok += (a is None and b is None) or (a is not None and b is not None and math.isclose(a[0], b[0]))
+    return ok, n, time.perf_counter() - start
+
+
+def whole() -> list[str]:
+    import torch
+
+    rows = []
+    cases = [("GPT 2 blocks", (0.01, 0.012, 0.02, 0.05),
+              extract(GPT(GPTConfig(vocab_size=512, seq_len=256, dim=256, n_layers=2, n_heads=8)), seq_len=256,
+                      dtype="bf16")),
+             ("ResNet 2x1 blocks", (0.004, 0.006, 0.01, 0.05),
+              extract(ResNet(CNNConfig(image_size=64, width=32, stages=2, blocks_per_stage=1)),
+                      sample_input=torch.zeros(1, 3, 64, 64), dtype="bf16"))]
+    for name, levels, graph in cases:
+        for memory_gib in levels:
+            cluster = _tiny_cluster(memory_gib)
+            constraints = {"micro_batch_size": 2}
+            start = time.perf_counter()
+            want = _brute_force_search(Evaluator(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM,
+                                                 global_batch_size=8, micro_batches=(2,)), constraints)
+            brute_s = time.perf_counter() - start
+            start = time.perf_counter()
+            got = search(Evaluator(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8,
+                                   micro_batches=(2,)), check_constraints(constraints), top=0)
+            search_s = time.perf_counter() - start
+            found = got.best.step_time_s if got.best.fits else math.inf
+            same = (math.isinf(want) and math.isinf(found)) or math.isclose(want, found, rel_tol=1e-9)
+            rows.append(f"| {name} | {memory_gib} GiB | {want * 1e3:.4f} ms | {found * 1e3:.4f} ms | "
+                        f"{'same' if same else 'DIFFERENT'} | {brute_s:.1f} s | {search_s:.2f} s |")
+            print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--instances", type=int, default=300)
+    args = parser.parse_args()
+    n = args.instances
+    lines = ["| check | agree with brute force | time |", "|---|---|---|"]
+    for label, fn, count in (("layout ILP (random units, tp 2-16, SP, micro-batch)", layouts, n),
+                             ("stage knapsack (random option groups)", stages, 3 * n),
+                             ("pipeline split DP (random cost tables)", splits, 3 * n)):
+        ok, total, secs = fn(count)
+        lines.append(f"| {label} | {ok} / {total} | {secs:.1f} s |")
+        print(lines[-1], flush=True)
+    lines += ["", "Whole search vs enumeration of every configuration x split x per-unit option (4 devices):", "",
+              "| model | device memory | brute force optimum | search optimum | verdict | brute force | search |",
+              "|---|---|---|---|---|---|---|", *whole()]
+    print(write_result("planner_exact", "Search against brute force", "\n".join(lines)))
+
+
+if __name__ == "__main__":
+    main()

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -31,12 +31,11 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from autopar.errors import ModelError
-from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, Flow, Leaf, LeafKind, UnitProfile
-from autopar.graph.units import leaf_kind, matrix_shape
+from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT
+from autopar.graph.segment import Info, Op, Segment, SegmentTrace, nbytes_of, tensors_in
 from autopar.vocab import Attention
 
 _MATMUL_OPS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm,
@@ -46,192 +45,6 @@ _MATMUL_OPS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torc
 
 _FREE_OPS = {torch.ops.aten._unsafe_view, torch.ops.aten.lift_fresh}
 """Ops that move no data although PyTorch does not tag them as views."""
-
-
-@dataclass
-class _Info:
-    origins: frozenset[int]
-    pending: frozenset[int]
-    attn_heads: int
-    nbytes: int
-
-
-@dataclass
-class _Op:
-    flops: float
-    nbytes: float
-    attn: bool
-    origins: frozenset[int]
-    saved: float = 0.0
-    attn_saved: float = 0.0
-    assigned: bool = False
-
-
-@dataclass
-class _LeafAcc:
-    name: str
-    kind: LeafKind
-    param_numel: int
-    weight_numel: int
-    in_features: int
-    out_features: int
-    in_heads: int = 0
-    out_heads: int = 0
-    fwd_flops: float = 0.0
-    matmul_flops: float = 0.0
-    fwd_bytes: float = 0.0
-    saved: float = 0.0
-    out_bytes: float = 0.0
-
-
-@dataclass
-class _FlowAcc:
-    tensor_bytes: float = 0.0
-    glue_flops: float = 0.0
-    glue_bytes: float = 0.0
-    saved: float = 0.0
-    attn_flops: float = 0.0
-    attn_bytes: float = 0.0
-    attn_saved: float = 0.0
-
-
-@dataclass
-class SegmentTrace:
-    """What the trace measured for one segment (per traced batch, not yet per sample)."""
-
-    leaves: list[_LeafAcc]
-    flows: dict[tuple[int, int], _FlowAcc]
-    input_bytes: float
-    output_bytes: float
-
-    def to_profile(self, signature: str, batch: int, head_dim: int, *, vocab_size: int,
-                   keep: set[str] | None = None) -> UnitProfile:
-        """Normalise to per-sample numbers, keeping only the leaves named in ``keep``
-        (all when None); flows from or to dropped leaves are dropped too."""
-        index = {}
-        for i, acc in enumerate(self.leaves):
-            if keep is None or acc.name in keep:
-                index[i] = len(index)
-        remap = {UNIT_INPUT: UNIT_INPUT, UNIT_OUTPUT: UNIT_OUTPUT, **index}
-        leaves = []
-        for i, acc in enumerate(self.leaves):
-            if i not in index:
-                continue
-            in_heads = acc.in_features // head_dim if acc.in_heads and head_dim else 0
-            out_heads = acc.out_features // head_dim // max(acc.out_heads, 1) if acc.out_heads and head_dim else 0
-            leaves.append(Leaf(
-                name=acc.name, kind=acc.kind, param_numel=acc.param_numel, weight_numel=acc.weight_numel,
-                in_features=acc.in_features, out_features=acc.out_features, in_heads=in_heads, out_heads=out_heads,
-                vocab=vocab_size > 0 and (acc.kind is LeafKind.EMBEDDING and acc.in_features == vocab_size
-                                          or acc.kind is LeafKind.LINEAR and acc.out_features == vocab_size),
-                fwd_flops=acc.fwd_flops / batch, matmul_flops=acc.matmul_flops / batch,
-                fwd_bytes=acc.fwd_bytes / batch, saved_bytes=acc.saved / batch))
-        flows = tuple(
-            Flow(src=remap[s], dst=remap[d], tensor_bytes=f.tensor_bytes / batch, glue_flops=f.glue_flops / batch,
-                 glue_bytes=f.glue_bytes / batch, saved_bytes=f.saved / batch, attn_flops=f.attn_flops / batch,
-                 attn_bytes=f.attn_bytes / batch, attn_saved_bytes=f.attn_saved / batch)
-            for (s, d), f in sorted(self.flows.items()) if s in remap and d in remap)
-        return UnitProfile(signature=signature, leaves=tuple(leaves), flows=flows,
-                           input_bytes=self.input_bytes / batch, output_bytes=self.output_bytes / batch)
-
-
-class _Segment:
-    """Book-keeping while one segment (prologue, a block, epilogue) runs."""
-
-    def __init__(self, prefix: str, leaf_modules: list[tuple[str, nn.Module]]):
-        self.prefix = prefix
-        self.leaf_index: dict[int, int] = {}
-        self.leaves: list[_LeafAcc] = []
-        for name, mod in leaf_modules:
-            kind = leaf_kind(mod)
-            fin, fout, wnumel = matrix_shape(mod, kind)
-            self.leaf_index[id(mod)] = len(self.leaves)
-            self.leaves.append(_LeafAcc(name=name, kind=kind,
-                                        param_numel=sum(p.numel() for p in mod.parameters(recurse=False)),
-                                        weight_numel=wnumel, in_features=fin, out_features=fout))
-        self.info: dict[int, _Info] = {}
-        self.keep: list[torch.Tensor] = []
-        self.ops: list[_Op] = []
-        self.flows: dict[tuple[int, int], _FlowAcc] = {}
-        self.leaf_stack: list[int] = []
-        self.waiting: list[tuple[float, bool]] = []
-        self.input_bytes = 0.0
-        self.output_bytes = 0.0
-
-    def register(self, t: torch.Tensor, info: _Info) -> None:
-        self.info[id(t)] = info
-        self.keep.append(t)
-
-    def lookup(self, t: torch.Tensor) -> _Info:
-        found = self.info.get(id(t))
-        if found is None:
-            return _Info(origins=frozenset(), pending=frozenset(), attn_heads=0, nbytes=_nbytes(t))
-        return found
-
-    def consume(self, tensors: Iterable[torch.Tensor], dst: int) -> int:
-        """A leaf (or the segment output) consumes tensors: settle their flows.
-
-        Returns the largest attention-head tag among them."""
-        heads = 0
-        for t in tensors:
-            info = self.lookup(t)
-            heads = max(heads, info.attn_heads)
-            for o in info.origins or frozenset({UNIT_INPUT}):
-                self.flows.setdefault((o, dst), _FlowAcc())
-            self._settle(info.pending, dst)
-        return heads
-
-    def _settle(self, pending: frozenset[int], dst: int) -> None:
-        """Charge the glue ops in ``pending`` (not yet charged) to flows ending at ``dst``."""
-        for op_id in sorted(pending):
-            op = self.ops[op_id]
-            if op.assigned:
-                continue
-            op.assigned = True
-            srcs = op.origins or frozenset({UNIT_INPUT})
-            share = 1.0 / len(srcs)
-            for o in srcs:
-                acc = self.flows.setdefault((o, dst), _FlowAcc())
-                if op.attn:
-                    acc.attn_flops += op.flops * share
-                    acc.attn_bytes += op.nbytes * share
-                else:
-                    acc.glue_flops += op.flops * share
-                    acc.glue_bytes += op.nbytes * share
-                acc.saved += op.saved * share
-                acc.attn_saved += op.attn_saved * share
-
-    def charge_waiting(self, op: _Op) -> None:
-        """Charge the saved tensors waiting for their op to ``op``."""
-        for nbytes, attn in self.waiting:
-            if attn:
-                op.attn_saved += nbytes
-            else:
-                op.saved += nbytes
-        self.waiting.clear()
-
-    def finish(self) -> SegmentTrace:
-        if self.waiting:  # saved by the segment's last op: charge them next to it
-            origins = self.ops[-1].origins if self.ops else frozenset()
-            self.ops.append(_Op(flops=0.0, nbytes=0.0, attn=False, origins=origins))
-            self.charge_waiting(self.ops[-1])
-        # glue whose result reached neither a leaf nor the output (e.g. masks) goes to the output
-        leftovers = frozenset(i for i, op in enumerate(self.ops) if not op.assigned)
-        if leftovers:
-            self._settle(leftovers, UNIT_OUTPUT)
-        for (src, _), acc in self.flows.items():
-            acc.tensor_bytes = self.input_bytes if src == UNIT_INPUT else self.leaves[src].out_bytes
-        return SegmentTrace(leaves=self.leaves, flows=self.flows, input_bytes=self.input_bytes,
-                            output_bytes=self.output_bytes)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    flat, _ = tree_flatten(obj)
-    return [x for x in flat if isinstance(x, torch.Tensor)]
 
 
 class _Recorder(TorchDispatchMode):
@@ -247,21 +60,21 @@ class _Recorder(TorchDispatchMode):
         seg = self.tracer.segment
         if seg is None:
             return out
-        outs = _tensors(out)
+        outs = tensors_in(out)
         if not outs:
             return out
-        ins = _tensors((args, kwargs))
+        ins = tensors_in((args, kwargs))
         in_infos = [seg.lookup(t) for t in ins]
         origins = frozenset().union(*(i.origins for i in in_infos)) if in_infos else frozenset()
         heads = max((i.attn_heads for i in in_infos), default=0)
         if func.is_view or func._overloadpacket in _FREE_OPS:
             pending = frozenset().union(*(i.pending for i in in_infos)) if in_infos else frozenset()
             for t in outs:
-                seg.register(t, _Info(origins=origins, pending=pending, attn_heads=heads, nbytes=_nbytes(t)))
+                seg.register(t, Info(origins=origins, pending=pending, attn_heads=heads))
             return out
         formula = flop_registry.get(func._overloadpacket)
         flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
-        nbytes = float(sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs))
+        nbytes = float(sum(nbytes_of(t) for t in ins) + sum(nbytes_of(t) for t in outs))
         if seg.leaf_stack:
             leaf = seg.leaves[seg.leaf_stack[-1]]
             leaf.fwd_flops += flops
@@ -269,15 +82,14 @@ class _Recorder(TorchDispatchMode):
             if func._overloadpacket in _MATMUL_OPS:
                 leaf.matmul_flops += flops
             for t in outs:
-                seg.register(t, _Info(origins=frozenset({seg.leaf_stack[-1]}), pending=frozenset(), attn_heads=0,
-                                      nbytes=_nbytes(t)))
+                seg.register(t, Info(origins=frozenset({seg.leaf_stack[-1]}), pending=frozenset(), attn_heads=0))
             return out
-        op = _Op(flops=flops, nbytes=nbytes, attn=self.tracer.in_attention, origins=origins)
+        op = Op(flops=flops, nbytes=nbytes, attn=self.tracer.in_attention, origins=origins)
         seg.ops.append(op)
         op_id = len(seg.ops) - 1
         pending = frozenset({op_id}).union(*(i.pending for i in in_infos)) if in_infos else frozenset({op_id})
         for t in outs:
-            seg.register(t, _Info(origins=origins, pending=pending, attn_heads=heads, nbytes=_nbytes(t)))
+            seg.register(t, Info(origins=origins, pending=pending, attn_heads=heads))
         seg.charge_waiting(op)
         return out
 
@@ -302,7 +114,7 @@ class Tracer:
     def __init__(self, *, attention: Attention, param_storages: set[int]):
         self.attention = attention
         self.param_storages = param_storages
-        self.segment: _Segment | None = None
+        self.segment: Segment | None = None
         self.in_attention = False
         self.attn_inputs: set[int] = set()
         self.seen_storages: set[int] = set()
@@ -356,8 +168,7 @@ class Tracer:
             self.in_attention = False
         if seg is not None:
             info = seg.lookup(out)
-            seg.register(out, _Info(origins=info.origins, pending=info.pending, attn_heads=int(q.shape[-3]),
-                                    nbytes=_nbytes(out)))
+            seg.register(out, Info(origins=info.origins, pending=info.pending, attn_heads=int(q.shape[-3])))
         return out
 
 
@@ -441,13 +252,12 @@ def run_trace(model: nn.Module, *, segments: dict[str, list[str]], blocks: list[
         return found
 
     def open_segment(name: str, inputs: list[torch.Tensor], as_unit_input: bool) -> None:
-        seg = _Segment(name, leaves_of(name))
-        seg.input_bytes = float(sum(_nbytes(t) for t in inputs if t.is_floating_point() or not as_unit_input))
+        seg = Segment(name, leaves_of(name))
+        seg.input_bytes = float(sum(nbytes_of(t) for t in inputs if t.is_floating_point() or not as_unit_input))
         if as_unit_input:
             for t in inputs:
                 if t.is_floating_point():
-                    seg.register(t, _Info(origins=frozenset({UNIT_INPUT}), pending=frozenset(), attn_heads=0,
-                                          nbytes=_nbytes(t)))
+                    seg.register(t, Info(origins=frozenset({UNIT_INPUT}), pending=frozenset(), attn_heads=0))
         tracer.segment = seg
 
     def close_segment(outputs: Any) -> None:
@@ -455,8 +265,8 @@ def run_trace(model: nn.Module, *, segments: dict[str, list[str]], blocks: list[
         tracer.segment = None
         if seg is None:
             return
-        outs = _tensors(outputs)
-        seg.output_bytes = float(sum(_nbytes(t) for t in outs))
+        outs = tensors_in(outputs)
+        seg.output_bytes = float(sum(nbytes_of(t) for t in outs))
         seg.consume(outs, UNIT_OUTPUT)
         if seg.prefix in served:
             result.traces[seg.prefix] = result.traces[served[seg.prefix]]
@@ -469,7 +279,7 @@ def run_trace(model: nn.Module, *, segments: dict[str, list[str]], blocks: list[
         if seg is None or id(mod) not in seg.leaf_index:
             return
         index = seg.leaf_index[id(mod)]
-        heads = seg.consume(_tensors((args, kwargs)), index)
+        heads = seg.consume(tensors_in((args, kwargs)), index)
         if heads:
             seg.leaves[index].in_heads = heads
         seg.leaf_stack.append(index)
@@ -479,13 +289,13 @@ def run_trace(model: nn.Module, *, segments: dict[str, list[str]], blocks: list[
         if seg is None or id(mod) not in seg.leaf_index:
             return
         index = seg.leaf_stack.pop()
-        seg.leaves[index].out_bytes = float(sum(_nbytes(t) for t in _tensors(output)))
-        for t in _tensors(output):
-            seg.register(t, _Info(origins=frozenset({index}), pending=frozenset(), attn_heads=0, nbytes=_nbytes(t)))
+        seg.leaves[index].out_bytes = float(sum(nbytes_of(t) for t in tensors_in(output)))
+        for t in tensors_in(output):
+            seg.register(t, Info(origins=frozenset({index}), pending=frozenset(), attn_heads=0))
 
     def block_pre(name: str):
         def hook(mod, args, kwargs):
-            ins = _tensors((args, kwargs))
+            ins = tensors_in((args, kwargs))
             if tracer.segment is not None:
                 close_segment(ins)
             open_segment(name, ins, as_unit_input=True)
@@ -495,14 +305,14 @@ def run_trace(model: nn.Module, *, segments: dict[str, list[str]], blocks: list[
         def hook(mod, args, kwargs, output):
             close_segment(output)
             if name == blocks[-1] and EPILOGUE in segments:
-                open_segment(EPILOGUE, _tensors(output), as_unit_input=True)
+                open_segment(EPILOGUE, tensors_in(output), as_unit_input=True)
         return hook
 
     def cached_forward(name: str, original: Callable):
         sig = signature_of(name)
 
         def forward(*args, **kwargs):
-            key = (sig, tuple((tuple(t.shape), t.dtype) for t in _tensors((args, kwargs))))
+            key = (sig, tuple((tuple(t.shape), t.dtype) for t in tensors_in((args, kwargs))))
             if key in cache:
                 served[name], output = cache[key]
                 return output
@@ -533,7 +343,7 @@ def run_trace(model: nn.Module, *, segments: dict[str, list[str]], blocks: list[
         overridden.append(mod)
     try:
         if PROLOGUE in segments:
-            open_segment(PROLOGUE, _tensors((args, kwargs)), as_unit_input=False)
+            open_segment(PROLOGUE, tensors_in((args, kwargs)), as_unit_input=False)
         with fake, _Recorder(tracer), _AttentionInterceptor(tracer), \
                 torch.autograd.graph.saved_tensors_hooks(tracer.pack, lambda t: t):
             output = torch.func.functional_call(model, params, args, kwargs, strict=False)

@@ -132,8 +132,9 @@ def model_fingerprint(model: nn.Module) -> str:
 
 
 def _strip_wrappers(name: str) -> str:
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "").replace("module.", "", 1) \
-        if name.startswith("module.") else name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+    """Parameter names as the unwrapped model has them (activation checkpointing and
+    torch.compile insert a submodule level)."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
 def unique_numel(model: nn.Module) -> int:

@@ -22,6 +22,7 @@ from autopar.graph.extract import extract
 from autopar.graph.layer_graph import LayerGraph
 from autopar.plan import Alternative, ModelSummary, ParallelConfig, Plan, PlanSettings
 from autopar.search.evaluate import Evaluator, Outcome
+from autopar.search.predict import predict, smallest_footprint_bytes
 from autopar.search.space import Rejection, check_constraints, enumerate_space, lower_bounds, micro_batch_range
 from autopar.vocab import Attention, DType, Optimizer, Recompute
 
@@ -145,7 +146,7 @@ def search(evaluator: Evaluator, fixed: Mapping[str, Any], *, top: int) -> Searc
         smallest = min(infeasible, key=lambda o: o.min_memory_bytes)
         return SearchResult(best=smallest, runners_up=(), infeasible=tuple(infeasible), rejected=tuple(rejected),
                             evaluated=evaluated, considered=len(configs), region_sizes=region_sizes)
-    finished = [replace(o, prediction=evaluator.predict(o.config, o.stages)) for o in fitting[:keep]]
+    finished = [replace(o, prediction=predict(evaluator, o.config, o.stages)) for o in fitting[:keep]]
     return SearchResult(best=finished[0], runners_up=tuple(finished[1:]), infeasible=tuple(infeasible),
                         rejected=tuple(rejected), evaluated=evaluated, considered=len(configs), region_sizes=region_sizes)
 
@@ -186,9 +187,9 @@ def _overflow(evaluator: Evaluator, config: ParallelConfig, fixed: Mapping[str, 
     """What a configuration that does not fit would need: its fastest choices without a
     memory cap when recompute was given, else its smallest (full recomputation)."""
     modes = (fixed["recompute"],) if "recompute" in fixed else (Recompute.FULL,)
-    unbounded = replace(evaluator, cluster=_huge(evaluator.cluster), _options={}, _stages={})
+    unbounded = replace(evaluator, cluster=_huge(evaluator.cluster), _options={}, memo={})
     outcome = unbounded.evaluate(config, modes)
-    pred = unbounded.predict(config, outcome.stages)
+    pred = predict(unbounded, config, outcome.stages)
     real = evaluator.cluster.device.memory_bytes
     pred = replace(pred, memory_capacity_bytes=real, fits=pred.memory_bytes_per_device <= real,
                    mfu=pred.mfu * unbounded.cluster.device.peak(config.dtype) / evaluator.cluster.device.peak(config.dtype))
@@ -273,7 +274,7 @@ def _oom_regions(result: SearchResult, cap: float, evaluator: Evaluator, limit: 
         smallest_mbs = min(o.config.micro_batch_size for o in members)
         frugal = sorted((o for o in members if o.config.micro_batch_size == smallest_mbs),
                         key=lambda o: (-o.config.zero_stage, not o.config.sequence_parallel, o.config.virtual_stages))
-        sized = [replace(o, min_memory_bytes=max(o.min_memory_bytes, evaluator.smallest_footprint_bytes(o.config)))
+        sized = [replace(o, min_memory_bytes=max(o.min_memory_bytes, smallest_footprint_bytes(evaluator, o.config)))
                  for o in frugal[:2]]
         best = min(sized, key=lambda o: o.min_memory_bytes)
         if best.min_memory_bytes > cap:

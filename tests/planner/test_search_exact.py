@@ -20,9 +20,11 @@ from autopar.graph import extract
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, Flow, Leaf, LeafKind, UnitProfile
 from autopar.models import GPT, GPTConfig, build_named_model
 from autopar.plan import ParallelConfig
+from autopar.cost.pipeline import inflight_microbatches
 from autopar.search.evaluate import Evaluator, StagePlan
 from autopar.search.intra_op import LayoutSolver, brute_force_layout
 from autopar.search.planner import ALL_MODES, search
+from autopar.search.predict import timing
 from autopar.search.space import check_constraints, enumerate_space
 from autopar.search.split import best_split, brute_force_split
 from autopar.search.stage_solver import (
@@ -159,7 +161,7 @@ def _brute_force_search(evaluator: Evaluator, constraints: dict) -> float:
     configs, _ = enumerate_space(evaluator.graph, evaluator.cluster, evaluator.global_batch_size,
                                  check_constraints(constraints))
     n = len(evaluator.graph.units)
-    budget = evaluator._budget()
+    budget = evaluator.budget()
     best = math.inf
     for cfg in configs:
         per_unit = [evaluator.priced_options(u, cfg, ALL_MODES) for u in range(n)]
@@ -176,17 +178,15 @@ def _brute_force_search(evaluator: Evaluator, constraints: dict) -> float:
                     units = [u for c in range(r, len(bounds) - 1, cfg.pp) for u in range(bounds[c], bounds[c + 1])]
                     kinds = {}
                     for u in units:
-                        kinds.setdefault(evaluator._keys[u], set()).add(per_unit[u][1][choice[u]].layout)
+                        kinds.setdefault(evaluator.unit_keys[u], set()).add(per_unit[u][1][choice[u]].layout)
                     if any(len(lays) > 1 for lays in kinds.values()):
                         ok = False
                         break
-                    infl = StagePlan  # placeholder to keep names short below
-                    from autopar.cost.pipeline import inflight_microbatches
                     inflight = inflight_microbatches(cfg.schedule, cfg.pp, cfg.virtual_stages, cfg.num_microbatches, r)
                     groups = [(1, (per_unit[u][1][choice[u]],)) for u in units]
                     mem = memory_of(groups, tuple((1,) for _ in units), inflight)
                     if 0 in units and n - 1 in units:
-                        mem -= evaluator._shared_bytes(cfg)
+                        mem -= evaluator.shared_state_bytes(cfg)
                     if mem > budget * (1 + 1e-12):
                         ok = False
                         break
@@ -200,7 +200,7 @@ def _brute_force_search(evaluator: Evaluator, constraints: dict) -> float:
                     stages.append(StagePlan(index=c, units=units, options=opts, inflight=inflight,
                                             choice=StageChoice(time_s=sum(o.time_s for o in opts), memory_bytes=0.0,
                                                                counts=())))
-                best = min(best, evaluator.timing(cfg, stages).step_s)
+                best = min(best, timing(evaluator, cfg, stages).step_s)
     return best
 
 

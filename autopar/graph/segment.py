@@ -1,0 +1,205 @@
+"""Book-keeping of the fake-tensor trace: what one segment of a model measured.
+
+A segment is a block (or the prologue before the first block, or the epilogue after the
+last). While it runs, every tensor remembers the leaves it came from and the parameter-
+free ops since; when a leaf (or the segment's output) consumes a tensor, those ops are
+charged to the flow from its origins to the consumer. :class:`SegmentTrace` is the result
+and turns into a per-sample :class:`~autopar.graph.layer_graph.UnitProfile`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, Flow, Leaf, LeafKind, UnitProfile
+from autopar.graph.units import leaf_kind, matrix_shape
+
+
+@dataclass
+class Info:
+    origins: frozenset[int]
+    pending: frozenset[int]
+    attn_heads: int
+
+
+@dataclass
+class Op:
+    flops: float
+    nbytes: float
+    attn: bool
+    origins: frozenset[int]
+    saved: float = 0.0
+    attn_saved: float = 0.0
+    assigned: bool = False
+
+
+@dataclass
+class _LeafAcc:
+    name: str
+    kind: LeafKind
+    param_numel: int
+    weight_numel: int
+    in_features: int
+    out_features: int
+    in_heads: int = 0
+    out_heads: int = 0
+    fwd_flops: float = 0.0
+    matmul_flops: float = 0.0
+    fwd_bytes: float = 0.0
+    saved: float = 0.0
+    out_bytes: float = 0.0
+
+
+@dataclass
+class _FlowAcc:
+    tensor_bytes: float = 0.0
+    glue_flops: float = 0.0
+    glue_bytes: float = 0.0
+    saved: float = 0.0
+    attn_flops: float = 0.0
+    attn_bytes: float = 0.0
+    attn_saved: float = 0.0
+
+
+@dataclass
+class SegmentTrace:
+    """What the trace measured for one segment (per traced batch, not yet per sample)."""
+
+    leaves: list[_LeafAcc]
+    flows: dict[tuple[int, int], _FlowAcc]
+    input_bytes: float
+    output_bytes: float
+
+    def to_profile(self, signature: str, batch: int, head_dim: int, *, vocab_size: int,
+                   keep: set[str] | None = None) -> UnitProfile:
+        """Normalise to per-sample numbers, keeping only the leaves named in ``keep``
+        (all when None); flows from or to dropped leaves are dropped too."""
+        index = {}
+        for i, acc in enumerate(self.leaves):
+            if keep is None or acc.name in keep:
+                index[i] = len(index)
+        remap = {UNIT_INPUT: UNIT_INPUT, UNIT_OUTPUT: UNIT_OUTPUT, **index}
+        leaves = []
+        for i, acc in enumerate(self.leaves):
+            if i not in index:
+                continue
+            in_heads = acc.in_features // head_dim if acc.in_heads and head_dim else 0
+            out_heads = acc.out_features // head_dim // max(acc.out_heads, 1) if acc.out_heads and head_dim else 0
+            leaves.append(Leaf(
+                name=acc.name, kind=acc.kind, param_numel=acc.param_numel, weight_numel=acc.weight_numel,
+                in_features=acc.in_features, out_features=acc.out_features, in_heads=in_heads, out_heads=out_heads,
+                vocab=vocab_size > 0 and (acc.kind is LeafKind.EMBEDDING and acc.in_features == vocab_size
+                                          or acc.kind is LeafKind.LINEAR and acc.out_features == vocab_size),
+                fwd_flops=acc.fwd_flops / batch, matmul_flops=acc.matmul_flops / batch,
+                fwd_bytes=acc.fwd_bytes / batch, saved_bytes=acc.saved / batch))
+        flows = tuple(
+            Flow(src=remap[s], dst=remap[d], tensor_bytes=f.tensor_bytes / batch, glue_flops=f.glue_flops / batch,
+                 glue_bytes=f.glue_bytes / batch, saved_bytes=f.saved / batch, attn_flops=f.attn_flops / batch,
+                 attn_bytes=f.attn_bytes / batch, attn_saved_bytes=f.attn_saved / batch)
+            for (s, d), f in sorted(self.flows.items()) if s in remap and d in remap)
+        return UnitProfile(signature=signature, leaves=tuple(leaves), flows=flows,
+                           input_bytes=self.input_bytes / batch, output_bytes=self.output_bytes / batch)
+
+
+class Segment:
+    """Book-keeping while one segment (prologue, a block, epilogue) runs."""
+
+    def __init__(self, prefix: str, leaf_modules: list[tuple[str, nn.Module]]):
+        self.prefix = prefix
+        self.leaf_index: dict[int, int] = {}
+        self.leaves: list[_LeafAcc] = []
+        for name, mod in leaf_modules:
+            kind = leaf_kind(mod)
+            fin, fout, wnumel = matrix_shape(mod, kind)
+            self.leaf_index[id(mod)] = len(self.leaves)
+            self.leaves.append(_LeafAcc(name=name, kind=kind,
+                                        param_numel=sum(p.numel() for p in mod.parameters(recurse=False)),
+                                        weight_numel=wnumel, in_features=fin, out_features=fout))
+        self.info: dict[int, Info] = {}
+        self.keep: list[torch.Tensor] = []
+        self.ops: list[Op] = []
+        self.flows: dict[tuple[int, int], _FlowAcc] = {}
+        self.leaf_stack: list[int] = []
+        self.waiting: list[tuple[float, bool]] = []
+        self.input_bytes = 0.0
+        self.output_bytes = 0.0
+
+    def register(self, t: torch.Tensor, info: Info) -> None:
+        self.info[id(t)] = info
+        self.keep.append(t)
+
+    def lookup(self, t: torch.Tensor) -> Info:
+        found = self.info.get(id(t))
+        if found is None:
+            return Info(origins=frozenset(), pending=frozenset(), attn_heads=0)
+        return found
+
+    def consume(self, tensors: Iterable[torch.Tensor], dst: int) -> int:
+        """A leaf (or the segment output) consumes tensors: settle their flows.
+
+        Returns the largest attention-head tag among them."""
+        heads = 0
+        for t in tensors:
+            info = self.lookup(t)
+            heads = max(heads, info.attn_heads)
+            for o in info.origins or frozenset({UNIT_INPUT}):
+                self.flows.setdefault((o, dst), _FlowAcc())
+            self._settle(info.pending, dst)
+        return heads
+
+    def _settle(self, pending: frozenset[int], dst: int) -> None:
+        """Charge the glue ops in ``pending`` (not yet charged) to flows ending at ``dst``."""
+        for op_id in sorted(pending):
+            op = self.ops[op_id]
+            if op.assigned:
+                continue
+            op.assigned = True
+            srcs = op.origins or frozenset({UNIT_INPUT})
+            share = 1.0 / len(srcs)
+            for o in srcs:
+                acc = self.flows.setdefault((o, dst), _FlowAcc())
+                if op.attn:
+                    acc.attn_flops += op.flops * share
+                    acc.attn_bytes += op.nbytes * share
+                else:
+                    acc.glue_flops += op.flops * share
+                    acc.glue_bytes += op.nbytes * share
+                acc.saved += op.saved * share
+                acc.attn_saved += op.attn_saved * share
+
+    def charge_waiting(self, op: Op) -> None:
+        """Charge the saved tensors waiting for their op to ``op``."""
+        for nbytes, attn in self.waiting:
+            if attn:
+                op.attn_saved += nbytes
+            else:
+                op.saved += nbytes
+        self.waiting.clear()
+
+    def finish(self) -> SegmentTrace:
+        if self.waiting:  # saved by the segment's last op: charge them next to it
+            origins = self.ops[-1].origins if self.ops else frozenset()
+            self.ops.append(Op(flops=0.0, nbytes=0.0, attn=False, origins=origins))
+            self.charge_waiting(self.ops[-1])
+        # glue whose result reached neither a leaf nor the output (e.g. masks) goes to the output
+        leftovers = frozenset(i for i, op in enumerate(self.ops) if not op.assigned)
+        if leftovers:
+            self._settle(leftovers, UNIT_OUTPUT)
+        for (src, _), acc in self.flows.items():
+            acc.tensor_bytes = self.input_bytes if src == UNIT_INPUT else self.leaves[src].out_bytes
+        return SegmentTrace(leaves=self.leaves, flows=self.flows, input_bytes=self.input_bytes,
+                            output_bytes=self.output_bytes)
+
+
+def nbytes_of(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    flat, _ = tree_flatten(obj)
+    return [x for x in flat if isinstance(x, torch.Tensor)]

@@ -1,0 +1,211 @@
+"""From a solved configuration to its prediction: step time, its breakdown, memory.
+
+``timing`` gives the step time (pipeline formula plus the worst exposed data-parallel
+and optimizer tail); ``predict`` the full :class:`~autopar.plan.Prediction`, per stage and
+per term; ``smallest_footprint_bytes`` what a configuration that does not fit would need.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from autopar.cost.comm import all_gather_s, all_reduce_s, group_span, reduce_scatter_s
+from autopar.cost.compute import rates
+from autopar.cost.memory import compute_copy_bytes, optimizer_step_bytes, state_bytes
+from autopar.cost.pipeline import inflight_microbatches, pipeline_time_s
+from autopar.plan import MemoryBreakdown, ParallelConfig, Prediction, StagePrediction, StepBreakdown
+from autopar.vocab import Recompute
+
+from autopar.search.evaluate import StagePlan
+
+if TYPE_CHECKING:
+    from autopar.search.evaluate import Evaluator
+
+OVERLAP_EFFICIENCY = 0.8
+"""Share of the compute time that can hide data-parallel communication. Overlapped
+collectives are not free: NCCL's kernels occupy streaming multiprocessors and both
+compete for memory bandwidth, so overlapped compute runs slower; 0.8 is a conservative
+middle of the 10-30% slowdowns reported for overlapped FSDP/DDP communication."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Timing:
+    """Where a step's time goes: per pipeline rank work per micro-batch, per stage
+    (forward, backward) point-to-point and (exposed data-parallel, optimizer) tails."""
+
+    rank_work: tuple[float, ...]
+    p2p: tuple[tuple[float, float], ...]
+    tails: tuple[tuple[float, float], ...]
+    pipeline_s: float
+    worst_tail: int
+    step_s: float
+
+
+def tail_s(ev: Evaluator, plan: StagePlan, config: ParallelConfig) -> tuple[float, float]:
+    """(exposed data-parallel communication, optimizer step) of a stage per step.
+
+    Gradient reduction overlaps the backward of the last micro-batch except its last
+    unit (bucketed all-reduce, Li et al. 2020; FSDP2's per-unit reduce-scatter); ZeRO-1
+    all-gathers updated parameters after the step; ZeRO-3 gathers parameters before
+    each unit's forward and backward, overlapped with the previous unit's compute.
+    Tied weights split over the first and last stage are all-reduced between them.
+    """
+    params = sum(o.layout.param_numel for o in plan.options)
+    units = max(len(plan.options), 1)
+    bwd = sum(o.bwd_s for o in plan.options)
+    fwd = sum(o.fwd_s for o in plan.options)
+    span = group_span(config.dp, config.tp, ev.cluster.devices_per_node)
+    cl = ev.cluster
+    m = config.num_microbatches
+    copy = compute_copy_bytes(config.dtype) or 4.0
+    grad_bytes = 4.0 * params
+    exposed = 0.0
+    if config.dp > 1:
+        hidden_bwd = OVERLAP_EFFICIENCY * bwd * (1 - 1 / units)
+        hidden_fwd = OVERLAP_EFFICIENCY * fwd * (1 - 1 / units)
+        if config.zero_stage <= 1:
+            exposed = max(all_reduce_s(grad_bytes, span, cl) - hidden_bwd, 0.0)
+            if config.zero_stage == 1:
+                exposed += all_gather_s(4.0 * params, span, cl)
+        elif config.pp > 1:
+            rs = reduce_scatter_s(grad_bytes, span, cl)
+            ag = all_gather_s(copy * params, span, cl)
+            gathers = 1 if config.zero_stage == 2 else m + 1
+            exposed = rs + max(gathers * ag - gathers * hidden_fwd, ag / units)
+        else:
+            rs = reduce_scatter_s(grad_bytes, span, cl)
+            ag = all_gather_s(copy * params, span, cl)
+            if config.zero_stage == 2:
+                exposed = m * max(rs - hidden_bwd, rs / units) + max(ag - hidden_fwd, ag / units)
+            else:
+                exposed = m * (max(ag - hidden_fwd, ag / units) + max(ag + rs - hidden_bwd, (ag + rs) / units))
+    n = len(ev.graph.units)
+    if config.pp > 1 and ev.graph.shared and (0 in plan.units or n - 1 in plan.units):
+        pair = group_span(2, config.tp * config.dp * (config.pp - 1), ev.cluster.devices_per_node)
+        exposed += all_reduce_s(4.0 * sum(s.numel for s in ev.graph.shared) / config.tp, pair, cl)
+    local = params / config.dp if config.zero_stage >= 1 else params
+    r = rates(ev.cluster.device, config.dtype)
+    optimizer = optimizer_step_bytes(ev.optimizer) * local / r.bytes_per_s
+    return exposed, optimizer
+
+
+def timing(ev: Evaluator, config: ParallelConfig, stages: list[StagePlan] | tuple[StagePlan, ...]) -> "Timing":
+    """Per-rank work, per-stage point-to-point and tails, and the step time."""
+    pp, v, m = config.pp, config.virtual_stages, config.num_microbatches
+    rank_work = [0.0] * pp
+    p2p = []
+    for plan in stages:
+        f_p2p, b_p2p = ev.stage_p2p_s(plan.units, plan.options, config)
+        rank_work[plan.index % pp] += plan.choice.time_s + f_p2p + b_p2p
+        p2p.append((f_p2p, b_p2p))
+    if v == 1:
+        tails = [tail_s(ev, plan, config) for plan in stages]
+    else:  # tails are per rank: over the union of its chunks
+        per_rank = []
+        for r in range(pp):
+            rank_stages = [p for p in stages if p.index % pp == r]
+            merged = StagePlan(index=r, units=tuple(u for p in rank_stages for u in p.units),
+                               options=tuple(o for p in rank_stages for o in p.options),
+                               inflight=rank_stages[0].inflight, choice=rank_stages[0].choice)
+            per_rank.append(tail_s(ev, merged, config))
+        tails = [per_rank[p.index % pp] for p in stages]
+    t_pipe = pipeline_time_s(rank_work, m, v)
+    worst = max(range(len(tails)), key=lambda i: tails[i][0] + tails[i][1])
+    return Timing(rank_work=tuple(rank_work), p2p=tuple(p2p), tails=tuple(tails), pipeline_s=t_pipe,
+                  worst_tail=worst, step_s=t_pipe + tails[worst][0] + tails[worst][1])
+
+
+def predict(ev: Evaluator, config: ParallelConfig, stages: list[StagePlan] | tuple[StagePlan, ...]) -> Prediction:
+    """Assemble the prediction of a solved configuration."""
+    pp, m = config.pp, config.num_microbatches
+    dev = ev.cluster.device
+    tm = timing(ev, config, stages)
+    rank_work, t_pipe, step = list(tm.rank_work), tm.pipeline_s, tm.step_s
+    tails, worst_tail = tm.tails, tm.worst_tail
+    stage_preds = [(plan, f, b, tails[i][0], tails[i][1]) for i, (plan, (f, b)) in enumerate(zip(stages, tm.p2p))]
+    crit = max(range(pp), key=lambda r: rank_work[r])
+    crit_stages = [p for p in stages if p.index % pp == crit]
+    comp = sum(o.layout.fwd_compute_s + o.layout.bwd_compute_s for p in crit_stages for o in p.options)
+    reco = sum(o.recompute_s for p in crit_stages for o in p.options)
+    tpc = sum(o.layout.fwd_comm_s + o.layout.bwd_comm_s for p in crit_stages for o in p.options)
+    ppc = sum(sum(ev.stage_p2p_s(p.units, p.options, config)) for p in crit_stages)
+    bubble = t_pipe - m * rank_work[crit]
+    breakdown = StepBreakdown(compute_s=m * comp, recompute_s=m * reco, tp_comm_s=m * tpc, pp_comm_s=m * ppc,
+                              bubble_s=bubble + m * (rank_work[crit] - comp - reco - tpc - ppc),
+                              dp_comm_s=tails[worst_tail][0], optimizer_s=tails[worst_tail][1])
+    preds = []
+    peak = 0.0
+    for plan, f_p2p, b_p2p, exposed, opt_s in stage_preds:
+        mem = stage_memory(ev, plan, config, stages)
+        peak = max(peak, mem.total_bytes)
+        preds.append(StagePrediction(
+            index=plan.index, pipeline_rank=plan.index % pp,
+            units=tuple(mod for u in plan.units for mod in ev.graph.units[u].modules),
+            forward_s=sum(o.fwd_s for o in plan.options) + f_p2p,
+            backward_s=sum(o.bwd_s for o in plan.options) + b_p2p,
+            tp_comm_s=sum(o.tp_comm_s for o in plan.options), pp_comm_s=f_p2p + b_p2p,
+            recompute_s=sum(o.recompute_s for o in plan.options), dp_comm_s=exposed, optimizer_s=opt_s,
+            inflight_microbatches=plan.inflight, memory=mem))
+    gb = ev.global_batch_size
+    model_flops = 3.0 * ev.graph.fwd_flops_per_sample * gb
+    reco_flops = sum(o.recompute_flops for p in stages for o in p.options) * config.micro_batch_size * m * config.dp
+    world = config.world_size
+    peak_flops = dev.peak(config.dtype)
+    return Prediction(
+        step_time_s=step, samples_per_s=gb / step, tokens_per_s=gb * ev.graph.seq_len / step,
+        tflops_per_device=model_flops / step / world / 1e12, mfu=model_flops / (step * world * peak_flops),
+        hfu=(model_flops + reco_flops) / (step * world * peak_flops), memory_bytes_per_device=peak,
+        memory_capacity_bytes=dev.memory_bytes, fits=peak <= dev.memory_bytes, breakdown=breakdown,
+        stages=tuple(preds))
+
+
+def stage_memory(ev: Evaluator, plan: StagePlan, config: ParallelConfig, stages: list[StagePlan] | tuple[StagePlan, ...]) -> MemoryBreakdown:
+    """The memory of the pipeline rank that runs ``plan``, term by term, priced as
+    the stage solver prices it."""
+    pp = config.pp
+    rank = [(u, o) for p in stages if p.index % pp == plan.index % pp for u, o in zip(p.units, p.options)]
+    priced = [ev.price(o, config, 0) for _, o in rank]
+    params = sum(o.layout.param_numel for _, o in rank)
+    factored = sum(o.layout.factored_numel for _, o in rank)
+    st = state_bytes(param_numel=params, factored_numel=factored, largest_unit_numel=0.0, dtype=config.dtype,
+                     optimizer=ev.optimizer, zero_stage=config.zero_stage, dp=config.dp, pipelined=pp > 1)
+    n = len(ev.graph.units)
+    units = {u for u, _ in rank}
+    static = st.params_bytes + st.grads_bytes + st.optimizer_bytes
+    shared = ev.shared_state_bytes(config) if 0 in units and n - 1 in units else 0.0
+    scale = (static - shared) / static if static else 1.0
+    acts = plan.inflight * sum(p.act_bytes for p in priced)
+    transient = max(p.transient_bytes for p in priced)
+    dev = ev.cluster.device
+    allocated = static - shared + acts + transient
+    return MemoryBreakdown(params_bytes=st.params_bytes * scale, grads_bytes=st.grads_bytes * scale,
+                           optimizer_bytes=st.optimizer_bytes * scale, activations_bytes=acts,
+                           transient_bytes=transient, buffers_bytes=0.0,
+                           reserve_bytes=dev.reserved_bytes + dev.fragmentation * allocated)
+
+
+def smallest_footprint_bytes(ev: Evaluator, config: ParallelConfig) -> float:
+    """Peak memory per device with every unit at its smallest option (fewest
+    parameters, full recomputation) on the even split: what a configuration that
+    does not fit needs at least, about."""
+    modes = (Recompute.FULL,)
+    pp, v = config.pp, config.virtual_stages
+    chunks = pp * v
+    bounds = ev.even_split(chunks) if chunks > 1 else (0, len(ev.graph.units))
+    if bounds is None:
+        return math.inf
+    dev = ev.cluster.device
+    worst = 0.0
+    for r in range(pp):
+        units = [u for c in range(r, chunks, pp) for u in range(bounds[c], bounds[c + 1])]
+        inflight = inflight_microbatches(config.schedule, pp, v, config.num_microbatches, r)
+        total, transient = 0.0, 0.0
+        for u in units:
+            smallest = min((ev.price(o, config, 0) for o in ev.options(u, config, modes)),
+                           key=lambda p: p.static_bytes + inflight * p.act_bytes + p.transient_bytes)
+            total += smallest.static_bytes + inflight * smallest.act_bytes
+            transient = max(transient, smallest.transient_bytes)
+        worst = max(worst, (total + transient) * (1 + dev.fragmentation) + dev.reserved_bytes)
+    return worst

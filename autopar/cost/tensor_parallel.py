@@ -86,6 +86,8 @@ class TPContext:
         loss_parallel: the loss is a cross-entropy over a vocabulary that can run on
             vocabulary shards (``loss_parallel``).
         sequence_parallel: norms may take the ``sequence`` style.
+        compute_scale: measured over predicted compute time of this unit (1 without a
+            profile): a profiled layer keeps its measured efficiency at every shape.
     """
 
     tp: int
@@ -99,6 +101,7 @@ class TPContext:
     last: bool
     loss_parallel: bool
     sequence_parallel: bool
+    compute_scale: float = 1.0
 
     @property
     def input_layout(self) -> Layout:
@@ -170,8 +173,9 @@ def leaf_fwd_s(leaf: Leaf, style: TPStyle, ctx: TPContext) -> float:
     scale = ctx.micro_batch
     if style in (TPStyle.COLUMN, TPStyle.ROW, TPStyle.SEQUENCE):
         scale /= ctx.tp
-    return work_s(matmul_flops=leaf.matmul_flops * scale, other_flops=(leaf.fwd_flops - leaf.matmul_flops) * scale,
-                  nbytes=leaf.fwd_bytes * scale, r=ctx.rates)
+    return ctx.compute_scale * work_s(matmul_flops=leaf.matmul_flops * scale,
+                                      other_flops=(leaf.fwd_flops - leaf.matmul_flops) * scale,
+                                      nbytes=leaf.fwd_bytes * scale, r=ctx.rates)
 
 
 def glue_layout(a: Layout, b: Layout) -> Layout:
@@ -184,9 +188,9 @@ def glue_fwd_s(flow: Flow, layout: Layout, ctx: TPContext, *, attention_only: bo
     scale = ctx.micro_batch / (ctx.tp if layout in _SHARDED else 1)
     attn = work_s(matmul_flops=flow.attn_flops * scale, other_flops=0.0, nbytes=flow.attn_bytes * scale, r=ctx.rates)
     if attention_only:
-        return attn
+        return ctx.compute_scale * attn
     rest = work_s(matmul_flops=0.0, other_flops=flow.glue_flops * scale, nbytes=flow.glue_bytes * scale, r=ctx.rates)
-    return attn + rest
+    return ctx.compute_scale * (attn + rest)
 
 
 def conversion_s(a: Layout, b: Layout, nbytes: float, ctx: TPContext) -> tuple[float, float]:

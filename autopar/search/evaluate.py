@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import dataclass, field
+from typing import Mapping
 
 import numpy as np
-from dataclasses import dataclass, field
 
 from autopar.cluster import Cluster
 from autopar.cost.comm import all_gather_s, group_span, p2p_s, reduce_scatter_s
@@ -65,6 +66,8 @@ class Evaluator:
     global_batch_size: int
     solver: str = "highs"
     micro_batches: tuple[int, ...] = ()
+    calibration: Mapping[str, float] = field(default_factory=dict)
+    """Unit profile signature -> measured / predicted compute time, from a profile."""
     _options: dict = field(default_factory=dict, repr=False)
     memo: dict = field(default_factory=dict, repr=False)
 
@@ -115,7 +118,8 @@ class Evaluator:
             rates=rates(self.cluster.device, config.dtype), micro_batch=config.micro_batch_size,
             tokens=self.graph.seq_len, boundary=Layout.Q if config.sequence_parallel else Layout.R,
             first=unit == 0, last=unit == n - 1, loss_parallel=self.graph.vocab_size > 0,
-            sequence_parallel=config.sequence_parallel)
+            sequence_parallel=config.sequence_parallel,
+            compute_scale=self.calibration.get(self.graph.profile_of(unit).signature, 1.0))
 
     def options(self, unit: int, config: ParallelConfig, modes: tuple[Recompute, ...]) -> tuple[UnitOption, ...]:
         """Options of ``unit`` (cached per distinct profile and position)."""

@@ -104,6 +104,7 @@ def _add_search_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", default="flash", choices=["flash", "materialized"])
     p.add_argument("--profile", action="append", help="profiler report(s) whose measurements to use")
     p.add_argument("--out", help="write the plan file here")
+    p.add_argument("--html", help="write an HTML report with the pipeline timeline and memory pictures")
     p.add_argument("--json", action="store_true", help="print the plan file instead of the explanation")
 
 
@@ -145,6 +146,11 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 def _emit(result: Any, args: argparse.Namespace) -> int:
     if args.out:
         result.save(args.out)
+    if args.html:
+        from autopar.report import save_html
+
+        save_html(result, args.html)
+        print(f"report written to {args.html}", file=sys.stderr)
     print(result.to_json() if args.json else result.explain())
     if args.out:
         print(f"\nplan written to {args.out}", file=sys.stderr)

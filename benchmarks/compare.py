@@ -1,0 +1,135 @@
+"""autopar's plans against the configurations a user would otherwise pick.
+
+For a zoo of models on several clusters: autopar's plan, and the baselines
+- **DP**: pure data parallelism (ZeRO-0), or ZeRO-3 where plain DP does not fit;
+- **Megatron rule**: TP = GPUs per node (the largest the heads allow), the smallest PP
+  that fits, DP the rest (micro-batch and recomputation still searched);
+- **ZeRO-3**: data parallelism only, fully sharded;
+- **exhaustive**: every configuration of autopar's space costed, no pruning (only where
+  the space is small enough to cost in reasonable time): it must match autopar.
+Each baseline is a constrained search in autopar's own cost model, so the ratios show
+what the search finds inside its model, not measured speed-ups (benchmarks/measured.py
+runs plans for real on local processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+
+import autopar
+from autopar.errors import ConfigError, InfeasiblePlanError
+from autopar.graph import extract
+from autopar.models import get_named_model
+from autopar.models.registry import build_named_model
+from autopar.search.evaluate import Evaluator
+from autopar.search.planner import ALL_MODES
+from autopar.search.space import check_constraints, enumerate_space, tp_degrees
+from autopar.vocab import Optimizer
+
+from _report import write_result
+
+ZOO = ["gpt2-small", "gpt2-xl", "gpt3-1.3b", "gpt3-13b", "gpt3-175b", "gpt-530b", "gpt-1t", "llama2-7b", "llama3-70b",
+       "llama3-405b", "bert-large", "mlp-wide", "resnet-small"]
+CLUSTERS = [("dgx-a100-80gb", 1), ("dgx-a100-80gb", 8), ("dgx-h100", 64), ("p3.16xlarge", 4), ("local-cpu", 1)]
+EXHAUSTIVE_LIMIT = 1000
+
+
+def _batch(world: int, kind: str) -> int:
+    return max(8 * world, 64) if kind != "tokens" else max(4 * world, 32)
+
+
+def _try(fn):
+    try:
+        return fn()
+    except (InfeasiblePlanError, ConfigError):
+        return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--models", nargs="*", default=ZOO)
+    args = parser.parse_args()
+    rows = ["| model | cluster | autopar plan | tokens or samples/s | memory | vs DP | vs Megatron rule | vs ZeRO-3 | "
+            "exhaustive | search s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name in args.models:
+        entry = get_named_model(name)
+        for preset, nodes in CLUSTERS:
+            cluster = autopar.Cluster.preset(preset, nodes=nodes)
+            if preset == "local-cpu" and name not in ("gpt2-small", "mlp-wide", "resnet-small", "bert-large"):
+                continue
+            model = build_named_model(name)
+            kind = entry.input_kind
+            inputs = {"seq_len": entry.seq_len} if kind == "tokens" else {"sample_input": entry.sample_input(1)}
+            dtype = cluster.device.preferred_dtype
+            graph = extract(model, dtype=dtype, **inputs)
+            batch = _batch(cluster.world_size, kind)
+            start = time.perf_counter()
+            best = _try(lambda: autopar.plan(graph, cluster, global_batch_size=batch))
+            search_s = time.perf_counter() - start
+            if best is None:
+                rows.append(f"| {name} | {preset} x {nodes} | does not fit | | | | | | | {search_s:.2f} |")
+                print(rows[-1], flush=True)
+                continue
+            rate = best.prediction.tokens_per_s if kind == "tokens" else best.prediction.samples_per_s
+            t = best.prediction.step_time_s
+            dp = _try(lambda: autopar.plan(graph, cluster, global_batch_size=batch,
+                                           constraints={"tp": 1, "pp": 1, "zero_stage": 0}))
+            dp_label = "DP"
+            if dp is None:
+                dp = _try(lambda: autopar.plan(graph, cluster, global_batch_size=batch,
+                                               constraints={"tp": 1, "pp": 1, "zero_stage": 3}))
+                dp_label = "ZeRO-3"
+            z3 = _try(lambda: autopar.plan(graph, cluster, global_batch_size=batch,
+                                           constraints={"tp": 1, "pp": 1, "zero_stage": 3}))
+            megatron = _megatron(graph, cluster, batch)
+            exhaustive = _exhaustive(graph, cluster, batch)
+            rows.append(f"| {name} | {preset} x {nodes} | {best.config.short()} | {rate:,.0f} | "
+                        f"{best.prediction.memory_bytes_per_device / 2**30:.1f} GiB | {_ratio(t, dp, dp_label)} | "
+                        f"{_ratio(t, megatron, 'rule')} | {_ratio(t, z3, 'ZeRO-3')} | {exhaustive(t)} | "
+                        f"{search_s:.2f} |")
+            print(rows[-1], flush=True)
+    body = "\n".join(rows) + ("\n\nRatios are autopar's throughput over the baseline's (x1.00 = as fast); "
+                              "'does not fit' means the baseline has no configuration that fits.")
+    print(write_result("compare", "autopar against the usual choices (predicted)", body))
+
+
+def _ratio(t: float, other, label: str) -> str:
+    if other is None:
+        return f"{label}: does not fit"
+    return f"x{other.prediction.step_time_s / t:.2f}"
+
+
+def _megatron(graph, cluster, batch):
+    allowed = [t for t in tp_degrees(graph, cluster.world_size) if t <= cluster.devices_per_node]
+    tp = max(allowed)
+    rest = cluster.world_size // tp
+    for pp in [p for p in range(1, rest + 1) if rest % p == 0]:
+        found = _try(lambda: autopar.plan(graph, cluster, global_batch_size=batch, constraints={"tp": tp, "pp": pp}))
+        if found is not None:
+            return found
+    return None
+
+
+def _exhaustive(graph, cluster, batch):
+    configs, _ = enumerate_space(graph, cluster, batch, check_constraints({}))
+    if len(configs) > EXHAUSTIVE_LIMIT:
+        return lambda t: f"skipped ({len(configs)} configs)"
+    ev = Evaluator(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=batch,
+                   micro_batches=tuple(sorted({c.micro_batch_size for c in configs})))
+    start = time.perf_counter()
+    best = min((ev.evaluate(c, ALL_MODES).step_time_s for c in configs), default=math.inf)
+    secs = time.perf_counter() - start
+
+    def verdict(t: float) -> str:
+        same = math.isclose(best, t, rel_tol=1e-9)
+        return f"{'same' if same else 'DIFFERENT'} ({len(configs)} configs, {secs:.1f} s)"
+    return verdict
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()

@@ -143,8 +143,9 @@ def profile_network(*, sweep: NetworkSweep | None = None, node_of_rank: tuple[st
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
     series = tuple(_series(g, op, sizes, everyone) for g in groups for op in sweep.ops)
+    fits, unfitted = fit_levels(series)
     profile = NetworkProfile(backend=backend, device_kind="cuda" if device.type == "cuda" else "cpu",
-                             world_size=world, node_of_rank=labels, series=series, fits=fit_levels(series),
+                             world_size=world, node_of_rank=labels, series=series, fits=fits, unfitted=unfitted,
                              provenance=provenance(command))
     return ProfileReport(network=profile)
 
@@ -261,17 +262,21 @@ def _series(group: _Group, op: CollectiveOp, sizes: tuple[int, ...], everyone: l
                       nodes=group.nodes, points=tuple(points))
 
 
-def fit_levels(series: tuple[CommSeries, ...]) -> tuple[LinkFit, ...]:
-    """A joint fit per level over :data:`FITTED_OPS`, then one fit per op and level."""
-    fits = []
+def fit_levels(series: tuple[CommSeries, ...]) -> tuple[tuple[LinkFit, ...], dict[str, str]]:
+    """A joint fit per level over :data:`FITTED_OPS`, then one fit per op and level; and
+    why a fit could not be made (``"inter all_reduce": reason``), which noisy sweeps
+    over small messages only can cause."""
+    fits, unfitted = [], {}
     for level in ("intra", "inter"):
         at_level = [s for s in series if s.level == level]
         joint_ops = tuple(op for op in FITTED_OPS if any(s.op == op for s in at_level))
-        if len(joint_ops) > 1:
-            fits.append(_fit(level, joint_ops, at_level))
-        for op in dict.fromkeys(s.op for s in at_level):
-            fits.append(_fit(level, (op,), at_level))
-    return tuple(fits)
+        wanted = ([joint_ops] if len(joint_ops) > 1 else []) + [(op,) for op in dict.fromkeys(s.op for s in at_level)]
+        for ops in wanted:
+            try:
+                fits.append(_fit(level, ops, at_level))
+            except MeasurementError as exc:
+                unfitted[f"{level} {'+'.join(ops)}"] = str(exc)
+    return tuple(fits), unfitted
 
 
 def _fit(level: Level, ops: tuple[CollectiveOp, ...], series: list[CommSeries]) -> LinkFit:

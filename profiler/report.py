@@ -318,7 +318,8 @@ class NetworkProfile:
     """Collectives and point-to-point over a process group's levels.
 
     ``node_of_rank[r]``: the node label of rank ``r``. ``fits``: one joint fit per level
-    (all the ops that level has) followed by one fit per op and level.
+    (all the ops that level has) followed by one fit per op and level; ``unfitted``: the
+    fits that could not be made and why.
     """
 
     backend: str
@@ -327,6 +328,7 @@ class NetworkProfile:
     node_of_rank: tuple[str, ...]
     series: tuple[CommSeries, ...]
     fits: tuple[LinkFit, ...]
+    unfitted: Mapping[str, str] = field(default_factory=dict)
     provenance: Provenance
 
     @property

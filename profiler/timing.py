@@ -94,10 +94,14 @@ def time_call(fn: Callable[[], Any], *, device: torch.device, settings: Repeats)
     for _ in range(settings.warmup):
         fn()
     synchronize(device)
-    watch.start()
-    fn()
-    first = watch.stop()
-    inner = 1 if first >= settings.min_sample_s else min(10_000, math.ceil(settings.min_sample_s / max(first, 1e-9)))
+    inner = 1
+    while True:  # double the calls per sample until a sample lasts min_sample_s
+        watch.start()
+        for _ in range(inner):
+            fn()
+        if watch.stop() >= settings.min_sample_s or inner >= 8192:
+            break
+        inner *= 2
     samples: list[float] = []
     spent = 0.0
     while len(samples) < settings.repeats and (len(samples) < settings.min_repeats or spent < settings.budget_s):

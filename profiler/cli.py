@@ -90,6 +90,7 @@ def add_profile_commands(sub: Any) -> None:
     n.add_argument("--repeats", type=int, default=3)
     n.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung run is stopped")
     n.add_argument("--out", required=True, type=Path, help="where to write the report (JSON)")
+    n.add_argument("--quiet", action="store_true", help="no progress lines")
     n.set_defaults(func=_cmd_network)
 
     r = sub.add_parser("report", help="merge reports and render them as HTML or Markdown")

@@ -309,7 +309,7 @@ def _time_links(nodes: tuple[str, ...], device: torch.device, settings: DoctorSe
 
 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, peer: int) -> None:
-    ops = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]
+    ops = [dist.P2POp(dist.irecv, recv, peer), dist.P2POp(dist.isend, send, peer)]  # see network._make_call
     for work in dist.batch_isend_irecv(ops):
         work.wait()
 

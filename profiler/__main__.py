@@ -4,6 +4,7 @@ without the ``autopar`` entry point, e.g. under ``torchrun ... -m profiler netwo
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 from profiler.cli import add_profile_commands, run
@@ -16,7 +17,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_profile_commands(sub)
     add_doctor_parser(sub)
-    return run(parser.parse_args(argv))
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    args.command_line = "python -m profiler " + " ".join(shlex.quote(a) for a in argv)
+    return run(args)
 
 
 if __name__ == "__main__":

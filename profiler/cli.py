@@ -108,8 +108,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
-def _command_line() -> str:
-    return "autopar " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else "autopar"
+def _command_line(args: argparse.Namespace) -> str:
+    """What to record as the command: ``args.command_line`` when the caller set it
+    (``python -m profiler``), else this process's ``autopar`` command line."""
+    given = getattr(args, "command_line", None)
+    return given or "autopar " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
 
 def _progress(args: argparse.Namespace) -> Any:
@@ -136,7 +139,7 @@ def _cmd_model(args: argparse.Namespace) -> int:
     model, sample, name = load_model(args, device)
     sweep = LayerSweep(repeats=Repeats(warmup=args.warmup, repeats=args.repeats, min_repeats=min(3, args.repeats),
                                        budget_s=30.0))
-    command = _command_line()
+    command = _command_line(args)
     report = profile_model(model, sample, sweep=sweep, threads=args.threads, progress=_progress(args), name=name,
                            command=command)
     if not args.no_device:
@@ -188,7 +191,7 @@ def _cmd_device(args: argparse.Namespace) -> int:
 
     sweep = DeviceSweep(matmul_sizes=args.sizes, dtypes=args.dtypes, array_bytes=args.array_sizes)
     report = profile_device(device=args.device, sweep=sweep, threads=args.threads, progress=_progress(args),
-                            command=_command_line())
+                            command=_command_line(args))
     return _finish(report, args.out)
 
 
@@ -206,7 +209,7 @@ def _network_sweep(args: argparse.Namespace) -> Any:
 
 def _cmd_network(args: argparse.Namespace) -> int:
     sweep = _network_sweep(args)
-    command = _command_line()
+    command = _command_line(args)
     if args.nproc is not None:
         return _network_local(args, sweep, command)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:

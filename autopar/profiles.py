@@ -20,7 +20,7 @@ autopar never imports the profiler, whose report format is plain versioned JSON.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -210,19 +210,17 @@ def _links(net: tuple[_Report, Mapping[str, Any]] | None, base: Cluster | None, 
     if intra is None and inter is None:
         raise ClusterError("no link was measured and no base cluster was given; add a network profile ('autopar "
                            "profile network') or pass base=Cluster.preset(...).")
-    if intra is None:
-        if per_node > 1:
-            raise ClusterError(f"the network profile has no intra-node measurement but the cluster has {per_node} "
-                               f"devices per node; measure with several ranks per node or pass base=.")
-        intra = LinkSpec(bandwidth_bytes_per_s=inter.bandwidth_bytes_per_s, latency_s=inter.latency_s,
-                         source="not measured (one device per node, so unused); the inter-node fit")
-    if inter is None:
-        if nodes > 1:
-            raise ClusterError(f"the network profile has no inter-node measurement but the cluster has {nodes} "
-                               f"nodes; measure across nodes or pass base= with an inter-node link.")
-        inter = LinkSpec(bandwidth_bytes_per_s=intra.bandwidth_bytes_per_s, latency_s=intra.latency_s,
-                         source="not measured (one node, so unused); the intra-node fit")
+    intra = intra or _stand_in("intra-node", inter, per_node, "devices per node", "measure with several ranks per node")
+    inter = inter or _stand_in("inter-node", intra, nodes, "nodes", "measure across nodes")
     return intra, inter
+
+
+def _stand_in(level: str, other: LinkSpec, count: int, what: str, remedy: str) -> LinkSpec:
+    """The measured link of the other level, for a level this cluster never uses."""
+    if count > 1:
+        raise ClusterError(f"the network profile has no {level} measurement but the cluster has {count} {what}; "
+                           f"{remedy}, or pass base= with that link.")
+    return replace(other, source=f"not measured ({what}: 1, so never used); the other level's fit")
 
 
 def _fit(net: Mapping[str, Any], level: str) -> Mapping[str, Any] | None:

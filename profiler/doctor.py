@@ -261,10 +261,10 @@ def link_schedule(nodes: tuple[str, ...]) -> list[list[tuple[int, int]]]:
     """Neighbouring links in phases where no rank is in two links: the ring through the
     ranks in node order, plus, across nodes, each rank to the same local rank on the
     next node (every NIC is exercised)."""
-    order = sorted(range(len(nodes)), key=lambda r: (list(dict.fromkeys(nodes)).index(nodes[r]), r))
-    n = len(order)
-    links = {tuple(sorted((order[i], order[(i + 1) % n]))) for i in range(n)} if n > 2 else {(0, 1)} if n == 2 else set()
     names = list(dict.fromkeys(nodes))
+    order = sorted(range(len(nodes)), key=lambda r: (names.index(nodes[r]), r))
+    n = len(order)
+    links: set[tuple[int, ...]] = {tuple(sorted((order[i], order[(i + 1) % n]))) for i in range(n)} if n > 1 else set()
     members = {name: [r for r in range(n) if nodes[r] == name] for name in names}
     if len(names) > 1:
         for i, name in enumerate(names):

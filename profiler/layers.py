@@ -42,14 +42,26 @@ class LayerSweep:
 
     Attributes:
         repeats: warm-up and timed repeats per unit (``budget_s`` caps a unit's time).
-        count_flops: run each unit once more with the math attention kernel to count
-            FLOPs.
-        measure_memory: run each unit once more to record saved and peak memory.
+        count_flops: run each unit once with the math attention kernel to count FLOPs.
+        measure_memory: run each unit once to record saved and peak memory.
+
+    The FLOP and memory runs come first and count as warm-up runs: a unit runs
+    ``max(warmup, probes)`` times untimed, then ``repeats`` times timed.
     """
 
     repeats: Repeats = field(default_factory=lambda: Repeats(warmup=1, repeats=5, min_repeats=3, budget_s=10.0))
     count_flops: bool = True
     measure_memory: bool = True
+
+    @property
+    def untimed_probes(self) -> int:
+        """Runs of each unit before timing that measure FLOPs or memory (and warm up)."""
+        return int(self.count_flops) + int(self.measure_memory)
+
+    @property
+    def warmup_runs(self) -> int:
+        """Untimed runs of each unit before its timed repeats."""
+        return max(self.repeats.warmup, self.untimed_probes)
 
 
 class _ClockLap:
@@ -119,7 +131,7 @@ def profile_model(model: nn.Module, sample_input: Any, *, loss_fn: Callable[[Any
     layers = ModelProfile(model=name or type(model).__name__, batch=batch, seq_len=graph.seq_len,
                           sample_shape=tuple(int(s) for s in first.shape), dtype=dtype,
                           device=device_name(device, n_threads), device_kind="cuda" if device.type == "cuda" else "cpu",
-                          threads=n_threads, timer=timer_name(device), warmup=sweep.repeats.warmup, units=tuple(units),
+                          threads=n_threads, timer=timer_name(device), warmup=sweep.warmup_runs, units=tuple(units),
                           provenance=provenance(command))
     return ProfileReport(layers=layers)
 
@@ -192,7 +204,6 @@ def _measure(model: nn.Module, graph: LayerGraph, unit: _Distinct, device: torch
     g_unit = graph.units[unit.index]
     modules = dict(model.named_modules())
     params = {id(p): p for m in g_unit.modules for p in modules[m].parameters()}
-    fwd, bwd = _time(unit.runner, device, sweep.repeats)
     flops = {"fwd": 0.0, "bwd": 0.0}
     if sweep.count_flops:
         counter = FlopLap()
@@ -204,6 +215,7 @@ def _measure(model: nn.Module, graph: LayerGraph, unit: _Distinct, device: torch
         probe = MemoryLap(device, {p.untyped_storage().data_ptr() for p in model.parameters()})
         unit.runner.run(probe)
         saved, peak = probe.saved_bytes, probe.peak_bytes
+    fwd, bwd = _time(unit.runner, device, sweep.repeats, done=sweep.untimed_probes)
     return UnitMeasurement(
         fqn=g_unit.fqn, signature=graph.profiles[g_unit.profile].signature, instances=unit.instances,
         modules=g_unit.modules, fwd=fwd, bwd=bwd, fwd_flops=flops["fwd"], bwd_flops=flops["bwd"],
@@ -211,9 +223,11 @@ def _measure(model: nn.Module, graph: LayerGraph, unit: _Distinct, device: torch
         peak_bytes=peak, work=work_items(graph.profiles[g_unit.profile], batch))
 
 
-def _time(runner: Any, device: torch.device, repeats: Repeats) -> tuple[Timing, Timing]:
+def _time(runner: Any, device: torch.device, repeats: Repeats, *, done: int) -> tuple[Timing, Timing]:
+    """Time ``runner`` after ``repeats.warmup`` untimed runs, ``done`` of which already
+    happened (the FLOP and memory probes run the unit too, so they double as warm-up)."""
     lap = _ClockLap(device)
-    for _ in range(repeats.warmup):
+    for _ in range(repeats.warmup - done):
         runner.run(lap)
     synchronize(device)
     fwd: list[float] = []

@@ -244,7 +244,8 @@ class ModelProfile:
     ``sample_shape``: the shape of the first input tensor (batch first). ``batch``: the
     samples per measured call. ``seq_len``: tokens per sample (1 for non-sequence
     models). ``dtype``: the model's parameter precision. ``device``/``device_kind``: the
-    device's name and ``cpu`` or ``cuda``; ``threads``: CPU intra-op threads.
+    device's name and ``cpu`` or ``cuda``; ``threads``: CPU intra-op threads; ``warmup``:
+    untimed runs of each unit before its timed repeats.
     """
 
     model: str

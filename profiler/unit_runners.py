@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from profiler.errors import MeasurementError
+
 Phase = Literal["fwd", "bwd"]
 
 
@@ -69,6 +71,13 @@ def _backward(outputs: Any, grads: list[torch.Tensor] | None) -> None:
         torch.autograd.backward(outs)
     else:
         torch.autograd.backward(outs, grads[:len(outs)])
+
+
+def backward_lap(lap: Lap, outputs: Any, grads: list[torch.Tensor] | None) -> None:
+    """The backward phase: ``outputs`` with ``grads`` (None: a scalar loss)."""
+    lap.begin("bwd")
+    _backward(outputs, grads)
+    lap.end("bwd")
 
 
 def output_grads(outputs: Any) -> list[torch.Tensor]:
@@ -175,11 +184,8 @@ class BlockRunner:
         lap.begin("fwd")
         out = self.module(*self.args, **self.kwargs)
         lap.end("fwd")
-        if self.grads is None:
-            self.grads = output_grads(out)
-        lap.begin("bwd")
-        _backward(out, self.grads)
-        lap.end("bwd")
+        self.grads = self.grads if self.grads is not None else output_grads(out)
+        backward_lap(lap, out, self.grads)
 
 
 def _leaf(x: Any, marks: dict[int, bool]) -> Any:
@@ -205,15 +211,13 @@ class PrologueRunner:
         except _Stop as stop:
             out = (stop.args, stop.kwargs)
         else:
-            raise RuntimeError("the model's forward never called its first block")
+            raise MeasurementError(f"{type(self.model).__name__}'s forward never called its first block, so what runs "
+                                   f"before it cannot be timed apart; profile a model whose blocks run in forward.")
         finally:
             handle.remove()
         lap.end("fwd")
-        if self.grads is None:
-            self.grads = output_grads(out)
-        lap.begin("bwd")
-        _backward(out, self.grads)
-        lap.end("bwd")
+        self.grads = self.grads if self.grads is not None else output_grads(out)
+        backward_lap(lap, out, self.grads)
 
 
 def _stop_with_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -246,9 +250,7 @@ class EpilogueRunner:
             sc.override[self.last] = fresh
             loss = self.loss_fn(self.model(*self.inputs[0], **self.inputs[1]))
         lap.end("fwd")
-        lap.begin("bwd")
-        _backward(loss, None)
-        lap.end("bwd")
+        backward_lap(lap, loss, None)
 
 
 class WholeRunner:
@@ -263,6 +265,4 @@ class WholeRunner:
         lap.begin("fwd")
         loss = self.loss_fn(self.model(*self.inputs[0], **self.inputs[1]))
         lap.end("fwd")
-        lap.begin("bwd")
-        _backward(loss, None)
-        lap.end("bwd")
+        backward_lap(lap, loss, None)

@@ -135,25 +135,35 @@ def test_calibration_against_a_hand_computed_roofline():
         layer_calibration([device()])
 
 
+def _measured_gpt(batch):
+    """A tiny GPT profiled at ``batch`` on a device of known rates, and its graph."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, seq_len=32, dim=64, n_layers=2, n_heads=4))
+    x = torch.randint(0, 256, (batch, 32))
+    sweep = LayerSweep(repeats=Repeats(warmup=0, repeats=1, min_repeats=1), count_flops=False, measure_memory=False)
+    report = ProfileReport.merge(device(rate_flop_per_s=5e10, bandwidth=2e10), profile_model(model, x, sweep=sweep))
+    return report, extract(model, sample_input=x, dtype="fp32")
+
+
+def _unit_cost(graph, i, cluster, batch, **scale):
+    """The cost model's time of unit ``i`` on one device (tp=1)."""
+    prof = graph.profile_of(i)
+    ctx = TPContext(tp=1, span=GroupSpan(size=1, per_node=1, nodes=1), cluster=cluster,
+                    rates=rates(cluster.device, DType.FP32), micro_batch=batch, tokens=32, boundary=Layout.R,
+                    first=i == 0, last=i == len(graph.units) - 1, loss_parallel=False, sequence_parallel=False,
+                    **scale)
+    return evaluate_layout(prof, tuple(TPStyle.REPLICATE for _ in prof.leaves), Layout.R, ctx)
+
+
 def test_prediction_is_the_cost_models_unit_time():
     """The calibration divides by exactly what autopar's cost model computes for the unit
     on one device (evaluate_layout at tp=1), so multiplying by the factor reproduces the
     measured time."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=256, seq_len=32, dim=64, n_layers=2, n_heads=4))
-    x = torch.randint(0, 256, (3, 32))
-    sweep = LayerSweep(repeats=Repeats(warmup=0, repeats=1, min_repeats=1), count_flops=False, measure_memory=False)
-    report = ProfileReport.merge(device(rate_flop_per_s=5e10, bandwidth=2e10), profile_model(model, x, sweep=sweep))
+    report, graph = _measured_gpt(3)
     cluster = cluster_from_profiles([report])
-    graph = extract(model, sample_input=x, dtype="fp32")
     cals = {c.fqn: c for c in calibrate_units([report])}
-    n = len(graph.units)
     for i, unit in enumerate(graph.units):
-        prof = graph.profile_of(i)
-        ctx = TPContext(tp=1, span=GroupSpan(size=1, per_node=1, nodes=1), cluster=cluster,
-                        rates=rates(cluster.device, DType.FP32), micro_batch=3, tokens=32, boundary=Layout.R,
-                        first=i == 0, last=i == n - 1, loss_parallel=False, sequence_parallel=False)
-        cost = evaluate_layout(prof, tuple(TPStyle.REPLICATE for _ in prof.leaves), Layout.R, ctx)
+        cost = _unit_cost(graph, i, cluster, 3)
         cal = cals[next(c for c in cals if unit.fqn in cals[c].instances)]
         assert cal.predicted_fwd_s == pytest.approx(cost.fwd_compute_s, rel=1e-12)
         assert cal.predicted_bwd_s == pytest.approx(cost.bwd_compute_s, rel=1e-12)
@@ -170,3 +180,24 @@ def test_the_planner_takes_reports():
     slow = [device(rate_flop_per_s=2e9, bandwidth=3e8), network(node_of_rank=("a", "a"), inter=None)]
     slower = autopar.estimate(model, base, plan.config, global_batch_size=8, seq_len=32, profile=slow)
     assert slower.prediction.step_time_s > 10 * plan.prediction.step_time_s  # 100x slower device
+
+
+@pytest.mark.skipif("compute_scale" not in TPContext.__dataclass_fields__,
+                    reason="needs TPContext.compute_scale, the cost model's calibration hook on main")
+def test_calibrated_cost_model_reproduces_the_measurement():
+    """With each unit's factor as its compute scale, the cost model's unit time at the
+    measured shape equals the measured time; at another batch it follows the device
+    curves (a unit twice the batch is predicted at most twice as slow)."""
+    report, graph = _measured_gpt(2)
+    cluster = cluster_from_profiles([report])
+    factors = layer_calibration([report])
+    measured = {u.signature: u.time_s for u in report.layers.units}
+    for i, unit in enumerate(graph.units):
+        sig = graph.profile_of(i).signature
+
+        def unit_time(batch):
+            cost = _unit_cost(graph, i, cluster, batch, compute_scale=factors[sig])
+            return cost.fwd_compute_s + cost.bwd_compute_s
+
+        assert unit_time(2) == pytest.approx(measured[sig], rel=1e-9), unit.fqn
+        assert unit_time(2) < unit_time(4) <= 2 * unit_time(2) * (1 + 1e-9)

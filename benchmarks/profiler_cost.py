@@ -5,14 +5,16 @@ the network sweep on 4 ranks up to 64 MiB under two minutes.
     python benchmarks/profiler_cost.py                      # gpt2-small, seq 1024, batch 1; 4 ranks
     python benchmarks/profiler_cost.py --seq-len 512 --nproc 2
 
-Writes ``benchmarks/results/profiler_cost_<hw>_<date>.md`` with the command, the
-software versions, the timings and what was measured.
+Writes ``benchmarks/results/profiler_cost_cpu<N>_<date>.md`` (N: the machine's CPUs) with
+the command, the software versions, the timings and what was measured, and the merged
+profile next to it as JSON (``autopar profile report <it> --html r.html`` draws it).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import shlex
 import sys
 import time
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = _markdown(args, command, report, built - start, profiled - built, swept - profiled, net_s)
     date = datetime.date.today().isoformat()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    out = args.out_dir / f"profiler_cost_cpu{torch.get_num_threads()}x{args.nproc}_{date}.md"
+    out = args.out_dir / f"profiler_cost_cpu{os.cpu_count()}_{date}.md"
     out.write_text("\n".join(lines) + "\n")
     report.save(out.with_suffix(".json"))
     print("\n".join(lines))

@@ -95,7 +95,8 @@ def profile_model(model: nn.Module, sample_input: Any, *, loss_fn: Callable[[Any
 
     Args:
         model: a real module (not on the meta device), in training mode, on the device
-            to measure; its parameter dtype is the measured precision.
+            to measure; its parameter dtype is the measured precision. Its parameters'
+            ``.grad`` are reset while measuring.
         sample_input: one batch: a tensor (token ids ``(batch, seq)``, features,
             images), a tuple of positional tensors or a dict of keyword tensors, with
             the batch in dimension 0, on the model's device.

@@ -198,7 +198,7 @@ def _span(ranks: tuple[int, ...]) -> str:
 def _measure(op: str, nbytes: int, group: _Group | None, device: torch.device, sweep: NetworkSweep) -> list[float]:
     """Seconds per call of each repeat on this rank; every rank calls it in step."""
     call = _make_call(op, nbytes, group, device) if group is not None else None
-    first = torch.zeros(1, dtype=torch.float64)
+    first = torch.zeros(1, dtype=torch.float64, device=device)  # NCCL reduces device tensors only
     dist.barrier()
     if call is not None:
         watch = Stopwatch(device)

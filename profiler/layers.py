@@ -106,7 +106,8 @@ def profile_model(model: nn.Module, sample_input: Any, *, loss_fn: Callable[[Any
         threads: CPU intra-op threads while measuring (default 1: a ``local-cpu`` device is
             one single-threaded process, and spare threads spin-wait on a busy core;
             None leaves torch's setting).
-        progress: called with one line per unit (measuring a large model takes a while).
+        progress: called with a line when each unit starts and when it is measured
+            (a large model's head alone can take minutes on a CPU).
         name: the model's name in the report (default: its class name).
         command: recorded in the report's provenance.
     """
@@ -123,6 +124,8 @@ def profile_model(model: nn.Module, sample_input: Any, *, loss_fn: Callable[[Any
         units = []
         started = time.perf_counter()
         for k, unit in enumerate(distinct, 1):
+            say(f"[{k}/{len(distinct)}] {graph.units[unit.index].fqn} (x{len(unit.instances)}): measuring "
+                f"({sweep.warmup_runs} untimed + up to {sweep.repeats.repeats} timed runs)")
             measured = _measure(model, graph, unit, device, batch, sweep)
             units.append(measured)
             say(f"[{k}/{len(distinct)}] {measured.fqn} (x{len(measured.instances)}): fwd "

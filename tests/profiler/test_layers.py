@@ -33,7 +33,8 @@ def test_units_are_the_graphs_distinct_units(gpt_report):
     assert [u.fqn for u in units] == ["tok_embeddings+pos_embeddings", "layers.0", "norm+output"]
     assert units[1].instances == tuple(f"layers.{i}" for i in range(L))
     assert units[0].modules == ("tok_embeddings", "pos_embeddings")
-    assert len(lines) == 3 and lines[1].startswith("[2/3] layers.0 (x4): fwd ")
+    assert len(lines) == 6 and lines[2].startswith("[2/3] layers.0 (x4): measuring (2 untimed")
+    assert lines[3].startswith("[2/3] layers.0 (x4): fwd ")
     lay = report.layers
     assert (lay.batch, lay.seq_len, lay.sample_shape, lay.dtype, lay.device_kind, lay.threads) == (
         B, S, (B, S), "fp32", "cpu", 1)

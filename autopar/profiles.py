@@ -1,0 +1,322 @@
+"""Profiler reports -> the numbers the planner uses.
+
+Reports are read as data (a ``ProfileReport``, its ``to_dict()``, or a JSON file path):
+autopar never imports the profiler, whose report format is plain versioned JSON.
+
+- :func:`cluster_from_profiles`: measured matmul curves and memory bandwidth replace
+  the device's analytic efficiencies; fitted alpha-beta links replace the datasheet
+  links. The base cluster supplies the node counts and whatever was not measured; its
+  datasheet peak FLOP/s stay (MFU is measured against the datasheet, as Narayanan et
+  al. 2021 and Chowdhery et al. 2022 report it) unless a measurement exceeds them, as
+  it does the nominal figures of the ``local-cpu`` preset.
+- :func:`profile_sources`: one line per report, for the plan's provenance.
+- :func:`layer_calibration`: measured unit time over the roofline prediction at the
+  measured shape, per unit. Multiplying a unit's predicted compute by its factor keeps
+  what the roofline misses (kernel overheads, launch and framework costs) while the
+  device curves still carry the shape dependence, so a layer measured at one batch
+  predicts another through the curves, not linearly.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from autopar.cluster import Cluster, DeviceSpec, LinkSpec
+from autopar.cost.compute import rates, work_s
+from autopar.cost.tensor_parallel import BACKWARD_FACTOR
+from autopar.errors import ClusterError
+from autopar.vocab import DType
+
+SCHEMA = "autopar-profile"
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Report:
+    """A report read as data, with where it came from."""
+
+    origin: str
+    data: Mapping[str, Any]
+
+    def section(self, name: str) -> Mapping[str, Any] | None:
+        return self.data.get(name)
+
+
+def read_reports(reports: Sequence[Any]) -> list[_Report]:
+    """Each report as checked JSON data; a path, a mapping or an object with ``to_dict()``."""
+    if isinstance(reports, (str, Path, Mapping)) or hasattr(reports, "to_dict"):
+        reports = [reports]
+    out = []
+    for i, r in enumerate(reports):
+        if isinstance(r, (str, Path)):
+            origin = str(r)
+            try:
+                data = json.loads(Path(r).read_text())
+            except FileNotFoundError:
+                raise ClusterError(f"profile {origin!r} does not exist; make one with 'autopar profile'.") from None
+            except json.JSONDecodeError as exc:
+                raise ClusterError(f"profile {origin!r} is not valid JSON ({exc}).") from None
+        elif hasattr(r, "to_dict"):
+            origin, data = f"report #{i + 1}", r.to_dict()
+        elif isinstance(r, Mapping):
+            origin, data = f"report #{i + 1}", r
+        else:
+            raise ClusterError(f"profile #{i + 1} is a {type(r).__name__}; give a ProfileReport, its to_dict(), or a "
+                               f"JSON file path.")
+        if not isinstance(data, Mapping) or data.get("schema") != SCHEMA:
+            raise ClusterError(f"profile {origin!r} is not an autopar profile report (no 'schema': {SCHEMA!r}).")
+        if data.get("schema_version") != SCHEMA_VERSION:
+            raise ClusterError(f"profile {origin!r} has schema_version {data.get('schema_version')!r}; this autopar "
+                               f"reads version {SCHEMA_VERSION}. Measure again or upgrade autopar.")
+        out.append(_Report(origin=origin, data=data))
+    if not out:
+        raise ClusterError("no profile reports given; pass at least one (a ProfileReport or a JSON path).")
+    return out
+
+
+def _latest(reports: list[_Report], name: str) -> tuple[_Report, Mapping[str, Any]] | None:
+    """The section ``name`` of the last report that has it (later reports win, as in
+    ``ProfileReport.merge``)."""
+    found = None
+    for r in reports:
+        sec = r.section(name)
+        if sec is not None:
+            found = (r, sec)
+    return found
+
+
+def cluster_from_profiles(reports: Sequence[Any], base: Cluster | None = None) -> Cluster:
+    """A cluster whose device and links come from measurements where there are some.
+
+    Args:
+        reports: profiler reports (device, network and layer sections are read; a
+            section present in several reports is taken from the last).
+        base: what the measurements apply to: node count, devices per node, datasheet
+            peaks and everything not measured. Default: for measurements taken on CPU
+            processes, the ``local-cpu`` preset sized like the measured network; for a
+            GPU, the measurements alone (then both a device and a network section are
+            needed).
+    """
+    rs = read_reports(reports)
+    dev = _latest(rs, "device")
+    net = _latest(rs, "network")
+    try:
+        kinds = {found[1]["device_kind"] for found in (net, _latest(rs, "layers")) if found is not None}
+        if dev is not None:
+            kinds.add(dev[1]["kind"])
+        if base is None and kinds == {"cpu"}:
+            base = _local_cpu_base(net)
+        if dev is None and net is None:
+            if base is None:
+                raise ClusterError(f"the profiles ({', '.join(r.origin for r in rs)}) measure neither a device nor a "
+                                   f"network, and no base cluster was given; pass base=Cluster.preset(...).")
+            return base
+        nodes, per_node = _shape(base, net)
+        device = _device(dev, base, per_node) if dev is not None else _base_device(base)
+        intra, inter = _links(net, base, nodes, per_node)
+    except (KeyError, TypeError) as exc:
+        raise ClusterError(f"profile data is malformed ({type(exc).__name__}: {exc}); load it with "
+                           f"profiler.ProfileReport.load to see which field.") from None
+    prefix = base.name.split(" x ")[0] if base is not None else "measured"
+    return Cluster(name=f"{prefix}+profile x {nodes}", nodes=nodes, devices_per_node=per_node, device=device,
+                   intra_node=intra, inter_node=inter)
+
+
+def _local_cpu_base(net: tuple[_Report, Mapping[str, Any]] | None) -> Cluster:
+    from autopar.presets import build_preset
+
+    if net is None:
+        return build_preset("local-cpu", nodes=1, devices_per_node=1)
+    nodes, per_node = _net_shape(net[1])
+    return build_preset("local-cpu", nodes=nodes, devices_per_node=per_node)
+
+
+def _net_shape(net: Mapping[str, Any]) -> tuple[int, int]:
+    labels = list(net["node_of_rank"])
+    return len(set(labels)), max(labels.count(n) for n in set(labels))
+
+
+def _shape(base: Cluster | None, net: tuple[_Report, Mapping[str, Any]] | None) -> tuple[int, int]:
+    if base is not None:
+        return base.nodes, base.devices_per_node
+    return _net_shape(net[1]) if net is not None else (1, 1)
+
+
+def _base_device(base: Cluster | None) -> DeviceSpec:
+    if base is None:
+        raise ClusterError("the profiles measure a network but no device, and no base cluster was given; add a "
+                           "device profile ('autopar profile device') or pass base=Cluster.preset(...).")
+    return base.device
+
+
+def _device(found: tuple[_Report, Mapping[str, Any]], base: Cluster | None, per_node: int) -> DeviceSpec:
+    report, d = found
+    curves: dict[DType, tuple[tuple[float, float], ...]] = {}
+    for p in d["matmul"]:
+        curves.setdefault(DType(p["dtype"]), ())
+    for dt in curves:
+        by_flops: dict[float, list[float]] = {}
+        for p in d["matmul"]:
+            if p["dtype"] == dt.value:
+                by_flops.setdefault(float(p["flops"]), []).append(float(p["flops"]) / float(p["time"]["median_s"]))
+        curves[dt] = tuple((f, sum(v) / len(v)) for f, v in sorted(by_flops.items()))
+    measured_peaks = {dt: max(r for _, r in pts) for dt, pts in curves.items()}
+    memory = float(d["memory_bytes"]) / (per_node if d["memory_shared"] else 1)
+    where = _where(d)
+    if base is not None:
+        peaks = {dt: max(base.device.peak_flops.get(dt, 0.0), measured_peaks.get(dt, 0.0))
+                 for dt in {*base.device.peak_flops, *measured_peaks}}
+        efficiency = base.device.matmul_efficiency
+        reserved = base.device.reserved_bytes
+        raised = sorted(dt.value for dt in measured_peaks if measured_peaks[dt] > base.device.peak_flops.get(dt, 0.0))
+        peak_note = (f"peak FLOP/s from {base.device.name} ({base.device.source})"
+                     + (f", raised to the measured maximum for {', '.join(raised)} (a peak cannot be below what "
+                        f"was achieved)" if raised else ""))
+        preferred = base.device.preferred_dtype if base.device.preferred_dtype in peaks else next(iter(curves))
+    else:
+        peaks, efficiency, reserved = measured_peaks, 1.0, float(d["reserved_bytes"])
+        peak_note = "peak FLOP/s = the fastest measured matmul (no datasheet given)"
+        preferred = DType.BF16 if DType.BF16 in curves else next(iter(curves))
+    share = f" / {per_node} processes" if d["memory_shared"] and per_node > 1 else ""
+    return DeviceSpec(
+        name=str(d["name"]), memory_bytes=memory, peak_flops=peaks,
+        memory_bandwidth_bytes_per_s=float(d["memory_bandwidth_bytes_per_s"]), matmul_efficiency=efficiency,
+        memory_efficiency=1.0, reserved_bytes=reserved, preferred_dtype=preferred,
+        matmul_curves=curves,
+        source=(f"measured ({report.origin}, {where}): matmul curves {', '.join(dt.value for dt in curves)} over "
+                f"{len(d['matmul'])} shapes, streaming bandwidth {float(d['memory_bandwidth_bytes_per_s']) / 1e9:.3g} "
+                f"GB/s (memory_efficiency 1: already achieved); memory {float(d['memory_bytes']) / 2**30:.1f} GiB"
+                f"{share}; {peak_note}"))
+
+
+def _links(net: tuple[_Report, Mapping[str, Any]] | None, base: Cluster | None, nodes: int,
+           per_node: int) -> tuple[LinkSpec, LinkSpec]:
+    fits = {}
+    if net is not None:
+        report, n = net
+        for level in ("intra", "inter"):
+            fit = _fit(n, level)
+            if fit is not None:
+                fits[level] = LinkSpec(
+                    bandwidth_bytes_per_s=float(fit["bandwidth_bytes_per_s"]), latency_s=float(fit["alpha_s"]),
+                    source=(f"fitted alpha-beta ({report.origin}, {_where(n)}): {n['backend']}, "
+                            f"{'+'.join(fit['ops'])} over {fit['points']} measurements, rms error "
+                            f"{100 * float(fit['rms_rel_error']):.0f}%"))
+    intra = fits.get("intra") or (base.intra_node if base is not None else None)
+    inter = fits.get("inter") or (base.inter_node if base is not None else None)
+    if intra is None and inter is None:
+        raise ClusterError("no link was measured and no base cluster was given; add a network profile ('autopar "
+                           "profile network') or pass base=Cluster.preset(...).")
+    intra = intra or _stand_in("intra-node", inter, per_node, "devices per node", "measure with several ranks per node")
+    inter = inter or _stand_in("inter-node", intra, nodes, "nodes", "measure across nodes")
+    return intra, inter
+
+
+def _stand_in(level: str, other: LinkSpec, count: int, what: str, remedy: str) -> LinkSpec:
+    """The measured link of the other level, for a level this cluster never uses."""
+    if count > 1:
+        raise ClusterError(f"the network profile has no {level} measurement but the cluster has {count} {what}; "
+                           f"{remedy}, or pass base= with that link.")
+    return replace(other, source=f"not measured ({what}: 1, so never used); the other level's fit")
+
+
+def _fit(net: Mapping[str, Any], level: str) -> Mapping[str, Any] | None:
+    level_fits = [f for f in net["fits"] if f["level"] == level]
+    joint = [f for f in level_fits if len(f["ops"]) > 1]
+    return (joint or level_fits or [None])[0]
+
+
+def _where(section: Mapping[str, Any]) -> str:
+    p = section["provenance"]
+    return f"host {p['host']}, {p['created_utc']}, torch {p['software'].get('torch', '?')}"
+
+
+def profile_sources(reports: Sequence[Any]) -> tuple[str, ...]:
+    """One line per report: what it measured, where and when."""
+    lines = []
+    for r in read_reports(reports):
+        parts = []
+        for name in ("device", "layers", "network"):
+            sec = r.section(name)
+            if sec is None:
+                continue
+            if name == "device":
+                what = f"device {sec['name']}"
+            elif name == "layers":
+                what = f"layers of {sec['model']} (batch {sec['batch']}, seq {sec['seq_len']}, {sec['dtype']})"
+            else:
+                what = f"network {sec['backend']} x {sec['world_size']} ranks"
+            parts.append(f"{what} [{_where(sec)}]")
+        lines.append(f"{r.origin}: " + ("; ".join(parts) if parts else "no measurements"))
+    return tuple(lines)
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnitCalibration:
+    """Measured against predicted time of one distinct unit at the measured shape.
+
+    ``factor`` = measured (forward + backward) / predicted (forward + backward), the
+    number to multiply the cost model's compute time of this unit by.
+    """
+
+    fqn: str
+    signature: str
+    instances: tuple[str, ...]
+    measured_fwd_s: float
+    measured_bwd_s: float
+    predicted_fwd_s: float
+    predicted_bwd_s: float
+
+    @property
+    def factor(self) -> float:
+        """Measured over predicted, forward plus backward."""
+        return (self.measured_fwd_s + self.measured_bwd_s) / (self.predicted_fwd_s + self.predicted_bwd_s)
+
+
+def calibrate_units(reports: Sequence[Any], *, base: Cluster | None = None) -> tuple[UnitCalibration, ...]:
+    """Each profiled unit's measured time next to the roofline prediction.
+
+    The prediction prices the unit's kernels as recorded in the report (leaves and glue
+    at the measured batch, from ``autopar.graph``) with :func:`autopar.cost.compute.work_s`
+    on the device of ``cluster_from_profiles(reports, base=base)``, backward
+    ``BACKWARD_FACTOR`` times forward: exactly what the cost model computes for the
+    unit on one device. Units with nothing to predict (no FLOPs, no bytes) are left out.
+    """
+    rs = read_reports(reports)
+    found = _latest(rs, "layers")
+    if found is None:
+        raise ClusterError(f"none of the profiles ({', '.join(r.origin for r in rs)}) has a layers section; make one "
+                           f"with 'autopar profile model'.")
+    layers = found[1]
+    device = cluster_from_profiles(reports, base=base).device
+    r = rates(device, DType(layers["dtype"]))
+    out = []
+    for u in layers["units"]:
+        fwd = sum(work_s(matmul_flops=float(w["matmul_flops"]), other_flops=float(w["other_flops"]),
+                         nbytes=float(w["bytes"]), r=r) for w in u["work"])
+        if fwd <= 0:
+            continue
+        out.append(UnitCalibration(fqn=u["fqn"], signature=u["signature"], instances=tuple(u["instances"]),
+                                   measured_fwd_s=float(u["fwd"]["median_s"]),
+                                   measured_bwd_s=float(u["bwd"]["median_s"]),
+                                   predicted_fwd_s=fwd, predicted_bwd_s=BACKWARD_FACTOR * fwd))
+    return tuple(out)
+
+
+def layer_calibration(reports: Sequence[Any], *, base: Cluster | None = None) -> dict[str, float]:
+    """Unit key -> measured / predicted time (see :func:`calibrate_units`).
+
+    Keys: the unit's FQN (a block's module FQN, or ``autopar.graph``'s joined name of a
+    prologue or epilogue such as ``"tok_embeddings+pos_embeddings"``), the FQN of every
+    identical instance, and the unit's ``UnitProfile.signature``. Use the factors with
+    the same cluster (``cluster_from_profiles(reports, base=base)``): they are relative
+    to its device rates.
+    """
+    factors: dict[str, float] = {}
+    for c in calibrate_units(reports, base=base):
+        for key in (c.fqn, c.signature, *c.instances):
+            factors[key] = c.factor
+    return factors

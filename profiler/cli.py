@@ -1,0 +1,297 @@
+"""``autopar profile {model,device,network,report}``: the command line of the profiler.
+
+:func:`add_profile_parser` registers the ``profile`` command on an ``argparse``
+sub-parser set (``autopar``'s CLI wires it in); every command sets ``func``, a handler
+``args -> exit code``. ``python -m profiler`` offers the same commands at top level, so
+``torchrun ... -m profiler network`` works without the ``autopar`` entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import os
+import re
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from profiler.errors import ProfilerError, SettingsError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?)(?:i?B)?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """``"1K"``, ``"64M"``, ``"256MiB"``, ``"4096"`` -> bytes (binary multiples)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 4096, 1K, 64M or 1G.")
+    return int(float(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[m.group(2).upper()])
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers.") from None
+
+
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def add_profile_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``profile {model,device,network,report}``; returns the ``profile`` parser."""
+    parser = subparsers.add_parser("profile", help="measure layers, a device or the network; render reports",
+                                   description="Measure what the planner otherwise guesses.")
+    add_profile_commands(parser.add_subparsers(dest="profile_command", required=True, metavar="COMMAND"))
+    return parser
+
+
+def add_profile_commands(sub: Any) -> None:
+    """Register ``model``, ``device``, ``network`` and ``report`` on ``sub``."""
+    m = sub.add_parser("model", help="per-unit forward/backward time, FLOPs and memory of a model (one process)")
+    src = m.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="a registered model name, e.g. gpt2-small (see autopar.models.named_models)")
+    src.add_argument("--model-fn", metavar="MODULE:FUNCTION", help="a function returning an nn.Module")
+    m.add_argument("--seq-len", type=int, help="tokens per sample (token models; default: the model's)")
+    m.add_argument("--input-shape", type=_ints, help="per-sample input shape for non-token models, e.g. 3,224,224")
+    m.add_argument("--batch", type=int, default=1, help="samples per measured call (default 1)")
+    m.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    m.add_argument("--repeats", type=int, default=5, help="timed repeats per unit (default 5)")
+    m.add_argument("--warmup", type=int, default=1)
+    m.add_argument("--no-device", action="store_true", help="skip the device sweep (calibration then uses the "
+                                                            "planner's device numbers)")
+    _common(m)
+    m.set_defaults(func=_cmd_model)
+
+    d = sub.add_parser("device", help="matmul FLOP/s curves and memory bandwidth of this device")
+    d.add_argument("--sizes", type=_ints, default=(), help="square matmul sizes, e.g. 64,256,1024")
+    d.add_argument("--dtypes", type=_words, default=(), help="e.g. fp32,bf16 (default: all the device runs)")
+    d.add_argument("--array-sizes", type=lambda t: tuple(parse_bytes(x) for x in t.split(",")), default=(),
+                   help="streaming array sizes, e.g. 1M,64M,256M")
+    _common(d)
+    d.set_defaults(func=_cmd_device)
+
+    n = sub.add_parser("network", help="collective bandwidth and latency (run under torchrun, or --nproc N)")
+    n.add_argument("--nproc", type=int, help="launch N local CPU processes (gloo) instead of running under torchrun")
+    n.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl with CUDA, else gloo")
+    n.add_argument("--min-bytes", type=parse_bytes, default=2**10)
+    n.add_argument("--max-bytes", type=parse_bytes, default=0, help="default 256M on GPUs, 64M on CPUs")
+    n.add_argument("--factor", type=int, default=2, help="size multiplier between points (default 2)")
+    n.add_argument("--ops", type=_words, default=(), help="default: all_reduce,all_gather,reduce_scatter,"
+                                                          "broadcast,send_recv")
+    n.add_argument("--levels", type=_words, default=(), help="default: intra,inter,mixed")
+    n.add_argument("--repeats", type=int, default=3)
+    n.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung run is stopped")
+    n.add_argument("--out", required=True, type=Path, help="where to write the report (JSON)")
+    n.add_argument("--quiet", action="store_true", help="no progress lines")
+    n.set_defaults(func=_cmd_network)
+
+    r = sub.add_parser("report", help="merge reports and render them as HTML or Markdown")
+    r.add_argument("reports", nargs="+", type=Path, help="report JSON files (later ones win on shared sections)")
+    r.add_argument("--html", type=Path, help="write a standalone HTML report here")
+    r.add_argument("--markdown", type=Path, help="write Markdown here (figures in <name>_files/)")
+    r.add_argument("--out", type=Path, help="write the merged report (JSON) here")
+    r.set_defaults(func=_cmd_report)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", help="cpu or cuda[:N] (default: cuda if available)")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: one local-cpu device)")
+    p.add_argument("--out", required=True, type=Path, help="where to write the report (JSON)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    """What to record as the command: ``args.command_line`` when the caller set it
+    (``python -m profiler``), else this process's ``autopar`` command line."""
+    given = getattr(args, "command_line", None)
+    return given or "autopar " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def _progress(args: argparse.Namespace) -> Any:
+    if getattr(args, "quiet", False):
+        return None
+    return lambda line: print(f"[{datetime.datetime.now():%H:%M:%S}] {line}", file=sys.stderr, flush=True)
+
+
+def _finish(report: Any, out: Path) -> int:
+    report.save(out)
+    for line in report.summary():
+        print(line)
+    print(f"wrote {out}")
+    return 0
+
+
+def _cmd_model(args: argparse.Namespace) -> int:
+    from profiler.device import profile_device, resolve_device
+    from profiler.layers import LayerSweep, profile_model
+    from profiler.report import ProfileReport
+    from profiler.timing import Repeats
+
+    device = resolve_device(args.device)
+    model, sample, name = load_model(args, device)
+    sweep = LayerSweep(repeats=Repeats(warmup=args.warmup, repeats=args.repeats, min_repeats=min(3, args.repeats),
+                                       budget_s=30.0))
+    command = _command_line(args)
+    report = profile_model(model, sample, sweep=sweep, threads=args.threads, progress=_progress(args), name=name,
+                           command=command)
+    if not args.no_device:
+        report = ProfileReport.merge(report, profile_device(device=device, threads=args.threads, command=command,
+                                                            progress=_progress(args)))
+    return _finish(report, args.out)
+
+
+def load_model(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, torch.Tensor, str]:
+    """The model and one batch of inputs that ``--model``/``--model-fn`` and the shape
+    options describe, built on ``device`` in ``--dtype``."""
+    from autopar.models.registry import get_named_model
+
+    if args.batch < 1:
+        raise SettingsError(f"--batch {args.batch} must be >= 1.")
+    seq_len, shape = args.seq_len, args.input_shape
+    if args.model:
+        entry = get_named_model(args.model)
+        with torch.device(device):
+            model = entry.build()
+        name = entry.name
+        if entry.input_kind == "tokens":
+            seq_len = seq_len or entry.seq_len
+        else:
+            shape = shape or entry.sample_shape
+    else:
+        module_name, _, fn_name = args.model_fn.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module_name), fn_name)
+        except (ImportError, AttributeError) as exc:
+            raise SettingsError(f"--model-fn {args.model_fn!r}: cannot import it ({exc}); write module:function.") \
+                from None
+        with torch.device(device):
+            model = fn()
+        name = f"{args.model_fn}"
+    model = model.to({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]).train()
+    vocab = max((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), default=0)
+    if shape:
+        sample = torch.randn(args.batch, *shape, device=device)
+    elif seq_len and vocab:
+        sample = torch.randint(0, vocab, (args.batch, seq_len), device=device)
+    else:
+        raise SettingsError("give --seq-len (a token model: the sequence length) or --input-shape (e.g. 3,224,224).")
+    return model, sample, name
+
+
+def _cmd_device(args: argparse.Namespace) -> int:
+    from profiler.device import DeviceSweep, profile_device
+
+    sweep = DeviceSweep(matmul_sizes=args.sizes, dtypes=args.dtypes, array_bytes=args.array_sizes)
+    report = profile_device(device=args.device, sweep=sweep, threads=args.threads, progress=_progress(args),
+                            command=_command_line(args))
+    return _finish(report, args.out)
+
+
+def _network_sweep(args: argparse.Namespace) -> Any:
+    from profiler.network import NetworkSweep
+
+    kwargs: dict[str, Any] = dict(min_bytes=args.min_bytes, max_bytes=args.max_bytes, factor=args.factor,
+                                  repeats=args.repeats)
+    if args.ops:
+        kwargs["ops"] = args.ops
+    if args.levels:
+        kwargs["levels"] = args.levels
+    return NetworkSweep(**kwargs)
+
+
+def _cmd_network(args: argparse.Namespace) -> int:
+    sweep = _network_sweep(args)
+    command = _command_line(args)
+    if args.nproc is not None:
+        return _network_local(args, sweep, command)
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise SettingsError("no launcher environment (RANK, WORLD_SIZE): run under torchrun, e.g. 'torchrun "
+                            "--nproc-per-node 8 -m profiler network --out net.json', or pass --nproc N to launch N "
+                            "local CPU processes.")
+    return run_network_rank(args, sweep, command)
+
+
+def run_network_rank(args: argparse.Namespace, sweep: Any, command: str) -> int:
+    """Join the launcher's process group (torchrun's environment), sweep, and write the
+    report from rank 0."""
+    import torch.distributed as dist
+
+    from profiler.network import profile_network
+
+    backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
+    try:
+        rank = dist.get_rank()
+        report = profile_network(sweep=sweep, progress=_progress(args) if rank == 0 else None, command=command)
+        if rank == 0:
+            _finish(report, args.out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def _network_worker(rank: int, world: int, sweep: Any, command: str, verbose: bool) -> Any:
+    from profiler.network import profile_network
+
+    say = (lambda line: print(f"[{datetime.datetime.now():%H:%M:%S}] {line}", file=sys.stderr, flush=True)) \
+        if verbose and rank == 0 else None
+    report = profile_network(sweep=sweep, progress=say, command=command)
+    return report if rank == 0 else None
+
+
+def _network_local(args: argparse.Namespace, sweep: Any, command: str) -> int:
+    from autopar.runtime.spmd import SPMDSettings, run_spmd
+
+    if args.nproc < 2:
+        raise SettingsError(f"--nproc {args.nproc}: a network profile needs at least 2 processes.")
+    if args.backend == "nccl":
+        raise SettingsError("--nproc launches CPU processes with gloo (forking after CUDA is initialised is unsafe); "
+                            "for GPUs run under torchrun: 'torchrun --nproc-per-node N -m profiler network ...'.")
+    settings = SPMDSettings(timeout_s=args.timeout, pg_timeout_s=min(args.timeout, 300.0))
+    report = run_spmd(_network_worker, args.nproc, sweep, command, not args.quiet, settings=settings)[0]
+    return _finish(report, args.out)
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from profiler.render import render_html, render_markdown
+    from profiler.report import ProfileReport
+
+    report = ProfileReport.merge(*(ProfileReport.load(p) for p in args.reports))
+    for line in report.summary():
+        print(line)
+    if args.out:
+        report.save(args.out)
+        print(f"wrote {args.out}")
+    if args.html:
+        args.html.parent.mkdir(parents=True, exist_ok=True)
+        args.html.write_text(render_html(report))
+        print(f"wrote {args.html}")
+    if args.markdown:
+        files = args.markdown.with_name(args.markdown.stem + "_files")
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(render_markdown(report, image_dir=files, link_prefix=f"{files.name}/"))
+        print(f"wrote {args.markdown} and {files}/")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a parsed command, turning typed errors (the profiler's and autopar's) into a
+    message and exit code 2."""
+    from autopar.errors import AutoparError
+
+    try:
+        return int(args.func(args))
+    except (ProfilerError, AutoparError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

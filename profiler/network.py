@@ -1,0 +1,292 @@
+"""Collective and point-to-point bandwidth and latency over a process group's levels.
+
+Run on every rank of an initialised process group (``torchrun -m profiler network``,
+``autopar profile network --nproc N``, or :func:`profile_network` from your own
+script). Ranks are grouped by node; each *level* is swept with all its groups running
+at once, because that is how training uses the links:
+
+- ``intra``: the ranks of each node (tensor parallelism's groups, the first and last
+  stage of a hierarchical all-reduce);
+- ``inter``: one rank per node, for each local rank at once (every device's own NIC,
+  as NCCL's hierarchical algorithms use them);
+- ``mixed``: the whole world when it spans several nodes with several ranks each (a
+  data-parallel all-reduce), measured for comparison, not fitted.
+
+Message sizes follow nccl-tests (``-b 1K -e 256M``): the all-reduce and broadcast
+buffer, the all-gather output, the reduce-scatter input, the message each rank sends
+to its ring neighbour. A point's time is the slowest rank's, after a barrier, averaged
+over enough back-to-back calls to fill ``target_s``; the median over repeats is kept.
+Each level gets a joint alpha-beta fit over the ops the cost model prices
+(:mod:`profiler.fit`) and one fit per op.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Callable, get_args
+
+import torch
+import torch.distributed as dist
+
+from profiler.errors import MeasurementError, SettingsError
+from profiler.fit import Sample, bus_factor, coefficients, fit_alpha_beta
+from profiler.machine import provenance
+from profiler.report import (CollectiveOp, CommPoint, CommSeries, Level, LinkFit, NetworkProfile, ProfileReport,
+                             Timing)
+from profiler.timing import Stopwatch, synchronize
+
+KIB, MIB = 2**10, 2**20
+ALL_OPS: tuple[CollectiveOp, ...] = get_args(CollectiveOp)
+FITTED_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+"""The ops ``autopar.cost.comm`` prices, fitted jointly per level."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetworkSweep:
+    """What :func:`profile_network` measures.
+
+    Attributes:
+        min_bytes, max_bytes: the size range (default 1 KiB to 256 MiB on GPUs, 64 MiB
+            on CPUs, where gloo moves well under 1 GB/s).
+        factor: sizes grow by this factor (nccl-tests ``-f``).
+        ops: the collectives to run.
+        levels: the levels to sweep (those the group has).
+        repeats: timed repeats per size (median kept).
+        target_s: back-to-back calls per repeat fill about this long.
+        max_calls: at most this many calls per repeat.
+    """
+
+    min_bytes: int = KIB
+    max_bytes: int = 0
+    factor: int = 2
+    ops: tuple[CollectiveOp, ...] = ALL_OPS
+    levels: tuple[Level, ...] = ("intra", "inter", "mixed")
+    repeats: int = 3
+    target_s: float = 0.02
+    max_calls: int = 50
+
+    def __post_init__(self) -> None:
+        if self.min_bytes < 4 or (self.max_bytes and self.max_bytes < self.min_bytes) or self.factor < 2:
+            raise SettingsError(f"sizes: min_bytes={self.min_bytes}, max_bytes={self.max_bytes}, factor={self.factor}"
+                                f" are not allowed: need 4 <= min_bytes <= max_bytes and factor >= 2.")
+        unknown = [op for op in self.ops if op not in ALL_OPS]
+        if unknown or not self.ops:
+            raise SettingsError(f"ops {list(self.ops)} are not allowed; choose from {', '.join(ALL_OPS)}.")
+        if self.repeats < 1 or self.max_calls < 1 or not self.target_s > 0:
+            raise SettingsError("repeats, max_calls and target_s must be positive.")
+
+    def sizes(self, device_kind: str) -> tuple[int, ...]:
+        """The message sizes, smallest first."""
+        top = self.max_bytes or (256 * MIB if device_kind == "cuda" else 64 * MIB)
+        out, s = [], self.min_bytes
+        while s <= top:
+            out.append(s)
+            s *= self.factor
+        return tuple(out)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Group:
+    level: Level
+    label: str
+    ranks: tuple[int, ...]
+    handle: Any
+    per_node: int
+    nodes: int
+
+
+def node_label() -> str:
+    """This rank's node: torchrun's ``GROUP_RANK`` (the node rank) when set, else the host name."""
+    node = os.environ.get("GROUP_RANK")
+    return f"node{node}" if node is not None else socket.gethostname()
+
+
+def profile_network(*, sweep: NetworkSweep | None = None, node_of_rank: tuple[str, ...] | None = None,
+                    progress: Callable[[str], None] | None = None,
+                    command: str = "profiler.profile_network()") -> ProfileReport:
+    """Sweep collectives over every level of the default process group; call on every rank.
+
+    Args:
+        sweep: sizes, ops, levels and repeats.
+        node_of_rank: the node label of each rank (default: gathered :func:`node_label`).
+        progress: called with a line per op and level (pass it on one rank only).
+        command: recorded in the report's provenance.
+
+    Returns the same report on every rank.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise MeasurementError("profile_network needs an initialised process group: run under torchrun "
+                               "('torchrun --nproc-per-node N -m profiler network') or 'autopar profile network "
+                               "--nproc N', or call torch.distributed.init_process_group first.")
+    sweep = sweep or NetworkSweep()
+    say = progress or (lambda _line: None)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world < 2:
+        raise MeasurementError("a network profile needs at least 2 ranks; launch with --nproc-per-node >= 2.")
+    backend = str(dist.get_backend())
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    labels = _labels(node_of_rank, world)
+    groups = _groups(labels, sweep.levels)
+    sizes = sweep.sizes(device.type)
+    mine: dict[tuple[str, str, int], list[float]] = {}
+    for level in dict.fromkeys(g.level for g in groups):
+        my_group = next((g for g in groups if g.level == level and rank in g.ranks), None)
+        for op in sweep.ops:
+            for nbytes in sizes:
+                times = _measure(op, nbytes, my_group, device, sweep)
+                if my_group is not None:
+                    mine[(level, op, nbytes)] = times
+            say(f"{level} {op}: {len(sizes)} sizes up to {sizes[-1] / MIB:g} MiB")
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine)
+    series = tuple(_series(g, op, sizes, everyone) for g in groups for op in sweep.ops)
+    fits, unfitted = fit_levels(series)
+    profile = NetworkProfile(backend=backend, device_kind="cuda" if device.type == "cuda" else "cpu",
+                             world_size=world, node_of_rank=labels, series=series, fits=fits, unfitted=unfitted,
+                             provenance=provenance(command))
+    return ProfileReport(network=profile)
+
+
+def _labels(node_of_rank: tuple[str, ...] | None, world: int) -> tuple[str, ...]:
+    if node_of_rank is not None:
+        if len(node_of_rank) != world:
+            raise SettingsError(f"node_of_rank has {len(node_of_rank)} labels for {world} ranks; give one per rank.")
+        return tuple(node_of_rank)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, node_label())
+    return tuple(gathered)
+
+
+def _groups(labels: tuple[str, ...], levels: tuple[Level, ...]) -> list[_Group]:
+    """The groups of each level; every rank creates every group, in the same order."""
+    nodes = list(dict.fromkeys(labels))
+    members = {n: [r for r, lab in enumerate(labels) if lab == n] for n in nodes}
+    world = len(labels)
+    groups: list[_Group] = []
+    if "intra" in levels:
+        for n in nodes:
+            ranks = tuple(members[n])
+            if len(ranks) >= 2:
+                handle = dist.group.WORLD if len(ranks) == world else dist.new_group(list(ranks))
+                groups.append(_Group(level="intra", label=f"{n} (ranks {_span(ranks)})", ranks=ranks,
+                                     handle=handle, per_node=len(ranks), nodes=1))
+    if "inter" in levels and len(nodes) >= 2:
+        for k in range(min(len(m) for m in members.values())):
+            ranks = tuple(members[n][k] for n in nodes)
+            handle = dist.group.WORLD if len(ranks) == world else dist.new_group(list(ranks))
+            groups.append(_Group(level="inter", label=f"local rank {k} of {len(nodes)} nodes (ranks {_span(ranks)})",
+                                 ranks=ranks, handle=handle, per_node=1, nodes=len(nodes)))
+    if "mixed" in levels and len(nodes) >= 2 and max(len(m) for m in members.values()) >= 2:
+        per_node = max(len(m) for m in members.values())
+        groups.append(_Group(level="mixed", label=f"world ({world} ranks on {len(nodes)} nodes)",
+                             ranks=tuple(range(world)), handle=dist.group.WORLD, per_node=per_node, nodes=len(nodes)))
+    if not groups:
+        raise MeasurementError(f"no group of >= 2 ranks at levels {levels} with nodes {dict(members)}; choose other "
+                               f"levels.")
+    return groups
+
+
+def _span(ranks: tuple[int, ...]) -> str:
+    if len(ranks) > 2 and ranks == tuple(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def _measure(op: str, nbytes: int, group: _Group | None, device: torch.device, sweep: NetworkSweep) -> list[float]:
+    """Seconds per call of each repeat on this rank; every rank calls it in step."""
+    call = _make_call(op, nbytes, group, device) if group is not None else None
+    first = torch.zeros(1, dtype=torch.float64, device=device)  # NCCL reduces device tensors only
+    dist.barrier()
+    if call is not None:
+        watch = Stopwatch(device)
+        watch.start()
+        call()
+        first[0] = watch.stop()
+    dist.all_reduce(first, op=dist.ReduceOp.MAX)
+    calls = max(1, min(sweep.max_calls, math.ceil(sweep.target_s / max(float(first[0]), 1e-9))))
+    times = []
+    for _ in range(sweep.repeats):
+        dist.barrier()
+        if call is None:
+            continue
+        synchronize(device)
+        watch.start()
+        for _ in range(calls):
+            call()
+        times.append(watch.stop() / calls)
+    return times
+
+
+def _make_call(op: str, nbytes: int, group: _Group, device: torch.device) -> Callable[[], None]:
+    n = len(group.ranks)
+    numel = max(n, (nbytes // 4) // n * n)
+    pg = group.handle
+    if op == "all_reduce":
+        buf = torch.ones(numel, device=device)
+        return lambda: dist.all_reduce(buf, group=pg)
+    if op == "broadcast":
+        buf = torch.ones(numel, device=device)
+        return lambda: dist.broadcast(buf, src=group.ranks[0], group=pg)
+    if op == "all_gather":
+        out, part = torch.empty(numel, device=device), torch.ones(numel // n, device=device)
+        return lambda: dist.all_gather_single(out, part, group=pg)
+    if op == "reduce_scatter":
+        full, part = torch.ones(numel, device=device), torch.empty(numel // n, device=device)
+        return lambda: dist.reduce_scatter_single(part, full, group=pg)
+    me = group.ranks.index(dist.get_rank())
+    send, recv = torch.ones(numel, device=device), torch.empty(numel, device=device)
+    nxt, prv = group.ranks[(me + 1) % n], group.ranks[(me - 1) % n]
+
+    def send_recv() -> None:
+        # receive posted first: gloo then runs both directions at once (isend first measured half the rate
+        # of a 100 Mbit/s shaped link in each direction)
+        ops = [dist.P2POp(dist.irecv, recv, prv, group=pg), dist.P2POp(dist.isend, send, nxt, group=pg)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return send_recv
+
+
+def _series(group: _Group, op: CollectiveOp, sizes: tuple[int, ...], everyone: list[Any]) -> CommSeries:
+    n = len(group.ranks)
+    points = []
+    for nbytes in sizes:
+        per_rank = [everyone[r][(group.level, op, nbytes)] for r in group.ranks]
+        slowest = [max(rep) for rep in zip(*per_rank)]
+        timing = Timing.of(slowest)
+        actual = float(max(n, (nbytes // 4) // n * n) * 4)
+        algbw = actual / timing.median_s
+        points.append(CommPoint(nbytes=actual, time=timing, algbw_bytes_per_s=algbw,
+                                busbw_bytes_per_s=algbw * bus_factor(op, n)))
+    return CommSeries(op=op, level=group.level, label=group.label, ranks=group.ranks, per_node=group.per_node,
+                      nodes=group.nodes, points=tuple(points))
+
+
+def fit_levels(series: tuple[CommSeries, ...]) -> tuple[tuple[LinkFit, ...], dict[str, str]]:
+    """A joint fit per level over :data:`FITTED_OPS`, then one fit per op and level; and
+    why a fit could not be made (``"inter all_reduce": reason``), which noisy sweeps
+    over small messages only can cause."""
+    fits, unfitted = [], {}
+    for level in ("intra", "inter"):
+        at_level = [s for s in series if s.level == level]
+        joint_ops = tuple(op for op in FITTED_OPS if any(s.op == op for s in at_level))
+        wanted = ([joint_ops] if len(joint_ops) > 1 else []) + [(op,) for op in dict.fromkeys(s.op for s in at_level)]
+        for ops in wanted:
+            try:
+                fits.append(_fit(level, ops, at_level))
+            except MeasurementError as exc:
+                unfitted[f"{level} {'+'.join(ops)}"] = str(exc)
+    return tuple(fits), unfitted
+
+
+def _fit(level: Level, ops: tuple[CollectiveOp, ...], series: list[CommSeries]) -> LinkFit:
+    samples = []
+    for s in series:
+        if s.op in ops:
+            c_bw, c_lat = coefficients(s.op, level, len(s.ranks))
+            samples += [Sample(nbytes=p.nbytes, time_s=p.time.median_s, c_bw=c_bw, c_lat=c_lat) for p in s.points]
+    ab = fit_alpha_beta(samples)
+    return LinkFit(level=level, ops=ops, alpha_s=ab.alpha_s, bandwidth_bytes_per_s=ab.bandwidth_bytes_per_s,
+                   rms_rel_error=ab.rms_rel_error, points=ab.points)

@@ -1,0 +1,453 @@
+"""``ProfileReport``: what the profiler measured, as one versioned JSON file.
+
+A report has up to three sections, each measured on its own and each carrying its own
+provenance (machine, software, date, command), because the sections of a merged report
+may come from different runs or machines:
+
+- ``device``: achieved matmul FLOP/s against the FLOPs of one call, per precision, and
+  streaming memory bandwidth (:mod:`profiler.device`);
+- ``layers``: forward and backward time, FLOPs and memory of each distinct unit of a
+  model (:mod:`profiler.layers`);
+- ``network``: collective and point-to-point times over message sizes per group level,
+  with a fitted latency and bus bandwidth per level (:mod:`profiler.network`).
+
+A model profile and a network profile are two reports that :meth:`ProfileReport.merge`
+joins. This module imports nothing from autopar: autopar reads reports as data
+(``autopar.profiles``), so a report stays readable by anything that reads JSON.
+Units are in the field names: ``_s``, ``_bytes``, ``_flops``, ``_per_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence
+
+from profiler.codec import decode, encode
+from profiler.errors import ProfileFormatError
+
+SCHEMA = "autopar-profile"
+SCHEMA_VERSION = 1
+SECTIONS = ("device", "layers", "network")
+
+CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv"]
+Level = Literal["intra", "inter", "mixed"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Provenance:
+    """Where and when a section was measured, with what software.
+
+    Attributes:
+        host: the host name (rank 0's for a network section).
+        platform: operating system and architecture.
+        cpu: the processor model.
+        cpu_count: logical CPUs of the machine.
+        memory_bytes: physical memory of the machine.
+        accelerator: ``"none"`` or the accelerator's name and count.
+        software: package -> version (python, torch, cuda, nccl, ...).
+        created_utc: ISO 8601 date and time of the measurement.
+        command: the command line or call that made it.
+    """
+
+    host: str
+    platform: str
+    cpu: str
+    cpu_count: int
+    memory_bytes: float
+    accelerator: str
+    software: Mapping[str, str]
+    created_utc: str
+    command: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Timing:
+    """Summary of repeated timings of one thing, after warm-up."""
+
+    median_s: float
+    min_s: float
+    max_s: float
+    repeats: int
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1 or not (0 <= self.min_s <= self.median_s <= self.max_s):
+            raise ProfileFormatError(f"timing {self!r} is inconsistent: it needs repeats >= 1 and "
+                                     f"0 <= min_s <= median_s <= max_s.")
+
+    @staticmethod
+    def of(samples_s: Sequence[float]) -> "Timing":
+        """Summarise raw samples (seconds)."""
+        if not samples_s:
+            raise ProfileFormatError("cannot summarise zero timing samples; measure at least once.")
+        return Timing(median_s=statistics.median(samples_s), min_s=min(samples_s), max_s=max(samples_s),
+                      repeats=len(samples_s))
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median: how noisy the repeats were."""
+        return (self.max_s - self.min_s) / self.median_s if self.median_s > 0 else 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class MatmulPoint:
+    """One matmul shape: ``(m, k) @ (k, n)`` in ``dtype``, ``2 m n k`` FLOPs per call."""
+
+    dtype: str
+    m: int
+    n: int
+    k: int
+    flops: float
+    time: Timing
+
+    @property
+    def achieved_flop_per_s(self) -> float:
+        """FLOPs of one call over its median time."""
+        return self.flops / self.time.median_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class BandwidthPoint:
+    """One streaming kernel (``copy``: ``b.copy_(a)``; ``add``: ``c = a + b``) over
+    arrays of ``array_bytes``, moving ``moved_bytes`` through memory per call."""
+
+    kernel: Literal["copy", "add"]
+    array_bytes: float
+    moved_bytes: float
+    time: Timing
+
+    @property
+    def achieved_bytes_per_s(self) -> float:
+        """Bytes moved over the median time."""
+        return self.moved_bytes / self.time.median_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceProfile:
+    """Achievable compute and memory rates of one device (one GPU, or one CPU process).
+
+    Attributes:
+        name: the device (GPU name, or ``cpu-process`` and the CPU model).
+        kind: ``cpu`` or ``cuda``.
+        threads: intra-op threads the CPU measurements used (1 on GPU).
+        memory_bytes: the device's memory (GPU memory; for a CPU process, the
+            machine's RAM, which the processes of a node share: ``memory_shared``).
+        memory_shared: whether ``memory_bytes`` is shared by the processes of a node.
+        reserved_bytes: memory in use before anything was allocated (CUDA context);
+            0 on CPU, where a process's baseline is not device memory.
+        timer: ``cuda-events`` or ``wall-clock``.
+        matmul: the matmul sweep; ``skipped_dtypes`` says which precisions did not run.
+        bandwidth: the streaming sweep.
+        memory_bandwidth_bytes_per_s: the summary the cost model uses: the fastest
+            kernel at the largest array (out of cache on a CPU).
+    """
+
+    name: str
+    kind: Literal["cpu", "cuda"]
+    threads: int
+    memory_bytes: float
+    memory_shared: bool
+    reserved_bytes: float
+    timer: str
+    matmul: tuple[MatmulPoint, ...]
+    bandwidth: tuple[BandwidthPoint, ...]
+    memory_bandwidth_bytes_per_s: float
+    skipped_dtypes: Mapping[str, str] = field(default_factory=dict)
+    provenance: Provenance
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        """Precisions with a measured matmul curve."""
+        return tuple(sorted({p.dtype for p in self.matmul}))
+
+    def curve(self, dtype: str) -> tuple[tuple[float, float], ...]:
+        """``((flops per call, achieved FLOP/s), ...)`` in increasing FLOPs; points with
+        equal FLOPs are averaged (the cost model interpolates over call FLOPs only)."""
+        by_flops: dict[float, list[float]] = {}
+        for p in self.matmul:
+            if p.dtype == dtype:
+                by_flops.setdefault(p.flops, []).append(p.achieved_flop_per_s)
+        return tuple((f, sum(v) / len(v)) for f, v in sorted(by_flops.items()))
+
+    def peak_flop_per_s(self, dtype: str) -> float:
+        """The fastest achieved matmul rate in ``dtype``."""
+        rates = [p.achieved_flop_per_s for p in self.matmul if p.dtype == dtype]
+        if not rates:
+            raise ProfileFormatError(f"device profile of {self.name} has no {dtype} matmul; measured: "
+                                     f"{', '.join(self.dtypes) or 'none'}.")
+        return max(rates)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkItem:
+    """One kernel of a unit as the analytic cost model sees it, at the measured batch:
+    a leaf (its matmul and other FLOPs and bytes) or the glue between leaves. Kept so
+    that a reader can predict the unit's time from device rates alone
+    (``autopar.profiles.layer_calibration``)."""
+
+    name: str
+    matmul_flops: float
+    other_flops: float
+    bytes: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnitMeasurement:
+    """One distinct unit of a model, measured once for all its identical instances.
+
+    Attributes:
+        fqn: the unit's name in ``autopar.graph`` (a block's FQN, or the joined module
+            names of what runs before the first block or after the last, loss included).
+        signature: ``autopar.graph`` ``UnitProfile.signature``, shared by identical units.
+        instances: every unit of the model with this signature, in execution order.
+        modules: the module FQNs the unit holds.
+        fwd, bwd: forward and backward time at the measured batch.
+        fwd_flops, bwd_flops: FLOPs counted while running them (math attention kernel).
+        param_bytes: parameters of the unit.
+        saved_bytes: activation bytes autograd keeps for backward (unique storages,
+            parameters excluded) after the unit's forward.
+        peak_bytes: the most memory allocated during forward plus backward, above what
+            was allocated before (inputs, parameters).
+        work: the unit's kernels as the cost model sees them (see :class:`WorkItem`).
+    """
+
+    fqn: str
+    signature: str
+    instances: tuple[str, ...]
+    modules: tuple[str, ...]
+    fwd: Timing
+    bwd: Timing
+    fwd_flops: float
+    bwd_flops: float
+    param_bytes: float
+    saved_bytes: float
+    peak_bytes: float
+    work: tuple[WorkItem, ...]
+
+    @property
+    def time_s(self) -> float:
+        """Median forward plus median backward time."""
+        return self.fwd.median_s + self.bwd.median_s
+
+    @property
+    def achieved_flop_per_s(self) -> float:
+        """Forward plus backward FLOPs over forward plus backward time."""
+        return (self.fwd_flops + self.bwd_flops) / self.time_s if self.time_s > 0 else 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelProfile:
+    """Per-unit measurements of one model at one batch shape on one device.
+
+    ``sample_shape``: the shape of the first input tensor (batch first). ``batch``: the
+    samples per measured call. ``seq_len``: tokens per sample (1 for non-sequence
+    models). ``dtype``: the model's parameter precision. ``device``/``device_kind``: the
+    device's name and ``cpu`` or ``cuda``; ``threads``: CPU intra-op threads; ``warmup``:
+    untimed runs of each unit before its timed repeats.
+    """
+
+    model: str
+    batch: int
+    seq_len: int
+    sample_shape: tuple[int, ...]
+    dtype: str
+    device: str
+    device_kind: Literal["cpu", "cuda"]
+    threads: int
+    timer: str
+    warmup: int
+    units: tuple[UnitMeasurement, ...]
+    provenance: Provenance
+
+    def step_s(self) -> float:
+        """Forward plus backward of the whole model: every instance of every unit."""
+        return sum(u.time_s * len(u.instances) for u in self.units)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommPoint:
+    """One message size of a collective: ``nbytes`` as nccl-tests counts it (the
+    all-reduce buffer, the all-gather output, the reduce-scatter input, the broadcast
+    buffer, the message sent to the peer); the time is the slowest rank's."""
+
+    nbytes: float
+    time: Timing
+    algbw_bytes_per_s: float
+    busbw_bytes_per_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommSeries:
+    """A collective over one group, swept over message sizes.
+
+    ``level``: ``intra`` (inside one node), ``inter`` (one rank per node) or ``mixed``
+    (several ranks on several nodes). ``ranks``: the group's global ranks;
+    ``per_node``/``nodes``: how they lie. ``label``: what the group is, for people.
+    """
+
+    op: CollectiveOp
+    level: Level
+    label: str
+    ranks: tuple[int, ...]
+    per_node: int
+    nodes: int
+    points: tuple[CommPoint, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkFit:
+    """A fitted alpha-beta model of one level, as ``autopar.cost.comm`` prices it.
+
+    ``alpha_s``: latency per ring step inside a node, per tree level across nodes;
+    ``bandwidth_bytes_per_s``: bus bandwidth per device in one direction. ``ops``: the
+    collectives fitted together; ``rms_rel_error``: root-mean-square relative error of
+    the fit over its ``points`` measurements.
+    """
+
+    level: Level
+    ops: tuple[CollectiveOp, ...]
+    alpha_s: float
+    bandwidth_bytes_per_s: float
+    rms_rel_error: float
+    points: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetworkProfile:
+    """Collectives and point-to-point over a process group's levels.
+
+    ``node_of_rank[r]``: the node label of rank ``r``. ``fits``: one joint fit per level
+    (all the ops that level has) followed by one fit per op and level; ``unfitted``: the
+    fits that could not be made and why.
+    """
+
+    backend: str
+    device_kind: Literal["cpu", "cuda"]
+    world_size: int
+    node_of_rank: tuple[str, ...]
+    series: tuple[CommSeries, ...]
+    fits: tuple[LinkFit, ...]
+    unfitted: Mapping[str, str] = field(default_factory=dict)
+    provenance: Provenance
+
+    @property
+    def nodes(self) -> int:
+        """Distinct nodes."""
+        return len(set(self.node_of_rank))
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks on the most populated node."""
+        return max(self.node_of_rank.count(n) for n in set(self.node_of_rank))
+
+    def link(self, level: Level) -> LinkFit | None:
+        """The joint fit of ``level`` (None when that level was not measured)."""
+        joint = [f for f in self.fits if f.level == level and len(f.ops) > 1]
+        single = [f for f in self.fits if f.level == level]
+        return (joint or single or [None])[0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileReport:
+    """Measurements: any of a device, a model's layers and a network section."""
+
+    schema_version: int = SCHEMA_VERSION
+    device: DeviceProfile | None = None
+    layers: ModelProfile | None = None
+    network: NetworkProfile | None = None
+
+    @property
+    def measured(self) -> tuple[str, ...]:
+        """Names of the sections present."""
+        return tuple(s for s in SECTIONS if getattr(self, s) is not None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON data, the inverse of :meth:`from_dict`."""
+        return {"schema": SCHEMA, **encode(self)}
+
+    @staticmethod
+    def from_dict(data: Any, *, origin: str = "profile data") -> "ProfileReport":
+        """Build from :meth:`to_dict` output; errors name the file and the bad field."""
+        if not isinstance(data, dict):
+            raise ProfileFormatError(f"{origin}: a profile report is a JSON object, got {type(data).__name__}.")
+        if data.get("schema") != SCHEMA:
+            raise ProfileFormatError(f"{origin}: not an autopar profile report (its 'schema' is "
+                                     f"{data.get('schema')!r}, expected {SCHEMA!r}). Make one with 'autopar profile'.")
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            hint = ("upgrade autopar to read it" if isinstance(version, int) and version > SCHEMA_VERSION
+                    else "measure again with this version ('autopar profile ...')")
+            raise ProfileFormatError(f"{origin}: schema_version {version!r} is not supported; this profiler reads "
+                                     f"version {SCHEMA_VERSION}: {hint}.")
+        body = {k: v for k, v in data.items() if k != "schema"}
+        try:
+            return decode(ProfileReport, body, "")
+        except ProfileFormatError as exc:
+            raise ProfileFormatError(f"{origin}: {exc}") from None
+
+    def to_json(self) -> str:
+        """The report as JSON text (floats written exactly)."""
+        return json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n"
+
+    def save(self, path: str | Path) -> Path:
+        """Write the report to ``path`` (parents created); returns the path."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(self.to_json())
+        return p
+
+    @staticmethod
+    def load(path: str | Path) -> "ProfileReport":
+        """Read a report written by :meth:`save`."""
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except FileNotFoundError:
+            raise ProfileFormatError(f"profile {str(p)!r} does not exist; make one with 'autopar profile model|"
+                                     f"device|network --out {p.name}'.") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ProfileFormatError(f"profile {str(p)!r} is not valid JSON ({exc}); was it truncated?") from None
+        return ProfileReport.from_dict(data, origin=f"profile {str(p)!r}")
+
+    @staticmethod
+    def merge(*reports: "ProfileReport") -> "ProfileReport":
+        """One report with every section of ``reports``; where several hold the same
+        section, the later argument wins (so ``merge(old, new)`` updates ``old``)."""
+        if not reports:
+            raise ProfileFormatError("merge() needs at least one report.")
+        merged = ProfileReport()
+        for r in reports:
+            if not isinstance(r, ProfileReport):
+                raise ProfileFormatError(f"merge() takes ProfileReport objects, got {type(r).__name__}; load files "
+                                         f"with ProfileReport.load(path).")
+            merged = replace(merged, **{s: getattr(r, s) for s in r.measured})
+        return merged
+
+    def summary(self) -> list[str]:
+        """One line per section: what, where, when."""
+        lines = []
+        if self.device is not None:
+            d = self.device
+            lines.append(f"device: {d.name}, {len(d.matmul)} matmul shapes ({', '.join(d.dtypes)}), memory "
+                         f"{d.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s; {_where(d.provenance)}")
+        if self.layers is not None:
+            m = self.layers
+            lines.append(f"layers: {m.model} batch {m.batch} x seq {m.seq_len} {m.dtype}, {len(m.units)} distinct "
+                         f"units, step {m.step_s() * 1e3:.1f} ms on {m.device}; {_where(m.provenance)}")
+        if self.network is not None:
+            n = self.network
+            fits = ", ".join(f"{f.level} {f.bandwidth_bytes_per_s / 1e9:.3g} GB/s + {f.alpha_s * 1e6:.3g} us"
+                             for f in (n.link("intra"), n.link("inter")) if f is not None)
+            lines.append(f"network: {n.backend} {n.world_size} ranks on {n.nodes} node(s), {fits}; "
+                         f"{_where(n.provenance)}")
+        return lines
+
+
+def _where(p: Provenance) -> str:
+    torch_v = p.software.get("torch", "?")
+    return f"host {p.host}, {p.created_utc}, torch {torch_v}"
+

@@ -1,0 +1,91 @@
+"""Device sweep: structure and physics (more work takes longer), never absolute speed."""
+
+import time
+
+import pytest
+import torch
+
+from profiler.device import DeviceSweep, profile_device
+from profiler.errors import SettingsError
+from profiler.machine import physical_memory_bytes
+from profiler.timing import Repeats, time_call
+
+FAST = Repeats(warmup=1, repeats=3, min_repeats=3, budget_s=0.2)
+
+
+def test_cpu_sweep_measures_curves_and_bandwidth():
+    lines = []
+    report = profile_device(device="cpu", sweep=DeviceSweep(matmul_sizes=(32, 256), dtypes=("fp32", "bf16"),
+                                                            array_bytes=(2**20, 2**24), repeats=FAST),
+                            progress=lines.append)
+    d = report.device
+    assert report.measured == ("device",)
+    assert (d.kind, d.threads, d.timer, d.memory_shared) == ("cpu", 1, "wall-clock", True)
+    assert d.memory_bytes == physical_memory_bytes() > 0
+    assert d.dtypes == ("bf16", "fp32")
+    for p in d.matmul:
+        assert p.flops == 2.0 * p.m * p.n * p.k and p.time.repeats == 3 and p.achieved_flop_per_s > 0
+    for dt in d.dtypes:
+        small, large = (p for p in d.matmul if p.dtype == dt)
+        assert large.time.median_s > small.time.median_s  # 512x the FLOPs
+        assert [f for f, _ in d.curve(dt)] == [2.0 * 32**3, 2.0 * 256**3]
+    assert {(b.kernel, b.moved_bytes / b.array_bytes) for b in d.bandwidth} == {("copy", 2.0), ("add", 3.0)}
+    for kernel in ("copy", "add"):
+        small, large = sorted((b for b in d.bandwidth if b.kernel == kernel), key=lambda b: b.array_bytes)
+        assert large.time.median_s > small.time.median_s  # 16x the bytes
+    largest = [b for b in d.bandwidth if b.array_bytes == 2**24]
+    assert d.memory_bandwidth_bytes_per_s == max(b.achieved_bytes_per_s for b in largest)
+    assert d.provenance.software["torch"] == torch.__version__
+    assert len(lines) == 4 + 4 and lines[0].startswith("matmul fp32 32x32x32:")
+
+
+def test_threads_are_restored():
+    before = torch.get_num_threads()
+    profile_device(device="cpu", threads=1, sweep=DeviceSweep(matmul_sizes=(16,), dtypes=("fp32",),
+                                                              array_bytes=(2**16,), repeats=FAST))
+    assert torch.get_num_threads() == before
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(SettingsError, match="fp8"):
+        DeviceSweep(dtypes=("fp8",))
+    with pytest.raises(SettingsError, match="array sizes"):
+        DeviceSweep(array_bytes=(16,))
+    with pytest.raises(SettingsError, match="threads=0"):
+        profile_device(device="cpu", threads=0)
+    with pytest.raises(SettingsError, match="not supported"):
+        profile_device(device="meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(SettingsError, match="CUDA is not available"):
+            profile_device(device="cuda")
+    with pytest.raises(SettingsError, match="min_repeats"):
+        Repeats(repeats=2, min_repeats=3)
+
+
+def test_time_call_against_a_known_duration():
+    calls = []
+
+    def nap():
+        calls.append(1)
+        time.sleep(0.003)
+
+    t = time_call(nap, device=torch.device("cpu"), settings=Repeats(warmup=2, repeats=4, min_repeats=4))
+    assert t.repeats == 4 and len(calls) == 2 + 1 + 4
+    assert t.min_s >= 0.003  # sleep never returns early
+
+
+def test_time_call_repeats_tiny_work_inside_a_sample():
+    calls = []
+    t = time_call(lambda: calls.append(1), device=torch.device("cpu"),
+                  settings=Repeats(warmup=0, repeats=3, min_repeats=3, min_sample_s=1e-3))
+    assert len(calls) > 3 * 10  # each sample ran the call many times
+    assert 0 < t.median_s < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_sweep_uses_events():
+    d = profile_device(sweep=DeviceSweep(matmul_sizes=(256, 2048), array_bytes=(2**22, 2**26), repeats=FAST)).device
+    assert (d.kind, d.timer, d.memory_shared) == ("cuda", "cuda-events", False)
+    assert "fp32" in d.dtypes and d.memory_bytes == torch.cuda.get_device_properties(0).total_memory
+    assert d.peak_flop_per_s(d.dtypes[0]) > 0

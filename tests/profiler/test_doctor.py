@@ -1,0 +1,84 @@
+"""``autopar doctor`` on local processes launched like torchrun, with failures injected."""
+
+import os
+import time
+
+import pytest
+import torch
+
+import autopar
+from autopar.models import MLPConfig, MLPStack
+from profiler.__main__ import main
+from profiler.doctor import DoctorSettings, run_doctor
+from profiler.launch import launch_local
+
+pytestmark = pytest.mark.multiprocess
+QUICK = DoctorSettings(join_timeout_s=3, pg_timeout_s=6, link_bytes=2**20, repeats=2)
+
+
+def _doctor(rank, world, settings, broken=()):
+    if rank in broken:
+        if rank % 2:
+            time.sleep(120)  # hangs before joining
+        os._exit(3)  # dies before joining
+    return run_doctor(settings)
+
+
+def _report(results):
+    assert results[0].ok, results[0].error
+    return results[0].value
+
+
+def test_healthy_run_checks_the_plans_groups(tmp_path, capsys):
+    model = MLPStack(MLPConfig(in_dim=16, dim=32, ffn_dim=64, n_layers=2, out_dim=4))
+    cluster = autopar.Cluster.preset("local-cpu", devices_per_node=4)
+    plan = autopar.estimate(model, cluster, {"dp": 2, "tp": 2, "pp": 1}, global_batch_size=8,
+                            sample_input=torch.zeros(1, 16))
+    plan.save(tmp_path / "plan.json")
+    code = main(["doctor", "--nproc", "4", "--plan", str(tmp_path / "plan.json"), "--join-timeout", "10",
+                 "--link-bytes", "262144", "--out", str(tmp_path / "doctor.json")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "[ ok ] rendezvous: all 4 ranks joined" in out
+    assert "[ ok ] all-reduce: 5 groups (world, tp, dp) returned exact sums on every rank" in out
+    assert "verdict: ready" in out and (tmp_path / "doctor.json").is_file()
+
+
+def test_ranks_that_never_join_are_named_quickly():
+    start = time.monotonic()
+    report = _report(launch_local(_doctor, 4, QUICK, (2, 3), timeout_s=8))  # then the hung rank 3 is killed
+    assert time.monotonic() - start < 15
+    (join,) = [f for f in report.findings if f.check == "rendezvous"]
+    assert join.severity == "error" and join.ranks == (2, 3)
+    assert "died or hangs before joining" in join.message
+    assert not report.ok and report.links == ()  # stopped before forming a process group
+
+
+def test_a_missing_node_is_named_as_a_node():
+    def env(rank):
+        return {"GROUP_RANK": str(rank // 2), "LOCAL_RANK": str(rank % 2), "LOCAL_WORLD_SIZE": "2"}
+
+    report = _report(launch_local(_doctor, 4, QUICK, (2, 3), timeout_s=8, env_of_rank=env))
+    (join,) = report.errors()
+    assert join.ranks == (2, 3) and "all of node #1" in join.message
+
+
+def test_mismatched_settings_and_a_rank_that_cannot_join_the_group():
+    def env(rank):
+        return {"NCCL_IB_DISABLE": "1"} if rank == 1 else {"GLOO_DEVICE_TRANSPORT": "NOPE"} if rank == 2 else {}
+
+    report = _report(launch_local(_doctor, 4, QUICK, timeout_s=40, env_of_rank=env))
+    settings = [f for f in report.findings if f.check == "settings"]
+    assert {f.message.split(" ")[0] for f in settings} == {"NCCL_IB_DISABLE", "GLOO_DEVICE_TRANSPORT"}
+    assert next(f for f in settings if f.message.startswith("NCCL")).ranks == (1,)
+    (cause,) = report.errors()
+    assert cause.check == "process group" and cause.ranks == (2,) and "unsupported gloo device" in cause.message
+
+
+def test_a_missing_interface_stops_before_the_process_group():
+    env = {"GLOO_SOCKET_IFNAME": "nosuchnic0"}
+    start = time.monotonic()
+    report = _report(launch_local(_doctor, 3, QUICK, timeout_s=20, env_of_rank=lambda r: env if r == 2 else {}))
+    assert time.monotonic() - start < 15  # no process-group timeout was needed
+    (err,) = report.errors()
+    assert err.check == "environment" and err.ranks == (2,) and "nosuchnic0" in err.message and "lo" in err.fix

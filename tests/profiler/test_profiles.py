@@ -1,0 +1,203 @@
+"""autopar.profiles: reports -> Cluster, sources, and per-unit calibration factors."""
+
+import json
+
+import pytest
+import torch
+from profile_factories import device, full, layers, network
+
+import autopar
+from autopar.cluster import Cluster
+from autopar.cost.comm import GroupSpan
+from autopar.cost.compute import rates
+from autopar.cost.tensor_parallel import Layout, TPContext, evaluate_layout
+from autopar.errors import ClusterError
+from autopar.graph import extract
+from autopar.models import GPT, GPTConfig
+from autopar.presets import build_preset
+from autopar.profiles import calibrate_units, cluster_from_profiles, layer_calibration, profile_sources
+from autopar.vocab import DType, TPStyle
+from profiler.layers import LayerSweep, profile_model
+from profiler.report import ProfileReport
+from profiler.timing import Repeats
+
+
+def test_cpu_profiles_replace_the_local_cpu_nominal_numbers():
+    c = cluster_from_profiles([device(rate_flop_per_s=2e11, bandwidth=3e10, dtypes=("fp32", "bf16")), network()])
+    assert (c.nodes, c.devices_per_node) == (2, 2)
+    dev = c.device
+    assert dev.matmul_curves[DType.FP32] == tuple((2.0 * n**3, pytest.approx(2e11)) for n in (64, 256, 1024))
+    assert dev.peak_flops[DType.FP32] == pytest.approx(2e11)  # above the preset's nominal 60 GFLOP/s
+    assert dev.memory_bandwidth_bytes_per_s == 3e10 and dev.memory_efficiency == 1.0
+    assert dev.memory_bytes == pytest.approx(24 * 2**30 / 2)  # the node's RAM shared by its 2 processes
+    assert dev.reserved_bytes == build_preset("local-cpu", devices_per_node=2).device.reserved_bytes
+    assert (c.intra_node.bandwidth_bytes_per_s, c.intra_node.latency_s) == (1e9, 1e-5)
+    assert (c.inter_node.bandwidth_bytes_per_s, c.inter_node.latency_s) == (1e8, 5e-5)
+    assert "fitted alpha-beta" in c.intra_node.source and "measured" in dev.source
+
+
+def test_a_gpu_base_keeps_its_datasheet_peaks_and_shape():
+    base = Cluster.preset("dgx-a100-80gb", nodes=16)
+    gpu = device(rate_flop_per_s=2.5e14, bandwidth=1.8e12, kind="cuda", dtypes=("bf16", "fp32"),
+                 memory_bytes=80 * 2**30)
+    c = cluster_from_profiles([gpu, network(kind="cuda", node_of_rank=("n0",) * 8 + ("n1",) * 8)], base=base)
+    assert (c.nodes, c.devices_per_node) == (16, 8)  # plan for the base's size, not the measured 2 nodes
+    assert c.device.peak_flops[DType.BF16] == 312e12  # MFU stays against the datasheet
+    assert c.device.peak_flops[DType.FP32] == pytest.approx(2.5e14)  # above the datasheet's fp32: raised
+    assert c.device.memory_bytes == 80 * 2**30  # GPU memory is not shared
+    assert c.device.reserved_bytes == base.device.reserved_bytes
+    assert c.device.matmul_curves[DType.BF16][-1][1] == pytest.approx(2.5e14)
+    assert Cluster.from_profile(gpu, network(kind="cuda"), base=base).device.name == "Test device"
+
+
+def test_what_is_not_measured_comes_from_the_base():
+    base = Cluster.preset("dgx-h100", nodes=4)
+    only_net = cluster_from_profiles([network(intra=None, kind="cuda")], base=base)
+    assert only_net.device == base.device and only_net.intra_node == base.intra_node
+    assert only_net.inter_node.bandwidth_bytes_per_s == 1e8
+    assert cluster_from_profiles([layers(kind="cuda")], base=base) == base
+
+
+def test_missing_measurements_without_a_base_are_explained():
+    with pytest.raises(ClusterError, match="no link was measured and no base cluster"):
+        cluster_from_profiles([device(kind="cuda")])
+    with pytest.raises(ClusterError, match="no device"):
+        cluster_from_profiles([network(kind="cuda")])
+    with pytest.raises(ClusterError, match="no inter-node measurement but the cluster has 2 nodes"):
+        cluster_from_profiles([device(kind="cuda"), network(inter=None, kind="cuda")])
+    with pytest.raises(ClusterError, match="no intra-node measurement but the cluster has 2 devices per node"):
+        cluster_from_profiles([device(kind="cuda"), network(intra=None, kind="cuda")])
+    with pytest.raises(ClusterError, match="measure neither a device nor a network"):
+        cluster_from_profiles([layers(kind="cuda")])
+
+
+def test_single_level_networks_fill_the_unused_level():
+    one_node = cluster_from_profiles([device(kind="cuda"), network(inter=None, kind="cuda",
+                                                                   node_of_rank=("a",) * 4)])
+    assert (one_node.nodes, one_node.devices_per_node) == (1, 4)
+    assert one_node.inter_node.bandwidth_bytes_per_s == one_node.intra_node.bandwidth_bytes_per_s == 1e9
+    assert "not measured" in one_node.inter_node.source
+    one_per_node = cluster_from_profiles([device(kind="cuda"), network(intra=None, kind="cuda",
+                                                                       node_of_rank=("a", "b"))])
+    assert (one_per_node.nodes, one_per_node.devices_per_node) == (2, 1)
+    assert one_per_node.intra_node.bandwidth_bytes_per_s == 1e8
+
+
+def test_reports_are_read_from_objects_dicts_and_files(tmp_path):
+    report = full()
+    path = report.save(tmp_path / "full.json")
+    expected = _numbers(cluster_from_profiles([report]))
+    assert _numbers(cluster_from_profiles([report.to_dict()])) == expected
+    assert _numbers(cluster_from_profiles([str(path)])) == expected
+    assert _numbers(cluster_from_profiles(path)) == expected
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**report.to_dict(), "schema_version": 9}))
+    with pytest.raises(ClusterError, match="schema_version 9"):
+        cluster_from_profiles([bad])
+    with pytest.raises(ClusterError, match="not an autopar profile"):
+        cluster_from_profiles([{"nodes": 1}])
+    with pytest.raises(ClusterError, match="does not exist"):
+        cluster_from_profiles([tmp_path / "none.json"])
+    with pytest.raises(ClusterError, match="give a ProfileReport"):
+        cluster_from_profiles([42])
+
+
+def _numbers(cluster):
+    """The cluster without its source strings (which name where each report came from)."""
+    data = cluster.to_dict()
+    for part in (data["device"], data["intra_node"], data["inter_node"]):
+        part.pop("source")
+    return data
+
+
+def test_profile_sources_one_line_per_report(tmp_path):
+    path = full().save(tmp_path / "all.json")
+    lines = profile_sources([device(host="gpu-node-7"), str(path)])
+    assert len(lines) == 2
+    assert lines[0].startswith("report #1: device Test device [host gpu-node-7, 2026-11-29T12:00:00+00:00, torch ")
+    assert lines[1].startswith(f"{path}: device Test device") and "layers of Toy (batch 2, seq 16, fp32)" in lines[1]
+    assert "network gloo x 4 ranks" in lines[1]
+
+
+def test_calibration_against_a_hand_computed_roofline():
+    # 1e9 matmul FLOPs at a flat 1e11 FLOP/s = 10 ms; 1e6 bytes at 1e10 B/s = 0.1 ms: compute bound.
+    # predicted fwd 10 ms, bwd 2 x 10 ms; measured 20 + 40 ms: factor 2.
+    reports = [device(rate_flop_per_s=1e11, bandwidth=1e10), layers(fwd_s=0.02, bwd_s=0.04)]
+    (cal,) = calibrate_units(reports)
+    assert cal.predicted_fwd_s == pytest.approx(0.01) and cal.predicted_bwd_s == pytest.approx(0.02)
+    assert cal.factor == pytest.approx(2.0)
+    factors = layer_calibration(reports)
+    assert factors == {"layers.0": pytest.approx(2.0), "layers.1": pytest.approx(2.0), "sig-block": pytest.approx(2.0)}
+    memory_bound = calibrate_units([device(rate_flop_per_s=1e11, bandwidth=1e10),
+                                    layers(fwd_s=0.1, bwd_s=0.2, matmul_flops=1e6, nbytes=1e9)])[0]
+    assert memory_bound.predicted_fwd_s == pytest.approx(0.1) and memory_bound.factor == pytest.approx(1.0)
+    with pytest.raises(ClusterError, match="layers section"):
+        layer_calibration([device()])
+
+
+def _measured_gpt(batch):
+    """A tiny GPT profiled at ``batch`` on a device of known rates, and its graph."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, seq_len=32, dim=64, n_layers=2, n_heads=4))
+    x = torch.randint(0, 256, (batch, 32))
+    sweep = LayerSweep(repeats=Repeats(warmup=0, repeats=1, min_repeats=1), count_flops=False, measure_memory=False)
+    report = ProfileReport.merge(device(rate_flop_per_s=5e10, bandwidth=2e10), profile_model(model, x, sweep=sweep))
+    return report, extract(model, sample_input=x, dtype="fp32")
+
+
+def _unit_cost(graph, i, cluster, batch, **scale):
+    """The cost model's time of unit ``i`` on one device (tp=1)."""
+    prof = graph.profile_of(i)
+    ctx = TPContext(tp=1, span=GroupSpan(size=1, per_node=1, nodes=1), cluster=cluster,
+                    rates=rates(cluster.device, DType.FP32), micro_batch=batch, tokens=32, boundary=Layout.R,
+                    first=i == 0, last=i == len(graph.units) - 1, loss_parallel=False, sequence_parallel=False,
+                    **scale)
+    return evaluate_layout(prof, tuple(TPStyle.REPLICATE for _ in prof.leaves), Layout.R, ctx)
+
+
+def test_prediction_is_the_cost_models_unit_time():
+    """The calibration divides by exactly what autopar's cost model computes for the unit
+    on one device (evaluate_layout at tp=1), so multiplying by the factor reproduces the
+    measured time."""
+    report, graph = _measured_gpt(3)
+    cluster = cluster_from_profiles([report])
+    cals = {c.fqn: c for c in calibrate_units([report])}
+    for i, unit in enumerate(graph.units):
+        cost = _unit_cost(graph, i, cluster, 3)
+        cal = cals[next(c for c in cals if unit.fqn in cals[c].instances)]
+        assert cal.predicted_fwd_s == pytest.approx(cost.fwd_compute_s, rel=1e-12)
+        assert cal.predicted_bwd_s == pytest.approx(cost.bwd_compute_s, rel=1e-12)
+        assert cal.factor * (cost.fwd_compute_s + cost.bwd_compute_s) == pytest.approx(
+            cal.measured_fwd_s + cal.measured_bwd_s, rel=1e-12)
+
+
+def test_the_planner_takes_reports():
+    model = GPT(GPTConfig(vocab_size=256, seq_len=32, dim=64, n_layers=2, n_heads=4))
+    base = Cluster.preset("local-cpu", devices_per_node=2)
+    reports = [device(rate_flop_per_s=2e11, bandwidth=3e10), network(node_of_rank=("a", "a"), inter=None)]
+    plan = autopar.plan(model, base, global_batch_size=8, seq_len=32, profile=reports)
+    assert plan.settings.profile_sources == profile_sources(reports)
+    slow = [device(rate_flop_per_s=2e9, bandwidth=3e8), network(node_of_rank=("a", "a"), inter=None)]
+    slower = autopar.estimate(model, base, plan.config, global_batch_size=8, seq_len=32, profile=slow)
+    assert slower.prediction.step_time_s > 10 * plan.prediction.step_time_s  # 100x slower device
+
+
+@pytest.mark.skipif("compute_scale" not in TPContext.__dataclass_fields__,
+                    reason="needs TPContext.compute_scale, the cost model's calibration hook on main")
+def test_calibrated_cost_model_reproduces_the_measurement():
+    """With each unit's factor as its compute scale, the cost model's unit time at the
+    measured shape equals the measured time; at another batch it follows the device
+    curves (a unit twice the batch is predicted at most twice as slow)."""
+    report, graph = _measured_gpt(2)
+    cluster = cluster_from_profiles([report])
+    factors = layer_calibration([report])
+    measured = {u.signature: u.time_s for u in report.layers.units}
+    for i, unit in enumerate(graph.units):
+        sig = graph.profile_of(i).signature
+
+        def unit_time(batch):
+            cost = _unit_cost(graph, i, cluster, batch, compute_scale=factors[sig])
+            return cost.fwd_compute_s + cost.bwd_compute_s
+
+        assert unit_time(2) == pytest.approx(measured[sig], rel=1e-9), unit.fqn
+        assert unit_time(2) < unit_time(4) <= 2 * unit_time(2) * (1 + 1e-9)

@@ -1,0 +1,46 @@
+"""Rendered reports: standalone HTML, Markdown with figure files, honest escaping."""
+
+import base64
+import re
+from dataclasses import replace
+
+from profile_factories import full, layers, network
+
+from profiler.render import render_html, render_markdown
+from profiler.report import ProfileReport
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_html_stands_alone():
+    html = render_html(full())
+    images = re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", html)
+    assert len(images) == 5  # matmul, stream, unit times, unit rates, busbw
+    assert all(base64.b64decode(i).startswith(PNG) for i in images)
+    assert "http://" not in html and "https://" not in html and "<link" not in html
+    assert html.startswith("<!DOCTYPE html>") and html.rstrip().endswith("</html>")
+    assert "<td>layers.0</td>" in html and "Test device" in html
+    assert "<td>intra</td><td>all_reduce+all_gather</td><td>10</td><td>1</td>" in html  # alpha us, busbw GB/s
+
+
+def test_text_is_escaped():
+    base = layers().layers
+    odd = replace(base, units=(replace(base.units[0], fqn="<script>alert(1)</script>"),))
+    html = render_html(ProfileReport(layers=odd))
+    assert "<script>" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+
+
+def test_markdown_writes_figures_next_to_it(tmp_path):
+    md = render_markdown(full(), image_dir=tmp_path / "figs", link_prefix="figs/")
+    files = sorted(p.name for p in (tmp_path / "figs").iterdir())
+    assert files == ["busbw.png", "matmul.png", "stream.png", "unit_rates.png", "unit_times.png"]
+    assert all((tmp_path / "figs" / f).read_bytes().startswith(PNG) for f in files)
+    assert md.count("](figs/") == 5
+    assert "| unit | x | fwd ms (min-max) |" in md
+    assert "![" not in render_markdown(full())
+
+
+def test_partial_reports_render_their_sections_only():
+    html = render_html(network())
+    assert "Network: gloo, 4 ranks" in html and "Layers:" not in html and "Device:" not in html
+    assert len(re.findall("data:image/png", html)) == 1

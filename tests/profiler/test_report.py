@@ -1,0 +1,141 @@
+"""ProfileReport: exact JSON round trip, merging, and clear errors for bad files."""
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+from profile_factories import device, full, layers, network, prov
+
+from profiler.errors import ProfileFormatError
+from profiler.report import SCHEMA_VERSION, ProfileReport, Timing
+
+
+def test_round_trip_is_exact(tmp_path):
+    report = full()
+    path = report.save(tmp_path / "sub" / "all.json")
+    back = ProfileReport.load(path)
+    assert back == report
+    assert back.to_json() == path.read_text()
+
+
+def test_awkward_floats_survive_bit_for_bit(tmp_path):
+    odd = (0.1 + 0.2, 1e-300, 12345.678901234567, 2.0**-1074)
+    t = Timing(median_s=odd[1], min_s=odd[3], max_s=odd[2], repeats=1)
+    dev = device()
+    unit = replace(layers().layers.units[0], fwd=t, param_bytes=odd[0])
+    report = ProfileReport.merge(dev, ProfileReport(layers=replace(layers().layers, units=(unit,))))
+    back = ProfileReport.load(report.save(tmp_path / "odd.json"))
+    u = back.layers.units[0]
+    assert (u.param_bytes, u.fwd.median_s, u.fwd.min_s, u.fwd.max_s) == (odd[0], odd[1], odd[3], odd[2])
+
+
+def test_merge_joins_sections_and_later_wins():
+    first = device(host="first")
+    second = device(host="second")
+    merged = ProfileReport.merge(first, layers(), second, network())
+    assert merged.measured == ("device", "layers", "network")
+    assert merged.device.provenance.host == "second"
+    assert ProfileReport.merge(layers()).measured == ("layers",)
+
+
+def test_merge_rejects_non_reports():
+    with pytest.raises(ProfileFormatError, match="ProfileReport.load"):
+        ProfileReport.merge(device(), {"device": None})
+    with pytest.raises(ProfileFormatError, match="at least one"):
+        ProfileReport.merge()
+
+
+def _write(tmp_path, data, name="r.json"):
+    p = tmp_path / name
+    p.write_text(json.dumps(data) if not isinstance(data, str) else data)
+    return p
+
+
+def test_unknown_versions_say_what_to_do(tmp_path):
+    data = full().to_dict()
+    with pytest.raises(ProfileFormatError, match=r"schema_version 2 .*upgrade autopar"):
+        ProfileReport.load(_write(tmp_path, {**data, "schema_version": 2}))
+    with pytest.raises(ProfileFormatError, match=r"schema_version 0 .*measure again"):
+        ProfileReport.load(_write(tmp_path, {**data, "schema_version": 0}))
+    assert SCHEMA_VERSION == 1
+
+
+def test_malformed_files_name_the_field(tmp_path):
+    data = full().to_dict()
+    bad_type = json.loads(json.dumps(data))
+    bad_type["network"]["series"][1]["points"][0]["nbytes"] = "lots"
+    with pytest.raises(ProfileFormatError, match=r"network\.series\[1\]\.points\[0\]\.nbytes: expected a finite"):
+        ProfileReport.load(_write(tmp_path, bad_type))
+    missing = json.loads(json.dumps(data))
+    del missing["device"]["matmul"][0]["flops"]
+    with pytest.raises(ProfileFormatError, match=r"device\.matmul\[0\]\.flops: missing field"):
+        ProfileReport.load(_write(tmp_path, missing))
+    unknown = json.loads(json.dumps(data))
+    unknown["layers"]["units"][0]["fwd_time"] = 1.0
+    with pytest.raises(ProfileFormatError, match=r"layers\.units\[0\]: unknown field\(s\) fwd_time"):
+        ProfileReport.load(_write(tmp_path, unknown))
+    bad_literal = json.loads(json.dumps(data))
+    bad_literal["device"]["kind"] = "tpu"
+    with pytest.raises(ProfileFormatError, match=r"device\.kind: 'tpu' is not one of"):
+        ProfileReport.load(_write(tmp_path, bad_literal))
+    bad_timing = json.loads(json.dumps(data))
+    bad_timing["layers"]["units"][0]["fwd"]["min_s"] = 5.0
+    with pytest.raises(ProfileFormatError, match="inconsistent"):
+        ProfileReport.load(_write(tmp_path, bad_timing))
+
+
+def test_not_a_report(tmp_path):
+    with pytest.raises(ProfileFormatError, match="not an autopar profile report"):
+        ProfileReport.load(_write(tmp_path, {"nodes": 2}))
+    with pytest.raises(ProfileFormatError, match="not valid JSON"):
+        ProfileReport.load(_write(tmp_path, '{"schema": "autopar-profile", '))
+    with pytest.raises(ProfileFormatError, match="does not exist"):
+        ProfileReport.load(tmp_path / "nope.json")
+    with pytest.raises(ProfileFormatError, match="JSON object"):
+        ProfileReport.load(_write(tmp_path, [1, 2]))
+    nan = full().to_dict()
+    nan["layers"]["units"][0]["fwd"]["median_s"] = float("nan")
+    with pytest.raises(ProfileFormatError, match=r"layers\.units\[0\]\.fwd\.median_s: expected a finite number"):
+        ProfileReport.load(_write(tmp_path, json.dumps(nan)))
+
+
+def test_timing_summary():
+    t = Timing.of([3.0, 1.0, 2.0, 10.0])
+    assert (t.median_s, t.min_s, t.max_s, t.repeats) == (2.5, 1.0, 10.0, 4)
+    assert t.spread == pytest.approx(9.0 / 2.5)
+    with pytest.raises(ProfileFormatError):
+        Timing.of([])
+
+
+def test_summary_lines_say_what_where_when():
+    lines = full().summary()
+    assert len(lines) == 3
+    assert lines[0].startswith("device: Test device") and "host testhost" in lines[0]
+    assert "layers: Toy batch 2" in lines[1] and "2026-11-29T12:00:00+00:00" in lines[1]
+    assert "network: gloo 4 ranks on 2 node(s)" in lines[2] and "intra 1 GB/s" in lines[2]
+
+
+def test_derived_numbers():
+    dev = device(rate_flop_per_s=2e11).device
+    assert dev.curve("fp32") == tuple((2.0 * n**3, pytest.approx(2e11)) for n in (64, 256, 1024))
+    assert dev.peak_flop_per_s("fp32") == pytest.approx(2e11)
+    with pytest.raises(ProfileFormatError, match="no bf16 matmul"):
+        dev.peak_flop_per_s("bf16")
+    lay = layers(fwd_s=0.5, bwd_s=1.0).layers
+    assert lay.step_s() == pytest.approx(2 * 1.5)
+    assert lay.units[0].achieved_flop_per_s == pytest.approx(3e9 / 1.5)
+    net = network(node_of_rank=("a", "a", "a", "b")).network
+    assert (net.nodes, net.ranks_per_node) == (2, 3)
+    assert net.link("inter").bandwidth_bytes_per_s == 1e8
+    assert network(inter=None).network.link("inter") is None
+    assert prov().host == "testhost"
+
+
+def test_report_module_imports_nothing_from_autopar():
+    code = ("import sys, profiler.report, profiler.codec, profiler.errors; "
+            "bad = sorted(m for m in sys.modules if m == 'autopar' or m.startswith('autopar.')); "
+            "print(bad); sys.exit(1 if bad else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr

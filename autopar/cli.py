@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from autopar.errors import AutoparError, ConfigError
+from profiler.cli import add_profile_parser
+from profiler.doctor import add_doctor_parser
 
 
 def _parse_value(text: str) -> Any:
@@ -189,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_estimate)
     sub.add_parser("presets", help="list cluster presets").set_defaults(func=cmd_presets)
     sub.add_parser("models", help="list registered models").set_defaults(func=cmd_models)
+    add_profile_parser(sub)
+    add_doctor_parser(sub)
     return parser
 
 

@@ -24,7 +24,7 @@ from autopar.plan import Alternative, ModelSummary, ParallelConfig, Plan, PlanSe
 from autopar.search.evaluate import Evaluator, Outcome
 from autopar.search.predict import predict, smallest_footprint_bytes
 from autopar.search.space import Rejection, check_constraints, enumerate_space, lower_bounds, micro_batch_range
-from autopar.vocab import Attention, DType, Optimizer, Recompute
+from autopar.vocab import Attention, Optimizer, Recompute
 
 ALL_MODES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
 
@@ -68,11 +68,12 @@ def plan(model: nn.Module | LayerGraph, cluster: Cluster, *, global_batch_size: 
     started = time.perf_counter()
     check_positive_int("global_batch_size", global_batch_size)
     fixed = check_constraints(constraints)
-    cluster, sources = _apply_profile(cluster, profile)
+    cluster, sources, calibration = _apply_profile(cluster, profile)
     graph = _graph(model, cluster, fixed, seq_len, sample_input, attention)
     evaluator = Evaluator(graph=graph, cluster=cluster, optimizer=Optimizer(optimizer),
                           global_batch_size=global_batch_size, solver=solver,
-                          micro_batches=micro_batch_range(graph, cluster, global_batch_size, fixed))
+                          micro_batches=micro_batch_range(graph, cluster, global_batch_size, fixed),
+                          calibration=calibration)
     result = search(evaluator, fixed, top=top)
     if not result.best.fits:
         raise _infeasible(result, cluster, graph)
@@ -96,11 +97,11 @@ def estimate(model: nn.Module | LayerGraph, cluster: Cluster, config: Mapping[st
     check_positive_int("global_batch_size", global_batch_size)
     given = dict(config.__dict__) if isinstance(config, ParallelConfig) else dict(config)
     fixed = check_constraints(given)
-    cluster, sources = _apply_profile(cluster, profile)
+    cluster, sources, calibration = _apply_profile(cluster, profile)
     fixed = _complete(fixed, cluster, global_batch_size)
     graph = _graph(model, cluster, fixed, seq_len, sample_input, attention)
     evaluator = Evaluator(graph=graph, cluster=cluster, optimizer=Optimizer(optimizer),
-                          global_batch_size=global_batch_size, solver=solver)
+                          global_batch_size=global_batch_size, solver=solver, calibration=calibration)
     result = search(evaluator, fixed, top=0)
     if not result.best.fits:
         result = replace(result, best=_overflow(evaluator, result.best.config, fixed))
@@ -293,13 +294,16 @@ def _notes(graph: LayerGraph, config: ParallelConfig, strategies) -> tuple[str, 
     return tuple(notes)
 
 
-def _apply_profile(cluster: Cluster, profile: Any) -> tuple[Cluster, tuple[str, ...]]:
+def _apply_profile(cluster: Cluster, profile: Any) -> tuple[Cluster, tuple[str, ...], dict[str, float]]:
+    """Measured numbers replace the analytic defaults: device curves and links in the
+    cluster, and per-unit compute factors for the units the profile measured."""
     if profile is None:
-        return cluster, ()
-    from autopar.profiles import cluster_from_profiles, profile_sources
+        return cluster, (), {}
+    from autopar.profiles import cluster_from_profiles, layer_calibration, profile_sources
 
     reports = profile if isinstance(profile, (list, tuple)) else [profile]
-    return cluster_from_profiles(reports, base=cluster), profile_sources(reports)
+    return (cluster_from_profiles(reports, base=cluster), profile_sources(reports),
+            layer_calibration(reports, base=cluster))
 
 
-__all__ = ["plan", "estimate", "search", "SearchResult", "DType"]
+__all__ = ["plan", "estimate", "search", "SearchResult"]

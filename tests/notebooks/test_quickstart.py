@@ -6,7 +6,7 @@ import pytest
 
 from .conftest import has_png, run_notebook, text_of
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def test_quickstart(tmp_path):

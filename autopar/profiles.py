@@ -88,6 +88,11 @@ def _latest(reports: list[_Report], name: str) -> tuple[_Report, Mapping[str, An
     return found
 
 
+def has_layers(reports: Sequence[Any]) -> bool:
+    """Whether any report holds per-layer measurements (``autopar profile model``)."""
+    return _latest(read_reports(reports), "layers") is not None
+
+
 def cluster_from_profiles(reports: Sequence[Any], base: Cluster | None = None) -> Cluster:
     """A cluster whose device and links come from measurements where there are some.
 

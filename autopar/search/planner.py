@@ -299,11 +299,11 @@ def _apply_profile(cluster: Cluster, profile: Any) -> tuple[Cluster, tuple[str, 
     cluster, and per-unit compute factors for the units the profile measured."""
     if profile is None:
         return cluster, (), {}
-    from autopar.profiles import cluster_from_profiles, layer_calibration, profile_sources
+    from autopar.profiles import cluster_from_profiles, has_layers, layer_calibration, profile_sources
 
     reports = profile if isinstance(profile, (list, tuple)) else [profile]
-    return (cluster_from_profiles(reports, base=cluster), profile_sources(reports),
-            layer_calibration(reports, base=cluster))
+    calibration = layer_calibration(reports, base=cluster) if has_layers(reports) else {}
+    return cluster_from_profiles(reports, base=cluster), profile_sources(reports), calibration
 
 
 __all__ = ["plan", "estimate", "search", "SearchResult"]

@@ -8,7 +8,9 @@ the process group has a timeout, the whole run has a wall-clock limit, and the f
 rank that fails ends the run with every rank's error shown.
 
 Rules for ``fn``: defined at module level; return picklable data; do not create process
-groups in the parent before forking. See shared/TORCH-CPU.md ("fork harness").
+groups in the parent before forking. Results travel as plain ``pickle`` bytes, so
+tensors are copied into the message rather than shared through file descriptors that
+die with the child. See shared/TORCH-CPU.md ("fork harness").
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import shutil
 import tempfile
 import time
@@ -60,9 +63,9 @@ def _child(fn: Callable, rank: int, world: int, init: str, args: tuple, conn, se
         status, payload = "err", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     finally:
         try:
-            conn.send((status, payload))
+            conn.send_bytes(pickle.dumps((status, payload)))
         except Exception as exc:  # an unpicklable result
-            conn.send(("err", f"rank {rank}: could not send the result back: {exc}"))
+            conn.send_bytes(pickle.dumps(("err", f"rank {rank}: could not send the result back: {exc}")))
         conn.close()
         os._exit(0)  # skip interpreter teardown: gloo threads can abort it (TORCH-CPU.md section 10)
 
@@ -99,7 +102,7 @@ def run_spmd(fn: Callable[..., Any], world_size: int, *args: Any, settings: SPMD
             for rank in sorted(pending):
                 if pipes[rank].poll(0.02):
                     try:
-                        status, payload = pipes[rank].recv()
+                        status, payload = pickle.loads(pipes[rank].recv_bytes())
                     except EOFError:
                         status, payload = "err", f"rank {rank}: died (exit code {procs[rank].exitcode})"
                     pending.discard(rank)

@@ -1,0 +1,213 @@
+"""Where tensor-parallel layouts change: the plan's per-leaf styles turned into one
+input and one output conversion per leaf, from the planner's own data-flow graph.
+
+The planner prices each leaf style with the layouts of :data:`autopar.cost.tensor_parallel.STYLE_IO`
+(replicated R, feature-sharded F, partial P, sequence-sharded Q) and charges a
+collective wherever a producer's layout differs from what a consumer needs. This module
+decides where the runtime performs those conversions, using the same
+:class:`~autopar.graph.layer_graph.LayerGraph` flows, so the runtime and the cost model
+agree by construction:
+
+- what user code (the glue between leaves: views, attention, activations, residual
+  adds) sees is never partial: a row or vocab leaf reduces its partial output at once,
+  to the layout the other inputs of its consumers already have (Megatron-LM's ``g``
+  all-reduce, or a reduce-scatter with sequence parallelism, Korthikanti et al. 2022);
+  with no such sibling, to what its consumers need, else to the boundary layout;
+- every other leaf hands its natural layout to the glue, and each consumer converts
+  what arrives into what it needs at its input (a column leaf after a sequence-parallel
+  norm all-gathers, Megatron's ``f``);
+- tensors that meet in the glue must be in the same layout, else the plan is refused
+  naming the leaves (e.g. q column-sharded but k replicated);
+- between units the activation is in the boundary layout (R, or Q with sequence
+  parallelism); a block whose input arrives otherwise (after embeddings that end in R)
+  converts it on entry, so every stage boundary carries one known layout;
+- the model's output is replicated, or vocabulary-sharded for a token model whose head
+  is column-parallel: the loss then runs under ``loss_parallel`` (as the planner assumes
+  whenever the model has a vocabulary).
+
+Pure functions of the graph and the styles: no process group, testable alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.cost.tensor_parallel import STYLE_IO, Layout
+from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, LayerGraph, LeafKind, Unit
+from autopar.runtime.errors import PlanMismatchError, ShardingError
+from autopar.vocab import TPStyle
+
+_KIND_STYLES: dict[LeafKind, tuple[TPStyle, ...]] = {
+    LeafKind.LINEAR: (TPStyle.REPLICATE, TPStyle.COLUMN, TPStyle.ROW),
+    LeafKind.EMBEDDING: (TPStyle.REPLICATE, TPStyle.VOCAB),
+    LeafKind.NORM: (TPStyle.REPLICATE, TPStyle.SEQUENCE),
+    LeafKind.OTHER: (TPStyle.REPLICATE,),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeafLayout:
+    """How one leaf runs under tensor parallelism.
+
+    Attributes:
+        fqn: the leaf's module FQN in the model.
+        style: its plan style.
+        arrives: layout of the input user code hands it.
+        output: layout its output is handed to user code in (never P).
+        dtensor_output: the output stays a DTensor (the vocabulary-sharded logits the
+            loss reads under ``loss_parallel``).
+    """
+
+    fqn: str
+    style: TPStyle
+    arrives: Layout
+    output: Layout
+    dtensor_output: bool = False
+
+    @property
+    def needs(self) -> Layout:
+        """The input layout its style computes on."""
+        return STYLE_IO[self.style][0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TPLayout:
+    """Every conversion the runtime makes for one plan.
+
+    Attributes:
+        boundary: the layout between units (R, or Q with sequence parallelism).
+        leaves: per leaf FQN, for every leaf that converts something or is sharded.
+        unit_inputs: module FQN of a block -> the layout its input arrives in, for the
+            blocks that convert their input to ``boundary`` on entry.
+        unit_outputs: per unit module FQN, the layout its output leaves in.
+        loss_parallel: the model's output is vocabulary-sharded.
+    """
+
+    boundary: Layout
+    leaves: dict[str, LeafLayout]
+    unit_inputs: dict[str, Layout]
+    unit_outputs: dict[str, Layout]
+    loss_parallel: bool
+
+
+def check_styles(graph: LayerGraph, styles: dict[str, TPStyle], *, sequence_parallel: bool) -> None:
+    """Refuse styles for layers the model lacks, or that the layer's kind cannot take."""
+    leaves = {unit.leaf_fqn(leaf.name): leaf for unit in graph.units for leaf in graph.profiles[unit.profile].leaves}
+    for fqn, style in sorted(styles.items()):
+        leaf = leaves.get(fqn)
+        if leaf is None:
+            raise PlanMismatchError(f"the plan gives layer {fqn!r} the style {style.value!r}, but the model has no "
+                                    f"layer with parameters of that name. Make the plan for this model.")
+        if style not in _KIND_STYLES[leaf.kind]:
+            allowed = ", ".join(s.value for s in _KIND_STYLES[leaf.kind])
+            raise ShardingError(f"the plan gives layer {fqn!r} (a {leaf.kind.value} layer) the style "
+                                f"{style.value!r}, which it cannot take: a {leaf.kind.value} layer allows {allowed}. "
+                                f"Use 'replicate' for it.")
+        if style is TPStyle.SEQUENCE and not sequence_parallel:
+            raise ShardingError(f"the plan gives layer {fqn!r} the style 'sequence' but sequence_parallel is off. "
+                                f"Set sequence_parallel=True or use 'replicate'.")
+
+
+def resolve(graph: LayerGraph, styles: dict[str, TPStyle], *, sequence_parallel: bool) -> TPLayout:
+    """The conversions of every leaf and unit (see the module docstring)."""
+    check_styles(graph, styles, sequence_parallel=sequence_parallel)
+    boundary = Layout.Q if sequence_parallel else Layout.R
+    loss_parallel = graph.vocab_size > 0
+    leaves: dict[str, LeafLayout] = {}
+    unit_inputs: dict[str, Layout] = {}
+    unit_outputs: dict[str, Layout] = {}
+    previous = Layout.R
+    n = len(graph.units)
+    for index, unit in enumerate(graph.units):
+        arrives = previous
+        if index > 0 and previous is not boundary and _single_module(unit):
+            unit_inputs[unit.modules[0]] = previous
+            arrives = boundary
+        last = index == n - 1
+        out, unit_leaves = _resolve_unit(graph, unit, styles, arrives, boundary, last=last,
+                                         loss_parallel=loss_parallel)
+        leaves.update(unit_leaves)
+        for m in unit.modules:
+            unit_outputs[m] = out
+        previous = out
+    return TPLayout(boundary=boundary, leaves=leaves, unit_inputs=unit_inputs, unit_outputs=unit_outputs,
+                    loss_parallel=loss_parallel and any(v.dtensor_output for v in leaves.values()))
+
+
+def _single_module(unit: Unit) -> bool:
+    return len(unit.modules) == 1 and unit.prefix == unit.modules[0]
+
+
+def _resolve_unit(graph: LayerGraph, unit: Unit, styles: dict[str, TPStyle], arrives: Layout, boundary: Layout, *,
+                  last: bool, loss_parallel: bool) -> tuple[Layout, dict[str, LeafLayout]]:
+    prof = graph.profiles[unit.profile]
+    names = [unit.leaf_fqn(leaf.name) for leaf in prof.leaves]
+    leaf_styles = [styles.get(name, TPStyle.REPLICATE) for name in names]
+    consumers: dict[int, set[int]] = {}
+    producers: dict[int, set[int]] = {}
+    for flow in prof.flows:
+        if last and flow.src == UNIT_INPUT and flow.dst == UNIT_OUTPUT and len(prof.leaves):
+            continue  # in the last unit the output is the loss: what reaches it from the input is not the model's output
+        consumers.setdefault(flow.src, set()).add(flow.dst)
+        producers.setdefault(flow.dst, set()).add(flow.src)
+
+    out: dict[int, Layout] = {UNIT_INPUT: arrives}
+    dtensor_out: set[int] = set()
+    for i, style in enumerate(leaf_styles):
+        natural = STYLE_IO[style][1]
+        if natural is Layout.P:
+            continue
+        if last and UNIT_OUTPUT in consumers.get(i, ()):
+            if natural is Layout.F and loss_parallel:
+                dtensor_out.add(i)
+            elif natural is not Layout.R:
+                natural = Layout.R
+        out[i] = natural
+    for i, style in enumerate(leaf_styles):
+        if STYLE_IO[style][1] is Layout.P:
+            out[i] = _reduce_to(i, names, leaf_styles, consumers, producers, out, boundary, last=last)
+
+    def arrival(dst: int) -> Layout:
+        srcs = sorted(producers.get(dst, {UNIT_INPUT}))
+        seen = {out[s] for s in srcs}
+        if len(seen) > 1:
+            where = "the unit's output" if dst == UNIT_OUTPUT else repr(names[dst])
+            detail = ", ".join(f"{_name(s, names, unit)} in {out[s].value}" for s in srcs)
+            raise ShardingError(
+                f"tensors meeting before {where} in unit {unit.fqn!r} arrive in different tensor-parallel layouts "
+                f"({detail}; R replicated, F feature-sharded, Q sequence-sharded): user code cannot combine them. "
+                f"Give the layers that feed the same computation matching styles (e.g. q, k and v all 'column').")
+        return seen.pop()
+
+    result: dict[str, LeafLayout] = {}
+    for i, style in enumerate(leaf_styles):
+        layout = LeafLayout(fqn=names[i], style=style, arrives=arrival(i), output=out[i],
+                            dtensor_output=i in dtensor_out)
+        if style is not TPStyle.REPLICATE or layout.arrives is not Layout.R or layout.output is not Layout.R:
+            result[names[i]] = layout
+    unit_out = arrival(UNIT_OUTPUT)
+    if last and unit_out not in (Layout.R, Layout.F):
+        raise ShardingError(f"the model's output leaves unit {unit.fqn!r} in layout {unit_out.value}; the loss needs "
+                            f"it replicated (or vocabulary-sharded).")
+    return unit_out, result
+
+
+def _reduce_to(i: int, names: list[str], styles: list[TPStyle], consumers: dict[int, set[int]],
+               producers: dict[int, set[int]], out: dict[int, Layout], boundary: Layout, *, last: bool) -> Layout:
+    """The layout a partial output is reduced to (module docstring, first rule)."""
+    siblings = {out[s] for c in consumers.get(i, ()) for s in producers.get(c, ()) if s != i and s in out}
+    if len(siblings) == 1:
+        return siblings.pop()
+    if len(siblings) > 1:
+        raise ShardingError(f"layer {names[i]!r} (style {styles[i].value!r}) is summed with tensors in several layouts "
+                            f"({', '.join(sorted(s.value for s in siblings))}); give its neighbours matching styles.")
+    needs = set()
+    for c in consumers.get(i, ()):
+        if c == UNIT_OUTPUT:
+            return Layout.R if last else boundary
+        needs.add(STYLE_IO[styles[c]][0])
+    return needs.pop() if len(needs) == 1 else boundary
+
+
+def _name(index: int, names: list[str], unit: Unit) -> str:
+    return f"the input of {unit.fqn!r}" if index == UNIT_INPUT else repr(names[index])

@@ -127,9 +127,10 @@ def _tp_layout(model: nn.Module, plan: Plan, sample_input: Any) -> TPLayout | No
     styles = {k: TPStyle(v) for k, v in plan.layer_strategies.tp.items() if TPStyle(v) is not TPStyle.REPLICATE}
     if cfg.tp == 1 or not (styles or cfg.sequence_parallel):
         return None
-    if sample_input is None and not plan.model.seq_len:
-        raise PlanMismatchError("the plan shards layers of a model without token inputs; pass sample_input= (one "
-                                "micro-batch of inputs) so autopar can trace where layouts change.")
+    tokens = any(isinstance(m, nn.Embedding) for m in model.modules())
+    if sample_input is None and not tokens:
+        raise PlanMismatchError(f"the plan shards layers of a {type(model).__name__}, which takes no token ids; pass "
+                                f"sample_input= (one batch of its inputs) so autopar can trace where layouts change.")
     kwargs = {"sample_input": sample_input} if sample_input is not None else {"seq_len": plan.model.seq_len}
     graph = extract(model, dtype=cfg.dtype, **kwargs)
     return resolve(graph, styles, sequence_parallel=cfg.sequence_parallel)
@@ -142,4 +143,4 @@ def _dp_spec(plan: Plan, stage: nn.Module, units: tuple[str, ...]) -> DataParall
             owners.setdefault(id(p), []).append(unit)
     sharing = {u for us in owners.values() if len(set(us)) > 1 for u in us}
     return DataParallelSpec(zero_stage=plan.config.zero_stage, dtype=plan.config.dtype, dp=plan.config.dp,
-                            shard_units=tuple(u for u in units if u not in sharing))
+                            shard_units=tuple(u for u in units if u not in sharing), pipelined=plan.config.pp > 1)

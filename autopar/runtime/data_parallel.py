@@ -49,12 +49,14 @@ class DataParallelSpec:
         dp: data-parallel degree.
         shard_units: unit module FQNs FSDP2 wraps on their own (units that share a
             parameter with another unit of the stage stay in the root's group).
+        pipelined: the plan has more than one pipeline stage.
     """
 
     zero_stage: int
     dtype: DType
     dp: int
     shard_units: tuple[str, ...]
+    pipelined: bool
 
 
 def apply_data_parallel(stage: nn.Module, spec: DataParallelSpec, dp_mesh: DeviceMesh) -> nn.Module:
@@ -67,7 +69,7 @@ def apply_data_parallel(stage: nn.Module, spec: DataParallelSpec, dp_mesh: Devic
             fully_shard(stage.get_submodule(fqn), mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
         fully_shard(stage, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
         return stage
-    if spec.dp > 1 and any(isinstance(p, DTensor) for p in stage.parameters()):
+    if spec.dp > 1 and (spec.pipelined or any(isinstance(p, DTensor) for p in stage.parameters())):
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         replicate(stage, mesh=dp_mesh, mp_policy=policy)

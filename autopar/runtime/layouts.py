@@ -17,7 +17,10 @@ agree by construction:
   what arrives into what it needs at its input (a column leaf after a sequence-parallel
   norm all-gathers, Megatron's ``f``);
 - tensors that meet in the glue must be in the same layout, else the plan is refused
-  naming the leaves (e.g. q column-sharded but k replicated);
+  naming the leaves (e.g. q column-sharded but k replicated). Where leaf outputs meet
+  the unit's input, the leaf outputs decide: the tracer attributes constants made inside
+  a unit (positions, rotary tables, the loss's targets) to the unit input, and the real
+  residual stream is already in the layout partial outputs are reduced to;
 - between units the activation is in the boundary layout (R, or Q with sequence
   parallelism); a block whose input arrives otherwise (after embeddings that end in R)
   converts it on entry, so every stage boundary carries one known layout;
@@ -79,6 +82,8 @@ class TPLayout:
         leaves: per leaf FQN, for every leaf that converts something or is sharded.
         unit_inputs: module FQN of a block -> the layout its input arrives in, for the
             blocks that convert their input to ``boundary`` on entry.
+        module_inputs: submodule FQN -> (arriving, needed) layouts of its first input,
+            for conversions moved up from the leaves inside it (see :func:`_hoist`).
         unit_outputs: per unit module FQN, the layout its output leaves in.
         loss_parallel: the model's output is vocabulary-sharded.
     """
@@ -86,6 +91,7 @@ class TPLayout:
     boundary: Layout
     leaves: dict[str, LeafLayout]
     unit_inputs: dict[str, Layout]
+    module_inputs: dict[str, tuple[Layout, Layout]]
     unit_outputs: dict[str, Layout]
     loss_parallel: bool
 
@@ -116,6 +122,7 @@ def resolve(graph: LayerGraph, styles: dict[str, TPStyle], *, sequence_parallel:
     leaves: dict[str, LeafLayout] = {}
     unit_inputs: dict[str, Layout] = {}
     unit_outputs: dict[str, Layout] = {}
+    module_inputs: dict[str, tuple[Layout, Layout]] = {}
     previous = Layout.R
     n = len(graph.units)
     for index, unit in enumerate(graph.units):
@@ -124,14 +131,15 @@ def resolve(graph: LayerGraph, styles: dict[str, TPStyle], *, sequence_parallel:
             unit_inputs[unit.modules[0]] = previous
             arrives = boundary
         last = index == n - 1
-        out, unit_leaves = _resolve_unit(graph, unit, styles, arrives, boundary, last=last,
-                                         loss_parallel=loss_parallel)
+        out, unit_leaves, hoisted = _resolve_unit(graph, unit, styles, arrives, boundary, last=last,
+                                                  loss_parallel=loss_parallel)
         leaves.update(unit_leaves)
+        module_inputs.update(hoisted)
         for m in unit.modules:
             unit_outputs[m] = out
         previous = out
-    return TPLayout(boundary=boundary, leaves=leaves, unit_inputs=unit_inputs, unit_outputs=unit_outputs,
-                    loss_parallel=loss_parallel and any(v.dtensor_output for v in leaves.values()))
+    return TPLayout(boundary=boundary, leaves=leaves, unit_inputs=unit_inputs, module_inputs=module_inputs,
+                    unit_outputs=unit_outputs, loss_parallel=loss_parallel and any(v.dtensor_output for v in leaves.values()))
 
 
 def _single_module(unit: Unit) -> bool:
@@ -139,15 +147,13 @@ def _single_module(unit: Unit) -> bool:
 
 
 def _resolve_unit(graph: LayerGraph, unit: Unit, styles: dict[str, TPStyle], arrives: Layout, boundary: Layout, *,
-                  last: bool, loss_parallel: bool) -> tuple[Layout, dict[str, LeafLayout]]:
+                  last: bool, loss_parallel: bool) -> tuple[Layout, dict[str, LeafLayout], dict[str, tuple[Layout, Layout]]]:
     prof = graph.profiles[unit.profile]
     names = [unit.leaf_fqn(leaf.name) for leaf in prof.leaves]
     leaf_styles = [styles.get(name, TPStyle.REPLICATE) for name in names]
     consumers: dict[int, set[int]] = {}
     producers: dict[int, set[int]] = {}
     for flow in prof.flows:
-        if last and flow.src == UNIT_INPUT and flow.dst == UNIT_OUTPUT and len(prof.leaves):
-            continue  # in the last unit the output is the loss: what reaches it from the input is not the model's output
         consumers.setdefault(flow.src, set()).add(flow.dst)
         producers.setdefault(flow.dst, set()).add(flow.src)
 
@@ -169,6 +175,8 @@ def _resolve_unit(graph: LayerGraph, unit: Unit, styles: dict[str, TPStyle], arr
 
     def arrival(dst: int) -> Layout:
         srcs = sorted(producers.get(dst, {UNIT_INPUT}))
+        if len(srcs) > 1 and UNIT_INPUT in srcs:
+            srcs.remove(UNIT_INPUT)  # leaf outputs decide; see "constants" in the module docstring
         seen = {out[s] for s in srcs}
         if len(seen) > 1:
             where = "the unit's output" if dst == UNIT_OUTPUT else repr(names[dst])
@@ -179,9 +187,15 @@ def _resolve_unit(graph: LayerGraph, unit: Unit, styles: dict[str, TPStyle], arr
                 f"Give the layers that feed the same computation matching styles (e.g. q, k and v all 'column').")
         return seen.pop()
 
+    arrives_at = {i: arrival(i) for i in range(len(names))}
+    hoisted = _hoist(unit, names, leaf_styles, arrives_at)
+    for fqn, (src, dst) in hoisted.items():
+        for i, name in enumerate(names):
+            if name.startswith(fqn + ".") and arrives_at[i] is src and STYLE_IO[leaf_styles[i]][0] is dst:
+                arrives_at[i] = dst
     result: dict[str, LeafLayout] = {}
     for i, style in enumerate(leaf_styles):
-        layout = LeafLayout(fqn=names[i], style=style, arrives=arrival(i), output=out[i],
+        layout = LeafLayout(fqn=names[i], style=style, arrives=arrives_at[i], output=out[i],
                             dtensor_output=i in dtensor_out)
         if style is not TPStyle.REPLICATE or layout.arrives is not Layout.R or layout.output is not Layout.R:
             result[names[i]] = layout
@@ -189,7 +203,32 @@ def _resolve_unit(graph: LayerGraph, unit: Unit, styles: dict[str, TPStyle], arr
     if last and unit_out not in (Layout.R, Layout.F):
         raise ShardingError(f"the model's output leaves unit {unit.fqn!r} in layout {unit_out.value}; the loss needs "
                             f"it replicated (or vocabulary-sharded).")
-    return unit_out, result
+    return unit_out, result, hoisted
+
+
+def _hoist(unit: Unit, names: list[str], styles: list[TPStyle], arrives_at: dict[int, Layout]
+           ) -> dict[str, tuple[Layout, Layout]]:
+    """Conversions moved from leaves up to the submodule that holds them.
+
+    User code often reads sizes from a submodule's input (``b, s, _ = x.shape`` in an
+    attention module) before its leaves run, so a sequence-sharded input must be gathered
+    when it enters the attention module, not when it enters ``wq`` (torchtitan's
+    ``PrepareModuleInput`` on ``attention``). A conversion moves to the child of the
+    unit that holds the leaf when every leaf of that child that converts makes the same
+    conversion.
+    """
+    prefix = unit.prefix
+    groups: dict[str, set[tuple[Layout, Layout]]] = {}
+    for i, name in enumerate(names):
+        if not prefix or not name.startswith(prefix + "."):
+            continue
+        child = prefix + "." + name[len(prefix) + 1:].split(".")[0]
+        if child == name:
+            continue
+        need = STYLE_IO[styles[i]][0]
+        if arrives_at[i] is not need:
+            groups.setdefault(child, set()).add((arrives_at[i], need))
+    return {child: conv.pop() for child, conv in groups.items() if len(conv) == 1}
 
 
 def _reduce_to(i: int, names: list[str], styles: list[TPStyle], consumers: dict[int, set[int]],

@@ -60,6 +60,9 @@ def apply_tensor_parallel(stage: nn.Module, layout: TPLayout, mesh: DeviceMesh) 
     for fqn, arrives in layout.unit_inputs.items():
         if fqn in modules:
             modules[fqn].register_forward_pre_hook(_input_converter(mesh, arrives, layout.boundary), with_kwargs=True)
+    for fqn, (arrives, needs) in layout.module_inputs.items():
+        if fqn in modules:
+            modules[fqn].register_forward_pre_hook(_input_converter(mesh, arrives, needs), with_kwargs=True)
     for fqn, leaf in layout.leaves.items():
         module = modules.get(fqn)
         if module is None:

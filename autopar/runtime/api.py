@@ -83,7 +83,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: LossFn, init_fn: InitF
         stages = [s.to(device) for s in stages]
     for stage, i in zip(stages, indices):
         if layout is not None:
-            apply_tensor_parallel(stage, layout, mesh["tp"])
+            apply_tensor_parallel(stage, layout, mesh["tp"], tuple(t.fqns for t in tied))
         apply_recompute(stage, list(plan.stages[i]), plan)
     spec_of = [_dp_spec(plan, stage, plan.stages[i]) for stage, i in zip(stages, indices)]
     sharded_on_meta = plan.config.zero_stage >= 2 and dims.dp > 1
@@ -133,7 +133,8 @@ def _tp_layout(model: nn.Module, plan: Plan, sample_input: Any) -> TPLayout | No
                                 f"sample_input= (one batch of its inputs) so autopar can trace where layouts change.")
     kwargs = {"sample_input": sample_input} if sample_input is not None else {"seq_len": plan.model.seq_len}
     graph = extract(model, dtype=cfg.dtype, **kwargs)
-    return resolve(graph, styles, sequence_parallel=cfg.sequence_parallel)
+    types = {name: type(module).__name__ for name, module in model.named_modules()}
+    return resolve(graph, styles, sequence_parallel=cfg.sequence_parallel, module_types=types)
 
 
 def _dp_spec(plan: Plan, stage: nn.Module, units: tuple[str, ...]) -> DataParallelSpec:

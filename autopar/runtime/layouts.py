@@ -74,6 +74,23 @@ class LeafLayout:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ModuleInput:
+    """A conversion at a submodule's input.
+
+    Attributes:
+        src, dst: layouts before and after.
+        dtensor: hand the submodule a DTensor (its entry leaves are all column-parallel
+            and consume it as is), not a local tensor.
+        leaves: the entry leaves the conversion serves.
+    """
+
+    src: Layout
+    dst: Layout
+    dtensor: bool
+    leaves: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
 class TPLayout:
     """Every conversion the runtime makes for one plan.
 
@@ -82,8 +99,8 @@ class TPLayout:
         leaves: per leaf FQN, for every leaf that converts something or is sharded.
         unit_inputs: module FQN of a block -> the layout its input arrives in, for the
             blocks that convert their input to ``boundary`` on entry.
-        module_inputs: submodule FQN -> (arriving, needed) layouts of its first input,
-            for conversions moved up from the leaves inside it (see :func:`_hoist`).
+        module_inputs: submodule FQN -> the conversion of its first input, moved up
+            from the leaves inside it (see :func:`_hoist`).
         unit_outputs: per unit module FQN, the layout its output leaves in.
         loss_parallel: the model's output is vocabulary-sharded.
     """
@@ -91,13 +108,15 @@ class TPLayout:
     boundary: Layout
     leaves: dict[str, LeafLayout]
     unit_inputs: dict[str, Layout]
-    module_inputs: dict[str, tuple[Layout, Layout]]
+    module_inputs: dict[str, ModuleInput]
     unit_outputs: dict[str, Layout]
     loss_parallel: bool
 
 
-def check_styles(graph: LayerGraph, styles: dict[str, TPStyle], *, sequence_parallel: bool) -> None:
-    """Refuse styles for layers the model lacks, or that the layer's kind cannot take."""
+def check_styles(graph: LayerGraph, styles: dict[str, TPStyle], *, sequence_parallel: bool,
+                 module_types: dict[str, str] | None = None) -> None:
+    """Refuse styles for layers the model lacks, or that the layer's kind cannot take
+    (``module_types``: FQN -> class name, for the message)."""
     leaves = {unit.leaf_fqn(leaf.name): leaf for unit in graph.units for leaf in graph.profiles[unit.profile].leaves}
     for fqn, style in sorted(styles.items()):
         leaf = leaves.get(fqn)
@@ -106,23 +125,26 @@ def check_styles(graph: LayerGraph, styles: dict[str, TPStyle], *, sequence_para
                                     f"layer with parameters of that name. Make the plan for this model.")
         if style not in _KIND_STYLES[leaf.kind]:
             allowed = ", ".join(s.value for s in _KIND_STYLES[leaf.kind])
-            raise ShardingError(f"the plan gives layer {fqn!r} (a {leaf.kind.value} layer) the style "
-                                f"{style.value!r}, which it cannot take: a {leaf.kind.value} layer allows {allowed}. "
+            what = (module_types or {}).get(fqn, f"{leaf.kind.value} layer")
+            raise ShardingError(f"the plan gives layer {fqn!r} (a {what}) the tensor-parallel style {style.value!r}, "
+                                f"which it cannot take: column and row split a Linear's matrix, vocab an Embedding's "
+                                f"rows, sequence runs a norm on sequence shards; this layer allows {allowed}. "
                                 f"Use 'replicate' for it.")
         if style is TPStyle.SEQUENCE and not sequence_parallel:
             raise ShardingError(f"the plan gives layer {fqn!r} the style 'sequence' but sequence_parallel is off. "
                                 f"Set sequence_parallel=True or use 'replicate'.")
 
 
-def resolve(graph: LayerGraph, styles: dict[str, TPStyle], *, sequence_parallel: bool) -> TPLayout:
+def resolve(graph: LayerGraph, styles: dict[str, TPStyle], *, sequence_parallel: bool,
+            module_types: dict[str, str] | None = None) -> TPLayout:
     """The conversions of every leaf and unit (see the module docstring)."""
-    check_styles(graph, styles, sequence_parallel=sequence_parallel)
+    check_styles(graph, styles, sequence_parallel=sequence_parallel, module_types=module_types)
     boundary = Layout.Q if sequence_parallel else Layout.R
     loss_parallel = graph.vocab_size > 0
     leaves: dict[str, LeafLayout] = {}
     unit_inputs: dict[str, Layout] = {}
     unit_outputs: dict[str, Layout] = {}
-    module_inputs: dict[str, tuple[Layout, Layout]] = {}
+    module_inputs: dict[str, ModuleInput] = {}
     previous = Layout.R
     n = len(graph.units)
     for index, unit in enumerate(graph.units):
@@ -147,7 +169,7 @@ def _single_module(unit: Unit) -> bool:
 
 
 def _resolve_unit(graph: LayerGraph, unit: Unit, styles: dict[str, TPStyle], arrives: Layout, boundary: Layout, *,
-                  last: bool, loss_parallel: bool) -> tuple[Layout, dict[str, LeafLayout], dict[str, tuple[Layout, Layout]]]:
+                  last: bool, loss_parallel: bool) -> tuple[Layout, dict[str, LeafLayout], dict[str, ModuleInput]]:
     prof = graph.profiles[unit.profile]
     names = [unit.leaf_fqn(leaf.name) for leaf in prof.leaves]
     leaf_styles = [styles.get(name, TPStyle.REPLICATE) for name in names]
@@ -188,11 +210,10 @@ def _resolve_unit(graph: LayerGraph, unit: Unit, styles: dict[str, TPStyle], arr
         return seen.pop()
 
     arrives_at = {i: arrival(i) for i in range(len(names))}
-    hoisted = _hoist(unit, names, leaf_styles, arrives_at)
-    for fqn, (src, dst) in hoisted.items():
-        for i, name in enumerate(names):
-            if name.startswith(fqn + ".") and arrives_at[i] is src and STYLE_IO[leaf_styles[i]][0] is dst:
-                arrives_at[i] = dst
+    hoisted = _hoist(unit, names, leaf_styles, arrives_at, producers)
+    for conversion in hoisted.values():
+        for name in conversion.leaves:
+            arrives_at[names.index(name)] = conversion.dst
     result: dict[str, LeafLayout] = {}
     for i, style in enumerate(leaf_styles):
         layout = LeafLayout(fqn=names[i], style=style, arrives=arrives_at[i], output=out[i],
@@ -206,29 +227,42 @@ def _resolve_unit(graph: LayerGraph, unit: Unit, styles: dict[str, TPStyle], arr
     return unit_out, result, hoisted
 
 
-def _hoist(unit: Unit, names: list[str], styles: list[TPStyle], arrives_at: dict[int, Layout]
-           ) -> dict[str, tuple[Layout, Layout]]:
+def _hoist(unit: Unit, names: list[str], styles: list[TPStyle], arrives_at: dict[int, Layout],
+           producers: dict[int, set[int]]) -> dict[str, ModuleInput]:
     """Conversions moved from leaves up to the submodule that holds them.
 
     User code often reads sizes from a submodule's input (``b, s, _ = x.shape`` in an
     attention module) before its leaves run, so a sequence-sharded input must be gathered
     when it enters the attention module, not when it enters ``wq`` (torchtitan's
-    ``PrepareModuleInput`` on ``attention``). A conversion moves to the child of the
-    unit that holds the leaf when every leaf of that child that converts makes the same
-    conversion.
+    ``PrepareModuleInput`` on ``attention``). The *entry* leaves of a child of the unit
+    are those fed only from outside it; when they all convert alike, the conversion moves
+    to the child's input. When they are all column-parallel, the child receives a
+    replicated DTensor that they consume directly, so the partial input gradients of q,
+    k and v add up first and are reduced once (an all-reduce, or a reduce-scatter with
+    sequence parallelism), as the planner prices it and as Megatron-LM does.
     """
     prefix = unit.prefix
-    groups: dict[str, set[tuple[Layout, Layout]]] = {}
+    entries: dict[str, list[int]] = {}
     for i, name in enumerate(names):
         if not prefix or not name.startswith(prefix + "."):
             continue
         child = prefix + "." + name[len(prefix) + 1:].split(".")[0]
         if child == name:
             continue
-        need = STYLE_IO[styles[i]][0]
-        if arrives_at[i] is not need:
-            groups.setdefault(child, set()).add((arrives_at[i], need))
-    return {child: conv.pop() for child, conv in groups.items() if len(conv) == 1}
+        inside = [s for s in producers.get(i, ()) if s >= 0 and names[s].startswith(child + ".")]
+        if not inside:
+            entries.setdefault(child, []).append(i)
+    hoisted: dict[str, ModuleInput] = {}
+    for child, leaves in entries.items():
+        arriving = {arrives_at[i] for i in leaves}
+        needed = {STYLE_IO[styles[i]][0] for i in leaves}
+        if len(arriving) != 1 or len(needed) != 1:
+            continue
+        src, dst = arriving.pop(), needed.pop()
+        columns = all(styles[i] is TPStyle.COLUMN for i in leaves)
+        if columns or src is not dst:
+            hoisted[child] = ModuleInput(src=src, dst=dst, dtensor=columns, leaves=tuple(names[i] for i in leaves))
+    return hoisted
 
 
 def _reduce_to(i: int, names: list[str], styles: list[TPStyle], consumers: dict[int, set[int]],

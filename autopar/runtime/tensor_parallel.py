@@ -43,32 +43,67 @@ def placement(layout: Layout) -> Placement:
     raise ShardingError(f"layout {layout.value} has no placement the runtime hands to user code.")
 
 
-def convert(x: torch.Tensor, mesh: DeviceMesh, src: Layout, dst: Layout) -> torch.Tensor:
-    """A local tensor in layout ``src`` as a local tensor in ``dst`` (differentiable)."""
-    if src is dst:
+def convert(x: torch.Tensor, mesh: DeviceMesh, src: Layout, dst: Layout, *, dtensor: bool = False) -> torch.Tensor:
+    """A local tensor in layout ``src`` as a local tensor in ``dst`` (differentiable), or
+    as a DTensor when ``dtensor``."""
+    if src is dst and not dtensor:
         return x
     if src is Layout.Q and x.dim() < 3:
         raise ShardingError(f"sequence parallelism shards dim 1 of (batch, seq, ...) activations, but a "
                             f"{x.dim()}-D tensor of shape {tuple(x.shape)} arrived; use sequence_parallel=False.")
-    return DTensor.from_local(x, mesh, [placement(src)], run_check=False).redistribute(
-        mesh, [placement(dst)]).to_local()
+    out = DTensor.from_local(x, mesh, [placement(src)], run_check=False).redistribute(mesh, [placement(dst)])
+    return out if dtensor else out.to_local()
 
 
-def apply_tensor_parallel(stage: nn.Module, layout: TPLayout, mesh: DeviceMesh) -> None:
-    """Shard ``stage``'s leaves in place (only leaves and blocks present on the stage)."""
+def apply_tensor_parallel(stage: nn.Module, layout: TPLayout, mesh: DeviceMesh, tied: tuple[tuple[str, ...], ...]) -> None:
+    """Shard ``stage``'s leaves in place (only leaves and blocks present on the stage).
+
+    ``tied`` lists the names of each parameter shared by several leaves; styles replace
+    parameters one leaf at a time, so a tie is restored afterwards wherever its copies
+    ended up sharded alike (a vocabulary-parallel embedding and a column-parallel head
+    both split the vocabulary rows). Where they differ the copies stay separate and
+    :class:`autopar.runtime.tied.TiedGradSync` sums their gradients.
+    """
     modules = dict(stage.named_modules())
     for fqn, arrives in layout.unit_inputs.items():
         if fqn in modules:
             modules[fqn].register_forward_pre_hook(_input_converter(mesh, arrives, layout.boundary), with_kwargs=True)
-    for fqn, (arrives, needs) in layout.module_inputs.items():
+    for fqn, conversion in layout.module_inputs.items():
         if fqn in modules:
-            modules[fqn].register_forward_pre_hook(_input_converter(mesh, arrives, needs), with_kwargs=True)
+            modules[fqn].register_forward_pre_hook(
+                _input_converter(mesh, conversion.src, conversion.dst, dtensor=conversion.dtensor), with_kwargs=True)
     for fqn, leaf in layout.leaves.items():
         module = modules.get(fqn)
         if module is None:
             continue
         for style in styles_for(module, leaf):
             parallelize_module(module, mesh, style)
+    for names in tied:
+        _retie(stage, names)
+
+
+def _retie(stage: nn.Module, names: tuple[str, ...]) -> None:
+    present = [n for n in names if _has_param(stage, n)]
+    params = [stage.get_parameter(n) for n in present]
+    if len({id(p) for p in params}) < 2 or not all(_same_layout(params[0], p) for p in params[1:]):
+        return
+    for name in present[1:]:
+        owner, _, attr = name.rpartition(".")
+        setattr(stage.get_submodule(owner) if owner else stage, attr, params[0])
+
+
+def _has_param(stage: nn.Module, name: str) -> bool:
+    try:
+        stage.get_parameter(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if isinstance(a, DTensor) != isinstance(b, DTensor) or a.shape != b.shape:
+        return False
+    return not isinstance(a, DTensor) or (a.placements == b.placements and a.device_mesh == b.device_mesh)
 
 
 def styles_for(module: nn.Module, leaf: LeafLayout) -> list[ParallelStyle]:
@@ -117,12 +152,12 @@ class _Convert(ParallelStyle):
         return module
 
 
-def _input_converter(mesh: DeviceMesh, src: Layout, dst: Layout) -> Callable[..., Any]:
+def _input_converter(mesh: DeviceMesh, src: Layout, dst: Layout, *, dtensor: bool = False) -> Callable[..., Any]:
     def hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if args and isinstance(args[0], torch.Tensor):
-            return (convert(args[0], mesh, src, dst), *args[1:]), kwargs
+            return (convert(args[0], mesh, src, dst, dtensor=dtensor), *args[1:]), kwargs
         if isinstance(kwargs.get("hidden_states"), torch.Tensor):
-            return args, {**kwargs, "hidden_states": convert(kwargs["hidden_states"], mesh, src, dst)}
+            return args, {**kwargs, "hidden_states": convert(kwargs["hidden_states"], mesh, src, dst, dtensor=dtensor)}
         raise ShardingError(f"{type(_module).__name__} got neither a positional tensor nor hidden_states= to convert "
                             f"from layout {src.value} to {dst.value}.")
     return hook

@@ -63,7 +63,8 @@ def apply_recompute(stage: nn.Module, units: list[str], plan: Plan) -> dict[str,
 
 
 def _save_all_but_attention_core(_ctx, op, *_args, **_kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.PREFER_RECOMPUTE if op in ATTENTION_CORE_OPS else CheckpointPolicy.MUST_SAVE
+    core = getattr(op, "overloadpacket", op) in ATTENTION_CORE_OPS
+    return CheckpointPolicy.PREFER_RECOMPUTE if core else CheckpointPolicy.MUST_SAVE
 
 
 def _replace_child(parent: nn.Module, name: str, module: nn.Module) -> None:

@@ -32,6 +32,9 @@ from autopar.runtime.spmd import SPMDSettings, run_spmd
 
 LOSS_ATOL = 4.8e-6
 PARAM_ATOL = 1.2e-6
+GRAD_NORM_RTOL = 1e-5
+"""The norm sums ~1e5 squared gradients; each differs by a few ulps between runs, and
+the sum's rounding adds ~sqrt(n) ulps: far below 1e-5 relative."""
 LR = 0.1
 SEQ = 16
 VOCAB = 64
@@ -144,10 +147,10 @@ class RunResult:
 
 
 def reference(name: str, plan: autopar.Plan, steps: int = 5, *, clip: float | None = None,
-              model: nn.Module | None = None) -> RunResult:
+              model: nn.Module | None = None, momentum: float = 0.0) -> RunResult:
     """The single-process run: same model, data and SGD, the whole global batch."""
     m = model if model is not None else build(name)
-    opt = torch.optim.SGD(m.parameters(), lr=LR)
+    opt = torch.optim.SGD(m.parameters(), lr=LR, momentum=momentum)
     losses, norms = [], []
     for x, y in batches(name, steps, plan.config.global_batch_size):
         loss = LOSSES[name](m(x), y)
@@ -162,12 +165,12 @@ def reference(name: str, plan: autopar.Plan, steps: int = 5, *, clip: float | No
 
 
 def train(rank: int, world: int, name: str, plan: autopar.Plan, steps: int = 5, clip: float | None = None,
-          model_fn: Callable[[], nn.Module] | None = None, init_fn: Any = None) -> RunResult:
+          model_fn: Callable[[], nn.Module] | None = None, init_fn: Any = None, momentum: float = 0.0) -> RunResult:
     """The parallel run on one rank (a ``run_spmd`` worker)."""
     model = model_fn() if model_fn is not None else build(name)
     sample = torch.zeros(1, MLP_CFG.in_dim) if name == "mlp" else None
     job = parallelize(model, plan, loss_fn=LOSSES[name], init_fn=init_fn, sample_input=sample)
-    opt = job.optimizer(torch.optim.SGD, lr=LR)
+    opt = job.optimizer(torch.optim.SGD, lr=LR, momentum=momentum)
     losses, norms = [], []
     for batch in job.shard(batches(name, steps, plan.config.global_batch_size)):
         losses.append(job.step(batch))
@@ -175,7 +178,10 @@ def train(rank: int, world: int, name: str, plan: autopar.Plan, steps: int = 5, 
             norms.append(job.clip_grad_norm_(clip))
         opt.step()
         opt.zero_grad()
-    return RunResult(losses=losses, params=all_params(job), grad_norms=norms)
+    state = sum((t.to_local() if isinstance(t, DTensor) else t).numel() for o in opt.inner if o is not None
+                for st in o.state.values() for t in st.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+    return RunResult(losses=losses, params=all_params(job), grad_norms=norms,
+                     extra={"optimizer_state_numel": state, "dtypes": {str(p.dtype) for p in job.parameters()}})
 
 
 def all_params(job: Any) -> dict[str, torch.Tensor]:
@@ -189,10 +195,13 @@ def run(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 90) -
 
 
 def assert_parity(results: list[RunResult], ref: RunResult) -> None:
-    """Every rank's losses equal the reference's, and every parameter a rank holds
-    equals the reference's parameter of the same name (tied names included)."""
+    """Every rank's losses (and gradient norms, when clipped) equal the reference's, and
+    every parameter a rank holds equals the reference's parameter of the same name
+    (tied names included)."""
     seen: set[str] = set()
     for rank, res in enumerate(results):
+        torch.testing.assert_close(torch.tensor(res.grad_norms), torch.tensor(ref.grad_norms), rtol=GRAD_NORM_RTOL,
+                                   atol=0, msg=lambda m, r=rank: f"rank {r} gradient norms: {m}")
         torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(ref.losses), rtol=0, atol=LOSS_ATOL,
                                    msg=lambda m, r=rank: f"rank {r} losses: {m}")
         for n, value in res.params.items():

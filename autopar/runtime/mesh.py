@@ -10,7 +10,9 @@ before any collective runs (torchtitan's ``ParallelDims`` habit).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -65,10 +67,36 @@ def build_mesh(dims: MeshDims, device_type: str) -> DeviceMesh:
 
     The world size is checked first, so a wrong launch fails before the collectives that
     ``init_device_mesh`` runs. Every axis is kept even at degree 1 so code can always
-    slice ``mesh["dp"]`` etc.
+    slice ``mesh["dp"]`` etc. The axes' groups get the default group's timeout: without
+    it ``new_group`` falls back to c10d's 30-minute default, and a rank waiting on a dead
+    peer through the dp or pp group would hang that long.
     """
     if not dist.is_initialized():
         raise PlanMismatchError("no default process group: call torch.distributed.init_process_group (torchrun or "
                                 "autopar run set it up) before autopar.parallelize.")
     dims.check_world_size(dist.get_world_size())
-    return init_device_mesh(device_type, dims.shape(), mesh_dim_names=MESH_AXES)
+    override = _backend_with_timeout(device_type)
+    return init_device_mesh(device_type, dims.shape(), mesh_dim_names=MESH_AXES,
+                            backend_override={axis: override for axis in MESH_AXES} if override else None)
+
+
+def default_timeout(device_type: str = "cpu") -> timedelta | None:
+    """The default process group's collective timeout (None for backends without one)."""
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device(device_type))
+    options = getattr(backend, "options", None)
+    return getattr(options, "_timeout", None)
+
+
+def _backend_with_timeout(device_type: str) -> tuple[str, object] | None:
+    name = dist.get_backend()
+    if name == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+    elif name == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        return None
+    timeout = default_timeout(device_type)
+    if timeout is None:
+        return None
+    options._timeout = timeout
+    return name, options

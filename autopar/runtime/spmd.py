@@ -35,10 +35,13 @@ class SPMDError(AutoparError):
 
 @dataclass(frozen=True, kw_only=True)
 class SPMDSettings:
-    """Timeouts (seconds) and threads per rank."""
+    """Timeouts (seconds) and threads per rank. After the first failure the others'
+    reports are collected for ``report_grace_s`` more, so a rank that died is named even
+    when a peer noticed first."""
 
     timeout_s: float = 180.0
     pg_timeout_s: float = 60.0
+    report_grace_s: float = 2.0
     threads_per_rank: int = 1
     backend: str = "gloo"
 
@@ -97,8 +100,8 @@ def run_spmd(fn: Callable[..., Any], world_size: int, *args: Any, settings: SPMD
         results: list[Any] = [None] * world_size
         errors: list[str] = []
         pending = set(range(world_size))
-        deadline = time.monotonic() + settings.timeout_s
-        while pending and not errors and time.monotonic() < deadline:
+
+        def collect() -> None:
             for rank in sorted(pending):
                 if pipes[rank].poll(0.02):
                     try:
@@ -113,6 +116,13 @@ def run_spmd(fn: Callable[..., Any], world_size: int, *args: Any, settings: SPMD
                 elif not procs[rank].is_alive() and not pipes[rank].poll(0):
                     pending.discard(rank)
                     errors.append(f"rank {rank}: died without a result (exit code {procs[rank].exitcode})")
+
+        deadline = time.monotonic() + settings.timeout_s
+        while pending and not errors and time.monotonic() < deadline:
+            collect()
+        grace_end = time.monotonic() + settings.report_grace_s
+        while pending and errors and time.monotonic() < grace_end:  # the culprit may report after its victims
+            collect()
         if pending and not errors:
             errors.append(f"timed out after {settings.timeout_s:.0f} s; ranks still running: {sorted(pending)}")
         if errors:

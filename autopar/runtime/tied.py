@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from autopar.runtime.mesh import MeshDims
+from autopar.runtime.mesh import MeshDims, default_timeout
 from autopar.runtime.recompute import clean_fqn
 
 
@@ -74,13 +74,14 @@ class TiedGradSync:
         self._tied = tied
         self._groups: dict[int, dist.ProcessGroup] = {}
         pp_rank, dp_rank, tp_rank = coord
+        timeout = default_timeout()
         for index, t in enumerate(tied):
             if not t.spans_ranks:
                 continue
             ranks_pp = sorted(set(t.pipeline_ranks))
             for d in range(dims.dp):
                 for r in range(dims.tp):
-                    group = dist.new_group([dims.rank_at(p, d, r) for p in ranks_pp])
+                    group = dist.new_group([dims.rank_at(p, d, r) for p in ranks_pp], timeout=timeout)
                     if (d, r) == (dp_rank, tp_rank) and pp_rank in ranks_pp:
                         self._groups[index] = group
 

@@ -14,6 +14,8 @@ generator and is not available on CPU.
 
 A parameter tied across units (GPT-2's embedding and head) takes the value the last of
 its units gives it, as it does when a single process initialises the units in order.
+``to_empty`` allocates a new tensor per module and so unties parameters; ties are
+restored right after it.
 ``init_fn(module)`` must set every parameter and buffer of the unit it is given; the
 default calls ``reset_parameters()`` on each submodule that has one.
 """
@@ -30,6 +32,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autopar.runtime.errors import PlanMismatchError
 from autopar.runtime.recompute import clean_fqn
+from autopar.runtime.tied import retie
 
 InitFn = Callable[[nn.Module], None]
 
@@ -59,7 +62,10 @@ def initialize(model: nn.Module, units: tuple[str, ...], init_fn: InitFn | None 
     initialise each unit in order under its seed; returns ``model``."""
     init_fn = init_fn or default_init
     if is_meta(model):
+        tied = tied_names(model)
         model.to_empty(device=device)
+        for names in tied:
+            retie(model, names)
     for unit in units:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(unit_seed(seed, unit))
@@ -77,6 +83,7 @@ class Materializer:
         self._seed = seed
         self._units = units
         owner = self._value_owners(model, units)
+        self._tied = tied_names(model)
         self._sources: dict[str, tuple[str, str]] = {}
         needed: set[str] = set()
         for unit in local_units:
@@ -90,13 +97,8 @@ class Materializer:
     @staticmethod
     def _value_owners(model: nn.Module, units: tuple[str, ...]) -> dict[str, tuple[str, str]]:
         """For each tied parameter name: the (unit, name) whose init gives its value."""
-        names: dict[int, list[str]] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), []).append(name)
         owners: dict[str, tuple[str, str]] = {}
-        for fqns in names.values():
-            if len(fqns) < 2:
-                continue
+        for fqns in tied_names(model):
             holders = [(units.index(_unit_of(f, units)), f) for f in fqns]
             _, last = max(holders)
             for f in fqns:
@@ -107,6 +109,8 @@ class Materializer:
         """Allocate the stages' (sharded) storage on ``device`` and copy in each shard."""
         for stage in stages:
             stage.to_empty(device=device)
+            for names in self._tied:
+                retie(stage, names)
         full_units: dict[str, nn.Module] = {}
         for unit in sorted({u for u, _ in self._sources.values()}, key=self._units.index):
             full = copy.deepcopy(self._pristine[unit]).to_empty(device=device)
@@ -123,6 +127,14 @@ class Materializer:
                 src_unit, src_name = self._sources[fqn]
                 value = dict(_named_tensors(full_units[src_unit]))[src_name[len(src_unit) + 1:]]
                 _copy_shard(target, value)
+
+
+def tied_names(model: nn.Module) -> list[tuple[str, ...]]:
+    """The names of each parameter reachable under several names."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [tuple(n) for n in names.values() if len(n) > 1]
 
 
 def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -29,6 +29,7 @@ from autopar.cost.tensor_parallel import Layout
 from autopar.runtime import hf
 from autopar.runtime.errors import ShardingError
 from autopar.runtime.layouts import LeafLayout, TPLayout
+from autopar.runtime.tied import retie
 from autopar.vocab import TPStyle
 
 
@@ -79,31 +80,7 @@ def apply_tensor_parallel(stage: nn.Module, layout: TPLayout, mesh: DeviceMesh, 
         for style in styles_for(module, leaf):
             parallelize_module(module, mesh, style)
     for names in tied:
-        _retie(stage, names)
-
-
-def _retie(stage: nn.Module, names: tuple[str, ...]) -> None:
-    present = [n for n in names if _has_param(stage, n)]
-    params = [stage.get_parameter(n) for n in present]
-    if len({id(p) for p in params}) < 2 or not all(_same_layout(params[0], p) for p in params[1:]):
-        return
-    for name in present[1:]:
-        owner, _, attr = name.rpartition(".")
-        setattr(stage.get_submodule(owner) if owner else stage, attr, params[0])
-
-
-def _has_param(stage: nn.Module, name: str) -> bool:
-    try:
-        stage.get_parameter(name)
-    except AttributeError:
-        return False
-    return True
-
-
-def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if isinstance(a, DTensor) != isinstance(b, DTensor) or a.shape != b.shape:
-        return False
-    return not isinstance(a, DTensor) or (a.placements == b.placements and a.device_mesh == b.device_mesh)
+        retie(stage, names)
 
 
 def styles_for(module: nn.Module, leaf: LeafLayout) -> list[ParallelStyle]:

@@ -120,6 +120,33 @@ def _write_local(grad: torch.Tensor, full: torch.Tensor) -> None:
         grad.copy_(full)
 
 
+def retie(stage: nn.Module, names: tuple[str, ...]) -> None:
+    """Make the names of one tied parameter on ``stage`` share one tensor again, when
+    their copies have the same shape and sharding (TP styles and ``to_empty`` replace
+    parameters module by module, which unties them)."""
+    present = [n for n in names if _has_param(stage, n)]
+    params = [stage.get_parameter(n) for n in present]
+    if len({id(p) for p in params}) < 2 or not all(_same_layout(params[0], p) for p in params[1:]):
+        return
+    for name in present[1:]:
+        owner, _, attr = name.rpartition(".")
+        setattr(stage.get_submodule(owner) if owner else stage, attr, params[0])
+
+
+def _has_param(stage: nn.Module, name: str) -> bool:
+    try:
+        stage.get_parameter(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if isinstance(a, DTensor) != isinstance(b, DTensor) or a.shape != b.shape:
+        return False
+    return not isinstance(a, DTensor) or (a.placements == b.placements and a.device_mesh == b.device_mesh)
+
+
 def named_params(module: nn.Module) -> dict[str, nn.Parameter]:
     """Parameters by clean FQN (wrapper prefixes removed)."""
     return {clean_fqn(n): p for n, p in module.named_parameters()}

@@ -27,7 +27,8 @@ from autopar.runtime.job import Job, JobParts
 from autopar.runtime.layouts import TPLayout, resolve
 from autopar.runtime.mesh import MeshDims, build_mesh
 from autopar.runtime.metrics import MemoryMeter
-from autopar.runtime.pipeline import build_schedule, build_stages, check_schedule, cut
+from autopar.runtime.pipeline import (build_schedule, build_stages, check_cuttable, check_schedule, cut,
+                                      tensor_outputs)
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.tensor_parallel import apply_tensor_parallel
 from autopar.runtime.tied import TiedGradSync, find_tied
@@ -67,6 +68,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: LossFn, init_fn: InitF
     dims.check_world_size(dist.get_world_size())
     _check_model(model, plan)
     check_schedule(plan)
+    check_cuttable(model, plan)
     layout = _tp_layout(model, plan, sample_input)
     tied = find_tied(model, plan.stages, dims.pp)
     device = torch.device(device) if device is not None else _default_device()
@@ -82,6 +84,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: LossFn, init_fn: InitF
     if not meta:
         stages = [s.to(device) for s in stages]
     for stage, i in zip(stages, indices):
+        tensor_outputs(stage)
         if layout is not None:
             apply_tensor_parallel(stage, layout, mesh["tp"], tuple(t.fqns for t in tied))
         apply_recompute(stage, list(plan.stages[i]), plan)

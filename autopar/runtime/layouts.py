@@ -185,11 +185,16 @@ def _resolve_unit(graph: LayerGraph, unit: Unit, styles: dict[str, TPStyle], arr
         natural = STYLE_IO[style][1]
         if natural is Layout.P:
             continue
-        if last and UNIT_OUTPUT in consumers.get(i, ()):
+        mine = consumers.get(i, set())
+        if last and UNIT_OUTPUT in mine:
             if natural is Layout.F and loss_parallel:
                 dtensor_out.add(i)
             elif natural is not Layout.R:
                 natural = Layout.R
+        elif natural is not Layout.R and _gather_at_output(i, mine, producers, leaf_styles):
+            natural = Layout.R
+            if all(leaf_styles[c] is TPStyle.COLUMN for c in mine):
+                dtensor_out.add(i)
         out[i] = natural
     for i, style in enumerate(leaf_styles):
         if STYLE_IO[style][1] is Layout.P:
@@ -210,7 +215,7 @@ def _resolve_unit(graph: LayerGraph, unit: Unit, styles: dict[str, TPStyle], arr
         return seen.pop()
 
     arrives_at = {i: arrival(i) for i in range(len(names))}
-    hoisted = _hoist(unit, names, leaf_styles, arrives_at, producers)
+    hoisted = _hoist(unit, names, leaf_styles, arrives_at, producers, dtensor_out)
     for conversion in hoisted.values():
         for name in conversion.leaves:
             arrives_at[names.index(name)] = conversion.dst
@@ -227,8 +232,21 @@ def _resolve_unit(graph: LayerGraph, unit: Unit, styles: dict[str, TPStyle], arr
     return unit_out, result, hoisted
 
 
+def _gather_at_output(i: int, consumers: set[int], producers: dict[int, set[int]], styles: list[TPStyle]) -> bool:
+    """Whether a sharded output is gathered where it is produced: every consumer is a leaf
+    that needs it replicated and reads nothing else. User code between them may read
+    full sizes (transformers' GPT-2 reshapes the final norm's output with the sequence
+    length of the input), so a replicated tensor is the safe thing to hand it. Fed only to
+    column-parallel leaves it stays a DTensor, so their partial input gradients are
+    reduce-scattered once, as Korthikanti et al. 2022 do."""
+    if not consumers or any(c < 0 for c in consumers):
+        return False
+    return all(STYLE_IO[styles[c]][0] is Layout.R and producers.get(c, set()) - {UNIT_INPUT} == {i}
+               for c in consumers)
+
+
 def _hoist(unit: Unit, names: list[str], styles: list[TPStyle], arrives_at: dict[int, Layout],
-           producers: dict[int, set[int]]) -> dict[str, ModuleInput]:
+           producers: dict[int, set[int]], dtensors: set[int]) -> dict[str, ModuleInput]:
     """Conversions moved from leaves up to the submodule that holds them.
 
     User code often reads sizes from a submodule's input (``b, s, _ = x.shape`` in an
@@ -250,7 +268,8 @@ def _hoist(unit: Unit, names: list[str], styles: list[TPStyle], arrives_at: dict
         if child == name:
             continue
         inside = [s for s in producers.get(i, ()) if s >= 0 and names[s].startswith(child + ".")]
-        if not inside:
+        handed = producers.get(i, set()) - {UNIT_INPUT}
+        if not inside and not (handed and handed <= dtensors):  # a DTensor needs no wrapping
             entries.setdefault(child, []).append(i)
     hoisted: dict[str, ModuleInput] = {}
     for child, leaves in entries.items():

@@ -43,10 +43,25 @@ def check_schedule(plan: Plan) -> None:
                                 f"num_microbatches={m} is not a multiple of its {rounds} rounds. Use a multiple of {pp}.")
 
 
+def check_cuttable(model: nn.Module, plan: Plan) -> None:
+    """Refuse a pipeline split the model's structure cannot take (before any collective)."""
+    if plan.config.num_stages == 1:
+        return
+    for unit in plan.model.units:
+        parent_name = unit.rpartition(".")[0]
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if isinstance(parent, (nn.ModuleList, nn.Sequential)):
+            raise PipelineError(
+                f"unit {unit!r} sits in a {type(parent).__name__}, which renumbers its children when one is removed, "
+                f"so pipeline stages would rename parameters (and a transformers model's forward cannot skip missing "
+                f"blocks). Hold the blocks in an nn.ModuleDict keyed '0'..'L-1' whose forward skips None parts (as "
+                f"autopar.models do), or use a plan with pp=1.")
+
+
 def cut(model: nn.Module, keep: tuple[str, ...], units: tuple[str, ...]) -> nn.Module:
     """A stage module holding only the units in ``keep`` (shared with ``model``).
 
-    ``model`` itself is returned when it keeps every unit.
+    ``model`` itself is returned when it keeps every unit. Call :func:`check_cuttable` first.
     """
     if set(keep) == set(units):
         return model
@@ -62,14 +77,31 @@ def cut(model: nn.Module, keep: tuple[str, ...], units: tuple[str, ...]) -> nn.M
         parent = stage.get_submodule(parent_name) if parent_name else stage
         if isinstance(parent, nn.ModuleDict):
             del parent[child]
-        elif isinstance(parent, (nn.ModuleList, nn.Sequential)):
-            raise PipelineError(
-                f"unit {u!r} sits in a {type(parent).__name__}, which renumbers its children when one is removed, so "
-                f"pipeline stages would rename parameters. Hold the blocks in an nn.ModuleDict keyed '0'..'L-1' "
-                f"(as autopar.models do) or use pp=1.")
         else:
             setattr(parent, child, None)
     return stage
+
+
+def tensor_outputs(stage: nn.Module) -> None:
+    """Make ``stage`` return tensors only: pipelining moves tensors between stages and
+    into the loss, so a structured output (transformers' ``ModelOutput``, a dict) is
+    reduced to its ``logits``, or to its only tensor."""
+    stage.register_forward_hook(_to_tensors)
+
+
+def _to_tensors(_module: nn.Module, _args: Any, output: Any) -> Any:
+    if isinstance(output, torch.Tensor) or (isinstance(output, (tuple, list)) and all(
+            isinstance(o, torch.Tensor) for o in output)):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    values = list(output.values()) if isinstance(output, dict) else []
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if len(tensors) == 1:
+        return tensors[0]
+    raise PipelineError(f"the model returned a {type(output).__name__}, which pipeline stages cannot pass on: return "
+                        f"a tensor or a tuple of tensors (or an output with a 'logits' tensor).")
 
 
 def build_stages(modules: list[nn.Module], indices: tuple[int, ...], plan: Plan, device: torch.device,

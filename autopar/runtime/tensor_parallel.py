@@ -77,15 +77,15 @@ def apply_tensor_parallel(stage: nn.Module, layout: TPLayout, mesh: DeviceMesh, 
         module = modules.get(fqn)
         if module is None:
             continue
-        for style in styles_for(module, leaf):
+        for style in styles_for(module, leaf, modules.get(fqn.rpartition(".")[0])):
             parallelize_module(module, mesh, style)
     for names in tied:
         retie(stage, names)
 
 
-def styles_for(module: nn.Module, leaf: LeafLayout) -> list[ParallelStyle]:
-    """The styles (applied in order) that run ``module`` as ``leaf`` says."""
-    special = hf.styles_for(module, leaf)
+def styles_for(module: nn.Module, leaf: LeafLayout, parent: nn.Module | None = None) -> list[ParallelStyle]:
+    """The styles (applied in order) that run ``module`` (child of ``parent``) as ``leaf`` says."""
+    special = hf.styles_for(module, leaf, parent)
     if special is not None:
         return special
     style = leaf.style
@@ -110,20 +110,22 @@ def styles_for(module: nn.Module, leaf: LeafLayout) -> list[ParallelStyle]:
 
 def _around(style: ParallelStyle | None, computes_in: Layout, leaf: LeafLayout) -> list[ParallelStyle]:
     before = [_Convert(leaf.arrives, computes_in, output=False)] if leaf.arrives is not computes_in else []
-    after = [_Convert(computes_in, leaf.output, output=True)] if leaf.output is not computes_in else []
+    after = [_Convert(computes_in, leaf.output, output=True, dtensor=leaf.dtensor_output)] \
+        if leaf.output is not computes_in or leaf.dtensor_output else []
     return before + ([style] if style is not None else []) + after
 
 
 class _Convert(ParallelStyle):
     """Convert a leaf's (first) input or its output between two layouts."""
 
-    def __init__(self, src: Layout, dst: Layout, *, output: bool):
+    def __init__(self, src: Layout, dst: Layout, *, output: bool, dtensor: bool = False):
         super().__init__()
-        self.src, self.dst, self.output = src, dst, output
+        self.src, self.dst, self.output, self.dtensor = src, dst, output, dtensor
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if self.output:
-            module.register_forward_hook(lambda _m, _a, out: convert(out, device_mesh, self.src, self.dst))
+            module.register_forward_hook(
+                lambda _m, _a, out: convert(out, device_mesh, self.src, self.dst, dtensor=self.dtensor))
         else:
             module.register_forward_pre_hook(_input_converter(device_mesh, self.src, self.dst), with_kwargs=True)
         return module

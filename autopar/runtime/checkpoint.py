@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
 from autopar.runtime.errors import CheckpointError
@@ -140,7 +141,11 @@ def load(parts: CheckpointParts, root: str | Path, *, step: int | None = None) -
     model_sd = _model_state(parts)
     optim_sd = _optim_state(parts)
     state = {"model": model_sd, "optim": optim_sd}
+    reshaped = _stand_ins(state, dcp.FileSystemReader(str(path)).read_metadata())
     dcp.load(state, checkpoint_id=str(path))
+    for (group, key), target in reshaped.items():
+        _copy_reshaped(target, state[group][key])
+        state[group][key] = target
     for module, optimizer in zip(parts.modules, parts.optimizers):
         keys = set(get_model_state_dict(module).keys())
         set_model_state_dict(module, {k: v for k, v in state["model"].items() if k in keys})
@@ -152,6 +157,35 @@ def load(parts: CheckpointParts, root: str | Path, *, step: int | None = None) -
         if rng_file.exists():
             _set_rng_state(torch.load(rng_file, weights_only=False))
     return LoadedState(step=int(meta["step"]), data_position=int(meta["data_position"]), path=str(path))
+
+
+def _stand_ins(state: dict[str, dict[str, Any]], metadata: Any) -> dict[tuple[str, str], torch.Tensor]:
+    """Replace each tensor saved in another shape of the same size (GPT-2's fused
+    ``c_attn`` is ``(in, 3 x hidden)`` in one plan and ``(in, 3, hidden)`` when split by
+    heads) by a full tensor of the saved shape; returns the targets to fill after loading."""
+    saved = metadata.state_dict_metadata
+    targets: dict[tuple[str, str], torch.Tensor] = {}
+    for group, entries in state.items():
+        for key, value in entries.items():
+            meta = saved.get(f"{group}.{key}")
+            if not isinstance(value, torch.Tensor) or meta is None or not hasattr(meta, "size"):
+                continue
+            if tuple(meta.size) != tuple(value.shape) and meta.size.numel() == value.numel():
+                targets[(group, key)] = value
+                entries[key] = torch.empty(tuple(meta.size), dtype=value.dtype, device=_local(value).device)
+    return targets
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def _copy_reshaped(target: torch.Tensor, full: torch.Tensor) -> None:
+    full = full.reshape(target.shape)
+    if isinstance(target, DTensor):
+        full = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+    _local(target).copy_(full)
 
 
 def _model_state(parts: CheckpointParts) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import autopar
 from autopar.models import CNNConfig, ResNet
 from autopar.runtime.api import parallelize
-from parity import LR, SEQ, VOCAB, RunResult, all_params, assert_parity, batches, run
+from parity import LR, PARAM_ATOL, SEQ, VOCAB, RunResult, all_params, assert_parity, batches, run
 
 pytestmark = pytest.mark.multiprocess
 transformers = pytest.importorskip("transformers")
@@ -187,3 +187,33 @@ def _cnn_reference(plan, steps):
 def test_resnet(case):
     plan = make(resnet(), sample=torch.zeros(1, 3, 8, 8), **case)
     assert_parity(run(_cnn_train, plan.config.world_size, plan, 4), _cnn_reference(plan, 4))
+
+
+def _save_gpt2(rank, world, plan, path, steps):
+    job = parallelize(gpt2(), plan, loss_fn=hf_loss)
+    opt = job.optimizer(torch.optim.SGD, lr=LR)
+    for batch in job.shard(batches("gpt", steps, plan.config.global_batch_size)):
+        job.step(batch)
+        opt.step()
+        opt.zero_grad()
+    job.save_checkpoint(path, step=steps)
+
+
+def _load_gpt2(rank, world, plan, path):
+    job = parallelize(gpt2(), plan, loss_fn=hf_loss)
+    job.optimizer(torch.optim.SGD, lr=LR)
+    job.load_checkpoint(path)
+    return all_params(job)
+
+
+def test_fused_qkv_checkpoint_loads_under_another_layout(tmp_path):
+    """Saved with c_attn split by heads ((in, 3, hidden) DTensors, tp=2), loaded by a
+    data-parallel job that holds it as the library's (in, 3 x hidden)."""
+    saver = make(gpt2(), megatron("gpt2", False), tp=2)
+    loader = make(gpt2(), dp=2, num_microbatches=1)
+    run(_save_gpt2, 2, saver, str(tmp_path), 2)
+    ref = hf_reference("gpt2", saver, steps=2)
+    for params in run(_load_gpt2, 2, loader, str(tmp_path)):
+        assert params["transformer.h.0.attn.c_attn.weight"].shape == ref.params["transformer.h.0.attn.c_attn.weight"].shape
+        for name, value in params.items():
+            torch.testing.assert_close(value, ref.params[name], rtol=0, atol=PARAM_ATOL)

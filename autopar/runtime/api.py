@@ -38,7 +38,7 @@ LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
 def parallelize(model: nn.Module, plan: Plan, *, loss_fn: LossFn, init_fn: InitFn | None = None, seed: int = 0,
-                sample_input: Any = None, device: torch.device | str | None = None) -> Job:
+                sample_input: Any = None, device: torch.device | str | None = None, measure_memory: bool = True) -> Job:
     """Apply ``plan`` to ``model`` on this rank and return the Job that trains it.
 
     Call on every rank after ``torch.distributed.init_process_group`` (``torchrun`` or
@@ -60,6 +60,9 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: LossFn, init_fn: InitF
             plan shards layers (the tensor-parallel layouts come from tracing one
             forward); token models are traced with the plan's sequence length.
         device: where this rank computes (default ``cuda:LOCAL_RANK`` on NCCL, else CPU).
+        measure_memory: record each step's peak memory in ``job.metrics`` (on CPU this
+            counts tensor storages through a dispatch mode, which slows small steps;
+            see :mod:`autopar.runtime.metrics`).
     """
     dims = MeshDims.of(plan)
     if not dist.is_initialized():
@@ -72,7 +75,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: LossFn, init_fn: InitF
     layout = _tp_layout(model, plan, sample_input)
     tied = find_tied(model, plan.stages, dims.pp)
     device = torch.device(device) if device is not None else _default_device()
-    memory = MemoryMeter(device)
+    memory = MemoryMeter(device, enabled=measure_memory)
 
     mesh = build_mesh(dims, device.type)
     coord = dims.coordinate(dist.get_rank())

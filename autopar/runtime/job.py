@@ -156,9 +156,9 @@ class Job:
         targets = _to(targets, self._p.device)
         losses: list[torch.Tensor] = []
         args = inputs if isinstance(inputs, tuple) else (inputs,)
-        self._p.memory.reset()
         start = time.perf_counter()
-        with loss_parallel() if self._p.loss_parallel else contextlib.nullcontext():
+        with self._p.memory.track(self._live_tensors()), \
+                loss_parallel() if self._p.loss_parallel else contextlib.nullcontext():
             if self.is_first_stage and self.is_last_stage:
                 self._p.schedule.step(*args, target=targets, losses=losses)
             elif self.is_first_stage:
@@ -174,6 +174,13 @@ class Job:
                                            peak_memory_bytes=self._p.memory.peak_bytes()))
         self._step += 1
         return loss
+
+    def _live_tensors(self) -> list[torch.Tensor]:
+        params = self.parameters()
+        grads = [p.grad for p in params if p.grad is not None]
+        state = [t for o in (self._optimizer.inner if self._optimizer is not None else []) if o is not None
+                 for st in o.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+        return [*params, *grads, *state]
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> float:
         if losses:

@@ -170,7 +170,8 @@ def train(rank: int, world: int, name: str, plan: autopar.Plan, steps: int = 5, 
     """The parallel run on one rank (a ``run_spmd`` worker)."""
     model = model_fn() if model_fn is not None else build(name)
     sample = torch.zeros(1, MLP_CFG.in_dim) if name == "mlp" else None
-    job = parallelize(model, plan, loss_fn=LOSSES[name], init_fn=init_fn, seed=seed, sample_input=sample)
+    job = parallelize(model, plan, loss_fn=LOSSES[name], init_fn=init_fn, seed=seed, sample_input=sample,
+                      measure_memory=False)
     opt = job.optimizer(torch.optim.SGD, lr=LR, momentum=momentum)
     losses, norms = [], []
     for batch in job.shard(batches(name, steps, plan.config.global_batch_size)):

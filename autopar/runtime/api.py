@@ -11,6 +11,7 @@ materialisation of a meta model -> DDP -> ``PipelineStage`` and the schedule.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -31,14 +32,36 @@ from autopar.runtime.pipeline import (build_schedule, build_stages, check_cuttab
                                       tensor_outputs)
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.tensor_parallel import apply_tensor_parallel
-from autopar.runtime.tied import TiedGradSync, find_tied
+from autopar.runtime.tied import TiedGradSync, TiedParam, find_tied
 from autopar.vocab import TPStyle
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
+@dataclass(frozen=True, kw_only=True)
+class Analysis:
+    """What the local checks found: the tensor-parallel layouts and the tied parameters.
+
+    Computed by :func:`analyse` without any collective; a dry run that applies one plan
+    for many ranks computes it once.
+    """
+
+    layout: TPLayout | None
+    tied: tuple[TiedParam, ...]
+
+
+def analyse(model: nn.Module, plan: Plan, *, sample_input: Any = None) -> Analysis:
+    """Every check that needs no process group, raising a typed error on a bad plan:
+    model fingerprint and units, schedule, pipeline cut, tensor-parallel styles."""
+    _check_model(model, plan)
+    check_schedule(plan)
+    check_cuttable(model, plan)
+    return Analysis(layout=_tp_layout(model, plan, sample_input), tied=find_tied(model, plan.stages, plan.config.pp))
+
+
 def parallelize(model: nn.Module, plan: Plan, *, loss_fn: LossFn, init_fn: InitFn | None = None, seed: int = 0,
-                sample_input: Any = None, device: torch.device | str | None = None, measure_memory: bool = True) -> Job:
+                sample_input: Any = None, device: torch.device | str | None = None, measure_memory: bool = True,
+                analysis: Analysis | None = None, materialize: bool = True) -> Job:
     """Apply ``plan`` to ``model`` on this rank and return the Job that trains it.
 
     Call on every rank after ``torch.distributed.init_process_group`` (``torchrun`` or
@@ -63,17 +86,17 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: LossFn, init_fn: InitF
         measure_memory: record each step's peak memory in ``job.metrics`` (on CPU this
             counts tensor storages through a dispatch mode, which slows small steps;
             see :mod:`autopar.runtime.metrics`).
+        analysis: the result of :func:`analyse` for this model and plan, if already made.
+        materialize: False keeps a meta model on the meta device, sharded but without
+            storage, and skips DDP (which needs real tensors): for dry runs only.
     """
     dims = MeshDims.of(plan)
     if not dist.is_initialized():
         raise PlanMismatchError("no default process group: call torch.distributed.init_process_group (torchrun or "
                                 "autopar run do it) before autopar.parallelize.")
     dims.check_world_size(dist.get_world_size())
-    _check_model(model, plan)
-    check_schedule(plan)
-    check_cuttable(model, plan)
-    layout = _tp_layout(model, plan, sample_input)
-    tied = find_tied(model, plan.stages, dims.pp)
+    analysis = analysis or analyse(model, plan, sample_input=sample_input)
+    layout, tied = analysis.layout, analysis.tied
     device = torch.device(device) if device is not None else _default_device()
     memory = MemoryMeter(device, enabled=measure_memory)
 
@@ -82,7 +105,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: LossFn, init_fn: InitF
     indices = plan.stage_of_rank(coord[0])
     local_units = tuple(u for i in indices for u in plan.stages[i])
     meta = is_meta(model)
-    materializer = Materializer(model, plan.model.units, local_units, init_fn, seed) if meta else None
+    materializer = Materializer(model, plan.model.units, local_units, init_fn, seed) if meta and materialize else None
     stages = [cut(model, plan.stages[i], plan.model.units) for i in indices]
     if not meta:
         stages = [s.to(device) for s in stages]
@@ -97,7 +120,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: LossFn, init_fn: InitF
         stages = [apply_data_parallel(s, spec, mesh["dp"]) for s, spec in zip(stages, spec_of)]
     if materializer is not None:
         materializer.fill(stages, device)
-    if not sharded_on_meta:
+    if not sharded_on_meta and (materialize or not meta):
         stages = [apply_data_parallel(s, spec, mesh["dp"]) for s, spec in zip(stages, spec_of)]
 
     tied_sync = TiedGradSync(tied, dims, coord)
@@ -140,7 +163,7 @@ def _tp_layout(model: nn.Module, plan: Plan, sample_input: Any) -> TPLayout | No
     kwargs = {"sample_input": sample_input} if sample_input is not None else {"seq_len": plan.model.seq_len}
     graph = extract(model, dtype=cfg.dtype, **kwargs)
     types = {name: type(module).__name__ for name, module in model.named_modules()}
-    return resolve(graph, styles, sequence_parallel=cfg.sequence_parallel, module_types=types)
+    return resolve(graph, styles, sequence_parallel=cfg.sequence_parallel, tp=cfg.tp, module_types=types)
 
 
 def _dp_spec(plan: Plan, stage: nn.Module, units: tuple[str, ...]) -> DataParallelSpec:

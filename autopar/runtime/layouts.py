@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.cost.tensor_parallel import STYLE_IO, Layout
-from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, LayerGraph, LeafKind, Unit
+from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, LayerGraph, Leaf, LeafKind, Unit
 from autopar.runtime.errors import PlanMismatchError, ShardingError
 from autopar.vocab import TPStyle
 
@@ -113,10 +113,12 @@ class TPLayout:
     loss_parallel: bool
 
 
-def check_styles(graph: LayerGraph, styles: dict[str, TPStyle], *, sequence_parallel: bool,
+def check_styles(graph: LayerGraph, styles: dict[str, TPStyle], *, sequence_parallel: bool, tp: int,
                  module_types: dict[str, str] | None = None) -> None:
-    """Refuse styles for layers the model lacks, or that the layer's kind cannot take
-    (``module_types``: FQN -> class name, for the message)."""
+    """Refuse styles for layers the model lacks, that the layer's kind cannot take, or
+    whose split does not divide the layer's features or attention heads (a vocabulary
+    may split unevenly: DTensor shards it in ``torch.chunk`` pieces where Megatron-LM
+    pads it). ``module_types``: FQN -> class name, for the messages."""
     leaves = {unit.leaf_fqn(leaf.name): leaf for unit in graph.units for leaf in graph.profiles[unit.profile].leaves}
     for fqn, style in sorted(styles.items()):
         leaf = leaves.get(fqn)
@@ -130,15 +132,32 @@ def check_styles(graph: LayerGraph, styles: dict[str, TPStyle], *, sequence_para
                                 f"which it cannot take: column and row split a Linear's matrix, vocab an Embedding's "
                                 f"rows, sequence runs a norm on sequence shards; this layer allows {allowed}. "
                                 f"Use 'replicate' for it.")
+        _check_divides(fqn, leaf, style, tp)
         if style is TPStyle.SEQUENCE and not sequence_parallel:
             raise ShardingError(f"the plan gives layer {fqn!r} the style 'sequence' but sequence_parallel is off. "
                                 f"Set sequence_parallel=True or use 'replicate'.")
 
 
-def resolve(graph: LayerGraph, styles: dict[str, TPStyle], *, sequence_parallel: bool,
+def _check_divides(fqn: str, leaf: Leaf, style: TPStyle, tp: int) -> None:
+    if style is TPStyle.COLUMN:
+        size, heads, what = leaf.out_features, leaf.out_heads, "output features"
+    elif style is TPStyle.ROW:
+        size, heads, what = leaf.in_features, leaf.in_heads, "input features"
+    else:
+        return
+    if leaf.vocab and style is TPStyle.COLUMN:
+        return
+    if size % tp or (heads and heads % tp):
+        detail = f"{size} {what}" + (f" from {heads} attention heads" if heads else "")
+        raise ShardingError(f"the plan splits layer {fqn!r} {style.value}-wise over tp={tp}, but its {detail} do not "
+                            f"divide by {tp}: each rank must hold whole heads and equal slices. Use a tp that "
+                            f"divides them, or 'replicate' for this layer.")
+
+
+def resolve(graph: LayerGraph, styles: dict[str, TPStyle], *, sequence_parallel: bool, tp: int,
             module_types: dict[str, str] | None = None) -> TPLayout:
     """The conversions of every leaf and unit (see the module docstring)."""
-    check_styles(graph, styles, sequence_parallel=sequence_parallel, module_types=module_types)
+    check_styles(graph, styles, sequence_parallel=sequence_parallel, tp=tp, module_types=module_types)
     boundary = Layout.Q if sequence_parallel else Layout.R
     loss_parallel = graph.vocab_size > 0
     leaves: dict[str, LeafLayout] = {}

@@ -40,6 +40,7 @@ SEQ = 16
 VOCAB = 64
 
 GPT_CFG = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, dim=32, n_layers=4, n_heads=4)
+ODD_VOCAB_CFG = dataclasses.replace(GPT_CFG, vocab_size=VOCAB + 3)
 LLAMA_CFG = LlamaConfig(vocab_size=VOCAB, seq_len=SEQ, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64)
 MLP_CFG = MLPConfig(in_dim=16, dim=32, ffn_dim=64, n_layers=4, out_dim=8)
 
@@ -50,6 +51,8 @@ def build(name: str, device: str = "cpu") -> nn.Module:
     with torch.device(device):
         if name == "gpt":
             return GPT(GPT_CFG)
+        if name == "gpt-odd-vocab":
+            return GPT(ODD_VOCAB_CFG)
         if name == "llama":
             return Llama(LLAMA_CFG)
         if name == "mlp":
@@ -67,8 +70,8 @@ def mse_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(output.float(), target)
 
 
-LOSSES: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] = {"gpt": token_loss, "llama": token_loss,
-                                                                   "mlp": mse_loss}
+LOSSES: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] = {"gpt": token_loss, "gpt-odd-vocab": token_loss,
+                                                                   "llama": token_loss, "mlp": mse_loss}
 
 
 def batches(name: str, steps: int, global_batch: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -94,7 +97,7 @@ def megatron_styles(name: str, *, sequence_parallel: bool = False) -> dict[str, 
         for i in range(MLP_CFG.n_layers):
             styles.update({f"layers.{i}.fc1": "column", f"layers.{i}.fc2": "row"})
         return styles
-    cfg = GPT_CFG if name == "gpt" else LLAMA_CFG
+    cfg = LLAMA_CFG if name == "llama" else GPT_CFG
     for i in range(cfg.n_layers):
         for leaf in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1"):
             styles[f"layers.{i}.{leaf}"] = "column"

@@ -51,3 +51,11 @@ def test_gpt_3d_zero3_interleaved_sp():
     plan = make_plan("gpt", dp=2, tp=2, pp=2, zero_stage=3, schedule="interleaved-1f1b", virtual_stages=2,
                      num_microbatches=2, sequence_parallel=True, styles=megatron_styles("gpt", sequence_parallel=True))
     assert_parity(run(train, 8, "gpt", plan, timeout_s=120), reference("gpt", plan))
+
+
+def test_vocabulary_that_does_not_divide():
+    """67 vocabulary rows over tp=2: DTensor shards them 34 + 33 (Megatron-LM would pad
+    to a multiple of 128 x tp); the vocabulary-parallel embedding, the column head and
+    the loss run on uneven shards."""
+    plan = make_plan("gpt-odd-vocab", tp=2, styles=megatron_styles("gpt-odd-vocab"))
+    assert_parity(run(train, 2, "gpt-odd-vocab", plan), reference("gpt-odd-vocab", plan))

@@ -63,7 +63,7 @@ def decode(cls: Any, data: Any, path: str) -> Any:
         if len(args) != len(data):
             raise PlanFormatError(f"{path}: expected {len(args)} items, got {len(data)}")
         return tuple(decode(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, data)))
-    if origin in (dict, Mapping, typing.Mapping, collections.abc.Mapping) or cls in (dict, Mapping):
+    if origin in (dict, Mapping, collections.abc.Mapping) or cls in (dict, Mapping):
         if not isinstance(data, dict):
             raise PlanFormatError(f"{path}: expected an object, got {type(data).__name__}")
         key_t, val_t = args if args else (str, Any)

@@ -129,9 +129,11 @@ def test_style_a_layer_cannot_take_names_the_layer_on_every_rank():
 
     model = ResNet(CNNConfig(image_size=8, width=4, stages=2, blocks_per_stage=1, num_classes=4))
     plan = autopar.estimate(model, autopar.Cluster.preset("local-cpu", devices_per_node=2),
-                            {"dp": 1, "tp": 2, "pp": 1, "micro_batch_size": 1, "num_microbatches": 1, "dtype": "fp32"},
-                            global_batch_size=1, sample_input=torch.zeros(1, 3, 8, 8))
-    plan = dataclasses.replace(plan, layer_strategies=dataclasses.replace(
-        plan.layer_strategies, tp={"layers.0.conv1": autopar.TPStyle.COLUMN}))
+                            {"dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 1, "num_microbatches": 1, "dtype": "fp32"},
+                            global_batch_size=2, sample_input=torch.zeros(1, 3, 8, 8))
+    # by hand: the planner itself never puts tp > 1 on a model whose layers cannot split
+    plan = dataclasses.replace(plan, config=dataclasses.replace(plan.config, dp=1, tp=2, micro_batch_size=2),
+                               layer_strategies=dataclasses.replace(plan.layer_strategies,
+                                                                    tp={"layers.0.conv1": autopar.TPStyle.COLUMN}))
     for kind, message in run(_resnet, 2, plan):
         assert kind == "ShardingError" and message.startswith("the plan gives layer 'layers.0.conv1' (a Conv2d) the tensor-parallel style 'column'")

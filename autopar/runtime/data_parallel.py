@@ -3,11 +3,15 @@
 =========  ==================================================================================
 zero       what runs
 =========  ==================================================================================
-0, 1       ``DistributedDataParallel(gradient_as_bucket_view=True, static_graph=True)``; when tensor parallelism
-           made some parameters DTensors, DDP cannot hold them (torchtitan refuses DDP with
-           more than one mesh axis for this reason), so the FSDP2-based ``replicate`` runs
-           the same all-reduce on DTensor parameters. Stage 1 also shards the optimizer
-           state (:mod:`autopar.runtime.zero`).
+0, 1       ``DistributedDataParallel(gradient_as_bucket_view=True, static_graph=True)``.
+           Two cases use the FSDP2-based ``replicate`` instead, which runs the same
+           all-reduce: parameters that tensor parallelism made DTensors (DDP cannot hold
+           them; torchtitan refuses DDP with more than one mesh axis for this reason), and
+           pipelined plans (measured on torch 2.13: DDP under a multi-stage pipelining
+           schedule gave the last stage wrong gradients; ``static_graph`` is needed even
+           with one stage, or DDP's first-step bucket rebuild fails on the micro-batched
+           backward). Stage 1 also shards the optimizer state
+           (:mod:`autopar.runtime.optimizer`).
 2          FSDP2 ``fully_shard`` per unit, then the stage root, ``reshard_after_forward=False``:
            gradients and optimizer state sharded, parameters kept gathered from forward to
            backward (ZeRO-2's memory, Rajbhandari et al. 2020).
@@ -29,7 +33,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -95,7 +99,3 @@ def _device_of(args: tuple, kwargs: dict) -> str | None:
             return value.device.type
     return None
 
-
-def is_sharded(module: nn.Module) -> bool:
-    """Whether ``module`` is managed by FSDP2 (``fully_shard`` or ``replicate``)."""
-    return isinstance(module, FSDPModule)

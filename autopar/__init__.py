@@ -12,7 +12,21 @@ from autopar.search.planner import estimate, plan
 from autopar.vocab import Attention, DType, MeshAxis, Optimizer, Recompute, Schedule, TPStyle
 
 __all__ = [
-    "plan", "estimate", "Cluster", "DeviceSpec", "LinkSpec", "Plan", "ParallelConfig", "Prediction", "Alternative",
+    "plan", "estimate", "parallelize", "Job", "Cluster", "DeviceSpec", "LinkSpec", "Plan", "ParallelConfig", "Prediction", "Alternative",
     "LayerStrategies", "AutoparError", "ClusterError", "ConfigError", "InfeasiblePlanError", "ModelError",
     "PlanFormatError", "Attention", "DType", "MeshAxis", "Optimizer", "Recompute", "Schedule", "TPStyle",
 ]
+
+
+def __getattr__(name: str):
+    """``parallelize`` and ``Job`` load the runtime (torch.distributed's FSDP, pipelining,
+    checkpointing: ~1 s of imports) only when first used, so planning stays light."""
+    if name == "parallelize":
+        from autopar.runtime.api import parallelize
+
+        return parallelize
+    if name == "Job":
+        from autopar.runtime.job import Job
+
+        return Job
+    raise AttributeError(f"module 'autopar' has no attribute {name!r}")

@@ -8,7 +8,9 @@ the process group has a timeout, the whole run has a wall-clock limit, and the f
 rank that fails ends the run with every rank's error shown.
 
 Rules for ``fn``: defined at module level; return picklable data; do not create process
-groups in the parent before forking. See shared/TORCH-CPU.md ("fork harness").
+groups in the parent before forking. Results travel as plain ``pickle`` bytes, so
+tensors are copied into the message rather than shared through file descriptors that
+die with the child. See shared/TORCH-CPU.md ("fork harness").
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import shutil
 import tempfile
 import time
@@ -32,10 +35,13 @@ class SPMDError(AutoparError):
 
 @dataclass(frozen=True, kw_only=True)
 class SPMDSettings:
-    """Timeouts (seconds) and threads per rank."""
+    """Timeouts (seconds) and threads per rank. After the first failure the others'
+    reports are collected for ``report_grace_s`` more, so a rank that died is named even
+    when a peer noticed first."""
 
     timeout_s: float = 180.0
     pg_timeout_s: float = 60.0
+    report_grace_s: float = 2.0
     threads_per_rank: int = 1
     backend: str = "gloo"
 
@@ -60,9 +66,9 @@ def _child(fn: Callable, rank: int, world: int, init: str, args: tuple, conn, se
         status, payload = "err", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     finally:
         try:
-            conn.send((status, payload))
+            conn.send_bytes(pickle.dumps((status, payload)))
         except Exception as exc:  # an unpicklable result
-            conn.send(("err", f"rank {rank}: could not send the result back: {exc}"))
+            conn.send_bytes(pickle.dumps(("err", f"rank {rank}: could not send the result back: {exc}")))
         conn.close()
         os._exit(0)  # skip interpreter teardown: gloo threads can abort it (TORCH-CPU.md section 10)
 
@@ -94,12 +100,12 @@ def run_spmd(fn: Callable[..., Any], world_size: int, *args: Any, settings: SPMD
         results: list[Any] = [None] * world_size
         errors: list[str] = []
         pending = set(range(world_size))
-        deadline = time.monotonic() + settings.timeout_s
-        while pending and not errors and time.monotonic() < deadline:
+
+        def collect() -> None:
             for rank in sorted(pending):
                 if pipes[rank].poll(0.02):
                     try:
-                        status, payload = pipes[rank].recv()
+                        status, payload = pickle.loads(pipes[rank].recv_bytes())
                     except EOFError:
                         status, payload = "err", f"rank {rank}: died (exit code {procs[rank].exitcode})"
                     pending.discard(rank)
@@ -110,6 +116,13 @@ def run_spmd(fn: Callable[..., Any], world_size: int, *args: Any, settings: SPMD
                 elif not procs[rank].is_alive() and not pipes[rank].poll(0):
                     pending.discard(rank)
                     errors.append(f"rank {rank}: died without a result (exit code {procs[rank].exitcode})")
+
+        deadline = time.monotonic() + settings.timeout_s
+        while pending and not errors and time.monotonic() < deadline:
+            collect()
+        grace_end = time.monotonic() + settings.report_grace_s
+        while pending and errors and time.monotonic() < grace_end:  # the culprit may report after its victims
+            collect()
         if pending and not errors:
             errors.append(f"timed out after {settings.timeout_s:.0f} s; ranks still running: {sorted(pending)}")
         if errors:

@@ -1,0 +1,176 @@
+"""``parallelize(model, plan, loss_fn=...)``: run a plan on this rank.
+
+Every check that can fail on local facts runs first, identically on every rank, so a
+wrong plan raises a typed error everywhere before any collective (world size, model
+fingerprint, units, schedule, tensor-parallel styles). Then, in torchtitan's order:
+device mesh -> cut to this rank's stages -> tensor parallel -> activation
+checkpointing -> FSDP2 (sharding on the meta device when the model is there) ->
+materialisation of a meta model -> DDP -> ``PipelineStage`` and the schedule.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopar.graph.extract import extract
+from autopar.graph.units import model_fingerprint
+from autopar.plan import Plan
+from autopar.runtime.data_parallel import DataParallelSpec, apply_data_parallel
+from autopar.runtime.errors import PlanMismatchError
+from autopar.runtime.init import InitFn, Materializer, is_meta
+from autopar.runtime.job import Job, JobParts
+from autopar.runtime.layouts import TPLayout, resolve
+from autopar.runtime.mesh import MeshDims, build_mesh
+from autopar.runtime.metrics import MemoryMeter
+from autopar.runtime.pipeline import (build_schedule, build_stages, check_cuttable, check_schedule, cut,
+                                      tensor_outputs)
+from autopar.runtime.recompute import apply_recompute
+from autopar.runtime.tensor_parallel import apply_tensor_parallel
+from autopar.runtime.tied import TiedGradSync, TiedParam, find_tied
+from autopar.vocab import TPStyle
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Analysis:
+    """What the local checks found: the tensor-parallel layouts and the tied parameters.
+
+    Computed by :func:`analyse` without any collective; a dry run that applies one plan
+    for many ranks computes it once.
+    """
+
+    layout: TPLayout | None
+    tied: tuple[TiedParam, ...]
+
+
+def analyse(model: nn.Module, plan: Plan, *, sample_input: Any = None) -> Analysis:
+    """Every check that needs no process group, raising a typed error on a bad plan:
+    model fingerprint and units, schedule, pipeline cut, tensor-parallel styles."""
+    _check_model(model, plan)
+    check_schedule(plan)
+    check_cuttable(model, plan)
+    return Analysis(layout=_tp_layout(model, plan, sample_input), tied=find_tied(model, plan.stages, plan.config.pp))
+
+
+def parallelize(model: nn.Module, plan: Plan, *, loss_fn: LossFn, init_fn: InitFn | None = None, seed: int = 0,
+                sample_input: Any = None, device: torch.device | str | None = None, measure_memory: bool = True,
+                analysis: Analysis | None = None, materialize: bool = True) -> Job:
+    """Apply ``plan`` to ``model`` on this rank and return the Job that trains it.
+
+    Call on every rank after ``torch.distributed.init_process_group`` (``torchrun`` or
+    ``autopar run`` do it). The job takes ownership of ``model``: its units are shared
+    with this rank's stages and sharded in place; units of other stages are not used.
+
+    Args:
+        model: the model the plan was made for, real or on the meta device.
+        plan: the plan (``autopar.Plan.load(path)``).
+        loss_fn: ``loss_fn(output, target) -> scalar``, the mean over a micro-batch.
+            With a column-sharded head on a token model the output is a DTensor of
+            vocabulary-sharded logits and the loss runs under ``loss_parallel``, so
+            ``F.cross_entropy`` works unchanged.
+        init_fn: for a meta model, ``init_fn(unit_module)`` sets every parameter and
+            buffer of one unit (default: each submodule's ``reset_parameters``); see
+            :mod:`autopar.runtime.init`.
+        seed: the seed of that initialisation.
+        sample_input: one micro-batch of inputs, needed only for non-token models whose
+            plan shards layers (the tensor-parallel layouts come from tracing one
+            forward); token models are traced with the plan's sequence length.
+        device: where this rank computes (default ``cuda:LOCAL_RANK`` on NCCL, else CPU).
+        measure_memory: record each step's peak memory in ``job.metrics`` (on CPU this
+            counts tensor storages through a dispatch mode, which slows small steps;
+            see :mod:`autopar.runtime.metrics`).
+        analysis: the result of :func:`analyse` for this model and plan, if already made.
+        materialize: False keeps a meta model on the meta device, sharded but without
+            storage, and skips DDP (which needs real tensors): for dry runs only.
+    """
+    dims = MeshDims.of(plan)
+    if not dist.is_initialized():
+        raise PlanMismatchError("no default process group: call torch.distributed.init_process_group (torchrun or "
+                                "autopar run do it) before autopar.parallelize.")
+    dims.check_world_size(dist.get_world_size())
+    analysis = analysis or analyse(model, plan, sample_input=sample_input)
+    layout, tied = analysis.layout, analysis.tied
+    device = torch.device(device) if device is not None else _default_device()
+    memory = MemoryMeter(device, enabled=measure_memory)
+
+    mesh = build_mesh(dims, device.type)
+    coord = dims.coordinate(dist.get_rank())
+    indices = plan.stage_of_rank(coord[0])
+    local_units = tuple(u for i in indices for u in plan.stages[i])
+    meta = is_meta(model)
+    materializer = Materializer(model, plan.model.units, local_units, init_fn, seed) if meta and materialize else None
+    stages = [cut(model, plan.stages[i], plan.model.units) for i in indices]
+    if not meta:
+        stages = [s.to(device) for s in stages]
+    for stage, i in zip(stages, indices):
+        tensor_outputs(stage)
+        if layout is not None:
+            apply_tensor_parallel(stage, layout, mesh["tp"], tuple(t.fqns for t in tied))
+        apply_recompute(stage, list(plan.stages[i]), plan)
+    spec_of = [_dp_spec(plan, stage, plan.stages[i]) for stage, i in zip(stages, indices)]
+    sharded_on_meta = plan.config.zero_stage >= 2 and dims.dp > 1
+    if sharded_on_meta:
+        stages = [apply_data_parallel(s, spec, mesh["dp"]) for s, spec in zip(stages, spec_of)]
+    if materializer is not None:
+        materializer.fill(stages, device)
+    if not sharded_on_meta and (materialize or not meta):
+        stages = [apply_data_parallel(s, spec, mesh["dp"]) for s, spec in zip(stages, spec_of)]
+
+    tied_sync = TiedGradSync(tied, dims, coord)
+    pipeline_stages = build_stages(stages, indices, plan, device, mesh["pp"].get_group())
+    schedule = build_schedule(pipeline_stages, plan, loss_fn)
+    parts = JobParts(plan=plan, mesh=mesh, stages=stages, stage_indices=indices, schedule=schedule, tied=tied,
+                     tied_sync=tied_sync, loss_parallel=layout is not None and layout.loss_parallel, device=device,
+                     memory=memory)
+    return Job(parts)
+
+
+def _default_device() -> torch.device:
+    if dist.get_backend() == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _check_model(model: nn.Module, plan: Plan) -> None:
+    fingerprint = model_fingerprint(model)
+    if fingerprint != plan.model.fingerprint:
+        raise PlanMismatchError(f"the plan was made for another model ({plan.model.name}, fingerprint "
+                                f"{plan.model.fingerprint}); this {type(model).__name__} has fingerprint {fingerprint} "
+                                f"(parameter names or shapes differ). Make a plan for this model.")
+    modules = dict(model.named_modules())
+    missing = [u for u in plan.model.units if u not in modules]
+    if missing:
+        raise PlanMismatchError(f"the plan's units {missing[:5]} are not modules of this "
+                                f"{type(model).__name__}; make a plan for this model.")
+
+
+def _tp_layout(model: nn.Module, plan: Plan, sample_input: Any) -> TPLayout | None:
+    cfg = plan.config
+    styles = {k: TPStyle(v) for k, v in plan.layer_strategies.tp.items() if TPStyle(v) is not TPStyle.REPLICATE}
+    if cfg.tp == 1 or not (styles or cfg.sequence_parallel):
+        return None
+    tokens = any(isinstance(m, nn.Embedding) for m in model.modules())
+    if sample_input is None and not tokens:
+        raise PlanMismatchError(f"the plan shards layers of a {type(model).__name__}, which takes no token ids; pass "
+                                f"sample_input= (one batch of its inputs) so autopar can trace where layouts change.")
+    kwargs = {"sample_input": sample_input} if sample_input is not None else {"seq_len": plan.model.seq_len}
+    graph = extract(model, dtype=cfg.dtype, **kwargs)
+    types = {name: type(module).__name__ for name, module in model.named_modules()}
+    return resolve(graph, styles, sequence_parallel=cfg.sequence_parallel, tp=cfg.tp, module_types=types)
+
+
+def _dp_spec(plan: Plan, stage: nn.Module, units: tuple[str, ...]) -> DataParallelSpec:
+    owners: dict[int, list[str]] = {}
+    for unit in units:
+        for p in stage.get_submodule(unit).parameters():
+            owners.setdefault(id(p), []).append(unit)
+    sharing = {u for us in owners.values() if len(set(us)) > 1 for u in us}
+    return DataParallelSpec(zero_stage=plan.config.zero_stage, dtype=plan.config.dtype, dp=plan.config.dp,
+                            shard_units=tuple(u for u in units if u not in sharing), pipelined=plan.config.pp > 1)

@@ -1,0 +1,239 @@
+"""Checkpoints that survive a crash and reshard to any plan.
+
+Layout of ``<root>``::
+
+    step-00000100/            one complete checkpoint
+        .metadata, __*_0.distcp   torch.distributed.checkpoint (model + optimizer)
+        rng/rank-<r>.pt       each rank's RNG states
+        autopar.json          step, data position, world size, plan (written last)
+    latest                    the name of the newest complete checkpoint
+
+Model and optimizer go through ``get_state_dict``/``set_state_dict`` with the optimizer
+state flattened per parameter FQN (``flatten_optimizer_state_dict``, as torchtitan does),
+so any plan, world size or single process can load what any other saved: DCP reads each
+rank's shards from whatever shards were written. Parameters tied across pipeline stages
+are saved under every one of their names, so a plan that splits them finds each name.
+
+Atomicity: every rank writes into ``.step-<n>.tmp``; after a barrier rank 0 writes
+``autopar.json``, renames the directory to ``step-<n>`` (atomic on POSIX) and then
+replaces ``latest``. A save killed midway leaves only a ``.tmp`` directory, which the
+next save of that step removes; ``latest`` and every complete checkpoint are untouched.
+
+RNG states are restored only when the world size matches the saving run (ranks map one
+to one); under another layout each rank keeps its RNG, which changes nothing for models
+without dropout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim import Optimizer
+
+from autopar.runtime.errors import CheckpointError
+
+FORMAT_VERSION = 1
+_META = "autopar.json"
+_LATEST = "latest"
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+@dataclass(kw_only=True)
+class CheckpointParts:
+    """What a rank saves: its stage modules, their optimizers (None where it owns no
+    optimizer state), the names of tied parameters, and its place in the world."""
+
+    modules: list[nn.Module]
+    optimizers: list[Optimizer | None]
+    rank: int
+    world_size: int
+    aliases: tuple[tuple[str, ...], ...] = field(default_factory=tuple)
+    summary: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadedState:
+    """What ``load`` restored besides tensors."""
+
+    step: int
+    data_position: int
+    path: str
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    """The directory of checkpoint ``step`` under ``root``."""
+    return Path(root) / f"step-{step:08d}"
+
+
+def latest_step(root: str | Path) -> int | None:
+    """The newest complete checkpoint's step, or None."""
+    pointer = Path(root) / _LATEST
+    if not pointer.exists():
+        return None
+    name = pointer.read_text().strip()
+    if not (Path(root) / name / _META).exists():
+        return None
+    return int(name.split("-")[1])
+
+
+def save(parts: CheckpointParts, root: str | Path, *, step: int, data_position: int) -> str:
+    """Write a checkpoint collectively (every rank calls it); returns its directory."""
+    root = Path(root)
+    final = step_dir(root, step)
+    tmp = root / f".{final.name}.tmp"
+    if parts.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    dist.barrier()
+    state = {"model": _model_state(parts), "optim": _optim_state(parts)}
+    dcp.save(state, checkpoint_id=str(tmp))
+    (tmp / "rng").mkdir(exist_ok=True)
+    torch.save(_rng_state(), tmp / "rng" / f"rank-{parts.rank}.pt")
+    dist.barrier()
+    if parts.rank == 0:
+        meta = {"format": FORMAT_VERSION, "step": step, "data_position": data_position,
+                "world_size": parts.world_size, "plan": parts.summary}
+        _write_synced(tmp / _META, json.dumps(meta, indent=1))
+        if final.exists():
+            old = root / f".{final.name}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
+        _write_synced(root / f".{_LATEST}.tmp", final.name)
+        os.replace(root / f".{_LATEST}.tmp", root / _LATEST)
+    dist.barrier()
+    return str(final)
+
+
+def load(parts: CheckpointParts, root: str | Path, *, step: int | None = None) -> LoadedState:
+    """Load a checkpoint written by any plan into this job (every rank calls it)."""
+    if step is None:
+        step = latest_step(root)
+        if step is None:
+            raise CheckpointError(f"no complete checkpoint under {str(root)!r} (no 'latest' pointing to a directory "
+                                  f"with {_META}). Save one with job.save_checkpoint first, or check the path.")
+    path = step_dir(root, step)
+    meta_file = path / _META
+    if not meta_file.exists():
+        raise CheckpointError(f"checkpoint {str(path)!r} is incomplete or missing ({_META} not found): it was never "
+                              f"finished. Load another step (latest is {latest_step(root)}).")
+    meta = json.loads(meta_file.read_text())
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {str(path)!r} has format {meta.get('format')!r}; this autopar reads "
+                              f"{FORMAT_VERSION}.")
+    model_sd = _model_state(parts)
+    optim_sd = _optim_state(parts)
+    state = {"model": model_sd, "optim": optim_sd}
+    reshaped = _stand_ins(state, dcp.FileSystemReader(str(path)).read_metadata())
+    dcp.load(state, checkpoint_id=str(path))
+    for (group, key), target in reshaped.items():
+        _copy_reshaped(target, state[group][key])
+        state[group][key] = target
+    for module, optimizer in zip(parts.modules, parts.optimizers):
+        keys = set(get_model_state_dict(module).keys())
+        set_model_state_dict(module, {k: v for k, v in state["model"].items() if k in keys})
+        if optimizer is not None:
+            own = get_optimizer_state_dict(module, optimizer, options=_OPTIONS)
+            set_optimizer_state_dict(module, optimizer, {k: state["optim"][k] for k in own}, options=_OPTIONS)
+    if meta["world_size"] == parts.world_size:
+        rng_file = path / "rng" / f"rank-{parts.rank}.pt"
+        if rng_file.exists():
+            _set_rng_state(torch.load(rng_file, weights_only=False))
+    return LoadedState(step=int(meta["step"]), data_position=int(meta["data_position"]), path=str(path))
+
+
+def _stand_ins(state: dict[str, dict[str, Any]], metadata: Any) -> dict[tuple[str, str], torch.Tensor]:
+    """Replace each tensor saved in another shape of the same size (GPT-2's fused
+    ``c_attn`` is ``(in, 3 x hidden)`` in one plan and ``(in, 3, hidden)`` when split by
+    heads) by a full tensor of the saved shape; returns the targets to fill after loading."""
+    saved = metadata.state_dict_metadata
+    targets: dict[tuple[str, str], torch.Tensor] = {}
+    for group, entries in state.items():
+        for key, value in entries.items():
+            meta = saved.get(f"{group}.{key}")
+            if not isinstance(value, torch.Tensor) or meta is None or not hasattr(meta, "size"):
+                continue
+            if tuple(meta.size) != tuple(value.shape) and meta.size.numel() == value.numel():
+                targets[(group, key)] = value
+                entries[key] = torch.empty(tuple(meta.size), dtype=value.dtype, device=_local(value).device)
+    return targets
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def _copy_reshaped(target: torch.Tensor, full: torch.Tensor) -> None:
+    full = full.reshape(target.shape)
+    if isinstance(target, DTensor):
+        full = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+    _local(target).copy_(full)
+
+
+def _model_state(parts: CheckpointParts) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for module in parts.modules:
+        merged.update(get_model_state_dict(module))
+    return merged
+
+
+def _optim_state(parts: CheckpointParts) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for module, optimizer in zip(parts.modules, parts.optimizers):
+        if optimizer is not None:
+            merged.update(get_optimizer_state_dict(module, optimizer, options=_OPTIONS))
+    for names in parts.aliases:
+        for key in list(merged):
+            for name in names:
+                suffix = _suffix(key, name)
+                if suffix is None:
+                    continue
+                prefix = key[:len(key) - len(name) - len(suffix)]
+                for other in names:
+                    merged.setdefault(prefix + other + suffix, merged[key])
+    return merged
+
+
+def _suffix(key: str, name: str) -> str | None:
+    for head in ("state.", "param_groups."):
+        if key.startswith(head + name + "."):
+            return key[len(head) + len(name):]
+    return None
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())

@@ -1,0 +1,101 @@
+"""Data parallelism on the ``dp`` axis, as the plan's ZeRO stage says, and mixed precision.
+
+=========  ==================================================================================
+zero       what runs
+=========  ==================================================================================
+0, 1       ``DistributedDataParallel(gradient_as_bucket_view=True, static_graph=True)``.
+           Two cases use the FSDP2-based ``replicate`` instead, which runs the same
+           all-reduce: parameters that tensor parallelism made DTensors (DDP cannot hold
+           them; torchtitan refuses DDP with more than one mesh axis for this reason), and
+           pipelined plans (measured on torch 2.13: DDP under a multi-stage pipelining
+           schedule gave the last stage wrong gradients; ``static_graph`` is needed even
+           with one stage, or DDP's first-step bucket rebuild fails on the micro-batched
+           backward). Stage 1 also shards the optimizer state
+           (:mod:`autopar.runtime.optimizer`).
+2          FSDP2 ``fully_shard`` per unit, then the stage root, ``reshard_after_forward=False``:
+           gradients and optimizer state sharded, parameters kept gathered from forward to
+           backward (ZeRO-2's memory, Rajbhandari et al. 2020).
+3          the same with ``reshard_after_forward=True``: parameters sharded too (ZeRO-3).
+=========  ==================================================================================
+
+Mixed precision (``bf16``/``fp16``) keeps fp32 master weights, gradients and optimizer
+state: FSDP2 and ``replicate`` cast parameters with ``MixedPrecisionPolicy(param_dtype,
+reduce_dtype=fp32)``; DDP runs the forward under ``torch.autocast``. No loss scaling is
+applied for fp16 (bf16 needs none; fp16 at scale wants a gradient scaler).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from autopar.vocab import DType
+
+TORCH_DTYPES: dict[DType, torch.dtype] = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16,
+                                          DType.FP16: torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataParallelSpec:
+    """What to apply on one stage.
+
+    Attributes:
+        zero_stage: 0-3.
+        dtype: training precision.
+        dp: data-parallel degree.
+        shard_units: unit module FQNs FSDP2 wraps on their own (units that share a
+            parameter with another unit of the stage stay in the root's group).
+        pipelined: the plan has more than one pipeline stage.
+    """
+
+    zero_stage: int
+    dtype: DType
+    dp: int
+    shard_units: tuple[str, ...]
+    pipelined: bool
+
+
+def apply_data_parallel(stage: nn.Module, spec: DataParallelSpec, dp_mesh: DeviceMesh) -> nn.Module:
+    """Wrap ``stage`` for data parallelism; returns the module to run (DDP wraps)."""
+    low = TORCH_DTYPES[spec.dtype] if spec.dtype is not DType.FP32 else None
+    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
+    if spec.zero_stage >= 2 and spec.dp > 1:
+        reshard = spec.zero_stage == 3
+        for fqn in spec.shard_units:
+            fully_shard(stage.get_submodule(fqn), mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(stage, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+        return stage
+    if spec.dp > 1 and (spec.pipelined or any(isinstance(p, DTensor) for p in stage.parameters())):
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        replicate(stage, mesh=dp_mesh, mp_policy=policy)
+        return stage
+    if low is not None:
+        stage.forward = _autocast(stage.forward, low)
+    if spec.dp > 1:
+        return DistributedDataParallel(stage, process_group=dp_mesh.get_group(), gradient_as_bucket_view=True, static_graph=True)
+    return stage
+
+
+def _autocast(forward: Callable[..., Any], dtype: torch.dtype) -> Callable[..., Any]:
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(_device_of(args, kwargs) or "cpu", dtype=dtype):
+            return forward(*args, **kwargs)
+    return run
+
+
+def _device_of(args: tuple, kwargs: dict) -> str | None:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device.type
+    return None
+

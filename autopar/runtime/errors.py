@@ -1,0 +1,33 @@
+"""Typed errors of the runtime. Each message says the value, why it is wrong and what to do.
+
+They are raised on every rank *before* any collective whenever the cause is visible
+locally (a wrong world size, a plan for another model, a style a layer cannot take), so
+a bad plan fails fast and identically everywhere instead of hanging in a collective.
+"""
+
+from __future__ import annotations
+
+from autopar.errors import AutoparError, ConfigError
+
+
+class PlanMismatchError(ConfigError):
+    """The plan does not fit this job: another world size, another model, units the
+    model does not have."""
+
+
+class ShardingError(ConfigError):
+    """A tensor-parallel style names a layer that cannot take it (a column split on a
+    Conv2d, a split that does not divide a dimension, layouts that disagree)."""
+
+
+class PipelineError(ConfigError):
+    """The model cannot be cut into the plan's pipeline stages (a unit container that
+    renumbers its children, a forward that cannot skip missing parts)."""
+
+
+class CheckpointError(AutoparError):
+    """A checkpoint is missing, incomplete or does not match the job."""
+
+
+class JobError(AutoparError):
+    """The job was used out of order (an optimizer created twice, a step without one)."""

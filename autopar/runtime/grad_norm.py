@@ -1,0 +1,67 @@
+"""The global gradient norm over every mesh axis, and clipping by it.
+
+``torch.nn.utils.clip_grad_norm_`` sees one rank's tensors: it would count a replicated
+gradient once per data- or tensor-parallel rank, miss the other pipeline stages, and
+cannot mix DTensors of different meshes (TP-sharded leaves next to replicated ones). Here
+each element of the model's gradient is counted exactly once: a rank adds the squares
+of its local gradient only if it is the first rank along every axis that replicates
+that gradient (data-parallel copies, a replicated leaf's tensor-parallel copies, the
+second holder of a tied parameter), and one all-reduce over the world sums the rest.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from autopar.runtime.mesh import MESH_AXES
+
+
+def _sharding_axes(grad: torch.Tensor) -> set[str]:
+    if not isinstance(grad, DTensor):
+        return set()
+    names = grad.device_mesh.mesh_dim_names or ()
+    return {names[i] for i, pl in enumerate(grad.placements) if isinstance(pl, (Shard, _StridedShard))}
+
+
+def local_grad(grad: torch.Tensor) -> torch.Tensor:
+    """The local values of a gradient (partial sums reduced first)."""
+    if isinstance(grad, DTensor):
+        if any(isinstance(pl, Partial) for pl in grad.placements):
+            grad = grad.redistribute(placements=[Replicate() if isinstance(pl, Partial) else pl
+                                                 for pl in grad.placements])
+        return grad.to_local()
+    return grad
+
+
+def global_grad_norm(params: dict[str, nn.Parameter], coord: dict[str, int], duplicates: frozenset[str]) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient, the same on every rank.
+
+    Args:
+        params: this rank's parameters by clean FQN.
+        coord: this rank's coordinate on each mesh axis (``{"pp": 0, "dp": 1, "tp": 0}``).
+        duplicates: names of tied copies that another rank already counts.
+    """
+    total = torch.zeros((), dtype=torch.float64)
+    for name, p in params.items():
+        if p.grad is None or name in duplicates:
+            continue
+        shard_axes = _sharding_axes(p.grad)
+        if any(coord[axis] != 0 for axis in MESH_AXES[1:] if axis not in shard_axes):
+            continue
+        total += local_grad(p.grad).double().pow(2).sum()
+    dist.all_reduce(total)
+    return total.sqrt()
+
+
+def clip_(params: dict[str, nn.Parameter], norm: torch.Tensor, max_norm: float) -> None:
+    """Scale every gradient by ``min(1, max_norm / norm)`` (PyTorch's rule, eps 1e-6)."""
+    coef = float(max_norm) / (float(norm) + 1e-6)
+    if coef >= 1.0:
+        return
+    for p in params.values():
+        if p.grad is not None:
+            p.grad.mul_(coef)

@@ -1,0 +1,264 @@
+"""The Job: one rank's part of a parallel training run, built by ``autopar.parallelize``.
+
+It runs a training step over every micro-batch and every mesh axis and returns the mean
+loss on all ranks, builds the optimizer the plan's ZeRO stage asks for, hands each
+data-parallel rank its slice of the global batches, clips gradients by their global
+norm, saves and loads resharding checkpoints, and records per-step metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.optim import Optimizer
+
+from autopar.errors import ConfigError
+from autopar.plan import Plan
+from autopar.runtime import checkpoint as ckpt
+from autopar.runtime.errors import JobError
+from autopar.runtime.grad_norm import clip_, global_grad_norm
+from autopar.runtime.mesh import MESH_AXES, MeshDims
+from autopar.runtime.metrics import MemoryMeter, StepMetrics
+from autopar.runtime.optimizer import ShardedOptimizer
+from autopar.runtime.tied import TiedGradSync, TiedParam, named_params
+
+
+@dataclass(kw_only=True)
+class JobParts:
+    """What ``parallelize`` built for this rank (the Job's private inputs).
+
+    Attributes:
+        plan: the plan being run.
+        mesh: the (pp, dp, tp) device mesh.
+        stages: the local stage modules (wrapped for data parallelism), in stage order.
+        stage_indices: their indices in the plan's pipeline.
+        schedule: the ``torch.distributed.pipelining`` schedule over them.
+        tied: parameters shared across pipeline ranks.
+        tied_sync: sums those parameters' gradients.
+        loss_parallel: the loss runs on vocabulary-sharded logits.
+        device: where this rank computes.
+        memory: the peak-memory meter.
+    """
+
+    plan: Plan
+    mesh: DeviceMesh
+    stages: list[nn.Module]
+    stage_indices: tuple[int, ...]
+    schedule: Any
+    tied: tuple[TiedParam, ...]
+    tied_sync: TiedGradSync
+    loss_parallel: bool
+    device: torch.device
+    memory: MemoryMeter
+    metrics: list[StepMetrics] = field(default_factory=list)
+
+
+class Job:
+    """One rank's view of a parallel training job. Build it with ``autopar.parallelize``."""
+
+    def __init__(self, parts: JobParts):
+        self._p = parts
+        self.plan = parts.plan
+        self.mesh = parts.mesh
+        self.dims = MeshDims.of(parts.plan)
+        self.coordinate: dict[str, int] = {axis: parts.mesh[axis].get_local_rank() for axis in MESH_AXES}
+        self._optimizer: ShardedOptimizer | None = None
+        self._data_position = 0
+        self._step = 0
+
+    # ----- what this rank holds -------------------------------------------------------
+    @property
+    def stages(self) -> list[nn.Module]:
+        """The local stage modules (wrapped for data parallelism)."""
+        return list(self._p.stages)
+
+    @property
+    def is_first_stage(self) -> bool:
+        """Whether this rank runs the pipeline's first stage (it reads the inputs)."""
+        return 0 in self._p.stage_indices
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank runs the last stage (it reads the targets and computes the loss)."""
+        return self.plan.config.num_stages - 1 in self._p.stage_indices
+
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        """This rank's parameters by model FQN (wrapper prefixes removed; DTensors
+        where sharded)."""
+        out: dict[str, nn.Parameter] = {}
+        for stage in self._p.stages:
+            out.update(named_params(stage))
+        return out
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters."""
+        return list(self.named_parameters().values())
+
+    @property
+    def metrics(self) -> list[StepMetrics]:
+        """One record per ``step`` call: wall time, peak memory, loss."""
+        return list(self._p.metrics)
+
+    @property
+    def data_position(self) -> int:
+        """Global batches consumed so far (restored by ``load_checkpoint``)."""
+        return self._data_position
+
+    # ----- optimizer ------------------------------------------------------------------
+    def optimizer(self, optimizer_cls: type[Optimizer], **kwargs: Any) -> ShardedOptimizer:
+        """The optimizer over this rank's parameters, sharded as the plan's ZeRO stage says."""
+        if self._optimizer is not None:
+            raise JobError("job.optimizer() was already called; keep the optimizer it returned.")
+        zero1 = self.plan.config.zero_stage == 1 and self.dims.dp > 1
+        group = self.mesh["dp"].get_group() if zero1 else None
+        self._optimizer = ShardedOptimizer(self._p.stages, optimizer_cls, kwargs, dp_group=group)
+        return self._optimizer
+
+    # ----- data -----------------------------------------------------------------------
+    def shard(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """This data-parallel rank's contiguous slice of each global batch.
+
+        Batches already consumed before a resumed checkpoint are skipped, so iterating
+        the same loader again continues where the saved run stopped.
+        """
+        dp, rank = self.dims.dp, self.coordinate["dp"]
+        for index, batch in enumerate(batches):
+            if index < self._data_position:
+                continue
+            self._data_position = index + 1
+            yield _slice(batch, dp, rank)
+
+    # ----- training -------------------------------------------------------------------
+    def step(self, batch: tuple[Any, torch.Tensor]) -> float:
+        """Forward and backward over every micro-batch of this rank's ``(inputs, targets)``;
+        returns the mean loss over the global batch, the same on every rank.
+
+        Gradients accumulate into ``.grad`` (averaged over the global batch); call
+        ``clip_grad_norm_``, ``opt.step()`` and ``opt.zero_grad()`` after.
+        """
+        inputs, targets = _unpack(batch)
+        cfg = self.plan.config
+        expected = cfg.micro_batch_size * cfg.num_microbatches
+        rows = _rows(inputs)
+        if rows != expected:
+            raise ConfigError(f"job.step got a batch of {rows} samples on this data-parallel rank; the plan runs "
+                              f"micro_batch_size x num_microbatches = {cfg.micro_batch_size} x {cfg.num_microbatches} "
+                              f"= {expected}. Pass global batches of {expected * cfg.dp} through job.shard(loader).")
+        inputs = _to(inputs, self._p.device)
+        targets = _to(targets, self._p.device)
+        losses: list[torch.Tensor] = []
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        start = time.perf_counter()
+        with self._p.memory.track(self._live_tensors()), \
+                loss_parallel() if self._p.loss_parallel else contextlib.nullcontext():
+            if self.is_first_stage and self.is_last_stage:
+                self._p.schedule.step(*args, target=targets, losses=losses)
+            elif self.is_first_stage:
+                self._p.schedule.step(*args)
+            elif self.is_last_stage:
+                self._p.schedule.step(target=targets, losses=losses)
+            else:
+                self._p.schedule.step()
+        self._p.tied_sync.sync(self.named_parameters())
+        loss = self._mean_loss(losses)
+        wall = time.perf_counter() - start
+        self._p.metrics.append(StepMetrics(step=self._step, wall_time_s=wall, loss=loss,
+                                           peak_memory_bytes=self._p.memory.peak_bytes()))
+        self._step += 1
+        return loss
+
+    def _live_tensors(self) -> list[torch.Tensor]:
+        params = self.parameters()
+        grads = [p.grad for p in params if p.grad is not None]
+        state = [t for o in (self._optimizer.inner if self._optimizer is not None else []) if o is not None
+                 for st in o.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+        return [*params, *grads, *state]
+
+    def _mean_loss(self, losses: list[torch.Tensor]) -> float:
+        if losses:
+            values = [(x.full_tensor() if hasattr(x, "full_tensor") else x).detach().float() for x in losses]
+            local = torch.stack(values).mean().reshape(1)
+        else:
+            local = torch.zeros(1)
+        local = local.to(self._p.device)
+        if self.dims.pp > 1:
+            dist.all_reduce(local, group=self.mesh["pp"].get_group())
+        if self.dims.dp > 1:
+            dist.all_reduce(local, group=self.mesh["dp"].get_group())
+            local /= self.dims.dp
+        return float(local)
+
+    def grad_norm(self) -> float:
+        """The L2 norm of the whole model's gradient (every stage, every shard, tied
+        parameters once); the same on every rank."""
+        return float(global_grad_norm(self.named_parameters(), self.coordinate, self._duplicates()))
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Scale all gradients so their global norm is at most ``max_norm``; returns the
+        norm before clipping (as ``torch.nn.utils.clip_grad_norm_``)."""
+        params = self.named_parameters()
+        norm = global_grad_norm(params, self.coordinate, self._duplicates())
+        clip_(params, norm, max_norm)
+        return float(norm)
+
+    def _duplicates(self) -> frozenset[str]:
+        return frozenset(f for t in self._p.tied for f in t.fqns[1:])
+
+    # ----- checkpoints ----------------------------------------------------------------
+    def save_checkpoint(self, path: str, *, step: int) -> str:
+        """Save model, optimizer, data position and RNG under ``path/step-<step>``
+        atomically; returns that directory."""
+        return ckpt.save(self._checkpoint_parts(), path, step=step, data_position=self._data_position)
+
+    def load_checkpoint(self, path: str, *, step: int | None = None) -> int:
+        """Load the latest (or the given) step saved under ``path`` by any plan; returns
+        the step. Call after ``job.optimizer(...)`` to restore the optimizer too."""
+        state = ckpt.load(self._checkpoint_parts(), path, step=step)
+        self._data_position = state.data_position
+        return state.step
+
+    def _checkpoint_parts(self) -> ckpt.CheckpointParts:
+        inner = self._optimizer.inner if self._optimizer is not None else [None] * len(self._p.stages)
+        return ckpt.CheckpointParts(modules=list(self._p.stages), optimizers=list(inner), rank=dist.get_rank(),
+                                    world_size=dist.get_world_size(), aliases=tuple(t.fqns for t in self._p.tied),
+                                    summary=self.plan.config.short())
+
+
+def _unpack(batch: Any) -> tuple[Any, torch.Tensor]:
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise ConfigError(f"job.step expects a batch (inputs, targets); got {type(batch).__name__}"
+                          f"{f' of length {len(batch)}' if isinstance(batch, (tuple, list)) else ''}.")
+    return batch[0], batch[1]
+
+
+def _rows(inputs: Any) -> int:
+    first = inputs[0] if isinstance(inputs, tuple) else inputs
+    return int(first.shape[0])
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return tuple(_to(v, device) for v in value)
+    return value
+
+
+def _slice(batch: Any, dp: int, rank: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        if batch.shape[0] % dp:
+            raise ConfigError(f"a global batch of {batch.shape[0]} samples does not split over dp={dp} ranks; use a "
+                              f"multiple of {dp}.")
+        return batch.chunk(dp)[rank]
+    if isinstance(batch, (tuple, list)):
+        return tuple(_slice(b, dp, rank) for b in batch)
+    return batch
+

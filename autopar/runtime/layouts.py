@@ -1,0 +1,324 @@
+"""Where tensor-parallel layouts change: the plan's per-leaf styles turned into one
+input and one output conversion per leaf, from the planner's own data-flow graph.
+
+The planner prices each leaf style with the layouts of :data:`autopar.cost.tensor_parallel.STYLE_IO`
+(replicated R, feature-sharded F, partial P, sequence-sharded Q) and charges a
+collective wherever a producer's layout differs from what a consumer needs. This module
+decides where the runtime performs those conversions, using the same
+:class:`~autopar.graph.layer_graph.LayerGraph` flows, so the runtime and the cost model
+agree by construction:
+
+- what user code (the glue between leaves: views, attention, activations, residual
+  adds) sees is never partial: a row or vocab leaf reduces its partial output at once,
+  to the layout the other inputs of its consumers already have (Megatron-LM's ``g``
+  all-reduce, or a reduce-scatter with sequence parallelism, Korthikanti et al. 2022);
+  with no such sibling, to what its consumers need, else to the boundary layout;
+- every other leaf hands its natural layout to the glue, and each consumer converts
+  what arrives into what it needs at its input (a column leaf after a sequence-parallel
+  norm all-gathers, Megatron's ``f``);
+- tensors that meet in the glue must be in the same layout, else the plan is refused
+  naming the leaves (e.g. q column-sharded but k replicated). Where leaf outputs meet
+  the unit's input, the leaf outputs decide: the tracer attributes constants made inside
+  a unit (positions, rotary tables, the loss's targets) to the unit input, and the real
+  residual stream is already in the layout partial outputs are reduced to;
+- between units the activation is in the boundary layout (R, or Q with sequence
+  parallelism); a block whose input arrives otherwise (after embeddings that end in R)
+  converts it on entry, so every stage boundary carries one known layout;
+- the model's output is replicated, or vocabulary-sharded for a token model whose head
+  is column-parallel: the loss then runs under ``loss_parallel`` (as the planner assumes
+  whenever the model has a vocabulary).
+
+Pure functions of the graph and the styles: no process group, testable alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.cost.tensor_parallel import STYLE_IO, Layout
+from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, LayerGraph, Leaf, LeafKind, Unit
+from autopar.runtime.errors import PlanMismatchError, ShardingError
+from autopar.vocab import TPStyle
+
+_KIND_STYLES: dict[LeafKind, tuple[TPStyle, ...]] = {
+    LeafKind.LINEAR: (TPStyle.REPLICATE, TPStyle.COLUMN, TPStyle.ROW),
+    LeafKind.EMBEDDING: (TPStyle.REPLICATE, TPStyle.VOCAB),
+    LeafKind.NORM: (TPStyle.REPLICATE, TPStyle.SEQUENCE),
+    LeafKind.OTHER: (TPStyle.REPLICATE,),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeafLayout:
+    """How one leaf runs under tensor parallelism.
+
+    Attributes:
+        fqn: the leaf's module FQN in the model.
+        style: its plan style.
+        arrives: layout of the input user code hands it.
+        output: layout its output is handed to user code in (never P).
+        dtensor_output: the output stays a DTensor (the vocabulary-sharded logits the
+            loss reads under ``loss_parallel``).
+    """
+
+    fqn: str
+    style: TPStyle
+    arrives: Layout
+    output: Layout
+    dtensor_output: bool = False
+
+    @property
+    def needs(self) -> Layout:
+        """The input layout its style computes on."""
+        return STYLE_IO[self.style][0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModuleInput:
+    """A conversion at a submodule's input.
+
+    Attributes:
+        src, dst: layouts before and after.
+        dtensor: hand the submodule a DTensor (its entry leaves are all column-parallel
+            and consume it as is), not a local tensor.
+        leaves: the entry leaves the conversion serves.
+    """
+
+    src: Layout
+    dst: Layout
+    dtensor: bool
+    leaves: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TPLayout:
+    """Every conversion the runtime makes for one plan.
+
+    Attributes:
+        boundary: the layout between units (R, or Q with sequence parallelism).
+        leaves: per leaf FQN, for every leaf that converts something or is sharded.
+        unit_inputs: module FQN of a block -> the layout its input arrives in, for the
+            blocks that convert their input to ``boundary`` on entry.
+        module_inputs: submodule FQN -> the conversion of its first input, moved up
+            from the leaves inside it (see :func:`_hoist`).
+        unit_outputs: per unit module FQN, the layout its output leaves in.
+        loss_parallel: the model's output is vocabulary-sharded.
+    """
+
+    boundary: Layout
+    leaves: dict[str, LeafLayout]
+    unit_inputs: dict[str, Layout]
+    module_inputs: dict[str, ModuleInput]
+    unit_outputs: dict[str, Layout]
+    loss_parallel: bool
+
+
+def check_styles(graph: LayerGraph, styles: dict[str, TPStyle], *, sequence_parallel: bool, tp: int,
+                 module_types: dict[str, str] | None = None) -> None:
+    """Refuse styles for layers the model lacks, that the layer's kind cannot take, or
+    whose split does not divide the layer's features or attention heads (a vocabulary
+    may split unevenly: DTensor shards it in ``torch.chunk`` pieces where Megatron-LM
+    pads it). ``module_types``: FQN -> class name, for the messages."""
+    leaves = {unit.leaf_fqn(leaf.name): leaf for unit in graph.units for leaf in graph.profiles[unit.profile].leaves}
+    for fqn, style in sorted(styles.items()):
+        leaf = leaves.get(fqn)
+        if leaf is None:
+            raise PlanMismatchError(f"the plan gives layer {fqn!r} the style {style.value!r}, but the model has no "
+                                    f"layer with parameters of that name. Make the plan for this model.")
+        if style not in _KIND_STYLES[leaf.kind]:
+            allowed = ", ".join(s.value for s in _KIND_STYLES[leaf.kind])
+            what = (module_types or {}).get(fqn, f"{leaf.kind.value} layer")
+            raise ShardingError(f"the plan gives layer {fqn!r} (a {what}) the tensor-parallel style {style.value!r}, "
+                                f"which it cannot take: column and row split a Linear's matrix, vocab an Embedding's "
+                                f"rows, sequence runs a norm on sequence shards; this layer allows {allowed}. "
+                                f"Use 'replicate' for it.")
+        _check_divides(fqn, leaf, style, tp)
+        if style is TPStyle.SEQUENCE and not sequence_parallel:
+            raise ShardingError(f"the plan gives layer {fqn!r} the style 'sequence' but sequence_parallel is off. "
+                                f"Set sequence_parallel=True or use 'replicate'.")
+
+
+def _check_divides(fqn: str, leaf: Leaf, style: TPStyle, tp: int) -> None:
+    if style is TPStyle.COLUMN:
+        size, heads, what = leaf.out_features, leaf.out_heads, "output features"
+    elif style is TPStyle.ROW:
+        size, heads, what = leaf.in_features, leaf.in_heads, "input features"
+    else:
+        return
+    if leaf.vocab and style is TPStyle.COLUMN:
+        return
+    if size % tp or (heads and heads % tp):
+        detail = f"{size} {what}" + (f" from {heads} attention heads" if heads else "")
+        raise ShardingError(f"the plan splits layer {fqn!r} {style.value}-wise over tp={tp}, but its {detail} do not "
+                            f"divide by {tp}: each rank must hold whole heads and equal slices. Use a tp that "
+                            f"divides them, or 'replicate' for this layer.")
+
+
+def resolve(graph: LayerGraph, styles: dict[str, TPStyle], *, sequence_parallel: bool, tp: int,
+            module_types: dict[str, str] | None = None) -> TPLayout:
+    """The conversions of every leaf and unit (see the module docstring)."""
+    check_styles(graph, styles, sequence_parallel=sequence_parallel, tp=tp, module_types=module_types)
+    boundary = Layout.Q if sequence_parallel else Layout.R
+    loss_parallel = graph.vocab_size > 0
+    leaves: dict[str, LeafLayout] = {}
+    unit_inputs: dict[str, Layout] = {}
+    unit_outputs: dict[str, Layout] = {}
+    module_inputs: dict[str, ModuleInput] = {}
+    previous = Layout.R
+    n = len(graph.units)
+    for index, unit in enumerate(graph.units):
+        arrives = previous
+        if index > 0 and previous is not boundary and _single_module(unit):
+            unit_inputs[unit.modules[0]] = previous
+            arrives = boundary
+        last = index == n - 1
+        out, unit_leaves, hoisted = _resolve_unit(graph, unit, styles, arrives, boundary, last=last,
+                                                  loss_parallel=loss_parallel)
+        leaves.update(unit_leaves)
+        module_inputs.update(hoisted)
+        for m in unit.modules:
+            unit_outputs[m] = out
+        previous = out
+    return TPLayout(boundary=boundary, leaves=leaves, unit_inputs=unit_inputs, module_inputs=module_inputs,
+                    unit_outputs=unit_outputs, loss_parallel=loss_parallel and any(v.dtensor_output for v in leaves.values()))
+
+
+def _single_module(unit: Unit) -> bool:
+    return len(unit.modules) == 1 and unit.prefix == unit.modules[0]
+
+
+def _resolve_unit(graph: LayerGraph, unit: Unit, styles: dict[str, TPStyle], arrives: Layout, boundary: Layout, *,
+                  last: bool, loss_parallel: bool) -> tuple[Layout, dict[str, LeafLayout], dict[str, ModuleInput]]:
+    prof = graph.profiles[unit.profile]
+    names = [unit.leaf_fqn(leaf.name) for leaf in prof.leaves]
+    leaf_styles = [styles.get(name, TPStyle.REPLICATE) for name in names]
+    consumers: dict[int, set[int]] = {}
+    producers: dict[int, set[int]] = {}
+    for flow in prof.flows:
+        consumers.setdefault(flow.src, set()).add(flow.dst)
+        producers.setdefault(flow.dst, set()).add(flow.src)
+
+    out: dict[int, Layout] = {UNIT_INPUT: arrives}
+    dtensor_out: set[int] = set()
+    for i, style in enumerate(leaf_styles):
+        natural = STYLE_IO[style][1]
+        if natural is Layout.P:
+            continue
+        mine = consumers.get(i, set())
+        if last and UNIT_OUTPUT in mine:
+            if natural is Layout.F and loss_parallel:
+                dtensor_out.add(i)
+            elif natural is not Layout.R:
+                natural = Layout.R
+        elif natural is not Layout.R and _gather_at_output(i, mine, producers, leaf_styles):
+            natural = Layout.R
+            if all(leaf_styles[c] is TPStyle.COLUMN for c in mine):
+                dtensor_out.add(i)
+        out[i] = natural
+    for i, style in enumerate(leaf_styles):
+        if STYLE_IO[style][1] is Layout.P:
+            out[i] = _reduce_to(i, names, leaf_styles, consumers, producers, out, boundary, last=last)
+
+    def arrival(dst: int) -> Layout:
+        srcs = sorted(producers.get(dst, {UNIT_INPUT}))
+        if len(srcs) > 1 and UNIT_INPUT in srcs:
+            srcs.remove(UNIT_INPUT)  # leaf outputs decide; see "constants" in the module docstring
+        seen = {out[s] for s in srcs}
+        if len(seen) > 1:
+            where = "the unit's output" if dst == UNIT_OUTPUT else repr(names[dst])
+            detail = ", ".join(f"{_name(s, names, unit)} in {out[s].value}" for s in srcs)
+            raise ShardingError(
+                f"tensors meeting before {where} in unit {unit.fqn!r} arrive in different tensor-parallel layouts "
+                f"({detail}; R replicated, F feature-sharded, Q sequence-sharded): user code cannot combine them. "
+                f"Give the layers that feed the same computation matching styles (e.g. q, k and v all 'column').")
+        return seen.pop()
+
+    arrives_at = {i: arrival(i) for i in range(len(names))}
+    hoisted = _hoist(unit, names, leaf_styles, arrives_at, producers, dtensor_out)
+    for conversion in hoisted.values():
+        for name in conversion.leaves:
+            arrives_at[names.index(name)] = conversion.dst
+    result: dict[str, LeafLayout] = {}
+    for i, style in enumerate(leaf_styles):
+        layout = LeafLayout(fqn=names[i], style=style, arrives=arrives_at[i], output=out[i],
+                            dtensor_output=i in dtensor_out)
+        if style is not TPStyle.REPLICATE or layout.arrives is not Layout.R or layout.output is not Layout.R:
+            result[names[i]] = layout
+    unit_out = arrival(UNIT_OUTPUT)
+    if last and unit_out not in (Layout.R, Layout.F):
+        raise ShardingError(f"the model's output leaves unit {unit.fqn!r} in layout {unit_out.value}; the loss needs "
+                            f"it replicated (or vocabulary-sharded).")
+    return unit_out, result, hoisted
+
+
+def _gather_at_output(i: int, consumers: set[int], producers: dict[int, set[int]], styles: list[TPStyle]) -> bool:
+    """Whether a sharded output is gathered where it is produced: every consumer is a leaf
+    that needs it replicated and reads nothing else. User code between them may read
+    full sizes (transformers' GPT-2 reshapes the final norm's output with the sequence
+    length of the input), so a replicated tensor is the safe thing to hand it. Fed only to
+    column-parallel leaves it stays a DTensor, so their partial input gradients are
+    reduce-scattered once, as Korthikanti et al. 2022 do."""
+    if not consumers or any(c < 0 for c in consumers):
+        return False
+    return all(STYLE_IO[styles[c]][0] is Layout.R and producers.get(c, set()) - {UNIT_INPUT} == {i}
+               for c in consumers)
+
+
+def _hoist(unit: Unit, names: list[str], styles: list[TPStyle], arrives_at: dict[int, Layout],
+           producers: dict[int, set[int]], dtensors: set[int]) -> dict[str, ModuleInput]:
+    """Conversions moved from leaves up to the submodule that holds them.
+
+    User code often reads sizes from a submodule's input (``b, s, _ = x.shape`` in an
+    attention module) before its leaves run, so a sequence-sharded input must be gathered
+    when it enters the attention module, not when it enters ``wq`` (torchtitan's
+    ``PrepareModuleInput`` on ``attention``). The *entry* leaves of a child of the unit
+    are those fed only from outside it; when they all convert alike, the conversion moves
+    to the child's input. When they are all column-parallel, the child receives a
+    replicated DTensor that they consume directly, so the partial input gradients of q,
+    k and v add up first and are reduced once (an all-reduce, or a reduce-scatter with
+    sequence parallelism), as the planner prices it and as Megatron-LM does.
+    """
+    prefix = unit.prefix
+    entries: dict[str, list[int]] = {}
+    for i, name in enumerate(names):
+        if not prefix or not name.startswith(prefix + "."):
+            continue
+        child = prefix + "." + name[len(prefix) + 1:].split(".")[0]
+        if child == name:
+            continue
+        inside = [s for s in producers.get(i, ()) if s >= 0 and names[s].startswith(child + ".")]
+        handed = producers.get(i, set()) - {UNIT_INPUT}
+        if not inside and not (handed and handed <= dtensors):  # a DTensor needs no wrapping
+            entries.setdefault(child, []).append(i)
+    hoisted: dict[str, ModuleInput] = {}
+    for child, leaves in entries.items():
+        arriving = {arrives_at[i] for i in leaves}
+        needed = {STYLE_IO[styles[i]][0] for i in leaves}
+        if len(arriving) != 1 or len(needed) != 1:
+            continue
+        src, dst = arriving.pop(), needed.pop()
+        columns = all(styles[i] is TPStyle.COLUMN for i in leaves)
+        if columns or src is not dst:
+            hoisted[child] = ModuleInput(src=src, dst=dst, dtensor=columns, leaves=tuple(names[i] for i in leaves))
+    return hoisted
+
+
+def _reduce_to(i: int, names: list[str], styles: list[TPStyle], consumers: dict[int, set[int]],
+               producers: dict[int, set[int]], out: dict[int, Layout], boundary: Layout, *, last: bool) -> Layout:
+    """The layout a partial output is reduced to (module docstring, first rule)."""
+    siblings = {out[s] for c in consumers.get(i, ()) for s in producers.get(c, ()) if s != i and s in out}
+    if len(siblings) == 1:
+        return siblings.pop()
+    if len(siblings) > 1:
+        raise ShardingError(f"layer {names[i]!r} (style {styles[i].value!r}) is summed with tensors in several layouts "
+                            f"({', '.join(sorted(s.value for s in siblings))}); give its neighbours matching styles.")
+    needs = set()
+    for c in consumers.get(i, ()):
+        if c == UNIT_OUTPUT:
+            return Layout.R if last else boundary
+        needs.add(STYLE_IO[styles[c]][0])
+    return needs.pop() if len(needs) == 1 else boundary
+
+
+def _name(index: int, names: list[str], unit: Unit) -> str:
+    return f"the input of {unit.fqn!r}" if index == UNIT_INPUT else repr(names[index])

@@ -1,0 +1,102 @@
+"""The device mesh: validate the plan's degrees against the job, then build (pp, dp, tp).
+
+Ranks are laid out row-major over (pp, dp, tp) with tp innermost (Megatron-LM's
+placement, see :class:`autopar.vocab.MeshAxis`), so tensor-parallel groups are
+consecutive ranks and stay inside a node. Validation reads only local facts (the world
+size the launcher set), so a plan for another job size fails identically on every rank
+before any collective runs (torchtitan's ``ParallelDims`` habit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from autopar.plan import Plan
+from autopar.runtime.errors import PlanMismatchError
+from autopar.vocab import MeshAxis
+
+MESH_AXES: tuple[str, str, str] = (MeshAxis.PP.value, MeshAxis.DP.value, MeshAxis.TP.value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeshDims:
+    """Degrees of the three mesh axes."""
+
+    pp: int
+    dp: int
+    tp: int
+
+    @staticmethod
+    def of(plan: Plan) -> "MeshDims":
+        """The degrees a plan asks for."""
+        return MeshDims(pp=plan.config.pp, dp=plan.config.dp, tp=plan.config.tp)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the mesh spans."""
+        return self.pp * self.dp * self.tp
+
+    def shape(self) -> tuple[int, int, int]:
+        """(pp, dp, tp)."""
+        return self.pp, self.dp, self.tp
+
+    def coordinate(self, rank: int) -> tuple[int, int, int]:
+        """(pp, dp, tp) coordinates of a global rank (row-major, tp innermost)."""
+        return rank // (self.dp * self.tp), (rank // self.tp) % self.dp, rank % self.tp
+
+    def rank_at(self, pp: int, dp: int, tp: int) -> int:
+        """The global rank at mesh coordinates (pp, dp, tp)."""
+        return (pp * self.dp + dp) * self.tp + tp
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise PlanMismatchError unless the job has exactly the plan's ranks."""
+        if world_size != self.world_size:
+            raise PlanMismatchError(
+                f"the plan needs pp x dp x tp = {self.pp} x {self.dp} x {self.tp} = {self.world_size} ranks but this "
+                f"job has {world_size}. Launch with {self.world_size} processes (autopar run --nproc-per-node ...), "
+                f"or make a plan for {world_size} devices (autopar plan/estimate).")
+
+
+def build_mesh(dims: MeshDims, device_type: str) -> DeviceMesh:
+    """The (pp, dp, tp) DeviceMesh over the default process group.
+
+    The world size is checked first, so a wrong launch fails before the collectives that
+    ``init_device_mesh`` runs. Every axis is kept even at degree 1 so code can always
+    slice ``mesh["dp"]`` etc. The axes' groups get the default group's timeout: without
+    it ``new_group`` falls back to c10d's 30-minute default, and a rank waiting on a dead
+    peer through the dp or pp group would hang that long.
+    """
+    if not dist.is_initialized():
+        raise PlanMismatchError("no default process group: call torch.distributed.init_process_group (torchrun or "
+                                "autopar run set it up) before autopar.parallelize.")
+    dims.check_world_size(dist.get_world_size())
+    override = _backend_with_timeout(device_type)
+    return init_device_mesh(device_type, dims.shape(), mesh_dim_names=MESH_AXES,
+                            backend_override={axis: override for axis in MESH_AXES} if override else None)
+
+
+def default_timeout(device_type: str = "cpu") -> timedelta | None:
+    """The default process group's collective timeout (None for backends without one)."""
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device(device_type))
+    options = getattr(backend, "options", None)
+    return getattr(options, "_timeout", None)
+
+
+def _backend_with_timeout(device_type: str) -> tuple[str, object] | None:
+    name = dist.get_backend()
+    if name == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+    elif name == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        return None
+    timeout = default_timeout(device_type)
+    if timeout is None:
+        return None
+    options._timeout = timeout
+    return name, options

@@ -1,0 +1,125 @@
+"""Per-step metrics: wall time and peak memory of each rank.
+
+Peak memory means what the planner predicts (``Prediction.memory_bytes_per_device``):
+the bytes of the tensors the framework holds at the step's peak (parameters, gradients,
+optimizer state, activations, communication buffers).
+
+- On CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, the
+  caching allocator's exact count of live tensor bytes.
+- On CPU there is no allocator counter. What was tried on torch 2.13 (docs/runtime.md):
+  ``torch.distributed._tools.mem_tracker.MemTracker`` fails inside a pipelining schedule
+  ("A leaf node was passed to _will_engine_execute_node but we are currently running
+  autograd.grad()"; the schedules run backward through ``autograd.grad``); the profiler's
+  ``profile_memory`` records almost none of the step's allocations on CPU; the process's
+  peak resident set (``VmHWM``) is dominated by interpreter, library and allocator slack
+  (tens of MB for a model of 1 MB). So :class:`TensorBytesMeter` counts tensor storages
+  itself, as MemTracker does: a dispatch mode sees every op's outputs (inside DTensor
+  ops too), adds each new storage's bytes once and subtracts them when a weak reference
+  reports the storage freed; tensors alive at the start of the step (parameters,
+  gradients, optimizer state) are counted from the start. Buffers gloo allocates
+  outside PyTorch are not seen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+from typing import Any, ContextManager, Iterable
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepMetrics:
+    """One training step on one rank.
+
+    Attributes:
+        step: 0 for the first ``job.step`` call.
+        wall_time_s: seconds from the start of the step to the loss being known on
+            every rank (forward, backward, gradient sync; not the optimizer step).
+        loss: the mean loss over the global batch.
+        peak_memory_bytes: peak tensor bytes during the step (see module docstring), or
+            -1 where not measured.
+    """
+
+    step: int
+    wall_time_s: float
+    loss: float
+    peak_memory_bytes: int
+
+
+class MemoryMeter:
+    """Resets and reads a peak-memory counter for one device; ``track`` wraps a step."""
+
+    def __init__(self, device: torch.device, *, enabled: bool = True):
+        self.device = device
+        self.enabled = enabled
+        self._cpu: TensorBytesMeter | None = None
+
+    def track(self, live: Iterable[torch.Tensor]) -> ContextManager[Any]:
+        """A context measuring the peak over one step; ``live`` are the tensors that
+        exist when it starts."""
+        if not self.enabled:
+            return contextlib.nullcontext()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return contextlib.nullcontext()
+        self._cpu = TensorBytesMeter(self.device, live)
+        return self._cpu
+
+    def peak_bytes(self) -> int:
+        """The peak of the last tracked step (-1 where not measured)."""
+        if not self.enabled:
+            return -1
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return self._cpu.peak_bytes if self._cpu is not None else -1
+
+
+class TensorBytesMeter(TorchDispatchMode):
+    """Live tensor-storage bytes on one device, and their peak (module docstring)."""
+
+    def __init__(self, device: torch.device, live: Iterable[torch.Tensor] = ()):
+        super().__init__()
+        self.device = device
+        self._bytes: dict[int, int] = {}
+        self._refs: dict[int, weakref.ref] = {}
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        for t in live:
+            self._track(t)
+
+    def _track(self, t: Any) -> None:
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        if not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor) or t.device.type != self.device.type \
+                or t.is_meta:
+            return  # FakeTensors are DTensor's shape propagation, not memory
+        try:
+            storage = t.untyped_storage()
+            key = storage.data_ptr() or id(storage)
+        except RuntimeError:
+            return  # a wrapper subclass without storage of its own (its inner tensor is counted)
+        if key in self._bytes:
+            return
+        self._bytes[key] = storage.nbytes()
+        self._refs[key] = weakref.ref(storage, lambda _r, k=key: self._free(k))
+        self.current_bytes += self._bytes[key]
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+
+    def _free(self, key: int) -> None:
+        self.current_bytes -= self._bytes.pop(key, 0)
+        self._refs.pop(key, None)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor run; its inner ops on local tensors come back here
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            self._track(t)
+        return out

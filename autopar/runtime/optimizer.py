@@ -1,0 +1,131 @@
+"""The job's optimizer: one inner optimizer per local stage, state sharded for ZeRO-1.
+
+With ``zero_stage == 1`` each data-parallel rank owns a balanced subset of the
+parameters (greedy by element count, the same on every rank), keeps optimizer state
+only for those, steps them, and broadcasts the updated values to the other replicas:
+ZeRO stage 1 (Rajbhandari et al. 2020), as ``ZeroRedundancyOptimizer`` does. It is
+written here rather than wrapping ``ZeroRedundancyOptimizer`` because that class keeps a
+rank-indexed state dict that must be consolidated onto one rank, which
+``torch.distributed.checkpoint`` cannot reshard, and it broadcasts whole parameters,
+which fails on tensor-parallel DTensors. Here each inner optimizer is a plain
+``torch.optim`` optimizer over the owned parameters, so ``get_state_dict`` sees ordinary
+per-FQN state and checkpoints reshard to any plan. With FSDP2 (stages 2, 3) the
+parameters are already sharded DTensors and a plain optimizer over them is sharded too.
+
+Like torchtitan's ``OptimizersContainer``, the container is a ``torch.optim.Optimizer``
+whose ``param_groups`` are the inner optimizers' groups, so learning-rate schedulers work.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from autopar.runtime.errors import JobError
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def partition(params: list[nn.Parameter], dp: int) -> list[int]:
+    """The owning data-parallel rank of each parameter: largest first, each to the rank
+    with the fewest elements so far (ties to the lower rank); deterministic."""
+    owner = [0] * len(params)
+    load = [0] * dp
+    order = sorted(range(len(params)), key=lambda i: (-_local(params[i]).numel(), i))
+    for i in order:
+        r = min(range(dp), key=lambda k: (load[k], k))
+        owner[i] = r
+        load[r] += _local(params[i]).numel()
+    return owner
+
+
+class _Part:
+    """One stage module's parameters, the owned subset and its inner optimizer."""
+
+    def __init__(self, module: nn.Module, params: list[nn.Parameter], owners: list[int], me: int,
+                 make: Callable[[list[nn.Parameter]], Optimizer]):
+        self.module = module
+        self.params = params
+        self.owners = owners
+        owned = [p for p, o in zip(params, owners) if o == me]
+        self.inner: Optimizer | None = make(owned) if owned else None
+
+
+class ShardedOptimizer(Optimizer):
+    """Steps every local stage's parameters; ZeRO-1 when built with a data-parallel group.
+
+    Args:
+        modules: the local stage modules (their trainable parameters are optimised).
+        optimizer_cls: a ``torch.optim`` class.
+        kwargs: its settings (``lr=...``).
+        dp_group: the data-parallel group to shard optimizer state over, or None.
+    """
+
+    def __init__(self, modules: list[nn.Module], optimizer_cls: type[Optimizer], kwargs: dict[str, Any],
+                 dp_group: dist.ProcessGroup | None = None):
+        self._dp_group = dp_group
+        dp = dist.get_world_size(dp_group) if dp_group is not None else 1
+        me = dist.get_rank(dp_group) if dp_group is not None else 0
+        self.parts: list[_Part] = []
+        every: list[nn.Parameter] = []
+        for module in modules:
+            params = [p for p in module.parameters() if p.requires_grad]
+            owners = partition(params, dp) if dp_group is not None else [0] * len(params)
+            self.parts.append(_Part(module, params, owners, me, lambda ps: optimizer_cls(ps, **kwargs)))
+            every.extend(params)
+        if not every:
+            raise JobError("the stage has no trainable parameters to optimise.")
+        Optimizer.__init__(self, every, dict(kwargs))
+        self.param_groups = [g for part in self.parts if part.inner is not None for g in part.inner.param_groups]
+
+    @property
+    def inner(self) -> list[Optimizer | None]:
+        """The inner optimizer of each local stage (None where this rank owns nothing)."""
+        return [part.inner for part in self.parts]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        """Step the owned parameters, then share the updated values (ZeRO-1)."""
+        if closure is not None:
+            raise JobError("closures are not supported: call job.step(batch) for the loss, then opt.step().")
+        for part in self.parts:
+            if part.inner is not None:
+                part.inner.step()
+        if self._dp_group is not None:
+            for part in self.parts:
+                self._broadcast(part)
+
+    def _broadcast(self, part: _Part) -> None:
+        for owner in sorted(set(part.owners)):
+            tensors = [_local(p).data for p, o in zip(part.params, part.owners) if o == owner]
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            dist.broadcast(flat, src=dist.get_global_rank(self._dp_group, owner), group=self._dp_group)
+            offset = 0
+            for t in tensors:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of every local parameter (owned or not)."""
+        for part in self.parts:
+            for p in part.params:
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Refused: use ``job.save_checkpoint``, which reshards."""
+        raise JobError("the job's optimizer state is sharded; save it with job.save_checkpoint(path), which writes "
+                       "every rank's part with torch.distributed.checkpoint.")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Refused: use ``job.load_checkpoint``."""
+        raise JobError("load the job's optimizer state with job.load_checkpoint(path).")

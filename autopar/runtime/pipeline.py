@@ -1,0 +1,119 @@
+"""Pipeline parallelism: cut the model to this rank's stages and run the plan's schedule.
+
+Stage ``i`` of the plan runs on pipeline rank ``i % pp`` (``Plan.stage_of_rank``). A stage
+module is a skeleton copy of the model that shares the kept units (no weights copied) and
+lacks the others: a block is deleted from its ``nn.ModuleDict`` (the others keep their
+names, so parameter FQNs and checkpoint keys are the same on every plan), any other unit
+is set to ``None``, which the model's forward skips. The stages then run with
+``torch.distributed.pipelining``'s ``PipelineStage`` and ``ScheduleGPipe``,
+``Schedule1F1B`` or ``ScheduleInterleaved1F1B`` (Narayanan et al. 2021); only the first
+stage gets inputs and only the last gets targets. With ``pp == 1`` the same machinery
+runs one stage, so micro-batching, gradient scaling by ``1/num_microbatches`` and the
+data-parallel gradient sync of the last micro-batch are shared by every plan.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from autopar.plan import Plan
+from autopar.runtime.errors import PipelineError
+from autopar.vocab import Schedule
+
+SCHEDULES = {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B,
+             Schedule.INTERLEAVED_1F1B: ScheduleInterleaved1F1B}
+
+
+def check_schedule(plan: Plan) -> None:
+    """Refuse micro-batch counts the schedule cannot run (checked before any collective)."""
+    cfg = plan.config
+    m, pp = cfg.num_microbatches, cfg.pp
+    if cfg.schedule is Schedule.ONE_F_ONE_B and pp > 1 and m < pp:
+        raise PipelineError(f"schedule '1f1b' with pp={pp} needs num_microbatches >= pp, got {m}: the pipeline "
+                            f"never fills. Use num_microbatches >= {pp} or schedule 'gpipe'.")
+    if cfg.schedule is Schedule.INTERLEAVED_1F1B:
+        rounds = max(1, m // pp)
+        if m % rounds:
+            raise PipelineError(f"schedule 'interleaved-1f1b' with pp={pp} runs micro-batches in rounds of pp; "
+                                f"num_microbatches={m} is not a multiple of its {rounds} rounds. Use a multiple of {pp}.")
+
+
+def check_cuttable(model: nn.Module, plan: Plan) -> None:
+    """Refuse a pipeline split the model's structure cannot take (before any collective)."""
+    if plan.config.num_stages == 1:
+        return
+    for unit in plan.model.units:
+        parent_name = unit.rpartition(".")[0]
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if isinstance(parent, (nn.ModuleList, nn.Sequential)):
+            raise PipelineError(
+                f"unit {unit!r} sits in a {type(parent).__name__}, which renumbers its children when one is removed, "
+                f"so pipeline stages would rename parameters (and a transformers model's forward cannot skip missing "
+                f"blocks). Hold the blocks in an nn.ModuleDict keyed '0'..'L-1' whose forward skips None parts (as "
+                f"autopar.models do), or use a plan with pp=1.")
+
+
+def cut(model: nn.Module, keep: tuple[str, ...], units: tuple[str, ...]) -> nn.Module:
+    """A stage module holding only the units in ``keep`` (shared with ``model``).
+
+    ``model`` itself is returned when it keeps every unit. Call :func:`check_cuttable` first.
+    """
+    if set(keep) == set(units):
+        return model
+    drop = [u for u in units if u not in keep]
+    memo: dict[int, Any] = {id(model.get_submodule(u)): model.get_submodule(u) for u in keep}
+    for u in drop:  # dropped units are not copied: their slots are emptied right after
+        memo[id(model.get_submodule(u))] = None
+    for p in model.parameters():  # parameters are shared, never copied
+        memo.setdefault(id(p), p)
+    stage = copy.deepcopy(model, memo)
+    for u in drop:
+        parent_name, _, child = u.rpartition(".")
+        parent = stage.get_submodule(parent_name) if parent_name else stage
+        if isinstance(parent, nn.ModuleDict):
+            del parent[child]
+        else:
+            setattr(parent, child, None)
+    return stage
+
+
+def tensor_outputs(stage: nn.Module) -> None:
+    """Make ``stage`` return tensors only: pipelining moves tensors between stages and
+    into the loss, so a structured output (transformers' ``ModelOutput``, a dict) is
+    reduced to its ``logits``, or to its only tensor."""
+    stage.register_forward_hook(_to_tensors)
+
+
+def _to_tensors(_module: nn.Module, _args: Any, output: Any) -> Any:
+    if isinstance(output, torch.Tensor) or (isinstance(output, (tuple, list)) and all(
+            isinstance(o, torch.Tensor) for o in output)):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    values = list(output.values()) if isinstance(output, dict) else []
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if len(tensors) == 1:
+        return tensors[0]
+    raise PipelineError(f"the model returned a {type(output).__name__}, which pipeline stages cannot pass on: return "
+                        f"a tensor or a tuple of tensors (or an output with a 'logits' tensor).")
+
+
+def build_stages(modules: list[nn.Module], indices: tuple[int, ...], plan: Plan, device: torch.device,
+                 group: Any) -> list[PipelineStage]:
+    """One ``PipelineStage`` per local stage module."""
+    return [PipelineStage(m, i, plan.config.num_stages, device, group=group) for m, i in zip(modules, indices)]
+
+
+def build_schedule(stages: list[PipelineStage], plan: Plan, loss_fn: Callable[..., torch.Tensor]) -> Any:
+    """The plan's schedule over this rank's stages (``ScheduleGPipe`` when ``pp == 1``)."""
+    cfg = plan.config
+    kind = cfg.schedule if cfg.pp > 1 else Schedule.GPIPE
+    cls = SCHEDULES[kind]
+    target = stages if kind is Schedule.INTERLEAVED_1F1B else stages[0]
+    return cls(target, n_microbatches=cfg.num_microbatches, loss_fn=loss_fn, scale_grads=True)

@@ -1,0 +1,142 @@
+"""Tensor parallelism: the plan's per-leaf styles applied with DTensor.
+
+Each leaf gets PyTorch's own style (``ColwiseParallel``, ``RowwiseParallel``,
+``SequenceParallel``, ``torch.distributed.tensor.parallel``) with the input and output
+layouts :mod:`autopar.runtime.layouts` derived from the planner's data-flow graph;
+replicated leaves and blocks whose input arrives in another layout get a small hook that
+converts through DTensor, so every conversion has its correct backward (a slice's is an
+all-gather, a gather's a slice). Leaves of other libraries (transformers' ``Conv1D``)
+get styles from :mod:`autopar.runtime.hf`.
+
+Layouts map to placements as in Megatron-LM: R -> ``Replicate()``, F -> ``Shard(-1)``
+(features, so attention keeps whole heads), Q -> ``Shard(1)`` (the sequence dim of a
+``(batch, seq, ...)`` activation, Korthikanti et al. 2022).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.distributed.tensor.parallel.style import ParallelStyle
+from torch.distributed.tensor.placement_types import Placement
+
+from autopar.cost.tensor_parallel import Layout
+from autopar.runtime import hf
+from autopar.runtime.errors import ShardingError
+from autopar.runtime.layouts import LeafLayout, TPLayout
+from autopar.runtime.tied import retie
+from autopar.vocab import TPStyle
+
+
+def placement(layout: Layout) -> Placement:
+    """The DTensor placement of a (non-partial) layout."""
+    if layout is Layout.R:
+        return Replicate()
+    if layout is Layout.F:
+        return Shard(-1)
+    if layout is Layout.Q:
+        return Shard(1)
+    raise ShardingError(f"layout {layout.value} has no placement the runtime hands to user code.")
+
+
+def convert(x: torch.Tensor, mesh: DeviceMesh, src: Layout, dst: Layout, *, dtensor: bool = False) -> torch.Tensor:
+    """A local tensor in layout ``src`` as a local tensor in ``dst`` (differentiable), or
+    as a DTensor when ``dtensor``."""
+    if src is dst and not dtensor:
+        return x
+    if src is Layout.Q and x.dim() < 3:
+        raise ShardingError(f"sequence parallelism shards dim 1 of (batch, seq, ...) activations, but a "
+                            f"{x.dim()}-D tensor of shape {tuple(x.shape)} arrived; use sequence_parallel=False.")
+    out = DTensor.from_local(x, mesh, [placement(src)], run_check=False).redistribute(mesh, [placement(dst)])
+    return out if dtensor else out.to_local()
+
+
+def apply_tensor_parallel(stage: nn.Module, layout: TPLayout, mesh: DeviceMesh, tied: tuple[tuple[str, ...], ...]) -> None:
+    """Shard ``stage``'s leaves in place (only leaves and blocks present on the stage).
+
+    ``tied`` lists the names of each parameter shared by several leaves; styles replace
+    parameters one leaf at a time, so a tie is restored afterwards wherever its copies
+    ended up sharded alike (a vocabulary-parallel embedding and a column-parallel head
+    both split the vocabulary rows). Where they differ the copies stay separate and
+    :class:`autopar.runtime.tied.TiedGradSync` sums their gradients.
+    """
+    modules = dict(stage.named_modules())
+    for fqn, arrives in layout.unit_inputs.items():
+        if fqn in modules:
+            modules[fqn].register_forward_pre_hook(_input_converter(mesh, arrives, layout.boundary), with_kwargs=True)
+    for fqn, conversion in layout.module_inputs.items():
+        if fqn in modules:
+            modules[fqn].register_forward_pre_hook(
+                _input_converter(mesh, conversion.src, conversion.dst, dtensor=conversion.dtensor), with_kwargs=True)
+    for fqn, leaf in layout.leaves.items():
+        module = modules.get(fqn)
+        if module is None:
+            continue
+        for style in styles_for(module, leaf, modules.get(fqn.rpartition(".")[0])):
+            parallelize_module(module, mesh, style)
+    for names in tied:
+        retie(stage, names)
+
+
+def styles_for(module: nn.Module, leaf: LeafLayout, parent: nn.Module | None = None) -> list[ParallelStyle]:
+    """The styles (applied in order) that run ``module`` (child of ``parent``) as ``leaf`` says."""
+    special = hf.styles_for(module, leaf, parent)
+    if special is not None:
+        return special
+    style = leaf.style
+    if style is TPStyle.COLUMN and isinstance(module, nn.Linear):
+        return [ColwiseParallel(input_layouts=placement(leaf.arrives), output_layouts=placement(leaf.output),
+                                use_local_output=not leaf.dtensor_output)]
+    if style is TPStyle.ROW and isinstance(module, nn.Linear):
+        return [RowwiseParallel(input_layouts=placement(leaf.arrives), output_layouts=placement(leaf.output))]
+    if style is TPStyle.VOCAB and isinstance(module, nn.Embedding):
+        if leaf.arrives is not Layout.R:
+            raise ShardingError(f"embedding {leaf.fqn!r} takes token ids, which must arrive replicated, not in "
+                                f"layout {leaf.arrives.value}.")
+        return [RowwiseParallel(input_layouts=Replicate(), output_layouts=placement(leaf.output))]
+    if style is TPStyle.SEQUENCE:
+        return _around(SequenceParallel(use_local_output=True), Layout.Q, leaf)
+    if style is TPStyle.REPLICATE:
+        return _around(None, Layout.R, leaf)
+    raise ShardingError(f"layer {leaf.fqn!r} is a {type(module).__name__}, which cannot take the tensor-parallel "
+                        f"style {style.value!r}: column and row need nn.Linear (or transformers' Conv1D), vocab needs "
+                        f"nn.Embedding. Use 'replicate' for it.")
+
+
+def _around(style: ParallelStyle | None, computes_in: Layout, leaf: LeafLayout) -> list[ParallelStyle]:
+    before = [_Convert(leaf.arrives, computes_in, output=False)] if leaf.arrives is not computes_in else []
+    after = [_Convert(computes_in, leaf.output, output=True, dtensor=leaf.dtensor_output)] \
+        if leaf.output is not computes_in or leaf.dtensor_output else []
+    return before + ([style] if style is not None else []) + after
+
+
+class _Convert(ParallelStyle):
+    """Convert a leaf's (first) input or its output between two layouts."""
+
+    def __init__(self, src: Layout, dst: Layout, *, output: bool, dtensor: bool = False):
+        super().__init__()
+        self.src, self.dst, self.output, self.dtensor = src, dst, output, dtensor
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.output:
+            module.register_forward_hook(
+                lambda _m, _a, out: convert(out, device_mesh, self.src, self.dst, dtensor=self.dtensor))
+        else:
+            module.register_forward_pre_hook(_input_converter(device_mesh, self.src, self.dst), with_kwargs=True)
+        return module
+
+
+def _input_converter(mesh: DeviceMesh, src: Layout, dst: Layout, *, dtensor: bool = False) -> Callable[..., Any]:
+    def hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args and isinstance(args[0], torch.Tensor):
+            return (convert(args[0], mesh, src, dst, dtensor=dtensor), *args[1:]), kwargs
+        if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+            return args, {**kwargs, "hidden_states": convert(kwargs["hidden_states"], mesh, src, dst, dtensor=dtensor)}
+        raise ShardingError(f"{type(_module).__name__} got neither a positional tensor nor hidden_states= to convert "
+                            f"from layout {src.value} to {dst.value}.")
+    return hook

@@ -1,0 +1,40 @@
+"""A training script as a user writes it, for the launcher tests:
+``autopar run --plan plan.json --nproc-per-node 2 train_gpt.py OUT [fail]``."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch.distributed as dist  # noqa: E402
+
+import autopar.runtime.launch as launch  # noqa: E402
+from autopar.runtime.api import parallelize  # noqa: E402
+from parity import LR, batches, build, token_loss  # noqa: E402
+
+
+@record
+def main() -> None:
+    out, fail = sys.argv[1], sys.argv[2:] == ["fail"]
+    launch.init_distributed()
+    plan = launch.plan_from_env()
+    job = parallelize(build("gpt"), plan, loss_fn=token_loss)
+    opt = job.optimizer(torch.optim.SGD, lr=LR)
+    losses = []
+    for step, batch in enumerate(job.shard(batches("gpt", 3, plan.config.global_batch_size))):
+        if fail and step == 1 and dist.get_rank() == 1:
+            raise RuntimeError("rank 1 fails on purpose")
+        losses.append(job.step(batch))
+        opt.step()
+        opt.zero_grad()
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(losses))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""ZeRO stages, schedules, recomputation, global-norm clipping and mixed precision,
+each against the single-process reference (tolerances in parity.py)."""
+
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autopar.runtime.api import parallelize
+from parity import assert_parity, batches, build, make_plan, megatron_styles, reference, run, token_loss, train
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_zero_stages(zero):
+    """dp=2 with SGD momentum (so there is optimizer state to shard)."""
+    plan = make_plan("gpt", dp=2, zero_stage=zero)
+    results = run(train, 2, "gpt", plan, 5, None, None, None, 0.9)
+    assert_parity(results, reference("gpt", plan, momentum=0.9))
+    total = sum(p.numel() for p in build("gpt").parameters())
+    state = [r.extra["optimizer_state_numel"] for r in results]
+    if zero == 0:
+        assert state == [total, total]                     # every replica keeps all momentum buffers
+    else:
+        assert sum(state) == total and max(state) < total  # each rank keeps its share only
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b"])
+def test_schedules(schedule):
+    v = 2 if schedule == "interleaved-1f1b" else 1
+    plan = make_plan("gpt", pp=2, schedule=schedule, virtual_stages=v, num_microbatches=4)
+    assert_parity(run(train, 2, "gpt", plan), reference("gpt", plan))
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func._opname] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _count_recompute(rank, world, plan):
+    job = parallelize(build("gpt"), plan, loss_fn=token_loss)
+    calls = Counter()
+    for stage in job.stages:
+        for name in ("layers.0", "layers.1", "layers.2"):
+            block = stage.get_submodule(name)
+            block = getattr(block, "_checkpoint_wrapped_module", block)  # count the wrapped block's own runs
+            block.register_forward_pre_hook(lambda m, a, n=name: calls.update([n]))
+    counts = None
+    for batch in job.shard(batches("gpt", 2, plan.config.global_batch_size)):
+        calls.clear()
+        # early stop would end a rerun once backward has what it needs (not w2's output)
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False), _CountOps() as mode:
+            job.step(batch)
+        counts = mode.counts
+    return dict(calls), counts["mm"] + counts["addmm"], counts["_scaled_dot_product_flash_attention_for_cpu"]
+
+
+def test_recompute_per_block():
+    """layers.0 recomputes fully, layers.1 selectively (attention core only), the rest
+    not at all: results equal the reference, the recomputing blocks' forwards run twice
+    per micro-batch, selective recompute reruns attention but no matmul, full reruns both."""
+    per_block = {"layers.0": "full", "layers.1": "selective"}
+    plan = make_plan("gpt", pp=2, recompute=per_block)
+    assert_parity(run(train, 2, "gpt", plan), reference("gpt", plan))
+    none = make_plan("gpt", num_microbatches=2)
+    mixed = make_plan("gpt", num_microbatches=2, recompute=per_block)
+    (_, mm0, sdpa0), = run(_count_recompute, 1, none)
+    (calls, mm1, sdpa1), = run(_count_recompute, 1, mixed)
+    m = 2
+    with _CountOps() as mode:  # the matmuls of one block forward on one micro-batch
+        build("gpt").layers["0"](torch.zeros(mixed.config.micro_batch_size, 16, 32))
+    block_mm = mode.counts["mm"] + mode.counts["addmm"]
+    assert calls == {"layers.0": 2 * m, "layers.1": 2 * m, "layers.2": m}
+    assert sdpa1 - sdpa0 == 2 * m                     # layers.0 and layers.1 rerun attention
+    assert mm1 - mm0 == block_mm * m                  # only layers.0 reruns its linears
+
+
+def test_global_norm_clipping_across_all_axes():
+    """2x2x2 mesh (FSDP2 ZeRO-3, Megatron TP with SP, interleaved 1F1B, tied embedding
+    and head on different pipeline ranks) with clipping active every step: the norm
+    each rank computes equals the single process's clip_grad_norm_, so do the updates."""
+    plan = make_plan("gpt", dp=2, tp=2, pp=2, zero_stage=3, schedule="interleaved-1f1b", virtual_stages=2,
+                     sequence_parallel=True, styles=megatron_styles("gpt", sequence_parallel=True))
+    ref = reference("gpt", plan, clip=0.05)
+    assert all(n > 0.05 for n in ref.grad_norms)  # clipping is active
+    assert_parity(run(train, 8, "gpt", plan, 5, 0.05, timeout_s=120), ref)
+
+
+BF16_RTOL = 2e-2
+"""bf16 keeps 8 bits of mantissa (relative precision 2^-8 = 3.9e-3 per rounding); the
+losses of a few steps accumulate several roundings per matmul, so 2e-2 relative."""
+
+
+@pytest.mark.parametrize("zero,tp", [(0, 1), (2, 2)])
+def test_bf16_mixed_precision_smoke(zero, tp):
+    """bf16 compute with fp32 master weights: autocast with DDP (zero 0), FSDP2's
+    MixedPrecisionPolicy with TP (zero 2); losses track the fp32 reference within bf16
+    precision, and parameters stay fp32."""
+    styles = megatron_styles("gpt") if tp > 1 else None
+    plan = make_plan("gpt", dp=2, tp=tp, zero_stage=zero, dtype="bf16", styles=styles)
+    results = run(train, 2 * tp, "gpt", plan, 3)
+    ref = reference("gpt", plan, steps=3)
+    for res in results:
+        torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(ref.losses), rtol=BF16_RTOL, atol=0)
+        assert res.extra["dtypes"] == {"torch.float32"}
+        assert res.losses != ref.losses  # bf16 really ran: an fp32 run would match to ~1e-7

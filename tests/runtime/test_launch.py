@@ -1,0 +1,120 @@
+"""The launcher: ``autopar run`` through torchrun (real processes, env-var rendezvous)
+and ``autopar dry-run`` of plans for 64 ranks on this machine."""
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import autopar
+from autopar.models import build_named_model
+from autopar.runtime.dry_run import dry_run
+from autopar.runtime.launch import add_dry_run_parser, add_run_parser
+from parity import LOSS_ATOL, make_plan, reference
+
+SCRIPT = Path(__file__).parent / "scripts" / "train_gpt.py"
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess:
+    """Run the two sub-commands as the lead's cli.py will: a parser with both registered."""
+    code = ("import argparse, sys; from autopar.runtime.launch import add_run_parser, add_dry_run_parser; "
+            "p = argparse.ArgumentParser(prog='autopar'); s = p.add_subparsers(required=True); "
+            "add_run_parser(s); add_dry_run_parser(s); a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))")
+    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_autopar_run_trains_under_torchrun(tmp_path):
+    plan = make_plan("gpt", dp=2)
+    plan.save(tmp_path / "plan.json")
+    out = tmp_path / "losses.json"
+    done = _cli("run", "--plan", str(tmp_path / "plan.json"), "--nproc-per-node", "2", str(SCRIPT), str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = json.loads(out.read_text())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference("gpt", plan, steps=3).losses),
+                               rtol=0, atol=LOSS_ATOL)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_autopar_run_names_the_failed_rank(tmp_path):
+    plan = make_plan("gpt", dp=2)
+    plan.save(tmp_path / "plan.json")
+    start = time.monotonic()
+    done = _cli("run", "--plan", str(tmp_path / "plan.json"), "--nproc-per-node", "2", "--pg-timeout-s", "20",
+                str(SCRIPT), str(tmp_path / "losses.json"), "fail")
+    assert done.returncode == 1
+    assert "rank 1 (local rank 1) failed with exit code 1: RuntimeError: rank 1 fails on purpose" in done.stderr
+    assert time.monotonic() - start < 90
+
+
+def test_autopar_run_refuses_another_world_size(tmp_path):
+    make_plan("gpt", dp=2, tp=2).save(tmp_path / "plan.json")
+    done = _cli("run", "--plan", str(tmp_path / "plan.json"), "--nproc-per-node", "2", str(SCRIPT), "x")
+    assert done.returncode == 2
+    assert "PlanMismatchError" in done.stderr and "= 4 processes" in done.stderr
+
+
+def test_parsers_register_their_commands():
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    add_run_parser(sub)
+    add_dry_run_parser(sub)
+    args = parser.parse_args(["run", "--plan", "p.json", "--nproc-per-node", "8", "--nnodes", "2",
+                              "--rdzv-endpoint", "node0:29400", "train.py", "--lr", "3e-4"])
+    assert args.script == "train.py" and args.script_args == ["--lr", "3e-4"] and args.nnodes == 2
+    args = parser.parse_args(["dry-run", "--plan", "p.json", "--model", "gpt3-175b"])
+    assert args.model == "gpt3-175b"
+
+
+def _big_plan(**config):
+    cluster = autopar.Cluster.preset("dgx-a100-80gb", nodes=8)
+    base = {"micro_batch_size": 1, "num_microbatches": 16, "sequence_parallel": True}
+    return autopar.estimate(build_named_model("gpt3-175b"), cluster, {**base, **config}, global_batch_size=16,
+                            seq_len=2048)
+
+
+def _expected_param_bytes(model, plan, pipeline_rank):
+    """fp32 bytes a rank of ``pipeline_rank`` holds, from the plan's styles alone: column
+    splits a weight and its bias, row a weight (its bias stays whole), vocab an
+    embedding's rows; everything else is replicated on the tensor-parallel ranks."""
+    tp, styles, total = plan.config.tp, plan.layer_strategies.tp, 0
+    for index in plan.stage_of_rank(pipeline_rank):
+        for unit in plan.stages[index]:
+            for name, p in model.get_submodule(unit).named_parameters():
+                leaf = f"{unit}.{name}".rsplit(".", 1)[0]
+                style = styles.get(leaf, autopar.TPStyle.REPLICATE)
+                split = style in (autopar.TPStyle.COLUMN, autopar.TPStyle.VOCAB) or (
+                    style is autopar.TPStyle.ROW and name.endswith("weight"))
+                total += 4 * (p.numel() // tp if split else p.numel())
+    return total
+
+
+def test_dry_run_of_gpt3_175b_on_64_ranks():
+    """tp=8 x pp=8 with ZeRO-1 (parameters not sharded over dp): what each pipeline
+    rank's first rank holds, measured on the DTensor shards parallelize made, equals
+    what the plan's styles imply."""
+    plan = _big_plan(dp=1, tp=8, pp=8, zero_stage=1)
+    start = time.monotonic()
+    report = dry_run(lambda: build_named_model("gpt3-175b"), plan)
+    assert time.monotonic() - start < 60
+    assert report.ok, report.problems
+    assert [r.coordinate for r in report.ranks] == [(p, 0, 0) for p in range(8)]
+    model = build_named_model("gpt3-175b")
+    assert [r.param_bytes for r in report.ranks] == [_expected_param_bytes(model, plan, p) for p in range(8)]
+    assert all(r.predicted_param_bytes > 0 for r in report.ranks)
+
+
+def test_dry_run_reports_a_plan_for_another_model(tmp_path):
+    plan = _big_plan(dp=1, tp=8, pp=8, zero_stage=1)
+    plan.save(tmp_path / "plan.json")
+    done = _cli("dry-run", "--plan", str(tmp_path / "plan.json"), "--model", "gpt3-13b")
+    assert done.returncode == 1
+    assert "units of the model in no stage" in done.stdout or "stages name units" in done.stdout
+    assert "PlanMismatchError: the plan was made for another model" in done.stdout

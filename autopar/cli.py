@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from autopar.errors import AutoparError, ConfigError
+from autopar.runtime.launch import add_dry_run_parser, add_run_parser
 from profiler.cli import add_profile_parser
 from profiler.doctor import add_doctor_parser
 
@@ -193,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("models", help="list registered models").set_defaults(func=cmd_models)
     add_profile_parser(sub)
     add_doctor_parser(sub)
+    add_run_parser(sub)
+    add_dry_run_parser(sub)
     return parser
 
 

@@ -122,6 +122,10 @@ def _dgx(name: str, device: DeviceSpec, intra: LinkSpec, inter: LinkSpec) -> Cal
     return build
 
 
+_PROCESS_BYTES = 512 * MIB
+"""A Python process with torch and gloo loaded holds ~300-400 MiB outside any tensor."""
+
+
 def local_cpu_device(devices_per_node: int) -> DeviceSpec:
     """One CPU process of this machine: memory is the machine's RAM split over the processes.
 
@@ -134,16 +138,17 @@ def local_cpu_device(devices_per_node: int) -> DeviceSpec:
         ram = 16 * GIB
     return DeviceSpec(
         name="cpu-process",
-        memory_bytes=float(ram) / devices_per_node,
+        memory_bytes=float(ram) / devices_per_node - _PROCESS_BYTES,
         peak_flops={DType.FP32: 60e9, DType.BF16: 30e9},
         memory_bandwidth_bytes_per_s=10e9,
         matmul_efficiency=1.0,
         memory_efficiency=1.0,
-        reserved_bytes=64 * MIB,
+        reserved_bytes=0.0,
         preferred_dtype=DType.FP32,
         source="nominal: ~60 GFLOP/s fp32 per core (oneDNN/MKL SGEMM on one AVX-512 core), bf16 half of that "
-               "without AMX; ~10 GB/s per core; memory = physical RAM / processes, 64 MiB reserved for gloo "
-               "buffers (peak memory is measured above the process's baseline after importing torch). Measure with "
+               "without AMX; ~10 GB/s per core; memory = physical RAM / processes less 512 MiB for the "
+               "interpreter and libraries, so memory per device counts tensor allocations only (what the "
+               "runtime measures). Measure with "
                "'autopar profile device' for real numbers.",
     )
 

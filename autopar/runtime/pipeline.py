@@ -111,9 +111,12 @@ def build_stages(modules: list[nn.Module], indices: tuple[int, ...], plan: Plan,
 
 
 def build_schedule(stages: list[PipelineStage], plan: Plan, loss_fn: Callable[..., torch.Tensor]) -> Any:
-    """The plan's schedule over this rank's stages (``ScheduleGPipe`` when ``pp == 1``)."""
+    """The plan's schedule over this rank's stages. Without pipelining (``pp == 1``)
+    it is 1F1B over one stage: each micro-batch's backward runs before the next forward,
+    plain gradient accumulation with one micro-batch of activations alive, as the
+    planner's memory model assumes (GPipe would keep all of them)."""
     cfg = plan.config
-    kind = cfg.schedule if cfg.pp > 1 else Schedule.GPIPE
+    kind = cfg.schedule if cfg.pp > 1 else Schedule.ONE_F_ONE_B
     cls = SCHEDULES[kind]
     target = stages if kind is Schedule.INTERLEAVED_1F1B else stages[0]
     return cls(target, n_microbatches=cfg.num_microbatches, loss_fn=loss_fn, scale_grads=True)

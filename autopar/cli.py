@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from autopar.errors import AutoparError, ConfigError
+from autopar.demo import add_demo_parser
 from autopar.runtime.launch import add_dry_run_parser, add_run_parser
 from profiler.cli import add_profile_parser
 from profiler.doctor import add_doctor_parser
@@ -196,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_doctor_parser(sub)
     add_run_parser(sub)
     add_dry_run_parser(sub)
+    add_demo_parser(sub)
     return parser
 
 

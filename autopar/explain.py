@@ -15,7 +15,7 @@ def explain_plan(plan: Plan, *, top: int = 5) -> str:
     c, p, m, cl = plan.config, plan.prediction, plan.model, plan.cluster
     b = p.breakdown
     lines = [
-        f"autopar plan: {m.name} ({m.num_params / 1e9:.2f}B parameters) on {cl.describe()}",
+        f"autopar plan: {m.name} ({count(m.num_params)} parameters) on {cl.describe()}",
         f"  batch {m.global_batch_size} x {m.seq_len} tokens, {c.dtype.value}, {plan.settings.optimizer.value} "
         f"optimizer, {plan.settings.attention.value} attention",
         "",
@@ -23,9 +23,9 @@ def explain_plan(plan: Plan, *, top: int = 5) -> str:
         f"{c.num_microbatches} per step, {_schedule(plan)}, ZeRO-{c.zero_stage}, {_recompute(plan)}"
         f"{', sequence parallel' if c.sequence_parallel else ''}",
         f"Predicted      step {p.step_time_s:.3g} s | {p.samples_per_s:,.1f} samples/s | {p.tokens_per_s:,.0f} tokens/s | "
-        f"{p.tflops_per_device:.1f} TFLOP/s per device | MFU {100 * p.mfu:.1f}% (HFU {100 * p.hfu:.1f}%)",
-        f"Memory         {p.memory_bytes_per_device / GIB:.1f} GiB peak per device of "
-        f"{p.memory_capacity_bytes / GIB:.1f} GiB ({'fits' if p.fits else 'DOES NOT FIT'}); {_worst_memory(plan)}",
+        f"{rate(p.tflops_per_device * 1e12)} per device | MFU {100 * p.mfu:.1f}% (HFU {100 * p.hfu:.1f}%)",
+        f"Memory         {size(p.memory_bytes_per_device)} peak per device of "
+        f"{size(p.memory_capacity_bytes)} ({'fits' if p.fits else 'DOES NOT FIT'}); {_worst_memory(plan)}",
         f"Step time      {_breakdown(p.step_time_s, b)}",
         "",
         "Stages (pipeline rank: units | forward / backward per micro-batch | peak memory)",
@@ -35,7 +35,7 @@ def explain_plan(plan: Plan, *, top: int = 5) -> str:
         if len(p.stages) > 8 and s is p.stages[-3]:
             lines.append(f"  ... {len(p.stages) - 7} more stages ...")
         lines.append(f"  {s.index:>3} (rank {s.pipeline_rank}): {compact(s.units)} | {1e3 * s.forward_s:.3g} ms / "
-                     f"{1e3 * s.backward_s:.3g} ms | {s.memory.total_bytes / GIB:.1f} GiB")
+                     f"{1e3 * s.backward_s:.3g} ms | {size(s.memory.total_bytes)}")
     tp = _tp_summary(plan)
     if tp:
         lines += ["", f"Tensor parallelism (tp={c.tp})", *[f"  {line}" for line in tp]]
@@ -47,7 +47,7 @@ def explain_plan(plan: Plan, *, top: int = 5) -> str:
         lines.append("  runners-up:")
         for a in runners:
             lines.append(f"    {a.config.short():<78} {a.step_time_s:.3g} s  +{100 * a.slower_by:.1f}%  "
-                         f"{a.memory_bytes_per_device / GIB:.1f} GiB")
+                         f"{size(a.memory_bytes_per_device)}")
     if oom:
         lines.append("  rejected (out of memory):")
         for a in oom:
@@ -88,7 +88,26 @@ def _worst_memory(plan: Plan) -> str:
     mb = s.memory
     parts = [("params", mb.params_bytes), ("grads", mb.grads_bytes), ("optimizer", mb.optimizer_bytes),
              ("activations", mb.activations_bytes), ("transient", mb.transient_bytes), ("reserve", mb.reserve_bytes)]
-    return f"stage {s.index}: " + " | ".join(f"{n} {v / GIB:.1f}" for n, v in parts)
+    unit = GIB if mb.total_bytes >= GIB else 2**20
+    return f"stage {s.index} ({'GiB' if unit == GIB else 'MiB'}): " + " | ".join(f"{n} {v / unit:.1f}" for n, v in parts)
+
+
+def size(nbytes: float) -> str:
+    """Bytes in GiB, or MiB below one GiB."""
+    return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
+
+
+def count(n: float) -> str:
+    """A parameter count: 174.62B, 124.4M, 830.2K."""
+    for div, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.2f}{suffix}" if suffix == "B" else f"{n / div:.1f}{suffix}"
+    return str(int(n))
+
+
+def rate(flops_per_s: float) -> str:
+    """FLOP/s in TFLOP/s, or GFLOP/s below one TFLOP/s."""
+    return f"{flops_per_s / 1e12:.1f} TFLOP/s" if flops_per_s >= 1e12 else f"{flops_per_s / 1e9:.1f} GFLOP/s"
 
 
 def compact(names: tuple[str, ...] | list[str]) -> str:

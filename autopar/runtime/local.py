@@ -79,7 +79,7 @@ def _worker(rank: int, world: int, build: Callable[[], nn.Module], plan: Plan, b
         dist.barrier()
         if i >= warmup:
             times.append(time.perf_counter() - start)
-    peak = max((m.peak_memory_bytes for m in job.metrics), default=0) if measure_memory else 0
+    peak = job.metrics[-1].peak_memory_bytes if measure_memory else 0  # the steady state: the last step
     return {"times": times, "losses": losses, "peak": peak}
 
 
@@ -89,14 +89,16 @@ def run_locally(build: Callable[[], nn.Module], plan: Plan, batch_fn: BatchFn, *
     """Train ``plan`` for ``steps`` steps on ``plan.config.world_size`` local processes.
 
     ``build`` makes the model on every rank (seeded identically). With
-    ``measure_memory`` a second, two-step run records each rank's peak allocation.
+    ``measure_memory`` a second, three-step run records each rank's peak allocation in
+    its last step (the first steps also allocate optimizer state and communication
+    buckets once).
     """
     world = plan.config.world_size
     settings = settings or SPMDSettings(timeout_s=600)
     timed = run_spmd(_worker, world, build, plan, batch_fn, loss_fn, steps, warmup, False, lr, settings=settings)
     peaks: tuple[int, ...] = ()
     if measure_memory:
-        metered = run_spmd(_worker, world, build, plan, batch_fn, loss_fn, 2, 0, True, lr, settings=settings)
+        metered = run_spmd(_worker, world, build, plan, batch_fn, loss_fn, 3, 0, True, lr, settings=settings)
         peaks = tuple(r["peak"] for r in metered)
     step_times = tuple(max(r["times"][i] for r in timed) for i in range(len(timed[0]["times"])))
     return LocalRun(step_times_s=step_times, losses=tuple(timed[0]["losses"]), peak_memory_bytes=peaks)

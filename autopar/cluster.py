@@ -37,6 +37,9 @@ class DeviceSpec:
         reserved_bytes: memory the framework cannot use for the model: runtime context,
             communication buffers, allocator fragmentation.
         fragmentation: fraction of the allocated bytes lost to allocator fragmentation.
+        op_overhead_s: framework time per dispatched op (eager dispatch, autograd).
+        tp_overhead_s: extra framework time per forward of a tensor-parallel leaf
+            (DTensor dispatch).
         preferred_dtype: the precision plans use unless told otherwise.
         matmul_curves: measured achieved FLOP/s against matmul size (FLOPs of one call)
             per precision, from a profiler report; when present the cost model
@@ -52,6 +55,8 @@ class DeviceSpec:
     memory_efficiency: float = 0.8
     reserved_bytes: float = 0.0
     fragmentation: float = 0.0
+    op_overhead_s: float = 0.0
+    tp_overhead_s: float = 0.0
     preferred_dtype: DType = DType.BF16
     matmul_curves: Mapping[DType, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     source: str = ""
@@ -68,6 +73,11 @@ class DeviceSpec:
             raise ClusterError(f"device {self.name!r} fragmentation={self.fragmentation!r} is not allowed: it must be in "
                                f"[0, 1).")
         object.__setattr__(self, "fragmentation", float(self.fragmentation))
+        for attr in ("op_overhead_s", "tp_overhead_s"):
+            value = getattr(self, attr)
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 <= value < 1):
+                raise ClusterError(f"device {self.name!r} {attr}={value!r} is not allowed: it must be seconds in [0, 1).")
+            object.__setattr__(self, attr, float(value))
         for eff_name in ("matmul_efficiency", "memory_efficiency"):
             eff = getattr(self, eff_name)
             if not (isinstance(eff, (int, float)) and 0 < eff <= 1):
@@ -191,6 +201,8 @@ class Cluster:
                 "memory_efficiency": dev.memory_efficiency,
                 "reserved_bytes": dev.reserved_bytes,
                 "fragmentation": dev.fragmentation,
+                "op_overhead_s": dev.op_overhead_s,
+                "tp_overhead_s": dev.tp_overhead_s,
                 "preferred_dtype": dev.preferred_dtype.value,
                 "matmul_curves": {k.value: [list(p) for p in v] for k, v in dev.matmul_curves.items()},
                 "source": dev.source,
@@ -213,6 +225,8 @@ class Cluster:
                 memory_efficiency=dev.get("memory_efficiency", 0.8),
                 reserved_bytes=dev.get("reserved_bytes", 0.0),
                 fragmentation=dev.get("fragmentation", 0.0),
+                op_overhead_s=dev.get("op_overhead_s", 0.0),
+                tp_overhead_s=dev.get("tp_overhead_s", 0.0),
                 preferred_dtype=dev.get("preferred_dtype", "bf16"),
                 matmul_curves={k: tuple(tuple(p) for p in v) for k, v in dev.get("matmul_curves", {}).items()},
                 source=str(dev.get("source", "")),

@@ -190,10 +190,14 @@ def _device(found: tuple[_Report, Mapping[str, Any]], base: Cluster | None, per_
         name=str(d["name"]), memory_bytes=memory, peak_flops=peaks,
         memory_bandwidth_bytes_per_s=float(d["memory_bandwidth_bytes_per_s"]), matmul_efficiency=efficiency,
         memory_efficiency=1.0, reserved_bytes=reserved, preferred_dtype=preferred,
-        matmul_curves=curves,
+        matmul_curves=curves, op_overhead_s=float(d.get("op_overhead_s", 0.0)),
+        tp_overhead_s=float(d.get("tp_overhead_s", 0.0)),
         source=(f"measured ({report.origin}, {where}): matmul curves {', '.join(dt.value for dt in curves)} over "
                 f"{len(d['matmul'])} shapes, streaming bandwidth {float(d['memory_bandwidth_bytes_per_s']) / 1e9:.3g} "
-                f"GB/s (memory_efficiency 1: already achieved); memory {float(d['memory_bytes']) / 2**30:.1f} GiB"
+                f"GB/s (memory_efficiency 1: already achieved); framework overhead "
+                f"{float(d.get('op_overhead_s', 0.0)) * 1e6:.1f} us per op, "
+                f"{float(d.get('tp_overhead_s', 0.0)) * 1e6:.0f} us per tensor-parallel layer; "
+                f"memory {float(d['memory_bytes']) / 2**30:.1f} GiB"
                 f"{share}; {peak_note}"))
 
 
@@ -301,7 +305,8 @@ def calibrate_units(reports: Sequence[Any], *, base: Cluster | None = None) -> t
     out = []
     for u in layers["units"]:
         fwd = sum(work_s(matmul_flops=float(w["matmul_flops"]), other_flops=float(w["other_flops"]),
-                         nbytes=float(w["bytes"]), r=r) for w in u["work"])
+                         nbytes=float(w["bytes"]), r=r) + float(w.get("ops", 0.0)) * device.op_overhead_s
+                  for w in u["work"])
         if fwd <= 0:
             continue
         out.append(UnitCalibration(fqn=u["fqn"], signature=u["signature"], instances=tuple(u["instances"]),

@@ -85,6 +85,11 @@ def profile_device(*, device: torch.device | str | None = None, sweep: DeviceSwe
                 point = measure_matmul(n, n, n, name, dev, sweep.repeats)
                 points.append(point)
                 say(f"matmul {name} {n}x{n}x{n}: {point.achieved_flop_per_s / 1e9:.1f} GFLOP/s")
+        op_overhead = measure_op_overhead(dev, sweep.repeats)
+        say(f"framework overhead: {op_overhead * 1e6:.1f} us per op")
+        tp_overhead = measure_tp_overhead(sweep.repeats) if dev.type == "cpu" else 0.0
+        if tp_overhead:
+            say(f"tensor-parallel (DTensor) overhead: {tp_overhead * 1e6:.0f} us per sharded layer forward")
         bandwidth = []
         for nbytes in sweep.array_bytes or _default_arrays(dev):
             for kernel in ("copy", "add"):
@@ -99,8 +104,70 @@ def profile_device(*, device: torch.device | str | None = None, sweep: DeviceSwe
         name=device_name(dev, n_threads), kind="cuda" if dev.type == "cuda" else "cpu", threads=n_threads,
         memory_bytes=float(_memory_bytes(dev)), memory_shared=dev.type == "cpu", reserved_bytes=reserved,
         timer=timer_name(dev), matmul=tuple(points), bandwidth=tuple(bandwidth), memory_bandwidth_bytes_per_s=summary,
-        skipped_dtypes=skipped, provenance=provenance(command))
+        skipped_dtypes=skipped, op_overhead_s=op_overhead, tp_overhead_s=tp_overhead, provenance=provenance(command))
     return ProfileReport(device=profile)
+
+
+OVERHEAD_CHAIN = 32
+"""Tiny ops per timed chain: enough that one call's fixed costs dominate."""
+
+
+def measure_op_overhead(device: torch.device, repeats: Repeats) -> float:
+    """Framework time per op of a training step: forward and backward of a chain of
+    ``OVERHEAD_CHAIN`` multiply-adds on an 8-element tensor (the arithmetic is nothing,
+    so the time is dispatch, autograd and allocation), over the ops it dispatches."""
+    x = torch.zeros(8, device=device, requires_grad=True)
+
+    def step() -> None:
+        y = x
+        for _ in range(OVERHEAD_CHAIN):
+            y = y * 1.0001 + 1e-4
+        y.sum().backward()
+
+    ops = count_ops(step)
+    timing = time_call(step, device=device, settings=repeats)
+    return timing.median_s / ops
+
+
+def count_ops(fn: Callable[[], None]) -> int:
+    """The aten ops ``fn`` dispatches (forward and backward)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return max(Count.calls, 1)
+
+
+def measure_tp_overhead(repeats: Repeats) -> float:
+    """Extra time of a column-parallel linear over a plain one, per forward (forward and
+    backward timed; backward counts twice), on a one-rank CPU mesh in a forked process
+    so this process keeps no process group."""
+    from autopar.runtime.spmd import SPMDSettings, run_spmd
+
+    return float(run_spmd(_tp_overhead_rank, 1, repeats, settings=SPMDSettings(timeout_s=120))[0])
+
+
+def _tp_overhead_rank(rank: int, world: int, repeats: Repeats) -> float:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (1,))
+    x = torch.randn(4, 16, requires_grad=True)
+    plain = torch.nn.Linear(16, 16)
+    sharded = torch.nn.Linear(16, 16)
+    parallelize_module(sharded, mesh, ColwiseParallel())
+    times = {}
+    for name, layer in (("plain", plain), ("sharded", sharded)):
+        times[name] = time_call(lambda layer=layer: layer(x).sum().backward(), device=torch.device("cpu"),
+                                settings=repeats).median_s
+    return max(times["sharded"] - times["plain"], 0.0) / 3.0
 
 
 def measure_matmul(m: int, n: int, k: int, dtype: str, device: torch.device, repeats: Repeats) -> MatmulPoint:

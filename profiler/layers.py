@@ -250,7 +250,8 @@ def work_items(profile: UnitProfile, batch: int) -> tuple[WorkItem, ...]:
     items = []
     for leaf in profile.leaves:
         items.append(WorkItem(name=leaf.name or "(unit)", matmul_flops=leaf.matmul_flops * batch,
-                              other_flops=(leaf.fwd_flops - leaf.matmul_flops) * batch, bytes=leaf.fwd_bytes * batch))
+                              other_flops=(leaf.fwd_flops - leaf.matmul_flops) * batch, bytes=leaf.fwd_bytes * batch,
+                              ops=float(leaf.fwd_ops)))
     names = [leaf.name or "(unit)" for leaf in profile.leaves]
 
     def end(i: int) -> str:
@@ -260,8 +261,8 @@ def work_items(profile: UnitProfile, batch: int) -> tuple[WorkItem, ...]:
         where = f"{end(f.src)} -> {end(f.dst)}"
         if f.attn_flops or f.attn_bytes:
             items.append(WorkItem(name=f"attention {where}", matmul_flops=f.attn_flops * batch, other_flops=0.0,
-                                  bytes=f.attn_bytes * batch))
-        if f.glue_flops or f.glue_bytes:
+                                  bytes=f.attn_bytes * batch, ops=f.attn_ops))
+        if f.glue_flops or f.glue_bytes or f.glue_ops:
             items.append(WorkItem(name=f"glue {where}", matmul_flops=0.0, other_flops=f.glue_flops * batch,
-                                  bytes=f.glue_bytes * batch))
+                                  bytes=f.glue_bytes * batch, ops=f.glue_ops))
     return tuple(items)

@@ -142,6 +142,11 @@ class DeviceProfile:
         bandwidth: the streaming sweep.
         memory_bandwidth_bytes_per_s: the summary the cost model uses: the fastest
             kernel at the largest array (out of cache on a CPU).
+        op_overhead_s: framework time per dispatched op in training (eager dispatch and
+            autograd), from a chain of tiny ops; 0 when not measured.
+        tp_overhead_s: extra time per forward of a tensor-parallel leaf (DTensor
+            dispatch), from a tiny column-parallel linear on a one-rank mesh; 0 when not
+            measured (GPU, where it hides behind kernels).
     """
 
     name: str
@@ -155,6 +160,8 @@ class DeviceProfile:
     bandwidth: tuple[BandwidthPoint, ...]
     memory_bandwidth_bytes_per_s: float
     skipped_dtypes: Mapping[str, str] = field(default_factory=dict)
+    op_overhead_s: float = 0.0
+    tp_overhead_s: float = 0.0
     provenance: Provenance
 
     @property
@@ -191,6 +198,7 @@ class WorkItem:
     matmul_flops: float
     other_flops: float
     bytes: float
+    ops: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)

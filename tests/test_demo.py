@@ -15,7 +15,6 @@ def test_demo_end_to_end():
     text = "\n".join(lines)
     for step in ("1/4 Profiling", "2/4 Planning", "3/4 Running", "4/4 Planning GPT-3 175B"):
         assert step in text
-    assert "Measurements used" not in text or result.local_plan.settings.profile_sources
     assert result.local_plan.settings.profile_sources, "the local plan was made from the measurements"
     assert result.local_plan.config.world_size == 2
     # a sanity band, not an accuracy claim: the box is shared (benchmarks/predicted_vs_measured.py measures accuracy)

@@ -88,6 +88,10 @@ class TPContext:
         sequence_parallel: norms may take the ``sequence`` style.
         compute_scale: measured over predicted compute time of this unit (1 without a
             profile): a profiled layer keeps its measured efficiency at every shape.
+        op_overhead_s: framework time per dispatched op (eager dispatch and autograd),
+            paid once per op whatever its size.
+        tp_overhead_s: extra framework time per forward of a leaf in a tensor-parallel
+            style (DTensor's sharding propagation and wrapping).
     """
 
     tp: int
@@ -102,6 +106,8 @@ class TPContext:
     loss_parallel: bool
     sequence_parallel: bool
     compute_scale: float = 1.0
+    op_overhead_s: float = 0.0
+    tp_overhead_s: float = 0.0
 
     @property
     def input_layout(self) -> Layout:
@@ -169,13 +175,19 @@ def leaf_factored_numel(leaf: Leaf, style: TPStyle, tp: int) -> float:
 
 
 def leaf_fwd_s(leaf: Leaf, style: TPStyle, ctx: TPContext) -> float:
-    """Forward compute time of ``leaf`` for one micro-batch on one TP rank."""
+    """Forward compute time of ``leaf`` for one micro-batch on one TP rank: its roofline
+    time plus the framework's fixed cost of dispatching its ops (serial on a CPU; on a
+    GPU kernel launches are asynchronous and hide behind large kernels, so GPU presets
+    set no overhead and a measured profile supplies one)."""
     scale = ctx.micro_batch
     if style in (TPStyle.COLUMN, TPStyle.ROW, TPStyle.SEQUENCE):
         scale /= ctx.tp
-    return ctx.compute_scale * work_s(matmul_flops=leaf.matmul_flops * scale,
-                                      other_flops=(leaf.fwd_flops - leaf.matmul_flops) * scale,
-                                      nbytes=leaf.fwd_bytes * scale, r=ctx.rates)
+    overhead = ctx.op_overhead_s * leaf.fwd_ops
+    if style is not TPStyle.REPLICATE and ctx.tp > 1:
+        overhead += ctx.tp_overhead_s
+    return ctx.compute_scale * (overhead + work_s(matmul_flops=leaf.matmul_flops * scale,
+                                                  other_flops=(leaf.fwd_flops - leaf.matmul_flops) * scale,
+                                                  nbytes=leaf.fwd_bytes * scale, r=ctx.rates))
 
 
 def glue_layout(a: Layout, b: Layout) -> Layout:
@@ -187,10 +199,11 @@ def glue_fwd_s(flow: Flow, layout: Layout, ctx: TPContext, *, attention_only: bo
     """Forward time of a flow's glue (or only its attention core) in ``layout``."""
     scale = ctx.micro_batch / (ctx.tp if layout in _SHARDED else 1)
     attn = work_s(matmul_flops=flow.attn_flops * scale, other_flops=0.0, nbytes=flow.attn_bytes * scale, r=ctx.rates)
+    attn += ctx.op_overhead_s * flow.attn_ops
     if attention_only:
         return ctx.compute_scale * attn
     rest = work_s(matmul_flops=0.0, other_flops=flow.glue_flops * scale, nbytes=flow.glue_bytes * scale, r=ctx.rates)
-    return ctx.compute_scale * (attn + rest)
+    return ctx.compute_scale * (attn + rest + ctx.op_overhead_s * flow.glue_ops)
 
 
 def conversion_s(a: Layout, b: Layout, nbytes: float, ctx: TPContext) -> tuple[float, float]:

@@ -54,6 +54,8 @@ class Leaf:
         fwd_flops, fwd_bytes: forward FLOPs and bytes moved, per sample.
         saved_bytes: activation bytes this leaf saves for backward, per sample.
         matmul_flops: the part of ``fwd_flops`` done by matrix multiplies (tensor cores).
+        fwd_ops: aten ops its forward dispatches, per call (not per sample): what a
+            per-op framework overhead is charged on.
     """
 
     name: str
@@ -69,6 +71,7 @@ class Leaf:
     matmul_flops: float
     fwd_bytes: float
     saved_bytes: float
+    fwd_ops: int = 0
 
     def styles(self, *, sequence_parallel: bool) -> tuple[TPStyle, ...]:
         """Tensor-parallel styles this kind of leaf allows (divisibility aside)."""
@@ -101,6 +104,8 @@ class Flow:
     attn_flops: float
     attn_bytes: float
     attn_saved_bytes: float
+    glue_ops: float = 0.0
+    attn_ops: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -33,6 +33,7 @@ class Op:
     nbytes: float
     attn: bool
     origins: frozenset[int]
+    calls: int = 1
     saved: float = 0.0
     attn_saved: float = 0.0
     assigned: bool = False
@@ -53,6 +54,7 @@ class _LeafAcc:
     fwd_bytes: float = 0.0
     saved: float = 0.0
     out_bytes: float = 0.0
+    ops: int = 0
 
 
 @dataclass
@@ -64,11 +66,14 @@ class _FlowAcc:
     attn_flops: float = 0.0
     attn_bytes: float = 0.0
     attn_saved: float = 0.0
+    glue_ops: float = 0.0
+    attn_ops: float = 0.0
 
 
 @dataclass
 class SegmentTrace:
-    """What the trace measured for one segment (per traced batch, not yet per sample)."""
+    """What the trace measured for one segment (per traced batch, not yet per sample;
+    op counts are per call and stay as they are)."""
 
     leaves: list[_LeafAcc]
     flows: dict[tuple[int, int], _FlowAcc]
@@ -96,11 +101,12 @@ class SegmentTrace:
                 vocab=vocab_size > 0 and (acc.kind is LeafKind.EMBEDDING and acc.in_features == vocab_size
                                           or acc.kind is LeafKind.LINEAR and acc.out_features == vocab_size),
                 fwd_flops=acc.fwd_flops / batch, matmul_flops=acc.matmul_flops / batch,
-                fwd_bytes=acc.fwd_bytes / batch, saved_bytes=acc.saved / batch))
+                fwd_bytes=acc.fwd_bytes / batch, saved_bytes=acc.saved / batch, fwd_ops=acc.ops))
         flows = tuple(
             Flow(src=remap[s], dst=remap[d], tensor_bytes=f.tensor_bytes / batch, glue_flops=f.glue_flops / batch,
                  glue_bytes=f.glue_bytes / batch, saved_bytes=f.saved / batch, attn_flops=f.attn_flops / batch,
-                 attn_bytes=f.attn_bytes / batch, attn_saved_bytes=f.attn_saved / batch)
+                 attn_bytes=f.attn_bytes / batch, attn_saved_bytes=f.attn_saved / batch, glue_ops=f.glue_ops,
+                 attn_ops=f.attn_ops)
             for (s, d), f in sorted(self.flows.items()) if s in remap and d in remap)
         return UnitProfile(signature=signature, leaves=tuple(leaves), flows=flows,
                            input_bytes=self.input_bytes / batch, output_bytes=self.output_bytes / batch)
@@ -166,9 +172,11 @@ class Segment:
                 if op.attn:
                     acc.attn_flops += op.flops * share
                     acc.attn_bytes += op.nbytes * share
+                    acc.attn_ops += op.calls * share
                 else:
                     acc.glue_flops += op.flops * share
                     acc.glue_bytes += op.nbytes * share
+                    acc.glue_ops += op.calls * share
                 acc.saved += op.saved * share
                 acc.attn_saved += op.attn_saved * share
 
@@ -184,7 +192,7 @@ class Segment:
     def finish(self) -> SegmentTrace:
         if self.waiting:  # saved by the segment's last op: charge them next to it
             origins = self.ops[-1].origins if self.ops else frozenset()
-            self.ops.append(Op(flops=0.0, nbytes=0.0, attn=False, origins=origins))
+            self.ops.append(Op(flops=0.0, nbytes=0.0, attn=False, origins=origins, calls=0))
             self.charge_waiting(self.ops[-1])
         # glue whose result reached neither a leaf nor the output (e.g. masks) goes to the output
         leftovers = frozenset(i for i, op in enumerate(self.ops) if not op.assigned)

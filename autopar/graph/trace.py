@@ -79,6 +79,7 @@ class _Recorder(TorchDispatchMode):
             leaf = seg.leaves[seg.leaf_stack[-1]]
             leaf.fwd_flops += flops
             leaf.fwd_bytes += nbytes
+            leaf.ops += 1
             if func._overloadpacket in _MATMUL_OPS:
                 leaf.matmul_flops += flops
             for t in outs:

@@ -119,7 +119,8 @@ class Evaluator:
             tokens=self.graph.seq_len, boundary=Layout.Q if config.sequence_parallel else Layout.R,
             first=unit == 0, last=unit == n - 1, loss_parallel=self.graph.vocab_size > 0,
             sequence_parallel=config.sequence_parallel,
-            compute_scale=self.calibration.get(self.graph.profile_of(unit).signature, 1.0))
+            compute_scale=self.calibration.get(self.graph.profile_of(unit).signature, 1.0),
+            op_overhead_s=self.cluster.device.op_overhead_s, tp_overhead_s=self.cluster.device.tp_overhead_s)
 
     def options(self, unit: int, config: ParallelConfig, modes: tuple[Recompute, ...]) -> tuple[UnitOption, ...]:
         """Options of ``unit`` (cached per distinct profile and position)."""

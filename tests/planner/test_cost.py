@@ -130,3 +130,22 @@ def test_megatron_block_communication_and_memory():
 
 def test_megatron_vocabulary_padding():
     assert padded(50257, 8) == 51200 and padded(51200, 8) == 51200
+
+
+def test_framework_overhead_is_charged_per_op_and_per_sharded_leaf():
+    graph = extract(build_named_model("gpt2-small"), seq_len=128, dtype="fp32")
+    block = graph.profile_of(1)
+    assert all(leaf.fwd_ops > 0 for leaf in block.leaves)
+    assert sum(f.glue_ops + f.attn_ops for f in block.flows) > 0
+    cpu = Cluster.preset("local-cpu", devices_per_node=2)
+    base = TPContext(tp=2, span=group_span(2, 1, 2), cluster=cpu, rates=rates(cpu.device, DType.FP32), micro_batch=1,
+                     tokens=128, boundary=Layout.R, first=False, last=False, loss_parallel=False,
+                     sequence_parallel=False)
+    slow = TPContext(**{**base.__dict__, "op_overhead_s": 1e-3, "tp_overhead_s": 5e-3})
+    from autopar.cost.tensor_parallel import leaf_fwd_s
+
+    leaf = next(x for x in block.leaves if x.name == "attn.c_attn" or x.name.endswith("wq"))
+    assert leaf_fwd_s(leaf, TPStyle.REPLICATE, slow) - leaf_fwd_s(leaf, TPStyle.REPLICATE, base) == pytest.approx(
+        1e-3 * leaf.fwd_ops)
+    assert leaf_fwd_s(leaf, TPStyle.COLUMN, slow) - leaf_fwd_s(leaf, TPStyle.COLUMN, base) == pytest.approx(
+        1e-3 * leaf.fwd_ops + 5e-3)

@@ -36,7 +36,10 @@ def test_cpu_sweep_measures_curves_and_bandwidth():
     largest = [b for b in d.bandwidth if b.array_bytes == 2**24]
     assert d.memory_bandwidth_bytes_per_s == max(b.achieved_bytes_per_s for b in largest)
     assert d.provenance.software["torch"] == torch.__version__
-    assert len(lines) == 4 + 4 and lines[0].startswith("matmul fp32 32x32x32:")
+    assert len(lines) == 4 + 2 + 4 and lines[0].startswith("matmul fp32 32x32x32:")
+    # framework overheads: positive and of the right order for eager PyTorch on a CPU
+    assert 1e-7 < d.op_overhead_s < 1e-3 and 0 < d.tp_overhead_s < 0.1
+    assert any(line.startswith("framework overhead:") for line in lines)
 
 
 def test_threads_are_restored():

@@ -54,18 +54,26 @@ def _tree_latency_s(n: int, alpha_s: float) -> float:
     return math.ceil(math.log2(n)) * alpha_s if n > 1 else 0.0
 
 
-def all_reduce_s(nbytes: float, span: GroupSpan, cluster: Cluster) -> float:
-    """Time of an all-reduce of ``nbytes`` (the full buffer on every device)."""
-    if span.size <= 1 or nbytes <= 0:
-        return 0.0
+def _hierarchical_s(nbytes: float, span: GroupSpan, cluster: Cluster, passes: int) -> float:
+    """``passes`` ring passes (2 for an all-reduce, 1 for an all-gather or a
+    reduce-scatter) inside each node, then over the nodes on each device's ``1/n_local``
+    share; ring latency inside a node, tree latency across nodes."""
     intra, inter = cluster.intra_node, cluster.inter_node
     nl, nn = span.per_node, span.nodes
     t = 0.0
     if nl > 1:
-        t += 2 * (nl - 1) / nl * nbytes / intra.bandwidth_bytes_per_s + 2 * _ring_latency_s(nl, intra.latency_s)
+        t += passes * ((nl - 1) / nl * nbytes / intra.bandwidth_bytes_per_s + _ring_latency_s(nl, intra.latency_s))
     if nn > 1:
-        t += 2 * (nn - 1) / nn * (nbytes / nl) / inter.bandwidth_bytes_per_s + 2 * _tree_latency_s(nn, inter.latency_s)
+        t += passes * ((nn - 1) / nn * (nbytes / nl) / inter.bandwidth_bytes_per_s
+                       + _tree_latency_s(nn, inter.latency_s))
     return t
+
+
+def all_reduce_s(nbytes: float, span: GroupSpan, cluster: Cluster) -> float:
+    """Time of an all-reduce of ``nbytes`` (the full buffer on every device)."""
+    if span.size <= 1 or nbytes <= 0:
+        return 0.0
+    return _hierarchical_s(nbytes, span, cluster, passes=2)
 
 
 def all_gather_s(nbytes: float, span: GroupSpan, cluster: Cluster) -> float:
@@ -73,14 +81,7 @@ def all_gather_s(nbytes: float, span: GroupSpan, cluster: Cluster) -> float:
     reduce-scatter of an ``nbytes`` input costs the same)."""
     if span.size <= 1 or nbytes <= 0:
         return 0.0
-    intra, inter = cluster.intra_node, cluster.inter_node
-    nl, nn = span.per_node, span.nodes
-    t = 0.0
-    if nl > 1:
-        t += (nl - 1) / nl * nbytes / intra.bandwidth_bytes_per_s + _ring_latency_s(nl, intra.latency_s)
-    if nn > 1:
-        t += (nn - 1) / nn * (nbytes / nl) / inter.bandwidth_bytes_per_s + _tree_latency_s(nn, inter.latency_s)
-    return t
+    return _hierarchical_s(nbytes, span, cluster, passes=1)
 
 
 reduce_scatter_s = all_gather_s

@@ -134,10 +134,12 @@ def extract(model: nn.Module, *, seq_len: int | None = None, sample_input: Any =
         if epilogue_mods:
             add_unit("+".join(epilogue_mods), epilogue_mods, "", EPILOGUE, epilogue_mods)
     seq = seq_len if seq_len is not None else _seq_of(sample_input)
+    cuttable = not any(isinstance(modules.get(_parent(u), model), (nn.ModuleList, nn.Sequential)) for u in units)
     return LayerGraph(
         name=type(model).__name__, units=tuple(graph_units), profiles=tuple(profiles),
         shared=_shared_params(model, graph_units), num_params=unique_numel(model), seq_len=seq, dtype=dtype,
-        attention=attention, sequential=sequential, fingerprint=model_fingerprint(model), vocab_size=vocab_size)
+        attention=attention, sequential=sequential, fingerprint=model_fingerprint(model), vocab_size=vocab_size,
+        cuttable=cuttable)
 
 
 def _parent(fqn: str) -> str:

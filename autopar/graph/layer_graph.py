@@ -198,6 +198,9 @@ class LayerGraph:
         sequential: every unit runs once, in order (pipelining needs it).
         fingerprint: identifies the model's parameter names and shapes.
         vocab_size: the vocabulary of token models (0 otherwise).
+        cuttable: autopar's runtime can cut the model into pipeline stages (no unit sits
+            in an ``nn.ModuleList`` or ``nn.Sequential``, which renumber their children
+            when one is removed).
     """
 
     name: str
@@ -211,6 +214,7 @@ class LayerGraph:
     sequential: bool
     fingerprint: str
     vocab_size: int = 0
+    cuttable: bool = True
 
     def profile_of(self, unit_index: int) -> UnitProfile:
         """The profile of unit ``unit_index``."""

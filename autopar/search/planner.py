@@ -23,7 +23,9 @@ from autopar.graph.layer_graph import LayerGraph
 from autopar.plan import Alternative, ModelSummary, ParallelConfig, Plan, PlanSettings
 from autopar.search.evaluate import Evaluator, Outcome
 from autopar.search.predict import predict, smallest_footprint_bytes
-from autopar.search.space import Rejection, check_constraints, enumerate_space, lower_bounds, micro_batch_range
+from autopar.search.space import (
+    CUT_NOTE, Rejection, check_constraints, enumerate_space, lower_bounds, micro_batch_range,
+)
 from autopar.vocab import Attention, Optimizer, Recompute
 
 ALL_MODES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
@@ -288,6 +290,8 @@ def _notes(graph: LayerGraph, config: ParallelConfig, strategies) -> tuple[str, 
 
     notes = ["Predictions model autopar's runtime (DDP/ZeroRedundancyOptimizer/FSDP2, DTensor tensor parallelism, "
              "torch.distributed.pipelining); other frameworks spend memory differently."]
+    if config.pp > 1 and not graph.cuttable:
+        notes.append(f"Not runnable by autopar's runtime as is: {CUT_NOTE}.")
     if graph.vocab_size and config.tp > 1 and graph.vocab_size % config.tp:
         notes.append(f"Vocabulary {graph.vocab_size} padded to {padded(graph.vocab_size, config.tp)} for tp={config.tp} "
                      f"(a multiple of 128 x tp, as Megatron-LM does).")

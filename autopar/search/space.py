@@ -33,6 +33,9 @@ from autopar.plan import ParallelConfig
 from autopar.vocab import ZERO_STAGES, DType, Optimizer, Recompute, Schedule, TPStyle
 
 CONFIG_FIELDS = tuple(f.name for f in fields(ParallelConfig))
+CUT_NOTE = ("autopar's runtime cannot cut this model into pipeline stages: its blocks sit in an nn.ModuleList or "
+            "nn.Sequential, which renumber their children when one is removed (hold them in an nn.ModuleDict, as "
+            "autopar.models do); pp > 1 is searched only when asked for with constraints")
 MAX_MICRO_BATCH = 64
 MAX_VIRTUAL_STAGES = 8
 
@@ -136,6 +139,9 @@ def enumerate_space(graph: LayerGraph, cluster: Cluster, global_batch_size: int,
                 continue
             if pp > 1 and not graph.sequential:
                 rejected.append(Rejection(what=f"pp={pp}", reason="the model's blocks do not run once each, in order"))
+                continue
+            if pp > 1 and not graph.cuttable and "pp" not in c:
+                rejected.append(Rejection(what=f"pp={pp}", reason=CUT_NOTE))
                 continue
             dp = world // (tp * pp)
             if "dp" in c and c["dp"] != dp:

@@ -101,6 +101,9 @@ def test_hf_llama_bert_bloom_extract():
         llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             hidden_size=H, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
             vocab_size=V, max_position_embeddings=S))
+        bare_bert = transformers.BertModel(transformers.BertConfig(
+            hidden_size=H, num_hidden_layers=2, num_attention_heads=A, intermediate_size=256, vocab_size=V,
+            max_position_embeddings=S))
         bert = transformers.BertForMaskedLM(transformers.BertConfig(
             hidden_size=H, num_hidden_layers=2, num_attention_heads=A, intermediate_size=256, vocab_size=V,
             max_position_embeddings=S))
@@ -109,6 +112,8 @@ def test_hf_llama_bert_bloom_extract():
     gl = extract(llama, seq_len=S, dtype="fp32")
     assert [u.fqn for u in gl.units[1:-1]] == ["model.layers.0", "model.layers.1"]
     assert {leaf.name: leaf.out_heads for leaf in gl.profile_of(1).leaves}["self_attn.k_proj"] == 2
+    gbb = extract(bare_bert, seq_len=S, dtype="fp32")
+    assert [u.fqn for u in gbb.units[1:-1]] == ["encoder.layer.0", "encoder.layer.1"] and not gbb.cuttable
     gb = extract(bert, seq_len=S, dtype="fp32")
     assert [u.fqn for u in gb.units[1:-1]] == ["bert.encoder.layer.0", "bert.encoder.layer.1"]
     go = extract(bloom, seq_len=S, dtype="fp32")

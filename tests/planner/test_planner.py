@@ -118,3 +118,18 @@ def test_non_token_models_plan_with_a_sample():
     model = MLPStack(MLPConfig(in_dim=64, dim=512, ffn_dim=2048, n_layers=4, out_dim=10))
     p = autopar.plan(model, DGX1, global_batch_size=64, sample_input=torch.zeros(1, 64))
     assert p.prediction.fits and p.model.seq_len == 1
+
+
+def test_models_the_runtime_cannot_cut_get_pp_only_when_asked():
+    transformers = pytest.importorskip("transformers")
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=256, n_layer=4, n_head=4, n_positions=256,
+                                                                     vocab_size=1024))
+    cluster = autopar.Cluster.preset("dgx-a100-80gb", nodes=1)
+    free = autopar.plan(model, cluster, global_batch_size=16, seq_len=256)
+    assert free.config.pp == 1 and all(a.config.pp == 1 for a in free.alternatives)
+    asked = autopar.plan(model, cluster, global_batch_size=16, seq_len=256, constraints={"pp": 2})
+    assert asked.config.pp == 2 and any("cannot cut this model" in n for n in asked.notes)
+    ours = autopar.plan(build_named_model("gpt2-small"), cluster, global_batch_size=16, seq_len=256,
+                        constraints={"pp": 2})
+    assert not any("cannot cut" in n for n in ours.notes)

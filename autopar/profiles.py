@@ -125,7 +125,7 @@ def cluster_from_profiles(reports: Sequence[Any], base: Cluster | None = None) -
     except (KeyError, TypeError) as exc:
         raise ClusterError(f"profile data is malformed ({type(exc).__name__}: {exc}); load it with "
                            f"profiler.ProfileReport.load to see which field.") from None
-    prefix = base.name.split(" x ")[0] if base is not None else "measured"
+    prefix = base.name.split(" x ")[0].removesuffix("+profile") if base is not None else "measured"
     return Cluster(name=f"{prefix}+profile x {nodes}", nodes=nodes, devices_per_node=per_node, device=device,
                    intra_node=intra, inter_node=inter)
 

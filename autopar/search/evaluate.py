@@ -323,8 +323,8 @@ class Evaluator:
     def _interleaved(self, config: ParallelConfig, modes: tuple[Recompute, ...]) -> list[StagePlan] | None:
         """Interleaved 1F1B: blocks split evenly over the pp x v chunks (Megatron-LM's
         rule), the prologue on chunk 0 and the epilogue on the last; each rank's options
-        are chosen over the union of its chunks, under its memory."""
-        n = len(self.graph.units)
+        are chosen over the union of its chunks, under its memory. Each chunk's stage
+        carries its own time and its rank's memory (the rank is what memory binds)."""
         chunks = config.pp * config.virtual_stages
         bounds = self.even_split(chunks, exact=True)
         if bounds is None:
@@ -342,11 +342,10 @@ class Evaluator:
             rank_plan = per_rank[c % config.pp]
             idx = [rank_plan.units.index(u) for u in range(bounds[c], bounds[c + 1])]
             opts = tuple(rank_plan.options[i] for i in idx)
-            sub = StageChoice(time_s=sum(o.time_s for o in opts), memory_bytes=rank_plan.choice.memory_bytes,
-                              counts=rank_plan.choice.counts)
+            chunk = StageChoice(time_s=sum(o.time_s for o in opts), memory_bytes=rank_plan.choice.memory_bytes,
+                                counts=())
             stages.append(StagePlan(index=c, units=tuple(range(bounds[c], bounds[c + 1])), options=opts,
-                                    inflight=rank_plan.inflight, choice=sub))
-        del n
+                                    inflight=rank_plan.inflight, choice=chunk))
         return stages
 
     def strategies(self, stages: tuple[StagePlan, ...], config: ParallelConfig) -> tuple[LayerStrategies, Recompute]:

@@ -203,8 +203,9 @@ def _overflow(evaluator: Evaluator, config: ParallelConfig, fixed: Mapping[str, 
 
 
 def _huge(cluster: Cluster) -> Cluster:
-    dev = replace(cluster.device, memory_bytes=math.inf if False else cluster.device.memory_bytes * 1e6)
-    return replace(cluster, device=dev)
+    """The same cluster with practically unbounded memory (a finite number, which the
+    device's validation requires), to price a configuration that does not fit."""
+    return replace(cluster, device=replace(cluster.device, memory_bytes=cluster.device.memory_bytes * 1e6))
 
 
 def _infeasible(result: SearchResult, cluster: Cluster, graph: LayerGraph) -> InfeasiblePlanError:

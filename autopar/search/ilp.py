@@ -38,21 +38,21 @@ def make_solver(name: str = "highs", time_limit_s: float = 60.0) -> pulp.LpSolve
 
 @contextlib.contextmanager
 def _quiet_stdout() -> Iterator[None]:
-    """HiGHS prints a banner on its own file descriptor even with msg=False; keep the
-    user's output clean."""
+    """HiGHS prints a banner on file descriptor 1 even with msg=False; keep the user's
+    output clean. Descriptor 1 itself is redirected (under Jupyter ``sys.stdout`` is not
+    descriptor 1, but HiGHS still writes there)."""
+    sys.stdout.flush()
     try:
-        fd = sys.stdout.fileno()
-    except (AttributeError, ValueError, OSError):
+        saved = os.dup(1)
+    except OSError:  # no descriptor 1 at all
         yield
         return
-    sys.stdout.flush()
-    saved = os.dup(fd)
     try:
         with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), fd)
+            os.dup2(devnull.fileno(), 1)
             yield
     finally:
-        os.dup2(saved, fd)
+        os.dup2(saved, 1)
         os.close(saved)
 
 

@@ -159,14 +159,16 @@ class Job:
         start = time.perf_counter()
         with self._p.memory.track(self._live_tensors()), \
                 loss_parallel() if self._p.loss_parallel else contextlib.nullcontext():
+            # return_outputs=False: the last stage would otherwise keep every micro-batch's
+            # output (the logits) until the step ends, which the planner does not budget
             if self.is_first_stage and self.is_last_stage:
-                self._p.schedule.step(*args, target=targets, losses=losses)
+                self._p.schedule.step(*args, target=targets, losses=losses, return_outputs=False)
             elif self.is_first_stage:
-                self._p.schedule.step(*args)
+                self._p.schedule.step(*args, return_outputs=False)
             elif self.is_last_stage:
-                self._p.schedule.step(target=targets, losses=losses)
+                self._p.schedule.step(target=targets, losses=losses, return_outputs=False)
             else:
-                self._p.schedule.step()
+                self._p.schedule.step(return_outputs=False)
         self._p.tied_sync.sync(self.named_parameters())
         loss = self._mean_loss(losses)
         wall = time.perf_counter() - start

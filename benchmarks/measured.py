@@ -28,6 +28,8 @@ percent between runs on a shared 2-core machine (shared/TORCH-CPU.md section 10)
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import json
 import sys
 import time
@@ -45,7 +47,7 @@ from autopar.search.space import tp_degrees
 
 from _report import result_path, write_csv, write_result
 from predicted_vs_measured import (CFG as GPT_CFG, PROFILE_BATCH as GPT_PROFILE_BATCH, PROFILE_CFG as GPT_PROFILE_CFG,
-                                   ProfileTarget, Run, describe, fmt_rounds, measure_interleaved,
+                                   Measured, ProfileTarget, Run, describe, fmt_rounds, measure_interleaved, plan_key,
                                    profile_lines, profile_machine, reports)
 
 NAME = "measured"
@@ -64,6 +66,10 @@ class Case:
     batch_fn: BatchFn
     profile: ProfileTarget
     describe: str
+    profile_name: str = ""
+    """Whose layer profile to use (default: the case's own)."""
+    memory_cap_bytes: float = 0.0
+    """Memory per process the planner may use (0: what the device profile measured)."""
 
 
 def _classes(in_shape: tuple[int, ...], classes: int) -> BatchFn:
@@ -103,7 +109,24 @@ CASES = {
         describe=f"ResNet {CNN_CFG.image_size}x{CNN_CFG.image_size}, width {CNN_CFG.width}, {CNN_CFG.stages} stages "
                  f"of {CNN_CFG.blocks_per_stage} block, {CNN_CFG.num_classes} classes; global batch 64"),
 }
+CASES["gpt-56mib"] = dataclasses.replace(
+    CASES["gpt"], profile_name="gpt", memory_cap_bytes=56 * 2**20,
+    describe="the same GPT with the planner told each process has 56 MiB, so plain DP (~68 MiB at best) does not "
+             "fit and the search has to trade memory for time")
 BASELINES = ("DP", "Megatron rule", "ZeRO-3")
+
+
+def case_reports(profile: Mapping[str, Any], nproc: int, name: str) -> list[Mapping[str, Any]]:
+    """The case's profile reports; with a memory cap, the device report's memory set to it
+    (the planner reads memory per device from a device profile, not from the cluster)."""
+    case = CASES[name]
+    out = reports(profile, nproc, case.profile_name or name)
+    if case.memory_cap_bytes:
+        device = copy.deepcopy(out[0])
+        shared = device["device"]["memory_shared"]
+        device["device"]["memory_bytes"] = case.memory_cap_bytes * (nproc if shared else 1)
+        out = [device, *out[1:]]
+    return out
 
 
 def _plan(case: Case, cluster: autopar.Cluster, profile: list, constraints: Mapping[str, Any] | None = None
@@ -129,20 +152,15 @@ def _megatron(case: Case, cluster: autopar.Cluster, profile: list) -> autopar.Pl
 
 
 def plans_for(case: Case, cluster: autopar.Cluster, profile: list) -> dict[str, autopar.Plan | None]:
-    """autopar's plan and each baseline's (None where none fits)."""
+    """autopar's plan and each baseline's (None where none fits); DP falls back on ZeRO-3
+    where plain DP does not fit, as in benchmarks/compare.py."""
     return {
         "autopar": _plan(case, cluster, profile),
-        "DP": _plan(case, cluster, profile, {"tp": 1, "pp": 1, "zero_stage": 0}),
+        "DP": (_plan(case, cluster, profile, {"tp": 1, "pp": 1, "zero_stage": 0})
+               or _plan(case, cluster, profile, {"tp": 1, "pp": 1, "zero_stage": 3})),
         "Megatron rule": _megatron(case, cluster, profile),
         "ZeRO-3": _plan(case, cluster, profile, {"tp": 1, "pp": 1, "zero_stage": 3}),
     }
-
-
-def _key(plan: autopar.Plan) -> str:
-    """What the runtime does with a plan: equal keys, equal runs."""
-    return json.dumps([plan.config.short(), sorted((k, v.value) for k, v in plan.layer_strategies.tp.items()),
-                       sorted((k, v.value) for k, v in plan.layer_strategies.recompute.items()),
-                       [list(s) for s in plan.stages]])
 
 
 def main() -> None:
@@ -155,8 +173,8 @@ def main() -> None:
     torch.set_num_threads(1)
     started = time.perf_counter()
     say = lambda s: print(s, flush=True)  # noqa: E731
-    profile = profile_machine([args.nproc], {m: CASES[m].profile for m in args.models}, rounds=args.rounds,
-                              command=NAME, log=say)
+    targets = {CASES[m].profile_name or m: CASES[m].profile for m in args.models}
+    profile = profile_machine([args.nproc], targets, rounds=args.rounds, command=NAME, log=say)
     saved = result_path(NAME, "_profiles.json")
     saved.write_text(json.dumps(profile))
     profile_s = time.perf_counter() - started
@@ -166,60 +184,80 @@ def main() -> None:
     runs: dict[str, Run] = {}
     for name in args.models:
         case = CASES[name]
-        plans[name] = plans_for(case, cluster, reports(profile, args.nproc, name))
+        plans[name] = plans_for(case, cluster, case_reports(profile, args.nproc, name))
         for label, plan in plans[name].items():
-            if plan is not None and f"{name}:{_key(plan)}" not in runs:
-                runs[f"{name}:{_key(plan)}"] = Run(label=f"{name} {label}", build=case.build, plan=plan,
-                                                   batch_fn=case.batch_fn)
+            if plan is not None and _run_key(name, plan) not in runs:
+                runs[_run_key(name, plan)] = Run(label=f"{name} {label}", build=case.build, plan=plan,
+                                                 batch_fn=case.batch_fn)
         say(f"{name}: " + "; ".join(f"{k}: {describe(v) if v else 'none fits'}" for k, v in plans[name].items()))
-    measured = measure_interleaved(list(runs.values()), rounds=args.rounds, steps=args.steps, memory=False, log=say)
+    measured = measure_interleaved(list(runs.values()), rounds=args.rounds, steps=args.steps, log=say)
     by_plan = {key: measured[run.label] for key, run in runs.items()}
-
-    rows, lines, verdicts = [], [], []
-    for name in args.models:
-        got = {label: (plan, by_plan[f"{name}:{_key(plan)}"]) for label, plan in plans[name].items() if plan}
-        ours, ours_m = got["autopar"]
-        for label in ("autopar", *BASELINES):
-            if label not in got:
-                lines.append(f"| {name} | {label} | does not fit | | | | | | |")
-                rows.append({"model": name, "plan": label, "config": "does not fit"})
-                continue
-            plan, m = got[label]
-            same = label != "autopar" and _key(plan) == _key(ours)
-            pred_x = plan.prediction.step_time_s / ours.prediction.step_time_s
-            meas_x = m.median_s / ours_m.median_s if m.round_medians_s and ours_m.round_medians_s else float("nan")
-            cell = "" if label == "autopar" else f"x{pred_x:.2f}"
-            meas_cell = "" if label == "autopar" else (f"x{meas_x:.2f}" + (" (same plan)" if same else ""))
-            status = f"FAILED: {m.error}" if m.error else f"{m.median_s:.3f}"
-            lines.append(f"| {name} | {label} | {describe(plan)} | {plan.prediction.step_time_s:.3f} | {status} | "
-                         f"{fmt_rounds(m.round_medians_s)} | {plan.prediction.step_time_s / m.median_s:.2f} | {cell} | "
-                         f"{meas_cell} |")
-            rows.append({"model": name, "plan": label, "config": describe(plan),
-                         "predicted_s": f"{plan.prediction.step_time_s:.4f}", "measured_median_s": f"{m.median_s:.4f}",
-                         "measured_rounds_s": fmt_rounds(m.round_medians_s),
-                         "predicted_over_measured": f"{plan.prediction.step_time_s / m.median_s:.3f}",
-                         "predicted_autopar_speedup": "" if label == "autopar" else f"{pred_x:.3f}",
-                         "measured_autopar_speedup": "" if label == "autopar" else f"{meas_x:.3f}",
-                         "same_plan_as_autopar": same, "error": m.error})
-        timed = {label: m.median_s for label, (_, m) in got.items() if m.round_medians_s}
-        fastest = min(timed, key=timed.get) if timed else "none"
-        verdicts.append(f"- {name}: measured fastest is **{fastest}**"
-                        + ("" if fastest == "autopar" or _key(got[fastest][0]) == _key(ours) else
-                           f" ({timed['autopar'] / timed[fastest]:.2f}x autopar's step time is the fastest's)"
-                           if "autopar" in timed else ""))
+    verdicts, table, rows = _tables(args.models, plans, by_plan)
     csv_path = write_csv(NAME, rows)
     head = (f"Cluster: `local-cpu` with {args.nproc} processes per node, profiled by {args.nproc} processes at "
             f"once at other shapes ({args.rounds} interleaved rounds, median kept; saved as `{saved.name}`; "
-            f"{profile_s:.0f} s). Models: " + "; ".join(f"{n}: {CASES[n].describe}" for n in args.models)
-            + f". fp32, AdamW. {args.rounds} interleaved rounds of {args.steps} steps (2 untimed) per distinct plan; "
-            f"everything took {(time.perf_counter() - started) / 60:.1f} min. Every round is in `{csv_path.name}`.")
-    table = ["| model | plan | configuration | predicted s | measured s (median) | rounds (s) | predicted / measured | "
-             "autopar's speed-up, predicted | autopar's speed-up, measured |", "|---|---|---|---|---|---|---|---|---|"]
-    text = "\n\n".join([head, "\n".join(verdicts), "\n".join(table + lines), NOTES,
-                        "Profiles kept:\n\n" + "\n".join(profile_lines(profile))])
+            f"{profile_s:.0f} s). Models: " + "; ".join(f"**{n}**: {CASES[n].describe}" for n in args.models)
+            + f". fp32, AdamW. {args.rounds} interleaved rounds of {args.steps} steps (2 untimed) per distinct plan, "
+            f"peak memory in a metered run in the first; everything took {(time.perf_counter() - started) / 60:.1f} "
+            f"min. Every round is in `{csv_path.name}`.")
+    text = "\n\n".join([head, verdicts, table, NOTES, "Profiles kept:\n\n" + "\n".join(profile_lines(profile))])
     md = write_result(NAME, f"autopar against the usual choices, measured on {args.nproc} local processes", text)
     print(text)
     print(f"wrote {md} and {csv_path}")
+
+
+def _run_key(name: str, plan: autopar.Plan) -> str:
+    """Cases that train the same model share the runs of equal plans."""
+    return f"{CASES[name].profile_name or name}:{plan_key(plan)}"
+
+
+def _tables(models: list[str], plans: Mapping[str, Mapping[str, autopar.Plan | None]],
+            by_plan: Mapping[str, Measured]) -> tuple[str, str, list[dict[str, Any]]]:
+    rows, lines, verdicts = [], [], []
+    for name in models:
+        got = {label: (plan, by_plan[_run_key(name, plan)]) for label, plan in plans[name].items() if plan}
+        ours, ours_m = got["autopar"]
+        for label in ("autopar", *BASELINES):
+            if label not in got:
+                lines.append(f"| {name} | {label} | none fits | | | | | | | | |")
+                rows.append({"model": name, "plan": label, "config": "none fits"})
+                continue
+            plan, m = got[label]
+            same = label != "autopar" and plan_key(plan) == plan_key(ours)
+            pred, meas = plan.prediction.step_time_s, m.median_s
+            pred_x = pred / ours.prediction.step_time_s
+            meas_x = meas / ours_m.median_s if m.round_medians_s and ours_m.round_medians_s else float("nan")
+            shown = label + (" (ZeRO-3: plain DP does not fit)" if label == "DP" and plan.config.zero_stage else "")
+            peak = max(m.peak_bytes) / 2**20 if m.peak_bytes else float("nan")
+            status = f"FAILED: {m.error}" if m.error else f"{meas:.3f}"
+            lines.append(
+                f"| {name} | {shown} | {describe(plan)} | {pred:.3f} | {status} | {fmt_rounds(m.round_medians_s)} | "
+                f"{pred / meas:.2f} | {'' if label == 'autopar' else f'x{pred_x:.2f}'} | "
+                f"{'' if label == 'autopar' else f'x{meas_x:.2f}' + (' (same plan)' if same else '')} | "
+                f"{plan.prediction.memory_bytes_per_device / 2**20:.0f} | {peak:.0f} |")
+            rows.append({"model": name, "plan": shown, "config": describe(plan), "predicted_s": f"{pred:.4f}",
+                         "measured_median_s": f"{meas:.4f}", "measured_rounds_s": fmt_rounds(m.round_medians_s),
+                         "predicted_over_measured": f"{pred / meas:.3f}",
+                         "predicted_autopar_speedup": "" if label == "autopar" else f"{pred_x:.3f}",
+                         "measured_autopar_speedup": "" if label == "autopar" else f"{meas_x:.3f}",
+                         "same_plan_as_autopar": same,
+                         "predicted_peak_mib": f"{plan.prediction.memory_bytes_per_device / 2**20:.1f}",
+                         "measured_peak_mib_per_rank": " / ".join(f"{b / 2**20:.1f}" for b in m.peak_bytes),
+                         "error": m.error})
+        timed = {label: m.median_s for label, (_, m) in got.items() if m.round_medians_s}
+        fastest = min(timed, key=timed.get) if timed else "none"
+        slower = (f" (autopar's step is {timed['autopar'] / timed[fastest]:.2f}x the fastest's)"
+                  if "autopar" in timed and fastest != "autopar" and plan_key(got[fastest][0]) != plan_key(ours)
+                  else "")
+        cap = CASES[name].memory_cap_bytes
+        over = sorted({label for label, (_, m) in got.items() if cap and m.peak_bytes and max(m.peak_bytes) > cap})
+        over_note = (f"; measured peaks over the {cap / 2**20:.0f} MiB the planner was given: {', '.join(over)}"
+                     if over else "")
+        verdicts.append(f"- {name}: measured fastest is **{fastest}**{slower}{over_note}")
+    head = ["| model | plan | configuration | predicted s | measured s (median) | rounds (s) | predicted / measured | "
+            "autopar's speed-up, predicted | autopar's speed-up, measured | predicted peak MiB | measured peak MiB "
+            "(most loaded rank) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    return "\n".join(verdicts), "\n".join(head + lines), rows
 
 
 NOTES = """Speed-up: the baseline's step time over autopar's, predicted (cost model) and measured

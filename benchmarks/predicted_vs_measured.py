@@ -107,7 +107,7 @@ class ProfileTarget:
 
 
 def _profile_rank(rank: int, world: int, targets: Mapping[str, ProfileTarget], max_bytes: int,
-                  command: str) -> dict[str, Any] | None:
+                  command: str) -> dict[str, Any]:
     out: dict[str, Any] = {"layers": {}, "network": None}
     for name, target in targets.items():
         torch.manual_seed(0)
@@ -119,12 +119,25 @@ def _profile_rank(rank: int, world: int, targets: Mapping[str, ProfileTarget], m
     if world > 1:
         dist.barrier()
         sweep = NetworkSweep(max_bytes=max_bytes, repeats=3)
-        out["network"] = profile_network(sweep=sweep, command=command).to_dict()
-    return out if rank == 0 else None
+        report = profile_network(sweep=sweep, command=command).to_dict()
+        out["network"] = report if rank == 0 else None
+    return out
 
 
-def _layers_s(report: Mapping[str, Any]) -> float:
-    return sum(u["fwd"]["median_s"] + u["bwd"]["median_s"] for u in report["layers"]["units"])
+def profile_world(world: int, targets: Mapping[str, ProfileTarget], *, max_bytes: int = 16 * 2**20,
+                  command: str = NAME) -> dict[str, Any]:
+    """One sweep by ``world`` processes at once: every rank's layer reports (``{name:
+    [report per rank]}``) and the network report (None for one process).
+
+    All ranks measure together, with barriers between models, so the numbers are what
+    one process gets while ``world`` share the machine's cores."""
+    ranks = run_spmd(_profile_rank, world, targets, max_bytes, command, settings=SETTINGS)
+    return {"layers": {name: [r["layers"][name] for r in ranks] for name in targets}, "network": ranks[0]["network"]}
+
+
+def layers_s(report: Mapping[str, Any]) -> float:
+    """A layer report's forward + backward time of the whole model (every instance)."""
+    return sum((u["fwd"]["median_s"] + u["bwd"]["median_s"]) * len(u["instances"]) for u in report["layers"]["units"])
 
 
 def _network_s(report: Mapping[str, Any]) -> float:
@@ -137,37 +150,48 @@ def _median_by(items: Sequence[Any], key: Callable[[Any], float]) -> Any:
     return sorted(items, key=key)[(len(items) - 1) // 2]
 
 
-def profile_machine(worlds: Sequence[int], targets: Mapping[str, ProfileTarget], *, rounds: int = 3,
-                    max_bytes: int = 16 * 2**20, command: str = NAME,
-                    log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Profiles of this machine as ``w`` processes share it, for each ``w`` in ``worlds``.
-
-    The device sweep runs once, in this process: its matmul curves give the shape
-    dependence, and the per-unit factors carry the rest. Layers (and, for ``w > 1``, the
-    network) are measured by ``w`` processes at once (rank 0's reports), because that
-    is what one process gets while ``w`` share 2 cores. Each world size is profiled
-    ``rounds`` times, interleaved, and the median sweep kept (by total layer time, and
-    by the 1 MiB time of the network fit), so a burst of load from other jobs does not
-    decide the profile alone.
+def combine(device: Mapping[str, Any], sweeps: Mapping[int, Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
+    """The profile to plan with: per world size, the median layer report over every rank
+    of every sweep (by :func:`layers_s`) and the median network report (by its 1 MiB
+    time), so neither one lucky rank nor a burst of load from other jobs decides it.
 
     Returns ``{"device": report, "worlds": {w: {"layers": {name: report}, "network":
-    report or None, "layers_s_rounds": {name: [s, ...]}, "network_s_rounds": [s, ...]}}}``
-    with every report as its ``to_dict()``.
+    report or None, "layers_s_rounds": {name: [median over ranks, per sweep]},
+    "network_s_rounds": [s per sweep]}}}``.
     """
+    out: dict[int, dict[str, Any]] = {}
+    for w, taken in sweeps.items():
+        names = list(taken[0]["layers"])
+        out[w] = {
+            "layers": {n: _median_by([r for s in taken for r in s["layers"][n]], layers_s) for n in names},
+            "layers_s_rounds": {n: [statistics.median(map(layers_s, s["layers"][n])) for s in taken] for n in names},
+            "network": _median_by([s["network"] for s in taken], _network_s) if w > 1 else None,
+            "network_s_rounds": [_network_s(s["network"]) for s in taken] if w > 1 else []}
+    return {"device": device, "worlds": out}
+
+
+def profile_machine(worlds: Sequence[int], targets: Mapping[str, ProfileTarget], *, rounds: int = 3,
+                    command: str = NAME, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Profiles of this machine as ``w`` processes share it, for each ``w`` in ``worlds``:
+    the device sweep once, in this process (its matmul curves carry the shape dependence;
+    the per-unit factors of the layer profile carry the rest, core sharing included),
+    then ``rounds`` interleaved sweeps of each world size (:func:`profile_world`),
+    :func:`combine`-d."""
     device = profile_device(command=command).to_dict()
-    taken: dict[int, list[dict[str, Any]]] = {w: [] for w in worlds}
+    sweeps: dict[int, list[dict[str, Any]]] = {w: [] for w in worlds}
     for rnd in range(rounds):
         for w in worlds:
             start = time.perf_counter()
-            taken[w].append(run_spmd(_profile_rank, w, targets, max_bytes, command, settings=SETTINGS)[0])
+            sweeps[w].append(profile_world(w, targets, command=command))
             log(f"profile round {rnd + 1}, {w} process(es): {time.perf_counter() - start:.0f} s")
-    out: dict[int, dict[str, Any]] = {}
-    for w, sweeps in taken.items():
-        out[w] = {"layers": {name: _median_by([s["layers"][name] for s in sweeps], _layers_s) for name in targets},
-                  "layers_s_rounds": {name: [_layers_s(s["layers"][name]) for s in sweeps] for name in targets},
-                  "network": _median_by([s["network"] for s in sweeps], _network_s) if w > 1 else None,
-                  "network_s_rounds": [_network_s(s["network"]) for s in sweeps] if w > 1 else []}
-    return {"device": device, "worlds": out}
+    return combine(device, sweeps)
+
+
+def plan_key(plan: autopar.Plan) -> str:
+    """What the runtime does with a plan: equal keys, equal runs."""
+    return json.dumps([plan.config.short(), sorted((k, v.value) for k, v in plan.layer_strategies.tp.items()),
+                       sorted((k, v.value) for k, v in plan.layer_strategies.recompute.items()),
+                       [list(s) for s in plan.stages]])
 
 
 def reports(profile: Mapping[str, Any], world: int, model: str, *, layers_world: int | None = None
@@ -207,12 +231,15 @@ class Measured:
 
 
 def measure_interleaved(runs: Sequence[Run], *, rounds: int, steps: int, warmup: int = 2, memory: bool = True,
+                        before_round: Callable[[int], None] | None = None,
                         log: Callable[[str], None] = print) -> dict[str, Measured]:
     """Run every plan once per round, in forward order on even rounds and reversed on odd
-    ones; peak memory (``memory``) in the first round. A run that fails is recorded, not
-    retried."""
+    ones; peak memory (``memory``) in the first round; ``before_round(r)`` first in
+    each round. A run that fails is recorded, not retried."""
     out = {r.label: Measured() for r in runs}
     for rnd in range(rounds):
+        if before_round is not None:
+            before_round(rnd)
         order = runs if rnd % 2 == 0 else list(reversed(runs))
         load = os.getloadavg()[0]
         for run in order:
@@ -312,24 +339,44 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     candidates = [c for c in CANDIDATES if args.only is None or any(s in c.name for s in args.only)]
+    say = lambda s: print(s, flush=True)  # noqa: E731
     started = time.perf_counter()
+    batches = token_batches(CFG.vocab_size, CFG.seq_len)
+    loads: list[float] = []
     if args.profiles:
         profile = json.loads(args.profiles.read_text())
         profile["worlds"] = {int(w): p for w, p in profile["worlds"].items()}
         profile_note = f"reused from `{args.profiles}`"
+        executed = {c.name: _estimate(c, profile) for c in candidates}
+        runs = [Run(label=c.name, build=build, plan=executed[c.name], batch_fn=batches) for c in candidates]
+        measured = measure_interleaved(runs, rounds=args.rounds, steps=args.steps, log=say,
+                                       before_round=lambda _: loads.append(os.getloadavg()[0]))
     else:
         worlds = sorted({c.world for c in candidates} | {1})
-        profile = profile_machine(worlds, _targets(), rounds=args.rounds, log=lambda s: print(s, flush=True))
+        device = profile_device(command=NAME).to_dict()
+        sweeps: dict[int, list[dict[str, Any]]] = {w: [] for w in worlds}
+
+        def profile_round(rnd: int) -> None:
+            loads.append(os.getloadavg()[0])
+            for w in worlds:
+                t = time.perf_counter()
+                sweeps[w].append(profile_world(w, _targets()))
+                say(f"profile round {rnd + 1}, {w} process(es): {time.perf_counter() - t:.0f} s")
+
+        profile_round(0)
+        executed = {c.name: _estimate(c, combine(device, sweeps)) for c in candidates}
+        runs = [Run(label=c.name, build=build, plan=executed[c.name], batch_fn=batches) for c in candidates]
+        measured = measure_interleaved(runs, rounds=args.rounds, steps=args.steps, log=say,
+                                       before_round=lambda rnd: profile_round(rnd) if rnd else None)
+        profile = combine(device, sweeps)
         saved = result_path(NAME, "_profiles.json")
         saved.write_text(json.dumps(profile))
-        profile_note = f"measured by this run and saved as `{saved.name}`"
-    profile_s = time.perf_counter() - started
-
+        profile_note = (f"measured by this run at the start of every round (the plans that ran were estimated with "
+                        f"the first round's; the predictions shown use the median of all rounds), saved as "
+                        f"`{saved.name}`")
     plans = {c.name: _estimate(c, profile) for c in candidates}
+    changed = [c.name for c in candidates if plan_key(plans[c.name]) != plan_key(executed[c.name])]
     one_process = {c.name: _estimate(c, profile, layers_world=1).prediction.step_time_s for c in candidates}
-    runs = [Run(label=c.name, build=build, plan=plans[c.name], batch_fn=token_batches(CFG.vocab_size, CFG.seq_len))
-            for c in candidates]
-    measured = measure_interleaved(runs, rounds=args.rounds, steps=args.steps, log=lambda s: print(s, flush=True))
     body, rows = _tables(candidates, plans, one_process, measured)
     csv_path = write_csv(NAME, rows)
     header = (
@@ -338,9 +385,11 @@ def main() -> None:
         f"Profile: the same architecture at seq {PROFILE_CFG.seq_len} x batch {PROFILE_BATCH} "
         f"({PROFILE_BATCH * PROFILE_CFG.seq_len} tokens per pass; the candidates' micro-batches hold 128 to 2048, "
         f"never that), "
-        f"{profile_note}; profiling took {profile_s:.0f} s. {args.rounds} interleaved rounds of {args.steps} steps "
-        f"(2 untimed) per candidate; everything took {(time.perf_counter() - started) / 60:.1f} min. Per-term "
-        f"predictions and every round are in `{csv_path.name}`.")
+        f"{profile_note}. {args.rounds} interleaved rounds of {args.steps} steps (2 untimed) per candidate; load "
+        f"average at the start of each round {' / '.join(f'{x:.1f}' for x in loads)} (2 cores, shared); everything "
+        f"took {(time.perf_counter() - started) / 60:.1f} min. Per-term predictions and every round are in "
+        f"`{csv_path.name}`."
+        + (f" The median profile changed the plan of {', '.join(changed)} from the one that ran." if changed else ""))
     text = "\n\n".join([header, body, NOTES, "Profiles kept (median of the rounds):\n\n" + "\n".join(
         profile_lines(profile))])
     md = write_result(NAME, "Predicted against measured step time and memory on local processes", text)

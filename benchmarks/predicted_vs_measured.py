@@ -14,7 +14,7 @@ are taken in interleaved rounds and the median kept. Then every candidate plan i
 then reversed, ...), so a burst of load from other jobs on the shared machine spreads
 over several candidates instead of landing on one. A run's step time is its median step
 (barrier to barrier, the slowest rank); the table gives the median over rounds and every
-round. Peak memory per rank is measured in a separate metered run in the first round.
+round. Peak memory per rank comes from ``run_locally``'s metered run in the first round.
 
     python benchmarks/predicted_vs_measured.py [--rounds 3] [--steps 8] [--only dp=2 tp=2]
     python benchmarks/predicted_vs_measured.py --profiles benchmarks/results/predicted_vs_measured_<date>_profiles.json
@@ -428,10 +428,10 @@ def _tables(candidates: Sequence[Candidate], plans: Mapping[str, autopar.Plan], 
             lines.append(f"| {c.name} | {describe(plan)} | {p.step_time_s:.3f} | FAILED: {m.error} | | | | | | | |")
             continue
         lines.append(
-            f"| {c.name} | {describe(plan)} | {p.step_time_s:.3f} | {m.median_s:.3f} | {fmt_rounds(m.round_medians_s)} | "
-            f"{ratio:.2f} | {'yes' if within else 'no'} | {one_process[c.name]:.3f} | "
-            f"{' / '.join(f'{v / 2**20:.0f}' for v in pred_peaks)} | {' / '.join(f'{v / 2**20:.0f}' for v in meas_peaks)}"
-            f" | {worst_mem:+.0%} |")
+            f"| {c.name} | {describe(plan)} | {p.step_time_s:.3f} | {m.median_s:.3f} | "
+            f"{fmt_rounds(m.round_medians_s)} | {ratio:.2f} | {'yes' if within else 'no'} | "
+            f"{one_process[c.name]:.3f} | {' / '.join(f'{v / 2**20:.0f}' for v in pred_peaks)} | "
+            f"{' / '.join(f'{v / 2**20:.0f}' for v in meas_peaks)} | {worst_mem:+.0%} |")
     rho = spearman([o[1] for o in ok], [o[2] for o in ok])
     small = [o for o in ok if o[0].world <= 2]
     rho_small = spearman([o[1] for o in small], [o[2] for o in small])
@@ -457,9 +457,9 @@ world size (device curves, its per-unit layer factors and network fit). The colu
 processes costs, which the cost model does not know by itself. Measured: median over rounds
 of each run's median step (barrier to barrier, the slowest rank, optimizer step included).
 Memory: peak tensor bytes per rank (`autopar.runtime.metrics.TensorBytesMeter`, not gloo's
-own buffers) in a 2-step metered run, against the predicted peak of the rank's pipeline
-stage; error = predicted / measured - 1, the worst rank shown. Spearman's rho is computed
-with average ranks for ties (`benchmarks/_report.py`)."""
+own buffers) in `run_locally`'s separate metered run, against the predicted peak of the
+rank's pipeline stage; error = predicted / measured - 1, the worst rank shown. Spearman's
+rho is computed with average ranks for ties (`benchmarks/_report.py`)."""
 
 
 if __name__ == "__main__":

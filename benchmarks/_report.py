@@ -1,11 +1,14 @@
-"""Shared helpers for benchmark scripts: the environment line and dated result files."""
+"""Shared helpers for benchmark scripts: the environment line, dated result files, and
+the rank correlation the measured benchmarks report."""
 
 from __future__ import annotations
 
+import csv
 import datetime
 import platform
 import sys
 from pathlib import Path
+from typing import Any, Mapping, Sequence
 
 
 def environment() -> str:
@@ -30,10 +33,62 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def result_path(name: str, suffix: str) -> Path:
+    """``benchmarks/results/<name>_<today><suffix>``."""
+    return Path(__file__).parent / "results" / f"{name}_{datetime.date.today().isoformat()}{suffix}"
+
+
+def command() -> str:
+    """The command line that ran this script, as a user would type it from the repository root."""
+    return "python " + " ".join(["benchmarks/" + Path(sys.argv[0]).name, *sys.argv[1:]])
+
+
 def write_result(name: str, title: str, body: str) -> Path:
     """Write ``benchmarks/results/<name>_<date>.md`` with the command and environment."""
+    path = result_path(name, ".md")
     today = datetime.date.today().isoformat()
-    path = Path(__file__).parent / "results" / f"{name}_{today}.md"
-    command = "python " + " ".join(["benchmarks/" + Path(sys.argv[0]).name, *sys.argv[1:]])
-    path.write_text(f"# {title}\n\nDate: {today}  \nCommand: `{command}`  \nEnvironment: {environment()}\n\n{body}\n")
+    path.write_text(f"# {title}\n\nDate: {today}  \nCommand: `{command()}`  \nEnvironment: {environment()}\n\n{body}\n")
     return path
+
+
+def write_csv(name: str, rows: Sequence[Mapping[str, Any]]) -> Path:
+    """Write ``benchmarks/results/<name>_<date>.csv``: one row per mapping, the columns
+    in the order the first row gives them (later rows may not add columns)."""
+    path = result_path(name, ".csv")
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else [])
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def ranks(values: Sequence[float]) -> list[float]:
+    """1-based ranks of ``values``, ties sharing the mean of the ranks they span."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Spearman's rank correlation: Pearson's correlation of the ranks (ties averaged,
+    so it equals ``1 - 6 sum d^2 / (n (n^2 - 1))`` when there are none). NaN when
+    either side has fewer than two distinct values."""
+    if len(xs) != len(ys):
+        raise ValueError(f"spearman: {len(xs)} predicted values against {len(ys)} measured; give pairs.")
+    rx, ry = ranks(xs), ranks(ys)
+    n = len(rx)
+    if n < 2:
+        return float("nan")
+    mx, my = sum(rx) / n, sum(ry) / n
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    vx = sum((a - mx) ** 2 for a in rx)
+    vy = sum((b - my) ** 2 for b in ry)
+    return cov / (vx * vy) ** 0.5 if vx > 0 and vy > 0 else float("nan")

@@ -1,0 +1,466 @@
+"""Predicted against measured: the cost model's step time and memory for plans that run
+for real on local gloo processes.
+
+The machine is profiled first with the profiler's own functions (device matmul curves,
+per-unit layer times, an alpha-beta network fit), on the same GPT architecture at a
+*different shape* (seq 256 x batch 3, 768 tokens per pass) than any that runs (seq 128,
+micro-batches of 128 to 2048 tokens), so no prediction is fitted to the run it predicts.
+Each world size gets its own layer and network profile, measured by that many processes
+at once: on this 2-core machine 4 processes get about half a core each, which a profile
+taken in one process cannot know (the table shows what that one predicts too). Profiles
+are taken in interleaved rounds and the median kept. Then every candidate plan is
+``autopar.estimate``-d with the profile and run with ``autopar.runtime.local.run_locally``
+(AdamW, fp32, global batch 16). Candidates are interleaved over rounds (forward order,
+then reversed, ...), so a burst of load from other jobs on the shared machine spreads
+over several candidates instead of landing on one. A run's step time is its median step
+(barrier to barrier, the slowest rank); the table gives the median over rounds and every
+round. Peak memory per rank comes from ``run_locally``'s metered run in the first round.
+
+    python benchmarks/predicted_vs_measured.py [--rounds 3] [--steps 8] [--only dp=2 tp=2]
+    python benchmarks/predicted_vs_measured.py --profiles benchmarks/results/predicted_vs_measured_<date>_profiles.json
+
+``--profiles`` reuses saved profiles (to see what a cost-model change does to the
+predictions of the same measurements); without it the profiles are measured and saved
+next to the results. Writes ``benchmarks/results/predicted_vs_measured_<date>.md`` and
+``.csv``. Numbers vary by tens of percent between runs on a shared 2-core machine
+(shared/TORCH-CPU.md section 10).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+import autopar
+from autopar.models import GPT, GPTConfig
+from autopar.runtime.local import BatchFn, LocalRun, cross_entropy, run_locally, token_batches
+from autopar.runtime.mesh import MeshDims
+from autopar.runtime.spmd import SPMDSettings, run_spmd
+from profiler.device import profile_device
+from profiler.layers import profile_model
+from profiler.network import NetworkSweep, profile_network
+
+from _report import result_path, spearman, write_csv, write_result
+
+NAME = "predicted_vs_measured"
+CFG = GPTConfig(vocab_size=2048, seq_len=128, dim=256, n_layers=4, n_heads=8)
+PROFILE_CFG = dataclasses.replace(CFG, seq_len=256)
+PROFILE_BATCH = 3
+GLOBAL_BATCH = 16
+TIME_TOLERANCE = 0.20
+MEMORY_TOLERANCE = 0.15
+SETTINGS = SPMDSettings(timeout_s=600, pg_timeout_s=120)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """A named configuration (``autopar.estimate``'s config mapping)."""
+
+    name: str
+    config: Mapping[str, Any]
+
+    @property
+    def world(self) -> int:
+        return self.config.get("dp", 1) * self.config.get("tp", 1) * self.config.get("pp", 1)
+
+
+def _c(name: str, **config: Any) -> Candidate:
+    return Candidate(name=name, config={"dp": 1, "tp": 1, "pp": 1, "recompute": "none", "zero_stage": 0,
+                                        "dtype": "fp32", **config})
+
+
+CANDIDATES = (
+    _c("1 process, mbs 4", micro_batch_size=4),
+    _c("1 process, mbs 16", micro_batch_size=16),
+    _c("1 process, full recompute", micro_batch_size=4, recompute="full"),
+    _c("dp=2, mbs 4", dp=2, micro_batch_size=4),
+    _c("dp=2, mbs 1", dp=2, micro_batch_size=1),
+    _c("dp=2, selective recompute", dp=2, micro_batch_size=4, recompute="selective"),
+    _c("dp=2, ZeRO-3", dp=2, micro_batch_size=4, zero_stage=3),
+    _c("tp=2", tp=2, micro_batch_size=4),
+    _c("pp=2, 1F1B, mbs 4", pp=2, micro_batch_size=4),
+    _c("pp=2, 1F1B, mbs 1", pp=2, micro_batch_size=1),
+    _c("dp=4", dp=4, micro_batch_size=4),
+    _c("dp=2 x pp=2", dp=2, pp=2, micro_batch_size=2),
+)
+
+
+# ---- profiling: shared with benchmarks/measured.py ----
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileTarget:
+    """A model to profile: how to build it and one sample batch at the profiled shape."""
+
+    build: Callable[[], torch.nn.Module]
+    sample: Callable[[], Any]
+
+
+def _profile_rank(rank: int, world: int, targets: Mapping[str, ProfileTarget], max_bytes: int,
+                  command: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"layers": {}, "network": None}
+    for name, target in targets.items():
+        torch.manual_seed(0)
+        model = target.build().train()
+        sample = target.sample()
+        dist.barrier()
+        out["layers"][name] = profile_model(model, sample, name=name, command=command).to_dict()
+        del model
+    if world > 1:
+        dist.barrier()
+        sweep = NetworkSweep(max_bytes=max_bytes, repeats=3)
+        report = profile_network(sweep=sweep, command=command).to_dict()
+        out["network"] = report if rank == 0 else None
+    return out
+
+
+def profile_world(world: int, targets: Mapping[str, ProfileTarget], *, max_bytes: int = 16 * 2**20,
+                  command: str = NAME) -> dict[str, Any]:
+    """One sweep by ``world`` processes at once: every rank's layer reports (``{name:
+    [report per rank]}``) and the network report (None for one process).
+
+    All ranks measure together, with barriers between models, so the numbers are what
+    one process gets while ``world`` share the machine's cores."""
+    ranks = run_spmd(_profile_rank, world, targets, max_bytes, command, settings=SETTINGS)
+    return {"layers": {name: [r["layers"][name] for r in ranks] for name in targets}, "network": ranks[0]["network"]}
+
+
+def layers_s(report: Mapping[str, Any]) -> float:
+    """A layer report's forward + backward time of the whole model (every instance)."""
+    return sum((u["fwd"]["median_s"] + u["bwd"]["median_s"]) * len(u["instances"]) for u in report["layers"]["units"])
+
+
+def _network_s(report: Mapping[str, Any]) -> float:
+    """The joint intra-node fit's time for a 1 MiB message: one number to rank sweeps by."""
+    fit = next(f for f in report["network"]["fits"] if f["level"] == "intra" and len(f["ops"]) > 1)
+    return fit["alpha_s"] + 2**20 / fit["bandwidth_bytes_per_s"]
+
+
+def _median_by(items: Sequence[Any], key: Callable[[Any], float]) -> Any:
+    return sorted(items, key=key)[(len(items) - 1) // 2]
+
+
+def combine(device: Mapping[str, Any], sweeps: Mapping[int, Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
+    """The profile to plan with: per world size, the median layer report over every rank
+    of every sweep (by :func:`layers_s`) and the median network report (by its 1 MiB
+    time), so neither one lucky rank nor a burst of load from other jobs decides it.
+
+    Returns ``{"device": report, "worlds": {w: {"layers": {name: report}, "network":
+    report or None, "layers_s_rounds": {name: [median over ranks, per sweep]},
+    "network_s_rounds": [s per sweep]}}}``.
+    """
+    out: dict[int, dict[str, Any]] = {}
+    for w, taken in sweeps.items():
+        names = list(taken[0]["layers"])
+        out[w] = {
+            "layers": {n: _median_by([r for s in taken for r in s["layers"][n]], layers_s) for n in names},
+            "layers_s_rounds": {n: [statistics.median(map(layers_s, s["layers"][n])) for s in taken] for n in names},
+            "network": _median_by([s["network"] for s in taken], _network_s) if w > 1 else None,
+            "network_s_rounds": [_network_s(s["network"]) for s in taken] if w > 1 else []}
+    return {"device": device, "worlds": out}
+
+
+def profile_machine(worlds: Sequence[int], targets: Mapping[str, ProfileTarget], *, rounds: int = 3,
+                    command: str = NAME, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Profiles of this machine as ``w`` processes share it, for each ``w`` in ``worlds``:
+    the device sweep once, in this process (its matmul curves carry the shape dependence;
+    the per-unit factors of the layer profile carry the rest, core sharing included),
+    then ``rounds`` interleaved sweeps of each world size (:func:`profile_world`),
+    :func:`combine`-d."""
+    device = profile_device(command=command).to_dict()
+    sweeps: dict[int, list[dict[str, Any]]] = {w: [] for w in worlds}
+    for rnd in range(rounds):
+        for w in worlds:
+            start = time.perf_counter()
+            sweeps[w].append(profile_world(w, targets, command=command))
+            log(f"profile round {rnd + 1}, {w} process(es): {time.perf_counter() - start:.0f} s")
+    return combine(device, sweeps)
+
+
+def plan_key(plan: autopar.Plan) -> str:
+    """What the runtime does with a plan: equal keys, equal runs."""
+    return json.dumps([plan.config.short(), sorted((k, v.value) for k, v in plan.layer_strategies.tp.items()),
+                       sorted((k, v.value) for k, v in plan.layer_strategies.recompute.items()),
+                       [list(s) for s in plan.stages]])
+
+
+def reports(profile: Mapping[str, Any], world: int, model: str, *, layers_world: int | None = None
+            ) -> list[Mapping[str, Any]]:
+    """The reports ``autopar.estimate`` / ``autopar.plan`` take for ``model`` on ``world``
+    processes (the layer profile of ``layers_world`` processes when given)."""
+    per = profile["worlds"]
+    layers = per[layers_world or world]["layers"][model]
+    return [r for r in (profile["device"], layers, per[world]["network"]) if r is not None]
+
+
+# ---- measuring: shared with benchmarks/measured.py ----
+
+@dataclass(frozen=True, kw_only=True)
+class Run:
+    """A plan to run and what it is trained on."""
+
+    label: str
+    build: Callable[[], torch.nn.Module]
+    plan: autopar.Plan
+    batch_fn: BatchFn
+    loss_fn: Callable = cross_entropy
+
+
+@dataclass(kw_only=True)
+class Measured:
+    """What the rounds measured for one run: each round's median step, the per-rank
+    peaks of the metered run, or the error that stopped it."""
+
+    round_medians_s: list[float] = field(default_factory=list)
+    peak_bytes: tuple[int, ...] = ()
+    error: str = ""
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.round_medians_s) if self.round_medians_s else float("nan")
+
+
+def measure_interleaved(runs: Sequence[Run], *, rounds: int, steps: int, warmup: int = 2, memory: bool = True,
+                        before_round: Callable[[int], None] | None = None,
+                        log: Callable[[str], None] = print) -> dict[str, Measured]:
+    """Run every plan once per round, in forward order on even rounds and reversed on odd
+    ones; peak memory (``memory``) in the first round; ``before_round(r)`` first in
+    each round. A run that fails is recorded, not retried."""
+    out = {r.label: Measured() for r in runs}
+    for rnd in range(rounds):
+        if before_round is not None:
+            before_round(rnd)
+        order = runs if rnd % 2 == 0 else list(reversed(runs))
+        load = os.getloadavg()[0]
+        for run in order:
+            m = out[run.label]
+            if m.error:
+                continue
+            start = time.perf_counter()
+            try:
+                res: LocalRun = run_locally(run.build, run.plan, run.batch_fn, loss_fn=run.loss_fn, steps=steps,
+                                            warmup=warmup, measure_memory=memory and rnd == 0,
+                                            settings=SETTINGS)
+            except Exception as exc:  # one broken plan must not hide the others' numbers
+                m.error = _first_cause(exc)
+                log(f"round {rnd + 1} {run.label}: FAILED {m.error}")
+                continue
+            m.round_medians_s.append(res.median_step_s)
+            if res.peak_memory_bytes:
+                m.peak_bytes = res.peak_memory_bytes
+            log(f"round {rnd + 1} (load {load:.1f}) {run.label}: {res.median_step_s:.3f} s "
+                f"[{time.perf_counter() - start:.0f} s wall]")
+    return out
+
+
+def _first_cause(exc: Exception) -> str:
+    """The first rank's error line of an SPMD failure (else the exception's first line)."""
+    lines = str(exc).splitlines()
+    cause = next((line for line in lines[1:] if line.startswith("rank ")), lines[0] if lines else "")
+    return f"{type(exc).__name__}: {cause[:300]}"
+
+
+def predicted_peaks(plan: autopar.Plan) -> tuple[float, ...]:
+    """The predicted peak bytes of each global rank: its pipeline rank's stages."""
+    dims = MeshDims.of(plan)
+    by_pp: dict[int, float] = {}
+    for s in plan.prediction.stages:
+        by_pp[s.pipeline_rank] = max(by_pp.get(s.pipeline_rank, 0.0), s.memory.total_bytes)
+    return tuple(by_pp[dims.coordinate(r)[0]] for r in range(plan.config.world_size))
+
+
+def describe(plan: autopar.Plan) -> str:
+    """The configuration, with the per-unit recompute where it differs from the config's
+    and the stage split when pipelined."""
+    text = plan.config.short()
+    modes = sorted({m.value for m in plan.layer_strategies.recompute.values()})
+    if modes:
+        text += f"; {len(plan.layer_strategies.recompute)} units recompute={'/'.join(modes)}"
+    if plan.config.pp > 1:
+        text += "; stages of " + "+".join(str(len(s)) for s in plan.stages) + " modules"
+    return text
+
+
+def fmt_rounds(values: Sequence[float]) -> str:
+    return " / ".join(f"{v:.3f}" for v in values)
+
+
+def profile_lines(profile: Mapping[str, Any]) -> list[str]:
+    """One Markdown bullet per world size: the kept network fit and the layer totals of
+    every profile round (their spread is the machine's noise while profiling)."""
+    lines = []
+    for w, per in sorted(profile["worlds"].items(), key=lambda kv: int(kv[0])):
+        net = per["network"]
+        fit = next((f for f in net["network"]["fits"] if f["level"] == "intra" and len(f["ops"]) > 1), None) \
+            if net else None
+        link = (f"network alpha {fit['alpha_s'] * 1e6:.0f} us, busbw {fit['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s "
+                f"(1 MiB all-reduce-fit time per round: {' / '.join(f'{s * 1e3:.1f}' for s in per['network_s_rounds'])}"
+                f" ms)" if fit else "no network")
+        layers = "; ".join(f"{name} fwd+bwd per round {' / '.join(f'{s * 1e3:.0f}' for s in rounds)} ms"
+                           for name, rounds in per["layers_s_rounds"].items())
+        lines.append(f"- {w} process(es): {link}; {layers}")
+    return lines
+
+
+# ---- this benchmark ----
+
+def build() -> GPT:
+    return GPT(CFG)
+
+
+def _targets() -> dict[str, ProfileTarget]:
+    return {"gpt": ProfileTarget(build=lambda: GPT(PROFILE_CFG),
+                                 sample=lambda: torch.randint(0, CFG.vocab_size, (PROFILE_BATCH, PROFILE_CFG.seq_len),
+                                                              generator=torch.Generator().manual_seed(0)))}
+
+
+def _estimate(candidate: Candidate, profile: Mapping[str, Any], layers_world: int | None = None) -> autopar.Plan:
+    cluster = autopar.Cluster.preset("local-cpu", devices_per_node=candidate.world)
+    return autopar.estimate(build(), cluster, candidate.config, global_batch_size=GLOBAL_BATCH, seq_len=CFG.seq_len,
+                            profile=reports(profile, candidate.world, "gpt", layers_world=layers_world))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3, help="measurement rounds (and profile rounds)")
+    parser.add_argument("--steps", type=int, default=8, help="steps per run, the first 2 untimed")
+    parser.add_argument("--only", nargs="*", default=None, help="candidates whose name contains one of these")
+    parser.add_argument("--profiles", type=Path, default=None, help="saved profiles to reuse instead of measuring")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    candidates = [c for c in CANDIDATES if args.only is None or any(s in c.name for s in args.only)]
+    say = lambda s: print(s, flush=True)  # noqa: E731
+    started = time.perf_counter()
+    batches = token_batches(CFG.vocab_size, CFG.seq_len)
+    loads: list[float] = []
+    if args.profiles:
+        profile = json.loads(args.profiles.read_text())
+        profile["worlds"] = {int(w): p for w, p in profile["worlds"].items()}
+        profile_note = f"reused from `{args.profiles}`"
+        executed = {c.name: _estimate(c, profile) for c in candidates}
+        runs = [Run(label=c.name, build=build, plan=executed[c.name], batch_fn=batches) for c in candidates]
+        measured = measure_interleaved(runs, rounds=args.rounds, steps=args.steps, log=say,
+                                       before_round=lambda _: loads.append(os.getloadavg()[0]))
+    else:
+        worlds = sorted({c.world for c in candidates} | {1})
+        device = profile_device(command=NAME).to_dict()
+        sweeps: dict[int, list[dict[str, Any]]] = {w: [] for w in worlds}
+
+        def profile_round(rnd: int) -> None:
+            loads.append(os.getloadavg()[0])
+            for w in worlds:
+                t = time.perf_counter()
+                sweeps[w].append(profile_world(w, _targets()))
+                say(f"profile round {rnd + 1}, {w} process(es): {time.perf_counter() - t:.0f} s")
+
+        profile_round(0)
+        executed = {c.name: _estimate(c, combine(device, sweeps)) for c in candidates}
+        runs = [Run(label=c.name, build=build, plan=executed[c.name], batch_fn=batches) for c in candidates]
+        measured = measure_interleaved(runs, rounds=args.rounds, steps=args.steps, log=say,
+                                       before_round=lambda rnd: profile_round(rnd) if rnd else None)
+        profile = combine(device, sweeps)
+        saved = result_path(NAME, "_profiles.json")
+        saved.write_text(json.dumps(profile))
+        profile_note = (f"measured by this run at the start of every round (the plans that ran were estimated with "
+                        f"the first round's; the predictions shown use the median of all rounds), saved as "
+                        f"`{saved.name}`")
+    plans = {c.name: _estimate(c, profile) for c in candidates}
+    changed = [c.name for c in candidates if plan_key(plans[c.name]) != plan_key(executed[c.name])]
+    one_process = {c.name: _estimate(c, profile, layers_world=1).prediction.step_time_s for c in candidates}
+    body, rows = _tables(candidates, plans, one_process, measured)
+    csv_path = write_csv(NAME, rows)
+    header = (
+        f"Model: GPT dim {CFG.dim}, {CFG.n_layers} layers, {CFG.n_heads} heads, seq {CFG.seq_len}, vocab "
+        f"{CFG.vocab_size}, fp32, AdamW, global batch {GLOBAL_BATCH}, on local gloo processes of this machine. "
+        f"Profile: the same architecture at seq {PROFILE_CFG.seq_len} x batch {PROFILE_BATCH} "
+        f"({PROFILE_BATCH * PROFILE_CFG.seq_len} tokens per pass; the candidates' micro-batches hold 128 to 2048, "
+        f"never that), "
+        f"{profile_note}. {args.rounds} interleaved rounds of {args.steps} steps (2 untimed) per candidate; load "
+        f"average at the start of each round {' / '.join(f'{x:.1f}' for x in loads)} (2 cores, shared); everything "
+        f"took {(time.perf_counter() - started) / 60:.1f} min. Per-term predictions and every round are in "
+        f"`{csv_path.name}`."
+        + (f" The median profile changed the plan of {', '.join(changed)} from the one that ran." if changed else ""))
+    text = "\n\n".join([header, body, NOTES, "Profiles kept (median of the rounds):\n\n" + "\n".join(
+        profile_lines(profile))])
+    md = write_result(NAME, "Predicted against measured step time and memory on local processes", text)
+    print(text)
+    print(f"wrote {md} and {csv_path}")
+
+
+def _tables(candidates: Sequence[Candidate], plans: Mapping[str, autopar.Plan], one_process: Mapping[str, float],
+            measured: Mapping[str, Measured]) -> tuple[str, list[dict[str, Any]]]:
+    rows, lines, ok = [], [], []
+    for c in candidates:
+        plan, m = plans[c.name], measured[c.name]
+        p, b = plan.prediction, plan.prediction.breakdown
+        pred_peaks, meas_peaks = predicted_peaks(plan), m.peak_bytes
+        errors = [pp / mp - 1 for pp, mp in zip(pred_peaks, meas_peaks)]
+        worst_mem = max(errors, key=abs) if errors else float("nan")
+        ratio = p.step_time_s / m.median_s if m.round_medians_s else float("nan")
+        within = abs(ratio - 1) <= TIME_TOLERANCE
+        if m.round_medians_s:
+            ok.append((c, p.step_time_s, m.median_s, within, worst_mem if errors else None))
+        rows.append({
+            "candidate": c.name, "plan": describe(plan), "world": c.world,
+            "predicted_s": f"{p.step_time_s:.4f}", "measured_median_s": f"{m.median_s:.4f}",
+            "measured_rounds_s": fmt_rounds(m.round_medians_s), "ratio": f"{ratio:.3f}",
+            "within_20pct": within if m.round_medians_s else "",
+            "predicted_1proc_profile_s": f"{one_process[c.name]:.4f}",
+            "pred_compute_s": f"{b.compute_s:.4f}", "pred_recompute_s": f"{b.recompute_s:.4f}",
+            "pred_tp_comm_s": f"{b.tp_comm_s:.4f}", "pred_pp_comm_s": f"{b.pp_comm_s:.4f}",
+            "pred_bubble_s": f"{b.bubble_s:.4f}", "pred_dp_comm_s": f"{b.dp_comm_s:.4f}",
+            "pred_optimizer_s": f"{b.optimizer_s:.4f}",
+            "predicted_peak_mib_per_rank": " / ".join(f"{v / 2**20:.1f}" for v in pred_peaks),
+            "measured_peak_mib_per_rank": " / ".join(f"{v / 2**20:.1f}" for v in meas_peaks),
+            "worst_memory_error": f"{worst_mem:+.3f}", "error": m.error,
+        })
+        if m.error:
+            lines.append(f"| {c.name} | {describe(plan)} | {p.step_time_s:.3f} | FAILED: {m.error} | | | | | | | |")
+            continue
+        lines.append(
+            f"| {c.name} | {describe(plan)} | {p.step_time_s:.3f} | {m.median_s:.3f} | "
+            f"{fmt_rounds(m.round_medians_s)} | {ratio:.2f} | {'yes' if within else 'no'} | "
+            f"{one_process[c.name]:.3f} | {' / '.join(f'{v / 2**20:.0f}' for v in pred_peaks)} | "
+            f"{' / '.join(f'{v / 2**20:.0f}' for v in meas_peaks)} | {worst_mem:+.0%} |")
+    rho = spearman([o[1] for o in ok], [o[2] for o in ok])
+    small = [o for o in ok if o[0].world <= 2]
+    rho_small = spearman([o[1] for o in small], [o[2] for o in small])
+    mem = [o for o in ok if o[4] is not None]
+    preds = [o[1] for o in ok] or [float("nan")]
+    summary = (
+        f"**Summary**: {sum(o[3] for o in ok)} of {len(ok)} candidates within {TIME_TOLERANCE:.0%} of the measured "
+        f"step time ({len(candidates) - len(ok)} failed to run). Spearman rank correlation of predicted and "
+        f"measured step time: **{rho:.2f}** over all {len(ok)} (target >= 0.8); {rho_small:.2f} over the "
+        f"{len(small)} with 1 or 2 processes. Predicted times span {max(preds) / min(preds):.1f}x. Peak memory: "
+        f"{sum(abs(o[4]) <= MEMORY_TOLERANCE for o in mem)} of {len(mem)} candidates within {MEMORY_TOLERANCE:.0%} on "
+        f"every rank.")
+    head = ["| candidate | plan | predicted s | measured s (median) | rounds (s) | predicted / measured | within 20% | "
+            "predicted with 1-process layer profile (s) | predicted peak MiB per rank | measured peak MiB per rank | "
+            "worst memory error |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    return "\n\n".join([summary, "\n".join(head + lines)]), rows
+
+
+NOTES = """Predicted: `autopar.estimate` of the candidate's configuration with the profile of its
+world size (device curves, its per-unit layer factors and network fit). The column 'with
+1-process layer profile' uses the layer factors measured by a single process instead (how
+`autopar profile model` is usually run): the difference is what sharing 2 cores among the
+processes costs, which the cost model does not know by itself. Measured: median over rounds
+of each run's median step (barrier to barrier, the slowest rank, optimizer step included).
+Memory: peak tensor bytes per rank (`autopar.runtime.metrics.TensorBytesMeter`, not gloo's
+own buffers) in `run_locally`'s separate metered run, against the predicted peak of the
+rank's pipeline stage; error = predicted / measured - 1, the worst rank shown. Spearman's
+rho is computed with average ranks for ties (`benchmarks/_report.py`)."""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -22,6 +22,9 @@ from autopar.errors import ClusterError
 from autopar.vocab import DType
 
 
+_SHARE_NOTE = "; time share: "
+
+
 @dataclass(frozen=True, kw_only=True)
 class DeviceSpec:
     """One accelerator (or one CPU process).
@@ -40,6 +43,21 @@ class DeviceSpec:
         op_overhead_s: framework time per dispatched op (eager dispatch, autograd).
         tp_overhead_s: extra framework time per forward of a tensor-parallel leaf
             (DTensor dispatch).
+        comm_overlap: share of the compute time that can hide data-parallel
+            communication. Overlapped collectives are not free: NCCL's kernels occupy
+            streaming multiprocessors and both compete for memory bandwidth, so
+            overlapped compute runs slower; 0.8 is a conservative middle of the 10-30%
+            slowdowns reported for overlapped FSDP/DDP communication. CPU processes
+            get 0: gloo reduces on CPU threads that compete with the compute for the
+            same cores (measured on local processes: the gradient all-reduce adds its
+            whole time to the step).
+        optimizer_bytes_per_s: rate at which the optimizer step moves its bytes
+            (``cost.memory.optimizer_step_bytes``); 0 means the streaming bandwidth.
+            Eager CPU optimizers make many passes and reach a fraction of it, so a
+            device profile measures it.
+        time_share: the share of the device one process gets (CPU processes that
+            outnumber the cores are time-sliced); the rates and overheads here already
+            include it (:meth:`time_shared`).
         preferred_dtype: the precision plans use unless told otherwise.
         matmul_curves: measured achieved FLOP/s against matmul size (FLOPs of one call)
             per precision, from a profiler report; when present the cost model
@@ -57,6 +75,9 @@ class DeviceSpec:
     fragmentation: float = 0.0
     op_overhead_s: float = 0.0
     tp_overhead_s: float = 0.0
+    comm_overlap: float = 0.8
+    optimizer_bytes_per_s: float = 0.0
+    time_share: float = 1.0
     preferred_dtype: DType = DType.BF16
     matmul_curves: Mapping[DType, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     source: str = ""
@@ -78,6 +99,20 @@ class DeviceSpec:
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 <= value < 1):
                 raise ClusterError(f"device {self.name!r} {attr}={value!r} is not allowed: it must be seconds in [0, 1).")
             object.__setattr__(self, attr, float(value))
+        if isinstance(self.comm_overlap, bool) or not (isinstance(self.comm_overlap, (int, float))
+                                                       and 0 <= self.comm_overlap <= 1):
+            raise ClusterError(f"device {self.name!r} comm_overlap={self.comm_overlap!r} is not allowed: it must be "
+                               f"a share of the compute time in [0, 1] (0: communication never overlaps).")
+        object.__setattr__(self, "comm_overlap", float(self.comm_overlap))
+        if isinstance(self.optimizer_bytes_per_s, bool) or not (
+                isinstance(self.optimizer_bytes_per_s, (int, float)) and self.optimizer_bytes_per_s >= 0):
+            raise ClusterError(f"device {self.name!r} optimizer_bytes_per_s={self.optimizer_bytes_per_s!r} is not "
+                               f"allowed: it must be bytes per second >= 0 (0: the streaming bandwidth).")
+        object.__setattr__(self, "optimizer_bytes_per_s", float(self.optimizer_bytes_per_s))
+        if isinstance(self.time_share, bool) or not (isinstance(self.time_share, (int, float))
+                                                     and 0 < self.time_share <= 1):
+            raise ClusterError(f"device {self.name!r} time_share={self.time_share!r} is not allowed: it must be in (0, 1].")
+        object.__setattr__(self, "time_share", float(self.time_share))
         for eff_name in ("matmul_efficiency", "memory_efficiency"):
             eff = getattr(self, eff_name)
             if not (isinstance(eff, (int, float)) and 0 < eff <= 1):
@@ -98,6 +133,32 @@ class DeviceSpec:
                 raise ClusterError(f"device {self.name!r} matmul_curves[{key}] must be non-empty (flops, flop/s) pairs > 0, got {points!r}.")
             curves[_dtype(key, f"device {self.name!r} matmul_curves")] = pts
         object.__setattr__(self, "matmul_curves", curves)
+
+    def time_shared(self, share: float, why: str) -> "DeviceSpec":
+        """This device as seen by a process that gets only ``share`` of it: CPU processes
+        outnumbering the cores are time-sliced by the kernel, so every rate is
+        multiplied by ``share`` and every per-op cost divided by it (``why`` is added
+        to ``source``; :meth:`alone` undoes it)."""
+        if not 0 < share <= 1:
+            raise ClusterError(f"device {self.name!r}: a time share of {share!r} is not allowed; it must be in (0, 1].")
+        if share == 1:
+            return self
+        return self._scaled(share, time_share=self.time_share * share, source=f"{self.source}{_SHARE_NOTE}{why}")
+
+    def alone(self) -> "DeviceSpec":
+        """This device with the whole of its cores (before :meth:`time_shared`): what a
+        profile measured by one process compares against."""
+        if self.time_share == 1:
+            return self
+        return self._scaled(1 / self.time_share, time_share=1.0, source=self.source.split(_SHARE_NOTE)[0])
+
+    def _scaled(self, k: float, **changes: Any) -> "DeviceSpec":
+        return replace(
+            self, peak_flops={d: v * k for d, v in self.peak_flops.items()},
+            memory_bandwidth_bytes_per_s=self.memory_bandwidth_bytes_per_s * k,
+            op_overhead_s=self.op_overhead_s / k, tp_overhead_s=self.tp_overhead_s / k,
+            optimizer_bytes_per_s=self.optimizer_bytes_per_s * k,
+            matmul_curves={d: tuple((f, r * k) for f, r in pts) for d, pts in self.matmul_curves.items()}, **changes)
 
     def peak(self, dtype: DType) -> float:
         """Peak FLOP/s in ``dtype``; raises ClusterError if the device lacks it."""
@@ -203,6 +264,9 @@ class Cluster:
                 "fragmentation": dev.fragmentation,
                 "op_overhead_s": dev.op_overhead_s,
                 "tp_overhead_s": dev.tp_overhead_s,
+                "comm_overlap": dev.comm_overlap,
+                "optimizer_bytes_per_s": dev.optimizer_bytes_per_s,
+                "time_share": dev.time_share,
                 "preferred_dtype": dev.preferred_dtype.value,
                 "matmul_curves": {k.value: [list(p) for p in v] for k, v in dev.matmul_curves.items()},
                 "source": dev.source,
@@ -227,6 +291,9 @@ class Cluster:
                 fragmentation=dev.get("fragmentation", 0.0),
                 op_overhead_s=dev.get("op_overhead_s", 0.0),
                 tp_overhead_s=dev.get("tp_overhead_s", 0.0),
+                comm_overlap=dev.get("comm_overlap", 0.8),
+                optimizer_bytes_per_s=dev.get("optimizer_bytes_per_s", 0.0),
+                time_share=dev.get("time_share", 1.0),
                 preferred_dtype=dev.get("preferred_dtype", "bf16"),
                 matmul_curves={k: tuple(tuple(p) for p in v) for k, v in dev.get("matmul_curves", {}).items()},
                 source=str(dev.get("source", "")),

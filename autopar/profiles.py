@@ -26,9 +26,10 @@ from typing import Any, Mapping, Sequence
 
 from autopar.cluster import Cluster, DeviceSpec, LinkSpec
 from autopar.cost.compute import rates, work_s
+from autopar.cost.memory import optimizer_step_bytes
 from autopar.cost.tensor_parallel import BACKWARD_FACTOR
 from autopar.errors import ClusterError
-from autopar.vocab import DType
+from autopar.vocab import DType, Optimizer
 
 SCHEMA = "autopar-profile"
 SCHEMA_VERSION = 1
@@ -104,6 +105,9 @@ def cluster_from_profiles(reports: Sequence[Any], base: Cluster | None = None) -
             processes, the ``local-cpu`` preset sized like the measured network; for a
             GPU, the measurements alone (then both a device and a network section are
             needed).
+
+    A CPU device measured by one process is time-shared where the node's processes
+    (times the threads each measured with) outnumber the machine's cores.
     """
     rs = read_reports(reports)
     dev = _latest(rs, "device")
@@ -158,6 +162,7 @@ def _base_device(base: Cluster | None) -> DeviceSpec:
 
 
 def _device(found: tuple[_Report, Mapping[str, Any]], base: Cluster | None, per_node: int) -> DeviceSpec:
+    """The measured device as one of ``per_node`` processes sees it."""
     report, d = found
     curves: dict[DType, tuple[tuple[float, float], ...]] = {}
     for p in d["matmul"]:
@@ -172,33 +177,48 @@ def _device(found: tuple[_Report, Mapping[str, Any]], base: Cluster | None, per_
     memory = float(d["memory_bytes"]) / (per_node if d["memory_shared"] else 1)
     where = _where(d)
     if base is not None:
-        peaks = {dt: max(base.device.peak_flops.get(dt, 0.0), measured_peaks.get(dt, 0.0))
-                 for dt in {*base.device.peak_flops, *measured_peaks}}
-        efficiency = base.device.matmul_efficiency
-        reserved = base.device.reserved_bytes
-        raised = sorted(dt.value for dt in measured_peaks if measured_peaks[dt] > base.device.peak_flops.get(dt, 0.0))
-        peak_note = (f"peak FLOP/s from {base.device.name} ({base.device.source})"
+        bdev = base.device.alone()  # the measurement is of one process alone too
+        peaks = {dt: max(bdev.peak_flops.get(dt, 0.0), measured_peaks.get(dt, 0.0))
+                 for dt in {*bdev.peak_flops, *measured_peaks}}
+        efficiency = bdev.matmul_efficiency
+        reserved = bdev.reserved_bytes
+        raised = sorted(dt.value for dt in measured_peaks if measured_peaks[dt] > bdev.peak_flops.get(dt, 0.0))
+        peak_note = (f"peak FLOP/s from {bdev.name} ({bdev.source})"
                      + (f", raised to the measured maximum for {', '.join(raised)} (a peak cannot be below what "
                         f"was achieved)" if raised else ""))
-        preferred = base.device.preferred_dtype if base.device.preferred_dtype in peaks else next(iter(curves))
+        preferred = bdev.preferred_dtype if bdev.preferred_dtype in peaks else next(iter(curves))
     else:
         peaks, efficiency, reserved = measured_peaks, 1.0, float(d["reserved_bytes"])
         peak_note = "peak FLOP/s = the fastest measured matmul (no datasheet given)"
         preferred = DType.BF16 if DType.BF16 in curves else next(iter(curves))
     share = f" / {per_node} processes" if d["memory_shared"] and per_node > 1 else ""
-    return DeviceSpec(
+    cpu = d.get("kind") == "cpu"
+    overlap = 0.0 if cpu else (bdev.comm_overlap if base is not None else DeviceSpec.comm_overlap)
+    per_param = float(d.get("optimizer_s_per_param", 0.0))
+    optimizer_rate = optimizer_step_bytes(Optimizer.ADAM) / per_param if per_param > 0 else 0.0
+    spec = DeviceSpec(
         name=str(d["name"]), memory_bytes=memory, peak_flops=peaks,
         memory_bandwidth_bytes_per_s=float(d["memory_bandwidth_bytes_per_s"]), matmul_efficiency=efficiency,
         memory_efficiency=1.0, reserved_bytes=reserved, preferred_dtype=preferred,
         matmul_curves=curves, op_overhead_s=float(d.get("op_overhead_s", 0.0)),
-        tp_overhead_s=float(d.get("tp_overhead_s", 0.0)),
+        tp_overhead_s=float(d.get("tp_overhead_s", 0.0)), comm_overlap=overlap,
+        optimizer_bytes_per_s=optimizer_rate,
         source=(f"measured ({report.origin}, {where}): matmul curves {', '.join(dt.value for dt in curves)} over "
                 f"{len(d['matmul'])} shapes, streaming bandwidth {float(d['memory_bandwidth_bytes_per_s']) / 1e9:.3g} "
                 f"GB/s (memory_efficiency 1: already achieved); framework overhead "
                 f"{float(d.get('op_overhead_s', 0.0)) * 1e6:.1f} us per op, "
                 f"{float(d.get('tp_overhead_s', 0.0)) * 1e6:.0f} us per tensor-parallel layer; "
-                f"memory {float(d['memory_bytes']) / 2**30:.1f} GiB"
+                + (f"AdamW step {per_param * 1e9:.2f} ns per parameter "
+                   f"({optimizer_rate / 1e9:.3g} GB/s of its ideal traffic); " if per_param > 0 else "")
+                + ("communication overlaps no compute (gloo shares the cores); " if cpu else "")
+                + f"memory {float(d['memory_bytes']) / 2**30:.1f} GiB"
                 f"{share}; {peak_note}"))
+    cores = int(d["provenance"].get("cpu_count", 0)) if cpu else 0
+    threads = max(int(d.get("threads", 1)), 1)
+    if not (cores and per_node * threads > cores):
+        return spec
+    return spec.time_shared(cores / (per_node * threads),
+                            f"{per_node} processes of {threads} thread(s) time-share {cores} cores")
 
 
 def _links(net: tuple[_Report, Mapping[str, Any]] | None, base: Cluster | None, nodes: int,
@@ -300,7 +320,9 @@ def calibrate_units(reports: Sequence[Any], *, base: Cluster | None = None) -> t
         raise ClusterError(f"none of the profiles ({', '.join(r.origin for r in rs)}) has a layers section; make one "
                            f"with 'autopar profile model'.")
     layers = found[1]
-    device = cluster_from_profiles(reports, base=base).device
+    # the unit was measured by one process alone: compare with the device alone, so
+    # that the factors carry over to time-shared processes
+    device = cluster_from_profiles(reports, base=base).device.alone()
     r = rates(device, DType(layers["dtype"]))
     out = []
     for u in layers["units"]:

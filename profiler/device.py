@@ -90,6 +90,8 @@ def profile_device(*, device: torch.device | str | None = None, sweep: DeviceSwe
         tp_overhead = measure_tp_overhead(sweep.repeats) if dev.type == "cpu" else 0.0
         if tp_overhead:
             say(f"tensor-parallel (DTensor) overhead: {tp_overhead * 1e6:.0f} us per sharded layer forward")
+        optimizer = measure_optimizer_step(dev, sweep.repeats)
+        say(f"AdamW step: {optimizer * 1e9:.2f} ns per parameter")
         bandwidth = []
         for nbytes in sweep.array_bytes or _default_arrays(dev):
             for kernel in ("copy", "add"):
@@ -104,7 +106,8 @@ def profile_device(*, device: torch.device | str | None = None, sweep: DeviceSwe
         name=device_name(dev, n_threads), kind="cuda" if dev.type == "cuda" else "cpu", threads=n_threads,
         memory_bytes=float(_memory_bytes(dev)), memory_shared=dev.type == "cpu", reserved_bytes=reserved,
         timer=timer_name(dev), matmul=tuple(points), bandwidth=tuple(bandwidth), memory_bandwidth_bytes_per_s=summary,
-        skipped_dtypes=skipped, op_overhead_s=op_overhead, tp_overhead_s=tp_overhead, provenance=provenance(command))
+        skipped_dtypes=skipped, op_overhead_s=op_overhead, tp_overhead_s=tp_overhead, optimizer_s_per_param=optimizer,
+        provenance=provenance(command))
     return ProfileReport(device=profile)
 
 
@@ -127,6 +130,28 @@ def measure_op_overhead(device: torch.device, repeats: Repeats) -> float:
     ops = count_ops(step)
     timing = time_call(step, device=device, settings=repeats)
     return timing.median_s / ops
+
+
+OPTIMIZER_TENSORS = 8
+"""Parameter tensors of the timed optimizer step: several, as a model has, so the
+per-tensor cost of the loop over parameters is in the figure."""
+
+
+def measure_optimizer_step(device: torch.device, repeats: Repeats) -> float:
+    """Seconds per parameter of one ``torch.optim.AdamW`` step (PyTorch's default
+    implementation for the device) on fp32 parameters far larger than the caches.
+
+    The cost model charges an optimizer step as memory traffic; an eager CPU AdamW
+    makes a dozen passes over its states rather than the one a fused GPU kernel makes,
+    and reaches a third of the streaming bandwidth on this machine, so it is measured.
+    """
+    numel = (1 << 20) if device.type == "cpu" else (1 << 24)
+    params = [torch.nn.Parameter(torch.zeros(numel, device=device)) for _ in range(OPTIMIZER_TENSORS)]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    timing = time_call(opt.step, device=device, settings=repeats)
+    return timing.median_s / (numel * OPTIMIZER_TENSORS)
 
 
 def count_ops(fn: Callable[[], None]) -> int:

@@ -246,12 +246,13 @@ def _time(runner: Any, device: torch.device, repeats: Repeats, *, done: int) -> 
 def work_items(profile: UnitProfile, batch: int) -> tuple[WorkItem, ...]:
     """The unit's kernels at ``batch`` samples, as ``autopar.cost`` prices a unit on one
     device (``leaf_fwd_s`` per leaf, ``glue_fwd_s`` per flow: the attention core on the
-    matmul roof, the rest of the glue on the vector roof)."""
+    matmul roof, the rest of the glue on the vector roof); a leaf's parameters are read
+    once per call, its activations once per sample."""
     items = []
     for leaf in profile.leaves:
         items.append(WorkItem(name=leaf.name or "(unit)", matmul_flops=leaf.matmul_flops * batch,
-                              other_flops=(leaf.fwd_flops - leaf.matmul_flops) * batch, bytes=leaf.fwd_bytes * batch,
-                              ops=float(leaf.fwd_ops)))
+                              other_flops=(leaf.fwd_flops - leaf.matmul_flops) * batch,
+                              bytes=leaf.fwd_bytes * batch + leaf.weight_bytes, ops=float(leaf.fwd_ops)))
     names = [leaf.name or "(unit)" for leaf in profile.leaves]
 
     def end(i: int) -> str:

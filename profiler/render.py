@@ -89,7 +89,9 @@ def _device_blocks(d: DeviceProfile) -> list[_Block]:
         _Heading(f"Device: {d.name}"), _provenance(d.provenance),
         _Text(f"{d.kind}, {d.threads} thread(s), timer {d.timer}; memory {d.memory_bytes / 2**30:.1f} GiB"
               f"{' (shared by the processes of a node)' if d.memory_shared else ''}; streaming bandwidth used by the "
-              f"cost model: {d.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s."),
+              f"cost model: {d.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s; framework overhead "
+              f"{d.op_overhead_s * 1e6:.1f} us per op, {d.tp_overhead_s * 1e6:.0f} us per tensor-parallel layer; "
+              f"AdamW step {d.optimizer_s_per_param * 1e9:.2f} ns per parameter (0: not measured)."),
         _Figure("matmul", "Achieved matmul FLOP/s against the FLOPs of one call (dashed: best per precision).",
                 lambda: plots.matmul_curves(d)),
         _Table(("dtype", "m x n x k", "FLOPs/call", "median ms", "spread", "GFLOP/s"), rows),

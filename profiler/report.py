@@ -147,6 +147,8 @@ class DeviceProfile:
         tp_overhead_s: extra time per forward of a tensor-parallel leaf (DTensor
             dispatch), from a tiny column-parallel linear on a one-rank mesh; 0 when not
             measured (GPU, where it hides behind kernels).
+        optimizer_s_per_param: time of one AdamW step per fp32 parameter (PyTorch's
+            default implementation); 0 when not measured.
     """
 
     name: str
@@ -162,6 +164,7 @@ class DeviceProfile:
     skipped_dtypes: Mapping[str, str] = field(default_factory=dict)
     op_overhead_s: float = 0.0
     tp_overhead_s: float = 0.0
+    optimizer_s_per_param: float = 0.0
     provenance: Provenance
 
     @property

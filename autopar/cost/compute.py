@@ -19,7 +19,8 @@ import math
 from dataclasses import dataclass
 
 from autopar.cluster import DeviceSpec
-from autopar.vocab import DType
+from autopar.cost.memory import optimizer_step_bytes
+from autopar.vocab import DType, Optimizer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,3 +72,11 @@ def interpolate_loglog(points: tuple[tuple[float, float], ...], x: float) -> flo
     (x0, y0), (x1, y1) = points[i - 1], points[i]
     w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
     return math.exp(math.log(y0) + w * (math.log(y1) - math.log(y0)))
+
+
+def optimizer_step_s(device: DeviceSpec, dtype: DType, optimizer: Optimizer, numel: float) -> float:
+    """Time of the optimizer step over ``numel`` local parameters: its memory traffic at
+    the device's measured optimizer rate, or at the streaming bandwidth when unmeasured
+    (a fused or foreach GPU optimizer is bandwidth bound)."""
+    rate = device.optimizer_bytes_per_s or rates(device, dtype).bytes_per_s
+    return optimizer_step_bytes(optimizer) * numel / rate

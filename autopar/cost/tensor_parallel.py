@@ -179,15 +179,18 @@ def leaf_fwd_s(leaf: Leaf, style: TPStyle, ctx: TPContext) -> float:
     time plus the framework's fixed cost of dispatching its ops (serial on a CPU; on a
     GPU kernel launches are asynchronous and hide behind large kernels, so GPU presets
     set no overhead and a measured profile supplies one)."""
-    scale = ctx.micro_batch
-    if style in (TPStyle.COLUMN, TPStyle.ROW, TPStyle.SEQUENCE):
-        scale /= ctx.tp
+    shard = ctx.tp if style in (TPStyle.COLUMN, TPStyle.ROW, TPStyle.SEQUENCE) else 1
+    scale = ctx.micro_batch / shard
+    # parameters are read once per call; a column/row/vocab split shards them (a norm's
+    # sequence split does not). An embedding's whole table counts: its dense backward
+    # writes a gradient the size of the table, which the backward factor charges.
+    weights = leaf.weight_bytes / (ctx.tp if style in (TPStyle.COLUMN, TPStyle.ROW, TPStyle.VOCAB) else 1)
     overhead = ctx.op_overhead_s * leaf.fwd_ops
     if style is not TPStyle.REPLICATE and ctx.tp > 1:
         overhead += ctx.tp_overhead_s
     return ctx.compute_scale * (overhead + work_s(matmul_flops=leaf.matmul_flops * scale,
                                                   other_flops=(leaf.fwd_flops - leaf.matmul_flops) * scale,
-                                                  nbytes=leaf.fwd_bytes * scale, r=ctx.rates))
+                                                  nbytes=leaf.fwd_bytes * scale + weights, r=ctx.rates))
 
 
 def glue_layout(a: Layout, b: Layout) -> Layout:

@@ -51,7 +51,10 @@ class Leaf:
             when it touches no attention.
         vocab: True for a vocabulary dimension (embedding rows, LM head outputs), which
             may be padded to a multiple of 128 x tp as Megatron-LM does.
-        fwd_flops, fwd_bytes: forward FLOPs and bytes moved, per sample.
+        fwd_flops, fwd_bytes: forward FLOPs and activation bytes moved, per sample.
+        weight_bytes: parameter bytes its forward reads, per call (not per sample): a
+            micro-batch reads its weights once, so a small-batch layer is bound by them
+            while its activation traffic grows with the batch.
         saved_bytes: activation bytes this leaf saves for backward, per sample.
         matmul_flops: the part of ``fwd_flops`` done by matrix multiplies (tensor cores).
         fwd_ops: aten ops its forward dispatches, per call (not per sample): what a
@@ -71,6 +74,7 @@ class Leaf:
     matmul_flops: float
     fwd_bytes: float
     saved_bytes: float
+    weight_bytes: float = 0.0
     fwd_ops: int = 0
 
     def styles(self, *, sequence_parallel: bool) -> tuple[TPStyle, ...]:

@@ -52,6 +52,7 @@ class _LeafAcc:
     fwd_flops: float = 0.0
     matmul_flops: float = 0.0
     fwd_bytes: float = 0.0
+    weight_bytes: float = 0.0
     saved: float = 0.0
     out_bytes: float = 0.0
     ops: int = 0
@@ -73,7 +74,7 @@ class _FlowAcc:
 @dataclass
 class SegmentTrace:
     """What the trace measured for one segment (per traced batch, not yet per sample;
-    op counts are per call and stay as they are)."""
+    op counts and parameter bytes are per call and stay as they are)."""
 
     leaves: list[_LeafAcc]
     flows: dict[tuple[int, int], _FlowAcc]
@@ -101,7 +102,8 @@ class SegmentTrace:
                 vocab=vocab_size > 0 and (acc.kind is LeafKind.EMBEDDING and acc.in_features == vocab_size
                                           or acc.kind is LeafKind.LINEAR and acc.out_features == vocab_size),
                 fwd_flops=acc.fwd_flops / batch, matmul_flops=acc.matmul_flops / batch,
-                fwd_bytes=acc.fwd_bytes / batch, saved_bytes=acc.saved / batch, fwd_ops=acc.ops))
+                fwd_bytes=acc.fwd_bytes / batch, weight_bytes=acc.weight_bytes, saved_bytes=acc.saved / batch,
+                fwd_ops=acc.ops))
         flows = tuple(
             Flow(src=remap[s], dst=remap[d], tensor_bytes=f.tensor_bytes / batch, glue_flops=f.glue_flops / batch,
                  glue_bytes=f.glue_bytes / batch, saved_bytes=f.saved / batch, attn_flops=f.attn_flops / batch,
@@ -120,11 +122,14 @@ class Segment:
         self.leaf_index: dict[int, int] = {}
         self.leaves: list[_LeafAcc] = []
         for name, mod in leaf_modules:
+            # remove_duplicate=False: while tracing, parameters of one shape are one fake
+            # tensor (a norm's weight and bias), which parameters() would count once
+            numel = sum(p.numel() for _, p in mod.named_parameters(recurse=False, remove_duplicate=False))
             kind = leaf_kind(mod)
             fin, fout, wnumel = matrix_shape(mod, kind)
             self.leaf_index[id(mod)] = len(self.leaves)
             self.leaves.append(_LeafAcc(name=name, kind=kind,
-                                        param_numel=sum(p.numel() for p in mod.parameters(recurse=False)),
+                                        param_numel=numel,
                                         weight_numel=wnumel, in_features=fin, out_features=fout))
         self.info: dict[int, Info] = {}
         self.keep: list[torch.Tensor] = []

@@ -77,8 +77,10 @@ class _Recorder(TorchDispatchMode):
         nbytes = float(sum(nbytes_of(t) for t in ins) + sum(nbytes_of(t) for t in outs))
         if seg.leaf_stack:
             leaf = seg.leaves[seg.leaf_stack[-1]]
+            weights = float(sum(nbytes_of(t) for t in ins if self.tracer.is_parameter(t)))
             leaf.fwd_flops += flops
-            leaf.fwd_bytes += nbytes
+            leaf.fwd_bytes += nbytes - weights
+            leaf.weight_bytes += weights
             leaf.ops += 1
             if func._overloadpacket in _MATMUL_OPS:
                 leaf.matmul_flops += flops
@@ -120,6 +122,13 @@ class Tracer:
         self.attn_inputs: set[int] = set()
         self.seen_storages: set[int] = set()
         self.head_dim = 0
+
+    def is_parameter(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is (a view of) a parameter: read once per call whatever the batch."""
+        try:
+            return t.untyped_storage()._cdata in self.param_storages
+        except (RuntimeError, NotImplementedError):
+            return False
 
     # -- saved tensors --------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,8 @@ import numpy as np
 
 from autopar.cluster import Cluster
 from autopar.cost.comm import all_gather_s, group_span, p2p_s, reduce_scatter_s
-from autopar.cost.compute import rates
-from autopar.cost.memory import optimizer_step_bytes, state_bytes
+from autopar.cost.compute import optimizer_step_s, rates
+from autopar.cost.memory import state_bytes
 from autopar.cost.pipeline import inflight_microbatches
 from autopar.cost.tensor_parallel import Layout, TPContext
 from autopar.graph.layer_graph import LayerGraph
@@ -254,9 +254,9 @@ class Evaluator:
             params += count * min(o.layout.param_numel for o in opts)
         pp, m, v = config.pp, config.num_microbatches, config.virtual_stages
         pipe = (m - 1 + pp) / pp * total if v == 1 else (m + (pp - 1) / v) * total / pp
-        share = params / pp
+        share = (params - sum(s.numel for s in self.graph.shared) / config.tp) / pp  # tied weights once
         local = share / config.dp if config.zero_stage >= 1 else share
-        tail = optimizer_step_bytes(self.optimizer) * local / rates(self.cluster.device, config.dtype).bytes_per_s
+        tail = optimizer_step_s(self.cluster.device, config.dtype, self.optimizer, local)
         if config.dp > 1:
             span = group_span(config.dp, config.tp, self.cluster.devices_per_node)
             if config.zero_stage == 1:
@@ -352,6 +352,9 @@ class Evaluator:
         """Leaf styles and per-unit recompute overrides, and the default recompute."""
         tp_map: dict[str, TPStyle] = {}
         modes: dict[str, Recompute] = {}
+        # the default is the mode most units take (counting modules, an embedding unit of
+        # two modules would outvote a block)
+        per_unit: Counter = Counter()
         for plan in stages:
             for u, opt in zip(plan.units, plan.options):
                 unit = self.graph.units[u]
@@ -361,7 +364,8 @@ class Evaluator:
                         tp_map[unit.leaf_fqn(leaf.name)] = style
                 for mod in unit.modules:
                     modes[mod] = opt.recompute
-        default = Counter(modes.values()).most_common(1)[0][0] if modes else Recompute.NONE
+                per_unit[opt.recompute] += 1
+        default = per_unit.most_common(1)[0][0] if per_unit else Recompute.NONE
         overrides = {k: v for k, v in modes.items() if v is not default}
         return LayerStrategies(tp=tp_map, recompute=overrides), default
 

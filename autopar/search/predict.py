@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from autopar.cost.comm import all_gather_s, all_reduce_s, group_span, reduce_scatter_s
-from autopar.cost.compute import rates
-from autopar.cost.memory import compute_copy_bytes, optimizer_step_bytes, state_bytes
+from autopar.cost.compute import optimizer_step_s
+from autopar.cost.memory import compute_copy_bytes, state_bytes
 from autopar.cost.pipeline import inflight_microbatches, pipeline_time_s
 from autopar.plan import MemoryBreakdown, ParallelConfig, Prediction, StagePrediction, StepBreakdown
 from autopar.vocab import Recompute
@@ -22,13 +22,6 @@ from autopar.search.evaluate import StagePlan
 
 if TYPE_CHECKING:
     from autopar.search.evaluate import Evaluator
-
-OVERLAP_EFFICIENCY = 0.8
-"""Share of the compute time that can hide data-parallel communication. Overlapped
-collectives are not free: NCCL's kernels occupy streaming multiprocessors and both
-compete for memory bandwidth, so overlapped compute runs slower; 0.8 is a conservative
-middle of the 10-30% slowdowns reported for overlapped FSDP/DDP communication."""
-
 
 @dataclass(frozen=True, kw_only=True)
 class Timing:
@@ -52,7 +45,10 @@ def tail_s(ev: Evaluator, plan: StagePlan, config: ParallelConfig) -> tuple[floa
     each unit's forward and backward, overlapped with the previous unit's compute.
     Tied weights split over the first and last stage are all-reduced between them.
     """
+    n = len(ev.graph.units)
     params = sum(o.layout.param_numel for o in plan.options)
+    if 0 in plan.units and n - 1 in plan.units:  # tied weights: one tensor, reduced and stepped once
+        params -= sum(s.numel for s in ev.graph.shared) / config.tp
     units = max(len(plan.options), 1)
     bwd = sum(o.bwd_s for o in plan.options)
     fwd = sum(o.fwd_s for o in plan.options)
@@ -63,8 +59,9 @@ def tail_s(ev: Evaluator, plan: StagePlan, config: ParallelConfig) -> tuple[floa
     grad_bytes = 4.0 * params
     exposed = 0.0
     if config.dp > 1:
-        hidden_bwd = OVERLAP_EFFICIENCY * bwd * (1 - 1 / units)
-        hidden_fwd = OVERLAP_EFFICIENCY * fwd * (1 - 1 / units)
+        overlap = cl.device.comm_overlap  # share of compute that hides communication
+        hidden_bwd = overlap * bwd * (1 - 1 / units)
+        hidden_fwd = overlap * fwd * (1 - 1 / units)
         if config.zero_stage <= 1:
             exposed = max(all_reduce_s(grad_bytes, span, cl) - hidden_bwd, 0.0)
             if config.zero_stage == 1:
@@ -81,14 +78,11 @@ def tail_s(ev: Evaluator, plan: StagePlan, config: ParallelConfig) -> tuple[floa
                 exposed = m * max(rs - hidden_bwd, rs / units) + max(ag - hidden_fwd, ag / units)
             else:
                 exposed = m * (max(ag - hidden_fwd, ag / units) + max(ag + rs - hidden_bwd, (ag + rs) / units))
-    n = len(ev.graph.units)
     if config.pp > 1 and ev.graph.shared and (0 in plan.units or n - 1 in plan.units):
         pair = group_span(2, config.tp * config.dp * (config.pp - 1), ev.cluster.devices_per_node)
         exposed += all_reduce_s(4.0 * sum(s.numel for s in ev.graph.shared) / config.tp, pair, cl)
     local = params / config.dp if config.zero_stage >= 1 else params
-    r = rates(ev.cluster.device, config.dtype)
-    optimizer = optimizer_step_bytes(ev.optimizer) * local / r.bytes_per_s
-    return exposed, optimizer
+    return exposed, optimizer_step_s(cl.device, config.dtype, ev.optimizer, local)
 
 
 def timing(ev: Evaluator, config: ParallelConfig, stages: list[StagePlan] | tuple[StagePlan, ...]) -> "Timing":

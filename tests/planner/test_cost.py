@@ -125,7 +125,11 @@ def test_megatron_block_communication_and_memory():
     whole = full.saved_bytes + full.attn_saved_bytes
     assert sp.saved_bytes + sp.attn_saved_bytes == pytest.approx((whole - gathered) / t + gathered, rel=1e-9)
     assert cost.saved_bytes + cost.attn_saved_bytes > sp.saved_bytes + sp.attn_saved_bytes
-    assert cost.param_numel == pytest.approx((block.param_numel - 2 * 2 * h - h) / t + 2 * 2 * h + h, rel=1e-3)
+    # 12 h^2 weights sharded; the two norms (4h) and the biases (q, k, v, o: 4h; w1: 4h;
+    # w2: h) charged replicated, 13h in all (a column split's bias is one vector,
+    # counted as replicated: graph.units.matrix_shape)
+    assert block.param_numel == 12 * h * h + 13 * h
+    assert cost.param_numel == pytest.approx(12 * h * h / t + 13 * h, rel=1e-12)
 
 
 def test_megatron_vocabulary_padding():
@@ -149,3 +153,48 @@ def test_framework_overhead_is_charged_per_op_and_per_sharded_leaf():
         1e-3 * leaf.fwd_ops)
     assert leaf_fwd_s(leaf, TPStyle.COLUMN, slow) - leaf_fwd_s(leaf, TPStyle.COLUMN, base) == pytest.approx(
         1e-3 * leaf.fwd_ops + 5e-3)
+
+
+def test_weight_traffic_is_per_call_and_sharded_by_tensor_parallelism():
+    """A memory-bound leaf: doubling the micro-batch adds only its activation bytes; a
+    column split divides its weight traffic by tp, a sequence-split norm does not."""
+    from autopar.cost.tensor_parallel import leaf_fwd_s
+
+    graph = extract(build_named_model("gpt2-small"), seq_len=8, dtype="fp32")
+    block = graph.profile_of(1)
+    slow_flops = Cluster.preset("local-cpu", devices_per_node=2)
+    r = ComputeRates(matmul_flops_per_s=1e30, vector_flops_per_s=1e30, bytes_per_s=1e9)
+    ctx = TPContext(tp=2, span=group_span(2, 1, 2), cluster=slow_flops, rates=r, micro_batch=1, tokens=8,
+                    boundary=Layout.R, first=False, last=False, loss_parallel=False, sequence_parallel=True,
+                    op_overhead_s=0.0, tp_overhead_s=0.0)
+    twice = TPContext(**{**ctx.__dict__, "micro_batch": 2})
+    fc = next(x for x in block.leaves if x.name.endswith("c_fc") or x.name.endswith("w1"))
+    assert fc.weight_bytes == pytest.approx(4 * fc.param_numel)
+    assert leaf_fwd_s(fc, TPStyle.REPLICATE, ctx) == pytest.approx((fc.fwd_bytes + fc.weight_bytes) / 1e9)
+    assert leaf_fwd_s(fc, TPStyle.REPLICATE, twice) - leaf_fwd_s(fc, TPStyle.REPLICATE, ctx) == pytest.approx(
+        fc.fwd_bytes / 1e9)
+    assert leaf_fwd_s(fc, TPStyle.COLUMN, ctx) == pytest.approx((fc.fwd_bytes + fc.weight_bytes) / 2 / 1e9)
+    norm = next(x for x in block.leaves if x.kind.value == "norm")
+    assert leaf_fwd_s(norm, TPStyle.SEQUENCE, ctx) == pytest.approx((norm.fwd_bytes / 2 + norm.weight_bytes) / 1e9)
+
+
+def test_cpu_communication_is_not_hidden_and_the_optimizer_runs_at_its_measured_rate():
+    """local-cpu: gloo shares the cores, so data-parallel all-reduce adds its whole time;
+    the AdamW step moves 30 bytes per parameter at the device's optimizer rate."""
+    import dataclasses
+
+    import autopar
+
+    model = build_named_model("gpt2-small")
+    cpu = Cluster.preset("local-cpu", devices_per_node=2)
+    cfg = {"dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 1, "zero_stage": 0}
+    est = autopar.estimate(model, cpu, cfg, global_batch_size=2, seq_len=64)
+    params = est.prediction.breakdown  # one stage: all parameters on each rank
+    numel = sum(p.numel() for p in model.parameters())
+    span = group_span(2, 1, 2)
+    assert cpu.device.comm_overlap == 0.0
+    assert params.dp_comm_s == pytest.approx(all_reduce_s(4.0 * numel, span, cpu), rel=1e-6)
+    assert params.optimizer_s == pytest.approx(30.0 * numel / cpu.device.optimizer_bytes_per_s, rel=1e-6)
+    overlapping = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, comm_overlap=0.8))
+    hidden = autopar.estimate(model, overlapping, cfg, global_batch_size=2, seq_len=64).prediction.breakdown
+    assert hidden.dp_comm_s < params.dp_comm_s

@@ -140,6 +140,16 @@ def test_mlp_stack_and_plain_sequential():
     assert gs.profile_of(0).leaves[0].matmul_flops == pytest.approx(2 * 8 * 16)
 
 
+def test_weights_are_read_once_per_call_activations_per_sample():
+    """nn.Linear(8, 16) on a batch of 4 (addmm): the weight (8x16) and bias (16) are read
+    once per call whatever the batch; input (4x8) and output (4x16) per sample."""
+    seq = nn.Sequential(nn.Linear(8, 16))
+    for batch in (1, 4):
+        leaf = extract(seq, sample_input=torch.zeros(batch, 8), dtype="fp32").profile_of(0).leaves[0]
+        assert leaf.weight_bytes == 4 * (8 * 16 + 16)
+        assert leaf.fwd_bytes == 4 * (8 + 16)  # per sample
+
+
 def test_trillion_parameter_model_on_meta():
     g = extract(build_named_model("gpt-1t"), seq_len=2048)
     assert g.num_params > 1.0e12 and len(g.units) == 130 and len(g.profiles) == 3

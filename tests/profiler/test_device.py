@@ -36,10 +36,14 @@ def test_cpu_sweep_measures_curves_and_bandwidth():
     largest = [b for b in d.bandwidth if b.array_bytes == 2**24]
     assert d.memory_bandwidth_bytes_per_s == max(b.achieved_bytes_per_s for b in largest)
     assert d.provenance.software["torch"] == torch.__version__
-    assert len(lines) == 4 + 2 + 4 and lines[0].startswith("matmul fp32 32x32x32:")
+    assert len(lines) == 4 + 2 + 1 + 4 and lines[0].startswith("matmul fp32 32x32x32:")
     # framework overheads: positive and of the right order for eager PyTorch on a CPU
     assert 1e-7 < d.op_overhead_s < 1e-3 and 0 < d.tp_overhead_s < 0.1
     assert any(line.startswith("framework overhead:") for line in lines)
+    # an AdamW step reads and writes the weight and both moments and reads the gradient:
+    # at least 28 bytes per parameter, which no kernel streams faster than the sweep's best
+    assert d.optimizer_s_per_param * max(b.achieved_bytes_per_s for b in d.bandwidth) >= 28 * 0.5
+    assert any(line.startswith("AdamW step:") for line in lines)
 
 
 def test_threads_are_restored():

@@ -201,3 +201,38 @@ def test_calibrated_cost_model_reproduces_the_measurement():
 
         assert unit_time(2) == pytest.approx(measured[sig], rel=1e-9), unit.fqn
         assert unit_time(2) < unit_time(4) <= 2 * unit_time(2) * (1 + 1e-9)
+
+
+def test_processes_beyond_the_cores_time_share_the_measured_device():
+    """The factory's machine has 2 cores and the device was measured by one 1-thread
+    process: 4 processes on a node get half a core each, 2 get a whole one."""
+    two = cluster_from_profiles([device(rate_flop_per_s=2e11, bandwidth=3e10), network(node_of_rank=("a",) * 2,
+                                                                                        inter=None)])
+    four = cluster_from_profiles([device(rate_flop_per_s=2e11, bandwidth=3e10), network(node_of_rank=("a",) * 4,
+                                                                                         inter=None)])
+    assert two.device.time_share == 1.0 and four.device.time_share == 0.5
+    assert four.device.matmul_curves[DType.FP32][-1][1] == pytest.approx(1e11)
+    assert four.device.memory_bandwidth_bytes_per_s == pytest.approx(1.5e10)
+    assert four.device.peak_flops[DType.FP32] == pytest.approx(1e11)
+    alone = four.device.alone()
+    assert alone.matmul_curves == two.device.matmul_curves and alone.op_overhead_s == two.device.op_overhead_s
+    assert alone.memory_bandwidth_bytes_per_s == pytest.approx(two.device.memory_bandwidth_bytes_per_s)
+    # the layer factors compare the one-process measurement with the device alone, so
+    # they do not change with the number of processes that will share it
+    for net in (("a",) * 2, ("a",) * 4):
+        reports = [device(rate_flop_per_s=2e11, bandwidth=3e10), layers(), network(node_of_rank=net, inter=None)]
+        assert layer_calibration(reports)["sig-block"] == pytest.approx(
+            (0.02 + 0.04) / (3 * max(1e9 / 2e11, 1e6 / 3e10)))
+
+
+def test_local_cpu_processes_beyond_the_cores_get_a_share():
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    whole = Cluster.preset("local-cpu", devices_per_node=cores).device
+    shared = Cluster.preset("local-cpu", devices_per_node=2 * cores).device
+    assert whole.time_share == 1.0 and shared.time_share == 0.5
+    assert shared.peak_flops[DType.FP32] == pytest.approx(whole.peak_flops[DType.FP32] / 2)
+    assert shared.op_overhead_s == pytest.approx(2 * whole.op_overhead_s)
+    assert shared.optimizer_bytes_per_s == pytest.approx(whole.optimizer_bytes_per_s / 2)
+    assert shared.alone().peak_flops == whole.peak_flops and "time share" not in shared.alone().source

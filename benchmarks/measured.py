@@ -11,8 +11,8 @@ For a few small models on ``--nproc`` local processes (default 4): the plan
   smallest PP that fits, DP the rest;
 - **ZeRO-3**: data parallelism only, fully sharded (FSDP2).
 
-The profile (``predicted_vs_measured.profile_machine``) is taken by ``--nproc`` processes
-at once, at other shapes than the ones trained (GPT seq 256 x 3 against seq 128 x 4;
+The profile (``predicted_vs_measured.profile_machine``): layers by one process, the
+network by ``--nproc`` processes at once, at other shapes than the ones trained (GPT seq 256 x 3 against seq 128 x 4;
 the MLP and the CNN at 24 and 12 samples against micro-batches of 4 to 64). Plans that
 came out the same are run once. Runs are interleaved over rounds, and a run's step time
 is its median step (barrier to barrier, the slowest rank); the table gives the median
@@ -194,8 +194,9 @@ def main() -> None:
     by_plan = {key: measured[run.label] for key, run in runs.items()}
     verdicts, table, rows = _tables(args.models, plans, by_plan)
     csv_path = write_csv(NAME, rows)
-    head = (f"Cluster: `local-cpu` with {args.nproc} processes per node, profiled by {args.nproc} processes at "
-            f"once at other shapes ({args.rounds} interleaved rounds, median kept; saved as `{saved.name}`; "
+    head = (f"Cluster: `local-cpu` with {args.nproc} processes per node; layers profiled by one process, the "
+            f"network by {args.nproc} at once, at other shapes ({args.rounds} interleaved rounds, median kept; saved "
+            f"as `{saved.name}`; "
             f"{profile_s:.0f} s). Models: " + "; ".join(f"**{n}**: {CASES[n].describe}" for n in args.models)
             + f". fp32, AdamW. {args.rounds} interleaved rounds of {args.steps} steps (2 untimed) per distinct plan, "
             f"peak memory in a metered run in the first; everything took {(time.perf_counter() - started) / 60:.1f} "

@@ -5,10 +5,11 @@ The machine is profiled first with the profiler's own functions (device matmul c
 per-unit layer times, an alpha-beta network fit), on the same GPT architecture at a
 *different shape* (seq 256 x batch 3, 768 tokens per pass) than any that runs (seq 128,
 micro-batches of 128 to 2048 tokens), so no prediction is fitted to the run it predicts.
-Each world size gets its own layer and network profile, measured by that many processes
-at once: on this 2-core machine 4 processes get about half a core each, which a profile
-taken in one process cannot know (the table shows what that one predicts too). Profiles
-are taken in interleaved rounds and the median kept. Then every candidate plan is
+The layers are profiled by one process, as ``autopar profile model`` is run; the
+planner itself accounts for processes that outnumber the cores (on this 2-core machine 4
+processes get half a core each: ``DeviceSpec.time_shared``). The network is profiled by
+as many processes as each plan runs, since gloo's speed depends on how many share the
+cores. Profiles are taken in interleaved rounds and the median kept. Then every candidate plan is
 ``autopar.estimate``-d with the profile and run with ``autopar.runtime.local.run_locally``
 (AdamW, fp32, global batch 16). Candidates are interleaved over rounds (forward order,
 then reversed, ...), so a burst of load from other jobs on the shared machine spreads
@@ -109,7 +110,7 @@ class ProfileTarget:
 def _profile_rank(rank: int, world: int, targets: Mapping[str, ProfileTarget], max_bytes: int,
                   command: str) -> dict[str, Any]:
     out: dict[str, Any] = {"layers": {}, "network": None}
-    for name, target in targets.items():
+    for name, target in targets.items() if world == 1 else ():
         torch.manual_seed(0)
         model = target.build().train()
         sample = target.sample()
@@ -126,13 +127,10 @@ def _profile_rank(rank: int, world: int, targets: Mapping[str, ProfileTarget], m
 
 def profile_world(world: int, targets: Mapping[str, ProfileTarget], *, max_bytes: int = 16 * 2**20,
                   command: str = NAME) -> dict[str, Any]:
-    """One sweep by ``world`` processes at once: every rank's layer reports (``{name:
-    [report per rank]}``) and the network report (None for one process).
-
-    All ranks measure together, with barriers between models, so the numbers are what
-    one process gets while ``world`` share the machine's cores."""
+    """One sweep: by one process, its layer reports (``{name: report}``); by ``world > 1``
+    processes at once, their network report."""
     ranks = run_spmd(_profile_rank, world, targets, max_bytes, command, settings=SETTINGS)
-    return {"layers": {name: [r["layers"][name] for r in ranks] for name in targets}, "network": ranks[0]["network"]}
+    return {"layers": ranks[0]["layers"], "network": ranks[0]["network"]}
 
 
 def layers_s(report: Mapping[str, Any]) -> float:
@@ -151,36 +149,32 @@ def _median_by(items: Sequence[Any], key: Callable[[Any], float]) -> Any:
 
 
 def combine(device: Mapping[str, Any], sweeps: Mapping[int, Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
-    """The profile to plan with: per world size, the median layer report over every rank
-    of every sweep (by :func:`layers_s`) and the median network report (by its 1 MiB
-    time), so neither one lucky rank nor a burst of load from other jobs decides it.
+    """The profile to plan with: the median one-process layer report over the sweeps (by
+    :func:`layers_s`) and, per world size, the median network report (by its 1 MiB
+    time), so a burst of load from other jobs does not decide it.
 
-    Returns ``{"device": report, "worlds": {w: {"layers": {name: report}, "network":
-    report or None, "layers_s_rounds": {name: [median over ranks, per sweep]},
-    "network_s_rounds": [s per sweep]}}}``.
+    Returns ``{"device": report, "layers": {name: report}, "layers_s_rounds": {name: [s
+    per sweep]}, "worlds": {w: {"network": report, "network_s_rounds": [s per sweep]}}}``.
     """
-    out: dict[int, dict[str, Any]] = {}
-    for w, taken in sweeps.items():
-        names = list(taken[0]["layers"])
-        out[w] = {
-            "layers": {n: _median_by([r for s in taken for r in s["layers"][n]], layers_s) for n in names},
-            "layers_s_rounds": {n: [statistics.median(map(layers_s, s["layers"][n])) for s in taken] for n in names},
-            "network": _median_by([s["network"] for s in taken], _network_s) if w > 1 else None,
-            "network_s_rounds": [_network_s(s["network"]) for s in taken] if w > 1 else []}
-    return {"device": device, "worlds": out}
+    taken = sweeps[1]
+    names = list(taken[0]["layers"])
+    worlds = {w: {"network": _median_by([s["network"] for s in runs], _network_s),
+                  "network_s_rounds": [_network_s(s["network"]) for s in runs]}
+              for w, runs in sweeps.items() if w > 1}
+    return {"device": device, "layers": {n: _median_by([s["layers"][n] for s in taken], layers_s) for n in names},
+            "layers_s_rounds": {n: [layers_s(s["layers"][n]) for s in taken] for n in names}, "worlds": worlds}
 
 
 def profile_machine(worlds: Sequence[int], targets: Mapping[str, ProfileTarget], *, rounds: int = 3,
                     command: str = NAME, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Profiles of this machine as ``w`` processes share it, for each ``w`` in ``worlds``:
-    the device sweep once, in this process (its matmul curves carry the shape dependence;
-    the per-unit factors of the layer profile carry the rest, core sharing included),
-    then ``rounds`` interleaved sweeps of each world size (:func:`profile_world`),
-    :func:`combine`-d."""
+    """Profiles of this machine: the device sweep once, in this process (its matmul
+    curves carry the shape dependence), then ``rounds`` interleaved sweeps of the layers
+    by one process and of the network by each ``w > 1`` of ``worlds``
+    (:func:`profile_world`), :func:`combine`-d."""
     device = profile_device(command=command).to_dict()
-    sweeps: dict[int, list[dict[str, Any]]] = {w: [] for w in worlds}
+    sweeps: dict[int, list[dict[str, Any]]] = {w: [] for w in sorted({1, *worlds})}
     for rnd in range(rounds):
-        for w in worlds:
+        for w in sweeps:
             start = time.perf_counter()
             sweeps[w].append(profile_world(w, targets, command=command))
             log(f"profile round {rnd + 1}, {w} process(es): {time.perf_counter() - start:.0f} s")
@@ -194,13 +188,11 @@ def plan_key(plan: autopar.Plan) -> str:
                        [list(s) for s in plan.stages]])
 
 
-def reports(profile: Mapping[str, Any], world: int, model: str, *, layers_world: int | None = None
-            ) -> list[Mapping[str, Any]]:
+def reports(profile: Mapping[str, Any], world: int, model: str) -> list[Mapping[str, Any]]:
     """The reports ``autopar.estimate`` / ``autopar.plan`` take for ``model`` on ``world``
-    processes (the layer profile of ``layers_world`` processes when given)."""
-    per = profile["worlds"]
-    layers = per[layers_world or world]["layers"][model]
-    return [r for r in (profile["device"], layers, per[world]["network"]) if r is not None]
+    processes: the device, the model's layers, the network of ``world`` processes."""
+    network = profile["worlds"][world]["network"] if world > 1 else None
+    return [r for r in (profile["device"], profile["layers"][model], network) if r is not None]
 
 
 # ---- measuring: shared with benchmarks/measured.py ----
@@ -296,19 +288,16 @@ def fmt_rounds(values: Sequence[float]) -> str:
 
 
 def profile_lines(profile: Mapping[str, Any]) -> list[str]:
-    """One Markdown bullet per world size: the kept network fit and the layer totals of
-    every profile round (their spread is the machine's noise while profiling)."""
-    lines = []
+    """Markdown bullets: the layer totals of every profile round (their spread is the
+    machine's noise while profiling), then per world size the kept network fit."""
+    lines = ["- layers, one process: " + "; ".join(
+        f"{name} fwd+bwd per round {' / '.join(f'{s * 1e3:.0f}' for s in rounds)} ms"
+        for name, rounds in profile["layers_s_rounds"].items())]
     for w, per in sorted(profile["worlds"].items(), key=lambda kv: int(kv[0])):
-        net = per["network"]
-        fit = next((f for f in net["network"]["fits"] if f["level"] == "intra" and len(f["ops"]) > 1), None) \
-            if net else None
-        link = (f"network alpha {fit['alpha_s'] * 1e6:.0f} us, busbw {fit['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s "
-                f"(1 MiB all-reduce-fit time per round: {' / '.join(f'{s * 1e3:.1f}' for s in per['network_s_rounds'])}"
-                f" ms)" if fit else "no network")
-        layers = "; ".join(f"{name} fwd+bwd per round {' / '.join(f'{s * 1e3:.0f}' for s in rounds)} ms"
-                           for name, rounds in per["layers_s_rounds"].items())
-        lines.append(f"- {w} process(es): {link}; {layers}")
+        fit = next(f for f in per["network"]["network"]["fits"] if f["level"] == "intra" and len(f["ops"]) > 1)
+        lines.append(f"- network, {w} processes: alpha {fit['alpha_s'] * 1e6:.0f} us, busbw "
+                     f"{fit['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s (1 MiB all-reduce-fit time per round: "
+                     f"{' / '.join(f'{s * 1e3:.1f}' for s in per['network_s_rounds'])} ms)")
     return lines
 
 
@@ -324,10 +313,10 @@ def _targets() -> dict[str, ProfileTarget]:
                                                               generator=torch.Generator().manual_seed(0)))}
 
 
-def _estimate(candidate: Candidate, profile: Mapping[str, Any], layers_world: int | None = None) -> autopar.Plan:
+def _estimate(candidate: Candidate, profile: Mapping[str, Any]) -> autopar.Plan:
     cluster = autopar.Cluster.preset("local-cpu", devices_per_node=candidate.world)
     return autopar.estimate(build(), cluster, candidate.config, global_batch_size=GLOBAL_BATCH, seq_len=CFG.seq_len,
-                            profile=reports(profile, candidate.world, "gpt", layers_world=layers_world))
+                            profile=reports(profile, candidate.world, "gpt"))
 
 
 def main() -> None:
@@ -376,8 +365,7 @@ def main() -> None:
                         f"`{saved.name}`")
     plans = {c.name: _estimate(c, profile) for c in candidates}
     changed = [c.name for c in candidates if plan_key(plans[c.name]) != plan_key(executed[c.name])]
-    one_process = {c.name: _estimate(c, profile, layers_world=1).prediction.step_time_s for c in candidates}
-    body, rows = _tables(candidates, plans, one_process, measured)
+    body, rows = _tables(candidates, plans, measured)
     csv_path = write_csv(NAME, rows)
     header = (
         f"Model: GPT dim {CFG.dim}, {CFG.n_layers} layers, {CFG.n_heads} heads, seq {CFG.seq_len}, vocab "
@@ -397,8 +385,7 @@ def main() -> None:
     print(f"wrote {md} and {csv_path}")
 
 
-def _tables(candidates: Sequence[Candidate], plans: Mapping[str, autopar.Plan], one_process: Mapping[str, float],
-            measured: Mapping[str, Measured]) -> tuple[str, list[dict[str, Any]]]:
+def _tables(candidates: Sequence[Candidate], plans: Mapping[str, autopar.Plan], measured: Mapping[str, Measured]) -> tuple[str, list[dict[str, Any]]]:
     rows, lines, ok = [], [], []
     for c in candidates:
         plan, m = plans[c.name], measured[c.name]
@@ -415,7 +402,6 @@ def _tables(candidates: Sequence[Candidate], plans: Mapping[str, autopar.Plan], 
             "predicted_s": f"{p.step_time_s:.4f}", "measured_median_s": f"{m.median_s:.4f}",
             "measured_rounds_s": fmt_rounds(m.round_medians_s), "ratio": f"{ratio:.3f}",
             "within_20pct": within if m.round_medians_s else "",
-            "predicted_1proc_profile_s": f"{one_process[c.name]:.4f}",
             "pred_compute_s": f"{b.compute_s:.4f}", "pred_recompute_s": f"{b.recompute_s:.4f}",
             "pred_tp_comm_s": f"{b.tp_comm_s:.4f}", "pred_pp_comm_s": f"{b.pp_comm_s:.4f}",
             "pred_bubble_s": f"{b.bubble_s:.4f}", "pred_dp_comm_s": f"{b.dp_comm_s:.4f}",
@@ -425,12 +411,12 @@ def _tables(candidates: Sequence[Candidate], plans: Mapping[str, autopar.Plan], 
             "worst_memory_error": f"{worst_mem:+.3f}", "error": m.error,
         })
         if m.error:
-            lines.append(f"| {c.name} | {describe(plan)} | {p.step_time_s:.3f} | FAILED: {m.error} | | | | | | | |")
+            lines.append(f"| {c.name} | {describe(plan)} | {p.step_time_s:.3f} | FAILED: {m.error} | | | | | | |")
             continue
         lines.append(
             f"| {c.name} | {describe(plan)} | {p.step_time_s:.3f} | {m.median_s:.3f} | "
             f"{fmt_rounds(m.round_medians_s)} | {ratio:.2f} | {'yes' if within else 'no'} | "
-            f"{one_process[c.name]:.3f} | {' / '.join(f'{v / 2**20:.0f}' for v in pred_peaks)} | "
+            f"{' / '.join(f'{v / 2**20:.0f}' for v in pred_peaks)} | "
             f"{' / '.join(f'{v / 2**20:.0f}' for v in meas_peaks)} | {worst_mem:+.0%} |")
     rho = spearman([o[1] for o in ok], [o[2] for o in ok])
     small = [o for o in ok if o[0].world <= 2]
@@ -445,16 +431,14 @@ def _tables(candidates: Sequence[Candidate], plans: Mapping[str, autopar.Plan], 
         f"{sum(abs(o[4]) <= MEMORY_TOLERANCE for o in mem)} of {len(mem)} candidates within {MEMORY_TOLERANCE:.0%} on "
         f"every rank.")
     head = ["| candidate | plan | predicted s | measured s (median) | rounds (s) | predicted / measured | within 20% | "
-            "predicted with 1-process layer profile (s) | predicted peak MiB per rank | measured peak MiB per rank | "
-            "worst memory error |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "predicted peak MiB per rank | measured peak MiB per rank | worst memory error |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     return "\n\n".join([summary, "\n".join(head + lines)]), rows
 
 
-NOTES = """Predicted: `autopar.estimate` of the candidate's configuration with the profile of its
-world size (device curves, its per-unit layer factors and network fit). The column 'with
-1-process layer profile' uses the layer factors measured by a single process instead (how
-`autopar profile model` is usually run): the difference is what sharing 2 cores among the
-processes costs, which the cost model does not know by itself. Measured: median over rounds
+NOTES = """Predicted: `autopar.estimate` of the candidate's configuration with the device curves,
+the per-unit layer factors measured by one process, and the network fit of its world size;
+where processes outnumber the cores, the planner gives each its share of them. Measured: median over rounds
 of each run's median step (barrier to barrier, the slowest rank, optimizer step included).
 Memory: peak tensor bytes per rank (`autopar.runtime.metrics.TensorBytesMeter`, not gloo's
 own buffers) in `run_locally`'s separate metered run, against the predicted peak of the

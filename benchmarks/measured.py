@@ -188,7 +188,7 @@ def main() -> None:
         for label, plan in plans[name].items():
             if plan is not None and _run_key(name, plan) not in runs:
                 runs[_run_key(name, plan)] = Run(label=f"{name} {label}", build=case.build, plan=plan,
-                                                 batch_fn=case.batch_fn)
+                                                 batch_fn=case.batch_fn, sample_input=_sample_input(case, plan))
         say(f"{name}: " + "; ".join(f"{k}: {describe(v) if v else 'none fits'}" for k, v in plans[name].items()))
     measured = measure_interleaved(list(runs.values()), rounds=args.rounds, steps=args.steps, log=say)
     by_plan = {key: measured[run.label] for key, run in runs.items()}
@@ -205,6 +205,15 @@ def main() -> None:
     md = write_result(NAME, f"autopar against the usual choices, measured on {args.nproc} local processes", text)
     print(text)
     print(f"wrote {md} and {csv_path}")
+
+
+def _sample_input(case: Case, plan: autopar.Plan) -> Any:
+    """One micro-batch of the case's own inputs for a model that takes no token ids
+    (``parallelize`` traces it to place tensor-parallel layouts); None for token models,
+    which are traced with the plan's sequence length."""
+    if "sample_input" not in case.inputs:
+        return None
+    return case.batch_fn(plan.config.micro_batch_size, 0)[0]
 
 
 def _run_key(name: str, plan: autopar.Plan) -> str:

@@ -206,6 +206,8 @@ class Run:
     plan: autopar.Plan
     batch_fn: BatchFn
     loss_fn: Callable = cross_entropy
+    sample_input: Any = None
+    """One micro-batch of inputs for ``parallelize`` (models without token ids)."""
 
 
 @dataclass(kw_only=True)
@@ -242,7 +244,7 @@ def measure_interleaved(runs: Sequence[Run], *, rounds: int, steps: int, warmup:
             try:
                 res: LocalRun = run_locally(run.build, run.plan, run.batch_fn, loss_fn=run.loss_fn, steps=steps,
                                             warmup=warmup, measure_memory=memory and rnd == 0,
-                                            settings=SETTINGS)
+                                            settings=SETTINGS, sample_input=run.sample_input)
             except Exception as exc:  # one broken plan must not hide the others' numbers
                 m.error = _first_cause(exc)
                 log(f"round {rnd + 1} {run.label}: FAILED {m.error}")

@@ -62,11 +62,12 @@ def cross_entropy(output: Any, target: torch.Tensor) -> torch.Tensor:
 
 
 def _worker(rank: int, world: int, build: Callable[[], nn.Module], plan: Plan, batch_fn: BatchFn,
-            loss_fn: Callable, steps: int, warmup: int, measure_memory: bool, lr: float) -> dict[str, Any]:
+            loss_fn: Callable, steps: int, warmup: int, measure_memory: bool, lr: float,
+            sample_input: Any) -> dict[str, Any]:
     from autopar.runtime.api import parallelize
 
     torch.manual_seed(0)
-    job = parallelize(build(), plan, loss_fn=loss_fn, measure_memory=measure_memory)
+    job = parallelize(build(), plan, loss_fn=loss_fn, measure_memory=measure_memory, sample_input=sample_input)
     opt = job.optimizer(torch.optim.AdamW, lr=lr)
     batches = [batch_fn(plan.config.global_batch_size, 1000 + i) for i in range(steps)]
     times, losses = [], []
@@ -85,20 +86,28 @@ def _worker(rank: int, world: int, build: Callable[[], nn.Module], plan: Plan, b
 
 def run_locally(build: Callable[[], nn.Module], plan: Plan, batch_fn: BatchFn, *, loss_fn: Callable = cross_entropy,
                 steps: int = 6, warmup: int = 2, measure_memory: bool = True, lr: float = 1e-3,
-                settings: SPMDSettings | None = None) -> LocalRun:
+                settings: SPMDSettings | None = None, sample_input: Any = None) -> LocalRun:
     """Train ``plan`` for ``steps`` steps on ``plan.config.world_size`` local processes.
 
     ``build`` makes the model on every rank (seeded identically). With
     ``measure_memory`` a second, three-step run records each rank's peak allocation in
     its last step (the first steps also allocate optimizer state and communication
     buckets once).
+
+    ``sample_input`` is handed to :func:`autopar.runtime.api.parallelize`: one
+    micro-batch of inputs (e.g. ``batch_fn(plan.config.micro_batch_size, 0)[0]``),
+    needed when the plan shards layers of a model that takes no token ids (an MLP, a
+    CNN), whose tensor-parallel layouts come from tracing one forward. Token models
+    need none: they are traced with the plan's sequence length.
     """
     world = plan.config.world_size
     settings = settings or SPMDSettings(timeout_s=600)
-    timed = run_spmd(_worker, world, build, plan, batch_fn, loss_fn, steps, warmup, False, lr, settings=settings)
+    timed = run_spmd(_worker, world, build, plan, batch_fn, loss_fn, steps, warmup, False, lr, sample_input,
+                     settings=settings)
     peaks: tuple[int, ...] = ()
     if measure_memory:
-        metered = run_spmd(_worker, world, build, plan, batch_fn, loss_fn, 3, 0, True, lr, settings=settings)
+        metered = run_spmd(_worker, world, build, plan, batch_fn, loss_fn, 3, 0, True, lr, sample_input,
+                           settings=settings)
         peaks = tuple(r["peak"] for r in metered)
     step_times = tuple(max(r["times"][i] for r in timed) for i in range(len(timed[0]["times"])))
     return LocalRun(step_times_s=step_times, losses=tuple(timed[0]["losses"]), peak_memory_bytes=peaks)

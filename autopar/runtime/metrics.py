@@ -18,6 +18,15 @@ optimizer state, activations, communication buffers).
   reports the storage freed; tensors alive at the start of the step (parameters,
   gradients, optimizer state) are counted from the start. Buffers gloo allocates
   outside PyTorch are not seen.
+
+  FSDP2 frees a unit's unsharded parameters by resizing their storage to 0 bytes and
+  regrows the same storage for the next all-gather (``free_storage`` /
+  ``alloc_storage``); a storage resize is no op a dispatch mode sees. So storages are
+  identified by their ``StorageImpl`` (not their data pointer, which moves on every
+  regrowth) and, while the meter runs, ``UntypedStorage.resize_`` reports each resize
+  to it. Counting by data pointer without that, the meter kept freed parameters alive
+  and counted each regrowth anew (dp=2 ZeRO-3 with 2 micro-batches on a 3.7M-parameter
+  GPT: 99 MiB counted, 85 MiB held).
 """
 
 from __future__ import annotations
@@ -102,19 +111,61 @@ class TensorBytesMeter(TorchDispatchMode):
             return  # FakeTensors are DTensor's shape propagation, not memory
         try:
             storage = t.untyped_storage()
-            key = storage.data_ptr() or id(storage)
         except RuntimeError:
             return  # a wrapper subclass without storage of its own (its inner tensor is counted)
-        if key in self._bytes:
-            return
-        self._bytes[key] = storage.nbytes()
+        if storage._cdata not in self._bytes:
+            self._watch(storage)
+
+    def _watch(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        self._bytes[key] = 0
         self._refs[key] = weakref.ref(storage, lambda _r, k=key: self._free(k))
-        self.current_bytes += self._bytes[key]
+        self._resized(storage)
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        if key not in self._bytes:
+            self._watch(storage)  # grown from 0 bytes before the step began: an allocation now
+            return
+        size = storage.nbytes()
+        self.current_bytes += size - self._bytes[key]
+        self._bytes[key] = size
         self.peak_bytes = max(self.peak_bytes, self.current_bytes)
 
     def _free(self, key: int) -> None:
         self.current_bytes -= self._bytes.pop(key, 0)
         self._refs.pop(key, None)
+
+    def __enter__(self) -> "TensorBytesMeter":
+        cls = torch.UntypedStorage
+        self._own_resize = "resize_" in cls.__dict__
+        resize = self._resize = cls.resize_
+        meter = self
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            out = resize(storage, size)
+            if storage.device.type == meter.device.type:
+                meter._resized(storage)
+            return out
+
+        cls.resize_ = resize_  # type: ignore[method-assign]
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._restore_resize()
+            raise
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._restore_resize()
+
+    def _restore_resize(self) -> None:
+        if self._own_resize:
+            torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+        else:
+            del torch.UntypedStorage.resize_
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if any(issubclass(t, DTensor) for t in types):

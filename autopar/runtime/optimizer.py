@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from autopar.runtime.errors import JobError
@@ -113,12 +114,23 @@ class ShardedOptimizer(Optimizer):
                 offset += t.numel()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients of every local parameter (owned or not)."""
+        """Clear the gradients of every local parameter (owned or not).
+
+        Gradients that are views of DDP's communication buckets
+        (``gradient_as_bucket_view``) are zeroed in place even with ``set_to_none``:
+        DDP keeps the buckets either way, and a gradient set to None comes back in the
+        next step's first micro-batches as a fresh tensor beside them (DDP skips the
+        buckets under ``no_sync``), so with gradient accumulation every gradient would
+        be held twice until the last micro-batch copies it into its bucket.
+        """
         for part in self.parts:
+            in_buckets = isinstance(part.module, DistributedDataParallel) and part.module.gradient_as_bucket_view
             for p in part.params:
-                if set_to_none:
+                if p.grad is None:
+                    continue
+                if set_to_none and not in_buckets:
                     p.grad = None
-                elif p.grad is not None:
+                else:
                     p.grad.zero_()
 
     def state_dict(self) -> dict[str, Any]:

@@ -19,7 +19,9 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining._backward import stage_backward
 
 from autopar.plan import Plan
 from autopar.runtime.errors import PipelineError
@@ -104,10 +106,49 @@ def _to_tensors(_module: nn.Module, _args: Any, output: Any) -> Any:
                         f"a tensor or a tuple of tensors (or an output with a 'logits' tensor).")
 
 
+class _ShardedAccumulationStage(PipelineStage):
+    """A ``PipelineStage`` whose FSDP2 module reduces gradients every micro-batch.
+
+    ``PipelineStage`` runs every micro-batch's backward with FSDP2's gradient sync and
+    resharding switched off and reduces once after the last (``perform_reduce_grad``),
+    so the stage's unsharded gradients pile up across micro-batches and ZeRO-3's
+    parameters stay gathered from one backward to the next forward. Without pipelining
+    the planner prices ZeRO-2/3 as plain FSDP2 gradient accumulation
+    (:func:`autopar.cost.memory.state_bytes`, :func:`autopar.search.predict.tail_s`):
+    each micro-batch reduce-scatters its gradients into the sharded ones, ZeRO-3
+    reshards after every backward and gathers again for the next micro-batch, and
+    ZeRO-2 keeps its parameters gathered until the last one. This stage does that; the
+    final ``perform_reduce_grad`` then finds no unsharded gradient left and only
+    reshards and scales.
+    """
+
+    def __init__(self, *args: Any, reshard_each_microbatch: bool, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._reshard_each_microbatch = reshard_each_microbatch
+
+    def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
+        if backward_type != "full" or not isinstance(self.submod, FSDPModule):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+        self.submod.set_is_last_backward(True)
+        self.submod.set_requires_gradient_sync(True)
+        self.submod.set_reshard_after_backward(self._reshard_each_microbatch or last_backward)
+        grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+        return grads, None
+
+
 def build_stages(modules: list[nn.Module], indices: tuple[int, ...], plan: Plan, device: torch.device,
                  group: Any) -> list[PipelineStage]:
-    """One ``PipelineStage`` per local stage module."""
-    return [PipelineStage(m, i, plan.config.num_stages, device, group=group) for m, i in zip(modules, indices)]
+    """One ``PipelineStage`` per local stage module. Without pipelining, a stage that
+    FSDP2 shards (ZeRO-2/3) reduces its gradients every micro-batch
+    (:class:`_ShardedAccumulationStage`); with ``pp > 1`` it keeps ``PipelineStage``'s
+    single reduction after the last micro-batch, as the planner's pipelined memory and
+    time terms assume."""
+    cfg = plan.config
+    if cfg.pp == 1 and cfg.zero_stage >= 2 and cfg.dp > 1:
+        return [_ShardedAccumulationStage(m, i, cfg.num_stages, device, group=group,
+                                          reshard_each_microbatch=cfg.zero_stage == 3)
+                for m, i in zip(modules, indices)]
+    return [PipelineStage(m, i, cfg.num_stages, device, group=group) for m, i in zip(modules, indices)]
 
 
 def build_schedule(stages: list[PipelineStage], plan: Plan, loss_fn: Callable[..., torch.Tensor]) -> Any:

@@ -44,6 +44,20 @@ def placement(layout: Layout) -> Placement:
     raise ShardingError(f"layout {layout.value} has no placement the runtime hands to user code.")
 
 
+def embedding_placement(layout: Layout) -> Placement:
+    """The placement of an embedding's output in ``layout``.
+
+    An embedding appends the feature dim to the shape of its ids, so its output has no
+    batch dim when the ids have none: a learned position table looked up with
+    ``arange(seq)`` gives ``(seq, dim)``, which the model broadcasts onto the
+    ``(batch, seq, dim)`` token embeddings. Sequence-sharded (Q) therefore means the
+    dim before the features, ``Shard(-2)`` (``Shard(1)`` for ``(batch, seq)`` ids, as
+    :func:`placement` says; ``Shard(0)`` for ``(seq,)`` ids), so both addends hold the
+    same positions on each rank. ``Shard(1)`` would split a position table's features.
+    """
+    return Shard(-2) if layout is Layout.Q else placement(layout)
+
+
 def convert(x: torch.Tensor, mesh: DeviceMesh, src: Layout, dst: Layout, *, dtensor: bool = False) -> torch.Tensor:
     """A local tensor in layout ``src`` as a local tensor in ``dst`` (differentiable), or
     as a DTensor when ``dtensor``."""
@@ -98,7 +112,7 @@ def styles_for(module: nn.Module, leaf: LeafLayout, parent: nn.Module | None = N
         if leaf.arrives is not Layout.R:
             raise ShardingError(f"embedding {leaf.fqn!r} takes token ids, which must arrive replicated, not in "
                                 f"layout {leaf.arrives.value}.")
-        return [RowwiseParallel(input_layouts=Replicate(), output_layouts=placement(leaf.output))]
+        return [RowwiseParallel(input_layouts=Replicate(), output_layouts=embedding_placement(leaf.output))]
     if style is TPStyle.SEQUENCE:
         return _around(SequenceParallel(use_local_output=True), Layout.Q, leaf)
     if style is TPStyle.REPLICATE:

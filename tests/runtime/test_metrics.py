@@ -22,6 +22,25 @@ def test_meter_counts_live_storages_and_their_peak():
     del d
 
 
+def test_meter_follows_storage_resizes():
+    """FSDP2 frees unsharded parameters by resizing their storage to 0 and regrows the
+    same storage for the next all-gather; no op the dispatch mode sees does either."""
+    gathered = torch.empty(1000)
+    gathered.untyped_storage().resize_(0)                # freed before the step
+    with TensorBytesMeter(torch.device("cpu")) as meter:
+        gathered.untyped_storage().resize_(4000)         # all-gathered: +4000
+        out = gathered * 2                               # +4000; reads the regrown storage
+        gathered.untyped_storage().resize_(0)            # resharded: -4000
+        assert meter.current_bytes == 4000
+        gathered.untyped_storage().resize_(4000)         # gathered again (new data pointer): +4000
+        assert meter.current_bytes == 8000
+        gathered.untyped_storage().resize_(0)
+        assert meter.current_bytes == 4000
+    assert meter.peak_bytes == 8000
+    assert "resize_" not in torch.UntypedStorage.__dict__  # the hook is gone after the step
+    del out
+
+
 def _metered(rank, world, plan):
     job = parallelize(build("gpt"), plan, loss_fn=token_loss)
     opt = job.optimizer(torch.optim.SGD, lr=LR, momentum=0.9)

@@ -59,3 +59,18 @@ def test_vocabulary_that_does_not_divide():
     the loss run on uneven shards."""
     plan = make_plan("gpt-odd-vocab", tp=2, styles=megatron_styles("gpt-odd-vocab"))
     assert_parity(run(train, 2, "gpt-odd-vocab", plan), reference("gpt-odd-vocab", plan))
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "no-sp"])
+@pytest.mark.parametrize("tok,pos", [("vocab", "vocab"), ("vocab", "replicate"), ("replicate", "vocab"),
+                                     ("replicate", "replicate")])
+def test_embedding_styles(tok, pos, sequence_parallel):
+    """Every style the planner can give a GPT's two embeddings. The position table is
+    looked up with ``arange(seq)``, so its output is ``(seq, dim)``, broadcast onto the
+    ``(batch, seq, dim)`` token embeddings: sequence-sharded, it must split dim 0, not
+    dim 1 (a vocab-parallel ``pos_embeddings`` with sequence parallelism once failed in
+    ``GPT.forward`` with 'size of tensor a (256) must match ... b (64)' at dim 256, tp=4)."""
+    styles = {**megatron_styles("gpt", sequence_parallel=sequence_parallel), "tok_embeddings": tok,
+              "pos_embeddings": pos}
+    plan = make_plan("gpt", tp=2, styles=styles, sequence_parallel=sequence_parallel)
+    assert_parity(run(train, 2, "gpt", plan), reference("gpt", plan))

@@ -171,21 +171,59 @@ class DeviceSpec:
         return self.peak_flops[dtype]
 
 
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+"""The operations a link may carry a fit of its own for (what ``autopar.cost.comm`` prices)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpLink:
+    """A measured alpha-beta fit of one collective on a link level.
+
+    NCCL moves all collectives at about one bus bandwidth, so a level's single fit
+    serves them all; gloo does not: on a 2-core box its reduce-scatter reached 0.44 GB/s
+    and its all-gather 0.73 GB/s against 1.66 GB/s for all-reduce
+    (benchmarks/results/predicted_vs_measured_2026-11-29_profiles.json), so ZeRO-3,
+    which only gathers and scatters, priced at the all-reduce rate came out 3x cheap.
+    """
+
+    op: str
+    bandwidth_bytes_per_s: float
+    latency_s: float
+
+    def __post_init__(self) -> None:
+        if self.op not in COLLECTIVE_OPS:
+            raise ClusterError(f"link fit op={self.op!r} is not allowed: it must be one of {', '.join(COLLECTIVE_OPS)}.")
+        object.__setattr__(self, "bandwidth_bytes_per_s",
+                           _check_positive(f"{self.op} bandwidth_bytes_per_s", self.bandwidth_bytes_per_s))
+        object.__setattr__(self, "latency_s", _check_latency(f"{self.op} latency_s", self.latency_s))
+
+
 @dataclass(frozen=True, kw_only=True)
 class LinkSpec:
-    """A level of the interconnect: achievable busbw per device and per-hop latency."""
+    """A level of the interconnect: achievable busbw per device and per-hop latency,
+    and optionally a measured fit per collective (``per_op``) that replaces them for
+    that collective."""
 
     bandwidth_bytes_per_s: float
     latency_s: float
     source: str = ""
+    per_op: tuple[OpLink, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bandwidth_bytes_per_s",
                            _check_positive("link bandwidth_bytes_per_s", self.bandwidth_bytes_per_s))
-        if isinstance(self.latency_s, bool) or not (isinstance(self.latency_s, (int, float))
-                                                    and 0 <= self.latency_s < math.inf):
-            raise ClusterError(f"link latency_s={self.latency_s!r} is not allowed: it must be a finite number >= 0 seconds.")
-        object.__setattr__(self, "latency_s", float(self.latency_s))
+        object.__setattr__(self, "latency_s", _check_latency("link latency_s", self.latency_s))
+        ops = [f.op for f in self.per_op]
+        if len(set(ops)) != len(ops):
+            raise ClusterError(f"link per_op has {ops}: give each collective at most one fit.")
+
+    def for_op(self, op: str) -> tuple[float, float]:
+        """``(bandwidth_bytes_per_s, latency_s)`` of ``op`` on this level: its own fit
+        where one was measured, else the level's."""
+        for fit in self.per_op:
+            if fit.op == op:
+                return fit.bandwidth_bytes_per_s, fit.latency_s
+        return self.bandwidth_bytes_per_s, self.latency_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -343,11 +381,16 @@ def _rename(name: str, nodes: int) -> str:
 
 
 def _link_dict(link: LinkSpec) -> dict[str, Any]:
-    return {"bandwidth_bytes_per_s": link.bandwidth_bytes_per_s, "latency_s": link.latency_s, "source": link.source}
+    return {"bandwidth_bytes_per_s": link.bandwidth_bytes_per_s, "latency_s": link.latency_s, "source": link.source,
+            "per_op": [{"op": f.op, "bandwidth_bytes_per_s": f.bandwidth_bytes_per_s, "latency_s": f.latency_s}
+                       for f in link.per_op]}
 
 
 def _link_kwargs(data: Mapping[str, Any]) -> dict[str, Any]:
-    return {"bandwidth_bytes_per_s": data["bandwidth_bytes_per_s"], "latency_s": data["latency_s"], "source": str(data.get("source", ""))}
+    return {"bandwidth_bytes_per_s": data["bandwidth_bytes_per_s"], "latency_s": data["latency_s"],
+            "source": str(data.get("source", "")),
+            "per_op": tuple(OpLink(op=f["op"], bandwidth_bytes_per_s=f["bandwidth_bytes_per_s"], latency_s=f["latency_s"])
+                            for f in data.get("per_op", ()))}
 
 
 def _dtype(key: object, where: str) -> DType:
@@ -356,6 +399,12 @@ def _dtype(key: object, where: str) -> DType:
     except ValueError:
         allowed = ", ".join(d.value for d in DType)
         raise ClusterError(f"{where}: unknown precision {key!r}; allowed: {allowed}.") from None
+
+
+def _check_latency(name: str, value: object) -> float:
+    if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 <= value < math.inf):
+        raise ClusterError(f"{name}={value!r} is not allowed: it must be a finite number >= 0 seconds.")
+    return float(value)
 
 
 def _check_positive(name: str, value: object) -> float:

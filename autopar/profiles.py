@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from autopar.cluster import Cluster, DeviceSpec, LinkSpec
+from autopar.cluster import COLLECTIVE_OPS, Cluster, DeviceSpec, LinkSpec, OpLink
 from autopar.cost.compute import rates, work_s
 from autopar.cost.memory import optimizer_step_bytes
 from autopar.cost.tensor_parallel import BACKWARD_FACTOR
@@ -229,11 +229,14 @@ def _links(net: tuple[_Report, Mapping[str, Any]] | None, base: Cluster | None, 
         for level in ("intra", "inter"):
             fit = _fit(n, level)
             if fit is not None:
+                per_op = _per_op(n, level)
                 fits[level] = LinkSpec(
                     bandwidth_bytes_per_s=float(fit["bandwidth_bytes_per_s"]), latency_s=float(fit["alpha_s"]),
+                    per_op=per_op,
                     source=(f"fitted alpha-beta ({report.origin}, {_where(n)}): {n['backend']}, "
                             f"{'+'.join(fit['ops'])} over {fit['points']} measurements, rms error "
-                            f"{100 * float(fit['rms_rel_error']):.0f}%"))
+                            f"{100 * float(fit['rms_rel_error']):.0f}%"
+                            + (f"; own fits for {', '.join(f.op for f in per_op)}" if per_op else "")))
     intra = fits.get("intra") or (base.intra_node if base is not None else None)
     inter = fits.get("inter") or (base.inter_node if base is not None else None)
     if intra is None and inter is None:
@@ -256,6 +259,15 @@ def _fit(net: Mapping[str, Any], level: str) -> Mapping[str, Any] | None:
     level_fits = [f for f in net["fits"] if f["level"] == level]
     joint = [f for f in level_fits if len(f["ops"]) > 1]
     return (joint or level_fits or [None])[0]
+
+
+def _per_op(net: Mapping[str, Any], level: str) -> tuple[OpLink, ...]:
+    """The single-op fits of ``level`` for the collectives the cost model prices: with
+    them an all-gather is priced at the all-gather's measured rate, not the joint fit's
+    (which averages ops whose rates differ threefold on gloo; :class:`OpLink`)."""
+    return tuple(OpLink(op=f["ops"][0], bandwidth_bytes_per_s=float(f["bandwidth_bytes_per_s"]),
+                        latency_s=float(f["alpha_s"]))
+                 for f in net["fits"] if f["level"] == level and len(f["ops"]) == 1 and f["ops"][0] in COLLECTIVE_OPS)
 
 
 def _where(section: Mapping[str, Any]) -> str:

@@ -54,37 +54,47 @@ def _tree_latency_s(n: int, alpha_s: float) -> float:
     return math.ceil(math.log2(n)) * alpha_s if n > 1 else 0.0
 
 
-def _hierarchical_s(nbytes: float, span: GroupSpan, cluster: Cluster, passes: int) -> float:
-    """``passes`` ring passes (2 for an all-reduce, 1 for an all-gather or a
-    reduce-scatter) inside each node, then over the nodes on each device's ``1/n_local``
-    share; ring latency inside a node, tree latency across nodes."""
-    intra, inter = cluster.intra_node, cluster.inter_node
+def _hierarchical_s(nbytes: float, span: GroupSpan, cluster: Cluster, op: str, calls: int) -> float:
+    """Ring passes (2 for an all-reduce, 1 for an all-gather or a reduce-scatter) inside
+    each node, then over the nodes on each device's ``1/n_local`` share; ring latency
+    inside a node, tree latency across nodes, paid by each of the ``calls`` collectives
+    the bytes are split into. Each level prices ``op`` at its own fit where the link has
+    one (:meth:`LinkSpec.for_op`)."""
+    passes = 2 if op == "all_reduce" else 1
     nl, nn = span.per_node, span.nodes
     t = 0.0
     if nl > 1:
-        t += passes * ((nl - 1) / nl * nbytes / intra.bandwidth_bytes_per_s + _ring_latency_s(nl, intra.latency_s))
+        bw, alpha = cluster.intra_node.for_op(op)
+        t += passes * ((nl - 1) / nl * nbytes / bw + calls * _ring_latency_s(nl, alpha))
     if nn > 1:
-        t += passes * ((nn - 1) / nn * (nbytes / nl) / inter.bandwidth_bytes_per_s
-                       + _tree_latency_s(nn, inter.latency_s))
+        bw, alpha = cluster.inter_node.for_op(op)
+        t += passes * ((nn - 1) / nn * (nbytes / nl) / bw + calls * _tree_latency_s(nn, alpha))
     return t
 
 
-def all_reduce_s(nbytes: float, span: GroupSpan, cluster: Cluster) -> float:
-    """Time of an all-reduce of ``nbytes`` (the full buffer on every device)."""
+def all_reduce_s(nbytes: float, span: GroupSpan, cluster: Cluster, *, calls: int = 1) -> float:
+    """Time of an all-reduce of ``nbytes`` (the full buffer on every device), split
+    into ``calls`` collectives (each pays the latency; FSDP2 issues one per unit)."""
     if span.size <= 1 or nbytes <= 0:
         return 0.0
-    return _hierarchical_s(nbytes, span, cluster, passes=2)
+    return _hierarchical_s(nbytes, span, cluster, "all_reduce", calls)
 
 
-def all_gather_s(nbytes: float, span: GroupSpan, cluster: Cluster) -> float:
-    """Time of an all-gather whose *result* is ``nbytes`` on every device (a
-    reduce-scatter of an ``nbytes`` input costs the same)."""
+def all_gather_s(nbytes: float, span: GroupSpan, cluster: Cluster, *, calls: int = 1) -> float:
+    """Time of an all-gather whose *result* is ``nbytes`` on every device, in ``calls``
+    collectives."""
     if span.size <= 1 or nbytes <= 0:
         return 0.0
-    return _hierarchical_s(nbytes, span, cluster, passes=1)
+    return _hierarchical_s(nbytes, span, cluster, "all_gather", calls)
 
 
-reduce_scatter_s = all_gather_s
+def reduce_scatter_s(nbytes: float, span: GroupSpan, cluster: Cluster, *, calls: int = 1) -> float:
+    """Time of a reduce-scatter of an ``nbytes`` input (the same ring traffic as an
+    all-gather of that result; gloo runs it slower, which a per-op fit captures), in
+    ``calls`` collectives."""
+    if span.size <= 1 or nbytes <= 0:
+        return 0.0
+    return _hierarchical_s(nbytes, span, cluster, "reduce_scatter", calls)
 
 
 def all_to_all_s(nbytes: float, span: GroupSpan, cluster: Cluster) -> float:
@@ -99,5 +109,5 @@ def p2p_s(nbytes: float, *, cross_node: bool, cluster: Cluster) -> float:
     """Time to send ``nbytes`` to one peer."""
     if nbytes <= 0:
         return 0.0
-    link = cluster.inter_node if cross_node else cluster.intra_node
-    return nbytes / link.bandwidth_bytes_per_s + link.latency_s
+    bw, alpha = (cluster.inter_node if cross_node else cluster.intra_node).for_op("send_recv")
+    return nbytes / bw + alpha

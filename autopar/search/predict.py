@@ -43,6 +43,8 @@ def tail_s(ev: Evaluator, plan: StagePlan, config: ParallelConfig) -> tuple[floa
     unit (bucketed all-reduce, Li et al. 2020; FSDP2's per-unit reduce-scatter); ZeRO-1
     all-gathers updated parameters after the step; ZeRO-3 gathers parameters before
     each unit's forward and backward, overlapped with the previous unit's compute.
+    FSDP2 issues ZeRO-2/3's gathers and reductions one per unit, so each unit pays the
+    collective's latency (on gloo 0.5-0.7 ms a call; benchmarks/predicted_vs_measured.py).
     Tied weights split over the first and last stage are all-reduced between them.
     """
     n = len(ev.graph.units)
@@ -67,13 +69,13 @@ def tail_s(ev: Evaluator, plan: StagePlan, config: ParallelConfig) -> tuple[floa
             if config.zero_stage == 1:
                 exposed += all_gather_s(4.0 * params, span, cl)
         elif config.pp > 1:
-            rs = reduce_scatter_s(grad_bytes, span, cl)
-            ag = all_gather_s(copy * params, span, cl)
+            rs = reduce_scatter_s(grad_bytes, span, cl, calls=units)
+            ag = all_gather_s(copy * params, span, cl, calls=units)
             gathers = 1 if config.zero_stage == 2 else m + 1
             exposed = rs + max(gathers * ag - gathers * hidden_fwd, ag / units)
         else:
-            rs = reduce_scatter_s(grad_bytes, span, cl)
-            ag = all_gather_s(copy * params, span, cl)
+            rs = reduce_scatter_s(grad_bytes, span, cl, calls=units)
+            ag = all_gather_s(copy * params, span, cl, calls=units)
             if config.zero_stage == 2:
                 exposed = m * max(rs - hidden_bwd, rs / units) + max(ag - hidden_fwd, ag / units)
             else:

@@ -77,3 +77,17 @@ def test_missing_and_malformed_files(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ClusterError, match="not valid JSON"):
         Cluster.from_json(tmp_path / "bad.json")
+
+
+def test_a_link_fit_per_collective_is_checked():
+    from autopar.cluster import LinkSpec, OpLink
+
+    with pytest.raises(ClusterError, match="op='broadcast' is not allowed: it must be one of all_reduce"):
+        OpLink(op="broadcast", bandwidth_bytes_per_s=1e9, latency_s=0.0)
+    with pytest.raises(ClusterError, match="all_gather latency_s=-1.0 is not allowed"):
+        OpLink(op="all_gather", bandwidth_bytes_per_s=1e9, latency_s=-1.0)
+    fit = OpLink(op="all_gather", bandwidth_bytes_per_s=1e9, latency_s=0.0)
+    with pytest.raises(ClusterError, match="at most one fit"):
+        LinkSpec(bandwidth_bytes_per_s=2e9, latency_s=1e-6, per_op=(fit, fit))
+    link = LinkSpec(bandwidth_bytes_per_s=2e9, latency_s=1e-6, per_op=(fit,))
+    assert link.for_op("all_gather") == (1e9, 0.0) and link.for_op("reduce_scatter") == (2e9, 1e-6)

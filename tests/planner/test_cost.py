@@ -198,3 +198,10 @@ def test_cpu_communication_is_not_hidden_and_the_optimizer_runs_at_its_measured_
     overlapping = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, comm_overlap=0.8))
     hidden = autopar.estimate(model, overlapping, cfg, global_batch_size=2, seq_len=64).prediction.breakdown
     assert hidden.dp_comm_s < params.dp_comm_s
+
+
+def test_a_collective_split_into_calls_pays_the_latency_per_call():
+    span = group_span(8, 1, 8)
+    one = all_gather_s(1e6, span, DGX)
+    assert all_gather_s(1e6, span, DGX, calls=5) == pytest.approx(one + 4 * 7 * AI)
+    assert all_reduce_s(1e6, span, DGX, calls=3) == pytest.approx(all_reduce_s(1e6, span, DGX) + 2 * 2 * 7 * AI)

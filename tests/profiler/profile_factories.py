@@ -43,8 +43,11 @@ def layers(*, fwd_s: float = 0.02, bwd_s: float = 0.04, matmul_flops: float = 1e
 
 
 def network(*, intra: tuple[float, float] | None = (1e-5, 1e9), inter: tuple[float, float] | None = (5e-5, 1e8),
-            node_of_rank: tuple[str, ...] = ("a", "a", "b", "b"), kind: str = "cpu") -> ProfileReport:
-    """A network with the given fitted (alpha_s, bandwidth) per level; one series each."""
+            node_of_rank: tuple[str, ...] = ("a", "a", "b", "b"), kind: str = "cpu",
+            per_op: dict[str, tuple[float, float]] | None = None) -> ProfileReport:
+    """A network with the given fitted (alpha_s, bandwidth) per level, jointly over two
+    ops; one series each; and, at every measured level, a single-op fit
+    ``(alpha_s, bandwidth)`` for each op in ``per_op``."""
     fits = []
     series = []
     for level, fit in (("intra", intra), ("inter", inter)):
@@ -53,6 +56,8 @@ def network(*, intra: tuple[float, float] | None = (1e-5, 1e9), inter: tuple[flo
         alpha, bw = fit
         fits.append(LinkFit(level=level, ops=("all_reduce", "all_gather"), alpha_s=alpha, bandwidth_bytes_per_s=bw,
                             rms_rel_error=0.01, points=8))
+        fits += [LinkFit(level=level, ops=(op,), alpha_s=a, bandwidth_bytes_per_s=b, rms_rel_error=0.02, points=4)
+                 for op, (a, b) in (per_op or {}).items()]
         pts = tuple(CommPoint(nbytes=float(s), time=exact(s / bw + 2 * alpha),
                               algbw_bytes_per_s=s / (s / bw + 2 * alpha), busbw_bytes_per_s=s / (s / bw + 2 * alpha))
                     for s in (2**10, 2**20))

@@ -236,3 +236,21 @@ def test_local_cpu_processes_beyond_the_cores_get_a_share():
     assert shared.op_overhead_s == pytest.approx(2 * whole.op_overhead_s)
     assert shared.optimizer_bytes_per_s == pytest.approx(whole.optimizer_bytes_per_s / 2)
     assert shared.alone().peak_flops == whole.peak_flops and "time share" not in shared.alone().source
+
+
+def test_each_collective_is_priced_at_its_own_measured_fit():
+    """gloo gathers and scatters slower than it all-reduces; the planner must use each
+    op's fit where the profile has one, and the joint fit for the rest."""
+    from autopar.cost.comm import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
+
+    c = cluster_from_profiles([network(per_op={"reduce_scatter": (7e-4, 4e8), "broadcast": (1e-4, 3e9)})])
+    assert [f.op for f in c.intra_node.per_op] == ["reduce_scatter"]  # broadcast is not priced by the planner
+    assert "own fits for reduce_scatter" in c.intra_node.source
+    span, size = GroupSpan(size=2, per_node=2, nodes=1), 8e6
+    assert reduce_scatter_s(size, span, c) == pytest.approx(0.5 * size / 4e8 + 7e-4)
+    assert all_gather_s(size, span, c) == pytest.approx(0.5 * size / 1e9 + 1e-5)  # the joint fit
+    assert all_reduce_s(size, span, c) == pytest.approx(2 * (0.5 * size / 1e9 + 1e-5))
+    across = GroupSpan(size=2, per_node=1, nodes=2)
+    assert reduce_scatter_s(size, across, c) == pytest.approx(0.5 * size / 4e8 + 7e-4)  # inter level's own fit
+    assert p2p_s(size, cross_node=False, cluster=c) == pytest.approx(size / 1e9 + 1e-5)
+    assert Cluster.from_dict(c.to_dict()) == c

@@ -62,6 +62,25 @@ def write_csv(name: str, rows: Sequence[Mapping[str, Any]]) -> Path:
     return path
 
 
+def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """A Markdown table of ``rows``, the columns in the order the first row gives them:
+    the same rows :func:`write_csv` writes, so the Markdown and the CSV never disagree."""
+    if not rows:
+        return ""
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_png(name: str, fig: Any) -> Path:
+    """Save a matplotlib figure as ``benchmarks/results/<name>_<date>.png``."""
+    path = result_path(name, ".png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
 def ranks(values: Sequence[float]) -> list[float]:
     """1-based ranks of ``values``, ties sharing the mean of the ranks they span."""
     order = sorted(range(len(values)), key=lambda i: values[i])

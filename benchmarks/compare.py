@@ -19,6 +19,7 @@ import math
 import time
 
 import torch
+from matplotlib.figure import Figure
 
 import autopar
 from autopar.errors import ConfigError, InfeasiblePlanError
@@ -30,7 +31,7 @@ from autopar.search.planner import ALL_MODES
 from autopar.search.space import check_constraints, enumerate_space, tp_degrees
 from autopar.vocab import Optimizer
 
-from _report import write_result
+from _report import markdown_table, write_csv, write_png, write_result
 
 ZOO = ["gpt2-small", "gpt2-xl", "gpt3-1.3b", "gpt3-13b", "gpt3-175b", "gpt-530b", "gpt-1t", "llama2-7b", "llama3-70b",
        "llama3-405b", "bert-large", "mlp-wide", "resnet-small"]
@@ -49,12 +50,15 @@ def _try(fn):
         return None
 
 
+BASELINES = ("DP", "Megatron rule", "ZeRO-3")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", nargs="*", default=ZOO)
     args = parser.parse_args()
-    rows = ["| model | cluster | autopar plan | tokens or samples/s | memory | vs DP | vs Megatron rule | vs ZeRO-3 | "
-            "exhaustive | search s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    rows: list[dict[str, str]] = []
+    ratios: list[tuple[str, dict[str, float | None]]] = []
     for name in args.models:
         entry = get_named_model(name)
         for preset, nodes in CLUSTERS:
@@ -70,37 +74,68 @@ def main() -> None:
             start = time.perf_counter()
             best = _try(lambda: autopar.plan(graph, cluster, global_batch_size=batch))
             search_s = time.perf_counter() - start
-            if best is None:
-                rows.append(f"| {name} | {preset} x {nodes} | does not fit | | | | | | | {search_s:.2f} |")
-                print(rows[-1], flush=True)
-                continue
-            rate = best.prediction.tokens_per_s if kind == "tokens" else best.prediction.samples_per_s
-            t = best.prediction.step_time_s
-            dp = _try(lambda: autopar.plan(graph, cluster, global_batch_size=batch,
-                                           constraints={"tp": 1, "pp": 1, "zero_stage": 0}))
-            dp_label = "DP"
-            if dp is None:
+            row = {"model": name, "cluster": f"{preset} x {nodes}", "autopar plan": "does not fit",
+                   "tokens or samples/s": "", "memory": "", **{f"vs {b}": "" for b in BASELINES},
+                   "exhaustive": "", "search s": f"{search_s:.2f}"}
+            if best is not None:
+                t = best.prediction.step_time_s
                 dp = _try(lambda: autopar.plan(graph, cluster, global_batch_size=batch,
+                                               constraints={"tp": 1, "pp": 1, "zero_stage": 0}))
+                if dp is None:  # the user's DP baseline where plain DP does not fit
+                    dp = _try(lambda: autopar.plan(graph, cluster, global_batch_size=batch,
+                                                   constraints={"tp": 1, "pp": 1, "zero_stage": 3}))
+                z3 = _try(lambda: autopar.plan(graph, cluster, global_batch_size=batch,
                                                constraints={"tp": 1, "pp": 1, "zero_stage": 3}))
-                dp_label = "ZeRO-3"
-            z3 = _try(lambda: autopar.plan(graph, cluster, global_batch_size=batch,
-                                           constraints={"tp": 1, "pp": 1, "zero_stage": 3}))
-            megatron = _megatron(graph, cluster, batch)
-            exhaustive = _exhaustive(graph, cluster, batch)
-            rows.append(f"| {name} | {preset} x {nodes} | {best.config.short()} | {rate:,.0f} | "
-                        f"{best.prediction.memory_bytes_per_device / 2**30:.1f} GiB | {_ratio(t, dp, dp_label)} | "
-                        f"{_ratio(t, megatron, 'rule')} | {_ratio(t, z3, 'ZeRO-3')} | {exhaustive(t)} | "
-                        f"{search_s:.2f} |")
-            print(rows[-1], flush=True)
-    body = "\n".join(rows) + ("\n\nRatios are autopar's throughput over the baseline's (x1.00 = as fast); "
-                              "'does not fit' means the baseline has no configuration that fits.")
+                found = dict(zip(BASELINES, (dp, _megatron(graph, cluster, batch), z3)))
+                rate = best.prediction.tokens_per_s if kind == "tokens" else best.prediction.samples_per_s
+                row.update({"autopar plan": best.config.short(), "tokens or samples/s": f"{rate:,.0f}",
+                            "memory": f"{best.prediction.memory_bytes_per_device / 2**30:.1f} GiB",
+                            **{f"vs {b}": _ratio(t, found[b], "ZeRO-3" if b == "DP" and found[b] is not None
+                                                 and found[b].config.zero_stage == 3 else "")
+                               for b in BASELINES},
+                            "exhaustive": _exhaustive(graph, cluster, batch)(t)})
+                ratios.append((f"{name} @ {preset} x{nodes}",
+                               {b: None if found[b] is None else found[b].prediction.step_time_s / t
+                                for b in BASELINES}))
+            rows.append(row)
+            print(" | ".join(row.values()), flush=True)
+    png = write_png("compare", _figure(ratios))
+    csv_path = write_csv("compare", rows)
+    body = markdown_table(rows) + (
+        "\n\nRatios are autopar's throughput over the baseline's (x1.00 = as fast); 'does not fit' means the "
+        "baseline has no configuration that fits; a DP ratio marked ZeRO-3 is DP with ZeRO-3 because plain DP "
+        f"does not fit. Rows also in `{csv_path.name}`.\n\n![autopar over the baselines]({png.name})")
     print(write_result("compare", "autopar against the usual choices (predicted)", body))
 
 
-def _ratio(t: float, other, label: str) -> str:
+def _ratio(t: float, other, marker: str) -> str:
     if other is None:
-        return f"{label}: does not fit"
-    return f"x{other.prediction.step_time_s / t:.2f}"
+        return "does not fit"
+    return f"x{other.prediction.step_time_s / t:.2f}" + (f" ({marker})" if marker else "")
+
+
+def _figure(ratios: list[tuple[str, dict[str, float | None]]]) -> Figure:
+    """autopar's predicted speed-up over each baseline per case, on a log axis; a
+    baseline that does not fit is drawn as a cross at the axis' right edge."""
+    fig = Figure(figsize=(8, 0.28 * len(ratios) * len(BASELINES) / 2 + 1.5))
+    ax = fig.add_subplot()
+    height = 0.8 / len(BASELINES)
+    cap = max([r for _, rs in ratios for r in rs.values() if r is not None], default=2.0) * 1.5
+    for k, base in enumerate(BASELINES):
+        ys = [i + (k - 1) * height for i in range(len(ratios))]
+        values = [rs[base] for _, rs in ratios]
+        ax.barh([y for y, v in zip(ys, values) if v is not None], [v for v in values if v is not None],
+                height=height, left=0, label=f"over {base}")
+        missing = [y for y, v in zip(ys, values) if v is None]
+        if missing:
+            ax.plot([cap] * len(missing), missing, "kx", label="baseline does not fit" if k == 0 else None)
+    ax.set_yticks(range(len(ratios)), [label for label, _ in ratios], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.axvline(1.0, color="gray", linewidth=0.8)
+    ax.set_xlabel("autopar throughput / baseline throughput (predicted)")
+    ax.legend(fontsize=7, loc="lower right")
+    return fig
 
 
 def _megatron(graph, cluster, batch):

@@ -21,7 +21,7 @@ predicted and measured side by side.
 
     python benchmarks/measured.py [--nproc 4] [--rounds 3] [--steps 8] [--models gpt mlp resnet]
 
-Writes ``benchmarks/results/measured_<date>.md`` and ``.csv``. Numbers vary by tens of
+Writes ``benchmarks/results/measured_<date>.md``, ``.csv`` and ``.png``. Numbers vary by tens of
 percent between runs on a shared 2-core machine (shared/TORCH-CPU.md section 10).
 """
 
@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
+from matplotlib.figure import Figure
 
 import autopar
 from autopar.errors import ConfigError, InfeasiblePlanError
@@ -45,7 +46,7 @@ from autopar.models import GPT, CNNConfig, MLPConfig, MLPStack, ResNet
 from autopar.runtime.local import BatchFn, token_batches
 from autopar.search.space import tp_degrees
 
-from _report import result_path, write_csv, write_result
+from _report import result_path, write_csv, write_png, write_result
 from predicted_vs_measured import (CFG as GPT_CFG, PROFILE_BATCH as GPT_PROFILE_BATCH, PROFILE_CFG as GPT_PROFILE_CFG,
                                    Measured, ProfileTarget, Run, describe, fmt_rounds, measure_interleaved, plan_key,
                                    profile_lines, profile_machine, reports)
@@ -194,6 +195,7 @@ def main() -> None:
     by_plan = {key: measured[run.label] for key, run in runs.items()}
     verdicts, table, rows = _tables(args.models, plans, by_plan)
     csv_path = write_csv(NAME, rows)
+    png = write_png(NAME, _figure(rows))
     head = (f"Cluster: `local-cpu` with {args.nproc} processes per node; layers profiled by one process, the "
             f"network by {args.nproc} at once, at other shapes ({args.rounds} interleaved rounds, median kept; saved "
             f"as `{saved.name}`; "
@@ -201,7 +203,7 @@ def main() -> None:
             + f". fp32, AdamW. {args.rounds} interleaved rounds of {args.steps} steps (2 untimed) per distinct plan, "
             f"peak memory in a metered run in the first; everything took {(time.perf_counter() - started) / 60:.1f} "
             f"min. Every round is in `{csv_path.name}`.")
-    text = "\n\n".join([head, verdicts, table, NOTES, "Profiles kept:\n\n" + "\n".join(profile_lines(profile))])
+    text = "\n\n".join([head, verdicts, table, f"![autopar's speed-up, predicted and measured]({png.name})", NOTES, "Profiles kept:\n\n" + "\n".join(profile_lines(profile))])
     md = write_result(NAME, f"autopar against the usual choices, measured on {args.nproc} local processes", text)
     print(text)
     print(f"wrote {md} and {csv_path}")
@@ -268,6 +270,25 @@ def _tables(models: list[str], plans: Mapping[str, Mapping[str, autopar.Plan | N
             "autopar's speed-up, predicted | autopar's speed-up, measured | predicted peak MiB | measured peak MiB "
             "(most loaded rank) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     return "\n".join(verdicts), "\n".join(head + lines), rows
+
+
+def _figure(rows: list[dict[str, Any]]) -> Figure:
+    """autopar's speed-up over each baseline that ran, predicted next to measured, per
+    model (a bar at x1 where the baseline's plan is autopar's own)."""
+    pairs = [(f"{r['model']}: {r['plan'].split(' (')[0]}", float(r["predicted_autopar_speedup"]),
+              float(r["measured_autopar_speedup"])) for r in rows
+             if r.get("predicted_autopar_speedup") and r.get("measured_autopar_speedup") and not r.get("error")]
+    fig = Figure(figsize=(7, 0.35 * len(pairs) + 1.5))
+    ax = fig.add_subplot()
+    ys = range(len(pairs))
+    ax.barh([y - 0.2 for y in ys], [p[1] for p in pairs], height=0.4, label="predicted")
+    ax.barh([y + 0.2 for y in ys], [p[2] for p in pairs], height=0.4, label="measured")
+    ax.set_yticks(list(ys), [p[0] for p in pairs], fontsize=7)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="gray", linewidth=0.8)
+    ax.set_xlabel("baseline step time / autopar step time (above 1: autopar faster)")
+    ax.legend(fontsize=7)
+    return fig
 
 
 NOTES = """Speed-up: the baseline's step time over autopar's, predicted (cost model) and measured

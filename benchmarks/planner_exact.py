@@ -23,7 +23,7 @@ from test_search_exact import (  # noqa: E402 - the reference enumerations live 
     _brute_force_search, _ctx, _random_groups, _random_profile, _tiny_cluster,
 )
 
-from _report import write_result  # noqa: E402
+from _report import markdown_table, write_csv, write_result  # noqa: E402
 from autopar.cluster import Cluster  # noqa: E402
 from autopar.graph import extract  # noqa: E402
 from autopar.models import CNNConfig, GPT, GPTConfig, ResNet  # noqa: E402
@@ -78,7 +78,7 @@ def splits(n: int) -> tuple[int, int, float]:
     return ok, n, time.perf_counter() - start
 
 
-def whole() -> list[str]:
+def whole() -> list[dict[str, str]]:
     import torch
 
     rows = []
@@ -102,8 +102,10 @@ def whole() -> list[str]:
             search_s = time.perf_counter() - start
             found = got.best.step_time_s if got.best.fits else math.inf
             same = (math.isinf(want) and math.isinf(found)) or math.isclose(want, found, rel_tol=1e-9)
-            rows.append(f"| {name} | {memory_gib} GiB | {want * 1e3:.4f} ms | {found * 1e3:.4f} ms | "
-                        f"{'same' if same else 'DIFFERENT'} | {brute_s:.1f} s | {search_s:.2f} s |")
+            rows.append({"model": name, "device memory": f"{memory_gib} GiB",
+                         "brute force optimum": f"{want * 1e3:.4f} ms", "search optimum": f"{found * 1e3:.4f} ms",
+                         "verdict": "same" if same else "DIFFERENT", "brute force": f"{brute_s:.1f} s",
+                         "search": f"{search_s:.2f} s"})
             print(rows[-1], flush=True)
     return rows
 
@@ -113,17 +115,19 @@ def main() -> None:
     parser.add_argument("--instances", type=int, default=300)
     args = parser.parse_args()
     n = args.instances
-    lines = ["| check | agree with brute force | time |", "|---|---|---|"]
+    checks: list[dict[str, str]] = []
     for label, fn, count in (("layout ILP (random units, tp 2-16, SP, micro-batch)", layouts, n),
                              ("stage knapsack (random option groups)", stages, 3 * n),
                              ("pipeline split DP (random cost tables)", splits, 3 * n)):
         ok, total, secs = fn(count)
-        lines.append(f"| {label} | {ok} / {total} | {secs:.1f} s |")
-        print(lines[-1], flush=True)
-    lines += ["", "Whole search vs enumeration of every configuration x split x per-unit option (4 devices):", "",
-              "| model | device memory | brute force optimum | search optimum | verdict | brute force | search |",
-              "|---|---|---|---|---|---|---|", *whole()]
-    print(write_result("planner_exact", "Search against brute force", "\n".join(lines)))
+        checks.append({"check": label, "agree with brute force": f"{ok} / {total}", "time": f"{secs:.1f} s"})
+        print(checks[-1], flush=True)
+    searches = whole()
+    paths = [write_csv("planner_exact_parts", checks), write_csv("planner_exact_whole", searches)]
+    print(write_result("planner_exact", "Search against brute force", "\n\n".join([
+        markdown_table(checks),
+        "Whole search vs enumeration of every configuration x split x per-unit option (4 devices):",
+        markdown_table(searches), "Rows also in " + " and ".join(f"`{p.name}`" for p in paths) + "."])))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from __future__ import annotations
 import autopar
 from autopar.models.gpt import GPT, GPTConfig
 
-from _report import write_result
+from _report import markdown_table, write_csv, write_result
 
 # (label, hidden, heads, layers, gpus, batch, tp, pp, published TFLOP/s per GPU incl. recompute)
 NARAYANAN_2021 = [
@@ -43,7 +43,7 @@ def _gpt(hidden: int, heads: int, layers: int):
 
 
 def main() -> None:
-    rows = ["| run | GPUs | config | published | predicted | error | predicted memory | fits |", "|---|---|---|---|---|---|---|---|"]
+    rows: list[dict[str, object]] = []
     errors = []
     for label, hidden, heads, layers, gpus, batch, tp, pp, tflops in NARAYANAN_2021:
         cluster = autopar.Cluster.preset("dgx-a100-80gb", nodes=gpus // 8)
@@ -54,9 +54,9 @@ def main() -> None:
         predicted = p.hfu * 312
         err = predicted / tflops - 1
         errors.append(abs(err))
-        rows.append(f"| Narayanan 2021 {label} | {gpus} | tp={tp} pp={pp} dp={plan.config.dp} batch {batch}, full "
-                    f"recompute | {tflops} TFLOP/s | {predicted:.0f} TFLOP/s | {100 * err:+.1f}% | "
-                    f"{p.memory_bytes_per_device / 2**30:.1f} GiB | {'yes' if p.fits else 'NO'} |")
+        rows.append(_row(f"Narayanan 2021 {label}", gpus,
+                         f"tp={tp} pp={pp} dp={plan.config.dp} batch {batch}, full recompute",
+                         f"{tflops} TFLOP/s", f"{predicted:.0f} TFLOP/s", err, p))
         print(rows[-1], flush=True)
     for recompute, sp, mfu in (("full", False, 42.1), ("selective", True, 54.2)):
         cluster = autopar.Cluster.preset("dgx-a100-80gb", nodes=280)
@@ -67,14 +67,22 @@ def main() -> None:
         p = plan.prediction
         err = p.mfu * 100 / mfu - 1
         errors.append(abs(err))
-        rows.append(f"| Korthikanti 2022 530B | 2240 | tp=8 pp=35 dp=8 batch 2240, {recompute}"
-                    f"{' + SP' if sp else ''} | MFU {mfu}% | MFU {100 * p.mfu:.1f}% | {100 * err:+.1f}% | "
-                    f"{p.memory_bytes_per_device / 2**30:.1f} GiB | {'yes' if p.fits else 'NO'} |")
+        rows.append(_row("Korthikanti 2022 530B", 2240, f"tp=8 pp=35 dp=8 batch 2240, {recompute}{' + SP' if sp else ''}",
+                         f"MFU {mfu}%", f"MFU {100 * p.mfu:.1f}%", err, p))
         print(rows[-1], flush=True)
     summary = (f"\n\nMean absolute error {100 * sum(errors) / len(errors):.1f}%, worst {100 * max(errors):.1f}% "
                f"over {len(errors)} published runs. No constant was fitted to these numbers: efficiencies are the "
                f"preset's datasheet-based defaults (matmul 0.8 of peak, memory 0.8 of bandwidth, NCCL busbw).")
-    print(write_result("planner_faithful", "Cost model against published runs", "\n".join(rows) + summary))
+    csv_path = write_csv("planner_faithful", rows)
+    print(write_result("planner_faithful", "Cost model against published runs",
+                       markdown_table(rows) + summary + f" Rows also in `{csv_path.name}`."))
+
+
+def _row(run: str, gpus: int, config: str, published: str, predicted: str, error: float,
+         p: autopar.Prediction) -> dict[str, object]:
+    return {"run": run, "GPUs": gpus, "config": config, "published": published, "predicted": predicted,
+            "error": f"{100 * error:+.1f}%", "predicted memory": f"{p.memory_bytes_per_device / 2**30:.1f} GiB",
+            "fits": "yes" if p.fits else "NO"}
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ round. Peak memory per rank comes from ``run_locally``'s metered run in the firs
 
 ``--profiles`` reuses saved profiles (to see what a cost-model change does to the
 predictions of the same measurements); without it the profiles are measured and saved
-next to the results. Writes ``benchmarks/results/predicted_vs_measured_<date>.md`` and
-``.csv``. Numbers vary by tens of percent between runs on a shared 2-core machine
+next to the results. Writes ``benchmarks/results/predicted_vs_measured_<date>.md``,
+``.csv`` and ``.png``. Numbers vary by tens of percent between runs on a shared 2-core machine
 (shared/TORCH-CPU.md section 10).
 """
 
@@ -42,6 +42,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+from matplotlib.figure import Figure
 
 import autopar
 from autopar.models import GPT, GPTConfig
@@ -52,7 +53,7 @@ from profiler.device import profile_device
 from profiler.layers import profile_model
 from profiler.network import NetworkSweep, profile_network
 
-from _report import result_path, spearman, write_csv, write_result
+from _report import result_path, spearman, write_csv, write_png, write_result
 
 NAME = "predicted_vs_measured"
 CFG = GPTConfig(vocab_size=2048, seq_len=128, dim=256, n_layers=4, n_heads=8)
@@ -369,6 +370,7 @@ def main() -> None:
     changed = [c.name for c in candidates if plan_key(plans[c.name]) != plan_key(executed[c.name])]
     body, rows = _tables(candidates, plans, measured)
     csv_path = write_csv(NAME, rows)
+    png = write_png(NAME, _figure(candidates, plans, measured))
     header = (
         f"Model: GPT dim {CFG.dim}, {CFG.n_layers} layers, {CFG.n_heads} heads, seq {CFG.seq_len}, vocab "
         f"{CFG.vocab_size}, fp32, AdamW, global batch {GLOBAL_BATCH}, on local gloo processes of this machine. "
@@ -380,7 +382,7 @@ def main() -> None:
         f"took {(time.perf_counter() - started) / 60:.1f} min. Per-term predictions and every round are in "
         f"`{csv_path.name}`."
         + (f" The median profile changed the plan of {', '.join(changed)} from the one that ran." if changed else ""))
-    text = "\n\n".join([header, body, NOTES, "Profiles kept (median of the rounds):\n\n" + "\n".join(
+    text = "\n\n".join([header, body, f"![predicted against measured]({png.name})", NOTES, "Profiles kept (median of the rounds):\n\n" + "\n".join(
         profile_lines(profile))])
     md = write_result(NAME, "Predicted against measured step time and memory on local processes", text)
     print(text)
@@ -436,6 +438,35 @@ def _tables(candidates: Sequence[Candidate], plans: Mapping[str, autopar.Plan], 
             "predicted peak MiB per rank | measured peak MiB per rank | worst memory error |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     return "\n\n".join([summary, "\n".join(head + lines)]), rows
+
+
+def _figure(candidates: Sequence[Candidate], plans: Mapping[str, autopar.Plan],
+            measured: Mapping[str, Measured]) -> Figure:
+    """Predicted against measured step time per candidate (the bar spans the rounds'
+    medians), with the diagonal and the +-20% band the issue asks for."""
+    fig = Figure(figsize=(7, 5.5))
+    ax = fig.add_subplot()
+    done = [c for c in candidates if measured[c.name].round_medians_s]
+    for c in done:
+        m, pred = measured[c.name], plans[c.name].prediction.step_time_s
+        lo, hi = min(m.round_medians_s), max(m.round_medians_s)
+        ax.errorbar([m.median_s], [pred], xerr=[[m.median_s - lo], [hi - m.median_s]], fmt="o", markersize=4,
+                    color=f"C{c.world}", capsize=2)
+        ax.annotate(c.name, (m.median_s, pred), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    if done:
+        values = [v for c in done for v in (plans[c.name].prediction.step_time_s, *measured[c.name].round_medians_s)]
+        span = [min(values) / 1.3, max(values) * 1.3]
+        ax.plot(span, span, color="gray", linewidth=0.8, label="predicted = measured")
+        ax.fill_between(span, [v * (1 - TIME_TOLERANCE) for v in span], [v * (1 + TIME_TOLERANCE) for v in span],
+                        color="gray", alpha=0.15, label=f"within {TIME_TOLERANCE:.0%}")
+    for world in sorted({c.world for c in done}):
+        ax.plot([], [], "o", color=f"C{world}", label=f"{world} process(es)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured step time, s (median over rounds; bar: rounds' range)")
+    ax.set_ylabel("predicted step time, s")
+    ax.legend(fontsize=7)
+    return fig
 
 
 NOTES = """Predicted: `autopar.estimate` of the candidate's configuration with the device curves,

@@ -2,15 +2,13 @@
 
 A GPT of hidden size 8192 (64 heads) with 24 to 192 layers, planned on 8 to 16384 H100s
 (1 to 2048 DGX nodes) at a global batch of 4 sequences per device, extraction included.
-Writes a Markdown table and a PNG.
+Writes a Markdown table, a CSV and a PNG.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import time
-from pathlib import Path
 
 import torch
 from matplotlib.figure import Figure
@@ -19,7 +17,7 @@ import autopar
 from autopar.errors import InfeasiblePlanError
 from autopar.models import GPT, GPTConfig
 
-from _report import write_result
+from _report import markdown_table, write_csv, write_png, write_result
 
 DEPTHS = [24, 48, 96, 192]
 NODES = [1, 8, 64, 512, 2048]
@@ -30,7 +28,7 @@ def main() -> None:
     parser.add_argument("--depths", type=int, nargs="*", default=DEPTHS)
     parser.add_argument("--nodes", type=int, nargs="*", default=NODES)
     args = parser.parse_args()
-    rows = ["| layers | parameters | devices | CPU s | configurations costed | plan |", "|---|---|---|---|---|---|"]
+    rows: list[dict[str, object]] = []
     series: dict[int, list[tuple[int, float]]] = {}
     for depth in args.depths:
         for nodes in args.nodes:
@@ -46,7 +44,8 @@ def main() -> None:
             secs = time.process_time() - c0
             series.setdefault(depth, []).append((cluster.world_size, secs))
             params = sum(p.numel() for p in model.parameters())
-            rows.append(f"| {depth} | {params / 1e9:.0f}B | {cluster.world_size} | {secs:.2f} | {costed} | {summary} |")
+            rows.append({"layers": depth, "parameters": f"{params / 1e9:.0f}B", "devices": cluster.world_size,
+                         "CPU s": f"{secs:.2f}", "configurations costed": costed, "plan": summary})
             print(rows[-1], flush=True)
     fig = Figure(figsize=(7, 4))
     ax = fig.add_subplot()
@@ -57,11 +56,10 @@ def main() -> None:
     ax.set_ylabel("planning time, CPU seconds")
     ax.set_title("autopar.plan time against device count and depth")
     ax.legend()
-    fig.tight_layout()
-    png = Path(__file__).parent / "results" / f"search_time_{datetime.date.today().isoformat()}.png"
-    fig.savefig(png, dpi=110)
+    png = write_png("search_time", fig)
+    csv_path = write_csv("search_time", rows)
     print(write_result("search_time", "Planning time against depth and devices",
-                       "\n".join(rows) + f"\n\n![planning time]({png.name})"))
+                       markdown_table(rows) + f"\n\nRows also in `{csv_path.name}`.\n\n![planning time]({png.name})"))
 
 
 if __name__ == "__main__":

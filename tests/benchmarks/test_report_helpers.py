@@ -39,3 +39,13 @@ def test_write_csv_dated_next_to_results(tmp_path, monkeypatch):
     monkeypatch.setattr(_report, "result_path", lambda name, suffix: tmp_path / f"{name}{suffix}")
     path = _report.write_csv("bench", [{"a": 1, "b": "x"}, {"a": 2, "b": "y"}])
     assert list(csv.DictReader(path.open())) == [{"a": "1", "b": "x"}, {"a": "2", "b": "y"}]
+
+
+def test_markdown_table_has_the_csv_columns_and_rows(tmp_path, monkeypatch):
+    monkeypatch.setattr(_report, "result_path", lambda name, suffix: tmp_path / f"{name}{suffix}")
+    rows = [{"model": "gpt", "ratio": "x1.20"}, {"model": "mlp", "ratio": "x0.90"}]
+    table = _report.markdown_table(rows).splitlines()
+    assert table == ["| model | ratio |", "|---|---|", "| gpt | x1.20 |", "| mlp | x0.90 |"]
+    written = list(csv.DictReader(_report.write_csv("bench", rows).open()))
+    assert [list(r.values()) for r in written] == [line.strip("| ").split(" | ") for line in table[2:]]
+    assert _report.markdown_table([]) == ""

@@ -2,8 +2,9 @@
 configuration written by hand in plain PyTorch, and predicted vs measured peak memory.
 
 Each configuration trains a GPT (dim 256, 4 layers, 8 heads, seq 128, vocab 2048) with
-SGD on local gloo processes forked by autopar's harness. The hand-written baselines
-use PyTorch directly: ``DistributedDataParallel`` with ``no_sync`` over the
+SGD (momentum 0.9: the planner's ``sgd``, one buffer per parameter, so the predicted
+memory counts the state that runs) on local gloo processes forked by autopar's harness.
+The hand-written baselines use PyTorch directly: ``DistributedDataParallel`` with ``no_sync`` over the
 micro-batches; ``parallelize_module`` with Megatron-LM's plan and ``loss_parallel``; a
 ``PipelineStage`` per rank with the same ``Schedule1F1B``. Runs are interleaved
 (autopar, hand-written, autopar, ...) and the step time of a run is the median of its
@@ -45,6 +46,7 @@ from autopar.runtime.spmd import SPMDSettings, run_spmd
 CFG = GPTConfig(vocab_size=2048, seq_len=128, dim=256, n_layers=4, n_heads=8)
 MBS = 4
 LR = 0.01
+MOMENTUM = 0.9
 CONFIGS = {
     "DP (dp=2, DDP)": dict(dp=2, tp=1, pp=1, num_microbatches=2),
     "TP (tp=2, Megatron)": dict(dp=1, tp=2, pp=1, num_microbatches=2),
@@ -76,7 +78,8 @@ def make_plan(config: dict) -> autopar.Plan:
     world = config["dp"] * config["tp"] * config["pp"]
     full = {"micro_batch_size": MBS, "dtype": "fp32", **config}
     plan = autopar.estimate(build(), autopar.Cluster.preset("local-cpu", devices_per_node=world), full,
-                            global_batch_size=config["dp"] * MBS * config["num_microbatches"], seq_len=CFG.seq_len)
+                            global_batch_size=config["dp"] * MBS * config["num_microbatches"], seq_len=CFG.seq_len,
+                            optimizer="sgd")
     if config["tp"] > 1:
         plan = dataclasses.replace(plan, layer_strategies=dataclasses.replace(plan.layer_strategies,
                                                                               tp=megatron_styles()))
@@ -103,7 +106,7 @@ def _timed(step, data, warmup: int) -> float:
 
 def autopar_run(rank: int, world: int, plan: autopar.Plan, steps: int, memory: bool) -> tuple[float, int]:
     job = parallelize(build(), plan, loss_fn=loss_fn, measure_memory=memory)
-    opt = job.optimizer(torch.optim.SGD, lr=LR)
+    opt = job.optimizer(torch.optim.SGD, lr=LR, momentum=MOMENTUM)
 
     def step(batch):
         job.step(batch)
@@ -121,7 +124,7 @@ def manual_run(rank: int, world: int, plan: autopar.Plan, steps: int, memory: bo
     data = batches(steps, cfg.global_batch_size)
     if cfg.dp > 1:
         ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
-        opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+        opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
 
         def step(batch):
             x, y = (t.chunk(cfg.dp)[rank] for t in batch)
@@ -145,7 +148,7 @@ def manual_run(rank: int, world: int, plan: autopar.Plan, steps: int, memory: bo
         parallelize_module(model, mesh, {"tok_embeddings": RowwiseParallel(input_layouts=torch.distributed.tensor.Replicate()),
                                          "output": ColwiseParallel(use_local_output=False)})
         model.tok_embeddings.weight = model.output.weight  # retie: both Shard(0) over the vocabulary
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
 
         def step(batch):
             x, y = batch
@@ -165,7 +168,7 @@ def manual_run(rank: int, world: int, plan: autopar.Plan, steps: int, memory: bo
                 setattr(stage, part, None)
         pipe = Schedule1F1B(PipelineStage(stage, rank, cfg.pp, torch.device("cpu")), cfg.num_microbatches,
                             loss_fn=loss_fn)
-        opt = torch.optim.SGD(stage.parameters(), lr=LR)
+        opt = torch.optim.SGD(stage.parameters(), lr=LR, momentum=MOMENTUM)
 
         def step(batch):
             x, y = batch
@@ -214,7 +217,7 @@ def main() -> None:
     out.write_text(
         f"# Runtime overhead: autopar vs hand-written PyTorch\n\nDate: {today}  \nCommand: `{command.strip()}`  \n"
         f"Environment: {environment()}  \nModel: GPT dim {CFG.dim}, {CFG.n_layers} layers, {CFG.n_heads} heads, "
-        f"seq {CFG.seq_len}, vocab {CFG.vocab_size}; micro-batch {MBS}; SGD; fp32; {args.repeats} interleaved "
+        f"seq {CFG.seq_len}, vocab {CFG.vocab_size}; micro-batch {MBS}; SGD with momentum {MOMENTUM}; fp32; {args.repeats} interleaved "
         f"repeats of {args.steps} steps (2 warm-up)\n\n{body}\n\n{NOTES}\n")
     print(f"wrote {out}")
 

@@ -4,8 +4,8 @@ configuration written by hand in plain PyTorch, and predicted vs measured peak m
 Each configuration trains a GPT (dim 256, 4 layers, 8 heads, seq 128, vocab 2048) with
 SGD (momentum 0.9: the planner's ``sgd``, one buffer per parameter, so the predicted
 memory counts the state that runs) on local gloo processes forked by autopar's harness.
-The hand-written baselines use PyTorch directly: ``DistributedDataParallel`` with ``no_sync`` over the
-micro-batches; ``parallelize_module`` with Megatron-LM's plan and ``loss_parallel``; a
+The hand-written baselines use PyTorch directly: ``DistributedDataParallel`` with
+``no_sync`` over the micro-batches; ``parallelize_module`` with Megatron-LM's plan and ``loss_parallel``; a
 ``PipelineStage`` per rank with the same ``Schedule1F1B``. Runs are interleaved
 (autopar, hand-written, autopar, ...) and the step time of a run is the median of its
 timed steps after warm-up; the table gives the median over repeats. Memory: the

@@ -26,6 +26,7 @@ from autopar.runtime.errors import PlanMismatchError
 from autopar.runtime.init import InitFn, Materializer, is_meta
 from autopar.runtime.job import Job, JobParts
 from autopar.runtime.layouts import TPLayout, resolve
+from autopar.runtime.loss_scale import LossScaler
 from autopar.runtime.mesh import MeshDims, build_mesh
 from autopar.runtime.metrics import MemoryMeter
 from autopar.runtime.pipeline import (build_schedule, build_stages, check_cuttable, check_schedule, cut,
@@ -33,7 +34,7 @@ from autopar.runtime.pipeline import (build_schedule, build_stages, check_cuttab
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.tensor_parallel import apply_tensor_parallel
 from autopar.runtime.tied import TiedGradSync, TiedParam, find_tied
-from autopar.vocab import TPStyle
+from autopar.vocab import DType, TPStyle
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -72,6 +73,8 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: LossFn, init_fn: InitF
         model: the model the plan was made for, real or on the meta device.
         plan: the plan (``autopar.Plan.load(path)``).
         loss_fn: ``loss_fn(output, target) -> scalar``, the mean over a micro-batch.
+            An fp16 plan scales it dynamically (:mod:`autopar.runtime.loss_scale`);
+            ``job.step`` still returns the unscaled loss.
             With a column-sharded head on a token model the output is a DTensor of
             vocabulary-sharded logits and the loss runs under ``loss_parallel``, so
             ``F.cross_entropy`` works unchanged.
@@ -125,10 +128,11 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: LossFn, init_fn: InitF
 
     tied_sync = TiedGradSync(tied, dims, coord)
     pipeline_stages = build_stages(stages, indices, plan, device, mesh["pp"].get_group())
-    schedule = build_schedule(pipeline_stages, plan, loss_fn)
+    scaler = LossScaler() if plan.config.dtype is DType.FP16 else None
+    schedule = build_schedule(pipeline_stages, plan, scaler.scaled(loss_fn) if scaler is not None else loss_fn)
     parts = JobParts(plan=plan, mesh=mesh, stages=stages, stage_indices=indices, schedule=schedule, tied=tied,
                      tied_sync=tied_sync, loss_parallel=layout is not None and layout.loss_parallel, device=device,
-                     memory=memory)
+                     memory=memory, scaler=scaler)
     return Job(parts)
 
 

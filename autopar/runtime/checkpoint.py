@@ -5,7 +5,7 @@ Layout of ``<root>``::
     step-00000100/            one complete checkpoint
         .metadata, __*_0.distcp   torch.distributed.checkpoint (model + optimizer)
         rng/rank-<r>.pt       each rank's RNG states
-        autopar.json          step, data position, world size, plan (written last)
+        autopar.json          step, data position, world size, plan, fp16 loss scale (written last)
     latest                    the name of the newest complete checkpoint
 
 Model and optimizer go through ``get_state_dict``/``set_state_dict`` with the optimizer
@@ -31,7 +31,7 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -71,6 +71,7 @@ class LoadedState:
     step: int
     data_position: int
     path: str
+    loss_scale: dict[str, float] | None = None
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -89,7 +90,8 @@ def latest_step(root: str | Path) -> int | None:
     return int(name.split("-")[1])
 
 
-def save(parts: CheckpointParts, root: str | Path, *, step: int, data_position: int) -> str:
+def save(parts: CheckpointParts, root: str | Path, *, step: int, data_position: int,
+         loss_scale: Mapping[str, float] | None = None) -> str:
     """Write a checkpoint collectively (every rank calls it); returns its directory."""
     root = Path(root)
     final = step_dir(root, step)
@@ -106,7 +108,8 @@ def save(parts: CheckpointParts, root: str | Path, *, step: int, data_position: 
     dist.barrier()
     if parts.rank == 0:
         meta = {"format": FORMAT_VERSION, "step": step, "data_position": data_position,
-                "world_size": parts.world_size, "plan": parts.summary}
+                "world_size": parts.world_size, "plan": parts.summary,
+                "loss_scale": dict(loss_scale) if loss_scale is not None else None}
         _write_synced(tmp / _META, json.dumps(meta, indent=1))
         if final.exists():
             old = root / f".{final.name}.old"
@@ -156,7 +159,8 @@ def load(parts: CheckpointParts, root: str | Path, *, step: int | None = None) -
         rng_file = path / "rng" / f"rank-{parts.rank}.pt"
         if rng_file.exists():
             _set_rng_state(torch.load(rng_file, weights_only=False))
-    return LoadedState(step=int(meta["step"]), data_position=int(meta["data_position"]), path=str(path))
+    return LoadedState(step=int(meta["step"]), data_position=int(meta["data_position"]), path=str(path),
+                       loss_scale=meta.get("loss_scale"))
 
 
 def _stand_ins(state: dict[str, dict[str, Any]], metadata: Any) -> dict[tuple[str, str], torch.Tensor]:

@@ -20,8 +20,8 @@ zero       what runs
 
 Mixed precision (``bf16``/``fp16``) keeps fp32 master weights, gradients and optimizer
 state: FSDP2 and ``replicate`` cast parameters with ``MixedPrecisionPolicy(param_dtype,
-reduce_dtype=fp32)``; DDP runs the forward under ``torch.autocast``. No loss scaling is
-applied for fp16 (bf16 needs none; fp16 at scale wants a gradient scaler).
+reduce_dtype=fp32)``; DDP runs the forward under ``torch.autocast``. fp16 plans also scale
+the loss dynamically (:mod:`autopar.runtime.loss_scale`); bf16 needs no scaling.
 """
 
 from __future__ import annotations

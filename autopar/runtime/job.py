@@ -25,6 +25,7 @@ from autopar.plan import Plan
 from autopar.runtime import checkpoint as ckpt
 from autopar.runtime.errors import JobError
 from autopar.runtime.grad_norm import clip_, global_grad_norm
+from autopar.runtime.loss_scale import LossScaler
 from autopar.runtime.mesh import MESH_AXES, MeshDims
 from autopar.runtime.metrics import MemoryMeter, StepMetrics
 from autopar.runtime.optimizer import ShardedOptimizer
@@ -46,6 +47,8 @@ class JobParts:
         loss_parallel: the loss runs on vocabulary-sharded logits.
         device: where this rank computes.
         memory: the peak-memory meter.
+        scaler: the dynamic loss scale of an fp16 plan (None otherwise); the schedule's
+            loss is already multiplied by it.
     """
 
     plan: Plan
@@ -58,6 +61,7 @@ class JobParts:
     loss_parallel: bool
     device: torch.device
     memory: MemoryMeter
+    scaler: LossScaler | None = None
     metrics: list[StepMetrics] = field(default_factory=list)
 
 
@@ -119,8 +123,24 @@ class Job:
             raise JobError("job.optimizer() was already called; keep the optimizer it returned.")
         zero1 = self.plan.config.zero_stage == 1 and self.dims.dp > 1
         group = self.mesh["dp"].get_group() if zero1 else None
-        self._optimizer = ShardedOptimizer(self._p.stages, optimizer_cls, kwargs, dp_group=group)
+        gate = self._unscale_and_update if self._p.scaler is not None else None
+        self._optimizer = ShardedOptimizer(self._p.stages, optimizer_cls, kwargs, dp_group=group, gate=gate)
         return self._optimizer
+
+    def _unscale(self) -> bool:
+        """Unscale an fp16 step's gradients (once); whether any rank overflowed."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        return self._p.scaler.unscale_(grads, self._p.device)
+
+    def _unscale_and_update(self) -> bool:
+        """The optimizer's gate under loss scaling: step only if no rank overflowed."""
+        self._unscale()
+        return self._p.scaler.update()
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current fp16 loss scale (None for other precisions)."""
+        return self._p.scaler.scale if self._p.scaler is not None else None
 
     # ----- data -----------------------------------------------------------------------
     def shard(self, batches: Iterable[Any]) -> Iterator[Any]:
@@ -188,6 +208,8 @@ class Job:
         if losses:
             values = [(x.full_tensor() if hasattr(x, "full_tensor") else x).detach().float() for x in losses]
             local = torch.stack(values).mean().reshape(1)
+            if self._p.scaler is not None:  # the schedule ran the scaled loss
+                local /= self._p.scaler.scale
         else:
             local = torch.zeros(1)
         local = local.to(self._p.device)
@@ -200,12 +222,19 @@ class Job:
 
     def grad_norm(self) -> float:
         """The L2 norm of the whole model's gradient (every stage, every shard, tied
-        parameters once); the same on every rank."""
+        parameters once); the same on every rank. Under fp16 loss scaling the
+        gradients are unscaled first (inf when a rank overflowed)."""
+        if self._p.scaler is not None and self._unscale():
+            return float("inf")
         return float(global_grad_norm(self.named_parameters(), self.coordinate, self._duplicates()))
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale all gradients so their global norm is at most ``max_norm``; returns the
-        norm before clipping (as ``torch.nn.utils.clip_grad_norm_``)."""
+        norm before clipping (as ``torch.nn.utils.clip_grad_norm_``). Under fp16 loss
+        scaling the gradients are unscaled first; after an overflow it returns inf and
+        leaves them (the optimizer skips that step)."""
+        if self._p.scaler is not None and self._unscale():
+            return float("inf")
         params = self.named_parameters()
         norm = global_grad_norm(params, self.coordinate, self._duplicates())
         clip_(params, norm, max_norm)
@@ -216,15 +245,18 @@ class Job:
 
     # ----- checkpoints ----------------------------------------------------------------
     def save_checkpoint(self, path: str, *, step: int) -> str:
-        """Save model, optimizer, data position and RNG under ``path/step-<step>``
-        atomically; returns that directory."""
-        return ckpt.save(self._checkpoint_parts(), path, step=step, data_position=self._data_position)
+        """Save model, optimizer, data position, RNG and an fp16 plan's loss scale under
+        ``path/step-<step>`` atomically; returns that directory."""
+        scale = self._p.scaler.state() if self._p.scaler is not None else None
+        return ckpt.save(self._checkpoint_parts(), path, step=step, data_position=self._data_position, loss_scale=scale)
 
     def load_checkpoint(self, path: str, *, step: int | None = None) -> int:
         """Load the latest (or the given) step saved under ``path`` by any plan; returns
         the step. Call after ``job.optimizer(...)`` to restore the optimizer too."""
         state = ckpt.load(self._checkpoint_parts(), path, step=step)
         self._data_position = state.data_position
+        if self._p.scaler is not None and state.loss_scale is not None:
+            self._p.scaler.restore(state.loss_scale)
         return state.step
 
     def _checkpoint_parts(self) -> ckpt.CheckpointParts:

@@ -67,11 +67,14 @@ class ShardedOptimizer(Optimizer):
         optimizer_cls: a ``torch.optim`` class.
         kwargs: its settings (``lr=...``).
         dp_group: the data-parallel group to shard optimizer state over, or None.
+        gate: called first by every ``step``; the step is skipped when it returns False
+            (fp16 loss scaling after an overflow, the same verdict on every rank).
     """
 
     def __init__(self, modules: list[nn.Module], optimizer_cls: type[Optimizer], kwargs: dict[str, Any],
-                 dp_group: dist.ProcessGroup | None = None):
+                 dp_group: dist.ProcessGroup | None = None, gate: Callable[[], bool] | None = None):
         self._dp_group = dp_group
+        self._gate = gate
         dp = dist.get_world_size(dp_group) if dp_group is not None else 1
         me = dist.get_rank(dp_group) if dp_group is not None else 0
         self.parts: list[_Part] = []
@@ -93,9 +96,12 @@ class ShardedOptimizer(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
-        """Step the owned parameters, then share the updated values (ZeRO-1)."""
+        """Step the owned parameters, then share the updated values (ZeRO-1); nothing
+        when the gate says to skip this step."""
         if closure is not None:
             raise JobError("closures are not supported: call job.step(batch) for the loss, then opt.step().")
+        if self._gate is not None and not self._gate():
+            return
         for part in self.parts:
             if part.inner is not None:
                 part.inner.step()

@@ -109,7 +109,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: LossFn, init_fn: InitF
     local_units = tuple(u for i in indices for u in plan.stages[i])
     meta = is_meta(model)
     materializer = Materializer(model, plan.model.units, local_units, init_fn, seed) if meta and materialize else None
-    stages = [cut(model, plan.stages[i], plan.model.units) for i in indices]
+    stages = [cut(model, plan.stages[i], plan.model.units, plan.model.seq_len) for i in indices]
     if not meta:
         stages = [s.to(device) for s in stages]
     for stage, i in zip(stages, indices):

@@ -4,7 +4,9 @@ Stage ``i`` of the plan runs on pipeline rank ``i % pp`` (``Plan.stage_of_rank``
 module is a skeleton copy of the model that shares the kept units (no weights copied) and
 lacks the others: a block is deleted from its ``nn.ModuleDict`` (the others keep their
 names, so parameter FQNs and checkpoint keys are the same on every plan), any other unit
-is set to ``None``, which the model's forward skips. The stages then run with
+is set to ``None``, which the model's forward skips (transformers decoders, whose forward
+cannot skip blocks, run their share of the forward through
+:mod:`autopar.runtime.decoder_stages`). The stages then run with
 ``torch.distributed.pipelining``'s ``PipelineStage`` and ``ScheduleGPipe``,
 ``Schedule1F1B`` or ``ScheduleInterleaved1F1B`` (Narayanan et al. 2021); only the first
 stage gets inputs and only the last gets targets. With ``pp == 1`` the same machinery
@@ -23,7 +25,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.pipelining._backward import stage_backward
 
+from autopar.graph.decoders import decoder_parts
 from autopar.plan import Plan
+from autopar.runtime.decoder_stages import make_stage
 from autopar.runtime.errors import PipelineError
 from autopar.vocab import Schedule
 
@@ -47,7 +51,7 @@ def check_schedule(plan: Plan) -> None:
 
 def check_cuttable(model: nn.Module, plan: Plan) -> None:
     """Refuse a pipeline split the model's structure cannot take (before any collective)."""
-    if plan.config.num_stages == 1:
+    if plan.config.num_stages == 1 or decoder_parts(model) is not None:
         return
     for unit in plan.model.units:
         parent_name = unit.rpartition(".")[0]
@@ -60,10 +64,13 @@ def check_cuttable(model: nn.Module, plan: Plan) -> None:
                 f"autopar.models do), or use a plan with pp=1.")
 
 
-def cut(model: nn.Module, keep: tuple[str, ...], units: tuple[str, ...]) -> nn.Module:
+def cut(model: nn.Module, keep: tuple[str, ...], units: tuple[str, ...], seq_len: int) -> nn.Module:
     """A stage module holding only the units in ``keep`` (shared with ``model``).
 
-    ``model`` itself is returned when it keeps every unit. Call :func:`check_cuttable` first.
+    ``model`` itself is returned when it keeps every unit. A transformers decoder
+    (:func:`autopar.graph.decoders.decoder_parts`) gets a forward that runs its share
+    of the model for sequences of ``seq_len`` (:mod:`autopar.runtime.decoder_stages`).
+    Call :func:`check_cuttable` first.
     """
     if set(keep) == set(units):
         return model
@@ -81,7 +88,8 @@ def cut(model: nn.Module, keep: tuple[str, ...], units: tuple[str, ...]) -> nn.M
             del parent[child]
         else:
             setattr(parent, child, None)
-    return stage
+    parts = decoder_parts(model)
+    return make_stage(stage, model, parts, keep, seq_len) if parts is not None else stage
 
 
 def tensor_outputs(stage: nn.Module) -> None:

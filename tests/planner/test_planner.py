@@ -5,6 +5,7 @@ import torch
 
 import autopar
 from autopar import ConfigError, InfeasiblePlanError, Recompute
+from autopar.graph import extract
 from autopar.models import GPT, GPTConfig, MLPConfig, MLPStack, build_named_model
 from autopar.whatif import fewest_nodes, time_to_train
 
@@ -120,16 +121,40 @@ def test_non_token_models_plan_with_a_sample():
     assert p.prediction.fits and p.model.seq_len == 1
 
 
+class _ListStack(torch.nn.Module):
+    """Blocks in an nn.ModuleList and a forward that loops over all of them."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(512, 512) for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
 def test_models_the_runtime_cannot_cut_get_pp_only_when_asked():
+    cluster = autopar.Cluster.preset("dgx-a100-80gb", nodes=1)
+    sample = torch.zeros(1, 512)
+    free = autopar.plan(_ListStack(), cluster, global_batch_size=16, sample_input=sample)
+    assert free.config.pp == 1 and all(a.config.pp == 1 for a in free.alternatives)
+    asked = autopar.plan(_ListStack(), cluster, global_batch_size=16, sample_input=sample, constraints={"pp": 2})
+    assert asked.config.pp == 2 and any("cannot cut this model" in n for n in asked.notes)
+    ours = autopar.plan(build_named_model("gpt2-small"), cluster, global_batch_size=16, seq_len=256,
+                        constraints={"pp": 2})
+    assert not any("cannot cut" in n for n in ours.notes)
+
+
+def test_transformers_decoders_are_offered_pipeline_splits():
+    """GPT-2 and Llama from transformers keep their blocks in a ModuleList, but the
+    runtime runs their stages itself (autopar.runtime.decoder_stages): pipelines are in
+    their search space, as for autopar's own GPT."""
     transformers = pytest.importorskip("transformers")
     with torch.device("meta"):
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=256, n_layer=4, n_head=4, n_positions=256,
                                                                      vocab_size=1024))
     cluster = autopar.Cluster.preset("dgx-a100-80gb", nodes=1)
-    free = autopar.plan(model, cluster, global_batch_size=16, seq_len=256)
-    assert free.config.pp == 1 and all(a.config.pp == 1 for a in free.alternatives)
+    assert extract(model, seq_len=256).cuttable and not extract(_ListStack(), sample_input=torch.zeros(1, 512)).cuttable
     asked = autopar.plan(model, cluster, global_batch_size=16, seq_len=256, constraints={"pp": 2})
-    assert asked.config.pp == 2 and any("cannot cut this model" in n for n in asked.notes)
-    ours = autopar.plan(build_named_model("gpt2-small"), cluster, global_batch_size=16, seq_len=256,
-                        constraints={"pp": 2})
-    assert not any("cannot cut" in n for n in ours.notes)
+    assert asked.config.pp == 2 and not any("cannot cut" in n for n in asked.notes)

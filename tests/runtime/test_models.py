@@ -12,7 +12,7 @@ from torch import nn
 import autopar
 from autopar.models import CNNConfig, ResNet
 from autopar.runtime.api import parallelize
-from parity import LR, PARAM_ATOL, SEQ, VOCAB, RunResult, all_params, assert_parity, batches, run
+from parity import LOSS_ATOL, LR, PARAM_ATOL, SEQ, VOCAB, RunResult, all_params, assert_parity, batches, run
 
 pytestmark = pytest.mark.multiprocess
 transformers = pytest.importorskip("transformers")
@@ -239,3 +239,33 @@ def test_fused_qkv_checkpoint_loads_under_another_layout(tmp_path):
         assert params["transformer.h.0.attn.c_attn.weight"].shape == ref.params["transformer.h.0.attn.c_attn.weight"].shape
         for name, value in params.items():
             torch.testing.assert_close(value, ref.params[name], rtol=0, atol=PARAM_ATOL)
+
+
+def _hf_resumable(rank, world, name, plan, path, resume, steps, save_at):
+    job = parallelize(BUILD[name](), plan, loss_fn=hf_loss)
+    opt = job.optimizer(torch.optim.SGD, lr=LR)
+    start = job.load_checkpoint(path) if resume else 0
+    losses = []
+    for step, batch in enumerate(job.shard(batches("gpt", steps, plan.config.global_batch_size)), start=start):
+        losses.append(job.step(batch))
+        opt.step()
+        opt.zero_grad()
+        if step + 1 == save_at:
+            job.save_checkpoint(path, step=step + 1)
+            break
+    return losses
+
+
+def test_a_transformers_pipeline_checkpoint_resumes_under_tensor_parallelism(tmp_path):
+    """GPT-2 saved by pp=2 stages (blocks held under their original names, the tied
+    head on the last stage) and resumed by tp=2 with GPT-2's c_attn split by heads: the
+    resumed losses continue the uninterrupted single-process run."""
+    saver = make(gpt2(), pp=2, num_microbatches=4)
+    loader = make(gpt2(), megatron("gpt2", False), tp=2, num_microbatches=4)
+    ref = hf_reference("gpt2", saver, steps=4)
+    first = run(_hf_resumable, 2, "gpt2", saver, str(tmp_path), False, 4, 2, timeout_s=120)
+    second = run(_hf_resumable, 2, "gpt2", loader, str(tmp_path), True, 4, None, timeout_s=120)
+    for losses in first:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses[:2]), rtol=0, atol=LOSS_ATOL)
+    for losses in second:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses[2:]), rtol=0, atol=LOSS_ATOL)

@@ -3,35 +3,38 @@
 ``full`` wraps the unit in PyTorch's non-reentrant ``checkpoint_wrapper``: only its input
 is kept and the whole forward reruns in backward (Chen et al. 2016). ``selective`` keeps
 every activation except the attention core's, which reruns (Korthikanti et al. 2022,
-section 4.2), through selective activation checkpointing: a policy marks which ops'
-outputs to save. The wrapper adds ``_checkpoint_wrapped_module`` to parameter names;
-:func:`clean_fqn` removes it (``torch.distributed.checkpoint`` does the same).
+section 4.2): each ``F.scaled_dot_product_attention`` call inside the unit runs under a
+non-reentrant checkpoint, so autograd keeps what the rest of the unit needs, as without
+recomputation, and the core's own intermediates are rebuilt from q, k and v in backward.
+
+Selective activation checkpointing (``create_selective_checkpoint_contexts`` with a
+policy saving every op but the core's) was used before and measured worse than no
+recomputation: it caches the output of *every* op in the unit, including those autograd
+never keeps (residual sums, the partial and the all-reduced outputs of row-parallel
+layers), so a tp=4 GPT held 95 MiB per rank with it against 63 without
+(benchmarks/results/measured_2026-11-29.md, gpt-56mib). The wrapper of ``full`` adds
+``_checkpoint_wrapped_module`` to parameter names; :func:`clean_fqn` removes it
+(``torch.distributed.checkpoint`` does the same). Attention written as explicit
+matmuls and softmax (transformers' "eager" implementation) is not recognised: such a
+unit keeps its scores, as without recomputation.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import checkpoint
 
 from autopar.plan import Plan
 from autopar.vocab import Recompute
 
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
-
-ATTENTION_CORE_OPS: frozenset = frozenset(
-    op for op in (
-        getattr(torch.ops.aten, name, None) for name in (
-            "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-            "_scaled_dot_product_attention_math", "bmm", "baddbmm", "_softmax", "native_dropout")
-    ) if op is not None)
-"""Ops that make up an attention core: fused SDPA kernels, and the batched matmuls,
-softmax and dropout of an unfused one (e.g. transformers' eager attention). Linear layers
-use ``mm``/``addmm``, never ``bmm``, so their outputs stay saved."""
 
 
 def clean_fqn(name: str) -> str:
@@ -54,17 +57,29 @@ def apply_recompute(stage: nn.Module, units: list[str], plan: Plan) -> dict[str,
         parent = stage.get_submodule(parent_name) if parent_name else stage
         module = parent.get_submodule(child)
         if mode is Recompute.FULL:
-            wrapped = checkpoint_wrapper(module)
+            _replace_child(parent, child, checkpoint_wrapper(module))
         else:
-            wrapped = checkpoint_wrapper(module, context_fn=functools.partial(
-                create_selective_checkpoint_contexts, _save_all_but_attention_core))
-        _replace_child(parent, child, wrapped)
+            module.forward = _recomputing_attention(module.forward)
     return modes
 
 
-def _save_all_but_attention_core(_ctx, op, *_args, **_kwargs) -> CheckpointPolicy:
-    core = getattr(op, "overloadpacket", op) in ATTENTION_CORE_OPS
-    return CheckpointPolicy.PREFER_RECOMPUTE if core else CheckpointPolicy.MUST_SAVE
+class _CheckpointAttentionCore(TorchFunctionMode):
+    """Runs each ``F.scaled_dot_product_attention`` under a non-reentrant checkpoint
+    (the mode is off inside its own handler, so the call does not recurse)."""
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return checkpoint(func, *args, use_reentrant=False, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _recomputing_attention(forward: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with _CheckpointAttentionCore():
+            return forward(*args, **kwargs)
+    return run
 
 
 def _replace_child(parent: nn.Module, name: str, module: nn.Module) -> None:

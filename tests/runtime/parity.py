@@ -189,6 +189,23 @@ def train(rank: int, world: int, name: str, plan: autopar.Plan, steps: int = 5, 
                      extra={"optimizer_state_numel": state, "dtypes": {str(p.dtype) for p in job.parameters()}})
 
 
+def resumable(job: Any, opt: Any, name: str, path: str, resume: bool, steps: int,
+              save_at: int | None) -> tuple[list[float], int]:
+    """Train ``job`` over the run's ``steps`` global batches, first loading the latest
+    checkpoint under ``path`` when ``resume`` (the job skips the batches it consumed),
+    and stop after saving at step ``save_at``; returns the losses and the start step."""
+    start = job.load_checkpoint(path) if resume else 0
+    losses = []
+    for step, batch in enumerate(job.shard(batches(name, steps, job.plan.config.global_batch_size)), start=start):
+        losses.append(job.step(batch))
+        opt.step()
+        opt.zero_grad()
+        if step + 1 == save_at:
+            job.save_checkpoint(path, step=step + 1)
+            break
+    return losses, start
+
+
 def all_params(job: Any) -> dict[str, torch.Tensor]:
     """Global values of every parameter name this rank holds (tied names included)."""
     return {clean_fqn(n): full(p) for stage in job.stages for n, p in stage.named_parameters(remove_duplicate=False)}

@@ -16,8 +16,8 @@ import autopar.runtime.checkpoint as ckpt_module
 from autopar.runtime.api import parallelize
 from autopar.runtime.checkpoint import latest_step
 from autopar.runtime.spmd import SPMDError
-from parity import (LOSS_ATOL, PARAM_ATOL, LR, all_params, batches, build, make_plan, megatron_styles, reference, run,
-                    token_loss)
+from parity import (LOSS_ATOL, PARAM_ATOL, LR, all_params, batches, build, make_plan, megatron_styles, reference,
+                    resumable, run, token_loss)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -28,15 +28,7 @@ STEPS, SAVE_AT = 6, 3
 def _train(rank, world, plan, path, resume, steps, save_at):
     job = parallelize(build("gpt"), plan, loss_fn=token_loss)
     opt = job.optimizer(torch.optim.SGD, lr=LR, momentum=MOMENTUM)
-    start = job.load_checkpoint(path) if resume else 0
-    losses = []
-    for step, batch in enumerate(job.shard(batches("gpt", steps, plan.config.global_batch_size)), start=start):
-        losses.append(job.step(batch))
-        opt.step()
-        opt.zero_grad()
-        if step + 1 == save_at:
-            job.save_checkpoint(path, step=step + 1)
-            break
+    losses, start = resumable(job, opt, "gpt", path, resume, steps, save_at)
     return losses, start, job.data_position
 
 

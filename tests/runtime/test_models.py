@@ -12,7 +12,7 @@ from torch import nn
 import autopar
 from autopar.models import CNNConfig, ResNet
 from autopar.runtime.api import parallelize
-from parity import LOSS_ATOL, LR, PARAM_ATOL, SEQ, VOCAB, RunResult, all_params, assert_parity, batches, run
+from parity import LOSS_ATOL, LR, PARAM_ATOL, SEQ, VOCAB, RunResult, all_params, assert_parity, batches, resumable, run
 
 pytestmark = pytest.mark.multiprocess
 transformers = pytest.importorskip("transformers")
@@ -243,17 +243,7 @@ def test_fused_qkv_checkpoint_loads_under_another_layout(tmp_path):
 
 def _hf_resumable(rank, world, name, plan, path, resume, steps, save_at):
     job = parallelize(BUILD[name](), plan, loss_fn=hf_loss)
-    opt = job.optimizer(torch.optim.SGD, lr=LR)
-    start = job.load_checkpoint(path) if resume else 0
-    losses = []
-    for step, batch in enumerate(job.shard(batches("gpt", steps, plan.config.global_batch_size)), start=start):
-        losses.append(job.step(batch))
-        opt.step()
-        opt.zero_grad()
-        if step + 1 == save_at:
-            job.save_checkpoint(path, step=step + 1)
-            break
-    return losses
+    return resumable(job, job.optimizer(torch.optim.SGD, lr=LR), "gpt", path, resume, steps, save_at)[0]
 
 
 def test_a_transformers_pipeline_checkpoint_resumes_under_tensor_parallelism(tmp_path):

@@ -136,7 +136,7 @@ class Evaluator:
     def price(self, opt: UnitOption, config: ParallelConfig, layout_id: int) -> Priced:
         st = state_bytes(param_numel=opt.layout.param_numel, factored_numel=opt.layout.factored_numel,
                          largest_unit_numel=opt.layout.param_numel, dtype=config.dtype, optimizer=self.optimizer,
-                         zero_stage=config.zero_stage, dp=config.dp, pipelined=config.pp > 1)
+                         zero_stage=config.zero_stage, dp=config.dp, pipelined=config.pp > 1, tp=config.tp)
         return Priced(time_s=opt.time_s, static_bytes=st.params_bytes + st.grads_bytes + st.optimizer_bytes,
                       act_bytes=opt.act_bytes, transient_bytes=opt.transient_bytes + st.transient_bytes,
                       layout=layout_id)
@@ -163,7 +163,7 @@ class Evaluator:
         numel = sum(s.numel for s in self.graph.shared) / config.tp
         st = state_bytes(param_numel=numel, factored_numel=numel, largest_unit_numel=0.0, dtype=config.dtype,
                          optimizer=self.optimizer, zero_stage=config.zero_stage, dp=config.dp,
-                         pipelined=config.pp > 1)
+                         pipelined=config.pp > 1, tp=config.tp)
         return st.params_bytes + st.grads_bytes + st.optimizer_bytes
 
     def budget(self) -> float:

@@ -166,7 +166,8 @@ def stage_memory(ev: Evaluator, plan: StagePlan, config: ParallelConfig, stages:
     params = sum(o.layout.param_numel for _, o in rank)
     factored = sum(o.layout.factored_numel for _, o in rank)
     st = state_bytes(param_numel=params, factored_numel=factored, largest_unit_numel=0.0, dtype=config.dtype,
-                     optimizer=ev.optimizer, zero_stage=config.zero_stage, dp=config.dp, pipelined=pp > 1)
+                     optimizer=ev.optimizer, zero_stage=config.zero_stage, dp=config.dp, pipelined=pp > 1,
+                     tp=config.tp)
     n = len(ev.graph.units)
     units = {u for u, _ in rank}
     static = st.params_bytes + st.grads_bytes + st.optimizer_bytes

@@ -232,7 +232,8 @@ def lower_bounds(graph: LayerGraph, cluster: Cluster, config: ParallelConfig, op
         params_sum += count * params
         act += count * inp
     st = state_bytes(param_numel=params_sum, factored_numel=0.0, largest_unit_numel=0.0, dtype=config.dtype,
-                     optimizer=optimizer, zero_stage=config.zero_stage, dp=config.dp, pipelined=config.pp > 1)
+                     optimizer=optimizer, zero_stage=config.zero_stage, dp=config.dp, pipelined=config.pp > 1,
+                     tp=config.tp)
     static = st.params_bytes + st.grads_bytes + (st.optimizer_bytes if optimizer is not Optimizer.ADAFACTOR else 0)
     pp, m = config.pp, config.num_microbatches
     inflight = inflight_microbatches(config.schedule, pp, config.virtual_stages, m, pp - 1)  # the least loaded rank

@@ -82,6 +82,19 @@ def test_model_states_other_cases():
     assert ada.optimizer_bytes == 240.0
 
 
+@pytest.mark.parametrize("dtype, dp, pipelined, tp, params", [
+    (DType.FP32, 2, True, 1, 4 + 4),    # FSDP2 replicate (pipelined): a gathered fp32 copy beside the weights
+    (DType.FP32, 2, False, 2, 4 + 4),   # replicate for DTensor (tensor-parallel) parameters too
+    (DType.FP32, 2, False, 1, 4),       # DDP: the weights only
+    (DType.FP32, 1, True, 2, 4),        # no data parallelism, no wrapper
+    (DType.BF16, 2, True, 1, 4 + 2),    # replicate gathers the bf16 compute copy, which autocast would make anyway
+])
+def test_zero0_parameters_under_replicate(dtype, dp, pipelined, tp, params):
+    st = state_bytes(param_numel=1.0, factored_numel=0.0, largest_unit_numel=0.0, dtype=dtype,
+                     optimizer=Optimizer.SGD, zero_stage=0, dp=dp, pipelined=pipelined, tp=tp)
+    assert st.params_bytes == pytest.approx(params)
+
+
 def test_pipeline_bubble_and_inflight():
     w = 1.0
     assert pipeline_time_s([w] * 4, 8, 1) == pytest.approx((8 + 4 - 1) * w)     # bubble (p-1)/m

@@ -52,12 +52,13 @@ class LossScaler:
         must call it: the verdict is all-reduced over the default group."""
         if self._found_inf is None:
             inv = 1.0 / self.scale
-            bad = torch.zeros(1, device=device)
+            flags = []
             for g in grads:
                 g.mul_(inv)
                 local = g.to_local() if isinstance(g, DTensor) else g
-                if not bool(torch.isfinite(local).all()):
-                    bad.fill_(1.0)
+                flags.append((~torch.isfinite(local)).any().to(device))  # stays on the device: one sync below
+            bad = (torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool, device=device))
+            bad = bad.float().reshape(1)
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
             self._found_inf = bool(bad.item() > 0)
         return self._found_inf

@@ -1,15 +1,19 @@
-"""Where a transformers decoder-only language model keeps its parts.
+"""Which models the runtime can cut into pipeline stages, and where a transformers
+decoder-only language model keeps its parts.
 
-transformers holds a model's blocks in an ``nn.ModuleList`` and its forward loops over
-all of them, so a pipeline stage cannot simply drop blocks (the generic rule in
-:func:`autopar.graph.extract`). For the families named here autopar knows the forward
-(embeddings, blocks, final norm, head) and runs a stage's share of it itself
-(:mod:`autopar.runtime.decoder_stages`); the planner may then split them into stages.
+A stage drops the units other stages hold; a container that renumbers its children
+(``nn.ModuleList``, ``nn.Sequential``) would rename the parameters, and a forward that
+loops over it cannot skip missing blocks (:func:`uncuttable_unit`, which both the
+planner's ``LayerGraph.cuttable`` and the runtime's refusal use). transformers holds its
+blocks that way; for the families named here autopar knows the forward (embeddings,
+blocks, final norm, head) and runs a stage's share of it itself
+(:mod:`autopar.runtime.decoder_stages`), so they may be split too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 from torch import nn
 
@@ -57,3 +61,17 @@ def decoder_parts(model: nn.Module) -> DecoderParts | None:
     if not all(n in names for n in needed) or not isinstance(model.get_submodule(parts.blocks), nn.ModuleList):
         return None
     return parts
+
+
+def uncuttable_unit(model: nn.Module, units: Iterable[str]) -> tuple[str, str] | None:
+    """The first of ``units`` (module FQNs) that sits in a container which renumbers its
+    children, with that container's type name; None when the runtime can cut ``model``
+    between any of its units (a known transformers decoder always can)."""
+    if decoder_parts(model) is not None:
+        return None
+    for unit in units:
+        parent_name = unit.rpartition(".")[0]
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if isinstance(parent, (nn.ModuleList, nn.Sequential)):
+            return unit, type(parent).__name__
+    return None

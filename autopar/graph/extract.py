@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autopar.errors import ModelError, check_positive_int
 from autopar.graph.layer_graph import LayerGraph, SharedParam, Unit, UnitProfile
-from autopar.graph.decoders import decoder_parts
+from autopar.graph.decoders import uncuttable_unit
 from autopar.graph.trace import EPILOGUE, PROLOGUE, run_trace
 from autopar.graph.units import _block_container, find_units, model_fingerprint, module_signature, unique_numel
 from autopar.vocab import Attention, DType
@@ -135,8 +135,7 @@ def extract(model: nn.Module, *, seq_len: int | None = None, sample_input: Any =
         if epilogue_mods:
             add_unit("+".join(epilogue_mods), epilogue_mods, "", EPILOGUE, epilogue_mods)
     seq = seq_len if seq_len is not None else _seq_of(sample_input)
-    cuttable = decoder_parts(model) is not None or not any(
-        isinstance(modules.get(_parent(u), model), (nn.ModuleList, nn.Sequential)) for u in units)
+    cuttable = uncuttable_unit(model, units) is None
     return LayerGraph(
         name=type(model).__name__, units=tuple(graph_units), profiles=tuple(profiles),
         shared=_shared_params(model, graph_units), num_params=unique_numel(model), seq_len=seq, dtype=dtype,

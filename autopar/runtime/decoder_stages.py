@@ -32,8 +32,7 @@ def make_stage(stage: nn.Module, model: nn.Module, parts: DecoderParts, keep: tu
     into a runnable stage holding the units in ``keep``, for sequences of ``seq_len``."""
     parent_name, _, attr = parts.blocks.rpartition(".")
     parent = stage.get_submodule(parent_name)
-    kept = nn.ModuleDict({k: m for k, m in getattr(parent, attr).named_children()
-                          if m is not None and f"{parts.blocks}.{k}" in keep})
+    kept = nn.ModuleDict({k: m for k, m in getattr(parent, attr).named_children() if f"{parts.blocks}.{k}" in keep})
     setattr(parent, attr, kept)
     rotary = RotaryOf(model.get_submodule(parts.rotary), stage.config) if parts.rotary else None
     stage.forward = types.MethodType(lambda self, x: _forward(self, x, parts, seq_len, rotary), stage)

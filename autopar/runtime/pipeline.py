@@ -25,7 +25,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.pipelining._backward import stage_backward
 
-from autopar.graph.decoders import decoder_parts
+from autopar.graph.decoders import decoder_parts, uncuttable_unit
 from autopar.plan import Plan
 from autopar.runtime.decoder_stages import make_stage
 from autopar.runtime.errors import PipelineError
@@ -51,17 +51,14 @@ def check_schedule(plan: Plan) -> None:
 
 def check_cuttable(model: nn.Module, plan: Plan) -> None:
     """Refuse a pipeline split the model's structure cannot take (before any collective)."""
-    if plan.config.num_stages == 1 or decoder_parts(model) is not None:
-        return
-    for unit in plan.model.units:
-        parent_name = unit.rpartition(".")[0]
-        parent = model.get_submodule(parent_name) if parent_name else model
-        if isinstance(parent, (nn.ModuleList, nn.Sequential)):
-            raise PipelineError(
-                f"unit {unit!r} sits in a {type(parent).__name__}, which renumbers its children when one is removed, "
-                f"so pipeline stages would rename parameters (and a transformers model's forward cannot skip missing "
-                f"blocks). Hold the blocks in an nn.ModuleDict keyed '0'..'L-1' whose forward skips None parts (as "
-                f"autopar.models do), or use a plan with pp=1.")
+    found = uncuttable_unit(model, plan.model.units) if plan.config.num_stages > 1 else None
+    if found is not None:
+        unit, container = found
+        raise PipelineError(
+            f"unit {unit!r} sits in a {container}, which renumbers its children when one is removed, "
+            f"so pipeline stages would rename parameters (and a transformers model's forward cannot skip missing "
+            f"blocks). Hold the blocks in an nn.ModuleDict keyed '0'..'L-1' whose forward skips None parts (as "
+            f"autopar.models do), or use a plan with pp=1.")
 
 
 def cut(model: nn.Module, keep: tuple[str, ...], units: tuple[str, ...], seq_len: int) -> nn.Module:

@@ -139,7 +139,7 @@ class Evaluator:
                          zero_stage=config.zero_stage, dp=config.dp, pipelined=config.pp > 1, tp=config.tp)
         return Priced(time_s=opt.time_s, static_bytes=st.params_bytes + st.grads_bytes + st.optimizer_bytes,
                       act_bytes=opt.act_bytes, transient_bytes=opt.transient_bytes + st.transient_bytes,
-                      layout=layout_id)
+                      layout=layout_id, rebuild_bytes=st.rebuild_bytes)
 
     def priced_options(self, unit: int, config: ParallelConfig,
                        modes: tuple[Recompute, ...]) -> tuple[tuple[UnitOption, ...], tuple[Priced, ...]]:
@@ -213,11 +213,9 @@ class Evaluator:
             opts, priced = self.priced_options(members[k][0], config, modes)
             groups.append((len(members[k]), priced))
             group_opts.append(opts)
-        budget = self.budget()
-        if 0 in units and len(self.graph.units) - 1 in units:
-            budget += self.shared_state_bytes(config)
-        choice = solve_stage(groups, budget, inflight, self._ilp)
-        if choice is None:
+        shared = self.shared_state_bytes(config) if 0 in units and len(self.graph.units) - 1 in units else 0.0
+        choice = solve_stage(groups, self.budget() + shared, inflight, self._ilp)
+        if choice is None or not self._fits_bucket_rebuild(groups, choice, shared):
             return None
         chosen: dict[int, UnitOption] = {}
         for k, opts, counts in zip(groups_keys, group_opts, choice.counts):
@@ -225,6 +223,20 @@ class Evaluator:
             for u, o in zip(members[k], picks):
                 chosen[u] = o
         return choice, tuple(chosen[u] for u in units)
+
+    def _fits_bucket_rebuild(self, groups: list[tuple[int, tuple[Priced, ...]]], choice: StageChoice,
+                             shared: float) -> bool:
+        """Whether the stage also fits DDP's one-time bucket rebuild: its model states
+        plus a second copy of its gradients (``autopar.cost.memory``), tied parameters
+        (``shared`` bytes of state, counted by both owners) once. Only DDP (tp = 1)
+        rebuilds, where every option of a unit holds the same states, so the check
+        cannot prefer another choice."""
+        chosen = [(o, c) for (_, opts), cs in zip(groups, choice.counts) for o, c in zip(opts, cs) if c]
+        static = sum(c * o.static_bytes for o, c in chosen)
+        rebuild = sum(c * o.rebuild_bytes for o, c in chosen)
+        if rebuild == 0.0:
+            return True
+        return (static - shared) * (1 + rebuild / static) <= self.budget()
 
     def stage_p2p_s(self, stage_units: tuple[int, ...], options: tuple[UnitOption, ...], config: ParallelConfig) -> tuple[float, float]:
         """(forward, backward) point-to-point seconds per micro-batch of a stage."""

@@ -174,7 +174,9 @@ def stage_memory(ev: Evaluator, plan: StagePlan, config: ParallelConfig, stages:
     shared = ev.shared_state_bytes(config) if 0 in units and n - 1 in units else 0.0
     scale = (static - shared) / static if static else 1.0
     acts = plan.inflight * sum(p.act_bytes for p in priced)
-    transient = max(p.transient_bytes for p in priced)
+    # DDP's bucket rebuild happens with no activation alive: it raises the peak only
+    # by what it holds beyond them (``autopar.cost.memory``)
+    transient = max(max(p.transient_bytes for p in priced), st.rebuild_bytes * scale - acts)
     dev = ev.cluster.device
     allocated = static - shared + acts + transient
     return MemoryBreakdown(params_bytes=st.params_bytes * scale, grads_bytes=st.grads_bytes * scale,
@@ -198,11 +200,14 @@ def smallest_footprint_bytes(ev: Evaluator, config: ParallelConfig) -> float:
     for r in range(pp):
         units = [u for c in range(r, chunks, pp) for u in range(bounds[c], bounds[c + 1])]
         inflight = inflight_microbatches(config.schedule, pp, v, config.num_microbatches, r)
-        total, transient = 0.0, 0.0
+        static, acts, transient, rebuild = 0.0, 0.0, 0.0, 0.0
         for u in units:
             smallest = min((ev.price(o, config, 0) for o in ev.options(u, config, modes)),
                            key=lambda p: p.static_bytes + inflight * p.act_bytes + p.transient_bytes)
-            total += smallest.static_bytes + inflight * smallest.act_bytes
+            static += smallest.static_bytes
+            acts += inflight * smallest.act_bytes
             transient = max(transient, smallest.transient_bytes)
-        worst = max(worst, (total + transient) * (1 + dev.fragmentation) + dev.reserved_bytes)
+            rebuild += smallest.rebuild_bytes
+        peak = static + max(acts + transient, rebuild)
+        worst = max(worst, peak * (1 + dev.fragmentation) + dev.reserved_bytes)
     return worst

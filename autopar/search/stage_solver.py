@@ -34,13 +34,15 @@ class Priced:
     """One option of one unit, priced for a stage: seconds per micro-batch, bytes kept
     for the whole step (``static``), bytes per in-flight micro-batch (``act``), and the
     transient peak while it runs (``transient``). ``layout`` groups options that share a
-    tensor-parallel layout."""
+    tensor-parallel layout. ``rebuild`` is the unit's share of DDP's one-time bucket
+    rebuild, which the evaluator checks apart (it never coincides with activations)."""
 
     time_s: float
     static_bytes: float
     act_bytes: float
     transient_bytes: float
     layout: int
+    rebuild_bytes: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,5 +1,7 @@
 """plan() and estimate(): behaviour a user relies on, and errors a user can act on."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -158,3 +160,27 @@ def test_transformers_decoders_are_offered_pipeline_splits():
     assert extract(model, seq_len=256).cuttable and not extract(_ListStack(), sample_input=torch.zeros(1, 512)).cuttable
     asked = autopar.plan(model, cluster, global_batch_size=16, seq_len=256, constraints={"pp": 2})
     assert asked.config.pp == 2 and not any("cannot cut" in n for n in asked.notes)
+
+
+def test_ddp_must_also_fit_its_bucket_rebuild():
+    """DDP holds its gradients twice for a moment (``autopar.cost.memory``): with room for
+    weights, gradients and AdamW's moments (4 x 4 bytes per parameter) plus the few KiB
+    of activations, but not for a fifth copy, plain DDP does not fit and the search says
+    so, while ZeRO-1 (half the moments on each of 2 ranks) fits."""
+    model = MLPStack(MLPConfig(in_dim=64, dim=256, ffn_dim=1024, n_layers=2, out_dim=8))
+    params = sum(p.numel() for p in model.parameters())
+    local = autopar.Cluster.preset("local-cpu", devices_per_node=2)
+    room = 4.5 * 4 * params  # between the steady peak (4 copies) and the rebuild (5)
+    device = dataclasses.replace(local.device, memory_bytes=local.device.reserved_bytes
+                                 + room * (1 + local.device.fragmentation))
+    cluster = dataclasses.replace(local, device=device)
+    ddp = {"dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 4, "zero_stage": 0}
+    kwargs = {"global_batch_size": 8, "sample_input": torch.zeros(1, 64)}
+    est = autopar.estimate(model, cluster, ddp, **kwargs)
+    mem = est.prediction.stages[0].memory
+    assert not est.prediction.fits
+    assert mem.total_bytes - mem.reserve_bytes == pytest.approx(5 * 4 * params, rel=0.01)
+    with pytest.raises(InfeasiblePlanError):
+        autopar.plan(model, cluster, constraints=ddp, **kwargs)
+    p = autopar.plan(model, cluster, constraints={"dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 4}, **kwargs)
+    assert p.config.zero_stage >= 1 and p.prediction.fits

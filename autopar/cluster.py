@@ -58,6 +58,17 @@ class DeviceSpec:
         time_share: the share of the device one process gets (CPU processes that
             outnumber the cores are time-sliced); the rates and overheads here already
             include it (:meth:`time_shared`).
+        exposed_weight_traffic: a layer's weights cost memory passes the arithmetic
+            does not hide, once per micro-batch: single-threaded CPU BLAS (MKL, oneDNN)
+            first copies ("packs") each weight panel, a layer's weights have left the
+            caches by the time it runs again, and eager autograd adds each
+            micro-batch's weight gradient into ``.grad`` in a pass of its own
+            (:func:`autopar.cost.tensor_parallel.leaf_fwd_s`,
+            :func:`~autopar.cost.tensor_parallel.leaf_accumulate_s`). True for CPU
+            processes. GPU presets keep the roofline (GEMM kernels stream weight tiles
+            under the arithmetic, and the published runs the model is checked against
+            fuse the accumulation into the weight-gradient GEMM, Megatron-LM's
+            ``gradient_accumulation_fusion``).
         preferred_dtype: the precision plans use unless told otherwise.
         matmul_curves: measured achieved FLOP/s against matmul size (FLOPs of one call)
             per precision, from a profiler report; when present the cost model
@@ -78,6 +89,7 @@ class DeviceSpec:
     comm_overlap: float = 0.8
     optimizer_bytes_per_s: float = 0.0
     time_share: float = 1.0
+    exposed_weight_traffic: bool = False
     preferred_dtype: DType = DType.BF16
     matmul_curves: Mapping[DType, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     source: str = ""
@@ -99,6 +111,9 @@ class DeviceSpec:
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 <= value < 1):
                 raise ClusterError(f"device {self.name!r} {attr}={value!r} is not allowed: it must be seconds in [0, 1).")
             object.__setattr__(self, attr, float(value))
+        if not isinstance(self.exposed_weight_traffic, bool):
+            raise ClusterError(f"device {self.name!r} exposed_weight_traffic={self.exposed_weight_traffic!r} is not "
+                               f"allowed: it must be true or false.")
         if isinstance(self.comm_overlap, bool) or not (isinstance(self.comm_overlap, (int, float))
                                                        and 0 <= self.comm_overlap <= 1):
             raise ClusterError(f"device {self.name!r} comm_overlap={self.comm_overlap!r} is not allowed: it must be "
@@ -305,6 +320,7 @@ class Cluster:
                 "comm_overlap": dev.comm_overlap,
                 "optimizer_bytes_per_s": dev.optimizer_bytes_per_s,
                 "time_share": dev.time_share,
+                "exposed_weight_traffic": dev.exposed_weight_traffic,
                 "preferred_dtype": dev.preferred_dtype.value,
                 "matmul_curves": {k.value: [list(p) for p in v] for k, v in dev.matmul_curves.items()},
                 "source": dev.source,
@@ -332,6 +348,7 @@ class Cluster:
                 comm_overlap=dev.get("comm_overlap", 0.8),
                 optimizer_bytes_per_s=dev.get("optimizer_bytes_per_s", 0.0),
                 time_share=dev.get("time_share", 1.0),
+                exposed_weight_traffic=dev.get("exposed_weight_traffic", False),
                 preferred_dtype=dev.get("preferred_dtype", "bf16"),
                 matmul_curves={k: tuple(tuple(p) for p in v) for k, v in dev.get("matmul_curves", {}).items()},
                 source=str(dev.get("source", "")),

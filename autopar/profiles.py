@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from autopar.cluster import COLLECTIVE_OPS, Cluster, DeviceSpec, LinkSpec, OpLink
-from autopar.cost.compute import rates, work_s
+from autopar.cost.compute import rates
 from autopar.cost.memory import optimizer_step_bytes
-from autopar.cost.tensor_parallel import BACKWARD_FACTOR
+from autopar.cost.tensor_parallel import BACKWARD_FACTOR, roofline_s
 from autopar.errors import ClusterError
 from autopar.vocab import DType, Optimizer
 
@@ -107,7 +107,10 @@ def cluster_from_profiles(reports: Sequence[Any], base: Cluster | None = None) -
             needed).
 
     A CPU device measured by one process is time-shared where the node's processes
-    (times the threads each measured with) outnumber the machine's cores.
+    (times the threads each measured with) outnumber the machine's cores. A network
+    profile's tensor-parallel overhead, measured on its real intra-node groups (with
+    their processes sharing the cores as they will in training), replaces the device
+    profile's one-rank figure.
     """
     rs = read_reports(reports)
     dev = _latest(rs, "device")
@@ -125,6 +128,7 @@ def cluster_from_profiles(reports: Sequence[Any], base: Cluster | None = None) -
             return base
         nodes, per_node = _shape(base, net)
         device = _device(dev, base, per_node) if dev is not None else _base_device(base)
+        device = _with_group_tp_overhead(device, net)
         intra, inter = _links(net, base, nodes, per_node)
     except (KeyError, TypeError) as exc:
         raise ClusterError(f"profile data is malformed ({type(exc).__name__}: {exc}); load it with "
@@ -202,7 +206,7 @@ def _device(found: tuple[_Report, Mapping[str, Any]], base: Cluster | None, per_
         memory_efficiency=1.0, reserved_bytes=reserved, preferred_dtype=preferred,
         matmul_curves=curves, op_overhead_s=float(d.get("op_overhead_s", 0.0)),
         tp_overhead_s=float(d.get("tp_overhead_s", 0.0)), comm_overlap=overlap,
-        optimizer_bytes_per_s=optimizer_rate,
+        optimizer_bytes_per_s=optimizer_rate, exposed_weight_traffic=cpu,
         source=(f"measured ({report.origin}, {where}): matmul curves {', '.join(dt.value for dt in curves)} over "
                 f"{len(d['matmul'])} shapes, streaming bandwidth {float(d['memory_bandwidth_bytes_per_s']) / 1e9:.3g} "
                 f"GB/s (memory_efficiency 1: already achieved); framework overhead "
@@ -210,7 +214,8 @@ def _device(found: tuple[_Report, Mapping[str, Any]], base: Cluster | None, per_
                 f"{float(d.get('tp_overhead_s', 0.0)) * 1e6:.0f} us per tensor-parallel layer; "
                 + (f"AdamW step {per_param * 1e9:.2f} ns per parameter "
                    f"({optimizer_rate / 1e9:.3g} GB/s of its ideal traffic); " if per_param > 0 else "")
-                + ("communication overlaps no compute (gloo shares the cores); " if cpu else "")
+                + ("communication overlaps no compute (gloo shares the cores), weight traffic is not hidden under "
+                   "the arithmetic; " if cpu else "")
                 + f"memory {float(d['memory_bytes']) / 2**30:.1f} GiB"
                 f"{share}; {peak_note}"))
     cores = int(d["provenance"].get("cpu_count", 0)) if cpu else 0
@@ -219,6 +224,15 @@ def _device(found: tuple[_Report, Mapping[str, Any]], base: Cluster | None, per_
         return spec
     return spec.time_shared(cores / (per_node * threads),
                             f"{per_node} processes of {threads} thread(s) time-share {cores} cores")
+
+
+def _with_group_tp_overhead(device: DeviceSpec, net: tuple[_Report, Mapping[str, Any]] | None) -> DeviceSpec:
+    measured = float(net[1].get("tp_overhead_s", 0.0)) if net is not None else 0.0
+    if measured <= 0:
+        return device
+    return replace(device, tp_overhead_s=measured,
+                   source=f"{device.source}; tensor-parallel overhead {measured * 1e6:.0f} us per sharded layer "
+                          f"forward, measured on {net[1]['world_size']} {net[1]['backend']} ranks ({net[0].origin})")
 
 
 def _links(net: tuple[_Report, Mapping[str, Any]] | None, base: Cluster | None, nodes: int,
@@ -321,10 +335,12 @@ def calibrate_units(reports: Sequence[Any], *, base: Cluster | None = None) -> t
     """Each profiled unit's measured time next to the roofline prediction.
 
     The prediction prices the unit's kernels as recorded in the report (leaves and glue
-    at the measured batch, from ``autopar.graph``) with :func:`autopar.cost.compute.work_s`
-    on the device of ``cluster_from_profiles(reports, base=base)``, backward
-    ``BACKWARD_FACTOR`` times forward: exactly what the cost model computes for the
-    unit on one device. Units with nothing to predict (no FLOPs, no bytes) are left out.
+    at the measured batch, from ``autopar.graph``) with
+    :func:`autopar.cost.tensor_parallel.roofline_s` on the device of
+    ``cluster_from_profiles(reports, base=base)``, backward ``BACKWARD_FACTOR`` times
+    forward: exactly what the cost model computes for the unit on one device, less the
+    gradient accumulation (the profiler resets ``.grad`` before each run, so none
+    happened). Units with nothing to predict (no FLOPs, no bytes) are left out.
     """
     rs = read_reports(reports)
     found = _latest(rs, "layers")
@@ -338,8 +354,11 @@ def calibrate_units(reports: Sequence[Any], *, base: Cluster | None = None) -> t
     r = rates(device, DType(layers["dtype"]))
     out = []
     for u in layers["units"]:
-        fwd = sum(work_s(matmul_flops=float(w["matmul_flops"]), other_flops=float(w["other_flops"]),
-                         nbytes=float(w["bytes"]), r=r) + float(w.get("ops", 0.0)) * device.op_overhead_s
+        fwd = sum(roofline_s(matmul_flops=float(w["matmul_flops"]), other_flops=float(w["other_flops"]),
+                             activation_bytes=float(w["bytes"]) - float(w.get("weight_bytes", 0.0)),
+                             weight_bytes=float(w.get("weight_bytes", 0.0)), r=r,
+                             exposed_weights=device.exposed_weight_traffic)
+                  + float(w.get("ops", 0.0)) * device.op_overhead_s
                   for w in u["work"])
         if fwd <= 0:
             continue

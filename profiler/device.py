@@ -22,6 +22,7 @@ from profiler.errors import MeasurementError, SettingsError
 from profiler.machine import cpu_model, physical_memory_bytes, provenance
 from profiler.report import BandwidthPoint, DeviceProfile, MatmulPoint, ProfileReport
 from profiler.timing import Repeats, time_call, timer_name
+from profiler.tp_overhead import tp_overhead_s
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MIB = 2**20
@@ -171,9 +172,10 @@ def count_ops(fn: Callable[[], None]) -> int:
 
 
 def measure_tp_overhead(repeats: Repeats) -> float:
-    """Extra time of a column-parallel linear over a plain one, per forward (forward and
-    backward timed; backward counts twice), on a one-rank CPU mesh in a forked process
-    so this process keeps no process group."""
+    """Framework time per tensor-parallel leaf-forward on a one-rank CPU mesh
+    (:mod:`profiler.tp_overhead`), in a forked process so this process keeps no process
+    group. A network profile measures it again on a real group, which the planner
+    prefers (the collectives' own framework cost only shows there)."""
     from autopar.runtime.spmd import SPMDSettings, run_spmd
 
     return float(run_spmd(_tp_overhead_rank, 1, repeats, settings=SPMDSettings(timeout_s=120))[0])
@@ -181,18 +183,9 @@ def measure_tp_overhead(repeats: Repeats) -> float:
 
 def _tp_overhead_rank(rank: int, world: int, repeats: Repeats) -> float:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     mesh = init_device_mesh("cpu", (1,))
-    x = torch.randn(4, 16, requires_grad=True)
-    plain = torch.nn.Linear(16, 16)
-    sharded = torch.nn.Linear(16, 16)
-    parallelize_module(sharded, mesh, ColwiseParallel())
-    times = {}
-    for name, layer in (("plain", plain), ("sharded", sharded)):
-        times[name] = time_call(lambda layer=layer: layer(x).sum().backward(), device=torch.device("cpu"),
-                                settings=repeats).median_s
-    return max(times["sharded"] - times["plain"], 0.0) / 3.0
+    return tp_overhead_s(mesh, torch.device("cpu"), repeats, all_reduce_s=lambda nbytes: 0.0)
 
 
 def measure_matmul(m: int, n: int, k: int, dtype: str, device: torch.device, repeats: Repeats) -> MatmulPoint:

@@ -252,7 +252,8 @@ def work_items(profile: UnitProfile, batch: int) -> tuple[WorkItem, ...]:
     for leaf in profile.leaves:
         items.append(WorkItem(name=leaf.name or "(unit)", matmul_flops=leaf.matmul_flops * batch,
                               other_flops=(leaf.fwd_flops - leaf.matmul_flops) * batch,
-                              bytes=leaf.fwd_bytes * batch + leaf.weight_bytes, ops=float(leaf.fwd_ops)))
+                              bytes=leaf.fwd_bytes * batch + leaf.weight_bytes, ops=float(leaf.fwd_ops),
+                              weight_bytes=leaf.weight_bytes))
     names = [leaf.name or "(unit)" for leaf in profile.leaves]
 
     def end(i: int) -> str:

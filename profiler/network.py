@@ -30,13 +30,15 @@ from typing import Any, Callable, get_args
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from profiler.errors import MeasurementError, SettingsError
 from profiler.fit import Sample, bus_factor, coefficients, fit_alpha_beta
 from profiler.machine import provenance
 from profiler.report import (CollectiveOp, CommPoint, CommSeries, Level, LinkFit, NetworkProfile, ProfileReport,
                              Timing)
-from profiler.timing import Stopwatch, synchronize
+from profiler.timing import Repeats, Stopwatch, synchronize
+from profiler.tp_overhead import tp_overhead_s
 
 KIB, MIB = 2**10, 2**20
 ALL_OPS: tuple[CollectiveOp, ...] = get_args(CollectiveOp)
@@ -141,13 +143,38 @@ def profile_network(*, sweep: NetworkSweep | None = None, node_of_rank: tuple[st
                     mine[(level, op, nbytes)] = times
             say(f"{level} {op}: {len(sizes)} sizes up to {sizes[-1] / MIB:g} MiB")
     everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, mine)
-    series = tuple(_series(g, op, sizes, everyone) for g in groups for op in sweep.ops)
+    dist.all_gather_object(everyone, (mine, provenance(command)))
+    series = tuple(_series(g, op, sizes, [times for times, _ in everyone]) for g in groups for op in sweep.ops)
     fits, unfitted = fit_levels(series)
+    tp = _tp_overhead(groups, fits, rank, device, sweep)
+    if tp:
+        say(f"tensor-parallel overhead on the intra-node groups: {tp * 1e6:.0f} us per sharded layer forward")
+    # rank 0's provenance on every rank: each rank's own clock could read another second
     profile = NetworkProfile(backend=backend, device_kind="cuda" if device.type == "cuda" else "cpu",
                              world_size=world, node_of_rank=labels, series=series, fits=fits, unfitted=unfitted,
-                             provenance=provenance(command))
+                             tp_overhead_s=tp, provenance=everyone[0][1])
     return ProfileReport(network=profile)
+
+
+def _tp_overhead(groups: list[_Group], fits: tuple[LinkFit, ...], rank: int, device: torch.device,
+                 sweep: NetworkSweep) -> float:
+    """:func:`profiler.tp_overhead.tp_overhead_s` on every intra-node group at once (the
+    groups tensor parallelism uses), the largest; 0 without one or without its fit."""
+    intra = [g for g in groups if g.level == "intra"]
+    fit = next((f for f in fits if f.level == "intra" and f.ops == ("all_reduce",)), None)
+    fit = fit or next((f for f in fits if f.level == "intra" and "all_reduce" in f.ops), None)
+    if not intra or fit is None:
+        return 0.0
+    mine = next((g for g in intra if rank in g.ranks), None)
+    value = 0.0
+    if mine is not None:
+        c_bw, c_lat = coefficients("all_reduce", "intra", len(mine.ranks))
+        mesh = DeviceMesh.from_group(mine.handle, device.type)
+        value = tp_overhead_s(mesh, device, Repeats(warmup=3, repeats=sweep.repeats + 4),
+                              lambda nbytes: c_bw * nbytes / fit.bandwidth_bytes_per_s + c_lat * fit.alpha_s)
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return max(values)
 
 
 def _labels(node_of_rank: tuple[str, ...] | None, world: int) -> tuple[str, ...]:

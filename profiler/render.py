@@ -146,6 +146,10 @@ def _network_blocks(n: NetworkProfile) -> list[_Block]:
         _Table(("level", "ops", "alpha us", "busbw GB/s", "rms error", "points"), fits),
         _Table(("level", "op", "group", "smallest: ms", "largest: busbw GB/s", "best busbw GB/s"), tuple(series)),
     ]
+    if n.tp_overhead_s:
+        out.append(_Text(f"Tensor-parallel overhead on the intra-node groups: {n.tp_overhead_s * 1e6:.0f} us of "
+                         f"framework time per sharded layer forward, beyond its arithmetic and its fitted transfers "
+                         f"(a column/row-parallel pair, forward and backward)."))
     if n.unfitted:
         out.append(_Text("Not fitted: " + "; ".join(f"{k}: {v}" for k, v in n.unfitted.items())))
     return out

@@ -195,13 +195,16 @@ class WorkItem:
     """One kernel of a unit as the analytic cost model sees it, at the measured batch:
     a leaf (its matmul and other FLOPs and bytes) or the glue between leaves. Kept so
     that a reader can predict the unit's time from device rates alone
-    (``autopar.profiles.layer_calibration``)."""
+    (``autopar.profiles.layer_calibration``). ``bytes`` counts everything the kernel
+    moves, ``weight_bytes`` the part that is the leaf's weights (read once per call
+    whatever the batch)."""
 
     name: str
     matmul_flops: float
     other_flops: float
     bytes: float
     ops: float = 0.0
+    weight_bytes: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -331,7 +334,9 @@ class NetworkProfile:
 
     ``node_of_rank[r]``: the node label of rank ``r``. ``fits``: one joint fit per level
     (all the ops that level has) followed by one fit per op and level; ``unfitted``: the
-    fits that could not be made and why.
+    fits that could not be made and why. ``tp_overhead_s``: framework time per forward
+    of a tensor-parallel leaf measured on the intra-node groups beyond the fitted
+    transfers (:mod:`profiler.tp_overhead`; 0 where no node has two ranks).
     """
 
     backend: str
@@ -341,6 +346,7 @@ class NetworkProfile:
     series: tuple[CommSeries, ...]
     fits: tuple[LinkFit, ...]
     unfitted: Mapping[str, str] = field(default_factory=dict)
+    tp_overhead_s: float = 0.0
     provenance: Provenance
 
     @property

@@ -120,7 +120,8 @@ class Evaluator:
             first=unit == 0, last=unit == n - 1, loss_parallel=self.graph.vocab_size > 0,
             sequence_parallel=config.sequence_parallel,
             compute_scale=self.calibration.get(self.graph.profile_of(unit).signature, 1.0),
-            op_overhead_s=self.cluster.device.op_overhead_s, tp_overhead_s=self.cluster.device.tp_overhead_s)
+            op_overhead_s=self.cluster.device.op_overhead_s, tp_overhead_s=self.cluster.device.tp_overhead_s,
+            exposed_weight_traffic=self.cluster.device.exposed_weight_traffic)
 
     def options(self, unit: int, config: ParallelConfig, modes: tuple[Recompute, ...]) -> tuple[UnitOption, ...]:
         """Options of ``unit`` (cached per distinct profile and position)."""

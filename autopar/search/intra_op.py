@@ -22,7 +22,8 @@ import pulp
 
 from autopar.cost.tensor_parallel import (
     BACKWARD_FACTOR, STYLE_IO, Layout, TPContext, UnitCost, allowed_styles, conversion_s, evaluate_layout,
-    glue_fwd_s, glue_layout, leaf_fwd_s, leaf_param_numel, loss_parallel_s, producer_bytes, reduction_s,
+    glue_fwd_s, glue_layout, leaf_accumulate_s, leaf_fwd_s, leaf_param_numel, loss_parallel_s, producer_bytes,
+    reduction_s,
 )
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, UnitProfile
 from autopar.search.ilp import make_solver, solve
@@ -154,7 +155,8 @@ def _solve_ilp(profile: UnitProfile, ctx: TPContext, options: list[tuple[TPStyle
     terms = []
     for i, opts in enumerate(options):
         for s in opts:
-            terms.append((1 + BACKWARD_FACTOR) * leaf_fwd_s(profile.leaves[i], s, ctx) * x[i, s])
+            leaf = profile.leaves[i]
+            terms.append(((1 + BACKWARD_FACTOR) * leaf_fwd_s(leaf, s, ctx) + leaf_accumulate_s(leaf, s, ctx)) * x[i, s])
     if Layout.F in o and ctx.last:
         terms.append(loss_parallel_s(ctx) * o[Layout.F])
     conv: dict[tuple[int, Layout, Layout], pulp.LpVariable] = {}

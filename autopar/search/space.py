@@ -24,7 +24,7 @@ from autopar.cost.compute import rates
 from autopar.cost.memory import state_bytes
 from autopar.cost.pipeline import inflight_microbatches, schedule_problem
 from autopar.cost.tensor_parallel import (
-    BACKWARD_FACTOR, Layout, TPContext, allowed_styles, glue_fwd_s, leaf_fwd_s, leaf_param_numel,
+    BACKWARD_FACTOR, Layout, TPContext, allowed_styles, glue_fwd_s, leaf_accumulate_s, leaf_fwd_s, leaf_param_numel,
 )
 from autopar.cost.comm import group_span
 from autopar.errors import ConfigError
@@ -248,14 +248,17 @@ def _unit_bounds(graph: LayerGraph, cluster: Cluster, u: int, config: ParallelCo
     ctx = TPContext(tp=config.tp, span=group_span(config.tp, 1, cluster.devices_per_node), cluster=cluster,
                     rates=rates(cluster.device, config.dtype), micro_batch=config.micro_batch_size,
                     tokens=graph.seq_len, boundary=Layout.Q if config.sequence_parallel else Layout.R, first=u == 0,
-                    last=u == n - 1, loss_parallel=graph.vocab_size > 0, sequence_parallel=config.sequence_parallel)
+                    last=u == n - 1, loss_parallel=graph.vocab_size > 0, sequence_parallel=config.sequence_parallel,
+                    exposed_weight_traffic=cluster.device.exposed_weight_traffic)
     t = 0.0
     params = 0.0
+    accumulate = 0.0
     for leaf in prof.leaves:
         styles = allowed_styles(leaf, ctx)
         t += min(leaf_fwd_s(leaf, s, ctx) for s in styles)
         params += min(leaf_param_numel(leaf, s, config.tp) for s in styles)
+        accumulate += min(leaf_accumulate_s(leaf, s, ctx) for s in styles)
     sharded = Layout.F if config.tp > 1 else Layout.R
     t += sum(glue_fwd_s(f, sharded, ctx) for f in prof.flows)
     inp = prof.input_bytes * config.micro_batch_size / (config.tp if config.sequence_parallel and u > 0 else 1)
-    return (1 + BACKWARD_FACTOR) * t, params, inp
+    return (1 + BACKWARD_FACTOR) * t + accumulate, params, inp

@@ -39,6 +39,10 @@ def test_one_node_sweep_of_every_op():
     assert joint.alpha_s >= 0 and joint.bandwidth_bytes_per_s > 0
     assert {f.ops for f in net.fits if len(f.ops) == 1} == {(op,) for op in ALL_OPS}
     assert net.link("inter") is None
+    # DTensor's framework time per sharded layer forward on the 4-rank group: positive
+    # (gloo's functional collectives alone cost tens of microseconds a call here) and far
+    # below a second
+    assert 0 < net.tp_overhead_s < 0.05
 
 
 def test_two_nodes_of_two_ranks_sweep_three_levels():
@@ -51,6 +55,7 @@ def test_two_nodes_of_two_ranks_sweep_three_levels():
     assert net.link("intra") is not None and net.link("inter") is not None
     assert not any(f.level == "mixed" for f in net.fits)
     assert "n0 (ranks 0,1)" in {s.label for s in net.series}
+    assert 0 < net.tp_overhead_s < 0.05  # measured on each node's pair of ranks at once
 
 
 def test_settings_are_checked():

@@ -1,5 +1,6 @@
 """autopar.profiles: reports -> Cluster, sources, and per-unit calibration factors."""
 
+import dataclasses
 import json
 
 import pytest
@@ -10,7 +11,7 @@ import autopar
 from autopar.cluster import Cluster
 from autopar.cost.comm import GroupSpan
 from autopar.cost.compute import rates
-from autopar.cost.tensor_parallel import Layout, TPContext, evaluate_layout
+from autopar.cost.tensor_parallel import Layout, TPContext, evaluate_layout, leaf_accumulate_s
 from autopar.errors import ClusterError
 from autopar.graph import extract
 from autopar.models import GPT, GPTConfig
@@ -151,8 +152,19 @@ def _unit_cost(graph, i, cluster, batch, **scale):
     ctx = TPContext(tp=1, span=GroupSpan(size=1, per_node=1, nodes=1), cluster=cluster,
                     rates=rates(cluster.device, DType.FP32), micro_batch=batch, tokens=32, boundary=Layout.R,
                     first=i == 0, last=i == len(graph.units) - 1, loss_parallel=False, sequence_parallel=False,
-                    **scale)
+                    exposed_weight_traffic=cluster.device.exposed_weight_traffic, **scale)
     return evaluate_layout(prof, tuple(TPStyle.REPLICATE for _ in prof.leaves), Layout.R, ctx)
+
+
+def _accumulation_s(graph, i, cluster, batch):
+    """The unit's gradient accumulation per micro-batch, which a profiled backward (its
+    ``.grad`` reset before each run) does not contain."""
+    prof = graph.profile_of(i)
+    ctx = TPContext(tp=1, span=GroupSpan(size=1, per_node=1, nodes=1), cluster=cluster,
+                    rates=rates(cluster.device, DType.FP32), micro_batch=batch, tokens=32, boundary=Layout.R,
+                    first=i == 0, last=i == len(graph.units) - 1, loss_parallel=False, sequence_parallel=False,
+                    exposed_weight_traffic=cluster.device.exposed_weight_traffic)
+    return sum(leaf_accumulate_s(leaf, TPStyle.REPLICATE, ctx) for leaf in prof.leaves)
 
 
 def test_prediction_is_the_cost_models_unit_time():
@@ -161,13 +173,16 @@ def test_prediction_is_the_cost_models_unit_time():
     measured time."""
     report, graph = _measured_gpt(3)
     cluster = cluster_from_profiles([report])
+    assert cluster.device.exposed_weight_traffic  # a CPU profile: weights priced as passes of their own
     cals = {c.fqn: c for c in calibrate_units([report])}
     for i, unit in enumerate(graph.units):
         cost = _unit_cost(graph, i, cluster, 3)
+        accumulate = _accumulation_s(graph, i, cluster, 3)
+        assert accumulate > 0
         cal = cals[next(c for c in cals if unit.fqn in cals[c].instances)]
         assert cal.predicted_fwd_s == pytest.approx(cost.fwd_compute_s, rel=1e-12)
-        assert cal.predicted_bwd_s == pytest.approx(cost.bwd_compute_s, rel=1e-12)
-        assert cal.factor * (cost.fwd_compute_s + cost.bwd_compute_s) == pytest.approx(
+        assert cal.predicted_bwd_s == pytest.approx(cost.bwd_compute_s - accumulate, rel=1e-12)
+        assert cal.factor * (cost.fwd_compute_s + cost.bwd_compute_s - accumulate) == pytest.approx(
             cal.measured_fwd_s + cal.measured_bwd_s, rel=1e-12)
 
 
@@ -186,8 +201,9 @@ def test_the_planner_takes_reports():
                     reason="needs TPContext.compute_scale, the cost model's calibration hook on main")
 def test_calibrated_cost_model_reproduces_the_measurement():
     """With each unit's factor as its compute scale, the cost model's unit time at the
-    measured shape equals the measured time; at another batch it follows the device
-    curves (a unit twice the batch is predicted at most twice as slow)."""
+    measured shape equals the measured time plus the gradient accumulation the
+    profiled run did not do; at another batch it follows the device curves (a unit
+    twice the batch is predicted at most twice as slow)."""
     report, graph = _measured_gpt(2)
     cluster = cluster_from_profiles([report])
     factors = layer_calibration([report])
@@ -199,7 +215,8 @@ def test_calibrated_cost_model_reproduces_the_measurement():
             cost = _unit_cost(graph, i, cluster, batch, compute_scale=factors[sig])
             return cost.fwd_compute_s + cost.bwd_compute_s
 
-        assert unit_time(2) == pytest.approx(measured[sig], rel=1e-9), unit.fqn
+        accumulate = _accumulation_s(graph, i, cluster, 2)
+        assert unit_time(2) == pytest.approx(measured[sig] + accumulate, rel=1e-9), unit.fqn
         assert unit_time(2) < unit_time(4) <= 2 * unit_time(2) * (1 + 1e-9)
 
 
@@ -254,3 +271,17 @@ def test_each_collective_is_priced_at_its_own_measured_fit():
     assert reduce_scatter_s(size, across, c) == pytest.approx(0.5 * size / 4e8 + 7e-4)  # inter level's own fit
     assert p2p_s(size, cross_node=False, cluster=c) == pytest.approx(size / 1e9 + 1e-5)
     assert Cluster.from_dict(c.to_dict()) == c
+
+
+def test_the_network_profiles_tensor_parallel_overhead_replaces_the_one_rank_figure():
+    """The device profile measures DTensor's overhead on a one-rank mesh (no transfer
+    runs); a network profile measures it on the real groups, with the processes
+    time-sharing the cores as they will, and the cluster takes that figure as it is."""
+    nodes = ("a",) * 4
+    measured = device(rate_flop_per_s=2e11, bandwidth=3e10)
+    dev = ProfileReport(device=dataclasses.replace(measured.device, tp_overhead_s=2e-4))
+    one_rank = cluster_from_profiles([dev, network(node_of_rank=nodes, inter=None)]).device
+    assert one_rank.time_share == 0.5 and one_rank.tp_overhead_s == pytest.approx(4e-4)  # 4 processes, 2 cores
+    grouped = cluster_from_profiles([dev, network(node_of_rank=nodes, inter=None, tp_overhead_s=7e-4)]).device
+    assert grouped.tp_overhead_s == 7e-4
+    assert "tensor-parallel overhead 700 us" in grouped.source

@@ -43,6 +43,9 @@ class DeviceSpec:
         op_overhead_s: framework time per dispatched op (eager dispatch, autograd).
         tp_overhead_s: extra framework time per forward of a tensor-parallel leaf
             (DTensor dispatch).
+        fsdp_overhead_s: framework time per FSDP2 collective call beyond its transfer
+            (hooks, copies into and out of the flat buffers); GPU presets: 0 (NCCL runs
+            them asynchronously under large kernels), a network profile measures it.
         comm_overlap: share of the compute time that can hide data-parallel
             communication. Overlapped collectives are not free: NCCL's kernels occupy
             streaming multiprocessors and both compete for memory bandwidth, so
@@ -58,6 +61,10 @@ class DeviceSpec:
         time_share: the share of the device one process gets (CPU processes that
             outnumber the cores are time-sliced); the rates and overheads here already
             include it (:meth:`time_shared`).
+        bandwidth_share: the share of its streaming bandwidth a process keeps while the
+            other processes of its node stream too (memory is a node resource, cores
+            are not), beyond ``time_share``; the bandwidth and the optimizer rate here
+            already include it (:meth:`bandwidth_shared`).
         exposed_weight_traffic: a layer's weights cost memory passes the arithmetic
             does not hide, once per micro-batch: single-threaded CPU BLAS (MKL, oneDNN)
             first copies ("packs") each weight panel, a layer's weights have left the
@@ -86,9 +93,11 @@ class DeviceSpec:
     fragmentation: float = 0.0
     op_overhead_s: float = 0.0
     tp_overhead_s: float = 0.0
+    fsdp_overhead_s: float = 0.0
     comm_overlap: float = 0.8
     optimizer_bytes_per_s: float = 0.0
     time_share: float = 1.0
+    bandwidth_share: float = 1.0
     exposed_weight_traffic: bool = False
     preferred_dtype: DType = DType.BF16
     matmul_curves: Mapping[DType, tuple[tuple[float, float], ...]] = field(default_factory=dict)
@@ -106,7 +115,7 @@ class DeviceSpec:
             raise ClusterError(f"device {self.name!r} fragmentation={self.fragmentation!r} is not allowed: it must be in "
                                f"[0, 1).")
         object.__setattr__(self, "fragmentation", float(self.fragmentation))
-        for attr in ("op_overhead_s", "tp_overhead_s"):
+        for attr in ("op_overhead_s", "tp_overhead_s", "fsdp_overhead_s"):
             value = getattr(self, attr)
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 <= value < 1):
                 raise ClusterError(f"device {self.name!r} {attr}={value!r} is not allowed: it must be seconds in [0, 1).")
@@ -128,6 +137,11 @@ class DeviceSpec:
                                                      and 0 < self.time_share <= 1):
             raise ClusterError(f"device {self.name!r} time_share={self.time_share!r} is not allowed: it must be in (0, 1].")
         object.__setattr__(self, "time_share", float(self.time_share))
+        if isinstance(self.bandwidth_share, bool) or not (isinstance(self.bandwidth_share, (int, float))
+                                                          and 0 < self.bandwidth_share <= 1):
+            raise ClusterError(f"device {self.name!r} bandwidth_share={self.bandwidth_share!r} is not allowed: it must "
+                               f"be in (0, 1].")
+        object.__setattr__(self, "bandwidth_share", float(self.bandwidth_share))
         for eff_name in ("matmul_efficiency", "memory_efficiency"):
             eff = getattr(self, eff_name)
             if not (isinstance(eff, (int, float)) and 0 < eff <= 1):
@@ -160,18 +174,37 @@ class DeviceSpec:
             return self
         return self._scaled(share, time_share=self.time_share * share, source=f"{self.source}{_SHARE_NOTE}{why}")
 
-    def alone(self) -> "DeviceSpec":
-        """This device with the whole of its cores (before :meth:`time_shared`): what a
-        profile measured by one process compares against."""
-        if self.time_share == 1:
+    def bandwidth_shared(self, share: float, why: str) -> "DeviceSpec":
+        """This device as seen by a process that keeps only ``share`` of its memory
+        bandwidth because the node's other processes stream at the same time: the
+        bandwidth and the (memory-bound) optimizer rate are multiplied by ``share``
+        (``why`` is added to ``source``; :meth:`alone` undoes it)."""
+        if not 0 < share <= 1:
+            raise ClusterError(f"device {self.name!r}: a bandwidth share of {share!r} is not allowed; it must be in "
+                               f"(0, 1].")
+        if share == 1:
             return self
-        return self._scaled(1 / self.time_share, time_share=1.0, source=self.source.split(_SHARE_NOTE)[0])
+        return replace(self, memory_bandwidth_bytes_per_s=self.memory_bandwidth_bytes_per_s * share,
+                       optimizer_bytes_per_s=self.optimizer_bytes_per_s * share,
+                       bandwidth_share=self.bandwidth_share * share, source=f"{self.source}{_SHARE_NOTE}{why}")
+
+    def alone(self) -> "DeviceSpec":
+        """This device with the whole of its cores and its memory (before
+        :meth:`time_shared` and :meth:`bandwidth_shared`): what a profile measured by one
+        process compares against."""
+        if self.time_share == 1 and self.bandwidth_share == 1:
+            return self
+        k = 1 / self.bandwidth_share
+        own = replace(self, memory_bandwidth_bytes_per_s=self.memory_bandwidth_bytes_per_s * k,
+                      optimizer_bytes_per_s=self.optimizer_bytes_per_s * k, bandwidth_share=1.0)
+        return own._scaled(1 / self.time_share, time_share=1.0, source=self.source.split(_SHARE_NOTE)[0])
 
     def _scaled(self, k: float, **changes: Any) -> "DeviceSpec":
         return replace(
             self, peak_flops={d: v * k for d, v in self.peak_flops.items()},
             memory_bandwidth_bytes_per_s=self.memory_bandwidth_bytes_per_s * k,
             op_overhead_s=self.op_overhead_s / k, tp_overhead_s=self.tp_overhead_s / k,
+            fsdp_overhead_s=self.fsdp_overhead_s / k,
             optimizer_bytes_per_s=self.optimizer_bytes_per_s * k,
             matmul_curves={d: tuple((f, r * k) for f, r in pts) for d, pts in self.matmul_curves.items()}, **changes)
 
@@ -317,9 +350,11 @@ class Cluster:
                 "fragmentation": dev.fragmentation,
                 "op_overhead_s": dev.op_overhead_s,
                 "tp_overhead_s": dev.tp_overhead_s,
+                "fsdp_overhead_s": dev.fsdp_overhead_s,
                 "comm_overlap": dev.comm_overlap,
                 "optimizer_bytes_per_s": dev.optimizer_bytes_per_s,
                 "time_share": dev.time_share,
+                "bandwidth_share": dev.bandwidth_share,
                 "exposed_weight_traffic": dev.exposed_weight_traffic,
                 "preferred_dtype": dev.preferred_dtype.value,
                 "matmul_curves": {k.value: [list(p) for p in v] for k, v in dev.matmul_curves.items()},
@@ -345,9 +380,11 @@ class Cluster:
                 fragmentation=dev.get("fragmentation", 0.0),
                 op_overhead_s=dev.get("op_overhead_s", 0.0),
                 tp_overhead_s=dev.get("tp_overhead_s", 0.0),
+                fsdp_overhead_s=dev.get("fsdp_overhead_s", 0.0),
                 comm_overlap=dev.get("comm_overlap", 0.8),
                 optimizer_bytes_per_s=dev.get("optimizer_bytes_per_s", 0.0),
                 time_share=dev.get("time_share", 1.0),
+                bandwidth_share=dev.get("bandwidth_share", 1.0),
                 exposed_weight_traffic=dev.get("exposed_weight_traffic", False),
                 preferred_dtype=dev.get("preferred_dtype", "bf16"),
                 matmul_curves={k: tuple(tuple(p) for p in v) for k, v in dev.get("matmul_curves", {}).items()},

@@ -107,10 +107,11 @@ def cluster_from_profiles(reports: Sequence[Any], base: Cluster | None = None) -
             needed).
 
     A CPU device measured by one process is time-shared where the node's processes
-    (times the threads each measured with) outnumber the machine's cores. A network
-    profile's tensor-parallel overhead, measured on its real intra-node groups (with
-    their processes sharing the cores as they will in training), replaces the device
-    profile's one-rank figure.
+    (times the threads each measured with) outnumber the machine's cores. What a network
+    profile measured on its real intra-node groups, with their processes sharing the
+    cores as they will in training, applies where it ran as many processes per node as
+    the cluster has: its framework overheads (tensor-parallel and FSDP) replace the
+    device profile's one-rank figures, and its memory share lowers the bandwidth.
     """
     rs = read_reports(reports)
     dev = _latest(rs, "device")
@@ -128,7 +129,7 @@ def cluster_from_profiles(reports: Sequence[Any], base: Cluster | None = None) -
             return base
         nodes, per_node = _shape(base, net)
         device = _device(dev, base, per_node) if dev is not None else _base_device(base)
-        device = _with_group_tp_overhead(device, net)
+        device = _with_group_measurements(device, net, per_node)
         intra, inter = _links(net, base, nodes, per_node)
     except (KeyError, TypeError) as exc:
         raise ClusterError(f"profile data is malformed ({type(exc).__name__}: {exc}); load it with "
@@ -226,13 +227,29 @@ def _device(found: tuple[_Report, Mapping[str, Any]], base: Cluster | None, per_
                             f"{per_node} processes of {threads} thread(s) time-share {cores} cores")
 
 
-def _with_group_tp_overhead(device: DeviceSpec, net: tuple[_Report, Mapping[str, Any]] | None) -> DeviceSpec:
-    measured = float(net[1].get("tp_overhead_s", 0.0)) if net is not None else 0.0
-    if measured <= 0:
+def _with_group_measurements(device: DeviceSpec, net: tuple[_Report, Mapping[str, Any]] | None,
+                             per_node: int) -> DeviceSpec:
+    """The device with what a network profile measured on its real groups, where it was
+    measured with this cluster's processes per node (the figures depend on how many
+    share a node): the framework overheads (:mod:`profiler.framework_overhead`) and the
+    memory bandwidth a process keeps while the others stream (:mod:`profiler.contention`;
+    the time share the device already has is divided out of it)."""
+    if net is None or _net_shape(net[1])[1] != per_node:
         return device
-    return replace(device, tp_overhead_s=measured,
-                   source=f"{device.source}; tensor-parallel overhead {measured * 1e6:.0f} us per sharded layer "
-                          f"forward, measured on {net[1]['world_size']} {net[1]['backend']} ranks ({net[0].origin})")
+    n = net[1]
+    where = f"measured on {n['world_size']} {n['backend']} ranks ({net[0].origin})"
+    measured = {k: float(n.get(k, 0.0)) for k in ("tp_overhead_s", "fsdp_overhead_s")}
+    measured = {k: v for k, v in measured.items() if v > 0}
+    if measured:
+        per = {"tp_overhead_s": "tensor-parallel layer forward", "fsdp_overhead_s": "FSDP collective"}
+        what = ", ".join(f"{v * 1e6:.0f} us per {per[k]}" for k, v in measured.items())
+        device = replace(device, **measured, source=f"{device.source}; framework overhead {what}, {where}")
+    share = float(n.get("memory_share", 1.0))
+    beyond = share / device.time_share
+    if beyond < 1:
+        device = device.bandwidth_shared(beyond, f"{per_node} processes streaming at once keep {share:.2f} of one "
+                                                 f"process's memory bandwidth, {where}")
+    return device
 
 
 def _links(net: tuple[_Report, Mapping[str, Any]] | None, base: Cluster | None, nodes: int,

@@ -19,10 +19,10 @@ from typing import Callable, Iterator
 import torch
 
 from profiler.errors import MeasurementError, SettingsError
+from profiler.framework_overhead import tp_overhead_s
 from profiler.machine import cpu_model, physical_memory_bytes, provenance
 from profiler.report import BandwidthPoint, DeviceProfile, MatmulPoint, ProfileReport
 from profiler.timing import Repeats, time_call, timer_name
-from profiler.tp_overhead import tp_overhead_s
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MIB = 2**20
@@ -173,7 +173,7 @@ def count_ops(fn: Callable[[], None]) -> int:
 
 def measure_tp_overhead(repeats: Repeats) -> float:
     """Framework time per tensor-parallel leaf-forward on a one-rank CPU mesh
-    (:mod:`profiler.tp_overhead`), in a forked process so this process keeps no process
+    (:mod:`profiler.framework_overhead`), in a forked process so this process keeps no process
     group. A network profile measures it again on a real group, which the planner
     prefers (the collectives' own framework cost only shows there)."""
     from autopar.runtime.spmd import SPMDSettings, run_spmd

@@ -32,13 +32,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from profiler.contention import contended_share
 from profiler.errors import MeasurementError, SettingsError
 from profiler.fit import Sample, bus_factor, coefficients, fit_alpha_beta
+from profiler.framework_overhead import fsdp_overhead_s, tp_overhead_s
 from profiler.machine import provenance
 from profiler.report import (CollectiveOp, CommPoint, CommSeries, Level, LinkFit, NetworkProfile, ProfileReport,
                              Timing)
 from profiler.timing import Repeats, Stopwatch, synchronize
-from profiler.tp_overhead import tp_overhead_s
 
 KIB, MIB = 2**10, 2**20
 ALL_OPS: tuple[CollectiveOp, ...] = get_args(CollectiveOp)
@@ -146,35 +147,70 @@ def profile_network(*, sweep: NetworkSweep | None = None, node_of_rank: tuple[st
     dist.all_gather_object(everyone, (mine, provenance(command)))
     series = tuple(_series(g, op, sizes, [times for times, _ in everyone]) for g in groups for op in sweep.ops)
     fits, unfitted = fit_levels(series)
-    tp = _tp_overhead(groups, fits, rank, device, sweep)
-    if tp:
-        say(f"tensor-parallel overhead on the intra-node groups: {tp * 1e6:.0f} us per sharded layer forward")
+    tp, fsdp = _framework_overheads(groups, fits, rank, device, sweep)
+    if tp or fsdp:
+        say(f"framework overhead on the intra-node groups: {tp * 1e6:.0f} us per tensor-parallel layer forward, "
+            f"{fsdp * 1e6:.0f} us per FSDP collective")
+    memory_share = _memory_share(groups, rank, device)
+    if memory_share < 1:
+        say(f"memory bandwidth with every rank of a node streaming: {memory_share:.2f} of one rank's alone")
     # rank 0's provenance on every rank: each rank's own clock could read another second
     profile = NetworkProfile(backend=backend, device_kind="cuda" if device.type == "cuda" else "cpu",
                              world_size=world, node_of_rank=labels, series=series, fits=fits, unfitted=unfitted,
-                             tp_overhead_s=tp, provenance=everyone[0][1])
+                             tp_overhead_s=tp, fsdp_overhead_s=fsdp, memory_share=memory_share,
+                             provenance=everyone[0][1])
     return ProfileReport(network=profile)
 
 
-def _tp_overhead(groups: list[_Group], fits: tuple[LinkFit, ...], rank: int, device: torch.device,
-                 sweep: NetworkSweep) -> float:
-    """:func:`profiler.tp_overhead.tp_overhead_s` on every intra-node group at once (the
-    groups tensor parallelism uses), the largest; 0 without one or without its fit."""
+def _framework_overheads(groups: list[_Group], fits: tuple[LinkFit, ...], rank: int, device: torch.device,
+                         sweep: NetworkSweep) -> tuple[float, float]:
+    """(tensor-parallel, FSDP) framework time (:mod:`profiler.framework_overhead`) on
+    every intra-node group at once (where tensor parallelism runs, and where a
+    one-node data-parallel group runs), the largest over the groups; 0 without an
+    intra-node group or without fits of the collectives the measurement subtracts."""
     intra = [g for g in groups if g.level == "intra"]
-    fit = next((f for f in fits if f.level == "intra" and f.ops == ("all_reduce",)), None)
-    fit = fit or next((f for f in fits if f.level == "intra" and "all_reduce" in f.ops), None)
-    if not intra or fit is None:
-        return 0.0
+    if not intra:
+        return 0.0, 0.0
     mine = next((g for g in intra if rank in g.ranks), None)
-    value = 0.0
+    fitted = {op: f for op in ("all_reduce", "all_gather", "reduce_scatter") if (f := _op_fit(fits, op))}
+    values = (0.0, 0.0)
     if mine is not None:
-        c_bw, c_lat = coefficients("all_reduce", "intra", len(mine.ranks))
         mesh = DeviceMesh.from_group(mine.handle, device.type)
-        value = tp_overhead_s(mesh, device, Repeats(warmup=3, repeats=sweep.repeats + 4),
-                              lambda nbytes: c_bw * nbytes / fit.bandwidth_bytes_per_s + c_lat * fit.alpha_s)
-    values: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return max(values)
+        repeats = Repeats(warmup=3, repeats=sweep.repeats + 4)
+        cost = {op: _fit_cost(f, op, len(mine.ranks)) for op, f in fitted.items()}
+        tp = tp_overhead_s(mesh, device, repeats, cost["all_reduce"]) if "all_reduce" in cost else 0.0
+        fsdp = (fsdp_overhead_s(mesh, device, repeats, cost["all_gather"], cost["reduce_scatter"])
+                if "all_gather" in cost and "reduce_scatter" in cost else 0.0)
+        values = (tp, fsdp)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, values)
+    return max(v[0] for v in gathered), max(v[1] for v in gathered)
+
+
+def _memory_share(groups: list[_Group], rank: int, device: torch.device) -> float:
+    """:func:`profiler.contention.contended_share` on every intra-node group at once, the
+    mean over the groups; 1 on GPUs (each rank streams its own memory) or without an
+    intra-node group."""
+    intra = [g for g in groups if g.level == "intra"]
+    if device.type != "cpu" or not intra:
+        return 1.0
+    mine = next((g for g in intra if rank in g.ranks), None)
+    value = contended_share(mine.handle, mine.ranks, Repeats(warmup=2, repeats=5)) if mine is not None else None
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    shares = [v for v in gathered if v is not None]
+    return sum(shares) / len(shares)
+
+
+def _op_fit(fits: tuple[LinkFit, ...], op: str) -> LinkFit | None:
+    """The intra-node fit the cost model prices ``op`` with: its own, else the joint one."""
+    own = next((f for f in fits if f.level == "intra" and f.ops == (op,)), None)
+    return own or next((f for f in fits if f.level == "intra" and op in f.ops), None)
+
+
+def _fit_cost(fit: LinkFit, op: str, n: int) -> Callable[[float], float]:
+    c_bw, c_lat = coefficients(op, "intra", n)
+    return lambda nbytes: c_bw * nbytes / fit.bandwidth_bytes_per_s + c_lat * fit.alpha_s
 
 
 def _labels(node_of_rank: tuple[str, ...] | None, world: int) -> tuple[str, ...]:

@@ -146,10 +146,14 @@ def _network_blocks(n: NetworkProfile) -> list[_Block]:
         _Table(("level", "ops", "alpha us", "busbw GB/s", "rms error", "points"), fits),
         _Table(("level", "op", "group", "smallest: ms", "largest: busbw GB/s", "best busbw GB/s"), tuple(series)),
     ]
-    if n.tp_overhead_s:
-        out.append(_Text(f"Tensor-parallel overhead on the intra-node groups: {n.tp_overhead_s * 1e6:.0f} us of "
-                         f"framework time per sharded layer forward, beyond its arithmetic and its fitted transfers "
-                         f"(a column/row-parallel pair, forward and backward)."))
+    if n.tp_overhead_s or n.fsdp_overhead_s:
+        out.append(_Text(f"Framework time on the intra-node groups beyond the arithmetic and the fitted transfers: "
+                         f"{n.tp_overhead_s * 1e6:.0f} us per tensor-parallel layer forward (a column/row-parallel "
+                         f"pair), {n.fsdp_overhead_s * 1e6:.0f} us per FSDP2 collective call (two ZeRO-3 units), "
+                         f"forward and backward."))
+    if n.memory_share < 1:
+        out.append(_Text(f"Memory bandwidth with every rank of a node streaming at once: {n.memory_share:.2f} of "
+                         f"what one rank has alone (per rank, time-sharing the cores included)."))
     if n.unfitted:
         out.append(_Text("Not fitted: " + "; ".join(f"{k}: {v}" for k, v in n.unfitted.items())))
     return out

@@ -335,8 +335,12 @@ class NetworkProfile:
     ``node_of_rank[r]``: the node label of rank ``r``. ``fits``: one joint fit per level
     (all the ops that level has) followed by one fit per op and level; ``unfitted``: the
     fits that could not be made and why. ``tp_overhead_s``: framework time per forward
-    of a tensor-parallel leaf measured on the intra-node groups beyond the fitted
-    transfers (:mod:`profiler.tp_overhead`; 0 where no node has two ranks).
+    of a tensor-parallel leaf, and ``fsdp_overhead_s`` per FSDP2 collective call,
+    measured on the intra-node groups beyond the fitted transfers
+    (:mod:`profiler.framework_overhead`; 0 where no node has two ranks).
+    ``memory_share``: the streaming bandwidth a CPU rank keeps while every rank of its
+    node streams, over what it has alone (:mod:`profiler.contention`; 1 where not
+    measured).
     """
 
     backend: str
@@ -347,6 +351,8 @@ class NetworkProfile:
     fits: tuple[LinkFit, ...]
     unfitted: Mapping[str, str] = field(default_factory=dict)
     tp_overhead_s: float = 0.0
+    fsdp_overhead_s: float = 0.0
+    memory_share: float = 1.0
     provenance: Provenance
 
     @property

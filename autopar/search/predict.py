@@ -44,7 +44,9 @@ def tail_s(ev: Evaluator, plan: StagePlan, config: ParallelConfig) -> tuple[floa
     all-gathers updated parameters after the step; ZeRO-3 gathers parameters before
     each unit's forward and backward, overlapped with the previous unit's compute.
     FSDP2 issues ZeRO-2/3's gathers and reductions one per unit, so each unit pays the
-    collective's latency (on gloo 0.5-0.7 ms a call; benchmarks/predicted_vs_measured.py).
+    collective's latency (on gloo 0.5-0.7 ms a call; benchmarks/predicted_vs_measured.py)
+    and FSDP2's framework time per call (``DeviceSpec.fsdp_overhead_s``: hooks and copies
+    into and out of the flat buffers, measured by a network profile).
     Tied weights split over the first and last stage are all-reduced between them.
     """
     n = len(ev.graph.units)
@@ -73,13 +75,16 @@ def tail_s(ev: Evaluator, plan: StagePlan, config: ParallelConfig) -> tuple[floa
             ag = all_gather_s(copy * params, span, cl, calls=units)
             gathers = 1 if config.zero_stage == 2 else m + 1
             exposed = rs + max(gathers * ag - gathers * hidden_fwd, ag / units)
+            exposed += (1 + gathers) * units * cl.device.fsdp_overhead_s
         else:
             rs = reduce_scatter_s(grad_bytes, span, cl, calls=units)
             ag = all_gather_s(copy * params, span, cl, calls=units)
             if config.zero_stage == 2:
                 exposed = m * max(rs - hidden_bwd, rs / units) + max(ag - hidden_fwd, ag / units)
+                exposed += (m + 1) * units * cl.device.fsdp_overhead_s
             else:
                 exposed = m * (max(ag - hidden_fwd, ag / units) + max(ag + rs - hidden_bwd, (ag + rs) / units))
+                exposed += 3 * m * units * cl.device.fsdp_overhead_s
     if config.pp > 1 and ev.graph.shared and (0 in plan.units or n - 1 in plan.units):
         pair = group_span(2, config.tp * config.dp * (config.pp - 1), ev.cluster.devices_per_node)
         exposed += all_reduce_s(4.0 * sum(s.numel for s in ev.graph.shared) / config.tp, pair, cl)

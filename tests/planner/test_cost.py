@@ -191,6 +191,53 @@ def test_weight_traffic_is_per_call_and_sharded_by_tensor_parallelism():
     assert leaf_fwd_s(norm, TPStyle.SEQUENCE, ctx) == pytest.approx((norm.fwd_bytes / 2 + norm.weight_bytes) / 1e9)
 
 
+def test_exposed_weight_traffic_is_added_to_the_roofline_and_accumulated_per_micro_batch():
+    """CPU processes: a compute-bound GEMM pays its weight pass on top of its arithmetic
+    (the roofline alone would hide it), and every micro-batch adds the weight gradient
+    into ``.grad``: read both, write one, 12 bytes per fp32 parameter; a column split
+    shards both."""
+    from autopar.cost.tensor_parallel import leaf_accumulate_s, leaf_fwd_s, leaf_param_numel
+
+    graph = extract(build_named_model("gpt2-small"), seq_len=8, dtype="fp32")
+    fc = next(x for x in graph.profile_of(1).leaves if x.name.endswith("c_fc") or x.name.endswith("w1"))
+    cpu = Cluster.preset("local-cpu", devices_per_node=2)
+    assert cpu.device.exposed_weight_traffic
+    r = ComputeRates(matmul_flops_per_s=1e9, vector_flops_per_s=1e9, bytes_per_s=1e10)
+    roofline = TPContext(tp=2, span=group_span(2, 1, 2), cluster=cpu, rates=r, micro_batch=4, tokens=8,
+                         boundary=Layout.R, first=False, last=False, loss_parallel=False, sequence_parallel=False)
+    exposed = TPContext(**{**roofline.__dict__, "exposed_weight_traffic": True})
+    compute = 4 * fc.matmul_flops / 1e9 + 4 * (fc.fwd_flops - fc.matmul_flops) / 1e9
+    assert compute > (4 * fc.fwd_bytes + fc.weight_bytes) / 1e10  # compute-bound: the roofline hides the bytes
+    assert leaf_fwd_s(fc, TPStyle.REPLICATE, roofline) == pytest.approx(compute)
+    assert leaf_fwd_s(fc, TPStyle.REPLICATE, exposed) == pytest.approx(compute + fc.weight_bytes / 1e10)
+    assert leaf_accumulate_s(fc, TPStyle.REPLICATE, roofline) == 0.0
+    assert leaf_accumulate_s(fc, TPStyle.REPLICATE, exposed) == pytest.approx(12 * fc.param_numel / 1e10)
+    shard = leaf_param_numel(fc, TPStyle.COLUMN, 2)
+    assert shard < 0.6 * fc.param_numel
+    assert leaf_accumulate_s(fc, TPStyle.COLUMN, exposed) == pytest.approx(12 * shard / 1e10)
+
+
+def test_fsdp_framework_time_is_charged_per_collective_call():
+    """ZeRO-3 without a pipeline issues, per unit and micro-batch, a forward gather, a
+    backward gather and a reduce-scatter; ZeRO-2 one reduce-scatter per micro-batch and
+    one gather per step. Each call pays ``fsdp_overhead_s``."""
+    import dataclasses
+
+    import autopar
+
+    model = build_named_model("gpt2-small")
+    cpu = Cluster.preset("local-cpu", devices_per_node=2)
+    slow = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, fsdp_overhead_s=1e-3))
+    for zero, calls_per_unit in ((3, lambda m: 3 * m), (2, lambda m: m + 1)):
+        cfg = {"dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 1, "num_microbatches": 3, "zero_stage": zero}
+        base = autopar.estimate(model, cpu, cfg, global_batch_size=6, seq_len=64)
+        charged = autopar.estimate(model, slow, cfg, global_batch_size=6, seq_len=64)
+        units = len(extract(model, seq_len=64, dtype="fp32").units)  # what FSDP2 wraps: blocks, prologue, epilogue
+        assert units == 14
+        assert charged.prediction.breakdown.dp_comm_s - base.prediction.breakdown.dp_comm_s == pytest.approx(
+            calls_per_unit(3) * units * 1e-3)
+
+
 def test_cpu_communication_is_not_hidden_and_the_optimizer_runs_at_its_measured_rate():
     """local-cpu: gloo shares the cores, so data-parallel all-reduce adds its whole time;
     the AdamW step moves 30 bytes per parameter at the device's optimizer rate."""

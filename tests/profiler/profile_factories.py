@@ -44,11 +44,12 @@ def layers(*, fwd_s: float = 0.02, bwd_s: float = 0.04, matmul_flops: float = 1e
 
 def network(*, intra: tuple[float, float] | None = (1e-5, 1e9), inter: tuple[float, float] | None = (5e-5, 1e8),
             node_of_rank: tuple[str, ...] = ("a", "a", "b", "b"), kind: str = "cpu",
-            per_op: dict[str, tuple[float, float]] | None = None, tp_overhead_s: float = 0.0) -> ProfileReport:
+            per_op: dict[str, tuple[float, float]] | None = None, tp_overhead_s: float = 0.0,
+            fsdp_overhead_s: float = 0.0, memory_share: float = 1.0) -> ProfileReport:
     """A network with the given fitted (alpha_s, bandwidth) per level, jointly over two
     ops; one series each; at every measured level, a single-op fit
-    ``(alpha_s, bandwidth)`` for each op in ``per_op``; and the given tensor-parallel
-    overhead."""
+    ``(alpha_s, bandwidth)`` for each op in ``per_op``; and the given framework
+    overheads and memory share."""
     fits = []
     series = []
     for level, fit in (("intra", intra), ("inter", inter)):
@@ -67,7 +68,8 @@ def network(*, intra: tuple[float, float] | None = (1e-5, 1e9), inter: tuple[flo
                                  per_node=per_node, nodes=nodes, points=pts))
     return ProfileReport(network=NetworkProfile(
         backend="gloo", device_kind=kind, world_size=len(node_of_rank), node_of_rank=node_of_rank,
-        series=tuple(series), fits=tuple(fits), tp_overhead_s=tp_overhead_s, provenance=prov()))
+        series=tuple(series), fits=tuple(fits), tp_overhead_s=tp_overhead_s,
+        fsdp_overhead_s=fsdp_overhead_s, memory_share=memory_share, provenance=prov()))
 
 
 def full() -> ProfileReport:

@@ -273,15 +273,38 @@ def test_each_collective_is_priced_at_its_own_measured_fit():
     assert Cluster.from_dict(c.to_dict()) == c
 
 
-def test_the_network_profiles_tensor_parallel_overhead_replaces_the_one_rank_figure():
+def test_the_network_profiles_framework_overheads_replace_the_one_rank_figures():
     """The device profile measures DTensor's overhead on a one-rank mesh (no transfer
-    runs); a network profile measures it on the real groups, with the processes
-    time-sharing the cores as they will, and the cluster takes that figure as it is."""
+    runs); a network profile measures it, and FSDP2's, on the real groups, with the
+    processes time-sharing the cores as they will, and the cluster takes those figures
+    as they are."""
     nodes = ("a",) * 4
     measured = device(rate_flop_per_s=2e11, bandwidth=3e10)
     dev = ProfileReport(device=dataclasses.replace(measured.device, tp_overhead_s=2e-4))
     one_rank = cluster_from_profiles([dev, network(node_of_rank=nodes, inter=None)]).device
     assert one_rank.time_share == 0.5 and one_rank.tp_overhead_s == pytest.approx(4e-4)  # 4 processes, 2 cores
-    grouped = cluster_from_profiles([dev, network(node_of_rank=nodes, inter=None, tp_overhead_s=7e-4)]).device
-    assert grouped.tp_overhead_s == 7e-4
-    assert "tensor-parallel overhead 700 us" in grouped.source
+    assert one_rank.fsdp_overhead_s == 0.0
+    grouped = cluster_from_profiles([dev, network(node_of_rank=nodes, inter=None, tp_overhead_s=7e-4,
+                                                  fsdp_overhead_s=2e-3)]).device
+    assert (grouped.tp_overhead_s, grouped.fsdp_overhead_s) == (7e-4, 2e-3)
+    assert "700 us per tensor-parallel layer forward, 2000 us per FSDP collective" in grouped.source
+
+
+def test_the_bandwidth_processes_keep_while_streaming_together_lowers_the_devices():
+    """4 processes on the factory's 2 cores: each gets half a core (time share 0.5), and a
+    network profile that measured 0.35 of one process's bandwidth with all 4 streaming
+    leaves 0.7 beyond the time share; ``alone()`` gives back the single process's
+    figures, which the layer calibration compares against. A profile taken with another
+    number of processes per node does not apply."""
+    nodes = ("a",) * 4
+    dev = device(rate_flop_per_s=2e11, bandwidth=3e10)
+    shared = cluster_from_profiles([dev, network(node_of_rank=nodes, inter=None, memory_share=0.35)]).device
+    assert (shared.time_share, shared.bandwidth_share) == (0.5, pytest.approx(0.7))
+    assert shared.memory_bandwidth_bytes_per_s == pytest.approx(3e10 * 0.5 * 0.7)
+    assert shared.alone().memory_bandwidth_bytes_per_s == pytest.approx(3e10)
+    assert shared.alone().matmul_curves[DType.FP32][-1][1] == pytest.approx(2e11)
+    assert "keep 0.35 of one process's memory bandwidth" in shared.source
+    other = build_preset("local-cpu", devices_per_node=2)
+    elsewhere = cluster_from_profiles([dev, network(node_of_rank=nodes, inter=None, memory_share=0.35,
+                                                    tp_overhead_s=7e-4)], base=other).device
+    assert elsewhere.bandwidth_share == 1.0 and elsewhere.tp_overhead_s != 7e-4

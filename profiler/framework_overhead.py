@@ -1,0 +1,114 @@
+"""Framework time of sharded layers beyond their arithmetic and their transfers.
+
+Both of autopar's sharding engines spend CPU time per layer and micro-batch that no
+FLOP or byte count shows, and on CPU processes (gloo, eager dispatch on the same cores)
+it is a sizeable part of a step:
+
+- **tensor parallelism**: DTensor propagates shardings, wraps outputs and routes each
+  collective through the functional-collectives API (an ``AsyncCollectiveTensor`` and a
+  wait). The cost model charges ``tp_overhead_s`` per forward of a tensor-parallel leaf,
+  ``1 + BACKWARD_FACTOR`` times per micro-batch
+  (:func:`autopar.cost.tensor_parallel.leaf_fwd_s`).
+- **FSDP2** (ZeRO-2/3): per unit and collective, the pre-/post-hooks, the copy into the
+  flat all-gather buffer and out of it into the parameters, the gradients' copy into the
+  reduce-scatter buffer and the division. The cost model charges ``fsdp_overhead_s`` per
+  FSDP collective call (:func:`autopar.search.predict.tail_s`).
+
+Each is measured on a model so small (4 x 64) that its arithmetic is nothing: forward
+and backward sharded, less the same model unsharded, less its collectives as the cost
+model prices them from the network fit, over the calls the cost model counts. Measured on
+a real group the figures hold what a one-rank mesh cannot show: on a 2-core box, 2 gloo
+ranks spent 400-550 us per tensor-parallel leaf-forward (160-360 us on a one-rank mesh).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from autopar.cost.tensor_parallel import BACKWARD_FACTOR
+from profiler.timing import Repeats, synchronize
+
+ROWS = 4
+DIM = 64
+ACTIVATION_BYTES = ROWS * DIM * 4
+"""The fp32 activation each of the tensor-parallel pair's two all-reduces moves."""
+UNIT_BYTES = (DIM * DIM + DIM) * 4
+"""The fp32 parameters of one FSDP unit: what its all-gather returns and its
+reduce-scatter takes."""
+FSDP_UNITS = 2
+CALLS_PER_SAMPLE = 20
+"""Fixed, not adapted per rank: every rank must issue the same collectives."""
+
+Cost = Callable[[float], float]
+"""``nbytes -> seconds`` the cost model charges for one collective on the group."""
+
+
+def tp_overhead_s(mesh: DeviceMesh, device: torch.device, repeats: Repeats, all_reduce_s: Cost) -> float:
+    """Seconds per tensor-parallel leaf-forward on ``mesh`` (1-D), the slowest rank's;
+    call on every rank of the mesh. A column-parallel linear feeds a row-parallel one;
+    they issue two all-reduces (the row output's in forward, the column input's gradient
+    in backward) and count ``2 x (1 + BACKWARD_FACTOR)`` leaf-forwards. Give
+    ``all_reduce_s`` as 0 on a one-rank mesh."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    plain, sharded = _stack(2, device), _stack(2, device)
+    parallelize_module(sharded, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    x = torch.randn(ROWS, DIM, device=device, requires_grad=True)
+    excess = _excess_s(plain, sharded, x, device, repeats, mesh.get_group()) - 2 * all_reduce_s(ACTIVATION_BYTES)
+    return max(excess, 0.0) / (2 * (1 + BACKWARD_FACTOR))
+
+
+def fsdp_overhead_s(mesh: DeviceMesh, device: torch.device, repeats: Repeats, all_gather_s: Cost,
+                    reduce_scatter_s: Cost) -> float:
+    """Seconds per FSDP2 collective call on ``mesh`` (1-D), the slowest rank's; call on
+    every rank of the mesh. ``FSDP_UNITS`` linears, each its own ``fully_shard`` unit
+    under a root that holds nothing, resharded after forward (ZeRO-3): each unit
+    all-gathers in forward and again in backward and reduce-scatters its gradients."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    plain, sharded = _stack(FSDP_UNITS, device), _stack(FSDP_UNITS, device)
+    for unit in sharded:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=True)
+    fully_shard(sharded, mesh=mesh, reshard_after_forward=True)
+    x = torch.randn(ROWS, DIM, device=device)
+    transfers = FSDP_UNITS * (2 * all_gather_s(UNIT_BYTES) + reduce_scatter_s(UNIT_BYTES))
+    excess = _excess_s(plain, sharded, x, device, repeats, mesh.get_group()) - transfers
+    return max(excess, 0.0) / (3 * FSDP_UNITS)
+
+
+def _stack(layers: int, device: torch.device) -> torch.nn.Sequential:
+    return torch.nn.Sequential(*(torch.nn.Linear(DIM, DIM) for _ in range(layers))).to(device)
+
+
+def _excess_s(plain: torch.nn.Module, sharded: torch.nn.Module, x: torch.Tensor, device: torch.device,
+              repeats: Repeats, group: dist.ProcessGroup) -> float:
+    """Forward and backward of ``sharded`` less those of ``plain``, seconds per step."""
+    times = [_median_s(lambda m=m: m(x).sum().backward(), device, repeats, group) for m in (plain, sharded)]
+    return times[1] - times[0]
+
+
+def _median_s(fn: Callable[[], None], device: torch.device, repeats: Repeats, group: dist.ProcessGroup) -> float:
+    """Median over ``repeats.repeats`` samples of ``CALLS_PER_SAMPLE`` calls, after
+    ``repeats.warmup`` calls; the slowest rank's."""
+    for _ in range(max(repeats.warmup, 1)):
+        fn()
+    samples = []
+    for _ in range(repeats.repeats):
+        dist.barrier(group=group)
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(CALLS_PER_SAMPLE):
+            fn()
+        synchronize(device)
+        samples.append((time.perf_counter() - start) / CALLS_PER_SAMPLE)
+    slowest = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return float(slowest[0])

@@ -297,10 +297,14 @@ def profile_lines(profile: Mapping[str, Any]) -> list[str]:
         f"{name} fwd+bwd per round {' / '.join(f'{s * 1e3:.0f}' for s in rounds)} ms"
         for name, rounds in profile["layers_s_rounds"].items())]
     for w, per in sorted(profile["worlds"].items(), key=lambda kv: int(kv[0])):
-        fit = next(f for f in per["network"]["network"]["fits"] if f["level"] == "intra" and len(f["ops"]) > 1)
+        net = per["network"]["network"]
+        fit = next(f for f in net["fits"] if f["level"] == "intra" and len(f["ops"]) > 1)
         lines.append(f"- network, {w} processes: alpha {fit['alpha_s'] * 1e6:.0f} us, busbw "
                      f"{fit['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s (1 MiB all-reduce-fit time per round: "
-                     f"{' / '.join(f'{s * 1e3:.1f}' for s in per['network_s_rounds'])} ms)")
+                     f"{' / '.join(f'{s * 1e3:.1f}' for s in per['network_s_rounds'])} ms); framework time "
+                     f"{net.get('tp_overhead_s', 0.0) * 1e6:.0f} us per tensor-parallel layer forward, "
+                     f"{net.get('fsdp_overhead_s', 0.0) * 1e6:.0f} us per FSDP collective; memory bandwidth kept "
+                     f"with all {w} streaming {net.get('memory_share', 1.0):.2f}")
     return lines
 
 

@@ -80,7 +80,8 @@ def run_demo(*, nproc: int = 2, steps: int = 6, say: Callable[[str], None] = pri
     base = Cluster.preset("local-cpu", devices_per_node=nproc)
     cluster = Cluster.from_profile(*reports, base=base)
     d, link = cluster.device, cluster.intra_node
-    say(f"  measured: memory {d.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s (preset "
+    say(f"  measured: memory {d.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s per process with {nproc} streaming, "
+        f"{d.alone().memory_bandwidth_bytes_per_s / 1e9:.1f} alone (preset "
         f"{base.device.memory_bandwidth_bytes_per_s / 1e9:.0f}); link busbw {link.bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
         f"latency {link.latency_s * 1e6:.0f} us (preset {base.intra_node.bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
         f"{base.intra_node.latency_s * 1e6:.0f} us)")

@@ -159,10 +159,10 @@ def local_cpu_device(processes: int) -> DeviceSpec:
                "interpreter and libraries, so memory per device counts tensor allocations only (what the "
                "runtime measures); framework overhead ~5 us per op and ~150 us per DTensor layer forward, as "
                "'autopar profile device' measured on a 2-core VM; no overlap of communication with compute "
-               "(gloo uses the same cores); weight and gradient-accumulation traffic not hidden under the arithmetic "
-               "(BLAS packs each weight, eager autograd accumulates in a pass of its own); an AdamW step at ~7 GB/s of its ideal traffic (a dozen eager passes). "
-               "Measure with "
-               "'autopar profile device' for real numbers.",
+               "(gloo uses the same cores); weight and gradient-accumulation traffic not hidden under the "
+               "arithmetic (BLAS packs each weight, eager autograd accumulates in a pass of its own); an AdamW step "
+               "at ~7 GB/s of its ideal traffic (a dozen eager passes). Measure with 'autopar profile device' for "
+               "real numbers.",
     ).time_shared(share, f"{processes} processes time-share {cores} cores: {share:.2g} of a core each")
 
 

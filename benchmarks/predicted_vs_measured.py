@@ -370,8 +370,11 @@ def main() -> None:
         profile_note = (f"measured by this run at the start of every round (the plans that ran were estimated with "
                         f"the first round's; the predictions shown use the median of all rounds), saved as "
                         f"`{saved.name}`")
-    plans = {c.name: _estimate(c, profile) for c in candidates}
-    changed = [c.name for c in candidates if plan_key(plans[c.name]) != plan_key(executed[c.name])]
+    median = {c.name: _estimate(c, profile) for c in candidates}
+    changed = [c.name for c in candidates if plan_key(median[c.name]) != plan_key(executed[c.name])]
+    # compare what ran: where the median profile solves a candidate to another layout,
+    # the row keeps the prediction of the plan that ran (first round's profile)
+    plans = {c.name: executed[c.name] if c.name in changed else median[c.name] for c in candidates}
     body, rows = _tables(candidates, plans, measured)
     csv_path = write_csv(NAME, rows)
     png = write_png(NAME, _figure(candidates, plans, measured))
@@ -385,7 +388,9 @@ def main() -> None:
         f"average at the start of each round {' / '.join(f'{x:.1f}' for x in loads)} (2 cores, shared); everything "
         f"took {(time.perf_counter() - started) / 60:.1f} min. Per-term predictions and every round are in "
         f"`{csv_path.name}`."
-        + (f" The median profile changed the plan of {', '.join(changed)} from the one that ran." if changed else ""))
+        + (f" The median profile solves {', '.join(changed)} to another layout than the one that ran, so "
+           f"{'its row shows' if len(changed) == 1 else 'their rows show'} the prediction of the plan that ran "
+           f"(first round's profile)." if changed else ""))
     text = "\n\n".join([header, body, f"![predicted against measured]({png.name})", NOTES, "Profiles kept (median of the rounds):\n\n" + "\n".join(
         profile_lines(profile))])
     md = write_result(NAME, "Predicted against measured step time and memory on local processes", text)

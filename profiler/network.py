@@ -165,41 +165,42 @@ def profile_network(*, sweep: NetworkSweep | None = None, node_of_rank: tuple[st
 def _framework_overheads(groups: list[_Group], fits: tuple[LinkFit, ...], rank: int, device: torch.device,
                          sweep: NetworkSweep) -> tuple[float, float]:
     """(tensor-parallel, FSDP) framework time (:mod:`profiler.framework_overhead`) on
-    every intra-node group at once (where tensor parallelism runs, and where a
-    one-node data-parallel group runs), the largest over the groups; 0 without an
-    intra-node group or without fits of the collectives the measurement subtracts."""
-    intra = [g for g in groups if g.level == "intra"]
-    if not intra:
-        return 0.0, 0.0
-    mine = next((g for g in intra if rank in g.ranks), None)
+    the intra-node groups (where tensor parallelism runs, and where a one-node
+    data-parallel group runs), the largest over the groups; 0 without an intra-node
+    group or without fits of the collectives the measurement subtracts."""
     fitted = {op: f for op in ("all_reduce", "all_gather", "reduce_scatter") if (f := _op_fit(fits, op))}
-    values = (0.0, 0.0)
-    if mine is not None:
-        mesh = DeviceMesh.from_group(mine.handle, device.type)
+
+    def measure(group: _Group) -> tuple[float, float]:
+        mesh = DeviceMesh.from_group(group.handle, device.type)
         repeats = Repeats(warmup=3, repeats=sweep.repeats + 4)
-        cost = {op: _fit_cost(f, op, len(mine.ranks)) for op, f in fitted.items()}
+        cost = {op: _fit_cost(f, op, len(group.ranks)) for op, f in fitted.items()}
         tp = tp_overhead_s(mesh, device, repeats, cost["all_reduce"]) if "all_reduce" in cost else 0.0
         fsdp = (fsdp_overhead_s(mesh, device, repeats, cost["all_gather"], cost["reduce_scatter"])
                 if "all_gather" in cost and "reduce_scatter" in cost else 0.0)
-        values = (tp, fsdp)
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, values)
-    return max(v[0] for v in gathered), max(v[1] for v in gathered)
+        return tp, fsdp
+
+    values = _on_intra_groups(groups, rank, measure)
+    return max((v[0] for v in values), default=0.0), max((v[1] for v in values), default=0.0)
 
 
 def _memory_share(groups: list[_Group], rank: int, device: torch.device) -> float:
-    """:func:`profiler.contention.contended_share` on every intra-node group at once, the
-    mean over the groups; 1 on GPUs (each rank streams its own memory) or without an
-    intra-node group."""
-    intra = [g for g in groups if g.level == "intra"]
-    if device.type != "cpu" or not intra:
+    """:func:`profiler.contention.contended_share` on the intra-node groups, the mean
+    over the ranks that measured; 1 on GPUs (each rank streams its own memory) or
+    without an intra-node group."""
+    if device.type != "cpu":
         return 1.0
-    mine = next((g for g in intra if rank in g.ranks), None)
-    value = contended_share(mine.handle, mine.ranks, Repeats(warmup=2, repeats=5)) if mine is not None else None
+    shares = _on_intra_groups(groups, rank, lambda g: contended_share(g.handle, g.ranks, Repeats(warmup=2, repeats=5)))
+    return sum(shares) / len(shares) if shares else 1.0
+
+
+def _on_intra_groups(groups: list[_Group], rank: int, measure: Callable[[_Group], Any]) -> list[Any]:
+    """``measure(group)`` on every intra-node group at once, called by the group's
+    ranks; every rank gets the values of all the ranks that measured (a rank alone on
+    its node measures nothing)."""
+    mine = next((g for g in groups if g.level == "intra" and rank in g.ranks), None)
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    shares = [v for v in gathered if v is not None]
-    return sum(shares) / len(shares)
+    dist.all_gather_object(gathered, measure(mine) if mine is not None else None)
+    return [v for v in gathered if v is not None]
 
 
 def _op_fit(fits: tuple[LinkFit, ...], op: str) -> LinkFit | None:

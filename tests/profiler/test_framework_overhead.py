@@ -1,0 +1,41 @@
+"""What sharded layers cost beyond their arithmetic and their transfers, on 2 gloo ranks."""
+
+import pytest
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+import torch.distributed as dist
+from autopar.runtime.spmd import SPMDSettings, run_spmd
+from profiler.contention import contended_share
+from profiler.framework_overhead import fsdp_overhead_s, tp_overhead_s
+from profiler.timing import Repeats
+
+pytestmark = pytest.mark.multiprocess
+SETTINGS = SPMDSettings(timeout_s=120, pg_timeout_s=60)
+REPEATS = Repeats(warmup=2, repeats=5)
+
+
+def _measure(rank, world):
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    cpu = torch.device("cpu")
+    free = lambda nbytes: 0.0  # noqa: E731
+    dear = lambda nbytes: 1.0  # noqa: E731  a second per collective: more than the whole run
+    return {"tp": tp_overhead_s(mesh, cpu, REPEATS, free), "tp_dear": tp_overhead_s(mesh, cpu, REPEATS, dear),
+            "fsdp": fsdp_overhead_s(mesh, cpu, REPEATS, free, free),
+            "fsdp_dear": fsdp_overhead_s(mesh, cpu, REPEATS, dear, dear),
+            "share": contended_share(dist.group.WORLD, (0, 1), REPEATS)}
+
+
+def test_sharded_layers_cost_more_than_plain_ones_and_the_rest_is_clamped():
+    """With the collectives priced at nothing, what is left is the whole extra time of
+    the sharded model: the transfers and the framework around them, strictly positive
+    and far below a second per call. Priced at a second each (more than was measured),
+    nothing is left, and the figure is 0, not negative. Every rank reports the slowest
+    rank's figure. Two ranks streaming together keep at most all of one's bandwidth."""
+    results = run_spmd(_measure, 2, settings=SETTINGS)
+    for key in ("tp", "tp_dear", "fsdp", "fsdp_dear", "share"):
+        assert results[0][key] == results[1][key], key
+    got = results[0]
+    assert 0 < got["tp"] < 0.05 and 0 < got["fsdp"] < 0.05
+    assert got["tp_dear"] == 0.0 and got["fsdp_dear"] == 0.0
+    assert 0 < got["share"] <= 1

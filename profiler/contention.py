@@ -41,17 +41,21 @@ def contended_share(group: dist.ProcessGroup, ranks: tuple[int, ...], repeats: R
         if r == dist.get_rank():
             alone = _bandwidth(src, dst, repeats)
         dist.barrier(group=group)
-    dist.barrier(group=group)
-    together = _bandwidth(src, dst, repeats)
+    together = _bandwidth(src, dst, repeats, group)
     share = torch.tensor([together / alone], dtype=torch.float64)
     dist.all_reduce(share, group=group)
     return min(float(share[0]) / len(ranks), 1.0)
 
 
-def _bandwidth(src: torch.Tensor, dst: torch.Tensor, repeats: Repeats) -> float:
-    """Median bytes per second of ``COPIES_PER_SAMPLE`` back-to-back copies (read and write)."""
+def _bandwidth(src: torch.Tensor, dst: torch.Tensor, repeats: Repeats,
+               group: dist.ProcessGroup | None = None) -> float:
+    """Median bytes per second of ``COPIES_PER_SAMPLE`` back-to-back copies (read and
+    write); with ``group``, every sample starts on all its ranks at once (a rank that ran
+    ahead would otherwise stream its last samples alone)."""
     samples = []
     for _ in range(repeats.repeats):
+        if group is not None:
+            dist.barrier(group=group)
         start = time.perf_counter()
         for _ in range(COPIES_PER_SAMPLE):
             dst.copy_(src)

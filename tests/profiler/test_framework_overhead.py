@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-import torch.distributed as dist
 from autopar.runtime.spmd import SPMDSettings, run_spmd
 from profiler.contention import contended_share
 from profiler.framework_overhead import fsdp_overhead_s, tp_overhead_s

@@ -49,7 +49,9 @@ def _block_container(model: nn.Module) -> str | None:
         if not isinstance(module, _CONTAINERS):
             continue
         children = list(module.children())
-        if len(children) < 2:
+        # a ModuleList/ModuleDict never runs itself, so even one child is a block of it
+        # (a one-layer model); a one-child Sequential runs and may stay a unit of its own
+        if len(children) < (2 if isinstance(module, nn.Sequential) else 1):
             continue
         params = sum(_numel(c) for c in children)
         depth = fqn.count(".") + (1 if fqn else 0)

@@ -37,6 +37,12 @@ def test_gpt_units_leaves_and_tied_weights():
     assert g.num_params == sum(p.numel() for p in _gpt().parameters())
 
 
+def test_a_one_block_model_keeps_its_block_as_a_unit():
+    # a ModuleList of one block never runs itself: the block is the unit, not the list
+    g = extract(GPT(GPTConfig(vocab_size=64, seq_len=8, dim=32, n_layers=1, n_heads=2)), seq_len=8, dtype="fp32")
+    assert g.unit_names == ("tok_embeddings+pos_embeddings", "layers.0", "norm+output")
+
+
 def test_saved_activations_materialized_hand_count():
     """fp32, no dropout, per sample: inputs of ln1, the q/k/v projections (shared), wo,
     ln2, w1 and w2 (4h wide), the GELU input (4h), q, k and v; LayerNorm mean and rstd;

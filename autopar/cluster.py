@@ -46,6 +46,11 @@ class DeviceSpec:
         fsdp_overhead_s: framework time per FSDP2 collective call beyond its transfer
             (hooks, copies into and out of the flat buffers); GPU presets: 0 (NCCL runs
             them asynchronously under large kernels), a network profile measures it.
+        sync_noise_s_per_sqrt_s: how unevenly the ranks of a group finish the same
+            work: the standard deviation of a rank's time for ``T`` seconds of work is
+            this times ``sqrt(T)``. Blocking collectives make every rank wait for the
+            last (:mod:`autopar.cost.sync`). Measured by a network profile
+            (:mod:`profiler.sync_skew`); 0 in GPU presets.
         comm_overlap: share of the compute time that can hide data-parallel
             communication. Overlapped collectives are not free: NCCL's kernels occupy
             streaming multiprocessors and both compete for memory bandwidth, so
@@ -94,6 +99,7 @@ class DeviceSpec:
     op_overhead_s: float = 0.0
     tp_overhead_s: float = 0.0
     fsdp_overhead_s: float = 0.0
+    sync_noise_s_per_sqrt_s: float = 0.0
     comm_overlap: float = 0.8
     optimizer_bytes_per_s: float = 0.0
     time_share: float = 1.0
@@ -115,10 +121,11 @@ class DeviceSpec:
             raise ClusterError(f"device {self.name!r} fragmentation={self.fragmentation!r} is not allowed: it must be in "
                                f"[0, 1).")
         object.__setattr__(self, "fragmentation", float(self.fragmentation))
-        for attr in ("op_overhead_s", "tp_overhead_s", "fsdp_overhead_s"):
+        for attr in ("op_overhead_s", "tp_overhead_s", "fsdp_overhead_s", "sync_noise_s_per_sqrt_s"):
             value = getattr(self, attr)
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 <= value < 1):
-                raise ClusterError(f"device {self.name!r} {attr}={value!r} is not allowed: it must be seconds in [0, 1).")
+                raise ClusterError(f"device {self.name!r} {attr}={value!r} is not allowed: it must be in [0, 1) "
+                                   f"({'seconds per square root of a second' if 'sqrt' in attr else 'seconds'}).")
             object.__setattr__(self, attr, float(value))
         if not isinstance(self.exposed_weight_traffic, bool):
             raise ClusterError(f"device {self.name!r} exposed_weight_traffic={self.exposed_weight_traffic!r} is not "
@@ -351,6 +358,7 @@ class Cluster:
                 "op_overhead_s": dev.op_overhead_s,
                 "tp_overhead_s": dev.tp_overhead_s,
                 "fsdp_overhead_s": dev.fsdp_overhead_s,
+                "sync_noise_s_per_sqrt_s": dev.sync_noise_s_per_sqrt_s,
                 "comm_overlap": dev.comm_overlap,
                 "optimizer_bytes_per_s": dev.optimizer_bytes_per_s,
                 "time_share": dev.time_share,
@@ -381,6 +389,7 @@ class Cluster:
                 op_overhead_s=dev.get("op_overhead_s", 0.0),
                 tp_overhead_s=dev.get("tp_overhead_s", 0.0),
                 fsdp_overhead_s=dev.get("fsdp_overhead_s", 0.0),
+                sync_noise_s_per_sqrt_s=dev.get("sync_noise_s_per_sqrt_s", 0.0),
                 comm_overlap=dev.get("comm_overlap", 0.8),
                 optimizer_bytes_per_s=dev.get("optimizer_bytes_per_s", 0.0),
                 time_share=dev.get("time_share", 1.0),

@@ -149,7 +149,8 @@ class StagePrediction:
     """One pipeline stage: per-micro-batch times and per-device memory.
 
     ``forward_s``/``backward_s`` are per micro-batch and include tensor-parallel
-    communication and recomputation; ``dp_comm_s`` is the step's exposed data-parallel
+    communication (with the waits on the group's slowest rank at its blocking
+    collectives, :mod:`autopar.cost.sync`) and recomputation; ``dp_comm_s`` is the step's exposed data-parallel
     communication and ``optimizer_s`` the optimizer step.
     """
 

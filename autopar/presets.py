@@ -150,6 +150,7 @@ def local_cpu_device(processes: int) -> DeviceSpec:
         reserved_bytes=0.0,
         op_overhead_s=5e-6,
         tp_overhead_s=150e-6,
+        sync_noise_s_per_sqrt_s=0.01,
         comm_overlap=0.0,
         optimizer_bytes_per_s=7e9,
         exposed_weight_traffic=True,
@@ -158,11 +159,12 @@ def local_cpu_device(processes: int) -> DeviceSpec:
                "without AMX; ~10 GB/s per core; memory = physical RAM / processes less 512 MiB for the "
                "interpreter and libraries, so memory per device counts tensor allocations only (what the "
                "runtime measures); framework overhead ~5 us per op and ~150 us per DTensor layer forward, as "
-               "'autopar profile device' measured on a 2-core VM; no overlap of communication with compute "
-               "(gloo uses the same cores); weight and gradient-accumulation traffic not hidden under the "
-               "arithmetic (BLAS packs each weight, eager autograd accumulates in a pass of its own); an AdamW step "
-               "at ~7 GB/s of its ideal traffic (a dozen eager passes). Measure with 'autopar profile device' for "
-               "real numbers.",
+               "'autopar profile device' measured on a 2-core VM; ranks finishing the same work ~10 ms per "
+               "sqrt(s) of it apart (2 processes on that VM: 5-18 ms over runs, 4: ~30 ms; 'autopar profile "
+               "network'); no overlap of communication with compute (gloo uses the same cores); weight and "
+               "gradient-accumulation traffic not hidden under the arithmetic (BLAS packs each weight, eager "
+               "autograd accumulates in a pass of its own); an AdamW step at ~7 GB/s of its ideal traffic (a "
+               "dozen eager passes). Measure with 'autopar profile device' for real numbers.",
     ).time_shared(share, f"{processes} processes time-share {cores} cores: {share:.2g} of a core each")
 
 

@@ -231,9 +231,10 @@ def _with_group_measurements(device: DeviceSpec, net: tuple[_Report, Mapping[str
                              per_node: int) -> DeviceSpec:
     """The device with what a network profile measured on its real groups, where it was
     measured with this cluster's processes per node (the figures depend on how many
-    share a node): the framework overheads (:mod:`profiler.framework_overhead`) and the
-    memory bandwidth a process keeps while the others stream (:mod:`profiler.contention`;
-    the time share the device already has is divided out of it)."""
+    share a node): the framework overheads (:mod:`profiler.framework_overhead`), how
+    unevenly the ranks finish the same work (:mod:`profiler.sync_skew`) and the memory
+    bandwidth a process keeps while the others stream (:mod:`profiler.contention`; the
+    time share the device already has is divided out of it)."""
     if net is None or _net_shape(net[1])[1] != per_node:
         return device
     n = net[1]
@@ -244,6 +245,11 @@ def _with_group_measurements(device: DeviceSpec, net: tuple[_Report, Mapping[str
         per = {"tp_overhead_s": "tensor-parallel layer forward", "fsdp_overhead_s": "FSDP collective"}
         what = ", ".join(f"{v * 1e6:.0f} us per {per[k]}" for k, v in measured.items())
         device = replace(device, **measured, source=f"{device.source}; framework overhead {what}, {where}")
+    noise = float(n.get("sync_noise_s_per_sqrt_s", 0.0))
+    if noise > 0:
+        device = replace(device, sync_noise_s_per_sqrt_s=noise,
+                         source=f"{device.source}; ranks finish the same work {noise * 1e3:.1f} ms per sqrt(s) of "
+                                f"it apart (one standard deviation), {where}")
     share = float(n.get("memory_share", 1.0))
     beyond = share / device.time_share
     if beyond < 1:

@@ -39,6 +39,7 @@ from profiler.framework_overhead import fsdp_overhead_s, tp_overhead_s
 from profiler.machine import provenance
 from profiler.report import (CollectiveOp, CommPoint, CommSeries, Level, LinkFit, NetworkProfile, ProfileReport,
                              Timing)
+from profiler.sync_skew import sync_noise_s_per_sqrt_s
 from profiler.timing import Repeats, Stopwatch, synchronize
 
 KIB, MIB = 2**10, 2**20
@@ -154,10 +155,14 @@ def profile_network(*, sweep: NetworkSweep | None = None, node_of_rank: tuple[st
     memory_share = _memory_share(groups, rank, device)
     if memory_share < 1:
         say(f"memory bandwidth with every rank of a node streaming: {memory_share:.2f} of one rank's alone")
+    noise = _sync_noise(groups, rank, device, sweep)
+    if noise:
+        say(f"ranks of a node finishing the same work apart: {noise * 1e3:.1f} ms per sqrt(s) of work")
     # rank 0's provenance on every rank: each rank's own clock could read another second
     profile = NetworkProfile(backend=backend, device_kind="cuda" if device.type == "cuda" else "cpu",
                              world_size=world, node_of_rank=labels, series=series, fits=fits, unfitted=unfitted,
                              tp_overhead_s=tp, fsdp_overhead_s=fsdp, memory_share=memory_share,
+                             sync_noise_s_per_sqrt_s=noise,
                              provenance=everyone[0][1])
     return ProfileReport(network=profile)
 
@@ -191,6 +196,16 @@ def _memory_share(groups: list[_Group], rank: int, device: torch.device) -> floa
         return 1.0
     shares = _on_intra_groups(groups, rank, lambda g: contended_share(g.handle, g.ranks, Repeats(warmup=2, repeats=5)))
     return sum(shares) / len(shares) if shares else 1.0
+
+
+def _sync_noise(groups: list[_Group], rank: int, device: torch.device, sweep: NetworkSweep) -> float:
+    """:func:`profiler.sync_skew.sync_noise_s_per_sqrt_s` on the intra-node groups (where
+    tensor parallelism's blocking collectives run), the largest; 0 without an
+    intra-node group. Two rounds more than the sweep's repeats: the waits are the
+    difference of two noisy means."""
+    values = _on_intra_groups(groups, rank, lambda g: sync_noise_s_per_sqrt_s(g.handle, device,
+                                                                              rounds=sweep.repeats + 2))
+    return max(values, default=0.0)
 
 
 def _on_intra_groups(groups: list[_Group], rank: int, measure: Callable[[_Group], Any]) -> list[Any]:

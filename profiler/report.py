@@ -340,7 +340,9 @@ class NetworkProfile:
     (:mod:`profiler.framework_overhead`; 0 where no node has two ranks).
     ``memory_share``: the streaming bandwidth a CPU rank keeps while every rank of its
     node streams, over what it has alone (:mod:`profiler.contention`; 1 where not
-    measured).
+    measured). ``sync_noise_s_per_sqrt_s``: how unevenly the ranks of a node finish the
+    same work, the standard deviation of ``T`` seconds of it over ``sqrt(T)``, which
+    blocking collectives pay as waits (:mod:`profiler.sync_skew`; 0 where not measured).
     """
 
     backend: str
@@ -353,6 +355,7 @@ class NetworkProfile:
     tp_overhead_s: float = 0.0
     fsdp_overhead_s: float = 0.0
     memory_share: float = 1.0
+    sync_noise_s_per_sqrt_s: float = 0.0
     provenance: Provenance
 
     @property

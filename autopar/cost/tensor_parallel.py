@@ -273,11 +273,16 @@ def reduction_s(a: Layout, nbytes: float, ctx: TPContext) -> float:
     return reduce_scatter_s(nbytes, ctx.span, ctx.cluster)          # sequence parallel: gather <-> scatter
 
 
+LOSS_PARALLEL_REDUCTIONS = 3
+"""A vocabulary-parallel cross-entropy all-reduces the max, the sum of exponentials and
+the target logit."""
+
+
 def loss_parallel_s(ctx: TPContext) -> float:
     """Forward+backward seconds of a vocabulary-parallel cross-entropy's reductions:
     max, sum of exponentials and the target logit, one fp32 per token each."""
     per = ctx.micro_batch * ctx.tokens * 4
-    return 3 * all_reduce_s(per, ctx.span, ctx.cluster)
+    return LOSS_PARALLEL_REDUCTIONS * all_reduce_s(per, ctx.span, ctx.cluster)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -289,6 +294,8 @@ class UnitCost:
         output: the layout of the unit's output.
         fwd_compute_s, bwd_compute_s: compute time.
         fwd_comm_s, bwd_comm_s: tensor-parallel communication time.
+        fwd_syncs, bwd_syncs: the blocking collectives behind that time, where the
+            group's ranks wait for each other (:mod:`autopar.cost.sync`).
         attn_fwd_s: forward time of the attention core (what selective recompute redoes).
         param_numel: parameters held.
         saved_bytes: activations kept for backward (no recomputation), attention core
@@ -307,6 +314,8 @@ class UnitCost:
     bwd_compute_s: float
     fwd_comm_s: float
     bwd_comm_s: float
+    fwd_syncs: int
+    bwd_syncs: int
     attn_fwd_s: float
     param_numel: float
     saved_bytes: float
@@ -378,14 +387,20 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         if need is Layout.R and flow.dst >= 0 and styles[flow.dst] is TPStyle.COLUMN:
             partial[flow.src] = a
     fwd_comm = bwd_comm = 0.0
+    fwd_syncs = bwd_syncs = 0
     for (src, need), a in conversions.items():
         f, bw = conversion_s(a, need, largest[src] * b, ctx)
         fwd_comm += f
         bwd_comm += bw
+        fwd_syncs += f > 0
+        bwd_syncs += bw > 0
     for src, a in partial.items():
-        bwd_comm += reduction_s(a, largest[src] * b, ctx)
+        r = reduction_s(a, largest[src] * b, ctx)
+        bwd_comm += r
+        bwd_syncs += r > 0
     if ctx.last and output is Layout.F:
         fwd_comm += loss_parallel_s(ctx)
+        fwd_syncs += LOSS_PARALLEL_REDUCTIONS
     params = sum(leaf_param_numel(leaf, s, t) for leaf, s in zip(profile.leaves, styles))
     factored = sum(leaf_factored_numel(leaf, s, t) for leaf, s in zip(profile.leaves, styles))
     largest = max((_shard(f.tensor_bytes * b, out_layout(profile, styles, ctx, f.src), t) for f in profile.flows),
@@ -393,7 +408,8 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
     return UnitCost(
         styles=styles, output=output, fwd_compute_s=fwd_compute,
         bwd_compute_s=BACKWARD_FACTOR * fwd_compute + accumulate,
-        fwd_comm_s=fwd_comm, bwd_comm_s=bwd_comm, attn_fwd_s=attn_fwd, param_numel=params, saved_bytes=saved,
+        fwd_comm_s=fwd_comm, bwd_comm_s=bwd_comm, fwd_syncs=fwd_syncs, bwd_syncs=bwd_syncs, attn_fwd_s=attn_fwd,
+        param_numel=params, saved_bytes=saved,
         attn_saved_bytes=attn_saved, input_bytes=_shard(profile.input_bytes * b, ctx.input_layout, t),
         output_bytes=_shard(profile.output_bytes * b, output if not ctx.last else Layout.R, t),
         factored_numel=factored, working_bytes=2 * largest)

@@ -59,6 +59,12 @@ class UnitOption:
         extra = self.layout.fwd_comm_s if self.recompute is Recompute.FULL else 0.0
         return self.layout.fwd_comm_s + self.layout.bwd_comm_s + extra
 
+    @property
+    def syncs(self) -> int:
+        """Blocking tensor-parallel collectives (forward, backward and recomputed forward)."""
+        extra = self.layout.fwd_syncs if self.recompute is Recompute.FULL else 0
+        return self.layout.fwd_syncs + self.layout.bwd_syncs + extra
+
 
 def layouts(profile: UnitProfile, ctx: TPContext, solver: LayoutSolver) -> tuple[UnitCost, ...]:
     """The fastest layout and, if different, the fastest of the smallest."""

@@ -15,6 +15,7 @@ from autopar.cost.comm import all_gather_s, all_reduce_s, group_span, reduce_sca
 from autopar.cost.compute import optimizer_step_s
 from autopar.cost.memory import compute_copy_bytes, state_bytes
 from autopar.cost.pipeline import inflight_microbatches, pipeline_time_s
+from autopar.cost.sync import sync_wait_s
 from autopar.plan import MemoryBreakdown, ParallelConfig, Prediction, StagePrediction, StepBreakdown
 from autopar.vocab import Recompute
 
@@ -26,10 +27,12 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, kw_only=True)
 class Timing:
     """Where a step's time goes: per pipeline rank work per micro-batch, per stage
-    (forward, backward) point-to-point and (exposed data-parallel, optimizer) tails."""
+    (forward, backward) point-to-point, (forward, backward) waits on the slowest rank of
+    the tensor-parallel group and (exposed data-parallel, optimizer) tails."""
 
     rank_work: tuple[float, ...]
     p2p: tuple[tuple[float, float], ...]
+    waits: tuple[tuple[float, float], ...]
     tails: tuple[tuple[float, float], ...]
     pipeline_s: float
     worst_tail: int
@@ -92,15 +95,31 @@ def tail_s(ev: Evaluator, plan: StagePlan, config: ParallelConfig) -> tuple[floa
     return exposed, optimizer_step_s(cl.device, config.dtype, ev.optimizer, local)
 
 
+def sync_waits_s(ev: Evaluator, plan: StagePlan, config: ParallelConfig) -> tuple[float, float]:
+    """(forward, backward) seconds per micro-batch that a stage's tensor-parallel group
+    waits on its slowest rank at the blocking collectives of its units
+    (:mod:`autopar.cost.sync`), split by the collectives of each pass. The work between
+    meetings is the stage's compute, recomputation included."""
+    meetings = sum(o.syncs for o in plan.options)
+    if meetings == 0:
+        return 0.0, 0.0
+    work = sum(o.layout.fwd_compute_s + o.layout.bwd_compute_s + o.recompute_s for o in plan.options)
+    wait = sync_wait_s(ev.cluster.device.sync_noise_s_per_sqrt_s, config.tp, meetings, work)
+    forward = sum(o.layout.fwd_syncs for o in plan.options) / meetings
+    return wait * forward, wait * (1 - forward)
+
+
 def timing(ev: Evaluator, config: ParallelConfig, stages: list[StagePlan] | tuple[StagePlan, ...]) -> "Timing":
-    """Per-rank work, per-stage point-to-point and tails, and the step time."""
+    """Per-rank work, per-stage point-to-point, waits and tails, and the step time."""
     pp, v, m = config.pp, config.virtual_stages, config.num_microbatches
     rank_work = [0.0] * pp
-    p2p = []
+    p2p, waits = [], []
     for plan in stages:
         f_p2p, b_p2p = ev.stage_p2p_s(plan.units, plan.options, config)
-        rank_work[plan.index % pp] += plan.choice.time_s + f_p2p + b_p2p
+        f_wait, b_wait = sync_waits_s(ev, plan, config)
+        rank_work[plan.index % pp] += plan.choice.time_s + f_p2p + b_p2p + f_wait + b_wait
         p2p.append((f_p2p, b_p2p))
+        waits.append((f_wait, b_wait))
     if v == 1:
         tails = [tail_s(ev, plan, config) for plan in stages]
     else:  # tails are per rank: over the union of its chunks
@@ -114,7 +133,7 @@ def timing(ev: Evaluator, config: ParallelConfig, stages: list[StagePlan] | tupl
         tails = [per_rank[p.index % pp] for p in stages]
     t_pipe = pipeline_time_s(rank_work, m, v)
     worst = max(range(len(tails)), key=lambda i: tails[i][0] + tails[i][1])
-    return Timing(rank_work=tuple(rank_work), p2p=tuple(p2p), tails=tuple(tails), pipeline_s=t_pipe,
+    return Timing(rank_work=tuple(rank_work), p2p=tuple(p2p), waits=tuple(waits), tails=tuple(tails), pipeline_s=t_pipe,
                   worst_tail=worst, step_s=t_pipe + tails[worst][0] + tails[worst][1])
 
 
@@ -125,12 +144,13 @@ def predict(ev: Evaluator, config: ParallelConfig, stages: list[StagePlan] | tup
     tm = timing(ev, config, stages)
     rank_work, t_pipe, step = list(tm.rank_work), tm.pipeline_s, tm.step_s
     tails, worst_tail = tm.tails, tm.worst_tail
-    stage_preds = [(plan, f, b, tails[i][0], tails[i][1]) for i, (plan, (f, b)) in enumerate(zip(stages, tm.p2p))]
+    stage_preds = [(plan, *tm.p2p[i], *tails[i], tm.waits[i]) for i, plan in enumerate(stages)]
     crit = max(range(pp), key=lambda r: rank_work[r])
     crit_stages = [p for p in stages if p.index % pp == crit]
     comp = sum(o.layout.fwd_compute_s + o.layout.bwd_compute_s for p in crit_stages for o in p.options)
     reco = sum(o.recompute_s for p in crit_stages for o in p.options)
     tpc = sum(o.layout.fwd_comm_s + o.layout.bwd_comm_s for p in crit_stages for o in p.options)
+    tpc += sum(sum(tm.waits[i]) for i, p in enumerate(stages) if p.index % pp == crit)
     ppc = sum(sum(ev.stage_p2p_s(p.units, p.options, config)) for p in crit_stages)
     bubble = t_pipe - m * rank_work[crit]
     breakdown = StepBreakdown(compute_s=m * comp, recompute_s=m * reco, tp_comm_s=m * tpc, pp_comm_s=m * ppc,
@@ -138,15 +158,15 @@ def predict(ev: Evaluator, config: ParallelConfig, stages: list[StagePlan] | tup
                               dp_comm_s=tails[worst_tail][0], optimizer_s=tails[worst_tail][1])
     preds = []
     peak = 0.0
-    for plan, f_p2p, b_p2p, exposed, opt_s in stage_preds:
+    for plan, f_p2p, b_p2p, exposed, opt_s, (f_wait, b_wait) in stage_preds:
         mem = stage_memory(ev, plan, config, stages)
         peak = max(peak, mem.total_bytes)
         preds.append(StagePrediction(
             index=plan.index, pipeline_rank=plan.index % pp,
             units=tuple(mod for u in plan.units for mod in ev.graph.units[u].modules),
-            forward_s=sum(o.fwd_s for o in plan.options) + f_p2p,
-            backward_s=sum(o.bwd_s for o in plan.options) + b_p2p,
-            tp_comm_s=sum(o.tp_comm_s for o in plan.options), pp_comm_s=f_p2p + b_p2p,
+            forward_s=sum(o.fwd_s for o in plan.options) + f_p2p + f_wait,
+            backward_s=sum(o.bwd_s for o in plan.options) + b_p2p + b_wait,
+            tp_comm_s=sum(o.tp_comm_s for o in plan.options) + f_wait + b_wait, pp_comm_s=f_p2p + b_p2p,
             recompute_s=sum(o.recompute_s for o in plan.options), dp_comm_s=exposed, optimizer_s=opt_s,
             inflight_microbatches=plan.inflight, memory=mem))
     gb = ev.global_batch_size

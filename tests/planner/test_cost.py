@@ -124,13 +124,16 @@ def test_megatron_block_communication_and_memory():
     cost = evaluate_layout(block, chosen, Layout.R, ctx)
     assert cost.fwd_comm_s == pytest.approx(2 * all_reduce_s(x, span, DGX))
     assert cost.bwd_comm_s == pytest.approx(2 * all_reduce_s(x, span, DGX))
+    assert (cost.fwd_syncs, cost.bwd_syncs) == (2, 2)
     sp_styles = tuple(TPStyle.SEQUENCE if leaf.name.endswith("norm") else s for leaf, s in zip(block.leaves, chosen))
     sp_ctx = TPContext(**{**ctx.__dict__, "boundary": Layout.Q, "sequence_parallel": True})
     sp = evaluate_layout(block, sp_styles, Layout.Q, sp_ctx)
     assert sp.fwd_comm_s == pytest.approx(4 * all_gather_s(x, span, DGX))
     assert sp.bwd_comm_s == pytest.approx(4 * all_gather_s(x, span, DGX))
+    assert (sp.fwd_syncs, sp.bwd_syncs) == (4, 4)
     full = evaluate_layout(block, (TPStyle.REPLICATE,) * len(block.leaves), Layout.R,
                            TPContext(**{**ctx.__dict__, "tp": 1, "span": group_span(1, 1, 8)}))
+    assert (full.fwd_syncs, full.bwd_syncs) == (0, 0)
     # With SP everything is divided by t except the inputs of the two column-parallel
     # groups (q/k/v and w1): DTensor saves the all-gathered input, where Megatron-LM
     # keeps the shard and gathers again in backward (Korthikanti et al. 2022, 4.2.2).
@@ -236,6 +239,57 @@ def test_fsdp_framework_time_is_charged_per_collective_call():
         assert units == 14
         assert charged.prediction.breakdown.dp_comm_s - base.prediction.breakdown.dp_comm_s == pytest.approx(
             calls_per_unit(3) * units * 1e-3)
+
+
+def test_the_expected_maximum_of_normals_and_the_wait_at_blocking_collectives():
+    """Closed forms: the maximum of two standard normals averages 1/sqrt(pi), of three
+    3/(2 sqrt(pi)) (David & Nagaraja, Order Statistics); one rank waits for nobody. k
+    meetings splitting W seconds of work cost e_n sigma sqrt(k W)."""
+    from autopar.cost.sync import expected_max_normal, sync_wait_s
+
+    assert expected_max_normal(1) == 0.0
+    assert expected_max_normal(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-9)
+    assert expected_max_normal(3) == pytest.approx(3 / (2 * math.sqrt(math.pi)), rel=1e-9)
+    assert expected_max_normal(2) < expected_max_normal(4) < expected_max_normal(8)
+    with pytest.raises(ValueError, match="rank count >= 1, got 0"):
+        expected_max_normal(0)
+    # 16 meetings over 0.25 s of work: 16 segments of 15.6 ms, each costing e_2 sigma sqrt(15.6 ms)
+    assert sync_wait_s(0.01, 2, 16, 0.25) == pytest.approx(16 * 0.01 / math.sqrt(math.pi) * math.sqrt(0.25 / 16))
+    assert sync_wait_s(0.01, 1, 16, 0.25) == 0.0 and sync_wait_s(0.0, 2, 16, 0.25) == 0.0
+    assert sync_wait_s(0.01, 2, 0, 0.25) == 0.0
+
+
+def test_tensor_parallel_ranks_wait_for_the_slowest_at_every_blocking_collective():
+    """gpt2-small at tp=2 on CPU processes whose ranks finish work sigma sqrt(T) apart:
+    the step grows by m e_2 sigma sqrt(k W) with W the compute per micro-batch and k its
+    blocking collectives, at least the four of each of the 12 Megatron blocks (plus the
+    vocabulary-parallel embedding's and loss's, at most 8 more); the whole increase is
+    tensor-parallel communication; twice the noise waits twice as long; a plan without
+    tensor parallelism waits for nothing."""
+    import dataclasses
+
+    import autopar
+
+    model = build_named_model("gpt2-small")
+    cpu = Cluster.preset("local-cpu", devices_per_node=2)
+
+    def with_noise(sigma):
+        return dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, sync_noise_s_per_sqrt_s=sigma))
+
+    m = 3
+    cfg = {"dp": 1, "tp": 2, "pp": 1, "micro_batch_size": 1, "num_microbatches": m}
+    base, once, twice = (autopar.estimate(model, cl, cfg, global_batch_size=m, seq_len=128).prediction
+                         for cl in (with_noise(0.0), with_noise(0.01), with_noise(0.02)))
+    wait = once.step_time_s - base.step_time_s
+    assert once.breakdown.tp_comm_s - base.breakdown.tp_comm_s == pytest.approx(wait, rel=1e-9)
+    assert twice.step_time_s - base.step_time_s == pytest.approx(2 * wait, rel=1e-9)
+    work = base.breakdown.compute_s / m
+    meetings = (wait / (m * 0.01 / math.sqrt(math.pi))) ** 2 / work
+    assert meetings == pytest.approx(round(meetings), abs=1e-6)
+    assert 4 * 12 <= round(meetings) <= 4 * 12 + 8
+    dp = {"dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 1, "num_microbatches": m}
+    assert (autopar.estimate(model, with_noise(0.01), dp, global_batch_size=2 * m, seq_len=128).prediction.step_time_s
+            == autopar.estimate(model, with_noise(0.0), dp, global_batch_size=2 * m, seq_len=128).prediction.step_time_s)
 
 
 def test_cpu_communication_is_not_hidden_and_the_optimizer_runs_at_its_measured_rate():

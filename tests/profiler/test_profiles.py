@@ -290,6 +290,20 @@ def test_the_network_profiles_framework_overheads_replace_the_one_rank_figures()
     assert "700 us per tensor-parallel layer forward, 2000 us per FSDP collective" in grouped.source
 
 
+def test_the_sync_noise_a_network_profile_measured_applies_at_its_process_count():
+    """How unevenly the ranks of a node finish the same work is a property of how many
+    share it: the cluster takes the figure from a network profile with its processes
+    per node, and not from one with another count."""
+    dev = device(rate_flop_per_s=2e11, bandwidth=3e10)
+    four = network(node_of_rank=("a",) * 4, inter=None, sync_noise_s_per_sqrt_s=0.03)
+    assert dev.device is not None and cluster_from_profiles([dev]).device.sync_noise_s_per_sqrt_s == 0.0
+    noisy = cluster_from_profiles([dev, four]).device
+    assert noisy.sync_noise_s_per_sqrt_s == 0.03
+    assert "30.0 ms per sqrt(s)" in noisy.source
+    other = cluster_from_profiles([dev, four], base=build_preset("local-cpu", devices_per_node=2)).device
+    assert other.sync_noise_s_per_sqrt_s == 0.0
+
+
 def test_the_bandwidth_processes_keep_while_streaming_together_lowers_the_devices():
     """4 processes on the factory's 2 cores: each gets half a core (time share 0.5), and a
     network profile that measured 0.35 of one process's bandwidth with all 4 streaming

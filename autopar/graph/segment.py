@@ -153,24 +153,30 @@ class Segment:
     def consume(self, tensors: Iterable[torch.Tensor], dst: int) -> int:
         """A leaf (or the segment output) consumes tensors: settle their flows.
 
+        A tensor the segment never saw comes from outside: the unit's input. One the
+        segment computed from constants alone (a loss's zero targets, a causal mask
+        built with ``ones().tril()``) carries no activation, so it adds no flow: it
+        used to count as the unit's input, which priced a conversion of the input for
+        it (an all-gather of the epilogue's input when the logits stay sharded).
         Returns the largest attention-head tag among them."""
         heads = 0
         for t in tensors:
-            info = self.lookup(t)
+            info = self.info.get(id(t)) or Info(origins=frozenset({UNIT_INPUT}), pending=frozenset(), attn_heads=0)
             heads = max(heads, info.attn_heads)
-            for o in info.origins or frozenset({UNIT_INPUT}):
+            for o in info.origins:
                 self.flows.setdefault((o, dst), _FlowAcc())
-            self._settle(info.pending, dst)
+            self._settle(info.pending, dst, info.origins)
         return heads
 
-    def _settle(self, pending: frozenset[int], dst: int) -> None:
-        """Charge the glue ops in ``pending`` (not yet charged) to flows ending at ``dst``."""
+    def _settle(self, pending: frozenset[int], dst: int, consumed: frozenset[int]) -> None:
+        """Charge the glue ops in ``pending`` (not yet charged) to flows ending at ``dst``;
+        an op on constants alone goes with what the consumed tensor carries."""
         for op_id in sorted(pending):
             op = self.ops[op_id]
             if op.assigned:
                 continue
             op.assigned = True
-            srcs = op.origins or frozenset({UNIT_INPUT})
+            srcs = op.origins or consumed or frozenset({UNIT_INPUT})
             share = 1.0 / len(srcs)
             for o in srcs:
                 acc = self.flows.setdefault((o, dst), _FlowAcc())
@@ -199,10 +205,11 @@ class Segment:
             origins = self.ops[-1].origins if self.ops else frozenset()
             self.ops.append(Op(flops=0.0, nbytes=0.0, attn=False, origins=origins, calls=0))
             self.charge_waiting(self.ops[-1])
-        # glue whose result reached neither a leaf nor the output (e.g. masks) goes to the output
+        # glue whose result reached neither a leaf nor the output (e.g. masks) goes to the
+        # output, with what reaches it
         leftovers = frozenset(i for i, op in enumerate(self.ops) if not op.assigned)
         if leftovers:
-            self._settle(leftovers, UNIT_OUTPUT)
+            self._settle(leftovers, UNIT_OUTPUT, frozenset(o for o, d in self.flows if d == UNIT_OUTPUT))
         for (src, _), acc in self.flows.items():
             acc.tensor_bytes = self.input_bytes if src == UNIT_INPUT else self.leaves[src].out_bytes
         return SegmentTrace(leaves=self.leaves, flows=self.flows, input_bytes=self.input_bytes,

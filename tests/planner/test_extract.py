@@ -43,6 +43,24 @@ def test_a_one_block_model_keeps_its_block_as_a_unit():
     assert g.unit_names == ("tok_embeddings+pos_embeddings", "layers.0", "norm+output")
 
 
+def test_tensors_made_from_constants_carry_no_flow():
+    """The loss's zero targets and materialized attention's causal mask are built inside a unit
+    from nothing: they carry no activation, so the epilogue's flows are input -> norm ->
+    head -> output only, and the row-parallel projection after attention takes only
+    what q, k and v made. Each used to add a flow from the unit's input, which priced a
+    backward all-gather of the input where its consumer is sharded (the vocabulary-
+    sharded logits; the projection's sharded input)."""
+    from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT
+
+    g = extract(_gpt(), seq_len=S, dtype="fp32", attention="materialized")
+    last = g.profile_of(len(g.units) - 1)
+    assert [leaf.name for leaf in last.leaves] == ["norm", "output"]
+    assert {(f.src, f.dst) for f in last.flows} == {(UNIT_INPUT, 0), (0, 1), (1, UNIT_OUTPUT)}
+    block = g.profile_of(1)  # materialized attention builds its causal mask from ones().tril()
+    into_wo = {f.src for f in block.flows if f.dst >= 0 and block.leaves[f.dst].name == "attention.wo"}
+    assert UNIT_INPUT not in into_wo
+
+
 def test_saved_activations_materialized_hand_count():
     """fp32, no dropout, per sample: inputs of ln1, the q/k/v projections (shared), wo,
     ln2, w1 and w2 (4h wide), the GELU input (4h), q, k and v; LayerNorm mean and rstd;

@@ -43,9 +43,10 @@ class DeviceSpec:
         op_overhead_s: framework time per dispatched op (eager dispatch, autograd).
         tp_overhead_s: extra framework time per forward of a tensor-parallel leaf
             (DTensor dispatch).
-        fsdp_overhead_s: framework time per FSDP2 collective call beyond its transfer
-            (hooks, copies into and out of the flat buffers); GPU presets: 0 (NCCL runs
-            them asynchronously under large kernels), a network profile measures it.
+        fsdp_overhead_s: fixed framework time per FSDP2 collective call beyond its
+            transfer and the bytes its copies move (hooks, dispatch); GPU presets: 0
+            (NCCL runs them asynchronously under large kernels), a network profile
+            measures it.
         sync_noise_s_per_sqrt_s: how unevenly the ranks of a group finish the same
             work: the standard deviation of a rank's time for ``T`` seconds of work is
             this times ``sqrt(T)``. Blocking collectives make every rank wait for the

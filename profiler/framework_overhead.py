@@ -9,10 +9,12 @@ it is a sizeable part of a step:
   wait). The cost model charges ``tp_overhead_s`` per forward of a tensor-parallel leaf,
   ``1 + BACKWARD_FACTOR`` times per micro-batch
   (:func:`autopar.cost.tensor_parallel.leaf_fwd_s`).
-- **FSDP2** (ZeRO-2/3): per unit and collective, the pre-/post-hooks, the copy into the
-  flat all-gather buffer and out of it into the parameters, the gradients' copy into the
-  reduce-scatter buffer and the division. The cost model charges ``fsdp_overhead_s`` per
-  FSDP collective call (:func:`autopar.search.predict.tail_s`).
+- **FSDP2** (ZeRO-2/3): per unit and collective, the pre-/post-hooks and the dispatch of
+  the copy into the flat all-gather buffer and out of it into the parameters, the
+  gradients' copy into the reduce-scatter buffer and the division. The cost model
+  charges ``fsdp_overhead_s`` per FSDP collective call
+  (:func:`autopar.search.predict.tail_s`); the bytes those copies move at real sizes it
+  prices apart (:func:`autopar.cost.comm.fsdp_copy_s`), and here they are nothing.
 
 Each is measured on a model so small (4 x 64) that its arithmetic is nothing: forward
 and backward sharded, less the same model unsharded, less its collectives as the cost

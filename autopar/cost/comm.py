@@ -111,3 +111,25 @@ def p2p_s(nbytes: float, *, cross_node: bool, cluster: Cluster) -> float:
         return 0.0
     bw, alpha = (cluster.inter_node if cross_node else cluster.intra_node).for_op("send_recv")
     return nbytes / bw + alpha
+
+
+FSDP_COPY_PASSES = 2.0
+"""Bytes FSDP2 moves around one collective, per byte of the full unsharded size, plus as
+many per byte of the shard: an all-gather first copies the local shards into the flat
+send buffer (read and write ``S / dp``) and then splits the received buffer into the
+parameters (read and write ``S``); a reduce-scatter first concatenates the gradients
+into the flat send buffer (read and write ``S``) and then divides and accumulates the
+received shard (about ``S / dp`` each way). PyTorch's
+``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`` (``foreach_all_gather``,
+``foreach_all_gather_copy_out``, ``foreach_reduce``)."""
+
+
+def fsdp_copy_s(nbytes: float, dp: int, bytes_per_s: float) -> float:
+    """Seconds of FSDP2's copies around one all-gather or reduce-scatter of ``nbytes``
+    (the full unsharded size) over ``dp`` ranks, at a memory rate of ``bytes_per_s``:
+    ``FSDP_COPY_PASSES * nbytes * (1 + 1 / dp)``. A pass of memory per byte the
+    transfer time does not include; on a CPU node (~7 GB/s per process) it is a large
+    part of ZeRO-3's cost, on a GPU's HBM a small one."""
+    if dp <= 1 or nbytes <= 0:
+        return 0.0
+    return FSDP_COPY_PASSES * nbytes * (1 + 1 / dp) / bytes_per_s

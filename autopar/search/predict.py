@@ -11,8 +11,9 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from autopar.cost.comm import all_gather_s, all_reduce_s, group_span, reduce_scatter_s
-from autopar.cost.compute import optimizer_step_s
+from autopar.cluster import Cluster
+from autopar.cost.comm import GroupSpan, all_gather_s, all_reduce_s, fsdp_copy_s, group_span, reduce_scatter_s
+from autopar.cost.compute import optimizer_step_s, rates
 from autopar.cost.memory import compute_copy_bytes, state_bytes
 from autopar.cost.pipeline import inflight_microbatches, pipeline_time_s
 from autopar.cost.sync import sync_wait_s
@@ -47,9 +48,11 @@ def tail_s(ev: Evaluator, plan: StagePlan, config: ParallelConfig) -> tuple[floa
     all-gathers updated parameters after the step; ZeRO-3 gathers parameters before
     each unit's forward and backward, overlapped with the previous unit's compute.
     FSDP2 issues ZeRO-2/3's gathers and reductions one per unit, so each unit pays the
-    collective's latency (on gloo 0.5-0.7 ms a call; benchmarks/predicted_vs_measured.py)
-    and FSDP2's framework time per call (``DeviceSpec.fsdp_overhead_s``: hooks and copies
-    into and out of the flat buffers, measured by a network profile).
+    collective's latency (on gloo 0.5-0.7 ms a call; benchmarks/predicted_vs_measured.py),
+    the copies into and out of the flat buffers in proportion to their bytes
+    (:func:`autopar.cost.comm.fsdp_copy_s`), and FSDP2's fixed framework time per call
+    (``DeviceSpec.fsdp_overhead_s``: hooks and dispatch, measured by a network profile
+    on units so small that their copies move nothing).
     Tied weights split over the first and last stage are all-reduced between them.
     """
     n = len(ev.graph.units)
@@ -74,14 +77,12 @@ def tail_s(ev: Evaluator, plan: StagePlan, config: ParallelConfig) -> tuple[floa
             if config.zero_stage == 1:
                 exposed += all_gather_s(4.0 * params, span, cl)
         elif config.pp > 1:
-            rs = reduce_scatter_s(grad_bytes, span, cl, calls=units)
-            ag = all_gather_s(copy * params, span, cl, calls=units)
+            rs, ag = _fsdp_collectives_s(grad_bytes, copy * params, span, cl, config, units)
             gathers = 1 if config.zero_stage == 2 else m + 1
             exposed = rs + max(gathers * ag - gathers * hidden_fwd, ag / units)
             exposed += (1 + gathers) * units * cl.device.fsdp_overhead_s
         else:
-            rs = reduce_scatter_s(grad_bytes, span, cl, calls=units)
-            ag = all_gather_s(copy * params, span, cl, calls=units)
+            rs, ag = _fsdp_collectives_s(grad_bytes, copy * params, span, cl, config, units)
             if config.zero_stage == 2:
                 exposed = m * max(rs - hidden_bwd, rs / units) + max(ag - hidden_fwd, ag / units)
                 exposed += (m + 1) * units * cl.device.fsdp_overhead_s
@@ -93,6 +94,16 @@ def tail_s(ev: Evaluator, plan: StagePlan, config: ParallelConfig) -> tuple[floa
         exposed += all_reduce_s(4.0 * sum(s.numel for s in ev.graph.shared) / config.tp, pair, cl)
     local = params / config.dp if config.zero_stage >= 1 else params
     return exposed, optimizer_step_s(cl.device, config.dtype, ev.optimizer, local)
+
+
+def _fsdp_collectives_s(grad_bytes: float, param_bytes: float, span: GroupSpan, cl: Cluster, config: ParallelConfig,
+                        units: int) -> tuple[float, float]:
+    """(reduce-scatter, all-gather) of a stage's gradients and parameters, one call per
+    unit, each with FSDP2's copies around it (:func:`autopar.cost.comm.fsdp_copy_s`)."""
+    bytes_per_s = rates(cl.device, config.dtype).bytes_per_s
+    rs = reduce_scatter_s(grad_bytes, span, cl, calls=units) + fsdp_copy_s(grad_bytes, config.dp, bytes_per_s)
+    ag = all_gather_s(param_bytes, span, cl, calls=units) + fsdp_copy_s(param_bytes, config.dp, bytes_per_s)
+    return rs, ag
 
 
 def sync_waits_s(ev: Evaluator, plan: StagePlan, config: ParallelConfig) -> tuple[float, float]:

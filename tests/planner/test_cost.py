@@ -292,6 +292,35 @@ def test_tensor_parallel_ranks_wait_for_the_slowest_at_every_blocking_collective
             == autopar.estimate(model, with_noise(0.0), dp, global_batch_size=2 * m, seq_len=128).prediction.step_time_s)
 
 
+def test_fsdp_copies_around_each_collective_are_priced_by_their_bytes():
+    """FSDP2 copies the local shards into the flat buffer and the gathered buffer out into
+    the parameters (read and write each): 2 S (1 + 1/dp) bytes per collective of S. A
+    ZeRO-3 step of m micro-batches gathers twice and reduce-scatters once per
+    micro-batch: with the transfers and framework time the same, the copies add
+    3 m x 2 S (1 + 1/dp) / bandwidth, S the stage's fp32 parameter bytes."""
+    import dataclasses
+
+    import autopar
+    from autopar.cost.comm import fsdp_copy_s
+
+    assert fsdp_copy_s(1e9, 4, 1e10) == pytest.approx(2 * 1e9 * 1.25 / 1e10)
+    assert fsdp_copy_s(1e9, 1, 1e10) == 0.0
+    model = build_named_model("gpt2-small")
+    cpu = Cluster.preset("local-cpu", devices_per_node=2)
+    m = 3
+    cfg = {"dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 1, "num_microbatches": m, "zero_stage": 3}
+    plan = autopar.estimate(model, cpu, cfg, global_batch_size=2 * m, seq_len=64)
+    numel = sum(p.numel() for p in model.parameters())  # tied weights counted once
+    rate = rates(cpu.device, DType.FP32).bytes_per_s
+    faster = dataclasses.replace(cpu, device=dataclasses.replace(
+        cpu.device, memory_bandwidth_bytes_per_s=cpu.device.memory_bandwidth_bytes_per_s * 2))
+    quick = autopar.estimate(model, faster, cfg, global_batch_size=2 * m, seq_len=64)
+    # doubling the bandwidth halves the copies (compute moves too, so compare the comm term)
+    copies = 3 * m * 2 * 4.0 * numel * 1.5 / rate
+    assert plan.prediction.breakdown.dp_comm_s - quick.prediction.breakdown.dp_comm_s == pytest.approx(
+        copies / 2, rel=1e-6)
+
+
 def test_cpu_communication_is_not_hidden_and_the_optimizer_runs_at_its_measured_rate():
     """local-cpu: gloo shares the cores, so data-parallel all-reduce adds its whole time;
     the AdamW step moves 30 bytes per parameter at the device's optimizer rate."""

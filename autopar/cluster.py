@@ -47,6 +47,10 @@ class DeviceSpec:
             transfer and the bytes its copies move (hooks, dispatch); GPU presets: 0
             (NCCL runs them asynchronously under large kernels), a network profile
             measures it.
+        fsdp_copy_bytes_per_s: the rate FSDP2's copies into and out of its flat buffers
+            reach (:func:`autopar.cost.comm.fsdp_copy_s`); 0 means the streaming
+            bandwidth. A network profile measures it: on CPU processes the copies of
+            many small parameter tensors reach a fraction of the streaming rate.
         sync_noise_s_per_sqrt_s: how unevenly the ranks of a group finish the same
             work: the standard deviation of a rank's time for ``T`` seconds of work is
             this times ``sqrt(T)``. Blocking collectives make every rank wait for the
@@ -101,6 +105,7 @@ class DeviceSpec:
     tp_overhead_s: float = 0.0
     fsdp_overhead_s: float = 0.0
     sync_noise_s_per_sqrt_s: float = 0.0
+    fsdp_copy_bytes_per_s: float = 0.0
     comm_overlap: float = 0.8
     optimizer_bytes_per_s: float = 0.0
     time_share: float = 1.0
@@ -136,11 +141,12 @@ class DeviceSpec:
             raise ClusterError(f"device {self.name!r} comm_overlap={self.comm_overlap!r} is not allowed: it must be "
                                f"a share of the compute time in [0, 1] (0: communication never overlaps).")
         object.__setattr__(self, "comm_overlap", float(self.comm_overlap))
-        if isinstance(self.optimizer_bytes_per_s, bool) or not (
-                isinstance(self.optimizer_bytes_per_s, (int, float)) and self.optimizer_bytes_per_s >= 0):
-            raise ClusterError(f"device {self.name!r} optimizer_bytes_per_s={self.optimizer_bytes_per_s!r} is not "
-                               f"allowed: it must be bytes per second >= 0 (0: the streaming bandwidth).")
-        object.__setattr__(self, "optimizer_bytes_per_s", float(self.optimizer_bytes_per_s))
+        for attr in ("optimizer_bytes_per_s", "fsdp_copy_bytes_per_s"):
+            value = getattr(self, attr)
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and value >= 0):
+                raise ClusterError(f"device {self.name!r} {attr}={value!r} is not allowed: it must be bytes per second "
+                                   f">= 0 (0: the streaming bandwidth).")
+            object.__setattr__(self, attr, float(value))
         if isinstance(self.time_share, bool) or not (isinstance(self.time_share, (int, float))
                                                      and 0 < self.time_share <= 1):
             raise ClusterError(f"device {self.name!r} time_share={self.time_share!r} is not allowed: it must be in (0, 1].")
@@ -360,6 +366,7 @@ class Cluster:
                 "tp_overhead_s": dev.tp_overhead_s,
                 "fsdp_overhead_s": dev.fsdp_overhead_s,
                 "sync_noise_s_per_sqrt_s": dev.sync_noise_s_per_sqrt_s,
+                "fsdp_copy_bytes_per_s": dev.fsdp_copy_bytes_per_s,
                 "comm_overlap": dev.comm_overlap,
                 "optimizer_bytes_per_s": dev.optimizer_bytes_per_s,
                 "time_share": dev.time_share,
@@ -391,6 +398,7 @@ class Cluster:
                 tp_overhead_s=dev.get("tp_overhead_s", 0.0),
                 fsdp_overhead_s=dev.get("fsdp_overhead_s", 0.0),
                 sync_noise_s_per_sqrt_s=dev.get("sync_noise_s_per_sqrt_s", 0.0),
+                fsdp_copy_bytes_per_s=dev.get("fsdp_copy_bytes_per_s", 0.0),
                 comm_overlap=dev.get("comm_overlap", 0.8),
                 optimizer_bytes_per_s=dev.get("optimizer_bytes_per_s", 0.0),
                 time_share=dev.get("time_share", 1.0),

@@ -231,7 +231,8 @@ def _with_group_measurements(device: DeviceSpec, net: tuple[_Report, Mapping[str
                              per_node: int) -> DeviceSpec:
     """The device with what a network profile measured on its real groups, where it was
     measured with this cluster's processes per node (the figures depend on how many
-    share a node): the framework overheads (:mod:`profiler.framework_overhead`), how
+    share a node): the framework overheads and the rate of FSDP's copies
+    (:mod:`profiler.framework_overhead`), how
     unevenly the ranks finish the same work (:mod:`profiler.sync_skew`) and the memory
     bandwidth a process keeps while the others stream (:mod:`profiler.contention`; the
     time share the device already has is divided out of it)."""
@@ -245,6 +246,10 @@ def _with_group_measurements(device: DeviceSpec, net: tuple[_Report, Mapping[str
         per = {"tp_overhead_s": "tensor-parallel layer forward", "fsdp_overhead_s": "FSDP collective"}
         what = ", ".join(f"{v * 1e6:.0f} us per {per[k]}" for k, v in measured.items())
         device = replace(device, **measured, source=f"{device.source}; framework overhead {what}, {where}")
+    copies = float(n.get("fsdp_copy_bytes_per_s", 0.0))
+    if copies > 0:
+        device = replace(device, fsdp_copy_bytes_per_s=copies,
+                         source=f"{device.source}; FSDP copies at {copies / 1e9:.2f} GB/s, {where}")
     noise = float(n.get("sync_noise_s_per_sqrt_s", 0.0))
     if noise > 0:
         device = replace(device, sync_noise_s_per_sqrt_s=noise,

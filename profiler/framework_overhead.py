@@ -16,6 +16,12 @@ it is a sizeable part of a step:
   (:func:`autopar.search.predict.tail_s`); the bytes those copies move at real sizes it
   prices apart (:func:`autopar.cost.comm.fsdp_copy_s`), and here they are nothing.
 
+FSDP2's copies also move bytes in proportion to each unit, and on CPU processes they
+reach well under the streaming bandwidth (many small parameter tensors, cold caches):
+:func:`fsdp_copy_bytes_per_s` measures the rate from the same units at 2.25 MiB each,
+where a call costs more than at 16 KiB, and the cost model prices the copies at it
+(:func:`autopar.cost.comm.fsdp_copy_s`).
+
 Each is measured on a model so small (4 x 64) that its arithmetic is nothing: forward
 and backward sharded, less the same model unsharded, less its collectives as the cost
 model prices them from the network fit, over the calls the cost model counts. Measured on
@@ -36,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from autopar.cost.comm import FSDP_COPY_PASSES
 from autopar.cost.tensor_parallel import BACKWARD_FACTOR
 from profiler.timing import Repeats, synchronize
 
@@ -43,10 +50,10 @@ ROWS = 4
 DIM = 64
 ACTIVATION_BYTES = ROWS * DIM * 4
 """The fp32 activation each of the tensor-parallel pair's two all-reduces moves."""
-UNIT_BYTES = (DIM * DIM + DIM) * 4
-"""The fp32 parameters of one FSDP unit: what its all-gather returns and its
-reduce-scatter takes."""
 FSDP_UNITS = 2
+FSDP_LARGE_DIM = 768
+"""Units of 2.25 MiB, where FSDP2's copies take as long as its fixed framework time."""
+FSDP_LARGE_CALLS = 5
 CALLS_PER_SAMPLE = 20
 """Fixed, not adapted per rank: every rank must issue the same collectives."""
 
@@ -76,32 +83,62 @@ def fsdp_overhead_s(mesh: DeviceMesh, device: torch.device, repeats: Repeats, al
     every rank of the mesh. ``FSDP_UNITS`` linears, each its own ``fully_shard`` unit
     under a root that holds nothing, resharded after forward (ZeRO-3): each unit
     all-gathers in forward and again in backward and reduce-scatters its gradients."""
+    return max(_fsdp_excess_s(mesh, device, repeats, all_gather_s, reduce_scatter_s, DIM, CALLS_PER_SAMPLE), 0.0)
+
+
+def fsdp_copy_bytes_per_s(mesh: DeviceMesh, device: torch.device, repeats: Repeats, all_gather_s: Cost,
+                          reduce_scatter_s: Cost, fixed_s: float) -> float:
+    """The rate FSDP2's copies around each collective reach on ``mesh`` (1-D), in the
+    cost model's terms (:func:`autopar.cost.comm.fsdp_copy_s`: ``FSDP_COPY_PASSES * S *
+    (1 + 1/n)`` bytes per call of ``S``); call on every rank of the mesh. The same units
+    as :func:`fsdp_overhead_s` at ``FSDP_LARGE_DIM`` (units of 2.25 MiB): what a call
+    costs there beyond the transfers and ``fixed_s`` grows with the bytes. 0 where it did
+    not grow (the cost model then uses the streaming bandwidth)."""
+    large = _fsdp_excess_s(mesh, device, repeats, all_gather_s, reduce_scatter_s, FSDP_LARGE_DIM, FSDP_LARGE_CALLS)
+    grown = large - fixed_s
+    if grown <= 0:
+        return 0.0
+    n = mesh.size()
+    return FSDP_COPY_PASSES * (_unit_bytes(FSDP_LARGE_DIM) - _unit_bytes(DIM)) * (1 + 1 / n) / grown
+
+
+def _unit_bytes(dim: int) -> int:
+    """The fp32 parameters of one FSDP unit of width ``dim``: what its all-gather
+    returns and its reduce-scatter takes."""
+    return (dim * dim + dim) * 4
+
+
+def _fsdp_excess_s(mesh: DeviceMesh, device: torch.device, repeats: Repeats, all_gather_s: Cost,
+                   reduce_scatter_s: Cost, dim: int, calls: int) -> float:
+    """What a ZeRO-3 collective call costs beyond its transfer, on units of width ``dim``
+    (may be negative)."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    plain, sharded = _stack(FSDP_UNITS, device), _stack(FSDP_UNITS, device)
+    plain, sharded = _stack(FSDP_UNITS, device, dim), _stack(FSDP_UNITS, device, dim)
     for unit in sharded:
         fully_shard(unit, mesh=mesh, reshard_after_forward=True)
     fully_shard(sharded, mesh=mesh, reshard_after_forward=True)
-    x = torch.randn(ROWS, DIM, device=device)
-    transfers = FSDP_UNITS * (2 * all_gather_s(UNIT_BYTES) + reduce_scatter_s(UNIT_BYTES))
-    excess = _excess_s(plain, sharded, x, device, repeats, mesh.get_group()) - transfers
-    return max(excess, 0.0) / (3 * FSDP_UNITS)
+    x = torch.randn(ROWS, dim, device=device)
+    unit = _unit_bytes(dim)
+    transfers = FSDP_UNITS * (2 * all_gather_s(unit) + reduce_scatter_s(unit))
+    return (_excess_s(plain, sharded, x, device, repeats, mesh.get_group(), calls) - transfers) / (3 * FSDP_UNITS)
 
 
-def _stack(layers: int, device: torch.device) -> torch.nn.Sequential:
-    return torch.nn.Sequential(*(torch.nn.Linear(DIM, DIM) for _ in range(layers))).to(device)
+def _stack(layers: int, device: torch.device, dim: int = DIM) -> torch.nn.Sequential:
+    return torch.nn.Sequential(*(torch.nn.Linear(dim, dim) for _ in range(layers))).to(device)
 
 
 def _excess_s(plain: torch.nn.Module, sharded: torch.nn.Module, x: torch.Tensor, device: torch.device,
-              repeats: Repeats, group: dist.ProcessGroup) -> float:
+              repeats: Repeats, group: dist.ProcessGroup, calls: int = CALLS_PER_SAMPLE) -> float:
     """Forward and backward of ``sharded`` less those of ``plain``, seconds per step."""
-    times = [_median_s(lambda m=m: m(x).sum().backward(), device, repeats, group) for m in (plain, sharded)]
+    times = [_median_s(lambda m=m: m(x).sum().backward(), device, repeats, group, calls) for m in (plain, sharded)]
     return times[1] - times[0]
 
 
-def _median_s(fn: Callable[[], None], device: torch.device, repeats: Repeats, group: dist.ProcessGroup) -> float:
-    """Median over ``repeats.repeats`` samples of ``CALLS_PER_SAMPLE`` calls, after
+def _median_s(fn: Callable[[], None], device: torch.device, repeats: Repeats, group: dist.ProcessGroup,
+              calls: int) -> float:
+    """Median over ``repeats.repeats`` samples of ``calls`` calls, after
     ``repeats.warmup`` calls; the slowest rank's."""
     for _ in range(max(repeats.warmup, 1)):
         fn()
@@ -110,10 +147,10 @@ def _median_s(fn: Callable[[], None], device: torch.device, repeats: Repeats, gr
         dist.barrier(group=group)
         synchronize(device)
         start = time.perf_counter()
-        for _ in range(CALLS_PER_SAMPLE):
+        for _ in range(calls):
             fn()
         synchronize(device)
-        samples.append((time.perf_counter() - start) / CALLS_PER_SAMPLE)
+        samples.append((time.perf_counter() - start) / calls)
     slowest = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     return float(slowest[0])

@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from profiler.contention import contended_share
 from profiler.errors import MeasurementError, SettingsError
 from profiler.fit import Sample, bus_factor, coefficients, fit_alpha_beta
-from profiler.framework_overhead import fsdp_overhead_s, tp_overhead_s
+from profiler.framework_overhead import fsdp_copy_bytes_per_s, fsdp_overhead_s, tp_overhead_s
 from profiler.machine import provenance
 from profiler.report import (CollectiveOp, CommPoint, CommSeries, Level, LinkFit, NetworkProfile, ProfileReport,
                              Timing)
@@ -148,10 +148,10 @@ def profile_network(*, sweep: NetworkSweep | None = None, node_of_rank: tuple[st
     dist.all_gather_object(everyone, (mine, provenance(command)))
     series = tuple(_series(g, op, sizes, [times for times, _ in everyone]) for g in groups for op in sweep.ops)
     fits, unfitted = fit_levels(series)
-    tp, fsdp = _framework_overheads(groups, fits, rank, device, sweep)
+    tp, fsdp, fsdp_copy = _framework_overheads(groups, fits, rank, device, sweep)
     if tp or fsdp:
         say(f"framework overhead on the intra-node groups: {tp * 1e6:.0f} us per tensor-parallel layer forward, "
-            f"{fsdp * 1e6:.0f} us per FSDP collective")
+            f"{fsdp * 1e6:.0f} us per FSDP collective, FSDP copies at {fsdp_copy / 1e9:.1f} GB/s")
     memory_share = _memory_share(groups, rank, device)
     if memory_share < 1:
         say(f"memory bandwidth with every rank of a node streaming: {memory_share:.2f} of one rank's alone")
@@ -161,31 +161,37 @@ def profile_network(*, sweep: NetworkSweep | None = None, node_of_rank: tuple[st
     # rank 0's provenance on every rank: each rank's own clock could read another second
     profile = NetworkProfile(backend=backend, device_kind="cuda" if device.type == "cuda" else "cpu",
                              world_size=world, node_of_rank=labels, series=series, fits=fits, unfitted=unfitted,
-                             tp_overhead_s=tp, fsdp_overhead_s=fsdp, memory_share=memory_share,
+                             tp_overhead_s=tp, fsdp_overhead_s=fsdp, fsdp_copy_bytes_per_s=fsdp_copy,
+                             memory_share=memory_share,
                              sync_noise_s_per_sqrt_s=noise,
                              provenance=everyone[0][1])
     return ProfileReport(network=profile)
 
 
 def _framework_overheads(groups: list[_Group], fits: tuple[LinkFit, ...], rank: int, device: torch.device,
-                         sweep: NetworkSweep) -> tuple[float, float]:
-    """(tensor-parallel, FSDP) framework time (:mod:`profiler.framework_overhead`) on
-    the intra-node groups (where tensor parallelism runs, and where a one-node
-    data-parallel group runs), the largest over the groups; 0 without an intra-node
-    group or without fits of the collectives the measurement subtracts."""
+                         sweep: NetworkSweep) -> tuple[float, float, float]:
+    """(tensor-parallel, FSDP) framework time and the rate of FSDP's copies
+    (:mod:`profiler.framework_overhead`) on the intra-node groups (where tensor
+    parallelism runs, and where a one-node data-parallel group runs): the largest times
+    and the slowest rate over the groups; 0 without an intra-node group or without fits
+    of the collectives the measurement subtracts."""
     fitted = {op: f for op in ("all_reduce", "all_gather", "reduce_scatter") if (f := _op_fit(fits, op))}
 
-    def measure(group: _Group) -> tuple[float, float]:
+    def measure(group: _Group) -> tuple[float, float, float]:
         mesh = DeviceMesh.from_group(group.handle, device.type)
         repeats = Repeats(warmup=3, repeats=sweep.repeats + 4)
         cost = {op: _fit_cost(f, op, len(group.ranks)) for op, f in fitted.items()}
         tp = tp_overhead_s(mesh, device, repeats, cost["all_reduce"]) if "all_reduce" in cost else 0.0
-        fsdp = (fsdp_overhead_s(mesh, device, repeats, cost["all_gather"], cost["reduce_scatter"])
-                if "all_gather" in cost and "reduce_scatter" in cost else 0.0)
-        return tp, fsdp
+        if "all_gather" not in cost or "reduce_scatter" not in cost:
+            return tp, 0.0, 0.0
+        fsdp = fsdp_overhead_s(mesh, device, repeats, cost["all_gather"], cost["reduce_scatter"])
+        rate = fsdp_copy_bytes_per_s(mesh, device, repeats, cost["all_gather"], cost["reduce_scatter"], fsdp)
+        return tp, fsdp, rate
 
     values = _on_intra_groups(groups, rank, measure)
-    return max((v[0] for v in values), default=0.0), max((v[1] for v in values), default=0.0)
+    rates = [v[2] for v in values if v[2] > 0]
+    return (max((v[0] for v in values), default=0.0), max((v[1] for v in values), default=0.0),
+            min(rates, default=0.0))
 
 
 def _memory_share(groups: list[_Group], rank: int, device: torch.device) -> float:

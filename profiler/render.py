@@ -150,7 +150,9 @@ def _network_blocks(n: NetworkProfile) -> list[_Block]:
         out.append(_Text(f"Framework time on the intra-node groups beyond the arithmetic and the fitted transfers: "
                          f"{n.tp_overhead_s * 1e6:.0f} us per tensor-parallel layer forward (a column/row-parallel "
                          f"pair), {n.fsdp_overhead_s * 1e6:.0f} us per FSDP2 collective call (two ZeRO-3 units), "
-                         f"forward and backward."))
+                         f"forward and backward."
+                         + (f" FSDP2's copies around each collective at {n.fsdp_copy_bytes_per_s / 1e9:.2f} GB/s "
+                            f"(units of 2.25 MiB)." if n.fsdp_copy_bytes_per_s else "")))
     if n.memory_share < 1:
         out.append(_Text(f"Memory bandwidth with every rank of a node streaming at once: {n.memory_share:.2f} of "
                          f"what one rank has alone (per rank, time-sharing the cores included)."))

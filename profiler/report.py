@@ -336,7 +336,8 @@ class NetworkProfile:
     (all the ops that level has) followed by one fit per op and level; ``unfitted``: the
     fits that could not be made and why. ``tp_overhead_s``: framework time per forward
     of a tensor-parallel leaf, and ``fsdp_overhead_s`` per FSDP2 collective call,
-    measured on the intra-node groups beyond the fitted transfers
+    measured on the intra-node groups beyond the fitted transfers, and
+    ``fsdp_copy_bytes_per_s`` the rate FSDP2's copies around each collective reach
     (:mod:`profiler.framework_overhead`; 0 where no node has two ranks).
     ``memory_share``: the streaming bandwidth a CPU rank keeps while every rank of its
     node streams, over what it has alone (:mod:`profiler.contention`; 1 where not
@@ -354,6 +355,7 @@ class NetworkProfile:
     unfitted: Mapping[str, str] = field(default_factory=dict)
     tp_overhead_s: float = 0.0
     fsdp_overhead_s: float = 0.0
+    fsdp_copy_bytes_per_s: float = 0.0
     memory_share: float = 1.0
     sync_noise_s_per_sqrt_s: float = 0.0
     provenance: Provenance

@@ -100,7 +100,7 @@ def _fsdp_collectives_s(grad_bytes: float, param_bytes: float, span: GroupSpan, 
                         units: int) -> tuple[float, float]:
     """(reduce-scatter, all-gather) of a stage's gradients and parameters, one call per
     unit, each with FSDP2's copies around it (:func:`autopar.cost.comm.fsdp_copy_s`)."""
-    bytes_per_s = rates(cl.device, config.dtype).bytes_per_s
+    bytes_per_s = cl.device.fsdp_copy_bytes_per_s or rates(cl.device, config.dtype).bytes_per_s
     rs = reduce_scatter_s(grad_bytes, span, cl, calls=units) + fsdp_copy_s(grad_bytes, config.dp, bytes_per_s)
     ag = all_gather_s(param_bytes, span, cl, calls=units) + fsdp_copy_s(param_bytes, config.dp, bytes_per_s)
     return rs, ag

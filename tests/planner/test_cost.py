@@ -319,6 +319,11 @@ def test_fsdp_copies_around_each_collective_are_priced_by_their_bytes():
     copies = 3 * m * 2 * 4.0 * numel * 1.5 / rate
     assert plan.prediction.breakdown.dp_comm_s - quick.prediction.breakdown.dp_comm_s == pytest.approx(
         copies / 2, rel=1e-6)
+    # a measured copy rate (a network profile's) replaces the streaming bandwidth
+    slow = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, fsdp_copy_bytes_per_s=rate / 4))
+    slowed = autopar.estimate(model, slow, cfg, global_batch_size=2 * m, seq_len=64)
+    assert slowed.prediction.breakdown.dp_comm_s - plan.prediction.breakdown.dp_comm_s == pytest.approx(
+        3 * copies, rel=1e-6)
 
 
 def test_cpu_communication_is_not_hidden_and_the_optimizer_runs_at_its_measured_rate():

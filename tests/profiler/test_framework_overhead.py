@@ -7,7 +7,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.runtime.spmd import SPMDSettings, run_spmd
 from profiler.contention import contended_share
-from profiler.framework_overhead import fsdp_overhead_s, tp_overhead_s
+from profiler.framework_overhead import fsdp_copy_bytes_per_s, fsdp_overhead_s, tp_overhead_s
 from profiler.timing import Repeats
 
 pytestmark = pytest.mark.multiprocess
@@ -20,9 +20,11 @@ def _measure(rank, world):
     cpu = torch.device("cpu")
     free = lambda nbytes: 0.0  # noqa: E731
     dear = lambda nbytes: 1.0  # noqa: E731  a second per collective: more than the whole run
+    fsdp = fsdp_overhead_s(mesh, cpu, REPEATS, free, free)
     return {"tp": tp_overhead_s(mesh, cpu, REPEATS, free), "tp_dear": tp_overhead_s(mesh, cpu, REPEATS, dear),
-            "fsdp": fsdp_overhead_s(mesh, cpu, REPEATS, free, free),
-            "fsdp_dear": fsdp_overhead_s(mesh, cpu, REPEATS, dear, dear),
+            "fsdp": fsdp, "fsdp_dear": fsdp_overhead_s(mesh, cpu, REPEATS, dear, dear),
+            "copies": fsdp_copy_bytes_per_s(mesh, cpu, REPEATS, free, free, fsdp),
+            "copies_dear": fsdp_copy_bytes_per_s(mesh, cpu, REPEATS, dear, dear, 0.0),
             "share": contended_share(dist.group.WORLD, (0, 1), REPEATS)}
 
 
@@ -31,11 +33,16 @@ def test_sharded_layers_cost_more_than_plain_ones_and_the_rest_is_clamped():
     the sharded model: the transfers and the framework around them, strictly positive
     and far below a second per call. Priced at a second each (more than was measured),
     nothing is left, and the figure is 0, not negative. Every rank reports the slowest
-    rank's figure. Two ranks streaming together keep at most all of one's bandwidth."""
+    rank's figure. Two ranks streaming together keep at most all of one's bandwidth.
+    FSDP units of 2.25 MiB cost more per call than units of 16 KiB (their transfers,
+    priced at nothing here, and their copies), which gives a finite copy rate; priced
+    dear, nothing grows and the rate is 0 (the cost model's cue for the streaming
+    bandwidth)."""
     results = run_spmd(_measure, 2, settings=SETTINGS)
-    for key in ("tp", "tp_dear", "fsdp", "fsdp_dear", "share"):
+    for key in ("tp", "tp_dear", "fsdp", "fsdp_dear", "copies", "copies_dear", "share"):
         assert results[0][key] == results[1][key], key
     got = results[0]
     assert 0 < got["tp"] < 0.05 and 0 < got["fsdp"] < 0.05
     assert got["tp_dear"] == 0.0 and got["fsdp_dear"] == 0.0
+    assert 1e8 < got["copies"] < 1e12 and got["copies_dear"] == 0.0
     assert 0 < got["share"] <= 1

@@ -275,9 +275,9 @@ def test_each_collective_is_priced_at_its_own_measured_fit():
 
 def test_the_network_profiles_framework_overheads_replace_the_one_rank_figures():
     """The device profile measures DTensor's overhead on a one-rank mesh (no transfer
-    runs); a network profile measures it, and FSDP2's, on the real groups, with the
-    processes time-sharing the cores as they will, and the cluster takes those figures
-    as they are."""
+    runs); a network profile measures it, and FSDP2's with the rate of its copies, on
+    the real groups, with the processes time-sharing the cores as they will, and the
+    cluster takes those figures as they are."""
     nodes = ("a",) * 4
     measured = device(rate_flop_per_s=2e11, bandwidth=3e10)
     dev = ProfileReport(device=dataclasses.replace(measured.device, tp_overhead_s=2e-4))
@@ -285,8 +285,9 @@ def test_the_network_profiles_framework_overheads_replace_the_one_rank_figures()
     assert one_rank.time_share == 0.5 and one_rank.tp_overhead_s == pytest.approx(4e-4)  # 4 processes, 2 cores
     assert one_rank.fsdp_overhead_s == 0.0
     grouped = cluster_from_profiles([dev, network(node_of_rank=nodes, inter=None, tp_overhead_s=7e-4,
-                                                  fsdp_overhead_s=2e-3)]).device
-    assert (grouped.tp_overhead_s, grouped.fsdp_overhead_s) == (7e-4, 2e-3)
+                                                  fsdp_overhead_s=2e-3, fsdp_copy_bytes_per_s=6e9)]).device
+    assert (grouped.tp_overhead_s, grouped.fsdp_overhead_s, grouped.fsdp_copy_bytes_per_s) == (7e-4, 2e-3, 6e9)
+    assert "FSDP copies at 6.00 GB/s" in grouped.source
     assert "700 us per tensor-parallel layer forward, 2000 us per FSDP collective" in grouped.source
 
 

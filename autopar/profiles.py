@@ -232,10 +232,10 @@ def _with_group_measurements(device: DeviceSpec, net: tuple[_Report, Mapping[str
     """The device with what a network profile measured on its real groups, where it was
     measured with this cluster's processes per node (the figures depend on how many
     share a node): the framework overheads and the rate of FSDP's copies
-    (:mod:`profiler.framework_overhead`), how
-    unevenly the ranks finish the same work (:mod:`profiler.sync_skew`) and the memory
-    bandwidth a process keeps while the others stream (:mod:`profiler.contention`; the
-    time share the device already has is divided out of it)."""
+    (:mod:`profiler.framework_overhead`), how unevenly the ranks finish the same work
+    (:mod:`profiler.sync_skew`) and the memory bandwidth a process keeps while the others
+    stream (:mod:`profiler.contention`; the time share the device already has is divided
+    out of it)."""
     if net is None or _net_shape(net[1])[1] != per_node:
         return device
     n = net[1]

@@ -17,8 +17,9 @@ but less than in proportion. Equal parts are the dearest split of a given ``W`` 
 (the square root is concave), which suits a planner that must not promise too much.
 
 ``sigma`` (``DeviceSpec.sync_noise_s_per_sqrt_s``) is measured by a network profile
-(:mod:`profiler.sync_skew`): on a 2-core box with 2 gloo ranks, a 4 KiB all-reduce after
-7 ms of matrix multiplies took about 1 ms longer than back to back. GPU presets set 0.
+(:mod:`profiler.sync_skew`): 0.005-0.018 s per sqrt(s) over runs with 2 gloo ranks on a
+shared 2-core box, about 0.03 with 4 (a 4 KiB all-reduce after 7 ms of matrix multiplies
+took about 1 ms longer there than back to back). GPU presets set 0.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ def test_the_noise_injected_into_each_ranks_work_is_measured_back():
     ``INJECTED * sqrt(T)``, drawn independently per rank: the measurement recovers
     ``INJECTED`` within 15% (the seeded draws, 100 per length, give 0.0186 on this box;
     what is left is their own sampling error). Sleeping the same time on both ranks
-    measures a small part of it (sleeps wake up unevenly too: 0.025 of it over six
+    measures a small part of it (sleeps wake up unevenly too: 0.02-0.05 of it over nine
     runs). Both ranks report one figure."""
     results = run_spmd(_measure, 2, settings=SETTINGS)
     assert results[0] == results[1]

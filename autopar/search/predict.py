@@ -50,9 +50,10 @@ def tail_s(ev: Evaluator, plan: StagePlan, config: ParallelConfig) -> tuple[floa
     FSDP2 issues ZeRO-2/3's gathers and reductions one per unit, so each unit pays the
     collective's latency (on gloo 0.5-0.7 ms a call; benchmarks/predicted_vs_measured.py),
     the copies into and out of the flat buffers in proportion to their bytes
-    (:func:`autopar.cost.comm.fsdp_copy_s`), and FSDP2's fixed framework time per call
+    (:func:`autopar.cost.comm.fsdp_copy_s`), FSDP2's fixed framework time per call
     (``DeviceSpec.fsdp_overhead_s``: hooks and dispatch, measured by a network profile
-    on units so small that their copies move nothing).
+    on units so small that their copies move nothing), and, where communication does not
+    hide them, the wait for the slowest rank at each (:func:`_fsdp_waits_s`).
     Tied weights split over the first and last stage are all-reduced between them.
     """
     n = len(ev.graph.units)
@@ -80,15 +81,17 @@ def tail_s(ev: Evaluator, plan: StagePlan, config: ParallelConfig) -> tuple[floa
             rs, ag = _fsdp_collectives_s(grad_bytes, copy * params, span, cl, config, units)
             gathers = 1 if config.zero_stage == 2 else m + 1
             exposed = rs + max(gathers * ag - gathers * hidden_fwd, ag / units)
-            exposed += (1 + gathers) * units * cl.device.fsdp_overhead_s
+            calls = (1 + gathers) * units
+            exposed += calls * cl.device.fsdp_overhead_s + _fsdp_waits_s(cl, config, calls, m * (fwd + bwd))
         else:
             rs, ag = _fsdp_collectives_s(grad_bytes, copy * params, span, cl, config, units)
             if config.zero_stage == 2:
                 exposed = m * max(rs - hidden_bwd, rs / units) + max(ag - hidden_fwd, ag / units)
-                exposed += (m + 1) * units * cl.device.fsdp_overhead_s
+                calls = (m + 1) * units
             else:
                 exposed = m * (max(ag - hidden_fwd, ag / units) + max(ag + rs - hidden_bwd, (ag + rs) / units))
-                exposed += 3 * m * units * cl.device.fsdp_overhead_s
+                calls = 3 * m * units
+            exposed += calls * cl.device.fsdp_overhead_s + _fsdp_waits_s(cl, config, calls, m * (fwd + bwd))
     if config.pp > 1 and ev.graph.shared and (0 in plan.units or n - 1 in plan.units):
         pair = group_span(2, config.tp * config.dp * (config.pp - 1), ev.cluster.devices_per_node)
         exposed += all_reduce_s(4.0 * sum(s.numel for s in ev.graph.shared) / config.tp, pair, cl)
@@ -104,6 +107,17 @@ def _fsdp_collectives_s(grad_bytes: float, param_bytes: float, span: GroupSpan, 
     rs = reduce_scatter_s(grad_bytes, span, cl, calls=units) + fsdp_copy_s(grad_bytes, config.dp, bytes_per_s)
     ag = all_gather_s(param_bytes, span, cl, calls=units) + fsdp_copy_s(param_bytes, config.dp, bytes_per_s)
     return rs, ag
+
+
+def _fsdp_waits_s(cl: Cluster, config: ParallelConfig, calls: int, work_s: float) -> float:
+    """Seconds the data-parallel group waits on its slowest rank at FSDP2's collectives
+    in a step of ``work_s`` seconds (:mod:`autopar.cost.sync`). A collective that
+    communication does not hide is a meeting; one hidden under compute is not, so the
+    ``calls`` count as ``calls * (1 - comm_overlap)`` meetings: all of them on CPU
+    processes (gloo runs FSDP2's gathers inline, a ZeRO-3 step on 2 ranks traced 3.6 ms
+    per 3 MiB all-gather against 2.7 ms priced), none where communication fully overlaps."""
+    meetings = calls * (1 - cl.device.comm_overlap)
+    return sync_wait_s(cl.device.sync_noise_s_per_sqrt_s, config.dp, meetings, work_s)
 
 
 def sync_waits_s(ev: Evaluator, plan: StagePlan, config: ParallelConfig) -> tuple[float, float]:

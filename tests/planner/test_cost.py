@@ -292,6 +292,34 @@ def test_tensor_parallel_ranks_wait_for_the_slowest_at_every_blocking_collective
             == autopar.estimate(model, with_noise(0.0), dp, global_batch_size=2 * m, seq_len=128).prediction.step_time_s)
 
 
+def test_fsdp_collectives_that_compute_does_not_hide_wait_for_the_slowest_rank():
+    """ZeRO-3 on CPU processes (no overlap): each of the 3 m x 14 FSDP calls of a step is a
+    meeting of the dp=2 ranks, so the step grows by e_2 sigma sqrt(3 m 14 W), W the step's
+    compute; with communication 80% hidden only a fifth of the calls are meetings."""
+    import dataclasses
+
+    import autopar
+
+    model = build_named_model("gpt2-small")
+    cpu = Cluster.preset("local-cpu", devices_per_node=2)
+    m = 3
+    cfg = {"dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 1, "num_microbatches": m, "zero_stage": 3,
+           "recompute": "none"}
+
+    def step(sigma, overlap):
+        dev = dataclasses.replace(cpu.device, sync_noise_s_per_sqrt_s=sigma, comm_overlap=overlap)
+        return autopar.estimate(model, dataclasses.replace(cpu, device=dev), cfg, global_batch_size=2 * m,
+                                seq_len=64).prediction
+
+    quiet, noisy = step(0.0, 0.0), step(0.01, 0.0)
+    work = quiet.breakdown.compute_s
+    wait = 0.01 / math.sqrt(math.pi) * math.sqrt(3 * m * 14 * work)
+    assert noisy.breakdown.dp_comm_s - quiet.breakdown.dp_comm_s == pytest.approx(wait, rel=1e-9)
+    assert noisy.step_time_s - quiet.step_time_s == pytest.approx(wait, rel=1e-9)
+    hidden = step(0.01, 0.8).breakdown.dp_comm_s - step(0.0, 0.8).breakdown.dp_comm_s
+    assert hidden == pytest.approx(wait * math.sqrt(0.2), rel=1e-9)
+
+
 def test_fsdp_copies_around_each_collective_are_priced_by_their_bytes():
     """FSDP2 copies the local shards into the flat buffer and the gathered buffer out into
     the parameters (read and write each): 2 S (1 + 1/dp) bytes per collective of S. A
@@ -307,6 +335,8 @@ def test_fsdp_copies_around_each_collective_are_priced_by_their_bytes():
     assert fsdp_copy_s(1e9, 1, 1e10) == 0.0
     model = build_named_model("gpt2-small")
     cpu = Cluster.preset("local-cpu", devices_per_node=2)
+    # no sync noise: the waits depend on the compute, which the bandwidth moves too
+    cpu = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, sync_noise_s_per_sqrt_s=0.0))
     m = 3
     cfg = {"dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 1, "num_microbatches": m, "zero_stage": 3}
     plan = autopar.estimate(model, cpu, cfg, global_batch_size=2 * m, seq_len=64)

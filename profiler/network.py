@@ -39,7 +39,7 @@ from profiler.framework_overhead import fsdp_copy_bytes_per_s, fsdp_overhead_s, 
 from profiler.machine import provenance
 from profiler.report import (CollectiveOp, CommPoint, CommSeries, Level, LinkFit, NetworkProfile, ProfileReport,
                              Timing)
-from profiler.sync_skew import sync_noise_s_per_sqrt_s
+from profiler.sync_skew import MEETINGS_PER_REPEAT, sync_noise_s_per_sqrt_s
 from profiler.timing import Repeats, Stopwatch, synchronize
 
 KIB, MIB = 2**10, 2**20
@@ -207,10 +207,10 @@ def _memory_share(groups: list[_Group], rank: int, device: torch.device) -> floa
 def _sync_noise(groups: list[_Group], rank: int, device: torch.device, sweep: NetworkSweep) -> float:
     """:func:`profiler.sync_skew.sync_noise_s_per_sqrt_s` on the intra-node groups (where
     tensor parallelism's blocking collectives run), the largest; 0 without an
-    intra-node group. Two rounds more than the sweep's repeats: the waits are the
-    difference of two noisy means."""
-    values = _on_intra_groups(groups, rank, lambda g: sync_noise_s_per_sqrt_s(g.handle, device,
-                                                                              rounds=sweep.repeats + 2))
+    intra-node group. ``MEETINGS_PER_REPEAT`` meetings per work length for each of the
+    sweep's repeats, plus two."""
+    meetings = MEETINGS_PER_REPEAT * (sweep.repeats + 2)
+    values = _on_intra_groups(groups, rank, lambda g: sync_noise_s_per_sqrt_s(g.handle, device, meetings=meetings))
     return max(values, default=0.0)
 
 

@@ -17,8 +17,8 @@ has slope ``e_n * sigma``. Timing the work rather than the collective keeps the
 collective's heavy-tailed time out (on 2 gloo ranks a 4 KiB all-reduce back to back took
 0.4-0.8 ms at the median and 1-2 ms on average over runs).
 
-That waiting is what a collective after work costs beyond back to back was checked on a
-2-core box with 2 gloo ranks: after 1.7, 5.4 and 17.6 ms of the MLP's passes the
+That this wait is all a collective after work costs beyond back to back was checked on
+a 2-core box with 2 gloo ranks: after 1.7, 5.4 and 17.6 ms of the MLP's passes the
 all-reduce took 1.56, 1.86 and 2.90 ms on average, the same all-reduce repeated at once
 1.93, 1.64 and 1.72 ms, and the ranks' own waits for the slowest were 0.18, 0.57 and
 1.66 ms: what is left is noise of the collective's own time (-0.5 to -0.3 ms), not a
@@ -39,8 +39,11 @@ from profiler.timing import synchronize
 
 WORK_S = (0.001, 0.004, 0.016)
 """Work between meetings: the range a tensor-parallel layer's pieces take on CPUs."""
-CALLS = 40
-ROUNDS = 5
+MEETINGS_PER_REPEAT = 40
+"""Meetings per work length for each of a network sweep's repeats, plus two (a wait is a
+difference of times, noisier than either): 200 for the default 3 repeats. 100 read back
+injected noise within 7% (``tests/profiler/test_sync_skew.py``)."""
+MEETINGS = 5 * MEETINGS_PER_REPEAT
 NBYTES = 4096
 """A message whose own transfer is mostly latency."""
 _DIM, _ROWS = 128, 32
@@ -51,9 +54,9 @@ rank of the group."""
 
 
 def sync_noise_s_per_sqrt_s(group: dist.ProcessGroup, device: torch.device, *, work: Work | None = None,
-                            work_s: tuple[float, ...] = WORK_S, calls: int = CALLS, rounds: int = ROUNDS) -> float:
+                            work_s: tuple[float, ...] = WORK_S, meetings: int = MEETINGS) -> float:
     """``sigma`` of ``group`` (2 ranks or more) in seconds per square root of a second of
-    work, from ``rounds * calls`` meetings per work length; call on every rank. ``work``
+    work, from ``meetings`` meetings per work length; call on every rank. ``work``
     replaces the MLP passes (tests inject known noise with it). The same value on every
     rank."""
     if len(set(work_s)) < 2:
@@ -68,7 +71,7 @@ def sync_noise_s_per_sqrt_s(group: dist.ProcessGroup, device: torch.device, *, w
     per_length = []
     for t in work_s:
         mine = []
-        for _ in range(rounds * calls):
+        for _ in range(meetings):
             start = time.perf_counter()
             work(t)
             synchronize(device)

@@ -29,7 +29,7 @@ def _measure(rank, world):
         time.sleep(seconds)
 
     cpu = torch.device("cpu")
-    return {name: sync_noise_s_per_sqrt_s(dist.group.WORLD, cpu, work=work, work_s=WORK_S, calls=20, rounds=5)
+    return {name: sync_noise_s_per_sqrt_s(dist.group.WORLD, cpu, work=work, work_s=WORK_S, meetings=100)
             for name, work in (("noisy", noisy), ("even", even))}
 
 

@@ -238,8 +238,76 @@ COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 
 
 @dataclass(frozen=True, kw_only=True)
+class CommCurve:
+    """Measured seconds per call of one collective against its message size, on a group
+    of ``ranks`` ranks: the cost model interpolates it where a group of that size runs
+    the collective, instead of the alpha-beta line.
+
+    One line through 1 KiB to 64 MiB misses the middle of real curves: gloo on
+    loopback sockets took 2.3 ms for a 512 KiB all-reduce on 2 ranks where the fit
+    through all sizes gave 1.2 (a message over the socket buffer waits for the peer to
+    drain it), and NCCL switches protocols with size. Tensor parallelism's all-reduces
+    sit in that middle, so a tp=2 step was priced 40 ms short
+    (benchmarks/results/predicted_vs_measured_2026-11-30_profiles.json).
+
+    ``time_s`` never decreases with ``nbytes`` (:meth:`from_medians` makes it so), so an
+    interpolated price never drops as a message grows.
+    """
+
+    ranks: int
+    nbytes: tuple[float, ...]
+    time_s: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ranks, bool) or not isinstance(self.ranks, int) or self.ranks < 2:
+            raise ClusterError(f"a collective's curve needs a group of >= 2 ranks, got ranks={self.ranks!r}.")
+        sizes = tuple(_check_positive("curve nbytes", b) for b in self.nbytes)
+        times = tuple(_check_latency("curve time_s", t) for t in self.time_s)
+        if len(sizes) != len(times) or len(sizes) < 2:
+            raise ClusterError(f"a collective's curve needs as many times as sizes, at least two; got "
+                               f"{len(sizes)} sizes and {len(times)} times.")
+        if any(b >= c for b, c in zip(sizes, sizes[1:])) or any(t > u for t, u in zip(times, times[1:])):
+            raise ClusterError("a collective's curve needs increasing sizes and times that never decrease; build it "
+                               "from measurements with CommCurve.from_medians.")
+        object.__setattr__(self, "nbytes", sizes)
+        object.__setattr__(self, "time_s", times)
+
+    @classmethod
+    def from_medians(cls, ranks: int, nbytes: Any, time_s: Any) -> "CommCurve":
+        """The curve from median times per size (any order), made non-decreasing by the
+        least-squares monotone fit (pool-adjacent-violators; Ayer et al. 1955): a larger
+        message never takes less time, so a noisy size that did is pooled with its
+        neighbours rather than believed."""
+        pairs = sorted(zip((float(b) for b in nbytes), (float(t) for t in time_s)))
+        blocks: list[list[float]] = []  # [mean, count]
+        for _, t in pairs:
+            blocks.append([t, 1.0])
+            while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                mean, count = blocks.pop()
+                before, weight = blocks.pop()
+                blocks.append([(mean * count + before * weight) / (count + weight), count + weight])
+        times = [mean for mean, count in blocks for _ in range(int(count))]
+        return cls(ranks=ranks, nbytes=tuple(b for b, _ in pairs), time_s=tuple(times))
+
+    def seconds(self, nbytes: float, *, beyond_s_per_byte: float) -> float:
+        """Seconds for one call of ``nbytes``: linear between measured sizes, the
+        smallest size's time below them (latency dominates there), and past the
+        largest, its time plus ``beyond_s_per_byte`` for every further byte (the
+        fitted bandwidth's slope)."""
+        sizes, times = self.nbytes, self.time_s
+        if nbytes <= sizes[0]:
+            return times[0]
+        if nbytes >= sizes[-1]:
+            return times[-1] + (nbytes - sizes[-1]) * beyond_s_per_byte
+        i = next(k for k in range(1, len(sizes)) if nbytes <= sizes[k])
+        frac = (nbytes - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
+        return times[i - 1] + frac * (times[i] - times[i - 1])
+
+
+@dataclass(frozen=True, kw_only=True)
 class OpLink:
-    """A measured alpha-beta fit of one collective on a link level.
+    """A measured alpha-beta fit of one collective on a link level, and optionally its
+    measured curve (:class:`CommCurve`), which prices it on groups of the curve's size.
 
     NCCL moves all collectives at about one bus bandwidth, so a level's single fit
     serves them all; gloo does not: on a 2-core box its reduce-scatter reached 0.44 GB/s
@@ -251,6 +319,7 @@ class OpLink:
     op: str
     bandwidth_bytes_per_s: float
     latency_s: float
+    curve: CommCurve | None = None
 
     def __post_init__(self) -> None:
         if self.op not in COLLECTIVE_OPS:
@@ -286,6 +355,13 @@ class LinkSpec:
             if fit.op == op:
                 return fit.bandwidth_bytes_per_s, fit.latency_s
         return self.bandwidth_bytes_per_s, self.latency_s
+
+    def curve_for(self, op: str, ranks: int) -> CommCurve | None:
+        """The measured curve of ``op`` on groups of ``ranks`` ranks, if this level has one."""
+        for fit in self.per_op:
+            if fit.op == op and fit.curve is not None and fit.curve.ranks == ranks:
+                return fit.curve
+        return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -454,15 +530,24 @@ def _rename(name: str, nodes: int) -> str:
 
 def _link_dict(link: LinkSpec) -> dict[str, Any]:
     return {"bandwidth_bytes_per_s": link.bandwidth_bytes_per_s, "latency_s": link.latency_s, "source": link.source,
-            "per_op": [{"op": f.op, "bandwidth_bytes_per_s": f.bandwidth_bytes_per_s, "latency_s": f.latency_s}
+            "per_op": [{"op": f.op, "bandwidth_bytes_per_s": f.bandwidth_bytes_per_s, "latency_s": f.latency_s,
+                        "curve": None if f.curve is None else {"ranks": f.curve.ranks, "nbytes": list(f.curve.nbytes),
+                                                               "time_s": list(f.curve.time_s)}}
                        for f in link.per_op]}
 
 
 def _link_kwargs(data: Mapping[str, Any]) -> dict[str, Any]:
     return {"bandwidth_bytes_per_s": data["bandwidth_bytes_per_s"], "latency_s": data["latency_s"],
             "source": str(data.get("source", "")),
-            "per_op": tuple(OpLink(op=f["op"], bandwidth_bytes_per_s=f["bandwidth_bytes_per_s"], latency_s=f["latency_s"])
+            "per_op": tuple(OpLink(op=f["op"], bandwidth_bytes_per_s=f["bandwidth_bytes_per_s"], latency_s=f["latency_s"],
+                                   curve=_curve(f.get("curve")))
                             for f in data.get("per_op", ()))}
+
+
+def _curve(data: Mapping[str, Any] | None) -> CommCurve | None:
+    if data is None:
+        return None
+    return CommCurve(ranks=data["ranks"], nbytes=tuple(data["nbytes"]), time_s=tuple(data["time_s"]))
 
 
 def _dtype(key: object, where: str) -> DType:

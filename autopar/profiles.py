@@ -20,11 +20,12 @@ autopar never imports the profiler, whose report format is plain versioned JSON.
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from autopar.cluster import COLLECTIVE_OPS, Cluster, DeviceSpec, LinkSpec, OpLink
+from autopar.cluster import COLLECTIVE_OPS, Cluster, CommCurve, DeviceSpec, LinkSpec, OpLink
 from autopar.cost.compute import rates
 from autopar.cost.memory import optimizer_step_bytes
 from autopar.cost.tensor_parallel import BACKWARD_FACTOR, roofline_s
@@ -278,7 +279,9 @@ def _links(net: tuple[_Report, Mapping[str, Any]] | None, base: Cluster | None, 
                     source=(f"fitted alpha-beta ({report.origin}, {_where(n)}): {n['backend']}, "
                             f"{'+'.join(fit['ops'])} over {fit['points']} measurements, rms error "
                             f"{100 * float(fit['rms_rel_error']):.0f}%"
-                            + (f"; own fits for {', '.join(f.op for f in per_op)}" if per_op else "")))
+                            + (f"; own fits for {', '.join(f.op for f in per_op)}" if per_op else "")
+                            + "".join(f"; {f.op} by its measured curve on {f.curve.ranks} ranks"
+                                      for f in per_op if f.curve is not None)))
     intra = fits.get("intra") or (base.intra_node if base is not None else None)
     inter = fits.get("inter") or (base.inter_node if base is not None else None)
     if intra is None and inter is None:
@@ -306,10 +309,30 @@ def _fit(net: Mapping[str, Any], level: str) -> Mapping[str, Any] | None:
 def _per_op(net: Mapping[str, Any], level: str) -> tuple[OpLink, ...]:
     """The single-op fits of ``level`` for the collectives the cost model prices: with
     them an all-gather is priced at the all-gather's measured rate, not the joint fit's
-    (which averages ops whose rates differ threefold on gloo; :class:`OpLink`)."""
+    (which averages ops whose rates differ threefold on gloo; :class:`OpLink`); each
+    with its measured curve (:func:`_curve`)."""
     return tuple(OpLink(op=f["ops"][0], bandwidth_bytes_per_s=float(f["bandwidth_bytes_per_s"]),
-                        latency_s=float(f["alpha_s"]))
+                        latency_s=float(f["alpha_s"]), curve=_curve(net, level, f["ops"][0]))
                  for f in net["fits"] if f["level"] == level and len(f["ops"]) == 1 and f["ops"][0] in COLLECTIVE_OPS)
+
+
+def _curve(net: Mapping[str, Any], level: str, op: str) -> CommCurve | None:
+    """``op``'s measured times at ``level`` as a :class:`CommCurve`: where several groups
+    measured it (one per node), those of the commonest size, the median per message
+    size; None where fewer than two sizes were measured."""
+    series = [s for s in net["series"] if s["level"] == level and s["op"] == op]
+    if not series:
+        return None
+    sizes = [len(s["ranks"]) for s in series]
+    ranks = max(set(sizes), key=sizes.count)
+    per_size: dict[float, list[float]] = {}
+    for s in series:
+        if len(s["ranks"]) == ranks:
+            for point in s["points"]:
+                per_size.setdefault(float(point["nbytes"]), []).append(float(point["time"]["median_s"]))
+    if len(per_size) < 2 or ranks < 2:
+        return None
+    return CommCurve.from_medians(ranks, per_size, [statistics.median(v) for v in per_size.values()])
 
 
 def _where(section: Mapping[str, Any]) -> str:

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from autopar.cluster import CommCurve, LinkSpec, OpLink
+from autopar.cost.comm import level_s
 from profiler.contention import contended_share
 from profiler.errors import MeasurementError, SettingsError
 from profiler.fit import Sample, bus_factor, coefficients, fit_alpha_beta
@@ -148,7 +150,7 @@ def profile_network(*, sweep: NetworkSweep | None = None, node_of_rank: tuple[st
     dist.all_gather_object(everyone, (mine, provenance(command)))
     series = tuple(_series(g, op, sizes, [times for times, _ in everyone]) for g in groups for op in sweep.ops)
     fits, unfitted = fit_levels(series)
-    tp, fsdp, fsdp_copy = _framework_overheads(groups, fits, rank, device, sweep)
+    tp, fsdp, fsdp_copy = _framework_overheads(groups, fits, series, rank, device, sweep)
     if tp or fsdp:
         say(f"framework overhead on the intra-node groups: {tp * 1e6:.0f} us per tensor-parallel layer forward, "
             f"{fsdp * 1e6:.0f} us per FSDP collective, FSDP copies at {fsdp_copy / 1e9:.1f} GB/s")
@@ -168,19 +170,21 @@ def profile_network(*, sweep: NetworkSweep | None = None, node_of_rank: tuple[st
     return ProfileReport(network=profile)
 
 
-def _framework_overheads(groups: list[_Group], fits: tuple[LinkFit, ...], rank: int, device: torch.device,
-                         sweep: NetworkSweep) -> tuple[float, float, float]:
+def _framework_overheads(groups: list[_Group], fits: tuple[LinkFit, ...], series: tuple[CommSeries, ...], rank: int,
+                         device: torch.device, sweep: NetworkSweep) -> tuple[float, float, float]:
     """(tensor-parallel, FSDP) framework time and the rate of FSDP's copies
     (:mod:`profiler.framework_overhead`) on the intra-node groups (where tensor
     parallelism runs, and where a one-node data-parallel group runs): the largest times
     and the slowest rate over the groups; 0 without an intra-node group or without fits
-    of the collectives the measurement subtracts."""
+    of the collectives the measurement subtracts. The transfers subtracted are priced as
+    the cost model will price them (:func:`_transfer_cost`), so what is left is neither
+    counted twice nor dropped."""
     fitted = {op: f for op in ("all_reduce", "all_gather", "reduce_scatter") if (f := _op_fit(fits, op))}
 
     def measure(group: _Group) -> tuple[float, float, float]:
         mesh = DeviceMesh.from_group(group.handle, device.type)
         repeats = Repeats(warmup=3, repeats=sweep.repeats + 4)
-        cost = {op: _fit_cost(f, op, len(group.ranks)) for op, f in fitted.items()}
+        cost = {op: _transfer_cost(f, op, group, series) for op, f in fitted.items()}
         tp = tp_overhead_s(mesh, device, repeats, cost["all_reduce"]) if "all_reduce" in cost else 0.0
         if "all_gather" not in cost or "reduce_scatter" not in cost:
             return tp, 0.0, 0.0
@@ -230,9 +234,16 @@ def _op_fit(fits: tuple[LinkFit, ...], op: str) -> LinkFit | None:
     return own or next((f for f in fits if f.level == "intra" and op in f.ops), None)
 
 
-def _fit_cost(fit: LinkFit, op: str, n: int) -> Callable[[float], float]:
-    c_bw, c_lat = coefficients(op, "intra", n)
-    return lambda nbytes: c_bw * nbytes / fit.bandwidth_bytes_per_s + c_lat * fit.alpha_s
+def _transfer_cost(fit: LinkFit, op: str, group: _Group, series: tuple[CommSeries, ...]) -> Callable[[float], float]:
+    """Seconds of one ``op`` of ``nbytes`` on ``group``, as :func:`autopar.cost.comm.level_s`
+    prices it from this profile: by the group's own measured curve, past its sizes by
+    the fit's bandwidth."""
+    own = next((s for s in series if s.op == op and s.ranks == group.ranks), None)
+    curve = None if own is None else CommCurve.from_medians(len(group.ranks), [p.nbytes for p in own.points],
+                                                           [p.time.median_s for p in own.points])
+    link = OpLink(op=op, bandwidth_bytes_per_s=fit.bandwidth_bytes_per_s, latency_s=fit.alpha_s, curve=curve)
+    spec = LinkSpec(bandwidth_bytes_per_s=fit.bandwidth_bytes_per_s, latency_s=fit.alpha_s, per_op=(link,))
+    return lambda nbytes: level_s(spec, op, nbytes, len(group.ranks))
 
 
 def _labels(node_of_rank: tuple[str, ...] | None, world: int) -> tuple[str, ...]:

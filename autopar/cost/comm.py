@@ -7,6 +7,8 @@ that spans nodes runs hierarchically, as NCCL does: reduce-scatter inside each n
 all-reduce of the ``1/n_local`` shard across nodes (every local device on its own NIC),
 all-gather inside the node; so each device's inter-node link carries ``1/n_local`` of
 the data. Latency: ``alpha`` per ring step inside a node, a tree (``log2``) across nodes.
+Where a network profile measured a collective on groups of the size that runs it, the
+measured curve replaces the line on that level (:class:`autopar.cluster.CommCurve`).
 
 All functions are pure: numbers in, seconds out.
 """
@@ -16,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from autopar.cluster import Cluster
+from autopar.cluster import Cluster, LinkSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,17 +61,33 @@ def _hierarchical_s(nbytes: float, span: GroupSpan, cluster: Cluster, op: str, c
     each node, then over the nodes on each device's ``1/n_local`` share; ring latency
     inside a node, tree latency across nodes, paid by each of the ``calls`` collectives
     the bytes are split into. Each level prices ``op`` at its own fit where the link has
-    one (:meth:`LinkSpec.for_op`)."""
-    passes = 2 if op == "all_reduce" else 1
+    one (:meth:`LinkSpec.for_op`), and by its measured curve where it has one for groups
+    of this size (:func:`level_s`)."""
     nl, nn = span.per_node, span.nodes
     t = 0.0
     if nl > 1:
-        bw, alpha = cluster.intra_node.for_op(op)
-        t += passes * ((nl - 1) / nl * nbytes / bw + calls * _ring_latency_s(nl, alpha))
+        t += level_s(cluster.intra_node, op, nbytes, nl, calls=calls)
     if nn > 1:
-        bw, alpha = cluster.inter_node.for_op(op)
-        t += passes * ((nn - 1) / nn * (nbytes / nl) / bw + calls * _tree_latency_s(nn, alpha))
+        t += level_s(cluster.inter_node, op, nbytes / nl, nn, calls=calls, across_nodes=True)
     return t
+
+
+def level_s(link: LinkSpec, op: str, nbytes: float, ranks: int, *, calls: int = 1, across_nodes: bool = False) -> float:
+    """Seconds of ``op`` over ``ranks`` ranks of one link level, ``nbytes`` split into
+    ``calls`` collectives: ``calls`` calls of ``nbytes / calls`` by the curve measured on
+    groups of ``ranks`` ranks where the link has one (:class:`autopar.cluster.CommCurve`:
+    a measured time is the best price of the same collective on the same group size),
+    else the alpha-beta model (ring latency, or a tree's ``across_nodes``)."""
+    if ranks < 2 or nbytes <= 0:
+        return 0.0
+    passes = 2 if op == "all_reduce" else 1
+    bw, alpha = link.for_op(op)
+    per_byte_s = passes * (ranks - 1) / ranks / bw
+    curve = link.curve_for(op, ranks)
+    if curve is not None:
+        return calls * curve.seconds(nbytes / calls, beyond_s_per_byte=per_byte_s)
+    latency_s = _tree_latency_s(ranks, alpha) if across_nodes else _ring_latency_s(ranks, alpha)
+    return per_byte_s * nbytes + passes * calls * latency_s
 
 
 def all_reduce_s(nbytes: float, span: GroupSpan, cluster: Cluster, *, calls: int = 1) -> float:
@@ -109,7 +127,11 @@ def p2p_s(nbytes: float, *, cross_node: bool, cluster: Cluster) -> float:
     """Time to send ``nbytes`` to one peer."""
     if nbytes <= 0:
         return 0.0
-    bw, alpha = (cluster.inter_node if cross_node else cluster.intra_node).for_op("send_recv")
+    link = cluster.inter_node if cross_node else cluster.intra_node
+    bw, alpha = link.for_op("send_recv")
+    curve = link.curve_for("send_recv", 2)
+    if curve is not None:
+        return curve.seconds(nbytes, beyond_s_per_byte=1 / bw)
     return nbytes / bw + alpha
 
 

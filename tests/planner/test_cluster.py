@@ -1,5 +1,6 @@
 """Clusters: presets cite their numbers, files round-trip, bad values are refused clearly."""
 
+import dataclasses
 import json
 
 import pytest
@@ -91,3 +92,35 @@ def test_a_link_fit_per_collective_is_checked():
         LinkSpec(bandwidth_bytes_per_s=2e9, latency_s=1e-6, per_op=(fit, fit))
     link = LinkSpec(bandwidth_bytes_per_s=2e9, latency_s=1e-6, per_op=(fit,))
     assert link.for_op("all_gather") == (1e9, 0.0) and link.for_op("reduce_scatter") == (2e9, 1e-6)
+
+
+def test_a_measured_curve_is_monotone_interpolated_and_checked():
+    """A collective's measured curve: pool-adjacent-violators on a hand example, linear
+    between sizes, flat below the smallest, the given slope past the largest; bad input
+    named."""
+    from autopar.cluster import CommCurve, LinkSpec, OpLink
+
+    # 3 ms at 2 KiB then 2 ms at 4 KiB violate monotonicity: both become their mean, 2.5
+    curve = CommCurve.from_medians(2, [4096, 1024, 2048, 8192], [2e-3, 1e-3, 3e-3, 4e-3])
+    assert curve.nbytes == (1024.0, 2048.0, 4096.0, 8192.0)
+    assert curve.time_s == pytest.approx((1e-3, 2.5e-3, 2.5e-3, 4e-3))
+    # a spike before two lower sizes pools all three: (3 + 1 + 2) / 3
+    assert CommCurve.from_medians(2, [1, 2, 3, 4], [1.0, 3.0, 1.0, 2.0]).time_s == pytest.approx((1.0, 2.0, 2.0, 2.0))
+    assert curve.seconds(512, beyond_s_per_byte=1e-9) == pytest.approx(1e-3)
+    assert curve.seconds(6144, beyond_s_per_byte=1e-9) == pytest.approx(2.5e-3 + 0.5 * 1.5e-3)
+    assert curve.seconds(8192 + 1e6, beyond_s_per_byte=1e-9) == pytest.approx(4e-3 + 1e-3)
+    with pytest.raises(ClusterError, match="group of >= 2 ranks, got ranks=1"):
+        CommCurve(ranks=1, nbytes=(1.0, 2.0), time_s=(1.0, 2.0))
+    with pytest.raises(ClusterError, match="got 2 sizes and 1 times"):
+        CommCurve(ranks=2, nbytes=(1.0, 2.0), time_s=(1.0,))
+    with pytest.raises(ClusterError, match="never decrease; build it from measurements with CommCurve.from_medians"):
+        CommCurve(ranks=2, nbytes=(1.0, 2.0), time_s=(2.0, 1.0))
+    with pytest.raises(ClusterError, match="curve nbytes=0.0 is not allowed"):
+        CommCurve(ranks=2, nbytes=(0.0, 2.0), time_s=(1.0, 2.0))
+    link = LinkSpec(bandwidth_bytes_per_s=1e9, latency_s=1e-5,
+                    per_op=(OpLink(op="all_reduce", bandwidth_bytes_per_s=1e9, latency_s=1e-5, curve=curve),))
+    assert link.curve_for("all_reduce", 2) is curve
+    assert link.curve_for("all_reduce", 4) is None and link.curve_for("all_gather", 2) is None
+    c = Cluster.preset("local-cpu", devices_per_node=2)
+    c = dataclasses.replace(c, intra_node=link)
+    assert Cluster.from_dict(json.loads(json.dumps(c.to_dict()))) == c

@@ -383,3 +383,33 @@ def test_a_collective_split_into_calls_pays_the_latency_per_call():
     one = all_gather_s(1e6, span, DGX)
     assert all_gather_s(1e6, span, DGX, calls=5) == pytest.approx(one + 4 * 7 * AI)
     assert all_reduce_s(1e6, span, DGX, calls=3) == pytest.approx(all_reduce_s(1e6, span, DGX) + 2 * 2 * 7 * AI)
+
+
+def test_a_measured_curve_prices_its_collective_on_groups_of_its_size():
+    """Where a level has a measured curve for a collective on groups of ``n`` ranks, a
+    group of ``n`` pays ``calls`` calls of ``S / calls`` on the curve (past the largest
+    size, the fit's bandwidth per extra byte); other group sizes keep the alpha-beta
+    line. Hand values on a 4-point curve."""
+    import dataclasses
+
+    from autopar.cluster import CommCurve, LinkSpec, OpLink
+
+    curve = CommCurve(ranks=8, nbytes=(1e3, 1e6, 1e7, 1e8), time_s=(1e-4, 1e-3, 4e-3, 2e-2))
+    fit = OpLink(op="all_reduce", bandwidth_bytes_per_s=BI, latency_s=AI, curve=curve)
+    send = OpLink(op="send_recv", bandwidth_bytes_per_s=BE, latency_s=AE,
+                  curve=CommCurve(ranks=2, nbytes=(1e3, 1e6), time_s=(5e-5, 2e-4)))
+    c = dataclasses.replace(DGX, intra_node=dataclasses.replace(DGX.intra_node, per_op=(fit,)),
+                            inter_node=dataclasses.replace(DGX.inter_node, per_op=(send,)))
+    node = group_span(8, 1, 8)
+    assert all_reduce_s(5.5e6, node, c) == pytest.approx(1e-3 + 0.5 * 3e-3)            # halfway from 1 to 10 MB
+    assert all_reduce_s(5.5e6, node, c, calls=10) == pytest.approx(10 * (1e-4 + (5.5e5 - 1e3) / (1e6 - 1e3) * 9e-4))
+    assert all_reduce_s(5e2, node, c) == pytest.approx(1e-4)                            # below: the smallest size's
+    assert all_reduce_s(3e8, node, c) == pytest.approx(2e-2 + 2 * 7 / 8 * 2e8 / BI)      # past: the fit's slope
+    four = group_span(4, 1, 8)
+    assert all_reduce_s(1e6, four, c) == pytest.approx(2 * 3 / 4 * 1e6 / BI + 2 * 3 * AI)  # no curve for 4 ranks
+    assert all_gather_s(1e6, node, c) == pytest.approx(7 / 8 * 1e6 / BI + 7 * AI)         # nor for all-gathers
+    # across 4 nodes of 8: the intra level by the curve, the inter level by its line
+    across = group_span(32, 1, 8)
+    assert all_reduce_s(1e6, across, c) == pytest.approx(1e-3 + 2 * 3 / 4 * (1e6 / 8) / BE + 2 * 2 * AE)
+    assert p2p_s(5005e2, cross_node=True, cluster=c) == pytest.approx(5e-5 + 0.5 * 1.5e-4)
+    assert p2p_s(1e6, cross_node=False, cluster=c) == pytest.approx(1e6 / BI + AI)

@@ -323,3 +323,51 @@ def test_the_bandwidth_processes_keep_while_streaming_together_lowers_the_device
     elsewhere = cluster_from_profiles([dev, network(node_of_rank=nodes, inter=None, memory_share=0.35,
                                                     tp_overhead_s=7e-4)], base=other).device
     assert elsewhere.bandwidth_share == 1.0 and elsewhere.tp_overhead_s != 7e-4
+
+
+def _bumpy_all_reduce(report: ProfileReport) -> ProfileReport:
+    """``report`` with its intra all-reduce series replaced by four sizes whose medians
+    dip at 4 KiB (3 ms at 2 KiB, 2 ms at 4 KiB), as gloo's noisy sweeps do."""
+    from profiler.report import CommPoint, CommSeries
+
+    from profile_factories import exact
+
+    times = {1024: 1e-3, 2048: 3e-3, 4096: 2e-3, 8192: 4e-3}
+    pts = tuple(CommPoint(nbytes=float(s), time=exact(t), algbw_bytes_per_s=s / t, busbw_bytes_per_s=s / t)
+                for s, t in times.items())
+    bumpy = CommSeries(op="all_reduce", level="intra", label="intra group", ranks=(0, 1), per_node=2, nodes=1,
+                       points=pts)
+    return ProfileReport(network=dataclasses.replace(report.network, series=(bumpy,)))
+
+
+def test_a_collective_is_priced_by_its_measured_curve_on_groups_of_its_size():
+    """A network profile's medians per size become the monotone curve of the op (the
+    dip pooled: 2.5 ms at 2 and 4 KiB), which prices the op on groups of the measured
+    size; past the largest size the op's fitted bandwidth continues it."""
+    from autopar.cost.comm import all_reduce_s
+
+    report = _bumpy_all_reduce(network(node_of_rank=("a", "a"), inter=None, per_op={"all_reduce": (1e-5, 1e9)}))
+    c = cluster_from_profiles([report])
+    assert "all_reduce by its measured curve on 2 ranks" in c.intra_node.source
+    span = GroupSpan(size=2, per_node=2, nodes=1)
+    assert all_reduce_s(3072, span, c) == pytest.approx(2.5e-3)
+    assert all_reduce_s(6144, span, c) == pytest.approx(2.5e-3 + 0.5 * 1.5e-3)
+    assert all_reduce_s(8192 + 1e6, span, c) == pytest.approx(4e-3 + 2 * 0.5 * 1e6 / 1e9)
+    assert Cluster.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+
+
+def test_the_profiler_subtracts_transfers_priced_as_the_planner_prices_them():
+    """The framework overheads are what a step costs beyond its transfers; the profiler
+    must price those transfers exactly as the cost model will from the same report,
+    or the difference is counted twice or never."""
+    from autopar.cost.comm import all_reduce_s
+    from profiler.network import _Group, _transfer_cost
+
+    report = _bumpy_all_reduce(network(node_of_rank=("a", "a"), inter=None, per_op={"all_reduce": (1e-5, 1e9)}))
+    c = cluster_from_profiles([report])
+    fit = next(f for f in report.network.fits if f.ops == ("all_reduce",))
+    group = _Group(level="intra", label="intra group", ranks=(0, 1), handle=None, per_node=2, nodes=1)
+    cost = _transfer_cost(fit, "all_reduce", group, report.network.series)
+    span = GroupSpan(size=2, per_node=2, nodes=1)
+    for nbytes in (512, 1024, 3000, 6144, 1e5):
+        assert cost(nbytes) == pytest.approx(all_reduce_s(nbytes, span, c))

@@ -49,6 +49,7 @@ from autopar.models import GPT, GPTConfig
 from autopar.runtime.local import BatchFn, LocalRun, cross_entropy, run_locally, token_batches
 from autopar.runtime.mesh import MeshDims
 from autopar.runtime.spmd import SPMDSettings, run_spmd
+from autopar.vocab import TPStyle
 from profiler.device import profile_device
 from profiler.layers import profile_model
 from profiler.network import NetworkSweep, profile_network
@@ -283,7 +284,22 @@ def describe(plan: autopar.Plan) -> str:
         text += f"; {len(plan.layer_strategies.recompute)} units recompute={'/'.join(modes)}"
     if plan.config.pp > 1:
         text += "; stages of " + "+".join(str(len(s)) for s in plan.stages) + " modules"
+    if plan.config.tp > 1:
+        text += "; sharded " + ", ".join(_sharded_leaves(plan))
     return text
+
+
+def _sharded_leaves(plan: autopar.Plan) -> list[str]:
+    """``leaf=style (blocks)`` for each sharded leaf of the blocks, then the others: the
+    layout the per-layer search chose, which noisy profiles can change between runs."""
+    blocks: dict[str, list[str]] = {}
+    for fqn, style in plan.layer_strategies.tp.items():
+        if style is TPStyle.REPLICATE:
+            continue
+        parts = fqn.split(".")
+        key, block = (".".join(parts[2:]), parts[1]) if len(parts) > 2 and parts[1].isdigit() else (fqn, "")
+        blocks.setdefault(f"{key}={style.value}", []).append(block)
+    return [f"{leaf} ({' '.join(ids)})" if any(ids) else leaf for leaf, ids in sorted(blocks.items())]
 
 
 def fmt_rounds(values: Sequence[float]) -> str:

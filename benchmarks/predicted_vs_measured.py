@@ -359,38 +359,19 @@ def main() -> None:
         profile = json.loads(args.profiles.read_text())
         profile["worlds"] = {int(w): p for w, p in profile["worlds"].items()}
         profile_note = f"reused from `{args.profiles}`"
-        executed = {c.name: _estimate(c, profile) for c in candidates}
-        runs = [Run(label=c.name, build=build, plan=executed[c.name], batch_fn=batches) for c in candidates]
-        measured = measure_interleaved(runs, rounds=args.rounds, steps=args.steps, log=say,
-                                       before_round=lambda _: loads.append(os.getloadavg()[0]))
     else:
         worlds = sorted({c.world for c in candidates} | {1})
-        device = profile_device(command=NAME).to_dict()
-        sweeps: dict[int, list[dict[str, Any]]] = {w: [] for w in worlds}
-
-        def profile_round(rnd: int) -> None:
-            loads.append(os.getloadavg()[0])
-            for w in worlds:
-                t = time.perf_counter()
-                sweeps[w].append(profile_world(w, _targets()))
-                say(f"profile round {rnd + 1}, {w} process(es): {time.perf_counter() - t:.0f} s")
-
-        profile_round(0)
-        executed = {c.name: _estimate(c, combine(device, sweeps)) for c in candidates}
-        runs = [Run(label=c.name, build=build, plan=executed[c.name], batch_fn=batches) for c in candidates]
-        measured = measure_interleaved(runs, rounds=args.rounds, steps=args.steps, log=say,
-                                       before_round=lambda rnd: profile_round(rnd) if rnd else None)
-        profile = combine(device, sweeps)
+        profile = profile_machine(worlds, _targets(), rounds=args.rounds, log=say)
         saved = result_path(NAME, "_profiles.json")
         saved.write_text(json.dumps(profile))
-        profile_note = (f"measured by this run at the start of every round (the plans that ran were estimated with "
-                        f"the first round's; the predictions shown use the median of all rounds), saved as "
-                        f"`{saved.name}`")
-    median = {c.name: _estimate(c, profile) for c in candidates}
-    changed = [c.name for c in candidates if plan_key(median[c.name]) != plan_key(executed[c.name])]
-    # compare what ran: where the median profile solves a candidate to another layout,
-    # the row keeps the prediction of the plan that ran (first round's profile)
-    plans = {c.name: executed[c.name] if c.name in changed else median[c.name] for c in candidates}
+        profile_note = (f"measured by this run in {args.rounds} interleaved rounds before the measurements, the "
+                        f"median kept and saved as `{saved.name}`")
+    # every plan that runs is the one the median profile predicts: a single noisy round
+    # can solve tensor parallelism to another layout
+    plans = {c.name: _estimate(c, profile) for c in candidates}
+    runs = [Run(label=c.name, build=build, plan=plans[c.name], batch_fn=batches) for c in candidates]
+    measured = measure_interleaved(runs, rounds=args.rounds, steps=args.steps, log=say,
+                                   before_round=lambda _: loads.append(os.getloadavg()[0]))
     body, rows = _tables(candidates, plans, measured)
     csv_path = write_csv(NAME, rows)
     png = write_png(NAME, _figure(candidates, plans, measured))
@@ -403,10 +384,7 @@ def main() -> None:
         f"{profile_note}. {args.rounds} interleaved rounds of {args.steps} steps (2 untimed) per candidate; load "
         f"average at the start of each round {' / '.join(f'{x:.1f}' for x in loads)} (2 cores, shared); everything "
         f"took {(time.perf_counter() - started) / 60:.1f} min. Per-term predictions and every round are in "
-        f"`{csv_path.name}`."
-        + (f" The median profile solves {', '.join(changed)} to another layout than the one that ran, so "
-           f"{'its row shows' if len(changed) == 1 else 'their rows show'} the prediction of the plan that ran "
-           f"(first round's profile)." if changed else ""))
+        f"`{csv_path.name}`.")
     text = "\n\n".join([header, body, f"![predicted against measured]({png.name})", NOTES, "Profiles kept (median of the rounds):\n\n" + "\n".join(
         profile_lines(profile))])
     md = write_result(NAME, "Predicted against measured step time and memory on local processes", text)

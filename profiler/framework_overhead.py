@@ -24,12 +24,12 @@ where a call costs more than at 16 KiB, and the cost model prices the copies at 
 
 Each is measured on a model so small (4 x 64) that its arithmetic is nothing: forward
 and backward sharded, less the same model unsharded, less its collectives as the cost
-model prices them from the network fit, over the calls the cost model counts. Measured on
-a real group the figures hold what a one-rank mesh cannot show: on a 2-core box, 2 gloo
-ranks spent 150-850 us per tensor-parallel leaf-forward over separate runs (160-360 us on
-a one-rank mesh). What is left once the transfers are taken out is a few milliseconds at
-most, so the figures are noisy; where the fit over-prices the small transfers they clamp
-to 0.
+model prices them from the network profile (its measured curves), over the calls the
+cost model counts. Measured on a real group the figures hold what a one-rank mesh cannot
+show: on a 2-core box, 2 gloo ranks spent 150-850 us per tensor-parallel leaf-forward
+over separate runs (160-360 us on a one-rank mesh). What is left once the transfers are
+taken out is a few milliseconds at most, so the figures are noisy; where the transfers
+are priced above what the sharded model cost beyond the plain one, they clamp to 0.
 """
 
 from __future__ import annotations

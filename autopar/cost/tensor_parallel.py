@@ -278,6 +278,19 @@ LOSS_PARALLEL_REDUCTIONS = 3
 the target logit."""
 
 
+REDUCED_OUTPUT_COPIES = 2
+"""Extra copies of a model output that a row-parallel leaf all-reduces (partial -> replicated)
+before the loss, held as long as the output: DTensor's functional all-reduce clones the
+partial sums into a fresh buffer and wraps the result for autograd, and all three storages
+live while the output does. The last pipeline stage holds its output until that
+micro-batch's backward (``torch.distributed.pipelining``'s ``fwd_cache``). Measured with
+torch 2.13 on 2 gloo ranks: after a column/row pair's forward, three output-sized storages
+were alive where the replicated pair kept one; once a consumer had used the output and it
+was dropped, all three were freed, so a row leaf inside a unit costs nothing lasting. A
+tp=2 GPT whose head was row-parallel peaked at 98 MiB per rank, predicted 78 MiB without
+them and 86 with them (benchmarks/results/predicted_vs_measured_2026-11-30.md)."""
+
+
 def loss_parallel_s(ctx: TPContext) -> float:
     """Forward+backward seconds of a vocabulary-parallel cross-entropy's reductions:
     max, sum of exponentials and the target logit, one fp32 per token each."""
@@ -383,6 +396,8 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         attn_fwd += glue_fwd_s(flow, g, ctx, attention_only=True)
         saved += _shard(flow.saved_bytes * b, g, t)
         attn_saved += _shard(flow.attn_saved_bytes * b, g, t)
+        if ctx.last and flow.dst == UNIT_OUTPUT and a is Layout.P and need is Layout.R:
+            saved += REDUCED_OUTPUT_COPIES * flow.tensor_bytes * b
         conversions[(flow.src, need)] = a
         if need is Layout.R and flow.dst >= 0 and styles[flow.dst] is TPStyle.COLUMN:
             partial[flow.src] = a

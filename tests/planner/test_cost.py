@@ -413,3 +413,27 @@ def test_a_measured_curve_prices_its_collective_on_groups_of_its_size():
     assert all_reduce_s(1e6, across, c) == pytest.approx(1e-3 + 2 * 3 / 4 * (1e6 / 8) / BE + 2 * 2 * AE)
     assert p2p_s(5005e2, cross_node=True, cluster=c) == pytest.approx(5e-5 + 0.5 * 1.5e-4)
     assert p2p_s(1e6, cross_node=False, cluster=c) == pytest.approx(1e6 / BI + AI)
+
+
+def test_a_row_parallel_head_holds_the_reduced_logits_three_times():
+    """A head whose output is all-reduced before the loss (row-parallel) holds DTensor's
+    two extra copies of the logits with them, until that micro-batch's backward: b s V 4
+    bytes twice more than when the loss is elsewhere; a vocabulary-sharded (column) head
+    holds none."""
+    from autopar.models import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=2048, seq_len=64, dim=128, n_layers=1, n_heads=4)
+    graph = extract(GPT(cfg), seq_len=cfg.seq_len, dtype=DType.FP32)
+    head = graph.profile_of(len(graph.units) - 1)
+    c = Cluster.preset("local-cpu", devices_per_node=2)
+    b = 4
+    ctx = TPContext(tp=2, span=group_span(2, 1, 2), cluster=c, rates=rates(c.device, DType.FP32), micro_batch=b,
+                    tokens=cfg.seq_len, boundary=Layout.R, first=False, last=True, loss_parallel=True,
+                    sequence_parallel=False)
+    inner = TPContext(**{**ctx.__dict__, "last": False})
+    logits = b * cfg.seq_len * cfg.vocab_size * 4
+    for style, output, extra in ((TPStyle.ROW, Layout.R, 2 * logits),
+                                 (TPStyle.COLUMN, Layout.F, 0.0), (TPStyle.REPLICATE, Layout.R, 0.0)):
+        styles = tuple(style if leaf.name == "output" else TPStyle.REPLICATE for leaf in head.leaves)
+        held = evaluate_layout(head, styles, output, ctx).saved_bytes
+        assert held - evaluate_layout(head, styles, output, inner).saved_bytes == pytest.approx(extra), style

@@ -2,18 +2,20 @@
 for real on local gloo processes.
 
 The machine is profiled first with the profiler's own functions (device matmul curves,
-per-unit layer times, an alpha-beta network fit), on the same GPT architecture at a
+per-unit layer times, the network's curves and fits), on the same GPT architecture at a
 *different shape* (seq 256 x batch 3, 768 tokens per pass) than any that runs (seq 128,
 micro-batches of 128 to 2048 tokens), so no prediction is fitted to the run it predicts.
 The layers are profiled by one process, as ``autopar profile model`` is run; the
 planner itself accounts for processes that outnumber the cores (on this 2-core machine 4
 processes get half a core each: ``DeviceSpec.time_shared``). The network is profiled by
 as many processes as each plan runs, since gloo's speed depends on how many share the
-cores. Profiles are taken in interleaved rounds and the median kept. Then every candidate plan is
-``autopar.estimate``-d with the profile and run with ``autopar.runtime.local.run_locally``
+cores. Profiles are taken in interleaved rounds, every candidate plan is
+``autopar.estimate``-d with their median and run with ``autopar.runtime.local.run_locally``
 (AdamW, fp32, global batch 16). Candidates are interleaved over rounds (forward order,
 then reversed, ...), so a burst of load from other jobs on the shared machine spreads
-over several candidates instead of landing on one. A run's step time is its median step
+over several candidates instead of landing on one, and each measurement round starts
+with one more profile round: the predictions shown use the median over all of them, so
+that a load that drifts during the run moves the profile too. A run's step time is its median step
 (barrier to barrier, the slowest rank); the table gives the median over rounds and every
 round. Peak memory per rank comes from ``run_locally``'s metered run in the first round.
 
@@ -167,19 +169,25 @@ def combine(device: Mapping[str, Any], sweeps: Mapping[int, Sequence[Mapping[str
             "layers_s_rounds": {n: [layers_s(s["layers"][n]) for s in taken] for n in names}, "worlds": worlds}
 
 
+def profile_round(sweeps: dict[int, list[dict[str, Any]]], targets: Mapping[str, ProfileTarget], *, label: str,
+                  command: str = NAME, log: Callable[[str], None] = print) -> None:
+    """One sweep for every world size of ``sweeps`` (:func:`profile_world`), appended to it."""
+    for w in sweeps:
+        start = time.perf_counter()
+        sweeps[w].append(profile_world(w, targets, command=command))
+        log(f"profile {label}, {w} process(es): {time.perf_counter() - start:.0f} s")
+
+
 def profile_machine(worlds: Sequence[int], targets: Mapping[str, ProfileTarget], *, rounds: int = 3,
                     command: str = NAME, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Profiles of this machine: the device sweep once, in this process (its matmul
     curves carry the shape dependence), then ``rounds`` interleaved sweeps of the layers
     by one process and of the network by each ``w > 1`` of ``worlds``
-    (:func:`profile_world`), :func:`combine`-d."""
+    (:func:`profile_round`), :func:`combine`-d."""
     device = profile_device(command=command).to_dict()
     sweeps: dict[int, list[dict[str, Any]]] = {w: [] for w in sorted({1, *worlds})}
     for rnd in range(rounds):
-        for w in sweeps:
-            start = time.perf_counter()
-            sweeps[w].append(profile_world(w, targets, command=command))
-            log(f"profile round {rnd + 1}, {w} process(es): {time.perf_counter() - start:.0f} s")
+        profile_round(sweeps, targets, label=f"round {rnd + 1}", command=command, log=log)
     return combine(device, sweeps)
 
 
@@ -353,25 +361,35 @@ def main() -> None:
     candidates = [c for c in CANDIDATES if args.only is None or any(s in c.name for s in args.only)]
     say = lambda s: print(s, flush=True)  # noqa: E731
     started = time.perf_counter()
-    batches = token_batches(CFG.vocab_size, CFG.seq_len)
     loads: list[float] = []
     if args.profiles:
         profile = json.loads(args.profiles.read_text())
         profile["worlds"] = {int(w): p for w, p in profile["worlds"].items()}
         profile_note = f"reused from `{args.profiles}`"
+        plans = {c.name: _estimate(c, profile) for c in candidates}
+        measured = _measure(candidates, plans, args, loads, say)
     else:
-        worlds = sorted({c.world for c in candidates} | {1})
-        profile = profile_machine(worlds, _targets(), rounds=args.rounds, log=say)
+        device = profile_device(command=NAME).to_dict()
+        sweeps: dict[int, list[dict[str, Any]]] = {w: [] for w in sorted({c.world for c in candidates} | {1})}
+        for rnd in range(args.rounds):
+            profile_round(sweeps, _targets(), label=f"round {rnd + 1} before the runs", log=say)
+        # the plans that run come from the median of these rounds: a single noisy round
+        # can solve tensor parallelism to another layout
+        plans = {c.name: _estimate(c, combine(device, sweeps)) for c in candidates}
+        measured = _measure(candidates, plans, args, loads, say, lambda rnd: profile_round(
+            sweeps, _targets(), label=f"with measurement round {rnd + 1}", log=say))
+        profile = combine(device, sweeps)
         saved = result_path(NAME, "_profiles.json")
         saved.write_text(json.dumps(profile))
-        profile_note = (f"measured by this run in {args.rounds} interleaved rounds before the measurements, the "
-                        f"median kept and saved as `{saved.name}`")
-    # every plan that runs is the one the median profile predicts: a single noisy round
-    # can solve tensor parallelism to another layout
-    plans = {c.name: _estimate(c, profile) for c in candidates}
-    runs = [Run(label=c.name, build=build, plan=plans[c.name], batch_fn=batches) for c in candidates]
-    measured = measure_interleaved(runs, rounds=args.rounds, steps=args.steps, log=say,
-                                   before_round=lambda _: loads.append(os.getloadavg()[0]))
+        profile_note = (f"measured by this run in {args.rounds} interleaved rounds before the measurements and one at "
+                        f"the start of every measurement round, saved as `{saved.name}`; the plans that ran are those "
+                        f"of the median over the first {args.rounds} rounds, the predictions shown those of the median "
+                        f"over all (the machine's load drifts over a run)")
+    median = {c.name: _estimate(c, profile) for c in candidates}
+    changed = [c.name for c in candidates if plan_key(median[c.name]) != plan_key(plans[c.name])]
+    # compare what ran: where the median over every round solves a candidate to another
+    # layout, its row keeps the prediction of the plan that ran
+    plans = {c.name: plans[c.name] if c.name in changed else median[c.name] for c in candidates}
     body, rows = _tables(candidates, plans, measured)
     csv_path = write_csv(NAME, rows)
     png = write_png(NAME, _figure(candidates, plans, measured))
@@ -384,12 +402,30 @@ def main() -> None:
         f"{profile_note}. {args.rounds} interleaved rounds of {args.steps} steps (2 untimed) per candidate; load "
         f"average at the start of each round {' / '.join(f'{x:.1f}' for x in loads)} (2 cores, shared); everything "
         f"took {(time.perf_counter() - started) / 60:.1f} min. Per-term predictions and every round are in "
-        f"`{csv_path.name}`.")
+        f"`{csv_path.name}`."
+        + (f" The median over every round solves {', '.join(changed)} to another layout than the one that ran, so "
+           f"{'its row shows' if len(changed) == 1 else 'their rows show'} the prediction of the plan that ran "
+           f"(the rounds before the runs)." if changed else ""))
     text = "\n\n".join([header, body, f"![predicted against measured]({png.name})", NOTES, "Profiles kept (median of the rounds):\n\n" + "\n".join(
         profile_lines(profile))])
     md = write_result(NAME, "Predicted against measured step time and memory on local processes", text)
     print(text)
     print(f"wrote {md} and {csv_path}")
+
+
+def _measure(candidates: Sequence[Candidate], plans: Mapping[str, autopar.Plan], args: argparse.Namespace,
+             loads: list[float], say: Callable[[str], None],
+             also: Callable[[int], None] | None = None) -> dict[str, Measured]:
+    """Every candidate's plan in interleaved rounds, the load average and ``also(round)``
+    (a profile round) first in each."""
+    runs = [Run(label=c.name, build=build, plan=plans[c.name], batch_fn=token_batches(CFG.vocab_size, CFG.seq_len))
+            for c in candidates]
+
+    def before(rnd: int) -> None:
+        loads.append(os.getloadavg()[0])
+        if also is not None:
+            also(rnd)
+    return measure_interleaved(runs, rounds=args.rounds, steps=args.steps, log=say, before_round=before)
 
 
 def _tables(candidates: Sequence[Candidate], plans: Mapping[str, autopar.Plan], measured: Mapping[str, Measured]) -> tuple[str, list[dict[str, Any]]]:

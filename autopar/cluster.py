@@ -245,10 +245,9 @@ class CommCurve:
 
     One line through 1 KiB to 64 MiB misses the middle of real curves: gloo on
     loopback sockets took 2.3 ms for a 512 KiB all-reduce on 2 ranks where the fit
-    through all sizes gave 1.2 (a message over the socket buffer waits for the peer to
-    drain it), and NCCL switches protocols with size. Tensor parallelism's all-reduces
-    sit in that middle, so a tp=2 step was priced 40 ms short
-    (benchmarks/results/predicted_vs_measured_2026-11-30_profiles.json).
+    through all sizes gave 1.2, and NCCL switches protocols with size (nccl-tests'
+    curves bend where it does). Tensor parallelism's all-reduces sit in that middle, so
+    a tp=2 step was priced about 40 ms short.
 
     ``time_s`` never decreases with ``nbytes`` (:meth:`from_medians` makes it so), so an
     interpolated price never drops as a message grows.

@@ -13,12 +13,12 @@ advertised 600 GB/s is a bidirectional total over all links).
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from autopar.errors import ClusterError
+from autopar.comm_curve import CommCurve
+from autopar.errors import ClusterError, check_cluster_positive, check_cluster_seconds
 from autopar.vocab import DType
 
 
@@ -117,7 +117,7 @@ class DeviceSpec:
 
     def __post_init__(self) -> None:
         for attr in ("memory_bytes", "memory_bandwidth_bytes_per_s"):
-            object.__setattr__(self, attr, _check_positive(f"device {self.name!r} {attr}", getattr(self, attr)))
+            object.__setattr__(self, attr, check_cluster_positive(f"device {self.name!r} {attr}", getattr(self, attr)))
         if not (isinstance(self.reserved_bytes, (int, float)) and 0 <= self.reserved_bytes < self.memory_bytes):
             raise ClusterError(f"device {self.name!r} reserved_bytes={self.reserved_bytes!r} is not allowed: it must be "
                                f">= 0 and below memory_bytes={self.memory_bytes!r}.")
@@ -164,7 +164,7 @@ class DeviceSpec:
             raise ClusterError(f"device {self.name!r} has no peak_flops: give at least one precision, e.g. {{'bf16': 3.12e14}}.")
         coerced = {}
         for key, value in self.peak_flops.items():
-            coerced[_dtype(key, f"device {self.name!r} peak_flops")] = _check_positive(f"device {self.name!r} peak_flops[{key}]", value)
+            coerced[_dtype(key, f"device {self.name!r} peak_flops")] = check_cluster_positive(f"device {self.name!r} peak_flops[{key}]", value)
         object.__setattr__(self, "peak_flops", coerced)
         object.__setattr__(self, "preferred_dtype", _dtype(self.preferred_dtype, f"device {self.name!r} preferred_dtype"))
         if self.preferred_dtype not in coerced:
@@ -238,72 +238,6 @@ COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 
 
 @dataclass(frozen=True, kw_only=True)
-class CommCurve:
-    """Measured seconds per call of one collective against its message size, on a group
-    of ``ranks`` ranks: the cost model interpolates it where a group of that size runs
-    the collective, instead of the alpha-beta line.
-
-    One line through 1 KiB to 64 MiB misses the middle of real curves: gloo on
-    loopback sockets took 2.3 ms for a 512 KiB all-reduce on 2 ranks where the fit
-    through all sizes gave 1.2, and NCCL switches protocols with size (nccl-tests'
-    curves bend where it does). Tensor parallelism's all-reduces sit in that middle, so
-    a tp=2 step was priced about 40 ms short.
-
-    ``time_s`` never decreases with ``nbytes`` (:meth:`from_medians` makes it so), so an
-    interpolated price never drops as a message grows.
-    """
-
-    ranks: int
-    nbytes: tuple[float, ...]
-    time_s: tuple[float, ...]
-
-    def __post_init__(self) -> None:
-        if isinstance(self.ranks, bool) or not isinstance(self.ranks, int) or self.ranks < 2:
-            raise ClusterError(f"a collective's curve needs a group of >= 2 ranks, got ranks={self.ranks!r}.")
-        sizes = tuple(_check_positive("curve nbytes", b) for b in self.nbytes)
-        times = tuple(_check_latency("curve time_s", t) for t in self.time_s)
-        if len(sizes) != len(times) or len(sizes) < 2:
-            raise ClusterError(f"a collective's curve needs as many times as sizes, at least two; got "
-                               f"{len(sizes)} sizes and {len(times)} times.")
-        if any(b >= c for b, c in zip(sizes, sizes[1:])) or any(t > u for t, u in zip(times, times[1:])):
-            raise ClusterError("a collective's curve needs increasing sizes and times that never decrease; build it "
-                               "from measurements with CommCurve.from_medians.")
-        object.__setattr__(self, "nbytes", sizes)
-        object.__setattr__(self, "time_s", times)
-
-    @classmethod
-    def from_medians(cls, ranks: int, nbytes: Any, time_s: Any) -> "CommCurve":
-        """The curve from median times per size (any order), made non-decreasing by the
-        least-squares monotone fit (pool-adjacent-violators; Ayer et al. 1955): a larger
-        message never takes less time, so a noisy size that did is pooled with its
-        neighbours rather than believed."""
-        pairs = sorted(zip((float(b) for b in nbytes), (float(t) for t in time_s)))
-        blocks: list[list[float]] = []  # [mean, count]
-        for _, t in pairs:
-            blocks.append([t, 1.0])
-            while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-                mean, count = blocks.pop()
-                before, weight = blocks.pop()
-                blocks.append([(mean * count + before * weight) / (count + weight), count + weight])
-        times = [mean for mean, count in blocks for _ in range(int(count))]
-        return cls(ranks=ranks, nbytes=tuple(b for b, _ in pairs), time_s=tuple(times))
-
-    def seconds(self, nbytes: float, *, beyond_s_per_byte: float) -> float:
-        """Seconds for one call of ``nbytes``: linear between measured sizes, the
-        smallest size's time below them (latency dominates there), and past the
-        largest, its time plus ``beyond_s_per_byte`` for every further byte (the
-        fitted bandwidth's slope)."""
-        sizes, times = self.nbytes, self.time_s
-        if nbytes <= sizes[0]:
-            return times[0]
-        if nbytes >= sizes[-1]:
-            return times[-1] + (nbytes - sizes[-1]) * beyond_s_per_byte
-        i = next(k for k in range(1, len(sizes)) if nbytes <= sizes[k])
-        frac = (nbytes - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
-        return times[i - 1] + frac * (times[i] - times[i - 1])
-
-
-@dataclass(frozen=True, kw_only=True)
 class OpLink:
     """A measured alpha-beta fit of one collective on a link level, and optionally its
     measured curve (:class:`CommCurve`), which prices it on groups of the curve's size.
@@ -324,8 +258,8 @@ class OpLink:
         if self.op not in COLLECTIVE_OPS:
             raise ClusterError(f"link fit op={self.op!r} is not allowed: it must be one of {', '.join(COLLECTIVE_OPS)}.")
         object.__setattr__(self, "bandwidth_bytes_per_s",
-                           _check_positive(f"{self.op} bandwidth_bytes_per_s", self.bandwidth_bytes_per_s))
-        object.__setattr__(self, "latency_s", _check_latency(f"{self.op} latency_s", self.latency_s))
+                           check_cluster_positive(f"{self.op} bandwidth_bytes_per_s", self.bandwidth_bytes_per_s))
+        object.__setattr__(self, "latency_s", check_cluster_seconds(f"{self.op} latency_s", self.latency_s))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -341,8 +275,8 @@ class LinkSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bandwidth_bytes_per_s",
-                           _check_positive("link bandwidth_bytes_per_s", self.bandwidth_bytes_per_s))
-        object.__setattr__(self, "latency_s", _check_latency("link latency_s", self.latency_s))
+                           check_cluster_positive("link bandwidth_bytes_per_s", self.bandwidth_bytes_per_s))
+        object.__setattr__(self, "latency_s", check_cluster_seconds("link latency_s", self.latency_s))
         ops = [f.op for f in self.per_op]
         if len(set(ops)) != len(ops):
             raise ClusterError(f"link per_op has {ops}: give each collective at most one fit.")
@@ -555,15 +489,3 @@ def _dtype(key: object, where: str) -> DType:
     except ValueError:
         allowed = ", ".join(d.value for d in DType)
         raise ClusterError(f"{where}: unknown precision {key!r}; allowed: {allowed}.") from None
-
-
-def _check_latency(name: str, value: object) -> float:
-    if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 <= value < math.inf):
-        raise ClusterError(f"{name}={value!r} is not allowed: it must be a finite number >= 0 seconds.")
-    return float(value)
-
-
-def _check_positive(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
-        raise ClusterError(f"{name}={value!r} is not allowed: it must be a finite number > 0.")
-    return float(value)

@@ -50,3 +50,18 @@ def check_positive_float(name: str, value: object, unit: str = "") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
         raise ConfigError(f"{name}={value!r} is not allowed: it must be a finite number > 0{(' ' + unit) if unit else ''}.")
     return float(value)
+
+
+def check_cluster_positive(name: str, value: object) -> float:
+    """Return ``value`` as float if it is a finite number > 0, else raise ClusterError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < float("inf")):
+        raise ClusterError(f"{name}={value!r} is not allowed: it must be a finite number > 0.")
+    return float(value)
+
+
+def check_cluster_seconds(name: str, value: object) -> float:
+    """Return ``value`` as float if it is a finite number >= 0 (seconds), else raise
+    ClusterError."""
+    if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 <= value < float("inf")):
+        raise ClusterError(f"{name}={value!r} is not allowed: it must be a finite number >= 0 seconds.")
+    return float(value)

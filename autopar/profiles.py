@@ -25,7 +25,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from autopar.cluster import COLLECTIVE_OPS, Cluster, CommCurve, DeviceSpec, LinkSpec, OpLink
+from autopar.cluster import COLLECTIVE_OPS, Cluster, DeviceSpec, LinkSpec, OpLink
+from autopar.comm_curve import CommCurve
 from autopar.cost.compute import rates
 from autopar.cost.memory import optimizer_step_bytes
 from autopar.cost.tensor_parallel import BACKWARD_FACTOR, roofline_s

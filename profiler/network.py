@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from autopar.cluster import CommCurve, LinkSpec, OpLink
+from autopar.cluster import LinkSpec, OpLink
+from autopar.comm_curve import CommCurve
 from autopar.cost.comm import level_s
 from profiler.contention import contended_share
 from profiler.errors import MeasurementError, SettingsError

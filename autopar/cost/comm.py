@@ -8,7 +8,7 @@ all-reduce of the ``1/n_local`` shard across nodes (every local device on its ow
 all-gather inside the node; so each device's inter-node link carries ``1/n_local`` of
 the data. Latency: ``alpha`` per ring step inside a node, a tree (``log2``) across nodes.
 Where a network profile measured a collective on groups of the size that runs it, the
-measured curve replaces the line on that level (:class:`autopar.cluster.CommCurve`).
+measured curve replaces the line on that level (:class:`autopar.comm_curve.CommCurve`).
 
 All functions are pure: numbers in, seconds out.
 """
@@ -75,7 +75,7 @@ def _hierarchical_s(nbytes: float, span: GroupSpan, cluster: Cluster, op: str, c
 def level_s(link: LinkSpec, op: str, nbytes: float, ranks: int, *, calls: int = 1, across_nodes: bool = False) -> float:
     """Seconds of ``op`` over ``ranks`` ranks of one link level, ``nbytes`` split into
     ``calls`` collectives: ``calls`` calls of ``nbytes / calls`` by the curve measured on
-    groups of ``ranks`` ranks where the link has one (:class:`autopar.cluster.CommCurve`:
+    groups of ``ranks`` ranks where the link has one (:class:`autopar.comm_curve.CommCurve`:
     a measured time is the best price of the same collective on the same group size),
     else the alpha-beta model (ring latency, or a tree's ``across_nodes``)."""
     if ranks < 2 or nbytes <= 0:

@@ -98,7 +98,8 @@ def test_a_measured_curve_is_monotone_interpolated_and_checked():
     """A collective's measured curve: pool-adjacent-violators on a hand example, linear
     between sizes, flat below the smallest, the given slope past the largest; bad input
     named."""
-    from autopar.cluster import CommCurve, LinkSpec, OpLink
+    from autopar.cluster import LinkSpec, OpLink
+    from autopar.comm_curve import CommCurve
 
     # 3 ms at 2 KiB then 2 ms at 4 KiB violate monotonicity: both become their mean, 2.5
     curve = CommCurve.from_medians(2, [4096, 1024, 2048, 8192], [2e-3, 1e-3, 3e-3, 4e-3])

@@ -392,7 +392,8 @@ def test_a_measured_curve_prices_its_collective_on_groups_of_its_size():
     line. Hand values on a 4-point curve."""
     import dataclasses
 
-    from autopar.cluster import CommCurve, LinkSpec, OpLink
+    from autopar.cluster import OpLink
+    from autopar.comm_curve import CommCurve
 
     curve = CommCurve(ranks=8, nbytes=(1e3, 1e6, 1e7, 1e8), time_s=(1e-4, 1e-3, 4e-3, 2e-2))
     fit = OpLink(op="all_reduce", bandwidth_bytes_per_s=BI, latency_s=AI, curve=curve)

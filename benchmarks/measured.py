@@ -11,7 +11,7 @@ For a few small models on ``--nproc`` local processes (default 4): the plan
   smallest PP that fits, DP the rest;
 - **ZeRO-3**: data parallelism only, fully sharded (FSDP2).
 
-The profile (``predicted_vs_measured.profile_machine``): layers by one process, the
+The profile (``_local_runs.profile_machine``): layers by one process, the
 network by ``--nproc`` processes at once, at other shapes than the ones trained (GPT seq 256 x 3 against seq 128 x 4;
 the MLP and the CNN at 24 and 12 samples against micro-batches of 4 to 64). Plans that
 came out the same are run once. Runs are interleaved over rounds, and a run's step time
@@ -47,9 +47,9 @@ from autopar.runtime.local import BatchFn, token_batches
 from autopar.search.space import tp_degrees
 
 from _report import result_path, write_csv, write_png, write_result
-from predicted_vs_measured import (CFG as GPT_CFG, PROFILE_BATCH as GPT_PROFILE_BATCH, PROFILE_CFG as GPT_PROFILE_CFG,
-                                   Measured, ProfileTarget, Run, describe, fmt_rounds, measure_interleaved, plan_key,
-                                   profile_lines, profile_machine, reports)
+from _local_runs import (Measured, ProfileTarget, Run, describe, fmt_rounds, measure_interleaved, plan_key, profile_lines,
+                         profile_machine, reports)
+from predicted_vs_measured import CFG as GPT_CFG, PROFILE_BATCH as GPT_PROFILE_BATCH, PROFILE_CFG as GPT_PROFILE_CFG
 
 NAME = "measured"
 MLP_CFG = MLPConfig(in_dim=256, dim=512, ffn_dim=2048, n_layers=4, out_dim=16)

@@ -35,27 +35,22 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 from matplotlib.figure import Figure
 
 import autopar
 from autopar.models import GPT, GPTConfig
-from autopar.runtime.local import BatchFn, LocalRun, cross_entropy, run_locally, token_batches
-from autopar.runtime.mesh import MeshDims
-from autopar.runtime.spmd import SPMDSettings, run_spmd
-from autopar.vocab import TPStyle
+from autopar.runtime.local import token_batches
 from profiler.device import profile_device
-from profiler.layers import profile_model
-from profiler.network import NetworkSweep, profile_network
 
+from _local_runs import (Measured, ProfileTarget, Run, combine, describe, fmt_rounds, measure_interleaved, plan_key,
+                         predicted_peaks, profile_lines, profile_round, reports)
 from _report import result_path, spearman, write_csv, write_png, write_result
 
 NAME = "predicted_vs_measured"
@@ -65,7 +60,6 @@ PROFILE_BATCH = 3
 GLOBAL_BATCH = 16
 TIME_TOLERANCE = 0.20
 MEMORY_TOLERANCE = 0.15
-SETTINGS = SPMDSettings(timeout_s=600, pg_timeout_s=120)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,237 +93,6 @@ CANDIDATES = (
     _c("dp=4", dp=4, micro_batch_size=4),
     _c("dp=2 x pp=2", dp=2, pp=2, micro_batch_size=2),
 )
-
-
-# ---- profiling: shared with benchmarks/measured.py ----
-
-@dataclass(frozen=True, kw_only=True)
-class ProfileTarget:
-    """A model to profile: how to build it and one sample batch at the profiled shape."""
-
-    build: Callable[[], torch.nn.Module]
-    sample: Callable[[], Any]
-
-
-def _profile_rank(rank: int, world: int, targets: Mapping[str, ProfileTarget], max_bytes: int,
-                  command: str) -> dict[str, Any]:
-    out: dict[str, Any] = {"layers": {}, "network": None}
-    for name, target in targets.items() if world == 1 else ():
-        torch.manual_seed(0)
-        model = target.build().train()
-        sample = target.sample()
-        dist.barrier()
-        out["layers"][name] = profile_model(model, sample, name=name, command=command).to_dict()
-        del model
-    if world > 1:
-        dist.barrier()
-        sweep = NetworkSweep(max_bytes=max_bytes, repeats=3)
-        report = profile_network(sweep=sweep, command=command).to_dict()
-        out["network"] = report if rank == 0 else None
-    return out
-
-
-def profile_world(world: int, targets: Mapping[str, ProfileTarget], *, max_bytes: int = 16 * 2**20,
-                  command: str = NAME) -> dict[str, Any]:
-    """One sweep: by one process, its layer reports (``{name: report}``); by ``world > 1``
-    processes at once, their network report."""
-    ranks = run_spmd(_profile_rank, world, targets, max_bytes, command, settings=SETTINGS)
-    return {"layers": ranks[0]["layers"], "network": ranks[0]["network"]}
-
-
-def layers_s(report: Mapping[str, Any]) -> float:
-    """A layer report's forward + backward time of the whole model (every instance)."""
-    return sum((u["fwd"]["median_s"] + u["bwd"]["median_s"]) * len(u["instances"]) for u in report["layers"]["units"])
-
-
-def _network_s(report: Mapping[str, Any]) -> float:
-    """The joint intra-node fit's time for a 1 MiB message: one number to rank sweeps by."""
-    fit = next(f for f in report["network"]["fits"] if f["level"] == "intra" and len(f["ops"]) > 1)
-    return fit["alpha_s"] + 2**20 / fit["bandwidth_bytes_per_s"]
-
-
-def _median_by(items: Sequence[Any], key: Callable[[Any], float]) -> Any:
-    return sorted(items, key=key)[(len(items) - 1) // 2]
-
-
-def combine(device: Mapping[str, Any], sweeps: Mapping[int, Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
-    """The profile to plan with: the median one-process layer report over the sweeps (by
-    :func:`layers_s`) and, per world size, the median network report (by its 1 MiB
-    time), so a burst of load from other jobs does not decide it.
-
-    Returns ``{"device": report, "layers": {name: report}, "layers_s_rounds": {name: [s
-    per sweep]}, "worlds": {w: {"network": report, "network_s_rounds": [s per sweep]}}}``.
-    """
-    taken = sweeps[1]
-    names = list(taken[0]["layers"])
-    worlds = {w: {"network": _median_by([s["network"] for s in runs], _network_s),
-                  "network_s_rounds": [_network_s(s["network"]) for s in runs]}
-              for w, runs in sweeps.items() if w > 1}
-    return {"device": device, "layers": {n: _median_by([s["layers"][n] for s in taken], layers_s) for n in names},
-            "layers_s_rounds": {n: [layers_s(s["layers"][n]) for s in taken] for n in names}, "worlds": worlds}
-
-
-def profile_round(sweeps: dict[int, list[dict[str, Any]]], targets: Mapping[str, ProfileTarget], *, label: str,
-                  command: str = NAME, log: Callable[[str], None] = print) -> None:
-    """One sweep for every world size of ``sweeps`` (:func:`profile_world`), appended to it."""
-    for w in sweeps:
-        start = time.perf_counter()
-        sweeps[w].append(profile_world(w, targets, command=command))
-        log(f"profile {label}, {w} process(es): {time.perf_counter() - start:.0f} s")
-
-
-def profile_machine(worlds: Sequence[int], targets: Mapping[str, ProfileTarget], *, rounds: int = 3,
-                    command: str = NAME, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Profiles of this machine: the device sweep once, in this process (its matmul
-    curves carry the shape dependence), then ``rounds`` interleaved sweeps of the layers
-    by one process and of the network by each ``w > 1`` of ``worlds``
-    (:func:`profile_round`), :func:`combine`-d."""
-    device = profile_device(command=command).to_dict()
-    sweeps: dict[int, list[dict[str, Any]]] = {w: [] for w in sorted({1, *worlds})}
-    for rnd in range(rounds):
-        profile_round(sweeps, targets, label=f"round {rnd + 1}", command=command, log=log)
-    return combine(device, sweeps)
-
-
-def plan_key(plan: autopar.Plan) -> str:
-    """What the runtime does with a plan: equal keys, equal runs."""
-    return json.dumps([plan.config.short(), sorted((k, v.value) for k, v in plan.layer_strategies.tp.items()),
-                       sorted((k, v.value) for k, v in plan.layer_strategies.recompute.items()),
-                       [list(s) for s in plan.stages]])
-
-
-def reports(profile: Mapping[str, Any], world: int, model: str) -> list[Mapping[str, Any]]:
-    """The reports ``autopar.estimate`` / ``autopar.plan`` take for ``model`` on ``world``
-    processes: the device, the model's layers, the network of ``world`` processes."""
-    network = profile["worlds"][world]["network"] if world > 1 else None
-    return [r for r in (profile["device"], profile["layers"][model], network) if r is not None]
-
-
-# ---- measuring: shared with benchmarks/measured.py ----
-
-@dataclass(frozen=True, kw_only=True)
-class Run:
-    """A plan to run and what it is trained on."""
-
-    label: str
-    build: Callable[[], torch.nn.Module]
-    plan: autopar.Plan
-    batch_fn: BatchFn
-    loss_fn: Callable = cross_entropy
-    sample_input: Any = None
-    """One micro-batch of inputs for ``parallelize`` (models without token ids)."""
-
-
-@dataclass(kw_only=True)
-class Measured:
-    """What the rounds measured for one run: each round's median step, the per-rank
-    peaks of the metered run, or the error that stopped it."""
-
-    round_medians_s: list[float] = field(default_factory=list)
-    peak_bytes: tuple[int, ...] = ()
-    error: str = ""
-
-    @property
-    def median_s(self) -> float:
-        return statistics.median(self.round_medians_s) if self.round_medians_s else float("nan")
-
-
-def measure_interleaved(runs: Sequence[Run], *, rounds: int, steps: int, warmup: int = 2, memory: bool = True,
-                        before_round: Callable[[int], None] | None = None,
-                        log: Callable[[str], None] = print) -> dict[str, Measured]:
-    """Run every plan once per round, in forward order on even rounds and reversed on odd
-    ones; peak memory (``memory``) in the first round; ``before_round(r)`` first in
-    each round. A run that fails is recorded, not retried."""
-    out = {r.label: Measured() for r in runs}
-    for rnd in range(rounds):
-        if before_round is not None:
-            before_round(rnd)
-        order = runs if rnd % 2 == 0 else list(reversed(runs))
-        load = os.getloadavg()[0]
-        for run in order:
-            m = out[run.label]
-            if m.error:
-                continue
-            start = time.perf_counter()
-            try:
-                res: LocalRun = run_locally(run.build, run.plan, run.batch_fn, loss_fn=run.loss_fn, steps=steps,
-                                            warmup=warmup, measure_memory=memory and rnd == 0,
-                                            settings=SETTINGS, sample_input=run.sample_input)
-            except Exception as exc:  # one broken plan must not hide the others' numbers
-                m.error = _first_cause(exc)
-                log(f"round {rnd + 1} {run.label}: FAILED {m.error}")
-                continue
-            m.round_medians_s.append(res.median_step_s)
-            if res.peak_memory_bytes:
-                m.peak_bytes = res.peak_memory_bytes
-            log(f"round {rnd + 1} (load {load:.1f}) {run.label}: {res.median_step_s:.3f} s "
-                f"[{time.perf_counter() - start:.0f} s wall]")
-    return out
-
-
-def _first_cause(exc: Exception) -> str:
-    """The first rank's error line of an SPMD failure (else the exception's first line)."""
-    lines = str(exc).splitlines()
-    cause = next((line for line in lines[1:] if line.startswith("rank ")), lines[0] if lines else "")
-    return f"{type(exc).__name__}: {cause[:300]}"
-
-
-def predicted_peaks(plan: autopar.Plan) -> tuple[float, ...]:
-    """The predicted peak bytes of each global rank: its pipeline rank's stages."""
-    dims = MeshDims.of(plan)
-    by_pp: dict[int, float] = {}
-    for s in plan.prediction.stages:
-        by_pp[s.pipeline_rank] = max(by_pp.get(s.pipeline_rank, 0.0), s.memory.total_bytes)
-    return tuple(by_pp[dims.coordinate(r)[0]] for r in range(plan.config.world_size))
-
-
-def describe(plan: autopar.Plan) -> str:
-    """The configuration, with the per-unit recompute where it differs from the config's
-    and the stage split when pipelined."""
-    text = plan.config.short()
-    modes = sorted({m.value for m in plan.layer_strategies.recompute.values()})
-    if modes:
-        text += f"; {len(plan.layer_strategies.recompute)} units recompute={'/'.join(modes)}"
-    if plan.config.pp > 1:
-        text += "; stages of " + "+".join(str(len(s)) for s in plan.stages) + " modules"
-    if plan.config.tp > 1:
-        text += "; sharded " + ", ".join(_sharded_leaves(plan))
-    return text
-
-
-def _sharded_leaves(plan: autopar.Plan) -> list[str]:
-    """``leaf=style (blocks)`` for each sharded leaf of the blocks, then the others: the
-    layout the per-layer search chose, which noisy profiles can change between runs."""
-    blocks: dict[str, list[str]] = {}
-    for fqn, style in plan.layer_strategies.tp.items():
-        if style is TPStyle.REPLICATE:
-            continue
-        parts = fqn.split(".")
-        key, block = (".".join(parts[2:]), parts[1]) if len(parts) > 2 and parts[1].isdigit() else (fqn, "")
-        blocks.setdefault(f"{key}={style.value}", []).append(block)
-    return [f"{leaf} ({' '.join(ids)})" if any(ids) else leaf for leaf, ids in sorted(blocks.items())]
-
-
-def fmt_rounds(values: Sequence[float]) -> str:
-    return " / ".join(f"{v:.3f}" for v in values)
-
-
-def profile_lines(profile: Mapping[str, Any]) -> list[str]:
-    """Markdown bullets: the layer totals of every profile round (their spread is the
-    machine's noise while profiling), then per world size the kept network fit."""
-    lines = ["- layers, one process: " + "; ".join(
-        f"{name} fwd+bwd per round {' / '.join(f'{s * 1e3:.0f}' for s in rounds)} ms"
-        for name, rounds in profile["layers_s_rounds"].items())]
-    for w, per in sorted(profile["worlds"].items(), key=lambda kv: int(kv[0])):
-        net = per["network"]["network"]
-        fit = next(f for f in net["fits"] if f["level"] == "intra" and len(f["ops"]) > 1)
-        lines.append(f"- network, {w} processes: alpha {fit['alpha_s'] * 1e6:.0f} us, busbw "
-                     f"{fit['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s (1 MiB all-reduce-fit time per round: "
-                     f"{' / '.join(f'{s * 1e3:.1f}' for s in per['network_s_rounds'])} ms); framework time "
-                     f"{net.get('tp_overhead_s', 0.0) * 1e6:.0f} us per tensor-parallel layer forward, "
-                     f"{net.get('fsdp_overhead_s', 0.0) * 1e6:.0f} us per FSDP collective; memory bandwidth kept "
-                     f"with all {w} streaming {net.get('memory_share', 1.0):.2f}")
-    return lines
 
 
 # ---- this benchmark ----
@@ -372,12 +135,12 @@ def main() -> None:
         device = profile_device(command=NAME).to_dict()
         sweeps: dict[int, list[dict[str, Any]]] = {w: [] for w in sorted({c.world for c in candidates} | {1})}
         for rnd in range(args.rounds):
-            profile_round(sweeps, _targets(), label=f"round {rnd + 1} before the runs", log=say)
+            profile_round(sweeps, _targets(), label=f"round {rnd + 1} before the runs", command=NAME, log=say)
         # the plans that run come from the median of these rounds: a single noisy round
         # can solve tensor parallelism to another layout
         plans = {c.name: _estimate(c, combine(device, sweeps)) for c in candidates}
         measured = _measure(candidates, plans, args, loads, say, lambda rnd: profile_round(
-            sweeps, _targets(), label=f"with measurement round {rnd + 1}", log=say))
+            sweeps, _targets(), label=f"with measurement round {rnd + 1}", command=NAME, log=say))
         profile = combine(device, sweeps)
         saved = result_path(NAME, "_profiles.json")
         saved.write_text(json.dumps(profile))

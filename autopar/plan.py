@@ -15,7 +15,7 @@ from typing import Any, Literal, Mapping
 
 from autopar.cluster import Cluster
 from autopar.errors import ConfigError, PlanFormatError
-from autopar.serialize import decode, encode
+from autopar.serialize import encode
 from autopar.vocab import ZERO_STAGES, Attention, DType, Optimizer, Recompute, Schedule, TPStyle
 
 SCHEMA_VERSION = 1

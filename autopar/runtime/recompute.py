@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper

@@ -42,8 +42,6 @@ def cost_table(num_units: int, num_stages: int, cost: StageCost) -> np.ndarray:
 def best_split(table: np.ndarray, num_microbatches: int) -> tuple[float, tuple[int, ...]] | None:
     """The split (stage boundaries ``0 = b_0 < ... < b_S = L``) minimising
     ``(m - 1) max c + sum c``, with its value; None if no split fits."""
-    num_stages, n1, _ = table.shape
-    num_units = n1 - 1
     finite = table[np.isfinite(table)]
     if finite.size == 0:
         return None

@@ -3,7 +3,6 @@ modes beats every uniform choice (Checkmate/Korthikanti-style selective recomput
 
 import math
 
-import pytest
 import torch
 
 from autopar import InfeasiblePlanError, plan

@@ -19,7 +19,6 @@ from autopar.cost.tensor_parallel import Layout, TPContext
 from autopar.graph import extract
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, Flow, Leaf, LeafKind, UnitProfile
 from autopar.models import GPT, GPTConfig, build_named_model
-from autopar.plan import ParallelConfig
 from autopar.cost.pipeline import inflight_microbatches
 from autopar.search.evaluate import Evaluator, StagePlan
 from autopar.search.intra_op import LayoutSolver, brute_force_layout
@@ -30,7 +29,7 @@ from autopar.search.split import best_split, brute_force_split
 from autopar.search.stage_solver import (
     Priced, StageChoice, brute_force_stage, homogeneous_times, memory_of, solve_stage,
 )
-from autopar.vocab import DType, Optimizer, Recompute, TPStyle
+from autopar.vocab import DType, Optimizer, TPStyle
 
 
 def _ctx(cluster, *, tp, mbs=1, sp=False, first=False, last=False):

@@ -15,6 +15,8 @@ autopar never imports the profiler, whose report format is plain versioned JSON.
   what the roofline misses (kernel overheads, launch and framework costs) while the
   device curves still carry the shape dependence, so a layer measured at one batch
   predicts another through the curves, not linearly.
+- :func:`recompute_calibration`: what full recomputation of a unit costs, as a fraction
+  of its forward, measured per block.
 """
 
 from __future__ import annotations
@@ -354,6 +356,9 @@ def profile_sources(reports: Sequence[Any]) -> tuple[str, ...]:
                 what = f"device {sec['name']}"
             elif name == "layers":
                 what = f"layers of {sec['model']} (batch {sec['batch']}, seq {sec['seq_len']}, {sec['dtype']})"
+                refwd = _recompute_fractions(sec["units"])
+                if refwd is not None:
+                    what += f", a recomputed forward {refwd[1]:.2f} of the forward"
             else:
                 what = f"network {sec['backend']} x {sec['world_size']} ranks"
             parts.append(f"{what} [{_where(sec)}]")
@@ -435,3 +440,41 @@ def layer_calibration(reports: Sequence[Any], *, base: Cluster | None = None) ->
         for key in (c.fqn, c.signature, *c.instances):
             factors[key] = c.factor
     return factors
+
+
+def recompute_calibration(reports: Sequence[Any]) -> dict[str, float]:
+    """Unit key -> the time full recomputation adds to the unit's backward, as a
+    fraction of its forward (keys as :func:`layer_calibration`'s).
+
+    A layer profile times each block's backward plain and with the block's forward
+    under full recomputation's checkpoint, in turn (:mod:`profiler.layers`); the
+    difference of the medians over the forward's median is the block's fraction. The
+    units the profiler cannot wrap (what runs before the first block and after the
+    last) take the fraction of the measured ones together: their differences over their
+    forwards, each counted once per instance. A difference below zero (noise around a
+    cheap rerun) counts as zero. Empty where no unit has the measurement (a report from
+    before it): the planner then prices a rerun forward as the forward.
+    """
+    found = _latest(read_reports(reports), "layers")
+    measured = _recompute_fractions(found[1]["units"]) if found is not None else None
+    if measured is None:
+        return {}
+    own, overall = measured
+    fractions: dict[str, float] = {}
+    for u in found[1]["units"]:
+        for key in (u["fqn"], u["signature"], *u["instances"]):
+            fractions[key] = own.get(u["signature"], overall)
+    return fractions
+
+
+def _recompute_fractions(units: Sequence[Mapping[str, Any]]) -> tuple[dict[str, float], float] | None:
+    """Per measured unit signature its recompute fraction, and the measured units'
+    together (see :func:`recompute_calibration`); None where no unit was measured."""
+    extra = {u["signature"]: max(float(u["recompute_bwd"]["median_s"]) - float(u["bwd"]["median_s"]), 0.0)
+             for u in units if u.get("recompute_bwd") is not None and float(u["fwd"]["median_s"]) > 0}
+    if not extra:
+        return None
+    measured = [u for u in units if u["signature"] in extra]
+    overall = (sum(len(u["instances"]) * extra[u["signature"]] for u in measured)
+               / sum(len(u["instances"]) * float(u["fwd"]["median_s"]) for u in measured))
+    return {u["signature"]: extra[u["signature"]] / float(u["fwd"]["median_s"]) for u in measured}, overall

@@ -5,7 +5,11 @@ the first block, each block, what runs after the last block with the loss. Ident
 blocks are measured once (:mod:`profiler.unit_runners`), so a 96-block model costs three
 measurements, not 98. For each distinct unit the profiler records:
 
-- forward and backward time (median and range over repeats after warm-up);
+- forward and backward time (median and range over repeats after warm-up), and for a
+  block the backward under full recomputation, timed in turn with the plain run (the
+  rerun forward costs less than the recorded one where autograd's bookkeeping is a
+  large part of the forward, as on a CPU: ``autopar.profiles`` turns the difference
+  into the device's ``recompute_fraction``);
 - forward and backward FLOPs, counted while running it (:mod:`profiler.census`);
 - parameter bytes, activation bytes saved for backward, and peak memory;
 - the unit's kernels as the analytic cost model sees them (from ``autopar.graph``), so
@@ -219,28 +223,40 @@ def _measure(model: nn.Module, graph: LayerGraph, unit: _Distinct, device: torch
         probe = MemoryLap(device, {p.untyped_storage().data_ptr() for p in model.parameters()})
         unit.runner.run(probe)
         saved, peak = probe.saved_bytes, probe.peak_bytes
-    fwd, bwd = _time(unit.runner, device, sweep.repeats, done=sweep.untimed_probes)
+    fwd, bwd, recompute_bwd = _time(unit.runner, device, sweep.repeats, done=sweep.untimed_probes)
     return UnitMeasurement(
         fqn=g_unit.fqn, signature=graph.profiles[g_unit.profile].signature, instances=unit.instances,
-        modules=g_unit.modules, fwd=fwd, bwd=bwd, fwd_flops=flops["fwd"], bwd_flops=flops["bwd"],
+        modules=g_unit.modules, fwd=fwd, bwd=bwd, recompute_bwd=recompute_bwd, fwd_flops=flops["fwd"],
+        bwd_flops=flops["bwd"],
         param_bytes=float(sum(p.numel() * p.element_size() for p in params.values())), saved_bytes=saved,
         peak_bytes=peak, work=work_items(graph.profiles[g_unit.profile], batch))
 
 
-def _time(runner: Any, device: torch.device, repeats: Repeats, *, done: int) -> tuple[Timing, Timing]:
-    """Time ``runner`` after ``repeats.warmup`` untimed runs, ``done`` of which already
-    happened (the FLOP and memory probes run the unit too, so they double as warm-up)."""
+def _time(runner: Any, device: torch.device, repeats: Repeats, *,
+          done: int) -> tuple[Timing, Timing, Timing | None]:
+    """Forward, backward and (where the runner can) recomputing backward times of
+    ``runner`` after ``repeats.warmup`` untimed runs, ``done`` of which already happened
+    (the FLOP and memory probes run the unit too, so they double as warm-up). Each
+    repeat runs the plain and the recomputing pass back to back, so a load that drifts
+    during the sweep moves both alike."""
     lap = _ClockLap(device)
     for _ in range(repeats.warmup - done):
         runner.run(lap)
+        if runner.recomputable:
+            runner.run(lap, recompute=True)
     synchronize(device)
     fwd: list[float] = []
     bwd: list[float] = []
-    while len(fwd) < repeats.repeats and (len(fwd) < repeats.min_repeats or sum(fwd) + sum(bwd) < repeats.budget_s):
+    redo: list[float] = []
+    while len(fwd) < repeats.repeats and (len(fwd) < repeats.min_repeats
+                                          or sum(fwd) + sum(bwd) + sum(redo) < repeats.budget_s):
         runner.run(lap)
         fwd.append(lap.seconds["fwd"])
         bwd.append(lap.seconds["bwd"])
-    return Timing.of(fwd), Timing.of(bwd)
+        if runner.recomputable:
+            runner.run(lap, recompute=True)
+            redo.append(lap.seconds["bwd"])
+    return Timing.of(fwd), Timing.of(bwd), Timing.of(redo) if redo else None
 
 
 def work_items(profile: UnitProfile, batch: int) -> tuple[WorkItem, ...]:

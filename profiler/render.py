@@ -107,8 +107,10 @@ def _layer_blocks(lay: ModelProfile, device: DeviceProfile | None) -> list[_Bloc
     rows = []
     for u in lay.units:
         share = f"{100 * u.achieved_flop_per_s / peak:.0f}%" if peak else "-"
+        redo = "-" if u.recompute_bwd is None else (
+            f"{_ms(u.recompute_bwd.median_s)} (+{(u.recompute_bwd.median_s - u.bwd.median_s) / u.fwd.median_s:.2f} fwd)")
         rows.append((u.fqn, str(len(u.instances)), f"{_ms(u.fwd.median_s)} ({_ms(u.fwd.min_s)}-{_ms(u.fwd.max_s)})",
-                     f"{_ms(u.bwd.median_s)} ({_ms(u.bwd.min_s)}-{_ms(u.bwd.max_s)})",
+                     f"{_ms(u.bwd.median_s)} ({_ms(u.bwd.min_s)}-{_ms(u.bwd.max_s)})", redo,
                      f"{u.fwd_flops / 1e9:.3g} / {u.bwd_flops / 1e9:.3g}", f"{u.achieved_flop_per_s / 1e9:.1f}", share,
                      _mib(u.param_bytes), _mib(u.saved_bytes), _mib(u.peak_bytes)))
     return [
@@ -116,9 +118,10 @@ def _layer_blocks(lay: ModelProfile, device: DeviceProfile | None) -> list[_Bloc
         _Text(f"Batch {lay.batch}, sequence {lay.seq_len}, input {tuple(lay.sample_shape)}, {lay.dtype} on "
               f"{lay.device} ({lay.threads} thread(s), timer {lay.timer}, {lay.warmup} warm-up run(s)). Identical "
               f"blocks are measured once; one training step's forward and backward: "
-              f"{lay.step_s() * 1e3:.1f} ms."),
+              f"{lay.step_s() * 1e3:.1f} ms. The backward recomputing is the backward with the unit's forward "
+              f"under full recomputation's checkpoint, and what that adds as a fraction of the forward."),
         _Figure("unit_times", "Forward and backward time per distinct unit.", lambda: plots.unit_times(lay)),
-        _Table(("unit", "x", "fwd ms (min-max)", "bwd ms (min-max)", "GFLOP fwd / bwd", "GFLOP/s",
+        _Table(("unit", "x", "fwd ms (min-max)", "bwd ms (min-max)", "bwd recomputing ms", "GFLOP fwd / bwd", "GFLOP/s",
                 "of best matmul", "params MiB", "saved MiB", "peak MiB"), tuple(rows)),
         _Figure("unit_rates", "Achieved FLOP/s per unit against the best measured matmul.",
                 lambda: plots.unit_rates(lay, peak)),

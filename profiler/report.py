@@ -218,6 +218,10 @@ class UnitMeasurement:
         instances: every unit of the model with this signature, in execution order.
         modules: the module FQNs the unit holds.
         fwd, bwd: forward and backward time at the measured batch.
+        recompute_bwd: backward time with the unit's forward run under full
+            recomputation's checkpoint, so rerun in backward; None where the unit is not
+            one call that can be wrapped (what runs before the first block or after the
+            last) or the report predates it.
         fwd_flops, bwd_flops: FLOPs counted while running them (math attention kernel).
         param_bytes: parameters of the unit.
         saved_bytes: activation bytes autograd keeps for backward (unique storages,
@@ -239,6 +243,7 @@ class UnitMeasurement:
     saved_bytes: float
     peak_bytes: float
     work: tuple[WorkItem, ...]
+    recompute_bwd: Timing | None = None
 
     @property
     def time_s(self) -> float:

@@ -12,7 +12,10 @@ Identical blocks cost the same, so each distinct unit is run once, in isolation:
 
 A runner calls ``lap.begin(phase)`` and ``lap.end(phase)`` around exactly the unit's
 forward and backward, so one runner serves the clock, the FLOP counter and the memory
-probe alike.
+probe alike. Runners whose unit is one call (a block, a model without blocks) can also
+run it ``recompute=True``: under the non-reentrant checkpoint that full recomputation
+wraps a unit in (``autopar.runtime.recompute``), so the backward includes the rerun
+forward, as in training.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any, Callable, Literal, Protocol
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.checkpoint import checkpoint
 
 from profiler.errors import MeasurementError
 
@@ -78,6 +82,13 @@ def backward_lap(lap: Lap, outputs: Any, grads: list[torch.Tensor] | None) -> No
     lap.begin("bwd")
     _backward(outputs, grads)
     lap.end("bwd")
+
+
+def _call(fn: Callable[..., Any], args: tuple, kwargs: dict, recompute: bool) -> Any:
+    """``fn(*args, **kwargs)``, under a non-reentrant checkpoint with ``recompute``."""
+    if recompute:
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+    return fn(*args, **kwargs)
 
 
 def output_grads(outputs: Any) -> list[torch.Tensor]:
@@ -168,6 +179,8 @@ def _raise_stop() -> None:
 class BlockRunner:
     """A block called on its captured inputs."""
 
+    recomputable = True
+
     def __init__(self, module: nn.Module, captured: tuple[tuple, dict, tuple[bool, ...]]):
         self.module = module
         args, kwargs, needs = captured
@@ -178,11 +191,11 @@ class BlockRunner:
         self.leaves = [t for t in tensors((self.args, self.kwargs)) if t.requires_grad]
         self.grads: list[torch.Tensor] | None = None
 
-    def run(self, lap: Lap) -> None:
-        """One forward and backward."""
+    def run(self, lap: Lap, *, recompute: bool = False) -> None:
+        """One forward and backward (with ``recompute``, the forward rerun in backward)."""
         _clear_grads(self.module, self.leaves)
         lap.begin("fwd")
-        out = self.module(*self.args, **self.kwargs)
+        out = _call(self.module, self.args, self.kwargs, recompute)
         lap.end("fwd")
         self.grads = self.grads if self.grads is not None else output_grads(out)
         backward_lap(lap, out, self.grads)
@@ -196,6 +209,8 @@ def _leaf(x: Any, marks: dict[int, bool]) -> Any:
 
 class PrologueRunner:
     """The model's forward up to the first block (stopped there by a hook)."""
+
+    recomputable = False
 
     def __init__(self, model: nn.Module, inputs: tuple[tuple, dict], first_block: nn.Module):
         self.model, self.inputs, self.first = model, inputs, first_block
@@ -228,6 +243,8 @@ class EpilogueRunner:
     """The model's forward with every block short-circuited, timed from the last
     block's (cached) output to the loss, and the loss's backward."""
 
+    recomputable = False
+
     def __init__(self, model: nn.Module, inputs: tuple[tuple, dict], loss_fn: Callable[[Any], torch.Tensor],
                  blocks: dict[str, Any], captured: Captured):
         self.model, self.inputs, self.loss_fn = model, inputs, loss_fn
@@ -256,13 +273,16 @@ class EpilogueRunner:
 class WholeRunner:
     """A model without blocks: the whole forward, the loss, and its backward."""
 
+    recomputable = True
+
     def __init__(self, model: nn.Module, inputs: tuple[tuple, dict], loss_fn: Callable[[Any], torch.Tensor]):
         self.model, self.inputs, self.loss_fn = model, inputs, loss_fn
 
-    def run(self, lap: Lap) -> None:
-        """One forward and backward."""
+    def run(self, lap: Lap, *, recompute: bool = False) -> None:
+        """One forward and backward (with ``recompute``, the model's forward rerun in
+        backward; the loss is not part of the checkpoint, as in training)."""
         _clear_grads(self.model, [])
         lap.begin("fwd")
-        loss = self.loss_fn(self.model(*self.inputs[0], **self.inputs[1]))
+        loss = self.loss_fn(_call(self.model, self.inputs[0], self.inputs[1], recompute))
         lap.end("fwd")
         backward_lap(lap, loss, None)

@@ -89,6 +89,9 @@ class TPContext:
         sequence_parallel: norms may take the ``sequence`` style.
         compute_scale: measured over predicted compute time of this unit (1 without a
             profile): a profiled layer keeps its measured efficiency at every shape.
+        recompute_fraction: what rerunning this unit's forward in backward (full
+            recomputation) costs, as a fraction of its forward compute (1 without a
+            profile; :func:`autopar.profiles.recompute_calibration`).
         op_overhead_s: framework time per dispatched op (eager dispatch and autograd),
             paid once per op whatever its size.
         tp_overhead_s: extra framework time per forward of a leaf in a tensor-parallel
@@ -109,6 +112,7 @@ class TPContext:
     loss_parallel: bool
     sequence_parallel: bool
     compute_scale: float = 1.0
+    recompute_fraction: float = 1.0
     op_overhead_s: float = 0.0
     tp_overhead_s: float = 0.0
     exposed_weight_traffic: bool = False
@@ -310,6 +314,13 @@ class UnitCost:
         fwd_syncs, bwd_syncs: the blocking collectives behind that time, where the
             group's ranks wait for each other (:mod:`autopar.cost.sync`).
         attn_fwd_s: forward time of the attention core (what selective recompute redoes).
+        loss_fwd_compute_s, loss_fwd_comm_s, loss_fwd_syncs: the part of the forward
+            that is the loss (the last unit's glue into its output, and a
+            vocabulary-parallel loss's reductions): full recomputation does not rerun it,
+            since the runtime checkpoints the unit's modules and the loss runs outside
+            them (measured on the benchmark GPT: the head and loss are an eighth of its
+            forward, and one process with full recomputation measured 0.79 of the
+            recomputation priced with them).
         param_numel: parameters held.
         saved_bytes: activations kept for backward (no recomputation), attention core
             excluded; ``attn_saved_bytes``: the attention core's.
@@ -330,6 +341,9 @@ class UnitCost:
     fwd_syncs: int
     bwd_syncs: int
     attn_fwd_s: float
+    loss_fwd_compute_s: float
+    loss_fwd_comm_s: float
+    loss_fwd_syncs: int
     param_numel: float
     saved_bytes: float
     attn_saved_bytes: float
@@ -382,7 +396,7 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
     t = ctx.tp
     fwd_compute = sum(leaf_fwd_s(leaf, s, ctx) for leaf, s in zip(profile.leaves, styles))
     accumulate = sum(leaf_accumulate_s(leaf, s, ctx) for leaf, s in zip(profile.leaves, styles))
-    attn_fwd = 0.0
+    attn_fwd = loss_fwd = 0.0
     saved = sum(_shard(leaf.saved_bytes * b, STYLE_IO[s][0], t) for leaf, s in zip(profile.leaves, styles))
     attn_saved = 0.0
     conversions: dict[tuple[int, Layout], Layout] = {}
@@ -392,7 +406,10 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         a = out_layout(profile, styles, ctx, flow.src)
         need = in_layout(styles, output, flow.dst)
         g = glue_layout(a, need)
-        fwd_compute += glue_fwd_s(flow, g, ctx)
+        glue = glue_fwd_s(flow, g, ctx)
+        fwd_compute += glue
+        if ctx.last and flow.dst == UNIT_OUTPUT:
+            loss_fwd += glue
         attn_fwd += glue_fwd_s(flow, g, ctx, attention_only=True)
         saved += _shard(flow.saved_bytes * b, g, t)
         attn_saved += _shard(flow.attn_saved_bytes * b, g, t)
@@ -413,9 +430,9 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         r = reduction_s(a, largest[src] * b, ctx)
         bwd_comm += r
         bwd_syncs += r > 0
-    if ctx.last and output is Layout.F:
-        fwd_comm += loss_parallel_s(ctx)
-        fwd_syncs += LOSS_PARALLEL_REDUCTIONS
+    loss_comm, loss_syncs = (loss_parallel_s(ctx), LOSS_PARALLEL_REDUCTIONS) if ctx.last and output is Layout.F else (0.0, 0)
+    fwd_comm += loss_comm
+    fwd_syncs += loss_syncs
     params = sum(leaf_param_numel(leaf, s, t) for leaf, s in zip(profile.leaves, styles))
     factored = sum(leaf_factored_numel(leaf, s, t) for leaf, s in zip(profile.leaves, styles))
     largest = max((_shard(f.tensor_bytes * b, out_layout(profile, styles, ctx, f.src), t) for f in profile.flows),
@@ -424,6 +441,7 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         styles=styles, output=output, fwd_compute_s=fwd_compute,
         bwd_compute_s=BACKWARD_FACTOR * fwd_compute + accumulate,
         fwd_comm_s=fwd_comm, bwd_comm_s=bwd_comm, fwd_syncs=fwd_syncs, bwd_syncs=bwd_syncs, attn_fwd_s=attn_fwd,
+        loss_fwd_compute_s=loss_fwd, loss_fwd_comm_s=loss_comm, loss_fwd_syncs=loss_syncs,
         param_numel=params, saved_bytes=saved,
         attn_saved_bytes=attn_saved, input_bytes=_shard(profile.input_bytes * b, ctx.input_layout, t),
         output_bytes=_shard(profile.output_bytes * b, output if not ctx.last else Layout.R, t),

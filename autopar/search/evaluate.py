@@ -68,6 +68,8 @@ class Evaluator:
     micro_batches: tuple[int, ...] = ()
     calibration: Mapping[str, float] = field(default_factory=dict)
     """Unit profile signature -> measured / predicted compute time, from a profile."""
+    recompute_fractions: Mapping[str, float] = field(default_factory=dict)
+    """Unit profile signature -> recomputed over recorded forward time, from a profile."""
     _options: dict = field(default_factory=dict, repr=False)
     memo: dict = field(default_factory=dict, repr=False)
 
@@ -120,6 +122,7 @@ class Evaluator:
             first=unit == 0, last=unit == n - 1, loss_parallel=self.graph.vocab_size > 0,
             sequence_parallel=config.sequence_parallel,
             compute_scale=self.calibration.get(self.graph.profile_of(unit).signature, 1.0),
+            recompute_fraction=self.recompute_fractions.get(self.graph.profile_of(unit).signature, 1.0),
             op_overhead_s=self.cluster.device.op_overhead_s, tp_overhead_s=self.cluster.device.tp_overhead_s,
             exposed_weight_traffic=self.cluster.device.exposed_weight_traffic)
 

@@ -8,7 +8,6 @@ costed. A hand-written configuration is the same search with every field fixed.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -70,12 +69,12 @@ def plan(model: nn.Module | LayerGraph, cluster: Cluster, *, global_batch_size: 
     started = time.perf_counter()
     check_positive_int("global_batch_size", global_batch_size)
     fixed = check_constraints(constraints)
-    cluster, sources, calibration = _apply_profile(cluster, profile)
+    cluster, sources, calibration, refwd = _apply_profile(cluster, profile)
     graph = _graph(model, cluster, fixed, seq_len, sample_input, attention)
     evaluator = Evaluator(graph=graph, cluster=cluster, optimizer=Optimizer(optimizer),
                           global_batch_size=global_batch_size, solver=solver,
                           micro_batches=micro_batch_range(graph, cluster, global_batch_size, fixed),
-                          calibration=calibration)
+                          calibration=calibration, recompute_fractions=refwd)
     result = search(evaluator, fixed, top=top)
     if not result.best.fits:
         raise _infeasible(result, cluster, graph)
@@ -99,11 +98,12 @@ def estimate(model: nn.Module | LayerGraph, cluster: Cluster, config: Mapping[st
     check_positive_int("global_batch_size", global_batch_size)
     given = dict(config.__dict__) if isinstance(config, ParallelConfig) else dict(config)
     fixed = check_constraints(given)
-    cluster, sources, calibration = _apply_profile(cluster, profile)
+    cluster, sources, calibration, refwd = _apply_profile(cluster, profile)
     fixed = _complete(fixed, cluster, global_batch_size)
     graph = _graph(model, cluster, fixed, seq_len, sample_input, attention)
     evaluator = Evaluator(graph=graph, cluster=cluster, optimizer=Optimizer(optimizer),
-                          global_batch_size=global_batch_size, solver=solver, calibration=calibration)
+                          global_batch_size=global_batch_size, solver=solver, calibration=calibration,
+                          recompute_fractions=refwd)
     result = search(evaluator, fixed, top=0)
     if not result.best.fits:
         result = replace(result, best=_overflow(evaluator, result.best.config, fixed))
@@ -299,16 +299,20 @@ def _notes(graph: LayerGraph, config: ParallelConfig, strategies) -> tuple[str, 
     return tuple(notes)
 
 
-def _apply_profile(cluster: Cluster, profile: Any) -> tuple[Cluster, tuple[str, ...], dict[str, float]]:
+def _apply_profile(cluster: Cluster, profile: Any
+                   ) -> tuple[Cluster, tuple[str, ...], dict[str, float], dict[str, float]]:
     """Measured numbers replace the analytic defaults: device curves and links in the
-    cluster, and per-unit compute factors for the units the profile measured."""
+    cluster, and per-unit compute factors and recompute fractions for the units the
+    profile measured."""
     if profile is None:
-        return cluster, (), {}
-    from autopar.profiles import cluster_from_profiles, has_layers, layer_calibration, profile_sources
+        return cluster, (), {}, {}
+    from autopar.profiles import (cluster_from_profiles, has_layers, layer_calibration, profile_sources,
+                                  recompute_calibration)
 
     reports = profile if isinstance(profile, (list, tuple)) else [profile]
     calibration = layer_calibration(reports, base=cluster) if has_layers(reports) else {}
-    return cluster_from_profiles(reports, base=cluster), profile_sources(reports), calibration
+    return (cluster_from_profiles(reports, base=cluster), profile_sources(reports), calibration,
+            recompute_calibration(reports))
 
 
 __all__ = ["plan", "estimate", "search", "SearchResult"]

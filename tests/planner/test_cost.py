@@ -438,3 +438,47 @@ def test_a_row_parallel_head_holds_the_reduced_logits_three_times():
         styles = tuple(style if leaf.name == "output" else TPStyle.REPLICATE for leaf in head.leaves)
         held = evaluate_layout(head, styles, output, ctx).saved_bytes
         assert held - evaluate_layout(head, styles, output, inner).saved_bytes == pytest.approx(extra), style
+
+
+def test_full_recomputation_reruns_the_forward_but_the_loss_at_the_measured_fraction():
+    """The last unit's glue into its output is the loss, which runs outside the modules
+    the runtime checkpoints, as do a vocabulary-parallel loss's three reductions: full
+    recomputation reruns the rest of the forward, its compute at the unit's measured
+    fraction and its collectives whole."""
+    import dataclasses
+
+    from autopar.graph import UNIT_OUTPUT
+    from autopar.models import GPT, GPTConfig
+    from autopar.search.options import make_option
+    from autopar.vocab import Recompute
+
+    cfg = GPTConfig(vocab_size=2048, seq_len=64, dim=128, n_layers=1, n_heads=4)
+    graph = extract(GPT(cfg), seq_len=cfg.seq_len, dtype=DType.FP32)
+    head = graph.profile_of(len(graph.units) - 1)
+    c = Cluster.preset("local-cpu", devices_per_node=2)
+    ctx = TPContext(tp=2, span=group_span(2, 1, 2), cluster=c, rates=rates(c.device, DType.FP32), micro_batch=4,
+                    tokens=cfg.seq_len, boundary=Layout.R, first=False, last=True, loss_parallel=True,
+                    sequence_parallel=False)
+    no_loss = dataclasses.replace(head, flows=tuple(
+        dataclasses.replace(f, glue_flops=0.0, glue_bytes=0.0, glue_ops=0.0) if f.dst == UNIT_OUTPUT else f
+        for f in head.flows))
+    for style, output, reductions in ((TPStyle.COLUMN, Layout.F, 3), (TPStyle.REPLICATE, Layout.R, 0)):
+        styles = tuple(style if leaf.name == "output" else TPStyle.REPLICATE for leaf in head.leaves)
+        cost = evaluate_layout(head, styles, output, ctx)
+        assert cost.loss_fwd_compute_s > 0
+        assert cost.fwd_compute_s - cost.loss_fwd_compute_s == pytest.approx(
+            evaluate_layout(no_loss, styles, output, ctx).fwd_compute_s, rel=1e-12)
+        assert cost.loss_fwd_syncs == reductions
+        assert cost.loss_fwd_comm_s == (pytest.approx(3 * all_reduce_s(4 * cfg.seq_len * 4, ctx.span, c))
+                                        if reductions else 0.0)
+    block = evaluate_layout(graph.profile_of(1), (TPStyle.REPLICATE,) * len(graph.profile_of(1).leaves), Layout.R,
+                            TPContext(**{**ctx.__dict__, "last": False}))
+    assert (block.loss_fwd_compute_s, block.loss_fwd_comm_s, block.loss_fwd_syncs) == (0.0, 0.0, 0)
+    lay = dataclasses.replace(block, fwd_compute_s=10.0, loss_fwd_compute_s=2.0, fwd_comm_s=3.0, loss_fwd_comm_s=1.0,
+                              bwd_compute_s=20.0, bwd_comm_s=4.0, fwd_syncs=5, loss_fwd_syncs=3, bwd_syncs=2)
+    full = make_option(lay, Recompute.FULL, 100.0, 7.0, 0.5)
+    assert full.recompute_s == 0.5 * (10 - 2) + (3 - 1)
+    assert (full.fwd_s, full.bwd_s) == (13.0, 20 + 4 + 6)
+    assert (full.tp_comm_s, full.syncs, full.recompute_flops) == (3 + 4 + 2, 5 + 2 + 2, 100.0)
+    kept = make_option(lay, Recompute.NONE, 100.0, 7.0, 0.5)
+    assert (kept.recompute_s, kept.bwd_s, kept.tp_comm_s, kept.syncs) == (0.0, 24.0, 7.0, 7)

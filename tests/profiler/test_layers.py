@@ -12,6 +12,7 @@ from profiler.census import FlopLap, MemoryLap, math_attention
 from profiler.errors import MeasurementError
 from profiler.layers import LayerSweep, profile_model
 from profiler.timing import Repeats
+from profiler.unit_runners import BlockRunner
 
 FAST = LayerSweep(repeats=Repeats(warmup=1, repeats=3, min_repeats=3, budget_s=2.0))
 B, S, H, V, L = 2, 64, 128, 256, 4
@@ -97,6 +98,31 @@ class _Allocations:
         grad = torch.ones(3 * mib)
         lap.end("bwd")
         del kept, grad
+
+
+def test_blocks_are_timed_recomputing_their_forward_and_the_rest_not(gpt_report):
+    _model, _x, report, _lines = gpt_report
+    timed = {u.fqn: u.recompute_bwd for u in report.layers.units}
+    assert timed.pop("layers.0") is not None
+    assert timed and all(t is None for t in timed.values())  # what runs before and after the blocks
+
+
+def test_the_recomputing_run_reruns_the_blocks_forward_in_backward():
+    """Counted, not timed: under the checkpoint the block's forward starts twice per run
+    (once more in backward; a pre-hook, since the rerun stops once it has rebuilt what
+    backward needs), without it once; the gradients are the same."""
+    calls = []
+    block = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    block.register_forward_pre_hook(lambda *_: calls.append(1))
+    runner = BlockRunner(block, ((torch.randn(4, 8),), {}, (True,)))
+    lap = FlopLap()
+    runner.run(lap)
+    plain = [p.grad.clone() for p in block.parameters()]
+    assert len(calls) == 1
+    runner.run(lap, recompute=True)
+    assert len(calls) == 3
+    for p, g in zip(block.parameters(), plain):
+        assert torch.allclose(p.grad, g)
 
 
 def test_cpu_peak_memory_against_known_allocations():

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from profile_factories import device, full, layers, network
+from profile_factories import device, exact, full, layers, network
 
 import autopar
 from autopar.cluster import Cluster
@@ -16,7 +16,8 @@ from autopar.errors import ClusterError
 from autopar.graph import extract
 from autopar.models import GPT, GPTConfig
 from autopar.presets import build_preset
-from autopar.profiles import calibrate_units, cluster_from_profiles, layer_calibration, profile_sources
+from autopar.profiles import (calibrate_units, cluster_from_profiles, layer_calibration, profile_sources,
+                              recompute_calibration)
 from autopar.vocab import DType, TPStyle
 from profiler.layers import LayerSweep, profile_model
 from profiler.report import ProfileReport
@@ -197,8 +198,6 @@ def test_the_planner_takes_reports():
     assert slower.prediction.step_time_s > 10 * plan.prediction.step_time_s  # 100x slower device
 
 
-@pytest.mark.skipif("compute_scale" not in TPContext.__dataclass_fields__,
-                    reason="needs TPContext.compute_scale, the cost model's calibration hook on main")
 def test_calibrated_cost_model_reproduces_the_measurement():
     """With each unit's factor as its compute scale, the cost model's unit time at the
     measured shape equals the measured time plus the gradient accumulation the
@@ -371,3 +370,43 @@ def test_the_profiler_subtracts_transfers_priced_as_the_planner_prices_them():
     span = GroupSpan(size=2, per_node=2, nodes=1)
     for nbytes in (512, 1024, 3000, 6144, 1e5):
         assert cost(nbytes) == pytest.approx(all_reduce_s(nbytes, span, c))
+
+
+def test_recompute_fractions_per_block_and_for_the_units_in_between():
+    """Each block's fraction is (recomputing backward - backward) / forward; a unit the
+    profiler cannot wrap takes the measured units' together, counted per instance; a
+    report without the measurement gives none (the planner keeps 1)."""
+    base = layers(fwd_s=0.02, bwd_s=0.04).layers
+    a = dataclasses.replace(base.units[0], recompute_bwd=exact(0.055))  # 2 instances: (0.055 - 0.04) / 0.02
+    b = dataclasses.replace(a, fqn="layers.2", signature="sig-other", instances=("layers.2",), fwd=exact(0.01),
+                            bwd=exact(0.02), recompute_bwd=exact(0.03))  # 1 instance: 1.0
+    head = dataclasses.replace(a, fqn="norm+output", signature="sig-head", instances=("norm+output",),
+                               recompute_bwd=None)
+    rep = ProfileReport(layers=dataclasses.replace(base, units=(a, b, head)))
+    fractions = recompute_calibration([rep])
+    assert fractions["layers.0"] == fractions["layers.1"] == fractions["sig-block"] == pytest.approx(0.75)
+    assert fractions["layers.2"] == pytest.approx(1.0)
+    assert fractions["norm+output"] == pytest.approx((2 * 0.015 + 0.01) / (2 * 0.02 + 0.01))
+    assert "a recomputed forward 0.80 of the forward" in profile_sources([rep])[0]
+    assert recompute_calibration([layers()]) == {}
+    noisy = dataclasses.replace(base, units=(dataclasses.replace(a, recompute_bwd=exact(0.03)),))
+    assert recompute_calibration([ProfileReport(layers=noisy)])["layers.0"] == 0.0  # faster than plain: noise
+
+
+def test_the_planner_prices_full_recomputation_at_the_measured_fraction():
+    """One block kind, so every unit takes the blocks' fraction f: at tp=1 the
+    recomputation the plan predicts is f times what it predicts from the same profile
+    without the measurement."""
+    report, _graph = _measured_gpt(2)
+    lay = report.layers
+    f = recompute_calibration([report])["layers.0"]
+    assert 0 < f
+    bare = ProfileReport.merge(ProfileReport(device=report.device), ProfileReport(layers=dataclasses.replace(
+        lay, units=tuple(dataclasses.replace(u, recompute_bwd=None) for u in lay.units))))
+    model = GPT(GPTConfig(vocab_size=256, seq_len=32, dim=64, n_layers=2, n_heads=4))
+    cluster = Cluster.preset("local-cpu", devices_per_node=1)
+    config = {"dp": 1, "tp": 1, "pp": 1, "micro_batch_size": 2, "recompute": "full"}
+    with_f, without = (autopar.estimate(model, cluster, config, global_batch_size=4, seq_len=32, profile=[r])
+                       for r in (report, bare))
+    redo = [sum(s.recompute_s for s in p.prediction.stages) for p in (with_f, without)]
+    assert redo[1] > 0 and redo[0] == pytest.approx(f * redo[1], rel=1e-9)

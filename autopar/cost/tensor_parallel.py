@@ -286,13 +286,29 @@ REDUCED_OUTPUT_COPIES = 2
 """Extra copies of a model output that a row-parallel leaf all-reduces (partial -> replicated)
 before the loss, held as long as the output: DTensor's functional all-reduce clones the
 partial sums into a fresh buffer and wraps the result for autograd, and all three storages
-live while the output does. The last pipeline stage holds its output until that
-micro-batch's backward (``torch.distributed.pipelining``'s ``fwd_cache``). Measured with
-torch 2.13 on 2 gloo ranks: after a column/row pair's forward, three output-sized storages
-were alive where the replicated pair kept one; once a consumer had used the output and it
-was dropped, all three were freed, so a row leaf inside a unit costs nothing lasting. A
-tp=2 GPT whose head was row-parallel peaked at 98 MiB per rank, predicted 78 MiB without
-them and 86 with them (benchmarks/results/predicted_vs_measured_2026-11-30.md)."""
+live while the output does. Measured with torch 2.13 on 2 gloo ranks: after a column/row
+pair's forward, three output-sized storages were alive where the replicated pair kept one;
+once a consumer had used the output and it was dropped, all three were freed, so a row
+leaf inside a unit costs nothing lasting. A tp=2 GPT whose head was row-parallel peaked at
+98 MiB per rank, predicted 78 MiB without them and 86 with them
+(benchmarks/results/predicted_vs_measured_2026-11-30.md)."""
+
+
+def held_output_bytes(flow: Flow, a: Layout, need: Layout, ctx: TPContext) -> float:
+    """Bytes the model's output (a flow into the last unit's output) holds per
+    micro-batch beyond what autograd saves: ``torch.distributed.pipelining`` keeps each
+    stage's output until that micro-batch's backward (``PipelineStage.fwd_cache``), and
+    a cross-entropy saves its log-probabilities, not the logits. The output in the layout
+    the loss takes (a vocabulary-sharded one in shards), with a row-parallel head's
+    copies (:data:`REDUCED_OUTPUT_COPIES`). Measured on one process (the benchmark GPT,
+    4 x 128 tokens, vocabulary 2048): the step peaked at the loss 4.0 MiB (the logits)
+    above the prediction without them, at 16 samples 16 MiB. A loss that saves the
+    output itself (a mean squared error) has it counted twice, a small output in practice."""
+    if not ctx.last or flow.dst != UNIT_OUTPUT:
+        return 0.0
+    nbytes = flow.tensor_bytes * ctx.micro_batch
+    copies = REDUCED_OUTPUT_COPIES if a is Layout.P and need is Layout.R else 0
+    return _shard(nbytes, need, ctx.tp) + copies * nbytes
 
 
 def loss_parallel_s(ctx: TPContext) -> float:
@@ -413,8 +429,7 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         attn_fwd += glue_fwd_s(flow, g, ctx, attention_only=True)
         saved += _shard(flow.saved_bytes * b, g, t)
         attn_saved += _shard(flow.attn_saved_bytes * b, g, t)
-        if ctx.last and flow.dst == UNIT_OUTPUT and a is Layout.P and need is Layout.R:
-            saved += REDUCED_OUTPUT_COPIES * flow.tensor_bytes * b
+        saved += held_output_bytes(flow, a, need, ctx)
         conversions[(flow.src, need)] = a
         if need is Layout.R and flow.dst >= 0 and styles[flow.dst] is TPStyle.COLUMN:
             partial[flow.src] = a

@@ -416,11 +416,12 @@ def test_a_measured_curve_prices_its_collective_on_groups_of_its_size():
     assert p2p_s(1e6, cross_node=False, cluster=c) == pytest.approx(1e6 / BI + AI)
 
 
-def test_a_row_parallel_head_holds_the_reduced_logits_three_times():
-    """A head whose output is all-reduced before the loss (row-parallel) holds DTensor's
-    two extra copies of the logits with them, until that micro-batch's backward: b s V 4
-    bytes twice more than when the loss is elsewhere; a vocabulary-sharded (column) head
-    holds none."""
+def test_the_head_holds_its_logits_and_a_row_parallel_one_three_times():
+    """The pipeline schedule holds the model's output until that micro-batch's backward
+    (the loss saves its log-probabilities, not the logits): b s V 4 bytes more than the
+    same unit holds where it is not the last, a vocabulary-sharded (column) head its
+    shard, and a head whose output is all-reduced before the loss (row-parallel)
+    DTensor's two extra copies too."""
     from autopar.models import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=2048, seq_len=64, dim=128, n_layers=1, n_heads=4)
@@ -433,8 +434,8 @@ def test_a_row_parallel_head_holds_the_reduced_logits_three_times():
                     sequence_parallel=False)
     inner = TPContext(**{**ctx.__dict__, "last": False})
     logits = b * cfg.seq_len * cfg.vocab_size * 4
-    for style, output, extra in ((TPStyle.ROW, Layout.R, 2 * logits),
-                                 (TPStyle.COLUMN, Layout.F, 0.0), (TPStyle.REPLICATE, Layout.R, 0.0)):
+    for style, output, extra in ((TPStyle.ROW, Layout.R, 3 * logits),
+                                 (TPStyle.COLUMN, Layout.F, logits / 2), (TPStyle.REPLICATE, Layout.R, logits)):
         styles = tuple(style if leaf.name == "output" else TPStyle.REPLICATE for leaf in head.leaves)
         held = evaluate_layout(head, styles, output, ctx).saved_bytes
         assert held - evaluate_layout(head, styles, output, inner).saved_bytes == pytest.approx(extra), style
@@ -482,3 +483,19 @@ def test_full_recomputation_reruns_the_forward_but_the_loss_at_the_measured_frac
     assert (full.tp_comm_s, full.syncs, full.recompute_flops) == (3 + 4 + 2, 5 + 2 + 2, 100.0)
     kept = make_option(lay, Recompute.NONE, 100.0, 7.0, 0.5)
     assert (kept.recompute_s, kept.bwd_s, kept.tp_comm_s, kept.syncs) == (0.0, 24.0, 7.0, 7)
+
+
+def test_the_first_backward_peak_by_hand():
+    """Units in forward order with activations (4, 2, 6), transients (1, 5, 2) and
+    gradients of 3 each. One micro-batch: at the middle unit's backward the first two
+    units' activations (6), the last unit's gradients (3) and its transient (5) are
+    alive, 14, tied with the last unit's (12 + 0 + 2) and found first. Two in flight:
+    the other micro-batch adds all its activations (12) to each moment, 26; after the
+    first micro-batch's backward every gradient exists but one micro-batch's
+    activations are gone, at most 12 + 9 + 2 = 23."""
+    from autopar.search.predict import _first_backward_peak
+
+    acts, transients, grads = [4.0, 2.0, 6.0], [1.0, 5.0, 2.0], [3.0, 3.0, 3.0]
+    assert _first_backward_peak(acts, transients, grads, 1) == (6.0, 3.0, 5.0)
+    assert _first_backward_peak(acts, transients, grads, 2) == (18.0, 3.0, 5.0)
+    assert _first_backward_peak([0.0], [0.0], [9.0], 1) == (0.0, 9.0, 0.0)  # only the gradients

@@ -13,8 +13,9 @@ Add) over arrays from in-cache to far beyond the last-level cache.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -22,7 +23,7 @@ from profiler.errors import MeasurementError, SettingsError
 from profiler.framework_overhead import tp_overhead_s
 from profiler.machine import cpu_model, physical_memory_bytes, provenance
 from profiler.report import BandwidthPoint, DeviceProfile, MatmulPoint, ProfileReport
-from profiler.timing import Repeats, time_call, timer_name
+from profiler.timing import Repeats, time_call, time_calls, timer_name
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MIB = 2**20
@@ -82,10 +83,9 @@ def profile_device(*, device: torch.device | str | None = None, sweep: DeviceSwe
                 skipped[name] = reason
                 say(f"matmul {name}: skipped ({reason})")
                 continue
-            for n in sizes:
-                point = measure_matmul(n, n, n, name, dev, sweep.repeats)
+            for point in measure_matmuls([(n, n, n) for n in sizes], name, dev, sweep.repeats):
                 points.append(point)
-                say(f"matmul {name} {n}x{n}x{n}: {point.achieved_flop_per_s / 1e9:.1f} GFLOP/s")
+                say(f"matmul {name} {point.m}x{point.n}x{point.k}: {point.achieved_flop_per_s / 1e9:.1f} GFLOP/s")
         op_overhead = measure_op_overhead(dev, sweep.repeats)
         say(f"framework overhead: {op_overhead * 1e6:.1f} us per op")
         tp_overhead = measure_tp_overhead(sweep.repeats) if dev.type == "cpu" else 0.0
@@ -188,14 +188,21 @@ def _tp_overhead_rank(rank: int, world: int, repeats: Repeats) -> float:
     return tp_overhead_s(mesh, torch.device("cpu"), repeats, all_reduce_s=lambda nbytes: 0.0)
 
 
-def measure_matmul(m: int, n: int, k: int, dtype: str, device: torch.device, repeats: Repeats) -> MatmulPoint:
-    """Time ``(m, k) @ (k, n)`` into a preallocated output."""
+def measure_matmuls(shapes: Sequence[tuple[int, int, int]], dtype: str, device: torch.device,
+                    repeats: Repeats) -> list[MatmulPoint]:
+    """Time ``(m, k) @ (k, n)`` into a preallocated output for each ``(m, n, k)``,
+    interleaved (:func:`profiler.timing.time_calls`): the curve's points see the same
+    load, so a burst does not bend it at one size."""
     dt = TORCH_DTYPES[dtype]
-    a = torch.randn(m, k, device=device).to(dt)
-    b = torch.randn(k, n, device=device).to(dt)
-    out = torch.empty(m, n, device=device, dtype=dt)
-    timing = time_call(lambda: torch.mm(a, b, out=out), device=device, settings=repeats)
-    return MatmulPoint(dtype=dtype, m=m, n=n, k=k, flops=2.0 * m * n * k, time=timing)
+    calls = []
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device=device).to(dt)
+        b = torch.randn(k, n, device=device).to(dt)
+        out = torch.empty(m, n, device=device, dtype=dt)
+        calls.append(functools.partial(torch.mm, a, b, out=out))
+    timings = time_calls(calls, device=device, settings=repeats)
+    return [MatmulPoint(dtype=dtype, m=m, n=n, k=k, flops=2.0 * m * n * k, time=t)
+            for (m, n, k), t in zip(shapes, timings)]
 
 
 def measure_stream(kernel: str, array_bytes: int, device: torch.device, repeats: Repeats) -> BandwidthPoint:

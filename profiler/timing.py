@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -90,25 +90,42 @@ def synchronize(device: torch.device) -> None:
 
 def time_call(fn: Callable[[], Any], *, device: torch.device, settings: Repeats) -> Timing:
     """Time ``fn()`` per call: warm-up, then samples until ``settings`` say stop."""
+    return time_calls([fn], device=device, settings=settings)[0]
+
+
+def time_calls(fns: Sequence[Callable[[], Any]], *, device: torch.device, settings: Repeats) -> list[Timing]:
+    """Time each of ``fns`` per call, their samples interleaved: every round takes one
+    sample of each, so a burst of load from another process lands on one sample of
+    each (which the median drops) instead of on every sample of one. On this shared box
+    a matmul timed in one block came out at 75 GFLOP/s in one profile and 91 in the next,
+    which moved every prediction at that shape. ``settings.budget_s`` is per call."""
     watch = Stopwatch(device)
+    inners = [_calls_per_sample(fn, watch, device, settings) for fn in fns]
+    samples: list[list[float]] = [[] for _ in fns]
+    spent = 0.0
+    while len(samples[0]) < settings.repeats and (len(samples[0]) < settings.min_repeats
+                                                  or spent < settings.budget_s * len(fns)):
+        for fn, inner, taken in zip(fns, inners, samples):
+            watch.start()
+            for _ in range(inner):
+                fn()
+            elapsed = watch.stop()
+            spent += elapsed
+            taken.append(elapsed / inner)
+    return [Timing.of(taken) for taken in samples]
+
+
+def _calls_per_sample(fn: Callable[[], Any], watch: Stopwatch, device: torch.device, settings: Repeats) -> int:
+    """Warm ``fn`` up, then double the calls per sample until a sample lasts
+    ``settings.min_sample_s``."""
     for _ in range(settings.warmup):
         fn()
     synchronize(device)
     inner = 1
-    while True:  # double the calls per sample until a sample lasts min_sample_s
+    while True:
         watch.start()
         for _ in range(inner):
             fn()
         if watch.stop() >= settings.min_sample_s or inner >= 8192:
-            break
+            return inner
         inner *= 2
-    samples: list[float] = []
-    spent = 0.0
-    while len(samples) < settings.repeats and (len(samples) < settings.min_repeats or spent < settings.budget_s):
-        watch.start()
-        for _ in range(inner):
-            fn()
-        elapsed = watch.stop()
-        spent += elapsed
-        samples.append(elapsed / inner)
-    return Timing.of(samples)

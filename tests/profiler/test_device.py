@@ -8,7 +8,7 @@ import torch
 from profiler.device import DeviceSweep, profile_device
 from profiler.errors import SettingsError
 from profiler.machine import physical_memory_bytes
-from profiler.timing import Repeats, time_call
+from profiler.timing import Repeats, time_call, time_calls
 
 FAST = Repeats(warmup=1, repeats=3, min_repeats=3, budget_s=0.2)
 
@@ -79,6 +79,23 @@ def test_time_call_against_a_known_duration():
     t = time_call(nap, device=torch.device("cpu"), settings=Repeats(warmup=2, repeats=4, min_repeats=4))
     assert t.repeats == 4 and len(calls) == 2 + 1 + 4
     assert t.min_s >= 0.003  # sleep never returns early
+
+
+def test_time_calls_interleaves_their_samples():
+    """After each call's warm-up and calibration, every round samples each call once, so
+    a burst of load from elsewhere lands on one sample of each."""
+    order = []
+
+    def napper(name, seconds):
+        def nap():
+            order.append(name)
+            time.sleep(seconds)
+        return nap
+
+    a, b = time_calls([napper("a", 0.002), napper("b", 0.004)], device=torch.device("cpu"),
+                      settings=Repeats(warmup=2, repeats=4, min_repeats=4))
+    assert order == ["a"] * 3 + ["b"] * 3 + ["a", "b"] * 4
+    assert a.repeats == b.repeats == 4 and a.min_s >= 0.002 and b.min_s >= 0.004
 
 
 def test_time_call_repeats_tiny_work_inside_a_sample():

@@ -437,8 +437,12 @@ def test_the_head_holds_its_logits_and_a_row_parallel_one_three_times():
     for style, output, extra in ((TPStyle.ROW, Layout.R, 3 * logits),
                                  (TPStyle.COLUMN, Layout.F, logits / 2), (TPStyle.REPLICATE, Layout.R, logits)):
         styles = tuple(style if leaf.name == "output" else TPStyle.REPLICATE for leaf in head.leaves)
-        held = evaluate_layout(head, styles, output, ctx).saved_bytes
-        assert held - evaluate_layout(head, styles, output, inner).saved_bytes == pytest.approx(extra), style
+        cost = evaluate_layout(head, styles, output, ctx)
+        assert cost.saved_bytes - evaluate_layout(head, styles, output, inner).saved_bytes == pytest.approx(extra), style
+        # the loss's backward holds one more gradient of the logits as the head lays them
+        # out (partial sums are whole), freed before the head's own backward
+        assert cost.loss_working_bytes == pytest.approx(logits / 2 if output is Layout.F else logits), style
+        assert evaluate_layout(head, styles, output, inner).loss_working_bytes == 0.0
 
 
 def test_full_recomputation_reruns_the_forward_but_the_loss_at_the_measured_fraction():

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from autopar.comm_curve import CommCurve
-from autopar.errors import ClusterError, check_cluster_positive, check_cluster_seconds
+from autopar.errors import ClusterError, check_cluster_seconds, check_positive_float
 from autopar.vocab import DType
 
 
@@ -117,7 +117,8 @@ class DeviceSpec:
 
     def __post_init__(self) -> None:
         for attr in ("memory_bytes", "memory_bandwidth_bytes_per_s"):
-            object.__setattr__(self, attr, check_cluster_positive(f"device {self.name!r} {attr}", getattr(self, attr)))
+            object.__setattr__(self, attr, check_positive_float(f"device {self.name!r} {attr}", getattr(self, attr),
+                                                                error=ClusterError))
         if not (isinstance(self.reserved_bytes, (int, float)) and 0 <= self.reserved_bytes < self.memory_bytes):
             raise ClusterError(f"device {self.name!r} reserved_bytes={self.reserved_bytes!r} is not allowed: it must be "
                                f">= 0 and below memory_bytes={self.memory_bytes!r}.")
@@ -164,7 +165,8 @@ class DeviceSpec:
             raise ClusterError(f"device {self.name!r} has no peak_flops: give at least one precision, e.g. {{'bf16': 3.12e14}}.")
         coerced = {}
         for key, value in self.peak_flops.items():
-            coerced[_dtype(key, f"device {self.name!r} peak_flops")] = check_cluster_positive(f"device {self.name!r} peak_flops[{key}]", value)
+            coerced[_dtype(key, f"device {self.name!r} peak_flops")] = check_positive_float(
+                f"device {self.name!r} peak_flops[{key}]", value, error=ClusterError)
         object.__setattr__(self, "peak_flops", coerced)
         object.__setattr__(self, "preferred_dtype", _dtype(self.preferred_dtype, f"device {self.name!r} preferred_dtype"))
         if self.preferred_dtype not in coerced:
@@ -258,7 +260,7 @@ class OpLink:
         if self.op not in COLLECTIVE_OPS:
             raise ClusterError(f"link fit op={self.op!r} is not allowed: it must be one of {', '.join(COLLECTIVE_OPS)}.")
         object.__setattr__(self, "bandwidth_bytes_per_s",
-                           check_cluster_positive(f"{self.op} bandwidth_bytes_per_s", self.bandwidth_bytes_per_s))
+                           check_positive_float(f"{self.op} bandwidth_bytes_per_s", self.bandwidth_bytes_per_s, error=ClusterError))
         object.__setattr__(self, "latency_s", check_cluster_seconds(f"{self.op} latency_s", self.latency_s))
 
 
@@ -275,7 +277,7 @@ class LinkSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bandwidth_bytes_per_s",
-                           check_cluster_positive("link bandwidth_bytes_per_s", self.bandwidth_bytes_per_s))
+                           check_positive_float("link bandwidth_bytes_per_s", self.bandwidth_bytes_per_s, error=ClusterError))
         object.__setattr__(self, "latency_s", check_cluster_seconds("link latency_s", self.latency_s))
         ops = [f.op for f in self.per_op]
         if len(set(ops)) != len(ops):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.errors import ClusterError, check_cluster_positive, check_cluster_seconds
+from autopar.errors import ClusterError, check_cluster_seconds, check_positive_float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,7 +32,7 @@ class CommCurve:
     def __post_init__(self) -> None:
         if isinstance(self.ranks, bool) or not isinstance(self.ranks, int) or self.ranks < 2:
             raise ClusterError(f"a collective's curve needs a group of >= 2 ranks, got ranks={self.ranks!r}.")
-        sizes = tuple(check_cluster_positive("curve nbytes", b) for b in self.nbytes)
+        sizes = tuple(check_positive_float("curve nbytes", b, error=ClusterError) for b in self.nbytes)
         times = tuple(check_cluster_seconds("curve time_s", t) for t in self.time_s)
         if len(sizes) != len(times) or len(sizes) < 2:
             raise ClusterError(f"a collective's curve needs as many times as sizes, at least two; got "

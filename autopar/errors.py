@@ -45,17 +45,12 @@ def check_positive_int(name: str, value: object, hint: str = "") -> int:
     return value
 
 
-def check_positive_float(name: str, value: object, unit: str = "") -> float:
-    """Return ``value`` as float if it is a finite number > 0, else raise ConfigError."""
+def check_positive_float(name: str, value: object, unit: str = "", *,
+                         error: type[ConfigError] = ConfigError) -> float:
+    """Return ``value`` as float if it is a finite number > 0, else raise ``error``
+    (a cluster description's values raise ClusterError)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
-        raise ConfigError(f"{name}={value!r} is not allowed: it must be a finite number > 0{(' ' + unit) if unit else ''}.")
-    return float(value)
-
-
-def check_cluster_positive(name: str, value: object) -> float:
-    """Return ``value`` as float if it is a finite number > 0, else raise ClusterError."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < float("inf")):
-        raise ClusterError(f"{name}={value!r} is not allowed: it must be a finite number > 0.")
+        raise error(f"{name}={value!r} is not allowed: it must be a finite number > 0{(' ' + unit) if unit else ''}.")
     return float(value)
 
 

@@ -8,8 +8,8 @@ measurements, not 98. For each distinct unit the profiler records:
 - forward and backward time (median and range over repeats after warm-up), and for a
   block the backward under full recomputation, timed in turn with the plain run (the
   rerun forward costs less than the recorded one where autograd's bookkeeping is a
-  large part of the forward, as on a CPU: ``autopar.profiles`` turns the difference
-  into the device's ``recompute_fraction``);
+  large part of the forward, as on a CPU: ``autopar.profiles.recompute_calibration``
+  turns the difference into each unit's recompute fraction);
 - forward and backward FLOPs, counted while running it (:mod:`profiler.census`);
 - parameter bytes, activation bytes saved for backward, and peak memory;
 - the unit's kernels as the analytic cost model sees them (from ``autopar.graph``), so

@@ -295,8 +295,8 @@ leaf inside a unit costs nothing lasting. A tp=2 GPT whose head was row-parallel
 
 
 def held_output_bytes(flow: Flow, a: Layout, need: Layout, ctx: TPContext) -> float:
-    """Bytes the model's output (a flow into the last unit's output) holds per
-    micro-batch beyond what autograd saves: ``torch.distributed.pipelining`` keeps each
+    """Bytes the model's output (``flow``, into the last unit's output, from a producer
+    in layout ``a``) holds per micro-batch beyond what autograd saves: ``torch.distributed.pipelining`` keeps each
     stage's output until that micro-batch's backward (``PipelineStage.fwd_cache``), and
     a cross-entropy saves its log-probabilities, not the logits. The output in the layout
     the loss takes (a vocabulary-sharded one in shards), with a row-parallel head's
@@ -304,8 +304,6 @@ def held_output_bytes(flow: Flow, a: Layout, need: Layout, ctx: TPContext) -> fl
     4 x 128 tokens, vocabulary 2048): the step peaked at the loss 4.0 MiB (the logits)
     above the prediction without them, at 16 samples 16 MiB. A loss that saves the
     output itself (a mean squared error) has it counted twice, a small output in practice."""
-    if not ctx.last or flow.dst != UNIT_OUTPUT:
-        return 0.0
     nbytes = flow.tensor_bytes * ctx.micro_batch
     copies = REDUCED_OUTPUT_COPIES if a is Layout.P and need is Layout.R else 0
     return _shard(nbytes, need, ctx.tp) + copies * nbytes
@@ -420,7 +418,7 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
     t = ctx.tp
     fwd_compute = sum(leaf_fwd_s(leaf, s, ctx) for leaf, s in zip(profile.leaves, styles))
     accumulate = sum(leaf_accumulate_s(leaf, s, ctx) for leaf, s in zip(profile.leaves, styles))
-    attn_fwd = loss_fwd = 0.0
+    attn_fwd = loss_fwd = loss_input = 0.0
     saved = sum(_shard(leaf.saved_bytes * b, STYLE_IO[s][0], t) for leaf, s in zip(profile.leaves, styles))
     attn_saved = 0.0
     conversions: dict[tuple[int, Layout], Layout] = {}
@@ -432,12 +430,13 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         g = glue_layout(a, need)
         glue = glue_fwd_s(flow, g, ctx)
         fwd_compute += glue
-        if ctx.last and flow.dst == UNIT_OUTPUT:
-            loss_fwd += glue
         attn_fwd += glue_fwd_s(flow, g, ctx, attention_only=True)
         saved += _shard(flow.saved_bytes * b, g, t)
         attn_saved += _shard(flow.attn_saved_bytes * b, g, t)
-        saved += held_output_bytes(flow, a, need, ctx)
+        if ctx.last and flow.dst == UNIT_OUTPUT:  # into the loss
+            loss_fwd += glue
+            loss_input = max(loss_input, _shard(flow.tensor_bytes * b, a, t))
+            saved += held_output_bytes(flow, a, need, ctx)
         conversions[(flow.src, need)] = a
         if need is Layout.R and flow.dst >= 0 and styles[flow.dst] is TPStyle.COLUMN:
             partial[flow.src] = a
@@ -460,8 +459,6 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
     factored = sum(leaf_factored_numel(leaf, s, t) for leaf, s in zip(profile.leaves, styles))
     largest = max((_shard(f.tensor_bytes * b, out_layout(profile, styles, ctx, f.src), t) for f in profile.flows),
                   default=0.0)
-    loss_input = max((_shard(f.tensor_bytes * b, out_layout(profile, styles, ctx, f.src), t) for f in profile.flows
-                      if ctx.last and f.dst == UNIT_OUTPUT), default=0.0)
     return UnitCost(
         styles=styles, output=output, fwd_compute_s=fwd_compute,
         bwd_compute_s=BACKWARD_FACTOR * fwd_compute + accumulate,

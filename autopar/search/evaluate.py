@@ -115,14 +115,15 @@ class Evaluator:
     def tp_context(self, unit: int, config: ParallelConfig) -> TPContext:
         """The tensor-parallel context of a unit under ``config``."""
         n = len(self.graph.units)
+        signature = self.graph.profile_of(unit).signature
         return TPContext(
             tp=config.tp, span=group_span(config.tp, 1, self.cluster.devices_per_node), cluster=self.cluster,
             rates=rates(self.cluster.device, config.dtype), micro_batch=config.micro_batch_size,
             tokens=self.graph.seq_len, boundary=Layout.Q if config.sequence_parallel else Layout.R,
             first=unit == 0, last=unit == n - 1, loss_parallel=self.graph.vocab_size > 0,
             sequence_parallel=config.sequence_parallel,
-            compute_scale=self.calibration.get(self.graph.profile_of(unit).signature, 1.0),
-            recompute_fraction=self.recompute_fractions.get(self.graph.profile_of(unit).signature, 1.0),
+            compute_scale=self.calibration.get(signature, 1.0),
+            recompute_fraction=self.recompute_fractions.get(signature, 1.0),
             op_overhead_s=self.cluster.device.op_overhead_s, tp_overhead_s=self.cluster.device.tp_overhead_s,
             exposed_weight_traffic=self.cluster.device.exposed_weight_traffic)
 

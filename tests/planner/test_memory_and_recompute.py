@@ -1,0 +1,143 @@
+"""Memory and recomputation terms of the cost model against hand counts: model states by
+ZeRO stage, what the head holds for the loss, what full recomputation reruns, and where
+a rank that runs every forward first peaks."""
+
+import pytest
+
+from autopar import Cluster
+from autopar.cost.comm import all_reduce_s, group_span
+from autopar.cost.compute import rates
+from autopar.cost.memory import state_bytes
+from autopar.cost.tensor_parallel import Layout, TPContext, evaluate_layout
+from autopar.graph import extract
+from autopar.vocab import DType, Optimizer, TPStyle
+
+
+@pytest.mark.parametrize("zero, dp, expected", [
+    (0, 8, 4 + 2 + 4 + 8),          # ZeRO paper's mixed-precision Adam, with fp32 gradients: 18 B/param
+    (1, 8, 4 + 2 + 4 + 8 / 8),
+    (2, 8, 4 / 8 + 2 + 4 / 8 + 8 / 8),
+    (3, 8, (4 + 4 + 8) / 8),
+])
+def test_model_state_bytes_per_parameter(zero, dp, expected):
+    st = state_bytes(param_numel=1.0, factored_numel=0.0, largest_unit_numel=0.0, dtype=DType.BF16,
+                     optimizer=Optimizer.ADAM, zero_stage=zero, dp=dp, pipelined=False)
+    assert st.params_bytes + st.grads_bytes + st.optimizer_bytes == pytest.approx(expected)
+
+
+def test_model_states_other_cases():
+    fp32 = state_bytes(param_numel=1.0, factored_numel=0.0, largest_unit_numel=0.0, dtype=DType.FP32,
+                       optimizer=Optimizer.SGD, zero_stage=0, dp=1, pipelined=False)
+    assert fp32.params_bytes + fp32.grads_bytes + fp32.optimizer_bytes == 12  # weight, grad, momentum
+    piped = state_bytes(param_numel=1.0, factored_numel=0.0, largest_unit_numel=0.0, dtype=DType.BF16,
+                        optimizer=Optimizer.ADAM, zero_stage=3, dp=4, pipelined=True)
+    # pipelining keeps FSDP2's unsharded compute copy and accumulates unsharded fp32 grads
+    assert piped.params_bytes + piped.grads_bytes + piped.optimizer_bytes == pytest.approx(4 / 4 + 2 + 4 / 4 + 4 + 8 / 4)
+    z3 = state_bytes(param_numel=100.0, factored_numel=0.0, largest_unit_numel=10.0, dtype=DType.BF16,
+                     optimizer=Optimizer.ADAM, zero_stage=3, dp=4, pipelined=False)
+    assert z3.transient_bytes == pytest.approx(2 * 10 * 2 + 10 * 4)  # two gathered units + one unsharded grad
+    ada = state_bytes(param_numel=1000.0, factored_numel=60.0, largest_unit_numel=0.0, dtype=DType.FP32,
+                      optimizer=Optimizer.ADAFACTOR, zero_stage=0, dp=1, pipelined=False)
+    assert ada.optimizer_bytes == 240.0
+
+
+@pytest.mark.parametrize("dtype, dp, pipelined, tp, params", [
+    (DType.FP32, 2, True, 1, 4 + 4),    # FSDP2 replicate (pipelined): a gathered fp32 copy beside the weights
+    (DType.FP32, 2, False, 2, 4 + 4),   # replicate for DTensor (tensor-parallel) parameters too
+    (DType.FP32, 2, False, 1, 4),       # DDP: the weights only
+    (DType.FP32, 1, True, 2, 4),        # no data parallelism, no wrapper
+    (DType.BF16, 2, True, 1, 4 + 2),    # replicate gathers the bf16 compute copy, which autocast would make anyway
+])
+def test_zero0_parameters_under_replicate(dtype, dp, pipelined, tp, params):
+    st = state_bytes(param_numel=1.0, factored_numel=0.0, largest_unit_numel=0.0, dtype=dtype,
+                     optimizer=Optimizer.SGD, zero_stage=0, dp=dp, pipelined=pipelined, tp=tp)
+    assert st.params_bytes == pytest.approx(params)
+
+
+def test_the_head_holds_its_logits_and_a_row_parallel_one_three_times():
+    """The pipeline schedule holds the model's output until that micro-batch's backward
+    (the loss saves its log-probabilities, not the logits): b s V 4 bytes more than the
+    same unit holds where it is not the last, a vocabulary-sharded (column) head its
+    shard, and a head whose output is all-reduced before the loss (row-parallel)
+    DTensor's two extra copies too."""
+    from autopar.models import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=2048, seq_len=64, dim=128, n_layers=1, n_heads=4)
+    graph = extract(GPT(cfg), seq_len=cfg.seq_len, dtype=DType.FP32)
+    head = graph.profile_of(len(graph.units) - 1)
+    c = Cluster.preset("local-cpu", devices_per_node=2)
+    b = 4
+    ctx = TPContext(tp=2, span=group_span(2, 1, 2), cluster=c, rates=rates(c.device, DType.FP32), micro_batch=b,
+                    tokens=cfg.seq_len, boundary=Layout.R, first=False, last=True, loss_parallel=True,
+                    sequence_parallel=False)
+    inner = TPContext(**{**ctx.__dict__, "last": False})
+    logits = b * cfg.seq_len * cfg.vocab_size * 4
+    for style, output, extra in ((TPStyle.ROW, Layout.R, 3 * logits),
+                                 (TPStyle.COLUMN, Layout.F, logits / 2), (TPStyle.REPLICATE, Layout.R, logits)):
+        styles = tuple(style if leaf.name == "output" else TPStyle.REPLICATE for leaf in head.leaves)
+        cost = evaluate_layout(head, styles, output, ctx)
+        assert cost.saved_bytes - evaluate_layout(head, styles, output, inner).saved_bytes == pytest.approx(extra), style
+        # the loss's backward holds one more gradient of the logits as the head lays them
+        # out (partial sums are whole), freed before the head's own backward
+        assert cost.loss_working_bytes == pytest.approx(logits / 2 if output is Layout.F else logits), style
+        assert evaluate_layout(head, styles, output, inner).loss_working_bytes == 0.0
+
+
+def test_full_recomputation_reruns_the_forward_but_the_loss_at_the_measured_fraction():
+    """The last unit's glue into its output is the loss, which runs outside the modules
+    the runtime checkpoints, as do a vocabulary-parallel loss's three reductions: full
+    recomputation reruns the rest of the forward, its compute at the unit's measured
+    fraction and its collectives whole."""
+    import dataclasses
+
+    from autopar.graph import UNIT_OUTPUT
+    from autopar.models import GPT, GPTConfig
+    from autopar.search.options import make_option
+    from autopar.vocab import Recompute
+
+    cfg = GPTConfig(vocab_size=2048, seq_len=64, dim=128, n_layers=1, n_heads=4)
+    graph = extract(GPT(cfg), seq_len=cfg.seq_len, dtype=DType.FP32)
+    head = graph.profile_of(len(graph.units) - 1)
+    c = Cluster.preset("local-cpu", devices_per_node=2)
+    ctx = TPContext(tp=2, span=group_span(2, 1, 2), cluster=c, rates=rates(c.device, DType.FP32), micro_batch=4,
+                    tokens=cfg.seq_len, boundary=Layout.R, first=False, last=True, loss_parallel=True,
+                    sequence_parallel=False)
+    no_loss = dataclasses.replace(head, flows=tuple(
+        dataclasses.replace(f, glue_flops=0.0, glue_bytes=0.0, glue_ops=0.0) if f.dst == UNIT_OUTPUT else f
+        for f in head.flows))
+    for style, output, reductions in ((TPStyle.COLUMN, Layout.F, 3), (TPStyle.REPLICATE, Layout.R, 0)):
+        styles = tuple(style if leaf.name == "output" else TPStyle.REPLICATE for leaf in head.leaves)
+        cost = evaluate_layout(head, styles, output, ctx)
+        assert cost.loss_fwd_compute_s > 0
+        assert cost.fwd_compute_s - cost.loss_fwd_compute_s == pytest.approx(
+            evaluate_layout(no_loss, styles, output, ctx).fwd_compute_s, rel=1e-12)
+        assert cost.loss_fwd_syncs == reductions
+        assert cost.loss_fwd_comm_s == (pytest.approx(3 * all_reduce_s(4 * cfg.seq_len * 4, ctx.span, c))
+                                        if reductions else 0.0)
+    block = evaluate_layout(graph.profile_of(1), (TPStyle.REPLICATE,) * len(graph.profile_of(1).leaves), Layout.R,
+                            TPContext(**{**ctx.__dict__, "last": False}))
+    assert (block.loss_fwd_compute_s, block.loss_fwd_comm_s, block.loss_fwd_syncs) == (0.0, 0.0, 0)
+    lay = dataclasses.replace(block, fwd_compute_s=10.0, loss_fwd_compute_s=2.0, fwd_comm_s=3.0, loss_fwd_comm_s=1.0,
+                              bwd_compute_s=20.0, bwd_comm_s=4.0, fwd_syncs=5, loss_fwd_syncs=3, bwd_syncs=2)
+    full = make_option(lay, Recompute.FULL, 100.0, 7.0, 0.5)
+    assert full.recompute_s == 0.5 * (10 - 2) + (3 - 1)
+    assert (full.fwd_s, full.bwd_s) == (13.0, 20 + 4 + 6)
+    assert (full.tp_comm_s, full.syncs, full.recompute_flops) == (3 + 4 + 2, 5 + 2 + 2, 100.0)
+    kept = make_option(lay, Recompute.NONE, 100.0, 7.0, 0.5)
+    assert (kept.recompute_s, kept.bwd_s, kept.tp_comm_s, kept.syncs) == (0.0, 24.0, 7.0, 7)
+
+
+def test_the_first_backward_peak_by_hand():
+    """Units in forward order with activations (4, 2, 6), transients (1, 5, 2) and
+    gradients of 3 each. One micro-batch: at the middle unit's backward the first two
+    units' activations (6), the last unit's gradients (3) and its transient (5) are
+    alive, 14, tied with the last unit's (12 + 0 + 2) and found first. Two in flight:
+    the other micro-batch adds all its activations (12) to each moment, 26; after the
+    first micro-batch's backward every gradient exists but one micro-batch's
+    activations are gone, at most 12 + 9 + 2 = 23."""
+    from autopar.search.predict import _first_backward_peak
+
+    acts, transients, grads = [4.0, 2.0, 6.0], [1.0, 5.0, 2.0], [3.0, 3.0, 3.0]
+    assert _first_backward_peak(acts, transients, grads, 1) == (6.0, 3.0, 5.0)
+    assert _first_backward_peak(acts, transients, grads, 2) == (18.0, 3.0, 5.0)
+    assert _first_backward_peak([0.0], [0.0], [9.0], 1) == (0.0, 9.0, 0.0)  # only the gradients

@@ -123,10 +123,26 @@ class TPContext:
         return Layout.R if self.first else self.boundary
 
     def output_layouts(self) -> tuple[Layout, ...]:
-        """Layouts the unit's output may take."""
+        """Layouts the unit's output may take (which one, :func:`model_output_layout`)."""
         if self.last:
             return (Layout.R, Layout.F) if self.loss_parallel and self.tp > 1 else (Layout.R,)
         return (self.boundary,)
+
+
+def model_output_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], ctx: TPContext) -> Layout:
+    """The layout of the unit's output under ``styles``, as the runtime realises it
+    (``autopar.runtime.layouts``): the boundary layout between units; the model's output
+    vocabulary-sharded for a loss that can read it so (the loss then runs under
+    ``loss_parallel``) where a column-parallel leaf produces it, else replicated. The
+    search never gathers a column-parallel head's logits for a replicated loss, since
+    the runtime would not: a tp=2 plan priced that way was predicted 2 MiB short of its
+    peak at the loss, and without the loss's reductions."""
+    layouts = ctx.output_layouts()
+    if len(layouts) == 1:
+        return layouts[0]
+    column = any(f.dst == UNIT_OUTPUT and f.src != UNIT_INPUT and styles[f.src] is TPStyle.COLUMN
+                 for f in profile.flows)
+    return Layout.F if column else Layout.R
 
 
 def padded(n: int, tp: int) -> int:
@@ -282,6 +298,16 @@ LOSS_PARALLEL_REDUCTIONS = 3
 the target logit."""
 
 
+LOSS_PARALLEL_WORKING_COPIES = 1
+"""Logits shards a vocabulary-parallel cross-entropy's backward holds beyond a plain one's:
+measured with torch 2.13 on 2 gloo ranks (``loss_parallel`` over DTensor logits, three
+shapes from 2 x 64 x 4096 to 4 x 128 x 8192), the loss's forward and backward peaked 4.0
+shards above its input where ``F.cross_entropy`` on a local tensor of one shard's size
+peaked 3.0 above it; after the forward both kept one (the log-probabilities). A tp=2 GPT
+with a column-parallel head peaked at its loss 3.0 MiB (1.5 shards) above the prediction
+without it."""
+
+
 REDUCED_OUTPUT_COPIES = 2
 """Extra copies of a model output that a row-parallel leaf all-reduces (partial -> replicated)
 before the loss, held as long as the output: DTensor's functional all-reduce clones the
@@ -343,9 +369,11 @@ class UnitCost:
         factored_numel: optimizer state elements of a factored optimizer (Adafactor:
             one row and one column vector per local weight matrix, vectors in full).
         working_bytes: backward working memory: the gradients of the largest tensor
-            flowing in the unit (its output gradient and its input gradient).
+            flowing in the unit (its output gradient and its input gradient), and a
+            vocabulary-parallel loss's extra shard (:data:`LOSS_PARALLEL_WORKING_COPIES`).
         loss_working_bytes: of that, what only the loss's backward holds (the gradient
-            of the loss's input, the logits, in their layout): it is freed before the
+            of the loss's input, the logits, in their layout, and a vocabulary-parallel
+            loss's extra shard): it is freed before the
             unit's own backward starts, so it never meets a sharded optimizer's gathers
             and reductions for the unit, which begin at that point (FSDP2's pre-backward
             hook). Measured on 2 ZeRO-3 ranks (benchmark GPT): the step peaked 6.0 MiB
@@ -453,6 +481,7 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         bwd_comm += r
         bwd_syncs += r > 0
     loss_comm, loss_syncs = (loss_parallel_s(ctx), LOSS_PARALLEL_REDUCTIONS) if ctx.last and output is Layout.F else (0.0, 0)
+    loss_working = loss_input * (1 + (LOSS_PARALLEL_WORKING_COPIES if ctx.last and output is Layout.F else 0))
     fwd_comm += loss_comm
     fwd_syncs += loss_syncs
     params = sum(leaf_param_numel(leaf, s, t) for leaf, s in zip(profile.leaves, styles))
@@ -467,4 +496,5 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         param_numel=params, saved_bytes=saved,
         attn_saved_bytes=attn_saved, input_bytes=_shard(profile.input_bytes * b, ctx.input_layout, t),
         output_bytes=_shard(profile.output_bytes * b, output if not ctx.last else Layout.R, t),
-        factored_numel=factored, working_bytes=2 * largest, loss_working_bytes=loss_input)
+        factored_numel=factored, working_bytes=2 * largest + loss_working - loss_input,
+        loss_working_bytes=loss_working)

@@ -222,18 +222,18 @@ def _default_loss(vocab_size: int) -> Callable[[Any], torch.Tensor]:
 
 
 def _shared_params(model: nn.Module, units: list[Unit]) -> tuple[SharedParam, ...]:
-    owner: dict[int, int] = {}
-    numel: dict[int, int] = {}
-    pairs: dict[tuple[int, int], int] = {}
+    """One entry per parameter that a second unit reaches again (tied weights)."""
+    first: dict[int, tuple[int, str]] = {}
+    found: list[SharedParam] = []
     modules = dict(model.named_modules())
     for i, unit in enumerate(units):
         for m in unit.modules:
-            for p in modules[m].parameters():
-                pid = id(p)
-                if pid in owner and owner[pid] != i:
-                    key = (owner[pid], i)
-                    pairs[key] = pairs.get(key, 0) + numel[pid]
-                else:
-                    owner.setdefault(pid, i)
-                    numel[pid] = p.numel()
-    return tuple(SharedParam(first_unit=a, second_unit=b, numel=n) for (a, b), n in sorted(pairs.items()))
+            for name, p in modules[m].named_parameters():
+                owner = f"{m}.{name}".rpartition(".")[0] if m else name.rpartition(".")[0]
+                if id(p) not in first:
+                    first[id(p)] = (i, owner)
+                elif first[id(p)][0] != i:
+                    a, a_owner = first[id(p)]
+                    found.append(SharedParam(first_unit=a, second_unit=i, first_module=a_owner, second_module=owner,
+                                             numel=p.numel()))
+    return tuple(found)

@@ -179,10 +179,16 @@ class Unit:
 @dataclass(frozen=True, kw_only=True)
 class SharedParam:
     """A parameter held by two units (tied embeddings): a pipeline that puts them on
-    different stages keeps a copy on each and all-reduces its gradient."""
+    different stages keeps a copy on each and all-reduces its gradient.
+
+    ``first_module`` and ``second_module`` are the FQNs of the modules that own it
+    directly in each unit (their tensor-parallel styles decide whether one rank can
+    keep the two as one tensor)."""
 
     first_unit: int
     second_unit: int
+    first_module: str
+    second_module: str
     numel: int
 
 

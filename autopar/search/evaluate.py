@@ -30,6 +30,12 @@ from autopar.search.split import best_split
 from autopar.search.stage_solver import Priced, StageChoice, solve_stage
 from autopar.vocab import Optimizer, Recompute, TPStyle
 
+WEIGHT_SPLIT: dict[TPStyle, int | None] = {TPStyle.REPLICATE: None, TPStyle.SEQUENCE: None, TPStyle.COLUMN: 0,
+                                           TPStyle.VOCAB: 0, TPStyle.ROW: 1}
+"""The dimension of a leaf's weight its style splits (a Linear's ``(out, in)``, an
+Embedding's ``(vocabulary, dim)``, as torch's ``ColwiseParallel``/``RowwiseParallel``
+place them), None where it stays whole."""
+
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,11 +169,33 @@ class Evaluator:
             self._options[key] = (opts, tuple(priced))
         return self._options[key]
 
-    def shared_state_bytes(self, config: ParallelConfig) -> float:
-        """State bytes of the tied parameters counted twice when both owners share a stage."""
-        if not self.graph.shared:
-            return 0.0
-        numel = sum(s.numel for s in self.graph.shared) / config.tp
+    def held_once_numel(self, config: ParallelConfig, options: Mapping[int, UnitOption]) -> float:
+        """Elements of tied parameters that both owners' ``options`` (unit -> option)
+        count but one rank holds as one tensor: both owners on the rank, splitting the
+        weight alike (``autopar.runtime.tied.retie``). A replicated embedding and a
+        column-parallel head are two tensors: measured on 2 tensor-parallel ranks (the
+        benchmark GPT), parameters and AdamW state took 3 MiB more than with the
+        tied weight counted once."""
+        numel = 0.0
+        for s in self.graph.shared:
+            if s.first_unit not in options or s.second_unit not in options:
+                continue
+            splits = {WEIGHT_SPLIT[self._owner_style(options[u], u, m)]
+                      for u, m in ((s.first_unit, s.first_module), (s.second_unit, s.second_module))}
+            if len(splits) == 1:
+                numel += s.numel / (config.tp if splits != {None} else 1)
+        return numel
+
+    def _owner_style(self, option: UnitOption, unit: int, module: str) -> TPStyle:
+        """The style ``option`` gives the leaf ``module`` of ``unit`` (replicate if no leaf is it)."""
+        u = self.graph.units[unit]
+        for leaf, style in zip(self.graph.profile_of(unit).leaves, option.layout.styles):
+            if u.leaf_fqn(leaf.name) == module:
+                return style
+        return TPStyle.REPLICATE
+
+    def shared_state_bytes(self, config: ParallelConfig, numel: float) -> float:
+        """State bytes of ``numel`` tied elements counted twice."""
         st = state_bytes(param_numel=numel, factored_numel=numel, largest_unit_numel=0.0, dtype=config.dtype,
                          optimizer=self.optimizer, zero_stage=config.zero_stage, dp=config.dp,
                          pipelined=config.pp > 1, tp=config.tp)
@@ -220,15 +248,28 @@ class Evaluator:
             opts, priced = self.priced_options(members[k][0], config, modes)
             groups.append((len(members[k]), priced))
             group_opts.append(opts)
-        shared = self.shared_state_bytes(config) if 0 in units and len(self.graph.units) - 1 in units else 0.0
+        def assign(choice: StageChoice) -> dict[int, UnitOption]:
+            chosen: dict[int, UnitOption] = {}
+            for k, opts, counts in zip(groups_keys, group_opts, choice.counts):
+                picks = [o for o, c in zip(opts, counts) for _ in range(c)]
+                for u, o in zip(members[k], picks):
+                    chosen[u] = o
+            return chosen
+
+        # tied weights held once at most (both owners replicated); if the options taken
+        # keep them apart, the stage must fit with what they save, else solve without
+        bound = sum(s.numel for s in self.graph.shared if s.first_unit in units and s.second_unit in units)
+        shared = self.shared_state_bytes(config, bound) if bound else 0.0
         choice = solve_stage(groups, self.budget() + shared, inflight, self._ilp)
+        chosen = assign(choice) if choice is not None else {}
+        if choice is not None and shared:
+            shared = self.shared_state_bytes(config, self.held_once_numel(config, chosen))
+            if choice.memory_bytes > self.budget() + shared:
+                shared = 0.0
+                choice = solve_stage(groups, self.budget(), inflight, self._ilp)
+                chosen = assign(choice) if choice is not None else {}
         if choice is None or not self._fits_bucket_rebuild(groups, choice, shared):
             return None
-        chosen: dict[int, UnitOption] = {}
-        for k, opts, counts in zip(groups_keys, group_opts, choice.counts):
-            picks = [o for o, c in zip(opts, counts) for _ in range(c)]
-            for u, o in zip(members[k], picks):
-                chosen[u] = o
         return choice, tuple(chosen[u] for u in units)
 
     def _fits_bucket_rebuild(self, groups: list[tuple[int, tuple[Priced, ...]]], choice: StageChoice,

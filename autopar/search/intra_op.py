@@ -22,8 +22,8 @@ import pulp
 
 from autopar.cost.tensor_parallel import (
     BACKWARD_FACTOR, STYLE_IO, Layout, TPContext, UnitCost, allowed_styles, conversion_s, evaluate_layout,
-    glue_fwd_s, glue_layout, leaf_accumulate_s, leaf_fwd_s, leaf_param_numel, loss_parallel_s, producer_bytes,
-    reduction_s,
+    glue_fwd_s, glue_layout, leaf_accumulate_s, leaf_fwd_s, leaf_param_numel, loss_parallel_s, model_output_layout,
+    producer_bytes, reduction_s,
 )
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, UnitProfile
 from autopar.search.ilp import make_solver, solve
@@ -103,6 +103,8 @@ def _enumerate(profile, ctx, options, outputs, cap) -> tuple[tuple[TPStyle, ...]
     best, best_t = None, None
     for styles in itertools.product(*options):
         for output in outputs:
+            if output is not model_output_layout(profile, styles, ctx):
+                continue
             cost = evaluate_layout(profile, tuple(styles), output, ctx)
             if cap is not None and cost.param_numel > cap:
                 continue
@@ -118,6 +120,8 @@ def brute_force_layout(profile: UnitProfile, ctx: TPContext) -> UnitCost:
     best: UnitCost | None = None
     for styles in itertools.product(*options):
         for output in ctx.output_layouts():
+            if output is not model_output_layout(profile, styles, ctx):
+                continue
             cost = evaluate_layout(profile, tuple(styles), output, ctx)
             if best is None or cost.time_s < best.time_s - 1e-15:
                 best = cost
@@ -135,6 +139,9 @@ def _solve_ilp(profile: UnitProfile, ctx: TPContext, options: list[tuple[TPStyle
     for i, opts in enumerate(options):
         prob += pulp.lpSum(x[i, s] for s in opts) == 1
     prob += pulp.lpSum(o.values()) == 1
+    if len(o) > 1:  # the model's output is sharded exactly where a column leaf produces it
+        for src in {f.src for f in profile.flows if f.dst == UNIT_OUTPUT}:
+            prob += o[Layout.F] == (x[src, TPStyle.COLUMN] if src != UNIT_INPUT and TPStyle.COLUMN in options[src] else 0)
 
     def produces(node: int) -> list[tuple[Layout, pulp.LpAffineExpression | int]]:
         if node == UNIT_INPUT:

@@ -58,8 +58,7 @@ def tail_s(ev: Evaluator, plan: StagePlan, config: ParallelConfig) -> tuple[floa
     """
     n = len(ev.graph.units)
     params = sum(o.layout.param_numel for o in plan.options)
-    if 0 in plan.units and n - 1 in plan.units:  # tied weights: one tensor, reduced and stepped once
-        params -= sum(s.numel for s in ev.graph.shared) / config.tp
+    params -= ev.held_once_numel(config, dict(zip(plan.units, plan.options)))  # one tensor: reduced, stepped once
     units = max(len(plan.options), 1)
     bwd = sum(o.bwd_s for o in plan.options)
     fwd = sum(o.fwd_s for o in plan.options)
@@ -210,16 +209,18 @@ def predict(ev: Evaluator, config: ParallelConfig, stages: list[StagePlan] | tup
 def stage_memory(ev: Evaluator, plan: StagePlan, config: ParallelConfig, stages: list[StagePlan] | tuple[StagePlan, ...]) -> MemoryBreakdown:
     """The memory of the pipeline rank that runs ``plan`` at its peak, term by term.
 
-    Priced as the stage solver prices it (``static + inflight x activations + max
-    transient``, DDP's bucket rebuild apart), except where this rank runs every
-    micro-batch's forward before its first backward (no pipelining with one micro-batch,
-    GPipe, 1F1B with no more micro-batches than stages after this one) and no gradient
-    outlives a step (anything but DDP, whose buckets hold them): ``zero_grad`` left no
-    gradient, so the activation peak comes before any, and they grow as backward frees
-    the activations (:func:`_first_backward_peak`). The solver keeps the bound, so what it
-    accepts fits; the prediction is the peak. Measured on one process (the benchmark GPT,
-    4 samples): one micro-batch peaked at 91.6 MiB, four at 105.8, 14.2 MiB (the
-    gradients) apart.
+    The stage solver bounds it by ``static + inflight x activations + max transient``
+    (DDP's bucket rebuild apart); the prediction follows the backward unit by unit
+    (:func:`_backward_peak`): a unit's transient meets only the activations of the units
+    before it in its own micro-batch, and where this rank runs every micro-batch's
+    forward before its first backward (no pipelining with one micro-batch, GPipe, 1F1B
+    with no more micro-batches than stages after this one) and no gradient outlives a
+    step (anything but DDP, whose buckets hold them), ``zero_grad`` left no gradient, so
+    they grow as that backward frees the activations. Interleaved schedules keep the
+    bound. The solver keeps the bound, so what it accepts fits; the prediction is the
+    peak. Measured on one process (the benchmark GPT, 4 samples): one micro-batch peaked
+    at 91.6 MiB, four at 105.8, 14.2 MiB (the gradients) apart; on 2 ZeRO-3 ranks with
+    two micro-batches the bound was 6% over the measured peak, the sweep 2%.
     """
     pp = config.pp
     rank = [(u, o) for p in stages if p.index % pp == plan.index % pp for u, o in zip(p.units, p.options)]
@@ -229,21 +230,21 @@ def stage_memory(ev: Evaluator, plan: StagePlan, config: ParallelConfig, stages:
     st = state_bytes(param_numel=params, factored_numel=factored, largest_unit_numel=0.0, dtype=config.dtype,
                      optimizer=ev.optimizer, zero_stage=config.zero_stage, dp=config.dp, pipelined=pp > 1,
                      tp=config.tp)
-    n = len(ev.graph.units)
-    units = {u for u, _ in rank}
     static = st.params_bytes + st.grads_bytes + st.optimizer_bytes
-    shared = ev.shared_state_bytes(config) if 0 in units and n - 1 in units else 0.0
+    shared = ev.shared_state_bytes(config, ev.held_once_numel(config, dict(rank)))
     scale = (static - shared) / static if static else 1.0
-    acts = plan.inflight * sum(p.act_bytes for p in priced)
+    grads = st.grads_bytes * scale
+    if pp > 1 and config.schedule is Schedule.INTERLEAVED_1F1B:
+        acts, transient = plan.inflight * sum(p.act_bytes for p in priced), max(p.transient_bytes for p in priced)
+    else:
+        share = [o.layout.param_numel / params if params else 0.0 for _, o in rank]
+        fresh = plan.inflight >= config.num_microbatches and not st.rebuild_bytes
+        acts, grads, transient = _backward_peak(
+            [p.act_bytes for p in priced], [p.transient_bytes for p in priced], [grads * f for f in share],
+            plan.inflight, fresh_gradients=fresh)
     # DDP's bucket rebuild happens with no activation alive: it raises the peak only
     # by what it holds beyond them (``autopar.cost.memory``)
-    transient = max(max(p.transient_bytes for p in priced), st.rebuild_bytes * scale - acts)
-    grads = st.grads_bytes * scale
-    if _forwards_first(config, plan.inflight) and not st.rebuild_bytes:
-        share = [o.layout.param_numel / params if params else 0.0 for _, o in rank]
-        acts, grads, transient = _first_backward_peak(
-            [p.act_bytes for p in priced], [p.transient_bytes for p in priced], [grads * f for f in share],
-            plan.inflight)
+    transient = max(transient, st.rebuild_bytes * scale - acts)
     dev = ev.cluster.device
     allocated = st.params_bytes * scale + grads + st.optimizer_bytes * scale + acts + transient
     return MemoryBreakdown(params_bytes=st.params_bytes * scale, grads_bytes=grads,
@@ -252,30 +253,24 @@ def stage_memory(ev: Evaluator, plan: StagePlan, config: ParallelConfig, stages:
                            reserve_bytes=dev.reserved_bytes + dev.fragmentation * allocated)
 
 
-def _forwards_first(config: ParallelConfig, inflight: float) -> bool:
-    """Whether the rank runs every micro-batch's forward before its first backward."""
-    if config.pp > 1 and config.schedule is Schedule.INTERLEAVED_1F1B:
-        return False
-    return inflight >= config.num_microbatches
+def _backward_peak(acts: list[float], transients: list[float], grads: list[float], inflight: float, *,
+                   fresh_gradients: bool) -> tuple[float, float, float]:
+    """(activations, gradients, transient) alive at the peak of a rank's backward, its
+    units in forward order, ``inflight`` micro-batches' activations held at most.
 
-
-def _first_backward_peak(acts: list[float], transients: list[float], grads: list[float],
-                         inflight: float) -> tuple[float, float, float]:
-    """(activations, gradients, transient) alive at the peak of a rank whose gradients
-    appear during the first micro-batch's backward, its units in forward order.
-
-    While unit ``k`` runs its backward, the first micro-batch still holds the activations
-    of units up to ``k``, the others all theirs, the units after ``k`` their gradients,
-    and ``k`` its transient; once a micro-batch's backward is done every gradient exists,
-    and a later one's backward at unit ``k`` holds the activations of the micro-batches
-    not yet done and its units up to ``k``."""
+    While unit ``k`` runs its backward, the micro-batch it works on still holds the
+    activations of units up to ``k``, the other micro-batches in flight all theirs, and
+    ``k`` its transient. Gradients: all of them, except with ``fresh_gradients`` (every
+    forward runs before the first backward and ``zero_grad`` left none), where the first
+    micro-batch's backward at ``k`` has only those of the units after ``k``, and every one
+    exists from the second micro-batch on, one micro-batch's activations fewer."""
     whole = sum(acts)
     best = (0.0, sum(grads, 0.0), 0.0)  # after the last backward, nothing but the gradients
     for k in range(len(acts)):
-        below = sum(acts[:k + 1])
-        moments = [((inflight - 1) * whole + below, sum(grads[k + 1:], 0.0), transients[k])]
-        if inflight >= 2:
-            moments.append(((inflight - 2) * whole + below, sum(grads, 0.0), transients[k]))
+        held = (inflight - 1) * whole + sum(acts[:k + 1])
+        moments = [(held, sum(grads[k + 1:] if fresh_gradients else grads, 0.0), transients[k])]
+        if fresh_gradients and inflight >= 2:
+            moments.append((held - whole, sum(grads, 0.0), transients[k]))
         for moment in moments:
             if sum(moment) > sum(best):
                 best = moment

@@ -78,8 +78,11 @@ def test_the_head_holds_its_logits_and_a_row_parallel_one_three_times():
         cost = evaluate_layout(head, styles, output, ctx)
         assert cost.saved_bytes - evaluate_layout(head, styles, output, inner).saved_bytes == pytest.approx(extra), style
         # the loss's backward holds one more gradient of the logits as the head lays them
-        # out (partial sums are whole), freed before the head's own backward
-        assert cost.loss_working_bytes == pytest.approx(logits / 2 if output is Layout.F else logits), style
+        # out (partial sums are whole), a vocabulary-parallel one another shard (two
+        # shards: the logits' size again), all freed before the head's own backward
+        assert cost.loss_working_bytes == pytest.approx(logits), style
+        assert cost.working_bytes - evaluate_layout(head, styles, output, inner).working_bytes == pytest.approx(
+            logits / 2 if output is Layout.F else 0.0), style
         assert evaluate_layout(head, styles, output, inner).loss_working_bytes == 0.0
 
 
@@ -127,17 +130,68 @@ def test_full_recomputation_reruns_the_forward_but_the_loss_at_the_measured_frac
     assert (kept.recompute_s, kept.bwd_s, kept.tp_comm_s, kept.syncs) == (0.0, 24.0, 7.0, 7)
 
 
-def test_the_first_backward_peak_by_hand():
+def test_the_backward_peak_by_hand():
     """Units in forward order with activations (4, 2, 6), transients (1, 5, 2) and
-    gradients of 3 each. One micro-batch: at the middle unit's backward the first two
-    units' activations (6), the last unit's gradients (3) and its transient (5) are
-    alive, 14, tied with the last unit's (12 + 0 + 2) and found first. Two in flight:
-    the other micro-batch adds all its activations (12) to each moment, 26; after the
-    first micro-batch's backward every gradient exists but one micro-batch's
-    activations are gone, at most 12 + 9 + 2 = 23."""
-    from autopar.search.predict import _first_backward_peak
+    gradients of 3 each.
+
+    Fresh gradients (every forward before the first backward, none left by zero_grad),
+    one micro-batch: at the middle unit's backward the first two units' activations (6),
+    the last unit's gradients (3) and its transient (5) are alive, 14, tied with the
+    last unit's (12 + 0 + 2) and found first. Two in flight: the other micro-batch adds
+    all its activations (12) to each moment, 26; after the first micro-batch's backward
+    every gradient exists but one micro-batch's activations are gone, at most
+    12 + 9 + 2 = 23.
+
+    Gradients there all along (a later micro-batch, or DDP's buckets): the last unit's
+    backward holds every activation, every gradient and its transient, 12 + 9 + 2 = 23,
+    over the middle unit's 6 + 9 + 5 = 20, where the bound (all activations with the
+    largest transient) says 26; with two in flight, 24 + 9 + 2 = 35."""
+    from autopar.search.predict import _backward_peak
 
     acts, transients, grads = [4.0, 2.0, 6.0], [1.0, 5.0, 2.0], [3.0, 3.0, 3.0]
-    assert _first_backward_peak(acts, transients, grads, 1) == (6.0, 3.0, 5.0)
-    assert _first_backward_peak(acts, transients, grads, 2) == (18.0, 3.0, 5.0)
-    assert _first_backward_peak([0.0], [0.0], [9.0], 1) == (0.0, 9.0, 0.0)  # only the gradients
+    assert _backward_peak(acts, transients, grads, 1, fresh_gradients=True) == (6.0, 3.0, 5.0)
+    assert _backward_peak(acts, transients, grads, 2, fresh_gradients=True) == (18.0, 3.0, 5.0)
+    assert _backward_peak([0.0], [0.0], [9.0], 1, fresh_gradients=True) == (0.0, 9.0, 0.0)  # only the gradients
+    assert _backward_peak(acts, transients, grads, 1, fresh_gradients=False) == (12.0, 9.0, 2.0)
+    assert _backward_peak(acts, transients, grads, 2, fresh_gradients=False) == (24.0, 9.0, 2.0)
+    assert _backward_peak(acts, [1.0, 9.0, 2.0], grads, 1, fresh_gradients=False) == (6.0, 9.0, 9.0)
+
+
+def test_a_tied_weight_is_held_once_only_where_both_owners_split_it_alike():
+    """GPT's embedding and head share one (vocabulary x dim) weight, and both owners'
+    options count its state. One rank keeps it as one tensor where both replicate it or
+    both split its rows (an embedding 'vocab' and a head 'column'): the planner then
+    counts it once, whole or one shard. A replicated embedding beside a column-parallel
+    head are two tensors on the rank (``autopar.runtime.tied``), both held."""
+    import dataclasses
+
+    from autopar.models import GPT, GPTConfig
+    from autopar.plan import ParallelConfig
+    from autopar.search.evaluate import Evaluator
+    from autopar.vocab import Recompute
+
+    cfg = GPTConfig(vocab_size=2048, seq_len=64, dim=128, n_layers=1, n_heads=4)
+    graph = extract(GPT(cfg), seq_len=cfg.seq_len, dtype=DType.FP32)
+    (tied,) = graph.shared
+    assert (tied.first_module, tied.second_module, tied.numel) == ("tok_embeddings", "output", 2048 * 128)
+    ev = Evaluator(graph=graph, cluster=Cluster.preset("local-cpu", devices_per_node=2), optimizer=Optimizer.ADAM,
+                   global_batch_size=4)
+    last = len(graph.units) - 1
+
+    def styled(config, unit, module, style):
+        option = ev.options(unit, config, (Recompute.NONE,))[0]
+        styles = tuple(style if graph.units[unit].leaf_fqn(leaf.name) == module else TPStyle.REPLICATE
+                       for leaf in graph.profile_of(unit).leaves)
+        return dataclasses.replace(option, layout=dataclasses.replace(option.layout, styles=styles))
+
+    for tp, embedding, head, once in ((1, TPStyle.REPLICATE, TPStyle.REPLICATE, tied.numel),
+                                      (2, TPStyle.REPLICATE, TPStyle.REPLICATE, tied.numel),
+                                      (2, TPStyle.VOCAB, TPStyle.COLUMN, tied.numel / 2),
+                                      (2, TPStyle.REPLICATE, TPStyle.COLUMN, 0.0),
+                                      (2, TPStyle.VOCAB, TPStyle.REPLICATE, 0.0)):
+        config = ParallelConfig(dp=1, tp=tp, pp=1, micro_batch_size=4, num_microbatches=1, dtype=DType.FP32)
+        both = {0: styled(config, 0, "tok_embeddings", embedding), last: styled(config, last, "output", head)}
+        assert ev.held_once_numel(config, both) == once, (tp, embedding, head)
+        assert ev.held_once_numel(config, {0: both[0]}) == 0.0  # the head on another pipeline rank
+        # fp32 parameters, gradients and Adam's two moments: 16 bytes an element
+        assert ev.shared_state_bytes(config, once) == 16 * once

@@ -15,7 +15,7 @@ import pytest
 from autopar.cluster import Cluster, DeviceSpec, LinkSpec
 from autopar.cost.comm import group_span
 from autopar.cost.compute import rates
-from autopar.cost.tensor_parallel import Layout, TPContext
+from autopar.cost.tensor_parallel import Layout, TPContext, model_output_layout
 from autopar.graph import extract
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, Flow, Leaf, LeafKind, UnitProfile
 from autopar.models import GPT, GPTConfig, build_named_model
@@ -73,6 +73,8 @@ def test_layout_ilp_matches_brute_force_on_random_units(seed):
         got = LayoutSolver().fastest(prof, ctx)
         want = brute_force_layout(prof, ctx)
         assert got.time_s == pytest.approx(want.time_s, rel=1e-9, abs=1e-15)
+        # the loss gets the layout the runtime hands it, never a gathered column output
+        assert got.output is model_output_layout(prof, got.styles, ctx)
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
@@ -184,8 +186,8 @@ def _brute_force_search(evaluator: Evaluator, constraints: dict) -> float:
                     inflight = inflight_microbatches(cfg.schedule, cfg.pp, cfg.virtual_stages, cfg.num_microbatches, r)
                     groups = [(1, (per_unit[u][1][choice[u]],)) for u in units]
                     mem = memory_of(groups, tuple((1,) for _ in units), inflight)
-                    if 0 in units and n - 1 in units:
-                        mem -= evaluator.shared_state_bytes(cfg)
+                    taken = {u: per_unit[u][0][choice[u]] for u in units}
+                    mem -= evaluator.shared_state_bytes(cfg, evaluator.held_once_numel(cfg, taken))
                     if mem > budget * (1 + 1e-12):
                         ok = False
                         break

@@ -87,7 +87,8 @@ def _worst_memory(plan: Plan) -> str:
     s = max(plan.prediction.stages, key=lambda st: st.memory.total_bytes)
     mb = s.memory
     parts = [("params", mb.params_bytes), ("grads", mb.grads_bytes), ("optimizer", mb.optimizer_bytes),
-             ("activations", mb.activations_bytes), ("transient", mb.transient_bytes), ("reserve", mb.reserve_bytes)]
+             ("activations", mb.activations_bytes), ("transient", mb.transient_bytes),
+             *([("pipeline buffers", mb.buffers_bytes)] if mb.buffers_bytes else []), ("reserve", mb.reserve_bytes)]
     unit = GIB if mb.total_bytes >= GIB else 2**20
     return f"stage {s.index} ({'GiB' if unit == GIB else 'MiB'}): " + " | ".join(f"{n} {v / unit:.1f}" for n, v in parts)
 

@@ -21,7 +21,8 @@ GIB = 2**30
 _COLORS = {"F": "#4C72B0", "B": "#DD8452"}
 _MEMORY = [("params", "params_bytes", "#4C72B0"), ("grads", "grads_bytes", "#55A868"),
            ("optimizer", "optimizer_bytes", "#C44E52"), ("activations", "activations_bytes", "#8172B3"),
-           ("transient", "transient_bytes", "#CCB974"), ("reserve", "reserve_bytes", "#937860")]
+           ("transient", "transient_bytes", "#CCB974"), ("pipeline buffers", "buffers_bytes", "#DA8BC3"),
+           ("reserve", "reserve_bytes", "#937860")]
 _STEP = [("compute", "compute_s"), ("recompute", "recompute_s"), ("TP comm", "tp_comm_s"), ("PP comm", "pp_comm_s"),
          ("bubble", "bubble_s"), ("DP comm", "dp_comm_s"), ("optimizer", "optimizer_s")]
 

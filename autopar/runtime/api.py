@@ -130,7 +130,8 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: LossFn, init_fn: InitF
     pipeline_stages = build_stages(stages, indices, plan, device, mesh["pp"].get_group())
     scaler = LossScaler() if plan.config.dtype is DType.FP16 else None
     schedule = build_schedule(pipeline_stages, plan, scaler.scaled(loss_fn) if scaler is not None else loss_fn)
-    parts = JobParts(plan=plan, mesh=mesh, stages=stages, stage_indices=indices, schedule=schedule, tied=tied,
+    parts = JobParts(plan=plan, mesh=mesh, stages=stages, stage_indices=indices, schedule=schedule,
+                     pipeline_stages=pipeline_stages, tied=tied,
                      tied_sync=tied_sync, loss_parallel=layout is not None and layout.loss_parallel, device=device,
                      memory=memory, scaler=scaler)
     return Job(parts)

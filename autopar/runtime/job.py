@@ -29,6 +29,7 @@ from autopar.runtime.loss_scale import LossScaler
 from autopar.runtime.mesh import MESH_AXES, MeshDims
 from autopar.runtime.metrics import MemoryMeter, StepMetrics
 from autopar.runtime.optimizer import ShardedOptimizer
+from autopar.runtime.pipeline import recv_buffers
 from autopar.runtime.tied import TiedGradSync, TiedParam, named_params
 
 
@@ -42,6 +43,7 @@ class JobParts:
         stages: the local stage modules (wrapped for data parallelism), in stage order.
         stage_indices: their indices in the plan's pipeline.
         schedule: the ``torch.distributed.pipelining`` schedule over them.
+        pipeline_stages: the schedule's ``PipelineStage`` of each local stage.
         tied: parameters shared across pipeline ranks.
         tied_sync: sums those parameters' gradients.
         loss_parallel: the loss runs on vocabulary-sharded logits.
@@ -56,6 +58,7 @@ class JobParts:
     stages: list[nn.Module]
     stage_indices: tuple[int, ...]
     schedule: Any
+    pipeline_stages: list[Any]
     tied: tuple[TiedParam, ...]
     tied_sync: TiedGradSync
     loss_parallel: bool
@@ -202,7 +205,7 @@ class Job:
         grads = [p.grad for p in params if p.grad is not None]
         state = [t for o in (self._optimizer.inner if self._optimizer is not None else []) if o is not None
                  for st in o.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
-        return [*params, *grads, *state]
+        return [*params, *grads, *state, *recv_buffers(self._p.pipeline_stages)]
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> float:
         if losses:

@@ -156,6 +156,17 @@ def build_stages(modules: list[nn.Module], indices: tuple[int, ...], plan: Plan,
     return [PipelineStage(m, i, cfg.num_stages, device, group=group) for m, i in zip(modules, indices)]
 
 
+def recv_buffers(stages: list[PipelineStage]) -> list[torch.Tensor]:
+    """The buffers ``stages`` receive activations and gradients into: torch 2.13's
+    ``PipelineStage`` allocates one per micro-batch and boundary tensor at its first step
+    (``_setup_forward_recv_info``, ``_setup_backward_recv_info``) and keeps them for
+    its life, so they are part of every later step's memory. Measured with pp=2 and 4
+    micro-batches (the benchmark GPT): each rank held 2 MiB of them, four block outputs."""
+    return [info.buffer for stage in stages
+            for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values())
+            for info in infos if info.buffer is not None]
+
+
 def build_schedule(stages: list[PipelineStage], plan: Plan, loss_fn: Callable[..., torch.Tensor]) -> Any:
     """The plan's schedule over this rank's stages. Without pipelining (``pp == 1``)
     it is 1F1B over one stage: each micro-batch's backward runs before the next forward,

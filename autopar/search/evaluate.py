@@ -19,7 +19,7 @@ from autopar.cluster import Cluster
 from autopar.cost.comm import all_gather_s, group_span, p2p_s, reduce_scatter_s
 from autopar.cost.compute import optimizer_step_s, rates
 from autopar.cost.memory import state_bytes
-from autopar.cost.pipeline import inflight_microbatches
+from autopar.cost.pipeline import inflight_microbatches, stage_buffer_bytes
 from autopar.cost.tensor_parallel import Layout, TPContext
 from autopar.graph.layer_graph import LayerGraph
 from autopar.plan import LayerStrategies, ParallelConfig, Prediction
@@ -201,6 +201,26 @@ class Evaluator:
                          pipelined=config.pp > 1, tp=config.tp)
         return st.params_bytes + st.grads_bytes + st.optimizer_bytes
 
+    def pipeline_buffer_bytes(self, units: tuple[int, ...], config: ParallelConfig, modes: tuple[Recompute, ...],
+                              inflight: float) -> float:
+        """What the pipeline schedule holds for ``units`` (one rank's stages: each run of
+        consecutive units is one) beyond their activations (:func:`stage_buffer_bytes`)."""
+        if config.pp == 1:
+            return 0.0
+        n = len(self.graph.units)
+        total = 0.0
+        start = 0
+        for i in range(1, len(units) + 1):
+            if i == len(units) or units[i] != units[i - 1] + 1:
+                first, last = units[start], units[i - 1]
+                total += stage_buffer_bytes(
+                    receives_input=first > 0, sends_output=last < n - 1,
+                    input_bytes=self.options(first, config, modes)[0].layout.input_bytes,
+                    output_bytes=self.options(last, config, modes)[0].layout.output_bytes,
+                    num_microbatches=config.num_microbatches, inflight=inflight)
+                start = i
+        return total
+
     def budget(self) -> float:
         """Bytes the model may allocate: capacity less the fixed reserve, less the
         allocator's fragmentation on what is allocated."""
@@ -227,7 +247,8 @@ class Evaluator:
             content: object = int(self.range_signature[units[0], units[-1] + 1])
         else:
             content = tuple(self.unit_keys[u] for u in units)
-        key = (content, self.config_key(config, modes), inflight)
+        pipeline = (config.num_microbatches, config.virtual_stages) if config.pp > 1 else ()
+        key = (content, self.config_key(config, modes), inflight, pipeline)
         if key not in self.memo:
             self.memo[key] = self._solve(units, config, modes, inflight)
         return self.memo[key]
@@ -260,13 +281,14 @@ class Evaluator:
         # keep them apart, the stage must fit with what they save, else solve without
         bound = sum(s.numel for s in self.graph.shared if s.first_unit in units and s.second_unit in units)
         shared = self.shared_state_bytes(config, bound) if bound else 0.0
-        choice = solve_stage(groups, self.budget() + shared, inflight, self._ilp)
+        budget = self.budget() - self.pipeline_buffer_bytes(units, config, modes, inflight)
+        choice = solve_stage(groups, budget + shared, inflight, self._ilp)
         chosen = assign(choice) if choice is not None else {}
         if choice is not None and shared:
             shared = self.shared_state_bytes(config, self.held_once_numel(config, chosen))
-            if choice.memory_bytes > self.budget() + shared:
+            if choice.memory_bytes > budget + shared:
                 shared = 0.0
-                choice = solve_stage(groups, self.budget(), inflight, self._ilp)
+                choice = solve_stage(groups, budget, inflight, self._ilp)
                 chosen = assign(choice) if choice is not None else {}
         if choice is None or not self._fits_bucket_rebuild(groups, choice, shared):
             return None

@@ -15,7 +15,7 @@ from autopar.cluster import Cluster
 from autopar.cost.comm import GroupSpan, all_gather_s, all_reduce_s, fsdp_copy_s, group_span, reduce_scatter_s
 from autopar.cost.compute import optimizer_step_s, rates
 from autopar.cost.memory import compute_copy_bytes, state_bytes
-from autopar.cost.pipeline import inflight_microbatches, pipeline_time_s
+from autopar.cost.pipeline import inflight_microbatches, pipeline_time_s, stage_buffer_bytes
 from autopar.cost.sync import sync_wait_s
 from autopar.plan import MemoryBreakdown, ParallelConfig, Prediction, StagePrediction, StepBreakdown
 from autopar.vocab import Recompute, Schedule
@@ -218,7 +218,8 @@ def stage_memory(ev: Evaluator, plan: StagePlan, config: ParallelConfig, stages:
     step (anything but DDP, whose buckets hold them), ``zero_grad`` left no gradient, so
     they grow as that backward frees the activations. Interleaved schedules keep the
     bound. The solver keeps the bound, so what it accepts fits; the prediction is the
-    peak. Measured on one process (the benchmark GPT, 4 samples): one micro-batch peaked
+    peak. Under pipelining the schedule's receive buffers and held outputs come on top
+    (:func:`autopar.cost.pipeline.stage_buffer_bytes`), in the solver's budget too. Measured on one process (the benchmark GPT, 4 samples): one micro-batch peaked
     at 91.6 MiB, four at 105.8, 14.2 MiB (the gradients) apart; on 2 ZeRO-3 ranks with
     two micro-batches the bound was 6% over the measured peak, the sweep 2%.
     """
@@ -245,11 +246,17 @@ def stage_memory(ev: Evaluator, plan: StagePlan, config: ParallelConfig, stages:
     # DDP's bucket rebuild happens with no activation alive: it raises the peak only
     # by what it holds beyond them (``autopar.cost.memory``)
     transient = max(transient, st.rebuild_bytes * scale - acts)
+    n = len(ev.graph.units)
+    buffers = sum(stage_buffer_bytes(receives_input=p.units[0] > 0, sends_output=p.units[-1] < n - 1,
+                                     input_bytes=p.options[0].layout.input_bytes,
+                                     output_bytes=p.options[-1].layout.output_bytes,
+                                     num_microbatches=config.num_microbatches, inflight=plan.inflight)
+                  for p in stages if p.index % pp == plan.index % pp) if pp > 1 else 0.0
     dev = ev.cluster.device
-    allocated = st.params_bytes * scale + grads + st.optimizer_bytes * scale + acts + transient
+    allocated = st.params_bytes * scale + grads + st.optimizer_bytes * scale + acts + transient + buffers
     return MemoryBreakdown(params_bytes=st.params_bytes * scale, grads_bytes=grads,
                            optimizer_bytes=st.optimizer_bytes * scale, activations_bytes=acts,
-                           transient_bytes=transient, buffers_bytes=0.0,
+                           transient_bytes=transient, buffers_bytes=buffers,
                            reserve_bytes=dev.reserved_bytes + dev.fragmentation * allocated)
 
 

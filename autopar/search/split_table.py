@@ -101,12 +101,15 @@ def homogeneous_cost(ev: Evaluator, start: int, count: int, config: ParallelConf
                       inflight: float) -> float:
     """Per-micro-batch time of ``count`` identical units from ``start`` as a stage,
     from a table over counts computed once per unit kind and in-flight count."""
-    key = ("homog", ev.unit_keys[start], ev.config_key(config, modes), inflight)
+    # the schedule's buffers depend on the stage's neighbours, not on its length
+    ends = (start > 0, start + count < len(ev.graph.units))
+    key = ("homog", ev.unit_keys[start], ev.config_key(config, modes), inflight, config.num_microbatches, ends)
     table = ev.memo.get(key)
     if table is None or table.size <= count:
         grow = max(count, 8, 2 * (table.size if table is not None else 0))
         opts, priced = ev.priced_options(start, config, modes)
-        table = homogeneous_times(priced, grow, ev.budget(), inflight)
+        buffers = ev.pipeline_buffer_bytes(tuple(range(start, start + count)), config, modes, inflight)
+        table = homogeneous_times(priced, grow, ev.budget() - buffers, inflight)
         ev.memo[key] = table
     t = float(table[count])
     if not math.isfinite(t):

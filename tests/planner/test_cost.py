@@ -7,7 +7,7 @@ import pytest
 from autopar import Cluster
 from autopar.cost.comm import all_gather_s, all_reduce_s, group_span, p2p_s
 from autopar.cost.compute import ComputeRates, interpolate_loglog, work_s
-from autopar.cost.pipeline import inflight_microbatches, pipeline_time_s, schedule_problem
+from autopar.cost.pipeline import inflight_microbatches, pipeline_time_s, schedule_problem, stage_buffer_bytes
 from autopar.cost.tensor_parallel import Layout, TPContext, evaluate_layout, padded
 from autopar.cost.compute import rates
 from autopar.graph import extract
@@ -63,6 +63,24 @@ def test_pipeline_bubble_and_inflight():
     # torch's interleaved warm-up: (v-1) * m_per_round + 2 (p-1-r) chunk forwards, then one more
     assert inflight_microbatches(Schedule.INTERLEAVED_1F1B, 4, 2, 8, 0) == (4 + 6 + 1) / 2
     assert schedule_problem(Schedule.ONE_F_ONE_B, 4, 1, 2) is not None
+
+
+def test_a_pipeline_stage_holds_a_receive_buffer_per_micro_batch_and_its_outputs_in_flight():
+    """8 micro-batches, 3 in flight, boundary tensors of 1 (input) and 10 (output)
+    bytes: a middle stage holds 8 input buffers, 3 of them the saved inputs of the
+    micro-batches in flight (counted with the activations), 8 gradient buffers and 3
+    held outputs; the first stage receives nothing, the last sends nothing."""
+    def held(receives, sends):
+        return stage_buffer_bytes(receives_input=receives, sends_output=sends, input_bytes=1.0, output_bytes=10.0,
+                                  num_microbatches=8, inflight=3.0)
+
+    assert held(True, True) == (8 - 3) * 1 + (8 + 3) * 10
+    assert held(False, True) == (8 + 3) * 10
+    assert held(True, False) == 8 - 3
+    assert held(False, False) == 0.0
+    # GPipe: every micro-batch in flight, so every input buffer is a saved input
+    assert stage_buffer_bytes(receives_input=True, sends_output=False, input_bytes=1.0, output_bytes=10.0,
+                              num_microbatches=8, inflight=8.0) == 0.0
 
 
 def test_megatron_block_communication_and_memory():

@@ -16,17 +16,25 @@ CFG = GPTConfig(vocab_size=4096, seq_len=64, dim=128, n_layers=2, n_heads=4)
 of gradients): both show in a peak of about 31 MiB."""
 
 
+def _run(num_microbatches: int, **config) -> tuple[list[float], list[float], autopar.Plan]:
+    """Predicted and measured peak tensor bytes of every rank."""
+    config = {"dp": 1, "tp": 1, "pp": 1, "micro_batch_size": 4, "recompute": "none", "dtype": "fp32", **config}
+    cluster = autopar.Cluster.preset("local-cpu", devices_per_node=config["tp"] * config["pp"])
+    plan = autopar.estimate(GPT(CFG), cluster, config, global_batch_size=config["micro_batch_size"] * num_microbatches,
+                            seq_len=CFG.seq_len)
+    run = run_locally(lambda: GPT(CFG), plan, token_batches(CFG.vocab_size, CFG.seq_len), steps=2, warmup=0,
+                      settings=SPMDSettings(timeout_s=120, pg_timeout_s=60))
+    stage = {r: s.memory for s in plan.prediction.stages for r in range(len(run.peak_memory_bytes))
+             if r // config["tp"] == s.index % config["pp"]}
+    predicted = [stage[r].total_bytes - stage[r].reserve_bytes for r in range(len(run.peak_memory_bytes))]
+    return predicted, [float(b) for b in run.peak_memory_bytes], plan
+
+
 def _peaks(num_microbatches: int, tp: int = 1) -> tuple[float, float, autopar.Plan]:
     """Predicted and measured peak tensor bytes of rank 0 (every rank holds the same)."""
-    cluster = autopar.Cluster.preset("local-cpu", devices_per_node=tp)
-    plan = autopar.estimate(GPT(CFG), cluster, {"dp": 1, "tp": tp, "pp": 1, "micro_batch_size": 4,
-                                                "recompute": "none", "dtype": "fp32"},
-                            global_batch_size=4 * num_microbatches, seq_len=CFG.seq_len)
-    run = run_locally(lambda: GPT(CFG), plan, token_batches(CFG.vocab_size, CFG.seq_len), steps=1, warmup=0,
-                      settings=SPMDSettings(timeout_s=120, pg_timeout_s=60))
-    assert len(set(run.peak_memory_bytes)) == 1
-    mem = plan.prediction.stages[0].memory
-    return mem.total_bytes - mem.reserve_bytes, float(run.peak_memory_bytes[0]), plan
+    predicted, measured, plan = _run(num_microbatches, tp=tp)
+    assert len(set(measured)) == 1
+    return predicted[0], measured[0], plan
 
 
 def test_one_micro_batch_peaks_before_any_gradient_and_the_logits_are_held():
@@ -56,3 +64,16 @@ def test_a_column_parallel_head_its_untied_weight_and_its_vocabulary_parallel_lo
         assert plan.layer_strategies.tp.get("output") is TPStyle.COLUMN
         assert "tok_embeddings" not in plan.layer_strategies.tp  # replicated
         assert predicted == pytest.approx(measured, rel=0.01), m
+
+
+@pytest.mark.parametrize("schedule, mbs, m", [("1f1b", 4, 4), ("gpipe", 2, 8)])
+def test_pipeline_stages_hold_a_receive_buffer_per_micro_batch(schedule, mbs, m):
+    """pp=2: torch's PipelineStage keeps a receive buffer per micro-batch for its input
+    (second stage) and for its output's gradient (first stage), and the first stage the
+    outputs of the micro-batches in flight. The meter counts the buffers from the first
+    step on (they outlive it), the prediction matches it within 1% on both ranks
+    (without the schedule's buffers the first rank was predicted 2.6% and 3.4% short)."""
+    predicted, measured, plan = _run(m, pp=2, schedule=schedule, micro_batch_size=mbs)
+    assert plan.prediction.stages[0].memory.buffers_bytes > 0
+    for p, got in zip(predicted, measured):
+        assert p == pytest.approx(got, rel=0.01), (predicted, measured)

@@ -37,7 +37,6 @@ Embedding's ``(vocabulary, dim)``, as torch's ``ColwiseParallel``/``RowwiseParal
 place them), None where it stays whole."""
 
 
-
 @dataclass(frozen=True, kw_only=True)
 class StagePlan:
     """A solved stage: its units and the option each took."""
@@ -269,6 +268,7 @@ class Evaluator:
             opts, priced = self.priced_options(members[k][0], config, modes)
             groups.append((len(members[k]), priced))
             group_opts.append(opts)
+
         def assign(choice: StageChoice) -> dict[int, UnitOption]:
             chosen: dict[int, UnitOption] = {}
             for k, opts, counts in zip(groups_keys, group_opts, choice.counts):

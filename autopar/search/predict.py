@@ -219,9 +219,10 @@ def stage_memory(ev: Evaluator, plan: StagePlan, config: ParallelConfig, stages:
     they grow as that backward frees the activations. Interleaved schedules keep the
     bound. The solver keeps the bound, so what it accepts fits; the prediction is the
     peak. Under pipelining the schedule's receive buffers and held outputs come on top
-    (:func:`autopar.cost.pipeline.stage_buffer_bytes`), in the solver's budget too. Measured on one process (the benchmark GPT, 4 samples): one micro-batch peaked
-    at 91.6 MiB, four at 105.8, 14.2 MiB (the gradients) apart; on 2 ZeRO-3 ranks with
-    two micro-batches the bound was 6% over the measured peak, the sweep 2%.
+    (:func:`autopar.cost.pipeline.stage_buffer_bytes`), in the solver's budget too.
+    Measured on one process (the benchmark GPT, 4 samples): one micro-batch peaked at
+    91.6 MiB, four at 105.8, 14.2 MiB (the gradients) apart; on 2 ZeRO-3 ranks with two
+    micro-batches the bound was 6% over the measured peak, the sweep 2%.
     """
     pp = config.pp
     rank = [(u, o) for p in stages if p.index % pp == plan.index % pp for u, o in zip(p.units, p.options)]

@@ -137,6 +137,8 @@ class Segment:
         self.flows: dict[tuple[int, int], _FlowAcc] = {}
         self.leaf_stack: list[int] = []
         self.waiting: list[tuple[float, bool]] = []
+        self.last_outputs: frozenset[int] = frozenset()
+        """Storages the last glue op wrote: what autograd saves of them is that op's."""
         self.input_bytes = 0.0
         self.output_bytes = 0.0
 

@@ -94,7 +94,15 @@ class _Recorder(TorchDispatchMode):
         for t in outs:
             seg.register(t, Info(origins=origins, pending=pending, attn_heads=heads))
         seg.charge_waiting(op)
+        seg.last_outputs = frozenset(_storage_key(t) for t in outs)
         return out
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 class _AttentionInterceptor(TorchFunctionMode):
@@ -144,12 +152,23 @@ class Tracer:
             return t
         self.seen_storages.add(key)
         nbytes = float(storage.nbytes())
+        attn = self.in_attention and key not in self.attn_inputs
         if seg.leaf_stack:
             seg.leaves[seg.leaf_stack[-1]].saved += nbytes
+        elif seg.ops and key in seg.last_outputs:
+            # an output the op just recorded keeps (attention's output and log-sum-exp, a
+            # softmax's result): autograd packs those once the op has run. Left for the
+            # next glue op, the attention core's landed after the output projection, on
+            # the residual add, where tensor parallelism does not shard them
+            op = seg.ops[-1]
+            if attn:
+                op.attn_saved += nbytes
+            else:
+                op.saved += nbytes
         else:
             # autograd packs an op's inputs before the op reaches the dispatch mode: the
             # next glue op recorded is the one that saved this tensor
-            seg.waiting.append((nbytes, self.in_attention and key not in self.attn_inputs))
+            seg.waiting.append((nbytes, attn))
         return t
 
     # -- attention ------------------------------------------------------------------

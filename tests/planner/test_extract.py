@@ -83,6 +83,27 @@ def test_flash_attention_keeps_no_scores():
     assert base + A * S * 4 <= saved <= base + A * S * 4 + 64
 
 
+@pytest.mark.parametrize("attention", ["flash", "materialized"])
+def test_the_attention_core_keeps_its_saved_tensors_on_the_flows_it_runs_on(attention):
+    """What the attention core saves (flash: its output and log-sum-exp, packed by
+    autograd after the kernel ran; materialized: scores and probabilities) belongs to
+    the flows from q, k and v to the output projection, where tensor parallelism shards
+    it by heads. Charged to the next glue op instead, flash's landed on the residual add
+    after the projection, replicated: a tp=4 block was predicted 15.6 MiB where it
+    held 14.1."""
+    g = extract(_gpt(), seq_len=S, dtype="fp32", attention=attention)
+    prof = g.profile_of(1)
+    names = [leaf.name for leaf in prof.leaves]
+    wo = names.index("attention.wo")
+    qkv = {names.index(f"attention.{w}") for w in ("wq", "wk", "wv")}
+    carrying = {(f.src, f.dst) for f in prof.flows if f.attn_saved_bytes > 0}
+    assert carrying == {(i, wo) for i in qkv}
+    # flash: the output (s h) and the log-sum-exp (a s, fp32) per sample, and the seeds
+    if attention == "flash":
+        total = sum(f.attn_saved_bytes for f in prof.flows)
+        assert S * H * 4 + A * S * 4 <= total <= S * H * 4 + A * S * 4 + 64
+
+
 def test_bf16_halves_the_activations():
     f32 = extract(_gpt(), seq_len=S, dtype="fp32", attention="materialized").profile_of(1)
     b16 = extract(_gpt(), seq_len=S, dtype="bf16", attention="materialized").profile_of(1)

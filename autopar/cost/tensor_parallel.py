@@ -300,12 +300,9 @@ the target logit."""
 
 LOSS_PARALLEL_WORKING_COPIES = 1
 """Logits shards a vocabulary-parallel cross-entropy's backward holds beyond a plain one's:
-measured with torch 2.13 on 2 gloo ranks (``loss_parallel`` over DTensor logits, three
-shapes from 2 x 64 x 4096 to 4 x 128 x 8192), the loss's forward and backward peaked 4.0
-shards above its input where ``F.cross_entropy`` on a local tensor of one shard's size
-peaked 3.0 above it; after the forward both kept one (the log-probabilities). A tp=2 GPT
-with a column-parallel head peaked at its loss 3.0 MiB (1.5 shards) above the prediction
-without it."""
+on 2 gloo ranks with torch 2.13 (``loss_parallel``, shapes 2 x 64 x 4096 to 4 x 128 x
+8192) it peaked 4.0 shards above its input, ``F.cross_entropy`` on one shard 3.0; both
+kept one after the forward (the log-probabilities)."""
 
 
 REDUCED_OUTPUT_COPIES = 2
@@ -371,14 +368,14 @@ class UnitCost:
         working_bytes: backward working memory: the gradients of the largest tensor
             flowing in the unit (its output gradient and its input gradient), and a
             vocabulary-parallel loss's extra shard (:data:`LOSS_PARALLEL_WORKING_COPIES`).
-        loss_working_bytes: of that, what only the loss's backward holds (the gradient
-            of the loss's input, the logits, in their layout, and a vocabulary-parallel
-            loss's extra shard): it is freed before the
-            unit's own backward starts, so it never meets a sharded optimizer's gathers
-            and reductions for the unit, which begin at that point (FSDP2's pre-backward
-            hook). Measured on 2 ZeRO-3 ranks (benchmark GPT): the step peaked 6.0 MiB
-            below a prediction that added them, the head's gathered weights and reduce
-            buffer.
+        loss_working_bytes, loss_saved_bytes: of ``working_bytes`` and ``saved_bytes``,
+            what only the loss holds (the gradient of the logits and a vocabulary-parallel
+            loss's extra shard; the logits held and the log-probabilities): all freed
+            before the unit's own backward starts, so they never meet a sharded
+            optimizer's gathers and reductions for the unit (FSDP2's pre-backward hook).
+            Measured on 2 ZeRO-3 ranks (benchmark GPT): the step peaked 6.0 MiB below a
+            prediction that added the gradient to them, 3.5 MiB below one that kept the
+            logits and log-probabilities there too.
     """
 
     styles: tuple[TPStyle, ...]
@@ -401,6 +398,7 @@ class UnitCost:
     factored_numel: float
     working_bytes: float
     loss_working_bytes: float
+    loss_saved_bytes: float
 
     @property
     def time_s(self) -> float:
@@ -446,7 +444,7 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
     t = ctx.tp
     fwd_compute = sum(leaf_fwd_s(leaf, s, ctx) for leaf, s in zip(profile.leaves, styles))
     accumulate = sum(leaf_accumulate_s(leaf, s, ctx) for leaf, s in zip(profile.leaves, styles))
-    attn_fwd = loss_fwd = loss_input = 0.0
+    attn_fwd = loss_fwd = loss_input = loss_saved = 0.0
     saved = sum(_shard(leaf.saved_bytes * b, STYLE_IO[s][0], t) for leaf, s in zip(profile.leaves, styles))
     attn_saved = 0.0
     conversions: dict[tuple[int, Layout], Layout] = {}
@@ -459,12 +457,14 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         glue = glue_fwd_s(flow, g, ctx)
         fwd_compute += glue
         attn_fwd += glue_fwd_s(flow, g, ctx, attention_only=True)
-        saved += _shard(flow.saved_bytes * b, g, t)
+        kept = _shard(flow.saved_bytes * b, g, t)
         attn_saved += _shard(flow.attn_saved_bytes * b, g, t)
         if ctx.last and flow.dst == UNIT_OUTPUT:  # into the loss
             loss_fwd += glue
             loss_input = max(loss_input, _shard(flow.tensor_bytes * b, a, t))
-            saved += held_output_bytes(flow, a, need, ctx)
+            loss_saved += kept + held_output_bytes(flow, a, need, ctx)
+        else:
+            saved += kept
         conversions[(flow.src, need)] = a
         if need is Layout.R and flow.dst >= 0 and styles[flow.dst] is TPStyle.COLUMN:
             partial[flow.src] = a
@@ -493,8 +493,8 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         bwd_compute_s=BACKWARD_FACTOR * fwd_compute + accumulate,
         fwd_comm_s=fwd_comm, bwd_comm_s=bwd_comm, fwd_syncs=fwd_syncs, bwd_syncs=bwd_syncs, attn_fwd_s=attn_fwd,
         loss_fwd_compute_s=loss_fwd, loss_fwd_comm_s=loss_comm, loss_fwd_syncs=loss_syncs,
-        param_numel=params, saved_bytes=saved,
+        param_numel=params, saved_bytes=saved + loss_saved,
         attn_saved_bytes=attn_saved, input_bytes=_shard(profile.input_bytes * b, ctx.input_layout, t),
         output_bytes=_shard(profile.output_bytes * b, output if not ctx.last else Layout.R, t),
         factored_numel=factored, working_bytes=2 * largest + loss_working - loss_input,
-        loss_working_bytes=loss_working)
+        loss_working_bytes=loss_working, loss_saved_bytes=loss_saved)

@@ -35,7 +35,9 @@ def test_model_states_other_cases():
     assert piped.params_bytes + piped.grads_bytes + piped.optimizer_bytes == pytest.approx(4 / 4 + 2 + 4 / 4 + 4 + 8 / 4)
     z3 = state_bytes(param_numel=100.0, factored_numel=0.0, largest_unit_numel=10.0, dtype=DType.BF16,
                      optimizer=Optimizer.ADAM, zero_stage=3, dp=4, pipelined=False)
-    assert z3.transient_bytes == pytest.approx(2 * 10 * 2 + 10 * 4)  # two gathered units + one unsharded grad
+    # two gathered units, and two unit-sized fp32 gradient buffers (the unsharded
+    # gradients and FSDP2's reduce-scatter input, or the previous unit's input it keeps)
+    assert z3.transient_bytes == pytest.approx(2 * 10 * 2 + 2 * 10 * 4)
     ada = state_bytes(param_numel=1000.0, factored_numel=60.0, largest_unit_numel=0.0, dtype=DType.FP32,
                       optimizer=Optimizer.ADAFACTOR, zero_stage=0, dp=1, pipelined=False)
     assert ada.optimizer_bytes == 240.0

@@ -369,13 +369,11 @@ class UnitCost:
             flowing in the unit (its output gradient and its input gradient), and a
             vocabulary-parallel loss's extra shard (:data:`LOSS_PARALLEL_WORKING_COPIES`).
         loss_working_bytes, loss_saved_bytes: of ``working_bytes`` and ``saved_bytes``,
-            what only the loss holds (the gradient of the logits and a vocabulary-parallel
-            loss's extra shard; the logits held and the log-probabilities): all freed
-            before the unit's own backward starts, so they never meet a sharded
-            optimizer's gathers and reductions for the unit (FSDP2's pre-backward hook).
-            Measured on 2 ZeRO-3 ranks (benchmark GPT): the step peaked 6.0 MiB below a
-            prediction that added the gradient to them, 3.5 MiB below one that kept the
-            logits and log-probabilities there too.
+            what only the loss holds (the gradient of the logits, a vocabulary-parallel
+            loss's extra shard; the logits held, the log-probabilities), also under full
+            recomputation (the loss runs outside the checkpoint). All but the logits are
+            freed before the unit's backward starts and its FSDP2 gathers and reductions.
+        held_output_bytes: of that, the logits, kept until the stage's backward ends.
     """
 
     styles: tuple[TPStyle, ...]
@@ -399,6 +397,7 @@ class UnitCost:
     working_bytes: float
     loss_working_bytes: float
     loss_saved_bytes: float
+    held_output_bytes: float
 
     @property
     def time_s(self) -> float:
@@ -444,7 +443,7 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
     t = ctx.tp
     fwd_compute = sum(leaf_fwd_s(leaf, s, ctx) for leaf, s in zip(profile.leaves, styles))
     accumulate = sum(leaf_accumulate_s(leaf, s, ctx) for leaf, s in zip(profile.leaves, styles))
-    attn_fwd = loss_fwd = loss_input = loss_saved = 0.0
+    attn_fwd = loss_fwd = loss_input = loss_saved = held = 0.0
     saved = sum(_shard(leaf.saved_bytes * b, STYLE_IO[s][0], t) for leaf, s in zip(profile.leaves, styles))
     attn_saved = 0.0
     conversions: dict[tuple[int, Layout], Layout] = {}
@@ -462,7 +461,8 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         if ctx.last and flow.dst == UNIT_OUTPUT:  # into the loss
             loss_fwd += glue
             loss_input = max(loss_input, _shard(flow.tensor_bytes * b, a, t))
-            loss_saved += kept + held_output_bytes(flow, a, need, ctx)
+            held = held_output_bytes(flow, a, need, ctx)
+            loss_saved += kept + held
         else:
             saved += kept
         conversions[(flow.src, need)] = a
@@ -497,4 +497,4 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         attn_saved_bytes=attn_saved, input_bytes=_shard(profile.input_bytes * b, ctx.input_layout, t),
         output_bytes=_shard(profile.output_bytes * b, output if not ctx.last else Layout.R, t),
         factored_numel=factored, working_bytes=2 * largest + loss_working - loss_input,
-        loss_working_bytes=loss_working, loss_saved_bytes=loss_saved)
+        loss_working_bytes=loss_working, loss_saved_bytes=loss_saved, held_output_bytes=held)

@@ -147,11 +147,12 @@ class Evaluator:
         st = state_bytes(param_numel=opt.layout.param_numel, factored_numel=opt.layout.factored_numel,
                          largest_unit_numel=opt.layout.param_numel, dtype=config.dtype, optimizer=self.optimizer,
                          zero_stage=config.zero_stage, dp=config.dp, pipelined=config.pp > 1, tp=config.tp)
-        # the loss's backward is over, and what it held freed, before the unit's gathers
-        # and reductions begin (a fully recomputed unit keeps none of it as activations)
-        held = opt.layout.loss_saved_bytes if opt.recompute is not Recompute.FULL else 0.0
-        transient = max(opt.transient_bytes,
-                        opt.transient_bytes - opt.layout.loss_working_bytes - held + st.transient_bytes)
+        # the loss's backward is over, and what it kept but the logits freed, before the
+        # unit's gathers and reductions begin (fully recomputed, those stay activations)
+        lay = opt.layout
+        freed = lay.loss_working_bytes + (lay.loss_saved_bytes - lay.held_output_bytes
+                                          if opt.recompute is not Recompute.FULL else 0.0)
+        transient = max(opt.transient_bytes, opt.transient_bytes - freed + st.transient_bytes)
         return Priced(time_s=opt.time_s, static_bytes=st.params_bytes + st.grads_bytes + st.optimizer_bytes,
                       act_bytes=opt.act_bytes, transient_bytes=transient, layout=layout_id,
                       rebuild_bytes=st.rebuild_bytes)

@@ -123,9 +123,13 @@ def test_full_recomputation_reruns_the_forward_but_the_loss_at_the_measured_frac
                             TPContext(**{**ctx.__dict__, "last": False}))
     assert (block.loss_fwd_compute_s, block.loss_fwd_comm_s, block.loss_fwd_syncs) == (0.0, 0.0, 0)
     lay = dataclasses.replace(block, fwd_compute_s=10.0, loss_fwd_compute_s=2.0, fwd_comm_s=3.0, loss_fwd_comm_s=1.0,
-                              bwd_compute_s=20.0, bwd_comm_s=4.0, fwd_syncs=5, loss_fwd_syncs=3, bwd_syncs=2)
+                              bwd_compute_s=20.0, bwd_comm_s=4.0, fwd_syncs=5, loss_fwd_syncs=3, bwd_syncs=2,
+                              saved_bytes=block.saved_bytes + 1000.0, loss_saved_bytes=1000.0)
     full = make_option(lay, Recompute.FULL, 100.0, 7.0, 0.5)
     assert full.recompute_s == 0.5 * (10 - 2) + (3 - 1)
+    # the loss's logits and log-probabilities outlive the checkpoint: activations still
+    assert full.act_bytes == lay.input_bytes + 1000.0
+    assert full.transient_bytes == block.saved_bytes + lay.attn_saved_bytes + lay.working_bytes
     assert (full.fwd_s, full.bwd_s) == (13.0, 20 + 4 + 6)
     assert (full.tp_comm_s, full.syncs, full.recompute_flops) == (3 + 4 + 2, 5 + 2 + 2, 100.0)
     kept = make_option(lay, Recompute.NONE, 100.0, 7.0, 0.5)
@@ -157,6 +161,9 @@ def test_the_backward_peak_by_hand():
     assert _backward_peak(acts, transients, grads, 1, fresh_gradients=False) == (12.0, 9.0, 2.0)
     assert _backward_peak(acts, transients, grads, 2, fresh_gradients=False) == (24.0, 9.0, 2.0)
     assert _backward_peak(acts, [1.0, 9.0, 2.0], grads, 1, fresh_gradients=False) == (6.0, 9.0, 9.0)
+    # the last unit's logits (4 of its 6) stay until the backward is over: the middle
+    # unit's moment holds them too, 10 + 9 + 5 = 24, over the last unit's 12 + 9 + 2
+    assert _backward_peak(acts, transients, grads, 1, fresh_gradients=False, held_to_end=4.0) == (10.0, 9.0, 5.0)
 
 
 def test_a_tied_weight_is_held_once_only_where_both_owners_split_it_alike():

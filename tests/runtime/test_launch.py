@@ -3,6 +3,7 @@ and ``autopar dry-run`` of plans for 64 ranks on this machine."""
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -50,7 +51,10 @@ def test_autopar_run_names_the_failed_rank(tmp_path):
     done = _cli("run", "--plan", str(tmp_path / "plan.json"), "--nproc-per-node", "2", "--pg-timeout-s", "20",
                 str(SCRIPT), str(tmp_path / "losses.json"), "fail")
     assert done.returncode == 1
-    assert "rank 1 (local rank 1) failed with exit code 1: RuntimeError: rank 1 fails on purpose" in done.stderr
+    # the rank exits with code 1, or, when gloo's threads are torn down mid-collective
+    # under load, with SIGABRT (seen once in CI); either way the launcher names it and its error
+    assert re.search(r"rank 1 \(local rank 1\) failed with (exit code 1|signal SIGABRT): "
+                     r"RuntimeError: rank 1 fails on purpose", done.stderr), done.stderr[-3000:]
     assert time.monotonic() - start < 90
 
 

@@ -300,9 +300,8 @@ the target logit."""
 
 LOSS_PARALLEL_WORKING_COPIES = 1
 """Logits shards a vocabulary-parallel cross-entropy's backward holds beyond a plain one's:
-on 2 gloo ranks with torch 2.13 (``loss_parallel``, shapes 2 x 64 x 4096 to 4 x 128 x
-8192) it peaked 4.0 shards above its input, ``F.cross_entropy`` on one shard 3.0; both
-kept one after the forward (the log-probabilities)."""
+torch 2.13's ``loss_parallel`` on 2 gloo ranks (2 x 64 x 4096 to 4 x 128 x 8192) peaked 4.0
+shards above its input, ``F.cross_entropy`` on one shard 3.0, both 1.0 after forward."""
 
 
 REDUCED_OUTPUT_COPIES = 2
@@ -318,15 +317,15 @@ leaf inside a unit costs nothing lasting. A tp=2 GPT whose head was row-parallel
 
 
 def held_output_bytes(flow: Flow, a: Layout, need: Layout, ctx: TPContext) -> float:
-    """Bytes the model's output (``flow``, into the last unit's output, from a producer
-    in layout ``a``) holds per micro-batch beyond what autograd saves: ``torch.distributed.pipelining`` keeps each
-    stage's output until that micro-batch's backward (``PipelineStage.fwd_cache``), and
-    a cross-entropy saves its log-probabilities, not the logits. The output in the layout
+    """Bytes the model's output (``flow``, into the last unit's output, from a producer in
+    layout ``a``) holds per micro-batch beyond what autograd saves: the pipeline schedule
+    keeps each stage's output until that micro-batch's backward is over, and a
+    cross-entropy saves its log-probabilities, not the logits. The output in the layout
     the loss takes (a vocabulary-sharded one in shards), with a row-parallel head's
     copies (:data:`REDUCED_OUTPUT_COPIES`). Measured on one process (the benchmark GPT,
     4 x 128 tokens, vocabulary 2048): the step peaked at the loss 4.0 MiB (the logits)
-    above the prediction without them, at 16 samples 16 MiB. A loss that saves the
-    output itself (a mean squared error) has it counted twice, a small output in practice."""
+    above the prediction without them, at 16 samples 16 MiB. A loss that saves the output
+    itself (a mean squared error) has it counted twice, a small output in practice."""
     nbytes = flow.tensor_bytes * ctx.micro_batch
     copies = REDUCED_OUTPUT_COPIES if a is Layout.P and need is Layout.R else 0
     return _shard(nbytes, need, ctx.tp) + copies * nbytes
@@ -461,8 +460,8 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         if ctx.last and flow.dst == UNIT_OUTPUT:  # into the loss
             loss_fwd += glue
             loss_input = max(loss_input, _shard(flow.tensor_bytes * b, a, t))
-            held = held_output_bytes(flow, a, need, ctx)
-            loss_saved += kept + held
+            held += held_output_bytes(flow, a, need, ctx)
+            loss_saved += kept
         else:
             saved += kept
         conversions[(flow.src, need)] = a
@@ -480,8 +479,9 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         r = reduction_s(a, largest[src] * b, ctx)
         bwd_comm += r
         bwd_syncs += r > 0
-    loss_comm, loss_syncs = (loss_parallel_s(ctx), LOSS_PARALLEL_REDUCTIONS) if ctx.last and output is Layout.F else (0.0, 0)
-    loss_working = loss_input * (1 + (LOSS_PARALLEL_WORKING_COPIES if ctx.last and output is Layout.F else 0))
+    vocab_parallel = ctx.last and output is Layout.F
+    loss_comm, loss_syncs = (loss_parallel_s(ctx), LOSS_PARALLEL_REDUCTIONS) if vocab_parallel else (0.0, 0)
+    loss_working = loss_input * (1 + (LOSS_PARALLEL_WORKING_COPIES if vocab_parallel else 0))
     fwd_comm += loss_comm
     fwd_syncs += loss_syncs
     params = sum(leaf_param_numel(leaf, s, t) for leaf, s in zip(profile.leaves, styles))
@@ -493,8 +493,8 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         bwd_compute_s=BACKWARD_FACTOR * fwd_compute + accumulate,
         fwd_comm_s=fwd_comm, bwd_comm_s=bwd_comm, fwd_syncs=fwd_syncs, bwd_syncs=bwd_syncs, attn_fwd_s=attn_fwd,
         loss_fwd_compute_s=loss_fwd, loss_fwd_comm_s=loss_comm, loss_fwd_syncs=loss_syncs,
-        param_numel=params, saved_bytes=saved + loss_saved,
+        param_numel=params, saved_bytes=saved + loss_saved + held,
         attn_saved_bytes=attn_saved, input_bytes=_shard(profile.input_bytes * b, ctx.input_layout, t),
         output_bytes=_shard(profile.output_bytes * b, output if not ctx.last else Layout.R, t),
         factored_numel=factored, working_bytes=2 * largest + loss_working - loss_input,
-        loss_working_bytes=loss_working, loss_saved_bytes=loss_saved, held_output_bytes=held)
+        loss_working_bytes=loss_working, loss_saved_bytes=loss_saved + held, held_output_bytes=held)

@@ -133,10 +133,7 @@ class Tracer:
 
     def is_parameter(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is (a view of) a parameter: read once per call whatever the batch."""
-        try:
-            return t.untyped_storage()._cdata in self.param_storages
-        except (RuntimeError, NotImplementedError):
-            return False
+        return _storage_key(t) in self.param_storages
 
     # -- saved tensors --------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> torch.Tensor:

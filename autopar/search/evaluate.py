@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -20,7 +20,7 @@ from autopar.cost.comm import all_gather_s, group_span, p2p_s, reduce_scatter_s
 from autopar.cost.compute import optimizer_step_s, rates
 from autopar.cost.memory import state_bytes
 from autopar.cost.pipeline import inflight_microbatches, stage_buffer_bytes
-from autopar.cost.tensor_parallel import Layout, TPContext
+from autopar.cost.tensor_parallel import Layout, TPContext, UnitCost
 from autopar.graph.layer_graph import LayerGraph
 from autopar.plan import LayerStrategies, ParallelConfig, Prediction
 from autopar.search.ilp import make_solver
@@ -204,10 +204,12 @@ class Evaluator:
                          pipelined=config.pp > 1, tp=config.tp)
         return st.params_bytes + st.grads_bytes + st.optimizer_bytes
 
-    def pipeline_buffer_bytes(self, units: tuple[int, ...], config: ParallelConfig, modes: tuple[Recompute, ...],
-                              inflight: float) -> float:
+    def pipeline_buffer_bytes(self, units: tuple[int, ...], config: ParallelConfig, inflight: float,
+                              layout: Callable[[int], UnitCost]) -> float:
         """What the pipeline schedule holds for ``units`` (one rank's stages: each run of
-        consecutive units is one) beyond their activations (:func:`stage_buffer_bytes`)."""
+        consecutive units is one, in order) beyond their activations
+        (:func:`stage_buffer_bytes`), with ``layout(u)`` the layout unit ``u`` takes (its
+        boundary tensors are the same in every option)."""
         if config.pp == 1:
             return 0.0
         n = len(self.graph.units)
@@ -218,11 +220,14 @@ class Evaluator:
                 first, last = units[start], units[i - 1]
                 total += stage_buffer_bytes(
                     receives_input=first > 0, sends_output=last < n - 1,
-                    input_bytes=self.options(first, config, modes)[0].layout.input_bytes,
-                    output_bytes=self.options(last, config, modes)[0].layout.output_bytes,
+                    input_bytes=layout(first).input_bytes, output_bytes=layout(last).output_bytes,
                     num_microbatches=config.num_microbatches, inflight=inflight)
                 start = i
         return total
+
+    def any_layout(self, config: ParallelConfig, modes: tuple[Recompute, ...]) -> Callable[[int], UnitCost]:
+        """A unit's first option's layout: its boundary tensors, before options are chosen."""
+        return lambda u: self.options(u, config, modes)[0].layout
 
     def budget(self) -> float:
         """Bytes the model may allocate: capacity less the fixed reserve, less the
@@ -285,7 +290,7 @@ class Evaluator:
         # keep them apart, the stage must fit with what they save, else solve without
         bound = sum(s.numel for s in self.graph.shared if s.first_unit in units and s.second_unit in units)
         shared = self.shared_state_bytes(config, bound) if bound else 0.0
-        budget = self.budget() - self.pipeline_buffer_bytes(units, config, modes, inflight)
+        budget = self.budget() - self.pipeline_buffer_bytes(units, config, inflight, self.any_layout(config, modes))
         choice = solve_stage(groups, budget + shared, inflight, self._ilp)
         chosen = assign(choice) if choice is not None else {}
         if choice is not None and shared:

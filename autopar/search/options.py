@@ -109,8 +109,8 @@ def make_option(lay: UnitCost, mode: Recompute, rerun_flops: float, attn_flops: 
         redo = (recompute_fraction * (lay.fwd_compute_s - lay.loss_fwd_compute_s)
                 + lay.fwd_comm_s - lay.loss_fwd_comm_s)
         # the loss runs outside the checkpoint: what it keeps stays an activation
-        act, transient, flops = lay.input_bytes + lay.loss_saved_bytes, full_act - lay.loss_saved_bytes + \
-            lay.working_bytes, rerun_flops
+        act, flops = lay.input_bytes + lay.loss_saved_bytes, rerun_flops
+        transient = full_act - lay.loss_saved_bytes + lay.working_bytes
     return UnitOption(layout=lay, recompute=mode, fwd_s=lay.fwd_s, bwd_s=lay.bwd_compute_s + lay.bwd_comm_s + redo,
                       recompute_s=redo, act_bytes=act, transient_bytes=transient, recompute_flops=flops)
 

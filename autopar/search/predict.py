@@ -15,7 +15,7 @@ from autopar.cluster import Cluster
 from autopar.cost.comm import GroupSpan, all_gather_s, all_reduce_s, fsdp_copy_s, group_span, reduce_scatter_s
 from autopar.cost.compute import optimizer_step_s, rates
 from autopar.cost.memory import compute_copy_bytes, state_bytes
-from autopar.cost.pipeline import inflight_microbatches, pipeline_time_s, stage_buffer_bytes
+from autopar.cost.pipeline import inflight_microbatches, pipeline_time_s
 from autopar.cost.sync import sync_wait_s
 from autopar.plan import MemoryBreakdown, ParallelConfig, Prediction, StagePrediction, StepBreakdown
 from autopar.vocab import Recompute, Schedule
@@ -248,12 +248,8 @@ def stage_memory(ev: Evaluator, plan: StagePlan, config: ParallelConfig, stages:
     # DDP's bucket rebuild happens with no activation alive: it raises the peak only
     # by what it holds beyond them (``autopar.cost.memory``)
     transient = max(transient, st.rebuild_bytes * scale - acts)
-    n = len(ev.graph.units)
-    buffers = sum(stage_buffer_bytes(receives_input=p.units[0] > 0, sends_output=p.units[-1] < n - 1,
-                                     input_bytes=p.options[0].layout.input_bytes,
-                                     output_bytes=p.options[-1].layout.output_bytes,
-                                     num_microbatches=config.num_microbatches, inflight=plan.inflight)
-                  for p in stages if p.index % pp == plan.index % pp) if pp > 1 else 0.0
+    chosen = dict(rank)
+    buffers = ev.pipeline_buffer_bytes(tuple(chosen), config, plan.inflight, lambda u: chosen[u].layout)
     dev = ev.cluster.device
     allocated = st.params_bytes * scale + grads + st.optimizer_bytes * scale + acts + transient + buffers
     return MemoryBreakdown(params_bytes=st.params_bytes * scale, grads_bytes=grads,

@@ -108,7 +108,8 @@ def homogeneous_cost(ev: Evaluator, start: int, count: int, config: ParallelConf
     if table is None or table.size <= count:
         grow = max(count, 8, 2 * (table.size if table is not None else 0))
         opts, priced = ev.priced_options(start, config, modes)
-        buffers = ev.pipeline_buffer_bytes(tuple(range(start, start + count)), config, modes, inflight)
+        buffers = ev.pipeline_buffer_bytes(tuple(range(start, start + count)), config, inflight,
+                                           ev.any_layout(config, modes))
         table = homogeneous_times(priced, grow, ev.budget() - buffers, inflight)
         ev.memo[key] = table
     t = float(table[count])

@@ -188,7 +188,7 @@ def _brute_force_search(evaluator: Evaluator, constraints: dict) -> float:
                     mem = memory_of(groups, tuple((1,) for _ in units), inflight)
                     taken = {u: per_unit[u][0][choice[u]] for u in units}
                     mem -= evaluator.shared_state_bytes(cfg, evaluator.held_once_numel(cfg, taken))
-                    mem += evaluator.pipeline_buffer_bytes(tuple(units), cfg, ALL_MODES, inflight)
+                    mem += evaluator.pipeline_buffer_bytes(tuple(units), cfg, inflight, lambda u: taken[u].layout)
                     if mem > budget * (1 + 1e-12):
                         ok = False
                         break

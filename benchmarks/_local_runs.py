@@ -10,7 +10,6 @@ reason. Nothing here writes results: each benchmark reports in its own way.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+import _foreign_cpu
 import autopar
 from autopar.runtime.local import BatchFn, LocalRun, cross_entropy, run_locally
 from autopar.runtime.mesh import MeshDims
@@ -164,18 +164,28 @@ class Measured:
         return statistics.median(self.round_medians_s) if self.round_medians_s else float("nan")
 
 
+@dataclass(frozen=True, kw_only=True)
+class Interleaved:
+    """Every run's rounds, and what other processes took of the CPU in each round."""
+
+    by_label: dict[str, Measured]
+    foreign: list[_foreign_cpu.ForeignCpu | None]
+
+
 def measure_interleaved(runs: Sequence[Run], *, rounds: int, steps: int, warmup: int = 2, memory: bool = True,
                         before_round: Callable[[int], None] | None = None,
-                        log: Callable[[str], None] = print) -> dict[str, Measured]:
+                        log: Callable[[str], None] = print) -> Interleaved:
     """Run every plan once per round, in forward order on even rounds and reversed on odd
     ones; peak memory (``memory``) in the first round; ``before_round(r)`` first in
-    each round. A run that fails is recorded, not retried."""
+    each round (outside the window whose foreign CPU is recorded). A run that fails is
+    recorded, not retried."""
     out = {r.label: Measured() for r in runs}
+    foreign: list[_foreign_cpu.ForeignCpu | None] = []
     for rnd in range(rounds):
         if before_round is not None:
             before_round(rnd)
         order = runs if rnd % 2 == 0 else list(reversed(runs))
-        load = os.getloadavg()[0]
+        window = _foreign_cpu.sample()
         for run in order:
             m = out[run.label]
             if m.error:
@@ -192,9 +202,10 @@ def measure_interleaved(runs: Sequence[Run], *, rounds: int, steps: int, warmup:
             m.round_medians_s.append(res.median_step_s)
             if res.peak_memory_bytes:
                 m.peak_bytes = res.peak_memory_bytes
-            log(f"round {rnd + 1} (load {load:.1f}) {run.label}: {res.median_step_s:.3f} s "
-                f"[{time.perf_counter() - start:.0f} s wall]")
-    return out
+            log(f"round {rnd + 1} {run.label}: {res.median_step_s:.3f} s [{time.perf_counter() - start:.0f} s wall]")
+        foreign.append(_foreign_cpu.between(window, _foreign_cpu.sample()))
+        log(f"round {rnd + 1}: other processes took {_foreign_cpu.describe(foreign[-1:])}")
+    return Interleaved(by_label=out, foreign=foreign)
 
 
 def _first_cause(exc: Exception) -> str:

@@ -31,6 +31,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from autopar.models import GPT, CNNConfig, MLPConfig, MLPStack, ResNet
 from autopar.runtime.local import BatchFn, token_batches
 from autopar.search.space import tp_degrees
 
+import _foreign_cpu
 from _report import result_path, write_csv, write_png, write_result
 from _local_runs import (Measured, ProfileTarget, Run, describe, fmt_rounds, measure_interleaved, plan_key, profile_lines,
                          profile_machine, reports)
@@ -192,7 +194,7 @@ def main() -> None:
                                                  batch_fn=case.batch_fn, sample_input=_sample_input(case, plan))
         say(f"{name}: " + "; ".join(f"{k}: {describe(v) if v else 'none fits'}" for k, v in plans[name].items()))
     measured = measure_interleaved(list(runs.values()), rounds=args.rounds, steps=args.steps, log=say)
-    by_plan = {key: measured[run.label] for key, run in runs.items()}
+    by_plan = {key: measured.by_label[run.label] for key, run in runs.items()}
     verdicts, table, rows = _tables(args.models, plans, by_plan)
     csv_path = write_csv(NAME, rows)
     png = write_png(NAME, _figure(rows))
@@ -201,7 +203,8 @@ def main() -> None:
             f"as `{saved.name}`; "
             f"{profile_s:.0f} s). Models: " + "; ".join(f"**{n}**: {CASES[n].describe}" for n in args.models)
             + f". fp32, AdamW. {args.rounds} interleaved rounds of {args.steps} steps (2 untimed) per distinct plan, "
-            f"peak memory in a metered run in the first; everything took {(time.perf_counter() - started) / 60:.1f} "
+            f"peak memory in a metered run in the first; CPU that other processes took during each round: "
+            f"{_foreign_cpu.describe(measured.foreign)}, of {os.cpu_count()}; everything took {(time.perf_counter() - started) / 60:.1f} "
             f"min. Every round is in `{csv_path.name}`.")
     text = "\n\n".join([head, verdicts, table, f"![autopar's speed-up, predicted and measured]({png.name})", NOTES, "Profiles kept:\n\n" + "\n".join(profile_lines(profile))])
     md = write_result(NAME, f"autopar against the usual choices, measured on {args.nproc} local processes", text)

@@ -18,6 +18,8 @@ with one more profile round: the predictions shown use the median over all of th
 that a load that drifts during the run moves the profile too. A run's step time is its median step
 (barrier to barrier, the slowest rank); the table gives the median over rounds and every
 round. Peak memory per rank comes from ``run_locally``'s metered run in the first round.
+The header gives the CPU other processes took during each measurement round
+(``_foreign_cpu``): a run measured beside another job's load says so.
 
     python benchmarks/predicted_vs_measured.py [--rounds 3] [--steps 8] [--only dp=2 tp=2]
     python benchmarks/predicted_vs_measured.py --profiles benchmarks/results/predicted_vs_measured_<date>_profiles.json
@@ -49,7 +51,8 @@ from autopar.models import GPT, GPTConfig
 from autopar.runtime.local import token_batches
 from profiler.device import profile_device
 
-from _local_runs import (Measured, ProfileTarget, Run, combine, describe, fmt_rounds, measure_interleaved, plan_key,
+import _foreign_cpu
+from _local_runs import (Interleaved, Measured, ProfileTarget, Run, combine, describe, fmt_rounds, measure_interleaved, plan_key,
                          predicted_peaks, profile_lines, profile_round, reports)
 from _report import result_path, spearman, write_csv, write_png, write_result
 
@@ -124,13 +127,12 @@ def main() -> None:
     candidates = [c for c in CANDIDATES if args.only is None or any(s in c.name for s in args.only)]
     say = lambda s: print(s, flush=True)  # noqa: E731
     started = time.perf_counter()
-    loads: list[float] = []
     if args.profiles:
         profile = json.loads(args.profiles.read_text())
         profile["worlds"] = {int(w): p for w, p in profile["worlds"].items()}
         profile_note = f"reused from `{args.profiles}`"
         plans = {c.name: _estimate(c, profile) for c in candidates}
-        measured = _measure(candidates, plans, args, loads, say)
+        measured = _measure(candidates, plans, args, say)
     else:
         device = profile_device(command=NAME).to_dict()
         sweeps: dict[int, list[dict[str, Any]]] = {w: [] for w in sorted({c.world for c in candidates} | {1})}
@@ -139,7 +141,7 @@ def main() -> None:
         # the plans that run come from the median of these rounds: a single noisy round
         # can solve tensor parallelism to another layout
         plans = {c.name: _estimate(c, combine(device, sweeps)) for c in candidates}
-        measured = _measure(candidates, plans, args, loads, say, lambda rnd: profile_round(
+        measured = _measure(candidates, plans, args, say, lambda rnd: profile_round(
             sweeps, _targets(), label=f"with measurement round {rnd + 1}", command=NAME, log=say))
         profile = combine(device, sweeps)
         saved = result_path(NAME, "_profiles.json")
@@ -153,17 +155,18 @@ def main() -> None:
     # compare what ran: where the median over every round solves a candidate to another
     # layout, its row keeps the prediction of the plan that ran
     plans = {c.name: plans[c.name] if c.name in changed else median[c.name] for c in candidates}
-    body, rows = _tables(candidates, plans, measured)
+    body, rows = _tables(candidates, plans, measured.by_label)
     csv_path = write_csv(NAME, rows)
-    png = write_png(NAME, _figure(candidates, plans, measured))
+    png = write_png(NAME, _figure(candidates, plans, measured.by_label))
     header = (
         f"Model: GPT dim {CFG.dim}, {CFG.n_layers} layers, {CFG.n_heads} heads, seq {CFG.seq_len}, vocab "
         f"{CFG.vocab_size}, fp32, AdamW, global batch {GLOBAL_BATCH}, on local gloo processes of this machine. "
         f"Profile: the same architecture at seq {PROFILE_CFG.seq_len} x batch {PROFILE_BATCH} "
         f"({PROFILE_BATCH * PROFILE_CFG.seq_len} tokens per pass; the candidates' micro-batches hold 128 to 2048, "
         f"never that), "
-        f"{profile_note}. {args.rounds} interleaved rounds of {args.steps} steps (2 untimed) per candidate; load "
-        f"average at the start of each round {' / '.join(f'{x:.1f}' for x in loads)} (2 cores, shared); everything "
+        f"{profile_note}. {args.rounds} interleaved rounds of {args.steps} steps (2 untimed) per candidate; CPU "
+        f"that other processes took during each measurement round: {_foreign_cpu.describe(measured.foreign)}, of "
+        f"{os.cpu_count()}; everything "
         f"took {(time.perf_counter() - started) / 60:.1f} min. Per-term predictions and every round are in "
         f"`{csv_path.name}`."
         + (f" The median over every round solves {', '.join(changed)} to another layout than the one that ran, so "
@@ -177,18 +180,12 @@ def main() -> None:
 
 
 def _measure(candidates: Sequence[Candidate], plans: Mapping[str, autopar.Plan], args: argparse.Namespace,
-             loads: list[float], say: Callable[[str], None],
-             also: Callable[[int], None] | None = None) -> dict[str, Measured]:
-    """Every candidate's plan in interleaved rounds, the load average and ``also(round)``
-    (a profile round) first in each."""
+             say: Callable[[str], None], also: Callable[[int], None] | None = None) -> Interleaved:
+    """Every candidate's plan in interleaved rounds, ``also(round)`` (a profile round)
+    first in each."""
     runs = [Run(label=c.name, build=build, plan=plans[c.name], batch_fn=token_batches(CFG.vocab_size, CFG.seq_len))
             for c in candidates]
-
-    def before(rnd: int) -> None:
-        loads.append(os.getloadavg()[0])
-        if also is not None:
-            also(rnd)
-    return measure_interleaved(runs, rounds=args.rounds, steps=args.steps, log=say, before_round=before)
+    return measure_interleaved(runs, rounds=args.rounds, steps=args.steps, log=say, before_round=also)
 
 
 def _tables(candidates: Sequence[Candidate], plans: Mapping[str, autopar.Plan], measured: Mapping[str, Measured]) -> tuple[str, list[dict[str, Any]]]:

@@ -1,14 +1,18 @@
-"""The benchmarks' rank correlation and CSV writer (no timing, no processes)."""
+"""The benchmarks' rank correlation, CSV writer and foreign-CPU accounting."""
 
 import csv
 import math
+import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
+import _foreign_cpu  # noqa: E402
 import _report  # noqa: E402
 
 
@@ -49,3 +53,57 @@ def test_markdown_table_has_the_csv_columns_and_rows(tmp_path, monkeypatch):
     written = list(csv.DictReader(_report.write_csv("bench", rows).open()))
     assert [list(r.values()) for r in written] == [line.strip("| ").split(" | ") for line in table[2:]]
     assert _report.markdown_table([]) == ""
+
+
+# ---- what other processes took of the CPU (_foreign_cpu) ----
+
+
+def _stat_file(tmp_path, user, nice, system, steal):
+    path = tmp_path / "stat"
+    path.write_text(f"cpu  {user} {nice} {system} 999 0 7 11 {steal} 0 0\ncpu0 1 2 3 4\n")
+    return path
+
+
+def test_between_subtracts_our_time_from_the_machine_busy_time():
+    start = _foreign_cpu.CpuSample(wall_s=10.0, busy_s=100.0, steal_s=5.0, ours_s=40.0)
+    end = _foreign_cpu.CpuSample(wall_s=14.0, busy_s=107.0, steal_s=6.0, ours_s=43.0)
+    got = _foreign_cpu.between(start, end)
+    # 7 busy core-seconds in 4 s, 3 of them ours: 4 / 4 = 1 core; 1 s stolen in 4 s
+    assert got.foreign_cores == pytest.approx(1.0)
+    assert got.steal_cores == pytest.approx(0.25)
+
+
+def test_sample_reads_user_nice_system_and_steal_ticks(tmp_path):
+    ticks = os.sysconf("SC_CLK_TCK")
+    got = _foreign_cpu.sample(_stat_file(tmp_path, 3 * ticks, ticks, 2 * ticks, 5 * ticks))
+    assert got.busy_s == pytest.approx(6.0)  # interrupts (7, 11) left out
+    assert got.steal_s == pytest.approx(5.0)
+
+
+def test_without_proc_stat_nothing_is_claimed(tmp_path):
+    assert _foreign_cpu.sample(tmp_path / "missing") is None
+    assert _foreign_cpu.between(None, None) is None
+    assert _foreign_cpu.describe([None]) == "not measured (no /proc/stat)"
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="needs Linux's /proc/stat")
+def test_a_process_we_do_not_wait_for_counts_as_foreign_and_our_own_work_does_not():
+    spin = "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 30: pass\n"
+    child = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        time.sleep(0.3)
+        start = _foreign_cpu.sample()
+        time.sleep(1.5)
+        with_spinner = _foreign_cpu.between(start, _foreign_cpu.sample())
+    finally:
+        child.kill()
+        child.wait()
+    # a spinning process keeps one core busy; unreaped, its time is not ours
+    assert with_spinner.foreign_cores >= 0.6
+    start = _foreign_cpu.sample()
+    t = time.monotonic()
+    while time.monotonic() - t < 1.5:
+        pass
+    ours = _foreign_cpu.between(start, _foreign_cpu.sample())
+    # the same spin in this process: our time, so the foreign share drops by about a core
+    assert ours.foreign_cores <= with_spinner.foreign_cores - 0.5

@@ -177,15 +177,15 @@ def measure_interleaved(runs: Sequence[Run], *, rounds: int, steps: int, warmup:
                         log: Callable[[str], None] = print) -> Interleaved:
     """Run every plan once per round, in forward order on even rounds and reversed on odd
     ones; peak memory (``memory``) in the first round; ``before_round(r)`` first in
-    each round (outside the window whose foreign CPU is recorded). A run that fails is
+    each round (inside the window whose foreign CPU is recorded). A run that fails is
     recorded, not retried."""
     out = {r.label: Measured() for r in runs}
     foreign: list[_foreign_cpu.ForeignCpu | None] = []
     for rnd in range(rounds):
+        window = _foreign_cpu.sample()
         if before_round is not None:
             before_round(rnd)
         order = runs if rnd % 2 == 0 else list(reversed(runs))
-        window = _foreign_cpu.sample()
         for run in order:
             m = out[run.label]
             if m.error:

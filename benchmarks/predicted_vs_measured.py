@@ -136,8 +136,10 @@ def main() -> None:
     else:
         device = profile_device(command=NAME).to_dict()
         sweeps: dict[int, list[dict[str, Any]]] = {w: [] for w in sorted({c.world for c in candidates} | {1})}
+        window = _foreign_cpu.sample()
         for rnd in range(args.rounds):
             profile_round(sweeps, _targets(), label=f"round {rnd + 1} before the runs", command=NAME, log=say)
+        profiling = _foreign_cpu.describe([_foreign_cpu.between(window, _foreign_cpu.sample())])
         # the plans that run come from the median of these rounds: a single noisy round
         # can solve tensor parallelism to another layout
         plans = {c.name: _estimate(c, combine(device, sweeps)) for c in candidates}
@@ -149,7 +151,8 @@ def main() -> None:
         profile_note = (f"measured by this run in {args.rounds} interleaved rounds before the measurements and one at "
                         f"the start of every measurement round, saved as `{saved.name}`; the plans that ran are those "
                         f"of the median over the first {args.rounds} rounds, the predictions shown those of the median "
-                        f"over all (the machine's load drifts over a run)")
+                        f"over all (the machine's load drifts over a run); other processes took {profiling} of the CPU "
+                        f"during the rounds before the measurements")
     median = {c.name: _estimate(c, profile) for c in candidates}
     changed = [c.name for c in candidates if plan_key(median[c.name]) != plan_key(plans[c.name])]
     # compare what ran: where the median over every round solves a candidate to another
@@ -165,7 +168,8 @@ def main() -> None:
         f"({PROFILE_BATCH * PROFILE_CFG.seq_len} tokens per pass; the candidates' micro-batches hold 128 to 2048, "
         f"never that), "
         f"{profile_note}. {args.rounds} interleaved rounds of {args.steps} steps (2 untimed) per candidate; CPU "
-        f"that other processes took during each measurement round: {_foreign_cpu.describe(measured.foreign)}, of "
+        f"that other processes took during each measurement round (its profile round included): "
+        f"{_foreign_cpu.describe(measured.foreign)}, of "
         f"{os.cpu_count()}; everything "
         f"took {(time.perf_counter() - started) / 60:.1f} min. Per-term predictions and every round are in "
         f"`{csv_path.name}`."

@@ -14,8 +14,10 @@ cores. Profiles are taken in interleaved rounds, every candidate plan is
 (AdamW, fp32, global batch 16). Candidates are interleaved over rounds (forward order,
 then reversed, ...), so a burst of load from other jobs on the shared machine spreads
 over several candidates instead of landing on one, and each measurement round starts
-with one more profile round: the predictions shown use the median over all of them, so
-that a load that drifts during the run moves the profile too. A run's step time is its median step
+with one more profile round: the predictions shown use the median over those, taken
+among the measurements, since the machine's speed drifts over a run (in one run its
+layers took 250 ms in the rounds before the measurements and 264-281 among them, with
+no other process on the machine). A run's step time is its median step
 (barrier to barrier, the slowest rank); the table gives the median over rounds and every
 round. Peak memory per rank comes from ``run_locally``'s metered run in the first round.
 The header gives the CPU other processes took during each measurement round
@@ -143,19 +145,24 @@ def main() -> None:
         # the plans that run come from the median of these rounds: a single noisy round
         # can solve tensor parallelism to another layout
         plans = {c.name: _estimate(c, combine(device, sweeps)) for c in candidates}
+        before = combine(device, sweeps)["layers_s_rounds"]
+        among: dict[int, list[dict[str, Any]]] = {w: [] for w in sweeps}
         measured = _measure(candidates, plans, args, say, lambda rnd: profile_round(
-            sweeps, _targets(), label=f"with measurement round {rnd + 1}", command=NAME, log=say))
-        profile = combine(device, sweeps)
+            among, _targets(), label=f"with measurement round {rnd + 1}", command=NAME, log=say))
+        # the predictions come from the profiles taken among the measurements: the
+        # machine's speed drifts over a run, and the prediction is of the runs
+        profile = combine(device, among)
         saved = result_path(NAME, "_profiles.json")
         saved.write_text(json.dumps(profile))
-        profile_note = (f"measured by this run in {args.rounds} interleaved rounds before the measurements and one at "
-                        f"the start of every measurement round, saved as `{saved.name}`; the plans that ran are those "
-                        f"of the median over the first {args.rounds} rounds, the predictions shown those of the median "
-                        f"over all (the machine's load drifts over a run); other processes took {profiling} of the CPU "
-                        f"during the rounds before the measurements")
+        profile_note = (f"measured by this run in {args.rounds} interleaved rounds before the measurements (one-process "
+                        f"layers per round: {_layer_rounds_ms(before)} ms) and one at the start of every measurement "
+                        f"round, saved as `{saved.name}`; the plans that ran are those of the median over the rounds "
+                        f"before, the predictions shown those of the median over the rounds among the measurements (the "
+                        f"machine's speed drifts over a run); other processes took {profiling} of the CPU during the "
+                        f"rounds before the measurements")
     median = {c.name: _estimate(c, profile) for c in candidates}
     changed = [c.name for c in candidates if plan_key(median[c.name]) != plan_key(plans[c.name])]
-    # compare what ran: where the median over every round solves a candidate to another
+    # compare what ran: where the median among the measurements solves a candidate to another
     # layout, its row keeps the prediction of the plan that ran
     plans = {c.name: plans[c.name] if c.name in changed else median[c.name] for c in candidates}
     body, rows = _tables(candidates, plans, measured.by_label)
@@ -173,10 +180,10 @@ def main() -> None:
         f"{os.cpu_count()}; everything "
         f"took {(time.perf_counter() - started) / 60:.1f} min. Per-term predictions and every round are in "
         f"`{csv_path.name}`."
-        + (f" The median over every round solves {', '.join(changed)} to another layout than the one that ran, so "
+        + (f" The median among the measurements solves {', '.join(changed)} to another layout than the one that ran, so "
            f"{'its row shows' if len(changed) == 1 else 'their rows show'} the prediction of the plan that ran "
            f"(the rounds before the runs)." if changed else ""))
-    text = "\n\n".join([header, body, f"![predicted against measured]({png.name})", NOTES, "Profiles kept (median of the rounds):\n\n" + "\n".join(
+    text = "\n\n".join([header, body, f"![predicted against measured]({png.name})", NOTES, "Profiles kept (median of the rounds among the measurements):\n\n" + "\n".join(
         profile_lines(profile))])
     md = write_result(NAME, "Predicted against measured step time and memory on local processes", text)
     print(text)
@@ -190,6 +197,10 @@ def _measure(candidates: Sequence[Candidate], plans: Mapping[str, autopar.Plan],
     runs = [Run(label=c.name, build=build, plan=plans[c.name], batch_fn=token_batches(CFG.vocab_size, CFG.seq_len))
             for c in candidates]
     return measure_interleaved(runs, rounds=args.rounds, steps=args.steps, log=say, before_round=also)
+
+
+def _layer_rounds_ms(rounds: Mapping[str, Sequence[float]]) -> str:
+    return "; ".join(f"{name} {' / '.join(f'{v * 1e3:.0f}' for v in values)}" for name, values in rounds.items())
 
 
 def _tables(candidates: Sequence[Candidate], plans: Mapping[str, autopar.Plan], measured: Mapping[str, Measured]) -> tuple[str, list[dict[str, Any]]]:

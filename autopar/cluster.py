@@ -46,7 +46,8 @@ class DeviceSpec:
         fsdp_overhead_s: fixed framework time per FSDP2 collective call beyond its
             transfer and the bytes its copies move (hooks, dispatch); GPU presets: 0
             (NCCL runs them asynchronously under large kernels), a network profile
-            measures it.
+            measures it. ``fsdp_tensor_overhead_s``: what each parameter tensor of the
+            unit adds to a call (its copy, view and reduction are dispatched apart).
         fsdp_copy_bytes_per_s: the rate FSDP2's copies into and out of its flat buffers
             reach (:func:`autopar.cost.comm.fsdp_copy_s`); 0 means the streaming
             bandwidth. A network profile measures it: on CPU processes the copies of
@@ -104,6 +105,7 @@ class DeviceSpec:
     op_overhead_s: float = 0.0
     tp_overhead_s: float = 0.0
     fsdp_overhead_s: float = 0.0
+    fsdp_tensor_overhead_s: float = 0.0
     sync_noise_s_per_sqrt_s: float = 0.0
     fsdp_copy_bytes_per_s: float = 0.0
     comm_overlap: float = 0.8
@@ -128,7 +130,8 @@ class DeviceSpec:
             raise ClusterError(f"device {self.name!r} fragmentation={self.fragmentation!r} is not allowed: it must be in "
                                f"[0, 1).")
         object.__setattr__(self, "fragmentation", float(self.fragmentation))
-        for attr in ("op_overhead_s", "tp_overhead_s", "fsdp_overhead_s", "sync_noise_s_per_sqrt_s"):
+        for attr in ("op_overhead_s", "tp_overhead_s", "fsdp_overhead_s", "fsdp_tensor_overhead_s",
+                     "sync_noise_s_per_sqrt_s"):
             value = getattr(self, attr)
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 <= value < 1):
                 raise ClusterError(f"device {self.name!r} {attr}={value!r} is not allowed: it must be in [0, 1) "
@@ -220,7 +223,7 @@ class DeviceSpec:
             self, peak_flops={d: v * k for d, v in self.peak_flops.items()},
             memory_bandwidth_bytes_per_s=self.memory_bandwidth_bytes_per_s * k,
             op_overhead_s=self.op_overhead_s / k, tp_overhead_s=self.tp_overhead_s / k,
-            fsdp_overhead_s=self.fsdp_overhead_s / k,
+            fsdp_overhead_s=self.fsdp_overhead_s / k, fsdp_tensor_overhead_s=self.fsdp_tensor_overhead_s / k,
             optimizer_bytes_per_s=self.optimizer_bytes_per_s * k,
             matmul_curves={d: tuple((f, r * k) for f, r in pts) for d, pts in self.matmul_curves.items()}, **changes)
 
@@ -376,6 +379,7 @@ class Cluster:
                 "op_overhead_s": dev.op_overhead_s,
                 "tp_overhead_s": dev.tp_overhead_s,
                 "fsdp_overhead_s": dev.fsdp_overhead_s,
+                "fsdp_tensor_overhead_s": dev.fsdp_tensor_overhead_s,
                 "sync_noise_s_per_sqrt_s": dev.sync_noise_s_per_sqrt_s,
                 "fsdp_copy_bytes_per_s": dev.fsdp_copy_bytes_per_s,
                 "comm_overlap": dev.comm_overlap,
@@ -408,6 +412,7 @@ class Cluster:
                 op_overhead_s=dev.get("op_overhead_s", 0.0),
                 tp_overhead_s=dev.get("tp_overhead_s", 0.0),
                 fsdp_overhead_s=dev.get("fsdp_overhead_s", 0.0),
+                fsdp_tensor_overhead_s=dev.get("fsdp_tensor_overhead_s", 0.0),
                 sync_noise_s_per_sqrt_s=dev.get("sync_noise_s_per_sqrt_s", 0.0),
                 fsdp_copy_bytes_per_s=dev.get("fsdp_copy_bytes_per_s", 0.0),
                 comm_overlap=dev.get("comm_overlap", 0.8),

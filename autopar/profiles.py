@@ -244,10 +244,11 @@ def _with_group_measurements(device: DeviceSpec, net: tuple[_Report, Mapping[str
         return device
     n = net[1]
     where = f"measured on {n['world_size']} {n['backend']} ranks ({net[0].origin})"
-    measured = {k: float(n.get(k, 0.0)) for k in ("tp_overhead_s", "fsdp_overhead_s")}
+    per = {"tp_overhead_s": "tensor-parallel layer forward", "fsdp_overhead_s": "FSDP collective",
+           "fsdp_tensor_overhead_s": "parameter tensor in an FSDP collective"}
+    measured = {k: float(n.get(k, 0.0)) for k in per}
     measured = {k: v for k, v in measured.items() if v > 0}
     if measured:
-        per = {"tp_overhead_s": "tensor-parallel layer forward", "fsdp_overhead_s": "FSDP collective"}
         what = ", ".join(f"{v * 1e6:.0f} us per {per[k]}" for k, v in measured.items())
         device = replace(device, **measured, source=f"{device.source}; framework overhead {what}, {where}")
     copies = float(n.get("fsdp_copy_bytes_per_s", 0.0))

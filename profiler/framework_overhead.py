@@ -12,9 +12,11 @@ it is a sizeable part of a step:
 - **FSDP2** (ZeRO-2/3): per unit and collective, the pre-/post-hooks and the dispatch of
   the copy into the flat all-gather buffer and out of it into the parameters, the
   gradients' copy into the reduce-scatter buffer and the division. The cost model
-  charges ``fsdp_overhead_s`` per FSDP collective call
-  (:func:`autopar.search.predict.tail_s`); the bytes those copies move at real sizes it
-  prices apart (:func:`autopar.cost.comm.fsdp_copy_s`), and here they are nothing.
+  charges ``fsdp_overhead_s`` per FSDP collective call and ``fsdp_tensor_overhead_s``
+  per parameter tensor of the unit and call, since the copies, views and chunks are
+  dispatched tensor by tensor (:func:`autopar.search.predict.tail_s`); the bytes those
+  copies move at real sizes it prices apart (:func:`autopar.cost.comm.fsdp_copy_s`),
+  and here they are nothing.
 
 FSDP2's copies also move bytes in proportion to each unit, and on CPU processes they
 reach well under the streaming bandwidth (many small parameter tensors, cold caches):
@@ -51,6 +53,9 @@ DIM = 64
 ACTIVATION_BYTES = ROWS * DIM * 4
 """The fp32 activation each of the tensor-parallel pair's two all-reduces moves."""
 FSDP_UNITS = 2
+FSDP_MANY_LINEARS = 8
+"""Linears per unit where the per-tensor cost is measured (16 parameter tensors, against
+the 2 of a unit of one linear)."""
 FSDP_LARGE_DIM = 768
 """Units of 2.25 MiB, where FSDP2's copies take as long as its fixed framework time."""
 FSDP_LARGE_CALLS = 5
@@ -86,6 +91,19 @@ def fsdp_overhead_s(mesh: DeviceMesh, device: torch.device, repeats: Repeats, al
     return max(_fsdp_excess_s(mesh, device, repeats, all_gather_s, reduce_scatter_s, DIM, CALLS_PER_SAMPLE), 0.0)
 
 
+def fsdp_tensor_overhead_s(mesh: DeviceMesh, device: torch.device, repeats: Repeats, all_gather_s: Cost,
+                           reduce_scatter_s: Cost, two_tensor_s: float) -> float:
+    """Seconds each parameter tensor of a unit adds to an FSDP2 collective call on
+    ``mesh`` (1-D); call on every rank of the mesh. The same units as
+    :func:`fsdp_overhead_s`, each of ``FSDP_MANY_LINEARS`` linears instead of one: what a
+    call costs there beyond the transfers and ``two_tensor_s`` (:func:`fsdp_overhead_s`'s
+    figure, for units of 2 tensors), over the tensors added. Measured on 2 gloo ranks:
+    17-57 us per tensor and call, where a unit of one linear costs 0.3-0.6 ms a call."""
+    many = _fsdp_excess_s(mesh, device, repeats, all_gather_s, reduce_scatter_s, DIM, CALLS_PER_SAMPLE,
+                          linears=FSDP_MANY_LINEARS)
+    return max(many - two_tensor_s, 0.0) / (2 * (FSDP_MANY_LINEARS - 1))
+
+
 def fsdp_copy_bytes_per_s(mesh: DeviceMesh, device: torch.device, repeats: Repeats, all_gather_s: Cost,
                           reduce_scatter_s: Cost, fixed_s: float) -> float:
     """The rate FSDP2's copies around each collective reach on ``mesh`` (1-D), in the
@@ -102,27 +120,33 @@ def fsdp_copy_bytes_per_s(mesh: DeviceMesh, device: torch.device, repeats: Repea
     return FSDP_COPY_PASSES * (_unit_bytes(FSDP_LARGE_DIM) - _unit_bytes(DIM)) * (1 + 1 / n) / grown
 
 
-def _unit_bytes(dim: int) -> int:
-    """The fp32 parameters of one FSDP unit of width ``dim``: what its all-gather
-    returns and its reduce-scatter takes."""
-    return (dim * dim + dim) * 4
+def _unit_bytes(dim: int, linears: int = 1) -> int:
+    """The fp32 parameters of one FSDP unit of ``linears`` linears of width ``dim``: what
+    its all-gather returns and its reduce-scatter takes."""
+    return linears * (dim * dim + dim) * 4
 
 
 def _fsdp_excess_s(mesh: DeviceMesh, device: torch.device, repeats: Repeats, all_gather_s: Cost,
-                   reduce_scatter_s: Cost, dim: int, calls: int) -> float:
-    """What a ZeRO-3 collective call costs beyond its transfer, on units of width ``dim``
-    (may be negative)."""
+                   reduce_scatter_s: Cost, dim: int, calls: int, linears: int = 1) -> float:
+    """What a ZeRO-3 collective call costs beyond its transfer, on units of ``linears``
+    linears of width ``dim`` (may be negative)."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    plain, sharded = _stack(FSDP_UNITS, device, dim), _stack(FSDP_UNITS, device, dim)
+    plain, sharded = (_units(FSDP_UNITS, linears, device, dim) for _ in range(2))
     for unit in sharded:
         fully_shard(unit, mesh=mesh, reshard_after_forward=True)
     fully_shard(sharded, mesh=mesh, reshard_after_forward=True)
     x = torch.randn(ROWS, dim, device=device)
-    unit = _unit_bytes(dim)
+    unit = _unit_bytes(dim, linears)
     transfers = FSDP_UNITS * (2 * all_gather_s(unit) + reduce_scatter_s(unit))
     return (_excess_s(plain, sharded, x, device, repeats, mesh.get_group(), calls) - transfers) / (3 * FSDP_UNITS)
+
+
+def _units(units: int, linears: int, device: torch.device, dim: int) -> torch.nn.Sequential:
+    """``units`` units in a row, each a linear or a row of ``linears`` of them."""
+    return torch.nn.Sequential(*(_stack(linears, device, dim) if linears > 1 else torch.nn.Linear(dim, dim).to(device)
+                                 for _ in range(units)))
 
 
 def _stack(layers: int, device: torch.device, dim: int = DIM) -> torch.nn.Sequential:

@@ -38,7 +38,7 @@ from autopar.cost.comm import level_s
 from profiler.contention import contended_share
 from profiler.errors import MeasurementError, SettingsError
 from profiler.fit import Sample, bus_factor, coefficients, fit_alpha_beta
-from profiler.framework_overhead import fsdp_copy_bytes_per_s, fsdp_overhead_s, tp_overhead_s
+from profiler.framework_overhead import fsdp_copy_bytes_per_s, fsdp_overhead_s, fsdp_tensor_overhead_s, tp_overhead_s
 from profiler.machine import provenance
 from profiler.report import (CollectiveOp, CommPoint, CommSeries, Level, LinkFit, NetworkProfile, ProfileReport,
                              Timing)
@@ -151,10 +151,11 @@ def profile_network(*, sweep: NetworkSweep | None = None, node_of_rank: tuple[st
     dist.all_gather_object(everyone, (mine, provenance(command)))
     series = tuple(_series(g, op, sizes, [times for times, _ in everyone]) for g in groups for op in sweep.ops)
     fits, unfitted = fit_levels(series)
-    tp, fsdp, fsdp_copy = _framework_overheads(groups, fits, series, rank, device, sweep)
-    if tp or fsdp:
+    tp, fsdp, fsdp_tensor, fsdp_copy = _framework_overheads(groups, fits, series, rank, device, sweep)
+    if tp or fsdp or fsdp_tensor:
         say(f"framework overhead on the intra-node groups: {tp * 1e6:.0f} us per tensor-parallel layer forward, "
-            f"{fsdp * 1e6:.0f} us per FSDP collective, FSDP copies at {fsdp_copy / 1e9:.1f} GB/s")
+            f"{fsdp * 1e6:.0f} us per FSDP collective and {fsdp_tensor * 1e6:.0f} us per parameter tensor in it, "
+            f"FSDP copies at {fsdp_copy / 1e9:.1f} GB/s")
     memory_share = _memory_share(groups, rank, device)
     if memory_share < 1:
         say(f"memory bandwidth with every rank of a node streaming: {memory_share:.2f} of one rank's alone")
@@ -164,7 +165,8 @@ def profile_network(*, sweep: NetworkSweep | None = None, node_of_rank: tuple[st
     # rank 0's provenance on every rank: each rank's own clock could read another second
     profile = NetworkProfile(backend=backend, device_kind="cuda" if device.type == "cuda" else "cpu",
                              world_size=world, node_of_rank=labels, series=series, fits=fits, unfitted=unfitted,
-                             tp_overhead_s=tp, fsdp_overhead_s=fsdp, fsdp_copy_bytes_per_s=fsdp_copy,
+                             tp_overhead_s=tp, fsdp_overhead_s=fsdp, fsdp_tensor_overhead_s=fsdp_tensor,
+                             fsdp_copy_bytes_per_s=fsdp_copy,
                              memory_share=memory_share,
                              sync_noise_s_per_sqrt_s=noise,
                              provenance=everyone[0][1])
@@ -172,9 +174,10 @@ def profile_network(*, sweep: NetworkSweep | None = None, node_of_rank: tuple[st
 
 
 def _framework_overheads(groups: list[_Group], fits: tuple[LinkFit, ...], series: tuple[CommSeries, ...], rank: int,
-                         device: torch.device, sweep: NetworkSweep) -> tuple[float, float, float]:
-    """(tensor-parallel, FSDP) framework time and the rate of FSDP's copies
-    (:mod:`profiler.framework_overhead`) on the intra-node groups (where tensor
+                         device: torch.device, sweep: NetworkSweep) -> tuple[float, float, float, float]:
+    """(tensor-parallel, FSDP per call, FSDP per parameter tensor and call) framework
+    time and the rate of FSDP's copies (:mod:`profiler.framework_overhead`) on the
+    intra-node groups (where tensor
     parallelism runs, and where a one-node data-parallel group runs): the largest times
     and the slowest rate over the groups; 0 without an intra-node group or without fits
     of the collectives the measurement subtracts. The transfers subtracted are priced as
@@ -182,21 +185,23 @@ def _framework_overheads(groups: list[_Group], fits: tuple[LinkFit, ...], series
     counted twice nor dropped."""
     fitted = {op: f for op in ("all_reduce", "all_gather", "reduce_scatter") if (f := _op_fit(fits, op))}
 
-    def measure(group: _Group) -> tuple[float, float, float]:
+    def measure(group: _Group) -> tuple[float, float, float, float]:
         mesh = DeviceMesh.from_group(group.handle, device.type)
         repeats = Repeats(warmup=3, repeats=sweep.repeats + 4)
         cost = {op: _transfer_cost(f, op, group, series) for op, f in fitted.items()}
         tp = tp_overhead_s(mesh, device, repeats, cost["all_reduce"]) if "all_reduce" in cost else 0.0
         if "all_gather" not in cost or "reduce_scatter" not in cost:
-            return tp, 0.0, 0.0
-        fsdp = fsdp_overhead_s(mesh, device, repeats, cost["all_gather"], cost["reduce_scatter"])
-        rate = fsdp_copy_bytes_per_s(mesh, device, repeats, cost["all_gather"], cost["reduce_scatter"], fsdp)
-        return tp, fsdp, rate
+            return tp, 0.0, 0.0, 0.0
+        ag, rs = cost["all_gather"], cost["reduce_scatter"]
+        two_tensors = fsdp_overhead_s(mesh, device, repeats, ag, rs)  # units of one linear: 2 tensors
+        per_tensor = fsdp_tensor_overhead_s(mesh, device, repeats, ag, rs, two_tensors)
+        rate = fsdp_copy_bytes_per_s(mesh, device, repeats, ag, rs, two_tensors)
+        return tp, max(two_tensors - 2 * per_tensor, 0.0), per_tensor, rate
 
     values = _on_intra_groups(groups, rank, measure)
-    rates = [v[2] for v in values if v[2] > 0]
+    rates = [v[3] for v in values if v[3] > 0]
     return (max((v[0] for v in values), default=0.0), max((v[1] for v in values), default=0.0),
-            min(rates, default=0.0))
+            max((v[2] for v in values), default=0.0), min(rates, default=0.0))
 
 
 def _memory_share(groups: list[_Group], rank: int, device: torch.device) -> float:

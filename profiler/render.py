@@ -149,11 +149,12 @@ def _network_blocks(n: NetworkProfile) -> list[_Block]:
         _Table(("level", "ops", "alpha us", "busbw GB/s", "rms error", "points"), fits),
         _Table(("level", "op", "group", "smallest: ms", "largest: busbw GB/s", "best busbw GB/s"), tuple(series)),
     ]
-    if n.tp_overhead_s or n.fsdp_overhead_s:
+    if n.tp_overhead_s or n.fsdp_overhead_s or n.fsdp_tensor_overhead_s:
         out.append(_Text(f"Framework time on the intra-node groups beyond the arithmetic and the fitted transfers: "
                          f"{n.tp_overhead_s * 1e6:.0f} us per tensor-parallel layer forward (a column/row-parallel "
-                         f"pair), {n.fsdp_overhead_s * 1e6:.0f} us per FSDP2 collective call (two ZeRO-3 units), "
-                         f"forward and backward."
+                         f"pair), {n.fsdp_overhead_s * 1e6:.0f} us per FSDP2 collective call and "
+                         f"{n.fsdp_tensor_overhead_s * 1e6:.0f} us per parameter tensor of its unit (two ZeRO-3 units "
+                         f"of 2 and of 16 tensors), forward and backward."
                          + (f" FSDP2's copies around each collective at {n.fsdp_copy_bytes_per_s / 1e9:.2f} GB/s "
                             f"(units of 2.25 MiB)." if n.fsdp_copy_bytes_per_s else "")))
     if n.memory_share < 1:

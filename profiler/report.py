@@ -340,7 +340,8 @@ class NetworkProfile:
     ``node_of_rank[r]``: the node label of rank ``r``. ``fits``: one joint fit per level
     (all the ops that level has) followed by one fit per op and level; ``unfitted``: the
     fits that could not be made and why. ``tp_overhead_s``: framework time per forward
-    of a tensor-parallel leaf, and ``fsdp_overhead_s`` per FSDP2 collective call,
+    of a tensor-parallel leaf, ``fsdp_overhead_s`` per FSDP2 collective call and
+    ``fsdp_tensor_overhead_s`` per parameter tensor of its unit in each call,
     measured on the intra-node groups beyond the fitted transfers, and
     ``fsdp_copy_bytes_per_s`` the rate FSDP2's copies around each collective reach
     (:mod:`profiler.framework_overhead`; 0 where no node has two ranks).
@@ -360,6 +361,7 @@ class NetworkProfile:
     unfitted: Mapping[str, str] = field(default_factory=dict)
     tp_overhead_s: float = 0.0
     fsdp_overhead_s: float = 0.0
+    fsdp_tensor_overhead_s: float = 0.0
     fsdp_copy_bytes_per_s: float = 0.0
     memory_share: float = 1.0
     sync_noise_s_per_sqrt_s: float = 0.0

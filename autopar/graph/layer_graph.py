@@ -43,6 +43,8 @@ class Leaf:
         name: FQN relative to the unit (``"attention.wq"``; ``""`` when the unit is the leaf).
         kind: see :class:`LeafKind`.
         param_numel: parameters of this leaf (all of them).
+        param_tensors: its parameter tensors (a linear with a bias: 2), each of which
+            FSDP2 copies, views and reduces apart in every collective call.
         weight_numel: parameters a column/row/vocab split shards (the weight, and the
             bias of a column split); the rest stay replicated.
         in_features, out_features: matrix sizes (embedding: vocabulary rows, dim).
@@ -76,6 +78,7 @@ class Leaf:
     saved_bytes: float
     weight_bytes: float = 0.0
     fwd_ops: int = 0
+    param_tensors: int = 1
 
     def styles(self, *, sequence_parallel: bool) -> tuple[TPStyle, ...]:
         """Tensor-parallel styles this kind of leaf allows (divisibility aside)."""
@@ -130,6 +133,11 @@ class UnitProfile:
     def param_numel(self) -> int:
         """Parameters of the unit."""
         return sum(leaf.param_numel for leaf in self.leaves)
+
+    @cached_property
+    def param_tensors(self) -> int:
+        """Parameter tensors of the unit (what FSDP2's per-tensor work scales with)."""
+        return sum(leaf.param_tensors for leaf in self.leaves)
 
     @cached_property
     def fwd_flops(self) -> float:

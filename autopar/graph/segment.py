@@ -44,6 +44,7 @@ class _LeafAcc:
     name: str
     kind: LeafKind
     param_numel: int
+    param_tensors: int
     weight_numel: int
     in_features: int
     out_features: int
@@ -97,7 +98,8 @@ class SegmentTrace:
             in_heads = acc.in_features // head_dim if acc.in_heads and head_dim else 0
             out_heads = acc.out_features // head_dim // max(acc.out_heads, 1) if acc.out_heads and head_dim else 0
             leaves.append(Leaf(
-                name=acc.name, kind=acc.kind, param_numel=acc.param_numel, weight_numel=acc.weight_numel,
+                name=acc.name, kind=acc.kind, param_numel=acc.param_numel, param_tensors=acc.param_tensors,
+                weight_numel=acc.weight_numel,
                 in_features=acc.in_features, out_features=acc.out_features, in_heads=in_heads, out_heads=out_heads,
                 vocab=vocab_size > 0 and (acc.kind is LeafKind.EMBEDDING and acc.in_features == vocab_size
                                           or acc.kind is LeafKind.LINEAR and acc.out_features == vocab_size),
@@ -124,12 +126,12 @@ class Segment:
         for name, mod in leaf_modules:
             # remove_duplicate=False: while tracing, parameters of one shape are one fake
             # tensor (a norm's weight and bias), which parameters() would count once
-            numel = sum(p.numel() for _, p in mod.named_parameters(recurse=False, remove_duplicate=False))
+            params = [p for _, p in mod.named_parameters(recurse=False, remove_duplicate=False)]
             kind = leaf_kind(mod)
             fin, fout, wnumel = matrix_shape(mod, kind)
             self.leaf_index[id(mod)] = len(self.leaves)
             self.leaves.append(_LeafAcc(name=name, kind=kind,
-                                        param_numel=numel,
+                                        param_numel=sum(p.numel() for p in params), param_tensors=len(params),
                                         weight_numel=wnumel, in_features=fin, out_features=fout))
         self.info: dict[int, Info] = {}
         self.keep: list[torch.Tensor] = []

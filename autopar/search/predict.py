@@ -52,7 +52,8 @@ def tail_s(ev: Evaluator, plan: StagePlan, config: ParallelConfig) -> tuple[floa
     the copies into and out of the flat buffers in proportion to their bytes
     (:func:`autopar.cost.comm.fsdp_copy_s`), FSDP2's fixed framework time per call
     (``DeviceSpec.fsdp_overhead_s``: hooks and dispatch, measured by a network profile
-    on units so small that their copies move nothing), and, where communication does not
+    on units so small that their copies move nothing) and per parameter tensor of the
+    unit (``fsdp_tensor_overhead_s``), and, where communication does not
     hide them, the wait for the slowest rank at each (:func:`_fsdp_waits_s`).
     Tied weights split over the first and last stage are all-reduced between them.
     """
@@ -60,6 +61,7 @@ def tail_s(ev: Evaluator, plan: StagePlan, config: ParallelConfig) -> tuple[floa
     params = sum(o.layout.param_numel for o in plan.options)
     params -= ev.held_once_numel(config, dict(zip(plan.units, plan.options)))  # one tensor: reduced, stepped once
     units = max(len(plan.options), 1)
+    tensors = sum(ev.graph.profile_of(u).param_tensors for u in plan.units)
     bwd = sum(o.bwd_s for o in plan.options)
     fwd = sum(o.fwd_s for o in plan.options)
     span = group_span(config.dp, config.tp, ev.cluster.devices_per_node)
@@ -80,22 +82,34 @@ def tail_s(ev: Evaluator, plan: StagePlan, config: ParallelConfig) -> tuple[floa
             rs, ag = _fsdp_collectives_s(grad_bytes, copy * params, span, cl, config, units)
             gathers = 1 if config.zero_stage == 2 else m + 1
             exposed = rs + max(gathers * ag - gathers * hidden_fwd, ag / units)
-            calls = (1 + gathers) * units
-            exposed += calls * cl.device.fsdp_overhead_s + _fsdp_waits_s(cl, config, calls, m * (fwd + bwd))
+            per_unit = 1 + gathers
+            exposed += (_fsdp_framework_s(cl, per_unit, units, tensors)
+                        + _fsdp_waits_s(cl, config, per_unit * units, m * (fwd + bwd)))
         else:
             rs, ag = _fsdp_collectives_s(grad_bytes, copy * params, span, cl, config, units)
             if config.zero_stage == 2:
                 exposed = m * max(rs - hidden_bwd, rs / units) + max(ag - hidden_fwd, ag / units)
-                calls = (m + 1) * units
+                per_unit = m + 1
             else:
                 exposed = m * (max(ag - hidden_fwd, ag / units) + max(ag + rs - hidden_bwd, (ag + rs) / units))
-                calls = 3 * m * units
-            exposed += calls * cl.device.fsdp_overhead_s + _fsdp_waits_s(cl, config, calls, m * (fwd + bwd))
+                per_unit = 3 * m
+            exposed += (_fsdp_framework_s(cl, per_unit, units, tensors)
+                        + _fsdp_waits_s(cl, config, per_unit * units, m * (fwd + bwd)))
     if config.pp > 1 and ev.graph.shared and (0 in plan.units or n - 1 in plan.units):
         pair = group_span(2, config.tp * config.dp * (config.pp - 1), ev.cluster.devices_per_node)
         exposed += all_reduce_s(4.0 * sum(s.numel for s in ev.graph.shared) / config.tp, pair, cl)
     local = params / config.dp if config.zero_stage >= 1 else params
     return exposed, optimizer_step_s(cl.device, config.dtype, ev.optimizer, local)
+
+
+def _fsdp_framework_s(cl: Cluster, calls_per_unit: int, units: int, tensors: int) -> float:
+    """FSDP2's framework time in a stage's step: each of its ``units`` issues
+    ``calls_per_unit`` collective calls, each paying ``fsdp_overhead_s`` and
+    ``fsdp_tensor_overhead_s`` per parameter tensor of its unit (``tensors`` over the
+    stage): the copy into the flat buffer, the views out of it and the reduction's
+    chunking are dispatched tensor by tensor (torch 2.13's ``_fsdp_collectives``)."""
+    dev = cl.device
+    return calls_per_unit * (units * dev.fsdp_overhead_s + tensors * dev.fsdp_tensor_overhead_s)
 
 
 def _fsdp_collectives_s(grad_bytes: float, param_bytes: float, span: GroupSpan, cl: Cluster, config: ParallelConfig,

@@ -217,6 +217,28 @@ def test_fsdp_framework_time_is_charged_per_collective_call():
             calls_per_unit(3) * units * 1e-3)
 
 
+def test_fsdp_framework_time_grows_with_the_parameter_tensors_of_each_unit():
+    """Each call also pays ``fsdp_tensor_overhead_s`` per parameter tensor of its unit:
+    over a step, calls per unit x every parameter tensor of the model (a tied weight
+    once for each module that holds it)."""
+    import dataclasses
+
+    import autopar
+
+    model = build_named_model("gpt2-small")
+    tensors = sum(1 for _ in model.named_parameters(remove_duplicate=False))
+    cpu = Cluster.preset("local-cpu", devices_per_node=2)
+    slow = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, fsdp_tensor_overhead_s=1e-4))
+    assert sum(extract(model, seq_len=64, dtype="fp32").profile_of(u).param_tensors
+               for u in range(14)) == tensors
+    for zero, calls_per_unit in ((3, lambda m: 3 * m), (2, lambda m: m + 1)):
+        cfg = {"dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 1, "num_microbatches": 3, "zero_stage": zero}
+        base = autopar.estimate(model, cpu, cfg, global_batch_size=6, seq_len=64)
+        charged = autopar.estimate(model, slow, cfg, global_batch_size=6, seq_len=64)
+        assert charged.prediction.breakdown.dp_comm_s - base.prediction.breakdown.dp_comm_s == pytest.approx(
+            calls_per_unit(3) * tensors * 1e-4)
+
+
 def test_the_expected_maximum_of_normals_and_the_wait_at_blocking_collectives():
     """Closed forms: the maximum of two standard normals averages 1/sqrt(pi), of three
     3/(2 sqrt(pi)) (David & Nagaraja, Order Statistics); one rank waits for nobody. k

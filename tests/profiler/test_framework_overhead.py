@@ -7,7 +7,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.runtime.spmd import SPMDSettings, run_spmd
 from profiler.contention import contended_share
-from profiler.framework_overhead import fsdp_copy_bytes_per_s, fsdp_overhead_s, tp_overhead_s
+from profiler.framework_overhead import fsdp_copy_bytes_per_s, fsdp_overhead_s, fsdp_tensor_overhead_s, tp_overhead_s
 from profiler.timing import Repeats
 
 pytestmark = pytest.mark.multiprocess
@@ -23,6 +23,8 @@ def _measure(rank, world):
     fsdp = fsdp_overhead_s(mesh, cpu, REPEATS, free, free)
     return {"tp": tp_overhead_s(mesh, cpu, REPEATS, free), "tp_dear": tp_overhead_s(mesh, cpu, REPEATS, dear),
             "fsdp": fsdp, "fsdp_dear": fsdp_overhead_s(mesh, cpu, REPEATS, dear, dear),
+            "tensor": fsdp_tensor_overhead_s(mesh, cpu, REPEATS, free, free, fsdp),
+            "tensor_dear": fsdp_tensor_overhead_s(mesh, cpu, REPEATS, dear, dear, 0.0),
             "copies": fsdp_copy_bytes_per_s(mesh, cpu, REPEATS, free, free, fsdp),
             "copies_dear": fsdp_copy_bytes_per_s(mesh, cpu, REPEATS, dear, dear, 0.0),
             "share": contended_share(dist.group.WORLD, (0, 1), REPEATS)}
@@ -37,12 +39,14 @@ def test_sharded_layers_cost_more_than_plain_ones_and_the_rest_is_clamped():
     FSDP units of 2.25 MiB cost more per call than units of 16 KiB (their transfers,
     priced at nothing here, and their copies), which gives a finite copy rate; priced
     dear, nothing grows and the rate is 0 (the cost model's cue for the streaming
-    bandwidth)."""
+    bandwidth). Each parameter tensor of a unit adds a finite, non-negative time per
+    call, well under a unit of one linear's whole call; priced dear, 0."""
     results = run_spmd(_measure, 2, settings=SETTINGS)
-    for key in ("tp", "tp_dear", "fsdp", "fsdp_dear", "copies", "copies_dear", "share"):
+    for key in ("tp", "tp_dear", "fsdp", "fsdp_dear", "tensor", "tensor_dear", "copies", "copies_dear", "share"):
         assert results[0][key] == results[1][key], key
     got = results[0]
     assert 0 < got["tp"] < 0.05 and 0 < got["fsdp"] < 0.05
-    assert got["tp_dear"] == 0.0 and got["fsdp_dear"] == 0.0
+    assert got["tp_dear"] == 0.0 and got["fsdp_dear"] == 0.0 and got["tensor_dear"] == 0.0
+    assert 0 <= got["tensor"] < got["fsdp"]
     assert 1e8 < got["copies"] < 1e12 and got["copies_dear"] == 0.0
     assert 0 < got["share"] <= 1

@@ -282,12 +282,15 @@ def test_the_network_profiles_framework_overheads_replace_the_one_rank_figures()
     dev = ProfileReport(device=dataclasses.replace(measured.device, tp_overhead_s=2e-4))
     one_rank = cluster_from_profiles([dev, network(node_of_rank=nodes, inter=None)]).device
     assert one_rank.time_share == 0.5 and one_rank.tp_overhead_s == pytest.approx(4e-4)  # 4 processes, 2 cores
-    assert one_rank.fsdp_overhead_s == 0.0
+    assert one_rank.fsdp_overhead_s == 0.0 and one_rank.fsdp_tensor_overhead_s == 0.0
     grouped = cluster_from_profiles([dev, network(node_of_rank=nodes, inter=None, tp_overhead_s=7e-4,
-                                                  fsdp_overhead_s=2e-3, fsdp_copy_bytes_per_s=6e9)]).device
-    assert (grouped.tp_overhead_s, grouped.fsdp_overhead_s, grouped.fsdp_copy_bytes_per_s) == (7e-4, 2e-3, 6e9)
+                                                  fsdp_overhead_s=2e-3, fsdp_tensor_overhead_s=4e-5,
+                                                  fsdp_copy_bytes_per_s=6e9)]).device
+    assert (grouped.tp_overhead_s, grouped.fsdp_overhead_s, grouped.fsdp_tensor_overhead_s,
+            grouped.fsdp_copy_bytes_per_s) == (7e-4, 2e-3, 4e-5, 6e9)
     assert "FSDP copies at 6.00 GB/s" in grouped.source
-    assert "700 us per tensor-parallel layer forward, 2000 us per FSDP collective" in grouped.source
+    assert ("700 us per tensor-parallel layer forward, 2000 us per FSDP collective, 40 us per parameter tensor in "
+            "an FSDP collective") in grouped.source
 
 
 def test_the_sync_noise_a_network_profile_measured_applies_at_its_process_count():

@@ -23,7 +23,7 @@ round. Peak memory per rank comes from ``run_locally``'s metered run in the firs
 The header gives the CPU other processes took during each measurement round
 (``_foreign_cpu``): a run measured beside another job's load says so.
 
-    python benchmarks/predicted_vs_measured.py [--rounds 3] [--steps 8] [--only dp=2 tp=2]
+    python benchmarks/predicted_vs_measured.py [--rounds 5] [--steps 8] [--only dp=2 tp=2]
     python benchmarks/predicted_vs_measured.py --profiles benchmarks/results/predicted_vs_measured_<date>_profiles.json
 
 ``--profiles`` reuses saved profiles (to see what a cost-model change does to the
@@ -59,6 +59,8 @@ from _local_runs import (Interleaved, Measured, ProfileTarget, Run, combine, des
 from _report import result_path, spearman, write_csv, write_png, write_result
 
 NAME = "predicted_vs_measured"
+PLAN_ROUNDS = 3
+"""Profile rounds before the measurements, whose median chooses the plans that run."""
 CFG = GPTConfig(vocab_size=2048, seq_len=128, dim=256, n_layers=4, n_heads=8)
 PROFILE_CFG = dataclasses.replace(CFG, seq_len=256)
 PROFILE_BATCH = 3
@@ -120,7 +122,7 @@ def _estimate(candidate: Candidate, profile: Mapping[str, Any]) -> autopar.Plan:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3, help="measurement rounds (and profile rounds)")
+    parser.add_argument("--rounds", type=int, default=5, help="measurement rounds, each after a profile round")
     parser.add_argument("--steps", type=int, default=8, help="steps per run, the first 2 untimed")
     parser.add_argument("--only", nargs="*", default=None, help="candidates whose name contains one of these")
     parser.add_argument("--profiles", type=Path, default=None, help="saved profiles to reuse instead of measuring")
@@ -139,7 +141,7 @@ def main() -> None:
         device = profile_device(command=NAME).to_dict()
         sweeps: dict[int, list[dict[str, Any]]] = {w: [] for w in sorted({c.world for c in candidates} | {1})}
         window = _foreign_cpu.sample()
-        for rnd in range(args.rounds):
+        for rnd in range(PLAN_ROUNDS):
             profile_round(sweeps, _targets(), label=f"round {rnd + 1} before the runs", command=NAME, log=say)
         profiling = _foreign_cpu.describe([_foreign_cpu.between(window, _foreign_cpu.sample())])
         # the plans that run come from the median of these rounds: a single noisy round
@@ -154,7 +156,7 @@ def main() -> None:
         profile = combine(device, among)
         saved = result_path(NAME, "_profiles.json")
         saved.write_text(json.dumps(profile))
-        profile_note = (f"measured by this run in {args.rounds} interleaved rounds before the measurements (one-process "
+        profile_note = (f"measured by this run in {PLAN_ROUNDS} interleaved rounds before the measurements (one-process "
                         f"layers per round: {_layer_rounds_ms(before)} ms) and one at the start of every measurement "
                         f"round, saved as `{saved.name}`; the plans that ran are those of the median over the rounds "
                         f"before, the predictions shown those of the median over the rounds among the measurements (the "

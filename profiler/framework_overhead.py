@@ -98,7 +98,7 @@ def fsdp_tensor_overhead_s(mesh: DeviceMesh, device: torch.device, repeats: Repe
     :func:`fsdp_overhead_s`, each of ``FSDP_MANY_LINEARS`` linears instead of one: what a
     call costs there beyond the transfers and ``two_tensor_s`` (:func:`fsdp_overhead_s`'s
     figure, for units of 2 tensors), over the tensors added. Measured on 2 gloo ranks:
-    17-57 us per tensor and call, where a unit of one linear costs 0.3-0.6 ms a call."""
+    18-72 us per tensor and call over four runs, where a call costs 0.35-0.67 ms."""
     many = _fsdp_excess_s(mesh, device, repeats, all_gather_s, reduce_scatter_s, DIM, CALLS_PER_SAMPLE,
                           linears=FSDP_MANY_LINEARS)
     return max(many - two_tensor_s, 0.0) / (2 * (FSDP_MANY_LINEARS - 1))

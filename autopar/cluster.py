@@ -56,7 +56,9 @@ class DeviceSpec:
             work: the standard deviation of a rank's time for ``T`` seconds of work is
             this times ``sqrt(T)``. Blocking collectives make every rank wait for the
             last (:mod:`autopar.cost.sync`). Measured by a network profile
-            (:mod:`profiler.sync_skew`); 0 in GPU presets.
+            (:mod:`profiler.sync_skew`); 0 in GPU presets. ``sync_speed_spread``: the
+            relative spread of a rank's speed over a stretch of work, which adds ``delta
+            x T`` to the deviation of ``T`` seconds of it (measured the same way).
         comm_overlap: share of the compute time that can hide data-parallel
             communication. Overlapped collectives are not free: NCCL's kernels occupy
             streaming multiprocessors and both compete for memory bandwidth, so
@@ -107,6 +109,7 @@ class DeviceSpec:
     fsdp_overhead_s: float = 0.0
     fsdp_tensor_overhead_s: float = 0.0
     sync_noise_s_per_sqrt_s: float = 0.0
+    sync_speed_spread: float = 0.0
     fsdp_copy_bytes_per_s: float = 0.0
     comm_overlap: float = 0.8
     optimizer_bytes_per_s: float = 0.0
@@ -130,12 +133,12 @@ class DeviceSpec:
             raise ClusterError(f"device {self.name!r} fragmentation={self.fragmentation!r} is not allowed: it must be in "
                                f"[0, 1).")
         object.__setattr__(self, "fragmentation", float(self.fragmentation))
-        for attr in ("op_overhead_s", "tp_overhead_s", "fsdp_overhead_s", "fsdp_tensor_overhead_s",
-                     "sync_noise_s_per_sqrt_s"):
+        units = {"sync_noise_s_per_sqrt_s": "seconds per square root of a second", "sync_speed_spread": "a fraction"}
+        for attr in ("op_overhead_s", "tp_overhead_s", "fsdp_overhead_s", "fsdp_tensor_overhead_s", *units):
             value = getattr(self, attr)
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 <= value < 1):
                 raise ClusterError(f"device {self.name!r} {attr}={value!r} is not allowed: it must be in [0, 1) "
-                                   f"({'seconds per square root of a second' if 'sqrt' in attr else 'seconds'}).")
+                                   f"({units.get(attr, 'seconds')}).")
             object.__setattr__(self, attr, float(value))
         if not isinstance(self.exposed_weight_traffic, bool):
             raise ClusterError(f"device {self.name!r} exposed_weight_traffic={self.exposed_weight_traffic!r} is not "
@@ -381,6 +384,7 @@ class Cluster:
                 "fsdp_overhead_s": dev.fsdp_overhead_s,
                 "fsdp_tensor_overhead_s": dev.fsdp_tensor_overhead_s,
                 "sync_noise_s_per_sqrt_s": dev.sync_noise_s_per_sqrt_s,
+                "sync_speed_spread": dev.sync_speed_spread,
                 "fsdp_copy_bytes_per_s": dev.fsdp_copy_bytes_per_s,
                 "comm_overlap": dev.comm_overlap,
                 "optimizer_bytes_per_s": dev.optimizer_bytes_per_s,
@@ -414,6 +418,7 @@ class Cluster:
                 fsdp_overhead_s=dev.get("fsdp_overhead_s", 0.0),
                 fsdp_tensor_overhead_s=dev.get("fsdp_tensor_overhead_s", 0.0),
                 sync_noise_s_per_sqrt_s=dev.get("sync_noise_s_per_sqrt_s", 0.0),
+                sync_speed_spread=dev.get("sync_speed_spread", 0.0),
                 fsdp_copy_bytes_per_s=dev.get("fsdp_copy_bytes_per_s", 0.0),
                 comm_overlap=dev.get("comm_overlap", 0.8),
                 optimizer_bytes_per_s=dev.get("optimizer_bytes_per_s", 0.0),

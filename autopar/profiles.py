@@ -256,10 +256,11 @@ def _with_group_measurements(device: DeviceSpec, net: tuple[_Report, Mapping[str
         device = replace(device, fsdp_copy_bytes_per_s=copies,
                          source=f"{device.source}; FSDP copies at {copies / 1e9:.2f} GB/s, {where}")
     noise = float(n.get("sync_noise_s_per_sqrt_s", 0.0))
-    if noise > 0:
-        device = replace(device, sync_noise_s_per_sqrt_s=noise,
+    spread = float(n.get("sync_speed_spread", 0.0))
+    if noise > 0 or spread > 0:
+        device = replace(device, sync_noise_s_per_sqrt_s=noise, sync_speed_spread=spread,
                          source=f"{device.source}; ranks finish the same work {noise * 1e3:.1f} ms per sqrt(s) of "
-                                f"it apart (one standard deviation), {where}")
+                                f"it and {spread:.1%} of it apart (one standard deviation), {where}")
     share = float(n.get("memory_share", 1.0))
     beyond = share / device.time_share
     if beyond < 1:

@@ -42,7 +42,7 @@ from profiler.framework_overhead import fsdp_copy_bytes_per_s, fsdp_overhead_s, 
 from profiler.machine import provenance
 from profiler.report import (CollectiveOp, CommPoint, CommSeries, Level, LinkFit, NetworkProfile, ProfileReport,
                              Timing)
-from profiler.sync_skew import MEETINGS_PER_REPEAT, sync_noise_s_per_sqrt_s
+from profiler.sync_skew import LONG_WORK_S, MEETINGS_PER_REPEAT, speed_spread, sync_noise_s_per_sqrt_s
 from profiler.timing import Repeats, Stopwatch, synchronize
 
 KIB, MIB = 2**10, 2**20
@@ -159,16 +159,17 @@ def profile_network(*, sweep: NetworkSweep | None = None, node_of_rank: tuple[st
     memory_share = _memory_share(groups, rank, device)
     if memory_share < 1:
         say(f"memory bandwidth with every rank of a node streaming: {memory_share:.2f} of one rank's alone")
-    noise = _sync_noise(groups, rank, device, sweep)
-    if noise:
-        say(f"ranks of a node finishing the same work apart: {noise * 1e3:.1f} ms per sqrt(s) of work")
+    noise, spread = _sync_noise(groups, rank, device, sweep)
+    if noise or spread:
+        say(f"ranks of a node finishing the same work apart: {noise * 1e3:.1f} ms per sqrt(s) of work, and "
+            f"{spread:.1%} of it over {LONG_WORK_S:.1f} s stretches")
     # rank 0's provenance on every rank: each rank's own clock could read another second
     profile = NetworkProfile(backend=backend, device_kind="cuda" if device.type == "cuda" else "cpu",
                              world_size=world, node_of_rank=labels, series=series, fits=fits, unfitted=unfitted,
                              tp_overhead_s=tp, fsdp_overhead_s=fsdp, fsdp_tensor_overhead_s=fsdp_tensor,
                              fsdp_copy_bytes_per_s=fsdp_copy,
                              memory_share=memory_share,
-                             sync_noise_s_per_sqrt_s=noise,
+                             sync_noise_s_per_sqrt_s=noise, sync_speed_spread=spread,
                              provenance=everyone[0][1])
     return ProfileReport(network=profile)
 
@@ -214,14 +215,19 @@ def _memory_share(groups: list[_Group], rank: int, device: torch.device) -> floa
     return sum(shares) / len(shares) if shares else 1.0
 
 
-def _sync_noise(groups: list[_Group], rank: int, device: torch.device, sweep: NetworkSweep) -> float:
-    """:func:`profiler.sync_skew.sync_noise_s_per_sqrt_s` on the intra-node groups (where
-    tensor parallelism's blocking collectives run), the largest; 0 without an
-    intra-node group. ``MEETINGS_PER_REPEAT`` meetings per work length for each of the
-    sweep's repeats, plus two."""
+def _sync_noise(groups: list[_Group], rank: int, device: torch.device, sweep: NetworkSweep) -> tuple[float, float]:
+    """(:func:`profiler.sync_skew.sync_noise_s_per_sqrt_s`, :func:`~profiler.sync_skew.speed_spread`)
+    on the intra-node groups (where tensor parallelism's blocking collectives run), the
+    largest of each; 0 without an intra-node group. ``MEETINGS_PER_REPEAT`` meetings per
+    work length for each of the sweep's repeats, plus two."""
     meetings = MEETINGS_PER_REPEAT * (sweep.repeats + 2)
-    values = _on_intra_groups(groups, rank, lambda g: sync_noise_s_per_sqrt_s(g.handle, device, meetings=meetings))
-    return max(values, default=0.0)
+
+    def measure(group: _Group) -> tuple[float, float]:
+        noise = sync_noise_s_per_sqrt_s(group.handle, device, meetings=meetings)
+        return noise, speed_spread(group.handle, device, noise)
+
+    values = _on_intra_groups(groups, rank, measure)
+    return max((v[0] for v in values), default=0.0), max((v[1] for v in values), default=0.0)
 
 
 def _on_intra_groups(groups: list[_Group], rank: int, measure: Callable[[_Group], Any]) -> list[Any]:

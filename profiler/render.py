@@ -160,11 +160,12 @@ def _network_blocks(n: NetworkProfile) -> list[_Block]:
     if n.memory_share < 1:
         out.append(_Text(f"Memory bandwidth with every rank of a node streaming at once: {n.memory_share:.2f} of "
                          f"what one rank has alone (per rank, time-sharing the cores included)."))
-    if n.sync_noise_s_per_sqrt_s:
-        s = n.sync_noise_s_per_sqrt_s
+    if n.sync_noise_s_per_sqrt_s or n.sync_speed_spread:
+        s, d = n.sync_noise_s_per_sqrt_s, n.sync_speed_spread
         out.append(_Text(f"Ranks of a node finishing the same work apart: one standard deviation is {s * 1e3:.1f} ms "
                          f"per square root of a second of work ({s * 0.1 * 1e3:.2f} ms after 10 ms, "
-                         f"{s * 1e3:.1f} ms after 1 s); each blocking collective waits for the last rank."))
+                         f"{s * 1e3:.1f} ms after 1 s), and {d:.1%} of the work beyond that as the ranks' speeds "
+                         f"wander; each blocking collective waits for the last rank."))
     if n.unfitted:
         out.append(_Text("Not fitted: " + "; ".join(f"{k}: {v}" for k, v in n.unfitted.items())))
     return out

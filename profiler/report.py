@@ -349,7 +349,9 @@ class NetworkProfile:
     node streams, over what it has alone (:mod:`profiler.contention`; 1 where not
     measured). ``sync_noise_s_per_sqrt_s``: how unevenly the ranks of a node finish the
     same work, the standard deviation of ``T`` seconds of it over ``sqrt(T)``, which
-    blocking collectives pay as waits (:mod:`profiler.sync_skew`; 0 where not measured).
+    blocking collectives pay as waits (:mod:`profiler.sync_skew`; 0 where not measured),
+    and ``sync_speed_spread`` what they drift apart beyond it over a stretch of work, a
+    fraction of the work.
     """
 
     backend: str
@@ -365,6 +367,7 @@ class NetworkProfile:
     fsdp_copy_bytes_per_s: float = 0.0
     memory_share: float = 1.0
     sync_noise_s_per_sqrt_s: float = 0.0
+    sync_speed_spread: float = 0.0
     provenance: Provenance
 
     @property

@@ -23,6 +23,10 @@ all-reduce took 1.56, 1.86 and 2.90 ms on average, the same all-reduce repeated 
 1.93, 1.64 and 1.72 ms, and the ranks' own waits for the slowest were 0.18, 0.57 and
 1.66 ms: what is left is noise of the collective's own time (-0.5 to -0.3 ms), not a
 cost of its own.
+
+Over longer work the ranks drift apart faster than a random walk: their speeds wander on
+the scale of a step. :func:`speed_spread` meets after ``LONG_WORK_S`` of the same passes
+and takes what ``sigma`` does not explain as ``delta``, a fraction of the work.
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ MEETINGS_PER_REPEAT = 40
 difference of times, noisier than either): 200 for the default 3 repeats. 100 read back
 injected noise within 7% (``tests/profiler/test_sync_skew.py``)."""
 MEETINGS = 5 * MEETINGS_PER_REPEAT
+LONG_WORK_S = 0.2
+"""Work between meetings where a rank's speed spread shows: about a step's backward on
+the benchmarks' local processes."""
+LONG_MEETINGS = 32
 NBYTES = 4096
 """A message whose own transfer is mostly latency."""
 _DIM, _ROWS = 128, 32
@@ -65,22 +73,7 @@ def sync_noise_s_per_sqrt_s(group: dist.ProcessGroup, device: torch.device, *, w
     if n < 2:
         raise ValueError(f"a sync-noise measurement needs a group of 2 ranks or more, got {n}.")
     work = work or _training_work(group, device)
-    x = torch.zeros(NBYTES // 4, device=device)
-    for _ in range(3):
-        dist.all_reduce(x, group=group)
-    per_length = []
-    for t in work_s:
-        mine = []
-        for _ in range(meetings):
-            start = time.perf_counter()
-            work(t)
-            synchronize(device)
-            mine.append(time.perf_counter() - start)
-            dist.all_reduce(x, group=group)
-        everyone = [torch.empty(len(mine), dtype=torch.float64, device=device) for _ in range(n)]
-        dist.all_gather(everyone, torch.tensor(mine, dtype=torch.float64, device=device), group=group)
-        per_length.append(torch.stack(everyone).cpu().tolist())
-    return noise_s_per_sqrt_s(per_length)
+    return noise_s_per_sqrt_s([_meetings(group, device, work, t, meetings) for t in work_s])
 
 
 def noise_s_per_sqrt_s(per_length: Sequence[Sequence[Sequence[float]]]) -> float:
@@ -93,6 +86,49 @@ def noise_s_per_sqrt_s(per_length: Sequence[Sequence[Sequence[float]]]) -> float
         means.append(float(work.mean()))
     c = sum(w * math.sqrt(t) for w, t in zip(waits, means)) / sum(means)
     return c / expected_max_normal(len(per_length[0]))
+
+
+def speed_spread(group: dist.ProcessGroup, device: torch.device, noise_s_per_sqrt_s: float, *,
+                 work: Work | None = None, work_s: float = LONG_WORK_S, meetings: int = LONG_MEETINGS) -> float:
+    """``delta``, the relative spread of a rank's speed over a stretch of work
+    (:mod:`autopar.cost.sync`), of ``group`` (2 ranks or more); call on every rank. The
+    ranks meet ``meetings`` times after ``work_s`` seconds of work each; the mean wait
+    for the slowest is ``e_n * sqrt(sigma^2 T + delta^2 T^2)``, and what the random walk
+    ``noise_s_per_sqrt_s`` does not explain is ``delta``. The same value on every rank."""
+    n = dist.get_world_size(group)
+    if n < 2:
+        raise ValueError(f"a speed-spread measurement needs a group of 2 ranks or more, got {n}.")
+    times = _meetings(group, device, work or _training_work(group, device), work_s, meetings)
+    return spread_from_times(times, noise_s_per_sqrt_s)
+
+
+def spread_from_times(times: Sequence[Sequence[float]], noise_s_per_sqrt_s: float) -> float:
+    """``delta`` from ``ranks x meetings`` seconds of one work length, given ``sigma``."""
+    work = torch.tensor(times, dtype=torch.float64)
+    wait = float((work.max(dim=0).values - work.mean(dim=0)).mean())
+    t = float(work.mean())
+    deviation = wait / expected_max_normal(len(times))
+    return math.sqrt(max(deviation ** 2 - noise_s_per_sqrt_s ** 2 * t, 0.0)) / t
+
+
+def _meetings(group: dist.ProcessGroup, device: torch.device, work: Work, work_s: float,
+              meetings: int) -> list[list[float]]:
+    """Every rank's time for ``work(work_s)`` at each of ``meetings`` meetings (a 4 KiB
+    all-reduce releases the ranks together after each): ``ranks x meetings`` seconds."""
+    n = dist.get_world_size(group)
+    x = torch.zeros(NBYTES // 4, device=device)
+    for _ in range(3):
+        dist.all_reduce(x, group=group)
+    mine = []
+    for _ in range(meetings):
+        start = time.perf_counter()
+        work(work_s)
+        synchronize(device)
+        mine.append(time.perf_counter() - start)
+        dist.all_reduce(x, group=group)
+    everyone = [torch.empty(len(mine), dtype=torch.float64, device=device) for _ in range(n)]
+    dist.all_gather(everyone, torch.tensor(mine, dtype=torch.float64, device=device), group=group)
+    return torch.stack(everyone).cpu().tolist()
 
 
 def _training_work(group: dist.ProcessGroup, device: torch.device) -> Work:

@@ -16,10 +16,22 @@ cost ``k * e_n * sigma * sqrt(W / k) = e_n * sigma * sqrt(k * W)``: more meeting
 but less than in proportion. Equal parts are the dearest split of a given ``W`` and ``k``
 (the square root is concave), which suits a planner that must not promise too much.
 
+The random walk is not all of it. A rank's speed also wanders on the scale of a whole
+step, so over ``T`` seconds of work it runs ``delta * T`` apart as well
+(``DeviceSpec.sync_speed_spread``): the variance of a segment is ``sigma^2 T + delta^2
+T^2``, and ``k`` equal meetings over ``W`` cost ``e_n * sqrt(k sigma^2 W + delta^2 W^2)``.
+The second term does not grow with the meetings: a slower rank loses its share of the
+work at each, however often the ranks resynchronise, and it is what DDP's one meeting
+per step (its gradient all-reduce) mostly waits for. On a 2-vCPU guest, two ranks doing the same 0.39-0.43 s forward and
+backward of a small GPT at once finished 31-35 ms apart on average over 12 repeats,
+where a random walk fitted on 7-10 ms segments allows about 4 ms.
+
 ``sigma`` (``DeviceSpec.sync_noise_s_per_sqrt_s``) is measured by a network profile
 (:mod:`profiler.sync_skew`): 0.005-0.018 s per sqrt(s) over runs with 2 gloo ranks on a
 shared 2-core box, about 0.03 with 4 (a 4 KiB all-reduce after 7 ms of matrix multiplies
-took about 1 ms longer there than back to back). GPU presets set 0.
+took about 1 ms longer there than back to back); ``delta`` by the same profile from
+segments of a fifth of a second (:func:`profiler.sync_skew.speed_spread`). GPU presets
+set both 0.
 """
 
 from __future__ import annotations
@@ -51,10 +63,13 @@ def expected_max_normal(n: int) -> float:
     return total * h / 3
 
 
-def sync_wait_s(noise_s_per_sqrt_s: float, ranks: int, meetings: float, work_s: float) -> float:
+def sync_wait_s(noise_s_per_sqrt_s: float, ranks: int, meetings: float, work_s: float, *,
+                speed_spread: float = 0.0) -> float:
     """Seconds ``ranks`` ranks wait on each other at ``meetings`` blocking collectives
-    that split ``work_s`` seconds of work: ``e_ranks * sigma * sqrt(meetings * work_s)``
-    (module docstring). 0 for one rank, no meetings or no noise."""
-    if ranks < 2 or meetings <= 0 or work_s <= 0 or noise_s_per_sqrt_s <= 0:
+    that split ``work_s`` seconds of work: ``e_ranks * sqrt(meetings * sigma^2 * W +
+    delta^2 * W^2)`` with ``delta`` the ``speed_spread`` (module docstring). 0 for one
+    rank, no meetings or no noise."""
+    if ranks < 2 or meetings <= 0 or work_s <= 0 or (noise_s_per_sqrt_s <= 0 and speed_spread <= 0):
         return 0.0
-    return expected_max_normal(ranks) * noise_s_per_sqrt_s * math.sqrt(meetings * work_s)
+    variance = meetings * noise_s_per_sqrt_s ** 2 * work_s + (speed_spread * work_s) ** 2
+    return expected_max_normal(ranks) * math.sqrt(variance)

@@ -44,7 +44,9 @@ def tail_s(ev: Evaluator, plan: StagePlan, config: ParallelConfig) -> tuple[floa
     """(exposed data-parallel communication, optimizer step) of a stage per step.
 
     Gradient reduction overlaps the backward of the last micro-batch except its last
-    unit (bucketed all-reduce, Li et al. 2020; FSDP2's per-unit reduce-scatter); ZeRO-1
+    unit (bucketed all-reduce, Li et al. 2020; FSDP2's per-unit reduce-scatter), and its
+    last bucket makes the ranks wait for the slowest once a step (:mod:`autopar.cost.sync`,
+    the whole step's work between meetings); ZeRO-1
     all-gathers updated parameters after the step; ZeRO-3 gathers parameters before
     each unit's forward and backward, overlapped with the previous unit's compute.
     FSDP2 issues ZeRO-2/3's gathers and reductions one per unit, so each unit pays the
@@ -76,6 +78,9 @@ def tail_s(ev: Evaluator, plan: StagePlan, config: ParallelConfig) -> tuple[floa
         hidden_fwd = overlap * fwd * (1 - 1 / units)
         if config.zero_stage <= 1:
             exposed = max(all_reduce_s(grad_bytes, span, cl) - hidden_bwd, 0.0)
+            # DDP's last bucket meets once per step, after all of the rank's work
+            exposed += sync_wait_s(cl.device.sync_noise_s_per_sqrt_s, config.dp, 1, m * (fwd + bwd),
+                                   speed_spread=cl.device.sync_speed_spread)
             if config.zero_stage == 1:
                 exposed += all_gather_s(4.0 * params, span, cl)
         elif config.pp > 1:
@@ -130,7 +135,8 @@ def _fsdp_waits_s(cl: Cluster, config: ParallelConfig, calls: int, work_s: float
     processes (gloo runs FSDP2's gathers inline, a ZeRO-3 step on 2 ranks traced 3.6 ms
     per 3 MiB all-gather against 2.7 ms priced), none where communication fully overlaps."""
     meetings = calls * (1 - cl.device.comm_overlap)
-    return sync_wait_s(cl.device.sync_noise_s_per_sqrt_s, config.dp, meetings, work_s)
+    return sync_wait_s(cl.device.sync_noise_s_per_sqrt_s, config.dp, meetings, work_s,
+                       speed_spread=cl.device.sync_speed_spread)
 
 
 def sync_waits_s(ev: Evaluator, plan: StagePlan, config: ParallelConfig) -> tuple[float, float]:
@@ -142,7 +148,8 @@ def sync_waits_s(ev: Evaluator, plan: StagePlan, config: ParallelConfig) -> tupl
     if meetings == 0:
         return 0.0, 0.0
     work = sum(o.layout.fwd_compute_s + o.layout.bwd_compute_s + o.recompute_s for o in plan.options)
-    wait = sync_wait_s(ev.cluster.device.sync_noise_s_per_sqrt_s, config.tp, meetings, work)
+    dev = ev.cluster.device
+    wait = sync_wait_s(dev.sync_noise_s_per_sqrt_s, config.tp, meetings, work, speed_spread=dev.sync_speed_spread)
     forward = sum(o.layout.fwd_syncs for o in plan.options) / meetings
     return wait * forward, wait * (1 - forward)
 

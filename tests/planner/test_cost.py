@@ -263,7 +263,7 @@ def test_tensor_parallel_ranks_wait_for_the_slowest_at_every_blocking_collective
     blocking collectives, at least the four of each of the 12 Megatron blocks (plus the
     vocabulary-parallel embedding's and loss's, at most 8 more); the whole increase is
     tensor-parallel communication; twice the noise waits twice as long; a plan without
-    tensor parallelism waits for nothing."""
+    tensor parallelism waits once a step, at DDP's gradient reduction."""
     import dataclasses
 
     import autopar
@@ -286,8 +286,47 @@ def test_tensor_parallel_ranks_wait_for_the_slowest_at_every_blocking_collective
     assert meetings == pytest.approx(round(meetings), abs=1e-6)
     assert 4 * 12 <= round(meetings) <= 4 * 12 + 8
     dp = {"dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 1, "num_microbatches": m}
-    assert (autopar.estimate(model, with_noise(0.01), dp, global_batch_size=2 * m, seq_len=128).prediction.step_time_s
-            == autopar.estimate(model, with_noise(0.0), dp, global_batch_size=2 * m, seq_len=128).prediction.step_time_s)
+    quiet, noisy = (autopar.estimate(model, with_noise(sigma), dp, global_batch_size=2 * m, seq_len=128).prediction
+                    for sigma in (0.0, 0.01))
+    # without tensor parallelism the ranks meet once a step, at DDP's last bucket
+    once_a_step = 0.01 / math.sqrt(math.pi) * math.sqrt(quiet.breakdown.compute_s)
+    assert noisy.step_time_s - quiet.step_time_s == pytest.approx(once_a_step, rel=1e-9)
+    assert noisy.breakdown.dp_comm_s - quiet.breakdown.dp_comm_s == pytest.approx(once_a_step, rel=1e-9)
+
+
+def test_a_spread_in_the_ranks_speed_waits_in_proportion_to_the_work_between_meetings():
+    """With ``delta`` the ranks drift ``delta x T`` apart over T seconds of work beyond the
+    random walk: k meetings over W cost e_n sqrt(k sigma^2 W + delta^2 W^2). With no
+    random walk that is e_n delta W however many meetings split the work: a rank that
+    runs slower loses its share at every meeting. DDP's one meeting per step and tensor
+    parallelism's 48-56 per micro-batch both wait e_2 delta W, W the step's compute."""
+    import dataclasses
+
+    import autopar
+    from autopar.cost.sync import sync_wait_s
+
+    e2 = 1 / math.sqrt(math.pi)
+    assert sync_wait_s(0.0, 2, 1, 0.4, speed_spread=0.08) == pytest.approx(e2 * 0.08 * 0.4, rel=1e-9)
+    assert sync_wait_s(0.01, 2, 4, 0.4, speed_spread=0.08) == pytest.approx(
+        e2 * math.sqrt(4 * 0.01 ** 2 * 0.4 + (0.08 * 0.4) ** 2), rel=1e-9)
+    assert sync_wait_s(0.01, 1, 4, 0.4, speed_spread=0.08) == 0.0
+    model = build_named_model("gpt2-small")
+    cpu = Cluster.preset("local-cpu", devices_per_node=2)
+
+    def with_spread(delta):
+        return dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, sync_noise_s_per_sqrt_s=0.0,
+                                                                   sync_speed_spread=delta))
+
+    m = 3
+    dp = {"dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 1, "num_microbatches": m}
+    quiet, spread = (autopar.estimate(model, with_spread(d), dp, global_batch_size=2 * m, seq_len=128).prediction
+                     for d in (0.0, 0.08))
+    assert spread.step_time_s - quiet.step_time_s == pytest.approx(e2 * 0.08 * quiet.breakdown.compute_s, rel=1e-9)
+    tp = {"dp": 1, "tp": 2, "pp": 1, "micro_batch_size": 1, "num_microbatches": m}
+    tp_quiet, tp_spread = (autopar.estimate(model, with_spread(d), tp, global_batch_size=m, seq_len=128).prediction
+                           for d in (0.0, 0.08))
+    assert tp_spread.step_time_s - tp_quiet.step_time_s == pytest.approx(e2 * 0.08 * tp_quiet.breakdown.compute_s,
+                                                                         rel=1e-9)
 
 
 def test_fsdp_collectives_that_compute_does_not_hide_wait_for_the_slowest_rank():
@@ -355,8 +394,9 @@ def test_fsdp_copies_around_each_collective_are_priced_by_their_bytes():
 
 
 def test_cpu_communication_is_not_hidden_and_the_optimizer_runs_at_its_measured_rate():
-    """local-cpu: gloo shares the cores, so data-parallel all-reduce adds its whole time;
-    the AdamW step moves 30 bytes per parameter at the device's optimizer rate."""
+    """local-cpu: gloo shares the cores, so data-parallel all-reduce adds its whole time
+    (and the wait for the slower rank); the AdamW step moves 30 bytes per parameter at
+    the device's optimizer rate."""
     import dataclasses
 
     import autopar
@@ -368,8 +408,10 @@ def test_cpu_communication_is_not_hidden_and_the_optimizer_runs_at_its_measured_
     params = est.prediction.breakdown  # one stage: all parameters on each rank
     numel = sum(p.numel() for p in model.parameters())
     span = group_span(2, 1, 2)
-    assert cpu.device.comm_overlap == 0.0
-    assert params.dp_comm_s == pytest.approx(all_reduce_s(4.0 * numel, span, cpu), rel=1e-6)
+    assert cpu.device.comm_overlap == 0.0 and cpu.device.sync_speed_spread == 0.0
+    # and the wait for the slower rank at DDP's last bucket, once a step (cost.sync)
+    wait = cpu.device.sync_noise_s_per_sqrt_s / math.sqrt(math.pi) * math.sqrt(params.compute_s)
+    assert params.dp_comm_s == pytest.approx(all_reduce_s(4.0 * numel, span, cpu) + wait, rel=1e-6)
     assert params.optimizer_s == pytest.approx(30.0 * numel / cpu.device.optimizer_bytes_per_s, rel=1e-6)
     overlapping = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, comm_overlap=0.8))
     hidden = autopar.estimate(model, overlapping, cfg, global_batch_size=2, seq_len=64).prediction.breakdown

@@ -46,7 +46,8 @@ def network(*, intra: tuple[float, float] | None = (1e-5, 1e9), inter: tuple[flo
             node_of_rank: tuple[str, ...] = ("a", "a", "b", "b"), kind: str = "cpu",
             per_op: dict[str, tuple[float, float]] | None = None, tp_overhead_s: float = 0.0,
             fsdp_overhead_s: float = 0.0, memory_share: float = 1.0, sync_noise_s_per_sqrt_s: float = 0.0,
-            fsdp_copy_bytes_per_s: float = 0.0, fsdp_tensor_overhead_s: float = 0.0) -> ProfileReport:
+            fsdp_copy_bytes_per_s: float = 0.0, fsdp_tensor_overhead_s: float = 0.0,
+            sync_speed_spread: float = 0.0) -> ProfileReport:
     """A network with the given fitted (alpha_s, bandwidth) per level, jointly over two
     ops; one series each; at every measured level, a single-op fit
     ``(alpha_s, bandwidth)`` for each op in ``per_op``; and the given framework
@@ -71,7 +72,8 @@ def network(*, intra: tuple[float, float] | None = (1e-5, 1e9), inter: tuple[flo
         backend="gloo", device_kind=kind, world_size=len(node_of_rank), node_of_rank=node_of_rank,
         series=tuple(series), fits=tuple(fits), tp_overhead_s=tp_overhead_s,
         fsdp_overhead_s=fsdp_overhead_s, fsdp_tensor_overhead_s=fsdp_tensor_overhead_s, memory_share=memory_share,
-        sync_noise_s_per_sqrt_s=sync_noise_s_per_sqrt_s, fsdp_copy_bytes_per_s=fsdp_copy_bytes_per_s,
+        sync_noise_s_per_sqrt_s=sync_noise_s_per_sqrt_s, sync_speed_spread=sync_speed_spread,
+        fsdp_copy_bytes_per_s=fsdp_copy_bytes_per_s,
         provenance=prov()))
 
 

@@ -298,13 +298,13 @@ def test_the_sync_noise_a_network_profile_measured_applies_at_its_process_count(
     share it: the cluster takes the figure from a network profile with its processes
     per node, and not from one with another count."""
     dev = device(rate_flop_per_s=2e11, bandwidth=3e10)
-    four = network(node_of_rank=("a",) * 4, inter=None, sync_noise_s_per_sqrt_s=0.03)
+    four = network(node_of_rank=("a",) * 4, inter=None, sync_noise_s_per_sqrt_s=0.03, sync_speed_spread=0.07)
     assert dev.device is not None and cluster_from_profiles([dev]).device.sync_noise_s_per_sqrt_s == 0.0
     noisy = cluster_from_profiles([dev, four]).device
-    assert noisy.sync_noise_s_per_sqrt_s == 0.03
-    assert "30.0 ms per sqrt(s)" in noisy.source
+    assert (noisy.sync_noise_s_per_sqrt_s, noisy.sync_speed_spread) == (0.03, 0.07)
+    assert "30.0 ms per sqrt(s) of it and 7.0% of it apart" in noisy.source
     other = cluster_from_profiles([dev, four], base=build_preset("local-cpu", devices_per_node=2)).device
-    assert other.sync_noise_s_per_sqrt_s == 0.0
+    assert other.sync_noise_s_per_sqrt_s == 0.0 and other.sync_speed_spread == 0.0
 
 
 def test_the_bandwidth_processes_keep_while_streaming_together_lowers_the_devices():

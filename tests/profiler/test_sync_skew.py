@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.runtime.spmd import SPMDSettings, run_spmd
-from profiler.sync_skew import noise_s_per_sqrt_s, sync_noise_s_per_sqrt_s
+from profiler.sync_skew import noise_s_per_sqrt_s, speed_spread, spread_from_times, sync_noise_s_per_sqrt_s
 
 pytestmark = pytest.mark.multiprocess
 SETTINGS = SPMDSettings(timeout_s=120, pg_timeout_s=60)
@@ -62,15 +62,64 @@ def test_the_estimate_from_work_times_by_hand():
 
 def _one_rank(rank, world):
     group = dist.new_group([0])
+    errors = []
     if rank == 0:
-        try:
-            sync_noise_s_per_sqrt_s(group, torch.device("cpu"))
-        except ValueError as exc:
-            return str(exc)
-    return ""
+        for measure in (lambda: sync_noise_s_per_sqrt_s(group, torch.device("cpu")),
+                        lambda: speed_spread(group, torch.device("cpu"), 0.0)):
+            try:
+                measure()
+            except ValueError as exc:
+                errors.append(str(exc))
+    return errors
 
 
 def test_one_rank_and_one_work_length_are_refused():
     with pytest.raises(ValueError, match="two different work lengths"):
         sync_noise_s_per_sqrt_s(None, torch.device("cpu"), work_s=(0.01, 0.01))
-    assert "group of 2 ranks or more, got 1" in run_spmd(_one_rank, 2, settings=SETTINGS)[0]
+    noise, spread = run_spmd(_one_rank, 2, settings=SETTINGS)[0]
+    assert "sync-noise measurement needs a group of 2 ranks or more, got 1" in noise
+    assert "speed-spread measurement needs a group of 2 ranks or more, got 1" in spread
+
+
+SPREAD = 0.1
+"""Each rank runs each stretch of work at a speed drawn 10% apart (one standard deviation)."""
+
+
+def _measure_spread(rank, world):
+    rng = random.Random(100 + rank)
+
+    def wandering(seconds):
+        time.sleep(seconds * max(1.0 + rng.gauss(0.0, SPREAD), 0.0))
+
+    def even(seconds):
+        time.sleep(seconds)
+
+    cpu = torch.device("cpu")
+    return {name: speed_spread(dist.group.WORLD, cpu, 0.0, work=work, work_s=0.05, meetings=40)
+            for name, work in (("wandering", wandering), ("even", even))}
+
+
+def test_a_spread_in_the_ranks_speed_is_measured_back():
+    """Each rank sleeps each 50 ms stretch at a speed drawn independently with a known
+    spread, 10%: the measurement recovers it within 30% (40 draws per rank; the waits
+    are half the ranks' difference, a noisy statistic). Sleeping the same time on both
+    ranks measures a small part of it. Both ranks report one figure."""
+    results = run_spmd(_measure_spread, 2, settings=SETTINGS)
+    assert results[0] == results[1]
+    got = results[0]
+    assert got["wandering"] == pytest.approx(SPREAD, rel=0.3)
+    assert got["even"] < 0.25 * SPREAD
+
+
+def test_the_spread_from_work_times_by_hand():
+    """Two ranks finishing T seconds of work a T apart around T wait a T beyond the mean:
+    delta T e_2 = a T, so delta = a sqrt(pi) with no random walk; a random walk of sigma
+    explains sigma^2 T of the variance, and delta takes the rest; a random walk that
+    explains all of it leaves 0."""
+    a, t = 0.05, 0.2
+    times = [[t * (1 - a)] * 3, [t * (1 + a)] * 3]
+    assert spread_from_times(times, 0.0) == pytest.approx(a * math.sqrt(math.pi), rel=1e-9)
+    sigma = 0.01
+    expected = math.sqrt((a * t * math.sqrt(math.pi)) ** 2 - sigma ** 2 * t) / t
+    assert spread_from_times(times, sigma) == pytest.approx(expected, rel=1e-9)
+    assert spread_from_times(times, 1.0) == 0.0

@@ -268,6 +268,9 @@ def profile_lines(profile: Mapping[str, Any]) -> list[str]:
                      f"{fit['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s (1 MiB all-reduce-fit time per round: "
                      f"{' / '.join(f'{s * 1e3:.1f}' for s in per['network_s_rounds'])} ms); framework time "
                      f"{net.get('tp_overhead_s', 0.0) * 1e6:.0f} us per tensor-parallel layer forward, "
-                     f"{net.get('fsdp_overhead_s', 0.0) * 1e6:.0f} us per FSDP collective; memory bandwidth kept "
-                     f"with all {w} streaming {net.get('memory_share', 1.0):.2f}")
+                     f"{net.get('fsdp_overhead_s', 0.0) * 1e6:.0f} us per FSDP collective and "
+                     f"{net.get('fsdp_tensor_overhead_s', 0.0) * 1e6:.0f} us per parameter tensor in it; memory "
+                     f"bandwidth kept with all {w} streaming {net.get('memory_share', 1.0):.2f}; ranks apart by "
+                     f"{net.get('sync_noise_s_per_sqrt_s', 0.0) * 1e3:.1f} ms per sqrt(s) of work and "
+                     f"{net.get('sync_speed_spread', 0.0):.1%} of it")
     return lines

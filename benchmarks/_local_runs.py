@@ -9,6 +9,7 @@ reason. Nothing here writes results: each benchmark reports in its own way.
 
 from __future__ import annotations
 
+import copy
 import json
 import statistics
 import time
@@ -82,21 +83,34 @@ def _median_by(items: Sequence[Any], key: Callable[[Any], float]) -> Any:
     return sorted(items, key=key)[(len(items) - 1) // 2]
 
 
+GROUP_FIELDS = ("tp_overhead_s", "fsdp_overhead_s", "fsdp_tensor_overhead_s", "fsdp_copy_bytes_per_s",
+                "memory_share", "sync_noise_s_per_sqrt_s", "sync_speed_spread")
+"""A network report's measurements on its real groups: each a few milliseconds left once
+the transfers are taken out, or a spread of times, and noisy apart from the curves."""
+
+
 def combine(device: Mapping[str, Any], sweeps: Mapping[int, Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
     """The profile to plan with: the median one-process layer report over the sweeps (by
     :func:`layers_s`) and, per world size, the median network report (by its 1 MiB
-    time), so a burst of load from other jobs does not decide it.
+    time) with each of its group measurements (``GROUP_FIELDS``) the median over the
+    sweeps, so a burst of load from other jobs does not decide them.
 
     Returns ``{"device": report, "layers": {name: report}, "layers_s_rounds": {name: [s
-    per sweep]}, "worlds": {w: {"network": report, "network_s_rounds": [s per sweep]}}}``.
+    per sweep]}, "worlds": {w: {"network": report, "network_s_rounds": [s per sweep],
+    "group_rounds": {field: [value per sweep]}}}}``.
     """
     taken = sweeps[1]
     names = list(taken[0]["layers"])
-    worlds = {w: {"network": _median_by([s["network"] for s in runs], _network_s),
-                  "network_s_rounds": [_network_s(s["network"]) for s in runs]}
-              for w, runs in sweeps.items() if w > 1}
+    worlds = {w: _combine_networks([s["network"] for s in runs]) for w, runs in sweeps.items() if w > 1}
     return {"device": device, "layers": {n: _median_by([s["layers"][n] for s in taken], layers_s) for n in names},
             "layers_s_rounds": {n: [layers_s(s["layers"][n]) for s in taken] for n in names}, "worlds": worlds}
+
+
+def _combine_networks(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    chosen = copy.deepcopy(_median_by(reports, _network_s))
+    rounds = {f: [float(r["network"].get(f, 0.0)) for r in reports] for f in GROUP_FIELDS}
+    chosen["network"].update({f: statistics.median(values) for f, values in rounds.items()})
+    return {"network": chosen, "network_s_rounds": [_network_s(r) for r in reports], "group_rounds": rounds}
 
 
 def profile_round(sweeps: dict[int, list[dict[str, Any]]], targets: Mapping[str, ProfileTarget], *, label: str,

@@ -52,13 +52,11 @@ class DeviceSpec:
             reach (:func:`autopar.cost.comm.fsdp_copy_s`); 0 means the streaming
             bandwidth. A network profile measures it: on CPU processes the copies of
             many small parameter tensors reach a fraction of the streaming rate.
-        sync_noise_s_per_sqrt_s: how unevenly the ranks of a group finish the same
-            work: the standard deviation of a rank's time for ``T`` seconds of work is
-            this times ``sqrt(T)``. Blocking collectives make every rank wait for the
-            last (:mod:`autopar.cost.sync`). Measured by a network profile
-            (:mod:`profiler.sync_skew`); 0 in GPU presets. ``sync_speed_spread``: the
-            relative spread of a rank's speed over a stretch of work, which adds ``delta
-            x T`` to the deviation of ``T`` seconds of it (measured the same way).
+        sync_noise_s_per_sqrt_s, sync_speed_spread: how unevenly the ranks of a group
+            finish the same work: a rank's time for ``T`` seconds of it deviates by
+            ``sqrt(sigma^2 T + (delta T)^2)`` (one standard deviation), and blocking
+            collectives wait for the last (:mod:`autopar.cost.sync`). Measured by a
+            network profile (:mod:`profiler.sync_skew`); 0 in GPU presets.
         comm_overlap: share of the compute time that can hide data-parallel
             communication. Overlapped collectives are not free: NCCL's kernels occupy
             streaming multiprocessors and both compete for memory bandwidth, so

@@ -43,11 +43,10 @@ class DeviceSpec:
         op_overhead_s: framework time per dispatched op (eager dispatch, autograd).
         tp_overhead_s: extra framework time per forward of a tensor-parallel leaf
             (DTensor dispatch).
-        fsdp_overhead_s: fixed framework time per FSDP2 collective call beyond its
-            transfer and the bytes its copies move (hooks, dispatch); GPU presets: 0
-            (NCCL runs them asynchronously under large kernels), a network profile
-            measures it. ``fsdp_tensor_overhead_s``: what each parameter tensor of the
-            unit adds to a call (its copy, view and reduction are dispatched apart).
+        fsdp_overhead_s, fsdp_tensor_overhead_s: framework time per FSDP2 collective
+            call beyond its transfer and the bytes its copies move (hooks, dispatch),
+            and per parameter tensor of its unit (each copied and viewed apart); GPU
+            presets: 0 (NCCL runs them under large kernels), a network profile measures them.
         fsdp_copy_bytes_per_s: the rate FSDP2's copies into and out of its flat buffers
             reach (:func:`autopar.cost.comm.fsdp_copy_s`); 0 means the streaming
             bandwidth. A network profile measures it: on CPU processes the copies of

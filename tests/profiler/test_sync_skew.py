@@ -19,18 +19,26 @@ WORK_S = (0.004, 0.016, 0.036)
 """Long enough that the injected noise almost never asks for a negative sleep."""
 
 
-def _measure(rank, world):
-    rng = random.Random(rank)
+def _noisy_and_even(rank, world, measure, noisy_seconds, seed):
+    """``measure(work)`` with work slept for ``noisy_seconds(rng, seconds)`` (each rank
+    its own seeded draws), then with the same sleep on every rank."""
+    rng = random.Random(seed + rank)
 
     def noisy(seconds):
-        time.sleep(max(seconds + rng.gauss(0.0, INJECTED * seconds ** 0.5), 0.0))
+        time.sleep(noisy_seconds(rng, seconds))
 
     def even(seconds):
         time.sleep(seconds)
 
-    cpu = torch.device("cpu")
-    return {name: sync_noise_s_per_sqrt_s(dist.group.WORLD, cpu, work=work, work_s=WORK_S, meetings=100)
-            for name, work in (("noisy", noisy), ("even", even))}
+    return {name: measure(work) for name, work in (("noisy", noisy), ("even", even))}
+
+
+def _random_walk(rng, seconds):
+    return max(seconds + rng.gauss(0.0, INJECTED * seconds ** 0.5), 0.0)
+
+
+def _sync_noise(work):
+    return sync_noise_s_per_sqrt_s(dist.group.WORLD, torch.device("cpu"), work=work, work_s=WORK_S, meetings=100)
 
 
 def test_the_noise_injected_into_each_ranks_work_is_measured_back():
@@ -40,7 +48,7 @@ def test_the_noise_injected_into_each_ranks_work_is_measured_back():
     what is left is their own sampling error). Sleeping the same time on both ranks
     measures a small part of it (sleeps wake up unevenly too: 0.02-0.05 of it over nine
     runs). Both ranks report one figure."""
-    results = run_spmd(_measure, 2, settings=SETTINGS)
+    results = run_spmd(_noisy_and_even, 2, _sync_noise, _random_walk, 0, settings=SETTINGS)
     assert results[0] == results[1]
     got = results[0]
     assert got["noisy"] == pytest.approx(INJECTED, rel=0.15)
@@ -85,18 +93,12 @@ SPREAD = 0.1
 """Each rank runs each stretch of work at a speed drawn 10% apart (one standard deviation)."""
 
 
-def _measure_spread(rank, world):
-    rng = random.Random(100 + rank)
+def _wandering_speed(rng, seconds):
+    return seconds * max(1.0 + rng.gauss(0.0, SPREAD), 0.0)
 
-    def wandering(seconds):
-        time.sleep(seconds * max(1.0 + rng.gauss(0.0, SPREAD), 0.0))
 
-    def even(seconds):
-        time.sleep(seconds)
-
-    cpu = torch.device("cpu")
-    return {name: speed_spread(dist.group.WORLD, cpu, 0.0, work=work, work_s=0.05, meetings=40)
-            for name, work in (("wandering", wandering), ("even", even))}
+def _speed_spread(work):
+    return speed_spread(dist.group.WORLD, torch.device("cpu"), 0.0, work=work, work_s=0.05, meetings=40)
 
 
 def test_a_spread_in_the_ranks_speed_is_measured_back():
@@ -104,10 +106,10 @@ def test_a_spread_in_the_ranks_speed_is_measured_back():
     spread, 10%: the measurement recovers it within 30% (40 draws per rank; the waits
     are half the ranks' difference, a noisy statistic). Sleeping the same time on both
     ranks measures a small part of it. Both ranks report one figure."""
-    results = run_spmd(_measure_spread, 2, settings=SETTINGS)
+    results = run_spmd(_noisy_and_even, 2, _speed_spread, _wandering_speed, 100, settings=SETTINGS)
     assert results[0] == results[1]
     got = results[0]
-    assert got["wandering"] == pytest.approx(SPREAD, rel=0.3)
+    assert got["noisy"] == pytest.approx(SPREAD, rel=0.3)
     assert got["even"] < 0.25 * SPREAD
 
 

@@ -146,8 +146,8 @@ def main() -> None:
         profiling = _foreign_cpu.describe([_foreign_cpu.between(window, _foreign_cpu.sample())])
         # the plans that run come from the median of these rounds: a single noisy round
         # can solve tensor parallelism to another layout
-        plans = {c.name: _estimate(c, combine(device, sweeps)) for c in candidates}
-        before = combine(device, sweeps)["layers_s_rounds"]
+        planning = combine(device, sweeps)
+        plans = {c.name: _estimate(c, planning) for c in candidates}
         among: dict[int, list[dict[str, Any]]] = {w: [] for w in sweeps}
         measured = _measure(candidates, plans, args, say, lambda rnd: profile_round(
             among, _targets(), label=f"with measurement round {rnd + 1}", command=NAME, log=say))
@@ -157,7 +157,7 @@ def main() -> None:
         saved = result_path(NAME, "_profiles.json")
         saved.write_text(json.dumps(profile))
         profile_note = (f"measured by this run in {PLAN_ROUNDS} interleaved rounds before the measurements (one-process "
-                        f"layers per round: {_layer_rounds_ms(before)} ms) and one at the start of every measurement "
+                        f"layers per round: {_layer_rounds_ms(planning['layers_s_rounds'])} ms) and one at the start of every measurement "
                         f"round, saved as `{saved.name}`; the plans that ran are those of the median over the rounds "
                         f"before, the predictions shown those of the median over the rounds among the measurements (the "
                         f"machine's speed drifts over a run); other processes took {profiling} of the CPU during the "

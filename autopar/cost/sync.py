@@ -22,9 +22,10 @@ step, so over ``T`` seconds of work it runs ``delta * T`` apart as well
 T^2``, and ``k`` equal meetings over ``W`` cost ``e_n * sqrt(k sigma^2 W + delta^2 W^2)``.
 The second term does not grow with the meetings: a slower rank loses its share of the
 work at each, however often the ranks resynchronise, and it is what DDP's one meeting
-per step (its gradient all-reduce) mostly waits for. On a 2-vCPU guest, two ranks doing the same 0.39-0.43 s forward and
-backward of a small GPT at once finished 31-35 ms apart on average over 12 repeats,
-where a random walk fitted on 7-10 ms segments allows about 4 ms.
+per step (its gradient all-reduce) mostly waits for. On a 2-vCPU guest, two ranks doing
+the same 0.39-0.43 s forward and backward of a small GPT at once finished 31-35 ms apart
+on average over 12 repeats, where a random walk fitted on 7-10 ms segments allows about
+4 ms.
 
 ``sigma`` (``DeviceSpec.sync_noise_s_per_sqrt_s``) is measured by a network profile
 (:mod:`profiler.sync_skew`): 0.005-0.018 s per sqrt(s) over runs with 2 gloo ranks on a

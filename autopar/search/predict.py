@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from autopar.cluster import Cluster
+from autopar.cluster import Cluster, DeviceSpec
 from autopar.cost.comm import GroupSpan, all_gather_s, all_reduce_s, fsdp_copy_s, group_span, reduce_scatter_s
 from autopar.cost.compute import optimizer_step_s, rates
 from autopar.cost.memory import compute_copy_bytes, state_bytes
@@ -79,8 +79,7 @@ def tail_s(ev: Evaluator, plan: StagePlan, config: ParallelConfig) -> tuple[floa
         if config.zero_stage <= 1:
             exposed = max(all_reduce_s(grad_bytes, span, cl) - hidden_bwd, 0.0)
             # DDP's last bucket meets once per step, after all of the rank's work
-            exposed += sync_wait_s(cl.device.sync_noise_s_per_sqrt_s, config.dp, 1, m * (fwd + bwd),
-                                   speed_spread=cl.device.sync_speed_spread)
+            exposed += _ranks_wait_s(cl.device, config.dp, 1, m * (fwd + bwd))
             if config.zero_stage == 1:
                 exposed += all_gather_s(4.0 * params, span, cl)
         elif config.pp > 1:
@@ -135,8 +134,12 @@ def _fsdp_waits_s(cl: Cluster, config: ParallelConfig, calls: int, work_s: float
     processes (gloo runs FSDP2's gathers inline, a ZeRO-3 step on 2 ranks traced 3.6 ms
     per 3 MiB all-gather against 2.7 ms priced), none where communication fully overlaps."""
     meetings = calls * (1 - cl.device.comm_overlap)
-    return sync_wait_s(cl.device.sync_noise_s_per_sqrt_s, config.dp, meetings, work_s,
-                       speed_spread=cl.device.sync_speed_spread)
+    return _ranks_wait_s(cl.device, config.dp, meetings, work_s)
+
+
+def _ranks_wait_s(dev: DeviceSpec, ranks: int, meetings: float, work_s: float) -> float:
+    """:func:`autopar.cost.sync.sync_wait_s` with the device's measured noise and spread."""
+    return sync_wait_s(dev.sync_noise_s_per_sqrt_s, ranks, meetings, work_s, speed_spread=dev.sync_speed_spread)
 
 
 def sync_waits_s(ev: Evaluator, plan: StagePlan, config: ParallelConfig) -> tuple[float, float]:
@@ -148,8 +151,7 @@ def sync_waits_s(ev: Evaluator, plan: StagePlan, config: ParallelConfig) -> tupl
     if meetings == 0:
         return 0.0, 0.0
     work = sum(o.layout.fwd_compute_s + o.layout.bwd_compute_s + o.recompute_s for o in plan.options)
-    dev = ev.cluster.device
-    wait = sync_wait_s(dev.sync_noise_s_per_sqrt_s, config.tp, meetings, work, speed_spread=dev.sync_speed_spread)
+    wait = _ranks_wait_s(ev.cluster.device, config.tp, meetings, work)
     forward = sum(o.layout.fwd_syncs for o in plan.options) / meetings
     return wait * forward, wait * (1 - forward)
 

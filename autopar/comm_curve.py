@@ -21,7 +21,7 @@ class CommCurve:
     curves bend where it does). Tensor parallelism's all-reduces sit in that middle, so
     a tp=2 step was priced about 40 ms short.
 
-    ``time_s`` never decreases with ``nbytes`` (:meth:`from_medians` makes it so), so an
+    ``time_s`` never decreases with ``nbytes`` (:meth:`from_measured` makes it so), so an
     interpolated price never drops as a message grows.
     """
 
@@ -39,16 +39,16 @@ class CommCurve:
                                f"{len(sizes)} sizes and {len(times)} times.")
         if any(b >= c for b, c in zip(sizes, sizes[1:])) or any(t > u for t, u in zip(times, times[1:])):
             raise ClusterError("a collective's curve needs increasing sizes and times that never decrease; build it "
-                               "from measurements with CommCurve.from_medians.")
+                               "from measurements with CommCurve.from_measured.")
         object.__setattr__(self, "nbytes", sizes)
         object.__setattr__(self, "time_s", times)
 
     @classmethod
-    def from_medians(cls, ranks: int, nbytes: Any, time_s: Any) -> "CommCurve":
-        """The curve from median times per size (any order), made non-decreasing by the
-        least-squares monotone fit (pool-adjacent-violators; Ayer et al. 1955): a larger
-        message never takes less time, so a noisy size that did is pooled with its
-        neighbours rather than believed."""
+    def from_measured(cls, ranks: int, nbytes: Any, time_s: Any) -> "CommCurve":
+        """The curve from measured seconds per call by size (any order), made
+        non-decreasing by the least-squares monotone fit (pool-adjacent-violators; Ayer
+        et al. 1955): a larger message never takes less time, so a noisy size that did
+        is pooled with its neighbours rather than believed."""
         pairs = sorted(zip((float(b) for b in nbytes), (float(t) for t in time_s)))
         blocks: list[list[float]] = []  # [mean, count]
         for _, t in pairs:

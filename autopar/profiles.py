@@ -322,9 +322,11 @@ def _per_op(net: Mapping[str, Any], level: str) -> tuple[OpLink, ...]:
 
 
 def _curve(net: Mapping[str, Any], level: str, op: str) -> CommCurve | None:
-    """``op``'s measured times at ``level`` as a :class:`CommCurve`: where several groups
-    measured it (one per node), those of the commonest size, the median per message
-    size; None where fewer than two sizes were measured."""
+    """``op``'s measured seconds per call at ``level`` as a :class:`CommCurve`: each
+    point's mean over its repeats (the median in reports from before means were
+    recorded; :func:`profiler.report.call_seconds` says why); where several groups
+    measured it (one per node), those of the commonest size, the median over groups per
+    message size; None where fewer than two sizes were measured."""
     series = [s for s in net["series"] if s["level"] == level and s["op"] == op]
     if not series:
         return None
@@ -334,10 +336,11 @@ def _curve(net: Mapping[str, Any], level: str, op: str) -> CommCurve | None:
     for s in series:
         if len(s["ranks"]) == ranks:
             for point in s["points"]:
-                per_size.setdefault(float(point["nbytes"]), []).append(float(point["time"]["median_s"]))
+                t = point["time"]
+                per_size.setdefault(float(point["nbytes"]), []).append(float(t.get("mean_s") or t["median_s"]))
     if len(per_size) < 2 or ranks < 2:
         return None
-    return CommCurve.from_medians(ranks, per_size, [statistics.median(v) for v in per_size.values()])
+    return CommCurve.from_measured(ranks, per_size, [statistics.median(v) for v in per_size.values()])
 
 
 def _where(section: Mapping[str, Any]) -> str:

@@ -156,14 +156,16 @@ def _stack(layers: int, device: torch.device, dim: int = DIM) -> torch.nn.Sequen
 def _excess_s(plain: torch.nn.Module, sharded: torch.nn.Module, x: torch.Tensor, device: torch.device,
               repeats: Repeats, group: dist.ProcessGroup, calls: int = CALLS_PER_SAMPLE) -> float:
     """Forward and backward of ``sharded`` less those of ``plain``, seconds per step."""
-    times = [_median_s(lambda m=m: m(x).sum().backward(), device, repeats, group, calls) for m in (plain, sharded)]
+    times = [_mean_s(lambda m=m: m(x).sum().backward(), device, repeats, group, calls) for m in (plain, sharded)]
     return times[1] - times[0]
 
 
-def _median_s(fn: Callable[[], None], device: torch.device, repeats: Repeats, group: dist.ProcessGroup,
-              calls: int) -> float:
-    """Median over ``repeats.repeats`` samples of ``calls`` calls, after
-    ``repeats.warmup`` calls; the slowest rank's."""
+def _mean_s(fn: Callable[[], None], device: torch.device, repeats: Repeats, group: dist.ProcessGroup,
+            calls: int) -> float:
+    """Mean over ``repeats.repeats`` samples of ``calls`` calls, after ``repeats.warmup``
+    calls; the slowest rank's. The mean, as the transfers subtracted from it are priced
+    (:func:`profiler.report.call_seconds`): a median here would drop the slow repeats the
+    transfers keep, and leave too little framework time."""
     for _ in range(max(repeats.warmup, 1)):
         fn()
     samples = []
@@ -175,6 +177,6 @@ def _median_s(fn: Callable[[], None], device: torch.device, repeats: Repeats, gr
             fn()
         synchronize(device)
         samples.append((time.perf_counter() - start) / calls)
-    slowest = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=device)
+    slowest = torch.tensor([statistics.mean(samples)], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     return float(slowest[0])

@@ -134,7 +134,7 @@ def _network_blocks(n: NetworkProfile) -> list[_Block]:
     series = []
     for s in n.series:
         small, large = s.points[0], s.points[-1]
-        series.append((s.level, s.op, s.label, f"{_ms(small.time.median_s)} @ {_bytes(small.nbytes)}",
+        series.append((s.level, s.op, s.label, f"{_ms(small.per_call_s)} @ {_bytes(small.nbytes)}",
                        f"{large.busbw_bytes_per_s / 1e9:.3g} @ {_bytes(large.nbytes)}",
                        f"{max(p.busbw_bytes_per_s for p in s.points) / 1e9:.3g}"))
     nodes = {}
@@ -143,7 +143,8 @@ def _network_blocks(n: NetworkProfile) -> list[_Block]:
     out: list[_Block] = [
         _Heading(f"Network: {n.backend}, {n.world_size} ranks"), _provenance(n.provenance),
         _Text("Nodes: " + "; ".join(f"{k}: ranks {', '.join(map(str, v))}" for k, v in nodes.items()) + ". "
-              "Sizes as nccl-tests counts them; times are the slowest rank's; busbw is nccl-tests' bus bandwidth."),
+              "Sizes as nccl-tests counts them; times are the slowest rank's, per call, the mean over repeats; busbw "
+              "is nccl-tests' bus bandwidth."),
         _Figure("busbw", "Bus bandwidth against message size (dashed: the level's joint alpha-beta fit, drawn "
                          "for an all-reduce).", lambda: plots.bus_bandwidth(n)),
         _Table(("level", "ops", "alpha us", "busbw GB/s", "rms error", "points"), fits),

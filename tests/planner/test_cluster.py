@@ -102,11 +102,11 @@ def test_a_measured_curve_is_monotone_interpolated_and_checked():
     from autopar.comm_curve import CommCurve
 
     # 3 ms at 2 KiB then 2 ms at 4 KiB violate monotonicity: both become their mean, 2.5
-    curve = CommCurve.from_medians(2, [4096, 1024, 2048, 8192], [2e-3, 1e-3, 3e-3, 4e-3])
+    curve = CommCurve.from_measured(2, [4096, 1024, 2048, 8192], [2e-3, 1e-3, 3e-3, 4e-3])
     assert curve.nbytes == (1024.0, 2048.0, 4096.0, 8192.0)
     assert curve.time_s == pytest.approx((1e-3, 2.5e-3, 2.5e-3, 4e-3))
     # a spike before two lower sizes pools all three: (3 + 1 + 2) / 3
-    assert CommCurve.from_medians(2, [1, 2, 3, 4], [1.0, 3.0, 1.0, 2.0]).time_s == pytest.approx((1.0, 2.0, 2.0, 2.0))
+    assert CommCurve.from_measured(2, [1, 2, 3, 4], [1.0, 3.0, 1.0, 2.0]).time_s == pytest.approx((1.0, 2.0, 2.0, 2.0))
     assert curve.seconds(512, beyond_s_per_byte=1e-9) == pytest.approx(1e-3)
     assert curve.seconds(6144, beyond_s_per_byte=1e-9) == pytest.approx(2.5e-3 + 0.5 * 1.5e-3)
     assert curve.seconds(8192 + 1e6, beyond_s_per_byte=1e-9) == pytest.approx(4e-3 + 1e-3)
@@ -114,7 +114,7 @@ def test_a_measured_curve_is_monotone_interpolated_and_checked():
         CommCurve(ranks=1, nbytes=(1.0, 2.0), time_s=(1.0, 2.0))
     with pytest.raises(ClusterError, match="got 2 sizes and 1 times"):
         CommCurve(ranks=2, nbytes=(1.0, 2.0), time_s=(1.0,))
-    with pytest.raises(ClusterError, match="never decrease; build it from measurements with CommCurve.from_medians"):
+    with pytest.raises(ClusterError, match="never decrease; build it from measurements with CommCurve.from_measured"):
         CommCurve(ranks=2, nbytes=(1.0, 2.0), time_s=(2.0, 1.0))
     with pytest.raises(ClusterError, match="curve nbytes=0.0 is not allowed"):
         CommCurve(ranks=2, nbytes=(0.0, 2.0), time_s=(1.0, 2.0))

@@ -327,15 +327,17 @@ def test_the_bandwidth_processes_keep_while_streaming_together_lowers_the_device
     assert elsewhere.bandwidth_share == 1.0 and elsewhere.tp_overhead_s != 7e-4
 
 
-def _bumpy_all_reduce(report: ProfileReport) -> ProfileReport:
-    """``report`` with its intra all-reduce series replaced by four sizes whose medians
-    dip at 4 KiB (3 ms at 2 KiB, 2 ms at 4 KiB), as gloo's noisy sweeps do."""
-    from profiler.report import CommPoint, CommSeries
+def _bumpy_all_reduce(report: ProfileReport, tailed: bool = False) -> ProfileReport:
+    """``report`` with its intra all-reduce series replaced by four sizes whose times
+    dip at 4 KiB (3 ms at 2 KiB, 2 ms at 4 KiB), as gloo's noisy sweeps do. ``tailed``:
+    each size's repeats are ``t, t, 4 t`` (median ``t``, mean ``2 t``), as gloo's are."""
+    from profiler.report import CommPoint, CommSeries, Timing
 
     from profile_factories import exact
 
     times = {1024: 1e-3, 2048: 3e-3, 4096: 2e-3, 8192: 4e-3}
-    pts = tuple(CommPoint(nbytes=float(s), time=exact(t), algbw_bytes_per_s=s / t, busbw_bytes_per_s=s / t)
+    pts = tuple(CommPoint(nbytes=float(s), time=Timing.of([t, t, 4 * t]) if tailed else exact(t),
+                          algbw_bytes_per_s=s / t, busbw_bytes_per_s=s / t)
                 for s, t in times.items())
     bumpy = CommSeries(op="all_reduce", level="intra", label="intra group", ranks=(0, 1), per_node=2, nodes=1,
                        points=pts)
@@ -358,14 +360,32 @@ def test_a_collective_is_priced_by_its_measured_curve_on_groups_of_its_size():
     assert Cluster.from_dict(json.loads(json.dumps(c.to_dict()))) == c
 
 
-def test_the_profiler_subtracts_transfers_priced_as_the_planner_prices_them():
+def test_a_collective_is_priced_by_the_mean_of_its_repeats():
+    """A step pays every call: with repeats of ``t, t, 4 t`` per size the curve runs at
+    twice the medians (``2 x 2.5`` ms at 3 KiB); the same report without means (written
+    before they were recorded) is priced by its medians."""
+    from autopar.cost.comm import all_reduce_s
+
+    report = _bumpy_all_reduce(network(node_of_rank=("a", "a"), inter=None, per_op={"all_reduce": (1e-5, 1e9)}),
+                               tailed=True)
+    span = GroupSpan(size=2, per_node=2, nodes=1)
+    assert all_reduce_s(3072, span, cluster_from_profiles([report])) == pytest.approx(5e-3)
+    old = report.to_dict()
+    for point in old["network"]["series"][0]["points"]:
+        del point["time"]["mean_s"]
+    assert all_reduce_s(3072, span, cluster_from_profiles([old])) == pytest.approx(2.5e-3)
+
+
+@pytest.mark.parametrize("tailed", [False, True])
+def test_the_profiler_subtracts_transfers_priced_as_the_planner_prices_them(tailed):
     """The framework overheads are what a step costs beyond its transfers; the profiler
     must price those transfers exactly as the cost model will from the same report,
     or the difference is counted twice or never."""
     from autopar.cost.comm import all_reduce_s
     from profiler.network import _Group, _transfer_cost
 
-    report = _bumpy_all_reduce(network(node_of_rank=("a", "a"), inter=None, per_op={"all_reduce": (1e-5, 1e9)}))
+    report = _bumpy_all_reduce(network(node_of_rank=("a", "a"), inter=None, per_op={"all_reduce": (1e-5, 1e9)}),
+                               tailed=tailed)
     c = cluster_from_profiles([report])
     fit = next(f for f in report.network.fits if f.ops == ("all_reduce",))
     group = _Group(level="intra", label="intra group", ranks=(0, 1), handle=None, per_node=2, nodes=1)

@@ -8,8 +8,9 @@ from dataclasses import replace
 import pytest
 from profile_factories import device, full, layers, network, prov
 
+from profiler import codec
 from profiler.errors import ProfileFormatError
-from profiler.report import SCHEMA_VERSION, ProfileReport, Timing
+from profiler.report import SCHEMA_VERSION, ProfileReport, Timing, call_seconds
 
 
 def test_round_trip_is_exact(tmp_path):
@@ -103,10 +104,22 @@ def test_not_a_report(tmp_path):
 
 def test_timing_summary():
     t = Timing.of([3.0, 1.0, 2.0, 10.0])
-    assert (t.median_s, t.min_s, t.max_s, t.repeats) == (2.5, 1.0, 10.0, 4)
+    assert (t.median_s, t.min_s, t.max_s, t.repeats, t.mean_s) == (2.5, 1.0, 10.0, 4, 4.0)
     assert t.spread == pytest.approx(9.0 / 2.5)
     with pytest.raises(ProfileFormatError):
         Timing.of([])
+    with pytest.raises(ProfileFormatError, match="mean_s must lie within"):
+        Timing(median_s=2.0, min_s=1.0, max_s=3.0, repeats=3, mean_s=3.5)
+
+
+def test_a_call_costs_the_mean_of_its_repeats_and_old_reports_their_median():
+    """A step pays every call, the slow ones too: call_seconds is the mean; a report
+    written before means were recorded (no mean_s) still loads, priced by its median."""
+    tailed = Timing.of([1e-3, 1e-3, 4e-3])
+    assert call_seconds(tailed) == pytest.approx(2e-3) and tailed.median_s == 1e-3
+    old = {k: v for k, v in codec.encode(tailed).items() if k != "mean_s"}
+    before = codec.decode(Timing, old, "time")
+    assert before.mean_s is None and call_seconds(before) == 1e-3
 
 
 def test_summary_lines_say_what_where_when():

@@ -2,14 +2,14 @@
 ``predicted_vs_measured.py`` and ``measured.py`` share.
 
 Profiles are taken in rounds (the device sweep once; per round the layers by one process
-and the network by each process count) and combined by their median, so a burst of load
-from other jobs does not decide them; plans run in interleaved rounds for the same
-reason. Nothing here writes results: each benchmark reports in its own way.
+and the network by each process count) and combined, the layers by their median and
+each network point over every round's repeats, so a burst of load from other jobs does
+not decide them; plans run in interleaved rounds for the same reason. Nothing here writes results: each benchmark reports in its own way.
 """
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import json
 import statistics
 import time
@@ -27,7 +27,9 @@ from autopar.runtime.spmd import SPMDSettings, run_spmd
 from autopar.vocab import TPStyle
 from profiler.device import profile_device
 from profiler.layers import profile_model
-from profiler.network import NetworkSweep, profile_network
+from profiler.fit import bus_factor
+from profiler.network import NetworkSweep, fit_levels, profile_network
+from profiler.report import ProfileReport, Timing, call_seconds
 
 SETTINGS = SPMDSettings(timeout_s=600, pg_timeout_s=120)
 
@@ -92,8 +94,9 @@ the transfers are taken out, or a spread of times, and noisy apart from the curv
 def combine(device: Mapping[str, Any], sweeps: Mapping[int, Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
     """The profile to plan with: the median one-process layer report over the sweeps (by
     :func:`layers_s`) and, per world size, the median network report (by its 1 MiB
-    time) with each of its group measurements (``GROUP_FIELDS``) the median over the
-    sweeps, so a burst of load from other jobs does not decide them.
+    time) with its sweeps pooled over all of them (:func:`pool_sweeps`) and each of its
+    group measurements (``GROUP_FIELDS``) the median over the sweeps, so a burst of
+    load from other jobs does not decide them.
 
     Returns ``{"device": report, "layers": {name: report}, "layers_s_rounds": {name: [s
     per sweep]}, "worlds": {w: {"network": report, "network_s_rounds": [s per sweep],
@@ -107,10 +110,41 @@ def combine(device: Mapping[str, Any], sweeps: Mapping[int, Sequence[Mapping[str
 
 
 def _combine_networks(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    chosen = copy.deepcopy(_median_by(reports, _network_s))
+    chosen = pool_sweeps(_median_by(reports, _network_s), reports)
     rounds = {f: [float(r["network"].get(f, 0.0)) for r in reports] for f in GROUP_FIELDS}
     chosen["network"].update({f: statistics.median(values) for f, values in rounds.items()})
     return {"network": chosen, "network_s_rounds": [_network_s(r) for r in reports], "group_rounds": rounds}
+
+
+def pool_sweeps(chosen: Mapping[str, Any], reports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """``chosen`` (a network report) with each point of its sweeps pooled over the same
+    point of every report in ``reports`` (sweeps of the same groups and sizes): its
+    time per call the mean over all their repeats, its median the median of their
+    medians, its range theirs; the fits are refitted through the pooled points. One
+    sweep's point rests on 3 repeats: the 512 KiB all-reduce that prices tensor
+    parallelism on 2 ranks here was priced at 1.1 ms from one run's kept sweep and at
+    2.4 from the next run's, enough to flip the layout the planner picks for tp=2."""
+    base = ProfileReport.from_dict(chosen)
+    nets = [ProfileReport.from_dict(r).network for r in reports]
+    series = []
+    for i, s in enumerate(base.network.series):
+        points = []
+        for j, p in enumerate(s.points):
+            times = [n.series[i].points[j].time for n in nets]
+            if any(n.series[i].op != s.op or n.series[i].points[j].nbytes != p.nbytes for n in nets):
+                raise ValueError(f"sweeps of different shapes cannot be pooled (series {i}, point {j})")
+            repeats = sum(t.repeats for t in times)
+            low, high = min(t.min_s for t in times), max(t.max_s for t in times)
+            mean = min(max(statistics.fmean([call_seconds(t) for t in times], [t.repeats for t in times]), low), high)
+            time_ = Timing(median_s=statistics.median(t.median_s for t in times), min_s=low, max_s=high,
+                           repeats=repeats, mean_s=mean)
+            algbw = p.nbytes / mean
+            points.append(dataclasses.replace(p, time=time_, algbw_bytes_per_s=algbw,
+                                              busbw_bytes_per_s=algbw * bus_factor(s.op, len(s.ranks))))
+        series.append(dataclasses.replace(s, points=tuple(points)))
+    fits, unfitted = fit_levels(tuple(series))
+    network = dataclasses.replace(base.network, series=tuple(series), fits=fits, unfitted=unfitted)
+    return dataclasses.replace(base, network=network).to_dict()
 
 
 def profile_round(sweeps: dict[int, list[dict[str, Any]]], targets: Mapping[str, ProfileTarget], *, label: str,

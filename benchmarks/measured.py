@@ -199,7 +199,7 @@ def main() -> None:
     csv_path = write_csv(NAME, rows)
     png = write_png(NAME, _figure(rows))
     head = (f"Cluster: `local-cpu` with {args.nproc} processes per node; layers profiled by one process, the "
-            f"network by {args.nproc} at once, at other shapes ({args.rounds} interleaved rounds, median kept; saved "
+            f"network by {args.nproc} at once, at other shapes ({args.rounds} interleaved rounds: median layers, network points pooled; saved "
             f"as `{saved.name}`; "
             f"{profile_s:.0f} s). Models: " + "; ".join(f"**{n}**: {CASES[n].describe}" for n in args.models)
             + f". fp32, AdamW. {args.rounds} interleaved rounds of {args.steps} steps (2 untimed) per distinct plan, "

@@ -9,8 +9,10 @@ The layers are profiled by one process, as ``autopar profile model`` is run; the
 planner itself accounts for processes that outnumber the cores (on this 2-core machine 4
 processes get half a core each: ``DeviceSpec.time_shared``). The network is profiled by
 as many processes as each plan runs, since gloo's speed depends on how many share the
-cores. Profiles are taken in interleaved rounds, every candidate plan is
-``autopar.estimate``-d with their median and run with ``autopar.runtime.local.run_locally``
+cores. Profiles are taken in interleaved rounds and combined (``_local_runs.combine``: the
+median layer report; each network point pooled over every round's repeats, the fits
+refitted through them), every candidate plan is ``autopar.estimate``-d with the
+combination and run with ``autopar.runtime.local.run_locally``
 (AdamW, fp32, global batch 16). Candidates are interleaved over rounds (forward order,
 then reversed, ...), so a burst of load from other jobs on the shared machine spreads
 over several candidates instead of landing on one, and each measurement round starts
@@ -60,7 +62,7 @@ from _report import result_path, spearman, write_csv, write_png, write_result
 
 NAME = "predicted_vs_measured"
 PLAN_ROUNDS = 3
-"""Profile rounds before the measurements, whose median chooses the plans that run."""
+"""Profile rounds before the measurements, whose combination chooses the plans that run."""
 CFG = GPTConfig(vocab_size=2048, seq_len=128, dim=256, n_layers=4, n_heads=8)
 PROFILE_CFG = dataclasses.replace(CFG, seq_len=256)
 PROFILE_BATCH = 3
@@ -144,7 +146,7 @@ def main() -> None:
         for rnd in range(PLAN_ROUNDS):
             profile_round(sweeps, _targets(), label=f"round {rnd + 1} before the runs", command=NAME, log=say)
         profiling = _foreign_cpu.describe([_foreign_cpu.between(window, _foreign_cpu.sample())])
-        # the plans that run come from the median of these rounds: a single noisy round
+        # the plans that run come from these rounds combined: a single noisy round
         # can solve tensor parallelism to another layout
         planning = combine(device, sweeps)
         plans = {c.name: _estimate(c, planning) for c in candidates}
@@ -158,13 +160,13 @@ def main() -> None:
         saved.write_text(json.dumps(profile))
         profile_note = (f"measured by this run in {PLAN_ROUNDS} interleaved rounds before the measurements (one-process "
                         f"layers per round: {_layer_rounds_ms(planning['layers_s_rounds'])} ms) and one at the start of every measurement "
-                        f"round, saved as `{saved.name}`; the plans that ran are those of the median over the rounds "
-                        f"before, the predictions shown those of the median over the rounds among the measurements (the "
+                        f"round, saved as `{saved.name}`; the plans that ran are those of the rounds before combined, "
+                        f"the predictions shown those of the rounds among the measurements combined (the "
                         f"machine's speed drifts over a run); other processes took {profiling} of the CPU during the "
                         f"rounds before the measurements")
     median = {c.name: _estimate(c, profile) for c in candidates}
     changed = [c.name for c in candidates if plan_key(median[c.name]) != plan_key(plans[c.name])]
-    # compare what ran: where the median among the measurements solves a candidate to another
+    # compare what ran: where the rounds among the measurements solve a candidate to another
     # layout, its row keeps the prediction of the plan that ran
     plans = {c.name: plans[c.name] if c.name in changed else median[c.name] for c in candidates}
     body, rows = _tables(candidates, plans, measured.by_label)
@@ -182,10 +184,10 @@ def main() -> None:
         f"{os.cpu_count()}; everything "
         f"took {(time.perf_counter() - started) / 60:.1f} min. Per-term predictions and every round are in "
         f"`{csv_path.name}`."
-        + (f" The median among the measurements solves {', '.join(changed)} to another layout than the one that ran, so "
+        + (f" The rounds among the measurements solve {', '.join(changed)} to another layout than the one that ran, so "
            f"{'its row shows' if len(changed) == 1 else 'their rows show'} the prediction of the plan that ran "
            f"(the rounds before the runs)." if changed else ""))
-    text = "\n\n".join([header, body, f"![predicted against measured]({png.name})", NOTES, "Profiles kept (median of the rounds among the measurements):\n\n" + "\n".join(
+    text = "\n\n".join([header, body, f"![predicted against measured]({png.name})", NOTES, "Profiles kept (the rounds among the measurements combined):\n\n" + "\n".join(
         profile_lines(profile))])
     md = write_result(NAME, "Predicted against measured step time and memory on local processes", text)
     print(text)

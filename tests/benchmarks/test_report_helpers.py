@@ -107,30 +107,3 @@ def test_a_process_we_do_not_wait_for_counts_as_foreign_and_our_own_work_does_no
     ours = _foreign_cpu.between(start, _foreign_cpu.sample())
     # the same spin in this process: our time, so the foreign share drops by about a core
     assert ours.foreign_cores <= with_spinner.foreign_cores - 0.5
-
-
-# ---- combining profile rounds (_local_runs.combine) ----
-
-def _net(alpha_s, **fields):
-    fit = {"level": "intra", "ops": ["all_reduce", "all_gather"], "alpha_s": alpha_s, "bandwidth_bytes_per_s": 1e9}
-    return {"network": {"fits": [fit], **fields}}
-
-
-def test_combined_rounds_keep_the_median_network_and_the_median_of_each_group_measurement():
-    """The network report kept is the one with the median 1 MiB time; each measurement
-    on the real groups is the median over the rounds on its own, so one round's outlier
-    (a tensor-parallel overhead read as 12 us where the others read 300-400) does not
-    ride in with the report chosen for its curves."""
-    import _local_runs
-
-    rounds = [_net(3e-4, tp_overhead_s=12e-6, sync_speed_spread=0.09),
-              _net(1e-4, tp_overhead_s=4e-4, sync_speed_spread=0.0),
-              _net(2e-4, tp_overhead_s=3e-4, sync_speed_spread=0.07)]
-    layers = {"layers": {"m": {"layers": {"units": []}}}, "network": None}
-    sweeps = [{"layers": {}, "network": report} for report in rounds]
-    got = _local_runs.combine({"device": {}}, {1: [layers] * 3, 2: sweeps})["worlds"][2]
-    assert got["network"]["network"]["fits"][0]["alpha_s"] == 2e-4  # the middle 1 MiB time
-    assert got["network"]["network"]["tp_overhead_s"] == 3e-4
-    assert got["network"]["network"]["sync_speed_spread"] == 0.07
-    assert got["group_rounds"]["tp_overhead_s"] == [12e-6, 4e-4, 3e-4]
-    assert rounds[0]["network"]["tp_overhead_s"] == 12e-6  # the rounds themselves untouched

@@ -324,7 +324,7 @@ def _per_op(net: Mapping[str, Any], level: str) -> tuple[OpLink, ...]:
 def _curve(net: Mapping[str, Any], level: str, op: str) -> CommCurve | None:
     """``op``'s measured seconds per call at ``level`` as a :class:`CommCurve`: each
     point's mean over its repeats (the median in reports from before means were
-    recorded; :func:`profiler.report.call_seconds` says why); where several groups
+    recorded; :attr:`profiler.report.Timing.per_call_s` says why); where several groups
     measured it (one per node), those of the commonest size, the median over groups per
     message size; None where fewer than two sizes were measured."""
     series = [s for s in net["series"] if s["level"] == level and s["op"] == op]

@@ -4,7 +4,8 @@
 Profiles are taken in rounds (the device sweep once; per round the layers by one process
 and the network by each process count) and combined, the layers by their median and
 each network point over every round's repeats, so a burst of load from other jobs does
-not decide them; plans run in interleaved rounds for the same reason. Nothing here writes results: each benchmark reports in its own way.
+not decide them; plans run in interleaved rounds for the same reason. Nothing here
+writes results: each benchmark reports in its own way.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from profiler.device import profile_device
 from profiler.layers import profile_model
 from profiler.fit import bus_factor
 from profiler.network import NetworkSweep, fit_levels, profile_network
-from profiler.report import ProfileReport, Timing, call_seconds
+from profiler.report import ProfileReport, Timing
 
 SETTINGS = SPMDSettings(timeout_s=600, pg_timeout_s=120)
 
@@ -135,7 +136,7 @@ def pool_sweeps(chosen: Mapping[str, Any], reports: Sequence[Mapping[str, Any]])
                 raise ValueError(f"sweeps of different shapes cannot be pooled (series {i}, point {j})")
             repeats = sum(t.repeats for t in times)
             low, high = min(t.min_s for t in times), max(t.max_s for t in times)
-            mean = min(max(statistics.fmean([call_seconds(t) for t in times], [t.repeats for t in times]), low), high)
+            mean = min(max(statistics.fmean([t.per_call_s for t in times], [t.repeats for t in times]), low), high)
             time_ = Timing(median_s=statistics.median(t.median_s for t in times), min_s=low, max_s=high,
                            repeats=repeats, mean_s=mean)
             algbw = p.nbytes / mean

@@ -164,8 +164,8 @@ def _mean_s(fn: Callable[[], None], device: torch.device, repeats: Repeats, grou
             calls: int) -> float:
     """Mean over ``repeats.repeats`` samples of ``calls`` calls, after ``repeats.warmup``
     calls; the slowest rank's. The mean, as the transfers subtracted from it are priced
-    (:func:`profiler.report.call_seconds`): a median here would drop the slow repeats the
-    transfers keep, and leave too little framework time."""
+    (:attr:`profiler.report.Timing.per_call_s`): a median here would drop the slow
+    repeats the transfers keep, and leave too little framework time."""
     for _ in range(max(repeats.warmup, 1)):
         fn()
     samples = []

@@ -16,9 +16,9 @@ Message sizes follow nccl-tests (``-b 1K -e 256M``): the all-reduce and broadcas
 buffer, the all-gather output, the reduce-scatter input, the message each rank sends
 to its ring neighbour. A point's time is the slowest rank's, after a barrier, averaged
 over enough back-to-back calls to fill ``target_s``; the repeats' median and mean are
-kept, and the mean prices a call (:func:`profiler.report.call_seconds`: a step issues
-many, so the slow repeats count). Each level gets a joint alpha-beta fit over the ops
-the cost model prices (:mod:`profiler.fit`) and one fit per op.
+kept, and the mean prices a call (:attr:`profiler.report.Timing.per_call_s`: a step
+issues many, so the slow repeats count). Each level gets a joint alpha-beta fit over
+the ops the cost model prices (:mod:`profiler.fit`) and one fit per op.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from profiler.fit import Sample, bus_factor, coefficients, fit_alpha_beta
 from profiler.framework_overhead import fsdp_copy_bytes_per_s, fsdp_overhead_s, fsdp_tensor_overhead_s, tp_overhead_s
 from profiler.machine import provenance
 from profiler.report import (CollectiveOp, CommPoint, CommSeries, Level, LinkFit, NetworkProfile, ProfileReport,
-                             Timing, call_seconds)
+                             Timing)
 from profiler.sync_skew import LONG_WORK_S, MEETINGS_PER_REPEAT, speed_spread, sync_noise_s_per_sqrt_s
 from profiler.timing import Repeats, Stopwatch, synchronize
 
@@ -253,7 +253,7 @@ def _transfer_cost(fit: LinkFit, op: str, group: _Group, series: tuple[CommSerie
     the fit's bandwidth."""
     own = next((s for s in series if s.op == op and s.ranks == group.ranks), None)
     curve = None if own is None else CommCurve.from_measured(len(group.ranks), [p.nbytes for p in own.points],
-                                                            [p.per_call_s for p in own.points])
+                                                            [p.time.per_call_s for p in own.points])
     link = OpLink(op=op, bandwidth_bytes_per_s=fit.bandwidth_bytes_per_s, latency_s=fit.alpha_s, curve=curve)
     spec = LinkSpec(bandwidth_bytes_per_s=fit.bandwidth_bytes_per_s, latency_s=fit.alpha_s, per_op=(link,))
     return lambda nbytes: level_s(spec, op, nbytes, len(group.ranks))
@@ -366,7 +366,7 @@ def _series(group: _Group, op: CollectiveOp, sizes: tuple[int, ...], everyone: l
         slowest = [max(rep) for rep in zip(*per_rank)]
         timing = Timing.of(slowest)
         actual = float(max(n, (nbytes // 4) // n * n) * 4)
-        algbw = actual / call_seconds(timing)
+        algbw = actual / timing.per_call_s
         points.append(CommPoint(nbytes=actual, time=timing, algbw_bytes_per_s=algbw,
                                 busbw_bytes_per_s=algbw * bus_factor(op, n)))
     return CommSeries(op=op, level=group.level, label=group.label, ranks=group.ranks, per_node=group.per_node,
@@ -395,7 +395,7 @@ def _fit(level: Level, ops: tuple[CollectiveOp, ...], series: list[CommSeries]) 
     for s in series:
         if s.op in ops:
             c_bw, c_lat = coefficients(s.op, level, len(s.ranks))
-            samples += [Sample(nbytes=p.nbytes, time_s=p.per_call_s, c_bw=c_bw, c_lat=c_lat) for p in s.points]
+            samples += [Sample(nbytes=p.nbytes, time_s=p.time.per_call_s, c_bw=c_bw, c_lat=c_lat) for p in s.points]
     ab = fit_alpha_beta(samples)
     return LinkFit(level=level, ops=ops, alpha_s=ab.alpha_s, bandwidth_bytes_per_s=ab.bandwidth_bytes_per_s,
                    rms_rel_error=ab.rms_rel_error, points=ab.points)

@@ -134,7 +134,7 @@ def _network_blocks(n: NetworkProfile) -> list[_Block]:
     series = []
     for s in n.series:
         small, large = s.points[0], s.points[-1]
-        series.append((s.level, s.op, s.label, f"{_ms(small.per_call_s)} @ {_bytes(small.nbytes)}",
+        series.append((s.level, s.op, s.label, f"{_ms(small.time.per_call_s)} @ {_bytes(small.nbytes)}",
                        f"{large.busbw_bytes_per_s / 1e9:.3g} @ {_bytes(large.nbytes)}",
                        f"{max(p.busbw_bytes_per_s for p in s.points) / 1e9:.3g}"))
     nodes = {}

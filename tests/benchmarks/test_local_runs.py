@@ -44,9 +44,9 @@ def test_pooled_points_are_the_mean_over_every_repeat_and_the_fit_goes_through_t
     c_bw, c_lat = coefficients("all_reduce", "intra", 2)
     for nbytes, point in zip(SIZES, pooled.series[0].points):
         t1, t2 = c_lat * 1e-4 + c_bw * nbytes / 1e9, c_lat * 3e-4 + c_bw * nbytes / 1e9
-        assert point.per_call_s == pytest.approx((3 * t1 + t2) / 4)
+        assert point.time.per_call_s == pytest.approx((3 * t1 + t2) / 4)
         assert (point.time.repeats, point.time.min_s, point.time.max_s) == (4, pytest.approx(t1), pytest.approx(t2))
-        assert point.busbw_bytes_per_s == pytest.approx(c_bw * nbytes / point.per_call_s)
+        assert point.busbw_bytes_per_s == pytest.approx(c_bw * nbytes / point.time.per_call_s)
     fit = next(f for f in pooled.fits if f.ops == ("all_reduce",))
     assert (fit.alpha_s, fit.bandwidth_bytes_per_s) == (pytest.approx(1.5e-4), pytest.approx(1e9))
 
@@ -57,7 +57,7 @@ def test_a_slow_repeat_counts_in_the_pool():
     one = _sweep(1e-4, 1e9, 3, slow=4.0)
     pooled = ProfileReport.from_dict(_local_runs.pool_sweeps(one, [one, one])).network
     for point in pooled.series[0].points:
-        assert point.per_call_s == pytest.approx(2 * point.time.median_s)
+        assert point.time.per_call_s == pytest.approx(2 * point.time.median_s)
 
 
 def test_sweeps_of_other_sizes_are_refused():

@@ -16,7 +16,7 @@ combination and run with ``autopar.runtime.local.run_locally``
 (AdamW, fp32, global batch 16). Candidates are interleaved over rounds (forward order,
 then reversed, ...), so a burst of load from other jobs on the shared machine spreads
 over several candidates instead of landing on one, and each measurement round starts
-with one more profile round: the predictions shown use the median over those, taken
+with one more profile round: the predictions shown use those combined, taken
 among the measurements, since the machine's speed drifts over a run (in one run its
 layers took 250 ms in the rounds before the measurements and 264-281 among them, with
 no other process on the machine). A run's step time is its median step
@@ -164,11 +164,11 @@ def main() -> None:
                         f"the predictions shown those of the rounds among the measurements combined (the "
                         f"machine's speed drifts over a run); other processes took {profiling} of the CPU during the "
                         f"rounds before the measurements")
-    median = {c.name: _estimate(c, profile) for c in candidates}
-    changed = [c.name for c in candidates if plan_key(median[c.name]) != plan_key(plans[c.name])]
+    among_plans = {c.name: _estimate(c, profile) for c in candidates}
+    changed = [c.name for c in candidates if plan_key(among_plans[c.name]) != plan_key(plans[c.name])]
     # compare what ran: where the rounds among the measurements solve a candidate to another
     # layout, its row keeps the prediction of the plan that ran
-    plans = {c.name: plans[c.name] if c.name in changed else median[c.name] for c in candidates}
+    plans = {c.name: plans[c.name] if c.name in changed else among_plans[c.name] for c in candidates}
     body, rows = _tables(candidates, plans, measured.by_label)
     csv_path = write_csv(NAME, rows)
     png = write_png(NAME, _figure(candidates, plans, measured.by_label))

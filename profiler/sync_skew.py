@@ -79,13 +79,16 @@ def sync_noise_s_per_sqrt_s(group: dist.ProcessGroup, device: torch.device, *, w
 def noise_s_per_sqrt_s(per_length: Sequence[Sequence[Sequence[float]]]) -> float:
     """``sigma`` from each work length's times, ``ranks x meetings`` seconds (module
     docstring)."""
-    waits, means = [], []
-    for times in per_length:
-        work = torch.tensor(times, dtype=torch.float64)
-        waits.append(float((work.max(dim=0).values - work.mean(dim=0)).mean()))
-        means.append(float(work.mean()))
+    waits, means = zip(*(_wait_and_work_s(times) for times in per_length))
     c = sum(w * math.sqrt(t) for w, t in zip(waits, means)) / sum(means)
     return c / expected_max_normal(len(per_length[0]))
+
+
+def _wait_and_work_s(times: Sequence[Sequence[float]]) -> tuple[float, float]:
+    """(mean wait of the slowest rank beyond the ranks' mean, mean work time) over
+    ``ranks x meetings`` seconds of one work length."""
+    work = torch.tensor(times, dtype=torch.float64)
+    return float((work.max(dim=0).values - work.mean(dim=0)).mean()), float(work.mean())
 
 
 def speed_spread(group: dist.ProcessGroup, device: torch.device, noise_s_per_sqrt_s: float, *,
@@ -104,9 +107,7 @@ def speed_spread(group: dist.ProcessGroup, device: torch.device, noise_s_per_sqr
 
 def spread_from_times(times: Sequence[Sequence[float]], noise_s_per_sqrt_s: float) -> float:
     """``delta`` from ``ranks x meetings`` seconds of one work length, given ``sigma``."""
-    work = torch.tensor(times, dtype=torch.float64)
-    wait = float((work.max(dim=0).values - work.mean(dim=0)).mean())
-    t = float(work.mean())
+    wait, t = _wait_and_work_s(times)
     deviation = wait / expected_max_normal(len(times))
     return math.sqrt(max(deviation ** 2 - noise_s_per_sqrt_s ** 2 * t, 0.0)) / t
 

@@ -31,10 +31,15 @@ def _run(num_microbatches: int, **config) -> tuple[list[float], list[float], aut
 
 
 def _peaks(num_microbatches: int, tp: int = 1) -> tuple[float, float, autopar.Plan]:
-    """Predicted and measured peak tensor bytes of rank 0 (every rank holds the same)."""
+    """Predicted and measured peak tensor bytes of the most loaded rank. Every rank holds
+    the same but for one fp32 value per token of a micro-batch (1 KiB here): two CI
+    runs in three once read 29270944 and 29271968 bytes on the two tp ranks. Most likely
+    a per-token statistic of the vocabulary-parallel loss, whose all-reduce buffer is or
+    is not alive at the peak depending on when its wait returns."""
     predicted, measured, plan = _run(num_microbatches, tp=tp)
-    assert len(set(measured)) == 1
-    return predicted[0], measured[0], plan
+    assert len(set(predicted)) == 1
+    assert max(measured) - min(measured) <= 4 * 4 * CFG.seq_len
+    return predicted[0], max(measured), plan
 
 
 def test_one_micro_batch_peaks_before_any_gradient_and_the_logits_are_held():

@@ -1,8 +1,8 @@
 """autopar: plan and run data x tensor x pipeline parallel training for PyTorch.
 
-    plan = autopar.plan(model, autopar.Cluster.preset("dgx-a100-80gb", nodes=128),
-                        global_batch_size=1536, seq_len=2048)
-    print(plan.explain())
+plan = autopar.plan(model, autopar.Cluster.preset("dgx-a100-80gb", nodes=128),
+                    global_batch_size=1536, seq_len=2048)
+print(plan.explain())
 """
 
 from autopar.cluster import Cluster, DeviceSpec, LinkSpec
@@ -12,9 +12,31 @@ from autopar.search.planner import estimate, plan
 from autopar.vocab import Attention, DType, MeshAxis, Optimizer, Recompute, Schedule, TPStyle
 
 __all__ = [
-    "plan", "estimate", "parallelize", "Job", "Cluster", "DeviceSpec", "LinkSpec", "Plan", "ParallelConfig", "Prediction", "Alternative",
-    "LayerStrategies", "AutoparError", "ClusterError", "ConfigError", "InfeasiblePlanError", "ModelError",
-    "PlanFormatError", "Attention", "DType", "MeshAxis", "Optimizer", "Recompute", "Schedule", "TPStyle",
+    "Alternative",
+    "Attention",
+    "AutoparError",
+    "Cluster",
+    "ClusterError",
+    "ConfigError",
+    "DType",
+    "DeviceSpec",
+    "InfeasiblePlanError",
+    "Job",
+    "LayerStrategies",
+    "LinkSpec",
+    "MeshAxis",
+    "ModelError",
+    "Optimizer",
+    "ParallelConfig",
+    "Plan",
+    "PlanFormatError",
+    "Prediction",
+    "Recompute",
+    "Schedule",
+    "TPStyle",
+    "estimate",
+    "parallelize",
+    "plan",
 ]
 
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
-from autopar.errors import AutoparError, ConfigError
 from autopar.demo import add_demo_parser
+from autopar.errors import AutoparError, ConfigError
 from autopar.runtime.launch import add_dry_run_parser, add_run_parser
 from profiler.cli import add_profile_parser
 from profiler.doctor import add_doctor_parser
@@ -125,9 +126,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from autopar.search.planner import plan
 
     model, inputs = load_model(args)
-    result = plan(model, Cluster.parse(args.cluster), global_batch_size=args.global_batch_size,
-                  constraints=parse_assignments(args.set), optimizer=args.optimizer, attention=args.attention,
-                  profile=_load_profiles(args.profile), **inputs)
+    result = plan(
+        model,
+        Cluster.parse(args.cluster),
+        global_batch_size=args.global_batch_size,
+        constraints=parse_assignments(args.set),
+        optimizer=args.optimizer,
+        attention=args.attention,
+        profile=_load_profiles(args.profile),
+        **inputs,
+    )
     return _emit(result, args)
 
 
@@ -136,13 +144,23 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from autopar.search.planner import estimate
 
     model, inputs = load_model(args)
-    result = estimate(model, Cluster.parse(args.cluster), parse_assignments(args.set),
-                      global_batch_size=args.global_batch_size, optimizer=args.optimizer, attention=args.attention,
-                      profile=_load_profiles(args.profile), **inputs)
+    result = estimate(
+        model,
+        Cluster.parse(args.cluster),
+        parse_assignments(args.set),
+        global_batch_size=args.global_batch_size,
+        optimizer=args.optimizer,
+        attention=args.attention,
+        profile=_load_profiles(args.profile),
+        **inputs,
+    )
     code = _emit(result, args)
     if not result.prediction.fits:
-        print(f"\nDOES NOT FIT: {result.prediction.memory_bytes_per_device / 2**30:.1f} GiB needed per device, "
-              f"{result.prediction.memory_capacity_bytes / 2**30:.1f} GiB available.", file=sys.stderr)
+        print(
+            f"\nDOES NOT FIT: {result.prediction.memory_bytes_per_device / 2**30:.1f} GiB needed per device, "
+            f"{result.prediction.memory_capacity_bytes / 2**30:.1f} GiB available.",
+            file=sys.stderr,
+        )
         return 3
     return code
 
@@ -183,13 +201,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="search the fastest plan that fits")
     _add_search_args(p)
-    p.add_argument("--set", action="append", metavar="FIELD=VALUE",
-                   help="fix config fields, e.g. --set tp=8 --set pp=16")
+    p.add_argument(
+        "--set", action="append", metavar="FIELD=VALUE", help="fix config fields, e.g. --set tp=8 --set pp=16"
+    )
     p.set_defaults(func=cmd_plan)
     e = sub.add_parser("estimate", help="predict one given configuration")
     _add_search_args(e)
-    e.add_argument("--set", action="append", metavar="FIELD=VALUE", required=True,
-                   help="the configuration, e.g. --set tp=8,pp=16,micro_batch_size=1,recompute=full")
+    e.add_argument(
+        "--set",
+        action="append",
+        metavar="FIELD=VALUE",
+        required=True,
+        help="the configuration, e.g. --set tp=8,pp=16,micro_batch_size=1,recompute=full",
+    )
     e.set_defaults(func=cmd_estimate)
     sub.add_parser("presets", help="list cluster presets").set_defaults(func=cmd_presets)
     sub.add_parser("models", help="list registered models").set_defaults(func=cmd_models)

@@ -13,14 +13,14 @@ advertised 600 GB/s is a bidirectional total over all links).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from autopar.comm_curve import CommCurve
 from autopar.errors import ClusterError, check_cluster_seconds, check_positive_float
 from autopar.vocab import DType
-
 
 _SHARE_NOTE = "; time share: "
 
@@ -119,70 +119,100 @@ class DeviceSpec:
 
     def __post_init__(self) -> None:
         for attr in ("memory_bytes", "memory_bandwidth_bytes_per_s"):
-            object.__setattr__(self, attr, check_positive_float(f"device {self.name!r} {attr}", getattr(self, attr),
-                                                                error=ClusterError))
+            object.__setattr__(
+                self,
+                attr,
+                check_positive_float(f"device {self.name!r} {attr}", getattr(self, attr), error=ClusterError),
+            )
         if not (isinstance(self.reserved_bytes, (int, float)) and 0 <= self.reserved_bytes < self.memory_bytes):
-            raise ClusterError(f"device {self.name!r} reserved_bytes={self.reserved_bytes!r} is not allowed: it must be "
-                               f">= 0 and below memory_bytes={self.memory_bytes!r}.")
+            raise ClusterError(
+                f"device {self.name!r} reserved_bytes={self.reserved_bytes!r} is not allowed: it must be "
+                f">= 0 and below memory_bytes={self.memory_bytes!r}."
+            )
         object.__setattr__(self, "reserved_bytes", float(self.reserved_bytes))
-        if isinstance(self.fragmentation, bool) or not (isinstance(self.fragmentation, (int, float))
-                                                        and 0 <= self.fragmentation < 1):
-            raise ClusterError(f"device {self.name!r} fragmentation={self.fragmentation!r} is not allowed: it must be in "
-                               f"[0, 1).")
+        if isinstance(self.fragmentation, bool) or not (
+            isinstance(self.fragmentation, (int, float)) and 0 <= self.fragmentation < 1
+        ):
+            raise ClusterError(
+                f"device {self.name!r} fragmentation={self.fragmentation!r} is not allowed: it must be in [0, 1)."
+            )
         object.__setattr__(self, "fragmentation", float(self.fragmentation))
         units = {"sync_noise_s_per_sqrt_s": "seconds per square root of a second", "sync_speed_spread": "a fraction"}
         for attr in ("op_overhead_s", "tp_overhead_s", "fsdp_overhead_s", "fsdp_tensor_overhead_s", *units):
             value = getattr(self, attr)
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 <= value < 1):
-                raise ClusterError(f"device {self.name!r} {attr}={value!r} is not allowed: it must be in [0, 1) "
-                                   f"({units.get(attr, 'seconds')}).")
+                raise ClusterError(
+                    f"device {self.name!r} {attr}={value!r} is not allowed: it must be in [0, 1) "
+                    f"({units.get(attr, 'seconds')})."
+                )
             object.__setattr__(self, attr, float(value))
         if not isinstance(self.exposed_weight_traffic, bool):
-            raise ClusterError(f"device {self.name!r} exposed_weight_traffic={self.exposed_weight_traffic!r} is not "
-                               f"allowed: it must be true or false.")
-        if isinstance(self.comm_overlap, bool) or not (isinstance(self.comm_overlap, (int, float))
-                                                       and 0 <= self.comm_overlap <= 1):
-            raise ClusterError(f"device {self.name!r} comm_overlap={self.comm_overlap!r} is not allowed: it must be "
-                               f"a share of the compute time in [0, 1] (0: communication never overlaps).")
+            raise ClusterError(
+                f"device {self.name!r} exposed_weight_traffic={self.exposed_weight_traffic!r} is not "
+                f"allowed: it must be true or false."
+            )
+        if isinstance(self.comm_overlap, bool) or not (
+            isinstance(self.comm_overlap, (int, float)) and 0 <= self.comm_overlap <= 1
+        ):
+            raise ClusterError(
+                f"device {self.name!r} comm_overlap={self.comm_overlap!r} is not allowed: it must be "
+                f"a share of the compute time in [0, 1] (0: communication never overlaps)."
+            )
         object.__setattr__(self, "comm_overlap", float(self.comm_overlap))
         for attr in ("optimizer_bytes_per_s", "fsdp_copy_bytes_per_s"):
             value = getattr(self, attr)
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and value >= 0):
-                raise ClusterError(f"device {self.name!r} {attr}={value!r} is not allowed: it must be bytes per second "
-                                   f">= 0 (0: the streaming bandwidth).")
+                raise ClusterError(
+                    f"device {self.name!r} {attr}={value!r} is not allowed: it must be bytes per second "
+                    f">= 0 (0: the streaming bandwidth)."
+                )
             object.__setattr__(self, attr, float(value))
-        if isinstance(self.time_share, bool) or not (isinstance(self.time_share, (int, float))
-                                                     and 0 < self.time_share <= 1):
-            raise ClusterError(f"device {self.name!r} time_share={self.time_share!r} is not allowed: it must be in (0, 1].")
+        if isinstance(self.time_share, bool) or not (
+            isinstance(self.time_share, (int, float)) and 0 < self.time_share <= 1
+        ):
+            raise ClusterError(
+                f"device {self.name!r} time_share={self.time_share!r} is not allowed: it must be in (0, 1]."
+            )
         object.__setattr__(self, "time_share", float(self.time_share))
-        if isinstance(self.bandwidth_share, bool) or not (isinstance(self.bandwidth_share, (int, float))
-                                                          and 0 < self.bandwidth_share <= 1):
-            raise ClusterError(f"device {self.name!r} bandwidth_share={self.bandwidth_share!r} is not allowed: it must "
-                               f"be in (0, 1].")
+        if isinstance(self.bandwidth_share, bool) or not (
+            isinstance(self.bandwidth_share, (int, float)) and 0 < self.bandwidth_share <= 1
+        ):
+            raise ClusterError(
+                f"device {self.name!r} bandwidth_share={self.bandwidth_share!r} is not allowed: it must be in (0, 1]."
+            )
         object.__setattr__(self, "bandwidth_share", float(self.bandwidth_share))
         for eff_name in ("matmul_efficiency", "memory_efficiency"):
             eff = getattr(self, eff_name)
             if not (isinstance(eff, (int, float)) and 0 < eff <= 1):
                 raise ClusterError(f"device {self.name!r} {eff_name}={eff!r} is not allowed: it must be in (0, 1].")
         if not self.peak_flops:
-            raise ClusterError(f"device {self.name!r} has no peak_flops: give at least one precision, e.g. {{'bf16': 3.12e14}}.")
+            raise ClusterError(
+                f"device {self.name!r} has no peak_flops: give at least one precision, e.g. {{'bf16': 3.12e14}}."
+            )
         coerced = {}
         for key, value in self.peak_flops.items():
             coerced[_dtype(key, f"device {self.name!r} peak_flops")] = check_positive_float(
-                f"device {self.name!r} peak_flops[{key}]", value, error=ClusterError)
+                f"device {self.name!r} peak_flops[{key}]", value, error=ClusterError
+            )
         object.__setattr__(self, "peak_flops", coerced)
-        object.__setattr__(self, "preferred_dtype", _dtype(self.preferred_dtype, f"device {self.name!r} preferred_dtype"))
+        object.__setattr__(
+            self, "preferred_dtype", _dtype(self.preferred_dtype, f"device {self.name!r} preferred_dtype")
+        )
         if self.preferred_dtype not in coerced:
-            raise ClusterError(f"device {self.name!r} preferred_dtype={self.preferred_dtype.value} has no peak_flops entry.")
+            raise ClusterError(
+                f"device {self.name!r} preferred_dtype={self.preferred_dtype.value} has no peak_flops entry."
+            )
         curves = {}
         for key, points in self.matmul_curves.items():
             pts = tuple(sorted((float(f), float(r)) for f, r in points))
             if not pts or any(f <= 0 or r <= 0 for f, r in pts):
-                raise ClusterError(f"device {self.name!r} matmul_curves[{key}] must be non-empty (flops, flop/s) pairs > 0, got {points!r}.")
+                raise ClusterError(
+                    f"device {self.name!r} matmul_curves[{key}] must be non-empty (flops, flop/s) pairs > 0, got {points!r}."
+                )
             curves[_dtype(key, f"device {self.name!r} matmul_curves")] = pts
         object.__setattr__(self, "matmul_curves", curves)
 
-    def time_shared(self, share: float, why: str) -> "DeviceSpec":
+    def time_shared(self, share: float, why: str) -> DeviceSpec:
         """This device as seen by a process that gets only ``share`` of it: CPU processes
         outnumbering the cores are time-sliced by the kernel, so every rate is
         multiplied by ``share`` and every per-op cost divided by it (``why`` is added
@@ -193,39 +223,53 @@ class DeviceSpec:
             return self
         return self._scaled(share, time_share=self.time_share * share, source=f"{self.source}{_SHARE_NOTE}{why}")
 
-    def bandwidth_shared(self, share: float, why: str) -> "DeviceSpec":
+    def bandwidth_shared(self, share: float, why: str) -> DeviceSpec:
         """This device as seen by a process that keeps only ``share`` of its memory
         bandwidth because the node's other processes stream at the same time: the
         bandwidth and the (memory-bound) optimizer rate are multiplied by ``share``
         (``why`` is added to ``source``; :meth:`alone` undoes it)."""
         if not 0 < share <= 1:
-            raise ClusterError(f"device {self.name!r}: a bandwidth share of {share!r} is not allowed; it must be in "
-                               f"(0, 1].")
+            raise ClusterError(
+                f"device {self.name!r}: a bandwidth share of {share!r} is not allowed; it must be in (0, 1]."
+            )
         if share == 1:
             return self
-        return replace(self, memory_bandwidth_bytes_per_s=self.memory_bandwidth_bytes_per_s * share,
-                       optimizer_bytes_per_s=self.optimizer_bytes_per_s * share,
-                       bandwidth_share=self.bandwidth_share * share, source=f"{self.source}{_SHARE_NOTE}{why}")
+        return replace(
+            self,
+            memory_bandwidth_bytes_per_s=self.memory_bandwidth_bytes_per_s * share,
+            optimizer_bytes_per_s=self.optimizer_bytes_per_s * share,
+            bandwidth_share=self.bandwidth_share * share,
+            source=f"{self.source}{_SHARE_NOTE}{why}",
+        )
 
-    def alone(self) -> "DeviceSpec":
+    def alone(self) -> DeviceSpec:
         """This device with the whole of its cores and its memory (before
         :meth:`time_shared` and :meth:`bandwidth_shared`): what a profile measured by one
         process compares against."""
         if self.time_share == 1 and self.bandwidth_share == 1:
             return self
         k = 1 / self.bandwidth_share
-        own = replace(self, memory_bandwidth_bytes_per_s=self.memory_bandwidth_bytes_per_s * k,
-                      optimizer_bytes_per_s=self.optimizer_bytes_per_s * k, bandwidth_share=1.0)
+        own = replace(
+            self,
+            memory_bandwidth_bytes_per_s=self.memory_bandwidth_bytes_per_s * k,
+            optimizer_bytes_per_s=self.optimizer_bytes_per_s * k,
+            bandwidth_share=1.0,
+        )
         return own._scaled(1 / self.time_share, time_share=1.0, source=self.source.split(_SHARE_NOTE)[0])
 
-    def _scaled(self, k: float, **changes: Any) -> "DeviceSpec":
+    def _scaled(self, k: float, **changes: Any) -> DeviceSpec:
         return replace(
-            self, peak_flops={d: v * k for d, v in self.peak_flops.items()},
+            self,
+            peak_flops={d: v * k for d, v in self.peak_flops.items()},
             memory_bandwidth_bytes_per_s=self.memory_bandwidth_bytes_per_s * k,
-            op_overhead_s=self.op_overhead_s / k, tp_overhead_s=self.tp_overhead_s / k,
-            fsdp_overhead_s=self.fsdp_overhead_s / k, fsdp_tensor_overhead_s=self.fsdp_tensor_overhead_s / k,
+            op_overhead_s=self.op_overhead_s / k,
+            tp_overhead_s=self.tp_overhead_s / k,
+            fsdp_overhead_s=self.fsdp_overhead_s / k,
+            fsdp_tensor_overhead_s=self.fsdp_tensor_overhead_s / k,
             optimizer_bytes_per_s=self.optimizer_bytes_per_s * k,
-            matmul_curves={d: tuple((f, r * k) for f, r in pts) for d, pts in self.matmul_curves.items()}, **changes)
+            matmul_curves={d: tuple((f, r * k) for f, r in pts) for d, pts in self.matmul_curves.items()},
+            **changes,
+        )
 
     def peak(self, dtype: DType) -> float:
         """Peak FLOP/s in ``dtype``; raises ClusterError if the device lacks it."""
@@ -261,9 +305,14 @@ class OpLink:
 
     def __post_init__(self) -> None:
         if self.op not in COLLECTIVE_OPS:
-            raise ClusterError(f"link fit op={self.op!r} is not allowed: it must be one of {', '.join(COLLECTIVE_OPS)}.")
-        object.__setattr__(self, "bandwidth_bytes_per_s",
-                           check_positive_float(f"{self.op} bandwidth_bytes_per_s", self.bandwidth_bytes_per_s, error=ClusterError))
+            raise ClusterError(
+                f"link fit op={self.op!r} is not allowed: it must be one of {', '.join(COLLECTIVE_OPS)}."
+            )
+        object.__setattr__(
+            self,
+            "bandwidth_bytes_per_s",
+            check_positive_float(f"{self.op} bandwidth_bytes_per_s", self.bandwidth_bytes_per_s, error=ClusterError),
+        )
         object.__setattr__(self, "latency_s", check_cluster_seconds(f"{self.op} latency_s", self.latency_s))
 
 
@@ -279,8 +328,11 @@ class LinkSpec:
     per_op: tuple[OpLink, ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "bandwidth_bytes_per_s",
-                           check_positive_float("link bandwidth_bytes_per_s", self.bandwidth_bytes_per_s, error=ClusterError))
+        object.__setattr__(
+            self,
+            "bandwidth_bytes_per_s",
+            check_positive_float("link bandwidth_bytes_per_s", self.bandwidth_bytes_per_s, error=ClusterError),
+        )
         object.__setattr__(self, "latency_s", check_cluster_seconds("link latency_s", self.latency_s))
         ops = [f.op for f in self.per_op]
         if len(set(ops)) != len(ops):
@@ -317,26 +369,30 @@ class Cluster:
         for attr in ("nodes", "devices_per_node"):
             value = getattr(self, attr)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ClusterError(f"cluster {self.name!r} {attr}={value!r} is not allowed: it must be a positive integer.")
+                raise ClusterError(
+                    f"cluster {self.name!r} {attr}={value!r} is not allowed: it must be a positive integer."
+                )
 
     @property
     def world_size(self) -> int:
         """Total number of devices."""
         return self.nodes * self.devices_per_node
 
-    def with_nodes(self, nodes: int) -> "Cluster":
+    def with_nodes(self, nodes: int) -> Cluster:
         """The same cluster with another node count (for what-if questions)."""
         return replace(self, nodes=nodes, name=_rename(self.name, nodes))
 
     def describe(self) -> str:
         """One line: ``dgx-a100-80gb x 128 nodes = 1024 A100-SXM4-80GB (80.0 GiB)``."""
-        return (f"{self.name}: {self.nodes} node(s) x {self.devices_per_node} = {self.world_size} "
-                f"{self.device.name} ({self.device.memory_bytes / 2**30:.1f} GiB each)")
+        return (
+            f"{self.name}: {self.nodes} node(s) x {self.devices_per_node} = {self.world_size} "
+            f"{self.device.name} ({self.device.memory_bytes / 2**30:.1f} GiB each)"
+        )
 
     # ----- construction -------------------------------------------------------------
 
     @staticmethod
-    def preset(name: str, *, nodes: int = 1, devices_per_node: int | None = None) -> "Cluster":
+    def preset(name: str, *, nodes: int = 1, devices_per_node: int | None = None) -> Cluster:
         """A cluster of ``nodes`` nodes of a known type; see :func:`autopar.presets.preset_names`.
 
         ``devices_per_node`` overrides the node's device count (e.g. 4 processes of
@@ -347,7 +403,7 @@ class Cluster:
         return build_preset(name, nodes=nodes, devices_per_node=devices_per_node)
 
     @staticmethod
-    def parse(spec: str) -> "Cluster":
+    def parse(spec: str) -> Cluster:
         """``"dgx-a100-80gb:128"`` (preset:nodes), a preset name, or a JSON file path."""
         if spec.endswith(".json") or Path(spec).is_file():
             return Cluster.from_json(spec)
@@ -357,7 +413,9 @@ class Cluster:
         try:
             nodes = int(count)
         except ValueError:
-            raise ClusterError(f"cluster spec {spec!r}: the node count after ':' must be an integer, e.g. 'dgx-a100-80gb:128'.") from None
+            raise ClusterError(
+                f"cluster spec {spec!r}: the node count after ':' must be an integer, e.g. 'dgx-a100-80gb:128'."
+            ) from None
         return Cluster.preset(name, nodes=nodes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -397,7 +455,7 @@ class Cluster:
         }
 
     @staticmethod
-    def from_dict(data: Mapping[str, Any], *, origin: str = "cluster data") -> "Cluster":
+    def from_dict(data: Mapping[str, Any], *, origin: str = "cluster data") -> Cluster:
         """Build from :meth:`to_dict` output; errors name the missing or bad field."""
         try:
             dev = dict(data["device"])
@@ -435,18 +493,24 @@ class Cluster:
                 inter_node=LinkSpec(**_link_kwargs(data.get("inter_node", data["intra_node"]))),
             )
         except KeyError as exc:
-            raise ClusterError(f"{origin}: missing field {exc.args[0]!r}. See Cluster.to_dict() for the expected layout.") from None
+            raise ClusterError(
+                f"{origin}: missing field {exc.args[0]!r}. See Cluster.to_dict() for the expected layout."
+            ) from None
         except (TypeError, AttributeError) as exc:
-            raise ClusterError(f"{origin}: malformed cluster description ({exc}). See Cluster.to_dict() for the expected layout.") from None
+            raise ClusterError(
+                f"{origin}: malformed cluster description ({exc}). See Cluster.to_dict() for the expected layout."
+            ) from None
 
     @staticmethod
-    def from_json(path: str | Path) -> "Cluster":
+    def from_json(path: str | Path) -> Cluster:
         """Read a cluster file written by :meth:`save` (or by hand in that layout)."""
         p = Path(path)
         try:
             data = json.loads(p.read_text())
         except FileNotFoundError:
-            raise ClusterError(f"cluster file {str(p)!r} does not exist; give a path to a JSON file or a preset name such as 'dgx-a100-80gb:4'.") from None
+            raise ClusterError(
+                f"cluster file {str(p)!r} does not exist; give a path to a JSON file or a preset name such as 'dgx-a100-80gb:4'."
+            ) from None
         except json.JSONDecodeError as exc:
             raise ClusterError(f"cluster file {str(p)!r} is not valid JSON: {exc}.") from None
         if not isinstance(data, dict):
@@ -458,7 +522,7 @@ class Cluster:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     @staticmethod
-    def from_profile(*reports: Any, base: "Cluster | None" = None) -> "Cluster":
+    def from_profile(*reports: Any, base: Cluster | None = None) -> Cluster:
         """A cluster whose numbers come from profiler reports (see :mod:`autopar.profiles`)."""
         from autopar.profiles import cluster_from_profiles
 
@@ -471,19 +535,39 @@ def _rename(name: str, nodes: int) -> str:
 
 
 def _link_dict(link: LinkSpec) -> dict[str, Any]:
-    return {"bandwidth_bytes_per_s": link.bandwidth_bytes_per_s, "latency_s": link.latency_s, "source": link.source,
-            "per_op": [{"op": f.op, "bandwidth_bytes_per_s": f.bandwidth_bytes_per_s, "latency_s": f.latency_s,
-                        "curve": None if f.curve is None else {"ranks": f.curve.ranks, "nbytes": list(f.curve.nbytes),
-                                                               "time_s": list(f.curve.time_s)}}
-                       for f in link.per_op]}
+    return {
+        "bandwidth_bytes_per_s": link.bandwidth_bytes_per_s,
+        "latency_s": link.latency_s,
+        "source": link.source,
+        "per_op": [
+            {
+                "op": f.op,
+                "bandwidth_bytes_per_s": f.bandwidth_bytes_per_s,
+                "latency_s": f.latency_s,
+                "curve": None
+                if f.curve is None
+                else {"ranks": f.curve.ranks, "nbytes": list(f.curve.nbytes), "time_s": list(f.curve.time_s)},
+            }
+            for f in link.per_op
+        ],
+    }
 
 
 def _link_kwargs(data: Mapping[str, Any]) -> dict[str, Any]:
-    return {"bandwidth_bytes_per_s": data["bandwidth_bytes_per_s"], "latency_s": data["latency_s"],
-            "source": str(data.get("source", "")),
-            "per_op": tuple(OpLink(op=f["op"], bandwidth_bytes_per_s=f["bandwidth_bytes_per_s"], latency_s=f["latency_s"],
-                                   curve=_curve(f.get("curve")))
-                            for f in data.get("per_op", ()))}
+    return {
+        "bandwidth_bytes_per_s": data["bandwidth_bytes_per_s"],
+        "latency_s": data["latency_s"],
+        "source": str(data.get("source", "")),
+        "per_op": tuple(
+            OpLink(
+                op=f["op"],
+                bandwidth_bytes_per_s=f["bandwidth_bytes_per_s"],
+                latency_s=f["latency_s"],
+                curve=_curve(f.get("curve")),
+            )
+            for f in data.get("per_op", ())
+        ),
+    }
 
 
 def _curve(data: Mapping[str, Any] | None) -> CommCurve | None:

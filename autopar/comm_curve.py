@@ -3,6 +3,7 @@ profile measured them, for the cost model to interpolate (:mod:`autopar.cost.com
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,16 +36,20 @@ class CommCurve:
         sizes = tuple(check_positive_float("curve nbytes", b, error=ClusterError) for b in self.nbytes)
         times = tuple(check_cluster_seconds("curve time_s", t) for t in self.time_s)
         if len(sizes) != len(times) or len(sizes) < 2:
-            raise ClusterError(f"a collective's curve needs as many times as sizes, at least two; got "
-                               f"{len(sizes)} sizes and {len(times)} times.")
-        if any(b >= c for b, c in zip(sizes, sizes[1:])) or any(t > u for t, u in zip(times, times[1:])):
-            raise ClusterError("a collective's curve needs increasing sizes and times that never decrease; build it "
-                               "from measurements with CommCurve.from_measured.")
+            raise ClusterError(
+                f"a collective's curve needs as many times as sizes, at least two; got "
+                f"{len(sizes)} sizes and {len(times)} times."
+            )
+        if any(b >= c for b, c in itertools.pairwise(sizes)) or any(t > u for t, u in itertools.pairwise(times)):
+            raise ClusterError(
+                "a collective's curve needs increasing sizes and times that never decrease; build it "
+                "from measurements with CommCurve.from_measured."
+            )
         object.__setattr__(self, "nbytes", sizes)
         object.__setattr__(self, "time_s", times)
 
     @classmethod
-    def from_measured(cls, ranks: int, nbytes: Any, time_s: Any) -> "CommCurve":
+    def from_measured(cls, ranks: int, nbytes: Any, time_s: Any) -> CommCurve:
         """The curve from measured seconds per call by size (any order), made
         non-decreasing by the least-squares monotone fit (pool-adjacent-violators; Ayer
         et al. 1955): a larger message never takes less time, so a noisy size that did

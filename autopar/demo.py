@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -52,8 +53,9 @@ def _network_rank(rank: int, world: int) -> dict[str, Any]:
     import profiler
     from profiler.network import NetworkSweep
 
-    return profiler.profile_network(sweep=NetworkSweep(max_bytes=16 * 2**20, repeats=3),
-                                    command="autopar demo").to_dict()
+    return profiler.profile_network(
+        sweep=NetworkSweep(max_bytes=16 * 2**20, repeats=3), command="autopar demo"
+    ).to_dict()
 
 
 def profile_machine(nproc: int, say: Callable[[str], None]) -> list[Any]:
@@ -63,10 +65,16 @@ def profile_machine(nproc: int, say: Callable[[str], None]) -> list[Any]:
     say("  device: matmul FLOP/s across sizes, memory bandwidth ...")
     device = profiler.profile_device(command="autopar demo")
     say(f"  layers: {DEMO_GPT.n_layers}-layer GPT at batch {PROFILE_SHAPE[0]} x {PROFILE_SHAPE[1]} tokens ...")
-    model = GPT(GPTConfig(vocab_size=DEMO_GPT.vocab_size, seq_len=PROFILE_SHAPE[1], dim=DEMO_GPT.dim,
-                          n_layers=DEMO_GPT.n_layers, n_heads=DEMO_GPT.n_heads))
-    layers = profiler.profile_model(model, torch.randint(0, DEMO_GPT.vocab_size, PROFILE_SHAPE),
-                                    command="autopar demo")
+    model = GPT(
+        GPTConfig(
+            vocab_size=DEMO_GPT.vocab_size,
+            seq_len=PROFILE_SHAPE[1],
+            dim=DEMO_GPT.dim,
+            n_layers=DEMO_GPT.n_layers,
+            n_heads=DEMO_GPT.n_heads,
+        )
+    )
+    layers = profiler.profile_model(model, torch.randint(0, DEMO_GPT.vocab_size, PROFILE_SHAPE), command="autopar demo")
     say(f"  network: collectives between {nproc} local processes ...")
     network = run_spmd(_network_rank, nproc, settings=SPMDSettings(timeout_s=300))[0]
     return [device, layers, network]
@@ -80,34 +88,46 @@ def run_demo(*, nproc: int = 2, steps: int = 6, say: Callable[[str], None] = pri
     base = Cluster.preset("local-cpu", devices_per_node=nproc)
     cluster = Cluster.from_profile(*reports, base=base)
     d, link = cluster.device, cluster.intra_node
-    say(f"  measured: memory {d.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s per process with {nproc} streaming, "
+    say(
+        f"  measured: memory {d.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s per process with {nproc} streaming, "
         f"{d.alone().memory_bandwidth_bytes_per_s / 1e9:.1f} alone (preset "
         f"{base.device.memory_bandwidth_bytes_per_s / 1e9:.0f}); link busbw {link.bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
         f"latency {link.latency_s * 1e6:.0f} us (preset {base.intra_node.bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
-        f"{base.intra_node.latency_s * 1e6:.0f} us)")
+        f"{base.intra_node.latency_s * 1e6:.0f} us)"
+    )
 
-    say(f"\n2/4 Planning a {DEMO_GPT.n_layers}-layer GPT (dim {DEMO_GPT.dim}, {DEMO_GPT.seq_len} tokens) for "
-        f"{nproc} local processes, global batch {GLOBAL_BATCH}")
-    local = make_plan(build_demo_gpt(), base, global_batch_size=GLOBAL_BATCH, seq_len=DEMO_GPT.seq_len,
-                      profile=reports)
+    say(
+        f"\n2/4 Planning a {DEMO_GPT.n_layers}-layer GPT (dim {DEMO_GPT.dim}, {DEMO_GPT.seq_len} tokens) for "
+        f"{nproc} local processes, global batch {GLOBAL_BATCH}"
+    )
+    local = make_plan(build_demo_gpt(), base, global_batch_size=GLOBAL_BATCH, seq_len=DEMO_GPT.seq_len, profile=reports)
     say("  " + local.explain().replace("\n", "\n  ").split("\n  Stages")[0])
 
     say(f"\n3/4 Running the plan for {steps} steps on {nproc} processes")
-    measured = run_locally(build_demo_gpt, local, token_batches(DEMO_GPT.vocab_size, DEMO_GPT.seq_len), steps=steps,
-                           warmup=2, measure_memory=True)
+    measured = run_locally(
+        build_demo_gpt,
+        local,
+        token_batches(DEMO_GPT.vocab_size, DEMO_GPT.seq_len),
+        steps=steps,
+        warmup=2,
+        measure_memory=True,
+    )
     p = local.prediction
     worst_rank = max(range(len(measured.peak_memory_bytes)), key=lambda r: measured.peak_memory_bytes[r])
     predicted_mem = max(s.memory.total_bytes for s in p.stages if s.pipeline_rank == worst_rank % local.config.pp)
     say(f"  {'':<22}{'predicted':>12}{'measured':>12}{'ratio':>8}")
-    say(f"  {'step time (s)':<22}{p.step_time_s:>12.3f}{measured.median_step_s:>12.3f}"
-        f"{p.step_time_s / measured.median_step_s:>8.2f}")
+    say(
+        f"  {'step time (s)':<22}{p.step_time_s:>12.3f}{measured.median_step_s:>12.3f}"
+        f"{p.step_time_s / measured.median_step_s:>8.2f}"
+    )
     peak = measured.peak_memory_bytes[worst_rank]
     say(f"  {'peak memory (MiB)':<22}{predicted_mem / 2**20:>12.1f}{peak / 2**20:>12.1f}{predicted_mem / peak:>8.2f}")
     say(f"  loss: {measured.losses[0]:.3f} -> {measured.losses[-1]:.3f} over {len(measured.losses)} steps")
 
     say("\n4/4 Planning GPT-3 175B on 128 DGX A100 nodes (1024 GPUs), global batch 1536 x 2048 tokens")
-    large = make_plan(build_named_model("gpt3-175b"), Cluster.preset("dgx-a100-80gb", nodes=128),
-                      global_batch_size=1536, seq_len=2048)
+    large = make_plan(
+        build_named_model("gpt3-175b"), Cluster.preset("dgx-a100-80gb", nodes=128), global_batch_size=1536, seq_len=2048
+    )
     say(large.explain())
     say(f"\ndemo finished in {time.perf_counter() - started:.0f} s")
     return DemoResult(local_plan=local, measured=measured, large_plan=large)

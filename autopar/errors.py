@@ -45,8 +45,7 @@ def check_positive_int(name: str, value: object, hint: str = "") -> int:
     return value
 
 
-def check_positive_float(name: str, value: object, unit: str = "", *,
-                         error: type[ConfigError] = ConfigError) -> float:
+def check_positive_float(name: str, value: object, unit: str = "", *, error: type[ConfigError] = ConfigError) -> float:
     """Return ``value`` as float if it is a finite number > 0, else raise ``error``
     (a cluster description's values raise ClusterError)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):

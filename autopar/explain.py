@@ -34,20 +34,27 @@ def explain_plan(plan: Plan, *, top: int = 5) -> str:
     for s in shown:
         if len(p.stages) > 8 and s is p.stages[-3]:
             lines.append(f"  ... {len(p.stages) - 7} more stages ...")
-        lines.append(f"  {s.index:>3} (rank {s.pipeline_rank}): {compact(s.units)} | {1e3 * s.forward_s:.3g} ms / "
-                     f"{1e3 * s.backward_s:.3g} ms | {size(s.memory.total_bytes)}")
+        lines.append(
+            f"  {s.index:>3} (rank {s.pipeline_rank}): {compact(s.units)} | {1e3 * s.forward_s:.3g} ms / "
+            f"{1e3 * s.backward_s:.3g} ms | {size(s.memory.total_bytes)}"
+        )
     tp = _tp_summary(plan)
     if tp:
         lines += ["", f"Tensor parallelism (tp={c.tp})", *[f"  {line}" for line in tp]]
     runners = [a for a in plan.alternatives if a.status == "runner-up"][:top]
     oom = [a for a in plan.alternatives if a.status == "out-of-memory"][:top]
-    lines += ["", f"Why this plan ({plan.candidates_evaluated} configurations costed in {plan.search_time_s:.2f} s; "
-                  f"the search is exact for its cost model)"]
+    lines += [
+        "",
+        f"Why this plan ({plan.candidates_evaluated} configurations costed in {plan.search_time_s:.2f} s; "
+        f"the search is exact for its cost model)",
+    ]
     if runners:
         lines.append("  runners-up:")
         for a in runners:
-            lines.append(f"    {a.config.short():<78} {a.step_time_s:.3g} s  +{100 * a.slower_by:.1f}%  "
-                         f"{size(a.memory_bytes_per_device)}")
+            lines.append(
+                f"    {a.config.short():<78} {a.step_time_s:.3g} s  +{100 * a.slower_by:.1f}%  "
+                f"{size(a.memory_bytes_per_device)}"
+            )
     if oom:
         lines.append("  rejected (out of memory):")
         for a in oom:
@@ -78,19 +85,34 @@ def _recompute(plan: Plan) -> str:
 
 
 def _breakdown(total: float, b) -> str:
-    parts = [("compute", b.compute_s), ("recompute", b.recompute_s), ("TP comm", b.tp_comm_s),
-             ("PP comm", b.pp_comm_s), ("bubble", b.bubble_s), ("DP comm", b.dp_comm_s), ("optimizer", b.optimizer_s)]
+    parts = [
+        ("compute", b.compute_s),
+        ("recompute", b.recompute_s),
+        ("TP comm", b.tp_comm_s),
+        ("PP comm", b.pp_comm_s),
+        ("bubble", b.bubble_s),
+        ("DP comm", b.dp_comm_s),
+        ("optimizer", b.optimizer_s),
+    ]
     return " | ".join(f"{name} {v:.3g} s ({100 * v / total:.0f}%)" for name, v in parts if v > 1e-4 * total)
 
 
 def _worst_memory(plan: Plan) -> str:
     s = max(plan.prediction.stages, key=lambda st: st.memory.total_bytes)
     mb = s.memory
-    parts = [("params", mb.params_bytes), ("grads", mb.grads_bytes), ("optimizer", mb.optimizer_bytes),
-             ("activations", mb.activations_bytes), ("transient", mb.transient_bytes),
-             *([("pipeline buffers", mb.buffers_bytes)] if mb.buffers_bytes else []), ("reserve", mb.reserve_bytes)]
+    parts = [
+        ("params", mb.params_bytes),
+        ("grads", mb.grads_bytes),
+        ("optimizer", mb.optimizer_bytes),
+        ("activations", mb.activations_bytes),
+        ("transient", mb.transient_bytes),
+        *([("pipeline buffers", mb.buffers_bytes)] if mb.buffers_bytes else []),
+        ("reserve", mb.reserve_bytes),
+    ]
     unit = GIB if mb.total_bytes >= GIB else 2**20
-    return f"stage {s.index} ({'GiB' if unit == GIB else 'MiB'}): " + " | ".join(f"{n} {v / unit:.1f}" for n, v in parts)
+    return f"stage {s.index} ({'GiB' if unit == GIB else 'MiB'}): " + " | ".join(
+        f"{n} {v / unit:.1f}" for n, v in parts
+    )
 
 
 def size(nbytes: float) -> str:
@@ -145,5 +167,7 @@ def _tp_summary(plan: Plan) -> list[str]:
     for fqn, style in plan.layer_strategies.tp.items():
         pattern = re.sub(r"\.\d+\.", ".*.", fqn, count=1)
         by_pattern[pattern][style.value] += 1
-    return [f"{pattern}: " + ", ".join(f"{s}" + (f" x{n}" if n > 1 else "") for s, n in counts.items())
-            for pattern, counts in sorted(by_pattern.items())]
+    return [
+        f"{pattern}: " + ", ".join(f"{s}" + (f" x{n}" if n > 1 else "") for s, n in counts.items())
+        for pattern, counts in sorted(by_pattern.items())
+    ]

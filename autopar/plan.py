@@ -9,9 +9,10 @@ offending field.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 from autopar.cluster import Cluster
 from autopar.errors import ConfigError, PlanFormatError
@@ -62,19 +63,27 @@ class ParallelConfig:
         object.__setattr__(self, "recompute", _enum(Recompute, self.recompute, "recompute"))
         object.__setattr__(self, "dtype", _enum(DType, self.dtype, "dtype"))
         if isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES:
-            raise ConfigError(f"zero_stage={self.zero_stage!r} is not allowed: use 0 (DDP), 1 (sharded optimizer state), "
-                              f"2 (+ sharded gradients) or 3 (+ sharded parameters).")
+            raise ConfigError(
+                f"zero_stage={self.zero_stage!r} is not allowed: use 0 (DDP), 1 (sharded optimizer state), "
+                f"2 (+ sharded gradients) or 3 (+ sharded parameters)."
+            )
         if not isinstance(self.sequence_parallel, bool):
             raise ConfigError(f"sequence_parallel={self.sequence_parallel!r} is not allowed: use True or False.")
         if self.sequence_parallel and self.tp == 1:
-            raise ConfigError("sequence_parallel=True needs tp > 1: sequence parallelism shards norms over the "
-                              "tensor-parallel group. Set tp >= 2 or sequence_parallel=False.")
+            raise ConfigError(
+                "sequence_parallel=True needs tp > 1: sequence parallelism shards norms over the "
+                "tensor-parallel group. Set tp >= 2 or sequence_parallel=False."
+            )
         if self.virtual_stages > 1 and self.schedule is not Schedule.INTERLEAVED_1F1B:
-            raise ConfigError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved-1f1b' "
-                              f"(got {self.schedule.value!r}); use virtual_stages=1 for {self.schedule.value}.")
+            raise ConfigError(
+                f"virtual_stages={self.virtual_stages} needs schedule='interleaved-1f1b' "
+                f"(got {self.schedule.value!r}); use virtual_stages=1 for {self.schedule.value}."
+            )
         if self.schedule is Schedule.INTERLEAVED_1F1B and self.virtual_stages < 2:
-            raise ConfigError("schedule='interleaved-1f1b' needs virtual_stages >= 2 (stages per pipeline rank); "
-                              "use schedule='1f1b' for one stage per rank.")
+            raise ConfigError(
+                "schedule='interleaved-1f1b' needs virtual_stages >= 2 (stages per pipeline rank); "
+                "use schedule='1f1b' for one stage per rank."
+            )
         if self.schedule is Schedule.INTERLEAVED_1F1B and self.pp < 2:
             raise ConfigError("schedule='interleaved-1f1b' needs pp >= 2.")
 
@@ -99,8 +108,10 @@ class ParallelConfig:
         if self.virtual_stages > 1:
             sched += f"(v={self.virtual_stages})"
         sp = " sp" if self.sequence_parallel else ""
-        return (f"dp={self.dp} tp={self.tp} pp={self.pp} mbs={self.micro_batch_size} m={self.num_microbatches} "
-                f"{sched} zero={self.zero_stage} recompute={self.recompute.value}{sp} {self.dtype.value}")
+        return (
+            f"dp={self.dp} tp={self.tp} pp={self.pp} mbs={self.micro_batch_size} m={self.num_microbatches} "
+            f"{sched} zero={self.zero_stage} recompute={self.recompute.value}{sp} {self.dtype.value}"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,8 +151,15 @@ class MemoryBreakdown:
     @property
     def total_bytes(self) -> float:
         """The sum of every term: the predicted peak."""
-        return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
-                + self.transient_bytes + self.buffers_bytes + self.reserve_bytes)
+        return (
+            self.params_bytes
+            + self.grads_bytes
+            + self.optimizer_bytes
+            + self.activations_bytes
+            + self.transient_bytes
+            + self.buffers_bytes
+            + self.reserve_bytes
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,8 +202,15 @@ class StepBreakdown:
     @property
     def total_s(self) -> float:
         """Sum of the terms (equals ``Prediction.step_time_s``)."""
-        return (self.compute_s + self.recompute_s + self.tp_comm_s + self.pp_comm_s + self.bubble_s
-                + self.dp_comm_s + self.optimizer_s)
+        return (
+            self.compute_s
+            + self.recompute_s
+            + self.tp_comm_s
+            + self.pp_comm_s
+            + self.bubble_s
+            + self.dp_comm_s
+            + self.optimizer_s
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -271,15 +296,21 @@ class Plan:
 
     def __post_init__(self) -> None:
         if len(self.stages) != self.config.num_stages:
-            raise PlanFormatError(f"plan has {len(self.stages)} stages but pp x virtual_stages = "
-                                  f"{self.config.pp} x {self.config.virtual_stages} = {self.config.num_stages}.")
+            raise PlanFormatError(
+                f"plan has {len(self.stages)} stages but pp x virtual_stages = "
+                f"{self.config.pp} x {self.config.virtual_stages} = {self.config.num_stages}."
+            )
         if self.config.world_size != self.cluster.world_size:
-            raise PlanFormatError(f"plan uses dp x tp x pp = {self.config.world_size} devices but its cluster has "
-                                  f"{self.cluster.world_size}.")
+            raise PlanFormatError(
+                f"plan uses dp x tp x pp = {self.config.world_size} devices but its cluster has "
+                f"{self.cluster.world_size}."
+            )
         listed = [u for stage in self.stages for u in stage]
         if tuple(listed) != self.model.units:
-            raise PlanFormatError("plan stages do not cover the model's units once each, in order: "
-                                  f"stages list {len(listed)} units, the model has {len(self.model.units)}.")
+            raise PlanFormatError(
+                "plan stages do not cover the model's units once each, in order: "
+                f"stages list {len(listed)} units, the model has {len(self.model.units)}."
+            )
 
     def stage_of_rank(self, pipeline_rank: int) -> tuple[int, ...]:
         """Indices of the stages a pipeline rank runs (stage i on rank i % pp)."""
@@ -300,20 +331,22 @@ class Plan:
         return json.dumps(self.to_dict(), indent=1) + "\n"
 
     @staticmethod
-    def from_dict(data: Any, *, origin: str = "plan") -> "Plan":
+    def from_dict(data: Any, *, origin: str = "plan") -> Plan:
         """Parse plan data; raises PlanFormatError naming any bad field."""
         if not isinstance(data, dict):
             raise PlanFormatError(f"{origin}: expected a JSON object, got {type(data).__name__}.")
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
-            raise PlanFormatError(f"{origin}: schema_version {version!r} is not supported; this autopar reads version "
-                                  f"{SCHEMA_VERSION}. Re-create the plan with this autopar version.")
+            raise PlanFormatError(
+                f"{origin}: schema_version {version!r} is not supported; this autopar reads version "
+                f"{SCHEMA_VERSION}. Re-create the plan with this autopar version."
+            )
         from autopar.serialize import _decode_dataclass
 
         return _decode_dataclass(Plan, data, origin)
 
     @staticmethod
-    def from_json(text: str, *, origin: str = "plan") -> "Plan":
+    def from_json(text: str, *, origin: str = "plan") -> Plan:
         """Parse the text written by :meth:`to_json`."""
         try:
             data = json.loads(text)
@@ -329,22 +362,36 @@ class Plan:
         tmp.replace(p)
 
     @staticmethod
-    def load(path: str | Path) -> "Plan":
+    def load(path: str | Path) -> Plan:
         """Read a plan file written by :meth:`save`."""
         p = Path(path)
         try:
             text = p.read_text()
         except FileNotFoundError:
-            raise PlanFormatError(f"plan file {str(p)!r} does not exist; create one with 'autopar plan ... --out {p}'.") from None
+            raise PlanFormatError(
+                f"plan file {str(p)!r} does not exist; create one with 'autopar plan ... --out {p}'."
+            ) from None
         return Plan.from_json(text, origin=f"plan file {str(p)!r}")
 
-    def with_alternatives(self, alternatives: tuple[Alternative, ...]) -> "Plan":
+    def with_alternatives(self, alternatives: tuple[Alternative, ...]) -> Plan:
         """A copy with another list of alternatives."""
         return replace(self, alternatives=alternatives)
 
 
-_PLAN_FIELDS = ("schema_version", "config", "stages", "layer_strategies", "prediction", "alternatives", "model",
-                "cluster", "settings", "notes", "search_time_s", "candidates_evaluated")
+_PLAN_FIELDS = (
+    "schema_version",
+    "config",
+    "stages",
+    "layer_strategies",
+    "prediction",
+    "alternatives",
+    "model",
+    "cluster",
+    "settings",
+    "notes",
+    "search_time_s",
+    "candidates_evaluated",
+)
 
 
 def _enum(cls: Any, value: Any, name: str) -> Any:

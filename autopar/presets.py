@@ -8,7 +8,7 @@ published nccl-tests results and is stated next to each number.
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 from autopar.cluster import Cluster, DeviceSpec, LinkSpec
 from autopar.errors import ClusterError
@@ -18,16 +18,26 @@ GIB = 2**30
 MIB = 2**20
 
 _A100_DATASHEET = "NVIDIA A100 Tensor Core GPU datasheet (2021): dense BF16/FP16 312 TFLOP/s, TF32 156, FP32 19.5"
-_H100_DATASHEET = "NVIDIA H100 Tensor Core GPU datasheet (SXM5): dense BF16/FP16 989 TFLOP/s (1979 with sparsity), FP32 67"
-_H200_DATASHEET = "NVIDIA H200 Tensor Core GPU datasheet (SXM): dense BF16/FP16 989 TFLOP/s, FP32 67, 141 GB HBM3e at 4.8 TB/s"
-_V100_DATASHEET = "NVIDIA V100 Tensor Core GPU datasheet (SXM2): FP16 tensor 125 TFLOP/s, FP32 15.7, 900 GB/s HBM2; no BF16"
+_H100_DATASHEET = (
+    "NVIDIA H100 Tensor Core GPU datasheet (SXM5): dense BF16/FP16 989 TFLOP/s (1979 with sparsity), FP32 67"
+)
+_H200_DATASHEET = (
+    "NVIDIA H200 Tensor Core GPU datasheet (SXM): dense BF16/FP16 989 TFLOP/s, FP32 67, 141 GB HBM3e at 4.8 TB/s"
+)
+_V100_DATASHEET = (
+    "NVIDIA V100 Tensor Core GPU datasheet (SXM2): FP16 tensor 125 TFLOP/s, FP32 15.7, 900 GB/s HBM2; no BF16"
+)
 _GPU_RESERVE = 1.5 * GIB
 _GPU_FRAGMENTATION = 0.05
-_RESERVE_NOTE = ("1.5 GiB reserved: CUDA context (~0.5 GiB) and NCCL communicator buffers (~1 GiB over the "
-                 "TP/DP/PP groups), which torch.cuda memory statistics do not show; 5% of allocations lost to "
-                 "caching-allocator fragmentation")
-_EFFICIENCY = ("matmul 0.8 of peak: large cuBLAS GEMMs reach 75-90% of dense peak (NVIDIA Matrix Multiplication "
-               "Background guide); memory 0.8 of peak: STREAM-like kernels reach ~80% of HBM bandwidth")
+_RESERVE_NOTE = (
+    "1.5 GiB reserved: CUDA context (~0.5 GiB) and NCCL communicator buffers (~1 GiB over the "
+    "TP/DP/PP groups), which torch.cuda memory statistics do not show; 5% of allocations lost to "
+    "caching-allocator fragmentation"
+)
+_EFFICIENCY = (
+    "matmul 0.8 of peak: large cuBLAS GEMMs reach 75-90% of dense peak (NVIDIA Matrix Multiplication "
+    "Background guide); memory 0.8 of peak: STREAM-like kernels reach ~80% of HBM bandwidth"
+)
 
 
 def _a100(memory_mib: int, hbm_bytes_per_s: float, label: str) -> DeviceSpec:
@@ -51,7 +61,7 @@ def _h100() -> DeviceSpec:
         reserved_bytes=_GPU_RESERVE,
         fragmentation=_GPU_FRAGMENTATION,
         source=f"{_H100_DATASHEET}; HBM3 3.35 TB/s; memory 81559 MiB as nvidia-smi reports; {_EFFICIENCY}; "
-               f"{_RESERVE_NOTE}",
+        f"{_RESERVE_NOTE}",
     )
 
 
@@ -78,46 +88,58 @@ def _v100() -> DeviceSpec:
         fragmentation=_GPU_FRAGMENTATION,
         preferred_dtype=DType.FP16,
         source=f"{_V100_DATASHEET}; memory 16160 MiB as nvidia-smi reports; matmul 0.75 of peak (V100 "
-               f"tensor-core GEMMs reach 70-80%), memory 0.8 of peak; {_RESERVE_NOTE}",
+        f"tensor-core GEMMs reach 70-80%), memory 0.8 of peak; {_RESERVE_NOTE}",
     )
 
 
 _NVLINK3 = LinkSpec(
-    bandwidth_bytes_per_s=230e9, latency_s=2e-6,
+    bandwidth_bytes_per_s=230e9,
+    latency_s=2e-6,
     source="NVLink3 + NVSwitch, 300 GB/s per direction (600 GB/s total, A100 datasheet); nccl-tests all_reduce "
-           "busbw on DGX A100 reaches ~230 GB/s; ~2 us per hop (NCCL LL protocol)",
+    "busbw on DGX A100 reaches ~230 GB/s; ~2 us per hop (NCCL LL protocol)",
 )
 _NVLINK4 = LinkSpec(
-    bandwidth_bytes_per_s=360e9, latency_s=2e-6,
+    bandwidth_bytes_per_s=360e9,
+    latency_s=2e-6,
     source="NVLink4 + NVSwitch, 450 GB/s per direction (900 GB/s total, H100/H200 datasheets); nccl-tests "
-           "all_reduce busbw without NVLS ~360 GB/s; ~2 us per hop",
+    "all_reduce busbw without NVLS ~360 GB/s; ~2 us per hop",
 )
 _NVLINK2_HCM = LinkSpec(
-    bandwidth_bytes_per_s=120e9, latency_s=3e-6,
+    bandwidth_bytes_per_s=120e9,
+    latency_s=3e-6,
     source="NVLink2 hybrid cube-mesh, 150 GB/s per direction (300 GB/s total, V100 datasheet); ~0.8 reached "
-           "by NCCL rings on DGX-1/p3.16xlarge",
+    "by NCCL rings on DGX-1/p3.16xlarge",
 )
 _HDR_IB = LinkSpec(
-    bandwidth_bytes_per_s=22.5e9, latency_s=5e-6,
+    bandwidth_bytes_per_s=22.5e9,
+    latency_s=5e-6,
     source="DGX A100 datasheet: one 200 Gb/s HDR InfiniBand ConnectX-6 per GPU = 25 GB/s per direction; "
-           "~90% achievable (nccl-tests); ~5 us per hop",
+    "~90% achievable (nccl-tests); ~5 us per hop",
 )
 _NDR_IB = LinkSpec(
-    bandwidth_bytes_per_s=45e9, latency_s=5e-6,
+    bandwidth_bytes_per_s=45e9,
+    latency_s=5e-6,
     source="DGX H100 / HGX H200 reference: one 400 Gb/s NDR InfiniBand ConnectX-7 per GPU = 50 GB/s per "
-           "direction; ~90% achievable (nccl-tests); ~5 us per hop",
+    "direction; ~90% achievable (nccl-tests); ~5 us per hop",
 )
 _P3_ETHERNET = LinkSpec(
-    bandwidth_bytes_per_s=25e9 / 8 / 8 * 0.9, latency_s=30e-6,
+    bandwidth_bytes_per_s=25e9 / 8 / 8 * 0.9,
+    latency_s=30e-6,
     source="AWS p3.16xlarge: 25 Gb/s ENA per instance shared by 8 GPUs = 0.39 GB/s per GPU, ~90% "
-           "achievable; TCP latency ~30 us",
+    "achievable; TCP latency ~30 us",
 )
 
 
 def _dgx(name: str, device: DeviceSpec, intra: LinkSpec, inter: LinkSpec) -> Callable[[int, int], Cluster]:
     def build(nodes: int, devices_per_node: int) -> Cluster:
-        return Cluster(name=f"{name} x {nodes}", nodes=nodes, devices_per_node=devices_per_node,
-                       device=device, intra_node=intra, inter_node=inter)
+        return Cluster(
+            name=f"{name} x {nodes}",
+            nodes=nodes,
+            devices_per_node=devices_per_node,
+            device=device,
+            intra_node=intra,
+            inter_node=inter,
+        )
 
     return build
 
@@ -156,41 +178,62 @@ def local_cpu_device(processes: int) -> DeviceSpec:
         exposed_weight_traffic=True,
         preferred_dtype=DType.FP32,
         source="nominal: ~60 GFLOP/s fp32 per core (oneDNN/MKL SGEMM on one AVX-512 core), bf16 half of that "
-               "without AMX; ~10 GB/s per core; memory = physical RAM / processes less 512 MiB for the "
-               "interpreter and libraries, so memory per device counts tensor allocations only (what the "
-               "runtime measures); framework overhead ~5 us per op and ~150 us per DTensor layer forward, as "
-               "'autopar profile device' measured on a 2-core VM; ranks finishing the same work ~10 ms per "
-               "sqrt(s) of it apart (2 processes on that VM: 5-18 ms over runs, 4: ~30 ms; 'autopar profile "
-               "network'); no overlap of communication with compute (gloo uses the same cores); weight and "
-               "gradient-accumulation traffic not hidden under the arithmetic (BLAS packs each weight, eager "
-               "autograd accumulates in a pass of its own); an AdamW step at ~7 GB/s of its ideal traffic (a "
-               "dozen eager passes). Measure with 'autopar profile device' for real numbers.",
+        "without AMX; ~10 GB/s per core; memory = physical RAM / processes less 512 MiB for the "
+        "interpreter and libraries, so memory per device counts tensor allocations only (what the "
+        "runtime measures); framework overhead ~5 us per op and ~150 us per DTensor layer forward, as "
+        "'autopar profile device' measured on a 2-core VM; ranks finishing the same work ~10 ms per "
+        "sqrt(s) of it apart (2 processes on that VM: 5-18 ms over runs, 4: ~30 ms; 'autopar profile "
+        "network'); no overlap of communication with compute (gloo uses the same cores); weight and "
+        "gradient-accumulation traffic not hidden under the arithmetic (BLAS packs each weight, eager "
+        "autograd accumulates in a pass of its own); an AdamW step at ~7 GB/s of its ideal traffic (a "
+        "dozen eager passes). Measure with 'autopar profile device' for real numbers.",
     ).time_shared(share, f"{processes} processes time-share {cores} cores: {share:.2g} of a core each")
 
 
 def _local_cpu(nodes: int, devices_per_node: int) -> Cluster:
     loopback = LinkSpec(
-        bandwidth_bytes_per_s=0.4e9, latency_s=0.5e-3,
+        bandwidth_bytes_per_s=0.4e9,
+        latency_s=0.5e-3,
         source="gloo over loopback TCP on a 2-core VM: all_reduce busbw 0.3-0.9 GB/s, ~1 ms for 1 KB at 2 "
-               "processes (shared/TORCH-CPU.md); measure with 'autopar profile network'",
+        "processes (shared/TORCH-CPU.md); measure with 'autopar profile network'",
     )
-    return Cluster(name=f"local-cpu x {nodes}", nodes=nodes, devices_per_node=devices_per_node,
-                   device=local_cpu_device(nodes * devices_per_node), intra_node=loopback, inter_node=loopback)
+    return Cluster(
+        name=f"local-cpu x {nodes}",
+        nodes=nodes,
+        devices_per_node=devices_per_node,
+        device=local_cpu_device(nodes * devices_per_node),
+        intra_node=loopback,
+        inter_node=loopback,
+    )
 
 
 _PRESETS: dict[str, tuple[Callable[[int, int], Cluster], Callable[[], int], str]] = {
-    "dgx-a100-80gb": (_dgx("dgx-a100-80gb", _a100(81920, 2.039e12, "80GB"), _NVLINK3, _HDR_IB), lambda: 8,
-                      "NVIDIA DGX A100: 8x A100 80GB, NVLink3/NVSwitch, 8x HDR InfiniBand"),
-    "dgx-a100-40gb": (_dgx("dgx-a100-40gb", _a100(40960, 1.555e12, "40GB"), _NVLINK3, _HDR_IB), lambda: 8,
-                      "NVIDIA DGX A100: 8x A100 40GB, NVLink3/NVSwitch, 8x HDR InfiniBand"),
-    "dgx-h100": (_dgx("dgx-h100", _h100(), _NVLINK4, _NDR_IB), lambda: 8,
-                 "NVIDIA DGX H100: 8x H100 SXM5 80GB, NVLink4/NVSwitch, 8x NDR InfiniBand"),
-    "hgx-h200": (_dgx("hgx-h200", _h200(), _NVLINK4, _NDR_IB), lambda: 8,
-                 "NVIDIA HGX H200: 8x H200 SXM 141GB, NVLink4/NVSwitch, 8x NDR InfiniBand"),
-    "p3.16xlarge": (_dgx("p3.16xlarge", _v100(), _NVLINK2_HCM, _P3_ETHERNET), lambda: 8,
-                    "AWS p3.16xlarge: 8x V100 16GB, NVLink2 hybrid cube-mesh, 25 Gb/s Ethernet"),
-    "local-cpu": (_local_cpu, lambda: os.cpu_count() or 1,
-                  "this machine: one gloo process per core, loopback TCP"),
+    "dgx-a100-80gb": (
+        _dgx("dgx-a100-80gb", _a100(81920, 2.039e12, "80GB"), _NVLINK3, _HDR_IB),
+        lambda: 8,
+        "NVIDIA DGX A100: 8x A100 80GB, NVLink3/NVSwitch, 8x HDR InfiniBand",
+    ),
+    "dgx-a100-40gb": (
+        _dgx("dgx-a100-40gb", _a100(40960, 1.555e12, "40GB"), _NVLINK3, _HDR_IB),
+        lambda: 8,
+        "NVIDIA DGX A100: 8x A100 40GB, NVLink3/NVSwitch, 8x HDR InfiniBand",
+    ),
+    "dgx-h100": (
+        _dgx("dgx-h100", _h100(), _NVLINK4, _NDR_IB),
+        lambda: 8,
+        "NVIDIA DGX H100: 8x H100 SXM5 80GB, NVLink4/NVSwitch, 8x NDR InfiniBand",
+    ),
+    "hgx-h200": (
+        _dgx("hgx-h200", _h200(), _NVLINK4, _NDR_IB),
+        lambda: 8,
+        "NVIDIA HGX H200: 8x H200 SXM 141GB, NVLink4/NVSwitch, 8x NDR InfiniBand",
+    ),
+    "p3.16xlarge": (
+        _dgx("p3.16xlarge", _v100(), _NVLINK2_HCM, _P3_ETHERNET),
+        lambda: 8,
+        "AWS p3.16xlarge: 8x V100 16GB, NVLink2 hybrid cube-mesh, 25 Gb/s Ethernet",
+    ),
+    "local-cpu": (_local_cpu, lambda: os.cpu_count() or 1, "this machine: one gloo process per core, loopback TCP"),
 }
 
 
@@ -203,11 +246,15 @@ def build_preset(name: str, *, nodes: int = 1, devices_per_node: int | None = No
     """Build preset ``name`` with ``nodes`` nodes (see :meth:`Cluster.preset`)."""
     if name not in _PRESETS:
         known = ", ".join(sorted(_PRESETS))
-        raise ClusterError(f"unknown cluster preset {name!r}; known presets: {known}. Or pass a JSON file (Cluster.from_json).")
+        raise ClusterError(
+            f"unknown cluster preset {name!r}; known presets: {known}. Or pass a JSON file (Cluster.from_json)."
+        )
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
         raise ClusterError(f"nodes={nodes!r} is not allowed for preset {name!r}: it must be a positive integer.")
     build, default_dpn, _ = _PRESETS[name]
     dpn = default_dpn() if devices_per_node is None else devices_per_node
     if isinstance(dpn, bool) or not isinstance(dpn, int) or dpn < 1:
-        raise ClusterError(f"devices_per_node={dpn!r} is not allowed for preset {name!r}: it must be a positive integer.")
+        raise ClusterError(
+            f"devices_per_node={dpn!r} is not allowed for preset {name!r}: it must be a positive integer."
+        )
     return build(nodes, dpn)

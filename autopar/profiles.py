@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from autopar.cluster import COLLECTIVE_OPS, Cluster, DeviceSpec, LinkSpec, OpLink
 from autopar.comm_curve import CommCurve
@@ -69,13 +70,16 @@ def read_reports(reports: Sequence[Any]) -> list[_Report]:
         elif isinstance(r, Mapping):
             origin, data = f"report #{i + 1}", r
         else:
-            raise ClusterError(f"profile #{i + 1} is a {type(r).__name__}; give a ProfileReport, its to_dict(), or a "
-                               f"JSON file path.")
+            raise ClusterError(
+                f"profile #{i + 1} is a {type(r).__name__}; give a ProfileReport, its to_dict(), or a JSON file path."
+            )
         if not isinstance(data, Mapping) or data.get("schema") != SCHEMA:
             raise ClusterError(f"profile {origin!r} is not an autopar profile report (no 'schema': {SCHEMA!r}).")
         if data.get("schema_version") != SCHEMA_VERSION:
-            raise ClusterError(f"profile {origin!r} has schema_version {data.get('schema_version')!r}; this autopar "
-                               f"reads version {SCHEMA_VERSION}. Measure again or upgrade autopar.")
+            raise ClusterError(
+                f"profile {origin!r} has schema_version {data.get('schema_version')!r}; this autopar "
+                f"reads version {SCHEMA_VERSION}. Measure again or upgrade autopar."
+            )
         out.append(_Report(origin=origin, data=data))
     if not out:
         raise ClusterError("no profile reports given; pass at least one (a ProfileReport or a JSON path).")
@@ -128,19 +132,29 @@ def cluster_from_profiles(reports: Sequence[Any], base: Cluster | None = None) -
             base = _local_cpu_base(net)
         if dev is None and net is None:
             if base is None:
-                raise ClusterError(f"the profiles ({', '.join(r.origin for r in rs)}) measure neither a device nor a "
-                                   f"network, and no base cluster was given; pass base=Cluster.preset(...).")
+                raise ClusterError(
+                    f"the profiles ({', '.join(r.origin for r in rs)}) measure neither a device nor a "
+                    f"network, and no base cluster was given; pass base=Cluster.preset(...)."
+                )
             return base
         nodes, per_node = _shape(base, net)
         device = _device(dev, base, per_node) if dev is not None else _base_device(base)
         device = _with_group_measurements(device, net, per_node)
         intra, inter = _links(net, base, nodes, per_node)
     except (KeyError, TypeError) as exc:
-        raise ClusterError(f"profile data is malformed ({type(exc).__name__}: {exc}); load it with "
-                           f"profiler.ProfileReport.load to see which field.") from None
+        raise ClusterError(
+            f"profile data is malformed ({type(exc).__name__}: {exc}); load it with "
+            f"profiler.ProfileReport.load to see which field."
+        ) from None
     prefix = base.name.split(" x ")[0].removesuffix("+profile") if base is not None else "measured"
-    return Cluster(name=f"{prefix}+profile x {nodes}", nodes=nodes, devices_per_node=per_node, device=device,
-                   intra_node=intra, inter_node=inter)
+    return Cluster(
+        name=f"{prefix}+profile x {nodes}",
+        nodes=nodes,
+        devices_per_node=per_node,
+        device=device,
+        intra_node=intra,
+        inter_node=inter,
+    )
 
 
 def _local_cpu_base(net: tuple[_Report, Mapping[str, Any]] | None) -> Cluster:
@@ -165,8 +179,10 @@ def _shape(base: Cluster | None, net: tuple[_Report, Mapping[str, Any]] | None) 
 
 def _base_device(base: Cluster | None) -> DeviceSpec:
     if base is None:
-        raise ClusterError("the profiles measure a network but no device, and no base cluster was given; add a "
-                           "device profile ('autopar profile device') or pass base=Cluster.preset(...).")
+        raise ClusterError(
+            "the profiles measure a network but no device, and no base cluster was given; add a "
+            "device profile ('autopar profile device') or pass base=Cluster.preset(...)."
+        )
     return base.device
 
 
@@ -187,14 +203,18 @@ def _device(found: tuple[_Report, Mapping[str, Any]], base: Cluster | None, per_
     where = _where(d)
     if base is not None:
         bdev = base.device.alone()  # the measurement is of one process alone too
-        peaks = {dt: max(bdev.peak_flops.get(dt, 0.0), measured_peaks.get(dt, 0.0))
-                 for dt in {*bdev.peak_flops, *measured_peaks}}
+        peaks = {
+            dt: max(bdev.peak_flops.get(dt, 0.0), measured_peaks.get(dt, 0.0))
+            for dt in {*bdev.peak_flops, *measured_peaks}
+        }
         efficiency = bdev.matmul_efficiency
         reserved = bdev.reserved_bytes
         raised = sorted(dt.value for dt in measured_peaks if measured_peaks[dt] > bdev.peak_flops.get(dt, 0.0))
-        peak_note = (f"peak FLOP/s from {bdev.name} ({bdev.source})"
-                     + (f", raised to the measured maximum for {', '.join(raised)} (a peak cannot be below what "
-                        f"was achieved)" if raised else ""))
+        peak_note = f"peak FLOP/s from {bdev.name} ({bdev.source})" + (
+            f", raised to the measured maximum for {', '.join(raised)} (a peak cannot be below what was achieved)"
+            if raised
+            else ""
+        )
         preferred = bdev.preferred_dtype if bdev.preferred_dtype in peaks else next(iter(curves))
     else:
         peaks, efficiency, reserved = measured_peaks, 1.0, float(d["reserved_bytes"])
@@ -206,33 +226,54 @@ def _device(found: tuple[_Report, Mapping[str, Any]], base: Cluster | None, per_
     per_param = float(d.get("optimizer_s_per_param", 0.0))
     optimizer_rate = optimizer_step_bytes(Optimizer.ADAM) / per_param if per_param > 0 else 0.0
     spec = DeviceSpec(
-        name=str(d["name"]), memory_bytes=memory, peak_flops=peaks,
-        memory_bandwidth_bytes_per_s=float(d["memory_bandwidth_bytes_per_s"]), matmul_efficiency=efficiency,
-        memory_efficiency=1.0, reserved_bytes=reserved, preferred_dtype=preferred,
-        matmul_curves=curves, op_overhead_s=float(d.get("op_overhead_s", 0.0)),
-        tp_overhead_s=float(d.get("tp_overhead_s", 0.0)), comm_overlap=overlap,
-        optimizer_bytes_per_s=optimizer_rate, exposed_weight_traffic=cpu,
-        source=(f"measured ({report.origin}, {where}): matmul curves {', '.join(dt.value for dt in curves)} over "
-                f"{len(d['matmul'])} shapes, streaming bandwidth {float(d['memory_bandwidth_bytes_per_s']) / 1e9:.3g} "
-                f"GB/s (memory_efficiency 1: already achieved); framework overhead "
-                f"{float(d.get('op_overhead_s', 0.0)) * 1e6:.1f} us per op, "
-                f"{float(d.get('tp_overhead_s', 0.0)) * 1e6:.0f} us per tensor-parallel layer; "
-                + (f"AdamW step {per_param * 1e9:.2f} ns per parameter "
-                   f"({optimizer_rate / 1e9:.3g} GB/s of its ideal traffic); " if per_param > 0 else "")
-                + ("communication overlaps no compute (gloo shares the cores), weight traffic is not hidden under "
-                   "the arithmetic; " if cpu else "")
-                + f"memory {float(d['memory_bytes']) / 2**30:.1f} GiB"
-                f"{share}; {peak_note}"))
+        name=str(d["name"]),
+        memory_bytes=memory,
+        peak_flops=peaks,
+        memory_bandwidth_bytes_per_s=float(d["memory_bandwidth_bytes_per_s"]),
+        matmul_efficiency=efficiency,
+        memory_efficiency=1.0,
+        reserved_bytes=reserved,
+        preferred_dtype=preferred,
+        matmul_curves=curves,
+        op_overhead_s=float(d.get("op_overhead_s", 0.0)),
+        tp_overhead_s=float(d.get("tp_overhead_s", 0.0)),
+        comm_overlap=overlap,
+        optimizer_bytes_per_s=optimizer_rate,
+        exposed_weight_traffic=cpu,
+        source=(
+            f"measured ({report.origin}, {where}): matmul curves {', '.join(dt.value for dt in curves)} over "
+            f"{len(d['matmul'])} shapes, streaming bandwidth {float(d['memory_bandwidth_bytes_per_s']) / 1e9:.3g} "
+            f"GB/s (memory_efficiency 1: already achieved); framework overhead "
+            f"{float(d.get('op_overhead_s', 0.0)) * 1e6:.1f} us per op, "
+            f"{float(d.get('tp_overhead_s', 0.0)) * 1e6:.0f} us per tensor-parallel layer; "
+            + (
+                f"AdamW step {per_param * 1e9:.2f} ns per parameter "
+                f"({optimizer_rate / 1e9:.3g} GB/s of its ideal traffic); "
+                if per_param > 0
+                else ""
+            )
+            + (
+                "communication overlaps no compute (gloo shares the cores), weight traffic is not hidden under "
+                "the arithmetic; "
+                if cpu
+                else ""
+            )
+            + f"memory {float(d['memory_bytes']) / 2**30:.1f} GiB"
+            f"{share}; {peak_note}"
+        ),
+    )
     cores = int(d["provenance"].get("cpu_count", 0)) if cpu else 0
     threads = max(int(d.get("threads", 1)), 1)
     if not (cores and per_node * threads > cores):
         return spec
-    return spec.time_shared(cores / (per_node * threads),
-                            f"{per_node} processes of {threads} thread(s) time-share {cores} cores")
+    return spec.time_shared(
+        cores / (per_node * threads), f"{per_node} processes of {threads} thread(s) time-share {cores} cores"
+    )
 
 
-def _with_group_measurements(device: DeviceSpec, net: tuple[_Report, Mapping[str, Any]] | None,
-                             per_node: int) -> DeviceSpec:
+def _with_group_measurements(
+    device: DeviceSpec, net: tuple[_Report, Mapping[str, Any]] | None, per_node: int
+) -> DeviceSpec:
     """The device with what a network profile measured on its real groups, where it was
     measured with this cluster's processes per node (the figures depend on how many
     share a node): the framework overheads and the rate of FSDP's copies
@@ -244,8 +285,11 @@ def _with_group_measurements(device: DeviceSpec, net: tuple[_Report, Mapping[str
         return device
     n = net[1]
     where = f"measured on {n['world_size']} {n['backend']} ranks ({net[0].origin})"
-    per = {"tp_overhead_s": "tensor-parallel layer forward", "fsdp_overhead_s": "FSDP collective",
-           "fsdp_tensor_overhead_s": "parameter tensor in an FSDP collective"}
+    per = {
+        "tp_overhead_s": "tensor-parallel layer forward",
+        "fsdp_overhead_s": "FSDP collective",
+        "fsdp_tensor_overhead_s": "parameter tensor in an FSDP collective",
+    }
     measured = {k: float(n.get(k, 0.0)) for k in per}
     measured = {k: v for k, v in measured.items() if v > 0}
     if measured:
@@ -253,24 +297,34 @@ def _with_group_measurements(device: DeviceSpec, net: tuple[_Report, Mapping[str
         device = replace(device, **measured, source=f"{device.source}; framework overhead {what}, {where}")
     copies = float(n.get("fsdp_copy_bytes_per_s", 0.0))
     if copies > 0:
-        device = replace(device, fsdp_copy_bytes_per_s=copies,
-                         source=f"{device.source}; FSDP copies at {copies / 1e9:.2f} GB/s, {where}")
+        device = replace(
+            device,
+            fsdp_copy_bytes_per_s=copies,
+            source=f"{device.source}; FSDP copies at {copies / 1e9:.2f} GB/s, {where}",
+        )
     noise = float(n.get("sync_noise_s_per_sqrt_s", 0.0))
     spread = float(n.get("sync_speed_spread", 0.0))
     if noise > 0 or spread > 0:
-        device = replace(device, sync_noise_s_per_sqrt_s=noise, sync_speed_spread=spread,
-                         source=f"{device.source}; ranks finish the same work {noise * 1e3:.1f} ms per sqrt(s) of "
-                                f"it and {spread:.1%} of it apart (one standard deviation), {where}")
+        device = replace(
+            device,
+            sync_noise_s_per_sqrt_s=noise,
+            sync_speed_spread=spread,
+            source=f"{device.source}; ranks finish the same work {noise * 1e3:.1f} ms per sqrt(s) of "
+            f"it and {spread:.1%} of it apart (one standard deviation), {where}",
+        )
     share = float(n.get("memory_share", 1.0))
     beyond = share / device.time_share
     if beyond < 1:
-        device = device.bandwidth_shared(beyond, f"{per_node} processes streaming at once keep {share:.2f} of one "
-                                                 f"process's memory bandwidth, {where}")
+        device = device.bandwidth_shared(
+            beyond,
+            f"{per_node} processes streaming at once keep {share:.2f} of one process's memory bandwidth, {where}",
+        )
     return device
 
 
-def _links(net: tuple[_Report, Mapping[str, Any]] | None, base: Cluster | None, nodes: int,
-           per_node: int) -> tuple[LinkSpec, LinkSpec]:
+def _links(
+    net: tuple[_Report, Mapping[str, Any]] | None, base: Cluster | None, nodes: int, per_node: int
+) -> tuple[LinkSpec, LinkSpec]:
     fits = {}
     if net is not None:
         report, n = net
@@ -279,19 +333,28 @@ def _links(net: tuple[_Report, Mapping[str, Any]] | None, base: Cluster | None, 
             if fit is not None:
                 per_op = _per_op(n, level)
                 fits[level] = LinkSpec(
-                    bandwidth_bytes_per_s=float(fit["bandwidth_bytes_per_s"]), latency_s=float(fit["alpha_s"]),
+                    bandwidth_bytes_per_s=float(fit["bandwidth_bytes_per_s"]),
+                    latency_s=float(fit["alpha_s"]),
                     per_op=per_op,
-                    source=(f"fitted alpha-beta ({report.origin}, {_where(n)}): {n['backend']}, "
-                            f"{'+'.join(fit['ops'])} over {fit['points']} measurements, rms error "
-                            f"{100 * float(fit['rms_rel_error']):.0f}%"
-                            + (f"; own fits for {', '.join(f.op for f in per_op)}" if per_op else "")
-                            + "".join(f"; {f.op} by its measured curve on {f.curve.ranks} ranks"
-                                      for f in per_op if f.curve is not None)))
+                    source=(
+                        f"fitted alpha-beta ({report.origin}, {_where(n)}): {n['backend']}, "
+                        f"{'+'.join(fit['ops'])} over {fit['points']} measurements, rms error "
+                        f"{100 * float(fit['rms_rel_error']):.0f}%"
+                        + (f"; own fits for {', '.join(f.op for f in per_op)}" if per_op else "")
+                        + "".join(
+                            f"; {f.op} by its measured curve on {f.curve.ranks} ranks"
+                            for f in per_op
+                            if f.curve is not None
+                        )
+                    ),
+                )
     intra = fits.get("intra") or (base.intra_node if base is not None else None)
     inter = fits.get("inter") or (base.inter_node if base is not None else None)
     if intra is None and inter is None:
-        raise ClusterError("no link was measured and no base cluster was given; add a network profile ('autopar "
-                           "profile network') or pass base=Cluster.preset(...).")
+        raise ClusterError(
+            "no link was measured and no base cluster was given; add a network profile ('autopar "
+            "profile network') or pass base=Cluster.preset(...)."
+        )
     intra = intra or _stand_in("intra-node", inter, per_node, "devices per node", "measure with several ranks per node")
     inter = inter or _stand_in("inter-node", intra, nodes, "nodes", "measure across nodes")
     return intra, inter
@@ -300,8 +363,10 @@ def _links(net: tuple[_Report, Mapping[str, Any]] | None, base: Cluster | None, 
 def _stand_in(level: str, other: LinkSpec, count: int, what: str, remedy: str) -> LinkSpec:
     """The measured link of the other level, for a level this cluster never uses."""
     if count > 1:
-        raise ClusterError(f"the network profile has no {level} measurement but the cluster has {count} {what}; "
-                           f"{remedy}, or pass base= with that link.")
+        raise ClusterError(
+            f"the network profile has no {level} measurement but the cluster has {count} {what}; "
+            f"{remedy}, or pass base= with that link."
+        )
     return replace(other, source=f"not measured ({what}: 1, so never used); the other level's fit")
 
 
@@ -316,9 +381,16 @@ def _per_op(net: Mapping[str, Any], level: str) -> tuple[OpLink, ...]:
     them an all-gather is priced at the all-gather's measured rate, not the joint fit's
     (which averages ops whose rates differ threefold on gloo; :class:`OpLink`); each
     with its measured curve (:func:`_curve`)."""
-    return tuple(OpLink(op=f["ops"][0], bandwidth_bytes_per_s=float(f["bandwidth_bytes_per_s"]),
-                        latency_s=float(f["alpha_s"]), curve=_curve(net, level, f["ops"][0]))
-                 for f in net["fits"] if f["level"] == level and len(f["ops"]) == 1 and f["ops"][0] in COLLECTIVE_OPS)
+    return tuple(
+        OpLink(
+            op=f["ops"][0],
+            bandwidth_bytes_per_s=float(f["bandwidth_bytes_per_s"]),
+            latency_s=float(f["alpha_s"]),
+            curve=_curve(net, level, f["ops"][0]),
+        )
+        for f in net["fits"]
+        if f["level"] == level and len(f["ops"]) == 1 and f["ops"][0] in COLLECTIVE_OPS
+    )
 
 
 def _curve(net: Mapping[str, Any], level: str, op: str) -> CommCurve | None:
@@ -407,8 +479,10 @@ def calibrate_units(reports: Sequence[Any], *, base: Cluster | None = None) -> t
     rs = read_reports(reports)
     found = _latest(rs, "layers")
     if found is None:
-        raise ClusterError(f"none of the profiles ({', '.join(r.origin for r in rs)}) has a layers section; make one "
-                           f"with 'autopar profile model'.")
+        raise ClusterError(
+            f"none of the profiles ({', '.join(r.origin for r in rs)}) has a layers section; make one "
+            f"with 'autopar profile model'."
+        )
     layers = found[1]
     # the unit was measured by one process alone: compare with the device alone, so
     # that the factors carry over to time-shared processes
@@ -416,18 +490,31 @@ def calibrate_units(reports: Sequence[Any], *, base: Cluster | None = None) -> t
     r = rates(device, DType(layers["dtype"]))
     out = []
     for u in layers["units"]:
-        fwd = sum(roofline_s(matmul_flops=float(w["matmul_flops"]), other_flops=float(w["other_flops"]),
-                             activation_bytes=float(w["bytes"]) - float(w.get("weight_bytes", 0.0)),
-                             weight_bytes=float(w.get("weight_bytes", 0.0)), r=r,
-                             exposed_weights=device.exposed_weight_traffic)
-                  + float(w.get("ops", 0.0)) * device.op_overhead_s
-                  for w in u["work"])
+        fwd = sum(
+            roofline_s(
+                matmul_flops=float(w["matmul_flops"]),
+                other_flops=float(w["other_flops"]),
+                activation_bytes=float(w["bytes"]) - float(w.get("weight_bytes", 0.0)),
+                weight_bytes=float(w.get("weight_bytes", 0.0)),
+                r=r,
+                exposed_weights=device.exposed_weight_traffic,
+            )
+            + float(w.get("ops", 0.0)) * device.op_overhead_s
+            for w in u["work"]
+        )
         if fwd <= 0:
             continue
-        out.append(UnitCalibration(fqn=u["fqn"], signature=u["signature"], instances=tuple(u["instances"]),
-                                   measured_fwd_s=float(u["fwd"]["median_s"]),
-                                   measured_bwd_s=float(u["bwd"]["median_s"]),
-                                   predicted_fwd_s=fwd, predicted_bwd_s=BACKWARD_FACTOR * fwd))
+        out.append(
+            UnitCalibration(
+                fqn=u["fqn"],
+                signature=u["signature"],
+                instances=tuple(u["instances"]),
+                measured_fwd_s=float(u["fwd"]["median_s"]),
+                measured_bwd_s=float(u["bwd"]["median_s"]),
+                predicted_fwd_s=fwd,
+                predicted_bwd_s=BACKWARD_FACTOR * fwd,
+            )
+        )
     return tuple(out)
 
 
@@ -475,11 +562,15 @@ def recompute_calibration(reports: Sequence[Any]) -> dict[str, float]:
 def _recompute_fractions(units: Sequence[Mapping[str, Any]]) -> tuple[dict[str, float], float] | None:
     """Per measured unit signature its recompute fraction, and the measured units'
     together (see :func:`recompute_calibration`); None where no unit was measured."""
-    extra = {u["signature"]: max(float(u["recompute_bwd"]["median_s"]) - float(u["bwd"]["median_s"]), 0.0)
-             for u in units if u.get("recompute_bwd") is not None and float(u["fwd"]["median_s"]) > 0}
+    extra = {
+        u["signature"]: max(float(u["recompute_bwd"]["median_s"]) - float(u["bwd"]["median_s"]), 0.0)
+        for u in units
+        if u.get("recompute_bwd") is not None and float(u["fwd"]["median_s"]) > 0
+    }
     if not extra:
         return None
     measured = [u for u in units if u["signature"] in extra]
-    overall = (sum(len(u["instances"]) * extra[u["signature"]] for u in measured)
-               / sum(len(u["instances"]) * float(u["fwd"]["median_s"]) for u in measured))
+    overall = sum(len(u["instances"]) * extra[u["signature"]] for u in measured) / sum(
+        len(u["instances"]) * float(u["fwd"]["median_s"]) for u in measured
+    )
     return {u["signature"]: extra[u["signature"]] / float(u["fwd"]["median_s"]) for u in measured}, overall

@@ -19,12 +19,24 @@ from autopar.schedule_sim import makespan_s, simulate
 
 GIB = 2**30
 _COLORS = {"F": "#4C72B0", "B": "#DD8452"}
-_MEMORY = [("params", "params_bytes", "#4C72B0"), ("grads", "grads_bytes", "#55A868"),
-           ("optimizer", "optimizer_bytes", "#C44E52"), ("activations", "activations_bytes", "#8172B3"),
-           ("transient", "transient_bytes", "#CCB974"), ("pipeline buffers", "buffers_bytes", "#DA8BC3"),
-           ("reserve", "reserve_bytes", "#937860")]
-_STEP = [("compute", "compute_s"), ("recompute", "recompute_s"), ("TP comm", "tp_comm_s"), ("PP comm", "pp_comm_s"),
-         ("bubble", "bubble_s"), ("DP comm", "dp_comm_s"), ("optimizer", "optimizer_s")]
+_MEMORY = [
+    ("params", "params_bytes", "#4C72B0"),
+    ("grads", "grads_bytes", "#55A868"),
+    ("optimizer", "optimizer_bytes", "#C44E52"),
+    ("activations", "activations_bytes", "#8172B3"),
+    ("transient", "transient_bytes", "#CCB974"),
+    ("pipeline buffers", "buffers_bytes", "#DA8BC3"),
+    ("reserve", "reserve_bytes", "#937860"),
+]
+_STEP = [
+    ("compute", "compute_s"),
+    ("recompute", "recompute_s"),
+    ("TP comm", "tp_comm_s"),
+    ("PP comm", "pp_comm_s"),
+    ("bubble", "bubble_s"),
+    ("DP comm", "dp_comm_s"),
+    ("optimizer", "optimizer_s"),
+]
 
 
 def timeline_figure(plan: Plan, *, max_microbatches: int = 32) -> Figure:
@@ -33,19 +45,25 @@ def timeline_figure(plan: Plan, *, max_microbatches: int = 32) -> Figure:
     c = plan.config
     m = min(c.num_microbatches, max_microbatches)
     stages = plan.prediction.stages
-    ops = simulate(c.schedule, c.pp, c.virtual_stages, m, [s.forward_s for s in stages],
-                   [s.backward_s for s in stages])
+    ops = simulate(c.schedule, c.pp, c.virtual_stages, m, [s.forward_s for s in stages], [s.backward_s for s in stages])
     fig = Figure(figsize=(10, 0.45 * c.pp + 1.4))
     ax = fig.add_subplot()
     for op in ops:
-        ax.broken_barh([(op.start_s * 1e3, (op.end_s - op.start_s) * 1e3)], (op.rank - 0.4, 0.8),
-                       facecolors=_COLORS[op.kind], edgecolor="white", linewidth=0.3)
+        ax.broken_barh(
+            [(op.start_s * 1e3, (op.end_s - op.start_s) * 1e3)],
+            (op.rank - 0.4, 0.8),
+            facecolors=_COLORS[op.kind],
+            edgecolor="white",
+            linewidth=0.3,
+        )
     ax.set_yticks(range(c.pp), [f"rank {r}" for r in range(c.pp)])
     ax.invert_yaxis()
     ax.set_xlabel("time within one step (ms)")
     shown = f"first {m} of {c.num_microbatches} micro-batches" if m < c.num_microbatches else f"{m} micro-batches"
-    ax.set_title(f"{c.schedule.value} pipeline, pp={c.pp}, v={c.virtual_stages}: {shown}, "
-                 f"{makespan_s(ops) * 1e3:.1f} ms (blue forward, orange backward)")
+    ax.set_title(
+        f"{c.schedule.value} pipeline, pp={c.pp}, v={c.virtual_stages}: {shown}, "
+        f"{makespan_s(ops) * 1e3:.1f} ms (blue forward, orange backward)"
+    )
     fig.tight_layout()
     return fig
 
@@ -61,8 +79,9 @@ def memory_figure(plan: Plan) -> Figure:
         values = [getattr(s.memory, attr) / GIB for s in stages]
         ax.bar(xs, values, bottom=bottom, color=color, label=label, width=0.8)
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax.axhline(plan.prediction.memory_capacity_bytes / GIB, color="black", linestyle="--", linewidth=1,
-               label="capacity")
+    ax.axhline(
+        plan.prediction.memory_capacity_bytes / GIB, color="black", linestyle="--", linewidth=1, label="capacity"
+    )
     ax.set_xlabel("pipeline stage")
     ax.set_ylabel("GiB per device")
     ax.set_title("Memory per device by stage")
@@ -101,14 +120,19 @@ def png_bytes(fig: Figure) -> bytes:
 def plan_html(plan: Plan) -> str:
     """A standalone HTML page: the explanation and the three pictures."""
     images = []
-    for title, fig in (("Pipeline timeline", timeline_figure(plan)), ("Memory per stage", memory_figure(plan)),
-                       ("Step time by term", step_figure(plan))):
+    for title, fig in (
+        ("Pipeline timeline", timeline_figure(plan)),
+        ("Memory per stage", memory_figure(plan)),
+        ("Step time by term", step_figure(plan)),
+    ):
         data = base64.b64encode(png_bytes(fig)).decode()
         images.append(f"<h2>{title}</h2><img alt='{title}' src='data:image/png;base64,{data}'>")
-    return ("<!doctype html><html><head><meta charset='utf-8'><title>autopar plan</title>"
-            "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto}pre{background:#f6f6f6;"
-            "padding:1em;overflow-x:auto}img{max-width:100%}</style></head><body><h1>autopar plan</h1>"
-            f"<pre>{html.escape(plan.explain())}</pre>{''.join(images)}</body></html>\n")
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>autopar plan</title>"
+        "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto}pre{background:#f6f6f6;"
+        "padding:1em;overflow-x:auto}img{max-width:100%}</style></head><body><h1>autopar plan</h1>"
+        f"<pre>{html.escape(plan.explain())}</pre>{''.join(images)}</body></html>\n"
+    )
 
 
 def save_html(plan: Plan, path: str | Path) -> Path:

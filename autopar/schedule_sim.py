@@ -14,8 +14,9 @@ Used to draw a plan's timeline and, in tests, to check the closed-form bubble of
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal
 
 from autopar.vocab import Schedule
 
@@ -32,8 +33,9 @@ class Op:
     end_s: float
 
 
-def rank_order(schedule: Schedule, pp: int, virtual_stages: int, num_microbatches: int,
-               rank: int) -> list[tuple[Literal["F", "B"], int, int]]:
+def rank_order(
+    schedule: Schedule, pp: int, virtual_stages: int, num_microbatches: int, rank: int
+) -> list[tuple[Literal["F", "B"], int, int]]:
     """(kind, micro-batch, local chunk) in the order rank ``rank`` runs them."""
     m, v = num_microbatches, virtual_stages
     if schedule is Schedule.GPIPE or pp == 1:
@@ -75,8 +77,15 @@ def _interleaved_sequence(pp: int, v: int, m: int, *, forward: bool) -> list[tup
     return seq
 
 
-def simulate(schedule: Schedule, pp: int, virtual_stages: int, num_microbatches: int,
-             forward_s: Sequence[float], backward_s: Sequence[float], p2p_s: float = 0.0) -> list[Op]:
+def simulate(
+    schedule: Schedule,
+    pp: int,
+    virtual_stages: int,
+    num_microbatches: int,
+    forward_s: Sequence[float],
+    backward_s: Sequence[float],
+    p2p_s: float = 0.0,
+) -> list[Op]:
     """Run the schedule with per-stage forward and backward times (``pp * v`` stages,
     stage ``s`` on rank ``s % pp``). Raises ValueError if the schedule deadlocks."""
     v = virtual_stages

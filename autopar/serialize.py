@@ -11,8 +11,9 @@ import collections.abc
 import dataclasses
 import types
 import typing
+from collections.abc import Mapping
 from enum import Enum
-from typing import Any, Mapping, Union
+from typing import Any, Union
 
 from autopar.errors import PlanFormatError
 
@@ -67,7 +68,7 @@ def decode(cls: Any, data: Any, path: str) -> Any:
         if not isinstance(data, dict):
             raise PlanFormatError(f"{path}: expected an object, got {type(data).__name__}")
         key_t, val_t = args if args else (str, Any)
-        return {decode(key_t, k, f"{path}.key") : decode(val_t, v, f"{path}[{k!r}]") for k, v in data.items()}
+        return {decode(key_t, k, f"{path}.key"): decode(val_t, v, f"{path}[{k!r}]") for k, v in data.items()}
     if isinstance(cls, type) and issubclass(cls, Enum):
         try:
             return cls(data)

@@ -48,19 +48,33 @@ def time_to_train(plan: Plan, tokens: float) -> TrainingTime:
     return TrainingTime(steps=steps, seconds=seconds, device_hours=seconds * plan.config.world_size / 3600)
 
 
-def fewest_nodes(model: nn.Module | LayerGraph, cluster: Cluster, *, global_batch_size: int,
-                 seq_len: int | None = None, sample_input: Any = None, max_nodes: int = 4096,
-                 **plan_kwargs: Any) -> Plan:
+def fewest_nodes(
+    model: nn.Module | LayerGraph,
+    cluster: Cluster,
+    *,
+    global_batch_size: int,
+    seq_len: int | None = None,
+    sample_input: Any = None,
+    max_nodes: int = 4096,
+    **plan_kwargs: Any,
+) -> Plan:
     """The plan on the fewest nodes of ``cluster``'s type that fit the model.
 
     Doubles the node count until a plan fits, then bisects between the last two counts
     (a count that fits may still be passed over if the batch does not divide it).
     """
     check_positive_int("max_nodes", max_nodes)
-    graph = model if isinstance(model, LayerGraph) else extract(
-        model, seq_len=seq_len, sample_input=sample_input,
-        dtype=plan_kwargs.get("constraints", {}).get("dtype", cluster.device.preferred_dtype),
-        attention=plan_kwargs.get("attention", "flash"))
+    graph = (
+        model
+        if isinstance(model, LayerGraph)
+        else extract(
+            model,
+            seq_len=seq_len,
+            sample_input=sample_input,
+            dtype=plan_kwargs.get("constraints", {}).get("dtype", cluster.device.preferred_dtype),
+            attention=plan_kwargs.get("attention", "flash"),
+        )
+    )
 
     def attempt(nodes: int) -> Plan | None:
         try:
@@ -75,9 +89,12 @@ def fewest_nodes(model: nn.Module | LayerGraph, cluster: Cluster, *, global_batc
             break
         lo, hi = hi, hi * 2
     if found is None:
-        raise InfeasiblePlanError(f"no plan fits on up to {max_nodes} nodes of {cluster.name.split(' x ')[0]}; the "
-                                  f"model needs another device type or a smaller batch/sequence.",
-                                  min_memory_bytes=float("inf"), capacity_bytes=cluster.device.memory_bytes)
+        raise InfeasiblePlanError(
+            f"no plan fits on up to {max_nodes} nodes of {cluster.name.split(' x ')[0]}; the "
+            f"model needs another device type or a smaller batch/sequence.",
+            min_memory_bytes=float("inf"),
+            capacity_bytes=cluster.device.memory_bytes,
+        )
     while hi - lo > 1:
         mid = (lo + hi) // 2
         candidate = attempt(mid)

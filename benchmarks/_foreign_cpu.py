@@ -55,8 +55,12 @@ def sample(stat: Path = _STAT) -> CpuSample | None:
     user, nice, system = (int(first[i]) / ticks for i in (1, 2, 3))
     steal = int(first[8]) / ticks if len(first) > 8 else 0.0
     t = os.times()
-    return CpuSample(wall_s=time.monotonic(), busy_s=user + nice + system, steal_s=steal,
-                     ours_s=t.user + t.system + t.children_user + t.children_system)
+    return CpuSample(
+        wall_s=time.monotonic(),
+        busy_s=user + nice + system,
+        steal_s=steal,
+        ours_s=t.user + t.system + t.children_user + t.children_system,
+    )
 
 
 def between(start: CpuSample | None, end: CpuSample | None) -> ForeignCpu | None:

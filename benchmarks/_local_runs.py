@@ -14,21 +14,22 @@ import dataclasses
 import json
 import statistics
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
+import _foreign_cpu
 import torch
 import torch.distributed as dist
 
-import _foreign_cpu
 import autopar
 from autopar.runtime.local import BatchFn, LocalRun, cross_entropy, run_locally
 from autopar.runtime.mesh import MeshDims
 from autopar.runtime.spmd import SPMDSettings, run_spmd
 from autopar.vocab import TPStyle
 from profiler.device import profile_device
-from profiler.layers import profile_model
 from profiler.fit import bus_factor
+from profiler.layers import profile_model
 from profiler.network import NetworkSweep, fit_levels, profile_network
 from profiler.report import ProfileReport, Timing
 
@@ -36,6 +37,7 @@ SETTINGS = SPMDSettings(timeout_s=600, pg_timeout_s=120)
 
 
 # ---- profiling ----
+
 
 @dataclass(frozen=True, kw_only=True)
 class ProfileTarget:
@@ -45,8 +47,9 @@ class ProfileTarget:
     sample: Callable[[], Any]
 
 
-def _profile_rank(rank: int, world: int, targets: Mapping[str, ProfileTarget], max_bytes: int,
-                  command: str) -> dict[str, Any]:
+def _profile_rank(
+    rank: int, world: int, targets: Mapping[str, ProfileTarget], max_bytes: int, command: str
+) -> dict[str, Any]:
     out: dict[str, Any] = {"layers": {}, "network": None}
     for name, target in targets.items() if world == 1 else ():
         torch.manual_seed(0)
@@ -63,8 +66,9 @@ def _profile_rank(rank: int, world: int, targets: Mapping[str, ProfileTarget], m
     return out
 
 
-def profile_world(world: int, targets: Mapping[str, ProfileTarget], *, max_bytes: int = 16 * 2**20,
-                  command: str) -> dict[str, Any]:
+def profile_world(
+    world: int, targets: Mapping[str, ProfileTarget], *, max_bytes: int = 16 * 2**20, command: str
+) -> dict[str, Any]:
     """One sweep: by one process, its layer reports (``{name: report}``); by ``world > 1``
     processes at once, their network report."""
     ranks = run_spmd(_profile_rank, world, targets, max_bytes, command, settings=SETTINGS)
@@ -86,8 +90,15 @@ def _median_by(items: Sequence[Any], key: Callable[[Any], float]) -> Any:
     return sorted(items, key=key)[(len(items) - 1) // 2]
 
 
-GROUP_FIELDS = ("tp_overhead_s", "fsdp_overhead_s", "fsdp_tensor_overhead_s", "fsdp_copy_bytes_per_s",
-                "memory_share", "sync_noise_s_per_sqrt_s", "sync_speed_spread")
+GROUP_FIELDS = (
+    "tp_overhead_s",
+    "fsdp_overhead_s",
+    "fsdp_tensor_overhead_s",
+    "fsdp_copy_bytes_per_s",
+    "memory_share",
+    "sync_noise_s_per_sqrt_s",
+    "sync_speed_spread",
+)
 """A network report's measurements on its real groups: each a few milliseconds left once
 the transfers are taken out, or a spread of times, and noisy apart from the curves."""
 
@@ -106,8 +117,12 @@ def combine(device: Mapping[str, Any], sweeps: Mapping[int, Sequence[Mapping[str
     taken = sweeps[1]
     names = list(taken[0]["layers"])
     worlds = {w: _combine_networks([s["network"] for s in runs]) for w, runs in sweeps.items() if w > 1}
-    return {"device": device, "layers": {n: _median_by([s["layers"][n] for s in taken], layers_s) for n in names},
-            "layers_s_rounds": {n: [layers_s(s["layers"][n]) for s in taken] for n in names}, "worlds": worlds}
+    return {
+        "device": device,
+        "layers": {n: _median_by([s["layers"][n] for s in taken], layers_s) for n in names},
+        "layers_s_rounds": {n: [layers_s(s["layers"][n]) for s in taken] for n in names},
+        "worlds": worlds,
+    }
 
 
 def _combine_networks(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -137,19 +152,33 @@ def pool_sweeps(chosen: Mapping[str, Any], reports: Sequence[Mapping[str, Any]])
             repeats = sum(t.repeats for t in times)
             low, high = min(t.min_s for t in times), max(t.max_s for t in times)
             mean = min(max(statistics.fmean([t.per_call_s for t in times], [t.repeats for t in times]), low), high)
-            time_ = Timing(median_s=statistics.median(t.median_s for t in times), min_s=low, max_s=high,
-                           repeats=repeats, mean_s=mean)
+            time_ = Timing(
+                median_s=statistics.median(t.median_s for t in times),
+                min_s=low,
+                max_s=high,
+                repeats=repeats,
+                mean_s=mean,
+            )
             algbw = p.nbytes / mean
-            points.append(dataclasses.replace(p, time=time_, algbw_bytes_per_s=algbw,
-                                              busbw_bytes_per_s=algbw * bus_factor(s.op, len(s.ranks))))
+            points.append(
+                dataclasses.replace(
+                    p, time=time_, algbw_bytes_per_s=algbw, busbw_bytes_per_s=algbw * bus_factor(s.op, len(s.ranks))
+                )
+            )
         series.append(dataclasses.replace(s, points=tuple(points)))
     fits, unfitted = fit_levels(tuple(series))
     network = dataclasses.replace(base.network, series=tuple(series), fits=fits, unfitted=unfitted)
     return dataclasses.replace(base, network=network).to_dict()
 
 
-def profile_round(sweeps: dict[int, list[dict[str, Any]]], targets: Mapping[str, ProfileTarget], *, label: str,
-                  command: str, log: Callable[[str], None] = print) -> None:
+def profile_round(
+    sweeps: dict[int, list[dict[str, Any]]],
+    targets: Mapping[str, ProfileTarget],
+    *,
+    label: str,
+    command: str,
+    log: Callable[[str], None] = print,
+) -> None:
     """One sweep for every world size of ``sweeps`` (:func:`profile_world`), appended to it."""
     for w in sweeps:
         start = time.perf_counter()
@@ -157,8 +186,14 @@ def profile_round(sweeps: dict[int, list[dict[str, Any]]], targets: Mapping[str,
         log(f"profile {label}, {w} process(es): {time.perf_counter() - start:.0f} s")
 
 
-def profile_machine(worlds: Sequence[int], targets: Mapping[str, ProfileTarget], *, rounds: int = 3,
-                    command: str, log: Callable[[str], None] = print) -> dict[str, Any]:
+def profile_machine(
+    worlds: Sequence[int],
+    targets: Mapping[str, ProfileTarget],
+    *,
+    rounds: int = 3,
+    command: str,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """Profiles of this machine: the device sweep once, in this process (its matmul
     curves carry the shape dependence), then ``rounds`` interleaved sweeps of the layers
     by one process and of the network by each ``w > 1`` of ``worlds``
@@ -172,9 +207,14 @@ def profile_machine(worlds: Sequence[int], targets: Mapping[str, ProfileTarget],
 
 def plan_key(plan: autopar.Plan) -> str:
     """What the runtime does with a plan: equal keys, equal runs."""
-    return json.dumps([plan.config.short(), sorted((k, v.value) for k, v in plan.layer_strategies.tp.items()),
-                       sorted((k, v.value) for k, v in plan.layer_strategies.recompute.items()),
-                       [list(s) for s in plan.stages]])
+    return json.dumps(
+        [
+            plan.config.short(),
+            sorted((k, v.value) for k, v in plan.layer_strategies.tp.items()),
+            sorted((k, v.value) for k, v in plan.layer_strategies.recompute.items()),
+            [list(s) for s in plan.stages],
+        ]
+    )
 
 
 def reports(profile: Mapping[str, Any], world: int, model: str) -> list[Mapping[str, Any]]:
@@ -185,6 +225,7 @@ def reports(profile: Mapping[str, Any], world: int, model: str) -> list[Mapping[
 
 
 # ---- measuring ----
+
 
 @dataclass(frozen=True, kw_only=True)
 class Run:
@@ -221,9 +262,16 @@ class Interleaved:
     foreign: list[_foreign_cpu.ForeignCpu | None]
 
 
-def measure_interleaved(runs: Sequence[Run], *, rounds: int, steps: int, warmup: int = 2, memory: bool = True,
-                        before_round: Callable[[int], None] | None = None,
-                        log: Callable[[str], None] = print) -> Interleaved:
+def measure_interleaved(
+    runs: Sequence[Run],
+    *,
+    rounds: int,
+    steps: int,
+    warmup: int = 2,
+    memory: bool = True,
+    before_round: Callable[[int], None] | None = None,
+    log: Callable[[str], None] = print,
+) -> Interleaved:
     """Run every plan once per round, in forward order on even rounds and reversed on odd
     ones; peak memory (``memory``) in the first round; ``before_round(r)`` first in
     each round (inside the window whose foreign CPU is recorded). A run that fails is
@@ -241,9 +289,17 @@ def measure_interleaved(runs: Sequence[Run], *, rounds: int, steps: int, warmup:
                 continue
             start = time.perf_counter()
             try:
-                res: LocalRun = run_locally(run.build, run.plan, run.batch_fn, loss_fn=run.loss_fn, steps=steps,
-                                            warmup=warmup, measure_memory=memory and rnd == 0,
-                                            settings=SETTINGS, sample_input=run.sample_input)
+                res: LocalRun = run_locally(
+                    run.build,
+                    run.plan,
+                    run.batch_fn,
+                    loss_fn=run.loss_fn,
+                    steps=steps,
+                    warmup=warmup,
+                    measure_memory=memory and rnd == 0,
+                    settings=SETTINGS,
+                    sample_input=run.sample_input,
+                )
             except Exception as exc:  # one broken plan must not hide the others' numbers
                 m.error = _first_cause(exc)
                 log(f"round {rnd + 1} {run.label}: FAILED {m.error}")
@@ -307,19 +363,25 @@ def fmt_rounds(values: Sequence[float]) -> str:
 def profile_lines(profile: Mapping[str, Any]) -> list[str]:
     """Markdown bullets: the layer totals of every profile round (their spread is the
     machine's noise while profiling), then per world size the kept network fit."""
-    lines = ["- layers, one process: " + "; ".join(
-        f"{name} fwd+bwd per round {' / '.join(f'{s * 1e3:.0f}' for s in rounds)} ms"
-        for name, rounds in profile["layers_s_rounds"].items())]
+    lines = [
+        "- layers, one process: "
+        + "; ".join(
+            f"{name} fwd+bwd per round {' / '.join(f'{s * 1e3:.0f}' for s in rounds)} ms"
+            for name, rounds in profile["layers_s_rounds"].items()
+        )
+    ]
     for w, per in sorted(profile["worlds"].items(), key=lambda kv: int(kv[0])):
         net = per["network"]["network"]
         fit = next(f for f in net["fits"] if f["level"] == "intra" and len(f["ops"]) > 1)
-        lines.append(f"- network, {w} processes: alpha {fit['alpha_s'] * 1e6:.0f} us, busbw "
-                     f"{fit['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s (1 MiB all-reduce-fit time per round: "
-                     f"{' / '.join(f'{s * 1e3:.1f}' for s in per['network_s_rounds'])} ms); framework time "
-                     f"{net.get('tp_overhead_s', 0.0) * 1e6:.0f} us per tensor-parallel layer forward, "
-                     f"{net.get('fsdp_overhead_s', 0.0) * 1e6:.0f} us per FSDP collective and "
-                     f"{net.get('fsdp_tensor_overhead_s', 0.0) * 1e6:.0f} us per parameter tensor in it; memory "
-                     f"bandwidth kept with all {w} streaming {net.get('memory_share', 1.0):.2f}; ranks apart by "
-                     f"{net.get('sync_noise_s_per_sqrt_s', 0.0) * 1e3:.1f} ms per sqrt(s) of work and "
-                     f"{net.get('sync_speed_spread', 0.0):.1%} of it")
+        lines.append(
+            f"- network, {w} processes: alpha {fit['alpha_s'] * 1e6:.0f} us, busbw "
+            f"{fit['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s (1 MiB all-reduce-fit time per round: "
+            f"{' / '.join(f'{s * 1e3:.1f}' for s in per['network_s_rounds'])} ms); framework time "
+            f"{net.get('tp_overhead_s', 0.0) * 1e6:.0f} us per tensor-parallel layer forward, "
+            f"{net.get('fsdp_overhead_s', 0.0) * 1e6:.0f} us per FSDP collective and "
+            f"{net.get('fsdp_tensor_overhead_s', 0.0) * 1e6:.0f} us per parameter tensor in it; memory "
+            f"bandwidth kept with all {w} streaming {net.get('memory_share', 1.0):.2f}; ranks apart by "
+            f"{net.get('sync_noise_s_per_sqrt_s', 0.0) * 1e3:.1f} ms per sqrt(s) of work and "
+            f"{net.get('sync_speed_spread', 0.0):.1%} of it"
+        )
     return lines

@@ -7,8 +7,9 @@ import csv
 import datetime
 import platform
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 
 def environment() -> str:
@@ -19,12 +20,15 @@ def environment() -> str:
 
     try:
         from importlib.metadata import version
+
         highs = version("highspy")
     except Exception:  # metadata missing: say so rather than guess
         highs = "unknown"
     cpu = platform.processor() or platform.machine()
-    return (f"Python {platform.python_version()}, torch {torch.__version__}, pulp {pulp.__version__}, highspy {highs}; "
-            f"{cpu}, {_cores()} cores")
+    return (
+        f"Python {platform.python_version()}, torch {torch.__version__}, pulp {pulp.__version__}, highspy {highs}; "
+        f"{cpu}, {_cores()} cores"
+    )
 
 
 def _cores() -> int:

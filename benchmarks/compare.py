@@ -19,6 +19,7 @@ import math
 import time
 
 import torch
+from _report import markdown_table, write_csv, write_png, write_result
 from matplotlib.figure import Figure
 
 import autopar
@@ -31,10 +32,21 @@ from autopar.search.planner import ALL_MODES
 from autopar.search.space import check_constraints, enumerate_space, tp_degrees
 from autopar.vocab import Optimizer
 
-from _report import markdown_table, write_csv, write_png, write_result
-
-ZOO = ["gpt2-small", "gpt2-xl", "gpt3-1.3b", "gpt3-13b", "gpt3-175b", "gpt-530b", "gpt-1t", "llama2-7b", "llama3-70b",
-       "llama3-405b", "bert-large", "mlp-wide", "resnet-small"]
+ZOO = [
+    "gpt2-small",
+    "gpt2-xl",
+    "gpt3-1.3b",
+    "gpt3-13b",
+    "gpt3-175b",
+    "gpt-530b",
+    "gpt-1t",
+    "llama2-7b",
+    "llama3-70b",
+    "llama3-405b",
+    "bert-large",
+    "mlp-wide",
+    "resnet-small",
+]
 CLUSTERS = [("dgx-a100-80gb", 1), ("dgx-a100-80gb", 8), ("dgx-h100", 64), ("p3.16xlarge", 4), ("local-cpu", 1)]
 EXHAUSTIVE_LIMIT = 1000
 
@@ -74,29 +86,60 @@ def main() -> None:
             start = time.perf_counter()
             best = _try(lambda: autopar.plan(graph, cluster, global_batch_size=batch))
             search_s = time.perf_counter() - start
-            row = {"model": name, "cluster": f"{preset} x {nodes}", "autopar plan": "does not fit",
-                   "tokens or samples/s": "", "memory": "", **{f"vs {b}": "" for b in BASELINES},
-                   "exhaustive": "", "search s": f"{search_s:.2f}"}
+            row = {
+                "model": name,
+                "cluster": f"{preset} x {nodes}",
+                "autopar plan": "does not fit",
+                "tokens or samples/s": "",
+                "memory": "",
+                **{f"vs {b}": "" for b in BASELINES},
+                "exhaustive": "",
+                "search s": f"{search_s:.2f}",
+            }
             if best is not None:
                 t = best.prediction.step_time_s
-                dp = _try(lambda: autopar.plan(graph, cluster, global_batch_size=batch,
-                                               constraints={"tp": 1, "pp": 1, "zero_stage": 0}))
+                dp = _try(
+                    lambda: autopar.plan(
+                        graph, cluster, global_batch_size=batch, constraints={"tp": 1, "pp": 1, "zero_stage": 0}
+                    )
+                )
                 if dp is None:  # the user's DP baseline where plain DP does not fit
-                    dp = _try(lambda: autopar.plan(graph, cluster, global_batch_size=batch,
-                                                   constraints={"tp": 1, "pp": 1, "zero_stage": 3}))
-                z3 = _try(lambda: autopar.plan(graph, cluster, global_batch_size=batch,
-                                               constraints={"tp": 1, "pp": 1, "zero_stage": 3}))
+                    dp = _try(
+                        lambda: autopar.plan(
+                            graph, cluster, global_batch_size=batch, constraints={"tp": 1, "pp": 1, "zero_stage": 3}
+                        )
+                    )
+                z3 = _try(
+                    lambda: autopar.plan(
+                        graph, cluster, global_batch_size=batch, constraints={"tp": 1, "pp": 1, "zero_stage": 3}
+                    )
+                )
                 found = dict(zip(BASELINES, (dp, _megatron(graph, cluster, batch), z3)))
                 rate = best.prediction.tokens_per_s if kind == "tokens" else best.prediction.samples_per_s
-                row.update({"autopar plan": best.config.short(), "tokens or samples/s": f"{rate:,.0f}",
-                            "memory": f"{best.prediction.memory_bytes_per_device / 2**30:.1f} GiB",
-                            **{f"vs {b}": _ratio(t, found[b], "ZeRO-3" if b == "DP" and found[b] is not None
-                                                 and found[b].config.zero_stage == 3 else "")
-                               for b in BASELINES},
-                            "exhaustive": _exhaustive(graph, cluster, batch)(t)})
-                ratios.append((f"{name} @ {preset} x{nodes}",
-                               {b: None if found[b] is None else found[b].prediction.step_time_s / t
-                                for b in BASELINES}))
+                row.update(
+                    {
+                        "autopar plan": best.config.short(),
+                        "tokens or samples/s": f"{rate:,.0f}",
+                        "memory": f"{best.prediction.memory_bytes_per_device / 2**30:.1f} GiB",
+                        **{
+                            f"vs {b}": _ratio(
+                                t,
+                                found[b],
+                                "ZeRO-3"
+                                if b == "DP" and found[b] is not None and found[b].config.zero_stage == 3
+                                else "",
+                            )
+                            for b in BASELINES
+                        },
+                        "exhaustive": _exhaustive(graph, cluster, batch)(t),
+                    }
+                )
+                ratios.append(
+                    (
+                        f"{name} @ {preset} x{nodes}",
+                        {b: None if found[b] is None else found[b].prediction.step_time_s / t for b in BASELINES},
+                    )
+                )
             rows.append(row)
             print(" | ".join(row.values()), flush=True)
     png = write_png("compare", _figure(ratios))
@@ -104,7 +147,8 @@ def main() -> None:
     body = markdown_table(rows) + (
         "\n\nRatios are autopar's throughput over the baseline's (x1.00 = as fast); 'does not fit' means the "
         "baseline has no configuration that fits; a DP ratio marked ZeRO-3 is DP with ZeRO-3 because plain DP "
-        f"does not fit. Rows also in `{csv_path.name}`.\n\n![autopar over the baselines]({png.name})")
+        f"does not fit. Rows also in `{csv_path.name}`.\n\n![autopar over the baselines]({png.name})"
+    )
     print(write_result("compare", "autopar against the usual choices (predicted)", body))
 
 
@@ -124,8 +168,13 @@ def _figure(ratios: list[tuple[str, dict[str, float | None]]]) -> Figure:
     for k, base in enumerate(BASELINES):
         ys = [i + (k - 1) * height for i in range(len(ratios))]
         values = [rs[base] for _, rs in ratios]
-        ax.barh([y for y, v in zip(ys, values) if v is not None], [v for v in values if v is not None],
-                height=height, left=0, label=f"over {base}")
+        ax.barh(
+            [y for y, v in zip(ys, values) if v is not None],
+            [v for v in values if v is not None],
+            height=height,
+            left=0,
+            label=f"over {base}",
+        )
         missing = [y for y, v in zip(ys, values) if v is None]
         if missing:
             ax.plot([cap] * len(missing), missing, "kx", label="baseline does not fit" if k == 0 else None)
@@ -153,8 +202,13 @@ def _exhaustive(graph, cluster, batch):
     configs, _ = enumerate_space(graph, cluster, batch, check_constraints({}))
     if len(configs) > EXHAUSTIVE_LIMIT:
         return lambda t: f"skipped ({len(configs)} configs)"
-    ev = Evaluator(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=batch,
-                   micro_batches=tuple(sorted({c.micro_batch_size for c in configs})))
+    ev = Evaluator(
+        graph=graph,
+        cluster=cluster,
+        optimizer=Optimizer.ADAM,
+        global_batch_size=batch,
+        micro_batches=tuple(sorted({c.micro_batch_size for c in configs})),
+    )
     start = time.perf_counter()
     best = min((ev.evaluate(c, ALL_MODES).step_time_s for c in configs), default=math.inf)
     secs = time.perf_counter() - start
@@ -162,6 +216,7 @@ def _exhaustive(graph, cluster, batch):
     def verdict(t: float) -> str:
         same = math.isclose(best, t, rel_tol=1e-9)
         return f"{'same' if same else 'DIFFERENT'} ({len(configs)} configs, {secs:.1f} s)"
+
     return verdict
 
 

@@ -19,21 +19,25 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "planner"))
 
-from test_search_exact import (  # noqa: E402 - the reference enumerations live with the tests
-    _brute_force_search, _ctx, _random_groups, _random_profile, _tiny_cluster,
+from _report import markdown_table, write_csv, write_result
+from test_search_exact import (
+    _brute_force_search,
+    _ctx,
+    _random_groups,
+    _random_profile,
+    _tiny_cluster,
 )
 
-from _report import markdown_table, write_csv, write_result  # noqa: E402
-from autopar.cluster import Cluster  # noqa: E402
-from autopar.graph import extract  # noqa: E402
-from autopar.models import CNNConfig, GPT, GPTConfig, ResNet  # noqa: E402
-from autopar.search.evaluate import Evaluator  # noqa: E402
-from autopar.search.intra_op import LayoutSolver, brute_force_layout  # noqa: E402
-from autopar.search.planner import search  # noqa: E402
-from autopar.search.space import check_constraints  # noqa: E402
-from autopar.search.split import best_split, brute_force_split  # noqa: E402
-from autopar.search.stage_solver import brute_force_stage, solve_stage  # noqa: E402
-from autopar.vocab import Optimizer  # noqa: E402
+from autopar.cluster import Cluster
+from autopar.graph import extract
+from autopar.models import GPT, CNNConfig, GPTConfig, ResNet
+from autopar.search.evaluate import Evaluator
+from autopar.search.intra_op import LayoutSolver, brute_force_layout
+from autopar.search.planner import search
+from autopar.search.space import check_constraints
+from autopar.search.split import best_split, brute_force_split
+from autopar.search.stage_solver import brute_force_stage, solve_stage
+from autopar.vocab import Optimizer
 
 
 def layouts(n: int) -> tuple[int, int, float]:
@@ -42,10 +46,16 @@ def layouts(n: int) -> tuple[int, int, float]:
     for seed in range(n):
         rng = random.Random(seed)
         prof = _random_profile(rng)
-        ctx = _ctx(cluster, tp=rng.choice([2, 4, 8, 16]), sp=rng.random() < 0.5, mbs=rng.choice([1, 2, 8]),
-                   last=rng.random() < 0.3)
-        ok += math.isclose(LayoutSolver().fastest(prof, ctx).time_s, brute_force_layout(prof, ctx).time_s,
-                           rel_tol=1e-9, abs_tol=1e-15)
+        ctx = _ctx(
+            cluster,
+            tp=rng.choice([2, 4, 8, 16]),
+            sp=rng.random() < 0.5,
+            mbs=rng.choice([1, 2, 8]),
+            last=rng.random() < 0.3,
+        )
+        ok += math.isclose(
+            LayoutSolver().fastest(prof, ctx).time_s, brute_force_layout(prof, ctx).time_s, rel_tol=1e-9, abs_tol=1e-15
+        )
     return ok, n, time.perf_counter() - start
 
 
@@ -56,8 +66,9 @@ def stages(n: int) -> tuple[int, int, float]:
         groups = _random_groups(rng)
         budget, inflight = rng.uniform(5, 60), rng.choice([1.0, 2.0, 3.5])
         a, b = solve_stage(groups, budget, inflight), brute_force_stage(groups, budget, inflight)
-        ok += (a is None and b is None) or (a is not None and b is not None and math.isclose(a.time_s, b.time_s,
-                                                                                            rel_tol=1e-12))
+        ok += (a is None and b is None) or (
+            a is not None and b is not None and math.isclose(a.time_s, b.time_s, rel_tol=1e-12)
+        )
     return ok, n, time.perf_counter() - start
 
 
@@ -82,30 +93,58 @@ def whole() -> list[dict[str, str]]:
     import torch
 
     rows = []
-    cases = [("GPT 2 blocks", (0.01, 0.012, 0.02, 0.05),
-              extract(GPT(GPTConfig(vocab_size=512, seq_len=256, dim=256, n_layers=2, n_heads=8)), seq_len=256,
-                      dtype="bf16")),
-             ("ResNet 2x1 blocks", (0.004, 0.006, 0.01, 0.05),
-              extract(ResNet(CNNConfig(image_size=64, width=32, stages=2, blocks_per_stage=1)),
-                      sample_input=torch.zeros(1, 3, 64, 64), dtype="bf16"))]
+    cases = [
+        (
+            "GPT 2 blocks",
+            (0.01, 0.012, 0.02, 0.05),
+            extract(
+                GPT(GPTConfig(vocab_size=512, seq_len=256, dim=256, n_layers=2, n_heads=8)), seq_len=256, dtype="bf16"
+            ),
+        ),
+        (
+            "ResNet 2x1 blocks",
+            (0.004, 0.006, 0.01, 0.05),
+            extract(
+                ResNet(CNNConfig(image_size=64, width=32, stages=2, blocks_per_stage=1)),
+                sample_input=torch.zeros(1, 3, 64, 64),
+                dtype="bf16",
+            ),
+        ),
+    ]
     for name, levels, graph in cases:
         for memory_gib in levels:
             cluster = _tiny_cluster(memory_gib)
             constraints = {"micro_batch_size": 2}
             start = time.perf_counter()
-            want = _brute_force_search(Evaluator(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM,
-                                                 global_batch_size=8, micro_batches=(2,)), constraints)
+            want = _brute_force_search(
+                Evaluator(
+                    graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8, micro_batches=(2,)
+                ),
+                constraints,
+            )
             brute_s = time.perf_counter() - start
             start = time.perf_counter()
-            got = search(Evaluator(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8,
-                                   micro_batches=(2,)), check_constraints(constraints), top=0)
+            got = search(
+                Evaluator(
+                    graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8, micro_batches=(2,)
+                ),
+                check_constraints(constraints),
+                top=0,
+            )
             search_s = time.perf_counter() - start
             found = got.best.step_time_s if got.best.fits else math.inf
             same = (math.isinf(want) and math.isinf(found)) or math.isclose(want, found, rel_tol=1e-9)
-            rows.append({"model": name, "device memory": f"{memory_gib} GiB",
-                         "brute force optimum": f"{want * 1e3:.4f} ms", "search optimum": f"{found * 1e3:.4f} ms",
-                         "verdict": "same" if same else "DIFFERENT", "brute force": f"{brute_s:.1f} s",
-                         "search": f"{search_s:.2f} s"})
+            rows.append(
+                {
+                    "model": name,
+                    "device memory": f"{memory_gib} GiB",
+                    "brute force optimum": f"{want * 1e3:.4f} ms",
+                    "search optimum": f"{found * 1e3:.4f} ms",
+                    "verdict": "same" if same else "DIFFERENT",
+                    "brute force": f"{brute_s:.1f} s",
+                    "search": f"{search_s:.2f} s",
+                }
+            )
             print(rows[-1], flush=True)
     return rows
 
@@ -116,18 +155,30 @@ def main() -> None:
     args = parser.parse_args()
     n = args.instances
     checks: list[dict[str, str]] = []
-    for label, fn, count in (("layout ILP (random units, tp 2-16, SP, micro-batch)", layouts, n),
-                             ("stage knapsack (random option groups)", stages, 3 * n),
-                             ("pipeline split DP (random cost tables)", splits, 3 * n)):
+    for label, fn, count in (
+        ("layout ILP (random units, tp 2-16, SP, micro-batch)", layouts, n),
+        ("stage knapsack (random option groups)", stages, 3 * n),
+        ("pipeline split DP (random cost tables)", splits, 3 * n),
+    ):
         ok, total, secs = fn(count)
         checks.append({"check": label, "agree with brute force": f"{ok} / {total}", "time": f"{secs:.1f} s"})
         print(checks[-1], flush=True)
     searches = whole()
     paths = [write_csv("planner_exact_parts", checks), write_csv("planner_exact_whole", searches)]
-    print(write_result("planner_exact", "Search against brute force", "\n\n".join([
-        markdown_table(checks),
-        "Whole search vs enumeration of every configuration x split x per-unit option (4 devices):",
-        markdown_table(searches), "Rows also in " + " and ".join(f"`{p.name}`" for p in paths) + "."])))
+    print(
+        write_result(
+            "planner_exact",
+            "Search against brute force",
+            "\n\n".join(
+                [
+                    markdown_table(checks),
+                    "Whole search vs enumeration of every configuration x split x per-unit option (4 devices):",
+                    markdown_table(searches),
+                    "Rows also in " + " and ".join(f"`{p.name}`" for p in paths) + ".",
+                ]
+            ),
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -15,10 +15,10 @@ parallelism and selective recomputation). Every configuration must be predicted 
 
 from __future__ import annotations
 
+from _report import markdown_table, write_csv, write_result
+
 import autopar
 from autopar.models.gpt import GPT, GPTConfig
-
-from _report import markdown_table, write_csv, write_result
 
 # (label, hidden, heads, layers, gpus, batch, tp, pp, published TFLOP/s per GPU incl. recompute)
 NARAYANAN_2021 = [
@@ -47,42 +47,90 @@ def main() -> None:
     errors = []
     for label, hidden, heads, layers, gpus, batch, tp, pp, tflops in NARAYANAN_2021:
         cluster = autopar.Cluster.preset("dgx-a100-80gb", nodes=gpus // 8)
-        plan = autopar.estimate(_gpt(hidden, heads, layers), cluster,
-                                {"tp": tp, "pp": pp, "micro_batch_size": 1, "recompute": "full", "zero_stage": 0,
-                                 "dtype": "fp16"}, global_batch_size=batch, seq_len=2048, attention="materialized")
+        plan = autopar.estimate(
+            _gpt(hidden, heads, layers),
+            cluster,
+            {"tp": tp, "pp": pp, "micro_batch_size": 1, "recompute": "full", "zero_stage": 0, "dtype": "fp16"},
+            global_batch_size=batch,
+            seq_len=2048,
+            attention="materialized",
+        )
         p = plan.prediction
         predicted = p.hfu * 312
         err = predicted / tflops - 1
         errors.append(abs(err))
-        rows.append(_row(f"Narayanan 2021 {label}", gpus,
-                         f"tp={tp} pp={pp} dp={plan.config.dp} batch {batch}, full recompute",
-                         f"{tflops} TFLOP/s", f"{predicted:.0f} TFLOP/s", err, p))
+        rows.append(
+            _row(
+                f"Narayanan 2021 {label}",
+                gpus,
+                f"tp={tp} pp={pp} dp={plan.config.dp} batch {batch}, full recompute",
+                f"{tflops} TFLOP/s",
+                f"{predicted:.0f} TFLOP/s",
+                err,
+                p,
+            )
+        )
         print(rows[-1], flush=True)
     for recompute, sp, mfu in (("full", False, 42.1), ("selective", True, 54.2)):
         cluster = autopar.Cluster.preset("dgx-a100-80gb", nodes=280)
-        plan = autopar.estimate(_gpt(20480, 128, 105), cluster,
-                                {"tp": 8, "pp": 35, "micro_batch_size": 1, "recompute": recompute,
-                                 "sequence_parallel": sp, "zero_stage": 0}, global_batch_size=2240, seq_len=2048,
-                                attention="materialized")
+        plan = autopar.estimate(
+            _gpt(20480, 128, 105),
+            cluster,
+            {
+                "tp": 8,
+                "pp": 35,
+                "micro_batch_size": 1,
+                "recompute": recompute,
+                "sequence_parallel": sp,
+                "zero_stage": 0,
+            },
+            global_batch_size=2240,
+            seq_len=2048,
+            attention="materialized",
+        )
         p = plan.prediction
         err = p.mfu * 100 / mfu - 1
         errors.append(abs(err))
-        rows.append(_row("Korthikanti 2022 530B", 2240, f"tp=8 pp=35 dp=8 batch 2240, {recompute}{' + SP' if sp else ''}",
-                         f"MFU {mfu}%", f"MFU {100 * p.mfu:.1f}%", err, p))
+        rows.append(
+            _row(
+                "Korthikanti 2022 530B",
+                2240,
+                f"tp=8 pp=35 dp=8 batch 2240, {recompute}{' + SP' if sp else ''}",
+                f"MFU {mfu}%",
+                f"MFU {100 * p.mfu:.1f}%",
+                err,
+                p,
+            )
+        )
         print(rows[-1], flush=True)
-    summary = (f"\n\nMean absolute error {100 * sum(errors) / len(errors):.1f}%, worst {100 * max(errors):.1f}% "
-               f"over {len(errors)} published runs. No constant was fitted to these numbers: efficiencies are the "
-               f"preset's datasheet-based defaults (matmul 0.8 of peak, memory 0.8 of bandwidth, NCCL busbw).")
+    summary = (
+        f"\n\nMean absolute error {100 * sum(errors) / len(errors):.1f}%, worst {100 * max(errors):.1f}% "
+        f"over {len(errors)} published runs. No constant was fitted to these numbers: efficiencies are the "
+        f"preset's datasheet-based defaults (matmul 0.8 of peak, memory 0.8 of bandwidth, NCCL busbw)."
+    )
     csv_path = write_csv("planner_faithful", rows)
-    print(write_result("planner_faithful", "Cost model against published runs",
-                       markdown_table(rows) + summary + f" Rows also in `{csv_path.name}`."))
+    print(
+        write_result(
+            "planner_faithful",
+            "Cost model against published runs",
+            markdown_table(rows) + summary + f" Rows also in `{csv_path.name}`.",
+        )
+    )
 
 
-def _row(run: str, gpus: int, config: str, published: str, predicted: str, error: float,
-         p: autopar.Prediction) -> dict[str, object]:
-    return {"run": run, "GPUs": gpus, "config": config, "published": published, "predicted": predicted,
-            "error": f"{100 * error:+.1f}%", "predicted memory": f"{p.memory_bytes_per_device / 2**30:.1f} GiB",
-            "fits": "yes" if p.fits else "NO"}
+def _row(
+    run: str, gpus: int, config: str, published: str, predicted: str, error: float, p: autopar.Prediction
+) -> dict[str, object]:
+    return {
+        "run": run,
+        "GPUs": gpus,
+        "config": config,
+        "published": published,
+        "predicted": predicted,
+        "error": f"{100 * error:+.1f}%",
+        "predicted memory": f"{p.memory_bytes_per_device / 2**30:.1f} GiB",
+        "fits": "yes" if p.fits else "NO",
+    }
 
 
 if __name__ == "__main__":

@@ -12,10 +12,10 @@ import argparse
 import statistics
 import time
 
+from _report import markdown_table, write_csv, write_result
+
 import autopar
 from autopar.models import build_named_model
-
-from _report import markdown_table, write_csv, write_result
 
 CASES = [
     ("gpt3-175b", "dgx-a100-80gb", 128, 1536, 2048, 2.0),
@@ -43,15 +43,26 @@ def main() -> None:
             cpus.append(time.process_time() - c0)
         wall, cpu = statistics.median(walls), statistics.median(cpus)
         verdict = "" if target is None else (f"< {target:g} s: {'met' if cpu < target else 'MISSED'}")
-        rows.append({"model": name, "cluster": f"{preset} x {nodes}", "devices": cluster.world_size,
-                     "batch": f"{batch} x {seq}", "wall s (median)": f"{wall:.2f}", "CPU s (median)": f"{cpu:.2f}",
-                     "target": verdict, "configurations costed": result.candidates_evaluated,
-                     "plan": result.config.short()})
+        rows.append(
+            {
+                "model": name,
+                "cluster": f"{preset} x {nodes}",
+                "devices": cluster.world_size,
+                "batch": f"{batch} x {seq}",
+                "wall s (median)": f"{wall:.2f}",
+                "CPU s (median)": f"{cpu:.2f}",
+                "target": verdict,
+                "configurations costed": result.candidates_evaluated,
+                "plan": result.config.short(),
+            }
+        )
         print(rows[-1], flush=True)
     csv_path = write_csv("planner_speed", rows)
-    body = markdown_table(rows) + (f"\n\nRows also in `{csv_path.name}`. Times include extracting the model "
-                                   "(fake-tensor trace) and the whole search. The box is shared; CPU time is the "
-                                   "cost of the search itself.")
+    body = markdown_table(rows) + (
+        f"\n\nRows also in `{csv_path.name}`. Times include extracting the model "
+        "(fake-tensor trace) and the whole search. The box is shared; CPU time is the "
+        "cost of the search itself."
+    )
     print(write_result("planner_speed", "Planner speed", body))
 
 

@@ -43,22 +43,35 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
+import _foreign_cpu
 import torch
+from _local_runs import (
+    Interleaved,
+    Measured,
+    ProfileTarget,
+    Run,
+    combine,
+    describe,
+    fmt_rounds,
+    measure_interleaved,
+    plan_key,
+    predicted_peaks,
+    profile_lines,
+    profile_round,
+    reports,
+)
+from _report import result_path, spearman, write_csv, write_png, write_result
 from matplotlib.figure import Figure
 
 import autopar
 from autopar.models import GPT, GPTConfig
 from autopar.runtime.local import token_batches
 from profiler.device import profile_device
-
-import _foreign_cpu
-from _local_runs import (Interleaved, Measured, ProfileTarget, Run, combine, describe, fmt_rounds, measure_interleaved, plan_key,
-                         predicted_peaks, profile_lines, profile_round, reports)
-from _report import result_path, spearman, write_csv, write_png, write_result
 
 NAME = "predicted_vs_measured"
 PLAN_ROUNDS = 3
@@ -84,8 +97,9 @@ class Candidate:
 
 
 def _c(name: str, **config: Any) -> Candidate:
-    return Candidate(name=name, config={"dp": 1, "tp": 1, "pp": 1, "recompute": "none", "zero_stage": 0,
-                                        "dtype": "fp32", **config})
+    return Candidate(
+        name=name, config={"dp": 1, "tp": 1, "pp": 1, "recompute": "none", "zero_stage": 0, "dtype": "fp32", **config}
+    )
 
 
 CANDIDATES = (
@@ -106,20 +120,32 @@ CANDIDATES = (
 
 # ---- this benchmark ----
 
+
 def build() -> GPT:
     return GPT(CFG)
 
 
 def _targets() -> dict[str, ProfileTarget]:
-    return {"gpt": ProfileTarget(build=lambda: GPT(PROFILE_CFG),
-                                 sample=lambda: torch.randint(0, CFG.vocab_size, (PROFILE_BATCH, PROFILE_CFG.seq_len),
-                                                              generator=torch.Generator().manual_seed(0)))}
+    return {
+        "gpt": ProfileTarget(
+            build=lambda: GPT(PROFILE_CFG),
+            sample=lambda: torch.randint(
+                0, CFG.vocab_size, (PROFILE_BATCH, PROFILE_CFG.seq_len), generator=torch.Generator().manual_seed(0)
+            ),
+        )
+    }
 
 
 def _estimate(candidate: Candidate, profile: Mapping[str, Any]) -> autopar.Plan:
     cluster = autopar.Cluster.preset("local-cpu", devices_per_node=candidate.world)
-    return autopar.estimate(build(), cluster, candidate.config, global_batch_size=GLOBAL_BATCH, seq_len=CFG.seq_len,
-                            profile=reports(profile, candidate.world, "gpt"))
+    return autopar.estimate(
+        build(),
+        cluster,
+        candidate.config,
+        global_batch_size=GLOBAL_BATCH,
+        seq_len=CFG.seq_len,
+        profile=reports(profile, candidate.world, "gpt"),
+    )
 
 
 def main() -> None:
@@ -151,19 +177,28 @@ def main() -> None:
         planning = combine(device, sweeps)
         plans = {c.name: _estimate(c, planning) for c in candidates}
         among: dict[int, list[dict[str, Any]]] = {w: [] for w in sweeps}
-        measured = _measure(candidates, plans, args, say, lambda rnd: profile_round(
-            among, _targets(), label=f"with measurement round {rnd + 1}", command=NAME, log=say))
+        measured = _measure(
+            candidates,
+            plans,
+            args,
+            say,
+            lambda rnd: profile_round(
+                among, _targets(), label=f"with measurement round {rnd + 1}", command=NAME, log=say
+            ),
+        )
         # the predictions come from the profiles taken among the measurements: the
         # machine's speed drifts over a run, and the prediction is of the runs
         profile = combine(device, among)
         saved = result_path(NAME, "_profiles.json")
         saved.write_text(json.dumps(profile))
-        profile_note = (f"measured by this run in {PLAN_ROUNDS} interleaved rounds before the measurements (one-process "
-                        f"layers per round: {_layer_rounds_ms(planning['layers_s_rounds'])} ms) and one at the start of every measurement "
-                        f"round, saved as `{saved.name}`; the plans that ran are those of the rounds before combined, "
-                        f"the predictions shown those of the rounds among the measurements combined (the "
-                        f"machine's speed drifts over a run); other processes took {profiling} of the CPU during the "
-                        f"rounds before the measurements")
+        profile_note = (
+            f"measured by this run in {PLAN_ROUNDS} interleaved rounds before the measurements (one-process "
+            f"layers per round: {_layer_rounds_ms(planning['layers_s_rounds'])} ms) and one at the start of every measurement "
+            f"round, saved as `{saved.name}`; the plans that ran are those of the rounds before combined, "
+            f"the predictions shown those of the rounds among the measurements combined (the "
+            f"machine's speed drifts over a run); other processes took {profiling} of the CPU during the "
+            f"rounds before the measurements"
+        )
     among_plans = {c.name: _estimate(c, profile) for c in candidates}
     changed = [c.name for c in candidates if plan_key(among_plans[c.name]) != plan_key(plans[c.name])]
     # compare what ran: where the rounds among the measurements solve a candidate to another
@@ -184,22 +219,41 @@ def main() -> None:
         f"{os.cpu_count()}; everything "
         f"took {(time.perf_counter() - started) / 60:.1f} min. Per-term predictions and every round are in "
         f"`{csv_path.name}`."
-        + (f" The rounds among the measurements solve {', '.join(changed)} to another layout than the one that ran, so "
-           f"{'its row shows' if len(changed) == 1 else 'their rows show'} the prediction of the plan that ran "
-           f"(the rounds before the runs)." if changed else ""))
-    text = "\n\n".join([header, body, f"![predicted against measured]({png.name})", NOTES, "Profiles kept (the rounds among the measurements combined):\n\n" + "\n".join(
-        profile_lines(profile))])
+        + (
+            f" The rounds among the measurements solve {', '.join(changed)} to another layout than the one that ran, so "
+            f"{'its row shows' if len(changed) == 1 else 'their rows show'} the prediction of the plan that ran "
+            f"(the rounds before the runs)."
+            if changed
+            else ""
+        )
+    )
+    text = "\n\n".join(
+        [
+            header,
+            body,
+            f"![predicted against measured]({png.name})",
+            NOTES,
+            "Profiles kept (the rounds among the measurements combined):\n\n" + "\n".join(profile_lines(profile)),
+        ]
+    )
     md = write_result(NAME, "Predicted against measured step time and memory on local processes", text)
     print(text)
     print(f"wrote {md} and {csv_path}")
 
 
-def _measure(candidates: Sequence[Candidate], plans: Mapping[str, autopar.Plan], args: argparse.Namespace,
-             say: Callable[[str], None], also: Callable[[int], None] | None = None) -> Interleaved:
+def _measure(
+    candidates: Sequence[Candidate],
+    plans: Mapping[str, autopar.Plan],
+    args: argparse.Namespace,
+    say: Callable[[str], None],
+    also: Callable[[int], None] | None = None,
+) -> Interleaved:
     """Every candidate's plan in interleaved rounds, ``also(round)`` (a profile round)
     first in each."""
-    runs = [Run(label=c.name, build=build, plan=plans[c.name], batch_fn=token_batches(CFG.vocab_size, CFG.seq_len))
-            for c in candidates]
+    runs = [
+        Run(label=c.name, build=build, plan=plans[c.name], batch_fn=token_batches(CFG.vocab_size, CFG.seq_len))
+        for c in candidates
+    ]
     return measure_interleaved(runs, rounds=args.rounds, steps=args.steps, log=say, before_round=also)
 
 
@@ -207,7 +261,9 @@ def _layer_rounds_ms(rounds: Mapping[str, Sequence[float]]) -> str:
     return "; ".join(f"{name} {' / '.join(f'{v * 1e3:.0f}' for v in values)}" for name, values in rounds.items())
 
 
-def _tables(candidates: Sequence[Candidate], plans: Mapping[str, autopar.Plan], measured: Mapping[str, Measured]) -> tuple[str, list[dict[str, Any]]]:
+def _tables(
+    candidates: Sequence[Candidate], plans: Mapping[str, autopar.Plan], measured: Mapping[str, Measured]
+) -> tuple[str, list[dict[str, Any]]]:
     rows, lines, ok = [], [], []
     for c in candidates:
         plan, m = plans[c.name], measured[c.name]
@@ -219,19 +275,29 @@ def _tables(candidates: Sequence[Candidate], plans: Mapping[str, autopar.Plan], 
         within = abs(ratio - 1) <= TIME_TOLERANCE
         if m.round_medians_s:
             ok.append((c, p.step_time_s, m.median_s, within, worst_mem if errors else None))
-        rows.append({
-            "candidate": c.name, "plan": describe(plan), "world": c.world,
-            "predicted_s": f"{p.step_time_s:.4f}", "measured_median_s": f"{m.median_s:.4f}",
-            "measured_rounds_s": fmt_rounds(m.round_medians_s), "ratio": f"{ratio:.3f}",
-            "within_20pct": within if m.round_medians_s else "",
-            "pred_compute_s": f"{b.compute_s:.4f}", "pred_recompute_s": f"{b.recompute_s:.4f}",
-            "pred_tp_comm_s": f"{b.tp_comm_s:.4f}", "pred_pp_comm_s": f"{b.pp_comm_s:.4f}",
-            "pred_bubble_s": f"{b.bubble_s:.4f}", "pred_dp_comm_s": f"{b.dp_comm_s:.4f}",
-            "pred_optimizer_s": f"{b.optimizer_s:.4f}",
-            "predicted_peak_mib_per_rank": " / ".join(f"{v / 2**20:.1f}" for v in pred_peaks),
-            "measured_peak_mib_per_rank": " / ".join(f"{v / 2**20:.1f}" for v in meas_peaks),
-            "worst_memory_error": f"{worst_mem:+.3f}", "error": m.error,
-        })
+        rows.append(
+            {
+                "candidate": c.name,
+                "plan": describe(plan),
+                "world": c.world,
+                "predicted_s": f"{p.step_time_s:.4f}",
+                "measured_median_s": f"{m.median_s:.4f}",
+                "measured_rounds_s": fmt_rounds(m.round_medians_s),
+                "ratio": f"{ratio:.3f}",
+                "within_20pct": within if m.round_medians_s else "",
+                "pred_compute_s": f"{b.compute_s:.4f}",
+                "pred_recompute_s": f"{b.recompute_s:.4f}",
+                "pred_tp_comm_s": f"{b.tp_comm_s:.4f}",
+                "pred_pp_comm_s": f"{b.pp_comm_s:.4f}",
+                "pred_bubble_s": f"{b.bubble_s:.4f}",
+                "pred_dp_comm_s": f"{b.dp_comm_s:.4f}",
+                "pred_optimizer_s": f"{b.optimizer_s:.4f}",
+                "predicted_peak_mib_per_rank": " / ".join(f"{v / 2**20:.1f}" for v in pred_peaks),
+                "measured_peak_mib_per_rank": " / ".join(f"{v / 2**20:.1f}" for v in meas_peaks),
+                "worst_memory_error": f"{worst_mem:+.3f}",
+                "error": m.error,
+            }
+        )
         if m.error:
             lines.append(f"| {c.name} | {describe(plan)} | {p.step_time_s:.3f} | FAILED: {m.error} | | | | | | |")
             continue
@@ -239,7 +305,8 @@ def _tables(candidates: Sequence[Candidate], plans: Mapping[str, autopar.Plan], 
             f"| {c.name} | {describe(plan)} | {p.step_time_s:.3f} | {m.median_s:.3f} | "
             f"{fmt_rounds(m.round_medians_s)} | {ratio:.2f} | {'yes' if within else 'no'} | "
             f"{' / '.join(f'{v / 2**20:.0f}' for v in pred_peaks)} | "
-            f"{' / '.join(f'{v / 2**20:.0f}' for v in meas_peaks)} | {worst_mem:+.0%} |")
+            f"{' / '.join(f'{v / 2**20:.0f}' for v in meas_peaks)} | {worst_mem:+.0%} |"
+        )
     rho = spearman([o[1] for o in ok], [o[2] for o in ok])
     small = [o for o in ok if o[0].world <= 2]
     rho_small = spearman([o[1] for o in small], [o[2] for o in small])
@@ -251,15 +318,19 @@ def _tables(candidates: Sequence[Candidate], plans: Mapping[str, autopar.Plan], 
         f"measured step time: **{rho:.2f}** over all {len(ok)} (target >= 0.8); {rho_small:.2f} over the "
         f"{len(small)} with 1 or 2 processes. Predicted times span {max(preds) / min(preds):.1f}x. Peak memory: "
         f"{sum(abs(o[4]) <= MEMORY_TOLERANCE for o in mem)} of {len(mem)} candidates within {MEMORY_TOLERANCE:.0%} on "
-        f"every rank.")
-    head = ["| candidate | plan | predicted s | measured s (median) | rounds (s) | predicted / measured | within 20% | "
-            "predicted peak MiB per rank | measured peak MiB per rank | worst memory error |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+        f"every rank."
+    )
+    head = [
+        "| candidate | plan | predicted s | measured s (median) | rounds (s) | predicted / measured | within 20% | "
+        "predicted peak MiB per rank | measured peak MiB per rank | worst memory error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     return "\n\n".join([summary, "\n".join(head + lines)]), rows
 
 
-def _figure(candidates: Sequence[Candidate], plans: Mapping[str, autopar.Plan],
-            measured: Mapping[str, Measured]) -> Figure:
+def _figure(
+    candidates: Sequence[Candidate], plans: Mapping[str, autopar.Plan], measured: Mapping[str, Measured]
+) -> Figure:
     """Predicted against measured step time per candidate (the bar spans the rounds'
     medians), with the diagonal and the +-20% band the issue asks for."""
     fig = Figure(figsize=(7, 5.5))
@@ -268,15 +339,28 @@ def _figure(candidates: Sequence[Candidate], plans: Mapping[str, autopar.Plan],
     for c in done:
         m, pred = measured[c.name], plans[c.name].prediction.step_time_s
         lo, hi = min(m.round_medians_s), max(m.round_medians_s)
-        ax.errorbar([m.median_s], [pred], xerr=[[m.median_s - lo], [hi - m.median_s]], fmt="o", markersize=4,
-                    color=f"C{c.world}", capsize=2)
+        ax.errorbar(
+            [m.median_s],
+            [pred],
+            xerr=[[m.median_s - lo], [hi - m.median_s]],
+            fmt="o",
+            markersize=4,
+            color=f"C{c.world}",
+            capsize=2,
+        )
         ax.annotate(c.name, (m.median_s, pred), fontsize=6, xytext=(3, 3), textcoords="offset points")
     if done:
         values = [v for c in done for v in (plans[c.name].prediction.step_time_s, *measured[c.name].round_medians_s)]
         span = [min(values) / 1.3, max(values) * 1.3]
         ax.plot(span, span, color="gray", linewidth=0.8, label="predicted = measured")
-        ax.fill_between(span, [v * (1 - TIME_TOLERANCE) for v in span], [v * (1 + TIME_TOLERANCE) for v in span],
-                        color="gray", alpha=0.15, label=f"within {TIME_TOLERANCE:.0%}")
+        ax.fill_between(
+            span,
+            [v * (1 - TIME_TOLERANCE) for v in span],
+            [v * (1 + TIME_TOLERANCE) for v in span],
+            color="gray",
+            alpha=0.15,
+            label=f"within {TIME_TOLERANCE:.0%}",
+        )
     for world in sorted({c.world for c in done}):
         ax.plot([], [], "o", color=f"C{world}", label=f"{world} process(es)")
     ax.set_xscale("log")

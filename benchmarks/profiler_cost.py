@@ -57,8 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     vocab = max(m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding))
     sample = torch.randint(0, vocab, (args.batch, args.seq_len))
     built = time.perf_counter()
-    layers = profile_model(model, sample, name=args.model, command=command,
-                           progress=lambda line: print(line, file=sys.stderr))
+    layers = profile_model(
+        model, sample, name=args.model, command=command, progress=lambda line: print(line, file=sys.stderr)
+    )
     profiled = time.perf_counter()
     device = profile_device(command=command)
     swept = time.perf_counter()
@@ -82,19 +83,30 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if model_s <= MODEL_BUDGET_S and net_s <= NETWORK_BUDGET_S else 1
 
 
-def _markdown(args: argparse.Namespace, command: str, report: ProfileReport, build_s: float, layers_s: float,
-              device_s: float, net_s: float) -> list[str]:
+def _markdown(
+    args: argparse.Namespace,
+    command: str,
+    report: ProfileReport,
+    build_s: float,
+    layers_s: float,
+    device_s: float,
+    net_s: float,
+) -> list[str]:
     lay, dev, net = report.layers, report.device, report.network
     prov = lay.provenance
     model_s = layers_s + device_s
     verdict = {True: "within budget", False: "OVER BUDGET"}
     lines = [
-        f"# Profiler cost on this machine, {prov.created_utc[:10]}", "",
-        f"Command: `{command}`", "",
+        f"# Profiler cost on this machine, {prov.created_utc[:10]}",
+        "",
+        f"Command: `{command}`",
+        "",
         f"Machine: {prov.host}, {prov.cpu}, {prov.cpu_count} CPUs, {prov.memory_bytes / 2**30:.1f} GiB, accelerator "
         f"{prov.accelerator}; shared with other jobs (timings vary by tens of percent).",
-        "Software: " + ", ".join(f"{k} {v}" for k, v in prov.software.items()) + ".", "",
-        "| step | wall time | budget |", "|---|---|---|",
+        "Software: " + ", ".join(f"{k} {v}" for k, v in prov.software.items()) + ".",
+        "",
+        "| step | wall time | budget |",
+        "|---|---|---|",
         f"| build {args.model} on CPU (not part of profiling) | {build_s:.1f} s | - |",
         f"| profile the layers: {len(lay.units)} distinct units of {sum(len(u.instances) for u in lay.units)}, "
         f"batch {lay.batch} x seq {lay.seq_len}, {lay.dtype}, 1 thread | {layers_s:.1f} s | |",
@@ -103,15 +115,23 @@ def _markdown(args: argparse.Namespace, command: str, report: ProfileReport, bui
         f"{verdict[model_s <= MODEL_BUDGET_S]} |",
         f"| **network sweep**: {net.world_size} local gloo ranks, {len(net.series)} series x "
         f"{len(net.series[0].points)} sizes up to {args.max_bytes / 2**20:g} MiB, launch included | "
-        f"**{net_s:.1f} s** | {NETWORK_BUDGET_S:.0f} s: {verdict[net_s <= NETWORK_BUDGET_S]} |", "",
-        "What was measured:", ""]
+        f"**{net_s:.1f} s** | {NETWORK_BUDGET_S:.0f} s: {verdict[net_s <= NETWORK_BUDGET_S]} |",
+        "",
+        "What was measured:",
+        "",
+    ]
     lines += [f"- {line}" for line in report.summary()]
     lines += ["", "| unit | x | fwd ms | bwd ms | GFLOP/s |", "|---|---|---|---|---|"]
-    lines += [f"| {u.fqn} | {len(u.instances)} | {u.fwd.median_s * 1e3:.1f} | {u.bwd.median_s * 1e3:.1f} | "
-              f"{u.achieved_flop_per_s / 1e9:.1f} |" for u in lay.units]
+    lines += [
+        f"| {u.fqn} | {len(u.instances)} | {u.fwd.median_s * 1e3:.1f} | {u.bwd.median_s * 1e3:.1f} | "
+        f"{u.achieved_flop_per_s / 1e9:.1f} |"
+        for u in lay.units
+    ]
     lines += ["", "| level | ops | alpha | busbw |", "|---|---|---|---|"]
-    lines += [f"| {f.level} | {'+'.join(f.ops)} | {f.alpha_s * 1e6:.0f} us | {f.bandwidth_bytes_per_s / 1e9:.3g} GB/s |"
-              for f in net.fits]
+    lines += [
+        f"| {f.level} | {'+'.join(f.ops)} | {f.alpha_s * 1e6:.0f} us | {f.bandwidth_bytes_per_s / 1e9:.3g} GB/s |"
+        for f in net.fits
+    ]
     return lines
 
 

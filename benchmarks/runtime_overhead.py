@@ -67,8 +67,13 @@ def megatron_styles() -> dict[str, autopar.TPStyle]:
     styles = {"tok_embeddings": "vocab", "output": "column"}
     for i in range(CFG.n_layers):
         styles.update({f"layers.{i}.attention.{p}": "column" for p in ("wq", "wk", "wv")})
-        styles.update({f"layers.{i}.attention.wo": "row", f"layers.{i}.feed_forward.w1": "column",
-                       f"layers.{i}.feed_forward.w2": "row"})
+        styles.update(
+            {
+                f"layers.{i}.attention.wo": "row",
+                f"layers.{i}.feed_forward.w1": "column",
+                f"layers.{i}.feed_forward.w2": "row",
+            }
+        )
     return {k: autopar.TPStyle(v) for k, v in styles.items()}
 
 
@@ -77,19 +82,30 @@ def make_plan(config: dict) -> autopar.Plan:
 
     world = config["dp"] * config["tp"] * config["pp"]
     full = {"micro_batch_size": MBS, "dtype": "fp32", **config}
-    plan = autopar.estimate(build(), autopar.Cluster.preset("local-cpu", devices_per_node=world), full,
-                            global_batch_size=config["dp"] * MBS * config["num_microbatches"], seq_len=CFG.seq_len,
-                            optimizer="sgd")
+    plan = autopar.estimate(
+        build(),
+        autopar.Cluster.preset("local-cpu", devices_per_node=world),
+        full,
+        global_batch_size=config["dp"] * MBS * config["num_microbatches"],
+        seq_len=CFG.seq_len,
+        optimizer="sgd",
+    )
     if config["tp"] > 1:
-        plan = dataclasses.replace(plan, layer_strategies=dataclasses.replace(plan.layer_strategies,
-                                                                              tp=megatron_styles()))
+        plan = dataclasses.replace(
+            plan, layer_strategies=dataclasses.replace(plan.layer_strategies, tp=megatron_styles())
+        )
     return plan
 
 
 def batches(n: int, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, CFG.vocab_size, (size, CFG.seq_len), generator=g),
-             torch.randint(0, CFG.vocab_size, (size, CFG.seq_len), generator=g)) for _ in range(n)]
+    return [
+        (
+            torch.randint(0, CFG.vocab_size, (size, CFG.seq_len), generator=g),
+            torch.randint(0, CFG.vocab_size, (size, CFG.seq_len), generator=g),
+        )
+        for _ in range(n)
+    ]
 
 
 def _timed(step, data, warmup: int) -> float:
@@ -139,14 +155,25 @@ def manual_run(rank: int, world: int, plan: autopar.Plan, steps: int, memory: bo
             opt.zero_grad()
     elif cfg.tp > 1:
         mesh = init_device_mesh("cpu", (cfg.tp,))
-        block = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
-                 "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
-                 "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel()}
+        block = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(),
+        }
         for layer in model.layers.values():
             parallelize_module(layer, mesh, block)
         model.output.weight = torch.nn.Parameter(model.output.weight.detach().clone())  # untie: sharded alike below
-        parallelize_module(model, mesh, {"tok_embeddings": RowwiseParallel(input_layouts=torch.distributed.tensor.Replicate()),
-                                         "output": ColwiseParallel(use_local_output=False)})
+        parallelize_module(
+            model,
+            mesh,
+            {
+                "tok_embeddings": RowwiseParallel(input_layouts=torch.distributed.tensor.Replicate()),
+                "output": ColwiseParallel(use_local_output=False),
+            },
+        )
         model.tok_embeddings.weight = model.output.weight  # retie: both Shard(0) over the vocabulary
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
 
@@ -166,8 +193,9 @@ def manual_run(rank: int, world: int, plan: autopar.Plan, steps: int, memory: bo
         for part in ("tok_embeddings", "pos_embeddings", "norm", "output"):
             if part not in stage_units:
                 setattr(stage, part, None)
-        pipe = Schedule1F1B(PipelineStage(stage, rank, cfg.pp, torch.device("cpu")), cfg.num_microbatches,
-                            loss_fn=loss_fn)
+        pipe = Schedule1F1B(
+            PipelineStage(stage, rank, cfg.pp, torch.device("cpu")), cfg.num_microbatches, loss_fn=loss_fn
+        )
         opt = torch.optim.SGD(stage.parameters(), lr=LR, momentum=MOMENTUM)
 
         def step(batch):
@@ -178,13 +206,16 @@ def manual_run(rank: int, world: int, plan: autopar.Plan, steps: int, memory: bo
                 pipe.step(target=y, losses=[])
             opt.step()
             opt.zero_grad()
+
     return _timed(step, data, warmup=2), -1
 
 
 def environment() -> str:
     cores = len(__import__("os").sched_getaffinity(0))
-    return (f"Python {platform.python_version()}, torch {torch.__version__}, {platform.machine()}, {cores} cores, "
-            f"gloo on local processes")
+    return (
+        f"Python {platform.python_version()}, torch {torch.__version__}, {platform.machine()}, {cores} cores, "
+        f"gloo on local processes"
+    )
 
 
 def main() -> None:
@@ -193,8 +224,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
     settings = SPMDSettings(timeout_s=600, pg_timeout_s=120)
-    rows = ["| configuration | autopar step (s) | hand-written step (s) | autopar / hand | measured peak (MiB) | "
-            "predicted peak (MiB) | predicted without reserve (MiB) |", "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| configuration | autopar step (s) | hand-written step (s) | autopar / hand | measured peak (MiB) | "
+        "predicted peak (MiB) | predicted without reserve (MiB) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for label, config in CONFIGS.items():
         plan = make_plan(config)
         world = plan.config.world_size
@@ -206,8 +240,10 @@ def main() -> None:
         pred = plan.prediction
         reserve = max(s.memory.reserve_bytes for s in pred.stages)
         a, b = statistics.median(ours), statistics.median(theirs)
-        rows.append(f"| {label} | {a:.3f} | {b:.3f} | {a / b:.2f} | {peak / 2**20:.1f} | "
-                    f"{pred.memory_bytes_per_device / 2**20:.1f} | {(pred.memory_bytes_per_device - reserve) / 2**20:.1f} |")
+        rows.append(
+            f"| {label} | {a:.3f} | {b:.3f} | {a / b:.2f} | {peak / 2**20:.1f} | "
+            f"{pred.memory_bytes_per_device / 2**20:.1f} | {(pred.memory_bytes_per_device - reserve) / 2**20:.1f} |"
+        )
         print(rows[-1], flush=True)
     today = datetime.date.today().isoformat()
     out = Path(__file__).parent / "results" / f"runtime_overhead_{today}.md"
@@ -218,7 +254,8 @@ def main() -> None:
         f"# Runtime overhead: autopar vs hand-written PyTorch\n\nDate: {today}  \nCommand: `{command.strip()}`  \n"
         f"Environment: {environment()}  \nModel: GPT dim {CFG.dim}, {CFG.n_layers} layers, {CFG.n_heads} heads, "
         f"seq {CFG.seq_len}, vocab {CFG.vocab_size}; micro-batch {MBS}; SGD with momentum {MOMENTUM}; fp32; {args.repeats} interleaved "
-        f"repeats of {args.steps} steps (2 warm-up)\n\n{body}\n\n{NOTES}\n")
+        f"repeats of {args.steps} steps (2 warm-up)\n\n{body}\n\n{NOTES}\n"
+    )
     print(f"wrote {out}")
 
 

@@ -11,13 +11,12 @@ import argparse
 import time
 
 import torch
+from _report import markdown_table, write_csv, write_png, write_result
 from matplotlib.figure import Figure
 
 import autopar
 from autopar.errors import InfeasiblePlanError
 from autopar.models import GPT, GPTConfig
-
-from _report import markdown_table, write_csv, write_png, write_result
 
 DEPTHS = [24, 48, 96, 192]
 NODES = [1, 8, 64, 512, 2048]
@@ -44,8 +43,16 @@ def main() -> None:
             secs = time.process_time() - c0
             series.setdefault(depth, []).append((cluster.world_size, secs))
             params = sum(p.numel() for p in model.parameters())
-            rows.append({"layers": depth, "parameters": f"{params / 1e9:.0f}B", "devices": cluster.world_size,
-                         "CPU s": f"{secs:.2f}", "configurations costed": costed, "plan": summary})
+            rows.append(
+                {
+                    "layers": depth,
+                    "parameters": f"{params / 1e9:.0f}B",
+                    "devices": cluster.world_size,
+                    "CPU s": f"{secs:.2f}",
+                    "configurations costed": costed,
+                    "plan": summary,
+                }
+            )
             print(rows[-1], flush=True)
     fig = Figure(figsize=(7, 4))
     ax = fig.add_subplot()
@@ -58,8 +65,13 @@ def main() -> None:
     ax.legend()
     png = write_png("search_time", fig)
     csv_path = write_csv("search_time", rows)
-    print(write_result("search_time", "Planning time against depth and devices",
-                       markdown_table(rows) + f"\n\nRows also in `{csv_path.name}`.\n\n![planning time]({png.name})"))
+    print(
+        write_result(
+            "search_time",
+            "Planning time against depth and devices",
+            markdown_table(rows) + f"\n\nRows also in `{csv_path.name}`.\n\n![planning time]({png.name})",
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -134,8 +135,10 @@ def cpu_peak_bytes(prof: profile) -> int:
     try:
         events = prof.profiler.kineto_results.events()
     except AttributeError as exc:
-        raise MeasurementError(f"this torch ({torch.__version__}) does not expose the profiler's memory events "
-                               f"({exc}); run with measure_memory=False.") from None
+        raise MeasurementError(
+            f"this torch ({torch.__version__}) does not expose the profiler's memory events "
+            f"({exc}); run with measure_memory=False."
+        ) from None
     deltas = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
     live = peak = 0
     for _, nbytes in deltas:

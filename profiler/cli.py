@@ -47,8 +47,11 @@ def _words(text: str) -> tuple[str, ...]:
 
 def add_profile_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``profile {model,device,network,report}``; returns the ``profile`` parser."""
-    parser = subparsers.add_parser("profile", help="measure layers, a device or the network; render reports",
-                                   description="Measure what the planner otherwise guesses.")
+    parser = subparsers.add_parser(
+        "profile",
+        help="measure layers, a device or the network; render reports",
+        description="Measure what the planner otherwise guesses.",
+    )
     add_profile_commands(parser.add_subparsers(dest="profile_command", required=True, metavar="COMMAND"))
     return parser
 
@@ -65,16 +68,23 @@ def add_profile_commands(sub: Any) -> None:
     m.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
     m.add_argument("--repeats", type=int, default=5, help="timed repeats per unit (default 5)")
     m.add_argument("--warmup", type=int, default=1)
-    m.add_argument("--no-device", action="store_true", help="skip the device sweep (calibration then uses the "
-                                                            "planner's device numbers)")
+    m.add_argument(
+        "--no-device",
+        action="store_true",
+        help="skip the device sweep (calibration then uses the planner's device numbers)",
+    )
     _common(m)
     m.set_defaults(func=_cmd_model)
 
     d = sub.add_parser("device", help="matmul FLOP/s curves and memory bandwidth of this device")
     d.add_argument("--sizes", type=_ints, default=(), help="square matmul sizes, e.g. 64,256,1024")
     d.add_argument("--dtypes", type=_words, default=(), help="e.g. fp32,bf16 (default: all the device runs)")
-    d.add_argument("--array-sizes", type=lambda t: tuple(parse_bytes(x) for x in t.split(",")), default=(),
-                   help="streaming array sizes, e.g. 1M,64M,256M")
+    d.add_argument(
+        "--array-sizes",
+        type=lambda t: tuple(parse_bytes(x) for x in t.split(",")),
+        default=(),
+        help="streaming array sizes, e.g. 1M,64M,256M",
+    )
     _common(d)
     d.set_defaults(func=_cmd_device)
 
@@ -84,8 +94,9 @@ def add_profile_commands(sub: Any) -> None:
     n.add_argument("--min-bytes", type=parse_bytes, default=2**10)
     n.add_argument("--max-bytes", type=parse_bytes, default=0, help="default 256M on GPUs, 64M on CPUs")
     n.add_argument("--factor", type=int, default=2, help="size multiplier between points (default 2)")
-    n.add_argument("--ops", type=_words, default=(), help="default: all_reduce,all_gather,reduce_scatter,"
-                                                          "broadcast,send_recv")
+    n.add_argument(
+        "--ops", type=_words, default=(), help="default: all_reduce,all_gather,reduce_scatter,broadcast,send_recv"
+    )
     n.add_argument("--levels", type=_words, default=(), help="default: intra,inter,mixed")
     n.add_argument("--repeats", type=int, default=3)
     n.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung run is stopped")
@@ -137,14 +148,17 @@ def _cmd_model(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     model, sample, name = load_model(args, device)
-    sweep = LayerSweep(repeats=Repeats(warmup=args.warmup, repeats=args.repeats, min_repeats=min(3, args.repeats),
-                                       budget_s=30.0))
+    sweep = LayerSweep(
+        repeats=Repeats(warmup=args.warmup, repeats=args.repeats, min_repeats=min(3, args.repeats), budget_s=30.0)
+    )
     command = _command_line(args)
-    report = profile_model(model, sample, sweep=sweep, threads=args.threads, progress=_progress(args), name=name,
-                           command=command)
+    report = profile_model(
+        model, sample, sweep=sweep, threads=args.threads, progress=_progress(args), name=name, command=command
+    )
     if not args.no_device:
-        report = ProfileReport.merge(report, profile_device(device=device, threads=args.threads, command=command,
-                                                            progress=_progress(args)))
+        report = ProfileReport.merge(
+            report, profile_device(device=device, threads=args.threads, command=command, progress=_progress(args))
+        )
     return _finish(report, args.out)
 
 
@@ -170,8 +184,9 @@ def load_model(args: argparse.Namespace, device: torch.device) -> tuple[nn.Modul
         try:
             fn = getattr(importlib.import_module(module_name), fn_name)
         except (ImportError, AttributeError) as exc:
-            raise SettingsError(f"--model-fn {args.model_fn!r}: cannot import it ({exc}); write module:function.") \
-                from None
+            raise SettingsError(
+                f"--model-fn {args.model_fn!r}: cannot import it ({exc}); write module:function."
+            ) from None
         with torch.device(device):
             model = fn()
         name = f"{args.model_fn}"
@@ -190,16 +205,18 @@ def _cmd_device(args: argparse.Namespace) -> int:
     from profiler.device import DeviceSweep, profile_device
 
     sweep = DeviceSweep(matmul_sizes=args.sizes, dtypes=args.dtypes, array_bytes=args.array_sizes)
-    report = profile_device(device=args.device, sweep=sweep, threads=args.threads, progress=_progress(args),
-                            command=_command_line(args))
+    report = profile_device(
+        device=args.device, sweep=sweep, threads=args.threads, progress=_progress(args), command=_command_line(args)
+    )
     return _finish(report, args.out)
 
 
 def _network_sweep(args: argparse.Namespace) -> Any:
     from profiler.network import NetworkSweep
 
-    kwargs: dict[str, Any] = dict(min_bytes=args.min_bytes, max_bytes=args.max_bytes, factor=args.factor,
-                                  repeats=args.repeats)
+    kwargs: dict[str, Any] = dict(
+        min_bytes=args.min_bytes, max_bytes=args.max_bytes, factor=args.factor, repeats=args.repeats
+    )
     if args.ops:
         kwargs["ops"] = args.ops
     if args.levels:
@@ -213,9 +230,11 @@ def _cmd_network(args: argparse.Namespace) -> int:
     if args.nproc is not None:
         return _network_local(args, sweep, command)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise SettingsError("no launcher environment (RANK, WORLD_SIZE): run under torchrun, e.g. 'torchrun "
-                            "--nproc-per-node 8 -m profiler network --out net.json', or pass --nproc N to launch N "
-                            "local CPU processes.")
+        raise SettingsError(
+            "no launcher environment (RANK, WORLD_SIZE): run under torchrun, e.g. 'torchrun "
+            "--nproc-per-node 8 -m profiler network --out net.json', or pass --nproc N to launch N "
+            "local CPU processes."
+        )
     return run_network_rank(args, sweep, command)
 
 
@@ -244,8 +263,11 @@ def run_network_rank(args: argparse.Namespace, sweep: Any, command: str) -> int:
 def _network_worker(rank: int, world: int, sweep: Any, command: str, verbose: bool) -> Any:
     from profiler.network import profile_network
 
-    say = (lambda line: print(f"[{datetime.datetime.now():%H:%M:%S}] {line}", file=sys.stderr, flush=True)) \
-        if verbose and rank == 0 else None
+    say = (
+        (lambda line: print(f"[{datetime.datetime.now():%H:%M:%S}] {line}", file=sys.stderr, flush=True))
+        if verbose and rank == 0
+        else None
+    )
     report = profile_network(sweep=sweep, progress=say, command=command)
     return report if rank == 0 else None
 
@@ -256,8 +278,10 @@ def _network_local(args: argparse.Namespace, sweep: Any, command: str) -> int:
     if args.nproc < 2:
         raise SettingsError(f"--nproc {args.nproc}: a network profile needs at least 2 processes.")
     if args.backend == "nccl":
-        raise SettingsError("--nproc launches CPU processes with gloo (forking after CUDA is initialised is unsafe); "
-                            "for GPUs run under torchrun: 'torchrun --nproc-per-node N -m profiler network ...'.")
+        raise SettingsError(
+            "--nproc launches CPU processes with gloo (forking after CUDA is initialised is unsafe); "
+            "for GPUs run under torchrun: 'torchrun --nproc-per-node N -m profiler network ...'."
+        )
     settings = SPMDSettings(timeout_s=args.timeout, pg_timeout_s=min(args.timeout, 300.0))
     report = run_spmd(_network_worker, args.nproc, sweep, command, not args.quiet, settings=settings)[0]
     return _finish(report, args.out)

@@ -16,7 +16,8 @@ import dataclasses
 import math
 import types
 import typing
-from typing import Any, Literal, Mapping, Union
+from collections.abc import Mapping
+from typing import Any, Literal, Union
 
 from profiler.errors import ProfileFormatError
 
@@ -30,8 +31,10 @@ def encode(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {str(k): encode(v) for k, v in value.items()}
     if isinstance(value, float) and not math.isfinite(value):
-        raise ProfileFormatError(f"cannot write the non-finite number {value!r} into a report; a measurement "
-                                 f"produced it, which is a bug worth reporting.")
+        raise ProfileFormatError(
+            f"cannot write the non-finite number {value!r} into a report; a measurement "
+            f"produced it, which is a bug worth reporting."
+        )
     return value
 
 
@@ -81,8 +84,10 @@ def _decode_dataclass(cls: type, data: Any, path: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ProfileFormatError(f"{path}: unknown field(s) {', '.join(unknown)} for {cls.__name__}; known: "
-                                 f"{', '.join(fields)}. Was the file written by a newer profiler?")
+        raise ProfileFormatError(
+            f"{path}: unknown field(s) {', '.join(unknown)} for {cls.__name__}; known: "
+            f"{', '.join(fields)}. Was the file written by a newer profiler?"
+        )
     kwargs = {}
     for name, f in fields.items():
         where = f"{path}.{name}" if path else name

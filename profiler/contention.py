@@ -47,8 +47,7 @@ def contended_share(group: dist.ProcessGroup, ranks: tuple[int, ...], repeats: R
     return min(float(share[0]) / len(ranks), 1.0)
 
 
-def _bandwidth(src: torch.Tensor, dst: torch.Tensor, repeats: Repeats,
-               group: dist.ProcessGroup | None = None) -> float:
+def _bandwidth(src: torch.Tensor, dst: torch.Tensor, repeats: Repeats, group: dist.ProcessGroup | None = None) -> float:
     """Median bytes per second of ``COPIES_PER_SAMPLE`` back-to-back copies (read and
     write); with ``group``, every sample starts on all its ranks at once (a rank that ran
     ahead would otherwise stream its last samples alone)."""

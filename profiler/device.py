@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -50,13 +50,19 @@ class DeviceSweep:
         if bad:
             raise SettingsError(f"unknown dtype(s) {bad}; choose from {sorted(TORCH_DTYPES)}.")
         if any(n < 1 for n in self.matmul_sizes) or any(b < 4096 for b in self.array_bytes):
-            raise SettingsError(f"matmul sizes {self.matmul_sizes} must be >= 1 and array sizes "
-                                f"{self.array_bytes} >= 4096 bytes.")
+            raise SettingsError(
+                f"matmul sizes {self.matmul_sizes} must be >= 1 and array sizes {self.array_bytes} >= 4096 bytes."
+            )
 
 
-def profile_device(*, device: torch.device | str | None = None, sweep: DeviceSweep | None = None,
-                   threads: int | None = 1, progress: Callable[[str], None] | None = None,
-                   command: str = "profiler.profile_device()") -> ProfileReport:
+def profile_device(
+    *,
+    device: torch.device | str | None = None,
+    sweep: DeviceSweep | None = None,
+    threads: int | None = 1,
+    progress: Callable[[str], None] | None = None,
+    command: str = "profiler.profile_device()",
+) -> ProfileReport:
     """Measure this device's matmul curves and memory bandwidth.
 
     Args:
@@ -104,11 +110,22 @@ def profile_device(*, device: torch.device | str | None = None, sweep: DeviceSwe
     largest = max(b.array_bytes for b in bandwidth)
     summary = max(b.achieved_bytes_per_s for b in bandwidth if b.array_bytes == largest)
     profile = DeviceProfile(
-        name=device_name(dev, n_threads), kind="cuda" if dev.type == "cuda" else "cpu", threads=n_threads,
-        memory_bytes=float(_memory_bytes(dev)), memory_shared=dev.type == "cpu", reserved_bytes=reserved,
-        timer=timer_name(dev), matmul=tuple(points), bandwidth=tuple(bandwidth), memory_bandwidth_bytes_per_s=summary,
-        skipped_dtypes=skipped, op_overhead_s=op_overhead, tp_overhead_s=tp_overhead, optimizer_s_per_param=optimizer,
-        provenance=provenance(command))
+        name=device_name(dev, n_threads),
+        kind="cuda" if dev.type == "cuda" else "cpu",
+        threads=n_threads,
+        memory_bytes=float(_memory_bytes(dev)),
+        memory_shared=dev.type == "cpu",
+        reserved_bytes=reserved,
+        timer=timer_name(dev),
+        matmul=tuple(points),
+        bandwidth=tuple(bandwidth),
+        memory_bandwidth_bytes_per_s=summary,
+        skipped_dtypes=skipped,
+        op_overhead_s=op_overhead,
+        tp_overhead_s=tp_overhead,
+        optimizer_s_per_param=optimizer,
+        provenance=provenance(command),
+    )
     return ProfileReport(device=profile)
 
 
@@ -188,8 +205,9 @@ def _tp_overhead_rank(rank: int, world: int, repeats: Repeats) -> float:
     return tp_overhead_s(mesh, torch.device("cpu"), repeats, all_reduce_s=lambda nbytes: 0.0)
 
 
-def measure_matmuls(shapes: Sequence[tuple[int, int, int]], dtype: str, device: torch.device,
-                    repeats: Repeats) -> list[MatmulPoint]:
+def measure_matmuls(
+    shapes: Sequence[tuple[int, int, int]], dtype: str, device: torch.device, repeats: Repeats
+) -> list[MatmulPoint]:
     """Time ``(m, k) @ (k, n)`` into a preallocated output for each ``(m, n, k)``,
     interleaved (:func:`profiler.timing.time_calls`): the curve's points see the same
     load, so a burst does not bend it at one size."""
@@ -201,8 +219,9 @@ def measure_matmuls(shapes: Sequence[tuple[int, int, int]], dtype: str, device: 
         out = torch.empty(m, n, device=device, dtype=dt)
         calls.append(functools.partial(torch.mm, a, b, out=out))
     timings = time_calls(calls, device=device, settings=repeats)
-    return [MatmulPoint(dtype=dtype, m=m, n=n, k=k, flops=2.0 * m * n * k, time=t)
-            for (m, n, k), t in zip(shapes, timings)]
+    return [
+        MatmulPoint(dtype=dtype, m=m, n=n, k=k, flops=2.0 * m * n * k, time=t) for (m, n, k), t in zip(shapes, timings)
+    ]
 
 
 def measure_stream(kernel: str, array_bytes: int, device: torch.device, repeats: Repeats) -> BandwidthPoint:
@@ -217,8 +236,12 @@ def measure_stream(kernel: str, array_bytes: int, device: torch.device, repeats:
         c = torch.empty_like(a)
         timing = time_call(lambda: torch.add(a, b, out=c), device=device, settings=repeats)
         moved = 3 * numel * 4
-    return BandwidthPoint(kernel="copy" if kernel == "copy" else "add", array_bytes=float(numel * 4),
-                          moved_bytes=float(moved), time=timing)
+    return BandwidthPoint(
+        kernel="copy" if kernel == "copy" else "add",
+        array_bytes=float(numel * 4),
+        moved_bytes=float(moved),
+        time=timing,
+    )
 
 
 def unsupported(dtype: str, device: torch.device) -> str:

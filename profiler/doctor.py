@@ -20,24 +20,48 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from profiler.codec import decode, encode
-from profiler.doctor_checks import (ComputeTime, Finding, GroupResult, LinkTime, RankFacts, check_backend,
-                                    check_environment, check_groups, check_join, check_process_group,
-                                    check_settings, check_speed, check_versions, plan_groups)
+from profiler.doctor_checks import (
+    ComputeTime,
+    Finding,
+    GroupResult,
+    LinkTime,
+    RankFacts,
+    check_backend,
+    check_environment,
+    check_groups,
+    check_join,
+    check_process_group,
+    check_settings,
+    check_speed,
+    check_versions,
+    plan_groups,
+)
 from profiler.errors import SettingsError
 from profiler.machine import software_versions
 from profiler.network import node_label
 from profiler.timing import Stopwatch, synchronize
 
-_RELEVANT_ENV = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "CUDA_DEVICE_MAX_CONNECTIONS",
-                 "OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "LOCAL_WORLD_SIZE")
+_RELEVANT_ENV = (
+    "NCCL_",
+    "GLOO_",
+    "TORCH_NCCL_",
+    "TORCH_DISTRIBUTED_",
+    "CUDA_DEVICE_MAX_CONNECTIONS",
+    "OMP_NUM_THREADS",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "CUDA_VISIBLE_DEVICES",
+    "LOCAL_WORLD_SIZE",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,18 +128,35 @@ class DoctorReport:
 def collect_facts() -> RankFacts:
     """This rank's identity, versions, settings and surroundings."""
     versions = software_versions()
-    backends = tuple(b for b, avail in (("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available()),
-                                        ("mpi", dist.is_mpi_available())) if avail)
+    backends = tuple(
+        b
+        for b, avail in (
+            ("gloo", dist.is_gloo_available()),
+            ("nccl", dist.is_nccl_available()),
+            ("mpi", dist.is_mpi_available()),
+        )
+        if avail
+    )
     env = {k: v for k, v in os.environ.items() if k.startswith(_RELEVANT_ENV)}
     try:
         interfaces = tuple(name for _, name in socket.if_nameindex())
     except OSError:
         interfaces = ()
-    return RankFacts(rank=int(os.environ["RANK"]), local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-                     local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), node=node_label(),
-                     host=socket.gethostname(), pid=os.getpid(), versions=versions, backends=backends, env=env,
-                     interfaces=interfaces, cpu_count=os.cpu_count() or 1, threads=torch.get_num_threads(),
-                     gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    return RankFacts(
+        rank=int(os.environ["RANK"]),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        node=node_label(),
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        versions=versions,
+        backends=backends,
+        env=env,
+        interfaces=interfaces,
+        cpu_count=os.cpu_count() or 1,
+        threads=torch.get_num_threads(),
+        gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+    )
 
 
 def _store(join_timeout_s: float) -> tuple[Any, str]:
@@ -124,12 +165,20 @@ def _store(join_timeout_s: float) -> tuple[Any, str]:
         addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     except KeyError as exc:
-        raise SettingsError(f"{exc.args[0]} is not set: run the doctor under torchrun (e.g. 'torchrun "
-                            f"--nproc-per-node 8 -m profiler doctor') or with 'autopar doctor --nproc N'.") from None
+        raise SettingsError(
+            f"{exc.args[0]} is not set: run the doctor under torchrun (e.g. 'torchrun "
+            f"--nproc-per-node 8 -m profiler doctor') or with 'autopar doctor --nproc N'."
+        ) from None
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     timeout = datetime.timedelta(seconds=join_timeout_s)
-    store = dist.TCPStore(addr, port, world_size=None if agent else world, is_master=not agent and rank == 0,
-                          timeout=timeout, wait_for_workers=False)
+    store = dist.TCPStore(
+        addr,
+        port,
+        world_size=None if agent else world,
+        is_master=not agent and rank == 0,
+        timeout=timeout,
+        wait_for_workers=False,
+    )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"autopar_doctor/{attempt}", store), f"{addr}:{port}"
 
@@ -179,20 +228,37 @@ def _plan_size(groups: Mapping[str, tuple[int, ...]], world: int) -> list[Findin
     outside = sorted({r for g in groups.values() for r in g if r >= world})
     if not outside:
         return []
-    return [Finding(severity="error", check="plan", message=f"the plan's groups use ranks up to {outside[-1]} but "
-                                                             f"the job has {world} ranks",
-                    fix=f"launch {outside[-1] + 1} ranks, or plan for {world} devices")]
+    return [
+        Finding(
+            severity="error",
+            check="plan",
+            message=f"the plan's groups use ranks up to {outside[-1]} but the job has {world} ranks",
+            fix=f"launch {outside[-1] + 1} ranks, or plan for {world} devices",
+        )
+    ]
 
 
-def _with_process_group(store: Any, settings: DoctorSettings, backend: str, rank: int, world: int,
-                        findings: list[Finding], present: list[RankFacts]) -> DoctorReport | None:
+def _with_process_group(
+    store: Any,
+    settings: DoctorSettings,
+    backend: str,
+    rank: int,
+    world: int,
+    findings: list[Finding],
+    present: list[RankFacts],
+) -> DoctorReport | None:
     device = torch.device("cpu")
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     try:
-        dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=settings.pg_timeout_s))
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore("pg", store),
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=settings.pg_timeout_s),
+        )
     except Exception as exc:  # report why this rank could not join, then let rank 0 tell everyone
         store.set(f"pg_error/{rank}", f"{type(exc).__name__}: {exc}")
         if rank != 0:
@@ -207,11 +273,20 @@ def _with_process_group(store: Any, settings: DoctorSettings, backend: str, rank
         dist.destroy_process_group()
 
 
-def _collective_checks(settings: DoctorSettings, backend: str, device: torch.device, rank: int, world: int,
-                       findings: list[Finding], present: list[RankFacts]) -> DoctorReport | None:
+def _collective_checks(
+    settings: DoctorSettings,
+    backend: str,
+    device: torch.device,
+    rank: int,
+    world: int,
+    findings: list[Finding],
+    present: list[RankFacts],
+) -> DoctorReport | None:
     groups = {"world": tuple(range(world)), **settings.groups}
-    handles = {name: (dist.group.WORLD if len(ranks) == world else dist.new_group(list(ranks)))
-               for name, ranks in groups.items()}
+    handles = {
+        name: (dist.group.WORLD if len(ranks) == world else dist.new_group(list(ranks)))
+        for name, ranks in groups.items()
+    }
     errors = {}
     for name, ranks in groups.items():
         if rank in ranks:
@@ -226,15 +301,29 @@ def _collective_checks(settings: DoctorSettings, backend: str, device: torch.dev
     dist.all_gather_object(everything, (errors, compute, links))
     if rank != 0:
         return None
-    results = tuple(GroupResult(name=name, ranks=ranks, wrong_ranks=tuple(r for r in ranks if everything[r][0][name]),
-                                max_error=max(everything[r][0][name] for r in ranks)) for name, ranks in groups.items())
+    results = tuple(
+        GroupResult(
+            name=name,
+            ranks=ranks,
+            wrong_ranks=tuple(r for r in ranks if everything[r][0][name]),
+            max_error=max(everything[r][0][name] for r in ranks),
+        )
+        for name, ranks in groups.items()
+    )
     all_links = _merge_links([e[2] for e in everything])
     all_compute = tuple(e[1] for e in everything)
     facts_by_rank = {f.rank: f for f in present}
     findings = findings + check_process_group({}, True, backend) + check_groups(results)
     findings += check_speed(all_links, all_compute, facts_by_rank, settings.slow_ratio)
-    return DoctorReport(world_size=world, backend=backend, findings=tuple(findings), facts=tuple(present),
-                        links=all_links, compute=all_compute, groups=results)
+    return DoctorReport(
+        world_size=world,
+        backend=backend,
+        findings=tuple(findings),
+        facts=tuple(present),
+        links=all_links,
+        compute=all_compute,
+        groups=results,
+    )
 
 
 def _time_matmul(device: torch.device, rank: int, world: int, repeats: int) -> ComputeTime:
@@ -303,8 +392,15 @@ def _time_links(nodes: tuple[str, ...], device: torch.device, settings: DoctorSe
                 watch.start()
                 _exchange(send, recv, peer)
                 best = min(best, watch.stop())
-            mine.append(LinkTime(a=a, b=b, kind="intra" if nodes[a] == nodes[b] else "inter",
-                                 nbytes=float(send.numel() * 4), time_s=best))
+            mine.append(
+                LinkTime(
+                    a=a,
+                    b=b,
+                    kind="intra" if nodes[a] == nodes[b] else "inter",
+                    nbytes=float(send.numel() * 4),
+                    time_s=best,
+                )
+            )
     return mine
 
 
@@ -331,8 +427,11 @@ def _doctor_rank(rank: int, world: int, settings: DoctorSettings) -> DoctorRepor
 
 def add_doctor_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``doctor`` (handler ``func(args) -> exit code``: 0 ready, 1 problems)."""
-    p = subparsers.add_parser("doctor", help="check that every rank joins, agrees and communicates correctly and fast",
-                              description=__doc__.split("\n\n")[1] if __doc__ else None)
+    p = subparsers.add_parser(
+        "doctor",
+        help="check that every rank joins, agrees and communicates correctly and fast",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+    )
     p.add_argument("--plan", type=Path, help="a plan file: also all-reduce over each of its tp/dp/pp groups")
     p.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl with CUDA, else gloo")
     p.add_argument("--join-timeout", type=float, default=60.0, help="seconds to wait for every rank (default 60)")
@@ -351,11 +450,13 @@ def plan_degrees(path: Path) -> tuple[int, int, int]:
         config = json.loads(Path(path).read_text())["config"]
         degrees = tuple(config[k] for k in ("dp", "tp", "pp"))
     except FileNotFoundError:
-        raise SettingsError(f"plan file {str(path)!r} does not exist; write one with 'autopar plan ... --out'.") \
-            from None
+        raise SettingsError(
+            f"plan file {str(path)!r} does not exist; write one with 'autopar plan ... --out'."
+        ) from None
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise SettingsError(f"plan file {str(path)!r} has no readable config.dp/tp/pp ({exc}); is it a plan "
-                            f"written by autopar?") from None
+        raise SettingsError(
+            f"plan file {str(path)!r} has no readable config.dp/tp/pp ({exc}); is it a plan written by autopar?"
+        ) from None
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in degrees):
         raise SettingsError(f"plan file {str(path)!r}: dp, tp, pp = {degrees} must be positive integers.")
     return degrees[0], degrees[1], degrees[2]
@@ -366,8 +467,14 @@ def settings_from_args(args: argparse.Namespace) -> DoctorSettings:
     groups: dict[str, tuple[int, ...]] = {}
     if args.plan is not None:
         groups = plan_groups(*plan_degrees(args.plan))
-    return DoctorSettings(backend=args.backend, join_timeout_s=args.join_timeout, pg_timeout_s=args.pg_timeout,
-                          groups=groups, link_bytes=args.link_bytes, slow_ratio=args.slow_ratio)
+    return DoctorSettings(
+        backend=args.backend,
+        join_timeout_s=args.join_timeout,
+        pg_timeout_s=args.pg_timeout,
+        groups=groups,
+        link_bytes=args.link_bytes,
+        slow_ratio=args.slow_ratio,
+    )
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
@@ -393,4 +500,3 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         report.save(args.out)
         print(f"wrote {args.out}")
     return 0 if report.ok else 1
-

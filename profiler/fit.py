@@ -25,8 +25,8 @@ bandwidth from the large.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from profiler.errors import MeasurementError
 
@@ -83,8 +83,9 @@ def fit_alpha_beta(samples: Sequence[Sample]) -> AlphaBeta:
     noise, not the link)."""
     rows = [(s.c_lat / s.time_s, s.c_bw * s.nbytes / s.time_s) for s in samples if s.time_s > 0]
     if len({s.nbytes for s in samples}) < 2:
-        raise MeasurementError(f"an alpha-beta fit needs at least two message sizes, got "
-                               f"{sorted({s.nbytes for s in samples})}.")
+        raise MeasurementError(
+            f"an alpha-beta fit needs at least two message sizes, got {sorted({s.nbytes for s in samples})}."
+        )
     # minimise sum((a_i alpha + b_i beta - 1)^2), beta = 1 / bandwidth
     saa = sum(a * a for a, _ in rows)
     sbb = sum(b * b for _, b in rows)
@@ -96,8 +97,10 @@ def fit_alpha_beta(samples: Sequence[Sample]) -> AlphaBeta:
     if alpha < 0:
         alpha, beta = 0.0, sb / sbb
     if beta <= 0:
-        raise MeasurementError("the measured times do not grow with message size, so no bandwidth can be fitted; "
-                               "extend the sweep to larger messages (--max-bytes).")
+        raise MeasurementError(
+            "the measured times do not grow with message size, so no bandwidth can be fitted; "
+            "extend the sweep to larger messages (--max-bytes)."
+        )
     fit = AlphaBeta(alpha_s=alpha, bandwidth_bytes_per_s=1.0 / beta, rms_rel_error=0.0, points=len(rows))
     err = math.sqrt(sum(((fit.time_s(s) - s.time_s) / s.time_s) ** 2 for s in samples) / len(samples))
     return AlphaBeta(alpha_s=alpha, bandwidth_bytes_per_s=1.0 / beta, rms_rel_error=err, points=len(rows))

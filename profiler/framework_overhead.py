@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -82,8 +82,9 @@ def tp_overhead_s(mesh: DeviceMesh, device: torch.device, repeats: Repeats, all_
     return max(excess, 0.0) / (2 * (1 + BACKWARD_FACTOR))
 
 
-def fsdp_overhead_s(mesh: DeviceMesh, device: torch.device, repeats: Repeats, all_gather_s: Cost,
-                    reduce_scatter_s: Cost) -> float:
+def fsdp_overhead_s(
+    mesh: DeviceMesh, device: torch.device, repeats: Repeats, all_gather_s: Cost, reduce_scatter_s: Cost
+) -> float:
     """Seconds per FSDP2 collective call on ``mesh`` (1-D), the slowest rank's; call on
     every rank of the mesh. ``FSDP_UNITS`` linears, each its own ``fully_shard`` unit
     under a root that holds nothing, resharded after forward (ZeRO-3): each unit
@@ -91,21 +92,29 @@ def fsdp_overhead_s(mesh: DeviceMesh, device: torch.device, repeats: Repeats, al
     return max(_fsdp_excess_s(mesh, device, repeats, all_gather_s, reduce_scatter_s, DIM, CALLS_PER_SAMPLE), 0.0)
 
 
-def fsdp_tensor_overhead_s(mesh: DeviceMesh, device: torch.device, repeats: Repeats, all_gather_s: Cost,
-                           reduce_scatter_s: Cost, two_tensor_s: float) -> float:
+def fsdp_tensor_overhead_s(
+    mesh: DeviceMesh,
+    device: torch.device,
+    repeats: Repeats,
+    all_gather_s: Cost,
+    reduce_scatter_s: Cost,
+    two_tensor_s: float,
+) -> float:
     """Seconds each parameter tensor of a unit adds to an FSDP2 collective call on
     ``mesh`` (1-D); call on every rank of the mesh. The same units as
     :func:`fsdp_overhead_s`, each of ``FSDP_MANY_LINEARS`` linears instead of one: what a
     call costs there beyond the transfers and ``two_tensor_s`` (:func:`fsdp_overhead_s`'s
     figure, for units of 2 tensors), over the tensors added. Measured on 2 gloo ranks:
     18-72 us per tensor and call over four runs, where a call costs 0.35-0.67 ms."""
-    many = _fsdp_excess_s(mesh, device, repeats, all_gather_s, reduce_scatter_s, DIM, CALLS_PER_SAMPLE,
-                          linears=FSDP_MANY_LINEARS)
+    many = _fsdp_excess_s(
+        mesh, device, repeats, all_gather_s, reduce_scatter_s, DIM, CALLS_PER_SAMPLE, linears=FSDP_MANY_LINEARS
+    )
     return max(many - two_tensor_s, 0.0) / (2 * (FSDP_MANY_LINEARS - 1))
 
 
-def fsdp_copy_bytes_per_s(mesh: DeviceMesh, device: torch.device, repeats: Repeats, all_gather_s: Cost,
-                          reduce_scatter_s: Cost, fixed_s: float) -> float:
+def fsdp_copy_bytes_per_s(
+    mesh: DeviceMesh, device: torch.device, repeats: Repeats, all_gather_s: Cost, reduce_scatter_s: Cost, fixed_s: float
+) -> float:
     """The rate FSDP2's copies around each collective reach on ``mesh`` (1-D), in the
     cost model's terms (:func:`autopar.cost.comm.fsdp_copy_s`: ``FSDP_COPY_PASSES * S *
     (1 + 1/n)`` bytes per call of ``S``); call on every rank of the mesh. The same units
@@ -126,8 +135,16 @@ def _unit_bytes(dim: int, linears: int = 1) -> int:
     return linears * (dim * dim + dim) * 4
 
 
-def _fsdp_excess_s(mesh: DeviceMesh, device: torch.device, repeats: Repeats, all_gather_s: Cost,
-                   reduce_scatter_s: Cost, dim: int, calls: int, linears: int = 1) -> float:
+def _fsdp_excess_s(
+    mesh: DeviceMesh,
+    device: torch.device,
+    repeats: Repeats,
+    all_gather_s: Cost,
+    reduce_scatter_s: Cost,
+    dim: int,
+    calls: int,
+    linears: int = 1,
+) -> float:
     """What a ZeRO-3 collective call costs beyond its transfer, on units of ``linears``
     linears of width ``dim`` (may be negative)."""
     from torch.distributed.fsdp import fully_shard
@@ -145,23 +162,32 @@ def _fsdp_excess_s(mesh: DeviceMesh, device: torch.device, repeats: Repeats, all
 
 def _units(units: int, linears: int, device: torch.device, dim: int) -> torch.nn.Sequential:
     """``units`` units in a row, each a linear or a row of ``linears`` of them."""
-    return torch.nn.Sequential(*(_stack(linears, device, dim) if linears > 1 else torch.nn.Linear(dim, dim).to(device)
-                                 for _ in range(units)))
+    return torch.nn.Sequential(
+        *(_stack(linears, device, dim) if linears > 1 else torch.nn.Linear(dim, dim).to(device) for _ in range(units))
+    )
 
 
 def _stack(layers: int, device: torch.device, dim: int = DIM) -> torch.nn.Sequential:
     return torch.nn.Sequential(*(torch.nn.Linear(dim, dim) for _ in range(layers))).to(device)
 
 
-def _excess_s(plain: torch.nn.Module, sharded: torch.nn.Module, x: torch.Tensor, device: torch.device,
-              repeats: Repeats, group: dist.ProcessGroup, calls: int = CALLS_PER_SAMPLE) -> float:
+def _excess_s(
+    plain: torch.nn.Module,
+    sharded: torch.nn.Module,
+    x: torch.Tensor,
+    device: torch.device,
+    repeats: Repeats,
+    group: dist.ProcessGroup,
+    calls: int = CALLS_PER_SAMPLE,
+) -> float:
     """Forward and backward of ``sharded`` less those of ``plain``, seconds per step."""
     times = [_mean_s(lambda m=m: m(x).sum().backward(), device, repeats, group, calls) for m in (plain, sharded)]
     return times[1] - times[0]
 
 
-def _mean_s(fn: Callable[[], None], device: torch.device, repeats: Repeats, group: dist.ProcessGroup,
-            calls: int) -> float:
+def _mean_s(
+    fn: Callable[[], None], device: torch.device, repeats: Repeats, group: dist.ProcessGroup, calls: int
+) -> float:
     """Mean over ``repeats.repeats`` samples of ``calls`` calls, after ``repeats.warmup``
     calls; the slowest rank's. The mean, as the transfers subtracted from it are priced
     (:attr:`profiler.report.Timing.per_call_s`): a median here would drop the slow

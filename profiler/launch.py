@@ -17,8 +17,9 @@ import multiprocessing as mp
 import os
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,8 +54,13 @@ def _child(fn: Callable, rank: int, world: int, args: tuple, env: dict[str, str]
         os._exit(0)  # skip interpreter teardown: gloo threads can abort it (TORCH-CPU.md section 10)
 
 
-def launch_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
-                 env_of_rank: Callable[[int], dict[str, str]] | None = None) -> list[RankResult]:
+def launch_local(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 120.0,
+    env_of_rank: Callable[[int], dict[str, str]] | None = None,
+) -> list[RankResult]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked processes with
     torchrun's environment and a store hosted here; returns one result per rank.
 
@@ -68,9 +74,17 @@ def launch_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s:
     pipes, procs = [], []
     try:
         for rank in range(world_size):
-            env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                   "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True", "OMP_NUM_THREADS": "1"}
+            env = {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(world_size),
+                "GROUP_RANK": "0",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(store.port),
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "OMP_NUM_THREADS": "1",
+            }
             env.update(env_of_rank(rank) if env_of_rank else {})
             parent_end, child_end = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_child, args=(fn, rank, world_size, args, env, child_end), daemon=True)
@@ -89,15 +103,20 @@ def launch_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s:
                         ok, payload = pipes[rank].recv()
                     except EOFError:
                         ok, payload = False, f"rank {rank}: died (exit code {procs[rank].exitcode})"
-                    results[rank] = RankResult(rank=rank, ok=ok, value=payload if ok else None,
-                                               error="" if ok else str(payload))
+                    results[rank] = RankResult(
+                        rank=rank, ok=ok, value=payload if ok else None, error="" if ok else str(payload)
+                    )
                 elif not procs[rank].is_alive() and not pipes[rank].poll(0):
-                    results[rank] = RankResult(rank=rank, ok=False,
-                                               error=f"rank {rank}: died without a result (exit code "
-                                                     f"{procs[rank].exitcode})")
+                    results[rank] = RankResult(
+                        rank=rank,
+                        ok=False,
+                        error=f"rank {rank}: died without a result (exit code {procs[rank].exitcode})",
+                    )
         for rank in range(world_size):
-            results.setdefault(rank, RankResult(rank=rank, ok=False, error=f"rank {rank}: still running after "
-                                                                           f"{timeout_s:.0f} s; stopped"))
+            results.setdefault(
+                rank,
+                RankResult(rank=rank, ok=False, error=f"rank {rank}: still running after {timeout_s:.0f} s; stopped"),
+            )
         return [results[r] for r in range(world_size)]
     finally:
         for proc in procs:

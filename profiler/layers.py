@@ -20,8 +20,9 @@ measurements, not 98. For each distinct unit the profiler records:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,8 +35,7 @@ from profiler.errors import MeasurementError
 from profiler.machine import provenance
 from profiler.report import ModelProfile, ProfileReport, Timing, UnitMeasurement, WorkItem
 from profiler.timing import Repeats, Stopwatch, synchronize, timer_name
-from profiler.unit_runners import (BlockRunner, EpilogueRunner, Phase, PrologueRunner, WholeRunner, capture,
-                                   tensors)
+from profiler.unit_runners import BlockRunner, EpilogueRunner, Phase, PrologueRunner, WholeRunner, capture, tensors
 
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -91,10 +91,17 @@ class _Distinct:
     runner: Any
 
 
-def profile_model(model: nn.Module, sample_input: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                  sweep: LayerSweep | None = None, threads: int | None = 1,
-                  progress: Callable[[str], None] | None = None, name: str | None = None,
-                  command: str = "profiler.profile_model()") -> ProfileReport:
+def profile_model(
+    model: nn.Module,
+    sample_input: Any,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    sweep: LayerSweep | None = None,
+    threads: int | None = 1,
+    progress: Callable[[str], None] | None = None,
+    name: str | None = None,
+    command: str = "profiler.profile_model()",
+) -> ProfileReport:
     """Measure every distinct unit of ``model`` on ``sample_input``.
 
     Args:
@@ -128,19 +135,32 @@ def profile_model(model: nn.Module, sample_input: Any, *, loss_fn: Callable[[Any
         units = []
         started = time.perf_counter()
         for k, unit in enumerate(distinct, 1):
-            say(f"[{k}/{len(distinct)}] {graph.units[unit.index].fqn} (x{len(unit.instances)}): measuring "
-                f"({sweep.warmup_runs} untimed + up to {sweep.repeats.repeats} timed runs)")
+            say(
+                f"[{k}/{len(distinct)}] {graph.units[unit.index].fqn} (x{len(unit.instances)}): measuring "
+                f"({sweep.warmup_runs} untimed + up to {sweep.repeats.repeats} timed runs)"
+            )
             measured = _measure(model, graph, unit, device, batch, sweep)
             units.append(measured)
-            say(f"[{k}/{len(distinct)}] {measured.fqn} (x{len(measured.instances)}): fwd "
+            say(
+                f"[{k}/{len(distinct)}] {measured.fqn} (x{len(measured.instances)}): fwd "
                 f"{measured.fwd.median_s * 1e3:.2f} ms, bwd {measured.bwd.median_s * 1e3:.2f} ms, "
-                f"{measured.achieved_flop_per_s / 1e9:.1f} GFLOP/s ({time.perf_counter() - started:.1f} s)")
+                f"{measured.achieved_flop_per_s / 1e9:.1f} GFLOP/s ({time.perf_counter() - started:.1f} s)"
+            )
     first = tensors(inputs)[0]
-    layers = ModelProfile(model=name or type(model).__name__, batch=batch, seq_len=graph.seq_len,
-                          sample_shape=tuple(int(s) for s in first.shape), dtype=dtype,
-                          device=device_name(device, n_threads), device_kind="cuda" if device.type == "cuda" else "cpu",
-                          threads=n_threads, timer=timer_name(device), warmup=sweep.warmup_runs, units=tuple(units),
-                          provenance=provenance(command))
+    layers = ModelProfile(
+        model=name or type(model).__name__,
+        batch=batch,
+        seq_len=graph.seq_len,
+        sample_shape=tuple(int(s) for s in first.shape),
+        dtype=dtype,
+        device=device_name(device, n_threads),
+        device_kind="cuda" if device.type == "cuda" else "cpu",
+        threads=n_threads,
+        timer=timer_name(device),
+        warmup=sweep.warmup_runs,
+        units=tuple(units),
+        provenance=provenance(command),
+    )
     return ProfileReport(layers=layers)
 
 
@@ -150,12 +170,16 @@ def _device_and_dtype(model: nn.Module) -> tuple[torch.device, str]:
         raise MeasurementError(f"{type(model).__name__} has no parameters; there is nothing to train or profile.")
     device = params[0].device
     if device.type == "meta":
-        raise MeasurementError(f"{type(model).__name__} is on the meta device; profile_model runs it, so build it "
-                               f"on 'cpu' or 'cuda' (to plan without running, use autopar.graph.extract).")
+        raise MeasurementError(
+            f"{type(model).__name__} is on the meta device; profile_model runs it, so build it "
+            f"on 'cpu' or 'cuda' (to plan without running, use autopar.graph.extract)."
+        )
     floats = {p.dtype for p in params if p.is_floating_point()}
     if len(floats) != 1 or next(iter(floats)) not in _DTYPES:
-        raise MeasurementError(f"{type(model).__name__} has parameters in {sorted(map(str, floats))}; profile_model "
-                               f"needs one of float32, bfloat16, float16 (call model.to(dtype) first).")
+        raise MeasurementError(
+            f"{type(model).__name__} has parameters in {sorted(map(str, floats))}; profile_model "
+            f"needs one of float32, bfloat16, float16 (call model.to(dtype) first)."
+        )
     return device, _DTYPES[next(iter(floats))]
 
 
@@ -171,12 +195,14 @@ def _batch(inputs: tuple[tuple, dict]) -> int:
     for t in tensors(inputs):
         if t.dim() >= 1:
             return int(t.shape[0])
-    raise MeasurementError("sample_input holds no tensor with a batch dimension; pass e.g. token ids of shape "
-                           "(batch, seq).")
+    raise MeasurementError(
+        "sample_input holds no tensor with a batch dimension; pass e.g. token ids of shape (batch, seq)."
+    )
 
 
-def _plan(model: nn.Module, graph: LayerGraph, inputs: tuple[tuple, dict],
-          loss: Callable[[Any], torch.Tensor]) -> list[_Distinct]:
+def _plan(
+    model: nn.Module, graph: LayerGraph, inputs: tuple[tuple, dict], loss: Callable[[Any], torch.Tensor]
+) -> list[_Distinct]:
     """One runner per distinct unit profile, in execution order."""
     modules = dict(model.named_modules())
     blocks = {u.fqn: u.profile for u in graph.units if u.prefix}
@@ -184,8 +210,11 @@ def _plan(model: nn.Module, graph: LayerGraph, inputs: tuple[tuple, dict],
     for u in graph.units:
         instances.setdefault(u.profile, []).append(u.fqn)
     if not blocks:
-        return [_Distinct(index=0, instances=tuple(instances[graph.units[0].profile]),
-                          runner=WholeRunner(model, inputs, loss))]
+        return [
+            _Distinct(
+                index=0, instances=tuple(instances[graph.units[0].profile]), runner=WholeRunner(model, inputs, loss)
+            )
+        ]
     captured = capture(model, inputs, blocks)
     plan = []
     seen: set[int] = set()
@@ -196,8 +225,10 @@ def _plan(model: nn.Module, graph: LayerGraph, inputs: tuple[tuple, dict],
         seen.add(u.profile)
         if u.prefix:
             if u.fqn not in captured.inputs:
-                raise MeasurementError(f"block {u.fqn!r} did not run in the capture forward; profile_model needs the "
-                                       f"blocks to run once each, in order.")
+                raise MeasurementError(
+                    f"block {u.fqn!r} did not run in the capture forward; profile_model needs the "
+                    f"blocks to run once each, in order."
+                )
             runner: Any = BlockRunner(modules[u.fqn], captured.inputs[u.fqn])
         elif i == 0:
             runner = PrologueRunner(model, inputs, modules[first_block.fqn])
@@ -207,8 +238,9 @@ def _plan(model: nn.Module, graph: LayerGraph, inputs: tuple[tuple, dict],
     return plan
 
 
-def _measure(model: nn.Module, graph: LayerGraph, unit: _Distinct, device: torch.device, batch: int,
-             sweep: LayerSweep) -> UnitMeasurement:
+def _measure(
+    model: nn.Module, graph: LayerGraph, unit: _Distinct, device: torch.device, batch: int, sweep: LayerSweep
+) -> UnitMeasurement:
     g_unit = graph.units[unit.index]
     modules = dict(model.named_modules())
     params = {id(p): p for m in g_unit.modules for p in modules[m].parameters()}
@@ -225,15 +257,23 @@ def _measure(model: nn.Module, graph: LayerGraph, unit: _Distinct, device: torch
         saved, peak = probe.saved_bytes, probe.peak_bytes
     fwd, bwd, recompute_bwd = _time(unit.runner, device, sweep.repeats, done=sweep.untimed_probes)
     return UnitMeasurement(
-        fqn=g_unit.fqn, signature=graph.profiles[g_unit.profile].signature, instances=unit.instances,
-        modules=g_unit.modules, fwd=fwd, bwd=bwd, recompute_bwd=recompute_bwd, fwd_flops=flops["fwd"],
+        fqn=g_unit.fqn,
+        signature=graph.profiles[g_unit.profile].signature,
+        instances=unit.instances,
+        modules=g_unit.modules,
+        fwd=fwd,
+        bwd=bwd,
+        recompute_bwd=recompute_bwd,
+        fwd_flops=flops["fwd"],
         bwd_flops=flops["bwd"],
-        param_bytes=float(sum(p.numel() * p.element_size() for p in params.values())), saved_bytes=saved,
-        peak_bytes=peak, work=work_items(graph.profiles[g_unit.profile], batch))
+        param_bytes=float(sum(p.numel() * p.element_size() for p in params.values())),
+        saved_bytes=saved,
+        peak_bytes=peak,
+        work=work_items(graph.profiles[g_unit.profile], batch),
+    )
 
 
-def _time(runner: Any, device: torch.device, repeats: Repeats, *,
-          done: int) -> tuple[Timing, Timing, Timing | None]:
+def _time(runner: Any, device: torch.device, repeats: Repeats, *, done: int) -> tuple[Timing, Timing, Timing | None]:
     """Forward, backward and (where the runner can) recomputing backward times of
     ``runner`` after ``repeats.warmup`` untimed runs, ``done`` of which already happened
     (the FLOP and memory probes run the unit too, so they double as warm-up). Each
@@ -248,8 +288,9 @@ def _time(runner: Any, device: torch.device, repeats: Repeats, *,
     fwd: list[float] = []
     bwd: list[float] = []
     redo: list[float] = []
-    while len(fwd) < repeats.repeats and (len(fwd) < repeats.min_repeats
-                                          or sum(fwd) + sum(bwd) + sum(redo) < repeats.budget_s):
+    while len(fwd) < repeats.repeats and (
+        len(fwd) < repeats.min_repeats or sum(fwd) + sum(bwd) + sum(redo) < repeats.budget_s
+    ):
         runner.run(lap)
         fwd.append(lap.seconds["fwd"])
         bwd.append(lap.seconds["bwd"])
@@ -266,10 +307,16 @@ def work_items(profile: UnitProfile, batch: int) -> tuple[WorkItem, ...]:
     once per call, its activations once per sample."""
     items = []
     for leaf in profile.leaves:
-        items.append(WorkItem(name=leaf.name or "(unit)", matmul_flops=leaf.matmul_flops * batch,
-                              other_flops=(leaf.fwd_flops - leaf.matmul_flops) * batch,
-                              bytes=leaf.fwd_bytes * batch + leaf.weight_bytes, ops=float(leaf.fwd_ops),
-                              weight_bytes=leaf.weight_bytes))
+        items.append(
+            WorkItem(
+                name=leaf.name or "(unit)",
+                matmul_flops=leaf.matmul_flops * batch,
+                other_flops=(leaf.fwd_flops - leaf.matmul_flops) * batch,
+                bytes=leaf.fwd_bytes * batch + leaf.weight_bytes,
+                ops=float(leaf.fwd_ops),
+                weight_bytes=leaf.weight_bytes,
+            )
+        )
     names = [leaf.name or "(unit)" for leaf in profile.leaves]
 
     def end(i: int) -> str:
@@ -278,9 +325,23 @@ def work_items(profile: UnitProfile, batch: int) -> tuple[WorkItem, ...]:
     for f in profile.flows:
         where = f"{end(f.src)} -> {end(f.dst)}"
         if f.attn_flops or f.attn_bytes:
-            items.append(WorkItem(name=f"attention {where}", matmul_flops=f.attn_flops * batch, other_flops=0.0,
-                                  bytes=f.attn_bytes * batch, ops=f.attn_ops))
+            items.append(
+                WorkItem(
+                    name=f"attention {where}",
+                    matmul_flops=f.attn_flops * batch,
+                    other_flops=0.0,
+                    bytes=f.attn_bytes * batch,
+                    ops=f.attn_ops,
+                )
+            )
         if f.glue_flops or f.glue_bytes or f.glue_ops:
-            items.append(WorkItem(name=f"glue {where}", matmul_flops=0.0, other_flops=f.glue_flops * batch,
-                                  bytes=f.glue_bytes * batch, ops=f.glue_ops))
+            items.append(
+                WorkItem(
+                    name=f"glue {where}",
+                    matmul_flops=0.0,
+                    other_flops=f.glue_flops * batch,
+                    bytes=f.glue_bytes * batch,
+                    ops=f.glue_ops,
+                )
+            )
     return tuple(items)

@@ -22,11 +22,17 @@ from profiler.report import Provenance
 
 def provenance(command: str) -> Provenance:
     """The provenance of a measurement made now, here, by ``command``."""
-    return Provenance(host=socket.gethostname(), platform=platform.platform(), cpu=cpu_model(),
-                      cpu_count=os.cpu_count() or 1, memory_bytes=float(physical_memory_bytes()),
-                      accelerator=accelerator(), software=software_versions(),
-                      created_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                      command=command)
+    return Provenance(
+        host=socket.gethostname(),
+        platform=platform.platform(),
+        cpu=cpu_model(),
+        cpu_count=os.cpu_count() or 1,
+        memory_bytes=float(physical_memory_bytes()),
+        accelerator=accelerator(),
+        software=software_versions(),
+        created_utc=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        command=command,
+    )
 
 
 def cpu_model() -> str:

@@ -26,8 +26,9 @@ from __future__ import annotations
 import math
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, get_args
+from typing import Any, get_args
 
 import torch
 import torch.distributed as dist
@@ -41,8 +42,7 @@ from profiler.errors import MeasurementError, SettingsError
 from profiler.fit import Sample, bus_factor, coefficients, fit_alpha_beta
 from profiler.framework_overhead import fsdp_copy_bytes_per_s, fsdp_overhead_s, fsdp_tensor_overhead_s, tp_overhead_s
 from profiler.machine import provenance
-from profiler.report import (CollectiveOp, CommPoint, CommSeries, Level, LinkFit, NetworkProfile, ProfileReport,
-                             Timing)
+from profiler.report import CollectiveOp, CommPoint, CommSeries, Level, LinkFit, NetworkProfile, ProfileReport, Timing
 from profiler.sync_skew import LONG_WORK_S, MEETINGS_PER_REPEAT, speed_spread, sync_noise_s_per_sqrt_s
 from profiler.timing import Repeats, Stopwatch, synchronize
 
@@ -78,8 +78,10 @@ class NetworkSweep:
 
     def __post_init__(self) -> None:
         if self.min_bytes < 4 or (self.max_bytes and self.max_bytes < self.min_bytes) or self.factor < 2:
-            raise SettingsError(f"sizes: min_bytes={self.min_bytes}, max_bytes={self.max_bytes}, factor={self.factor}"
-                                f" are not allowed: need 4 <= min_bytes <= max_bytes and factor >= 2.")
+            raise SettingsError(
+                f"sizes: min_bytes={self.min_bytes}, max_bytes={self.max_bytes}, factor={self.factor}"
+                f" are not allowed: need 4 <= min_bytes <= max_bytes and factor >= 2."
+            )
         unknown = [op for op in self.ops if op not in ALL_OPS]
         if unknown or not self.ops:
             raise SettingsError(f"ops {list(self.ops)} are not allowed; choose from {', '.join(ALL_OPS)}.")
@@ -112,9 +114,13 @@ def node_label() -> str:
     return f"node{node}" if node is not None else socket.gethostname()
 
 
-def profile_network(*, sweep: NetworkSweep | None = None, node_of_rank: tuple[str, ...] | None = None,
-                    progress: Callable[[str], None] | None = None,
-                    command: str = "profiler.profile_network()") -> ProfileReport:
+def profile_network(
+    *,
+    sweep: NetworkSweep | None = None,
+    node_of_rank: tuple[str, ...] | None = None,
+    progress: Callable[[str], None] | None = None,
+    command: str = "profiler.profile_network()",
+) -> ProfileReport:
     """Sweep collectives over every level of the default process group; call on every rank.
 
     Args:
@@ -126,9 +132,11 @@ def profile_network(*, sweep: NetworkSweep | None = None, node_of_rank: tuple[st
     Returns the same report on every rank.
     """
     if not dist.is_available() or not dist.is_initialized():
-        raise MeasurementError("profile_network needs an initialised process group: run under torchrun "
-                               "('torchrun --nproc-per-node N -m profiler network') or 'autopar profile network "
-                               "--nproc N', or call torch.distributed.init_process_group first.")
+        raise MeasurementError(
+            "profile_network needs an initialised process group: run under torchrun "
+            "('torchrun --nproc-per-node N -m profiler network') or 'autopar profile network "
+            "--nproc N', or call torch.distributed.init_process_group first."
+        )
     sweep = sweep or NetworkSweep()
     say = progress or (lambda _line: None)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -154,29 +162,49 @@ def profile_network(*, sweep: NetworkSweep | None = None, node_of_rank: tuple[st
     fits, unfitted = fit_levels(series)
     tp, fsdp, fsdp_tensor, fsdp_copy = _framework_overheads(groups, fits, series, rank, device, sweep)
     if tp or fsdp or fsdp_tensor:
-        say(f"framework overhead on the intra-node groups: {tp * 1e6:.0f} us per tensor-parallel layer forward, "
+        say(
+            f"framework overhead on the intra-node groups: {tp * 1e6:.0f} us per tensor-parallel layer forward, "
             f"{fsdp * 1e6:.0f} us per FSDP collective and {fsdp_tensor * 1e6:.0f} us per parameter tensor in it, "
-            f"FSDP copies at {fsdp_copy / 1e9:.1f} GB/s")
+            f"FSDP copies at {fsdp_copy / 1e9:.1f} GB/s"
+        )
     memory_share = _memory_share(groups, rank, device)
     if memory_share < 1:
         say(f"memory bandwidth with every rank of a node streaming: {memory_share:.2f} of one rank's alone")
     noise, spread = _sync_noise(groups, rank, device, sweep)
     if noise or spread:
-        say(f"ranks of a node finishing the same work apart: {noise * 1e3:.1f} ms per sqrt(s) of work, and "
-            f"{spread:.1%} of it over {LONG_WORK_S:.1f} s stretches")
+        say(
+            f"ranks of a node finishing the same work apart: {noise * 1e3:.1f} ms per sqrt(s) of work, and "
+            f"{spread:.1%} of it over {LONG_WORK_S:.1f} s stretches"
+        )
     # rank 0's provenance on every rank: each rank's own clock could read another second
-    profile = NetworkProfile(backend=backend, device_kind="cuda" if device.type == "cuda" else "cpu",
-                             world_size=world, node_of_rank=labels, series=series, fits=fits, unfitted=unfitted,
-                             tp_overhead_s=tp, fsdp_overhead_s=fsdp, fsdp_tensor_overhead_s=fsdp_tensor,
-                             fsdp_copy_bytes_per_s=fsdp_copy,
-                             memory_share=memory_share,
-                             sync_noise_s_per_sqrt_s=noise, sync_speed_spread=spread,
-                             provenance=everyone[0][1])
+    profile = NetworkProfile(
+        backend=backend,
+        device_kind="cuda" if device.type == "cuda" else "cpu",
+        world_size=world,
+        node_of_rank=labels,
+        series=series,
+        fits=fits,
+        unfitted=unfitted,
+        tp_overhead_s=tp,
+        fsdp_overhead_s=fsdp,
+        fsdp_tensor_overhead_s=fsdp_tensor,
+        fsdp_copy_bytes_per_s=fsdp_copy,
+        memory_share=memory_share,
+        sync_noise_s_per_sqrt_s=noise,
+        sync_speed_spread=spread,
+        provenance=everyone[0][1],
+    )
     return ProfileReport(network=profile)
 
 
-def _framework_overheads(groups: list[_Group], fits: tuple[LinkFit, ...], series: tuple[CommSeries, ...], rank: int,
-                         device: torch.device, sweep: NetworkSweep) -> tuple[float, float, float, float]:
+def _framework_overheads(
+    groups: list[_Group],
+    fits: tuple[LinkFit, ...],
+    series: tuple[CommSeries, ...],
+    rank: int,
+    device: torch.device,
+    sweep: NetworkSweep,
+) -> tuple[float, float, float, float]:
     """(tensor-parallel, FSDP per call, FSDP per parameter tensor and call) framework
     time and the rate of FSDP's copies (:mod:`profiler.framework_overhead`) on the
     intra-node groups (where tensor
@@ -202,8 +230,12 @@ def _framework_overheads(groups: list[_Group], fits: tuple[LinkFit, ...], series
 
     values = _on_intra_groups(groups, rank, measure)
     rates = [v[3] for v in values if v[3] > 0]
-    return (max((v[0] for v in values), default=0.0), max((v[1] for v in values), default=0.0),
-            max((v[2] for v in values), default=0.0), min(rates, default=0.0))
+    return (
+        max((v[0] for v in values), default=0.0),
+        max((v[1] for v in values), default=0.0),
+        max((v[2] for v in values), default=0.0),
+        min(rates, default=0.0),
+    )
 
 
 def _memory_share(groups: list[_Group], rank: int, device: torch.device) -> float:
@@ -252,8 +284,13 @@ def _transfer_cost(fit: LinkFit, op: str, group: _Group, series: tuple[CommSerie
     prices it from this profile: by the group's own measured curve, past its sizes by
     the fit's bandwidth."""
     own = next((s for s in series if s.op == op and s.ranks == group.ranks), None)
-    curve = None if own is None else CommCurve.from_measured(len(group.ranks), [p.nbytes for p in own.points],
-                                                            [p.time.per_call_s for p in own.points])
+    curve = (
+        None
+        if own is None
+        else CommCurve.from_measured(
+            len(group.ranks), [p.nbytes for p in own.points], [p.time.per_call_s for p in own.points]
+        )
+    )
     link = OpLink(op=op, bandwidth_bytes_per_s=fit.bandwidth_bytes_per_s, latency_s=fit.alpha_s, curve=curve)
     spec = LinkSpec(bandwidth_bytes_per_s=fit.bandwidth_bytes_per_s, latency_s=fit.alpha_s, per_op=(link,))
     return lambda nbytes: level_s(spec, op, nbytes, len(group.ranks))
@@ -280,21 +317,46 @@ def _groups(labels: tuple[str, ...], levels: tuple[Level, ...]) -> list[_Group]:
             ranks = tuple(members[n])
             if len(ranks) >= 2:
                 handle = dist.group.WORLD if len(ranks) == world else dist.new_group(list(ranks))
-                groups.append(_Group(level="intra", label=f"{n} (ranks {_span(ranks)})", ranks=ranks,
-                                     handle=handle, per_node=len(ranks), nodes=1))
+                groups.append(
+                    _Group(
+                        level="intra",
+                        label=f"{n} (ranks {_span(ranks)})",
+                        ranks=ranks,
+                        handle=handle,
+                        per_node=len(ranks),
+                        nodes=1,
+                    )
+                )
     if "inter" in levels and len(nodes) >= 2:
         for k in range(min(len(m) for m in members.values())):
             ranks = tuple(members[n][k] for n in nodes)
             handle = dist.group.WORLD if len(ranks) == world else dist.new_group(list(ranks))
-            groups.append(_Group(level="inter", label=f"local rank {k} of {len(nodes)} nodes (ranks {_span(ranks)})",
-                                 ranks=ranks, handle=handle, per_node=1, nodes=len(nodes)))
+            groups.append(
+                _Group(
+                    level="inter",
+                    label=f"local rank {k} of {len(nodes)} nodes (ranks {_span(ranks)})",
+                    ranks=ranks,
+                    handle=handle,
+                    per_node=1,
+                    nodes=len(nodes),
+                )
+            )
     if "mixed" in levels and len(nodes) >= 2 and max(len(m) for m in members.values()) >= 2:
         per_node = max(len(m) for m in members.values())
-        groups.append(_Group(level="mixed", label=f"world ({world} ranks on {len(nodes)} nodes)",
-                             ranks=tuple(range(world)), handle=dist.group.WORLD, per_node=per_node, nodes=len(nodes)))
+        groups.append(
+            _Group(
+                level="mixed",
+                label=f"world ({world} ranks on {len(nodes)} nodes)",
+                ranks=tuple(range(world)),
+                handle=dist.group.WORLD,
+                per_node=per_node,
+                nodes=len(nodes),
+            )
+        )
     if not groups:
-        raise MeasurementError(f"no group of >= 2 ranks at levels {levels} with nodes {dict(members)}; choose other "
-                               f"levels.")
+        raise MeasurementError(
+            f"no group of >= 2 ranks at levels {levels} with nodes {dict(members)}; choose other levels."
+        )
     return groups
 
 
@@ -355,6 +417,7 @@ def _make_call(op: str, nbytes: int, group: _Group, device: torch.device) -> Cal
         ops = [dist.P2POp(dist.irecv, recv, prv, group=pg), dist.P2POp(dist.isend, send, nxt, group=pg)]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+
     return send_recv
 
 
@@ -367,10 +430,18 @@ def _series(group: _Group, op: CollectiveOp, sizes: tuple[int, ...], everyone: l
         timing = Timing.of(slowest)
         actual = float(max(n, (nbytes // 4) // n * n) * 4)
         algbw = actual / timing.per_call_s
-        points.append(CommPoint(nbytes=actual, time=timing, algbw_bytes_per_s=algbw,
-                                busbw_bytes_per_s=algbw * bus_factor(op, n)))
-    return CommSeries(op=op, level=group.level, label=group.label, ranks=group.ranks, per_node=group.per_node,
-                      nodes=group.nodes, points=tuple(points))
+        points.append(
+            CommPoint(nbytes=actual, time=timing, algbw_bytes_per_s=algbw, busbw_bytes_per_s=algbw * bus_factor(op, n))
+        )
+    return CommSeries(
+        op=op,
+        level=group.level,
+        label=group.label,
+        ranks=group.ranks,
+        per_node=group.per_node,
+        nodes=group.nodes,
+        points=tuple(points),
+    )
 
 
 def fit_levels(series: tuple[CommSeries, ...]) -> tuple[tuple[LinkFit, ...], dict[str, str]]:
@@ -397,5 +468,11 @@ def _fit(level: Level, ops: tuple[CollectiveOp, ...], series: list[CommSeries]) 
             c_bw, c_lat = coefficients(s.op, level, len(s.ranks))
             samples += [Sample(nbytes=p.nbytes, time_s=p.time.per_call_s, c_bw=c_bw, c_lat=c_lat) for p in s.points]
     ab = fit_alpha_beta(samples)
-    return LinkFit(level=level, ops=ops, alpha_s=ab.alpha_s, bandwidth_bytes_per_s=ab.bandwidth_bytes_per_s,
-                   rms_rel_error=ab.rms_rel_error, points=ab.points)
+    return LinkFit(
+        level=level,
+        ops=ops,
+        alpha_s=ab.alpha_s,
+        bandwidth_bytes_per_s=ab.bandwidth_bytes_per_s,
+        rms_rel_error=ab.rms_rel_error,
+        points=ab.points,
+    )

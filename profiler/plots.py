@@ -7,7 +7,7 @@ figure state and picks a GUI backend, neither of which a library should touch.
 from __future__ import annotations
 
 import io
-from typing import Sequence
+from collections.abc import Sequence
 
 from matplotlib.figure import Figure
 
@@ -48,8 +48,13 @@ def stream_bandwidth(device: DeviceProfile) -> bytes:
     for color, kernel in zip(_COLORS, ("copy", "add")):
         pts = sorted((b.array_bytes, b.achieved_bytes_per_s) for b in device.bandwidth if b.kernel == kernel)
         ax.plot([a / 2**20 for a, _ in pts], [r / 1e9 for _, r in pts], "o-", color=color, label=kernel)
-    ax.axhline(device.memory_bandwidth_bytes_per_s / 1e9, color="grey", linestyle="--", linewidth=0.8,
-               label="used by the cost model")
+    ax.axhline(
+        device.memory_bandwidth_bytes_per_s / 1e9,
+        color="grey",
+        linestyle="--",
+        linewidth=0.8,
+        label="used by the cost model",
+    )
     ax.set_xscale("log")
     ax.set_xlabel("array size (MiB)")
     ax.set_ylabel("GB/s")
@@ -70,15 +75,24 @@ def unit_times(layers: ModelProfile) -> bytes:
     bwd = [u.bwd.median_s * 1e3 for u in units]
     ax.barh(ys, fwd, color=_COLORS[0], label="forward")
     ax.barh(ys, bwd, left=fwd, color=_COLORS[1], label="backward")
-    ax.errorbar([f + b for f, b in zip(fwd, bwd)], ys,
-                xerr=[[(u.fwd.median_s - u.fwd.min_s + u.bwd.median_s - u.bwd.min_s) * 1e3 for u in units],
-                      [(u.fwd.max_s - u.fwd.median_s + u.bwd.max_s - u.bwd.median_s) * 1e3 for u in units]],
-                fmt="none", ecolor="black", capsize=3, linewidth=0.8)
+    ax.errorbar(
+        [f + b for f, b in zip(fwd, bwd)],
+        ys,
+        xerr=[
+            [(u.fwd.median_s - u.fwd.min_s + u.bwd.median_s - u.bwd.min_s) * 1e3 for u in units],
+            [(u.fwd.max_s - u.fwd.median_s + u.bwd.max_s - u.bwd.median_s) * 1e3 for u in units],
+        ],
+        fmt="none",
+        ecolor="black",
+        capsize=3,
+        linewidth=0.8,
+    )
     step = layers.step_s()
     right = max((u.fwd.max_s + u.bwd.max_s) * 1e3 for u in units)
     for y, u in zip(ys, units):
-        ax.annotate(f"{100 * u.time_s * len(u.instances) / step:.0f}% of step", (right * 1.03, y),
-                    va="center", fontsize=8)
+        ax.annotate(
+            f"{100 * u.time_s * len(u.instances) / step:.0f}% of step", (right * 1.03, y), va="center", fontsize=8
+        )
     ax.set_xlim(0, right * 1.25)
     ax.set_yticks(list(ys), names)
     ax.invert_yaxis()
@@ -114,17 +128,28 @@ def bus_bandwidth(network: NetworkProfile, levels: Sequence[str] = ("intra", "in
         for color, op in zip(_COLORS, ops):
             series = [s for s in network.series if s.level == level and s.op == op]
             for k, s in enumerate(series):
-                ax.plot([p.nbytes for p in s.points], [p.busbw_bytes_per_s / 1e9 for p in s.points], "o-",
-                        color=color, alpha=1.0 if k == 0 else 0.35, markersize=3,
-                        label=op if k == 0 else None)
+                ax.plot(
+                    [p.nbytes for p in s.points],
+                    [p.busbw_bytes_per_s / 1e9 for p in s.points],
+                    "o-",
+                    color=color,
+                    alpha=1.0 if k == 0 else 0.35,
+                    markersize=3,
+                    label=op if k == 0 else None,
+                )
         fit = network.link(level) if level != "mixed" else None
         if fit is not None:
             sizes = sorted({p.nbytes for s in network.series if s.level == level for p in s.points})
             n = len(next(s for s in network.series if s.level == level).ranks)
             c_bw, c_lat = coefficients("all_reduce", level, n)
             model = [c_bw * x / (c_bw * x / fit.bandwidth_bytes_per_s + c_lat * fit.alpha_s) / 1e9 for x in sizes]
-            ax.plot(sizes, model, "k--", linewidth=1,
-                    label=f"fit: {fit.bandwidth_bytes_per_s / 1e9:.3g} GB/s, {fit.alpha_s * 1e6:.3g} us")
+            ax.plot(
+                sizes,
+                model,
+                "k--",
+                linewidth=1,
+                label=f"fit: {fit.bandwidth_bytes_per_s / 1e9:.3g} GB/s, {fit.alpha_s * 1e6:.3g} us",
+            )
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("message size (bytes)")

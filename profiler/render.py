@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import base64
 import html
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from profiler import plots
 from profiler.report import DeviceProfile, ModelProfile, NetworkProfile, ProfileReport, Provenance
@@ -62,14 +62,18 @@ def _bytes(n: float) -> str:
 
 def _provenance(p: Provenance) -> _Text:
     sw = ", ".join(f"{k} {v}" for k, v in p.software.items())
-    return _Text(f"Measured on {p.host} ({p.cpu}, {p.cpu_count} CPUs, {p.memory_bytes / 2**30:.1f} GiB, "
-                 f"accelerator: {p.accelerator}) at {p.created_utc} with {sw}. Command: `{p.command}`.")
+    return _Text(
+        f"Measured on {p.host} ({p.cpu}, {p.cpu_count} CPUs, {p.memory_bytes / 2**30:.1f} GiB, "
+        f"accelerator: {p.accelerator}) at {p.created_utc} with {sw}. Command: `{p.command}`."
+    )
 
 
 def blocks(report: ProfileReport) -> list[_Block]:
     """The document's content, section by section."""
-    out: list[_Block] = [_Heading("autopar profile report", 1),
-                         _Text("Measured: " + (", ".join(report.measured) or "nothing") + ".")]
+    out: list[_Block] = [
+        _Heading("autopar profile report", 1),
+        _Text("Measured: " + (", ".join(report.measured) or "nothing") + "."),
+    ]
     out += [_Text(line) for line in report.summary()]
     if report.device is not None:
         out += _device_blocks(report.device)
@@ -81,22 +85,40 @@ def blocks(report: ProfileReport) -> list[_Block]:
 
 
 def _device_blocks(d: DeviceProfile) -> list[_Block]:
-    rows = tuple((p.dtype, f"{p.m}x{p.n}x{p.k}", f"{p.flops:.3g}", _ms(p.time.median_s),
-                  f"{100 * p.time.spread:.0f}%", f"{p.achieved_flop_per_s / 1e9:.1f}") for p in d.matmul)
-    bw = tuple((b.kernel, _bytes(b.array_bytes), _ms(b.time.median_s), f"{b.achieved_bytes_per_s / 1e9:.1f}")
-               for b in d.bandwidth)
+    rows = tuple(
+        (
+            p.dtype,
+            f"{p.m}x{p.n}x{p.k}",
+            f"{p.flops:.3g}",
+            _ms(p.time.median_s),
+            f"{100 * p.time.spread:.0f}%",
+            f"{p.achieved_flop_per_s / 1e9:.1f}",
+        )
+        for p in d.matmul
+    )
+    bw = tuple(
+        (b.kernel, _bytes(b.array_bytes), _ms(b.time.median_s), f"{b.achieved_bytes_per_s / 1e9:.1f}")
+        for b in d.bandwidth
+    )
     blocks_: list[_Block] = [
-        _Heading(f"Device: {d.name}"), _provenance(d.provenance),
-        _Text(f"{d.kind}, {d.threads} thread(s), timer {d.timer}; memory {d.memory_bytes / 2**30:.1f} GiB"
-              f"{' (shared by the processes of a node)' if d.memory_shared else ''}; streaming bandwidth used by the "
-              f"cost model: {d.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s; framework overhead "
-              f"{d.op_overhead_s * 1e6:.1f} us per op, {d.tp_overhead_s * 1e6:.0f} us per tensor-parallel layer; "
-              f"AdamW step {d.optimizer_s_per_param * 1e9:.2f} ns per parameter (0: not measured)."),
-        _Figure("matmul", "Achieved matmul FLOP/s against the FLOPs of one call (dashed: best per precision).",
-                lambda: plots.matmul_curves(d)),
+        _Heading(f"Device: {d.name}"),
+        _provenance(d.provenance),
+        _Text(
+            f"{d.kind}, {d.threads} thread(s), timer {d.timer}; memory {d.memory_bytes / 2**30:.1f} GiB"
+            f"{' (shared by the processes of a node)' if d.memory_shared else ''}; streaming bandwidth used by the "
+            f"cost model: {d.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s; framework overhead "
+            f"{d.op_overhead_s * 1e6:.1f} us per op, {d.tp_overhead_s * 1e6:.0f} us per tensor-parallel layer; "
+            f"AdamW step {d.optimizer_s_per_param * 1e9:.2f} ns per parameter (0: not measured)."
+        ),
+        _Figure(
+            "matmul",
+            "Achieved matmul FLOP/s against the FLOPs of one call (dashed: best per precision).",
+            lambda: plots.matmul_curves(d),
+        ),
         _Table(("dtype", "m x n x k", "FLOPs/call", "median ms", "spread", "GFLOP/s"), rows),
         _Figure("stream", "Streaming memory bandwidth against array size.", lambda: plots.stream_bandwidth(d)),
-        _Table(("kernel", "array", "median ms", "GB/s"), bw)]
+        _Table(("kernel", "array", "median ms", "GB/s"), bw),
+    ]
     if d.skipped_dtypes:
         blocks_.append(_Text("Skipped: " + "; ".join(f"{k}: {v}" for k, v in d.skipped_dtypes.items())))
     return blocks_
@@ -107,81 +129,160 @@ def _layer_blocks(lay: ModelProfile, device: DeviceProfile | None) -> list[_Bloc
     rows = []
     for u in lay.units:
         share = f"{100 * u.achieved_flop_per_s / peak:.0f}%" if peak else "-"
-        redo = "-" if u.recompute_bwd is None else (
-            f"{_ms(u.recompute_bwd.median_s)} (+{(u.recompute_bwd.median_s - u.bwd.median_s) / u.fwd.median_s:.2f} fwd)")
-        rows.append((u.fqn, str(len(u.instances)), f"{_ms(u.fwd.median_s)} ({_ms(u.fwd.min_s)}-{_ms(u.fwd.max_s)})",
-                     f"{_ms(u.bwd.median_s)} ({_ms(u.bwd.min_s)}-{_ms(u.bwd.max_s)})", redo,
-                     f"{u.fwd_flops / 1e9:.3g} / {u.bwd_flops / 1e9:.3g}", f"{u.achieved_flop_per_s / 1e9:.1f}", share,
-                     _mib(u.param_bytes), _mib(u.saved_bytes), _mib(u.peak_bytes)))
+        redo = (
+            "-"
+            if u.recompute_bwd is None
+            else (
+                f"{_ms(u.recompute_bwd.median_s)} (+{(u.recompute_bwd.median_s - u.bwd.median_s) / u.fwd.median_s:.2f} fwd)"
+            )
+        )
+        rows.append(
+            (
+                u.fqn,
+                str(len(u.instances)),
+                f"{_ms(u.fwd.median_s)} ({_ms(u.fwd.min_s)}-{_ms(u.fwd.max_s)})",
+                f"{_ms(u.bwd.median_s)} ({_ms(u.bwd.min_s)}-{_ms(u.bwd.max_s)})",
+                redo,
+                f"{u.fwd_flops / 1e9:.3g} / {u.bwd_flops / 1e9:.3g}",
+                f"{u.achieved_flop_per_s / 1e9:.1f}",
+                share,
+                _mib(u.param_bytes),
+                _mib(u.saved_bytes),
+                _mib(u.peak_bytes),
+            )
+        )
     return [
-        _Heading(f"Layers: {lay.model}"), _provenance(lay.provenance),
-        _Text(f"Batch {lay.batch}, sequence {lay.seq_len}, input {tuple(lay.sample_shape)}, {lay.dtype} on "
-              f"{lay.device} ({lay.threads} thread(s), timer {lay.timer}, {lay.warmup} warm-up run(s)). Identical "
-              f"blocks are measured once; one training step's forward and backward: "
-              f"{lay.step_s() * 1e3:.1f} ms. The backward recomputing is the backward with the unit's forward "
-              f"under full recomputation's checkpoint, and what that adds as a fraction of the forward."),
+        _Heading(f"Layers: {lay.model}"),
+        _provenance(lay.provenance),
+        _Text(
+            f"Batch {lay.batch}, sequence {lay.seq_len}, input {tuple(lay.sample_shape)}, {lay.dtype} on "
+            f"{lay.device} ({lay.threads} thread(s), timer {lay.timer}, {lay.warmup} warm-up run(s)). Identical "
+            f"blocks are measured once; one training step's forward and backward: "
+            f"{lay.step_s() * 1e3:.1f} ms. The backward recomputing is the backward with the unit's forward "
+            f"under full recomputation's checkpoint, and what that adds as a fraction of the forward."
+        ),
         _Figure("unit_times", "Forward and backward time per distinct unit.", lambda: plots.unit_times(lay)),
-        _Table(("unit", "x", "fwd ms (min-max)", "bwd ms (min-max)", "bwd recomputing ms", "GFLOP fwd / bwd", "GFLOP/s",
-                "of best matmul", "params MiB", "saved MiB", "peak MiB"), tuple(rows)),
-        _Figure("unit_rates", "Achieved FLOP/s per unit against the best measured matmul.",
-                lambda: plots.unit_rates(lay, peak)),
+        _Table(
+            (
+                "unit",
+                "x",
+                "fwd ms (min-max)",
+                "bwd ms (min-max)",
+                "bwd recomputing ms",
+                "GFLOP fwd / bwd",
+                "GFLOP/s",
+                "of best matmul",
+                "params MiB",
+                "saved MiB",
+                "peak MiB",
+            ),
+            tuple(rows),
+        ),
+        _Figure(
+            "unit_rates",
+            "Achieved FLOP/s per unit against the best measured matmul.",
+            lambda: plots.unit_rates(lay, peak),
+        ),
     ]
 
 
 def _network_blocks(n: NetworkProfile) -> list[_Block]:
-    fits = tuple((f.level, "+".join(f.ops), f"{f.alpha_s * 1e6:.3g}", f"{f.bandwidth_bytes_per_s / 1e9:.3g}",
-                  f"{100 * f.rms_rel_error:.0f}%", str(f.points)) for f in n.fits)
+    fits = tuple(
+        (
+            f.level,
+            "+".join(f.ops),
+            f"{f.alpha_s * 1e6:.3g}",
+            f"{f.bandwidth_bytes_per_s / 1e9:.3g}",
+            f"{100 * f.rms_rel_error:.0f}%",
+            str(f.points),
+        )
+        for f in n.fits
+    )
     series = []
     for s in n.series:
         small, large = s.points[0], s.points[-1]
-        series.append((s.level, s.op, s.label, f"{_ms(small.time.per_call_s)} @ {_bytes(small.nbytes)}",
-                       f"{large.busbw_bytes_per_s / 1e9:.3g} @ {_bytes(large.nbytes)}",
-                       f"{max(p.busbw_bytes_per_s for p in s.points) / 1e9:.3g}"))
+        series.append(
+            (
+                s.level,
+                s.op,
+                s.label,
+                f"{_ms(small.time.per_call_s)} @ {_bytes(small.nbytes)}",
+                f"{large.busbw_bytes_per_s / 1e9:.3g} @ {_bytes(large.nbytes)}",
+                f"{max(p.busbw_bytes_per_s for p in s.points) / 1e9:.3g}",
+            )
+        )
     nodes = {}
     for rank, label in enumerate(n.node_of_rank):
         nodes.setdefault(label, []).append(rank)
     out: list[_Block] = [
-        _Heading(f"Network: {n.backend}, {n.world_size} ranks"), _provenance(n.provenance),
-        _Text("Nodes: " + "; ".join(f"{k}: ranks {', '.join(map(str, v))}" for k, v in nodes.items()) + ". "
-              "Sizes as nccl-tests counts them; times are the slowest rank's, per call, the mean over repeats; busbw "
-              "is nccl-tests' bus bandwidth."),
-        _Figure("busbw", "Bus bandwidth against message size (dashed: the level's joint alpha-beta fit, drawn "
-                         "for an all-reduce).", lambda: plots.bus_bandwidth(n)),
+        _Heading(f"Network: {n.backend}, {n.world_size} ranks"),
+        _provenance(n.provenance),
+        _Text(
+            "Nodes: " + "; ".join(f"{k}: ranks {', '.join(map(str, v))}" for k, v in nodes.items()) + ". "
+            "Sizes as nccl-tests counts them; times are the slowest rank's, per call, the mean over repeats; busbw "
+            "is nccl-tests' bus bandwidth."
+        ),
+        _Figure(
+            "busbw",
+            "Bus bandwidth against message size (dashed: the level's joint alpha-beta fit, drawn for an all-reduce).",
+            lambda: plots.bus_bandwidth(n),
+        ),
         _Table(("level", "ops", "alpha us", "busbw GB/s", "rms error", "points"), fits),
         _Table(("level", "op", "group", "smallest: ms", "largest: busbw GB/s", "best busbw GB/s"), tuple(series)),
     ]
     if n.tp_overhead_s or n.fsdp_overhead_s or n.fsdp_tensor_overhead_s:
-        out.append(_Text(f"Framework time on the intra-node groups beyond the arithmetic and the fitted transfers: "
-                         f"{n.tp_overhead_s * 1e6:.0f} us per tensor-parallel layer forward (a column/row-parallel "
-                         f"pair), {n.fsdp_overhead_s * 1e6:.0f} us per FSDP2 collective call and "
-                         f"{n.fsdp_tensor_overhead_s * 1e6:.0f} us per parameter tensor of its unit (two ZeRO-3 units "
-                         f"of 2 and of 16 tensors), forward and backward."
-                         + (f" FSDP2's copies around each collective at {n.fsdp_copy_bytes_per_s / 1e9:.2f} GB/s "
-                            f"(units of 2.25 MiB)." if n.fsdp_copy_bytes_per_s else "")))
+        out.append(
+            _Text(
+                f"Framework time on the intra-node groups beyond the arithmetic and the fitted transfers: "
+                f"{n.tp_overhead_s * 1e6:.0f} us per tensor-parallel layer forward (a column/row-parallel "
+                f"pair), {n.fsdp_overhead_s * 1e6:.0f} us per FSDP2 collective call and "
+                f"{n.fsdp_tensor_overhead_s * 1e6:.0f} us per parameter tensor of its unit (two ZeRO-3 units "
+                f"of 2 and of 16 tensors), forward and backward."
+                + (
+                    f" FSDP2's copies around each collective at {n.fsdp_copy_bytes_per_s / 1e9:.2f} GB/s "
+                    f"(units of 2.25 MiB)."
+                    if n.fsdp_copy_bytes_per_s
+                    else ""
+                )
+            )
+        )
     if n.memory_share < 1:
-        out.append(_Text(f"Memory bandwidth with every rank of a node streaming at once: {n.memory_share:.2f} of "
-                         f"what one rank has alone (per rank, time-sharing the cores included)."))
+        out.append(
+            _Text(
+                f"Memory bandwidth with every rank of a node streaming at once: {n.memory_share:.2f} of "
+                f"what one rank has alone (per rank, time-sharing the cores included)."
+            )
+        )
     if n.sync_noise_s_per_sqrt_s or n.sync_speed_spread:
         s, d = n.sync_noise_s_per_sqrt_s, n.sync_speed_spread
-        out.append(_Text(f"Ranks of a node finishing the same work apart: one standard deviation is {s * 1e3:.1f} ms "
-                         f"per square root of a second of work ({s * 0.1 * 1e3:.2f} ms after 10 ms, "
-                         f"{s * 1e3:.1f} ms after 1 s), and {d:.1%} of the work beyond that as the ranks' speeds "
-                         f"wander; each blocking collective waits for the last rank."))
+        out.append(
+            _Text(
+                f"Ranks of a node finishing the same work apart: one standard deviation is {s * 1e3:.1f} ms "
+                f"per square root of a second of work ({s * 0.1 * 1e3:.2f} ms after 10 ms, "
+                f"{s * 1e3:.1f} ms after 1 s), and {d:.1%} of the work beyond that as the ranks' speeds "
+                f"wander; each blocking collective waits for the last rank."
+            )
+        )
     if n.unfitted:
         out.append(_Text("Not fitted: " + "; ".join(f"{k}: {v}" for k, v in n.unfitted.items())))
     return out
 
 
-_CSS = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}"
-        "table{border-collapse:collapse;margin:1em 0;font-size:0.9em}td,th{border:1px solid #ccc;padding:3px 8px;"
-        "text-align:right}th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}"
-        "figure{margin:1em 0}figcaption{font-size:0.85em;color:#555}img{max-width:100%}")
+_CSS = (
+    "body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}"
+    "table{border-collapse:collapse;margin:1em 0;font-size:0.9em}td,th{border:1px solid #ccc;padding:3px 8px;"
+    "text-align:right}th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}"
+    "figure{margin:1em 0}figcaption{font-size:0.85em;color:#555}img{max-width:100%}"
+)
 
 
 def render_html(report: ProfileReport) -> str:
     """A standalone HTML document (figures embedded as base64 PNG)."""
-    parts = ["<!DOCTYPE html>", "<html><head><meta charset='utf-8'><title>autopar profile</title>",
-             f"<style>{_CSS}</style></head><body>"]
+    parts = [
+        "<!DOCTYPE html>",
+        "<html><head><meta charset='utf-8'><title>autopar profile</title>",
+        f"<style>{_CSS}</style></head><body>",
+    ]
     for b in blocks(report):
         if isinstance(b, _Heading):
             parts.append(f"<h{b.level}>{html.escape(b.text)}</h{b.level}>")
@@ -193,14 +294,15 @@ def render_html(report: ProfileReport) -> str:
             parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
         else:
             data = base64.b64encode(b.make()).decode("ascii")
-            parts.append(f"<figure><img alt='{html.escape(b.name)}' src='data:image/png;base64,{data}'>"
-                         f"<figcaption>{html.escape(b.caption)}</figcaption></figure>")
+            parts.append(
+                f"<figure><img alt='{html.escape(b.name)}' src='data:image/png;base64,{data}'>"
+                f"<figcaption>{html.escape(b.caption)}</figcaption></figure>"
+            )
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
 
 
-def render_markdown(report: ProfileReport, *, image_dir: str | Path | None = None,
-                    link_prefix: str = "") -> str:
+def render_markdown(report: ProfileReport, *, image_dir: str | Path | None = None, link_prefix: str = "") -> str:
     """Markdown; figures are written as PNG files into ``image_dir`` and linked as
     ``link_prefix + name.png`` (left out when ``image_dir`` is None)."""
     lines: list[str] = []

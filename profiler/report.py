@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 from profiler.codec import decode, encode
 from profiler.errors import ProfileFormatError
@@ -76,16 +77,22 @@ class Timing:
     def __post_init__(self) -> None:
         inner = (self.median_s,) if self.mean_s is None else (self.median_s, self.mean_s)
         if self.repeats < 1 or not 0 <= self.min_s <= min(inner) <= max(inner) <= self.max_s:
-            raise ProfileFormatError(f"timing {self!r} is inconsistent: it needs repeats >= 1 and "
-                                     f"0 <= min_s <= median_s, mean_s <= max_s.")
+            raise ProfileFormatError(
+                f"timing {self!r} is inconsistent: it needs repeats >= 1 and 0 <= min_s <= median_s, mean_s <= max_s."
+            )
 
     @staticmethod
-    def of(samples_s: Sequence[float]) -> "Timing":
+    def of(samples_s: Sequence[float]) -> Timing:
         """Summarise raw samples (seconds)."""
         if not samples_s:
             raise ProfileFormatError("cannot summarise zero timing samples; measure at least once.")
-        return Timing(median_s=statistics.median(samples_s), min_s=min(samples_s), max_s=max(samples_s),
-                      repeats=len(samples_s), mean_s=statistics.mean(samples_s))
+        return Timing(
+            median_s=statistics.median(samples_s),
+            min_s=min(samples_s),
+            max_s=max(samples_s),
+            repeats=len(samples_s),
+            mean_s=statistics.mean(samples_s),
+        )
 
     @property
     def spread(self) -> float:
@@ -194,8 +201,9 @@ class DeviceProfile:
         """The fastest achieved matmul rate in ``dtype``."""
         rates = [p.achieved_flop_per_s for p in self.matmul if p.dtype == dtype]
         if not rates:
-            raise ProfileFormatError(f"device profile of {self.name} has no {dtype} matmul; measured: "
-                                     f"{', '.join(self.dtypes) or 'none'}.")
+            raise ProfileFormatError(
+                f"device profile of {self.name} has no {dtype} matmul; measured: {', '.join(self.dtypes) or 'none'}."
+            )
         return max(rates)
 
 
@@ -415,19 +423,26 @@ class ProfileReport:
         return {"schema": SCHEMA, **encode(self)}
 
     @staticmethod
-    def from_dict(data: Any, *, origin: str = "profile data") -> "ProfileReport":
+    def from_dict(data: Any, *, origin: str = "profile data") -> ProfileReport:
         """Build from :meth:`to_dict` output; errors name the file and the bad field."""
         if not isinstance(data, dict):
             raise ProfileFormatError(f"{origin}: a profile report is a JSON object, got {type(data).__name__}.")
         if data.get("schema") != SCHEMA:
-            raise ProfileFormatError(f"{origin}: not an autopar profile report (its 'schema' is "
-                                     f"{data.get('schema')!r}, expected {SCHEMA!r}). Make one with 'autopar profile'.")
+            raise ProfileFormatError(
+                f"{origin}: not an autopar profile report (its 'schema' is "
+                f"{data.get('schema')!r}, expected {SCHEMA!r}). Make one with 'autopar profile'."
+            )
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
-            hint = ("upgrade autopar to read it" if isinstance(version, int) and version > SCHEMA_VERSION
-                    else "measure again with this version ('autopar profile ...')")
-            raise ProfileFormatError(f"{origin}: schema_version {version!r} is not supported; this profiler reads "
-                                     f"version {SCHEMA_VERSION}: {hint}.")
+            hint = (
+                "upgrade autopar to read it"
+                if isinstance(version, int) and version > SCHEMA_VERSION
+                else "measure again with this version ('autopar profile ...')"
+            )
+            raise ProfileFormatError(
+                f"{origin}: schema_version {version!r} is not supported; this profiler reads "
+                f"version {SCHEMA_VERSION}: {hint}."
+            )
         body = {k: v for k, v in data.items() if k != "schema"}
         try:
             return decode(ProfileReport, body, "")
@@ -446,14 +461,16 @@ class ProfileReport:
         return p
 
     @staticmethod
-    def load(path: str | Path) -> "ProfileReport":
+    def load(path: str | Path) -> ProfileReport:
         """Read a report written by :meth:`save`."""
         p = Path(path)
         try:
             text = p.read_text()
         except FileNotFoundError:
-            raise ProfileFormatError(f"profile {str(p)!r} does not exist; make one with 'autopar profile model|"
-                                     f"device|network --out {p.name}'.") from None
+            raise ProfileFormatError(
+                f"profile {str(p)!r} does not exist; make one with 'autopar profile model|"
+                f"device|network --out {p.name}'."
+            ) from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -461,7 +478,7 @@ class ProfileReport:
         return ProfileReport.from_dict(data, origin=f"profile {str(p)!r}")
 
     @staticmethod
-    def merge(*reports: "ProfileReport") -> "ProfileReport":
+    def merge(*reports: ProfileReport) -> ProfileReport:
         """One report with every section of ``reports``; where several hold the same
         section, the later argument wins (so ``merge(old, new)`` updates ``old``)."""
         if not reports:
@@ -469,8 +486,10 @@ class ProfileReport:
         merged = ProfileReport()
         for r in reports:
             if not isinstance(r, ProfileReport):
-                raise ProfileFormatError(f"merge() takes ProfileReport objects, got {type(r).__name__}; load files "
-                                         f"with ProfileReport.load(path).")
+                raise ProfileFormatError(
+                    f"merge() takes ProfileReport objects, got {type(r).__name__}; load files "
+                    f"with ProfileReport.load(path)."
+                )
             merged = replace(merged, **{s: getattr(r, s) for s in r.measured})
         return merged
 
@@ -479,22 +498,29 @@ class ProfileReport:
         lines = []
         if self.device is not None:
             d = self.device
-            lines.append(f"device: {d.name}, {len(d.matmul)} matmul shapes ({', '.join(d.dtypes)}), memory "
-                         f"{d.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s; {_where(d.provenance)}")
+            lines.append(
+                f"device: {d.name}, {len(d.matmul)} matmul shapes ({', '.join(d.dtypes)}), memory "
+                f"{d.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s; {_where(d.provenance)}"
+            )
         if self.layers is not None:
             m = self.layers
-            lines.append(f"layers: {m.model} batch {m.batch} x seq {m.seq_len} {m.dtype}, {len(m.units)} distinct "
-                         f"units, step {m.step_s() * 1e3:.1f} ms on {m.device}; {_where(m.provenance)}")
+            lines.append(
+                f"layers: {m.model} batch {m.batch} x seq {m.seq_len} {m.dtype}, {len(m.units)} distinct "
+                f"units, step {m.step_s() * 1e3:.1f} ms on {m.device}; {_where(m.provenance)}"
+            )
         if self.network is not None:
             n = self.network
-            fits = ", ".join(f"{f.level} {f.bandwidth_bytes_per_s / 1e9:.3g} GB/s + {f.alpha_s * 1e6:.3g} us"
-                             for f in (n.link("intra"), n.link("inter")) if f is not None)
-            lines.append(f"network: {n.backend} {n.world_size} ranks on {n.nodes} node(s), {fits}; "
-                         f"{_where(n.provenance)}")
+            fits = ", ".join(
+                f"{f.level} {f.bandwidth_bytes_per_s / 1e9:.3g} GB/s + {f.alpha_s * 1e6:.3g} us"
+                for f in (n.link("intra"), n.link("inter"))
+                if f is not None
+            )
+            lines.append(
+                f"network: {n.backend} {n.world_size} ranks on {n.nodes} node(s), {fits}; {_where(n.provenance)}"
+            )
         return lines
 
 
 def _where(p: Provenance) -> str:
     torch_v = p.software.get("torch", "?")
     return f"host {p.host}, {p.created_utc}, torch {torch_v}"
-

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -61,8 +61,14 @@ Work = Callable[[float], None]
 rank of the group."""
 
 
-def sync_noise_s_per_sqrt_s(group: dist.ProcessGroup, device: torch.device, *, work: Work | None = None,
-                            work_s: tuple[float, ...] = WORK_S, meetings: int = MEETINGS) -> float:
+def sync_noise_s_per_sqrt_s(
+    group: dist.ProcessGroup,
+    device: torch.device,
+    *,
+    work: Work | None = None,
+    work_s: tuple[float, ...] = WORK_S,
+    meetings: int = MEETINGS,
+) -> float:
     """``sigma`` of ``group`` (2 ranks or more) in seconds per square root of a second of
     work, from ``meetings`` meetings per work length; call on every rank. ``work``
     replaces the MLP passes (tests inject known noise with it). The same value on every
@@ -91,8 +97,15 @@ def _wait_and_work_s(times: Sequence[Sequence[float]]) -> tuple[float, float]:
     return float((work.max(dim=0).values - work.mean(dim=0)).mean()), float(work.mean())
 
 
-def speed_spread(group: dist.ProcessGroup, device: torch.device, noise_s_per_sqrt_s: float, *,
-                 work: Work | None = None, work_s: float = LONG_WORK_S, meetings: int = LONG_MEETINGS) -> float:
+def speed_spread(
+    group: dist.ProcessGroup,
+    device: torch.device,
+    noise_s_per_sqrt_s: float,
+    *,
+    work: Work | None = None,
+    work_s: float = LONG_WORK_S,
+    meetings: int = LONG_MEETINGS,
+) -> float:
     """``delta``, the relative spread of a rank's speed over a stretch of work
     (:mod:`autopar.cost.sync`), of ``group`` (2 ranks or more); call on every rank. The
     ranks meet ``meetings`` times after ``work_s`` seconds of work each; the mean wait
@@ -109,11 +122,12 @@ def spread_from_times(times: Sequence[Sequence[float]], noise_s_per_sqrt_s: floa
     """``delta`` from ``ranks x meetings`` seconds of one work length, given ``sigma``."""
     wait, t = _wait_and_work_s(times)
     deviation = wait / expected_max_normal(len(times))
-    return math.sqrt(max(deviation ** 2 - noise_s_per_sqrt_s ** 2 * t, 0.0)) / t
+    return math.sqrt(max(deviation**2 - noise_s_per_sqrt_s**2 * t, 0.0)) / t
 
 
-def _meetings(group: dist.ProcessGroup, device: torch.device, work: Work, work_s: float,
-              meetings: int) -> list[list[float]]:
+def _meetings(
+    group: dist.ProcessGroup, device: torch.device, work: Work, work_s: float, meetings: int
+) -> list[list[float]]:
     """Every rank's time for ``work(work_s)`` at each of ``meetings`` meetings (a 4 KiB
     all-reduce releases the ranks together after each): ``ranks x meetings`` seconds."""
     n = dist.get_world_size(group)
@@ -159,4 +173,5 @@ def _training_work(group: dist.ProcessGroup, device: torch.device) -> Work:
     def work(seconds: float) -> None:
         for _ in range(max(1, round(seconds / per_pass_s))):
             one()
+
     return work

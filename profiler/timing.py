@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -43,12 +44,15 @@ class Repeats:
 
     def __post_init__(self) -> None:
         if self.warmup < 0 or self.repeats < 1 or not 1 <= self.min_repeats <= self.repeats:
-            raise SettingsError(f"repeats: warmup={self.warmup}, repeats={self.repeats}, min_repeats="
-                                f"{self.min_repeats} are not allowed: need warmup >= 0 and "
-                                f"1 <= min_repeats <= repeats.")
+            raise SettingsError(
+                f"repeats: warmup={self.warmup}, repeats={self.repeats}, min_repeats="
+                f"{self.min_repeats} are not allowed: need warmup >= 0 and "
+                f"1 <= min_repeats <= repeats."
+            )
         if not self.budget_s > 0 or self.min_sample_s < 0:
-            raise SettingsError(f"repeats: budget_s={self.budget_s} must be > 0 and min_sample_s="
-                                f"{self.min_sample_s} >= 0.")
+            raise SettingsError(
+                f"repeats: budget_s={self.budget_s} must be > 0 and min_sample_s={self.min_sample_s} >= 0."
+            )
 
 
 def timer_name(device: torch.device) -> str:
@@ -103,8 +107,9 @@ def time_calls(fns: Sequence[Callable[[], Any]], *, device: torch.device, settin
     inners = [_calls_per_sample(fn, watch, device, settings) for fn in fns]
     samples: list[list[float]] = [[] for _ in fns]
     spent = 0.0
-    while len(samples[0]) < settings.repeats and (len(samples[0]) < settings.min_repeats
-                                                  or spent < settings.budget_s * len(fns)):
+    while len(samples[0]) < settings.repeats and (
+        len(samples[0]) < settings.min_repeats or spent < settings.budget_s * len(fns)
+    ):
         for fn, inner, taken in zip(fns, inners, samples):
             watch.start()
             for _ in range(inner):

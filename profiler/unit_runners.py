@@ -20,8 +20,9 @@ forward, as in training.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
@@ -74,7 +75,7 @@ def _backward(outputs: Any, grads: list[torch.Tensor] | None) -> None:
     if grads is None:
         torch.autograd.backward(outs)
     else:
-        torch.autograd.backward(outs, grads[:len(outs)])
+        torch.autograd.backward(outs, grads[: len(outs)])
 
 
 def backward_lap(lap: Lap, outputs: Any, grads: list[torch.Tensor] | None) -> None:
@@ -119,7 +120,7 @@ class ShortCircuit:
         self.override: dict[str, Callable[[Any], Any]] = {}
         self._originals: dict[str, Callable] = {}
 
-    def __enter__(self) -> "ShortCircuit":
+    def __enter__(self) -> ShortCircuit:
         for fqn in self.key_of:
             mod = self.modules[fqn]
             self._originals[fqn] = mod.forward
@@ -143,6 +144,7 @@ class ShortCircuit:
                 self.cache[key] = out
             hook = self.override.get(fqn)
             return hook(out) if hook is not None else out
+
         return forward
 
 
@@ -226,8 +228,10 @@ class PrologueRunner:
         except _Stop as stop:
             out = (stop.args, stop.kwargs)
         else:
-            raise MeasurementError(f"{type(self.model).__name__}'s forward never called its first block, so what runs "
-                                   f"before it cannot be timed apart; profile a model whose blocks run in forward.")
+            raise MeasurementError(
+                f"{type(self.model).__name__}'s forward never called its first block, so what runs "
+                f"before it cannot be timed apart; profile a model whose blocks run in forward."
+            )
         finally:
             handle.remove()
         lap.end("fwd")
@@ -245,8 +249,14 @@ class EpilogueRunner:
 
     recomputable = False
 
-    def __init__(self, model: nn.Module, inputs: tuple[tuple, dict], loss_fn: Callable[[Any], torch.Tensor],
-                 blocks: dict[str, Any], captured: Captured):
+    def __init__(
+        self,
+        model: nn.Module,
+        inputs: tuple[tuple, dict],
+        loss_fn: Callable[[Any], torch.Tensor],
+        blocks: dict[str, Any],
+        captured: Captured,
+    ):
         self.model, self.inputs, self.loss_fn = model, inputs, loss_fn
         self.blocks = blocks
         self.captured = captured
@@ -257,8 +267,9 @@ class EpilogueRunner:
         _clear_grads(self.model, [])
 
         def fresh(out: Any) -> Any:
-            leaf = tree_map(lambda x: x.detach().requires_grad_(x.is_floating_point())
-                            if isinstance(x, torch.Tensor) else x, out)
+            leaf = tree_map(
+                lambda x: x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x, out
+            )
             lap.begin("fwd")
             return leaf
 

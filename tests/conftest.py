@@ -2,9 +2,9 @@
 ranks start in ~0.1 s (shared/TORCH-CPU.md, fork harness)."""
 
 import torch
-import torch.distributed.checkpoint  # noqa: F401
-import torch.distributed.fsdp  # noqa: F401
-import torch.distributed.pipelining  # noqa: F401
-import torch.distributed.tensor.parallel  # noqa: F401
+import torch.distributed.checkpoint
+import torch.distributed.fsdp
+import torch.distributed.pipelining
+import torch.distributed.tensor.parallel
 
 torch.set_num_threads(1)

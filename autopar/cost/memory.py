@@ -70,8 +70,18 @@ def uses_replicate(*, dp: int, pipelined: bool, tp: int) -> bool:
     return dp > 1 and (pipelined or tp > 1)
 
 
-def state_bytes(*, param_numel: float, factored_numel: float, largest_unit_numel: float, dtype: DType,
-                optimizer: Optimizer, zero_stage: int, dp: int, pipelined: bool, tp: int = 1) -> StateBytes:
+def state_bytes(
+    *,
+    param_numel: float,
+    factored_numel: float,
+    largest_unit_numel: float,
+    dtype: DType,
+    optimizer: Optimizer,
+    zero_stage: int,
+    dp: int,
+    pipelined: bool,
+    tp: int = 1,
+) -> StateBytes:
     """Model-state memory of a pipeline stage on one device.
 
     Args:
@@ -99,21 +109,36 @@ def state_bytes(*, param_numel: float, factored_numel: float, largest_unit_numel
         replicate = uses_replicate(dp=dp, pipelined=pipelined, tp=tp)
         params = param_numel * (MASTER_BYTES + (unsharded_copy if replicate else copy))
         ddp = dp > 1 and not replicate
-        return StateBytes(params_bytes=params, grads_bytes=param_numel * GRAD_BYTES,
-                          optimizer_bytes=opt_full if zero_stage == 0 else opt_full / dp, transient_bytes=0.0,
-                          rebuild_bytes=param_numel * GRAD_BYTES if ddp else 0.0)
+        return StateBytes(
+            params_bytes=params,
+            grads_bytes=param_numel * GRAD_BYTES,
+            optimizer_bytes=opt_full if zero_stage == 0 else opt_full / dp,
+            transient_bytes=0.0,
+            rebuild_bytes=param_numel * GRAD_BYTES if ddp else 0.0,
+        )
     master = param_numel * MASTER_BYTES / dp
     if pipelined:
-        return StateBytes(params_bytes=master + param_numel * unsharded_copy,
-                          grads_bytes=param_numel * GRAD_BYTES / dp + param_numel * GRAD_BYTES,
-                          optimizer_bytes=opt_full / dp, transient_bytes=0.0)
+        return StateBytes(
+            params_bytes=master + param_numel * unsharded_copy,
+            grads_bytes=param_numel * GRAD_BYTES / dp + param_numel * GRAD_BYTES,
+            optimizer_bytes=opt_full / dp,
+            transient_bytes=0.0,
+        )
     grads = param_numel * GRAD_BYTES / dp
     reduce_buffer = REDUCE_SCATTER_BUFFERS * largest_unit_numel * GRAD_BYTES
     if zero_stage == 2:
-        return StateBytes(params_bytes=master + param_numel * unsharded_copy, grads_bytes=grads,
-                          optimizer_bytes=opt_full / dp, transient_bytes=reduce_buffer)
-    return StateBytes(params_bytes=master, grads_bytes=grads, optimizer_bytes=opt_full / dp,
-                      transient_bytes=2 * largest_unit_numel * unsharded_copy + reduce_buffer)
+        return StateBytes(
+            params_bytes=master + param_numel * unsharded_copy,
+            grads_bytes=grads,
+            optimizer_bytes=opt_full / dp,
+            transient_bytes=reduce_buffer,
+        )
+    return StateBytes(
+        params_bytes=master,
+        grads_bytes=grads,
+        optimizer_bytes=opt_full / dp,
+        transient_bytes=2 * largest_unit_numel * unsharded_copy + reduce_buffer,
+    )
 
 
 def optimizer_step_bytes(optimizer: Optimizer) -> float:

@@ -37,8 +37,9 @@ def schedule_problem(schedule: Schedule, pp: int, virtual_stages: int, num_micro
     return None
 
 
-def inflight_microbatches(schedule: Schedule, pp: int, virtual_stages: int, num_microbatches: int,
-                          pipeline_rank: int) -> float:
+def inflight_microbatches(
+    schedule: Schedule, pp: int, virtual_stages: int, num_microbatches: int, pipeline_rank: int
+) -> float:
     """Micro-batches whose activations rank ``pipeline_rank`` holds at its peak, in units
     of "all of the rank's stages for one micro-batch" (non-increasing in the rank)."""
     m = num_microbatches
@@ -55,8 +56,15 @@ def inflight_microbatches(schedule: Schedule, pp: int, virtual_stages: int, num_
     return min(warmup + 1, m * v) / v
 
 
-def stage_buffer_bytes(*, receives_input: bool, sends_output: bool, input_bytes: float, output_bytes: float,
-                       num_microbatches: int, inflight: float) -> float:
+def stage_buffer_bytes(
+    *,
+    receives_input: bool,
+    sends_output: bool,
+    input_bytes: float,
+    output_bytes: float,
+    num_microbatches: int,
+    inflight: float,
+) -> float:
     """Bytes a pipeline stage holds beyond its units' activations, under
     ``torch.distributed.pipelining`` 2.13 (``PipelineStage``):
 

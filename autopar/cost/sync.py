@@ -64,13 +64,14 @@ def expected_max_normal(n: int) -> float:
     return total * h / 3
 
 
-def sync_wait_s(noise_s_per_sqrt_s: float, ranks: int, meetings: float, work_s: float, *,
-                speed_spread: float = 0.0) -> float:
+def sync_wait_s(
+    noise_s_per_sqrt_s: float, ranks: int, meetings: float, work_s: float, *, speed_spread: float = 0.0
+) -> float:
     """Seconds ``ranks`` ranks wait on each other at ``meetings`` blocking collectives
     that split ``work_s`` seconds of work: ``e_ranks * sqrt(meetings * sigma^2 * W +
     delta^2 * W^2)`` with ``delta`` the ``speed_spread`` (module docstring). 0 for one
     rank, no meetings or no noise."""
     if ranks < 2 or meetings <= 0 or work_s <= 0 or (noise_s_per_sqrt_s <= 0 and speed_spread <= 0):
         return 0.0
-    variance = meetings * noise_s_per_sqrt_s ** 2 * work_s + (speed_spread * work_s) ** 2
+    variance = meetings * noise_s_per_sqrt_s**2 * work_s + (speed_spread * work_s) ** 2
     return expected_max_normal(ranks) * math.sqrt(variance)

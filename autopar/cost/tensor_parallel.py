@@ -140,8 +140,9 @@ def model_output_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], ctx: 
     layouts = ctx.output_layouts()
     if len(layouts) == 1:
         return layouts[0]
-    column = any(f.dst == UNIT_OUTPUT and f.src != UNIT_INPUT and styles[f.src] is TPStyle.COLUMN
-                 for f in profile.flows)
+    column = any(
+        f.dst == UNIT_OUTPUT and f.src != UNIT_INPUT and styles[f.src] is TPStyle.COLUMN for f in profile.flows
+    )
     return Layout.F if column else Layout.R
 
 
@@ -219,21 +220,37 @@ def leaf_fwd_s(leaf: Leaf, style: TPStyle, ctx: TPContext) -> float:
     overhead = ctx.op_overhead_s * leaf.fwd_ops
     if style is not TPStyle.REPLICATE and ctx.tp > 1:
         overhead += ctx.tp_overhead_s
-    return ctx.compute_scale * (overhead + roofline_s(matmul_flops=leaf.matmul_flops * scale,
-                                                      other_flops=(leaf.fwd_flops - leaf.matmul_flops) * scale,
-                                                      activation_bytes=leaf.fwd_bytes * scale, weight_bytes=weights,
-                                                      r=ctx.rates, exposed_weights=ctx.exposed_weight_traffic))
+    return ctx.compute_scale * (
+        overhead
+        + roofline_s(
+            matmul_flops=leaf.matmul_flops * scale,
+            other_flops=(leaf.fwd_flops - leaf.matmul_flops) * scale,
+            activation_bytes=leaf.fwd_bytes * scale,
+            weight_bytes=weights,
+            r=ctx.rates,
+            exposed_weights=ctx.exposed_weight_traffic,
+        )
+    )
 
 
-def roofline_s(*, matmul_flops: float, other_flops: float, activation_bytes: float, weight_bytes: float,
-               r: ComputeRates, exposed_weights: bool) -> float:
+def roofline_s(
+    *,
+    matmul_flops: float,
+    other_flops: float,
+    activation_bytes: float,
+    weight_bytes: float,
+    r: ComputeRates,
+    exposed_weights: bool,
+) -> float:
     """A leaf's kernel time from its work: the weights inside the roofline, or a pass
     of their own where they are exposed (see :func:`leaf_fwd_s`). The profiler's layer
     calibration prices the units it measured with the same function."""
     if not exposed_weights:
         return work_s(matmul_flops=matmul_flops, other_flops=other_flops, nbytes=activation_bytes + weight_bytes, r=r)
-    return (work_s(matmul_flops=matmul_flops, other_flops=other_flops, nbytes=activation_bytes, r=r)
-            + weight_bytes / r.bytes_per_s)
+    return (
+        work_s(matmul_flops=matmul_flops, other_flops=other_flops, nbytes=activation_bytes, r=r)
+        + weight_bytes / r.bytes_per_s
+    )
 
 
 ACCUMULATE_PASSES = 3
@@ -273,11 +290,11 @@ def conversion_s(a: Layout, b: Layout, nbytes: float, ctx: TPContext) -> tuple[f
         return 0.0, 0.0
     sp, cl = ctx.span, ctx.cluster
     if a is Layout.R:
-        return 0.0, all_gather_s(nbytes, sp, cl)                      # slice; gather the sharded gradient
+        return 0.0, all_gather_s(nbytes, sp, cl)  # slice; gather the sharded gradient
     if b is Layout.R:
         if a is Layout.P:
-            return all_reduce_s(nbytes, sp, cl), 0.0                  # Megatron's g: all-reduce, identity
-        return all_gather_s(nbytes, sp, cl), 0.0                      # gather; slice the full gradient
+            return all_reduce_s(nbytes, sp, cl), 0.0  # Megatron's g: all-reduce, identity
+        return all_gather_s(nbytes, sp, cl), 0.0  # gather; slice the full gradient
     if a is Layout.P:
         return reduce_scatter_s(nbytes, sp, cl), all_gather_s(nbytes, sp, cl)
     return all_to_all_s(nbytes / ctx.tp, sp, cl), all_to_all_s(nbytes / ctx.tp, sp, cl)  # F <-> Q
@@ -289,8 +306,8 @@ def reduction_s(a: Layout, nbytes: float, ctx: TPContext) -> float:
     if ctx.tp == 1:
         return 0.0
     if a in (Layout.R, Layout.P):
-        return all_reduce_s(nbytes, ctx.span, ctx.cluster)           # Megatron's f operator
-    return reduce_scatter_s(nbytes, ctx.span, ctx.cluster)          # sequence parallel: gather <-> scatter
+        return all_reduce_s(nbytes, ctx.span, ctx.cluster)  # Megatron's f operator
+    return reduce_scatter_s(nbytes, ctx.span, ctx.cluster)  # sequence parallel: gather <-> scatter
 
 
 LOSS_PARALLEL_REDUCTIONS = 3
@@ -486,15 +503,30 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
     fwd_syncs += loss_syncs
     params = sum(leaf_param_numel(leaf, s, t) for leaf, s in zip(profile.leaves, styles))
     factored = sum(leaf_factored_numel(leaf, s, t) for leaf, s in zip(profile.leaves, styles))
-    largest = max((_shard(f.tensor_bytes * b, out_layout(profile, styles, ctx, f.src), t) for f in profile.flows),
-                  default=0.0)
+    largest = max(
+        (_shard(f.tensor_bytes * b, out_layout(profile, styles, ctx, f.src), t) for f in profile.flows), default=0.0
+    )
     return UnitCost(
-        styles=styles, output=output, fwd_compute_s=fwd_compute,
+        styles=styles,
+        output=output,
+        fwd_compute_s=fwd_compute,
         bwd_compute_s=BACKWARD_FACTOR * fwd_compute + accumulate,
-        fwd_comm_s=fwd_comm, bwd_comm_s=bwd_comm, fwd_syncs=fwd_syncs, bwd_syncs=bwd_syncs, attn_fwd_s=attn_fwd,
-        loss_fwd_compute_s=loss_fwd, loss_fwd_comm_s=loss_comm, loss_fwd_syncs=loss_syncs,
-        param_numel=params, saved_bytes=saved + loss_saved + held,
-        attn_saved_bytes=attn_saved, input_bytes=_shard(profile.input_bytes * b, ctx.input_layout, t),
+        fwd_comm_s=fwd_comm,
+        bwd_comm_s=bwd_comm,
+        fwd_syncs=fwd_syncs,
+        bwd_syncs=bwd_syncs,
+        attn_fwd_s=attn_fwd,
+        loss_fwd_compute_s=loss_fwd,
+        loss_fwd_comm_s=loss_comm,
+        loss_fwd_syncs=loss_syncs,
+        param_numel=params,
+        saved_bytes=saved + loss_saved + held,
+        attn_saved_bytes=attn_saved,
+        input_bytes=_shard(profile.input_bytes * b, ctx.input_layout, t),
         output_bytes=_shard(profile.output_bytes * b, output if not ctx.last else Layout.R, t),
-        factored_numel=factored, working_bytes=2 * largest + loss_working - loss_input,
-        loss_working_bytes=loss_working, loss_saved_bytes=loss_saved + held, held_output_bytes=held)
+        factored_numel=factored,
+        working_bytes=2 * largest + loss_working - loss_input,
+        loss_working_bytes=loss_working,
+        loss_saved_bytes=loss_saved + held,
+        held_output_bytes=held,
+    )

@@ -12,8 +12,8 @@ blocks, final norm, head) and runs a stage's share of it itself
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from torch import nn
 
@@ -42,10 +42,24 @@ class DecoderParts:
     rotary: str
 
 
-_GPT2 = DecoderParts(family="gpt2", embeddings=("transformer.wte", "transformer.wpe"), dropout="transformer.drop",
-                     blocks="transformer.h", final_norm="transformer.ln_f", head="lm_head", rotary="")
-_LLAMA = DecoderParts(family="llama", embeddings=("model.embed_tokens",), dropout="", blocks="model.layers",
-                      final_norm="model.norm", head="lm_head", rotary="model.rotary_emb")
+_GPT2 = DecoderParts(
+    family="gpt2",
+    embeddings=("transformer.wte", "transformer.wpe"),
+    dropout="transformer.drop",
+    blocks="transformer.h",
+    final_norm="transformer.ln_f",
+    head="lm_head",
+    rotary="",
+)
+_LLAMA = DecoderParts(
+    family="llama",
+    embeddings=("model.embed_tokens",),
+    dropout="",
+    blocks="model.layers",
+    final_norm="model.norm",
+    head="lm_head",
+    rotary="model.rotary_emb",
+)
 _FAMILIES = {"GPT2LMHeadModel": _GPT2, "LlamaForCausalLM": _LLAMA}
 
 
@@ -57,7 +71,13 @@ def decoder_parts(model: nn.Module) -> DecoderParts | None:
     if parts is None or not type(model).__module__.startswith("transformers"):
         return None
     names = {name for name, _ in model.named_modules()}
-    needed = [*parts.embeddings, parts.blocks, parts.final_norm, parts.head, *filter(None, (parts.dropout, parts.rotary))]
+    needed = [
+        *parts.embeddings,
+        parts.blocks,
+        parts.final_norm,
+        parts.head,
+        *filter(None, (parts.dropout, parts.rotary)),
+    ]
     if not all(n in names for n in needed) or not isinstance(model.get_submodule(parts.blocks), nn.ModuleList):
         return None
     return parts

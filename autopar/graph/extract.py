@@ -9,7 +9,8 @@ same for a model on the meta device (a 1T-parameter GPT costs no memory) and a r
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -17,8 +18,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autopar.errors import ModelError, check_positive_int
-from autopar.graph.layer_graph import LayerGraph, SharedParam, Unit, UnitProfile
 from autopar.graph.decoders import uncuttable_unit
+from autopar.graph.layer_graph import LayerGraph, SharedParam, Unit, UnitProfile
 from autopar.graph.trace import EPILOGUE, PROLOGUE, run_trace
 from autopar.graph.units import _block_container, find_units, model_fingerprint, module_signature, unique_numel
 from autopar.vocab import Attention, DType
@@ -31,9 +32,15 @@ def torch_dtype(dtype: DType) -> torch.dtype:
     return _TORCH_DTYPE[dtype]
 
 
-def extract(model: nn.Module, *, seq_len: int | None = None, sample_input: Any = None,
-            dtype: DType | str = DType.BF16, attention: Attention | str = Attention.FLASH,
-            loss_fn: Callable[[Any], torch.Tensor] | None = None) -> LayerGraph:
+def extract(
+    model: nn.Module,
+    *,
+    seq_len: int | None = None,
+    sample_input: Any = None,
+    dtype: DType | str = DType.BF16,
+    attention: Attention | str = Attention.FLASH,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+) -> LayerGraph:
     """Analyse ``model`` for planning.
 
     Args:
@@ -52,14 +59,18 @@ def extract(model: nn.Module, *, seq_len: int | None = None, sample_input: Any =
     if not isinstance(model, nn.Module):
         raise ModelError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
     if (seq_len is None) == (sample_input is None):
-        raise ModelError("give exactly one of seq_len= (token models: the sequence length) or sample_input= "
-                         "(a tensor or tuple of tensors with the batch in dimension 0).")
+        raise ModelError(
+            "give exactly one of seq_len= (token models: the sequence length) or sample_input= "
+            "(a tensor or tuple of tensors with the batch in dimension 0)."
+        )
     vocab_size = _vocab_size(model)
     if seq_len is not None:
         check_positive_int("seq_len", seq_len)
         if vocab_size == 0:
-            raise ModelError(f"seq_len={seq_len} was given but {type(model).__name__} has no nn.Embedding to take token "
-                             f"ids; pass sample_input= with a batch of its real inputs instead.")
+            raise ModelError(
+                f"seq_len={seq_len} was given but {type(model).__name__} has no nn.Embedding to take token "
+                f"ids; pass sample_input= with a batch of its real inputs instead."
+            )
     device = _model_device(model)
 
     def make_inputs(fake: FakeTensorMode) -> tuple[tuple, dict]:
@@ -80,22 +91,28 @@ def extract(model: nn.Module, *, seq_len: int | None = None, sample_input: Any =
 
     units = find_units(model)
     container = _block_container(model)
-    blocks = [u for u in units if container is not None and _parent(u) == container] if container != "" else \
-        list(units)
+    blocks = [u for u in units if container is not None and _parent(u) == container] if container != "" else list(units)
     if not blocks:
         segments = {PROLOGUE: units}
     else:
         first, last = units.index(blocks[0]), units.index(blocks[-1])
         segments = {b: [b] for b in blocks}
-        others = units[:first] + units[last + 1:]
+        others = units[:first] + units[last + 1 :]
         if others:
             segments[PROLOGUE] = others
             segments[EPILOGUE] = others
     modules = dict(model.named_modules())
     signatures = {b: module_signature(modules[b]) for b in blocks}
-    trace = run_trace(model, segments=segments, blocks=blocks, signature_of=signatures.__getitem__,
-                      make_inputs=make_inputs, loss_fn=loss_fn, compute_dtype=torch_dtype(dtype),
-                      attention=attention)
+    trace = run_trace(
+        model,
+        segments=segments,
+        blocks=blocks,
+        signature_of=signatures.__getitem__,
+        make_inputs=make_inputs,
+        loss_fn=loss_fn,
+        compute_dtype=torch_dtype(dtype),
+        attention=attention,
+    )
 
     prologue_mods, epilogue_mods = [], []
     if blocks and (PROLOGUE in segments):
@@ -111,8 +128,10 @@ def extract(model: nn.Module, *, seq_len: int | None = None, sample_input: Any =
     def add_unit(display: str, mods: list[str], prefix: str, seg_name: str, keep_from: list[str] | None) -> None:
         seg = trace.traces.get(seg_name)
         if seg is None:
-            raise ModelError(f"{display!r} never ran in the traced forward of {type(model).__name__}; autopar needs "
-                             f"every block of the model to run once per forward.")
+            raise ModelError(
+                f"{display!r} never ran in the traced forward of {type(model).__name__}; autopar needs "
+                f"every block of the model to run once per forward."
+            )
         keep = None
         if keep_from is not None:
             keep = {leaf.name for leaf in seg.leaves if any(_under(leaf.name, m) for m in keep_from)}
@@ -122,8 +141,15 @@ def extract(model: nn.Module, *, seq_len: int | None = None, sample_input: Any =
             profile_index[key] = len(profiles)
             profiles.append(seg.to_profile(sig, batch, trace.head_dim, vocab_size=vocab_size, keep=keep))
         prof = profiles[profile_index[key]]
-        graph_units.append(Unit(fqn=display, modules=tuple(mods), prefix=prefix, profile=profile_index[key],
-                                param_numel=prof.param_numel))
+        graph_units.append(
+            Unit(
+                fqn=display,
+                modules=tuple(mods),
+                prefix=prefix,
+                profile=profile_index[key],
+                param_numel=prof.param_numel,
+            )
+        )
 
     if not blocks:
         add_unit(type(model).__name__, units, "", PROLOGUE, None)
@@ -137,10 +163,19 @@ def extract(model: nn.Module, *, seq_len: int | None = None, sample_input: Any =
     seq = seq_len if seq_len is not None else _seq_of(sample_input)
     cuttable = uncuttable_unit(model, units) is None
     return LayerGraph(
-        name=type(model).__name__, units=tuple(graph_units), profiles=tuple(profiles),
-        shared=_shared_params(model, graph_units), num_params=unique_numel(model), seq_len=seq, dtype=dtype,
-        attention=attention, sequential=sequential, fingerprint=model_fingerprint(model), vocab_size=vocab_size,
-        cuttable=cuttable)
+        name=type(model).__name__,
+        units=tuple(graph_units),
+        profiles=tuple(profiles),
+        shared=_shared_params(model, graph_units),
+        num_params=unique_numel(model),
+        seq_len=seq,
+        dtype=dtype,
+        attention=attention,
+        sequential=sequential,
+        fingerprint=model_fingerprint(model),
+        vocab_size=vocab_size,
+        cuttable=cuttable,
+    )
 
 
 def _parent(fqn: str) -> str:
@@ -179,8 +214,11 @@ def _fake_like(fake: FakeTensorMode, value: Any, dtype: DType) -> Any:
 
 
 def _batch_of(sample: Any) -> int:
-    items = list(sample.values()) if isinstance(sample, dict) else (
-        list(sample) if isinstance(sample, (tuple, list)) else [sample])
+    items = (
+        list(sample.values())
+        if isinstance(sample, dict)
+        else (list(sample) if isinstance(sample, (tuple, list)) else [sample])
+    )
     for item in items:
         if isinstance(item, torch.Tensor) and item.dim() >= 1:
             return int(item.shape[0])
@@ -188,8 +226,11 @@ def _batch_of(sample: Any) -> int:
 
 
 def _seq_of(sample: Any) -> int:
-    items = list(sample.values()) if isinstance(sample, dict) else (
-        list(sample) if isinstance(sample, (tuple, list)) else [sample])
+    items = (
+        list(sample.values())
+        if isinstance(sample, dict)
+        else (list(sample) if isinstance(sample, (tuple, list)) else [sample])
+    )
     for item in items:
         if isinstance(item, torch.Tensor) and item.dim() == 2 and not item.is_floating_point():
             return int(item.shape[1])
@@ -218,6 +259,7 @@ def _default_loss(vocab_size: int) -> Callable[[Any], torch.Tensor]:
             targets = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
             return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
         return logits.float().sum()
+
     return loss
 
 
@@ -234,6 +276,9 @@ def _shared_params(model: nn.Module, units: list[Unit]) -> tuple[SharedParam, ..
                     first[id(p)] = (i, owner)
                 elif first[id(p)][0] != i:
                     a, a_owner = first[id(p)]
-                    found.append(SharedParam(first_unit=a, second_unit=i, first_module=a_owner, second_module=owner,
-                                             numel=p.numel()))
+                    found.append(
+                        SharedParam(
+                            first_unit=a, second_unit=i, first_module=a_owner, second_module=owner, numel=p.numel()
+                        )
+                    )
     return tuple(found)

@@ -147,8 +147,9 @@ class UnitProfile:
     @cached_property
     def saved_bytes(self) -> float:
         """Activation bytes kept for backward without recomputation, per sample, unsharded."""
-        return (sum(leaf.saved_bytes for leaf in self.leaves)
-                + sum(f.saved_bytes + f.attn_saved_bytes for f in self.flows))
+        return sum(leaf.saved_bytes for leaf in self.leaves) + sum(
+            f.saved_bytes + f.attn_saved_bytes for f in self.flows
+        )
 
     @cached_property
     def has_attention(self) -> bool:
@@ -259,13 +260,20 @@ class LayerGraph:
         g = nx.DiGraph(name=self.name, seq_len=self.seq_len)
         for i, unit in enumerate(self.units):
             prof = self.profiles[unit.profile]
-            g.add_node(unit.fqn, kind="unit", params=prof.param_numel, fwd_flops=prof.fwd_flops,
-                       saved_bytes=prof.saved_bytes)
+            g.add_node(
+                unit.fqn, kind="unit", params=prof.param_numel, fwd_flops=prof.fwd_flops, saved_bytes=prof.saved_bytes
+            )
             for leaf in prof.leaves:
                 name = unit.leaf_fqn(leaf.name)
                 if name != unit.fqn:
-                    g.add_node(name, kind=leaf.kind.value, unit=unit.fqn, params=leaf.param_numel,
-                               fwd_flops=leaf.fwd_flops, saved_bytes=leaf.saved_bytes)
+                    g.add_node(
+                        name,
+                        kind=leaf.kind.value,
+                        unit=unit.fqn,
+                        params=leaf.param_numel,
+                        fwd_flops=leaf.fwd_flops,
+                        saved_bytes=leaf.saved_bytes,
+                    )
             for flow in prof.flows:
                 src = _endpoint(unit, prof, flow.src)
                 dst = _endpoint(unit, prof, flow.dst)

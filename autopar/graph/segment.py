@@ -9,8 +9,9 @@ and turns into a per-sample :class:`~autopar.graph.layer_graph.UnitProfile`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -82,8 +83,9 @@ class SegmentTrace:
     input_bytes: float
     output_bytes: float
 
-    def to_profile(self, signature: str, batch: int, head_dim: int, *, vocab_size: int,
-                   keep: set[str] | None = None) -> UnitProfile:
+    def to_profile(
+        self, signature: str, batch: int, head_dim: int, *, vocab_size: int, keep: set[str] | None = None
+    ) -> UnitProfile:
         """Normalise to per-sample numbers, keeping only the leaves named in ``keep``
         (all when None); flows from or to dropped leaves are dropped too."""
         index = {}
@@ -97,23 +99,54 @@ class SegmentTrace:
                 continue
             in_heads = acc.in_features // head_dim if acc.in_heads and head_dim else 0
             out_heads = acc.out_features // head_dim // max(acc.out_heads, 1) if acc.out_heads and head_dim else 0
-            leaves.append(Leaf(
-                name=acc.name, kind=acc.kind, param_numel=acc.param_numel, param_tensors=acc.param_tensors,
-                weight_numel=acc.weight_numel,
-                in_features=acc.in_features, out_features=acc.out_features, in_heads=in_heads, out_heads=out_heads,
-                vocab=vocab_size > 0 and (acc.kind is LeafKind.EMBEDDING and acc.in_features == vocab_size
-                                          or acc.kind is LeafKind.LINEAR and acc.out_features == vocab_size),
-                fwd_flops=acc.fwd_flops / batch, matmul_flops=acc.matmul_flops / batch,
-                fwd_bytes=acc.fwd_bytes / batch, weight_bytes=acc.weight_bytes, saved_bytes=acc.saved / batch,
-                fwd_ops=acc.ops))
+            leaves.append(
+                Leaf(
+                    name=acc.name,
+                    kind=acc.kind,
+                    param_numel=acc.param_numel,
+                    param_tensors=acc.param_tensors,
+                    weight_numel=acc.weight_numel,
+                    in_features=acc.in_features,
+                    out_features=acc.out_features,
+                    in_heads=in_heads,
+                    out_heads=out_heads,
+                    vocab=vocab_size > 0
+                    and (
+                        (acc.kind is LeafKind.EMBEDDING and acc.in_features == vocab_size)
+                        or (acc.kind is LeafKind.LINEAR and acc.out_features == vocab_size)
+                    ),
+                    fwd_flops=acc.fwd_flops / batch,
+                    matmul_flops=acc.matmul_flops / batch,
+                    fwd_bytes=acc.fwd_bytes / batch,
+                    weight_bytes=acc.weight_bytes,
+                    saved_bytes=acc.saved / batch,
+                    fwd_ops=acc.ops,
+                )
+            )
         flows = tuple(
-            Flow(src=remap[s], dst=remap[d], tensor_bytes=f.tensor_bytes / batch, glue_flops=f.glue_flops / batch,
-                 glue_bytes=f.glue_bytes / batch, saved_bytes=f.saved / batch, attn_flops=f.attn_flops / batch,
-                 attn_bytes=f.attn_bytes / batch, attn_saved_bytes=f.attn_saved / batch, glue_ops=f.glue_ops,
-                 attn_ops=f.attn_ops)
-            for (s, d), f in sorted(self.flows.items()) if s in remap and d in remap)
-        return UnitProfile(signature=signature, leaves=tuple(leaves), flows=flows,
-                           input_bytes=self.input_bytes / batch, output_bytes=self.output_bytes / batch)
+            Flow(
+                src=remap[s],
+                dst=remap[d],
+                tensor_bytes=f.tensor_bytes / batch,
+                glue_flops=f.glue_flops / batch,
+                glue_bytes=f.glue_bytes / batch,
+                saved_bytes=f.saved / batch,
+                attn_flops=f.attn_flops / batch,
+                attn_bytes=f.attn_bytes / batch,
+                attn_saved_bytes=f.attn_saved / batch,
+                glue_ops=f.glue_ops,
+                attn_ops=f.attn_ops,
+            )
+            for (s, d), f in sorted(self.flows.items())
+            if s in remap and d in remap
+        )
+        return UnitProfile(
+            signature=signature,
+            leaves=tuple(leaves),
+            flows=flows,
+            input_bytes=self.input_bytes / batch,
+            output_bytes=self.output_bytes / batch,
+        )
 
 
 class Segment:
@@ -130,9 +163,17 @@ class Segment:
             kind = leaf_kind(mod)
             fin, fout, wnumel = matrix_shape(mod, kind)
             self.leaf_index[id(mod)] = len(self.leaves)
-            self.leaves.append(_LeafAcc(name=name, kind=kind,
-                                        param_numel=sum(p.numel() for p in params), param_tensors=len(params),
-                                        weight_numel=wnumel, in_features=fin, out_features=fout))
+            self.leaves.append(
+                _LeafAcc(
+                    name=name,
+                    kind=kind,
+                    param_numel=sum(p.numel() for p in params),
+                    param_tensors=len(params),
+                    weight_numel=wnumel,
+                    in_features=fin,
+                    out_features=fout,
+                )
+            )
         self.info: dict[int, Info] = {}
         self.keep: list[torch.Tensor] = []
         self.ops: list[Op] = []
@@ -216,8 +257,9 @@ class Segment:
             self._settle(leftovers, UNIT_OUTPUT, frozenset(o for o, d in self.flows if d == UNIT_OUTPUT))
         for (src, _), acc in self.flows.items():
             acc.tensor_bytes = self.input_bytes if src == UNIT_INPUT else self.leaves[src].out_bytes
-        return SegmentTrace(leaves=self.leaves, flows=self.flows, input_bytes=self.input_bytes,
-                            output_bytes=self.output_bytes)
+        return SegmentTrace(
+            leaves=self.leaves, flows=self.flows, input_bytes=self.input_bytes, output_bytes=self.output_bytes
+        )
 
 
 def nbytes_of(t: torch.Tensor) -> int:

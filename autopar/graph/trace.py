@@ -22,8 +22,9 @@ later identical blocks return its (fake) output without running.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,9 +39,15 @@ from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT
 from autopar.graph.segment import Info, Op, Segment, SegmentTrace, nbytes_of, tensors_in
 from autopar.vocab import Attention
 
-_MATMUL_OPS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm,
-               torch.ops.aten.convolution, torch.ops.aten._scaled_dot_product_flash_attention,
-               torch.ops.aten._scaled_dot_product_efficient_attention}
+_MATMUL_OPS = {
+    torch.ops.aten.mm,
+    torch.ops.aten.addmm,
+    torch.ops.aten.bmm,
+    torch.ops.aten.baddbmm,
+    torch.ops.aten.convolution,
+    torch.ops.aten._scaled_dot_product_flash_attention,
+    torch.ops.aten._scaled_dot_product_efficient_attention,
+}
 
 
 _FREE_OPS = {torch.ops.aten._unsafe_view, torch.ops.aten.lift_fresh}
@@ -50,11 +57,11 @@ _FREE_OPS = {torch.ops.aten._unsafe_view, torch.ops.aten.lift_fresh}
 class _Recorder(TorchDispatchMode):
     """Counts FLOPs and bytes per op and follows the data between leaves."""
 
-    def __init__(self, tracer: "Tracer"):
+    def __init__(self, tracer: Tracer):
         super().__init__()
         self.tracer = tracer
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105 - PyTorch protocol
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         seg = self.tracer.segment
@@ -108,11 +115,11 @@ def _storage_key(t: torch.Tensor) -> int | None:
 class _AttentionInterceptor(TorchFunctionMode):
     """Replaces ``F.scaled_dot_product_attention`` by the chosen implementation."""
 
-    def __init__(self, tracer: "Tracer"):
+    def __init__(self, tracer: Tracer):
         super().__init__()
         self.tracer = tracer
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: D105 - PyTorch protocol
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
@@ -187,7 +194,8 @@ class Tracer:
                     kk = k.unsqueeze(-3).expand(*k.shape[:-2], rep, *k.shape[-2:]).reshape(q.shape[:-1] + k.shape[-1:])
                     vv = v.unsqueeze(-3).expand(*v.shape[:-2], rep, *v.shape[-2:]).reshape(q.shape[:-1] + v.shape[-1:])
                 out = torch.ops.aten._scaled_dot_product_efficient_attention(
-                    q, kk, vv, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
+                    q, kk, vv, attn_mask, True, dropout_p, is_causal, scale=scale
+                )[0]
             else:
                 out = _materialized_attention(q, k, v, attn_mask, dropout_p, is_causal, scale)
         finally:
@@ -231,10 +239,17 @@ PROLOGUE = "<prologue>"
 EPILOGUE = "<epilogue>"
 
 
-def run_trace(model: nn.Module, *, segments: dict[str, list[str]], blocks: list[str],
-              signature_of: Callable[[str], str], make_inputs: Callable[[FakeTensorMode], tuple[tuple, dict]],
-              loss_fn: Callable[[Any], torch.Tensor] | None, compute_dtype: torch.dtype,
-              attention: Attention) -> TraceResult:
+def run_trace(
+    model: nn.Module,
+    *,
+    segments: dict[str, list[str]],
+    blocks: list[str],
+    signature_of: Callable[[str], str],
+    make_inputs: Callable[[FakeTensorMode], tuple[tuple, dict]],
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    compute_dtype: torch.dtype,
+    attention: Attention,
+) -> TraceResult:
     """Trace ``model`` once.
 
     ``segments`` maps a segment name to the module FQNs it holds: each block FQN of
@@ -273,7 +288,7 @@ def run_trace(model: nn.Module, *, segments: dict[str, list[str]], blocks: list[
             for sub_name, sub in modules[m].named_modules():
                 full = f"{m}.{sub_name}" if sub_name else m
                 if any(True for _ in sub.parameters(recurse=False)):
-                    rel = full if not base else ("" if full == base else full[len(base) + 1:])
+                    rel = full if not base else ("" if full == base else full[len(base) + 1 :])
                     found.append((rel, sub))
         return found
 
@@ -325,6 +340,7 @@ def run_trace(model: nn.Module, *, segments: dict[str, list[str]], blocks: list[
             if tracer.segment is not None:
                 close_segment(ins)
             open_segment(name, ins, as_unit_input=True)
+
         return hook
 
     def block_post(name: str):
@@ -332,6 +348,7 @@ def run_trace(model: nn.Module, *, segments: dict[str, list[str]], blocks: list[
             close_segment(output)
             if name == blocks[-1] and EPILOGUE in segments:
                 open_segment(EPILOGUE, tensors_in(output), as_unit_input=True)
+
         return hook
 
     def cached_forward(name: str, original: Callable):
@@ -345,11 +362,13 @@ def run_trace(model: nn.Module, *, segments: dict[str, list[str]], blocks: list[
             output = original(*args, **kwargs)
             cache[key] = (name, output)
             return output
+
         return forward
 
     def unit_pre(name: str):
         def hook(mod, args):
             result.calls.setdefault(name, []).append(tracer.segment.prefix if tracer.segment else "")
+
         return hook
 
     handles = []
@@ -370,15 +389,21 @@ def run_trace(model: nn.Module, *, segments: dict[str, list[str]], blocks: list[
     try:
         if PROLOGUE in segments:
             open_segment(PROLOGUE, tensors_in((args, kwargs)), as_unit_input=False)
-        with fake, _Recorder(tracer), _AttentionInterceptor(tracer), \
-                torch.autograd.graph.saved_tensors_hooks(tracer.pack, lambda t: t):
+        with (
+            fake,
+            _Recorder(tracer),
+            _AttentionInterceptor(tracer),
+            torch.autograd.graph.saved_tensors_hooks(tracer.pack, lambda t: t),
+        ):
             output = torch.func.functional_call(model, params, args, kwargs, strict=False)
             close_segment(loss_fn(output) if loss_fn is not None else output)
     except ModelError:
         raise
     except Exception as exc:
-        raise ModelError(f"tracing {type(model).__name__} on fake tensors failed: {type(exc).__name__}: {exc}. "
-                         f"Check that the sample input (or seq_len) matches what the model's forward expects.") from exc
+        raise ModelError(
+            f"tracing {type(model).__name__} on fake tensors failed: {type(exc).__name__}: {exc}. "
+            f"Check that the sample input (or seq_len) matches what the model's forward expects."
+        ) from exc
     finally:
         for h in handles:
             h.remove()

@@ -83,7 +83,8 @@ def leaf_kind(module: nn.Module) -> LeafKind:
     name = type(module).__name__
     own = list(module.parameters(recurse=False))
     if (isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or name.endswith(("LayerNorm", "RMSNorm"))) and all(
-            p.dim() == 1 for p in own):
+        p.dim() == 1 for p in own
+    ):
         return LeafKind.NORM
     return LeafKind.OTHER
 

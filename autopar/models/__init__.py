@@ -6,5 +6,17 @@ from autopar.models.llama import Llama, LlamaConfig
 from autopar.models.mlp import MLPConfig, MLPStack
 from autopar.models.registry import NamedModel, build_named_model, get_named_model, named_models
 
-__all__ = ["CNNConfig", "ResNet", "GPT", "GPTConfig", "Llama", "LlamaConfig", "MLPConfig", "MLPStack",
-           "NamedModel", "build_named_model", "get_named_model", "named_models"]
+__all__ = [
+    "GPT",
+    "CNNConfig",
+    "GPTConfig",
+    "Llama",
+    "LlamaConfig",
+    "MLPConfig",
+    "MLPStack",
+    "NamedModel",
+    "ResNet",
+    "build_named_model",
+    "get_named_model",
+    "named_models",
+]

@@ -38,8 +38,9 @@ class GPTConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"GPTConfig.{name}={getattr(self, name)!r} must be >= 1.")
         if self.dim % self.n_heads:
-            raise ConfigError(f"GPTConfig: dim={self.dim} is not divisible by n_heads={self.n_heads}; "
-                              f"pick n_heads dividing dim.")
+            raise ConfigError(
+                f"GPTConfig: dim={self.dim} is not divisible by n_heads={self.n_heads}; pick n_heads dividing dim."
+            )
         if self.ffn_dim == 0:
             object.__setattr__(self, "ffn_dim", 4 * self.dim)
 

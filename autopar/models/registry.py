@@ -8,8 +8,9 @@ Sizes follow the papers that introduced them: GPT-2 (Radford et al. 2019), GPT-3
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 from torch import nn
@@ -48,10 +49,19 @@ def _gpt(name: str, desc: str, *, dim: int, layers: int, heads: int, seq: int = 
     return NamedModel(name=name, description=desc, build=lambda: GPT(cfg), input_kind="tokens", seq_len=seq)
 
 
-def _llama(name: str, desc: str, *, dim: int, layers: int, heads: int, kv: int, ffn: int, vocab: int, seq: int,
-           theta: float) -> NamedModel:
-    cfg = LlamaConfig(vocab_size=vocab, seq_len=seq, dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv,
-                      ffn_dim=ffn, rope_theta=theta)
+def _llama(
+    name: str, desc: str, *, dim: int, layers: int, heads: int, kv: int, ffn: int, vocab: int, seq: int, theta: float
+) -> NamedModel:
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        seq_len=seq,
+        dim=dim,
+        n_layers=layers,
+        n_heads=heads,
+        n_kv_heads=kv,
+        ffn_dim=ffn,
+        rope_theta=theta,
+    )
     return NamedModel(name=name, description=desc, build=lambda: Llama(cfg), input_kind="tokens", seq_len=seq)
 
 
@@ -59,10 +69,20 @@ def _bert_large() -> nn.Module:
     try:
         from transformers import BertConfig, BertForMaskedLM
     except ImportError:
-        raise ConfigError("model 'bert-large' is built with Hugging Face transformers, which is not installed: "
-                          "pip install 'autopar[hf]'.") from None
-    return BertForMaskedLM(BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
-                                      intermediate_size=4096, max_position_embeddings=512, vocab_size=30522))
+        raise ConfigError(
+            "model 'bert-large' is built with Hugging Face transformers, which is not installed: "
+            "pip install 'autopar[hf]'."
+        ) from None
+    return BertForMaskedLM(
+        BertConfig(
+            hidden_size=1024,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            intermediate_size=4096,
+            max_position_embeddings=512,
+            vocab_size=30522,
+        )
+    )
 
 
 def _registry() -> dict[str, NamedModel]:
@@ -78,25 +98,69 @@ def _registry() -> dict[str, NamedModel]:
         _gpt("gpt3-175b", "GPT-3 175B", dim=12288, layers=96, heads=96, vocab=51200),
         _gpt("gpt-530b", "530B GPT (Megatron-Turing NLG shape)", dim=20480, layers=105, heads=128, vocab=51200),
         _gpt("gpt-1t", "1T GPT (Narayanan et al. 2021)", dim=25600, layers=128, heads=160, vocab=51200),
-        _llama("llama2-7b", "Llama 2 7B", dim=4096, layers=32, heads=32, kv=32, ffn=11008, vocab=32000, seq=4096,
-               theta=1e4),
-        _llama("llama2-70b", "Llama 2 70B", dim=8192, layers=80, heads=64, kv=8, ffn=28672, vocab=32000, seq=4096,
-               theta=1e4),
-        _llama("llama3-8b", "Llama 3 8B", dim=4096, layers=32, heads=32, kv=8, ffn=14336, vocab=128256, seq=8192,
-               theta=5e5),
-        _llama("llama3-70b", "Llama 3 70B", dim=8192, layers=80, heads=64, kv=8, ffn=28672, vocab=128256, seq=8192,
-               theta=5e5),
-        _llama("llama3-405b", "Llama 3 405B", dim=16384, layers=126, heads=128, kv=8, ffn=53248, vocab=128256,
-               seq=8192, theta=5e5),
-        NamedModel(name="bert-large", description="BERT-large 340M (Hugging Face transformers)", build=_bert_large,
-                   input_kind="tokens", seq_len=512),
-        NamedModel(name="mlp-wide", description="MLP stack, 8 blocks of width 8192", input_kind="features",
-                   build=lambda: MLPStack(MLPConfig(in_dim=1024, dim=8192, ffn_dim=32768, n_layers=8, out_dim=1024)),
-                   sample_shape=(1024,)),
-        NamedModel(name="resnet-small", description="ResNet-style CNN, 3 stages, 224x224 images",
-                   input_kind="image", sample_shape=(3, 224, 224),
-                   build=lambda: ResNet(CNNConfig(image_size=224, width=64, stages=4, blocks_per_stage=2,
-                                                  num_classes=1000))),
+        _llama(
+            "llama2-7b", "Llama 2 7B", dim=4096, layers=32, heads=32, kv=32, ffn=11008, vocab=32000, seq=4096, theta=1e4
+        ),
+        _llama(
+            "llama2-70b",
+            "Llama 2 70B",
+            dim=8192,
+            layers=80,
+            heads=64,
+            kv=8,
+            ffn=28672,
+            vocab=32000,
+            seq=4096,
+            theta=1e4,
+        ),
+        _llama(
+            "llama3-8b", "Llama 3 8B", dim=4096, layers=32, heads=32, kv=8, ffn=14336, vocab=128256, seq=8192, theta=5e5
+        ),
+        _llama(
+            "llama3-70b",
+            "Llama 3 70B",
+            dim=8192,
+            layers=80,
+            heads=64,
+            kv=8,
+            ffn=28672,
+            vocab=128256,
+            seq=8192,
+            theta=5e5,
+        ),
+        _llama(
+            "llama3-405b",
+            "Llama 3 405B",
+            dim=16384,
+            layers=126,
+            heads=128,
+            kv=8,
+            ffn=53248,
+            vocab=128256,
+            seq=8192,
+            theta=5e5,
+        ),
+        NamedModel(
+            name="bert-large",
+            description="BERT-large 340M (Hugging Face transformers)",
+            build=_bert_large,
+            input_kind="tokens",
+            seq_len=512,
+        ),
+        NamedModel(
+            name="mlp-wide",
+            description="MLP stack, 8 blocks of width 8192",
+            input_kind="features",
+            build=lambda: MLPStack(MLPConfig(in_dim=1024, dim=8192, ffn_dim=32768, n_layers=8, out_dim=1024)),
+            sample_shape=(1024,),
+        ),
+        NamedModel(
+            name="resnet-small",
+            description="ResNet-style CNN, 3 stages, 224x224 images",
+            input_kind="image",
+            sample_shape=(3, 224, 224),
+            build=lambda: ResNet(CNNConfig(image_size=224, width=64, stages=4, blocks_per_stage=2, num_classes=1000)),
+        ),
     ]
     return {m.name: m for m in models}
 
@@ -110,8 +174,10 @@ def get_named_model(name: str) -> NamedModel:
     """The registered model ``name``, or a ConfigError listing the known names."""
     reg = _registry()
     if name not in reg:
-        raise ConfigError(f"unknown model {name!r}; known models: {', '.join(reg)}. Or use --model-config "
-                          f"(a transformers config JSON) or --model-fn module:function.")
+        raise ConfigError(
+            f"unknown model {name!r}; known models: {', '.join(reg)}. Or use --model-config "
+            f"(a transformers config JSON) or --model-fn module:function."
+        )
     return reg[name]
 
 

@@ -11,8 +11,9 @@ materialisation of a meta model -> DDP -> ``PipelineStage`` and the schedule.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,8 +30,7 @@ from autopar.runtime.layouts import TPLayout, resolve
 from autopar.runtime.loss_scale import LossScaler
 from autopar.runtime.mesh import MeshDims, build_mesh
 from autopar.runtime.metrics import MemoryMeter
-from autopar.runtime.pipeline import (build_schedule, build_stages, check_cuttable, check_schedule, cut,
-                                      tensor_outputs)
+from autopar.runtime.pipeline import build_schedule, build_stages, check_cuttable, check_schedule, cut, tensor_outputs
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.tensor_parallel import apply_tensor_parallel
 from autopar.runtime.tied import TiedGradSync, TiedParam, find_tied
@@ -60,9 +60,19 @@ def analyse(model: nn.Module, plan: Plan, *, sample_input: Any = None) -> Analys
     return Analysis(layout=_tp_layout(model, plan, sample_input), tied=find_tied(model, plan.stages, plan.config.pp))
 
 
-def parallelize(model: nn.Module, plan: Plan, *, loss_fn: LossFn, init_fn: InitFn | None = None, seed: int = 0,
-                sample_input: Any = None, device: torch.device | str | None = None, measure_memory: bool = True,
-                analysis: Analysis | None = None, materialize: bool = True) -> Job:
+def parallelize(
+    model: nn.Module,
+    plan: Plan,
+    *,
+    loss_fn: LossFn,
+    init_fn: InitFn | None = None,
+    seed: int = 0,
+    sample_input: Any = None,
+    device: torch.device | str | None = None,
+    measure_memory: bool = True,
+    analysis: Analysis | None = None,
+    materialize: bool = True,
+) -> Job:
     """Apply ``plan`` to ``model`` on this rank and return the Job that trains it.
 
     Call on every rank after ``torch.distributed.init_process_group`` (``torchrun`` or
@@ -95,8 +105,10 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: LossFn, init_fn: InitF
     """
     dims = MeshDims.of(plan)
     if not dist.is_initialized():
-        raise PlanMismatchError("no default process group: call torch.distributed.init_process_group (torchrun or "
-                                "autopar run do it) before autopar.parallelize.")
+        raise PlanMismatchError(
+            "no default process group: call torch.distributed.init_process_group (torchrun or "
+            "autopar run do it) before autopar.parallelize."
+        )
     dims.check_world_size(dist.get_world_size())
     analysis = analysis or analyse(model, plan, sample_input=sample_input)
     layout, tied = analysis.layout, analysis.tied
@@ -130,10 +142,20 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: LossFn, init_fn: InitF
     pipeline_stages = build_stages(stages, indices, plan, device, mesh["pp"].get_group())
     scaler = LossScaler() if plan.config.dtype is DType.FP16 else None
     schedule = build_schedule(pipeline_stages, plan, scaler.scaled(loss_fn) if scaler is not None else loss_fn)
-    parts = JobParts(plan=plan, mesh=mesh, stages=stages, stage_indices=indices, schedule=schedule,
-                     pipeline_stages=pipeline_stages, tied=tied,
-                     tied_sync=tied_sync, loss_parallel=layout is not None and layout.loss_parallel, device=device,
-                     memory=memory, scaler=scaler)
+    parts = JobParts(
+        plan=plan,
+        mesh=mesh,
+        stages=stages,
+        stage_indices=indices,
+        schedule=schedule,
+        pipeline_stages=pipeline_stages,
+        tied=tied,
+        tied_sync=tied_sync,
+        loss_parallel=layout is not None and layout.loss_parallel,
+        device=device,
+        memory=memory,
+        scaler=scaler,
+    )
     return Job(parts)
 
 
@@ -146,14 +168,18 @@ def _default_device() -> torch.device:
 def _check_model(model: nn.Module, plan: Plan) -> None:
     fingerprint = model_fingerprint(model)
     if fingerprint != plan.model.fingerprint:
-        raise PlanMismatchError(f"the plan was made for another model ({plan.model.name}, fingerprint "
-                                f"{plan.model.fingerprint}); this {type(model).__name__} has fingerprint {fingerprint} "
-                                f"(parameter names or shapes differ). Make a plan for this model.")
+        raise PlanMismatchError(
+            f"the plan was made for another model ({plan.model.name}, fingerprint "
+            f"{plan.model.fingerprint}); this {type(model).__name__} has fingerprint {fingerprint} "
+            f"(parameter names or shapes differ). Make a plan for this model."
+        )
     modules = dict(model.named_modules())
     missing = [u for u in plan.model.units if u not in modules]
     if missing:
-        raise PlanMismatchError(f"the plan's units {missing[:5]} are not modules of this "
-                                f"{type(model).__name__}; make a plan for this model.")
+        raise PlanMismatchError(
+            f"the plan's units {missing[:5]} are not modules of this "
+            f"{type(model).__name__}; make a plan for this model."
+        )
 
 
 def _tp_layout(model: nn.Module, plan: Plan, sample_input: Any) -> TPLayout | None:
@@ -163,8 +189,10 @@ def _tp_layout(model: nn.Module, plan: Plan, sample_input: Any) -> TPLayout | No
         return None
     tokens = any(isinstance(m, nn.Embedding) for m in model.modules())
     if sample_input is None and not tokens:
-        raise PlanMismatchError(f"the plan shards layers of a {type(model).__name__}, which takes no token ids; pass "
-                                f"sample_input= (one batch of its inputs) so autopar can trace where layouts change.")
+        raise PlanMismatchError(
+            f"the plan shards layers of a {type(model).__name__}, which takes no token ids; pass "
+            f"sample_input= (one batch of its inputs) so autopar can trace where layouts change."
+        )
     kwargs = {"sample_input": sample_input} if sample_input is not None else {"seq_len": plan.model.seq_len}
     graph = extract(model, dtype=cfg.dtype, **kwargs)
     types = {name: type(module).__name__ for name, module in model.named_modules()}
@@ -177,5 +205,10 @@ def _dp_spec(plan: Plan, stage: nn.Module, units: tuple[str, ...]) -> DataParall
         for p in stage.get_submodule(unit).parameters():
             owners.setdefault(id(p), []).append(unit)
     sharing = {u for us in owners.values() if len(set(us)) > 1 for u in us}
-    return DataParallelSpec(zero_stage=plan.config.zero_stage, dtype=plan.config.dtype, dp=plan.config.dp,
-                            shard_units=tuple(u for u in units if u not in sharing), pipelined=plan.config.pp > 1)
+    return DataParallelSpec(
+        zero_stage=plan.config.zero_stage,
+        dtype=plan.config.dtype,
+        dp=plan.config.dp,
+        shard_units=tuple(u for u in units if u not in sharing),
+        pipelined=plan.config.pp > 1,
+    )

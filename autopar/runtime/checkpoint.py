@@ -29,16 +29,21 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
@@ -90,8 +95,14 @@ def latest_step(root: str | Path) -> int | None:
     return int(name.split("-")[1])
 
 
-def save(parts: CheckpointParts, root: str | Path, *, step: int, data_position: int,
-         loss_scale: Mapping[str, float] | None = None) -> str:
+def save(
+    parts: CheckpointParts,
+    root: str | Path,
+    *,
+    step: int,
+    data_position: int,
+    loss_scale: Mapping[str, float] | None = None,
+) -> str:
     """Write a checkpoint collectively (every rank calls it); returns its directory."""
     root = Path(root)
     final = step_dir(root, step)
@@ -107,9 +118,14 @@ def save(parts: CheckpointParts, root: str | Path, *, step: int, data_position: 
     torch.save(_rng_state(), tmp / "rng" / f"rank-{parts.rank}.pt")
     dist.barrier()
     if parts.rank == 0:
-        meta = {"format": FORMAT_VERSION, "step": step, "data_position": data_position,
-                "world_size": parts.world_size, "plan": parts.summary,
-                "loss_scale": dict(loss_scale) if loss_scale is not None else None}
+        meta = {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "data_position": data_position,
+            "world_size": parts.world_size,
+            "plan": parts.summary,
+            "loss_scale": dict(loss_scale) if loss_scale is not None else None,
+        }
         _write_synced(tmp / _META, json.dumps(meta, indent=1))
         if final.exists():
             old = root / f".{final.name}.old"
@@ -130,17 +146,22 @@ def load(parts: CheckpointParts, root: str | Path, *, step: int | None = None) -
     if step is None:
         step = latest_step(root)
         if step is None:
-            raise CheckpointError(f"no complete checkpoint under {str(root)!r} (no 'latest' pointing to a directory "
-                                  f"with {_META}). Save one with job.save_checkpoint first, or check the path.")
+            raise CheckpointError(
+                f"no complete checkpoint under {str(root)!r} (no 'latest' pointing to a directory "
+                f"with {_META}). Save one with job.save_checkpoint first, or check the path."
+            )
     path = step_dir(root, step)
     meta_file = path / _META
     if not meta_file.exists():
-        raise CheckpointError(f"checkpoint {str(path)!r} is incomplete or missing ({_META} not found): it was never "
-                              f"finished. Load another step (latest is {latest_step(root)}).")
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is incomplete or missing ({_META} not found): it was never "
+            f"finished. Load another step (latest is {latest_step(root)})."
+        )
     meta = json.loads(meta_file.read_text())
     if meta.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {str(path)!r} has format {meta.get('format')!r}; this autopar reads "
-                              f"{FORMAT_VERSION}.")
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} has format {meta.get('format')!r}; this autopar reads {FORMAT_VERSION}."
+        )
     model_sd = _model_state(parts)
     optim_sd = _optim_state(parts)
     state = {"model": model_sd, "optim": optim_sd}
@@ -159,8 +180,12 @@ def load(parts: CheckpointParts, root: str | Path, *, step: int | None = None) -
         rng_file = path / "rng" / f"rank-{parts.rank}.pt"
         if rng_file.exists():
             _set_rng_state(torch.load(rng_file, weights_only=False))
-    return LoadedState(step=int(meta["step"]), data_position=int(meta["data_position"]), path=str(path),
-                       loss_scale=meta.get("loss_scale"))
+    return LoadedState(
+        step=int(meta["step"]),
+        data_position=int(meta["data_position"]),
+        path=str(path),
+        loss_scale=meta.get("loss_scale"),
+    )
 
 
 def _stand_ins(state: dict[str, dict[str, Any]], metadata: Any) -> dict[tuple[str, str], torch.Tensor]:
@@ -210,7 +235,7 @@ def _optim_state(parts: CheckpointParts) -> dict[str, Any]:
                 suffix = _suffix(key, name)
                 if suffix is None:
                     continue
-                prefix = key[:len(key) - len(name) - len(suffix)]
+                prefix = key[: len(key) - len(name) - len(suffix)]
                 for other in names:
                     merged.setdefault(prefix + other + suffix, merged[key])
     return merged
@@ -219,7 +244,7 @@ def _optim_state(parts: CheckpointParts) -> dict[str, Any]:
 def _suffix(key: str, name: str) -> str | None:
     for head in ("state.", "param_groups."):
         if key.startswith(head + name + "."):
-            return key[len(head) + len(name):]
+            return key[len(head) + len(name) :]
     return None
 
 

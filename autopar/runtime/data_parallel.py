@@ -27,8 +27,9 @@ the loss dynamically (:mod:`autopar.runtime.loss_scale`); bf16 needs no scaling.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,8 +40,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from autopar.vocab import DType
 
-TORCH_DTYPES: dict[DType, torch.dtype] = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16,
-                                          DType.FP16: torch.float16}
+TORCH_DTYPES: dict[DType, torch.dtype] = {
+    DType.FP32: torch.float32,
+    DType.BF16: torch.bfloat16,
+    DType.FP16: torch.float16,
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,7 +85,9 @@ def apply_data_parallel(stage: nn.Module, spec: DataParallelSpec, dp_mesh: Devic
     if low is not None:
         stage.forward = _autocast(stage.forward, low)
     if spec.dp > 1:
-        return DistributedDataParallel(stage, process_group=dp_mesh.get_group(), gradient_as_bucket_view=True, static_graph=True)
+        return DistributedDataParallel(
+            stage, process_group=dp_mesh.get_group(), gradient_as_bucket_view=True, static_graph=True
+        )
     return stage
 
 
@@ -90,6 +96,7 @@ def _autocast(forward: Callable[..., Any], dtype: torch.dtype) -> Callable[..., 
     def run(*args: Any, **kwargs: Any) -> Any:
         with torch.autocast(_device_of(args, kwargs) or "cpu", dtype=dtype):
             return forward(*args, **kwargs)
+
     return run
 
 
@@ -98,4 +105,3 @@ def _device_of(args: tuple, kwargs: dict) -> str | None:
         if isinstance(value, torch.Tensor):
             return value.device.type
     return None
-

@@ -26,8 +26,9 @@ from torch.distributed.tensor import DTensor
 from autopar.graph.decoders import DecoderParts
 
 
-def make_stage(stage: nn.Module, model: nn.Module, parts: DecoderParts, keep: tuple[str, ...],
-               seq_len: int) -> nn.Module:
+def make_stage(
+    stage: nn.Module, model: nn.Module, parts: DecoderParts, keep: tuple[str, ...], seq_len: int
+) -> nn.Module:
     """Turn ``stage``, a skeleton copy of ``model`` (see ``autopar.runtime.pipeline.cut``),
     into a runnable stage holding the units in ``keep``, for sequences of ``seq_len``."""
     parent_name, _, attr = parts.blocks.rpartition(".")
@@ -48,8 +49,7 @@ class RotaryOf:
         self._cls, self._config = type(template), config
         self._built: dict[torch.device, nn.Module] = {}
 
-    def __call__(self, stage: nn.Module, parts: DecoderParts, shape: torch.Tensor,
-                 positions: torch.Tensor) -> Any:
+    def __call__(self, stage: nn.Module, parts: DecoderParts, shape: torch.Tensor, positions: torch.Tensor) -> Any:
         own = _find(stage, parts.rotary)
         if own is None:
             device = shape.device
@@ -73,8 +73,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _forward(stage: nn.Module, x: torch.Tensor, parts: DecoderParts, seq_len: int,
-             rotary: RotaryOf | None) -> torch.Tensor:
+def _forward(
+    stage: nn.Module, x: torch.Tensor, parts: DecoderParts, seq_len: int, rotary: RotaryOf | None
+) -> torch.Tensor:
     from transformers.masking_utils import create_causal_mask
 
     device = _local(x).device
@@ -90,14 +91,16 @@ def _forward(stage: nn.Module, x: torch.Tensor, parts: DecoderParts, seq_len: in
     local = _local(hidden)
     # the mask and rotary tables are for the whole sequence, whatever shard of it flows
     shape = torch.empty((local.shape[0], seq_len, 1), device=device, dtype=local.dtype)
-    mask = create_causal_mask(config=stage.config, inputs_embeds=shape, attention_mask=None, cache=None,
-                              position_ids=positions)
+    mask = create_causal_mask(
+        config=stage.config, inputs_embeds=shape, attention_mask=None, cache=None, position_ids=positions
+    )
     blocks = _find(stage, parts.blocks)
     if rotary is not None:
         cos_sin = rotary(stage, parts, shape, positions)
         for block in blocks.values():
-            hidden = block(hidden, attention_mask=mask, position_embeddings=cos_sin, position_ids=positions,
-                           use_cache=False)
+            hidden = block(
+                hidden, attention_mask=mask, position_embeddings=cos_sin, position_ids=positions, use_cache=False
+            )
     else:
         for block in blocks.values():
             hidden = block(hidden, None, mask, None, use_cache=False, position_ids=positions)

@@ -17,8 +17,9 @@ or ``parallelize`` raises.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,15 +70,19 @@ class DryRunReport:
 
     def to_text(self) -> str:
         """A report a person reads."""
-        lines = [f"dry run of {self.plan} on {self.world_size} ranks: "
-                 f"{'OK' if self.ok else f'{len(self.problems)} problem(s)'}"]
+        lines = [
+            f"dry run of {self.plan} on {self.world_size} ranks: "
+            f"{'OK' if self.ok else f'{len(self.problems)} problem(s)'}"
+        ]
         lines += [f"  problem: {p}" for p in self.problems]
         if self.ranks:
             lines.append("  rank  (pp,dp,tp)  stages      params held   predicted params   predicted peak")
             for r in self.ranks:
-                lines.append(f"  {r.rank:<5} {str(r.coordinate):<11} {str(list(r.stages)):<11} "
-                             f"{_gib(r.param_bytes):>11}   {_gib(r.predicted_param_bytes):>16}   "
-                             f"{_gib(r.predicted_peak_bytes):>14}")
+                lines.append(
+                    f"  {r.rank:<5} {r.coordinate!s:<11} {list(r.stages)!s:<11} "
+                    f"{_gib(r.param_bytes):>11}   {_gib(r.predicted_param_bytes):>16}   "
+                    f"{_gib(r.predicted_peak_bytes):>14}"
+                )
         return "\n".join(lines)
 
 
@@ -85,8 +90,9 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.3f} GiB"
 
 
-def dry_run(model_fn: Callable[[], nn.Module], plan: Plan, *, sample_input: Any = None,
-            ranks: Sequence[int] | None = None) -> DryRunReport:
+def dry_run(
+    model_fn: Callable[[], nn.Module], plan: Plan, *, sample_input: Any = None, ranks: Sequence[int] | None = None
+) -> DryRunReport:
     """Check ``plan`` against the model ``model_fn()`` builds (on meta) and apply it for
     ``ranks`` (default: the first rank of every pipeline rank, where the stages differ).
 
@@ -110,8 +116,9 @@ def dry_run(model_fn: Callable[[], nn.Module], plan: Plan, *, sample_input: Any 
                 reports.append(_apply(model_fn, plan, analysis, rank, dims))
             except AutoparError as exc:
                 problems.append(f"rank {rank}: {type(exc).__name__}: {exc}")
-    return DryRunReport(plan=plan.config.short(), world_size=dims.world_size, problems=tuple(problems),
-                        ranks=tuple(reports))
+    return DryRunReport(
+        plan=plan.config.short(), world_size=dims.world_size, problems=tuple(problems), ranks=tuple(reports)
+    )
 
 
 def coverage_problems(model: nn.Module, plan: Plan) -> list[str]:
@@ -149,8 +156,10 @@ def split_problems(model: nn.Module, plan: Plan) -> list[str]:
         if size in vocab:
             continue  # vocabulary rows may split unevenly: DTensor pads the last shard (no Megatron padding needed)
         if size is not None and size % tp:
-            problems.append(f"layer {fqn!r} ({type(module).__name__}): style {style.value} splits a dimension of "
-                            f"{size} over tp={tp}, which does not divide it")
+            problems.append(
+                f"layer {fqn!r} ({type(module).__name__}): style {style.value} splits a dimension of "
+                f"{size} over tp={tp}, which does not divide it"
+            )
     return problems
 
 
@@ -170,17 +179,23 @@ def _apply(model_fn: Callable[[], nn.Module], plan: Plan, analysis: Analysis, ra
 
     dist.init_process_group("fake", rank=rank, world_size=dims.world_size, store=FakeStore())
     try:
-        job = parallelize(model_fn(), plan, loss_fn=_no_loss, analysis=analysis, materialize=False,
-                          measure_memory=False, device="cpu")
+        job = parallelize(
+            model_fn(), plan, loss_fn=_no_loss, analysis=analysis, materialize=False, measure_memory=False, device="cpu"
+        )
         held = sum(_local(p).numel() * _local(p).element_size() for p in job.parameters())
     finally:
         dist.destroy_process_group()
     coord = dims.coordinate(rank)
     indices = plan.stage_of_rank(coord[0])
     predicted = {s.index: s.memory.params_bytes for s in plan.prediction.stages}
-    return RankReport(rank=rank, coordinate=coord, stages=indices, param_bytes=int(held),
-                      predicted_param_bytes=sum(predicted.get(i, 0.0) for i in indices),
-                      predicted_peak_bytes=plan.prediction.memory_bytes_per_device)
+    return RankReport(
+        rank=rank,
+        coordinate=coord,
+        stages=indices,
+        param_bytes=int(held),
+        predicted_param_bytes=sum(predicted.get(i, 0.0) for i in indices),
+        predicted_peak_bytes=plan.prediction.memory_bytes_per_device,
+    )
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

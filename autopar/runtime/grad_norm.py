@@ -31,13 +31,16 @@ def local_grad(grad: torch.Tensor) -> torch.Tensor:
     """The local values of a gradient (partial sums reduced first)."""
     if isinstance(grad, DTensor):
         if any(isinstance(pl, Partial) for pl in grad.placements):
-            grad = grad.redistribute(placements=[Replicate() if isinstance(pl, Partial) else pl
-                                                 for pl in grad.placements])
+            grad = grad.redistribute(
+                placements=[Replicate() if isinstance(pl, Partial) else pl for pl in grad.placements]
+            )
         return grad.to_local()
     return grad
 
 
-def global_grad_norm(params: dict[str, nn.Parameter], coord: dict[str, int], duplicates: frozenset[str]) -> torch.Tensor:
+def global_grad_norm(
+    params: dict[str, nn.Parameter], coord: dict[str, int], duplicates: frozenset[str]
+) -> torch.Tensor:
     """The L2 norm of the whole model's gradient, the same on every rank.
 
     Args:

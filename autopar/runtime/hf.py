@@ -54,11 +54,14 @@ def styles_for(module: nn.Module, leaf: LeafLayout, parent: nn.Module | None) ->
     if not is_conv1d(module) or leaf.style is TPStyle.REPLICATE:
         return None
     if leaf.style not in (TPStyle.COLUMN, TPStyle.ROW):
-        raise ShardingError(f"layer {leaf.fqn!r} is a transformers Conv1D; it takes 'column' or 'row', not "
-                            f"{leaf.style.value!r}.")
+        raise ShardingError(
+            f"layer {leaf.fqn!r} is a transformers Conv1D; it takes 'column' or 'row', not {leaf.style.value!r}."
+        )
     if leaf.dtensor_output:
-        raise ShardingError(f"layer {leaf.fqn!r} (a Conv1D) ends the model column-sharded; a vocabulary-parallel "
-                            f"loss needs the head to be an nn.Linear.")
+        raise ShardingError(
+            f"layer {leaf.fqn!r} (a Conv1D) ends the model column-sharded; a vocabulary-parallel "
+            f"loss needs the head to be an nn.Linear."
+        )
     return [_Conv1DParallel(leaf, fused_parts(module, parent), parent)]
 
 
@@ -87,8 +90,10 @@ class _Conv1DParallel(ParallelStyle):
         column = self.leaf.style is TPStyle.COLUMN
         split = nf // self.parts if column else nx
         if split % tp:
-            raise ShardingError(f"layer {self.leaf.fqn!r} (Conv1D {nx}x{nf}) cannot be split {tp} ways: "
-                                f"{'output' if column else 'input'} size {split} is not a multiple of tp={tp}.")
+            raise ShardingError(
+                f"layer {self.leaf.fqn!r} (Conv1D {nx}x{nf}) cannot be split {tp} ways: "
+                f"{'output' if column else 'input'} size {split} is not a multiple of tp={tp}."
+            )
         if column and self.parts > 1:
             weight = module.weight.detach().reshape(nx, self.parts, nf // self.parts)
             bias = module.bias.detach().reshape(self.parts, nf // self.parts)
@@ -115,8 +120,11 @@ def _column_forward(m: nn.Module, x: torch.Tensor, mesh: DeviceMesh, leaf: LeafL
     y = torch.addmm(b.reshape(-1), local.reshape(-1, local.shape[-1]), w.reshape(w.shape[0], -1))
     y = y.view(*local.shape[:-1], -1)
     if leaf.output is not Layout.F:
-        y = DTensor.from_local(y, mesh, [Shard(-1)], run_check=False).redistribute(
-            mesh, [_placement(leaf.output)]).to_local()
+        y = (
+            DTensor.from_local(y, mesh, [Shard(-1)], run_check=False)
+            .redistribute(mesh, [_placement(leaf.output)])
+            .to_local()
+        )
     return y
 
 
@@ -124,8 +132,11 @@ def _row_forward(m: nn.Module, x: torch.Tensor, mesh: DeviceMesh, leaf: LeafLayo
     if isinstance(x, DTensor):
         x = x.redistribute(mesh, [Shard(-1)]).to_local()
     elif leaf.arrives is not Layout.F:
-        x = DTensor.from_local(x, mesh, [_placement(leaf.arrives)], run_check=False).redistribute(
-            mesh, [Shard(-1)]).to_local()
+        x = (
+            DTensor.from_local(x, mesh, [_placement(leaf.arrives)], run_check=False)
+            .redistribute(mesh, [Shard(-1)])
+            .to_local()
+        )
     partial = torch.mm(x.reshape(-1, x.shape[-1]), m.weight.to_local()).view(*x.shape[:-1], -1)
     y = DTensor.from_local(partial, mesh, [Partial()], run_check=False).redistribute(mesh, [_placement(leaf.output)])
     return (y + m.bias).to_local()

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -56,8 +56,14 @@ def is_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
 
 
-def initialize(model: nn.Module, units: tuple[str, ...], init_fn: InitFn | None = None, *, seed: int = 0,
-               device: torch.device | str = "cpu") -> nn.Module:
+def initialize(
+    model: nn.Module,
+    units: tuple[str, ...],
+    init_fn: InitFn | None = None,
+    *,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> nn.Module:
     """Single-process reference: materialise ``model`` (if on meta) on ``device`` and
     initialise each unit in order under its seed; returns ``model``."""
     init_fn = init_fn or default_init
@@ -77,8 +83,9 @@ class Materializer:
     """Keeps full-size meta copies of this rank's units (taken before sharding) and fills
     the sharded parameters once they exist."""
 
-    def __init__(self, model: nn.Module, units: tuple[str, ...], local_units: tuple[str, ...],
-                 init_fn: InitFn | None, seed: int):
+    def __init__(
+        self, model: nn.Module, units: tuple[str, ...], local_units: tuple[str, ...], init_fn: InitFn | None, seed: int
+    ):
         self._init_fn = init_fn or default_init
         self._seed = seed
         self._units = units
@@ -122,10 +129,12 @@ class Materializer:
             for name, target in _named_tensors(stage):
                 fqn = clean_fqn(name)
                 if fqn not in self._sources:
-                    raise PlanMismatchError(f"tensor {fqn!r} belongs to no unit of the plan, so it cannot be "
-                                            f"initialised; give it to a unit module.")
+                    raise PlanMismatchError(
+                        f"tensor {fqn!r} belongs to no unit of the plan, so it cannot be "
+                        f"initialised; give it to a unit module."
+                    )
                 src_unit, src_name = self._sources[fqn]
-                value = dict(_named_tensors(full_units[src_unit]))[src_name[len(src_unit) + 1:]]
+                value = dict(_named_tensors(full_units[src_unit]))[src_name[len(src_unit) + 1 :]]
                 _copy_shard(target, value)
 
 
@@ -148,8 +157,9 @@ def _unit_of(fqn: str, units: tuple[str, ...]) -> str:
 @torch.no_grad()
 def _copy_shard(target: torch.Tensor, full: torch.Tensor) -> None:
     if isinstance(target, DTensor):
-        local = distribute_tensor(full.to(target.dtype), target.device_mesh, target.placements,
-                                  src_data_rank=None).to_local()
+        local = distribute_tensor(
+            full.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None
+        ).to_local()
         target.to_local().copy_(local)
     else:
         target.copy_(full.to(target.dtype))

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -172,16 +173,20 @@ class Job:
         expected = cfg.micro_batch_size * cfg.num_microbatches
         rows = _rows(inputs)
         if rows != expected:
-            raise ConfigError(f"job.step got a batch of {rows} samples on this data-parallel rank; the plan runs "
-                              f"micro_batch_size x num_microbatches = {cfg.micro_batch_size} x {cfg.num_microbatches} "
-                              f"= {expected}. Pass global batches of {expected * cfg.dp} through job.shard(loader).")
+            raise ConfigError(
+                f"job.step got a batch of {rows} samples on this data-parallel rank; the plan runs "
+                f"micro_batch_size x num_microbatches = {cfg.micro_batch_size} x {cfg.num_microbatches} "
+                f"= {expected}. Pass global batches of {expected * cfg.dp} through job.shard(loader)."
+            )
         inputs = _to(inputs, self._p.device)
         targets = _to(targets, self._p.device)
         losses: list[torch.Tensor] = []
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         start = time.perf_counter()
-        with self._p.memory.track(self._live_tensors()), \
-                loss_parallel() if self._p.loss_parallel else contextlib.nullcontext():
+        with (
+            self._p.memory.track(self._live_tensors()),
+            loss_parallel() if self._p.loss_parallel else contextlib.nullcontext(),
+        ):
             # return_outputs=False: the last stage would otherwise keep every micro-batch's
             # output (the logits) until the step ends, which the planner does not budget
             if self.is_first_stage and self.is_last_stage:
@@ -195,16 +200,23 @@ class Job:
         self._p.tied_sync.sync(self.named_parameters())
         loss = self._mean_loss(losses)
         wall = time.perf_counter() - start
-        self._p.metrics.append(StepMetrics(step=self._step, wall_time_s=wall, loss=loss,
-                                           peak_memory_bytes=self._p.memory.peak_bytes()))
+        self._p.metrics.append(
+            StepMetrics(step=self._step, wall_time_s=wall, loss=loss, peak_memory_bytes=self._p.memory.peak_bytes())
+        )
         self._step += 1
         return loss
 
     def _live_tensors(self) -> list[torch.Tensor]:
         params = self.parameters()
         grads = [p.grad for p in params if p.grad is not None]
-        state = [t for o in (self._optimizer.inner if self._optimizer is not None else []) if o is not None
-                 for st in o.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+        state = [
+            t
+            for o in (self._optimizer.inner if self._optimizer is not None else [])
+            if o is not None
+            for st in o.state.values()
+            for t in st.values()
+            if isinstance(t, torch.Tensor)
+        ]
         return [*params, *grads, *state, *recv_buffers(self._p.pipeline_stages)]
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> float:
@@ -264,15 +276,22 @@ class Job:
 
     def _checkpoint_parts(self) -> ckpt.CheckpointParts:
         inner = self._optimizer.inner if self._optimizer is not None else [None] * len(self._p.stages)
-        return ckpt.CheckpointParts(modules=list(self._p.stages), optimizers=list(inner), rank=dist.get_rank(),
-                                    world_size=dist.get_world_size(), aliases=tuple(t.fqns for t in self._p.tied),
-                                    summary=self.plan.config.short())
+        return ckpt.CheckpointParts(
+            modules=list(self._p.stages),
+            optimizers=list(inner),
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            aliases=tuple(t.fqns for t in self._p.tied),
+            summary=self.plan.config.short(),
+        )
 
 
 def _unpack(batch: Any) -> tuple[Any, torch.Tensor]:
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-        raise ConfigError(f"job.step expects a batch (inputs, targets); got {type(batch).__name__}"
-                          f"{f' of length {len(batch)}' if isinstance(batch, (tuple, list)) else ''}.")
+        raise ConfigError(
+            f"job.step expects a batch (inputs, targets); got {type(batch).__name__}"
+            f"{f' of length {len(batch)}' if isinstance(batch, (tuple, list)) else ''}."
+        )
     return batch[0], batch[1]
 
 
@@ -292,10 +311,10 @@ def _to(value: Any, device: torch.device) -> Any:
 def _slice(batch: Any, dp: int, rank: int) -> Any:
     if isinstance(batch, torch.Tensor):
         if batch.shape[0] % dp:
-            raise ConfigError(f"a global batch of {batch.shape[0]} samples does not split over dp={dp} ranks; use a "
-                              f"multiple of {dp}.")
+            raise ConfigError(
+                f"a global batch of {batch.shape[0]} samples does not split over dp={dp} ranks; use a multiple of {dp}."
+            )
         return batch.chunk(dp)[rank]
     if isinstance(batch, (tuple, list)):
         return tuple(_slice(b, dp, rank) for b in batch)
     return batch
-

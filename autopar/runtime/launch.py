@@ -25,8 +25,10 @@ import importlib
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any, Callable
+from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,16 +46,23 @@ step or checkpoint, short enough that a dead peer does not hold the job for hour
 
 def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``autopar run``."""
-    p = subparsers.add_parser("run", help="run a training script under a plan on local or multi-node processes",
-                              description=__doc__.split("\n\n")[1])
+    p = subparsers.add_parser(
+        "run",
+        help="run a training script under a plan on local or multi-node processes",
+        description=__doc__.split("\n\n")[1],
+    )
     p.add_argument("--plan", required=True, help="plan file (autopar plan ... --out plan.json)")
     p.add_argument("--nproc-per-node", type=int, required=True, help="processes (devices) per node")
     p.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
     p.add_argument("--node-rank", type=int, default=None, help="this node's rank (static rendezvous)")
     p.add_argument("--rdzv-endpoint", default=None, help="host:port of the c10d rendezvous (multi-node)")
     p.add_argument("--rdzv-id", default="autopar", help="job id shared by all nodes")
-    p.add_argument("--pg-timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
-                   help=f"collective timeout in seconds (default {DEFAULT_TIMEOUT_S:.0f})")
+    p.add_argument(
+        "--pg-timeout-s",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help=f"collective timeout in seconds (default {DEFAULT_TIMEOUT_S:.0f})",
+    )
     p.add_argument("script", help="training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
     p.set_defaults(func=run_command)
@@ -62,10 +71,13 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def add_dry_run_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``autopar dry-run``."""
-    p = subparsers.add_parser("dry-run", help="apply a plan with meta tensors and a fake process group",
-                              description="Check a plan against a model and apply it for some ranks on this "
-                                          "machine, without devices: names, stage coverage, tensor-parallel "
-                                          "splits, parameter bytes per rank against the plan's prediction.")
+    p = subparsers.add_parser(
+        "dry-run",
+        help="apply a plan with meta tensors and a fake process group",
+        description="Check a plan against a model and apply it for some ranks on this "
+        "machine, without devices: names, stage coverage, tensor-parallel "
+        "splits, parameter bytes per rank against the plan's prediction.",
+    )
     p.add_argument("--plan", required=True, help="plan file")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="a registered model name (autopar.models.named_models)")
@@ -83,7 +95,8 @@ def torchrun_argv(plan: Plan, args: argparse.Namespace) -> list[str]:
         raise PlanMismatchError(
             f"the plan runs on dp x tp x pp = {plan.config.dp} x {plan.config.tp} x {plan.config.pp} = "
             f"{plan.config.world_size} processes, but --nproc-per-node {args.nproc_per_node} x --nnodes {args.nnodes} "
-            f"= {world}. Launch {plan.config.world_size} processes or make a plan for {world}.")
+            f"= {world}. Launch {plan.config.world_size} processes or make a plan for {world}."
+        )
     argv = [f"--nproc-per-node={args.nproc_per_node}", f"--nnodes={args.nnodes}"]
     if args.rdzv_endpoint:
         argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}", f"--rdzv-id={args.rdzv_id}"]
@@ -92,9 +105,11 @@ def torchrun_argv(plan: Plan, args: argparse.Namespace) -> list[str]:
     elif args.nnodes == 1:
         argv.append("--standalone")
     else:
-        raise ConfigError(f"--nnodes {args.nnodes} needs --rdzv-endpoint host:port (a node every other node "
-                          f"reaches) so the nodes can find each other.")
-    return argv + [args.script, *args.script_args]
+        raise ConfigError(
+            f"--nnodes {args.nnodes} needs --rdzv-endpoint host:port (a node every other node "
+            f"reaches) so the nodes can find each other."
+        )
+    return [*argv, args.script, *args.script_args]
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -126,8 +141,10 @@ def describe_failures(failures: dict[int, Any]) -> str:
         message = failure.message if failure.error_file_data else ""  # recorded by @record in the script
         if isinstance(message, dict):
             message = message.get("message", "")
-        lines.append(f"rank {rank} (local rank {failure.local_rank}) failed with {how}"
-                     + (f": {message.splitlines()[0]}" if message else "; its error is in that rank's output above"))
+        lines.append(
+            f"rank {rank} (local rank {failure.local_rank}) failed with {how}"
+            + (f": {message.splitlines()[0]}" if message else "; its error is in that rank's output above")
+        )
     return "\n".join(lines)
 
 
@@ -147,8 +164,10 @@ def plan_from_env() -> Plan:
     """The plan ``autopar run`` was given."""
     path = os.environ.get(PLAN_ENV)
     if not path:
-        raise ConfigError(f"{PLAN_ENV} is not set: start the script with 'autopar run --plan plan.json ...', or load "
-                          f"the plan yourself with autopar.Plan.load(path).")
+        raise ConfigError(
+            f"{PLAN_ENV} is not set: start the script with 'autopar run --plan plan.json ...', or load "
+            f"the plan yourself with autopar.Plan.load(path)."
+        )
     return Plan.load(path)
 
 
@@ -162,11 +181,11 @@ def dry_run_command(args: argparse.Namespace) -> int:
         sample = None
         if args.model:
             entry = get_named_model(args.model)
-            build: Callable[[], Any] = lambda: _on_meta(entry.build)
+            build: Callable[[], Any] = partial(_on_meta, entry.build)
             if entry.input_kind != "tokens":
                 sample = entry.sample_input(plan.config.micro_batch_size)
         else:
-            build = lambda: _on_meta(_import(args.model_fn))
+            build = partial(_built_by, args.model_fn)
         ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else None
         report = dry_run(build, plan, sample_input=sample, ranks=ranks)
     except AutoparError as exc:
@@ -179,6 +198,11 @@ def dry_run_command(args: argparse.Namespace) -> int:
 def _on_meta(fn: Callable[[], Any]) -> Any:
     with torch.device("meta"):
         return fn()
+
+
+def _built_by(spec: str) -> Any:
+    """The model ``--model-fn`` names, built on the meta device."""
+    return _on_meta(_import(spec))
 
 
 def _import(spec: str) -> Callable[[], Any]:

@@ -113,8 +113,14 @@ class TPLayout:
     loss_parallel: bool
 
 
-def check_styles(graph: LayerGraph, styles: dict[str, TPStyle], *, sequence_parallel: bool, tp: int,
-                 module_types: dict[str, str] | None = None) -> None:
+def check_styles(
+    graph: LayerGraph,
+    styles: dict[str, TPStyle],
+    *,
+    sequence_parallel: bool,
+    tp: int,
+    module_types: dict[str, str] | None = None,
+) -> None:
     """Refuse styles for layers the model lacks, that the layer's kind cannot take, or
     whose split does not divide the layer's features or attention heads (a vocabulary
     may split unevenly: DTensor shards it in ``torch.chunk`` pieces where Megatron-LM
@@ -123,19 +129,25 @@ def check_styles(graph: LayerGraph, styles: dict[str, TPStyle], *, sequence_para
     for fqn, style in sorted(styles.items()):
         leaf = leaves.get(fqn)
         if leaf is None:
-            raise PlanMismatchError(f"the plan gives layer {fqn!r} the style {style.value!r}, but the model has no "
-                                    f"layer with parameters of that name. Make the plan for this model.")
+            raise PlanMismatchError(
+                f"the plan gives layer {fqn!r} the style {style.value!r}, but the model has no "
+                f"layer with parameters of that name. Make the plan for this model."
+            )
         if style not in _KIND_STYLES[leaf.kind]:
             allowed = ", ".join(s.value for s in _KIND_STYLES[leaf.kind])
             what = (module_types or {}).get(fqn, f"{leaf.kind.value} layer")
-            raise ShardingError(f"the plan gives layer {fqn!r} (a {what}) the tensor-parallel style {style.value!r}, "
-                                f"which it cannot take: column and row split a Linear's matrix, vocab an Embedding's "
-                                f"rows, sequence runs a norm on sequence shards; this layer allows {allowed}. "
-                                f"Use 'replicate' for it.")
+            raise ShardingError(
+                f"the plan gives layer {fqn!r} (a {what}) the tensor-parallel style {style.value!r}, "
+                f"which it cannot take: column and row split a Linear's matrix, vocab an Embedding's "
+                f"rows, sequence runs a norm on sequence shards; this layer allows {allowed}. "
+                f"Use 'replicate' for it."
+            )
         _check_divides(fqn, leaf, style, tp)
         if style is TPStyle.SEQUENCE and not sequence_parallel:
-            raise ShardingError(f"the plan gives layer {fqn!r} the style 'sequence' but sequence_parallel is off. "
-                                f"Set sequence_parallel=True or use 'replicate'.")
+            raise ShardingError(
+                f"the plan gives layer {fqn!r} the style 'sequence' but sequence_parallel is off. "
+                f"Set sequence_parallel=True or use 'replicate'."
+            )
 
 
 def _check_divides(fqn: str, leaf: Leaf, style: TPStyle, tp: int) -> None:
@@ -149,13 +161,21 @@ def _check_divides(fqn: str, leaf: Leaf, style: TPStyle, tp: int) -> None:
         return
     if size % tp or (heads and heads % tp):
         detail = f"{size} {what}" + (f" from {heads} attention heads" if heads else "")
-        raise ShardingError(f"the plan splits layer {fqn!r} {style.value}-wise over tp={tp}, but its {detail} do not "
-                            f"divide by {tp}: each rank must hold whole heads and equal slices. Use a tp that "
-                            f"divides them, or 'replicate' for this layer.")
+        raise ShardingError(
+            f"the plan splits layer {fqn!r} {style.value}-wise over tp={tp}, but its {detail} do not "
+            f"divide by {tp}: each rank must hold whole heads and equal slices. Use a tp that "
+            f"divides them, or 'replicate' for this layer."
+        )
 
 
-def resolve(graph: LayerGraph, styles: dict[str, TPStyle], *, sequence_parallel: bool, tp: int,
-            module_types: dict[str, str] | None = None) -> TPLayout:
+def resolve(
+    graph: LayerGraph,
+    styles: dict[str, TPStyle],
+    *,
+    sequence_parallel: bool,
+    tp: int,
+    module_types: dict[str, str] | None = None,
+) -> TPLayout:
     """The conversions of every leaf and unit (see the module docstring)."""
     check_styles(graph, styles, sequence_parallel=sequence_parallel, tp=tp, module_types=module_types)
     boundary = Layout.Q if sequence_parallel else Layout.R
@@ -172,23 +192,38 @@ def resolve(graph: LayerGraph, styles: dict[str, TPStyle], *, sequence_parallel:
             unit_inputs[unit.modules[0]] = previous
             arrives = boundary
         last = index == n - 1
-        out, unit_leaves, hoisted = _resolve_unit(graph, unit, styles, arrives, boundary, last=last,
-                                                  loss_parallel=loss_parallel)
+        out, unit_leaves, hoisted = _resolve_unit(
+            graph, unit, styles, arrives, boundary, last=last, loss_parallel=loss_parallel
+        )
         leaves.update(unit_leaves)
         module_inputs.update(hoisted)
         for m in unit.modules:
             unit_outputs[m] = out
         previous = out
-    return TPLayout(boundary=boundary, leaves=leaves, unit_inputs=unit_inputs, module_inputs=module_inputs,
-                    unit_outputs=unit_outputs, loss_parallel=loss_parallel and any(v.dtensor_output for v in leaves.values()))
+    return TPLayout(
+        boundary=boundary,
+        leaves=leaves,
+        unit_inputs=unit_inputs,
+        module_inputs=module_inputs,
+        unit_outputs=unit_outputs,
+        loss_parallel=loss_parallel and any(v.dtensor_output for v in leaves.values()),
+    )
 
 
 def _single_module(unit: Unit) -> bool:
     return len(unit.modules) == 1 and unit.prefix == unit.modules[0]
 
 
-def _resolve_unit(graph: LayerGraph, unit: Unit, styles: dict[str, TPStyle], arrives: Layout, boundary: Layout, *,
-                  last: bool, loss_parallel: bool) -> tuple[Layout, dict[str, LeafLayout], dict[str, ModuleInput]]:
+def _resolve_unit(
+    graph: LayerGraph,
+    unit: Unit,
+    styles: dict[str, TPStyle],
+    arrives: Layout,
+    boundary: Layout,
+    *,
+    last: bool,
+    loss_parallel: bool,
+) -> tuple[Layout, dict[str, LeafLayout], dict[str, ModuleInput]]:
     prof = graph.profiles[unit.profile]
     names = [unit.leaf_fqn(leaf.name) for leaf in prof.leaves]
     leaf_styles = [styles.get(name, TPStyle.REPLICATE) for name in names]
@@ -230,7 +265,8 @@ def _resolve_unit(graph: LayerGraph, unit: Unit, styles: dict[str, TPStyle], arr
             raise ShardingError(
                 f"tensors meeting before {where} in unit {unit.fqn!r} arrive in different tensor-parallel layouts "
                 f"({detail}; R replicated, F feature-sharded, Q sequence-sharded): user code cannot combine them. "
-                f"Give the layers that feed the same computation matching styles (e.g. q, k and v all 'column').")
+                f"Give the layers that feed the same computation matching styles (e.g. q, k and v all 'column')."
+            )
         return seen.pop()
 
     arrives_at = {i: arrival(i) for i in range(len(names))}
@@ -240,14 +276,17 @@ def _resolve_unit(graph: LayerGraph, unit: Unit, styles: dict[str, TPStyle], arr
             arrives_at[names.index(name)] = conversion.dst
     result: dict[str, LeafLayout] = {}
     for i, style in enumerate(leaf_styles):
-        layout = LeafLayout(fqn=names[i], style=style, arrives=arrives_at[i], output=out[i],
-                            dtensor_output=i in dtensor_out)
+        layout = LeafLayout(
+            fqn=names[i], style=style, arrives=arrives_at[i], output=out[i], dtensor_output=i in dtensor_out
+        )
         if style is not TPStyle.REPLICATE or layout.arrives is not Layout.R or layout.output is not Layout.R:
             result[names[i]] = layout
     unit_out = arrival(UNIT_OUTPUT)
     if last and unit_out not in (Layout.R, Layout.F):
-        raise ShardingError(f"the model's output leaves unit {unit.fqn!r} in layout {unit_out.value}; the loss needs "
-                            f"it replicated (or vocabulary-sharded).")
+        raise ShardingError(
+            f"the model's output leaves unit {unit.fqn!r} in layout {unit_out.value}; the loss needs "
+            f"it replicated (or vocabulary-sharded)."
+        )
     return unit_out, result, hoisted
 
 
@@ -260,12 +299,17 @@ def _gather_at_output(i: int, consumers: set[int], producers: dict[int, set[int]
     reduce-scattered once, as Korthikanti et al. 2022 do."""
     if not consumers or any(c < 0 for c in consumers):
         return False
-    return all(STYLE_IO[styles[c]][0] is Layout.R and producers.get(c, set()) - {UNIT_INPUT} == {i}
-               for c in consumers)
+    return all(STYLE_IO[styles[c]][0] is Layout.R and producers.get(c, set()) - {UNIT_INPUT} == {i} for c in consumers)
 
 
-def _hoist(unit: Unit, names: list[str], styles: list[TPStyle], arrives_at: dict[int, Layout],
-           producers: dict[int, set[int]], dtensors: set[int]) -> dict[str, ModuleInput]:
+def _hoist(
+    unit: Unit,
+    names: list[str],
+    styles: list[TPStyle],
+    arrives_at: dict[int, Layout],
+    producers: dict[int, set[int]],
+    dtensors: set[int],
+) -> dict[str, ModuleInput]:
     """Conversions moved from leaves up to the submodule that holds them.
 
     User code often reads sizes from a submodule's input (``b, s, _ = x.shape`` in an
@@ -283,7 +327,7 @@ def _hoist(unit: Unit, names: list[str], styles: list[TPStyle], arrives_at: dict
     for i, name in enumerate(names):
         if not prefix or not name.startswith(prefix + "."):
             continue
-        child = prefix + "." + name[len(prefix) + 1:].split(".")[0]
+        child = prefix + "." + name[len(prefix) + 1 :].split(".")[0]
         if child == name:
             continue
         inside = [s for s in producers.get(i, ()) if s >= 0 and names[s].startswith(child + ".")]
@@ -303,15 +347,26 @@ def _hoist(unit: Unit, names: list[str], styles: list[TPStyle], arrives_at: dict
     return hoisted
 
 
-def _reduce_to(i: int, names: list[str], styles: list[TPStyle], consumers: dict[int, set[int]],
-               producers: dict[int, set[int]], out: dict[int, Layout], boundary: Layout, *, last: bool) -> Layout:
+def _reduce_to(
+    i: int,
+    names: list[str],
+    styles: list[TPStyle],
+    consumers: dict[int, set[int]],
+    producers: dict[int, set[int]],
+    out: dict[int, Layout],
+    boundary: Layout,
+    *,
+    last: bool,
+) -> Layout:
     """The layout a partial output is reduced to (module docstring, first rule)."""
     siblings = {out[s] for c in consumers.get(i, ()) for s in producers.get(c, ()) if s != i and s in out}
     if len(siblings) == 1:
         return siblings.pop()
     if len(siblings) > 1:
-        raise ShardingError(f"layer {names[i]!r} (style {styles[i].value!r}) is summed with tensors in several layouts "
-                            f"({', '.join(sorted(s.value for s in siblings))}); give its neighbours matching styles.")
+        raise ShardingError(
+            f"layer {names[i]!r} (style {styles[i].value!r}) is summed with tensors in several layouts "
+            f"({', '.join(sorted(s.value for s in siblings))}); give its neighbours matching styles."
+        )
     needs = set()
     for c in consumers.get(i, ()):
         if c == UNIT_OUTPUT:

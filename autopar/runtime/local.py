@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,10 +49,12 @@ class LocalRun:
 
 def token_batches(vocab_size: int, seq_len: int) -> BatchFn:
     """Random token ids and next-token targets for a token model."""
+
     def make(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(seed)
         x = torch.randint(0, vocab_size, (batch, seq_len), generator=g)
         return x, torch.randint(0, vocab_size, (batch, seq_len), generator=g)
+
     return make
 
 
@@ -61,9 +64,19 @@ def cross_entropy(output: Any, target: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, -2).float(), target.flatten())
 
 
-def _worker(rank: int, world: int, build: Callable[[], nn.Module], plan: Plan, batch_fn: BatchFn,
-            loss_fn: Callable, steps: int, warmup: int, measure_memory: bool, lr: float,
-            sample_input: Any) -> dict[str, Any]:
+def _worker(
+    rank: int,
+    world: int,
+    build: Callable[[], nn.Module],
+    plan: Plan,
+    batch_fn: BatchFn,
+    loss_fn: Callable,
+    steps: int,
+    warmup: int,
+    measure_memory: bool,
+    lr: float,
+    sample_input: Any,
+) -> dict[str, Any]:
     from autopar.runtime.api import parallelize
 
     torch.manual_seed(0)
@@ -84,9 +97,19 @@ def _worker(rank: int, world: int, build: Callable[[], nn.Module], plan: Plan, b
     return {"times": times, "losses": losses, "peak": peak}
 
 
-def run_locally(build: Callable[[], nn.Module], plan: Plan, batch_fn: BatchFn, *, loss_fn: Callable = cross_entropy,
-                steps: int = 6, warmup: int = 2, measure_memory: bool = True, lr: float = 1e-3,
-                settings: SPMDSettings | None = None, sample_input: Any = None) -> LocalRun:
+def run_locally(
+    build: Callable[[], nn.Module],
+    plan: Plan,
+    batch_fn: BatchFn,
+    *,
+    loss_fn: Callable = cross_entropy,
+    steps: int = 6,
+    warmup: int = 2,
+    measure_memory: bool = True,
+    lr: float = 1e-3,
+    settings: SPMDSettings | None = None,
+    sample_input: Any = None,
+) -> LocalRun:
     """Train ``plan`` for ``steps`` steps on ``plan.config.world_size`` local processes.
 
     ``build`` makes the model on every rank (seeded identically). With
@@ -102,12 +125,14 @@ def run_locally(build: Callable[[], nn.Module], plan: Plan, batch_fn: BatchFn, *
     """
     world = plan.config.world_size
     settings = settings or SPMDSettings(timeout_s=600)
-    timed = run_spmd(_worker, world, build, plan, batch_fn, loss_fn, steps, warmup, False, lr, sample_input,
-                     settings=settings)
+    timed = run_spmd(
+        _worker, world, build, plan, batch_fn, loss_fn, steps, warmup, False, lr, sample_input, settings=settings
+    )
     peaks: tuple[int, ...] = ()
     if measure_memory:
-        metered = run_spmd(_worker, world, build, plan, batch_fn, loss_fn, 3, 0, True, lr, sample_input,
-                           settings=settings)
+        metered = run_spmd(
+            _worker, world, build, plan, batch_fn, loss_fn, 3, 0, True, lr, sample_input, settings=settings
+        )
         peaks = tuple(r["peak"] for r in metered)
     step_times = tuple(max(r["times"][i] for r in timed) for i in range(len(timed[0]["times"])))
     return LocalRun(step_times_s=step_times, losses=tuple(timed[0]["losses"]), peak_memory_bytes=peaks)

@@ -13,8 +13,9 @@ are unscaled in place. bf16 has fp32's exponent range and needs none of this.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,8 +43,10 @@ class LossScaler:
 
     def scaled(self, loss_fn: LossFn) -> LossFn:
         """``loss_fn`` times the scale current when it is called."""
+
         def scaled_loss(*args: Any, **kwargs: Any) -> torch.Tensor:
             return loss_fn(*args, **kwargs) * self.scale
+
         return scaled_loss
 
     def unscale_(self, grads: Iterable[torch.Tensor], device: torch.device) -> bool:
@@ -57,7 +60,7 @@ class LossScaler:
                 g.mul_(inv)
                 local = g.to_local() if isinstance(g, DTensor) else g
                 flags.append((~torch.isfinite(local)).any().to(device))  # stays on the device: one sync below
-            bad = (torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool, device=device))
+            bad = torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool, device=device)
             bad = bad.float().reshape(1)
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
             self._found_inf = bool(bad.item() > 0)

@@ -32,7 +32,7 @@ class MeshDims:
     tp: int
 
     @staticmethod
-    def of(plan: Plan) -> "MeshDims":
+    def of(plan: Plan) -> MeshDims:
         """The degrees a plan asks for."""
         return MeshDims(pp=plan.config.pp, dp=plan.config.dp, tp=plan.config.tp)
 
@@ -59,7 +59,8 @@ class MeshDims:
             raise PlanMismatchError(
                 f"the plan needs pp x dp x tp = {self.pp} x {self.dp} x {self.tp} = {self.world_size} ranks but this "
                 f"job has {world_size}. Launch with {self.world_size} processes (autopar run --nproc-per-node ...), "
-                f"or make a plan for {world_size} devices (autopar plan/estimate).")
+                f"or make a plan for {world_size} devices (autopar plan/estimate)."
+            )
 
 
 def build_mesh(dims: MeshDims, device_type: str) -> DeviceMesh:
@@ -72,12 +73,18 @@ def build_mesh(dims: MeshDims, device_type: str) -> DeviceMesh:
     peer through the dp or pp group would hang that long.
     """
     if not dist.is_initialized():
-        raise PlanMismatchError("no default process group: call torch.distributed.init_process_group (torchrun or "
-                                "autopar run set it up) before autopar.parallelize.")
+        raise PlanMismatchError(
+            "no default process group: call torch.distributed.init_process_group (torchrun or "
+            "autopar run set it up) before autopar.parallelize."
+        )
     dims.check_world_size(dist.get_world_size())
     override = _backend_with_timeout(device_type)
-    return init_device_mesh(device_type, dims.shape(), mesh_dim_names=MESH_AXES,
-                            backend_override={axis: override for axis in MESH_AXES} if override else None)
+    return init_device_mesh(
+        device_type,
+        dims.shape(),
+        mesh_dim_names=MESH_AXES,
+        backend_override={axis: override for axis in MESH_AXES} if override else None,
+    )
 
 
 def default_timeout(device_type: str = "cpu") -> timedelta | None:

@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, ContextManager, Iterable
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -70,7 +72,7 @@ class MemoryMeter:
         self.enabled = enabled
         self._cpu: TensorBytesMeter | None = None
 
-    def track(self, live: Iterable[torch.Tensor]) -> ContextManager[Any]:
+    def track(self, live: Iterable[torch.Tensor]) -> AbstractContextManager[Any]:
         """A context measuring the peak over one step; ``live`` are the tensors that
         exist when it starts."""
         if not self.enabled:
@@ -106,8 +108,12 @@ class TensorBytesMeter(TorchDispatchMode):
     def _track(self, t: Any) -> None:
         if isinstance(t, DTensor):
             t = t.to_local()
-        if not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor) or t.device.type != self.device.type \
-                or t.is_meta:
+        if (
+            not isinstance(t, torch.Tensor)
+            or isinstance(t, FakeTensor)
+            or t.device.type != self.device.type
+            or t.is_meta
+        ):
             return  # FakeTensors are DTensor's shape propagation, not memory
         try:
             storage = t.untyped_storage()
@@ -136,7 +142,7 @@ class TensorBytesMeter(TorchDispatchMode):
         self.current_bytes -= self._bytes.pop(key, 0)
         self._refs.pop(key, None)
 
-    def __enter__(self) -> "TensorBytesMeter":
+    def __enter__(self) -> TensorBytesMeter:
         cls = torch.UntypedStorage
         self._own_resize = "resize_" in cls.__dict__
         resize = self._resize = cls.resize_

@@ -18,7 +18,8 @@ whose ``param_groups`` are the inner optimizers' groups, so learning-rate schedu
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,8 +51,14 @@ def partition(params: list[nn.Parameter], dp: int) -> list[int]:
 class _Part:
     """One stage module's parameters, the owned subset and its inner optimizer."""
 
-    def __init__(self, module: nn.Module, params: list[nn.Parameter], owners: list[int], me: int,
-                 make: Callable[[list[nn.Parameter]], Optimizer]):
+    def __init__(
+        self,
+        module: nn.Module,
+        params: list[nn.Parameter],
+        owners: list[int],
+        me: int,
+        make: Callable[[list[nn.Parameter]], Optimizer],
+    ):
         self.module = module
         self.params = params
         self.owners = owners
@@ -71,8 +78,14 @@ class ShardedOptimizer(Optimizer):
             (fp16 loss scaling after an overflow, the same verdict on every rank).
     """
 
-    def __init__(self, modules: list[nn.Module], optimizer_cls: type[Optimizer], kwargs: dict[str, Any],
-                 dp_group: dist.ProcessGroup | None = None, gate: Callable[[], bool] | None = None):
+    def __init__(
+        self,
+        modules: list[nn.Module],
+        optimizer_cls: type[Optimizer],
+        kwargs: dict[str, Any],
+        dp_group: dist.ProcessGroup | None = None,
+        gate: Callable[[], bool] | None = None,
+    ):
         self._dp_group = dp_group
         self._gate = gate
         dp = dist.get_world_size(dp_group) if dp_group is not None else 1
@@ -116,7 +129,7 @@ class ShardedOptimizer(Optimizer):
             dist.broadcast(flat, src=dist.get_global_rank(self._dp_group, owner), group=self._dp_group)
             offset = 0
             for t in tensors:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -141,8 +154,10 @@ class ShardedOptimizer(Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """Refused: use ``job.save_checkpoint``, which reshards."""
-        raise JobError("the job's optimizer state is sharded; save it with job.save_checkpoint(path), which writes "
-                       "every rank's part with torch.distributed.checkpoint.")
+        raise JobError(
+            "the job's optimizer state is sharded; save it with job.save_checkpoint(path), which writes "
+            "every rank's part with torch.distributed.checkpoint."
+        )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Refused: use ``job.load_checkpoint``."""

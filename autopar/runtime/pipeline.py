@@ -17,7 +17,8 @@ data-parallel gradient sync of the last micro-batch are shared by every plan.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,8 +32,11 @@ from autopar.runtime.decoder_stages import make_stage
 from autopar.runtime.errors import PipelineError
 from autopar.vocab import Schedule
 
-SCHEDULES = {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B,
-             Schedule.INTERLEAVED_1F1B: ScheduleInterleaved1F1B}
+SCHEDULES = {
+    Schedule.GPIPE: ScheduleGPipe,
+    Schedule.ONE_F_ONE_B: Schedule1F1B,
+    Schedule.INTERLEAVED_1F1B: ScheduleInterleaved1F1B,
+}
 
 
 def check_schedule(plan: Plan) -> None:
@@ -40,13 +44,17 @@ def check_schedule(plan: Plan) -> None:
     cfg = plan.config
     m, pp = cfg.num_microbatches, cfg.pp
     if cfg.schedule is Schedule.ONE_F_ONE_B and pp > 1 and m < pp:
-        raise PipelineError(f"schedule '1f1b' with pp={pp} needs num_microbatches >= pp, got {m}: the pipeline "
-                            f"never fills. Use num_microbatches >= {pp} or schedule 'gpipe'.")
+        raise PipelineError(
+            f"schedule '1f1b' with pp={pp} needs num_microbatches >= pp, got {m}: the pipeline "
+            f"never fills. Use num_microbatches >= {pp} or schedule 'gpipe'."
+        )
     if cfg.schedule is Schedule.INTERLEAVED_1F1B:
         rounds = max(1, m // pp)
         if m % rounds:
-            raise PipelineError(f"schedule 'interleaved-1f1b' with pp={pp} runs micro-batches in rounds of pp; "
-                                f"num_microbatches={m} is not a multiple of its {rounds} rounds. Use a multiple of {pp}.")
+            raise PipelineError(
+                f"schedule 'interleaved-1f1b' with pp={pp} runs micro-batches in rounds of pp; "
+                f"num_microbatches={m} is not a multiple of its {rounds} rounds. Use a multiple of {pp}."
+            )
 
 
 def check_cuttable(model: nn.Module, plan: Plan) -> None:
@@ -58,7 +66,8 @@ def check_cuttable(model: nn.Module, plan: Plan) -> None:
             f"unit {unit!r} sits in a {container}, which renumbers its children when one is removed, "
             f"so pipeline stages would rename parameters (and a transformers model's forward cannot skip missing "
             f"blocks). Hold the blocks in an nn.ModuleDict keyed '0'..'L-1' whose forward skips None parts (as "
-            f"autopar.models do), or use a plan with pp=1.")
+            f"autopar.models do), or use a plan with pp=1."
+        )
 
 
 def cut(model: nn.Module, keep: tuple[str, ...], units: tuple[str, ...], seq_len: int) -> nn.Module:
@@ -97,8 +106,9 @@ def tensor_outputs(stage: nn.Module) -> None:
 
 
 def _to_tensors(_module: nn.Module, _args: Any, output: Any) -> Any:
-    if isinstance(output, torch.Tensor) or (isinstance(output, (tuple, list)) and all(
-            isinstance(o, torch.Tensor) for o in output)):
+    if isinstance(output, torch.Tensor) or (
+        isinstance(output, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in output)
+    ):
         return output
     logits = getattr(output, "logits", None)
     if isinstance(logits, torch.Tensor):
@@ -107,8 +117,10 @@ def _to_tensors(_module: nn.Module, _args: Any, output: Any) -> Any:
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
     if len(tensors) == 1:
         return tensors[0]
-    raise PipelineError(f"the model returned a {type(output).__name__}, which pipeline stages cannot pass on: return "
-                        f"a tensor or a tuple of tensors (or an output with a 'logits' tensor).")
+    raise PipelineError(
+        f"the model returned a {type(output).__name__}, which pipeline stages cannot pass on: return "
+        f"a tensor or a tuple of tensors (or an output with a 'logits' tensor)."
+    )
 
 
 class _ShardedAccumulationStage(PipelineStage):
@@ -141,8 +153,9 @@ class _ShardedAccumulationStage(PipelineStage):
         return grads, None
 
 
-def build_stages(modules: list[nn.Module], indices: tuple[int, ...], plan: Plan, device: torch.device,
-                 group: Any) -> list[PipelineStage]:
+def build_stages(
+    modules: list[nn.Module], indices: tuple[int, ...], plan: Plan, device: torch.device, group: Any
+) -> list[PipelineStage]:
     """One ``PipelineStage`` per local stage module. Without pipelining, a stage that
     FSDP2 shards (ZeRO-2/3) reduces its gradients every micro-batch
     (:class:`_ShardedAccumulationStage`); with ``pp > 1`` it keeps ``PipelineStage``'s
@@ -150,9 +163,12 @@ def build_stages(modules: list[nn.Module], indices: tuple[int, ...], plan: Plan,
     time terms assume."""
     cfg = plan.config
     if cfg.pp == 1 and cfg.zero_stage >= 2 and cfg.dp > 1:
-        return [_ShardedAccumulationStage(m, i, cfg.num_stages, device, group=group,
-                                          reshard_each_microbatch=cfg.zero_stage == 3)
-                for m, i in zip(modules, indices)]
+        return [
+            _ShardedAccumulationStage(
+                m, i, cfg.num_stages, device, group=group, reshard_each_microbatch=cfg.zero_stage == 3
+            )
+            for m, i in zip(modules, indices)
+        ]
     return [PipelineStage(m, i, cfg.num_stages, device, group=group) for m, i in zip(modules, indices)]
 
 
@@ -162,9 +178,13 @@ def recv_buffers(stages: list[PipelineStage]) -> list[torch.Tensor]:
     (``_setup_forward_recv_info``, ``_setup_backward_recv_info``) and keeps them for
     its life, so they are part of every later step's memory. Measured with pp=2 and 4
     micro-batches (the benchmark GPT): each rank held 2 MiB of them, four block outputs."""
-    return [info.buffer for stage in stages
-            for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values())
-            for info in infos if info.buffer is not None]
+    return [
+        info.buffer
+        for stage in stages
+        for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values())
+        for info in infos
+        if info.buffer is not None
+    ]
 
 
 def build_schedule(stages: list[PipelineStage], plan: Plan, loss_fn: Callable[..., torch.Tensor]) -> Any:

@@ -22,7 +22,8 @@ unit keeps its scores, as without recomputation.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.nn.functional as F
 from torch import nn
@@ -39,7 +40,7 @@ _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_o
 def clean_fqn(name: str) -> str:
     """A parameter or module name without wrapper prefixes (and DDP's leading ``module.``)."""
     if name.startswith("module."):
-        name = name[len("module."):]
+        name = name[len("module.") :]
     for prefix in _WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
     return name
@@ -78,6 +79,7 @@ def _recomputing_attention(forward: Callable[..., Any]) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
         with _CheckpointAttentionCore():
             return forward(*args, **kwargs)
+
     return run
 
 

@@ -23,8 +23,9 @@ import shutil
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from autopar.errors import AutoparError
 
@@ -46,8 +47,9 @@ class SPMDSettings:
     backend: str = "gloo"
 
 
-def _child(fn: Callable, rank: int, world: int, init: str, args: tuple, conn, settings: SPMDSettings,
-           env: dict[str, str]) -> None:
+def _child(
+    fn: Callable, rank: int, world: int, init: str, args: tuple, conn, settings: SPMDSettings, env: dict[str, str]
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -56,8 +58,13 @@ def _child(fn: Callable, rank: int, world: int, init: str, args: tuple, conn, se
         os.environ.update(env)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
         torch.set_num_threads(settings.threads_per_rank)
-        dist.init_process_group(settings.backend, init_method=init, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=settings.pg_timeout_s))
+        dist.init_process_group(
+            settings.backend,
+            init_method=init,
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=settings.pg_timeout_s),
+        )
         result = fn(rank, world, *args)
         dist.barrier()
         dist.destroy_process_group()
@@ -73,8 +80,13 @@ def _child(fn: Callable, rank: int, world: int, init: str, args: tuple, conn, se
         os._exit(0)  # skip interpreter teardown: gloo threads can abort it (TORCH-CPU.md section 10)
 
 
-def run_spmd(fn: Callable[..., Any], world_size: int, *args: Any, settings: SPMDSettings | None = None,
-             env: dict[str, str] | None = None) -> list[Any]:
+def run_spmd(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    settings: SPMDSettings | None = None,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked processes.
 
     Returns the per-rank results in rank order. Raises SPMDError naming each failing
@@ -91,8 +103,9 @@ def run_spmd(fn: Callable[..., Any], world_size: int, *args: Any, settings: SPMD
     try:
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_child, args=(fn, rank, world_size, init, args, child_end, settings, env or {}),
-                               daemon=True)
+            proc = ctx.Process(
+                target=_child, args=(fn, rank, world_size, init, args, child_end, settings, env or {}), daemon=True
+            )
             proc.start()
             child_end.close()
             pipes.append(parent_end)

@@ -15,7 +15,8 @@ Layouts map to placements as in Megatron-LM: R -> ``Replicate()``, F -> ``Shard(
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -64,13 +65,17 @@ def convert(x: torch.Tensor, mesh: DeviceMesh, src: Layout, dst: Layout, *, dten
     if src is dst and not dtensor:
         return x
     if src is Layout.Q and x.dim() < 3:
-        raise ShardingError(f"sequence parallelism shards dim 1 of (batch, seq, ...) activations, but a "
-                            f"{x.dim()}-D tensor of shape {tuple(x.shape)} arrived; use sequence_parallel=False.")
+        raise ShardingError(
+            f"sequence parallelism shards dim 1 of (batch, seq, ...) activations, but a "
+            f"{x.dim()}-D tensor of shape {tuple(x.shape)} arrived; use sequence_parallel=False."
+        )
     out = DTensor.from_local(x, mesh, [placement(src)], run_check=False).redistribute(mesh, [placement(dst)])
     return out if dtensor else out.to_local()
 
 
-def apply_tensor_parallel(stage: nn.Module, layout: TPLayout, mesh: DeviceMesh, tied: tuple[tuple[str, ...], ...]) -> None:
+def apply_tensor_parallel(
+    stage: nn.Module, layout: TPLayout, mesh: DeviceMesh, tied: tuple[tuple[str, ...], ...]
+) -> None:
     """Shard ``stage``'s leaves in place (only leaves and blocks present on the stage).
 
     ``tied`` lists the names of each parameter shared by several leaves; styles replace
@@ -86,7 +91,8 @@ def apply_tensor_parallel(stage: nn.Module, layout: TPLayout, mesh: DeviceMesh, 
     for fqn, conversion in layout.module_inputs.items():
         if fqn in modules:
             modules[fqn].register_forward_pre_hook(
-                _input_converter(mesh, conversion.src, conversion.dst, dtensor=conversion.dtensor), with_kwargs=True)
+                _input_converter(mesh, conversion.src, conversion.dst, dtensor=conversion.dtensor), with_kwargs=True
+            )
     for fqn, leaf in layout.leaves.items():
         module = modules.get(fqn)
         if module is None:
@@ -104,28 +110,40 @@ def styles_for(module: nn.Module, leaf: LeafLayout, parent: nn.Module | None = N
         return special
     style = leaf.style
     if style is TPStyle.COLUMN and isinstance(module, nn.Linear):
-        return [ColwiseParallel(input_layouts=placement(leaf.arrives), output_layouts=placement(leaf.output),
-                                use_local_output=not leaf.dtensor_output)]
+        return [
+            ColwiseParallel(
+                input_layouts=placement(leaf.arrives),
+                output_layouts=placement(leaf.output),
+                use_local_output=not leaf.dtensor_output,
+            )
+        ]
     if style is TPStyle.ROW and isinstance(module, nn.Linear):
         return [RowwiseParallel(input_layouts=placement(leaf.arrives), output_layouts=placement(leaf.output))]
     if style is TPStyle.VOCAB and isinstance(module, nn.Embedding):
         if leaf.arrives is not Layout.R:
-            raise ShardingError(f"embedding {leaf.fqn!r} takes token ids, which must arrive replicated, not in "
-                                f"layout {leaf.arrives.value}.")
+            raise ShardingError(
+                f"embedding {leaf.fqn!r} takes token ids, which must arrive replicated, not in "
+                f"layout {leaf.arrives.value}."
+            )
         return [RowwiseParallel(input_layouts=Replicate(), output_layouts=embedding_placement(leaf.output))]
     if style is TPStyle.SEQUENCE:
         return _around(SequenceParallel(use_local_output=True), Layout.Q, leaf)
     if style is TPStyle.REPLICATE:
         return _around(None, Layout.R, leaf)
-    raise ShardingError(f"layer {leaf.fqn!r} is a {type(module).__name__}, which cannot take the tensor-parallel "
-                        f"style {style.value!r}: column and row need nn.Linear (or transformers' Conv1D), vocab needs "
-                        f"nn.Embedding. Use 'replicate' for it.")
+    raise ShardingError(
+        f"layer {leaf.fqn!r} is a {type(module).__name__}, which cannot take the tensor-parallel "
+        f"style {style.value!r}: column and row need nn.Linear (or transformers' Conv1D), vocab needs "
+        f"nn.Embedding. Use 'replicate' for it."
+    )
 
 
 def _around(style: ParallelStyle | None, computes_in: Layout, leaf: LeafLayout) -> list[ParallelStyle]:
     before = [_Convert(leaf.arrives, computes_in, output=False)] if leaf.arrives is not computes_in else []
-    after = [_Convert(computes_in, leaf.output, output=True, dtensor=leaf.dtensor_output)] \
-        if leaf.output is not computes_in or leaf.dtensor_output else []
+    after = (
+        [_Convert(computes_in, leaf.output, output=True, dtensor=leaf.dtensor_output)]
+        if leaf.output is not computes_in or leaf.dtensor_output
+        else []
+    )
     return before + ([style] if style is not None else []) + after
 
 
@@ -139,7 +157,8 @@ class _Convert(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if self.output:
             module.register_forward_hook(
-                lambda _m, _a, out: convert(out, device_mesh, self.src, self.dst, dtensor=self.dtensor))
+                lambda _m, _a, out: convert(out, device_mesh, self.src, self.dst, dtensor=self.dtensor)
+            )
         else:
             module.register_forward_pre_hook(_input_converter(device_mesh, self.src, self.dst), with_kwargs=True)
         return module
@@ -151,6 +170,9 @@ def _input_converter(mesh: DeviceMesh, src: Layout, dst: Layout, *, dtensor: boo
             return (convert(args[0], mesh, src, dst, dtensor=dtensor), *args[1:]), kwargs
         if isinstance(kwargs.get("hidden_states"), torch.Tensor):
             return args, {**kwargs, "hidden_states": convert(kwargs["hidden_states"], mesh, src, dst, dtensor=dtensor)}
-        raise ShardingError(f"{type(_module).__name__} got neither a positional tensor nor hidden_states= to convert "
-                            f"from layout {src.value} to {dst.value}.")
+        raise ShardingError(
+            f"{type(_module).__name__} got neither a positional tensor nor hidden_states= to convert "
+            f"from layout {src.value} to {dst.value}."
+        )
+
     return hook

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
 
 import numpy as np
 
@@ -30,8 +30,13 @@ from autopar.search.split import best_split
 from autopar.search.stage_solver import Priced, StageChoice, solve_stage
 from autopar.vocab import Optimizer, Recompute, TPStyle
 
-WEIGHT_SPLIT: dict[TPStyle, int | None] = {TPStyle.REPLICATE: None, TPStyle.SEQUENCE: None, TPStyle.COLUMN: 0,
-                                           TPStyle.VOCAB: 0, TPStyle.ROW: 1}
+WEIGHT_SPLIT: dict[TPStyle, int | None] = {
+    TPStyle.REPLICATE: None,
+    TPStyle.SEQUENCE: None,
+    TPStyle.COLUMN: 0,
+    TPStyle.VOCAB: 0,
+    TPStyle.ROW: 1,
+}
 """The dimension of a leaf's weight its style splits (a Linear's ``(out, in)``, an
 Embedding's ``(vocabulary, dim)``, as torch's ``ColwiseParallel``/``RowwiseParallel``
 place them), None where it stays whole."""
@@ -93,9 +98,11 @@ class Evaluator:
         for i in range(n - 2, -1, -1):
             if self.unit_keys[i] == self.unit_keys[i + 1]:
                 run_end[i] = run_end[i + 1]
-        self.run_end = np.array(run_end + [n], dtype=np.int64)
+        self.run_end = np.array([*run_end, n], dtype=np.int64)
         kind_ids: dict[tuple, int] = {}
-        self.kind_ids = np.array([kind_ids.setdefault(key, len(kind_ids)) for key in self.unit_keys] + [0], dtype=np.int64)
+        self.kind_ids = np.array(
+            [kind_ids.setdefault(key, len(kind_ids)) for key in self.unit_keys] + [0], dtype=np.int64
+        )
         sigs: dict[tuple, int] = {}
         self.range_signature = np.zeros((n + 1, n + 1), dtype=np.int64)
         for i in range(n):
@@ -122,43 +129,75 @@ class Evaluator:
         n = len(self.graph.units)
         signature = self.graph.profile_of(unit).signature
         return TPContext(
-            tp=config.tp, span=group_span(config.tp, 1, self.cluster.devices_per_node), cluster=self.cluster,
-            rates=rates(self.cluster.device, config.dtype), micro_batch=config.micro_batch_size,
-            tokens=self.graph.seq_len, boundary=Layout.Q if config.sequence_parallel else Layout.R,
-            first=unit == 0, last=unit == n - 1, loss_parallel=self.graph.vocab_size > 0,
+            tp=config.tp,
+            span=group_span(config.tp, 1, self.cluster.devices_per_node),
+            cluster=self.cluster,
+            rates=rates(self.cluster.device, config.dtype),
+            micro_batch=config.micro_batch_size,
+            tokens=self.graph.seq_len,
+            boundary=Layout.Q if config.sequence_parallel else Layout.R,
+            first=unit == 0,
+            last=unit == n - 1,
+            loss_parallel=self.graph.vocab_size > 0,
             sequence_parallel=config.sequence_parallel,
             compute_scale=self.calibration.get(signature, 1.0),
             recompute_fraction=self.recompute_fractions.get(signature, 1.0),
-            op_overhead_s=self.cluster.device.op_overhead_s, tp_overhead_s=self.cluster.device.tp_overhead_s,
-            exposed_weight_traffic=self.cluster.device.exposed_weight_traffic)
+            op_overhead_s=self.cluster.device.op_overhead_s,
+            tp_overhead_s=self.cluster.device.tp_overhead_s,
+            exposed_weight_traffic=self.cluster.device.exposed_weight_traffic,
+        )
 
     def options(self, unit: int, config: ParallelConfig, modes: tuple[Recompute, ...]) -> tuple[UnitOption, ...]:
         """Options of ``unit`` (cached per distinct profile and position)."""
         n = len(self.graph.units)
-        key = (self.graph.units[unit].profile, unit == 0, unit == n - 1, config.tp, config.sequence_parallel,
-               config.micro_batch_size, config.dtype, modes)
+        key = (
+            self.graph.units[unit].profile,
+            unit == 0,
+            unit == n - 1,
+            config.tp,
+            config.sequence_parallel,
+            config.micro_batch_size,
+            config.dtype,
+            modes,
+        )
         if key not in self._options:
-            self._options[key] = unit_options(self.graph.profile_of(unit), self.tp_context(unit, config),
-                                              solver=self._layouts, recompute_modes=modes)
+            self._options[key] = unit_options(
+                self.graph.profile_of(unit), self.tp_context(unit, config), solver=self._layouts, recompute_modes=modes
+            )
         return self._options[key]
 
     # ----- pricing ------------------------------------------------------------------
     def price(self, opt: UnitOption, config: ParallelConfig, layout_id: int) -> Priced:
-        st = state_bytes(param_numel=opt.layout.param_numel, factored_numel=opt.layout.factored_numel,
-                         largest_unit_numel=opt.layout.param_numel, dtype=config.dtype, optimizer=self.optimizer,
-                         zero_stage=config.zero_stage, dp=config.dp, pipelined=config.pp > 1, tp=config.tp)
+        st = state_bytes(
+            param_numel=opt.layout.param_numel,
+            factored_numel=opt.layout.factored_numel,
+            largest_unit_numel=opt.layout.param_numel,
+            dtype=config.dtype,
+            optimizer=self.optimizer,
+            zero_stage=config.zero_stage,
+            dp=config.dp,
+            pipelined=config.pp > 1,
+            tp=config.tp,
+        )
         # the loss's backward is over, and what it kept but the logits freed, before the
         # unit's gathers and reductions begin (fully recomputed, those stay activations)
         lay = opt.layout
-        freed = lay.loss_working_bytes + (lay.loss_saved_bytes - lay.held_output_bytes
-                                          if opt.recompute is not Recompute.FULL else 0.0)
+        freed = lay.loss_working_bytes + (
+            lay.loss_saved_bytes - lay.held_output_bytes if opt.recompute is not Recompute.FULL else 0.0
+        )
         transient = max(opt.transient_bytes, opt.transient_bytes - freed + st.transient_bytes)
-        return Priced(time_s=opt.time_s, static_bytes=st.params_bytes + st.grads_bytes + st.optimizer_bytes,
-                      act_bytes=opt.act_bytes, transient_bytes=transient, layout=layout_id,
-                      rebuild_bytes=st.rebuild_bytes)
+        return Priced(
+            time_s=opt.time_s,
+            static_bytes=st.params_bytes + st.grads_bytes + st.optimizer_bytes,
+            act_bytes=opt.act_bytes,
+            transient_bytes=transient,
+            layout=layout_id,
+            rebuild_bytes=st.rebuild_bytes,
+        )
 
-    def priced_options(self, unit: int, config: ParallelConfig,
-                       modes: tuple[Recompute, ...]) -> tuple[tuple[UnitOption, ...], tuple[Priced, ...]]:
+    def priced_options(
+        self, unit: int, config: ParallelConfig, modes: tuple[Recompute, ...]
+    ) -> tuple[tuple[UnitOption, ...], tuple[Priced, ...]]:
         """The options of ``unit`` and their prices under ``config`` (identical
         options of different layouts carry different layout ids)."""
         key = ("priced", self.unit_keys[unit], self.config_key(config, modes))
@@ -183,8 +222,10 @@ class Evaluator:
         for s in self.graph.shared:
             if s.first_unit not in options or s.second_unit not in options:
                 continue
-            splits = {WEIGHT_SPLIT[self._owner_style(options[u], u, m)]
-                      for u, m in ((s.first_unit, s.first_module), (s.second_unit, s.second_module))}
+            splits = {
+                WEIGHT_SPLIT[self._owner_style(options[u], u, m)]
+                for u, m in ((s.first_unit, s.first_module), (s.second_unit, s.second_module))
+            }
             if len(splits) == 1:
                 numel += s.numel / (config.tp if splits != {None} else 1)
         return numel
@@ -199,13 +240,22 @@ class Evaluator:
 
     def shared_state_bytes(self, config: ParallelConfig, numel: float) -> float:
         """State bytes of ``numel`` tied elements counted twice."""
-        st = state_bytes(param_numel=numel, factored_numel=numel, largest_unit_numel=0.0, dtype=config.dtype,
-                         optimizer=self.optimizer, zero_stage=config.zero_stage, dp=config.dp,
-                         pipelined=config.pp > 1, tp=config.tp)
+        st = state_bytes(
+            param_numel=numel,
+            factored_numel=numel,
+            largest_unit_numel=0.0,
+            dtype=config.dtype,
+            optimizer=self.optimizer,
+            zero_stage=config.zero_stage,
+            dp=config.dp,
+            pipelined=config.pp > 1,
+            tp=config.tp,
+        )
         return st.params_bytes + st.grads_bytes + st.optimizer_bytes
 
-    def pipeline_buffer_bytes(self, units: tuple[int, ...], config: ParallelConfig, inflight: float,
-                              layout: Callable[[int], UnitCost]) -> float:
+    def pipeline_buffer_bytes(
+        self, units: tuple[int, ...], config: ParallelConfig, inflight: float, layout: Callable[[int], UnitCost]
+    ) -> float:
         """What the pipeline schedule holds for ``units`` (one rank's stages: each run of
         consecutive units is one, in order) beyond their activations
         (:func:`stage_buffer_bytes`), with ``layout(u)`` the layout unit ``u`` takes (its
@@ -219,9 +269,13 @@ class Evaluator:
             if i == len(units) or units[i] != units[i - 1] + 1:
                 first, last = units[start], units[i - 1]
                 total += stage_buffer_bytes(
-                    receives_input=first > 0, sends_output=last < n - 1,
-                    input_bytes=layout(first).input_bytes, output_bytes=layout(last).output_bytes,
-                    num_microbatches=config.num_microbatches, inflight=inflight)
+                    receives_input=first > 0,
+                    sends_output=last < n - 1,
+                    input_bytes=layout(first).input_bytes,
+                    output_bytes=layout(last).output_bytes,
+                    num_microbatches=config.num_microbatches,
+                    inflight=inflight,
+                )
                 start = i
         return total
 
@@ -236,8 +290,14 @@ class Evaluator:
         return (dev.memory_bytes - dev.reserved_bytes) / (1 + dev.fragmentation)
 
     # ----- stages -------------------------------------------------------------------
-    def solve_units(self, units: tuple[int, ...], config: ParallelConfig, modes: tuple[Recompute, ...],
-                    inflight: float, stage_index: int) -> StagePlan | None:
+    def solve_units(
+        self,
+        units: tuple[int, ...],
+        config: ParallelConfig,
+        modes: tuple[Recompute, ...],
+        inflight: float,
+        stage_index: int,
+    ) -> StagePlan | None:
         """Fastest options for ``units`` as one stage (None if they cannot fit)."""
         found = self._solve_memo(units, config, modes, inflight)
         if found is None:
@@ -246,11 +306,20 @@ class Evaluator:
         return StagePlan(index=stage_index, units=units, options=options, inflight=inflight, choice=choice)
 
     def config_key(self, config: ParallelConfig, modes: tuple[Recompute, ...]) -> tuple:
-        return (config.tp, config.sequence_parallel, config.micro_batch_size, config.dtype, config.zero_stage,
-                config.dp, config.pp > 1, modes)
+        return (
+            config.tp,
+            config.sequence_parallel,
+            config.micro_batch_size,
+            config.dtype,
+            config.zero_stage,
+            config.dp,
+            config.pp > 1,
+            modes,
+        )
 
-    def _solve_memo(self, units: tuple[int, ...], config: ParallelConfig, modes: tuple[Recompute, ...],
-                    inflight: float) -> tuple[StageChoice, tuple[UnitOption, ...]] | None:
+    def _solve_memo(
+        self, units: tuple[int, ...], config: ParallelConfig, modes: tuple[Recompute, ...], inflight: float
+    ) -> tuple[StageChoice, tuple[UnitOption, ...]] | None:
         if units[-1] - units[0] + 1 == len(units):  # contiguous: the precomputed range signature
             content: object = int(self.range_signature[units[0], units[-1] + 1])
         else:
@@ -261,8 +330,9 @@ class Evaluator:
             self.memo[key] = self._solve(units, config, modes, inflight)
         return self.memo[key]
 
-    def _solve(self, units: tuple[int, ...], config: ParallelConfig, modes: tuple[Recompute, ...],
-               inflight: float) -> tuple[StageChoice, tuple[UnitOption, ...]] | None:
+    def _solve(
+        self, units: tuple[int, ...], config: ParallelConfig, modes: tuple[Recompute, ...], inflight: float
+    ) -> tuple[StageChoice, tuple[UnitOption, ...]] | None:
         groups_keys: list[tuple] = []
         members: dict[tuple, list[int]] = {}
         for u in units:
@@ -303,8 +373,9 @@ class Evaluator:
             return None
         return choice, tuple(chosen[u] for u in units)
 
-    def _fits_bucket_rebuild(self, groups: list[tuple[int, tuple[Priced, ...]]], choice: StageChoice,
-                             shared: float) -> bool:
+    def _fits_bucket_rebuild(
+        self, groups: list[tuple[int, tuple[Priced, ...]]], choice: StageChoice, shared: float
+    ) -> bool:
         """Whether the stage also fits DDP's one-time bucket rebuild: its model states
         plus a second copy of its gradients (``autopar.cost.memory``), tied parameters
         (``shared`` bytes of state, counted by both owners) once. Only DDP (tp = 1)
@@ -317,21 +388,28 @@ class Evaluator:
             return True
         return (static - shared) * (1 + rebuild / static) <= self.budget()
 
-    def stage_p2p_s(self, stage_units: tuple[int, ...], options: tuple[UnitOption, ...], config: ParallelConfig) -> tuple[float, float]:
+    def stage_p2p_s(
+        self, stage_units: tuple[int, ...], options: tuple[UnitOption, ...], config: ParallelConfig
+    ) -> tuple[float, float]:
         """(forward, backward) point-to-point seconds per micro-batch of a stage."""
         if config.pp == 1:
             return 0.0, 0.0
         cross = config.tp * config.dp >= self.cluster.devices_per_node
         n = len(self.graph.units)
-        fwd = p2p_s(options[-1].layout.output_bytes, cross_node=cross, cluster=self.cluster) if stage_units[-1] < n - 1 else 0.0
-        bwd = p2p_s(options[0].layout.input_bytes, cross_node=cross, cluster=self.cluster) if stage_units[0] > 0 else 0.0
+        fwd = (
+            p2p_s(options[-1].layout.output_bytes, cross_node=cross, cluster=self.cluster)
+            if stage_units[-1] < n - 1
+            else 0.0
+        )
+        bwd = (
+            p2p_s(options[0].layout.input_bytes, cross_node=cross, cluster=self.cluster) if stage_units[0] > 0 else 0.0
+        )
         return fwd, bwd
 
     def stage_cost_s(self, plan: StagePlan, config: ParallelConfig) -> float:
         """Per-micro-batch time of a stage (units and point-to-point)."""
         f, b = self.stage_p2p_s(plan.units, plan.options, config)
         return plan.choice.time_s + f + b
-
 
     def bound_s(self, config: ParallelConfig, modes: tuple[Recompute, ...]) -> float:
         """A lower bound of the step time: every unit at its fastest option, the pipeline
@@ -357,8 +435,9 @@ class Evaluator:
         return pipe + tail
 
     # ----- whole configurations -----------------------------------------------------
-    def evaluate(self, config: ParallelConfig, modes: tuple[Recompute, ...],
-                 bounds: tuple[int, ...] | None = None) -> Outcome:
+    def evaluate(
+        self, config: ParallelConfig, modes: tuple[Recompute, ...], bounds: tuple[int, ...] | None = None
+    ) -> Outcome:
         """The fastest split and choices of ``config`` (or the given stage ``bounds``)."""
         pp, v = config.pp, config.virtual_stages
         if v > 1:
@@ -381,17 +460,21 @@ class Evaluator:
                         break
                     stages.append(plan)
         if stages is None:
-            return Outcome(config=config, fits=False, min_memory_bytes=self.cluster.device.memory_bytes,
-                           reason="out of memory: no split and per-unit choice fits")
+            return Outcome(
+                config=config,
+                fits=False,
+                min_memory_bytes=self.cluster.device.memory_bytes,
+                reason="out of memory: no split and per-unit choice fits",
+            )
         from autopar.search.predict import timing
 
-        return Outcome(config=config, fits=True, step_time_s=timing(self, config, stages).step_s, stages=tuple(stages),
-                       min_memory_bytes=max(s.choice.memory_bytes for s in stages) + self.cluster.device.reserved_bytes)
-
-
-
-
-
+        return Outcome(
+            config=config,
+            fits=True,
+            step_time_s=timing(self, config, stages).step_s,
+            stages=tuple(stages),
+            min_memory_bytes=max(s.choice.memory_bytes for s in stages) + self.cluster.device.reserved_bytes,
+        )
 
     def even_split(self, pp: int, *, exact: bool = False) -> tuple[int, ...] | None:
         """Blocks spread as evenly as possible over ``pp`` stages (prologue first, epilogue
@@ -433,10 +516,18 @@ class Evaluator:
             rank_plan = per_rank[c % config.pp]
             idx = [rank_plan.units.index(u) for u in range(bounds[c], bounds[c + 1])]
             opts = tuple(rank_plan.options[i] for i in idx)
-            chunk = StageChoice(time_s=sum(o.time_s for o in opts), memory_bytes=rank_plan.choice.memory_bytes,
-                                counts=())
-            stages.append(StagePlan(index=c, units=tuple(range(bounds[c], bounds[c + 1])), options=opts,
-                                    inflight=rank_plan.inflight, choice=chunk))
+            chunk = StageChoice(
+                time_s=sum(o.time_s for o in opts), memory_bytes=rank_plan.choice.memory_bytes, counts=()
+            )
+            stages.append(
+                StagePlan(
+                    index=c,
+                    units=tuple(range(bounds[c], bounds[c + 1])),
+                    options=opts,
+                    inflight=rank_plan.inflight,
+                    choice=chunk,
+                )
+            )
         return stages
 
     def strategies(self, stages: tuple[StagePlan, ...], config: ParallelConfig) -> tuple[LayerStrategies, Recompute]:
@@ -459,7 +550,3 @@ class Evaluator:
         default = per_unit.most_common(1)[0][0] if per_unit else Recompute.NONE
         overrides = {k: v for k, v in modes.items() if v is not default}
         return LayerStrategies(tp=tp_map, recompute=overrides), default
-
-
-
-

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 import pulp
 
@@ -62,8 +62,10 @@ def solve(problem: pulp.LpProblem, solver: pulp.LpSolver) -> float:
         problem.solve(solver)
     status = pulp.LpStatus[problem.status]
     if status != "Optimal" or problem.sol_status != pulp.LpSolutionOptimal:
-        raise SolverError(f"ILP {problem.name!r} ended with status {status!r} (solution status "
-                          f"{pulp.LpSolution.get(problem.sol_status, problem.sol_status)!r}); it was not proven optimal. "
-                          f"Raise the time limit or report the model.")
+        raise SolverError(
+            f"ILP {problem.name!r} ended with status {status!r} (solution status "
+            f"{pulp.LpSolution.get(problem.sol_status, problem.sol_status)!r}); it was not proven optimal. "
+            f"Raise the time limit or report the model."
+        )
     value = pulp.value(problem.objective)
     return float(value) if value is not None else 0.0

@@ -21,14 +21,27 @@ from dataclasses import replace
 import pulp
 
 from autopar.cost.tensor_parallel import (
-    BACKWARD_FACTOR, STYLE_IO, Layout, TPContext, UnitCost, allowed_styles, conversion_s, evaluate_layout,
-    glue_fwd_s, glue_layout, leaf_accumulate_s, leaf_fwd_s, leaf_param_numel, loss_parallel_s, model_output_layout,
-    producer_bytes, reduction_s,
+    BACKWARD_FACTOR,
+    STYLE_IO,
+    Layout,
+    TPContext,
+    UnitCost,
+    allowed_styles,
+    conversion_s,
+    evaluate_layout,
+    glue_fwd_s,
+    glue_layout,
+    leaf_accumulate_s,
+    leaf_fwd_s,
+    leaf_param_numel,
+    loss_parallel_s,
+    model_output_layout,
+    producer_bytes,
+    reduction_s,
 )
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, UnitProfile
 from autopar.search.ilp import make_solver, solve
 from autopar.vocab import TPStyle
-
 
 ENUMERATE_LIMIT = 64
 """Layout spaces up to this size are enumerated (exactly, like the ILP) instead of solved:
@@ -67,8 +80,11 @@ class LayoutSolver:
     @staticmethod
     def _fewest(profile: UnitProfile, ctx: TPContext) -> float:
         """The fewest parameters any layout holds: separable per leaf."""
-        return sum(min(leaf_param_numel(leaf, s, ctx.tp) for s in allowed_styles(leaf, ctx))
-                   for leaf in profile.leaves) * (1 + 1e-9) + 1e-6
+        return (
+            sum(min(leaf_param_numel(leaf, s, ctx.tp) for s in allowed_styles(leaf, ctx)) for leaf in profile.leaves)
+            * (1 + 1e-9)
+            + 1e-6
+        )
 
     def _layout(self, profile: UnitProfile, ctx: TPContext, *, small: bool) -> UnitCost:
         options = [allowed_styles(leaf, ctx) for leaf in profile.leaves]
@@ -129,9 +145,15 @@ def brute_force_layout(profile: UnitProfile, ctx: TPContext) -> UnitCost:
     return best
 
 
-def _solve_ilp(profile: UnitProfile, ctx: TPContext, options: list[tuple[TPStyle, ...]],
-               outputs: tuple[Layout, ...], solver: pulp.LpSolver, *,
-               param_cap: float | None = None) -> tuple[tuple[TPStyle, ...], Layout]:
+def _solve_ilp(
+    profile: UnitProfile,
+    ctx: TPContext,
+    options: list[tuple[TPStyle, ...]],
+    outputs: tuple[Layout, ...],
+    solver: pulp.LpSolver,
+    *,
+    param_cap: float | None = None,
+) -> tuple[tuple[TPStyle, ...], Layout]:
     prob = pulp.LpProblem("tp_layout", pulp.LpMinimize)
     b = ctx.micro_batch
     x = {(i, s): prob.add_variable(f"x_{i}_{s.value}", cat="Binary") for i, opts in enumerate(options) for s in opts}
@@ -141,7 +163,9 @@ def _solve_ilp(profile: UnitProfile, ctx: TPContext, options: list[tuple[TPStyle
     prob += pulp.lpSum(o.values()) == 1
     if len(o) > 1:  # the model's output is sharded exactly where a column leaf produces it
         for src in {f.src for f in profile.flows if f.dst == UNIT_OUTPUT}:
-            prob += o[Layout.F] == (x[src, TPStyle.COLUMN] if src != UNIT_INPUT and TPStyle.COLUMN in options[src] else 0)
+            prob += o[Layout.F] == (
+                x[src, TPStyle.COLUMN] if src != UNIT_INPUT and TPStyle.COLUMN in options[src] else 0
+            )
 
     def produces(node: int) -> list[tuple[Layout, pulp.LpAffineExpression | int]]:
         if node == UNIT_INPUT:
@@ -194,8 +218,9 @@ def _solve_ilp(profile: UnitProfile, ctx: TPContext, options: list[tuple[TPStyle
                         reduce_vars[key2] = prob.add_variable(f"r_{flow.src + 2}_{a.value}", lowBound=0)
                         terms.append(cost * reduce_vars[key2])
                     prob += reduce_vars[key2] >= xa + x[flow.dst, TPStyle.COLUMN] - 1
-    params = pulp.lpSum(leaf_param_numel(profile.leaves[i], s, ctx.tp) * x[i, s]
-                        for i, opts in enumerate(options) for s in opts)
+    params = pulp.lpSum(
+        leaf_param_numel(profile.leaves[i], s, ctx.tp) * x[i, s] for i, opts in enumerate(options) for s in opts
+    )
     if param_cap is not None:
         prob += params <= param_cap
     prob += pulp.lpSum(terms)

@@ -77,8 +77,9 @@ def layouts(profile: UnitProfile, ctx: TPContext, solver: LayoutSolver) -> tuple
     return (fast, small)
 
 
-def unit_options(profile: UnitProfile, ctx: TPContext, *, solver: LayoutSolver,
-                 recompute_modes: tuple[Recompute, ...]) -> tuple[UnitOption, ...]:
+def unit_options(
+    profile: UnitProfile, ctx: TPContext, *, solver: LayoutSolver, recompute_modes: tuple[Recompute, ...]
+) -> tuple[UnitOption, ...]:
     """Every (layout, recompute) option of a unit, dominated ones removed."""
     found: list[UnitOption] = []
     attn_flops = sum(f.attn_flops for f in profile.flows)
@@ -90,13 +91,15 @@ def unit_options(profile: UnitProfile, ctx: TPContext, *, solver: LayoutSolver,
             found.append(make_option(lay, mode, profile.fwd_flops - loss_flops, attn_flops, ctx.recompute_fraction))
     if not found:  # a unit without attention when only selective was allowed: keep nothing
         for lay in layouts(profile, ctx, solver):
-            found.append(make_option(lay, Recompute.NONE, profile.fwd_flops - loss_flops, attn_flops,
-                                     ctx.recompute_fraction))
+            found.append(
+                make_option(lay, Recompute.NONE, profile.fwd_flops - loss_flops, attn_flops, ctx.recompute_fraction)
+            )
     return tuple(o for o in found if not any(_dominates(p, o) for p in found if p is not o))
 
 
-def make_option(lay: UnitCost, mode: Recompute, rerun_flops: float, attn_flops: float,
-                recompute_fraction: float) -> UnitOption:
+def make_option(
+    lay: UnitCost, mode: Recompute, rerun_flops: float, attn_flops: float, recompute_fraction: float
+) -> UnitOption:
     """Price one (layout, recompute) pair; full recomputation reruns the forward but
     the loss, its compute at ``recompute_fraction`` of the recorded time, its TP
     collectives whole."""
@@ -104,15 +107,27 @@ def make_option(lay: UnitCost, mode: Recompute, rerun_flops: float, attn_flops: 
     if mode is Recompute.NONE:
         act, transient, redo, flops = full_act, lay.working_bytes, 0.0, 0.0
     elif mode is Recompute.SELECTIVE:
-        act, transient, redo, flops = lay.saved_bytes, lay.attn_saved_bytes + lay.working_bytes, lay.attn_fwd_s, attn_flops
+        act, transient, redo, flops = (
+            lay.saved_bytes,
+            lay.attn_saved_bytes + lay.working_bytes,
+            lay.attn_fwd_s,
+            attn_flops,
+        )
     else:
-        redo = (recompute_fraction * (lay.fwd_compute_s - lay.loss_fwd_compute_s)
-                + lay.fwd_comm_s - lay.loss_fwd_comm_s)
+        redo = recompute_fraction * (lay.fwd_compute_s - lay.loss_fwd_compute_s) + lay.fwd_comm_s - lay.loss_fwd_comm_s
         # the loss runs outside the checkpoint: what it keeps stays an activation
         act, flops = lay.input_bytes + lay.loss_saved_bytes, rerun_flops
         transient = full_act - lay.loss_saved_bytes + lay.working_bytes
-    return UnitOption(layout=lay, recompute=mode, fwd_s=lay.fwd_s, bwd_s=lay.bwd_compute_s + lay.bwd_comm_s + redo,
-                      recompute_s=redo, act_bytes=act, transient_bytes=transient, recompute_flops=flops)
+    return UnitOption(
+        layout=lay,
+        recompute=mode,
+        fwd_s=lay.fwd_s,
+        bwd_s=lay.bwd_compute_s + lay.bwd_comm_s + redo,
+        recompute_s=redo,
+        act_bytes=act,
+        transient_bytes=transient,
+        recompute_flops=flops,
+    )
 
 
 def _dominates(p: UnitOption, o: UnitOption) -> bool:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any
 
 from torch import nn
 
@@ -23,7 +24,12 @@ from autopar.plan import Alternative, ModelSummary, ParallelConfig, Plan, PlanSe
 from autopar.search.evaluate import Evaluator, Outcome
 from autopar.search.predict import predict, smallest_footprint_bytes
 from autopar.search.space import (
-    CUT_NOTE, Rejection, check_constraints, enumerate_space, lower_bounds, micro_batch_range,
+    CUT_NOTE,
+    Rejection,
+    check_constraints,
+    enumerate_space,
+    lower_bounds,
+    micro_batch_range,
 )
 from autopar.vocab import Attention, Optimizer, Recompute
 
@@ -44,9 +50,20 @@ class SearchResult:
     """How many candidates each (tp, pp) region has: a region is out of memory when all are."""
 
 
-def plan(model: nn.Module | LayerGraph, cluster: Cluster, *, global_batch_size: int, seq_len: int | None = None,
-         sample_input: Any = None, constraints: Mapping[str, Any] | None = None, optimizer: Optimizer | str = "adam",
-         attention: Attention | str = "flash", profile: Any = None, top: int = 5, solver: str = "highs") -> Plan:
+def plan(
+    model: nn.Module | LayerGraph,
+    cluster: Cluster,
+    *,
+    global_batch_size: int,
+    seq_len: int | None = None,
+    sample_input: Any = None,
+    constraints: Mapping[str, Any] | None = None,
+    optimizer: Optimizer | str = "adam",
+    attention: Attention | str = "flash",
+    profile: Any = None,
+    top: int = 5,
+    solver: str = "highs",
+) -> Plan:
     """The fastest plan for ``model`` on ``cluster`` that fits in memory.
 
     Args:
@@ -71,20 +88,35 @@ def plan(model: nn.Module | LayerGraph, cluster: Cluster, *, global_batch_size: 
     fixed = check_constraints(constraints)
     cluster, sources, calibration, refwd = _apply_profile(cluster, profile)
     graph = _graph(model, cluster, fixed, seq_len, sample_input, attention)
-    evaluator = Evaluator(graph=graph, cluster=cluster, optimizer=Optimizer(optimizer),
-                          global_batch_size=global_batch_size, solver=solver,
-                          micro_batches=micro_batch_range(graph, cluster, global_batch_size, fixed),
-                          calibration=calibration, recompute_fractions=refwd)
+    evaluator = Evaluator(
+        graph=graph,
+        cluster=cluster,
+        optimizer=Optimizer(optimizer),
+        global_batch_size=global_batch_size,
+        solver=solver,
+        micro_batches=micro_batch_range(graph, cluster, global_batch_size, fixed),
+        calibration=calibration,
+        recompute_fractions=refwd,
+    )
     result = search(evaluator, fixed, top=top)
     if not result.best.fits:
         raise _infeasible(result, cluster, graph)
     return _to_plan(evaluator, result, cluster, graph, global_batch_size, sources, started, attention, solver)
 
 
-def estimate(model: nn.Module | LayerGraph, cluster: Cluster, config: Mapping[str, Any] | ParallelConfig, *,
-             global_batch_size: int, seq_len: int | None = None, sample_input: Any = None,
-             optimizer: Optimizer | str = "adam", attention: Attention | str = "flash", profile: Any = None,
-             solver: str = "highs") -> Plan:
+def estimate(
+    model: nn.Module | LayerGraph,
+    cluster: Cluster,
+    config: Mapping[str, Any] | ParallelConfig,
+    *,
+    global_batch_size: int,
+    seq_len: int | None = None,
+    sample_input: Any = None,
+    optimizer: Optimizer | str = "adam",
+    attention: Attention | str = "flash",
+    profile: Any = None,
+    solver: str = "highs",
+) -> Plan:
     """The plan of one given configuration: a search space of size one.
 
     Fields not given are filled: ``dp`` from the device count, ``num_microbatches`` from
@@ -101,9 +133,15 @@ def estimate(model: nn.Module | LayerGraph, cluster: Cluster, config: Mapping[st
     cluster, sources, calibration, refwd = _apply_profile(cluster, profile)
     fixed = _complete(fixed, cluster, global_batch_size)
     graph = _graph(model, cluster, fixed, seq_len, sample_input, attention)
-    evaluator = Evaluator(graph=graph, cluster=cluster, optimizer=Optimizer(optimizer),
-                          global_batch_size=global_batch_size, solver=solver, calibration=calibration,
-                          recompute_fractions=refwd)
+    evaluator = Evaluator(
+        graph=graph,
+        cluster=cluster,
+        optimizer=Optimizer(optimizer),
+        global_batch_size=global_batch_size,
+        solver=solver,
+        calibration=calibration,
+        recompute_fractions=refwd,
+    )
     result = search(evaluator, fixed, top=0)
     if not result.best.fits:
         result = replace(result, best=_overflow(evaluator, result.best.config, fixed))
@@ -116,9 +154,11 @@ def search(evaluator: Evaluator, fixed: Mapping[str, Any], *, top: int) -> Searc
     configs, rejected = enumerate_space(graph, cluster, evaluator.global_batch_size, fixed)
     if not configs:
         reasons = "; ".join(f"{r.what}: {r.reason}" for r in rejected[:6]) or "no candidate"
-        raise ConfigError(f"no configuration of {cluster.world_size} devices can run global_batch_size="
-                          f"{evaluator.global_batch_size} with constraints {dict(fixed)}: {reasons}. Change the batch "
-                          f"size, the device count or the constraints.")
+        raise ConfigError(
+            f"no configuration of {cluster.world_size} devices can run global_batch_size="
+            f"{evaluator.global_batch_size} with constraints {dict(fixed)}: {reasons}. Change the batch "
+            f"size, the device count or the constraints."
+        )
     modes = (fixed["recompute"],) if "recompute" in fixed else ALL_MODES
     region_sizes = Counter((c.tp, c.pp) for c in configs)
     cache: dict = {}
@@ -127,8 +167,14 @@ def search(evaluator: Evaluator, fixed: Mapping[str, Any], *, top: int) -> Searc
     for cfg in configs:
         b = lower_bounds(graph, cluster, cfg, evaluator.optimizer, cache)
         if b.memory_bytes > cluster.device.memory_bytes:
-            infeasible.append(Outcome(config=cfg, fits=False, min_memory_bytes=b.memory_bytes,
-                                      reason=f"out of memory: needs at least {b.memory_bytes / 2**30:.1f} GiB"))
+            infeasible.append(
+                Outcome(
+                    config=cfg,
+                    fits=False,
+                    min_memory_bytes=b.memory_bytes,
+                    reason=f"out of memory: needs at least {b.memory_bytes / 2**30:.1f} GiB",
+                )
+            )
             continue
         bounded.append((evaluator.bound_s(cfg, modes), cfg))
     bounded.sort(key=lambda x: x[0])
@@ -147,11 +193,25 @@ def search(evaluator: Evaluator, fixed: Mapping[str, Any], *, top: int) -> Searc
             infeasible.append(outcome)
     if not fitting:
         smallest = min(infeasible, key=lambda o: o.min_memory_bytes)
-        return SearchResult(best=smallest, runners_up=(), infeasible=tuple(infeasible), rejected=tuple(rejected),
-                            evaluated=evaluated, considered=len(configs), region_sizes=region_sizes)
+        return SearchResult(
+            best=smallest,
+            runners_up=(),
+            infeasible=tuple(infeasible),
+            rejected=tuple(rejected),
+            evaluated=evaluated,
+            considered=len(configs),
+            region_sizes=region_sizes,
+        )
     finished = [replace(o, prediction=predict(evaluator, o.config, o.stages)) for o in fitting[:keep]]
-    return SearchResult(best=finished[0], runners_up=tuple(finished[1:]), infeasible=tuple(infeasible),
-                        rejected=tuple(rejected), evaluated=evaluated, considered=len(configs), region_sizes=region_sizes)
+    return SearchResult(
+        best=finished[0],
+        runners_up=tuple(finished[1:]),
+        infeasible=tuple(infeasible),
+        rejected=tuple(rejected),
+        evaluated=evaluated,
+        considered=len(configs),
+        region_sizes=region_sizes,
+    )
 
 
 def _graph(model, cluster: Cluster, fixed, seq_len, sample_input, attention) -> LayerGraph:
@@ -169,13 +229,15 @@ def _complete(fixed: dict[str, Any], cluster: Cluster, global_batch_size: int) -
         raise ConfigError(f"tp x pp = {tp} x {pp} does not divide the cluster's {world} devices.")
     out.setdefault("dp", world // (tp * pp))
     if out["dp"] * tp * pp != world:
-        raise ConfigError(f"dp x tp x pp = {out['dp']} x {tp} x {pp} = {out['dp'] * tp * pp} but the cluster has "
-                          f"{world} devices.")
+        raise ConfigError(
+            f"dp x tp x pp = {out['dp']} x {tp} x {pp} = {out['dp'] * tp * pp} but the cluster has {world} devices."
+        )
     if "num_microbatches" in out and "micro_batch_size" not in out:
         per = global_batch_size // out["dp"]
         if per % out["num_microbatches"]:
-            raise ConfigError(f"num_microbatches={out['num_microbatches']} does not divide the {per} samples per "
-                              f"data-parallel rank.")
+            raise ConfigError(
+                f"num_microbatches={out['num_microbatches']} does not divide the {per} samples per data-parallel rank."
+            )
         out["micro_batch_size"] = per // out["num_microbatches"]
     out.setdefault("micro_batch_size", 1)
     out.setdefault("virtual_stages", 1)
@@ -194,12 +256,22 @@ def _overflow(evaluator: Evaluator, config: ParallelConfig, fixed: Mapping[str, 
     outcome = unbounded.evaluate(config, modes)
     pred = predict(unbounded, config, outcome.stages)
     real = evaluator.cluster.device.memory_bytes
-    pred = replace(pred, memory_capacity_bytes=real, fits=pred.memory_bytes_per_device <= real,
-                   mfu=pred.mfu * unbounded.cluster.device.peak(config.dtype) / evaluator.cluster.device.peak(config.dtype))
+    pred = replace(
+        pred,
+        memory_capacity_bytes=real,
+        fits=pred.memory_bytes_per_device <= real,
+        mfu=pred.mfu * unbounded.cluster.device.peak(config.dtype) / evaluator.cluster.device.peak(config.dtype),
+    )
     need = pred.memory_bytes_per_device
-    return Outcome(config=config, fits=False, step_time_s=pred.step_time_s, prediction=pred, stages=outcome.stages,
-                   min_memory_bytes=need,
-                   reason=f"out of memory: needs {need / 2**30:.1f} GiB per device, {real / 2**30:.1f} GiB available")
+    return Outcome(
+        config=config,
+        fits=False,
+        step_time_s=pred.step_time_s,
+        prediction=pred,
+        stages=outcome.stages,
+        min_memory_bytes=need,
+        reason=f"out of memory: needs {need / 2**30:.1f} GiB per device, {real / 2**30:.1f} GiB available",
+    )
 
 
 def _huge(cluster: Cluster) -> Cluster:
@@ -221,11 +293,23 @@ def _infeasible(result: SearchResult, cluster: Cluster, graph: LayerGraph) -> In
         f"no plan fits: {graph.name} ({graph.num_params / 1e9:.2f}B parameters) needs at least "
         f"{best.min_memory_bytes / 2**30:.1f} GiB per device in the best case found ({cfg.short()}); each "
         f"{cluster.device.name} has {cap / 2**30:.1f} GiB. Try {', '.join(hints)}, or a smaller micro-batch or "
-        f"sequence length.", min_memory_bytes=best.min_memory_bytes, capacity_bytes=cap)
+        f"sequence length.",
+        min_memory_bytes=best.min_memory_bytes,
+        capacity_bytes=cap,
+    )
 
 
-def _to_plan(evaluator: Evaluator, result: SearchResult, cluster: Cluster, graph: LayerGraph, global_batch_size: int,
-             sources: tuple[str, ...], started: float, attention, solver: str) -> Plan:
+def _to_plan(
+    evaluator: Evaluator,
+    result: SearchResult,
+    cluster: Cluster,
+    graph: LayerGraph,
+    global_batch_size: int,
+    sources: tuple[str, ...],
+    started: float,
+    attention,
+    solver: str,
+) -> Plan:
     best = result.best
     assert best.prediction is not None
     strategies, default = evaluator.strategies(best.stages, best.config)
@@ -234,15 +318,28 @@ def _to_plan(evaluator: Evaluator, result: SearchResult, cluster: Cluster, graph
     alternatives = _alternatives(result, evaluator)
     notes = _notes(graph, config, strategies)
     return Plan(
-        config=config, stages=stages, layer_strategies=strategies, prediction=best.prediction,
+        config=config,
+        stages=stages,
+        layer_strategies=strategies,
+        prediction=best.prediction,
         alternatives=alternatives,
-        model=ModelSummary(name=graph.name, num_params=graph.num_params, units=graph.module_names,
-                           fingerprint=graph.fingerprint, seq_len=graph.seq_len, global_batch_size=global_batch_size,
-                           flops_per_sample=3 * graph.fwd_flops_per_sample),
+        model=ModelSummary(
+            name=graph.name,
+            num_params=graph.num_params,
+            units=graph.module_names,
+            fingerprint=graph.fingerprint,
+            seq_len=graph.seq_len,
+            global_batch_size=global_batch_size,
+            flops_per_sample=3 * graph.fwd_flops_per_sample,
+        ),
         cluster=cluster,
-        settings=PlanSettings(optimizer=evaluator.optimizer, attention=Attention(attention), profile_sources=sources,
-                              solver=solver),
-        notes=notes, search_time_s=time.perf_counter() - started, candidates_evaluated=result.evaluated)
+        settings=PlanSettings(
+            optimizer=evaluator.optimizer, attention=Attention(attention), profile_sources=sources, solver=solver
+        ),
+        notes=notes,
+        search_time_s=time.perf_counter() - started,
+        candidates_evaluated=result.evaluated,
+    )
 
 
 def _alternatives(result: SearchResult, evaluator: Evaluator) -> tuple[Alternative, ...]:
@@ -250,17 +347,32 @@ def _alternatives(result: SearchResult, evaluator: Evaluator) -> tuple[Alternati
     out = []
     for o in result.runners_up:
         p = o.prediction
-        out.append(Alternative(config=o.config, status="runner-up", step_time_s=p.step_time_s,
-                               memory_bytes_per_device=p.memory_bytes_per_device,
-                               slower_by=p.step_time_s / best_t - 1, over_memory_bytes=0.0,
-                               reason=f"{100 * (p.step_time_s / best_t - 1):.1f}% slower"))
+        out.append(
+            Alternative(
+                config=o.config,
+                status="runner-up",
+                step_time_s=p.step_time_s,
+                memory_bytes_per_device=p.memory_bytes_per_device,
+                slower_by=p.step_time_s / best_t - 1,
+                over_memory_bytes=0.0,
+                reason=f"{100 * (p.step_time_s / best_t - 1):.1f}% slower",
+            )
+        )
     cap = result.best.prediction.memory_capacity_bytes if result.best.prediction else 0.0
     for o in _oom_regions(result, cap, evaluator):
         over = o.min_memory_bytes - cap
-        out.append(Alternative(config=o.config, status="out-of-memory", step_time_s=0.0,
-                               memory_bytes_per_device=o.min_memory_bytes, slower_by=0.0, over_memory_bytes=over,
-                               reason=f"tp={o.config.tp} pp={o.config.pp}: needs about {o.min_memory_bytes / 2**30:.1f} "
-                                      f"GiB per device even with full recomputation ({over / 2**30:.1f} GiB over)"))
+        out.append(
+            Alternative(
+                config=o.config,
+                status="out-of-memory",
+                step_time_s=0.0,
+                memory_bytes_per_device=o.min_memory_bytes,
+                slower_by=0.0,
+                over_memory_bytes=over,
+                reason=f"tp={o.config.tp} pp={o.config.pp}: needs about {o.min_memory_bytes / 2**30:.1f} "
+                f"GiB per device even with full recomputation ({over / 2**30:.1f} GiB over)",
+            )
+        )
     return tuple(out)
 
 
@@ -276,10 +388,14 @@ def _oom_regions(result: SearchResult, cap: float, evaluator: Evaluator, limit: 
         if len(members) < result.region_sizes.get(key, 0):
             continue  # some candidate of this region fits (or was only slower)
         smallest_mbs = min(o.config.micro_batch_size for o in members)
-        frugal = sorted((o for o in members if o.config.micro_batch_size == smallest_mbs),
-                        key=lambda o: (-o.config.zero_stage, not o.config.sequence_parallel, o.config.virtual_stages))
-        sized = [replace(o, min_memory_bytes=max(o.min_memory_bytes, smallest_footprint_bytes(evaluator, o.config)))
-                 for o in frugal[:2]]
+        frugal = sorted(
+            (o for o in members if o.config.micro_batch_size == smallest_mbs),
+            key=lambda o: (-o.config.zero_stage, not o.config.sequence_parallel, o.config.virtual_stages),
+        )
+        sized = [
+            replace(o, min_memory_bytes=max(o.min_memory_bytes, smallest_footprint_bytes(evaluator, o.config)))
+            for o in frugal[:2]
+        ]
         best = min(sized, key=lambda o: o.min_memory_bytes)
         if best.min_memory_bytes > cap:
             found.append(best)
@@ -289,30 +405,44 @@ def _oom_regions(result: SearchResult, cap: float, evaluator: Evaluator, limit: 
 def _notes(graph: LayerGraph, config: ParallelConfig, strategies) -> tuple[str, ...]:
     from autopar.cost.tensor_parallel import padded
 
-    notes = ["Predictions model autopar's runtime (DDP/ZeroRedundancyOptimizer/FSDP2, DTensor tensor parallelism, "
-             "torch.distributed.pipelining); other frameworks spend memory differently."]
+    notes = [
+        "Predictions model autopar's runtime (DDP/ZeroRedundancyOptimizer/FSDP2, DTensor tensor parallelism, "
+        "torch.distributed.pipelining); other frameworks spend memory differently."
+    ]
     if config.pp > 1 and not graph.cuttable:
         notes.append(f"Not runnable by autopar's runtime as is: {CUT_NOTE}.")
     if graph.vocab_size and config.tp > 1 and graph.vocab_size % config.tp:
-        notes.append(f"Vocabulary {graph.vocab_size} padded to {padded(graph.vocab_size, config.tp)} for tp={config.tp} "
-                     f"(a multiple of 128 x tp, as Megatron-LM does).")
+        notes.append(
+            f"Vocabulary {graph.vocab_size} padded to {padded(graph.vocab_size, config.tp)} for tp={config.tp} "
+            f"(a multiple of 128 x tp, as Megatron-LM does)."
+        )
     return tuple(notes)
 
 
-def _apply_profile(cluster: Cluster, profile: Any
-                   ) -> tuple[Cluster, tuple[str, ...], dict[str, float], dict[str, float]]:
+def _apply_profile(
+    cluster: Cluster, profile: Any
+) -> tuple[Cluster, tuple[str, ...], dict[str, float], dict[str, float]]:
     """Measured numbers replace the analytic defaults: device curves and links in the
     cluster, and per-unit compute factors and recompute fractions for the units the
     profile measured."""
     if profile is None:
         return cluster, (), {}, {}
-    from autopar.profiles import (cluster_from_profiles, has_layers, layer_calibration, profile_sources,
-                                  recompute_calibration)
+    from autopar.profiles import (
+        cluster_from_profiles,
+        has_layers,
+        layer_calibration,
+        profile_sources,
+        recompute_calibration,
+    )
 
     reports = profile if isinstance(profile, (list, tuple)) else [profile]
     calibration = layer_calibration(reports, base=cluster) if has_layers(reports) else {}
-    return (cluster_from_profiles(reports, base=cluster), profile_sources(reports), calibration,
-            recompute_calibration(reports))
+    return (
+        cluster_from_profiles(reports, base=cluster),
+        profile_sources(reports),
+        calibration,
+        recompute_calibration(reports),
+    )
 
 
-__all__ = ["plan", "estimate", "search", "SearchResult"]
+__all__ = ["SearchResult", "estimate", "plan", "search"]

@@ -18,12 +18,12 @@ from autopar.cost.memory import compute_copy_bytes, state_bytes
 from autopar.cost.pipeline import inflight_microbatches, pipeline_time_s
 from autopar.cost.sync import sync_wait_s
 from autopar.plan import MemoryBreakdown, ParallelConfig, Prediction, StagePrediction, StepBreakdown
-from autopar.vocab import Recompute, Schedule
-
 from autopar.search.evaluate import StagePlan
+from autopar.vocab import Recompute, Schedule
 
 if TYPE_CHECKING:
     from autopar.search.evaluate import Evaluator
+
 
 @dataclass(frozen=True, kw_only=True)
 class Timing:
@@ -87,8 +87,9 @@ def tail_s(ev: Evaluator, plan: StagePlan, config: ParallelConfig) -> tuple[floa
             gathers = 1 if config.zero_stage == 2 else m + 1
             exposed = rs + max(gathers * ag - gathers * hidden_fwd, ag / units)
             per_unit = 1 + gathers
-            exposed += (_fsdp_framework_s(cl, per_unit, units, tensors)
-                        + _fsdp_waits_s(cl, config, per_unit * units, m * (fwd + bwd)))
+            exposed += _fsdp_framework_s(cl, per_unit, units, tensors) + _fsdp_waits_s(
+                cl, config, per_unit * units, m * (fwd + bwd)
+            )
         else:
             rs, ag = _fsdp_collectives_s(grad_bytes, copy * params, span, cl, config, units)
             if config.zero_stage == 2:
@@ -97,8 +98,9 @@ def tail_s(ev: Evaluator, plan: StagePlan, config: ParallelConfig) -> tuple[floa
             else:
                 exposed = m * (max(ag - hidden_fwd, ag / units) + max(ag + rs - hidden_bwd, (ag + rs) / units))
                 per_unit = 3 * m
-            exposed += (_fsdp_framework_s(cl, per_unit, units, tensors)
-                        + _fsdp_waits_s(cl, config, per_unit * units, m * (fwd + bwd)))
+            exposed += _fsdp_framework_s(cl, per_unit, units, tensors) + _fsdp_waits_s(
+                cl, config, per_unit * units, m * (fwd + bwd)
+            )
     if config.pp > 1 and ev.graph.shared and (0 in plan.units or n - 1 in plan.units):
         pair = group_span(2, config.tp * config.dp * (config.pp - 1), ev.cluster.devices_per_node)
         exposed += all_reduce_s(4.0 * sum(s.numel for s in ev.graph.shared) / config.tp, pair, cl)
@@ -116,8 +118,9 @@ def _fsdp_framework_s(cl: Cluster, calls_per_unit: int, units: int, tensors: int
     return calls_per_unit * (units * dev.fsdp_overhead_s + tensors * dev.fsdp_tensor_overhead_s)
 
 
-def _fsdp_collectives_s(grad_bytes: float, param_bytes: float, span: GroupSpan, cl: Cluster, config: ParallelConfig,
-                        units: int) -> tuple[float, float]:
+def _fsdp_collectives_s(
+    grad_bytes: float, param_bytes: float, span: GroupSpan, cl: Cluster, config: ParallelConfig, units: int
+) -> tuple[float, float]:
     """(reduce-scatter, all-gather) of a stage's gradients and parameters, one call per
     unit, each with FSDP2's copies around it (:func:`autopar.cost.comm.fsdp_copy_s`)."""
     bytes_per_s = cl.device.fsdp_copy_bytes_per_s or rates(cl.device, config.dtype).bytes_per_s
@@ -156,7 +159,7 @@ def sync_waits_s(ev: Evaluator, plan: StagePlan, config: ParallelConfig) -> tupl
     return wait * forward, wait * (1 - forward)
 
 
-def timing(ev: Evaluator, config: ParallelConfig, stages: list[StagePlan] | tuple[StagePlan, ...]) -> "Timing":
+def timing(ev: Evaluator, config: ParallelConfig, stages: list[StagePlan] | tuple[StagePlan, ...]) -> Timing:
     """Per-rank work, per-stage point-to-point, waits and tails, and the step time."""
     pp, v, m = config.pp, config.virtual_stages, config.num_microbatches
     rank_work = [0.0] * pp
@@ -173,15 +176,26 @@ def timing(ev: Evaluator, config: ParallelConfig, stages: list[StagePlan] | tupl
         per_rank = []
         for r in range(pp):
             rank_stages = [p for p in stages if p.index % pp == r]
-            merged = StagePlan(index=r, units=tuple(u for p in rank_stages for u in p.units),
-                               options=tuple(o for p in rank_stages for o in p.options),
-                               inflight=rank_stages[0].inflight, choice=rank_stages[0].choice)
+            merged = StagePlan(
+                index=r,
+                units=tuple(u for p in rank_stages for u in p.units),
+                options=tuple(o for p in rank_stages for o in p.options),
+                inflight=rank_stages[0].inflight,
+                choice=rank_stages[0].choice,
+            )
             per_rank.append(tail_s(ev, merged, config))
         tails = [per_rank[p.index % pp] for p in stages]
     t_pipe = pipeline_time_s(rank_work, m, v)
     worst = max(range(len(tails)), key=lambda i: tails[i][0] + tails[i][1])
-    return Timing(rank_work=tuple(rank_work), p2p=tuple(p2p), waits=tuple(waits), tails=tuple(tails), pipeline_s=t_pipe,
-                  worst_tail=worst, step_s=t_pipe + tails[worst][0] + tails[worst][1])
+    return Timing(
+        rank_work=tuple(rank_work),
+        p2p=tuple(p2p),
+        waits=tuple(waits),
+        tails=tuple(tails),
+        pipeline_s=t_pipe,
+        worst_tail=worst,
+        step_s=t_pipe + tails[worst][0] + tails[worst][1],
+    )
 
 
 def predict(ev: Evaluator, config: ParallelConfig, stages: list[StagePlan] | tuple[StagePlan, ...]) -> Prediction:
@@ -200,36 +214,59 @@ def predict(ev: Evaluator, config: ParallelConfig, stages: list[StagePlan] | tup
     tpc += sum(sum(tm.waits[i]) for i, p in enumerate(stages) if p.index % pp == crit)
     ppc = sum(sum(ev.stage_p2p_s(p.units, p.options, config)) for p in crit_stages)
     bubble = t_pipe - m * rank_work[crit]
-    breakdown = StepBreakdown(compute_s=m * comp, recompute_s=m * reco, tp_comm_s=m * tpc, pp_comm_s=m * ppc,
-                              bubble_s=bubble + m * (rank_work[crit] - comp - reco - tpc - ppc),
-                              dp_comm_s=tails[worst_tail][0], optimizer_s=tails[worst_tail][1])
+    breakdown = StepBreakdown(
+        compute_s=m * comp,
+        recompute_s=m * reco,
+        tp_comm_s=m * tpc,
+        pp_comm_s=m * ppc,
+        bubble_s=bubble + m * (rank_work[crit] - comp - reco - tpc - ppc),
+        dp_comm_s=tails[worst_tail][0],
+        optimizer_s=tails[worst_tail][1],
+    )
     preds = []
     peak = 0.0
     for plan, f_p2p, b_p2p, exposed, opt_s, (f_wait, b_wait) in stage_preds:
         mem = stage_memory(ev, plan, config, stages)
         peak = max(peak, mem.total_bytes)
-        preds.append(StagePrediction(
-            index=plan.index, pipeline_rank=plan.index % pp,
-            units=tuple(mod for u in plan.units for mod in ev.graph.units[u].modules),
-            forward_s=sum(o.fwd_s for o in plan.options) + f_p2p + f_wait,
-            backward_s=sum(o.bwd_s for o in plan.options) + b_p2p + b_wait,
-            tp_comm_s=sum(o.tp_comm_s for o in plan.options) + f_wait + b_wait, pp_comm_s=f_p2p + b_p2p,
-            recompute_s=sum(o.recompute_s for o in plan.options), dp_comm_s=exposed, optimizer_s=opt_s,
-            inflight_microbatches=plan.inflight, memory=mem))
+        preds.append(
+            StagePrediction(
+                index=plan.index,
+                pipeline_rank=plan.index % pp,
+                units=tuple(mod for u in plan.units for mod in ev.graph.units[u].modules),
+                forward_s=sum(o.fwd_s for o in plan.options) + f_p2p + f_wait,
+                backward_s=sum(o.bwd_s for o in plan.options) + b_p2p + b_wait,
+                tp_comm_s=sum(o.tp_comm_s for o in plan.options) + f_wait + b_wait,
+                pp_comm_s=f_p2p + b_p2p,
+                recompute_s=sum(o.recompute_s for o in plan.options),
+                dp_comm_s=exposed,
+                optimizer_s=opt_s,
+                inflight_microbatches=plan.inflight,
+                memory=mem,
+            )
+        )
     gb = ev.global_batch_size
     model_flops = 3.0 * ev.graph.fwd_flops_per_sample * gb
     reco_flops = sum(o.recompute_flops for p in stages for o in p.options) * config.micro_batch_size * m * config.dp
     world = config.world_size
     peak_flops = dev.peak(config.dtype)
     return Prediction(
-        step_time_s=step, samples_per_s=gb / step, tokens_per_s=gb * ev.graph.seq_len / step,
-        tflops_per_device=model_flops / step / world / 1e12, mfu=model_flops / (step * world * peak_flops),
-        hfu=(model_flops + reco_flops) / (step * world * peak_flops), memory_bytes_per_device=peak,
-        memory_capacity_bytes=dev.memory_bytes, fits=peak <= dev.memory_bytes, breakdown=breakdown,
-        stages=tuple(preds))
+        step_time_s=step,
+        samples_per_s=gb / step,
+        tokens_per_s=gb * ev.graph.seq_len / step,
+        tflops_per_device=model_flops / step / world / 1e12,
+        mfu=model_flops / (step * world * peak_flops),
+        hfu=(model_flops + reco_flops) / (step * world * peak_flops),
+        memory_bytes_per_device=peak,
+        memory_capacity_bytes=dev.memory_bytes,
+        fits=peak <= dev.memory_bytes,
+        breakdown=breakdown,
+        stages=tuple(preds),
+    )
 
 
-def stage_memory(ev: Evaluator, plan: StagePlan, config: ParallelConfig, stages: list[StagePlan] | tuple[StagePlan, ...]) -> MemoryBreakdown:
+def stage_memory(
+    ev: Evaluator, plan: StagePlan, config: ParallelConfig, stages: list[StagePlan] | tuple[StagePlan, ...]
+) -> MemoryBreakdown:
     """The memory of the pipeline rank that runs ``plan`` at its peak, term by term.
 
     The stage solver bounds it by ``static + inflight x activations + max transient``
@@ -252,9 +289,17 @@ def stage_memory(ev: Evaluator, plan: StagePlan, config: ParallelConfig, stages:
     priced = [ev.price(o, config, 0) for _, o in rank]
     params = sum(o.layout.param_numel for _, o in rank)
     factored = sum(o.layout.factored_numel for _, o in rank)
-    st = state_bytes(param_numel=params, factored_numel=factored, largest_unit_numel=0.0, dtype=config.dtype,
-                     optimizer=ev.optimizer, zero_stage=config.zero_stage, dp=config.dp, pipelined=pp > 1,
-                     tp=config.tp)
+    st = state_bytes(
+        param_numel=params,
+        factored_numel=factored,
+        largest_unit_numel=0.0,
+        dtype=config.dtype,
+        optimizer=ev.optimizer,
+        zero_stage=config.zero_stage,
+        dp=config.dp,
+        pipelined=pp > 1,
+        tp=config.tp,
+    )
     static = st.params_bytes + st.grads_bytes + st.optimizer_bytes
     shared = ev.shared_state_bytes(config, ev.held_once_numel(config, dict(rank)))
     scale = (static - shared) / static if static else 1.0
@@ -266,8 +311,13 @@ def stage_memory(ev: Evaluator, plan: StagePlan, config: ParallelConfig, stages:
         fresh = plan.inflight >= config.num_microbatches and not st.rebuild_bytes
         last = [o.layout.held_output_bytes for u, o in rank if u == len(ev.graph.units) - 1]
         acts, grads, transient = _backward_peak(
-            [p.act_bytes for p in priced], [p.transient_bytes for p in priced], [grads * f for f in share],
-            plan.inflight, fresh_gradients=fresh, held_to_end=sum(last))
+            [p.act_bytes for p in priced],
+            [p.transient_bytes for p in priced],
+            [grads * f for f in share],
+            plan.inflight,
+            fresh_gradients=fresh,
+            held_to_end=sum(last),
+        )
     # DDP's bucket rebuild happens with no activation alive: it raises the peak only
     # by what it holds beyond them (``autopar.cost.memory``)
     transient = max(transient, st.rebuild_bytes * scale - acts)
@@ -275,14 +325,26 @@ def stage_memory(ev: Evaluator, plan: StagePlan, config: ParallelConfig, stages:
     buffers = ev.pipeline_buffer_bytes(tuple(chosen), config, plan.inflight, lambda u: chosen[u].layout)
     dev = ev.cluster.device
     allocated = st.params_bytes * scale + grads + st.optimizer_bytes * scale + acts + transient + buffers
-    return MemoryBreakdown(params_bytes=st.params_bytes * scale, grads_bytes=grads,
-                           optimizer_bytes=st.optimizer_bytes * scale, activations_bytes=acts,
-                           transient_bytes=transient, buffers_bytes=buffers,
-                           reserve_bytes=dev.reserved_bytes + dev.fragmentation * allocated)
+    return MemoryBreakdown(
+        params_bytes=st.params_bytes * scale,
+        grads_bytes=grads,
+        optimizer_bytes=st.optimizer_bytes * scale,
+        activations_bytes=acts,
+        transient_bytes=transient,
+        buffers_bytes=buffers,
+        reserve_bytes=dev.reserved_bytes + dev.fragmentation * allocated,
+    )
 
 
-def _backward_peak(acts: list[float], transients: list[float], grads: list[float], inflight: float, *,
-                   fresh_gradients: bool, held_to_end: float = 0.0) -> tuple[float, float, float]:
+def _backward_peak(
+    acts: list[float],
+    transients: list[float],
+    grads: list[float],
+    inflight: float,
+    *,
+    fresh_gradients: bool,
+    held_to_end: float = 0.0,
+) -> tuple[float, float, float]:
     """(activations, gradients, transient) alive at the peak of a rank's backward, its
     units in forward order, ``inflight`` micro-batches' activations held at most.
 
@@ -299,8 +361,8 @@ def _backward_peak(acts: list[float], transients: list[float], grads: list[float
     whole = sum(acts)
     best = (0.0, sum(grads, 0.0), 0.0)  # after the last backward, nothing but the gradients
     for k in range(len(acts)):
-        held = (inflight - 1) * whole + sum(acts[:k + 1]) + (held_to_end if k < len(acts) - 1 else 0.0)
-        moments = [(held, sum(grads[k + 1:] if fresh_gradients else grads, 0.0), transients[k])]
+        held = (inflight - 1) * whole + sum(acts[: k + 1]) + (held_to_end if k < len(acts) - 1 else 0.0)
+        moments = [(held, sum(grads[k + 1 :] if fresh_gradients else grads, 0.0), transients[k])]
         if fresh_gradients and inflight >= 2:
             moments.append((held - whole, sum(grads, 0.0), transients[k]))
         for moment in moments:
@@ -326,8 +388,10 @@ def smallest_footprint_bytes(ev: Evaluator, config: ParallelConfig) -> float:
         inflight = inflight_microbatches(config.schedule, pp, v, config.num_microbatches, r)
         static, acts, transient, rebuild = 0.0, 0.0, 0.0, 0.0
         for u in units:
-            smallest = min((ev.price(o, config, 0) for o in ev.options(u, config, modes)),
-                           key=lambda p: p.static_bytes + inflight * p.act_bytes + p.transient_bytes)
+            smallest = min(
+                (ev.price(o, config, 0) for o in ev.options(u, config, modes)),
+                key=lambda p: p.static_bytes + inflight * p.act_bytes + p.transient_bytes,
+            )
             static += smallest.static_bytes
             acts += inflight * smallest.act_bytes
             transient = max(transient, smallest.transient_bytes)

@@ -16,26 +16,36 @@ Bounds (never above the exact cost, so pruning by them loses nothing):
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 from autopar.cluster import Cluster
+from autopar.cost.comm import group_span
 from autopar.cost.compute import rates
 from autopar.cost.memory import state_bytes
 from autopar.cost.pipeline import inflight_microbatches, schedule_problem
 from autopar.cost.tensor_parallel import (
-    BACKWARD_FACTOR, Layout, TPContext, allowed_styles, glue_fwd_s, leaf_accumulate_s, leaf_fwd_s, leaf_param_numel,
+    BACKWARD_FACTOR,
+    Layout,
+    TPContext,
+    allowed_styles,
+    glue_fwd_s,
+    leaf_accumulate_s,
+    leaf_fwd_s,
+    leaf_param_numel,
 )
-from autopar.cost.comm import group_span
 from autopar.errors import ConfigError
 from autopar.graph.layer_graph import LayerGraph, Leaf, LeafKind
 from autopar.plan import ParallelConfig
 from autopar.vocab import ZERO_STAGES, DType, Optimizer, Recompute, Schedule, TPStyle
 
 CONFIG_FIELDS = tuple(f.name for f in fields(ParallelConfig))
-CUT_NOTE = ("autopar's runtime cannot cut this model into pipeline stages: its blocks sit in an nn.ModuleList or "
-            "nn.Sequential, which renumber their children when one is removed (hold them in an nn.ModuleDict, as "
-            "autopar.models do); pp > 1 is searched only when asked for with constraints")
+CUT_NOTE = (
+    "autopar's runtime cannot cut this model into pipeline stages: its blocks sit in an nn.ModuleList or "
+    "nn.Sequential, which renumber their children when one is removed (hold them in an nn.ModuleDict, as "
+    "autopar.models do); pp > 1 is searched only when asked for with constraints"
+)
 MAX_MICRO_BATCH = 64
 MAX_VIRTUAL_STAGES = 8
 
@@ -110,8 +120,9 @@ class _ShapeOnly:
     sequence_parallel: bool = False
 
 
-def enumerate_space(graph: LayerGraph, cluster: Cluster, global_batch_size: int,
-                    constraints: Mapping[str, Any]) -> tuple[list[ParallelConfig], list[Rejection]]:
+def enumerate_space(
+    graph: LayerGraph, cluster: Cluster, global_batch_size: int, constraints: Mapping[str, Any]
+) -> tuple[list[ParallelConfig], list[Rejection]]:
     """Every candidate configuration that satisfies ``constraints``, and the regions
     rejected outright (batch not divisible, too many stages, schedule limits)."""
     world = cluster.world_size
@@ -122,15 +133,17 @@ def enumerate_space(graph: LayerGraph, cluster: Cluster, global_batch_size: int,
     n_units = len(graph.units)
     allowed_tp = tp_degrees(graph, world)
     if "tp" in c and c["tp"] not in allowed_tp:
-        raise ConfigError(f"tp={c['tp']} does not fit the model's layer shapes on {world} devices (attention heads, "
-                          f"KV heads and FFN sizes must divide by it); allowed: {allowed_tp}.")
+        raise ConfigError(
+            f"tp={c['tp']} does not fit the model's layer shapes on {world} devices (attention heads, "
+            f"KV heads and FFN sizes must divide by it); allowed: {allowed_tp}."
+        )
     tps = [c["tp"]] if "tp" in c else allowed_tp
     configs: list[ParallelConfig] = []
     for tp in tps:
         if world % tp:
             rejected.append(Rejection(what=f"tp={tp}", reason=f"does not divide the {world} devices"))
             continue
-        for pp in ([c["pp"]] if "pp" in c else divisors(world // tp)):
+        for pp in [c["pp"]] if "pp" in c else divisors(world // tp):
             if (world // tp) % pp:
                 rejected.append(Rejection(what=f"tp={tp} pp={pp}", reason=f"tp x pp does not divide {world} devices"))
                 continue
@@ -147,12 +160,19 @@ def enumerate_space(graph: LayerGraph, cluster: Cluster, global_batch_size: int,
             if "dp" in c and c["dp"] != dp:
                 continue
             if global_batch_size % dp:
-                rejected.append(Rejection(what=f"dp={dp} (tp={tp} pp={pp})",
-                                          reason=f"global batch {global_batch_size} is not divisible by dp={dp}"))
+                rejected.append(
+                    Rejection(
+                        what=f"dp={dp} (tp={tp} pp={pp})",
+                        reason=f"global batch {global_batch_size} is not divisible by dp={dp}",
+                    )
+                )
                 continue
             per_rank = global_batch_size // dp
-            mbs_list = [c["micro_batch_size"]] if "micro_batch_size" in c else [
-                d for d in divisors(per_rank) if d <= MAX_MICRO_BATCH]
+            mbs_list = (
+                [c["micro_batch_size"]]
+                if "micro_batch_size" in c
+                else [d for d in divisors(per_rank) if d <= MAX_MICRO_BATCH]
+            )
             for mbs in mbs_list:
                 if per_rank % mbs:
                     continue
@@ -166,15 +186,28 @@ def enumerate_space(graph: LayerGraph, cluster: Cluster, global_batch_size: int,
                     if schedule is Schedule.GPIPE and "schedule" not in c and m >= pp:
                         continue  # dominated: 1F1B takes the same time and holds fewer micro-batches
                     zeros = [c["zero_stage"]] if "zero_stage" in c else ([0] if dp == 1 else list(ZERO_STAGES))
-                    sps = [c["sequence_parallel"]] if "sequence_parallel" in c else ([False, True] if tp > 1 else [False])
+                    sps = (
+                        [c["sequence_parallel"]] if "sequence_parallel" in c else ([False, True] if tp > 1 else [False])
+                    )
                     for zero in zeros:
                         for sp in sps:
                             if sp and tp == 1:
                                 continue
-                            configs.append(ParallelConfig(
-                                dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=m, schedule=schedule,
-                                virtual_stages=v, zero_stage=zero, recompute=c.get("recompute", Recompute.NONE),
-                                sequence_parallel=sp, dtype=dtype))
+                            configs.append(
+                                ParallelConfig(
+                                    dp=dp,
+                                    tp=tp,
+                                    pp=pp,
+                                    micro_batch_size=mbs,
+                                    num_microbatches=m,
+                                    schedule=schedule,
+                                    virtual_stages=v,
+                                    zero_stage=zero,
+                                    recompute=c.get("recompute", Recompute.NONE),
+                                    sequence_parallel=sp,
+                                    dtype=dtype,
+                                )
+                            )
     return configs, rejected
 
 
@@ -188,13 +221,14 @@ def _schedules(pp: int, graph: LayerGraph, c: Mapping[str, Any]) -> Iterator[tup
             yield schedule, 1
     if wanted in (None, Schedule.INTERLEAVED_1F1B):
         blocks = sum(1 for u in graph.units if u.prefix)
-        for v in ([c["virtual_stages"]] if "virtual_stages" in c else range(2, MAX_VIRTUAL_STAGES + 1)):
+        for v in [c["virtual_stages"]] if "virtual_stages" in c else range(2, MAX_VIRTUAL_STAGES + 1):
             if v >= 2 and blocks % (pp * v) == 0 and blocks >= pp * v:
                 yield Schedule.INTERLEAVED_1F1B, v
 
 
-def micro_batch_range(graph: LayerGraph, cluster: Cluster, global_batch_size: int,
-                      constraints: Mapping[str, Any]) -> tuple[int, ...]:
+def micro_batch_range(
+    graph: LayerGraph, cluster: Cluster, global_batch_size: int, constraints: Mapping[str, Any]
+) -> tuple[int, ...]:
     """The micro-batch sizes the search may meet (all divisors up to the cap)."""
     if "micro_batch_size" in constraints:
         return (constraints["micro_batch_size"],)
@@ -209,8 +243,9 @@ class Bounds:
     memory_bytes: float
 
 
-def lower_bounds(graph: LayerGraph, cluster: Cluster, config: ParallelConfig, optimizer: Optimizer,
-                 cache: dict) -> Bounds:
+def lower_bounds(
+    graph: LayerGraph, cluster: Cluster, config: ParallelConfig, optimizer: Optimizer, cache: dict
+) -> Bounds:
     """Cheap bounds (see the module docstring); ``cache`` memoises per-unit terms."""
     n = len(graph.units)
     kinds = cache.get("kinds")
@@ -223,21 +258,40 @@ def lower_bounds(graph: LayerGraph, cluster: Cluster, config: ParallelConfig, op
     params_sum = 0.0
     act = 0.0
     for u, count in kinds:
-        key = (graph.units[u].profile, u == 0, u == n - 1, config.tp, config.sequence_parallel,
-               config.micro_batch_size, config.dtype)
+        key = (
+            graph.units[u].profile,
+            u == 0,
+            u == n - 1,
+            config.tp,
+            config.sequence_parallel,
+            config.micro_batch_size,
+            config.dtype,
+        )
         if key not in cache:
             cache[key] = _unit_bounds(graph, cluster, u, config)
         t, params, inp = cache[key]
         time_sum += count * t
         params_sum += count * params
         act += count * inp
-    st = state_bytes(param_numel=params_sum, factored_numel=0.0, largest_unit_numel=0.0, dtype=config.dtype,
-                     optimizer=optimizer, zero_stage=config.zero_stage, dp=config.dp, pipelined=config.pp > 1,
-                     tp=config.tp)
+    st = state_bytes(
+        param_numel=params_sum,
+        factored_numel=0.0,
+        largest_unit_numel=0.0,
+        dtype=config.dtype,
+        optimizer=optimizer,
+        zero_stage=config.zero_stage,
+        dp=config.dp,
+        pipelined=config.pp > 1,
+        tp=config.tp,
+    )
     static = st.params_bytes + st.grads_bytes + (st.optimizer_bytes if optimizer is not Optimizer.ADAFACTOR else 0)
     pp, m = config.pp, config.num_microbatches
     inflight = inflight_microbatches(config.schedule, pp, config.virtual_stages, m, pp - 1)  # the least loaded rank
-    time = (m - 1 + pp) / pp * time_sum if config.virtual_stages == 1 else (m + (pp - 1) / config.virtual_stages) * time_sum / pp
+    time = (
+        (m - 1 + pp) / pp * time_sum
+        if config.virtual_stages == 1
+        else (m + (pp - 1) / config.virtual_stages) * time_sum / pp
+    )
     memory = (static + inflight * act) / pp + cluster.device.reserved_bytes
     return Bounds(time_s=time, memory_bytes=memory)
 
@@ -245,11 +299,20 @@ def lower_bounds(graph: LayerGraph, cluster: Cluster, config: ParallelConfig, op
 def _unit_bounds(graph: LayerGraph, cluster: Cluster, u: int, config: ParallelConfig) -> tuple[float, float, float]:
     n = len(graph.units)
     prof = graph.profile_of(u)
-    ctx = TPContext(tp=config.tp, span=group_span(config.tp, 1, cluster.devices_per_node), cluster=cluster,
-                    rates=rates(cluster.device, config.dtype), micro_batch=config.micro_batch_size,
-                    tokens=graph.seq_len, boundary=Layout.Q if config.sequence_parallel else Layout.R, first=u == 0,
-                    last=u == n - 1, loss_parallel=graph.vocab_size > 0, sequence_parallel=config.sequence_parallel,
-                    exposed_weight_traffic=cluster.device.exposed_weight_traffic)
+    ctx = TPContext(
+        tp=config.tp,
+        span=group_span(config.tp, 1, cluster.devices_per_node),
+        cluster=cluster,
+        rates=rates(cluster.device, config.dtype),
+        micro_batch=config.micro_batch_size,
+        tokens=graph.seq_len,
+        boundary=Layout.Q if config.sequence_parallel else Layout.R,
+        first=u == 0,
+        last=u == n - 1,
+        loss_parallel=graph.vocab_size > 0,
+        sequence_parallel=config.sequence_parallel,
+        exposed_weight_traffic=cluster.device.exposed_weight_traffic,
+    )
     t = 0.0
     params = 0.0
     accumulate = 0.0

@@ -22,8 +22,13 @@ if TYPE_CHECKING:
     from autopar.search.evaluate import Evaluator
 
 
-def cost_table(ev: Evaluator, config: ParallelConfig, modes: tuple[Recompute, ...], inflight: list[float],
-               cutoff_s: float = math.inf) -> np.ndarray:
+def cost_table(
+    ev: Evaluator,
+    config: ParallelConfig,
+    modes: tuple[Recompute, ...],
+    inflight: list[float],
+    cutoff_s: float = math.inf,
+) -> np.ndarray:
     """``table[k, i, j]``: per-micro-batch time of stage ``k`` holding units ``i..j-1``
     (inf where it does not fit or a split cannot put it), priced once per distinct
     range content. A stage's time grows with its range, so ranges are extended only
@@ -54,9 +59,10 @@ def cost_table(ev: Evaluator, config: ParallelConfig, modes: tuple[Recompute, ..
             if homog.any():
                 hi_idx = np.flatnonzero(homog)
                 kind = ev.kind_ids[ii[hi_idx]] * 4 + (ii[hi_idx] == 0) * 2 + (jj[hi_idx] == n)
-                kinds, first_at, inv = np.unique(kind, return_index=True, return_inverse=True)
-                vals = np.array([homogeneous_cost(ev, int(ii[hi_idx[a]]), w, config, modes, inflight[k])
-                                 for a in first_at.tolist()])
+                _, first_at, inv = np.unique(kind, return_index=True, return_inverse=True)
+                vals = np.array(
+                    [homogeneous_cost(ev, int(ii[hi_idx[a]]), w, config, modes, inflight[k]) for a in first_at.tolist()]
+                )
                 row[hi_idx] = vals[inv]
             rest = np.flatnonzero(~homog)
             if rest.size:
@@ -70,8 +76,18 @@ def cost_table(ev: Evaluator, config: ParallelConfig, modes: tuple[Recompute, ..
     return table
 
 
-def _fill_repeated(ev: Evaluator, row: np.ndarray, lo_i: int, hi_i: int, lo_j: int, hi_j: int, config: ParallelConfig,
-                   modes: tuple[Recompute, ...], inflight: float, cutoff_s: float) -> None:
+def _fill_repeated(
+    ev: Evaluator,
+    row: np.ndarray,
+    lo_i: int,
+    hi_i: int,
+    lo_j: int,
+    hi_j: int,
+    config: ParallelConfig,
+    modes: tuple[Recompute, ...],
+    inflight: float,
+    cutoff_s: float,
+) -> None:
     """A middle stage inside a run of identical units: the cost depends on the
     range's length only, so price each length once and fill the table at once."""
     for w in range(1, hi_j - lo_i + 1):
@@ -84,8 +100,7 @@ def _fill_repeated(ev: Evaluator, row: np.ndarray, lo_i: int, hi_i: int, lo_j: i
 
 def _fill_general(ev: Evaluator, row, rest, ii, jj, w, k, costs, config, modes, inflight) -> None:
     """Price ranges that mix unit kinds, once per distinct content."""
-    uniq, first, inverse = np.unique(ev.range_signature[ii[rest], jj[rest]], return_index=True,
-                                     return_inverse=True)
+    uniq, first, inverse = np.unique(ev.range_signature[ii[rest], jj[rest]], return_index=True, return_inverse=True)
     values = np.empty(uniq.size)
     for u_idx, (s_id, at) in enumerate(zip(uniq.tolist(), first.tolist())):
         key = (s_id, inflight[k])
@@ -97,8 +112,9 @@ def _fill_general(ev: Evaluator, row, rest, ii, jj, w, k, costs, config, modes, 
     row[rest] = values[inverse]
 
 
-def homogeneous_cost(ev: Evaluator, start: int, count: int, config: ParallelConfig, modes: tuple[Recompute, ...],
-                      inflight: float) -> float:
+def homogeneous_cost(
+    ev: Evaluator, start: int, count: int, config: ParallelConfig, modes: tuple[Recompute, ...], inflight: float
+) -> float:
     """Per-micro-batch time of ``count`` identical units from ``start`` as a stage,
     from a table over counts computed once per unit kind and in-flight count."""
     # the schedule's buffers depend on the stage's neighbours, not on its length
@@ -108,8 +124,9 @@ def homogeneous_cost(ev: Evaluator, start: int, count: int, config: ParallelConf
     if table is None or table.size <= count:
         grow = max(count, 8, 2 * (table.size if table is not None else 0))
         opts, priced = ev.priced_options(start, config, modes)
-        buffers = ev.pipeline_buffer_bytes(tuple(range(start, start + count)), config, inflight,
-                                           ev.any_layout(config, modes))
+        buffers = ev.pipeline_buffer_bytes(
+            tuple(range(start, start + count)), config, inflight, ev.any_layout(config, modes)
+        )
         table = homogeneous_times(priced, grow, ev.budget() - buffers, inflight)
         ev.memo[key] = table
     t = float(table[count])

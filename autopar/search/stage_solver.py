@@ -54,8 +54,9 @@ class StageChoice:
     counts: tuple[tuple[int, ...], ...]
 
 
-def memory_of(groups: list[tuple[int, tuple[Priced, ...]]], counts: tuple[tuple[int, ...], ...],
-              inflight: float) -> float:
+def memory_of(
+    groups: list[tuple[int, tuple[Priced, ...]]], counts: tuple[tuple[int, ...], ...], inflight: float
+) -> float:
     """Peak bytes of a stage for given counts."""
     total = 0.0
     transient = 0.0
@@ -72,8 +73,12 @@ def time_of(groups: list[tuple[int, tuple[Priced, ...]]], counts: tuple[tuple[in
     return sum(c * o.time_s for (_, opts), cs in zip(groups, counts) for o, c in zip(opts, cs))
 
 
-def solve_stage(groups: list[tuple[int, tuple[Priced, ...]]], budget_bytes: float, inflight: float,
-                solver: pulp.LpSolver | None = None) -> StageChoice | None:
+def solve_stage(
+    groups: list[tuple[int, tuple[Priced, ...]]],
+    budget_bytes: float,
+    inflight: float,
+    solver: pulp.LpSolver | None = None,
+) -> StageChoice | None:
     """Fastest counts within ``budget_bytes``, or None if nothing fits.
 
     ``groups``: (number of identical units, their options)."""
@@ -100,15 +105,17 @@ def solve_stage(groups: list[tuple[int, tuple[Priced, ...]]], budget_bytes: floa
         if found is None:
             continue
         counts = _expand(groups, allowed, found)
-        choice = StageChoice(time_s=time_of(groups, counts), memory_bytes=memory_of(groups, counts, inflight),
-                             counts=counts)
+        choice = StageChoice(
+            time_s=time_of(groups, counts), memory_bytes=memory_of(groups, counts, inflight), counts=counts
+        )
         if best is None or choice.time_s < best.time_s - 1e-15:
             best = choice
     return best
 
 
-def brute_force_stage(groups: list[tuple[int, tuple[Priced, ...]]], budget_bytes: float,
-                      inflight: float) -> StageChoice | None:
+def brute_force_stage(
+    groups: list[tuple[int, tuple[Priced, ...]]], budget_bytes: float, inflight: float
+) -> StageChoice | None:
     """Every per-unit assignment (identical units of a group share a layout). Tests only."""
     per_group = []
     for k, opts in groups:
@@ -136,7 +143,7 @@ def _argmin_time(opts: tuple[Priced, ...]) -> int:
 def _expand(groups, allowed, found: list[dict[int, int]]) -> tuple[tuple[int, ...], ...]:
     """Map counts over allowed options back to the full option lists."""
     out = []
-    for (k, opts), (_, sub), cnt in zip(groups, allowed, found):
+    for (_, opts), (_, sub), cnt in zip(groups, allowed, found):
         full = [0] * len(opts)
         for j, c in cnt.items():
             full[opts.index(sub[j])] += c
@@ -235,8 +242,14 @@ def _solve_ilp(groups, room: float, inflight: float, solver: pulp.LpSolver | Non
             if (g, o.layout) in layout_of:
                 prob += n[g, j] <= k * layout_of[g, o.layout]
         prob += pulp.lpSum(n[g, j] for j in range(len(opts))) == k
-    prob += pulp.lpSum(n[g, j] * (o.static_bytes + inflight * o.act_bytes)
-                       for g, (_, opts) in enumerate(groups) for j, o in enumerate(opts)) <= room
+    prob += (
+        pulp.lpSum(
+            n[g, j] * (o.static_bytes + inflight * o.act_bytes)
+            for g, (_, opts) in enumerate(groups)
+            for j, o in enumerate(opts)
+        )
+        <= room
+    )
     prob += pulp.lpSum(n[g, j] * o.time_s for g, (_, opts) in enumerate(groups) for j, o in enumerate(opts))
     try:
         solve(prob, solver or make_solver())
@@ -244,11 +257,13 @@ def _solve_ilp(groups, room: float, inflight: float, solver: pulp.LpSolver | Non
         if pulp.LpStatus[prob.status] == "Infeasible":
             return None
         raise
-    return [{j: int(round(n[g, j].value() or 0)) for j in range(len(opts)) if round(n[g, j].value() or 0)}
-            for g, (_, opts) in enumerate(groups)]
+    return [
+        {j: round(n[g, j].value() or 0) for j in range(len(opts)) if round(n[g, j].value() or 0)}
+        for g, (_, opts) in enumerate(groups)
+    ]
 
 
-def homogeneous_times(opts: tuple[Priced, ...], n_max: int, budget_bytes: float, inflight: float) -> "np.ndarray":
+def homogeneous_times(opts: tuple[Priced, ...], n_max: int, budget_bytes: float, inflight: float) -> np.ndarray:
     """``out[n]``: the fastest time of ``n`` identical units with options ``opts`` in one
     stage (inf where they do not fit), for every ``n <= n_max`` at once: the closed form
     of :func:`solve_stage` vectorised over ``n`` (what pipeline splits of repeated blocks

@@ -9,11 +9,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "profiler"))
 
-from profile_factories import network  # noqa: E402
+import _local_runs
+from profile_factories import network
 
-import _local_runs  # noqa: E402
-from profiler.fit import coefficients  # noqa: E402
-from profiler.report import CommPoint, CommSeries, ProfileReport, Timing  # noqa: E402
+from profiler.fit import coefficients
+from profiler.report import CommPoint, CommSeries, ProfileReport, Timing
 
 SIZES = tuple(2**k for k in range(10, 22, 2))
 
@@ -27,10 +27,14 @@ def _sweep(alpha_s: float, bandwidth: float, repeats: int, slow: float = 1.0, **
     for nbytes in SIZES:
         t = c_lat * alpha_s + c_bw * nbytes / bandwidth
         time = Timing.of([t] * (repeats - 1) + [slow * t])
-        points.append(CommPoint(nbytes=float(nbytes), time=time, algbw_bytes_per_s=nbytes / t,
-                                busbw_bytes_per_s=c_bw * nbytes / t))
-    series = CommSeries(op="all_reduce", level="intra", label="intra group", ranks=(0, 1), per_node=2, nodes=1,
-                        points=tuple(points))
+        points.append(
+            CommPoint(
+                nbytes=float(nbytes), time=time, algbw_bytes_per_s=nbytes / t, busbw_bytes_per_s=c_bw * nbytes / t
+            )
+        )
+    series = CommSeries(
+        op="all_reduce", level="intra", label="intra group", ranks=(0, 1), per_node=2, nodes=1, points=tuple(points)
+    )
     base = network(node_of_rank=("a", "a"), inter=None, **group)
     return ProfileReport(network=dataclasses.replace(base.network, series=(series,))).to_dict()
 
@@ -74,9 +78,11 @@ def test_combined_rounds_keep_the_median_network_and_the_median_of_each_group_me
     their mean, 2e-4); each measurement on the real groups is the median over the rounds
     on its own, so one round's outlier (a tensor-parallel overhead read as 12 us where
     the others read 300-400) does not ride in with the report chosen for its curves."""
-    rounds = [_sweep(3e-4, 1e9, 3, tp_overhead_s=12e-6, sync_speed_spread=0.09),
-              _sweep(1e-4, 1e9, 3, tp_overhead_s=4e-4, sync_speed_spread=0.0),
-              _sweep(2e-4, 1e9, 3, tp_overhead_s=3e-4, sync_speed_spread=0.07)]
+    rounds = [
+        _sweep(3e-4, 1e9, 3, tp_overhead_s=12e-6, sync_speed_spread=0.09),
+        _sweep(1e-4, 1e9, 3, tp_overhead_s=4e-4, sync_speed_spread=0.0),
+        _sweep(2e-4, 1e9, 3, tp_overhead_s=3e-4, sync_speed_spread=0.07),
+    ]
     layers = {"layers": {"m": {"layers": {"units": []}}}, "network": None}
     sweeps = [{"layers": {}, "network": report} for report in rounds]
     got = _local_runs.combine({"device": {}}, {1: [layers] * 3, 2: sweeps})["worlds"][2]

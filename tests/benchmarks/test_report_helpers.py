@@ -12,8 +12,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import _foreign_cpu  # noqa: E402
-import _report  # noqa: E402
+import _foreign_cpu
+import _report
 
 
 def test_ranks_average_ties():
@@ -29,7 +29,7 @@ def test_spearman_matches_closed_form_without_ties():
 
 def test_spearman_is_about_order_only():
     xs = [0.1, 0.5, 0.2, 3.0]
-    assert _report.spearman(xs, [x ** 3 + 7 for x in xs]) == pytest.approx(1.0)
+    assert _report.spearman(xs, [x**3 + 7 for x in xs]) == pytest.approx(1.0)
     assert _report.spearman(xs, [-x for x in xs]) == pytest.approx(-1.0)
 
 

@@ -8,8 +8,21 @@ from autopar.cli import main, parse_assignments
 
 def test_plan_writes_a_loadable_file(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    code = main(["plan", "--model", "gpt2-small", "--cluster", "dgx-a100-80gb:1", "--global-batch-size", "64",
-                 "--seq-len", "1024", "--out", str(out)])
+    code = main(
+        [
+            "plan",
+            "--model",
+            "gpt2-small",
+            "--cluster",
+            "dgx-a100-80gb:1",
+            "--global-batch-size",
+            "64",
+            "--seq-len",
+            "1024",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     shown = capsys.readouterr().out
     assert "autopar plan: GPT" in shown and "Predicted" in shown
@@ -18,15 +31,40 @@ def test_plan_writes_a_loadable_file(tmp_path, capsys):
 
 
 def test_estimate_reports_when_it_does_not_fit(capsys):
-    code = main(["estimate", "--model", "gpt3-175b", "--cluster", "dgx-a100-80gb:1", "--global-batch-size", "8",
-                 "--set", "tp=8"])
+    code = main(
+        [
+            "estimate",
+            "--model",
+            "gpt3-175b",
+            "--cluster",
+            "dgx-a100-80gb:1",
+            "--global-batch-size",
+            "8",
+            "--set",
+            "tp=8",
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 3 and "DOES NOT FIT" in captured.err
 
 
 def test_json_output_and_constraints(capsys):
-    code = main(["plan", "--model", "gpt2-small", "--cluster", "dgx-a100-80gb:1", "--global-batch-size", "64",
-                 "--seq-len", "512", "--set", "tp=2", "--json"])
+    code = main(
+        [
+            "plan",
+            "--model",
+            "gpt2-small",
+            "--cluster",
+            "dgx-a100-80gb:1",
+            "--global-batch-size",
+            "64",
+            "--seq-len",
+            "512",
+            "--set",
+            "tp=2",
+            "--json",
+        ]
+    )
     assert code == 0
     data = json.loads(capsys.readouterr().out)
     assert data["config"]["tp"] == 2 and data["model"]["seq_len"] == 512
@@ -47,4 +85,8 @@ def test_listing_commands(capsys):
 
 def test_parse_assignments():
     assert parse_assignments(["tp=8,pp=2", "recompute=full", "sequence_parallel=true"]) == {
-        "tp": 8, "pp": 2, "recompute": "full", "sequence_parallel": True}
+        "tp": 8,
+        "pp": 2,
+        "recompute": "full",
+        "sequence_parallel": True,
+    }

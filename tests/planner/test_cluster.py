@@ -40,10 +40,13 @@ def test_json_round_trip(tmp_path):
     assert Cluster.parse("hgx-h200:4") == cluster
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"nodes": 0}, "nodes=0"),
-    ({"devices_per_node": -1}, "devices_per_node=-1"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"nodes": 0}, "nodes=0"),
+        ({"devices_per_node": -1}, "devices_per_node=-1"),
+    ],
+)
 def test_bad_sizes(tmp_path, bad, message):
     data = Cluster.preset("dgx-h100").to_dict()
     data.update(bad)
@@ -118,8 +121,11 @@ def test_a_measured_curve_is_monotone_interpolated_and_checked():
         CommCurve(ranks=2, nbytes=(1.0, 2.0), time_s=(2.0, 1.0))
     with pytest.raises(ClusterError, match="curve nbytes=0.0 is not allowed"):
         CommCurve(ranks=2, nbytes=(0.0, 2.0), time_s=(1.0, 2.0))
-    link = LinkSpec(bandwidth_bytes_per_s=1e9, latency_s=1e-5,
-                    per_op=(OpLink(op="all_reduce", bandwidth_bytes_per_s=1e9, latency_s=1e-5, curve=curve),))
+    link = LinkSpec(
+        bandwidth_bytes_per_s=1e9,
+        latency_s=1e-5,
+        per_op=(OpLink(op="all_reduce", bandwidth_bytes_per_s=1e9, latency_s=1e-5, curve=curve),),
+    )
     assert link.curve_for("all_reduce", 2) is curve
     assert link.curve_for("all_reduce", 4) is None and link.curve_for("all_gather", 2) is None
     c = Cluster.preset("local-cpu", devices_per_node=2)

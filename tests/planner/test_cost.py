@@ -6,10 +6,9 @@ import pytest
 
 from autopar import Cluster
 from autopar.cost.comm import all_gather_s, all_reduce_s, group_span, p2p_s
-from autopar.cost.compute import ComputeRates, interpolate_loglog, work_s
+from autopar.cost.compute import ComputeRates, interpolate_loglog, rates, work_s
 from autopar.cost.pipeline import inflight_microbatches, pipeline_time_s, schedule_problem, stage_buffer_bytes
 from autopar.cost.tensor_parallel import Layout, TPContext, evaluate_layout, padded
-from autopar.cost.compute import rates
 from autopar.graph import extract
 from autopar.models import build_named_model
 from autopar.vocab import DType, Schedule, TPStyle
@@ -21,11 +20,11 @@ AI, AE = DGX.intra_node.latency_s, DGX.inter_node.latency_s
 
 def test_group_spans_follow_the_rank_layout():
     assert group_span(8, 1, 8) == group_span(8, 1, 8).__class__(size=8, per_node=8, nodes=1)
-    dp = group_span(4, 8, 8)        # tp=8 fills a node: one dp rank per node
+    dp = group_span(4, 8, 8)  # tp=8 fills a node: one dp rank per node
     assert (dp.per_node, dp.nodes) == (1, 4)
-    dp = group_span(16, 2, 8)       # tp=2: four dp ranks per node
+    dp = group_span(16, 2, 8)  # tp=2: four dp ranks per node
     assert (dp.per_node, dp.nodes) == (4, 4)
-    tp = group_span(16, 1, 8)       # a TP group across two nodes
+    tp = group_span(16, 1, 8)  # a TP group across two nodes
     assert (tp.per_node, tp.nodes) == (8, 2)
 
 
@@ -37,7 +36,7 @@ def test_ring_all_reduce_inside_a_node():
 
 def test_hierarchical_all_reduce_across_nodes():
     size = 1e9
-    span = group_span(32, 1, 8)     # 8 per node x 4 nodes
+    span = group_span(32, 1, 8)  # 8 per node x 4 nodes
     expected = 2 * 7 / 8 * size / BI + 2 * 7 * AI + 2 * 3 / 4 * (size / 8) / BE + 2 * 2 * AE
     assert all_reduce_s(size, span, DGX) == pytest.approx(expected)
     assert all_reduce_s(size, group_span(1, 1, 8), DGX) == 0.0
@@ -46,8 +45,8 @@ def test_hierarchical_all_reduce_across_nodes():
 
 def test_roofline():
     r = ComputeRates(matmul_flops_per_s=100e12, vector_flops_per_s=10e12, bytes_per_s=1e12)
-    assert work_s(matmul_flops=1e12, other_flops=0, nbytes=1e9, r=r) == pytest.approx(0.01)      # compute bound
-    assert work_s(matmul_flops=1e9, other_flops=0, nbytes=1e10, r=r) == pytest.approx(0.01)      # memory bound
+    assert work_s(matmul_flops=1e12, other_flops=0, nbytes=1e9, r=r) == pytest.approx(0.01)  # compute bound
+    assert work_s(matmul_flops=1e9, other_flops=0, nbytes=1e10, r=r) == pytest.approx(0.01)  # memory bound
     curve = ((1e6, 1e12), (1e9, 1e14))
     assert interpolate_loglog(curve, 1e3) == 1e12 and interpolate_loglog(curve, 1e12) == 1e14
     assert interpolate_loglog(curve, math.sqrt(1e6 * 1e9)) == pytest.approx(1e13)
@@ -55,7 +54,7 @@ def test_roofline():
 
 def test_pipeline_bubble_and_inflight():
     w = 1.0
-    assert pipeline_time_s([w] * 4, 8, 1) == pytest.approx((8 + 4 - 1) * w)     # bubble (p-1)/m
+    assert pipeline_time_s([w] * 4, 8, 1) == pytest.approx((8 + 4 - 1) * w)  # bubble (p-1)/m
     assert pipeline_time_s([2 * w] * 4, 8, 2) == pytest.approx((8 + 3 / 2) * 2 * w)  # interleaved: (p-1)/(v m)
     assert pipeline_time_s([1.0, 3.0], 4, 1) == pytest.approx(3 * 3.0 + 1.0 + 3.0)
     assert [inflight_microbatches(Schedule.ONE_F_ONE_B, 4, 1, 8, r) for r in range(4)] == [4, 3, 2, 1]
@@ -70,17 +69,33 @@ def test_a_pipeline_stage_holds_a_receive_buffer_per_micro_batch_and_its_outputs
     bytes: a middle stage holds 8 input buffers, 3 of them the saved inputs of the
     micro-batches in flight (counted with the activations), 8 gradient buffers and 3
     held outputs; the first stage receives nothing, the last sends nothing."""
+
     def held(receives, sends):
-        return stage_buffer_bytes(receives_input=receives, sends_output=sends, input_bytes=1.0, output_bytes=10.0,
-                                  num_microbatches=8, inflight=3.0)
+        return stage_buffer_bytes(
+            receives_input=receives,
+            sends_output=sends,
+            input_bytes=1.0,
+            output_bytes=10.0,
+            num_microbatches=8,
+            inflight=3.0,
+        )
 
     assert held(True, True) == (8 - 3) * 1 + (8 + 3) * 10
     assert held(False, True) == (8 + 3) * 10
     assert held(True, False) == 8 - 3
     assert held(False, False) == 0.0
     # GPipe: every micro-batch in flight, so every input buffer is a saved input
-    assert stage_buffer_bytes(receives_input=True, sends_output=False, input_bytes=1.0, output_bytes=10.0,
-                              num_microbatches=8, inflight=8.0) == 0.0
+    assert (
+        stage_buffer_bytes(
+            receives_input=True,
+            sends_output=False,
+            input_bytes=1.0,
+            output_bytes=10.0,
+            num_microbatches=8,
+            inflight=8.0,
+        )
+        == 0.0
+    )
 
 
 def test_megatron_block_communication_and_memory():
@@ -92,11 +107,26 @@ def test_megatron_block_communication_and_memory():
     t, b, s, h = 8, 1, 2048, 4096
     x = b * s * h * 2
     span = group_span(t, 1, 8)
-    styles = {"attention_norm": TPStyle.REPLICATE, "ffn_norm": TPStyle.REPLICATE, "attention.wo": TPStyle.ROW,
-              "feed_forward.w2": TPStyle.ROW}
+    styles = {
+        "attention_norm": TPStyle.REPLICATE,
+        "ffn_norm": TPStyle.REPLICATE,
+        "attention.wo": TPStyle.ROW,
+        "feed_forward.w2": TPStyle.ROW,
+    }
     chosen = tuple(styles.get(leaf.name, TPStyle.COLUMN) for leaf in block.leaves)
-    ctx = TPContext(tp=t, span=span, cluster=DGX, rates=rates(DGX.device, DType.BF16), micro_batch=b, tokens=s,
-                    boundary=Layout.R, first=False, last=False, loss_parallel=False, sequence_parallel=False)
+    ctx = TPContext(
+        tp=t,
+        span=span,
+        cluster=DGX,
+        rates=rates(DGX.device, DType.BF16),
+        micro_batch=b,
+        tokens=s,
+        boundary=Layout.R,
+        first=False,
+        last=False,
+        loss_parallel=False,
+        sequence_parallel=False,
+    )
     cost = evaluate_layout(block, chosen, Layout.R, ctx)
     assert cost.fwd_comm_s == pytest.approx(2 * all_reduce_s(x, span, DGX))
     assert cost.bwd_comm_s == pytest.approx(2 * all_reduce_s(x, span, DGX))
@@ -107,8 +137,12 @@ def test_megatron_block_communication_and_memory():
     assert sp.fwd_comm_s == pytest.approx(4 * all_gather_s(x, span, DGX))
     assert sp.bwd_comm_s == pytest.approx(4 * all_gather_s(x, span, DGX))
     assert (sp.fwd_syncs, sp.bwd_syncs) == (4, 4)
-    full = evaluate_layout(block, (TPStyle.REPLICATE,) * len(block.leaves), Layout.R,
-                           TPContext(**{**ctx.__dict__, "tp": 1, "span": group_span(1, 1, 8)}))
+    full = evaluate_layout(
+        block,
+        (TPStyle.REPLICATE,) * len(block.leaves),
+        Layout.R,
+        TPContext(**{**ctx.__dict__, "tp": 1, "span": group_span(1, 1, 8)}),
+    )
     assert (full.fwd_syncs, full.bwd_syncs) == (0, 0)
     # With SP everything is divided by t except the inputs of the two column-parallel
     # groups (q/k/v and w1): DTensor saves the all-gathered input, where Megatron-LM
@@ -134,17 +168,29 @@ def test_framework_overhead_is_charged_per_op_and_per_sharded_leaf():
     assert all(leaf.fwd_ops > 0 for leaf in block.leaves)
     assert sum(f.glue_ops + f.attn_ops for f in block.flows) > 0
     cpu = Cluster.preset("local-cpu", devices_per_node=2)
-    base = TPContext(tp=2, span=group_span(2, 1, 2), cluster=cpu, rates=rates(cpu.device, DType.FP32), micro_batch=1,
-                     tokens=128, boundary=Layout.R, first=False, last=False, loss_parallel=False,
-                     sequence_parallel=False)
+    base = TPContext(
+        tp=2,
+        span=group_span(2, 1, 2),
+        cluster=cpu,
+        rates=rates(cpu.device, DType.FP32),
+        micro_batch=1,
+        tokens=128,
+        boundary=Layout.R,
+        first=False,
+        last=False,
+        loss_parallel=False,
+        sequence_parallel=False,
+    )
     slow = TPContext(**{**base.__dict__, "op_overhead_s": 1e-3, "tp_overhead_s": 5e-3})
     from autopar.cost.tensor_parallel import leaf_fwd_s
 
     leaf = next(x for x in block.leaves if x.name == "attn.c_attn" or x.name.endswith("wq"))
     assert leaf_fwd_s(leaf, TPStyle.REPLICATE, slow) - leaf_fwd_s(leaf, TPStyle.REPLICATE, base) == pytest.approx(
-        1e-3 * leaf.fwd_ops)
+        1e-3 * leaf.fwd_ops
+    )
     assert leaf_fwd_s(leaf, TPStyle.COLUMN, slow) - leaf_fwd_s(leaf, TPStyle.COLUMN, base) == pytest.approx(
-        1e-3 * leaf.fwd_ops + 5e-3)
+        1e-3 * leaf.fwd_ops + 5e-3
+    )
 
 
 def test_weight_traffic_is_per_call_and_sharded_by_tensor_parallelism():
@@ -156,15 +202,28 @@ def test_weight_traffic_is_per_call_and_sharded_by_tensor_parallelism():
     block = graph.profile_of(1)
     slow_flops = Cluster.preset("local-cpu", devices_per_node=2)
     r = ComputeRates(matmul_flops_per_s=1e30, vector_flops_per_s=1e30, bytes_per_s=1e9)
-    ctx = TPContext(tp=2, span=group_span(2, 1, 2), cluster=slow_flops, rates=r, micro_batch=1, tokens=8,
-                    boundary=Layout.R, first=False, last=False, loss_parallel=False, sequence_parallel=True,
-                    op_overhead_s=0.0, tp_overhead_s=0.0)
+    ctx = TPContext(
+        tp=2,
+        span=group_span(2, 1, 2),
+        cluster=slow_flops,
+        rates=r,
+        micro_batch=1,
+        tokens=8,
+        boundary=Layout.R,
+        first=False,
+        last=False,
+        loss_parallel=False,
+        sequence_parallel=True,
+        op_overhead_s=0.0,
+        tp_overhead_s=0.0,
+    )
     twice = TPContext(**{**ctx.__dict__, "micro_batch": 2})
     fc = next(x for x in block.leaves if x.name.endswith("c_fc") or x.name.endswith("w1"))
     assert fc.weight_bytes == pytest.approx(4 * fc.param_numel)
     assert leaf_fwd_s(fc, TPStyle.REPLICATE, ctx) == pytest.approx((fc.fwd_bytes + fc.weight_bytes) / 1e9)
     assert leaf_fwd_s(fc, TPStyle.REPLICATE, twice) - leaf_fwd_s(fc, TPStyle.REPLICATE, ctx) == pytest.approx(
-        fc.fwd_bytes / 1e9)
+        fc.fwd_bytes / 1e9
+    )
     assert leaf_fwd_s(fc, TPStyle.COLUMN, ctx) == pytest.approx((fc.fwd_bytes + fc.weight_bytes) / 2 / 1e9)
     norm = next(x for x in block.leaves if x.kind.value == "norm")
     assert leaf_fwd_s(norm, TPStyle.SEQUENCE, ctx) == pytest.approx((norm.fwd_bytes / 2 + norm.weight_bytes) / 1e9)
@@ -182,8 +241,19 @@ def test_exposed_weight_traffic_is_added_to_the_roofline_and_accumulated_per_mic
     cpu = Cluster.preset("local-cpu", devices_per_node=2)
     assert cpu.device.exposed_weight_traffic
     r = ComputeRates(matmul_flops_per_s=1e9, vector_flops_per_s=1e9, bytes_per_s=1e10)
-    roofline = TPContext(tp=2, span=group_span(2, 1, 2), cluster=cpu, rates=r, micro_batch=4, tokens=8,
-                         boundary=Layout.R, first=False, last=False, loss_parallel=False, sequence_parallel=False)
+    roofline = TPContext(
+        tp=2,
+        span=group_span(2, 1, 2),
+        cluster=cpu,
+        rates=r,
+        micro_batch=4,
+        tokens=8,
+        boundary=Layout.R,
+        first=False,
+        last=False,
+        loss_parallel=False,
+        sequence_parallel=False,
+    )
     exposed = TPContext(**{**roofline.__dict__, "exposed_weight_traffic": True})
     compute = 4 * fc.matmul_flops / 1e9 + 4 * (fc.fwd_flops - fc.matmul_flops) / 1e9
     assert compute > (4 * fc.fwd_bytes + fc.weight_bytes) / 1e10  # compute-bound: the roofline hides the bytes
@@ -214,7 +284,8 @@ def test_fsdp_framework_time_is_charged_per_collective_call():
         units = len(extract(model, seq_len=64, dtype="fp32").units)  # what FSDP2 wraps: blocks, prologue, epilogue
         assert units == 14
         assert charged.prediction.breakdown.dp_comm_s - base.prediction.breakdown.dp_comm_s == pytest.approx(
-            calls_per_unit(3) * units * 1e-3)
+            calls_per_unit(3) * units * 1e-3
+        )
 
 
 def test_fsdp_framework_time_grows_with_the_parameter_tensors_of_each_unit():
@@ -229,14 +300,14 @@ def test_fsdp_framework_time_grows_with_the_parameter_tensors_of_each_unit():
     tensors = sum(1 for _ in model.named_parameters(remove_duplicate=False))
     cpu = Cluster.preset("local-cpu", devices_per_node=2)
     slow = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, fsdp_tensor_overhead_s=1e-4))
-    assert sum(extract(model, seq_len=64, dtype="fp32").profile_of(u).param_tensors
-               for u in range(14)) == tensors
+    assert sum(extract(model, seq_len=64, dtype="fp32").profile_of(u).param_tensors for u in range(14)) == tensors
     for zero, calls_per_unit in ((3, lambda m: 3 * m), (2, lambda m: m + 1)):
         cfg = {"dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 1, "num_microbatches": 3, "zero_stage": zero}
         base = autopar.estimate(model, cpu, cfg, global_batch_size=6, seq_len=64)
         charged = autopar.estimate(model, slow, cfg, global_batch_size=6, seq_len=64)
         assert charged.prediction.breakdown.dp_comm_s - base.prediction.breakdown.dp_comm_s == pytest.approx(
-            calls_per_unit(3) * tensors * 1e-4)
+            calls_per_unit(3) * tensors * 1e-4
+        )
 
 
 def test_the_expected_maximum_of_normals_and_the_wait_at_blocking_collectives():
@@ -276,8 +347,10 @@ def test_tensor_parallel_ranks_wait_for_the_slowest_at_every_blocking_collective
 
     m = 3
     cfg = {"dp": 1, "tp": 2, "pp": 1, "micro_batch_size": 1, "num_microbatches": m}
-    base, once, twice = (autopar.estimate(model, cl, cfg, global_batch_size=m, seq_len=128).prediction
-                         for cl in (with_noise(0.0), with_noise(0.01), with_noise(0.02)))
+    base, once, twice = (
+        autopar.estimate(model, cl, cfg, global_batch_size=m, seq_len=128).prediction
+        for cl in (with_noise(0.0), with_noise(0.01), with_noise(0.02))
+    )
     wait = once.step_time_s - base.step_time_s
     assert once.breakdown.tp_comm_s - base.breakdown.tp_comm_s == pytest.approx(wait, rel=1e-9)
     assert twice.step_time_s - base.step_time_s == pytest.approx(2 * wait, rel=1e-9)
@@ -286,8 +359,10 @@ def test_tensor_parallel_ranks_wait_for_the_slowest_at_every_blocking_collective
     assert meetings == pytest.approx(round(meetings), abs=1e-6)
     assert 4 * 12 <= round(meetings) <= 4 * 12 + 8
     dp = {"dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 1, "num_microbatches": m}
-    quiet, noisy = (autopar.estimate(model, with_noise(sigma), dp, global_batch_size=2 * m, seq_len=128).prediction
-                    for sigma in (0.0, 0.01))
+    quiet, noisy = (
+        autopar.estimate(model, with_noise(sigma), dp, global_batch_size=2 * m, seq_len=128).prediction
+        for sigma in (0.0, 0.01)
+    )
     # without tensor parallelism the ranks meet once a step, at DDP's last bucket
     once_a_step = 0.01 / math.sqrt(math.pi) * math.sqrt(quiet.breakdown.compute_s)
     assert noisy.step_time_s - quiet.step_time_s == pytest.approx(once_a_step, rel=1e-9)
@@ -308,25 +383,31 @@ def test_a_spread_in_the_ranks_speed_waits_in_proportion_to_the_work_between_mee
     e2 = 1 / math.sqrt(math.pi)
     assert sync_wait_s(0.0, 2, 1, 0.4, speed_spread=0.08) == pytest.approx(e2 * 0.08 * 0.4, rel=1e-9)
     assert sync_wait_s(0.01, 2, 4, 0.4, speed_spread=0.08) == pytest.approx(
-        e2 * math.sqrt(4 * 0.01 ** 2 * 0.4 + (0.08 * 0.4) ** 2), rel=1e-9)
+        e2 * math.sqrt(4 * 0.01**2 * 0.4 + (0.08 * 0.4) ** 2), rel=1e-9
+    )
     assert sync_wait_s(0.01, 1, 4, 0.4, speed_spread=0.08) == 0.0
     model = build_named_model("gpt2-small")
     cpu = Cluster.preset("local-cpu", devices_per_node=2)
 
     def with_spread(delta):
-        return dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, sync_noise_s_per_sqrt_s=0.0,
-                                                                   sync_speed_spread=delta))
+        return dataclasses.replace(
+            cpu, device=dataclasses.replace(cpu.device, sync_noise_s_per_sqrt_s=0.0, sync_speed_spread=delta)
+        )
 
     m = 3
     dp = {"dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 1, "num_microbatches": m}
-    quiet, spread = (autopar.estimate(model, with_spread(d), dp, global_batch_size=2 * m, seq_len=128).prediction
-                     for d in (0.0, 0.08))
+    quiet, spread = (
+        autopar.estimate(model, with_spread(d), dp, global_batch_size=2 * m, seq_len=128).prediction
+        for d in (0.0, 0.08)
+    )
     assert spread.step_time_s - quiet.step_time_s == pytest.approx(e2 * 0.08 * quiet.breakdown.compute_s, rel=1e-9)
     tp = {"dp": 1, "tp": 2, "pp": 1, "micro_batch_size": 1, "num_microbatches": m}
-    tp_quiet, tp_spread = (autopar.estimate(model, with_spread(d), tp, global_batch_size=m, seq_len=128).prediction
-                           for d in (0.0, 0.08))
-    assert tp_spread.step_time_s - tp_quiet.step_time_s == pytest.approx(e2 * 0.08 * tp_quiet.breakdown.compute_s,
-                                                                         rel=1e-9)
+    tp_quiet, tp_spread = (
+        autopar.estimate(model, with_spread(d), tp, global_batch_size=m, seq_len=128).prediction for d in (0.0, 0.08)
+    )
+    assert tp_spread.step_time_s - tp_quiet.step_time_s == pytest.approx(
+        e2 * 0.08 * tp_quiet.breakdown.compute_s, rel=1e-9
+    )
 
 
 def test_fsdp_collectives_that_compute_does_not_hide_wait_for_the_slowest_rank():
@@ -340,13 +421,21 @@ def test_fsdp_collectives_that_compute_does_not_hide_wait_for_the_slowest_rank()
     model = build_named_model("gpt2-small")
     cpu = Cluster.preset("local-cpu", devices_per_node=2)
     m = 3
-    cfg = {"dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 1, "num_microbatches": m, "zero_stage": 3,
-           "recompute": "none"}
+    cfg = {
+        "dp": 2,
+        "tp": 1,
+        "pp": 1,
+        "micro_batch_size": 1,
+        "num_microbatches": m,
+        "zero_stage": 3,
+        "recompute": "none",
+    }
 
     def step(sigma, overlap):
         dev = dataclasses.replace(cpu.device, sync_noise_s_per_sqrt_s=sigma, comm_overlap=overlap)
-        return autopar.estimate(model, dataclasses.replace(cpu, device=dev), cfg, global_batch_size=2 * m,
-                                seq_len=64).prediction
+        return autopar.estimate(
+            model, dataclasses.replace(cpu, device=dev), cfg, global_batch_size=2 * m, seq_len=64
+        ).prediction
 
     quiet, noisy = step(0.0, 0.0), step(0.01, 0.0)
     work = quiet.breakdown.compute_s
@@ -379,18 +468,24 @@ def test_fsdp_copies_around_each_collective_are_priced_by_their_bytes():
     plan = autopar.estimate(model, cpu, cfg, global_batch_size=2 * m, seq_len=64)
     numel = sum(p.numel() for p in model.parameters())  # tied weights counted once
     rate = rates(cpu.device, DType.FP32).bytes_per_s
-    faster = dataclasses.replace(cpu, device=dataclasses.replace(
-        cpu.device, memory_bandwidth_bytes_per_s=cpu.device.memory_bandwidth_bytes_per_s * 2))
+    faster = dataclasses.replace(
+        cpu,
+        device=dataclasses.replace(
+            cpu.device, memory_bandwidth_bytes_per_s=cpu.device.memory_bandwidth_bytes_per_s * 2
+        ),
+    )
     quick = autopar.estimate(model, faster, cfg, global_batch_size=2 * m, seq_len=64)
     # doubling the bandwidth halves the copies (compute moves too, so compare the comm term)
     copies = 3 * m * 2 * 4.0 * numel * 1.5 / rate
     assert plan.prediction.breakdown.dp_comm_s - quick.prediction.breakdown.dp_comm_s == pytest.approx(
-        copies / 2, rel=1e-6)
+        copies / 2, rel=1e-6
+    )
     # a measured copy rate (a network profile's) replaces the streaming bandwidth
     slow = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, fsdp_copy_bytes_per_s=rate / 4))
     slowed = autopar.estimate(model, slow, cfg, global_batch_size=2 * m, seq_len=64)
     assert slowed.prediction.breakdown.dp_comm_s - plan.prediction.breakdown.dp_comm_s == pytest.approx(
-        3 * copies, rel=1e-6)
+        3 * copies, rel=1e-6
+    )
 
 
 def test_cpu_communication_is_not_hidden_and_the_optimizer_runs_at_its_measured_rate():
@@ -437,18 +532,25 @@ def test_a_measured_curve_prices_its_collective_on_groups_of_its_size():
 
     curve = CommCurve(ranks=8, nbytes=(1e3, 1e6, 1e7, 1e8), time_s=(1e-4, 1e-3, 4e-3, 2e-2))
     fit = OpLink(op="all_reduce", bandwidth_bytes_per_s=BI, latency_s=AI, curve=curve)
-    send = OpLink(op="send_recv", bandwidth_bytes_per_s=BE, latency_s=AE,
-                  curve=CommCurve(ranks=2, nbytes=(1e3, 1e6), time_s=(5e-5, 2e-4)))
-    c = dataclasses.replace(DGX, intra_node=dataclasses.replace(DGX.intra_node, per_op=(fit,)),
-                            inter_node=dataclasses.replace(DGX.inter_node, per_op=(send,)))
+    send = OpLink(
+        op="send_recv",
+        bandwidth_bytes_per_s=BE,
+        latency_s=AE,
+        curve=CommCurve(ranks=2, nbytes=(1e3, 1e6), time_s=(5e-5, 2e-4)),
+    )
+    c = dataclasses.replace(
+        DGX,
+        intra_node=dataclasses.replace(DGX.intra_node, per_op=(fit,)),
+        inter_node=dataclasses.replace(DGX.inter_node, per_op=(send,)),
+    )
     node = group_span(8, 1, 8)
-    assert all_reduce_s(5.5e6, node, c) == pytest.approx(1e-3 + 0.5 * 3e-3)            # halfway from 1 to 10 MB
+    assert all_reduce_s(5.5e6, node, c) == pytest.approx(1e-3 + 0.5 * 3e-3)  # halfway from 1 to 10 MB
     assert all_reduce_s(5.5e6, node, c, calls=10) == pytest.approx(10 * (1e-4 + (5.5e5 - 1e3) / (1e6 - 1e3) * 9e-4))
-    assert all_reduce_s(5e2, node, c) == pytest.approx(1e-4)                            # below: the smallest size's
-    assert all_reduce_s(3e8, node, c) == pytest.approx(2e-2 + 2 * 7 / 8 * 2e8 / BI)      # past: the fit's slope
+    assert all_reduce_s(5e2, node, c) == pytest.approx(1e-4)  # below: the smallest size's
+    assert all_reduce_s(3e8, node, c) == pytest.approx(2e-2 + 2 * 7 / 8 * 2e8 / BI)  # past: the fit's slope
     four = group_span(4, 1, 8)
     assert all_reduce_s(1e6, four, c) == pytest.approx(2 * 3 / 4 * 1e6 / BI + 2 * 3 * AI)  # no curve for 4 ranks
-    assert all_gather_s(1e6, node, c) == pytest.approx(7 / 8 * 1e6 / BI + 7 * AI)         # nor for all-gathers
+    assert all_gather_s(1e6, node, c) == pytest.approx(7 / 8 * 1e6 / BI + 7 * AI)  # nor for all-gathers
     # across 4 nodes of 8: the intra level by the curve, the inter level by its line
     across = group_span(32, 1, 8)
     assert all_reduce_s(1e6, across, c) == pytest.approx(1e-3 + 2 * 3 / 4 * (1e6 / 8) / BE + 2 * 2 * AE)

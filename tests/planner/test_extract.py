@@ -7,7 +7,7 @@ from torch import nn
 
 from autopar import ModelError
 from autopar.graph import LeafKind, extract
-from autopar.models import CNNConfig, GPT, GPTConfig, Llama, LlamaConfig, MLPConfig, MLPStack, ResNet, build_named_model
+from autopar.models import GPT, CNNConfig, GPTConfig, Llama, LlamaConfig, MLPConfig, MLPStack, ResNet, build_named_model
 
 S, H, A, L, V = 64, 128, 4, 4, 256
 
@@ -26,7 +26,14 @@ def test_gpt_flops_match_the_megatron_formula():
 
 def test_gpt_units_leaves_and_tied_weights():
     g = extract(_gpt(), seq_len=S, dtype="fp32")
-    assert g.unit_names == ("tok_embeddings+pos_embeddings", "layers.0", "layers.1", "layers.2", "layers.3", "norm+output")
+    assert g.unit_names == (
+        "tok_embeddings+pos_embeddings",
+        "layers.0",
+        "layers.1",
+        "layers.2",
+        "layers.3",
+        "norm+output",
+    )
     assert len(g.profiles) == 3  # repeated blocks are analysed once
     block = g.profile_of(1)
     kinds = {leaf.name: leaf.kind for leaf in block.leaves}
@@ -143,17 +150,40 @@ def test_hf_gpt2_conv1d_and_fused_qkv():
 def test_hf_llama_bert_bloom_extract():
     transformers = pytest.importorskip("transformers")
     with torch.device("meta"):
-        llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            hidden_size=H, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-            vocab_size=V, max_position_embeddings=S))
-        bare_bert = transformers.BertModel(transformers.BertConfig(
-            hidden_size=H, num_hidden_layers=2, num_attention_heads=A, intermediate_size=256, vocab_size=V,
-            max_position_embeddings=S))
-        bert = transformers.BertForMaskedLM(transformers.BertConfig(
-            hidden_size=H, num_hidden_layers=2, num_attention_heads=A, intermediate_size=256, vocab_size=V,
-            max_position_embeddings=S))
-        bloom = transformers.BloomForCausalLM(transformers.BloomConfig(hidden_size=H, n_layer=2, n_head=A,
-                                                                       vocab_size=V))
+        llama = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(
+                hidden_size=H,
+                intermediate_size=256,
+                num_hidden_layers=2,
+                num_attention_heads=8,
+                num_key_value_heads=2,
+                vocab_size=V,
+                max_position_embeddings=S,
+            )
+        )
+        bare_bert = transformers.BertModel(
+            transformers.BertConfig(
+                hidden_size=H,
+                num_hidden_layers=2,
+                num_attention_heads=A,
+                intermediate_size=256,
+                vocab_size=V,
+                max_position_embeddings=S,
+            )
+        )
+        bert = transformers.BertForMaskedLM(
+            transformers.BertConfig(
+                hidden_size=H,
+                num_hidden_layers=2,
+                num_attention_heads=A,
+                intermediate_size=256,
+                vocab_size=V,
+                max_position_embeddings=S,
+            )
+        )
+        bloom = transformers.BloomForCausalLM(
+            transformers.BloomConfig(hidden_size=H, n_layer=2, n_head=A, vocab_size=V)
+        )
     gl = extract(llama, seq_len=S, dtype="fp32")
     assert [u.fqn for u in gl.units[1:-1]] == ["model.layers.0", "model.layers.1"]
     assert {leaf.name: leaf.out_heads for leaf in gl.profile_of(1).leaves}["self_attn.k_proj"] == 2
@@ -176,8 +206,11 @@ def test_cnn_units_and_conv_flops():
 
 
 def test_mlp_stack_and_plain_sequential():
-    g = extract(MLPStack(MLPConfig(in_dim=8, dim=16, ffn_dim=32, n_layers=3, out_dim=4)),
-                sample_input=torch.zeros(4, 8), dtype="fp32")
+    g = extract(
+        MLPStack(MLPConfig(in_dim=8, dim=16, ffn_dim=32, n_layers=3, out_dim=4)),
+        sample_input=torch.zeros(4, 8),
+        dtype="fp32",
+    )
     assert g.unit_names == ("inp", "layers.0", "layers.1", "layers.2", "out")
     seq = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
     gs = extract(seq, sample_input=torch.zeros(3, 8), dtype="fp32")

@@ -13,46 +13,103 @@ from autopar.graph import extract
 from autopar.vocab import DType, Optimizer, TPStyle
 
 
-@pytest.mark.parametrize("zero, dp, expected", [
-    (0, 8, 4 + 2 + 4 + 8),          # ZeRO paper's mixed-precision Adam, with fp32 gradients: 18 B/param
-    (1, 8, 4 + 2 + 4 + 8 / 8),
-    (2, 8, 4 / 8 + 2 + 4 / 8 + 8 / 8),
-    (3, 8, (4 + 4 + 8) / 8),
-])
+@pytest.mark.parametrize(
+    "zero, dp, expected",
+    [
+        (0, 8, 4 + 2 + 4 + 8),  # ZeRO paper's mixed-precision Adam, with fp32 gradients: 18 B/param
+        (1, 8, 4 + 2 + 4 + 8 / 8),
+        (2, 8, 4 / 8 + 2 + 4 / 8 + 8 / 8),
+        (3, 8, (4 + 4 + 8) / 8),
+    ],
+)
 def test_model_state_bytes_per_parameter(zero, dp, expected):
-    st = state_bytes(param_numel=1.0, factored_numel=0.0, largest_unit_numel=0.0, dtype=DType.BF16,
-                     optimizer=Optimizer.ADAM, zero_stage=zero, dp=dp, pipelined=False)
+    st = state_bytes(
+        param_numel=1.0,
+        factored_numel=0.0,
+        largest_unit_numel=0.0,
+        dtype=DType.BF16,
+        optimizer=Optimizer.ADAM,
+        zero_stage=zero,
+        dp=dp,
+        pipelined=False,
+    )
     assert st.params_bytes + st.grads_bytes + st.optimizer_bytes == pytest.approx(expected)
 
 
 def test_model_states_other_cases():
-    fp32 = state_bytes(param_numel=1.0, factored_numel=0.0, largest_unit_numel=0.0, dtype=DType.FP32,
-                       optimizer=Optimizer.SGD, zero_stage=0, dp=1, pipelined=False)
+    fp32 = state_bytes(
+        param_numel=1.0,
+        factored_numel=0.0,
+        largest_unit_numel=0.0,
+        dtype=DType.FP32,
+        optimizer=Optimizer.SGD,
+        zero_stage=0,
+        dp=1,
+        pipelined=False,
+    )
     assert fp32.params_bytes + fp32.grads_bytes + fp32.optimizer_bytes == 12  # weight, grad, momentum
-    piped = state_bytes(param_numel=1.0, factored_numel=0.0, largest_unit_numel=0.0, dtype=DType.BF16,
-                        optimizer=Optimizer.ADAM, zero_stage=3, dp=4, pipelined=True)
+    piped = state_bytes(
+        param_numel=1.0,
+        factored_numel=0.0,
+        largest_unit_numel=0.0,
+        dtype=DType.BF16,
+        optimizer=Optimizer.ADAM,
+        zero_stage=3,
+        dp=4,
+        pipelined=True,
+    )
     # pipelining keeps FSDP2's unsharded compute copy and accumulates unsharded fp32 grads
-    assert piped.params_bytes + piped.grads_bytes + piped.optimizer_bytes == pytest.approx(4 / 4 + 2 + 4 / 4 + 4 + 8 / 4)
-    z3 = state_bytes(param_numel=100.0, factored_numel=0.0, largest_unit_numel=10.0, dtype=DType.BF16,
-                     optimizer=Optimizer.ADAM, zero_stage=3, dp=4, pipelined=False)
+    assert piped.params_bytes + piped.grads_bytes + piped.optimizer_bytes == pytest.approx(
+        4 / 4 + 2 + 4 / 4 + 4 + 8 / 4
+    )
+    z3 = state_bytes(
+        param_numel=100.0,
+        factored_numel=0.0,
+        largest_unit_numel=10.0,
+        dtype=DType.BF16,
+        optimizer=Optimizer.ADAM,
+        zero_stage=3,
+        dp=4,
+        pipelined=False,
+    )
     # two gathered units, and two unit-sized fp32 gradient buffers (the unsharded
     # gradients and FSDP2's reduce-scatter input, or the previous unit's input it keeps)
     assert z3.transient_bytes == pytest.approx(2 * 10 * 2 + 2 * 10 * 4)
-    ada = state_bytes(param_numel=1000.0, factored_numel=60.0, largest_unit_numel=0.0, dtype=DType.FP32,
-                      optimizer=Optimizer.ADAFACTOR, zero_stage=0, dp=1, pipelined=False)
+    ada = state_bytes(
+        param_numel=1000.0,
+        factored_numel=60.0,
+        largest_unit_numel=0.0,
+        dtype=DType.FP32,
+        optimizer=Optimizer.ADAFACTOR,
+        zero_stage=0,
+        dp=1,
+        pipelined=False,
+    )
     assert ada.optimizer_bytes == 240.0
 
 
-@pytest.mark.parametrize("dtype, dp, pipelined, tp, params", [
-    (DType.FP32, 2, True, 1, 4 + 4),    # FSDP2 replicate (pipelined): a gathered fp32 copy beside the weights
-    (DType.FP32, 2, False, 2, 4 + 4),   # replicate for DTensor (tensor-parallel) parameters too
-    (DType.FP32, 2, False, 1, 4),       # DDP: the weights only
-    (DType.FP32, 1, True, 2, 4),        # no data parallelism, no wrapper
-    (DType.BF16, 2, True, 1, 4 + 2),    # replicate gathers the bf16 compute copy, which autocast would make anyway
-])
+@pytest.mark.parametrize(
+    "dtype, dp, pipelined, tp, params",
+    [
+        (DType.FP32, 2, True, 1, 4 + 4),  # FSDP2 replicate (pipelined): a gathered fp32 copy beside the weights
+        (DType.FP32, 2, False, 2, 4 + 4),  # replicate for DTensor (tensor-parallel) parameters too
+        (DType.FP32, 2, False, 1, 4),  # DDP: the weights only
+        (DType.FP32, 1, True, 2, 4),  # no data parallelism, no wrapper
+        (DType.BF16, 2, True, 1, 4 + 2),  # replicate gathers the bf16 compute copy, which autocast would make anyway
+    ],
+)
 def test_zero0_parameters_under_replicate(dtype, dp, pipelined, tp, params):
-    st = state_bytes(param_numel=1.0, factored_numel=0.0, largest_unit_numel=0.0, dtype=dtype,
-                     optimizer=Optimizer.SGD, zero_stage=0, dp=dp, pipelined=pipelined, tp=tp)
+    st = state_bytes(
+        param_numel=1.0,
+        factored_numel=0.0,
+        largest_unit_numel=0.0,
+        dtype=dtype,
+        optimizer=Optimizer.SGD,
+        zero_stage=0,
+        dp=dp,
+        pipelined=pipelined,
+        tp=tp,
+    )
     assert st.params_bytes == pytest.approx(params)
 
 
@@ -69,22 +126,38 @@ def test_the_head_holds_its_logits_and_a_row_parallel_one_three_times():
     head = graph.profile_of(len(graph.units) - 1)
     c = Cluster.preset("local-cpu", devices_per_node=2)
     b = 4
-    ctx = TPContext(tp=2, span=group_span(2, 1, 2), cluster=c, rates=rates(c.device, DType.FP32), micro_batch=b,
-                    tokens=cfg.seq_len, boundary=Layout.R, first=False, last=True, loss_parallel=True,
-                    sequence_parallel=False)
+    ctx = TPContext(
+        tp=2,
+        span=group_span(2, 1, 2),
+        cluster=c,
+        rates=rates(c.device, DType.FP32),
+        micro_batch=b,
+        tokens=cfg.seq_len,
+        boundary=Layout.R,
+        first=False,
+        last=True,
+        loss_parallel=True,
+        sequence_parallel=False,
+    )
     inner = TPContext(**{**ctx.__dict__, "last": False})
     logits = b * cfg.seq_len * cfg.vocab_size * 4
-    for style, output, extra in ((TPStyle.ROW, Layout.R, 3 * logits),
-                                 (TPStyle.COLUMN, Layout.F, logits / 2), (TPStyle.REPLICATE, Layout.R, logits)):
+    for style, output, extra in (
+        (TPStyle.ROW, Layout.R, 3 * logits),
+        (TPStyle.COLUMN, Layout.F, logits / 2),
+        (TPStyle.REPLICATE, Layout.R, logits),
+    ):
         styles = tuple(style if leaf.name == "output" else TPStyle.REPLICATE for leaf in head.leaves)
         cost = evaluate_layout(head, styles, output, ctx)
-        assert cost.saved_bytes - evaluate_layout(head, styles, output, inner).saved_bytes == pytest.approx(extra), style
+        assert cost.saved_bytes - evaluate_layout(head, styles, output, inner).saved_bytes == pytest.approx(extra), (
+            style
+        )
         # the loss's backward holds one more gradient of the logits as the head lays them
         # out (partial sums are whole), a vocabulary-parallel one another shard (two
         # shards: the logits' size again), all freed before the head's own backward
         assert cost.loss_working_bytes == pytest.approx(logits), style
         assert cost.working_bytes - evaluate_layout(head, styles, output, inner).working_bytes == pytest.approx(
-            logits / 2 if output is Layout.F else 0.0), style
+            logits / 2 if output is Layout.F else 0.0
+        ), style
         assert evaluate_layout(head, styles, output, inner).loss_working_bytes == 0.0
 
 
@@ -104,27 +177,58 @@ def test_full_recomputation_reruns_the_forward_but_the_loss_at_the_measured_frac
     graph = extract(GPT(cfg), seq_len=cfg.seq_len, dtype=DType.FP32)
     head = graph.profile_of(len(graph.units) - 1)
     c = Cluster.preset("local-cpu", devices_per_node=2)
-    ctx = TPContext(tp=2, span=group_span(2, 1, 2), cluster=c, rates=rates(c.device, DType.FP32), micro_batch=4,
-                    tokens=cfg.seq_len, boundary=Layout.R, first=False, last=True, loss_parallel=True,
-                    sequence_parallel=False)
-    no_loss = dataclasses.replace(head, flows=tuple(
-        dataclasses.replace(f, glue_flops=0.0, glue_bytes=0.0, glue_ops=0.0) if f.dst == UNIT_OUTPUT else f
-        for f in head.flows))
+    ctx = TPContext(
+        tp=2,
+        span=group_span(2, 1, 2),
+        cluster=c,
+        rates=rates(c.device, DType.FP32),
+        micro_batch=4,
+        tokens=cfg.seq_len,
+        boundary=Layout.R,
+        first=False,
+        last=True,
+        loss_parallel=True,
+        sequence_parallel=False,
+    )
+    no_loss = dataclasses.replace(
+        head,
+        flows=tuple(
+            dataclasses.replace(f, glue_flops=0.0, glue_bytes=0.0, glue_ops=0.0) if f.dst == UNIT_OUTPUT else f
+            for f in head.flows
+        ),
+    )
     for style, output, reductions in ((TPStyle.COLUMN, Layout.F, 3), (TPStyle.REPLICATE, Layout.R, 0)):
         styles = tuple(style if leaf.name == "output" else TPStyle.REPLICATE for leaf in head.leaves)
         cost = evaluate_layout(head, styles, output, ctx)
         assert cost.loss_fwd_compute_s > 0
         assert cost.fwd_compute_s - cost.loss_fwd_compute_s == pytest.approx(
-            evaluate_layout(no_loss, styles, output, ctx).fwd_compute_s, rel=1e-12)
+            evaluate_layout(no_loss, styles, output, ctx).fwd_compute_s, rel=1e-12
+        )
         assert cost.loss_fwd_syncs == reductions
-        assert cost.loss_fwd_comm_s == (pytest.approx(3 * all_reduce_s(4 * cfg.seq_len * 4, ctx.span, c))
-                                        if reductions else 0.0)
-    block = evaluate_layout(graph.profile_of(1), (TPStyle.REPLICATE,) * len(graph.profile_of(1).leaves), Layout.R,
-                            TPContext(**{**ctx.__dict__, "last": False}))
+        assert cost.loss_fwd_comm_s == (
+            pytest.approx(3 * all_reduce_s(4 * cfg.seq_len * 4, ctx.span, c)) if reductions else 0.0
+        )
+    block = evaluate_layout(
+        graph.profile_of(1),
+        (TPStyle.REPLICATE,) * len(graph.profile_of(1).leaves),
+        Layout.R,
+        TPContext(**{**ctx.__dict__, "last": False}),
+    )
     assert (block.loss_fwd_compute_s, block.loss_fwd_comm_s, block.loss_fwd_syncs) == (0.0, 0.0, 0)
-    lay = dataclasses.replace(block, fwd_compute_s=10.0, loss_fwd_compute_s=2.0, fwd_comm_s=3.0, loss_fwd_comm_s=1.0,
-                              bwd_compute_s=20.0, bwd_comm_s=4.0, fwd_syncs=5, loss_fwd_syncs=3, bwd_syncs=2,
-                              saved_bytes=block.saved_bytes + 1000.0, loss_saved_bytes=1000.0)
+    lay = dataclasses.replace(
+        block,
+        fwd_compute_s=10.0,
+        loss_fwd_compute_s=2.0,
+        fwd_comm_s=3.0,
+        loss_fwd_comm_s=1.0,
+        bwd_compute_s=20.0,
+        bwd_comm_s=4.0,
+        fwd_syncs=5,
+        loss_fwd_syncs=3,
+        bwd_syncs=2,
+        saved_bytes=block.saved_bytes + 1000.0,
+        loss_saved_bytes=1000.0,
+    )
     full = make_option(lay, Recompute.FULL, 100.0, 7.0, 0.5)
     assert full.recompute_s == 0.5 * (10 - 2) + (3 - 1)
     # the loss's logits and log-probabilities outlive the checkpoint: activations still
@@ -183,21 +287,29 @@ def test_a_tied_weight_is_held_once_only_where_both_owners_split_it_alike():
     graph = extract(GPT(cfg), seq_len=cfg.seq_len, dtype=DType.FP32)
     (tied,) = graph.shared
     assert (tied.first_module, tied.second_module, tied.numel) == ("tok_embeddings", "output", 2048 * 128)
-    ev = Evaluator(graph=graph, cluster=Cluster.preset("local-cpu", devices_per_node=2), optimizer=Optimizer.ADAM,
-                   global_batch_size=4)
+    ev = Evaluator(
+        graph=graph,
+        cluster=Cluster.preset("local-cpu", devices_per_node=2),
+        optimizer=Optimizer.ADAM,
+        global_batch_size=4,
+    )
     last = len(graph.units) - 1
 
     def styled(config, unit, module, style):
         option = ev.options(unit, config, (Recompute.NONE,))[0]
-        styles = tuple(style if graph.units[unit].leaf_fqn(leaf.name) == module else TPStyle.REPLICATE
-                       for leaf in graph.profile_of(unit).leaves)
+        styles = tuple(
+            style if graph.units[unit].leaf_fqn(leaf.name) == module else TPStyle.REPLICATE
+            for leaf in graph.profile_of(unit).leaves
+        )
         return dataclasses.replace(option, layout=dataclasses.replace(option.layout, styles=styles))
 
-    for tp, embedding, head, once in ((1, TPStyle.REPLICATE, TPStyle.REPLICATE, tied.numel),
-                                      (2, TPStyle.REPLICATE, TPStyle.REPLICATE, tied.numel),
-                                      (2, TPStyle.VOCAB, TPStyle.COLUMN, tied.numel / 2),
-                                      (2, TPStyle.REPLICATE, TPStyle.COLUMN, 0.0),
-                                      (2, TPStyle.VOCAB, TPStyle.REPLICATE, 0.0)):
+    for tp, embedding, head, once in (
+        (1, TPStyle.REPLICATE, TPStyle.REPLICATE, tied.numel),
+        (2, TPStyle.REPLICATE, TPStyle.REPLICATE, tied.numel),
+        (2, TPStyle.VOCAB, TPStyle.COLUMN, tied.numel / 2),
+        (2, TPStyle.REPLICATE, TPStyle.COLUMN, 0.0),
+        (2, TPStyle.VOCAB, TPStyle.REPLICATE, 0.0),
+    ):
         config = ParallelConfig(dp=1, tp=tp, pp=1, micro_batch_size=4, num_microbatches=1, dtype=DType.FP32)
         both = {0: styled(config, 0, "tok_embeddings", embedding), last: styled(config, last, "output", head)}
         assert ev.held_once_numel(config, both) == once, (tp, embedding, head)

@@ -12,8 +12,13 @@ from autopar.vocab import DType, Recompute
 
 
 def _one_device(memory_bytes: float) -> Cluster:
-    device = DeviceSpec(name="toy", memory_bytes=memory_bytes, peak_flops={DType.FP32: 10e12},
-                        memory_bandwidth_bytes_per_s=500e9, preferred_dtype=DType.FP32)
+    device = DeviceSpec(
+        name="toy",
+        memory_bytes=memory_bytes,
+        peak_flops={DType.FP32: 10e12},
+        memory_bandwidth_bytes_per_s=500e9,
+        preferred_dtype=DType.FP32,
+    )
     link = LinkSpec(bandwidth_bytes_per_s=50e9, latency_s=5e-6)
     return Cluster(name="toy", nodes=1, devices_per_node=1, device=device, intra_node=link, inter_node=link)
 
@@ -22,7 +27,9 @@ def _uniform_times(model, cluster, fixed=None, **kw):
     out = {}
     for mode in (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL):
         try:
-            out[mode] = plan(model, cluster, constraints={**(fixed or {}), "recompute": mode}, **kw).prediction.step_time_s
+            out[mode] = plan(
+                model, cluster, constraints={**(fixed or {}), "recompute": mode}, **kw
+            ).prediction.step_time_s
         except InfeasiblePlanError:
             out[mode] = math.inf
     return out

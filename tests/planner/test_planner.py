@@ -36,8 +36,9 @@ def test_constraints_are_honoured():
 
 def test_estimate_is_a_space_of_size_one_and_never_raises_for_memory():
     m = build_named_model("gpt3-13b")
-    e = autopar.estimate(m, DGX1, {"tp": 8, "micro_batch_size": 1, "recompute": "full"}, global_batch_size=8,
-                         seq_len=2048)
+    e = autopar.estimate(
+        m, DGX1, {"tp": 8, "micro_batch_size": 1, "recompute": "full"}, global_batch_size=8, seq_len=2048
+    )
     assert (e.config.tp, e.config.dp, e.config.num_microbatches) == (8, 1, 8)
     assert e.config.recompute is Recompute.FULL
     huge = autopar.estimate(build_named_model("gpt3-175b"), DGX1, {"tp": 8}, global_batch_size=8, seq_len=2048)
@@ -66,9 +67,13 @@ def test_vocabulary_padding_is_reported():
 
 
 def test_uneven_stages():
-    p = autopar.estimate(build_named_model("gpt-530b"), autopar.Cluster.preset("dgx-a100-80gb", nodes=64),
-                         {"tp": 8, "pp": 8, "micro_batch_size": 1, "recompute": "full"}, global_batch_size=64,
-                         seq_len=2048)
+    p = autopar.estimate(
+        build_named_model("gpt-530b"),
+        autopar.Cluster.preset("dgx-a100-80gb", nodes=64),
+        {"tp": 8, "pp": 8, "micro_batch_size": 1, "recompute": "full"},
+        global_batch_size=64,
+        seq_len=2048,
+    )
     blocks = [sum(1 for u in s if u.startswith("layers.")) for s in p.stages]
     assert sum(blocks) == 105 and len(set(blocks)) > 1
 
@@ -77,8 +82,10 @@ def test_optimizer_and_attention_change_memory():
     m = build_named_model("gpt3-1.3b")
     kw = dict(global_batch_size=8, seq_len=2048)
     cfg = {"micro_batch_size": 1, "recompute": "none", "zero_stage": 0}
-    mem = {opt: autopar.estimate(m, DGX1, cfg, optimizer=opt, **kw).prediction.memory_bytes_per_device
-           for opt in ("adam", "sgd", "adafactor")}
+    mem = {
+        opt: autopar.estimate(m, DGX1, cfg, optimizer=opt, **kw).prediction.memory_bytes_per_device
+        for opt in ("adam", "sgd", "adafactor")
+    }
     assert mem["adam"] > mem["sgd"] > mem["adafactor"]
     flash = autopar.estimate(m, DGX1, cfg, attention="flash", **kw).prediction
     mat = autopar.estimate(m, DGX1, cfg, attention="materialized", **kw).prediction
@@ -98,20 +105,27 @@ def test_fewest_nodes_and_time_to_train():
 
 
 def test_gpt3_175b_on_1024_a100():
-    p = autopar.plan(build_named_model("gpt3-175b"), autopar.Cluster.preset("dgx-a100-80gb", nodes=128),
-                     global_batch_size=1536, seq_len=2048)
+    p = autopar.plan(
+        build_named_model("gpt3-175b"),
+        autopar.Cluster.preset("dgx-a100-80gb", nodes=128),
+        global_batch_size=1536,
+        seq_len=2048,
+    )
     assert p.config.world_size == 1024 and p.prediction.fits
     assert 0.3 < p.prediction.mfu < 0.8
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(global_batch_size=0, seq_len=128), "global_batch_size=0"),
-    (dict(global_batch_size=8, seq_len=-4), "seq_len=-4"),
-    (dict(global_batch_size=8, seq_len=128, constraints={"tpp": 2}), r"unknown constraint\(s\) \['tpp'\]"),
-    (dict(global_batch_size=8, seq_len=128, constraints={"schedule": "zigzag"}), "schedule='zigzag'"),
-    (dict(global_batch_size=8, seq_len=128, constraints={"zero_stage": 5}), "zero_stage=5"),
-    (dict(global_batch_size=7, seq_len=128, constraints={"dp": 8}), "global batch 7 is not divisible by dp=8"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(global_batch_size=0, seq_len=128), "global_batch_size=0"),
+        (dict(global_batch_size=8, seq_len=-4), "seq_len=-4"),
+        (dict(global_batch_size=8, seq_len=128, constraints={"tpp": 2}), r"unknown constraint\(s\) \['tpp'\]"),
+        (dict(global_batch_size=8, seq_len=128, constraints={"schedule": "zigzag"}), "schedule='zigzag'"),
+        (dict(global_batch_size=8, seq_len=128, constraints={"zero_stage": 5}), "zero_stage=5"),
+        (dict(global_batch_size=7, seq_len=128, constraints={"dp": 8}), "global batch 7 is not divisible by dp=8"),
+    ],
+)
 def test_bad_input_gets_a_clear_error(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         autopar.plan(GPT(GPTConfig(vocab_size=1000, seq_len=128, dim=64, n_layers=2, n_heads=4)), DGX1, **kwargs)
@@ -143,8 +157,9 @@ def test_models_the_runtime_cannot_cut_get_pp_only_when_asked():
     assert free.config.pp == 1 and all(a.config.pp == 1 for a in free.alternatives)
     asked = autopar.plan(_ListStack(), cluster, global_batch_size=16, sample_input=sample, constraints={"pp": 2})
     assert asked.config.pp == 2 and any("cannot cut this model" in n for n in asked.notes)
-    ours = autopar.plan(build_named_model("gpt2-small"), cluster, global_batch_size=16, seq_len=256,
-                        constraints={"pp": 2})
+    ours = autopar.plan(
+        build_named_model("gpt2-small"), cluster, global_batch_size=16, seq_len=256, constraints={"pp": 2}
+    )
     assert not any("cannot cut" in n for n in ours.notes)
 
 
@@ -154,8 +169,9 @@ def test_transformers_decoders_are_offered_pipeline_splits():
     their search space, as for autopar's own GPT."""
     transformers = pytest.importorskip("transformers")
     with torch.device("meta"):
-        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=256, n_layer=4, n_head=4, n_positions=256,
-                                                                     vocab_size=1024))
+        model = transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(n_embd=256, n_layer=4, n_head=4, n_positions=256, vocab_size=1024)
+        )
     cluster = autopar.Cluster.preset("dgx-a100-80gb", nodes=1)
     assert extract(model, seq_len=256).cuttable and not extract(_ListStack(), sample_input=torch.zeros(1, 512)).cuttable
     asked = autopar.plan(model, cluster, global_batch_size=16, seq_len=256, constraints={"pp": 2})
@@ -171,8 +187,9 @@ def test_ddp_must_also_fit_its_bucket_rebuild():
     params = sum(p.numel() for p in model.parameters())
     local = autopar.Cluster.preset("local-cpu", devices_per_node=2)
     room = 4.5 * 4 * params  # between the steady peak (4 copies) and the rebuild (5)
-    device = dataclasses.replace(local.device, memory_bytes=local.device.reserved_bytes
-                                 + room * (1 + local.device.fragmentation))
+    device = dataclasses.replace(
+        local.device, memory_bytes=local.device.reserved_bytes + room * (1 + local.device.fragmentation)
+    )
     cluster = dataclasses.replace(local, device=device)
     ddp = {"dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 4, "zero_stage": 0}
     kwargs = {"global_batch_size": 8, "sample_input": torch.zeros(1, 64)}

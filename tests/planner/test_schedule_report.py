@@ -1,6 +1,7 @@
 """The schedule simulator against the closed-form bubble, and the plan's pictures."""
 
 import base64
+import itertools
 
 import pytest
 
@@ -10,10 +11,17 @@ from autopar.schedule_sim import makespan_s, rank_order, simulate
 from autopar.vocab import Schedule
 
 
-@pytest.mark.parametrize("schedule, pp, v, m", [
-    (Schedule.GPIPE, 4, 1, 8), (Schedule.ONE_F_ONE_B, 4, 1, 8), (Schedule.ONE_F_ONE_B, 8, 1, 8),
-    (Schedule.INTERLEAVED_1F1B, 4, 2, 8), (Schedule.INTERLEAVED_1F1B, 4, 3, 12), (Schedule.INTERLEAVED_1F1B, 2, 2, 4),
-])
+@pytest.mark.parametrize(
+    "schedule, pp, v, m",
+    [
+        (Schedule.GPIPE, 4, 1, 8),
+        (Schedule.ONE_F_ONE_B, 4, 1, 8),
+        (Schedule.ONE_F_ONE_B, 8, 1, 8),
+        (Schedule.INTERLEAVED_1F1B, 4, 2, 8),
+        (Schedule.INTERLEAVED_1F1B, 4, 3, 12),
+        (Schedule.INTERLEAVED_1F1B, 2, 2, 4),
+    ],
+)
 def test_equal_stages_match_the_closed_form_bubble(schedule, pp, v, m):
     f, b = 1.0, 2.0
     ops = simulate(schedule, pp, v, m, [f] * (pp * v), [b] * (pp * v))
@@ -43,7 +51,7 @@ def test_every_operation_runs_once():
     assert len(ops) == 2 * 8 * 8 and len({(o.stage, o.microbatch, o.kind) for o in ops}) == 128
     for rank in range(4):
         mine = sorted((o for o in ops if o.rank == rank), key=lambda o: o.start_s)
-        assert all(a.end_s <= b.start_s + 1e-12 for a, b in zip(mine, mine[1:]))
+        assert all(a.end_s <= b.start_s + 1e-12 for a, b in itertools.pairwise(mine))
 
 
 def test_pictures_and_html(pipelined_plan, tmp_path):

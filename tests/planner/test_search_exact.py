@@ -15,11 +15,11 @@ import pytest
 from autopar.cluster import Cluster, DeviceSpec, LinkSpec
 from autopar.cost.comm import group_span
 from autopar.cost.compute import rates
+from autopar.cost.pipeline import inflight_microbatches
 from autopar.cost.tensor_parallel import Layout, TPContext, model_output_layout
 from autopar.graph import extract
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, Flow, Leaf, LeafKind, UnitProfile
 from autopar.models import GPT, GPTConfig, build_named_model
-from autopar.cost.pipeline import inflight_microbatches
 from autopar.search.evaluate import Evaluator, StagePlan
 from autopar.search.intra_op import LayoutSolver, brute_force_layout
 from autopar.search.planner import ALL_MODES, search
@@ -27,40 +27,80 @@ from autopar.search.predict import timing
 from autopar.search.space import check_constraints, enumerate_space
 from autopar.search.split import best_split, brute_force_split
 from autopar.search.stage_solver import (
-    Priced, StageChoice, brute_force_stage, homogeneous_times, memory_of, solve_stage,
+    Priced,
+    StageChoice,
+    brute_force_stage,
+    homogeneous_times,
+    memory_of,
+    solve_stage,
 )
 from autopar.vocab import DType, Optimizer, TPStyle
 
 
 def _ctx(cluster, *, tp, mbs=1, sp=False, first=False, last=False):
-    return TPContext(tp=tp, span=group_span(tp, 1, cluster.devices_per_node), cluster=cluster,
-                     rates=rates(cluster.device, DType.BF16), micro_batch=mbs, tokens=64,
-                     boundary=Layout.Q if sp else Layout.R, first=first, last=last, loss_parallel=True,
-                     sequence_parallel=sp)
+    return TPContext(
+        tp=tp,
+        span=group_span(tp, 1, cluster.devices_per_node),
+        cluster=cluster,
+        rates=rates(cluster.device, DType.BF16),
+        micro_batch=mbs,
+        tokens=64,
+        boundary=Layout.Q if sp else Layout.R,
+        first=first,
+        last=last,
+        loss_parallel=True,
+        sequence_parallel=sp,
+    )
 
 
 def _random_profile(rng: random.Random) -> UnitProfile:
     """A random chain-with-skips unit: 2-6 leaves of mixed kinds and random sizes."""
-    kinds = [rng.choice([LeafKind.LINEAR, LeafKind.LINEAR, LeafKind.NORM, LeafKind.EMBEDDING]) for _ in range(rng.randint(2, 6))]
+    kinds = [
+        rng.choice([LeafKind.LINEAR, LeafKind.LINEAR, LeafKind.NORM, LeafKind.EMBEDDING])
+        for _ in range(rng.randint(2, 6))
+    ]
     leaves = []
     for i, kind in enumerate(kinds):
         fin, fout = rng.choice([64, 96, 128, 256]), rng.choice([64, 128, 192, 256])
         numel = fin * fout if kind is not LeafKind.NORM else fout
         flops = rng.uniform(1e6, 1e9)
-        leaves.append(Leaf(name=f"l{i}", kind=kind, param_numel=numel + fout, weight_numel=numel if kind is not LeafKind.NORM else 0,
-                           in_features=fin, out_features=fout, in_heads=rng.choice([0, 0, 4, 8]),
-                           out_heads=rng.choice([0, 0, 4, 8]), vocab=False, fwd_flops=flops,
-                           matmul_flops=flops if kind is LeafKind.LINEAR else 0.0, fwd_bytes=rng.uniform(1e4, 1e7),
-                           saved_bytes=rng.uniform(1e3, 1e6)))
+        leaves.append(
+            Leaf(
+                name=f"l{i}",
+                kind=kind,
+                param_numel=numel + fout,
+                weight_numel=numel if kind is not LeafKind.NORM else 0,
+                in_features=fin,
+                out_features=fout,
+                in_heads=rng.choice([0, 0, 4, 8]),
+                out_heads=rng.choice([0, 0, 4, 8]),
+                vocab=False,
+                fwd_flops=flops,
+                matmul_flops=flops if kind is LeafKind.LINEAR else 0.0,
+                fwd_bytes=rng.uniform(1e4, 1e7),
+                saved_bytes=rng.uniform(1e3, 1e6),
+            )
+        )
     flows = []
     nodes = [UNIT_INPUT, *range(len(leaves))]
     for dst in [*range(len(leaves)), UNIT_OUTPUT]:
         for src in rng.sample([n for n in nodes if n == UNIT_INPUT or (dst == UNIT_OUTPUT or n < dst)], k=1):
-            flows.append(Flow(src=src, dst=dst, tensor_bytes=rng.uniform(1e4, 1e7), glue_flops=rng.uniform(0, 1e7),
-                              glue_bytes=rng.uniform(0, 1e6), saved_bytes=rng.uniform(0, 1e5),
-                              attn_flops=rng.choice([0.0, rng.uniform(1e6, 1e8)]), attn_bytes=0.0, attn_saved_bytes=0.0))
-    return UnitProfile(signature=f"r{rng.random()}", leaves=tuple(leaves), flows=tuple(flows), input_bytes=1e5,
-                       output_bytes=1e5)
+            flows.append(
+                Flow(
+                    src=src,
+                    dst=dst,
+                    tensor_bytes=rng.uniform(1e4, 1e7),
+                    glue_flops=rng.uniform(0, 1e7),
+                    glue_bytes=rng.uniform(0, 1e6),
+                    saved_bytes=rng.uniform(0, 1e5),
+                    attn_flops=rng.choice([0.0, rng.uniform(1e6, 1e8)]),
+                    attn_bytes=0.0,
+                    attn_saved_bytes=0.0,
+                )
+            )
+    return UnitProfile(
+        signature=f"r{rng.random()}", leaves=tuple(leaves), flows=tuple(flows), input_bytes=1e5, output_bytes=1e5
+    )
 
 
 @pytest.mark.parametrize("seed", range(25))
@@ -101,9 +141,15 @@ def _random_groups(rng):
         for lay in range(rng.choice([1, 2])):
             static = rng.uniform(0, 5)
             for mode in range(rng.choice([1, 2, 3])):
-                opts.append(Priced(time_s=rng.uniform(1, 2) * (1 + 0.3 * mode), static_bytes=static,
-                                   act_bytes=rng.uniform(1, 10) / (1 + 3 * mode), transient_bytes=rng.uniform(0, 4),
-                                   layout=lay))
+                opts.append(
+                    Priced(
+                        time_s=rng.uniform(1, 2) * (1 + 0.3 * mode),
+                        static_bytes=static,
+                        act_bytes=rng.uniform(1, 10) / (1 + 3 * mode),
+                        transient_bytes=rng.uniform(0, 4),
+                        layout=lay,
+                    )
+                )
         groups.append((k, tuple(opts)))
     return groups
 
@@ -123,7 +169,7 @@ def test_stage_knapsack_matches_brute_force(seed):
 @pytest.mark.parametrize("seed", range(20))
 def test_vectorised_repeated_blocks_match_the_knapsack(seed):
     rng = random.Random(100 + seed)
-    (_, opts), = [g for g in _random_groups(rng)][:1]
+    ((_, opts),) = [g for g in _random_groups(rng)][:1]
     budget, inflight = rng.uniform(5, 80), rng.choice([1.0, 2.0, 3.5])
     table = homogeneous_times(opts, 12, budget, inflight)
     for n in range(1, 13):
@@ -149,18 +195,30 @@ def test_split_dp_matches_brute_force(seed):
 
 
 def _tiny_cluster(memory_gib: float) -> Cluster:
-    device = DeviceSpec(name="toy", memory_bytes=memory_gib * 2**30, peak_flops={DType.BF16: 100e12, DType.FP32: 20e12},
-                        memory_bandwidth_bytes_per_s=1e12, reserved_bytes=2**20)
+    device = DeviceSpec(
+        name="toy",
+        memory_bytes=memory_gib * 2**30,
+        peak_flops={DType.BF16: 100e12, DType.FP32: 20e12},
+        memory_bandwidth_bytes_per_s=1e12,
+        reserved_bytes=2**20,
+    )
     link = LinkSpec(bandwidth_bytes_per_s=50e9, latency_s=5e-6)
-    return Cluster(name="toy x 1", nodes=1, devices_per_node=4, device=device, intra_node=link,
-                   inter_node=LinkSpec(bandwidth_bytes_per_s=5e9, latency_s=2e-5))
+    return Cluster(
+        name="toy x 1",
+        nodes=1,
+        devices_per_node=4,
+        device=device,
+        intra_node=link,
+        inter_node=LinkSpec(bandwidth_bytes_per_s=5e9, latency_s=2e-5),
+    )
 
 
 def _brute_force_search(evaluator: Evaluator, constraints: dict) -> float:
     """Every configuration x every split x every per-unit option (identical units of a
     stage sharing a layout), priced by the evaluator's cost model."""
-    configs, _ = enumerate_space(evaluator.graph, evaluator.cluster, evaluator.global_batch_size,
-                                 check_constraints(constraints))
+    configs, _ = enumerate_space(
+        evaluator.graph, evaluator.cluster, evaluator.global_batch_size, check_constraints(constraints)
+    )
     n = len(evaluator.graph.units)
     budget = evaluator.budget()
     best = math.inf
@@ -199,9 +257,15 @@ def _brute_force_search(evaluator: Evaluator, constraints: dict) -> float:
                     opts = tuple(per_unit[u][0][choice[u]] for u in units)
                     r = c % cfg.pp
                     inflight = inflight_microbatches(cfg.schedule, cfg.pp, cfg.virtual_stages, cfg.num_microbatches, r)
-                    stages.append(StagePlan(index=c, units=units, options=opts, inflight=inflight,
-                                            choice=StageChoice(time_s=sum(o.time_s for o in opts), memory_bytes=0.0,
-                                                               counts=())))
+                    stages.append(
+                        StagePlan(
+                            index=c,
+                            units=units,
+                            options=opts,
+                            inflight=inflight,
+                            choice=StageChoice(time_s=sum(o.time_s for o in opts), memory_bytes=0.0, counts=()),
+                        )
+                    )
                 best = min(best, timing(evaluator, cfg, stages).step_s)
     return best
 
@@ -212,11 +276,15 @@ def test_whole_search_matches_brute_force(memory_gib):
     graph = extract(model, seq_len=256, dtype="bf16")
     cluster = _tiny_cluster(memory_gib)
     constraints = {"micro_batch_size": 2}
-    evaluator = Evaluator(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8,
-                          micro_batches=(2,))
+    evaluator = Evaluator(
+        graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8, micro_batches=(2,)
+    )
     want = _brute_force_search(evaluator, constraints)
-    result = search(Evaluator(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8,
-                              micro_batches=(2,)), check_constraints(constraints), top=3)
+    result = search(
+        Evaluator(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8, micro_batches=(2,)),
+        check_constraints(constraints),
+        top=3,
+    )
     if math.isinf(want):
         assert not result.best.fits
     else:

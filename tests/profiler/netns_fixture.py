@@ -15,9 +15,9 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import pytest
 
@@ -58,18 +58,30 @@ def namespaces(count: int, *, shaped: dict[int, float], subnet: int) -> Iterator
         try:
             _ip("netns", "add", f"{tag}n0")
         except RuntimeError as exc:
-            pytest.skip(f"network namespaces are refused here ({exc}); the shaped-link test needs root and "
-                        f"CAP_SYS_ADMIN")
+            pytest.skip(
+                f"network namespaces are refused here ({exc}); the shaped-link test needs root and CAP_SYS_ADMIN"
+            )
         created.append(f"{tag}n0")
         for i in range(1, count):
             _ip("netns", "add", f"{tag}n{i}")
             created.append(f"{tag}n{i}")
-        nodes = [Node(netns=f"{tag}n{i}", iface=f"{tag}v{i}", address=f"10.200.{subnet}.{i + 1}")
-                 for i in range(count)]
+        nodes = [Node(netns=f"{tag}n{i}", iface=f"{tag}v{i}", address=f"10.200.{subnet}.{i + 1}") for i in range(count)]
         far: dict[int, tuple[str, str]] = {}  # the other end of each node's link
         if count == 2:
-            _ip("-n", nodes[0].netns, "link", "add", nodes[0].iface, "type", "veth", "peer", "name", nodes[1].iface,
-                "netns", nodes[1].netns)
+            _ip(
+                "-n",
+                nodes[0].netns,
+                "link",
+                "add",
+                nodes[0].iface,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                nodes[1].iface,
+                "netns",
+                nodes[1].netns,
+            )
             far = {0: (nodes[1].netns, nodes[1].iface), 1: (nodes[0].netns, nodes[0].iface)}
         else:
             switch = f"{tag}sw"
@@ -89,8 +101,24 @@ def namespaces(count: int, *, shaped: dict[int, float], subnet: int) -> Iterator
             _ip("-n", node.netns, "link", "set", "lo", "up")
         for i, mbit in shaped.items():
             for netns, iface in ((nodes[i].netns, nodes[i].iface), far[i]):
-                _ip("netns", "exec", netns, "tc", "qdisc", "replace", "dev", iface, "root", "tbf", "rate",
-                    f"{mbit}mbit", "burst", "32kb", "latency", "50ms")
+                _ip(
+                    "netns",
+                    "exec",
+                    netns,
+                    "tc",
+                    "qdisc",
+                    "replace",
+                    "dev",
+                    iface,
+                    "root",
+                    "tbf",
+                    "rate",
+                    f"{mbit}mbit",
+                    "burst",
+                    "32kb",
+                    "latency",
+                    "50ms",
+                )
         yield nodes
     finally:
         for name in reversed(created):
@@ -102,13 +130,30 @@ def run_ranks(nodes: Sequence[Node], args: Sequence[str], *, port: int, timeout_
     hosting the store; returns each rank's output. Every rank is killed at the deadline."""
     procs = []
     for rank, node in enumerate(nodes):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(len(nodes)), "LOCAL_RANK": "0",
-               "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank), "MASTER_ADDR": nodes[0].address,
-               "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": node.iface, "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": str(ROOT)}
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(len(nodes)),
+            "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1",
+            "GROUP_RANK": str(rank),
+            "MASTER_ADDR": nodes[0].address,
+            "MASTER_PORT": str(port),
+            "GLOO_SOCKET_IFNAME": node.iface,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(ROOT),
+        }
         env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-        procs.append(subprocess.Popen(["ip", "netns", "exec", node.netns, sys.executable, "-m", "profiler", *args],
-                                      env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                ["ip", "netns", "exec", node.netns, sys.executable, "-m", "profiler", *args],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outputs = []
     for proc in procs:
         try:
@@ -116,6 +161,8 @@ def run_ranks(nodes: Sequence[Node], args: Sequence[str], *, port: int, timeout_
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
-            raise AssertionError(f"ranks did not finish within {timeout_s} s: " +
-                                 " | ".join((p.communicate()[0] or "")[-500:] for p in procs)) from None
+            raise AssertionError(
+                f"ranks did not finish within {timeout_s} s: "
+                + " | ".join((p.communicate()[0] or "")[-500:] for p in procs)
+            ) from None
     return outputs

@@ -23,8 +23,14 @@ def tiny_gpt():
 
 
 def test_sizes_parse():
-    assert [parse_bytes(t) for t in ("4096", "1K", "64M", "256MiB", "1G", "1.5K")] == [4096, 1024, 64 * 2**20,
-                                                                                       256 * 2**20, 2**30, 1536]
+    assert [parse_bytes(t) for t in ("4096", "1K", "64M", "256MiB", "1G", "1.5K")] == [
+        4096,
+        1024,
+        64 * 2**20,
+        256 * 2**20,
+        2**30,
+        1536,
+    ]
     with pytest.raises(argparse.ArgumentTypeError):
         parse_bytes("lots")
 
@@ -40,17 +46,64 @@ def test_profile_registers_on_autopars_parser():
 
 def test_model_device_and_report_commands(tmp_path, capsys):
     model_json, device_json = tmp_path / "model.json", tmp_path / "device.json"
-    assert main(["model", "--model-fn", "test_cli:tiny_gpt", "--seq-len", "16", "--batch", "2", "--repeats", "3",
-                 "--no-device", "--quiet", "--out", str(model_json)]) == 0
-    assert main(["device", "--sizes", "16,64", "--dtypes", "fp32", "--array-sizes", "64K,1M", "--quiet",
-                 "--out", str(device_json)]) == 0
+    assert (
+        main(
+            [
+                "model",
+                "--model-fn",
+                "test_cli:tiny_gpt",
+                "--seq-len",
+                "16",
+                "--batch",
+                "2",
+                "--repeats",
+                "3",
+                "--no-device",
+                "--quiet",
+                "--out",
+                str(model_json),
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "device",
+                "--sizes",
+                "16,64",
+                "--dtypes",
+                "fp32",
+                "--array-sizes",
+                "64K,1M",
+                "--quiet",
+                "--out",
+                str(device_json),
+            ]
+        )
+        == 0
+    )
     model = ProfileReport.load(model_json)
     assert model.measured == ("layers",) and model.layers.model == "test_cli:tiny_gpt"
     assert model.layers.sample_shape == (2, 16) and "--model-fn test_cli:tiny_gpt" in model.layers.provenance.command
     assert len(ProfileReport.load(device_json).device.matmul) == 2
     out = tmp_path / "r" / "report"
-    assert main(["report", str(model_json), str(device_json), "--html", f"{out}.html", "--markdown", f"{out}.md",
-                 "--out", f"{out}.json"]) == 0
+    assert (
+        main(
+            [
+                "report",
+                str(model_json),
+                str(device_json),
+                "--html",
+                f"{out}.html",
+                "--markdown",
+                f"{out}.md",
+                "--out",
+                f"{out}.json",
+            ]
+        )
+        == 0
+    )
     assert ProfileReport.load(f"{out}.json").measured == ("device", "layers")
     assert "data:image/png;base64," in Path(f"{out}.html").read_text()
     assert (tmp_path / "r" / "report_files" / "unit_times.png").is_file()
@@ -62,8 +115,27 @@ def test_model_device_and_report_commands(tmp_path, capsys):
 @pytest.mark.multiprocess
 def test_network_on_local_processes(tmp_path):
     out = tmp_path / "net.json"
-    assert main(["network", "--nproc", "2", "--max-bytes", "256K", "--factor", "16", "--repeats", "1",
-                 "--ops", "all_reduce,broadcast", "--quiet", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "network",
+                "--nproc",
+                "2",
+                "--max-bytes",
+                "256K",
+                "--factor",
+                "16",
+                "--repeats",
+                "1",
+                "--ops",
+                "all_reduce,broadcast",
+                "--quiet",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     net = ProfileReport.load(out).network
     assert net.world_size == 2 and {s.op for s in net.series} == {"all_reduce", "broadcast"}
 
@@ -81,14 +153,33 @@ def test_errors_are_messages_not_tracebacks(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.skipif(shutil.which("torchrun") is None and not (Path(sys.executable).parent / "torchrun").exists(),
-                    reason="torchrun not installed")
+@pytest.mark.skipif(
+    shutil.which("torchrun") is None and not (Path(sys.executable).parent / "torchrun").exists(),
+    reason="torchrun not installed",
+)
 def test_doctor_under_torchrun(tmp_path):
     """The real launcher: torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE)."""
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "profiler", "doctor",
-                           "--link-bytes", "65536", "--out", str(tmp_path / "doctor.json")], capture_output=True,
-                          text=True, timeout=120, env=env, cwd=ROOT)
+    done = subprocess.run(
+        [
+            torchrun,
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "profiler",
+            "doctor",
+            "--link-bytes",
+            "65536",
+            "--out",
+            str(tmp_path / "doctor.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "[ ok ] rendezvous: all 2 ranks joined" in done.stdout and "verdict: ready" in done.stdout

@@ -15,9 +15,11 @@ FAST = Repeats(warmup=1, repeats=3, min_repeats=3, budget_s=0.2)
 
 def test_cpu_sweep_measures_curves_and_bandwidth():
     lines = []
-    report = profile_device(device="cpu", sweep=DeviceSweep(matmul_sizes=(32, 256), dtypes=("fp32", "bf16"),
-                                                            array_bytes=(2**20, 2**24), repeats=FAST),
-                            progress=lines.append)
+    report = profile_device(
+        device="cpu",
+        sweep=DeviceSweep(matmul_sizes=(32, 256), dtypes=("fp32", "bf16"), array_bytes=(2**20, 2**24), repeats=FAST),
+        progress=lines.append,
+    )
     d = report.device
     assert report.measured == ("device",)
     assert (d.kind, d.threads, d.timer, d.memory_shared) == ("cpu", 1, "wall-clock", True)
@@ -48,8 +50,11 @@ def test_cpu_sweep_measures_curves_and_bandwidth():
 
 def test_threads_are_restored():
     before = torch.get_num_threads()
-    profile_device(device="cpu", threads=1, sweep=DeviceSweep(matmul_sizes=(16,), dtypes=("fp32",),
-                                                              array_bytes=(2**16,), repeats=FAST))
+    profile_device(
+        device="cpu",
+        threads=1,
+        sweep=DeviceSweep(matmul_sizes=(16,), dtypes=("fp32",), array_bytes=(2**16,), repeats=FAST),
+    )
     assert torch.get_num_threads() == before
 
 
@@ -90,18 +95,25 @@ def test_time_calls_interleaves_their_samples():
         def nap():
             order.append(name)
             time.sleep(seconds)
+
         return nap
 
-    a, b = time_calls([napper("a", 0.002), napper("b", 0.004)], device=torch.device("cpu"),
-                      settings=Repeats(warmup=2, repeats=4, min_repeats=4))
+    a, b = time_calls(
+        [napper("a", 0.002), napper("b", 0.004)],
+        device=torch.device("cpu"),
+        settings=Repeats(warmup=2, repeats=4, min_repeats=4),
+    )
     assert order == ["a"] * 3 + ["b"] * 3 + ["a", "b"] * 4
     assert a.repeats == b.repeats == 4 and a.min_s >= 0.002 and b.min_s >= 0.004
 
 
 def test_time_call_repeats_tiny_work_inside_a_sample():
     calls = []
-    t = time_call(lambda: calls.append(1), device=torch.device("cpu"),
-                  settings=Repeats(warmup=0, repeats=3, min_repeats=3, min_sample_s=1e-3))
+    t = time_call(
+        lambda: calls.append(1),
+        device=torch.device("cpu"),
+        settings=Repeats(warmup=0, repeats=3, min_repeats=3, min_sample_s=1e-3),
+    )
     assert len(calls) > 3 * 10  # each sample ran the call many times
     assert 0 < t.median_s < 1e-3
 

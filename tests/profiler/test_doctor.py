@@ -32,11 +32,25 @@ def _report(results):
 def test_healthy_run_checks_the_plans_groups(tmp_path, capsys):
     model = MLPStack(MLPConfig(in_dim=16, dim=32, ffn_dim=64, n_layers=2, out_dim=4))
     cluster = autopar.Cluster.preset("local-cpu", devices_per_node=4)
-    plan = autopar.estimate(model, cluster, {"dp": 2, "tp": 2, "pp": 1}, global_batch_size=8,
-                            sample_input=torch.zeros(1, 16))
+    plan = autopar.estimate(
+        model, cluster, {"dp": 2, "tp": 2, "pp": 1}, global_batch_size=8, sample_input=torch.zeros(1, 16)
+    )
     plan.save(tmp_path / "plan.json")
-    code = main(["doctor", "--nproc", "4", "--plan", str(tmp_path / "plan.json"), "--join-timeout", "10",
-                 "--link-bytes", "262144", "--out", str(tmp_path / "doctor.json")])
+    code = main(
+        [
+            "doctor",
+            "--nproc",
+            "4",
+            "--plan",
+            str(tmp_path / "plan.json"),
+            "--join-timeout",
+            "10",
+            "--link-bytes",
+            "262144",
+            "--out",
+            str(tmp_path / "doctor.json"),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "[ ok ] rendezvous: all 4 ranks joined" in out

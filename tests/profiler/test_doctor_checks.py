@@ -5,16 +5,40 @@ from dataclasses import replace
 import pytest
 
 from profiler.doctor import link_schedule
-from profiler.doctor_checks import (ComputeTime, GroupResult, LinkTime, RankFacts, check_backend, check_environment,
-                                    check_groups, check_join, check_process_group, check_settings, check_speed,
-                                    check_versions, plan_groups, ranks_text)
+from profiler.doctor_checks import (
+    ComputeTime,
+    GroupResult,
+    LinkTime,
+    RankFacts,
+    check_backend,
+    check_environment,
+    check_groups,
+    check_join,
+    check_process_group,
+    check_settings,
+    check_speed,
+    check_versions,
+    plan_groups,
+    ranks_text,
+)
 
 
 def facts(rank, *, node="n0", local_world=4, **kw):
-    base = dict(rank=rank, local_rank=rank % local_world, local_world_size=local_world, node=node, host=node,
-                pid=100 + rank, versions={"python": "3.11.7", "torch": "2.13.0", "numpy": "2.4.6"},
-                backends=("gloo", "nccl"), env={"MASTER_ADDR": "10.0.0.1"}, interfaces=("lo", "eth0", "ib0"),
-                cpu_count=64, threads=1, gpus=8)
+    base = dict(
+        rank=rank,
+        local_rank=rank % local_world,
+        local_world_size=local_world,
+        node=node,
+        host=node,
+        pid=100 + rank,
+        versions={"python": "3.11.7", "torch": "2.13.0", "numpy": "2.4.6"},
+        backends=("gloo", "nccl"),
+        env={"MASTER_ADDR": "10.0.0.1"},
+        interfaces=("lo", "eth0", "ib0"),
+        cpu_count=64,
+        threads=1,
+        gpus=8,
+    )
     base.update(kw)
     return RankFacts(**base)
 
@@ -79,13 +103,21 @@ def test_environment_sanity():
     (w,) = check_environment(crowded, "gloo")
     assert "8 compute threads on 2 CPUs" in w.message and "OMP_NUM_THREADS=1" in w.fix
     assert check_environment(cluster(), "nccl")[0].severity == "ok"
-    assert check_backend([replace(f, backends=("gloo",)) if f.rank == 3 else f for f in cluster()], "nccl")[0].ranks \
-        == (3,)
+    assert check_backend([replace(f, backends=("gloo",)) if f.rank == 3 else f for f in cluster()], "nccl")[
+        0
+    ].ranks == (3,)
 
 
 def test_process_group_causes_before_victims():
-    found = check_process_group({2: "RuntimeError: no such device", 0: "DistStoreError: wait timeout after 5000ms",
-                                 1: "RuntimeError: Timed out waiting 5000ms"}, False, "gloo")
+    found = check_process_group(
+        {
+            2: "RuntimeError: no such device",
+            0: "DistStoreError: wait timeout after 5000ms",
+            1: "RuntimeError: Timed out waiting 5000ms",
+        },
+        False,
+        "gloo",
+    )
     assert [(f.severity, f.ranks) for f in found] == [("error", (2,)), ("warning", (0, 1))]
     assert "no such device" in found[0].message
     (only,) = check_process_group({0: "timed out"}, False, "gloo")
@@ -104,12 +136,16 @@ def test_wrong_sums_are_errors():
 def test_a_slow_node_and_a_slow_link_are_told_apart():
     fs = {f.rank: f for f in cluster(4, 1)}
     fast, slow = 1e9, 2e7
-    links = [LinkTime(a=a, b=b, kind="inter", nbytes=1e6, time_s=1e6 / bw)
-             for a, b, bw in ((0, 1, fast), (1, 2, fast), (2, 3, slow), (0, 3, slow), (0, 2, fast), (1, 3, slow))]
+    links = [
+        LinkTime(a=a, b=b, kind="inter", nbytes=1e6, time_s=1e6 / bw)
+        for a, b, bw in ((0, 1, fast), (1, 2, fast), (2, 3, slow), (0, 3, slow), (0, 2, fast), (1, 3, slow))
+    ]
     (node,) = check_speed(links, [], fs, 0.5)
     assert node.ranks == (3,) and "every inter-node link of rank 3" in node.message
-    one = [LinkTime(a=a, b=b, kind="intra", nbytes=1e6, time_s=1e6 / bw)
-           for a, b, bw in ((0, 1, fast), (1, 2, fast), (2, 3, slow), (0, 3, fast))]
+    one = [
+        LinkTime(a=a, b=b, kind="intra", nbytes=1e6, time_s=1e6 / bw)
+        for a, b, bw in ((0, 1, fast), (1, 2, fast), (2, 3, slow), (0, 3, fast))
+    ]
     (link,) = check_speed(one, [], fs, 0.5)
     assert link.ranks == (2, 3) and "link 2<->3" in link.message
     compute = [ComputeTime(rank=r, flops=1e12, time_s=1.0 if r != 2 else 5.0) for r in range(4)]
@@ -128,8 +164,17 @@ def test_plan_groups_follow_the_mesh_layout():
     assert plan_groups(dp=4, tp=1, pp=1) == {"dp group 0": (0, 1, 2, 3)}
 
 
-@pytest.mark.parametrize("nodes", [("a",) * 4, ("a",) * 3, ("a", "a", "b", "b"), ("a", "b", "c", "d"), ("a", "b"),
-                                   ("a", "a", "a", "a", "b", "b", "b", "b")])
+@pytest.mark.parametrize(
+    "nodes",
+    [
+        ("a",) * 4,
+        ("a",) * 3,
+        ("a", "a", "b", "b"),
+        ("a", "b", "c", "d"),
+        ("a", "b"),
+        ("a", "a", "a", "a", "b", "b", "b", "b"),
+    ],
+)
 def test_link_schedule_phases_never_share_a_rank(nodes):
     phases = link_schedule(nodes)
     links = [lk for p in phases for lk in p]

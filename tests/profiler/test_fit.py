@@ -15,8 +15,9 @@ SIZES = [2.0**k for k in range(10, 27, 2)]
 
 
 def _cluster(nodes, per_node, link):
-    dev = DeviceSpec(name="d", memory_bytes=1e9, peak_flops={"fp32": 1e12}, memory_bandwidth_bytes_per_s=1e11,
-                     preferred_dtype="fp32")
+    dev = DeviceSpec(
+        name="d", memory_bytes=1e9, peak_flops={"fp32": 1e12}, memory_bandwidth_bytes_per_s=1e11, preferred_dtype="fp32"
+    )
     return Cluster(name="c", nodes=nodes, devices_per_node=per_node, device=dev, intra_node=link, inter_node=link)
 
 
@@ -31,8 +32,10 @@ def test_fit_recovers_the_cost_models_link(level, nodes, per_node):
         c_bw, c_lat = coefficients(op, level, n)
         samples += [Sample(nbytes=s, time_s=fn(s, span, cluster), c_bw=c_bw, c_lat=c_lat) for s in SIZES]
     c_bw, c_lat = coefficients("send_recv", level, n)
-    samples += [Sample(nbytes=s, time_s=p2p_s(s, cross_node=level == "inter", cluster=cluster), c_bw=c_bw,
-                       c_lat=c_lat) for s in SIZES]
+    samples += [
+        Sample(nbytes=s, time_s=p2p_s(s, cross_node=level == "inter", cluster=cluster), c_bw=c_bw, c_lat=c_lat)
+        for s in SIZES
+    ]
     fit = fit_alpha_beta(samples)
     assert fit.bandwidth_bytes_per_s == pytest.approx(3.7e9, rel=1e-9)
     assert fit.alpha_s == pytest.approx(6e-6, rel=1e-9)
@@ -43,8 +46,10 @@ def test_fit_recovers_the_cost_models_link(level, nodes, per_node):
 def test_noisy_data_fits_within_the_noise():
     rng = random.Random(7)
     c_bw, c_lat = coefficients("all_reduce", "intra", 4)
-    samples = [Sample(nbytes=s, time_s=(c_bw * s / 5e8 + c_lat * 1e-4) * rng.uniform(0.9, 1.1), c_bw=c_bw,
-                      c_lat=c_lat) for s in SIZES]
+    samples = [
+        Sample(nbytes=s, time_s=(c_bw * s / 5e8 + c_lat * 1e-4) * rng.uniform(0.9, 1.1), c_bw=c_bw, c_lat=c_lat)
+        for s in SIZES
+    ]
     fit = fit_alpha_beta(samples)
     assert fit.bandwidth_bytes_per_s == pytest.approx(5e8, rel=0.15)
     assert fit.alpha_s == pytest.approx(1e-4, rel=0.15)

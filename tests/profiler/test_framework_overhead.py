@@ -21,13 +21,17 @@ def _measure(rank, world):
     free = lambda nbytes: 0.0  # noqa: E731
     dear = lambda nbytes: 1.0  # noqa: E731  a second per collective: more than the whole run
     fsdp = fsdp_overhead_s(mesh, cpu, REPEATS, free, free)
-    return {"tp": tp_overhead_s(mesh, cpu, REPEATS, free), "tp_dear": tp_overhead_s(mesh, cpu, REPEATS, dear),
-            "fsdp": fsdp, "fsdp_dear": fsdp_overhead_s(mesh, cpu, REPEATS, dear, dear),
-            "tensor": fsdp_tensor_overhead_s(mesh, cpu, REPEATS, free, free, fsdp),
-            "tensor_dear": fsdp_tensor_overhead_s(mesh, cpu, REPEATS, dear, dear, 0.0),
-            "copies": fsdp_copy_bytes_per_s(mesh, cpu, REPEATS, free, free, fsdp),
-            "copies_dear": fsdp_copy_bytes_per_s(mesh, cpu, REPEATS, dear, dear, 0.0),
-            "share": contended_share(dist.group.WORLD, (0, 1), REPEATS)}
+    return {
+        "tp": tp_overhead_s(mesh, cpu, REPEATS, free),
+        "tp_dear": tp_overhead_s(mesh, cpu, REPEATS, dear),
+        "fsdp": fsdp,
+        "fsdp_dear": fsdp_overhead_s(mesh, cpu, REPEATS, dear, dear),
+        "tensor": fsdp_tensor_overhead_s(mesh, cpu, REPEATS, free, free, fsdp),
+        "tensor_dear": fsdp_tensor_overhead_s(mesh, cpu, REPEATS, dear, dear, 0.0),
+        "copies": fsdp_copy_bytes_per_s(mesh, cpu, REPEATS, free, free, fsdp),
+        "copies_dear": fsdp_copy_bytes_per_s(mesh, cpu, REPEATS, dear, dear, 0.0),
+        "share": contended_share(dist.group.WORLD, (0, 1), REPEATS),
+    }
 
 
 def test_sharded_layers_cost_more_than_plain_ones_and_the_rest_is_clamped():

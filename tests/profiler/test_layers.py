@@ -38,7 +38,13 @@ def test_units_are_the_graphs_distinct_units(gpt_report):
     assert lines[3].startswith("[2/3] layers.0 (x4): fwd ")
     lay = report.layers
     assert (lay.batch, lay.seq_len, lay.sample_shape, lay.dtype, lay.device_kind, lay.threads) == (
-        B, S, (B, S), "fp32", "cpu", 1)
+        B,
+        S,
+        (B, S),
+        "fp32",
+        "cpu",
+        1,
+    )
     for u in units:
         assert u.fwd.median_s > 0 and u.bwd.median_s > 0 and u.fwd.repeats >= 3
 
@@ -163,21 +169,28 @@ def test_flop_lap_counts_phases_separately():
     assert lap.flops == {"fwd": 2 * 8 * 16 * 4, "bwd": 2 * 2 * 8 * 16 * 4}
 
 
-@pytest.mark.parametrize("make", [
-    lambda: (MLPStack(MLPConfig(in_dim=32, dim=64, ffn_dim=128, n_layers=3, out_dim=8)), torch.randn(4, 32)),
-    lambda: (ResNet(CNNConfig(image_size=16, width=8, stages=2, blocks_per_stage=2, num_classes=10)),
-             torch.randn(2, 3, 16, 16)),
-    lambda: (Llama(LlamaConfig(vocab_size=128, seq_len=32, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                               ffn_dim=128)), torch.randint(0, 128, (2, 32))),
-], ids=["mlp", "cnn", "llama"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: (MLPStack(MLPConfig(in_dim=32, dim=64, ffn_dim=128, n_layers=3, out_dim=8)), torch.randn(4, 32)),
+        lambda: (
+            ResNet(CNNConfig(image_size=16, width=8, stages=2, blocks_per_stage=2, num_classes=10)),
+            torch.randn(2, 3, 16, 16),
+        ),
+        lambda: (
+            Llama(LlamaConfig(vocab_size=128, seq_len=32, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128)),
+            torch.randint(0, 128, (2, 32)),
+        ),
+    ],
+    ids=["mlp", "cnn", "llama"],
+)
 def test_other_models_profile_every_distinct_unit(make):
     torch.manual_seed(0)
     model, x = make()
     graph = extract(model, sample_input=x, dtype="fp32")
     report = profile_model(model, x, sweep=FAST)
     units = report.layers.units
-    assert [u.signature for u in units] == list(dict.fromkeys(graph.profiles[u.profile].signature
-                                                              for u in graph.units))
+    assert [u.signature for u in units] == list(dict.fromkeys(graph.profiles[u.profile].signature for u in graph.units))
     assert sum(len(u.instances) for u in units) == len(graph.units)
     assert all(u.fwd.median_s > 0 and u.bwd.median_s >= 0 for u in units)
     by_sig = {p.signature: p for p in graph.profiles}

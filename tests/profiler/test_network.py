@@ -25,8 +25,13 @@ def test_one_node_sweep_of_every_op():
     net = report.network
     assert (net.backend, net.device_kind, net.world_size, net.nodes) == ("gloo", "cpu", 4, 1)
     assert {s.op for s in net.series} == set(ALL_OPS) and {s.level for s in net.series} == {"intra"}
-    factors = {"all_reduce": 2 * 3 / 4, "all_gather": 3 / 4, "reduce_scatter": 3 / 4, "broadcast": 1.0,
-               "send_recv": 1.0}
+    factors = {
+        "all_reduce": 2 * 3 / 4,
+        "all_gather": 3 / 4,
+        "reduce_scatter": 3 / 4,
+        "broadcast": 1.0,
+        "send_recv": 1.0,
+    }
     for s in net.series:
         assert s.ranks == (0, 1, 2, 3)
         assert [p.nbytes for p in s.points] == [float(KIB * 4**k) for k in range(8)]
@@ -55,8 +60,13 @@ def test_two_nodes_of_two_ranks_sweep_three_levels():
     report = run_spmd(_sweep, 4, sweep, ("n0", "n0", "n1", "n1"), settings=SETTINGS)[0]
     net = report.network
     groups = {(s.level, s.ranks, s.per_node, s.nodes) for s in net.series}
-    assert groups == {("intra", (0, 1), 2, 1), ("intra", (2, 3), 2, 1), ("inter", (0, 2), 1, 2),
-                      ("inter", (1, 3), 1, 2), ("mixed", (0, 1, 2, 3), 2, 2)}
+    assert groups == {
+        ("intra", (0, 1), 2, 1),
+        ("intra", (2, 3), 2, 1),
+        ("inter", (0, 2), 1, 2),
+        ("inter", (1, 3), 1, 2),
+        ("mixed", (0, 1, 2, 3), 2, 2),
+    }
     assert net.link("intra") is not None and net.link("inter") is not None
     assert not any(f.level == "mixed" for f in net.fits)
     assert "n0 (ranks 0,1)" in {s.label for s in net.series}
@@ -77,13 +87,28 @@ def test_settings_are_checked():
 
 
 def test_unfittable_levels_are_reported_not_fatal():
-    flat = tuple(CommPoint(nbytes=float(s), time=Timing(median_s=1e-3, min_s=1e-3, max_s=1e-3, repeats=1),
-                           algbw_bytes_per_s=s / 1e-3, busbw_bytes_per_s=s / 1e-3) for s in (KIB, MIB))
-    good = tuple(CommPoint(nbytes=float(s), time=Timing(median_s=s / 1e9 + 1e-5, min_s=s / 1e9 + 1e-5,
-                                                        max_s=s / 1e9 + 1e-5, repeats=1),
-                           algbw_bytes_per_s=1.0, busbw_bytes_per_s=1.0) for s in (KIB, MIB))
-    series = (CommSeries(op="send_recv", level="intra", label="x", ranks=(0, 1), per_node=2, nodes=1, points=flat),
-              CommSeries(op="broadcast", level="intra", label="x", ranks=(0, 1), per_node=2, nodes=1, points=good))
+    flat = tuple(
+        CommPoint(
+            nbytes=float(s),
+            time=Timing(median_s=1e-3, min_s=1e-3, max_s=1e-3, repeats=1),
+            algbw_bytes_per_s=s / 1e-3,
+            busbw_bytes_per_s=s / 1e-3,
+        )
+        for s in (KIB, MIB)
+    )
+    good = tuple(
+        CommPoint(
+            nbytes=float(s),
+            time=Timing(median_s=s / 1e9 + 1e-5, min_s=s / 1e9 + 1e-5, max_s=s / 1e9 + 1e-5, repeats=1),
+            algbw_bytes_per_s=1.0,
+            busbw_bytes_per_s=1.0,
+        )
+        for s in (KIB, MIB)
+    )
+    series = (
+        CommSeries(op="send_recv", level="intra", label="x", ranks=(0, 1), per_node=2, nodes=1, points=flat),
+        CommSeries(op="broadcast", level="intra", label="x", ranks=(0, 1), per_node=2, nodes=1, points=good),
+    )
     fits, unfitted = fit_levels(series)
     assert [f.ops for f in fits] == [("broadcast",)]
     assert fits[0].bandwidth_bytes_per_s == pytest.approx(1e9) and fits[0].alpha_s == pytest.approx(1e-5)

@@ -16,8 +16,13 @@ from autopar.errors import ClusterError
 from autopar.graph import extract
 from autopar.models import GPT, GPTConfig
 from autopar.presets import build_preset
-from autopar.profiles import (calibrate_units, cluster_from_profiles, layer_calibration, profile_sources,
-                              recompute_calibration)
+from autopar.profiles import (
+    calibrate_units,
+    cluster_from_profiles,
+    layer_calibration,
+    profile_sources,
+    recompute_calibration,
+)
 from autopar.vocab import DType, TPStyle
 from profiler.layers import LayerSweep, profile_model
 from profiler.report import ProfileReport
@@ -40,8 +45,9 @@ def test_cpu_profiles_replace_the_local_cpu_nominal_numbers():
 
 def test_a_gpu_base_keeps_its_datasheet_peaks_and_shape():
     base = Cluster.preset("dgx-a100-80gb", nodes=16)
-    gpu = device(rate_flop_per_s=2.5e14, bandwidth=1.8e12, kind="cuda", dtypes=("bf16", "fp32"),
-                 memory_bytes=80 * 2**30)
+    gpu = device(
+        rate_flop_per_s=2.5e14, bandwidth=1.8e12, kind="cuda", dtypes=("bf16", "fp32"), memory_bytes=80 * 2**30
+    )
     c = cluster_from_profiles([gpu, network(kind="cuda", node_of_rank=("n0",) * 8 + ("n1",) * 8)], base=base)
     assert (c.nodes, c.devices_per_node) == (16, 8)  # plan for the base's size, not the measured 2 nodes
     assert c.device.peak_flops[DType.BF16] == 312e12  # MFU stays against the datasheet
@@ -74,13 +80,13 @@ def test_missing_measurements_without_a_base_are_explained():
 
 
 def test_single_level_networks_fill_the_unused_level():
-    one_node = cluster_from_profiles([device(kind="cuda"), network(inter=None, kind="cuda",
-                                                                   node_of_rank=("a",) * 4)])
+    one_node = cluster_from_profiles([device(kind="cuda"), network(inter=None, kind="cuda", node_of_rank=("a",) * 4)])
     assert (one_node.nodes, one_node.devices_per_node) == (1, 4)
     assert one_node.inter_node.bandwidth_bytes_per_s == one_node.intra_node.bandwidth_bytes_per_s == 1e9
     assert "not measured" in one_node.inter_node.source
-    one_per_node = cluster_from_profiles([device(kind="cuda"), network(intra=None, kind="cuda",
-                                                                       node_of_rank=("a", "b"))])
+    one_per_node = cluster_from_profiles(
+        [device(kind="cuda"), network(intra=None, kind="cuda", node_of_rank=("a", "b"))]
+    )
     assert (one_per_node.nodes, one_per_node.devices_per_node) == (2, 1)
     assert one_per_node.intra_node.bandwidth_bytes_per_s == 1e8
 
@@ -130,8 +136,9 @@ def test_calibration_against_a_hand_computed_roofline():
     assert cal.factor == pytest.approx(2.0)
     factors = layer_calibration(reports)
     assert factors == {"layers.0": pytest.approx(2.0), "layers.1": pytest.approx(2.0), "sig-block": pytest.approx(2.0)}
-    memory_bound = calibrate_units([device(rate_flop_per_s=1e11, bandwidth=1e10),
-                                    layers(fwd_s=0.1, bwd_s=0.2, matmul_flops=1e6, nbytes=1e9)])[0]
+    memory_bound = calibrate_units(
+        [device(rate_flop_per_s=1e11, bandwidth=1e10), layers(fwd_s=0.1, bwd_s=0.2, matmul_flops=1e6, nbytes=1e9)]
+    )[0]
     assert memory_bound.predicted_fwd_s == pytest.approx(0.1) and memory_bound.factor == pytest.approx(1.0)
     with pytest.raises(ClusterError, match="layers section"):
         layer_calibration([device()])
@@ -150,10 +157,21 @@ def _measured_gpt(batch):
 def _unit_cost(graph, i, cluster, batch, **scale):
     """The cost model's time of unit ``i`` on one device (tp=1)."""
     prof = graph.profile_of(i)
-    ctx = TPContext(tp=1, span=GroupSpan(size=1, per_node=1, nodes=1), cluster=cluster,
-                    rates=rates(cluster.device, DType.FP32), micro_batch=batch, tokens=32, boundary=Layout.R,
-                    first=i == 0, last=i == len(graph.units) - 1, loss_parallel=False, sequence_parallel=False,
-                    exposed_weight_traffic=cluster.device.exposed_weight_traffic, **scale)
+    ctx = TPContext(
+        tp=1,
+        span=GroupSpan(size=1, per_node=1, nodes=1),
+        cluster=cluster,
+        rates=rates(cluster.device, DType.FP32),
+        micro_batch=batch,
+        tokens=32,
+        boundary=Layout.R,
+        first=i == 0,
+        last=i == len(graph.units) - 1,
+        loss_parallel=False,
+        sequence_parallel=False,
+        exposed_weight_traffic=cluster.device.exposed_weight_traffic,
+        **scale,
+    )
     return evaluate_layout(prof, tuple(TPStyle.REPLICATE for _ in prof.leaves), Layout.R, ctx)
 
 
@@ -161,10 +179,20 @@ def _accumulation_s(graph, i, cluster, batch):
     """The unit's gradient accumulation per micro-batch, which a profiled backward (its
     ``.grad`` reset before each run) does not contain."""
     prof = graph.profile_of(i)
-    ctx = TPContext(tp=1, span=GroupSpan(size=1, per_node=1, nodes=1), cluster=cluster,
-                    rates=rates(cluster.device, DType.FP32), micro_batch=batch, tokens=32, boundary=Layout.R,
-                    first=i == 0, last=i == len(graph.units) - 1, loss_parallel=False, sequence_parallel=False,
-                    exposed_weight_traffic=cluster.device.exposed_weight_traffic)
+    ctx = TPContext(
+        tp=1,
+        span=GroupSpan(size=1, per_node=1, nodes=1),
+        cluster=cluster,
+        rates=rates(cluster.device, DType.FP32),
+        micro_batch=batch,
+        tokens=32,
+        boundary=Layout.R,
+        first=i == 0,
+        last=i == len(graph.units) - 1,
+        loss_parallel=False,
+        sequence_parallel=False,
+        exposed_weight_traffic=cluster.device.exposed_weight_traffic,
+    )
     return sum(leaf_accumulate_s(leaf, TPStyle.REPLICATE, ctx) for leaf in prof.leaves)
 
 
@@ -184,7 +212,8 @@ def test_prediction_is_the_cost_models_unit_time():
         assert cal.predicted_fwd_s == pytest.approx(cost.fwd_compute_s, rel=1e-12)
         assert cal.predicted_bwd_s == pytest.approx(cost.bwd_compute_s - accumulate, rel=1e-12)
         assert cal.factor * (cost.fwd_compute_s + cost.bwd_compute_s - accumulate) == pytest.approx(
-            cal.measured_fwd_s + cal.measured_bwd_s, rel=1e-12)
+            cal.measured_fwd_s + cal.measured_bwd_s, rel=1e-12
+        )
 
 
 def test_the_planner_takes_reports():
@@ -222,10 +251,12 @@ def test_calibrated_cost_model_reproduces_the_measurement():
 def test_processes_beyond_the_cores_time_share_the_measured_device():
     """The factory's machine has 2 cores and the device was measured by one 1-thread
     process: 4 processes on a node get half a core each, 2 get a whole one."""
-    two = cluster_from_profiles([device(rate_flop_per_s=2e11, bandwidth=3e10), network(node_of_rank=("a",) * 2,
-                                                                                        inter=None)])
-    four = cluster_from_profiles([device(rate_flop_per_s=2e11, bandwidth=3e10), network(node_of_rank=("a",) * 4,
-                                                                                         inter=None)])
+    two = cluster_from_profiles(
+        [device(rate_flop_per_s=2e11, bandwidth=3e10), network(node_of_rank=("a",) * 2, inter=None)]
+    )
+    four = cluster_from_profiles(
+        [device(rate_flop_per_s=2e11, bandwidth=3e10), network(node_of_rank=("a",) * 4, inter=None)]
+    )
     assert two.device.time_share == 1.0 and four.device.time_share == 0.5
     assert four.device.matmul_curves[DType.FP32][-1][1] == pytest.approx(1e11)
     assert four.device.memory_bandwidth_bytes_per_s == pytest.approx(1.5e10)
@@ -238,7 +269,8 @@ def test_processes_beyond_the_cores_time_share_the_measured_device():
     for net in (("a",) * 2, ("a",) * 4):
         reports = [device(rate_flop_per_s=2e11, bandwidth=3e10), layers(), network(node_of_rank=net, inter=None)]
         assert layer_calibration(reports)["sig-block"] == pytest.approx(
-            (0.02 + 0.04) / (3 * max(1e9 / 2e11, 1e6 / 3e10)))
+            (0.02 + 0.04) / (3 * max(1e9 / 2e11, 1e6 / 3e10))
+        )
 
 
 def test_local_cpu_processes_beyond_the_cores_get_a_share():
@@ -283,14 +315,30 @@ def test_the_network_profiles_framework_overheads_replace_the_one_rank_figures()
     one_rank = cluster_from_profiles([dev, network(node_of_rank=nodes, inter=None)]).device
     assert one_rank.time_share == 0.5 and one_rank.tp_overhead_s == pytest.approx(4e-4)  # 4 processes, 2 cores
     assert one_rank.fsdp_overhead_s == 0.0 and one_rank.fsdp_tensor_overhead_s == 0.0
-    grouped = cluster_from_profiles([dev, network(node_of_rank=nodes, inter=None, tp_overhead_s=7e-4,
-                                                  fsdp_overhead_s=2e-3, fsdp_tensor_overhead_s=4e-5,
-                                                  fsdp_copy_bytes_per_s=6e9)]).device
-    assert (grouped.tp_overhead_s, grouped.fsdp_overhead_s, grouped.fsdp_tensor_overhead_s,
-            grouped.fsdp_copy_bytes_per_s) == (7e-4, 2e-3, 4e-5, 6e9)
+    grouped = cluster_from_profiles(
+        [
+            dev,
+            network(
+                node_of_rank=nodes,
+                inter=None,
+                tp_overhead_s=7e-4,
+                fsdp_overhead_s=2e-3,
+                fsdp_tensor_overhead_s=4e-5,
+                fsdp_copy_bytes_per_s=6e9,
+            ),
+        ]
+    ).device
+    assert (
+        grouped.tp_overhead_s,
+        grouped.fsdp_overhead_s,
+        grouped.fsdp_tensor_overhead_s,
+        grouped.fsdp_copy_bytes_per_s,
+    ) == (7e-4, 2e-3, 4e-5, 6e9)
     assert "FSDP copies at 6.00 GB/s" in grouped.source
-    assert ("700 us per tensor-parallel layer forward, 2000 us per FSDP collective, 40 us per parameter tensor in "
-            "an FSDP collective") in grouped.source
+    assert (
+        "700 us per tensor-parallel layer forward, 2000 us per FSDP collective, 40 us per parameter tensor in "
+        "an FSDP collective"
+    ) in grouped.source
 
 
 def test_the_sync_noise_a_network_profile_measured_applies_at_its_process_count():
@@ -322,8 +370,9 @@ def test_the_bandwidth_processes_keep_while_streaming_together_lowers_the_device
     assert shared.alone().matmul_curves[DType.FP32][-1][1] == pytest.approx(2e11)
     assert "keep 0.35 of one process's memory bandwidth" in shared.source
     other = build_preset("local-cpu", devices_per_node=2)
-    elsewhere = cluster_from_profiles([dev, network(node_of_rank=nodes, inter=None, memory_share=0.35,
-                                                    tp_overhead_s=7e-4)], base=other).device
+    elsewhere = cluster_from_profiles(
+        [dev, network(node_of_rank=nodes, inter=None, memory_share=0.35, tp_overhead_s=7e-4)], base=other
+    ).device
     assert elsewhere.bandwidth_share == 1.0 and elsewhere.tp_overhead_s != 7e-4
 
 
@@ -331,16 +380,23 @@ def _bumpy_all_reduce(report: ProfileReport, tailed: bool = False) -> ProfileRep
     """``report`` with its intra all-reduce series replaced by four sizes whose times
     dip at 4 KiB (3 ms at 2 KiB, 2 ms at 4 KiB), as gloo's noisy sweeps do. ``tailed``:
     each size's repeats are ``t, t, 4 t`` (median ``t``, mean ``2 t``), as gloo's are."""
-    from profiler.report import CommPoint, CommSeries, Timing
-
     from profile_factories import exact
 
+    from profiler.report import CommPoint, CommSeries, Timing
+
     times = {1024: 1e-3, 2048: 3e-3, 4096: 2e-3, 8192: 4e-3}
-    pts = tuple(CommPoint(nbytes=float(s), time=Timing.of([t, t, 4 * t]) if tailed else exact(t),
-                          algbw_bytes_per_s=s / t, busbw_bytes_per_s=s / t)
-                for s, t in times.items())
-    bumpy = CommSeries(op="all_reduce", level="intra", label="intra group", ranks=(0, 1), per_node=2, nodes=1,
-                       points=pts)
+    pts = tuple(
+        CommPoint(
+            nbytes=float(s),
+            time=Timing.of([t, t, 4 * t]) if tailed else exact(t),
+            algbw_bytes_per_s=s / t,
+            busbw_bytes_per_s=s / t,
+        )
+        for s, t in times.items()
+    )
+    bumpy = CommSeries(
+        op="all_reduce", level="intra", label="intra group", ranks=(0, 1), per_node=2, nodes=1, points=pts
+    )
     return ProfileReport(network=dataclasses.replace(report.network, series=(bumpy,)))
 
 
@@ -366,8 +422,9 @@ def test_a_collective_is_priced_by_the_mean_of_its_repeats():
     before they were recorded) is priced by its medians."""
     from autopar.cost.comm import all_reduce_s
 
-    report = _bumpy_all_reduce(network(node_of_rank=("a", "a"), inter=None, per_op={"all_reduce": (1e-5, 1e9)}),
-                               tailed=True)
+    report = _bumpy_all_reduce(
+        network(node_of_rank=("a", "a"), inter=None, per_op={"all_reduce": (1e-5, 1e9)}), tailed=True
+    )
     span = GroupSpan(size=2, per_node=2, nodes=1)
     assert all_reduce_s(3072, span, cluster_from_profiles([report])) == pytest.approx(5e-3)
     old = report.to_dict()
@@ -384,8 +441,9 @@ def test_the_profiler_subtracts_transfers_priced_as_the_planner_prices_them(tail
     from autopar.cost.comm import all_reduce_s
     from profiler.network import _Group, _transfer_cost
 
-    report = _bumpy_all_reduce(network(node_of_rank=("a", "a"), inter=None, per_op={"all_reduce": (1e-5, 1e9)}),
-                               tailed=tailed)
+    report = _bumpy_all_reduce(
+        network(node_of_rank=("a", "a"), inter=None, per_op={"all_reduce": (1e-5, 1e9)}), tailed=tailed
+    )
     c = cluster_from_profiles([report])
     fit = next(f for f in report.network.fits if f.ops == ("all_reduce",))
     group = _Group(level="intra", label="intra group", ranks=(0, 1), handle=None, per_node=2, nodes=1)
@@ -401,10 +459,18 @@ def test_recompute_fractions_per_block_and_for_the_units_in_between():
     report without the measurement gives none (the planner keeps 1)."""
     base = layers(fwd_s=0.02, bwd_s=0.04).layers
     a = dataclasses.replace(base.units[0], recompute_bwd=exact(0.055))  # 2 instances: (0.055 - 0.04) / 0.02
-    b = dataclasses.replace(a, fqn="layers.2", signature="sig-other", instances=("layers.2",), fwd=exact(0.01),
-                            bwd=exact(0.02), recompute_bwd=exact(0.03))  # 1 instance: 1.0
-    head = dataclasses.replace(a, fqn="norm+output", signature="sig-head", instances=("norm+output",),
-                               recompute_bwd=None)
+    b = dataclasses.replace(
+        a,
+        fqn="layers.2",
+        signature="sig-other",
+        instances=("layers.2",),
+        fwd=exact(0.01),
+        bwd=exact(0.02),
+        recompute_bwd=exact(0.03),
+    )  # 1 instance: 1.0
+    head = dataclasses.replace(
+        a, fqn="norm+output", signature="sig-head", instances=("norm+output",), recompute_bwd=None
+    )
     rep = ProfileReport(layers=dataclasses.replace(base, units=(a, b, head)))
     fractions = recompute_calibration([rep])
     assert fractions["layers.0"] == fractions["layers.1"] == fractions["sig-block"] == pytest.approx(0.75)
@@ -424,12 +490,17 @@ def test_the_planner_prices_full_recomputation_at_the_measured_fraction():
     lay = report.layers
     f = recompute_calibration([report])["layers.0"]
     assert 0 < f
-    bare = ProfileReport.merge(ProfileReport(device=report.device), ProfileReport(layers=dataclasses.replace(
-        lay, units=tuple(dataclasses.replace(u, recompute_bwd=None) for u in lay.units))))
+    bare = ProfileReport.merge(
+        ProfileReport(device=report.device),
+        ProfileReport(
+            layers=dataclasses.replace(lay, units=tuple(dataclasses.replace(u, recompute_bwd=None) for u in lay.units))
+        ),
+    )
     model = GPT(GPTConfig(vocab_size=256, seq_len=32, dim=64, n_layers=2, n_heads=4))
     cluster = Cluster.preset("local-cpu", devices_per_node=1)
     config = {"dp": 1, "tp": 1, "pp": 1, "micro_batch_size": 2, "recompute": "full"}
-    with_f, without = (autopar.estimate(model, cluster, config, global_batch_size=4, seq_len=32, profile=[r])
-                       for r in (report, bare))
+    with_f, without = (
+        autopar.estimate(model, cluster, config, global_batch_size=4, seq_len=32, profile=[r]) for r in (report, bare)
+    )
     redo = [sum(s.recompute_s for s in p.prediction.stages) for p in (with_f, without)]
     assert redo[1] > 0 and redo[0] == pytest.approx(f * redo[1], rel=1e-9)

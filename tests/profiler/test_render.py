@@ -49,8 +49,9 @@ def test_partial_reports_render_their_sections_only():
 def test_group_measurements_are_shown_when_taken():
     plain = render_markdown(network())
     assert "Framework time" not in plain and "streaming at once" not in plain
-    text = render_markdown(network(tp_overhead_s=4e-4, fsdp_overhead_s=9e-4, fsdp_tensor_overhead_s=3e-5,
-                                   memory_share=0.7))
+    text = render_markdown(
+        network(tp_overhead_s=4e-4, fsdp_overhead_s=9e-4, fsdp_tensor_overhead_s=3e-5, memory_share=0.7)
+    )
     assert "400 us per tensor-parallel layer forward" in text and "900 us per FSDP2 collective call" in text
     assert "30 us per parameter tensor of its unit" in text
     assert "streaming at once: 0.70 of what one rank has alone" in text

@@ -147,8 +147,10 @@ def test_derived_numbers():
 
 
 def test_report_module_imports_nothing_from_autopar():
-    code = ("import sys, profiler.report, profiler.codec, profiler.errors; "
-            "bad = sorted(m for m in sys.modules if m == 'autopar' or m.startswith('autopar.')); "
-            "print(bad); sys.exit(1 if bad else 0)")
+    code = (
+        "import sys, profiler.report, profiler.codec, profiler.errors; "
+        "bad = sorted(m for m in sys.modules if m == 'autopar' or m.startswith('autopar.')); "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr

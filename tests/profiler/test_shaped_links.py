@@ -15,10 +15,31 @@ RATE_MBIT = 100  # 12.5 MB/s: far below what gloo moves on this machine, so the 
 
 def test_fitted_inter_node_bandwidth_matches_the_shaped_rate(tmp_path):
     with namespaces(2, shaped={0: RATE_MBIT}, subnet=1) as nodes:
-        outputs = run_ranks(nodes, ["network", "--min-bytes", "64K", "--max-bytes", "4M", "--factor", "4",
-                                    "--repeats", "2", "--ops", "all_reduce,send_recv", "--levels", "inter",
-                                    "--timeout", "60", "--quiet", "--out", str(tmp_path / "net.json")],
-                            port=29555, timeout_s=90)
+        outputs = run_ranks(
+            nodes,
+            [
+                "network",
+                "--min-bytes",
+                "64K",
+                "--max-bytes",
+                "4M",
+                "--factor",
+                "4",
+                "--repeats",
+                "2",
+                "--ops",
+                "all_reduce,send_recv",
+                "--levels",
+                "inter",
+                "--timeout",
+                "60",
+                "--quiet",
+                "--out",
+                str(tmp_path / "net.json"),
+            ],
+            port=29555,
+            timeout_s=90,
+        )
     assert (tmp_path / "net.json").is_file(), "\n".join(outputs)
     report = ProfileReport.load(tmp_path / "net.json")
     net = report.network
@@ -34,8 +55,22 @@ def test_fitted_inter_node_bandwidth_matches_the_shaped_rate(tmp_path):
 
 def test_doctor_names_the_node_behind_a_slowed_link(tmp_path):
     with namespaces(4, shaped={3: 20}, subnet=2) as nodes:
-        outputs = run_ranks(nodes, ["doctor", "--link-bytes", str(2**20), "--join-timeout", "60", "--pg-timeout",
-                                    "60", "--out", str(tmp_path / "doctor.json")], port=29556, timeout_s=120)
+        outputs = run_ranks(
+            nodes,
+            [
+                "doctor",
+                "--link-bytes",
+                str(2**20),
+                "--join-timeout",
+                "60",
+                "--pg-timeout",
+                "60",
+                "--out",
+                str(tmp_path / "doctor.json"),
+            ],
+            port=29556,
+            timeout_s=120,
+        )
     text = outputs[0]
     assert "[ ok ] rendezvous: all 4 ranks joined" in text, text
     assert "every inter-node link of rank 3 (node3) is slow" in text, text

@@ -34,7 +34,7 @@ def _noisy_and_even(rank, world, measure, noisy_seconds, seed):
 
 
 def _random_walk(rng, seconds):
-    return max(seconds + rng.gauss(0.0, INJECTED * seconds ** 0.5), 0.0)
+    return max(seconds + rng.gauss(0.0, INJECTED * seconds**0.5), 0.0)
 
 
 def _sync_noise(work):
@@ -72,8 +72,10 @@ def _one_rank(rank, world):
     group = dist.new_group([0])
     errors = []
     if rank == 0:
-        for measure in (lambda: sync_noise_s_per_sqrt_s(group, torch.device("cpu")),
-                        lambda: speed_spread(group, torch.device("cpu"), 0.0)):
+        for measure in (
+            lambda: sync_noise_s_per_sqrt_s(group, torch.device("cpu")),
+            lambda: speed_spread(group, torch.device("cpu"), 0.0),
+        ):
             try:
                 measure()
             except ValueError as exc:
@@ -122,6 +124,6 @@ def test_the_spread_from_work_times_by_hand():
     times = [[t * (1 - a)] * 3, [t * (1 + a)] * 3]
     assert spread_from_times(times, 0.0) == pytest.approx(a * math.sqrt(math.pi), rel=1e-9)
     sigma = 0.01
-    expected = math.sqrt((a * t * math.sqrt(math.pi)) ** 2 - sigma ** 2 * t) / t
+    expected = math.sqrt((a * t * math.sqrt(math.pi)) ** 2 - sigma**2 * t) / t
     assert spread_from_times(times, sigma) == pytest.approx(expected, rel=1e-9)
     assert spread_from_times(times, 1.0) == 0.0

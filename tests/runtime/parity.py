@@ -17,7 +17,8 @@ into 1e-4 parameter differences (TORCH-CPU.md, section 4).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -70,8 +71,12 @@ def mse_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(output.float(), target)
 
 
-LOSSES: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] = {"gpt": token_loss, "gpt-odd-vocab": token_loss,
-                                                                   "llama": token_loss, "mlp": mse_loss}
+LOSSES: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] = {
+    "gpt": token_loss,
+    "gpt-odd-vocab": token_loss,
+    "llama": token_loss,
+    "mlp": mse_loss,
+}
 
 
 def batches(name: str, steps: int, global_batch: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -80,11 +85,19 @@ def batches(name: str, steps: int, global_batch: int, seed: int = 1) -> list[tup
     out = []
     for _ in range(steps):
         if name == "mlp":
-            out.append((torch.randn(global_batch, MLP_CFG.in_dim, generator=g),
-                        torch.randn(global_batch, MLP_CFG.out_dim, generator=g)))
+            out.append(
+                (
+                    torch.randn(global_batch, MLP_CFG.in_dim, generator=g),
+                    torch.randn(global_batch, MLP_CFG.out_dim, generator=g),
+                )
+            )
         else:
-            out.append((torch.randint(0, VOCAB, (global_batch, SEQ), generator=g),
-                        torch.randint(0, VOCAB, (global_batch, SEQ), generator=g)))
+            out.append(
+                (
+                    torch.randint(0, VOCAB, (global_batch, SEQ), generator=g),
+                    torch.randint(0, VOCAB, (global_batch, SEQ), generator=g),
+                )
+            )
     return out
 
 
@@ -115,8 +128,14 @@ def megatron_styles(name: str, *, sequence_parallel: bool = False) -> dict[str, 
     return styles
 
 
-def make_plan(name: str, *, styles: dict[str, str] | None = None, recompute: dict[str, str] | None = None,
-              cluster: autopar.Cluster | None = None, **config: Any) -> autopar.Plan:
+def make_plan(
+    name: str,
+    *,
+    styles: dict[str, str] | None = None,
+    recompute: dict[str, str] | None = None,
+    cluster: autopar.Cluster | None = None,
+    **config: Any,
+) -> autopar.Plan:
     """A plan from the planner's ``estimate`` for ``config`` (fp32 unless given), with
     the per-layer decisions replaced by ``styles``/``recompute`` when given."""
     model = build(name, "meta")
@@ -149,8 +168,15 @@ class RunResult:
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def reference(name: str, plan: autopar.Plan, steps: int = 5, *, clip: float | None = None,
-              model: nn.Module | None = None, momentum: float = 0.0) -> RunResult:
+def reference(
+    name: str,
+    plan: autopar.Plan,
+    steps: int = 5,
+    *,
+    clip: float | None = None,
+    model: nn.Module | None = None,
+    momentum: float = 0.0,
+) -> RunResult:
     """The single-process run: same model, data and SGD, the whole global batch."""
     m = model if model is not None else build(name)
     opt = torch.optim.SGD(m.parameters(), lr=LR, momentum=momentum)
@@ -167,14 +193,24 @@ def reference(name: str, plan: autopar.Plan, steps: int = 5, *, clip: float | No
     return RunResult(losses=losses, params=params, grad_norms=norms)
 
 
-def train(rank: int, world: int, name: str, plan: autopar.Plan, steps: int = 5, clip: float | None = None,
-          model_fn: Callable[[], nn.Module] | None = None, init_fn: Any = None, momentum: float = 0.0,
-          seed: int = 0) -> RunResult:
+def train(
+    rank: int,
+    world: int,
+    name: str,
+    plan: autopar.Plan,
+    steps: int = 5,
+    clip: float | None = None,
+    model_fn: Callable[[], nn.Module] | None = None,
+    init_fn: Any = None,
+    momentum: float = 0.0,
+    seed: int = 0,
+) -> RunResult:
     """The parallel run on one rank (a ``run_spmd`` worker)."""
     model = model_fn() if model_fn is not None else build(name)
     sample = torch.zeros(1, MLP_CFG.in_dim) if name == "mlp" else None
-    job = parallelize(model, plan, loss_fn=LOSSES[name], init_fn=init_fn, seed=seed, sample_input=sample,
-                      measure_memory=False)
+    job = parallelize(
+        model, plan, loss_fn=LOSSES[name], init_fn=init_fn, seed=seed, sample_input=sample, measure_memory=False
+    )
     opt = job.optimizer(torch.optim.SGD, lr=LR, momentum=momentum)
     losses, norms = [], []
     for batch in job.shard(batches(name, steps, plan.config.global_batch_size)):
@@ -183,14 +219,25 @@ def train(rank: int, world: int, name: str, plan: autopar.Plan, steps: int = 5, 
             norms.append(job.clip_grad_norm_(clip))
         opt.step()
         opt.zero_grad()
-    state = sum((t.to_local() if isinstance(t, DTensor) else t).numel() for o in opt.inner if o is not None
-                for st in o.state.values() for t in st.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
-    return RunResult(losses=losses, params=all_params(job), grad_norms=norms,
-                     extra={"optimizer_state_numel": state, "dtypes": {str(p.dtype) for p in job.parameters()}})
+    state = sum(
+        (t.to_local() if isinstance(t, DTensor) else t).numel()
+        for o in opt.inner
+        if o is not None
+        for st in o.state.values()
+        for t in st.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    )
+    return RunResult(
+        losses=losses,
+        params=all_params(job),
+        grad_norms=norms,
+        extra={"optimizer_state_numel": state, "dtypes": {str(p.dtype) for p in job.parameters()}},
+    )
 
 
-def resumable(job: Any, opt: Any, name: str, path: str, resume: bool, steps: int,
-              save_at: int | None) -> tuple[list[float], int]:
+def resumable(
+    job: Any, opt: Any, name: str, path: str, resume: bool, steps: int, save_at: int | None
+) -> tuple[list[float], int]:
     """Train ``job`` over the run's ``steps`` global batches, first loading the latest
     checkpoint under ``path`` when ``resume`` (the job skips the batches it consumed),
     and stop after saving at step ``save_at``; returns the losses and the start step."""
@@ -222,14 +269,25 @@ def assert_parity(results: list[RunResult], ref: RunResult) -> None:
     (tied names included)."""
     seen: set[str] = set()
     for rank, res in enumerate(results):
-        torch.testing.assert_close(torch.tensor(res.grad_norms), torch.tensor(ref.grad_norms), rtol=GRAD_NORM_RTOL,
-                                   atol=0, msg=lambda m, r=rank: f"rank {r} gradient norms: {m}")
-        torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(ref.losses), rtol=0, atol=LOSS_ATOL,
-                                   msg=lambda m, r=rank: f"rank {r} losses: {m}")
+        torch.testing.assert_close(
+            torch.tensor(res.grad_norms),
+            torch.tensor(ref.grad_norms),
+            rtol=GRAD_NORM_RTOL,
+            atol=0,
+            msg=lambda m, r=rank: f"rank {r} gradient norms: {m}",
+        )
+        torch.testing.assert_close(
+            torch.tensor(res.losses),
+            torch.tensor(ref.losses),
+            rtol=0,
+            atol=LOSS_ATOL,
+            msg=lambda m, r=rank: f"rank {r} losses: {m}",
+        )
         for n, value in res.params.items():
             expected = ref.params[n]
-            torch.testing.assert_close(value, expected, rtol=0, atol=PARAM_ATOL,
-                                       msg=lambda m, r=rank, n=n: f"rank {r} parameter {n}: {m}")
+            torch.testing.assert_close(
+                value, expected, rtol=0, atol=PARAM_ATOL, msg=lambda m, r=rank, n=n: f"rank {r} parameter {n}: {m}"
+            )
             seen.add(n)
     missing = set(ref.params) - seen
     assert not missing, f"no rank holds {sorted(missing)}"

@@ -7,10 +7,10 @@ test_features.py::test_zero_stages."""
 
 import pytest
 import torch
+from parity import batches, build, make_plan, run, token_loss
 from torch.distributed.fsdp import FSDPModule
 
 from autopar.runtime.api import parallelize
-from parity import batches, build, make_plan, run, token_loss
 
 pytestmark = pytest.mark.multiprocess
 
@@ -34,12 +34,14 @@ def _between_microbatches(rank, world, plan):
 
     def record(_module, _args):
         unsharded = [getattr(p, "_unsharded_param", None) for p in blocks]  # made at the first all-gather
-        seen.append({
-            "unsharded_grad_numel": sum(u.grad.numel() for u in unsharded if u is not None and u.grad is not None)
-            + sum(p.unsharded_accumulated_grad.numel() for p in blocks if p.unsharded_accumulated_grad is not None),
-            "sharded_grads": sum(p.sharded_param.grad is not None for p in blocks),
-            "gathered_bytes": sum(t.untyped_storage().nbytes() for p in blocks for t in p.all_gather_outputs),
-        })
+        seen.append(
+            {
+                "unsharded_grad_numel": sum(u.grad.numel() for u in unsharded if u is not None and u.grad is not None)
+                + sum(p.unsharded_accumulated_grad.numel() for p in blocks if p.unsharded_accumulated_grad is not None),
+                "sharded_grads": sum(p.sharded_param.grad is not None for p in blocks),
+                "gathered_bytes": sum(t.untyped_storage().nbytes() for p in blocks for t in p.all_gather_outputs),
+            }
+        )
 
     stage.register_forward_pre_hook(record, prepend=True)  # before FSDP2 gathers anything
     for batch in job.shard(batches("gpt", 2, plan.config.global_batch_size)):
@@ -57,7 +59,7 @@ def test_sharded_gradients_between_microbatches(zero):
     for seen, n_params, full_bytes in run(_between_microbatches, 2, plan):
         first, second = seen[-2:]  # the second step's two micro-batches
         assert first == {"unsharded_grad_numel": 0, "sharded_grads": 0, "gathered_bytes": 0}
-        assert second["unsharded_grad_numel"] == 0                  # reduce-scattered after micro-batch 1
+        assert second["unsharded_grad_numel"] == 0  # reduce-scattered after micro-batch 1
         assert second["sharded_grads"] == n_params
         assert second["gathered_bytes"] == (full_bytes if zero == 2 else 0)  # ZeRO-3 resharded after backward
 

@@ -10,14 +10,26 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from parity import (
+    LOSS_ATOL,
+    LR,
+    PARAM_ATOL,
+    all_params,
+    batches,
+    build,
+    make_plan,
+    megatron_styles,
+    reference,
+    resumable,
+    run,
+    token_loss,
+)
 from torch.distributed.checkpoint import FileSystemWriter
 
 import autopar.runtime.checkpoint as ckpt_module
 from autopar.runtime.api import parallelize
 from autopar.runtime.checkpoint import latest_step
 from autopar.runtime.spmd import SPMDError
-from parity import (LOSS_ATOL, PARAM_ATOL, LR, all_params, batches, build, make_plan, megatron_styles, reference,
-                    resumable, run, token_loss)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -37,8 +49,9 @@ def test_resume_under_another_plan(tmp_path, resume_as):
     """Saved by dp=2 x tp=2 (FSDP2 ZeRO-3 over Megatron TP with SP); resumed by tp=2 x
     pp=2 (ZeRO-1) or by one process: the resumed run continues the uninterrupted
     single-process run."""
-    saver = make_plan("gpt", dp=2, tp=2, zero_stage=3, sequence_parallel=True,
-                      styles=megatron_styles("gpt", sequence_parallel=True))
+    saver = make_plan(
+        "gpt", dp=2, tp=2, zero_stage=3, sequence_parallel=True, styles=megatron_styles("gpt", sequence_parallel=True)
+    )
     if resume_as == "single":
         loader = make_plan("gpt", num_microbatches=4)
     else:

@@ -8,10 +8,10 @@ import time
 
 import pytest
 import torch
+from parity import LR, batches, build, make_plan, token_loss
 
 from autopar.runtime.api import parallelize
 from autopar.runtime.spmd import SPMDError, SPMDSettings, run_spmd
-from parity import LR, batches, build, make_plan, token_loss
 
 pytestmark = pytest.mark.multiprocess
 
@@ -31,9 +31,14 @@ def _fail_in_step(rank, world, plan, how):
         opt.zero_grad()
 
 
-@pytest.mark.parametrize("how,expect", [("raise", "rank 1: RuntimeError: data loader broke on purpose"),
-                                        ("kill", "rank 1: died"),
-                                        ("hang", "Timed out waiting")])
+@pytest.mark.parametrize(
+    "how,expect",
+    [
+        ("raise", "rank 1: RuntimeError: data loader broke on purpose"),
+        ("kill", "rank 1: died"),
+        ("hang", "Timed out waiting"),
+    ],
+)
 def test_a_failing_rank_ends_the_job_with_its_name(how, expect):
     """dp=2 x pp=2 (ranks wait on each other through all-reduces and sends). A hang is
     detected by the peers' process-group timeout (5 s here; ``AUTOPAR_PG_TIMEOUT_S``

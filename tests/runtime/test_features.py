@@ -5,12 +5,11 @@ from collections import Counter
 
 import pytest
 import torch
+from parity import assert_parity, batches, build, make_plan, megatron_styles, reference, run, token_loss, train
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
-
 from autopar.runtime.api import parallelize
-from parity import assert_parity, batches, build, make_plan, megatron_styles, reference, run, token_loss, train
 
 pytestmark = pytest.mark.multiprocess
 
@@ -24,7 +23,7 @@ def test_zero_stages(zero):
     total = sum(p.numel() for p in build("gpt").parameters())
     state = [r.extra["optimizer_state_numel"] for r in results]
     if zero == 0:
-        assert state == [total, total]                     # every replica keeps all momentum buffers
+        assert state == [total, total]  # every replica keeps all momentum buffers
     else:
         assert sum(state) == total and max(state) < total  # each rank keeps its share only
 
@@ -74,23 +73,32 @@ def test_recompute_per_block():
     assert_parity(run(train, 2, "gpt", plan), reference("gpt", plan))
     none = make_plan("gpt", num_microbatches=2)
     mixed = make_plan("gpt", num_microbatches=2, recompute=per_block)
-    (_, mm0, sdpa0), = run(_count_recompute, 1, none)
-    (calls, mm1, sdpa1), = run(_count_recompute, 1, mixed)
+    ((_, mm0, sdpa0),) = run(_count_recompute, 1, none)
+    ((calls, mm1, sdpa1),) = run(_count_recompute, 1, mixed)
     m = 2
     with _CountOps() as mode:  # the matmuls of one block forward on one micro-batch
         build("gpt").layers["0"](torch.zeros(mixed.config.micro_batch_size, 16, 32))
     block_mm = mode.counts["mm"] + mode.counts["addmm"]
     assert calls == {"layers.0": 2 * m, "layers.1": m, "layers.2": m}
-    assert sdpa1 - sdpa0 == 2 * m                     # layers.0 and layers.1 rerun attention
-    assert mm1 - mm0 == block_mm * m                  # only layers.0 reruns its linears
+    assert sdpa1 - sdpa0 == 2 * m  # layers.0 and layers.1 rerun attention
+    assert mm1 - mm0 == block_mm * m  # only layers.0 reruns its linears
 
 
 def test_global_norm_clipping_across_all_axes():
     """2x2x2 mesh (FSDP2 ZeRO-3, Megatron TP with SP, interleaved 1F1B, tied embedding
     and head on different pipeline ranks) with clipping active every step: the norm
     each rank computes equals the single process's clip_grad_norm_, so do the updates."""
-    plan = make_plan("gpt", dp=2, tp=2, pp=2, zero_stage=3, schedule="interleaved-1f1b", virtual_stages=2,
-                     sequence_parallel=True, styles=megatron_styles("gpt", sequence_parallel=True))
+    plan = make_plan(
+        "gpt",
+        dp=2,
+        tp=2,
+        pp=2,
+        zero_stage=3,
+        schedule="interleaved-1f1b",
+        virtual_stages=2,
+        sequence_parallel=True,
+        styles=megatron_styles("gpt", sequence_parallel=True),
+    )
     ref = reference("gpt", plan, clip=0.05)
     assert all(n > 0.05 for n in ref.grad_norms)  # clipping is active
     assert_parity(run(train, 8, "gpt", plan, 5, 0.05, timeout_s=120), ref)

@@ -11,21 +11,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from parity import LOSS_ATOL, make_plan, reference
 
 import autopar
 from autopar.models import build_named_model
 from autopar.runtime.dry_run import dry_run
 from autopar.runtime.launch import add_dry_run_parser, add_run_parser
-from parity import LOSS_ATOL, make_plan, reference
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_gpt.py"
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess:
     """Run the two sub-commands as the lead's cli.py will: a parser with both registered."""
-    code = ("import argparse, sys; from autopar.runtime.launch import add_run_parser, add_dry_run_parser; "
-            "p = argparse.ArgumentParser(prog='autopar'); s = p.add_subparsers(required=True); "
-            "add_run_parser(s); add_dry_run_parser(s); a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))")
+    code = (
+        "import argparse, sys; from autopar.runtime.launch import add_run_parser, add_dry_run_parser; "
+        "p = argparse.ArgumentParser(prog='autopar'); s = p.add_subparsers(required=True); "
+        "add_run_parser(s); add_dry_run_parser(s); a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))"
+    )
     return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=180)
 
 
@@ -38,8 +40,9 @@ def test_autopar_run_trains_under_torchrun(tmp_path):
     done = _cli("run", "--plan", str(tmp_path / "plan.json"), "--nproc-per-node", "2", str(SCRIPT), str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     losses = json.loads(out.read_text())
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference("gpt", plan, steps=3).losses),
-                               rtol=0, atol=LOSS_ATOL)
+    torch.testing.assert_close(
+        torch.tensor(losses), torch.tensor(reference("gpt", plan, steps=3).losses), rtol=0, atol=LOSS_ATOL
+    )
 
 
 @pytest.mark.multiprocess
@@ -48,13 +51,26 @@ def test_autopar_run_names_the_failed_rank(tmp_path):
     plan = make_plan("gpt", dp=2)
     plan.save(tmp_path / "plan.json")
     start = time.monotonic()
-    done = _cli("run", "--plan", str(tmp_path / "plan.json"), "--nproc-per-node", "2", "--pg-timeout-s", "20",
-                str(SCRIPT), str(tmp_path / "losses.json"), "fail")
+    done = _cli(
+        "run",
+        "--plan",
+        str(tmp_path / "plan.json"),
+        "--nproc-per-node",
+        "2",
+        "--pg-timeout-s",
+        "20",
+        str(SCRIPT),
+        str(tmp_path / "losses.json"),
+        "fail",
+    )
     assert done.returncode == 1
     # the rank exits with code 1, or, when gloo's threads are torn down mid-collective
     # under load, with SIGABRT (seen once in CI); either way the launcher names it and its error
-    assert re.search(r"rank 1 \(local rank 1\) failed with (exit code 1|signal SIGABRT): "
-                     r"RuntimeError: rank 1 fails on purpose", done.stderr), done.stderr[-3000:]
+    assert re.search(
+        r"rank 1 \(local rank 1\) failed with (exit code 1|signal SIGABRT): "
+        r"RuntimeError: rank 1 fails on purpose",
+        done.stderr,
+    ), done.stderr[-3000:]
     assert time.monotonic() - start < 90
 
 
@@ -70,8 +86,22 @@ def test_parsers_register_their_commands():
     sub = parser.add_subparsers()
     add_run_parser(sub)
     add_dry_run_parser(sub)
-    args = parser.parse_args(["run", "--plan", "p.json", "--nproc-per-node", "8", "--nnodes", "2",
-                              "--rdzv-endpoint", "node0:29400", "train.py", "--lr", "3e-4"])
+    args = parser.parse_args(
+        [
+            "run",
+            "--plan",
+            "p.json",
+            "--nproc-per-node",
+            "8",
+            "--nnodes",
+            "2",
+            "--rdzv-endpoint",
+            "node0:29400",
+            "train.py",
+            "--lr",
+            "3e-4",
+        ]
+    )
     assert args.script == "train.py" and args.script_args == ["--lr", "3e-4"] and args.nnodes == 2
     args = parser.parse_args(["dry-run", "--plan", "p.json", "--model", "gpt3-175b"])
     assert args.model == "gpt3-175b"
@@ -80,8 +110,9 @@ def test_parsers_register_their_commands():
 def _big_plan(**config):
     cluster = autopar.Cluster.preset("dgx-a100-80gb", nodes=8)
     base = {"micro_batch_size": 1, "num_microbatches": 16, "sequence_parallel": True}
-    return autopar.estimate(build_named_model("gpt3-175b"), cluster, {**base, **config}, global_batch_size=16,
-                            seq_len=2048)
+    return autopar.estimate(
+        build_named_model("gpt3-175b"), cluster, {**base, **config}, global_batch_size=16, seq_len=2048
+    )
 
 
 def _expected_param_bytes(model, plan, pipeline_rank):
@@ -95,7 +126,8 @@ def _expected_param_bytes(model, plan, pipeline_rank):
                 leaf = f"{unit}.{name}".rsplit(".", 1)[0]
                 style = styles.get(leaf, autopar.TPStyle.REPLICATE)
                 split = style in (autopar.TPStyle.COLUMN, autopar.TPStyle.VOCAB) or (
-                    style is autopar.TPStyle.ROW and name.endswith("weight"))
+                    style is autopar.TPStyle.ROW and name.endswith("weight")
+                )
                 total += 4 * (p.numel() // tp if split else p.numel())
     return total
 

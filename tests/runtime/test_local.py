@@ -4,10 +4,10 @@ and optimizer."""
 
 import pytest
 import torch
+from parity import MLP_CFG, build, make_plan, megatron_styles, mse_loss
 
 from autopar.runtime.local import run_locally
 from autopar.runtime.spmd import SPMDSettings
-from parity import MLP_CFG, build, make_plan, megatron_styles, mse_loss
 
 pytestmark = pytest.mark.multiprocess
 
@@ -45,9 +45,18 @@ def test_tensor_parallel_mlp_runs_with_a_sample_input():
     inputs to trace; ``run_locally`` hands it to ``parallelize``."""
     plan = make_plan("mlp", tp=2, styles=megatron_styles("mlp"))
     sample = _mlp_batches(plan.config.micro_batch_size, 0)[0]
-    got = run_locally(lambda: build("mlp"), plan, _mlp_batches, loss_fn=mse_loss, steps=3, warmup=1,
-                      measure_memory=False, lr=LR, settings=SPMDSettings(timeout_s=90, pg_timeout_s=30),
-                      sample_input=sample)
+    got = run_locally(
+        lambda: build("mlp"),
+        plan,
+        _mlp_batches,
+        loss_fn=mse_loss,
+        steps=3,
+        warmup=1,
+        measure_memory=False,
+        lr=LR,
+        settings=SPMDSettings(timeout_s=90, pg_timeout_s=30),
+        sample_input=sample,
+    )
     expected = _reference_losses(3, plan.config.global_batch_size)
     torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(expected), rtol=0, atol=ADAM_LOSS_ATOL)
     assert len(got.step_times_s) == 2

@@ -4,12 +4,12 @@ import dataclasses
 
 import pytest
 import torch
+from parity import LOSSES, LR, batches, build, make_plan, megatron_styles, reference, run, train
 from torch.distributed.tensor import DTensor
 
 import autopar
 from autopar.runtime.api import parallelize
 from autopar.runtime.loss_scale import LossScaler
-from parity import LOSSES, LR, batches, build, make_plan, megatron_styles, reference, run, train
 
 pytestmark = pytest.mark.multiprocess
 
@@ -59,17 +59,23 @@ def _overflow(rank, world, plan, bad_rank):
     if rank == bad_rank:  # one element of one rank's gradient overflows
         grad = next(p.grad for p in job.parameters() if p.grad is not None)
         (grad.to_local() if isinstance(grad, DTensor) else grad).view(-1)[0] = float("inf")
-    before = {n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone() for n, p in job.named_parameters().items()}
+    before = {
+        n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone() for n, p in job.named_parameters().items()
+    }
     out["norm"] = job.clip_grad_norm_(1.0)
     opt.step()
     opt.zero_grad()
-    out["unchanged"] = all(torch.equal((p.to_local() if isinstance(p, DTensor) else p), before[n])
-                           for n, p in job.named_parameters().items())
+    out["unchanged"] = all(
+        torch.equal((p.to_local() if isinstance(p, DTensor) else p), before[n])
+        for n, p in job.named_parameters().items()
+    )
     out["scale1"] = job.loss_scale
     job.step(data[1])
     opt.step()
-    out["moved"] = not all(torch.equal((p.to_local() if isinstance(p, DTensor) else p), before[n])
-                           for n, p in job.named_parameters().items())
+    out["moved"] = not all(
+        torch.equal((p.to_local() if isinstance(p, DTensor) else p), before[n])
+        for n, p in job.named_parameters().items()
+    )
     out["scale2"] = job.loss_scale
     return out
 

@@ -20,12 +20,23 @@ def _run(num_microbatches: int, **config) -> tuple[list[float], list[float], aut
     """Predicted and measured peak tensor bytes of every rank."""
     config = {"dp": 1, "tp": 1, "pp": 1, "micro_batch_size": 4, "recompute": "none", "dtype": "fp32", **config}
     cluster = autopar.Cluster.preset("local-cpu", devices_per_node=config["tp"] * config["pp"])
-    plan = autopar.estimate(GPT(CFG), cluster, config, global_batch_size=config["micro_batch_size"] * num_microbatches,
-                            seq_len=CFG.seq_len)
-    run = run_locally(lambda: GPT(CFG), plan, token_batches(CFG.vocab_size, CFG.seq_len), steps=2, warmup=0,
-                      settings=SPMDSettings(timeout_s=120, pg_timeout_s=60))
-    stage = {r: s.memory for s in plan.prediction.stages for r in range(len(run.peak_memory_bytes))
-             if r // config["tp"] == s.index % config["pp"]}
+    plan = autopar.estimate(
+        GPT(CFG), cluster, config, global_batch_size=config["micro_batch_size"] * num_microbatches, seq_len=CFG.seq_len
+    )
+    run = run_locally(
+        lambda: GPT(CFG),
+        plan,
+        token_batches(CFG.vocab_size, CFG.seq_len),
+        steps=2,
+        warmup=0,
+        settings=SPMDSettings(timeout_s=120, pg_timeout_s=60),
+    )
+    stage = {
+        r: s.memory
+        for s in plan.prediction.stages
+        for r in range(len(run.peak_memory_bytes))
+        if r // config["tp"] == s.index % config["pp"]
+    }
     predicted = [stage[r].total_bytes - stage[r].reserve_bytes for r in range(len(run.peak_memory_bytes))]
     return predicted, [float(b) for b in run.peak_memory_bytes], plan
 
@@ -90,12 +101,23 @@ def test_a_megatron_layout_shards_what_the_attention_core_keeps():
     the prediction matches the meter within 1% (with them replicated it was 1.7% over)."""
     cfg = GPTConfig(vocab_size=1024, seq_len=128, dim=256, n_layers=1, n_heads=4)
     cluster = autopar.Cluster.preset("local-cpu", devices_per_node=2)
-    plan = autopar.estimate(GPT(cfg), cluster, {"dp": 1, "tp": 2, "pp": 1, "micro_batch_size": 8, "recompute": "none",
-                                               "dtype": "fp32"}, global_batch_size=8, seq_len=cfg.seq_len)
+    plan = autopar.estimate(
+        GPT(cfg),
+        cluster,
+        {"dp": 1, "tp": 2, "pp": 1, "micro_batch_size": 8, "recompute": "none", "dtype": "fp32"},
+        global_batch_size=8,
+        seq_len=cfg.seq_len,
+    )
     assert plan.layer_strategies.tp.get("layers.0.attention.wq") is TPStyle.COLUMN
     assert plan.layer_strategies.tp.get("layers.0.attention.wo") is TPStyle.ROW
-    run = run_locally(lambda: GPT(cfg), plan, token_batches(cfg.vocab_size, cfg.seq_len), steps=2, warmup=0,
-                      settings=SPMDSettings(timeout_s=120, pg_timeout_s=60))
+    run = run_locally(
+        lambda: GPT(cfg),
+        plan,
+        token_batches(cfg.vocab_size, cfg.seq_len),
+        steps=2,
+        warmup=0,
+        settings=SPMDSettings(timeout_s=120, pg_timeout_s=60),
+    )
     mem = plan.prediction.stages[0].memory
     for got in run.peak_memory_bytes:
         assert mem.total_bytes - mem.reserve_bytes == pytest.approx(got, rel=0.01)

@@ -3,12 +3,12 @@ state: DDP allocates its gradient buckets a second time, once, early in training
 
 import pytest
 import torch
+from parity import mse_loss
 
 import autopar
 from autopar.models import MLPConfig, MLPStack
 from autopar.runtime.local import run_locally
 from autopar.runtime.spmd import SPMDSettings
-from parity import mse_loss
 
 pytestmark = pytest.mark.multiprocess
 
@@ -30,12 +30,23 @@ def test_ddp_peaks_at_its_bucket_rebuild_as_predicted():
     with torch.device("meta"):
         model = MLPStack(WIDE)
     params = sum(p.numel() for p in model.parameters())
-    plan = autopar.estimate(model, cluster, {"dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 4, "zero_stage": 0,
-                                             "dtype": "fp32"},
-                            global_batch_size=8, sample_input=torch.zeros(1, WIDE.in_dim, device="meta"))
+    plan = autopar.estimate(
+        model,
+        cluster,
+        {"dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 4, "zero_stage": 0, "dtype": "fp32"},
+        global_batch_size=8,
+        sample_input=torch.zeros(1, WIDE.in_dim, device="meta"),
+    )
     hand = params * 4 * (1 + 1 + 2 + 1)
-    run = run_locally(lambda: MLPStack(WIDE), plan, _batches, loss_fn=mse_loss, steps=1, warmup=0,
-                      settings=SPMDSettings(timeout_s=120, pg_timeout_s=60))
+    run = run_locally(
+        lambda: MLPStack(WIDE),
+        plan,
+        _batches,
+        loss_fn=mse_loss,
+        steps=1,
+        warmup=0,
+        settings=SPMDSettings(timeout_s=120, pg_timeout_s=60),
+    )
     for peak in run.peak_memory_bytes:
         assert hand <= peak <= hand * 1.02, (peak, hand)
     allocated = plan.prediction.stages[0].memory

@@ -3,10 +3,10 @@ seeded single-process model gets from the same init function."""
 
 import pytest
 import torch
+from parity import GPT_CFG, assert_parity, build, make_plan, megatron_styles, reference, run, train
 from torch import nn
 
 from autopar.runtime.init import initialize, unit_seed
-from parity import GPT_CFG, assert_parity, build, make_plan, megatron_styles, reference, run, train
 
 pytestmark = pytest.mark.multiprocess
 
@@ -30,10 +30,13 @@ def _meta_gpt() -> nn.Module:
     return build("gpt", "meta")
 
 
-@pytest.mark.parametrize("config", [
-    dict(dp=2, tp=2, zero_stage=3),   # FSDP2 shards on meta, then each rank fills its own shards
-    dict(tp=2, pp=2),                 # tied embedding and head initialised on different pipeline ranks
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(dp=2, tp=2, zero_stage=3),  # FSDP2 shards on meta, then each rank fills its own shards
+        dict(tp=2, pp=2),  # tied embedding and head initialised on different pipeline ranks
+    ],
+)
 def test_meta_model_trains_like_the_seeded_reference(config):
     plan = make_plan("gpt", styles=megatron_styles("gpt"), **config)
     ref_model = initialize(_meta_gpt(), plan.model.units, gpt2_init, seed=SEED)

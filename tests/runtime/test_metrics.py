@@ -3,20 +3,20 @@ records its wall time, loss and peak memory."""
 
 import pytest
 import torch
+from parity import LR, batches, build, make_plan, run, token_loss
 
 from autopar.runtime.api import parallelize
 from autopar.runtime.metrics import TensorBytesMeter
-from parity import LR, batches, build, make_plan, run, token_loss
 
 
 def test_meter_counts_live_storages_and_their_peak():
-    base = torch.zeros(256)                              # alive before: 1 KiB
+    base = torch.zeros(256)  # alive before: 1 KiB
     with TensorBytesMeter(torch.device("cpu"), [base]) as meter:
-        a = torch.ones(1000)                             # +4000
-        b = a.view(10, 100)                              # a view: no new storage
-        c = torch.ones(2000, dtype=torch.float64)        # +16000 -> peak 21024
-        del a, b, c                                      # freed
-        d = torch.ones(100)                              # +400
+        a = torch.ones(1000)  # +4000
+        b = a.view(10, 100)  # a view: no new storage
+        c = torch.ones(2000, dtype=torch.float64)  # +16000 -> peak 21024
+        del a, b, c  # freed
+        d = torch.ones(100)  # +400
         assert meter.current_bytes == 1024 + 400
     assert meter.peak_bytes == 1024 + 4000 + 16000
     del d
@@ -26,13 +26,13 @@ def test_meter_follows_storage_resizes():
     """FSDP2 frees unsharded parameters by resizing their storage to 0 and regrows the
     same storage for the next all-gather; no op the dispatch mode sees does either."""
     gathered = torch.empty(1000)
-    gathered.untyped_storage().resize_(0)                # freed before the step
+    gathered.untyped_storage().resize_(0)  # freed before the step
     with TensorBytesMeter(torch.device("cpu")) as meter:
-        gathered.untyped_storage().resize_(4000)         # all-gathered: +4000
-        out = gathered * 2                               # +4000; reads the regrown storage
-        gathered.untyped_storage().resize_(0)            # resharded: -4000
+        gathered.untyped_storage().resize_(4000)  # all-gathered: +4000
+        out = gathered * 2  # +4000; reads the regrown storage
+        gathered.untyped_storage().resize_(0)  # resharded: -4000
         assert meter.current_bytes == 4000
-        gathered.untyped_storage().resize_(4000)         # gathered again (new data pointer): +4000
+        gathered.untyped_storage().resize_(4000)  # gathered again (new data pointer): +4000
         assert meter.current_bytes == 8000
         gathered.untyped_storage().resize_(0)
         assert meter.current_bytes == 4000

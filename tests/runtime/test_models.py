@@ -7,12 +7,12 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from parity import LOSS_ATOL, LR, PARAM_ATOL, SEQ, VOCAB, RunResult, all_params, assert_parity, batches, resumable, run
 from torch import nn
 
 import autopar
 from autopar.models import CNNConfig, ResNet
 from autopar.runtime.api import parallelize
-from parity import LOSS_ATOL, LR, PARAM_ATOL, SEQ, VOCAB, RunResult, all_params, assert_parity, batches, resumable, run
 
 pytestmark = pytest.mark.multiprocess
 transformers = pytest.importorskip("transformers")
@@ -22,16 +22,39 @@ LAYERS = 2
 
 def gpt2():
     torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=LAYERS, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0))
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=SEQ,
+            n_embd=32,
+            n_layer=LAYERS,
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            use_cache=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
 
 
 def llama():
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=SEQ, use_cache=False, bos_token_id=0, eos_token_id=0))
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+            use_cache=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
 
 
 def resnet():
@@ -55,10 +78,17 @@ def megatron(name, sp):
         norms, prefix, ends = ("ln_1", "ln_2"), "transformer.h", {"transformer.wte": "vocab", "lm_head": "column"}
         final = "transformer.ln_f"
     else:
-        block = {f"self_attn.{p}_proj": "column" for p in "qkv"} | {"self_attn.o_proj": "row", "mlp.gate_proj": "column",
-                                                                   "mlp.up_proj": "column", "mlp.down_proj": "row"}
-        norms, prefix, ends = ("input_layernorm", "post_attention_layernorm"), "model.layers", \
-            {"model.embed_tokens": "vocab", "lm_head": "column"}
+        block = {f"self_attn.{p}_proj": "column" for p in "qkv"} | {
+            "self_attn.o_proj": "row",
+            "mlp.gate_proj": "column",
+            "mlp.up_proj": "column",
+            "mlp.down_proj": "row",
+        }
+        norms, prefix, ends = (
+            ("input_layernorm", "post_attention_layernorm"),
+            "model.layers",
+            {"model.embed_tokens": "vocab", "lm_head": "column"},
+        )
         final = "model.norm"
     styles = dict(ends)
     for i in range(LAYERS):
@@ -75,11 +105,16 @@ def make(model, styles=None, sample=None, **config):
     world = config["dp"] * config["tp"] * config["pp"]
     gbs = config["dp"] * config["micro_batch_size"] * config["num_microbatches"]
     kwargs = {"sample_input": sample} if sample is not None else {"seq_len": SEQ}
-    plan = autopar.estimate(model, autopar.Cluster.preset("local-cpu", devices_per_node=world), config,
-                            global_batch_size=gbs, **kwargs)
+    plan = autopar.estimate(
+        model, autopar.Cluster.preset("local-cpu", devices_per_node=world), config, global_batch_size=gbs, **kwargs
+    )
     if styles is not None:
-        plan = dataclasses.replace(plan, layer_strategies=dataclasses.replace(
-            plan.layer_strategies, tp={k: autopar.TPStyle(v) for k, v in styles.items()}))
+        plan = dataclasses.replace(
+            plan,
+            layer_strategies=dataclasses.replace(
+                plan.layer_strategies, tp={k: autopar.TPStyle(v) for k, v in styles.items()}
+            ),
+        )
     return plan
 
 
@@ -93,8 +128,9 @@ def hf_reference(name, plan, steps=5):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return RunResult(losses=losses, params={n: p.detach().clone()
-                                           for n, p in model.named_parameters(remove_duplicate=False)})
+    return RunResult(
+        losses=losses, params={n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    )
 
 
 def hf_train(rank, world, name, plan, steps=5):
@@ -113,24 +149,43 @@ def as_reference_shapes(results, ref):
     autopar.runtime.hf); compare it in the library's (in, 3 x hidden) layout."""
     out = []
     for res in results:
-        params = {n: v.reshape(ref.params[n].shape) if n.endswith(("c_attn.weight", "c_attn.bias")) else v
-                  for n, v in res.params.items()}
+        params = {
+            n: v.reshape(ref.params[n].shape) if n.endswith(("c_attn.weight", "c_attn.bias")) else v
+            for n, v in res.params.items()
+        }
         out.append(dataclasses.replace(res, params=params))
     return out
 
 
-@pytest.mark.parametrize("name,case", [("gpt2", "dp2"), ("gpt2", "tp2"), ("gpt2", "tp2-sp"), ("llama", "tp2-sp"),
-                                       ("llama", "dp2-tp2"), ("gpt2", "pp2"), ("llama", "pp2"),
-                                       ("gpt2", "dp2-pp2"), ("llama", "tp2-pp2-sp"), ("gpt2", "2x2x2")])
+@pytest.mark.parametrize(
+    "name,case",
+    [
+        ("gpt2", "dp2"),
+        ("gpt2", "tp2"),
+        ("gpt2", "tp2-sp"),
+        ("llama", "tp2-sp"),
+        ("llama", "dp2-tp2"),
+        ("gpt2", "pp2"),
+        ("llama", "pp2"),
+        ("gpt2", "dp2-pp2"),
+        ("llama", "tp2-pp2-sp"),
+        ("gpt2", "2x2x2"),
+    ],
+)
 def test_transformers_models(name, case):
     """Each split against the unsplit single-process model. Pipeline stages run their
     share of transformers' forward (autopar.runtime.decoder_stages); GPT-2's head is
     tied to its token embedding across the two stages."""
-    spec = {"dp2": dict(dp=2), "tp2": dict(tp=2), "tp2-sp": dict(tp=2, sequence_parallel=True),
-            "dp2-tp2": dict(dp=2, tp=2, zero_stage=3), "pp2": dict(pp=2),
-            "dp2-pp2": dict(dp=2, pp=2, zero_stage=3),
-            "tp2-pp2-sp": dict(tp=2, pp=2, sequence_parallel=True),
-            "2x2x2": dict(dp=2, tp=2, pp=2, zero_stage=2, sequence_parallel=True)}[case]
+    spec = {
+        "dp2": dict(dp=2),
+        "tp2": dict(tp=2),
+        "tp2-sp": dict(tp=2, sequence_parallel=True),
+        "dp2-tp2": dict(dp=2, tp=2, zero_stage=3),
+        "pp2": dict(pp=2),
+        "dp2-pp2": dict(dp=2, pp=2, zero_stage=3),
+        "tp2-pp2-sp": dict(tp=2, pp=2, sequence_parallel=True),
+        "2x2x2": dict(dp=2, tp=2, pp=2, zero_stage=2, sequence_parallel=True),
+    }[case]
     styles = megatron(name, spec.get("sequence_parallel", False)) if spec.get("tp", 1) > 1 else None
     plan = make(BUILD[name](), styles, **spec)
     ref = hf_reference(name, plan)
@@ -236,7 +291,9 @@ def test_fused_qkv_checkpoint_loads_under_another_layout(tmp_path):
     run(_save_gpt2, 2, saver, str(tmp_path), 2)
     ref = hf_reference("gpt2", saver, steps=2)
     for params in run(_load_gpt2, 2, loader, str(tmp_path)):
-        assert params["transformer.h.0.attn.c_attn.weight"].shape == ref.params["transformer.h.0.attn.c_attn.weight"].shape
+        assert (
+            params["transformer.h.0.attn.c_attn.weight"].shape == ref.params["transformer.h.0.attn.c_attn.weight"].shape
+        )
         for name, value in params.items():
             torch.testing.assert_close(value, ref.params[name], rtol=0, atol=PARAM_ATOL)
 

@@ -2,7 +2,6 @@
 single-process run of the same model, data and seed (tolerances in parity.py)."""
 
 import pytest
-
 from parity import assert_parity, make_plan, megatron_styles, reference, run, train
 
 pytestmark = pytest.mark.multiprocess
@@ -21,8 +20,11 @@ CASES = {
 
 def _plan(name, spec):
     spec = dict(spec)
-    styles = megatron_styles(name, sequence_parallel=spec.get("sequence_parallel", False)) \
-        if spec.pop("tp_styles", False) else None
+    styles = (
+        megatron_styles(name, sequence_parallel=spec.get("sequence_parallel", False))
+        if spec.pop("tp_styles", False)
+        else None
+    )
     return make_plan(name, styles=styles, **spec)
 
 
@@ -48,8 +50,18 @@ def test_gpt_3d_zero3_interleaved_sp():
     """The 2x2x2 mesh with everything on: FSDP2 (ZeRO-3), Megatron TP with sequence
     parallelism, interleaved 1F1B over 4 stages, tied embedding and head split across
     the first and last pipeline rank."""
-    plan = make_plan("gpt", dp=2, tp=2, pp=2, zero_stage=3, schedule="interleaved-1f1b", virtual_stages=2,
-                     num_microbatches=2, sequence_parallel=True, styles=megatron_styles("gpt", sequence_parallel=True))
+    plan = make_plan(
+        "gpt",
+        dp=2,
+        tp=2,
+        pp=2,
+        zero_stage=3,
+        schedule="interleaved-1f1b",
+        virtual_stages=2,
+        num_microbatches=2,
+        sequence_parallel=True,
+        styles=megatron_styles("gpt", sequence_parallel=True),
+    )
     assert_parity(run(train, 8, "gpt", plan, timeout_s=120), reference("gpt", plan))
 
 
@@ -62,15 +74,19 @@ def test_vocabulary_that_does_not_divide():
 
 
 @pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "no-sp"])
-@pytest.mark.parametrize("tok,pos", [("vocab", "vocab"), ("vocab", "replicate"), ("replicate", "vocab"),
-                                     ("replicate", "replicate")])
+@pytest.mark.parametrize(
+    "tok,pos", [("vocab", "vocab"), ("vocab", "replicate"), ("replicate", "vocab"), ("replicate", "replicate")]
+)
 def test_embedding_styles(tok, pos, sequence_parallel):
     """Every style the planner can give a GPT's two embeddings. The position table is
     looked up with ``arange(seq)``, so its output is ``(seq, dim)``, broadcast onto the
     ``(batch, seq, dim)`` token embeddings: sequence-sharded, it must split dim 0, not
     dim 1 (a vocab-parallel ``pos_embeddings`` with sequence parallelism once failed in
     ``GPT.forward`` with 'size of tensor a (256) must match ... b (64)' at dim 256, tp=4)."""
-    styles = {**megatron_styles("gpt", sequence_parallel=sequence_parallel), "tok_embeddings": tok,
-              "pos_embeddings": pos}
+    styles = {
+        **megatron_styles("gpt", sequence_parallel=sequence_parallel),
+        "tok_embeddings": tok,
+        "pos_embeddings": pos,
+    }
     plan = make_plan("gpt", tp=2, styles=styles, sequence_parallel=sequence_parallel)
     assert_parity(run(train, 2, "gpt", plan), reference("gpt", plan))

@@ -7,22 +7,25 @@ from collections import Counter
 
 import pytest
 import torch
+from parity import GPT_CFG, batches, build, make_plan, megatron_styles, run, token_loss
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autopar.errors import AutoparError
 from autopar.models import CNNConfig, ResNet
 from autopar.runtime.api import parallelize
 from autopar.runtime.recompute import clean_fqn
-from autopar.errors import AutoparError
-from parity import GPT_CFG, batches, build, make_plan, megatron_styles, run, token_loss
 
 pytestmark = pytest.mark.multiprocess
 
 
 def _local_shapes(rank, world, plan):
     job = parallelize(build("gpt"), plan, loss_fn=token_loss)
-    return {clean_fqn(n): tuple((p.to_local() if isinstance(p, DTensor) else p).shape)
-            for s in job.stages for n, p in s.named_parameters()}
+    return {
+        clean_fqn(n): tuple((p.to_local() if isinstance(p, DTensor) else p).shape)
+        for s in job.stages
+        for n, p in s.named_parameters()
+    }
 
 
 def test_local_shapes_follow_the_plan():
@@ -33,14 +36,14 @@ def test_local_shapes_follow_the_plan():
     shapes = run(_local_shapes, 8, plan, timeout_s=120)
     d, v, f = GPT_CFG.dim, GPT_CFG.vocab_size, GPT_CFG.ffn_dim
     first = shapes[0]
-    assert first["layers.0.attention.wq.weight"] == (d // 2 // 2, d)       # column: out/tp, then /dp
-    assert first["layers.0.attention.wo.weight"] == (d // 2, d // 2)       # row: in/tp, then out/dp
+    assert first["layers.0.attention.wq.weight"] == (d // 2 // 2, d)  # column: out/tp, then /dp
+    assert first["layers.0.attention.wo.weight"] == (d // 2, d // 2)  # row: in/tp, then out/dp
     assert first["layers.0.feed_forward.w1.weight"] == (f // 2 // 2, d)
-    assert first["tok_embeddings.weight"] == (v // 2 // 2, d)              # vocab: rows/tp, then /dp
-    assert first["layers.0.attention_norm.weight"] == (d // 2,)            # replicated over tp, /dp
+    assert first["tok_embeddings.weight"] == (v // 2 // 2, d)  # vocab: rows/tp, then /dp
+    assert first["layers.0.attention_norm.weight"] == (d // 2,)  # replicated over tp, /dp
     assert set(first) == {n for n in first if n.startswith(plan.stages[0])}
     last = shapes[7]
-    assert last["output.weight"] == (v // 2 // 2, d)                       # column head
+    assert last["output.weight"] == (v // 2 // 2, d)  # column head
     assert not any(n.startswith(plan.stages[0]) for n in last)
 
 
@@ -56,7 +59,11 @@ class _CountCollectives(TorchDispatchMode):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
         if func.namespace == "_c10d_functional" and func._opname in (
-                "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"):
+            "all_reduce",
+            "all_gather_into_tensor",
+            "reduce_scatter_tensor",
+            "all_to_all_single",
+        ):
             self.counts[func._opname] += 1
         return func(*args, **(kwargs or {}))
 
@@ -82,12 +89,16 @@ def test_collectives_of_one_step_match_the_plan(sp):
     vocabulary-parallel loss all-reduces the max, the sum of exponentials and the target
     logit (the three the planner prices in loss_parallel_s)."""
     m, layers = 2, GPT_CFG.n_layers
-    plan = make_plan("gpt", tp=2, num_microbatches=m, sequence_parallel=sp,
-                     styles=megatron_styles("gpt", sequence_parallel=sp))
+    plan = make_plan(
+        "gpt", tp=2, num_microbatches=m, sequence_parallel=sp, styles=megatron_styles("gpt", sequence_parallel=sp)
+    )
     counts = run(_count_step, 2, plan)
     if sp:
-        expected = {"all_gather_into_tensor": m * (4 * layers + 2), "reduce_scatter_tensor": m * (4 * layers + 1),
-                    "all_reduce": m * (1 + 3)}
+        expected = {
+            "all_gather_into_tensor": m * (4 * layers + 2),
+            "reduce_scatter_tensor": m * (4 * layers + 1),
+            "all_reduce": m * (1 + 3),
+        }
     else:
         expected = {"all_reduce": m * (4 * layers + 1 + 1 + 3)}
     assert counts == [expected, expected]
@@ -117,23 +128,35 @@ def test_world_size_mismatch_fails_on_every_rank_fast():
 
 def _resnet(rank, world, plan):
     model = ResNet(CNNConfig(image_size=8, width=4, stages=2, blocks_per_stage=1, num_classes=4))
-    return _error_of(lambda: parallelize(model, plan, loss_fn=torch.nn.functional.cross_entropy,
-                                         sample_input=torch.zeros(1, 3, 8, 8)))
+    return _error_of(
+        lambda: parallelize(
+            model, plan, loss_fn=torch.nn.functional.cross_entropy, sample_input=torch.zeros(1, 3, 8, 8)
+        )
+    )
 
 
 def test_style_a_layer_cannot_take_names_the_layer_on_every_rank():
     """A column split on a Conv2d is refused with a ShardingError naming the layer,
     raised identically on both ranks before any collective."""
-    import autopar
     import dataclasses
 
+    import autopar
+
     model = ResNet(CNNConfig(image_size=8, width=4, stages=2, blocks_per_stage=1, num_classes=4))
-    plan = autopar.estimate(model, autopar.Cluster.preset("local-cpu", devices_per_node=2),
-                            {"dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 1, "num_microbatches": 1, "dtype": "fp32"},
-                            global_batch_size=2, sample_input=torch.zeros(1, 3, 8, 8))
+    plan = autopar.estimate(
+        model,
+        autopar.Cluster.preset("local-cpu", devices_per_node=2),
+        {"dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 1, "num_microbatches": 1, "dtype": "fp32"},
+        global_batch_size=2,
+        sample_input=torch.zeros(1, 3, 8, 8),
+    )
     # by hand: the planner itself never puts tp > 1 on a model whose layers cannot split
-    plan = dataclasses.replace(plan, config=dataclasses.replace(plan.config, dp=1, tp=2, micro_batch_size=2),
-                               layer_strategies=dataclasses.replace(plan.layer_strategies,
-                                                                    tp={"layers.0.conv1": autopar.TPStyle.COLUMN}))
+    plan = dataclasses.replace(
+        plan,
+        config=dataclasses.replace(plan.config, dp=1, tp=2, micro_batch_size=2),
+        layer_strategies=dataclasses.replace(plan.layer_strategies, tp={"layers.0.conv1": autopar.TPStyle.COLUMN}),
+    )
     for kind, message in run(_resnet, 2, plan):
-        assert kind == "ShardingError" and message.startswith("the plan gives layer 'layers.0.conv1' (a Conv2d) the tensor-parallel style 'column'")
+        assert kind == "ShardingError" and message.startswith(
+            "the plan gives layer 'layers.0.conv1' (a Conv2d) the tensor-parallel style 'column'"
+        )

@@ -10,11 +10,11 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch.distributed as dist  # noqa: E402
+import torch.distributed as dist
+from parity import LR, batches, build, token_loss
 
-import autopar.runtime.launch as launch  # noqa: E402
-from autopar.runtime.api import parallelize  # noqa: E402
-from parity import LR, batches, build, token_loss  # noqa: E402
+import autopar.runtime.launch as launch
+from autopar.runtime.api import parallelize
 
 
 @record

@@ -1,15 +1,39 @@
 """autopar: plan and run data x tensor x pipeline parallel training for PyTorch.
 
-plan = autopar.plan(model, autopar.Cluster.preset("dgx-a100-80gb", nodes=128),
+plan = autopar.plan(model, autopar.preset("dgx-a100-80gb", nodes=128),
                     global_batch_size=1536, seq_len=2048)
-print(plan.explain())
+print(autopar.explain(plan))
 """
 
-from autopar.cluster import Cluster, DeviceSpec, LinkSpec
-from autopar.errors import AutoparError, ClusterError, ConfigError, InfeasiblePlanError, ModelError, PlanFormatError
+from autopar.errors import (
+    AutoparError,
+    ClusterError,
+    ConfigError,
+    InfeasiblePlanError,
+    ModelError,
+    PlanFormatError,
+    ProfileFormatError,
+)
+from autopar.hardware import (
+    Cluster,
+    DeviceMemory,
+    DeviceSpec,
+    HostEffects,
+    LinkSpec,
+    Roofline,
+    load_cluster,
+    parse_cluster,
+    preset,
+    preset_names,
+    save_cluster,
+)
 from autopar.plan import Alternative, LayerStrategies, ParallelConfig, Plan, Prediction
+from autopar.present import explain
+from autopar.profiles import ProfileReport, cluster_from_profiles
 from autopar.search.planner import estimate, plan
 from autopar.vocab import Attention, DType, MeshAxis, Optimizer, Recompute, Schedule, TPStyle
+
+__version__ = "0.2.0"
 
 __all__ = [
     "Alternative",
@@ -19,7 +43,9 @@ __all__ = [
     "ClusterError",
     "ConfigError",
     "DType",
+    "DeviceMemory",
     "DeviceSpec",
+    "HostEffects",
     "InfeasiblePlanError",
     "Job",
     "LayerStrategies",
@@ -31,12 +57,23 @@ __all__ = [
     "Plan",
     "PlanFormatError",
     "Prediction",
+    "ProfileFormatError",
+    "ProfileReport",
     "Recompute",
+    "Roofline",
     "Schedule",
     "TPStyle",
+    "__version__",
+    "cluster_from_profiles",
     "estimate",
+    "explain",
+    "load_cluster",
     "parallelize",
+    "parse_cluster",
     "plan",
+    "preset",
+    "preset_names",
+    "save_cluster",
 ]
 
 

@@ -23,6 +23,10 @@ class PlanFormatError(AutoparError, ValueError):
     """A plan file is malformed, of an unknown schema version, or inconsistent."""
 
 
+class ProfileFormatError(AutoparError, ValueError):
+    """A profile report is malformed, of an unknown schema version, or inconsistent."""
+
+
 class InfeasiblePlanError(AutoparError):
     """No configuration in the searched space fits in device memory.
 

@@ -2,24 +2,26 @@
 
 A plan file is the contract between the planner (which may run on a laptop) and the
 runtime (which runs it on the cluster). ``Plan.to_json`` / ``Plan.from_json`` round-trip
-exactly; unknown schema versions and malformed fields are refused with the path of the
-offending field.
+exactly through :mod:`autopar.codec`; unknown schema versions and malformed fields are
+refused with the path of the offending field. Rendering a plan for people is
+:mod:`autopar.present`'s.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from autopar.cluster import Cluster
+from autopar import codec
 from autopar.errors import ConfigError, PlanFormatError
-from autopar.serialize import encode
+from autopar.hardware.cluster import Cluster
 from autopar.vocab import ZERO_STAGES, Attention, DType, Optimizer, Recompute, Schedule, TPStyle
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: the cluster's device is nested by concern (roofline, memory, host effects)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,7 +170,7 @@ class StagePrediction:
 
     ``forward_s``/``backward_s`` are per micro-batch and include tensor-parallel
     communication (with the waits on the group's slowest rank at its blocking
-    collectives, :mod:`autopar.cost.sync`) and recomputation; ``dp_comm_s`` is the step's exposed data-parallel
+    collectives, :func:`autopar.cost.host.ranks_wait_s`) and recomputation; ``dp_comm_s`` is the step's exposed data-parallel
     communication and ``optimizer_s`` the optimizer step.
     """
 
@@ -316,19 +318,14 @@ class Plan:
         """Indices of the stages a pipeline rank runs (stage i on rank i % pp)."""
         return tuple(i for i in range(self.config.num_stages) if i % self.config.pp == pipeline_rank)
 
-    def explain(self, *, top: int = 5) -> str:
-        """A report a person reads: the plan, its predicted cost, and why it won."""
-        from autopar.explain import explain_plan
-
-        return explain_plan(self, top=top)
-
     def to_dict(self) -> dict[str, Any]:
         """JSON-able data, the inverse of :meth:`from_dict`."""
-        return {f: encode(getattr(self, f)) for f in _PLAN_FIELDS}
+        data = codec.encode(self, error=PlanFormatError)
+        return {f: data[f] for f in _PLAN_FIELDS}
 
     def to_json(self) -> str:
         """The plan file's text."""
-        return json.dumps(self.to_dict(), indent=1) + "\n"
+        return json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n"
 
     @staticmethod
     def from_dict(data: Any, *, origin: str = "plan") -> Plan:
@@ -341,9 +338,7 @@ class Plan:
                 f"{origin}: schema_version {version!r} is not supported; this autopar reads version "
                 f"{SCHEMA_VERSION}. Re-create the plan with this autopar version."
             )
-        from autopar.serialize import _decode_dataclass
-
-        return _decode_dataclass(Plan, data, origin)
+        return codec.decode(Plan, data, origin, error=PlanFormatError)
 
     @staticmethod
     def from_json(text: str, *, origin: str = "plan") -> Plan:
@@ -354,28 +349,16 @@ class Plan:
             raise PlanFormatError(f"{origin}: not valid JSON ({exc}).") from None
         return Plan.from_dict(data, origin=origin)
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path) -> Path:
         """Write the plan file (atomically: a crash never leaves half a file)."""
-        p = Path(path)
-        tmp = p.with_name(p.name + ".tmp")
-        tmp.write_text(self.to_json())
-        tmp.replace(p)
+        return codec.write_atomically(path, self.to_json())
 
     @staticmethod
     def load(path: str | Path) -> Plan:
         """Read a plan file written by :meth:`save`."""
-        p = Path(path)
-        try:
-            text = p.read_text()
-        except FileNotFoundError:
-            raise PlanFormatError(
-                f"plan file {str(p)!r} does not exist; create one with 'autopar plan ... --out {p}'."
-            ) from None
-        return Plan.from_json(text, origin=f"plan file {str(p)!r}")
-
-    def with_alternatives(self, alternatives: tuple[Alternative, ...]) -> Plan:
-        """A copy with another list of alternatives."""
-        return replace(self, alternatives=alternatives)
+        remedy = f"create one with 'autopar plan ... --out {path}'"
+        data = codec.read_json(path, what="plan file", error=PlanFormatError, remedy=remedy)
+        return Plan.from_dict(data, origin=f"plan file {str(path)!r}")
 
 
 _PLAN_FIELDS = (

@@ -66,6 +66,29 @@ class TPStyle(StrEnum):
     SEQUENCE = "sequence"
 
 
+class Layout(StrEnum):
+    """How a tensor lies on the tensor-parallel group: replicated (``R``), sharded along
+    its features (``F``), partial sums to be reduced (``P``), or sharded along the
+    sequence (``Q``, sequence parallelism)."""
+
+    R = "R"
+    F = "F"
+    P = "P"
+    Q = "Q"
+
+
+STYLE_IO: dict[TPStyle, tuple[Layout, Layout]] = {
+    TPStyle.REPLICATE: (Layout.R, Layout.R),
+    TPStyle.COLUMN: (Layout.R, Layout.F),
+    TPStyle.ROW: (Layout.F, Layout.P),
+    TPStyle.VOCAB: (Layout.R, Layout.P),
+    TPStyle.SEQUENCE: (Layout.Q, Layout.Q),
+}
+"""The layout each style takes in and gives out: what the planner prices and the runtime
+realises (a column-parallel linear reads a replicated input and writes feature shards; a
+row-parallel one reads feature shards and writes partial sums)."""
+
+
 class DType(StrEnum):
     """Training precision. ``bf16``/``fp16`` mean mixed precision: compute in the low
     precision, fp32 master weights, gradients and optimizer state."""

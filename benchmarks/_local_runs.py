@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 import autopar
+from autopar.profiles.report import ProfileReport
+from autopar.profiles.sections import Timing
 from autopar.runtime.local import BatchFn, LocalRun, cross_entropy, run_locally
 from autopar.runtime.mesh import MeshDims
 from autopar.runtime.spmd import SPMDSettings, run_spmd
@@ -31,7 +33,6 @@ from profiler.device import profile_device
 from profiler.fit import bus_factor
 from profiler.layers import profile_model
 from profiler.network import NetworkSweep, fit_levels, profile_network
-from profiler.report import ProfileReport, Timing
 
 SETTINGS = SPMDSettings(timeout_s=600, pg_timeout_s=120)
 

@@ -23,12 +23,14 @@ from _report import markdown_table, write_csv, write_png, write_result
 from matplotlib.figure import Figure
 
 import autopar
+from autopar.cost.model import CostModel
+from autopar.cost.peak import budget_bytes
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.graph import extract
 from autopar.models import get_named_model
 from autopar.models.registry import build_named_model
-from autopar.search.evaluate import Evaluator
-from autopar.search.planner import ALL_MODES
+from autopar.search.scan import ALL_MODES
+from autopar.search.solve import ConfigSolver
 from autopar.search.space import check_constraints, enumerate_space, tp_degrees
 from autopar.vocab import Optimizer
 
@@ -74,7 +76,7 @@ def main() -> None:
     for name in args.models:
         entry = get_named_model(name)
         for preset, nodes in CLUSTERS:
-            cluster = autopar.Cluster.preset(preset, nodes=nodes)
+            cluster = autopar.preset(preset, nodes=nodes)
             if preset == "local-cpu" and name not in ("gpt2-small", "mlp-wide", "resnet-small", "bert-large"):
                 continue
             model = build_named_model(name)
@@ -202,11 +204,9 @@ def _exhaustive(graph, cluster, batch):
     configs, _ = enumerate_space(graph, cluster, batch, check_constraints({}))
     if len(configs) > EXHAUSTIVE_LIMIT:
         return lambda t: f"skipped ({len(configs)} configs)"
-    ev = Evaluator(
-        graph=graph,
-        cluster=cluster,
-        optimizer=Optimizer.ADAM,
-        global_batch_size=batch,
+    ev = ConfigSolver(
+        model=CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=batch),
+        budget_bytes=budget_bytes(cluster.device.memory),
         micro_batches=tuple(sorted({c.micro_batch_size for c in configs})),
     )
     start = time.perf_counter()

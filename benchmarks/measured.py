@@ -22,7 +22,8 @@ predicted and measured side by side.
     python benchmarks/measured.py [--nproc 4] [--rounds 3] [--steps 8] [--models gpt mlp resnet]
 
 Writes ``benchmarks/results/measured_<date>.md``, ``.csv`` and ``.png``. Numbers vary by tens of
-percent between runs on a shared 2-core machine (shared/TORCH-CPU.md section 10).
+percent between runs on a shared 2-core machine (process start-up and collective latency
+under oversubscription).
 """
 
 from __future__ import annotations
@@ -222,7 +223,7 @@ def main() -> None:
     saved = result_path(NAME, "_profiles.json")
     saved.write_text(json.dumps(profile))
     profile_s = time.perf_counter() - started
-    cluster = autopar.Cluster.preset("local-cpu", devices_per_node=args.nproc)
+    cluster = autopar.preset("local-cpu", devices_per_node=args.nproc)
 
     plans: dict[str, dict[str, autopar.Plan | None]] = {}
     runs: dict[str, Run] = {}

@@ -9,6 +9,7 @@ space small enough to enumerate every configuration, split and per-unit option).
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import random
 import sys
@@ -28,20 +29,22 @@ from test_search_exact import (
     _tiny_cluster,
 )
 
-from autopar.cluster import Cluster
+from autopar.cost.model import CostModel
+from autopar.cost.peak import budget_bytes
 from autopar.graph import extract
+from autopar.hardware import preset
 from autopar.models import GPT, CNNConfig, GPTConfig, ResNet
-from autopar.search.evaluate import Evaluator
 from autopar.search.intra_op import LayoutSolver, brute_force_layout
-from autopar.search.planner import search
+from autopar.search.scan import search
+from autopar.search.solve import ConfigSolver
 from autopar.search.space import check_constraints
-from autopar.search.split import best_split, brute_force_split
+from autopar.search.split import band_of, best_split, brute_force_split
 from autopar.search.stage_solver import brute_force_stage, solve_stage
 from autopar.vocab import Optimizer
 
 
 def layouts(n: int) -> tuple[int, int, float]:
-    cluster = Cluster.preset("dgx-a100-80gb", nodes=2)
+    cluster = preset("dgx-a100-80gb", nodes=2)
     ok, start = 0, time.perf_counter()
     for seed in range(n):
         rng = random.Random(seed)
@@ -84,7 +87,7 @@ def splits(n: int) -> tuple[int, int, float]:
                 for j in range(i + 1, units + 1):
                     if (k == 0) == (i == 0) and (k == count - 1) == (j == units) and rng.random() > 0.15:
                         table[k, i, j] = float(rng.integers(1, 50)) + (j - i)
-        a, b = best_split(table, m), brute_force_split(table, m)
+        a, b = best_split(band_of(table), m), brute_force_split(table, m)
         ok += (a is None and b is None) or (a is not None and b is not None and math.isclose(a[0], b[0]))
     return ok, n, time.perf_counter() - start
 
@@ -111,23 +114,19 @@ def whole() -> list[dict[str, str]]:
             ),
         ),
     ]
-    for name, levels, graph in cases:
+    # a fixed micro-batch, and every micro-batch size (the scan's scaled bounds across sizes)
+    batches = (((2,), {"micro_batch_size": 2}), ((1, 2, 4, 8), {}))
+    for (name, levels, graph), (sizes, constraints) in itertools.product(cases, batches):
         for memory_gib in levels:
             cluster = _tiny_cluster(memory_gib)
-            constraints = {"micro_batch_size": 2}
+            model = CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8)
+            budget = budget_bytes(cluster.device.memory)
             start = time.perf_counter()
-            want = _brute_force_search(
-                Evaluator(
-                    graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8, micro_batches=(2,)
-                ),
-                constraints,
-            )
+            want = _brute_force_search(ConfigSolver(model=model, budget_bytes=budget, micro_batches=sizes), constraints)
             brute_s = time.perf_counter() - start
             start = time.perf_counter()
             got = search(
-                Evaluator(
-                    graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8, micro_batches=(2,)
-                ),
+                ConfigSolver(model=model, budget_bytes=budget, micro_batches=sizes),
                 check_constraints(constraints),
                 top=0,
             )
@@ -137,6 +136,7 @@ def whole() -> list[dict[str, str]]:
             rows.append(
                 {
                     "model": name,
+                    "micro-batch": "/".join(map(str, sizes)),
                     "device memory": f"{memory_gib} GiB",
                     "brute force optimum": f"{want * 1e3:.4f} ms",
                     "search optimum": f"{found * 1e3:.4f} ms",

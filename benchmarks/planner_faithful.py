@@ -46,7 +46,7 @@ def main() -> None:
     rows: list[dict[str, object]] = []
     errors = []
     for label, hidden, heads, layers, gpus, batch, tp, pp, tflops in NARAYANAN_2021:
-        cluster = autopar.Cluster.preset("dgx-a100-80gb", nodes=gpus // 8)
+        cluster = autopar.preset("dgx-a100-80gb", nodes=gpus // 8)
         plan = autopar.estimate(
             _gpt(hidden, heads, layers),
             cluster,
@@ -72,7 +72,7 @@ def main() -> None:
         )
         print(rows[-1], flush=True)
     for recompute, sp, mfu in (("full", False, 42.1), ("selective", True, 54.2)):
-        cluster = autopar.Cluster.preset("dgx-a100-80gb", nodes=280)
+        cluster = autopar.preset("dgx-a100-80gb", nodes=280)
         plan = autopar.estimate(
             _gpt(20480, 128, 105),
             cluster,

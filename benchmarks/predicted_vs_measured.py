@@ -31,8 +31,8 @@ The header gives the CPU other processes took during each measurement round
 ``--profiles`` reuses saved profiles (to see what a cost-model change does to the
 predictions of the same measurements); without it the profiles are measured and saved
 next to the results. Writes ``benchmarks/results/predicted_vs_measured_<date>.md``,
-``.csv`` and ``.png``. Numbers vary by tens of percent between runs on a shared 2-core machine
-(shared/TORCH-CPU.md section 10).
+``.csv`` and ``.png``. Numbers vary by tens of percent between runs on a shared 2-core machine (process
+start-up and collective latency under oversubscription).
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def _targets() -> dict[str, ProfileTarget]:
 
 
 def _estimate(candidate: Candidate, profile: Mapping[str, Any]) -> autopar.Plan:
-    cluster = autopar.Cluster.preset("local-cpu", devices_per_node=candidate.world)
+    cluster = autopar.preset("local-cpu", devices_per_node=candidate.world)
     return autopar.estimate(
         build(),
         cluster,

@@ -23,12 +23,13 @@ from pathlib import Path
 import torch
 
 from autopar.models.registry import build_named_model
+from autopar.profiles.report import ProfileReport
 from autopar.runtime.spmd import SPMDSettings, run_spmd
 from profiler.cli import parse_bytes
 from profiler.device import profile_device
 from profiler.layers import profile_model
 from profiler.network import NetworkSweep, profile_network
-from profiler.report import ProfileReport
+from profiler.render import summary
 
 MODEL_BUDGET_S = 60.0
 NETWORK_BUDGET_S = 120.0
@@ -120,7 +121,7 @@ def _markdown(
         "What was measured:",
         "",
     ]
-    lines += [f"- {line}" for line in report.summary()]
+    lines += [f"- {line}" for line in summary(report)]
     lines += ["", "| unit | x | fwd ms | bwd ms | GFLOP/s |", "|---|---|---|---|---|"]
     lines += [
         f"| {u.fqn} | {len(u.instances)} | {u.fwd.median_s * 1e3:.1f} | {u.bwd.median_s * 1e3:.1f} | "

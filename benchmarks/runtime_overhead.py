@@ -84,7 +84,7 @@ def make_plan(config: dict) -> autopar.Plan:
     full = {"micro_batch_size": MBS, "dtype": "fp32", **config}
     plan = autopar.estimate(
         build(),
-        autopar.Cluster.preset("local-cpu", devices_per_node=world),
+        autopar.preset("local-cpu", devices_per_node=world),
         full,
         global_batch_size=config["dp"] * MBS * config["num_microbatches"],
         seq_len=CFG.seq_len,

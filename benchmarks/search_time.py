@@ -33,7 +33,7 @@ def main() -> None:
         for nodes in args.nodes:
             with torch.device("meta"):
                 model = GPT(GPTConfig(vocab_size=51200, seq_len=2048, dim=8192, n_layers=depth, n_heads=64))
-            cluster = autopar.Cluster.preset("dgx-h100", nodes=nodes)
+            cluster = autopar.preset("dgx-h100", nodes=nodes)
             c0 = time.process_time()
             try:
                 plan = autopar.plan(model, cluster, global_batch_size=4 * cluster.world_size, seq_len=2048)

@@ -5,8 +5,9 @@
     report.save("model.json")
     plan = autopar.plan(model, cluster, ..., profile=report)
 
-Names are imported on first use (PEP 562), so ``import profiler.report`` stays free of
-torch-heavy modules and of autopar: a report is plain data anyone can read.
+Names are imported on first use (PEP 562), so ``import profiler`` stays light. The
+report type is autopar's (:class:`autopar.profiles.ProfileReport`): the profiler writes
+it, the planner reads it, with the same code.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "ProfileReport": "profiler.report",
+    "ProfileReport": "autopar.profiles.report",
     "profile_model": "profiler.layers",
     "LayerSweep": "profiler.layers",
     "profile_device": "profiler.device",

@@ -8,7 +8,7 @@ import shlex
 import sys
 
 from profiler.cli import add_profile_commands, run
-from profiler.doctor import add_doctor_parser
+from profiler.doctor_cli import add_doctor_parser
 
 
 def main(argv: list[str] | None = None) -> int:

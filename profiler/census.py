@@ -2,8 +2,7 @@
 
 - FLOPs: PyTorch's own formulas (``torch.utils.flop_counter.flop_registry``, the table
   ``FlopCounterMode`` uses) applied to every aten op that runs. On real CPU tensors the
-  fused SDPA kernel has no formula and would count as zero (shared/TORCH-CPU.md, section
-  7), so the counting run forces the math attention backend, which decomposes into
+  fused SDPA kernel has no formula and would count as zero, so the counting run forces the math attention backend, which decomposes into
   counted batched matmuls.
 - Saved activations: ``saved_tensors_hooks`` sees every tensor autograd keeps for
   backward; storages are counted once and parameters never (the method of

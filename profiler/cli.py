@@ -133,17 +133,19 @@ def _progress(args: argparse.Namespace) -> Any:
 
 
 def _finish(report: Any, out: Path) -> int:
+    from profiler.render import summary
+
     report.save(out)
-    for line in report.summary():
+    for line in summary(report):
         print(line)
     print(f"wrote {out}")
     return 0
 
 
 def _cmd_model(args: argparse.Namespace) -> int:
+    from autopar.profiles.report import ProfileReport
     from profiler.device import profile_device, resolve_device
     from profiler.layers import LayerSweep, profile_model
-    from profiler.report import ProfileReport
     from profiler.timing import Repeats
 
     device = resolve_device(args.device)
@@ -288,11 +290,11 @@ def _network_local(args: argparse.Namespace, sweep: Any, command: str) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from profiler.render import render_html, render_markdown
-    from profiler.report import ProfileReport
+    from autopar.profiles.report import ProfileReport
+    from profiler.render import render_html, render_markdown, summary
 
     report = ProfileReport.merge(*(ProfileReport.load(p) for p in args.reports))
-    for line in report.summary():
+    for line in summary(report):
         print(line)
     if args.out:
         report.save(args.out)

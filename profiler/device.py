@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from autopar.profiles.report import ProfileReport
+from autopar.profiles.sections import BandwidthPoint, DeviceProfile, MatmulPoint
 from profiler.errors import MeasurementError, SettingsError
 from profiler.framework_overhead import tp_overhead_s
 from profiler.machine import cpu_model, physical_memory_bytes, provenance
-from profiler.report import BandwidthPoint, DeviceProfile, MatmulPoint, ProfileReport
 from profiler.timing import Repeats, time_call, time_calls, timer_name
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

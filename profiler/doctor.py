@@ -13,12 +13,10 @@ and links far slower than their peers. The judgement is :mod:`profiler.doctor_ch
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
 import socket
-import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -28,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from profiler.codec import decode, encode
+from autopar import codec
 from profiler.doctor_checks import (
     ComputeTime,
     Finding,
@@ -43,9 +41,8 @@ from profiler.doctor_checks import (
     check_settings,
     check_speed,
     check_versions,
-    plan_groups,
 )
-from profiler.errors import SettingsError
+from profiler.errors import ProfilerError, SettingsError
 from profiler.machine import software_versions
 from profiler.network import node_label
 from profiler.timing import Stopwatch, synchronize
@@ -122,7 +119,7 @@ class DoctorReport:
 
     def save(self, path: str | Path) -> None:
         """Write the report as JSON."""
-        Path(path).write_text(json.dumps(encode(self), indent=1) + "\n")
+        codec.write_atomically(path, codec.dumps(self, error=ProfilerError))
 
 
 def collect_facts() -> RankFacts:
@@ -190,7 +187,7 @@ def run_doctor(settings: DoctorSettings | None = None) -> DoctorReport | None:
     facts = collect_facts()
     rank, world = facts.rank, int(os.environ["WORLD_SIZE"])
     backend = settings.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    store.set(f"facts/{rank}", json.dumps(encode(facts)))
+    store.set(f"facts/{rank}", json.dumps(codec.encode(facts, error=ProfilerError)))
     findings: list[Finding] = []
     present: list[RankFacts] = []
     if rank == 0:
@@ -220,7 +217,7 @@ def _wait_for_facts(store: Any, world: int, timeout_s: float) -> tuple[dict[int,
     found = {}
     for r, key in enumerate(keys):
         if store.check([key]):
-            found[r] = decode(RankFacts, json.loads(store.get(key)), f"facts of rank {r}")
+            found[r] = codec.decode(RankFacts, json.loads(store.get(key)), f"facts of rank {r}", error=ProfilerError)
     return found, waited
 
 
@@ -419,84 +416,3 @@ def _merge_links(per_rank: list[list[LinkTime]]) -> tuple[LinkTime, ...]:
             if key not in worst or lk.time_s > worst[key].time_s:
                 worst[key] = lk
     return tuple(worst[k] for k in sorted(worst))
-
-
-def _doctor_rank(rank: int, world: int, settings: DoctorSettings) -> DoctorReport | None:
-    return run_doctor(settings)
-
-
-def add_doctor_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``doctor`` (handler ``func(args) -> exit code``: 0 ready, 1 problems)."""
-    p = subparsers.add_parser(
-        "doctor",
-        help="check that every rank joins, agrees and communicates correctly and fast",
-        description=__doc__.split("\n\n")[1] if __doc__ else None,
-    )
-    p.add_argument("--plan", type=Path, help="a plan file: also all-reduce over each of its tp/dp/pp groups")
-    p.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl with CUDA, else gloo")
-    p.add_argument("--join-timeout", type=float, default=60.0, help="seconds to wait for every rank (default 60)")
-    p.add_argument("--pg-timeout", type=float, default=60.0, help="process group timeout in seconds (default 60)")
-    p.add_argument("--link-bytes", type=int, default=0, help="bytes per link test (default 4 MiB CPU, 256 MiB GPU)")
-    p.add_argument("--slow-ratio", type=float, default=0.5, help="flag what runs below this fraction of its peers")
-    p.add_argument("--nproc", type=int, help="launch N local processes instead of running under torchrun")
-    p.add_argument("--out", type=Path, help="also write the report as JSON (rank 0)")
-    p.set_defaults(func=_cmd_doctor)
-    return p
-
-
-def plan_degrees(path: Path) -> tuple[int, int, int]:
-    """``(dp, tp, pp)`` of a plan file, read as data (only the mesh matters here)."""
-    try:
-        config = json.loads(Path(path).read_text())["config"]
-        degrees = tuple(config[k] for k in ("dp", "tp", "pp"))
-    except FileNotFoundError:
-        raise SettingsError(
-            f"plan file {str(path)!r} does not exist; write one with 'autopar plan ... --out'."
-        ) from None
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise SettingsError(
-            f"plan file {str(path)!r} has no readable config.dp/tp/pp ({exc}); is it a plan written by autopar?"
-        ) from None
-    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in degrees):
-        raise SettingsError(f"plan file {str(path)!r}: dp, tp, pp = {degrees} must be positive integers.")
-    return degrees[0], degrees[1], degrees[2]
-
-
-def settings_from_args(args: argparse.Namespace) -> DoctorSettings:
-    """The settings the command line asks for (``--plan`` read into its groups)."""
-    groups: dict[str, tuple[int, ...]] = {}
-    if args.plan is not None:
-        groups = plan_groups(*plan_degrees(args.plan))
-    return DoctorSettings(
-        backend=args.backend,
-        join_timeout_s=args.join_timeout,
-        pg_timeout_s=args.pg_timeout,
-        groups=groups,
-        link_bytes=args.link_bytes,
-        slow_ratio=args.slow_ratio,
-    )
-
-
-def _cmd_doctor(args: argparse.Namespace) -> int:
-    settings = settings_from_args(args)
-    if args.nproc is not None:
-        from profiler.launch import launch_local
-
-        timeout = settings.join_timeout_s + 2 * settings.pg_timeout_s + 120
-        results = launch_local(_doctor_rank, args.nproc, settings, timeout_s=timeout)
-        failed = [r for r in results if not r.ok]
-        for r in failed:
-            print(f"rank {r.rank} failed: {r.error.splitlines()[0]}", file=sys.stderr)
-        report = results[0].value if results[0].ok else None
-    else:
-        report = run_doctor(settings)
-        if int(os.environ.get("RANK", "0")) != 0:
-            return 0
-    if report is None:
-        print("error: rank 0 produced no report (see the errors above)", file=sys.stderr)
-        return 1
-    print(report.text())
-    if args.out:
-        report.save(args.out)
-        print(f"wrote {args.out}")
-    return 0 if report.ok else 1

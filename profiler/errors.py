@@ -1,19 +1,17 @@
 """Typed errors of the profiler. Every message says the value, why it is wrong and what to do.
 
-The profiler's report format must be readable without autopar (``profiler.report``
-imports nothing from it), so these errors stand alone rather than subclassing
-``autopar.errors``.
+They are autopar errors (the profiler builds on autopar), so the ``autopar`` command
+reports them in one line like any other; a malformed report file raises autopar's own
+:class:`~autopar.errors.ProfileFormatError`, which the profile schema defines.
 """
 
 from __future__ import annotations
 
+from autopar.errors import AutoparError, ProfileFormatError
 
-class ProfilerError(Exception):
+
+class ProfilerError(AutoparError):
     """Base class of every error the profiler raises on purpose."""
-
-
-class ProfileFormatError(ProfilerError, ValueError):
-    """A report file is malformed, of an unknown schema version, or inconsistent."""
 
 
 class MeasurementError(ProfilerError, RuntimeError):
@@ -23,3 +21,6 @@ class MeasurementError(ProfilerError, RuntimeError):
 
 class SettingsError(ProfilerError, ValueError):
     """A setting given by the user (sizes, repeats, ranks) is not allowed."""
+
+
+__all__ = ["MeasurementError", "ProfileFormatError", "ProfilerError", "SettingsError"]

@@ -8,21 +8,21 @@ it is a sizeable part of a step:
   collective through the functional-collectives API (an ``AsyncCollectiveTensor`` and a
   wait). The cost model charges ``tp_overhead_s`` per forward of a tensor-parallel leaf,
   ``1 + BACKWARD_FACTOR`` times per micro-batch
-  (:func:`autopar.cost.tensor_parallel.leaf_fwd_s`).
+  (:func:`autopar.cost.leaf.leaf_fwd_s`).
 - **FSDP2** (ZeRO-2/3): per unit and collective, the pre-/post-hooks and the dispatch of
   the copy into the flat all-gather buffer and out of it into the parameters, the
   gradients' copy into the reduce-scatter buffer and the division. The cost model
   charges ``fsdp_overhead_s`` per FSDP collective call and ``fsdp_tensor_overhead_s``
   per parameter tensor of the unit and call, since the copies, views and chunks are
-  dispatched tensor by tensor (:func:`autopar.search.predict.tail_s`); the bytes those
-  copies move at real sizes it prices apart (:func:`autopar.cost.comm.fsdp_copy_s`),
+  dispatched tensor by tensor (:func:`autopar.cost.data_parallel.tail_s`); the bytes those
+  copies move at real sizes it prices apart (:func:`autopar.cost.host.fsdp_copy_s`),
   and here they are nothing.
 
 FSDP2's copies also move bytes in proportion to each unit, and on CPU processes they
 reach well under the streaming bandwidth (many small parameter tensors, cold caches):
 :func:`fsdp_copy_bytes_per_s` measures the rate from the same units at 2.25 MiB each,
 where a call costs more than at 16 KiB, and the cost model prices the copies at it
-(:func:`autopar.cost.comm.fsdp_copy_s`).
+(:func:`autopar.cost.host.fsdp_copy_s`).
 
 Each is measured on a model so small (4 x 64) that its arithmetic is nothing: forward
 and backward sharded, less the same model unsharded, less its collectives as the cost
@@ -44,8 +44,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from autopar.cost.comm import FSDP_COPY_PASSES
-from autopar.cost.tensor_parallel import BACKWARD_FACTOR
+from autopar.cost.host import FSDP_COPY_PASSES
+from autopar.cost.leaf import BACKWARD_FACTOR
 from profiler.timing import Repeats, synchronize
 
 ROWS = 4
@@ -116,7 +116,7 @@ def fsdp_copy_bytes_per_s(
     mesh: DeviceMesh, device: torch.device, repeats: Repeats, all_gather_s: Cost, reduce_scatter_s: Cost, fixed_s: float
 ) -> float:
     """The rate FSDP2's copies around each collective reach on ``mesh`` (1-D), in the
-    cost model's terms (:func:`autopar.cost.comm.fsdp_copy_s`: ``FSDP_COPY_PASSES * S *
+    cost model's terms (:func:`autopar.cost.host.fsdp_copy_s`: ``FSDP_COPY_PASSES * S *
     (1 + 1/n)`` bytes per call of ``S``); call on every rank of the mesh. The same units
     as :func:`fsdp_overhead_s` at ``FSDP_LARGE_DIM`` (units of 2.25 MiB): what a call
     costs there beyond the transfers and ``fixed_s`` grows with the bytes. 0 where it did
@@ -190,7 +190,7 @@ def _mean_s(
 ) -> float:
     """Mean over ``repeats.repeats`` samples of ``calls`` calls, after ``repeats.warmup``
     calls; the slowest rank's. The mean, as the transfers subtracted from it are priced
-    (:attr:`profiler.report.Timing.per_call_s`): a median here would drop the slow
+    (:attr:`autopar.profiles.sections.Timing.per_call_s`): a median here would drop the slow
     repeats the transfers keep, and leave too little framework time."""
     for _ in range(max(repeats.warmup, 1)):
         fn()

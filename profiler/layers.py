@@ -29,11 +29,12 @@ from torch import nn
 
 from autopar.graph import UNIT_INPUT, LayerGraph, UnitProfile, extract
 from autopar.graph.extract import _default_loss
+from autopar.profiles.report import ProfileReport
+from autopar.profiles.sections import ModelProfile, Timing, UnitMeasurement, WorkItem
 from profiler.census import FlopLap, MemoryLap, math_attention
 from profiler.device import device_name, threads_context
 from profiler.errors import MeasurementError
 from profiler.machine import provenance
-from profiler.report import ModelProfile, ProfileReport, Timing, UnitMeasurement, WorkItem
 from profiler.timing import Repeats, Stopwatch, synchronize, timer_name
 from profiler.unit_runners import BlockRunner, EpilogueRunner, Phase, PrologueRunner, WholeRunner, capture, tensors
 

@@ -17,7 +17,7 @@ from importlib import metadata
 
 import torch
 
-from profiler.report import Provenance
+from autopar.profiles.sections import Provenance
 
 
 def provenance(command: str) -> Provenance:

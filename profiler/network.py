@@ -16,7 +16,7 @@ Message sizes follow nccl-tests (``-b 1K -e 256M``): the all-reduce and broadcas
 buffer, the all-gather output, the reduce-scatter input, the message each rank sends
 to its ring neighbour. A point's time is the slowest rank's, after a barrier, averaged
 over enough back-to-back calls to fill ``target_s``; the repeats' median and mean are
-kept, and the mean prices a call (:attr:`profiler.report.Timing.per_call_s`: a step
+kept, and the mean prices a call (:attr:`autopar.profiles.sections.Timing.per_call_s`: a step
 issues many, so the slow repeats count). Each level gets a joint alpha-beta fit over
 the ops the cost model prices (:mod:`profiler.fit`) and one fit per op.
 """
@@ -34,15 +34,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from autopar.cluster import LinkSpec, OpLink
-from autopar.comm_curve import CommCurve
 from autopar.cost.comm import level_s
+from autopar.hardware import CommCurve, LinkSpec, OpLink
+from autopar.profiles.report import ProfileReport
+from autopar.profiles.sections import CollectiveOp, CommPoint, CommSeries, Level, LinkFit, NetworkProfile, Timing
 from profiler.contention import contended_share
 from profiler.errors import MeasurementError, SettingsError
 from profiler.fit import Sample, bus_factor, coefficients, fit_alpha_beta
 from profiler.framework_overhead import fsdp_copy_bytes_per_s, fsdp_overhead_s, fsdp_tensor_overhead_s, tp_overhead_s
 from profiler.machine import provenance
-from profiler.report import CollectiveOp, CommPoint, CommSeries, Level, LinkFit, NetworkProfile, ProfileReport, Timing
 from profiler.sync_skew import LONG_WORK_S, MEETINGS_PER_REPEAT, speed_spread, sync_noise_s_per_sqrt_s
 from profiler.timing import Repeats, Stopwatch, synchronize
 

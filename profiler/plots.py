@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 from matplotlib.figure import Figure
 
+from autopar.profiles.sections import DeviceProfile, ModelProfile, NetworkProfile
 from profiler.fit import coefficients
-from profiler.report import DeviceProfile, ModelProfile, NetworkProfile
 
 _COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
 

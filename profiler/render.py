@@ -14,8 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from autopar.profiles.report import ProfileReport
+from autopar.profiles.sections import DeviceProfile, ModelProfile, NetworkProfile, Provenance
+from autopar.profiles.to_cluster import where_measured
 from profiler import plots
-from profiler.report import DeviceProfile, ModelProfile, NetworkProfile, ProfileReport, Provenance
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,34 @@ class _Figure:
 
 
 _Block = _Heading | _Text | _Table | _Figure
+
+
+def summary(report: ProfileReport) -> list[str]:
+    """One line per section of ``report``: what, where, when."""
+    lines = []
+    if report.device is not None:
+        d = report.device
+        lines.append(
+            f"device: {d.name}, {len(d.matmul)} matmul shapes ({', '.join(d.dtypes)}), memory "
+            f"{d.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s; {where_measured(d.provenance)}"
+        )
+    if report.layers is not None:
+        m = report.layers
+        lines.append(
+            f"layers: {m.model} batch {m.batch} x seq {m.seq_len} {m.dtype}, {len(m.units)} distinct "
+            f"units, step {m.step_s() * 1e3:.1f} ms on {m.device}; {where_measured(m.provenance)}"
+        )
+    if report.network is not None:
+        n = report.network
+        fits = ", ".join(
+            f"{f.level} {f.bandwidth_bytes_per_s / 1e9:.3g} GB/s + {f.alpha_s * 1e6:.3g} us"
+            for f in (n.link("intra"), n.link("inter"))
+            if f is not None
+        )
+        lines.append(
+            f"network: {n.backend} {n.world_size} ranks on {n.nodes} node(s), {fits}; {where_measured(n.provenance)}"
+        )
+    return lines
 
 
 def _ms(seconds: float) -> str:
@@ -74,7 +104,7 @@ def blocks(report: ProfileReport) -> list[_Block]:
         _Heading("autopar profile report", 1),
         _Text("Measured: " + (", ".join(report.measured) or "nothing") + "."),
     ]
-    out += [_Text(line) for line in report.summary()]
+    out += [_Text(line) for line in summary(report)]
     if report.device is not None:
         out += _device_blocks(report.device)
     if report.layers is not None:

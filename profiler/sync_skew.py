@@ -3,7 +3,7 @@
 A collective's time from the sweep is for calls back to back: every rank arrives at once.
 In training a blocking collective follows work (tensor parallelism's all-reduces, issued
 in the middle of every layer and waited on at once), the ranks finish that work at
-different moments, and each waits for the last. :mod:`autopar.cost.sync` models a rank's
+different moments, and each waits for the last. :mod:`autopar.cost.host` models a rank's
 time for ``T`` seconds of work as deviating by ``sigma * sqrt(T)``, so a meeting of ``n``
 ranks waits ``e_n * sigma * sqrt(T)`` on average; this module measures ``sigma``.
 
@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from autopar.cost.sync import expected_max_normal
+from autopar.cost.host import expected_max_normal
 from profiler.timing import synchronize
 
 WORK_S = (0.001, 0.004, 0.016)
@@ -107,7 +107,7 @@ def speed_spread(
     meetings: int = LONG_MEETINGS,
 ) -> float:
     """``delta``, the relative spread of a rank's speed over a stretch of work
-    (:mod:`autopar.cost.sync`), of ``group`` (2 ranks or more); call on every rank. The
+    (:func:`autopar.cost.host.ranks_wait_s`), of ``group`` (2 ranks or more); call on every rank. The
     ranks meet ``meetings`` times after ``work_s`` seconds of work each; the mean wait
     for the slowest is ``e_n * sqrt(sigma^2 T + delta^2 T^2)``, and what the random walk
     ``noise_s_per_sqrt_s`` does not explain is ``delta``. The same value on every rank."""

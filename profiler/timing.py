@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from autopar.profiles.sections import Timing
 from profiler.errors import SettingsError
-from profiler.report import Timing
 
 
 @dataclass(frozen=True, kw_only=True)

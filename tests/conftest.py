@@ -1,5 +1,5 @@
 """Test configuration: import the distributed stack once in the parent so that forked
-ranks start in ~0.1 s (shared/TORCH-CPU.md, fork harness)."""
+ranks start in ~0.1 s."""
 
 import torch
 import torch.distributed.checkpoint

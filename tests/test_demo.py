@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from autopar.demo import run_demo
+from autopar.cli.demo import run_demo
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(900)]
 

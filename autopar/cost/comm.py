@@ -8,7 +8,7 @@ all-reduce of the ``1/n_local`` shard across nodes (every local device on its ow
 all-gather inside the node; so each device's inter-node link carries ``1/n_local`` of
 the data. Latency: ``alpha`` per ring step inside a node, a tree (``log2``) across nodes.
 Where a network profile measured a collective on groups of the size that runs it, the
-measured curve replaces the line on that level (:class:`autopar.comm_curve.CommCurve`).
+measured curve replaces the line on that level (:class:`autopar.hardware.CommCurve`).
 
 All functions are pure: numbers in, seconds out.
 """
@@ -18,7 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from autopar.cluster import Cluster, LinkSpec
+from autopar.hardware.cluster import Cluster
+from autopar.hardware.links import LinkSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,7 +76,7 @@ def _hierarchical_s(nbytes: float, span: GroupSpan, cluster: Cluster, op: str, c
 def level_s(link: LinkSpec, op: str, nbytes: float, ranks: int, *, calls: int = 1, across_nodes: bool = False) -> float:
     """Seconds of ``op`` over ``ranks`` ranks of one link level, ``nbytes`` split into
     ``calls`` collectives: ``calls`` calls of ``nbytes / calls`` by the curve measured on
-    groups of ``ranks`` ranks where the link has one (:class:`autopar.comm_curve.CommCurve`:
+    groups of ``ranks`` ranks where the link has one (:class:`autopar.hardware.CommCurve`:
     a measured time is the best price of the same collective on the same group size),
     else the alpha-beta model (ring latency, or a tree's ``across_nodes``)."""
     if ranks < 2 or nbytes <= 0:
@@ -133,25 +134,3 @@ def p2p_s(nbytes: float, *, cross_node: bool, cluster: Cluster) -> float:
     if curve is not None:
         return curve.seconds(nbytes, beyond_s_per_byte=1 / bw)
     return nbytes / bw + alpha
-
-
-FSDP_COPY_PASSES = 2.0
-"""Bytes FSDP2 moves around one collective, per byte of the full unsharded size, plus as
-many per byte of the shard: an all-gather first copies the local shards into the flat
-send buffer (read and write ``S / dp``) and then splits the received buffer into the
-parameters (read and write ``S``); a reduce-scatter first concatenates the gradients
-into the flat send buffer (read and write ``S``) and then divides and accumulates the
-received shard (about ``S / dp`` each way). PyTorch's
-``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`` (``foreach_all_gather``,
-``foreach_all_gather_copy_out``, ``foreach_reduce``)."""
-
-
-def fsdp_copy_s(nbytes: float, dp: int, bytes_per_s: float) -> float:
-    """Seconds of FSDP2's copies around one all-gather or reduce-scatter of ``nbytes``
-    (the full unsharded size) over ``dp`` ranks, at a memory rate of ``bytes_per_s``:
-    ``FSDP_COPY_PASSES * nbytes * (1 + 1 / dp)``. A pass of memory per byte the
-    transfer time does not include; on a CPU node (~7 GB/s per process) it is a large
-    part of ZeRO-3's cost, on a GPU's HBM a small one."""
-    if dp <= 1 or nbytes <= 0:
-        return 0.0
-    return FSDP_COPY_PASSES * nbytes * (1 + 1 / dp) / bytes_per_s

@@ -18,9 +18,8 @@ import bisect
 import math
 from dataclasses import dataclass
 
-from autopar.cluster import DeviceSpec
-from autopar.cost.memory import optimizer_step_bytes
-from autopar.vocab import DType, Optimizer
+from autopar.hardware.device import DeviceSpec
+from autopar.vocab import DType
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,12 +41,13 @@ class ComputeRates:
 def rates(device: DeviceSpec, dtype: DType) -> ComputeRates:
     """The roofline of ``device`` in ``dtype`` (raises ClusterError if unsupported)."""
     peak = device.peak(dtype)
-    vector = device.peak_flops.get(DType.FP32, peak)
+    roof = device.roofline
+    vector = roof.peak_flops.get(DType.FP32, peak)
     return ComputeRates(
-        matmul_flops_per_s=peak * device.matmul_efficiency,
-        vector_flops_per_s=vector * device.matmul_efficiency,
-        bytes_per_s=device.memory_bandwidth_bytes_per_s * device.memory_efficiency,
-        curve=tuple(device.matmul_curves.get(dtype, ())),
+        matmul_flops_per_s=peak * roof.matmul_efficiency,
+        vector_flops_per_s=vector * roof.matmul_efficiency,
+        bytes_per_s=roof.memory_bandwidth_bytes_per_s * roof.memory_efficiency,
+        curve=tuple(roof.matmul_curves.get(dtype, ())),
     )
 
 
@@ -72,11 +72,3 @@ def interpolate_loglog(points: tuple[tuple[float, float], ...], x: float) -> flo
     (x0, y0), (x1, y1) = points[i - 1], points[i]
     w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
     return math.exp(math.log(y0) + w * (math.log(y1) - math.log(y0)))
-
-
-def optimizer_step_s(device: DeviceSpec, dtype: DType, optimizer: Optimizer, numel: float) -> float:
-    """Time of the optimizer step over ``numel`` local parameters: its memory traffic at
-    the device's measured optimizer rate, or at the streaming bandwidth when unmeasured
-    (a fused or foreach GPU optimizer is bandwidth bound)."""
-    rate = device.optimizer_bytes_per_s or rates(device, dtype).bytes_per_s
-    return optimizer_step_bytes(optimizer) * numel / rate

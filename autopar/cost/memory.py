@@ -17,8 +17,7 @@ PyTorch, per parameter held by a TP rank:
   gradients became ready): the new buckets are allocated while ``param.grad`` still
   views the old ones, so for a moment the stage holds its gradients twice. No
   activation is alive then, so the stage peaks at ``max(steady peak, model states +
-  gradients)``; measured on torch 2.13, a 4-rank MLP stack (34 MiB of gradients per
-  rank, small activations) peaked at 163 MiB at the third step against 137 MiB steady.
+  gradients)`` (measured: ``docs/cost-model.md``).
 - Under pipeline parallelism ``torch.distributed.pipelining`` keeps FSDP2 parameters
   unsharded after backward and accumulates unsharded gradients until the last
   micro-batch (``PipelineStage`` sets ``reshard_after_backward`` and
@@ -40,9 +39,7 @@ REDUCE_SCATTER_BUFFERS = 2
 """Unit-sized fp32 gradient buffers ZeRO-2/3 hold while a unit's backward reduces: its
 unsharded gradients and the flat reduce-scatter input FSDP2 copies them into, or, while
 the unit computes, the previous unit's input, which FSDP2 keeps until the next
-reduction (``reduce_scatter_max_input_buffers``, 1 by default in torch 2.13). Measured
-on 4 ZeRO-3 ranks (the benchmark MLP, 8 MiB of parameters a block): one buffer
-predicted the step's peak 8.3 MiB short."""
+reduction (``reduce_scatter_max_input_buffers``, 1 by default in torch 2.13)."""
 _OPT_BYTES = {Optimizer.ADAM: 8.0, Optimizer.SGD: 4.0}
 
 
@@ -98,9 +95,7 @@ def state_bytes(
         tp: tensor-parallel degree. ZeRO-0/1 with dp > 1 run DDP, except with pipelining
             or tensor parallelism, where the runtime uses FSDP2's ``replicate``
             (``autopar.runtime.data_parallel``): it gathers an unsharded copy of every
-            parameter (fp32 params: a second fp32 copy) from forward to backward,
-            measured on torch 2.13 (two 1 MiB linears held four 1 MiB storages after a
-            forward).
+            parameter (fp32 params: a second fp32 copy) from forward to backward.
     """
     copy = compute_copy_bytes(dtype)
     opt_full = factored_numel * 4.0 if optimizer is Optimizer.ADAFACTOR else param_numel * _OPT_BYTES[optimizer]

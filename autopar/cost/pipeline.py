@@ -20,6 +20,7 @@ schedules of ``torch.distributed.pipelining`` 2.13: GPipe holds all ``m``; 1F1B 
 
 from __future__ import annotations
 
+from autopar.plan import ParallelConfig
 from autopar.vocab import Schedule
 
 
@@ -76,11 +77,8 @@ def stage_buffer_bytes(
     - the output of each micro-batch in flight, kept for its backward (``fwd_cache``;
       a block's output is saved by none of its own ops).
 
-    ``input_bytes``/``output_bytes`` per micro-batch. Measured with pp=2 on the benchmark
-    GPT (block output 0.5 MiB per micro-batch of 4): with 4 micro-batches under 1F1B the
-    first rank held 2.5 MiB and the second 2.0 more than their units' activations (this
-    gives 3.0 and 1.5); with 8 micro-batches of 2 under GPipe, 4.0 and 0.0 (this gives
-    4.0 and 0.0)."""
+    ``input_bytes``/``output_bytes`` per micro-batch (measured against:
+    ``docs/cost-model.md``)."""
     m = num_microbatches
     held = max(m - inflight, 0.0) * input_bytes if receives_input else 0.0
     return held + ((m + inflight) * output_bytes if sends_output else 0.0)
@@ -90,3 +88,12 @@ def pipeline_time_s(rank_work_s: list[float], num_microbatches: int, virtual_sta
     """Step time of the pipeline part (see the module docstring)."""
     top = max(rank_work_s)
     return num_microbatches * top + (sum(rank_work_s) - top) / virtual_stages
+
+
+def pipeline_lower_bound_s(work_s: float, config: ParallelConfig) -> float:
+    """The least :func:`pipeline_time_s` of ``work_s`` seconds per micro-batch spread
+    over ``config``'s pipeline: every rank equally loaded,
+    ``(m - 1 + p) / p * W`` with one stage per rank, ``(m + (p - 1) / v) W / p`` with
+    ``v`` (the maximum is never below the mean)."""
+    pp, m, v = config.pp, config.num_microbatches, config.virtual_stages
+    return (m - 1 + pp) / pp * work_s if v == 1 else (m + (pp - 1) / v) * work_s / pp

@@ -1,6 +1,7 @@
 """The cost of one unit under one tensor-parallel layout (a style per leaf).
 
-Each style consumes and produces a tensor *layout* on the TP group:
+Each style consumes and produces a tensor *layout* on the TP group
+(:data:`autopar.vocab.STYLE_IO`):
 
 =========  ===========  ============  =============================================
 style      input        output        what runs where
@@ -19,8 +20,7 @@ parallel all-gather/reduce-scatter pairs of Korthikanti et al. 2022). A tensor i
 converted once per target layout however many consumers need it, and the input
 gradient of column-parallel consumers, which is a partial sum, is reduced once per
 producer. Parameter-free glue between leaves (attention core, activations, residual
-adds) runs in the producer's layout, or the consumer's when the producer's is partial:
-sharded layouts divide its work by ``t``.
+adds) runs in the producer's layout, or the consumer's when the producer's is partial.
 
 For a standard transformer block this gives two all-reduces forward and two backward
 (Megatron-LM), or two all-gathers and two reduce-scatters each way with sequence
@@ -30,103 +30,22 @@ not hard-coded. :func:`evaluate_layout` is the reference the intra-op ILP must m
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from enum import StrEnum
 
-from autopar.cluster import Cluster
-from autopar.cost.comm import GroupSpan, all_gather_s, all_reduce_s, all_to_all_s, reduce_scatter_s
-from autopar.cost.compute import ComputeRates, work_s
-from autopar.cost.memory import GRAD_BYTES
-from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, Flow, Leaf, LeafKind, UnitProfile
-from autopar.vocab import TPStyle
-
-BACKWARD_FACTOR = 2.0
-"""Backward costs twice the forward: a GEMM's backward computes both the input and the
-weight gradient (Narayanan et al. 2021, section 5.1); a memory-bound op reads the output
-gradient and its saved input and writes the input gradient, about twice its traffic."""
-
-VOCAB_MULTIPLE = 128
-"""Megatron-LM pads the vocabulary to a multiple of 128 x tp (``make_vocab_size_divisible_by``)."""
-
-
-class Layout(StrEnum):
-    """How a tensor lies on the TP group: replicated, feature-sharded, partial, sequence-sharded."""
-
-    R = "R"
-    F = "F"
-    P = "P"
-    Q = "Q"
-
-
-STYLE_IO: dict[TPStyle, tuple[Layout, Layout]] = {
-    TPStyle.REPLICATE: (Layout.R, Layout.R),
-    TPStyle.COLUMN: (Layout.R, Layout.F),
-    TPStyle.ROW: (Layout.F, Layout.P),
-    TPStyle.VOCAB: (Layout.R, Layout.P),
-    TPStyle.SEQUENCE: (Layout.Q, Layout.Q),
-}
-_SHARDED = (Layout.F, Layout.Q)
-
-
-@dataclass(frozen=True, kw_only=True)
-class TPContext:
-    """Everything a layout's cost depends on besides the layout.
-
-    Attributes:
-        tp: tensor-parallel degree.
-        span: where the TP group's devices are.
-        cluster: the links.
-        rates: the device's roofline in the compute precision.
-        micro_batch: samples per micro-batch.
-        tokens: tokens per sample (the loss-parallel reductions move one float each).
-        boundary: the layout of activations between units (R, or Q with sequence
-            parallelism).
-        first: the unit takes the model's inputs (token ids: replicated).
-        last: the unit ends in the loss.
-        loss_parallel: the loss is a cross-entropy over a vocabulary that can run on
-            vocabulary shards (``loss_parallel``).
-        sequence_parallel: norms may take the ``sequence`` style.
-        compute_scale: measured over predicted compute time of this unit (1 without a
-            profile): a profiled layer keeps its measured efficiency at every shape.
-        recompute_fraction: what rerunning this unit's forward in backward (full
-            recomputation) costs, as a fraction of its forward compute (1 without a
-            profile; :func:`autopar.profiles.recompute_calibration`).
-        op_overhead_s: framework time per dispatched op (eager dispatch and autograd),
-            paid once per op whatever its size.
-        tp_overhead_s: extra framework time per forward of a leaf in a tensor-parallel
-            style (DTensor's sharding propagation and wrapping).
-        exposed_weight_traffic: weights and gradient accumulation cost memory passes
-            of their own (``DeviceSpec.exposed_weight_traffic``: CPU processes).
-    """
-
-    tp: int
-    span: GroupSpan
-    cluster: Cluster
-    rates: ComputeRates
-    micro_batch: int
-    tokens: int
-    boundary: Layout
-    first: bool
-    last: bool
-    loss_parallel: bool
-    sequence_parallel: bool
-    compute_scale: float = 1.0
-    recompute_fraction: float = 1.0
-    op_overhead_s: float = 0.0
-    tp_overhead_s: float = 0.0
-    exposed_weight_traffic: bool = False
-
-    @property
-    def input_layout(self) -> Layout:
-        """Layout of the unit's input."""
-        return Layout.R if self.first else self.boundary
-
-    def output_layouts(self) -> tuple[Layout, ...]:
-        """Layouts the unit's output may take (which one, :func:`model_output_layout`)."""
-        if self.last:
-            return (Layout.R, Layout.F) if self.loss_parallel and self.tp > 1 else (Layout.R,)
-        return (self.boundary,)
+from autopar.cost.comm import all_gather_s, all_reduce_s, all_to_all_s, reduce_scatter_s
+from autopar.cost.leaf import (
+    BACKWARD_FACTOR,
+    SHARDED,
+    TPContext,
+    glue_fwd_s,
+    glue_layout,
+    leaf_accumulate_s,
+    leaf_factored_numel,
+    leaf_fwd_s,
+    leaf_param_numel,
+)
+from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, Flow, UnitProfile
+from autopar.vocab import STYLE_IO, Layout, TPStyle
 
 
 def model_output_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], ctx: TPContext) -> Layout:
@@ -135,8 +54,7 @@ def model_output_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], ctx: 
     vocabulary-sharded for a loss that can read it so (the loss then runs under
     ``loss_parallel``) where a column-parallel leaf produces it, else replicated. The
     search never gathers a column-parallel head's logits for a replicated loss, since
-    the runtime would not: a tp=2 plan priced that way was predicted 2 MiB short of its
-    peak at the loss, and without the loss's reductions."""
+    the runtime would not."""
     layouts = ctx.output_layouts()
     if len(layouts) == 1:
         return layouts[0]
@@ -144,143 +62,6 @@ def model_output_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], ctx: 
         f.dst == UNIT_OUTPUT and f.src != UNIT_INPUT and styles[f.src] is TPStyle.COLUMN for f in profile.flows
     )
     return Layout.F if column else Layout.R
-
-
-def padded(n: int, tp: int) -> int:
-    """``n`` rounded up to Megatron-LM's vocabulary multiple for ``tp``."""
-    if n % tp == 0:
-        return n
-    step = VOCAB_MULTIPLE * tp
-    return math.ceil(n / step) * step
-
-
-def allowed_styles(leaf: Leaf, ctx: TPContext) -> tuple[TPStyle, ...]:
-    """Styles ``leaf`` may take at this TP degree (divisibility of features and heads;
-    vocabulary dimensions may be padded)."""
-    styles = leaf.styles(sequence_parallel=ctx.sequence_parallel)
-    t = ctx.tp
-    if t == 1:
-        return (TPStyle.REPLICATE,)
-    out = []
-    for s in styles:
-        if s is TPStyle.COLUMN:
-            ok = (leaf.out_features % t == 0 or leaf.vocab) and (leaf.out_heads == 0 or leaf.out_heads % t == 0)
-        elif s is TPStyle.ROW:
-            ok = leaf.in_features % t == 0 and (leaf.in_heads == 0 or leaf.in_heads % t == 0)
-        else:
-            ok = True
-        if ok:
-            out.append(s)
-    return tuple(out)
-
-
-def leaf_param_numel(leaf: Leaf, style: TPStyle, tp: int) -> float:
-    """Parameters of ``leaf`` held by one TP rank under ``style``."""
-    if style in (TPStyle.COLUMN, TPStyle.ROW, TPStyle.VOCAB) and tp > 1:
-        weight = leaf.weight_numel
-        if leaf.vocab:
-            rows = leaf.in_features if leaf.kind is LeafKind.EMBEDDING else leaf.out_features
-            weight = weight / rows * padded(rows, tp)
-        return weight / tp + (leaf.param_numel - leaf.weight_numel)
-    return float(leaf.param_numel)
-
-
-def leaf_factored_numel(leaf: Leaf, style: TPStyle, tp: int) -> float:
-    """Elements of a factored second moment (Shazeer & Stern 2018) for ``leaf``'s local
-    shard: rows + columns of the weight matrix, the other parameters in full."""
-    if leaf.kind not in (LeafKind.LINEAR, LeafKind.EMBEDDING) or leaf.weight_numel == 0:
-        return float(leaf.param_numel)
-    rows, cols = leaf.out_features, leaf.in_features
-    if style in (TPStyle.COLUMN, TPStyle.VOCAB):
-        rows = rows / tp if style is TPStyle.COLUMN else rows
-        cols = cols / tp if style is TPStyle.VOCAB else cols
-    elif style is TPStyle.ROW:
-        cols = cols / tp
-    return rows + cols + (leaf.param_numel - leaf.weight_numel)
-
-
-def leaf_fwd_s(leaf: Leaf, style: TPStyle, ctx: TPContext) -> float:
-    """Forward compute time of ``leaf`` for one micro-batch on one TP rank: its roofline
-    time plus the framework's fixed cost of dispatching its ops (serial on a CPU; on a
-    GPU kernel launches are asynchronous and hide behind large kernels, so GPU presets
-    set no overhead and a measured profile supplies one).
-
-    The weights are read once per call. On a GPU that traffic is part of the roofline;
-    with ``exposed_weight_traffic`` (CPU processes) it is a pass of its own, added to
-    the roofline: BLAS packs the weight before multiplying and the weight is cold (the
-    rest of the model ran since its last use). Measured on a 2-core box, a 4-layer GPT
-    (dim 256) ran its matmuls 16% slower per token at 128 rows than at 512, while the
-    same shapes alone, weights warm, ran at the same rate (~95 GFLOP/s)."""
-    shard = ctx.tp if style in (TPStyle.COLUMN, TPStyle.ROW, TPStyle.SEQUENCE) else 1
-    scale = ctx.micro_batch / shard
-    # parameters are read once per call; a column/row/vocab split shards them (a norm's
-    # sequence split does not). An embedding's whole table counts: its dense backward
-    # writes a gradient the size of the table, which the backward factor charges.
-    weights = leaf.weight_bytes / (ctx.tp if style in (TPStyle.COLUMN, TPStyle.ROW, TPStyle.VOCAB) else 1)
-    overhead = ctx.op_overhead_s * leaf.fwd_ops
-    if style is not TPStyle.REPLICATE and ctx.tp > 1:
-        overhead += ctx.tp_overhead_s
-    return ctx.compute_scale * (
-        overhead
-        + roofline_s(
-            matmul_flops=leaf.matmul_flops * scale,
-            other_flops=(leaf.fwd_flops - leaf.matmul_flops) * scale,
-            activation_bytes=leaf.fwd_bytes * scale,
-            weight_bytes=weights,
-            r=ctx.rates,
-            exposed_weights=ctx.exposed_weight_traffic,
-        )
-    )
-
-
-def roofline_s(
-    *,
-    matmul_flops: float,
-    other_flops: float,
-    activation_bytes: float,
-    weight_bytes: float,
-    r: ComputeRates,
-    exposed_weights: bool,
-) -> float:
-    """A leaf's kernel time from its work: the weights inside the roofline, or a pass
-    of their own where they are exposed (see :func:`leaf_fwd_s`). The profiler's layer
-    calibration prices the units it measured with the same function."""
-    if not exposed_weights:
-        return work_s(matmul_flops=matmul_flops, other_flops=other_flops, nbytes=activation_bytes + weight_bytes, r=r)
-    return (
-        work_s(matmul_flops=matmul_flops, other_flops=other_flops, nbytes=activation_bytes, r=r)
-        + weight_bytes / r.bytes_per_s
-    )
-
-
-ACCUMULATE_PASSES = 3
-"""Adding a micro-batch's weight gradient into ``.grad`` reads both and writes one."""
-
-
-def leaf_accumulate_s(leaf: Leaf, style: TPStyle, ctx: TPContext) -> float:
-    """Time per micro-batch to accumulate ``leaf``'s fp32 weight gradient (autograd's
-    ``AccumulateGrad``, a memory pass of its own) where weight traffic is exposed; 0
-    otherwise (see ``DeviceSpec.exposed_weight_traffic``). Our runtime zeroes the
-    gradients in place, so every micro-batch accumulates, the first one too."""
-    if not ctx.exposed_weight_traffic:
-        return 0.0
-    return ACCUMULATE_PASSES * GRAD_BYTES * leaf_param_numel(leaf, style, ctx.tp) / ctx.rates.bytes_per_s
-
-
-def glue_layout(a: Layout, b: Layout) -> Layout:
-    """The layout glue between a producer (``a``) and a consumer (``b``) runs in."""
-    return b if a is Layout.P else a
-
-
-def glue_fwd_s(flow: Flow, layout: Layout, ctx: TPContext, *, attention_only: bool = False) -> float:
-    """Forward time of a flow's glue (or only its attention core) in ``layout``."""
-    scale = ctx.micro_batch / (ctx.tp if layout in _SHARDED else 1)
-    attn = work_s(matmul_flops=flow.attn_flops * scale, other_flops=0.0, nbytes=flow.attn_bytes * scale, r=ctx.rates)
-    attn += ctx.op_overhead_s * flow.attn_ops
-    if attention_only:
-        return ctx.compute_scale * attn
-    rest = work_s(matmul_flops=0.0, other_flops=flow.glue_flops * scale, nbytes=flow.glue_bytes * scale, r=ctx.rates)
-    return ctx.compute_scale * (attn + rest + ctx.op_overhead_s * flow.glue_ops)
 
 
 def conversion_s(a: Layout, b: Layout, nbytes: float, ctx: TPContext) -> tuple[float, float]:
@@ -316,21 +97,16 @@ the target logit."""
 
 
 LOSS_PARALLEL_WORKING_COPIES = 1
-"""Logits shards a vocabulary-parallel cross-entropy's backward holds beyond a plain one's:
-torch 2.13's ``loss_parallel`` on 2 gloo ranks (2 x 64 x 4096 to 4 x 128 x 8192) peaked 4.0
-shards above its input, ``F.cross_entropy`` on one shard 3.0, both 1.0 after forward."""
+"""Logits shards a vocabulary-parallel cross-entropy's backward (torch's
+``loss_parallel``) holds beyond a plain one's (measured: ``docs/cost-model.md``)."""
 
 
 REDUCED_OUTPUT_COPIES = 2
 """Extra copies of a model output that a row-parallel leaf all-reduces (partial -> replicated)
 before the loss, held as long as the output: DTensor's functional all-reduce clones the
 partial sums into a fresh buffer and wraps the result for autograd, and all three storages
-live while the output does. Measured with torch 2.13 on 2 gloo ranks: after a column/row
-pair's forward, three output-sized storages were alive where the replicated pair kept one;
-once a consumer had used the output and it was dropped, all three were freed, so a row
-leaf inside a unit costs nothing lasting. A tp=2 GPT whose head was row-parallel peaked at
-98 MiB per rank, predicted 78 MiB without them and 86 with them
-(benchmarks/results/predicted_vs_measured_2026-11-30.md)."""
+live while the output does; inside a unit they are freed once a consumer has used the
+output, so a row leaf there costs nothing lasting (measured: ``docs/cost-model.md``)."""
 
 
 def held_output_bytes(flow: Flow, a: Layout, need: Layout, ctx: TPContext) -> float:
@@ -339,10 +115,8 @@ def held_output_bytes(flow: Flow, a: Layout, need: Layout, ctx: TPContext) -> fl
     keeps each stage's output until that micro-batch's backward is over, and a
     cross-entropy saves its log-probabilities, not the logits. The output in the layout
     the loss takes (a vocabulary-sharded one in shards), with a row-parallel head's
-    copies (:data:`REDUCED_OUTPUT_COPIES`). Measured on one process (the benchmark GPT,
-    4 x 128 tokens, vocabulary 2048): the step peaked at the loss 4.0 MiB (the logits)
-    above the prediction without them, at 16 samples 16 MiB. A loss that saves the output
-    itself (a mean squared error) has it counted twice, a small output in practice."""
+    copies (:data:`REDUCED_OUTPUT_COPIES`). A loss that saves the output itself (a mean
+    squared error) has it counted twice, a small output in practice."""
     nbytes = flow.tensor_bytes * ctx.micro_batch
     copies = REDUCED_OUTPUT_COPIES if a is Layout.P and need is Layout.R else 0
     return _shard(nbytes, need, ctx.tp) + copies * nbytes
@@ -365,15 +139,13 @@ class UnitCost:
         fwd_compute_s, bwd_compute_s: compute time.
         fwd_comm_s, bwd_comm_s: tensor-parallel communication time.
         fwd_syncs, bwd_syncs: the blocking collectives behind that time, where the
-            group's ranks wait for each other (:mod:`autopar.cost.sync`).
+            group's ranks wait for each other (:func:`autopar.cost.host.ranks_wait_s`).
         attn_fwd_s: forward time of the attention core (what selective recompute redoes).
         loss_fwd_compute_s, loss_fwd_comm_s, loss_fwd_syncs: the part of the forward
             that is the loss (the last unit's glue into its output, and a
             vocabulary-parallel loss's reductions): full recomputation does not rerun it,
             since the runtime checkpoints the unit's modules and the loss runs outside
-            them (measured on the benchmark GPT: the head and loss are an eighth of its
-            forward, and one process with full recomputation measured 0.79 of the
-            recomputation priced with them).
+            them.
         param_numel: parameters held.
         saved_bytes: activations kept for backward (no recomputation), attention core
             excluded; ``attn_saved_bytes``: the attention core's.
@@ -441,7 +213,7 @@ def in_layout(styles: tuple[TPStyle, ...], output: Layout, node: int) -> Layout:
 
 
 def _shard(nbytes: float, layout: Layout, tp: int) -> float:
-    return nbytes / tp if layout in _SHARDED else nbytes
+    return nbytes / tp if layout in SHARDED else nbytes
 
 
 def producer_bytes(profile: UnitProfile) -> dict[int, float]:

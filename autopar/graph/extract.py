@@ -1,13 +1,14 @@
 """``extract(model, ...)``: any ``nn.Module`` -> :class:`LayerGraph`.
 
-Finds the units (:mod:`autopar.graph.units`), traces one forward and the loss on fake
-tensors (:mod:`autopar.graph.trace`), and packages the per-sample measurements. Works the
+Finds the units (:mod:`autopar.graph.units`), traces one forward and the loss without
+data (:mod:`autopar.graph.trace`), and packages the per-sample measurements. Works the
 same for a model on the meta device (a 1T-parameter GPT costs no memory) and a real one
 (its weights are never read).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -15,7 +16,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autopar.errors import ModelError, check_positive_int
 from autopar.graph.decoders import uncuttable_unit
@@ -73,17 +73,17 @@ def extract(
             )
     device = _model_device(model)
 
-    def make_inputs(fake: FakeTensorMode) -> tuple[tuple, dict]:
+    def make_inputs(adopt: Callable[[torch.Tensor], torch.Tensor]) -> tuple[tuple, dict]:
         kwargs: dict[str, Any] = {}
         if "use_cache" in _forward_params(model):
             kwargs["use_cache"] = False
         if seq_len is not None:
             return (torch.zeros(1, seq_len, dtype=torch.long, device=device),), kwargs
         if isinstance(sample_input, dict):
-            kwargs.update({k: _fake_like(fake, v, dtype) for k, v in sample_input.items()})
+            kwargs.update({k: _traced_like(adopt, v, dtype) for k, v in sample_input.items()})
             return (), kwargs
         items = sample_input if isinstance(sample_input, (tuple, list)) else (sample_input,)
-        return tuple(_fake_like(fake, v, dtype) for v in items), kwargs
+        return tuple(_traced_like(adopt, v, dtype) for v in items), kwargs
 
     batch = 1 if seq_len is not None else _batch_of(sample_input)
     if loss_fn is None:
@@ -103,7 +103,8 @@ def extract(
             segments[EPILOGUE] = others
     modules = dict(model.named_modules())
     signatures = {b: module_signature(modules[b]) for b in blocks}
-    trace = run_trace(
+    trace_with = functools.partial(
+        run_trace,
         model,
         segments=segments,
         blocks=blocks,
@@ -113,6 +114,13 @@ def extract(
         compute_dtype=torch_dtype(dtype),
         attention=attention,
     )
+    on_meta = device.type == "meta" and not _checks_for_fake_tensors(model)
+    try:
+        trace = trace_with(on_meta=on_meta)
+    except ModelError:
+        if not on_meta:
+            raise
+        trace = trace_with(on_meta=False)  # an op without a C++ meta kernel, or one reading data
 
     prologue_mods, epilogue_mods = [], []
     if blocks and (PROLOGUE in segments):
@@ -197,6 +205,12 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def _checks_for_fake_tensors(model: nn.Module) -> bool:
+    """Whether ``model`` is a Hugging Face transformers model: their forward reads data
+    (a mask's ``.all()``) unless it sees fake tensors, so they trace on fake tensors."""
+    return any(cls.__module__.startswith("transformers.") for cls in type(model).__mro__)
+
+
 def _forward_params(model: nn.Module) -> Sequence[str]:
     try:
         return list(inspect.signature(model.forward).parameters)
@@ -204,10 +218,10 @@ def _forward_params(model: nn.Module) -> Sequence[str]:
         return []
 
 
-def _fake_like(fake: FakeTensorMode, value: Any, dtype: DType) -> Any:
+def _traced_like(adopt: Callable[[torch.Tensor], torch.Tensor], value: Any, dtype: DType) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
-    t = fake.from_tensor(value)
+    t = adopt(value)
     if t.is_floating_point():
         t = t.to(torch_dtype(dtype))
     return t

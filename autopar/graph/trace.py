@@ -1,7 +1,10 @@
-"""Trace one forward pass of a model on fake tensors and measure each unit.
+"""Trace one forward pass of a model without data and measure each unit.
 
-No memory is allocated and no arithmetic is done: parameters are swapped for fake
-tensors (``FakeTensorMode``) in the compute precision, and three hooks watch the pass:
+No memory is allocated and no arithmetic is done: parameters are swapped for tensors
+without data in the compute precision, and three hooks watch the pass. A model on the
+meta device runs on meta tensors (PyTorch's C++ shape functions); any other model, or
+a meta model with an op only fake tensors can run, on fake tensors
+(``FakeTensorMode``), whose Python shape rules are slower but follow a real device:
 
 - a dispatch mode counts each aten op's FLOPs (PyTorch's own ``flop_registry``, the
   formulas of ``FlopCounterMode``) and the bytes it reads and writes, and follows the
@@ -21,6 +24,7 @@ later identical blocks return its (fake) output without running.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -245,10 +249,11 @@ def run_trace(
     segments: dict[str, list[str]],
     blocks: list[str],
     signature_of: Callable[[str], str],
-    make_inputs: Callable[[FakeTensorMode], tuple[tuple, dict]],
+    make_inputs: Callable[[Callable[[torch.Tensor], torch.Tensor]], tuple[tuple, dict]],
     loss_fn: Callable[[Any], torch.Tensor] | None,
     compute_dtype: torch.dtype,
     attention: Attention,
+    on_meta: bool,
 ) -> TraceResult:
     """Trace ``model`` once.
 
@@ -258,42 +263,50 @@ def run_trace(
     is one ``PROLOGUE`` segment.
     """
     modules = dict(model.named_modules())
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = None if on_meta else FakeTensorMode(allow_non_fake_inputs=True)
+    tensors = contextlib.nullcontext() if fake is None else fake
+
+    def adopt(t: torch.Tensor) -> torch.Tensor:
+        return t.to("meta") if fake is None else fake.from_tensor(t)
+
     params: dict[str, torch.Tensor] = {}
     param_storages: set[int] = set()
-    # One fake tensor per (shape, dtype, device): the weights' values are never read, and
-    # a 1T-parameter model has thousands of parameters but a handful of shapes.
+    # One tensor per (shape, dtype, device): the weights' values are never read, and a
+    # 1T-parameter model has thousands of parameters but a handful of shapes.
     by_shape: dict[tuple, torch.Tensor] = {}
-    with fake:
+    with tensors:
         for name, p in model.named_parameters(remove_duplicate=False):
             dtype = compute_dtype if p.is_floating_point() else p.dtype
             key = (tuple(p.shape), dtype, p.device)
             if key not in by_shape:
-                by_shape[key] = torch.empty(key[0], dtype=dtype, device=p.device).requires_grad_(p.is_floating_point())
+                device = "meta" if fake is None else p.device
+                by_shape[key] = torch.empty(key[0], dtype=dtype, device=device).requires_grad_(p.is_floating_point())
                 param_storages.add(by_shape[key].untyped_storage()._cdata)
             params[name] = by_shape[key]
         for name, b in model.named_buffers(remove_duplicate=False):
-            params[name] = fake.from_tensor(b)
-        args, kwargs = make_inputs(fake)
+            params[name] = adopt(b)
+        args, kwargs = make_inputs(adopt)
     tracer = Tracer(attention=attention, param_storages=param_storages)
     result = TraceResult()
     block_set = set(blocks)
     served: dict[str, str] = {}
     cache: dict[tuple, tuple[str, Any]] = {}
 
-    def leaves_of(name: str) -> list[tuple[str, nn.Module]]:
+    def find_leaves(name: str) -> list[tuple[str, nn.Module]]:
         base = name if name in block_set else ""
         found = []
         for m in segments[name]:
             for sub_name, sub in modules[m].named_modules():
                 full = f"{m}.{sub_name}" if sub_name else m
-                if any(True for _ in sub.parameters(recurse=False)):
+                if next(sub.parameters(recurse=False), None) is not None:
                     rel = full if not base else ("" if full == base else full[len(base) + 1 :])
                     found.append((rel, sub))
         return found
 
+    leaves = {name: find_leaves(name) for name in segments}
+
     def open_segment(name: str, inputs: list[torch.Tensor], as_unit_input: bool) -> None:
-        seg = Segment(name, leaves_of(name))
+        seg = Segment(name, leaves[name])
         seg.input_bytes = float(sum(nbytes_of(t) for t in inputs if t.is_floating_point() or not as_unit_input))
         if as_unit_input:
             for t in inputs:
@@ -375,7 +388,7 @@ def run_trace(
     for name in {m for mods in segments.values() for m in mods}:
         handles.append(modules[name].register_forward_pre_hook(unit_pre(name)))
     overridden: list[nn.Module] = []
-    leaf_module_ids = {id(sub) for name in segments for _, sub in leaves_of(name)}
+    leaf_module_ids = {id(sub) for found in leaves.values() for _, sub in found}
     for mod in modules.values():
         if id(mod) in leaf_module_ids:
             handles.append(mod.register_forward_pre_hook(leaf_pre, with_kwargs=True))
@@ -390,7 +403,7 @@ def run_trace(
         if PROLOGUE in segments:
             open_segment(PROLOGUE, tensors_in((args, kwargs)), as_unit_input=False)
         with (
-            fake,
+            tensors,
             _Recorder(tracer),
             _AttentionInterceptor(tracer),
             torch.autograd.graph.saved_tensors_hooks(tracer.pack, lambda t: t),
@@ -401,7 +414,8 @@ def run_trace(
         raise
     except Exception as exc:
         raise ModelError(
-            f"tracing {type(model).__name__} on fake tensors failed: {type(exc).__name__}: {exc}. "
+            f"tracing {type(model).__name__} on {'meta' if on_meta else 'fake'} tensors failed: "
+            f"{type(exc).__name__}: {exc}. "
             f"Check that the sample input (or seq_len) matches what the model's forward expects."
         ) from exc
     finally:

@@ -29,10 +29,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from autopar.cost.tensor_parallel import Layout
 from autopar.runtime.errors import ShardingError
 from autopar.runtime.layouts import LeafLayout
-from autopar.vocab import TPStyle
+from autopar.vocab import Layout, TPStyle
 
 
 def is_conv1d(module: nn.Module) -> bool:

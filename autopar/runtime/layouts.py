@@ -1,7 +1,7 @@
 """Where tensor-parallel layouts change: the plan's per-leaf styles turned into one
 input and one output conversion per leaf, from the planner's own data-flow graph.
 
-The planner prices each leaf style with the layouts of :data:`autopar.cost.tensor_parallel.STYLE_IO`
+The planner prices each leaf style with the layouts of :data:`autopar.vocab.STYLE_IO`
 (replicated R, feature-sharded F, partial P, sequence-sharded Q) and charges a
 collective wherever a producer's layout differs from what a consumer needs. This module
 decides where the runtime performs those conversions, using the same
@@ -35,10 +35,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.cost.tensor_parallel import STYLE_IO, Layout
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, LayerGraph, Leaf, LeafKind, Unit
 from autopar.runtime.errors import PlanMismatchError, ShardingError
-from autopar.vocab import TPStyle
+from autopar.vocab import STYLE_IO, Layout, TPStyle
 
 _KIND_STYLES: dict[LeafKind, tuple[TPStyle, ...]] = {
     LeafKind.LINEAR: (TPStyle.REPLICATE, TPStyle.COLUMN, TPStyle.ROW),

@@ -131,7 +131,7 @@ class _ShardedAccumulationStage(PipelineStage):
     so the stage's unsharded gradients pile up across micro-batches and ZeRO-3's
     parameters stay gathered from one backward to the next forward. Without pipelining
     the planner prices ZeRO-2/3 as plain FSDP2 gradient accumulation
-    (:func:`autopar.cost.memory.state_bytes`, :func:`autopar.search.predict.tail_s`):
+    (:func:`autopar.cost.memory.state_bytes`, :func:`autopar.cost.data_parallel.tail_s`):
     each micro-batch reduce-scatters its gradients into the sharded ones, ZeRO-3
     reshards after every backward and gathers again for the next micro-batch, and
     ZeRO-2 keeps its parameters gathered until the last one. This stage does that; the

@@ -10,7 +10,7 @@ rank that fails ends the run with every rank's error shown.
 Rules for ``fn``: defined at module level; return picklable data; do not create process
 groups in the parent before forking. Results travel as plain ``pickle`` bytes, so
 tensors are copied into the message rather than shared through file descriptors that
-die with the child. See shared/TORCH-CPU.md ("fork harness").
+die with the child.
 """
 
 from __future__ import annotations

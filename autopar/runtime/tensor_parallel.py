@@ -26,12 +26,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
-from autopar.cost.tensor_parallel import Layout
 from autopar.runtime import hf
 from autopar.runtime.errors import ShardingError
 from autopar.runtime.layouts import LeafLayout, TPLayout
 from autopar.runtime.tied import retie
-from autopar.vocab import TPStyle
+from autopar.vocab import Layout, TPStyle
 
 
 def placement(layout: Layout) -> Placement:

@@ -1,12 +1,14 @@
-"""The intra-op ILP: a tensor-parallel style for every leaf of a unit.
+"""The intra-op search: a tensor-parallel style for every leaf of a unit.
 
-As Alpa's intra-operator pass (Zheng et al. 2022, section 4), each leaf picks one style
+A unit of a few leaves has a few thousand layouts: they are all priced at once
+(:mod:`autopar.cost.layout_table`) and the fastest taken. Larger units go to an integer
+program: as Alpa's intra-operator pass (Zheng et al. 2022, section 4), each leaf picks one style
 (binary ``x[l, s]``), edges pay resharding costs that depend on the styles at both ends
 (linearised with ``y >= x_a + x_b - 1``), and the objective is the unit's forward plus
 backward time on one micro-batch. Unlike Alpa, a conversion is charged once per producer
 and target layout however many consumers need it, and the partial input gradient of
 column-parallel consumers once per producer (see :mod:`autopar.cost.tensor_parallel`,
-whose :func:`evaluate_layout` is the reference this ILP is tested against).
+whose :func:`evaluate_layout` is the reference both are tested against).
 
 Solved once per distinct unit structure, TP degree and boundary layout (and, only
 where the costs are not affine in it, micro-batch size); a 96-block GPT needs one block
@@ -16,36 +18,39 @@ solve per such configuration, not 96.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import replace
 
-import pulp
+import numpy as np
 
-from autopar.cost.tensor_parallel import (
+from autopar.cost.layout_table import LAYOUTS, layout_table
+from autopar.cost.leaf import (
     BACKWARD_FACTOR,
-    STYLE_IO,
-    Layout,
     TPContext,
-    UnitCost,
     allowed_styles,
-    conversion_s,
-    evaluate_layout,
     glue_fwd_s,
     glue_layout,
     leaf_accumulate_s,
     leaf_fwd_s,
     leaf_param_numel,
+)
+from autopar.cost.tensor_parallel import (
+    UnitCost,
+    conversion_s,
+    evaluate_layout,
     loss_parallel_s,
     model_output_layout,
     producer_bytes,
     reduction_s,
 )
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, UnitProfile
-from autopar.search.ilp import make_solver, solve
-from autopar.vocab import TPStyle
+from autopar.search.ilp import Program, check_solver, solve
+from autopar.vocab import STYLE_IO, Layout, TPStyle
 
-ENUMERATE_LIMIT = 64
-"""Layout spaces up to this size are enumerated (exactly, like the ILP) instead of solved:
-a two-leaf embedding unit is cheaper to enumerate than to hand to a solver."""
+TABLE_LIMIT = 200_000
+"""Layout spaces up to this size are priced whole (:mod:`autopar.cost.layout_table`),
+exactly like the ILP, in far less time; larger ones (a block of many experts) go to the
+integer program."""
 
 
 class LayoutSolver:
@@ -59,8 +64,9 @@ class LayoutSolver:
     micro-batch sizes.
     """
 
-    def __init__(self, *, solver: str = "highs", micro_batches: tuple[int, ...] = ()):
-        self._solver = make_solver(solver)
+    def __init__(self, *, solver: str = "highs", micro_batches: tuple[int, ...] = (), table_limit: int = TABLE_LIMIT):
+        self._solver = check_solver(solver)
+        self._table_limit = table_limit
         self._ends = (min(micro_batches), max(micro_batches)) if micro_batches else ()
         self._cache: dict[tuple, tuple[tuple[TPStyle, ...], Layout]] = {}
         self.solves = 0
@@ -104,30 +110,23 @@ class LayoutSolver:
     def _styles(self, profile, ctx, options, outputs, cap, key) -> tuple[tuple[TPStyle, ...], Layout]:
         full_key = (*key, ctx.micro_batch)
         if full_key not in self._cache:
-            size = len(outputs)
-            for o in options:
-                size *= len(o)
-            if size <= ENUMERATE_LIMIT:
-                self._cache[full_key] = _enumerate(profile, ctx, options, outputs, cap)
+            combinations = math.prod(len(o) for o in options)
+            if combinations <= self._table_limit:
+                self._cache[full_key] = _from_table(profile, ctx, options, cap)
             else:
                 self.solves += 1
                 self._cache[full_key] = _solve_ilp(profile, ctx, options, outputs, self._solver, param_cap=cap)
         return self._cache[full_key]
 
 
-def _enumerate(profile, ctx, options, outputs, cap) -> tuple[tuple[TPStyle, ...], Layout]:
-    best, best_t = None, None
-    for styles in itertools.product(*options):
-        for output in outputs:
-            if output is not model_output_layout(profile, styles, ctx):
-                continue
-            cost = evaluate_layout(profile, tuple(styles), output, ctx)
-            if cap is not None and cost.param_numel > cap:
-                continue
-            if best_t is None or cost.time_s < best_t - 1e-15:
-                best, best_t = (tuple(styles), output), cost.time_s
-    assert best is not None, "the replicate layout always qualifies"
-    return best
+def _from_table(profile, ctx, options, cap) -> tuple[tuple[TPStyle, ...], Layout]:
+    """The fastest layout (of those within ``cap`` parameters) by pricing them all
+    (:func:`autopar.cost.layout_table.layout_table`)."""
+    table = layout_table(profile, ctx, options)
+    time = table.time_s if cap is None else np.where(table.param_numel <= cap, table.time_s, np.inf)
+    best = int(np.argmin(time))
+    styles = tuple(opts[k] for opts, k in zip(options, table.choice[best].tolist()))
+    return styles, LAYOUTS[int(table.output[best])]
 
 
 def brute_force_layout(profile: UnitProfile, ctx: TPContext) -> UnitCost:
@@ -150,81 +149,85 @@ def _solve_ilp(
     ctx: TPContext,
     options: list[tuple[TPStyle, ...]],
     outputs: tuple[Layout, ...],
-    solver: pulp.LpSolver,
+    solver: str,
     *,
     param_cap: float | None = None,
 ) -> tuple[tuple[TPStyle, ...], Layout]:
-    prob = pulp.LpProblem("tp_layout", pulp.LpMinimize)
+    prog = Program("tp_layout")
     b = ctx.micro_batch
-    x = {(i, s): prob.add_variable(f"x_{i}_{s.value}", cat="Binary") for i, opts in enumerate(options) for s in opts}
-    o = {lay: prob.add_variable(f"out_{lay.value}", cat="Binary") for lay in outputs}
+    x = {(i, s): prog.binary() for i, opts in enumerate(options) for s in opts}
+    o = {lay: prog.binary() for lay in outputs}
     for i, opts in enumerate(options):
-        prob += pulp.lpSum(x[i, s] for s in opts) == 1
-    prob += pulp.lpSum(o.values()) == 1
+        prog.constrain({x[i, s]: 1.0 for s in opts}, lower=1.0, upper=1.0)
+    prog.constrain({v: 1.0 for v in o.values()}, lower=1.0, upper=1.0)
     if len(o) > 1:  # the model's output is sharded exactly where a column leaf produces it
         for src in {f.src for f in profile.flows if f.dst == UNIT_OUTPUT}:
-            prob += o[Layout.F] == (
-                x[src, TPStyle.COLUMN] if src != UNIT_INPUT and TPStyle.COLUMN in options[src] else 0
-            )
+            if src != UNIT_INPUT and TPStyle.COLUMN in options[src]:
+                prog.constrain({o[Layout.F]: 1.0, x[src, TPStyle.COLUMN]: -1.0}, lower=0.0, upper=0.0)
+            else:
+                prog.constrain({o[Layout.F]: 1.0}, lower=0.0, upper=0.0)
 
-    def produces(node: int) -> list[tuple[Layout, pulp.LpAffineExpression | int]]:
+    def produces(node: int) -> list[tuple[Layout, dict[int, float]]]:
+        """Each layout ``node`` may produce, and the sum of variables that is 1 when it does
+        (empty: always)."""
         if node == UNIT_INPUT:
-            return [(ctx.input_layout, 1)]
-        by_layout: dict[Layout, list] = {}
+            return [(ctx.input_layout, {})]
+        by_layout: dict[Layout, dict[int, float]] = {}
         for s in options[node]:
-            by_layout.setdefault(STYLE_IO[s][1], []).append(x[node, s])
-        return [(lay, pulp.lpSum(v)) for lay, v in by_layout.items()]
+            by_layout.setdefault(STYLE_IO[s][1], {})[x[node, s]] = 1.0
+        return list(by_layout.items())
 
-    def needs(node: int) -> list[tuple[Layout, pulp.LpAffineExpression]]:
+    def needs(node: int) -> list[tuple[Layout, dict[int, float]]]:
         if node == UNIT_OUTPUT:
-            return [(lay, o[lay]) for lay in outputs]
-        by_layout: dict[Layout, list] = {}
+            return [(lay, {o[lay]: 1.0}) for lay in outputs]
+        by_layout: dict[Layout, dict[int, float]] = {}
         for s in options[node]:
-            by_layout.setdefault(STYLE_IO[s][0], []).append(x[node, s])
-        return [(lay, pulp.lpSum(v)) for lay, v in by_layout.items()]
+            by_layout.setdefault(STYLE_IO[s][0], {})[x[node, s]] = 1.0
+        return list(by_layout.items())
 
-    terms = []
+    def at_least_both(var: int, a: dict[int, float], c: dict[int, float]) -> None:
+        """``var >= a + c - 1`` for two indicator sums (an empty one is always 1)."""
+        row = {var: 1.0}
+        for part in (a, c):
+            for v, coef in part.items():
+                row[v] = row.get(v, 0.0) - coef
+        prog.constrain(row, lower=(-1.0 if a and c else 0.0))
+
     for i, opts in enumerate(options):
+        leaf = profile.leaves[i]
         for s in opts:
-            leaf = profile.leaves[i]
-            step = (1 + BACKWARD_FACTOR) * leaf_fwd_s(leaf, s, ctx) + leaf_accumulate_s(leaf, s, ctx)
-            terms.append(step * x[i, s])
+            prog.cost[x[i, s]] = (1 + BACKWARD_FACTOR) * leaf_fwd_s(leaf, s, ctx) + leaf_accumulate_s(leaf, s, ctx)
     if Layout.F in o and ctx.last:
-        terms.append(loss_parallel_s(ctx) * o[Layout.F])
-    conv: dict[tuple[int, Layout, Layout], pulp.LpVariable] = {}
-    reduce_vars: dict[tuple[int, Layout], pulp.LpVariable] = {}
+        prog.cost[o[Layout.F]] += loss_parallel_s(ctx)
+    conv: dict[tuple[int, Layout, Layout], int] = {}
+    reduce_vars: dict[tuple[int, Layout], int] = {}
     largest = producer_bytes(profile)
-    for k, flow in enumerate(profile.flows):
+    for flow in profile.flows:
         nbytes = largest[flow.src] * b
         for (a, xa), (need, xn) in itertools.product(produces(flow.src), needs(flow.dst)):
             glue = (1 + BACKWARD_FACTOR) * glue_fwd_s(flow, glue_layout(a, need), ctx)
             if glue > 0:
-                y = prob.add_variable(f"g_{k}_{a.value}{need.value}", lowBound=0)
-                prob += y >= xa + xn - 1
-                terms.append(glue * y)
+                at_least_both(prog.var(cost=glue), xa, xn)
             f, bw = conversion_s(a, need, nbytes, ctx)
             if f + bw > 0:
                 key = (flow.src, a, need)
                 if key not in conv:
-                    conv[key] = prob.add_variable(f"c_{flow.src + 2}_{a.value}{need.value}", lowBound=0)
-                    terms.append((f + bw) * conv[key])
-                prob += conv[key] >= xa + xn - 1
+                    conv[key] = prog.var(cost=f + bw)
+                at_least_both(conv[key], xa, xn)
         if flow.dst >= 0 and TPStyle.COLUMN in options[flow.dst]:
             for a, xa in produces(flow.src):
                 cost = reduction_s(a, nbytes, ctx)
                 if cost > 0:
                     key2 = (flow.src, a)
                     if key2 not in reduce_vars:
-                        reduce_vars[key2] = prob.add_variable(f"r_{flow.src + 2}_{a.value}", lowBound=0)
-                        terms.append(cost * reduce_vars[key2])
-                    prob += reduce_vars[key2] >= xa + x[flow.dst, TPStyle.COLUMN] - 1
-    params = pulp.lpSum(
-        leaf_param_numel(profile.leaves[i], s, ctx.tp) * x[i, s] for i, opts in enumerate(options) for s in opts
-    )
+                        reduce_vars[key2] = prog.var(cost=cost)
+                    at_least_both(reduce_vars[key2], xa, {x[flow.dst, TPStyle.COLUMN]: 1.0})
     if param_cap is not None:
-        prob += params <= param_cap
-    prob += pulp.lpSum(terms)
-    solve(prob, solver)
-    styles = tuple(next(s for s in opts if (x[i, s].value() or 0) > 0.5) for i, opts in enumerate(options))
-    output = next(lay for lay in outputs if (o[lay].value() or 0) > 0.5)
+        params = {
+            x[i, s]: leaf_param_numel(profile.leaves[i], s, ctx.tp) for i, opts in enumerate(options) for s in opts
+        }
+        prog.constrain(params, upper=param_cap)
+    values = solve(prog, solver)
+    styles = tuple(next(s for s in opts if values[x[i, s]] > 0.5) for i, opts in enumerate(options))
+    output = next(lay for lay in outputs if values[o[lay]] > 0.5)
     return styles, output

@@ -1,55 +1,63 @@
-"""``plan()`` and ``estimate()``: search the space, keep the best, explain the rest.
+"""``plan()`` and ``estimate()``: the public entry points of the search.
 
-Candidates are costed in increasing order of their time lower bound; the scan stops
-when the bound of the next candidate is no better than the ``top``-th best exact cost
-found, so the optimum and the runners-up are exact while most of the space is never
-costed. A hand-written configuration is the same search with every field fixed.
+``plan`` scans the whole space (:mod:`autopar.search.scan`) and keeps the fastest
+configuration that fits with its runners-up; ``estimate`` is the same search with every
+given field fixed, a space of size one, and prices a configuration that does not fit
+within an unbounded memory budget instead of failing.
 """
 
 from __future__ import annotations
 
+import functools
+import gc
+import math
 import time
-from collections import Counter
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any, ParamSpec, TypeVar
 
 from torch import nn
 
-from autopar.cluster import Cluster
-from autopar.errors import ConfigError, InfeasiblePlanError, check_positive_int
+from autopar.cost.model import CostModel
+from autopar.cost.peak import budget_bytes
+from autopar.cost.price import price
+from autopar.errors import ConfigError, check_positive_int
 from autopar.graph.extract import extract
 from autopar.graph.layer_graph import LayerGraph
-from autopar.plan import Alternative, ModelSummary, ParallelConfig, Plan, PlanSettings
-from autopar.search.evaluate import Evaluator, Outcome
-from autopar.search.predict import predict, smallest_footprint_bytes
-from autopar.search.space import (
-    CUT_NOTE,
-    Rejection,
-    check_constraints,
-    enumerate_space,
-    lower_bounds,
-    micro_batch_range,
-)
+from autopar.hardware.cluster import Cluster
+from autopar.plan import ParallelConfig, Plan, PlanSettings
+from autopar.profiles.apply import Measurements, measurements
+from autopar.search.assemble import Provenance, infeasible_error, to_plan
+from autopar.search.scan import decided, search
+from autopar.search.solve import ConfigSolver, Outcome
+from autopar.search.space import check_constraints, micro_batch_range
 from autopar.vocab import Attention, Optimizer, Recompute
 
-ALL_MODES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
-@dataclass(frozen=True, kw_only=True)
-class SearchResult:
-    """Everything the search found, before it becomes a Plan."""
+def _cycles_collected_after(fn: Callable[P, R]) -> Callable[P, R]:
+    """Runs ``fn`` with Python's cycle collector paused, and resumes it after. Planning
+    makes millions of short-lived objects that reference counting frees, and each time
+    they pass the collector's threshold it walks every object in the process: with
+    PyTorch's compiler stack loaded (any meta or fake tensor loads it), those walks took a
+    fifth of a large plan's time. What cyclic garbage planning leaves is collected after."""
 
-    best: Outcome
-    runners_up: tuple[Outcome, ...]
-    infeasible: tuple[Outcome, ...]
-    rejected: tuple[Rejection, ...]
-    evaluated: int
-    considered: int
-    region_sizes: Mapping[tuple[int, int], int] = field(default_factory=dict)
-    """How many candidates each (tp, pp) region has: a region is out of memory when all are."""
+    @functools.wraps(fn)
+    def paused(*args: P.args, **kwargs: P.kwargs) -> R:
+        if not gc.isenabled():
+            return fn(*args, **kwargs)
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            gc.enable()
+
+    return paused
 
 
+@_cycles_collected_after
 def plan(
     model: nn.Module | LayerGraph,
     cluster: Cluster,
@@ -68,14 +76,15 @@ def plan(
 
     Args:
         model: any ``nn.Module`` (real or on the meta device), or a LayerGraph.
-        cluster: where it runs (``Cluster.preset``, ``Cluster.from_json``, ``Cluster.from_profile``).
+        cluster: where it runs (``autopar.preset``, ``autopar.load_cluster``,
+            ``autopar.cluster_from_profiles``).
         global_batch_size: samples per optimizer step.
         seq_len: tokens per sample, for token models.
         sample_input: otherwise, one batch of inputs (values are never read).
         constraints: fixed config fields, e.g. ``{"tp": 8, "pp": 16}``.
         optimizer: ``adam``, ``sgd`` or ``adafactor`` (optimizer state memory).
         attention: ``flash`` or ``materialized`` (attention activation memory).
-        profile: profiler report(s) whose measurements replace the analytic defaults.
+        profile: profile report(s) whose measurements replace the analytic defaults.
         top: how many runners-up to keep.
         solver: ``highs`` or ``cbc``.
 
@@ -86,24 +95,21 @@ def plan(
     started = time.perf_counter()
     check_positive_int("global_batch_size", global_batch_size)
     fixed = check_constraints(constraints)
-    cluster, sources, calibration, refwd = _apply_profile(cluster, profile)
-    graph = _graph(model, cluster, fixed, seq_len, sample_input, attention)
-    evaluator = Evaluator(
-        graph=graph,
-        cluster=cluster,
-        optimizer=Optimizer(optimizer),
-        global_batch_size=global_batch_size,
+    measured = measurements(cluster, profile)
+    graph = _graph(model, measured.cluster, fixed, seq_len, sample_input, attention)
+    solver_ = ConfigSolver(
+        model=_cost_model(graph, measured, optimizer, global_batch_size),
+        budget_bytes=budget_bytes(measured.cluster.device.memory),
         solver=solver,
-        micro_batches=micro_batch_range(graph, cluster, global_batch_size, fixed),
-        calibration=calibration,
-        recompute_fractions=refwd,
+        micro_batches=micro_batch_range(graph, measured.cluster, global_batch_size, fixed),
     )
-    result = search(evaluator, fixed, top=top)
+    result = search(solver_, fixed, top=top)
     if not result.best.fits:
-        raise _infeasible(result, cluster, graph)
-    return _to_plan(evaluator, result, cluster, graph, global_batch_size, sources, started, attention, solver)
+        raise infeasible_error(result, measured.cluster, graph)
+    return to_plan(solver_, result, _provenance(measured, optimizer, attention, solver, started))
 
 
+@_cycles_collected_after
 def estimate(
     model: nn.Module | LayerGraph,
     cluster: Cluster,
@@ -130,88 +136,33 @@ def estimate(
     check_positive_int("global_batch_size", global_batch_size)
     given = dict(config.__dict__) if isinstance(config, ParallelConfig) else dict(config)
     fixed = check_constraints(given)
-    cluster, sources, calibration, refwd = _apply_profile(cluster, profile)
-    fixed = _complete(fixed, cluster, global_batch_size)
-    graph = _graph(model, cluster, fixed, seq_len, sample_input, attention)
-    evaluator = Evaluator(
-        graph=graph,
-        cluster=cluster,
-        optimizer=Optimizer(optimizer),
-        global_batch_size=global_batch_size,
-        solver=solver,
-        calibration=calibration,
-        recompute_fractions=refwd,
-    )
-    result = search(evaluator, fixed, top=0)
+    measured = measurements(cluster, profile)
+    fixed = _complete(fixed, measured.cluster, global_batch_size)
+    graph = _graph(model, measured.cluster, fixed, seq_len, sample_input, attention)
+    cost_model = _cost_model(graph, measured, optimizer, global_batch_size)
+    solver_ = ConfigSolver(model=cost_model, budget_bytes=budget_bytes(measured.cluster.device.memory), solver=solver)
+    result = search(solver_, fixed, top=0)
     if not result.best.fits:
-        result = replace(result, best=_overflow(evaluator, result.best.config, fixed))
-    return _to_plan(evaluator, result, cluster, graph, global_batch_size, sources, started, attention, solver)
+        result = replace(result, best=_overflow(cost_model, result.best.config, fixed, solver))
+    return to_plan(solver_, result, _provenance(measured, optimizer, attention, solver, started))
 
 
-def search(evaluator: Evaluator, fixed: Mapping[str, Any], *, top: int) -> SearchResult:
-    """Cost the candidates in bound order (see the module docstring)."""
-    graph, cluster = evaluator.graph, evaluator.cluster
-    configs, rejected = enumerate_space(graph, cluster, evaluator.global_batch_size, fixed)
-    if not configs:
-        reasons = "; ".join(f"{r.what}: {r.reason}" for r in rejected[:6]) or "no candidate"
-        raise ConfigError(
-            f"no configuration of {cluster.world_size} devices can run global_batch_size="
-            f"{evaluator.global_batch_size} with constraints {dict(fixed)}: {reasons}. Change the batch "
-            f"size, the device count or the constraints."
-        )
-    modes = (fixed["recompute"],) if "recompute" in fixed else ALL_MODES
-    region_sizes = Counter((c.tp, c.pp) for c in configs)
-    cache: dict = {}
-    bounded = []
-    infeasible: list[Outcome] = []
-    for cfg in configs:
-        b = lower_bounds(graph, cluster, cfg, evaluator.optimizer, cache)
-        if b.memory_bytes > cluster.device.memory_bytes:
-            infeasible.append(
-                Outcome(
-                    config=cfg,
-                    fits=False,
-                    min_memory_bytes=b.memory_bytes,
-                    reason=f"out of memory: needs at least {b.memory_bytes / 2**30:.1f} GiB",
-                )
-            )
-            continue
-        bounded.append((evaluator.bound_s(cfg, modes), cfg))
-    bounded.sort(key=lambda x: x[0])
-    fitting: list[Outcome] = []
-    evaluated = 0
-    keep = max(top, 0) + 1
-    for bound, cfg in bounded:
-        if len(fitting) >= keep and bound >= fitting[keep - 1].step_time_s:
-            break
-        outcome = evaluator.evaluate(cfg, modes)
-        evaluated += 1
-        if outcome.fits:
-            fitting.append(outcome)
-            fitting.sort(key=lambda o: o.step_time_s)
-        else:
-            infeasible.append(outcome)
-    if not fitting:
-        smallest = min(infeasible, key=lambda o: o.min_memory_bytes)
-        return SearchResult(
-            best=smallest,
-            runners_up=(),
-            infeasible=tuple(infeasible),
-            rejected=tuple(rejected),
-            evaluated=evaluated,
-            considered=len(configs),
-            region_sizes=region_sizes,
-        )
-    finished = [replace(o, prediction=predict(evaluator, o.config, o.stages)) for o in fitting[:keep]]
-    return SearchResult(
-        best=finished[0],
-        runners_up=tuple(finished[1:]),
-        infeasible=tuple(infeasible),
-        rejected=tuple(rejected),
-        evaluated=evaluated,
-        considered=len(configs),
-        region_sizes=region_sizes,
+def _cost_model(graph: LayerGraph, measured: Measurements, optimizer: Optimizer | str, batch: int) -> CostModel:
+    return CostModel(
+        graph=graph,
+        cluster=measured.cluster,
+        optimizer=Optimizer(optimizer),
+        global_batch_size=batch,
+        calibration=measured.calibration,
+        recompute_fractions=measured.recompute_fractions,
     )
+
+
+def _provenance(measured: Measurements, optimizer, attention, solver: str, started: float) -> Provenance:
+    settings = PlanSettings(
+        optimizer=Optimizer(optimizer), attention=Attention(attention), profile_sources=measured.sources, solver=solver
+    )
+    return Provenance(settings=settings, search_time_s=time.perf_counter() - started)
 
 
 def _graph(model, cluster: Cluster, fixed, seq_len, sample_input, attention) -> LayerGraph:
@@ -248,201 +199,23 @@ def _complete(fixed: dict[str, Any], cluster: Cluster, global_batch_size: int) -
     return check_constraints(out)
 
 
-def _overflow(evaluator: Evaluator, config: ParallelConfig, fixed: Mapping[str, Any]) -> Outcome:
+def _overflow(model: CostModel, config: ParallelConfig, fixed: Mapping[str, Any], solver: str) -> Outcome:
     """What a configuration that does not fit would need: its fastest choices without a
-    memory cap when recompute was given, else its smallest (full recomputation)."""
+    memory budget when recompute was given, else its smallest (full recomputation),
+    priced against the real device."""
     modes = (fixed["recompute"],) if "recompute" in fixed else (Recompute.FULL,)
-    unbounded = replace(evaluator, cluster=_huge(evaluator.cluster), _options={}, memo={})
-    outcome = unbounded.evaluate(config, modes)
-    pred = predict(unbounded, config, outcome.stages)
-    real = evaluator.cluster.device.memory_bytes
-    pred = replace(
-        pred,
-        memory_capacity_bytes=real,
-        fits=pred.memory_bytes_per_device <= real,
-        mfu=pred.mfu * unbounded.cluster.device.peak(config.dtype) / evaluator.cluster.device.peak(config.dtype),
-    )
-    need = pred.memory_bytes_per_device
+    unbounded = ConfigSolver(model=model, budget_bytes=math.inf, solver=solver).evaluate(config, modes)
+    pred = price(model, decided(unbounded))
+    need, real = pred.memory_bytes_per_device, pred.memory_capacity_bytes
     return Outcome(
         config=config,
         fits=False,
         step_time_s=pred.step_time_s,
         prediction=pred,
-        stages=outcome.stages,
+        stages=unbounded.stages,
         min_memory_bytes=need,
         reason=f"out of memory: needs {need / 2**30:.1f} GiB per device, {real / 2**30:.1f} GiB available",
     )
 
 
-def _huge(cluster: Cluster) -> Cluster:
-    """The same cluster with practically unbounded memory (a finite number, which the
-    device's validation requires), to price a configuration that does not fit."""
-    return replace(cluster, device=replace(cluster.device, memory_bytes=cluster.device.memory_bytes * 1e6))
-
-
-def _infeasible(result: SearchResult, cluster: Cluster, graph: LayerGraph) -> InfeasiblePlanError:
-    best = min(result.infeasible, key=lambda o: o.min_memory_bytes)
-    cap = cluster.device.memory_bytes
-    cfg = best.config
-    hints = []
-    if cfg.zero_stage < 3 and cfg.dp > 1:
-        hints.append("zero_stage=3")
-    hints.append("recompute='full'")
-    hints.append(f"more devices (e.g. {2 * cluster.nodes} nodes)")
-    return InfeasiblePlanError(
-        f"no plan fits: {graph.name} ({graph.num_params / 1e9:.2f}B parameters) needs at least "
-        f"{best.min_memory_bytes / 2**30:.1f} GiB per device in the best case found ({cfg.short()}); each "
-        f"{cluster.device.name} has {cap / 2**30:.1f} GiB. Try {', '.join(hints)}, or a smaller micro-batch or "
-        f"sequence length.",
-        min_memory_bytes=best.min_memory_bytes,
-        capacity_bytes=cap,
-    )
-
-
-def _to_plan(
-    evaluator: Evaluator,
-    result: SearchResult,
-    cluster: Cluster,
-    graph: LayerGraph,
-    global_batch_size: int,
-    sources: tuple[str, ...],
-    started: float,
-    attention,
-    solver: str,
-) -> Plan:
-    best = result.best
-    assert best.prediction is not None
-    strategies, default = evaluator.strategies(best.stages, best.config)
-    config = replace(best.config, recompute=default)
-    stages = tuple(tuple(m for u in s.units for m in graph.units[u].modules) for s in best.stages)
-    alternatives = _alternatives(result, evaluator)
-    notes = _notes(graph, config, strategies)
-    return Plan(
-        config=config,
-        stages=stages,
-        layer_strategies=strategies,
-        prediction=best.prediction,
-        alternatives=alternatives,
-        model=ModelSummary(
-            name=graph.name,
-            num_params=graph.num_params,
-            units=graph.module_names,
-            fingerprint=graph.fingerprint,
-            seq_len=graph.seq_len,
-            global_batch_size=global_batch_size,
-            flops_per_sample=3 * graph.fwd_flops_per_sample,
-        ),
-        cluster=cluster,
-        settings=PlanSettings(
-            optimizer=evaluator.optimizer, attention=Attention(attention), profile_sources=sources, solver=solver
-        ),
-        notes=notes,
-        search_time_s=time.perf_counter() - started,
-        candidates_evaluated=result.evaluated,
-    )
-
-
-def _alternatives(result: SearchResult, evaluator: Evaluator) -> tuple[Alternative, ...]:
-    best_t = result.best.step_time_s
-    out = []
-    for o in result.runners_up:
-        p = o.prediction
-        out.append(
-            Alternative(
-                config=o.config,
-                status="runner-up",
-                step_time_s=p.step_time_s,
-                memory_bytes_per_device=p.memory_bytes_per_device,
-                slower_by=p.step_time_s / best_t - 1,
-                over_memory_bytes=0.0,
-                reason=f"{100 * (p.step_time_s / best_t - 1):.1f}% slower",
-            )
-        )
-    cap = result.best.prediction.memory_capacity_bytes if result.best.prediction else 0.0
-    for o in _oom_regions(result, cap, evaluator):
-        over = o.min_memory_bytes - cap
-        out.append(
-            Alternative(
-                config=o.config,
-                status="out-of-memory",
-                step_time_s=0.0,
-                memory_bytes_per_device=o.min_memory_bytes,
-                slower_by=0.0,
-                over_memory_bytes=over,
-                reason=f"tp={o.config.tp} pp={o.config.pp}: needs about {o.min_memory_bytes / 2**30:.1f} "
-                f"GiB per device even with full recomputation ({over / 2**30:.1f} GiB over)",
-            )
-        )
-    return tuple(out)
-
-
-def _oom_regions(result: SearchResult, cap: float, evaluator: Evaluator, limit: int = 5) -> list[Outcome]:
-    """For each (tp, pp) region where no candidate fits, the closest to fitting: the
-    smaller footprint of its two most frugal candidates (smallest micro-batch, highest
-    ZeRO stage, sequence parallel)."""
-    regions: dict[tuple[int, int], list[Outcome]] = {}
-    for o in result.infeasible:
-        regions.setdefault((o.config.tp, o.config.pp), []).append(o)
-    found = []
-    for key, members in regions.items():
-        if len(members) < result.region_sizes.get(key, 0):
-            continue  # some candidate of this region fits (or was only slower)
-        smallest_mbs = min(o.config.micro_batch_size for o in members)
-        frugal = sorted(
-            (o for o in members if o.config.micro_batch_size == smallest_mbs),
-            key=lambda o: (-o.config.zero_stage, not o.config.sequence_parallel, o.config.virtual_stages),
-        )
-        sized = [
-            replace(o, min_memory_bytes=max(o.min_memory_bytes, smallest_footprint_bytes(evaluator, o.config)))
-            for o in frugal[:2]
-        ]
-        best = min(sized, key=lambda o: o.min_memory_bytes)
-        if best.min_memory_bytes > cap:
-            found.append(best)
-    return sorted(found, key=lambda o: o.min_memory_bytes)[:limit]
-
-
-def _notes(graph: LayerGraph, config: ParallelConfig, strategies) -> tuple[str, ...]:
-    from autopar.cost.tensor_parallel import padded
-
-    notes = [
-        "Predictions model autopar's runtime (DDP/ZeroRedundancyOptimizer/FSDP2, DTensor tensor parallelism, "
-        "torch.distributed.pipelining); other frameworks spend memory differently."
-    ]
-    if config.pp > 1 and not graph.cuttable:
-        notes.append(f"Not runnable by autopar's runtime as is: {CUT_NOTE}.")
-    if graph.vocab_size and config.tp > 1 and graph.vocab_size % config.tp:
-        notes.append(
-            f"Vocabulary {graph.vocab_size} padded to {padded(graph.vocab_size, config.tp)} for tp={config.tp} "
-            f"(a multiple of 128 x tp, as Megatron-LM does)."
-        )
-    return tuple(notes)
-
-
-def _apply_profile(
-    cluster: Cluster, profile: Any
-) -> tuple[Cluster, tuple[str, ...], dict[str, float], dict[str, float]]:
-    """Measured numbers replace the analytic defaults: device curves and links in the
-    cluster, and per-unit compute factors and recompute fractions for the units the
-    profile measured."""
-    if profile is None:
-        return cluster, (), {}, {}
-    from autopar.profiles import (
-        cluster_from_profiles,
-        has_layers,
-        layer_calibration,
-        profile_sources,
-        recompute_calibration,
-    )
-
-    reports = profile if isinstance(profile, (list, tuple)) else [profile]
-    calibration = layer_calibration(reports, base=cluster) if has_layers(reports) else {}
-    return (
-        cluster_from_profiles(reports, base=cluster),
-        profile_sources(reports),
-        calibration,
-        recompute_calibration(reports),
-    )
-
-
-__all__ = ["SearchResult", "estimate", "plan", "search"]
+__all__ = ["estimate", "plan"]

@@ -6,12 +6,8 @@ follows from the global batch), a schedule and its virtual stages, a ZeRO stage,
 sequence parallelism and the precision. ``constraints`` fix any subset of these fields.
 Per-layer choices (TP styles, recompute per unit) are made inside each candidate.
 
-Bounds (never above the exact cost, so pruning by them loses nothing):
-
-- time: each leaf and glue op at its cheapest style with no communication, the
-  pipeline perfectly balanced: ``(m - 1 + pp) / pp * sum_units t_min``;
-- memory: every leaf at its fewest parameters, activations fully recomputed, spread
-  evenly over the stages, on the least loaded pipeline rank.
+The memory floor (:func:`memory_floor`, never above the exact peak) rules out
+candidates before they are solved.
 """
 
 from __future__ import annotations
@@ -20,25 +16,15 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from autopar.cluster import Cluster
-from autopar.cost.comm import group_span
-from autopar.cost.compute import rates
-from autopar.cost.memory import state_bytes
-from autopar.cost.pipeline import inflight_microbatches, schedule_problem
-from autopar.cost.tensor_parallel import (
-    BACKWARD_FACTOR,
-    Layout,
-    TPContext,
-    allowed_styles,
-    glue_fwd_s,
-    leaf_accumulate_s,
-    leaf_fwd_s,
-    leaf_param_numel,
-)
+from autopar.cost.bounds import memory_floor_bytes, states_floor_bytes, unit_floor
+from autopar.cost.leaf import allowed_styles
+from autopar.cost.model import CostModel
+from autopar.cost.pipeline import schedule_problem
 from autopar.errors import ConfigError
 from autopar.graph.layer_graph import LayerGraph, Leaf, LeafKind
+from autopar.hardware.cluster import Cluster
 from autopar.plan import ParallelConfig
-from autopar.vocab import ZERO_STAGES, DType, Optimizer, Recompute, Schedule, TPStyle
+from autopar.vocab import ZERO_STAGES, DType, Recompute, Schedule, TPStyle
 
 CONFIG_FIELDS = tuple(f.name for f in fields(ParallelConfig))
 CUT_NOTE = (
@@ -235,93 +221,41 @@ def micro_batch_range(
     return tuple(d for d in divisors(global_batch_size) if d <= MAX_MICRO_BATCH)
 
 
-@dataclass(frozen=True, kw_only=True)
-class Bounds:
-    """Lower bounds of a candidate's step time and peak memory per device."""
-
-    time_s: float
-    memory_bytes: float
-
-
-def lower_bounds(
-    graph: LayerGraph, cluster: Cluster, config: ParallelConfig, optimizer: Optimizer, cache: dict
-) -> Bounds:
-    """Cheap bounds (see the module docstring); ``cache`` memoises per-unit terms."""
-    n = len(graph.units)
-    kinds = cache.get("kinds")
-    if kinds is None:
-        counts: dict[tuple, list[int]] = {}
-        for u in range(n):
-            counts.setdefault((graph.units[u].profile, u == 0, u == n - 1), []).append(u)
-        kinds = cache["kinds"] = [(us[0], len(us)) for us in counts.values()]
-    time_sum = 0.0
-    params_sum = 0.0
-    act = 0.0
-    for u, count in kinds:
-        key = (
-            graph.units[u].profile,
-            u == 0,
-            u == n - 1,
-            config.tp,
-            config.sequence_parallel,
-            config.micro_batch_size,
-            config.dtype,
+def memory_floor(model: CostModel, config: ParallelConfig, cache: dict) -> float:
+    """The peak memory per device ``config`` needs at least
+    (:func:`autopar.cost.bounds.memory_floor_bytes` over the units' floors; ``cache``
+    keeps the units' floors per unit structure and the model states per sharding)."""
+    units = (config.tp, config.sequence_parallel, config.micro_batch_size, config.dtype)
+    floors = cache.get(units)
+    if floors is None:
+        kinds = cache.get("kinds")
+        if kinds is None:
+            n = model.num_units
+            counts: dict[tuple, list[int]] = {}
+            for u in range(n):
+                counts.setdefault(cache_key(model, u), []).append(u)
+            kinds = cache["kinds"] = [(us[0], len(us)) for us in counts.values()]
+        found = [(count, unit_floor(model, u, config)) for u, count in kinds]
+        floors = cache[units] = (
+            sum(count * f.param_numel for count, f in found),
+            sum(count * f.input_bytes for count, f in found),
         )
-        if key not in cache:
-            cache[key] = _unit_bounds(graph, cluster, u, config)
-        t, params, inp = cache[key]
-        time_sum += count * t
-        params_sum += count * params
-        act += count * inp
-    st = state_bytes(
-        param_numel=params_sum,
-        factored_numel=0.0,
-        largest_unit_numel=0.0,
-        dtype=config.dtype,
-        optimizer=optimizer,
-        zero_stage=config.zero_stage,
-        dp=config.dp,
-        pipelined=config.pp > 1,
-        tp=config.tp,
+    params, inputs = floors
+    sharding = (
+        "states",
+        config.tp,
+        config.sequence_parallel,
+        config.dtype,
+        config.zero_stage,
+        config.dp,
+        config.pp > 1,
     )
-    static = st.params_bytes + st.grads_bytes + (st.optimizer_bytes if optimizer is not Optimizer.ADAFACTOR else 0)
-    pp, m = config.pp, config.num_microbatches
-    inflight = inflight_microbatches(config.schedule, pp, config.virtual_stages, m, pp - 1)  # the least loaded rank
-    time = (
-        (m - 1 + pp) / pp * time_sum
-        if config.virtual_stages == 1
-        else (m + (pp - 1) / config.virtual_stages) * time_sum / pp
-    )
-    memory = (static + inflight * act) / pp + cluster.device.reserved_bytes
-    return Bounds(time_s=time, memory_bytes=memory)
+    states = cache.get(sharding)
+    if states is None:
+        states = cache[sharding] = states_floor_bytes(model, config, params)
+    return memory_floor_bytes(model, config, states, inputs)
 
 
-def _unit_bounds(graph: LayerGraph, cluster: Cluster, u: int, config: ParallelConfig) -> tuple[float, float, float]:
-    n = len(graph.units)
-    prof = graph.profile_of(u)
-    ctx = TPContext(
-        tp=config.tp,
-        span=group_span(config.tp, 1, cluster.devices_per_node),
-        cluster=cluster,
-        rates=rates(cluster.device, config.dtype),
-        micro_batch=config.micro_batch_size,
-        tokens=graph.seq_len,
-        boundary=Layout.Q if config.sequence_parallel else Layout.R,
-        first=u == 0,
-        last=u == n - 1,
-        loss_parallel=graph.vocab_size > 0,
-        sequence_parallel=config.sequence_parallel,
-        exposed_weight_traffic=cluster.device.exposed_weight_traffic,
-    )
-    t = 0.0
-    params = 0.0
-    accumulate = 0.0
-    for leaf in prof.leaves:
-        styles = allowed_styles(leaf, ctx)
-        t += min(leaf_fwd_s(leaf, s, ctx) for s in styles)
-        params += min(leaf_param_numel(leaf, s, config.tp) for s in styles)
-        accumulate += min(leaf_accumulate_s(leaf, s, ctx) for s in styles)
-    sharded = Layout.F if config.tp > 1 else Layout.R
-    t += sum(glue_fwd_s(f, sharded, ctx) for f in prof.flows)
-    inp = prof.input_bytes * config.micro_batch_size / (config.tp if config.sequence_parallel and u > 0 else 1)
-    return (1 + BACKWARD_FACTOR) * t + accumulate, params, inp
+def cache_key(model: CostModel, unit: int) -> tuple:
+    """A unit's profile and place: what makes two units cost the same."""
+    return (model.graph.units[unit].profile, unit == 0, unit == model.num_units - 1)

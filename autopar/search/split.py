@@ -11,42 +11,29 @@ lower bound of the sum cannot beat the best split found. Stage costs depend on t
 in-flight micro-batches and memory), and infeasible stages (out of memory) cost
 infinity.
 
-The DP is over a cost table ``cost[k][i][j]`` (stage ``k`` holds units ``i..j-1``);
-:func:`brute_force_split` enumerates every split and is what the DP is tested against.
+The DP is over a band of stage costs ``band[k, i, w - 1]`` (stage ``k`` holds the ``w``
+units from ``i``; :mod:`autopar.search.split_table` prices it); :func:`brute_force_split`
+enumerates every split of a full table ``table[k, i, j]`` and is what the DP is tested
+against.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
 
 import numpy as np
 
-StageCost = Callable[[int, int, int], float]
-"""``cost(k, i, j)``: time of stage ``k`` holding units ``i..j-1`` (inf when it does not fit)."""
 
-
-def cost_table(num_units: int, num_stages: int, cost: StageCost) -> np.ndarray:
-    """``table[k, i, j]`` for every stage and range a split can use (inf elsewhere)."""
-    table = np.full((num_stages, num_units + 1, num_units + 1), np.inf)
-    for k in range(num_stages):
-        for i in range(k, num_units - (num_stages - k) + 1):
-            for j in range(i + 1, num_units - (num_stages - k - 1) + 1):
-                if (k == 0) != (i == 0) or (k == num_stages - 1) != (j == num_units):
-                    continue
-                table[k, i, j] = cost(k, i, j)
-    return table
-
-
-def best_split(table: np.ndarray, num_microbatches: int) -> tuple[float, tuple[int, ...]] | None:
+def best_split(band: np.ndarray, num_microbatches: int) -> tuple[float, tuple[int, ...]] | None:
     """The split (stage boundaries ``0 = b_0 < ... < b_S = L``) minimising
-    ``(m - 1) max c + sum c``, with its value; None if no split fits."""
-    finite = table[np.isfinite(table)]
+    ``(m - 1) max c + sum c`` over the stage costs ``band[k, i, w - 1]`` (stage ``k``
+    holding the ``w`` units from ``i``; :func:`band_of` makes one from a full table),
+    with its value; None if no split fits."""
+    finite = band[np.isfinite(band)]
     if finite.size == 0:
         return None
     thresholds = np.unique(finite)
-    band = _band(table)
     lower_sum = _min_sum(band, np.inf)
     if lower_sum is None:
         return None
@@ -66,7 +53,7 @@ def best_split(table: np.ndarray, num_microbatches: int) -> tuple[float, tuple[i
         if found is None:
             continue
         total, bounds = found
-        value = (num_microbatches - 1) * _max_stage(table, bounds) + total
+        value = (num_microbatches - 1) * _max_stage(band, bounds) + total
         if value < best_value:
             best_value, best_bounds = value, bounds
     if best_bounds is None:
@@ -74,7 +61,7 @@ def best_split(table: np.ndarray, num_microbatches: int) -> tuple[float, tuple[i
     return best_value, best_bounds
 
 
-def _band(table: np.ndarray) -> np.ndarray:
+def band_of(table: np.ndarray) -> np.ndarray:
     """``band[k, i, w - 1] = table[k, i, i + w]`` for the lengths ``w`` that have any
     finite entry: ranges are short next to the model, so the DP runs on the band."""
     num_stages, n1, _ = table.shape
@@ -88,22 +75,24 @@ def _band(table: np.ndarray) -> np.ndarray:
 
 
 def _min_sum(band: np.ndarray, cap: float) -> tuple[float, tuple[int, ...]] | None:
-    """Least ``sum c_k`` over splits with every stage at most ``cap`` (None if none)."""
+    """Least ``sum c_k`` over splits with every stage at most ``cap`` (None if none): a
+    DP over stages, each step one gather over every end and width (ties go to the
+    shortest last stage)."""
     num_stages, n1, width = band.shape
     masked = np.where(band <= cap, band, np.inf)
+    widths = np.arange(1, width + 1)[None, :]
+    source = np.arange(n1)[:, None] - widths
+    reachable = source >= 0
+    source = np.where(reachable, source, 0)
+    rows = np.arange(n1)
     best = np.full(n1, np.inf)
     best[0] = 0.0
     parents = []
     for k in range(num_stages):
-        new = np.full(n1, np.inf)
-        arg = np.zeros(n1, dtype=np.int64)
-        for w in range(1, width + 1):
-            cand = best[: n1 - w] + masked[k, : n1 - w, w - 1]
-            better = cand < new[w:]
-            new[w:] = np.where(better, cand, new[w:])
-            arg[w:] = np.where(better, np.arange(n1 - w), arg[w:])
-        best = new
-        parents.append(arg)
+        cand = np.where(reachable, best[source] + masked[k, source, widths - 1], np.inf)
+        arg = cand.argmin(axis=1)
+        best = cand[rows, arg]
+        parents.append(source[rows, arg])
     if not np.isfinite(best[n1 - 1]):
         return None
     bounds = [n1 - 1]
@@ -112,8 +101,8 @@ def _min_sum(band: np.ndarray, cap: float) -> tuple[float, tuple[int, ...]] | No
     return float(best[n1 - 1]), tuple(reversed(bounds))
 
 
-def _max_stage(table: np.ndarray, bounds: tuple[int, ...]) -> float:
-    return max(table[k, bounds[k], bounds[k + 1]] for k in range(len(bounds) - 1))
+def _max_stage(band: np.ndarray, bounds: tuple[int, ...]) -> float:
+    return max(band[k, bounds[k], bounds[k + 1] - bounds[k] - 1] for k in range(len(bounds) - 1))
 
 
 def brute_force_split(table: np.ndarray, num_microbatches: int) -> tuple[float, tuple[int, ...]] | None:

@@ -24,9 +24,8 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import pulp
 
-from autopar.search.ilp import SolverError, make_solver, solve
+from autopar.search.ilp import Infeasible, Program, solve
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,7 +76,7 @@ def solve_stage(
     groups: list[tuple[int, tuple[Priced, ...]]],
     budget_bytes: float,
     inflight: float,
-    solver: pulp.LpSolver | None = None,
+    solver: str = "highs",
 ) -> StageChoice | None:
     """Fastest counts within ``budget_bytes``, or None if nothing fits.
 
@@ -227,67 +226,130 @@ def _pareto(opts: tuple[Priced, ...], idx: list[int], inflight: float) -> list[i
     return kept
 
 
-def _solve_ilp(groups, room: float, inflight: float, solver: pulp.LpSolver | None):
-    prob = pulp.LpProblem("stage_recompute", pulp.LpMinimize)
+def _solve_ilp(groups, room: float, inflight: float, solver: str):
+    prog = Program("stage_recompute")
     n = {}
     layout_of = {}
     for g, (k, opts) in enumerate(groups):
         lays = sorted({o.layout for o in opts})
         if k > 1 and len(lays) > 1:
             for lay in lays:
-                layout_of[g, lay] = prob.add_variable(f"lay_{g}_{lay}", cat="Binary")
-            prob += pulp.lpSum(layout_of[g, lay] for lay in lays) == 1
+                layout_of[g, lay] = prog.binary()
+            prog.constrain({layout_of[g, lay]: 1.0 for lay in lays}, lower=1.0, upper=1.0)
         for j, o in enumerate(opts):
-            n[g, j] = prob.add_variable(f"n_{g}_{j}", lowBound=0, upBound=k, cat="Integer")
+            n[g, j] = prog.var(lower=0.0, upper=k, integer=True, cost=o.time_s)
             if (g, o.layout) in layout_of:
-                prob += n[g, j] <= k * layout_of[g, o.layout]
-        prob += pulp.lpSum(n[g, j] for j in range(len(opts))) == k
-    prob += (
-        pulp.lpSum(
-            n[g, j] * (o.static_bytes + inflight * o.act_bytes)
-            for g, (_, opts) in enumerate(groups)
-            for j, o in enumerate(opts)
-        )
-        <= room
-    )
-    prob += pulp.lpSum(n[g, j] * o.time_s for g, (_, opts) in enumerate(groups) for j, o in enumerate(opts))
+                prog.constrain({n[g, j]: 1.0, layout_of[g, o.layout]: -float(k)}, upper=0.0)
+        prog.constrain({n[g, j]: 1.0 for j in range(len(opts))}, lower=k, upper=k)
+    weights = {
+        n[g, j]: o.static_bytes + inflight * o.act_bytes
+        for g, (_, opts) in enumerate(groups)
+        for j, o in enumerate(opts)
+    }
+    prog.constrain(weights, upper=room)
     try:
-        solve(prob, solver or make_solver())
-    except SolverError:
-        if pulp.LpStatus[prob.status] == "Infeasible":
-            return None
-        raise
+        values = solve(prog, solver)
+    except Infeasible:
+        return None
     return [
-        {j: round(n[g, j].value() or 0) for j in range(len(opts)) if round(n[g, j].value() or 0)}
+        {j: round(values[n[g, j]]) for j in range(len(opts)) if round(values[n[g, j]])}
         for g, (_, opts) in enumerate(groups)
     ]
 
 
-def homogeneous_times(opts: tuple[Priced, ...], n_max: int, budget_bytes: float, inflight: float) -> np.ndarray:
-    """``out[n]``: the fastest time of ``n`` identical units with options ``opts`` in one
-    stage (inf where they do not fit), for every ``n <= n_max`` at once: the closed form
-    of :func:`solve_stage` vectorised over ``n`` (what pipeline splits of repeated blocks
-    ask for, once per in-flight count)."""
-    n = np.arange(n_max + 1, dtype=np.float64)[:, None]
-    n3 = np.arange(n_max + 1, dtype=np.float64)[None, :]
-    best = np.full(n_max + 1, np.inf)
-    best[0] = 0.0
+def homogeneous_times(
+    opts: tuple[Priced, ...],
+    n_max: int,
+    budget_bytes: np.ndarray | float,
+    inflight: np.ndarray | float,
+    *,
+    counts: np.ndarray | None = None,
+) -> np.ndarray:
+    """``out[..., n]``: the fastest time of ``n`` identical units with options ``opts`` in
+    one stage (inf where they do not fit), for every ``n <= n_max`` at once (or only the
+    ``counts`` given): the closed form of :func:`solve_stage` vectorised over ``n``, and
+    over stages (budgets and in-flight counts given as arrays: a leading axis) that hold
+    the same kind of unit (what pipeline splits of repeated blocks ask for)."""
+    budgets, inflights = np.broadcast_arrays(np.atleast_1d(budget_bytes), np.atleast_1d(inflight))
+    wanted = np.arange(n_max + 1) if counts is None else np.asarray(counts)
+    best = np.where(wanted == 0, 0.0, np.inf)[None, :].repeat(budgets.size, axis=0)
+    some = wanted > 0
     for tau in sorted({o.transient_bytes for o in opts}):
         allowed = [i for i, o in enumerate(opts) if o.transient_bytes <= tau]
-        room = budget_bytes - tau
-        for lay in sorted({opts[i].layout for i in allowed}):
-            idx = _pareto(opts, [i for i in allowed if opts[i].layout == lay], inflight)
-            w = [opts[i].static_bytes + inflight * opts[i].act_bytes for i in idx]
-            t = [opts[i].time_s for i in idx]
-            if len(idx) == 1:
-                times = np.where(n[:, 0] * w[0] <= room, n[:, 0] * t[0], np.inf)
-            else:
-                slow = n3 if len(idx) == 3 else np.zeros_like(n3[:, :1])
-                r = n - slow
-                left = room - (slow * w[2] if len(idx) == 3 else 0.0)
-                ok = (slow <= n) & ~(r * w[1] > left + 1e-9 * np.maximum(1.0, np.abs(left)))
-                n1 = r if w[0] <= w[1] else np.minimum(r, np.floor((left - r * w[1]) / (w[0] - w[1]) + 1e-12))
-                total = n1 * t[0] + (r - n1) * t[1] + (slow * t[2] if len(idx) == 3 else 0.0)
-                times = np.where(ok, total, np.inf).min(axis=1)
-            best[1:] = np.minimum(best[1:], times[1:])
-    return best
+        times = _run_times(opts, allowed, n_max, budgets - tau, inflights, counts=wanted)
+        best[:, some] = np.minimum(best[:, some], times[:, some])
+    return best if np.ndim(budget_bytes) or np.ndim(inflight) else best[0]
+
+
+def single_and_run_times(
+    single: tuple[Priced, ...],
+    run: tuple[Priced, ...],
+    n_max: int,
+    budget_bytes: float,
+    inflight: float,
+    *,
+    counts: np.ndarray | None = None,
+) -> np.ndarray:
+    """``out[n]``: the fastest time of one unit with options ``single`` and ``n`` identical
+    units with options ``run`` in one stage (inf where they do not fit), for every
+    ``n <= n_max`` at once (or only the ``counts`` given): :func:`solve_stage`'s closed
+    form for a single unit beside a group (the first or last stage of a transformer: the
+    embeddings or the head with blocks), vectorised over ``n`` and the single's options."""
+    n = np.arange(n_max + 1) if counts is None else np.asarray(counts)
+    out = np.full(n.size, np.inf)
+    # one pass per set of run options a transient allows, every (transient, single) room at once
+    rooms: dict[tuple[int, ...], list[tuple[float, float]]] = {}
+    for tau in sorted({o.transient_bytes for o in (*single, *run)}):
+        allowed = tuple(i for i, o in enumerate(run) if o.transient_bytes <= tau)
+        for s in single:
+            if s.transient_bytes <= tau:
+                room = budget_bytes - tau - (s.static_bytes + inflight * s.act_bytes)
+                rooms.setdefault(allowed, []).append((room, s.time_s))
+    for allowed, pairs in rooms.items():
+        room, single_s = np.array(pairs).T
+        times = _run_times(run, list(allowed), n_max, room, inflight, counts=n)
+        out = np.minimum(out, (single_s[:, None] + times).min(axis=0))
+    return out
+
+
+def _run_times(
+    opts: tuple[Priced, ...],
+    allowed: list[int],
+    n_max: int,
+    room: np.ndarray | float,
+    inflight: np.ndarray | float,
+    *,
+    counts: np.ndarray | None = None,
+) -> np.ndarray:
+    """``out[..., n]``: the fastest time of ``n`` identical units sharing one layout, each
+    taking one of ``opts[allowed]``, with their bytes (static plus ``inflight`` x
+    activations) within ``room``; 0 for no unit where ``room`` is not negative. ``room``
+    and ``inflight`` may be arrays (a leading axis of stages). Options of one layout hold
+    the same model states, so their order by bytes, and which of them are worth
+    keeping, do not depend on the in-flight count."""
+    scalar = np.ndim(room) == 0 and np.ndim(inflight) == 0
+    rooms, inflights = np.broadcast_arrays(np.atleast_1d(np.asarray(room, dtype=float)), np.atleast_1d(inflight))
+    rooms, inflights = rooms[:, None, None], inflights[:, None, None]
+    wanted = np.arange(n_max + 1) if counts is None else np.asarray(counts)
+    n = wanted.astype(np.float64)[None, :, None]
+    n3 = np.arange(int(wanted.max(initial=0)) + 1, dtype=np.float64)[None, None, :]
+    best = np.full((rooms.shape[0], wanted.size), np.inf)
+    if not allowed:
+        best[:, wanted == 0] = np.where(rooms[:, 0, 0] >= 0, 0.0, np.inf)[:, None]
+        return best[0] if scalar else best
+    for lay in sorted({opts[i].layout for i in allowed}):
+        idx = _pareto(opts, [i for i in allowed if opts[i].layout == lay], float(inflights.flat[0]))
+        w = [opts[i].static_bytes + inflights * opts[i].act_bytes for i in idx]
+        t = [opts[i].time_s for i in idx]
+        if len(idx) == 1:
+            times = np.where(n[:, :, 0] * w[0][:, :, 0] <= rooms[:, :, 0], n[:, :, 0] * t[0], np.inf)
+        else:
+            slow = n3 if len(idx) == 3 else np.zeros_like(n3[:, :, :1])
+            r = n - slow
+            left = rooms - (slow * w[2] if len(idx) == 3 else 0.0)
+            ok = (slow <= n) & ~(r * w[1] > left + 1e-9 * np.maximum(1.0, np.abs(left)))
+            n1 = r if np.all(w[0] <= w[1]) else np.minimum(r, np.floor((left - r * w[1]) / (w[0] - w[1]) + 1e-12))
+            total = n1 * t[0] + (r - n1) * t[1] + (slow * t[2] if len(idx) == 3 else 0.0)
+            times = np.where(ok, total, np.inf).min(axis=2)
+        best = np.minimum(best, times)
+    return best[0] if scalar else best

@@ -12,8 +12,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "profiler"))
 import _local_runs
 from profile_factories import network
 
+from autopar.profiles.report import ProfileReport
+from autopar.profiles.sections import CommPoint, CommSeries, Timing
 from profiler.fit import coefficients
-from profiler.report import CommPoint, CommSeries, ProfileReport, Timing
 
 SIZES = tuple(2**k for k in range(10, 22, 2))
 

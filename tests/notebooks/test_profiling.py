@@ -11,7 +11,7 @@ from .conftest import has_png, run_notebook, text_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-NUMBER = r"[\d.]+"
+NUMBER = r"[\d.]+(?:e[+-]\d+)?"
 
 
 def table(text: str, header: str) -> list[list[str]]:

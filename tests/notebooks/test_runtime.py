@@ -8,7 +8,7 @@ from .conftest import has_png, run_notebook, text_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-NUMBER = r"[\d.]+"
+NUMBER = r"[\d.]+(?:e[+-]\d+)?"
 PLANS = ("data parallel", "tensor parallel", "pipeline parallel", "planner's choice")
 
 # Measured over predicted step time. The profile and the runs are minutes apart on a shared

@@ -10,7 +10,7 @@ from autopar.models import GPT, GPTConfig, build_named_model
 def gpt2_plan():
     return autopar.plan(
         build_named_model("gpt2-small"),
-        autopar.Cluster.preset("dgx-a100-80gb", nodes=1),
+        autopar.preset("dgx-a100-80gb", nodes=1),
         global_batch_size=64,
         seq_len=1024,
     )
@@ -21,7 +21,7 @@ def pipelined_plan():
     """A plan with pipeline and tensor parallelism, so every field is non-trivial."""
     return autopar.estimate(
         build_named_model("gpt3-13b"),
-        autopar.Cluster.preset("dgx-a100-80gb", nodes=2),
+        autopar.preset("dgx-a100-80gb", nodes=2),
         {"tp": 4, "pp": 2, "micro_batch_size": 1, "sequence_parallel": True},
         global_batch_size=32,
         seq_len=2048,

@@ -5,39 +5,56 @@ import json
 
 import pytest
 
-from autopar import Cluster, ClusterError, DType
-from autopar.presets import preset_names
+from autopar import ClusterError, DType, HostEffects, load_cluster, parse_cluster, preset, save_cluster
+from autopar.cost.host import HOST_EFFECTS
+from autopar.hardware import cluster_from_dict, cluster_to_dict, preset_names
 
 
 @pytest.mark.parametrize("name", ["dgx-a100-80gb", "dgx-a100-40gb", "dgx-h100", "hgx-h200", "p3.16xlarge", "local-cpu"])
 def test_every_preset_builds_and_cites_sources(name):
-    cluster = Cluster.preset(name, nodes=2)
+    cluster = preset(name, nodes=2)
     assert cluster.nodes == 2 and cluster.world_size == 2 * cluster.devices_per_node
     assert cluster.device.source and cluster.intra_node.source and cluster.inter_node.source
-    assert cluster.device.preferred_dtype in cluster.device.peak_flops
+    assert cluster.device.preferred_dtype in cluster.device.roofline.peak_flops
 
 
 def test_datasheet_numbers():
-    a100 = Cluster.preset("dgx-a100-80gb").device
-    assert a100.peak_flops[DType.BF16] == 312e12 and a100.memory_bytes == 80 * 2**30
-    assert Cluster.preset("dgx-a100-40gb").device.memory_bytes == 40 * 2**30
-    v100 = Cluster.preset("p3.16xlarge").device
-    assert DType.BF16 not in v100.peak_flops and v100.preferred_dtype is DType.FP16
-    assert Cluster.preset("dgx-h100").device.peak_flops[DType.BF16] == 989e12
+    a100 = preset("dgx-a100-80gb").device
+    assert a100.roofline.peak_flops[DType.BF16] == 312e12 and a100.memory.capacity_bytes == 80 * 2**30
+    assert preset("dgx-a100-40gb").device.memory.capacity_bytes == 40 * 2**30
+    v100 = preset("p3.16xlarge").device
+    assert DType.BF16 not in v100.roofline.peak_flops and v100.preferred_dtype is DType.FP16
+    assert preset("dgx-h100").device.roofline.peak_flops[DType.BF16] == 989e12
+
+
+@pytest.mark.parametrize("name", ["dgx-a100-80gb", "dgx-a100-40gb", "dgx-h100", "hgx-h200", "p3.16xlarge"])
+def test_gpu_presets_have_no_host_effects(name):
+    """Every cost of the host that GPU kernels hide is off on the GPU presets."""
+    assert preset(name).device.host == HostEffects.none()
+
+
+def test_host_effects_table_covers_every_field():
+    """The table of where each host effect applies names every field, once, and says
+    what it is on CPU processes and on GPUs; the local CPU preset sets some."""
+    fields = [f.name for f in dataclasses.fields(HostEffects)]
+    assert sorted(e.field for e in HOST_EFFECTS) == sorted(fields)
+    assert all(e.prices and e.cpu_processes and e.gpus for e in HOST_EFFECTS)
+    local = preset("local-cpu", devices_per_node=2).device.host
+    assert local.exposed_weight_traffic and local.op_overhead_s > 0 and local != HostEffects.none()
 
 
 def test_v100_refuses_bf16_with_a_clear_message():
     with pytest.raises(ClusterError, match="does not support dtype=bf16.*fp16"):
-        Cluster.preset("p3.16xlarge").device.peak(DType.BF16)
+        preset("p3.16xlarge").device.peak(DType.BF16)
 
 
 def test_json_round_trip(tmp_path):
-    cluster = Cluster.preset("hgx-h200", nodes=4)
+    cluster = preset("hgx-h200", nodes=4)
     path = tmp_path / "c.json"
-    cluster.save(path)
-    assert Cluster.from_json(path) == cluster
-    assert Cluster.parse(str(path)) == cluster
-    assert Cluster.parse("hgx-h200:4") == cluster
+    save_cluster(cluster, path)
+    assert load_cluster(path) == cluster
+    assert parse_cluster(str(path)) == cluster
+    assert parse_cluster("hgx-h200:4") == cluster
 
 
 @pytest.mark.parametrize(
@@ -48,43 +65,47 @@ def test_json_round_trip(tmp_path):
     ],
 )
 def test_bad_sizes(tmp_path, bad, message):
-    data = Cluster.preset("dgx-h100").to_dict()
+    data = cluster_to_dict(preset("dgx-h100"))
     data.update(bad)
     path = tmp_path / "c.json"
     path.write_text(json.dumps(data))
     with pytest.raises(ClusterError, match=message):
-        Cluster.from_json(path)
+        load_cluster(path)
 
 
 def test_bad_device_fields(tmp_path):
-    data = Cluster.preset("dgx-h100").to_dict()
-    data["device"]["memory_bytes"] = -5
+    data = cluster_to_dict(preset("dgx-h100"))
+    data["device"]["memory"]["capacity_bytes"] = -5
     path = tmp_path / "c.json"
     path.write_text(json.dumps(data))
-    with pytest.raises(ClusterError, match="memory_bytes=-5"):
-        Cluster.from_json(path)
-    del data["device"]["memory_bytes"]
+    with pytest.raises(ClusterError, match=r"device\.memory: memory capacity_bytes=-5"):
+        load_cluster(path)
+    del data["device"]["memory"]["capacity_bytes"]
     path.write_text(json.dumps(data))
-    with pytest.raises(ClusterError, match="missing field 'memory_bytes'"):
-        Cluster.from_json(path)
+    with pytest.raises(ClusterError, match=r"device\.memory\.capacity_bytes: missing field"):
+        load_cluster(path)
+    data["device"]["memory_bytes"] = 80e9  # a flat device of another layout
+    path.write_text(json.dumps(data))
+    with pytest.raises(ClusterError, match=r"unknown field\(s\) memory_bytes for DeviceSpec"):
+        load_cluster(path)
 
 
 def test_unknown_preset_lists_the_known_ones():
     with pytest.raises(ClusterError, match="unknown cluster preset 'dgx-z'.*dgx-a100-80gb"):
-        Cluster.preset("dgx-z")
+        preset("dgx-z")
     assert "local-cpu" in preset_names()
 
 
 def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(ClusterError, match="does not exist"):
-        Cluster.from_json(tmp_path / "nope.json")
+        load_cluster(tmp_path / "nope.json")
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ClusterError, match="not valid JSON"):
-        Cluster.from_json(tmp_path / "bad.json")
+        load_cluster(tmp_path / "bad.json")
 
 
 def test_a_link_fit_per_collective_is_checked():
-    from autopar.cluster import LinkSpec, OpLink
+    from autopar.hardware import LinkSpec, OpLink
 
     with pytest.raises(ClusterError, match="op='broadcast' is not allowed: it must be one of all_reduce"):
         OpLink(op="broadcast", bandwidth_bytes_per_s=1e9, latency_s=0.0)
@@ -101,8 +122,7 @@ def test_a_measured_curve_is_monotone_interpolated_and_checked():
     """A collective's measured curve: pool-adjacent-violators on a hand example, linear
     between sizes, flat below the smallest, the given slope past the largest; bad input
     named."""
-    from autopar.cluster import LinkSpec, OpLink
-    from autopar.comm_curve import CommCurve
+    from autopar.hardware import CommCurve, LinkSpec, OpLink
 
     # 3 ms at 2 KiB then 2 ms at 4 KiB violate monotonicity: both become their mean, 2.5
     curve = CommCurve.from_measured(2, [4096, 1024, 2048, 8192], [2e-3, 1e-3, 3e-3, 4e-3])
@@ -128,6 +148,6 @@ def test_a_measured_curve_is_monotone_interpolated_and_checked():
     )
     assert link.curve_for("all_reduce", 2) is curve
     assert link.curve_for("all_reduce", 4) is None and link.curve_for("all_gather", 2) is None
-    c = Cluster.preset("local-cpu", devices_per_node=2)
+    c = preset("local-cpu", devices_per_node=2)
     c = dataclasses.replace(c, intra_node=link)
-    assert Cluster.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+    assert cluster_from_dict(json.loads(json.dumps(cluster_to_dict(c)))) == c

@@ -4,16 +4,18 @@ import math
 
 import pytest
 
-from autopar import Cluster
 from autopar.cost.comm import all_gather_s, all_reduce_s, group_span, p2p_s
 from autopar.cost.compute import ComputeRates, interpolate_loglog, rates, work_s
+from autopar.cost.leaf import TPContext, padded
 from autopar.cost.pipeline import inflight_microbatches, pipeline_time_s, schedule_problem, stage_buffer_bytes
-from autopar.cost.tensor_parallel import Layout, TPContext, evaluate_layout, padded
+from autopar.cost.tensor_parallel import evaluate_layout
 from autopar.graph import extract
+from autopar.hardware import HostEffects, preset
+from autopar.hardware.device import with_host
 from autopar.models import build_named_model
-from autopar.vocab import DType, Schedule, TPStyle
+from autopar.vocab import DType, Layout, Schedule, TPStyle
 
-DGX = Cluster.preset("dgx-a100-80gb", nodes=4)
+DGX = preset("dgx-a100-80gb", nodes=4)
 BI, BE = DGX.intra_node.bandwidth_bytes_per_s, DGX.inter_node.bandwidth_bytes_per_s
 AI, AE = DGX.intra_node.latency_s, DGX.inter_node.latency_s
 
@@ -167,7 +169,7 @@ def test_framework_overhead_is_charged_per_op_and_per_sharded_leaf():
     block = graph.profile_of(1)
     assert all(leaf.fwd_ops > 0 for leaf in block.leaves)
     assert sum(f.glue_ops + f.attn_ops for f in block.flows) > 0
-    cpu = Cluster.preset("local-cpu", devices_per_node=2)
+    cpu = preset("local-cpu", devices_per_node=2)
     base = TPContext(
         tp=2,
         span=group_span(2, 1, 2),
@@ -181,8 +183,8 @@ def test_framework_overhead_is_charged_per_op_and_per_sharded_leaf():
         loss_parallel=False,
         sequence_parallel=False,
     )
-    slow = TPContext(**{**base.__dict__, "op_overhead_s": 1e-3, "tp_overhead_s": 5e-3})
-    from autopar.cost.tensor_parallel import leaf_fwd_s
+    slow = TPContext(**{**base.__dict__, "host": HostEffects(op_overhead_s=1e-3, tp_overhead_s=5e-3)})
+    from autopar.cost.leaf import leaf_fwd_s
 
     leaf = next(x for x in block.leaves if x.name == "attn.c_attn" or x.name.endswith("wq"))
     assert leaf_fwd_s(leaf, TPStyle.REPLICATE, slow) - leaf_fwd_s(leaf, TPStyle.REPLICATE, base) == pytest.approx(
@@ -196,11 +198,11 @@ def test_framework_overhead_is_charged_per_op_and_per_sharded_leaf():
 def test_weight_traffic_is_per_call_and_sharded_by_tensor_parallelism():
     """A memory-bound leaf: doubling the micro-batch adds only its activation bytes; a
     column split divides its weight traffic by tp, a sequence-split norm does not."""
-    from autopar.cost.tensor_parallel import leaf_fwd_s
+    from autopar.cost.leaf import leaf_fwd_s
 
     graph = extract(build_named_model("gpt2-small"), seq_len=8, dtype="fp32")
     block = graph.profile_of(1)
-    slow_flops = Cluster.preset("local-cpu", devices_per_node=2)
+    slow_flops = preset("local-cpu", devices_per_node=2)
     r = ComputeRates(matmul_flops_per_s=1e30, vector_flops_per_s=1e30, bytes_per_s=1e9)
     ctx = TPContext(
         tp=2,
@@ -214,8 +216,6 @@ def test_weight_traffic_is_per_call_and_sharded_by_tensor_parallelism():
         last=False,
         loss_parallel=False,
         sequence_parallel=True,
-        op_overhead_s=0.0,
-        tp_overhead_s=0.0,
     )
     twice = TPContext(**{**ctx.__dict__, "micro_batch": 2})
     fc = next(x for x in block.leaves if x.name.endswith("c_fc") or x.name.endswith("w1"))
@@ -234,12 +234,12 @@ def test_exposed_weight_traffic_is_added_to_the_roofline_and_accumulated_per_mic
     (the roofline alone would hide it), and every micro-batch adds the weight gradient
     into ``.grad``: read both, write one, 12 bytes per fp32 parameter; a column split
     shards both."""
-    from autopar.cost.tensor_parallel import leaf_accumulate_s, leaf_fwd_s, leaf_param_numel
+    from autopar.cost.leaf import leaf_accumulate_s, leaf_fwd_s, leaf_param_numel
 
     graph = extract(build_named_model("gpt2-small"), seq_len=8, dtype="fp32")
     fc = next(x for x in graph.profile_of(1).leaves if x.name.endswith("c_fc") or x.name.endswith("w1"))
-    cpu = Cluster.preset("local-cpu", devices_per_node=2)
-    assert cpu.device.exposed_weight_traffic
+    cpu = preset("local-cpu", devices_per_node=2)
+    assert cpu.device.host.exposed_weight_traffic
     r = ComputeRates(matmul_flops_per_s=1e9, vector_flops_per_s=1e9, bytes_per_s=1e10)
     roofline = TPContext(
         tp=2,
@@ -254,7 +254,7 @@ def test_exposed_weight_traffic_is_added_to_the_roofline_and_accumulated_per_mic
         loss_parallel=False,
         sequence_parallel=False,
     )
-    exposed = TPContext(**{**roofline.__dict__, "exposed_weight_traffic": True})
+    exposed = TPContext(**{**roofline.__dict__, "host": HostEffects(exposed_weight_traffic=True)})
     compute = 4 * fc.matmul_flops / 1e9 + 4 * (fc.fwd_flops - fc.matmul_flops) / 1e9
     assert compute > (4 * fc.fwd_bytes + fc.weight_bytes) / 1e10  # compute-bound: the roofline hides the bytes
     assert leaf_fwd_s(fc, TPStyle.REPLICATE, roofline) == pytest.approx(compute)
@@ -275,8 +275,8 @@ def test_fsdp_framework_time_is_charged_per_collective_call():
     import autopar
 
     model = build_named_model("gpt2-small")
-    cpu = Cluster.preset("local-cpu", devices_per_node=2)
-    slow = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, fsdp_overhead_s=1e-3))
+    cpu = preset("local-cpu", devices_per_node=2)
+    slow = dataclasses.replace(cpu, device=with_host(cpu.device, fsdp_overhead_s=1e-3))
     for zero, calls_per_unit in ((3, lambda m: 3 * m), (2, lambda m: m + 1)):
         cfg = {"dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 1, "num_microbatches": 3, "zero_stage": zero}
         base = autopar.estimate(model, cpu, cfg, global_batch_size=6, seq_len=64)
@@ -298,8 +298,8 @@ def test_fsdp_framework_time_grows_with_the_parameter_tensors_of_each_unit():
 
     model = build_named_model("gpt2-small")
     tensors = sum(1 for _ in model.named_parameters(remove_duplicate=False))
-    cpu = Cluster.preset("local-cpu", devices_per_node=2)
-    slow = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, fsdp_tensor_overhead_s=1e-4))
+    cpu = preset("local-cpu", devices_per_node=2)
+    slow = dataclasses.replace(cpu, device=with_host(cpu.device, fsdp_tensor_overhead_s=1e-4))
     assert sum(extract(model, seq_len=64, dtype="fp32").profile_of(u).param_tensors for u in range(14)) == tensors
     for zero, calls_per_unit in ((3, lambda m: 3 * m), (2, lambda m: m + 1)):
         cfg = {"dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 1, "num_microbatches": 3, "zero_stage": zero}
@@ -314,7 +314,7 @@ def test_the_expected_maximum_of_normals_and_the_wait_at_blocking_collectives():
     """Closed forms: the maximum of two standard normals averages 1/sqrt(pi), of three
     3/(2 sqrt(pi)) (David & Nagaraja, Order Statistics); one rank waits for nobody. k
     meetings splitting W seconds of work cost e_n sigma sqrt(k W)."""
-    from autopar.cost.sync import expected_max_normal, sync_wait_s
+    from autopar.cost.host import expected_max_normal, sync_wait_s
 
     assert expected_max_normal(1) == 0.0
     assert expected_max_normal(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-9)
@@ -340,10 +340,10 @@ def test_tensor_parallel_ranks_wait_for_the_slowest_at_every_blocking_collective
     import autopar
 
     model = build_named_model("gpt2-small")
-    cpu = Cluster.preset("local-cpu", devices_per_node=2)
+    cpu = preset("local-cpu", devices_per_node=2)
 
     def with_noise(sigma):
-        return dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, sync_noise_s_per_sqrt_s=sigma))
+        return dataclasses.replace(cpu, device=with_host(cpu.device, sync_noise_s_per_sqrt_s=sigma))
 
     m = 3
     cfg = {"dp": 1, "tp": 2, "pp": 1, "micro_batch_size": 1, "num_microbatches": m}
@@ -378,7 +378,7 @@ def test_a_spread_in_the_ranks_speed_waits_in_proportion_to_the_work_between_mee
     import dataclasses
 
     import autopar
-    from autopar.cost.sync import sync_wait_s
+    from autopar.cost.host import sync_wait_s
 
     e2 = 1 / math.sqrt(math.pi)
     assert sync_wait_s(0.0, 2, 1, 0.4, speed_spread=0.08) == pytest.approx(e2 * 0.08 * 0.4, rel=1e-9)
@@ -387,11 +387,11 @@ def test_a_spread_in_the_ranks_speed_waits_in_proportion_to_the_work_between_mee
     )
     assert sync_wait_s(0.01, 1, 4, 0.4, speed_spread=0.08) == 0.0
     model = build_named_model("gpt2-small")
-    cpu = Cluster.preset("local-cpu", devices_per_node=2)
+    cpu = preset("local-cpu", devices_per_node=2)
 
     def with_spread(delta):
         return dataclasses.replace(
-            cpu, device=dataclasses.replace(cpu.device, sync_noise_s_per_sqrt_s=0.0, sync_speed_spread=delta)
+            cpu, device=with_host(cpu.device, sync_noise_s_per_sqrt_s=0.0, sync_speed_spread=delta)
         )
 
     m = 3
@@ -419,7 +419,7 @@ def test_fsdp_collectives_that_compute_does_not_hide_wait_for_the_slowest_rank()
     import autopar
 
     model = build_named_model("gpt2-small")
-    cpu = Cluster.preset("local-cpu", devices_per_node=2)
+    cpu = preset("local-cpu", devices_per_node=2)
     m = 3
     cfg = {
         "dp": 2,
@@ -432,7 +432,7 @@ def test_fsdp_collectives_that_compute_does_not_hide_wait_for_the_slowest_rank()
     }
 
     def step(sigma, overlap):
-        dev = dataclasses.replace(cpu.device, sync_noise_s_per_sqrt_s=sigma, comm_overlap=overlap)
+        dev = dataclasses.replace(with_host(cpu.device, sync_noise_s_per_sqrt_s=sigma), comm_overlap=overlap)
         return autopar.estimate(
             model, dataclasses.replace(cpu, device=dev), cfg, global_batch_size=2 * m, seq_len=64
         ).prediction
@@ -455,14 +455,17 @@ def test_fsdp_copies_around_each_collective_are_priced_by_their_bytes():
     import dataclasses
 
     import autopar
-    from autopar.cost.comm import fsdp_copy_s
+    from autopar.cost.host import fsdp_copy_s
 
-    assert fsdp_copy_s(1e9, 4, 1e10) == pytest.approx(2 * 1e9 * 1.25 / 1e10)
-    assert fsdp_copy_s(1e9, 1, 1e10) == 0.0
+    none = HostEffects.none()
+    assert fsdp_copy_s(none, 1e9, 4, streaming_bytes_per_s=1e10) == pytest.approx(2 * 1e9 * 1.25 / 1e10)
+    assert fsdp_copy_s(none, 1e9, 1, streaming_bytes_per_s=1e10) == 0.0
+    measured = HostEffects(fsdp_copy_bytes_per_s=2.5e9)  # a measured rate replaces the streaming one
+    assert fsdp_copy_s(measured, 1e9, 4, streaming_bytes_per_s=1e10) == pytest.approx(2 * 1e9 * 1.25 / 2.5e9)
     model = build_named_model("gpt2-small")
-    cpu = Cluster.preset("local-cpu", devices_per_node=2)
+    cpu = preset("local-cpu", devices_per_node=2)
     # no sync noise: the waits depend on the compute, which the bandwidth moves too
-    cpu = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, sync_noise_s_per_sqrt_s=0.0))
+    cpu = dataclasses.replace(cpu, device=with_host(cpu.device, sync_noise_s_per_sqrt_s=0.0))
     m = 3
     cfg = {"dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 1, "num_microbatches": m, "zero_stage": 3}
     plan = autopar.estimate(model, cpu, cfg, global_batch_size=2 * m, seq_len=64)
@@ -471,7 +474,10 @@ def test_fsdp_copies_around_each_collective_are_priced_by_their_bytes():
     faster = dataclasses.replace(
         cpu,
         device=dataclasses.replace(
-            cpu.device, memory_bandwidth_bytes_per_s=cpu.device.memory_bandwidth_bytes_per_s * 2
+            cpu.device,
+            roofline=dataclasses.replace(
+                cpu.device.roofline, memory_bandwidth_bytes_per_s=cpu.device.roofline.memory_bandwidth_bytes_per_s * 2
+            ),
         ),
     )
     quick = autopar.estimate(model, faster, cfg, global_batch_size=2 * m, seq_len=64)
@@ -481,7 +487,7 @@ def test_fsdp_copies_around_each_collective_are_priced_by_their_bytes():
         copies / 2, rel=1e-6
     )
     # a measured copy rate (a network profile's) replaces the streaming bandwidth
-    slow = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, fsdp_copy_bytes_per_s=rate / 4))
+    slow = dataclasses.replace(cpu, device=with_host(cpu.device, fsdp_copy_bytes_per_s=rate / 4))
     slowed = autopar.estimate(model, slow, cfg, global_batch_size=2 * m, seq_len=64)
     assert slowed.prediction.breakdown.dp_comm_s - plan.prediction.breakdown.dp_comm_s == pytest.approx(
         3 * copies, rel=1e-6
@@ -497,17 +503,17 @@ def test_cpu_communication_is_not_hidden_and_the_optimizer_runs_at_its_measured_
     import autopar
 
     model = build_named_model("gpt2-small")
-    cpu = Cluster.preset("local-cpu", devices_per_node=2)
+    cpu = preset("local-cpu", devices_per_node=2)
     cfg = {"dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 1, "zero_stage": 0}
     est = autopar.estimate(model, cpu, cfg, global_batch_size=2, seq_len=64)
     params = est.prediction.breakdown  # one stage: all parameters on each rank
     numel = sum(p.numel() for p in model.parameters())
     span = group_span(2, 1, 2)
-    assert cpu.device.comm_overlap == 0.0 and cpu.device.sync_speed_spread == 0.0
+    assert cpu.device.comm_overlap == 0.0 and cpu.device.host.sync_speed_spread == 0.0
     # and the wait for the slower rank at DDP's last bucket, once a step (cost.sync)
-    wait = cpu.device.sync_noise_s_per_sqrt_s / math.sqrt(math.pi) * math.sqrt(params.compute_s)
+    wait = cpu.device.host.sync_noise_s_per_sqrt_s / math.sqrt(math.pi) * math.sqrt(params.compute_s)
     assert params.dp_comm_s == pytest.approx(all_reduce_s(4.0 * numel, span, cpu) + wait, rel=1e-6)
-    assert params.optimizer_s == pytest.approx(30.0 * numel / cpu.device.optimizer_bytes_per_s, rel=1e-6)
+    assert params.optimizer_s == pytest.approx(30.0 * numel / cpu.device.host.optimizer_bytes_per_s, rel=1e-6)
     overlapping = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, comm_overlap=0.8))
     hidden = autopar.estimate(model, overlapping, cfg, global_batch_size=2, seq_len=64).prediction.breakdown
     assert hidden.dp_comm_s < params.dp_comm_s
@@ -527,8 +533,7 @@ def test_a_measured_curve_prices_its_collective_on_groups_of_its_size():
     line. Hand values on a 4-point curve."""
     import dataclasses
 
-    from autopar.cluster import OpLink
-    from autopar.comm_curve import CommCurve
+    from autopar.hardware import CommCurve, OpLink
 
     curve = CommCurve(ranks=8, nbytes=(1e3, 1e6, 1e7, 1e8), time_s=(1e-4, 1e-3, 4e-3, 2e-2))
     fit = OpLink(op="all_reduce", bandwidth_bytes_per_s=BI, latency_s=AI, curve=curve)

@@ -1,13 +1,26 @@
 """Model extraction against hand counts: FLOPs (Narayanan et al. 2021), saved activations
 (Korthikanti et al. 2022 accounting, for this implementation), units and leaves."""
 
+import importlib
+
 import pytest
 import torch
 from torch import nn
 
 from autopar import ModelError
 from autopar.graph import LeafKind, extract
-from autopar.models import GPT, CNNConfig, GPTConfig, Llama, LlamaConfig, MLPConfig, MLPStack, ResNet, build_named_model
+from autopar.models import (
+    GPT,
+    CNNConfig,
+    GPTConfig,
+    Llama,
+    LlamaConfig,
+    MLPConfig,
+    MLPStack,
+    ResNet,
+    build_named_model,
+    get_named_model,
+)
 
 S, H, A, L, V = 64, 128, 4, 4, 256
 
@@ -248,3 +261,49 @@ def test_input_errors():
         extract(MLPStack(MLPConfig()), seq_len=16)
     with pytest.raises(ModelError, match="tracing MLPStack on fake tensors failed"):
         extract(MLPStack(MLPConfig(in_dim=8)), sample_input=torch.zeros(2, 5))
+
+
+@pytest.mark.parametrize("name", ["gpt2-small", "llama3-8b", "mlp-wide", "resnet-small"])
+def test_meta_and_fake_tensor_traces_agree(name, monkeypatch):
+    """A model on the meta device traces on meta tensors; the fake-tensor trace, which
+    any other model takes, is the reference it must equal field for field."""
+    extract_module = importlib.import_module("autopar.graph.extract")  # the package exports a function of that name
+    named = get_named_model(name)
+    kwargs = (
+        {"seq_len": 256}
+        if named.input_kind == "tokens"
+        else {"sample_input": torch.zeros(2, *named.sample_shape, device="meta")}
+    )
+    taken = []
+    real = extract_module.run_trace
+
+    def spy(*args, on_meta, **kw):
+        taken.append(on_meta)
+        return real(*args, on_meta=on_meta, **kw)
+
+    monkeypatch.setattr(extract_module, "run_trace", spy)
+    on_meta = extract(build_named_model(name), **kwargs)
+    monkeypatch.setattr(extract_module, "run_trace", lambda *a, on_meta, **kw: real(*a, on_meta=False, **kw))
+    on_fake = extract(build_named_model(name), **kwargs)
+    assert taken == [True]
+    assert on_meta == on_fake
+
+
+class _FakeOnly(nn.Module):
+    """Runs only on fake tensors (as a library that skips data checks while tracing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if not isinstance(x, torch._subclasses.FakeTensor):
+            raise RuntimeError("this op needs data")
+        return self.lin(x)
+
+
+def test_a_meta_model_that_needs_fake_tensors_falls_back_to_them():
+    with torch.device("meta"):
+        model = _FakeOnly()
+    g = extract(model, sample_input=torch.zeros(2, 8, device="meta"), dtype="fp32")
+    assert g.profile_of(0).leaves[0].matmul_flops == pytest.approx(2 * 8 * 8)

@@ -2,15 +2,18 @@
 ZeRO stage, what the head holds for the loss, what full recomputation reruns, and where
 a rank that runs every forward first peaks."""
 
+import math
+
 import pytest
 
-from autopar import Cluster
 from autopar.cost.comm import all_reduce_s, group_span
 from autopar.cost.compute import rates
+from autopar.cost.leaf import TPContext
 from autopar.cost.memory import state_bytes
-from autopar.cost.tensor_parallel import Layout, TPContext, evaluate_layout
+from autopar.cost.tensor_parallel import evaluate_layout
 from autopar.graph import extract
-from autopar.vocab import DType, Optimizer, TPStyle
+from autopar.hardware import preset
+from autopar.vocab import DType, Layout, Optimizer, TPStyle
 
 
 @pytest.mark.parametrize(
@@ -124,7 +127,7 @@ def test_the_head_holds_its_logits_and_a_row_parallel_one_three_times():
     cfg = GPTConfig(vocab_size=2048, seq_len=64, dim=128, n_layers=1, n_heads=4)
     graph = extract(GPT(cfg), seq_len=cfg.seq_len, dtype=DType.FP32)
     head = graph.profile_of(len(graph.units) - 1)
-    c = Cluster.preset("local-cpu", devices_per_node=2)
+    c = preset("local-cpu", devices_per_node=2)
     b = 4
     ctx = TPContext(
         tp=2,
@@ -168,15 +171,15 @@ def test_full_recomputation_reruns_the_forward_but_the_loss_at_the_measured_frac
     fraction and its collectives whole."""
     import dataclasses
 
+    from autopar.cost.recompute import make_option
     from autopar.graph import UNIT_OUTPUT
     from autopar.models import GPT, GPTConfig
-    from autopar.search.options import make_option
     from autopar.vocab import Recompute
 
     cfg = GPTConfig(vocab_size=2048, seq_len=64, dim=128, n_layers=1, n_heads=4)
     graph = extract(GPT(cfg), seq_len=cfg.seq_len, dtype=DType.FP32)
     head = graph.profile_of(len(graph.units) - 1)
-    c = Cluster.preset("local-cpu", devices_per_node=2)
+    c = preset("local-cpu", devices_per_node=2)
     ctx = TPContext(
         tp=2,
         span=group_span(2, 1, 2),
@@ -256,7 +259,7 @@ def test_the_backward_peak_by_hand():
     backward holds every activation, every gradient and its transient, 12 + 9 + 2 = 23,
     over the middle unit's 6 + 9 + 5 = 20, where the bound (all activations with the
     largest transient) says 26; with two in flight, 24 + 9 + 2 = 35."""
-    from autopar.search.predict import _backward_peak
+    from autopar.cost.peak import backward_peak as _backward_peak
 
     acts, transients, grads = [4.0, 2.0, 6.0], [1.0, 5.0, 2.0], [3.0, 3.0, 3.0]
     assert _backward_peak(acts, transients, grads, 1, fresh_gradients=True) == (6.0, 3.0, 5.0)
@@ -278,21 +281,21 @@ def test_a_tied_weight_is_held_once_only_where_both_owners_split_it_alike():
     head are two tensors on the rank (``autopar.runtime.tied``), both held."""
     import dataclasses
 
+    from autopar.cost.model import CostModel
+    from autopar.cost.peak import held_once_numel, shared_state_bytes
     from autopar.models import GPT, GPTConfig
     from autopar.plan import ParallelConfig
-    from autopar.search.evaluate import Evaluator
+    from autopar.search.solve import ConfigSolver
     from autopar.vocab import Recompute
 
     cfg = GPTConfig(vocab_size=2048, seq_len=64, dim=128, n_layers=1, n_heads=4)
     graph = extract(GPT(cfg), seq_len=cfg.seq_len, dtype=DType.FP32)
     (tied,) = graph.shared
     assert (tied.first_module, tied.second_module, tied.numel) == ("tok_embeddings", "output", 2048 * 128)
-    ev = Evaluator(
-        graph=graph,
-        cluster=Cluster.preset("local-cpu", devices_per_node=2),
-        optimizer=Optimizer.ADAM,
-        global_batch_size=4,
+    model = CostModel(
+        graph=graph, cluster=preset("local-cpu", devices_per_node=2), optimizer=Optimizer.ADAM, global_batch_size=4
     )
+    ev = ConfigSolver(model=model, budget_bytes=math.inf)
     last = len(graph.units) - 1
 
     def styled(config, unit, module, style):
@@ -312,7 +315,7 @@ def test_a_tied_weight_is_held_once_only_where_both_owners_split_it_alike():
     ):
         config = ParallelConfig(dp=1, tp=tp, pp=1, micro_batch_size=4, num_microbatches=1, dtype=DType.FP32)
         both = {0: styled(config, 0, "tok_embeddings", embedding), last: styled(config, last, "output", head)}
-        assert ev.held_once_numel(config, both) == once, (tp, embedding, head)
-        assert ev.held_once_numel(config, {0: both[0]}) == 0.0  # the head on another pipeline rank
+        assert held_once_numel(model, config, both) == once, (tp, embedding, head)
+        assert held_once_numel(model, config, {0: both[0]}) == 0.0  # the head on another pipeline rank
         # fp32 parameters, gradients and Adam's two moments: 16 bytes an element
-        assert ev.shared_state_bytes(config, once) == 16 * once
+        assert shared_state_bytes(model, config, once) == 16 * once

@@ -6,7 +6,7 @@ import math
 import torch
 
 from autopar import InfeasiblePlanError, plan
-from autopar.cluster import Cluster, DeviceSpec, LinkSpec
+from autopar.hardware import Cluster, DeviceMemory, DeviceSpec, LinkSpec, Roofline
 from autopar.models import CNNConfig, MLPConfig, MLPStack, ResNet
 from autopar.vocab import DType, Recompute
 
@@ -14,9 +14,8 @@ from autopar.vocab import DType, Recompute
 def _one_device(memory_bytes: float) -> Cluster:
     device = DeviceSpec(
         name="toy",
-        memory_bytes=memory_bytes,
-        peak_flops={DType.FP32: 10e12},
-        memory_bandwidth_bytes_per_s=500e9,
+        roofline=Roofline(peak_flops={DType.FP32: 10e12}, memory_bandwidth_bytes_per_s=500e9),
+        memory=DeviceMemory(capacity_bytes=memory_bytes),
         preferred_dtype=DType.FP32,
     )
     link = LinkSpec(bandwidth_bytes_per_s=50e9, latency_s=5e-6)

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 import autopar
-from autopar import ConfigError, InfeasiblePlanError, Recompute
+from autopar import ConfigError, InfeasiblePlanError, Recompute, explain
 from autopar.graph import extract
 from autopar.models import GPT, GPTConfig, MLPConfig, MLPStack, build_named_model
-from autopar.whatif import fewest_nodes, time_to_train
+from autopar.present.whatif import fewest_nodes, time_to_train
 
-DGX1 = autopar.Cluster.preset("dgx-a100-80gb", nodes=1)
+DGX1 = autopar.preset("dgx-a100-80gb", nodes=1)
 
 
 def test_plan_basics(gpt2_plan):
@@ -19,11 +19,11 @@ def test_plan_basics(gpt2_plan):
     assert p.config.world_size == 8 and p.prediction.fits
     assert p.config.global_batch_size == 64
     assert 0.2 < p.prediction.mfu < 0.8 and p.prediction.hfu >= p.prediction.mfu
-    assert p.prediction.memory_bytes_per_device <= DGX1.device.memory_bytes
+    assert p.prediction.memory_bytes_per_device <= DGX1.device.memory.capacity_bytes
     assert p.prediction.breakdown.total_s == pytest.approx(p.prediction.step_time_s, rel=1e-9)
     runners = [a for a in p.alternatives if a.status == "runner-up"]
     assert runners and all(a.step_time_s >= p.prediction.step_time_s for a in runners)
-    text = p.explain()
+    text = explain(p)
     assert "Configuration" in text and "Why this plan" in text and "runners-up" in text
 
 
@@ -43,7 +43,7 @@ def test_estimate_is_a_space_of_size_one_and_never_raises_for_memory():
     assert e.config.recompute is Recompute.FULL
     huge = autopar.estimate(build_named_model("gpt3-175b"), DGX1, {"tp": 8}, global_batch_size=8, seq_len=2048)
     assert not huge.prediction.fits
-    assert huge.prediction.memory_bytes_per_device > DGX1.device.memory_bytes
+    assert huge.prediction.memory_bytes_per_device > DGX1.device.memory.capacity_bytes
 
 
 def test_infeasible_plan_names_the_memory():
@@ -54,7 +54,7 @@ def test_infeasible_plan_names_the_memory():
 
 def test_tp_only_where_shapes_allow():
     model = GPT(GPTConfig(vocab_size=1000, seq_len=128, dim=768, n_layers=2, n_heads=12))
-    cluster = autopar.Cluster.preset("dgx-a100-80gb", nodes=2)
+    cluster = autopar.preset("dgx-a100-80gb", nodes=2)
     with pytest.raises(ConfigError, match=r"tp=16 does not fit.*allowed: \[1, 2, 4\]"):
         autopar.plan(model, cluster, global_batch_size=16, seq_len=128, constraints={"tp": 16})
     p = autopar.plan(model, cluster, global_batch_size=16, seq_len=128)
@@ -69,7 +69,7 @@ def test_vocabulary_padding_is_reported():
 def test_uneven_stages():
     p = autopar.estimate(
         build_named_model("gpt-530b"),
-        autopar.Cluster.preset("dgx-a100-80gb", nodes=64),
+        autopar.preset("dgx-a100-80gb", nodes=64),
         {"tp": 8, "pp": 8, "micro_batch_size": 1, "recompute": "full"},
         global_batch_size=64,
         seq_len=2048,
@@ -94,7 +94,7 @@ def test_optimizer_and_attention_change_memory():
 
 def test_fewest_nodes_and_time_to_train():
     m = build_named_model("gpt3-13b")
-    p = fewest_nodes(m, autopar.Cluster.preset("dgx-a100-40gb"), global_batch_size=256, seq_len=2048)
+    p = fewest_nodes(m, autopar.preset("dgx-a100-40gb"), global_batch_size=256, seq_len=2048)
     assert p.prediction.fits
     if p.cluster.nodes > 1:
         with pytest.raises(InfeasiblePlanError):
@@ -107,7 +107,7 @@ def test_fewest_nodes_and_time_to_train():
 def test_gpt3_175b_on_1024_a100():
     p = autopar.plan(
         build_named_model("gpt3-175b"),
-        autopar.Cluster.preset("dgx-a100-80gb", nodes=128),
+        autopar.preset("dgx-a100-80gb", nodes=128),
         global_batch_size=1536,
         seq_len=2048,
     )
@@ -151,7 +151,7 @@ class _ListStack(torch.nn.Module):
 
 
 def test_models_the_runtime_cannot_cut_get_pp_only_when_asked():
-    cluster = autopar.Cluster.preset("dgx-a100-80gb", nodes=1)
+    cluster = autopar.preset("dgx-a100-80gb", nodes=1)
     sample = torch.zeros(1, 512)
     free = autopar.plan(_ListStack(), cluster, global_batch_size=16, sample_input=sample)
     assert free.config.pp == 1 and all(a.config.pp == 1 for a in free.alternatives)
@@ -172,7 +172,7 @@ def test_transformers_decoders_are_offered_pipeline_splits():
         model = transformers.GPT2LMHeadModel(
             transformers.GPT2Config(n_embd=256, n_layer=4, n_head=4, n_positions=256, vocab_size=1024)
         )
-    cluster = autopar.Cluster.preset("dgx-a100-80gb", nodes=1)
+    cluster = autopar.preset("dgx-a100-80gb", nodes=1)
     assert extract(model, seq_len=256).cuttable and not extract(_ListStack(), sample_input=torch.zeros(1, 512)).cuttable
     asked = autopar.plan(model, cluster, global_batch_size=16, seq_len=256, constraints={"pp": 2})
     assert asked.config.pp == 2 and not any("cannot cut" in n for n in asked.notes)
@@ -185,10 +185,12 @@ def test_ddp_must_also_fit_its_bucket_rebuild():
     so, while ZeRO-1 (half the moments on each of 2 ranks) fits."""
     model = MLPStack(MLPConfig(in_dim=64, dim=256, ffn_dim=1024, n_layers=2, out_dim=8))
     params = sum(p.numel() for p in model.parameters())
-    local = autopar.Cluster.preset("local-cpu", devices_per_node=2)
+    local = autopar.preset("local-cpu", devices_per_node=2)
     room = 4.5 * 4 * params  # between the steady peak (4 copies) and the rebuild (5)
+    memory = local.device.memory
     device = dataclasses.replace(
-        local.device, memory_bytes=local.device.reserved_bytes + room * (1 + local.device.fragmentation)
+        local.device,
+        memory=dataclasses.replace(memory, capacity_bytes=memory.reserved_bytes + room * (1 + memory.fragmentation)),
     )
     cluster = dataclasses.replace(local, device=device)
     ddp = {"dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 4, "zero_stage": 0}

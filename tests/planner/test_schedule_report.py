@@ -6,8 +6,8 @@ import itertools
 import pytest
 
 from autopar.cost.pipeline import inflight_microbatches, pipeline_time_s
-from autopar.report import memory_figure, plan_html, save_html, step_figure, timeline_figure
-from autopar.schedule_sim import makespan_s, rank_order, simulate
+from autopar.present.report import memory_figure, plan_html, save_html, step_figure, timeline_figure
+from autopar.present.schedule_sim import makespan_s, rank_order, simulate
 from autopar.vocab import Schedule
 
 

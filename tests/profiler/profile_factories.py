@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from profiler.report import (
+from autopar.profiles.report import ProfileReport
+from autopar.profiles.sections import (
     BandwidthPoint,
     CommPoint,
     CommSeries,
@@ -11,7 +12,6 @@ from profiler.report import (
     MatmulPoint,
     ModelProfile,
     NetworkProfile,
-    ProfileReport,
     Provenance,
     Timing,
     UnitMeasurement,

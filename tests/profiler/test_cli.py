@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from autopar.models import GPT, GPTConfig
+from autopar.profiles.report import ProfileReport
 from profiler.__main__ import main
 from profiler.cli import add_profile_parser, parse_bytes
-from profiler.report import ProfileReport
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -31,7 +31,7 @@ def _report(results):
 
 def test_healthy_run_checks_the_plans_groups(tmp_path, capsys):
     model = MLPStack(MLPConfig(in_dim=16, dim=32, ffn_dim=64, n_layers=2, out_dim=4))
-    cluster = autopar.Cluster.preset("local-cpu", devices_per_node=4)
+    cluster = autopar.preset("local-cpu", devices_per_node=4)
     plan = autopar.estimate(
         model, cluster, {"dp": 2, "tp": 2, "pp": 1}, global_batch_size=8, sample_input=torch.zeros(1, 16)
     )

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from autopar.cluster import Cluster, DeviceSpec, LinkSpec
 from autopar.cost.comm import all_gather_s, all_reduce_s, group_span, p2p_s, reduce_scatter_s
+from autopar.hardware import Cluster, DeviceMemory, DeviceSpec, LinkSpec, Roofline
 from profiler.errors import MeasurementError
 from profiler.fit import Sample, bus_factor, coefficients, fit_alpha_beta
 
@@ -16,7 +16,10 @@ SIZES = [2.0**k for k in range(10, 27, 2)]
 
 def _cluster(nodes, per_node, link):
     dev = DeviceSpec(
-        name="d", memory_bytes=1e9, peak_flops={"fp32": 1e12}, memory_bandwidth_bytes_per_s=1e11, preferred_dtype="fp32"
+        name="d",
+        roofline=Roofline(peak_flops={"fp32": 1e12}, memory_bandwidth_bytes_per_s=1e11),
+        memory=DeviceMemory(capacity_bytes=1e9),
+        preferred_dtype="fp32",
     )
     return Cluster(name="c", nodes=nodes, devices_per_node=per_node, device=dev, intra_node=link, inter_node=link)
 

@@ -4,10 +4,10 @@ import os
 
 import pytest
 
+from autopar.profiles.sections import CommPoint, CommSeries, Timing
 from autopar.runtime.spmd import SPMDSettings, run_spmd
 from profiler.errors import MeasurementError, SettingsError
 from profiler.network import ALL_OPS, KIB, MIB, NetworkSweep, fit_levels, profile_network
-from profiler.report import CommPoint, CommSeries, Timing
 
 pytestmark = pytest.mark.multiprocess
 SETTINGS = SPMDSettings(timeout_s=120, pg_timeout_s=60)

@@ -8,14 +8,16 @@ import torch
 from profile_factories import device, exact, full, layers, network
 
 import autopar
-from autopar.cluster import Cluster
 from autopar.cost.comm import GroupSpan
 from autopar.cost.compute import rates
-from autopar.cost.tensor_parallel import Layout, TPContext, evaluate_layout, leaf_accumulate_s
-from autopar.errors import ClusterError
+from autopar.cost.leaf import TPContext, leaf_accumulate_s
+from autopar.cost.tensor_parallel import evaluate_layout
+from autopar.errors import ClusterError, ProfileFormatError
 from autopar.graph import extract
+from autopar.hardware import cluster_from_dict, cluster_to_dict, preset
+from autopar.hardware import preset as build_preset
+from autopar.hardware.device import alone
 from autopar.models import GPT, GPTConfig
-from autopar.presets import build_preset
 from autopar.profiles import (
     calibrate_units,
     cluster_from_profiles,
@@ -23,9 +25,9 @@ from autopar.profiles import (
     profile_sources,
     recompute_calibration,
 )
-from autopar.vocab import DType, TPStyle
+from autopar.profiles.report import ProfileReport
+from autopar.vocab import DType, Layout, TPStyle
 from profiler.layers import LayerSweep, profile_model
-from profiler.report import ProfileReport
 from profiler.timing import Repeats
 
 
@@ -33,33 +35,33 @@ def test_cpu_profiles_replace_the_local_cpu_nominal_numbers():
     c = cluster_from_profiles([device(rate_flop_per_s=2e11, bandwidth=3e10, dtypes=("fp32", "bf16")), network()])
     assert (c.nodes, c.devices_per_node) == (2, 2)
     dev = c.device
-    assert dev.matmul_curves[DType.FP32] == tuple((2.0 * n**3, pytest.approx(2e11)) for n in (64, 256, 1024))
-    assert dev.peak_flops[DType.FP32] == pytest.approx(2e11)  # above the preset's nominal 60 GFLOP/s
-    assert dev.memory_bandwidth_bytes_per_s == 3e10 and dev.memory_efficiency == 1.0
-    assert dev.memory_bytes == pytest.approx(24 * 2**30 / 2)  # the node's RAM shared by its 2 processes
-    assert dev.reserved_bytes == build_preset("local-cpu", devices_per_node=2).device.reserved_bytes
+    assert dev.roofline.matmul_curves[DType.FP32] == tuple((2.0 * n**3, pytest.approx(2e11)) for n in (64, 256, 1024))
+    assert dev.roofline.peak_flops[DType.FP32] == pytest.approx(2e11)  # above the preset's nominal 60 GFLOP/s
+    assert dev.roofline.memory_bandwidth_bytes_per_s == 3e10 and dev.roofline.memory_efficiency == 1.0
+    assert dev.memory.capacity_bytes == pytest.approx(24 * 2**30 / 2)  # the node's RAM shared by its 2 processes
+    assert dev.memory.reserved_bytes == build_preset("local-cpu", devices_per_node=2).device.memory.reserved_bytes
     assert (c.intra_node.bandwidth_bytes_per_s, c.intra_node.latency_s) == (1e9, 1e-5)
     assert (c.inter_node.bandwidth_bytes_per_s, c.inter_node.latency_s) == (1e8, 5e-5)
     assert "fitted alpha-beta" in c.intra_node.source and "measured" in dev.source
 
 
 def test_a_gpu_base_keeps_its_datasheet_peaks_and_shape():
-    base = Cluster.preset("dgx-a100-80gb", nodes=16)
+    base = preset("dgx-a100-80gb", nodes=16)
     gpu = device(
         rate_flop_per_s=2.5e14, bandwidth=1.8e12, kind="cuda", dtypes=("bf16", "fp32"), memory_bytes=80 * 2**30
     )
     c = cluster_from_profiles([gpu, network(kind="cuda", node_of_rank=("n0",) * 8 + ("n1",) * 8)], base=base)
     assert (c.nodes, c.devices_per_node) == (16, 8)  # plan for the base's size, not the measured 2 nodes
-    assert c.device.peak_flops[DType.BF16] == 312e12  # MFU stays against the datasheet
-    assert c.device.peak_flops[DType.FP32] == pytest.approx(2.5e14)  # above the datasheet's fp32: raised
-    assert c.device.memory_bytes == 80 * 2**30  # GPU memory is not shared
-    assert c.device.reserved_bytes == base.device.reserved_bytes
-    assert c.device.matmul_curves[DType.BF16][-1][1] == pytest.approx(2.5e14)
-    assert Cluster.from_profile(gpu, network(kind="cuda"), base=base).device.name == "Test device"
+    assert c.device.roofline.peak_flops[DType.BF16] == 312e12  # MFU stays against the datasheet
+    assert c.device.roofline.peak_flops[DType.FP32] == pytest.approx(2.5e14)  # above the datasheet's fp32: raised
+    assert c.device.memory.capacity_bytes == 80 * 2**30  # GPU memory is not shared
+    assert c.device.memory.reserved_bytes == base.device.memory.reserved_bytes
+    assert c.device.roofline.matmul_curves[DType.BF16][-1][1] == pytest.approx(2.5e14)
+    assert cluster_from_profiles([gpu, network(kind="cuda")], base=base).device.name == "Test device"
 
 
 def test_what_is_not_measured_comes_from_the_base():
-    base = Cluster.preset("dgx-h100", nodes=4)
+    base = preset("dgx-h100", nodes=4)
     only_net = cluster_from_profiles([network(intra=None, kind="cuda")], base=base)
     assert only_net.device == base.device and only_net.intra_node == base.intra_node
     assert only_net.inter_node.bandwidth_bytes_per_s == 1e8
@@ -100,19 +102,19 @@ def test_reports_are_read_from_objects_dicts_and_files(tmp_path):
     assert _numbers(cluster_from_profiles(path)) == expected
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({**report.to_dict(), "schema_version": 9}))
-    with pytest.raises(ClusterError, match="schema_version 9"):
+    with pytest.raises(ProfileFormatError, match="schema_version 9"):
         cluster_from_profiles([bad])
-    with pytest.raises(ClusterError, match="not an autopar profile"):
+    with pytest.raises(ProfileFormatError, match="not an autopar profile"):
         cluster_from_profiles([{"nodes": 1}])
-    with pytest.raises(ClusterError, match="does not exist"):
+    with pytest.raises(ProfileFormatError, match="does not exist"):
         cluster_from_profiles([tmp_path / "none.json"])
-    with pytest.raises(ClusterError, match="give a ProfileReport"):
+    with pytest.raises(ProfileFormatError, match="give a ProfileReport"):
         cluster_from_profiles([42])
 
 
 def _numbers(cluster):
     """The cluster without its source strings (which name where each report came from)."""
-    data = cluster.to_dict()
+    data = cluster_to_dict(cluster)
     for part in (data["device"], data["intra_node"], data["inter_node"]):
         part.pop("source")
     return data
@@ -140,7 +142,7 @@ def test_calibration_against_a_hand_computed_roofline():
         [device(rate_flop_per_s=1e11, bandwidth=1e10), layers(fwd_s=0.1, bwd_s=0.2, matmul_flops=1e6, nbytes=1e9)]
     )[0]
     assert memory_bound.predicted_fwd_s == pytest.approx(0.1) and memory_bound.factor == pytest.approx(1.0)
-    with pytest.raises(ClusterError, match="layers section"):
+    with pytest.raises(ProfileFormatError, match="layers section"):
         layer_calibration([device()])
 
 
@@ -169,7 +171,7 @@ def _unit_cost(graph, i, cluster, batch, **scale):
         last=i == len(graph.units) - 1,
         loss_parallel=False,
         sequence_parallel=False,
-        exposed_weight_traffic=cluster.device.exposed_weight_traffic,
+        host=cluster.device.host,
         **scale,
     )
     return evaluate_layout(prof, tuple(TPStyle.REPLICATE for _ in prof.leaves), Layout.R, ctx)
@@ -191,7 +193,7 @@ def _accumulation_s(graph, i, cluster, batch):
         last=i == len(graph.units) - 1,
         loss_parallel=False,
         sequence_parallel=False,
-        exposed_weight_traffic=cluster.device.exposed_weight_traffic,
+        host=cluster.device.host,
     )
     return sum(leaf_accumulate_s(leaf, TPStyle.REPLICATE, ctx) for leaf in prof.leaves)
 
@@ -202,7 +204,7 @@ def test_prediction_is_the_cost_models_unit_time():
     measured time."""
     report, graph = _measured_gpt(3)
     cluster = cluster_from_profiles([report])
-    assert cluster.device.exposed_weight_traffic  # a CPU profile: weights priced as passes of their own
+    assert cluster.device.host.exposed_weight_traffic  # a CPU profile: weights priced as passes of their own
     cals = {c.fqn: c for c in calibrate_units([report])}
     for i, unit in enumerate(graph.units):
         cost = _unit_cost(graph, i, cluster, 3)
@@ -218,7 +220,7 @@ def test_prediction_is_the_cost_models_unit_time():
 
 def test_the_planner_takes_reports():
     model = GPT(GPTConfig(vocab_size=256, seq_len=32, dim=64, n_layers=2, n_heads=4))
-    base = Cluster.preset("local-cpu", devices_per_node=2)
+    base = preset("local-cpu", devices_per_node=2)
     reports = [device(rate_flop_per_s=2e11, bandwidth=3e10), network(node_of_rank=("a", "a"), inter=None)]
     plan = autopar.plan(model, base, global_batch_size=8, seq_len=32, profile=reports)
     assert plan.settings.profile_sources == profile_sources(reports)
@@ -257,13 +259,16 @@ def test_processes_beyond_the_cores_time_share_the_measured_device():
     four = cluster_from_profiles(
         [device(rate_flop_per_s=2e11, bandwidth=3e10), network(node_of_rank=("a",) * 4, inter=None)]
     )
-    assert two.device.time_share == 1.0 and four.device.time_share == 0.5
-    assert four.device.matmul_curves[DType.FP32][-1][1] == pytest.approx(1e11)
-    assert four.device.memory_bandwidth_bytes_per_s == pytest.approx(1.5e10)
-    assert four.device.peak_flops[DType.FP32] == pytest.approx(1e11)
-    alone = four.device.alone()
-    assert alone.matmul_curves == two.device.matmul_curves and alone.op_overhead_s == two.device.op_overhead_s
-    assert alone.memory_bandwidth_bytes_per_s == pytest.approx(two.device.memory_bandwidth_bytes_per_s)
+    assert two.device.host.time_share == 1.0 and four.device.host.time_share == 0.5
+    assert four.device.roofline.matmul_curves[DType.FP32][-1][1] == pytest.approx(1e11)
+    assert four.device.roofline.memory_bandwidth_bytes_per_s == pytest.approx(1.5e10)
+    assert four.device.roofline.peak_flops[DType.FP32] == pytest.approx(1e11)
+    own = alone(four.device)
+    assert (
+        own.roofline.matmul_curves == two.device.roofline.matmul_curves
+        and own.host.op_overhead_s == two.device.host.op_overhead_s
+    )
+    assert own.roofline.memory_bandwidth_bytes_per_s == pytest.approx(two.device.roofline.memory_bandwidth_bytes_per_s)
     # the layer factors compare the one-process measurement with the device alone, so
     # they do not change with the number of processes that will share it
     for net in (("a",) * 2, ("a",) * 4):
@@ -277,13 +282,13 @@ def test_local_cpu_processes_beyond_the_cores_get_a_share():
     import os
 
     cores = len(os.sched_getaffinity(0))
-    whole = Cluster.preset("local-cpu", devices_per_node=cores).device
-    shared = Cluster.preset("local-cpu", devices_per_node=2 * cores).device
-    assert whole.time_share == 1.0 and shared.time_share == 0.5
-    assert shared.peak_flops[DType.FP32] == pytest.approx(whole.peak_flops[DType.FP32] / 2)
-    assert shared.op_overhead_s == pytest.approx(2 * whole.op_overhead_s)
-    assert shared.optimizer_bytes_per_s == pytest.approx(whole.optimizer_bytes_per_s / 2)
-    assert shared.alone().peak_flops == whole.peak_flops and "time share" not in shared.alone().source
+    whole = preset("local-cpu", devices_per_node=cores).device
+    shared = preset("local-cpu", devices_per_node=2 * cores).device
+    assert whole.host.time_share == 1.0 and shared.host.time_share == 0.5
+    assert shared.roofline.peak_flops[DType.FP32] == pytest.approx(whole.roofline.peak_flops[DType.FP32] / 2)
+    assert shared.host.op_overhead_s == pytest.approx(2 * whole.host.op_overhead_s)
+    assert shared.host.optimizer_bytes_per_s == pytest.approx(whole.host.optimizer_bytes_per_s / 2)
+    assert alone(shared).roofline.peak_flops == whole.roofline.peak_flops and "time share" not in alone(shared).source
 
 
 def test_each_collective_is_priced_at_its_own_measured_fit():
@@ -301,7 +306,7 @@ def test_each_collective_is_priced_at_its_own_measured_fit():
     across = GroupSpan(size=2, per_node=1, nodes=2)
     assert reduce_scatter_s(size, across, c) == pytest.approx(0.5 * size / 4e8 + 7e-4)  # inter level's own fit
     assert p2p_s(size, cross_node=False, cluster=c) == pytest.approx(size / 1e9 + 1e-5)
-    assert Cluster.from_dict(c.to_dict()) == c
+    assert cluster_from_dict(cluster_to_dict(c)) == c
 
 
 def test_the_network_profiles_framework_overheads_replace_the_one_rank_figures():
@@ -313,8 +318,10 @@ def test_the_network_profiles_framework_overheads_replace_the_one_rank_figures()
     measured = device(rate_flop_per_s=2e11, bandwidth=3e10)
     dev = ProfileReport(device=dataclasses.replace(measured.device, tp_overhead_s=2e-4))
     one_rank = cluster_from_profiles([dev, network(node_of_rank=nodes, inter=None)]).device
-    assert one_rank.time_share == 0.5 and one_rank.tp_overhead_s == pytest.approx(4e-4)  # 4 processes, 2 cores
-    assert one_rank.fsdp_overhead_s == 0.0 and one_rank.fsdp_tensor_overhead_s == 0.0
+    assert one_rank.host.time_share == 0.5 and one_rank.host.tp_overhead_s == pytest.approx(
+        4e-4
+    )  # 4 processes, 2 cores
+    assert one_rank.host.fsdp_overhead_s == 0.0 and one_rank.host.fsdp_tensor_overhead_s == 0.0
     grouped = cluster_from_profiles(
         [
             dev,
@@ -329,10 +336,10 @@ def test_the_network_profiles_framework_overheads_replace_the_one_rank_figures()
         ]
     ).device
     assert (
-        grouped.tp_overhead_s,
-        grouped.fsdp_overhead_s,
-        grouped.fsdp_tensor_overhead_s,
-        grouped.fsdp_copy_bytes_per_s,
+        grouped.host.tp_overhead_s,
+        grouped.host.fsdp_overhead_s,
+        grouped.host.fsdp_tensor_overhead_s,
+        grouped.host.fsdp_copy_bytes_per_s,
     ) == (7e-4, 2e-3, 4e-5, 6e9)
     assert "FSDP copies at 6.00 GB/s" in grouped.source
     assert (
@@ -347,33 +354,33 @@ def test_the_sync_noise_a_network_profile_measured_applies_at_its_process_count(
     per node, and not from one with another count."""
     dev = device(rate_flop_per_s=2e11, bandwidth=3e10)
     four = network(node_of_rank=("a",) * 4, inter=None, sync_noise_s_per_sqrt_s=0.03, sync_speed_spread=0.07)
-    assert dev.device is not None and cluster_from_profiles([dev]).device.sync_noise_s_per_sqrt_s == 0.0
+    assert dev.device is not None and cluster_from_profiles([dev]).device.host.sync_noise_s_per_sqrt_s == 0.0
     noisy = cluster_from_profiles([dev, four]).device
-    assert (noisy.sync_noise_s_per_sqrt_s, noisy.sync_speed_spread) == (0.03, 0.07)
+    assert (noisy.host.sync_noise_s_per_sqrt_s, noisy.host.sync_speed_spread) == (0.03, 0.07)
     assert "30.0 ms per sqrt(s) of it and 7.0% of it apart" in noisy.source
     other = cluster_from_profiles([dev, four], base=build_preset("local-cpu", devices_per_node=2)).device
-    assert other.sync_noise_s_per_sqrt_s == 0.0 and other.sync_speed_spread == 0.0
+    assert other.host.sync_noise_s_per_sqrt_s == 0.0 and other.host.sync_speed_spread == 0.0
 
 
 def test_the_bandwidth_processes_keep_while_streaming_together_lowers_the_devices():
     """4 processes on the factory's 2 cores: each gets half a core (time share 0.5), and a
     network profile that measured 0.35 of one process's bandwidth with all 4 streaming
-    leaves 0.7 beyond the time share; ``alone()`` gives back the single process's
+    leaves 0.7 beyond the time share; ``alone`` gives back the single process's
     figures, which the layer calibration compares against. A profile taken with another
     number of processes per node does not apply."""
     nodes = ("a",) * 4
     dev = device(rate_flop_per_s=2e11, bandwidth=3e10)
     shared = cluster_from_profiles([dev, network(node_of_rank=nodes, inter=None, memory_share=0.35)]).device
-    assert (shared.time_share, shared.bandwidth_share) == (0.5, pytest.approx(0.7))
-    assert shared.memory_bandwidth_bytes_per_s == pytest.approx(3e10 * 0.5 * 0.7)
-    assert shared.alone().memory_bandwidth_bytes_per_s == pytest.approx(3e10)
-    assert shared.alone().matmul_curves[DType.FP32][-1][1] == pytest.approx(2e11)
+    assert (shared.host.time_share, shared.host.bandwidth_share) == (0.5, pytest.approx(0.7))
+    assert shared.roofline.memory_bandwidth_bytes_per_s == pytest.approx(3e10 * 0.5 * 0.7)
+    assert alone(shared).roofline.memory_bandwidth_bytes_per_s == pytest.approx(3e10)
+    assert alone(shared).roofline.matmul_curves[DType.FP32][-1][1] == pytest.approx(2e11)
     assert "keep 0.35 of one process's memory bandwidth" in shared.source
     other = build_preset("local-cpu", devices_per_node=2)
     elsewhere = cluster_from_profiles(
         [dev, network(node_of_rank=nodes, inter=None, memory_share=0.35, tp_overhead_s=7e-4)], base=other
     ).device
-    assert elsewhere.bandwidth_share == 1.0 and elsewhere.tp_overhead_s != 7e-4
+    assert elsewhere.host.bandwidth_share == 1.0 and elsewhere.host.tp_overhead_s != 7e-4
 
 
 def _bumpy_all_reduce(report: ProfileReport, tailed: bool = False) -> ProfileReport:
@@ -382,7 +389,7 @@ def _bumpy_all_reduce(report: ProfileReport, tailed: bool = False) -> ProfileRep
     each size's repeats are ``t, t, 4 t`` (median ``t``, mean ``2 t``), as gloo's are."""
     from profile_factories import exact
 
-    from profiler.report import CommPoint, CommSeries, Timing
+    from autopar.profiles.sections import CommPoint, CommSeries, Timing
 
     times = {1024: 1e-3, 2048: 3e-3, 4096: 2e-3, 8192: 4e-3}
     pts = tuple(
@@ -413,7 +420,7 @@ def test_a_collective_is_priced_by_its_measured_curve_on_groups_of_its_size():
     assert all_reduce_s(3072, span, c) == pytest.approx(2.5e-3)
     assert all_reduce_s(6144, span, c) == pytest.approx(2.5e-3 + 0.5 * 1.5e-3)
     assert all_reduce_s(8192 + 1e6, span, c) == pytest.approx(4e-3 + 2 * 0.5 * 1e6 / 1e9)
-    assert Cluster.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+    assert cluster_from_dict(json.loads(json.dumps(cluster_to_dict(c)))) == c
 
 
 def test_a_collective_is_priced_by_the_mean_of_its_repeats():
@@ -497,7 +504,7 @@ def test_the_planner_prices_full_recomputation_at_the_measured_fraction():
         ),
     )
     model = GPT(GPTConfig(vocab_size=256, seq_len=32, dim=64, n_layers=2, n_heads=4))
-    cluster = Cluster.preset("local-cpu", devices_per_node=1)
+    cluster = preset("local-cpu", devices_per_node=1)
     config = {"dp": 1, "tp": 1, "pp": 1, "micro_batch_size": 2, "recompute": "full"}
     with_f, without = (
         autopar.estimate(model, cluster, config, global_batch_size=4, seq_len=32, profile=[r]) for r in (report, bare)

@@ -6,8 +6,8 @@ from dataclasses import replace
 
 from profile_factories import full, layers, network
 
+from autopar.profiles.report import ProfileReport
 from profiler.render import render_html, render_markdown
-from profiler.report import ProfileReport
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -7,7 +7,7 @@ import pytest
 from netns_fixture import namespaces, run_ranks
 
 from autopar.profiles import cluster_from_profiles
-from profiler.report import ProfileReport
+from autopar.profiles.report import ProfileReport
 
 pytestmark = pytest.mark.multiprocess
 RATE_MBIT = 100  # 12.5 MB/s: far below what gloo moves on this machine, so the link is the bottleneck

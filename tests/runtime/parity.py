@@ -141,7 +141,7 @@ def make_plan(
     model = build(name, "meta")
     config = {"dp": 1, "tp": 1, "pp": 1, "micro_batch_size": 2, "num_microbatches": 2, "dtype": "fp32", **config}
     world = config["dp"] * config["tp"] * config["pp"]
-    cluster = cluster or autopar.Cluster.preset("local-cpu", devices_per_node=world)
+    cluster = cluster or autopar.preset("local-cpu", devices_per_node=world)
     gbs = config["dp"] * config["micro_batch_size"] * config["num_microbatches"]
     kwargs = {"sample_input": torch.zeros(1, MLP_CFG.in_dim, device="meta")} if name == "mlp" else {"seq_len": SEQ}
     plan = autopar.estimate(model, cluster, config, global_batch_size=gbs, **kwargs)

@@ -108,7 +108,7 @@ def test_parsers_register_their_commands():
 
 
 def _big_plan(**config):
-    cluster = autopar.Cluster.preset("dgx-a100-80gb", nodes=8)
+    cluster = autopar.preset("dgx-a100-80gb", nodes=8)
     base = {"micro_batch_size": 1, "num_microbatches": 16, "sequence_parallel": True}
     return autopar.estimate(
         build_named_model("gpt3-175b"), cluster, {**base, **config}, global_batch_size=16, seq_len=2048

@@ -23,10 +23,11 @@ def fp16_plan(**config):
     """A plan in fp16 for local processes (the local-cpu preset lists only the precisions
     its CPU runs fast, so fp16 is added at the fp32 rate for planning)."""
     world = config.get("dp", 1) * config.get("tp", 1)
-    cluster = autopar.Cluster.preset("local-cpu", devices_per_node=world)
+    cluster = autopar.preset("local-cpu", devices_per_node=world)
     device = cluster.device
-    peaks = {**device.peak_flops, autopar.DType.FP16: device.peak_flops[autopar.DType.FP32]}
-    cluster = dataclasses.replace(cluster, device=dataclasses.replace(device, peak_flops=peaks))
+    peaks = {**device.roofline.peak_flops, autopar.DType.FP16: device.roofline.peak_flops[autopar.DType.FP32]}
+    roofline = dataclasses.replace(device.roofline, peak_flops=peaks)
+    cluster = dataclasses.replace(cluster, device=dataclasses.replace(device, roofline=roofline))
     return make_plan("gpt", dtype="fp16", cluster=cluster, **config)
 
 

@@ -19,7 +19,7 @@ of gradients): both show in a peak of about 31 MiB."""
 def _run(num_microbatches: int, **config) -> tuple[list[float], list[float], autopar.Plan]:
     """Predicted and measured peak tensor bytes of every rank."""
     config = {"dp": 1, "tp": 1, "pp": 1, "micro_batch_size": 4, "recompute": "none", "dtype": "fp32", **config}
-    cluster = autopar.Cluster.preset("local-cpu", devices_per_node=config["tp"] * config["pp"])
+    cluster = autopar.preset("local-cpu", devices_per_node=config["tp"] * config["pp"])
     plan = autopar.estimate(
         GPT(CFG), cluster, config, global_batch_size=config["micro_batch_size"] * num_microbatches, seq_len=CFG.seq_len
     )
@@ -100,7 +100,7 @@ def test_a_megatron_layout_shards_what_the_attention_core_keeps():
     block): the attention core keeps its output and log-sum-exp per head, so in shards;
     the prediction matches the meter within 1% (with them replicated it was 1.7% over)."""
     cfg = GPTConfig(vocab_size=1024, seq_len=128, dim=256, n_layers=1, n_heads=4)
-    cluster = autopar.Cluster.preset("local-cpu", devices_per_node=2)
+    cluster = autopar.preset("local-cpu", devices_per_node=2)
     plan = autopar.estimate(
         GPT(cfg),
         cluster,

@@ -26,7 +26,7 @@ def test_ddp_peaks_at_its_bucket_rebuild_as_predicted():
     """Measured on two DDP ranks: the peak is weights, gradients, AdamW's two moments
     and one more copy of the gradients (the rebuilt buckets beside the old ones), a
     hand count of 5 x 4 bytes per parameter; the planner predicts the same."""
-    cluster = autopar.Cluster.preset("local-cpu", devices_per_node=2)
+    cluster = autopar.preset("local-cpu", devices_per_node=2)
     with torch.device("meta"):
         model = MLPStack(WIDE)
     params = sum(p.numel() for p in model.parameters())

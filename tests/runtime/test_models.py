@@ -106,7 +106,7 @@ def make(model, styles=None, sample=None, **config):
     gbs = config["dp"] * config["micro_batch_size"] * config["num_microbatches"]
     kwargs = {"sample_input": sample} if sample is not None else {"seq_len": SEQ}
     plan = autopar.estimate(
-        model, autopar.Cluster.preset("local-cpu", devices_per_node=world), config, global_batch_size=gbs, **kwargs
+        model, autopar.preset("local-cpu", devices_per_node=world), config, global_batch_size=gbs, **kwargs
     )
     if styles is not None:
         plan = dataclasses.replace(

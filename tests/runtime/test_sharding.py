@@ -145,7 +145,7 @@ def test_style_a_layer_cannot_take_names_the_layer_on_every_rank():
     model = ResNet(CNNConfig(image_size=8, width=4, stages=2, blocks_per_stage=1, num_classes=4))
     plan = autopar.estimate(
         model,
-        autopar.Cluster.preset("local-cpu", devices_per_node=2),
+        autopar.preset("local-cpu", devices_per_node=2),
         {"dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 1, "num_microbatches": 1, "dtype": "fp32"},
         global_batch_size=2,
         sample_input=torch.zeros(1, 3, 8, 8),

@@ -11,10 +11,10 @@ from typing import Any
 
 from torch import nn
 
-from autopar.cluster import Cluster
 from autopar.errors import ConfigError, InfeasiblePlanError, check_positive_float, check_positive_int
 from autopar.graph.extract import extract
 from autopar.graph.layer_graph import LayerGraph
+from autopar.hardware.cluster import Cluster
 from autopar.plan import Plan
 from autopar.search.planner import plan as make_plan
 
@@ -90,10 +90,10 @@ def fewest_nodes(
         lo, hi = hi, hi * 2
     if found is None:
         raise InfeasiblePlanError(
-            f"no plan fits on up to {max_nodes} nodes of {cluster.name.split(' x ')[0]}; the "
+            f"no plan fits on up to {max_nodes} nodes of {cluster.kind}; the "
             f"model needs another device type or a smaller batch/sequence.",
             min_memory_bytes=float("inf"),
-            capacity_bytes=cluster.device.memory_bytes,
+            capacity_bytes=cluster.device.memory.capacity_bytes,
         )
     while hi - lo > 1:
         mid = (lo + hi) // 2

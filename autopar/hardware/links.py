@@ -1,5 +1,10 @@
-"""Measured collective curves: seconds per call against message size, as a network
-profile measured them, for the cost model to interpolate (:mod:`autopar.cost.comm`)."""
+"""Links between devices: a bus bandwidth and latency per level, with measured fits and
+curves per collective where a network profile took them.
+
+Units: ``bandwidth_bytes_per_s`` is the achievable bus bandwidth per device in one
+direction, as nccl-tests reports ``busbw`` (NVLink's advertised 600 GB/s is a
+bidirectional total over all links); latencies are seconds per hop.
+"""
 
 from __future__ import annotations
 
@@ -9,18 +14,17 @@ from typing import Any
 
 from autopar.errors import ClusterError, check_cluster_seconds, check_positive_float
 
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+"""The operations a link may carry a fit of its own for (what ``autopar.cost.comm`` prices)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class CommCurve:
     """Measured seconds per call of one collective against its message size, on a group
     of ``ranks`` ranks: the cost model interpolates it where a group of that size runs
-    the collective, instead of the alpha-beta line.
-
-    One line through 1 KiB to 64 MiB misses the middle of real curves: gloo on
-    loopback sockets took 2.3 ms for a 512 KiB all-reduce on 2 ranks where the fit
-    through all sizes gave 1.2, and NCCL switches protocols with size (nccl-tests'
-    curves bend where it does). Tensor parallelism's all-reduces sit in that middle, so
-    a tp=2 step was priced about 40 ms short.
+    the collective, instead of the alpha-beta line, which misses the middle of real
+    curves (NCCL and gloo switch protocols with the message size; tensor parallelism's
+    all-reduces sit in that middle; ``docs/cost-model.md``).
 
     ``time_s`` never decreases with ``nbytes`` (:meth:`from_measured` makes it so), so an
     interpolated price never drops as a message grows.
@@ -78,3 +82,63 @@ class CommCurve:
         i = next(k for k in range(1, len(sizes)) if nbytes <= sizes[k])
         frac = (nbytes - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
         return times[i - 1] + frac * (times[i] - times[i - 1])
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpLink:
+    """A measured alpha-beta fit of one collective on a link level, and optionally its
+    measured curve (:class:`CommCurve`), which prices it on groups of the curve's size.
+    NCCL moves every collective at about one bus bandwidth, so a level's single fit
+    serves them all; gloo does not (its reduce-scatter and all-gather run several times
+    slower than its all-reduce), so a network profile records one fit per collective."""
+
+    op: str
+    bandwidth_bytes_per_s: float
+    latency_s: float
+    curve: CommCurve | None = None
+
+    def __post_init__(self) -> None:
+        if self.op not in COLLECTIVE_OPS:
+            raise ClusterError(
+                f"link fit op={self.op!r} is not allowed: it must be one of {', '.join(COLLECTIVE_OPS)}."
+            )
+        bandwidth = check_positive_float(
+            f"{self.op} bandwidth_bytes_per_s", self.bandwidth_bytes_per_s, error=ClusterError
+        )
+        object.__setattr__(self, "bandwidth_bytes_per_s", bandwidth)
+        object.__setattr__(self, "latency_s", check_cluster_seconds(f"{self.op} latency_s", self.latency_s))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkSpec:
+    """A level of the interconnect: achievable busbw per device and per-hop latency,
+    and optionally a measured fit per collective (``per_op``) that replaces them for
+    that collective."""
+
+    bandwidth_bytes_per_s: float
+    latency_s: float
+    source: str = ""
+    per_op: tuple[OpLink, ...] = ()
+
+    def __post_init__(self) -> None:
+        bandwidth = check_positive_float("link bandwidth_bytes_per_s", self.bandwidth_bytes_per_s, error=ClusterError)
+        object.__setattr__(self, "bandwidth_bytes_per_s", bandwidth)
+        object.__setattr__(self, "latency_s", check_cluster_seconds("link latency_s", self.latency_s))
+        ops = [f.op for f in self.per_op]
+        if len(set(ops)) != len(ops):
+            raise ClusterError(f"link per_op has {ops}: give each collective at most one fit.")
+
+    def for_op(self, op: str) -> tuple[float, float]:
+        """``(bandwidth_bytes_per_s, latency_s)`` of ``op`` on this level: its own fit
+        where one was measured, else the level's."""
+        for fit in self.per_op:
+            if fit.op == op:
+                return fit.bandwidth_bytes_per_s, fit.latency_s
+        return self.bandwidth_bytes_per_s, self.latency_s
+
+    def curve_for(self, op: str, ranks: int) -> CommCurve | None:
+        """The measured curve of ``op`` on groups of ``ranks`` ranks, if this level has one."""
+        for fit in self.per_op:
+            if fit.op == op and fit.curve is not None and fit.curve.ranks == ranks:
+                return fit.curve
+        return None

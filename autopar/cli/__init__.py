@@ -13,11 +13,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from autopar.demo import add_demo_parser
+from autopar.cli.demo import add_demo_parser
 from autopar.errors import AutoparError, ConfigError
 from autopar.runtime.launch import add_dry_run_parser, add_run_parser
-from profiler.cli import add_profile_parser
-from profiler.doctor import add_doctor_parser
 
 
 def _parse_value(text: str) -> Any:
@@ -116,19 +114,19 @@ def _add_search_args(p: argparse.ArgumentParser) -> None:
 def _load_profiles(paths: Sequence[str] | None) -> Any:
     if not paths:
         return None
-    from profiler.report import ProfileReport
+    from autopar.profiles.report import ProfileReport
 
     return [ProfileReport.load(p) for p in paths]
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from autopar.cluster import Cluster
+    from autopar.hardware import parse_cluster
     from autopar.search.planner import plan
 
     model, inputs = load_model(args)
     result = plan(
         model,
-        Cluster.parse(args.cluster),
+        parse_cluster(args.cluster),
         global_batch_size=args.global_batch_size,
         constraints=parse_assignments(args.set),
         optimizer=args.optimizer,
@@ -140,13 +138,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from autopar.cluster import Cluster
+    from autopar.hardware import parse_cluster
     from autopar.search.planner import estimate
 
     model, inputs = load_model(args)
     result = estimate(
         model,
-        Cluster.parse(args.cluster),
+        parse_cluster(args.cluster),
         parse_assignments(args.set),
         global_batch_size=args.global_batch_size,
         optimizer=args.optimizer,
@@ -166,21 +164,23 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def _emit(result: Any, args: argparse.Namespace) -> int:
+    from autopar.present.explain import explain
+
     if args.out:
         result.save(args.out)
     if args.html:
-        from autopar.report import save_html
+        from autopar.present.report import save_html
 
         save_html(result, args.html)
         print(f"report written to {args.html}", file=sys.stderr)
-    print(result.to_json() if args.json else result.explain())
+    print(result.to_json() if args.json else explain(result))
     if args.out:
         print(f"\nplan written to {args.out}", file=sys.stderr)
     return 0
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
-    from autopar.presets import preset_names
+    from autopar.hardware import preset_names
 
     for name, desc in preset_names().items():
         print(f"{name:<16} {desc}")
@@ -217,6 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_estimate)
     sub.add_parser("presets", help="list cluster presets").set_defaults(func=cmd_presets)
     sub.add_parser("models", help="list registered models").set_defaults(func=cmd_models)
+    # the profiler's subcommands: it builds on autopar, so it is loaded here, when the
+    # command line is read, and never by the library
+    from profiler.cli import add_profile_parser
+    from profiler.doctor_cli import add_doctor_parser
+
     add_profile_parser(sub)
     add_doctor_parser(sub)
     add_run_parser(sub)

@@ -18,9 +18,12 @@ from typing import Any
 
 import torch
 
-from autopar.cluster import Cluster
+from autopar.hardware import preset
+from autopar.hardware.device import alone
 from autopar.models import GPT, GPTConfig, build_named_model
 from autopar.plan import Plan
+from autopar.present.explain import explain
+from autopar.profiles.to_cluster import cluster_from_profiles
 from autopar.runtime.local import LocalRun, run_locally, token_batches
 from autopar.runtime.spmd import SPMDSettings, run_spmd
 from autopar.search.planner import plan as make_plan
@@ -85,13 +88,13 @@ def run_demo(*, nproc: int = 2, steps: int = 6, say: Callable[[str], None] = pri
     started = time.perf_counter()
     say(f"1/4 Profiling this machine ({nproc} processes)")
     reports = profile_machine(nproc, say)
-    base = Cluster.preset("local-cpu", devices_per_node=nproc)
-    cluster = Cluster.from_profile(*reports, base=base)
+    base = preset("local-cpu", devices_per_node=nproc)
+    cluster = cluster_from_profiles(reports, base=base)
     d, link = cluster.device, cluster.intra_node
     say(
-        f"  measured: memory {d.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s per process with {nproc} streaming, "
-        f"{d.alone().memory_bandwidth_bytes_per_s / 1e9:.1f} alone (preset "
-        f"{base.device.memory_bandwidth_bytes_per_s / 1e9:.0f}); link busbw {link.bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
+        f"  measured: memory {d.roofline.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s per process with {nproc} "
+        f"streaming, {alone(d).roofline.memory_bandwidth_bytes_per_s / 1e9:.1f} alone (preset "
+        f"{base.device.roofline.memory_bandwidth_bytes_per_s / 1e9:.0f}); link busbw {link.bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
         f"latency {link.latency_s * 1e6:.0f} us (preset {base.intra_node.bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
         f"{base.intra_node.latency_s * 1e6:.0f} us)"
     )
@@ -101,7 +104,7 @@ def run_demo(*, nproc: int = 2, steps: int = 6, say: Callable[[str], None] = pri
         f"{nproc} local processes, global batch {GLOBAL_BATCH}"
     )
     local = make_plan(build_demo_gpt(), base, global_batch_size=GLOBAL_BATCH, seq_len=DEMO_GPT.seq_len, profile=reports)
-    say("  " + local.explain().replace("\n", "\n  ").split("\n  Stages")[0])
+    say("  " + explain(local).replace("\n", "\n  ").split("\n  Stages")[0])
 
     say(f"\n3/4 Running the plan for {steps} steps on {nproc} processes")
     measured = run_locally(
@@ -126,9 +129,9 @@ def run_demo(*, nproc: int = 2, steps: int = 6, say: Callable[[str], None] = pri
 
     say("\n4/4 Planning GPT-3 175B on 128 DGX A100 nodes (1024 GPUs), global batch 1536 x 2048 tokens")
     large = make_plan(
-        build_named_model("gpt3-175b"), Cluster.preset("dgx-a100-80gb", nodes=128), global_batch_size=1536, seq_len=2048
+        build_named_model("gpt3-175b"), preset("dgx-a100-80gb", nodes=128), global_batch_size=1536, seq_len=2048
     )
-    say(large.explain())
+    say(explain(large))
     say(f"\ndemo finished in {time.perf_counter() - started:.0f} s")
     return DemoResult(local_plan=local, measured=measured, large_plan=large)
 

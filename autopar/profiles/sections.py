@@ -1,37 +1,27 @@
-"""``ProfileReport``: what the profiler measured, as one versioned JSON file.
-
-A report has up to three sections, each measured on its own and each carrying its own
-provenance (machine, software, date, command), because the sections of a merged report
-may come from different runs or machines:
+"""The sections of a profile report, as typed data: what was measured, and where.
 
 - ``device``: achieved matmul FLOP/s against the FLOPs of one call, per precision, and
-  streaming memory bandwidth (:mod:`profiler.device`);
+  streaming memory bandwidth (:class:`DeviceProfile`);
 - ``layers``: forward and backward time, FLOPs and memory of each distinct unit of a
-  model (:mod:`profiler.layers`);
+  model (:class:`ModelProfile`);
 - ``network``: collective and point-to-point times over message sizes per group level,
-  with a fitted latency and bus bandwidth per level (:mod:`profiler.network`).
+  with a fitted latency and bus bandwidth per level (:class:`NetworkProfile`).
 
-A model profile and a network profile are two reports that :meth:`ProfileReport.merge`
-joins. This module imports nothing from autopar: autopar reads reports as data
-(``autopar.profiles``), so a report stays readable by anything that reads JSON.
-Units are in the field names: ``_s``, ``_bytes``, ``_flops``, ``_per_s``.
+Each section carries its own :class:`Provenance` (machine, software, date, command),
+because the sections of a merged report may come from different runs or machines.
+Units are in the field names: ``_s``, ``_bytes``, ``_flops``, ``_per_s``. The
+``profiler`` package measures and writes these; the planner reads them
+(:mod:`autopar.profiles.to_cluster`, :mod:`autopar.profiles.calibration`).
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Literal
 
-from profiler.codec import decode, encode
-from profiler.errors import ProfileFormatError
-
-SCHEMA = "autopar-profile"
-SCHEMA_VERSION = 1
-SECTIONS = ("device", "layers", "network")
+from autopar.errors import ProfileFormatError
 
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv"]
 Level = Literal["intra", "inter", "mixed"]
@@ -402,125 +392,3 @@ class NetworkProfile:
         joint = [f for f in self.fits if f.level == level and len(f.ops) > 1]
         single = [f for f in self.fits if f.level == level]
         return (joint or single or [None])[0]
-
-
-@dataclass(frozen=True, kw_only=True)
-class ProfileReport:
-    """Measurements: any of a device, a model's layers and a network section."""
-
-    schema_version: int = SCHEMA_VERSION
-    device: DeviceProfile | None = None
-    layers: ModelProfile | None = None
-    network: NetworkProfile | None = None
-
-    @property
-    def measured(self) -> tuple[str, ...]:
-        """Names of the sections present."""
-        return tuple(s for s in SECTIONS if getattr(self, s) is not None)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON data, the inverse of :meth:`from_dict`."""
-        return {"schema": SCHEMA, **encode(self)}
-
-    @staticmethod
-    def from_dict(data: Any, *, origin: str = "profile data") -> ProfileReport:
-        """Build from :meth:`to_dict` output; errors name the file and the bad field."""
-        if not isinstance(data, dict):
-            raise ProfileFormatError(f"{origin}: a profile report is a JSON object, got {type(data).__name__}.")
-        if data.get("schema") != SCHEMA:
-            raise ProfileFormatError(
-                f"{origin}: not an autopar profile report (its 'schema' is "
-                f"{data.get('schema')!r}, expected {SCHEMA!r}). Make one with 'autopar profile'."
-            )
-        version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
-            hint = (
-                "upgrade autopar to read it"
-                if isinstance(version, int) and version > SCHEMA_VERSION
-                else "measure again with this version ('autopar profile ...')"
-            )
-            raise ProfileFormatError(
-                f"{origin}: schema_version {version!r} is not supported; this profiler reads "
-                f"version {SCHEMA_VERSION}: {hint}."
-            )
-        body = {k: v for k, v in data.items() if k != "schema"}
-        try:
-            return decode(ProfileReport, body, "")
-        except ProfileFormatError as exc:
-            raise ProfileFormatError(f"{origin}: {exc}") from None
-
-    def to_json(self) -> str:
-        """The report as JSON text (floats written exactly)."""
-        return json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n"
-
-    def save(self, path: str | Path) -> Path:
-        """Write the report to ``path`` (parents created); returns the path."""
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(self.to_json())
-        return p
-
-    @staticmethod
-    def load(path: str | Path) -> ProfileReport:
-        """Read a report written by :meth:`save`."""
-        p = Path(path)
-        try:
-            text = p.read_text()
-        except FileNotFoundError:
-            raise ProfileFormatError(
-                f"profile {str(p)!r} does not exist; make one with 'autopar profile model|"
-                f"device|network --out {p.name}'."
-            ) from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ProfileFormatError(f"profile {str(p)!r} is not valid JSON ({exc}); was it truncated?") from None
-        return ProfileReport.from_dict(data, origin=f"profile {str(p)!r}")
-
-    @staticmethod
-    def merge(*reports: ProfileReport) -> ProfileReport:
-        """One report with every section of ``reports``; where several hold the same
-        section, the later argument wins (so ``merge(old, new)`` updates ``old``)."""
-        if not reports:
-            raise ProfileFormatError("merge() needs at least one report.")
-        merged = ProfileReport()
-        for r in reports:
-            if not isinstance(r, ProfileReport):
-                raise ProfileFormatError(
-                    f"merge() takes ProfileReport objects, got {type(r).__name__}; load files "
-                    f"with ProfileReport.load(path)."
-                )
-            merged = replace(merged, **{s: getattr(r, s) for s in r.measured})
-        return merged
-
-    def summary(self) -> list[str]:
-        """One line per section: what, where, when."""
-        lines = []
-        if self.device is not None:
-            d = self.device
-            lines.append(
-                f"device: {d.name}, {len(d.matmul)} matmul shapes ({', '.join(d.dtypes)}), memory "
-                f"{d.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s; {_where(d.provenance)}"
-            )
-        if self.layers is not None:
-            m = self.layers
-            lines.append(
-                f"layers: {m.model} batch {m.batch} x seq {m.seq_len} {m.dtype}, {len(m.units)} distinct "
-                f"units, step {m.step_s() * 1e3:.1f} ms on {m.device}; {_where(m.provenance)}"
-            )
-        if self.network is not None:
-            n = self.network
-            fits = ", ".join(
-                f"{f.level} {f.bandwidth_bytes_per_s / 1e9:.3g} GB/s + {f.alpha_s * 1e6:.3g} us"
-                for f in (n.link("intra"), n.link("inter"))
-                if f is not None
-            )
-            lines.append(
-                f"network: {n.backend} {n.world_size} ranks on {n.nodes} node(s), {fits}; {_where(n.provenance)}"
-            )
-        return lines
-
-
-def _where(p: Provenance) -> str:
-    torch_v = p.software.get("torch", "?")
-    return f"host {p.host}, {p.created_utc}, torch {torch_v}"

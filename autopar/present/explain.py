@@ -1,4 +1,4 @@
-"""``Plan.explain()``: the plan, its predicted cost and why it won, as text a person reads."""
+"""The plan, its predicted cost and why it won, as text a person reads."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from autopar.plan import Plan
 GIB = 2**30
 
 
-def explain_plan(plan: Plan, *, top: int = 5) -> str:
-    """The report behind :meth:`Plan.explain`."""
+def explain(plan: Plan, *, top: int = 5) -> str:
+    """The plan, its predicted cost and why it won, as text a person reads."""
     c, p, m, cl = plan.config, plan.prediction, plan.model, plan.cluster
     b = p.breakdown
     lines = [

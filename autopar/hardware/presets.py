@@ -1,17 +1,20 @@
-"""Preset clusters. Every number names its source.
+"""Preset clusters, and cluster specs on the command line. Every number names its source.
 
-Bandwidths follow the convention of :mod:`autopar.cluster`: achievable bus bandwidth per
-device in one direction. Datasheets give line rates; the achievable fraction comes from
-published nccl-tests results and is stated next to each number.
+Bandwidths follow the convention of :mod:`autopar.hardware.links`: achievable bus
+bandwidth per device in one direction. Datasheets give line rates; the achievable
+fraction comes from published nccl-tests results and is stated next to each number.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 
-from autopar.cluster import Cluster, DeviceSpec, LinkSpec
 from autopar.errors import ClusterError
+from autopar.hardware.cluster import Cluster, load_cluster
+from autopar.hardware.device import DeviceMemory, DeviceSpec, HostEffects, Roofline, time_shared
+from autopar.hardware.links import LinkSpec
 from autopar.vocab import DType
 
 GIB = 2**30
@@ -40,14 +43,18 @@ _EFFICIENCY = (
 )
 
 
+def _gpu_memory(mib: int) -> DeviceMemory:
+    return DeviceMemory(capacity_bytes=mib * MIB, reserved_bytes=_GPU_RESERVE, fragmentation=_GPU_FRAGMENTATION)
+
+
 def _a100(memory_mib: int, hbm_bytes_per_s: float, label: str) -> DeviceSpec:
     return DeviceSpec(
         name=f"A100-SXM4-{label}",
-        memory_bytes=memory_mib * MIB,
-        peak_flops={DType.BF16: 312e12, DType.FP16: 312e12, DType.FP32: 19.5e12},
-        memory_bandwidth_bytes_per_s=hbm_bytes_per_s,
-        reserved_bytes=_GPU_RESERVE,
-        fragmentation=_GPU_FRAGMENTATION,
+        roofline=Roofline(
+            peak_flops={DType.BF16: 312e12, DType.FP16: 312e12, DType.FP32: 19.5e12},
+            memory_bandwidth_bytes_per_s=hbm_bytes_per_s,
+        ),
+        memory=_gpu_memory(memory_mib),
         source=f"{_A100_DATASHEET}; memory {memory_mib} MiB as nvidia-smi reports; {_EFFICIENCY}; {_RESERVE_NOTE}",
     )
 
@@ -55,11 +62,11 @@ def _a100(memory_mib: int, hbm_bytes_per_s: float, label: str) -> DeviceSpec:
 def _h100() -> DeviceSpec:
     return DeviceSpec(
         name="H100-SXM5-80GB",
-        memory_bytes=81559 * MIB,
-        peak_flops={DType.BF16: 989e12, DType.FP16: 989e12, DType.FP32: 67e12},
-        memory_bandwidth_bytes_per_s=3.35e12,
-        reserved_bytes=_GPU_RESERVE,
-        fragmentation=_GPU_FRAGMENTATION,
+        roofline=Roofline(
+            peak_flops={DType.BF16: 989e12, DType.FP16: 989e12, DType.FP32: 67e12},
+            memory_bandwidth_bytes_per_s=3.35e12,
+        ),
+        memory=_gpu_memory(81559),
         source=f"{_H100_DATASHEET}; HBM3 3.35 TB/s; memory 81559 MiB as nvidia-smi reports; {_EFFICIENCY}; "
         f"{_RESERVE_NOTE}",
     )
@@ -68,11 +75,11 @@ def _h100() -> DeviceSpec:
 def _h200() -> DeviceSpec:
     return DeviceSpec(
         name="H200-SXM-141GB",
-        memory_bytes=143771 * MIB,
-        peak_flops={DType.BF16: 989e12, DType.FP16: 989e12, DType.FP32: 67e12},
-        memory_bandwidth_bytes_per_s=4.8e12,
-        reserved_bytes=_GPU_RESERVE,
-        fragmentation=_GPU_FRAGMENTATION,
+        roofline=Roofline(
+            peak_flops={DType.BF16: 989e12, DType.FP16: 989e12, DType.FP32: 67e12},
+            memory_bandwidth_bytes_per_s=4.8e12,
+        ),
+        memory=_gpu_memory(143771),
         source=f"{_H200_DATASHEET}; memory 143771 MiB as nvidia-smi reports; {_EFFICIENCY}; {_RESERVE_NOTE}",
     )
 
@@ -80,12 +87,12 @@ def _h200() -> DeviceSpec:
 def _v100() -> DeviceSpec:
     return DeviceSpec(
         name="V100-SXM2-16GB",
-        memory_bytes=16160 * MIB,
-        peak_flops={DType.FP16: 125e12, DType.FP32: 15.7e12},
-        memory_bandwidth_bytes_per_s=900e9,
-        matmul_efficiency=0.75,
-        reserved_bytes=_GPU_RESERVE,
-        fragmentation=_GPU_FRAGMENTATION,
+        roofline=Roofline(
+            peak_flops={DType.FP16: 125e12, DType.FP32: 15.7e12},
+            memory_bandwidth_bytes_per_s=900e9,
+            matmul_efficiency=0.75,
+        ),
+        memory=_gpu_memory(16160),
         preferred_dtype=DType.FP16,
         source=f"{_V100_DATASHEET}; memory 16160 MiB as nvidia-smi reports; matmul 0.75 of peak (V100 "
         f"tensor-core GEMMs reach 70-80%), memory 0.8 of peak; {_RESERVE_NOTE}",
@@ -162,20 +169,23 @@ def local_cpu_device(processes: int) -> DeviceSpec:
         ram = 16 * GIB
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     share = min(1.0, cores / processes)
-    return DeviceSpec(
+    device = DeviceSpec(
         name="cpu-process",
-        memory_bytes=float(ram) / processes - _PROCESS_BYTES,
-        peak_flops={DType.FP32: 60e9, DType.BF16: 30e9},
-        memory_bandwidth_bytes_per_s=10e9,
-        matmul_efficiency=1.0,
-        memory_efficiency=1.0,
-        reserved_bytes=0.0,
-        op_overhead_s=5e-6,
-        tp_overhead_s=150e-6,
-        sync_noise_s_per_sqrt_s=0.01,
+        roofline=Roofline(
+            peak_flops={DType.FP32: 60e9, DType.BF16: 30e9},
+            memory_bandwidth_bytes_per_s=10e9,
+            matmul_efficiency=1.0,
+            memory_efficiency=1.0,
+        ),
+        memory=DeviceMemory(capacity_bytes=float(ram) / processes - _PROCESS_BYTES),
+        host=HostEffects(
+            op_overhead_s=5e-6,
+            tp_overhead_s=150e-6,
+            sync_noise_s_per_sqrt_s=0.01,
+            optimizer_bytes_per_s=7e9,
+            exposed_weight_traffic=True,
+        ),
         comm_overlap=0.0,
-        optimizer_bytes_per_s=7e9,
-        exposed_weight_traffic=True,
         preferred_dtype=DType.FP32,
         source="nominal: ~60 GFLOP/s fp32 per core (oneDNN/MKL SGEMM on one AVX-512 core), bf16 half of that "
         "without AMX; ~10 GB/s per core; memory = physical RAM / processes less 512 MiB for the "
@@ -187,7 +197,8 @@ def local_cpu_device(processes: int) -> DeviceSpec:
         "gradient-accumulation traffic not hidden under the arithmetic (BLAS packs each weight, eager "
         "autograd accumulates in a pass of its own); an AdamW step at ~7 GB/s of its ideal traffic (a "
         "dozen eager passes). Measure with 'autopar profile device' for real numbers.",
-    ).time_shared(share, f"{processes} processes time-share {cores} cores: {share:.2g} of a core each")
+    )
+    return time_shared(device, share, f"{processes} processes time-share {cores} cores: {share:.2g} of a core each")
 
 
 def _local_cpu(nodes: int, devices_per_node: int) -> Cluster:
@@ -195,7 +206,7 @@ def _local_cpu(nodes: int, devices_per_node: int) -> Cluster:
         bandwidth_bytes_per_s=0.4e9,
         latency_s=0.5e-3,
         source="gloo over loopback TCP on a 2-core VM: all_reduce busbw 0.3-0.9 GB/s, ~1 ms for 1 KB at 2 "
-        "processes (shared/TORCH-CPU.md); measure with 'autopar profile network'",
+        "processes; measure with 'autopar profile network'",
     )
     return Cluster(
         name=f"local-cpu x {nodes}",
@@ -242,12 +253,14 @@ def preset_names() -> dict[str, str]:
     return {name: desc for name, (_, _, desc) in _PRESETS.items()}
 
 
-def build_preset(name: str, *, nodes: int = 1, devices_per_node: int | None = None) -> Cluster:
-    """Build preset ``name`` with ``nodes`` nodes (see :meth:`Cluster.preset`)."""
-    if name not in _PRESETS:
+def preset(name: str, *, nodes: int = 1, devices_per_node: int | None = None) -> Cluster:
+    """A cluster of ``nodes`` nodes of a known type (see :func:`preset_names`);
+    ``devices_per_node`` overrides the node's device count (e.g. 4 processes of
+    ``local-cpu``)."""
+    if not isinstance(name, str) or name not in _PRESETS:
         known = ", ".join(sorted(_PRESETS))
         raise ClusterError(
-            f"unknown cluster preset {name!r}; known presets: {known}. Or pass a JSON file (Cluster.from_json)."
+            f"unknown cluster preset {name!r}; known presets: {known}. Or load a cluster file (autopar.load_cluster)."
         )
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
         raise ClusterError(f"nodes={nodes!r} is not allowed for preset {name!r}: it must be a positive integer.")
@@ -258,3 +271,24 @@ def build_preset(name: str, *, nodes: int = 1, devices_per_node: int | None = No
             f"devices_per_node={dpn!r} is not allowed for preset {name!r}: it must be a positive integer."
         )
     return build(nodes, dpn)
+
+
+def parse_cluster(spec: str) -> Cluster:
+    """A cluster from a command-line spec: ``"dgx-a100-80gb:128"`` (preset:nodes), a
+    preset name, or a cluster file's path."""
+    if not isinstance(spec, str):
+        raise ClusterError(
+            f"cluster spec {spec!r} is not allowed: give 'preset:nodes' (e.g. 'dgx-h100:16') or a file path."
+        )
+    if spec.endswith(".json") or Path(spec).is_file():
+        return load_cluster(spec)
+    name, _, count = spec.partition(":")
+    if not count:
+        return preset(name)
+    try:
+        nodes = int(count)
+    except ValueError:
+        raise ClusterError(
+            f"cluster spec {spec!r}: the node count after ':' must be an integer, e.g. 'dgx-a100-80gb:128'."
+        ) from None
+    return preset(name, nodes=nodes)

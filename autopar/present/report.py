@@ -15,7 +15,8 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from autopar.plan import Plan
-from autopar.schedule_sim import makespan_s, simulate
+from autopar.present.explain import explain
+from autopar.present.schedule_sim import makespan_s, simulate
 
 GIB = 2**30
 _COLORS = {"F": "#4C72B0", "B": "#DD8452"}
@@ -131,7 +132,7 @@ def plan_html(plan: Plan) -> str:
         "<!doctype html><html><head><meta charset='utf-8'><title>autopar plan</title>"
         "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto}pre{background:#f6f6f6;"
         "padding:1em;overflow-x:auto}img{max-width:100%}</style></head><body><h1>autopar plan</h1>"
-        f"<pre>{html.escape(plan.explain())}</pre>{''.join(images)}</body></html>\n"
+        f"<pre>{html.escape(explain(plan))}</pre>{''.join(images)}</body></html>\n"
     )
 
 

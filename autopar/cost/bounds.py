@@ -1,0 +1,92 @@
+"""Floors: what a configuration costs at least, before any decision is made, so the
+search can rule it out without solving it.
+
+A unit's floor takes each leaf at its fewest parameters and keeps only the unit's
+input (full recomputation); a configuration's memory floor spreads the model's floor
+evenly over the pipeline ranks and takes the least loaded rank's activations, so it
+never exceeds the peak of any split and choice.
+
+Time scales too: on the analytic device model a unit's time per sample never grows
+with the micro-batch size (:func:`micro_batch_scaling_holds`), so the time of a larger
+micro-batch bounds every smaller one's from below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.cost.leaf import allowed_styles, leaf_param_numel
+from autopar.cost.memory import state_bytes
+from autopar.cost.model import CostModel, tp_context
+from autopar.cost.pipeline import inflight_microbatches
+from autopar.hardware.device import HostEffects
+from autopar.plan import ParallelConfig
+from autopar.vocab import Optimizer
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnitFloor:
+    """The least one unit holds on a device: its parameters at each leaf's fewest, and
+    its input per micro-batch (all full recomputation keeps)."""
+
+    param_numel: float
+    input_bytes: float
+
+
+def unit_floor(model: CostModel, unit: int, config: ParallelConfig) -> UnitFloor:
+    """The floor of ``unit`` under ``config`` (module docstring)."""
+    ctx = tp_context(model, unit, config)
+    profile = model.graph.profile_of(unit)
+    params = 0.0
+    for leaf in profile.leaves:
+        params += min(leaf_param_numel(leaf, s, config.tp) for s in allowed_styles(leaf, ctx))
+    shard = config.tp if config.sequence_parallel and unit > 0 else 1
+    return UnitFloor(param_numel=params, input_bytes=profile.input_bytes * config.micro_batch_size / shard)
+
+
+def states_floor_bytes(model: CostModel, config: ParallelConfig, param_numel: float) -> float:
+    """The model states (parameters, gradients, optimizer state) of a model holding
+    ``param_numel`` parameters per tensor-parallel rank, under ``config``'s precision,
+    ZeRO stage and data parallelism, before the pipeline spreads them (Adafactor's
+    factored state is left out: it depends on the layout). Reads ``tp``, ``dtype``,
+    ``zero_stage``, ``dp`` and whether ``pp > 1``."""
+    st = state_bytes(
+        param_numel=param_numel,
+        factored_numel=0.0,
+        largest_unit_numel=0.0,
+        dtype=config.dtype,
+        optimizer=model.optimizer,
+        zero_stage=config.zero_stage,
+        dp=config.dp,
+        pipelined=config.pp > 1,
+        tp=config.tp,
+    )
+    return st.params_bytes + st.grads_bytes + (st.optimizer_bytes if model.optimizer is not Optimizer.ADAFACTOR else 0)
+
+
+def memory_floor_bytes(model: CostModel, config: ParallelConfig, states_bytes: float, input_bytes: float) -> float:
+    """The peak memory per device any split and choice of ``config`` reaches at least,
+    for a model whose states take ``states_bytes`` (:func:`states_floor_bytes`) and whose
+    units' inputs sum to ``input_bytes``: the states and the least loaded rank's
+    in-flight inputs, spread evenly over the pipeline ranks, plus the device's reserve."""
+    pp, m = config.pp, config.num_microbatches
+    inflight = inflight_microbatches(config.schedule, pp, config.virtual_stages, m, pp - 1)  # the least loaded rank
+    return (states_bytes + inflight * input_bytes) / pp + model.cluster.device.memory.reserved_bytes
+
+
+def micro_batch_scaling_holds(model: CostModel) -> bool:
+    """Whether a unit's time on ``b`` samples is at least ``b / B`` of its time on ``B``
+    samples (``b <= B``), for every layout and recomputation: every term of the analytic
+    model is a fixed part plus a part linear in the batch, or the larger of such (a
+    roofline reads the weights once and the activations per sample; a collective is
+    latency plus bytes over bandwidth), so its time per sample never grows with the
+    batch. Measured matmul or collective curves need not keep that, nor do a CPU host's
+    effects: the search then prices every micro-batch size itself."""
+    cluster = model.cluster
+    device = cluster.device
+    links = (cluster.intra_node, cluster.inter_node)
+    return (
+        not device.roofline.matmul_curves
+        and device.host == HostEffects.none()
+        and not any(fit.curve is not None for link in links for fit in link.per_op)
+    )

@@ -1,0 +1,138 @@
+"""The end of a step: data-parallel communication the backward does not hide, and the
+optimizer step.
+
+Gradient reduction overlaps the backward of the last micro-batch except its last unit
+(bucketed all-reduce, Li et al. 2020; FSDP2's per-unit reduce-scatter), and its last
+bucket makes the ranks wait for the slowest once a step (:func:`autopar.cost.host.ranks_wait_s`,
+the whole step's work between meetings); ZeRO-1 all-gathers updated parameters after the
+step; ZeRO-3 gathers parameters before each unit's forward and backward, overlapped with
+the previous unit's compute. FSDP2 issues ZeRO-2/3's gathers and reductions one per
+unit, so each unit pays the collective's latency, the copies into and out of the flat
+buffers (:func:`autopar.cost.host.fsdp_copy_s`), FSDP2's framework time per call and per
+parameter tensor, and, where communication does not hide them, the wait for the slowest
+rank at each. Under pipelining ``PipelineStage`` defers ZeRO-2/3's reduction to the last
+micro-batch and keeps parameters gathered (:mod:`autopar.cost.memory`). Tied weights
+split over the first and last stage are all-reduced between them.
+"""
+
+from __future__ import annotations
+
+from autopar.cost.comm import GroupSpan, all_gather_s, all_reduce_s, group_span, reduce_scatter_s
+from autopar.cost.compute import rates
+from autopar.cost.host import fsdp_copy_s, fsdp_framework_s, optimizer_bytes_per_s, ranks_wait_s
+from autopar.cost.memory import compute_copy_bytes, optimizer_step_bytes
+from autopar.cost.model import CostModel
+from autopar.cost.peak import held_once_numel
+from autopar.cost.stage import PricedStage
+from autopar.hardware.device import DeviceSpec
+from autopar.plan import ParallelConfig
+from autopar.vocab import DType, Optimizer
+
+
+def optimizer_step_s(device: DeviceSpec, dtype: DType, optimizer: Optimizer, numel: float) -> float:
+    """Time of the optimizer step over ``numel`` local parameters: its memory traffic
+    (:func:`autopar.cost.memory.optimizer_step_bytes`) at the device's optimizer rate."""
+    rate = optimizer_bytes_per_s(device.host, streaming_bytes_per_s=rates(device, dtype).bytes_per_s)
+    return optimizer_step_bytes(optimizer) * numel / rate
+
+
+def tail_s(model: CostModel, stage: PricedStage, config: ParallelConfig) -> tuple[float, float]:
+    """(exposed data-parallel communication, optimizer step) of a stage per step (module
+    docstring)."""
+    n = model.num_units
+    params = sum(o.layout.param_numel for o in stage.options)
+    params -= held_once_numel(model, config, dict(zip(stage.units, stage.options)))  # one tensor: reduced, stepped once
+    units = max(len(stage.options), 1)
+    tensors = sum(model.graph.profile_of(u).param_tensors for u in stage.units)
+    bwd = sum(o.bwd_s for o in stage.options)
+    fwd = sum(o.fwd_s for o in stage.options)
+    cl = model.cluster
+    host = cl.device.host
+    span = group_span(config.dp, config.tp, cl.devices_per_node)
+    m = config.num_microbatches
+    copy = compute_copy_bytes(config.dtype) or 4.0
+    grad_bytes = 4.0 * params
+    exposed = 0.0
+    if config.dp > 1:
+        overlap = cl.device.comm_overlap  # share of compute that hides communication
+        hidden_bwd = overlap * bwd * (1 - 1 / units)
+        hidden_fwd = overlap * fwd * (1 - 1 / units)
+        if config.zero_stage <= 1:
+            exposed = max(all_reduce_s(grad_bytes, span, cl) - hidden_bwd, 0.0)
+            # DDP's last bucket meets once per step, after all of the rank's work
+            exposed += ranks_wait_s(host, config.dp, 1, m * (fwd + bwd))
+            if config.zero_stage == 1:
+                exposed += all_gather_s(4.0 * params, span, cl)
+        elif config.pp > 1:
+            rs, ag = _fsdp_collectives_s(model, grad_bytes, copy * params, span, config, units)
+            gathers = 1 if config.zero_stage == 2 else m + 1
+            exposed = rs + max(gathers * ag - gathers * hidden_fwd, ag / units)
+            per_unit = 1 + gathers
+            exposed += fsdp_framework_s(host, calls_per_unit=per_unit, units=units, tensors=tensors) + _fsdp_waits_s(
+                model, config, per_unit * units, m * (fwd + bwd)
+            )
+        else:
+            rs, ag = _fsdp_collectives_s(model, grad_bytes, copy * params, span, config, units)
+            if config.zero_stage == 2:
+                exposed = m * max(rs - hidden_bwd, rs / units) + max(ag - hidden_fwd, ag / units)
+                per_unit = m + 1
+            else:
+                exposed = m * (max(ag - hidden_fwd, ag / units) + max(ag + rs - hidden_bwd, (ag + rs) / units))
+                per_unit = 3 * m
+            exposed += fsdp_framework_s(host, calls_per_unit=per_unit, units=units, tensors=tensors) + _fsdp_waits_s(
+                model, config, per_unit * units, m * (fwd + bwd)
+            )
+    if config.pp > 1 and model.graph.shared and (0 in stage.units or n - 1 in stage.units):
+        exposed += tied_all_reduce_s(model, config)
+    local = params / config.dp if config.zero_stage >= 1 else params
+    return exposed, optimizer_step_s(cl.device, config.dtype, model.optimizer, local)
+
+
+def tied_all_reduce_s(model: CostModel, config: ParallelConfig) -> float:
+    """The all-reduce of tied weights' gradients between the first and the last pipeline
+    stage, which hold a copy each."""
+    pair = group_span(2, config.tp * config.dp * (config.pp - 1), model.cluster.devices_per_node)
+    return all_reduce_s(4.0 * sum(s.numel for s in model.graph.shared) / config.tp, pair, model.cluster)
+
+
+def unhidden_floor_s(model: CostModel, config: ParallelConfig, local_params: float) -> float:
+    """What no schedule hides of a stage holding ``local_params`` parameters: the
+    optimizer step, ZeRO-1's all-gather of the updated parameters, and under pipelining
+    ZeRO-2/3's reduce-scatter (deferred to the last micro-batch): a lower bound of
+    :func:`tail_s`'s sum for any stage of at least that many parameters."""
+    cl = model.cluster
+    local = local_params / config.dp if config.zero_stage >= 1 else local_params
+    floor = optimizer_step_s(cl.device, config.dtype, model.optimizer, local)
+    if config.dp > 1:
+        span = group_span(config.dp, config.tp, cl.devices_per_node)
+        if config.zero_stage == 1:
+            floor += all_gather_s(4.0 * local_params, span, cl)
+        elif config.zero_stage >= 2 and config.pp > 1:
+            floor += reduce_scatter_s(4.0 * local_params, span, cl)
+    return floor
+
+
+def _fsdp_collectives_s(
+    model: CostModel, grad_bytes: float, param_bytes: float, span: GroupSpan, config: ParallelConfig, units: int
+) -> tuple[float, float]:
+    """(reduce-scatter, all-gather) of a stage's gradients and parameters, one call per
+    unit, each with FSDP2's copies around it."""
+    cl = model.cluster
+    streaming = rates(cl.device, config.dtype).bytes_per_s
+    rs = reduce_scatter_s(grad_bytes, span, cl, calls=units) + fsdp_copy_s(
+        cl.device.host, grad_bytes, config.dp, streaming_bytes_per_s=streaming
+    )
+    ag = all_gather_s(param_bytes, span, cl, calls=units) + fsdp_copy_s(
+        cl.device.host, param_bytes, config.dp, streaming_bytes_per_s=streaming
+    )
+    return rs, ag
+
+
+def _fsdp_waits_s(model: CostModel, config: ParallelConfig, calls: int, work_s: float) -> float:
+    """Seconds the data-parallel group waits on its slowest rank at FSDP2's collectives
+    in a step of ``work_s`` seconds. A collective that communication does not hide is a
+    meeting; one hidden under compute is not, so the ``calls`` count as
+    ``calls * (1 - comm_overlap)`` meetings."""
+    device = model.cluster.device
+    meetings = calls * (1 - device.comm_overlap)
+    return ranks_wait_s(device.host, config.dp, meetings, work_s)

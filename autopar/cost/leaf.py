@@ -1,0 +1,187 @@
+"""What one leaf or one glue op costs on one tensor-parallel rank: compute time,
+parameters and optimizer state, per micro-batch, under each style.
+
+A style shards a leaf's work and weights (:data:`autopar.vocab.STYLE_IO` says which
+layouts it reads and writes); glue between leaves runs in the layout of the tensor it
+works on, its work divided by ``t`` where that layout is sharded. What converting
+between layouts costs is in :mod:`autopar.cost.tensor_parallel`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from autopar.cost.comm import GroupSpan
+from autopar.cost.compute import ComputeRates, work_s
+from autopar.cost.host import accumulate_s, dispatch_s, kernel_s, tp_dispatch_s
+from autopar.graph.layer_graph import Flow, Leaf, LeafKind
+from autopar.hardware.cluster import Cluster
+from autopar.hardware.device import HostEffects
+from autopar.vocab import Layout, TPStyle
+
+BACKWARD_FACTOR = 2.0
+"""Backward costs twice the forward: a GEMM's backward computes both the input and the
+weight gradient (Narayanan et al. 2021, section 5.1); a memory-bound op reads the output
+gradient and its saved input and writes the input gradient, about twice its traffic."""
+
+VOCAB_MULTIPLE = 128
+"""Megatron-LM pads the vocabulary to a multiple of 128 x tp (``make_vocab_size_divisible_by``)."""
+
+SHARDED = (Layout.F, Layout.Q)
+"""Layouts that split a tensor over the group: work on them is divided by ``t``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TPContext:
+    """Everything a layout's cost depends on besides the layout.
+
+    Attributes:
+        tp: tensor-parallel degree.
+        span: where the TP group's devices are.
+        cluster: the links.
+        rates: the device's roofline in the compute precision.
+        micro_batch: samples per micro-batch.
+        tokens: tokens per sample (the loss-parallel reductions move one float each).
+        boundary: the layout of activations between units (R, or Q with sequence
+            parallelism).
+        first: the unit takes the model's inputs (token ids: replicated).
+        last: the unit ends in the loss.
+        loss_parallel: the loss is a cross-entropy over a vocabulary that can run on
+            vocabulary shards (``loss_parallel``).
+        sequence_parallel: norms may take the ``sequence`` style.
+        compute_scale: measured over predicted compute time of this unit (1 without a
+            profile): a profiled layer keeps its measured efficiency at every shape.
+        recompute_fraction: what rerunning this unit's forward in backward (full
+            recomputation) costs, as a fraction of its forward compute (1 without a
+            profile; :func:`autopar.profiles.recompute_calibration`).
+        host: the device's host effects (framework time per op and per
+            tensor-parallel leaf, exposed weight traffic; :mod:`autopar.cost.host`).
+    """
+
+    tp: int
+    span: GroupSpan
+    cluster: Cluster
+    rates: ComputeRates
+    micro_batch: int
+    tokens: int
+    boundary: Layout
+    first: bool
+    last: bool
+    loss_parallel: bool
+    sequence_parallel: bool
+    compute_scale: float = 1.0
+    recompute_fraction: float = 1.0
+    host: HostEffects = field(default_factory=HostEffects.none)
+
+    @property
+    def input_layout(self) -> Layout:
+        """Layout of the unit's input."""
+        return Layout.R if self.first else self.boundary
+
+    def output_layouts(self) -> tuple[Layout, ...]:
+        """Layouts the unit's output may take (which one, :func:`model_output_layout`)."""
+        if self.last:
+            return (Layout.R, Layout.F) if self.loss_parallel and self.tp > 1 else (Layout.R,)
+        return (self.boundary,)
+
+
+def padded(n: int, tp: int) -> int:
+    """``n`` rounded up to Megatron-LM's vocabulary multiple for ``tp``."""
+    if n % tp == 0:
+        return n
+    step = VOCAB_MULTIPLE * tp
+    return math.ceil(n / step) * step
+
+
+def allowed_styles(leaf: Leaf, ctx: TPContext) -> tuple[TPStyle, ...]:
+    """Styles ``leaf`` may take at this TP degree (divisibility of features and heads;
+    vocabulary dimensions may be padded)."""
+    styles = leaf.styles(sequence_parallel=ctx.sequence_parallel)
+    t = ctx.tp
+    if t == 1:
+        return (TPStyle.REPLICATE,)
+    out = []
+    for s in styles:
+        if s is TPStyle.COLUMN:
+            ok = (leaf.out_features % t == 0 or leaf.vocab) and (leaf.out_heads == 0 or leaf.out_heads % t == 0)
+        elif s is TPStyle.ROW:
+            ok = leaf.in_features % t == 0 and (leaf.in_heads == 0 or leaf.in_heads % t == 0)
+        else:
+            ok = True
+        if ok:
+            out.append(s)
+    return tuple(out)
+
+
+def leaf_param_numel(leaf: Leaf, style: TPStyle, tp: int) -> float:
+    """Parameters of ``leaf`` held by one TP rank under ``style``."""
+    if style in (TPStyle.COLUMN, TPStyle.ROW, TPStyle.VOCAB) and tp > 1:
+        weight = leaf.weight_numel
+        if leaf.vocab:
+            rows = leaf.in_features if leaf.kind is LeafKind.EMBEDDING else leaf.out_features
+            weight = weight / rows * padded(rows, tp)
+        return weight / tp + (leaf.param_numel - leaf.weight_numel)
+    return float(leaf.param_numel)
+
+
+def leaf_factored_numel(leaf: Leaf, style: TPStyle, tp: int) -> float:
+    """Elements of a factored second moment (Shazeer & Stern 2018) for ``leaf``'s local
+    shard: rows + columns of the weight matrix, the other parameters in full."""
+    if leaf.kind not in (LeafKind.LINEAR, LeafKind.EMBEDDING) or leaf.weight_numel == 0:
+        return float(leaf.param_numel)
+    rows, cols = leaf.out_features, leaf.in_features
+    if style in (TPStyle.COLUMN, TPStyle.VOCAB):
+        rows = rows / tp if style is TPStyle.COLUMN else rows
+        cols = cols / tp if style is TPStyle.VOCAB else cols
+    elif style is TPStyle.ROW:
+        cols = cols / tp
+    return rows + cols + (leaf.param_numel - leaf.weight_numel)
+
+
+def leaf_fwd_s(leaf: Leaf, style: TPStyle, ctx: TPContext) -> float:
+    """Forward compute time of ``leaf`` for one micro-batch on one TP rank: its kernel
+    time (the weights read once per call; :func:`autopar.cost.host.kernel_s`) plus the
+    framework's time to dispatch its ops (:mod:`autopar.cost.host`)."""
+    shard = ctx.tp if style in (TPStyle.COLUMN, TPStyle.ROW, TPStyle.SEQUENCE) else 1
+    scale = ctx.micro_batch / shard
+    # parameters are read once per call; a column/row/vocab split shards them (a norm's
+    # sequence split does not). An embedding's whole table counts: its dense backward
+    # writes a gradient the size of the table, which the backward factor charges.
+    weights = leaf.weight_bytes / (ctx.tp if style in (TPStyle.COLUMN, TPStyle.ROW, TPStyle.VOCAB) else 1)
+    overhead = dispatch_s(ctx.host, leaf.fwd_ops) + tp_dispatch_s(
+        ctx.host, sharded=style is not TPStyle.REPLICATE and ctx.tp > 1
+    )
+    return ctx.compute_scale * (
+        overhead
+        + kernel_s(
+            matmul_flops=leaf.matmul_flops * scale,
+            other_flops=(leaf.fwd_flops - leaf.matmul_flops) * scale,
+            activation_bytes=leaf.fwd_bytes * scale,
+            weight_bytes=weights,
+            r=ctx.rates,
+            host=ctx.host,
+        )
+    )
+
+
+def leaf_accumulate_s(leaf: Leaf, style: TPStyle, ctx: TPContext) -> float:
+    """Time per micro-batch to accumulate ``leaf``'s fp32 weight gradient where that is a
+    pass of its own (:func:`autopar.cost.host.accumulate_s`)."""
+    return accumulate_s(ctx.host, param_numel=leaf_param_numel(leaf, style, ctx.tp), bytes_per_s=ctx.rates.bytes_per_s)
+
+
+def glue_layout(a: Layout, b: Layout) -> Layout:
+    """The layout glue between a producer (``a``) and a consumer (``b``) runs in."""
+    return b if a is Layout.P else a
+
+
+def glue_fwd_s(flow: Flow, layout: Layout, ctx: TPContext, *, attention_only: bool = False) -> float:
+    """Forward time of a flow's glue (or only its attention core) in ``layout``."""
+    scale = ctx.micro_batch / (ctx.tp if layout in SHARDED else 1)
+    attn = work_s(matmul_flops=flow.attn_flops * scale, other_flops=0.0, nbytes=flow.attn_bytes * scale, r=ctx.rates)
+    attn += dispatch_s(ctx.host, flow.attn_ops)
+    if attention_only:
+        return ctx.compute_scale * attn
+    rest = work_s(matmul_flops=0.0, other_flops=flow.glue_flops * scale, nbytes=flow.glue_bytes * scale, r=ctx.rates)
+    return ctx.compute_scale * (attn + rest + dispatch_s(ctx.host, flow.glue_ops))

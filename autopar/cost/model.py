@@ -1,0 +1,70 @@
+"""What a configuration's cost depends on besides the configuration itself.
+
+A :class:`CostModel` is plain data: the model's layer graph, the cluster, the optimizer,
+the global batch and a profile's corrections. Every function of :mod:`autopar.cost`
+takes it with the decisions to price; none keeps state between calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from autopar.cost.comm import group_span
+from autopar.cost.compute import rates
+from autopar.cost.leaf import TPContext
+from autopar.graph.layer_graph import LayerGraph
+from autopar.hardware.cluster import Cluster
+from autopar.plan import ParallelConfig
+from autopar.vocab import Layout, Optimizer
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostModel:
+    """The inputs of the cost model other than a configuration.
+
+    Attributes:
+        graph: the model as the planner sees it.
+        cluster: where it runs.
+        optimizer: which optimizer (its state and its step).
+        global_batch_size: samples per optimizer step.
+        calibration: unit profile signature -> measured over predicted compute time,
+            from a layer profile (1 where absent).
+        recompute_fractions: unit profile signature -> what full recomputation reruns,
+            as a fraction of the recorded forward, from a layer profile (1 where absent).
+    """
+
+    graph: LayerGraph
+    cluster: Cluster
+    optimizer: Optimizer
+    global_batch_size: int
+    calibration: Mapping[str, float] = field(default_factory=dict)
+    recompute_fractions: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def num_units(self) -> int:
+        """Units of the model."""
+        return len(self.graph.units)
+
+
+def tp_context(model: CostModel, unit: int, config: ParallelConfig) -> TPContext:
+    """The tensor-parallel context of ``unit`` under ``config``: its group, the device's
+    rates and host effects, its place in the model, and a profile's corrections."""
+    signature = model.graph.profile_of(unit).signature
+    device = model.cluster.device
+    return TPContext(
+        tp=config.tp,
+        span=group_span(config.tp, 1, model.cluster.devices_per_node),
+        cluster=model.cluster,
+        rates=rates(device, config.dtype),
+        micro_batch=config.micro_batch_size,
+        tokens=model.graph.seq_len,
+        boundary=Layout.Q if config.sequence_parallel else Layout.R,
+        first=unit == 0,
+        last=unit == model.num_units - 1,
+        loss_parallel=model.graph.vocab_size > 0,
+        sequence_parallel=config.sequence_parallel,
+        compute_scale=model.calibration.get(signature, 1.0),
+        recompute_fraction=model.recompute_fractions.get(signature, 1.0),
+        host=device.host,
+    )

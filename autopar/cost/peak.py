@@ -1,0 +1,266 @@
+"""The peak memory of a pipeline rank: model states, activations, the transient of the
+unit in backward, the schedule's buffers and the device's reserve.
+
+The search bounds a stage by ``static + inflight x activations + max transient``
+(:class:`Footprint` per option; DDP's one-time bucket rebuild apart,
+:func:`fits_bucket_rebuild`); the prediction follows the backward unit by unit
+(:func:`backward_peak`): a unit's transient meets only the activations of the units
+before it in its own micro-batch, and where a rank runs every micro-batch's forward
+before its first backward (no pipelining with one micro-batch, GPipe, 1F1B with no more
+micro-batches than stages after this one) and no gradient outlives a step (anything but
+DDP, whose buckets hold them), ``zero_grad`` left no gradient, so they grow as that
+backward frees the activations. Interleaved schedules keep the bound. What the search
+accepts under the bound fits; the prediction is the peak.
+
+A weight tied between two units (GPT's embedding and head) is counted once only where
+one rank holds it as one tensor: both owners on the rank, splitting it alike
+(:func:`held_once_numel`; a replicated embedding beside a column-parallel head are two
+tensors, as ``autopar.runtime.tied`` keeps them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autopar.cost.memory import state_bytes
+from autopar.cost.model import CostModel
+from autopar.cost.pipeline import inflight_microbatches
+from autopar.cost.recompute import UnitOption
+from autopar.cost.stage import PricedStage, rank_buffer_bytes
+from autopar.hardware.device import DeviceMemory
+from autopar.plan import MemoryBreakdown, ParallelConfig
+from autopar.vocab import Recompute, Schedule, TPStyle
+
+WEIGHT_SPLIT: dict[TPStyle, int | None] = {
+    TPStyle.REPLICATE: None,
+    TPStyle.SEQUENCE: None,
+    TPStyle.COLUMN: 0,
+    TPStyle.VOCAB: 0,
+    TPStyle.ROW: 1,
+}
+"""The dimension of a leaf's weight its style splits (a Linear's ``(out, in)``, an
+Embedding's ``(vocabulary, dim)``, as torch's ``ColwiseParallel``/``RowwiseParallel``
+place them), None where it stays whole."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Footprint:
+    """One option of one unit in a stage, priced for the stage bound: seconds per
+    micro-batch, bytes kept for the whole step (``static``), bytes per in-flight
+    micro-batch (``act``), the transient peak while it runs, and its share of DDP's
+    one-time bucket rebuild (``rebuild``), which never meets activations."""
+
+    time_s: float
+    static_bytes: float
+    act_bytes: float
+    transient_bytes: float
+    rebuild_bytes: float
+
+
+def budget_bytes(memory: DeviceMemory) -> float:
+    """Bytes the model may allocate: capacity less the fixed reserve, less the
+    allocator's fragmentation on what is allocated."""
+    return (memory.capacity_bytes - memory.reserved_bytes) / (1 + memory.fragmentation)
+
+
+def footprint(model: CostModel, option: UnitOption, config: ParallelConfig) -> Footprint:
+    """``option``'s time and memory terms under ``config``'s sharding of model states.
+    The loss's backward is over, and what it kept but the logits freed, before the
+    unit's gathers and reductions begin (fully recomputed, those stay activations)."""
+    lay = option.layout
+    st = state_bytes(
+        param_numel=lay.param_numel,
+        factored_numel=lay.factored_numel,
+        largest_unit_numel=lay.param_numel,
+        dtype=config.dtype,
+        optimizer=model.optimizer,
+        zero_stage=config.zero_stage,
+        dp=config.dp,
+        pipelined=config.pp > 1,
+        tp=config.tp,
+    )
+    freed = lay.loss_working_bytes + (
+        lay.loss_saved_bytes - lay.held_output_bytes if option.recompute is not Recompute.FULL else 0.0
+    )
+    transient = max(option.transient_bytes, option.transient_bytes - freed + st.transient_bytes)
+    return Footprint(
+        time_s=option.time_s,
+        static_bytes=st.params_bytes + st.grads_bytes + st.optimizer_bytes,
+        act_bytes=option.act_bytes,
+        transient_bytes=transient,
+        rebuild_bytes=st.rebuild_bytes,
+    )
+
+
+def held_once_numel(model: CostModel, config: ParallelConfig, options: Mapping[int, UnitOption]) -> float:
+    """Elements of tied parameters that both owners' ``options`` (unit -> option) count
+    but one rank holds as one tensor: both owners on the rank, splitting the weight
+    alike (``autopar.runtime.tied.retie``)."""
+    numel = 0.0
+    for s in model.graph.shared:
+        if s.first_unit not in options or s.second_unit not in options:
+            continue
+        splits = {
+            WEIGHT_SPLIT[_owner_style(model, options[u], u, m)]
+            for u, m in ((s.first_unit, s.first_module), (s.second_unit, s.second_module))
+        }
+        if len(splits) == 1:
+            numel += s.numel / (config.tp if splits != {None} else 1)
+    return numel
+
+
+def _owner_style(model: CostModel, option: UnitOption, unit: int, module: str) -> TPStyle:
+    """The style ``option`` gives the leaf ``module`` of ``unit`` (replicate if no leaf is it)."""
+    u = model.graph.units[unit]
+    for leaf, style in zip(model.graph.profile_of(unit).leaves, option.layout.styles):
+        if u.leaf_fqn(leaf.name) == module:
+            return style
+    return TPStyle.REPLICATE
+
+
+def shared_state_bytes(model: CostModel, config: ParallelConfig, numel: float) -> float:
+    """State bytes of ``numel`` tied elements counted twice."""
+    st = state_bytes(
+        param_numel=numel,
+        factored_numel=numel,
+        largest_unit_numel=0.0,
+        dtype=config.dtype,
+        optimizer=model.optimizer,
+        zero_stage=config.zero_stage,
+        dp=config.dp,
+        pipelined=config.pp > 1,
+        tp=config.tp,
+    )
+    return st.params_bytes + st.grads_bytes + st.optimizer_bytes
+
+
+def fits_bucket_rebuild(chosen: Sequence[tuple[Any, int]], shared_bytes: float, budget: float) -> bool:
+    """Whether a stage whose options are ``chosen`` (an item with a :class:`Footprint`'s
+    ``static_bytes`` and ``rebuild_bytes``, and how many units take it) also fits DDP's
+    one-time bucket rebuild: its model states plus a second copy of its gradients
+    (:mod:`autopar.cost.memory`), tied parameters (``shared_bytes`` of state, counted by
+    both owners) once. Only DDP (tp = 1) rebuilds, where every option of a unit holds
+    the same states, so the check cannot prefer another choice."""
+    static = sum(c * f.static_bytes for f, c in chosen)
+    rebuild = sum(c * f.rebuild_bytes for f, c in chosen)
+    if rebuild == 0.0:
+        return True
+    return (static - shared_bytes) * (1 + rebuild / static) <= budget
+
+
+def rank_memory(
+    model: CostModel, stage: PricedStage, config: ParallelConfig, stages: Sequence[PricedStage]
+) -> MemoryBreakdown:
+    """The memory of the pipeline rank that runs ``stage`` (with all of its ``stages``)
+    at its peak, term by term (module docstring)."""
+    pp = config.pp
+    rank = [(u, o) for p in stages if p.index % pp == stage.index % pp for u, o in zip(p.units, p.options)]
+    prints = [footprint(model, o, config) for _, o in rank]
+    params = sum(o.layout.param_numel for _, o in rank)
+    factored = sum(o.layout.factored_numel for _, o in rank)
+    st = state_bytes(
+        param_numel=params,
+        factored_numel=factored,
+        largest_unit_numel=0.0,
+        dtype=config.dtype,
+        optimizer=model.optimizer,
+        zero_stage=config.zero_stage,
+        dp=config.dp,
+        pipelined=pp > 1,
+        tp=config.tp,
+    )
+    static = st.params_bytes + st.grads_bytes + st.optimizer_bytes
+    shared = shared_state_bytes(model, config, held_once_numel(model, config, dict(rank)))
+    scale = (static - shared) / static if static else 1.0
+    grads = st.grads_bytes * scale
+    if pp > 1 and config.schedule is Schedule.INTERLEAVED_1F1B:
+        acts, transient = stage.inflight * sum(p.act_bytes for p in prints), max(p.transient_bytes for p in prints)
+    else:
+        share = [o.layout.param_numel / params if params else 0.0 for _, o in rank]
+        fresh = stage.inflight >= config.num_microbatches and not st.rebuild_bytes
+        last = [o.layout.held_output_bytes for u, o in rank if u == model.num_units - 1]
+        acts, grads, transient = backward_peak(
+            [p.act_bytes for p in prints],
+            [p.transient_bytes for p in prints],
+            [grads * f for f in share],
+            stage.inflight,
+            fresh_gradients=fresh,
+            held_to_end=sum(last),
+        )
+    # DDP's bucket rebuild happens with no activation alive: it raises the peak only
+    # by what it holds beyond them
+    transient = max(transient, st.rebuild_bytes * scale - acts)
+    chosen = dict(rank)
+    buffers = rank_buffer_bytes(model, tuple(chosen), config, stage.inflight, lambda u: chosen[u].layout)
+    memory = model.cluster.device.memory
+    allocated = st.params_bytes * scale + grads + st.optimizer_bytes * scale + acts + transient + buffers
+    return MemoryBreakdown(
+        params_bytes=st.params_bytes * scale,
+        grads_bytes=grads,
+        optimizer_bytes=st.optimizer_bytes * scale,
+        activations_bytes=acts,
+        transient_bytes=transient,
+        buffers_bytes=buffers,
+        reserve_bytes=memory.reserved_bytes + memory.fragmentation * allocated,
+    )
+
+
+def backward_peak(
+    acts: list[float],
+    transients: list[float],
+    grads: list[float],
+    inflight: float,
+    *,
+    fresh_gradients: bool,
+    held_to_end: float = 0.0,
+) -> tuple[float, float, float]:
+    """(activations, gradients, transient) alive at the peak of a rank's backward, its
+    units in forward order, ``inflight`` micro-batches' activations held at most.
+
+    While unit ``k`` runs its backward, the micro-batch it works on still holds the
+    activations of units up to ``k``, the other micro-batches in flight all theirs, and
+    ``k`` its transient. Gradients: all of them, except with ``fresh_gradients`` (every
+    forward runs before the first backward and ``zero_grad`` left none), where the first
+    micro-batch's backward at ``k`` has only those of the units after ``k``, and every one
+    exists from the second micro-batch on, one micro-batch's activations fewer.
+    ``held_to_end``: of the last unit's activations, what stays until the micro-batch's
+    backward is over (the logits, which ``PipelineStage`` keeps as the output it runs
+    backward from)."""
+    whole = sum(acts)
+    best = (0.0, sum(grads, 0.0), 0.0)  # after the last backward, nothing but the gradients
+    for k in range(len(acts)):
+        held = (inflight - 1) * whole + sum(acts[: k + 1]) + (held_to_end if k < len(acts) - 1 else 0.0)
+        moments = [(held, sum(grads[k + 1 :] if fresh_gradients else grads, 0.0), transients[k])]
+        if fresh_gradients and inflight >= 2:
+            moments.append((held - whole, sum(grads, 0.0), transients[k]))
+        for moment in moments:
+            if sum(moment) > sum(best):
+                best = moment
+    return best
+
+
+def frugal_peak_bytes(
+    model: CostModel, config: ParallelConfig, ranks: Sequence[Sequence[Sequence[UnitOption]]]
+) -> float:
+    """The peak memory per device of the most loaded pipeline rank with every unit at
+    its smallest option: ``ranks[r]`` lists, for each unit rank ``r`` holds, its
+    options. What a configuration that does not fit needs at least, about."""
+    memory = model.cluster.device.memory
+    worst = 0.0
+    for r, units in enumerate(ranks):
+        inflight = inflight_microbatches(config.schedule, config.pp, config.virtual_stages, config.num_microbatches, r)
+        static, acts, transient, rebuild = 0.0, 0.0, 0.0, 0.0
+        for options in units:
+            smallest = min(
+                (footprint(model, o, config) for o in options),
+                key=lambda p: p.static_bytes + inflight * p.act_bytes + p.transient_bytes,
+            )
+            static += smallest.static_bytes
+            acts += inflight * smallest.act_bytes
+            transient = max(transient, smallest.transient_bytes)
+            rebuild += smallest.rebuild_bytes
+        peak = static + max(acts + transient, rebuild)
+        worst = max(worst, peak * (1 + memory.fragmentation) + memory.reserved_bytes)
+    return worst

@@ -1,0 +1,105 @@
+"""Recompute modes, priced: one unit's layout under ``none``, ``selective`` or ``full``
+activation recomputation.
+
+- ``none``: keep every saved activation;
+- ``selective``: drop the attention core's activations, recompute its forward in
+  backward (Korthikanti et al. 2022, section 5);
+- ``full``: keep only the unit's input, recompute its forward, TP collectives included
+  (Chen et al. 2016), and hold its activations again during its backward. The loss is
+  not rerun (the runtime checkpoints the unit's modules and the loss runs outside
+  them: ``UnitCost.loss_fwd_compute_s``), and the rerun compute costs a
+  ``recompute_fraction`` of the recorded one, which a layer profile measures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.cost.leaf import TPContext
+from autopar.cost.tensor_parallel import UnitCost
+from autopar.graph.layer_graph import UNIT_OUTPUT, UnitProfile
+from autopar.vocab import Recompute
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnitOption:
+    """One way to run one unit, per micro-batch on one device.
+
+    Attributes:
+        layout: the TP layout and its costs.
+        recompute: the recompute mode.
+        fwd_s: forward time (compute and TP communication).
+        bwd_s: backward time, recomputation included.
+        recompute_s: the recomputation part of ``bwd_s``.
+        act_bytes: activations kept per in-flight micro-batch.
+        transient_bytes: extra memory while this unit runs its backward.
+        recompute_flops: FLOPs recomputed per sample (for HFU).
+    """
+
+    layout: UnitCost
+    recompute: Recompute
+    fwd_s: float
+    bwd_s: float
+    recompute_s: float
+    act_bytes: float
+    transient_bytes: float
+    recompute_flops: float
+
+    @property
+    def time_s(self) -> float:
+        """Forward plus backward."""
+        return self.fwd_s + self.bwd_s
+
+    @property
+    def tp_comm_s(self) -> float:
+        """Tensor-parallel communication (forward, backward and recomputed forward)."""
+        extra = self.layout.fwd_comm_s - self.layout.loss_fwd_comm_s if self.recompute is Recompute.FULL else 0.0
+        return self.layout.fwd_comm_s + self.layout.bwd_comm_s + extra
+
+    @property
+    def syncs(self) -> int:
+        """Blocking tensor-parallel collectives (forward, backward and recomputed forward)."""
+        extra = self.layout.fwd_syncs - self.layout.loss_fwd_syncs if self.recompute is Recompute.FULL else 0
+        return self.layout.fwd_syncs + self.layout.bwd_syncs + extra
+
+
+def make_option(
+    lay: UnitCost, mode: Recompute, rerun_flops: float, attn_flops: float, recompute_fraction: float
+) -> UnitOption:
+    """Price one (layout, recompute) pair; full recomputation reruns the forward but
+    the loss, its compute at ``recompute_fraction`` of the recorded time, its TP
+    collectives whole."""
+    full_act = lay.saved_bytes + lay.attn_saved_bytes
+    if mode is Recompute.NONE:
+        act, transient, redo, flops = full_act, lay.working_bytes, 0.0, 0.0
+    elif mode is Recompute.SELECTIVE:
+        act, transient, redo, flops = (
+            lay.saved_bytes,
+            lay.attn_saved_bytes + lay.working_bytes,
+            lay.attn_fwd_s,
+            attn_flops,
+        )
+    else:
+        redo = recompute_fraction * (lay.fwd_compute_s - lay.loss_fwd_compute_s) + lay.fwd_comm_s - lay.loss_fwd_comm_s
+        # the loss runs outside the checkpoint: what it keeps stays an activation
+        act, flops = lay.input_bytes + lay.loss_saved_bytes, rerun_flops
+        transient = full_act - lay.loss_saved_bytes + lay.working_bytes
+    return UnitOption(
+        layout=lay,
+        recompute=mode,
+        fwd_s=lay.fwd_s,
+        bwd_s=lay.bwd_compute_s + lay.bwd_comm_s + redo,
+        recompute_s=redo,
+        act_bytes=act,
+        transient_bytes=transient,
+        recompute_flops=flops,
+    )
+
+
+def price_option(profile: UnitProfile, layout: UnitCost, mode: Recompute, ctx: TPContext) -> UnitOption:
+    """``layout`` of a unit of ``profile`` under recompute ``mode``: the FLOPs full
+    recomputation reruns are the unit's forward less the loss's (the last unit's glue
+    into its output), selective recomputation reruns the attention core's."""
+    attn_flops = sum(f.attn_flops for f in profile.flows)
+    loss_flops = sum(f.glue_flops for f in profile.flows if f.dst == UNIT_OUTPUT) if ctx.last else 0.0
+    return make_option(layout, mode, profile.fwd_flops - loss_flops, attn_flops, ctx.recompute_fraction)

@@ -1,0 +1,191 @@
+"""From what the search found to a :class:`~autopar.plan.Plan`: the per-layer strategies
+of the winner, the runners-up and the regions that do not fit, and notes; or the error
+that says nothing fits and what would help."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, replace
+
+from autopar.cost.leaf import padded
+from autopar.cost.peak import frugal_peak_bytes
+from autopar.errors import InfeasiblePlanError
+from autopar.graph.layer_graph import LayerGraph
+from autopar.hardware.cluster import Cluster
+from autopar.plan import Alternative, LayerStrategies, ModelSummary, ParallelConfig, Plan, PlanSettings
+from autopar.search.scan import SearchResult
+from autopar.search.solve import ConfigSolver, Outcome
+from autopar.search.space import CUT_NOTE
+from autopar.vocab import Recompute, TPStyle
+
+
+@dataclass(frozen=True, kw_only=True)
+class Provenance:
+    """How a plan was made: its settings, the search's cost in time and candidates."""
+
+    settings: PlanSettings
+    search_time_s: float
+
+
+def to_plan(solver: ConfigSolver, result: SearchResult, provenance: Provenance) -> Plan:
+    """The plan of the search's best configuration."""
+    model = solver.model
+    graph = model.graph
+    best = result.best
+    if best.prediction is None:
+        raise ValueError("to_plan needs a priced best configuration; the search prices the ones it keeps.")
+    strategies, default = strategies_of(graph, best)
+    config = replace(best.config, recompute=default)
+    return Plan(
+        config=config,
+        stages=tuple(tuple(m for u in s.units for m in graph.units[u].modules) for s in best.stages),
+        layer_strategies=strategies,
+        prediction=best.prediction,
+        alternatives=_alternatives(result, solver),
+        model=ModelSummary(
+            name=graph.name,
+            num_params=graph.num_params,
+            units=graph.module_names,
+            fingerprint=graph.fingerprint,
+            seq_len=graph.seq_len,
+            global_batch_size=model.global_batch_size,
+            flops_per_sample=3 * graph.fwd_flops_per_sample,
+        ),
+        cluster=model.cluster,
+        settings=provenance.settings,
+        notes=_notes(graph, config),
+        search_time_s=provenance.search_time_s,
+        candidates_evaluated=result.evaluated,
+    )
+
+
+def strategies_of(graph: LayerGraph, outcome: Outcome) -> tuple[LayerStrategies, Recompute]:
+    """Leaf styles and per-unit recompute overrides of a solved configuration, and the
+    default recompute: the mode most units take (counting units, not modules, so that
+    an embedding unit of two modules does not outvote a block)."""
+    tp_map: dict[str, TPStyle] = {}
+    modes: dict[str, Recompute] = {}
+    per_unit: Counter = Counter()
+    for stage in outcome.stages:
+        for u, opt in zip(stage.units, stage.options):
+            unit = graph.units[u]
+            for leaf, style in zip(graph.profile_of(u).leaves, opt.layout.styles):
+                if style is not TPStyle.REPLICATE:
+                    tp_map[unit.leaf_fqn(leaf.name)] = style
+            for mod in unit.modules:
+                modes[mod] = opt.recompute
+            per_unit[opt.recompute] += 1
+    default = per_unit.most_common(1)[0][0] if per_unit else Recompute.NONE
+    overrides = {k: v for k, v in modes.items() if v is not default}
+    return LayerStrategies(tp=tp_map, recompute=overrides), default
+
+
+def infeasible_error(result: SearchResult, cluster: Cluster, graph: LayerGraph) -> InfeasiblePlanError:
+    """Nothing fits: the least memory found against a device's, and what would help."""
+    best = min(result.infeasible, key=lambda o: o.min_memory_bytes)
+    cap = cluster.device.memory.capacity_bytes
+    cfg = best.config
+    hints = []
+    if cfg.zero_stage < 3 and cfg.dp > 1:
+        hints.append("zero_stage=3")
+    hints.append("recompute='full'")
+    hints.append(f"more devices (e.g. {2 * cluster.nodes} nodes)")
+    return InfeasiblePlanError(
+        f"no plan fits: {graph.name} ({graph.num_params / 1e9:.2f}B parameters) needs at least "
+        f"{best.min_memory_bytes / 2**30:.1f} GiB per device in the best case found ({cfg.short()}); each "
+        f"{cluster.device.name} has {cap / 2**30:.1f} GiB. Try {', '.join(hints)}, or a smaller micro-batch or "
+        f"sequence length.",
+        min_memory_bytes=best.min_memory_bytes,
+        capacity_bytes=cap,
+    )
+
+
+def _alternatives(result: SearchResult, solver: ConfigSolver) -> tuple[Alternative, ...]:
+    best_t = result.best.step_time_s
+    out = []
+    for o in result.runners_up:
+        p = o.prediction
+        assert p is not None  # the search prices what it keeps
+        out.append(
+            Alternative(
+                config=o.config,
+                status="runner-up",
+                step_time_s=p.step_time_s,
+                memory_bytes_per_device=p.memory_bytes_per_device,
+                slower_by=p.step_time_s / best_t - 1,
+                over_memory_bytes=0.0,
+                reason=f"{100 * (p.step_time_s / best_t - 1):.1f}% slower",
+            )
+        )
+    cap = result.best.prediction.memory_capacity_bytes if result.best.prediction else 0.0
+    for o in _oom_regions(result, cap, solver):
+        over = o.min_memory_bytes - cap
+        out.append(
+            Alternative(
+                config=o.config,
+                status="out-of-memory",
+                step_time_s=0.0,
+                memory_bytes_per_device=o.min_memory_bytes,
+                slower_by=0.0,
+                over_memory_bytes=over,
+                reason=f"tp={o.config.tp} pp={o.config.pp}: needs about {o.min_memory_bytes / 2**30:.1f} "
+                f"GiB per device even with full recomputation ({over / 2**30:.1f} GiB over)",
+            )
+        )
+    return tuple(out)
+
+
+def _oom_regions(result: SearchResult, cap: float, solver: ConfigSolver, limit: int = 5) -> list[Outcome]:
+    """For each (tp, pp) region where no candidate fits, the closest to fitting: the
+    smaller footprint of its two most frugal candidates (smallest micro-batch, highest
+    ZeRO stage, sequence parallel)."""
+    regions: dict[tuple[int, int], list[Outcome]] = {}
+    for o in result.infeasible:
+        regions.setdefault((o.config.tp, o.config.pp), []).append(o)
+    found = []
+    for key, members in regions.items():
+        if len(members) < result.region_sizes.get(key, 0):
+            continue  # some candidate of this region fits (or was only slower)
+        smallest_mbs = min(o.config.micro_batch_size for o in members)
+        frugal = sorted(
+            (o for o in members if o.config.micro_batch_size == smallest_mbs),
+            key=lambda o: (-o.config.zero_stage, not o.config.sequence_parallel, o.config.virtual_stages),
+        )
+        sized = [
+            replace(o, min_memory_bytes=max(o.min_memory_bytes, _frugal_peak(solver, o.config))) for o in frugal[:2]
+        ]
+        best = min(sized, key=lambda o: o.min_memory_bytes)
+        if best.min_memory_bytes > cap:
+            found.append(best)
+    return sorted(found, key=lambda o: o.min_memory_bytes)[:limit]
+
+
+def _frugal_peak(solver: ConfigSolver, config: ParallelConfig) -> float:
+    """The peak of ``config``'s most loaded rank on the even split with every unit at
+    its smallest option (:func:`autopar.cost.peak.frugal_peak_bytes`)."""
+    modes = (Recompute.FULL,)
+    pp, v = config.pp, config.virtual_stages
+    chunks = pp * v
+    bounds = solver.even_split(chunks) if chunks > 1 else (0, solver.num_units)
+    if bounds is None:
+        return float("inf")
+    ranks = [
+        [solver.options(u, config, modes) for c in range(r, chunks, pp) for u in range(bounds[c], bounds[c + 1])]
+        for r in range(pp)
+    ]
+    return frugal_peak_bytes(solver.model, config, ranks)
+
+
+def _notes(graph: LayerGraph, config: ParallelConfig) -> tuple[str, ...]:
+    notes = [
+        "Predictions model autopar's runtime (DDP/ZeroRedundancyOptimizer/FSDP2, DTensor tensor parallelism, "
+        "torch.distributed.pipelining); other frameworks spend memory differently."
+    ]
+    if config.pp > 1 and not graph.cuttable:
+        notes.append(f"Not runnable by autopar's runtime as is: {CUT_NOTE}.")
+    if graph.vocab_size and config.tp > 1 and graph.vocab_size % config.tp:
+        notes.append(
+            f"Vocabulary {graph.vocab_size} padded to {padded(graph.vocab_size, config.tp)} for tp={config.tp} "
+            f"(a multiple of 128 x tp, as Megatron-LM does)."
+        )
+    return tuple(notes)

@@ -1,0 +1,131 @@
+"""The scan: candidates solved in increasing order of their time lower bound.
+
+The scan stops when the bound of the next candidate is no better than the ``top``-th
+best exact step time found, so the optimum and the runners-up are exact for the cost
+model while most of the space is never solved. Candidates whose memory floor exceeds a
+device are ruled out before any bound is taken; a candidate about to be solved first
+gets a tighter bound where one is cheap (:meth:`TimeBound.refined`) and goes back in
+line if that is larger.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from autopar.cost.price import Decided, UnitChoice, price
+from autopar.errors import ConfigError
+from autopar.search.bounds import TimeBound
+from autopar.search.solve import ConfigSolver, Outcome
+from autopar.search.space import Rejection, enumerate_space, memory_floor
+from autopar.vocab import Recompute
+
+ALL_MODES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchResult:
+    """Everything the search found, before it becomes a Plan.
+
+    Attributes:
+        best: the fastest configuration that fits (or, when none fits, the one that
+            needs the least memory).
+        runners_up: the next fastest that fit, in order.
+        infeasible: the candidates found not to fit.
+        rejected: regions of the space ruled out before costing, and why.
+        evaluated: candidates solved.
+        considered: candidates enumerated.
+        region_sizes: how many candidates each (tp, pp) region has (a region is out of
+            memory when all of them are).
+    """
+
+    best: Outcome
+    runners_up: tuple[Outcome, ...]
+    infeasible: tuple[Outcome, ...]
+    rejected: tuple[Rejection, ...]
+    evaluated: int
+    considered: int
+    region_sizes: Mapping[tuple[int, int], int] = field(default_factory=dict)
+
+
+def search(solver: ConfigSolver, fixed: Mapping[str, Any], *, top: int) -> SearchResult:
+    """Solve the candidates that satisfy ``fixed`` in bound order (module docstring);
+    the kept ones come with their prediction."""
+    model = solver.model
+    graph, cluster = model.graph, model.cluster
+    configs, rejected = enumerate_space(graph, cluster, model.global_batch_size, fixed)
+    if not configs:
+        reasons = "; ".join(f"{r.what}: {r.reason}" for r in rejected[:6]) or "no candidate"
+        raise ConfigError(
+            f"no configuration of {cluster.world_size} devices can run global_batch_size="
+            f"{model.global_batch_size} with constraints {dict(fixed)}: {reasons}. Change the batch "
+            f"size, the device count or the constraints."
+        )
+    modes = (fixed["recompute"],) if "recompute" in fixed else ALL_MODES
+    region_sizes = Counter((c.tp, c.pp) for c in configs)
+    capacity = cluster.device.memory.capacity_bytes
+    cache: dict = {}
+    bounded = []
+    infeasible: list[Outcome] = []
+    for cfg in configs:
+        floor = memory_floor(model, cfg, cache)
+        if floor > capacity:
+            reason = f"out of memory: needs at least {floor / 2**30:.1f} GiB"
+            infeasible.append(Outcome(config=cfg, fits=False, min_memory_bytes=floor, reason=reason))
+            continue
+        bounded.append(cfg)
+    bound_of = TimeBound(solver, modes, bounded)
+    tighter = (bound_of, bound_of.refined)
+    queue = [(bound_of.scaled(cfg), order, 0, cfg) for order, cfg in enumerate(bounded)]
+    heapq.heapify(queue)
+    fitting: list[Outcome] = []
+    evaluated = 0
+    keep = max(top, 0) + 1
+    while queue:
+        bound, order, tier, cfg = heapq.heappop(queue)
+        if len(fitting) >= keep and bound >= fitting[keep - 1].step_time_s:
+            break
+        if tier < len(tighter):
+            better = tighter[tier](cfg)
+            if math.isinf(better):
+                reason = "out of memory: no per-unit choice fits a pipeline rank"
+                infeasible.append(Outcome(config=cfg, fits=False, min_memory_bytes=capacity, reason=reason))
+            else:
+                heapq.heappush(queue, (max(bound, better), order, tier + 1, cfg))
+            continue
+        outcome = solver.evaluate(cfg, modes)
+        evaluated += 1
+        if outcome.fits:
+            fitting.append(outcome)
+            fitting.sort(key=lambda o: o.step_time_s)
+        else:
+            infeasible.append(outcome)
+    common = {
+        "infeasible": tuple(infeasible),
+        "rejected": tuple(rejected),
+        "evaluated": evaluated,
+        "considered": len(configs),
+        "region_sizes": region_sizes,
+    }
+    if not fitting:
+        return SearchResult(best=min(infeasible, key=lambda o: o.min_memory_bytes), runners_up=(), **common)
+    finished = [replace(o, prediction=price(model, decided(o))) for o in fitting[:keep]]
+    return SearchResult(best=finished[0], runners_up=tuple(finished[1:]), **common)
+
+
+def decided(outcome: Outcome) -> Decided:
+    """The decisions of a solved configuration, for the cost model to price."""
+    choices = {
+        u: UnitChoice(styles=o.layout.styles, output=o.layout.output, recompute=o.recompute)
+        for stage in outcome.stages
+        for u, o in zip(stage.units, stage.options)
+    }
+    return Decided(
+        config=outcome.config,
+        stages=tuple(stage.units for stage in outcome.stages),
+        units=tuple(choices[u] for u in range(len(choices))),
+    )

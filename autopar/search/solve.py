@@ -1,0 +1,395 @@
+"""Solving one configuration: the stage split and each unit's option, fastest under a
+memory budget.
+
+:class:`ConfigSolver` holds what configurations of one model on one cluster share (the
+unit structure, the caches of per-unit options and stage solutions) and turns a
+:class:`~autopar.plan.ParallelConfig` into an :class:`Outcome`: the fastest split and
+per-unit choices that fit the budget, as priced stages, or the reason nothing fits.
+Every number it decides on comes from :mod:`autopar.cost`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from autopar.cost.model import CostModel, tp_context
+from autopar.cost.peak import (
+    Footprint,
+    fits_bucket_rebuild,
+    footprint,
+    held_once_numel,
+    shared_state_bytes,
+)
+from autopar.cost.pipeline import inflight_microbatches
+from autopar.cost.recompute import UnitOption
+from autopar.cost.stage import PricedStage, rank_buffer_bytes, stage_p2p_s
+from autopar.cost.step import timing
+from autopar.cost.tensor_parallel import UnitCost
+from autopar.plan import ParallelConfig, Prediction
+from autopar.search.ilp import check_solver
+from autopar.search.intra_op import LayoutSolver
+from autopar.search.options import unit_options
+from autopar.search.split import best_split
+from autopar.search.split_table import cost_band, split_cutoff
+from autopar.search.stage_solver import Priced, StageChoice, solve_stage
+from autopar.vocab import Recompute
+
+
+@dataclass(frozen=True, kw_only=True)
+class Outcome:
+    """The result of solving one configuration.
+
+    Attributes:
+        config: the configuration.
+        fits: whether some split and choice fits the budget.
+        step_time_s: its step time (inf when it does not fit).
+        stages: the stages, priced (empty when it does not fit).
+        min_memory_bytes: the memory per device it needs at least (its bound when it
+            fits; the capacity or a bound above it when it does not).
+        reason: why it does not fit.
+        prediction: the cost model's prediction, for the configurations the search
+            keeps.
+    """
+
+    config: ParallelConfig
+    fits: bool
+    step_time_s: float = math.inf
+    stages: tuple[PricedStage, ...] = ()
+    min_memory_bytes: float = 0.0
+    reason: str = ""
+    prediction: Prediction | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Skeleton:
+    """A model as ``[prologue] block x count [epilogue]``: unit indices of the prologue and
+    the epilogue (None where absent) and of the first block."""
+
+    prologue: int | None
+    block: int
+    count: int
+    epilogue: int | None
+
+
+@dataclass
+class ConfigSolver:
+    """Solves configurations of one model on one cluster (see the module docstring).
+
+    Attributes:
+        model: the cost model's inputs.
+        budget_bytes: the memory a device may allocate for the model (the capacity less
+            the reserve and fragmentation, ``autopar.cost.peak.budget_bytes``; infinite to
+            price a configuration whatever its memory).
+        solver: ``highs`` or ``cbc``, for the integer programs.
+        micro_batches: the micro-batch sizes the search will ask about (the layout ILP
+            solves the ends of the range once and reuses them between).
+    """
+
+    model: CostModel
+    budget_bytes: float
+    solver: str = "highs"
+    micro_batches: tuple[int, ...] = ()
+    _options: dict = field(default_factory=dict, repr=False)
+    _memo: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self._layouts = LayoutSolver(solver=self.solver, micro_batches=self.micro_batches)
+        check_solver(self.solver)
+        graph = self.model.graph
+        n = len(graph.units)
+        self.unit_keys = tuple((u.profile, i == 0, i == n - 1) for i, u in enumerate(graph.units))
+        first: dict[tuple, int] = {}
+        counts: Counter = Counter()
+        for i, key in enumerate(self.unit_keys):
+            first.setdefault(key, i)
+            counts[key] += 1
+        self.unit_kinds = tuple((first[k], counts[k]) for k in first)
+        """One representative unit per distinct (profile, position) and how many there are."""
+        self.kind_rep = tuple(first[k] for k in self.unit_keys)
+        """Each unit's representative: the first unit of its kind."""
+        run_end = list(range(n))
+        for i in range(n - 2, -1, -1):
+            if self.unit_keys[i] == self.unit_keys[i + 1]:
+                run_end[i] = run_end[i + 1]
+        self.run_end = np.array([*run_end, n], dtype=np.int64)
+        kind_ids: dict[tuple, int] = {}
+        self.kind_ids = np.array(
+            [kind_ids.setdefault(key, len(kind_ids)) for key in self.unit_keys] + [0], dtype=np.int64
+        )
+        self.skeleton = self._skeleton()
+        """The model as a run of identical blocks between at most one unit on each side,
+        or None where it is not (a CNN of mixed blocks): splits of a skeleton depend on
+        block counts only."""
+        sigs: dict[tuple, int] = {}
+        self.range_signature = np.zeros((n + 1, n + 1), dtype=np.int64)
+        for i in range(n):
+            seen: dict[tuple, int] = {}
+            for j in range(i + 1, n + 1):
+                key = self.unit_keys[j - 1]
+                seen[key] = seen.get(key, 0) + 1
+                sig = (tuple(seen.items()), self.unit_keys[i], key)
+                self.range_signature[i, j] = sigs.setdefault(sig, len(sigs))
+
+    def _skeleton(self) -> Skeleton | None:
+        n = len(self.unit_keys)
+        start = 1 if n > 1 and self.unit_keys[0] != self.unit_keys[1] else 0
+        after = int(self.run_end[start]) + 1
+        if after < n - 1:
+            return None
+        epilogue = n - 1 if after == n - 1 else None
+        return Skeleton(prologue=0 if start == 1 else None, block=start, count=after - start, epilogue=epilogue)
+
+    @property
+    def num_units(self) -> int:
+        """Units of the model."""
+        return len(self.model.graph.units)
+
+    @property
+    def layout_solves(self) -> int:
+        """Layout ILP solves so far (for benchmarks)."""
+        return self._layouts.solves
+
+    # ----- per-unit options ---------------------------------------------------------
+    def options(self, unit: int, config: ParallelConfig, modes: tuple[Recompute, ...]) -> tuple[UnitOption, ...]:
+        """Options of ``unit`` (cached per distinct profile and position)."""
+        n = self.num_units
+        key = (
+            self.model.graph.units[unit].profile,
+            unit == 0,
+            unit == n - 1,
+            config.tp,
+            config.sequence_parallel,
+            config.micro_batch_size,
+            config.dtype,
+            modes,
+        )
+        if key not in self._options:
+            ctx = tp_context(self.model, unit, config)
+            self._options[key] = unit_options(
+                self.model.graph.profile_of(unit), ctx, solver=self._layouts, recompute_modes=modes
+            )
+        return self._options[key]
+
+    def priced_options(
+        self, unit: int, config: ParallelConfig, modes: tuple[Recompute, ...]
+    ) -> tuple[tuple[UnitOption, ...], tuple[Priced, ...]]:
+        """The options of ``unit`` and their knapsack items under ``config`` (identical
+        options of different layouts carry different layout ids)."""
+        key = ("priced", self.unit_keys[unit], self.config_key(config, modes))
+        if key not in self._options:
+            opts = self.options(unit, config, modes)
+            lay_ids: dict[tuple, int] = {}
+            priced = []
+            for o in opts:
+                lay = lay_ids.setdefault((o.layout.styles, o.layout.output), len(lay_ids))
+                priced.append(_item(footprint(self.model, o, config), lay))
+            self._options[key] = (opts, tuple(priced))
+        return self._options[key]
+
+    def any_layout(self, config: ParallelConfig, modes: tuple[Recompute, ...]) -> Callable[[int], UnitCost]:
+        """A unit's first option's layout: its boundary tensors, before options are chosen
+        (looked up once per kind of unit)."""
+        found: dict[int, UnitCost] = {}
+
+        def layout(u: int) -> UnitCost:
+            rep = self.kind_rep[u]
+            if rep not in found:
+                found[rep] = self.options(rep, config, modes)[0].layout
+            return found[rep]
+
+        return layout
+
+    def config_key(self, config: ParallelConfig, modes: tuple[Recompute, ...]) -> tuple:
+        """What a unit's priced options depend on."""
+        return (
+            config.tp,
+            config.sequence_parallel,
+            config.micro_batch_size,
+            config.dtype,
+            config.zero_stage,
+            config.dp,
+            config.pp > 1,
+            modes,
+        )
+
+    # ----- stages -------------------------------------------------------------------
+    def solve_units(
+        self, units: tuple[int, ...], config: ParallelConfig, modes: tuple[Recompute, ...], inflight: float, index: int
+    ) -> tuple[PricedStage, float] | None:
+        """The fastest options for ``units`` as one stage and the memory bound they take
+        (None if they cannot fit)."""
+        if units[-1] - units[0] + 1 == len(units):  # contiguous: the precomputed range signature
+            content: object = int(self.range_signature[units[0], units[-1] + 1])
+        else:
+            content = tuple(self.unit_keys[u] for u in units)
+        pipeline = (config.num_microbatches, config.virtual_stages) if config.pp > 1 else ()
+        key = (content, self.config_key(config, modes), inflight, pipeline)
+        if key not in self._memo:
+            self._memo[key] = self._solve(units, config, modes, inflight)
+        found = self._memo[key]
+        if found is None:
+            return None
+        choice, options = found
+        return PricedStage(index=index, units=units, options=options, inflight=inflight), choice.memory_bytes
+
+    def _solve(
+        self, units: tuple[int, ...], config: ParallelConfig, modes: tuple[Recompute, ...], inflight: float
+    ) -> tuple[StageChoice, tuple[UnitOption, ...]] | None:
+        groups_keys: list[tuple] = []
+        members: dict[tuple, list[int]] = {}
+        for u in units:
+            k = self.unit_keys[u]
+            if k not in members:
+                members[k] = []
+                groups_keys.append(k)
+            members[k].append(u)
+        groups = []
+        group_opts = []
+        for k in groups_keys:
+            opts, priced = self.priced_options(members[k][0], config, modes)
+            groups.append((len(members[k]), priced))
+            group_opts.append(opts)
+
+        def assign(choice: StageChoice) -> dict[int, UnitOption]:
+            chosen: dict[int, UnitOption] = {}
+            for k, opts, counts in zip(groups_keys, group_opts, choice.counts):
+                picks = [o for o, c in zip(opts, counts) for _ in range(c)]
+                for u, o in zip(members[k], picks):
+                    chosen[u] = o
+            return chosen
+
+        # tied weights held once at most (both owners replicated); if the options taken
+        # keep them apart, the stage must fit with what they save, else solve without
+        graph = self.model.graph
+        bound = sum(s.numel for s in graph.shared if s.first_unit in units and s.second_unit in units)
+        shared = shared_state_bytes(self.model, config, bound) if bound else 0.0
+        budget = self.budget_bytes - rank_buffer_bytes(
+            self.model, units, config, inflight, self.any_layout(config, modes)
+        )
+        choice = solve_stage(groups, budget + shared, inflight, self.solver)
+        chosen = assign(choice) if choice is not None else {}
+        if choice is not None and shared:
+            shared = shared_state_bytes(self.model, config, held_once_numel(self.model, config, chosen))
+            if choice.memory_bytes > budget + shared:
+                shared = 0.0
+                choice = solve_stage(groups, budget, inflight, self.solver)
+                chosen = assign(choice) if choice is not None else {}
+        if choice is None:
+            return None
+        taken = [(p, c) for (_, opts), cs in zip(groups, choice.counts) for p, c in zip(opts, cs) if c]
+        if not fits_bucket_rebuild(taken, shared, self.budget_bytes):
+            return None
+        return choice, tuple(chosen[u] for u in units)
+
+    def stage_cost_s(self, stage: PricedStage, config: ParallelConfig) -> float:
+        """Per-micro-batch time of a stage (units and point-to-point)."""
+        f, b = stage_p2p_s(self.model, stage.units, stage.options, config)
+        return stage.time_s + f + b
+
+    # ----- whole configurations -----------------------------------------------------
+    def evaluate(self, config: ParallelConfig, modes: tuple[Recompute, ...]) -> Outcome:
+        """The fastest split and choices of ``config`` within the budget."""
+        pp, v = config.pp, config.virtual_stages
+        solved: list[tuple[PricedStage, float]] | None
+        if v > 1:
+            solved = self._interleaved(config, modes)
+        else:
+            inflight = [inflight_microbatches(config.schedule, pp, v, config.num_microbatches, k) for k in range(pp)]
+            cutoff = split_cutoff(self, config, modes, inflight)
+            found = best_split(cost_band(self, config, modes, inflight, cutoff), config.num_microbatches)
+            solved = None
+            if found is not None:
+                bounds = found[1]
+                solved = []
+                for k in range(pp):
+                    stage = self.solve_units(tuple(range(bounds[k], bounds[k + 1])), config, modes, inflight[k], k)
+                    if stage is None:
+                        solved = None
+                        break
+                    solved.append(stage)
+        if solved is None:
+            return Outcome(
+                config=config,
+                fits=False,
+                min_memory_bytes=self.model.cluster.device.memory.capacity_bytes,
+                reason="out of memory: no split and per-unit choice fits",
+            )
+        stages = tuple(s for s, _ in solved)
+        return Outcome(
+            config=config,
+            fits=True,
+            step_time_s=timing(self.model, config, stages).step_s,
+            stages=stages,
+            min_memory_bytes=max(m for _, m in solved) + self.model.cluster.device.memory.reserved_bytes,
+        )
+
+    def even_split(self, pp: int, *, exact: bool = False) -> tuple[int, ...] | None:
+        """Blocks spread as evenly as possible over ``pp`` stages (prologue first, epilogue
+        last), or None if there are fewer blocks than stages (or, with ``exact``, if the
+        blocks do not divide evenly, Megatron-LM's rule for interleaved stages)."""
+        key = ("even", pp, exact)
+        if key not in self._memo:
+            self._memo[key] = self._even_split(pp, exact)
+        return self._memo[key]
+
+    def _even_split(self, pp: int, exact: bool) -> tuple[int, ...] | None:
+        units = self.model.graph.units
+        n = len(units)
+        first = 1 if n > 1 and not units[0].prefix else 0
+        last = 1 if n > 2 and not units[-1].prefix else 0
+        blocks = n - first - last
+        if blocks < pp or (exact and blocks % pp):
+            return None
+        sizes = [blocks // pp + (1 if k < blocks % pp else 0) for k in range(pp)]
+        bounds = [0]
+        for k, size in enumerate(sizes):
+            bounds.append(bounds[-1] + size + (first if k == 0 else 0))
+        bounds[-1] = n
+        return tuple(bounds)
+
+    def _interleaved(
+        self, config: ParallelConfig, modes: tuple[Recompute, ...]
+    ) -> list[tuple[PricedStage, float]] | None:
+        """Interleaved 1F1B: blocks split evenly over the pp x v chunks (Megatron-LM's
+        rule), the prologue on chunk 0 and the epilogue on the last; each rank's options
+        are chosen over the union of its chunks, under its memory. Each chunk's stage
+        carries its own units and its rank's memory bound (the rank is what memory binds)."""
+        chunks = config.pp * config.virtual_stages
+        bounds = self.even_split(chunks, exact=True)
+        if bounds is None:
+            return None
+        per_rank: dict[int, tuple[PricedStage, float]] = {}
+        for r in range(config.pp):
+            units = tuple(u for c in range(r, chunks, config.pp) for u in range(bounds[c], bounds[c + 1]))
+            infl = inflight_microbatches(config.schedule, config.pp, config.virtual_stages, config.num_microbatches, r)
+            found = self.solve_units(units, config, modes, infl, r)
+            if found is None:
+                return None
+            per_rank[r] = found
+        out = []
+        for c in range(chunks):
+            rank_stage, memory = per_rank[c % config.pp]
+            idx = [rank_stage.units.index(u) for u in range(bounds[c], bounds[c + 1])]
+            options = tuple(rank_stage.options[i] for i in idx)
+            stage = PricedStage(
+                index=c, units=tuple(range(bounds[c], bounds[c + 1])), options=options, inflight=rank_stage.inflight
+            )
+            out.append((stage, memory))
+        return out
+
+
+def _item(print_: Footprint, layout: int) -> Priced:
+    """A knapsack item from an option's footprint."""
+    return Priced(
+        time_s=print_.time_s,
+        static_bytes=print_.static_bytes,
+        act_bytes=print_.act_bytes,
+        transient_bytes=print_.transient_bytes,
+        layout=layout,
+        rebuild_bytes=print_.rebuild_bytes,
+    )

@@ -1,0 +1,104 @@
+"""``autopar doctor`` on the command line: its arguments, a plan's groups read from a plan
+file, and a local launch with ``--nproc`` (what the doctor checks: :mod:`profiler.doctor`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from profiler.doctor import DoctorReport, DoctorSettings, run_doctor
+from profiler.doctor_checks import plan_groups
+from profiler.errors import SettingsError
+
+
+def _doctor_rank(rank: int, world: int, settings: DoctorSettings) -> DoctorReport | None:
+    return run_doctor(settings)
+
+
+def add_doctor_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``doctor`` (handler ``func(args) -> exit code``: 0 ready, 1 problems)."""
+    p = subparsers.add_parser(
+        "doctor",
+        help="check that every rank joins, agrees and communicates correctly and fast",
+        description=_doctor_doc(),
+    )
+    p.add_argument("--plan", type=Path, help="a plan file: also all-reduce over each of its tp/dp/pp groups")
+    p.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl with CUDA, else gloo")
+    p.add_argument("--join-timeout", type=float, default=60.0, help="seconds to wait for every rank (default 60)")
+    p.add_argument("--pg-timeout", type=float, default=60.0, help="process group timeout in seconds (default 60)")
+    p.add_argument("--link-bytes", type=int, default=0, help="bytes per link test (default 4 MiB CPU, 256 MiB GPU)")
+    p.add_argument("--slow-ratio", type=float, default=0.5, help="flag what runs below this fraction of its peers")
+    p.add_argument("--nproc", type=int, help="launch N local processes instead of running under torchrun")
+    p.add_argument("--out", type=Path, help="also write the report as JSON (rank 0)")
+    p.set_defaults(func=_cmd_doctor)
+    return p
+
+
+def plan_degrees(path: Path) -> tuple[int, int, int]:
+    """``(dp, tp, pp)`` of a plan file, read as data (only the mesh matters here)."""
+    try:
+        config = json.loads(Path(path).read_text())["config"]
+        degrees = tuple(config[k] for k in ("dp", "tp", "pp"))
+    except FileNotFoundError:
+        raise SettingsError(
+            f"plan file {str(path)!r} does not exist; write one with 'autopar plan ... --out'."
+        ) from None
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise SettingsError(
+            f"plan file {str(path)!r} has no readable config.dp/tp/pp ({exc}); is it a plan written by autopar?"
+        ) from None
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in degrees):
+        raise SettingsError(f"plan file {str(path)!r}: dp, tp, pp = {degrees} must be positive integers.")
+    return degrees[0], degrees[1], degrees[2]
+
+
+def settings_from_args(args: argparse.Namespace) -> DoctorSettings:
+    """The settings the command line asks for (``--plan`` read into its groups)."""
+    groups: dict[str, tuple[int, ...]] = {}
+    if args.plan is not None:
+        groups = plan_groups(*plan_degrees(args.plan))
+    return DoctorSettings(
+        backend=args.backend,
+        join_timeout_s=args.join_timeout,
+        pg_timeout_s=args.pg_timeout,
+        groups=groups,
+        link_bytes=args.link_bytes,
+        slow_ratio=args.slow_ratio,
+    )
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    if args.nproc is not None:
+        from profiler.launch import launch_local
+
+        timeout = settings.join_timeout_s + 2 * settings.pg_timeout_s + 120
+        results = launch_local(_doctor_rank, args.nproc, settings, timeout_s=timeout)
+        failed = [r for r in results if not r.ok]
+        for r in failed:
+            print(f"rank {r.rank} failed: {r.error.splitlines()[0]}", file=sys.stderr)
+        report = results[0].value if results[0].ok else None
+    else:
+        report = run_doctor(settings)
+        if int(os.environ.get("RANK", "0")) != 0:
+            return 0
+    if report is None:
+        print("error: rank 0 produced no report (see the errors above)", file=sys.stderr)
+        return 1
+    print(report.text())
+    if args.out:
+        report.save(args.out)
+        print(f"wrote {args.out}")
+    return 0 if report.ok else 1
+
+
+def _doctor_doc() -> str | None:
+    """The doctor's own description: how it runs, what it checks."""
+    import profiler.doctor
+
+    doc = profiler.doctor.__doc__
+    return doc.split("\n\n")[1] if doc else None

@@ -307,6 +307,14 @@ class Plan:
                 f"plan uses dp x tp x pp = {self.config.world_size} devices but its cluster has "
                 f"{self.cluster.world_size}."
             )
+        c = self.config
+        if c.dp * c.micro_batch_size * c.num_microbatches != self.model.global_batch_size:
+            raise PlanFormatError(
+                f"plan batch arithmetic is inconsistent: dp x micro_batch_size x num_microbatches = {c.dp} x "
+                f"{c.micro_batch_size} x {c.num_microbatches} = {c.dp * c.micro_batch_size * c.num_microbatches}, "
+                f"but its global batch is {self.model.global_batch_size}. The file was edited or damaged: make the "
+                f"plan again (autopar plan, or autopar.estimate for a fixed configuration)."
+            )
         listed = [u for stage in self.stages for u in stage]
         if tuple(listed) != self.model.units:
             raise PlanFormatError(

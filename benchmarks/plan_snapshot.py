@@ -12,6 +12,7 @@ tolerance (a sum taken in another order may differ in its last bits).
     python benchmarks/plan_snapshot.py --write results/plan_snapshot_after.json.gz
     python benchmarks/plan_snapshot.py --compare results/plan_snapshot_before.json.gz \
         results/plan_snapshot_after.json.gz --out results/plan_diff_<date>.md
+    python benchmarks/plan_snapshot.py --configs BEFORE AFTER   # which chosen configurations changed
 """
 
 from __future__ import annotations
@@ -175,11 +176,13 @@ def differences(a: Any, b: Any, path: str = "") -> Iterator[str]:
         yield f"{path}: {a!r} -> {b!r}"
 
 
+def _load(path: Path) -> dict[str, Any]:
+    with gzip.open(path, "rt") as f:
+        return json.load(f)
+
+
 def compare_files(before: Path, after: Path, out: Path | None) -> int:
-    with gzip.open(before, "rt") as f:
-        old = json.load(f)
-    with gzip.open(after, "rt") as f:
-        new = json.load(f)
+    old, new = _load(before), _load(after)
     lines = []
     changed = 0
     for key in sorted(set(old) | set(new)):
@@ -201,15 +204,58 @@ def compare_files(before: Path, after: Path, out: Path | None) -> int:
     return 1 if changed else 0
 
 
+def _config(plan: dict) -> str:
+    c = plan["config"]
+    schedule = f"{c['schedule']}(v={c['virtual_stages']})" if c["virtual_stages"] > 1 else c["schedule"]
+    return (
+        f"dp{c['dp']} tp{c['tp']} pp{c['pp']} mbs{c['micro_batch_size']} m{c['num_microbatches']} {schedule} "
+        f"zero{c['zero_stage']} recompute {c['recompute']}"
+    )
+
+
+def config_changes(before: Path, after: Path) -> str:
+    """A Markdown table of the configurations whose chosen parallel configuration
+    changed (with predicted step time and memory), and the pipelined plans that kept
+    theirs with other memory."""
+    old, new = _load(before), _load(after)
+    rows, memory = [], []
+    for key, a in old.items():
+        b = new.get(key)
+        planned_a, planned_b = isinstance(a, dict) and "config" in a, isinstance(b, dict) and "config" in b
+        if not (planned_a and planned_b):
+            if planned_a != planned_b:
+                rows.append(f"| {key} | {_config(a) if planned_a else a} | {_config(b) if planned_b else b} | |")
+            continue
+        ta, tb = a["prediction"]["step_time_s"], b["prediction"]["step_time_s"]
+        ma, mb = (p["prediction"]["memory_bytes_per_device"] / 2**30 for p in (a, b))
+        if _config(a) != _config(b):
+            rows.append(
+                f"| {key} | {_config(a)}: {ta:.4g} s, {ma:.1f} GiB | {_config(b)}: {tb:.4g} s, {mb:.1f} GiB | "
+                f"{100 * (tb / ta - 1):+.1f}% |"
+            )
+        elif a["config"]["pp"] > 1 and abs(mb - ma) > 0.05:
+            memory.append((mb - ma, key, ma, mb))
+    lines = ["| configuration | before | after | step time |", "|---|---|---|---|", *rows, ""]
+    lines.append(
+        f"{len(rows)} of {len(old)} plans take another configuration; {len(memory)} pipelined plans keep theirs "
+        f"with other memory, the largest changes:"
+    )
+    lines += [f"- {key}: {ma:.1f} -> {mb:.1f} GiB" for _, key, ma, mb in sorted(memory)[:8]]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", type=Path)
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
+    parser.add_argument("--configs", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.write:
         write(args.write)
+    if args.configs:
+        print(config_changes(*args.configs))
     if args.compare:
         sys.exit(compare_files(*args.compare, args.out))
 

@@ -63,25 +63,23 @@ def stage_buffer_bytes(
     sends_output: bool,
     input_bytes: float,
     output_bytes: float,
-    num_microbatches: int,
     inflight: float,
 ) -> float:
-    """Bytes a pipeline stage holds beyond its units' activations, under
-    ``torch.distributed.pipelining`` 2.13 (``PipelineStage``):
+    """Bytes a pipeline stage holds beyond its units' activations, under autopar's
+    runtime (``torch.distributed.pipelining`` 2.13 with receive buffers allocated when a
+    receive is posted and dropped once consumed, ``autopar.runtime.pipeline.BoundedStage``):
 
-    - a receive buffer per micro-batch for its input (a stage after the first,
-      ``_setup_forward_recv_info``) and for the gradient of its output (a stage before
-      the last, ``_setup_backward_recv_info``), allocated at the first step and kept.
-      The input buffers of the micro-batches in flight are the first unit's saved
-      input, already counted with its activations;
     - the output of each micro-batch in flight, kept for its backward (``fwd_cache``;
-      a block's output is saved by none of its own ops).
+      a block's output is saved by none of its own ops), and the gradient of one output
+      received for the backward in progress;
+    - the gradient of one input on its way back (a stage after the first): the
+      schedule keeps its send until the next forward has run.
 
-    ``input_bytes``/``output_bytes`` per micro-batch (measured against:
-    ``docs/cost-model.md``)."""
-    m = num_microbatches
-    held = max(m - inflight, 0.0) * input_bytes if receives_input else 0.0
-    return held + ((m + inflight) * output_bytes if sends_output else 0.0)
+    The input of each micro-batch in flight is its first unit's saved input, already
+    counted with the activations. ``input_bytes``/``output_bytes`` per micro-batch
+    (measured against: ``docs/cost-model.md``)."""
+    held = input_bytes if receives_input else 0.0
+    return held + ((inflight + 1) * output_bytes if sends_output else 0.0)
 
 
 def pipeline_time_s(rank_work_s: list[float], num_microbatches: int, virtual_stages: int) -> float:

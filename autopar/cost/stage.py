@@ -91,7 +91,6 @@ def runs_buffer_bytes(
             sends_output=last < n - 1,
             input_bytes=layout(first).input_bytes,
             output_bytes=layout(last).output_bytes,
-            num_microbatches=config.num_microbatches,
             inflight=inflight,
         )
         for first, last in runs

@@ -51,6 +51,12 @@ class Leaf:
         in_heads, out_heads: attention heads this leaf's input comes from (a row split
             must divide them) and its output feeds (a column split must divide them); 0
             when it touches no attention.
+        fused: the leaf computes several projections in one matrix: it feeds more than
+            one of an attention's q, k and v (the ``query_key_value`` of GPT-NeoX and
+            Falcon), or the forward takes parts of its output's features (Phi-3's
+            ``qkv_proj`` and ``gate_up_proj``). A plain column split would not cut it
+            where the parts meet, so it may be replicated or row-split only (GPT-2's
+            ``c_attn``, which the runtime splits by heads, is not marked).
         vocab: True for a vocabulary dimension (embedding rows, LM head outputs), which
             may be padded to a multiple of 128 x tp as Megatron-LM does.
         fwd_flops, fwd_bytes: forward FLOPs and activation bytes moved, per sample.
@@ -79,11 +85,12 @@ class Leaf:
     weight_bytes: float = 0.0
     fwd_ops: int = 0
     param_tensors: int = 1
+    fused: bool = False
 
     def styles(self, *, sequence_parallel: bool) -> tuple[TPStyle, ...]:
         """Tensor-parallel styles this kind of leaf allows (divisibility aside)."""
         if self.kind is LeafKind.LINEAR:
-            return (TPStyle.REPLICATE, TPStyle.COLUMN, TPStyle.ROW)
+            return (TPStyle.REPLICATE, TPStyle.ROW) if self.fused else (TPStyle.REPLICATE, TPStyle.COLUMN, TPStyle.ROW)
         if self.kind is LeafKind.EMBEDDING:
             return (TPStyle.REPLICATE, TPStyle.VOCAB)
         if self.kind is LeafKind.NORM and sequence_parallel:

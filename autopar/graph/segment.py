@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, Flow, Leaf, LeafKind, UnitProfile
-from autopar.graph.units import leaf_kind, matrix_shape
+from autopar.graph.units import is_conv1d, leaf_kind, matrix_shape
 
 
 @dataclass
@@ -51,6 +51,8 @@ class _LeafAcc:
     out_features: int
     in_heads: int = 0
     out_heads: int = 0
+    splits_by_heads: bool = False
+    output_in_parts: bool = False
     fwd_flops: float = 0.0
     matmul_flops: float = 0.0
     fwd_bytes: float = 0.0
@@ -110,6 +112,7 @@ class SegmentTrace:
                     out_features=acc.out_features,
                     in_heads=in_heads,
                     out_heads=out_heads,
+                    fused=(acc.out_heads > 1 or acc.output_in_parts) and not acc.splits_by_heads,
                     vocab=vocab_size > 0
                     and (
                         (acc.kind is LeafKind.EMBEDDING and acc.in_features == vocab_size)
@@ -172,10 +175,12 @@ class Segment:
                     weight_numel=wnumel,
                     in_features=fin,
                     out_features=fout,
+                    splits_by_heads=is_conv1d(mod),
                 )
             )
         self.info: dict[int, Info] = {}
         self.keep: list[torch.Tensor] = []
+        self.leaf_outputs: dict[int, tuple[int, torch.Tensor]] = {}  # the tensor kept: its id stays its own
         self.ops: list[Op] = []
         self.flows: dict[tuple[int, int], _FlowAcc] = {}
         self.leaf_stack: list[int] = []
@@ -184,6 +189,14 @@ class Segment:
         """Storages the last glue op wrote: what autograd saves of them is that op's."""
         self.input_bytes = 0.0
         self.output_bytes = 0.0
+
+    def note_parts(self, t: Any, dim: int, whole: bool) -> None:
+        """Mark the linear leaf whose output ``t`` is, if the op took parts of its
+        features (its last dimension)."""
+        found = self.leaf_outputs.get(id(t)) if isinstance(t, torch.Tensor) else None
+        if found is None or whole or found[1] is not t or dim % t.dim() != t.dim() - 1:
+            return
+        self.leaves[found[0]].output_in_parts = True
 
     def register(self, t: torch.Tensor, info: Info) -> None:
         self.info[id(t)] = info

@@ -56,6 +56,15 @@ _MATMUL_OPS = {
 
 _FREE_OPS = {torch.ops.aten._unsafe_view, torch.ops.aten.lift_fresh}
 """Ops that move no data although PyTorch does not tag them as views."""
+_PARTS_OPS = {
+    torch.ops.aten.split,
+    torch.ops.aten.split_with_sizes,
+    torch.ops.aten.unbind,
+    torch.ops.aten.slice,
+    torch.ops.aten.narrow,
+}
+"""Ops that take parts of a tensor: on the features of a linear layer's output, they
+mark a fused projection (q, k and v, or gate and up, in one matrix)."""
 
 
 class _Recorder(TorchDispatchMode):
@@ -74,6 +83,8 @@ class _Recorder(TorchDispatchMode):
         outs = tensors_in(out)
         if not outs:
             return out
+        if func._overloadpacket in _PARTS_OPS and not seg.leaf_stack:
+            seg.note_parts(args[0], _parts_dim(func, args, kwargs), _whole_slice(func, args))
         ins = tensors_in((args, kwargs))
         in_infos = [seg.lookup(t) for t in ins]
         origins = frozenset().union(*(i.origins for i in in_infos)) if in_infos else frozenset()
@@ -107,6 +118,24 @@ class _Recorder(TorchDispatchMode):
         seg.charge_waiting(op)
         seg.last_outputs = frozenset(_storage_key(t) for t in outs)
         return out
+
+
+def _parts_dim(func: Any, args: tuple, kwargs: dict) -> int:
+    packet = func._overloadpacket
+    if packet in (torch.ops.aten.split, torch.ops.aten.split_with_sizes):
+        return int(kwargs.get("dim", args[2] if len(args) > 2 else 0))
+    return int(kwargs.get("dim", args[1] if len(args) > 1 else 0))
+
+
+def _whole_slice(func: Any, args: tuple) -> bool:
+    """A ``slice`` that keeps the whole dimension (``x[:, :]``) takes no part."""
+    if func._overloadpacket is not torch.ops.aten.slice:
+        return False
+    t, dim = args[0], int(args[1]) if len(args) > 1 else 0
+    start = args[2] if len(args) > 2 and args[2] is not None else 0
+    end = args[3] if len(args) > 3 and args[3] is not None else t.shape[dim]
+    step = args[4] if len(args) > 4 else 1
+    return start == 0 and end >= t.shape[dim] and step == 1
 
 
 def _storage_key(t: torch.Tensor) -> int | None:
@@ -346,6 +375,7 @@ def run_trace(
         seg.leaves[index].out_bytes = float(sum(nbytes_of(t) for t in tensors_in(output)))
         for t in tensors_in(output):
             seg.register(t, Info(origins=frozenset({index}), pending=frozenset(), attn_heads=0))
+            seg.leaf_outputs[id(t)] = (index, t)
 
     def block_pre(name: str):
         def hook(mod, args, kwargs):

@@ -72,12 +72,24 @@ def _numel(module: nn.Module) -> int:
     return total
 
 
+def is_conv1d(module: nn.Module) -> bool:
+    """Whether ``module`` is transformers' ``Conv1D`` (GPT-2's projection: a linear layer
+    with a transposed ``(in, out)`` weight), whose fused ``c_attn`` the runtime splits by
+    heads (``autopar.runtime.hf``)."""
+    return (
+        type(module).__name__ == "Conv1D"
+        and type(module).__module__.startswith("transformers")
+        and getattr(module, "weight", None) is not None
+        and module.weight.dim() == 2
+    )
+
+
 def leaf_kind(module: nn.Module) -> LeafKind:
     """Classify a module that owns parameters directly."""
     if isinstance(module, nn.Linear):
         return LeafKind.LINEAR
-    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None and module.weight.dim() == 2:
-        return LeafKind.LINEAR  # transformers' GPT-2 projection: a Linear with a transposed weight
+    if is_conv1d(module):
+        return LeafKind.LINEAR
     if isinstance(module, nn.Embedding):
         return LeafKind.EMBEDDING
     name = type(module).__name__

@@ -30,6 +30,7 @@ from autopar.runtime.layouts import TPLayout, resolve
 from autopar.runtime.loss_scale import LossScaler
 from autopar.runtime.mesh import MeshDims, build_mesh
 from autopar.runtime.metrics import MemoryMeter
+from autopar.runtime.orphan import tie_to_launcher
 from autopar.runtime.pipeline import build_schedule, build_stages, check_cuttable, check_schedule, cut, tensor_outputs
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.tensor_parallel import apply_tensor_parallel
@@ -103,6 +104,7 @@ def parallelize(
         materialize: False keeps a meta model on the meta device, sharded but without
             storage, and skips DDP (which needs real tensors): for dry runs only.
     """
+    tie_to_launcher()
     dims = MeshDims.of(plan)
     if not dist.is_initialized():
         raise PlanMismatchError(

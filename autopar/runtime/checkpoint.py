@@ -5,7 +5,8 @@ Layout of ``<root>``::
     step-00000100/            one complete checkpoint
         .metadata, __*_0.distcp   torch.distributed.checkpoint (model + optimizer)
         rng/rank-<r>.pt       each rank's RNG states
-        autopar.json          step, data position, world size, plan, fp16 loss scale (written last)
+        autopar.json          step, data position, world size, plan, fp16 loss scale and the
+                              size of every file above (written last)
     latest                    the name of the newest complete checkpoint
 
 Model and optimizer go through ``get_state_dict``/``set_state_dict`` with the optimizer
@@ -18,6 +19,17 @@ Atomicity: every rank writes into ``.step-<n>.tmp``; after a barrier rank 0 writ
 ``autopar.json``, renames the directory to ``step-<n>`` (atomic on POSIX) and then
 replaces ``latest``. A save killed midway leaves only a ``.tmp`` directory, which the
 next save of that step removes; ``latest`` and every complete checkpoint are untouched.
+Loading without a step takes ``latest``'s; when ``latest`` is stale (a save killed
+between its two renames leaves it naming a directory that is gone) it falls back to the
+newest complete checkpoint and warns saying so.
+
+Loading first checks every file the manifest in ``autopar.json`` lists against its
+recorded size, so a missing or truncated shard (a copy cut short, a disk full) is
+refused with the step and the file named before any tensor is read; a failure inside
+torch's reader (its ``CheckpointException`` is a ``BaseException``, which ``except
+Exception`` does not catch) becomes the same typed error. A checkpoint holding optimizer
+state is not loaded into a job without an optimizer (``job.optimizer(...)`` first, or
+``weights_only=True``): the state would be dropped without a word.
 
 RNG states are restored only when the world size matches the saving run (ranks map one
 to one); under another layout each rank keeps its RNG, which changes nothing for models
@@ -29,6 +41,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +63,9 @@ from torch.optim import Optimizer
 
 from autopar.runtime.errors import CheckpointError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
+"""Format 1 had no manifest of file sizes; it loads without that check."""
 _META = "autopar.json"
 _LATEST = "latest"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -85,7 +100,7 @@ def step_dir(root: str | Path, step: int) -> Path:
 
 
 def latest_step(root: str | Path) -> int | None:
-    """The newest complete checkpoint's step, or None."""
+    """The step ``latest`` names, if that checkpoint is complete; else None."""
     pointer = Path(root) / _LATEST
     if not pointer.exists():
         return None
@@ -93,6 +108,27 @@ def latest_step(root: str | Path) -> int | None:
     if not (Path(root) / name / _META).exists():
         return None
     return int(name.split("-")[1])
+
+
+def newest_complete_step(root: str | Path) -> tuple[int | None, str]:
+    """The step to load when none is asked for: ``latest``'s, or, when ``latest`` is
+    missing, stale or names an incomplete checkpoint (a save killed between its renames,
+    a copy without the pointer), the newest complete ``step-*`` directory, with a note
+    saying so ("" when ``latest`` was used)."""
+    step = latest_step(root)
+    if step is not None:
+        return step, ""
+    complete = sorted(
+        int(d.name.split("-")[1])
+        for d in Path(root).glob("step-*")
+        if d.name.split("-")[1].isdigit() and (d / _META).exists()
+    )
+    if not complete:
+        return None, ""
+    pointer = Path(root) / _LATEST
+    named = pointer.read_text().strip() if pointer.exists() else ""
+    why = f"'latest' names {named}, which is incomplete or missing" if named else "there is no 'latest' pointer"
+    return complete[-1], f"{why}; loading {step_dir(root, complete[-1]).name}, the newest complete checkpoint"
 
 
 def save(
@@ -125,6 +161,7 @@ def save(
             "world_size": parts.world_size,
             "plan": parts.summary,
             "loss_scale": dict(loss_scale) if loss_scale is not None else None,
+            "files": _manifest(tmp),
         }
         _write_synced(tmp / _META, json.dumps(meta, indent=1))
         if final.exists():
@@ -141,15 +178,20 @@ def save(
     return str(final)
 
 
-def load(parts: CheckpointParts, root: str | Path, *, step: int | None = None) -> LoadedState:
-    """Load a checkpoint written by any plan into this job (every rank calls it)."""
+def load(
+    parts: CheckpointParts, root: str | Path, *, step: int | None = None, weights_only: bool = False
+) -> LoadedState:
+    """Load a checkpoint written by any plan into this job (every rank calls it);
+    ``weights_only`` loads the model's tensors and leaves any saved optimizer state."""
     if step is None:
-        step = latest_step(root)
+        step, note = newest_complete_step(root)
         if step is None:
             raise CheckpointError(
-                f"no complete checkpoint under {str(root)!r} (no 'latest' pointing to a directory "
-                f"with {_META}). Save one with job.save_checkpoint first, or check the path."
+                f"no complete checkpoint under {str(root)!r} (no step-* directory with {_META}). Save one "
+                f"with job.save_checkpoint first, or check the path."
             )
+        if note:
+            warnings.warn(f"autopar checkpoint under {str(root)!r}: {note}.", stacklevel=3)
     path = step_dir(root, step)
     meta_file = path / _META
     if not meta_file.exists():
@@ -158,22 +200,38 @@ def load(parts: CheckpointParts, root: str | Path, *, step: int | None = None) -
             f"finished. Load another step (latest is {latest_step(root)})."
         )
     meta = json.loads(meta_file.read_text())
-    if meta.get("format") != FORMAT_VERSION:
+    if meta.get("format") not in READABLE_FORMATS:
         raise CheckpointError(
-            f"checkpoint {str(path)!r} has format {meta.get('format')!r}; this autopar reads {FORMAT_VERSION}."
+            f"checkpoint {str(path)!r} has format {meta.get('format')!r}; this autopar reads formats "
+            f"{', '.join(map(str, READABLE_FORMATS))}. Load it with the autopar version that wrote it."
+        )
+    _check_files(path, meta.get("files", {}), step)
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    saved_optim = any(key.startswith("optim.") for key in metadata.state_dict_metadata)
+    if saved_optim and not weights_only and all(o is None for o in parts.optimizers):
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} holds optimizer state but this job has no optimizer yet, so it "
+            f"would be dropped: call job.optimizer(...) before job.load_checkpoint(...), or pass "
+            f"weights_only=True to load the model alone."
         )
     model_sd = _model_state(parts)
-    optim_sd = _optim_state(parts)
+    optim_sd = {} if weights_only else _optim_state(parts)
     state = {"model": model_sd, "optim": optim_sd}
-    reshaped = _stand_ins(state, dcp.FileSystemReader(str(path)).read_metadata())
-    dcp.load(state, checkpoint_id=str(path))
+    reshaped = _stand_ins(state, metadata)
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except dcp.api.CheckpointException as exc:
+        raise CheckpointError(
+            f"checkpoint step {step} at {str(path)!r} could not be read: {_first_line(exc)}. Load another "
+            f"step (the complete ones are the step-* directories with {_META})."
+        ) from None
     for (group, key), target in reshaped.items():
         _copy_reshaped(target, state[group][key])
         state[group][key] = target
     for module, optimizer in zip(parts.modules, parts.optimizers):
         keys = set(get_model_state_dict(module).keys())
         set_model_state_dict(module, {k: v for k, v in state["model"].items() if k in keys})
-        if optimizer is not None:
+        if optimizer is not None and not weights_only:
             own = get_optimizer_state_dict(module, optimizer, options=_OPTIONS)
             set_optimizer_state_dict(module, optimizer, {k: state["optim"][k] for k in own}, options=_OPTIONS)
     if meta["world_size"] == parts.world_size:
@@ -186,6 +244,31 @@ def load(parts: CheckpointParts, root: str | Path, *, step: int | None = None) -
         path=str(path),
         loss_scale=meta.get("loss_scale"),
     )
+
+
+def _manifest(directory: Path) -> dict[str, int]:
+    """The size in bytes of every file under ``directory``, by relative path."""
+    return {str(f.relative_to(directory)): f.stat().st_size for f in sorted(directory.rglob("*")) if f.is_file()}
+
+
+def _check_files(path: Path, files: Mapping[str, int], step: int) -> None:
+    for name, size in files.items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(
+                f"checkpoint step {step} at {str(path)!r} is damaged: {name} is missing. Load another step, "
+                f"or copy the checkpoint again."
+            )
+        if f.stat().st_size != size:
+            raise CheckpointError(
+                f"checkpoint step {step} at {str(path)!r} is damaged: {name} has {f.stat().st_size} bytes, "
+                f"{size} were written. Load another step, or copy the checkpoint again."
+            )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _stand_ins(state: dict[str, dict[str, Any]], metadata: Any) -> dict[tuple[str, str], torch.Tensor]:

@@ -29,14 +29,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from autopar.graph.units import is_conv1d
 from autopar.runtime.errors import ShardingError
 from autopar.runtime.layouts import LeafLayout
 from autopar.vocab import Layout, TPStyle
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """Whether ``module`` is transformers' ``Conv1D`` (``x @ W + b`` with ``W: (in, out)``)."""
-    return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers")
 
 
 def fused_parts(module: nn.Module, parent: nn.Module | None) -> int:

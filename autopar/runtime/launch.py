@@ -7,7 +7,8 @@ size, then starts ``script.py`` on every process with PyTorch's own launcher
 rendezvous across nodes. The script finds the plan in ``AUTOPAR_PLAN`` and creates its
 process group with :func:`init_distributed`, whose collective timeout
 (``AUTOPAR_PG_TIMEOUT_S``) bounds how long a rank waits for a dead or stuck peer; when a
-rank fails, torchrun stops the others and the command names the failed rank.
+rank fails, torchrun stops the others and the command names the failed rank; when the
+launcher itself is killed, the ranks end too (:mod:`autopar.runtime.orphan`).
 
 ``autopar dry-run --plan plan.json --model NAME | --model-fn module:function`` applies a
 plan on this machine with meta tensors and a fake process group
@@ -36,6 +37,7 @@ import torch.distributed as dist
 from autopar.errors import AutoparError, ConfigError
 from autopar.plan import Plan
 from autopar.runtime.errors import PlanMismatchError
+from autopar.runtime.orphan import LAUNCHER_ENV, tie_to_launcher
 
 PLAN_ENV = "AUTOPAR_PLAN"
 TIMEOUT_ENV = "AUTOPAR_PG_TIMEOUT_S"
@@ -125,6 +127,7 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     os.environ[PLAN_ENV] = os.path.abspath(args.plan)
     os.environ[TIMEOUT_ENV] = str(args.pg_timeout_s)
+    os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks end with this process
     try:
         run(get_args_parser().parse_args(argv))
     except ChildFailedError as exc:
@@ -151,6 +154,7 @@ def describe_failures(failures: dict[int, Any]) -> str:
 def init_distributed(timeout_s: float | None = None) -> None:
     """Create the default process group from torchrun's environment: NCCL with CUDA,
     else gloo, with the collective timeout of ``autopar run --pg-timeout-s``."""
+    tie_to_launcher()
     if dist.is_initialized():
         return
     seconds = timeout_s if timeout_s is not None else float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))

@@ -7,7 +7,8 @@ names, so parameter FQNs and checkpoint keys are the same on every plan), any ot
 is set to ``None``, which the model's forward skips (transformers decoders, whose forward
 cannot skip blocks, run their share of the forward through
 :mod:`autopar.runtime.decoder_stages`). The stages then run with
-``torch.distributed.pipelining``'s ``PipelineStage`` and ``ScheduleGPipe``,
+``torch.distributed.pipelining``'s ``PipelineStage`` (holding only the messages in
+flight, :class:`BoundedStage`) and ``ScheduleGPipe``,
 ``Schedule1F1B`` or ``ScheduleInterleaved1F1B`` (Narayanan et al. 2021); only the first
 stage gets inputs and only the last gets targets. With ``pp == 1`` the same machinery
 runs one stage, so micro-batching, gradient scaling by ``1/num_microbatches`` and the
@@ -21,12 +22,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.pipelining._backward import stage_backward
+from torch.distributed.pipelining._utils import _make_tensor_from_meta
+from torch.distributed.pipelining.stage import _RecvInfo
 
-from autopar.graph.decoders import decoder_parts, uncuttable_unit
+from autopar.graph.decoders import decoder_blocks, uncuttable_unit
 from autopar.plan import Plan
 from autopar.runtime.decoder_stages import make_stage
 from autopar.runtime.errors import PipelineError
@@ -73,9 +77,9 @@ def check_cuttable(model: nn.Module, plan: Plan) -> None:
 def cut(model: nn.Module, keep: tuple[str, ...], units: tuple[str, ...], seq_len: int) -> nn.Module:
     """A stage module holding only the units in ``keep`` (shared with ``model``).
 
-    ``model`` itself is returned when it keeps every unit. A transformers decoder
-    (:func:`autopar.graph.decoders.decoder_parts`) gets a forward that runs its share
-    of the model for sequences of ``seq_len`` (:mod:`autopar.runtime.decoder_stages`).
+    ``model`` itself is returned when it keeps every unit. A transformers decoder-only
+    causal LM (:func:`autopar.graph.decoders.decoder_blocks`) runs its own forward for
+    its share, for sequences of ``seq_len`` (:mod:`autopar.runtime.decoder_stages`).
     Call :func:`check_cuttable` first.
     """
     if set(keep) == set(units):
@@ -94,8 +98,8 @@ def cut(model: nn.Module, keep: tuple[str, ...], units: tuple[str, ...], seq_len
             del parent[child]
         else:
             setattr(parent, child, None)
-    parts = decoder_parts(model)
-    return make_stage(stage, model, parts, keep, seq_len) if parts is not None else stage
+    blocks = decoder_blocks(model, units)
+    return make_stage(stage, model, blocks, units, keep, seq_len) if blocks is not None else stage
 
 
 def tensor_outputs(stage: nn.Module) -> None:
@@ -153,14 +157,83 @@ class _ShardedAccumulationStage(PipelineStage):
         return grads, None
 
 
+class BoundedStage(PipelineStage):
+    """A ``PipelineStage`` that holds only the messages its schedule has in flight.
+
+    torch 2.13's ``PipelineStage`` allocates, at its first step, a receive buffer for
+    every micro-batch's input and for every micro-batch's output gradient, and keeps
+    them for its life: with 128 micro-batches a stage holds 128 of each, whatever the
+    schedule. Here a buffer is allocated when its receive is posted and the stage lets
+    go of it once consumed: an input after the forward that reads it (the forward's
+    saved input keeps it until that micro-batch's backward, as its activation), an
+    output gradient after the backward that reads it. The schedules post each receive
+    right before the step that reads it, so a stage holds the inputs and outputs of its
+    micro-batches in flight and at most one message on its way
+    (:func:`autopar.cost.pipeline.stage_buffer_bytes`). The last stage also detaches
+    each micro-batch's loss after its backward, which would otherwise keep that
+    micro-batch's received input alive until the step ends.
+    """
+
+    def _setup_forward_recv_info(self, num_microbatches: int, has_backward: bool) -> None:
+        super()._setup_forward_recv_info(1, has_backward)  # one micro-batch's infos, as the template
+        template = self.args_recv_info[0]
+        for chunk in range(num_microbatches):
+            self.args_recv_info[chunk] = tuple(_unallocated(info) for info in template)
+
+    def _create_grad_recv_info(self, act_send_info: dict) -> tuple[_RecvInfo, ...]:
+        return tuple(_unallocated(info) for info in super()._create_grad_recv_info(act_send_info))
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        self._allocate(self.args_recv_info[fwd_chunk_id])
+        return super().get_fwd_recv_ops(fwd_chunk_id)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        if self.has_backward and not self.is_last:
+            self._allocate(self.grad_recv_info[bwd_chunk_id])
+        return super().get_bwd_recv_ops(bwd_chunk_id)
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        _release(self.args_recv_info[fwd_chunk_id])
+        return output
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        result = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        _release(self.grad_recv_info.get(bwd_chunk_id, ()))
+        loss = args[0] if args else kwargs.get("loss")
+        if isinstance(loss, torch.Tensor) and not loss._is_view():
+            # the schedule keeps every micro-batch's loss until the step ends; its spent
+            # graph would keep the stage's received input alive through the leaf's
+            # AccumulateGrad node (torch detaches the stage output, not the loss)
+            loss.detach_()
+        return result
+
+    def _allocate(self, infos: tuple[_RecvInfo, ...]) -> None:
+        for info in infos:
+            if not info.is_root_arg and info.buffer is None and info.tensor_meta is not None:
+                info.buffer = _make_tensor_from_meta(info.tensor_meta, self.device)
+
+
+def _unallocated(info: _RecvInfo) -> _RecvInfo:
+    if info.is_root_arg or info.buffer is None:
+        return info
+    return _RecvInfo(info.input_name, info.source, None, info.tensor_meta)
+
+
+def _release(infos: tuple[_RecvInfo, ...]) -> None:
+    for info in infos:
+        if not info.is_root_arg:
+            info.buffer = None
+
+
 def build_stages(
     modules: list[nn.Module], indices: tuple[int, ...], plan: Plan, device: torch.device, group: Any
 ) -> list[PipelineStage]:
     """One ``PipelineStage`` per local stage module. Without pipelining, a stage that
     FSDP2 shards (ZeRO-2/3) reduces its gradients every micro-batch
-    (:class:`_ShardedAccumulationStage`); with ``pp > 1`` it keeps ``PipelineStage``'s
-    single reduction after the last micro-batch, as the planner's pipelined memory and
-    time terms assume."""
+    (:class:`_ShardedAccumulationStage`); with ``pp > 1`` a :class:`BoundedStage` keeps
+    ``PipelineStage``'s single reduction after the last micro-batch, as the planner's
+    pipelined memory and time terms assume."""
     cfg = plan.config
     if cfg.pp == 1 and cfg.zero_stage >= 2 and cfg.dp > 1:
         return [
@@ -169,15 +242,13 @@ def build_stages(
             )
             for m, i in zip(modules, indices)
         ]
-    return [PipelineStage(m, i, cfg.num_stages, device, group=group) for m, i in zip(modules, indices)]
+    return [BoundedStage(m, i, cfg.num_stages, device, group=group) for m, i in zip(modules, indices)]
 
 
 def recv_buffers(stages: list[PipelineStage]) -> list[torch.Tensor]:
-    """The buffers ``stages`` receive activations and gradients into: torch 2.13's
-    ``PipelineStage`` allocates one per micro-batch and boundary tensor at its first step
-    (``_setup_forward_recv_info``, ``_setup_backward_recv_info``) and keeps them for
-    its life, so they are part of every later step's memory. Measured with pp=2 and 4
-    micro-batches (the benchmark GPT): each rank held 2 MiB of them, four block outputs."""
+    """The receive buffers ``stages`` hold now: between steps none
+    (:class:`BoundedStage` allocates each when its receive is posted and lets go of it
+    once consumed)."""
     return [
         info.buffer
         for stage in stages

@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar.runtime import hf
+from autopar.runtime.decoder_stages import StandIn
 from autopar.runtime.errors import ShardingError
 from autopar.runtime.layouts import LeafLayout, TPLayout
 from autopar.runtime.tied import retie
@@ -83,7 +84,7 @@ def apply_tensor_parallel(
     both split the vocabulary rows). Where they differ the copies stay separate and
     :class:`autopar.runtime.tied.TiedGradSync` sums their gradients.
     """
-    modules = dict(stage.named_modules())
+    modules = {n: m for n, m in stage.named_modules() if not isinstance(m, StandIn)}
     for fqn, arrives in layout.unit_inputs.items():
         if fqn in modules:
             modules[fqn].register_forward_pre_hook(_input_converter(mesh, arrives, layout.boundary), with_kwargs=True)

@@ -181,8 +181,11 @@ def _notes(graph: LayerGraph, config: ParallelConfig) -> tuple[str, ...]:
         "Predictions model autopar's runtime (DDP/ZeroRedundancyOptimizer/FSDP2, DTensor tensor parallelism, "
         "torch.distributed.pipelining); other frameworks spend memory differently."
     ]
-    if config.pp > 1 and not graph.cuttable:
-        notes.append(f"Not runnable by autopar's runtime as is: {CUT_NOTE}.")
+    if not graph.cuttable:
+        if config.pp > 1:
+            notes.append(f"Not runnable by autopar's runtime as is: {CUT_NOTE}.")
+        else:
+            notes.append(f"Pipeline parallelism was left out: {CUT_NOTE}.")
     if graph.vocab_size and config.tp > 1 and graph.vocab_size % config.tp:
         notes.append(
             f"Vocabulary {graph.vocab_size} padded to {padded(graph.vocab_size, config.tp)} for tp={config.tp} "

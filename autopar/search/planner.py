@@ -21,7 +21,7 @@ from torch import nn
 from autopar.cost.model import CostModel
 from autopar.cost.peak import budget_bytes
 from autopar.cost.price import price
-from autopar.errors import ConfigError, check_positive_int
+from autopar.errors import ConfigError, ModelError, check_positive_int
 from autopar.graph.extract import extract
 from autopar.graph.layer_graph import LayerGraph
 from autopar.hardware.cluster import Cluster
@@ -167,9 +167,21 @@ def _provenance(measured: Measurements, optimizer, attention, solver: str, start
 
 def _graph(model, cluster: Cluster, fixed, seq_len, sample_input, attention) -> LayerGraph:
     if isinstance(model, LayerGraph):
-        return model
-    dtype = fixed.get("dtype", cluster.device.preferred_dtype)
-    return extract(model, seq_len=seq_len, sample_input=sample_input, dtype=dtype, attention=attention)
+        graph = model
+    else:
+        if isinstance(model, nn.Module) and next(model.parameters(), None) is None:
+            raise ModelError(_NO_PARAMETERS.format(name=type(model).__name__))
+        dtype = fixed.get("dtype", cluster.device.preferred_dtype)
+        graph = extract(model, seq_len=seq_len, sample_input=sample_input, dtype=dtype, attention=attention)
+    if graph.num_params == 0:
+        raise ModelError(_NO_PARAMETERS.format(name=graph.name))
+    return graph
+
+
+_NO_PARAMETERS = (
+    "model {name} has no parameters: there is nothing to train, shard or synchronise, and its plan could not "
+    "run. Pass the model with its layers (on the meta device for a large one)."
+)
 
 
 def _complete(fixed: dict[str, Any], cluster: Cluster, global_batch_size: int) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 import csv
 import math
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -88,22 +89,23 @@ def test_without_proc_stat_nothing_is_claimed(tmp_path):
 
 @pytest.mark.skipif(not Path("/proc/stat").exists(), reason="needs Linux's /proc/stat")
 def test_a_process_we_do_not_wait_for_counts_as_foreign_and_our_own_work_does_not():
-    spin = "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 30: pass\n"
+    """Our time is this process's and its reaped children's (os.times): a child still
+    running is not in it, so the machine's busy time counts it as foreign; once reaped,
+    it is ours. Checked against this process's own clocks, whatever else the machine runs."""
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass\n"
+    children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     child = subprocess.Popen([sys.executable, "-c", spin])
-    try:
-        time.sleep(0.3)
-        start = _foreign_cpu.sample()
-        time.sleep(1.5)
-        with_spinner = _foreign_cpu.between(start, _foreign_cpu.sample())
-    finally:
-        child.kill()
-        child.wait()
-    # a spinning process keeps one core busy; unreaped, its time is not ours
-    assert with_spinner.foreign_cores >= 0.6
-    start = _foreign_cpu.sample()
-    t = time.monotonic()
-    while time.monotonic() - t < 1.5:
+    start, own = _foreign_cpu.sample(), time.process_time()
+    t = time.process_time()
+    while time.process_time() - t < 0.3:
         pass
-    ours = _foreign_cpu.between(start, _foreign_cpu.sample())
-    # the same spin in this process: our time, so the foreign share drops by about a core
-    assert ours.foreign_cores <= with_spinner.foreign_cores - 0.5
+    mid, own_spent = _foreign_cpu.sample(), time.process_time() - own
+    # the running child is not ours: only our own spin is
+    assert mid.ours_s - start.ours_s == pytest.approx(own_spent, abs=0.05)
+    child.wait()
+    end = _foreign_cpu.sample()
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    reaped = (children.ru_utime - children_before.ru_utime) + (children.ru_stime - children_before.ru_stime)
+    assert reaped >= 0.4  # the child spun for half a second of its own CPU time
+    # reaped, it is ours (its CPU time, give or take clock ticks and our own few ms)
+    assert end.ours_s - mid.ours_s == pytest.approx(reaped, abs=0.05)

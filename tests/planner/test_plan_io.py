@@ -54,6 +54,16 @@ def test_inconsistent_plan_refused(pipelined_plan):
         Plan.from_dict(data)
 
 
+@pytest.mark.parametrize("field", ["num_microbatches", "micro_batch_size"])
+def test_a_plan_whose_batch_does_not_add_up_is_refused(pipelined_plan, field):
+    """dp x micro-batch x micro-batches must be the plan's global batch: a hand-edited
+    file that breaks it would run another batch than the one planned."""
+    data = json.loads(pipelined_plan.to_json())
+    data["config"][field] *= 2
+    with pytest.raises(PlanFormatError, match="batch arithmetic is inconsistent"):
+        Plan.from_dict(data)
+
+
 def test_missing_and_broken_files(tmp_path):
     with pytest.raises(PlanFormatError, match="does not exist"):
         Plan.load(tmp_path / "none.json")

@@ -151,10 +151,14 @@ class _ListStack(torch.nn.Module):
 
 
 def test_models_the_runtime_cannot_cut_get_pp_only_when_asked():
+    """Left to itself, the search keeps such a model to pp=1 and its explanation says
+    pipelining was left out and why; asked for pp=2, it plans it with a note that the
+    runtime cannot run it."""
     cluster = autopar.preset("dgx-a100-80gb", nodes=1)
     sample = torch.zeros(1, 512)
     free = autopar.plan(_ListStack(), cluster, global_batch_size=16, sample_input=sample)
     assert free.config.pp == 1 and all(a.config.pp == 1 for a in free.alternatives)
+    assert "Pipeline parallelism was left out: autopar's runtime cannot cut this model" in autopar.explain(free)
     asked = autopar.plan(_ListStack(), cluster, global_batch_size=16, sample_input=sample, constraints={"pp": 2})
     assert asked.config.pp == 2 and any("cannot cut this model" in n for n in asked.notes)
     ours = autopar.plan(
@@ -164,9 +168,10 @@ def test_models_the_runtime_cannot_cut_get_pp_only_when_asked():
 
 
 def test_transformers_decoders_are_offered_pipeline_splits():
-    """GPT-2 and Llama from transformers keep their blocks in a ModuleList, but the
-    runtime runs their stages itself (autopar.runtime.decoder_stages): pipelines are in
-    their search space, as for autopar's own GPT."""
+    """transformers' decoders keep their blocks in a ModuleList, but the runtime runs
+    their stages by the model's own forward (autopar.runtime.decoder_stages): pipelines
+    are in their search space, as for autopar's own GPT (every family:
+    tests/runtime/test_decoder_stages.py)."""
     transformers = pytest.importorskip("transformers")
     with torch.device("meta"):
         model = transformers.GPT2LMHeadModel(
@@ -176,6 +181,18 @@ def test_transformers_decoders_are_offered_pipeline_splits():
     assert extract(model, seq_len=256).cuttable and not extract(_ListStack(), sample_input=torch.zeros(1, 512)).cuttable
     asked = autopar.plan(model, cluster, global_batch_size=16, seq_len=256, constraints={"pp": 2})
     assert asked.config.pp == 2 and not any("cannot cut" in n for n in asked.notes)
+
+
+class _NoParameters(torch.nn.Module):
+    def forward(self, x):
+        return torch.relu(x)
+
+
+def test_a_model_without_parameters_is_refused():
+    """Nothing to train, shard or synchronise: planned, it would fail at run time."""
+    cluster = autopar.preset("local-cpu", devices_per_node=2)
+    with pytest.raises(autopar.ModelError, match="_NoParameters has no parameters"):
+        autopar.plan(_NoParameters(), cluster, global_batch_size=8, sample_input=torch.zeros(1, 16))
 
 
 def test_ddp_must_also_fit_its_bucket_rebuild():

@@ -258,9 +258,13 @@ def all_params(job: Any) -> dict[str, torch.Tensor]:
     return {clean_fqn(n): full(p) for stage in job.stages for n, p in stage.named_parameters(remove_duplicate=False)}
 
 
+PG_TIMEOUT_S = 30
+"""The process-group timeout of every :func:`run`: a collective left waiting fails after it."""
+
+
 def run(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 90) -> list[Any]:
     """``run_spmd`` with the test suite's time limits."""
-    return run_spmd(fn, world, *args, settings=SPMDSettings(timeout_s=timeout_s, pg_timeout_s=30))
+    return run_spmd(fn, world, *args, settings=SPMDSettings(timeout_s=timeout_s, pg_timeout_s=PG_TIMEOUT_S))
 
 
 def assert_parity(results: list[RunResult], ref: RunResult) -> None:

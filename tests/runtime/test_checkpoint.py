@@ -5,6 +5,7 @@ checkpoint intact and loadable."""
 import json
 import os
 import signal
+import warnings
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 import autopar.runtime.checkpoint as ckpt_module
 from autopar.runtime.api import parallelize
 from autopar.runtime.checkpoint import latest_step
+from autopar.runtime.errors import CheckpointError
 from autopar.runtime.spmd import SPMDError
 
 pytestmark = pytest.mark.multiprocess
@@ -108,3 +110,107 @@ def test_killed_save_keeps_the_previous_checkpoint(tmp_path):
         assert step == 1
         for name, value in params.items():
             torch.testing.assert_close(value, ref.params[name], rtol=0, atol=PARAM_ATOL)
+
+
+def _save_one_step(rank, world, plan, path):
+    job = parallelize(build("gpt"), plan, loss_fn=token_loss)
+    opt = job.optimizer(torch.optim.SGD, lr=LR, momentum=MOMENTUM)
+    for batch in job.shard(batches("gpt", 1, plan.config.global_batch_size)):
+        job.step(batch)
+        opt.step()
+        opt.zero_grad()
+    job.save_checkpoint(path, step=1)
+
+
+def _load_error(rank, world, plan, path, with_optimizer, weights_only):
+    job = parallelize(build("gpt"), plan, loss_fn=token_loss)
+    if with_optimizer:
+        job.optimizer(torch.optim.SGD, lr=LR, momentum=MOMENTUM)
+    try:
+        step = job.load_checkpoint(path, weights_only=weights_only)
+    except CheckpointError as exc:
+        return "CheckpointError", str(exc)
+    except BaseException as exc:
+        return type(exc).__name__, str(exc)
+    return step, all_params(job)
+
+
+def _shard(path: Path) -> Path:
+    return sorted((path / "step-00000001").glob("*.distcp"))[-1]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing", "truncated, no manifest"])
+def test_a_damaged_checkpoint_is_refused_naming_the_step_and_the_file(tmp_path, damage):
+    """A shard cut short or gone is found from the manifest of file sizes in
+    autopar.json before any tensor is read, on every rank; a checkpoint without the
+    manifest (format 1) fails inside torch's reader, whose CheckpointException (a
+    BaseException) becomes the same typed error."""
+    plan = make_plan("gpt", dp=2)
+    run(_save_one_step, 2, plan, str(tmp_path))
+    shard = _shard(tmp_path)
+    if damage == "missing":
+        shard.unlink()
+    else:
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    if damage == "truncated, no manifest":
+        meta_file = tmp_path / "step-00000001" / "autopar.json"
+        meta = json.loads(meta_file.read_text())
+        meta_file.write_text(json.dumps({k: v for k, v in meta.items() if k != "files"} | {"format": 1}))
+    for kind, message in run(_load_error, 2, plan, str(tmp_path), True, False):
+        assert kind == "CheckpointError", message
+        assert "step 1" in message
+        if damage != "truncated, no manifest":
+            assert shard.name in message and ("missing" if damage == "missing" else "bytes") in message
+
+
+def test_loading_before_the_optimizer_is_refused_unless_weights_only(tmp_path):
+    """The checkpoint holds SGD's momentum: a job without an optimizer would drop it
+    without a word (the resumed losses then differ), so the load is refused naming the
+    order; weights_only=True loads the model alone, equal to the saved one."""
+    plan = make_plan("gpt", dp=2)
+    run(_save_one_step, 2, plan, str(tmp_path))
+    for kind, message in run(_load_error, 2, plan, str(tmp_path), False, False):
+        assert kind == "CheckpointError" and "job.optimizer(...) before job.load_checkpoint" in message
+    saved = run(_load_error, 2, plan, str(tmp_path), True, False)
+    for (step, params), (ref_step, ref_params) in zip(run(_load_error, 2, plan, str(tmp_path), False, True), saved):
+        assert step == ref_step == 1
+        for name, value in params.items():
+            torch.testing.assert_close(value, ref_params[name], rtol=0, atol=0)
+
+
+def _save_two_steps(rank, world, plan, path):
+    job = parallelize(build("gpt"), plan, loss_fn=token_loss)
+    opt = job.optimizer(torch.optim.SGD, lr=LR)
+    for step, batch in enumerate(job.shard(batches("gpt", 2, plan.config.global_batch_size))):
+        job.step(batch)
+        opt.step()
+        opt.zero_grad()
+        job.save_checkpoint(path, step=step + 1)
+
+
+def _load_latest(rank, world, plan, path):
+    job = parallelize(build("gpt"), plan, loss_fn=token_loss)
+    job.optimizer(torch.optim.SGD, lr=LR)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = job.load_checkpoint(path)
+    return step, [str(w.message) for w in caught if "autopar checkpoint" in str(w.message)]
+
+
+@pytest.mark.parametrize("stale", ["killed between the renames", "incomplete"])
+def test_a_stale_latest_falls_back_to_the_newest_complete_checkpoint(tmp_path, stale):
+    """``latest`` names step 2, but step 2 is gone (a save of it killed after the old
+    directory was moved aside and before the new one was renamed in) or lacks its
+    autopar.json: loading without a step takes step 1, the newest complete one, and
+    warns on every rank saying so."""
+    plan = make_plan("gpt", dp=2)
+    run(_save_two_steps, 2, plan, str(tmp_path))
+    second = tmp_path / "step-00000002"
+    if stale == "incomplete":
+        (second / "autopar.json").unlink()
+    else:
+        second.rename(tmp_path / ".step-00000002.old")
+    for step, notes in run(_load_latest, 2, plan, str(tmp_path)):
+        assert step == 1
+        assert len(notes) == 1 and "'latest' names step-00000002, which is incomplete or missing" in notes[0]
+        assert "loading step-00000001" in notes[0]

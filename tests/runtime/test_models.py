@@ -118,8 +118,13 @@ def make(model, styles=None, sample=None, **config):
     return plan
 
 
+def _built(model):
+    """A model of BUILD by name, or from a builder (a picklable callable)."""
+    return BUILD[model]() if isinstance(model, str) else model()
+
+
 def hf_reference(name, plan, steps=5):
-    model = BUILD[name]()
+    model = _built(name)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for x, y in batches("gpt", steps, plan.config.global_batch_size):
@@ -134,7 +139,7 @@ def hf_reference(name, plan, steps=5):
 
 
 def hf_train(rank, world, name, plan, steps=5):
-    job = parallelize(BUILD[name](), plan, loss_fn=hf_loss)
+    job = parallelize(_built(name), plan, loss_fn=hf_loss)
     opt = job.optimizer(torch.optim.SGD, lr=LR)
     losses = []
     for batch in job.shard(batches("gpt", steps, plan.config.global_batch_size)):

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.cost.leaf import allowed_styles, leaf_param_numel
-from autopar.cost.memory import state_bytes
+from autopar.cost.memory import config_state_bytes
 from autopar.cost.model import CostModel, tp_context
 from autopar.cost.pipeline import inflight_microbatches
 from autopar.hardware.device import HostEffects
@@ -50,17 +50,7 @@ def states_floor_bytes(model: CostModel, config: ParallelConfig, param_numel: fl
     ZeRO stage and data parallelism, before the pipeline spreads them (Adafactor's
     factored state is left out: it depends on the layout). Reads ``tp``, ``dtype``,
     ``zero_stage``, ``dp`` and whether ``pp > 1``."""
-    st = state_bytes(
-        param_numel=param_numel,
-        factored_numel=0.0,
-        largest_unit_numel=0.0,
-        dtype=config.dtype,
-        optimizer=model.optimizer,
-        zero_stage=config.zero_stage,
-        dp=config.dp,
-        pipelined=config.pp > 1,
-        tp=config.tp,
-    )
+    st = config_state_bytes(config, model.optimizer, param_numel=param_numel)
     return st.params_bytes + st.grads_bytes + (st.optimizer_bytes if model.optimizer is not Optimizer.ADAFACTOR else 0)
 
 

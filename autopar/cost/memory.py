@@ -30,8 +30,12 @@ Pure functions of numbers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from autopar.vocab import DType, Optimizer
+
+if TYPE_CHECKING:
+    from autopar.plan import ParallelConfig
 
 MASTER_BYTES = 4.0
 GRAD_BYTES = 4.0
@@ -65,6 +69,29 @@ def uses_replicate(*, dp: int, pipelined: bool, tp: int) -> bool:
     """Whether ZeRO-0/1 run FSDP2's ``replicate`` rather than DDP
     (``autopar.runtime.data_parallel``): with pipelining or tensor parallelism."""
     return dp > 1 and (pipelined or tp > 1)
+
+
+def config_state_bytes(
+    config: ParallelConfig,
+    optimizer: Optimizer,
+    *,
+    param_numel: float,
+    factored_numel: float = 0.0,
+    largest_unit_numel: float = 0.0,
+) -> StateBytes:
+    """:func:`state_bytes` under ``config``'s precision, ZeRO stage and data-, tensor- and
+    pipeline-parallel degrees."""
+    return state_bytes(
+        param_numel=param_numel,
+        factored_numel=factored_numel,
+        largest_unit_numel=largest_unit_numel,
+        dtype=config.dtype,
+        optimizer=optimizer,
+        zero_stage=config.zero_stage,
+        dp=config.dp,
+        pipelined=config.pp > 1,
+        tp=config.tp,
+    )
 
 
 def state_bytes(

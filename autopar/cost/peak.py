@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.cost.memory import state_bytes
+from autopar.cost.memory import config_state_bytes
 from autopar.cost.model import CostModel
 from autopar.cost.pipeline import inflight_microbatches
 from autopar.cost.recompute import UnitOption
@@ -70,16 +70,12 @@ def footprint(model: CostModel, option: UnitOption, config: ParallelConfig) -> F
     The loss's backward is over, and what it kept but the logits freed, before the
     unit's gathers and reductions begin (fully recomputed, those stay activations)."""
     lay = option.layout
-    st = state_bytes(
+    st = config_state_bytes(
+        config,
+        model.optimizer,
         param_numel=lay.param_numel,
         factored_numel=lay.factored_numel,
         largest_unit_numel=lay.param_numel,
-        dtype=config.dtype,
-        optimizer=model.optimizer,
-        zero_stage=config.zero_stage,
-        dp=config.dp,
-        pipelined=config.pp > 1,
-        tp=config.tp,
     )
     freed = lay.loss_working_bytes + (
         lay.loss_saved_bytes - lay.held_output_bytes if option.recompute is not Recompute.FULL else 0.0
@@ -122,17 +118,7 @@ def _owner_style(model: CostModel, option: UnitOption, unit: int, module: str) -
 
 def shared_state_bytes(model: CostModel, config: ParallelConfig, numel: float) -> float:
     """State bytes of ``numel`` tied elements counted twice."""
-    st = state_bytes(
-        param_numel=numel,
-        factored_numel=numel,
-        largest_unit_numel=0.0,
-        dtype=config.dtype,
-        optimizer=model.optimizer,
-        zero_stage=config.zero_stage,
-        dp=config.dp,
-        pipelined=config.pp > 1,
-        tp=config.tp,
-    )
+    st = config_state_bytes(config, model.optimizer, param_numel=numel, factored_numel=numel)
     return st.params_bytes + st.grads_bytes + st.optimizer_bytes
 
 
@@ -160,17 +146,7 @@ def rank_memory(
     prints = [footprint(model, o, config) for _, o in rank]
     params = sum(o.layout.param_numel for _, o in rank)
     factored = sum(o.layout.factored_numel for _, o in rank)
-    st = state_bytes(
-        param_numel=params,
-        factored_numel=factored,
-        largest_unit_numel=0.0,
-        dtype=config.dtype,
-        optimizer=model.optimizer,
-        zero_stage=config.zero_stage,
-        dp=config.dp,
-        pipelined=pp > 1,
-        tp=config.tp,
-    )
+    st = config_state_bytes(config, model.optimizer, param_numel=params, factored_numel=factored)
     static = st.params_bytes + st.grads_bytes + st.optimizer_bytes
     shared = shared_state_bytes(model, config, held_once_numel(model, config, dict(rank)))
     scale = (static - shared) / static if static else 1.0

@@ -15,8 +15,8 @@ reserve for context and fragmentation.
 
     python benchmarks/runtime_overhead.py [--repeats 3] [--steps 6]
 
-Numbers on a shared 2-core machine vary by tens of percent run to run (TORCH-CPU.md
-section 10); read the ratio, not the absolute times.
+Numbers on a shared 2-core machine vary by tens of percent run to run; read the ratio,
+not the absolute times.
 """
 
 from __future__ import annotations

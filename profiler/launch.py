@@ -51,7 +51,7 @@ def _child(fn: Callable, rank: int, world: int, args: tuple, env: dict[str, str]
         except Exception as exc:  # an unpicklable result
             conn.send((False, f"rank {rank}: could not send the result back: {exc}"))
         conn.close()
-        os._exit(0)  # skip interpreter teardown: gloo threads can abort it (TORCH-CPU.md section 10)
+        os._exit(0)  # skip interpreter teardown: gloo's threads can abort it
 
 
 def launch_local(

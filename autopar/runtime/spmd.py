@@ -77,7 +77,7 @@ def _child(
         except Exception as exc:  # an unpicklable result
             conn.send_bytes(pickle.dumps(("err", f"rank {rank}: could not send the result back: {exc}")))
         conn.close()
-        os._exit(0)  # skip interpreter teardown: gloo threads can abort it (TORCH-CPU.md section 10)
+        os._exit(0)  # skip interpreter teardown: gloo's threads can abort it
 
 
 def run_spmd(

@@ -11,7 +11,7 @@ place of fp32 (eps = 1.2e-7). ``LOSS_ATOL``: 10 ulps at the losses' magnitude (~
 ulp 4.8e-7). ``PARAM_ATOL``: 10 ulps at the largest parameters (~1, ulp 1.2e-7) after
 five SGD steps, which add lr x gradient differences of the same order. SGD, not Adam:
 Adam divides by the square root of tiny second moments and turns 1e-9 gradient noise
-into 1e-4 parameter differences (TORCH-CPU.md, section 4).
+into 1e-4 parameter differences.
 """
 
 from __future__ import annotations

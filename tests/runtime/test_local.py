@@ -14,8 +14,8 @@ pytestmark = pytest.mark.multiprocess
 LR = 1e-3
 ADAM_LOSS_ATOL = 1e-5
 """``run_locally`` trains with AdamW, which turns gradient noise of a few ulps into
-parameter differences of up to ~lr x 1e-2 where a gradient is nearly zero
-(TORCH-CPU.md, section 4); after two such steps the loss (~1) moves by far less than
+parameter differences of up to ~lr x 1e-2 where a gradient is nearly zero (it divides
+by the square root of a tiny second moment); after two such steps the loss (~1) moves by far less than
 1e-5, while a wrong layout moves it by more than 1e-2 at once."""
 
 

@@ -10,7 +10,11 @@ from autopar.profiles import cluster_from_profiles
 from autopar.profiles.report import ProfileReport
 
 pytestmark = pytest.mark.multiprocess
-RATE_MBIT = 100  # 12.5 MB/s: far below what gloo moves on this machine, so the link is the bottleneck
+# 3.1 MB/s: far below what gloo moves on this machine, so the link is the bottleneck. At
+# 100 Mbit the fit came out 0.72-0.93 of the rate: the fixed gaps of each gloo transfer
+# (the receiver posting its buffer, a barrier between repeats) and a stalled sender cost
+# more than tbf's 32 KB burst covers (2.6 ms of tokens at 100 Mbit, 10 ms at 25 Mbit).
+RATE_MBIT = 25
 
 
 def test_fitted_inter_node_bandwidth_matches_the_shaped_rate(tmp_path):
@@ -20,13 +24,13 @@ def test_fitted_inter_node_bandwidth_matches_the_shaped_rate(tmp_path):
             [
                 "network",
                 "--min-bytes",
-                "64K",
+                "16K",
                 "--max-bytes",
-                "4M",
+                "1M",
                 "--factor",
                 "4",
                 "--repeats",
-                "2",
+                "3",
                 "--ops",
                 "all_reduce,send_recv",
                 "--levels",

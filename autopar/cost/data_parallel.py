@@ -20,7 +20,7 @@ from __future__ import annotations
 from autopar.cost.comm import GroupSpan, all_gather_s, all_reduce_s, group_span, reduce_scatter_s
 from autopar.cost.compute import rates
 from autopar.cost.host import fsdp_copy_s, fsdp_framework_s, optimizer_bytes_per_s, ranks_wait_s
-from autopar.cost.memory import compute_copy_bytes, optimizer_step_bytes
+from autopar.cost.memory import GRAD_BYTES, compute_copy_bytes, optimizer_step_bytes
 from autopar.cost.model import CostModel
 from autopar.cost.peak import held_once_numel
 from autopar.cost.stage import PricedStage
@@ -36,9 +36,21 @@ def optimizer_step_s(device: DeviceSpec, dtype: DType, optimizer: Optimizer, num
     return optimizer_step_bytes(optimizer) * numel / rate
 
 
+def finite_check_s(model: CostModel, config: ParallelConfig, grad_numel: float) -> float:
+    """The check before each optimizer step that every rank's loss and gradients are
+    finite (:mod:`autopar.runtime.finite`): one read of the rank's ``grad_numel`` local
+    gradients (a read and a write under fp16, whose unscale divides them in place) at
+    the device's streaming rate, and an all-reduce of two numbers over the world."""
+    cl = model.cluster
+    passes = 2 if config.dtype is DType.FP16 else 1
+    read_s = passes * GRAD_BYTES * grad_numel / rates(cl.device, config.dtype).bytes_per_s
+    world = group_span(config.dp * config.tp * config.pp, 1, cl.devices_per_node)
+    return read_s + all_reduce_s(2 * 4.0, world, cl)
+
+
 def tail_s(model: CostModel, stage: PricedStage, config: ParallelConfig) -> tuple[float, float]:
-    """(exposed data-parallel communication, optimizer step) of a stage per step (module
-    docstring)."""
+    """(exposed data-parallel communication, optimizer step with its finite check) of a
+    stage per step (module docstring)."""
     n = model.num_units
     params = sum(o.layout.param_numel for o in stage.options)
     params -= held_once_numel(model, config, dict(zip(stage.units, stage.options)))  # one tensor: reduced, stepped once
@@ -85,7 +97,10 @@ def tail_s(model: CostModel, stage: PricedStage, config: ParallelConfig) -> tupl
     if config.pp > 1 and model.graph.shared and (0 in stage.units or n - 1 in stage.units):
         exposed += tied_all_reduce_s(model, config)
     local = params / config.dp if config.zero_stage >= 1 else params
-    return exposed, optimizer_step_s(cl.device, config.dtype, model.optimizer, local)
+    grads = params / config.dp if config.zero_stage >= 2 else params
+    return exposed, optimizer_step_s(cl.device, config.dtype, model.optimizer, local) + finite_check_s(
+        model, config, grads
+    )
 
 
 def tied_all_reduce_s(model: CostModel, config: ParallelConfig) -> float:
@@ -97,12 +112,13 @@ def tied_all_reduce_s(model: CostModel, config: ParallelConfig) -> float:
 
 def unhidden_floor_s(model: CostModel, config: ParallelConfig, local_params: float) -> float:
     """What no schedule hides of a stage holding ``local_params`` parameters: the
-    optimizer step, ZeRO-1's all-gather of the updated parameters, and under pipelining
+    optimizer step and its finite check, ZeRO-1's all-gather of the updated parameters, and under pipelining
     ZeRO-2/3's reduce-scatter (deferred to the last micro-batch): a lower bound of
     :func:`tail_s`'s sum for any stage of at least that many parameters."""
     cl = model.cluster
     local = local_params / config.dp if config.zero_stage >= 1 else local_params
-    floor = optimizer_step_s(cl.device, config.dtype, model.optimizer, local)
+    grads = local_params / config.dp if config.zero_stage >= 2 else local_params
+    floor = optimizer_step_s(cl.device, config.dtype, model.optimizer, local) + finite_check_s(model, config, grads)
     if config.dp > 1:
         span = group_span(config.dp, config.tp, cl.devices_per_node)
         if config.zero_stage == 1:

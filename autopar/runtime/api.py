@@ -19,11 +19,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopar.errors import ConfigError
 from autopar.graph.extract import extract
 from autopar.graph.units import model_fingerprint
 from autopar.plan import Plan
+from autopar.runtime.agreement import check_agreement
 from autopar.runtime.data_parallel import DataParallelSpec, apply_data_parallel
 from autopar.runtime.errors import PlanMismatchError
+from autopar.runtime.finite import DEFAULT_MAX_CONSECUTIVE_SKIPS, SkipCounter
 from autopar.runtime.init import InitFn, Materializer, is_meta
 from autopar.runtime.job import Job, JobParts
 from autopar.runtime.layouts import TPLayout, resolve
@@ -73,6 +76,7 @@ def parallelize(
     measure_memory: bool = True,
     analysis: Analysis | None = None,
     materialize: bool = True,
+    max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
 ) -> Job:
     """Apply ``plan`` to ``model`` on this rank and return the Job that trains it.
 
@@ -103,14 +107,27 @@ def parallelize(
         analysis: the result of :func:`analyse` for this model and plan, if already made.
         materialize: False keeps a meta model on the meta device, sharded but without
             storage, and skips DDP (which needs real tensors): for dry runs only.
+        max_consecutive_skips: steps in a row the optimizer may skip because some rank's
+            loss or gradient is not finite before the job stops with
+            :class:`~autopar.runtime.errors.NonFiniteError` (:mod:`autopar.runtime.finite`).
     """
     tie_to_launcher()
+    if (
+        isinstance(max_consecutive_skips, bool)
+        or not isinstance(max_consecutive_skips, int)
+        or max_consecutive_skips < 0
+    ):
+        raise ConfigError(
+            f"max_consecutive_skips={max_consecutive_skips!r}: it must be an integer >= 0 (0 stops the job at "
+            f"the first non-finite step); pass e.g. {DEFAULT_MAX_CONSECUTIVE_SKIPS}."
+        )
     dims = MeshDims.of(plan)
     if not dist.is_initialized():
         raise PlanMismatchError(
             "no default process group: call torch.distributed.init_process_group (torchrun or "
             "autopar run do it) before autopar.parallelize."
         )
+    check_agreement(plan, model_fingerprint(model))
     dims.check_world_size(dist.get_world_size())
     analysis = analysis or analyse(model, plan, sample_input=sample_input)
     layout, tied = analysis.layout, analysis.tied
@@ -157,6 +174,7 @@ def parallelize(
         device=device,
         memory=memory,
         scaler=scaler,
+        skips=SkipCounter(max_consecutive_skips=max_consecutive_skips),
     )
     return Job(parts)
 

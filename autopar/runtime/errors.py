@@ -31,3 +31,8 @@ class CheckpointError(AutoparError):
 
 class JobError(AutoparError):
     """The job was used out of order (an optimizer created twice, a step without one)."""
+
+
+class NonFiniteError(AutoparError):
+    """Too many steps in a row had a non-finite loss or gradient on some rank; every
+    rank raises it at the same step (:mod:`autopar.runtime.finite`)."""

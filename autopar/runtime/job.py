@@ -9,6 +9,7 @@ norm, saves and loads resharding checkpoints, and records per-step metrics.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from autopar.errors import ConfigError
 from autopar.plan import Plan
 from autopar.runtime import checkpoint as ckpt
 from autopar.runtime.errors import JobError
+from autopar.runtime.finite import SkipCounter, Verdict, agree, nonfinite
 from autopar.runtime.grad_norm import clip_, global_grad_norm
 from autopar.runtime.loss_scale import LossScaler
 from autopar.runtime.mesh import MESH_AXES, MeshDims
@@ -52,6 +54,8 @@ class JobParts:
         memory: the peak-memory meter.
         scaler: the dynamic loss scale of an fp16 plan (None otherwise); the schedule's
             loss is already multiplied by it.
+        skips: counts steps skipped for non-finite values (:mod:`autopar.runtime.finite`).
+        metrics: one record per step.
     """
 
     plan: Plan
@@ -66,6 +70,7 @@ class JobParts:
     device: torch.device
     memory: MemoryMeter
     scaler: LossScaler | None = None
+    skips: SkipCounter = field(default_factory=SkipCounter)
     metrics: list[StepMetrics] = field(default_factory=list)
 
 
@@ -81,6 +86,8 @@ class Job:
         self._optimizer: ShardedOptimizer | None = None
         self._data_position = 0
         self._step = 0
+        self._loss_bad: torch.Tensor | None = None  # this rank's loss of the last step was not finite
+        self._verdict: Verdict | None = None  # the world's verdict on the last step, once asked
 
     # ----- what this rank holds -------------------------------------------------------
     @property
@@ -127,19 +134,34 @@ class Job:
             raise JobError("job.optimizer() was already called; keep the optimizer it returned.")
         zero1 = self.plan.config.zero_stage == 1 and self.dims.dp > 1
         group = self.mesh["dp"].get_group() if zero1 else None
-        gate = self._unscale_and_update if self._p.scaler is not None else None
-        self._optimizer = ShardedOptimizer(self._p.stages, optimizer_cls, kwargs, dp_group=group, gate=gate)
+        self._optimizer = ShardedOptimizer(self._p.stages, optimizer_cls, kwargs, dp_group=group, gate=self._gate)
         return self._optimizer
 
-    def _unscale(self) -> bool:
-        """Unscale an fp16 step's gradients (once); whether any rank overflowed."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        return self._p.scaler.unscale_(grads, self._p.device)
+    def _step_verdict(self) -> Verdict:
+        """Whether the last step's loss and gradients are finite on every rank, asked
+        once per step (an fp16 step's gradients are unscaled on the way)."""
+        if self._verdict is None:
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            device = self._p.device
+            scaler = self._p.scaler
+            grads_bad = scaler.unscale_(grads, device) if scaler is not None else nonfinite(grads, device)
+            loss_bad = self._loss_bad if self._loss_bad is not None else torch.zeros((), dtype=torch.bool)
+            self._verdict = agree(loss_bad, grads_bad, device)
+        return self._verdict
 
-    def _unscale_and_update(self) -> bool:
-        """The optimizer's gate under loss scaling: step only if no rank overflowed."""
-        self._unscale()
-        return self._p.scaler.update()
+    def _gate(self) -> bool:
+        """The optimizer's gate: step only when every rank's loss and gradients are
+        finite; a skip updates the fp16 scale, is recorded in ``metrics``, and past the
+        limit stops the job (:class:`~autopar.runtime.finite.SkipCounter`)."""
+        verdict = self._step_verdict()
+        self._verdict, self._loss_bad = None, None
+        if self._p.scaler is not None:
+            self._p.scaler.update(found_inf=not verdict.finite)
+        step = self._step - 1
+        metrics = self._p.metrics
+        if not verdict.finite and metrics and metrics[-1].step == step:
+            metrics[-1] = dataclasses.replace(metrics[-1], skipped=True, skip_reason=verdict.cause())
+        return self._p.skips.admit(step, verdict, loss_scale=self.loss_scale)
 
     @property
     def loss_scale(self) -> float | None:
@@ -169,6 +191,7 @@ class Job:
         ``clip_grad_norm_``, ``opt.step()`` and ``opt.zero_grad()`` after.
         """
         inputs, targets = _unpack(batch)
+        self._verdict, self._loss_bad = None, None
         cfg = self.plan.config
         expected = cfg.micro_batch_size * cfg.num_microbatches
         rows = _rows(inputs)
@@ -227,6 +250,7 @@ class Job:
                 local /= self._p.scaler.scale
         else:
             local = torch.zeros(1)
+        self._loss_bad = ~torch.isfinite(local).all()
         local = local.to(self._p.device)
         if self.dims.pp > 1:
             dist.all_reduce(local, group=self.mesh["pp"].get_group())
@@ -238,22 +262,27 @@ class Job:
     def grad_norm(self) -> float:
         """The L2 norm of the whole model's gradient (every stage, every shard, tied
         parameters once); the same on every rank. Under fp16 loss scaling the
-        gradients are unscaled first (inf when a rank overflowed)."""
-        if self._p.scaler is not None and self._unscale():
-            return float("inf")
+        gradients are unscaled first. inf (fp16) or NaN when some rank's loss or
+        gradient was not finite: the optimizer will skip this step."""
+        if not self._step_verdict().finite:
+            return self._nonfinite_norm()
         return float(global_grad_norm(self.named_parameters(), self.coordinate, self._duplicates()))
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale all gradients so their global norm is at most ``max_norm``; returns the
         norm before clipping (as ``torch.nn.utils.clip_grad_norm_``). Under fp16 loss
-        scaling the gradients are unscaled first; after an overflow it returns inf and
-        leaves them (the optimizer skips that step)."""
-        if self._p.scaler is not None and self._unscale():
-            return float("inf")
+        scaling the gradients are unscaled first. When some rank's loss or gradient was
+        not finite it returns inf (fp16) or NaN and leaves them: the optimizer skips
+        that step."""
+        if not self._step_verdict().finite:
+            return self._nonfinite_norm()
         params = self.named_parameters()
         norm = global_grad_norm(params, self.coordinate, self._duplicates())
         clip_(params, norm, max_norm)
         return float(norm)
+
+    def _nonfinite_norm(self) -> float:
+        return float("inf") if self._p.scaler is not None else float("nan")
 
     def _duplicates(self) -> frozenset[str]:
         return frozenset(f for t in self._p.tied for f in t.fqns[1:])

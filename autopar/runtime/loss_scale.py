@@ -6,9 +6,9 @@ by it before the optimizer step; when a scaled gradient overflows, the step is s
 and the scale halved, and after ``growth_interval`` clean steps the scale doubles
 (Micikevicius et al. 2018, "Mixed Precision Training"; the rule and defaults of
 ``torch.amp.GradScaler``). ``GradScaler`` decides from one rank's tensors; here the
-overflow flag is reduced over the whole world, so every rank of every stage, shard and
-replica skips the same steps, and DTensor gradients (FSDP2 and tensor-parallel shards)
-are unscaled in place. bf16 has fp32's exponent range and needs none of this.
+overflow flag is the world's verdict on the step (:mod:`autopar.runtime.finite`), so
+every rank of every stage, shard and replica skips the same steps, and DTensor gradients
+(FSDP2 and tensor-parallel shards) are unscaled in place. bf16 has fp32's exponent range and needs none of this.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+
+from autopar.runtime.finite import nonfinite
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -39,7 +39,7 @@ class LossScaler:
     backoff_factor: float = 0.5
     growth_interval: int = 2000
     clean_steps: int = 0
-    _found_inf: bool | None = None  # this step's verdict once its gradients are unscaled
+    _local_inf: torch.Tensor | None = None  # this rank's overflow flag once the step's gradients are unscaled
 
     def scaled(self, loss_fn: LossFn) -> LossFn:
         """``loss_fn`` times the scale current when it is called."""
@@ -49,39 +49,30 @@ class LossScaler:
 
         return scaled_loss
 
-    def unscale_(self, grads: Iterable[torch.Tensor], device: torch.device) -> bool:
+    def unscale_(self, grads: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
         """Divide this step's gradients by the scale (once per step; later calls return
-        the first verdict) and return whether any rank found an inf or NaN. Every rank
-        must call it: the verdict is all-reduced over the default group."""
-        if self._found_inf is None:
+        the first result) and return whether any of this rank's is inf or NaN, a 0-dim
+        bool on ``device``. The world's verdict comes from :func:`autopar.runtime.finite.agree`."""
+        if self._local_inf is None:
+            grads = list(grads)
             inv = 1.0 / self.scale
-            flags = []
             for g in grads:
                 g.mul_(inv)
-                local = g.to_local() if isinstance(g, DTensor) else g
-                flags.append((~torch.isfinite(local)).any().to(device))  # stays on the device: one sync below
-            bad = torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool, device=device)
-            bad = bad.float().reshape(1)
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-            self._found_inf = bool(bad.item() > 0)
-        return self._found_inf
+            self._local_inf = nonfinite(grads, device)
+        return self._local_inf
 
-    def update(self) -> bool:
-        """End the step: back off after an overflow, grow after ``growth_interval`` clean
-        steps; returns whether the optimizer should step. Call after ``unscale_``."""
-        if self._found_inf is None:
-            raise RuntimeError("LossScaler.update() before unscale_(): the step's gradients were never checked.")
-        step = not self._found_inf
-        self._found_inf = None
-        if not step:
+    def update(self, found_inf: bool) -> None:
+        """End the step with the world's verdict: back off after an overflow, grow after
+        ``growth_interval`` clean steps."""
+        self._local_inf = None
+        if found_inf:
             self.scale *= self.backoff_factor
             self.clean_steps = 0
-            return False
+            return
         self.clean_steps += 1
         if self.clean_steps == self.growth_interval:
             self.scale *= self.growth_factor
             self.clean_steps = 0
-        return True
 
     def state(self) -> dict[str, float]:
         """What a checkpoint keeps."""
@@ -91,4 +82,4 @@ class LossScaler:
         """Continue from a checkpoint's ``state()``."""
         self.scale = float(state["scale"])
         self.clean_steps = int(state["clean_steps"])
-        self._found_inf = None
+        self._local_inf = None

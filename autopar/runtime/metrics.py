@@ -56,12 +56,17 @@ class StepMetrics:
         loss: the mean loss over the global batch.
         peak_memory_bytes: peak tensor bytes during the step (see module docstring), or
             -1 where not measured.
+        skipped: the optimizer skipped this step: some rank's loss or gradient was not
+            finite (:mod:`autopar.runtime.finite`).
+        skip_reason: what was not finite and on which rank first, when skipped.
     """
 
     step: int
     wall_time_s: float
     loss: float
     peak_memory_bytes: int
+    skipped: bool = False
+    skip_reason: str = ""
 
 
 class MemoryMeter:

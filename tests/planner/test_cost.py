@@ -192,3 +192,22 @@ def test_a_measured_curve_prices_its_collective_on_groups_of_its_size():
     assert all_reduce_s(1e6, across, c) == pytest.approx(1e-3 + 2 * 3 / 4 * (1e6 / 8) / BE + 2 * 2 * AE)
     assert p2p_s(5005e2, cross_node=True, cluster=c) == pytest.approx(5e-5 + 0.5 * 1.5e-4)
     assert p2p_s(1e6, cross_node=False, cluster=c) == pytest.approx(1e6 / BI + AI)
+
+
+def test_the_finite_check_reads_the_local_gradients_and_reduces_two_numbers_over_the_world():
+    """Before each optimizer step every rank reads its fp32 gradients once (twice under
+    fp16: the unscale writes them) and 32 ranks all-reduce 8 bytes: a ring inside each
+    node and a tree over the 4 nodes, each pass paying its latency."""
+    from autopar.cost.data_parallel import finite_check_s
+    from autopar.cost.model import CostModel
+    from autopar.plan import ParallelConfig
+    from autopar.vocab import Optimizer
+
+    graph = extract(build_named_model("gpt3-6.7b"), seq_len=2048, attention="flash")
+    model = CostModel(graph=graph, cluster=DGX, optimizer=Optimizer.ADAM, global_batch_size=32)
+    bw = DGX.device.roofline.memory_bandwidth_bytes_per_s * DGX.device.roofline.memory_efficiency
+    reduce_s = 2 * 7 / 8 * 8 / BI + 2 * 7 * AI + 2 * 3 / 4 * 1 / BE + 2 * 2 * AE
+    for dtype, passes in ((DType.BF16, 1), (DType.FP16, 2)):
+        config = ParallelConfig(dp=4, tp=8, pp=1, micro_batch_size=1, num_microbatches=1, dtype=dtype)
+        expected = passes * 4 * 1e9 / bw + reduce_s
+        assert finite_check_s(model, config, 1e9) == pytest.approx(expected, rel=1e-12)

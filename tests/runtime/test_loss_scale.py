@@ -100,9 +100,10 @@ def _schedule(rank, world):
     for bad in (False, False, True, False):
         g = torch.full((3,), 2.0**16) if not bad else torch.tensor([1.0, float("nan"), 1.0])
         grads = [g]
-        scaler.unscale_(grads, torch.device("cpu"))
+        found = bool(scaler.unscale_(grads, torch.device("cpu")))
         scaler.unscale_(grads, torch.device("cpu"))  # a second call (clip, then step) does not divide again
-        verdicts.append((scaler.update(), float(g[0])))
+        scaler.update(found_inf=found)
+        verdicts.append((not found, float(g[0])))
         scales.append(scaler.scale)
     return verdicts, scales, scaler.state()
 

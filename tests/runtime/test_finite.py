@@ -94,7 +94,9 @@ def _reference_skipping(plan, skipped: set[int]) -> RunResult:
             opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return RunResult(losses=losses, params={n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)})
+    return RunResult(
+        losses=losses, params={n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    )
 
 
 @pytest.mark.parametrize(

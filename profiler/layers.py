@@ -15,6 +15,9 @@ measurements, not 98. For each distinct unit the profiler records:
 - the unit's kernels as the analytic cost model sees them (from ``autopar.graph``), so
   that ``autopar.profiles.layer_calibration`` can compare the measured time with the
   roofline prediction at the same shape.
+
+The profile also records the model's fingerprint and parameter shapes, so that the
+planner applies it to this model only (:mod:`autopar.profiles.identity`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from torch import nn
 
 from autopar.graph import UNIT_INPUT, LayerGraph, UnitProfile, extract
 from autopar.graph.extract import _default_loss
+from autopar.profiles.identity import parameter_shapes
 from autopar.profiles.report import ProfileReport
 from autopar.profiles.sections import ModelProfile, Timing, UnitMeasurement, WorkItem
 from profiler.census import FlopLap, MemoryLap, math_attention
@@ -150,6 +154,8 @@ def profile_model(
     first = tensors(inputs)[0]
     layers = ModelProfile(
         model=name or type(model).__name__,
+        model_fingerprint=graph.fingerprint,
+        parameter_shapes=parameter_shapes(model),
         batch=batch,
         seq_len=graph.seq_len,
         sample_shape=tuple(int(s) for s in first.shape),

@@ -112,11 +112,8 @@ def _add_search_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load_profiles(paths: Sequence[str] | None) -> Any:
-    if not paths:
-        return None
-    from autopar.profiles.report import ProfileReport
-
-    return [ProfileReport.load(p) for p in paths]
+    """The ``--profile`` files, passed as paths so that errors and plan notes name them."""
+    return list(paths) if paths else None
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

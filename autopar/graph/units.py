@@ -142,11 +142,11 @@ def model_fingerprint(model: nn.Module) -> str:
         if id(p) in seen:
             continue
         seen.add(id(p))
-        parts.append(f"{_strip_wrappers(name)}:{tuple(p.shape)}")
+        parts.append(f"{strip_wrappers(name)}:{tuple(p.shape)}")
     return hashlib.sha1("|".join(sorted(parts)).encode()).hexdigest()[:16]
 
 
-def _strip_wrappers(name: str) -> str:
+def strip_wrappers(name: str) -> str:
     """Parameter names as the unwrapped model has them (activation checkpointing and
     torch.compile insert a submodule level)."""
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")

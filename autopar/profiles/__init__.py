@@ -8,17 +8,20 @@ from autopar.profiles.calibration import (
     profile_sources,
     recompute_calibration,
 )
+from autopar.profiles.identity import ProfileModelError, parameter_shapes
 from autopar.profiles.report import SCHEMA, SCHEMA_VERSION, ProfileReport
 from autopar.profiles.to_cluster import cluster_from_profiles
 
 __all__ = [
     "SCHEMA",
     "SCHEMA_VERSION",
+    "ProfileModelError",
     "ProfileReport",
     "UnitCalibration",
     "calibrate_units",
     "cluster_from_profiles",
     "layer_calibration",
+    "parameter_shapes",
     "profile_sources",
     "recompute_calibration",
 ]

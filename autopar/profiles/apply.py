@@ -9,6 +9,7 @@ from typing import Any
 
 from autopar.hardware.cluster import Cluster
 from autopar.profiles.calibration import layer_calibration, profile_sources, recompute_calibration
+from autopar.profiles.sections import ModelProfile
 from autopar.profiles.to_cluster import cluster_from_profiles, latest, read_reports
 
 
@@ -21,12 +22,16 @@ class Measurements:
         sources: one line per report (what, where, when).
         calibration: unit key -> measured over predicted compute time.
         recompute_fractions: unit key -> full recomputation's cost over the forward.
+        layers: the layers section the factors come from, with its report's origin
+            (None where the profile has none), to check it against the planned model
+            (:func:`autopar.profiles.identity.match_layer_profile`).
     """
 
     cluster: Cluster
     sources: tuple[str, ...] = ()
     calibration: Mapping[str, float] = field(default_factory=dict)
     recompute_fractions: Mapping[str, float] = field(default_factory=dict)
+    layers: tuple[str, ModelProfile] | None = None
 
 
 def measurements(cluster: Cluster, profile: Any) -> Measurements:
@@ -35,10 +40,11 @@ def measurements(cluster: Cluster, profile: Any) -> Measurements:
     compute factors and recompute fractions."""
     if profile is None:
         return Measurements(cluster=cluster)
-    has_layers = latest(read_reports(profile), "layers") is not None
+    found = latest(read_reports(profile), "layers")
     return Measurements(
         cluster=cluster_from_profiles(profile, base=cluster),
         sources=profile_sources(profile),
-        calibration=layer_calibration(profile, base=cluster) if has_layers else {},
+        calibration=layer_calibration(profile, base=cluster) if found is not None else {},
         recompute_fractions=recompute_calibration(profile),
+        layers=found,
     )

@@ -272,9 +272,17 @@ class ModelProfile:
     models). ``dtype``: the model's parameter precision. ``device``/``device_kind``: the
     device's name and ``cpu`` or ``cuda``; ``threads``: CPU intra-op threads; ``warmup``:
     untimed runs of each unit before its timed repeats.
+
+    ``model_fingerprint`` and ``parameter_shapes``: which model was measured
+    (``autopar.graph.model_fingerprint``, and every parameter's shape under its name,
+    tied ones once), so the planner applies the profile to that model only, at any
+    shape (:mod:`autopar.profiles.identity`). A report written before they were
+    recorded reads as ``""`` and ``{}``: unknown, matched to a model by its units.
     """
 
     model: str
+    model_fingerprint: str = ""
+    parameter_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     batch: int
     seq_len: int
     sample_shape: tuple[int, ...]

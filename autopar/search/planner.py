@@ -27,6 +27,7 @@ from autopar.graph.layer_graph import LayerGraph
 from autopar.hardware.cluster import Cluster
 from autopar.plan import ParallelConfig, Plan, PlanSettings
 from autopar.profiles.apply import Measurements, measurements
+from autopar.profiles.identity import LayerProfileMatch, match_layer_profile
 from autopar.search.assemble import Provenance, infeasible_error, to_plan
 from autopar.search.scan import decided, search
 from autopar.search.solve import ConfigSolver, Outcome
@@ -91,12 +92,16 @@ def plan(
     Raises:
         InfeasiblePlanError: nothing fits; the message names the smallest memory found.
         ConfigError: bad sizes or constraints.
+        ProfileModelError: ``profile`` has a layers section of another model (a
+            ConfigError; one of this model at another shape is used, and the plan's
+            notes say so).
     """
     started = time.perf_counter()
     check_positive_int("global_batch_size", global_batch_size)
     fixed = check_constraints(constraints)
     measured = measurements(cluster, profile)
     graph = _graph(model, measured.cluster, fixed, seq_len, sample_input, attention)
+    match = match_layer_profile(measured.layers, model, graph)
     solver_ = ConfigSolver(
         model=_cost_model(graph, measured, optimizer, global_batch_size),
         budget_bytes=budget_bytes(measured.cluster.device.memory),
@@ -106,7 +111,7 @@ def plan(
     result = search(solver_, fixed, top=top)
     if not result.best.fits:
         raise infeasible_error(result, measured.cluster, graph)
-    return to_plan(solver_, result, _provenance(measured, optimizer, attention, solver, started))
+    return _noted(to_plan(solver_, result, _provenance(measured, optimizer, attention, solver, started)), match)
 
 
 @_cycles_collected_after
@@ -130,7 +135,7 @@ def estimate(
     (micro-batch 1, 1F1B, no virtual stages, ZeRO 0, the device's preferred precision,
     no sequence parallelism; recompute chosen per unit when not given). Never raises for
     memory: a configuration that does not fit comes back with ``prediction.fits`` False
-    and the memory it would need.
+    and the memory it would need. A layer profile is checked as :func:`plan` checks it.
     """
     started = time.perf_counter()
     check_positive_int("global_batch_size", global_batch_size)
@@ -139,12 +144,13 @@ def estimate(
     measured = measurements(cluster, profile)
     fixed = _complete(fixed, measured.cluster, global_batch_size)
     graph = _graph(model, measured.cluster, fixed, seq_len, sample_input, attention)
+    match = match_layer_profile(measured.layers, model, graph)
     cost_model = _cost_model(graph, measured, optimizer, global_batch_size)
     solver_ = ConfigSolver(model=cost_model, budget_bytes=budget_bytes(measured.cluster.device.memory), solver=solver)
     result = search(solver_, fixed, top=0)
     if not result.best.fits:
         result = replace(result, best=_overflow(cost_model, result.best.config, fixed, solver))
-    return to_plan(solver_, result, _provenance(measured, optimizer, attention, solver, started))
+    return _noted(to_plan(solver_, result, _provenance(measured, optimizer, attention, solver, started)), match)
 
 
 def _cost_model(graph: LayerGraph, measured: Measurements, optimizer: Optimizer | str, batch: int) -> CostModel:
@@ -156,6 +162,16 @@ def _cost_model(graph: LayerGraph, measured: Measurements, optimizer: Optimizer 
         calibration=measured.calibration,
         recompute_fractions=measured.recompute_fractions,
     )
+
+
+def _noted(plan: Plan, match: LayerProfileMatch | None) -> Plan:
+    """``plan`` with what its layer profile's match says among its notes: where the
+    profile was measured at another shape, or matched without a model fingerprint."""
+    if match is None:
+        return plan
+    c = plan.config
+    extra = match.notes(micro_batch=c.micro_batch_size, seq_len=plan.model.seq_len, dtype=c.dtype.value)
+    return replace(plan, notes=plan.notes + extra)
 
 
 def _provenance(measured: Measurements, optimizer, attention, solver: str, started: float) -> Provenance:

@@ -25,7 +25,7 @@ from test_loss_scale import fp16_plan
 
 from autopar.runtime.api import parallelize
 from autopar.runtime.errors import NonFiniteError
-from autopar.runtime.spmd import SPMDError
+from autopar.runtime.spmd import SPMDError, SPMDSettings, run_spmd
 
 pytestmark = pytest.mark.multiprocess
 STEPS = 4
@@ -190,3 +190,17 @@ def test_a_rank_given_another_model_fails_at_start():
     with pytest.raises(SPMDError) as info:
         run(_start, 2, plans, ["gpt", "llama"])
     assert "rank 1: model " in str(info.value)
+
+
+def _only_rank0_starts(rank, world, plan):
+    if rank == 0:
+        parallelize(build("gpt"), plan, loss_fn=LOSSES["gpt"], measure_memory=False)
+
+
+def test_a_rank_that_never_arrives_is_named_after_the_timeout():
+    """Rank 1 never calls parallelize: rank 0 gives up after the process group's timeout
+    (5 s here) with a PlanMismatchError, instead of hanging in its first collective."""
+    settings = SPMDSettings(timeout_s=60, pg_timeout_s=5)
+    with pytest.raises(SPMDError) as info:
+        run_spmd(_only_rank0_starts, 2, make_plan("gpt", dp=2), settings=settings)
+    assert "some rank did not reach autopar.parallelize within 5 s" in str(info.value)

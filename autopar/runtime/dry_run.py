@@ -8,6 +8,10 @@ rank then holds exactly the DTensor shards it would hold on the cluster, so its
 parameter bytes are measured from the runtime itself, not re-derived, and compared with
 the plan's prediction.
 
+With ``measure=True`` each chosen rank also runs one training step on fake tensors
+(:mod:`autopar.runtime.dry_step`), and its measured peak of tensor bytes is set beside
+the plan's predicted allocation for that rank (its peak less the device's reserve).
+
 Reported problems: names the plan uses that the model lacks (or the reverse), stage
 assignments that do not cover the model's units exactly once, tensor-parallel splits a
 layer's shape cannot take (a vocabulary may split unevenly: DTensor shards it in
@@ -29,7 +33,9 @@ from autopar.errors import AutoparError
 from autopar.graph.units import find_units
 from autopar.plan import Plan
 from autopar.runtime.api import Analysis, analyse, parallelize
+from autopar.runtime.dry_step import PipelineMetadata, StepMemory, local_pipeline_metadata, measure_step
 from autopar.runtime.hf import is_conv1d
+from autopar.runtime.local import cross_entropy
 from autopar.runtime.mesh import MeshDims
 from autopar.vocab import TPStyle
 
@@ -42,8 +48,11 @@ class RankReport:
         rank: global rank; ``coordinate``: its (pp, dp, tp).
         stages: the pipeline stages it runs.
         param_bytes: bytes of the parameters it holds (measured on its shards).
-        predicted_param_bytes: the plan's parameter bytes for those stages.
+        predicted_param_bytes: the plan's parameter bytes for this pipeline rank.
         predicted_peak_bytes: the plan's peak memory per device (all terms).
+        predicted_allocated_bytes: the plan's peak for this pipeline rank less the
+            device's reserve: the tensor bytes a measured step is compared with.
+        measured: the measured step (None without ``measure``).
     """
 
     rank: int
@@ -52,6 +61,15 @@ class RankReport:
     param_bytes: int
     predicted_param_bytes: float
     predicted_peak_bytes: float
+    predicted_allocated_bytes: float = 0.0
+    measured: StepMemory | None = None
+
+    @property
+    def measured_over_predicted(self) -> float:
+        """Measured peak tensor bytes over the predicted allocation (0 when not measured)."""
+        if self.measured is None or self.predicted_allocated_bytes <= 0:
+            return 0.0
+        return self.measured.peak_bytes / self.predicted_allocated_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +101,18 @@ class DryRunReport:
                     f"{_gib(r.param_bytes):>11}   {_gib(r.predicted_param_bytes):>16}   "
                     f"{_gib(r.predicted_peak_bytes):>14}"
                 )
+        measured = [r for r in self.ranks if r.measured is not None]
+        if measured:
+            lines.append(
+                "  one step on fake tensors: tensor bytes at the peak against the plan's (its peak less the reserve)"
+            )
+            lines.append("  rank   measured peak   predicted       ratio   held after step   step time")
+            for r in measured:
+                m = r.measured
+                lines.append(
+                    f"  {r.rank:<6} {_gib(m.peak_bytes):>13}   {_gib(r.predicted_allocated_bytes):>13}   "
+                    f"{r.measured_over_predicted:5.3f}   {_gib(m.held_bytes):>15}   {m.seconds:7.1f} s"
+                )
         return "\n".join(lines)
 
 
@@ -91,10 +121,17 @@ def _gib(n: float) -> str:
 
 
 def dry_run(
-    model_fn: Callable[[], nn.Module], plan: Plan, *, sample_input: Any = None, ranks: Sequence[int] | None = None
+    model_fn: Callable[[], nn.Module],
+    plan: Plan,
+    *,
+    sample_input: Any = None,
+    ranks: Sequence[int] | None = None,
+    measure: bool = False,
 ) -> DryRunReport:
     """Check ``plan`` against the model ``model_fn()`` builds (on meta) and apply it for
     ``ranks`` (default: the first rank of every pipeline rank, where the stages differ).
+    ``measure``: also run one training step of each on fake tensors and measure its peak
+    memory (token models; ranks run in pipeline order, see :mod:`autopar.runtime.dry_step`).
 
     Must run in a process without a default process group.
     """
@@ -108,14 +145,25 @@ def dry_run(
         analysis = analyse(model, plan, sample_input=sample_input)
     except AutoparError as exc:
         problems.append(f"{type(exc).__name__}: {exc}")
+    if measure and sample_input is not None:
+        problems.append(
+            "a measured dry run needs a token model (its step feeds token ids); this one takes sample_input"
+        )
     reports: list[RankReport] = []
     if analysis is not None and not problems:
         chosen = ranks if ranks is not None else [dims.rank_at(p, 0, 0) for p in range(dims.pp)]
-        for rank in chosen:
+        metadata = PipelineMetadata()
+        for rank in sorted(chosen, key=lambda r: (dims.coordinate(r)[0], r)):  # stages announce their outputs in order
             try:
-                reports.append(_apply(model_fn, plan, analysis, rank, dims))
+                reports.append(_apply(model_fn, plan, analysis, rank, dims, metadata if measure else None))
             except AutoparError as exc:
                 problems.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+        problems += metadata.problems()
+        if metadata.unchecked():
+            problems.append(
+                f"the inputs of stages {metadata.unchecked()} were assumed equal to an earlier stage boundary and "
+                f"not checked (their predecessors' ranks were not run); leave --ranks out to check them"
+            )
     return DryRunReport(
         plan=plan.config.short(), world_size=dims.world_size, problems=tuple(problems), ranks=tuple(reports)
     )
@@ -174,27 +222,49 @@ def _split_size(module: nn.Module, style: TPStyle) -> int | None:
     return None
 
 
-def _apply(model_fn: Callable[[], nn.Module], plan: Plan, analysis: Analysis, rank: int, dims: MeshDims) -> RankReport:
+def _apply(
+    model_fn: Callable[[], nn.Module],
+    plan: Plan,
+    analysis: Analysis,
+    rank: int,
+    dims: MeshDims,
+    metadata: PipelineMetadata | None,
+) -> RankReport:
+    """Parallelize ``rank``'s part under a fake process group; with ``metadata``, also
+    measure one step (:func:`autopar.runtime.dry_step.measure_step`)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", rank=rank, world_size=dims.world_size, store=FakeStore())
+    measured = None
     try:
         job = parallelize(
-            model_fn(), plan, loss_fn=_no_loss, analysis=analysis, materialize=False, measure_memory=False, device="cpu"
+            model_fn(),
+            plan,
+            loss_fn=cross_entropy if metadata is not None else _no_loss,
+            analysis=analysis,
+            materialize=False,
+            measure_memory=False,
+            device="cpu",
         )
         held = sum(_local(p).numel() * _local(p).element_size() for p in job.parameters())
+        if metadata is not None:
+            with local_pipeline_metadata(metadata):
+                measured = measure_step(job, plan)
     finally:
         dist.destroy_process_group()
     coord = dims.coordinate(rank)
     indices = plan.stage_of_rank(coord[0])
-    predicted = {s.index: s.memory.params_bytes for s in plan.prediction.stages}
+    # a stage's memory in the prediction is its pipeline rank's: every stage the rank holds
+    mine = [s.memory for s in plan.prediction.stages if s.index in indices]
     return RankReport(
         rank=rank,
         coordinate=coord,
         stages=indices,
         param_bytes=int(held),
-        predicted_param_bytes=sum(predicted.get(i, 0.0) for i in indices),
+        predicted_param_bytes=max((m.params_bytes for m in mine), default=0.0),
         predicted_peak_bytes=plan.prediction.memory_bytes_per_device,
+        predicted_allocated_bytes=max((m.total_bytes - m.reserve_bytes for m in mine), default=0.0),
+        measured=measured,
     )
 
 

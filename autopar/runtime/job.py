@@ -206,10 +206,21 @@ class Job:
         losses: list[torch.Tensor] = []
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         start = time.perf_counter()
-        with (
-            self._p.memory.track(self._live_tensors()),
-            loss_parallel() if self._p.loss_parallel else contextlib.nullcontext(),
-        ):
+        with self._p.memory.track(self._live_tensors()):
+            self._run_schedule(args, targets, losses)
+        self._p.tied_sync.sync(self.named_parameters())
+        loss = self._mean_loss(losses)
+        wall = time.perf_counter() - start
+        self._p.metrics.append(
+            StepMetrics(step=self._step, wall_time_s=wall, loss=loss, peak_memory_bytes=self._p.memory.peak_bytes())
+        )
+        self._step += 1
+        return loss
+
+    def _run_schedule(self, args: tuple[Any, ...], targets: torch.Tensor, losses: list[torch.Tensor]) -> None:
+        """Forward and backward of every micro-batch through this rank's stages: inputs
+        on the first stage, targets and ``losses`` on the last."""
+        with loss_parallel() if self._p.loss_parallel else contextlib.nullcontext():
             # return_outputs=False: the last stage would otherwise keep every micro-batch's
             # output (the logits) until the step ends, which the planner does not budget
             if self.is_first_stage and self.is_last_stage:
@@ -220,14 +231,6 @@ class Job:
                 self._p.schedule.step(target=targets, losses=losses, return_outputs=False)
             else:
                 self._p.schedule.step(return_outputs=False)
-        self._p.tied_sync.sync(self.named_parameters())
-        loss = self._mean_loss(losses)
-        wall = time.perf_counter() - start
-        self._p.metrics.append(
-            StepMetrics(step=self._step, wall_time_s=wall, loss=loss, peak_memory_bytes=self._p.memory.peak_bytes())
-        )
-        self._step += 1
-        return loss
 
     def _live_tensors(self) -> list[torch.Tensor]:
         params = self.parameters()

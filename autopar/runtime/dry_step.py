@@ -1,0 +1,194 @@
+"""One measured training step of one rank of a big plan, on fake tensors.
+
+:func:`autopar.runtime.dry_run.dry_run` applies a plan for a rank of the full world
+against PyTorch's fake process group, the model left on meta. To measure what that rank
+would allocate, the same job then runs one real step (forward and backward of every
+micro-batch through the plan's schedule, then the optimizer step) with its parameters
+turned into fake tensors (``torch._subclasses.FakeTensorMode``: shapes, dtypes and
+storages without data; FSDP2 refuses meta parameters, not fake ones). The runtime's own
+code runs: the FSDP2 gathers and reductions, DTensor's redistributions, the pipeline's
+receive buffers, recomputation, the optimizer's state. A :class:`FakeBytesMeter` counts
+the fake storages the step allocates and frees, as :class:`~autopar.runtime.metrics.TensorBytesMeter`
+counts real ones.
+
+What only a peer could supply is supplied locally (:func:`local_pipeline_metadata`):
+
+- ``PipelineStage`` learns the shapes it receives from its neighbours in a first
+  exchange of metadata. A stage's input is the output its predecessor announced when an
+  earlier rank of this dry run ran it (ranks run in pipeline order); under an
+  interleaved schedule the predecessor of a rank's later stages runs after it, so that
+  input is assumed equal to the nearest boundary already announced (the same hidden
+  state between blocks in a transformer) and checked once the predecessor has run. The
+  gradient a stage receives has the shape of its own output.
+- The schedule's warm-up vote (``.item()`` of a reduced flag) is skipped: the stages
+  infer their shapes dynamically, which is what the vote decides when no static shapes
+  are given.
+
+The finite check and the loss's reduction for reporting (8 bytes each) are not run; the
+data-parallel all-reduce of DDP (ZeRO 0 and 1 with dp > 1) is not applied on meta, so
+its buckets are not counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed.pipelining import schedules, stage
+from torch.distributed.pipelining._utils import _derive_grad_metas, _StageBackwardMeta, _StageForwardMeta
+from torch.distributed.tensor import DTensor
+
+from autopar.plan import Plan
+from autopar.runtime.job import Job
+from autopar.runtime.metrics import TensorBytesMeter
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepMemory:
+    """What one rank's measured step allocated.
+
+    Attributes:
+        peak_bytes: tensor bytes at the step's peak (forward, backward, optimizer step),
+            with the parameters, gradients and optimizer state alive from its start.
+        held_bytes: tensor bytes alive after the step (parameters, optimizer state; the
+            gradients were released by ``zero_grad``).
+        seconds: wall time of the measured step here.
+    """
+
+    peak_bytes: int
+    held_bytes: int
+    seconds: float
+
+
+@dataclass
+class PipelineMetadata:
+    """Stage boundaries announced during a dry run, shared by the ranks it runs.
+
+    Attributes:
+        announced: stage index -> the metadata of its output, as its ``PipelineStage``
+            sent it.
+        assumed: (stage whose output was needed, stage whose output stood in for it).
+    """
+
+    announced: dict[int, Any] = field(default_factory=dict)
+    assumed: list[tuple[int, int]] = field(default_factory=list)
+
+    def problems(self) -> list[str]:
+        """Assumed boundaries whose real metadata, announced later, differs."""
+        out = []
+        for needed, used in self.assumed:
+            real = self.announced.get(needed)
+            if real is not None and real != self.announced[used]:
+                out.append(
+                    f"stage {needed + 1}'s input was assumed to be stage {used}'s output, but stage {needed} "
+                    f"announced {real}: its measured peak is not reliable; dry-run its pipeline rank alone"
+                )
+        return out
+
+    def unchecked(self) -> list[int]:
+        """Stages whose assumed input was never announced (their rank was not run)."""
+        return sorted({needed + 1 for needed, _ in self.assumed if needed not in self.announced})
+
+
+@contextlib.contextmanager
+def local_pipeline_metadata(known: PipelineMetadata) -> Iterator[None]:
+    """Within: ``PipelineStage`` exchanges metadata with ``known`` instead of its peers,
+    and schedules skip their warm-up vote (module docstring)."""
+
+    def send(self: stage.PipelineStage, meta: Any, dst_stage: int) -> None:
+        if isinstance(meta, _StageForwardMeta):
+            known.announced[self.stage_index] = meta
+
+    def recv(self: stage.PipelineStage, src_stage: int) -> Any:
+        if src_stage == self.stage_index + 1:  # the gradient of this stage's output
+            return _StageBackwardMeta(backward_metas=_derive_grad_metas(self._stage_meta.outputs))
+        if src_stage not in known.announced:
+            earlier = [k for k in known.announced if k < src_stage]
+            if not earlier:
+                raise RuntimeError(f"no stage before stage {self.stage_index} announced its output")
+            known.assumed.append((src_stage, max(earlier)))
+            return known.announced[max(earlier)]
+        return known.announced[src_stage]
+
+    def warmup(self: Any, stages: list[Any], has_backward: bool, p2p_done: bool) -> None:
+        for s in stages:
+            s._inference_mode = stage.InferenceMode.DYNAMIC
+
+    saved = (
+        stage.PipelineStage._send_meta,
+        stage.PipelineStage._recv_meta,
+        schedules._PipelineSchedule._warmup_p2p,
+    )
+    stage.PipelineStage._send_meta = send  # type: ignore[method-assign]
+    stage.PipelineStage._recv_meta = recv  # type: ignore[method-assign]
+    schedules._PipelineSchedule._warmup_p2p = warmup  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        (
+            stage.PipelineStage._send_meta,
+            stage.PipelineStage._recv_meta,
+            schedules._PipelineSchedule._warmup_p2p,
+        ) = saved
+
+
+class FakeBytesMeter(TensorBytesMeter):
+    """:class:`TensorBytesMeter` over the fake tensors of one ``FakeTensorMode`` (those
+    of other modes are DTensor's shape propagation, not memory)."""
+
+    def __init__(self, mode: FakeTensorMode, live: list[torch.Tensor]):
+        self.mode = mode
+        super().__init__(torch.device("meta"))  # a fake tensor's storage is a meta storage (resizes are matched on it)
+        for t in live:
+            self._track(t)
+
+    def _track(self, t: Any) -> None:
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        if isinstance(t, FakeTensor) and t.fake_mode is self.mode:
+            storage = t.untyped_storage()
+            if storage._cdata not in self._bytes:
+                self._watch(storage)
+
+
+OPTIMIZERS = {"adam": torch.optim.AdamW, "sgd": torch.optim.SGD, "adafactor": torch.optim.Adafactor}
+"""The torch optimizer whose state the plan's optimizer stands for."""
+
+
+def measure_step(job: Job, plan: Plan, *, fake: bool = True) -> StepMemory:
+    """Run one step of ``job`` and count its tensor bytes: on fake tensors (``fake``; the
+    job parallelized with ``materialize=False``, inside :func:`local_pipeline_metadata`)
+    or on the job's real ones (the same count on a real run, to check the fake one). The
+    optimizer state is created first, by one optimizer step on zero gradients, so the
+    measured step runs with it alive, as every step after the first does."""
+    cfg = plan.config
+    rows, seq = cfg.micro_batch_size * cfg.num_microbatches, plan.model.seq_len
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
+    with mode if mode is not None else contextlib.nullcontext():
+        if mode is not None:
+            for module in job.stages:
+                module.to_empty(device="cpu")
+        opt = job.optimizer(OPTIMIZERS[plan.settings.optimizer.value], lr=1e-4)
+        inner = [o for o in opt.inner if o is not None]
+        for p in job.parameters():
+            p.grad = torch.zeros_like(p)
+        for o in inner:
+            o.step()
+        opt.zero_grad()
+        tokens = torch.zeros(rows, seq, dtype=torch.long)
+        live = job._live_tensors()
+        meter = FakeBytesMeter(mode, live) if mode is not None else TensorBytesMeter(torch.device("cpu"), live)
+        del live
+        start = time.perf_counter()
+        with meter:
+            job._run_schedule((tokens,), tokens, [])
+            for o in inner:
+                o.step()
+        seconds = time.perf_counter() - start
+        opt.zero_grad()
+        return StepMemory(peak_bytes=meter.peak_bytes, held_bytes=meter.current_bytes, seconds=seconds)

@@ -1,0 +1,47 @@
+"""A measured dry run counts on fake tensors what the same step allocates on real ones
+(autopar.runtime.dry_step)."""
+
+import pytest
+from parity import build, make_plan, megatron_styles, run
+
+from autopar.runtime.api import parallelize
+from autopar.runtime.dry_run import dry_run
+from autopar.runtime.dry_step import measure_step
+from autopar.runtime.local import cross_entropy
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _real(rank, world, plan):
+    job = parallelize(build("gpt"), plan, loss_fn=cross_entropy, measure_memory=False)
+    step = measure_step(job, plan, fake=False)
+    return step.peak_bytes, step.held_bytes
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"dp": 2, "zero_stage": 3},
+        {"dp": 2, "zero_stage": 2, "num_microbatches": 4},
+        {"tp": 2, "styles": megatron_styles("gpt", sequence_parallel=True), "sequence_parallel": True},
+        {"pp": 2, "num_microbatches": 4},
+        {"pp": 2, "num_microbatches": 4, "schedule": "interleaved-1f1b", "virtual_stages": 2},
+    ],
+    ids=["zero3", "zero2", "tp-sp", "pp-1f1b", "pp-interleaved"],
+)
+def test_a_fake_step_allocates_what_the_same_step_allocates_on_real_tensors(config):
+    """Every rank of a 2-rank plan, measured by the dry run on fake tensors (fake process
+    group, meta model) and by the same count on real tensors in a real 2-process gloo run.
+    The bytes held after the step agree within 1%; the peaks differ by up to 3.3% on these
+    sub-megabyte models, both ways (fake above real under ZeRO-2, below under ZeRO-3 and
+    tp with sequence parallelism; pipelines agree), which gloo's collectives allocating
+    temporaries the fake group does not, or the reverse, would explain; not isolated yet.
+    Within 5%: the accuracy the dry run is asked for."""
+    plan = make_plan("gpt", **config)
+    real = run(_real, 2, plan)
+    report = dry_run(lambda: build("gpt", "meta"), plan, ranks=[0, 1], measure=True)
+    assert report.ok, report.problems
+    for r in report.ranks:
+        peak, held = real[r.rank]
+        assert r.measured.peak_bytes == pytest.approx(peak, rel=0.05), (r.rank, r.measured, peak)
+        assert r.measured.held_bytes == pytest.approx(held, rel=0.01), (r.rank, r.measured, held)

@@ -10,6 +10,17 @@ process group with :func:`init_distributed`, whose collective timeout
 rank fails, torchrun stops the others and the command names the failed rank; when the
 launcher itself is killed, the ranks end too (:mod:`autopar.runtime.orphan`).
 
+It fails fast and says why in one line. Before launching, the node that will host the
+rendezvous store (``--rdzv-endpoint`` names this machine, on one node or node 0) checks
+that it can bind the port, and any other node that the endpoint accepts connections
+within ``--rdzv-wait-s``: torchrun itself waits without a word on a port held by another
+process (it connects to it as a client) or an endpoint nobody serves. A rendezvous
+torchrun gives up on later is one line too. Ctrl-C (or SIGTERM) stops every rank of this
+node and exits with 128 + the signal's number (130 for Ctrl-C) after one line; ranks that
+entered autopar print no traceback for it. A failed rank is named with the error it
+recorded (``Type: message``), else its exit code or the signal that ended it; the ranks
+torchrun stopped because of it are left out.
+
 ``autopar dry-run --plan plan.json --model NAME | --model-fn module:function`` applies a
 plan on this machine with meta tensors and a fake process group
 (:mod:`autopar.runtime.dry_run`).
@@ -21,14 +32,20 @@ The lead wires both into ``autopar/cli.py`` with :func:`add_run_parser` and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import errno
 import importlib
 import json
 import os
+import signal
+import socket
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import asdict
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,6 +61,14 @@ TIMEOUT_ENV = "AUTOPAR_PG_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0
 """NCCL's own default collective timeout (10 minutes): long enough for a slow first
 step or checkpoint, short enough that a dead peer does not hold the job for hours."""
+RDZV_DEFAULT_PORT = 29400
+"""torchrun's c10d rendezvous port when ``--rdzv-endpoint`` names none."""
+DEFAULT_RDZV_WAIT_S = 30.0
+"""How long a node waits for the rendezvous endpoint to accept connections: the nodes of
+a Slurm job start together, but node 0 may take many seconds longer to import torch from
+a cold shared file system, and failing it then would kill a healthy job."""
+_NO_ERROR_FILE = "<N/A>"
+"""torch's ``ProcessFailure.error_file`` of a rank that recorded no error."""
 
 
 def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -59,6 +84,13 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--node-rank", type=int, default=None, help="this node's rank (static rendezvous)")
     p.add_argument("--rdzv-endpoint", default=None, help="host:port of the c10d rendezvous (multi-node)")
     p.add_argument("--rdzv-id", default="autopar", help="job id shared by all nodes")
+    p.add_argument(
+        "--rdzv-wait-s",
+        type=float,
+        default=DEFAULT_RDZV_WAIT_S,
+        help="how long a node other than the rendezvous host waits for --rdzv-endpoint to accept "
+        f"connections before giving up (default {DEFAULT_RDZV_WAIT_S:.0f})",
+    )
     p.add_argument(
         "--pg-timeout-s",
         type=float,
@@ -114,14 +146,129 @@ def torchrun_argv(plan: Plan, args: argparse.Namespace) -> list[str]:
     return [*argv, args.script, *args.script_args]
 
 
+def check_rendezvous(args: argparse.Namespace) -> None:
+    """Refuse, before torchrun starts, a rendezvous endpoint this node cannot use: torchrun
+    connects as a client when it cannot bind the port, so a port held by another process, or
+    an endpoint nobody serves, leaves it waiting without a word. The node that hosts the store
+    (``--rdzv-endpoint`` names this machine, on one node or node 0) must be able to bind the
+    port; any other node must reach it. ``--standalone`` picks a free port itself."""
+    if not args.rdzv_endpoint:
+        return
+    host, port = _parse_endpoint(args.rdzv_endpoint)
+    if args.node_rank or not _is_this_machine(host):
+        _check_reachable(host, port, args.rdzv_wait_s)
+    else:
+        _check_bindable(host, port, args)
+
+
+def _parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """``host[:port]`` as torchrun reads it, its errors as a ConfigError."""
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    try:
+        return parse_rendezvous_endpoint(endpoint, default_port=RDZV_DEFAULT_PORT)
+    except ValueError:
+        raise ConfigError(
+            f"--rdzv-endpoint {endpoint!r} is not allowed: it must be host:port with a port from 1 to 65535, "
+            f"e.g. node0.cluster:{RDZV_DEFAULT_PORT}."
+        ) from None
+
+
+def _is_this_machine(host: str) -> bool:
+    """Whether torchrun's c10d rendezvous will host its store here for ``host``: torch's own
+    rule (a loopback address, this machine's name or one of its addresses)."""
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+    try:
+        return _matches_machine_hostname(host)
+    except OSError:  # this machine's own name does not resolve
+        return False
+
+
+def _check_bindable(host: str, port: int, args: argparse.Namespace) -> None:
+    """Bind ``port`` on every interface, as torch's TCPStore server does, and let go."""
+    family = socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET
+    try:
+        socket.create_server(("", port), family=family, dualstack_ipv6=family == socket.AF_INET6).close()
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise ConfigError(
+                f"the rendezvous port {port} on {host} cannot be bound ({exc.strerror}); pass --rdzv-endpoint "
+                f"{host}:PORT with a port from 1024 to 65535 that this user may bind."
+            ) from None
+        if args.nnodes == 1:
+            fix = "omit --rdzv-endpoint (one node then picks a free port itself), pass another port"
+        else:
+            fix = "pass another port on every node"
+            if args.node_rank is None:
+                fix += " (or, for a second node on this machine, --node-rank 1 or more)"
+        raise ConfigError(
+            f"the rendezvous port {port} on {host} is held by another process{_port_holder(port)}; "
+            f"{fix}, or stop that process."
+        ) from None
+
+
+def _check_reachable(host: str, port: int, wait_s: float) -> None:
+    """Connect to ``host:port``, retrying for ``wait_s`` seconds (the host's node may start
+    later than this one)."""
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ConfigError(
+            f"the rendezvous host {host!r} of --rdzv-endpoint {host}:{port} does not resolve ({exc.strerror}); "
+            f"pass node 0's hostname or address as seen from this node."
+        ) from None
+    deadline = time.monotonic() + wait_s
+    while (reason := _connect_error(host, port)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if reason:
+        raise ConfigError(
+            f"the rendezvous endpoint {host}:{port} could not be reached within {wait_s:g} s ({reason}); start "
+            f"'autopar run' on the node it names first, check --rdzv-endpoint and the firewall, or wait longer "
+            f"with --rdzv-wait-s."
+        )
+
+
+def _connect_error(host: str, port: int) -> str:
+    """Why a TCP connection to ``host:port`` failed within two seconds; empty when it
+    succeeded."""
+    try:
+        socket.create_connection((host, port), timeout=2.0).close()
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return ""
+
+
+def _port_holder(port: int) -> str:
+    """ " (pid P, NAME)" of the process holding TCP ``port`` on this machine, read from
+    ``/proc``; empty where that cannot be known (not Linux, another user's process)."""
+    sockets = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for row in Path(table).read_text().splitlines()[1:]:
+                fields = row.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[9] != "0":
+                    sockets.add(f"socket:[{fields[9]}]")
+    for fds in Path("/proc").glob("[0-9]*/fd"):
+        with contextlib.suppress(OSError):
+            if any(os.readlink(fd) in sockets for fd in fds.iterdir()):
+                name = (fds.parent / "comm").read_text().strip()
+                return f" (pid {fds.parent.name}, {name})"
+    return ""
+
+
 def run_command(args: argparse.Namespace) -> int:
-    """``autopar run``: 0 on success, 1 when a rank failed, 2 on a bad launch."""
+    """``autopar run``: 0 on success, 1 when a rank failed, 2 on a bad launch, 128 + the
+    signal's number when stopped by one (130 for Ctrl-C)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
     try:
         plan = Plan.load(args.plan)
         argv = torchrun_argv(plan, args)
+        check_rendezvous(args)
     except AutoparError as exc:
         print(f"autopar run: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
@@ -133,22 +280,74 @@ def run_command(args: argparse.Namespace) -> int:
     except ChildFailedError as exc:
         print(f"autopar run: {describe_failures(exc.failures)}", file=sys.stderr)
         return 1
+    except RendezvousError as exc:  # a store that never answered, nodes that never came
+        print(f"autopar run: {type(exc).__name__}: {_rendezvous_failed(exc, args)}", file=sys.stderr)
+        return 2
+    except SignalException as exc:  # torch's agent stopped the ranks, then raised this
+        print(f"autopar run: {_stopped_by(exc.sigval, args)}", file=sys.stderr)
+        return 128 + exc.sigval
+    except KeyboardInterrupt:  # torch handles signals only once the ranks start
+        print("autopar run: interrupted before any rank started", file=sys.stderr)
+        return 128 + signal.SIGINT
     return 0
 
 
+def _rendezvous_failed(exc: Exception, args: argparse.Namespace) -> str:
+    """One line for a rendezvous torchrun gave up on, with its underlying cause: the
+    endpoint answered but is no rendezvous store, or the other nodes never joined."""
+    detail = str(exc.__cause__ or exc).strip().splitlines()[0]
+    return (
+        f"the rendezvous through {args.rdzv_endpoint or 'the local store'} failed ({detail}); check that "
+        f"--rdzv-endpoint names the host:port where node 0's 'autopar run' listens (not another service), and "
+        f"that every node passes the same --nnodes and --rdzv-id."
+    )
+
+
+def _stopped_by(sig: signal.Signals, args: argparse.Namespace) -> str:
+    """What a signal to the launcher did: torch's agent passed it on to every rank of this
+    node and waited for them (SIGKILL after its shutdown timeout)."""
+    what = "interrupted" if sig == signal.SIGINT else f"stopped by {sig.name}"
+    ranks = f"all {args.nproc_per_node} ranks" if args.nnodes == 1 else f"the {args.nproc_per_node} ranks of this node"
+    return f"{what}; {ranks} stopped"
+
+
 def describe_failures(failures: dict[int, Any]) -> str:
-    """One line per failed rank: its exit code or signal, and its error if recorded."""
-    lines = []
-    for rank, failure in sorted(failures.items()):
-        how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-        message = failure.message if failure.error_file_data else ""  # recorded by @record in the script
-        if isinstance(message, dict):
-            message = message.get("message", "")
-        lines.append(
-            f"rank {rank} (local rank {failure.local_rank}) failed with {how}"
-            + (f": {message.splitlines()[0]}" if message else "; its error is in that rank's output above")
-        )
-    return "\n".join(lines)
+    """One line per failed rank: its exit code or signal, and its error if recorded. The
+    ranks torch's agent stopped with SIGTERM because another failed are left out, unless
+    none failed otherwise (the job itself was sent SIGTERM)."""
+    own = {rank: f for rank, f in failures.items() if f.exitcode != -signal.SIGTERM} or failures
+    return "\n".join(_describe_failure(rank, failure) for rank, failure in sorted(own.items()))
+
+
+def _describe_failure(rank: int, failure: Any) -> str:
+    """``rank R (local rank L) failed with exit code N | signal NAME``, then the error the
+    rank recorded (``@record`` on the script's main) or where to look instead."""
+    if failure.exitcode < 0:
+        try:
+            how = f"signal {signal.Signals(-failure.exitcode).name}"
+        except ValueError:
+            how = f"signal {-failure.exitcode}"
+    else:
+        how = f"exit code {failure.exitcode}"
+    error = _recorded_error(failure)
+    return f"rank {rank} (local rank {failure.local_rank}) failed with {how}" + (
+        f": {error}" if error else " (no Python error recorded; see its output above)"
+    )
+
+
+def _recorded_error(failure: Any) -> str:
+    """The first line of the error a rank recorded, ``Type: message`` (``Type (no message)``
+    for an empty one); empty when it recorded none: torch then makes up a message (a link
+    to its docs, or the signal again) that says nothing about the rank."""
+    if failure.error_file == _NO_ERROR_FILE:
+        return ""
+    message = failure.error_file_data.get("message", "")
+    message = str(message.get("message", "") if isinstance(message, dict) else message)
+    kind, sep, text = message.partition(": ")  # @record writes f"{type(e).__name__}: {e}"
+    lines = [line.strip() for line in (text if sep else message).splitlines() if line.strip()]
+    if not sep:
+        return lines[0] if lines else ""
+    return f"{kind}: {lines[0]}" if lines else f"{kind} (no message)"
 
 
 def init_distributed(timeout_s: float | None = None) -> None:

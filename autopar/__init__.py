@@ -5,6 +5,8 @@ plan = autopar.plan(model, autopar.preset("dgx-a100-80gb", nodes=128),
 print(autopar.explain(plan))
 """
 
+import importlib.metadata
+
 from autopar.errors import (
     AutoparError,
     ClusterError,
@@ -33,7 +35,17 @@ from autopar.profiles import ProfileReport, cluster_from_profiles
 from autopar.search.planner import estimate, plan
 from autopar.vocab import Attention, DType, MeshAxis, Optimizer, Recompute, Schedule, TPStyle
 
-__version__ = "0.2.0"
+
+def _installed_version() -> str:
+    """The version pyproject.toml gives, as the installed metadata holds it (one place to
+    write it); ``0+unknown`` for a source tree on ``sys.path`` that was never installed."""
+    try:
+        return importlib.metadata.version("autopar")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+__version__ = _installed_version()
 
 __all__ = [
     "Alternative",

@@ -11,17 +11,23 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import math
 import os
 import re
 import shlex
 import sys
+import typing
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from profiler.errors import ProfilerError, SettingsError
+
+if TYPE_CHECKING:
+    from autopar.models.registry import NamedModel
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?)(?:i?B)?\s*$", re.IGNORECASE)
 
@@ -43,6 +49,36 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def _words(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def _output(text: str) -> Path:
+    """An output path, refused at once when it is a directory (the report would be lost
+    after minutes of measuring)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file path.")
+    return path
+
+
+def parse_seconds(text: str) -> float:
+    """``"60"``, ``"0.5"`` -> seconds: a timeout, a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a timeout; give a finite number of seconds > 0.")
+    return value
+
+
+def _device(text: str) -> str:
+    """A device name torch reads (``cpu``, ``cuda``, ``cuda:1``); whether it is here and
+    measurable is checked when it is used."""
+    try:
+        torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; write cpu, cuda or cuda:N.") from None
+    return text
 
 
 def add_profile_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -99,23 +135,23 @@ def add_profile_commands(sub: Any) -> None:
     )
     n.add_argument("--levels", type=_words, default=(), help="default: intra,inter,mixed")
     n.add_argument("--repeats", type=int, default=3)
-    n.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung run is stopped")
-    n.add_argument("--out", required=True, type=Path, help="where to write the report (JSON)")
+    n.add_argument("--timeout", type=parse_seconds, default=600.0, help="seconds before a hung run is stopped")
+    n.add_argument("--out", required=True, type=_output, help="where to write the report (JSON)")
     n.add_argument("--quiet", action="store_true", help="no progress lines")
     n.set_defaults(func=_cmd_network)
 
     r = sub.add_parser("report", help="merge reports and render them as HTML or Markdown")
     r.add_argument("reports", nargs="+", type=Path, help="report JSON files (later ones win on shared sections)")
-    r.add_argument("--html", type=Path, help="write a standalone HTML report here")
-    r.add_argument("--markdown", type=Path, help="write Markdown here (figures in <name>_files/)")
-    r.add_argument("--out", type=Path, help="write the merged report (JSON) here")
+    r.add_argument("--html", type=_output, help="write a standalone HTML report here")
+    r.add_argument("--markdown", type=_output, help="write Markdown here (figures in <name>_files/)")
+    r.add_argument("--out", type=_output, help="write the merged report (JSON) here")
     r.set_defaults(func=_cmd_report)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", help="cpu or cuda[:N] (default: cuda if available)")
+    p.add_argument("--device", type=_device, help="cpu or cuda[:N] (default: cuda if available)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: one local-cpu device)")
-    p.add_argument("--out", required=True, type=Path, help="where to write the report (JSON)")
+    p.add_argument("--out", required=True, type=_output, help="where to write the report (JSON)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
@@ -135,11 +171,19 @@ def _progress(args: argparse.Namespace) -> Any:
 def _finish(report: Any, out: Path) -> int:
     from profiler.render import summary
 
-    report.save(out)
+    _write(out, report.save)
     for line in summary(report):
         print(line)
     print(f"wrote {out}")
     return 0
+
+
+def _write(path: Path, write: Callable[[Path], Any]) -> None:
+    """``write(path)``, its OS error (no permission, a full disk) as one line."""
+    try:
+        write(path)
+    except OSError as exc:
+        raise SettingsError(f"{str(path)!r} cannot be written ({exc.strerror or exc}); give a writable path.") from None
 
 
 def _cmd_model(args: argparse.Namespace) -> int:
@@ -167,31 +211,23 @@ def _cmd_model(args: argparse.Namespace) -> int:
 def load_model(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, torch.Tensor, str]:
     """The model and one batch of inputs that ``--model``/``--model-fn`` and the shape
     options describe, built on ``device`` in ``--dtype``."""
+    from autopar.errors import check_seq_len
     from autopar.models.registry import get_named_model
 
     if args.batch < 1:
         raise SettingsError(f"--batch {args.batch} must be >= 1.")
-    seq_len, shape = args.seq_len, args.input_shape
+    seq_len, shape = _checked_shapes(args.seq_len, args.input_shape)
     if args.model:
         entry = get_named_model(args.model)
-        with torch.device(device):
-            model = entry.build()
-        name = entry.name
-        if entry.input_kind == "tokens":
-            seq_len = seq_len or entry.seq_len
-        else:
-            shape = shape or entry.sample_shape
+        seq_len, shape = _registry_input(entry, seq_len, shape)
+        build, name = entry.build, entry.name
+        hint = "profile a smaller model, or on a device with more memory"
     else:
-        module_name, _, fn_name = args.model_fn.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module_name), fn_name)
-        except (ImportError, AttributeError) as exc:
-            raise SettingsError(
-                f"--model-fn {args.model_fn!r}: cannot import it ({exc}); write module:function."
-            ) from None
-        with torch.device(device):
-            model = fn()
-        name = f"{args.model_fn}"
+        build, name = _model_function(args.model_fn), args.model_fn
+        hint = "--model-fn must name a function that returns the model, called with no arguments"
+    model = _built(build, device, name, hint)
+    if seq_len is not None:
+        check_seq_len(seq_len, model)
     model = model.to({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]).train()
     vocab = max((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), default=0)
     if shape:
@@ -201,6 +237,70 @@ def load_model(args: argparse.Namespace, device: torch.device) -> tuple[nn.Modul
     else:
         raise SettingsError("give --seq-len (a token model: the sequence length) or --input-shape (e.g. 3,224,224).")
     return model, sample, name
+
+
+def _checked_shapes(seq_len: int | None, shape: tuple[int, ...] | None) -> tuple[int | None, tuple[int, ...] | None]:
+    """``--seq-len`` and ``--input-shape`` as given, refused when not positive (a zero
+    length would read as "not given", a negative one fail inside torch)."""
+    if seq_len is not None and seq_len < 1:
+        raise SettingsError(
+            f"--seq-len {seq_len} is not allowed: give the tokens per sample, a positive integer, or leave it "
+            f"out to use the model's own length."
+        )
+    if shape is not None and (not shape or min(shape) < 1):
+        raise SettingsError(
+            f"--input-shape {','.join(map(str, shape))!r} is not allowed: give one sample's dimensions as positive "
+            f"integers, e.g. 3,224,224."
+        )
+    return seq_len, shape
+
+
+def _registry_input(
+    entry: NamedModel, seq_len: int | None, shape: tuple[int, ...] | None
+) -> tuple[int | None, tuple[int, ...] | None]:
+    """A registered model's input: token models at ``--seq-len`` (their own length by
+    default), others at ``--input-shape`` (their own sample's by default); the option
+    that does not apply to the model is refused rather than ignored."""
+    if entry.input_kind == "tokens":
+        if shape is not None:
+            raise SettingsError(
+                f"--input-shape is for models without token input; {entry.name} takes token ids: give --seq-len."
+            )
+        return (entry.seq_len if seq_len is None else seq_len), None
+    if seq_len is not None:
+        raise SettingsError(
+            f"--seq-len is for token models; {entry.name} takes {entry.input_kind} of shape {entry.sample_shape}: "
+            f"leave it out, or give --input-shape."
+        )
+    return None, shape or entry.sample_shape
+
+
+def _model_function(spec: str) -> Callable[[], Any]:
+    """The function ``--model-fn module:function`` names."""
+    module_name, _, fn_name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), fn_name)
+    except (ImportError, AttributeError) as exc:
+        raise SettingsError(f"--model-fn {spec!r}: cannot import it ({exc}); write module:function.") from None
+
+
+def _built(build: Callable[[], Any], device: torch.device, name: str, hint: str) -> nn.Module:
+    """``build()`` on ``device``. A failure of it (the user's own function, or a model too
+    large for the device) is one line naming the model and ending in ``hint``, and so is
+    something else than a module returned."""
+    from autopar.errors import AutoparError
+
+    try:
+        with torch.device(device):
+            model = build()
+    except AutoparError:
+        raise
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise SettingsError(f"building {name!r} on {device} failed ({type(exc).__name__}: {first}); {hint}.") from None
+    if not isinstance(model, nn.Module):
+        raise SettingsError(f"{name!r} built a {type(model).__name__}, not a torch.nn.Module; {hint}.")
+    return model
 
 
 def _cmd_device(args: argparse.Namespace) -> int:
@@ -214,6 +314,7 @@ def _cmd_device(args: argparse.Namespace) -> int:
 
 
 def _network_sweep(args: argparse.Namespace) -> Any:
+    from autopar.profiles.sections import Level
     from profiler.network import NetworkSweep
 
     kwargs: dict[str, Any] = dict(
@@ -222,6 +323,10 @@ def _network_sweep(args: argparse.Namespace) -> Any:
     if args.ops:
         kwargs["ops"] = args.ops
     if args.levels:
+        known = typing.get_args(Level)
+        unknown = [level for level in args.levels if level not in known]
+        if unknown:
+            raise SettingsError(f"--levels {unknown} are not allowed; choose from {', '.join(known)}.")
         kwargs["levels"] = args.levels
     return NetworkSweep(**kwargs)
 
@@ -297,18 +402,24 @@ def _cmd_report(args: argparse.Namespace) -> int:
     for line in summary(report):
         print(line)
     if args.out:
-        report.save(args.out)
+        _write(args.out, report.save)
         print(f"wrote {args.out}")
     if args.html:
-        args.html.parent.mkdir(parents=True, exist_ok=True)
-        args.html.write_text(render_html(report))
+        _write(args.html, lambda path: _write_text(path, render_html(report)))
         print(f"wrote {args.html}")
     if args.markdown:
         files = args.markdown.with_name(args.markdown.stem + "_files")
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(render_markdown(report, image_dir=files, link_prefix=f"{files.name}/"))
+        _write(
+            args.markdown,
+            lambda path: _write_text(path, render_markdown(report, image_dir=files, link_prefix=f"{files.name}/")),
+        )
         print(f"wrote {args.markdown} and {files}/")
     return 0
+
+
+def _write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
 
 
 def run(args: argparse.Namespace) -> int:

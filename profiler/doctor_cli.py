@@ -5,14 +5,38 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
+from profiler.cli import parse_bytes, parse_seconds
 from profiler.doctor import DoctorReport, DoctorSettings, run_doctor
 from profiler.doctor_checks import plan_groups
 from profiler.errors import SettingsError
+
+DOCTOR_DESCRIPTION = (
+    "Check that a cluster is ready to train. Run it like the training job: under torchrun on every node, or "
+    "with --nproc N for N local processes. Every rank first reports itself to the launcher's store, so a rank "
+    "that never arrives, or arrives with another torch version or a wrong network interface, is named instead "
+    "of leaving the others waiting. Then the ranks form a process group and check an all-reduce with a known "
+    "sum over the world and over each group of a plan (--plan), a matmul on every rank, and the bandwidth of "
+    "every neighbouring link, flagging ranks and links far slower than their peers. Exits with 0 when the "
+    "cluster is ready, 1 when it is not."
+)
+"""``autopar doctor --help``'s description, in plain words."""
+
+
+def _ratio(text: str) -> float:
+    """A fraction strictly between 0 and 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction; give a number between 0 and 1, e.g. 0.5.")
+    return value
 
 
 def _doctor_rank(rank: int, world: int, settings: DoctorSettings) -> DoctorReport | None:
@@ -24,14 +48,25 @@ def add_doctor_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "doctor",
         help="check that every rank joins, agrees and communicates correctly and fast",
-        description=_doctor_doc(),
+        description=DOCTOR_DESCRIPTION,
     )
     p.add_argument("--plan", type=Path, help="a plan file: also all-reduce over each of its tp/dp/pp groups")
     p.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl with CUDA, else gloo")
-    p.add_argument("--join-timeout", type=float, default=60.0, help="seconds to wait for every rank (default 60)")
-    p.add_argument("--pg-timeout", type=float, default=60.0, help="process group timeout in seconds (default 60)")
-    p.add_argument("--link-bytes", type=int, default=0, help="bytes per link test (default 4 MiB CPU, 256 MiB GPU)")
-    p.add_argument("--slow-ratio", type=float, default=0.5, help="flag what runs below this fraction of its peers")
+    p.add_argument(
+        "--join-timeout", type=parse_seconds, default=60.0, help="seconds to wait for every rank (default 60)"
+    )
+    p.add_argument(
+        "--pg-timeout", type=parse_seconds, default=60.0, help="process group timeout in seconds (default 60)"
+    )
+    p.add_argument(
+        "--link-bytes",
+        type=parse_bytes,
+        default=0,
+        help="bytes per link test, e.g. 4M (default 4 MiB CPU, 256 MiB GPU)",
+    )
+    p.add_argument(
+        "--slow-ratio", type=_ratio, default=0.5, help="flag what runs below this fraction of its peers (default 0.5)"
+    )
     p.add_argument("--nproc", type=int, help="launch N local processes instead of running under torchrun")
     p.add_argument("--out", type=Path, help="also write the report as JSON (rank 0)")
     p.set_defaults(func=_cmd_doctor)
@@ -73,6 +108,8 @@ def settings_from_args(args: argparse.Namespace) -> DoctorSettings:
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
+    if args.nproc is not None and args.nproc < 1:
+        raise SettingsError(f"--nproc {args.nproc} is not allowed: give the number of local processes, at least 1.")
     if args.nproc is not None:
         from profiler.launch import launch_local
 
@@ -94,11 +131,3 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         report.save(args.out)
         print(f"wrote {args.out}")
     return 0 if report.ok else 1
-
-
-def _doctor_doc() -> str | None:
-    """The doctor's own description: how it runs, what it checks."""
-    import profiler.doctor
-
-    doc = profiler.doctor.__doc__
-    return doc.split("\n\n")[1] if doc else None

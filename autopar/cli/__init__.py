@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+from autopar import __version__
 from autopar.cli.demo import add_demo_parser
 from autopar.errors import AutoparError, ConfigError
+from autopar.export import add_export_parser
 from autopar.runtime.launch import add_dry_run_parser, add_run_parser
 
 
@@ -46,49 +50,137 @@ def parse_assignments(items: Sequence[str] | None) -> dict[str, Any]:
 def load_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """The model named by ``--model``, ``--model-config`` or ``--model-fn`` (built on the
     meta device), and the keyword arguments that describe its input."""
-    import torch
-
     chosen = [x for x in (args.model, args.model_config, args.model_fn) if x]
     if len(chosen) != 1:
         raise ConfigError("give exactly one of --model NAME, --model-config CONFIG.json or --model-fn module:function.")
-    seq_len = getattr(args, "seq_len", None)
+    seq_len = _seq_len(getattr(args, "seq_len", None))
+    text = getattr(args, "sample_shape", None)
+    shape = _sample_shape(text) if text is not None else None
     if args.model:
-        from autopar.models.registry import build_named_model, get_named_model
-
-        entry = get_named_model(args.model)
-        model = build_named_model(args.model)
-        if entry.input_kind == "tokens":
-            return model, {"seq_len": seq_len or entry.seq_len}
-        return model, {"sample_input": entry.sample_input(1)}
+        return _named_model(args.model, seq_len, shape)
     if args.model_config:
-        try:
-            from transformers import AutoConfig, AutoModelForCausalLM
-        except ImportError:
-            raise ConfigError("--model-config needs Hugging Face transformers: pip install 'autopar[hf]'.") from None
-        path = Path(args.model_config)
-        if not path.is_file():
-            raise ConfigError(f"--model-config {str(path)!r} does not exist.")
+        _no_sample_shape(shape, f"--model-config {args.model_config!r}")
+        return _config_model(Path(args.model_config), seq_len)
+    return _function_model(args.model_fn, seq_len, shape)
+
+
+def _seq_len(value: int | None) -> int | None:
+    """``--seq-len`` as given, refused when not positive (0 would otherwise read as
+    "not given" and plan at the model's own length without a word)."""
+    if value is not None and value < 1:
+        raise ConfigError(
+            f"--seq-len {value} is not allowed: give the tokens per sample, a positive integer, or leave it "
+            f"out to use the model's own length."
+        )
+    return value
+
+
+def _sample_shape(text: str) -> tuple[int, ...]:
+    """``--sample-shape 3,224,224`` as a tuple of positive dimensions."""
+    try:
+        dims = tuple(int(d) for d in text.split(","))
+    except ValueError:
+        dims = ()
+    if not dims or min(dims) < 1:
+        raise ConfigError(
+            f"--sample-shape {text!r} is not allowed: give one sample's dimensions as positive integers, "
+            f"e.g. 3,224,224."
+        )
+    return dims
+
+
+def _no_sample_shape(shape: tuple[int, ...] | None, model: str) -> None:
+    """Refuse ``--sample-shape`` for a model that takes token ids (it would be ignored)."""
+    if shape is not None:
+        raise ConfigError(f"--sample-shape is for models without token input; {model} takes token ids: give --seq-len.")
+
+
+def _meta_sample(shape: tuple[int, ...]) -> dict[str, Any]:
+    """The planner's ``sample_input`` for one sample of ``shape``, on the meta device."""
+    import torch
+
+    return {"sample_input": torch.zeros(1, *shape, device="meta")}
+
+
+def _named_model(name: str, seq_len: int | None, shape: tuple[int, ...] | None) -> tuple[Any, dict[str, Any]]:
+    """A registered model and its input: token models at ``--seq-len`` (their own length
+    by default), others at ``--sample-shape`` (their own sample by default)."""
+    from autopar.models.registry import build_named_model, get_named_model
+
+    entry = get_named_model(name)
+    if entry.input_kind == "tokens":
+        _no_sample_shape(shape, name)
+        return build_named_model(name), {"seq_len": entry.seq_len if seq_len is None else seq_len}
+    if seq_len is not None:
+        raise ConfigError(
+            f"--seq-len is for token models; {name} takes {entry.input_kind} of shape {entry.sample_shape}: "
+            f"leave --seq-len out, or give --sample-shape."
+        )
+    return build_named_model(name), _meta_sample(shape) if shape else {"sample_input": entry.sample_input(1)}
+
+
+def _config_model(path: Path, seq_len: int | None) -> tuple[Any, dict[str, Any]]:
+    """A Hugging Face causal LM built from its config on the meta device, at ``--seq-len``
+    (its ``max_position_embeddings`` by default)."""
+    import torch
+
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise ConfigError("--model-config needs Hugging Face transformers: pip install 'autopar[hf]'.") from None
+    if not path.is_file():
+        raise ConfigError(f"--model-config {str(path)!r} is not a file; give a Hugging Face config.json.")
+    try:
         config = AutoConfig.from_pretrained(str(path.parent if path.name == "config.json" else path))
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
-        default = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-        return model, {"seq_len": seq_len or default}
-    module_name, _, fn_name = args.model_fn.partition(":")
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(
+            f"--model-config {str(path)!r} is not a causal language model config transformers can build "
+            f"({_first_line(exc)}); give a config.json with its model_type, e.g. one written by save_pretrained."
+        ) from None
+    default = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return model, {"seq_len": default if seq_len is None else seq_len}
+
+
+def _function_model(spec: str, seq_len: int | None, shape: tuple[int, ...] | None) -> tuple[Any, dict[str, Any]]:
+    """The module ``--model-fn module:function`` returns, called with no arguments on the
+    meta device, and its input: ``--seq-len`` or ``--sample-shape``."""
+    import torch
+    from torch import nn
+
+    module_name, _, fn_name = spec.partition(":")
     if not fn_name:
-        raise ConfigError(f"--model-fn {args.model_fn!r}: expected module:function, e.g. mypkg.models:build.")
+        raise ConfigError(f"--model-fn {spec!r}: expected module:function, e.g. mypkg.models:build.")
     try:
         fn: Callable[[], Any] = getattr(importlib.import_module(module_name), fn_name)
     except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"--model-fn {args.model_fn!r}: cannot import it ({exc}).") from None
-    with torch.device("meta"):
-        model = fn()
-    if seq_len:
-        return model, {"seq_len": seq_len}
-    shape = getattr(args, "sample_shape", None)
-    if not shape:
+        raise ConfigError(f"--model-fn {spec!r}: cannot import it ({exc}).") from None
+    except Exception as exc:  # the module's own code failed as it was imported
+        raise ConfigError(
+            f"--model-fn {spec!r}: importing it failed ({type(exc).__name__}: {_first_line(exc)})."
+        ) from None
+    if seq_len is not None and shape is not None:
+        raise ConfigError("give one of --seq-len (token models) or --sample-shape (others), not both.")
+    if seq_len is None and shape is None:
         raise ConfigError("--model-fn needs --seq-len (token models) or --sample-shape C,H,W (one sample's shape).")
-    dims = tuple(int(d) for d in shape.split(","))
-    return model, {"sample_input": torch.zeros(1, *dims, device="meta")}
+    try:
+        with torch.device("meta"):
+            model = fn()
+    except Exception as exc:  # the user's own code: any failure is theirs to fix, said in one line
+        raise ConfigError(
+            f"--model-fn {spec!r} failed when called with no arguments ({type(exc).__name__}: {_first_line(exc)}); "
+            f"it must build the model by itself."
+        ) from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"--model-fn {spec!r} returned a {type(model).__name__}, not a torch.nn.Module.")
+    return model, {"seq_len": seq_len} if seq_len is not None else _meta_sample(shape)
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (library messages run over several)."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -164,16 +256,27 @@ def _emit(result: Any, args: argparse.Namespace) -> int:
     from autopar.present.explain import explain
 
     if args.out:
-        result.save(args.out)
+        _write("--out", args.out, result.save)
     if args.html:
         from autopar.present.report import save_html
 
-        save_html(result, args.html)
+        _write("--html", args.html, lambda path: save_html(result, path))
         print(f"report written to {args.html}", file=sys.stderr)
     print(result.to_json() if args.json else explain(result))
     if args.out:
         print(f"\nplan written to {args.out}", file=sys.stderr)
     return 0
+
+
+def _write(flag: str, path: str, write: Callable[[str], Any]) -> None:
+    """``write(path)``, its OS error (a directory, no permission, a full disk) as one line
+    naming the option."""
+    try:
+        write(path)
+    except OSError as exc:
+        raise ConfigError(
+            f"{flag} {path!r} cannot be written ({exc.strerror or exc}); give a file path in a writable directory."
+        ) from None
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
@@ -192,9 +295,48 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+RUN_DESCRIPTION = (
+    "Run a training script under a plan with PyTorch's own launcher (torchrun), one process per device. "
+    "The launch must have the plan's world size, --nproc-per-node times --nnodes: one node starts by itself, "
+    "several meet at --rdzv-endpoint. The script reads the plan with plan_from_env() and joins the process "
+    "group with init_distributed() (both in autopar.runtime.launch), whose collective timeout is "
+    "--pg-timeout-s. When a rank fails, the others are stopped and the failed rank is named; Ctrl-C stops "
+    "every rank of this node."
+)
+"""``autopar run --help``'s description, in plain words (the launcher's module docstring,
+which it replaces, is written for readers of the code)."""
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's help layout, wrapped at spaces only: option names such as
+    --nproc-per-node stay whole on one line."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return textwrap.fill(
+            " ".join(text.split()), width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False
+        )
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line, as autopar's other errors are,
+    pointing at the command's help instead of printing its usage; its sub-commands'
+    parsers are of this class too, with the same help layout."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"autopar: error: {message.rstrip('.')}; see '{self.prog} --help'.\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``autopar``."""
-    parser = argparse.ArgumentParser(prog="autopar", description="Plan and run parallel training for PyTorch.")
+    parser = _Parser(prog="autopar", description="Plan and run parallel training for PyTorch.")
+    parser.add_argument("--version", action="version", version=f"autopar {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="search the fastest plan that fits")
     _add_search_args(p)
@@ -221,10 +363,73 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_profile_parser(sub)
     add_doctor_parser(sub)
-    add_run_parser(sub)
-    add_dry_run_parser(sub)
+    run = add_run_parser(sub)
+    run.description = RUN_DESCRIPTION
+    _check_first(run, check_run_args)
+    _check_first(add_dry_run_parser(sub), check_dry_run_args)
     add_demo_parser(sub)
+    add_export_parser(sub)
     return parser
+
+
+def _check_first(parser: argparse.ArgumentParser, check: Callable[[argparse.Namespace], None]) -> None:
+    """Make ``parser``'s command run ``check(args)`` before its own handler, so that a bad
+    argument is one line (a ConfigError) before anything starts."""
+    handler = parser.get_default("func")
+
+    def checked(args: argparse.Namespace) -> int:
+        check(args)
+        return handler(args)
+
+    parser.set_defaults(func=checked)
+
+
+def check_run_args(args: argparse.Namespace) -> None:
+    """Refuse what ``autopar run`` would otherwise pass on to torchrun and the ranks: process
+    and node counts below 1, a node rank outside the nodes, a collective timeout that is not
+    a positive number of seconds, a script that is not there."""
+    for flag, value in (("--nproc-per-node", args.nproc_per_node), ("--nnodes", args.nnodes)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value} is not allowed: it must be a positive integer.")
+    if args.node_rank is not None and not 0 <= args.node_rank < args.nnodes:
+        raise ConfigError(
+            f"--node-rank {args.node_rank} is not allowed: with --nnodes {args.nnodes} it must be from 0 to "
+            f"{args.nnodes - 1}."
+        )
+    if not (args.pg_timeout_s > 0 and math.isfinite(args.pg_timeout_s)):
+        raise ConfigError(
+            f"--pg-timeout-s {args.pg_timeout_s} is not allowed: give the collective timeout in seconds, a finite "
+            f"number > 0 (the default is 600)."
+        )
+    if not (args.rdzv_wait_s >= 0 and math.isfinite(args.rdzv_wait_s)):
+        raise ConfigError(
+            f"--rdzv-wait-s {args.rdzv_wait_s} is not allowed: give the seconds a node waits for the rendezvous "
+            f"endpoint, a finite number >= 0 (the default is 30)."
+        )
+    if not Path(args.script).is_file():
+        raise ConfigError(
+            f"training script {args.script!r} does not exist; give the path of the script every rank runs."
+        )
+
+
+def check_dry_run_args(args: argparse.Namespace) -> None:
+    """Refuse ``--ranks`` that are not comma-separated ranks of the plan, each once (the
+    fake process group would fail on them with a traceback)."""
+    if args.ranks is None:
+        return
+    from autopar.plan import Plan
+
+    world = Plan.load(args.plan).config.world_size
+    allowed = f"give comma-separated ranks from 0 to {world - 1}, each once"
+    try:
+        ranks = [int(r) for r in args.ranks.split(",")]
+    except ValueError:
+        raise ConfigError(f"--ranks {args.ranks!r} is not allowed: {allowed}.") from None
+    outside = [r for r in ranks if not 0 <= r < world]
+    if outside:
+        raise ConfigError(f"--ranks {args.ranks!r}: rank {outside[0]} is not one of the plan's {world}; {allowed}.")
+    if len(set(ranks)) != len(ranks):
+        raise ConfigError(f"--ranks {args.ranks!r} names a rank twice; {allowed}.")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

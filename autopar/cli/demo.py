@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from autopar.hardware import preset
+from autopar.errors import ConfigError
+from autopar.hardware import Cluster, preset
 from autopar.hardware.device import alone
 from autopar.models import GPT, GPTConfig, build_named_model
 from autopar.plan import Plan
@@ -31,6 +32,7 @@ from autopar.search.planner import plan as make_plan
 DEMO_GPT = GPTConfig(vocab_size=2048, seq_len=128, dim=256, n_layers=4, n_heads=8)
 PROFILE_SHAPE = (2, 256)  # (batch, sequence) the layers are profiled at
 GLOBAL_BATCH = 16
+WARMUP_STEPS = 2  # untimed: the first steps allocate optimizer state and communication buckets
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,11 +86,12 @@ def profile_machine(nproc: int, say: Callable[[str], None]) -> list[Any]:
 
 
 def run_demo(*, nproc: int = 2, steps: int = 6, say: Callable[[str], None] = print) -> DemoResult:
-    """Run the four steps (see the module docstring), printing as it goes."""
+    """Run the four steps (see the module docstring), printing as it goes. The arguments
+    are checked first, before a minute of profiling."""
     started = time.perf_counter()
+    base = _checked_local_cluster(nproc, steps)
     say(f"1/4 Profiling this machine ({nproc} processes)")
     reports = profile_machine(nproc, say)
-    base = preset("local-cpu", devices_per_node=nproc)
     cluster = cluster_from_profiles(reports, base=base)
     d, link = cluster.device, cluster.intra_node
     say(
@@ -112,7 +115,7 @@ def run_demo(*, nproc: int = 2, steps: int = 6, say: Callable[[str], None] = pri
         local,
         token_batches(DEMO_GPT.vocab_size, DEMO_GPT.seq_len),
         steps=steps,
-        warmup=2,
+        warmup=WARMUP_STEPS,
         measure_memory=True,
     )
     p = local.prediction
@@ -134,6 +137,22 @@ def run_demo(*, nproc: int = 2, steps: int = 6, say: Callable[[str], None] = pri
     say(explain(large))
     say(f"\ndemo finished in {time.perf_counter() - started:.0f} s")
     return DemoResult(local_plan=local, measured=measured, large_plan=large)
+
+
+def _checked_local_cluster(nproc: int, steps: int) -> Cluster:
+    """The local-cpu cluster of ``nproc`` processes, once ``nproc`` and ``steps`` are known
+    to work: two processes at least (the network is measured between them; the preset
+    refuses more than this machine's memory holds), and steps beyond the warm-up ones."""
+    if nproc < 2:
+        raise ConfigError(
+            f"--nproc {nproc} is not allowed: the demo measures the network between at least 2 processes."
+        )
+    if steps <= WARMUP_STEPS:
+        raise ConfigError(
+            f"--steps {steps} is not allowed: the first {WARMUP_STEPS} steps warm up and are not timed; give at least "
+            f"{WARMUP_STEPS + 1}."
+        )
+    return preset("local-cpu", devices_per_node=nproc)
 
 
 def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -15,10 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import cached_property
-
-import networkx as nx
+from typing import TYPE_CHECKING
 
 from autopar.vocab import Attention, DType, TPStyle
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 UNIT_INPUT = -1
 """Flow endpoint: the unit's input (the previous unit's output)."""
@@ -263,7 +265,11 @@ class LayerGraph:
 
     def to_networkx(self) -> nx.DiGraph:
         """Units and leaves as a directed graph: unit -> next unit edges carry the
-        activation bytes per sample; leaf -> leaf edges the flow sizes."""
+        activation bytes per sample; leaf -> leaf edges the flow sizes. networkx is
+        imported here, not with the module: planning never needs it, and it would add
+        a third of a second to ``import autopar``."""
+        import networkx as nx
+
         g = nx.DiGraph(name=self.name, seq_len=self.seq_len)
         for i, unit in enumerate(self.units):
             prof = self.profiles[unit.profile]

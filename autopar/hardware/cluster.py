@@ -81,5 +81,7 @@ def save_cluster(cluster: Cluster, path: str | Path) -> Path:
 
 def load_cluster(path: str | Path) -> Cluster:
     """Read a cluster file written by :func:`save_cluster` (or by hand in that layout)."""
+    if not isinstance(path, (str, Path)):
+        raise ClusterError(f"cluster file path {path!r} is not allowed: {CLUSTER_FILE_REMEDY}.")
     data = codec.read_json(path, what="cluster file", error=ClusterError, remedy=CLUSTER_FILE_REMEDY)
     return cluster_from_dict(data, origin=f"cluster file {str(path)!r}")

@@ -167,6 +167,12 @@ def local_cpu_device(processes: int) -> DeviceSpec:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         ram = 16 * GIB
+    if ram / processes <= _PROCESS_BYTES:
+        raise ClusterError(
+            f"local-cpu with {processes} processes leaves {ram / processes / MIB:.0f} MiB of this machine's "
+            f"{ram / GIB:.1f} GiB per process, less than the {_PROCESS_BYTES // MIB} MiB each process needs "
+            f"before any tensor; use fewer than {ram // _PROCESS_BYTES} processes."
+        )
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     share = min(1.0, cores / processes)
     device = DeviceSpec(
@@ -280,10 +286,10 @@ def parse_cluster(spec: str) -> Cluster:
         raise ClusterError(
             f"cluster spec {spec!r} is not allowed: give 'preset:nodes' (e.g. 'dgx-h100:16') or a file path."
         )
-    if spec.endswith(".json") or Path(spec).is_file():
+    if spec.endswith(".json") or "/" in spec or Path(spec).exists():  # no preset name has a slash
         return load_cluster(spec)
-    name, _, count = spec.partition(":")
-    if not count:
+    name, colon, count = spec.partition(":")
+    if not colon:
         return preset(name)
     try:
         nodes = int(count)

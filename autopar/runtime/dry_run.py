@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, ConfigError
 from autopar.graph.units import find_units
 from autopar.plan import Plan
 from autopar.runtime.api import Analysis, analyse, parallelize
@@ -138,6 +138,12 @@ def dry_run(
     if dist.is_initialized():
         raise AutoparError("dry_run creates fake process groups; call it in a process without one.")
     dims = MeshDims.of(plan)
+    bad = [r for r in ranks or () if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < dims.world_size]
+    if bad:
+        raise ConfigError(
+            f"ranks {bad} are not ranks of this plan: give ranks from 0 to {dims.world_size - 1} "
+            f"(the plan runs on {dims.world_size})."
+        )
     model = model_fn()
     problems = coverage_problems(model, plan) + split_problems(model, plan)
     analysis: Analysis | None = None

@@ -110,13 +110,20 @@ def add_dry_run_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="apply a plan with meta tensors and a fake process group",
         description="Check a plan against a model and apply it for some ranks on this "
         "machine, without devices: names, stage coverage, tensor-parallel "
-        "splits, parameter bytes per rank against the plan's prediction.",
+        "splits, parameter bytes per rank against the plan's prediction; with --measure, "
+        "one training step of each on fake tensors and its peak memory against the plan's.",
     )
     p.add_argument("--plan", required=True, help="plan file")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="a registered model name (autopar.models.named_models)")
     source.add_argument("--model-fn", help="module:function returning the model (built on the meta device)")
     p.add_argument("--ranks", default=None, help="comma-separated global ranks (default: one per pipeline rank)")
+    p.add_argument(
+        "--measure",
+        action="store_true",
+        help="also run one training step of each rank on fake tensors and measure its peak memory "
+        "(token models; about a minute per rank of a 175B model)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=dry_run_command)
     return p
@@ -390,7 +397,7 @@ def dry_run_command(args: argparse.Namespace) -> int:
         else:
             build = partial(_built_by, args.model_fn)
         ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else None
-        report = dry_run(build, plan, sample_input=sample, ranks=ranks)
+        report = dry_run(build, plan, sample_input=sample, ranks=ranks, measure=args.measure)
     except AutoparError as exc:
         print(f"autopar dry-run: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
@@ -405,7 +412,13 @@ def _on_meta(fn: Callable[[], Any]) -> Any:
 
 def _built_by(spec: str) -> Any:
     """The model ``--model-fn`` names, built on the meta device."""
-    return _on_meta(_import(spec))
+    model = _on_meta(_import(spec))
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(
+            f"--model-fn {spec!r} returned a {type(model).__name__}, not a torch.nn.Module; name a function "
+            f"that builds the model (e.g. mypkg.models:build_gpt)."
+        )
+    return model
 
 
 def _import(spec: str) -> Callable[[], Any]:

@@ -11,9 +11,11 @@ from __future__ import annotations
 import functools
 import gc
 import math
+import reprlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from enum import StrEnum
 from typing import Any, ParamSpec, TypeVar
 
 from torch import nn
@@ -21,14 +23,16 @@ from torch import nn
 from autopar.cost.model import CostModel
 from autopar.cost.peak import budget_bytes
 from autopar.cost.price import price
-from autopar.errors import ConfigError, ModelError, check_positive_int
+from autopar.errors import ClusterError, ConfigError, ModelError, check_positive_int, check_seq_len
 from autopar.graph.extract import extract
 from autopar.graph.layer_graph import LayerGraph
 from autopar.hardware.cluster import Cluster
+from autopar.hardware.presets import parse_cluster
 from autopar.plan import ParallelConfig, Plan, PlanSettings
 from autopar.profiles.apply import Measurements, measurements
 from autopar.profiles.identity import LayerProfileMatch, match_layer_profile
 from autopar.search.assemble import Provenance, infeasible_error, to_plan
+from autopar.search.ilp import check_solver
 from autopar.search.scan import decided, search
 from autopar.search.solve import ConfigSolver, Outcome
 from autopar.search.space import check_constraints, micro_batch_range
@@ -36,6 +40,7 @@ from autopar.vocab import Attention, Optimizer, Recompute
 
 P = ParamSpec("P")
 R = TypeVar("R")
+E = TypeVar("E", bound=StrEnum)
 
 
 def _cycles_collected_after(fn: Callable[P, R]) -> Callable[P, R]:
@@ -61,7 +66,7 @@ def _cycles_collected_after(fn: Callable[P, R]) -> Callable[P, R]:
 @_cycles_collected_after
 def plan(
     model: nn.Module | LayerGraph,
-    cluster: Cluster,
+    cluster: Cluster | str,
     *,
     global_batch_size: int,
     seq_len: int | None = None,
@@ -78,7 +83,8 @@ def plan(
     Args:
         model: any ``nn.Module`` (real or on the meta device), or a LayerGraph.
         cluster: where it runs (``autopar.preset``, ``autopar.load_cluster``,
-            ``autopar.cluster_from_profiles``).
+            ``autopar.cluster_from_profiles``), or a spec string as the command line
+            takes it: ``"dgx-a100-80gb:4"`` (preset:nodes), a preset name, a cluster file.
         global_batch_size: samples per optimizer step.
         seq_len: tokens per sample, for token models.
         sample_input: otherwise, one batch of inputs (values are never read).
@@ -91,13 +97,18 @@ def plan(
 
     Raises:
         InfeasiblePlanError: nothing fits; the message names the smallest memory found.
-        ConfigError: bad sizes or constraints.
+        ConfigError: bad sizes, constraints or options, or a sequence longer than the
+            model's positions (ClusterError for a bad cluster).
         ProfileModelError: ``profile`` has a layers section of another model (a
             ConfigError; one of this model at another shape is used, and the plan's
             notes say so).
     """
     started = time.perf_counter()
     check_positive_int("global_batch_size", global_batch_size)
+    _check_top(top)
+    check_solver(solver)
+    cluster = _cluster(cluster)
+    optimizer, attention = _option("optimizer", optimizer, Optimizer), _option("attention", attention, Attention)
     fixed = check_constraints(constraints)
     measured = measurements(cluster, profile)
     graph = _graph(model, measured.cluster, fixed, seq_len, sample_input, attention)
@@ -117,7 +128,7 @@ def plan(
 @_cycles_collected_after
 def estimate(
     model: nn.Module | LayerGraph,
-    cluster: Cluster,
+    cluster: Cluster | str,
     config: Mapping[str, Any] | ParallelConfig,
     *,
     global_batch_size: int,
@@ -139,8 +150,10 @@ def estimate(
     """
     started = time.perf_counter()
     check_positive_int("global_batch_size", global_batch_size)
-    given = dict(config.__dict__) if isinstance(config, ParallelConfig) else dict(config)
-    fixed = check_constraints(given)
+    check_solver(solver)
+    cluster = _cluster(cluster)
+    optimizer, attention = _option("optimizer", optimizer, Optimizer), _option("attention", attention, Attention)
+    fixed = check_constraints(config.__dict__ if isinstance(config, ParallelConfig) else config, what="config")
     measured = measurements(cluster, profile)
     fixed = _complete(fixed, measured.cluster, global_batch_size)
     graph = _graph(model, measured.cluster, fixed, seq_len, sample_input, attention)
@@ -153,11 +166,40 @@ def estimate(
     return _noted(to_plan(solver_, result, _provenance(measured, optimizer, attention, solver, started)), match)
 
 
-def _cost_model(graph: LayerGraph, measured: Measurements, optimizer: Optimizer | str, batch: int) -> CostModel:
+def _cluster(cluster: object) -> Cluster:
+    """``cluster`` itself, or the cluster a spec string names, read as the command line
+    reads ``--cluster``: the same words work in both places."""
+    if isinstance(cluster, str):
+        return parse_cluster(cluster)
+    if not isinstance(cluster, Cluster):
+        raise ClusterError(
+            f"cluster={reprlib.repr(cluster)} is not allowed: give an autopar.Cluster "
+            f"(autopar.preset, autopar.load_cluster) or a spec such as 'dgx-a100-80gb:4'."
+        )
+    return cluster
+
+
+def _option(name: str, value: object, kind: type[E]) -> E:
+    """``value`` as the member of ``kind`` it names, or a ConfigError listing the allowed
+    values (checked before the model is traced, which takes seconds for a large one)."""
+    try:
+        return kind(value)
+    except (ValueError, TypeError):
+        allowed = ", ".join(repr(m.value) for m in kind)
+        raise ConfigError(f"{name}={value!r} is not allowed; use one of {allowed}.") from None
+
+
+def _check_top(top: object) -> None:
+    """``top`` counts runners-up: an integer >= 0, else a ConfigError."""
+    if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+        raise ConfigError(f"top={top!r} is not allowed: it must be an integer >= 0 (how many runners-up to keep).")
+
+
+def _cost_model(graph: LayerGraph, measured: Measurements, optimizer: Optimizer, batch: int) -> CostModel:
     return CostModel(
         graph=graph,
         cluster=measured.cluster,
-        optimizer=Optimizer(optimizer),
+        optimizer=optimizer,
         global_batch_size=batch,
         calibration=measured.calibration,
         recompute_fractions=measured.recompute_fractions,
@@ -174,10 +216,10 @@ def _noted(plan: Plan, match: LayerProfileMatch | None) -> Plan:
     return replace(plan, notes=plan.notes + extra)
 
 
-def _provenance(measured: Measurements, optimizer, attention, solver: str, started: float) -> Provenance:
-    settings = PlanSettings(
-        optimizer=Optimizer(optimizer), attention=Attention(attention), profile_sources=measured.sources, solver=solver
-    )
+def _provenance(
+    measured: Measurements, optimizer: Optimizer, attention: Attention, solver: str, started: float
+) -> Provenance:
+    settings = PlanSettings(optimizer=optimizer, attention=attention, profile_sources=measured.sources, solver=solver)
     return Provenance(settings=settings, search_time_s=time.perf_counter() - started)
 
 
@@ -187,6 +229,8 @@ def _graph(model, cluster: Cluster, fixed, seq_len, sample_input, attention) -> 
     else:
         if isinstance(model, nn.Module) and next(model.parameters(), None) is None:
             raise ModelError(_NO_PARAMETERS.format(name=type(model).__name__))
+        if seq_len is not None:
+            check_seq_len(seq_len, model)
         dtype = fixed.get("dtype", cluster.device.preferred_dtype)
         graph = extract(model, seq_len=seq_len, sample_input=sample_input, dtype=dtype, attention=attention)
     if graph.num_params == 0:

@@ -52,6 +52,13 @@ class SearchResult:
     region_sizes: Mapping[tuple[int, int], int] = field(default_factory=dict)
 
 
+def _constraints_text(fixed: Mapping[str, Any]) -> str:
+    """``constraints tp=2, schedule=1f1b`` as a person writes them, or ``no constraints``."""
+    if not fixed:
+        return "no constraints"
+    return "constraints " + ", ".join(f"{name}={value}" for name, value in fixed.items())
+
+
 def search(solver: ConfigSolver, fixed: Mapping[str, Any], *, top: int) -> SearchResult:
     """Solve the candidates that satisfy ``fixed`` in bound order (module docstring);
     the kept ones come with their prediction."""
@@ -59,10 +66,10 @@ def search(solver: ConfigSolver, fixed: Mapping[str, Any], *, top: int) -> Searc
     graph, cluster = model.graph, model.cluster
     configs, rejected = enumerate_space(graph, cluster, model.global_batch_size, fixed)
     if not configs:
-        reasons = "; ".join(f"{r.what}: {r.reason}" for r in rejected[:6]) or "no candidate"
+        reasons = "; ".join(list(dict.fromkeys(f"{r.what}: {r.reason}" for r in rejected))[:6]) or "no candidate"
         raise ConfigError(
             f"no configuration of {cluster.world_size} devices can run global_batch_size="
-            f"{model.global_batch_size} with constraints {dict(fixed)}: {reasons}. Change the batch "
+            f"{model.global_batch_size} with {_constraints_text(fixed)}: {reasons}. Change the batch "
             f"size, the device count or the constraints."
         )
     modes = (fixed["recompute"],) if "recompute" in fixed else ALL_MODES

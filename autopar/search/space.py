@@ -12,6 +12,8 @@ candidates before they are solved.
 
 from __future__ import annotations
 
+import math
+import reprlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -36,15 +38,27 @@ MAX_MICRO_BATCH = 64
 MAX_VIRTUAL_STAGES = 8
 
 
-def divisors(n: int) -> list[int]:
-    """Positive divisors of ``n`` in increasing order."""
-    return [d for d in range(1, n + 1) if n % d == 0]
+def divisors(n: int, *, at_most: int | None = None) -> list[int]:
+    """Positive divisors of ``n`` in increasing order; only those up to ``at_most`` when
+    given, found without enumerating the rest. Either way a batch of 10**18 samples or a
+    cluster of a million nodes takes milliseconds, not hours: the full list is built from
+    the pairs ``d, n // d`` up to the square root."""
+    if at_most is not None:
+        return [d for d in range(1, min(n, at_most) + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
-def check_constraints(constraints: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Validate the names and types of fixed fields (values are checked by ParallelConfig)."""
+def check_constraints(constraints: Mapping[str, Any] | None, *, what: str = "constraints") -> dict[str, Any]:
+    """Validate the names and types of fixed fields (values are checked by ParallelConfig);
+    ``what`` names the argument in the message for anything but a mapping."""
+    if constraints is not None and not isinstance(constraints, Mapping):
+        raise ConfigError(
+            f"{what}={reprlib.repr(constraints)} is not allowed: give a mapping of config fields, "
+            f"e.g. {{'tp': 8, 'pp': 16}}."
+        )
     out = dict(constraints or {})
-    unknown = sorted(set(out) - set(CONFIG_FIELDS))
+    unknown = sorted(set(out) - set(CONFIG_FIELDS), key=repr)
     if unknown:
         raise ConfigError(f"unknown constraint(s) {unknown}; allowed: {', '.join(CONFIG_FIELDS)}.")
     for name in ("dp", "tp", "pp", "micro_batch_size", "num_microbatches", "virtual_stages"):
@@ -123,6 +137,7 @@ def enumerate_space(
             f"tp={c['tp']} does not fit the model's layer shapes on {world} devices (attention heads, "
             f"KV heads and FFN sizes must divide by it); allowed: {allowed_tp}."
         )
+    _check_divides(c, world)
     tps = [c["tp"]] if "tp" in c else allowed_tp
     configs: list[ParallelConfig] = []
     for tp in tps:
@@ -154,10 +169,12 @@ def enumerate_space(
                 )
                 continue
             per_rank = global_batch_size // dp
+            batch_rejection = _batch_rejection(c, dp, per_rank)
+            if batch_rejection:
+                rejected.append(batch_rejection)
+                continue
             mbs_list = (
-                [c["micro_batch_size"]]
-                if "micro_batch_size" in c
-                else [d for d in divisors(per_rank) if d <= MAX_MICRO_BATCH]
+                [c["micro_batch_size"]] if "micro_batch_size" in c else divisors(per_rank, at_most=MAX_MICRO_BATCH)
             )
             for mbs in mbs_list:
                 if per_rank % mbs:
@@ -197,6 +214,39 @@ def enumerate_space(
     return configs, rejected
 
 
+def _check_divides(c: Mapping[str, Any], world: int) -> None:
+    """A fixed ``dp`` or ``pp`` must divide the device count; said at once, rather than as
+    every (tp, pp) region the search would reject for it."""
+    for axis in ("dp", "pp"):
+        if axis in c and world % c[axis]:
+            raise ConfigError(
+                f"{axis}={c[axis]} does not divide the cluster's {world} devices; fix {axis} to one of "
+                f"{divisors(world)}, or plan for another cluster."
+            )
+
+
+def _batch_rejection(c: Mapping[str, Any], dp: int, per_rank: int) -> Rejection | None:
+    """Why a fixed micro-batch size or count cannot split the ``per_rank`` samples of each
+    of ``dp`` data-parallel ranks, if it cannot (the search would find no candidate, and
+    the message would not say why)."""
+    mbs, m = c.get("micro_batch_size"), c.get("num_microbatches")
+    samples = f"the {per_rank} samples per data-parallel rank"
+    for name, value in (("micro_batch_size", mbs), ("num_microbatches", m)):
+        if value is not None and per_rank % value:
+            return Rejection(what=f"{name}={value} (dp={dp})", reason=f"does not divide {samples}")
+    if mbs is not None and m is not None and mbs * m != per_rank:
+        return Rejection(
+            what=f"micro_batch_size x num_microbatches = {mbs} x {m} (dp={dp})", reason=f"is not {samples}"
+        )
+    if m is not None and mbs is None and per_rank // m > MAX_MICRO_BATCH:
+        return Rejection(
+            what=f"num_microbatches={m} (dp={dp})",
+            reason=f"splits {samples} into micro-batches of {per_rank // m}, above the {MAX_MICRO_BATCH} the "
+            f"search tries; fix micro_batch_size too",
+        )
+    return None
+
+
 def _schedules(pp: int, graph: LayerGraph, c: Mapping[str, Any]) -> Iterator[tuple[Schedule, int]]:
     if pp == 1:
         yield Schedule.ONE_F_ONE_B, 1
@@ -218,7 +268,7 @@ def micro_batch_range(
     """The micro-batch sizes the search may meet (all divisors up to the cap)."""
     if "micro_batch_size" in constraints:
         return (constraints["micro_batch_size"],)
-    return tuple(d for d in divisors(global_batch_size) if d <= MAX_MICRO_BATCH)
+    return tuple(divisors(global_batch_size, at_most=MAX_MICRO_BATCH))
 
 
 def memory_floor(model: CostModel, config: ParallelConfig, cache: dict) -> float:

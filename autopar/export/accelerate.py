@@ -1,0 +1,164 @@
+"""A plan as a Hugging Face Accelerate config (YAML, what ``accelerate config`` writes)
+and the ``accelerate launch`` line.
+
+Accelerate trains with DDP or FSDP, and since 1.10 composes FSDP2 with the tensor
+parallelism of a transformers model's own ``tp_plan`` (its ``parallelism_config``). It
+has no pipeline parallelism for training: a plan with ``pp > 1`` is refused.
+
+With FSDP2 (``fsdp_version: 2``) the sharding strategy is ``fsdp_reshard_after_forward``
+(Accelerate deprecates ``fsdp_sharding_strategy`` there and refuses a strategy name as
+its value): true is FULL_SHARD (ZeRO-3), false is SHARD_GRAD_OP (ZeRO-2); NO_SHARD
+(ZeRO-0) is plain DDP, ``distributed_type: MULTI_GPU``.
+"""
+
+from __future__ import annotations
+
+from autopar.export.common import (
+    Blocks,
+    Export,
+    ExportError,
+    blocks_of,
+    commented,
+    header,
+    mixed_recompute_note,
+    outside_blocks_note,
+    shell_line,
+)
+from autopar.export.shape import ModelShape
+from autopar.plan import Plan
+from autopar.vocab import DType, Recompute
+
+CONFIG_NAME = "accelerate_config.yaml"
+MIXED_PRECISION = {DType.BF16: "bf16", DType.FP16: "fp16", DType.FP32: "no"}
+
+
+def export_accelerate(plan: Plan, shape: ModelShape | None) -> Export:
+    """The Accelerate config of ``plan``; ``shape`` names the block class FSDP wraps.
+    Raises ExportError for a pipelined plan."""
+    c = plan.config
+    if c.pp > 1:
+        raise ExportError(
+            f"accelerate cannot run pipeline parallelism (the plan has pp={c.pp}); export to megatron, deepspeed "
+            f"or torchtitan, or make a plan with --set pp=1."
+        )
+    blocks = blocks_of(plan)
+    notes: list[str] = []
+    fsdp = c.tp > 1 or (c.dp > 1 and c.zero_stage > 0)
+    config: dict = {"compute_environment": "LOCAL_MACHINE", "debug": False}
+    if fsdp:
+        config["distributed_type"] = "FSDP"
+        config["fsdp_config"] = _fsdp(plan, blocks, shape, notes)
+    else:
+        config["distributed_type"] = "MULTI_GPU" if c.world_size > 1 else "NO"
+        if any(m is not Recompute.NONE for m in blocks.modes):
+            notes.append(
+                "Accelerate's config turns recomputation on only with FSDP: call model.gradient_checkpointing_enable() "
+                "(a Hugging Face model) or checkpoint the blocks the plan recomputes in the training script"
+            )
+    if c.tp > 1:
+        config["parallelism_config"] = {
+            "parallelism_config_dp_replicate_size": 1,
+            "parallelism_config_dp_shard_size": c.dp,
+            "parallelism_config_tp_size": c.tp,
+            "parallelism_config_cp_size": 1,
+        }
+        notes.append(
+            f"Accelerate's tensor parallelism (tp={c.tp}) applies a transformers model's own tp_plan, not the "
+            f"plan's per-layer styles; other models cannot use it"
+        )
+        if c.sequence_parallel:
+            notes.append(
+                "Accelerate's tensor parallelism follows the model's tp_plan for norms; the plan's sequence "
+                "parallelism is kept only where that tp_plan shards them"
+            )
+    config.update(
+        {
+            "machine_rank": 0,
+            "main_training_function": "main",
+            "mixed_precision": MIXED_PRECISION[c.dtype],
+            "num_machines": plan.cluster.nodes,
+            "num_processes": c.world_size,
+            "rdzv_backend": "static",
+            "same_network": True,
+            "use_cpu": False,
+        }
+    )
+    words = ["accelerate", "launch", "--config_file", CONFIG_NAME]
+    if plan.cluster.nodes > 1:
+        words += ["--machine_rank", "$NODE_RANK", "--main_process_ip", "$MASTER_ADDR", "--main_process_port", "29500"]
+    launch = shell_line([*words, "train.py"])
+    info = [
+        f"per-device batch {c.micro_batch_size}; gradient accumulation {c.num_microbatches} steps: "
+        f"Accelerator(gradient_accumulation_steps={c.num_microbatches}) and a DataLoader of batch_size "
+        f"{c.micro_batch_size}",
+    ]
+    text = commented(header(plan, "Accelerate") + info, notes) + _yaml(config)
+    return Export(target="accelerate", text=text, filename=CONFIG_NAME, launch=launch, notes=tuple(notes))
+
+
+def _fsdp(plan: Plan, blocks: Blocks, shape: ModelShape | None, notes: list[str]) -> dict:
+    """The FSDP2 section: resharding by ZeRO stage, one FSDP unit per transformer block,
+    activation checkpointing of whole blocks."""
+    c = plan.config
+    if c.zero_stage == 1:
+        notes.append(
+            "FSDP has no optimizer-only sharding (ZeRO-1): written as fsdp_reshard_after_forward false "
+            "(SHARD_GRAD_OP, ZeRO-2: gradients sharded too, less memory than predicted)"
+        )
+    if c.zero_stage == 0:
+        notes.append(
+            "Accelerate composes tensor parallelism with FSDP only: ZeRO-0 written as fsdp_reshard_after_forward "
+            "false (SHARD_GRAD_OP, ZeRO-2: less memory than predicted)"
+        )
+    section: dict = {
+        "fsdp_activation_checkpointing": _checkpointing(blocks, notes),
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+    }
+    if shape is not None and shape.block_class:
+        section["fsdp_transformer_layer_cls_to_wrap"] = shape.block_class
+    section.update(
+        {
+            "fsdp_offload_params": False,
+            "fsdp_reshard_after_forward": c.zero_stage == 3,
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_version": 2,
+        }
+    )
+    return section
+
+
+def _checkpointing(blocks: Blocks, notes: list[str]) -> bool:
+    """Whether FSDP checkpoints every wrapped block in full: on when the plan recomputes
+    any block (per-block and selective choices have no equivalent; recomputing all of
+    them in full never keeps more than the plan)."""
+    note = outside_blocks_note(blocks)
+    if note:
+        notes.append(note)
+    uniform = blocks.uniform()
+    if not blocks.count or uniform is Recompute.NONE:
+        return False
+    if uniform is not Recompute.FULL:
+        written = "FSDP's activation checkpointing recomputes every block in full (less memory, more compute)"
+        notes.append(mixed_recompute_note(blocks, written))
+    return True
+
+
+def _yaml(config: dict) -> str:
+    """The config as YAML: a mapping of scalars and one level of nested mappings, in
+    the spelling ``accelerate config`` writes."""
+    lines = []
+    for key, value in config.items():
+        if isinstance(value, dict):
+            lines.append(f"{key}:")
+            lines += [f"  {k}: {_scalar(v)}" for k, v in value.items()]
+        else:
+            lines.append(f"{key}: {_scalar(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _scalar(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str) and value in ("no", "yes", "true", "false", "null"):
+        return f"'{value}'"
+    return str(value)

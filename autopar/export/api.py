@@ -1,0 +1,50 @@
+"""``export()``: a plan written for one framework, by the target's name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from torch import nn
+
+from autopar.export.accelerate import export_accelerate
+from autopar.export.common import Export, ExportError, load_plan
+from autopar.export.deepspeed import export_deepspeed
+from autopar.export.megatron import export_megatron
+from autopar.export.shape import ModelShape, shape_of
+from autopar.export.torchtitan import export_torchtitan
+from autopar.plan import Plan
+
+EXPORTERS: dict[str, Callable[[Plan, ModelShape | None], Export]] = {
+    "megatron": export_megatron,
+    "deepspeed": export_deepspeed,
+    "torchtitan": export_torchtitan,
+    "accelerate": export_accelerate,
+}
+"""Each target's exporter, by the name ``--to`` takes."""
+
+
+def export(plan: Plan | str | Path, to: str, *, model: nn.Module | None = None) -> Export:
+    """``plan`` (or the plan file it names) written for framework ``to``.
+
+    Args:
+        plan: a Plan or the path of a plan file.
+        to: ``megatron``, ``deepspeed``, ``torchtitan`` or ``accelerate``.
+        model: the model the plan was made for (on the meta device is enough), to fill
+            in its sizes; checked against the plan's fingerprint.
+
+    Raises:
+        ExportError: an unknown target, a model that is not the plan's, or a plan the
+            target cannot run (accelerate with pipelining); UnreadablePlanError (also an
+            ExportError) for a missing or malformed plan file.
+    """
+    exporter = exporter_for(to)
+    loaded = load_plan(plan)
+    return exporter(loaded, shape_of(model, loaded) if model is not None else None)
+
+
+def exporter_for(to: str) -> Callable[[Plan, ModelShape | None], Export]:
+    """The exporter of target ``to``; an ExportError naming the targets if there is none."""
+    if to not in EXPORTERS:
+        raise ExportError(f"unknown export target {to!r}; use one of {', '.join(EXPORTERS)}.")
+    return EXPORTERS[to]

@@ -1,0 +1,252 @@
+"""What every exporter shares: the result type, the errors, and the facts about a plan
+that frameworks name differently (transformer blocks per stage, recompute per block,
+tensor-parallel styles).
+
+Frameworks count pipeline splits and recomputation in *transformer layers*, while a plan
+lists module names per stage. :func:`blocks_of` finds the repeated blocks among the
+plan's units (``layers.0`` .. ``layers.N``, ``model.layers.0`` ..) so each exporter can
+say how many layers each stage holds and which layers recompute.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from autopar import codec
+from autopar.errors import ConfigError, PlanFormatError
+from autopar.plan import Plan
+from autopar.vocab import Recompute, TPStyle
+
+
+class ExportError(ConfigError):
+    """A plan cannot be exported as asked: an unknown target, a configuration the target
+    framework cannot run, or an output path that cannot be written."""
+
+
+class UnreadablePlanError(ExportError, PlanFormatError):
+    """The plan file to export is missing, unreadable or malformed (both an
+    :class:`ExportError` and a :class:`~autopar.errors.PlanFormatError`, so callers that
+    catch either see it)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Export:
+    """A plan written for one framework.
+
+    Attributes:
+        target: the framework (``megatron``, ``deepspeed``, ``torchtitan``, ``accelerate``).
+        text: the file the framework reads (a launch script, a JSON, TOML or YAML
+            config), with the approximations said in comments where the format has them.
+        filename: a default name for ``text``.
+        launch: the command that runs a job with it, as one line.
+        notes: where the framework has no exact equivalent of a plan's choice, what was
+            written instead and why; empty when the export is exact.
+    """
+
+    target: str
+    text: str
+    filename: str
+    launch: str
+    notes: tuple[str, ...] = ()
+
+    def launch_for(self, path: str | Path) -> str:
+        """The launch line for the file saved at ``path`` instead of ``filename``."""
+        return self.launch.replace(shlex.quote(self.filename), shlex.quote(str(path)))
+
+    def save(self, path: str | Path) -> Path:
+        """Write ``text`` to ``path`` (atomically); an unwritable path is an ExportError."""
+        if Path(path).is_dir():  # checked first: the atomic write would leave its temporary file beside it
+            raise ExportError(f"cannot write {str(path)!r}: it is a directory; give a file name.")
+        try:
+            return codec.write_atomically(path, self.text)
+        except OSError as exc:
+            raise ExportError(f"cannot write {str(path)!r} ({exc.strerror or type(exc).__name__}).") from None
+
+
+def load_plan(plan: Plan | str | Path) -> Plan:
+    """``plan`` itself, or the plan in the file it names (UnreadablePlanError if none)."""
+    if isinstance(plan, Plan):
+        return plan
+    try:
+        return Plan.load(plan)
+    except PlanFormatError as exc:
+        raise UnreadablePlanError(str(exc)) from None
+
+
+_INDEXED = re.compile(r"^(.*)\.(\d+)$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Blocks:
+    """The plan's transformer blocks: its most numerous family of units named
+    ``<prefix>.<index>``.
+
+    Attributes:
+        names: block module names in order.
+        per_stage: blocks each pipeline stage holds (``pp * virtual_stages`` entries, in
+            the plan's stage order: stage ``i`` runs on pipeline rank ``i % pp``).
+        modes: recompute mode of each block.
+        stage_modes: ``modes`` split by stage.
+        others_recomputed: units outside the blocks that recompute (embeddings, head).
+    """
+
+    names: tuple[str, ...]
+    per_stage: tuple[int, ...]
+    modes: tuple[Recompute, ...]
+    stage_modes: tuple[tuple[Recompute, ...], ...]
+    others_recomputed: tuple[str, ...]
+
+    @property
+    def count(self) -> int:
+        """Number of blocks (a framework's ``num_layers``)."""
+        return len(self.names)
+
+    @property
+    def even(self) -> bool:
+        """Every stage holds the same number of blocks."""
+        return len(set(self.per_stage)) == 1
+
+    def uniform(self) -> Recompute | None:
+        """The recompute mode of every block when they all share one, else None."""
+        kinds = set(self.modes)
+        return kinds.pop() if len(kinds) == 1 else None
+
+    def mode_counts(self) -> Counter:
+        """How many blocks take each recompute mode."""
+        return Counter(self.modes)
+
+
+def blocks_of(plan: Plan) -> Blocks:
+    """The transformer blocks of ``plan`` and how its stages and recompute treat them.
+
+    A model without repeated blocks has none (``count == 0``); the exporters then leave
+    layer counts to the user.
+    """
+    families: Counter = Counter()
+    for unit in plan.model.units:
+        match = _INDEXED.match(unit)
+        if match:
+            families[match.group(1)] += 1
+    prefix = families.most_common(1)[0][0] if families else None
+    block_names = {u for u in plan.model.units if (m := _INDEXED.match(u)) and m.group(1) == prefix}
+    default = plan.config.recompute
+    strategies = plan.layer_strategies
+    stage_modes = tuple(
+        tuple(strategies.recompute_of(u, default) for u in stage if u in block_names) for stage in plan.stages
+    )
+    others = tuple(
+        u
+        for u in plan.model.units
+        if u not in block_names and strategies.recompute_of(u, default) is not Recompute.NONE
+    )
+    return Blocks(
+        names=tuple(u for u in plan.model.units if u in block_names),
+        per_stage=tuple(len(m) for m in stage_modes),
+        modes=tuple(m for stage in stage_modes for m in stage),
+        stage_modes=stage_modes,
+        others_recomputed=others,
+    )
+
+
+def mixed_recompute_note(blocks: Blocks, written: str) -> str:
+    """The note for a plan whose recomputation of blocks the framework cannot express,
+    saying what was ``written`` instead."""
+    counts = ", ".join(f"{n} {mode.value}" for mode, n in sorted(blocks.mode_counts().items()))
+    return f"the plan's recomputation ({counts}, of {blocks.count} blocks) has no exact equivalent; {written}"
+
+
+def outside_blocks_note(blocks: Blocks) -> str | None:
+    """The note for a plan that recomputes units outside the transformer blocks, which
+    the frameworks do not checkpoint."""
+    if not blocks.others_recomputed:
+        return None
+    return (
+        f"the plan also recomputes {', '.join(blocks.others_recomputed)}, outside the transformer blocks; the "
+        f"framework checkpoints blocks only, so those activations are kept (more memory than predicted)"
+    )
+
+
+def tp_note(plan: Plan, framework: str) -> str | None:
+    """A note when the plan's per-leaf tensor-parallel styles differ from the fixed
+    Megatron-style split that ``framework`` applies (every block's attention and MLP
+    column- then row-parallel, the embedding split over its vocabulary), else None."""
+    if plan.config.tp == 1:
+        return None
+    blocks = blocks_of(plan)
+    styles = plan.layer_strategies.tp
+    sharded = {name for name in blocks.names if any(_inside(leaf, name) for leaf in styles)}
+    signatures = {
+        name: tuple(sorted((leaf[len(name) :], style.value) for leaf, style in styles.items() if _inside(leaf, name)))
+        for name in sharded
+    }
+    differences = []
+    if len(sharded) < blocks.count:
+        differences.append(f"{blocks.count - len(sharded)} of {blocks.count} blocks replicated")
+    if len(set(signatures.values())) > 1:
+        differences.append("blocks split differently from each other")
+    if any(not {TPStyle.COLUMN.value, TPStyle.ROW.value} <= {s for _, s in sig} for sig in signatures.values()):
+        differences.append("blocks without a column-then-row split")
+    outside = {style for leaf, style in styles.items() if not any(_inside(leaf, name) for name in blocks.names)}
+    if TPStyle.VOCAB not in outside:
+        differences.append("the embedding not split over its vocabulary")
+    if not differences:
+        return None
+    return (
+        f"{framework} splits every block's attention and MLP column- then row-parallel and the embedding over "
+        f"its vocabulary; the plan's per-layer styles differ ({'; '.join(differences)}), so tensor-parallel "
+        f"memory and communication will differ from the plan's prediction"
+    )
+
+
+def _inside(leaf: str, unit: str) -> bool:
+    return leaf.startswith(unit + ".")
+
+
+def header(plan: Plan, target: str) -> list[str]:
+    """Comment lines (without the comment marker) that open every exported file: where
+    it came from and the configuration it writes."""
+    c = plan.config
+    return [
+        f"{target} configuration exported by autopar from a plan for {plan.model.name} "
+        f"({plan.model.num_params / 1e9:.2f}B parameters) on {plan.cluster.describe()}",
+        f"plan: {c.short()}; global batch {c.global_batch_size} = dp {c.dp} x micro-batch "
+        f"{c.micro_batch_size} x {c.num_microbatches} micro-batches; sequence length {plan.model.seq_len}",
+    ]
+
+
+def commented(lines: list[str], notes: list[str], marker: str = "#") -> str:
+    """``lines`` then each note, as comment lines with ``marker``."""
+    out = [f"{marker} {line}" for line in lines]
+    out += [f"{marker} NOTE: {note}" for note in notes]
+    return "\n".join(out) + "\n"
+
+
+def shell_line(tokens: list[str]) -> str:
+    """``tokens`` as one shell command line: words quoted where needed, and words that
+    start with ``$`` (the node's rank, the master's address) left to the shell to expand."""
+    return " ".join(f'"{t}"' if t.startswith("$") else shlex.quote(t) for t in tokens)
+
+
+def torchrun(plan: Plan) -> list[str]:
+    """The ``torchrun`` words that start the plan's world: one standalone node, or every
+    node with its rank and the first node's address from the environment."""
+    cluster = plan.cluster
+    if cluster.nodes == 1:
+        return ["torchrun", "--standalone", "--nproc-per-node", str(cluster.devices_per_node)]
+    return [
+        "torchrun",
+        "--nnodes",
+        str(cluster.nodes),
+        "--nproc-per-node",
+        str(cluster.devices_per_node),
+        "--node-rank",
+        "$NODE_RANK",
+        "--master-addr",
+        "$MASTER_ADDR",
+        "--master-port",
+        "${MASTER_PORT:-29500}",
+    ]

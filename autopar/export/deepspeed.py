@@ -1,0 +1,160 @@
+"""A plan as a DeepSpeed config JSON and the ``deepspeed`` launch line.
+
+DeepSpeed's config holds the batch arithmetic, the ZeRO stage and the precision. Its
+tensor and pipeline parallelism for training come from Megatron-DeepSpeed (a fork of
+Megatron-LM that runs on the DeepSpeed engine), whose command-line flags set them; a
+plan with ``tp`` or ``pp`` above 1 is launched through it. JSON has no comments, so the
+notes go in a top-level ``"autopar"`` entry, which DeepSpeed ignores.
+"""
+
+from __future__ import annotations
+
+import json
+
+from autopar.export.common import (
+    Blocks,
+    Export,
+    blocks_of,
+    header,
+    mixed_recompute_note,
+    outside_blocks_note,
+    shell_line,
+    tp_note,
+)
+from autopar.export.megatron import recompute_args
+from autopar.export.shape import ModelShape
+from autopar.plan import Plan
+from autopar.vocab import DType, Recompute, Schedule
+
+CONFIG_NAME = "ds_config.json"
+MEGATRON_DEEPSPEED_SCRIPT = "pretrain_gpt.py"
+"""Megatron-DeepSpeed's GPT pre-training entry point."""
+FP16_LOSS_SCALING = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2}
+"""Dynamic loss scaling (``loss_scale`` 0) with DeepSpeed's documented starting values."""
+ACTIVATION_CHECKPOINTING = {
+    "partition_activations": False,
+    "contiguous_memory_optimization": False,
+    "cpu_checkpointing": False,
+    "number_checkpoints": None,
+    "synchronize_checkpoint_boundary": False,
+    "profile": False,
+}
+"""``deepspeed.checkpointing``'s settings: plain recomputation, activations kept on the
+device and unpartitioned (what the plan's memory model assumes)."""
+
+
+def export_deepspeed(plan: Plan, shape: ModelShape | None) -> Export:
+    """The DeepSpeed config of ``plan`` and how to launch it. ``shape`` is unused: the
+    config does not describe the model."""
+    c = plan.config
+    blocks = blocks_of(plan)
+    notes: list[str] = []
+    config: dict = {
+        "train_batch_size": c.global_batch_size,
+        "train_micro_batch_size_per_gpu": c.micro_batch_size,
+        "gradient_accumulation_steps": c.num_microbatches,
+        "zero_optimization": {"stage": _zero_stage(plan, notes)},
+    }
+    if c.dtype is DType.BF16:
+        config["bf16"] = {"enabled": True}
+    elif c.dtype is DType.FP16:
+        config["fp16"] = {"enabled": True, **FP16_LOSS_SCALING}
+    recomputes = any(m is not Recompute.NONE for m in blocks.modes) or bool(blocks.others_recomputed)
+    if recomputes:
+        config["activation_checkpointing"] = dict(ACTIVATION_CHECKPOINTING)
+    if c.tp > 1 or c.pp > 1:
+        words = _megatron_deepspeed(plan, blocks, notes)
+    else:
+        words = ["train.py", "--deepspeed", "--deepspeed_config", CONFIG_NAME]
+        if recomputes:
+            _plain_recompute_notes(blocks, notes)
+    launch = shell_line([*_deepspeed(plan), *words])
+    config["autopar"] = {"about": header(plan, "DeepSpeed"), "launch": launch, "notes": notes}
+    text = json.dumps(config, indent=2) + "\n"
+    return Export(target="deepspeed", text=text, filename=CONFIG_NAME, launch=launch, notes=tuple(notes))
+
+
+def _zero_stage(plan: Plan, notes: list[str]) -> int:
+    """The ZeRO stage: the plan's, except under pipelining, where DeepSpeed's pipeline
+    engine allows stage 0 or 1 only."""
+    c = plan.config
+    if c.pp > 1 and c.zero_stage > 1:
+        notes.append(
+            f"DeepSpeed's pipeline engine runs ZeRO stage 0 or 1 only: ZeRO-{c.zero_stage} written as stage 1, "
+            f"so gradients{' and parameters' if c.zero_stage == 3 else ''} stay whole on each device (more memory "
+            f"than the plan predicts)"
+        )
+        return 1
+    return c.zero_stage
+
+
+def _plain_recompute_notes(blocks: Blocks, notes: list[str]) -> None:
+    """What plain DeepSpeed needs to recompute as the plan says: its config section only
+    configures ``deepspeed.checkpointing``, which the model code calls around blocks."""
+    notes.append(
+        "DeepSpeed's config does not turn recomputation on: wrap each block the plan recomputes in "
+        "deepspeed.checkpointing.checkpoint (a Hugging Face model: model.gradient_checkpointing_enable())"
+    )
+    if blocks.mode_counts()[Recompute.SELECTIVE]:
+        notes.append(
+            "DeepSpeed checkpoints whole blocks: the plan's selective recomputation (attention core only) has no "
+            "equivalent; checkpointing those blocks in full is the closest (less memory, more compute)"
+        )
+    if blocks.uniform() is None and blocks.count:
+        notes.append(mixed_recompute_note(blocks, "checkpoint only the blocks the plan names"))
+    note = outside_blocks_note(blocks)
+    if note:
+        notes.append(note)
+
+
+def _megatron_deepspeed(plan: Plan, blocks: Blocks, notes: list[str]) -> list[str]:
+    """Megatron-DeepSpeed's script and flags for the model-parallel part of the plan (the
+    flags it shares with Megatron-LM). Its pipeline runs on DeepSpeed's engine: one
+    stage per rank, layers split evenly, DeepSpeed's own 1F1B-style schedule."""
+    c = plan.config
+    notes.append(
+        f"DeepSpeed takes tensor and pipeline parallelism (tp={c.tp}, pp={c.pp}) from Megatron-DeepSpeed: the "
+        f"launch line runs its {MEGATRON_DEEPSPEED_SCRIPT} with Megatron's flags; for a Hugging Face model "
+        f'without it, DeepSpeed\'s AutoTP training ("tensor_parallel": {{"autotp_size": {c.tp}}}) is the '
+        f"closest for tp, and pipelining needs the model written as a deepspeed.pipe.PipelineModule"
+    )
+    note = tp_note(plan, "Megatron-DeepSpeed")
+    if note:
+        notes.append(note)
+    if c.pp > 1 and (c.virtual_stages > 1 or c.schedule is Schedule.GPIPE):
+        notes.append(
+            f"DeepSpeed's pipeline engine runs its own 1F1B-style schedule with one stage per rank: the plan's "
+            f"{c.schedule.value} schedule{f' with {c.virtual_stages} stages per rank' if c.virtual_stages > 1 else ''}"
+            f" has no equivalent (bubble and activation memory differ from the prediction)"
+        )
+    if c.pp > 1 and blocks.count and not blocks.even:
+        notes.append(
+            f"Megatron-DeepSpeed splits layers evenly over pipeline stages; the plan's split "
+            f"({'/'.join(map(str, blocks.per_stage))} layers per stage) has no flag there"
+        )
+    words = [
+        MEGATRON_DEEPSPEED_SCRIPT,
+        "--tensor-model-parallel-size",
+        str(c.tp),
+        "--pipeline-model-parallel-size",
+        str(c.pp),
+    ]
+    if c.sequence_parallel:
+        words.append("--sequence-parallel")
+    if c.pp == 1:
+        words.append("--no-pipeline-parallel")
+    words += ["--micro-batch-size", str(c.micro_batch_size), "--global-batch-size", str(c.global_batch_size)]
+    if blocks.count:
+        words += ["--num-layers", str(blocks.count)]
+    words += ["--seq-length", str(plan.model.seq_len)]
+    words += recompute_args(blocks, notes)
+    words += {DType.BF16: ["--bf16"], DType.FP16: ["--fp16"], DType.FP32: []}[c.dtype]
+    return [*words, "--deepspeed", "--deepspeed_config", CONFIG_NAME]
+
+
+def _deepspeed(plan: Plan) -> list[str]:
+    """The ``deepspeed`` launcher's words: every node of the plan's cluster, listed in a
+    hostfile when there are several."""
+    cluster = plan.cluster
+    words = ["deepspeed", "--num_nodes", str(cluster.nodes), "--num_gpus", str(cluster.devices_per_node)]
+    return [*words, "--hostfile", "hostfile"] if cluster.nodes > 1 else words

@@ -1,0 +1,257 @@
+"""A plan as Megatron-LM command-line arguments, in a launch script for ``pretrain_gpt.py``.
+
+Flag names and their rules are Megatron-LM's (``megatron/training/arguments.py`` and the
+validation in ``TransformerConfig``, Megatron-Core 0.16): how layers split over pipeline
+stages, which ZeRO stage each data-parallel option realises, and how recomputation is
+chosen per layer. Data, tokenizer, optimizer hyper-parameters and the training schedule
+are not in a plan: the script passes its own arguments on, for the user to add them.
+"""
+
+from __future__ import annotations
+
+from autopar.export.common import (
+    Blocks,
+    Export,
+    blocks_of,
+    commented,
+    header,
+    mixed_recompute_note,
+    outside_blocks_note,
+    shell_line,
+    torchrun,
+    tp_note,
+)
+from autopar.export.shape import ModelShape
+from autopar.plan import Plan
+from autopar.vocab import DType, Optimizer, Recompute, Schedule
+
+SCRIPT = "pretrain_gpt.py"
+"""Megatron-LM's GPT pre-training entry point (Llama-style models run through it too)."""
+
+
+def export_megatron(plan: Plan, shape: ModelShape | None) -> Export:
+    """The Megatron-LM launch script of ``plan``; ``shape`` fills the model's sizes."""
+    c = plan.config
+    blocks = blocks_of(plan)
+    notes: list[str] = []
+    info: list[str] = []
+    args: list[str] = [
+        "--tensor-model-parallel-size",
+        str(c.tp),
+        "--pipeline-model-parallel-size",
+        str(c.pp),
+    ]
+    if c.sequence_parallel:
+        args.append("--sequence-parallel")
+    args += _pipeline_args(plan, blocks, notes, info)
+    args += ["--micro-batch-size", str(c.micro_batch_size), "--global-batch-size", str(c.global_batch_size)]
+    args += _data_parallel_args(plan, notes)
+    args += recompute_args(blocks, notes)
+    args += {DType.BF16: ["--bf16"], DType.FP16: ["--fp16"], DType.FP32: []}[c.dtype]
+    args += _model_args(plan, blocks, shape, info)
+    if plan.settings.optimizer is Optimizer.SGD:
+        args += ["--optimizer", "sgd"]
+    elif plan.settings.optimizer is Optimizer.ADAFACTOR:
+        notes.append(
+            "Megatron-LM has no Adafactor: it trains with Adam, whose two moments take 8 more bytes per "
+            "parameter than the plan's optimizer state"
+        )
+    note = tp_note(plan, "Megatron-LM")
+    if note:
+        notes.append(note)
+    # Megatron requires one CUDA work queue under tensor parallelism (so communication
+    # and computation kernels run in issue order), and more than one under Megatron-FSDP
+    env = ["CUDA_DEVICE_MAX_CONNECTIONS=1"] if c.tp > 1 and "--use-megatron-fsdp" not in args else []
+    launch = shell_line([*env, *torchrun(plan), SCRIPT, *args])
+    body = "PLAN_ARGS=(\n" + "".join(f"    {line}\n" for line in _paired(args)) + ")\n"
+    run = shell_line([*torchrun(plan), SCRIPT]) + ' "${PLAN_ARGS[@]}" "$@"\n'
+    info.append(
+        "data, tokenizer, optimizer and schedule are not in the plan: pass them to this script, e.g. "
+        "--data-path ... --tokenizer-type ... --train-iters ... --lr ..."
+    )
+    text = (
+        "#!/usr/bin/env bash\n"
+        + commented(header(plan, "Megatron-LM") + info, notes)
+        + "set -euo pipefail\n"
+        + "".join(f"export {e}\n" for e in env)
+        + body
+        + run
+    )
+    return Export(target="megatron", text=text, filename="megatron_launch.sh", launch=launch, notes=tuple(notes))
+
+
+def _pipeline_args(plan: Plan, blocks: Blocks, notes: list[str], info: list[str]) -> list[str]:
+    """How layers split over (virtual) pipeline stages. Megatron splits evenly by
+    default; an uneven split is its first/last stage sizes where the middle stages are
+    even, else the explicit layout (Megatron-Core >= 0.13), which places every layer."""
+    c = plan.config
+    if c.pp == 1:
+        return []
+    if c.schedule is Schedule.GPIPE:
+        notes.append(
+            "Megatron-LM has no GPipe schedule: it runs 1F1B, which has the same bubble and keeps at most pp "
+            "micro-batches of activations in flight instead of all of them (less memory than predicted)"
+        )
+    if not blocks.count:
+        notes.append("the plan's model has no repeated blocks; Megatron-LM splits its own layers evenly")
+        return []
+    counts = blocks.per_stage
+    if blocks.even:
+        if c.virtual_stages > 1:
+            return ["--num-layers-per-virtual-pipeline-stage", str(counts[0])]
+        return []
+    if c.virtual_stages == 1:
+        first_last = _first_last(counts)
+        if first_last is not None:
+            return first_last
+    info.append(
+        f"the plan's uneven split ({'/'.join(map(str, counts))} layers per stage) is written as "
+        f"--pipeline-model-parallel-layout (Megatron-Core >= 0.13; E = embedding, t = layer, L = loss)"
+    )
+    return ["--pipeline-model-parallel-layout", _layout(counts)]
+
+
+def _first_last(counts: tuple[int, ...]) -> list[str] | None:
+    """``--decoder-first/last-pipeline-num-layers`` for ``counts`` when they describe it
+    exactly: the middle stages hold the same (non-zero) number of layers and the ends
+    at least one; None otherwise."""
+    first, middle, last = counts[0], counts[1:-1], counts[-1]
+    if first < 1 or last < 1 or len(set(middle)) > 1 or (middle and middle[0] < 1):
+        return None
+    args = []
+    if not middle or first != middle[0]:
+        args += ["--decoder-first-pipeline-num-layers", str(first)]
+    if not middle or last != middle[0]:
+        args += ["--decoder-last-pipeline-num-layers", str(last)]
+    return args
+
+
+def _layout(counts: tuple[int, ...]) -> str:
+    """Megatron's pipeline layout string: stages joined by ``|`` in stage order (stage
+    ``i`` on pipeline rank ``i % pp``, as in the plan), ``E`` the embedding on the first,
+    ``L`` the loss on the last, ``t*n`` n transformer layers."""
+    stages = []
+    for i, n in enumerate(counts):
+        layers = f"t*{n}" if n > 1 else "t" * n
+        stages.append(("E" if i == 0 else "") + layers + ("L" if i == len(counts) - 1 else ""))
+    return "|".join(stages)
+
+
+def _data_parallel_args(plan: Plan, notes: list[str]) -> list[str]:
+    """ZeRO stage -> Megatron's data-parallel options. Its distributed optimizer shards
+    the optimizer state (ZeRO-1) and reduce-scatters gradients into a whole-size buffer;
+    Megatron-FSDP shards parameters too (ZeRO-3), without pipelining."""
+    c = plan.config
+    if c.dp == 1 or c.zero_stage == 0:
+        return []
+    if c.zero_stage == 1:
+        return ["--use-distributed-optimizer"]
+    if c.zero_stage == 3 and c.pp == 1:
+        return [
+            "--use-megatron-fsdp",
+            "--data-parallel-sharding-strategy",
+            "optim_grads_params",
+            "--ckpt-format",
+            "fsdp_dtensor",
+        ]
+    why = (
+        "Megatron's distributed optimizer keeps a whole gradient buffer"
+        if c.zero_stage == 2
+        else "Megatron-FSDP (ZeRO-3) does not pipeline"
+    )
+    notes.append(
+        f"ZeRO-{c.zero_stage} written as --use-distributed-optimizer (ZeRO-1 memory): {why}, so each device holds "
+        f"more than the plan predicts"
+    )
+    return ["--use-distributed-optimizer"]
+
+
+def recompute_args(blocks: Blocks, notes: list[str]) -> list[str]:
+    """Recompute flags. Megatron's ``selective`` recomputes the attention core, as
+    autopar's does; ``full`` with the ``uniform`` method over 1 layer keeps each layer's
+    input only; the ``block`` method recomputes the first N layers of every stage, which
+    is the closest to a per-layer choice."""
+    if not blocks.count:
+        return []
+    note = outside_blocks_note(blocks)
+    if note:
+        notes.append(note)
+    uniform = blocks.uniform()
+    if uniform is Recompute.NONE:
+        return []
+    if uniform is Recompute.SELECTIVE:
+        return ["--recompute-granularity", "selective"]
+    if uniform is Recompute.FULL:
+        return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    counts = blocks.mode_counts()
+    if not counts[Recompute.FULL]:
+        notes.append(mixed_recompute_note(blocks, "Megatron-LM applies one granularity: selective on every layer"))
+        return ["--recompute-granularity", "selective"]
+    per_stage = [sum(m is Recompute.FULL for m in stage) for stage in blocks.stage_modes]
+    n = max(per_stage)
+    exact = not counts[Recompute.SELECTIVE] and all(
+        all(m is Recompute.FULL for m in stage[:n]) and all(m is Recompute.NONE for m in stage[n:])
+        for stage in blocks.stage_modes
+    )
+    if not exact:
+        notes.append(
+            mixed_recompute_note(
+                blocks,
+                f"Megatron-LM's block method recomputes the first N layers of every pipeline stage in full: "
+                f"wrote N = {n}, the most any stage recomputes, so no stage keeps more than the plan",
+            )
+        )
+    return ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", str(n)]
+
+
+def _model_args(plan: Plan, blocks: Blocks, shape: ModelShape | None, info: list[str]) -> list[str]:
+    """The model's sizes: layers and sequence length from the plan, the rest from
+    ``shape`` when the caller gave the model."""
+    args = ["--seq-length", str(plan.model.seq_len)]
+    if blocks.count:
+        args = ["--num-layers", str(blocks.count), *args]
+    if shape is None or shape.hidden_size is None:
+        info.append(
+            "the plan does not record the model's sizes: add --hidden-size, --num-attention-heads, "
+            "--ffn-hidden-size, --max-position-embeddings (autopar export --model NAME fills them)"
+        )
+        return args
+    sizes = {
+        "--hidden-size": shape.hidden_size,
+        "--num-attention-heads": shape.num_attention_heads,
+        "--ffn-hidden-size": shape.ffn_hidden_size,
+        "--max-position-embeddings": shape.max_position_embeddings,
+    }
+    args += [word for flag, value in sizes.items() if value is not None for word in (flag, str(value))]
+    if shape.num_kv_heads is not None and shape.num_attention_heads not in (None, shape.num_kv_heads):
+        args += ["--group-query-attention", "--num-query-groups", str(shape.num_kv_heads)]
+    if not shape.known_architecture:
+        info.append(
+            "add the architecture flags (--normalization, --swiglu, --position-embedding-type, "
+            "--untie-embeddings-and-output-weights, --disable-bias-linear) that match the model"
+        )
+        return args
+    if shape.normalization == "RMSNorm":
+        args += ["--normalization", "RMSNorm"]
+    if shape.norm_epsilon is not None:
+        args += ["--norm-epsilon", f"{shape.norm_epsilon:g}"]
+    if shape.gated_mlp:
+        args.append("--swiglu")
+    if shape.rope_base is not None:
+        args += ["--position-embedding-type", "rope", "--rotary-base", str(int(shape.rope_base))]
+    if shape.tied_embeddings is False:
+        args.append("--untie-embeddings-and-output-weights")
+    if shape.linear_bias is False:
+        args.append("--disable-bias-linear")
+    return args
+
+
+def _paired(args: list[str]) -> list[str]:
+    """Script lines: each flag with its value, one flag a line."""
+    lines: list[str] = []
+    for word in args:
+        if word.startswith("--") or not lines:
+            lines.append(word)
+        else:
+            lines[-1] += f" {shell_line([word])}"
+    return lines

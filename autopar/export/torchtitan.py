@@ -1,0 +1,154 @@
+"""A plan as a torchtitan job config (TOML) and the ``torchrun`` line that trains with it.
+
+Field names are those of torchtitan's ``JobConfig`` (``torchtitan/config/job_config.py``),
+read by torchtitan 0.2.x from ``--job.config_file``. torchtitan 0.3 replaced TOML files
+with Python config functions (``--module``/``--config``); the same fields live there on
+``Trainer.Config`` (``parallelism``, ``training``), a few renamed, so this file is a
+reference for them rather than an input.
+
+torchtitan's data parallelism is DDP (replicate) or FSDP2 (shard); its pipelining takes
+the modules of each stage by name, so the plan's split, even or not, interleaved or not,
+is written exactly.
+"""
+
+from __future__ import annotations
+
+import json
+
+from autopar.export.common import (
+    Blocks,
+    Export,
+    blocks_of,
+    commented,
+    header,
+    mixed_recompute_note,
+    outside_blocks_note,
+    shell_line,
+    torchrun,
+    tp_note,
+)
+from autopar.export.shape import ModelShape
+from autopar.plan import Plan
+from autopar.vocab import DType, Recompute, Schedule
+
+CONFIG_NAME = "torchtitan.toml"
+SCHEDULES = {Schedule.GPIPE: "GPipe", Schedule.ONE_F_ONE_B: "1F1B", Schedule.INTERLEAVED_1F1B: "Interleaved1F1B"}
+"""autopar's schedules by their names in ``torch.distributed.pipelining`` (what torchtitan
+passes on)."""
+
+
+def export_torchtitan(plan: Plan, shape: ModelShape | None) -> Export:
+    """The torchtitan job config of ``plan``. ``shape`` is unused: torchtitan builds the
+    model from its own ``[model]`` name and flavor."""
+    c = plan.config
+    blocks = blocks_of(plan)
+    notes: list[str] = []
+    parallelism = {**_data_parallel(plan, notes), "tensor_parallel_degree": c.tp}
+    parallelism["enable_async_tensor_parallel"] = False
+    parallelism["pipeline_parallel_degree"] = c.pp
+    parallelism["pipeline_parallel_schedule"] = SCHEDULES[c.schedule]
+    parallelism["pipeline_parallel_microbatch_size"] = c.micro_batch_size
+    if c.pp > 1:
+        parallelism["module_fqns_per_model_part"] = [list(stage) for stage in plan.stages]
+    parallelism["context_parallel_degree"] = 1
+    if c.tp > 1 and not c.sequence_parallel:
+        notes.append(
+            "torchtitan always runs norms on sequence shards under tensor parallelism (sequence parallelism), "
+            "which the plan does not: activation memory is lower and communication differs from the prediction"
+        )
+    note = tp_note(plan, "torchtitan")
+    if note:
+        notes.append(note)
+    if c.dtype is DType.FP16:
+        notes.append("torchtitan has no fp16 mixed precision: bfloat16 written instead (same memory)")
+    training = {
+        # with pipelining, a rank's whole batch per step is split into micro-batches;
+        # without, each step of gradient accumulation loads one micro-batch
+        "local_batch_size": c.micro_batch_size * (c.num_microbatches if c.pp > 1 else 1),
+        "global_batch_size": c.global_batch_size,
+        "seq_len": plan.model.seq_len,
+        "mixed_precision_param": "float32" if c.dtype is DType.FP32 else "bfloat16",
+    }
+    sections = {
+        "parallelism": parallelism,
+        "training": training,
+        "activation_checkpoint": _activation_checkpoint(blocks, notes),
+    }
+    launch = shell_line([*torchrun(plan), "-m", "torchtitan.train", "--job.config_file", CONFIG_NAME])
+    info = [
+        "for torchtitan 0.2.x (--job.config_file); torchtitan >= 0.3 takes the same fields on Trainer.Config",
+        "add [model] name and flavor (and [job], [optimizer], [lr_scheduler]) for the model to train",
+    ]
+    if c.pp > 1:
+        info.append("module_fqns_per_model_part lists the plan's stages by module name; stage i runs on rank i % pp")
+    text = commented(header(plan, "torchtitan") + info, notes) + "".join(_toml(n, s) for n, s in sections.items())
+    return Export(target="torchtitan", text=text, filename=CONFIG_NAME, launch=launch, notes=tuple(notes))
+
+
+def _data_parallel(plan: Plan, notes: list[str]) -> dict:
+    """ZeRO stage -> torchtitan's replicate/shard degrees. ZeRO-0 is DDP, which
+    torchtitan runs only as the sole parallelism; ZeRO-2 is FSDP2 without resharding
+    after forward and ZeRO-3 with it, as autopar's runtime realises them; ZeRO-1 has no
+    equivalent and becomes ZeRO-2."""
+    c = plan.config
+    if c.dp == 1:
+        return {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": 1}
+    if c.zero_stage == 0 and c.tp == 1 and c.pp == 1:
+        return {"data_parallel_replicate_degree": c.dp, "data_parallel_shard_degree": 1}
+    if c.zero_stage == 0:
+        notes.append(
+            "torchtitan runs DDP only without tensor or pipeline parallelism: ZeRO-0 written as FSDP without "
+            "resharding after forward (ZeRO-2: less memory, gradients reduce-scattered)"
+        )
+    if c.zero_stage == 1:
+        notes.append(
+            "torchtitan has no optimizer-only sharding (ZeRO-1): written as FSDP without resharding after "
+            "forward (ZeRO-2: gradients sharded too, less memory than predicted)"
+        )
+    return {
+        "data_parallel_replicate_degree": 1,
+        "data_parallel_shard_degree": c.dp,
+        "fsdp_reshard_after_forward": "always" if c.zero_stage == 3 else "never",
+    }
+
+
+def _activation_checkpoint(blocks: Blocks, notes: list[str]) -> dict:
+    """Recompute -> torchtitan's activation checkpointing: ``full`` per block, per-op
+    ``selective`` (saves matmul and attention outputs, recomputes the cheap ops between
+    them), or every N-th block in full for a plan that recomputes some blocks only."""
+    note = outside_blocks_note(blocks)
+    if note:
+        notes.append(note)
+    counts = blocks.mode_counts()
+    uniform = blocks.uniform()
+    if not blocks.count or uniform is Recompute.NONE:
+        return {"mode": "none"}
+    if uniform is Recompute.FULL:
+        return {"mode": "full"}
+    selective_op = {"mode": "selective", "selective_ac_option": "op"}
+    if not counts[Recompute.FULL]:
+        notes.append(
+            "torchtitan's selective checkpointing is per operator (it keeps matmul and attention outputs and "
+            "recomputes the rest), not autopar's attention-core recomputation: memory and compute differ"
+        )
+        if uniform is None:
+            notes.append(mixed_recompute_note(blocks, "torchtitan applies one mode: per-operator selective on all"))
+        return selective_op
+    every = max(1, round(blocks.count / counts[Recompute.FULL]))
+    notes.append(
+        mixed_recompute_note(
+            blocks,
+            f"torchtitan checkpoints every N-th block in full: wrote N = {every} "
+            f"({-(-blocks.count // every)} blocks), the nearest to the plan's count",
+        )
+    )
+    return {"mode": "selective", "selective_ac_option": str(every)}
+
+
+def _toml(name: str, values: dict) -> str:
+    """One TOML table. Values are ints, bools, strings and lists of lists of strings,
+    whose JSON spelling is TOML's too."""
+    lines = [f"\n[{name}]"]
+    for key, value in values.items():
+        lines.append(f"{key} = {json.dumps(value)}")
+    return "\n".join(lines) + "\n"

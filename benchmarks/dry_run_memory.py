@@ -1,0 +1,139 @@
+"""Predicted against measured peak memory per rank at full scale, before launch.
+
+For each case a plan is made (the planner's own, or a configuration forced through
+``autopar.estimate``), then ``autopar.runtime.dry_run.dry_run(..., measure=True)`` runs one
+training step of the chosen ranks at the plan's full world size on fake tensors with a
+fake process group (``autopar.runtime.dry_step``) and counts the tensor bytes the
+runtime allocates. Each case runs in its own process (the dry run creates process
+groups) with a time limit. The planner's allocation is its peak less the device's
+reserve (CUDA context and fragmentation allowance), which tensor bytes do not include.
+
+    python benchmarks/dry_run_memory.py [--cases gpt3,...] [--timeout-s 600] [--out results/dry_run_memory_<date>.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CASES = {
+    "gpt3": ("gpt3-175b", "dgx-a100-80gb:128", 1536, None, "GPT-3 175B on 1024 A100, the planner's plan"),
+    "llama70b": ("llama3-70b", "dgx-h100:16", 512, None, "Llama-3-70B on 128 H100, the planner's plan"),
+    "llama405b": ("llama3-405b", "dgx-h100:256", 2048, None, "Llama-3-405B on 2048 H100, the planner's plan"),
+    "pipe256": (
+        "gpt3-175b",
+        "dgx-a100-80gb:128",
+        1024,
+        {"dp": 4, "tp": 8, "pp": 32, "micro_batch_size": 1, "schedule": "1f1b", "zero_stage": 1},
+        "GPT-3 175B, pp=32 with 256 micro-batches (1F1B)",
+    ),
+    "zero3": (
+        "llama3-70b",
+        "dgx-h100:16",
+        256,
+        {"dp": 16, "tp": 8, "pp": 1, "micro_batch_size": 1, "zero_stage": 3, "recompute": "full"},
+        "Llama-3-70B, ZeRO-3 over dp=16 x tp=8, full recompute",
+    ),
+}
+
+
+def _one(case: str) -> dict:
+    """Plan and dry-run one case in this process; the first pipeline rank is measured."""
+    import torch
+
+    import autopar
+    from autopar.hardware import parse_cluster
+    from autopar.models import build_named_model
+    from autopar.models.registry import get_named_model
+    from autopar.runtime.dry_run import dry_run
+
+    name, cluster_spec, gbs, config, _ = CASES[case]
+    cluster = parse_cluster(cluster_spec)
+    seq = get_named_model(name).seq_len
+    with torch.device("meta"):
+        model = build_named_model(name)
+    started = time.perf_counter()
+    if config is None:
+        plan = autopar.plan(model, cluster, global_batch_size=gbs, seq_len=seq)
+    else:
+        plan = autopar.estimate(model, cluster, config, global_batch_size=gbs, seq_len=seq)
+    planned_s = time.perf_counter() - started
+
+    def build() -> torch.nn.Module:
+        with torch.device("meta"):
+            return build_named_model(name)
+
+    started = time.perf_counter()
+    report = dry_run(build, plan, ranks=[0], measure=True)
+    rank = report.ranks[0] if report.ranks else None
+    return {
+        "plan": plan.config.short(),
+        "world": plan.config.world_size,
+        "planned_s": planned_s,
+        "dry_run_s": time.perf_counter() - started,
+        "problems": list(report.problems),
+        "predicted_peak": plan.prediction.memory_bytes_per_device,
+        "predicted_allocated": rank.predicted_allocated_bytes if rank else 0.0,
+        "measured_peak": rank.measured.peak_bytes if rank and rank.measured else -1,
+        "measured_held": rank.measured.held_bytes if rank and rank.measured else -1,
+        "step_s": rank.measured.seconds if rank and rank.measured else 0.0,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--timeout-s", type=float, default=600)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(_one(args.one)))
+        return
+    gib = 2**30
+    lines = [
+        f"# Measured dry run against the plan's memory ({datetime.date.today()})",
+        "",
+        f"`python benchmarks/dry_run_memory.py --cases {args.cases}` on a 2-core CPU machine; rank 0 of each plan "
+        "(the first pipeline rank); one step on fake tensors at the full world size.",
+        "",
+        "| case | plan | predicted peak | predicted allocation | measured peak | measured / predicted | held after step "
+        "| dry run (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for case in args.cases.split(","):
+        started = time.perf_counter()
+        try:
+            out = subprocess.run(
+                [sys.executable, __file__, "--one", case], capture_output=True, text=True, timeout=args.timeout_s
+            )
+            row = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
+            failure = None if row else (out.stderr.strip().splitlines() or ["no output"])[-1]
+        except subprocess.TimeoutExpired:
+            row, failure = None, f"over the {args.timeout_s:g} s limit"
+        label = CASES[case][4]
+        if row is None:
+            lines.append(f"| {label} | | | | not measured: {failure} | | | {time.perf_counter() - started:.0f} |")
+        else:
+            ratio = row["measured_peak"] / row["predicted_allocated"] if row["predicted_allocated"] else 0.0
+            lines.append(
+                f"| {label} | {row['plan']} on {row['world']} | {row['predicted_peak'] / gib:.2f} GiB | "
+                f"{row['predicted_allocated'] / gib:.2f} GiB | {row['measured_peak'] / gib:.2f} GiB | {ratio:.3f} | "
+                f"{row['measured_held'] / gib:.2f} GiB | {row['dry_run_s']:.0f} |"
+            )
+            if row["problems"]:
+                lines.append(f"| | problems: {'; '.join(row['problems'])} | | | | | | |")
+        print(lines[-1], flush=True)
+    text = "\n".join(lines) + "\n"
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""Bad input never reaches a person as a traceback: the command prints one line, ``autopar:
+error: ...``, naming the value, what is allowed and what to do, and exits with 2; the
+public API raises a typed error saying the same."""
+
+import argparse
+import json
+import re
+import shlex
+
+import pytest
+import torch
+
+import autopar
+from autopar import ClusterError, ConfigError
+from autopar.cli import build_parser, main
+from autopar.models import GPT, GPTConfig
+
+TINY = GPTConfig(vocab_size=256, seq_len=64, dim=64, n_layers=2, n_heads=2)
+PLAN = "--model gpt2-small --seq-len 16 --global-batch-size 8"
+DGX = f"plan {PLAN} --cluster dgx-a100-80gb:1"
+CPU = f"plan {PLAN} --cluster local-cpu:1"
+
+
+def tiny_gpt() -> GPT:
+    with torch.device("meta"):
+        return GPT(TINY)
+
+
+def two_cpus() -> autopar.Cluster:
+    return autopar.preset("local-cpu", devices_per_node=2)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A folder with a plan for 2 ranks, an empty script and malformed JSON files."""
+    folder = tmp_path_factory.mktemp("cli_errors")
+    autopar.estimate(tiny_gpt(), two_cpus(), {"dp": 2}, global_batch_size=4, seq_len=16).save(folder / "plan.json")
+    (folder / "script.py").write_text("")
+    (folder / "broken.json").write_text('{"schema": ')
+    (folder / "list.json").write_text("[1, 2]")
+    (folder / "future.json").write_text(json.dumps({"schema": "autopar-profile", "schema_version": 99}))
+    return folder
+
+
+CLI_CASES = {
+    # malformed profiles, under plan --profile and profile report
+    "profile not JSON": (f"{CPU} --profile {{d}}/broken.json", ["broken.json", "not valid JSON"]),
+    "profile a list": (f"{CPU} --profile {{d}}/list.json", ["list.json", "JSON object"]),
+    "profile of a future version": (f"{CPU} --profile {{d}}/future.json", ["schema_version 99", "upgrade autopar"]),
+    "profile is a plan": (f"{CPU} --profile {{d}}/plan.json", ["not an autopar profile report", "autopar profile"]),
+    "report not JSON": ("profile report {d}/broken.json", ["broken.json", "not valid JSON"]),
+    "report missing": ("profile report {d}/missing.json", ["missing.json", "does not exist"]),
+    "report a folder": ("profile report {d}", ["cannot be read", "JSON file"]),
+    # dry-run --ranks
+    "ranks past the world": ("dry-run --plan {d}/plan.json --model gpt2-small --ranks 99", ["rank 99", "0 to 1"]),
+    "ranks negative": ("dry-run --plan {d}/plan.json --model gpt2-small --ranks -1", ["rank -1", "0 to 1"]),
+    "ranks not numbers": ("dry-run --plan {d}/plan.json --model gpt2-small --ranks a", ["'a'", "0 to 1"]),
+    "ranks twice": ("dry-run --plan {d}/plan.json --model gpt2-small --ranks 0,0", ["twice"]),
+    # run's arguments
+    "timeout negative": ("run --plan {d}/plan.json --nproc-per-node 2 --pg-timeout-s -5 {d}/script.py", ["-5", "> 0"]),
+    "timeout nan": ("run --plan {d}/plan.json --nproc-per-node 2 --pg-timeout-s nan {d}/script.py", ["nan", "> 0"]),
+    "no processes": ("run --plan {d}/plan.json --nproc-per-node 0 {d}/script.py", ["--nproc-per-node 0", "positive"]),
+    "node rank past the nodes": (
+        "run --plan {d}/plan.json --nproc-per-node 2 --node-rank 3 {d}/script.py",
+        ["--node-rank 3", "0 to 0"],
+    ),
+    "script missing": ("run --plan {d}/plan.json --nproc-per-node 2 {d}/nope.py", ["nope.py", "does not exist"]),
+    # sequences and samples
+    "sequence of 0": (f"{CPU} --seq-len 0", ["--seq-len 0", "positive integer", "leave it out"]),
+    "sequence past the positions": (f"{CPU} --seq-len 4096", ["seq_len=4096", "1024 positions", "seq_len <= 1024"]),
+    "sequence for a non-token model": (
+        "plan --model mlp-wide --cluster local-cpu:1 --global-batch-size 8 --seq-len 16",
+        ["--seq-len is for token models", "mlp-wide"],
+    ),
+    "sample with a zero": (
+        "plan --model resnet-small --cluster local-cpu:1 --global-batch-size 8 --sample-shape 3,0,224",
+        ["'3,0,224'", "positive integers"],
+    ),
+    "model function that fails": (
+        "plan --model-fn torch.nn:Linear --seq-len 8 --cluster local-cpu:1 --global-batch-size 8",
+        ["torch.nn:Linear", "TypeError", "no arguments"],
+    ),
+    "model function returning no module": (
+        "plan --model-fn os:getcwd --seq-len 8 --cluster local-cpu:1 --global-batch-size 8",
+        ["os:getcwd", "not a torch.nn.Module"],
+    ),
+    "model config not JSON": (
+        "plan --model-config {d}/broken.json --cluster local-cpu:1 --global-batch-size 8",
+        ["--model-config", "broken.json"],
+    ),
+    # sizes, degrees and clusters
+    "output is a folder": (f"{CPU} --out {{d}}", ["--out", "cannot be written", "file path"]),
+    "dp not dividing": (f"{DGX} --set dp=3", ["dp=3", "8 devices", "[1, 2, 4, 8]"]),
+    "micro-batch not dividing": (f"{DGX} --set micro_batch_size=3", ["micro_batch_size=3", "does not divide"]),
+    "micro-batch above the batch": (
+        f"estimate {PLAN} --cluster dgx-a100-80gb:1 --set micro_batch_size=16",
+        ["micro_batch_size=16", "samples per data-parallel rank"],
+    ),
+    "no nodes": (f"plan {PLAN} --cluster local-cpu:0", ["nodes=0", "positive integer"]),
+    "more processes than memory": (f"plan {PLAN} --cluster local-cpu:100000", ["local-cpu", "fewer than"]),
+    "no node count": (f"plan {PLAN} --cluster dgx-h100:", ["dgx-h100:", "node count"]),
+    "cluster is a folder": (f"plan {PLAN} --cluster {{d}}", ["cluster file", "cannot be read"]),
+    "not a number": (f"{CPU} --global-batch-size x", ["--global-batch-size", "invalid int", "autopar plan --help"]),
+    "unknown optimizer": (f"{CPU} --optimizer lamb", ["'lamb'", "adam"]),
+    "no command": ("", ["command"]),
+    # the profiler, the doctor and the demo
+    "profile sequence of 0": ("profile model --model gpt2-small --seq-len 0 --out {d}/m.json", ["--seq-len 0"]),
+    "profile model function that fails": (
+        "profile model --model-fn torch.nn:Linear --seq-len 8 --out {d}/m.json",
+        ["torch.nn:Linear", "TypeError"],
+    ),
+    "profile unknown device": ("profile model --model gpt2-small --device gpu0 --out {d}/m.json", ["'gpu0'", "cuda:N"]),
+    "profile into a folder": ("profile model --model gpt2-small --out {d}", ["--out", "is a directory"]),
+    "network unknown level": ("profile network --nproc 2 --levels rack --out {d}/n.json", ["rack", "intra"]),
+    "network timeout negative": ("profile network --nproc 2 --timeout -1 --out {d}/n.json", ["--timeout", "> 0"]),
+    "doctor ratio above 1": ("doctor --nproc 2 --slow-ratio 2", ["--slow-ratio", "between 0 and 1"]),
+    "doctor no processes": ("doctor --nproc 0", ["--nproc 0", "at least 1"]),
+    "demo one process": ("demo --nproc 1", ["--nproc 1", "at least 2"]),
+    "demo no timed step": ("demo --steps 2", ["--steps 2", "at least 3"]),
+}
+
+
+def _run(argv: list[str], capsys) -> tuple[int, str]:
+    """The exit code and stderr of ``autopar argv`` (argparse's own errors exit)."""
+    try:
+        code = main(argv)
+    except SystemExit as stopped:
+        code = stopped.code
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("command", "words"), list(CLI_CASES.values()), ids=list(CLI_CASES))
+def test_command_says_what_is_wrong_in_one_line(command, words, folder, capsys):
+    code, err = _run(shlex.split(command.format(d=folder)), capsys)
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("autopar: error: "), err
+    for word in words:
+        assert word in lines[0]
+
+
+API_CASES = {
+    "optimizer": (
+        lambda: autopar.plan(tiny_gpt(), two_cpus(), global_batch_size=4, seq_len=16, optimizer="lamb"),
+        ConfigError,
+        "optimizer='lamb' is not allowed; use one of 'adam'",
+    ),
+    "attention": (
+        lambda: autopar.plan(tiny_gpt(), two_cpus(), global_batch_size=4, seq_len=16, attention="sparse"),
+        ConfigError,
+        "attention='sparse' is not allowed; use one of 'flash', 'materialized'",
+    ),
+    "estimate's optimizer": (
+        lambda: autopar.estimate(tiny_gpt(), two_cpus(), {}, global_batch_size=4, seq_len=16, optimizer="lamb"),
+        ConfigError,
+        "optimizer='lamb'",
+    ),
+    "cluster of another type": (
+        lambda: autopar.plan(tiny_gpt(), None, global_batch_size=4, seq_len=16),
+        ClusterError,
+        "cluster=None is not allowed: give an autopar.Cluster",
+    ),
+    "cluster spec of an unknown preset": (
+        lambda: autopar.plan(tiny_gpt(), "nope:2", global_batch_size=4, seq_len=16),
+        ClusterError,
+        "unknown cluster preset 'nope'",
+    ),
+    "constraints as a string": (
+        lambda: autopar.plan(tiny_gpt(), two_cpus(), global_batch_size=4, seq_len=16, constraints="tp=2"),
+        ConfigError,
+        "constraints='tp=2' is not allowed: give a mapping",
+    ),
+    "estimate's config as a string": (
+        lambda: autopar.estimate(tiny_gpt(), two_cpus(), "tp=2", global_batch_size=4, seq_len=16),
+        ConfigError,
+        "config='tp=2' is not allowed",
+    ),
+    "dp not dividing": (
+        lambda: autopar.plan(tiny_gpt(), two_cpus(), global_batch_size=4, seq_len=16, constraints={"dp": 3}),
+        ConfigError,
+        r"dp=3 does not divide the cluster's 2 devices; fix dp to one of \[1, 2\]",
+    ),
+    "runners-up below 0": (
+        lambda: autopar.plan(tiny_gpt(), two_cpus(), global_batch_size=4, seq_len=16, top=-1),
+        ConfigError,
+        "top=-1 is not allowed",
+    ),
+    "sequence of 0": (
+        lambda: autopar.plan(tiny_gpt(), two_cpus(), global_batch_size=4, seq_len=0),
+        ConfigError,
+        "seq_len=0 is not allowed",
+    ),
+    "sequence past the positions": (
+        lambda: autopar.plan(tiny_gpt(), two_cpus(), global_batch_size=4, seq_len=65),
+        ConfigError,
+        r"seq_len=65 is longer than the 64 positions GPT was built for \(config.seq_len\); give seq_len <= 64",
+    ),
+    "more local processes than memory": (
+        lambda: autopar.preset("local-cpu", nodes=10**9),
+        ClusterError,
+        "use fewer than",
+    ),
+    "spec without its node count": (lambda: autopar.parse_cluster("dgx-h100:"), ClusterError, "node count"),
+    "cluster file path None": (lambda: autopar.load_cluster(None), ClusterError, "cluster file path None"),
+}
+
+
+@pytest.mark.parametrize(("call", "error", "pattern"), list(API_CASES.values()), ids=list(API_CASES))
+def test_api_raises_a_typed_error(call, error, pattern):
+    with pytest.raises(error, match=pattern) as raised:
+        call()
+    assert "\n" not in str(raised.value)
+
+
+def test_cluster_may_be_a_spec_string():
+    plan = autopar.plan(tiny_gpt(), "dgx-a100-80gb:1", global_batch_size=8, seq_len=16)
+    assert plan.config.world_size == 8
+    est = autopar.estimate(tiny_gpt(), "dgx-a100-80gb:1", {"tp": 2}, global_batch_size=8, seq_len=16)
+    assert est.config.tp == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_huge_batch_is_planned_in_seconds():
+    plan = autopar.plan(tiny_gpt(), two_cpus(), global_batch_size=10**18, seq_len=16)
+    c = plan.config
+    assert c.dp * c.micro_batch_size * c.num_microbatches == 10**18
+
+
+def _help_texts(parser: argparse.ArgumentParser, name: str):
+    yield name, parser.format_help()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                yield from _help_texts(sub, f"{name} {sub_name}")
+
+
+def test_help_texts_are_plain_words():
+    markup = re.compile(r"``|:(func|mod|class|meth|attr)?:`")
+    for name, text in _help_texts(build_parser(), "autopar"):
+        assert not markup.search(text), f"'{name} --help' prints reStructuredText markup"

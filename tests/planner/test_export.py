@@ -1,0 +1,314 @@
+"""autopar export: the values each framework gets, checked by hand against the plan
+(world size, batch arithmetic, ZeRO mapping, pipeline split, recompute), the notes where
+a choice has no exact equivalent, and the command line's one-line errors. The frameworks'
+own parsers check the same files in test_export_parsers.py."""
+
+import json
+import shlex
+import tomllib
+from dataclasses import replace
+
+import pytest
+
+import autopar
+from autopar import Plan
+from autopar.cli import main
+from autopar.errors import ConfigError, PlanFormatError
+from autopar.export import ExportError, UnreadablePlanError, export
+from autopar.models import build_named_model
+from autopar.plan import LayerStrategies
+from autopar.vocab import Recompute
+
+TARGETS = ("megatron", "deepspeed", "torchtitan", "accelerate")
+
+
+def variant(plan: Plan, *, blocks_per_stage=None, overrides=None, **config) -> Plan:
+    """``plan`` with config fields changed (the global batch kept), its blocks re-split
+    (embeddings on the first stage, norm and head on the last) and per-unit recompute
+    overrides."""
+    dp, mbs = config.get("dp", plan.config.dp), config.get("micro_batch_size", plan.config.micro_batch_size)
+    config.setdefault("num_microbatches", plan.model.global_batch_size // (dp * mbs))
+    new = replace(plan.config, **config)
+    units = plan.model.units
+    blocks = [u for u in units if u.startswith("layers.")]
+    counts = blocks_per_stage or [len(blocks) // new.num_stages] * new.num_stages
+    stages, start = [], 0
+    for n in counts:
+        stages.append(blocks[start : start + n])
+        start += n
+    stages[0] = [u for u in units[: units.index(blocks[0])]] + stages[0]
+    stages[-1] = stages[-1] + [u for u in units[units.index(blocks[-1]) + 1 :]]
+    strategies = replace(plan.layer_strategies, recompute=overrides or {})
+    return replace(plan, config=new, stages=tuple(map(tuple, stages)), layer_strategies=strategies)
+
+
+def megatron_args(plan: Plan, **kw) -> dict[str, str | bool]:
+    words = shlex.split(export(plan, to="megatron", **kw).launch)
+    args: dict[str, str | bool] = {}
+    for word in words[words.index("pretrain_gpt.py") + 1 :]:
+        if word.startswith("--"):
+            key = word
+            args[key] = True
+        else:
+            args[key] = word
+    return args
+
+
+def test_megatron_parallel_sizes_and_batch_arithmetic(pipelined_plan):
+    c = pipelined_plan.config
+    args = megatron_args(pipelined_plan)
+    tp, pp = int(args["--tensor-model-parallel-size"]), int(args["--pipeline-model-parallel-size"])
+    assert tp * pp * c.dp == pipelined_plan.cluster.world_size == 16
+    mbs, gbs = int(args["--micro-batch-size"]), int(args["--global-batch-size"])
+    assert gbs == mbs * c.num_microbatches * (pipelined_plan.cluster.world_size // (tp * pp)) == 32
+    assert args["--sequence-parallel"] is True and args["--bf16"] is True
+    assert args["--num-layers"] == "40" and args["--seq-length"] == "2048"
+    assert "--use-distributed-optimizer" not in args  # zero 0: plain data parallelism
+    launch = export(pipelined_plan, to="megatron").launch
+    assert launch.startswith("CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun --nnodes 2 --nproc-per-node 8")
+
+
+@pytest.mark.parametrize(
+    ("zero", "pp", "flags", "noted"),
+    [
+        (1, 1, {"--use-distributed-optimizer"}, False),
+        (2, 1, {"--use-distributed-optimizer"}, True),
+        (3, 1, {"--use-megatron-fsdp", "--data-parallel-sharding-strategy", "--ckpt-format"}, False),
+        (3, 2, {"--use-distributed-optimizer"}, True),
+    ],
+)
+def test_megatron_zero_stages(pipelined_plan, zero, pp, flags, noted):
+    plan = variant(pipelined_plan, zero_stage=zero, pp=pp, dp=4 // pp)
+    args = megatron_args(plan)
+    assert flags <= set(args)
+    if zero == 3 and pp == 1:
+        assert args["--data-parallel-sharding-strategy"] == "optim_grads_params"
+        assert not export(plan, to="megatron").launch.startswith("CUDA_DEVICE_MAX_CONNECTIONS")
+    assert any(f"ZeRO-{zero}" in n for n in export(plan, to="megatron").notes) == noted
+
+
+def test_megatron_pipeline_splits(pipelined_plan):
+    assert "--decoder-first-pipeline-num-layers" not in megatron_args(pipelined_plan)  # even: Megatron's default
+    uneven = variant(pipelined_plan, blocks_per_stage=[19, 21])
+    args = megatron_args(uneven)
+    assert args["--decoder-first-pipeline-num-layers"] == "19" and args["--decoder-last-pipeline-num-layers"] == "21"
+    four = variant(pipelined_plan, pp=4, dp=1, blocks_per_stage=[8, 11, 11, 10])
+    args = megatron_args(four)
+    assert args["--decoder-first-pipeline-num-layers"] == "8" and args["--decoder-last-pipeline-num-layers"] == "10"
+    ragged = variant(pipelined_plan, pp=4, dp=1, blocks_per_stage=[9, 11, 12, 8])
+    assert megatron_args(ragged)["--pipeline-model-parallel-layout"] == "Et*9|t*11|t*12|t*8L"
+    interleaved = variant(pipelined_plan, virtual_stages=2, schedule="interleaved-1f1b")
+    assert megatron_args(interleaved)["--num-layers-per-virtual-pipeline-stage"] == "10"
+    ragged_v = variant(interleaved, blocks_per_stage=[9, 10, 10, 11])
+    assert megatron_args(ragged_v)["--pipeline-model-parallel-layout"] == "Et*9|t*10|t*10|t*11L"
+    gpipe = export(variant(pipelined_plan, schedule="gpipe"), to="megatron")
+    assert any("GPipe" in n for n in gpipe.notes)
+
+
+def test_megatron_recompute(pipelined_plan):
+    full = megatron_args(variant(pipelined_plan, recompute=Recompute.FULL))
+    assert (full["--recompute-granularity"], full["--recompute-method"], full["--recompute-num-layers"]) == (
+        "full",
+        "uniform",
+        "1",
+    )
+    assert megatron_args(variant(pipelined_plan, recompute=Recompute.SELECTIVE))["--recompute-granularity"] == (
+        "selective"
+    )
+    # the first 3 blocks of each stage in full, the rest none: Megatron's block method exactly
+    first3 = {f"layers.{i}": Recompute.FULL for s in (0, 20) for i in range(s, s + 3)}
+    exact = export(variant(pipelined_plan, overrides=first3), to="megatron")
+    assert "--recompute-method block --recompute-num-layers 3" in exact.launch and not exact.notes
+    # 2 blocks on stage 0, 5 scattered on stage 1: the most any stage recomputes, noted
+    scattered = {f"layers.{i}": Recompute.FULL for i in (0, 1, 21, 25, 30, 33, 39)}
+    approx = export(variant(pipelined_plan, overrides=scattered), to="megatron")
+    assert "--recompute-num-layers 5" in approx.launch
+    assert any("7 full" in n and "N = 5" in n for n in approx.notes)
+    assert all(f"# NOTE: {n}" in approx.text for n in approx.notes)
+
+
+def test_megatron_model_sizes():
+    model = build_named_model("llama3-8b")
+    plan = autopar.estimate(
+        model, autopar.preset("dgx-a100-80gb", nodes=1), {"tp": 8}, global_batch_size=8, seq_len=2048
+    )
+    args = megatron_args(plan, model=model)
+    assert args["--hidden-size"] == "4096" and args["--num-attention-heads"] == "32"
+    assert args["--num-query-groups"] == "8" and args["--ffn-hidden-size"] == "14336"
+    assert args["--normalization"] == "RMSNorm" and args["--rotary-base"] == "500000"
+    assert {"--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear"} <= set(args)
+    assert "--hidden-size" not in megatron_args(plan)
+    with pytest.raises(ExportError, match="not the one the plan was made for"):
+        export(plan, to="megatron", model=build_named_model("llama2-7b"))
+
+
+@pytest.mark.parametrize(("zero", "pp", "stage"), [(0, 1, 0), (1, 1, 1), (2, 1, 2), (3, 1, 3), (3, 2, 1), (1, 2, 1)])
+def test_deepspeed_config(pipelined_plan, zero, pp, stage):
+    plan = variant(pipelined_plan, zero_stage=zero, pp=pp, tp=8 // pp)
+    result = export(plan, to="deepspeed")
+    config = json.loads(result.text)
+    c = plan.config
+    assert config["train_batch_size"] == (
+        config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] * c.dp
+    )
+    assert config["zero_optimization"]["stage"] == stage
+    assert config["bf16"] == {"enabled": True} and "fp16" not in config
+    assert any("Megatron-DeepSpeed" in n for n in result.notes)
+    assert config["autopar"]["notes"] == list(result.notes)
+    assert ("--no-pipeline-parallel" in result.launch) == (pp == 1)
+    assert (stage != zero) == any("ZeRO stage 0 or 1" in n for n in result.notes)
+
+
+def test_deepspeed_plain_data_parallel(gpt2_plan):
+    result = export(variant(gpt2_plan, dtype="fp16", recompute=Recompute.FULL), to="deepspeed")
+    config = json.loads(result.text)
+    assert config["fp16"]["enabled"] and config["fp16"]["loss_scale"] == 0 and "bf16" not in config
+    assert "activation_checkpointing" in config
+    assert (
+        result.launch == "deepspeed --num_nodes 1 --num_gpus 8 train.py --deepspeed --deepspeed_config ds_config.json"
+    )
+    assert not any("Megatron-DeepSpeed" in n for n in result.notes)
+    assert any("does not turn recomputation on" in n for n in result.notes)
+
+
+def torchtitan_config(plan: Plan) -> dict:
+    return tomllib.loads(export(plan, to="torchtitan").text)
+
+
+@pytest.mark.parametrize(
+    ("zero", "tp", "pp", "replicate", "reshard"),
+    [(0, 1, 1, 16, None), (0, 2, 1, 1, "never"), (1, 2, 2, 1, "never"), (2, 2, 2, 1, "never"), (3, 2, 2, 1, "always")],
+)
+def test_torchtitan_parallelism(pipelined_plan, zero, tp, pp, replicate, reshard):
+    plan = variant(pipelined_plan, zero_stage=zero, tp=tp, pp=pp, dp=16 // (tp * pp), sequence_parallel=tp > 1)
+    p = torchtitan_config(plan)["parallelism"]
+    dp = p["data_parallel_replicate_degree"] * p["data_parallel_shard_degree"]
+    assert dp * p["tensor_parallel_degree"] * p["pipeline_parallel_degree"] == plan.cluster.world_size
+    assert p["data_parallel_replicate_degree"] == replicate and p.get("fsdp_reshard_after_forward") == reshard
+    assert p["context_parallel_degree"] == 1 and p["enable_async_tensor_parallel"] is False
+    assert any("ZeRO" in n for n in export(plan, to="torchtitan").notes) == (zero in (0, 1) and reshard is not None)
+
+
+def test_torchtitan_pipeline_and_batch(pipelined_plan, gpt2_plan):
+    interleaved = variant(
+        pipelined_plan, virtual_stages=2, schedule="interleaved-1f1b", blocks_per_stage=[9, 11, 10, 10]
+    )
+    config = torchtitan_config(interleaved)
+    p, t = config["parallelism"], config["training"]
+    assert p["pipeline_parallel_schedule"] == "Interleaved1F1B"
+    assert p["module_fqns_per_model_part"] == [list(s) for s in interleaved.stages]
+    c = interleaved.config
+    # pipelined: a rank's whole batch per step, split into micro-batches of the plan's size
+    assert t["local_batch_size"] // p["pipeline_parallel_microbatch_size"] == c.num_microbatches
+    assert t["global_batch_size"] == t["local_batch_size"] * c.dp == c.global_batch_size
+    t = torchtitan_config(variant(gpt2_plan, micro_batch_size=2, num_microbatches=4))["training"]
+    # not pipelined: one micro-batch per load, the rest is gradient accumulation
+    assert t["global_batch_size"] // (t["local_batch_size"] * 8) == 4 and t["seq_len"] == 1024
+
+
+def test_torchtitan_activation_checkpoint(pipelined_plan):
+    ac = torchtitan_config(variant(pipelined_plan, recompute=Recompute.FULL))["activation_checkpoint"]
+    assert ac == {"mode": "full"}
+    assert torchtitan_config(pipelined_plan)["activation_checkpoint"] == {"mode": "none"}
+    half = {f"layers.{i}": Recompute.FULL for i in range(0, 40, 2)}
+    result = export(variant(pipelined_plan, overrides=half), to="torchtitan")
+    assert tomllib.loads(result.text)["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "2"}
+    assert any("every N-th block" in n for n in result.notes)
+    selective = export(variant(pipelined_plan, recompute=Recompute.SELECTIVE), to="torchtitan")
+    assert tomllib.loads(selective.text)["activation_checkpoint"]["selective_ac_option"] == "op"
+    assert any("per operator" in n for n in selective.notes)
+
+
+def accelerate_config(plan: Plan, **kw) -> dict:
+    yaml = pytest.importorskip("yaml")
+    return yaml.safe_load(export(plan, to="accelerate", **kw).text)
+
+
+@pytest.mark.parametrize(("zero", "kind", "reshard"), [(0, "MULTI_GPU", None), (2, "FSDP", False), (3, "FSDP", True)])
+def test_accelerate_data_parallel(gpt2_plan, zero, kind, reshard):
+    config = accelerate_config(variant(gpt2_plan, zero_stage=zero), model=build_named_model("gpt2-small"))
+    assert config["distributed_type"] == kind and config["num_processes"] == 8 and config["num_machines"] == 1
+    assert config["mixed_precision"] == "bf16"
+    if reshard is not None:
+        fsdp = config["fsdp_config"]
+        assert fsdp["fsdp_version"] == 2 and fsdp["fsdp_reshard_after_forward"] is reshard
+        assert fsdp["fsdp_transformer_layer_cls_to_wrap"] == "Block"
+
+
+def test_accelerate_tensor_parallel_and_refusal(pipelined_plan):
+    tp_only = variant(pipelined_plan, pp=1, dp=4)
+    config = accelerate_config(tp_only)
+    sizes = config["parallelism_config"]
+    assert sizes["parallelism_config_dp_shard_size"] * sizes["parallelism_config_tp_size"] == 16
+    assert any("tp_plan" in n for n in export(tp_only, to="accelerate").notes)
+    with pytest.raises(ExportError, match=r"accelerate cannot run pipeline parallelism \(the plan has pp=2\)"):
+        export(pipelined_plan, to="accelerate")
+
+
+def test_notes_are_comments_in_every_file(pipelined_plan):
+    plan = variant(pipelined_plan, zero_stage=1, pp=1, dp=4, overrides={"layers.3": Recompute.FULL})
+    for target in TARGETS:
+        result = export(plan, to=target)
+        assert result.notes, target
+        text = "\n".join(json.loads(result.text)["autopar"]["notes"]) if target == "deepspeed" else result.text
+        for note in result.notes:
+            assert note in text, (target, note)
+
+
+def test_bad_inputs_are_typed_errors(tmp_path, gpt2_plan):
+    with pytest.raises(ExportError, match="unknown export target 'slurm'; use one of megatron, deepspeed"):
+        export(gpt2_plan, to="slurm")
+    with pytest.raises(UnreadablePlanError, match="does not exist") as info:
+        export(tmp_path / "missing.json", to="megatron")
+    assert isinstance(info.value, ConfigError) and isinstance(info.value, PlanFormatError)
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(UnreadablePlanError, match="not valid JSON"):
+        export(tmp_path / "bad.json", to="deepspeed")
+    with pytest.raises(ExportError, match="it is a directory"):
+        export(gpt2_plan, to="deepspeed").save(tmp_path)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ExportError, match="cannot write"):
+        export(gpt2_plan, to="deepspeed").save(tmp_path / "file" / "ds.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json", "file"]
+
+
+def test_cli_prints_or_writes(tmp_path, capsys, gpt2_plan):
+    plan_file = gpt2_plan.save(tmp_path / "plan.json")
+    assert main(["export", str(plan_file), "--to", "torchtitan"]) == 0
+    out, err = capsys.readouterr()
+    assert tomllib.loads(out)["parallelism"]["data_parallel_shard_degree"] == 8
+    assert "launch: torchrun --standalone --nproc-per-node 8 -m torchtitan.train" in err
+    out_file = tmp_path / "ds" / "ds.json"
+    assert main(["export", str(plan_file), "--to", "deepspeed", "--out", str(out_file)]) == 0
+    out, err = capsys.readouterr()
+    assert out == "" and json.loads(out_file.read_text())["train_batch_size"] == 64
+    assert f"--deepspeed_config {out_file}" in err
+    assert main(["export", str(plan_file), "--to", "megatron", "--model", "gpt2-small"]) == 0
+    assert "--hidden-size 768" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--to", "slurm"], "autopar: error: unknown export target 'slurm'"),
+        (["--to", "megatron", "--model", "gpt3-6.7b"], "autopar: error: the model given"),
+    ],
+)
+def test_cli_errors_are_one_line(tmp_path, capsys, gpt2_plan, argv, message):
+    plan_file = gpt2_plan.save(tmp_path / "plan.json")
+    assert main(["export", str(plan_file), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_cli_unreadable_plan_is_one_line(tmp_path, capsys):
+    assert main(["export", str(tmp_path / "none.json"), "--to", "accelerate"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autopar: error: plan file") and err.count("\n") == 1
+
+
+def test_layer_strategies_without_block_split_are_noted(pipelined_plan):
+    replicated = replace(pipelined_plan, layer_strategies=LayerStrategies())
+    for target in ("megatron", "torchtitan"):
+        assert any("per-layer styles differ" in n for n in export(replicated, to=target).notes)
+    assert not any("per-layer styles" in n for n in export(pipelined_plan, to="megatron").notes)

@@ -1,0 +1,271 @@
+"""Each export read back by its framework's own config parser, where it is installed
+(``pip install 'autopar[interop]'``); skipped otherwise.
+
+- DeepSpeed: ``deepspeed.runtime.config.DeepSpeedConfig``, which checks the batch
+  arithmetic against the data-parallel size and validates every section.
+- torchtitan 0.2.x: ``ConfigManager`` reading ``--job.config_file``, which refuses
+  unknown fields (torchtitan 0.3 reads no TOML: skipped there).
+- Accelerate: ``load_config_from_file``, then ``accelerate launch``'s own validation and
+  environment, and the FSDP plugin and parallelism config built from that environment.
+- Megatron-LM: ``parse_args``, ``validate_args`` and the ``TransformerConfig`` built from
+  them when ``megatron.training`` imports (a Megatron-LM checkout on the path: it is not
+  on PyPI); always, an argparse parser with the flags as Megatron-LM core_v0.16.1's
+  ``arguments.py`` declares them, which refuses any other flag or value.
+"""
+
+import argparse
+import importlib.util
+import json
+import shlex
+import sys
+import types
+
+import pytest
+
+import autopar
+from autopar.export import export
+from autopar.models import build_named_model
+from autopar.vocab import Recompute
+
+from .test_export import variant
+
+
+@pytest.fixture(scope="module")
+def llama_plan():
+    """An interleaved, recomputing, tensor- and pipeline-parallel Llama plan, and its model."""
+    model = build_named_model("llama3-8b")
+    plan = autopar.estimate(
+        model,
+        autopar.preset("dgx-a100-80gb", nodes=2),
+        {"tp": 2, "pp": 4, "virtual_stages": 2, "schedule": "interleaved-1f1b", "recompute": "full", "zero_stage": 1},
+        global_batch_size=64,
+        seq_len=4096,
+    )
+    return plan, model
+
+
+@pytest.fixture()
+def cases(gpt2_plan, pipelined_plan, llama_plan):
+    """Plans that cover every mapping: ZeRO 0-3, pipelining even, uneven and interleaved,
+    recompute uniform and per block, fp16."""
+    llama, _ = llama_plan
+    full = {f"layers.{i}": Recompute.FULL for i in (0, 1, 2, 20, 21, 22)}
+    return {
+        "gpt2-zero2": gpt2_plan,
+        "gpt2-zero3-fp16": variant(gpt2_plan, zero_stage=3, dtype="fp16", recompute=Recompute.SELECTIVE),
+        "gpt2-zero0": variant(gpt2_plan, zero_stage=0),
+        "gpt-tp-pp": pipelined_plan,
+        "gpt-uneven-block-recompute": variant(pipelined_plan, blocks_per_stage=[19, 21], overrides=full),
+        "gpt-layout": variant(pipelined_plan, pp=4, dp=1, blocks_per_stage=[9, 11, 12, 8], zero_stage=0),
+        "llama-interleaved": llama,
+    }
+
+
+def test_deepspeed_parses_every_export(cases, monkeypatch):
+    ds_config = pytest.importorskip("deepspeed.runtime.config")
+    monkeypatch.setattr(ds_config.dist, "get_rank", lambda: 0)
+    for name, plan in cases.items():
+        data = json.loads(export(plan, to="deepspeed").text)
+        mpu = types.SimpleNamespace(get_data_parallel_world_size=lambda plan=plan: plan.config.dp)
+        parsed = ds_config.DeepSpeedConfig(data, mpu=mpu)
+        c = plan.config
+        assert parsed.world_size == c.dp, name
+        assert (parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu) == (
+            c.global_batch_size,
+            c.micro_batch_size,
+        )
+        assert parsed.gradient_accumulation_steps == c.num_microbatches, name
+        assert parsed.zero_optimization_stage == (min(c.zero_stage, 1) if c.pp > 1 else c.zero_stage), name
+        assert parsed.bfloat16_config.enabled == (c.dtype.value == "bf16"), name
+        assert parsed.float16_config.enabled == (c.dtype.value == "fp16"), name
+    wrong = types.SimpleNamespace(get_data_parallel_world_size=lambda: 3)
+    with pytest.raises(AssertionError, match="train_batch_size is not equal"):
+        ds_config.DeepSpeedConfig(json.loads(export(cases["gpt2-zero2"], to="deepspeed").text), mpu=wrong)
+
+
+def _torchtitan_config_manager(monkeypatch):
+    """torchtitan 0.2.x's ConfigManager, imported without the package's ``__init__``
+    (which loads its float8 kernels, and so Triton, to register converters)."""
+    spec = importlib.util.find_spec("torchtitan")
+    if spec is None:
+        pytest.skip("torchtitan is not installed")
+    package = types.ModuleType("torchtitan")
+    package.__path__ = list(spec.submodule_search_locations)
+    monkeypatch.setitem(sys.modules, "torchtitan", package)
+    for name in [m for m in sys.modules if m.startswith("torchtitan.")]:
+        monkeypatch.delitem(sys.modules, name)
+    if importlib.util.find_spec("torchtitan.config.job_config") is None:
+        pytest.skip("torchtitan >= 0.3 reads no TOML job config (its configs are Python functions)")
+    return importlib.import_module("torchtitan.config").ConfigManager
+
+
+def test_torchtitan_parses_every_export(cases, tmp_path, monkeypatch):
+    pytest.importorskip("tyro")
+    manager = _torchtitan_config_manager(monkeypatch)
+    for name, plan in cases.items():
+        path = export(plan, to="torchtitan").save(tmp_path / f"{name}.toml")
+        job = manager().parse_args(["--job.config_file", str(path)])
+        c, p, t = plan.config, job.parallelism, job.training
+        dp = p.data_parallel_replicate_degree * p.data_parallel_shard_degree
+        assert (dp, p.tensor_parallel_degree, p.pipeline_parallel_degree) == (c.dp, c.tp, c.pp), name
+        assert t.global_batch_size == c.global_batch_size and t.seq_len == plan.model.seq_len, name
+        if c.pp > 1:
+            assert p.module_fqns_per_model_part == [list(s) for s in plan.stages], name
+            assert t.local_batch_size // p.pipeline_parallel_microbatch_size == c.num_microbatches, name
+        expected = {Recompute.NONE: "none", Recompute.FULL: "full", Recompute.SELECTIVE: "selective"}[c.recompute]
+        if not plan.layer_strategies.recompute:
+            assert job.activation_checkpoint.mode == expected, name
+
+
+def test_accelerate_parses_and_launches_every_export(cases, tmp_path, monkeypatch):
+    pytest.importorskip("accelerate")
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    for name, plan in cases.items():
+        if plan.config.pp > 1:
+            continue  # refused, see test_export.py
+        c = plan.config
+        path = export(plan, to="accelerate").save(tmp_path / f"{name}.yaml")
+        assert load_config_from_file(str(path)).num_processes == c.world_size, name
+        args = launch_command_parser().parse_args(["--config_file", str(path), "train.py"])
+        args, _, _ = _validate_launch_command(args)
+        assert args.num_processes == c.world_size and args.use_fsdp == (c.zero_stage > 0), name
+        env = prepare_multi_gpu_env(args)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        if args.use_fsdp:
+            plugin = FullyShardedDataParallelPlugin()
+            assert plugin.fsdp_version == 2 and plugin.reshard_after_forward == (c.zero_stage == 3), name
+            assert plugin.activation_checkpointing == (c.recompute is not Recompute.NONE), name
+    tp = variant(cases["gpt-tp-pp"], pp=1, dp=4)
+    path = export(tp, to="accelerate").save(tmp_path / "tp.yaml")
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "x.py"]))
+    for key, value in prepare_multi_gpu_env(args).items():
+        monkeypatch.setenv(key, value)
+    sizes = ParallelismConfig()
+    assert (sizes.dp_shard_size, sizes.tp_size, sizes.total_size) == (4, 4, 16)
+
+
+def _megatron_words(plan, model=None) -> tuple[dict[str, str], list[str]]:
+    """The environment and the arguments of an export's launch line."""
+    words = shlex.split(export(plan, to="megatron", model=model).launch)
+    start = words.index("torchrun")
+    env = dict(w.split("=", 1) for w in words[:start])
+    return env, words[words.index("pretrain_gpt.py") + 1 :]
+
+
+def test_megatron_own_parser(cases, llama_plan, monkeypatch):
+    arguments = pytest.importorskip("megatron.training.arguments")
+    monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 8)  # the plans' A100s
+    models = {"gpt2": build_named_model("gpt2-small"), "gpt-": build_named_model("gpt3-13b")}
+    checked = {name: (plan, models[name[:4]] if name[:4] in models else llama_plan[1]) for name, plan in cases.items()}
+    for name, (plan, model) in checked.items():
+        env, words = _megatron_words(plan, model)
+        words += ["--no-rope-fusion"] * ("rope" in words)  # fused RoPE needs Transformer Engine
+        words += ["--tokenizer-type", "NullTokenizer", "--vocab-size", "50257", "--mock-data"]
+        monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *words, "--train-iters", "1", "--lr", "1e-4"])
+        monkeypatch.setenv("WORLD_SIZE", str(plan.config.world_size))
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        args = arguments.parse_args()
+        arguments.validate_args(args)
+        c = plan.config
+        assert (args.data_parallel_size, args.global_batch_size) == (c.dp, c.global_batch_size), name
+        assert args.use_distributed_optimizer == (c.zero_stage in (1, 2) or (c.zero_stage == 3 and c.pp > 1)), name
+        config = arguments.core_transformer_config_from_args(args)  # checks the pipeline split
+        assert config.num_layers == sum(u.startswith("layers.") for u in plan.model.units), name
+        assert (config.virtual_pipeline_model_parallel_size or 1) == c.virtual_stages, name
+
+
+MEGATRON_FLAGS = {
+    # (type, choices) of each flag the exporter may write, as Megatron-LM core_v0.16.1's
+    # arguments.py declares it; a type of None is a store_true switch
+    "--tensor-model-parallel-size": (int, None),
+    "--pipeline-model-parallel-size": (int, None),
+    "--sequence-parallel": (None, None),
+    "--num-layers-per-virtual-pipeline-stage": (int, None),
+    "--decoder-first-pipeline-num-layers": (int, None),
+    "--decoder-last-pipeline-num-layers": (int, None),
+    "--pipeline-model-parallel-layout": (str, None),
+    "--micro-batch-size": (int, None),
+    "--global-batch-size": (int, None),
+    "--use-distributed-optimizer": (None, None),
+    "--use-megatron-fsdp": (None, None),
+    "--data-parallel-sharding-strategy": (str, ["no_shard", "optim", "optim_grads", "optim_grads_params"]),
+    "--ckpt-format": (str, ["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"]),
+    "--recompute-granularity": (str, ["full", "selective"]),
+    "--recompute-method": (str, ["uniform", "block"]),
+    "--recompute-num-layers": (int, None),
+    "--bf16": (None, None),
+    "--fp16": (None, None),
+    "--num-layers": (int, None),
+    "--seq-length": (int, None),
+    "--hidden-size": (int, None),
+    "--num-attention-heads": (int, None),
+    "--ffn-hidden-size": (int, None),
+    "--max-position-embeddings": (int, None),
+    "--group-query-attention": (None, None),
+    "--num-query-groups": (int, None),
+    "--normalization": (str, ["LayerNorm", "RMSNorm"]),
+    "--norm-epsilon": (float, None),
+    "--swiglu": (None, None),
+    "--position-embedding-type": (str, ["learned_absolute", "rope", "mrope", "relative", "none"]),
+    "--rotary-base": (int, None),
+    "--untie-embeddings-and-output-weights": (None, None),
+    "--disable-bias-linear": (None, None),
+    "--optimizer": (str, ["adam", "sgd", "muon", "dist_muon"]),
+}
+
+
+def _megatron_stage_layers(args: argparse.Namespace, num_stages: int) -> list[int]:
+    """Layers per (virtual) stage as Megatron derives them from the parsed flags: the
+    layout's ``t`` per stage, else first/last sizes with the rest even, else even."""
+    if args.pipeline_model_parallel_layout:
+        return [stage.count("t") for stage in _unrolled(args.pipeline_model_parallel_layout).split("|")]
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    ends = [n for n in (first, last) if n is not None]
+    middle = num_stages - len(ends)
+    each = (args.num_layers - sum(ends)) // middle if middle else 0
+    counts = [each] * num_stages
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return counts
+
+
+def _unrolled(layout: str) -> str:
+    """Megatron's layout grammar: ``x*n`` repeats one character (no parentheses written)."""
+    out = ""
+    for part in layout.replace(",", "").split("*"):
+        if out and part[:1].isdigit():
+            digits = len(part) - len(part.lstrip("0123456789"))
+            out += out[-1] * (int(part[:digits]) - 1) + part[digits:]
+        else:
+            out += part
+    return out
+
+
+def test_megatron_flags_as_megatron_declares_them(cases, llama_plan):
+    parser = argparse.ArgumentParser(allow_abbrev=False, exit_on_error=False)
+    for flag, (kind, choices) in MEGATRON_FLAGS.items():
+        if kind is None:
+            parser.add_argument(flag, action="store_true")
+        else:
+            parser.add_argument(flag, type=kind, choices=choices)
+    checked = {**cases, "llama-interleaved": llama_plan[0]}
+    for name, plan in checked.items():
+        model = llama_plan[1] if name == "llama-interleaved" else None
+        _, words = _megatron_words(plan, model)
+        args = parser.parse_args(words)  # an undeclared flag or a bad value raises
+        c = plan.config
+        dp = plan.cluster.world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
+        assert (dp, args.global_batch_size // (args.micro_batch_size * dp)) == (c.dp, c.num_microbatches), name
+        if c.pp > 1:
+            counts = _megatron_stage_layers(args, c.num_stages)
+            per_stage = [sum(u.startswith("layers.") for u in stage) for stage in plan.stages]
+            assert counts == per_stage, name

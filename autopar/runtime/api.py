@@ -10,6 +10,7 @@ materialisation of a meta model -> DDP -> ``PipelineStage`` and the schedule.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autopar.errors import ConfigError
 from autopar.graph.extract import extract
@@ -76,6 +78,7 @@ def parallelize(
     measure_memory: bool = True,
     analysis: Analysis | None = None,
     materialize: bool = True,
+    fake_mode: FakeTensorMode | None = None,
     max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
 ) -> Job:
     """Apply ``plan`` to ``model`` on this rank and return the Job that trains it.
@@ -107,6 +110,10 @@ def parallelize(
         analysis: the result of :func:`analyse` for this model and plan, if already made.
         materialize: False keeps a meta model on the meta device, sharded but without
             storage, and skips DDP (which needs real tensors): for dry runs only.
+        fake_mode: with ``materialize=False``, give the parameters fake storage in this
+            ``FakeTensorMode`` and then apply data parallelism and mixed precision as for a
+            real run (DDP's all-reduce through FSDP2's ``replicate``, which takes fake
+            tensors): for measured dry runs (:mod:`autopar.runtime.dry_step`).
         max_consecutive_skips: steps in a row the optimizer may skip because some rank's
             loss or gradient is not finite before the job stops with
             :class:`~autopar.runtime.errors.NonFiniteError` (:mod:`autopar.runtime.finite`).
@@ -154,8 +161,13 @@ def parallelize(
         stages = [apply_data_parallel(s, spec, mesh["dp"]) for s, spec in zip(stages, spec_of)]
     if materializer is not None:
         materializer.fill(stages, device)
-    if not sharded_on_meta and (materialize or not meta):
-        stages = [apply_data_parallel(s, spec, mesh["dp"]) for s, spec in zip(stages, spec_of)]
+    if fake_mode is not None:
+        with fake_mode:
+            for s in stages:
+                s.to_empty(device=device)
+    if not sharded_on_meta and (materialize or not meta or fake_mode is not None):
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            stages = [apply_data_parallel(s, spec, mesh["dp"]) for s, spec in zip(stages, spec_of)]
 
     tied_sync = TiedGradSync(tied, dims, coord)
     pipeline_stages = build_stages(stages, indices, plan, device, mesh["pp"].get_group())

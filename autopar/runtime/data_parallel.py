@@ -10,7 +10,7 @@ zero       what runs
            pipelined plans (measured on torch 2.13: DDP under a multi-stage pipelining
            schedule gave the last stage wrong gradients; ``static_graph`` is needed even
            with one stage, or DDP's first-step bucket rebuild fails on the micro-batched
-           backward). Stage 1 also shards the optimizer state
+           backward), and the fake parameters of a measured dry run (DDP needs real ones). Stage 1 also shards the optimizer state
            (:mod:`autopar.runtime.optimizer`).
 2          FSDP2 ``fully_shard`` per unit, then the stage root, ``reshard_after_forward=False``:
            gradients and optimizer state sharded, parameters kept gathered from forward to
@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -77,7 +78,7 @@ def apply_data_parallel(stage: nn.Module, spec: DataParallelSpec, dp_mesh: Devic
             fully_shard(stage.get_submodule(fqn), mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
         fully_shard(stage, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
         return stage
-    if spec.dp > 1 and (spec.pipelined or any(isinstance(p, DTensor) for p in stage.parameters())):
+    if spec.dp > 1 and (spec.pipelined or any(isinstance(p, (DTensor, FakeTensor)) for p in stage.parameters())):
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         replicate(stage, mesh=dp_mesh, mp_policy=policy)

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autopar.errors import AutoparError, ConfigError
 from autopar.graph.units import find_units
@@ -242,6 +243,7 @@ def _apply(
 
     dist.init_process_group("fake", rank=rank, world_size=dims.world_size, store=FakeStore())
     measured = None
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if metadata is not None else None
     try:
         job = parallelize(
             model_fn(),
@@ -249,13 +251,14 @@ def _apply(
             loss_fn=cross_entropy if metadata is not None else _no_loss,
             analysis=analysis,
             materialize=False,
+            fake_mode=mode,
             measure_memory=False,
             device="cpu",
         )
         held = sum(_local(p).numel() * _local(p).element_size() for p in job.parameters())
         if metadata is not None:
             with local_pipeline_metadata(metadata):
-                measured = measure_step(job, plan)
+                measured = measure_step(job, plan, mode)
     finally:
         dist.destroy_process_group()
     coord = dims.coordinate(rank)

@@ -24,9 +24,10 @@ What only a peer could supply is supplied locally (:func:`local_pipeline_metadat
   infer their shapes dynamically, which is what the vote decides when no static shapes
   are given.
 
-The finite check and the loss's reduction for reporting (8 bytes each) are not run; the
-data-parallel all-reduce of DDP (ZeRO 0 and 1 with dp > 1) is not applied on meta, so
-its buckets are not counted.
+The finite check and the loss's reduction for reporting (8 bytes each) are not run. DDP
+(ZeRO 0 and 1 with dp > 1, where the real run uses it) needs real tensors, so the fake
+step runs FSDP2's ``replicate``, the same all-reduce: DDP's gradient buckets, which it
+keeps between steps, are not counted after the step (at the peak the gradients are).
 """
 
 from __future__ import annotations
@@ -160,19 +161,16 @@ OPTIMIZERS = {"adam": torch.optim.AdamW, "sgd": torch.optim.SGD, "adafactor": to
 """The torch optimizer whose state the plan's optimizer stands for."""
 
 
-def measure_step(job: Job, plan: Plan, *, fake: bool = True) -> StepMemory:
-    """Run one step of ``job`` and count its tensor bytes: on fake tensors (``fake``; the
-    job parallelized with ``materialize=False``, inside :func:`local_pipeline_metadata`)
-    or on the job's real ones (the same count on a real run, to check the fake one). The
-    optimizer state is created first, by one optimizer step on zero gradients, so the
-    measured step runs with it alive, as every step after the first does."""
+def measure_step(job: Job, plan: Plan, mode: FakeTensorMode | None) -> StepMemory:
+    """Run one step of ``job`` and count its tensor bytes: on the fake tensors of ``mode``
+    (the job parallelized with ``materialize=False, fake_mode=mode``, run inside
+    :func:`local_pipeline_metadata`), or with ``mode`` None on the job's real ones (the
+    same count on a real run, to check the fake one). The optimizer state is created
+    first, by one optimizer step on zero gradients, so the measured step runs with it
+    alive, as every step after the first does."""
     cfg = plan.config
     rows, seq = cfg.micro_batch_size * cfg.num_microbatches, plan.model.seq_len
-    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
     with mode if mode is not None else contextlib.nullcontext():
-        if mode is not None:
-            for module in job.stages:
-                module.to_empty(device="cpu")
         opt = job.optimizer(OPTIMIZERS[plan.settings.optimizer.value], lr=1e-4)
         inner = [o for o in opt.inner if o is not None]
         for p in job.parameters():

@@ -365,6 +365,8 @@ class Plan:
     @staticmethod
     def load(path: str | Path) -> Plan:
         """Read a plan file written by :meth:`save`."""
+        if not isinstance(path, (str, Path)):
+            raise PlanFormatError(f"Plan.load({path!r}): give the path of a plan file (a str or pathlib.Path).")
         remedy = f"create one with 'autopar plan ... --out {path}'"
         data = codec.read_json(path, what="plan file", error=PlanFormatError, remedy=remedy)
         return Plan.from_dict(data, origin=f"plan file {str(path)!r}")

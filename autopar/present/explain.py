@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections import Counter, defaultdict
 
+from autopar.errors import ConfigError
 from autopar.plan import Plan
 
 GIB = 2**30
@@ -12,6 +13,8 @@ GIB = 2**30
 
 def explain(plan: Plan, *, top: int = 5) -> str:
     """The plan, its predicted cost and why it won, as text a person reads."""
+    if not isinstance(plan, Plan):
+        raise ConfigError(f"explain() takes a Plan (autopar.plan(...) or Plan.load(path)), got {type(plan).__name__}.")
     c, p, m, cl = plan.config, plan.prediction, plan.model, plan.cluster
     b = p.breakdown
     lines = [

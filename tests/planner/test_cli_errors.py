@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import autopar
-from autopar import ClusterError, ConfigError
+from autopar import ClusterError, ConfigError, PlanFormatError
 from autopar.cli import build_parser, main
 from autopar.models import GPT, GPTConfig
 
@@ -203,6 +203,8 @@ API_CASES = {
     ),
     "spec without its node count": (lambda: autopar.parse_cluster("dgx-h100:"), ClusterError, "node count"),
     "cluster file path None": (lambda: autopar.load_cluster(None), ClusterError, "cluster file path None"),
+    "plan file path None": (lambda: autopar.Plan.load(None), PlanFormatError, r"Plan.load\(None\): give the path"),
+    "explain of a number": (lambda: autopar.explain(5), ConfigError, "explain\\(\\) takes a Plan"),
 }
 
 

@@ -10,7 +10,6 @@ materialisation of a meta model -> DDP -> ``PipelineStage`` and the schedule.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -166,8 +165,7 @@ def parallelize(
             for s in stages:
                 s.to_empty(device=device)
     if not sharded_on_meta and (materialize or not meta or fake_mode is not None):
-        with fake_mode if fake_mode is not None else contextlib.nullcontext():
-            stages = [apply_data_parallel(s, spec, mesh["dp"]) for s, spec in zip(stages, spec_of)]
+        stages = [apply_data_parallel(s, spec, mesh["dp"]) for s, spec in zip(stages, spec_of)]
 
     tied_sync = TiedGradSync(tied, dims, coord)
     pipeline_stages = build_stages(stages, indices, plan, device, mesh["pp"].get_group())

@@ -323,6 +323,19 @@ class Plan:
                 f"stages list {len(listed)} units, the model has {len(self.model.units)}."
             )
 
+    def __repr__(self) -> str:
+        """One line (model, cluster, configuration, predicted step time and memory): the
+        field-by-field repr of a plan runs to tens of kilobytes. The full text is
+        ``autopar.explain(plan)``; the HTML summary (for a notebook, through
+        ``IPython.display.HTML``) ``autopar.present.report.summary_html(plan)``: a plan is
+        data and knows no renderer."""
+        p = self.prediction
+        fit = "" if p.fits else ", DOES NOT FIT"
+        return (
+            f"<autopar Plan {_cut(self.model.name)} on {_cut(self.cluster.name)}: {self.config.short()}; "
+            f"step {p.step_time_s:.3g} s, {p.memory_bytes_per_device / 2**30:.1f} GiB per device{fit}>"
+        )
+
     def stage_of_rank(self, pipeline_rank: int) -> tuple[int, ...]:
         """Indices of the stages a pipeline rank runs (stage i on rank i % pp)."""
         return tuple(i for i in range(self.config.num_stages) if i % self.config.pp == pipeline_rank)
@@ -386,6 +399,11 @@ _PLAN_FIELDS = (
     "search_time_s",
     "candidates_evaluated",
 )
+
+
+def _cut(name: str, limit: int = 40) -> str:
+    """``name``, or its first ``limit - 1`` characters and an ellipsis."""
+    return name if len(name) <= limit else name[: limit - 1] + "…"
 
 
 def _enum(cls: Any, value: Any, name: str) -> Any:

@@ -6,9 +6,8 @@ import re
 from collections import Counter, defaultdict
 
 from autopar.errors import ConfigError
-from autopar.plan import Plan
-
-GIB = 2**30
+from autopar.plan import ParallelConfig, Plan
+from autopar.present.units import byte_unit, duration, size
 
 
 def explain(plan: Plan, *, top: int = 5) -> str:
@@ -23,9 +22,9 @@ def explain(plan: Plan, *, top: int = 5) -> str:
         f"optimizer, {plan.settings.attention.value} attention",
         "",
         f"Configuration  dp={c.dp} x tp={c.tp} x pp={c.pp} (mesh pp, dp, tp), micro-batch {c.micro_batch_size} x "
-        f"{c.num_microbatches} per step, {_schedule(plan)}, ZeRO-{c.zero_stage}, {_recompute(plan)}"
+        f"{c.num_microbatches} per step, {schedule_text(c)}, ZeRO-{c.zero_stage}, {_recompute(plan)}"
         f"{', sequence parallel' if c.sequence_parallel else ''}",
-        f"Predicted      step {p.step_time_s:.3g} s | {p.samples_per_s:,.1f} samples/s | {p.tokens_per_s:,.0f} tokens/s | "
+        f"Predicted      step {duration(p.step_time_s)} | {p.samples_per_s:,.1f} samples/s | {p.tokens_per_s:,.0f} tokens/s | "
         f"{rate(p.tflops_per_device * 1e12)} per device | MFU {100 * p.mfu:.1f}% (HFU {100 * p.hfu:.1f}%)",
         f"Memory         {size(p.memory_bytes_per_device)} peak per device of "
         f"{size(p.memory_capacity_bytes)} ({'fits' if p.fits else 'DOES NOT FIT'}); {_worst_memory(plan)}",
@@ -38,8 +37,8 @@ def explain(plan: Plan, *, top: int = 5) -> str:
         if len(p.stages) > 8 and s is p.stages[-3]:
             lines.append(f"  ... {len(p.stages) - 7} more stages ...")
         lines.append(
-            f"  {s.index:>3} (rank {s.pipeline_rank}): {compact(s.units)} | {1e3 * s.forward_s:.3g} ms / "
-            f"{1e3 * s.backward_s:.3g} ms | {size(s.memory.total_bytes)}"
+            f"  {s.index:>3} (rank {s.pipeline_rank}): {compact(s.units)} | {duration(s.forward_s)} / "
+            f"{duration(s.backward_s)} | {size(s.memory.total_bytes)}"
         )
     tp = _tp_summary(plan)
     if tp:
@@ -48,14 +47,14 @@ def explain(plan: Plan, *, top: int = 5) -> str:
     oom = [a for a in plan.alternatives if a.status == "out-of-memory"][:top]
     lines += [
         "",
-        f"Why this plan ({plan.candidates_evaluated} configurations costed in {plan.search_time_s:.2f} s; "
+        f"Why this plan ({plan.candidates_evaluated} configurations costed in {duration(plan.search_time_s)}; "
         f"the search is exact for its cost model)",
     ]
     if runners:
         lines.append("  runners-up:")
         for a in runners:
             lines.append(
-                f"    {a.config.short():<78} {a.step_time_s:.3g} s  +{100 * a.slower_by:.1f}%  "
+                f"    {a.config.short():<78} {duration(a.step_time_s)}  +{100 * a.slower_by:.1f}%  "
                 f"{size(a.memory_bytes_per_device)}"
             )
     if oom:
@@ -69,8 +68,9 @@ def explain(plan: Plan, *, top: int = 5) -> str:
     return "\n".join(lines)
 
 
-def _schedule(plan: Plan) -> str:
-    c = plan.config
+def schedule_text(c: ParallelConfig) -> str:
+    """How the pipeline runs, in the words every rendering of a plan uses: ``no pipeline``,
+    ``1f1b schedule``, ``interleaved-1f1b with 2 stages per rank``."""
     if c.pp == 1:
         return "no pipeline"
     if c.virtual_stages > 1:
@@ -97,7 +97,7 @@ def _breakdown(total: float, b) -> str:
         ("DP comm", b.dp_comm_s),
         ("optimizer", b.optimizer_s),
     ]
-    return " | ".join(f"{name} {v:.3g} s ({100 * v / total:.0f}%)" for name, v in parts if v > 1e-4 * total)
+    return " | ".join(f"{name} {duration(v)} ({100 * v / total:.0f}%)" for name, v in parts if v > 1e-4 * total)
 
 
 def _worst_memory(plan: Plan) -> str:
@@ -112,15 +112,8 @@ def _worst_memory(plan: Plan) -> str:
         *([("pipeline buffers", mb.buffers_bytes)] if mb.buffers_bytes else []),
         ("reserve", mb.reserve_bytes),
     ]
-    unit = GIB if mb.total_bytes >= GIB else 2**20
-    return f"stage {s.index} ({'GiB' if unit == GIB else 'MiB'}): " + " | ".join(
-        f"{n} {v / unit:.1f}" for n, v in parts
-    )
-
-
-def size(nbytes: float) -> str:
-    """Bytes in GiB, or MiB below one GiB."""
-    return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
+    divisor, unit = byte_unit(mb.total_bytes)
+    return f"stage {s.index} ({unit}): " + " | ".join(f"{n} {v / divisor:.1f}" for n, v in parts)
 
 
 def count(n: float) -> str:

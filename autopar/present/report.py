@@ -1,5 +1,6 @@
-"""Pictures of a plan: the pipeline timeline per device, memory per stage by category,
-step time by term; and an HTML page that holds them with the explanation.
+"""Pictures of a plan: the pipeline timeline per device, memory per pipeline rank by
+category, step time by term; and HTML that holds them with the explanation (a standalone
+page for ``autopar plan --html`` and saved plan files, a fragment for Jupyter).
 
 Figures are built with ``matplotlib.figure.Figure`` directly (no pyplot, no global
 backend state) and embedded as base64 PNG, so the page stands alone.
@@ -10,13 +11,15 @@ from __future__ import annotations
 import base64
 import html
 import io
+from collections.abc import Sequence
 from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from autopar.plan import Plan
-from autopar.present.explain import explain
+from autopar.plan import MemoryBreakdown, Plan
+from autopar.present.explain import explain, schedule_text
 from autopar.present.schedule_sim import makespan_s, simulate
+from autopar.present.units import duration
 
 GIB = 2**30
 _COLORS = {"F": "#4C72B0", "B": "#DD8452"}
@@ -40,10 +43,18 @@ _STEP = [
 ]
 
 
+NO_PIPELINE = "No pipeline (pp=1): every device runs the whole model, so there is no pipeline timeline."
+
+
 def timeline_figure(plan: Plan, *, max_microbatches: int = 32) -> Figure:
     """Forward (blue) and backward (orange) of each micro-batch on each pipeline rank,
-    simulated from the plan's per-stage times; white gaps are the bubble."""
+    simulated from the plan's per-stage times; white gaps are the bubble. A plan without
+    pipelining has no timeline: its figure holds the one-line :data:`NO_PIPELINE` note."""
     c = plan.config
+    if c.pp == 1:
+        fig = Figure(figsize=(10, 0.6))
+        fig.text(0.5, 0.5, NO_PIPELINE, ha="center", va="center")
+        return fig
     m = min(c.num_microbatches, max_microbatches)
     stages = plan.prediction.stages
     ops = simulate(c.schedule, c.pp, c.virtual_stages, m, [s.forward_s for s in stages], [s.backward_s for s in stages])
@@ -61,31 +72,56 @@ def timeline_figure(plan: Plan, *, max_microbatches: int = 32) -> Figure:
     ax.invert_yaxis()
     ax.set_xlabel("time within one step (ms)")
     shown = f"first {m} of {c.num_microbatches} micro-batches" if m < c.num_microbatches else f"{m} micro-batches"
-    ax.set_title(
-        f"{c.schedule.value} pipeline, pp={c.pp}, v={c.virtual_stages}: {shown}, "
-        f"{makespan_s(ops) * 1e3:.1f} ms (blue forward, orange backward)"
-    )
+    ax.set_title(f"{schedule_text(c)}, pp={c.pp}: {shown}, {duration(makespan_s(ops))} (blue forward, orange backward)")
     fig.tight_layout()
     return fig
 
 
+def memory_by_rank(plan: Plan) -> list[tuple[tuple[int, ...], MemoryBreakdown]]:
+    """For each pipeline rank (device position), the stages it holds and its peak memory.
+
+    A stage's prediction already counts every stage of its rank (the device holds them
+    all), so the rank's peak is its most loaded stage's, not a sum; one bar per rank keeps
+    an interleaved plan (``pp * v`` stages) from drawing the same device ``v`` times."""
+    out = []
+    for rank in range(plan.config.pp):
+        held = [s for s in plan.prediction.stages if s.pipeline_rank == rank]
+        peak = max(held, key=lambda s: s.memory.total_bytes)
+        out.append((tuple(s.index for s in held), peak.memory))
+    return out
+
+
+def stages_label(indices: Sequence[int]) -> str:
+    """``stage 3``, ``stages 0, 4`` or, for many, ``stages 0, 8, …, 40``: short enough
+    for a tick label under a bar."""
+    if len(indices) == 1:
+        return f"stage {indices[0]}"
+    if len(indices) <= 3:
+        return "stages " + ", ".join(map(str, indices))
+    return f"stages {indices[0]}, {indices[1]}, …, {indices[-1]}"
+
+
 def memory_figure(plan: Plan) -> Figure:
-    """Peak memory of each stage's device by category, against the capacity."""
-    stages = plan.prediction.stages
-    fig = Figure(figsize=(max(7, 0.25 * len(stages) + 4), 3.6))
+    """Peak memory of each pipeline rank's devices by category, against the capacity:
+    one bar per rank on integer ticks, labelled with the stages the rank holds (upright
+    up to 12 ranks, turned beyond, where they would overlap)."""
+    ranks = memory_by_rank(plan)
+    fig = Figure(figsize=(min(24, max(7, 1.4 * len(ranks) + 4)), 3.8 if len(ranks) <= 12 else 4.6))
     ax = fig.add_subplot()
-    xs = list(range(len(stages)))
-    bottom = [0.0] * len(stages)
+    xs = list(range(len(ranks)))
+    bottom = [0.0] * len(ranks)
     for label, attr, color in _MEMORY:
-        values = [getattr(s.memory, attr) / GIB for s in stages]
+        values = [getattr(memory, attr) / GIB for _, memory in ranks]
         ax.bar(xs, values, bottom=bottom, color=color, label=label, width=0.8)
         bottom = [b + v for b, v in zip(bottom, values)]
     ax.axhline(
         plan.prediction.memory_capacity_bytes / GIB, color="black", linestyle="--", linewidth=1, label="capacity"
     )
-    ax.set_xlabel("pipeline stage")
+    labels = [f"rank {r}\n{stages_label(indices)}" for r, (indices, _) in enumerate(ranks)]
+    ax.set_xticks(xs, labels, fontsize=8, rotation=0 if len(ranks) <= 12 else 90)
+    ax.set_xlabel("pipeline rank (device position in the pipeline)")
     ax.set_ylabel("GiB per device")
-    ax.set_title("Memory per device by stage")
+    ax.set_title("Peak memory per device by pipeline rank")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     return fig
@@ -101,11 +137,11 @@ def step_figure(plan: Plan) -> Figure:
         value = getattr(b, attr)
         if value <= 0:
             continue
-        ax.barh([0], [value], left=left, color=f"C{i}", label=f"{label} {value:.3g} s")
+        ax.barh([0], [value], left=left, color=f"C{i}", label=f"{label} {duration(value)}")
         left += value
     ax.set_yticks([])
     ax.set_xlabel("seconds per step")
-    ax.set_title(f"Step time {plan.prediction.step_time_s:.3g} s")
+    ax.set_title(f"Step time {duration(plan.prediction.step_time_s)}")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     return fig
@@ -118,26 +154,45 @@ def png_bytes(fig: Figure) -> bytes:
     return buf.getvalue()
 
 
+def _image(title: str, fig: Figure) -> str:
+    """A figure under its heading, embedded so the HTML needs no other file."""
+    data = base64.b64encode(png_bytes(fig)).decode()
+    return f"<h2>{title}</h2><img alt='{title}' src='data:image/png;base64,{data}'>"
+
+
+def summary_html(plan: Plan) -> str:
+    """The explanation and the pictures as an HTML fragment (what Jupyter shows for a
+    plan). A plan without pipelining gets the one-line note instead of a timeline."""
+    timeline = (
+        f"<h2>Pipeline timeline</h2><p>{html.escape(NO_PIPELINE)}</p>"
+        if plan.config.pp == 1
+        else _image("Pipeline timeline", timeline_figure(plan))
+    )
+    return (
+        f"<div class='autopar-plan'><pre>{html.escape(explain(plan))}</pre>{timeline}"
+        f"{_image('Memory per pipeline rank', memory_figure(plan))}"
+        f"{_image('Step time by term', step_figure(plan))}</div>"
+    )
+
+
 def plan_html(plan: Plan) -> str:
-    """A standalone HTML page: the explanation and the three pictures."""
-    images = []
-    for title, fig in (
-        ("Pipeline timeline", timeline_figure(plan)),
-        ("Memory per stage", memory_figure(plan)),
-        ("Step time by term", step_figure(plan)),
-    ):
-        data = base64.b64encode(png_bytes(fig)).decode()
-        images.append(f"<h2>{title}</h2><img alt='{title}' src='data:image/png;base64,{data}'>")
+    """A standalone HTML page: the explanation and the pictures."""
     return (
         "<!doctype html><html><head><meta charset='utf-8'><title>autopar plan</title>"
         "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto}pre{background:#f6f6f6;"
         "padding:1em;overflow-x:auto}img{max-width:100%}</style></head><body><h1>autopar plan</h1>"
-        f"<pre>{html.escape(explain(plan))}</pre>{''.join(images)}</body></html>\n"
+        f"{summary_html(plan)}</body></html>\n"
     )
 
 
-def save_html(plan: Plan, path: str | Path) -> Path:
-    """Write :func:`plan_html` to ``path``."""
+def render_plan_html(plan: Plan | str | Path) -> str:
+    """:func:`plan_html` of a plan or of a saved plan file (``Plan.save``, ``autopar plan
+    --out``), so a plan can be rendered again without planning it again."""
+    return plan_html(plan if isinstance(plan, Plan) else Plan.load(plan))
+
+
+def save_html(plan: Plan | str | Path, path: str | Path) -> Path:
+    """Write :func:`render_plan_html` of ``plan`` (a plan or a plan file) to ``path``."""
     p = Path(path)
-    p.write_text(plan_html(plan))
+    p.write_text(render_plan_html(plan), encoding="utf-8")
     return p

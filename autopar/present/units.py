@@ -1,0 +1,46 @@
+"""The one way ``autopar.present`` writes durations and byte counts, so the explanation,
+the pictures and the HTML page read alike: ``21.6 us``, ``3 ms``, ``16.1 s``; ``67.8 GiB``.
+
+Durations take the largest of ns, us, ms and s that keeps the number at 1 or more, with
+three significant digits and never an exponent (``2.16e-05 s`` and ``3e+03 us`` are hard
+to compare at a glance). Byte counts take the largest binary unit up to GiB, one decimal.
+"""
+
+from __future__ import annotations
+
+import math
+
+_TIME_UNITS = ((1.0, "s"), (1e-3, "ms"), (1e-6, "us"), (1e-9, "ns"))
+_BYTE_UNITS = ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
+
+
+def duration(seconds: float) -> str:
+    """``seconds`` with three significant digits in ns, us, ms or s: ``0.0123`` ->
+    ``12.3 ms``, ``16.14`` -> ``16.1 s``, ``1234.0`` -> ``1230 s``."""
+    if not math.isfinite(seconds):
+        return f"{seconds} s"
+    if seconds == 0:
+        return "0 s"
+    rounded = float(f"{seconds:.3g}")  # round first, so 999.7 us becomes 1 ms, not 1000 us
+    scale, unit = next(((s, u) for s, u in _TIME_UNITS if abs(rounded) >= s), _TIME_UNITS[-1])
+    return f"{_significant(rounded / scale)} {unit}"
+
+
+def _significant(value: float) -> str:
+    """Three significant digits in positional notation, trailing zeros dropped (as
+    ``%g`` writes them, but never with an exponent)."""
+    decimals = max(0, 2 - math.floor(math.log10(abs(value))))
+    text = f"{value:.{decimals}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def byte_unit(nbytes: float) -> tuple[float, str]:
+    """(divisor, name) of the unit :func:`size` writes ``nbytes`` in, so that several
+    counts can share the unit of the largest."""
+    return next(((d, u) for d, u in _BYTE_UNITS if abs(nbytes) >= d), (1, "B"))
+
+
+def size(nbytes: float) -> str:
+    """Bytes in GiB, MiB or KiB with one decimal (``67.8 GiB``, ``154.9 MiB``), or whole bytes."""
+    divisor, unit = byte_unit(nbytes)
+    return f"{nbytes:.0f} B" if unit == "B" else f"{nbytes / divisor:.1f} {unit}"

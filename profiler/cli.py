@@ -29,6 +29,8 @@ from profiler.errors import ProfilerError, SettingsError
 if TYPE_CHECKING:
     from autopar.models.registry import NamedModel
 
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""``--dtype``'s choices as torch dtypes."""
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?)(?:i?B)?\s*$", re.IGNORECASE)
 
 
@@ -98,6 +100,16 @@ def add_profile_commands(sub: Any) -> None:
     src = m.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="a registered model name, e.g. gpt2-small (see autopar.models.named_models)")
     src.add_argument("--model-fn", metavar="MODULE:FUNCTION", help="a function returning an nn.Module")
+    src.add_argument(
+        "--model-config",
+        help="a Hugging Face config.json, or a checkpoint directory holding one (built from the config with "
+        "random weights; weights are not read)",
+    )
+    m.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the custom code a --model-config's auto_map names (models outside transformers)",
+    )
     m.add_argument("--seq-len", type=int, help="tokens per sample (token models; default: the model's)")
     m.add_argument("--input-shape", type=_ints, help="per-sample input shape for non-token models, e.g. 3,224,224")
     m.add_argument("--batch", type=int, default=1, help="samples per measured call (default 1)")
@@ -208,18 +220,22 @@ def _cmd_model(args: argparse.Namespace) -> int:
     return _finish(report, args.out)
 
 
-def load_model(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, torch.Tensor, str]:
-    """The model and one batch of inputs that ``--model``/``--model-fn`` and the shape
-    options describe, built on ``device`` in ``--dtype``."""
+def load_model(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, Any, str]:
+    """The model and one batch of inputs that ``--model``/``--model-fn``/``--model-config``
+    and the shape options describe, built on ``device`` in ``--dtype``."""
     from autopar.errors import check_seq_len
     from autopar.models.registry import get_named_model
 
     if args.batch < 1:
         raise SettingsError(f"--batch {args.batch} must be >= 1.")
     seq_len, shape = _checked_shapes(args.seq_len, args.input_shape)
+    if args.model_config:
+        return _config_model(args, seq_len, shape, device)
     if args.model:
         entry = get_named_model(args.model)
         seq_len, shape = _registry_input(entry, seq_len, shape)
+        if args.seq_len is None and seq_len is not None:
+            print(f"seq_len {seq_len} ({entry.name}'s registered length; pass --seq-len to change)", file=sys.stderr)
         build, name = entry.build, entry.name
         hint = "profile a smaller model, or on a device with more memory"
     else:
@@ -228,7 +244,7 @@ def load_model(args: argparse.Namespace, device: torch.device) -> tuple[nn.Modul
     model = _built(build, device, name, hint)
     if seq_len is not None:
         check_seq_len(seq_len, model)
-    model = model.to({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]).train()
+    model = model.to(_DTYPES[args.dtype]).train()
     vocab = max((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), default=0)
     if shape:
         sample = torch.randn(args.batch, *shape, device=device)
@@ -237,6 +253,28 @@ def load_model(args: argparse.Namespace, device: torch.device) -> tuple[nn.Modul
     else:
         raise SettingsError("give --seq-len (a token model: the sequence length) or --input-shape (e.g. 3,224,224).")
     return model, sample, name
+
+
+def _config_model(
+    args: argparse.Namespace, seq_len: int | None, shape: tuple[int, ...] | None, device: torch.device
+) -> tuple[nn.Module, dict[str, torch.Tensor], str]:
+    """The Hugging Face model ``--model-config`` names, built from its config on ``device``
+    in ``--dtype``, and one batch of its keyword inputs: token ids at ``--seq-len`` or
+    images of ``--input-shape``, the config's own sizes by default (said on stderr, as is
+    the class built when the config names none)."""
+    from autopar.errors import check_seq_len
+    from autopar.models.hf_config import hf_input, load_hf_model
+
+    hf = load_hf_model(args.model_config, trust_remote_code=args.trust_remote_code)
+    model = _built(hf.build, device, args.model_config, "profile a smaller model, or on a device with more memory")
+    feed = hf_input(model, hf.config, seq_len=seq_len, sample_shape=shape, shape_flag="--input-shape")
+    for note in (hf.note, feed.note):
+        if note:
+            print(note, file=sys.stderr)
+    if feed.seq_len is not None:
+        check_seq_len(feed.seq_len, model)
+    model = model.to(_DTYPES[args.dtype]).train()
+    return model, feed.sample(args.batch, device), args.model_config
 
 
 def _checked_shapes(seq_len: int | None, shape: tuple[int, ...] | None) -> tuple[int | None, tuple[int, ...] | None]:

@@ -22,6 +22,7 @@ planner applies it to this model only (:mod:`autopar.profiles.identity`).
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -130,7 +131,7 @@ def profile_model(
     sweep = sweep or LayerSweep()
     say = progress or (lambda _line: None)
     device, dtype = _device_and_dtype(model)
-    inputs = _as_call(sample_input)
+    inputs = _without_cache(model, _as_call(sample_input))
     with threads_context(threads):
         n_threads = torch.get_num_threads() if device.type == "cpu" else 1
         graph = extract(model, sample_input=sample_input, dtype=dtype, loss_fn=loss_fn)
@@ -196,6 +197,18 @@ def _as_call(sample: Any) -> tuple[tuple, dict]:
     if isinstance(sample, (tuple, list)):
         return tuple(sample), {}
     return (sample,), {}
+
+
+def _without_cache(model: nn.Module, inputs: tuple[tuple, dict]) -> tuple[tuple, dict]:
+    """``inputs`` with ``use_cache=False`` where the forward takes it (transformers
+    models): training keeps no key/value cache, and a cache carried from one measured
+    forward into the next would tie their graphs (a second backward through the first)."""
+    args, kwargs = inputs
+    try:
+        takes = "use_cache" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        takes = False
+    return (args, {**kwargs, "use_cache": False}) if takes and "use_cache" not in kwargs else inputs
 
 
 def _batch(inputs: tuple[tuple, dict]) -> int:

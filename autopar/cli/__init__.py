@@ -12,6 +12,7 @@ import math
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -19,6 +20,7 @@ from autopar import __version__
 from autopar.cli.demo import add_demo_parser
 from autopar.errors import AutoparError, ConfigError
 from autopar.export import add_export_parser
+from autopar.present.render_cli import add_render_parser
 from autopar.runtime.launch import add_dry_run_parser, add_run_parser
 
 
@@ -47,20 +49,31 @@ def parse_assignments(items: Sequence[str] | None) -> dict[str, Any]:
     return out
 
 
-def load_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model built on the meta device, the planner's keywords describing its input, and
+    lines stating the defaults taken for it (printed with the result)."""
+
+    model: Any
+    inputs: dict[str, Any]
+    notes: tuple[str, ...] = ()
+
+
+def load_model(args: argparse.Namespace) -> LoadedModel:
     """The model named by ``--model``, ``--model-config`` or ``--model-fn`` (built on the
     meta device), and the keyword arguments that describe its input."""
     chosen = [x for x in (args.model, args.model_config, args.model_fn) if x]
     if len(chosen) != 1:
-        raise ConfigError("give exactly one of --model NAME, --model-config CONFIG.json or --model-fn module:function.")
+        raise ConfigError(
+            "give exactly one of --model NAME, --model-config CONFIG.json|CHECKPOINT_DIR or --model-fn module:function."
+        )
     seq_len = _seq_len(getattr(args, "seq_len", None))
     text = getattr(args, "sample_shape", None)
     shape = _sample_shape(text) if text is not None else None
     if args.model:
         return _named_model(args.model, seq_len, shape)
     if args.model_config:
-        _no_sample_shape(shape, f"--model-config {args.model_config!r}")
-        return _config_model(Path(args.model_config), seq_len)
+        return _config_model(args.model_config, seq_len, shape, args.trust_remote_code)
     return _function_model(args.model_fn, seq_len, shape)
 
 
@@ -102,48 +115,43 @@ def _meta_sample(shape: tuple[int, ...]) -> dict[str, Any]:
     return {"sample_input": torch.zeros(1, *shape, device="meta")}
 
 
-def _named_model(name: str, seq_len: int | None, shape: tuple[int, ...] | None) -> tuple[Any, dict[str, Any]]:
+def _named_model(name: str, seq_len: int | None, shape: tuple[int, ...] | None) -> LoadedModel:
     """A registered model and its input: token models at ``--seq-len`` (their own length
-    by default), others at ``--sample-shape`` (their own sample by default)."""
+    by default, said in a note), others at ``--sample-shape`` (their own sample by default)."""
     from autopar.models.registry import build_named_model, get_named_model
 
     entry = get_named_model(name)
     if entry.input_kind == "tokens":
         _no_sample_shape(shape, name)
-        return build_named_model(name), {"seq_len": entry.seq_len if seq_len is None else seq_len}
+        if seq_len is not None:
+            return LoadedModel(build_named_model(name), {"seq_len": seq_len})
+        note = f"seq_len {entry.seq_len} ({name}'s registered length; pass --seq-len to change)"
+        return LoadedModel(build_named_model(name), {"seq_len": entry.seq_len}, (note,))
     if seq_len is not None:
         raise ConfigError(
             f"--seq-len is for token models; {name} takes {entry.input_kind} of shape {entry.sample_shape}: "
             f"leave --seq-len out, or give --sample-shape."
         )
-    return build_named_model(name), _meta_sample(shape) if shape else {"sample_input": entry.sample_input(1)}
+    sample = _meta_sample(shape) if shape else {"sample_input": entry.sample_input(1)}
+    return LoadedModel(build_named_model(name), sample)
 
 
-def _config_model(path: Path, seq_len: int | None) -> tuple[Any, dict[str, Any]]:
-    """A Hugging Face causal LM built from its config on the meta device, at ``--seq-len``
-    (its ``max_position_embeddings`` by default)."""
-    import torch
+def _config_model(
+    text: str, seq_len: int | None, shape: tuple[int, ...] | None, trust_remote_code: bool
+) -> LoadedModel:
+    """A Hugging Face model built from its config (a file or a checkpoint directory) on
+    the meta device, fed token ids at ``--seq-len`` or images of ``--sample-shape``, the
+    config's own sizes by default (said in a note, as is the class built when the config
+    names none)."""
+    from autopar.models.hf_config import build_hf_model, hf_input, load_hf_model
 
-    try:
-        from transformers import AutoConfig, AutoModelForCausalLM
-    except ImportError:
-        raise ConfigError("--model-config needs Hugging Face transformers: pip install 'autopar[hf]'.") from None
-    if not path.is_file():
-        raise ConfigError(f"--model-config {str(path)!r} is not a file; give a Hugging Face config.json.")
-    try:
-        config = AutoConfig.from_pretrained(str(path.parent if path.name == "config.json" else path))
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(
-            f"--model-config {str(path)!r} is not a causal language model config transformers can build "
-            f"({_first_line(exc)}); give a config.json with its model_type, e.g. one written by save_pretrained."
-        ) from None
-    default = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    return model, {"seq_len": default if seq_len is None else seq_len}
+    hf = load_hf_model(text, trust_remote_code=trust_remote_code)
+    model = build_hf_model(hf, "meta")
+    feed = hf_input(model, hf.config, seq_len=seq_len, sample_shape=shape)
+    return LoadedModel(model, feed.planner_inputs(), tuple(n for n in (hf.note, feed.note) if n))
 
 
-def _function_model(spec: str, seq_len: int | None, shape: tuple[int, ...] | None) -> tuple[Any, dict[str, Any]]:
+def _function_model(spec: str, seq_len: int | None, shape: tuple[int, ...] | None) -> LoadedModel:
     """The module ``--model-fn module:function`` returns, called with no arguments on the
     meta device, and its input: ``--seq-len`` or ``--sample-shape``."""
     import torch
@@ -174,7 +182,7 @@ def _function_model(spec: str, seq_len: int | None, shape: tuple[int, ...] | Non
         ) from None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"--model-fn {spec!r} returned a {type(model).__name__}, not a torch.nn.Module.")
-    return model, {"seq_len": seq_len} if seq_len is not None else _meta_sample(shape)
+    return LoadedModel(model, {"seq_len": seq_len} if seq_len is not None else _meta_sample(shape))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -185,7 +193,16 @@ def _first_line(exc: BaseException) -> str:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="a registered model name (see 'autopar models')")
-    p.add_argument("--model-config", help="a Hugging Face config JSON (built with random weights on meta)")
+    p.add_argument(
+        "--model-config",
+        help="a Hugging Face config.json, or a checkpoint directory holding one: the class its architectures "
+        "names, built with random weights on meta (weights are not read)",
+    )
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the custom code a --model-config's auto_map names (models outside transformers)",
+    )
     p.add_argument("--model-fn", help="module:function returning an nn.Module")
     p.add_argument("--seq-len", type=int, help="tokens per sample (token models)")
     p.add_argument("--sample-shape", help="one sample's shape for non-token models, e.g. 3,224,224")
@@ -212,36 +229,36 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from autopar.hardware import parse_cluster
     from autopar.search.planner import plan
 
-    model, inputs = load_model(args)
+    loaded = load_model(args)
     result = plan(
-        model,
+        loaded.model,
         parse_cluster(args.cluster),
         global_batch_size=args.global_batch_size,
         constraints=parse_assignments(args.set),
         optimizer=args.optimizer,
         attention=args.attention,
         profile=_load_profiles(args.profile),
-        **inputs,
+        **loaded.inputs,
     )
-    return _emit(result, args)
+    return _emit(result, args, loaded.notes)
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     from autopar.hardware import parse_cluster
     from autopar.search.planner import estimate
 
-    model, inputs = load_model(args)
+    loaded = load_model(args)
     result = estimate(
-        model,
+        loaded.model,
         parse_cluster(args.cluster),
         parse_assignments(args.set),
         global_batch_size=args.global_batch_size,
         optimizer=args.optimizer,
         attention=args.attention,
         profile=_load_profiles(args.profile),
-        **inputs,
+        **loaded.inputs,
     )
-    code = _emit(result, args)
+    code = _emit(result, args, loaded.notes)
     if not result.prediction.fits:
         print(
             f"\nDOES NOT FIT: {result.prediction.memory_bytes_per_device / 2**30:.1f} GiB needed per device, "
@@ -252,7 +269,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return code
 
 
-def _emit(result: Any, args: argparse.Namespace) -> int:
+def _emit(result: Any, args: argparse.Namespace, notes: Sequence[str]) -> int:
+    """Print ``result`` (its explanation, or its JSON), then on stderr the ``notes``
+    stating the defaults the model was loaded with; write the files asked for."""
     from autopar.present.explain import explain
 
     if args.out:
@@ -263,6 +282,8 @@ def _emit(result: Any, args: argparse.Namespace) -> int:
         _write("--html", args.html, lambda path: save_html(result, path))
         print(f"report written to {args.html}", file=sys.stderr)
     print(result.to_json() if args.json else explain(result))
+    if notes:
+        print("\n" + "\n".join(notes), file=sys.stderr)
     if args.out:
         print(f"\nplan written to {args.out}", file=sys.stderr)
     return 0
@@ -369,6 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     _check_first(add_dry_run_parser(sub), check_dry_run_args)
     add_demo_parser(sub)
     add_export_parser(sub)
+    add_render_parser(sub)
     return parser
 
 

@@ -117,6 +117,15 @@ def add_dry_run_parser(subparsers: Any) -> argparse.ArgumentParser:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="a registered model name (autopar.models.named_models)")
     source.add_argument("--model-fn", help="module:function returning the model (built on the meta device)")
+    source.add_argument(
+        "--model-config",
+        help="a Hugging Face config.json, or a checkpoint directory holding one (built from the config on meta)",
+    )
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the custom code a --model-config's auto_map names (models outside transformers)",
+    )
     p.add_argument("--ranks", default=None, help="comma-separated global ranks (default: one per pipeline rank)")
     p.add_argument(
         "--measure",
@@ -388,12 +397,14 @@ def dry_run_command(args: argparse.Namespace) -> int:
 
     try:
         plan = Plan.load(args.plan)
-        sample = None
+        sample, note = None, None
         if args.model:
             entry = get_named_model(args.model)
             build: Callable[[], Any] = partial(_on_meta, entry.build)
             if entry.input_kind != "tokens":
                 sample = entry.sample_input(plan.config.micro_batch_size)
+        elif args.model_config:
+            build, sample, note = _config_source(args.model_config, args.trust_remote_code, plan)
         else:
             build = partial(_built_by, args.model_fn)
         ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else None
@@ -402,7 +413,25 @@ def dry_run_command(args: argparse.Namespace) -> int:
         print(f"autopar dry-run: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(asdict(report), indent=1) if args.json else report.to_text())
+    if note:
+        print(f"\n{note}", file=sys.stderr)
     return 0 if report.ok else 1
+
+
+def _config_source(text: str, trust_remote_code: bool, plan: Plan) -> tuple[Callable[[], Any], Any, str | None]:
+    """The Hugging Face model ``--model-config`` names, built on meta for each rank; its
+    sample input at the plan's micro-batch (None for a model fed token ids alone: the dry
+    run feeds those at the plan's length); the line naming the class built when the
+    config names none."""
+    from autopar.models.hf_config import build_hf_model, hf_input, load_hf_model
+
+    hf = load_hf_model(text, trust_remote_code=trust_remote_code)
+    build = partial(build_hf_model, hf, "meta")
+    model = build()
+    tokens = getattr(model, "main_input_name", None) == "input_ids"
+    feed = hf_input(model, hf.config, seq_len=plan.model.seq_len if tokens else None, sample_shape=None)
+    sample = None if feed.seq_len is not None else feed.sample(plan.config.micro_batch_size, "meta")
+    return build, sample, hf.note
 
 
 def _on_meta(fn: Callable[[], Any]) -> Any:

@@ -1,0 +1,221 @@
+"""``--model-config`` on the command line: a Hugging Face config file or checkpoint
+directory, built (random weights, meta device) as the class its ``architectures`` names,
+on ``plan``, ``estimate``, ``dry-run`` and ``profile model``; the defaults it takes are
+said, and every refusal is one line with exit code 2."""
+
+import json
+import shlex
+import sys
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from autopar.cli import main  # noqa: E402
+
+CPU = "--cluster local-cpu:1 --global-batch-size 4"
+TINY_LLAMA = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "vocab_size": 1000,
+    "max_position_embeddings": 64,
+}
+CUSTOM_CONFIG = """from transformers import LlamaConfig
+
+
+class TinyConfig(LlamaConfig):
+    model_type = "tiny-custom"
+"""
+CUSTOM_MODEL = """from transformers import LlamaForCausalLM
+
+from .configuration_tiny import TinyConfig
+
+
+class TinyForCausalLM(LlamaForCausalLM):
+    config_class = TinyConfig
+"""
+
+
+def _saved(config, folder, **extra):
+    """``config`` saved as a checkpoint directory's config.json, with ``extra`` fields."""
+    config.save_pretrained(folder)
+    if extra:
+        data = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**data, **extra}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    """Checkpoint directories of tiny llama (without architectures), BERT, T5 and ViT
+    configs, and broken or custom-code ones."""
+    root = tmp_path_factory.mktemp("hf")
+    dirs = {name: root / name for name in ("llama", "gpt2", "bert", "t5", "t5-encoder", "vit", "custom", "mismatch")}
+    for d in dirs.values():
+        d.mkdir()
+    _saved(transformers.LlamaConfig(**TINY_LLAMA), dirs["llama"])
+    gpt2 = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=1000, n_positions=64)
+    _saved(gpt2, dirs["gpt2"], bos_token_id=0, eos_token_id=0)
+    bert = transformers.BertConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        vocab_size=1000,
+        max_position_embeddings=32,
+    )
+    _saved(bert, dirs["bert"], architectures=["BertForMaskedLM"])
+    t5 = transformers.T5Config(d_model=64, d_ff=128, d_kv=32, num_layers=2, num_heads=2, vocab_size=1000)
+    _saved(t5, dirs["t5"], architectures=["T5ForConditionalGeneration"])
+    _saved(t5, dirs["t5-encoder"], architectures=["T5EncoderModel"])
+    vit = transformers.ViTConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, image_size=32, patch_size=8
+    )
+    _saved(vit, dirs["vit"], architectures=["ViTForImageClassification"])
+    _saved(bert, dirs["mismatch"], architectures=["LlamaForCausalLM"])
+    custom = {
+        "model_type": "tiny-custom",
+        "architectures": ["TinyForCausalLM"],
+        "auto_map": {
+            "AutoConfig": "configuration_tiny.TinyConfig",
+            "AutoModelForCausalLM": "modeling_tiny.TinyForCausalLM",
+        },
+    }
+    _saved(transformers.LlamaConfig(**TINY_LLAMA), dirs["custom"], **custom)
+    (dirs["custom"] / "configuration_tiny.py").write_text(CUSTOM_CONFIG)
+    (dirs["custom"] / "modeling_tiny.py").write_text(CUSTOM_MODEL)
+    (root / "broken.json").write_text('{"model_type": ')
+    (root / "unknown.json").write_text(json.dumps({"model_type": "no-such-type"}))
+    (root / "untyped.json").write_text(json.dumps({"hidden_size": 64}))
+    (root / "wrong.json").write_text(json.dumps({"model_type": "llama", "hidden_size": "big"}))
+    return root
+
+
+def _run(command: str, capsys) -> tuple[int, str, str]:
+    """The exit code, stdout and stderr of ``autopar command``."""
+    try:
+        code = main(shlex.split(command))
+    except SystemExit as stopped:
+        code = stopped.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _plan(config: str, capsys, extra: str = "") -> tuple[dict, str]:
+    """The JSON plan of ``--model-config config`` on one CPU, and what went to stderr."""
+    code, out, err = _run(f"plan --model-config {config} {CPU} --json {extra}", capsys)
+    assert code == 0, err
+    return json.loads(out), err
+
+
+def test_config_file_and_checkpoint_directory_give_the_same_plan(hf, capsys):
+    from_dir, _ = _plan(str(hf / "llama"), capsys, "--seq-len 32")
+    from_file, _ = _plan(str(hf / "llama" / "config.json"), capsys, "--seq-len 32")
+    for field in ("config", "stages", "model", "prediction"):
+        assert from_dir[field] == from_file[field]
+
+
+def test_architectures_name_the_class_built(hf, capsys):
+    data, err = _plan(str(hf / "bert"), capsys, "--seq-len 32")
+    assert data["model"]["name"] == "BertForMaskedLM"
+    assert "no architectures" not in err
+
+
+def test_defaults_are_said(hf, capsys):
+    """Without architectures the causal LM is built and named; without --seq-len the
+    config's length is used and named."""
+    data, err = _plan(str(hf / "llama"), capsys)
+    assert data["model"]["name"] == "LlamaForCausalLM" and data["model"]["seq_len"] == 64
+    assert "model LlamaForCausalLM (the config names no architectures" in err
+    assert "seq_len 64 (the model's max_position_embeddings; pass --seq-len to change)" in err
+
+
+def test_registered_model_length_is_said(capsys):
+    code, _, err = _run(f"estimate --model gpt2-small {CPU} --set micro_batch_size=1", capsys)
+    assert code in (0, 3)
+    assert "seq_len 1024 (gpt2-small's registered length; pass --seq-len to change)" in err
+
+
+def test_image_model_is_planned_at_the_config_image_size(hf, capsys):
+    data, err = _plan(str(hf / "vit"), capsys)
+    assert data["model"]["name"] == "ViTForImageClassification"
+    assert "sample 3x32x32 (the config's num_channels and image_size; pass --sample-shape to change)" in err
+
+
+def test_estimate_takes_a_checkpoint_directory(hf, capsys):
+    code, out, err = _run(f"estimate --model-config {hf / 'bert'} {CPU} --seq-len 16 --set micro_batch_size=1", capsys)
+    assert code == 0, err
+    assert "BertForMaskedLM" in out
+
+
+def test_encoder_decoder_is_refused_in_one_line_naming_its_encoder(hf, capsys):
+    """The planner would keep T5's whole encoder in the first pipeline stage: refused,
+    pointing at T5EncoderModel, which plans (at a --seq-len given: T5's positions are
+    relative, so its config has no length)."""
+    code, out, err = _run(f"plan --model-config {hf / 't5'} {CPU} --seq-len 16", capsys)
+    assert (code, out) == (2, "")
+    [line] = err.strip().splitlines()
+    assert "T5ForConditionalGeneration (t5)" in line and "encoder-decoder" in line and "T5EncoderModel" in line
+    data, _ = _plan(str(hf / "t5-encoder"), capsys, "--seq-len 16")
+    assert data["model"]["name"] == "T5EncoderModel"
+
+
+ERRORS = {
+    "missing file": ("{d}/nope.json", ["nope.json", "does not exist"]),
+    "directory without config.json": ("{d}", ["without config.json", "checkpoint directory"]),
+    "not JSON": ("{d}/broken.json", ["broken.json", "not valid JSON"]),
+    "unknown model_type": ("{d}/unknown.json", ["'no-such-type'", "unknown to transformers"]),
+    "no model_type": ("{d}/untyped.json", ["untyped.json", "no model_type"]),
+    "field of the wrong type": ("{d}/wrong.json", ["wrong.json", "hidden_size"]),
+    "custom code not trusted": ("{d}/custom", ["needs custom code", "--trust-remote-code"]),
+    "architectures of another type": ("{d}/mismatch", ["LlamaForCausalLM", "'bert'"]),
+    "sequence length for images": ("{d}/vit --seq-len 16", ["--seq-len is for token models", "ViT"]),
+    "image shape for tokens": ("{d}/bert --sample-shape 3,32,32", ["--sample-shape", "token ids"]),
+    "no length in the config": ("{d}/t5-encoder", ["T5EncoderModel (t5)", "no maximum sequence length", "--seq-len"]),
+}
+
+
+@pytest.mark.parametrize(("given", "words"), list(ERRORS.values()), ids=list(ERRORS))
+def test_bad_config_is_one_line(given, words, hf, capsys):
+    code, out, err = _run(f"plan --model-config {given.format(d=hf)} {CPU}", capsys)
+    assert (code, out) == (2, "")
+    assert "Traceback" not in err
+    [line] = err.strip().splitlines()
+    assert line.startswith("autopar: error: "), line
+    for word in words:
+        assert word in line
+
+
+def test_trust_remote_code_builds_the_custom_class(hf, capsys, tmp_path, monkeypatch):
+    """The flag reaches transformers: the checkpoint's own code is run (copied to a
+    temporary module cache, not the user's)."""
+    monkeypatch.setattr(transformers.dynamic_module_utils, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    data, _ = _plan(str(hf / "custom"), capsys, "--seq-len 16 --trust-remote-code")
+    assert data["model"]["name"] == "TinyForCausalLM"
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_dry_run_takes_a_model_config(name, hf, tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    code, _, err = _run(f"plan --model-config {hf / name} {CPU} --seq-len 16 --out {plan}", capsys)
+    assert code == 0, err
+    code, out, err = _run(f"dry-run --plan {plan} --model-config {hf / name}", capsys)
+    assert code == 0, out + err
+    assert "the config names no architectures" in err
+
+
+@pytest.mark.parametrize("name", ["bert", "llama"])
+def test_profile_model_takes_a_model_config(name, hf, tmp_path, capsys):
+    out = tmp_path / "m.json"
+    command = (
+        f"profile model --model-config {hf / name} --batch 1 --repeats 1 --warmup 0 --no-device --device cpu "
+        f"--quiet --out {out}"
+    )
+    code, _, err = _run(command, capsys)
+    assert code == 0, err
+    assert out.is_file()
+    assert "seq_len " in err and "(the model's max_position_embeddings; pass --seq-len to change)" in err

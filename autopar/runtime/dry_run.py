@@ -21,6 +21,9 @@ or ``parallelize`` raises.
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import pickle
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -162,7 +165,11 @@ def dry_run(
         metadata = PipelineMetadata()
         for rank in sorted(chosen, key=lambda r: (dims.coordinate(r)[0], r)):  # stages announce their outputs in order
             try:
-                reports.append(_apply(model_fn, plan, analysis, rank, dims, metadata if measure else None))
+                if measure:
+                    report, metadata = _in_child(_apply, model_fn, plan, analysis, rank, dims, metadata)
+                    reports.append(report)
+                else:
+                    reports.append(_apply(model_fn, plan, analysis, rank, dims, None)[0])
             except AutoparError as exc:
                 problems.append(f"rank {rank}: {type(exc).__name__}: {exc}")
         problems += metadata.problems()
@@ -239,9 +246,10 @@ def _apply(
     rank: int,
     dims: MeshDims,
     metadata: PipelineMetadata | None,
-) -> RankReport:
+) -> tuple[RankReport, PipelineMetadata | None]:
     """Parallelize ``rank``'s part under a fake process group; with ``metadata``, also
-    measure one step (:func:`autopar.runtime.dry_step.measure_step`)."""
+    measure one step (:func:`autopar.runtime.dry_step.measure_step`), and return the
+    metadata with this rank's stage boundaries added."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", rank=rank, world_size=dims.world_size, store=FakeStore())
@@ -277,7 +285,41 @@ def _apply(
         predicted_peak_bytes=plan.prediction.memory_bytes_per_device,
         predicted_allocated_bytes=max((m.total_bytes - m.reserve_bytes for m in mine), default=0.0),
         measured=measured,
-    )
+    ), metadata
+
+
+def _in_child(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a forked process, its result or exception sent back pickled. A
+    measured step leaves process-wide state behind (DTensor's cached shardings for the
+    fake group's meshes) that would corrupt tensor-parallel runs later made in, or forked
+    from, this process."""
+    ctx = mp.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+
+    def child() -> None:
+        try:
+            payload = ("ok", fn(*args))
+        except AutoparError as exc:
+            payload = ("error", exc)
+        except BaseException:  # a bug: its traceback, as text, for the parent to raise
+            payload = ("crash", traceback.format_exc())
+        send.send_bytes(pickle.dumps(payload))
+
+    proc = ctx.Process(target=child)
+    proc.start()
+    send.close()
+    try:
+        data = receive.recv_bytes()
+    except EOFError:
+        proc.join()
+        raise RuntimeError(f"the dry run's process ended with exit code {proc.exitcode} before reporting") from None
+    proc.join()
+    kind, value = pickle.loads(data)
+    if kind == "error":
+        raise value
+    if kind == "crash":
+        raise RuntimeError(f"the dry run failed in its process:\n{value}")
+    return value
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -290,9 +290,9 @@ def _apply(
 
 def _in_child(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` in a forked process, its result or exception sent back pickled. A
-    measured step leaves process-wide state behind (DTensor's cached shardings for the
-    fake group's meshes) that would corrupt tensor-parallel runs later made in, or forked
-    from, this process."""
+    measured step leaves process-wide state behind (caches filled under the fake group and
+    the fake mode; which one was not isolated) that made tensor-parallel runs forked from
+    this process later compute wrong losses."""
     ctx = mp.get_context("fork")
     receive, send = ctx.Pipe(duplex=False)
 

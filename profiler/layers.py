@@ -22,7 +22,6 @@ planner applies it to this model only (:mod:`autopar.profiles.identity`).
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ import torch
 from torch import nn
 
 from autopar.graph import UNIT_INPUT, LayerGraph, UnitProfile, extract
-from autopar.graph.extract import _default_loss
+from autopar.graph.extract import _default_loss, training_kwargs
 from autopar.profiles.identity import parameter_shapes
 from autopar.profiles.report import ProfileReport
 from autopar.profiles.sections import ModelProfile, Timing, UnitMeasurement, WorkItem
@@ -200,15 +199,12 @@ def _as_call(sample: Any) -> tuple[tuple, dict]:
 
 
 def _without_cache(model: nn.Module, inputs: tuple[tuple, dict]) -> tuple[tuple, dict]:
-    """``inputs`` with ``use_cache=False`` where the forward takes it (transformers
-    models): training keeps no key/value cache, and a cache carried from one measured
-    forward into the next would tie their graphs (a second backward through the first)."""
+    """``inputs`` with a training forward's keyword arguments
+    (:func:`autopar.graph.extract.training_kwargs`) where they do not set them: a cache
+    carried from one measured forward into the next would make the second backward run
+    through the first's graph."""
     args, kwargs = inputs
-    try:
-        takes = "use_cache" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        takes = False
-    return (args, {**kwargs, "use_cache": False}) if takes and "use_cache" not in kwargs else inputs
+    return args, {**training_kwargs(model), **kwargs}
 
 
 def _batch(inputs: tuple[tuple, dict]) -> int:

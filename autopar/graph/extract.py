@@ -74,9 +74,7 @@ def extract(
     device = _model_device(model)
 
     def make_inputs(adopt: Callable[[torch.Tensor], torch.Tensor]) -> tuple[tuple, dict]:
-        kwargs: dict[str, Any] = {}
-        if "use_cache" in _forward_params(model):
-            kwargs["use_cache"] = False
+        kwargs = training_kwargs(model)
         if seq_len is not None:
             return (torch.zeros(1, seq_len, dtype=torch.long, device=device),), kwargs
         if isinstance(sample_input, dict):
@@ -209,6 +207,13 @@ def _checks_for_fake_tensors(model: nn.Module) -> bool:
     """Whether ``model`` is a Hugging Face transformers model: their forward reads data
     (a mask's ``.all()``) unless it sees fake tensors, so they trace on fake tensors."""
     return any(cls.__module__.startswith("transformers.") for cls in type(model).__mro__)
+
+
+def training_kwargs(model: nn.Module) -> dict[str, Any]:
+    """Keyword arguments a training forward of ``model`` passes: ``use_cache=False``
+    where the forward takes it (transformers models), since training keeps no key/value
+    cache, and a cache carried from one forward into the next would tie their graphs."""
+    return {"use_cache": False} if "use_cache" in _forward_params(model) else {}
 
 
 def _forward_params(model: nn.Module) -> Sequence[str]:

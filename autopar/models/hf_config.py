@@ -230,11 +230,8 @@ def _default_note(name: str) -> str:
 
 
 def build_hf_model(hf: HFModel, device: str | torch.device) -> nn.Module:
-    """``hf``'s model built on ``device``, with its key/value cache off (training never
-    uses it, and a cache carried from one forward into the next would tie their graphs);
-    a config whose values the class rejects is one line naming the class."""
-    if hasattr(hf.config, "use_cache"):
-        hf.config.use_cache = False
+    """``hf``'s model built on ``device``; a config whose values the class rejects is one
+    line naming the class."""
     try:
         with torch.device(device):
             return hf.build()

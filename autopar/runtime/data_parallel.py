@@ -4,14 +4,14 @@
 zero       what runs
 =========  ==================================================================================
 0, 1       ``DistributedDataParallel(gradient_as_bucket_view=True, static_graph=True)``.
-           Two cases use the FSDP2-based ``replicate`` instead, which runs the same
+           Three cases use the FSDP2-based ``replicate`` instead, which runs the same
            all-reduce: parameters that tensor parallelism made DTensors (DDP cannot hold
-           them; torchtitan refuses DDP with more than one mesh axis for this reason), and
+           them; torchtitan refuses DDP with more than one mesh axis for this reason),
            pipelined plans (measured on torch 2.13: DDP under a multi-stage pipelining
            schedule gave the last stage wrong gradients; ``static_graph`` is needed even
            with one stage, or DDP's first-step bucket rebuild fails on the micro-batched
-           backward), and the fake parameters of a measured dry run (DDP needs real ones). Stage 1 also shards the optimizer state
-           (:mod:`autopar.runtime.optimizer`).
+           backward), and the fake parameters of a measured dry run (DDP needs real
+           ones). Stage 1 also shards the optimizer state (:mod:`autopar.runtime.optimizer`).
 2          FSDP2 ``fully_shard`` per unit, then the stage root, ``reshard_after_forward=False``:
            gradients and optimizer state sharded, parameters kept gathered from forward to
            backward (ZeRO-2's memory, Rajbhandari et al. 2020).

@@ -21,7 +21,8 @@ from autopar.cli.demo import add_demo_parser
 from autopar.errors import AutoparError, ConfigError
 from autopar.export import add_export_parser
 from autopar.present.render_cli import add_render_parser
-from autopar.runtime.launch import add_dry_run_parser, add_run_parser
+from autopar.runtime.dry_run_cli import add_dry_run_parser
+from autopar.runtime.launch import add_run_parser
 
 
 def _parse_value(text: str) -> Any:
@@ -317,9 +318,10 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 RUN_DESCRIPTION = (
-    "Run a training script under a plan with PyTorch's own launcher (torchrun), one process per device. "
-    "The launch must have the plan's world size, --nproc-per-node times --nnodes: one node starts by itself, "
-    "several meet at --rdzv-endpoint. The script reads the plan with plan_from_env() and joins the process "
+    "Run a training script under a plan with PyTorch's own launcher (torchrun), one process per device; "
+    "every torchrun flag is accepted. The launch must have the plan's world size, --nproc-per-node (default: "
+    "the plan's world size over --nnodes) times --nnodes: one node starts by itself, several meet at "
+    "--rdzv-endpoint (c10d) or --master-addr with --node-rank (static). The script reads the plan with plan_from_env() and joins the process "
     "group with init_distributed() (both in autopar.runtime.launch), whose collective timeout is "
     "--pg-timeout-s. When a rank fails, the others are stopped and the failed rank is named; Ctrl-C stops "
     "every rank of this node."
@@ -407,17 +409,13 @@ def _check_first(parser: argparse.ArgumentParser, check: Callable[[argparse.Name
 
 
 def check_run_args(args: argparse.Namespace) -> None:
-    """Refuse what ``autopar run`` would otherwise pass on to torchrun and the ranks: process
-    and node counts below 1, a node rank outside the nodes, a collective timeout that is not
-    a positive number of seconds, a script that is not there."""
-    for flag, value in (("--nproc-per-node", args.nproc_per_node), ("--nnodes", args.nnodes)):
-        if value < 1:
-            raise ConfigError(f"{flag} {value} is not allowed: it must be a positive integer.")
-    if args.node_rank is not None and not 0 <= args.node_rank < args.nnodes:
-        raise ConfigError(
-            f"--node-rank {args.node_rank} is not allowed: with --nnodes {args.nnodes} it must be from 0 to "
-            f"{args.nnodes - 1}."
-        )
+    """Refuse what ``autopar run`` would otherwise pass on to torchrun and the ranks: a
+    launch that does not match the plan or that torchrun would refuse, a collective timeout
+    that is not a positive number of seconds, a script that is not there."""
+    from autopar.plan import Plan
+    from autopar.runtime.launch import torchrun_args
+
+    torchrun_args(Plan.load(args.plan), args)
     if not (args.pg_timeout_s > 0 and math.isfinite(args.pg_timeout_s)):
         raise ConfigError(
             f"--pg-timeout-s {args.pg_timeout_s} is not allowed: give the collective timeout in seconds, a finite "
@@ -428,9 +426,10 @@ def check_run_args(args: argparse.Namespace) -> None:
             f"--rdzv-wait-s {args.rdzv_wait_s} is not allowed: give the seconds a node waits for the rendezvous "
             f"endpoint, a finite number >= 0 (the default is 30)."
         )
-    if not Path(args.script).is_file():
+    if not (args.module or args.no_python or Path(args.training_script).is_file()):
         raise ConfigError(
-            f"training script {args.script!r} does not exist; give the path of the script every rank runs."
+            f"training script {args.training_script!r} does not exist; give the path of the script every rank "
+            f"runs (or a module with -m)."
         )
 
 

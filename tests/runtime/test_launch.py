@@ -20,7 +20,8 @@ import autopar
 from autopar.models import build_named_model
 from autopar.runtime import orphan
 from autopar.runtime.dry_run import dry_run
-from autopar.runtime.launch import add_dry_run_parser, add_run_parser
+from autopar.runtime.dry_run_cli import add_dry_run_parser
+from autopar.runtime.launch import add_run_parser
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_gpt.py"
 
@@ -28,7 +29,8 @@ SCRIPT = Path(__file__).parent / "scripts" / "train_gpt.py"
 def _cli(*argv: str) -> subprocess.CompletedProcess:
     """Run the two sub-commands as the lead's cli.py will: a parser with both registered."""
     code = (
-        "import argparse, sys; from autopar.runtime.launch import add_run_parser, add_dry_run_parser; "
+        "import argparse, sys; from autopar.runtime.launch import add_run_parser; "
+        "from autopar.runtime.dry_run_cli import add_dry_run_parser; "
         "p = argparse.ArgumentParser(prog='autopar'); s = p.add_subparsers(required=True); "
         "add_run_parser(s); add_dry_run_parser(s); a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))"
     )
@@ -106,7 +108,8 @@ def test_parsers_register_their_commands():
             "3e-4",
         ]
     )
-    assert args.script == "train.py" and args.script_args == ["--lr", "3e-4"] and args.nnodes == 2
+    assert args.training_script == "train.py" and args.training_script_args == ["--lr", "3e-4"]
+    assert args.nnodes == "2" and args.nproc_per_node == "8"
     args = parser.parse_args(["dry-run", "--plan", "p.json", "--model", "gpt3-175b"])
     assert args.model == "gpt3-175b"
 

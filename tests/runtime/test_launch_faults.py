@@ -20,14 +20,16 @@ from parity import make_plan
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, ProcessFailure
 
 from autopar.errors import ConfigError
+from autopar.plan import Plan
 from autopar.runtime import orphan
 from autopar.runtime.launch import (
     PLAN_ENV,
     TIMEOUT_ENV,
     add_run_parser,
-    check_rendezvous,
+    check_endpoint,
     describe_failures,
     run_command,
+    torchrun_args,
 )
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -82,6 +84,12 @@ def _connect_fails(port: int) -> bool:
     return False
 
 
+def _check(tmp_path: Path, *argv: str) -> None:
+    """The rendezvous check ``autopar run`` makes for ``argv`` under a 2-process plan."""
+    args = _run_args(*argv, plan=_plan(tmp_path))
+    check_endpoint(args, torchrun_args(Plan.load(args.plan), args))
+
+
 def _run_command_raising(monkeypatch, tmp_path, exc: BaseException, *argv: str) -> int:
     """``autopar run`` with torchrun's ``run`` raising ``exc``; the environment it sets for
     the ranks is undone afterwards."""
@@ -99,46 +107,58 @@ def _run_command_raising(monkeypatch, tmp_path, exc: BaseException, *argv: str) 
 # -- the rendezvous endpoint ------------------------------------------------------------
 
 
-def test_a_held_port_is_refused_naming_it_and_its_process():
+def test_a_held_port_is_refused_naming_it_and_its_process(tmp_path):
     with _held_port() as port:
         with pytest.raises(ConfigError) as caught:
-            check_rendezvous(_run_args("--nproc-per-node", "2", "--rdzv-endpoint", f"localhost:{port}"))
+            _check(tmp_path, "--nproc-per-node", "2", "--rdzv-endpoint", f"localhost:{port}")
     message = str(caught.value)
     assert f"rendezvous port {port} on localhost is held by another process (pid {os.getpid()}," in message
     assert "omit --rdzv-endpoint" in message and "\n" not in message
 
 
-def test_a_held_port_on_node_0_asks_for_another_port_on_every_node():
+def test_a_held_port_on_node_0_asks_for_another_port_on_every_node(tmp_path):
     with _held_port() as port:
         with pytest.raises(ConfigError, match="pass another port on every node"):
-            check_rendezvous(
-                _run_args(
-                    "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{port}"
-                )
+            _check(
+                tmp_path,
+                "--nproc-per-node",
+                "1",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "0",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
             )
 
 
-def test_a_free_port_and_standalone_pass():
-    check_rendezvous(_run_args("--nproc-per-node", "2", "--rdzv-endpoint", f"localhost:{_free_port()}"))
-    check_rendezvous(_run_args("--nproc-per-node", "2"))
+def test_a_free_port_and_standalone_pass(tmp_path):
+    _check(tmp_path, "--nproc-per-node", "2", "--rdzv-endpoint", f"localhost:{_free_port()}")
+    _check(tmp_path, "--nproc-per-node", "2")
 
 
-def test_an_endpoint_nobody_serves_is_refused_after_the_wait():
+def test_an_endpoint_nobody_serves_is_refused_after_the_wait(tmp_path):
     port = _free_port()
-    args = _run_args(
+    args = (
         "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", f"localhost:{port}",
         "--rdzv-wait-s", "0.5",
     )  # fmt: skip
     with pytest.raises(ConfigError, match=f"endpoint localhost:{port} could not be reached within 0.5 s"):
-        check_rendezvous(args)
+        _check(tmp_path, *args)
 
 
-def test_a_reachable_endpoint_passes_on_another_node():
+def test_a_reachable_endpoint_passes_on_another_node(tmp_path):
     with _held_port() as port:
-        check_rendezvous(
-            _run_args(
-                "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", f"localhost:{port}"
-            )
+        _check(
+            tmp_path,
+            "--nproc-per-node",
+            "1",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--rdzv-endpoint",
+            f"localhost:{port}",
         )
 
 
@@ -146,9 +166,9 @@ def test_a_reachable_endpoint_passes_on_another_node():
     ("endpoint", "match"),
     [("localhost:http", "must be host:port"), ("no-such-host.invalid:29400", "does not resolve")],
 )
-def test_a_bad_endpoint_is_refused(endpoint, match):
+def test_a_bad_endpoint_is_refused(tmp_path, endpoint, match):
     with pytest.raises(ConfigError, match=match):
-        check_rendezvous(_run_args("--nproc-per-node", "1", "--nnodes", "2", "--rdzv-endpoint", endpoint))
+        _check(tmp_path, "--nproc-per-node", "1", "--nnodes", "2", "--rdzv-endpoint", endpoint)
 
 
 def test_autopar_run_on_a_held_port_fails_in_one_line(tmp_path):

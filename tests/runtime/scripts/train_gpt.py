@@ -1,7 +1,10 @@
 """A training script as a user writes it, for the launcher tests:
-``autopar run --plan plan.json --nproc-per-node 2 train_gpt.py OUT [fail]``."""
+``autopar run --plan plan.json --nproc-per-node 2 train_gpt.py OUT [fail | fail-once]``:
+``fail`` makes rank 1 raise at step 1, ``fail-once`` only in torchrun's first attempt
+(a restart with ``--max-restarts`` then runs to the end)."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -19,7 +22,9 @@ from autopar.runtime.api import parallelize
 
 @record
 def main() -> None:
-    out, fail = sys.argv[1], sys.argv[2:] == ["fail"]
+    out, mode = sys.argv[1], sys.argv[2:]
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    fail = mode == ["fail"] or (mode == ["fail-once"] and first_attempt)
     launch.init_distributed()
     plan = launch.plan_from_env()
     job = parallelize(build("gpt"), plan, loss_fn=token_loss)

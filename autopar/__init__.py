@@ -3,6 +3,7 @@
 plan = autopar.plan(model, autopar.preset("dgx-a100-80gb", nodes=128),
                     global_batch_size=1536, seq_len=2048)
 print(autopar.explain(plan))
+autopar.report(plan)          # in a notebook: the explanation and the pictures
 """
 
 import importlib.metadata
@@ -85,13 +86,19 @@ __all__ = [
     "plan",
     "preset",
     "preset_names",
+    "report",
     "save_cluster",
 ]
 
 
 def __getattr__(name: str):
     """``parallelize`` and ``Job`` load the runtime (torch.distributed's FSDP, pipelining,
-    checkpointing: ~1 s of imports) only when first used, so planning stays light."""
+    checkpointing: ~1 s of imports), and ``report`` matplotlib, only when first used, so
+    planning stays light."""
+    if name == "report":
+        from autopar.present.report import report
+
+        return report
     if name == "parallelize":
         from autopar.runtime.api import parallelize
 

@@ -8,12 +8,13 @@ attach it to an issue); Markdown writes them next to the document or leaves them
 
 from __future__ import annotations
 
-import base64
 import html
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from autopar.present.page import figure, page, table
+from autopar.present.units import significant, size
 from autopar.profiles.report import ProfileReport
 from autopar.profiles.sections import DeviceProfile, ModelProfile, NetworkProfile, Provenance
 from autopar.profiles.to_cluster import where_measured
@@ -76,18 +77,11 @@ def summary(report: ProfileReport) -> list[str]:
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3g}"
+    return significant(seconds * 1e3)
 
 
 def _mib(nbytes: float) -> str:
-    return f"{nbytes / 2**20:.3g}"
-
-
-def _bytes(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:g} {unit}"
-    return f"{n:g} B"
+    return significant(nbytes / 2**20)
 
 
 def _provenance(p: Provenance) -> _Text:
@@ -127,7 +121,7 @@ def _device_blocks(d: DeviceProfile) -> list[_Block]:
         for p in d.matmul
     )
     bw = tuple(
-        (b.kernel, _bytes(b.array_bytes), _ms(b.time.median_s), f"{b.achieved_bytes_per_s / 1e9:.1f}")
+        (b.kernel, size(b.array_bytes), _ms(b.time.median_s), f"{b.achieved_bytes_per_s / 1e9:.1f}")
         for b in d.bandwidth
     )
     blocks_: list[_Block] = [
@@ -236,8 +230,8 @@ def _network_blocks(n: NetworkProfile) -> list[_Block]:
                 s.level,
                 s.op,
                 s.label,
-                f"{_ms(small.time.per_call_s)} @ {_bytes(small.nbytes)}",
-                f"{large.busbw_bytes_per_s / 1e9:.3g} @ {_bytes(large.nbytes)}",
+                f"{_ms(small.time.per_call_s)} @ {size(small.nbytes)}",
+                f"{large.busbw_bytes_per_s / 1e9:.3g} @ {size(large.nbytes)}",
                 f"{max(p.busbw_bytes_per_s for p in s.points) / 1e9:.3g}",
             )
         )
@@ -298,38 +292,19 @@ def _network_blocks(n: NetworkProfile) -> list[_Block]:
     return out
 
 
-_CSS = (
-    "body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}"
-    "table{border-collapse:collapse;margin:1em 0;font-size:0.9em}td,th{border:1px solid #ccc;padding:3px 8px;"
-    "text-align:right}th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}"
-    "figure{margin:1em 0}figcaption{font-size:0.85em;color:#555}img{max-width:100%}"
-)
-
-
 def render_html(report: ProfileReport) -> str:
-    """A standalone HTML document (figures embedded as base64 PNG)."""
-    parts = [
-        "<!DOCTYPE html>",
-        "<html><head><meta charset='utf-8'><title>autopar profile</title>",
-        f"<style>{_CSS}</style></head><body>",
-    ]
+    """A standalone HTML document (figures embedded as base64 PNG), in autopar's page style."""
+    parts = []
     for b in blocks(report):
         if isinstance(b, _Heading):
             parts.append(f"<h{b.level}>{html.escape(b.text)}</h{b.level}>")
         elif isinstance(b, _Text):
             parts.append(f"<p>{html.escape(b.text)}</p>")
         elif isinstance(b, _Table):
-            head = "".join(f"<th>{html.escape(h)}</th>" for h in b.headers)
-            body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in b.rows)
-            parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+            parts.append(table(list(b.headers), [list(row) for row in b.rows]))
         else:
-            data = base64.b64encode(b.make()).decode("ascii")
-            parts.append(
-                f"<figure><img alt='{html.escape(b.name)}' src='data:image/png;base64,{data}'>"
-                f"<figcaption>{html.escape(b.caption)}</figcaption></figure>"
-            )
-    parts.append("</body></html>")
-    return "\n".join(parts) + "\n"
+            parts.append(figure(b.make(), b.name, b.caption))
+    return page("autopar profile", "\n".join(parts))
 
 
 def render_markdown(report: ProfileReport, *, image_dir: str | Path | None = None, link_prefix: str = "") -> str:

@@ -20,7 +20,7 @@ from autopar import __version__
 from autopar.cli.demo import add_demo_parser
 from autopar.errors import AutoparError, ConfigError
 from autopar.export import add_export_parser
-from autopar.present.render_cli import add_render_parser
+from autopar.present.report_cli import add_report_parser
 from autopar.runtime.dry_run_cli import add_dry_run_parser
 from autopar.runtime.launch import add_run_parser
 
@@ -392,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
     _check_first(add_dry_run_parser(sub), check_dry_run_args)
     add_demo_parser(sub)
     add_export_parser(sub)
-    add_render_parser(sub)
+    add_report_parser(sub)
     return parser
 
 

@@ -8,16 +8,17 @@ backend state) and embedded as base64 PNG, so the page stands alone.
 
 from __future__ import annotations
 
-import base64
 import html
 import io
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from matplotlib.figure import Figure
 
 from autopar.plan import MemoryBreakdown, Plan
 from autopar.present.explain import explain, schedule_text
+from autopar.present.page import figure, page
 from autopar.present.schedule_sim import makespan_s, simulate
 from autopar.present.units import duration
 
@@ -156,8 +157,7 @@ def png_bytes(fig: Figure) -> bytes:
 
 def _image(title: str, fig: Figure) -> str:
     """A figure under its heading, embedded so the HTML needs no other file."""
-    data = base64.b64encode(png_bytes(fig)).decode()
-    return f"<h2>{title}</h2><img alt='{title}' src='data:image/png;base64,{data}'>"
+    return f"<h2>{title}</h2>{figure(png_bytes(fig), title)}"
 
 
 def summary_html(plan: Plan) -> str:
@@ -177,12 +177,29 @@ def summary_html(plan: Plan) -> str:
 
 def plan_html(plan: Plan) -> str:
     """A standalone HTML page: the explanation and the pictures."""
-    return (
-        "<!doctype html><html><head><meta charset='utf-8'><title>autopar plan</title>"
-        "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto}pre{background:#f6f6f6;"
-        "padding:1em;overflow-x:auto}img{max-width:100%}</style></head><body><h1>autopar plan</h1>"
-        f"{summary_html(plan)}</body></html>\n"
-    )
+    return page("autopar plan", summary_html(plan))
+
+
+@dataclass(frozen=True)
+class Report:
+    """A plan's report, shown by Jupyter as the page ``autopar report --html`` writes
+    (without the page around it): ``autopar.report(plan)`` as a cell's last line. The
+    plan itself stays data and knows no renderer."""
+
+    plan: Plan
+
+    def _repr_html_(self) -> str:
+        return summary_html(self.plan)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the standalone page to ``path``."""
+        return save_html(self.plan, path)
+
+
+def report(plan: Plan | str | Path) -> Report:
+    """The report of ``plan`` (a plan, or a plan file ``Plan.save`` or ``autopar plan
+    --out`` wrote), for a notebook to show or to save as a page."""
+    return Report(plan if isinstance(plan, Plan) else Plan.load(plan))
 
 
 def render_plan_html(plan: Plan | str | Path) -> str:

@@ -23,12 +23,15 @@ def duration(seconds: float) -> str:
         return "0 s"
     rounded = float(f"{seconds:.3g}")  # round first, so 999.7 us becomes 1 ms, not 1000 us
     scale, unit = next(((s, u) for s, u in _TIME_UNITS if abs(rounded) >= s), _TIME_UNITS[-1])
-    return f"{_significant(rounded / scale)} {unit}"
+    return f"{significant(rounded / scale)} {unit}"
 
 
-def _significant(value: float) -> str:
+def significant(value: float) -> str:
     """Three significant digits in positional notation, trailing zeros dropped (as
-    ``%g`` writes them, but never with an exponent)."""
+    ``%g`` writes them, but never with an exponent): for numbers in a column whose unit
+    the heading names."""
+    if value == 0 or not math.isfinite(value):
+        return f"{value:g}"
     decimals = max(0, 2 - math.floor(math.log10(abs(value))))
     text = f"{value:.{decimals}f}"
     return text.rstrip("0").rstrip(".") if "." in text else text

@@ -18,6 +18,9 @@ def test_quickstart(tmp_path):
     assert dp * tp * pp == 1024
     mem, cap = map(float, re.search(r"([\d.]+) GiB of (\d+) GiB", fields).groups())
     assert 0 < mem <= cap == 80
+    [report] = [o["data"]["text/html"] for o in out["report"] if "text/html" in o.get("data", {})]
+    report = "".join(report)
+    assert "Why this plan" in report and report.count("data:image/png;base64,") == 3
     for tag in ("timeline", "memory", "step"):
         assert has_png(out[tag]), f"{tag} shows a picture"
     whatif = text_of(out["whatif"]).splitlines()

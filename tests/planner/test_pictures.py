@@ -14,7 +14,6 @@ import autopar
 from autopar.errors import ConfigError, PlanFormatError
 from autopar.models import build_named_model
 from autopar.present.explain import explain, schedule_text
-from autopar.present.render_cli import add_render_parser
 from autopar.present.report import (
     NO_PIPELINE,
     memory_figure,
@@ -24,6 +23,7 @@ from autopar.present.report import (
     summary_html,
     timeline_figure,
 )
+from autopar.present.report_cli import add_report_parser
 from autopar.present.units import duration, size
 
 
@@ -108,23 +108,35 @@ def test_saved_plan_renders_as_the_original(interleaved_plan, tmp_path):
     assert save_html(path, tmp_path / "plan.html").read_text(encoding="utf-8") == page
 
 
-def _render(*argv: str) -> int:
-    """``autopar render ...`` on a parser of its own (the command line wires the same one)."""
+def _report(*argv: str) -> int:
+    """``autopar report ...`` on a parser of its own (the command line wires the same one)."""
     parser = argparse.ArgumentParser(prog="autopar")
-    add_render_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["render", *argv])
+    add_report_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["report", *argv])
     return args.func(args)
 
 
-def test_render_command_writes_the_page_of_a_plan_file(interleaved_plan, tmp_path):
+def test_report_command_writes_the_page_of_a_plan_file(interleaved_plan, tmp_path):
     plan = interleaved_plan.save(tmp_path / "plan.json")
     out = tmp_path / "report.html"
-    assert _render(str(plan), "--html", str(out)) == 0
+    assert _report(str(plan), "--html", str(out)) == 0
     assert out.read_text(encoding="utf-8") == plan_html(interleaved_plan)
     with pytest.raises(ConfigError, match="--html"):
-        _render(str(plan), "--html", str(tmp_path))
+        _report(str(plan), "--html", str(tmp_path))
     with pytest.raises(PlanFormatError):
-        _render(str(tmp_path / "missing.json"), "--html", str(out))
+        _report(str(tmp_path / "missing.json"), "--html", str(out))
+
+
+def test_report_command_without_html_prints_the_explanation(interleaved_plan, tmp_path, capsys):
+    assert _report(str(interleaved_plan.save(tmp_path / "plan.json"))) == 0
+    assert capsys.readouterr().out == explain(interleaved_plan) + "\n"
+
+
+def test_a_notebook_shows_the_report_of_a_plan_or_a_plan_file(interleaved_plan, tmp_path):
+    path = interleaved_plan.save(tmp_path / "plan.json")
+    for shown in (autopar.report(interleaved_plan), autopar.report(path)):
+        assert shown._repr_html_() == summary_html(interleaved_plan)
+    assert autopar.report(path).save(tmp_path / "p.html").read_text(encoding="utf-8") == plan_html(interleaved_plan)
 
 
 def test_repr_is_one_short_line(interleaved_plan, flat_plan):

@@ -70,6 +70,8 @@ class DoctorSettings:
         join_timeout_s: how long rank 0 waits for every rank to reach the store.
         pg_timeout_s: the process group's timeout.
         groups: extra groups to all-reduce over, e.g. a plan's (:func:`plan_groups`).
+        plan_world_size: the ranks the plan runs on (``dp * tp * pp``), when a plan is
+            checked: a job of any other size is an error.
         link_bytes: bytes exchanged per link test (default 4 MiB on CPU, 256 MiB on GPU).
         repeats: timed repeats of each link and matmul test.
         slow_ratio: a link or rank below this fraction of its peers' median is flagged.
@@ -79,6 +81,7 @@ class DoctorSettings:
     join_timeout_s: float = 60.0
     pg_timeout_s: float = 60.0
     groups: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    plan_world_size: int | None = None
     link_bytes: int = 0
     repeats: int = 3
     slow_ratio: float = 0.5
@@ -196,7 +199,7 @@ def run_doctor(settings: DoctorSettings | None = None) -> DoctorReport | None:
         present += [gathered[r] for r in sorted(gathered)]
         findings += check_versions(present) + check_settings(present) + check_environment(present, backend)
         findings += check_backend(present, backend)
-        findings += _plan_size(settings.groups, world)
+        findings += _plan_size(settings.plan_world_size, world)
         go = not any(f.severity == "error" for f in findings)
         store.set("verdict", "go" if go else "stop")
         if not go:
@@ -221,16 +224,17 @@ def _wait_for_facts(store: Any, world: int, timeout_s: float) -> tuple[dict[int,
     return found, waited
 
 
-def _plan_size(groups: Mapping[str, tuple[int, ...]], world: int) -> list[Finding]:
-    outside = sorted({r for g in groups.values() for r in g if r >= world})
-    if not outside:
+def _plan_size(plan_world_size: int | None, world: int) -> list[Finding]:
+    """An error when the plan is for another number of ranks than the job has: larger,
+    its groups name ranks that are not there; smaller, ranks would sit idle or fail."""
+    if plan_world_size is None or plan_world_size == world:
         return []
     return [
         Finding(
             severity="error",
             check="plan",
-            message=f"the plan's groups use ranks up to {outside[-1]} but the job has {world} ranks",
-            fix=f"launch {outside[-1] + 1} ranks, or plan for {world} devices",
+            message=f"the plan runs on {plan_world_size} ranks (dp x tp x pp) but the job has {world} ranks",
+            fix=f"launch {plan_world_size} ranks, or plan for {world} devices",
         )
     ]
 

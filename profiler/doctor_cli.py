@@ -94,13 +94,16 @@ def plan_degrees(path: Path) -> tuple[int, int, int]:
 def settings_from_args(args: argparse.Namespace) -> DoctorSettings:
     """The settings the command line asks for (``--plan`` read into its groups)."""
     groups: dict[str, tuple[int, ...]] = {}
+    plan_world_size = None
     if args.plan is not None:
-        groups = plan_groups(*plan_degrees(args.plan))
+        dp, tp, pp = plan_degrees(args.plan)
+        groups, plan_world_size = plan_groups(dp, tp, pp), dp * tp * pp
     return DoctorSettings(
         backend=args.backend,
         join_timeout_s=args.join_timeout,
         pg_timeout_s=args.pg_timeout,
         groups=groups,
+        plan_world_size=plan_world_size,
         link_bytes=args.link_bytes,
         slow_ratio=args.slow_ratio,
     )

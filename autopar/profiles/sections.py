@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from autopar.errors import ProfileFormatError
+from autopar.vocab import DType
 
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv"]
 Level = Literal["intra", "inter", "mixed"]
@@ -99,9 +100,10 @@ class Timing:
 
 @dataclass(frozen=True, kw_only=True)
 class MatmulPoint:
-    """One matmul shape: ``(m, k) @ (k, n)`` in ``dtype``, ``2 m n k`` FLOPs per call."""
+    """One matmul shape: ``(m, k) @ (k, n)`` in ``dtype`` (a training precision the
+    planner prices), ``2 m n k`` FLOPs per call."""
 
-    dtype: str
+    dtype: DType
     m: int
     n: int
     k: int

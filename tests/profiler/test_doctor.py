@@ -58,6 +58,22 @@ def test_healthy_run_checks_the_plans_groups(tmp_path, capsys):
     assert "verdict: ready" in out and (tmp_path / "doctor.json").is_file()
 
 
+@pytest.mark.parametrize("dp", [1, 4])
+def test_a_plan_for_another_number_of_ranks_stops_the_check(dp, tmp_path, capsys):
+    """A plan for 1 or 4 ranks checked on a job of 2: the doctor names both sizes (a
+    smaller plan has no group reaching past the job, and once passed without a word)."""
+    model = MLPStack(MLPConfig(in_dim=16, dim=32, ffn_dim=64, n_layers=2, out_dim=4))
+    cluster = autopar.preset("local-cpu", devices_per_node=dp)
+    plan = autopar.estimate(model, cluster, {"dp": dp}, global_batch_size=8, sample_input=torch.zeros(1, 16))
+    plan.save(tmp_path / "plan.json")
+    argv = ["doctor", "--nproc", "2", "--plan", str(tmp_path / "plan.json"), "--join-timeout", "10"]
+    code = main(argv)
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert f"the plan runs on {dp} ranks (dp x tp x pp) but the job has 2 ranks" in out
+    assert f"launch {dp} ranks, or plan for 2 devices" in out
+
+
 def test_ranks_that_never_join_are_named_quickly():
     start = time.monotonic()
     report = _report(launch_local(_doctor, 4, QUICK, (2, 3), timeout_s=8))  # then the hung rank 3 is killed

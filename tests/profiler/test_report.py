@@ -81,6 +81,10 @@ def test_malformed_files_name_the_field(tmp_path):
     bad_literal["device"]["kind"] = "tpu"
     with pytest.raises(ProfileFormatError, match=r"device\.kind: 'tpu' is not one of"):
         ProfileReport.load(_write(tmp_path, bad_literal))
+    bad_precision = json.loads(json.dumps(data))
+    bad_precision["device"]["matmul"][0]["dtype"] = "fp64"  # a precision the planner does not price
+    with pytest.raises(ProfileFormatError, match=r"device\.matmul\[0\]\.dtype: 'fp64' is not one of 'fp32'"):
+        ProfileReport.load(_write(tmp_path, bad_precision))
     bad_timing = json.loads(json.dumps(data))
     bad_timing["layers"]["units"][0]["fwd"]["min_s"] = 5.0
     with pytest.raises(ProfileFormatError, match="inconsistent"):

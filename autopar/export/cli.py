@@ -1,5 +1,5 @@
 """``autopar export plan.json --to megatron|deepspeed|torchtitan|accelerate [--out PATH]
-[--model NAME]``: the command-line side of :func:`autopar.export.export`.
+[--model NAME | --model-config PATH]``: the command-line side of :func:`autopar.export.export`.
 
 Without ``--out`` the exported file is printed (so it can be piped or redirected); the
 launch line and the notes go to standard error either way. A bad target, an unreadable
@@ -29,8 +29,19 @@ def add_export_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("plan", help="plan file (autopar plan ... --out plan.json)")
     p.add_argument("--to", required=True, metavar="|".join(EXPORTERS), help="the framework")
     p.add_argument("--out", help="write the file here (default: print it)")
-    p.add_argument(
+    source = p.add_mutually_exclusive_group()
+    source.add_argument(
         "--model", help="the registered model the plan was made for, to fill in its sizes (see 'autopar models')"
+    )
+    source.add_argument(
+        "--model-config",
+        help="the Hugging Face config.json, or checkpoint directory holding one, the plan was made from: fills in "
+        "the model's sizes and, where the config states it, its architecture",
+    )
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the custom code a --model-config's auto_map names (models outside transformers)",
     )
     p.set_defaults(func=export_command)
     return p
@@ -45,6 +56,10 @@ def export_command(args: argparse.Namespace) -> int:
         from autopar.models.registry import build_named_model
 
         model = build_named_model(args.model)
+    elif args.model_config:
+        from autopar.models.hf_config import build_hf_model, load_hf_model
+
+        model = build_hf_model(load_hf_model(args.model_config, trust_remote_code=args.trust_remote_code), "meta")
     result = export(args.plan, to=args.to, model=model)
     if args.out:
         result.save(args.out)

@@ -4,7 +4,7 @@ flags (Megatron-LM) or wrap its blocks by class (Accelerate's FSDP).
 A plan records the model's units, parameter count and fingerprint, not its hidden size
 or head count. When the caller passes the model the plan was made for, its config gives
 them: autopar's own GPT and Llama (every registry model), or any Hugging Face model
-(sizes only: its architecture flags vary too much to guess).
+(sizes, and the architecture where its config and blocks state it).
 """
 
 from __future__ import annotations
@@ -104,12 +104,13 @@ def shape_of(model: nn.Module, plan: Plan) -> ModelShape:
             block_class=block_class,
             known_architecture=True,
         )
-    return _hf_shape(config, block_class)
+    return _hf_shape(config, block_class, _first_block(model, plan))
 
 
-def _hf_shape(config: Any, block_class: str | None) -> ModelShape:
+def _hf_shape(config: Any, block_class: str | None, block: nn.Module | None) -> ModelShape:
     """Sizes from a Hugging Face config's standard attribute names (``attribute_map``
-    lets GPT-2's ``n_embd`` answer to ``hidden_size``)."""
+    lets GPT-2's ``n_embd`` answer to ``hidden_size``), and the architecture where the
+    config and one built block state it (:func:`_hf_architecture`)."""
     if config is None:
         return ModelShape(block_class=block_class)
     heads = _int(config, "num_attention_heads")
@@ -121,7 +122,47 @@ def _hf_shape(config: Any, block_class: str | None) -> ModelShape:
         vocab_size=_int(config, "vocab_size"),
         max_position_embeddings=_int(config, "max_position_embeddings"),
         block_class=block_class,
+        **(_hf_architecture(config, block) if block is not None else {}),
     )
+
+
+_GATES = ("gate_proj", "gate_up_proj")
+"""Names of the gate projection of a gated (SwiGLU-style) MLP in transformers' decoders."""
+_UNGATED_ACTS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu")
+"""Activations that transformers' decoders use only in ungated MLPs."""
+
+
+def _hf_architecture(config: Any, block: nn.Module) -> dict[str, Any]:
+    """The architecture fields of a transformers decoder, read without knowing its family:
+    the norm class and the gate and attention projections from a built block, the rest
+    from the config's standard names. ``known_architecture`` only when every field was
+    stated (no guess: an unstated one leaves the flags to the user, who is told)."""
+    leaves = dict(block.named_modules())
+    norms = {type(m).__name__ for m in leaves.values()}
+    normalization = (
+        "RMSNorm" if any(n.endswith("RMSNorm") for n in norms) else "LayerNorm" if "LayerNorm" in norms else None
+    )
+    act = getattr(config, "hidden_act", None) or getattr(config, "activation_function", None)
+    gated = True if any(name.rsplit(".", 1)[-1] in _GATES for name in leaves) else None
+    if gated is None and act in _UNGATED_ACTS:
+        gated = False
+    rope = getattr(config, "rope_theta", None) or (getattr(config, "rope_parameters", None) or {}).get("rope_theta")
+    learned = _int(config, "n_positions") is not None or getattr(config, "position_embedding_type", None) == "absolute"
+    attention = next((m for name, m in leaves.items() if name.endswith(("q_proj", "c_attn"))), None)
+    fields = {
+        "normalization": normalization,
+        "norm_epsilon": next(
+            (v for k in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon") if (v := getattr(config, k, None))),
+            None,
+        ),
+        "gated_mlp": gated,
+        "rope_base": float(rope) if rope and not learned else None,
+        "learned_positions": learned if learned or rope else None,
+        "tied_embeddings": getattr(config, "tie_word_embeddings", None),
+        "linear_bias": getattr(attention, "bias", None) is not None if attention is not None else None,
+    }
+    stated = all(v is not None for k, v in fields.items() if k != "rope_base")
+    return {**fields, "known_architecture": stated}
 
 
 def _int(config: Any, name: str) -> int | None:
@@ -131,10 +172,16 @@ def _int(config: Any, name: str) -> int | None:
 
 def _block_class(model: nn.Module, plan: Plan) -> str | None:
     """The class name of the plan's first transformer block in ``model``."""
+    block = _first_block(model, plan)
+    return type(block).__name__ if block is not None else None
+
+
+def _first_block(model: nn.Module, plan: Plan) -> nn.Module | None:
+    """The plan's first transformer block in ``model``; None when it has none."""
     blocks = blocks_of(plan)
     if not blocks.count:
         return None
     try:
-        return type(model.get_submodule(blocks.names[0])).__name__
+        return model.get_submodule(blocks.names[0])
     except AttributeError:
         return None

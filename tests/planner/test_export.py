@@ -142,6 +142,71 @@ def test_megatron_model_sizes():
         export(plan, to="megatron", model=build_named_model("llama2-7b"))
 
 
+def _hf_export(tmp_path, config: dict) -> dict[str, str | bool]:
+    """Megatron-LM arguments for a plan of the transformers model ``config`` describes,
+    made and exported from the command line as a user with a checkpoint directory would."""
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    plan = tmp_path / "plan.json"
+    common = ["--cluster", "dgx-a100-80gb:1", "--global-batch-size", "8", "--seq-len", "128"]
+    assert main(["estimate", "--model-config", str(folder), *common, "--set", "tp=2", "--out", str(plan)]) == 0
+    out = tmp_path / "megatron.sh"
+    assert main(["export", str(plan), "--to", "megatron", "--model-config", str(folder), "--out", str(out)]) == 0
+    return megatron_args(Plan.load(plan), model=_built(folder))
+
+
+def _built(folder):
+    from autopar.models.hf_config import build_hf_model, load_hf_model
+
+    return build_hf_model(load_hf_model(str(folder)), "meta")
+
+
+def test_megatron_architecture_of_a_transformers_llama(tmp_path):
+    """Every value checked against the config it was read from (a Llama-3-style config)."""
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 160,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+    }  # fmt: skip
+    args = _hf_export(tmp_path, config)
+    assert (args["--hidden-size"], args["--num-attention-heads"], args["--ffn-hidden-size"]) == ("64", "4", "160")
+    assert (args["--num-query-groups"], args["--max-position-embeddings"]) == ("2", "512")
+    assert (args["--normalization"], args["--norm-epsilon"], args["--rotary-base"]) == ("RMSNorm", "1e-05", "500000")
+    assert {"--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear"} <= set(args)
+
+
+def test_megatron_architecture_of_a_transformers_gpt2(tmp_path):
+    """GPT-2's architecture is Megatron-LM's default (LayerNorm, GELU, learned positions,
+    tied embeddings, biases): sizes only, no architecture flag."""
+    config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4}
+    args = _hf_export(tmp_path, config)
+    assert (args["--hidden-size"], args["--num-attention-heads"], args["--max-position-embeddings"]) == (
+        "64",
+        "4",
+        "1024",
+    )
+    assert args["--norm-epsilon"] == "1e-05"
+    assert not {"--normalization", "--swiglu", "--position-embedding-type", "--disable-bias-linear"} & set(args)
+    assert "--untie-embeddings-and-output-weights" not in args
+
+
+def test_an_unstated_architecture_is_left_to_the_user(tmp_path):
+    """BLOOM's ALiBi positions are neither rotary nor learned: sizes are written, the
+    architecture flags are left out and a comment in the script says which to add."""
+    config = {
+        "architectures": ["BloomForCausalLM"],
+        "model_type": "bloom",
+        "hidden_size": 64,
+        "n_layer": 2,
+        "n_head": 4,
+    }
+    args = _hf_export(tmp_path, config)
+    assert args["--hidden-size"] == "64" and "--position-embedding-type" not in args
+    text = (tmp_path / "megatron.sh").read_text()
+    assert "# add the architecture flags (--normalization, --swiglu, --position-embedding-type" in text
+
+
 @pytest.mark.parametrize(("zero", "pp", "stage"), [(0, 1, 0), (1, 1, 1), (2, 1, 2), (3, 1, 3), (3, 2, 1), (1, 2, 1)])
 def test_deepspeed_config(pipelined_plan, zero, pp, stage):
     plan = variant(pipelined_plan, zero_stage=zero, pp=pp, tp=8 // pp)

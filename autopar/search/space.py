@@ -298,6 +298,7 @@ def memory_floor(model: CostModel, config: ParallelConfig, cache: dict) -> float
         config.dtype,
         config.zero_stage,
         config.dp,
+        config.dp_shard,
         config.pp > 1,
     )
     states = cache.get(sharding)

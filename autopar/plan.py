@@ -289,12 +289,14 @@ class Alternative:
     """A configuration the search also considered, and why it lost.
 
     ``status``: ``runner-up`` (fits, slower by ``slower_by`` as a fraction of the
-    winner's step time) or ``out-of-memory`` (needs ``over_memory_bytes`` more than a
-    device has, even with its best per-layer choices).
+    winner's step time), ``out-of-memory`` (needs ``over_memory_bytes`` more than a
+    device has, even with its best per-layer choices) or ``sharding`` (the winner with
+    the other data-parallel sharding, plain FSDP or its best HSDP shard group, slower by
+    ``slower_by``).
     """
 
     config: ParallelConfig
-    status: Literal["runner-up", "out-of-memory"]
+    status: Literal["runner-up", "out-of-memory", "sharding"]
     step_time_s: float
     memory_bytes_per_device: float
     slower_by: float

@@ -7,7 +7,7 @@ across the replicate group."""
 from collections import Counter
 
 import pytest
-from parity import assert_parity, batches, build, make_plan, reference, run, token_loss, train
+from parity import assert_parity, batches, build, make_plan, megatron_styles, reference, run, token_loss, train
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -80,3 +80,11 @@ def test_hsdp_shards_over_the_shard_group_and_reduces_on_two_levels():
         assert counts["_reduce_scatter_base_"] == m * groups == plain_rank[3]["_reduce_scatter_base_"], rank
         assert counts["allreduce_"] == plain_rank[3]["allreduce_"] + m * groups, rank
         assert set(counts) == set(plain_rank[3])
+
+
+def test_hsdp_over_tensor_parallelism_trains_like_one_process():
+    """8 ranks: tp=2 (Megatron styles, consecutive ranks) inside shard groups of 2
+    data-parallel ranks, 2 replicate groups; FSDP2 shards the TP-sharded weights further
+    on the (dp_replicate, dp_shard, tp) mesh."""
+    plan = make_plan("gpt", dp=4, tp=2, zero_stage=3, dp_shard=2, styles=megatron_styles("gpt"))
+    assert_parity(run(train, 8, "gpt", plan, 5, 0.5, timeout_s=120), reference("gpt", plan, clip=0.5))

@@ -88,3 +88,17 @@ def test_hsdp_over_tensor_parallelism_trains_like_one_process():
     on the (dp_replicate, dp_shard, tp) mesh."""
     plan = make_plan("gpt", dp=4, tp=2, zero_stage=3, dp_shard=2, styles=megatron_styles("gpt"))
     assert_parity(run(train, 8, "gpt", plan, 5, 0.5, timeout_s=120), reference("gpt", plan, clip=0.5))
+
+
+def test_a_dry_run_holds_the_shard_groups_half_of_the_model_as_predicted():
+    """The measured dry run (fake process group, fake tensors) applies the HSDP plan: a
+    rank holds half of every fp32 parameter, as the memory model predicts (divided by the
+    shard group of 2, not by dp=4)."""
+    from autopar.runtime.dry_run import dry_run
+
+    plan = make_plan("gpt", dp=4, zero_stage=3, dp_shard=2)
+    report = dry_run(lambda: build("gpt", "meta"), plan, measure=True)
+    assert not report.problems
+    (rank,) = report.ranks
+    total = sum(p.numel() for p in build("gpt").parameters())
+    assert rank.param_bytes == rank.predicted_param_bytes == 4 * total / 2

@@ -66,3 +66,17 @@ def test_a_pinned_shard_group_is_the_plan_and_is_explained():
     text = autopar.explain(plan)
     assert "mesh pp, dp_replicate=2, dp_shard=8, tp" in text
     assert f"HSDP: ZeRO-{c.zero_stage} sharded over groups of 8 ranks, replicated across 2 groups" in text
+
+
+def test_estimate_without_dp_shard_is_plain_fsdp():
+    """``estimate`` fills unset fields with defaults: a ZeRO-3 estimate on two nodes is
+    plain FSDP, though HSDP shard groups of a node would be candidates of a search."""
+    plan = autopar.estimate(
+        build_named_model("gpt2-small"),
+        autopar.preset("dgx-a100-80gb", nodes=2),
+        {"zero_stage": 3},
+        global_batch_size=64,
+        seq_len=1024,
+    )
+    assert plan.config.dp == 16 and plan.config.dp_shard is None
+    assert not [a for a in plan.alternatives if a.status == "sharding"]

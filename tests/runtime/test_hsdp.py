@@ -102,3 +102,10 @@ def test_a_dry_run_holds_the_shard_groups_half_of_the_model_as_predicted():
     (rank,) = report.ranks
     total = sum(p.numel() for p in build("gpt").parameters())
     assert rank.param_bytes == rank.predicted_param_bytes == 4 * total / 2
+
+
+def test_hsdp_under_pipelining_trains_like_one_process():
+    """8 ranks: pp=2 over dp=4 in shard groups of 2; the tied embedding and head, on the
+    first and last pipeline rank, are reduced between them shard by shard."""
+    plan = make_plan("gpt", dp=4, pp=2, zero_stage=3, dp_shard=2)
+    assert_parity(run(train, 8, "gpt", plan, 5, 0.5, timeout_s=120), reference("gpt", plan, clip=0.5))

@@ -20,8 +20,10 @@ from autopar.errors import ConfigError, PlanFormatError
 from autopar.hardware.cluster import Cluster
 from autopar.vocab import ZERO_STAGES, Attention, DType, Optimizer, Recompute, Schedule, TPStyle
 
-SCHEMA_VERSION = 2
-"""2: the cluster's device is nested by concern (roofline, memory, host effects)."""
+SCHEMA_VERSION = 3
+"""2: the cluster's device is nested by concern (roofline, memory, host effects);
+3: ``ParallelConfig.dp_shard`` (HSDP). Version 2 files read as plain FSDP."""
+READABLE_VERSIONS = (2, SCHEMA_VERSION)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +40,13 @@ class ParallelConfig:
         schedule: pipeline schedule (ignored when ``pp == 1``).
         virtual_stages: stages per pipeline rank (> 1 only with ``interleaved-1f1b``).
         zero_stage: 0-3, see :data:`autopar.vocab.ZERO_STAGES`.
+        dp_shard: ranks of one FSDP shard group under hybrid sharding (HSDP): the ``dp``
+            data-parallel ranks form ``dp / dp_shard`` replicate groups of ``dp_shard``
+            consecutive data-parallel ranks (mesh axes ``dp_replicate`` x ``dp_shard``,
+            :class:`autopar.vocab.MeshAxis`); ZeRO-2/3 state is sharded over the shard
+            group and replicated across groups. ``None`` (the default) means ``dp``:
+            one shard group, plain FSDP. Only ZeRO-2/3 shard through FSDP2, so only
+            they take a ``dp_shard`` below ``dp``.
         recompute: the default activation recomputation of every unit;
             ``Plan.layer_strategies.recompute`` lists the units that differ.
         sequence_parallel: norms and dropouts run on sequence shards of the TP group.
@@ -52,6 +61,7 @@ class ParallelConfig:
     schedule: Schedule = Schedule.ONE_F_ONE_B
     virtual_stages: int = 1
     zero_stage: int = 0
+    dp_shard: int | None = None
     recompute: Recompute = Recompute.NONE
     sequence_parallel: bool = False
     dtype: DType = DType.BF16
@@ -69,6 +79,7 @@ class ParallelConfig:
                 f"zero_stage={self.zero_stage!r} is not allowed: use 0 (DDP), 1 (sharded optimizer state), "
                 f"2 (+ sharded gradients) or 3 (+ sharded parameters)."
             )
+        self._check_dp_shard()
         if not isinstance(self.sequence_parallel, bool):
             raise ConfigError(f"sequence_parallel={self.sequence_parallel!r} is not allowed: use True or False.")
         if self.sequence_parallel and self.tp == 1:
@@ -89,6 +100,39 @@ class ParallelConfig:
         if self.schedule is Schedule.INTERLEAVED_1F1B and self.pp < 2:
             raise ConfigError("schedule='interleaved-1f1b' needs pp >= 2.")
 
+    def _check_dp_shard(self) -> None:
+        """``dp_shard`` divides ``dp``, shards over at least 2 ranks, and needs ZeRO-2/3;
+        ``dp_shard == dp`` is stored as ``None`` (the same plan, one spelling)."""
+        s = self.dp_shard
+        if s is None:
+            return
+        if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+            raise ConfigError(f"dp_shard={s!r} is not allowed: it must be a positive integer dividing dp={self.dp}.")
+        if s == self.dp:
+            object.__setattr__(self, "dp_shard", None)
+            return
+        if self.dp % s or s < 2:
+            allowed = [d for d in range(2, self.dp + 1) if self.dp % d == 0]
+            raise ConfigError(
+                f"dp_shard={s} is not allowed with dp={self.dp}: the shard group must divide dp and hold at "
+                f"least 2 ranks; use one of {allowed} (or dp_shard=None for plain FSDP)."
+            )
+        if self.zero_stage < 2:
+            raise ConfigError(
+                f"dp_shard={s} needs zero_stage 2 or 3 (got {self.zero_stage}): only FSDP2 shards over a shard "
+                f"group; set zero_stage=2 or 3, or dp_shard=None."
+            )
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks of one FSDP shard group: ``dp_shard``, or ``dp`` without HSDP."""
+        return self.dp if self.dp_shard is None else self.dp_shard
+
+    @property
+    def replicate_size(self) -> int:
+        """Replicate groups of HSDP (``dp / shard_size``; 1 without HSDP)."""
+        return self.dp // self.shard_size
+
     @property
     def world_size(self) -> int:
         """Devices the plan runs on."""
@@ -105,14 +149,16 @@ class ParallelConfig:
         return self.pp * self.virtual_stages
 
     def short(self) -> str:
-        """Compact text: ``dp=8 tp=8 pp=16 mbs=1 m=12 1f1b zero=1 recompute=full sp bf16``."""
+        """Compact text: ``dp=8 tp=8 pp=16 mbs=1 m=12 1f1b zero=3 shard=4 recompute=full sp bf16``
+        (``shard=`` only under HSDP)."""
         sched = self.schedule.value if self.pp > 1 else "no-pp"
         if self.virtual_stages > 1:
             sched += f"(v={self.virtual_stages})"
         sp = " sp" if self.sequence_parallel else ""
+        hsdp = f" shard={self.dp_shard}" if self.dp_shard is not None else ""
         return (
             f"dp={self.dp} tp={self.tp} pp={self.pp} mbs={self.micro_batch_size} m={self.num_microbatches} "
-            f"{sched} zero={self.zero_stage} recompute={self.recompute.value}{sp} {self.dtype.value}"
+            f"{sched} zero={self.zero_stage}{hsdp} recompute={self.recompute.value}{sp} {self.dtype.value}"
         )
 
 
@@ -243,12 +289,14 @@ class Alternative:
     """A configuration the search also considered, and why it lost.
 
     ``status``: ``runner-up`` (fits, slower by ``slower_by`` as a fraction of the
-    winner's step time) or ``out-of-memory`` (needs ``over_memory_bytes`` more than a
-    device has, even with its best per-layer choices).
+    winner's step time), ``out-of-memory`` (needs ``over_memory_bytes`` more than a
+    device has, even with its best per-layer choices) or ``sharding`` (the winner with
+    the other data-parallel sharding, plain FSDP or its best HSDP shard group, slower by
+    ``slower_by``).
     """
 
     config: ParallelConfig
-    status: Literal["runner-up", "out-of-memory"]
+    status: Literal["runner-up", "out-of-memory", "sharding"]
     step_time_s: float
     memory_bytes_per_device: float
     slower_by: float
@@ -355,11 +403,14 @@ class Plan:
         if not isinstance(data, dict):
             raise PlanFormatError(f"{origin}: expected a JSON object, got {type(data).__name__}.")
         version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if isinstance(version, bool) or version not in READABLE_VERSIONS:
             raise PlanFormatError(
-                f"{origin}: schema_version {version!r} is not supported; this autopar reads version "
-                f"{SCHEMA_VERSION}. Re-create the plan with this autopar version."
+                f"{origin}: schema_version {version!r} is not supported; this autopar reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}. Re-create the plan with this autopar version."
             )
+        if version < SCHEMA_VERSION and "dp_shard" in (data.get("config") or {}):
+            raise PlanFormatError(f"{origin}: config.dp_shard needs schema_version {SCHEMA_VERSION} (got {version}).")
+        data = {**data, "schema_version": SCHEMA_VERSION}  # a version-2 file is a plan without HSDP
         return codec.decode(Plan, data, origin, error=PlanFormatError)
 
     @staticmethod

@@ -21,11 +21,18 @@ from enum import StrEnum
 class MeshAxis(StrEnum):
     """Axes of the device mesh, outermost first: ranks are laid out row-major over
     (pp, dp, tp), so a tensor-parallel group is consecutive ranks and stays inside a
-    node whenever it can (Megatron-LM's placement)."""
+    node whenever it can (Megatron-LM's placement).
+
+    Under HSDP (``ParallelConfig.dp_shard``) the ``dp`` axis splits row-major into
+    (``dp_replicate``, ``dp_shard``): a shard group is ``dp_shard`` consecutive
+    data-parallel ranks (stride ``tp``), the next-innermost after tp, so it stays inside
+    a node when ``tp * dp_shard`` fits in one, and the replicate groups cross nodes."""
 
     PP = "pp"
     DP = "dp"
     TP = "tp"
+    DP_REPLICATE = "dp_replicate"
+    DP_SHARD = "dp_shard"
 
 
 class Schedule(StrEnum):
@@ -132,4 +139,5 @@ class Attention(StrEnum):
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 """ZeRO stages (Rajbhandari et al. 2020) as autopar's runtime realises them: 0 DDP;
 1 optimizer state sharded (ZeroRedundancyOptimizer); 2 FSDP2 without resharding after
-forward; 3 FSDP2 with parameters resharded after forward."""
+forward; 3 FSDP2 with parameters resharded after forward. Stages 2 and 3 also run as HSDP
+(``ParallelConfig.dp_shard``): FSDP2 on a 2-D (replicate, shard) mesh."""

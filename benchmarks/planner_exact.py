@@ -3,12 +3,14 @@
 Four differential checks on seeded random instances (the test suite runs a few of each;
 this runs many): the intra-op layout ILP, the per-stage knapsack, the pipeline-split DP,
 and the whole search on small real models at several memory capacities (a configuration
-space small enough to enumerate every configuration, split and per-unit option).
+space small enough to enumerate every configuration, split and per-unit option), one of
+them on two nodes, where HSDP shard groups are candidates.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import math
 import random
@@ -116,9 +118,18 @@ def whole() -> list[dict[str, str]]:
     ]
     # a fixed micro-batch, and every micro-batch size (the scan's scaled bounds across sizes)
     batches = (((2,), {"micro_batch_size": 2}), ((1, 2, 4, 8), {}))
-    for (name, levels, graph), (sizes, constraints) in itertools.product(cases, batches):
+    runs = [
+        (name, levels, graph, 1, sizes, constraints)
+        for (name, levels, graph), (sizes, constraints) in itertools.product(cases, batches)
+    ]
+    # two nodes of 4: data-parallel groups of 8 with node-sized HSDP shard groups among the candidates
+    gpt = cases[0][2]
+    runs.append(
+        ("GPT 2 blocks, 2 nodes, ZeRO-3, tp=1 (HSDP)", (0.012, 0.03), gpt, 2, (1, 2), {"tp": 1, "zero_stage": 3})
+    )
+    for name, levels, graph, nodes, sizes, constraints in runs:
         for memory_gib in levels:
-            cluster = _tiny_cluster(memory_gib)
+            cluster = dataclasses.replace(_tiny_cluster(memory_gib), nodes=nodes)
             model = CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8)
             budget = budget_bytes(cluster.device.memory)
             start = time.perf_counter()

@@ -36,6 +36,11 @@ def _parse_value(text: str) -> Any:
     return text
 
 
+NULLABLE_FIELDS = ("dp_shard",)
+"""Config fields whose ``none`` means None (``--set dp_shard=none``: plain FSDP), not the
+word (``--set recompute=none`` is the mode)."""
+
+
 def parse_assignments(items: Sequence[str] | None) -> dict[str, Any]:
     """``["tp=8", "pp=16,zero_stage=1"]`` -> ``{"tp": 8, "pp": 16, "zero_stage": 1}``."""
     out: dict[str, Any] = {}
@@ -46,7 +51,8 @@ def parse_assignments(items: Sequence[str] | None) -> dict[str, Any]:
             key, sep, value = part.partition("=")
             if not sep:
                 raise ConfigError(f"--set {part!r}: expected name=value, e.g. tp=8.")
-            out[key.strip()] = _parse_value(value.strip())
+            key, value = key.strip(), value.strip()
+            out[key] = None if key in NULLABLE_FIELDS and value.lower() == "none" else _parse_value(value)
     return out
 
 

@@ -13,6 +13,14 @@ parameter tensor, and, where communication does not hide them, the wait for the 
 rank at each. Under pipelining ``PipelineStage`` defers ZeRO-2/3's reduction to the last
 micro-batch and keeps parameters gathered (:mod:`autopar.cost.memory`). Tied weights
 split over the first and last stage are all-reduced between them.
+
+HSDP (``ParallelConfig.dp_shard``) runs ZeRO-2/3's collectives on two levels, as FSDP2 on
+a (replicate, shard) mesh does (Zhao et al. 2023, "PyTorch FSDP", section 3.2.2): the
+all-gather and the reduce-scatter run over the shard group only (``dp_shard`` ranks,
+stride ``tp``: inside a node when ``tp * dp_shard`` fits, :func:`shard_span`), and each
+unit's reduced ``1/dp_shard`` gradient slice is then all-reduced over its replicate group
+(``dp / dp_shard`` ranks, stride ``tp * dp_shard``, :func:`replicate_span`), on the same
+stream, so it is priced as part of the reduction (:func:`hsdp_reduce_s`).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from autopar.cost.memory import GRAD_BYTES, compute_copy_bytes, optimizer_step_b
 from autopar.cost.model import CostModel
 from autopar.cost.peak import held_once_numel
 from autopar.cost.stage import PricedStage
+from autopar.hardware.cluster import Cluster
 from autopar.hardware.device import DeviceSpec
 from autopar.plan import ParallelConfig
 from autopar.vocab import DType, Optimizer
@@ -61,6 +70,7 @@ def tail_s(model: CostModel, stage: PricedStage, config: ParallelConfig) -> tupl
     cl = model.cluster
     host = cl.device.host
     span = group_span(config.dp, config.tp, cl.devices_per_node)
+    shard = shard_span(config, cl.devices_per_node)
     m = config.num_microbatches
     copy = compute_copy_bytes(config.dtype) or 4.0
     grad_bytes = 4.0 * params
@@ -76,7 +86,7 @@ def tail_s(model: CostModel, stage: PricedStage, config: ParallelConfig) -> tupl
             if config.zero_stage == 1:
                 exposed += all_gather_s(4.0 * params, span, cl)
         elif config.pp > 1:
-            rs, ag = _fsdp_collectives_s(model, grad_bytes, copy * params, span, config, units)
+            rs, ag = _fsdp_collectives_s(model, grad_bytes, copy * params, shard, config, units)
             gathers = 1 if config.zero_stage == 2 else m + 1
             exposed = rs + max(gathers * ag - gathers * hidden_fwd, ag / units)
             per_unit = 1 + gathers
@@ -84,7 +94,7 @@ def tail_s(model: CostModel, stage: PricedStage, config: ParallelConfig) -> tupl
                 model, config, per_unit * units, m * (fwd + bwd)
             )
         else:
-            rs, ag = _fsdp_collectives_s(model, grad_bytes, copy * params, span, config, units)
+            rs, ag = _fsdp_collectives_s(model, grad_bytes, copy * params, shard, config, units)
             if config.zero_stage == 2:
                 exposed = m * max(rs - hidden_bwd, rs / units) + max(ag - hidden_fwd, ag / units)
                 per_unit = m + 1
@@ -96,8 +106,8 @@ def tail_s(model: CostModel, stage: PricedStage, config: ParallelConfig) -> tupl
             )
     if config.pp > 1 and model.graph.shared and (0 in stage.units or n - 1 in stage.units):
         exposed += tied_all_reduce_s(model, config)
-    local = params / config.dp if config.zero_stage >= 1 else params
-    grads = params / config.dp if config.zero_stage >= 2 else params
+    local = params / config.shard_size if config.zero_stage >= 1 else params
+    grads = params / config.shard_size if config.zero_stage >= 2 else params
     return exposed, optimizer_step_s(cl.device, config.dtype, model.optimizer, local) + finite_check_s(
         model, config, grads
     )
@@ -116,30 +126,53 @@ def unhidden_floor_s(model: CostModel, config: ParallelConfig, local_params: flo
     ZeRO-2/3's reduce-scatter (deferred to the last micro-batch): a lower bound of
     :func:`tail_s`'s sum for any stage of at least that many parameters."""
     cl = model.cluster
-    local = local_params / config.dp if config.zero_stage >= 1 else local_params
-    grads = local_params / config.dp if config.zero_stage >= 2 else local_params
+    local = local_params / config.shard_size if config.zero_stage >= 1 else local_params
+    grads = local_params / config.shard_size if config.zero_stage >= 2 else local_params
     floor = optimizer_step_s(cl.device, config.dtype, model.optimizer, local) + finite_check_s(model, config, grads)
     if config.dp > 1:
         span = group_span(config.dp, config.tp, cl.devices_per_node)
         if config.zero_stage == 1:
             floor += all_gather_s(4.0 * local_params, span, cl)
         elif config.zero_stage >= 2 and config.pp > 1:
-            floor += reduce_scatter_s(4.0 * local_params, span, cl)
+            floor += hsdp_reduce_s(4.0 * local_params, config, cl)
     return floor
+
+
+def shard_span(config: ParallelConfig, devices_per_node: int) -> GroupSpan:
+    """Where an FSDP shard group lies: ``shard_size`` data-parallel ranks, ``tp`` apart
+    (the whole data-parallel group without HSDP)."""
+    return group_span(config.shard_size, config.tp, devices_per_node)
+
+
+def replicate_span(config: ParallelConfig, devices_per_node: int) -> GroupSpan:
+    """Where an HSDP replicate group lies: ``dp / dp_shard`` ranks, ``tp * dp_shard``
+    apart (one rank, no communication, without HSDP)."""
+    return group_span(config.replicate_size, config.tp * config.shard_size, devices_per_node)
+
+
+def hsdp_reduce_s(grad_bytes: float, config: ParallelConfig, cluster: Cluster, *, calls: int = 1) -> float:
+    """FSDP2's gradient reduction of ``grad_bytes`` (unsharded fp32 gradients) in
+    ``calls`` collectives: a reduce-scatter over the shard group, then, under HSDP, an
+    all-reduce of each rank's ``1/dp_shard`` slice over its replicate group (module
+    docstring). Without HSDP it is the reduce-scatter over ``dp`` alone."""
+    dpn = cluster.devices_per_node
+    rs = reduce_scatter_s(grad_bytes, shard_span(config, dpn), cluster, calls=calls)
+    return rs + all_reduce_s(grad_bytes / config.shard_size, replicate_span(config, dpn), cluster, calls=calls)
 
 
 def _fsdp_collectives_s(
     model: CostModel, grad_bytes: float, param_bytes: float, span: GroupSpan, config: ParallelConfig, units: int
 ) -> tuple[float, float]:
-    """(reduce-scatter, all-gather) of a stage's gradients and parameters, one call per
-    unit, each with FSDP2's copies around it."""
+    """(reduction, all-gather) of a stage's gradients and parameters over the shard group
+    ``span``, one call per unit, each with FSDP2's copies around it; the reduction is
+    :func:`hsdp_reduce_s` (two levels under HSDP)."""
     cl = model.cluster
     streaming = rates(cl.device, config.dtype).bytes_per_s
-    rs = reduce_scatter_s(grad_bytes, span, cl, calls=units) + fsdp_copy_s(
-        cl.device.host, grad_bytes, config.dp, streaming_bytes_per_s=streaming
+    rs = hsdp_reduce_s(grad_bytes, config, cl, calls=units) + fsdp_copy_s(
+        cl.device.host, grad_bytes, config.shard_size, streaming_bytes_per_s=streaming
     )
     ag = all_gather_s(param_bytes, span, cl, calls=units) + fsdp_copy_s(
-        cl.device.host, param_bytes, config.dp, streaming_bytes_per_s=streaming
+        cl.device.host, param_bytes, config.shard_size, streaming_bytes_per_s=streaming
     )
     return rs, ag
 

@@ -12,6 +12,11 @@ PyTorch, per parameter held by a TP rank:
   (FSDP2, ``reshard_after_forward=False``) also the master weights and gradients, and
   keeps the unsharded compute copy from forward to backward; ZeRO-3 (FSDP2) gathers a
   unit's parameters only while it runs (this unit and the prefetched next one).
+  Under HSDP (``ParallelConfig.dp_shard``) ZeRO-2/3 shard over the shard group only
+  (``dp_shard`` ranks) and replicate across the ``dp / dp_shard`` groups, so every
+  sharded term is divided by ``dp_shard`` instead of ``dp`` (FSDP2's ``fully_shard`` on
+  a 2-D mesh, ``Replicate`` x ``Shard(0)`` placements; Zhao et al. 2023, "PyTorch
+  FSDP", section 3.2.2, hybrid sharding).
 - DDP (ZeRO-0/1 without pipelining or TP) rebuilds its gradient buckets once, in
   the pre-forward of an early step (``Reducer::rebuild_buckets``, in the order the
   gradients became ready): the new buckets are allocated while ``param.grad`` still
@@ -80,7 +85,8 @@ def config_state_bytes(
     largest_unit_numel: float = 0.0,
 ) -> StateBytes:
     """:func:`state_bytes` under ``config``'s precision, ZeRO stage and data-, tensor- and
-    pipeline-parallel degrees."""
+    pipeline-parallel degrees; the state shards over ``config.shard_size`` ranks (the
+    HSDP shard group, or ``dp``)."""
     return state_bytes(
         param_numel=param_numel,
         factored_numel=factored_numel,
@@ -88,7 +94,7 @@ def config_state_bytes(
         dtype=config.dtype,
         optimizer=optimizer,
         zero_stage=config.zero_stage,
-        dp=config.dp,
+        dp=config.shard_size,
         pipelined=config.pp > 1,
         tp=config.tp,
     )
@@ -117,7 +123,8 @@ def state_bytes(
         dtype: training precision.
         optimizer: which optimizer.
         zero_stage: 0-3.
-        dp: data-parallel degree.
+        dp: ranks the sharded state is split over: the data-parallel degree, or under
+            HSDP the shard group (``ParallelConfig.shard_size``).
         pipelined: the stage runs under a pipeline schedule (pp > 1).
         tp: tensor-parallel degree. ZeRO-0/1 with dp > 1 run DDP, except with pipelining
             or tensor parallelism, where the runtime uses FSDP2's ``replicate``

@@ -8,7 +8,9 @@ has no pipeline parallelism for training: a plan with ``pp > 1`` is refused.
 With FSDP2 (``fsdp_version: 2``) the sharding strategy is ``fsdp_reshard_after_forward``
 (Accelerate deprecates ``fsdp_sharding_strategy`` there and refuses a strategy name as
 its value): true is FULL_SHARD (ZeRO-3), false is SHARD_GRAD_OP (ZeRO-2); NO_SHARD
-(ZeRO-0) is plain DDP, ``distributed_type: MULTI_GPU``.
+(ZeRO-0) is plain DDP, ``distributed_type: MULTI_GPU``. HYBRID_SHARD (HSDP) is FSDP2 on
+the ``parallelism_config``'s (dp_replicate, dp_shard) mesh: the plan's replicate groups
+and shard group size.
 """
 
 from __future__ import annotations
@@ -55,13 +57,14 @@ def export_accelerate(plan: Plan, shape: ModelShape | None) -> Export:
                 "Accelerate's config turns recomputation on only with FSDP: call model.gradient_checkpointing_enable() "
                 "(a Hugging Face model) or checkpoint the blocks the plan recomputes in the training script"
             )
-    if c.tp > 1:
+    if c.tp > 1 or c.dp_shard is not None:
         config["parallelism_config"] = {
-            "parallelism_config_dp_replicate_size": 1,
-            "parallelism_config_dp_shard_size": c.dp,
+            "parallelism_config_dp_replicate_size": c.replicate_size,
+            "parallelism_config_dp_shard_size": c.shard_size,
             "parallelism_config_tp_size": c.tp,
             "parallelism_config_cp_size": 1,
         }
+    if c.tp > 1:
         notes.append(
             f"Accelerate's tensor parallelism (tp={c.tp}) applies a transformers model's own tp_plan, not the "
             f"plan's per-layer styles; other models cannot use it"

@@ -76,7 +76,7 @@ def export_deepspeed(plan: Plan, shape: ModelShape | None) -> Export:
 
 def _zero_stage(plan: Plan, notes: list[str]) -> int:
     """The ZeRO stage: the plan's, except under pipelining, where DeepSpeed's pipeline
-    engine allows stage 0 or 1 only."""
+    engine allows stage 0 or 1 only; HSDP becomes sharding over all of dp."""
     c = plan.config
     if c.pp > 1 and c.zero_stage > 1:
         notes.append(
@@ -85,6 +85,13 @@ def _zero_stage(plan: Plan, notes: list[str]) -> int:
             f"than the plan predicts)"
         )
         return 1
+    if c.dp_shard is not None:
+        notes.append(
+            f"DeepSpeed has no hybrid sharding (MiCS is removed from it): the plan's HSDP (ZeRO-{c.zero_stage} "
+            f"sharded over groups of {c.dp_shard}, replicated across {c.replicate_size}) written as ZeRO-"
+            f"{c.zero_stage} over all {c.dp} data-parallel ranks (less memory per device, more inter-node traffic "
+            f"than the plan predicts)"
+        )
     return c.zero_stage
 
 

@@ -140,10 +140,17 @@ def _layout(counts: tuple[int, ...]) -> str:
 def _data_parallel_args(plan: Plan, notes: list[str]) -> list[str]:
     """ZeRO stage -> Megatron's data-parallel options. Its distributed optimizer shards
     the optimizer state (ZeRO-1) and reduce-scatters gradients into a whole-size buffer;
-    Megatron-FSDP shards parameters too (ZeRO-3), without pipelining."""
+    Megatron-FSDP shards parameters too (ZeRO-3), without pipelining. HSDP is written as
+    sharding over all of dp, with a note."""
     c = plan.config
     if c.dp == 1 or c.zero_stage == 0:
         return []
+    if c.dp_shard is not None:
+        notes.append(
+            f"the plan's HSDP (ZeRO-{c.zero_stage} sharded over groups of {c.dp_shard}, replicated across "
+            f"{c.replicate_size}) written as sharding over all {c.dp} data-parallel ranks: the flags below have no "
+            f"shard-group size (less memory per device, more inter-node traffic than the plan predicts)"
+        )
     if c.zero_stage == 1:
         return ["--use-distributed-optimizer"]
     if c.zero_stage == 3 and c.pp == 1:

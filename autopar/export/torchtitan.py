@@ -88,8 +88,10 @@ def export_torchtitan(plan: Plan, shape: ModelShape | None) -> Export:
 def _data_parallel(plan: Plan, notes: list[str]) -> dict:
     """ZeRO stage -> torchtitan's replicate/shard degrees. ZeRO-0 is DDP, which
     torchtitan runs only as the sole parallelism; ZeRO-2 is FSDP2 without resharding
-    after forward and ZeRO-3 with it, as autopar's runtime realises them; ZeRO-1 has no
-    equivalent and becomes ZeRO-2."""
+    after forward and ZeRO-3 with it, as autopar's runtime realises them, HSDP its
+    replicate and shard degrees (torchtitan's HSDP; its mesh puts the shard dimension
+    inside the replicate one, as autopar's does); ZeRO-1 has no equivalent and becomes
+    ZeRO-2."""
     c = plan.config
     if c.dp == 1:
         return {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": 1}
@@ -106,8 +108,8 @@ def _data_parallel(plan: Plan, notes: list[str]) -> dict:
             "forward (ZeRO-2: gradients sharded too, less memory than predicted)"
         )
     return {
-        "data_parallel_replicate_degree": 1,
-        "data_parallel_shard_degree": c.dp,
+        "data_parallel_replicate_degree": c.replicate_size,
+        "data_parallel_shard_degree": c.shard_size,
         "fsdp_reshard_after_forward": "always" if c.zero_stage == 3 else "never",
     }
 

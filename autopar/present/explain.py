@@ -21,7 +21,7 @@ def explain(plan: Plan, *, top: int = 5) -> str:
         f"  batch {m.global_batch_size} x {m.seq_len} tokens, {c.dtype.value}, {plan.settings.optimizer.value} "
         f"optimizer, {plan.settings.attention.value} attention",
         "",
-        f"Configuration  dp={c.dp} x tp={c.tp} x pp={c.pp} (mesh pp, dp, tp), micro-batch {c.micro_batch_size} x "
+        f"Configuration  dp={c.dp} x tp={c.tp} x pp={c.pp} ({_mesh(c)}), micro-batch {c.micro_batch_size} x "
         f"{c.num_microbatches} per step, {schedule_text(c)}, ZeRO-{c.zero_stage}, {_recompute(plan)}"
         f"{', sequence parallel' if c.sequence_parallel else ''}",
         f"Predicted      step {duration(p.step_time_s)} | {p.samples_per_s:,.1f} samples/s | {p.tokens_per_s:,.0f} tokens/s | "
@@ -29,6 +29,7 @@ def explain(plan: Plan, *, top: int = 5) -> str:
         f"Memory         {size(p.memory_bytes_per_device)} peak per device of "
         f"{size(p.memory_capacity_bytes)} ({'fits' if p.fits else 'DOES NOT FIT'}); {_worst_memory(plan)}",
         f"Step time      {_breakdown(p.step_time_s, b)}",
+        *_sharding(plan),
         "",
         "Stages (pipeline rank: units | forward / backward per micro-batch | peak memory)",
     ]
@@ -66,6 +67,34 @@ def explain(plan: Plan, *, top: int = 5) -> str:
     if plan.notes:
         lines += ["", "Notes:", *[f"  - {n}" for n in plan.notes]]
     return "\n".join(lines)
+
+
+def _mesh(c: ParallelConfig) -> str:
+    if c.dp_shard is None:
+        return "mesh pp, dp, tp"
+    return f"mesh pp, dp_replicate={c.replicate_size}, dp_shard={c.dp_shard}, tp"
+
+
+def _sharding(plan: Plan) -> list[str]:
+    """How ZeRO-2/3 shard over the data-parallel ranks, and what the other sharding (plain
+    FSDP or HSDP) would cost, when the search priced it."""
+    c = plan.config
+    if c.zero_stage < 2 or c.dp == 1:
+        return []
+    if c.dp_shard is None:
+        text = f"ZeRO-{c.zero_stage} sharded over all {c.dp} data-parallel ranks (plain FSDP)"
+    else:
+        text = (
+            f"HSDP: ZeRO-{c.zero_stage} sharded over groups of {c.dp_shard} ranks, replicated across "
+            f"{c.replicate_size} groups"
+        )
+    for a in plan.alternatives:
+        if a.status == "sharding":
+            other = "plain FSDP" if a.config.dp_shard is None else f"best HSDP (shard groups of {a.config.dp_shard})"
+            text += (
+                f"; {other}: {duration(a.step_time_s)} (+{100 * a.slower_by:.1f}%), {size(a.memory_bytes_per_device)}"
+            )
+    return [f"Data parallel  {text}"]
 
 
 def schedule_text(c: ParallelConfig) -> str:

@@ -32,7 +32,7 @@ from autopar.runtime.init import InitFn, Materializer, is_meta
 from autopar.runtime.job import Job, JobParts
 from autopar.runtime.layouts import TPLayout, resolve
 from autopar.runtime.loss_scale import LossScaler
-from autopar.runtime.mesh import MeshDims, build_mesh
+from autopar.runtime.mesh import MeshDims, build_mesh, data_parallel_mesh
 from autopar.runtime.metrics import MemoryMeter
 from autopar.runtime.orphan import tie_to_launcher
 from autopar.runtime.pipeline import build_schedule, build_stages, check_cuttable, check_schedule, cut, tensor_outputs
@@ -156,8 +156,9 @@ def parallelize(
         apply_recompute(stage, list(plan.stages[i]), plan)
     spec_of = [_dp_spec(plan, stage, plan.stages[i]) for stage, i in zip(stages, indices)]
     sharded_on_meta = plan.config.zero_stage >= 2 and dims.dp > 1
+    dp_mesh = data_parallel_mesh(mesh, dims, device.type)
     if sharded_on_meta:
-        stages = [apply_data_parallel(s, spec, mesh["dp"]) for s, spec in zip(stages, spec_of)]
+        stages = [apply_data_parallel(s, spec, dp_mesh) for s, spec in zip(stages, spec_of)]
     if materializer is not None:
         materializer.fill(stages, device)
     if fake_mode is not None:
@@ -165,7 +166,7 @@ def parallelize(
             for s in stages:
                 s.to_empty(device=device)
     if not sharded_on_meta and (materialize or not meta or fake_mode is not None):
-        stages = [apply_data_parallel(s, spec, mesh["dp"]) for s, spec in zip(stages, spec_of)]
+        stages = [apply_data_parallel(s, spec, dp_mesh) for s, spec in zip(stages, spec_of)]
 
     tied_sync = TiedGradSync(tied, dims, coord)
     pipeline_stages = build_stages(stages, indices, plan, device, mesh["pp"].get_group())

@@ -18,6 +18,11 @@ zero       what runs
 3          the same with ``reshard_after_forward=True``: parameters sharded too (ZeRO-3).
 =========  ==================================================================================
 
+Under HSDP (``ParallelConfig.dp_shard``) ZeRO-2/3 run the same ``fully_shard`` calls on the
+2-D (``dp_replicate``, ``dp_shard``) mesh (:func:`autopar.runtime.mesh.data_parallel_mesh`):
+FSDP2 shards over ``dp_shard``, replicates over ``dp_replicate``, gathers within the shard
+group and follows each reduce-scatter with an all-reduce across the replicate group.
+
 Mixed precision (``bf16``/``fp16``) keeps fp32 master weights, gradients and optimizer
 state: FSDP2 and ``replicate`` cast parameters with ``MixedPrecisionPolicy(param_dtype,
 reduce_dtype=fp32)``; DDP runs the forward under ``torch.autocast``. fp16 plans also scale
@@ -69,7 +74,8 @@ class DataParallelSpec:
 
 
 def apply_data_parallel(stage: nn.Module, spec: DataParallelSpec, dp_mesh: DeviceMesh) -> nn.Module:
-    """Wrap ``stage`` for data parallelism; returns the module to run (DDP wraps)."""
+    """Wrap ``stage`` for data parallelism over ``dp_mesh`` (1-D, or HSDP's 2-D mesh);
+    returns the module to run (DDP wraps)."""
     low = TORCH_DTYPES[spec.dtype] if spec.dtype is not DType.FP32 else None
     policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
     if spec.zero_stage >= 2 and spec.dp > 1:

@@ -5,8 +5,8 @@ gradient once per data- or tensor-parallel rank, miss the other pipeline stages,
 cannot mix DTensors of different meshes (TP-sharded leaves next to replicated ones). Here
 each element of the model's gradient is counted exactly once: a rank adds the squares
 of its local gradient only if it is the first rank along every axis that replicates
-that gradient (data-parallel copies, a replicated leaf's tensor-parallel copies, the
-second holder of a tied parameter), and one all-reduce over the world sums the rest.
+that gradient (data-parallel copies, HSDP's replicate groups, a replicated leaf's
+tensor-parallel copies, the second holder of a tied parameter), and one all-reduce over the world sums the rest.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.runtime.mesh import MESH_AXES
+from autopar.vocab import MeshAxis
 
 
 def _sharding_axes(grad: torch.Tensor) -> set[str]:
@@ -25,6 +26,24 @@ def _sharding_axes(grad: torch.Tensor) -> set[str]:
         return set()
     names = grad.device_mesh.mesh_dim_names or ()
     return {names[i] for i, pl in enumerate(grad.placements) if isinstance(pl, (Shard, _StridedShard))}
+
+
+def _counted_elsewhere(grad: torch.Tensor, coord: dict[str, int]) -> bool:
+    """Whether another rank counts this rank's copy of ``grad``: this rank is not the
+    first along an axis that replicates it. An HSDP gradient is sharded over
+    ``dp_shard`` and replicated over ``dp_replicate`` (:mod:`autopar.runtime.mesh`), so
+    along ``dp`` only the first replicate group counts it."""
+    shard_axes = _sharding_axes(grad)
+    for axis in MESH_AXES[1:]:
+        if axis in shard_axes:
+            continue
+        if axis == MeshAxis.DP and MeshAxis.DP_SHARD in shard_axes:
+            assert isinstance(grad, DTensor)  # sharded on a named axis
+            if grad.device_mesh.get_local_rank(MeshAxis.DP_REPLICATE.value) != 0:
+                return True
+        elif coord[axis] != 0:
+            return True
+    return False
 
 
 def local_grad(grad: torch.Tensor) -> torch.Tensor:
@@ -52,8 +71,7 @@ def global_grad_norm(
     for name, p in params.items():
         if p.grad is None or name in duplicates:
             continue
-        shard_axes = _sharding_axes(p.grad)
-        if any(coord[axis] != 0 for axis in MESH_AXES[1:] if axis not in shard_axes):
+        if _counted_elsewhere(p.grad, coord):
             continue
         total += local_grad(p.grad).double().pow(2).sum()
     dist.all_reduce(total)

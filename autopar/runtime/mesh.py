@@ -2,7 +2,9 @@
 
 Ranks are laid out row-major over (pp, dp, tp) with tp innermost (Megatron-LM's
 placement, see :class:`autopar.vocab.MeshAxis`), so tensor-parallel groups are
-consecutive ranks and stay inside a node. Validation reads only local facts (the world
+consecutive ranks and stay inside a node. An HSDP plan's data-parallel axis unflattens
+row-major into (dp_replicate, dp_shard) for FSDP2 (:func:`data_parallel_mesh`): a shard
+group is consecutive data-parallel ranks. Validation reads only local facts (the world
 size the launcher set), so a plan for another job size fails identically on every rank
 before any collective runs (torchtitan's ``ParallelDims`` habit).
 """
@@ -25,16 +27,18 @@ MESH_AXES: tuple[str, str, str] = (MeshAxis.PP.value, MeshAxis.DP.value, MeshAxi
 
 @dataclass(frozen=True, kw_only=True)
 class MeshDims:
-    """Degrees of the three mesh axes."""
+    """Degrees of the three mesh axes, and HSDP's shard group (None: plain sharding)."""
 
     pp: int
     dp: int
     tp: int
+    dp_shard: int | None = None
 
     @staticmethod
     def of(plan: Plan) -> MeshDims:
         """The degrees a plan asks for."""
-        return MeshDims(pp=plan.config.pp, dp=plan.config.dp, tp=plan.config.tp)
+        c = plan.config
+        return MeshDims(pp=c.pp, dp=c.dp, tp=c.tp, dp_shard=c.dp_shard)
 
     @property
     def world_size(self) -> int:
@@ -84,6 +88,22 @@ def build_mesh(dims: MeshDims, device_type: str) -> DeviceMesh:
         dims.shape(),
         mesh_dim_names=MESH_AXES,
         backend_override={axis: override for axis in MESH_AXES} if override else None,
+    )
+
+
+def data_parallel_mesh(mesh: DeviceMesh, dims: MeshDims, device_type: str) -> DeviceMesh:
+    """The mesh FSDP2 shards over: the ``dp`` axis, or under HSDP that axis unflattened
+    into (``dp_replicate``, ``dp_shard``), FSDP2's 2-D mesh for hybrid sharding (its
+    groups get the default group's timeout, as :func:`build_mesh`'s do)."""
+    if dims.dp_shard is None:
+        return mesh[MeshAxis.DP.value]
+    names = (MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD.value)
+    override = _backend_with_timeout(device_type)
+    return mesh[MeshAxis.DP.value]._unflatten(
+        0,
+        (dims.dp // dims.dp_shard, dims.dp_shard),
+        names,
+        backend_override={axis: override for axis in names} if override else None,
     )
 
 

@@ -117,6 +117,21 @@ def _alternatives(result: SearchResult, solver: ConfigSolver) -> tuple[Alternati
                 reason=f"{100 * (p.step_time_s / best_t - 1):.1f}% slower",
             )
         )
+    for o in result.contrasts:
+        p = o.prediction
+        assert p is not None  # the search prices its contrasts
+        sharding = "plain FSDP" if o.config.dp_shard is None else f"HSDP with shard groups of {o.config.dp_shard}"
+        out.append(
+            Alternative(
+                config=o.config,
+                status="sharding",
+                step_time_s=p.step_time_s,
+                memory_bytes_per_device=p.memory_bytes_per_device,
+                slower_by=p.step_time_s / best_t - 1,
+                over_memory_bytes=0.0,
+                reason=f"the winner with {sharding}: {100 * (p.step_time_s / best_t - 1):.1f}% slower",
+            )
+        )
     cap = result.best.prediction.memory_capacity_bytes if result.best.prediction else 0.0
     for o in _oom_regions(result, cap, solver):
         over = o.min_memory_bytes - cap

@@ -176,7 +176,16 @@ class TimeBound:
     def _tail_s(self, config: ParallelConfig) -> float:
         """What no schedule hides of the tail, for the fewest parameters any layout holds
         (each leaf at its fewest: :func:`autopar.cost.bounds.unit_floor`)."""
-        key = (config.tp, config.sequence_parallel, config.dtype, "tail", config.pp, config.dp, config.zero_stage)
+        key = (
+            config.tp,
+            config.sequence_parallel,
+            config.dtype,
+            "tail",
+            config.pp,
+            config.dp,
+            config.zero_stage,
+            config.dp_shard,
+        )
         if key not in self._cache:
             model = self.solver.model
             shared = sum(s.numel for s in model.graph.shared) / config.tp  # tied weights once

@@ -143,8 +143,9 @@ def estimate(
 
     Fields not given are filled: ``dp`` from the device count, ``num_microbatches`` from
     the batch, stages and per-layer styles by the same search, defaults for the rest
-    (micro-batch 1, 1F1B, no virtual stages, ZeRO 0, the device's preferred precision,
-    no sequence parallelism; recompute chosen per unit when not given). Never raises for
+    (micro-batch 1, 1F1B, no virtual stages, ZeRO 0 sharded over all of dp (no HSDP),
+    the device's preferred precision, no sequence parallelism; recompute chosen per unit
+    when not given). Never raises for
     memory: a configuration that does not fit comes back with ``prediction.fits`` False
     and the memory it would need. A layer profile is checked as :func:`plan` checks it.
     """
@@ -266,6 +267,7 @@ def _complete(fixed: dict[str, Any], cluster: Cluster, global_batch_size: int) -
     out.setdefault("virtual_stages", 1)
     out.setdefault("schedule", "interleaved-1f1b" if out["virtual_stages"] > 1 else "1f1b")
     out.setdefault("zero_stage", 0)
+    out.setdefault("dp_shard", None)
     out.setdefault("sequence_parallel", False)
     out.setdefault("dtype", cluster.device.preferred_dtype)
     return check_constraints(out)

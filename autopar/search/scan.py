@@ -19,9 +19,10 @@ from typing import Any
 
 from autopar.cost.price import Decided, UnitChoice, price
 from autopar.errors import ConfigError
+from autopar.plan import ParallelConfig
 from autopar.search.bounds import TimeBound
 from autopar.search.solve import ConfigSolver, Outcome
-from autopar.search.space import Rejection, enumerate_space, memory_floor
+from autopar.search.space import Rejection, enumerate_space, memory_floor, shard_sizes
 from autopar.vocab import Recompute
 
 ALL_MODES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
@@ -41,6 +42,8 @@ class SearchResult:
         considered: candidates enumerated.
         region_sizes: how many candidates each (tp, pp) region has (a region is out of
             memory when all of them are).
+        contrasts: the best configuration changed in its data-parallel sharding alone
+            (:func:`sharding_contrasts`), priced, to show what HSDP is worth.
     """
 
     best: Outcome
@@ -50,6 +53,7 @@ class SearchResult:
     evaluated: int
     considered: int
     region_sizes: Mapping[tuple[int, int], int] = field(default_factory=dict)
+    contrasts: tuple[Outcome, ...] = ()
 
 
 def _constraints_text(fixed: Mapping[str, Any]) -> str:
@@ -121,7 +125,30 @@ def search(solver: ConfigSolver, fixed: Mapping[str, Any], *, top: int) -> Searc
     if not fitting:
         return SearchResult(best=min(infeasible, key=lambda o: o.min_memory_bytes), runners_up=(), **common)
     finished = [replace(o, prediction=price(model, decided(o))) for o in fitting[:keep]]
-    return SearchResult(best=finished[0], runners_up=tuple(finished[1:]), **common)
+    contrasts = sharding_contrasts(solver, finished[0].config, fixed, modes)
+    return SearchResult(best=finished[0], runners_up=tuple(finished[1:]), contrasts=contrasts, **common)
+
+
+def sharding_contrasts(
+    solver: ConfigSolver, best: ParallelConfig, fixed: Mapping[str, Any], modes: tuple[Recompute, ...]
+) -> tuple[Outcome, ...]:
+    """The fastest fitting version of ``best`` with the other data-parallel sharding: plain
+    FSDP for an HSDP winner, the best of the searched HSDP shard groups
+    (:func:`autopar.search.space.shard_sizes`) for a plain ZeRO-2/3 winner; priced. None
+    when ``dp_shard`` was fixed or the winner does not shard through FSDP2. Every such
+    configuration is in the searched space, so none beats the winner."""
+    if "dp_shard" in fixed or best.zero_stage < 2 or best.dp == 1:
+        return ()
+    if best.dp_shard is not None:
+        others = [replace(best, dp_shard=None)]
+    else:
+        sizes = shard_sizes(best.dp, best.tp, solver.model.cluster.devices_per_node)
+        others = [replace(best, dp_shard=d) for d in sizes]
+    found = [o for o in (solver.evaluate(c, modes) for c in others) if o.fits]
+    if not found:
+        return ()
+    fastest = min(found, key=lambda o: o.step_time_s)
+    return (replace(fastest, prediction=price(solver.model, decided(fastest))),)
 
 
 def decided(outcome: Outcome) -> Decided:

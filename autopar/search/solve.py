@@ -213,6 +213,7 @@ class ConfigSolver:
             config.dtype,
             config.zero_stage,
             config.dp,
+            config.dp_shard,
             config.pp > 1,
             modes,
         )

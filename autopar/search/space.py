@@ -2,8 +2,9 @@
 
 A candidate is a :class:`ParallelConfig` without per-layer decisions: a factorisation
 ``dp x tp x pp`` of the device count, a micro-batch size (the number of micro-batches
-follows from the global batch), a schedule and its virtual stages, a ZeRO stage,
-sequence parallelism and the precision. ``constraints`` fix any subset of these fields.
+follows from the global batch), a schedule and its virtual stages, a ZeRO stage and,
+for ZeRO-2/3, the HSDP shard group (:func:`shard_sizes`), sequence parallelism and the
+precision. ``constraints`` fix any subset of these fields.
 Per-layer choices (TP styles, recompute per unit) are made inside each candidate.
 
 The memory floor (:func:`memory_floor`, never above the exact peak) rules out
@@ -76,6 +77,12 @@ def check_constraints(constraints: Mapping[str, Any] | None, *, what: str = "con
                 raise ConfigError(f"constraint {name}={out[name]!r} is not allowed; use one of {allowed}.") from None
     if "zero_stage" in out and (isinstance(out["zero_stage"], bool) or out["zero_stage"] not in ZERO_STAGES):
         raise ConfigError(f"constraint zero_stage={out['zero_stage']!r} is not allowed; use 0, 1, 2 or 3.")
+    shard = out.get("dp_shard")
+    if shard is not None and (isinstance(shard, bool) or not isinstance(shard, int) or shard < 2):
+        raise ConfigError(
+            f"constraint dp_shard={shard!r} is not allowed: give the FSDP shard group's size (an integer >= 2 "
+            f"dividing dp), or None for plain FSDP."
+        )
     if "sequence_parallel" in out and not isinstance(out["sequence_parallel"], bool):
         raise ConfigError(f"constraint sequence_parallel={out['sequence_parallel']!r} must be True or False.")
     return out
@@ -87,6 +94,21 @@ class Rejection:
 
     what: str
     reason: str
+
+
+def shard_sizes(dp: int, tp: int, devices_per_node: int) -> list[int]:
+    """The HSDP shard groups the search tries for ``dp`` data-parallel ranks, ``tp`` apart:
+    every divisor ``d`` of ``dp`` (``2 <= d < dp``) whose group covers a power-of-two
+    number of whole nodes (``tp * d`` is ``devices_per_node * 2**k``). A group smaller
+    than a node adds intra-node all-reduces and saves no inter-node traffic, and one of a
+    node count between two powers of two is rarely a divisor; plain FSDP (one group of
+    ``dp``) is always a candidate besides these."""
+    out = []
+    for d in divisors(dp)[1:-1]:
+        nodes, rest = divmod(tp * d, devices_per_node)
+        if not rest and nodes & (nodes - 1) == 0:
+            out.append(d)
+    return out
 
 
 def tp_degrees(graph: LayerGraph, world: int) -> list[int]:
@@ -168,6 +190,10 @@ def enumerate_space(
                     )
                 )
                 continue
+            shard_rejection = _shard_rejection(c, dp)
+            if shard_rejection:
+                rejected.append(shard_rejection)
+                continue
             per_rank = global_batch_size // dp
             batch_rejection = _batch_rejection(c, dp, per_rank)
             if batch_rejection:
@@ -192,7 +218,7 @@ def enumerate_space(
                     sps = (
                         [c["sequence_parallel"]] if "sequence_parallel" in c else ([False, True] if tp > 1 else [False])
                     )
-                    for zero in zeros:
+                    for zero, shard in _shardings(zeros, dp, tp, cluster.devices_per_node, c):
                         for sp in sps:
                             if sp and tp == 1:
                                 continue
@@ -206,12 +232,46 @@ def enumerate_space(
                                     schedule=schedule,
                                     virtual_stages=v,
                                     zero_stage=zero,
+                                    dp_shard=shard,
                                     recompute=c.get("recompute", Recompute.NONE),
                                     sequence_parallel=sp,
                                     dtype=dtype,
                                 )
                             )
     return configs, rejected
+
+
+def _shardings(
+    zeros: list[int], dp: int, tp: int, devices_per_node: int, c: Mapping[str, Any]
+) -> Iterator[tuple[int, int | None]]:
+    """(ZeRO stage, shard group) pairs: plain sharding for every stage, and under ZeRO-2/3
+    the HSDP groups of :func:`shard_sizes`; a fixed ``dp_shard`` keeps only the stages
+    that take it (None: plain sharding at any stage; a group size: ZeRO-2/3 with groups of
+    that size, plain FSDP where it is ``dp``, nothing where it does not divide ``dp``)."""
+    for zero in zeros:
+        if "dp_shard" in c:
+            shard = c["dp_shard"]
+            if shard is None:
+                yield zero, None
+            elif zero >= 2 and dp % shard == 0:
+                yield zero, shard
+            continue
+        yield zero, None
+        if zero >= 2:
+            for shard in shard_sizes(dp, tp, devices_per_node):
+                yield zero, shard
+
+
+def _shard_rejection(c: Mapping[str, Any], dp: int) -> Rejection | None:
+    """Why a fixed ``dp_shard`` cannot shard ``dp`` ranks, if it cannot."""
+    shard = c.get("dp_shard")
+    if shard is None:
+        return None
+    if dp % shard:
+        return Rejection(what=f"dp_shard={shard} (dp={dp})", reason=f"the shard group does not divide dp={dp}")
+    if c.get("zero_stage", 3) < 2:
+        return Rejection(what=f"dp_shard={shard}", reason="HSDP shards through FSDP2: it needs zero_stage 2 or 3")
+    return None
 
 
 def _check_divides(c: Mapping[str, Any], world: int) -> None:
@@ -298,6 +358,7 @@ def memory_floor(model: CostModel, config: ParallelConfig, cache: dict) -> float
         config.dtype,
         config.zero_stage,
         config.dp,
+        config.dp_shard,
         config.pp > 1,
     )
     states = cache.get(sharding)

@@ -90,3 +90,9 @@ def test_parse_assignments():
         "recompute": "full",
         "sequence_parallel": True,
     }
+    assert parse_assignments(["dp_shard=none,recompute=none", "zero_stage=3"]) == {
+        "dp_shard": None,  # plain FSDP
+        "recompute": "none",  # the mode
+        "zero_stage": 3,
+    }
+    assert parse_assignments(["dp_shard=8"]) == {"dp_shard": 8}

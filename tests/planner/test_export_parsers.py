@@ -269,3 +269,31 @@ def test_megatron_flags_as_megatron_declares_them(cases, llama_plan):
             counts = _megatron_stage_layers(args, c.num_stages)
             per_stage = [sum(u.startswith("layers.") for u in stage) for stage in plan.stages]
             assert counts == per_stage, name
+
+
+def test_hsdp_exports_parse_with_the_replicate_and_shard_degrees(gpt2_plan, tmp_path, monkeypatch):
+    """dp=8 as 4 replicate groups x shard groups of 2, ZeRO-3: torchtitan and Accelerate
+    read the two degrees back from their own parsers; DeepSpeed and Megatron write the
+    closest (sharding over all of dp) and say so."""
+    plan = variant(gpt2_plan, zero_stage=3, dp_shard=2)
+    assert (plan.config.dp, plan.config.replicate_size) == (8, 4)
+    for target in ("deepspeed", "megatron"):
+        assert any("HSDP" in note and "all 8 data-parallel ranks" in note for note in export(plan, to=target).notes)
+    if importlib.util.find_spec("tyro") and importlib.util.find_spec("torchtitan"):
+        manager = _torchtitan_config_manager(monkeypatch)
+        path = export(plan, to="torchtitan").save(tmp_path / "hsdp.toml")
+        p = manager().parse_args(["--job.config_file", str(path)]).parallelism
+        assert (p.data_parallel_replicate_degree, p.data_parallel_shard_degree) == (4, 2)
+        assert p.fsdp_reshard_after_forward == "always"
+    pytest.importorskip("accelerate")
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    path = export(plan, to="accelerate").save(tmp_path / "hsdp.yaml")
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "x.py"]))
+    for key, value in prepare_multi_gpu_env(args).items():
+        monkeypatch.setenv(key, value)
+    sizes = ParallelismConfig()
+    assert (sizes.dp_replicate_size, sizes.dp_shard_size, sizes.tp_size) == (4, 2, 1)
+    assert sizes.dp_replicate_enabled and sizes.total_size == 8

@@ -70,3 +70,26 @@ def test_missing_and_broken_files(tmp_path):
     (tmp_path / "x.json").write_text("[1, 2")
     with pytest.raises(PlanFormatError, match="not valid JSON"):
         Plan.load(tmp_path / "x.json")
+
+
+def test_an_hsdp_plan_round_trips(gpt2_plan):
+    from dataclasses import replace
+
+    c = gpt2_plan.config
+    assert c.dp % 2 == 0 and c.dp > 2
+    plan = replace(gpt2_plan, config=replace(c, zero_stage=3, dp_shard=2))
+    again = Plan.from_json(plan.to_json())
+    assert again == plan and again.config.dp_shard == 2
+    assert json.loads(plan.to_json())["config"]["dp_shard"] == 2
+
+
+def test_a_version_2_plan_file_loads_as_plain_fsdp(gpt2_plan):
+    """Version 2 had no dp_shard: its plans read as one shard group of all of dp."""
+    data = json.loads(gpt2_plan.to_json())
+    data["schema_version"] = 2
+    del data["config"]["dp_shard"]
+    old = Plan.from_dict(data)
+    assert old == gpt2_plan and old.config.dp_shard is None and old.config.shard_size == gpt2_plan.config.dp
+    data["config"]["dp_shard"] = 2
+    with pytest.raises(PlanFormatError, match="config.dp_shard needs schema_version 3"):
+        Plan.from_dict(data)

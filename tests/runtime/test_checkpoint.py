@@ -70,6 +70,24 @@ def test_resume_under_another_plan(tmp_path, resume_as):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses[:SAVE_AT]), rtol=0, atol=LOSS_ATOL)
 
 
+def test_an_hsdp_checkpoint_resumes_under_plain_fsdp(tmp_path):
+    """Saved by HSDP (dp=4 as 2 replicate groups x 2 shards, ZeRO-3), whose shards repeat
+    across replicate groups; resumed by plain FSDP over dp=2 (ZeRO-2): the resumed run
+    continues the uninterrupted single-process run, momentum included."""
+    saver = make_plan("gpt", dp=4, zero_stage=3, dp_shard=2)
+    loader = make_plan("gpt", dp=2, zero_stage=2, num_microbatches=4)
+    assert saver.config.global_batch_size == loader.config.global_batch_size
+    ref = reference("gpt", saver, steps=STEPS, momentum=MOMENTUM)
+    first = run(_train, 4, saver, str(tmp_path), False, STEPS, SAVE_AT, timeout_s=120)
+    assert latest_step(tmp_path) == SAVE_AT
+    second = run(_train, 2, loader, str(tmp_path), True, STEPS, None, timeout_s=120)
+    for losses, start, position in second:
+        assert start == SAVE_AT and position == STEPS
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses[SAVE_AT:]), rtol=0, atol=LOSS_ATOL)
+    for losses, _, _ in first:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses[:SAVE_AT]), rtol=0, atol=LOSS_ATOL)
+
+
 class _DieMidWrite(FileSystemWriter):
     """Writes half a shard file, then the process is SIGKILLed (as by the OOM killer)."""
 

@@ -136,16 +136,16 @@ def test_a_held_static_master_port_is_refused_like_a_rendezvous_port():
 
 
 def test_a_module_needs_no_script_file(tmp_path):
-    """``-m`` names a module, not a file: the script check lets it through to the launch
-    (which here fails on the world size, after the script check)."""
-    make_plan("gpt", dp=2, tp=2).save(tmp_path / "plan.json")
-    done = subprocess.run(
-        [sys.executable, "-c", CLI, "run", "--plan", str(tmp_path / "plan.json"), "--nproc-per-node", "2", "-m", "x.y"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 2 and "PlanMismatchError" in done.stderr and "does not exist" not in done.stderr
+    """``-m`` names a module and ``--no-python`` a program, not a file: the command's
+    script check lets them through, and refuses a script path that is not there."""
+    from autopar.cli import build_parser, check_run_args
+
+    make_plan("gpt", dp=2).save(tmp_path / "plan.json")
+    run = ["run", "--plan", str(tmp_path / "plan.json")]
+    check_run_args(build_parser().parse_args([*run, "-m", "mypkg.train"]))
+    check_run_args(build_parser().parse_args([*run, "--no-python", "echo"]))
+    with pytest.raises(ConfigError, match="training script 'missing.py' does not exist"):
+        check_run_args(build_parser().parse_args([*run, "missing.py"]))
 
 
 @pytest.mark.multiprocess

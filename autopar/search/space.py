@@ -255,11 +255,14 @@ def _schedules(pp: int, graph: LayerGraph, c: Mapping[str, Any]) -> Iterator[tup
     for schedule in (Schedule.ONE_F_ONE_B, Schedule.GPIPE):
         if wanted in (None, schedule) and c.get("virtual_stages", 1) == 1:
             yield schedule, 1
-    if wanted in (None, Schedule.INTERLEAVED_1F1B):
-        blocks = sum(1 for u in graph.units if u.prefix)
-        for v in [c["virtual_stages"]] if "virtual_stages" in c else range(2, MAX_VIRTUAL_STAGES + 1):
-            if v >= 2 and blocks % (pp * v) == 0 and blocks >= pp * v:
-                yield Schedule.INTERLEAVED_1F1B, v
+    blocks = sum(1 for u in graph.units if u.prefix)
+    for schedule in (Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZB, Schedule.ZBV):
+        if wanted not in (None, schedule):
+            continue
+        top = 2 if schedule is Schedule.ZBV else MAX_VIRTUAL_STAGES
+        for v in [c["virtual_stages"]] if "virtual_stages" in c else range(2, top + 1):
+            if 2 <= v <= top and blocks % (pp * v) == 0 and blocks >= pp * v:
+                yield schedule, v
 
 
 def micro_batch_range(

@@ -96,6 +96,14 @@ class ParallelConfig:
         if self.schedule.multi_stage and self.pp < 2:
             raise ConfigError(f"schedule={sched!r} needs pp >= 2.")
 
+    def rank_of_stage(self, index: int) -> int:
+        """The pipeline rank that runs stage ``index`` (:meth:`Schedule.rank_of_stage`)."""
+        return self.schedule.rank_of_stage(index, self.pp)
+
+    def stages_of_rank(self, pipeline_rank: int) -> tuple[int, ...]:
+        """Indices of the stages a pipeline rank runs, in pipeline order."""
+        return tuple(i for i in range(self.num_stages) if self.rank_of_stage(i) == pipeline_rank)
+
     @property
     def world_size(self) -> int:
         """Devices the plan runs on."""
@@ -344,9 +352,8 @@ class Plan:
         )
 
     def stage_of_rank(self, pipeline_rank: int) -> tuple[int, ...]:
-        """Indices of the stages a pipeline rank runs, in order (:meth:`Schedule.rank_of_stage`)."""
-        c = self.config
-        return tuple(i for i in range(c.num_stages) if c.schedule.rank_of_stage(i, c.pp) == pipeline_rank)
+        """Indices of the stages a pipeline rank runs, in order (:meth:`ParallelConfig.rank_of_stage`)."""
+        return self.config.stages_of_rank(pipeline_rank)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able data, the inverse of :meth:`from_dict`."""

@@ -62,9 +62,8 @@ def analyse(model: nn.Module, plan: Plan, *, sample_input: Any = None) -> Analys
     _check_model(model, plan)
     check_schedule(plan)
     check_cuttable(model, plan)
-    c = plan.config
-    tied = find_tied(model, plan.stages, lambda i: c.schedule.rank_of_stage(i, c.pp))
-    check_tied_stages(tied, c.schedule.value)
+    tied = find_tied(model, plan.stages, plan.config.rank_of_stage)
+    check_tied_stages(tied, plan.config.schedule.value)
     return Analysis(layout=_tp_layout(model, plan, sample_input), tied=tied)
 
 

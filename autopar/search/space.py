@@ -138,6 +138,13 @@ def enumerate_space(
             f"KV heads and FFN sizes must divide by it); allowed: {allowed_tp}."
         )
     _check_divides(c, world)
+    if c.get("schedule") is Schedule.ZBV and graph.shared:
+        tie = graph.shared[0]
+        raise ConfigError(
+            f"schedule='zbv' cannot run this model: {tie.first_module!r} and {tie.second_module!r} share a weight, "
+            f"and ZB-V's stages in a V may put both on one pipeline rank in two stages, which the runtime refuses; "
+            f"use schedule='interleaved-zb' or untie the weights."
+        )
     tps = [c["tp"]] if "tp" in c else allowed_tp
     configs: list[ParallelConfig] = []
     for tp in tps:
@@ -257,8 +264,8 @@ def _schedules(pp: int, graph: LayerGraph, c: Mapping[str, Any]) -> Iterator[tup
             yield schedule, 1
     blocks = sum(1 for u in graph.units if u.prefix)
     for schedule in (Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZB, Schedule.ZBV):
-        if wanted not in (None, schedule):
-            continue
+        if wanted not in (None, schedule) or (schedule is Schedule.ZBV and graph.shared):
+            continue  # tied weights could land in two stages of one rank (zbv's V)
         top = 2 if schedule is Schedule.ZBV else MAX_VIRTUAL_STAGES
         for v in [c["virtual_stages"]] if "virtual_stages" in c else range(2, top + 1):
             if 2 <= v <= top and blocks % (pp * v) == 0 and blocks >= pp * v:

@@ -138,29 +138,44 @@ def pipeline_time_s(
     """Step time of the pipeline part (see the module docstring). A zero-bubble
     ``schedule`` needs each rank's forward and weight-gradient time per micro-batch
     (``rank_forward_s``, ``rank_weight_grad_s``; the input gradient is the rest of its
-    work); without them it is priced with no fill at all, a lower bound."""
+    work); without them it gives a lower bound (:func:`zero_bubble_floor_s`). Never
+    below ``m`` times the busiest rank's work."""
     m, top = num_microbatches, max(rank_work_s)
     if not schedule.zero_bubble:
         return m * top + (sum(rank_work_s) - top) / virtual_stages
     if rank_forward_s is None or rank_weight_grad_s is None:
-        return m * top
+        return m * top + zero_bubble_floor_s(schedule, rank_work_s, virtual_stages)
     crit = rank_work_s.index(top)
     parts = [(f, work - f - w, w) for work, f, w in zip(rank_work_s, rank_forward_s, rank_weight_grad_s)]
     fills = [zero_bubble_fill_s(schedule, *part) for part in parts]
     fill = sum(fills) - fills[crit]
     if schedule is Schedule.ZBV:
         f, i, w = parts[crit]
-        return m * top + fill - min(w, f, i, max(f - i, 0.0)) / 2
+        return m * top + max(fill - min(w, f, i, max(f - i, 0.0)) / 2, 0.0)
     return m * top + fill / virtual_stages
+
+
+def zero_bubble_floor_s(schedule: Schedule, rank_work_s: list[float], virtual_stages: int) -> float:
+    """The least fill a zero-bubble ``schedule`` adds to ``m`` times the busiest rank's
+    work, knowing only each rank's work ``F + I + W``: ``W <= F``
+    (:func:`weight_grad_s`) makes the work at most ``3 max(F, I)``, so each rank off the
+    critical one fills at least a third of its work under ``interleaved-zb`` (divided by
+    ``v``) and a sixth under ``zbv``, whose critical rank takes back at most ``W / 2``,
+    a quarter of its work. Non-decreasing in every rank's work, as a search bound must be."""
+    top = max(rank_work_s)
+    rest = sum(rank_work_s) - top
+    if schedule is Schedule.ZBV:
+        return max(rest / 6 - top / 4, 0.0)
+    return rest / (3 * virtual_stages)
 
 
 def pipeline_lower_bound_s(work_s: float, config: ParallelConfig) -> float:
     """The least :func:`pipeline_time_s` of ``work_s`` seconds per micro-batch spread
     over ``config``'s pipeline: every rank equally loaded,
     ``(m - 1 + p) / p * W`` with one stage per rank, ``(m + (p - 1) / v) W / p`` with
-    ``v`` (the maximum is never below the mean), ``m W / p`` under a zero-bubble schedule
-    (its fill depends on the split of the backward, which the bound does not know)."""
+    ``v`` (the maximum is never below the mean), and :func:`zero_bubble_floor_s` of the
+    even spread under a zero-bubble schedule (lowest there, as for the others)."""
     pp, m, v = config.pp, config.num_microbatches, config.virtual_stages
     if config.schedule.zero_bubble and pp > 1:
-        return m * work_s / pp
+        return pipeline_time_s([work_s / pp] * pp, m, v, schedule=config.schedule)
     return (m - 1 + pp) / pp * work_s if v == 1 else (m + (pp - 1) / v) * work_s / pp

@@ -96,8 +96,26 @@ def test_terms_by_hand():
     # zbv with F > I: (p - 1)(F - min(W, I/2)) - min(W, F - I)/2 = 3 * (3 - 1) - 0.5
     assert pipeline_time_s([6.0] * 4, 8, 2, schedule=Schedule.ZBV, rank_forward_s=[3.0] * 4,
                            rank_weight_grad_s=[1.0] * 4) == 8 * 6 + 3 * 2 - 0.5  # fmt: skip
-    # without the split of the backward: no fill (a lower bound for the search)
+    # without the split of the backward, a floor for the search: a third (interleaved-zb,
+    # over v) or a sixth less a quarter of the top (zbv) of the other ranks' work
+    assert pipeline_time_s([6.0, 6.0, 6.0], 8, 2, schedule=Schedule.INTERLEAVED_ZB) == 48 + 12 / 6
+    assert pipeline_time_s([6.0, 6.0, 6.0], 8, 2, schedule=Schedule.ZBV) == 48 + 12 / 6 - 6 / 4
     assert pipeline_time_s([6.0, 5.0], 8, 2, schedule=Schedule.ZBV) == 48.0
+
+
+def test_floor_is_below_every_split_of_the_backward():
+    """The search's floor never exceeds the time of any (F, I, W) with W <= F that adds
+    up to the same work, on equal and unequal ranks."""
+    for schedule in (Schedule.INTERLEAVED_ZB, Schedule.ZBV):
+        for works in ([6.0] * 4, [6.0, 3.0, 4.5], [2.0, 6.0]):
+            floor = pipeline_time_s(works, 8, 2, schedule=schedule)
+            for ff, wf in itertools.product([0.2, 0.34, 0.5, 0.8], [0.0, 0.5, 1.0]):
+                forward = [ff * x for x in works]
+                weight = [min(wf * f, x - f) for f, x in zip(forward, works)]
+                exact = pipeline_time_s(
+                    works, 8, 2, schedule=schedule, rank_forward_s=forward, rank_weight_grad_s=weight
+                )
+                assert floor <= exact + 1e-12, (schedule, works, ff, wf)
 
 
 TIMES = [0.5, 1.0, 1.5, 2.0, 3.0]

@@ -21,7 +21,7 @@ Zero-bubble schedules (Qi et al. 2023, "Zero Bubble Pipeline Parallelism") split
 rank's backward per micro-batch into the input gradient ``I`` and the weight gradient
 ``W`` (:func:`weight_grad_s`; ``F`` the forward) and run ``W`` where 1F1B idles. The
 fill-and-drain part of each rank (:func:`zero_bubble_fill_s`) replaces its whole work
-in the bubble term: with equal ranks, ``interleaved-zb`` (torch 2.13's
+in the bubble term (each rank's own, :func:`zero_bubble_rank_fill_s`): with equal ranks, ``interleaved-zb`` (torch 2.13's
 ``ScheduleInterleavedZeroBubble``, ZB-H1's order over ``v`` virtual stages) takes
 ``m (F + I + W) + (p - 1) max(F + I - W, F, I) / v``: ZB-H1's bubble
 ``(p - 1)(T_F + T_B - T_W)`` of the paper (section 3.1) divided by ``v`` as interleaving
@@ -135,38 +135,50 @@ def pipeline_time_s(
     rank_forward_s: list[float] | None = None,
     rank_weight_grad_s: list[float] | None = None,
 ) -> float:
-    """Step time of the pipeline part (see the module docstring). A zero-bubble
-    ``schedule`` needs each rank's forward and weight-gradient time per micro-batch
-    (``rank_forward_s``, ``rank_weight_grad_s``; the input gradient is the rest of its
-    work); without them it gives a lower bound (:func:`zero_bubble_floor_s`). Never
-    below ``m`` times the busiest rank's work."""
+    """Step time of the pipeline part (see the module docstring).
+
+    A zero-bubble ``schedule`` needs each rank's forward and weight-gradient time per
+    micro-batch (``rank_forward_s``, ``rank_weight_grad_s``; the input gradient is the
+    rest of its work): each rank then takes its ``m`` micro-batches and ``p - 1`` of its
+    own fills (:func:`zero_bubble_rank_fill_s`), and the step is the longest of those.
+    With equal ranks this is the form the simulation checks; with unequal ones it grows
+    with every rank's forward and input gradient, so that a rank's fastest options stay
+    the pipeline's best. Without the split it gives a lower bound
+    (:func:`zero_bubble_floor_s`)."""
     m, top = num_microbatches, max(rank_work_s)
     if not schedule.zero_bubble:
         return m * top + (sum(rank_work_s) - top) / virtual_stages
+    p = len(rank_work_s)
     if rank_forward_s is None or rank_weight_grad_s is None:
-        return m * top + zero_bubble_floor_s(schedule, rank_work_s, virtual_stages)
-    crit = rank_work_s.index(top)
-    parts = [(f, work - f - w, w) for work, f, w in zip(rank_work_s, rank_forward_s, rank_weight_grad_s)]
-    fills = [zero_bubble_fill_s(schedule, *part) for part in parts]
-    fill = sum(fills) - fills[crit]
-    if schedule is Schedule.ZBV:
-        f, i, w = parts[crit]
-        return m * top + max(fill - min(w, f, i, max(f - i, 0.0)) / 2, 0.0)
-    return m * top + fill / virtual_stages
+        return max(m * w + zero_bubble_floor_s(schedule, w, p, virtual_stages) for w in rank_work_s)
+    return max(
+        m * work + zero_bubble_rank_fill_s(schedule, p, virtual_stages, f, work - f - w, w)
+        for work, f, w in zip(rank_work_s, rank_forward_s, rank_weight_grad_s)
+    )
 
 
-def zero_bubble_floor_s(schedule: Schedule, rank_work_s: list[float], virtual_stages: int) -> float:
-    """The least fill a zero-bubble ``schedule`` adds to ``m`` times the busiest rank's
-    work, knowing only each rank's work ``F + I + W``: ``W <= F``
-    (:func:`weight_grad_s`) makes the work at most ``3 max(F, I)``, so each rank off the
-    critical one fills at least a third of its work under ``interleaved-zb`` (divided by
-    ``v``) and a sixth under ``zbv``, whose critical rank takes back at most ``W / 2``,
-    a quarter of its work. Non-decreasing in every rank's work, as a search bound must be."""
-    top = max(rank_work_s)
-    rest = sum(rank_work_s) - top
+def zero_bubble_rank_fill_s(
+    schedule: Schedule, pp: int, virtual_stages: int, forward_s: float, input_grad_s: float, weight_grad_s: float
+) -> float:
+    """The fill and drain of one rank of a zero-bubble pipeline of ``pp`` ranks: ``(p - 1)
+    max(F + I - W, F, I) / v`` under ``interleaved-zb``, ``(p - 1)(max(F, I) - min(W, I/2))
+    - min(W, max(F - I, 0)) / 2`` under ``zbv`` (module docstring; :func:`zero_bubble_fill_s`)."""
+    fill = (pp - 1) * zero_bubble_fill_s(schedule, forward_s, input_grad_s, weight_grad_s)
     if schedule is Schedule.ZBV:
-        return max(rest / 6 - top / 4, 0.0)
-    return rest / (3 * virtual_stages)
+        w = min(weight_grad_s, forward_s, input_grad_s)
+        return max(fill - min(w, max(forward_s - input_grad_s, 0.0)) / 2, 0.0)
+    return fill / virtual_stages
+
+
+def zero_bubble_floor_s(schedule: Schedule, work_s: float, pp: int, virtual_stages: int) -> float:
+    """The least :func:`zero_bubble_rank_fill_s` of a rank whose work ``F + I + W`` is
+    ``work_s``: ``W <= F`` (:func:`weight_grad_s`) makes the work at most ``3 max(F, I)``,
+    so the fill is at least ``(p - 1)/3`` of it under ``interleaved-zb`` (over ``v``), and
+    under ``zbv`` at least ``(p - 1)/6`` of it less ``W / 2``, at most a quarter of it.
+    Non-decreasing in the work, as a search bound must be."""
+    if schedule is Schedule.ZBV:
+        return max((pp - 1) * work_s / 6 - work_s / 4, 0.0)
+    return (pp - 1) * work_s / (3 * virtual_stages)
 
 
 def pipeline_lower_bound_s(work_s: float, config: ParallelConfig) -> float:

@@ -103,6 +103,22 @@ def test_terms_by_hand():
     assert pipeline_time_s([6.0, 5.0], 8, 2, schedule=Schedule.ZBV) == 48.0
 
 
+def test_unequal_ranks_never_gain_from_more_work():
+    """Each rank takes its micro-batches and its own fills: more forward or input-gradient
+    time on any rank never shortens the step (the search takes each rank's fastest
+    options), and the slowest rank bounds it."""
+    works, forward, weight = [6.0, 5.0, 5.9], [2.0, 1.5, 2.2], [1.0, 0.8, 1.1]
+    for schedule in (Schedule.INTERLEAVED_ZB, Schedule.ZBV):
+        base = pipeline_time_s(works, 4, 2, schedule=schedule, rank_forward_s=forward, rank_weight_grad_s=weight)
+        assert base >= 4 * 6.0
+        for r in range(3):
+            for df, di in ((0.3, 0.0), (0.0, 0.3)):
+                more = [w + (df + di) * (q == r) for q, w in enumerate(works)]
+                fwd = [f + df * (q == r) for q, f in enumerate(forward)]
+                t = pipeline_time_s(more, 4, 2, schedule=schedule, rank_forward_s=fwd, rank_weight_grad_s=weight)
+                assert t >= base, (schedule, r, df, di)
+
+
 def test_floor_is_below_every_split_of_the_backward():
     """The search's floor never exceeds the time of any (F, I, W) with W <= F that adds
     up to the same work, on equal and unequal ranks."""

@@ -63,6 +63,12 @@ def check_schedule(plan: Plan) -> None:
             f"schedule '1f1b' with pp={pp} needs num_microbatches >= pp, got {m}: the pipeline "
             f"never fills. Use num_microbatches >= {pp} or schedule 'gpipe'."
         )
+    if cfg.schedule.zero_bubble and cfg.zero_stage == 3 and cfg.dp > 1:
+        raise PipelineError(
+            f"schedule {cfg.schedule.value!r} with zero_stage=3 is refused: with FSDP2 resharding after forward, "
+            f"torch 2.13's split backward (input gradients, weight gradients later) trained to wrong losses in "
+            f"autopar's parity test. Use zero_stage <= 2 or schedule 'interleaved-1f1b'."
+        )
     if cfg.schedule in (Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZB):
         rounds = max(1, m // pp)
         if m % rounds:

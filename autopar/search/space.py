@@ -138,6 +138,11 @@ def enumerate_space(
             f"KV heads and FFN sizes must divide by it); allowed: {allowed_tp}."
         )
     _check_divides(c, world)
+    if c.get("schedule") in (Schedule.INTERLEAVED_ZB, Schedule.ZBV) and c.get("zero_stage") == 3:
+        raise ConfigError(
+            f"schedule={c['schedule'].value!r} with zero_stage=3 is not offered: autopar's runtime refuses it (FSDP2 "
+            f"resharding after forward under the split backward trained to wrong losses); use zero_stage <= 2."
+        )
     if c.get("schedule") is Schedule.ZBV and graph.shared:
         tie = graph.shared[0]
         raise ConfigError(
@@ -200,6 +205,8 @@ def enumerate_space(
                         [c["sequence_parallel"]] if "sequence_parallel" in c else ([False, True] if tp > 1 else [False])
                     )
                     for zero in zeros:
+                        if schedule.zero_bubble and zero == 3:
+                            continue  # the runtime refuses it (autopar.runtime.pipeline.check_schedule)
                         for sp in sps:
                             if sp and tp == 1:
                                 continue

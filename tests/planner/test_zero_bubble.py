@@ -8,9 +8,11 @@ import torch
 
 import autopar
 from autopar import ConfigError, Plan
+from autopar.graph import extract
 from autopar.models import Llama, LlamaConfig, build_named_model
 from autopar.plan import ParallelConfig
 from autopar.present.report import timeline_figure
+from autopar.search.space import check_constraints, enumerate_space
 from autopar.vocab import Schedule
 
 DGX1 = autopar.preset("dgx-a100-80gb", nodes=1)
@@ -88,6 +90,19 @@ def test_zbv_is_pinned_by_constraints():
     assert [s.pipeline_rank for s in p.prediction.stages] == [0, 1, 2, 3, 3, 2, 1, 0]
     fig = timeline_figure(p)  # the simulation knows no split backward: a note, not a wrong picture
     assert not fig.axes and "zbv with 2 stages per rank" in fig.texts[0].get_text()
+
+
+def test_zero3_is_not_offered_with_zero_bubble():
+    """The runtime refuses ZeRO-3 under a split backward, so the search leaves the pair
+    out, and refuses it in one line when both are pinned."""
+    graph = extract(_tiny_llama(), seq_len=2048)
+    configs, _ = enumerate_space(graph, DGX1, 64, check_constraints({"pp": 2, "tp": 2, "virtual_stages": 2}))
+    zero_bubble = [c for c in configs if c.schedule.zero_bubble]
+    assert zero_bubble and {c.zero_stage for c in zero_bubble} == {0, 1, 2}
+    assert any(c.zero_stage == 3 for c in configs if c.schedule is Schedule.INTERLEAVED_1F1B)
+    with pytest.raises(ConfigError, match="schedule='zbv' with zero_stage=3 is not offered"):
+        check = check_constraints({"pp": 2, "schedule": "zbv", "zero_stage": 3})
+        enumerate_space(graph, DGX1, 64, check)
 
 
 def test_zbv_is_not_offered_for_tied_weights():

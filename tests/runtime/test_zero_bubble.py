@@ -28,11 +28,22 @@ def test_zbv_llama(m):
     assert_parity(run(train, 2, "llama", plan), reference("llama", plan))
 
 
-@pytest.mark.parametrize("schedule", ["interleaved-zb", "zbv"])
-def test_zero_bubble_with_data_parallel(schedule):
-    """dp=2 x pp=2: DDP's gradient reduction after the deferred weight gradients."""
-    plan = make_plan("llama", dp=2, pp=2, schedule=schedule, virtual_stages=2, num_microbatches=2)
+@pytest.mark.parametrize("schedule, zero", [("interleaved-zb", 0), ("zbv", 0), ("interleaved-zb", 1), ("zbv", 2)])
+def test_zero_bubble_with_data_parallel(schedule, zero):
+    """dp=2 x pp=2: the data-parallel gradient reduction (FSDP2's replicate, ZeRO-1's
+    sharded optimizer, FSDP2 without resharding) after the deferred weight gradients."""
+    plan = make_plan("llama", dp=2, pp=2, schedule=schedule, virtual_stages=2, num_microbatches=2, zero_stage=zero)
     assert_parity(run(train, 4, "llama", plan, timeout_s=120), reference("llama", plan))
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-zb", "zbv"])
+def test_zero3_is_refused(schedule):
+    """ZeRO-3 (FSDP2 resharding after forward) under the split backward trained to wrong
+    losses on 4 ranks; refused before any collective."""
+    plan = make_plan("llama", dp=2, pp=2, schedule="interleaved-1f1b", virtual_stages=2, num_microbatches=2)
+    config = dataclasses.replace(plan.config, schedule=Schedule(schedule), zero_stage=3)
+    with pytest.raises(PipelineError, match=f"schedule '{schedule}' with zero_stage=3 is refused"):
+        analyse(build("llama"), dataclasses.replace(plan, config=config))
 
 
 def test_zbv_refuses_tied_weights_on_one_rank():

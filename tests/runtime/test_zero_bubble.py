@@ -6,7 +6,7 @@ parameters (tolerances in parity.py)."""
 import dataclasses
 
 import pytest
-from parity import assert_parity, build, make_plan, reference, run, train
+from parity import assert_parity, build, make_plan, megatron_styles, reference, run, train
 
 import autopar
 from autopar.models import GPT, GPTConfig
@@ -33,6 +33,24 @@ def test_zero_bubble_with_data_parallel(schedule, zero):
     """dp=2 x pp=2: the data-parallel gradient reduction (FSDP2's replicate, ZeRO-1's
     sharded optimizer, FSDP2 without resharding) after the deferred weight gradients."""
     plan = make_plan("llama", dp=2, pp=2, schedule=schedule, virtual_stages=2, num_microbatches=2, zero_stage=zero)
+    assert_parity(run(train, 4, "llama", plan, timeout_s=120), reference("llama", plan))
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-zb", "zbv"])
+def test_zero_bubble_with_tensor_parallel(schedule):
+    """tp=2 (Megatron layout, sequence parallelism) x pp=2: the split backward through
+    DTensor layers and their collectives."""
+    styles = megatron_styles("llama", sequence_parallel=True)
+    plan = make_plan(
+        "llama",
+        tp=2,
+        pp=2,
+        schedule=schedule,
+        virtual_stages=2,
+        num_microbatches=2,
+        sequence_parallel=True,
+        styles=styles,
+    )
     assert_parity(run(train, 4, "llama", plan, timeout_s=120), reference("llama", plan))
 
 

@@ -21,8 +21,9 @@ Zero-bubble schedules (Qi et al. 2023, "Zero Bubble Pipeline Parallelism") split
 rank's backward per micro-batch into the input gradient ``I`` and the weight gradient
 ``W`` (:func:`weight_grad_s`; ``F`` the forward) and run ``W`` where 1F1B idles. The
 fill-and-drain part of each rank (:func:`zero_bubble_fill_s`) replaces its whole work
-in the bubble term (each rank's own, :func:`zero_bubble_rank_fill_s`): with equal ranks, ``interleaved-zb`` (torch 2.13's
-``ScheduleInterleavedZeroBubble``, ZB-H1's order over ``v`` virtual stages) takes
+in the bubble term (each rank's own, :func:`zero_bubble_rank_fill_s`): with equal
+ranks, ``interleaved-zb`` (torch 2.13's ``ScheduleInterleavedZeroBubble``, ZB-H1's
+order over ``v`` virtual stages) takes
 ``m (F + I + W) + (p - 1) max(F + I - W, F, I) / v``: ZB-H1's bubble
 ``(p - 1)(T_F + T_B - T_W)`` of the paper (section 3.1) divided by ``v`` as interleaving
 divides 1F1B's; ``zbv`` (torch's ``ScheduleZBVZeroBubble``, the paper's ZB-V, section

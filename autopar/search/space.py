@@ -138,18 +138,7 @@ def enumerate_space(
             f"KV heads and FFN sizes must divide by it); allowed: {allowed_tp}."
         )
     _check_divides(c, world)
-    if c.get("schedule") in (Schedule.INTERLEAVED_ZB, Schedule.ZBV) and c.get("zero_stage") == 3:
-        raise ConfigError(
-            f"schedule={c['schedule'].value!r} with zero_stage=3 is not offered: autopar's runtime refuses it (FSDP2 "
-            f"resharding after forward under the split backward trained to wrong losses); use zero_stage <= 2."
-        )
-    if c.get("schedule") is Schedule.ZBV and graph.shared:
-        tie = graph.shared[0]
-        raise ConfigError(
-            f"schedule='zbv' cannot run this model: {tie.first_module!r} and {tie.second_module!r} share a weight, "
-            f"and ZB-V's stages in a V may put both on one pipeline rank in two stages, which the runtime refuses; "
-            f"use schedule='interleaved-zb' or untie the weights."
-        )
+    _check_zero_bubble(c, graph)
     tps = [c["tp"]] if "tp" in c else allowed_tp
     configs: list[ParallelConfig] = []
     for tp in tps:
@@ -237,6 +226,23 @@ def _check_divides(c: Mapping[str, Any], world: int) -> None:
                 f"{axis}={c[axis]} does not divide the cluster's {world} devices; fix {axis} to one of "
                 f"{divisors(world)}, or plan for another cluster."
             )
+
+
+def _check_zero_bubble(c: Mapping[str, Any], graph: LayerGraph) -> None:
+    """A pinned zero-bubble schedule the runtime would refuse, said at once (unpinned, the
+    search leaves these out): ZeRO-3 under a split backward, ``zbv`` for tied weights."""
+    if c.get("schedule") in (Schedule.INTERLEAVED_ZB, Schedule.ZBV) and c.get("zero_stage") == 3:
+        raise ConfigError(
+            f"schedule={c['schedule'].value!r} with zero_stage=3 is not offered: autopar's runtime refuses it (FSDP2 "
+            f"resharding after forward under the split backward trained to wrong losses); use zero_stage <= 2."
+        )
+    if c.get("schedule") is Schedule.ZBV and graph.shared:
+        tie = graph.shared[0]
+        raise ConfigError(
+            f"schedule='zbv' cannot run this model: {tie.first_module!r} and {tie.second_module!r} share a weight, "
+            f"and ZB-V's stages in a V may put both on one pipeline rank in two stages, which the runtime refuses; "
+            f"use schedule='interleaved-zb' or untie the weights."
+        )
 
 
 def _batch_rejection(c: Mapping[str, Any], dp: int, per_rank: int) -> Rejection | None:

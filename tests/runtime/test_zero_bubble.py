@@ -6,11 +6,24 @@ parameters (tolerances in parity.py)."""
 import dataclasses
 
 import pytest
-from parity import assert_parity, build, make_plan, megatron_styles, reference, run, train
+import torch
+from parity import (
+    LOSS_ATOL,
+    LR,
+    assert_parity,
+    build,
+    make_plan,
+    megatron_styles,
+    reference,
+    resumable,
+    run,
+    token_loss,
+    train,
+)
 
 import autopar
 from autopar.models import GPT, GPTConfig
-from autopar.runtime.api import analyse
+from autopar.runtime.api import analyse, parallelize
 from autopar.runtime.errors import PipelineError
 from autopar.runtime.local import run_locally, token_batches
 from autopar.runtime.spmd import SPMDSettings
@@ -112,3 +125,24 @@ def test_deferred_weight_gradients_hold_more_on_the_last_rank():
     assert zb_meas[0] < f1_meas[0] and zb_pred[0] < f1_pred[0]
     for p, got in zip(zb_pred, zb_meas):
         assert p == pytest.approx(got, rel=0.05), (zb_pred, zb_meas, f1_pred, f1_meas)
+
+
+def _resumable(rank, world, plan, path, resume, steps, save_at):
+    job = parallelize(build("llama"), plan, loss_fn=token_loss)
+    opt = job.optimizer(torch.optim.SGD, lr=LR, momentum=0.9)
+    return resumable(job, opt, "llama", path, resume, steps, save_at)
+
+
+def test_a_zbv_checkpoint_resumes_in_one_process(tmp_path):
+    """Saved by ZB-V on 2 ranks (rank 0 holds the first and the last stage), resumed by
+    one process: the resumed losses continue the uninterrupted single-process run."""
+    saver = make_plan("llama", pp=2, schedule="zbv", virtual_stages=2, num_microbatches=4)
+    loader = make_plan("llama", num_microbatches=4)
+    ref = reference("llama", saver, steps=6, momentum=0.9)
+    first = run(_resumable, 2, saver, str(tmp_path), False, 6, 3)
+    second = run(_resumable, 1, loader, str(tmp_path), True, 6, None)
+    for losses, _ in first:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses[:3]), rtol=0, atol=LOSS_ATOL)
+    ((losses, start),) = second
+    assert start == 3
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses[3:]), rtol=0, atol=LOSS_ATOL)

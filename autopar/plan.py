@@ -38,7 +38,8 @@ class ParallelConfig:
         num_microbatches: micro-batches per step and data-parallel rank (gradient
             accumulation); the global batch is ``dp * micro_batch_size * num_microbatches``.
         schedule: pipeline schedule (ignored when ``pp == 1``).
-        virtual_stages: stages per pipeline rank (> 1 only with ``interleaved-1f1b``).
+        virtual_stages: stages per pipeline rank (> 1 only with ``interleaved-1f1b``,
+            ``interleaved-zb``; exactly 2 with ``zbv``).
         zero_stage: 0-3, see :data:`autopar.vocab.ZERO_STAGES`.
         dp_shard: ranks of one FSDP shard group under hybrid sharding (HSDP): the ``dp``
             data-parallel ranks form ``dp / dp_shard`` replicate groups of ``dp_shard``
@@ -87,18 +88,32 @@ class ParallelConfig:
                 "sequence_parallel=True needs tp > 1: sequence parallelism shards norms over the "
                 "tensor-parallel group. Set tp >= 2 or sequence_parallel=False."
             )
-        if self.virtual_stages > 1 and self.schedule is not Schedule.INTERLEAVED_1F1B:
+        sched = self.schedule.value
+        if self.virtual_stages > 1 and not self.schedule.multi_stage:
             raise ConfigError(
-                f"virtual_stages={self.virtual_stages} needs schedule='interleaved-1f1b' "
-                f"(got {self.schedule.value!r}); use virtual_stages=1 for {self.schedule.value}."
+                f"virtual_stages={self.virtual_stages} needs schedule 'interleaved-1f1b', 'interleaved-zb' or "
+                f"'zbv' (got {sched!r}); use virtual_stages=1 for {sched}."
             )
-        if self.schedule is Schedule.INTERLEAVED_1F1B and self.virtual_stages < 2:
+        if self.schedule.multi_stage and self.virtual_stages < 2:
             raise ConfigError(
-                "schedule='interleaved-1f1b' needs virtual_stages >= 2 (stages per pipeline rank); "
+                f"schedule={sched!r} needs virtual_stages >= 2 (stages per pipeline rank); "
                 "use schedule='1f1b' for one stage per rank."
             )
-        if self.schedule is Schedule.INTERLEAVED_1F1B and self.pp < 2:
-            raise ConfigError("schedule='interleaved-1f1b' needs pp >= 2.")
+        if self.schedule is Schedule.ZBV and self.virtual_stages != 2:
+            raise ConfigError(
+                f"schedule='zbv' runs exactly 2 stages per pipeline rank (a V), got virtual_stages="
+                f"{self.virtual_stages}; use virtual_stages=2 or schedule='interleaved-zb'."
+            )
+        if self.schedule.multi_stage and self.pp < 2:
+            raise ConfigError(f"schedule={sched!r} needs pp >= 2.")
+
+    def rank_of_stage(self, index: int) -> int:
+        """The pipeline rank that runs stage ``index`` (:meth:`Schedule.rank_of_stage`)."""
+        return self.schedule.rank_of_stage(index, self.pp)
+
+    def stages_of_rank(self, pipeline_rank: int) -> tuple[int, ...]:
+        """Indices of the stages a pipeline rank runs, in pipeline order."""
+        return tuple(i for i in range(self.num_stages) if self.rank_of_stage(i) == pipeline_rank)
 
     def _check_dp_shard(self) -> None:
         """``dp_shard`` divides ``dp``, shards over at least 2 ranks, and needs ZeRO-2/3;
@@ -385,8 +400,8 @@ class Plan:
         )
 
     def stage_of_rank(self, pipeline_rank: int) -> tuple[int, ...]:
-        """Indices of the stages a pipeline rank runs (stage i on rank i % pp)."""
-        return tuple(i for i in range(self.config.num_stages) if i % self.config.pp == pipeline_rank)
+        """Indices of the stages a pipeline rank runs, in order (:meth:`ParallelConfig.rank_of_stage`)."""
+        return self.config.stages_of_rank(pipeline_rank)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able data, the inverse of :meth:`from_dict`."""

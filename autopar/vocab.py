@@ -36,11 +36,39 @@ class MeshAxis(StrEnum):
 
 
 class Schedule(StrEnum):
-    """Pipeline schedules of ``torch.distributed.pipelining`` that plans may name."""
+    """Pipeline schedules of ``torch.distributed.pipelining`` that plans may name.
+
+    ``interleaved-zb`` and ``zbv`` are the zero-bubble schedules of Qi et al. 2023, "Zero
+    Bubble Pipeline Parallelism": they split each backward into the input gradient
+    (``I``, on the critical path) and the weight gradient (``W``, deferred into what
+    would be bubbles). ``interleaved-zb`` runs interleaved 1F1B's order with deferred
+    weight gradients (the paper's ZB-H1 over virtual stages); ``zbv`` holds exactly two
+    stages per rank in a V: rank ``r`` runs stages ``r`` and ``2p - 1 - r`` (ZB-V).
+    """
 
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED_1F1B = "interleaved-1f1b"
+    INTERLEAVED_ZB = "interleaved-zb"
+    ZBV = "zbv"
+
+    @property
+    def multi_stage(self) -> bool:
+        """Whether the schedule runs several stages per pipeline rank (virtual stages)."""
+        return self in (Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZB, Schedule.ZBV)
+
+    @property
+    def zero_bubble(self) -> bool:
+        """Whether the schedule splits the backward into input and weight gradients."""
+        return self in (Schedule.INTERLEAVED_ZB, Schedule.ZBV)
+
+    def rank_of_stage(self, index: int, pp: int) -> int:
+        """The pipeline rank that runs stage ``index``: ``index % pp`` (round robin), or
+        the V of ``zbv``, where stage ``i < p`` runs on rank ``i`` and stage ``i >= p``
+        on rank ``2p - 1 - i``, so the first and last stages share rank 0."""
+        if self is Schedule.ZBV and index >= pp:
+            return 2 * pp - 1 - index
+        return index % pp
 
 
 class Recompute(StrEnum):

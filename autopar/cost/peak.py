@@ -31,7 +31,7 @@ from autopar.cost.recompute import UnitOption
 from autopar.cost.stage import PricedStage, rank_buffer_bytes
 from autopar.hardware.device import DeviceMemory
 from autopar.plan import MemoryBreakdown, ParallelConfig
-from autopar.vocab import Recompute, Schedule, TPStyle
+from autopar.vocab import Recompute, TPStyle
 
 WEIGHT_SPLIT: dict[TPStyle, int | None] = {
     TPStyle.REPLICATE: None,
@@ -142,7 +142,8 @@ def rank_memory(
     """The memory of the pipeline rank that runs ``stage`` (with all of its ``stages``)
     at its peak, term by term (module docstring)."""
     pp = config.pp
-    rank = [(u, o) for p in stages if p.index % pp == stage.index % pp for u, o in zip(p.units, p.options)]
+    here = config.rank_of_stage(stage.index)
+    rank = [(u, o) for p in stages if config.rank_of_stage(p.index) == here for u, o in zip(p.units, p.options)]
     prints = [footprint(model, o, config) for _, o in rank]
     params = sum(o.layout.param_numel for _, o in rank)
     factored = sum(o.layout.factored_numel for _, o in rank)
@@ -151,7 +152,7 @@ def rank_memory(
     shared = shared_state_bytes(model, config, held_once_numel(model, config, dict(rank)))
     scale = (static - shared) / static if static else 1.0
     grads = st.grads_bytes * scale
-    if pp > 1 and config.schedule is Schedule.INTERLEAVED_1F1B:
+    if pp > 1 and config.schedule.multi_stage:
         acts, transient = stage.inflight * sum(p.act_bytes for p in prints), max(p.transient_bytes for p in prints)
     else:
         share = [o.layout.param_numel / params if params else 0.0 for _, o in rank]

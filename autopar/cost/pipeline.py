@@ -16,6 +16,24 @@ schedules of ``torch.distributed.pipelining`` 2.13: GPipe holds all ``m``; 1F1B 
 ``min(m, p - r)`` on rank ``r``; interleaved 1F1B runs
 ``(v - 1) * mpr + 2 (p - 1 - r)`` warm-up chunk forwards (``_get_warmup_ops``, with
 ``mpr`` micro-batches per round) before its first backward.
+
+Zero-bubble schedules (Qi et al. 2023, "Zero Bubble Pipeline Parallelism") split a
+rank's backward per micro-batch into the input gradient ``I`` and the weight gradient
+``W`` (:func:`weight_grad_s`; ``F`` the forward) and run ``W`` where 1F1B idles. The
+fill-and-drain part of each rank (:func:`zero_bubble_fill_s`) replaces its whole work
+in the bubble term (each rank's own, :func:`zero_bubble_rank_fill_s`): with equal
+ranks, ``interleaved-zb`` (torch 2.13's ``ScheduleInterleavedZeroBubble``, ZB-H1's
+order over ``v`` virtual stages) takes
+``m (F + I + W) + (p - 1) max(F + I - W, F, I) / v``: ZB-H1's bubble
+``(p - 1)(T_F + T_B - T_W)`` of the paper (section 3.1) divided by ``v`` as interleaving
+divides 1F1B's; ``zbv`` (torch's ``ScheduleZBVZeroBubble``, the paper's ZB-V, section
+6) takes ``m (F + I + W) + (p - 1)(max(F, I) - min(W, I / 2)) - min(W, max(F - I, 0)) / 2``
+for ``W <= min(F, I)``, the closed form of torch's ZB-V order with per-stage times
+``F/2, I/2, W/2`` (derived from that order; the paper gives only the ``F = I = W``
+case). Both are checked against a simulation of torch's own action lists
+(``tests/planner/test_zero_bubble_cost.py``). The deferred ``W`` keeps a micro-batch's
+activations until it runs (torch's ``stage_backward_input`` retains the graph), so
+their in-flight micro-batches are counted from each forward to its ``W``.
 """
 
 from __future__ import annotations
@@ -31,10 +49,10 @@ def schedule_problem(schedule: Schedule, pp: int, virtual_stages: int, num_micro
     m = num_microbatches
     if schedule is Schedule.ONE_F_ONE_B and m < pp:
         return f"1f1b needs at least as many micro-batches as stages (m={m} < pp={pp})"
-    if schedule is Schedule.INTERLEAVED_1F1B:
+    if schedule in (Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZB):
         rounds = max(1, m // pp)
         if m % rounds:
-            return f"interleaved-1f1b needs m divisible by its rounds (m={m}, rounds={rounds})"
+            return f"{schedule.value} needs m divisible by its rounds (m={m}, rounds={rounds})"
     return None
 
 
@@ -42,7 +60,8 @@ def inflight_microbatches(
     schedule: Schedule, pp: int, virtual_stages: int, num_microbatches: int, pipeline_rank: int
 ) -> float:
     """Micro-batches whose activations rank ``pipeline_rank`` holds at its peak, in units
-    of "all of the rank's stages for one micro-batch" (non-increasing in the rank)."""
+    of "all of the rank's stages for one micro-batch" (non-increasing in the rank, but
+    for ``zbv`` with fewer than ``2p - 1`` micro-batches)."""
     m = num_microbatches
     if pp == 1:
         return 1.0
@@ -50,6 +69,10 @@ def inflight_microbatches(
         return float(m)
     if schedule is Schedule.ONE_F_ONE_B:
         return float(min(m, pp - pipeline_rank))
+    if schedule is Schedule.INTERLEAVED_ZB:  # every chunk of min(p, m) micro-batches before its first W
+        return float(min(pp, m))
+    if schedule is Schedule.ZBV:  # forwards of 2 chunks run ahead of their W by m + 1 + r at most
+        return min(2 * pp, m + 1 + pipeline_rank, 2 * m) / 2
     v = virtual_stages
     rounds = max(1, m // pp)
     per_round = m // rounds
@@ -82,16 +105,90 @@ def stage_buffer_bytes(
     return held + ((inflight + 1) * output_bytes if sends_output else 0.0)
 
 
-def pipeline_time_s(rank_work_s: list[float], num_microbatches: int, virtual_stages: int) -> float:
-    """Step time of the pipeline part (see the module docstring)."""
-    top = max(rank_work_s)
-    return num_microbatches * top + (sum(rank_work_s) - top) / virtual_stages
+def weight_grad_s(fwd_compute_s: float, attn_fwd_s: float) -> float:
+    """The weight-gradient part ``W`` of a unit's backward: each weighted matmul's
+    backward is two matmuls of its forward's size, one for the input's gradient and one
+    for the weight's (Qi et al. 2023, section 2: ``T_W`` about ``T_F``), so ``W`` is the
+    forward's compute less the attention core's, which has no weights."""
+    return max(fwd_compute_s - attn_fwd_s, 0.0)
+
+
+def zero_bubble_fill_s(schedule: Schedule, forward_s: float, input_grad_s: float, weight_grad_s: float) -> float:
+    """A rank's share of a zero-bubble pipeline's fill and drain, per micro-batch of
+    work ``F + I + W`` (module docstring): ``max(F + I - W, F, I)`` under
+    ``interleaved-zb`` (divided by ``v`` in the step), ``max(F, I) - min(W, I / 2)``
+    under ``zbv``. ``W`` beyond ``min(F, I)`` is not deferred (the ``zbv`` form holds up
+    to it; units have ``W <= F`` by :func:`weight_grad_s`, and ``I`` includes the
+    recomputation)."""
+    f, i = forward_s, input_grad_s
+    w = min(weight_grad_s, f, i)
+    if schedule is Schedule.ZBV:
+        return max(f, i) - min(w, i / 2)
+    return max(f + i - w, f, i)
+
+
+def pipeline_time_s(
+    rank_work_s: list[float],
+    num_microbatches: int,
+    virtual_stages: int,
+    *,
+    schedule: Schedule = Schedule.ONE_F_ONE_B,
+    rank_forward_s: list[float] | None = None,
+    rank_weight_grad_s: list[float] | None = None,
+) -> float:
+    """Step time of the pipeline part (see the module docstring).
+
+    A zero-bubble ``schedule`` needs each rank's forward and weight-gradient time per
+    micro-batch (``rank_forward_s``, ``rank_weight_grad_s``; the input gradient is the
+    rest of its work): each rank then takes its ``m`` micro-batches and ``p - 1`` of its
+    own fills (:func:`zero_bubble_rank_fill_s`), and the step is the longest of those.
+    With equal ranks this is the form the simulation checks; with unequal ones it grows
+    with every rank's forward and input gradient, so that a rank's fastest options stay
+    the pipeline's best. Without the split it gives a lower bound
+    (:func:`zero_bubble_floor_s`)."""
+    m, top = num_microbatches, max(rank_work_s)
+    if not schedule.zero_bubble:
+        return m * top + (sum(rank_work_s) - top) / virtual_stages
+    p = len(rank_work_s)
+    if rank_forward_s is None or rank_weight_grad_s is None:
+        return max(m * w + zero_bubble_floor_s(schedule, w, p, virtual_stages) for w in rank_work_s)
+    return max(
+        m * work + zero_bubble_rank_fill_s(schedule, p, virtual_stages, f, work - f - w, w)
+        for work, f, w in zip(rank_work_s, rank_forward_s, rank_weight_grad_s)
+    )
+
+
+def zero_bubble_rank_fill_s(
+    schedule: Schedule, pp: int, virtual_stages: int, forward_s: float, input_grad_s: float, weight_grad_s: float
+) -> float:
+    """The fill and drain of one rank of a zero-bubble pipeline of ``pp`` ranks: ``(p - 1)
+    max(F + I - W, F, I) / v`` under ``interleaved-zb``, ``(p - 1)(max(F, I) - min(W, I/2))
+    - min(W, max(F - I, 0)) / 2`` under ``zbv`` (module docstring; :func:`zero_bubble_fill_s`)."""
+    fill = (pp - 1) * zero_bubble_fill_s(schedule, forward_s, input_grad_s, weight_grad_s)
+    if schedule is Schedule.ZBV:
+        w = min(weight_grad_s, forward_s, input_grad_s)
+        return max(fill - min(w, max(forward_s - input_grad_s, 0.0)) / 2, 0.0)
+    return fill / virtual_stages
+
+
+def zero_bubble_floor_s(schedule: Schedule, work_s: float, pp: int, virtual_stages: int) -> float:
+    """The least :func:`zero_bubble_rank_fill_s` of a rank whose work ``F + I + W`` is
+    ``work_s``: ``W <= F`` (:func:`weight_grad_s`) makes the work at most ``3 max(F, I)``,
+    so the fill is at least ``(p - 1)/3`` of it under ``interleaved-zb`` (over ``v``), and
+    under ``zbv`` at least ``(p - 1)/6`` of it less ``W / 2``, at most a quarter of it.
+    Non-decreasing in the work, as a search bound must be."""
+    if schedule is Schedule.ZBV:
+        return max((pp - 1) * work_s / 6 - work_s / 4, 0.0)
+    return (pp - 1) * work_s / (3 * virtual_stages)
 
 
 def pipeline_lower_bound_s(work_s: float, config: ParallelConfig) -> float:
     """The least :func:`pipeline_time_s` of ``work_s`` seconds per micro-batch spread
     over ``config``'s pipeline: every rank equally loaded,
     ``(m - 1 + p) / p * W`` with one stage per rank, ``(m + (p - 1) / v) W / p`` with
-    ``v`` (the maximum is never below the mean)."""
+    ``v`` (the maximum is never below the mean), and :func:`zero_bubble_floor_s` of the
+    even spread under a zero-bubble schedule (lowest there, as for the others)."""
     pp, m, v = config.pp, config.num_microbatches, config.virtual_stages
+    if config.schedule.zero_bubble and pp > 1:
+        return pipeline_time_s([work_s / pp] * pp, m, v, schedule=config.schedule)
     return (m - 1 + pp) / pp * work_s if v == 1 else (m + (pp - 1) / v) * work_s / pp

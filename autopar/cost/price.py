@@ -47,7 +47,7 @@ class Decided:
     Attributes:
         config: degrees, batch split, schedule, sharding, precision.
         stages: the units of each pipeline stage, in pipeline order (stage ``i`` runs
-            on pipeline rank ``i % pp``); together every unit once, in order.
+            on pipeline rank ``config.rank_of_stage(i)``); together every unit once, in order.
         units: how each unit of the model runs.
     """
 
@@ -86,7 +86,7 @@ def priced_stages(model: CostModel, decided: Decided) -> tuple[PricedStage, ...]
                 priced[key] = _price_unit(model, u, choice, config)
             options.append(priced[key])
         inflight = inflight_microbatches(
-            config.schedule, config.pp, config.virtual_stages, config.num_microbatches, index % config.pp
+            config.schedule, config.pp, config.virtual_stages, config.num_microbatches, config.rank_of_stage(index)
         )
         stages.append(PricedStage(index=index, units=tuple(units), options=tuple(options), inflight=inflight))
     return tuple(stages)

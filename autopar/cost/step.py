@@ -16,7 +16,7 @@ from autopar.cost.data_parallel import tail_s
 from autopar.cost.host import ranks_wait_s
 from autopar.cost.model import CostModel
 from autopar.cost.peak import rank_memory
-from autopar.cost.pipeline import pipeline_time_s
+from autopar.cost.pipeline import pipeline_time_s, weight_grad_s
 from autopar.cost.stage import PricedStage, stage_p2p_s
 from autopar.plan import ParallelConfig, Prediction, StagePrediction, StepBreakdown
 
@@ -53,12 +53,15 @@ def tp_waits_s(model: CostModel, stage: PricedStage, config: ParallelConfig) -> 
 def timing(model: CostModel, config: ParallelConfig, stages: Sequence[PricedStage]) -> Timing:
     """Per-rank work, per-stage point-to-point, waits and tails, and the step time."""
     pp, v, m = config.pp, config.virtual_stages, config.num_microbatches
-    rank_work = [0.0] * pp
+    rank_work, rank_forward, rank_weight_grad = [0.0] * pp, [0.0] * pp, [0.0] * pp
     p2p, waits = [], []
     for stage in stages:
         f_p2p, b_p2p = stage_p2p_s(model, stage.units, stage.options, config)
         f_wait, b_wait = tp_waits_s(model, stage, config)
-        rank_work[stage.index % pp] += stage.time_s + f_p2p + b_p2p + f_wait + b_wait
+        r = config.rank_of_stage(stage.index)
+        rank_work[r] += stage.time_s + f_p2p + b_p2p + f_wait + b_wait
+        rank_forward[r] += sum(o.fwd_s for o in stage.options) + f_p2p + f_wait
+        rank_weight_grad[r] += sum(weight_grad_s(o.layout.fwd_compute_s, o.layout.attn_fwd_s) for o in stage.options)
         p2p.append((f_p2p, b_p2p))
         waits.append((f_wait, b_wait))
     if v == 1:
@@ -66,7 +69,7 @@ def timing(model: CostModel, config: ParallelConfig, stages: Sequence[PricedStag
     else:  # tails are per rank: over the union of its chunks
         per_rank = []
         for r in range(pp):
-            on_rank = [p for p in stages if p.index % pp == r]
+            on_rank = [p for p in stages if config.rank_of_stage(p.index) == r]
             merged = PricedStage(
                 index=r,
                 units=tuple(u for p in on_rank for u in p.units),
@@ -74,8 +77,10 @@ def timing(model: CostModel, config: ParallelConfig, stages: Sequence[PricedStag
                 inflight=on_rank[0].inflight,
             )
             per_rank.append(tail_s(model, merged, config))
-        tails = [per_rank[p.index % pp] for p in stages]
-    t_pipe = pipeline_time_s(rank_work, m, v)
+        tails = [per_rank[config.rank_of_stage(p.index)] for p in stages]
+    t_pipe = pipeline_time_s(
+        rank_work, m, v, schedule=config.schedule, rank_forward_s=rank_forward, rank_weight_grad_s=rank_weight_grad
+    )
     worst = max(range(len(tails)), key=lambda i: tails[i][0] + tails[i][1])
     return Timing(
         rank_work=tuple(rank_work),
@@ -97,7 +102,7 @@ def predict(model: CostModel, config: ParallelConfig, stages: Sequence[PricedSta
     rank_work, t_pipe, step = list(tm.rank_work), tm.pipeline_s, tm.step_s
     tails, worst_tail = tm.tails, tm.worst_tail
     crit = max(range(pp), key=lambda r: rank_work[r])
-    crit_stages = [i for i, p in enumerate(stages) if p.index % pp == crit]
+    crit_stages = [i for i, p in enumerate(stages) if config.rank_of_stage(p.index) == crit]
     options = [o for i in crit_stages for o in stages[i].options]
     comp = sum(o.layout.fwd_compute_s + o.layout.bwd_compute_s for o in options)
     reco = sum(o.recompute_s for o in options)
@@ -123,7 +128,7 @@ def predict(model: CostModel, config: ParallelConfig, stages: Sequence[PricedSta
         preds.append(
             StagePrediction(
                 index=stage.index,
-                pipeline_rank=stage.index % pp,
+                pipeline_rank=config.rank_of_stage(stage.index),
                 units=tuple(mod for u in stage.units for mod in model.graph.units[u].modules),
                 forward_s=sum(o.fwd_s for o in stage.options) + f_p2p + f_wait,
                 backward_s=sum(o.bwd_s for o in stage.options) + b_p2p + b_wait,

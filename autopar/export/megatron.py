@@ -92,6 +92,12 @@ def _pipeline_args(plan: Plan, blocks: Blocks, notes: list[str], info: list[str]
             "Megatron-LM has no GPipe schedule: it runs 1F1B, which has the same bubble and keeps at most pp "
             "micro-batches of activations in flight instead of all of them (less memory than predicted)"
         )
+    if c.schedule.zero_bubble:
+        notes.append(
+            f"Megatron-LM has no {c.schedule.value} (zero-bubble) schedule: written as interleaved 1F1B over the "
+            f"same stages, stage i on rank i % pp, with full backwards (a longer bubble than predicted"
+            f"{'; and other stage placement than the V' if c.schedule is Schedule.ZBV else ''})"
+        )
     if not blocks.count:
         notes.append("the plan's model has no repeated blocks; Megatron-LM splits its own layers evenly")
         return []

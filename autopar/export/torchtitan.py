@@ -32,7 +32,13 @@ from autopar.plan import Plan
 from autopar.vocab import DType, Recompute, Schedule
 
 CONFIG_NAME = "torchtitan.toml"
-SCHEDULES = {Schedule.GPIPE: "GPipe", Schedule.ONE_F_ONE_B: "1F1B", Schedule.INTERLEAVED_1F1B: "Interleaved1F1B"}
+SCHEDULES = {
+    Schedule.GPIPE: "GPipe",
+    Schedule.ONE_F_ONE_B: "1F1B",
+    Schedule.INTERLEAVED_1F1B: "Interleaved1F1B",
+    Schedule.INTERLEAVED_ZB: "InterleavedZeroBubble",
+    Schedule.ZBV: "ZBVZeroBubble",
+}
 """autopar's schedules by their names in ``torch.distributed.pipelining`` (what torchtitan
 passes on)."""
 
@@ -80,7 +86,8 @@ def export_torchtitan(plan: Plan, shape: ModelShape | None) -> Export:
         "add [model] name and flavor (and [job], [optimizer], [lr_scheduler]) for the model to train",
     ]
     if c.pp > 1:
-        info.append("module_fqns_per_model_part lists the plan's stages by module name; stage i runs on rank i % pp")
+        placement = "in a V (rank r runs stages r and 2pp-1-r)" if c.schedule is Schedule.ZBV else "on rank i % pp"
+        info.append(f"module_fqns_per_model_part lists the plan's stages by module name; stage i runs {placement}")
     text = commented(header(plan, "torchtitan") + info, notes) + "".join(_toml(n, s) for n, s in sections.items())
     return Export(target="torchtitan", text=text, filename=CONFIG_NAME, launch=launch, notes=tuple(notes))
 

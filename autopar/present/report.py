@@ -45,16 +45,22 @@ _STEP = [
 
 
 NO_PIPELINE = "No pipeline (pp=1): every device runs the whole model, so there is no pipeline timeline."
+NO_ZERO_BUBBLE_TIMELINE = (
+    "{schedule}: the timeline simulation does not split backwards into input and weight gradients, so no "
+    "timeline is drawn; the step time prices the schedule's bubble (autopar.cost.pipeline)."
+)
 
 
 def timeline_figure(plan: Plan, *, max_microbatches: int = 32) -> Figure:
     """Forward (blue) and backward (orange) of each micro-batch on each pipeline rank,
     simulated from the plan's per-stage times; white gaps are the bubble. A plan without
-    pipelining has no timeline: its figure holds the one-line :data:`NO_PIPELINE` note."""
+    pipelining has no timeline: its figure holds the one-line :data:`NO_PIPELINE` note,
+    and a zero-bubble schedule's the :data:`NO_ZERO_BUBBLE_TIMELINE` note."""
     c = plan.config
-    if c.pp == 1:
+    if c.pp == 1 or c.schedule.zero_bubble:
+        note = NO_PIPELINE if c.pp == 1 else NO_ZERO_BUBBLE_TIMELINE.format(schedule=schedule_text(c))
         fig = Figure(figsize=(10, 0.6))
-        fig.text(0.5, 0.5, NO_PIPELINE, ha="center", va="center")
+        fig.text(0.5, 0.5, note, ha="center", va="center")
         return fig
     m = min(c.num_microbatches, max_microbatches)
     stages = plan.prediction.stages

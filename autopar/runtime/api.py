@@ -38,7 +38,7 @@ from autopar.runtime.orphan import tie_to_launcher
 from autopar.runtime.pipeline import build_schedule, build_stages, check_cuttable, check_schedule, cut, tensor_outputs
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.tensor_parallel import apply_tensor_parallel
-from autopar.runtime.tied import TiedGradSync, TiedParam, find_tied
+from autopar.runtime.tied import TiedGradSync, TiedParam, check_tied_stages, find_tied
 from autopar.vocab import DType, TPStyle
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -62,7 +62,9 @@ def analyse(model: nn.Module, plan: Plan, *, sample_input: Any = None) -> Analys
     _check_model(model, plan)
     check_schedule(plan)
     check_cuttable(model, plan)
-    return Analysis(layout=_tp_layout(model, plan, sample_input), tied=find_tied(model, plan.stages, plan.config.pp))
+    tied = find_tied(model, plan.stages, plan.config.rank_of_stage)
+    check_tied_stages(tied, plan.config.schedule.value)
+    return Analysis(layout=_tp_layout(model, plan, sample_input), tied=tied)
 
 
 def parallelize(

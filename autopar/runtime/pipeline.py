@@ -1,6 +1,7 @@
 """Pipeline parallelism: cut the model to this rank's stages and run the plan's schedule.
 
-Stage ``i`` of the plan runs on pipeline rank ``i % pp`` (``Plan.stage_of_rank``). A stage
+Stage ``i`` of the plan runs on pipeline rank ``i % pp``, or in a V under ``zbv``
+(``Plan.stage_of_rank``). A stage
 module is a skeleton copy of the model that shares the kept units (no weights copied) and
 lacks the others: a block is deleted from its ``nn.ModuleDict`` (the others keep their
 names, so parameter FQNs and checkpoint keys are the same on every plan), any other unit
@@ -9,7 +10,8 @@ cannot skip blocks, run their share of the forward through
 :mod:`autopar.runtime.decoder_stages`). The stages then run with
 ``torch.distributed.pipelining``'s ``PipelineStage`` (holding only the messages in
 flight, :class:`BoundedStage`) and ``ScheduleGPipe``,
-``Schedule1F1B`` or ``ScheduleInterleaved1F1B`` (Narayanan et al. 2021); only the first
+``Schedule1F1B``, ``ScheduleInterleaved1F1B`` (Narayanan et al. 2021),
+``ScheduleInterleavedZeroBubble`` or ``ScheduleZBVZeroBubble`` (Qi et al. 2023); only the first
 stage gets inputs and only the last gets targets. With ``pp == 1`` the same machinery
 runs one stage, so micro-batching, gradient scaling by ``1/num_microbatches`` and the
 data-parallel gradient sync of the last micro-batch are shared by every plan.
@@ -25,7 +27,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.pipelining._utils import _make_tensor_from_meta
 from torch.distributed.pipelining.stage import _RecvInfo
@@ -40,6 +49,8 @@ SCHEDULES = {
     Schedule.GPIPE: ScheduleGPipe,
     Schedule.ONE_F_ONE_B: Schedule1F1B,
     Schedule.INTERLEAVED_1F1B: ScheduleInterleaved1F1B,
+    Schedule.INTERLEAVED_ZB: ScheduleInterleavedZeroBubble,
+    Schedule.ZBV: ScheduleZBVZeroBubble,
 }
 
 
@@ -52,11 +63,17 @@ def check_schedule(plan: Plan) -> None:
             f"schedule '1f1b' with pp={pp} needs num_microbatches >= pp, got {m}: the pipeline "
             f"never fills. Use num_microbatches >= {pp} or schedule 'gpipe'."
         )
-    if cfg.schedule is Schedule.INTERLEAVED_1F1B:
+    if cfg.schedule.zero_bubble and cfg.zero_stage == 3 and cfg.dp > 1:
+        raise PipelineError(
+            f"schedule {cfg.schedule.value!r} with zero_stage=3 is refused: with FSDP2 resharding after forward, "
+            f"torch 2.13's split backward (input gradients, weight gradients later) trained to wrong losses in "
+            f"autopar's parity test. Use zero_stage <= 2 or schedule 'interleaved-1f1b'."
+        )
+    if cfg.schedule in (Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZB):
         rounds = max(1, m // pp)
         if m % rounds:
             raise PipelineError(
-                f"schedule 'interleaved-1f1b' with pp={pp} runs micro-batches in rounds of pp; "
+                f"schedule {cfg.schedule.value!r} with pp={pp} runs micro-batches in rounds of pp; "
                 f"num_microbatches={m} is not a multiple of its {rounds} rounds. Use a multiple of {pp}."
             )
 
@@ -266,5 +283,5 @@ def build_schedule(stages: list[PipelineStage], plan: Plan, loss_fn: Callable[..
     cfg = plan.config
     kind = cfg.schedule if cfg.pp > 1 else Schedule.ONE_F_ONE_B
     cls = SCHEDULES[kind]
-    target = stages if kind is Schedule.INTERLEAVED_1F1B else stages[0]
+    target = stages if kind.multi_stage else stages[0]
     return cls(target, n_microbatches=cfg.num_microbatches, loss_fn=loss_fn, scale_grads=True)

@@ -12,6 +12,7 @@ keeps its own shard of the result.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from autopar.runtime.errors import PipelineError
 from autopar.runtime.mesh import MeshDims, default_timeout
 from autopar.runtime.recompute import clean_fqn
 
@@ -30,10 +32,12 @@ class TiedParam:
     Attributes:
         fqns: its names, in the order of the units that hold them.
         pipeline_ranks: for each name, the pipeline rank whose stage holds it.
+        stages: for each name, the index of the stage that holds it.
     """
 
     fqns: tuple[str, ...]
     pipeline_ranks: tuple[int, ...]
+    stages: tuple[int, ...]
 
     @property
     def spans_ranks(self) -> bool:
@@ -41,9 +45,12 @@ class TiedParam:
         return len(set(self.pipeline_ranks)) > 1
 
 
-def find_tied(model: nn.Module, stages: tuple[tuple[str, ...], ...], pp: int) -> tuple[TiedParam, ...]:
-    """Parameters of the full ``model`` reachable under several names."""
-    unit_rank = {u: i % pp for i, stage in enumerate(stages) for u in stage}
+def find_tied(
+    model: nn.Module, stages: tuple[tuple[str, ...], ...], rank_of_stage: Callable[[int], int]
+) -> tuple[TiedParam, ...]:
+    """Parameters of the full ``model`` reachable under several names; stage ``i``
+    runs on pipeline rank ``rank_of_stage(i)``."""
+    unit_stage = {u: i for i, stage in enumerate(stages) for u in stage}
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
@@ -51,14 +58,34 @@ def find_tied(model: nn.Module, stages: tuple[tuple[str, ...], ...], pp: int) ->
     for fqns in names.values():
         if len(fqns) < 2:
             continue
-        ranks = tuple(_rank_of(f, unit_rank) for f in fqns)
-        tied.append(TiedParam(fqns=tuple(fqns), pipeline_ranks=ranks))
+        held_by = tuple(_stage_of(f, unit_stage) for f in fqns)
+        tied.append(
+            TiedParam(fqns=tuple(fqns), pipeline_ranks=tuple(rank_of_stage(i) for i in held_by), stages=held_by)
+        )
     return tuple(tied)
 
 
-def _rank_of(fqn: str, unit_rank: dict[str, int]) -> int:
-    best = max((u for u in unit_rank if fqn == u or fqn.startswith(u + ".")), key=len)
-    return unit_rank[best]
+def _stage_of(fqn: str, unit_stage: dict[str, int]) -> int:
+    best = max((u for u in unit_stage if fqn == u or fqn.startswith(u + ".")), key=len)
+    return unit_stage[best]
+
+
+def check_tied_stages(tied: tuple[TiedParam, ...], schedule: str) -> None:
+    """Refuse copies of one parameter in two stages of one pipeline rank: each stage
+    scales, reduces and steps its own parameters, so the shared one would be scaled,
+    reduced and updated twice (``zbv`` puts the first and the last stage, a tied
+    embedding and head, on rank 0)."""
+    for t in tied:
+        by_rank: dict[int, set[int]] = {}
+        for rank, stage in zip(t.pipeline_ranks, t.stages):
+            by_rank.setdefault(rank, set()).add(stage)
+        for rank, held in by_rank.items():
+            if len(held) > 1:
+                raise PipelineError(
+                    f"parameter {t.fqns[0]!r} is tied to {t.fqns[1:]!r} and schedule {schedule!r} places both "
+                    f"copies on pipeline rank {rank}, in stages {sorted(held)}, which would scale and update it "
+                    f"twice. Use another schedule (e.g. 'interleaved-zb'), or untie the weights."
+                )
 
 
 class TiedGradSync:

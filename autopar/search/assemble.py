@@ -185,7 +185,7 @@ def _frugal_peak(solver: ConfigSolver, config: ParallelConfig) -> float:
     if bounds is None:
         return float("inf")
     ranks = [
-        [solver.options(u, config, modes) for c in range(r, chunks, pp) for u in range(bounds[c], bounds[c + 1])]
+        [solver.options(u, config, modes) for c in config.stages_of_rank(r) for u in range(bounds[c], bounds[c + 1])]
         for r in range(pp)
     ]
     return frugal_peak_bytes(solver.model, config, ranks)

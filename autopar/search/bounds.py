@@ -114,22 +114,23 @@ class TimeBound:
         layout = solver.any_layout(config, self.modes)
         rooms = []
         for r in range(pp):
-            runs = [(bounds[c], bounds[c + 1] - 1) for c in range(r, chunks, pp)]
+            runs = [(bounds[c], bounds[c + 1] - 1) for c in config.stages_of_rank(r)]
             rooms.append(solver.budget_bytes - runs_buffer_bytes(solver.model, runs, config, flights[r], layout))
         blocks = solver.priced_options(shape.block, config, self.modes)[1]
         only = np.array([q])
         times = homogeneous_times(blocks, q, np.asarray(rooms), np.asarray(flights), counts=only)[:, 0]
-        for r, single in ((0, shape.prologue), (pp - 1, shape.epilogue)):
+        for r, single in ((0, shape.prologue), (config.rank_of_stage(chunks - 1), shape.epilogue)):
             if single is not None:
                 alone = solver.priced_options(single, config, self.modes)[1]
+                # under zbv both land on rank 0: the epilogue's time replaces the prologue's (still a bound)
                 times[r] = single_and_run_times(alone, blocks, q, rooms[r], flights[r], counts=only)[0]
         if not np.isfinite(times).all():
             return math.inf
         send, back = self._p2p(config)
         work = times + v * (send + back)
         work[0] -= back
-        work[-1] -= send
-        return pipeline_time_s(work.tolist(), m, v) + self._tail_s(config)
+        work[config.rank_of_stage(chunks - 1)] -= send
+        return pipeline_time_s(work.tolist(), m, v, schedule=config.schedule) + self._tail_s(config)
 
     def _refined_split(self, config: ParallelConfig) -> float:
         """One stage per rank on a skeleton: the least largest stage over every split, each
@@ -211,11 +212,22 @@ class TimeBound:
         units = self._units(config, micro_batch_size)
         if pp == 1:
             return pipeline_lower_bound_s(units.total_s, config)
-        key = (config.tp, config.sequence_parallel, micro_batch_size, config.dtype, "pipeline", pp, v, send, back)
+        key = (
+            config.tp,
+            config.sequence_parallel,
+            micro_batch_size,
+            config.dtype,
+            "pipeline",
+            pp,
+            v,
+            config.schedule,
+            send,
+            back,
+        )
         if v > 1:
             if key not in self._cache:
                 self._cache[key] = _interleaved_rank_work(solver, config, units.cumulative_s, send, back)
-            return pipeline_time_s(self._cache[key], m, v)
+            return pipeline_time_s(self._cache[key], m, v, schedule=config.schedule)
         sends = (pp - 1) * (send + back)
         if shape is None:
             return pipeline_lower_bound_s(units.total_s + sends, config)
@@ -258,7 +270,10 @@ def _interleaved_rank_work(
     chunk = cumulative_s[edges[1:]] - cumulative_s[edges[:-1]] + send + back
     chunk[0] -= back
     chunk[-1] -= send
-    return chunk.reshape(v, pp).sum(axis=0).tolist()
+    work = [0.0] * pp
+    for c, t in enumerate(chunk.tolist()):
+        work[config.rank_of_stage(c)] += t
+    return work
 
 
 def _least_largest_stage_s(pp: int, shape: Skeleton, unit_time: dict[int, float], send: float, back: float) -> float:

@@ -366,7 +366,7 @@ class ConfigSolver:
             return None
         per_rank: dict[int, tuple[PricedStage, float]] = {}
         for r in range(config.pp):
-            units = tuple(u for c in range(r, chunks, config.pp) for u in range(bounds[c], bounds[c + 1]))
+            units = tuple(u for c in config.stages_of_rank(r) for u in range(bounds[c], bounds[c + 1]))
             infl = inflight_microbatches(config.schedule, config.pp, config.virtual_stages, config.num_microbatches, r)
             found = self.solve_units(units, config, modes, infl, r)
             if found is None:
@@ -374,7 +374,7 @@ class ConfigSolver:
             per_rank[r] = found
         out = []
         for c in range(chunks):
-            rank_stage, memory = per_rank[c % config.pp]
+            rank_stage, memory = per_rank[config.rank_of_stage(c)]
             idx = [rank_stage.units.index(u) for u in range(bounds[c], bounds[c + 1])]
             options = tuple(rank_stage.options[i] for i in idx)
             stage = PricedStage(

@@ -160,6 +160,7 @@ def enumerate_space(
             f"KV heads and FFN sizes must divide by it); allowed: {allowed_tp}."
         )
     _check_divides(c, world)
+    _check_zero_bubble(c, graph)
     tps = [c["tp"]] if "tp" in c else allowed_tp
     configs: list[ParallelConfig] = []
     for tp in tps:
@@ -219,6 +220,8 @@ def enumerate_space(
                         [c["sequence_parallel"]] if "sequence_parallel" in c else ([False, True] if tp > 1 else [False])
                     )
                     for zero, shard in _shardings(zeros, dp, tp, cluster.devices_per_node, c):
+                        if schedule.zero_bubble and zero == 3:
+                            continue  # the runtime refuses it (autopar.runtime.pipeline.check_schedule)
                         for sp in sps:
                             if sp and tp == 1:
                                 continue
@@ -285,6 +288,23 @@ def _check_divides(c: Mapping[str, Any], world: int) -> None:
             )
 
 
+def _check_zero_bubble(c: Mapping[str, Any], graph: LayerGraph) -> None:
+    """A pinned zero-bubble schedule the runtime would refuse, said at once (unpinned, the
+    search leaves these out): ZeRO-3 under a split backward, ``zbv`` for tied weights."""
+    if c.get("schedule") in (Schedule.INTERLEAVED_ZB, Schedule.ZBV) and c.get("zero_stage") == 3:
+        raise ConfigError(
+            f"schedule={c['schedule'].value!r} with zero_stage=3 is not offered: autopar's runtime refuses it (FSDP2 "
+            f"resharding after forward under the split backward trained to wrong losses); use zero_stage <= 2."
+        )
+    if c.get("schedule") is Schedule.ZBV and graph.shared:
+        tie = graph.shared[0]
+        raise ConfigError(
+            f"schedule='zbv' cannot run this model: {tie.first_module!r} and {tie.second_module!r} share a weight, "
+            f"and ZB-V's stages in a V may put both on one pipeline rank in two stages, which the runtime refuses; "
+            f"use schedule='interleaved-zb' or untie the weights."
+        )
+
+
 def _batch_rejection(c: Mapping[str, Any], dp: int, per_rank: int) -> Rejection | None:
     """Why a fixed micro-batch size or count cannot split the ``per_rank`` samples of each
     of ``dp`` data-parallel ranks, if it cannot (the search would find no candidate, and
@@ -315,11 +335,14 @@ def _schedules(pp: int, graph: LayerGraph, c: Mapping[str, Any]) -> Iterator[tup
     for schedule in (Schedule.ONE_F_ONE_B, Schedule.GPIPE):
         if wanted in (None, schedule) and c.get("virtual_stages", 1) == 1:
             yield schedule, 1
-    if wanted in (None, Schedule.INTERLEAVED_1F1B):
-        blocks = sum(1 for u in graph.units if u.prefix)
-        for v in [c["virtual_stages"]] if "virtual_stages" in c else range(2, MAX_VIRTUAL_STAGES + 1):
-            if v >= 2 and blocks % (pp * v) == 0 and blocks >= pp * v:
-                yield Schedule.INTERLEAVED_1F1B, v
+    blocks = sum(1 for u in graph.units if u.prefix)
+    for schedule in (Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZB, Schedule.ZBV):
+        if wanted not in (None, schedule) or (schedule is Schedule.ZBV and graph.shared):
+            continue  # tied weights could land in two stages of one rank (zbv's V)
+        top = 2 if schedule is Schedule.ZBV else MAX_VIRTUAL_STAGES
+        for v in [c["virtual_stages"]] if "virtual_stages" in c else range(2, top + 1):
+            if 2 <= v <= top and blocks % (pp * v) == 0 and blocks >= pp * v:
+                yield schedule, v
 
 
 def micro_batch_range(

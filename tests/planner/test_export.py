@@ -103,6 +103,9 @@ def test_megatron_pipeline_splits(pipelined_plan):
     assert megatron_args(ragged_v)["--pipeline-model-parallel-layout"] == "Et*9|t*10|t*10|t*11L"
     gpipe = export(variant(pipelined_plan, schedule="gpipe"), to="megatron")
     assert any("GPipe" in n for n in gpipe.notes)
+    zbv = variant(pipelined_plan, virtual_stages=2, schedule="zbv")
+    assert megatron_args(zbv)["--num-layers-per-virtual-pipeline-stage"] == "10"
+    assert any("no zbv (zero-bubble) schedule" in n for n in export(zbv, to="megatron").notes)
 
 
 def test_megatron_recompute(pipelined_plan):
@@ -261,6 +264,9 @@ def test_torchtitan_pipeline_and_batch(pipelined_plan, gpt2_plan):
     config = torchtitan_config(interleaved)
     p, t = config["parallelism"], config["training"]
     assert p["pipeline_parallel_schedule"] == "Interleaved1F1B"
+    for schedule, name in (("interleaved-zb", "InterleavedZeroBubble"), ("zbv", "ZBVZeroBubble")):
+        zb = variant(interleaved, schedule=schedule)
+        assert torchtitan_config(zb)["parallelism"]["pipeline_parallel_schedule"] == name
     assert p["module_fqns_per_model_part"] == [list(s) for s in interleaved.stages]
     c = interleaved.config
     # pipelined: a rank's whole batch per step, split into micro-batches of the plan's size

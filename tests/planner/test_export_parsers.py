@@ -21,10 +21,12 @@ import sys
 import types
 
 import pytest
+from torch.distributed.pipelining.schedules import get_schedule_class
 
 import autopar
 from autopar.export import export
 from autopar.models import build_named_model
+from autopar.runtime.pipeline import SCHEDULES
 from autopar.vocab import Recompute
 
 from .test_export import variant
@@ -58,6 +60,8 @@ def cases(gpt2_plan, pipelined_plan, llama_plan):
         "gpt-uneven-block-recompute": variant(pipelined_plan, blocks_per_stage=[19, 21], overrides=full),
         "gpt-layout": variant(pipelined_plan, pp=4, dp=1, blocks_per_stage=[9, 11, 12, 8], zero_stage=0),
         "llama-interleaved": llama,
+        "llama-zbv": variant(llama, schedule="zbv"),
+        "llama-interleaved-zb": variant(llama, schedule="interleaved-zb"),
     }
 
 
@@ -111,6 +115,8 @@ def test_torchtitan_parses_every_export(cases, tmp_path, monkeypatch):
         assert t.global_batch_size == c.global_batch_size and t.seq_len == plan.model.seq_len, name
         if c.pp > 1:
             assert p.module_fqns_per_model_part == [list(s) for s in plan.stages], name
+            # torchtitan hands the name to torch's own lookup: it must name the runtime's class
+            assert get_schedule_class(p.pipeline_parallel_schedule) is SCHEDULES[c.schedule], name
             assert t.local_batch_size // p.pipeline_parallel_microbatch_size == c.num_microbatches, name
         expected = {Recompute.NONE: "none", Recompute.FULL: "full", Recompute.SELECTIVE: "selective"}[c.recompute]
         if not plan.layer_strategies.recompute:

@@ -27,7 +27,18 @@ from autopar.errors import ConfigError
 from autopar.graph import extract
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, Flow, Leaf, LeafKind, UnitProfile
 from autopar.hardware import Cluster, DeviceMemory, DeviceSpec, LinkSpec, Roofline, preset
-from autopar.models import GPT, CNNConfig, GPTConfig, MLPConfig, MLPStack, ResNet, build_named_model, get_named_model
+from autopar.models import (
+    GPT,
+    CNNConfig,
+    GPTConfig,
+    Llama,
+    LlamaConfig,
+    MLPConfig,
+    MLPStack,
+    ResNet,
+    build_named_model,
+    get_named_model,
+)
 from autopar.plan import ParallelConfig
 from autopar.search.bounds import TimeBound
 from autopar.search.intra_op import LayoutSolver, brute_force_layout
@@ -42,7 +53,7 @@ from autopar.search.stage_solver import (
     memory_of,
     solve_stage,
 )
-from autopar.vocab import DType, Layout, Optimizer, TPStyle
+from autopar.vocab import DType, Layout, Optimizer, Schedule, TPStyle
 
 
 def _ctx(cluster, *, tp, mbs=1, sp=False, first=False, last=False):
@@ -260,7 +271,7 @@ def _brute_force_search(evaluator: ConfigSolver, constraints: dict) -> float:
             for choice in itertools.product(*(range(len(p[0])) for p in per_unit)):
                 stages, ok = [], True
                 for r in range(cfg.pp):
-                    units = [u for c in range(r, len(bounds) - 1, cfg.pp) for u in range(bounds[c], bounds[c + 1])]
+                    units = [u for c in cfg.stages_of_rank(r) for u in range(bounds[c], bounds[c + 1])]
                     kinds = {}
                     for u in units:
                         kinds.setdefault(evaluator.unit_keys[u], set()).add(per_unit[u][1][choice[u]].layout)
@@ -281,7 +292,7 @@ def _brute_force_search(evaluator: ConfigSolver, constraints: dict) -> float:
                 for c in range(len(bounds) - 1):
                     units = tuple(range(bounds[c], bounds[c + 1]))
                     opts = tuple(per_unit[u][0][choice[u]] for u in units)
-                    r = c % cfg.pp
+                    r = cfg.rank_of_stage(c)
                     inflight = inflight_microbatches(cfg.schedule, cfg.pp, cfg.virtual_stages, cfg.num_microbatches, r)
                     stages.append(PricedStage(index=c, units=units, options=opts, inflight=inflight))
                 best = min(best, timing(model, cfg, stages).step_s)
@@ -306,6 +317,33 @@ def test_whole_search_matches_brute_force(memory_gib):
     else:
         assert result.best.fits
         assert result.best.step_time_s == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule", [None, "interleaved-zb"])
+@pytest.mark.parametrize("memory_gib", [0.01, 0.02, 1.0])
+def test_whole_search_matches_brute_force_on_two_stages_per_rank(memory_gib, schedule):
+    """Interleaved 1F1B, interleaved ZB and ZB-V (its V placement: rank 0 holds the
+    first and the last stage) on an untied 4-block Llama, and interleaved ZB alone: the
+    search equals brute force. ZeRO-2 is fixed: under DDP and ZeRO-1 a longer backward
+    hides more of the data-parallel tail, so recomputation can pay off through the tail,
+    which the per-rank choice does not see (for interleaved 1F1B as well)."""
+    model = Llama(LlamaConfig(vocab_size=512, seq_len=128, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=256))
+    graph = extract(model, seq_len=128, dtype="bf16")
+    cluster = _tiny_cluster(memory_gib)
+    constraints = {"micro_batch_size": 2, "pp": 2, "tp": 1, "virtual_stages": 2, "zero_stage": 2}
+    constraints.update({"schedule": schedule} if schedule else {})
+    model = CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8)
+
+    def solver() -> ConfigSolver:
+        return ConfigSolver(model=model, budget_bytes=budget_bytes(cluster.device.memory), micro_batches=(2,))
+
+    configs, _ = enumerate_space(graph, cluster, 8, check_constraints(constraints))
+    offered = {Schedule(schedule)} if schedule else {Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZB, Schedule.ZBV}
+    assert {c.schedule for c in configs} == offered
+    want = _brute_force_search(solver(), constraints)
+    result = search(solver(), check_constraints(constraints), top=3)
+    assert math.isfinite(want) and result.best.fits
+    assert result.best.step_time_s == pytest.approx(want, rel=1e-9)
 
 
 @pytest.mark.parametrize(

@@ -28,9 +28,9 @@ def test_zero_stages(zero):
         assert sum(state) == total and max(state) < total  # each rank keeps its share only
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb"])
 def test_schedules(schedule):
-    v = 2 if schedule == "interleaved-1f1b" else 1
+    v = 2 if schedule in ("interleaved-1f1b", "interleaved-zb") else 1
     plan = make_plan("gpt", pp=2, schedule=schedule, virtual_stages=v, num_microbatches=4)
     assert_parity(run(train, 2, "gpt", plan), reference("gpt", plan))
 

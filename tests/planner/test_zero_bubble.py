@@ -1,0 +1,115 @@
+"""Zero-bubble schedules in the plan: their validation, their stage placement, the
+plan file round trip and the search that offers them."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import autopar
+from autopar import ConfigError, Plan
+from autopar.graph import extract
+from autopar.models import Llama, LlamaConfig, build_named_model
+from autopar.plan import ParallelConfig
+from autopar.present.report import timeline_figure
+from autopar.search.space import check_constraints, enumerate_space
+from autopar.vocab import Schedule
+
+DGX1 = autopar.preset("dgx-a100-80gb", nodes=1)
+
+BASE = dict(dp=1, tp=1, pp=4, micro_batch_size=1, num_microbatches=8)
+
+
+@pytest.mark.parametrize(
+    "schedule, v, message",
+    [
+        ("zbv", 3, "schedule='zbv' runs exactly 2 stages per pipeline rank.*virtual_stages=3"),
+        ("zbv", 1, "schedule='zbv' needs virtual_stages >= 2"),
+        ("interleaved-zb", 1, "schedule='interleaved-zb' needs virtual_stages >= 2"),
+        ("1f1b", 2, "virtual_stages=2 needs schedule 'interleaved-1f1b', 'interleaved-zb' or 'zbv'"),
+    ],
+)
+def test_virtual_stages_checked(schedule, v, message):
+    with pytest.raises(ConfigError, match=message):
+        ParallelConfig(**BASE, schedule=schedule, virtual_stages=v)
+
+
+def test_zero_bubble_needs_a_pipeline():
+    with pytest.raises(ConfigError, match="schedule='zbv' needs pp >= 2"):
+        ParallelConfig(**{**BASE, "pp": 1}, schedule="zbv", virtual_stages=2)
+
+
+def test_v_placement():
+    """ZB-V: rank r holds stages r and 2p - 1 - r (Qi et al. 2023, section 6); the other
+    schedules place stage i on rank i mod p."""
+    assert [Schedule.ZBV.rank_of_stage(i, 4) for i in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert [Schedule.INTERLEAVED_ZB.rank_of_stage(i, 4) for i in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-zb", "zbv"])
+def test_round_trip(pipelined_plan, schedule):
+    config = dataclasses.replace(pipelined_plan.config, schedule=Schedule(schedule), virtual_stages=2)
+    stages = pipelined_plan.stages
+    cut = (stages[0][: len(stages[0]) // 2], stages[0][len(stages[0]) // 2 :])
+    cut2 = (stages[1][: len(stages[1]) // 2], stages[1][len(stages[1]) // 2 :])
+    plan = dataclasses.replace(pipelined_plan, config=config, stages=(*cut, *cut2))
+    again = Plan.from_json(plan.to_json())
+    assert again == plan and again.config.schedule is Schedule(schedule)
+    expected = ((0, 3), (1, 2)) if schedule == "zbv" else ((0, 2), (1, 3))
+    assert (again.stage_of_rank(0), again.stage_of_rank(1)) == expected
+
+
+def _tiny_llama():
+    cfg = LlamaConfig(vocab_size=32000, seq_len=2048, dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, ffn_dim=5632)
+    with torch.device("meta"):
+        return Llama(cfg)
+
+
+def test_search_offers_zero_bubble_schedules():
+    """With two stages per rank the search costs interleaved 1F1B, interleaved ZB and
+    ZB-V on the same split; deferring the weight gradients shortens the fill, so
+    interleaved ZB beats interleaved 1F1B, and ``explain`` lists the others."""
+    p = autopar.plan(
+        _tiny_llama(),
+        DGX1,
+        global_batch_size=64,
+        seq_len=2048,
+        constraints={"pp": 4, "tp": 2, "virtual_stages": 2, "micro_batch_size": 1, "sequence_parallel": True},
+    )
+    times = {a.config.schedule: a.step_time_s for a in p.alternatives if a.status == "runner-up"}
+    times[p.config.schedule] = p.prediction.step_time_s
+    assert set(times) == {Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZB, Schedule.ZBV}
+    assert times[Schedule.INTERLEAVED_ZB] < times[Schedule.INTERLEAVED_1F1B]
+    text = autopar.explain(p)
+    assert all(f"{s.value}(v=2)" in text for s in times if s is not p.config.schedule)
+
+
+def test_zbv_is_pinned_by_constraints():
+    p = autopar.plan(_tiny_llama(), DGX1, global_batch_size=64, seq_len=2048, constraints={"pp": 4, "schedule": "zbv"})
+    assert p.config.schedule is Schedule.ZBV and p.config.virtual_stages == 2
+    assert [s.pipeline_rank for s in p.prediction.stages] == [0, 1, 2, 3, 3, 2, 1, 0]
+    fig = timeline_figure(p)  # the simulation knows no split backward: a note, not a wrong picture
+    assert not fig.axes and "zbv with 2 stages per rank" in fig.texts[0].get_text()
+
+
+def test_zero3_is_not_offered_with_zero_bubble():
+    """The runtime refuses ZeRO-3 under a split backward, so the search leaves the pair
+    out, and refuses it in one line when both are pinned."""
+    graph = extract(_tiny_llama(), seq_len=2048)
+    configs, _ = enumerate_space(graph, DGX1, 64, check_constraints({"pp": 2, "tp": 2, "virtual_stages": 2}))
+    zero_bubble = [c for c in configs if c.schedule.zero_bubble]
+    assert zero_bubble and {c.zero_stage for c in zero_bubble} == {0, 1, 2}
+    assert any(c.zero_stage == 3 for c in configs if c.schedule is Schedule.INTERLEAVED_1F1B)
+    with pytest.raises(ConfigError, match="schedule='zbv' with zero_stage=3 is not offered"):
+        check = check_constraints({"pp": 2, "schedule": "zbv", "zero_stage": 3})
+        enumerate_space(graph, DGX1, 64, check)
+
+
+def test_zbv_is_not_offered_for_tied_weights():
+    """GPT-2 ties its embedding and head: ZB-V would put both in two stages of rank 0,
+    which the runtime refuses, so the search leaves it out and refuses it when pinned."""
+    gpt = build_named_model("gpt2-small")
+    p = autopar.plan(gpt, DGX1, global_batch_size=64, seq_len=1024, constraints={"pp": 2, "virtual_stages": 2})
+    assert Schedule.ZBV not in {a.config.schedule for a in p.alternatives} | {p.config.schedule}
+    with pytest.raises(ConfigError, match="schedule='zbv' cannot run this model: 'tok_embeddings' and 'output'"):
+        autopar.plan(gpt, DGX1, global_batch_size=64, seq_len=1024, constraints={"pp": 2, "schedule": "zbv"})

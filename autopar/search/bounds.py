@@ -98,10 +98,23 @@ class TimeBound:
         options that fit its memory (the stage knapsack, priced for every rank at once,
         where the plain bound takes every unit at its fastest), every boundary's send,
         and the tail's floor. Infinite where a rank cannot fit. Other candidates keep the
-        plain bound."""
-        shape, solver = self.shape, self.solver
-        if shape is None or config.pp == 1:
+        plain bound.
+
+        An HSDP candidate takes the pipeline part of its plain-FSDP twin: it holds more
+        state per device (sharded over its group, not all of dp), so no unit gets a faster
+        option that fits than its twin's, and the twin's knapsack, priced once, bounds
+        every shard group's."""
+        if self.shape is None or config.pp == 1:
             return self(config)
+        twin = replace(config, dp_shard=None)
+        key = ("refined", twin)
+        if key not in self._cache:
+            self._cache[key] = self._refined_pipeline(twin)
+        return self._cache[key] + self._tail_s(config)
+
+    def _refined_pipeline(self, config: ParallelConfig) -> float:
+        """:meth:`refined` without the tail."""
+        shape, solver = self.shape, self.solver
         if config.virtual_stages == 1:
             return self._refined_split(config)
         pp, v, m = config.pp, config.virtual_stages, config.num_microbatches
@@ -130,13 +143,13 @@ class TimeBound:
         work = times + v * (send + back)
         work[0] -= back
         work[config.rank_of_stage(chunks - 1)] -= send
-        return pipeline_time_s(work.tolist(), m, v, schedule=config.schedule) + self._tail_s(config)
+        return pipeline_time_s(work.tolist(), m, v, schedule=config.schedule)
 
     def _refined_split(self, config: ParallelConfig) -> float:
-        """One stage per rank on a skeleton: the least largest stage over every split, each
-        stage priced by how many blocks it holds at the fastest options that fit its
-        memory (:func:`autopar.search.split_table.skeleton_stage_times`), and the sum of
-        every unit at its fastest; infinite where no split fits."""
+        """One stage per rank on a skeleton, without the tail: the least largest stage over
+        every split, each stage priced by how many blocks it holds at the fastest options
+        that fit its memory (:func:`autopar.search.split_table.skeleton_stage_times`), and
+        the sum of every unit at its fastest; infinite where no split fits."""
         shape, pp, m = self.shape, config.pp, config.num_microbatches
         flights = [inflight_microbatches(config.schedule, pp, 1, m, k) for k in range(pp)]
         width = min(shape.count, 2 * -(-shape.count // pp) + 2)
@@ -145,12 +158,7 @@ class TimeBound:
         if math.isinf(largest):
             return math.inf
         send, back = self._p2p(config)
-        return (
-            (m - 1) * largest
-            + self._units(config, config.micro_batch_size).total_s
-            + (pp - 1) * (send + back)
-            + self._tail_s(config)
-        )
+        return (m - 1) * largest + self._units(config, config.micro_batch_size).total_s + (pp - 1) * (send + back)
 
     def _units(self, config: ParallelConfig, micro_batch_size: int) -> _Units:
         """The unit times of ``config``'s structure on micro-batches of ``micro_batch_size``."""

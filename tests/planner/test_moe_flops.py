@@ -1,0 +1,146 @@
+"""FLOPs of mixture-of-experts layers: the grouped matmul formula against per-group
+plain matmuls, a tiny Mixtral's forward against the closed-form count, backward against
+twice forward, and the plan note for an op with no formula."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+import autopar
+from autopar.graph import extract
+from autopar.graph.flops import EXTRA_FLOP_FORMULAS, op_flops
+
+transformers = pytest.importorskip("transformers")
+
+# a tiny Mixtral: hidden h, expert width f, E experts of which k per token, vocabulary V
+H, F_, E, K, V, LAYERS, HEADS, KV_HEADS = 64, 128, 4, 2, 100, 2, 4, 2
+
+
+def _mixtral() -> nn.Module:
+    cfg = transformers.MixtralConfig(
+        hidden_size=H,
+        intermediate_size=F_,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        vocab_size=V,
+        num_local_experts=E,
+        num_experts_per_tok=K,
+        max_position_embeddings=64,
+    )
+    with torch.device("meta"):
+        return transformers.MixtralForCausalLM(cfg)
+
+
+def _mixtral_fwd_flops_per_token(seq: int) -> int:
+    """Per token: q and o projections (h x h), k and v (h x kv), attention scores and
+    values over ``seq`` keys (the fused kernel's formula counts the full square), the
+    router (h x E), k experts of three h x f matmuls, and the vocabulary head."""
+    kv = H // HEADS * KV_HEADS
+    block = 2 * (2 * H * H) + 2 * (2 * H * kv) + 4 * seq * H + 2 * H * E + K * 3 * (2 * H * F_)
+    return LAYERS * block + 2 * H * V
+
+
+def test_grouped_mm_counts_what_its_groups_count_as_plain_matmuls():
+    mm = flop_registry[torch.ops.aten.mm]
+    a, w = torch.randn(40, 16, dtype=torch.bfloat16), torch.randn(3, 16, 24, dtype=torch.bfloat16)
+    offs = torch.tensor([8, 24, 40], dtype=torch.int32)
+    out = torch._grouped_mm(a, w, offs=offs)
+    groups = [a[0:8], a[8:24], a[24:40]]
+    expected = sum(mm(g, w[i], out_val=g @ w[i]) for i, g in enumerate(groups))
+    assert op_flops(torch.ops.aten._grouped_mm.default, (a, w), {"offs": offs}, out) == expected
+    # the count does not depend on how the rows are split between the experts
+    skewed = torch.tensor([0, 0, 40], dtype=torch.int32)
+    assert op_flops(torch.ops.aten._grouped_mm.default, (a, w), {"offs": skewed}, out) == expected
+
+
+class _ByOp(TorchDispatchMode):
+    """FLOPs per op packet, by autopar's lookup."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops: dict[str, float] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        n = op_flops(func, args, kwargs, out)
+        if n:
+            name = str(func._overloadpacket)
+            self.flops[name] = self.flops.get(name, 0.0) + n
+        return out
+
+
+def test_a_tiny_mixtral_forward_counts_its_experts():
+    seq = 32
+    graph = extract(_mixtral(), seq_len=seq)
+    assert graph.fwd_flops_per_sample / seq == pytest.approx(_mixtral_fwd_flops_per_token(seq), rel=1e-12)
+    assert graph.uncounted_ops == ()
+
+
+def test_grouped_mm_backward_is_twice_its_forward_in_a_mixtral():
+    seq = 32
+    cfg_model = _mixtral()
+    real = type(cfg_model)(cfg_model.config).to(torch.bfloat16)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        ids = torch.zeros(1, seq, dtype=torch.long)
+        fwd, bwd = _ByOp(), _ByOp()
+        with fwd:
+            loss = real(input_ids=ids, use_cache=False).logits.float().sum()
+        with bwd:
+            loss.backward()
+    grouped = "aten._grouped_mm"
+    expert_fwd = LAYERS * seq * K * 3 * (2 * H * F_)
+    assert fwd.flops[grouped] == expert_fwd
+    assert bwd.flops[grouped] == 2 * expert_fwd
+    # FlopCounterMode given the same table agrees
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with FlopCounterMode(display=False, custom_mapping=dict(EXTRA_FLOP_FORMULAS)) as counter:
+            real(input_ids=torch.zeros(1, seq, dtype=torch.long), use_cache=False)
+    assert counter.get_flop_counts()["Global"][torch.ops.aten._grouped_mm] == expert_fwd
+
+
+@torch.library.custom_op("autopar_test::opaque_linear", mutates_args=())
+def _opaque_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x @ w.t()
+
+
+@_opaque_linear.register_fake
+def _(x, w):
+    return x.new_empty(*x.shape[:-1], w.shape[0])
+
+
+class _OpaqueLinear(nn.Module):
+    """A linear layer run by a custom kernel that PyTorch has no FLOP formula for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(16, 16))
+
+    def forward(self, x):
+        return _opaque_linear(x, self.weight)
+
+
+class _Opaque(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = _OpaqueLinear()
+        self.head = nn.Linear(16, 4, bias=False)
+
+    def forward(self, x):
+        return self.head(self.proj(x))
+
+
+def test_an_op_without_formula_that_reads_weights_is_named_in_the_plan_notes():
+    with torch.device("meta"):
+        model = _Opaque()
+    plan = autopar.plan(model, "dgx-a100-80gb:1", global_batch_size=8, sample_input=torch.zeros(1, 16), top=0)
+    notes = [n for n in plan.notes if "0 FLOPs" in n]
+    assert len(notes) == 1 and "autopar_test.opaque_linear" in notes[0]
+    # the head alone: forward and backward (twice the forward) of a 16 x 4 matmul
+    assert plan.model.flops_per_sample == pytest.approx(3 * 2 * 16 * 4, rel=1e-12)

@@ -21,6 +21,8 @@ agree by construction:
   the unit's input, the leaf outputs decide: the tracer attributes constants made inside
   a unit (positions, rotary tables, the loss's targets) to the unit input, and the real
   residual stream is already in the layout partial outputs are reduced to;
+- under sequence parallelism, a replicated leaf that feeds only the unit's output next
+  to a partial one keeps its sequence shard, so the residual sum meets in Q;
 - between units the activation is in the boundary layout (R, or Q with sequence
   parallelism); a block whose input arrives otherwise (after embeddings that end in R)
   converts it on entry, so every stage boundary carries one known layout;
@@ -249,6 +251,8 @@ def _resolve_unit(
             if all(leaf_styles[c] is TPStyle.COLUMN for c in mine):
                 dtensor_out.add(i)
         out[i] = natural
+    if boundary is Layout.Q and not last:
+        _shard_replicated_addends(leaf_styles, consumers, producers, out)
     for i, style in enumerate(leaf_styles):
         if STYLE_IO[style][1] is Layout.P:
             out[i] = _reduce_to(i, names, leaf_styles, consumers, producers, out, boundary, last=last)
@@ -344,6 +348,23 @@ def _hoist(
         if columns or src is not dst:
             hoisted[child] = ModuleInput(src=src, dst=dst, dtensor=columns, leaves=tuple(names[i] for i in leaves))
     return hoisted
+
+
+def _shard_replicated_addends(
+    styles: list[TPStyle], consumers: dict[int, set[int]], producers: dict[int, set[int]], out: dict[int, Layout]
+) -> None:
+    """Under sequence parallelism, a replicated leaf whose output only goes to the
+    unit's output, beside a partial output that is summed into the sequence-sharded
+    residual stream (a replicated mixture-of-experts MLP after a row-parallel attention
+    projection), keeps its sequence shard (a local slice), so that the sum meets in one
+    layout; the planner prices the same conversion at that leaf's output."""
+    meets = producers.get(UNIT_OUTPUT, set())
+    partial = any(STYLE_IO[styles[s]][1] is Layout.P for s in meets if s >= 0)
+    if not partial or out.get(UNIT_INPUT) is not Layout.Q:
+        return
+    for s in meets:
+        if s >= 0 and styles[s] is TPStyle.REPLICATE and consumers.get(s) == {UNIT_OUTPUT}:
+            out[s] = Layout.Q
 
 
 def _reduce_to(

@@ -64,7 +64,7 @@ def convert(x: torch.Tensor, mesh: DeviceMesh, src: Layout, dst: Layout, *, dten
     as a DTensor when ``dtensor``."""
     if src is dst and not dtensor:
         return x
-    if src is Layout.Q and x.dim() < 3:
+    if Layout.Q in (src, dst) and x.dim() < 3:
         raise ShardingError(
             f"sequence parallelism shards dim 1 of (batch, seq, ...) activations, but a "
             f"{x.dim()}-D tensor of shape {tuple(x.shape)} arrived; use sequence_parallel=False."

@@ -1,11 +1,16 @@
-"""FLOPs of mixture-of-experts layers: the grouped matmul formula against per-group
-plain matmuls, a tiny Mixtral's forward against the closed-form count, backward against
-twice forward, and the plan note for an op with no formula."""
+"""Mixture of experts: the grouped matmul FLOP formula against per-group plain matmuls,
+a tiny Mixtral's forward against the closed-form count and backward against twice
+forward, the plan note for an op with no formula, and autopar's own MoE model (routing
+against a per-token loop, FLOPs against the closed form, experts replicated under
+tensor parallelism)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -14,6 +19,9 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 import autopar
 from autopar.graph import extract
 from autopar.graph.flops import EXTRA_FLOP_FORMULAS, op_flops
+from autopar.models import MoEConfig, MoELlama, build_named_model
+from autopar.runtime.layouts import resolve
+from autopar.vocab import Layout
 
 transformers = pytest.importorskip("transformers")
 
@@ -144,3 +152,76 @@ def test_an_op_without_formula_that_reads_weights_is_named_in_the_plan_notes():
     assert len(notes) == 1 and "autopar_test.opaque_linear" in notes[0]
     # the head alone: forward and backward (twice the forward) of a 16 x 4 matmul
     assert plan.model.flops_per_sample == pytest.approx(3 * 2 * 16 * 4, rel=1e-12)
+
+
+MOE = MoEConfig(
+    vocab_size=64, seq_len=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, n_experts=4, top_k=2
+)
+
+
+def _routed_one_token_at_a_time(ff: nn.Module, h: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
+    """Each token's top-k experts in token order, skipping an expert whose capacity
+    for this sample is used up; outputs weighted by the renormalised probabilities."""
+    probs = torch.softmax(h @ ff.router.t(), dim=-1)
+    weights, chosen = probs.topk(cfg.top_k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    w1, w3, w2 = ff.w1, ff.w3, ff.w2
+    out = torch.zeros_like(h)
+    for b in range(h.shape[0]):
+        used = [0] * cfg.n_experts
+        for t in range(h.shape[1]):
+            for j in range(cfg.top_k):
+                e = int(chosen[b, t, j])
+                if used[e] < cfg.capacity(h.shape[1]):
+                    v = h[b, t]
+                    out[b, t] += weights[b, t, j] * ((F.silu(v @ w1[e]) * (v @ w3[e])) @ w2[e])
+                used[e] += 1
+    return out
+
+
+@pytest.mark.parametrize("capacity_factor", [1.0, 0.5, 2.0])
+def test_moe_routing_equals_a_per_token_loop(capacity_factor):
+    cfg = dataclasses.replace(MOE, capacity_factor=capacity_factor)
+    torch.manual_seed(0)
+    ff = MoELlama(cfg).layers["0"].feed_forward
+    h = torch.randn(3, 16, 32)
+    expected = _routed_one_token_at_a_time(ff, h, cfg)
+    torch.testing.assert_close(ff(h), expected, rtol=1e-5, atol=1e-6)
+    # a sample is routed the same whatever else is in its batch
+    torch.testing.assert_close(ff(h[1:2]), ff(h)[1:2], rtol=1e-5, atol=1e-6)
+
+
+def test_moe_forward_flops_are_the_closed_form():
+    """Per token: q and o (d x d), k and v (d x kv), attention over the sequence, the
+    router (d x E), capacity_factor x top_k experts of three d x f matmuls, the head."""
+    for capacity_factor in (1.0, 1.5):
+        cfg = dataclasses.replace(MOE, capacity_factor=capacity_factor)
+        with torch.device("meta"):
+            model = MoELlama(cfg)
+        seq = cfg.seq_len
+        graph = extract(model, seq_len=seq)
+        d, f, kv = cfg.dim, cfg.ffn_dim, cfg.head_dim * cfg.n_kv_heads
+        slots_per_token = cfg.capacity(seq) * cfg.n_experts / seq  # top_k x capacity_factor
+        assert slots_per_token == cfg.top_k * capacity_factor
+        block = 2 * (2 * d * d) + 2 * (2 * d * kv) + 4 * seq * d + 2 * d * cfg.n_experts
+        block += slots_per_token * 3 * (2 * d * f)
+        assert graph.fwd_flops_per_sample / seq == pytest.approx(cfg.n_layers * block + 2 * d * cfg.vocab_size)
+        assert graph.uncounted_ops == ()
+
+
+def test_mixtral_8x7b_plans_with_its_experts_replicated_under_tensor_parallelism():
+    model = build_named_model("mixtral-8x7b")
+    assert sum(p.numel() for p in model.parameters()) == 46_702_792_704  # Mixtral 8x7B's 46.7B
+    plan = autopar.estimate(
+        model, "dgx-h100:8", {"tp": 8, "pp": 8, "sequence_parallel": True}, global_batch_size=64, seq_len=4096
+    )
+    tp = plan.layer_strategies.tp
+    assert tp["layers.0.attention.wq"].value == "column" and tp["layers.0.attention.wo"].value == "row"
+    assert all(
+        tp.get(f"layers.{i}.feed_forward", autopar.TPStyle.REPLICATE) is autopar.TPStyle.REPLICATE for i in range(32)
+    )
+    # the runtime resolves that layout: the experts compute on the whole sequence (the
+    # norm before them gathers it) and hand their sequence shard to the residual stream
+    layout = resolve(extract(model, seq_len=4096), dict(tp), sequence_parallel=True, tp=8)
+    moe = layout.leaves["layers.0.feed_forward"]
+    assert (moe.arrives, moe.output) == (Layout.R, Layout.Q)

@@ -80,7 +80,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = _shaped(func, args, kwargs)
         seg = self.tracer.segment
         if seg is None:
             return out
@@ -124,6 +124,18 @@ class _Recorder(TorchDispatchMode):
         seg.charge_waiting(op)
         seg.last_outputs = frozenset(_storage_key(t) for t in outs)
         return out
+
+
+def _shaped(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func``'s output on tensors without data. torch 2.13's shape function of
+    ``aten._grouped_mm`` accepts only bf16 where its CPU kernel also runs fp32 (a
+    transformers MoE model planned in fp32): the shape does not depend on the precision,
+    so it is taken in bf16 and the output cast back."""
+    a = args[0] if args else None
+    if func._overloadpacket is torch.ops.aten._grouped_mm and a.dtype is not torch.bfloat16:
+        low = tuple(t.to(torch.bfloat16) for t in args[:2])
+        return func(*low, *args[2:], **kwargs).to(a.dtype)
+    return func(*args, **kwargs)
 
 
 def _may_compute(func: Any) -> bool:

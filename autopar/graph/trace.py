@@ -12,8 +12,8 @@ a meta model with an op only fake tensors can run, on fake tensors
   leaves it came from, so the ops between two leaves become a
   :class:`~autopar.graph.layer_graph.Flow`. An op without a formula that combines a
   weight matrix with an activation of 2 or more dims (and is neither elementwise nor a
-  lookup such as an embedding) is recorded as uncounted: it likely does a matmul's
-  arithmetic that the plan does not see;
+  lookup, join or copy such as an embedding) is recorded as uncounted: it likely does
+  a matmul's arithmetic that the plan does not see;
 - ``saved_tensors_hooks`` records every tensor autograd keeps for backward, counted
   once per storage and never for parameters: the activation memory *measured* from the
   model's own code rather than assumed by formula;
@@ -49,17 +49,22 @@ from autopar.vocab import Attention
 
 _FREE_OPS = {torch.ops.aten._unsafe_view, torch.ops.aten.lift_fresh}
 """Ops that move no data although PyTorch does not tag them as views."""
-_LOOKUP_OPS = {
+_MOVE_OPS = {
     torch.ops.aten.embedding,
     torch.ops.aten.embedding_dense_backward,
     torch.ops.aten.index,
     torch.ops.aten.index_select,
     torch.ops.aten.gather,
+    torch.ops.aten.scatter,
+    torch.ops.aten.index_put,
+    torch.ops.aten.cat,
+    torch.ops.aten.stack,
     torch.ops.aten._to_copy,
     torch.ops.aten.clone,
     torch.ops.aten.copy_,
 }
-"""Ops that read a weight matrix without arithmetic: no FLOP formula is expected."""
+"""Ops that select, join or copy values (a lookup in a weight matrix, a learned class
+token joined to the patches): no arithmetic, so no FLOP formula is expected."""
 _PARTS_OPS = {
     torch.ops.aten.split,
     torch.ops.aten.split_with_sizes,
@@ -140,8 +145,8 @@ def _shaped(func: Any, args: tuple, kwargs: dict) -> Any:
 
 def _may_compute(func: Any) -> bool:
     """Whether an op without a FLOP formula may hide a matmul: not elementwise, not a
-    lookup."""
-    return torch.Tag.pointwise not in func.tags and func._overloadpacket not in _LOOKUP_OPS
+    lookup, join or copy."""
+    return torch.Tag.pointwise not in func.tags and func._overloadpacket not in _MOVE_OPS
 
 
 def _parts_dim(func: Any, args: tuple, kwargs: dict) -> int:

@@ -22,6 +22,7 @@ from autopar.graph.flops import EXTRA_FLOP_FORMULAS, op_flops
 from autopar.models import MoEConfig, MoELlama, build_named_model
 from autopar.runtime.layouts import resolve
 from autopar.vocab import Layout
+from profiler.census import FlopLap
 
 transformers = pytest.importorskip("transformers")
 
@@ -114,6 +115,36 @@ def test_grouped_mm_backward_is_twice_its_forward_in_a_mixtral():
         with FlopCounterMode(display=False, custom_mapping=dict(EXTRA_FLOP_FORMULAS)) as counter:
             real(input_ids=torch.zeros(1, seq, dtype=torch.long), use_cache=False)
     assert counter.get_flop_counts()["Global"][torch.ops.aten._grouped_mm] == expert_fwd
+
+
+def test_the_profilers_census_counts_grouped_matmuls_as_the_trace_does():
+    """Real CPU tensors: the forward's grouped matmul, and the backward's two."""
+    a = torch.randn(40, 16, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(3, 16, 24, dtype=torch.bfloat16, requires_grad=True)
+    offs = torch.tensor([8, 24, 40], dtype=torch.int32)
+    lap = FlopLap()
+    lap.begin("fwd")
+    out = torch._grouped_mm(a, w, offs=offs)
+    lap.end("fwd")
+    lap.begin("bwd")
+    out.backward(torch.randn_like(out))
+    lap.end("bwd")
+    assert lap.flops == {"fwd": 2 * 40 * 16 * 24, "bwd": 2 * (2 * 40 * 16 * 24)}
+
+
+def test_models_without_custom_kernels_have_no_uncounted_op():
+    """No false alarm: lookups, joins (ViT's class token) and elementwise ops on weights
+    are not reported."""
+    vit_cfg = transformers.ViTConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, image_size=32, patch_size=8
+    )
+    gpt2_cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=100, bos_token_id=0, eos_token_id=0)
+    with torch.device("meta"):
+        vit = transformers.ViTForImageClassification(vit_cfg)
+        gpt2 = transformers.GPT2LMHeadModel(gpt2_cfg)
+    assert extract(vit, sample_input=torch.zeros(1, 3, 32, 32, device="meta")).uncounted_ops == ()
+    assert extract(gpt2, seq_len=32).uncounted_ops == ()
+    assert extract(build_named_model("llama2-7b"), seq_len=64).uncounted_ops == ()
 
 
 @torch.library.custom_op("autopar_test::opaque_linear", mutates_args=())

@@ -259,11 +259,13 @@ def _resolve_unit(
                 dtensor_out.add(i)
         out[i] = natural
     carried: dict[str, tuple[Layout, Layout]] = {}
+    carried_leaves: set[int] = set()  # their module converts, they hand on R
     if boundary is Layout.Q and not last:
         for i in _shard_replicated_addends(leaf_styles, consumers, producers, out):
             child = _child(unit, names[i])
             if child != names[i]:
                 carried[child] = (Layout.R, Layout.Q)
+                carried_leaves.add(i)
     for i, style in enumerate(leaf_styles):
         if STYLE_IO[style][1] is Layout.P:
             out[i] = _reduce_to(i, names, leaf_styles, consumers, producers, out, boundary, last=last)
@@ -290,7 +292,7 @@ def _resolve_unit(
             arrives_at[names.index(name)] = conversion.dst
     result: dict[str, LeafLayout] = {}
     for i, style in enumerate(leaf_styles):
-        output = Layout.R if _child(unit, names[i]) in carried else out[i]
+        output = Layout.R if i in carried_leaves else out[i]
         layout = LeafLayout(
             fqn=names[i], style=style, arrives=arrives_at[i], output=output, dtensor_output=i in dtensor_out
         )

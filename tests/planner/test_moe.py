@@ -259,3 +259,16 @@ def test_mixtral_8x7b_plans_with_its_experts_replicated_under_tensor_parallelism
     layout = resolve(extract(model, seq_len=4096), dict(tp), sequence_parallel=True, tp=8)
     moe = layout.leaves["layers.0.feed_forward"]
     assert (moe.arrives, moe.output) == (Layout.R, Layout.Q)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(top_k=5), r"top_k=5 is not allowed with n_experts=4"),
+        (dict(top_k=0), r"top_k=0 is not allowed"),
+        (dict(capacity_factor=0.0), r"capacity_factor=0.0 is not allowed"),
+    ],
+)
+def test_moe_config_refuses_impossible_routing(kwargs, message):
+    with pytest.raises(autopar.ConfigError, match=message):
+        dataclasses.replace(MOE, **kwargs)

@@ -81,6 +81,16 @@ def max_positions(model: object) -> tuple[int, str] | None:
     return None
 
 
+def longest_length_note(limit: tuple[int, str], flag: str) -> str:
+    """What a plan says when it was made for the longest sequence its model was built for
+    (``limit``, from :func:`max_positions`) because no length was given; ``flag`` is how
+    the caller gives one (``--seq-len``, ``seq_len=``)."""
+    return (
+        f"Planned for seq_len {limit[0]}, the model's maximum (config.{limit[1]}), as no sequence length was given; "
+        f"pass {flag} with your training length: memory, FLOPs and the chosen plan depend on it."
+    )
+
+
 def check_seq_len(seq_len: object, model: object) -> int:
     """Return ``seq_len`` if it is a positive integer no longer than the positions
     ``model`` was built for, else raise ConfigError: a longer sequence indexes past a

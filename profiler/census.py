@@ -1,7 +1,8 @@
 """Counting what a unit does besides taking time: FLOPs, saved activations, peak memory.
 
-- FLOPs: PyTorch's own formulas (``torch.utils.flop_counter.flop_registry``, the table
-  ``FlopCounterMode`` uses) applied to every aten op that runs. On real CPU tensors the
+- FLOPs: the formulas the planner's trace uses (:func:`autopar.graph.flops.op_flops`:
+  ``FlopCounterMode``'s table and the ones it lacks, such as grouped matmuls) applied to
+  every aten op that runs. On real CPU tensors the
   fused SDPA kernel has no formula and would count as zero, so the counting run forces the math attention backend, which decomposes into
   counted batched matmuls.
 - Saved activations: ``saved_tensors_hooks`` sees every tensor autograd keeps for
@@ -24,14 +25,14 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
+from autopar.graph.flops import op_flops
 from profiler.errors import MeasurementError
 from profiler.unit_runners import Phase
 
 
 class FlopCount(TorchDispatchMode):
-    """Sums the FLOPs of the aten ops run while active (FlopCounterMode's formulas)."""
+    """Sums the FLOPs of the aten ops run while active (the planner's formulas)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -40,9 +41,7 @@ class FlopCount(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        formula = flop_registry.get(func._overloadpacket)
-        if formula is not None:
-            self.flops += float(formula(*args, **kwargs, out_val=out))
+        self.flops += op_flops(func, args, kwargs, out) or 0.0
         return out
 
 

@@ -12,13 +12,13 @@ import math
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
 from autopar import __version__
 from autopar.cli.demo import add_demo_parser
-from autopar.errors import AutoparError, ConfigError
+from autopar.errors import AutoparError, ConfigError, longest_length_note, max_positions
 from autopar.export import add_export_parser
 from autopar.present.report_cli import add_report_parser
 from autopar.runtime.dry_run_cli import add_dry_run_parser
@@ -58,12 +58,15 @@ def parse_assignments(items: Sequence[str] | None) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class LoadedModel:
-    """A model built on the meta device, the planner's keywords describing its input, and
-    lines stating the defaults taken for it (printed with the result)."""
+    """A model built on the meta device, the planner's keywords describing its input,
+    lines stating the defaults taken for it (printed with the result), and those of them
+    that are warnings: a plan carries them among its notes (a sequence length taken from
+    the model's maximum)."""
 
     model: Any
     inputs: dict[str, Any]
     notes: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
 
 
 def load_model(args: argparse.Namespace) -> LoadedModel:
@@ -124,7 +127,8 @@ def _meta_sample(shape: tuple[int, ...]) -> dict[str, Any]:
 
 def _named_model(name: str, seq_len: int | None, shape: tuple[int, ...] | None) -> LoadedModel:
     """A registered model and its input: token models at ``--seq-len`` (their own length
-    by default, said in a note), others at ``--sample-shape`` (their own sample by default)."""
+    by default: the longest they were built for, said in a warning), others at
+    ``--sample-shape`` (their own sample by default)."""
     from autopar.models.registry import build_named_model, get_named_model
 
     entry = get_named_model(name)
@@ -132,8 +136,10 @@ def _named_model(name: str, seq_len: int | None, shape: tuple[int, ...] | None) 
         _no_sample_shape(shape, name)
         if seq_len is not None:
             return LoadedModel(build_named_model(name), {"seq_len": seq_len})
-        note = f"seq_len {entry.seq_len} ({name}'s registered length; pass --seq-len to change)"
-        return LoadedModel(build_named_model(name), {"seq_len": entry.seq_len}, (note,))
+        model = build_named_model(name)
+        limit = max_positions(model) or (entry.seq_len, "seq_len")
+        note = longest_length_note((entry.seq_len, limit[1]), "--seq-len")
+        return LoadedModel(model, {"seq_len": entry.seq_len}, (note,), (note,))
     if seq_len is not None:
         raise ConfigError(
             f"--seq-len is for token models; {name} takes {entry.input_kind} of shape {entry.sample_shape}: "
@@ -155,7 +161,8 @@ def _config_model(
     hf = load_hf_model(text, trust_remote_code=trust_remote_code)
     model = build_hf_model(hf, "meta")
     feed = hf_input(model, hf.config, seq_len=seq_len, sample_shape=shape)
-    return LoadedModel(model, feed.planner_inputs(), tuple(n for n in (hf.note, feed.note) if n))
+    longest = (feed.note,) if feed.note and seq_len is None and feed.seq_len is not None else ()
+    return LoadedModel(model, feed.planner_inputs(), tuple(n for n in (hf.note, feed.note) if n), longest)
 
 
 def _function_model(spec: str, seq_len: int | None, shape: tuple[int, ...] | None) -> LoadedModel:
@@ -247,7 +254,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         profile=_load_profiles(args.profile),
         **loaded.inputs,
     )
-    return _emit(result, args, loaded.notes)
+    return _emit(result, args, loaded)
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -265,7 +272,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         profile=_load_profiles(args.profile),
         **loaded.inputs,
     )
-    code = _emit(result, args, loaded.notes)
+    code = _emit(result, args, loaded)
     if not result.prediction.fits:
         print(
             f"\nDOES NOT FIT: {result.prediction.memory_bytes_per_device / 2**30:.1f} GiB needed per device, "
@@ -276,11 +283,14 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return code
 
 
-def _emit(result: Any, args: argparse.Namespace, notes: Sequence[str]) -> int:
-    """Print ``result`` (its explanation, or its JSON), then on stderr the ``notes``
-    stating the defaults the model was loaded with; write the files asked for."""
+def _emit(result: Any, args: argparse.Namespace, loaded: LoadedModel) -> int:
+    """Print ``result`` (its explanation, or its JSON) with the model's warnings among
+    its notes, then on stderr the notes stating the defaults the model was loaded with
+    and one line per warning; write the files asked for."""
     from autopar.present.explain import explain
 
+    result = replace(result, notes=result.notes + loaded.warnings)
+    notes = [n for n in loaded.notes if n not in loaded.warnings]
     if args.out:
         _write("--out", args.out, result.save)
     if args.html:
@@ -291,6 +301,8 @@ def _emit(result: Any, args: argparse.Namespace, notes: Sequence[str]) -> int:
     print(result.to_json() if args.json else explain(result))
     if notes:
         print("\n" + "\n".join(notes), file=sys.stderr)
+    for warning in loaded.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     if args.out:
         print(f"\nplan written to {args.out}", file=sys.stderr)
     return 0

@@ -181,6 +181,7 @@ def extract(
         fingerprint=model_fingerprint(model),
         vocab_size=vocab_size,
         cuttable=cuttable,
+        uncounted_ops=trace.uncounted_ops,
     )
 
 

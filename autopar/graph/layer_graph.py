@@ -229,6 +229,8 @@ class LayerGraph:
         cuttable: autopar's runtime can cut the model into pipeline stages (no unit sits
             in an ``nn.ModuleList`` or ``nn.Sequential``, which renumber their children
             when one is removed).
+        uncounted_ops: aten ops that read a weight matrix but have no FLOP formula
+            (:mod:`autopar.graph.flops`): counted as free, so the plan says so.
     """
 
     name: str
@@ -243,6 +245,7 @@ class LayerGraph:
     fingerprint: str
     vocab_size: int = 0
     cuttable: bool = True
+    uncounted_ops: tuple[str, ...] = ()
 
     def profile_of(self, unit_index: int) -> UnitProfile:
         """The profile of unit ``unit_index``."""

@@ -6,10 +6,14 @@ meta device runs on meta tensors (PyTorch's C++ shape functions); any other mode
 a meta model with an op only fake tensors can run, on fake tensors
 (``FakeTensorMode``), whose Python shape rules are slower but follow a real device:
 
-- a dispatch mode counts each aten op's FLOPs (PyTorch's own ``flop_registry``, the
-  formulas of ``FlopCounterMode``) and the bytes it reads and writes, and follows the
-  data: every tensor remembers which leaves it came from, so the ops between two leaves
-  become a :class:`~autopar.graph.layer_graph.Flow`;
+- a dispatch mode counts each aten op's FLOPs (:func:`~autopar.graph.flops.op_flops`:
+  the formulas of ``FlopCounterMode`` and those it lacks, such as grouped matmuls) and
+  the bytes it reads and writes, and follows the data: every tensor remembers which
+  leaves it came from, so the ops between two leaves become a
+  :class:`~autopar.graph.layer_graph.Flow`. An op without a formula that combines a
+  weight matrix with an activation of 2 or more dims (and is neither elementwise nor a
+  lookup, join or copy such as an embedding) is recorded as uncounted: it likely does
+  a matmul's arithmetic that the plan does not see;
 - ``saved_tensors_hooks`` records every tensor autograd keeps for backward, counted
   once per storage and never for parameters: the activation memory *measured* from the
   model's own code rather than assumed by formula;
@@ -36,26 +40,31 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
 from autopar.errors import ModelError
+from autopar.graph.flops import MATMUL_OPS, op_flops
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT
 from autopar.graph.segment import Info, Op, Segment, SegmentTrace, nbytes_of, tensors_in
 from autopar.vocab import Attention
 
-_MATMUL_OPS = {
-    torch.ops.aten.mm,
-    torch.ops.aten.addmm,
-    torch.ops.aten.bmm,
-    torch.ops.aten.baddbmm,
-    torch.ops.aten.convolution,
-    torch.ops.aten._scaled_dot_product_flash_attention,
-    torch.ops.aten._scaled_dot_product_efficient_attention,
-}
-
-
 _FREE_OPS = {torch.ops.aten._unsafe_view, torch.ops.aten.lift_fresh}
 """Ops that move no data although PyTorch does not tag them as views."""
+_MOVE_OPS = {
+    torch.ops.aten.embedding,
+    torch.ops.aten.embedding_dense_backward,
+    torch.ops.aten.index,
+    torch.ops.aten.index_select,
+    torch.ops.aten.gather,
+    torch.ops.aten.scatter,
+    torch.ops.aten.index_put,
+    torch.ops.aten.cat,
+    torch.ops.aten.stack,
+    torch.ops.aten._to_copy,
+    torch.ops.aten.clone,
+    torch.ops.aten.copy_,
+}
+"""Ops that select, join or copy values (a lookup in a weight matrix, a learned class
+token joined to the patches): no arithmetic, so no FLOP formula is expected."""
 _PARTS_OPS = {
     torch.ops.aten.split,
     torch.ops.aten.split_with_sizes,
@@ -76,7 +85,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = _shaped(func, args, kwargs)
         seg = self.tracer.segment
         if seg is None:
             return out
@@ -94,17 +103,19 @@ class _Recorder(TorchDispatchMode):
             for t in outs:
                 seg.register(t, Info(origins=origins, pending=pending, attn_heads=heads))
             return out
-        formula = flop_registry.get(func._overloadpacket)
-        flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
+        counted = op_flops(func, args, kwargs, out)
+        flops = counted if counted is not None else 0.0
         nbytes = float(sum(nbytes_of(t) for t in ins) + sum(nbytes_of(t) for t in outs))
         if seg.leaf_stack:
             leaf = seg.leaves[seg.leaf_stack[-1]]
             weights = float(sum(nbytes_of(t) for t in ins if self.tracer.is_parameter(t)))
+            if counted is None and _may_compute(func) and self.tracer.combines_matrices(ins):
+                self.tracer.uncounted.add(str(func._overloadpacket))
             leaf.fwd_flops += flops
             leaf.fwd_bytes += nbytes - weights
             leaf.weight_bytes += weights
             leaf.ops += 1
-            if func._overloadpacket in _MATMUL_OPS:
+            if func._overloadpacket in MATMUL_OPS:
                 leaf.matmul_flops += flops
             for t in outs:
                 seg.register(t, Info(origins=frozenset({seg.leaf_stack[-1]}), pending=frozenset(), attn_heads=0))
@@ -118,6 +129,24 @@ class _Recorder(TorchDispatchMode):
         seg.charge_waiting(op)
         seg.last_outputs = frozenset(_storage_key(t) for t in outs)
         return out
+
+
+def _shaped(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func``'s output on tensors without data. torch 2.13's shape function of
+    ``aten._grouped_mm`` accepts only bf16 where its CPU kernel also runs fp32 (a
+    transformers MoE model planned in fp32): the shape does not depend on the precision,
+    so it is taken in bf16 and the output cast back."""
+    a = args[0] if args else None
+    if func._overloadpacket is torch.ops.aten._grouped_mm and a.dtype is not torch.bfloat16:
+        low = tuple(t.to(torch.bfloat16) for t in args[:2])
+        return func(*low, *args[2:], **kwargs).to(a.dtype)
+    return func(*args, **kwargs)
+
+
+def _may_compute(func: Any) -> bool:
+    """Whether an op without a FLOP formula may hide a matmul: not elementwise, not a
+    lookup, join or copy."""
+    return torch.Tag.pointwise not in func.tags and func._overloadpacket not in _MOVE_OPS
 
 
 def _parts_dim(func: Any, args: tuple, kwargs: dict) -> int:
@@ -170,6 +199,14 @@ class Tracer:
         self.attn_inputs: set[int] = set()
         self.seen_storages: set[int] = set()
         self.head_dim = 0
+        self.uncounted: set[str] = set()
+
+    def combines_matrices(self, ins: list[torch.Tensor]) -> bool:
+        """Whether ``ins`` hold a floating-point weight and an activation, both of 2 or
+        more dims: what a matmul-like op reads."""
+        matrices = [t for t in ins if t.dim() >= 2 and t.is_floating_point()]
+        weights = [self.is_parameter(t) for t in matrices]
+        return any(weights) and not all(weights)
 
     def is_parameter(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is (a view of) a parameter: read once per call whatever the batch."""
@@ -266,6 +303,8 @@ class TraceResult:
     head_dim: int = 0
     calls: dict[str, list[str]] = field(default_factory=dict)
     """unit module FQN -> the segment open at each of its calls."""
+    uncounted_ops: tuple[str, ...] = ()
+    """aten ops without a FLOP formula that read a weight matrix (counted as 0 FLOPs)."""
 
 
 PROLOGUE = "<prologue>"
@@ -454,4 +493,5 @@ def run_trace(
         for mod in overridden:
             del mod.forward
     result.head_dim = tracer.head_dim
+    result.uncounted_ops = tuple(sorted(tracer.uncounted))
     return result

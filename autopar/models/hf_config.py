@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopar.errors import ConfigError, max_positions
+from autopar.errors import ConfigError, longest_length_note, max_positions
 
 CONFIG_NAME = "config.json"
 """The config's file name in a checkpoint directory (``save_pretrained``'s layout)."""
@@ -297,7 +297,7 @@ def _encoder_only(config: Any) -> str:
 
 
 def _token_length(model: nn.Module, kind: str, seq_len: int | None) -> tuple[int, str | None]:
-    """``--seq-len``, else the model's maximum length with a line saying so."""
+    """``--seq-len``, else the model's maximum length with a line warning so."""
     if seq_len is not None:
         return seq_len, None
     limit = max_positions(model)
@@ -306,7 +306,7 @@ def _token_length(model: nn.Module, kind: str, seq_len: int | None) -> tuple[int
             f"{kind} has no maximum sequence length in its config (its positions are relative); give --seq-len, "
             f"e.g. --seq-len 512."
         )
-    return limit[0], f"seq_len {limit[0]} (the model's {limit[1]}; pass --seq-len to change)"
+    return limit[0], longest_length_note(limit, "--seq-len")
 
 
 def _image_shape(config: Any, kind: str, shape_flag: str) -> tuple[tuple[int, ...], str]:

@@ -7,6 +7,7 @@ parts may be ``None`` on a pipeline stage, local head counts inferred from tenso
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -99,14 +100,14 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm Llama block."""
+    """Pre-norm Llama block; ``feed_forward`` is the SwiGLU MLP unless given."""
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, feed_forward: nn.Module | None = None):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+        self.feed_forward = feed_forward if feed_forward is not None else FeedForward(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))
@@ -114,13 +115,18 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    """Token ids ``(batch, seq)`` -> logits ``(batch, seq, vocab)``."""
+    """Token ids ``(batch, seq)`` -> logits ``(batch, seq, vocab)``.
+
+    ``block`` builds one block from the config (a subclass swaps the MLP: the
+    mixture-of-experts model of :mod:`autopar.models.moe`)."""
+
+    block: Callable[[LlamaConfig], nn.Module] = Block
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.config = cfg
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.block(cfg) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.reset_parameters()

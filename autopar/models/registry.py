@@ -2,8 +2,8 @@
 
 Sizes follow the papers that introduced them: GPT-2 (Radford et al. 2019), GPT-3
 (Brown et al. 2020, table 2.1), the 530B and 1T GPTs of Narayanan et al. 2021
-(table 1), Llama 2 (Touvron et al. 2023) and Llama 3 (Dubey et al. 2024), BERT-large
-(Devlin et al. 2019).
+(table 1), Llama 2 (Touvron et al. 2023) and Llama 3 (Dubey et al. 2024), Mixtral 8x7B
+(Jiang et al. 2024, table 1), BERT-large (Devlin et al. 2019).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from autopar.models.cnn import CNNConfig, ResNet
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.models.llama import Llama, LlamaConfig
 from autopar.models.mlp import MLPConfig, MLPStack
+from autopar.models.moe import MoEConfig, MoELlama
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,6 +64,36 @@ def _llama(
         rope_theta=theta,
     )
     return NamedModel(name=name, description=desc, build=lambda: Llama(cfg), input_kind="tokens", seq_len=seq)
+
+
+def _moe(
+    name: str,
+    desc: str,
+    *,
+    dim: int,
+    layers: int,
+    heads: int,
+    kv: int,
+    ffn: int,
+    experts: int,
+    top_k: int,
+    vocab: int,
+    seq: int,
+    theta: float,
+) -> NamedModel:
+    cfg = MoEConfig(
+        vocab_size=vocab,
+        seq_len=seq,
+        dim=dim,
+        n_layers=layers,
+        n_heads=heads,
+        n_kv_heads=kv,
+        ffn_dim=ffn,
+        rope_theta=theta,
+        n_experts=experts,
+        top_k=top_k,
+    )
+    return NamedModel(name=name, description=desc, build=lambda: MoELlama(cfg), input_kind="tokens", seq_len=seq)
 
 
 def _bert_large() -> nn.Module:
@@ -139,6 +170,34 @@ def _registry() -> dict[str, NamedModel]:
             vocab=128256,
             seq=8192,
             theta=5e5,
+        ),
+        _moe(
+            "moe-tiny",
+            "Mixture-of-experts Llama, 4 layers of 8 experts (top-2) of width 128",
+            dim=64,
+            layers=4,
+            heads=4,
+            kv=2,
+            ffn=128,
+            experts=8,
+            top_k=2,
+            vocab=256,
+            seq=128,
+            theta=1e4,
+        ),
+        _moe(
+            "mixtral-8x7b",
+            "Mixtral 8x7B shape (46.7B parameters, 12.9B active): 8 experts, top-2",
+            dim=4096,
+            layers=32,
+            heads=32,
+            kv=8,
+            ffn=14336,
+            experts=8,
+            top_k=2,
+            vocab=32000,
+            seq=32768,
+            theta=1e6,
         ),
         NamedModel(
             name="bert-large",

@@ -21,6 +21,8 @@ agree by construction:
   the unit's input, the leaf outputs decide: the tracer attributes constants made inside
   a unit (positions, rotary tables, the loss's targets) to the unit input, and the real
   residual stream is already in the layout partial outputs are reduced to;
+- under sequence parallelism, a replicated leaf that feeds only the unit's output next
+  to a partial one keeps its sequence shard, so the residual sum meets in Q;
 - between units the activation is in the boundary layout (R, or Q with sequence
   parallelism); a block whose input arrives otherwise (after embeddings that end in R)
   converts it on entry, so every stage boundary carries one known layout;
@@ -33,7 +35,7 @@ Pure functions of the graph and the styles: no process group, testable alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, LayerGraph, Leaf, LeafKind, Unit
 from autopar.runtime.errors import PlanMismatchError, ShardingError
@@ -100,6 +102,9 @@ class TPLayout:
             blocks that convert their input to ``boundary`` on entry.
         module_inputs: submodule FQN -> the conversion of its first input, moved up
             from the leaves inside it (see :func:`_hoist`).
+        module_outputs: submodule FQN -> the conversion of its output (``src``,
+            ``dst``), for a replicated addend whose leaf output is not the addend (see
+            :func:`_shard_replicated_addends`).
         unit_outputs: per unit module FQN, the layout its output leaves in.
         loss_parallel: the model's output is vocabulary-sharded.
     """
@@ -110,6 +115,7 @@ class TPLayout:
     module_inputs: dict[str, ModuleInput]
     unit_outputs: dict[str, Layout]
     loss_parallel: bool
+    module_outputs: dict[str, tuple[Layout, Layout]] = field(default_factory=dict)
 
 
 def check_styles(
@@ -183,6 +189,7 @@ def resolve(
     unit_inputs: dict[str, Layout] = {}
     unit_outputs: dict[str, Layout] = {}
     module_inputs: dict[str, ModuleInput] = {}
+    module_outputs: dict[str, tuple[Layout, Layout]] = {}
     previous = Layout.R
     n = len(graph.units)
     for index, unit in enumerate(graph.units):
@@ -191,11 +198,12 @@ def resolve(
             unit_inputs[unit.modules[0]] = previous
             arrives = boundary
         last = index == n - 1
-        out, unit_leaves, hoisted = _resolve_unit(
+        out, unit_leaves, hoisted, carried = _resolve_unit(
             graph, unit, styles, arrives, boundary, last=last, loss_parallel=loss_parallel
         )
         leaves.update(unit_leaves)
         module_inputs.update(hoisted)
+        module_outputs.update(carried)
         for m in unit.modules:
             unit_outputs[m] = out
         previous = out
@@ -206,6 +214,7 @@ def resolve(
         module_inputs=module_inputs,
         unit_outputs=unit_outputs,
         loss_parallel=loss_parallel and any(v.dtensor_output for v in leaves.values()),
+        module_outputs=module_outputs,
     )
 
 
@@ -222,7 +231,7 @@ def _resolve_unit(
     *,
     last: bool,
     loss_parallel: bool,
-) -> tuple[Layout, dict[str, LeafLayout], dict[str, ModuleInput]]:
+) -> tuple[Layout, dict[str, LeafLayout], dict[str, ModuleInput], dict[str, tuple[Layout, Layout]]]:
     prof = graph.profiles[unit.profile]
     names = [unit.leaf_fqn(leaf.name) for leaf in prof.leaves]
     leaf_styles = [styles.get(name, TPStyle.REPLICATE) for name in names]
@@ -244,11 +253,19 @@ def _resolve_unit(
                 dtensor_out.add(i)
             elif natural is not Layout.R:
                 natural = Layout.R
-        elif natural is not Layout.R and _gather_at_output(i, mine, producers, leaf_styles):
+        elif natural is not Layout.R and _gather_at_output(i, mine, producers, leaf_styles, prof.leaves):
             natural = Layout.R
             if all(leaf_styles[c] is TPStyle.COLUMN for c in mine):
                 dtensor_out.add(i)
         out[i] = natural
+    carried: dict[str, tuple[Layout, Layout]] = {}
+    carried_leaves: set[int] = set()  # their module converts, they hand on R
+    if boundary is Layout.Q and not last:
+        for i in _shard_replicated_addends(leaf_styles, consumers, producers, out):
+            child = _child(unit, names[i])
+            if child != names[i]:
+                carried[child] = (Layout.R, Layout.Q)
+                carried_leaves.add(i)
     for i, style in enumerate(leaf_styles):
         if STYLE_IO[style][1] is Layout.P:
             out[i] = _reduce_to(i, names, leaf_styles, consumers, producers, out, boundary, last=last)
@@ -275,8 +292,9 @@ def _resolve_unit(
             arrives_at[names.index(name)] = conversion.dst
     result: dict[str, LeafLayout] = {}
     for i, style in enumerate(leaf_styles):
+        output = Layout.R if i in carried_leaves else out[i]
         layout = LeafLayout(
-            fqn=names[i], style=style, arrives=arrives_at[i], output=out[i], dtensor_output=i in dtensor_out
+            fqn=names[i], style=style, arrives=arrives_at[i], output=output, dtensor_output=i in dtensor_out
         )
         if style is not TPStyle.REPLICATE or layout.arrives is not Layout.R or layout.output is not Layout.R:
             result[names[i]] = layout
@@ -286,19 +304,41 @@ def _resolve_unit(
             f"the model's output leaves unit {unit.fqn!r} in layout {unit_out.value}; the loss needs "
             f"it replicated (or vocabulary-sharded)."
         )
-    return unit_out, result, hoisted
+    return unit_out, result, hoisted, carried
 
 
-def _gather_at_output(i: int, consumers: set[int], producers: dict[int, set[int]], styles: list[TPStyle]) -> bool:
+def _child(unit: Unit, name: str) -> str:
+    """The child of ``unit``'s module that holds leaf ``name`` (the leaf itself when it
+    is a direct child)."""
+    prefix = unit.prefix
+    if not prefix or not name.startswith(prefix + "."):
+        return name
+    return prefix + "." + name[len(prefix) + 1 :].split(".")[0]
+
+
+def _gather_at_output(
+    i: int, consumers: set[int], producers: dict[int, set[int]], styles: list[TPStyle], leaves: tuple[Leaf, ...]
+) -> bool:
     """Whether a sharded output is gathered where it is produced: every consumer is a leaf
-    that needs it replicated and reads nothing else. User code between them may read
-    full sizes (transformers' GPT-2 reshapes the final norm's output with the sequence
-    length of the input), so a replicated tensor is the safe thing to hand it. Fed only to
-    column-parallel leaves it stays a DTensor, so their partial input gradients are
-    reduce-scattered once, as Korthikanti et al. 2022 do."""
+    that needs it replicated and reads nothing else but replicated outputs of
+    replicated leaves (a mixture-of-experts' experts read the norm's output and their
+    router's). User code between them may read full sizes (transformers' GPT-2 reshapes
+    the final norm's output with the sequence length of the input), so a replicated
+    tensor is the safe thing to hand it. Fed only to column-parallel leaves it stays a
+    DTensor, so their partial input gradients are reduce-scattered once, as Korthikanti
+    et al. 2022 do."""
     if not consumers or any(c < 0 for c in consumers):
         return False
-    return all(STYLE_IO[styles[c]][0] is Layout.R and producers.get(c, set()) - {UNIT_INPUT} == {i} for c in consumers)
+
+    def replicated(p: int) -> bool:
+        return p >= 0 and styles[p] is TPStyle.REPLICATE and leaves[p].kind is LeafKind.OTHER
+
+    return all(
+        STYLE_IO[styles[c]][0] is Layout.R
+        and i in producers.get(c, set())
+        and all(replicated(p) for p in producers.get(c, set()) - {UNIT_INPUT, i})
+        for c in consumers
+    )
 
 
 def _hoist(
@@ -344,6 +384,29 @@ def _hoist(
         if columns or src is not dst:
             hoisted[child] = ModuleInput(src=src, dst=dst, dtensor=columns, leaves=tuple(names[i] for i in leaves))
     return hoisted
+
+
+def _shard_replicated_addends(
+    styles: list[TPStyle], consumers: dict[int, set[int]], producers: dict[int, set[int]], out: dict[int, Layout]
+) -> list[int]:
+    """Under sequence parallelism, a replicated leaf whose output only goes to the
+    unit's output, beside a partial output that is summed into the sequence-sharded
+    residual stream (a replicated mixture-of-experts MLP after a row-parallel attention
+    projection), keeps its sequence shard (a local slice), so that the sum meets in one
+    layout; the planner prices the same conversion at that leaf's output. Returns those
+    leaves: the runtime converts at the leaf's output, or at the output of the unit's
+    child module that holds it when the leaf is inside one (transformers' experts return
+    ``(tokens, hidden)``, their MoE block the ``(batch, seq, hidden)`` addend)."""
+    meets = producers.get(UNIT_OUTPUT, set())
+    partial = any(STYLE_IO[styles[s]][1] is Layout.P for s in meets if s >= 0)
+    if not partial or out.get(UNIT_INPUT) is not Layout.Q:
+        return []
+    found = [
+        s for s in sorted(meets) if s >= 0 and styles[s] is TPStyle.REPLICATE and consumers.get(s) == {UNIT_OUTPUT}
+    ]
+    for s in found:
+        out[s] = Layout.Q
+    return found
 
 
 def _reduce_to(

@@ -64,7 +64,7 @@ def convert(x: torch.Tensor, mesh: DeviceMesh, src: Layout, dst: Layout, *, dten
     as a DTensor when ``dtensor``."""
     if src is dst and not dtensor:
         return x
-    if src is Layout.Q and x.dim() < 3:
+    if Layout.Q in (src, dst) and x.dim() < 3:
         raise ShardingError(
             f"sequence parallelism shards dim 1 of (batch, seq, ...) activations, but a "
             f"{x.dim()}-D tensor of shape {tuple(x.shape)} arrived; use sequence_parallel=False."
@@ -93,6 +93,9 @@ def apply_tensor_parallel(
             modules[fqn].register_forward_pre_hook(
                 _input_converter(mesh, conversion.src, conversion.dst, dtensor=conversion.dtensor), with_kwargs=True
             )
+    for fqn, (src, dst) in layout.module_outputs.items():
+        if fqn in modules:
+            modules[fqn].register_forward_hook(_output_converter(mesh, src, dst))
     for fqn, leaf in layout.leaves.items():
         module = modules.get(fqn)
         if module is None:
@@ -162,6 +165,20 @@ class _Convert(ParallelStyle):
         else:
             module.register_forward_pre_hook(_input_converter(device_mesh, self.src, self.dst), with_kwargs=True)
         return module
+
+
+def _output_converter(mesh: DeviceMesh, src: Layout, dst: Layout) -> Callable[..., Any]:
+    def hook(_module: nn.Module, _args: tuple, out: Any) -> Any:
+        if isinstance(out, torch.Tensor):
+            return convert(out, mesh, src, dst)
+        if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+            return (convert(out[0], mesh, src, dst), *out[1:])
+        raise ShardingError(
+            f"{type(_module).__name__} returned {type(out).__name__}, not a tensor to convert from layout "
+            f"{src.value} to {dst.value}."
+        )
+
+    return hook
 
 
 def _input_converter(mesh: DeviceMesh, src: Layout, dst: Layout, *, dtensor: bool = False) -> Callable[..., Any]:

@@ -206,4 +206,9 @@ def _notes(graph: LayerGraph, config: ParallelConfig) -> tuple[str, ...]:
             f"Vocabulary {graph.vocab_size} padded to {padded(graph.vocab_size, config.tp)} for tp={config.tp} "
             f"(a multiple of 128 x tp, as Megatron-LM does)."
         )
+    if graph.uncounted_ops:
+        notes.append(
+            f"Counted as 0 FLOPs: {', '.join(graph.uncounted_ops)} read weight matrices but have no FLOP formula "
+            f"(autopar.graph.flops); compute time and MFU are underestimated for the layers that run them."
+        )
     return tuple(notes)

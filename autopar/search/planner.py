@@ -13,6 +13,7 @@ import gc
 import math
 import reprlib
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from enum import StrEnum
@@ -23,7 +24,15 @@ from torch import nn
 from autopar.cost.model import CostModel
 from autopar.cost.peak import budget_bytes
 from autopar.cost.price import price
-from autopar.errors import ClusterError, ConfigError, ModelError, check_positive_int, check_seq_len
+from autopar.errors import (
+    ClusterError,
+    ConfigError,
+    ModelError,
+    check_positive_int,
+    check_seq_len,
+    longest_length_note,
+    max_positions,
+)
 from autopar.graph.extract import extract
 from autopar.graph.layer_graph import LayerGraph
 from autopar.hardware.cluster import Cluster
@@ -86,7 +95,10 @@ def plan(
             ``autopar.cluster_from_profiles``), or a spec string as the command line
             takes it: ``"dgx-a100-80gb:4"`` (preset:nodes), a preset name, a cluster file.
         global_batch_size: samples per optimizer step.
-        seq_len: tokens per sample, for token models.
+        seq_len: tokens per sample, for token models. Left out (with no
+            ``sample_input``), a token model whose config gives its longest sequence
+            (``max_position_embeddings``, ``n_positions``, ``seq_len``) is planned at that
+            length, with a warning and a note on the plan saying so.
         sample_input: otherwise, one batch of inputs (values are never read).
         constraints: fixed config fields, e.g. ``{"tp": 8, "pp": 16}``.
         optimizer: ``adam``, ``sgd`` or ``adafactor`` (optimizer state memory).
@@ -111,6 +123,7 @@ def plan(
     optimizer, attention = _option("optimizer", optimizer, Optimizer), _option("attention", attention, Attention)
     fixed = check_constraints(constraints)
     measured = measurements(cluster, profile)
+    seq_len, seq_note = _default_seq_len(model, seq_len, sample_input)
     graph = _graph(model, measured.cluster, fixed, seq_len, sample_input, attention)
     match = match_layer_profile(measured.layers, model, graph)
     solver_ = ConfigSolver(
@@ -122,7 +135,9 @@ def plan(
     result = search(solver_, fixed, top=top)
     if not result.best.fits:
         raise infeasible_error(result, measured.cluster, graph)
-    return _noted(to_plan(solver_, result, _provenance(measured, optimizer, attention, solver, started)), match)
+    return _noted(
+        to_plan(solver_, result, _provenance(measured, optimizer, attention, solver, started)), match, seq_note
+    )
 
 
 @_cycles_collected_after
@@ -147,7 +162,8 @@ def estimate(
     the device's preferred precision, no sequence parallelism; recompute chosen per unit
     when not given). Never raises for
     memory: a configuration that does not fit comes back with ``prediction.fits`` False
-    and the memory it would need. A layer profile is checked as :func:`plan` checks it.
+    and the memory it would need. A layer profile is checked as :func:`plan` checks it,
+    and a missing ``seq_len`` defaults as in :func:`plan`.
     """
     started = time.perf_counter()
     check_positive_int("global_batch_size", global_batch_size)
@@ -157,6 +173,7 @@ def estimate(
     fixed = check_constraints(config.__dict__ if isinstance(config, ParallelConfig) else config, what="config")
     measured = measurements(cluster, profile)
     fixed = _complete(fixed, measured.cluster, global_batch_size)
+    seq_len, seq_note = _default_seq_len(model, seq_len, sample_input)
     graph = _graph(model, measured.cluster, fixed, seq_len, sample_input, attention)
     match = match_layer_profile(measured.layers, model, graph)
     cost_model = _cost_model(graph, measured, optimizer, global_batch_size)
@@ -164,7 +181,9 @@ def estimate(
     result = search(solver_, fixed, top=0)
     if not result.best.fits:
         result = replace(result, best=_overflow(cost_model, result.best.config, fixed, solver))
-    return _noted(to_plan(solver_, result, _provenance(measured, optimizer, attention, solver, started)), match)
+    return _noted(
+        to_plan(solver_, result, _provenance(measured, optimizer, attention, solver, started)), match, seq_note
+    )
 
 
 def _cluster(cluster: object) -> Cluster:
@@ -207,14 +226,30 @@ def _cost_model(graph: LayerGraph, measured: Measurements, optimizer: Optimizer,
     )
 
 
-def _noted(plan: Plan, match: LayerProfileMatch | None) -> Plan:
-    """``plan`` with what its layer profile's match says among its notes: where the
-    profile was measured at another shape, or matched without a model fingerprint."""
-    if match is None:
-        return plan
-    c = plan.config
-    extra = match.notes(micro_batch=c.micro_batch_size, seq_len=plan.model.seq_len, dtype=c.dtype.value)
-    return replace(plan, notes=plan.notes + extra)
+def _noted(plan: Plan, match: LayerProfileMatch | None, seq_note: str | None) -> Plan:
+    """``plan`` with, among its notes, the sequence length taken from the model's
+    maximum, and what its layer profile's match says: where the profile was measured at
+    another shape, or matched without a model fingerprint."""
+    extra: tuple[str, ...] = (seq_note,) if seq_note else ()
+    if match is not None:
+        c = plan.config
+        extra += match.notes(micro_batch=c.micro_batch_size, seq_len=plan.model.seq_len, dtype=c.dtype.value)
+    return replace(plan, notes=plan.notes + extra) if extra else plan
+
+
+def _default_seq_len(model: object, seq_len: int | None, sample_input: Any) -> tuple[int | None, str | None]:
+    """``seq_len`` as given; left out with no ``sample_input``, for a token model (one
+    with an ``nn.Embedding``) whose config gives its longest sequence, that length and a
+    note saying so, also issued as a warning: a plan silently made for a 32K-token
+    context when training runs at 4K would be wrong in memory and time."""
+    if seq_len is not None or sample_input is not None or not isinstance(model, nn.Module):
+        return seq_len, None
+    limit = max_positions(model)
+    if limit is None or not any(isinstance(m, nn.Embedding) for m in model.modules()):
+        return None, None
+    note = longest_length_note(limit, "seq_len=")
+    warnings.warn(note, UserWarning, stacklevel=4)
+    return limit[0], note
 
 
 def _provenance(

@@ -124,19 +124,36 @@ def test_architectures_name_the_class_built(hf, capsys):
     assert "no architectures" not in err
 
 
+LONGEST = (
+    "Planned for seq_len {n}, the model's maximum (config.{field}), as no sequence length was given; pass "
+    "--seq-len with your training length: memory, FLOPs and the chosen plan depend on it."
+)
+
+
 def test_defaults_are_said(hf, capsys):
     """Without architectures the causal LM is built and named; without --seq-len the
-    config's length is used and named."""
+    config's length is used, warned about in one line on stderr and kept among the
+    plan's notes."""
     data, err = _plan(str(hf / "llama"), capsys)
     assert data["model"]["name"] == "LlamaForCausalLM" and data["model"]["seq_len"] == 64
     assert "model LlamaForCausalLM (the config names no architectures" in err
-    assert "seq_len 64 (the model's max_position_embeddings; pass --seq-len to change)" in err
+    warning = LONGEST.format(n=64, field="max_position_embeddings")
+    assert err.splitlines().count(f"warning: {warning}") == 1 and err.count(warning) == 1
+    assert warning in data["notes"]
+
+
+def test_a_given_sequence_length_is_not_warned_about(hf, capsys):
+    data, err = _plan(str(hf / "llama"), capsys, "--seq-len 32")
+    assert data["model"]["seq_len"] == 32
+    assert "warning" not in err and not any("Planned for seq_len" in n for n in data["notes"])
 
 
 def test_registered_model_length_is_said(capsys):
-    code, _, err = _run(f"estimate --model gpt2-small {CPU} --set micro_batch_size=1", capsys)
+    code, out, err = _run(f"estimate --model gpt2-small {CPU} --set micro_batch_size=1", capsys)
     assert code in (0, 3)
-    assert "seq_len 1024 (gpt2-small's registered length; pass --seq-len to change)" in err
+    warning = LONGEST.format(n=1024, field="seq_len")
+    assert f"warning: {warning}" in err.splitlines()
+    assert "batch 4 x 1024 tokens" in out and warning in out
 
 
 def test_image_model_is_planned_at_the_config_image_size(hf, capsys):
@@ -218,4 +235,4 @@ def test_profile_model_takes_a_model_config(name, hf, tmp_path, capsys):
     code, _, err = _run(command, capsys)
     assert code == 0, err
     assert out.is_file()
-    assert "seq_len " in err and "(the model's max_position_embeddings; pass --seq-len to change)" in err
+    assert "Planned for seq_len " in err and "(config.max_position_embeddings)" in err

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import autopar
-from autopar.models import GPT, GPTConfig, Llama, LlamaConfig, MLPConfig, MLPStack
+from autopar.models import GPT, GPTConfig, Llama, LlamaConfig, MLPConfig, MLPStack, MoEConfig, MoELlama
 from autopar.runtime.api import parallelize
 from autopar.runtime.recompute import clean_fqn
 from autopar.runtime.spmd import SPMDSettings, run_spmd
@@ -44,6 +44,9 @@ GPT_CFG = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, dim=32, n_layers=4, n_heads=4
 ODD_VOCAB_CFG = dataclasses.replace(GPT_CFG, vocab_size=VOCAB + 3)
 LLAMA_CFG = LlamaConfig(vocab_size=VOCAB, seq_len=SEQ, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64)
 MLP_CFG = MLPConfig(in_dim=16, dim=32, ffn_dim=64, n_layers=4, out_dim=8)
+MOE_CFG = MoEConfig(
+    vocab_size=VOCAB, seq_len=SEQ, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=48, n_experts=4, top_k=2
+)
 
 
 def build(name: str, device: str = "cpu") -> nn.Module:
@@ -56,6 +59,8 @@ def build(name: str, device: str = "cpu") -> nn.Module:
             return GPT(ODD_VOCAB_CFG)
         if name == "llama":
             return Llama(LLAMA_CFG)
+        if name == "moe":
+            return MoELlama(MOE_CFG)
         if name == "mlp":
             return MLPStack(MLP_CFG)
     raise ValueError(name)
@@ -75,6 +80,7 @@ LOSSES: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] = {
     "gpt": token_loss,
     "gpt-odd-vocab": token_loss,
     "llama": token_loss,
+    "moe": token_loss,
     "mlp": mse_loss,
 }
 
@@ -110,14 +116,16 @@ def megatron_styles(name: str, *, sequence_parallel: bool = False) -> dict[str, 
         for i in range(MLP_CFG.n_layers):
             styles.update({f"layers.{i}.fc1": "column", f"layers.{i}.fc2": "row"})
         return styles
-    cfg = LLAMA_CFG if name == "llama" else GPT_CFG
+    cfg = {"llama": LLAMA_CFG, "moe": MOE_CFG}.get(name, GPT_CFG)
     for i in range(cfg.n_layers):
-        for leaf in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1"):
+        for leaf in ("attention.wq", "attention.wk", "attention.wv"):
             styles[f"layers.{i}.{leaf}"] = "column"
+        styles[f"layers.{i}.attention.wo"] = "row"
+        if name != "moe":  # the experts and the router are replicated
+            styles[f"layers.{i}.feed_forward.w1"] = "column"
+            styles[f"layers.{i}.feed_forward.w2"] = "row"
         if name == "llama":
             styles[f"layers.{i}.feed_forward.w3"] = "column"
-        styles[f"layers.{i}.attention.wo"] = "row"
-        styles[f"layers.{i}.feed_forward.w2"] = "row"
         if sequence_parallel:
             styles[f"layers.{i}.attention_norm"] = "sequence"
             styles[f"layers.{i}.ffn_norm"] = "sequence"

@@ -57,12 +57,33 @@ def llama():
     )
 
 
+def mixtral():
+    """A tiny Mixtral: transformers runs its 4 experts (top-2) as grouped matmuls."""
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(
+        transformers.MixtralConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=SEQ,
+            use_cache=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
+
+
 def resnet():
     torch.manual_seed(0)
     return ResNet(CNNConfig(image_size=8, width=4, stages=2, blocks_per_stage=1, num_classes=4))
 
 
-BUILD = {"gpt2": gpt2, "llama": llama}
+BUILD = {"gpt2": gpt2, "llama": llama, "mixtral": mixtral}
 
 
 def hf_loss(output, target):
@@ -195,6 +216,30 @@ def test_transformers_models(name, case):
     plan = make(BUILD[name](), styles, **spec)
     ref = hf_reference(name, plan)
     assert_parity(as_reference_shapes(run(hf_train, plan.config.world_size, name, plan, timeout_s=120), ref), ref)
+
+
+@pytest.mark.parametrize("case", ["dp2", "pp2", "tp2", "tp2-sp"])
+def test_transformers_mixtral(case):
+    """A transformers mixture-of-experts model against the unsplit model: tokens route
+    independently, so data and pipeline parallelism compute what one process does; under
+    tensor parallelism the attention is split (Megatron-LM's layout) and the router and
+    the experts (3-D weights, not Linear layers) stay replicated; with sequence
+    parallelism the norm before them gathers the sequence and the MoE block hands its
+    sequence shard to the residual stream."""
+    spec = {"dp2": dict(dp=2), "pp2": dict(pp=2), "tp2": dict(tp=2), "tp2-sp": dict(tp=2, sequence_parallel=True)}
+    spec = spec[case]
+    styles = None
+    if spec.get("tp", 1) > 1:
+        attention = {f"model.layers.{i}.self_attn.{p}_proj": "column" for i in range(LAYERS) for p in "qkv"}
+        rows = {f"model.layers.{i}.self_attn.o_proj": "row" for i in range(LAYERS)}
+        styles = {**attention, **rows, "model.embed_tokens": "vocab", "lm_head": "column"}
+    if spec.get("sequence_parallel"):
+        norms = ("input_layernorm", "post_attention_layernorm")
+        styles |= {f"model.layers.{i}.{n}": "sequence" for i in range(LAYERS) for n in norms}
+        styles["model.norm"] = "sequence"
+    plan = make(mixtral(), styles, **spec)
+    ref = hf_reference("mixtral", plan)
+    assert_parity(run(hf_train, plan.config.world_size, "mixtral", plan, timeout_s=120), ref)
 
 
 class _ListStack(nn.Module):

@@ -40,6 +40,16 @@ def test_llama(case):
     assert_parity(run(train, plan.config.world_size, "llama", plan), reference("llama", plan))
 
 
+@pytest.mark.parametrize("case", ["dp2", "pp2", "tp2", "tp2-sp"])
+def test_moe(case):
+    """The mixture-of-experts Llama: routing is per sample, so data parallelism and
+    micro-batches route every token as one process does; under tensor parallelism the
+    planner leaves the router and the experts replicated and shards the attention."""
+    cases = {**CASES, "tp2-sp": dict(tp=2, tp_styles=True, sequence_parallel=True)}
+    plan = _plan("moe", cases[case])
+    assert_parity(run(train, plan.config.world_size, "moe", plan), reference("moe", plan))
+
+
 @pytest.mark.parametrize("case", ["tp2", "dp2-pp2"])
 def test_mlp(case):
     plan = _plan("mlp", CASES[case])

@@ -70,7 +70,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "micro_batch_size", "num_microbatches", "virtual_stages"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if type(value) is not int and (isinstance(value, bool) or not isinstance(value, int)) or value < 1:
                 raise ConfigError(f"{name}={value!r} is not allowed: it must be a positive integer.")
         object.__setattr__(self, "schedule", _enum(Schedule, self.schedule, "schedule"))
         object.__setattr__(self, "recompute", _enum(Recompute, self.recompute, "recompute"))
@@ -88,13 +88,13 @@ class ParallelConfig:
                 "sequence_parallel=True needs tp > 1: sequence parallelism shards norms over the "
                 "tensor-parallel group. Set tp >= 2 or sequence_parallel=False."
             )
-        sched = self.schedule.value
-        if self.virtual_stages > 1 and not self.schedule.multi_stage:
+        sched, multi_stage = self.schedule.value, self.schedule.multi_stage
+        if self.virtual_stages > 1 and not multi_stage:
             raise ConfigError(
                 f"virtual_stages={self.virtual_stages} needs schedule 'interleaved-1f1b', 'interleaved-zb' or "
                 f"'zbv' (got {sched!r}); use virtual_stages=1 for {sched}."
             )
-        if self.schedule.multi_stage and self.virtual_stages < 2:
+        if multi_stage and self.virtual_stages < 2:
             raise ConfigError(
                 f"schedule={sched!r} needs virtual_stages >= 2 (stages per pipeline rank); "
                 "use schedule='1f1b' for one stage per rank."
@@ -104,7 +104,7 @@ class ParallelConfig:
                 f"schedule='zbv' runs exactly 2 stages per pipeline rank (a V), got virtual_stages="
                 f"{self.virtual_stages}; use virtual_stages=2 or schedule='interleaved-zb'."
             )
-        if self.schedule.multi_stage and self.pp < 2:
+        if multi_stage and self.pp < 2:
             raise ConfigError(f"schedule={sched!r} needs pp >= 2.")
 
     def rank_of_stage(self, index: int) -> int:

@@ -55,12 +55,12 @@ class Schedule(StrEnum):
     @property
     def multi_stage(self) -> bool:
         """Whether the schedule runs several stages per pipeline rank (virtual stages)."""
-        return self in (Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZB, Schedule.ZBV)
+        return self is Schedule.INTERLEAVED_1F1B or self is Schedule.INTERLEAVED_ZB or self is Schedule.ZBV
 
     @property
     def zero_bubble(self) -> bool:
         """Whether the schedule splits the backward into input and weight gradients."""
-        return self in (Schedule.INTERLEAVED_ZB, Schedule.ZBV)
+        return self is Schedule.INTERLEAVED_ZB or self is Schedule.ZBV
 
     def rank_of_stage(self, index: int, pp: int) -> int:
         """The pipeline rank that runs stage ``index``: ``index % pp`` (round robin), or

@@ -60,7 +60,8 @@ def memory_floor_bytes(model: CostModel, config: ParallelConfig, states_bytes: f
     units' inputs sum to ``input_bytes``: the states and the least loaded rank's
     in-flight inputs, spread evenly over the pipeline ranks, plus the device's reserve."""
     pp, m = config.pp, config.num_microbatches
-    inflight = min(inflight_microbatches(config.schedule, pp, config.virtual_stages, m, r) for r in range(pp))
+    # monotone in the rank (inflight_microbatches), so the least loaded rank is the first or the last
+    inflight = min(inflight_microbatches(config.schedule, pp, config.virtual_stages, m, r) for r in {0, pp - 1})
     return (states_bytes + inflight * input_bytes) / pp + model.cluster.device.memory.reserved_bytes
 
 

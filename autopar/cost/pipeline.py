@@ -60,8 +60,9 @@ def inflight_microbatches(
     schedule: Schedule, pp: int, virtual_stages: int, num_microbatches: int, pipeline_rank: int
 ) -> float:
     """Micro-batches whose activations rank ``pipeline_rank`` holds at its peak, in units
-    of "all of the rank's stages for one micro-batch" (non-increasing in the rank, but
-    for ``zbv`` with fewer than ``2p - 1`` micro-batches)."""
+    of "all of the rank's stages for one micro-batch": non-increasing in the rank, but
+    non-decreasing for ``zbv`` (its last rank holds the V's turn), so the least and the
+    most loaded ranks are the first and the last."""
     m = num_microbatches
     if pp == 1:
         return 1.0

@@ -211,3 +211,16 @@ def test_the_finite_check_reads_the_local_gradients_and_reduces_two_numbers_over
         config = ParallelConfig(dp=4, tp=8, pp=1, micro_batch_size=1, num_microbatches=1, dtype=dtype)
         expected = passes * 4 * 1e9 / bw + reduce_s
         assert finite_check_s(model, config, 1e9) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("schedule", list(Schedule))
+def test_inflight_is_monotone_in_the_rank(schedule):
+    """The memory floor reads only the first and the last rank, so the least loaded rank
+    must be one of them: in-flight micro-batches are monotone in the rank."""
+    for pp in (2, 3, 4, 8):
+        for v in (2, 3, 4) if schedule.multi_stage else (1,):
+            if schedule is Schedule.ZBV and v != 2:
+                continue
+            for m in range(1, 3 * pp + 2):
+                counts = [inflight_microbatches(schedule, pp, v, m, r) for r in range(pp)]
+                assert counts == sorted(counts) or counts == sorted(counts, reverse=True), (pp, v, m, counts)

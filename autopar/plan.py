@@ -70,7 +70,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "micro_batch_size", "num_microbatches", "virtual_stages"):
             value = getattr(self, name)
-            if type(value) is not int and (isinstance(value, bool) or not isinstance(value, int)) or value < 1:
+            if (type(value) is not int and (isinstance(value, bool) or not isinstance(value, int))) or value < 1:
                 raise ConfigError(f"{name}={value!r} is not allowed: it must be a positive integer.")
         object.__setattr__(self, "schedule", _enum(Schedule, self.schedule, "schedule"))
         object.__setattr__(self, "recompute", _enum(Recompute, self.recompute, "recompute"))

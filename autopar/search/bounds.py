@@ -86,11 +86,27 @@ class TimeBound:
         (:func:`autopar.cost.bounds.micro_batch_scaling_holds`) and no point-to-point
         (the boundary's layout may differ between sizes); the pipeline's bound scales
         with its units' times. The plain bound where the scaling does not hold."""
+        return self._scaled_pipeline(config) + self._tail_s(config)
+
+    def scaled_with_siblings(self, config: ParallelConfig, shards: tuple[int, ...]) -> float:
+        """:meth:`scaled` of the least of ``config`` and its HSDP siblings with shard groups
+        ``shards``, without building them: the pipeline's part is the same for every shard
+        group (their units and boundaries are), so only the tails differ."""
+        if not shards:
+            return self.scaled(config)
+        key = (config.tp, config.sequence_parallel, config.dtype, "sibling tails", config.pp, config.dp)
+        key += (config.zero_stage, shards)
+        if key not in self._cache:
+            self._cache[key] = min(self._tail_s(replace(config, dp_shard=s)) for s in shards)
+        return self._scaled_pipeline(config) + min(self._tail_s(config), self._cache[key])
+
+    def _scaled_pipeline(self, config: ParallelConfig) -> float:
+        """:meth:`scaled` without the tail."""
         largest = self._largest.get((config.tp, config.sequence_parallel, config.dtype), 0)
         if largest < config.micro_batch_size:
-            return self(config)
+            return self._pipeline_s(config, config.micro_batch_size, *self._p2p(config))
         pipeline = self._pipeline_s(config, largest, 0.0, 0.0) * (config.micro_batch_size / largest)
-        return pipeline * (1 - 1e-12) + self._tail_s(config)
+        return pipeline * (1 - 1e-12)
 
     def refined(self, config: ParallelConfig) -> float:
         """A tighter lower bound, worth its cost only for a candidate the scan is about to

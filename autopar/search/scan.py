@@ -22,7 +22,7 @@ from autopar.errors import ConfigError
 from autopar.plan import ParallelConfig
 from autopar.search.bounds import TimeBound
 from autopar.search.solve import ConfigSolver, Outcome
-from autopar.search.space import Rejection, enumerate_space, memory_floor, shard_sizes
+from autopar.search.space import Rejection, enumerate_space, memory_floor, shard_siblings, shard_sizes
 from autopar.vocab import Recompute
 
 ALL_MODES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
@@ -68,7 +68,7 @@ def search(solver: ConfigSolver, fixed: Mapping[str, Any], *, top: int) -> Searc
     the kept ones come with their prediction."""
     model = solver.model
     graph, cluster = model.graph, model.cluster
-    configs, rejected = enumerate_space(graph, cluster, model.global_batch_size, fixed)
+    configs, rejected = enumerate_space(graph, cluster, model.global_batch_size, fixed, fold_shard_groups=True)
     if not configs:
         reasons = "; ".join(list(dict.fromkeys(f"{r.what}: {r.reason}" for r in rejected))[:6]) or "no candidate"
         raise ConfigError(
@@ -77,21 +77,30 @@ def search(solver: ConfigSolver, fixed: Mapping[str, Any], *, top: int) -> Searc
             f"size, the device count or the constraints."
         )
     modes = (fixed["recompute"],) if "recompute" in fixed else ALL_MODES
+    siblings = {cfg: shard_siblings(cfg, cluster.devices_per_node, fixed) for cfg in configs}
     region_sizes = Counter((c.tp, c.pp) for c in configs)
     capacity = cluster.device.memory.capacity_bytes
     cache: dict = {}
-    bounded = []
     infeasible: list[Outcome] = []
-    for cfg in configs:
+
+    def floor_out(cfg: ParallelConfig) -> bool:
+        """Record ``cfg`` as out of memory when its floor exceeds a device."""
         floor = memory_floor(model, cfg, cache)
         if floor > capacity:
             reason = f"out of memory: needs at least {floor / 2**30:.1f} GiB"
             infeasible.append(Outcome(config=cfg, fits=False, min_memory_bytes=floor, reason=reason))
-            continue
-        bounded.append(cfg)
+        return floor > capacity
+
+    # an HSDP sibling holds more per device than its plain candidate: out with it
+    bounded = [cfg for cfg in configs if not floor_out(cfg)]
     bound_of = TimeBound(solver, modes, bounded)
     tighter = (bound_of, bound_of.refined)
-    queue = [(bound_of.scaled(cfg), order, 0, cfg) for order, cfg in enumerate(bounded)]
+    # a plain candidate with HSDP siblings enters as their family, under the least of their
+    # bounds, and is replaced by its members when that comes up (tier -1)
+    queue = [
+        (bound_of.scaled_with_siblings(cfg, siblings[cfg]), (order, 0), -1 if siblings[cfg] else 0, cfg)
+        for order, cfg in enumerate(bounded)
+    ]
     heapq.heapify(queue)
     fitting: list[Outcome] = []
     evaluated = 0
@@ -100,6 +109,14 @@ def search(solver: ConfigSolver, fixed: Mapping[str, Any], *, top: int) -> Searc
         bound, order, tier, cfg = heapq.heappop(queue)
         if len(fitting) >= keep and bound >= fitting[keep - 1].step_time_s:
             break
+        if tier < 0:
+            heapq.heappush(queue, (bound_of.scaled(cfg), order, 0, cfg))
+            for k, shard in enumerate(siblings[cfg], 1):
+                member = replace(cfg, dp_shard=shard)
+                region_sizes[cfg.tp, cfg.pp] += 1
+                if not floor_out(member):
+                    heapq.heappush(queue, (bound_of.scaled(member), (order[0], k), 0, member))
+            continue
         if tier < len(tighter):
             better = tighter[tier](cfg)
             if math.isinf(better):
@@ -119,7 +136,7 @@ def search(solver: ConfigSolver, fixed: Mapping[str, Any], *, top: int) -> Searc
         "infeasible": tuple(infeasible),
         "rejected": tuple(rejected),
         "evaluated": evaluated,
-        "considered": len(configs),
+        "considered": len(configs) + sum(map(len, siblings.values())),
         "region_sizes": region_sizes,
     }
     if not fitting:

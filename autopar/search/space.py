@@ -143,10 +143,17 @@ class _ShapeOnly:
 
 
 def enumerate_space(
-    graph: LayerGraph, cluster: Cluster, global_batch_size: int, constraints: Mapping[str, Any]
+    graph: LayerGraph,
+    cluster: Cluster,
+    global_batch_size: int,
+    constraints: Mapping[str, Any],
+    *,
+    fold_shard_groups: bool = False,
 ) -> tuple[list[ParallelConfig], list[Rejection]]:
     """Every candidate configuration that satisfies ``constraints``, and the regions
-    rejected outright (batch not divisible, too many stages, schedule limits)."""
+    rejected outright (batch not divisible, too many stages, schedule limits). With
+    ``fold_shard_groups``, a plain ZeRO-2/3 candidate stands for its HSDP siblings too
+    (:func:`shard_siblings` lists them), which the caller expands when it needs them."""
     world = cluster.world_size
     c = constraints
     rejected: list[Rejection] = []
@@ -219,7 +226,7 @@ def enumerate_space(
                     sps = (
                         [c["sequence_parallel"]] if "sequence_parallel" in c else ([False, True] if tp > 1 else [False])
                     )
-                    for zero, shard in _shardings(zeros, dp, tp, cluster.devices_per_node, c):
+                    for zero, shard in _shardings(zeros, dp, tp, cluster.devices_per_node, c, fold_shard_groups):
                         if schedule.zero_bubble and zero == 3:
                             continue  # the runtime refuses it (autopar.runtime.pipeline.check_schedule)
                         for sp in sps:
@@ -245,12 +252,13 @@ def enumerate_space(
 
 
 def _shardings(
-    zeros: list[int], dp: int, tp: int, devices_per_node: int, c: Mapping[str, Any]
+    zeros: list[int], dp: int, tp: int, devices_per_node: int, c: Mapping[str, Any], fold: bool
 ) -> Iterator[tuple[int, int | None]]:
     """(ZeRO stage, shard group) pairs: plain sharding for every stage, and under ZeRO-2/3
-    the HSDP groups of :func:`shard_sizes`; a fixed ``dp_shard`` keeps only the stages
-    that take it (None: plain sharding at any stage; a group size: ZeRO-2/3 with groups of
-    that size, plain FSDP where it is ``dp``, nothing where it does not divide ``dp``)."""
+    the HSDP groups of :func:`shard_sizes` (left to the plain one when ``fold``); a fixed
+    ``dp_shard`` keeps only the stages that take it (None: plain sharding at any stage; a
+    group size: ZeRO-2/3 with groups of that size, plain FSDP where it is ``dp``, nothing
+    where it does not divide ``dp``)."""
     for zero in zeros:
         if "dp_shard" in c:
             shard = c["dp_shard"]
@@ -260,9 +268,18 @@ def _shardings(
                 yield zero, shard
             continue
         yield zero, None
-        if zero >= 2:
+        if zero >= 2 and not fold:
             for shard in shard_sizes(dp, tp, devices_per_node):
                 yield zero, shard
+
+
+def shard_siblings(config: ParallelConfig, devices_per_node: int, constraints: Mapping[str, Any]) -> tuple[int, ...]:
+    """The HSDP shard groups a plain candidate of a folded space (:func:`enumerate_space`
+    with ``fold_shard_groups``) stands for: :func:`shard_sizes` under ZeRO-2/3, none when
+    ``dp_shard`` is fixed or the candidate is itself HSDP."""
+    if "dp_shard" in constraints or config.dp_shard is not None or config.zero_stage < 2:
+        return ()
+    return tuple(shard_sizes(config.dp, config.tp, devices_per_node))
 
 
 def _shard_rejection(c: Mapping[str, Any], dp: int) -> Rejection | None:

@@ -60,7 +60,9 @@ def timeline_figure(plan: Plan, *, max_microbatches: int = 32) -> Figure:
     if c.pp == 1 or c.schedule.zero_bubble:
         note = NO_PIPELINE if c.pp == 1 else NO_ZERO_BUBBLE_TIMELINE.format(schedule=schedule_text(c))
         fig = Figure(figsize=(10, 0.6))
-        fig.text(0.5, 0.5, note, ha="center", va="center")
+        ax = fig.add_subplot()  # an axes, so that Jupyter draws the figure (it skips one without)
+        ax.set_axis_off()
+        ax.text(0.5, 0.5, note, ha="center", va="center", transform=ax.transAxes)
         return fig
     m = min(c.num_microbatches, max_microbatches)
     stages = plan.prediction.stages

@@ -231,7 +231,8 @@ class StagePrediction:
 
     ``forward_s``/``backward_s`` are per micro-batch and include tensor-parallel
     communication (with the waits on the group's slowest rank at its blocking
-    collectives, :func:`autopar.cost.host.ranks_wait_s`) and recomputation; ``dp_comm_s`` is the step's exposed data-parallel
+    collectives, :func:`autopar.cost.host.ranks_wait_s`) and recomputation; ``dp_comm_s`` is the
+    step's exposed data-parallel
     communication and ``optimizer_s`` the optimizer step, with the check before it that
     every rank's loss and gradients are finite.
     """

@@ -3,7 +3,8 @@
 - FLOPs: the formulas the planner's trace uses (:func:`autopar.graph.flops.op_flops`:
   ``FlopCounterMode``'s table and the ones it lacks, such as grouped matmuls) applied to
   every aten op that runs. On real CPU tensors the
-  fused SDPA kernel has no formula and would count as zero, so the counting run forces the math attention backend, which decomposes into
+  fused SDPA kernel has no formula and would count as zero, so the counting run forces the
+  math attention backend, which decomposes into
   counted batched matmuls.
 - Saved activations: ``saved_tensors_hooks`` sees every tensor autograd keeps for
   backward; storages are counted once and parameters never (the method of

@@ -157,7 +157,8 @@ def _layer_blocks(lay: ModelProfile, device: DeviceProfile | None) -> list[_Bloc
             "-"
             if u.recompute_bwd is None
             else (
-                f"{_ms(u.recompute_bwd.median_s)} (+{(u.recompute_bwd.median_s - u.bwd.median_s) / u.fwd.median_s:.2f} fwd)"
+                f"{_ms(u.recompute_bwd.median_s)} "
+                f"(+{(u.recompute_bwd.median_s - u.bwd.median_s) / u.fwd.median_s:.2f} fwd)"
             )
         )
         rows.append(

@@ -226,7 +226,8 @@ def _model_args(plan: Plan, blocks: Blocks, shape: ModelShape | None, info: list
     if shape is None or shape.hidden_size is None:
         info.append(
             "the plan does not record the model's sizes: add --hidden-size, --num-attention-heads, "
-            "--ffn-hidden-size, --max-position-embeddings (autopar export --model NAME or --model-config PATH fills them)"
+            "--ffn-hidden-size, --max-position-embeddings (autopar export --model NAME or --model-config PATH "
+            "fills them)"
         )
         return args
     sizes = {

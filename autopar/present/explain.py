@@ -24,7 +24,8 @@ def explain(plan: Plan, *, top: int = 5) -> str:
         f"Configuration  dp={c.dp} x tp={c.tp} x pp={c.pp} ({_mesh(c)}), micro-batch {c.micro_batch_size} x "
         f"{c.num_microbatches} per step, {schedule_text(c)}, ZeRO-{c.zero_stage}, {_recompute(plan)}"
         f"{', sequence parallel' if c.sequence_parallel else ''}",
-        f"Predicted      step {duration(p.step_time_s)} | {p.samples_per_s:,.1f} samples/s | {p.tokens_per_s:,.0f} tokens/s | "
+        f"Predicted      step {duration(p.step_time_s)} | {p.samples_per_s:,.1f} samples/s | "
+        f"{p.tokens_per_s:,.0f} tokens/s | "
         f"{rate(p.tflops_per_device * 1e12)} per device | MFU {100 * p.mfu:.1f}% (HFU {100 * p.hfu:.1f}%)",
         f"Memory         {size(p.memory_bytes_per_device)} peak per device of "
         f"{size(p.memory_capacity_bytes)} ({'fits' if p.fits else 'DOES NOT FIT'}); {_worst_memory(plan)}",

@@ -2,11 +2,23 @@
 through the same cost model, ``explain`` says which won and what the other costs, and a
 pinned ``dp_shard`` is honoured."""
 
+import dataclasses
+import math
+
 import pytest
 
 import autopar
-from autopar.models import build_named_model
-from autopar.search.space import shard_sizes
+from autopar.cost.model import CostModel
+from autopar.cost.peak import budget_bytes
+from autopar.errors import ConfigError
+from autopar.graph import extract
+from autopar.models import GPT, GPTConfig, build_named_model
+from autopar.search.scan import search
+from autopar.search.solve import ConfigSolver
+from autopar.search.space import check_constraints, enumerate_space, shard_sizes
+from autopar.vocab import Optimizer
+
+from .test_search_exact import _brute_force_search, _tiny_cluster
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +92,41 @@ def test_estimate_without_dp_shard_is_plain_fsdp():
     )
     assert plan.config.dp == 16 and plan.config.dp_shard is None
     assert not [a for a in plan.alternatives if a.status == "sharding"]
+
+
+@pytest.mark.parametrize("memory_gib", [0.012, 0.03])
+def test_whole_search_with_hsdp_candidates_matches_brute_force(memory_gib):
+    """Two nodes of 4: data-parallel groups of 8 split into node-sized HSDP shard groups,
+    searched through the same cost model as every other choice."""
+    graph = extract(
+        GPT(GPTConfig(vocab_size=512, seq_len=256, dim=256, n_layers=2, n_heads=8)), seq_len=256, dtype="bf16"
+    )
+    cluster = dataclasses.replace(_tiny_cluster(memory_gib), nodes=2)
+    constraints = {"micro_batch_size": 1, "tp": 1, "zero_stage": 3}
+    model = CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8)
+
+    def solver() -> ConfigSolver:
+        return ConfigSolver(model=model, budget_bytes=budget_bytes(cluster.device.memory), micro_batches=(1,))
+
+    configs, _ = enumerate_space(graph, cluster, 8, check_constraints(constraints))
+    assert {(c.dp, c.dp_shard) for c in configs} >= {(8, None), (8, 4), (4, None)}
+    want = _brute_force_search(solver(), constraints)
+    result = search(solver(), check_constraints(constraints), top=3)
+    assert result.best.fits == (not math.isinf(want))
+    if result.best.fits:
+        assert result.best.step_time_s == pytest.approx(want, rel=1e-9)
+
+
+def test_a_fixed_shard_group_is_searched_alone():
+    graph = extract(
+        GPT(GPTConfig(vocab_size=512, seq_len=256, dim=256, n_layers=2, n_heads=8)), seq_len=256, dtype="bf16"
+    )
+    cluster = dataclasses.replace(_tiny_cluster(1.0), nodes=2)
+    configs, rejected = enumerate_space(graph, cluster, 8, check_constraints({"dp_shard": 4}))
+    assert {c.dp for c in configs} == {4, 8}
+    assert all(c.shard_size == 4 and c.zero_stage >= 2 for c in configs)
+    assert any("shard group does not divide dp=2" in r.reason for r in rejected)
+    plain, _ = enumerate_space(graph, cluster, 8, check_constraints({"dp_shard": None}))
+    assert plain and all(c.dp_shard is None for c in plain)
+    with pytest.raises(ConfigError, match="constraint dp_shard=1 is not allowed"):
+        check_constraints({"dp_shard": 1})

@@ -23,7 +23,6 @@ from autopar.cost.pipeline import inflight_microbatches
 from autopar.cost.stage import PricedStage, rank_buffer_bytes
 from autopar.cost.step import timing
 from autopar.cost.tensor_parallel import evaluate_layout, model_output_layout
-from autopar.errors import ConfigError
 from autopar.graph import extract
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, Flow, Leaf, LeafKind, UnitProfile
 from autopar.hardware import Cluster, DeviceMemory, DeviceSpec, LinkSpec, Roofline, preset
@@ -484,41 +483,3 @@ def test_a_longer_stage_can_be_cheaper_and_the_split_still_finds_it():
     found = search(solver(), check_constraints(constraints), top=0).best
     assert math.isfinite(want) and found.fits
     assert found.step_time_s == pytest.approx(want, rel=1e-9)
-
-
-@pytest.mark.parametrize("memory_gib", [0.012, 0.03])
-def test_whole_search_with_hsdp_candidates_matches_brute_force(memory_gib):
-    """Two nodes of 4: data-parallel groups of 8 split into node-sized HSDP shard groups,
-    searched through the same cost model as every other choice."""
-    graph = extract(
-        GPT(GPTConfig(vocab_size=512, seq_len=256, dim=256, n_layers=2, n_heads=8)), seq_len=256, dtype="bf16"
-    )
-    cluster = dataclasses.replace(_tiny_cluster(memory_gib), nodes=2)
-    constraints = {"micro_batch_size": 1, "tp": 1, "zero_stage": 3}
-    model = CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8)
-
-    def solver() -> ConfigSolver:
-        return ConfigSolver(model=model, budget_bytes=budget_bytes(cluster.device.memory), micro_batches=(1,))
-
-    configs, _ = enumerate_space(graph, cluster, 8, check_constraints(constraints))
-    assert {(c.dp, c.dp_shard) for c in configs} >= {(8, None), (8, 4), (4, None)}
-    want = _brute_force_search(solver(), constraints)
-    result = search(solver(), check_constraints(constraints), top=3)
-    assert result.best.fits == (not math.isinf(want))
-    if result.best.fits:
-        assert result.best.step_time_s == pytest.approx(want, rel=1e-9)
-
-
-def test_a_fixed_shard_group_is_searched_alone():
-    graph = extract(
-        GPT(GPTConfig(vocab_size=512, seq_len=256, dim=256, n_layers=2, n_heads=8)), seq_len=256, dtype="bf16"
-    )
-    cluster = dataclasses.replace(_tiny_cluster(1.0), nodes=2)
-    configs, rejected = enumerate_space(graph, cluster, 8, check_constraints({"dp_shard": 4}))
-    assert {c.dp for c in configs} == {4, 8}
-    assert all(c.shard_size == 4 and c.zero_stage >= 2 for c in configs)
-    assert any("shard group does not divide dp=2" in r.reason for r in rejected)
-    plain, _ = enumerate_space(graph, cluster, 8, check_constraints({"dp_shard": None}))
-    assert plain and all(c.dp_shard is None for c in plain)
-    with pytest.raises(ConfigError, match="constraint dp_shard=1 is not allowed"):
-        check_constraints({"dp_shard": 1})

@@ -102,36 +102,26 @@ def infeasible_error(result: SearchResult, cluster: Cluster, graph: LayerGraph) 
 
 def _alternatives(result: SearchResult, solver: ConfigSolver) -> tuple[Alternative, ...]:
     best_t = result.best.step_time_s
-    out = []
-    for o in result.runners_up:
+
+    def priced(o: Outcome, status: str, why: str) -> Alternative:
+        """A priced outcome (the search prices what it keeps and its contrasts)."""
         p = o.prediction
-        assert p is not None  # the search prices what it keeps
-        out.append(
-            Alternative(
-                config=o.config,
-                status="runner-up",
-                step_time_s=p.step_time_s,
-                memory_bytes_per_device=p.memory_bytes_per_device,
-                slower_by=p.step_time_s / best_t - 1,
-                over_memory_bytes=0.0,
-                reason=f"{100 * (p.step_time_s / best_t - 1):.1f}% slower",
-            )
+        assert p is not None
+        slower = p.step_time_s / best_t - 1
+        return Alternative(
+            config=o.config,
+            status=status,
+            step_time_s=p.step_time_s,
+            memory_bytes_per_device=p.memory_bytes_per_device,
+            slower_by=slower,
+            over_memory_bytes=0.0,
+            reason=f"{why}{100 * slower:.1f}% slower",
         )
+
+    out = [priced(o, "runner-up", "") for o in result.runners_up]
     for o in result.contrasts:
-        p = o.prediction
-        assert p is not None  # the search prices its contrasts
         sharding = "plain FSDP" if o.config.dp_shard is None else f"HSDP with shard groups of {o.config.dp_shard}"
-        out.append(
-            Alternative(
-                config=o.config,
-                status="sharding",
-                step_time_s=p.step_time_s,
-                memory_bytes_per_device=p.memory_bytes_per_device,
-                slower_by=p.step_time_s / best_t - 1,
-                over_memory_bytes=0.0,
-                reason=f"the winner with {sharding}: {100 * (p.step_time_s / best_t - 1):.1f}% slower",
-            )
-        )
+        out.append(priced(o, "sharding", f"the winner with {sharding}: "))
     cap = result.best.prediction.memory_capacity_bytes if result.best.prediction else 0.0
     for o in _oom_regions(result, cap, solver):
         over = o.min_memory_bytes - cap

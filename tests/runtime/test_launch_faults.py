@@ -90,6 +90,11 @@ def _check(tmp_path: Path, *argv: str) -> None:
     check_endpoint(args, torchrun_args(Plan.load(args.plan), args))
 
 
+def _node_of_two(node_rank: int, endpoint: str) -> tuple[str, ...]:
+    """``autopar run`` flags of one process on node ``node_rank`` of two meeting at ``endpoint``."""
+    return ("--nproc-per-node", "1", "--nnodes", "2", "--node-rank", str(node_rank), "--rdzv-endpoint", endpoint)
+
+
 def _run_command_raising(monkeypatch, tmp_path, exc: BaseException, *argv: str) -> int:
     """``autopar run`` with torchrun's ``run`` raising ``exc``; the environment it sets for
     the ranks is undone afterwards."""
@@ -119,17 +124,7 @@ def test_a_held_port_is_refused_naming_it_and_its_process(tmp_path):
 def test_a_held_port_on_node_0_asks_for_another_port_on_every_node(tmp_path):
     with _held_port() as port:
         with pytest.raises(ConfigError, match="pass another port on every node"):
-            _check(
-                tmp_path,
-                "--nproc-per-node",
-                "1",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                "0",
-                "--rdzv-endpoint",
-                f"127.0.0.1:{port}",
-            )
+            _check(tmp_path, *_node_of_two(0, f"127.0.0.1:{port}"))
 
 
 def test_a_free_port_and_standalone_pass(tmp_path):
@@ -139,27 +134,13 @@ def test_a_free_port_and_standalone_pass(tmp_path):
 
 def test_an_endpoint_nobody_serves_is_refused_after_the_wait(tmp_path):
     port = _free_port()
-    args = (
-        "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", f"localhost:{port}",
-        "--rdzv-wait-s", "0.5",
-    )  # fmt: skip
     with pytest.raises(ConfigError, match=f"endpoint localhost:{port} could not be reached within 0.5 s"):
-        _check(tmp_path, *args)
+        _check(tmp_path, *_node_of_two(1, f"localhost:{port}"), "--rdzv-wait-s", "0.5")
 
 
 def test_a_reachable_endpoint_passes_on_another_node(tmp_path):
     with _held_port() as port:
-        _check(
-            tmp_path,
-            "--nproc-per-node",
-            "1",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            "1",
-            "--rdzv-endpoint",
-            f"localhost:{port}",
-        )
+        _check(tmp_path, *_node_of_two(1, f"localhost:{port}"))
 
 
 @pytest.mark.parametrize(

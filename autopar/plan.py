@@ -16,165 +16,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 from autopar import codec
-from autopar.errors import ConfigError, PlanFormatError
+from autopar.errors import PlanFormatError
 from autopar.hardware.cluster import Cluster
-from autopar.vocab import ZERO_STAGES, Attention, DType, Optimizer, Recompute, Schedule, TPStyle
+from autopar.parallel_config import ParallelConfig
+from autopar.vocab import Attention, Optimizer, Recompute, TPStyle
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """2: the cluster's device is nested by concern (roofline, memory, host effects);
-3: ``ParallelConfig.dp_shard`` (HSDP). Version 2 files read as plain FSDP."""
-READABLE_VERSIONS = (2, SCHEMA_VERSION)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ParallelConfig:
-    """How the job is split. ``dp * tp * pp`` is the world size.
-
-    Attributes:
-        dp: data-parallel degree.
-        tp: tensor-parallel degree (consecutive ranks; inside a node when possible).
-        pp: pipeline-parallel degree (pipeline ranks).
-        micro_batch_size: samples per micro-batch on one data-parallel rank.
-        num_microbatches: micro-batches per step and data-parallel rank (gradient
-            accumulation); the global batch is ``dp * micro_batch_size * num_microbatches``.
-        schedule: pipeline schedule (ignored when ``pp == 1``).
-        virtual_stages: stages per pipeline rank (> 1 only with ``interleaved-1f1b``,
-            ``interleaved-zb``; exactly 2 with ``zbv``).
-        zero_stage: 0-3, see :data:`autopar.vocab.ZERO_STAGES`.
-        dp_shard: ranks of one FSDP shard group under hybrid sharding (HSDP): the ``dp``
-            data-parallel ranks form ``dp / dp_shard`` replicate groups of ``dp_shard``
-            consecutive data-parallel ranks (mesh axes ``dp_replicate`` x ``dp_shard``,
-            :class:`autopar.vocab.MeshAxis`); ZeRO-2/3 state is sharded over the shard
-            group and replicated across groups. ``None`` (the default) means ``dp``:
-            one shard group, plain FSDP. Only ZeRO-2/3 shard through FSDP2, so only
-            they take a ``dp_shard`` below ``dp``.
-        recompute: the default activation recomputation of every unit;
-            ``Plan.layer_strategies.recompute`` lists the units that differ.
-        sequence_parallel: norms and dropouts run on sequence shards of the TP group.
-        dtype: training precision.
-    """
-
-    dp: int
-    tp: int
-    pp: int
-    micro_batch_size: int
-    num_microbatches: int
-    schedule: Schedule = Schedule.ONE_F_ONE_B
-    virtual_stages: int = 1
-    zero_stage: int = 0
-    dp_shard: int | None = None
-    recompute: Recompute = Recompute.NONE
-    sequence_parallel: bool = False
-    dtype: DType = DType.BF16
-
-    def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "micro_batch_size", "num_microbatches", "virtual_stages"):
-            value = getattr(self, name)
-            if (type(value) is not int and (isinstance(value, bool) or not isinstance(value, int))) or value < 1:
-                raise ConfigError(f"{name}={value!r} is not allowed: it must be a positive integer.")
-        object.__setattr__(self, "schedule", _enum(Schedule, self.schedule, "schedule"))
-        object.__setattr__(self, "recompute", _enum(Recompute, self.recompute, "recompute"))
-        object.__setattr__(self, "dtype", _enum(DType, self.dtype, "dtype"))
-        if isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES:
-            raise ConfigError(
-                f"zero_stage={self.zero_stage!r} is not allowed: use 0 (DDP), 1 (sharded optimizer state), "
-                f"2 (+ sharded gradients) or 3 (+ sharded parameters)."
-            )
-        self._check_dp_shard()
-        if not isinstance(self.sequence_parallel, bool):
-            raise ConfigError(f"sequence_parallel={self.sequence_parallel!r} is not allowed: use True or False.")
-        if self.sequence_parallel and self.tp == 1:
-            raise ConfigError(
-                "sequence_parallel=True needs tp > 1: sequence parallelism shards norms over the "
-                "tensor-parallel group. Set tp >= 2 or sequence_parallel=False."
-            )
-        sched, multi_stage = self.schedule.value, self.schedule.multi_stage
-        if self.virtual_stages > 1 and not multi_stage:
-            raise ConfigError(
-                f"virtual_stages={self.virtual_stages} needs schedule 'interleaved-1f1b', 'interleaved-zb' or "
-                f"'zbv' (got {sched!r}); use virtual_stages=1 for {sched}."
-            )
-        if multi_stage and self.virtual_stages < 2:
-            raise ConfigError(
-                f"schedule={sched!r} needs virtual_stages >= 2 (stages per pipeline rank); "
-                "use schedule='1f1b' for one stage per rank."
-            )
-        if self.schedule is Schedule.ZBV and self.virtual_stages != 2:
-            raise ConfigError(
-                f"schedule='zbv' runs exactly 2 stages per pipeline rank (a V), got virtual_stages="
-                f"{self.virtual_stages}; use virtual_stages=2 or schedule='interleaved-zb'."
-            )
-        if multi_stage and self.pp < 2:
-            raise ConfigError(f"schedule={sched!r} needs pp >= 2.")
-
-    def rank_of_stage(self, index: int) -> int:
-        """The pipeline rank that runs stage ``index`` (:meth:`Schedule.rank_of_stage`)."""
-        return self.schedule.rank_of_stage(index, self.pp)
-
-    def stages_of_rank(self, pipeline_rank: int) -> tuple[int, ...]:
-        """Indices of the stages a pipeline rank runs, in pipeline order."""
-        return tuple(i for i in range(self.num_stages) if self.rank_of_stage(i) == pipeline_rank)
-
-    def _check_dp_shard(self) -> None:
-        """``dp_shard`` divides ``dp``, shards over at least 2 ranks, and needs ZeRO-2/3;
-        ``dp_shard == dp`` is stored as ``None`` (the same plan, one spelling)."""
-        s = self.dp_shard
-        if s is None:
-            return
-        if isinstance(s, bool) or not isinstance(s, int) or s < 1:
-            raise ConfigError(f"dp_shard={s!r} is not allowed: it must be a positive integer dividing dp={self.dp}.")
-        if s == self.dp:
-            object.__setattr__(self, "dp_shard", None)
-            return
-        if self.dp % s or s < 2:
-            allowed = [d for d in range(2, self.dp + 1) if self.dp % d == 0]
-            raise ConfigError(
-                f"dp_shard={s} is not allowed with dp={self.dp}: the shard group must divide dp and hold at "
-                f"least 2 ranks; use one of {allowed} (or dp_shard=None for plain FSDP)."
-            )
-        if self.zero_stage < 2:
-            raise ConfigError(
-                f"dp_shard={s} needs zero_stage 2 or 3 (got {self.zero_stage}): only FSDP2 shards over a shard "
-                f"group; set zero_stage=2 or 3, or dp_shard=None."
-            )
-
-    @property
-    def shard_size(self) -> int:
-        """Ranks of one FSDP shard group: ``dp_shard``, or ``dp`` without HSDP."""
-        return self.dp if self.dp_shard is None else self.dp_shard
-
-    @property
-    def replicate_size(self) -> int:
-        """Replicate groups of HSDP (``dp / shard_size``; 1 without HSDP)."""
-        return self.dp // self.shard_size
-
-    @property
-    def world_size(self) -> int:
-        """Devices the plan runs on."""
-        return self.dp * self.tp * self.pp
-
-    @property
-    def global_batch_size(self) -> int:
-        """Samples per optimizer step over all data-parallel ranks."""
-        return self.dp * self.micro_batch_size * self.num_microbatches
-
-    @property
-    def num_stages(self) -> int:
-        """Pipeline stages in total (pp x virtual_stages)."""
-        return self.pp * self.virtual_stages
-
-    def short(self) -> str:
-        """Compact text: ``dp=8 tp=8 pp=16 mbs=1 m=12 1f1b zero=3 shard=4 recompute=full sp bf16``
-        (``shard=`` only under HSDP)."""
-        sched = self.schedule.value if self.pp > 1 else "no-pp"
-        if self.virtual_stages > 1:
-            sched += f"(v={self.virtual_stages})"
-        sp = " sp" if self.sequence_parallel else ""
-        hsdp = f" shard={self.dp_shard}" if self.dp_shard is not None else ""
-        return (
-            f"dp={self.dp} tp={self.tp} pp={self.pp} mbs={self.micro_batch_size} m={self.num_microbatches} "
-            f"{sched} zero={self.zero_stage}{hsdp} recompute={self.recompute.value}{sp} {self.dtype.value}"
-        )
+3: ``ParallelConfig.dp_shard`` (HSDP); 4: ``ParallelConfig.cp`` (context parallelism)
+and ``StepBreakdown.cp_comm_s``. Older files read as plans without the newer axes."""
+READABLE_VERSIONS = (2, 3, SCHEMA_VERSION)
+_INTRODUCED = {"dp_shard": 3, "cp": 4}
+"""The schema version that introduced each newer ``config`` field."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -263,6 +116,7 @@ class StepBreakdown:
     bubble_s: float
     dp_comm_s: float
     optimizer_s: float
+    cp_comm_s: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -271,6 +125,7 @@ class StepBreakdown:
             self.compute_s
             + self.recompute_s
             + self.tp_comm_s
+            + self.cp_comm_s
             + self.pp_comm_s
             + self.bubble_s
             + self.dp_comm_s
@@ -424,9 +279,11 @@ class Plan:
                 f"{origin}: schema_version {version!r} is not supported; this autopar reads versions "
                 f"{', '.join(map(str, READABLE_VERSIONS))}. Re-create the plan with this autopar version."
             )
-        if version < SCHEMA_VERSION and "dp_shard" in (data.get("config") or {}):
-            raise PlanFormatError(f"{origin}: config.dp_shard needs schema_version {SCHEMA_VERSION} (got {version}).")
-        data = {**data, "schema_version": SCHEMA_VERSION}  # a version-2 file is a plan without HSDP
+        config = data.get("config") if isinstance(data.get("config"), dict) else {}
+        for name, since in _INTRODUCED.items():
+            if version < since and name in config:
+                raise PlanFormatError(f"{origin}: config.{name} needs schema_version {since} or later (got {version}).")
+        data = {**data, "schema_version": SCHEMA_VERSION}  # an older file is a plan without the newer axes
         return codec.decode(Plan, data, origin, error=PlanFormatError)
 
     @staticmethod
@@ -471,13 +328,3 @@ _PLAN_FIELDS = (
 def _cut(name: str, limit: int = 40) -> str:
     """``name``, or its first ``limit - 1`` characters and an ellipsis."""
     return name if len(name) <= limit else name[: limit - 1] + "…"
-
-
-def _enum(cls: Any, value: Any, name: str) -> Any:
-    if isinstance(value, cls):
-        return value
-    try:
-        return cls(value)
-    except ValueError:
-        allowed = ", ".join(repr(m.value) for m in cls)
-        raise ConfigError(f"{name}={value!r} is not allowed; use one of {allowed}.") from None

@@ -20,8 +20,10 @@ from enum import StrEnum
 
 class MeshAxis(StrEnum):
     """Axes of the device mesh, outermost first: ranks are laid out row-major over
-    (pp, dp, tp), so a tensor-parallel group is consecutive ranks and stays inside a
-    node whenever it can (Megatron-LM's placement).
+    (pp, dp, cp, tp), so a tensor-parallel group is consecutive ranks and stays inside a
+    node whenever it can, and a context-parallel ring is the next-innermost (Megatron-LM's
+    order, tp-cp-dp-pp). Gradients are reduced over ``dp`` and ``cp`` flattened into one
+    axis, ``dp_cp``.
 
     Under HSDP (``ParallelConfig.dp_shard``) the ``dp`` axis splits row-major into
     (``dp_replicate``, ``dp_shard``): a shard group is ``dp_shard`` consecutive
@@ -31,6 +33,8 @@ class MeshAxis(StrEnum):
     PP = "pp"
     DP = "dp"
     TP = "tp"
+    CP = "cp"
+    DP_CP = "dp_cp"
     DP_REPLICATE = "dp_replicate"
     DP_SHARD = "dp_shard"
 

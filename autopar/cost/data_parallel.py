@@ -53,7 +53,7 @@ def finite_check_s(model: CostModel, config: ParallelConfig, grad_numel: float) 
     cl = model.cluster
     passes = 2 if config.dtype is DType.FP16 else 1
     read_s = passes * GRAD_BYTES * grad_numel / rates(cl.device, config.dtype).bytes_per_s
-    world = group_span(config.dp * config.tp * config.pp, 1, cl.devices_per_node)
+    world = group_span(config.world_size, 1, cl.devices_per_node)
     return read_s + all_reduce_s(2 * 4.0, world, cl)
 
 
@@ -69,20 +69,20 @@ def tail_s(model: CostModel, stage: PricedStage, config: ParallelConfig) -> tupl
     fwd = sum(o.fwd_s for o in stage.options)
     cl = model.cluster
     host = cl.device.host
-    span = group_span(config.dp, config.tp, cl.devices_per_node)
+    span = group_span(config.dp_cp, config.tp, cl.devices_per_node)
     shard = shard_span(config, cl.devices_per_node)
     m = config.num_microbatches
     copy = compute_copy_bytes(config.dtype) or 4.0
     grad_bytes = 4.0 * params
     exposed = 0.0
-    if config.dp > 1:
+    if config.dp_cp > 1:
         overlap = cl.device.comm_overlap  # share of compute that hides communication
         hidden_bwd = overlap * bwd * (1 - 1 / units)
         hidden_fwd = overlap * fwd * (1 - 1 / units)
         if config.zero_stage <= 1:
             exposed = max(all_reduce_s(grad_bytes, span, cl) - hidden_bwd, 0.0)
             # DDP's last bucket meets once per step, after all of the rank's work
-            exposed += ranks_wait_s(host, config.dp, 1, m * (fwd + bwd))
+            exposed += ranks_wait_s(host, config.dp_cp, 1, m * (fwd + bwd))
             if config.zero_stage == 1:
                 exposed += all_gather_s(4.0 * params, span, cl)
         elif config.pp > 1:
@@ -106,8 +106,8 @@ def tail_s(model: CostModel, stage: PricedStage, config: ParallelConfig) -> tupl
             )
     if config.pp > 1 and model.graph.shared and (0 in stage.units or n - 1 in stage.units):
         exposed += tied_all_reduce_s(model, config)
-    local = params / config.shard_size if config.zero_stage >= 1 else params
-    grads = params / config.shard_size if config.zero_stage >= 2 else params
+    local = params / config.state_shards if config.zero_stage >= 1 else params
+    grads = params / config.state_shards if config.zero_stage >= 2 else params
     return exposed, optimizer_step_s(cl.device, config.dtype, model.optimizer, local) + finite_check_s(
         model, config, grads
     )
@@ -116,7 +116,7 @@ def tail_s(model: CostModel, stage: PricedStage, config: ParallelConfig) -> tupl
 def tied_all_reduce_s(model: CostModel, config: ParallelConfig) -> float:
     """The all-reduce of tied weights' gradients between the first and the last pipeline
     stage, which hold a copy each."""
-    pair = group_span(2, config.tp * config.dp * (config.pp - 1), model.cluster.devices_per_node)
+    pair = group_span(2, config.tp * config.dp_cp * (config.pp - 1), model.cluster.devices_per_node)
     return all_reduce_s(4.0 * sum(s.numel for s in model.graph.shared) / config.tp, pair, model.cluster)
 
 
@@ -126,11 +126,11 @@ def unhidden_floor_s(model: CostModel, config: ParallelConfig, local_params: flo
     ZeRO-2/3's reduce-scatter (deferred to the last micro-batch): a lower bound of
     :func:`tail_s`'s sum for any stage of at least that many parameters."""
     cl = model.cluster
-    local = local_params / config.shard_size if config.zero_stage >= 1 else local_params
-    grads = local_params / config.shard_size if config.zero_stage >= 2 else local_params
+    local = local_params / config.state_shards if config.zero_stage >= 1 else local_params
+    grads = local_params / config.state_shards if config.zero_stage >= 2 else local_params
     floor = optimizer_step_s(cl.device, config.dtype, model.optimizer, local) + finite_check_s(model, config, grads)
-    if config.dp > 1:
-        span = group_span(config.dp, config.tp, cl.devices_per_node)
+    if config.dp_cp > 1:
+        span = group_span(config.dp_cp, config.tp, cl.devices_per_node)
         if config.zero_stage == 1:
             floor += all_gather_s(4.0 * local_params, span, cl)
         elif config.zero_stage >= 2 and config.pp > 1:
@@ -139,9 +139,9 @@ def unhidden_floor_s(model: CostModel, config: ParallelConfig, local_params: flo
 
 
 def shard_span(config: ParallelConfig, devices_per_node: int) -> GroupSpan:
-    """Where an FSDP shard group lies: ``shard_size`` data-parallel ranks, ``tp`` apart
-    (the whole data-parallel group without HSDP)."""
-    return group_span(config.shard_size, config.tp, devices_per_node)
+    """Where an FSDP shard group lies: ``state_shards`` ranks, ``tp`` apart (the whole
+    data- and context-parallel group without HSDP)."""
+    return group_span(config.state_shards, config.tp, devices_per_node)
 
 
 def replicate_span(config: ParallelConfig, devices_per_node: int) -> GroupSpan:
@@ -157,7 +157,7 @@ def hsdp_reduce_s(grad_bytes: float, config: ParallelConfig, cluster: Cluster, *
     docstring). Without HSDP it is the reduce-scatter over ``dp`` alone."""
     dpn = cluster.devices_per_node
     rs = reduce_scatter_s(grad_bytes, shard_span(config, dpn), cluster, calls=calls)
-    return rs + all_reduce_s(grad_bytes / config.shard_size, replicate_span(config, dpn), cluster, calls=calls)
+    return rs + all_reduce_s(grad_bytes / config.state_shards, replicate_span(config, dpn), cluster, calls=calls)
 
 
 def _fsdp_collectives_s(
@@ -169,10 +169,10 @@ def _fsdp_collectives_s(
     cl = model.cluster
     streaming = rates(cl.device, config.dtype).bytes_per_s
     rs = hsdp_reduce_s(grad_bytes, config, cl, calls=units) + fsdp_copy_s(
-        cl.device.host, grad_bytes, config.shard_size, streaming_bytes_per_s=streaming
+        cl.device.host, grad_bytes, config.state_shards, streaming_bytes_per_s=streaming
     )
     ag = all_gather_s(param_bytes, span, cl, calls=units) + fsdp_copy_s(
-        cl.device.host, param_bytes, config.shard_size, streaming_bytes_per_s=streaming
+        cl.device.host, param_bytes, config.state_shards, streaming_bytes_per_s=streaming
     )
     return rs, ag
 
@@ -184,4 +184,4 @@ def _fsdp_waits_s(model: CostModel, config: ParallelConfig, calls: int, work_s: 
     ``calls * (1 - comm_overlap)`` meetings."""
     device = model.cluster.device
     meetings = calls * (1 - device.comm_overlap)
-    return ranks_wait_s(device.host, config.dp, meetings, work_s)
+    return ranks_wait_s(device.host, config.dp_cp, meetings, work_s)

@@ -85,8 +85,8 @@ def config_state_bytes(
     largest_unit_numel: float = 0.0,
 ) -> StateBytes:
     """:func:`state_bytes` under ``config``'s precision, ZeRO stage and data-, tensor- and
-    pipeline-parallel degrees; the state shards over ``config.shard_size`` ranks (the
-    HSDP shard group, or ``dp``)."""
+    pipeline-parallel degrees; the state shards over ``config.state_shards`` ranks (the
+    HSDP shard group, or ``dp * cp``)."""
     return state_bytes(
         param_numel=param_numel,
         factored_numel=factored_numel,
@@ -94,7 +94,7 @@ def config_state_bytes(
         dtype=config.dtype,
         optimizer=optimizer,
         zero_stage=config.zero_stage,
-        dp=config.shard_size,
+        dp=config.state_shards,
         pipelined=config.pp > 1,
         tp=config.tp,
     )
@@ -123,8 +123,8 @@ def state_bytes(
         dtype: training precision.
         optimizer: which optimizer.
         zero_stage: 0-3.
-        dp: ranks the sharded state is split over: the data-parallel degree, or under
-            HSDP the shard group (``ParallelConfig.shard_size``).
+        dp: ranks the sharded state is split over: the data- times the context-parallel
+            degree, or under HSDP the shard group (``ParallelConfig.state_shards``).
         pipelined: the stage runs under a pipeline schedule (pp > 1).
         tp: tensor-parallel degree. ZeRO-0/1 with dp > 1 run DDP, except with pipelining
             or tensor parallelism, where the runtime uses FSDP2's ``replicate``

@@ -43,12 +43,12 @@ def stage_p2p_s(
     """(forward, backward) point-to-point seconds per micro-batch of a stage holding
     ``units`` (first and last with ``options[0]`` and ``options[-1]``): it sends its
     output forward unless it ends the model, and its input's gradient back unless it
-    starts it. Pipeline neighbours are ``tp * dp`` ranks apart, on another node when
+    starts it. Pipeline neighbours are ``tp * cp * dp`` ranks apart, on another node when
     that is at least a node."""
     if config.pp == 1:
         return 0.0, 0.0
     cluster = model.cluster
-    cross = config.tp * config.dp >= cluster.devices_per_node
+    cross = config.tp * config.cp * config.dp >= cluster.devices_per_node
     n = model.num_units
     fwd = p2p_s(options[-1].layout.output_bytes, cross_node=cross, cluster=cluster) if units[-1] < n - 1 else 0.0
     bwd = p2p_s(options[0].layout.input_bytes, cross_node=cross, cluster=cluster) if units[0] > 0 else 0.0

@@ -129,7 +129,8 @@ class UnitProfile:
     """Per-sample costs of one kind of unit.
 
     ``input_bytes``/``output_bytes``: the activation entering and leaving the unit (what
-    pipeline point-to-point sends, and what full recomputation keeps).
+    pipeline point-to-point sends, and what full recomputation keeps). ``kv_bytes``: the
+    keys and values entering its attention cores (what a context-parallel ring exchanges).
     """
 
     signature: str
@@ -137,6 +138,7 @@ class UnitProfile:
     flows: tuple[Flow, ...]
     input_bytes: float
     output_bytes: float
+    kv_bytes: float = 0.0
 
     @cached_property
     def param_numel(self) -> int:

@@ -84,6 +84,7 @@ class SegmentTrace:
     flows: dict[tuple[int, int], _FlowAcc]
     input_bytes: float
     output_bytes: float
+    kv_bytes: float = 0.0
 
     def to_profile(
         self, signature: str, batch: int, head_dim: int, *, vocab_size: int, keep: set[str] | None = None
@@ -149,6 +150,7 @@ class SegmentTrace:
             flows=flows,
             input_bytes=self.input_bytes / batch,
             output_bytes=self.output_bytes / batch,
+            kv_bytes=self.kv_bytes / batch,
         )
 
 
@@ -189,6 +191,7 @@ class Segment:
         """Storages the last glue op wrote: what autograd saves of them is that op's."""
         self.input_bytes = 0.0
         self.output_bytes = 0.0
+        self.kv_bytes = 0.0
 
     def note_parts(self, t: Any, dim: int, whole: bool) -> None:
         """Mark the linear leaf whose output ``t`` is, if the op took parts of its
@@ -271,7 +274,11 @@ class Segment:
         for (src, _), acc in self.flows.items():
             acc.tensor_bytes = self.input_bytes if src == UNIT_INPUT else self.leaves[src].out_bytes
         return SegmentTrace(
-            leaves=self.leaves, flows=self.flows, input_bytes=self.input_bytes, output_bytes=self.output_bytes
+            leaves=self.leaves,
+            flows=self.flows,
+            input_bytes=self.input_bytes,
+            output_bytes=self.output_bytes,
+            kv_bytes=self.kv_bytes,
         )
 
 

@@ -253,6 +253,7 @@ class Tracer:
                 for o in seg.lookup(t).origins:
                     if o >= 0:
                         seg.leaves[o].out_heads += 1  # counts the q/k/v inputs this leaf feeds
+            seg.kv_bytes += nbytes_of(k) + nbytes_of(v)  # what a context-parallel ring exchanges
             self.head_dim = int(q.shape[-1])
         self.attn_inputs.update(t.untyped_storage()._cdata for t in (q, k, v))
         self.in_attention = True

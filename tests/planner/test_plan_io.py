@@ -84,12 +84,24 @@ def test_an_hsdp_plan_round_trips(gpt2_plan):
 
 
 def test_a_version_2_plan_file_loads_as_plain_fsdp(gpt2_plan):
-    """Version 2 had no dp_shard: its plans read as one shard group of all of dp."""
+    """Version 2 had no dp_shard and no cp: its plans read as one shard group of all of dp."""
     data = json.loads(gpt2_plan.to_json())
     data["schema_version"] = 2
-    del data["config"]["dp_shard"]
+    del data["config"]["dp_shard"], data["config"]["cp"], data["prediction"]["breakdown"]["cp_comm_s"]
     old = Plan.from_dict(data)
     assert old == gpt2_plan and old.config.dp_shard is None and old.config.shard_size == gpt2_plan.config.dp
     data["config"]["dp_shard"] = 2
     with pytest.raises(PlanFormatError, match="config.dp_shard needs schema_version 3"):
+        Plan.from_dict(data)
+
+
+def test_a_version_3_plan_file_loads_without_context_parallelism(gpt2_plan):
+    """Version 3 had no cp: its plans read with cp=1; a cp field needs version 4."""
+    data = json.loads(gpt2_plan.to_json())
+    data["schema_version"] = 3
+    del data["config"]["cp"], data["prediction"]["breakdown"]["cp_comm_s"]
+    old = Plan.from_dict(data)
+    assert old == gpt2_plan and old.config.cp == 1 and old.config.dp_cp == old.config.dp
+    data["config"]["cp"] = 2
+    with pytest.raises(PlanFormatError, match="config.cp needs schema_version 4"):
         Plan.from_dict(data)

@@ -1,0 +1,205 @@
+"""How a job is split over devices: the parallel degrees, the batch split, the
+pipeline schedule, sharding, recomputation and precision of a plan.
+
+Plain frozen data, validated on construction so that a plan the runtime cannot run is
+refused where it is made, in one line that names the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from autopar.errors import ConfigError
+from autopar.vocab import ZERO_STAGES, DType, Recompute, Schedule
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """How the job is split. ``dp * cp * tp * pp`` is the world size.
+
+    Attributes:
+        dp: data-parallel degree.
+        tp: tensor-parallel degree (consecutive ranks; inside a node when possible).
+        pp: pipeline-parallel degree (pipeline ranks).
+        cp: context-parallel degree: each sample's sequence is split over ``cp`` ranks
+            (the mesh axis next to tp), whose attention cores exchange keys and values
+            in a ring (Liu et al. 2023, "Ring Attention"; torch's
+            ``context_parallel``). They hold the same parameters, so gradients are
+            reduced, and ZeRO state sharded, over the ``dp * cp`` ranks together
+            (:attr:`dp_cp`), as torchtitan and Megatron-LM do; the batch is split over
+            ``dp`` only.
+        micro_batch_size: samples per micro-batch on one data-parallel rank.
+        num_microbatches: micro-batches per step and data-parallel rank (gradient
+            accumulation); the global batch is ``dp * micro_batch_size * num_microbatches``.
+        schedule: pipeline schedule (ignored when ``pp == 1``).
+        virtual_stages: stages per pipeline rank (> 1 only with ``interleaved-1f1b``,
+            ``interleaved-zb``; exactly 2 with ``zbv``).
+        zero_stage: 0-3, see :data:`autopar.vocab.ZERO_STAGES`.
+        dp_shard: ranks of one FSDP shard group under hybrid sharding (HSDP): the ``dp``
+            data-parallel ranks form ``dp / dp_shard`` replicate groups of ``dp_shard``
+            consecutive data-parallel ranks (mesh axes ``dp_replicate`` x ``dp_shard``,
+            :class:`autopar.vocab.MeshAxis`); ZeRO-2/3 state is sharded over the shard
+            group and replicated across groups. ``None`` (the default) means ``dp``:
+            one shard group, plain FSDP. Only ZeRO-2/3 shard through FSDP2, so only
+            they take a ``dp_shard`` below ``dp``.
+        recompute: the default activation recomputation of every unit;
+            ``Plan.layer_strategies.recompute`` lists the units that differ.
+        sequence_parallel: norms and dropouts run on sequence shards of the TP group.
+        dtype: training precision.
+    """
+
+    dp: int
+    tp: int
+    pp: int
+    cp: int = 1
+    micro_batch_size: int
+    num_microbatches: int
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    virtual_stages: int = 1
+    zero_stage: int = 0
+    dp_shard: int | None = None
+    recompute: Recompute = Recompute.NONE
+    sequence_parallel: bool = False
+    dtype: DType = DType.BF16
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "cp", "micro_batch_size", "num_microbatches", "virtual_stages"):
+            value = getattr(self, name)
+            if (type(value) is not int and (isinstance(value, bool) or not isinstance(value, int))) or value < 1:
+                raise ConfigError(f"{name}={value!r} is not allowed: it must be a positive integer.")
+        object.__setattr__(self, "schedule", enum_value(Schedule, self.schedule, "schedule"))
+        object.__setattr__(self, "recompute", enum_value(Recompute, self.recompute, "recompute"))
+        object.__setattr__(self, "dtype", enum_value(DType, self.dtype, "dtype"))
+        if isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES:
+            raise ConfigError(
+                f"zero_stage={self.zero_stage!r} is not allowed: use 0 (DDP), 1 (sharded optimizer state), "
+                f"2 (+ sharded gradients) or 3 (+ sharded parameters)."
+            )
+        self._check_dp_shard()
+        if not isinstance(self.sequence_parallel, bool):
+            raise ConfigError(f"sequence_parallel={self.sequence_parallel!r} is not allowed: use True or False.")
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError(
+                "sequence_parallel=True needs tp > 1: sequence parallelism shards norms over the "
+                "tensor-parallel group. Set tp >= 2 or sequence_parallel=False."
+            )
+        sched, multi_stage = self.schedule.value, self.schedule.multi_stage
+        if self.virtual_stages > 1 and not multi_stage:
+            raise ConfigError(
+                f"virtual_stages={self.virtual_stages} needs schedule 'interleaved-1f1b', 'interleaved-zb' or "
+                f"'zbv' (got {sched!r}); use virtual_stages=1 for {sched}."
+            )
+        if multi_stage and self.virtual_stages < 2:
+            raise ConfigError(
+                f"schedule={sched!r} needs virtual_stages >= 2 (stages per pipeline rank); "
+                "use schedule='1f1b' for one stage per rank."
+            )
+        if self.schedule is Schedule.ZBV and self.virtual_stages != 2:
+            raise ConfigError(
+                f"schedule='zbv' runs exactly 2 stages per pipeline rank (a V), got virtual_stages="
+                f"{self.virtual_stages}; use virtual_stages=2 or schedule='interleaved-zb'."
+            )
+        if multi_stage and self.pp < 2:
+            raise ConfigError(f"schedule={sched!r} needs pp >= 2.")
+
+    def rank_of_stage(self, index: int) -> int:
+        """The pipeline rank that runs stage ``index`` (:meth:`Schedule.rank_of_stage`)."""
+        return self.schedule.rank_of_stage(index, self.pp)
+
+    def stages_of_rank(self, pipeline_rank: int) -> tuple[int, ...]:
+        """Indices of the stages a pipeline rank runs, in pipeline order."""
+        return tuple(i for i in range(self.num_stages) if self.rank_of_stage(i) == pipeline_rank)
+
+    def _check_dp_shard(self) -> None:
+        """``dp_shard`` divides ``dp``, shards over at least 2 ranks, and needs ZeRO-2/3;
+        ``dp_shard == dp`` is stored as ``None`` (the same plan, one spelling)."""
+        s = self.dp_shard
+        if s is None:
+            return
+        if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+            raise ConfigError(f"dp_shard={s!r} is not allowed: it must be a positive integer dividing dp={self.dp}.")
+        if s == self.dp:
+            object.__setattr__(self, "dp_shard", None)
+            return
+        if self.dp % s or s < 2:
+            allowed = [d for d in range(2, self.dp + 1) if self.dp % d == 0]
+            raise ConfigError(
+                f"dp_shard={s} is not allowed with dp={self.dp}: the shard group must divide dp and hold at "
+                f"least 2 ranks; use one of {allowed} (or dp_shard=None for plain FSDP)."
+            )
+        if self.cp > 1:
+            raise ConfigError(
+                f"dp_shard={s} with cp={self.cp} is not supported: hybrid sharding and context parallelism do "
+                f"not combine yet; use dp_shard=None (FSDP over all dp x cp ranks) or cp=1."
+            )
+        if self.zero_stage < 2:
+            raise ConfigError(
+                f"dp_shard={s} needs zero_stage 2 or 3 (got {self.zero_stage}): only FSDP2 shards over a shard "
+                f"group; set zero_stage=2 or 3, or dp_shard=None."
+            )
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks of one FSDP shard group: ``dp_shard``, or ``dp`` without HSDP."""
+        return self.dp if self.dp_shard is None else self.dp_shard
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks that hold the same parameters: the data-parallel ranks times the
+        context-parallel ranks. Gradients are reduced over them (``dp`` without context
+        parallelism)."""
+        return self.dp * self.cp
+
+    @property
+    def state_shards(self) -> int:
+        """Ranks ZeRO shards optimizer state, gradients and parameters over: the shard
+        group times ``cp`` (FSDP2 shards over the data- and context-parallel ranks
+        together, torchtitan's ``dp_shard_cp`` mesh)."""
+        return self.shard_size * self.cp
+
+    @property
+    def replicate_size(self) -> int:
+        """Replicate groups of HSDP (``dp / shard_size``; 1 without HSDP)."""
+        return self.dp // self.shard_size
+
+    @property
+    def world_size(self) -> int:
+        """Devices the plan runs on."""
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step over all data-parallel ranks."""
+        return self.dp * self.micro_batch_size * self.num_microbatches
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages in total (pp x virtual_stages)."""
+        return self.pp * self.virtual_stages
+
+    def short(self) -> str:
+        """Compact text: ``dp=8 tp=8 pp=16 mbs=1 m=12 1f1b zero=3 shard=4 recompute=full sp bf16``
+        (``shard=`` only under HSDP, ``cp=`` after ``pp=`` only with context parallelism)."""
+        sched = self.schedule.value if self.pp > 1 else "no-pp"
+        if self.virtual_stages > 1:
+            sched += f"(v={self.virtual_stages})"
+        sp = " sp" if self.sequence_parallel else ""
+        hsdp = f" shard={self.dp_shard}" if self.dp_shard is not None else ""
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        return (
+            f"dp={self.dp} tp={self.tp} pp={self.pp}{cp} mbs={self.micro_batch_size} m={self.num_microbatches} "
+            f"{sched} zero={self.zero_stage}{hsdp} recompute={self.recompute.value}{sp} {self.dtype.value}"
+        )
+
+
+def enum_value(cls: Any, value: Any, name: str) -> Any:
+    """``value`` as a member of the enum ``cls``; ConfigError naming ``name`` and the
+    allowed values otherwise."""
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(value)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in cls)
+        raise ConfigError(f"{name}={value!r} is not allowed; use one of {allowed}.") from None

@@ -41,7 +41,7 @@ def unit_floor(model: CostModel, unit: int, config: ParallelConfig) -> UnitFloor
     for leaf in profile.leaves:
         params += min(leaf_param_numel(leaf, s, config.tp) for s in allowed_styles(leaf, ctx))
     shard = config.tp if config.sequence_parallel and unit > 0 else 1
-    return UnitFloor(param_numel=params, input_bytes=profile.input_bytes * config.micro_batch_size / shard)
+    return UnitFloor(param_numel=params, input_bytes=profile.input_bytes * config.micro_batch_size / config.cp / shard)
 
 
 def states_floor_bytes(model: CostModel, config: ParallelConfig, param_numel: float) -> float:

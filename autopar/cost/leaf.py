@@ -18,7 +18,7 @@ from autopar.cost.host import accumulate_s, dispatch_s, kernel_s, tp_dispatch_s
 from autopar.graph.layer_graph import Flow, Leaf, LeafKind
 from autopar.hardware.cluster import Cluster
 from autopar.hardware.device import HostEffects
-from autopar.vocab import Layout, TPStyle
+from autopar.vocab import DType, Layout, TPStyle
 
 BACKWARD_FACTOR = 2.0
 """Backward costs twice the forward: a GEMM's backward computes both the input and the
@@ -41,7 +41,10 @@ class TPContext:
         span: where the TP group's devices are.
         cluster: the links.
         rates: the device's roofline in the compute precision.
-        micro_batch: samples per micro-batch.
+        micro_batch: samples per micro-batch on this rank: a context-parallel rank
+            holds ``1 / cp`` of each sample's tokens, so ``micro_batch_size / cp`` (every
+            per-sample size of the layer graph, attention included, scales with it:
+            load-balanced ring attention gives each rank ``1 / cp`` of the work).
         tokens: tokens per sample (the loss-parallel reductions move one float each).
         boundary: the layout of activations between units (R, or Q with sequence
             parallelism).
@@ -57,13 +60,15 @@ class TPContext:
             profile; :func:`autopar.profiles.recompute_calibration`).
         host: the device's host effects (framework time per op and per
             tensor-parallel leaf, exposed weight traffic; :mod:`autopar.cost.host`).
+        cp: context-parallel degree; ``cp_span``: where its ring's ranks are.
+        dtype: the compute precision (what keys and values are exchanged in).
     """
 
     tp: int
     span: GroupSpan
     cluster: Cluster
     rates: ComputeRates
-    micro_batch: int
+    micro_batch: float
     tokens: int
     boundary: Layout
     first: bool
@@ -73,6 +78,9 @@ class TPContext:
     compute_scale: float = 1.0
     recompute_fraction: float = 1.0
     host: HostEffects = field(default_factory=HostEffects.none)
+    cp: int = 1
+    cp_span: GroupSpan = field(default_factory=lambda: GroupSpan(size=1, per_node=1, nodes=1))
+    dtype: DType = DType.BF16
 
     @property
     def input_layout(self) -> Layout:

@@ -49,7 +49,9 @@ class CostModel:
 
 def tp_context(model: CostModel, unit: int, config: ParallelConfig) -> TPContext:
     """The tensor-parallel context of ``unit`` under ``config``: its group, the device's
-    rates and host effects, its place in the model, and a profile's corrections."""
+    rates and host effects, its place in the model, a profile's corrections, and its
+    share of each sample under context parallelism (the cp ring: ``cp`` ranks, ``tp``
+    apart, :class:`autopar.vocab.MeshAxis`)."""
     signature = model.graph.profile_of(unit).signature
     device = model.cluster.device
     return TPContext(
@@ -57,7 +59,7 @@ def tp_context(model: CostModel, unit: int, config: ParallelConfig) -> TPContext
         span=group_span(config.tp, 1, model.cluster.devices_per_node),
         cluster=model.cluster,
         rates=rates(device, config.dtype),
-        micro_batch=config.micro_batch_size,
+        micro_batch=config.micro_batch_size / config.cp,
         tokens=model.graph.seq_len,
         boundary=Layout.Q if config.sequence_parallel else Layout.R,
         first=unit == 0,
@@ -67,4 +69,7 @@ def tp_context(model: CostModel, unit: int, config: ParallelConfig) -> TPContext
         compute_scale=model.calibration.get(signature, 1.0),
         recompute_fraction=model.recompute_fractions.get(signature, 1.0),
         host=device.host,
+        cp=config.cp,
+        cp_span=group_span(config.cp, config.tp, model.cluster.devices_per_node),
+        dtype=config.dtype,
     )

@@ -9,12 +9,16 @@ activation recomputation.
   not rerun (the runtime checkpoints the unit's modules and the loss runs outside
   them: ``UnitCost.loss_fwd_compute_s``), and the rerun compute costs a
   ``recompute_fraction`` of the recorded one, which a layer profile measures.
+
+Under context parallelism both recomputing modes rerun the attention core's key/value
+exchange with it (:mod:`autopar.cost.context_parallel`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autopar.cost.context_parallel import NO_EXCHANGE, RingExchange, ring_exchange
 from autopar.cost.leaf import TPContext
 from autopar.cost.tensor_parallel import UnitCost
 from autopar.graph.layer_graph import UNIT_OUTPUT, UnitProfile
@@ -34,6 +38,9 @@ class UnitOption:
         act_bytes: activations kept per in-flight micro-batch.
         transient_bytes: extra memory while this unit runs its backward.
         recompute_flops: FLOPs recomputed per sample (for HFU).
+        cp_comm_s: context-parallel exchange not hidden by attention, forward and
+            backward (included in ``fwd_s`` and ``bwd_s``; a recomputed forward's is
+            part of ``recompute_s``).
     """
 
     layout: UnitCost
@@ -44,6 +51,7 @@ class UnitOption:
     act_bytes: float
     transient_bytes: float
     recompute_flops: float
+    cp_comm_s: float = 0.0
 
     @property
     def time_s(self) -> float:
@@ -64,11 +72,17 @@ class UnitOption:
 
 
 def make_option(
-    lay: UnitCost, mode: Recompute, rerun_flops: float, attn_flops: float, recompute_fraction: float
+    lay: UnitCost,
+    mode: Recompute,
+    rerun_flops: float,
+    attn_flops: float,
+    recompute_fraction: float,
+    ring: RingExchange = NO_EXCHANGE,
 ) -> UnitOption:
     """Price one (layout, recompute) pair; full recomputation reruns the forward but
     the loss, its compute at ``recompute_fraction`` of the recorded time, its TP
-    collectives whole."""
+    collectives whole; both recomputing modes rerun the context-parallel exchange
+    ``ring``."""
     full_act = lay.saved_bytes + lay.attn_saved_bytes
     if mode is Recompute.NONE:
         act, transient, redo, flops = full_act, lay.working_bytes, 0.0, 0.0
@@ -84,22 +98,28 @@ def make_option(
         # the loss runs outside the checkpoint: what it keeps stays an activation
         act, flops = lay.input_bytes + lay.loss_saved_bytes, rerun_flops
         transient = full_act - lay.loss_saved_bytes + lay.working_bytes
+    if mode is not Recompute.NONE:
+        redo += ring.fwd_s
     return UnitOption(
         layout=lay,
         recompute=mode,
-        fwd_s=lay.fwd_s,
-        bwd_s=lay.bwd_compute_s + lay.bwd_comm_s + redo,
+        fwd_s=lay.fwd_s + ring.fwd_s,
+        bwd_s=lay.bwd_compute_s + lay.bwd_comm_s + ring.bwd_s + redo,
         recompute_s=redo,
         act_bytes=act,
-        transient_bytes=transient,
+        transient_bytes=transient + ring.transient_bytes,
         recompute_flops=flops,
+        cp_comm_s=ring.fwd_s + ring.bwd_s,
     )
 
 
 def price_option(profile: UnitProfile, layout: UnitCost, mode: Recompute, ctx: TPContext) -> UnitOption:
     """``layout`` of a unit of ``profile`` under recompute ``mode``: the FLOPs full
     recomputation reruns are the unit's forward less the loss's (the last unit's glue
-    into its output), selective recomputation reruns the attention core's."""
+    into its output), selective recomputation reruns the attention core's. Under context
+    parallelism the attention's key/value exchange is priced on the layout's keys and
+    values (:func:`autopar.cost.context_parallel.ring_exchange`)."""
     attn_flops = sum(f.attn_flops for f in profile.flows)
     loss_flops = sum(f.glue_flops for f in profile.flows if f.dst == UNIT_OUTPUT) if ctx.last else 0.0
-    return make_option(layout, mode, profile.fwd_flops - loss_flops, attn_flops, ctx.recompute_fraction)
+    ring = ring_exchange(layout.kv_bytes, layout.attn_fwd_s, ctx)
+    return make_option(layout, mode, profile.fwd_flops - loss_flops, attn_flops, ctx.recompute_fraction, ring)

@@ -108,14 +108,16 @@ def predict(model: CostModel, config: ParallelConfig, stages: Sequence[PricedSta
     reco = sum(o.recompute_s for o in options)
     tpc = sum(o.layout.fwd_comm_s + o.layout.bwd_comm_s for o in options)
     tpc += sum(sum(tm.waits[i]) for i in crit_stages)
+    cpc = sum(o.cp_comm_s for o in options)
     ppc = sum(sum(tm.p2p[i]) for i in crit_stages)
     bubble = t_pipe - m * rank_work[crit]
     breakdown = StepBreakdown(
         compute_s=m * comp,
         recompute_s=m * reco,
         tp_comm_s=m * tpc,
+        cp_comm_s=m * cpc,
         pp_comm_s=m * ppc,
-        bubble_s=bubble + m * (rank_work[crit] - comp - reco - tpc - ppc),
+        bubble_s=bubble + m * (rank_work[crit] - comp - reco - tpc - cpc - ppc),
         dp_comm_s=tails[worst_tail][0],
         optimizer_s=tails[worst_tail][1],
     )

@@ -162,6 +162,9 @@ class UnitCost:
             recomputation (the loss runs outside the checkpoint). All but the logits are
             freed before the unit's backward starts and its FSDP2 gathers and reductions.
         held_output_bytes: of that, the logits, kept until the stage's backward ends.
+        kv_bytes: the keys and values of the unit's attention cores on this rank (split
+            by heads where the attention runs sharded): what a context-parallel ring
+            exchanges (:mod:`autopar.cost.context_parallel`).
     """
 
     styles: tuple[TPStyle, ...]
@@ -186,6 +189,7 @@ class UnitCost:
     loss_working_bytes: float
     loss_saved_bytes: float
     held_output_bytes: float
+    kv_bytes: float = 0.0
 
     @property
     def time_s(self) -> float:
@@ -232,6 +236,7 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
     fwd_compute = sum(leaf_fwd_s(leaf, s, ctx) for leaf, s in zip(profile.leaves, styles))
     accumulate = sum(leaf_accumulate_s(leaf, s, ctx) for leaf, s in zip(profile.leaves, styles))
     attn_fwd = loss_fwd = loss_input = loss_saved = held = 0.0
+    attn_sharded = False
     saved = sum(_shard(leaf.saved_bytes * b, STYLE_IO[s][0], t) for leaf, s in zip(profile.leaves, styles))
     attn_saved = 0.0
     conversions: dict[tuple[int, Layout], Layout] = {}
@@ -246,6 +251,7 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         attn_fwd += glue_fwd_s(flow, g, ctx, attention_only=True)
         kept = _shard(flow.saved_bytes * b, g, t)
         attn_saved += _shard(flow.attn_saved_bytes * b, g, t)
+        attn_sharded |= flow.attn_flops > 0 and g in SHARDED
         if ctx.last and flow.dst == UNIT_OUTPUT:  # into the loss
             loss_fwd += glue
             loss_input = max(loss_input, _shard(flow.tensor_bytes * b, a, t))
@@ -301,4 +307,5 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         loss_working_bytes=loss_working,
         loss_saved_bytes=loss_saved + held,
         held_output_bytes=held,
+        kv_bytes=profile.kv_bytes * b / (t if attn_sharded else 1),
     )

@@ -21,7 +21,7 @@ def explain(plan: Plan, *, top: int = 5) -> str:
         f"  batch {m.global_batch_size} x {m.seq_len} tokens, {c.dtype.value}, {plan.settings.optimizer.value} "
         f"optimizer, {plan.settings.attention.value} attention",
         "",
-        f"Configuration  dp={c.dp} x tp={c.tp} x pp={c.pp} ({_mesh(c)}), micro-batch {c.micro_batch_size} x "
+        f"Configuration  dp={c.dp} x {_cp(c)}tp={c.tp} x pp={c.pp} ({_mesh(c)}), micro-batch {c.micro_batch_size} x "
         f"{c.num_microbatches} per step, {schedule_text(c)}, ZeRO-{c.zero_stage}, {_recompute(plan)}"
         f"{', sequence parallel' if c.sequence_parallel else ''}",
         f"Predicted      step {duration(p.step_time_s)} | {p.samples_per_s:,.1f} samples/s | "
@@ -30,6 +30,7 @@ def explain(plan: Plan, *, top: int = 5) -> str:
         f"Memory         {size(p.memory_bytes_per_device)} peak per device of "
         f"{size(p.memory_capacity_bytes)} ({'fits' if p.fits else 'DOES NOT FIT'}); {_worst_memory(plan)}",
         f"Step time      {_breakdown(p.step_time_s, b)}",
+        *_context(plan),
         *_sharding(plan),
         "",
         "Stages (pipeline rank: units | forward / backward per micro-batch | peak memory)",
@@ -70,19 +71,50 @@ def explain(plan: Plan, *, top: int = 5) -> str:
     return "\n".join(lines)
 
 
+def _cp(c: ParallelConfig) -> str:
+    return f"cp={c.cp} x " if c.cp > 1 else ""
+
+
 def _mesh(c: ParallelConfig) -> str:
+    if c.cp > 1:
+        return "mesh pp, dp, cp, tp"
     if c.dp_shard is None:
         return "mesh pp, dp, tp"
     return f"mesh pp, dp_replicate={c.replicate_size}, dp_shard={c.dp_shard}, tp"
+
+
+def _context(plan: Plan) -> list[str]:
+    """How context parallelism splits each sample and what its exchange costs; for a plan
+    without it that searched it, the best runner-up with it (or the other way round)."""
+    c, m, b = plan.config, plan.model, plan.prediction.breakdown
+    other = next((a for a in plan.alternatives if a.status == "runner-up" and (a.config.cp > 1) != (c.cp > 1)), None)
+    if c.cp == 1 and other is None:
+        return []
+    if c.cp > 1:
+        text = (
+            f"cp={c.cp}: each sample's {m.seq_len:,} tokens in {c.cp} shards of {m.seq_len // c.cp:,} (head-tail "
+            f"balanced); ring attention's key/value exchange exposes {duration(b.cp_comm_s)} per step; gradients "
+            f"reduced over dp x cp = {c.dp_cp} ranks"
+        )
+    else:
+        text = "none"
+    if other is not None:
+        text += (
+            f"; best {'without' if c.cp > 1 else f'with cp={other.config.cp}'}: {other.config.short()} "
+            f"{duration(other.step_time_s)} (+{100 * other.slower_by:.1f}%)"
+        )
+    return [f"Context par.   {text}"]
 
 
 def _sharding(plan: Plan) -> list[str]:
     """How ZeRO-2/3 shard over the data-parallel ranks, and what the other sharding (plain
     FSDP or HSDP) would cost, when the search priced it."""
     c = plan.config
-    if c.zero_stage < 2 or c.dp == 1:
+    if c.zero_stage < 2 or c.dp_cp == 1:
         return []
-    if c.dp_shard is None:
+    if c.cp > 1:
+        text = f"ZeRO-{c.zero_stage} sharded over all {c.dp_cp} data- and context-parallel ranks (plain FSDP)"
+    elif c.dp_shard is None:
         text = f"ZeRO-{c.zero_stage} sharded over all {c.dp} data-parallel ranks (plain FSDP)"
     else:
         text = (
@@ -122,6 +154,7 @@ def _breakdown(total: float, b) -> str:
         ("compute", b.compute_s),
         ("recompute", b.recompute_s),
         ("TP comm", b.tp_comm_s),
+        ("CP comm", b.cp_comm_s),
         ("PP comm", b.pp_comm_s),
         ("bubble", b.bubble_s),
         ("DP comm", b.dp_comm_s),

@@ -152,9 +152,10 @@ def sharding_contrasts(
     """The fastest fitting version of ``best`` with the other data-parallel sharding: plain
     FSDP for an HSDP winner, the best of the searched HSDP shard groups
     (:func:`autopar.search.space.shard_sizes`) for a plain ZeRO-2/3 winner; priced. None
-    when ``dp_shard`` was fixed or the winner does not shard through FSDP2. Every such
+    when ``dp_shard`` was fixed or the winner does not shard through FSDP2 or runs context
+    parallelism (which HSDP does not combine with). Every such
     configuration is in the searched space, so none beats the winner."""
-    if "dp_shard" in fixed or best.zero_stage < 2 or best.dp == 1:
+    if "dp_shard" in fixed or best.zero_stage < 2 or best.dp == 1 or best.cp > 1:
         return ()
     if best.dp_shard is not None:
         others = [replace(best, dp_shard=None)]

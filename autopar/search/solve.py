@@ -163,6 +163,7 @@ class ConfigSolver:
             unit == 0,
             unit == n - 1,
             config.tp,
+            config.cp,
             config.sequence_parallel,
             config.micro_batch_size,
             config.dtype,
@@ -208,6 +209,7 @@ class ConfigSolver:
         """What a unit's priced options depend on."""
         return (
             config.tp,
+            config.cp,
             config.sequence_parallel,
             config.micro_batch_size,
             config.dtype,

@@ -1,7 +1,8 @@
 """The search space and cheap bounds on it.
 
 A candidate is a :class:`ParallelConfig` without per-layer decisions: a factorisation
-``dp x tp x pp`` of the device count, a micro-batch size (the number of micro-batches
+``dp x cp x tp x pp`` of the device count (context parallelism where sequences are long:
+:func:`cp_degrees`), a micro-batch size (the number of micro-batches
 follows from the global batch), a schedule and its virtual stages, a ZeRO stage and,
 for ZeRO-2/3, the HSDP shard group (:func:`shard_sizes`), sequence parallelism and the
 precision. ``constraints`` fix any subset of these fields.
@@ -37,6 +38,13 @@ CUT_NOTE = (
 )
 MAX_MICRO_BATCH = 64
 MAX_VIRTUAL_STAGES = 8
+CP_MIN_TOKENS = 8192
+"""The search tries context parallelism only where each rank keeps at least this many
+tokens of a sample: below it the key/value exchange of every layer can no longer hide
+under the attention it feeds (whose work per rank grows with the tokens squared), and
+the sequence is short enough for tensor and pipeline parallelism to hold. Llama 3 trained
+its 128K-token stage with 16-way context parallelism, 8K tokens per rank (Llama Team 2024,
+"The Llama 3 Herd of Models", section 3.3.2). A ``cp`` constraint is always honoured."""
 
 
 def divisors(n: int, *, at_most: int | None = None) -> list[int]:
@@ -62,7 +70,7 @@ def check_constraints(constraints: Mapping[str, Any] | None, *, what: str = "con
     unknown = sorted(set(out) - set(CONFIG_FIELDS), key=repr)
     if unknown:
         raise ConfigError(f"unknown constraint(s) {unknown}; allowed: {', '.join(CONFIG_FIELDS)}.")
-    for name in ("dp", "tp", "pp", "micro_batch_size", "num_microbatches", "virtual_stages"):
+    for name in ("dp", "tp", "pp", "cp", "micro_batch_size", "num_microbatches", "virtual_stages"):
         if name in out:
             v = out[name]
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -134,6 +142,41 @@ def _splittable(leaf: Leaf, t: int) -> bool:
     return any(s is not TPStyle.REPLICATE for s in allowed_styles(leaf, _ShapeOnly(t)))
 
 
+def cp_degrees(graph: LayerGraph, devices: int, constraints: Mapping[str, Any]) -> list[int]:
+    """Context-parallel degrees to try on ``devices`` devices (those left after tensor
+    parallelism): 1, and each divisor ``d`` that leaves every rank at least
+    :data:`CP_MIN_TOKENS` tokens and splits the sequence into the ``2 d`` chunks of
+    head-tail load balancing, for a model whose attention runs through
+    ``F.scaled_dot_product_attention`` (the call torch's ring attention replaces). A
+    fixed ``cp`` is checked by :func:`check_context_parallel` and tried alone."""
+    if "cp" in constraints:
+        return [constraints["cp"]] if devices % constraints["cp"] == 0 else []
+    if not any(p.kv_bytes > 0 for p in graph.profiles):
+        return [1]
+    s = graph.seq_len
+    return [d for d in divisors(devices) if d == 1 or (s % (2 * d) == 0 and s // d >= CP_MIN_TOKENS)]
+
+
+def check_context_parallel(graph: LayerGraph, constraints: Mapping[str, Any]) -> None:
+    """A fixed ``cp > 1`` needs attention through ``F.scaled_dot_product_attention`` and a
+    sequence that splits into ``2 cp`` equal chunks; said at once, in one line."""
+    cp = constraints.get("cp", 1)
+    if cp == 1:
+        return
+    if not any(p.kv_bytes > 0 for p in graph.profiles):
+        raise ConfigError(
+            f"cp={cp} is not allowed for {graph.name}: context parallelism replaces "
+            f"F.scaled_dot_product_attention, which this model does not call; use cp=1."
+        )
+    if graph.seq_len % (2 * cp):
+        allowed = [d for d in range(2, graph.seq_len // 2 + 1) if graph.seq_len % (2 * d) == 0][:8]
+        raise ConfigError(
+            f"cp={cp} is not allowed with seq_len={graph.seq_len}: head-tail load balancing splits each "
+            f"sequence into 2 x cp = {2 * cp} equal chunks; use a cp in {allowed} or a sequence length "
+            f"divisible by {2 * cp}."
+        )
+
+
 @dataclass(frozen=True)
 class _ShapeOnly:
     """The part of a TPContext that divisibility checks read."""
@@ -168,15 +211,18 @@ def enumerate_space(
         )
     _check_divides(c, world)
     _check_zero_bubble(c, graph)
+    check_context_parallel(graph, c)
     tps = [c["tp"]] if "tp" in c else allowed_tp
     configs: list[ParallelConfig] = []
     for tp in tps:
         if world % tp:
             rejected.append(Rejection(what=f"tp={tp}", reason=f"does not divide the {world} devices"))
             continue
-        for pp in [c["pp"]] if "pp" in c else divisors(world // tp):
-            if (world // tp) % pp:
-                rejected.append(Rejection(what=f"tp={tp} pp={pp}", reason=f"tp x pp does not divide {world} devices"))
+        for cp, pp in _cp_pp(graph, world // tp, c):
+            if (world // tp) % (cp * pp):
+                rejected.append(
+                    Rejection(what=f"tp={tp} cp={cp} pp={pp}", reason=f"tp x cp x pp does not divide {world} devices")
+                )
                 continue
             if pp > n_units:
                 rejected.append(Rejection(what=f"pp={pp}", reason=f"more stages than the model's {n_units} units"))
@@ -187,7 +233,7 @@ def enumerate_space(
             if pp > 1 and not graph.cuttable and "pp" not in c:
                 rejected.append(Rejection(what=f"pp={pp}", reason=CUT_NOTE))
                 continue
-            dp = world // (tp * pp)
+            dp = world // (tp * cp * pp)
             if "dp" in c and c["dp"] != dp:
                 continue
             if global_batch_size % dp:
@@ -198,7 +244,7 @@ def enumerate_space(
                     )
                 )
                 continue
-            shard_rejection = _shard_rejection(c, dp)
+            shard_rejection = _shard_rejection(c, dp, cp)
             if shard_rejection:
                 rejected.append(shard_rejection)
                 continue
@@ -226,7 +272,8 @@ def enumerate_space(
                     sps = (
                         [c["sequence_parallel"]] if "sequence_parallel" in c else ([False, True] if tp > 1 else [False])
                     )
-                    for zero, shard in _shardings(zeros, dp, tp, cluster.devices_per_node, c, fold_shard_groups):
+                    fold = fold_shard_groups or cp > 1  # HSDP does not combine with cp
+                    for zero, shard in _shardings(zeros, dp, tp, cluster.devices_per_node, c, fold):
                         if schedule.zero_bubble and zero == 3:
                             continue  # the runtime refuses it (autopar.runtime.pipeline.check_schedule)
                         for sp in sps:
@@ -237,6 +284,7 @@ def enumerate_space(
                                     dp=dp,
                                     tp=tp,
                                     pp=pp,
+                                    cp=cp,
                                     micro_batch_size=mbs,
                                     num_microbatches=m,
                                     schedule=schedule,
@@ -277,16 +325,25 @@ def shard_siblings(config: ParallelConfig, devices_per_node: int, constraints: M
     """The HSDP shard groups a plain candidate of a folded space (:func:`enumerate_space`
     with ``fold_shard_groups``) stands for: :func:`shard_sizes` under ZeRO-2/3, none when
     ``dp_shard`` is fixed or the candidate is itself HSDP."""
-    if "dp_shard" in constraints or config.dp_shard is not None or config.zero_stage < 2:
+    if "dp_shard" in constraints or config.dp_shard is not None or config.zero_stage < 2 or config.cp > 1:
         return ()
     return tuple(shard_sizes(config.dp, config.tp, devices_per_node))
 
 
-def _shard_rejection(c: Mapping[str, Any], dp: int) -> Rejection | None:
+def _cp_pp(graph: LayerGraph, devices: int, c: Mapping[str, Any]) -> Iterator[tuple[int, int]]:
+    """(cp, pp) pairs for the ``devices`` devices left after tensor parallelism."""
+    for cp in cp_degrees(graph, devices, c):
+        for pp in [c["pp"]] if "pp" in c else divisors(devices // cp):
+            yield cp, pp
+
+
+def _shard_rejection(c: Mapping[str, Any], dp: int, cp: int) -> Rejection | None:
     """Why a fixed ``dp_shard`` cannot shard ``dp`` ranks, if it cannot."""
     shard = c.get("dp_shard")
     if shard is None:
         return None
+    if cp > 1:
+        return Rejection(what=f"dp_shard={shard} (cp={cp})", reason="HSDP does not combine with context parallelism")
     if dp % shard:
         return Rejection(what=f"dp_shard={shard} (dp={dp})", reason=f"the shard group does not divide dp={dp}")
     if c.get("zero_stage", 3) < 2:
@@ -375,7 +432,7 @@ def memory_floor(model: CostModel, config: ParallelConfig, cache: dict) -> float
     """The peak memory per device ``config`` needs at least
     (:func:`autopar.cost.bounds.memory_floor_bytes` over the units' floors; ``cache``
     keeps the units' floors per unit structure and the model states per sharding)."""
-    units = (config.tp, config.sequence_parallel, config.micro_batch_size, config.dtype)
+    units = (config.tp, config.cp, config.sequence_parallel, config.micro_batch_size, config.dtype)
     floors = cache.get(units)
     if floors is None:
         kinds = cache.get("kinds")
@@ -394,6 +451,7 @@ def memory_floor(model: CostModel, config: ParallelConfig, cache: dict) -> float
     sharding = (
         "states",
         config.tp,
+        config.cp,
         config.sequence_parallel,
         config.dtype,
         config.zero_stage,

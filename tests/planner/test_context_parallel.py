@@ -3,10 +3,28 @@ each sequence, whose ranks hold the same weights and exchange keys and values.""
 
 from __future__ import annotations
 
-import pytest
+import dataclasses
+import math
 
+import pytest
+import torch
+
+import autopar
+from autopar.cost.context_parallel import ring_exchange
+from autopar.cost.data_parallel import unhidden_floor_s
+from autopar.cost.memory import config_state_bytes
+from autopar.cost.model import CostModel, tp_context
+from autopar.cost.peak import budget_bytes
 from autopar.errors import ConfigError
-from autopar.plan import ParallelConfig
+from autopar.graph import extract
+from autopar.models import GPT, GPTConfig, MLPConfig, MLPStack
+from autopar.plan import ParallelConfig, Plan
+from autopar.search.scan import search
+from autopar.search.solve import ConfigSolver
+from autopar.search.space import CP_MIN_TOKENS, check_constraints, check_context_parallel, cp_degrees, enumerate_space
+from autopar.vocab import Optimizer, Recompute
+
+from .test_search_exact import _brute_force_search, _tiny_cluster
 
 
 def _config(**kw) -> ParallelConfig:
@@ -36,3 +54,166 @@ def test_bad_context_parallel_degrees_are_refused_in_one_line(kwargs, message):
     with pytest.raises(ConfigError, match=message) as info:
         _config(**kwargs)
     assert "\n" not in str(info.value)
+
+
+# ---- the cost model ----------------------------------------------------------------
+
+
+def _tiny_gpt_graph(seq_len: int):
+    return extract(
+        GPT(GPTConfig(vocab_size=512, seq_len=seq_len, dim=128, n_layers=2, n_heads=4)),
+        seq_len=seq_len,
+        dtype="bf16",
+    )
+
+
+@pytest.fixture(scope="module")
+def model() -> CostModel:
+    cluster = dataclasses.replace(_tiny_cluster(64.0), nodes=2)
+    return CostModel(graph=_tiny_gpt_graph(4096), cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8)
+
+
+def _block_option(model: CostModel, **kw):
+    """The fastest no-recompute option of the first block under ``_config(**kw)``."""
+    config = _config(**kw)
+    solver = ConfigSolver(model=model, budget_bytes=1e18, micro_batches=(1, 2))
+    return min(solver.options(1, config, (Recompute.NONE,)), key=lambda o: o.time_s), tp_context(model, 1, config)
+
+
+def test_the_graph_records_the_keys_and_values_each_attention_core_reads(model):
+    """Per sample: K and V of 4 heads x 32 dims x 4096 tokens in bf16, per block."""
+    block = model.graph.profile_of(1)
+    assert block.kv_bytes == 2 * 4096 * 128 * 2
+    assert model.graph.profile_of(0).kv_bytes == 0  # the embeddings run no attention
+
+
+def test_a_context_parallel_rank_prices_its_share_of_each_sample(model):
+    """cp=2 with two samples per micro-batch is, per rank, one sample's worth of tokens:
+    the same compute (attention included: load-balanced ring attention gives each rank
+    half of it), the same activations and keys/values; only the exchange is added."""
+    with_cp, ctx = _block_option(model, dp=1, tp=2, pp=1, cp=2, micro_batch_size=2, num_microbatches=1)
+    without, _ = _block_option(model, dp=1, tp=2, pp=1, cp=1, micro_batch_size=1, num_microbatches=1)
+    a, b = with_cp.layout, without.layout
+    assert a.styles == b.styles
+    assert a.fwd_compute_s == pytest.approx(b.fwd_compute_s, rel=1e-12)
+    assert a.attn_fwd_s == pytest.approx(b.attn_fwd_s, rel=1e-12)
+    assert a.saved_bytes + a.attn_saved_bytes == pytest.approx(b.saved_bytes + b.attn_saved_bytes, rel=1e-12)
+    assert a.kv_bytes == b.kv_bytes == 2 * 4096 * 128 * 2 / 2  # one sample, heads split by tp=2
+    ring = ring_exchange(a.kv_bytes, a.attn_fwd_s, ctx)
+    assert without.cp_comm_s == 0 and with_cp.cp_comm_s == pytest.approx(ring.fwd_s + ring.bwd_s, rel=1e-12)
+    assert with_cp.time_s == pytest.approx(without.time_s + ring.fwd_s + ring.bwd_s, rel=1e-12)
+
+
+def test_the_ring_exchange_matches_a_hand_calculation(model):
+    """Two ranks of a node (50 GB/s, 5 us): the forward all-gathers both ranks' K/V
+    (each receives the other's ``kv``), hidden by the first block of attention; the
+    backward repeats it and shifts fp32 K/V gradients (twice the bf16 bytes) once per
+    block, the last shift exposed."""
+    _, ctx = _block_option(model, dp=1, tp=2, pp=1, cp=2, micro_batch_size=1, num_microbatches=1)
+    assert (ctx.cp, ctx.cp_span.size, ctx.cp_span.nodes) == (2, 2, 1)
+    kv, bw, alpha = 8e6, 50e9, 5e-6
+    gather = kv / bw + alpha  # (n-1)/n of the 2 kv gathered, one ring step
+    shift = 2 * kv / bw + alpha
+    exposed = ring_exchange(kv, 0.0, ctx)  # no attention time to hide anything
+    assert exposed.fwd_s == pytest.approx(gather, rel=1e-12)
+    assert exposed.bwd_s == pytest.approx(gather + 2 * shift, rel=1e-12)
+    assert exposed.transient_bytes == pytest.approx(kv + 2 * 2 * kv, rel=1e-12)
+    attn = 2 * (gather + shift)  # each block's forward outlasts the gather; its backward the shift
+    hidden = ring_exchange(kv, attn, ctx)
+    assert hidden.fwd_s == 0 and hidden.bwd_s == pytest.approx(shift, rel=1e-12)
+    assert ring_exchange(kv, attn, dataclasses.replace(ctx, cp=1)).bwd_s == 0
+
+
+def test_model_states_and_their_collectives_span_dp_times_cp(model):
+    """Context-parallel ranks hold the same weights: ZeRO shards state over dp x cp, and
+    the tail's collectives run over that group, as with dp alone of the same size."""
+    both = _config(dp=2, cp=2, tp=1, pp=2, zero_stage=1)
+    dp_only = _config(dp=4, cp=1, tp=1, pp=2, zero_stage=1)
+    for zero in (1, 2, 3):
+        a = config_state_bytes(dataclasses.replace(both, zero_stage=zero), Optimizer.ADAM, param_numel=1e6)
+        b = config_state_bytes(dataclasses.replace(dp_only, zero_stage=zero), Optimizer.ADAM, param_numel=1e6)
+        assert a == b
+    assert unhidden_floor_s(model, both, 1e6) == pytest.approx(unhidden_floor_s(model, dp_only, 1e6), rel=1e-12)
+
+
+# ---- the search ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def long_graph():
+    """A tiny GPT at 16K tokens: enough for cp=2 (8K tokens per rank), not for cp=4."""
+    return _tiny_gpt_graph(2 * CP_MIN_TOKENS)
+
+
+def test_cp_is_searched_only_where_each_rank_keeps_enough_tokens(model, long_graph):
+    assert cp_degrees(long_graph, 8, {}) == [1, 2]
+    assert cp_degrees(model.graph, 8, {}) == [1]  # 4K tokens: tensor and pipeline parallelism hold it
+    assert cp_degrees(model.graph, 8, {"cp": 4}) == [4]  # a fixed degree is honoured
+    mlp = extract(MLPStack(MLPConfig(in_dim=64, dim=64, ffn_dim=128, n_layers=2)), sample_input=torch.zeros(4, 64))
+    assert cp_degrees(mlp, 8, {}) == [1]  # no attention core to ring
+
+
+@pytest.mark.parametrize(
+    "constraints, message",
+    [
+        ({"cp": 3}, "cp=3 is not allowed with seq_len=4096: head-tail load balancing splits each sequence"),
+        ({"cp": 2, "dp_shard": 2}, None),
+    ],
+)
+def test_a_fixed_cp_is_checked_at_once(model, constraints, message):
+    if message is None:  # HSDP with cp: the region is rejected, the rest of the space stays
+        configs, rejected = enumerate_space(model.graph, model.cluster, 8, check_constraints(constraints))
+        assert not configs and any("HSDP does not combine with context parallelism" in r.reason for r in rejected)
+        return
+    with pytest.raises(ConfigError, match=message) as info:
+        enumerate_space(model.graph, model.cluster, 8, check_constraints(constraints))
+    assert "\n" not in str(info.value)
+
+
+def test_cp_on_a_model_without_sdpa_is_refused_in_one_line():
+    mlp = extract(MLPStack(MLPConfig(in_dim=64, dim=64, ffn_dim=128, n_layers=2)), sample_input=torch.zeros(4, 64))
+    with pytest.raises(ConfigError, match="cp=2 is not allowed for MLPStack: context parallelism replaces"):
+        check_context_parallel(mlp, {"cp": 2})
+
+
+@pytest.mark.parametrize("memory_gib, winner_cp", [(0.05, None), (0.1, 2), (0.2, 1)])
+def test_whole_search_with_context_parallel_candidates_matches_brute_force(long_graph, memory_gib, winner_cp):
+    """One node of 4 at 16K tokens: cp=2 and cp=1 candidates, every dp x tp x pp and
+    ZeRO stage, searched through the same cost model as a brute force over every
+    configuration, split and per-unit option. With little memory nothing fits; with a
+    little more only splitting the sequence does (cp=2 wins); with enough, data
+    parallelism without the exchange is faster."""
+    cluster = _tiny_cluster(memory_gib)
+    constraints = {"micro_batch_size": 1, "sequence_parallel": False}
+    model = CostModel(graph=long_graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=4)
+
+    def solver() -> ConfigSolver:
+        return ConfigSolver(model=model, budget_bytes=budget_bytes(cluster.device.memory), micro_batches=(1,))
+
+    configs, _ = enumerate_space(long_graph, cluster, 4, check_constraints(constraints))
+    assert {c.cp for c in configs} == {1, 2}
+    want = _brute_force_search(solver(), constraints)
+    result = search(solver(), check_constraints(constraints), top=3)
+    assert result.best.fits == (not math.isinf(want)) == (winner_cp is not None)
+    if result.best.fits:
+        assert result.best.step_time_s == pytest.approx(want, rel=1e-9)
+        assert result.best.config.cp == winner_cp
+
+
+def test_a_context_parallel_plan_is_explained_and_round_trips(long_graph):
+    """Where only splitting the sequence fits, the plan says so: its degrees and mesh,
+    the exchange's exposed time in the step's terms, and the tokens per rank."""
+    plan = autopar.plan(
+        long_graph,
+        _tiny_cluster(0.1),
+        global_batch_size=4,
+        constraints={"micro_batch_size": 1, "sequence_parallel": False},
+    )
+    c, b = plan.config, plan.prediction.breakdown
+    assert c.cp == 2 and b.cp_comm_s > 0
+    assert b.total_s == pytest.approx(plan.prediction.step_time_s, rel=1e-9)
+    text = autopar.explain(plan)
+    assert f"dp={c.dp} x cp=2 x tp={c.tp} x pp={c.pp} (mesh pp, dp, cp, tp)" in text
+    assert "Context par.   cp=2: each sample's 16,384 tokens in 2 shards of 8,192 (head-tail balanced)" in text
+    assert "| CP comm " in text
+    assert Plan.from_json(plan.to_json()) == plan

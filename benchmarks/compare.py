@@ -7,6 +7,11 @@ For a zoo of models on several clusters: autopar's plan, and the baselines
 - **ZeRO-3**: data parallelism only, fully sharded;
 - **exhaustive**: every configuration of autopar's space costed, no pruning (only where
   the space is small enough to cost in reasonable time): it must match autopar.
+
+Besides the zoo, named **scenarios** of what people train today (``--scenarios-only``
+runs just them): long context (Llama-3.1-8B at 128K tokens on 64 H100) with the
+baseline **no CP** (the best plan without context parallelism), and mixtures of
+experts (Mixtral-8x7B on 64 H100, Mixtral-8x22B on 512 H100).
 Each baseline is a constrained search in autopar's own cost model, so the ratios show
 what the search finds inside its model, not measured speed-ups (benchmarks/measured.py
 runs plans for real on local processes).
@@ -51,6 +56,12 @@ ZOO = [
 ]
 CLUSTERS = [("dgx-a100-80gb", 1), ("dgx-a100-80gb", 8), ("dgx-h100", 64), ("p3.16xlarge", 4), ("local-cpu", 1)]
 EXHAUSTIVE_LIMIT = 1000
+SCENARIOS = [
+    # (model, preset, nodes, global batch in sequences, tokens per sequence)
+    ("llama3.1-8b", "dgx-h100", 8, 32, 131072),  # 4M tokens per step, as Llama 3's long-context stage
+    ("mixtral-8x7b", "dgx-h100", 8, 512, 4096),
+    ("mixtral-8x22b", "dgx-h100", 64, 1024, 4096),
+]
 
 
 def _batch(world: int, kind: str) -> int:
@@ -64,94 +75,115 @@ def _try(fn):
         return None
 
 
-BASELINES = ("DP", "Megatron rule", "ZeRO-3")
+BASELINES = ("DP", "Megatron rule", "ZeRO-3", "no CP")
+
+
+def _cases(models: list[str], scenarios_only: bool):
+    """(model, preset, nodes, batch or None, seq_len or None) to plan: the zoo on every
+    cluster (batch and length by default), then the scenarios."""
+    if not scenarios_only:
+        for name in models:
+            for preset, nodes in CLUSTERS:
+                if preset == "local-cpu" and name not in ("gpt2-small", "mlp-wide", "resnet-small", "bert-large"):
+                    continue
+                yield name, preset, nodes, None, None
+    yield from SCENARIOS
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", nargs="*", default=ZOO)
+    parser.add_argument("--scenarios-only", action="store_true", help="plan only the named scenarios")
     args = parser.parse_args()
     rows: list[dict[str, str]] = []
     ratios: list[tuple[str, dict[str, float | None]]] = []
-    for name in args.models:
+    for name, preset, nodes, fixed_batch, seq_len in _cases(args.models, args.scenarios_only):
         entry = get_named_model(name)
-        for preset, nodes in CLUSTERS:
-            cluster = autopar.preset(preset, nodes=nodes)
-            if preset == "local-cpu" and name not in ("gpt2-small", "mlp-wide", "resnet-small", "bert-large"):
-                continue
-            model = build_named_model(name)
-            kind = entry.input_kind
-            inputs = {"seq_len": entry.seq_len} if kind == "tokens" else {"sample_input": entry.sample_input(1)}
-            dtype = cluster.device.preferred_dtype
-            graph = extract(model, dtype=dtype, **inputs)
-            batch = _batch(cluster.world_size, kind)
-            start = time.perf_counter()
-            best = _try(lambda: autopar.plan(graph, cluster, global_batch_size=batch))
-            search_s = time.perf_counter() - start
-            row = {
-                "model": name,
-                "cluster": f"{preset} x {nodes}",
-                "autopar plan": "does not fit",
-                "tokens or samples/s": "",
-                "memory": "",
-                **{f"vs {b}": "" for b in BASELINES},
-                "exhaustive": "",
-                "search s": f"{search_s:.2f}",
-            }
-            if best is not None:
-                t = best.prediction.step_time_s
-                dp = _try(
-                    lambda: autopar.plan(
-                        graph, cluster, global_batch_size=batch, constraints={"tp": 1, "pp": 1, "zero_stage": 0}
-                    )
+        cluster = autopar.preset(preset, nodes=nodes)
+        model = build_named_model(name)
+        kind = entry.input_kind
+        tokens = seq_len or entry.seq_len
+        inputs = {"seq_len": tokens} if kind == "tokens" else {"sample_input": entry.sample_input(1)}
+        dtype = cluster.device.preferred_dtype
+        graph = extract(model, dtype=dtype, **inputs)
+        batch = fixed_batch or _batch(cluster.world_size, kind)
+        start = time.perf_counter()
+        best = _try(lambda: autopar.plan(graph, cluster, global_batch_size=batch))
+        search_s = time.perf_counter() - start
+        row = {
+            "model": name if seq_len is None else f"{name} at {tokens // 1024}K tokens, batch {batch}",
+            "cluster": f"{preset} x {nodes}",
+            "autopar plan": "does not fit",
+            "tokens or samples/s": "",
+            "memory": "",
+            **{f"vs {b}": "" for b in BASELINES},
+            "exhaustive": "",
+            "search s": f"{search_s:.2f}",
+        }
+        if best is not None:
+            t = best.prediction.step_time_s
+            dp = _try(
+                lambda: autopar.plan(
+                    graph, cluster, global_batch_size=batch, constraints={"tp": 1, "pp": 1, "zero_stage": 0}
                 )
-                if dp is None:  # the user's DP baseline where plain DP does not fit
-                    dp = _try(
-                        lambda: autopar.plan(
-                            graph, cluster, global_batch_size=batch, constraints={"tp": 1, "pp": 1, "zero_stage": 3}
-                        )
-                    )
-                z3 = _try(
+            )
+            if dp is None:  # the user's DP baseline where plain DP does not fit
+                dp = _try(
                     lambda: autopar.plan(
                         graph, cluster, global_batch_size=batch, constraints={"tp": 1, "pp": 1, "zero_stage": 3}
                     )
                 )
-                found = dict(zip(BASELINES, (dp, _megatron(graph, cluster, batch), z3)))
-                rate = best.prediction.tokens_per_s if kind == "tokens" else best.prediction.samples_per_s
-                row.update(
+            z3 = _try(
+                lambda: autopar.plan(
+                    graph, cluster, global_batch_size=batch, constraints={"tp": 1, "pp": 1, "zero_stage": 3}
+                )
+            )
+            no_cp = (
+                _try(lambda: autopar.plan(graph, cluster, global_batch_size=batch, constraints={"cp": 1}))
+                if best.config.cp > 1
+                else None
+            )
+            found = dict(zip(BASELINES, (dp, _megatron(graph, cluster, batch), z3, no_cp)))
+            rate = best.prediction.tokens_per_s if kind == "tokens" else best.prediction.samples_per_s
+            row.update(
+                {
+                    "autopar plan": best.config.short(),
+                    "tokens or samples/s": f"{rate:,.0f}",
+                    "memory": f"{best.prediction.memory_bytes_per_device / 2**30:.1f} GiB",
+                    **{
+                        f"vs {b}": _ratio(
+                            t,
+                            found[b],
+                            "ZeRO-3" if b == "DP" and found[b] is not None and found[b].config.zero_stage == 3 else "",
+                        )
+                        for b in BASELINES
+                        if b != "no CP" or best.config.cp > 1
+                    },
+                    "exhaustive": _exhaustive(graph, cluster, batch)(t) if seq_len is None else "",
+                }
+            )
+            ratios.append(
+                (
+                    f"{name} @ {preset} x{nodes}",
                     {
-                        "autopar plan": best.config.short(),
-                        "tokens or samples/s": f"{rate:,.0f}",
-                        "memory": f"{best.prediction.memory_bytes_per_device / 2**30:.1f} GiB",
-                        **{
-                            f"vs {b}": _ratio(
-                                t,
-                                found[b],
-                                "ZeRO-3"
-                                if b == "DP" and found[b] is not None and found[b].config.zero_stage == 3
-                                else "",
-                            )
-                            for b in BASELINES
-                        },
-                        "exhaustive": _exhaustive(graph, cluster, batch)(t),
-                    }
+                        b: None if found[b] is None else found[b].prediction.step_time_s / t
+                        for b in BASELINES
+                        if b != "no CP" or best.config.cp > 1
+                    },
                 )
-                ratios.append(
-                    (
-                        f"{name} @ {preset} x{nodes}",
-                        {b: None if found[b] is None else found[b].prediction.step_time_s / t for b in BASELINES},
-                    )
-                )
-            rows.append(row)
-            print(" | ".join(row.values()), flush=True)
-    png = write_png("compare", _figure(ratios))
-    csv_path = write_csv("compare", rows)
+            )
+        rows.append(row)
+        print(" | ".join(row.values()), flush=True)
+    name = "compare_scenarios" if args.scenarios_only else "compare"
+    png = write_png(name, _figure(ratios))
+    csv_path = write_csv(name, rows)
     body = markdown_table(rows) + (
         "\n\nRatios are autopar's throughput over the baseline's (x1.00 = as fast); 'does not fit' means the "
-        "baseline has no configuration that fits; a DP ratio marked ZeRO-3 is DP with ZeRO-3 because plain DP "
+        "baseline has no configuration that fits ('no CP' is filled where autopar's plan splits sequences); a "
+        "DP ratio marked ZeRO-3 is DP with ZeRO-3 because plain DP "
         f"does not fit. Rows also in `{csv_path.name}`.\n\n![autopar over the baselines]({png.name})"
     )
-    print(write_result("compare", "autopar against the usual choices (predicted)", body))
+    print(write_result(name, "autopar against the usual choices (predicted)", body))
 
 
 def _ratio(t: float, other, marker: str) -> str:
@@ -162,14 +194,15 @@ def _ratio(t: float, other, marker: str) -> str:
 
 def _figure(ratios: list[tuple[str, dict[str, float | None]]]) -> Figure:
     """autopar's predicted speed-up over each baseline per case, on a log axis; a
-    baseline that does not fit is drawn as a cross at the axis' right edge."""
+    baseline that does not fit is drawn as a cross at the axis' right edge; one that does
+    not apply to a case (no CP where autopar's plan does not split sequences) is left out."""
     fig = Figure(figsize=(8, 0.28 * len(ratios) * len(BASELINES) / 2 + 1.5))
     ax = fig.add_subplot()
     height = 0.8 / len(BASELINES)
     cap = max([r for _, rs in ratios for r in rs.values() if r is not None], default=2.0) * 1.5
     for k, base in enumerate(BASELINES):
-        ys = [i + (k - 1) * height for i in range(len(ratios))]
-        values = [rs[base] for _, rs in ratios]
+        pairs = [(i + (k - 1.5) * height, rs[base]) for i, (_, rs) in enumerate(ratios) if base in rs]
+        ys, values = [y for y, _ in pairs], [v for _, v in pairs]
         ax.barh(
             [y for y, v in zip(ys, values) if v is not None],
             [v for v in values if v is not None],
@@ -179,12 +212,12 @@ def _figure(ratios: list[tuple[str, dict[str, float | None]]]) -> Figure:
         )
         missing = [y for y, v in zip(ys, values) if v is None]
         if missing:
-            ax.plot([cap] * len(missing), missing, "kx", label="baseline does not fit" if k == 0 else None)
+            ax.plot([cap] * len(missing), missing, "kx")
     ax.set_yticks(range(len(ratios)), [label for label, _ in ratios], fontsize=7)
     ax.invert_yaxis()
     ax.set_xscale("log")
     ax.axvline(1.0, color="gray", linewidth=0.8)
-    ax.set_xlabel("autopar throughput / baseline throughput (predicted)")
+    ax.set_xlabel("autopar throughput / baseline throughput (predicted; x: the baseline does not fit)")
     ax.legend(fontsize=7, loc="lower right")
     return fig
 

@@ -10,7 +10,9 @@ With FSDP2 (``fsdp_version: 2``) the sharding strategy is ``fsdp_reshard_after_f
 its value): true is FULL_SHARD (ZeRO-3), false is SHARD_GRAD_OP (ZeRO-2); NO_SHARD
 (ZeRO-0) is plain DDP, ``distributed_type: MULTI_GPU``. HYBRID_SHARD (HSDP) is FSDP2 on
 the ``parallelism_config``'s (dp_replicate, dp_shard) mesh: the plan's replicate groups
-and shard group size.
+and shard group size. Context parallelism is the ``parallelism_config``'s ``cp_size``
+(torch's ``context_parallel``, with the all-gather rotation the plan assumes), which
+Accelerate runs under FSDP2 only, sharding over dp_shard x cp as the plan does.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from autopar.export.common import (
     header,
     mixed_recompute_note,
     outside_blocks_note,
+    require_seq_multiple,
     shell_line,
 )
 from autopar.export.shape import ModelShape
@@ -36,16 +39,24 @@ MIXED_PRECISION = {DType.BF16: "bf16", DType.FP16: "fp16", DType.FP32: "no"}
 
 def export_accelerate(plan: Plan, shape: ModelShape | None) -> Export:
     """The Accelerate config of ``plan``; ``shape`` names the block class FSDP wraps.
-    Raises ExportError for a pipelined plan."""
+    Raises ExportError for a pipelined plan, and for a context-parallel one whose
+    sequence length torch cannot split."""
     c = plan.config
     if c.pp > 1:
         raise ExportError(
             f"accelerate cannot run pipeline parallelism (the plan has pp={c.pp}); export to megatron, deepspeed "
             f"or torchtitan, or make a plan with --set pp=1."
         )
+    if c.cp > 1:
+        require_seq_multiple(plan, "Accelerate's context parallelism", {"2 x cp": 2 * c.cp})
     blocks = blocks_of(plan)
     notes: list[str] = []
-    fsdp = c.tp > 1 or (c.dp > 1 and c.zero_stage > 0)
+    info = [
+        f"per-device batch {c.micro_batch_size}; gradient accumulation {c.num_microbatches} steps: "
+        f"Accelerator(gradient_accumulation_steps={c.num_microbatches}) and a DataLoader of batch_size "
+        f"{c.micro_batch_size}",
+    ]
+    fsdp = c.tp > 1 or c.cp > 1 or (c.dp > 1 and c.zero_stage > 0)
     config: dict = {"compute_environment": "LOCAL_MACHINE", "debug": False}
     if fsdp:
         config["distributed_type"] = "FSDP"
@@ -57,13 +68,19 @@ def export_accelerate(plan: Plan, shape: ModelShape | None) -> Export:
                 "Accelerate's config turns recomputation on only with FSDP: call model.gradient_checkpointing_enable() "
                 "(a Hugging Face model) or checkpoint the blocks the plan recomputes in the training script"
             )
-    if c.tp > 1 or c.dp_shard is not None:
+    if c.tp > 1 or c.cp > 1 or c.dp_shard is not None:
         config["parallelism_config"] = {
             "parallelism_config_dp_replicate_size": c.replicate_size,
             "parallelism_config_dp_shard_size": c.shard_size,
             "parallelism_config_tp_size": c.tp,
-            "parallelism_config_cp_size": 1,
+            "parallelism_config_cp_size": c.cp,
         }
+    if c.cp > 1:
+        config["parallelism_config"]["parallelism_config_cp_comm_strategy"] = "allgather"
+        info.append(
+            "context parallelism: run each step inside accelerator.maybe_context_parallel(buffers=[inputs, labels, "
+            "...], buffer_seq_dims=[...]) with the model's attention in torch's scaled_dot_product_attention"
+        )
     if c.tp > 1:
         notes.append(
             f"Accelerate's tensor parallelism (tp={c.tp}) applies a transformers model's own tp_plan, not the "
@@ -90,11 +107,6 @@ def export_accelerate(plan: Plan, shape: ModelShape | None) -> Export:
     if plan.cluster.nodes > 1:
         words += ["--machine_rank", "$NODE_RANK", "--main_process_ip", "$MASTER_ADDR", "--main_process_port", "29500"]
     launch = shell_line([*words, "train.py"])
-    info = [
-        f"per-device batch {c.micro_batch_size}; gradient accumulation {c.num_microbatches} steps: "
-        f"Accelerator(gradient_accumulation_steps={c.num_microbatches}) and a DataLoader of batch_size "
-        f"{c.micro_batch_size}",
-    ]
     text = commented(header(plan, "Accelerate") + info, notes) + _yaml(config)
     return Export(target="accelerate", text=text, filename=CONFIG_NAME, launch=launch, notes=tuple(notes))
 
@@ -110,8 +122,8 @@ def _fsdp(plan: Plan, blocks: Blocks, shape: ModelShape | None, notes: list[str]
         )
     if c.zero_stage == 0:
         notes.append(
-            "Accelerate composes tensor parallelism with FSDP only: ZeRO-0 written as fsdp_reshard_after_forward "
-            "false (SHARD_GRAD_OP, ZeRO-2: less memory than predicted)"
+            "Accelerate composes tensor and context parallelism with FSDP only: ZeRO-0 written as "
+            "fsdp_reshard_after_forward false (SHARD_GRAD_OP, ZeRO-2: less memory than predicted)"
         )
     section: dict = {
         "fsdp_activation_checkpointing": _checkpointing(blocks, notes),

@@ -35,8 +35,9 @@ def export(plan: Plan | str | Path, to: str, *, model: nn.Module | None = None) 
 
     Raises:
         ExportError: an unknown target, a model that is not the plan's, or a plan the
-            target cannot run (accelerate with pipelining); UnreadablePlanError (also an
-            ExportError) for a missing or malformed plan file.
+            target cannot run (accelerate with pipelining, deepspeed with context
+            parallelism, a sequence length the target cannot split); UnreadablePlanError
+            (also an ExportError) for a missing or malformed plan file.
     """
     exporter = exporter_for(to)
     loaded = load_plan(plan)

@@ -10,6 +10,7 @@ say how many layers each stage holds and which layers recompute.
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 from collections import Counter
@@ -210,12 +211,36 @@ def header(plan: Plan, target: str) -> list[str]:
     """Comment lines (without the comment marker) that open every exported file: where
     it came from and the configuration it writes."""
     c = plan.config
+    split = f", split over cp {c.cp} ranks" if c.cp > 1 else ""
     return [
         f"{target} configuration exported by autopar from a plan for {plan.model.name} "
         f"({plan.model.num_params / 1e9:.2f}B parameters) on {plan.cluster.describe()}",
         f"plan: {c.short()}; global batch {c.global_batch_size} = dp {c.dp} x micro-batch "
-        f"{c.micro_batch_size} x {c.num_microbatches} micro-batches; sequence length {plan.model.seq_len}",
+        f"{c.micro_batch_size} x {c.num_microbatches} micro-batches; sequence length {plan.model.seq_len}{split}",
     ]
+
+
+CP_EXCHANGE = (
+    "autopar plans context parallelism as torch's context_parallel runs it by default: before attention each "
+    "rank all-gathers the keys and values of the other cp ranks' sequence shards (its all-gather rotation)"
+)
+"""What the plan assumes of the cp ranks' key/value exchange, for the exporters whose
+framework offers another by default."""
+
+
+def require_seq_multiple(plan: Plan, framework: str, factors: dict[str, int]) -> None:
+    """ExportError unless the plan's sequence length is a multiple of the product of
+    ``factors`` (name -> value, e.g. ``{"2 x cp": 4}``), which ``framework`` asserts when
+    it starts: context parallelism splits each sequence into ``2 * cp`` chunks, two per
+    rank (a head and a tail, to balance the causal mask's work)."""
+    divisor = math.prod(factors.values())
+    seq_len = plan.model.seq_len
+    if seq_len % divisor:
+        product = " x ".join(factors)
+        raise ExportError(
+            f"{framework} needs a sequence length that is a multiple of {product} = {divisor}, but the plan has "
+            f"seq_len={seq_len}; make the plan with --seq-len a multiple of {divisor}."
+        )
 
 
 def commented(lines: list[str], notes: list[str], marker: str = "#") -> str:

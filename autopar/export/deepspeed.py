@@ -5,6 +5,10 @@ tensor and pipeline parallelism for training come from Megatron-DeepSpeed (a for
 Megatron-LM that runs on the DeepSpeed engine), whose command-line flags set them; a
 plan with ``tp`` or ``pp`` above 1 is launched through it. JSON has no comments, so the
 notes go in a top-level ``"autopar"`` entry, which DeepSpeed ignores.
+
+DeepSpeed has no ring-attention context parallelism: its Ulysses sequence parallelism
+splits attention heads with all-to-alls, another algorithm with other limits (heads
+divisible by its degree) and costs, so a plan with ``cp > 1`` is refused.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import json
 from autopar.export.common import (
     Blocks,
     Export,
+    ExportError,
     blocks_of,
     header,
     mixed_recompute_note,
@@ -45,8 +50,14 @@ device and unpartitioned (what the plan's memory model assumes)."""
 
 def export_deepspeed(plan: Plan, shape: ModelShape | None) -> Export:
     """The DeepSpeed config of ``plan`` and how to launch it. ``shape`` is unused: the
-    config does not describe the model."""
+    config does not describe the model. Raises ExportError for a context-parallel plan."""
     c = plan.config
+    if c.cp > 1:
+        raise ExportError(
+            f"deepspeed has no ring-attention context parallelism (the plan has cp={c.cp}; its Ulysses sequence "
+            f"parallelism is another algorithm); export to megatron, torchtitan or accelerate, or make a plan with "
+            f"--set cp=1."
+        )
     blocks = blocks_of(plan)
     notes: list[str] = []
     config: dict = {

@@ -10,6 +10,7 @@ are not in a plan: the script passes its own arguments on, for the user to add t
 from __future__ import annotations
 
 from autopar.export.common import (
+    CP_EXCHANGE,
     Blocks,
     Export,
     blocks_of,
@@ -17,6 +18,7 @@ from autopar.export.common import (
     header,
     mixed_recompute_note,
     outside_blocks_note,
+    require_seq_multiple,
     shell_line,
     torchrun,
     tp_note,
@@ -30,7 +32,9 @@ SCRIPT = "pretrain_gpt.py"
 
 
 def export_megatron(plan: Plan, shape: ModelShape | None) -> Export:
-    """The Megatron-LM launch script of ``plan``; ``shape`` fills the model's sizes."""
+    """The Megatron-LM launch script of ``plan``; ``shape`` fills the model's sizes.
+    Raises ExportError for a context-parallel plan whose sequence length Megatron cannot
+    split."""
     c = plan.config
     blocks = blocks_of(plan)
     notes: list[str] = []
@@ -41,6 +45,7 @@ def export_megatron(plan: Plan, shape: ModelShape | None) -> Export:
         "--pipeline-model-parallel-size",
         str(c.pp),
     ]
+    args += _context_parallel_args(plan, notes, info)
     if c.sequence_parallel:
         args.append("--sequence-parallel")
     args += _pipeline_args(plan, blocks, notes, info)
@@ -59,9 +64,11 @@ def export_megatron(plan: Plan, shape: ModelShape | None) -> Export:
     note = tp_note(plan, "Megatron-LM")
     if note:
         notes.append(note)
-    # Megatron requires one CUDA work queue under tensor parallelism (so communication
-    # and computation kernels run in issue order), and more than one under Megatron-FSDP
-    env = ["CUDA_DEVICE_MAX_CONNECTIONS=1"] if c.tp > 1 and "--use-megatron-fsdp" not in args else []
+    # Megatron requires one CUDA work queue under tensor or context parallelism (so
+    # communication and computation kernels run in issue order), and more than one under
+    # Megatron-FSDP
+    one_queue = (c.tp > 1 or c.cp > 1) and "--use-megatron-fsdp" not in args
+    env = ["CUDA_DEVICE_MAX_CONNECTIONS=1"] if one_queue else []
     launch = shell_line([*env, *torchrun(plan), SCRIPT, *args])
     body = "PLAN_ARGS=(\n" + "".join(f"    {line}\n" for line in _paired(args)) + ")\n"
     run = shell_line([*torchrun(plan), SCRIPT]) + ' "${PLAN_ARGS[@]}" "$@"\n'
@@ -78,6 +85,27 @@ def export_megatron(plan: Plan, shape: ModelShape | None) -> Export:
         + run
     )
     return Export(target="megatron", text=text, filename="megatron_launch.sh", launch=launch, notes=tuple(notes))
+
+
+def _context_parallel_args(plan: Plan, notes: list[str], info: list[str]) -> list[str]:
+    """Context parallelism: Megatron's ``--context-parallel-size`` (its data-parallel
+    size is then world / (tp * pp * cp), the plan's dp; its gradients and distributed
+    optimizer span dp x cp, as the plan's do) and ``--cp-comm-type all_gather``, the
+    exchange the plan assumes, instead of Megatron's default ring of point-to-point sends.
+    Megatron asserts a sequence length that splits into 2 x cp chunks."""
+    c = plan.config
+    if c.cp == 1:
+        return []
+    require_seq_multiple(plan, "Megatron-LM's context parallelism", {"2 x cp": 2 * c.cp})
+    notes.append(
+        f"{CP_EXCHANGE}; written as --cp-comm-type all_gather, the same collective (Megatron's default, p2p, "
+        f"passes them around a ring of point-to-point sends instead, overlapped with attention)"
+    )
+    info.append(
+        "context parallelism runs in Transformer Engine's attention (Megatron's default --transformer-impl); "
+        "all_gather is its spelling of the communication type"
+    )
+    return ["--context-parallel-size", str(c.cp), "--cp-comm-type", "all_gather"]
 
 
 def _pipeline_args(plan: Plan, blocks: Blocks, notes: list[str], info: list[str]) -> list[str]:
@@ -146,10 +174,11 @@ def _layout(counts: tuple[int, ...]) -> str:
 def _data_parallel_args(plan: Plan, notes: list[str]) -> list[str]:
     """ZeRO stage -> Megatron's data-parallel options. Its distributed optimizer shards
     the optimizer state (ZeRO-1) and reduce-scatters gradients into a whole-size buffer;
-    Megatron-FSDP shards parameters too (ZeRO-3), without pipelining. HSDP is written as
+    Megatron-FSDP shards parameters too (ZeRO-3), without pipelining. Both shard over the
+    data- and context-parallel ranks together, as the plan does. HSDP is written as
     sharding over all of dp, with a note."""
     c = plan.config
-    if c.dp == 1 or c.zero_stage == 0:
+    if c.dp_cp == 1 or c.zero_stage == 0:
         return []
     if c.dp_shard is not None:
         notes.append(

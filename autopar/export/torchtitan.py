@@ -8,7 +8,9 @@ reference for them rather than an input.
 
 torchtitan's data parallelism is DDP (replicate) or FSDP2 (shard); its pipelining takes
 the modules of each stage by name, so the plan's split, even or not, interleaved or not,
-is written exactly.
+is written exactly. Its context parallelism is torch's ``context_parallel`` with the
+all-gather rotation the plan assumes; its data-parallel degrees exclude ``cp``
+(replicate x shard x cp x tp x pp is the world), and FSDP2 shards over shard x cp.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from autopar.export.common import (
     header,
     mixed_recompute_note,
     outside_blocks_note,
+    require_seq_multiple,
     shell_line,
     torchrun,
     tp_note,
@@ -45,8 +48,12 @@ passes on)."""
 
 def export_torchtitan(plan: Plan, shape: ModelShape | None) -> Export:
     """The torchtitan job config of ``plan``. ``shape`` is unused: torchtitan builds the
-    model from its own ``[model]`` name and flavor."""
+    model from its own ``[model]`` name and flavor. Raises ExportError for a sequence
+    length torchtitan's models cannot split."""
     c = plan.config
+    # its models assert it: tensor parallelism shards the sequence over tp, context
+    # parallelism cuts it into 2 x cp chunks
+    require_seq_multiple(plan, "torchtitan", {"tp": c.tp, "2 x cp": 2 * c.cp})
     blocks = blocks_of(plan)
     notes: list[str] = []
     parallelism = {**_data_parallel(plan, notes), "tensor_parallel_degree": c.tp}
@@ -56,7 +63,9 @@ def export_torchtitan(plan: Plan, shape: ModelShape | None) -> Export:
     parallelism["pipeline_parallel_microbatch_size"] = c.micro_batch_size
     if c.pp > 1:
         parallelism["module_fqns_per_model_part"] = [list(stage) for stage in plan.stages]
-    parallelism["context_parallel_degree"] = 1
+    parallelism["context_parallel_degree"] = c.cp
+    if c.cp > 1:
+        parallelism["context_parallel_rotate_method"] = "allgather"
     if c.tp > 1 and not c.sequence_parallel:
         notes.append(
             "torchtitan always runs norms on sequence shards under tensor parallelism (sequence parallelism), "
@@ -98,16 +107,18 @@ def _data_parallel(plan: Plan, notes: list[str]) -> dict:
     after forward and ZeRO-3 with it, as autopar's runtime realises them, HSDP its
     replicate and shard degrees (torchtitan's HSDP; its mesh puts the shard dimension
     inside the replicate one, as autopar's does); ZeRO-1 has no equivalent and becomes
-    ZeRO-2."""
+    ZeRO-2. Under context parallelism torchtitan always shards with FSDP2 over the
+    data- and context-parallel ranks together (the plan's ``state_shards``), even when
+    dp is 1."""
     c = plan.config
-    if c.dp == 1:
+    if c.dp_cp == 1:
         return {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": 1}
-    if c.zero_stage == 0 and c.tp == 1 and c.pp == 1:
+    if c.zero_stage == 0 and c.tp == 1 and c.pp == 1 and c.cp == 1:
         return {"data_parallel_replicate_degree": c.dp, "data_parallel_shard_degree": 1}
     if c.zero_stage == 0:
         notes.append(
-            "torchtitan runs DDP only without tensor or pipeline parallelism: ZeRO-0 written as FSDP without "
-            "resharding after forward (ZeRO-2: less memory, gradients reduce-scattered)"
+            "torchtitan runs DDP only without tensor, pipeline or context parallelism: ZeRO-0 written as FSDP "
+            "without resharding after forward (ZeRO-2: less memory, gradients reduce-scattered)"
         )
     if c.zero_stage == 1:
         notes.append(

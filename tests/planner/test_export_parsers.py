@@ -16,6 +16,7 @@
 import argparse
 import importlib.util
 import json
+import math
 import shlex
 import sys
 import types
@@ -49,7 +50,7 @@ def llama_plan():
 @pytest.fixture()
 def cases(gpt2_plan, pipelined_plan, llama_plan):
     """Plans that cover every mapping: ZeRO 0-3, pipelining even, uneven and interleaved,
-    recompute uniform and per block, fp16."""
+    recompute uniform and per block, fp16, context parallelism."""
     llama, _ = llama_plan
     full = {f"layers.{i}": Recompute.FULL for i in (0, 1, 2, 20, 21, 22)}
     return {
@@ -62,6 +63,8 @@ def cases(gpt2_plan, pipelined_plan, llama_plan):
         "llama-interleaved": llama,
         "llama-zbv": variant(llama, schedule="zbv"),
         "llama-interleaved-zb": variant(llama, schedule="interleaved-zb"),
+        "gpt2-cp": variant(gpt2_plan, dp=4, cp=2),
+        "gpt-tp-pp-cp": variant(pipelined_plan, dp=1, cp=2, zero_stage=1),
     }
 
 
@@ -69,6 +72,8 @@ def test_deepspeed_parses_every_export(cases, monkeypatch):
     ds_config = pytest.importorskip("deepspeed.runtime.config")
     monkeypatch.setattr(ds_config.dist, "get_rank", lambda: 0)
     for name, plan in cases.items():
+        if plan.config.cp > 1:
+            continue  # refused, see test_export_cp.py
         data = json.loads(export(plan, to="deepspeed").text)
         mpu = types.SimpleNamespace(get_data_parallel_world_size=lambda plan=plan: plan.config.dp)
         parsed = ds_config.DeepSpeedConfig(data, mpu=mpu)
@@ -111,7 +116,8 @@ def test_torchtitan_parses_every_export(cases, tmp_path, monkeypatch):
         job = manager().parse_args(["--job.config_file", str(path)])
         c, p, t = plan.config, job.parallelism, job.training
         dp = p.data_parallel_replicate_degree * p.data_parallel_shard_degree
-        assert (dp, p.tensor_parallel_degree, p.pipeline_parallel_degree) == (c.dp, c.tp, c.pp), name
+        degrees = (dp, p.context_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree)
+        assert degrees == (c.dp, c.cp, c.tp, c.pp) and math.prod(degrees) == plan.cluster.world_size, name
         assert t.global_batch_size == c.global_batch_size and t.seq_len == plan.model.seq_len, name
         if c.pp > 1:
             assert p.module_fqns_per_model_part == [list(s) for s in plan.stages], name
@@ -139,7 +145,7 @@ def test_accelerate_parses_and_launches_every_export(cases, tmp_path, monkeypatc
         assert load_config_from_file(str(path)).num_processes == c.world_size, name
         args = launch_command_parser().parse_args(["--config_file", str(path), "train.py"])
         args, _, _ = _validate_launch_command(args)
-        assert args.num_processes == c.world_size and args.use_fsdp == (c.zero_stage > 0), name
+        assert args.num_processes == c.world_size and args.use_fsdp == (c.zero_stage > 0 or c.cp > 1), name
         env = prepare_multi_gpu_env(args)
         for key, value in env.items():
             monkeypatch.setenv(key, value)
@@ -181,6 +187,7 @@ def test_megatron_own_parser(cases, llama_plan, monkeypatch):
         arguments.validate_args(args)
         c = plan.config
         assert (args.data_parallel_size, args.global_batch_size) == (c.dp, c.global_batch_size), name
+        assert args.context_parallel_size == c.cp, name
         assert args.use_distributed_optimizer == (c.zero_stage in (1, 2) or (c.zero_stage == 3 and c.pp > 1)), name
         config = arguments.core_transformer_config_from_args(args)  # checks the pipeline split
         assert config.num_layers == sum(u.startswith("layers.") for u in plan.model.units), name
@@ -192,6 +199,10 @@ MEGATRON_FLAGS = {
     # arguments.py declares it; a type of None is a store_true switch
     "--tensor-model-parallel-size": (int, None),
     "--pipeline-model-parallel-size": (int, None),
+    "--context-parallel-size": (int, None),
+    # declared without choices (nargs="+"); these are the values TransformerConfig
+    # documents and Transformer Engine accepts (the help text's "allgather" is neither)
+    "--cp-comm-type": (str, ["p2p", "all_gather", "a2a", "a2a+p2p"]),
     "--sequence-parallel": (None, None),
     "--num-layers-per-virtual-pipeline-stage": (int, None),
     "--decoder-first-pipeline-num-layers": (int, None),
@@ -269,7 +280,8 @@ def test_megatron_flags_as_megatron_declares_them(cases, llama_plan):
         _, words = _megatron_words(plan, model)
         args = parser.parse_args(words)  # an undeclared flag or a bad value raises
         c = plan.config
-        dp = plan.cluster.world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
+        model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+        dp = plan.cluster.world_size // (model_parallel * (args.context_parallel_size or 1))
         assert (dp, args.global_batch_size // (args.micro_batch_size * dp)) == (c.dp, c.num_microbatches), name
         if c.pp > 1:
             counts = _megatron_stage_layers(args, c.num_stages)

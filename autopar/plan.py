@@ -224,7 +224,7 @@ class Plan:
             )
         if self.config.world_size != self.cluster.world_size:
             raise PlanFormatError(
-                f"plan uses dp x tp x pp = {self.config.world_size} devices but its cluster has "
+                f"plan uses dp x cp x tp x pp = {self.config.world_size} devices but its cluster has "
                 f"{self.cluster.world_size}."
             )
         c = self.config

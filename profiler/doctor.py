@@ -233,7 +233,7 @@ def _plan_size(plan_world_size: int | None, world: int) -> list[Finding]:
         Finding(
             severity="error",
             check="plan",
-            message=f"the plan runs on {plan_world_size} ranks (dp x tp x pp) but the job has {world} ranks",
+            message=f"the plan runs on {plan_world_size} ranks (dp x cp x tp x pp) but the job has {world} ranks",
             fix=f"launch {plan_world_size} ranks, or plan for {world} devices",
         )
     ]

@@ -118,7 +118,8 @@ def torchrun_args(plan: Plan, args: argparse.Namespace) -> argparse.Namespace:
     if nproc * nnodes != plan.config.world_size:
         given = "" if str(args.nproc_per_node) == str(nproc) else f" ({args.nproc_per_node} here)"
         raise PlanMismatchError(
-            f"the plan runs on dp x tp x pp = {plan.config.dp} x {plan.config.tp} x {plan.config.pp} = "
+            f"the plan runs on dp x cp x tp x pp = {plan.config.dp} x {plan.config.cp} x {plan.config.tp} x "
+            f"{plan.config.pp} = "
             f"{plan.config.world_size} processes, but --nproc-per-node {nproc}{given} x --nnodes {nnodes} = "
             f"{nproc * nnodes}. Launch {plan.config.world_size} processes or make a plan for {nproc * nnodes}."
         )

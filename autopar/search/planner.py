@@ -283,13 +283,14 @@ _NO_PARAMETERS = (
 def _complete(fixed: dict[str, Any], cluster: Cluster, global_batch_size: int) -> dict[str, Any]:
     out = dict(fixed)
     world = cluster.world_size
-    tp, pp = out.setdefault("tp", 1), out.setdefault("pp", 1)
-    if world % (tp * pp):
-        raise ConfigError(f"tp x pp = {tp} x {pp} does not divide the cluster's {world} devices.")
-    out.setdefault("dp", world // (tp * pp))
-    if out["dp"] * tp * pp != world:
+    tp, pp, cp = out.setdefault("tp", 1), out.setdefault("pp", 1), out.setdefault("cp", 1)
+    if world % (tp * cp * pp):
+        raise ConfigError(f"tp x cp x pp = {tp} x {cp} x {pp} does not divide the cluster's {world} devices.")
+    out.setdefault("dp", world // (tp * cp * pp))
+    if out["dp"] * tp * cp * pp != world:
         raise ConfigError(
-            f"dp x tp x pp = {out['dp']} x {tp} x {pp} = {out['dp'] * tp * pp} but the cluster has {world} devices."
+            f"dp x cp x tp x pp = {out['dp']} x {cp} x {tp} x {pp} = {out['dp'] * cp * tp * pp} but the cluster has "
+            f"{world} devices."
         )
     if "num_microbatches" in out and "micro_batch_size" not in out:
         per = global_batch_size // out["dp"]

@@ -70,7 +70,7 @@ def test_a_plan_for_another_number_of_ranks_stops_the_check(dp, tmp_path, capsys
     code = main(argv)
     out = capsys.readouterr().out
     assert code == 1, out
-    assert f"the plan runs on {dp} ranks (dp x tp x pp) but the job has 2 ranks" in out
+    assert f"the plan runs on {dp} ranks (dp x cp x tp x pp) but the job has 2 ranks" in out
     assert f"launch {dp} ranks, or plan for 2 devices" in out
 
 

@@ -124,18 +124,21 @@ def main() -> None:
             t = best.prediction.step_time_s
             dp = _try(
                 lambda: autopar.plan(
-                    graph, cluster, global_batch_size=batch, constraints={"tp": 1, "pp": 1, "zero_stage": 0}
+                    graph, cluster, global_batch_size=batch, constraints={"tp": 1, "pp": 1, "cp": 1, "zero_stage": 0}
                 )
             )
             if dp is None:  # the user's DP baseline where plain DP does not fit
                 dp = _try(
                     lambda: autopar.plan(
-                        graph, cluster, global_batch_size=batch, constraints={"tp": 1, "pp": 1, "zero_stage": 3}
+                        graph,
+                        cluster,
+                        global_batch_size=batch,
+                        constraints={"tp": 1, "pp": 1, "cp": 1, "zero_stage": 3},
                     )
                 )
             z3 = _try(
                 lambda: autopar.plan(
-                    graph, cluster, global_batch_size=batch, constraints={"tp": 1, "pp": 1, "zero_stage": 3}
+                    graph, cluster, global_batch_size=batch, constraints={"tp": 1, "pp": 1, "cp": 1, "zero_stage": 3}
                 )
             )
             no_cp = (
@@ -227,7 +230,8 @@ def _megatron(graph, cluster, batch):
     tp = max(allowed)
     rest = cluster.world_size // tp
     for pp in [p for p in range(1, rest + 1) if rest % p == 0]:
-        found = _try(lambda: autopar.plan(graph, cluster, global_batch_size=batch, constraints={"tp": tp, "pp": pp}))
+        fixed = {"tp": tp, "pp": pp, "cp": 1}
+        found = _try(lambda: autopar.plan(graph, cluster, global_batch_size=batch, constraints=fixed))
         if found is not None:
             return found
     return None

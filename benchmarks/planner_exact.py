@@ -4,7 +4,8 @@ Four differential checks on seeded random instances (the test suite runs a few o
 this runs many): the intra-op layout ILP, the per-stage knapsack, the pipeline-split DP,
 and the whole search on small real models at several memory capacities (a configuration
 space small enough to enumerate every configuration, split and per-unit option), one of
-them on two nodes, where HSDP shard groups are candidates.
+them on two nodes, where HSDP shard groups are candidates, and one at 16K tokens, where
+context parallelism (cp=2, 8K tokens per rank) is.
 """
 
 from __future__ import annotations
@@ -127,6 +128,11 @@ def whole() -> list[dict[str, str]]:
     runs.append(
         ("GPT 2 blocks, 2 nodes, ZeRO-3, tp=1 (HSDP)", (0.012, 0.03), gpt, 2, (1, 2), {"tp": 1, "zero_stage": 3})
     )
+    # 16K tokens: cp=2 keeps 8K tokens per rank (autopar.search.space.CP_MIN_TOKENS), so it is a candidate
+    long_gpt = extract(
+        GPT(GPTConfig(vocab_size=512, seq_len=16384, dim=128, n_layers=2, n_heads=4)), seq_len=16384, dtype="bf16"
+    )
+    runs.append(("GPT 2 blocks at 16K tokens (cp)", (0.05, 0.1, 0.2, 0.4), long_gpt, 1, (1, 2, 4, 8), {}))
     for name, levels, graph, nodes, sizes, constraints in runs:
         for memory_gib in levels:
             cluster = dataclasses.replace(_tiny_cluster(memory_gib), nodes=nodes)
@@ -143,6 +149,7 @@ def whole() -> list[dict[str, str]]:
             )
             search_s = time.perf_counter() - start
             found = got.best.step_time_s if got.best.fits else math.inf
+            winner = got.best.config.short() if got.best.fits else "none fits"
             same = (math.isinf(want) and math.isinf(found)) or math.isclose(want, found, rel_tol=1e-9)
             rows.append(
                 {
@@ -152,6 +159,7 @@ def whole() -> list[dict[str, str]]:
                     "brute force optimum": f"{want * 1e3:.4f} ms",
                     "search optimum": f"{found * 1e3:.4f} ms",
                     "verdict": "same" if same else "DIFFERENT",
+                    "search's winner": winner,
                     "brute force": f"{brute_s:.1f} s",
                     "search": f"{search_s:.2f} s",
                 }

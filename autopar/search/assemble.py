@@ -166,12 +166,12 @@ def _oom_regions(result: SearchResult, cap: float, solver: ConfigSolver, limit: 
 
 
 def _frugal_peak(solver: ConfigSolver, config: ParallelConfig) -> float:
-    """The peak of ``config``'s most loaded rank on the even split with every unit at
-    its smallest option (:func:`autopar.cost.peak.frugal_peak_bytes`)."""
+    """The peak of ``config``'s most loaded rank on the even split (interleaved stages'
+    rule for ``v > 1``) with every unit at its smallest option (:func:`autopar.cost.peak.frugal_peak_bytes`)."""
     modes = (Recompute.FULL,)
     pp, v = config.pp, config.virtual_stages
     chunks = pp * v
-    bounds = solver.even_split(chunks) if chunks > 1 else (0, solver.num_units)
+    bounds = solver.even_split(chunks, exact=v > 1) if chunks > 1 else (0, solver.num_units)
     if bounds is None:
         return float("inf")
     ranks = [

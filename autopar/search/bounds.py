@@ -138,7 +138,13 @@ class TimeBound:
         bounds = solver.even_split(chunks, exact=True)
         if bounds is None:
             return self(config)
-        q = v * (shape.count // chunks)  # blocks per rank
+        last = config.rank_of_stage(chunks - 1)
+        ends = {0: shape.prologue, last: shape.epilogue}
+        counts = []  # blocks per rank: the ends hold one fewer where the units split evenly
+        for r in range(pp):
+            held = sum(bounds[c + 1] - bounds[c] for c in config.stages_of_rank(r))
+            held -= (r == 0 and shape.prologue is not None) + (r == last and shape.epilogue is not None)
+            counts.append(held)
         flights = [inflight_microbatches(config.schedule, pp, v, m, r) for r in range(pp)]
         layout = solver.any_layout(config, self.modes)
         rooms = []
@@ -146,19 +152,24 @@ class TimeBound:
             runs = [(bounds[c], bounds[c + 1] - 1) for c in config.stages_of_rank(r)]
             rooms.append(solver.budget_bytes - runs_buffer_bytes(solver.model, runs, config, flights[r], layout))
         blocks = solver.priced_options(shape.block, config, self.modes)[1]
-        only = np.array([q])
-        times = homogeneous_times(blocks, q, np.asarray(rooms), np.asarray(flights), counts=only)[:, 0]
-        for r, single in ((0, shape.prologue), (config.rank_of_stage(chunks - 1), shape.epilogue)):
+        distinct = sorted(set(counts))
+        table = homogeneous_times(
+            blocks, distinct[-1], np.asarray(rooms), np.asarray(flights), counts=np.array(distinct)
+        )
+        times = np.array([table[r, distinct.index(counts[r])] for r in range(pp)])
+        for r, single in ends.items():
             if single is not None:
                 alone = solver.priced_options(single, config, self.modes)[1]
                 # under zbv both land on rank 0: the epilogue's time replaces the prologue's (still a bound)
-                times[r] = single_and_run_times(alone, blocks, q, rooms[r], flights[r], counts=only)[0]
+                times[r] = single_and_run_times(
+                    alone, blocks, counts[r], rooms[r], flights[r], counts=np.array([counts[r]])
+                )[0]
         if not np.isfinite(times).all():
             return math.inf
         send, back = self._p2p(config)
         work = times + v * (send + back)
         work[0] -= back
-        work[config.rank_of_stage(chunks - 1)] -= send
+        work[last] -= send
         return pipeline_time_s(work.tolist(), m, v, schedule=config.schedule)
 
     def _refined_split(self, config: ParallelConfig) -> float:

@@ -34,7 +34,7 @@ from autopar.plan import ParallelConfig, Prediction
 from autopar.search.ilp import check_solver
 from autopar.search.intra_op import LayoutSolver
 from autopar.search.options import unit_options
-from autopar.search.split import best_split
+from autopar.search.split import best_split, even_bounds
 from autopar.search.split_table import cost_band, split_cutoff
 from autopar.search.stage_solver import Priced, StageChoice, solve_stage
 from autopar.vocab import Recompute
@@ -333,8 +333,8 @@ class ConfigSolver:
 
     def even_split(self, pp: int, *, exact: bool = False) -> tuple[int, ...] | None:
         """Blocks spread as evenly as possible over ``pp`` stages (prologue first, epilogue
-        last), or None if there are fewer blocks than stages (or, with ``exact``, if the
-        blocks do not divide evenly, Megatron-LM's rule for interleaved stages)."""
+        last), or None if there are fewer blocks than stages; with ``exact``, the rule for
+        interleaved stages (:func:`autopar.search.split.even_bounds`)."""
         key = ("even", pp, exact)
         if key not in self._memo:
             self._memo[key] = self._even_split(pp, exact)
@@ -345,21 +345,14 @@ class ConfigSolver:
         n = len(units)
         first = 1 if n > 1 and not units[0].prefix else 0
         last = 1 if n > 2 and not units[-1].prefix else 0
-        blocks = n - first - last
-        if blocks < pp or (exact and blocks % pp):
-            return None
-        sizes = [blocks // pp + (1 if k < blocks % pp else 0) for k in range(pp)]
-        bounds = [0]
-        for k, size in enumerate(sizes):
-            bounds.append(bounds[-1] + size + (first if k == 0 else 0))
-        bounds[-1] = n
-        return tuple(bounds)
+        return even_bounds(n, first, last, pp, exact=exact)
 
     def _interleaved(
         self, config: ParallelConfig, modes: tuple[Recompute, ...]
     ) -> list[tuple[PricedStage, float]] | None:
         """Interleaved 1F1B: blocks split evenly over the pp x v chunks (Megatron-LM's
-        rule), the prologue on chunk 0 and the epilogue on the last; each rank's options
+        rule), the prologue on chunk 0 and the epilogue on the last, or the units evenly
+        where only they divide (:func:`autopar.search.split.even_bounds`); each rank's options
         are chosen over the union of its chunks, under its memory. Each chunk's stage
         carries its own units and its rank's memory bound (the rank is what memory binds)."""
         chunks = config.pp * config.virtual_stages

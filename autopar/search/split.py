@@ -14,7 +14,7 @@ infinity.
 The DP is over a band of stage costs ``band[k, i, w - 1]`` (stage ``k`` holds the ``w``
 units from ``i``; :mod:`autopar.search.split_table` prices it); :func:`brute_force_split`
 enumerates every split of a full table ``table[k, i, j]`` and is what the DP is tested
-against.
+against. Interleaved schedules split by a fixed rule instead (:func:`even_bounds`).
 """
 
 from __future__ import annotations
@@ -120,3 +120,31 @@ def brute_force_split(table: np.ndarray, num_microbatches: int) -> tuple[float, 
     if best_bounds is None:
         return None
     return best_value, best_bounds
+
+
+def even_bounds(n: int, first: int, last: int, chunks: int, *, exact: bool = False) -> tuple[int, ...] | None:
+    """Stage boundaries spreading ``n`` units over ``chunks`` stages evenly: the blocks
+    (the units but a prologue, ``first`` = 1, and an epilogue, ``last`` = 1) as evenly as
+    possible, the prologue on the first stage and the epilogue on the last. None when
+    there are fewer blocks than stages.
+
+    With ``exact`` (the rule for interleaved stages), every stage must hold the same
+    number: of blocks (Megatron-LM's rule), or else of units, when a prologue and an
+    epilogue exist and the units divide evenly: the first and the last stage then hold
+    one block fewer, the embedding and the loss counting as a layer each (Megatron-LM's
+    ``--account-for-embedding-in-pipeline-split`` and ``--account-for-loss-in-pipeline-split``;
+    Llama 3 405B trained so, 126 layers on 16 x 2 stages: Llama Team 2024, "The Llama 3
+    Herd of Models", section 3.3.2). None when neither divides."""
+    blocks = n - first - last
+    if blocks < chunks:
+        return None
+    if exact and blocks % chunks:
+        if not (first and last) or n % chunks:
+            return None
+        return tuple(k * (n // chunks) for k in range(chunks + 1))
+    sizes = [blocks // chunks + (1 if k < blocks % chunks else 0) for k in range(chunks)]
+    bounds = [0]
+    for k, size in enumerate(sizes):
+        bounds.append(bounds[-1] + size + (first if k == 0 else 0))
+    bounds[-1] = n
+    return tuple(bounds)

@@ -261,7 +261,7 @@ def _brute_force_search(evaluator: ConfigSolver, constraints: dict) -> float:
     for cfg in configs:
         per_unit = [evaluator.priced_options(u, cfg, ALL_MODES) for u in range(n)]
         if cfg.virtual_stages > 1:
-            splits = [evaluator.even_split(cfg.pp * cfg.virtual_stages)]
+            splits = [evaluator.even_split(cfg.pp * cfg.virtual_stages, exact=True)]
         else:
             splits = [(0, *cuts, n) for cuts in itertools.combinations(range(1, n), cfg.pp - 1)]
         for bounds in splits:

@@ -1,0 +1,47 @@
+"""Interleaved stages split by a fixed rule: blocks evenly (Megatron-LM's default), or,
+where only the units divide, units evenly with the embedding and the loss counting as a
+layer each, so the first and the last stage hold one block fewer (Llama 3 405B's 126
+layers on 32 stages)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar.models import Llama, LlamaConfig
+from autopar.search.split import even_bounds
+
+
+@pytest.mark.parametrize(
+    "n, first, last, chunks, exact, want",
+    [
+        (10, 1, 1, 4, False, (0, 3, 5, 7, 10)),  # 8 blocks: 2 each, prologue on the first, epilogue on the last
+        (10, 1, 1, 4, True, (0, 3, 5, 7, 10)),  # the same, exactly: 8 blocks divide
+        (8, 1, 1, 4, False, (0, 3, 5, 6, 8)),  # 6 blocks: 2, 2, 1, 1 as evenly as possible
+        (8, 1, 1, 4, True, (0, 2, 4, 6, 8)),  # 6 blocks do not divide; 8 units do: E+1 | 2 | 2 | 1+L
+        (128, 1, 1, 32, True, tuple(range(0, 129, 4))),  # Llama 3 405B: 126 layers, 16 x 2 stages
+        (7, 1, 1, 4, True, None),  # neither 5 blocks nor 7 units divide
+        (6, 0, 0, 4, True, None),  # no prologue or epilogue to lighten the ends with
+        (6, 1, 1, 3, True, (0, 2, 4, 6)),  # 4 blocks do not divide by 3: E+1 | 2 | 1+L
+        (5, 1, 1, 4, True, None),  # fewer blocks than stages
+    ],
+)
+def test_even_bounds_by_hand(n, first, last, chunks, exact, want):
+    assert even_bounds(n, first, last, chunks, exact=exact) == want
+
+
+def test_a_llama_of_126_layers_interleaves_over_32_stages_with_lighter_ends():
+    """126 layers on pp=16 x v=2: 126 blocks do not divide by 32, its 128 units do; the
+    estimate runs the interleaved schedule, the first stage holding the embedding and 3
+    layers, the last 3 layers and the head, every other stage 4 layers."""
+    cfg = LlamaConfig(dim=512, n_layers=126, n_heads=8, n_kv_heads=8, ffn_dim=1024, vocab_size=1024, seq_len=256)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    fixed = {"tp": 1, "pp": 16, "micro_batch_size": 1, "schedule": "interleaved-1f1b", "virtual_stages": 2}
+    plan = autopar.estimate(model, autopar.preset("dgx-h100", nodes=2), fixed, global_batch_size=32, seq_len=256)
+    stages = plan.stages
+    assert len(stages) == 32
+    assert stages[0] == ("tok_embeddings", "layers.0", "layers.1", "layers.2")
+    assert stages[-1] == ("layers.123", "layers.124", "layers.125", "norm", "output")
+    assert all(len(s) == 4 and all(m.startswith("layers.") for m in s) for s in stages[1:-1])

@@ -1,0 +1,121 @@
+"""Context parallelism: each sample's sequence split over the ``cp`` ranks.
+
+A step's batch is split over ``dp`` as without context parallelism; then every tensor
+with the sequence in dimension 1 (token ids, targets) is cut into ``2 * cp`` equal
+chunks and cp rank ``r`` keeps chunks ``r`` and ``2 * cp - 1 - r`` (torch's head-tail
+load balancing, ``_HeadTailLoadBalancer``): under a causal mask every rank then attends
+over the same number of (query, key) pairs. The positions of those tokens, the same
+permutation of ``0 .. s - 1``, are bound to every stage's forward (``positions=`` for
+autopar's models, ``position_ids=`` for transformers decoders), so position embeddings
+and rotary angles are those of the whole sequence. The attention itself runs as a ring
+over the group (:mod:`autopar.runtime.ring_attention`); every other layer is per token
+and runs on the local tokens unchanged.
+
+The loss function's token mean on a rank is the mean over its ``s / cp`` tokens; every
+rank holds as many, so the mean of the ranks' losses is the whole sequence's, and
+averaging gradients over the ``dp x cp`` ranks (the ``dp_cp`` mesh) gives the gradient of
+that mean (:mod:`autopar.runtime.data_parallel`).
+
+Checked before any collective (:func:`check_context_parallel`): the sequence length
+splits into ``2 * cp`` chunks, the forward takes positions, and every attention core of a
+trial forward (on fake tensors) is ``F.scaled_dot_product_attention`` with
+``is_causal=True`` and no mask, the only attention the causal ring computes.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
+from torch.overrides import TorchFunctionMode
+
+from autopar.plan import Plan
+from autopar.runtime.errors import ContextParallelError
+from autopar.runtime.ring_attention import check_ring_call
+
+SEQ_DIM = 1
+"""The sequence dimension of a batch's token ids and targets."""
+
+
+def local_positions(seq_len: int, cp: int, rank: int, device: torch.device | str) -> torch.Tensor:
+    """Positions (long, ``seq_len / cp``) of the tokens cp rank ``rank`` holds, in its order."""
+    order = _HeadTailLoadBalancer(seq_len, cp, device)._generate_indices()[0]
+    return order.view(cp, -1)[rank].long()
+
+
+def shard_sequence(value: Any, positions: torch.Tensor, seq_len: int) -> Any:
+    """``value`` (a tensor or a tuple of them) with every tensor whose dimension 1 is the
+    sequence reduced to the tokens at ``positions``; other values pass unchanged."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() > SEQ_DIM and value.shape[SEQ_DIM] == seq_len:
+            return value.index_select(SEQ_DIM, positions.to(value.device))
+        return value
+    if isinstance(value, (tuple, list)):
+        return tuple(shard_sequence(v, positions, seq_len) for v in value)
+    return value
+
+
+def position_keyword(model: nn.Module) -> str:
+    """The forward's keyword for explicit positions: ``positions`` (autopar's models) or
+    ``position_ids`` (transformers); ContextParallelError when it takes neither."""
+    params = inspect.signature(type(model).forward).parameters
+    for name in ("positions", "position_ids"):
+        if name in params:
+            return name
+    raise ContextParallelError(
+        f"cp > 1 needs the positions of each rank's tokens, but {type(model).__name__}.forward takes neither "
+        f"'positions' nor 'position_ids'; add one of them (positions of the tokens given) or use cp=1."
+    )
+
+
+def bind_positions(stage: nn.Module, keyword: str, positions: torch.Tensor) -> None:
+    """Make every call of ``stage`` pass this rank's token positions: 1-D for
+    ``positions``, ``(1, s / cp)`` for transformers' ``position_ids``."""
+    value = positions if keyword == "positions" else positions.unsqueeze(0)
+    stage.forward = functools.partial(stage.forward, **{keyword: value})
+
+
+class _AttentionCalls(TorchFunctionMode):
+    """Records ``(attn_mask, is_causal)`` of each ``F.scaled_dot_product_attention`` call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[Any, bool]] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            bound = {**dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal"), args)), **kwargs}
+            self.calls.append((bound.get("attn_mask"), bool(bound.get("is_causal", False))))
+        return func(*args, **kwargs)
+
+
+def check_context_parallel(model: nn.Module, plan: Plan) -> None:
+    """Refuse a ``cp > 1`` plan the runtime cannot run on ``model`` (see the module docstring)."""
+    cp, seq_len = plan.config.cp, plan.model.seq_len
+    if cp == 1:
+        return
+    if seq_len % (2 * cp):
+        raise ContextParallelError(
+            f"seq_len={seq_len} does not split into 2 x cp = {2 * cp} equal chunks (head-tail load balancing "
+            f"gives each cp rank two); use a sequence length divisible by {2 * cp}, or a cp dividing {seq_len // 2}."
+        )
+    position_keyword(model)
+    device = next(iter(model.parameters())).device
+    probe = _AttentionCalls()
+    with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True) as fake, probe:
+        ids = fake.from_tensor(torch.zeros(1, seq_len, dtype=torch.long, device=device))
+        model(ids)
+    if not probe.calls:
+        raise ContextParallelError(
+            f"cp={cp}: {type(model).__name__} computes no F.scaled_dot_product_attention (a materialized "
+            f"attention cannot run as a ring); use SDPA with is_causal=True, or cp=1."
+        )
+    for attn_mask, is_causal in probe.calls:
+        check_ring_call(attn_mask, is_causal)

@@ -18,8 +18,8 @@ that mean (:mod:`autopar.runtime.data_parallel`).
 
 Checked before any collective (:func:`check_context_parallel`): the sequence length
 splits into ``2 * cp`` chunks, the forward takes positions, and every attention core of a
-trial forward (on fake tensors) is ``F.scaled_dot_product_attention`` with
-``is_causal=True`` and no mask, the only attention the causal ring computes.
+trial forward (``2 * cp`` tokens, without gradients) is ``F.scaled_dot_product_attention``
+with ``is_causal=True`` and no mask, the only attention the causal ring computes.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
 from torch.overrides import TorchFunctionMode
 
+from autopar.graph.extract import training_kwargs
 from autopar.plan import Plan
 from autopar.runtime.errors import ContextParallelError
 from autopar.runtime.ring_attention import check_ring_call
@@ -76,9 +76,16 @@ def position_keyword(model: nn.Module) -> str:
 
 def bind_positions(stage: nn.Module, keyword: str, positions: torch.Tensor) -> None:
     """Make every call of ``stage`` pass this rank's token positions: 1-D for
-    ``positions``, ``(1, s / cp)`` for transformers' ``position_ids``."""
-    value = positions if keyword == "positions" else positions.unsqueeze(0)
-    stage.forward = functools.partial(stage.forward, **{keyword: value})
+    ``positions``; for transformers ``(1, s / cp)`` ``position_ids`` and an all-ones
+    ``attention_mask``. Without a mask transformers reads position ids that jump (rank
+    0's head and tail) as packed sequences and masks attention across the jump; the
+    all-ones mask says the tokens are one sequence, so its SDPA call stays causal
+    without a mask."""
+    if keyword == "positions":
+        stage.forward = functools.partial(stage.forward, positions=positions)
+        return
+    ones = torch.ones(1, positions.numel(), dtype=torch.long, device=positions.device)
+    stage.forward = functools.partial(stage.forward, position_ids=positions.unsqueeze(0), attention_mask=ones)
 
 
 class _AttentionCalls(TorchFunctionMode):
@@ -109,9 +116,10 @@ def check_context_parallel(model: nn.Module, plan: Plan) -> None:
     position_keyword(model)
     device = next(iter(model.parameters())).device
     probe = _AttentionCalls()
-    with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True) as fake, probe:
-        ids = fake.from_tensor(torch.zeros(1, seq_len, dtype=torch.long, device=device))
-        model(ids)
+    # a real forward of 2 x cp tokens (on the meta device for a meta model): under fake
+    # tensors transformers takes the forward for a trace and builds an explicit mask
+    with torch.no_grad(), torch.random.fork_rng(devices=[]), probe:
+        model(torch.zeros(1, 2 * cp, dtype=torch.long, device=device), **training_kwargs(model))
     if not probe.calls:
         raise ContextParallelError(
             f"cp={cp}: {type(model).__name__} computes no F.scaled_dot_product_attention (a materialized "

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -119,10 +120,18 @@ class _ShardAttention(TorchFunctionMode):
             return func(*args, **kwargs)
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
         bound = {**dict(zip(names, args)), **kwargs}
+        if _shapes_only(bound["query"]):  # a pipeline stage inferring its output shapes: the local result's
+            return func(*args, **kwargs)
         check_ring_call(bound.get("attn_mask"), bool(bound.get("is_causal", False)))
         for name in ("query", "key", "value"):
             bound[name] = DTensor.from_local(bound[name], self.mesh, [Shard(SEQ_DIM)], run_check=False)
         return func(**bound).to_local()
+
+
+def _shapes_only(t: torch.Tensor) -> bool:
+    """Whether ``t`` has no values (meta or fake): a forward run for its shapes alone,
+    as ``PipelineStage`` runs once to learn what its stage sends."""
+    return t.is_meta or isinstance(t, FakeTensor)
 
 
 def check_ring_call(attn_mask: Any, is_causal: bool) -> None:

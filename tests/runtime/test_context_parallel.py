@@ -2,8 +2,29 @@
 torch's head-tail order, attention run as a ring over them, gradients averaged over
 ``dp x cp``. Runs against one process: the same losses, gradient norms and weights."""
 
+import functools
+from collections import Counter
+
 import pytest
-from parity import assert_parity, make_plan, reference, run, train
+from parity import (
+    GPT_CFG,
+    SEQ,
+    assert_parity,
+    batches,
+    build,
+    make_plan,
+    megatron_styles,
+    reference,
+    run,
+    token_loss,
+    train,
+    with_cp,
+)
+from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autopar.runtime.api import parallelize
 
 pytestmark = pytest.mark.multiprocess
 
@@ -16,3 +37,83 @@ def test_context_parallel_trains_like_one_process(name):
     assert plan.config.cp == 2
     results = run(train, 2, name, plan, 5, 0.5, None, None, 0.9)
     assert_parity(results, reference(name, plan, clip=0.5, momentum=0.9))
+
+
+def test_context_parallel_over_tensor_parallelism_trains_like_one_process():
+    """4 ranks: tp=2 (Megatron styles: each rank's ring carries its half of the heads)
+    inside cp=2."""
+    plan = make_plan("llama", cp=2, tp=2, styles=megatron_styles("llama"))
+    assert_parity(run(train, 4, "llama", plan, 5, 0.5), reference("llama", plan, clip=0.5))
+
+
+def test_context_parallel_under_pipelining_trains_like_one_process():
+    """4 ranks: pp=2 over cp=2; stages pass s / cp tokens and the tied embedding and head
+    are reduced between the pipeline ranks of each cp rank."""
+    plan = make_plan("gpt", cp=2, pp=2)
+    assert_parity(run(train, 4, "gpt", plan, 5, 0.5), reference("gpt", plan, clip=0.5))
+
+
+def test_context_parallel_with_sharded_data_parallelism_trains_like_one_process():
+    """4 ranks: ZeRO-3 over dp=2 x cp=2 flattened: each rank holds a quarter of every
+    parameter and of the momentum."""
+    plan = make_plan("gpt", cp=2, dp=2, zero_stage=3)
+    results = run(train, 4, "gpt", plan, 5, 0.5, None, None, 0.9)
+    assert_parity(results, reference("gpt", plan, clip=0.5, momentum=0.9))
+    total = sum(p.numel() for p in build("gpt").parameters())
+    assert [r.extra["optimizer_state_numel"] for r in results] == [total // 4] * 4
+
+
+class _CountRingCollectives(TorchDispatchMode):
+    """Counts the functional collectives torch's ring issues, by op and group size."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        if func.namespace == "_c10d_functional" and func._opname in ("all_gather_into_tensor", "all_to_all_single"):
+            self.counts[(func._opname, _resolve_process_group(args[-1]).size())] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _tokens_and_collectives(rank, world, plan):
+    job = parallelize(build("gpt"), plan, loss_fn=token_loss, measure_memory=False)
+    tokens = []
+    for module in job.stages[0].modules():
+        if type(module).__name__ == "Attention":
+            module.register_forward_hook(lambda _m, args, _out: tokens.append(tuple(args[0].shape)))
+    counts = []
+    for batch in job.shard(batches("gpt", 2, plan.config.global_batch_size)):
+        with _CountRingCollectives() as mode:
+            job.step(batch)
+        counts.append(dict(mode.counts))
+    return job._p.positions.tolist(), set(tokens), counts[-1]  # the first step also infers stage shapes
+
+
+def test_each_rank_holds_its_head_and_tail_and_the_ring_gathers_once_per_attention():
+    """cp=2, s=16: the sequence splits into 4 chunks of 4, rank 0 holds chunks 0 and 3,
+    rank 1 chunks 1 and 2, and every attention input holds 8 tokens. Per attention core
+    and micro-batch (4 layers x 2), the forward all-gathers K/V once over the group of 2;
+    the backward all-gathers them once more and passes the dK/dV partial sums with one
+    all-to-all per ring step (2 steps), torch's algorithm."""
+    results = run(_tokens_and_collectives, 2, make_plan("gpt", cp=2))
+    expected = [[0, 1, 2, 3, 12, 13, 14, 15], [4, 5, 6, 7, 8, 9, 10, 11]]
+    cores = GPT_CFG.n_layers * 2
+    for rank, (positions, tokens, counts) in enumerate(results):
+        assert positions == expected[rank]
+        assert tokens == {(2, SEQ // 2, GPT_CFG.dim)}  # micro-batches of 2 samples, half of their tokens
+        assert counts == {("all_gather_into_tensor", 2): 2 * cores, ("all_to_all_single", 2): 2 * cores}, rank
+
+
+def test_a_transformers_llama_with_context_parallelism_matches_one_process():
+    """A tiny transformers LlamaForCausalLM, cp=2: it takes its tokens' ``position_ids``
+    and its SDPA attention (causal, no mask) runs as the ring."""
+    from hf_decoders import build_decoder
+    from test_models import hf_reference, hf_train, make
+
+    build = functools.partial(build_decoder, "llama")
+    plan = with_cp(make(build()), 2)
+    results = run(hf_train, 2, build, plan, 3, timeout_s=120)
+    assert_parity(results, hf_reference(build, plan, steps=3))

@@ -98,10 +98,10 @@ class DryRunReport:
         ]
         lines += [f"  problem: {p}" for p in self.problems]
         if self.ranks:
-            lines.append("  rank  (pp,dp,tp)  stages      params held   predicted params   predicted peak")
+            lines.append("  rank  (pp,dp,cp,tp)  stages      params held   predicted params   predicted peak")
             for r in self.ranks:
                 lines.append(
-                    f"  {r.rank:<5} {r.coordinate!s:<11} {list(r.stages)!s:<11} "
+                    f"  {r.rank:<5} {r.coordinate!s:<14} {list(r.stages)!s:<11} "
                     f"{_gib(r.param_bytes):>11}   {_gib(r.predicted_param_bytes):>16}   "
                     f"{_gib(r.predicted_peak_bytes):>14}"
                 )

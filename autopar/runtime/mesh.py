@@ -71,10 +71,11 @@ class MeshDims:
     def check_world_size(self, world_size: int) -> None:
         """Raise PlanMismatchError unless the job has exactly the plan's ranks."""
         if world_size != self.world_size:
+            axes = {"pp": self.pp, "dp": self.dp, **({"cp": self.cp} if self.cp > 1 else {}), "tp": self.tp}
             raise PlanMismatchError(
-                f"the plan needs pp x dp x cp x tp = {self.pp} x {self.dp} x {self.cp} x {self.tp} = "
-                f"{self.world_size} ranks but this job has {world_size}. Launch with {self.world_size} processes "
-                f"(autopar run --nproc-per-node ...), or make a plan for {world_size} devices (autopar plan/estimate)."
+                f"the plan needs {' x '.join(axes)} = {' x '.join(map(str, axes.values()))} = {self.world_size} ranks "
+                f"but this job has {world_size}. Launch with {self.world_size} processes (autopar run "
+                f"--nproc-per-node ...), or make a plan for {world_size} devices (autopar plan/estimate)."
             )
 
 

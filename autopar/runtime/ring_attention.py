@@ -120,7 +120,7 @@ class _ShardAttention(TorchFunctionMode):
             return func(*args, **kwargs)
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
         bound = {**dict(zip(names, args)), **kwargs}
-        if _shapes_only(bound["query"]):  # a pipeline stage inferring its output shapes: the local result's
+        if _shapes_only(bound["query"]):  # no values to exchange; the local result has the ring's shapes
             return func(*args, **kwargs)
         check_ring_call(bound.get("attn_mask"), bool(bound.get("is_causal", False)))
         for name in ("query", "key", "value"):
@@ -129,8 +129,8 @@ class _ShardAttention(TorchFunctionMode):
 
 
 def _shapes_only(t: torch.Tensor) -> bool:
-    """Whether ``t`` has no values (meta or fake): a forward run for its shapes alone,
-    as ``PipelineStage`` runs once to learn what its stage sends."""
+    """Whether ``t`` has no values (meta or fake): a forward run for its shapes and
+    memory alone, as a measured dry run's (:mod:`autopar.runtime.dry_step`)."""
     return t.is_meta or isinstance(t, FakeTensor)
 
 

@@ -6,8 +6,10 @@ import functools
 from collections import Counter
 
 import pytest
+import torch
 from parity import (
     GPT_CFG,
+    LOSS_ATOL,
     SEQ,
     assert_parity,
     batches,
@@ -20,6 +22,8 @@ from parity import (
     train,
     with_cp,
 )
+from test_checkpoint import MOMENTUM, SAVE_AT, STEPS
+from test_checkpoint import _train as checkpoint_train
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -117,3 +121,35 @@ def test_a_transformers_llama_with_context_parallelism_matches_one_process():
     plan = with_cp(make(build()), 2)
     results = run(hf_train, 2, build, plan, 3, timeout_s=120)
     assert_parity(results, hf_reference(build, plan, steps=3))
+
+
+def test_a_checkpoint_saved_under_context_parallelism_resumes_under_another_plan(tmp_path):
+    """Saved by ZeRO-3 over dp=2 x cp=2 (each rank a quarter of every parameter and of
+    the momentum); resumed by cp=2 alone (DDP over the cp pair): the resumed run continues
+    the uninterrupted single-process run."""
+    saver = make_plan("gpt", dp=2, cp=2, zero_stage=3)
+    loader = make_plan("gpt", cp=2, num_microbatches=4)
+    assert saver.config.global_batch_size == loader.config.global_batch_size
+    ref = reference("gpt", saver, steps=STEPS, momentum=MOMENTUM)
+    first = run(checkpoint_train, 4, saver, str(tmp_path), False, STEPS, SAVE_AT, timeout_s=120)
+    second = run(checkpoint_train, 2, loader, str(tmp_path), True, STEPS, None, timeout_s=120)
+    for losses, _, _ in first:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses[:SAVE_AT]), rtol=0, atol=LOSS_ATOL)
+    for losses, start, position in second:
+        assert start == SAVE_AT and position == STEPS
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses[SAVE_AT:]), rtol=0, atol=LOSS_ATOL)
+
+
+def test_a_dry_run_shards_over_data_and_context_parallel_ranks():
+    """The measured dry run (fake process group and tensors, each rank's s / cp tokens)
+    applies ZeRO-3 over dp=2 x cp=2: a rank holds a quarter of every fp32 parameter."""
+    from autopar.runtime.dry_run import dry_run
+
+    plan = make_plan("gpt", dp=2, cp=2, zero_stage=3)
+    report = dry_run(lambda: build("gpt", "meta"), plan, measure=True)
+    assert not report.problems
+    (rank,) = report.ranks
+    assert rank.coordinate == (0, 0, 0, 0)
+    fp32_bytes = 4 * sum(p.numel() for p in build("gpt").parameters())
+    assert rank.param_bytes == fp32_bytes / 4
+    assert rank.measured is not None and rank.measured.peak_bytes > rank.param_bytes

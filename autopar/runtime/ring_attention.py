@@ -3,9 +3,9 @@
 Under :func:`ring_attention` every ``F.scaled_dot_product_attention`` call sees its
 query, key and value as this rank's sequence shard (dimension 2) of the context-parallel
 group, the shards being in torch's head-tail order (:mod:`autopar.runtime.context_parallel`).
-A function mode wraps them as ``Shard(2)`` DTensors on the ``cp`` mesh, as torch's
-``context_parallel`` does, and DTensor dispatches the attention kernel the call resolves
-to onto torch's ring algorithm (``_templated_ring_attention`` and its backward, Liu et
+The context replaces ``F.scaled_dot_product_attention`` by a function that wraps them as
+``Shard(2)`` DTensors on the ``cp`` mesh, as torch's ``context_parallel`` does, and
+DTensor dispatches the attention kernel the call resolves to onto torch's ring algorithm (``_templated_ring_attention`` and its backward, Liu et
 al. 2023): forward, one all-gather of the K/V shards over the group (torch's default
 rotate method ``allgather``) and a causal, load-balanced merge of the partial results by
 their log-sum-exp; backward, the same all-gather of K/V and the dK/dV partial sums
@@ -21,13 +21,18 @@ runs the algorithm an NCCL job runs. The CPU kernel's log-sum-exp is ``(b, heads
 expects of the flash kernels: it unsqueezes the last dimension and chunks dimension 2;
 the backward kernel reads it through its strides.
 
-Everything the context installs (the handlers, torch's ring options: load balancing on,
-rotate method all-gather) is restored when it exits.
+A module attribute, not a function mode: recomputation reruns the forward inside
+backward, where autograd carries no Python function mode, and must reach the ring again
+(a selectively recomputed core reruns the builtin on the saved DTensors, which DTensor
+sends to the ring by itself). Everything the context installs (the function, the
+handlers, torch's ring options: load balancing on, rotate method all-gather) is
+restored when it exits; a step runs inside it, forward and backward.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,7 +43,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.experimental._context_parallel import _attention as cp_attention
-from torch.overrides import TorchFunctionMode
 
 from autopar.runtime.errors import ContextParallelError
 
@@ -106,26 +110,29 @@ def _cpu_flash_ring_backward(op_call: Any, args: tuple, kwargs: dict) -> tuple[D
 CPU_HANDLERS = {_CPU_FORWARD: _cpu_flash_ring, _CPU_BACKWARD: _cpu_flash_ring_backward}
 
 
-class _ShardAttention(TorchFunctionMode):
-    """Runs each ``F.scaled_dot_product_attention`` on ``Shard(2)`` DTensors of the cp
-    mesh, refusing what the causal ring cannot compute."""
+_SDPA = torch._C._nn.scaled_dot_product_attention
+"""The builtin ``F.scaled_dot_product_attention`` is, while no step runs."""
 
-    def __init__(self, mesh: DeviceMesh):
-        super().__init__()
-        self.mesh = mesh
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
-        bound = {**dict(zip(names, args)), **kwargs}
-        if _shapes_only(bound["query"]):  # no values to exchange; the local result has the ring's shapes
-            return func(*args, **kwargs)
-        check_ring_call(bound.get("attn_mask"), bool(bound.get("is_causal", False)))
-        for name in ("query", "key", "value"):
-            bound[name] = DTensor.from_local(bound[name], self.mesh, [Shard(SEQ_DIM)], run_check=False)
-        return func(**bound).to_local()
+def _ring_sdpa(
+    mesh: DeviceMesh,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` on this rank's sequence shards of the ``mesh``'s
+    ranks: the builtin on ``Shard(2)`` DTensors, which DTensor sends to the ring."""
+    kwargs = {"dropout_p": dropout_p, "scale": scale, "enable_gqa": enable_gqa}
+    if _shapes_only(query):  # no values to exchange; the local result has the ring's shapes
+        return _SDPA(query, key, value, attn_mask, is_causal=is_causal, **kwargs)
+    check_ring_call(attn_mask, is_causal)
+    q, k, v = (DTensor.from_local(t, mesh, [Shard(SEQ_DIM)], run_check=False) for t in (query, key, value))
+    return _SDPA(q, k, v, is_causal=True, **kwargs).to_local()
 
 
 def _shapes_only(t: torch.Tensor) -> bool:
@@ -153,6 +160,7 @@ def ring_attention(mesh: DeviceMesh) -> Iterator[None]:
     options = cp_attention._cp_options
     saved = (options.enable_load_balance, options.rotate_method)
     cuda = mesh.device_type != "cpu"
+    previous = F.scaled_dot_product_attention
     try:
         options.enable_load_balance = True
         options.rotate_method = cp_attention._RotateMethod.ALL_GATHER
@@ -160,9 +168,10 @@ def ring_attention(mesh: DeviceMesh) -> Iterator[None]:
             cp_attention._enable_cp_dtensor_dispatcher()
         else:
             dispatcher._custom_op_handlers = {**handlers, **CPU_HANDLERS}
-        with _ShardAttention(mesh):
-            yield
+        F.scaled_dot_product_attention = functools.partial(_ring_sdpa, mesh)
+        yield
     finally:
+        F.scaled_dot_product_attention = previous
         if cuda:
             cp_attention._disable_cp_dtensor_dispatcher()
         dispatcher._custom_op_handlers = handlers

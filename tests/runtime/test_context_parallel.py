@@ -43,11 +43,22 @@ def test_context_parallel_trains_like_one_process(name):
     assert_parity(results, reference(name, plan, clip=0.5, momentum=0.9))
 
 
-def test_context_parallel_over_tensor_parallelism_trains_like_one_process():
+@pytest.mark.parametrize("sp", [False, True])
+def test_context_parallel_over_tensor_parallelism_trains_like_one_process(sp):
     """4 ranks: tp=2 (Megatron styles: each rank's ring carries its half of the heads)
-    inside cp=2."""
-    plan = make_plan("llama", cp=2, tp=2, styles=megatron_styles("llama"))
+    inside cp=2; with sequence parallelism the norms run on a tp shard of the cp shard."""
+    styles = megatron_styles("llama", sequence_parallel=sp)
+    plan = make_plan("llama", cp=2, tp=2, sequence_parallel=sp, styles=styles)
     assert_parity(run(train, 4, "llama", plan, 5, 0.5), reference("llama", plan, clip=0.5))
+
+
+@pytest.mark.parametrize("name,mode", [("gpt", "full"), ("llama", "selective")])
+def test_context_parallel_with_recomputation_trains_like_one_process(name, mode):
+    """Every block recomputes in backward (full: the whole block; selective: the
+    attention core, rerun on its saved DTensors): the recomputed attention is the ring
+    again, not a local one."""
+    plan = make_plan(name, cp=2, recompute={f"layers.{i}": mode for i in range(4)})
+    assert_parity(run(train, 2, name, plan, 5, 0.5), reference(name, plan, clip=0.5))
 
 
 def test_context_parallel_under_pipelining_trains_like_one_process():

@@ -17,7 +17,8 @@ averaging gradients over the ``dp x cp`` ranks (the ``dp_cp`` mesh) gives the gr
 that mean (:mod:`autopar.runtime.data_parallel`).
 
 Checked before any collective (:func:`check_context_parallel`): the sequence length
-splits into ``2 * cp`` chunks, the forward takes positions, and every attention core of a
+splits into ``2 * cp`` chunks, the forward takes positions, no sliding window narrower than
+the sequence is configured, and every attention core of a
 trial forward (``2 * cp`` tokens, without gradients) is ``F.scaled_dot_product_attention``
 with ``is_causal=True`` and no mask, the only attention the causal ring computes.
 """
@@ -47,6 +48,18 @@ def local_positions(seq_len: int, cp: int, rank: int, device: torch.device | str
     """Positions (long, ``seq_len / cp``) of the tokens cp rank ``rank`` holds, in its order."""
     order = _HeadTailLoadBalancer(seq_len, cp, device)._generate_indices()[0]
     return order.view(cp, -1)[rank].long()
+
+
+def check_sequence(inputs: Any, seq_len: int, cp: int) -> None:
+    """Refuse a batch whose (first) input does not hold the plan's ``seq_len`` tokens per
+    sample: the positions bound to the stages are those of ``seq_len``."""
+    first = inputs[0] if isinstance(inputs, tuple) else inputs
+    if isinstance(first, torch.Tensor) and (first.dim() <= SEQ_DIM or first.shape[SEQ_DIM] != seq_len):
+        raise ContextParallelError(
+            f"with cp={cp} job.step needs whole sequences of the plan's seq_len={seq_len} tokens (each cp rank "
+            f"keeps its part); got inputs of shape {tuple(first.shape)}. Pass (batch, {seq_len}) token ids, or "
+            f"make a plan for this sequence length."
+        )
 
 
 def shard_sequence(value: Any, positions: torch.Tensor, seq_len: int) -> Any:
@@ -88,6 +101,20 @@ def bind_positions(stage: nn.Module, keyword: str, positions: torch.Tensor) -> N
     stage.forward = functools.partial(stage.forward, position_ids=positions.unsqueeze(0), attention_mask=ones)
 
 
+def _check_window(model: nn.Module, cp: int, seq_len: int) -> None:
+    """Refuse sliding-window attention narrower than the sequence (a transformers config's
+    ``sliding_window``): the ring attends causally over the whole sequence, and the trial
+    forward's few tokens fit in any window."""
+    config = getattr(model, "config", None)
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False or not isinstance(window, int) or window >= seq_len:
+        return
+    raise ContextParallelError(
+        f"cp={cp}: {type(model).__name__} has sliding-window attention (sliding_window={window} < seq_len="
+        f"{seq_len}), which the causal ring does not compute; use cp=1, or sequences of at most {window} tokens."
+    )
+
+
 class _AttentionCalls(TorchFunctionMode):
     """Records ``(attn_mask, is_causal)`` of each ``F.scaled_dot_product_attention`` call."""
 
@@ -114,6 +141,7 @@ def check_context_parallel(model: nn.Module, plan: Plan) -> None:
             f"gives each cp rank two); use a sequence length divisible by {2 * cp}, or a cp dividing {seq_len // 2}."
         )
     position_keyword(model)
+    _check_window(model, cp, seq_len)
     device = next(iter(model.parameters())).device
     probe = _AttentionCalls()
     # a real forward of 2 x cp tokens (on the meta device for a meta model): under fake

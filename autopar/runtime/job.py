@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 from autopar.errors import ConfigError
 from autopar.plan import Plan
 from autopar.runtime import checkpoint as ckpt
-from autopar.runtime.context_parallel import shard_sequence
+from autopar.runtime.context_parallel import check_sequence, shard_sequence
 from autopar.runtime.errors import JobError
 from autopar.runtime.finite import SkipCounter, Verdict, agree, nonfinite
 from autopar.runtime.grad_norm import clip_, global_grad_norm
@@ -216,6 +216,7 @@ class Job:
         inputs = _to(inputs, self._p.device)
         targets = _to(targets, self._p.device)
         if self._p.positions is not None:
+            check_sequence(inputs, self.plan.model.seq_len, self.dims.cp)
             inputs, targets = (shard_sequence(v, self._p.positions, self.plan.model.seq_len) for v in (inputs, targets))
         losses: list[torch.Tensor] = []
         args = inputs if isinstance(inputs, tuple) else (inputs,)

@@ -122,16 +122,19 @@ def test_each_rank_holds_its_head_and_tail_and_the_ring_gathers_once_per_attenti
         assert counts == {("all_gather_into_tensor", 2): 2 * cores, ("all_to_all_single", 2): 2 * cores}, rank
 
 
-def test_a_transformers_llama_with_context_parallelism_matches_one_process():
-    """A tiny transformers LlamaForCausalLM, cp=2: it takes its tokens' ``position_ids``
-    and its SDPA attention (causal, no mask) runs as the ring."""
+@pytest.mark.parametrize("family,pp", [("llama", 1), ("gpt2", 2)])
+def test_a_transformers_decoder_with_context_parallelism_matches_one_process(family, pp):
+    """Tiny transformers decoders with cp=2: Llama alone (rotary angles from its tokens'
+    ``position_ids``), GPT-2 under pp=2 (learned positions; each stage runs the model's
+    own forward on s / cp tokens). Their SDPA attention (causal, no mask) runs as the ring."""
     from hf_decoders import build_decoder
-    from test_models import hf_reference, hf_train, make
+    from test_models import as_reference_shapes, hf_reference, hf_train, make
 
-    build = functools.partial(build_decoder, "llama")
-    plan = with_cp(make(build()), 2)
-    results = run(hf_train, 2, build, plan, 3, timeout_s=120)
-    assert_parity(results, hf_reference(build, plan, steps=3))
+    build = functools.partial(build_decoder, family)
+    plan = with_cp(make(build(), pp=pp), 2)
+    ref = hf_reference(build, plan, steps=3)
+    results = run(hf_train, plan.config.world_size, build, plan, 3, timeout_s=120)
+    assert_parity(as_reference_shapes(results, ref), ref)
 
 
 def test_a_checkpoint_saved_under_context_parallelism_resumes_under_another_plan(tmp_path):

@@ -8,10 +8,10 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from parity import build, make_plan
+from parity import SEQ, build, make_plan, run, token_loss
 
 from autopar.models.gpt import Attention
-from autopar.runtime.api import analyse
+from autopar.runtime.api import analyse, parallelize
 from autopar.runtime.errors import ContextParallelError
 
 
@@ -66,3 +66,34 @@ def test_the_same_models_pass_without_context_parallelism():
     """The checks are context parallelism's: with cp=1 these models are accepted."""
     for forward in (_materialized, _masked):
         analyse(_with_attention(forward), make_plan("gpt"))
+
+
+def _step_with_short_sequences(rank, world, plan):
+    job = parallelize(build("gpt"), plan, loss_fn=token_loss, measure_memory=False)
+    tokens = torch.zeros(4, SEQ // 2, dtype=torch.long)
+    try:
+        job.step((tokens, tokens))
+    except ContextParallelError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.multiprocess
+def test_a_step_on_sequences_of_another_length_is_refused():
+    """The positions bound to the stages are those of the plan's sequence: a batch of
+    8-token sequences under a plan for 16 is refused on every rank, before any collective."""
+    for message in run(_step_with_short_sequences, 2, make_plan("gpt", cp=2)):
+        assert message is not None and "needs whole sequences of the plan's seq_len=16 tokens" in message
+        assert "got inputs of shape (4, 8)" in message
+
+
+def test_sliding_window_attention_narrower_than_the_sequence_is_refused():
+    """A transformers Mistral with an 8-token window over 16-token sequences: its masks
+    are not causal ones, which the ring computes."""
+    from hf_decoders import build_decoder
+    from parity import with_cp
+    from test_models import make
+
+    model = build_decoder("mistral")
+    with pytest.raises(ContextParallelError, match=r"sliding-window attention \(sliding_window=8 < seq_len=16\)"):
+        analyse(model, with_cp(make(model), 2))

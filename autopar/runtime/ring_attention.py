@@ -5,10 +5,11 @@ query, key and value as this rank's sequence shard (dimension 2) of the context-
 group, the shards being in torch's head-tail order (:mod:`autopar.runtime.context_parallel`).
 The context replaces ``F.scaled_dot_product_attention`` by a function that wraps them as
 ``Shard(2)`` DTensors on the ``cp`` mesh, as torch's ``context_parallel`` does, and
-DTensor dispatches the attention kernel the call resolves to onto torch's ring algorithm (``_templated_ring_attention`` and its backward, Liu et
-al. 2023): forward, one all-gather of the K/V shards over the group (torch's default
-rotate method ``allgather``) and a causal, load-balanced merge of the partial results by
-their log-sum-exp; backward, the same all-gather of K/V and the dK/dV partial sums
+DTensor dispatches the attention kernel the call resolves to onto torch's ring
+algorithm (``_templated_ring_attention`` and its backward, Liu et al. 2023): forward,
+one all-gather of the K/V shards over the group (torch's default rotate method
+``allgather``) and a causal, load-balanced merge of the partial results by their
+log-sum-exp; backward, the same all-gather of K/V and the dK/dV partial sums
 passed around the ring (all-to-all shifts).
 
 torch registers ring handlers for the CUDA kernels only (flash, memory-efficient,

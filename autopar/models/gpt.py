@@ -126,9 +126,11 @@ class GPT(nn.Module):
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions``: the positions of ``x``'s tokens (default ``0 .. s - 1``); a
+        context-parallel rank holds a permuted part of the sequence."""
         if self.tok_embeddings is not None:
-            pos = torch.arange(x.shape[1], device=x.device)
+            pos = positions if positions is not None else torch.arange(x.shape[1], device=x.device)
             h = self.tok_embeddings(x)
             if self.pos_embeddings is not None:
                 h = h + self.pos_embeddings(pos)

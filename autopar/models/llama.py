@@ -55,11 +55,13 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """Apply rotary embeddings (Su et al. 2021) to ``x`` of shape (b, heads, s, head_dim)."""
+def rotary(x: torch.Tensor, theta: float, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Apply rotary embeddings (Su et al. 2021) to ``x`` of shape (b, heads, s, head_dim)
+    whose tokens sit at ``positions`` (default ``0 .. s - 1``)."""
     s, d = x.shape[-2], x.shape[-1]
     inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    ang = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32), inv)
+    pos = positions if positions is not None else torch.arange(s, device=x.device)
+    ang = torch.outer(pos.to(torch.float32), inv)
     cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
     x1, x2 = x[..., ::2], x[..., 1::2]
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
@@ -77,10 +79,10 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
-        q = rotary(self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2), self.theta)
-        k = rotary(self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2), self.theta)
+        q = rotary(self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2), self.theta, positions)
+        k = rotary(self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2), self.theta, positions)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         return self.wo(o.transpose(1, 2).reshape(b, s, -1))
@@ -109,8 +111,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = feed_forward if feed_forward is not None else FeedForward(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x))
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), positions)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -139,10 +141,12 @@ class Llama(nn.Module):
             if p.dim() >= 2:
                 nn.init.normal_(p, mean=0.0, std=0.02)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions``: the positions of the tokens (default ``0 .. s - 1``); a
+        context-parallel rank holds a permuted part of the sequence."""
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         for layer in self.layers.values():
-            h = layer(h)
+            h = layer(h, positions)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

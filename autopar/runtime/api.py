@@ -25,6 +25,7 @@ from autopar.graph.extract import extract
 from autopar.graph.units import model_fingerprint
 from autopar.plan import Plan
 from autopar.runtime.agreement import check_agreement
+from autopar.runtime.context_parallel import bind_positions, check_context_parallel, local_positions, position_keyword
 from autopar.runtime.data_parallel import DataParallelSpec, apply_data_parallel
 from autopar.runtime.errors import PlanMismatchError
 from autopar.runtime.finite import DEFAULT_MAX_CONSECUTIVE_SKIPS, SkipCounter
@@ -39,7 +40,7 @@ from autopar.runtime.pipeline import build_schedule, build_stages, check_cuttabl
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.tensor_parallel import apply_tensor_parallel
 from autopar.runtime.tied import TiedGradSync, TiedParam, check_tied_stages, find_tied
-from autopar.vocab import DType, TPStyle
+from autopar.vocab import DType, MeshAxis, TPStyle
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -58,9 +59,11 @@ class Analysis:
 
 def analyse(model: nn.Module, plan: Plan, *, sample_input: Any = None) -> Analysis:
     """Every check that needs no process group, raising a typed error on a bad plan:
-    model fingerprint and units, schedule, pipeline cut, tensor-parallel styles."""
+    model fingerprint and units, schedule, pipeline cut, tensor-parallel styles, context
+    parallelism."""
     _check_model(model, plan)
     check_schedule(plan)
+    check_context_parallel(model, plan)
     check_cuttable(model, plan)
     tied = find_tied(model, plan.stages, plan.config.rank_of_stage)
     check_tied_stages(tied, plan.config.schedule.value)
@@ -148,16 +151,20 @@ def parallelize(
     local_units = tuple(u for i in indices for u in plan.stages[i])
     meta = is_meta(model)
     materializer = Materializer(model, plan.model.units, local_units, init_fn, seed) if meta and materialize else None
-    stages = [cut(model, plan.stages[i], plan.model.units, plan.model.seq_len) for i in indices]
+    cp = dims.cp
+    stages = [cut(model, plan.stages[i], plan.model.units, plan.model.seq_len // cp) for i in indices]
     if not meta:
         stages = [s.to(device) for s in stages]
+    positions = local_positions(plan.model.seq_len, cp, coord[2], device) if cp > 1 else None
     for stage, i in zip(stages, indices):
+        if positions is not None:
+            bind_positions(stage, position_keyword(model), positions)
         tensor_outputs(stage)
         if layout is not None:
             apply_tensor_parallel(stage, layout, mesh["tp"], tuple(t.fqns for t in tied))
         apply_recompute(stage, list(plan.stages[i]), plan)
     spec_of = [_dp_spec(plan, stage, plan.stages[i]) for stage, i in zip(stages, indices)]
-    sharded_on_meta = plan.config.zero_stage >= 2 and dims.dp > 1
+    sharded_on_meta = plan.config.zero_stage >= 2 and dims.dp_cp > 1
     dp_mesh = data_parallel_mesh(mesh, dims, device.type)
     if sharded_on_meta:
         stages = [apply_data_parallel(s, spec, dp_mesh) for s, spec in zip(stages, spec_of)]
@@ -184,6 +191,8 @@ def parallelize(
         tied=tied,
         tied_sync=tied_sync,
         loss_parallel=layout is not None and layout.loss_parallel,
+        dp_cp_group=(dp_mesh if cp > 1 else mesh[MeshAxis.DP.value]).get_group(),
+        positions=positions,
         device=device,
         memory=memory,
         scaler=scaler,
@@ -241,7 +250,7 @@ def _dp_spec(plan: Plan, stage: nn.Module, units: tuple[str, ...]) -> DataParall
     return DataParallelSpec(
         zero_stage=plan.config.zero_stage,
         dtype=plan.config.dtype,
-        dp=plan.config.dp,
+        dp=plan.config.dp_cp,
         shard_units=tuple(u for u in units if u not in sharing),
         pipelined=plan.config.pp > 1,
     )

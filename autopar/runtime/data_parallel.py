@@ -1,5 +1,10 @@
 """Data parallelism on the ``dp`` axis, as the plan's ZeRO stage says, and mixed precision.
 
+With context parallelism it runs over ``dp`` and ``cp`` flattened (the ``dp_cp`` mesh,
+:func:`autopar.runtime.mesh.data_parallel_mesh`): the context-parallel ranks hold the
+same weights, and averaging their gradients over all ``dp x cp`` ranks gives the
+gradient of the whole sequence's token mean (:mod:`autopar.runtime.context_parallel`).
+
 =========  ==================================================================================
 zero       what runs
 =========  ==================================================================================
@@ -60,7 +65,8 @@ class DataParallelSpec:
     Attributes:
         zero_stage: 0-3.
         dtype: training precision.
-        dp: data-parallel degree.
+        dp: ranks the gradients are averaged over: the data-parallel degree times the
+            context-parallel degree (``ParallelConfig.dp_cp``).
         shard_units: unit module FQNs FSDP2 wraps on their own (units that share a
             parameter with another unit of the stage stay in the root's group).
         pipelined: the plan has more than one pipeline stage.

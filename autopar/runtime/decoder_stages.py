@@ -132,7 +132,9 @@ def make_stage(
 ) -> nn.Module:
     """Turn ``stage``, a skeleton copy of ``model`` whose dropped units are None (see
     ``autopar.runtime.pipeline.cut``), into a runnable stage holding the units in
-    ``keep``, for sequences of ``seq_len``; ``blocks`` is the FQN of the block list."""
+    ``keep``, for sequences of ``seq_len`` (this rank's share under context parallelism);
+    ``blocks`` is the FQN of the block list. Keywords bound to the stage's forward later
+    (``position_ids``) reach the model's forward."""
     held = [i for i, u in enumerate(units) if u in keep]
     last = held[-1]
     for i, unit in enumerate(units):
@@ -173,7 +175,7 @@ def _own_copy(module: nn.Module, model: nn.Module) -> nn.Module:
         return copy.deepcopy(module)
 
 
-def _forward(stage: nn.Module, x: torch.Tensor, *, entry: _Entry | None, seq_len: int) -> Any:
+def _forward(stage: nn.Module, x: torch.Tensor, *, entry: _Entry | None, seq_len: int, **kwargs: Any) -> Any:
     if entry is None:  # the stage holding the embeddings reads the token ids
         ids = x
     else:
@@ -181,7 +183,7 @@ def _forward(stage: nn.Module, x: torch.Tensor, *, entry: _Entry | None, seq_len
         ids = torch.full((local.shape[0], seq_len), _DUMMY_TOKEN, dtype=torch.long, device=local.device)
         entry.arm(stage, x)
     try:
-        return type(stage).forward(stage, input_ids=ids, use_cache=False)
+        return type(stage).forward(stage, input_ids=ids, use_cache=False, **kwargs)
     except _Handoff as done:
         return done.hidden
     finally:

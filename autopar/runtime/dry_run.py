@@ -49,7 +49,7 @@ class RankReport:
     """What one rank would hold.
 
     Attributes:
-        rank: global rank; ``coordinate``: its (pp, dp, tp).
+        rank: global rank; ``coordinate``: its (pp, dp, cp, tp).
         stages: the pipeline stages it runs.
         param_bytes: bytes of the parameters it holds (measured on its shards).
         predicted_param_bytes: the plan's parameter bytes for this pipeline rank.
@@ -60,7 +60,7 @@ class RankReport:
     """
 
     rank: int
-    coordinate: tuple[int, int, int]
+    coordinate: tuple[int, int, int, int]
     stages: tuple[int, ...]
     param_bytes: int
     predicted_param_bytes: float
@@ -98,10 +98,10 @@ class DryRunReport:
         ]
         lines += [f"  problem: {p}" for p in self.problems]
         if self.ranks:
-            lines.append("  rank  (pp,dp,tp)  stages      params held   predicted params   predicted peak")
+            lines.append("  rank  (pp,dp,cp,tp)  stages      params held   predicted params   predicted peak")
             for r in self.ranks:
                 lines.append(
-                    f"  {r.rank:<5} {r.coordinate!s:<11} {list(r.stages)!s:<11} "
+                    f"  {r.rank:<5} {r.coordinate!s:<14} {list(r.stages)!s:<11} "
                     f"{_gib(r.param_bytes):>11}   {_gib(r.predicted_param_bytes):>16}   "
                     f"{_gib(r.predicted_peak_bytes):>14}"
                 )
@@ -161,7 +161,7 @@ def dry_run(
         )
     reports: list[RankReport] = []
     if analysis is not None and not problems:
-        chosen = ranks if ranks is not None else [dims.rank_at(p, 0, 0) for p in range(dims.pp)]
+        chosen = ranks if ranks is not None else [dims.rank_at(p, 0, 0, 0) for p in range(dims.pp)]
         metadata = PipelineMetadata()
         for rank in sorted(chosen, key=lambda r: (dims.coordinate(r)[0], r)):  # stages announce their outputs in order
             try:

@@ -24,6 +24,10 @@ What only a peer could supply is supplied locally (:func:`local_pipeline_metadat
   infer their shapes dynamically, which is what the vote decides when no static shapes
   are given.
 
+Under context parallelism the step feeds this rank's ``s / cp`` tokens of each sample;
+attention on fake tensors runs locally (:mod:`autopar.runtime.ring_attention`), so the
+K/V shards a real ring gathers for one attention core at a time are not counted.
+
 The finite check and the loss's reduction for reporting (8 bytes each) are not run. DDP
 (ZeRO 0 and 1 with dp > 1, where the real run uses it) needs real tensors, so the fake
 step runs FSDP2's ``replicate``, the same all-reduce: DDP's gradient buckets, which it
@@ -169,7 +173,7 @@ def measure_step(job: Job, plan: Plan, mode: FakeTensorMode | None) -> StepMemor
     first, by one optimizer step on zero gradients, so the measured step runs with it
     alive, as every step after the first does."""
     cfg = plan.config
-    rows, seq = cfg.micro_batch_size * cfg.num_microbatches, plan.model.seq_len
+    rows, seq = cfg.micro_batch_size * cfg.num_microbatches, plan.model.seq_len // cfg.cp  # a cp rank's share
     with mode if mode is not None else contextlib.nullcontext():
         opt = job.optimizer(OPTIMIZERS[plan.settings.optimizer.value], lr=1e-4)
         inner = [o for o in opt.inner if o is not None]

@@ -25,6 +25,12 @@ class PipelineError(ConfigError):
     renumbers its children, a forward that cannot skip missing parts)."""
 
 
+class ContextParallelError(ConfigError):
+    """The plan's context parallelism cannot run on this model or sequence length (a
+    sequence that does not split into ``2 * cp`` chunks, an attention the causal ring
+    cannot compute)."""
+
+
 class CheckpointError(AutoparError):
     """A checkpoint is missing, incomplete or does not match the job."""
 

@@ -32,8 +32,11 @@ def _counted_elsewhere(grad: torch.Tensor, coord: dict[str, int]) -> bool:
     """Whether another rank counts this rank's copy of ``grad``: this rank is not the
     first along an axis that replicates it. An HSDP gradient is sharded over
     ``dp_shard`` and replicated over ``dp_replicate`` (:mod:`autopar.runtime.mesh`), so
-    along ``dp`` only the first replicate group counts it."""
+    along ``dp`` only the first replicate group counts it. With context parallelism FSDP2
+    shards over ``dp`` and ``cp`` flattened (``dp_cp``), which covers both axes."""
     shard_axes = _sharding_axes(grad)
+    if MeshAxis.DP_CP in shard_axes:
+        shard_axes |= {MeshAxis.DP.value, MeshAxis.CP.value}
     for axis in MESH_AXES[1:]:
         if axis in shard_axes:
             continue
@@ -64,7 +67,7 @@ def global_grad_norm(
 
     Args:
         params: this rank's parameters by clean FQN.
-        coord: this rank's coordinate on each mesh axis (``{"pp": 0, "dp": 1, "tp": 0}``).
+        coord: this rank's coordinate on each mesh axis (``{"pp": 0, "dp": 1, "cp": 0, "tp": 0}``).
         duplicates: names of tied copies that another rank already counts.
     """
     total = torch.zeros((), dtype=torch.float64)

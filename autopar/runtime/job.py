@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 from autopar.errors import ConfigError
 from autopar.plan import Plan
 from autopar.runtime import checkpoint as ckpt
+from autopar.runtime.context_parallel import check_sequence, shard_sequence
 from autopar.runtime.errors import JobError
 from autopar.runtime.finite import SkipCounter, Verdict, agree, nonfinite
 from autopar.runtime.grad_norm import clip_, global_grad_norm
@@ -33,7 +34,9 @@ from autopar.runtime.mesh import MESH_AXES, MeshDims
 from autopar.runtime.metrics import MemoryMeter, StepMetrics
 from autopar.runtime.optimizer import ShardedOptimizer
 from autopar.runtime.pipeline import recv_buffers
+from autopar.runtime.ring_attention import ring_attention
 from autopar.runtime.tied import TiedGradSync, TiedParam, named_params
+from autopar.vocab import MeshAxis
 
 
 @dataclass(kw_only=True)
@@ -42,7 +45,7 @@ class JobParts:
 
     Attributes:
         plan: the plan being run.
-        mesh: the (pp, dp, tp) device mesh.
+        mesh: the (pp, dp, cp, tp) device mesh.
         stages: the local stage modules (wrapped for data parallelism), in stage order.
         stage_indices: their indices in the plan's pipeline.
         schedule: the ``torch.distributed.pipelining`` schedule over them.
@@ -50,6 +53,10 @@ class JobParts:
         tied: parameters shared across pipeline ranks.
         tied_sync: sums those parameters' gradients.
         loss_parallel: the loss runs on vocabulary-sharded logits.
+        dp_cp_group: the ranks holding the same weights (``dp`` x ``cp``): the loss is
+            averaged over them.
+        positions: under context parallelism the positions of the tokens this rank
+            holds (:mod:`autopar.runtime.context_parallel`); None otherwise.
         device: where this rank computes.
         memory: the peak-memory meter.
         scaler: the dynamic loss scale of an fp16 plan (None otherwise); the schedule's
@@ -67,6 +74,8 @@ class JobParts:
     tied: tuple[TiedParam, ...]
     tied_sync: TiedGradSync
     loss_parallel: bool
+    dp_cp_group: Any
+    positions: torch.Tensor | None
     device: torch.device
     memory: MemoryMeter
     scaler: LossScaler | None = None
@@ -132,8 +141,8 @@ class Job:
         """The optimizer over this rank's parameters, sharded as the plan's ZeRO stage says."""
         if self._optimizer is not None:
             raise JobError("job.optimizer() was already called; keep the optimizer it returned.")
-        zero1 = self.plan.config.zero_stage == 1 and self.dims.dp > 1
-        group = self.mesh["dp"].get_group() if zero1 else None
+        zero1 = self.plan.config.zero_stage == 1 and self.dims.dp_cp > 1
+        group = self._p.dp_cp_group if zero1 else None
         self._optimizer = ShardedOptimizer(self._p.stages, optimizer_cls, kwargs, dp_group=group, gate=self._gate)
         return self._optimizer
 
@@ -187,6 +196,9 @@ class Job:
         """Forward and backward over every micro-batch of this rank's ``(inputs, targets)``;
         returns the mean loss over the global batch, the same on every rank.
 
+        Under context parallelism the batch holds whole sequences; this rank keeps its
+        part of each (:func:`~autopar.runtime.context_parallel.shard_sequence`).
+
         Gradients accumulate into ``.grad`` (averaged over the global batch); call
         ``clip_grad_norm_``, ``opt.step()`` and ``opt.zero_grad()`` after.
         """
@@ -203,6 +215,9 @@ class Job:
             )
         inputs = _to(inputs, self._p.device)
         targets = _to(targets, self._p.device)
+        if self._p.positions is not None:
+            check_sequence(inputs, self.plan.model.seq_len, self.dims.cp)
+            inputs, targets = (shard_sequence(v, self._p.positions, self.plan.model.seq_len) for v in (inputs, targets))
         losses: list[torch.Tensor] = []
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         start = time.perf_counter()
@@ -220,7 +235,8 @@ class Job:
     def _run_schedule(self, args: tuple[Any, ...], targets: torch.Tensor, losses: list[torch.Tensor]) -> None:
         """Forward and backward of every micro-batch through this rank's stages: inputs
         on the first stage, targets and ``losses`` on the last."""
-        with loss_parallel() if self._p.loss_parallel else contextlib.nullcontext():
+        cp = ring_attention(self.mesh[MeshAxis.CP.value]) if self.dims.cp > 1 else contextlib.nullcontext()
+        with cp, loss_parallel() if self._p.loss_parallel else contextlib.nullcontext():
             # return_outputs=False: the last stage would otherwise keep every micro-batch's
             # output (the logits) until the step ends, which the planner does not budget
             if self.is_first_stage and self.is_last_stage:
@@ -257,9 +273,9 @@ class Job:
         local = local.to(self._p.device)
         if self.dims.pp > 1:
             dist.all_reduce(local, group=self.mesh["pp"].get_group())
-        if self.dims.dp > 1:
-            dist.all_reduce(local, group=self.mesh["dp"].get_group())
-            local /= self.dims.dp
+        if self.dims.dp_cp > 1:  # every cp rank holds as many tokens: the mean of their means is the sequence's
+            dist.all_reduce(local, group=self._p.dp_cp_group)
+            local /= self.dims.dp_cp
         return float(local)
 
     def grad_norm(self) -> float:

@@ -117,9 +117,10 @@ def torchrun_args(plan: Plan, args: argparse.Namespace) -> argparse.Namespace:
     nproc = _local_world_size(args.nproc_per_node, plan.config.world_size, nnodes)
     if nproc * nnodes != plan.config.world_size:
         given = "" if str(args.nproc_per_node) == str(nproc) else f" ({args.nproc_per_node} here)"
+        c = plan.config
+        axes = {"dp": c.dp, **({"cp": c.cp} if c.cp > 1 else {}), "tp": c.tp, "pp": c.pp}
         raise PlanMismatchError(
-            f"the plan runs on dp x cp x tp x pp = {plan.config.dp} x {plan.config.cp} x {plan.config.tp} x "
-            f"{plan.config.pp} = "
+            f"the plan runs on {' x '.join(axes)} = {' x '.join(map(str, axes.values()))} = "
             f"{plan.config.world_size} processes, but --nproc-per-node {nproc}{given} x --nnodes {nnodes} = "
             f"{nproc * nnodes}. Launch {plan.config.world_size} processes or make a plan for {nproc * nnodes}."
         )

@@ -1,9 +1,12 @@
-"""The device mesh: validate the plan's degrees against the job, then build (pp, dp, tp).
+"""The device mesh: validate the plan's degrees against the job, then build (pp, dp, cp, tp).
 
-Ranks are laid out row-major over (pp, dp, tp) with tp innermost (Megatron-LM's
-placement, see :class:`autopar.vocab.MeshAxis`), so tensor-parallel groups are
-consecutive ranks and stay inside a node. An HSDP plan's data-parallel axis unflattens
-row-major into (dp_replicate, dp_shard) for FSDP2 (:func:`data_parallel_mesh`): a shard
+Ranks are laid out row-major over (pp, dp, cp, tp) with tp innermost and cp next
+(Megatron-LM's placement, see :class:`autopar.vocab.MeshAxis`), so tensor-parallel
+groups are consecutive ranks and stay inside a node, and a context-parallel ring comes
+next. Every axis is kept at degree 1. Data parallelism runs over ``dp`` and ``cp``
+flattened (``dp_cp``): context-parallel ranks hold the same weights
+(:func:`data_parallel_mesh`). An HSDP plan's data-parallel axis unflattens
+row-major into (dp_replicate, dp_shard) for FSDP2: a shard
 group is consecutive data-parallel ranks. Validation reads only local facts (the world
 size the launcher set), so a plan for another job size fails identically on every rank
 before any collective runs (torchtitan's ``ParallelDims`` habit).
@@ -22,53 +25,62 @@ from autopar.plan import Plan
 from autopar.runtime.errors import PlanMismatchError
 from autopar.vocab import MeshAxis
 
-MESH_AXES: tuple[str, str, str] = (MeshAxis.PP.value, MeshAxis.DP.value, MeshAxis.TP.value)
+MESH_AXES: tuple[str, str, str, str] = (MeshAxis.PP.value, MeshAxis.DP.value, MeshAxis.CP.value, MeshAxis.TP.value)
 
 
 @dataclass(frozen=True, kw_only=True)
 class MeshDims:
-    """Degrees of the three mesh axes, and HSDP's shard group (None: plain sharding)."""
+    """Degrees of the four mesh axes, and HSDP's shard group (None: plain sharding)."""
 
     pp: int
     dp: int
     tp: int
+    cp: int = 1
     dp_shard: int | None = None
 
     @staticmethod
     def of(plan: Plan) -> MeshDims:
         """The degrees a plan asks for."""
         c = plan.config
-        return MeshDims(pp=c.pp, dp=c.dp, tp=c.tp, dp_shard=c.dp_shard)
+        return MeshDims(pp=c.pp, dp=c.dp, cp=c.cp, tp=c.tp, dp_shard=c.dp_shard)
 
     @property
     def world_size(self) -> int:
         """Ranks the mesh spans."""
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
-    def shape(self) -> tuple[int, int, int]:
-        """(pp, dp, tp)."""
-        return self.pp, self.dp, self.tp
+    @property
+    def dp_cp(self) -> int:
+        """Ranks holding the same weights: data- times context-parallel ranks."""
+        return self.dp * self.cp
 
-    def coordinate(self, rank: int) -> tuple[int, int, int]:
-        """(pp, dp, tp) coordinates of a global rank (row-major, tp innermost)."""
-        return rank // (self.dp * self.tp), (rank // self.tp) % self.dp, rank % self.tp
+    def shape(self) -> tuple[int, int, int, int]:
+        """(pp, dp, cp, tp)."""
+        return self.pp, self.dp, self.cp, self.tp
 
-    def rank_at(self, pp: int, dp: int, tp: int) -> int:
-        """The global rank at mesh coordinates (pp, dp, tp)."""
-        return (pp * self.dp + dp) * self.tp + tp
+    def coordinate(self, rank: int) -> tuple[int, int, int, int]:
+        """(pp, dp, cp, tp) coordinates of a global rank (row-major, tp innermost)."""
+        tp, rest = rank % self.tp, rank // self.tp
+        cp, rest = rest % self.cp, rest // self.cp
+        return rest // self.dp, rest % self.dp, cp, tp
+
+    def rank_at(self, pp: int, dp: int, cp: int, tp: int) -> int:
+        """The global rank at mesh coordinates (pp, dp, cp, tp)."""
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
     def check_world_size(self, world_size: int) -> None:
         """Raise PlanMismatchError unless the job has exactly the plan's ranks."""
         if world_size != self.world_size:
+            axes = {"pp": self.pp, "dp": self.dp, **({"cp": self.cp} if self.cp > 1 else {}), "tp": self.tp}
             raise PlanMismatchError(
-                f"the plan needs pp x dp x tp = {self.pp} x {self.dp} x {self.tp} = {self.world_size} ranks but this "
-                f"job has {world_size}. Launch with {self.world_size} processes (autopar run --nproc-per-node ...), "
-                f"or make a plan for {world_size} devices (autopar plan/estimate)."
+                f"the plan needs {' x '.join(axes)} = {' x '.join(map(str, axes.values()))} = {self.world_size} ranks "
+                f"but this job has {world_size}. Launch with {self.world_size} processes (autopar run "
+                f"--nproc-per-node ...), or make a plan for {world_size} devices (autopar plan/estimate)."
             )
 
 
 def build_mesh(dims: MeshDims, device_type: str) -> DeviceMesh:
-    """The (pp, dp, tp) DeviceMesh over the default process group.
+    """The (pp, dp, cp, tp) DeviceMesh over the default process group.
 
     The world size is checked first, so a wrong launch fails before the collectives that
     ``init_device_mesh`` runs. Every axis is kept even at degree 1 so code can always
@@ -92,13 +104,19 @@ def build_mesh(dims: MeshDims, device_type: str) -> DeviceMesh:
 
 
 def data_parallel_mesh(mesh: DeviceMesh, dims: MeshDims, device_type: str) -> DeviceMesh:
-    """The mesh FSDP2 shards over: the ``dp`` axis, or under HSDP that axis unflattened
-    into (``dp_replicate``, ``dp_shard``), FSDP2's 2-D mesh for hybrid sharding (its
-    groups get the default group's timeout, as :func:`build_mesh`'s do)."""
+    """The mesh data parallelism runs over: the ``dp`` axis; with context parallelism
+    ``dp`` and ``cp`` flattened into ``dp_cp`` (context-parallel ranks hold the same
+    weights: torchtitan's ``dp_shard_cp``); under HSDP the ``dp`` axis unflattened into
+    (``dp_replicate``, ``dp_shard``), FSDP2's 2-D mesh for hybrid sharding (HSDP with
+    ``cp > 1`` is refused by ``ParallelConfig``). New groups get the default group's
+    timeout, as :func:`build_mesh`'s do."""
+    override = _backend_with_timeout(device_type)
+    if dims.cp > 1:
+        axes = (MeshAxis.DP.value, MeshAxis.CP.value)
+        return mesh[axes]._flatten(MeshAxis.DP_CP.value, backend_override=override)
     if dims.dp_shard is None:
         return mesh[MeshAxis.DP.value]
     names = (MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD.value)
-    override = _backend_with_timeout(device_type)
     return mesh[MeshAxis.DP.value]._unflatten(
         0,
         (dims.dp // dims.dp_shard, dims.dp_shard),

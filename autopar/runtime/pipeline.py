@@ -63,7 +63,7 @@ def check_schedule(plan: Plan) -> None:
             f"schedule '1f1b' with pp={pp} needs num_microbatches >= pp, got {m}: the pipeline "
             f"never fills. Use num_microbatches >= {pp} or schedule 'gpipe'."
         )
-    if cfg.schedule.zero_bubble and cfg.zero_stage == 3 and cfg.dp > 1:
+    if cfg.schedule.zero_bubble and cfg.zero_stage == 3 and cfg.dp_cp > 1:
         raise PipelineError(
             f"schedule {cfg.schedule.value!r} with zero_stage=3 is refused: with FSDP2 resharding after forward, "
             f"torch 2.13's split backward (input gradients, weight gradients later) trained to wrong losses in "
@@ -252,7 +252,7 @@ def build_stages(
     ``PipelineStage``'s single reduction after the last micro-batch, as the planner's
     pipelined memory and time terms assume."""
     cfg = plan.config
-    if cfg.pp == 1 and cfg.zero_stage >= 2 and cfg.dp > 1:
+    if cfg.pp == 1 and cfg.zero_stage >= 2 and cfg.dp_cp > 1:
         return [
             _ShardedAccumulationStage(
                 m, i, cfg.num_stages, device, group=group, reshard_each_microbatch=cfg.zero_stage == 3

@@ -25,7 +25,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-import torch.nn.functional as F
+import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.overrides import TorchFunctionMode
@@ -33,6 +33,11 @@ from torch.utils.checkpoint import checkpoint
 
 from autopar.plan import Plan
 from autopar.vocab import Recompute
+
+_SDPA = torch._C._nn.scaled_dot_product_attention
+"""The builtin behind ``F.scaled_dot_product_attention``, which context parallelism
+replaces during a step by a function calling it on DTensors
+(:mod:`autopar.runtime.ring_attention`)."""
 
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
 
@@ -69,7 +74,7 @@ class _CheckpointAttentionCore(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
+        if func is _SDPA:
             return checkpoint(func, *args, use_reentrant=False, **kwargs)
         return func(*args, **kwargs)
 

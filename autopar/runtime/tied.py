@@ -12,6 +12,7 @@ keeps its own shard of the result.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -94,23 +95,22 @@ class TiedGradSync:
     embedding and a column-sharded head are two tensors then, no longer one).
 
     Every rank creates the same process groups in the same order (``new_group`` is
-    collective over the world), one per (dp, tp) coordinate and tied parameter.
+    collective over the world), one per (dp, cp, tp) coordinate and tied parameter.
     """
 
-    def __init__(self, tied: tuple[TiedParam, ...], dims: MeshDims, coord: tuple[int, int, int]):
+    def __init__(self, tied: tuple[TiedParam, ...], dims: MeshDims, coord: tuple[int, int, int, int]):
         self._tied = tied
         self._groups: dict[int, dist.ProcessGroup] = {}
-        pp_rank, dp_rank, tp_rank = coord
+        pp_rank, *others = coord
         timeout = default_timeout()
         for index, t in enumerate(tied):
             if not t.spans_ranks:
                 continue
             ranks_pp = sorted(set(t.pipeline_ranks))
-            for d in range(dims.dp):
-                for r in range(dims.tp):
-                    group = dist.new_group([dims.rank_at(p, d, r) for p in ranks_pp], timeout=timeout)
-                    if (d, r) == (dp_rank, tp_rank) and pp_rank in ranks_pp:
-                        self._groups[index] = group
+            for d, c, r in itertools.product(range(dims.dp), range(dims.cp), range(dims.tp)):
+                group = dist.new_group([dims.rank_at(p, d, c, r) for p in ranks_pp], timeout=timeout)
+                if [d, c, r] == others and pp_rank in ranks_pp:
+                    self._groups[index] = group
 
     @torch.no_grad()
     def sync(self, params: dict[str, nn.Parameter]) -> None:

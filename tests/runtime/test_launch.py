@@ -146,7 +146,7 @@ def test_dry_run_of_gpt3_175b_on_64_ranks():
     plan = _big_plan(dp=1, tp=8, pp=8, zero_stage=1)
     report = dry_run(lambda: build_named_model("gpt3-175b"), plan)
     assert report.ok, report.problems
-    assert [r.coordinate for r in report.ranks] == [(p, 0, 0) for p in range(8)]
+    assert [r.coordinate for r in report.ranks] == [(p, 0, 0, 0) for p in range(8)]  # (pp, dp, cp, tp)
     model = build_named_model("gpt3-175b")
     assert [r.param_bytes for r in report.ranks] == [_expected_param_bytes(model, plan, p) for p in range(8)]
     assert all(r.predicted_param_bytes > 0 for r in report.ranks)

@@ -156,7 +156,8 @@ def test_a_checkpoint_saved_under_context_parallelism_resumes_under_another_plan
 
 def test_a_dry_run_shards_over_data_and_context_parallel_ranks():
     """The measured dry run (fake process group and tensors, each rank's s / cp tokens)
-    applies ZeRO-3 over dp=2 x cp=2: a rank holds a quarter of every fp32 parameter."""
+    applies ZeRO-3 over dp=2 x cp=2: a rank holds a quarter of every fp32 parameter, as
+    the plan's prediction says (and as it says for dp=4 alone)."""
     from autopar.runtime.dry_run import dry_run
 
     plan = make_plan("gpt", dp=2, cp=2, zero_stage=3)
@@ -166,4 +167,5 @@ def test_a_dry_run_shards_over_data_and_context_parallel_ranks():
     assert rank.coordinate == (0, 0, 0, 0)
     fp32_bytes = 4 * sum(p.numel() for p in build("gpt").parameters())
     assert rank.param_bytes == fp32_bytes / 4
+    assert plan.prediction.stages[0].memory.params_bytes == pytest.approx(fp32_bytes / 4, rel=1e-12)
     assert rank.measured is not None and rank.measured.peak_bytes > rank.param_bytes

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from parity import SEQ, build, make_plan, run, token_loss
+from parity import SEQ, build, make_plan, run, token_loss, with_cp
 
 from autopar.models.gpt import Attention
 from autopar.runtime.api import analyse, parallelize
@@ -46,7 +46,7 @@ def _masked(module, x):
 def test_a_sequence_that_does_not_split_into_two_chunks_per_rank_is_refused():
     """s=16 with cp=3: head-tail needs 6 equal chunks."""
     with pytest.raises(ContextParallelError, match=r"seq_len=16 does not split into 2 x cp = 6 equal chunks"):
-        analyse(build("gpt"), make_plan("gpt", cp=3))
+        analyse(build("gpt"), with_cp(make_plan("gpt"), 3))  # the planner refuses it too
 
 
 @pytest.mark.parametrize(
@@ -91,7 +91,6 @@ def test_sliding_window_attention_narrower_than_the_sequence_is_refused():
     """A transformers Mistral with an 8-token window over 16-token sequences: its masks
     are not causal ones, which the ring computes."""
     from hf_decoders import build_decoder
-    from parity import with_cp
     from test_models import make
 
     model = build_decoder("mistral")

@@ -41,7 +41,8 @@ class ParallelConfig:
             consecutive data-parallel ranks (mesh axes ``dp_replicate`` x ``dp_shard``,
             :class:`autopar.vocab.MeshAxis`); ZeRO-2/3 state is sharded over the shard
             group and replicated across groups. ``None`` (the default) means ``dp``:
-            one shard group, plain FSDP. Only ZeRO-2/3 shard through FSDP2, so only
+            one shard group, plain FSDP. With context parallelism a shard group also
+            spans the ``cp`` ranks of its data-parallel ranks (:attr:`state_shards`). Only ZeRO-2/3 shard through FSDP2, so only
             they take a ``dp_shard`` below ``dp``.
         recompute: the default activation recomputation of every unit;
             ``Plan.layer_strategies.recompute`` lists the units that differ.
@@ -127,11 +128,6 @@ class ParallelConfig:
             raise ConfigError(
                 f"dp_shard={s} is not allowed with dp={self.dp}: the shard group must divide dp and hold at "
                 f"least 2 ranks; use one of {allowed} (or dp_shard=None for plain FSDP)."
-            )
-        if self.cp > 1:
-            raise ConfigError(
-                f"dp_shard={s} with cp={self.cp} is not supported: hybrid sharding and context parallelism do "
-                f"not combine yet; use dp_shard=None (FSDP over all dp x cp ranks) or cp=1."
             )
         if self.zero_stage < 2:
             raise ConfigError(

@@ -145,9 +145,9 @@ def shard_span(config: ParallelConfig, devices_per_node: int) -> GroupSpan:
 
 
 def replicate_span(config: ParallelConfig, devices_per_node: int) -> GroupSpan:
-    """Where an HSDP replicate group lies: ``dp / dp_shard`` ranks, ``tp * dp_shard``
+    """Where an HSDP replicate group lies: ``dp / dp_shard`` ranks, ``tp * dp_shard * cp``
     apart (one rank, no communication, without HSDP)."""
-    return group_span(config.replicate_size, config.tp * config.shard_size, devices_per_node)
+    return group_span(config.replicate_size, config.tp * config.state_shards, devices_per_node)
 
 
 def hsdp_reduce_s(grad_bytes: float, config: ParallelConfig, cluster: Cluster, *, calls: int = 1) -> float:

@@ -76,11 +76,10 @@ def _cp(c: ParallelConfig) -> str:
 
 
 def _mesh(c: ParallelConfig) -> str:
-    if c.cp > 1:
-        return "mesh pp, dp, cp, tp"
+    cp = "cp, " if c.cp > 1 else ""
     if c.dp_shard is None:
-        return "mesh pp, dp, tp"
-    return f"mesh pp, dp_replicate={c.replicate_size}, dp_shard={c.dp_shard}, tp"
+        return f"mesh pp, dp, {cp}tp"
+    return f"mesh pp, dp_replicate={c.replicate_size}, dp_shard={c.dp_shard}, {cp}tp"
 
 
 def _context(plan: Plan) -> list[str]:
@@ -112,13 +111,14 @@ def _sharding(plan: Plan) -> list[str]:
     c = plan.config
     if c.zero_stage < 2 or c.dp_cp == 1:
         return []
-    if c.cp > 1:
+    if c.dp_shard is None and c.cp > 1:
         text = f"ZeRO-{c.zero_stage} sharded over all {c.dp_cp} data- and context-parallel ranks (plain FSDP)"
     elif c.dp_shard is None:
         text = f"ZeRO-{c.zero_stage} sharded over all {c.dp} data-parallel ranks (plain FSDP)"
     else:
+        group = f"{c.dp_shard} x cp {c.cp} = {c.state_shards}" if c.cp > 1 else f"{c.dp_shard}"
         text = (
-            f"HSDP: ZeRO-{c.zero_stage} sharded over groups of {c.dp_shard} ranks, replicated across "
+            f"HSDP: ZeRO-{c.zero_stage} sharded over groups of {group} ranks, replicated across "
             f"{c.replicate_size} groups"
         )
     for a in plan.alternatives:

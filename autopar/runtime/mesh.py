@@ -107,19 +107,22 @@ def data_parallel_mesh(mesh: DeviceMesh, dims: MeshDims, device_type: str) -> De
     """The mesh data parallelism runs over: the ``dp`` axis; with context parallelism
     ``dp`` and ``cp`` flattened into ``dp_cp`` (context-parallel ranks hold the same
     weights: torchtitan's ``dp_shard_cp``); under HSDP the ``dp`` axis unflattened into
-    (``dp_replicate``, ``dp_shard``), FSDP2's 2-D mesh for hybrid sharding (HSDP with
-    ``cp > 1`` is refused by ``ParallelConfig``). New groups get the default group's
-    timeout, as :func:`build_mesh`'s do."""
+    (``dp_replicate``, ``dp_shard``), FSDP2's 2-D mesh for hybrid sharding, whose shard
+    group spans the cp ranks too (``dp_cp`` unflattened into ``dp / dp_shard`` groups of
+    ``dp_shard x cp`` consecutive ranks). New groups get the default group's timeout, as
+    :func:`build_mesh`'s do."""
     override = _backend_with_timeout(device_type)
     if dims.cp > 1:
         axes = (MeshAxis.DP.value, MeshAxis.CP.value)
-        return mesh[axes]._flatten(MeshAxis.DP_CP.value, backend_override=override)
+        flat = mesh[axes]._flatten(MeshAxis.DP_CP.value, backend_override=override)
+    else:
+        flat = mesh[MeshAxis.DP.value]
     if dims.dp_shard is None:
-        return mesh[MeshAxis.DP.value]
+        return flat
     names = (MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD.value)
-    return mesh[MeshAxis.DP.value]._unflatten(
+    return flat._unflatten(
         0,
-        (dims.dp // dims.dp_shard, dims.dp_shard),
+        (dims.dp // dims.dp_shard, dims.dp_shard * dims.cp),
         names,
         backend_override={axis: override for axis in names} if override else None,
     )

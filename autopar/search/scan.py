@@ -152,15 +152,14 @@ def sharding_contrasts(
     """The fastest fitting version of ``best`` with the other data-parallel sharding: plain
     FSDP for an HSDP winner, the best of the searched HSDP shard groups
     (:func:`autopar.search.space.shard_sizes`) for a plain ZeRO-2/3 winner; priced. None
-    when ``dp_shard`` was fixed or the winner does not shard through FSDP2 or runs context
-    parallelism (which HSDP does not combine with). Every such
+    when ``dp_shard`` was fixed or the winner does not shard through FSDP2. Every such
     configuration is in the searched space, so none beats the winner."""
-    if "dp_shard" in fixed or best.zero_stage < 2 or best.dp == 1 or best.cp > 1:
+    if "dp_shard" in fixed or best.zero_stage < 2 or best.dp == 1:
         return ()
     if best.dp_shard is not None:
         others = [replace(best, dp_shard=None)]
     else:
-        sizes = shard_sizes(best.dp, best.tp, solver.model.cluster.devices_per_node)
+        sizes = shard_sizes(best.dp, best.tp * best.cp, solver.model.cluster.devices_per_node)
         others = [replace(best, dp_shard=d) for d in sizes]
     found = [o for o in (solver.evaluate(c, modes) for c in others) if o.fits]
     if not found:

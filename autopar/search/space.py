@@ -245,7 +245,7 @@ def enumerate_space(
                     )
                 )
                 continue
-            shard_rejection = _shard_rejection(c, dp, cp)
+            shard_rejection = _shard_rejection(c, dp)
             if shard_rejection:
                 rejected.append(shard_rejection)
                 continue
@@ -273,8 +273,7 @@ def enumerate_space(
                     sps = (
                         [c["sequence_parallel"]] if "sequence_parallel" in c else ([False, True] if tp > 1 else [False])
                     )
-                    fold = fold_shard_groups or cp > 1  # HSDP does not combine with cp
-                    for zero, shard in _shardings(zeros, dp, tp, cluster.devices_per_node, c, fold):
+                    for zero, shard in _shardings(zeros, dp, tp * cp, cluster.devices_per_node, c, fold_shard_groups):
                         if schedule.zero_bubble and zero == 3:
                             continue  # the runtime refuses it (autopar.runtime.pipeline.check_schedule)
                         for sp in sps:
@@ -326,9 +325,9 @@ def shard_siblings(config: ParallelConfig, devices_per_node: int, constraints: M
     """The HSDP shard groups a plain candidate of a folded space (:func:`enumerate_space`
     with ``fold_shard_groups``) stands for: :func:`shard_sizes` under ZeRO-2/3, none when
     ``dp_shard`` is fixed or the candidate is itself HSDP."""
-    if "dp_shard" in constraints or config.dp_shard is not None or config.zero_stage < 2 or config.cp > 1:
+    if "dp_shard" in constraints or config.dp_shard is not None or config.zero_stage < 2:
         return ()
-    return tuple(shard_sizes(config.dp, config.tp, devices_per_node))
+    return tuple(shard_sizes(config.dp, config.tp * config.cp, devices_per_node))
 
 
 def _cp_pp(graph: LayerGraph, devices: int, c: Mapping[str, Any]) -> Iterator[tuple[int, int]]:
@@ -338,13 +337,11 @@ def _cp_pp(graph: LayerGraph, devices: int, c: Mapping[str, Any]) -> Iterator[tu
             yield cp, pp
 
 
-def _shard_rejection(c: Mapping[str, Any], dp: int, cp: int) -> Rejection | None:
+def _shard_rejection(c: Mapping[str, Any], dp: int) -> Rejection | None:
     """Why a fixed ``dp_shard`` cannot shard ``dp`` ranks, if it cannot."""
     shard = c.get("dp_shard")
     if shard is None:
         return None
-    if cp > 1:
-        return Rejection(what=f"dp_shard={shard} (cp={cp})", reason="HSDP does not combine with context parallelism")
     if dp % shard:
         return Rejection(what=f"dp_shard={shard} (dp={dp})", reason=f"the shard group does not divide dp={dp}")
     if c.get("zero_stage", 3) < 2:

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import autopar
+from autopar.cost.comm import GroupSpan
 from autopar.cost.context_parallel import ring_exchange
-from autopar.cost.data_parallel import unhidden_floor_s
+from autopar.cost.data_parallel import replicate_span, shard_span, unhidden_floor_s
 from autopar.cost.memory import config_state_bytes
 from autopar.cost.model import CostModel, tp_context
 from autopar.cost.peak import budget_bytes
@@ -47,7 +48,6 @@ def test_cp_multiplies_the_world_and_the_gradient_group_but_not_the_batch():
     [
         (dict(cp=0), "cp=0 is not allowed: it must be a positive integer"),
         (dict(cp=2.0), "cp=2.0 is not allowed"),
-        (dict(cp=2, dp=4, zero_stage=3, dp_shard=2), "dp_shard=2 with cp=2 is not supported"),
     ],
 )
 def test_bad_context_parallel_degrees_are_refused_in_one_line(kwargs, message):
@@ -153,20 +153,11 @@ def test_cp_is_searched_only_where_each_rank_keeps_enough_tokens(model, long_gra
     assert cp_degrees(mlp, 8, {}) == [1]  # no attention core to ring
 
 
-@pytest.mark.parametrize(
-    "constraints, message",
-    [
-        ({"cp": 3}, "cp=3 is not allowed with seq_len=4096: head-tail load balancing splits each sequence"),
-        ({"cp": 2, "dp_shard": 2}, None),
-    ],
-)
-def test_a_fixed_cp_is_checked_at_once(model, constraints, message):
-    if message is None:  # HSDP with cp: the region is rejected, the rest of the space stays
-        configs, rejected = enumerate_space(model.graph, model.cluster, 8, check_constraints(constraints))
-        assert not configs and any("HSDP does not combine with context parallelism" in r.reason for r in rejected)
-        return
-    with pytest.raises(ConfigError, match=message) as info:
-        enumerate_space(model.graph, model.cluster, 8, check_constraints(constraints))
+def test_a_fixed_cp_is_checked_at_once(model):
+    with pytest.raises(
+        ConfigError, match="cp=3 is not allowed with seq_len=4096: head-tail load balancing splits each sequence"
+    ) as info:
+        enumerate_space(model.graph, model.cluster, 8, check_constraints({"cp": 3}))
     assert "\n" not in str(info.value)
 
 
@@ -217,3 +208,26 @@ def test_a_context_parallel_plan_is_explained_and_round_trips(long_graph):
     assert "Context par.   cp=2: each sample's 16,384 tokens in 2 shards of 8,192 (head-tail balanced)" in text
     assert "| CP comm " in text
     assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_hsdp_shard_groups_hold_whole_context_parallel_rings():
+    """dp=4 in shard groups of 2, cp=2, tp=2 on nodes of 8: a shard group is 2 x 2 = 4
+    ranks 2 apart (one node), the two replicate groups' ranks are 2 x 4 = 8 apart (two
+    nodes); the states shard over 4."""
+    c = _config(dp=4, cp=2, tp=2, pp=1, zero_stage=3, dp_shard=2)
+    assert (c.state_shards, c.replicate_size, c.world_size) == (4, 2, 16)
+    assert shard_span(c, 8) == GroupSpan(size=4, per_node=4, nodes=1)
+    assert replicate_span(c, 8) == GroupSpan(size=2, per_node=1, nodes=2)
+    plain = config_state_bytes(
+        _config(dp=4, cp=1, tp=2, pp=1, zero_stage=3, dp_shard=4), Optimizer.ADAM, param_numel=1e6
+    )
+    assert config_state_bytes(c, Optimizer.ADAM, param_numel=1e6) == plain  # 4 shards either way
+
+
+def test_hsdp_candidates_with_cp_cover_whole_nodes(long_graph):
+    """On two nodes of 4 with tp=1 and cp=2, HSDP shard groups of 2 data-parallel ranks
+    cover one node (2 x cp 2 = 4 devices) and are candidates beside plain FSDP."""
+    cluster = dataclasses.replace(_tiny_cluster(1.0), nodes=2)
+    fixed = check_constraints({"tp": 1, "cp": 2, "pp": 1, "zero_stage": 3, "micro_batch_size": 1})
+    configs, _ = enumerate_space(long_graph, cluster, 8, fixed)
+    assert {(c.dp, c.dp_shard) for c in configs} == {(4, None), (4, 2)}

@@ -42,6 +42,7 @@ VOCAB = 64
 
 GPT_CFG = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, dim=32, n_layers=4, n_heads=4)
 ODD_VOCAB_CFG = dataclasses.replace(GPT_CFG, vocab_size=VOCAB + 3)
+SIX_BLOCK_CFG = dataclasses.replace(GPT_CFG, n_layers=6)
 LLAMA_CFG = LlamaConfig(vocab_size=VOCAB, seq_len=SEQ, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64)
 MLP_CFG = MLPConfig(in_dim=16, dim=32, ffn_dim=64, n_layers=4, out_dim=8)
 MOE_CFG = MoEConfig(
@@ -57,6 +58,8 @@ def build(name: str, device: str = "cpu") -> nn.Module:
             return GPT(GPT_CFG)
         if name == "gpt-odd-vocab":
             return GPT(ODD_VOCAB_CFG)
+        if name == "gpt-6-blocks":
+            return GPT(SIX_BLOCK_CFG)
         if name == "llama":
             return Llama(LLAMA_CFG)
         if name == "moe":

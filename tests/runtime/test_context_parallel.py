@@ -78,6 +78,18 @@ def test_context_parallel_with_sharded_data_parallelism_trains_like_one_process(
     assert [r.extra["optimizer_state_numel"] for r in results] == [total // 4] * 4
 
 
+def test_hsdp_with_context_parallelism_trains_like_one_process():
+    """8 ranks: dp=4 in 2 replicate groups of shard groups of 2 data-parallel ranks, each
+    with its cp=2 ring: FSDP2 shards over 2 x 2 = 4 ranks and replicates across the 2
+    groups, so each rank keeps a quarter of the momentum and trains like one process."""
+    plan = make_plan("gpt", cp=2, dp=4, zero_stage=3, dp_shard=2)
+    assert (plan.config.state_shards, plan.config.replicate_size) == (4, 2)
+    results = run(train, 8, "gpt", plan, 5, 0.5, None, None, 0.9)
+    assert_parity(results, reference("gpt", plan, clip=0.5, momentum=0.9))
+    total = sum(p.numel() for p in build("gpt").parameters())
+    assert [r.extra["optimizer_state_numel"] for r in results] == [total // 4] * 8
+
+
 class _CountRingCollectives(TorchDispatchMode):
     """Counts the functional collectives torch's ring issues, by op and group size."""
 

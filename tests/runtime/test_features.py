@@ -35,6 +35,16 @@ def test_schedules(schedule):
     assert_parity(run(train, 2, "gpt", plan), reference("gpt", plan))
 
 
+def test_interleaved_stages_with_lighter_ends():
+    """6 blocks over 2 ranks x 2 stages: the blocks do not divide by 4, the 8 units do, so
+    the first and the last stage hold one block and the embedding or the head (the
+    planner's rule for interleaved stages); it trains like one process."""
+    plan = make_plan("gpt-6-blocks", pp=2, schedule="interleaved-1f1b", virtual_stages=2, num_microbatches=4)
+    assert [len(s) for s in plan.stages] == [3, 2, 2, 3]  # the embedding is two modules, the head two
+    assert plan.stages[0][-1] == "layers.0" and plan.stages[-1][0] == "layers.5"
+    assert_parity(run(train, 2, "gpt-6-blocks", plan), reference("gpt-6-blocks", plan))
+
+
 class _CountOps(TorchDispatchMode):
     def __init__(self):
         super().__init__()

@@ -33,14 +33,14 @@ from autopar.runtime.init import InitFn, Materializer, is_meta
 from autopar.runtime.job import Job, JobParts
 from autopar.runtime.layouts import TPLayout, resolve
 from autopar.runtime.loss_scale import LossScaler
-from autopar.runtime.mesh import MeshDims, build_mesh, data_parallel_mesh
+from autopar.runtime.mesh import MeshDims, build_mesh, data_parallel_mesh, weight_replicas_mesh
 from autopar.runtime.metrics import MemoryMeter
 from autopar.runtime.orphan import tie_to_launcher
 from autopar.runtime.pipeline import build_schedule, build_stages, check_cuttable, check_schedule, cut, tensor_outputs
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.tensor_parallel import apply_tensor_parallel
 from autopar.runtime.tied import TiedGradSync, TiedParam, check_tied_stages, find_tied
-from autopar.vocab import DType, MeshAxis, TPStyle
+from autopar.vocab import DType, TPStyle
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -165,7 +165,8 @@ def parallelize(
         apply_recompute(stage, list(plan.stages[i]), plan)
     spec_of = [_dp_spec(plan, stage, plan.stages[i]) for stage, i in zip(stages, indices)]
     sharded_on_meta = plan.config.zero_stage >= 2 and dims.dp_cp > 1
-    dp_mesh = data_parallel_mesh(mesh, dims, device.type)
+    replicas = weight_replicas_mesh(mesh, dims, device.type)
+    dp_mesh = data_parallel_mesh(replicas, dims, device.type)
     if sharded_on_meta:
         stages = [apply_data_parallel(s, spec, dp_mesh) for s, spec in zip(stages, spec_of)]
     if materializer is not None:
@@ -191,7 +192,7 @@ def parallelize(
         tied=tied,
         tied_sync=tied_sync,
         loss_parallel=layout is not None and layout.loss_parallel,
-        dp_cp_group=(dp_mesh if cp > 1 else mesh[MeshAxis.DP.value]).get_group(),
+        dp_cp_group=replicas.get_group(),
         positions=positions,
         device=device,
         memory=memory,

@@ -33,10 +33,13 @@ def _counted_elsewhere(grad: torch.Tensor, coord: dict[str, int]) -> bool:
     first along an axis that replicates it. An HSDP gradient is sharded over
     ``dp_shard`` and replicated over ``dp_replicate`` (:mod:`autopar.runtime.mesh`), so
     along ``dp`` only the first replicate group counts it. With context parallelism FSDP2
-    shards over ``dp`` and ``cp`` flattened (``dp_cp``), which covers both axes."""
+    shards over ``dp`` and ``cp`` flattened (``dp_cp``), which covers both axes, and an
+    HSDP shard group spans the ``cp`` ranks of its data-parallel ranks, covering ``cp``."""
     shard_axes = _sharding_axes(grad)
     if MeshAxis.DP_CP in shard_axes:
         shard_axes |= {MeshAxis.DP.value, MeshAxis.CP.value}
+    if MeshAxis.DP_SHARD in shard_axes:
+        shard_axes.add(MeshAxis.CP.value)
     for axis in MESH_AXES[1:]:
         if axis in shard_axes:
             continue

@@ -103,24 +103,27 @@ def build_mesh(dims: MeshDims, device_type: str) -> DeviceMesh:
     )
 
 
-def data_parallel_mesh(mesh: DeviceMesh, dims: MeshDims, device_type: str) -> DeviceMesh:
-    """The mesh data parallelism runs over: the ``dp`` axis; with context parallelism
-    ``dp`` and ``cp`` flattened into ``dp_cp`` (context-parallel ranks hold the same
-    weights: torchtitan's ``dp_shard_cp``); under HSDP the ``dp`` axis unflattened into
+def weight_replicas_mesh(mesh: DeviceMesh, dims: MeshDims, device_type: str) -> DeviceMesh:
+    """The 1-D mesh of the ranks that hold the same weights: the ``dp`` axis, or with
+    context parallelism ``dp`` and ``cp`` flattened into ``dp_cp`` (torchtitan's
+    ``dp_shard_cp``). Its group gets the default group's timeout, as :func:`build_mesh`'s do."""
+    if dims.cp == 1:
+        return mesh[MeshAxis.DP.value]
+    axes = (MeshAxis.DP.value, MeshAxis.CP.value)
+    return mesh[axes]._flatten(MeshAxis.DP_CP.value, backend_override=_backend_with_timeout(device_type))
+
+
+def data_parallel_mesh(replicas: DeviceMesh, dims: MeshDims, device_type: str) -> DeviceMesh:
+    """The mesh data parallelism runs over: the weight replicas
+    (:func:`weight_replicas_mesh`), or under HSDP those unflattened into
     (``dp_replicate``, ``dp_shard``), FSDP2's 2-D mesh for hybrid sharding, whose shard
-    group spans the cp ranks too (``dp_cp`` unflattened into ``dp / dp_shard`` groups of
-    ``dp_shard x cp`` consecutive ranks). New groups get the default group's timeout, as
-    :func:`build_mesh`'s do."""
-    override = _backend_with_timeout(device_type)
-    if dims.cp > 1:
-        axes = (MeshAxis.DP.value, MeshAxis.CP.value)
-        flat = mesh[axes]._flatten(MeshAxis.DP_CP.value, backend_override=override)
-    else:
-        flat = mesh[MeshAxis.DP.value]
+    group spans the cp ranks too (``dp / dp_shard`` groups of ``dp_shard x cp``
+    consecutive ranks). New groups get the default group's timeout."""
     if dims.dp_shard is None:
-        return flat
+        return replicas
+    override = _backend_with_timeout(device_type)
     names = (MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD.value)
-    return flat._unflatten(
+    return replicas._unflatten(
         0,
         (dims.dp // dims.dp_shard, dims.dp_shard * dims.cp),
         names,

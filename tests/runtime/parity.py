@@ -82,6 +82,7 @@ def mse_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 LOSSES: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] = {
     "gpt": token_loss,
     "gpt-odd-vocab": token_loss,
+    "gpt-6-blocks": token_loss,
     "llama": token_loss,
     "moe": token_loss,
     "mlp": mse_loss,

@@ -42,8 +42,9 @@ class ParallelConfig:
             :class:`autopar.vocab.MeshAxis`); ZeRO-2/3 state is sharded over the shard
             group and replicated across groups. ``None`` (the default) means ``dp``:
             one shard group, plain FSDP. With context parallelism a shard group also
-            spans the ``cp`` ranks of its data-parallel ranks (:attr:`state_shards`). Only ZeRO-2/3 shard through FSDP2, so only
-            they take a ``dp_shard`` below ``dp``.
+            spans the ``cp`` ranks of its data-parallel ranks (:attr:`state_shards`).
+            Only ZeRO-2/3 shard through FSDP2, so only they take a ``dp_shard`` below
+            ``dp``.
         recompute: the default activation recomputation of every unit;
             ``Plan.layer_strategies.recompute`` lists the units that differ.
         sequence_parallel: norms and dropouts run on sequence shards of the TP group.

@@ -25,6 +25,13 @@ CASES = {
     "gpt3": ("gpt3-175b", "dgx-a100-80gb:128", 1536, None, "GPT-3 175B on 1024 A100, the planner's plan"),
     "llama70b": ("llama3-70b", "dgx-h100:16", 512, None, "Llama-3-70B on 128 H100, the planner's plan"),
     "llama405b": ("llama3-405b", "dgx-h100:256", 2048, None, "Llama-3-405B on 2048 H100, the planner's plan"),
+    "cp128k": (
+        "llama3.1-8b",
+        "dgx-h100:8",
+        32,
+        None,
+        "Llama-3.1-8B at 128K tokens on 64 H100, the planner's plan (context parallel)",
+    ),
     "pipe256": (
         "gpt3-175b",
         "dgx-a100-80gb:128",

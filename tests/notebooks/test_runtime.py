@@ -63,7 +63,7 @@ def test_runtime(tmp_path):
 
     direct = text_of(out["parallelize"])
     whole = int(re.search(r"whole model: ([\d,]+) parameters", direct).group(1).replace(",", ""))
-    ranks = re.findall(r"rank (\d) \{'pp': (\d), 'dp': 0, 'tp': 0\}: (.+); ([\d,]+) parameters", direct)
+    ranks = re.findall(r"rank (\d) \{'pp': (\d), 'dp': 0, 'cp': 0, 'tp': 0\}: (.+); ([\d,]+) parameters", direct)
     assert [(r, p) for r, p, _, _ in ranks] == [("0", "0"), ("1", "1")]
     assert ranks[0][2].startswith("tok_embeddings") and ranks[1][2].endswith("norm, output")
     held = sum(int(n.replace(",", "")) for _, _, _, n in ranks)

@@ -34,7 +34,7 @@ from autopar.plan import ParallelConfig, Prediction
 from autopar.search.ilp import check_solver
 from autopar.search.intra_op import LayoutSolver
 from autopar.search.options import unit_options
-from autopar.search.split import best_split, even_bounds
+from autopar.search.split import best_split, even_bounds_of
 from autopar.search.split_table import cost_band, split_cutoff
 from autopar.search.stage_solver import Priced, StageChoice, solve_stage
 from autopar.vocab import Recompute
@@ -341,11 +341,7 @@ class ConfigSolver:
         return self._memo[key]
 
     def _even_split(self, pp: int, exact: bool) -> tuple[int, ...] | None:
-        units = self.model.graph.units
-        n = len(units)
-        first = 1 if n > 1 and not units[0].prefix else 0
-        last = 1 if n > 2 and not units[-1].prefix else 0
-        return even_bounds(n, first, last, pp, exact=exact)
+        return even_bounds_of(self.model.graph.units, pp, exact=exact)
 
     def _interleaved(
         self, config: ParallelConfig, modes: tuple[Recompute, ...]

@@ -28,7 +28,7 @@ from autopar.errors import ConfigError
 from autopar.graph.layer_graph import LayerGraph, Leaf, LeafKind
 from autopar.hardware.cluster import Cluster
 from autopar.plan import ParallelConfig
-from autopar.search.split import even_bounds
+from autopar.search.split import even_bounds_of
 from autopar.vocab import ZERO_STAGES, DType, Recompute, Schedule, TPStyle
 
 CONFIG_FIELDS = tuple(f.name for f in fields(ParallelConfig))
@@ -407,15 +407,12 @@ def _schedules(pp: int, graph: LayerGraph, c: Mapping[str, Any]) -> Iterator[tup
     for schedule in (Schedule.ONE_F_ONE_B, Schedule.GPIPE):
         if wanted in (None, schedule) and c.get("virtual_stages", 1) == 1:
             yield schedule, 1
-    units = graph.units
-    first = 1 if len(units) > 1 and not units[0].prefix else 0
-    last = 1 if len(units) > 2 and not units[-1].prefix else 0
     for schedule in (Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZB, Schedule.ZBV):
         if wanted not in (None, schedule) or (schedule is Schedule.ZBV and graph.shared):
             continue  # tied weights could land in two stages of one rank (zbv's V)
         top = 2 if schedule is Schedule.ZBV else MAX_VIRTUAL_STAGES
         for v in [c["virtual_stages"]] if "virtual_stages" in c else range(2, top + 1):
-            if 2 <= v <= top and even_bounds(len(units), first, last, pp * v, exact=True) is not None:
+            if 2 <= v <= top and even_bounds_of(graph.units, pp * v, exact=True) is not None:
                 yield schedule, v
 
 

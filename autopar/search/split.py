@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 
 import numpy as np
+
+from autopar.graph.layer_graph import Unit
 
 
 def best_split(band: np.ndarray, num_microbatches: int) -> tuple[float, tuple[int, ...]] | None:
@@ -120,6 +123,15 @@ def brute_force_split(table: np.ndarray, num_microbatches: int) -> tuple[float, 
     if best_bounds is None:
         return None
     return best_value, best_bounds
+
+
+def even_bounds_of(units: Sequence[Unit], chunks: int, *, exact: bool = False) -> tuple[int, ...] | None:
+    """:func:`even_bounds` for a model's units: a first unit outside any block is the
+    prologue, a last one (of three or more) the epilogue."""
+    n = len(units)
+    first = 1 if n > 1 and not units[0].prefix else 0
+    last = 1 if n > 2 and not units[-1].prefix else 0
+    return even_bounds(n, first, last, chunks, exact=exact)
 
 
 def even_bounds(n: int, first: int, last: int, chunks: int, *, exact: bool = False) -> tuple[int, ...] | None:

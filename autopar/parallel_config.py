@@ -29,6 +29,13 @@ class ParallelConfig:
             reduced, and ZeRO state sharded, over the ``dp * cp`` ranks together
             (:attr:`dp_cp`), as torchtitan and Megatron-LM do; the batch is split over
             ``dp`` only.
+        ep: expert-parallel degree: each mixture-of-experts layer's experts are split
+            over ``ep`` ranks taken from the ``dp * cp`` ranks (torchtitan's and
+            Megatron-LM's folding, :class:`autopar.vocab.MeshAxis`): a rank holds
+            ``1 / ep`` of every expert layer, and tokens travel to their experts and
+            back by all-to-all (Lepikhin et al. 2021, "GShard"). Expert gradients are
+            reduced, and expert state sharded, over the ``dp * cp / ep`` ranks holding
+            the same experts. ``ep`` does not change the world size.
         micro_batch_size: samples per micro-batch on one data-parallel rank.
         num_microbatches: micro-batches per step and data-parallel rank (gradient
             accumulation); the global batch is ``dp * micro_batch_size * num_microbatches``.
@@ -55,6 +62,7 @@ class ParallelConfig:
     tp: int
     pp: int
     cp: int = 1
+    ep: int = 1
     micro_batch_size: int
     num_microbatches: int
     schedule: Schedule = Schedule.ONE_F_ONE_B
@@ -66,7 +74,7 @@ class ParallelConfig:
     dtype: DType = DType.BF16
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "cp", "micro_batch_size", "num_microbatches", "virtual_stages"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "num_microbatches", "virtual_stages"):
             value = getattr(self, name)
             if (type(value) is not int and (isinstance(value, bool) or not isinstance(value, int))) or value < 1:
                 raise ConfigError(f"{name}={value!r} is not allowed: it must be a positive integer.")
@@ -79,6 +87,7 @@ class ParallelConfig:
                 f"2 (+ sharded gradients) or 3 (+ sharded parameters)."
             )
         self._check_dp_shard()
+        self._check_ep()
         if not isinstance(self.sequence_parallel, bool):
             raise ConfigError(f"sequence_parallel={self.sequence_parallel!r} is not allowed: use True or False.")
         if self.sequence_parallel and self.tp == 1:
@@ -136,6 +145,37 @@ class ParallelConfig:
                 f"group; set zero_stage=2 or 3, or dp_shard=None."
             )
 
+    def _check_ep(self) -> None:
+        """``ep`` divides the ranks holding the same weights (``dp * cp``), and under
+        HSDP the shard group (``state_shards``): an expert group never straddles two
+        replicate groups, so expert state shards within one."""
+        if self.ep == 1:
+            return
+        if self.dp_cp % self.ep:
+            allowed = [d for d in range(1, self.dp_cp + 1) if self.dp_cp % d == 0]
+            raise ConfigError(
+                f"ep={self.ep} is not allowed with dp x cp = {self.dp} x {self.cp} = {self.dp_cp}: experts are split "
+                f"over data- and context-parallel ranks, so ep must divide dp x cp; use one of {allowed}."
+            )
+        if self.dp_shard is not None and self.state_shards % self.ep:
+            raise ConfigError(
+                f"ep={self.ep} is not allowed with HSDP's shard group of {self.state_shards} ranks (dp_shard x cp): "
+                f"an expert group must lie inside one shard group; use an ep dividing {self.state_shards}, or a "
+                f"larger dp_shard."
+            )
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks holding the same experts: ``dp * cp / ep`` (expert gradients are
+        reduced over them)."""
+        return self.dp_cp // self.ep
+
+    @property
+    def expert_state_shards(self) -> int:
+        """Ranks ZeRO shards expert state over: :attr:`state_shards` / ``ep`` (the
+        expert replicas within one shard group)."""
+        return self.state_shards // self.ep
+
     @property
     def shard_size(self) -> int:
         """Ranks of one FSDP shard group: ``dp_shard``, or ``dp`` without HSDP."""
@@ -177,15 +217,17 @@ class ParallelConfig:
 
     def short(self) -> str:
         """Compact text: ``dp=8 tp=8 pp=16 mbs=1 m=12 1f1b zero=3 shard=4 recompute=full sp bf16``
-        (``shard=`` only under HSDP, ``cp=`` after ``pp=`` only with context parallelism)."""
+        (``shard=`` only under HSDP, ``cp=`` and ``ep=`` after ``pp=`` only with context
+        and expert parallelism)."""
         sched = self.schedule.value if self.pp > 1 else "no-pp"
         if self.virtual_stages > 1:
             sched += f"(v={self.virtual_stages})"
         sp = " sp" if self.sequence_parallel else ""
         hsdp = f" shard={self.dp_shard}" if self.dp_shard is not None else ""
         cp = f" cp={self.cp}" if self.cp > 1 else ""
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
         return (
-            f"dp={self.dp} tp={self.tp} pp={self.pp}{cp} mbs={self.micro_batch_size} m={self.num_microbatches} "
+            f"dp={self.dp} tp={self.tp} pp={self.pp}{cp}{ep} mbs={self.micro_batch_size} m={self.num_microbatches} "
             f"{sched} zero={self.zero_stage}{hsdp} recompute={self.recompute.value}{sp} {self.dtype.value}"
         )
 

@@ -21,12 +21,13 @@ from autopar.hardware.cluster import Cluster
 from autopar.parallel_config import ParallelConfig
 from autopar.vocab import Attention, Optimizer, Recompute, TPStyle
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """2: the cluster's device is nested by concern (roofline, memory, host effects);
 3: ``ParallelConfig.dp_shard`` (HSDP); 4: ``ParallelConfig.cp`` (context parallelism)
-and ``StepBreakdown.cp_comm_s``. Older files read as plans without the newer axes."""
-READABLE_VERSIONS = (2, 3, SCHEMA_VERSION)
-_INTRODUCED = {"dp_shard": 3, "cp": 4}
+and ``StepBreakdown.cp_comm_s``; 5: ``ParallelConfig.ep`` (expert parallelism) and
+``StepBreakdown.ep_comm_s``. Older files read as plans without the newer axes."""
+READABLE_VERSIONS = (2, 3, 4, SCHEMA_VERSION)
+_INTRODUCED = {"dp_shard": 3, "cp": 4, "ep": 5}
 """The schema version that introduced each newer ``config`` field."""
 
 
@@ -117,6 +118,7 @@ class StepBreakdown:
     dp_comm_s: float
     optimizer_s: float
     cp_comm_s: float = 0.0
+    ep_comm_s: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -126,6 +128,7 @@ class StepBreakdown:
             + self.recompute_s
             + self.tp_comm_s
             + self.cp_comm_s
+            + self.ep_comm_s
             + self.pp_comm_s
             + self.bubble_s
             + self.dp_comm_s

@@ -28,7 +28,13 @@ class MeshAxis(StrEnum):
     Under HSDP (``ParallelConfig.dp_shard``) the ``dp`` axis splits row-major into
     (``dp_replicate``, ``dp_shard``): a shard group is ``dp_shard`` consecutive
     data-parallel ranks (stride ``tp``), the next-innermost after tp, so it stays inside
-    a node when ``tp * dp_shard`` fits in one, and the replicate groups cross nodes."""
+    a node when ``tp * dp_shard`` fits in one, and the replicate groups cross nodes.
+
+    Expert parallelism (``ParallelConfig.ep``) borrows from ``dp_cp``: it splits
+    row-major into (``ep_replicate``, ``ep``), so an expert-parallel group is ``ep``
+    consecutive data- and context-parallel ranks (stride ``tp``), and the ranks holding
+    the same experts are ``ep_replicate`` (stride ``tp * ep``), as torchtitan and
+    Megatron-LM fold experts into data parallelism."""
 
     PP = "pp"
     DP = "dp"
@@ -37,6 +43,8 @@ class MeshAxis(StrEnum):
     DP_CP = "dp_cp"
     DP_REPLICATE = "dp_replicate"
     DP_SHARD = "dp_shard"
+    EP = "ep"
+    EP_REPLICATE = "ep_replicate"
 
 
 class Schedule(StrEnum):

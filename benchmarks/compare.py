@@ -11,7 +11,10 @@ For a zoo of models on several clusters: autopar's plan, and the baselines
 Besides the zoo, named **scenarios** of what people train today (``--scenarios-only``
 runs just them): long context (Llama-3.1-8B at 128K tokens on 64 H100) with the
 baseline **no CP** (the best plan without context parallelism), and mixtures of
-experts (Mixtral-8x7B on 64 H100, Mixtral-8x22B on 512 H100).
+experts (Mixtral-8x7B on 64 H100, Mixtral-8x22B on 512 H100) with the baseline **no EP**
+(the best plan without expert parallelism). DP and ZeRO-3 replicate the experts (ep=1);
+the Megatron rule fixes tp, pp and cp=1 and leaves ep to the search, as Megatron-LM's
+MoE recipes set an expert-parallel size beside the rule.
 Each baseline is a constrained search in autopar's own cost model, so the ratios show
 what the search finds inside its model, not measured speed-ups (benchmarks/measured.py
 runs plans for real on local processes).
@@ -75,7 +78,14 @@ def _try(fn):
         return None
 
 
-BASELINES = ("DP", "Megatron rule", "ZeRO-3", "no CP")
+BASELINES = ("DP", "Megatron rule", "ZeRO-3", "no CP", "no EP")
+ABLATIONS = {"no CP": "cp", "no EP": "ep"}
+"""Baselines that turn one of autopar's axes off: shown only where autopar's plan uses it."""
+
+
+def _applicable(config) -> list[str]:
+    """The baselines that apply to a plan of ``config``."""
+    return [b for b in BASELINES if b not in ABLATIONS or getattr(config, ABLATIONS[b]) > 1]
 
 
 def _cases(models: list[str], scenarios_only: bool):
@@ -124,7 +134,10 @@ def main() -> None:
             t = best.prediction.step_time_s
             dp = _try(
                 lambda: autopar.plan(
-                    graph, cluster, global_batch_size=batch, constraints={"tp": 1, "pp": 1, "cp": 1, "zero_stage": 0}
+                    graph,
+                    cluster,
+                    global_batch_size=batch,
+                    constraints={"tp": 1, "pp": 1, "cp": 1, "ep": 1, "zero_stage": 0},
                 )
             )
             if dp is None:  # the user's DP baseline where plain DP does not fit
@@ -133,20 +146,24 @@ def main() -> None:
                         graph,
                         cluster,
                         global_batch_size=batch,
-                        constraints={"tp": 1, "pp": 1, "cp": 1, "zero_stage": 3},
+                        constraints={"tp": 1, "pp": 1, "cp": 1, "ep": 1, "zero_stage": 3},
                     )
                 )
             z3 = _try(
                 lambda: autopar.plan(
-                    graph, cluster, global_batch_size=batch, constraints={"tp": 1, "pp": 1, "cp": 1, "zero_stage": 3}
+                    graph,
+                    cluster,
+                    global_batch_size=batch,
+                    constraints={"tp": 1, "pp": 1, "cp": 1, "ep": 1, "zero_stage": 3},
                 )
             )
-            no_cp = (
-                _try(lambda: autopar.plan(graph, cluster, global_batch_size=batch, constraints={"cp": 1}))
-                if best.config.cp > 1
-                else None
-            )
-            found = dict(zip(BASELINES, (dp, _megatron(graph, cluster, batch), z3, no_cp)))
+            applicable = _applicable(best.config)
+            found = {"DP": dp, "Megatron rule": _megatron(graph, cluster, batch), "ZeRO-3": z3}
+            for b, axis in ABLATIONS.items():
+                if b in applicable:
+                    found[b] = _try(
+                        lambda: autopar.plan(graph, cluster, global_batch_size=batch, constraints={axis: 1})
+                    )
             rate = best.prediction.tokens_per_s if kind == "tokens" else best.prediction.samples_per_s
             row.update(
                 {
@@ -159,8 +176,7 @@ def main() -> None:
                             found[b],
                             "ZeRO-3" if b == "DP" and found[b] is not None and found[b].config.zero_stage == 3 else "",
                         )
-                        for b in BASELINES
-                        if b != "no CP" or best.config.cp > 1
+                        for b in applicable
                     },
                     "exhaustive": _exhaustive(graph, cluster, batch)(t) if seq_len is None else "",
                 }
@@ -168,11 +184,7 @@ def main() -> None:
             ratios.append(
                 (
                     f"{name} @ {preset} x{nodes}",
-                    {
-                        b: None if found[b] is None else found[b].prediction.step_time_s / t
-                        for b in BASELINES
-                        if b != "no CP" or best.config.cp > 1
-                    },
+                    {b: None if found[b] is None else found[b].prediction.step_time_s / t for b in applicable},
                 )
             )
         rows.append(row)
@@ -182,7 +194,8 @@ def main() -> None:
     csv_path = write_csv(name, rows)
     body = markdown_table(rows) + (
         "\n\nRatios are autopar's throughput over the baseline's (x1.00 = as fast); 'does not fit' means the "
-        "baseline has no configuration that fits ('no CP' is filled where autopar's plan splits sequences); a "
+        "baseline has no configuration that fits ('no CP' and 'no EP' are filled where autopar's plan splits "
+        "sequences or experts); a "
         "DP ratio marked ZeRO-3 is DP with ZeRO-3 because plain DP "
         f"does not fit. Rows also in `{csv_path.name}`.\n\n![autopar over the baselines]({png.name})"
     )
@@ -198,13 +211,14 @@ def _ratio(t: float, other, marker: str) -> str:
 def _figure(ratios: list[tuple[str, dict[str, float | None]]]) -> Figure:
     """autopar's predicted speed-up over each baseline per case, on a log axis; a
     baseline that does not fit is drawn as a cross at the axis' right edge; one that does
-    not apply to a case (no CP where autopar's plan does not split sequences) is left out."""
+    not apply to a case (no CP or no EP where autopar's plan does not use the axis) is left out."""
     fig = Figure(figsize=(8, 0.28 * len(ratios) * len(BASELINES) / 2 + 1.5))
     ax = fig.add_subplot()
     height = 0.8 / len(BASELINES)
     cap = max([r for _, rs in ratios for r in rs.values() if r is not None], default=2.0) * 1.5
     for k, base in enumerate(BASELINES):
-        pairs = [(i + (k - 1.5) * height, rs[base]) for i, (_, rs) in enumerate(ratios) if base in rs]
+        offset = (k - (len(BASELINES) - 1) / 2) * height
+        pairs = [(i + offset, rs[base]) for i, (_, rs) in enumerate(ratios) if base in rs]
         ys, values = [y for y, _ in pairs], [v for _, v in pairs]
         ax.barh(
             [y for y, v in zip(ys, values) if v is not None],

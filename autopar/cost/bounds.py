@@ -39,7 +39,7 @@ def unit_floor(model: CostModel, unit: int, config: ParallelConfig) -> UnitFloor
     profile = model.graph.profile_of(unit)
     params = 0.0
     for leaf in profile.leaves:
-        params += min(leaf_param_numel(leaf, s, config.tp) for s in allowed_styles(leaf, ctx))
+        params += min(leaf_param_numel(leaf, s, config.tp, config.ep) for s in allowed_styles(leaf, ctx))
     shard = config.tp if config.sequence_parallel and unit > 0 else 1
     return UnitFloor(param_numel=params, input_bytes=profile.input_bytes * config.micro_batch_size / config.cp / shard)
 

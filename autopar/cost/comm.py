@@ -117,11 +117,20 @@ def reduce_scatter_s(nbytes: float, span: GroupSpan, cluster: Cluster, *, calls:
 
 
 def all_to_all_s(nbytes: float, span: GroupSpan, cluster: Cluster) -> float:
-    """Time of an all-to-all exchanging ``nbytes`` per device (``(n-1)/n`` leaves it)."""
-    if span.size <= 1 or nbytes <= 0:
+    """Time of an all-to-all exchanging ``nbytes`` per device (``(n-1)/n`` leaves it).
+    Across nodes, the ``(n - n_local)/n`` bound for other nodes leave through the
+    device's own NIC while the rest crosses the node's links at the same time: the
+    slower of the two sets the pace, plus one latency per peer."""
+    n = span.size
+    if n <= 1 or nbytes <= 0:
         return 0.0
-    link = cluster.inter_node if span.crosses_nodes else cluster.intra_node
-    return (span.size - 1) / span.size * nbytes / link.bandwidth_bytes_per_s + (span.size - 1) * link.latency_s
+    intra = cluster.intra_node
+    if not span.crosses_nodes:
+        return (n - 1) / n * nbytes / intra.bandwidth_bytes_per_s + (n - 1) * intra.latency_s
+    inter = cluster.inter_node
+    off_node = (n - span.per_node) / n * nbytes / inter.bandwidth_bytes_per_s
+    on_node = (span.per_node - 1) / n * nbytes / intra.bandwidth_bytes_per_s
+    return max(off_node, on_node) + (n - 1) * inter.latency_s
 
 
 def p2p_s(nbytes: float, *, cross_node: bool, cluster: Cluster) -> float:

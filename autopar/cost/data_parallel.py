@@ -21,6 +21,12 @@ stride ``tp``: inside a node when ``tp * dp_shard`` fits, :func:`shard_span`), a
 unit's reduced ``1/dp_shard`` gradient slice is then all-reduced over its replicate group
 (``dp / dp_shard`` ranks, stride ``tp * dp_shard``, :func:`replicate_span`), on the same
 stream, so it is priced as part of the reduction (:func:`hsdp_reduce_s`).
+
+Under expert parallelism (``ParallelConfig.ep``) the expert parameters a rank holds are
+reduced, gathered and sharded over the ranks holding the same experts
+(``dp * cp / ep`` ranks, stride ``tp * ep``; within each HSDP shard group, ``1 / ep`` of
+it), the dense ones as above: each collective is priced twice, once per group, with the
+same overlap.
 """
 
 from __future__ import annotations
@@ -63,30 +69,32 @@ def tail_s(model: CostModel, stage: PricedStage, config: ParallelConfig) -> tupl
     n = model.num_units
     params = sum(o.layout.param_numel for o in stage.options)
     params -= held_once_numel(model, config, dict(zip(stage.units, stage.options)))  # one tensor: reduced, stepped once
+    experts = sum(o.layout.expert_numel for o in stage.options)
+    groups = ((params - experts, False), (experts, True))  # (parameters, expert group)
     units = max(len(stage.options), 1)
     tensors = sum(model.graph.profile_of(u).param_tensors for u in stage.units)
     bwd = sum(o.bwd_s for o in stage.options)
     fwd = sum(o.fwd_s for o in stage.options)
     cl = model.cluster
     host = cl.device.host
-    span = group_span(config.dp_cp, config.tp, cl.devices_per_node)
-    shard = shard_span(config, cl.devices_per_node)
     m = config.num_microbatches
     copy = compute_copy_bytes(config.dtype) or 4.0
-    grad_bytes = 4.0 * params
     exposed = 0.0
     if config.dp_cp > 1:
         overlap = cl.device.comm_overlap  # share of compute that hides communication
         hidden_bwd = overlap * bwd * (1 - 1 / units)
         hidden_fwd = overlap * fwd * (1 - 1 / units)
         if config.zero_stage <= 1:
-            exposed = max(all_reduce_s(grad_bytes, span, cl) - hidden_bwd, 0.0)
+            reduce = sum(all_reduce_s(4.0 * n, replicas_span(config, cl.devices_per_node, e), cl) for n, e in groups)
+            exposed = max(reduce - hidden_bwd, 0.0)
             # DDP's last bucket meets once per step, after all of the rank's work
             exposed += ranks_wait_s(host, config.dp_cp, 1, m * (fwd + bwd))
             if config.zero_stage == 1:
-                exposed += all_gather_s(4.0 * params, span, cl)
+                exposed += sum(
+                    all_gather_s(4.0 * n, replicas_span(config, cl.devices_per_node, e), cl) for n, e in groups
+                )
         elif config.pp > 1:
-            rs, ag = _fsdp_collectives_s(model, grad_bytes, copy * params, shard, config, units)
+            rs, ag = _fsdp_collectives_s(model, groups, copy, config, units)
             gathers = 1 if config.zero_stage == 2 else m + 1
             exposed = rs + max(gathers * ag - gathers * hidden_fwd, ag / units)
             per_unit = 1 + gathers
@@ -94,7 +102,7 @@ def tail_s(model: CostModel, stage: PricedStage, config: ParallelConfig) -> tupl
                 model, config, per_unit * units, m * (fwd + bwd)
             )
         else:
-            rs, ag = _fsdp_collectives_s(model, grad_bytes, copy * params, shard, config, units)
+            rs, ag = _fsdp_collectives_s(model, groups, copy, config, units)
             if config.zero_stage == 2:
                 exposed = m * max(rs - hidden_bwd, rs / units) + max(ag - hidden_fwd, ag / units)
                 per_unit = m + 1
@@ -106,8 +114,9 @@ def tail_s(model: CostModel, stage: PricedStage, config: ParallelConfig) -> tupl
             )
     if config.pp > 1 and model.graph.shared and (0 in stage.units or n - 1 in stage.units):
         exposed += tied_all_reduce_s(model, config)
-    local = params / config.state_shards if config.zero_stage >= 1 else params
-    grads = params / config.state_shards if config.zero_stage >= 2 else params
+    sharded = (params + experts * (config.ep - 1)) / config.state_shards  # every expert of the shard group's
+    local = sharded if config.zero_stage >= 1 else params
+    grads = sharded if config.zero_stage >= 2 else params
     return exposed, optimizer_step_s(cl.device, config.dtype, model.optimizer, local) + finite_check_s(
         model, config, grads
     )
@@ -129,7 +138,7 @@ def unhidden_floor_s(model: CostModel, config: ParallelConfig, local_params: flo
     local = local_params / config.state_shards if config.zero_stage >= 1 else local_params
     grads = local_params / config.state_shards if config.zero_stage >= 2 else local_params
     floor = optimizer_step_s(cl.device, config.dtype, model.optimizer, local) + finite_check_s(model, config, grads)
-    if config.dp_cp > 1:
+    if config.dp_cp > 1 and config.ep == 1:  # experts' collectives run over other groups: no floor taken
         span = group_span(config.dp_cp, config.tp, cl.devices_per_node)
         if config.zero_stage == 1:
             floor += all_gather_s(4.0 * local_params, span, cl)
@@ -138,10 +147,22 @@ def unhidden_floor_s(model: CostModel, config: ParallelConfig, local_params: flo
     return floor
 
 
-def shard_span(config: ParallelConfig, devices_per_node: int) -> GroupSpan:
+def shard_span(config: ParallelConfig, devices_per_node: int, experts: bool = False) -> GroupSpan:
     """Where an FSDP shard group lies: ``state_shards`` ranks, ``tp`` apart (the whole
-    data- and context-parallel group without HSDP)."""
+    data- and context-parallel group without HSDP); for expert parameters, the
+    ``expert_state_shards`` ranks of it holding the same experts, ``tp * ep`` apart."""
+    if experts:
+        return group_span(config.expert_state_shards, config.tp * config.ep, devices_per_node)
     return group_span(config.state_shards, config.tp, devices_per_node)
+
+
+def replicas_span(config: ParallelConfig, devices_per_node: int, experts: bool = False) -> GroupSpan:
+    """Where the ranks holding the same parameters lie: all ``dp * cp`` ranks, ``tp``
+    apart; for expert parameters, the ``dp * cp / ep`` holding the same experts,
+    ``tp * ep`` apart."""
+    if experts:
+        return group_span(config.expert_replicas, config.tp * config.ep, devices_per_node)
+    return group_span(config.dp_cp, config.tp, devices_per_node)
 
 
 def replicate_span(config: ParallelConfig, devices_per_node: int) -> GroupSpan:
@@ -150,30 +171,42 @@ def replicate_span(config: ParallelConfig, devices_per_node: int) -> GroupSpan:
     return group_span(config.replicate_size, config.tp * config.state_shards, devices_per_node)
 
 
-def hsdp_reduce_s(grad_bytes: float, config: ParallelConfig, cluster: Cluster, *, calls: int = 1) -> float:
+def hsdp_reduce_s(
+    grad_bytes: float, config: ParallelConfig, cluster: Cluster, *, calls: int = 1, experts: bool = False
+) -> float:
     """FSDP2's gradient reduction of ``grad_bytes`` (unsharded fp32 gradients) in
-    ``calls`` collectives: a reduce-scatter over the shard group, then, under HSDP, an
-    all-reduce of each rank's ``1/dp_shard`` slice over its replicate group (module
-    docstring). Without HSDP it is the reduce-scatter over ``dp`` alone."""
+    ``calls`` collectives: a reduce-scatter over the shard group (of ``experts``: the
+    ranks of it holding the same experts), then, under HSDP, an all-reduce of each
+    rank's slice over its replicate group (module docstring). Without HSDP it is the
+    reduce-scatter alone."""
     dpn = cluster.devices_per_node
-    rs = reduce_scatter_s(grad_bytes, shard_span(config, dpn), cluster, calls=calls)
-    return rs + all_reduce_s(grad_bytes / config.state_shards, replicate_span(config, dpn), cluster, calls=calls)
+    span = shard_span(config, dpn, experts)
+    rs = reduce_scatter_s(grad_bytes, span, cluster, calls=calls)
+    return rs + all_reduce_s(grad_bytes / span.size, replicate_span(config, dpn), cluster, calls=calls)
 
 
 def _fsdp_collectives_s(
-    model: CostModel, grad_bytes: float, param_bytes: float, span: GroupSpan, config: ParallelConfig, units: int
+    model: CostModel, groups: tuple[tuple[float, bool], ...], copy: float, config: ParallelConfig, units: int
 ) -> tuple[float, float]:
-    """(reduction, all-gather) of a stage's gradients and parameters over the shard group
-    ``span``, one call per unit, each with FSDP2's copies around it; the reduction is
-    :func:`hsdp_reduce_s` (two levels under HSDP)."""
+    """(reduction, all-gather) of a stage's gradients and parameters (``copy`` bytes
+    each), one call per unit and shard group, each with FSDP2's copies around it;
+    ``groups`` lists (parameters, whether they are experts): dense parameters over the
+    shard group, expert ones over its ranks holding the same experts. The reduction
+    is :func:`hsdp_reduce_s` (two levels under HSDP)."""
     cl = model.cluster
     streaming = rates(cl.device, config.dtype).bytes_per_s
-    rs = hsdp_reduce_s(grad_bytes, config, cl, calls=units) + fsdp_copy_s(
-        cl.device.host, grad_bytes, config.state_shards, streaming_bytes_per_s=streaming
-    )
-    ag = all_gather_s(param_bytes, span, cl, calls=units) + fsdp_copy_s(
-        cl.device.host, param_bytes, config.state_shards, streaming_bytes_per_s=streaming
-    )
+    rs = ag = 0.0
+    for numel, experts in groups:
+        if experts and not numel:
+            continue
+        span = shard_span(config, cl.devices_per_node, experts)
+        grad_bytes, param_bytes = 4.0 * numel, copy * numel
+        rs += hsdp_reduce_s(grad_bytes, config, cl, calls=units, experts=experts) + fsdp_copy_s(
+            cl.device.host, grad_bytes, span.size, streaming_bytes_per_s=streaming
+        )
+        ag += all_gather_s(param_bytes, span, cl, calls=units) + fsdp_copy_s(
+            cl.device.host, param_bytes, span.size, streaming_bytes_per_s=streaming
+        )
     return rs, ag
 
 

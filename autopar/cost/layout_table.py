@@ -60,7 +60,7 @@ def layout_table(profile: UnitProfile, ctx: TPContext, options: Sequence[tuple[T
         pick = choice[:, i]
         step = [(1 + BACKWARD_FACTOR) * leaf_fwd_s(leaf, s, ctx) + leaf_accumulate_s(leaf, s, ctx) for s in opts]
         time += np.asarray(step)[pick]
-        params += np.asarray([leaf_param_numel(leaf, s, ctx.tp) for s in opts])[pick]
+        params += np.asarray([leaf_param_numel(leaf, s, ctx.tp, ctx.ep) for s in opts])[pick]
         produced[i] = np.asarray([_INDEX[STYLE_IO[s][1]] for s in opts])[pick]
         needed[i] = np.asarray([_INDEX[STYLE_IO[s][0]] for s in opts])[pick]
         column[i] = np.asarray([s is TPStyle.COLUMN for s in opts])[pick]

@@ -62,6 +62,11 @@ class TPContext:
             tensor-parallel leaf, exposed weight traffic; :mod:`autopar.cost.host`).
         cp: context-parallel degree; ``cp_span``: where its ring's ranks are.
         dtype: the compute precision (what keys and values are exchanged in).
+        ep: expert-parallel degree: a rank holds ``1 / ep`` of each expert stack and
+            runs its experts on the rows all ``ep`` ranks route to them; ``ep_span``:
+            where the group's ranks are.
+        routing_imbalance: the busiest rank's routed rows over the mean under expert
+            parallelism, for dropless experts (:attr:`autopar.cost.model.CostModel.routing_imbalance`).
     """
 
     tp: int
@@ -81,6 +86,9 @@ class TPContext:
     cp: int = 1
     cp_span: GroupSpan = field(default_factory=lambda: GroupSpan(size=1, per_node=1, nodes=1))
     dtype: DType = DType.BF16
+    ep: int = 1
+    ep_span: GroupSpan = field(default_factory=lambda: GroupSpan(size=1, per_node=1, nodes=1))
+    routing_imbalance: float = 1.0
 
     @property
     def input_layout(self) -> Layout:
@@ -122,8 +130,11 @@ def allowed_styles(leaf: Leaf, ctx: TPContext) -> tuple[TPStyle, ...]:
     return tuple(out)
 
 
-def leaf_param_numel(leaf: Leaf, style: TPStyle, tp: int) -> float:
-    """Parameters of ``leaf`` held by one TP rank under ``style``."""
+def leaf_param_numel(leaf: Leaf, style: TPStyle, tp: int, ep: int = 1) -> float:
+    """Parameters of ``leaf`` held by one TP rank under ``style``; of an expert stack,
+    ``1 / ep`` (expert parallelism)."""
+    if leaf.experts and ep > 1:
+        return leaf.param_numel - leaf.expert_numel * (1 - 1 / ep)
     if style in (TPStyle.COLUMN, TPStyle.ROW, TPStyle.VOCAB) and tp > 1:
         weight = leaf.weight_numel
         if leaf.vocab:
@@ -157,13 +168,19 @@ def leaf_fwd_s(leaf: Leaf, style: TPStyle, ctx: TPContext) -> float:
     # sequence split does not). An embedding's whole table counts: its dense backward
     # writes a gradient the size of the table, which the backward factor charges.
     weights = leaf.weight_bytes / (ctx.tp if style in (TPStyle.COLUMN, TPStyle.ROW, TPStyle.VOCAB) else 1)
+    matmul = leaf.matmul_flops
+    if leaf.experts and ctx.ep > 1:
+        # a rank reads 1/ep of the stack, and runs the rows routed to it: the busiest
+        # rank's share of dropless rows sets the pace
+        weights -= weights * leaf.expert_numel / leaf.param_numel * (1 - 1 / ctx.ep)
+        matmul += leaf.expert_flops * (ctx.routing_imbalance - 1) if leaf.dropless else 0.0
     overhead = dispatch_s(ctx.host, leaf.fwd_ops) + tp_dispatch_s(
         ctx.host, sharded=style is not TPStyle.REPLICATE and ctx.tp > 1
     )
     return ctx.compute_scale * (
         overhead
         + kernel_s(
-            matmul_flops=leaf.matmul_flops * scale,
+            matmul_flops=matmul * scale,
             other_flops=(leaf.fwd_flops - leaf.matmul_flops) * scale,
             activation_bytes=leaf.fwd_bytes * scale,
             weight_bytes=weights,
@@ -176,7 +193,9 @@ def leaf_fwd_s(leaf: Leaf, style: TPStyle, ctx: TPContext) -> float:
 def leaf_accumulate_s(leaf: Leaf, style: TPStyle, ctx: TPContext) -> float:
     """Time per micro-batch to accumulate ``leaf``'s fp32 weight gradient where that is a
     pass of its own (:func:`autopar.cost.host.accumulate_s`)."""
-    return accumulate_s(ctx.host, param_numel=leaf_param_numel(leaf, style, ctx.tp), bytes_per_s=ctx.rates.bytes_per_s)
+    return accumulate_s(
+        ctx.host, param_numel=leaf_param_numel(leaf, style, ctx.tp, ctx.ep), bytes_per_s=ctx.rates.bytes_per_s
+    )
 
 
 def glue_layout(a: Layout, b: Layout) -> Layout:

@@ -83,12 +83,16 @@ def config_state_bytes(
     param_numel: float,
     factored_numel: float = 0.0,
     largest_unit_numel: float = 0.0,
+    expert_numel: float = 0.0,
 ) -> StateBytes:
     """:func:`state_bytes` under ``config``'s precision, ZeRO stage and data-, tensor- and
     pipeline-parallel degrees; the state shards over ``config.state_shards`` ranks (the
-    HSDP shard group, or ``dp * cp``)."""
+    HSDP shard group, or ``dp * cp``). ``expert_numel``: of ``param_numel``, the expert
+    parameters held (``1 / ep`` of the stacks): the shard group divides the state of
+    every expert of its ``ep`` groups, ``ep`` times what one rank holds."""
     return state_bytes(
         param_numel=param_numel,
+        shard_numel=param_numel + expert_numel * (config.ep - 1),
         factored_numel=factored_numel,
         largest_unit_numel=largest_unit_numel,
         dtype=config.dtype,
@@ -111,11 +115,15 @@ def state_bytes(
     dp: int,
     pipelined: bool,
     tp: int = 1,
+    shard_numel: float | None = None,
 ) -> StateBytes:
     """Model-state memory of a pipeline stage on one device.
 
     Args:
         param_numel: parameters the device's TP shard of the stage holds.
+        shard_numel: parameters whose sharded state the ``dp`` ranks divide
+            (``param_numel`` when None; more under expert parallelism, where the shard
+            group also holds the state of the experts other ranks compute).
         factored_numel: Adafactor state elements for those parameters.
         largest_unit_numel: parameters of the stage's largest unit (what ZeRO-3
             gathers at once, and what ZeRO-2/3 hold as unsharded gradients while they
@@ -133,6 +141,8 @@ def state_bytes(
     """
     copy = compute_copy_bytes(dtype)
     opt_full = factored_numel * 4.0 if optimizer is Optimizer.ADAFACTOR else param_numel * _OPT_BYTES[optimizer]
+    widen = 1.0 if shard_numel is None or not param_numel else shard_numel / param_numel
+    opt_sharded = opt_full * widen / dp
     unsharded_copy = copy if copy else MASTER_BYTES  # what FSDP2 gathers: the compute copy, or fp32 params
     if zero_stage <= 1:
         replicate = uses_replicate(dp=dp, pipelined=pipelined, tp=tp)
@@ -141,31 +151,31 @@ def state_bytes(
         return StateBytes(
             params_bytes=params,
             grads_bytes=param_numel * GRAD_BYTES,
-            optimizer_bytes=opt_full if zero_stage == 0 else opt_full / dp,
+            optimizer_bytes=opt_full if zero_stage == 0 else opt_sharded,
             transient_bytes=0.0,
             rebuild_bytes=param_numel * GRAD_BYTES if ddp else 0.0,
         )
-    master = param_numel * MASTER_BYTES / dp
+    master = param_numel * widen * MASTER_BYTES / dp
+    grads = param_numel * widen * GRAD_BYTES / dp
     if pipelined:
         return StateBytes(
             params_bytes=master + param_numel * unsharded_copy,
-            grads_bytes=param_numel * GRAD_BYTES / dp + param_numel * GRAD_BYTES,
-            optimizer_bytes=opt_full / dp,
+            grads_bytes=grads + param_numel * GRAD_BYTES,
+            optimizer_bytes=opt_sharded,
             transient_bytes=0.0,
         )
-    grads = param_numel * GRAD_BYTES / dp
     reduce_buffer = REDUCE_SCATTER_BUFFERS * largest_unit_numel * GRAD_BYTES
     if zero_stage == 2:
         return StateBytes(
             params_bytes=master + param_numel * unsharded_copy,
             grads_bytes=grads,
-            optimizer_bytes=opt_full / dp,
+            optimizer_bytes=opt_sharded,
             transient_bytes=reduce_buffer,
         )
     return StateBytes(
         params_bytes=master,
         grads_bytes=grads,
-        optimizer_bytes=opt_full / dp,
+        optimizer_bytes=opt_sharded,
         transient_bytes=2 * largest_unit_numel * unsharded_copy + reduce_buffer,
     )
 

@@ -18,6 +18,12 @@ from autopar.hardware.cluster import Cluster
 from autopar.plan import ParallelConfig
 from autopar.vocab import Layout, Optimizer
 
+ROUTING_IMBALANCE = 1.0
+"""Dropless experts' default load factor: a router trained with a load-balancing loss
+(Fedus et al. 2022; Mixtral and DeepSeek-V3 train with one) spreads each step's rows
+evenly in expectation. Set :attr:`CostModel.routing_imbalance` from a measured router
+(the largest expert-parallel rank's rows over the mean) to price a skewed one."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class CostModel:
@@ -32,6 +38,9 @@ class CostModel:
             from a layer profile (1 where absent).
         recompute_fractions: unit profile signature -> what full recomputation reruns,
             as a fraction of the recorded forward, from a layer profile (1 where absent).
+        routing_imbalance: under expert parallelism, the busiest rank's routed rows
+            over the mean for dropless experts (:data:`ROUTING_IMBALANCE`); experts with
+            fixed capacity buffers are balanced by construction.
     """
 
     graph: LayerGraph
@@ -40,6 +49,7 @@ class CostModel:
     global_batch_size: int
     calibration: Mapping[str, float] = field(default_factory=dict)
     recompute_fractions: Mapping[str, float] = field(default_factory=dict)
+    routing_imbalance: float = ROUTING_IMBALANCE
 
     @property
     def num_units(self) -> int:
@@ -51,7 +61,8 @@ def tp_context(model: CostModel, unit: int, config: ParallelConfig) -> TPContext
     """The tensor-parallel context of ``unit`` under ``config``: its group, the device's
     rates and host effects, its place in the model, a profile's corrections, and its
     share of each sample under context parallelism (the cp ring: ``cp`` ranks, ``tp``
-    apart, :class:`autopar.vocab.MeshAxis`)."""
+    apart, :class:`autopar.vocab.MeshAxis`), and its expert-parallel group (``ep``
+    ranks, ``tp`` apart)."""
     signature = model.graph.profile_of(unit).signature
     device = model.cluster.device
     return TPContext(
@@ -72,4 +83,7 @@ def tp_context(model: CostModel, unit: int, config: ParallelConfig) -> TPContext
         cp=config.cp,
         cp_span=group_span(config.cp, config.tp, model.cluster.devices_per_node),
         dtype=config.dtype,
+        ep=config.ep,
+        ep_span=group_span(config.ep, config.tp, model.cluster.devices_per_node),
+        routing_imbalance=model.routing_imbalance,
     )

@@ -76,6 +76,7 @@ def footprint(model: CostModel, option: UnitOption, config: ParallelConfig) -> F
         param_numel=lay.param_numel,
         factored_numel=lay.factored_numel,
         largest_unit_numel=lay.param_numel,
+        expert_numel=lay.expert_numel,
     )
     freed = lay.loss_working_bytes + (
         lay.loss_saved_bytes - lay.held_output_bytes if option.recompute is not Recompute.FULL else 0.0
@@ -147,7 +148,8 @@ def rank_memory(
     prints = [footprint(model, o, config) for _, o in rank]
     params = sum(o.layout.param_numel for _, o in rank)
     factored = sum(o.layout.factored_numel for _, o in rank)
-    st = config_state_bytes(config, model.optimizer, param_numel=params, factored_numel=factored)
+    experts = sum(o.layout.expert_numel for _, o in rank)
+    st = config_state_bytes(config, model.optimizer, param_numel=params, factored_numel=factored, expert_numel=experts)
     static = st.params_bytes + st.grads_bytes + st.optimizer_bytes
     shared = shared_state_bytes(model, config, held_once_numel(model, config, dict(rank)))
     scale = (static - shared) / static if static else 1.0

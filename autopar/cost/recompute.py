@@ -11,7 +11,8 @@ activation recomputation.
   ``recompute_fraction`` of the recorded one, which a layer profile measures.
 
 Under context parallelism both recomputing modes rerun the attention core's key/value
-exchange with it (:mod:`autopar.cost.context_parallel`).
+exchange with it (:mod:`autopar.cost.context_parallel`); full recomputation reruns the
+forward all-to-alls of expert parallelism (:mod:`autopar.cost.expert_parallel`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.cost.context_parallel import NO_EXCHANGE, RingExchange, ring_exchange
+from autopar.cost.expert_parallel import NO_ALL_TO_ALL, ExpertExchange, expert_exchange
 from autopar.cost.leaf import TPContext
 from autopar.cost.tensor_parallel import UnitCost
 from autopar.graph.layer_graph import UNIT_OUTPUT, UnitProfile
@@ -41,6 +43,8 @@ class UnitOption:
         cp_comm_s: context-parallel exchange not hidden by attention, forward and
             backward (included in ``fwd_s`` and ``bwd_s``; a recomputed forward's is
             part of ``recompute_s``).
+        ep_comm_s: expert parallelism's all-to-alls, forward and backward (included in
+            ``fwd_s`` and ``bwd_s``; a recomputed forward's is part of ``recompute_s``).
     """
 
     layout: UnitCost
@@ -52,6 +56,7 @@ class UnitOption:
     transient_bytes: float
     recompute_flops: float
     cp_comm_s: float = 0.0
+    ep_comm_s: float = 0.0
 
     @property
     def time_s(self) -> float:
@@ -78,11 +83,12 @@ def make_option(
     attn_flops: float,
     recompute_fraction: float,
     ring: RingExchange = NO_EXCHANGE,
+    experts: ExpertExchange = NO_ALL_TO_ALL,
 ) -> UnitOption:
     """Price one (layout, recompute) pair; full recomputation reruns the forward but
     the loss, its compute at ``recompute_fraction`` of the recorded time, its TP
-    collectives whole; both recomputing modes rerun the context-parallel exchange
-    ``ring``."""
+    collectives and expert all-to-alls whole; both recomputing modes rerun the
+    context-parallel exchange ``ring``."""
     full_act = lay.saved_bytes + lay.attn_saved_bytes
     if mode is Recompute.NONE:
         act, transient, redo, flops = full_act, lay.working_bytes, 0.0, 0.0
@@ -100,16 +106,19 @@ def make_option(
         transient = full_act - lay.loss_saved_bytes + lay.working_bytes
     if mode is not Recompute.NONE:
         redo += ring.fwd_s
+    if mode is Recompute.FULL:
+        redo += experts.fwd_s
     return UnitOption(
         layout=lay,
         recompute=mode,
-        fwd_s=lay.fwd_s + ring.fwd_s,
-        bwd_s=lay.bwd_compute_s + lay.bwd_comm_s + ring.bwd_s + redo,
+        fwd_s=lay.fwd_s + ring.fwd_s + experts.fwd_s,
+        bwd_s=lay.bwd_compute_s + lay.bwd_comm_s + ring.bwd_s + experts.bwd_s + redo,
         recompute_s=redo,
         act_bytes=act,
-        transient_bytes=transient + ring.transient_bytes,
+        transient_bytes=transient + max(ring.transient_bytes, experts.transient_bytes),
         recompute_flops=flops,
         cp_comm_s=ring.fwd_s + ring.bwd_s,
+        ep_comm_s=experts.fwd_s + experts.bwd_s,
     )
 
 
@@ -118,8 +127,10 @@ def price_option(profile: UnitProfile, layout: UnitCost, mode: Recompute, ctx: T
     recomputation reruns are the unit's forward less the loss's (the last unit's glue
     into its output), selective recomputation reruns the attention core's. Under context
     parallelism the attention's key/value exchange is priced on the layout's keys and
-    values (:func:`autopar.cost.context_parallel.ring_exchange`)."""
+    values (:func:`autopar.cost.context_parallel.ring_exchange`); under expert
+    parallelism its all-to-alls (:func:`autopar.cost.expert_parallel.expert_exchange`)."""
     attn_flops = sum(f.attn_flops for f in profile.flows)
     loss_flops = sum(f.glue_flops for f in profile.flows if f.dst == UNIT_OUTPUT) if ctx.last else 0.0
     ring = ring_exchange(layout.kv_bytes, layout.attn_fwd_s, ctx)
-    return make_option(layout, mode, profile.fwd_flops - loss_flops, attn_flops, ctx.recompute_fraction, ring)
+    experts = expert_exchange(profile, ctx)
+    return make_option(layout, mode, profile.fwd_flops - loss_flops, attn_flops, ctx.recompute_fraction, ring, experts)

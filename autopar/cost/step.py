@@ -109,6 +109,7 @@ def predict(model: CostModel, config: ParallelConfig, stages: Sequence[PricedSta
     tpc = sum(o.layout.fwd_comm_s + o.layout.bwd_comm_s for o in options)
     tpc += sum(sum(tm.waits[i]) for i in crit_stages)
     cpc = sum(o.cp_comm_s for o in options)
+    epc = sum(o.ep_comm_s for o in options)
     ppc = sum(sum(tm.p2p[i]) for i in crit_stages)
     bubble = t_pipe - m * rank_work[crit]
     breakdown = StepBreakdown(
@@ -116,8 +117,9 @@ def predict(model: CostModel, config: ParallelConfig, stages: Sequence[PricedSta
         recompute_s=m * reco,
         tp_comm_s=m * tpc,
         cp_comm_s=m * cpc,
+        ep_comm_s=m * epc,
         pp_comm_s=m * ppc,
-        bubble_s=bubble + m * (rank_work[crit] - comp - reco - tpc - cpc - ppc),
+        bubble_s=bubble + m * (rank_work[crit] - comp - reco - tpc - cpc - epc - ppc),
         dp_comm_s=tails[worst_tail][0],
         optimizer_s=tails[worst_tail][1],
     )

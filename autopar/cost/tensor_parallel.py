@@ -165,6 +165,9 @@ class UnitCost:
         kv_bytes: the keys and values of the unit's attention cores on this rank (split
             by heads where the attention runs sharded): what a context-parallel ring
             exchanges (:mod:`autopar.cost.context_parallel`).
+        expert_numel: of ``param_numel``, the expert parameters held (``1 / ep`` of the
+            unit's expert stacks): their gradients are reduced, and their state
+            sharded, over the ranks holding the same experts.
     """
 
     styles: tuple[TPStyle, ...]
@@ -190,6 +193,7 @@ class UnitCost:
     loss_saved_bytes: float
     held_output_bytes: float
     kv_bytes: float = 0.0
+    expert_numel: float = 0.0
 
     @property
     def time_s(self) -> float:
@@ -279,7 +283,7 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
     loss_working = loss_input * (1 + (LOSS_PARALLEL_WORKING_COPIES if vocab_parallel else 0))
     fwd_comm += loss_comm
     fwd_syncs += loss_syncs
-    params = sum(leaf_param_numel(leaf, s, t) for leaf, s in zip(profile.leaves, styles))
+    params = sum(leaf_param_numel(leaf, s, t, ctx.ep) for leaf, s in zip(profile.leaves, styles))
     factored = sum(leaf_factored_numel(leaf, s, t) for leaf, s in zip(profile.leaves, styles))
     largest = max(
         (_shard(f.tensor_bytes * b, out_layout(profile, styles, ctx, f.src), t) for f in profile.flows), default=0.0
@@ -308,4 +312,5 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         loss_saved_bytes=loss_saved + held,
         held_output_bytes=held,
         kv_bytes=profile.kv_bytes * b / (t if attn_sharded else 1),
+        expert_numel=sum(leaf.expert_numel for leaf in profile.leaves) / ctx.ep,
     )

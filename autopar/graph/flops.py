@@ -71,6 +71,13 @@ MATMUL_OPS = frozenset(
 )
 """Ops that run on the matrix units (their FLOPs are matmul FLOPs)."""
 
+EXPERT_MATMULS = frozenset(
+    {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm, torch.ops.aten._grouped_mm}
+)
+"""Matmuls that may run a mixture of experts' stacked weights: batched over a fixed
+capacity (``bmm``), grouped by expert (``_grouped_mm``) or one expert at a time (``mm``
+on a slice of the stack)."""
+
 
 def flop_formula(packet: Any) -> Callable[..., Any] | None:
     """The formula of an op packet, called as ``formula(*args, **kwargs, out_val=out)``

@@ -69,6 +69,20 @@ class Leaf:
         matmul_flops: the part of ``fwd_flops`` done by matrix multiplies (tensor cores).
         fwd_ops: aten ops its forward dispatches, per call (not per sample): what a
             per-op framework overhead is charged on.
+        experts: experts stacked in the leaf's 3-D weights (a mixture-of-experts
+            layer: transformers' ``MixtralExperts``, autopar's ``MoEFeedForward``); 0
+            for any other leaf. ``expert_numel``: the parameters of those weights (a
+            router in the same module is not part of them).
+        expert_flops: the part of ``matmul_flops`` that runs through the stacked
+            weights, per sample.
+        routed_bytes: the tokens dispatched to the experts per sample (rows times
+            their features, in the compute precision): what expert parallelism sends
+            to other ranks and back. The rows are ``expert_flops`` over two FLOPs per
+            expert parameter: every routed row meets each weight of its expert once.
+        dropless: the experts run every routed row whatever the routing (grouped or
+            per-expert matmuls): the busiest rank sets the pace under expert
+            parallelism. False for fixed-capacity buffers (a batched matmul over the
+            whole stack), which are balanced by construction.
     """
 
     name: str
@@ -88,6 +102,11 @@ class Leaf:
     fwd_ops: int = 0
     param_tensors: int = 1
     fused: bool = False
+    experts: int = 0
+    expert_numel: int = 0
+    expert_flops: float = 0.0
+    routed_bytes: float = 0.0
+    dropless: bool = False
 
     def styles(self, *, sequence_parallel: bool) -> tuple[TPStyle, ...]:
         """Tensor-parallel styles this kind of leaf allows (divisibility aside)."""
@@ -161,6 +180,12 @@ class UnitProfile:
         return sum(leaf.saved_bytes for leaf in self.leaves) + sum(
             f.saved_bytes + f.attn_saved_bytes for f in self.flows
         )
+
+    @cached_property
+    def experts(self) -> int:
+        """Experts per mixture-of-experts layer of the unit (the fewest, when layers
+        differ; 0 without one): what an expert-parallel degree must divide."""
+        return min((leaf.experts for leaf in self.leaves if leaf.experts), default=0)
 
     @cached_property
     def has_attention(self) -> bool:

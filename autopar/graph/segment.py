@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from autopar.graph.flops import MATMUL_OPS
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, Flow, Leaf, LeafKind, UnitProfile
 from autopar.graph.units import is_conv1d, leaf_kind, matrix_shape
 
@@ -60,6 +61,33 @@ class _LeafAcc:
     saved: float = 0.0
     out_bytes: float = 0.0
     ops: int = 0
+    experts: int = 0
+    expert_numel: int = 0
+    expert_flops: float = 0.0
+    row_bytes: float = 0.0
+    dropless: bool = False
+
+    def charge(self, func: Any, flops: float, activation_bytes: float, weight_bytes: float, routed: Any) -> None:
+        """Add one op of the leaf's forward; ``routed`` is the activation an expert
+        matmul reads (None for any other op): its first one's rows are tokens as
+        dispatched, whose size per row prices expert parallelism's exchange."""
+        self.fwd_flops += flops
+        self.fwd_bytes += activation_bytes
+        self.weight_bytes += weight_bytes
+        self.ops += 1
+        if func._overloadpacket in MATMUL_OPS:
+            self.matmul_flops += flops
+        if routed is not None:
+            self.expert_flops += flops
+            self.row_bytes = self.row_bytes or float(routed.shape[-1] * routed.element_size())
+            self.dropless |= func._overloadpacket is not torch.ops.aten.bmm
+
+    def routed_bytes(self, batch: int) -> float:
+        """Tokens dispatched to the experts per sample (:class:`Leaf`)."""
+        if not self.expert_flops or not self.expert_numel:
+            return 0.0
+        rows = self.expert_flops / (2 * self.expert_numel / self.experts)
+        return rows * self.row_bytes / batch
 
 
 @dataclass
@@ -125,6 +153,7 @@ class SegmentTrace:
                     weight_bytes=acc.weight_bytes,
                     saved_bytes=acc.saved / batch,
                     fwd_ops=acc.ops,
+                    **_expert_fields(acc, batch),
                 )
             )
         flows = tuple(
@@ -167,6 +196,7 @@ class Segment:
             params = [p for _, p in mod.named_parameters(recurse=False, remove_duplicate=False)]
             kind = leaf_kind(mod)
             fin, fout, wnumel = matrix_shape(mod, kind)
+            stacked = [p for p in params if p.dim() == 3]
             self.leaf_index[id(mod)] = len(self.leaves)
             self.leaves.append(
                 _LeafAcc(
@@ -178,6 +208,8 @@ class Segment:
                     in_features=fin,
                     out_features=fout,
                     splits_by_heads=is_conv1d(mod),
+                    experts=int(stacked[0].shape[0]) if stacked else 0,
+                    expert_numel=sum(p.numel() for p in stacked),
                 )
             )
         self.info: dict[int, Info] = {}
@@ -280,6 +312,20 @@ class Segment:
             output_bytes=self.output_bytes,
             kv_bytes=self.kv_bytes,
         )
+
+
+def _expert_fields(acc: _LeafAcc, batch: int) -> dict[str, Any]:
+    """A leaf's mixture-of-experts fields: set only where matmuls ran through its
+    stacked 3-D weights (a 1-D convolution's 3-D weight is not an expert stack)."""
+    if not acc.expert_flops:
+        return {}
+    return {
+        "experts": acc.experts,
+        "expert_numel": acc.expert_numel,
+        "expert_flops": acc.expert_flops / batch,
+        "routed_bytes": acc.routed_bytes(batch),
+        "dropless": acc.dropless,
+    }
 
 
 def nbytes_of(t: torch.Tensor) -> int:

@@ -42,7 +42,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.errors import ModelError
-from autopar.graph.flops import MATMUL_OPS, op_flops
+from autopar.graph.flops import EXPERT_MATMULS, op_flops
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT
 from autopar.graph.segment import Info, Op, Segment, SegmentTrace, nbytes_of, tensors_in
 from autopar.vocab import Attention
@@ -107,16 +107,10 @@ class _Recorder(TorchDispatchMode):
         flops = counted if counted is not None else 0.0
         nbytes = float(sum(nbytes_of(t) for t in ins) + sum(nbytes_of(t) for t in outs))
         if seg.leaf_stack:
-            leaf = seg.leaves[seg.leaf_stack[-1]]
             weights = float(sum(nbytes_of(t) for t in ins if self.tracer.is_parameter(t)))
             if counted is None and _may_compute(func) and self.tracer.combines_matrices(ins):
                 self.tracer.uncounted.add(str(func._overloadpacket))
-            leaf.fwd_flops += flops
-            leaf.fwd_bytes += nbytes - weights
-            leaf.weight_bytes += weights
-            leaf.ops += 1
-            if func._overloadpacket in MATMUL_OPS:
-                leaf.matmul_flops += flops
+            seg.leaves[seg.leaf_stack[-1]].charge(func, flops, nbytes - weights, weights, self.tracer.routed(func, ins))
             for t in outs:
                 seg.register(t, Info(origins=frozenset({seg.leaf_stack[-1]}), pending=frozenset(), attn_heads=0))
             return out
@@ -191,9 +185,10 @@ class _AttentionInterceptor(TorchFunctionMode):
 class Tracer:
     """Runs the traced forward; see the module docstring."""
 
-    def __init__(self, *, attention: Attention, param_storages: set[int]):
+    def __init__(self, *, attention: Attention, param_storages: set[int], expert_storages: set[int]):
         self.attention = attention
         self.param_storages = param_storages
+        self.expert_storages = expert_storages
         self.segment: Segment | None = None
         self.in_attention = False
         self.attn_inputs: set[int] = set()
@@ -207,6 +202,13 @@ class Tracer:
         matrices = [t for t in ins if t.dim() >= 2 and t.is_floating_point()]
         weights = [self.is_parameter(t) for t in matrices]
         return any(weights) and not all(weights)
+
+    def routed(self, func: Any, ins: list[torch.Tensor]) -> torch.Tensor | None:
+        """The activation a matmul through stacked expert weights reads (a 3-D
+        parameter or a view of one), or None for any other op."""
+        if func._overloadpacket not in EXPERT_MATMULS or not any(_storage_key(t) in self.expert_storages for t in ins):
+            return None
+        return next((t for t in ins if t.is_floating_point() and not self.is_parameter(t)), None)
 
     def is_parameter(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is (a view of) a parameter: read once per call whatever the batch."""
@@ -340,6 +342,7 @@ def run_trace(
 
     params: dict[str, torch.Tensor] = {}
     param_storages: set[int] = set()
+    expert_storages: set[int] = set()  # stacked 3-D weights: a mixture of experts'
     # One tensor per (shape, dtype, device): the weights' values are never read, and a
     # 1T-parameter model has thousands of parameters but a handful of shapes.
     by_shape: dict[tuple, torch.Tensor] = {}
@@ -351,11 +354,13 @@ def run_trace(
                 device = "meta" if fake is None else p.device
                 by_shape[key] = torch.empty(key[0], dtype=dtype, device=device).requires_grad_(p.is_floating_point())
                 param_storages.add(by_shape[key].untyped_storage()._cdata)
+                if p.dim() == 3:
+                    expert_storages.add(by_shape[key].untyped_storage()._cdata)
             params[name] = by_shape[key]
         for name, b in model.named_buffers(remove_duplicate=False):
             params[name] = adopt(b)
         args, kwargs = make_inputs(adopt)
-    tracer = Tracer(attention=attention, param_storages=param_storages)
+    tracer = Tracer(attention=attention, param_storages=param_storages, expert_storages=expert_storages)
     result = TraceResult()
     block_set = set(blocks)
     served: dict[str, str] = {}

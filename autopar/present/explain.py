@@ -21,7 +21,7 @@ def explain(plan: Plan, *, top: int = 5) -> str:
         f"  batch {m.global_batch_size} x {m.seq_len} tokens, {c.dtype.value}, {plan.settings.optimizer.value} "
         f"optimizer, {plan.settings.attention.value} attention",
         "",
-        f"Configuration  dp={c.dp} x {_cp(c)}tp={c.tp} x pp={c.pp} ({_mesh(c)}), micro-batch {c.micro_batch_size} x "
+        f"Configuration  dp={c.dp} x {_cp(c)}tp={c.tp} x pp={c.pp}{_ep(c)} ({_mesh(c)}), micro-batch {c.micro_batch_size} x "
         f"{c.num_microbatches} per step, {schedule_text(c)}, ZeRO-{c.zero_stage}, {_recompute(plan)}"
         f"{', sequence parallel' if c.sequence_parallel else ''}",
         f"Predicted      step {duration(p.step_time_s)} | {p.samples_per_s:,.1f} samples/s | "
@@ -31,6 +31,7 @@ def explain(plan: Plan, *, top: int = 5) -> str:
         f"{size(p.memory_capacity_bytes)} ({'fits' if p.fits else 'DOES NOT FIT'}); {_worst_memory(plan)}",
         f"Step time      {_breakdown(p.step_time_s, b)}",
         *_context(plan),
+        *_experts(plan),
         *_sharding(plan),
         "",
         "Stages (pipeline rank: units | forward / backward per micro-batch | peak memory)",
@@ -75,11 +76,16 @@ def _cp(c: ParallelConfig) -> str:
     return f"cp={c.cp} x " if c.cp > 1 else ""
 
 
+def _ep(c: ParallelConfig) -> str:
+    return f", ep={c.ep}" if c.ep > 1 else ""
+
+
 def _mesh(c: ParallelConfig) -> str:
     cp = "cp, " if c.cp > 1 else ""
+    ep = f"; ep groups of {c.ep} inside dp{' x cp' if c.cp > 1 else ''}" if c.ep > 1 else ""
     if c.dp_shard is None:
-        return f"mesh pp, dp, {cp}tp"
-    return f"mesh pp, dp_replicate={c.replicate_size}, dp_shard={c.dp_shard}, {cp}tp"
+        return f"mesh pp, dp, {cp}tp{ep}"
+    return f"mesh pp, dp_replicate={c.replicate_size}, dp_shard={c.dp_shard}, {cp}tp{ep}"
 
 
 def _context(plan: Plan) -> list[str]:
@@ -103,6 +109,29 @@ def _context(plan: Plan) -> list[str]:
             f"{duration(other.step_time_s)} (+{100 * other.slower_by:.1f}%)"
         )
     return [f"Context par.   {text}"]
+
+
+def _experts(plan: Plan) -> list[str]:
+    """How expert parallelism splits the experts and what its all-to-alls cost; for a
+    plan without it that searched it, the best runner-up with it (or the other way)."""
+    c, b = plan.config, plan.prediction.breakdown
+    other = next((a for a in plan.alternatives if a.status == "runner-up" and (a.config.ep > 1) != (c.ep > 1)), None)
+    if c.ep == 1 and other is None:
+        return []
+    if c.ep > 1:
+        text = (
+            f"ep={c.ep}: each mixture-of-experts layer's experts split over {c.ep} of the {c.dp_cp} ranks holding "
+            f"the same weights; 4 all-to-alls per layer and micro-batch expose {duration(b.ep_comm_s)} per step; "
+            f"expert gradients reduced over the {c.expert_replicas} ranks holding the same experts"
+        )
+    else:
+        text = "none"
+    if other is not None:
+        text += (
+            f"; best {'without' if c.ep > 1 else f'with ep={other.config.ep}'}: {other.config.short()} "
+            f"{duration(other.step_time_s)} (+{100 * other.slower_by:.1f}%)"
+        )
+    return [f"Expert par.    {text}"]
 
 
 def _sharding(plan: Plan) -> list[str]:
@@ -155,6 +184,7 @@ def _breakdown(total: float, b) -> str:
         ("recompute", b.recompute_s),
         ("TP comm", b.tp_comm_s),
         ("CP comm", b.cp_comm_s),
+        ("EP comm", b.ep_comm_s),
         ("PP comm", b.pp_comm_s),
         ("bubble", b.bubble_s),
         ("DP comm", b.dp_comm_s),

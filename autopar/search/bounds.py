@@ -73,7 +73,7 @@ class TimeBound:
         # that scales; recomputing units could be cheaper at one size and not another
         if micro_batch_scaling_holds(solver.model) and Recompute.NONE in modes:
             for c in configs:
-                family = (c.tp, c.cp, c.sequence_parallel, c.dtype)
+                family = (c.tp, c.cp, c.ep, c.sequence_parallel, c.dtype)
                 self._largest[family] = max(self._largest.get(family, 0), c.micro_batch_size)
 
     def __call__(self, config: ParallelConfig) -> float:
@@ -94,7 +94,16 @@ class TimeBound:
         group (their units and boundaries are), so only the tails differ."""
         if not shards:
             return self.scaled(config)
-        key = (config.tp, config.cp, config.sequence_parallel, config.dtype, "sibling tails", config.pp, config.dp)
+        key = (
+            config.tp,
+            config.cp,
+            config.ep,
+            config.sequence_parallel,
+            config.dtype,
+            "sibling tails",
+            config.pp,
+            config.dp,
+        )
         key += (config.zero_stage, shards)
         if key not in self._cache:
             self._cache[key] = min(self._tail_s(replace(config, dp_shard=s)) for s in shards)
@@ -102,7 +111,7 @@ class TimeBound:
 
     def _scaled_pipeline(self, config: ParallelConfig) -> float:
         """:meth:`scaled` without the tail."""
-        largest = self._largest.get((config.tp, config.cp, config.sequence_parallel, config.dtype), 0)
+        largest = self._largest.get((config.tp, config.cp, config.ep, config.sequence_parallel, config.dtype), 0)
         if largest < config.micro_batch_size:
             return self._pipeline_s(config, config.micro_batch_size, *self._p2p(config))
         pipeline = self._pipeline_s(config, largest, 0.0, 0.0) * (config.micro_batch_size / largest)
@@ -189,7 +198,7 @@ class TimeBound:
 
     def _units(self, config: ParallelConfig, micro_batch_size: int) -> _Units:
         """The unit times of ``config``'s structure on micro-batches of ``micro_batch_size``."""
-        key = (config.tp, config.cp, config.sequence_parallel, micro_batch_size, config.dtype, "units")
+        key = (config.tp, config.cp, config.ep, config.sequence_parallel, micro_batch_size, config.dtype, "units")
         if key not in self._cache:
             solver = self.solver
             if micro_batch_size != config.micro_batch_size:
@@ -204,7 +213,16 @@ class TimeBound:
         return self._cache[key]
 
     def _p2p(self, config: ParallelConfig) -> tuple[float, float]:
-        key = (config.tp, config.cp, config.sequence_parallel, config.micro_batch_size, config.dtype, "p2p", config.pp)
+        key = (
+            config.tp,
+            config.cp,
+            config.ep,
+            config.sequence_parallel,
+            config.micro_batch_size,
+            config.dtype,
+            "p2p",
+            config.pp,
+        )
         if key not in self._cache:
             self._cache[key] = _boundary_p2p_s(self.solver, config, self.modes)
         return self._cache[key]
@@ -215,6 +233,7 @@ class TimeBound:
         key = (
             config.tp,
             config.cp,
+            config.ep,
             config.sequence_parallel,
             config.dtype,
             "tail",
@@ -230,7 +249,7 @@ class TimeBound:
         return self._cache[key]
 
     def _fewest_params(self, config: ParallelConfig) -> float:
-        key = (config.tp, config.cp, config.sequence_parallel, config.dtype, "params")
+        key = (config.tp, config.cp, config.ep, config.sequence_parallel, config.dtype, "params")
         if key not in self._cache:
             solver = self.solver
             self._cache[key] = sum(
@@ -251,6 +270,7 @@ class TimeBound:
         key = (
             config.tp,
             config.cp,
+            config.ep,
             config.sequence_parallel,
             micro_batch_size,
             config.dtype,

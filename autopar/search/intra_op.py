@@ -87,7 +87,10 @@ class LayoutSolver:
     def _fewest(profile: UnitProfile, ctx: TPContext) -> float:
         """The fewest parameters any layout holds: separable per leaf."""
         return (
-            sum(min(leaf_param_numel(leaf, s, ctx.tp) for s in allowed_styles(leaf, ctx)) for leaf in profile.leaves)
+            sum(
+                min(leaf_param_numel(leaf, s, ctx.tp, ctx.ep) for s in allowed_styles(leaf, ctx))
+                for leaf in profile.leaves
+            )
             * (1 + 1e-9)
             + 1e-6
         )
@@ -96,7 +99,7 @@ class LayoutSolver:
         options = [allowed_styles(leaf, ctx) for leaf in profile.leaves]
         outputs = ctx.output_layouts()
         cap = self._fewest(profile, ctx) if small else None
-        key = (id(profile), ctx.tp, ctx.sequence_parallel, ctx.first, ctx.last, ctx.boundary, ctx.rates, small)
+        key = (id(profile), ctx.tp, ctx.ep, ctx.sequence_parallel, ctx.first, ctx.last, ctx.boundary, ctx.rates, small)
         b = ctx.micro_batch
         affine = not ctx.rates.curve
         if affine and self._ends and self._ends[0] <= b <= self._ends[1]:
@@ -224,7 +227,9 @@ def _solve_ilp(
                     at_least_both(reduce_vars[key2], xa, {x[flow.dst, TPStyle.COLUMN]: 1.0})
     if param_cap is not None:
         params = {
-            x[i, s]: leaf_param_numel(profile.leaves[i], s, ctx.tp) for i, opts in enumerate(options) for s in opts
+            x[i, s]: leaf_param_numel(profile.leaves[i], s, ctx.tp, ctx.ep)
+            for i, opts in enumerate(options)
+            for s in opts
         }
         prog.constrain(params, upper=param_cap)
     values = solve(prog, solver)

@@ -164,6 +164,7 @@ class ConfigSolver:
             unit == n - 1,
             config.tp,
             config.cp,
+            config.ep,
             config.sequence_parallel,
             config.micro_batch_size,
             config.dtype,
@@ -210,6 +211,7 @@ class ConfigSolver:
         return (
             config.tp,
             config.cp,
+            config.ep,
             config.sequence_parallel,
             config.micro_batch_size,
             config.dtype,

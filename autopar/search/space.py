@@ -14,7 +14,7 @@ candidates before they are solved.
 
 from __future__ import annotations
 
-import math
+import itertools
 import reprlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
@@ -28,6 +28,8 @@ from autopar.errors import ConfigError
 from autopar.graph.layer_graph import LayerGraph, Leaf, LeafKind
 from autopar.hardware.cluster import Cluster
 from autopar.plan import ParallelConfig
+from autopar.search.experts import check_expert_parallel, ep_degrees
+from autopar.search.integers import divisors
 from autopar.search.split import even_bounds_of
 from autopar.vocab import ZERO_STAGES, DType, Recompute, Schedule, TPStyle
 
@@ -48,17 +50,6 @@ its 128K-token stage with 16-way context parallelism, 8K tokens per rank (Llama 
 "The Llama 3 Herd of Models", section 3.3.2). A ``cp`` constraint is always honoured."""
 
 
-def divisors(n: int, *, at_most: int | None = None) -> list[int]:
-    """Positive divisors of ``n`` in increasing order; only those up to ``at_most`` when
-    given, found without enumerating the rest. Either way a batch of 10**18 samples or a
-    cluster of a million nodes takes milliseconds, not hours: the full list is built from
-    the pairs ``d, n // d`` up to the square root."""
-    if at_most is not None:
-        return [d for d in range(1, min(n, at_most) + 1) if n % d == 0]
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return small + [n // d for d in reversed(small) if d * d != n]
-
-
 def check_constraints(constraints: Mapping[str, Any] | None, *, what: str = "constraints") -> dict[str, Any]:
     """Validate the names and types of fixed fields (values are checked by ParallelConfig);
     ``what`` names the argument in the message for anything but a mapping."""
@@ -71,7 +62,7 @@ def check_constraints(constraints: Mapping[str, Any] | None, *, what: str = "con
     unknown = sorted(set(out) - set(CONFIG_FIELDS), key=repr)
     if unknown:
         raise ConfigError(f"unknown constraint(s) {unknown}; allowed: {', '.join(CONFIG_FIELDS)}.")
-    for name in ("dp", "tp", "pp", "cp", "micro_batch_size", "num_microbatches", "virtual_stages"):
+    for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "num_microbatches", "virtual_stages"):
         if name in out:
             v = out[name]
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -213,6 +204,7 @@ def enumerate_space(
     _check_divides(c, world)
     _check_zero_bubble(c, graph)
     check_context_parallel(graph, c)
+    check_expert_parallel(graph, c)
     tps = [c["tp"]] if "tp" in c else allowed_tp
     configs: list[ParallelConfig] = []
     for tp in tps:
@@ -276,7 +268,7 @@ def enumerate_space(
                     for zero, shard in _shardings(zeros, dp, tp * cp, cluster.devices_per_node, c, fold_shard_groups):
                         if schedule.zero_bubble and zero == 3:
                             continue  # the runtime refuses it (autopar.runtime.pipeline.check_schedule)
-                        for sp in sps:
+                        for sp, ep in itertools.product(sps, ep_degrees(graph, dp * cp, (shard or dp) * cp, c)):
                             if sp and tp == 1:
                                 continue
                             configs.append(
@@ -285,6 +277,7 @@ def enumerate_space(
                                     tp=tp,
                                     pp=pp,
                                     cp=cp,
+                                    ep=ep,
                                     micro_batch_size=mbs,
                                     num_microbatches=m,
                                     schedule=schedule,
@@ -327,7 +320,8 @@ def shard_siblings(config: ParallelConfig, devices_per_node: int, constraints: M
     ``dp_shard`` is fixed or the candidate is itself HSDP."""
     if "dp_shard" in constraints or config.dp_shard is not None or config.zero_stage < 2:
         return ()
-    return tuple(shard_sizes(config.dp, config.tp * config.cp, devices_per_node))
+    sizes = shard_sizes(config.dp, config.tp * config.cp, devices_per_node)
+    return tuple(s for s in sizes if s * config.cp % config.ep == 0)  # an expert group inside a shard group
 
 
 def _cp_pp(graph: LayerGraph, devices: int, c: Mapping[str, Any]) -> Iterator[tuple[int, int]]:
@@ -429,7 +423,7 @@ def memory_floor(model: CostModel, config: ParallelConfig, cache: dict) -> float
     """The peak memory per device ``config`` needs at least
     (:func:`autopar.cost.bounds.memory_floor_bytes` over the units' floors; ``cache``
     keeps the units' floors per unit structure and the model states per sharding)."""
-    units = (config.tp, config.cp, config.sequence_parallel, config.micro_batch_size, config.dtype)
+    units = (config.tp, config.cp, config.ep, config.sequence_parallel, config.micro_batch_size, config.dtype)
     floors = cache.get(units)
     if floors is None:
         kinds = cache.get("kinds")
@@ -449,6 +443,7 @@ def memory_floor(model: CostModel, config: ParallelConfig, cache: dict) -> float
         "states",
         config.tp,
         config.cp,
+        config.ep,
         config.sequence_parallel,
         config.dtype,
         config.zero_stage,

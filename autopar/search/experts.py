@@ -1,0 +1,57 @@
+"""Which expert-parallel degrees the search tries, and the checks of a fixed one.
+
+Expert parallelism only changes a model with mixture-of-experts layers (leaves whose
+stacked 3-D weights run its routed rows, :attr:`autopar.graph.layer_graph.Leaf.experts`).
+Its degree splits every such layer's experts, so it divides their count, and it is
+folded into the ranks holding the same weights (``dp * cp``; under HSDP the shard group,
+:class:`autopar.parallel_config.ParallelConfig`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from autopar.errors import ConfigError
+from autopar.graph.layer_graph import LayerGraph
+from autopar.search.integers import divisors
+
+
+def model_experts(graph: LayerGraph) -> int:
+    """The experts of the model's mixture-of-experts layers (their greatest common
+    divisor where layers differ; 0 without any)."""
+    return math.gcd(*(p.experts for p in graph.profiles if p.experts))
+
+
+def ep_degrees(graph: LayerGraph, weight_replicas: int, shard_group: int, constraints: Mapping[str, Any]) -> list[int]:
+    """Expert-parallel degrees to try with ``weight_replicas`` ranks holding the same
+    weights (``dp * cp``) whose state shards over ``shard_group`` of them: 1, and every
+    divisor of the experts that divides both. A fixed ``ep`` is tried alone where it
+    divides them (:func:`check_expert_parallel` has refused what no layout allows)."""
+    experts = model_experts(graph)
+    fixed = constraints.get("ep")
+    if fixed is not None:
+        return [fixed] if fixed == 1 or (weight_replicas % fixed == 0 and shard_group % fixed == 0) else []
+    if not experts:
+        return [1]
+    return [d for d in divisors(math.gcd(experts, weight_replicas, shard_group))]
+
+
+def check_expert_parallel(graph: LayerGraph, constraints: Mapping[str, Any]) -> None:
+    """A fixed ``ep > 1`` needs a model with mixture-of-experts layers whose expert
+    count it divides; said at once, in one line."""
+    ep = constraints.get("ep", 1)
+    if ep == 1:
+        return
+    experts = model_experts(graph)
+    if not experts:
+        raise ConfigError(
+            f"ep={ep} is not allowed for {graph.name}: expert parallelism splits mixture-of-experts layers "
+            f"(experts stacked in 3-D weights), and this model has none; use ep=1."
+        )
+    if experts % ep:
+        raise ConfigError(
+            f"ep={ep} is not allowed for {graph.name}: its layers have {experts} experts, which ep must divide; "
+            f"use one of {divisors(experts)}."
+        )

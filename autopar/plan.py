@@ -199,6 +199,9 @@ class PlanSettings:
     attention: Attention = Attention.FLASH
     profile_sources: tuple[str, ...] = ()
     solver: str = "highs"
+    routing_imbalance: float = 1.0
+    """Dropless experts' busiest expert-parallel rank over the mean rows
+    (:attr:`autopar.cost.model.CostModel.routing_imbalance`)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,8 +4,9 @@ Four differential checks on seeded random instances (the test suite runs a few o
 this runs many): the intra-op layout ILP, the per-stage knapsack, the pipeline-split DP,
 and the whole search on small real models at several memory capacities (a configuration
 space small enough to enumerate every configuration, split and per-unit option), one of
-them on two nodes, where HSDP shard groups are candidates, and one at 16K tokens, where
-context parallelism (cp=2, 8K tokens per rank) is.
+them on two nodes, where HSDP shard groups are candidates, one at 16K tokens, where
+context parallelism (cp=2, 8K tokens per rank) is, and a mixture of experts, where expert
+parallelism (ep 1, 2 and 4) is.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from autopar.cost.model import CostModel
 from autopar.cost.peak import budget_bytes
 from autopar.graph import extract
 from autopar.hardware import preset
-from autopar.models import GPT, CNNConfig, GPTConfig, ResNet
+from autopar.models import GPT, CNNConfig, GPTConfig, MoEConfig, MoELlama, ResNet
 from autopar.search.intra_op import LayoutSolver, brute_force_layout
 from autopar.search.scan import search
 from autopar.search.solve import ConfigSolver
@@ -133,6 +134,10 @@ def whole() -> list[dict[str, str]]:
         GPT(GPTConfig(vocab_size=512, seq_len=16384, dim=128, n_layers=2, n_heads=4)), seq_len=16384, dtype="bf16"
     )
     runs.append(("GPT 2 blocks at 16K tokens (cp)", (0.05, 0.1, 0.2, 0.4), long_gpt, 1, (1, 2, 4, 8), {}))
+    # 4 experts of a top-2 MoE: ep = 1, 2 or 4 inside the data-parallel ranks
+    moe = MoEConfig(vocab_size=256, seq_len=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, n_experts=4)
+    moe_graph = extract(MoELlama(moe), seq_len=128, dtype="bf16")
+    runs.append(("MoE Llama 2 blocks, 4 experts (ep)", (0.006, 0.008, 0.01, 1.0), moe_graph, 1, (1, 2, 4, 8), {}))
     for name, levels, graph, nodes, sizes, constraints in runs:
         for memory_gib in levels:
             cluster = dataclasses.replace(_tiny_cluster(memory_gib), nodes=nodes)

@@ -228,6 +228,12 @@ def _add_search_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step")
     p.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "adafactor"])
     p.add_argument("--attention", default="flash", choices=["flash", "materialized"])
+    p.add_argument(
+        "--routing-imbalance",
+        type=float,
+        default=1.0,
+        help="dropless experts under expert parallelism: the busiest rank's routed rows over the mean (default 1.0)",
+    )
     p.add_argument("--profile", action="append", help="profiler report(s) whose measurements to use")
     p.add_argument("--out", help="write the plan file here")
     p.add_argument("--html", help="write an HTML report with the pipeline timeline and memory pictures")
@@ -252,6 +258,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         optimizer=args.optimizer,
         attention=args.attention,
         profile=_load_profiles(args.profile),
+        routing_imbalance=args.routing_imbalance,
         **loaded.inputs,
     )
     return _emit(result, args, loaded)
@@ -270,6 +277,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         optimizer=args.optimizer,
         attention=args.attention,
         profile=_load_profiles(args.profile),
+        routing_imbalance=args.routing_imbalance,
         **loaded.inputs,
     )
     code = _emit(result, args, loaded)

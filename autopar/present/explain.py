@@ -124,6 +124,8 @@ def _experts(plan: Plan) -> list[str]:
             f"the same weights; 4 all-to-alls per layer and micro-batch expose {duration(b.ep_comm_s)} per step; "
             f"expert gradients reduced over the {c.expert_replicas} ranks holding the same experts"
         )
+        if plan.settings.routing_imbalance != 1.0:
+            text += f"; dropless experts priced at {plan.settings.routing_imbalance:g}x the mean rows"
     else:
         text = "none"
     if other is not None:

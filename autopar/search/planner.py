@@ -21,7 +21,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from torch import nn
 
-from autopar.cost.model import CostModel
+from autopar.cost.model import ROUTING_IMBALANCE, CostModel
 from autopar.cost.peak import budget_bytes
 from autopar.cost.price import price
 from autopar.errors import (
@@ -86,6 +86,7 @@ def plan(
     profile: Any = None,
     top: int = 5,
     solver: str = "highs",
+    routing_imbalance: float = ROUTING_IMBALANCE,
 ) -> Plan:
     """The fastest plan for ``model`` on ``cluster`` that fits in memory.
 
@@ -106,6 +107,8 @@ def plan(
         profile: profile report(s) whose measurements replace the analytic defaults.
         top: how many runners-up to keep.
         solver: ``highs`` or ``cbc``.
+        routing_imbalance: under expert parallelism, the busiest rank's routed rows over
+            the mean for dropless experts (a number >= 1; 1: a balanced router).
 
     Raises:
         InfeasiblePlanError: nothing fits; the message names the smallest memory found.
@@ -119,6 +122,7 @@ def plan(
     check_positive_int("global_batch_size", global_batch_size)
     _check_top(top)
     check_solver(solver)
+    _check_imbalance(routing_imbalance)
     cluster = _cluster(cluster)
     optimizer, attention = _option("optimizer", optimizer, Optimizer), _option("attention", attention, Attention)
     fixed = check_constraints(constraints)
@@ -127,7 +131,7 @@ def plan(
     graph = _graph(model, measured.cluster, fixed, seq_len, sample_input, attention)
     match = match_layer_profile(measured.layers, model, graph)
     solver_ = ConfigSolver(
-        model=_cost_model(graph, measured, optimizer, global_batch_size),
+        model=_cost_model(graph, measured, optimizer, global_batch_size, routing_imbalance),
         budget_bytes=budget_bytes(measured.cluster.device.memory),
         solver=solver,
         micro_batches=micro_batch_range(graph, measured.cluster, global_batch_size, fixed),
@@ -135,9 +139,8 @@ def plan(
     result = search(solver_, fixed, top=top)
     if not result.best.fits:
         raise infeasible_error(result, measured.cluster, graph)
-    return _noted(
-        to_plan(solver_, result, _provenance(measured, optimizer, attention, solver, started)), match, seq_note
-    )
+    provenance = _provenance(measured, optimizer, attention, solver, routing_imbalance, started)
+    return _noted(to_plan(solver_, result, provenance), match, seq_note)
 
 
 @_cycles_collected_after
@@ -153,6 +156,7 @@ def estimate(
     attention: Attention | str = "flash",
     profile: Any = None,
     solver: str = "highs",
+    routing_imbalance: float = ROUTING_IMBALANCE,
 ) -> Plan:
     """The plan of one given configuration: a search space of size one.
 
@@ -168,6 +172,7 @@ def estimate(
     started = time.perf_counter()
     check_positive_int("global_batch_size", global_batch_size)
     check_solver(solver)
+    _check_imbalance(routing_imbalance)
     cluster = _cluster(cluster)
     optimizer, attention = _option("optimizer", optimizer, Optimizer), _option("attention", attention, Attention)
     fixed = check_constraints(config.__dict__ if isinstance(config, ParallelConfig) else config, what="config")
@@ -176,14 +181,13 @@ def estimate(
     seq_len, seq_note = _default_seq_len(model, seq_len, sample_input)
     graph = _graph(model, measured.cluster, fixed, seq_len, sample_input, attention)
     match = match_layer_profile(measured.layers, model, graph)
-    cost_model = _cost_model(graph, measured, optimizer, global_batch_size)
+    cost_model = _cost_model(graph, measured, optimizer, global_batch_size, routing_imbalance)
     solver_ = ConfigSolver(model=cost_model, budget_bytes=budget_bytes(measured.cluster.device.memory), solver=solver)
     result = search(solver_, fixed, top=0)
     if not result.best.fits:
         result = replace(result, best=_overflow(cost_model, result.best.config, fixed, solver))
-    return _noted(
-        to_plan(solver_, result, _provenance(measured, optimizer, attention, solver, started)), match, seq_note
-    )
+    provenance = _provenance(measured, optimizer, attention, solver, routing_imbalance, started)
+    return _noted(to_plan(solver_, result, provenance), match, seq_note)
 
 
 def _cluster(cluster: object) -> Cluster:
@@ -215,7 +219,18 @@ def _check_top(top: object) -> None:
         raise ConfigError(f"top={top!r} is not allowed: it must be an integer >= 0 (how many runners-up to keep).")
 
 
-def _cost_model(graph: LayerGraph, measured: Measurements, optimizer: Optimizer, batch: int) -> CostModel:
+def _check_imbalance(value: object) -> None:
+    """``routing_imbalance`` is a real number >= 1 (the busiest rank over the mean)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1.0 <= value < math.inf:
+        raise ConfigError(
+            f"routing_imbalance={value!r} is not allowed: give the busiest expert-parallel rank's routed rows over "
+            f"the mean, a number >= 1 (1.0: a balanced router)."
+        )
+
+
+def _cost_model(
+    graph: LayerGraph, measured: Measurements, optimizer: Optimizer, batch: int, routing_imbalance: float
+) -> CostModel:
     return CostModel(
         graph=graph,
         cluster=measured.cluster,
@@ -223,6 +238,7 @@ def _cost_model(graph: LayerGraph, measured: Measurements, optimizer: Optimizer,
         global_batch_size=batch,
         calibration=measured.calibration,
         recompute_fractions=measured.recompute_fractions,
+        routing_imbalance=float(routing_imbalance),
     )
 
 
@@ -253,9 +269,15 @@ def _default_seq_len(model: object, seq_len: int | None, sample_input: Any) -> t
 
 
 def _provenance(
-    measured: Measurements, optimizer: Optimizer, attention: Attention, solver: str, started: float
+    measured: Measurements, optimizer: Optimizer, attention: Attention, solver: str, imbalance: float, started: float
 ) -> Provenance:
-    settings = PlanSettings(optimizer=optimizer, attention=attention, profile_sources=measured.sources, solver=solver)
+    settings = PlanSettings(
+        optimizer=optimizer,
+        attention=attention,
+        profile_sources=measured.sources,
+        solver=solver,
+        routing_imbalance=float(imbalance),
+    )
     return Provenance(settings=settings, search_time_s=time.perf_counter() - started)
 
 

@@ -239,3 +239,19 @@ def test_the_plan_of_a_model_without_experts_never_names_ep():
     plan = autopar.plan(gpt, _tiny_cluster(1.0), global_batch_size=4)
     assert plan.config.ep == 1 and all(a.config.ep == 1 for a in plan.alternatives)
     assert "Expert par." not in autopar.explain(plan)
+
+
+def test_a_stated_routing_imbalance_prices_dropless_plans_and_is_recorded():
+    """The same Mixtral plan at a balanced and a skewed router: the skewed one pays more
+    all-to-all, says so, and keeps the factor in its file; a factor below 1 is refused."""
+    g = extract(_mixtral(), seq_len=32, dtype="bf16")
+    fixed = {"dp": 4, "tp": 1, "pp": 1, "ep": 2, "micro_batch_size": 1, "zero_stage": 0, "recompute": "none"}
+    even = autopar.estimate(g, _tiny_cluster(1.0), fixed, global_batch_size=4)
+    skew = autopar.estimate(g, _tiny_cluster(1.0), fixed, global_batch_size=4, routing_imbalance=1.5)
+    assert skew.prediction.breakdown.ep_comm_s > even.prediction.breakdown.ep_comm_s > 0
+    assert (even.settings.routing_imbalance, skew.settings.routing_imbalance) == (1.0, 1.5)
+    assert "dropless experts priced at 1.5x the mean rows" in autopar.explain(skew)
+    assert Plan.from_json(skew.to_json()) == skew
+    with pytest.raises(ConfigError, match="routing_imbalance=0.5 is not allowed") as info:
+        autopar.plan(g, _tiny_cluster(1.0), global_batch_size=4, routing_imbalance=0.5)
+    assert "\n" not in str(info.value)

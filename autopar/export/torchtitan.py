@@ -51,9 +51,10 @@ passes on)."""
 
 
 def export_torchtitan(plan: Plan, shape: ModelShape | None) -> Export:
-    """The torchtitan job config of ``plan``. ``shape`` is unused: torchtitan builds the
-    model from its own ``[model]`` name and flavor. Raises ExportError for a sequence
-    length torchtitan's models cannot split."""
+    """The torchtitan job config of ``plan``. torchtitan builds the model from its own
+    ``[model]`` name and flavor: ``shape`` only says whether the plan's experts drop
+    tokens, which torchtitan's do not. Raises ExportError for a sequence length
+    torchtitan's models cannot split."""
     c = plan.config
     # its models assert it: tensor parallelism shards the sequence over tp, context
     # parallelism cuts it into 2 x cp chunks
@@ -84,6 +85,13 @@ def export_torchtitan(plan: Plan, shape: ModelShape | None) -> Export:
     note = tp_note(plan, "torchtitan")
     if note:
         notes.append(note)
+    experts = shape.experts if shape is not None else None
+    if experts is not None and experts.capacity_factor is not None:
+        notes.append(
+            f"torchtitan's mixture of experts is dropless: every routed token runs, where the plan's model drops "
+            f"tokens beyond each expert's capacity (capacity factor {experts.capacity_factor:g}) and computes its "
+            f"full buffers: expert compute and memory follow the routing instead of the plan's fixed buffers"
+        )
     if c.dtype is DType.FP16:
         notes.append("torchtitan has no fp16 mixed precision: bfloat16 written instead (same memory)")
     training = {

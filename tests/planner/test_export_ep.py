@@ -125,7 +125,7 @@ def test_megatron_reads_a_transformers_mixtral(mixtral):
     declared_megatron_parser().parse_args(top1.launch.split("pretrain_gpt.py ")[1].split())
 
 
-def test_torchtitan_expert_degrees_build_its_meshes(moe_plans, tmp_path, monkeypatch):
+def test_torchtitan_expert_degrees_build_its_meshes(moe_plans, moe_tiny, tmp_path, monkeypatch):
     """torchtitan's JobConfig reads the degrees; its ParallelDims accepts them and, on a
     fake process group, builds the expert meshes: with tp 1 the plan's expert groups
     (ep consecutive data-parallel ranks) and replicas; with tp 2 groups of tp ranks."""
@@ -136,6 +136,8 @@ def test_torchtitan_expert_degrees_build_its_meshes(moe_plans, tmp_path, monkeyp
     plans = {**moe_plans, "zero0": variant(moe_plans["dp4-ep2"], zero_stage=0)}
     assert any("shards expert-parallel models with FSDP" in n for n in export(plans["zero0"], to="torchtitan").notes)
     assert any("instead of 2" in n for n in export(plans["tp2-dp4-ep2"], to="torchtitan").notes)
+    dropless = "torchtitan's mixture of experts is dropless"
+    assert any(dropless in n for n in export(plans["dp4-ep2"], to="torchtitan", model=moe_tiny).notes)
     for name, plan in plans.items():
         c = plan.config
         path = export(plan, to="torchtitan").save(tmp_path / f"{name}.toml")

@@ -244,6 +244,18 @@ def expert_tp_note(plan: Plan, framework: str, flag: str) -> str:
     )
 
 
+def experts_split_over_tp_note(plan: Plan, framework: str) -> str:
+    """The note for a mixture-of-experts plan with tensor but no expert parallelism:
+    ``framework`` then splits every expert over the tp ranks (Megatron-LM's and
+    torchtitan's expert tensor parallelism), where the plan replicates whole experts on
+    each tp rank and runs them on the whole sequence. For ``ep == 1`` and ``tp > 1``."""
+    return (
+        f"{framework} splits every expert over the {plan.config.tp} tp ranks without expert parallelism, where the "
+        f"plan keeps whole experts on each tp rank: expert memory is 1/{plan.config.tp} of the prediction and "
+        f"tensor-parallel communication differs"
+    )
+
+
 def require_seq_multiple(plan: Plan, framework: str, factors: dict[str, int]) -> None:
     """ExportError unless the plan's sequence length is a multiple of the product of
     ``factors`` (name -> value, e.g. ``{"2 x cp": 4}``), which ``framework`` asserts when

@@ -16,6 +16,7 @@ from autopar.export.common import (
     blocks_of,
     commented,
     expert_tp_note,
+    experts_split_over_tp_note,
     header,
     mixed_recompute_note,
     outside_blocks_note,
@@ -147,6 +148,8 @@ def _expert_args(plan: Plan, shape: ModelShape | None, notes: list[str], info: l
                 "expert's micro-batch buffer is full rather than its sample's"
             )
     if c.ep == 1:
+        if experts is not None and c.tp > 1:
+            notes.append(experts_split_over_tp_note(plan, "Megatron-LM"))
         return args
     args += ["--expert-model-parallel-size", str(c.ep), "--moe-token-dispatcher-type", "alltoall"]
     if c.tp > 1:

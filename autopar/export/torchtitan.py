@@ -26,6 +26,7 @@ from autopar.export.common import (
     blocks_of,
     commented,
     expert_tp_note,
+    experts_split_over_tp_note,
     header,
     mixed_recompute_note,
     outside_blocks_note,
@@ -52,8 +53,8 @@ passes on)."""
 
 def export_torchtitan(plan: Plan, shape: ModelShape | None) -> Export:
     """The torchtitan job config of ``plan``. torchtitan builds the model from its own
-    ``[model]`` name and flavor: ``shape`` only says whether the plan's experts drop
-    tokens, which torchtitan's do not. Raises ExportError for a sequence length
+    ``[model]`` name and flavor: ``shape`` only says whether the model has experts, and
+    whether they drop tokens (torchtitan's do not), for the notes. Raises ExportError for a sequence length
     torchtitan's models cannot split."""
     c = plan.config
     # its models assert it: tensor parallelism shards the sequence over tp, context
@@ -86,6 +87,8 @@ def export_torchtitan(plan: Plan, shape: ModelShape | None) -> Export:
     if note:
         notes.append(note)
     experts = shape.experts if shape is not None else None
+    if experts is not None and c.ep == 1 and c.tp > 1:
+        notes.append(experts_split_over_tp_note(plan, "torchtitan"))
     if experts is not None and experts.capacity_factor is not None:
         notes.append(
             f"torchtitan's mixture of experts is dropless: every routed token runs, where the plan's model drops "

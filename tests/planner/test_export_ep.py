@@ -110,6 +110,12 @@ def test_megatron_expert_parallelism_beside_tensor_parallelism(moe_plans, moe_ti
     assert any("reduced over dp x cp x tp / ep = 4 ranks instead of 2" in n for n in result.notes)
     assert result.launch.startswith("CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun")
     declared_megatron_parser().parse_args(result.launch.split("pretrain_gpt.py ")[1].split())
+    # without expert parallelism both frameworks split each expert over tp, the plan does not
+    no_ep = variant(plan, ep=1)
+    assert "--expert-tensor-parallel-size" not in megatron_args(no_ep, model=moe_tiny)
+    for target in ("megatron", "torchtitan"):
+        notes = export(no_ep, to=target, model=moe_tiny).notes
+        assert any("splits every expert over the 2 tp ranks" in n for n in notes), target
 
 
 def test_megatron_reads_a_transformers_mixtral(mixtral):

@@ -14,10 +14,11 @@ the plan was made for, its sizes are filled in where the framework takes them as
 from autopar.export.api import EXPORTERS, export
 from autopar.export.cli import add_export_parser
 from autopar.export.common import Export, ExportError, UnreadablePlanError
-from autopar.export.shape import ModelShape
+from autopar.export.shape import Experts, ModelShape
 
 __all__ = [
     "EXPORTERS",
+    "Experts",
     "Export",
     "ExportError",
     "ModelShape",

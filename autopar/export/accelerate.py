@@ -12,7 +12,8 @@ its value): true is FULL_SHARD (ZeRO-3), false is SHARD_GRAD_OP (ZeRO-2); NO_SHA
 the ``parallelism_config``'s (dp_replicate, dp_shard) mesh: the plan's replicate groups
 and shard group size. Context parallelism is the ``parallelism_config``'s ``cp_size``
 (torch's ``context_parallel``, with the all-gather rotation the plan assumes), which
-Accelerate runs under FSDP2 only, sharding over dp_shard x cp as the plan does.
+Accelerate runs under FSDP2 only, sharding over dp_shard x cp as the plan does. Its
+``ParallelismConfig`` has no expert-parallel axis: a plan with ``ep > 1`` is refused.
 """
 
 from __future__ import annotations
@@ -39,13 +40,19 @@ MIXED_PRECISION = {DType.BF16: "bf16", DType.FP16: "fp16", DType.FP32: "no"}
 
 def export_accelerate(plan: Plan, shape: ModelShape | None) -> Export:
     """The Accelerate config of ``plan``; ``shape`` names the block class FSDP wraps.
-    Raises ExportError for a pipelined plan, and for a context-parallel one whose
-    sequence length torch cannot split."""
+    Raises ExportError for a pipelined or expert-parallel plan, and for a
+    context-parallel one whose sequence length torch cannot split."""
     c = plan.config
     if c.pp > 1:
         raise ExportError(
             f"accelerate cannot run pipeline parallelism (the plan has pp={c.pp}); export to megatron, deepspeed "
             f"or torchtitan, or make a plan with --set pp=1."
+        )
+    if c.ep > 1:
+        raise ExportError(
+            f"accelerate's ParallelismConfig has no expert-parallel axis (the plan has ep={c.ep}; its Megatron-LM "
+            f"plugin's expert_model_parallel_size runs Megatron's own models); export to megatron, torchtitan or "
+            f"deepspeed, or make a plan with --set ep=1."
         )
     if c.cp > 1:
         require_seq_multiple(plan, "Accelerate's context parallelism", {"2 x cp": 2 * c.cp})

@@ -11,7 +11,7 @@ from autopar.export.accelerate import export_accelerate
 from autopar.export.common import Export, ExportError, load_plan
 from autopar.export.deepspeed import export_deepspeed
 from autopar.export.megatron import export_megatron
-from autopar.export.shape import ModelShape, shape_of
+from autopar.export.shape import ModelShape, require_experts, shape_of
 from autopar.export.torchtitan import export_torchtitan
 from autopar.plan import Plan
 
@@ -35,13 +35,17 @@ def export(plan: Plan | str | Path, to: str, *, model: nn.Module | None = None) 
 
     Raises:
         ExportError: an unknown target, a model that is not the plan's, or a plan the
-            target cannot run (accelerate with pipelining, deepspeed with context
-            parallelism, a sequence length the target cannot split); UnreadablePlanError
-            (also an ExportError) for a missing or malformed plan file.
+            target cannot run (accelerate with pipelining or expert parallelism, deepspeed
+            with context parallelism, a sequence length the target cannot split, expert
+            parallelism for a model without experts or with a count it does not divide);
+            UnreadablePlanError (also an ExportError) for a missing or malformed plan file.
     """
     exporter = exporter_for(to)
     loaded = load_plan(plan)
-    return exporter(loaded, shape_of(model, loaded) if model is not None else None)
+    shape = shape_of(model, loaded) if model is not None else None
+    if shape is not None:
+        require_experts(loaded, shape)
+    return exporter(loaded, shape)
 
 
 def exporter_for(to: str) -> Callable[[Plan, ModelShape | None], Export]:

@@ -228,6 +228,34 @@ CP_EXCHANGE = (
 framework offers another by default."""
 
 
+def expert_tp_note(plan: Plan, framework: str, flag: str) -> str:
+    """The note for a plan with expert and tensor parallelism, which ``framework`` writes
+    with expert tensor parallelism 1 (``flag`` 1): whole experts on each rank, as the
+    plan keeps them, but expert-parallel groups of consecutive ranks that take the tp
+    ranks in (Megatron-LM's and torchtitan's layout), where the plan's take data- and
+    context-parallel ranks only. For a plan with ``ep > 1`` and ``tp > 1``."""
+    c = plan.config
+    return (
+        f"{framework} keeps whole experts on each rank, as the plan does under tp, with {flag} 1; its expert-parallel "
+        f"groups then take the tp ranks in: each tp rank routes 1/{c.tp} of the tokens instead of all of them, and "
+        f"expert gradients are reduced over dp x cp x tp / ep = {c.dp_cp * c.tp // c.ep} ranks instead of "
+        f"{c.expert_replicas}, so expert compute and communication differ from the prediction ({flag} {c.tp} keeps "
+        f"the plan's groups but splits every expert over tp)"
+    )
+
+
+def experts_split_over_tp_note(plan: Plan, framework: str) -> str:
+    """The note for a mixture-of-experts plan with tensor but no expert parallelism:
+    ``framework`` then splits every expert over the tp ranks (Megatron-LM's and
+    torchtitan's expert tensor parallelism), where the plan replicates whole experts on
+    each tp rank and runs them on the whole sequence. For ``ep == 1`` and ``tp > 1``."""
+    return (
+        f"{framework} splits every expert over the {plan.config.tp} tp ranks without expert parallelism, where the "
+        f"plan keeps whole experts on each tp rank: expert memory is 1/{plan.config.tp} of the prediction and "
+        f"tensor-parallel communication differs"
+    )
+
+
 def require_seq_multiple(plan: Plan, framework: str, factors: dict[str, int]) -> None:
     """ExportError unless the plan's sequence length is a multiple of the product of
     ``factors`` (name -> value, e.g. ``{"2 x cp": 4}``), which ``framework`` asserts when

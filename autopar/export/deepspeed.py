@@ -9,6 +9,13 @@ notes go in a top-level ``"autopar"`` entry, which DeepSpeed ignores.
 DeepSpeed has no ring-attention context parallelism: its Ulysses sequence parallelism
 splits attention heads with all-to-alls, another algorithm with other limits (heads
 divisible by its degree) and costs, so a plan with ``cp > 1`` is refused.
+
+Its expert parallelism for training is AutoEP (DeepSpeed >= 0.19): the config's
+``expert_parallel`` section makes ``deepspeed.initialize`` replace the mixture-of-experts
+layers of a transformers model it has a preset for (Mixtral, Qwen-MoE, DeepSeek) with
+layers whose experts are split over ``autoep_size`` consecutive ranks. It neither runs
+under Megatron-DeepSpeed (which builds its own model) nor knows autopar's own
+mixture-of-experts Llama, so those plans with ``ep > 1`` are refused.
 """
 
 from __future__ import annotations
@@ -34,6 +41,15 @@ from autopar.vocab import DType, Recompute, Schedule
 CONFIG_NAME = "ds_config.json"
 MEGATRON_DEEPSPEED_SCRIPT = "pretrain_gpt.py"
 """Megatron-DeepSpeed's GPT pre-training entry point."""
+AUTOEP_PRESETS = {
+    "mixtral": "mixtral",
+    "qwen2_moe": "qwen3_moe",
+    "qwen3_moe": "qwen3_moe",
+    "deepseek_v2": "deepseek_v2",
+    "deepseek_v3": "deepseek_v3",
+}
+"""AutoEP's preset (``expert_parallel.preset_model``) for each transformers
+``model_type`` it replaces the MoE layers of (DeepSpeed 0.19.8's registry)."""
 FP16_LOSS_SCALING = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2}
 """Dynamic loss scaling (``loss_scale`` 0) with DeepSpeed's documented starting values."""
 ACTIVATION_CHECKPOINTING = {
@@ -49,8 +65,10 @@ device and unpartitioned (what the plan's memory model assumes)."""
 
 
 def export_deepspeed(plan: Plan, shape: ModelShape | None) -> Export:
-    """The DeepSpeed config of ``plan`` and how to launch it. ``shape`` is unused: the
-    config does not describe the model. Raises ExportError for a context-parallel plan."""
+    """The DeepSpeed config of ``plan`` and how to launch it. ``shape`` names the model's
+    experts for AutoEP; the config does not describe the model otherwise. Raises
+    ExportError for a context-parallel plan, and for an expert-parallel one AutoEP cannot
+    run."""
     c = plan.config
     if c.cp > 1:
         raise ExportError(
@@ -66,6 +84,8 @@ def export_deepspeed(plan: Plan, shape: ModelShape | None) -> Export:
         "gradient_accumulation_steps": c.num_microbatches,
         "zero_optimization": {"stage": _zero_stage(plan, notes)},
     }
+    if c.ep > 1:
+        config["expert_parallel"] = _expert_parallel(plan, shape, notes)
     if c.dtype is DType.BF16:
         config["bf16"] = {"enabled": True}
     elif c.dtype is DType.FP16:
@@ -83,6 +103,37 @@ def export_deepspeed(plan: Plan, shape: ModelShape | None) -> Export:
     config["autopar"] = {"about": header(plan, "DeepSpeed"), "launch": launch, "notes": notes}
     text = json.dumps(config, indent=2) + "\n"
     return Export(target="deepspeed", text=text, filename=CONFIG_NAME, launch=launch, notes=tuple(notes))
+
+
+def _expert_parallel(plan: Plan, shape: ModelShape | None, notes: list[str]) -> dict:
+    """AutoEP's section for ``ep > 1``: experts split over ``ep`` consecutive ranks (the
+    plan's expert-parallel groups when ``tp == 1``), whole experts per rank, the preset
+    of the model's transformers family when the model is given (AutoEP detects it from
+    the model otherwise)."""
+    c = plan.config
+    if c.tp > 1 or c.pp > 1:
+        raise ExportError(
+            f"deepspeed's expert parallelism (AutoEP) replaces a transformers model's MoE layers and does not run "
+            f"under Megatron-DeepSpeed, which the plan's tp={c.tp} pp={c.pp} needs; export to megatron or "
+            f"torchtitan, or make a plan with --set tp=1 --set pp=1."
+        )
+    experts = shape.experts if shape is not None else None
+    section: dict = {"enabled": True, "autoep_size": c.ep}
+    if experts is None:
+        notes.append(
+            "AutoEP finds the MoE layers when deepspeed.initialize is given a transformers model it has a preset for "
+            f"({', '.join(sorted(set(AUTOEP_PRESETS.values())))}); add expert_parallel.preset_model to name one"
+        )
+        return section
+    preset = AUTOEP_PRESETS.get(experts.model_type or "")
+    if preset is None:
+        kind = f"model_type {experts.model_type!r}" if experts.model_type else "autopar's mixture-of-experts Llama"
+        raise ExportError(
+            f"deepspeed's expert parallelism (AutoEP) replaces the MoE layers of transformers models of types "
+            f"{', '.join(AUTOEP_PRESETS)} only, not {kind}; export to megatron or torchtitan, or make a plan with "
+            f"--set ep=1."
+        )
+    return {**section, "preset_model": preset}
 
 
 def _zero_stage(plan: Plan, notes: list[str]) -> int:

@@ -15,6 +15,8 @@ from autopar.export.common import (
     Export,
     blocks_of,
     commented,
+    expert_tp_note,
+    experts_split_over_tp_note,
     header,
     mixed_recompute_note,
     outside_blocks_note,
@@ -46,6 +48,7 @@ def export_megatron(plan: Plan, shape: ModelShape | None) -> Export:
         str(c.pp),
     ]
     args += _context_parallel_args(plan, notes, info)
+    args += _expert_args(plan, shape, notes, info)
     if c.sequence_parallel:
         args.append("--sequence-parallel")
     args += _pipeline_args(plan, blocks, notes, info)
@@ -106,6 +109,58 @@ def _context_parallel_args(plan: Plan, notes: list[str], info: list[str]) -> lis
         "all_gather is its spelling of the communication type"
     )
     return ["--context-parallel-size", str(c.cp), "--cp-comm-type", "all_gather"]
+
+
+def _expert_args(plan: Plan, shape: ModelShape | None, notes: list[str], info: list[str]) -> list[str]:
+    """Mixture of experts: the model's experts (``--num-experts``, ``--moe-router-topk``,
+    ``--moe-ffn-hidden-size``; autopar's capacity-bounded buffers as Megatron's capacity
+    factor, padded to capacity and dropping in token order, as the plan counts them) and
+    expert parallelism: ``--expert-model-parallel-size`` with the all-to-all dispatcher
+    the plan assumes (Megatron's default gathers every token instead), and expert tensor
+    parallelism 1 (Megatron's default is tp), as the plan keeps whole experts under tp.
+    Megatron asserts experts with ep > 1 and a count divisible by ep (checked by
+    :func:`~autopar.export.shape.require_experts` when the model is given)."""
+    c = plan.config
+    experts = shape.experts if shape is not None else None
+    args: list[str] = []
+    if experts is not None:
+        args += ["--num-experts", str(experts.count), "--moe-router-topk", str(experts.top_k)]
+        if experts.ffn_hidden_size is not None:
+            args += ["--moe-ffn-hidden-size", str(experts.ffn_hidden_size)]
+        if experts.top_k == 1:
+            # Megatron raises on top-1 routing without it (a softmax over one logit has no gradient)
+            args.append("--moe-router-pre-softmax")
+            notes.append(
+                "Megatron-LM routes top-1 with --moe-router-pre-softmax, which it requires: the expert's output is "
+                "scaled by its softmax probability, where the plan's model renormalises it to 1"
+            )
+        if experts.capacity_factor is not None:
+            args += [
+                "--moe-expert-capacity-factor",
+                f"{experts.capacity_factor:g}",
+                "--moe-pad-expert-input-to-capacity",
+                "--moe-token-drop-policy",
+                "position",
+            ]
+            notes.append(
+                "Megatron-LM counts an expert's capacity over a rank's micro-batch (capacity factor x tokens x top-k "
+                "/ experts), the plan's model per sample: the same slots in all, but a token is dropped when its "
+                "expert's micro-batch buffer is full rather than its sample's"
+            )
+    if c.ep == 1:
+        if experts is not None and c.tp > 1:
+            notes.append(experts_split_over_tp_note(plan, "Megatron-LM"))
+        return args
+    args += ["--expert-model-parallel-size", str(c.ep), "--moe-token-dispatcher-type", "alltoall"]
+    if c.tp > 1:
+        args += ["--expert-tensor-parallel-size", "1"]
+        notes.append(expert_tp_note(plan, "Megatron-LM", "--expert-tensor-parallel-size"))
+    if experts is None:
+        info.append(
+            "expert parallelism needs the model's experts: add --num-experts, --moe-router-topk and "
+            "--moe-ffn-hidden-size (autopar export --model NAME or --model-config PATH fills them)"
+        )
+    return args
 
 
 def _pipeline_args(plan: Plan, blocks: Blocks, notes: list[str], info: list[str]) -> list[str]:

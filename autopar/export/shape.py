@@ -3,8 +3,9 @@ flags (Megatron-LM) or wrap its blocks by class (Accelerate's FSDP).
 
 A plan records the model's units, parameter count and fingerprint, not its hidden size
 or head count. When the caller passes the model the plan was made for, its config gives
-them: autopar's own GPT and Llama (every registry model), or any Hugging Face model
-(sizes, and the architecture where its config and blocks state it).
+them: autopar's own GPT, Llama and mixture-of-experts Llama (every registry model), or
+any Hugging Face model (sizes, the architecture where its config and blocks state it,
+and the routed experts where its config counts them, as Mixtral's does).
 """
 
 from __future__ import annotations
@@ -18,7 +19,30 @@ from autopar.export.common import ExportError, blocks_of
 from autopar.graph.units import model_fingerprint
 from autopar.models.gpt import GPTConfig
 from autopar.models.llama import LlamaConfig
+from autopar.models.moe import MoEConfig
 from autopar.plan import Plan
+
+
+@dataclass(frozen=True, kw_only=True)
+class Experts:
+    """The routed experts of a mixture-of-experts model (every block's MLP).
+
+    Attributes:
+        count: experts per layer.
+        top_k: experts each token is routed to.
+        ffn_hidden_size: one expert's hidden width; ``None`` where unknown.
+        capacity_factor: the slots of a balanced routing each expert's buffer holds
+            (tokens beyond are dropped); ``None`` for a dropless model, which runs every
+            routed token.
+        model_type: the transformers ``model_type`` (``mixtral``); ``None`` for
+            autopar's own :class:`~autopar.models.moe.MoELlama`.
+    """
+
+    count: int
+    top_k: int
+    ffn_hidden_size: int | None
+    capacity_factor: float | None
+    model_type: str | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +61,8 @@ class ModelShape:
         linear_bias: the attention and MLP projections have biases.
         norm_epsilon: the norms' epsilon.
         block_class: class name of one transformer block (what FSDP wraps).
+        experts: the routed experts; ``None`` for a model without experts (or none that
+            its config counts).
         known_architecture: the architecture fields above were read from a model autopar
             knows, not left unknown.
     """
@@ -55,6 +81,7 @@ class ModelShape:
     linear_bias: bool | None = None
     norm_epsilon: float | None = None
     block_class: str | None = None
+    experts: Experts | None = None
     known_architecture: bool = False
 
 
@@ -102,6 +129,7 @@ def shape_of(model: nn.Module, plan: Plan) -> ModelShape:
             linear_bias=False,
             norm_epsilon=config.norm_eps,
             block_class=block_class,
+            experts=_moe_experts(config) if isinstance(config, MoEConfig) else None,
             known_architecture=True,
         )
     return _hf_shape(config, block_class, _first_block(model, plan))
@@ -122,8 +150,62 @@ def _hf_shape(config: Any, block_class: str | None, block: nn.Module | None) -> 
         vocab_size=_int(config, "vocab_size"),
         max_position_embeddings=_int(config, "max_position_embeddings"),
         block_class=block_class,
+        experts=_hf_experts(config),
         **(_hf_architecture(config, block) if block is not None else {}),
     )
+
+
+def _moe_experts(config: MoEConfig) -> Experts:
+    """The experts of autopar's mixture-of-experts Llama: capacity-bounded buffers."""
+    return Experts(
+        count=config.n_experts,
+        top_k=config.top_k,
+        ffn_hidden_size=config.ffn_dim,
+        capacity_factor=config.capacity_factor,
+        model_type=None,
+    )
+
+
+_HF_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+"""Names transformers' mixture-of-experts configs give the experts per layer (Mixtral,
+Qwen-MoE, DeepSeek)."""
+
+
+def _hf_experts(config: Any) -> Experts | None:
+    """The routed experts a transformers config counts (``num_local_experts`` and
+    ``num_experts_per_tok`` in Mixtral's), dropless as transformers runs them; None
+    when it counts none."""
+    count = next((n for name in _HF_EXPERT_COUNTS if (n := _int(config, name))), None)
+    top_k = _int(config, "num_experts_per_tok")
+    if count is None or top_k is None:
+        return None
+    return Experts(
+        count=count,
+        top_k=top_k,
+        ffn_hidden_size=_int(config, "moe_intermediate_size") or _int(config, "intermediate_size"),
+        capacity_factor=None,
+        model_type=getattr(config, "model_type", None) or None,
+    )
+
+
+def require_experts(plan: Plan, shape: ModelShape) -> None:
+    """ExportError unless a plan with expert parallelism has a model whose experts split
+    evenly over its ``ep`` ranks (every framework asserts both)."""
+    ep = plan.config.ep
+    if ep == 1:
+        return
+    experts = shape.experts
+    if experts is None:
+        raise ExportError(
+            f"ep={ep} splits a mixture-of-experts model's experts, but the model given for {plan.model.name} has "
+            f"none (its config counts no experts); export a plan made with --set ep=1."
+        )
+    if experts.count % ep:
+        allowed = [d for d in range(1, experts.count + 1) if experts.count % d == 0]
+        raise ExportError(
+            f"ep={ep} does not divide the model's {experts.count} experts per layer, which every framework "
+            f"requires; make the plan with ep in {allowed}."
+        )
 
 
 _GATES = ("gate_proj", "gate_up_proj")
@@ -143,7 +225,9 @@ def _hf_architecture(config: Any, block: nn.Module) -> dict[str, Any]:
         "RMSNorm" if any(n.endswith("RMSNorm") for n in norms) else "LayerNorm" if "LayerNorm" in norms else None
     )
     act = getattr(config, "hidden_act", None) or getattr(config, "activation_function", None)
-    gated = True if any(name.rsplit(".", 1)[-1] in _GATES for name in leaves) else None
+    # a gate module, or a gate weight stacked over experts (Mixtral's experts in transformers 5)
+    names = [*leaves, *(name for name, _ in block.named_parameters())]
+    gated = True if any(name.rsplit(".", 1)[-1] in _GATES for name in names) else None
     if gated is None and act in _UNGATED_ACTS:
         gated = False
     rope = getattr(config, "rope_theta", None) or (getattr(config, "rope_parameters", None) or {}).get("rope_theta")

@@ -10,7 +10,10 @@ torchtitan's data parallelism is DDP (replicate) or FSDP2 (shard); its pipelinin
 the modules of each stage by name, so the plan's split, even or not, interleaved or not,
 is written exactly. Its context parallelism is torch's ``context_parallel`` with the
 all-gather rotation the plan assumes; its data-parallel degrees exclude ``cp``
-(replicate x shard x cp x tp x pp is the world), and FSDP2 shards over shard x cp.
+(replicate x shard x cp x tp x pp is the world), and FSDP2 shards over shard x cp. Its
+expert parallelism splits a mixture-of-experts model's experts over ``ep`` ranks of the
+shard x cp (x tp) ranks, as ``ParallelDims`` lays them out, with whole experts per rank
+(expert tensor parallelism 1), as the plan keeps them.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from autopar.export.common import (
     Export,
     blocks_of,
     commented,
+    expert_tp_note,
+    experts_split_over_tp_note,
     header,
     mixed_recompute_note,
     outside_blocks_note,
@@ -47,9 +52,10 @@ passes on)."""
 
 
 def export_torchtitan(plan: Plan, shape: ModelShape | None) -> Export:
-    """The torchtitan job config of ``plan``. ``shape`` is unused: torchtitan builds the
-    model from its own ``[model]`` name and flavor. Raises ExportError for a sequence
-    length torchtitan's models cannot split."""
+    """The torchtitan job config of ``plan``. torchtitan builds the model from its own
+    ``[model]`` name and flavor: ``shape`` only says whether the model has experts, and
+    whether they drop tokens (torchtitan's do not), for the notes. Raises ExportError for a sequence length
+    torchtitan's models cannot split."""
     c = plan.config
     # its models assert it: tensor parallelism shards the sequence over tp, context
     # parallelism cuts it into 2 x cp chunks
@@ -66,6 +72,12 @@ def export_torchtitan(plan: Plan, shape: ModelShape | None) -> Export:
     parallelism["context_parallel_degree"] = c.cp
     if c.cp > 1:
         parallelism["context_parallel_rotate_method"] = "allgather"
+    if c.ep > 1:
+        # ParallelDims takes 1 or tp; its expert mesh (efsdp x ep x etp) then spans shard x cp x tp
+        parallelism["expert_parallel_degree"] = c.ep
+        parallelism["expert_tensor_parallel_degree"] = 1
+        if c.tp > 1:
+            notes.append(expert_tp_note(plan, "torchtitan", "expert_tensor_parallel_degree"))
     if c.tp > 1 and not c.sequence_parallel:
         notes.append(
             "torchtitan always runs norms on sequence shards under tensor parallelism (sequence parallelism), "
@@ -74,6 +86,15 @@ def export_torchtitan(plan: Plan, shape: ModelShape | None) -> Export:
     note = tp_note(plan, "torchtitan")
     if note:
         notes.append(note)
+    experts = shape.experts if shape is not None else None
+    if experts is not None and c.ep == 1 and c.tp > 1:
+        notes.append(experts_split_over_tp_note(plan, "torchtitan"))
+    if experts is not None and experts.capacity_factor is not None:
+        notes.append(
+            f"torchtitan's mixture of experts is dropless: every routed token runs, where the plan's model drops "
+            f"tokens beyond each expert's capacity (capacity factor {experts.capacity_factor:g}) and computes its "
+            f"full buffers: expert compute and memory follow the routing instead of the plan's fixed buffers"
+        )
     if c.dtype is DType.FP16:
         notes.append("torchtitan has no fp16 mixed precision: bfloat16 written instead (same memory)")
     training = {
@@ -94,6 +115,8 @@ def export_torchtitan(plan: Plan, shape: ModelShape | None) -> Export:
         "for torchtitan 0.2.x (--job.config_file); torchtitan >= 0.3 takes the same fields on Trainer.Config",
         "add [model] name and flavor (and [job], [optimizer], [lr_scheduler]) for the model to train",
     ]
+    if c.ep > 1:
+        info.append("expert_parallel_degree acts on MoE models only: choose a [model] flavor with experts")
     if c.pp > 1:
         placement = "in a V (rank r runs stages r and 2pp-1-r)" if c.schedule is Schedule.ZBV else "on rank i % pp"
         info.append(f"module_fqns_per_model_part lists the plan's stages by module name; stage i runs {placement}")
@@ -109,13 +132,20 @@ def _data_parallel(plan: Plan, notes: list[str]) -> dict:
     inside the replicate one, as autopar's does); ZeRO-1 has no equivalent and becomes
     ZeRO-2. Under context parallelism torchtitan always shards with FSDP2 over the
     data- and context-parallel ranks together (the plan's ``state_shards``), even when
-    dp is 1."""
+    dp is 1; under expert parallelism too, as its experts' data-parallel mesh lies inside
+    the shard degree."""
     c = plan.config
     if c.dp_cp == 1:
         return {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": 1}
     if c.zero_stage == 0 and c.tp == 1 and c.pp == 1 and c.cp == 1:
-        return {"data_parallel_replicate_degree": c.dp, "data_parallel_shard_degree": 1}
-    if c.zero_stage == 0:
+        if c.ep == 1:
+            return {"data_parallel_replicate_degree": c.dp, "data_parallel_shard_degree": 1}
+        notes.append(
+            "torchtitan shards expert-parallel models with FSDP (the experts' data-parallel mesh lies inside its "
+            "shard degree): ZeRO-0 written as FSDP without resharding after forward (ZeRO-2: less memory, "
+            "gradients reduce-scattered)"
+        )
+    elif c.zero_stage == 0:
         notes.append(
             "torchtitan runs DDP only without tensor, pipeline or context parallelism: ZeRO-0 written as FSDP "
             "without resharding after forward (ZeRO-2: less memory, gradients reduce-scattered)"

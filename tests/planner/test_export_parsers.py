@@ -235,6 +235,16 @@ MEGATRON_FLAGS = {
     "--untie-embeddings-and-output-weights": (None, None),
     "--disable-bias-linear": (None, None),
     "--optimizer": (str, ["adam", "sgd", "muon", "dist_muon"]),
+    "--num-experts": (int, None),
+    "--moe-router-topk": (int, None),
+    "--moe-ffn-hidden-size": (int, None),
+    "--moe-router-pre-softmax": (None, None),
+    "--moe-expert-capacity-factor": (float, None),
+    "--moe-pad-expert-input-to-capacity": (None, None),
+    "--moe-token-drop-policy": (str, ["probs", "position"]),
+    "--expert-model-parallel-size": (int, None),
+    "--expert-tensor-parallel-size": (int, None),
+    "--moe-token-dispatcher-type": (str, ["allgather", "alltoall", "flex"]),
 }
 
 
@@ -267,13 +277,19 @@ def _unrolled(layout: str) -> str:
     return out
 
 
-def test_megatron_flags_as_megatron_declares_them(cases, llama_plan):
+def declared_megatron_parser() -> argparse.ArgumentParser:
+    """An argparse parser of :data:`MEGATRON_FLAGS`: an undeclared flag or a bad value raises."""
     parser = argparse.ArgumentParser(allow_abbrev=False, exit_on_error=False)
     for flag, (kind, choices) in MEGATRON_FLAGS.items():
         if kind is None:
             parser.add_argument(flag, action="store_true")
         else:
             parser.add_argument(flag, type=kind, choices=choices)
+    return parser
+
+
+def test_megatron_flags_as_megatron_declares_them(cases, llama_plan):
+    parser = declared_megatron_parser()
     checked = {**cases, "llama-interleaved": llama_plan[0]}
     for name, plan in checked.items():
         model = llama_plan[1] if name == "llama-interleaved" else None

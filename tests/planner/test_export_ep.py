@@ -1,0 +1,230 @@
+"""Expert parallelism in every export: Megatron-LM's expert flags (with the model's experts
+read from autopar's mixture-of-experts Llama and from a transformers Mixtral), torchtitan's
+expert degrees as its own ``ParallelDims`` lays out the ranks, DeepSpeed's AutoEP section
+read back by DeepSpeed and its layer detection, and the one-line refusals: Accelerate
+(no expert axis), DeepSpeed where AutoEP cannot run, a model without experts, and an ep
+that does not divide the experts."""
+
+import importlib
+import json
+import types
+from dataclasses import replace
+
+import pytest
+import torch
+
+import autopar
+from autopar.cli import main
+from autopar.export import ExportError, export
+from autopar.models import build_named_model
+
+from .test_export import megatron_args, torchtitan_config, variant
+from .test_export_parsers import _torchtitan_config_manager, declared_megatron_parser
+
+
+def _estimate(model, devices: int, seq_len: int, **config):
+    return autopar.estimate(
+        model,
+        autopar.preset("dgx-a100-80gb", devices_per_node=devices),
+        {"pp": 1, "micro_batch_size": 1, **config},
+        global_batch_size=32,
+        seq_len=seq_len,
+    )
+
+
+@pytest.fixture(scope="module")
+def moe_tiny():
+    return build_named_model("moe-tiny")
+
+
+@pytest.fixture(scope="module")
+def moe_plans(moe_tiny):
+    """moe-tiny (8 experts, top-2) under ZeRO-1: dp 4 x ep 2 on 4 devices, and tp 2 x dp 4
+    x ep 2 on 8."""
+    four = _estimate(moe_tiny, 4, 128, dp=4, tp=1)
+    eight = _estimate(moe_tiny, 8, 128, dp=4, tp=2, sequence_parallel=True)
+    return {"dp4-ep2": variant(four, ep=2, zero_stage=1), "tp2-dp4-ep2": variant(eight, ep=2, zero_stage=1)}
+
+
+def _mixtral(top_k: int = 2):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=top_k,
+        max_position_embeddings=128,
+    )
+    with torch.device("meta"):
+        return transformers.MixtralForCausalLM(config)
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    """A transformers Mixtral (4 experts, top-2) and its plan with dp 4 x ep 2."""
+    model = _mixtral()
+    plan = _estimate(model, 4, 128, dp=4, tp=1)
+    return model, replace(plan, config=replace(plan.config, ep=2))
+
+
+def test_megatron_expert_flags(moe_plans, moe_tiny):
+    plan = moe_plans["dp4-ep2"]
+    c = plan.config
+    args = megatron_args(plan, model=moe_tiny)
+    cfg = moe_tiny.config
+    assert (args["--num-experts"], args["--moe-router-topk"], args["--moe-ffn-hidden-size"]) == ("8", "2", "128")
+    assert (int(args["--num-experts"]), int(args["--moe-router-topk"])) == (cfg.n_experts, cfg.top_k)
+    assert float(args["--moe-expert-capacity-factor"]) == cfg.capacity_factor
+    assert args["--moe-pad-expert-input-to-capacity"] is True and args["--moe-token-drop-policy"] == "position"
+    assert (args["--expert-model-parallel-size"], args["--moe-token-dispatcher-type"]) == ("2", "alltoall")
+    assert "--expert-tensor-parallel-size" not in args and "--moe-router-pre-softmax" not in args
+    # Megatron's expert grid (order tp-ep-dp-pp, expert tp defaulting to tp = 1): expert data
+    # parallelism world / (etp x ep x pp) = 2 ranks, the plan's expert replicas; an ep group
+    # is ep consecutive ranks, [0, 1], as the plan's (ep consecutive data-parallel ranks)
+    tp, ep = int(args["--tensor-model-parallel-size"]), int(args["--expert-model-parallel-size"])
+    assert plan.cluster.world_size // (tp * ep * 1) == c.expert_replicas == 2
+    assert int(args["--num-experts"]) % ep == 0  # Megatron asserts it
+    words = export(plan, to="megatron", model=moe_tiny).launch.split("pretrain_gpt.py ")[1].split()
+    parsed = declared_megatron_parser().parse_args(words)
+    assert (parsed.expert_model_parallel_size, parsed.num_experts) == (2, 8)
+    assert not export(plan, to="megatron").launch.startswith("CUDA_DEVICE_MAX_CONNECTIONS")
+    # without the model the export still splits the experts, and says which flags to add
+    bare = export(plan, to="megatron")
+    assert "--expert-model-parallel-size 2" in bare.launch and "--num-experts" not in bare.launch
+    assert "add --num-experts, --moe-router-topk and --moe-ffn-hidden-size" in bare.text
+
+
+def test_megatron_expert_parallelism_beside_tensor_parallelism(moe_plans, moe_tiny):
+    """Whole experts per rank (expert TP 1, not Megatron's default of tp); Megatron's ep
+    groups then take the tp ranks in, which the note quantifies."""
+    plan = moe_plans["tp2-dp4-ep2"]
+    args = megatron_args(plan, model=moe_tiny)
+    assert (args["--tensor-model-parallel-size"], args["--expert-tensor-parallel-size"]) == ("2", "1")
+    expert_dp = plan.cluster.world_size // (1 * 2 * 1)  # world / (etp x ep x pp)
+    assert (expert_dp, plan.config.expert_replicas) == (4, 2)
+    result = export(plan, to="megatron", model=moe_tiny)
+    assert any("reduced over dp x cp x tp / ep = 4 ranks instead of 2" in n for n in result.notes)
+    assert result.launch.startswith("CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun")
+    declared_megatron_parser().parse_args(result.launch.split("pretrain_gpt.py ")[1].split())
+    # without expert parallelism both frameworks split each expert over tp, the plan does not
+    no_ep = variant(plan, ep=1)
+    assert "--expert-tensor-parallel-size" not in megatron_args(no_ep, model=moe_tiny)
+    for target in ("megatron", "torchtitan"):
+        notes = export(no_ep, to=target, model=moe_tiny).notes
+        assert any("splits every expert over the 2 tp ranks" in n for n in notes), target
+
+
+def test_megatron_reads_a_transformers_mixtral(mixtral):
+    model, plan = mixtral
+    args = megatron_args(plan, model=model)
+    assert (args["--num-experts"], args["--moe-router-topk"], args["--moe-ffn-hidden-size"]) == ("4", "2", "128")
+    assert "--moe-expert-capacity-factor" not in args  # transformers' Mixtral is dropless, as Megatron's default
+    assert args["--swiglu"] is True  # the experts' stacked gate_up_proj states the gated MLP
+    # top-1 routing: Megatron raises without pre-softmax routing; same parameters, so the same plan
+    top1 = export(plan, to="megatron", model=_mixtral(top_k=1))
+    assert "--moe-router-topk 1 " in top1.launch and "--moe-router-pre-softmax" in top1.launch
+    assert any("--moe-router-pre-softmax, which it requires" in n for n in top1.notes)
+    declared_megatron_parser().parse_args(top1.launch.split("pretrain_gpt.py ")[1].split())
+
+
+def test_torchtitan_expert_degrees_build_its_meshes(moe_plans, moe_tiny, tmp_path, monkeypatch):
+    """torchtitan's JobConfig reads the degrees; its ParallelDims accepts them and, on a
+    fake process group, builds the expert meshes: with tp 1 the plan's expert groups
+    (ep consecutive data-parallel ranks) and replicas; with tp 2 groups of tp ranks."""
+    pytest.importorskip("tyro")
+    manager = _torchtitan_config_manager(monkeypatch)
+    parallel_dims = importlib.import_module("torchtitan.distributed.parallel_dims").ParallelDims
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    plans = {**moe_plans, "zero0": variant(moe_plans["dp4-ep2"], zero_stage=0)}
+    assert any("shards expert-parallel models with FSDP" in n for n in export(plans["zero0"], to="torchtitan").notes)
+    assert any("instead of 2" in n for n in export(plans["tp2-dp4-ep2"], to="torchtitan").notes)
+    dropless = "torchtitan's mixture of experts is dropless"
+    assert any(dropless in n for n in export(plans["dp4-ep2"], to="torchtitan", model=moe_tiny).notes)
+    for name, plan in plans.items():
+        c = plan.config
+        path = export(plan, to="torchtitan").save(tmp_path / f"{name}.toml")
+        p = manager().parse_args(["--job.config_file", str(path)]).parallelism
+        assert (p.expert_parallel_degree, p.expert_tensor_parallel_degree) == (c.ep, 1), name
+        assert torchtitan_config(plan)["parallelism"]["data_parallel_shard_degree"] == c.dp, name
+        world = c.world_size
+        torch.distributed.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=world)
+        try:
+            dims = parallel_dims(
+                dp_replicate=p.data_parallel_replicate_degree,
+                dp_shard=p.data_parallel_shard_degree,
+                cp=p.context_parallel_degree,
+                tp=p.tensor_parallel_degree,
+                pp=p.pipeline_parallel_degree,
+                ep=p.expert_parallel_degree,
+                etp=p.expert_tensor_parallel_degree,
+                world_size=world,
+            )
+            dims.build_mesh()  # checks every mesh's size
+            ep_group = dims.get_mesh("ep").mesh.tolist()
+            replicas = dims.get_mesh("efsdp").mesh.tolist()
+        finally:
+            torch.distributed.destroy_process_group()
+        # the plan's: ep consecutive data-parallel ranks (stride tp), replicas at stride tp x ep
+        planned = [i * c.tp for i in range(c.ep)]
+        if c.tp == 1:
+            assert (ep_group, replicas) == (planned, [i * c.ep for i in range(c.expert_replicas)]), name
+        else:
+            assert (ep_group, planned) == ([0, 1], [0, 2]), name  # torchtitan borrows the tp pair
+            assert len(replicas) == c.dp_cp * c.tp // c.ep == 4, name
+
+
+def test_deepspeed_autoep_reads_the_section_and_finds_the_experts(mixtral, moe_plans, moe_tiny, monkeypatch):
+    """DeepSpeed's config parser reads the AutoEP section; AutoEP's own validation accepts
+    it for the plan's world, and its detection finds the Mixtral's expert layers (and
+    none in autopar's model, which the export therefore refuses)."""
+    ds_config = pytest.importorskip("deepspeed.runtime.config")
+    from deepspeed.module_inject.auto_ep import AutoEP
+    from deepspeed.module_inject.auto_ep_config import validate_autoep_config, validate_autoep_post_detection
+
+    monkeypatch.setattr(ds_config.dist, "get_rank", lambda: 0)
+    model, plan = mixtral
+    c = plan.config
+    data = json.loads(export(plan, to="deepspeed", model=model).text)
+    assert data["expert_parallel"] == {"enabled": True, "autoep_size": 2, "preset_model": "mixtral"}
+    mpu = types.SimpleNamespace(get_data_parallel_world_size=lambda: c.dp)
+    autoep = ds_config.DeepSpeedConfig(data, mpu=mpu).expert_parallel_config
+    assert (autoep.enabled, autoep.autoep_size, autoep.preset_model) == (True, 2, "mixtral")
+    validate_autoep_config(autoep, c.world_size, 1, 1, 1, zero_stage=c.zero_stage)
+    specs = AutoEP(model, autoep).ep_parser()
+    assert [s.num_experts for s in specs] == [4, 4]
+    validate_autoep_post_detection(autoep, specs)
+    bare = export(plan, to="deepspeed")
+    assert "preset_model" not in json.loads(bare.text)["expert_parallel"]
+    assert any("AutoEP finds the MoE layers" in n for n in bare.notes)
+
+    # autopar's own mixture-of-experts Llama: AutoEP's detection, trying every preset, finds nothing to replace
+    def untyped():
+        return ds_config.DeepSpeedConfig(json.loads(bare.text), mpu=mpu).expert_parallel_config
+
+    assert len(AutoEP(model, untyped()).ep_parser()) == 2 and AutoEP(moe_tiny, untyped()).ep_parser() == []
+    with pytest.raises(ExportError, match=r"^deepspeed's expert parallelism \(AutoEP\) .* not autopar's mixture-of"):
+        export(moe_plans["dp4-ep2"], to="deepspeed", model=moe_tiny)
+
+
+def test_refusals_are_one_line(moe_plans, mixtral, tiny_gpt, tmp_path, capsys):
+    with pytest.raises(ExportError, match=r"^deepspeed's .* does not run under Megatron-DeepSpeed, .* tp=2 pp=1"):
+        export(moe_plans["tp2-dp4-ep2"], to="deepspeed")
+    plan = moe_plans["dp4-ep2"]
+    with pytest.raises(ExportError, match=r"^accelerate's ParallelismConfig has no expert-parallel axis \(.*ep=2;"):
+        export(plan, to="accelerate")
+    plan_file = plan.save(tmp_path / "plan.json")
+    assert main(["export", str(plan_file), "--to", "accelerate"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autopar: error: accelerate's ParallelismConfig") and err.count("\n") == 1
+    dense = variant(_estimate(tiny_gpt, 4, 64, dp=4, tp=1), ep=2)
+    for target in ("megatron", "torchtitan", "deepspeed", "accelerate"):
+        with pytest.raises(ExportError, match=r"^ep=2 splits a mixture-of-experts model's experts, but .* has none"):
+            export(dense, to=target, model=tiny_gpt)
+    model = mixtral[0]
+    eight = _estimate(model, 8, 128, dp=8, tp=1)
+    with pytest.raises(ExportError, match=r"^ep=8 does not divide the model's 4 experts .* ep in \[1, 2, 4\]\.$"):
+        export(replace(eight, config=replace(eight.config, ep=8)), to="megatron", model=model)

@@ -122,7 +122,11 @@ def _experts(plan: Plan) -> list[str]:
         text = (
             f"ep={c.ep}: each mixture-of-experts layer's experts split over {c.ep} of the {c.dp_cp} ranks holding "
             f"the same weights; 4 all-to-alls per layer and micro-batch expose {duration(b.ep_comm_s)} per step; "
-            f"expert gradients reduced over the {c.expert_replicas} ranks holding the same experts"
+            + (
+                f"expert gradients reduced over the {c.expert_replicas} ranks holding the same experts"
+                if c.expert_replicas > 1
+                else "each rank's experts are its own (no gradient reduction for them)"
+            )
         )
         if plan.settings.routing_imbalance != 1.0:
             text += f"; dropless experts priced at {plan.settings.routing_imbalance:g}x the mean rows"

@@ -63,6 +63,9 @@ CASES = (
     Case("autopar plan --model llama3-70b (CLI)", "llama3-70b", "dgx-h100:16", 512, 8192, 1.0, "5.4", cli=True),
     Case("Llama-3-405B, transformers LlamaForCausalLM", "hf-llama:405b", "dgx-h100:2048", 2048, 8192, 2.0, "3.8"),
     Case("Llama-3-405B, autopar Llama", "llama3-405b", "dgx-h100:2048", 2048, 8192, 2.0, "-"),
+    # the larger space of the modern-parallelism issue: expert and context parallelism searched
+    Case("Mixtral-8x22B, autopar MoELlama (ep searched)", "mixtral-8x22b", "dgx-h100:64", 1024, 4096, 2.0, "-"),
+    Case("Llama-3.1-8B at 128K tokens (cp searched)", "llama3.1-8b", "dgx-h100:8", 32, 131072, 2.0, "-"),
 )
 
 WORKER = r"""

@@ -44,36 +44,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autopar.errors import ModelError
 from autopar.graph.flops import EXPERT_MATMULS, op_flops
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT
+from autopar.graph.op_kinds import FREE_OPS, PARTS_OPS, may_compute, parts_dim, shaped, whole_slice
 from autopar.graph.segment import Info, Op, Segment, SegmentTrace, nbytes_of, tensors_in
 from autopar.vocab import Attention
-
-_FREE_OPS = {torch.ops.aten._unsafe_view, torch.ops.aten.lift_fresh}
-"""Ops that move no data although PyTorch does not tag them as views."""
-_MOVE_OPS = {
-    torch.ops.aten.embedding,
-    torch.ops.aten.embedding_dense_backward,
-    torch.ops.aten.index,
-    torch.ops.aten.index_select,
-    torch.ops.aten.gather,
-    torch.ops.aten.scatter,
-    torch.ops.aten.index_put,
-    torch.ops.aten.cat,
-    torch.ops.aten.stack,
-    torch.ops.aten._to_copy,
-    torch.ops.aten.clone,
-    torch.ops.aten.copy_,
-}
-"""Ops that select, join or copy values (a lookup in a weight matrix, a learned class
-token joined to the patches): no arithmetic, so no FLOP formula is expected."""
-_PARTS_OPS = {
-    torch.ops.aten.split,
-    torch.ops.aten.split_with_sizes,
-    torch.ops.aten.unbind,
-    torch.ops.aten.slice,
-    torch.ops.aten.narrow,
-}
-"""Ops that take parts of a tensor: on the features of a linear layer's output, they
-mark a fused projection (q, k and v, or gate and up, in one matrix)."""
 
 
 class _Recorder(TorchDispatchMode):
@@ -85,20 +58,20 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = _shaped(func, args, kwargs)
+        out = shaped(func, args, kwargs)
         seg = self.tracer.segment
         if seg is None:
             return out
         outs = tensors_in(out)
         if not outs:
             return out
-        if func._overloadpacket in _PARTS_OPS and not seg.leaf_stack:
-            seg.note_parts(args[0], _parts_dim(func, args, kwargs), _whole_slice(func, args))
+        if func._overloadpacket in PARTS_OPS and not seg.leaf_stack:
+            seg.note_parts(args[0], parts_dim(func, args, kwargs), whole_slice(func, args))
         ins = tensors_in((args, kwargs))
         in_infos = [seg.lookup(t) for t in ins]
         origins = frozenset().union(*(i.origins for i in in_infos)) if in_infos else frozenset()
         heads = max((i.attn_heads for i in in_infos), default=0)
-        if func.is_view or func._overloadpacket in _FREE_OPS:
+        if func.is_view or func._overloadpacket in FREE_OPS:
             pending = frozenset().union(*(i.pending for i in in_infos)) if in_infos else frozenset()
             for t in outs:
                 seg.register(t, Info(origins=origins, pending=pending, attn_heads=heads))
@@ -108,7 +81,7 @@ class _Recorder(TorchDispatchMode):
         nbytes = float(sum(nbytes_of(t) for t in ins) + sum(nbytes_of(t) for t in outs))
         if seg.leaf_stack:
             weights = float(sum(nbytes_of(t) for t in ins if self.tracer.is_parameter(t)))
-            if counted is None and _may_compute(func) and self.tracer.combines_matrices(ins):
+            if counted is None and may_compute(func) and self.tracer.combines_matrices(ins):
                 self.tracer.uncounted.add(str(func._overloadpacket))
             seg.leaves[seg.leaf_stack[-1]].charge(func, flops, nbytes - weights, weights, self.tracer.routed(func, ins))
             for t in outs:
@@ -123,42 +96,6 @@ class _Recorder(TorchDispatchMode):
         seg.charge_waiting(op)
         seg.last_outputs = frozenset(_storage_key(t) for t in outs)
         return out
-
-
-def _shaped(func: Any, args: tuple, kwargs: dict) -> Any:
-    """``func``'s output on tensors without data. torch 2.13's shape function of
-    ``aten._grouped_mm`` accepts only bf16 where its CPU kernel also runs fp32 (a
-    transformers MoE model planned in fp32): the shape does not depend on the precision,
-    so it is taken in bf16 and the output cast back."""
-    a = args[0] if args else None
-    if func._overloadpacket is torch.ops.aten._grouped_mm and a.dtype is not torch.bfloat16:
-        low = tuple(t.to(torch.bfloat16) for t in args[:2])
-        return func(*low, *args[2:], **kwargs).to(a.dtype)
-    return func(*args, **kwargs)
-
-
-def _may_compute(func: Any) -> bool:
-    """Whether an op without a FLOP formula may hide a matmul: not elementwise, not a
-    lookup, join or copy."""
-    return torch.Tag.pointwise not in func.tags and func._overloadpacket not in _MOVE_OPS
-
-
-def _parts_dim(func: Any, args: tuple, kwargs: dict) -> int:
-    packet = func._overloadpacket
-    if packet in (torch.ops.aten.split, torch.ops.aten.split_with_sizes):
-        return int(kwargs.get("dim", args[2] if len(args) > 2 else 0))
-    return int(kwargs.get("dim", args[1] if len(args) > 1 else 0))
-
-
-def _whole_slice(func: Any, args: tuple) -> bool:
-    """A ``slice`` that keeps the whole dimension (``x[:, :]``) takes no part."""
-    if func._overloadpacket is not torch.ops.aten.slice:
-        return False
-    t, dim = args[0], int(args[1]) if len(args) > 1 else 0
-    start = args[2] if len(args) > 2 and args[2] is not None else 0
-    end = args[3] if len(args) > 3 and args[3] is not None else t.shape[dim]
-    step = args[4] if len(args) > 4 else 1
-    return start == 0 and end >= t.shape[dim] and step == 1
 
 
 def _storage_key(t: torch.Tensor) -> int | None:

@@ -30,19 +30,21 @@ MESH_AXES: tuple[str, str, str, str] = (MeshAxis.PP.value, MeshAxis.DP.value, Me
 
 @dataclass(frozen=True, kw_only=True)
 class MeshDims:
-    """Degrees of the four mesh axes, and HSDP's shard group (None: plain sharding)."""
+    """Degrees of the four mesh axes, HSDP's shard group (None: plain sharding) and the
+    expert-parallel degree (``ep`` consecutive ``dp_cp`` ranks split each MoE layer's experts)."""
 
     pp: int
     dp: int
     tp: int
     cp: int = 1
     dp_shard: int | None = None
+    ep: int = 1
 
     @staticmethod
     def of(plan: Plan) -> MeshDims:
         """The degrees a plan asks for."""
         c = plan.config
-        return MeshDims(pp=c.pp, dp=c.dp, cp=c.cp, tp=c.tp, dp_shard=c.dp_shard)
+        return MeshDims(pp=c.pp, dp=c.dp, cp=c.cp, tp=c.tp, dp_shard=c.dp_shard, ep=c.ep)
 
     @property
     def world_size(self) -> int:
@@ -126,6 +128,22 @@ def data_parallel_mesh(replicas: DeviceMesh, dims: MeshDims, device_type: str) -
     return replicas._unflatten(
         0,
         (dims.dp // dims.dp_shard, dims.dp_shard * dims.cp),
+        names,
+        backend_override={axis: override for axis in names} if override else None,
+    )
+
+
+def expert_meshes(replicas: DeviceMesh, dims: MeshDims, device_type: str) -> DeviceMesh:
+    """The weight replicas (:func:`weight_replicas_mesh`) unflattened row-major into
+    (``ep_replicate``, ``ep``): an expert-parallel group is ``ep`` consecutive ``dp_cp``
+    ranks, which together hold every expert once; the ranks at the same place in each
+    group hold the same experts and average their gradients over ``ep_replicate``. New
+    groups get the default group's timeout."""
+    override = _backend_with_timeout(device_type)
+    names = (MeshAxis.EP_REPLICATE.value, MeshAxis.EP.value)
+    return replicas._unflatten(
+        0,
+        (dims.dp_cp // dims.ep, dims.ep),
         names,
         backend_override={axis: override for axis in names} if override else None,
     )

@@ -1,0 +1,154 @@
+"""Expert parallelism (``ep``): each MoE layer's experts split over ``ep`` consecutive
+data-parallel ranks, rows exchanged by all-to-all, expert gradients averaged over the
+ranks holding the same experts. Runs against one process: the same losses, gradient
+norms and weights, on autopar's ``moe-tiny`` (8 experts, top-2, capacity buffers)."""
+
+from collections import Counter
+
+import pytest
+import torch
+from parity import (
+    assert_parity,
+    batches,
+    build,
+    make_plan,
+    megatron_styles,
+    reference,
+    run,
+    token_loss,
+    train,
+    with_ep,
+)
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autopar.runtime.api import parallelize
+from autopar.runtime.recompute import clean_fqn
+
+pytestmark = pytest.mark.multiprocess
+
+NAME = "moe-tiny"
+STEPS = 3
+EXPERTS = 8
+
+
+def _expert_numel() -> int:
+    return sum(p.numel() for n, p in build(NAME).named_parameters() if n.endswith((".w1", ".w2", ".w3")))
+
+
+def _total_numel() -> int:
+    return sum(p.numel() for p in build(NAME).parameters())
+
+
+def test_expert_parallelism_trains_like_one_process_and_holds_half_of_the_experts():
+    """dp=2 ep=2, SGD with momentum and clipping: the same losses, gradient norms (each
+    expert's gradient counted once) and weights as one process; each rank keeps the
+    momentum of the dense weights and of its 4 of the 8 experts."""
+    plan = with_ep(make_plan(NAME, dp=2), 2)
+    results = run(train, 2, NAME, plan, STEPS, 0.5, None, None, 0.9)
+    assert_parity(results, reference(NAME, plan, STEPS, clip=0.5, momentum=0.9))
+    expected = _total_numel() - _expert_numel() // 2
+    assert [r.extra["optimizer_state_numel"] for r in results] == [expected] * 2
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_experts_replicated_over_two_expert_groups_train_like_one_process(zero):
+    """dp=4 ep=2 (expert_replicas 2): ranks {0, 2} hold experts 0-3 and {1, 3} experts
+    4-7. ZeRO-1 shards only the dense state (every rank steps its own experts); ZeRO-3
+    shards the experts again over their 2 replicas, so each rank keeps a quarter of
+    every weight's momentum, except the routers': sharded with their experts' module
+    over the 2 replicas, each rank keeps half of them."""
+    plan = with_ep(make_plan(NAME, dp=4, zero_stage=zero), 2)
+    assert plan.config.expert_replicas == 2
+    results = run(train, 4, NAME, plan, STEPS, 0.5, None, None, 0.9, timeout_s=120)
+    assert_parity(results, reference(NAME, plan, STEPS, clip=0.5, momentum=0.9))
+    if zero == 3:
+        router = sum(p.numel() for n, p in build(NAME).named_parameters() if n.endswith(".router"))
+        expected = (_total_numel() - router) // 4 + router // 2
+        assert [r.extra["optimizer_state_numel"] for r in results] == [expected] * 4
+
+
+def test_expert_parallelism_inside_tensor_parallelism_trains_like_one_process():
+    """4 ranks: tp=2 (Megatron styles on the attention; the MoE layer replicated over the
+    tp pair) inside dp=2 ep=2: each tp rank exchanges its rows with its own ep group."""
+    plan = with_ep(make_plan(NAME, dp=2, tp=2, styles=megatron_styles(NAME)), 2)
+    assert_parity(run(train, 4, NAME, plan, STEPS, 0.5, timeout_s=120), reference(NAME, plan, STEPS, clip=0.5))
+
+
+def test_expert_parallelism_under_pipelining_trains_like_one_process():
+    """4 ranks: pp=2 over dp=2 ep=2; each stage's MoE layers exchange rows per micro-batch."""
+    plan = with_ep(make_plan(NAME, dp=2, pp=2), 2)
+    assert_parity(run(train, 4, NAME, plan, STEPS, 0.5, timeout_s=120), reference(NAME, plan, STEPS, clip=0.5))
+
+
+class _CountAllToAlls(TorchDispatchMode):
+    """Counts the all-to-alls issued (``all_to_all_single`` of the functional collectives,
+    with or without autograd), by namespace and group size."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        if func._opname == "all_to_all_single":
+            self.counts[func.namespace] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _shards_and_all_to_alls(rank, world, plan):
+    job = parallelize(build(NAME), plan, loss_fn=token_loss, measure_memory=False)
+    shapes = {
+        clean_fqn(n): (tuple(p.to_local().shape), tuple(p.shape), p.device_mesh.mesh_dim_names)
+        for stage in job.stages
+        for n, p in stage.named_parameters()
+        if n.endswith((".w1", ".w2", ".w3"))
+    }
+    counts = []
+    for batch in job.shard(batches(NAME, 2, plan.config.global_batch_size)):
+        with _CountAllToAlls() as mode:
+            job.step(batch)
+        counts.append(dict(mode.counts))
+    return shapes, counts[-1]
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_each_rank_holds_its_experts_and_exchanges_rows_four_times_per_layer(recompute):
+    """dp=2 ep=2 with m=2 micro-batches over 4 MoE layers: every expert weight is a
+    ``(8, ...)`` DTensor of which a rank holds 4 rows, on the (ep_replicate, ep) mesh.
+    Per layer and micro-batch the forward dispatches and combines (2 all-to-alls) and the
+    backward runs their reverses (2 more): 4 x 4 x 2 = 32 per step, as the cost model
+    prices it; full recomputation reruns the forward's two in the backward: 6 per layer."""
+    m, layers = 2, 4
+    plan = make_plan(NAME, dp=2, num_microbatches=m, recompute={f"layers.{i}": recompute for i in range(layers)})
+    per_layer = 6 if recompute == "full" else 4
+    for shapes, counts in run(_shards_and_all_to_alls, 2, with_ep(plan, 2)):
+        assert len(shapes) == 3 * layers
+        assert {(local[0], full_[0], mesh) for local, full_, mesh in shapes.values()} == {
+            (EXPERTS // 2, EXPERTS, ("ep_replicate", "ep"))
+        }
+        assert sum(counts.values()) == per_layer * layers * m, counts
+
+
+def _refusal(model, plan):
+    from autopar.runtime.api import analyse
+    from autopar.runtime.errors import ExpertParallelError
+
+    with pytest.raises(ExpertParallelError) as info:
+        analyse(model, plan)
+    return str(info.value)
+
+
+def test_plans_the_runtime_cannot_run_are_refused_in_one_line():
+    """Refused before any collective: an ep that does not divide the experts (ep=4 on
+    the 4-expert test MoE, fine; ep=8 on dp=8: 4 experts do not split over 8), a model
+    without experts, and ep with context parallelism on capacity-bounded experts."""
+    message = _refusal(build("moe"), with_ep(make_plan("moe", dp=8), 8))
+    assert "ep=8 does not divide the 4 experts" in message and "\n" not in message
+    message = _refusal(build("gpt"), with_ep(make_plan("gpt", dp=2), 2))
+    assert "has no experts module" in message and "\n" not in message
+    from parity import with_cp
+
+    message = _refusal(build(NAME), with_ep(with_cp(make_plan(NAME), 2), 2))
+    assert "cp=2" in message and "\n" not in message

@@ -75,9 +75,7 @@ def is_routed_experts(module: nn.Module) -> bool:
 
 def experts_modules(model: nn.Module) -> dict[str, nn.Module]:
     """The model's experts modules by FQN: autopar's MoE layers and transformers' experts."""
-    return {
-        name: m for name, m in model.named_modules() if isinstance(m, MoEFeedForward) or is_routed_experts(m)
-    }
+    return {name: m for name, m in model.named_modules() if isinstance(m, MoEFeedForward) or is_routed_experts(m)}
 
 
 def expert_count(module: nn.Module) -> int:
@@ -118,12 +116,16 @@ def apply_expert_parallel(stage: nn.Module, ep_mesh: DeviceMesh) -> None:
     """Keep this ep rank's experts of every experts module of ``stage`` (DTensors
     ``Shard(0)`` on ``ep_mesh``, no communication) and route their rows over the group."""
     for module in experts_modules(stage).values():
-        names = STACKED_WEIGHTS if isinstance(module, MoEFeedForward) else tuple(n for n, _ in module.named_parameters())
+        names = (
+            STACKED_WEIGHTS if isinstance(module, MoEFeedForward) else tuple(n for n, _ in module.named_parameters())
+        )
         for name in names:
             full = getattr(module, name)
             rows = full.shape[0] // ep_mesh.size()
             local = full.detach()[ep_mesh.get_local_rank() * rows :][:rows].clone()
-            sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
+            sharded = DTensor.from_local(
+                local, ep_mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
+            )
             setattr(module, name, nn.Parameter(sharded, requires_grad=full.requires_grad))
         if isinstance(module, MoEFeedForward):
             module.experts = _StackedDispatch(module, ep_mesh)

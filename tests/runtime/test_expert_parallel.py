@@ -8,12 +8,15 @@ from collections import Counter
 import pytest
 import torch
 from parity import (
+    LOSS_ATOL,
+    LR,
     assert_parity,
     batches,
     build,
     make_plan,
     megatron_styles,
     reference,
+    resumable,
     run,
     token_loss,
     train,
@@ -82,8 +85,9 @@ def test_expert_parallelism_under_pipelining_trains_like_one_process():
 
 
 class _CountAllToAlls(TorchDispatchMode):
-    """Counts the all-to-alls issued (``all_to_all_single`` of the functional collectives,
-    with or without autograd), by namespace and group size."""
+    """Counts the all-to-alls issued, by op namespace: the functional collectives'
+    ``all_to_all_single`` (``all_to_all_single_autograd`` dispatches it in forward and
+    backward), the only all-to-all op expert parallelism uses."""
 
     def __init__(self):
         super().__init__()
@@ -97,16 +101,24 @@ class _CountAllToAlls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _shards_and_all_to_alls(rank, world, plan):
-    job = parallelize(build(NAME), plan, loss_fn=token_loss, measure_memory=False)
+EXPERT_WEIGHTS = {"moe-tiny": (".w1", ".w2", ".w3"), "mixtral": (".gate_up_proj", ".down_proj")}
+
+
+def _shards_and_all_to_alls(rank, world, plan, name):
+    if name == "mixtral":
+        from test_models import hf_loss, mixtral
+
+        job = parallelize(mixtral(), plan, loss_fn=hf_loss, measure_memory=False)
+    else:
+        job = parallelize(build(name), plan, loss_fn=token_loss, measure_memory=False)
     shapes = {
         clean_fqn(n): (tuple(p.to_local().shape), tuple(p.shape), p.device_mesh.mesh_dim_names)
         for stage in job.stages
         for n, p in stage.named_parameters()
-        if n.endswith((".w1", ".w2", ".w3"))
+        if n.endswith(EXPERT_WEIGHTS[name])
     }
     counts = []
-    for batch in job.shard(batches(NAME, 2, plan.config.global_batch_size)):
+    for batch in job.shard(batches("gpt", 2, plan.config.global_batch_size)):
         with _CountAllToAlls() as mode:
             job.step(batch)
         counts.append(dict(mode.counts))
@@ -123,12 +135,26 @@ def test_each_rank_holds_its_experts_and_exchanges_rows_four_times_per_layer(rec
     m, layers = 2, 4
     plan = make_plan(NAME, dp=2, num_microbatches=m, recompute={f"layers.{i}": recompute for i in range(layers)})
     per_layer = 6 if recompute == "full" else 4
-    for shapes, counts in run(_shards_and_all_to_alls, 2, with_ep(plan, 2)):
+    for shapes, counts in run(_shards_and_all_to_alls, 2, with_ep(plan, 2), NAME):
         assert len(shapes) == 3 * layers
         assert {(local[0], full_[0], mesh) for local, full_, mesh in shapes.values()} == {
             (EXPERTS // 2, EXPERTS, ("ep_replicate", "ep"))
         }
-        assert sum(counts.values()) == per_layer * layers * m, counts
+        assert counts == {"_c10d_functional": per_layer * layers * m}
+
+
+def test_dropless_experts_also_exchange_their_token_counts():
+    """The transformers Mixtral (4 experts, dropless) at dp=2 ep=2, m=2, 4 layers: each
+    rank holds 2 of the 4 experts of every layer; per layer and micro-batch the ranks
+    first exchange their token counts per expert (one all-to-all without gradient), then
+    the rows go and come back as for capacity buffers (2 + 2): 5 x 4 x 2 = 40 per step."""
+    from test_models import LAYERS, make, mixtral
+
+    plan = with_ep(make(mixtral(), dp=2), 2)
+    for shapes, counts in run(_shards_and_all_to_alls, 2, plan, "mixtral"):
+        assert len(shapes) == 2 * LAYERS
+        assert {(local[0], full_[0]) for local, full_, _ in shapes.values()} == {(2, 4)}
+        assert counts == {"_c10d_functional": 5 * LAYERS * plan.config.num_microbatches}
 
 
 def _refusal(model, plan):
@@ -152,3 +178,46 @@ def test_plans_the_runtime_cannot_run_are_refused_in_one_line():
 
     message = _refusal(build(NAME), with_ep(with_cp(make_plan(NAME), 2), 2))
     assert "cp=2" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("case", ["dp2", "dp2-pp2", "dp2-tp2"])
+def test_transformers_mixtral_experts_exchange_their_tokens_like_one_process(case):
+    """A tiny transformers Mixtral (4 experts, top-2, dropless) at dp=2 ep=2, alone, under
+    pp=2, and inside tp=2 (attention split, the MoE block replicated over the tp pair):
+    each rank holds 2 experts, receives every token routed to them, runs them with the
+    module's own forward and returns the outputs."""
+    from test_models import LAYERS, hf_reference, hf_train, make, mixtral
+
+    spec = {"dp2": dict(dp=2), "dp2-pp2": dict(dp=2, pp=2), "dp2-tp2": dict(dp=2, tp=2)}[case]
+    styles = None
+    if case == "dp2-tp2":
+        styles = {f"model.layers.{i}.self_attn.{p}_proj": "column" for i in range(LAYERS) for p in "qkv"}
+        styles |= {f"model.layers.{i}.self_attn.o_proj": "row" for i in range(LAYERS)}
+    plan = with_ep(make(mixtral(), styles, **spec), 2)
+    ref = hf_reference("mixtral", plan, steps=STEPS)
+    assert_parity(run(hf_train, plan.config.world_size, "mixtral", plan, STEPS, timeout_s=120), ref)
+
+
+def _resumable(rank, world, plan, path, resume, steps, save_at):
+    job = parallelize(build(NAME), plan, loss_fn=token_loss, measure_memory=False)
+    opt = job.optimizer(torch.optim.SGD, lr=LR, momentum=0.9)
+    losses, start = resumable(job, opt, NAME, path, resume, steps, save_at)
+    return losses, start
+
+
+@pytest.mark.parametrize("saver_ep,loader_ep", [(2, 1), (1, 2)])
+def test_a_checkpoint_saved_under_one_expert_split_resumes_under_another(tmp_path, saver_ep, loader_ep):
+    """Saved by dp=2 at one ep (ep=2: each rank writes its 4 experts of every layer and
+    their momentum, under ZeRO-3), resumed at the other (ZeRO-1): the resumed run
+    continues the uninterrupted single-process run."""
+    steps, save_at = 4, 2
+    saver = with_ep(make_plan(NAME, dp=2, zero_stage=3), saver_ep)
+    loader = with_ep(make_plan(NAME, dp=2, zero_stage=1), loader_ep)
+    ref = reference(NAME, saver, steps, momentum=0.9)
+    first = run(_resumable, 2, saver, str(tmp_path), False, steps, save_at)
+    second = run(_resumable, 2, loader, str(tmp_path), True, steps, None)
+    for losses, _ in first:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses[:save_at]), rtol=0, atol=LOSS_ATOL)
+    for losses, start in second:
+        assert start == save_at
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses[save_at:]), rtol=0, atol=LOSS_ATOL)

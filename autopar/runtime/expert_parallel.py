@@ -28,6 +28,10 @@ ranks: the full batch's gradient, as one process computes it. A wrapped module's
 weights (autopar's router) are averaged over ``ep`` after backward
 (:class:`SharedWeightSync`), which completes their mean over ``dp x cp``.
 
+A measured dry run (fake tensors, :mod:`autopar.runtime.dry_step`) runs capacity-bounded
+experts (equal splits, known shapes) and refuses dropless ones, whose split sizes depend
+on the routing of real tokens.
+
 Refused before any collective (:func:`check_expert_parallel`): a model without experts
 modules, an expert count ``ep`` does not divide, HSDP, and context parallelism with
 capacity-bounded experts (their buffers are sized from the local sequence, so a cp
@@ -44,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -217,6 +222,12 @@ class _RoutedDispatch:
         self.ep = ep_mesh.size()
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Any:
+        if isinstance(hidden_states, FakeTensor):
+            raise ExpertParallelError(
+                f"ep={self.ep}: a measured dry run cannot exchange the rows of dropless experts "
+                f"({type(self.module).__name__}): their split sizes depend on the routing of real tokens; "
+                f"dry-run this plan without measuring (measure=False), or with ep=1."
+            )
         tokens, k = top_k_index.shape
         experts = expert_count(self.module)
         n = experts // self.ep

@@ -20,6 +20,7 @@ from parity import (
     run,
     token_loss,
     train,
+    with_cp,
     with_ep,
 )
 from torch.distributed.tensor import DTensor
@@ -174,26 +175,27 @@ def test_plans_the_runtime_cannot_run_are_refused_in_one_line():
     assert "ep=8 does not divide the 4 experts" in message and "\n" not in message
     message = _refusal(build("gpt"), with_ep(make_plan("gpt", dp=2), 2))
     assert "has no experts module" in message and "\n" not in message
-    from parity import with_cp
-
     message = _refusal(build(NAME), with_ep(with_cp(make_plan(NAME), 2), 2))
     assert "cp=2" in message and "\n" not in message
 
 
-@pytest.mark.parametrize("case", ["dp2", "dp2-pp2", "dp2-tp2"])
+@pytest.mark.parametrize("case", ["dp2", "dp2-pp2", "dp2-tp2", "cp2"])
 def test_transformers_mixtral_experts_exchange_their_tokens_like_one_process(case):
     """A tiny transformers Mixtral (4 experts, top-2, dropless) at dp=2 ep=2, alone, under
-    pp=2, and inside tp=2 (attention split, the MoE block replicated over the tp pair):
-    each rank holds 2 experts, receives every token routed to them, runs them with the
-    module's own forward and returns the outputs."""
+    pp=2, inside tp=2 (attention split, the MoE block replicated over the tp pair), and
+    over cp=2 (ep taken from the context-parallel pair: each rank routes its half of
+    every sequence; dropless routing is per token): each rank holds 2 experts, receives
+    every token routed to them, runs them with the module's own forward and returns the
+    outputs."""
     from test_models import LAYERS, hf_reference, hf_train, make, mixtral
 
-    spec = {"dp2": dict(dp=2), "dp2-pp2": dict(dp=2, pp=2), "dp2-tp2": dict(dp=2, tp=2)}[case]
+    spec = {"dp2": dict(dp=2), "dp2-pp2": dict(dp=2, pp=2), "dp2-tp2": dict(dp=2, tp=2), "cp2": {}}[case]
     styles = None
     if case == "dp2-tp2":
         styles = {f"model.layers.{i}.self_attn.{p}_proj": "column" for i in range(LAYERS) for p in "qkv"}
         styles |= {f"model.layers.{i}.self_attn.o_proj": "row" for i in range(LAYERS)}
-    plan = with_ep(make(mixtral(), styles, **spec), 2)
+    plan = make(mixtral(), styles, **spec)
+    plan = with_ep(with_cp(plan, 2) if case == "cp2" else plan, 2)
     ref = hf_reference("mixtral", plan, steps=STEPS)
     assert_parity(run(hf_train, plan.config.world_size, "mixtral", plan, STEPS, timeout_s=120), ref)
 
@@ -221,3 +223,26 @@ def test_a_checkpoint_saved_under_one_expert_split_resumes_under_another(tmp_pat
     for losses, start in second:
         assert start == save_at
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses[save_at:]), rtol=0, atol=LOSS_ATOL)
+
+
+def test_a_measured_dry_run_splits_the_experts_and_refuses_dropless_ones():
+    """On the fake process group: dp=4 ep=2 ZeRO-3 holds a quarter of every fp32 weight
+    but half of the routers (as on 4 real ranks above); a transformers Mixtral's dropless
+    exchange needs real routing, so its measured step reports a problem in one line."""
+    from test_models import make, mixtral
+
+    from autopar.runtime.dry_run import dry_run
+
+    plan = with_ep(make_plan(NAME, dp=4, zero_stage=3), 2)
+    report = dry_run(lambda: build(NAME, "meta"), plan, measure=True)
+    assert not report.problems
+    router = sum(p.numel() for n, p in build(NAME).named_parameters() if n.endswith(".router"))
+    assert report.ranks[0].param_bytes == 4 * ((_total_numel() - router) // 4 + router // 2)
+
+    def meta_mixtral():
+        with torch.device("meta"):
+            return mixtral()
+
+    report = dry_run(meta_mixtral, with_ep(make(mixtral(), dp=2, zero_stage=3), 2), measure=True)
+    (problem,) = report.problems
+    assert "cannot exchange the rows of dropless experts" in problem and "\n" not in problem

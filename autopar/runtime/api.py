@@ -168,11 +168,11 @@ def parallelize(
         if layout is not None:
             apply_tensor_parallel(stage, layout, mesh["tp"], tuple(t.fqns for t in tied))
         if experts_mesh is not None:
-            apply_expert_parallel(stage, experts_mesh[MeshAxis.EP.value])
+            apply_expert_parallel(stage, experts_mesh.ep)
         apply_recompute(stage, list(plan.stages[i]), plan)
     spec_of = [_dp_spec(plan, stage, plan.stages[i]) for stage, i in zip(stages, indices)]
     sharded_on_meta = plan.config.zero_stage >= 2 and dims.dp_cp > 1
-    ep_replicate = experts_mesh[MeshAxis.EP_REPLICATE.value] if experts_mesh is not None else None
+    ep_replicate = experts_mesh.replicas if experts_mesh is not None else None
     if sharded_on_meta:
         stages = [apply_data_parallel(s, spec, dp_mesh, ep_replicate) for s, spec in zip(stages, spec_of)]
     if materializer is not None:
@@ -197,7 +197,7 @@ def parallelize(
         pipeline_stages=pipeline_stages,
         tied=tied,
         tied_sync=tied_sync,
-        shared_sync=SharedWeightSync(stages, experts_mesh[MeshAxis.EP.value] if experts_mesh is not None else None),
+        shared_sync=SharedWeightSync(stages, experts_mesh.ep if experts_mesh is not None else None),
         loss_parallel=layout is not None and layout.loss_parallel,
         dp_cp_group=replicas.get_group(),
         positions=positions,

@@ -33,7 +33,7 @@ experts (equal splits, known shapes) and refuses dropless ones, whose split size
 on the routing of real tokens.
 
 Refused before any collective (:func:`check_expert_parallel`): a model without experts
-modules, an expert count ``ep`` does not divide, HSDP, and context parallelism with
+modules, an expert count ``ep`` does not divide, and context parallelism with
 capacity-bounded experts (their buffers are sized from the local sequence, so a cp
 rank would drop other tokens than one process).
 """
@@ -105,11 +105,6 @@ def check_expert_parallel(model: nn.Module, plan: Plan) -> None:
                 f"ep={cfg.ep} does not divide the {expert_count(module)} experts of {name!r}; use an ep dividing "
                 f"{expert_count(module)}."
             )
-    if cfg.dp_shard is not None:
-        raise ExpertParallelError(
-            f"ep={cfg.ep} with HSDP (dp_shard={cfg.dp_shard}) is not run by the runtime yet; use plain data "
-            f"parallelism (no dp_shard) or ep=1."
-        )
     if cfg.cp > 1 and any(isinstance(m, MoEFeedForward) for m in found.values()):
         raise ExpertParallelError(
             f"ep={cfg.ep} with cp={cfg.cp}: capacity-bounded experts size their buffers from each rank's "

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from autopar.runtime.mesh import MESH_AXES
+from autopar.runtime.mesh import EP_SHARD, MESH_AXES
 from autopar.vocab import MeshAxis
 
 
@@ -37,18 +37,20 @@ def _counted_elsewhere(grad: torch.Tensor, coord: dict[str, int]) -> bool:
     HSDP shard group spans the ``cp`` ranks of its data-parallel ranks, covering ``cp``.
     An expert's gradient (expert parallelism) is split over ``ep`` and replicated over
     ``ep_replicate`` (sharded there too under ZeRO-2/3), which together span ``dp`` and
-    ``cp``: only the first ``ep_replicate`` rank counts a replicated one. Another weight
-    of an experts module (a router) sharded over ``ep_replicate`` is the same on every
-    ep rank: only ep rank 0 (``coord["ep"]``) counts it."""
+    ``cp``: only the first ``ep_replicate`` rank counts a replicated one; under HSDP the
+    experts are sharded over ``ep_shard`` and replicated over ``dp_replicate``, whose first
+    group counts them. Another weight of an experts module (a router) sharded with its
+    experts' replicas is the same on every ep rank: only ep rank 0 (``coord["ep"]``) counts it."""
     shard_axes = _sharding_axes(grad)
-    if MeshAxis.EP in shard_axes:  # an expert's gradient: held by one rank of each ep group
+    expert_replicas = shard_axes & {MeshAxis.EP_REPLICATE.value, EP_SHARD}
+    if MeshAxis.EP in shard_axes or expert_replicas:  # an expert's gradient, or a router sharded with its experts
         assert isinstance(grad, DTensor)  # sharded on a named axis
-        if MeshAxis.EP_REPLICATE not in shard_axes and grad.device_mesh.get_local_rank(MeshAxis.EP_REPLICATE.value):
+        if MeshAxis.EP not in shard_axes and coord.get(MeshAxis.EP.value, 0) != 0:
             return True
-        shard_axes |= {MeshAxis.DP.value, MeshAxis.CP.value}
-    elif MeshAxis.EP_REPLICATE in shard_axes:  # a router sharded with its experts: the same on every ep rank
-        if coord.get(MeshAxis.EP.value, 0) != 0:
-            return True
+        names = grad.device_mesh.mesh_dim_names or ()
+        for axis in (MeshAxis.EP_REPLICATE.value, MeshAxis.DP_REPLICATE.value):
+            if axis in names and axis not in shard_axes and grad.device_mesh.get_local_rank(axis) != 0:
+                return True
         shard_axes |= {MeshAxis.DP.value, MeshAxis.CP.value}
     if MeshAxis.DP_CP in shard_axes:
         shard_axes |= {MeshAxis.DP.value, MeshAxis.CP.value}

@@ -133,20 +133,42 @@ def data_parallel_mesh(replicas: DeviceMesh, dims: MeshDims, device_type: str) -
     )
 
 
-def expert_meshes(replicas: DeviceMesh, dims: MeshDims, device_type: str) -> DeviceMesh:
+EP_SHARD = "ep_shard"
+"""Under HSDP with expert parallelism, the ranks of one shard group holding the same
+experts (``state_shards / ep``): FSDP2 shards expert state over them."""
+
+
+@dataclass(frozen=True)
+class ExpertMeshes:
+    """The meshes of expert parallelism: ``ep`` (the ranks splitting the experts) and
+    ``replicas`` (the ranks holding the same experts, which data parallelism runs over:
+    1-D ``ep_replicate``, or under HSDP 2-D (``dp_replicate``, ``ep_shard``))."""
+
+    ep: DeviceMesh
+    replicas: DeviceMesh
+
+
+def expert_meshes(replicas: DeviceMesh, dims: MeshDims, device_type: str) -> ExpertMeshes:
     """The weight replicas (:func:`weight_replicas_mesh`) unflattened row-major into
     (``ep_replicate``, ``ep``): an expert-parallel group is ``ep`` consecutive ``dp_cp``
     ranks, which together hold every expert once; the ranks at the same place in each
-    group hold the same experts and average their gradients over ``ep_replicate``. New
-    groups get the default group's timeout."""
+    group hold the same experts and average their gradients over ``ep_replicate``. Under
+    HSDP an ep group lies inside a shard group and the replicas are (``dp_replicate``,
+    ``ep_shard``): FSDP2 shards expert state over the ``state_shards / ep`` ranks of a
+    shard group holding the same experts and replicates it across the groups. New groups
+    get the default group's timeout."""
     override = _backend_with_timeout(device_type)
-    names = (MeshAxis.EP_REPLICATE.value, MeshAxis.EP.value)
-    return replicas._unflatten(
-        0,
-        (dims.dp_cp // dims.ep, dims.ep),
-        names,
-        backend_override={axis: override for axis in names} if override else None,
+    if dims.dp_shard is None:
+        names: tuple[str, ...] = (MeshAxis.EP_REPLICATE.value, MeshAxis.EP.value)
+        sizes: tuple[int, ...] = (dims.dp_cp // dims.ep, dims.ep)
+    else:
+        names = (MeshAxis.DP_REPLICATE.value, EP_SHARD, MeshAxis.EP.value)
+        state_shards = dims.dp_shard * dims.cp
+        sizes = (dims.dp // dims.dp_shard, state_shards // dims.ep, dims.ep)
+    mesh = replicas._unflatten(
+        0, sizes, names, backend_override={axis: override for axis in names} if override else None
     )
+    return ExpertMeshes(ep=mesh[MeshAxis.EP.value], replicas=mesh[names[:-1]] if len(names) == 3 else mesh[names[0]])
 
 
 def default_timeout(device_type: str = "cpu") -> timedelta | None:

@@ -246,3 +246,17 @@ def test_a_measured_dry_run_splits_the_experts_and_refuses_dropless_ones():
     report = dry_run(meta_mixtral, with_ep(make(mixtral(), dp=2, zero_stage=3), 2), measure=True)
     (problem,) = report.problems
     assert "cannot exchange the rows of dropless experts" in problem and "\n" not in problem
+
+
+def test_hsdp_shards_the_experts_within_a_shard_group_and_trains_like_one_process():
+    """8 ranks, dp=8 in 2 replicate groups of shard groups of 4, ep=2: an ep group is 2
+    consecutive ranks of a shard group; FSDP2 shards each expert over the 2 ranks of its
+    shard group holding it (``ep_shard``) and replicates it across the groups. Each rank
+    keeps a quarter of the dense momentum and of its experts', half of the routers'."""
+    plan = with_ep(make_plan(NAME, dp=8, zero_stage=3, dp_shard=4), 2)
+    assert (plan.config.expert_replicas, plan.config.expert_state_shards) == (4, 2)
+    results = run(train, 8, NAME, plan, STEPS, 0.5, None, None, 0.9, timeout_s=150)
+    assert_parity(results, reference(NAME, plan, STEPS, clip=0.5, momentum=0.9))
+    router = sum(p.numel() for n, p in build(NAME).named_parameters() if n.endswith(".router"))
+    expected = (_total_numel() - router - _expert_numel()) // 4 + _expert_numel() // 2 // 2 + router // 2
+    assert [r.extra["optimizer_state_numel"] for r in results] == [expected] * 8

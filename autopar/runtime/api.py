@@ -41,7 +41,7 @@ from autopar.runtime.pipeline import build_schedule, build_stages, check_cuttabl
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.tensor_parallel import apply_tensor_parallel
 from autopar.runtime.tied import TiedGradSync, TiedParam, check_tied_stages, find_tied
-from autopar.vocab import DType, MeshAxis, TPStyle
+from autopar.vocab import DType, TPStyle
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 

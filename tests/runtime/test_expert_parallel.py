@@ -3,6 +3,7 @@ data-parallel ranks, rows exchanged by all-to-all, expert gradients averaged ove
 ranks holding the same experts. Runs against one process: the same losses, gradient
 norms and weights, on autopar's ``moe-tiny`` (8 experts, top-2, capacity buffers)."""
 
+import functools
 from collections import Counter
 
 import pytest
@@ -260,3 +261,25 @@ def test_hsdp_shards_the_experts_within_a_shard_group_and_trains_like_one_proces
     router = sum(p.numel() for n, p in build(NAME).named_parameters() if n.endswith(".router"))
     expected = (_total_numel() - router - _expert_numel()) // 4 + _expert_numel() // 2 // 2 + router // 2
     assert [r.extra["optimizer_state_numel"] for r in results] == [expected] * 8
+
+
+def _normal_init(unit):
+    """N(0, 0.02) matrices (the stacked experts included), unit norm scales."""
+    for p in unit.parameters():
+        if p.dim() >= 2:
+            torch.nn.init.normal_(p, std=0.02)
+        else:
+            torch.nn.init.ones_(p)
+
+
+@pytest.mark.parametrize("config", [dict(dp=2), dict(dp=4, zero_stage=3)])
+def test_a_meta_model_fills_its_expert_shards_with_the_seeded_values(config):
+    """Built on the meta device: each rank keeps its experts (and under ZeRO-3 its FSDP
+    shard of them) on meta and fills them from the same per-unit seeded init as one process."""
+    from autopar.runtime.init import initialize
+
+    plan = with_ep(make_plan(NAME, **config), 2)
+    ref_model = initialize(build(NAME, "meta"), plan.model.units, _normal_init, seed=7)
+    meta = functools.partial(build, NAME, "meta")
+    results = run(train, plan.config.world_size, NAME, plan, STEPS, None, meta, _normal_init, 0.0, 7)
+    assert_parity(results, reference(NAME, plan, STEPS, model=ref_model))

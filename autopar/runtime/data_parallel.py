@@ -28,6 +28,12 @@ Under HSDP (``ParallelConfig.dp_shard``) ZeRO-2/3 run the same ``fully_shard`` c
 FSDP2 shards over ``dp_shard``, replicates over ``dp_replicate``, gathers within the shard
 group and follows each reduce-scatter with an all-reduce across the replicate group.
 
+With expert parallelism (:mod:`autopar.runtime.expert_parallel`) the experts modules are
+wrapped first, on the mesh of the ranks holding the same experts (``ep_replicate``, or
+under HSDP (``dp_replicate``, ``ep_shard``)): ``fully_shard`` for ZeRO-2/3, ``replicate``
+for ZeRO-0/1 (their weights are DTensors on the ep mesh, which DDP cannot hold); the
+stage's own wrapping then leaves them alone.
+
 Mixed precision (``bf16``/``fp16``) keeps fp32 master weights, gradients and optimizer
 state: FSDP2 and ``replicate`` cast parameters with ``MixedPrecisionPolicy(param_dtype,
 reduce_dtype=fp32)``; DDP runs the forward under ``torch.autocast``. fp16 plans also scale

@@ -7,7 +7,8 @@ next. Every axis is kept at degree 1. Data parallelism runs over ``dp`` and ``cp
 flattened (``dp_cp``): context-parallel ranks hold the same weights
 (:func:`data_parallel_mesh`). An HSDP plan's data-parallel axis unflattens
 row-major into (dp_replicate, dp_shard) for FSDP2: a shard
-group is consecutive data-parallel ranks. Validation reads only local facts (the world
+group is consecutive data-parallel ranks. Expert parallelism unflattens ``dp_cp`` into
+(``ep_replicate``, ``ep``) (:func:`expert_meshes`). Validation reads only local facts (the world
 size the launcher set), so a plan for another job size fails identically on every rank
 before any collective runs (torchtitan's ``ParallelDims`` habit).
 """

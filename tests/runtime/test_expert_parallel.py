@@ -45,14 +45,20 @@ def _total_numel() -> int:
     return sum(p.numel() for p in build(NAME).parameters())
 
 
-def test_expert_parallelism_trains_like_one_process_and_holds_half_of_the_experts():
+@pytest.mark.parametrize("case", ["zero0", "zero3", "recompute"])
+def test_expert_parallelism_trains_like_one_process_and_holds_half_of_the_experts(case):
     """dp=2 ep=2, SGD with momentum and clipping: the same losses, gradient norms (each
     expert's gradient counted once) and weights as one process; each rank keeps the
-    momentum of the dense weights and of its 4 of the 8 experts."""
-    plan = with_ep(make_plan(NAME, dp=2), 2)
+    momentum of its 4 of the 8 experts, and of the dense weights (ZeRO-0, and with every
+    block recomputed: the exchange reruns in backward) or of half of them (ZeRO-3; the
+    routers stay whole, wrapped with their experts on the one-rank ``ep_replicate`` mesh)."""
+    config = {"zero3": dict(zero_stage=3), "recompute": dict(recompute={f"layers.{i}": "full" for i in range(4)})}
+    plan = with_ep(make_plan(NAME, dp=2, **config.get(case, {})), 2)
     results = run(train, 2, NAME, plan, STEPS, 0.5, None, None, 0.9)
     assert_parity(results, reference(NAME, plan, STEPS, clip=0.5, momentum=0.9))
-    expected = _total_numel() - _expert_numel() // 2
+    router = sum(p.numel() for n, p in build(NAME).named_parameters() if n.endswith(".router"))
+    dense = _total_numel() - _expert_numel() - router
+    expected = (dense // 2 if case == "zero3" else dense) + router + _expert_numel() // 2
     assert [r.extra["optimizer_state_numel"] for r in results] == [expected] * 2
 
 

@@ -18,7 +18,9 @@ of ``capacity`` slots per expert and sample (GShard, Lepikhin et al. 2021):
 The router and the experts are one module with parameters, not ``nn.Linear`` layers:
 the planner replicates it under tensor parallelism (every rank runs every expert on the
 whole sequence, gathered from sequence shards under sequence parallelism) and shards the
-attention, the embedding and the head. Expert parallelism is not modelled.
+attention, the embedding and the head. Under expert parallelism the runtime splits the
+stacked expert weights over the ``ep`` ranks and exchanges each expert's buffer rows
+with all-to-alls (:mod:`autopar.runtime.expert_parallel`); the routing is unchanged.
 """
 
 from __future__ import annotations
@@ -60,6 +62,12 @@ class MoEConfig(LlamaConfig):
         return math.ceil(self.capacity_factor * seq * self.top_k / self.n_experts)
 
 
+def swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """SwiGLU MLPs of stacked experts on their rows: ``x`` is ``(experts, rows, dim)``, the
+    weights ``(experts, dim, ffn)``, ``(experts, dim, ffn)`` and ``(experts, ffn, dim)``."""
+    return torch.bmm(F.silu(torch.bmm(x, w1)) * torch.bmm(x, w3), w2)
+
+
 class MoEFeedForward(nn.Module):
     """Top-k routing to capacity-bounded expert buffers (module docstring).
 
@@ -79,8 +87,10 @@ class MoEFeedForward(nn.Module):
         self.w2 = nn.Parameter(torch.empty(cfg.n_experts, cfg.ffn_dim, cfg.dim))
 
     def experts(self, x: torch.Tensor) -> torch.Tensor:
-        """Every expert's SwiGLU MLP on its rows: ``(n_experts, rows, dim)`` in and out."""
-        return torch.bmm(F.silu(torch.bmm(x, self.w1)) * torch.bmm(x, self.w3), self.w2)
+        """Every expert's SwiGLU MLP on its rows: ``(n_experts, rows, dim)`` in and out.
+        Expert parallelism replaces it on an instance by one that sends each expert's
+        rows to the rank holding it (:mod:`autopar.runtime.expert_parallel`)."""
+        return swiglu_experts(x, self.w1, self.w3, self.w2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape

@@ -28,12 +28,13 @@ from autopar.runtime.agreement import check_agreement
 from autopar.runtime.context_parallel import bind_positions, check_context_parallel, local_positions, position_keyword
 from autopar.runtime.data_parallel import DataParallelSpec, apply_data_parallel
 from autopar.runtime.errors import PlanMismatchError
+from autopar.runtime.expert_parallel import SharedWeightSync, apply_expert_parallel, check_expert_parallel
 from autopar.runtime.finite import DEFAULT_MAX_CONSECUTIVE_SKIPS, SkipCounter
 from autopar.runtime.init import InitFn, Materializer, is_meta
 from autopar.runtime.job import Job, JobParts
 from autopar.runtime.layouts import TPLayout, resolve
 from autopar.runtime.loss_scale import LossScaler
-from autopar.runtime.mesh import MeshDims, build_mesh, data_parallel_mesh, weight_replicas_mesh
+from autopar.runtime.mesh import MeshDims, build_mesh, data_parallel_mesh, expert_meshes, weight_replicas_mesh
 from autopar.runtime.metrics import MemoryMeter
 from autopar.runtime.orphan import tie_to_launcher
 from autopar.runtime.pipeline import build_schedule, build_stages, check_cuttable, check_schedule, cut, tensor_outputs
@@ -60,10 +61,11 @@ class Analysis:
 def analyse(model: nn.Module, plan: Plan, *, sample_input: Any = None) -> Analysis:
     """Every check that needs no process group, raising a typed error on a bad plan:
     model fingerprint and units, schedule, pipeline cut, tensor-parallel styles, context
-    parallelism."""
+    and expert parallelism."""
     _check_model(model, plan)
     check_schedule(plan)
     check_context_parallel(model, plan)
+    check_expert_parallel(model, plan)
     check_cuttable(model, plan)
     tied = find_tied(model, plan.stages, plan.config.rank_of_stage)
     check_tied_stages(tied, plan.config.schedule.value)
@@ -156,19 +158,23 @@ def parallelize(
     if not meta:
         stages = [s.to(device) for s in stages]
     positions = local_positions(plan.model.seq_len, cp, coord[2], device) if cp > 1 else None
+    replicas = weight_replicas_mesh(mesh, dims, device.type)
+    dp_mesh = data_parallel_mesh(replicas, dims, device.type)
+    experts_mesh = expert_meshes(replicas, dims, device.type) if dims.ep > 1 else None
     for stage, i in zip(stages, indices):
         if positions is not None:
             bind_positions(stage, position_keyword(model), positions)
         tensor_outputs(stage)
         if layout is not None:
             apply_tensor_parallel(stage, layout, mesh["tp"], tuple(t.fqns for t in tied))
+        if experts_mesh is not None:
+            apply_expert_parallel(stage, experts_mesh.ep)
         apply_recompute(stage, list(plan.stages[i]), plan)
     spec_of = [_dp_spec(plan, stage, plan.stages[i]) for stage, i in zip(stages, indices)]
     sharded_on_meta = plan.config.zero_stage >= 2 and dims.dp_cp > 1
-    replicas = weight_replicas_mesh(mesh, dims, device.type)
-    dp_mesh = data_parallel_mesh(replicas, dims, device.type)
+    ep_replicate = experts_mesh.replicas if experts_mesh is not None else None
     if sharded_on_meta:
-        stages = [apply_data_parallel(s, spec, dp_mesh) for s, spec in zip(stages, spec_of)]
+        stages = [apply_data_parallel(s, spec, dp_mesh, ep_replicate) for s, spec in zip(stages, spec_of)]
     if materializer is not None:
         materializer.fill(stages, device)
     if fake_mode is not None:
@@ -176,7 +182,7 @@ def parallelize(
             for s in stages:
                 s.to_empty(device=device)
     if not sharded_on_meta and (materialize or not meta or fake_mode is not None):
-        stages = [apply_data_parallel(s, spec, dp_mesh) for s, spec in zip(stages, spec_of)]
+        stages = [apply_data_parallel(s, spec, dp_mesh, ep_replicate) for s, spec in zip(stages, spec_of)]
 
     tied_sync = TiedGradSync(tied, dims, coord)
     pipeline_stages = build_stages(stages, indices, plan, device, mesh["pp"].get_group())
@@ -191,6 +197,7 @@ def parallelize(
         pipeline_stages=pipeline_stages,
         tied=tied,
         tied_sync=tied_sync,
+        shared_sync=SharedWeightSync(stages, experts_mesh.ep if experts_mesh is not None else None),
         loss_parallel=layout is not None and layout.loss_parallel,
         dp_cp_group=replicas.get_group(),
         positions=positions,

@@ -28,6 +28,12 @@ Under HSDP (``ParallelConfig.dp_shard``) ZeRO-2/3 run the same ``fully_shard`` c
 FSDP2 shards over ``dp_shard``, replicates over ``dp_replicate``, gathers within the shard
 group and follows each reduce-scatter with an all-reduce across the replicate group.
 
+With expert parallelism (:mod:`autopar.runtime.expert_parallel`) the experts modules are
+wrapped first, on the mesh of the ranks holding the same experts (``ep_replicate``, or
+under HSDP (``dp_replicate``, ``ep_shard``)): ``fully_shard`` for ZeRO-2/3, ``replicate``
+for ZeRO-0/1 (their weights are DTensors on the ep mesh, which DDP cannot hold); the
+stage's own wrapping then leaves them alone.
+
 Mixed precision (``bf16``/``fp16``) keeps fp32 master weights, gradients and optimizer
 state: FSDP2 and ``replicate`` cast parameters with ``MixedPrecisionPolicy(param_dtype,
 reduce_dtype=fp32)``; DDP runs the forward under ``torch.autocast``. fp16 plans also scale
@@ -49,6 +55,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from autopar.runtime.expert_parallel import sharded_experts
 from autopar.vocab import DType
 
 TORCH_DTYPES: dict[DType, torch.dtype] = {
@@ -79,13 +86,20 @@ class DataParallelSpec:
     pipelined: bool
 
 
-def apply_data_parallel(stage: nn.Module, spec: DataParallelSpec, dp_mesh: DeviceMesh) -> nn.Module:
+def apply_data_parallel(
+    stage: nn.Module, spec: DataParallelSpec, dp_mesh: DeviceMesh, experts_mesh: DeviceMesh | None = None
+) -> nn.Module:
     """Wrap ``stage`` for data parallelism over ``dp_mesh`` (1-D, or HSDP's 2-D mesh);
-    returns the module to run (DDP wraps)."""
+    returns the module to run (DDP wraps). With expert parallelism the experts modules
+    are wrapped first on ``experts_mesh`` (``ep_replicate``, the ranks holding the same
+    experts), so the stage's wrapping leaves their weights alone."""
     low = TORCH_DTYPES[spec.dtype] if spec.dtype is not DType.FP32 else None
     policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
+    experts = sharded_experts(stage) if experts_mesh is not None else []
     if spec.zero_stage >= 2 and spec.dp > 1:
         reshard = spec.zero_stage == 3
+        for module in experts:
+            fully_shard(module, mesh=experts_mesh, mp_policy=policy, reshard_after_forward=reshard)
         for fqn in spec.shard_units:
             fully_shard(stage.get_submodule(fqn), mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
         fully_shard(stage, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
@@ -93,6 +107,8 @@ def apply_data_parallel(stage: nn.Module, spec: DataParallelSpec, dp_mesh: Devic
     if spec.dp > 1 and (spec.pipelined or any(isinstance(p, (DTensor, FakeTensor)) for p in stage.parameters())):
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
+        for module in experts:
+            replicate(module, mesh=experts_mesh, mp_policy=policy)
         replicate(stage, mesh=dp_mesh, mp_policy=policy)
         return stage
     if low is not None:

@@ -31,6 +31,11 @@ class ContextParallelError(ConfigError):
     cannot compute)."""
 
 
+class ExpertParallelError(ConfigError):
+    """The plan's expert parallelism cannot run on this model (no experts module, an
+    expert count that ``ep`` does not divide, a combination the runtime does not run)."""
+
+
 class CheckpointError(AutoparError):
     """A checkpoint is missing, incomplete or does not match the job."""
 

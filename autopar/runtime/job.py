@@ -27,6 +27,7 @@ from autopar.plan import Plan
 from autopar.runtime import checkpoint as ckpt
 from autopar.runtime.context_parallel import check_sequence, shard_sequence
 from autopar.runtime.errors import JobError
+from autopar.runtime.expert_parallel import SharedWeightSync
 from autopar.runtime.finite import SkipCounter, Verdict, agree, nonfinite
 from autopar.runtime.grad_norm import clip_, global_grad_norm
 from autopar.runtime.loss_scale import LossScaler
@@ -53,6 +54,8 @@ class JobParts:
         tied: parameters shared across pipeline ranks.
         tied_sync: sums those parameters' gradients.
         loss_parallel: the loss runs on vocabulary-sharded logits.
+        shared_sync: averages the gradients of non-expert weights of the experts modules
+            over the ep group (:mod:`autopar.runtime.expert_parallel`).
         dp_cp_group: the ranks holding the same weights (``dp`` x ``cp``): the loss is
             averaged over them.
         positions: under context parallelism the positions of the tokens this rank
@@ -73,6 +76,7 @@ class JobParts:
     pipeline_stages: list[Any]
     tied: tuple[TiedParam, ...]
     tied_sync: TiedGradSync
+    shared_sync: SharedWeightSync
     loss_parallel: bool
     dp_cp_group: Any
     positions: torch.Tensor | None
@@ -224,6 +228,7 @@ class Job:
         with self._p.memory.track(self._live_tensors()):
             self._run_schedule(args, targets, losses)
         self._p.tied_sync.sync(self.named_parameters())
+        self._p.shared_sync.sync()
         loss = self._mean_loss(losses)
         wall = time.perf_counter() - start
         self._p.metrics.append(
@@ -285,7 +290,7 @@ class Job:
         gradient was not finite: the optimizer will skip this step."""
         if not self._step_verdict().finite:
             return self._nonfinite_norm()
-        return float(global_grad_norm(self.named_parameters(), self.coordinate, self._duplicates()))
+        return float(global_grad_norm(self.named_parameters(), self._norm_coordinate(), self._duplicates()))
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale all gradients so their global norm is at most ``max_norm``; returns the
@@ -296,9 +301,15 @@ class Job:
         if not self._step_verdict().finite:
             return self._nonfinite_norm()
         params = self.named_parameters()
-        norm = global_grad_norm(params, self.coordinate, self._duplicates())
+        norm = global_grad_norm(params, self._norm_coordinate(), self._duplicates())
         clip_(params, norm, max_norm)
         return float(norm)
+
+    def _norm_coordinate(self) -> dict[str, int]:
+        """The mesh coordinate, and the ep rank (the place in the ep group of
+        ``ep`` consecutive ``dp_cp`` ranks) under expert parallelism."""
+        dp_cp_rank = self.coordinate[MeshAxis.DP.value] * self.dims.cp + self.coordinate[MeshAxis.CP.value]
+        return {**self.coordinate, MeshAxis.EP.value: dp_cp_rank % self.dims.ep}
 
     def _nonfinite_norm(self) -> float:
         return float("inf") if self._p.scaler is not None else float("nan")

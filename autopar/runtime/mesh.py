@@ -7,7 +7,8 @@ next. Every axis is kept at degree 1. Data parallelism runs over ``dp`` and ``cp
 flattened (``dp_cp``): context-parallel ranks hold the same weights
 (:func:`data_parallel_mesh`). An HSDP plan's data-parallel axis unflattens
 row-major into (dp_replicate, dp_shard) for FSDP2: a shard
-group is consecutive data-parallel ranks. Validation reads only local facts (the world
+group is consecutive data-parallel ranks. Expert parallelism unflattens ``dp_cp`` into
+(``ep_replicate``, ``ep``) (:func:`expert_meshes`). Validation reads only local facts (the world
 size the launcher set), so a plan for another job size fails identically on every rank
 before any collective runs (torchtitan's ``ParallelDims`` habit).
 """
@@ -30,19 +31,21 @@ MESH_AXES: tuple[str, str, str, str] = (MeshAxis.PP.value, MeshAxis.DP.value, Me
 
 @dataclass(frozen=True, kw_only=True)
 class MeshDims:
-    """Degrees of the four mesh axes, and HSDP's shard group (None: plain sharding)."""
+    """Degrees of the four mesh axes, HSDP's shard group (None: plain sharding) and the
+    expert-parallel degree (``ep`` consecutive ``dp_cp`` ranks split each MoE layer's experts)."""
 
     pp: int
     dp: int
     tp: int
     cp: int = 1
     dp_shard: int | None = None
+    ep: int = 1
 
     @staticmethod
     def of(plan: Plan) -> MeshDims:
         """The degrees a plan asks for."""
         c = plan.config
-        return MeshDims(pp=c.pp, dp=c.dp, cp=c.cp, tp=c.tp, dp_shard=c.dp_shard)
+        return MeshDims(pp=c.pp, dp=c.dp, cp=c.cp, tp=c.tp, dp_shard=c.dp_shard, ep=c.ep)
 
     @property
     def world_size(self) -> int:
@@ -129,6 +132,44 @@ def data_parallel_mesh(replicas: DeviceMesh, dims: MeshDims, device_type: str) -
         names,
         backend_override={axis: override for axis in names} if override else None,
     )
+
+
+EP_SHARD = "ep_shard"
+"""Under HSDP with expert parallelism, the ranks of one shard group holding the same
+experts (``state_shards / ep``): FSDP2 shards expert state over them."""
+
+
+@dataclass(frozen=True)
+class ExpertMeshes:
+    """The meshes of expert parallelism: ``ep`` (the ranks splitting the experts) and
+    ``replicas`` (the ranks holding the same experts, which data parallelism runs over:
+    1-D ``ep_replicate``, or under HSDP 2-D (``dp_replicate``, ``ep_shard``))."""
+
+    ep: DeviceMesh
+    replicas: DeviceMesh
+
+
+def expert_meshes(replicas: DeviceMesh, dims: MeshDims, device_type: str) -> ExpertMeshes:
+    """The weight replicas (:func:`weight_replicas_mesh`) unflattened row-major into
+    (``ep_replicate``, ``ep``): an expert-parallel group is ``ep`` consecutive ``dp_cp``
+    ranks, which together hold every expert once; the ranks at the same place in each
+    group hold the same experts and average their gradients over ``ep_replicate``. Under
+    HSDP an ep group lies inside a shard group and the replicas are (``dp_replicate``,
+    ``ep_shard``): FSDP2 shards expert state over the ``state_shards / ep`` ranks of a
+    shard group holding the same experts and replicates it across the groups. New groups
+    get the default group's timeout."""
+    override = _backend_with_timeout(device_type)
+    if dims.dp_shard is None:
+        names: tuple[str, ...] = (MeshAxis.EP_REPLICATE.value, MeshAxis.EP.value)
+        sizes: tuple[int, ...] = (dims.dp_cp // dims.ep, dims.ep)
+    else:
+        names = (MeshAxis.DP_REPLICATE.value, EP_SHARD, MeshAxis.EP.value)
+        state_shards = dims.dp_shard * dims.cp
+        sizes = (dims.dp // dims.dp_shard, state_shards // dims.ep, dims.ep)
+    mesh = replicas._unflatten(
+        0, sizes, names, backend_override={axis: override for axis in names} if override else None
+    )
+    return ExpertMeshes(ep=mesh[MeshAxis.EP.value], replicas=mesh[names[:-1]] if len(names) == 3 else mesh[names[0]])
 
 
 def default_timeout(device_type: str = "cpu") -> timedelta | None:

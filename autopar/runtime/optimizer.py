@@ -11,6 +11,9 @@ which fails on tensor-parallel DTensors. Here each inner optimizer is a plain
 ``torch.optim`` optimizer over the owned parameters, so ``get_state_dict`` sees ordinary
 per-FQN state and checkpoints reshard to any plan. With FSDP2 (stages 2, 3) the
 parameters are already sharded DTensors and a plain optimizer over them is sharded too.
+Expert weights under expert parallelism differ between the data-parallel ranks (each
+holds its ``1 / ep`` of the experts); ZeRO-1 leaves them out of the partition, and every
+rank steps its own.
 
 Like torchtitan's ``OptimizersContainer``, the container is a ``torch.optim.Optimizer``
 whose ``param_groups`` are the inner optimizers' groups, so learning-rate schedulers work.
@@ -29,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from autopar.runtime.errors import JobError
+from autopar.runtime.expert_parallel import is_expert_param
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -49,7 +53,9 @@ def partition(params: list[nn.Parameter], dp: int) -> list[int]:
 
 
 class _Part:
-    """One stage module's parameters, the owned subset and its inner optimizer."""
+    """One stage module's parameters shared by the data-parallel ranks, the owned subset,
+    the parameters only this rank's replicas hold (``local``: experts), and the inner
+    optimizer over the owned and local ones."""
 
     def __init__(
         self,
@@ -58,11 +64,13 @@ class _Part:
         owners: list[int],
         me: int,
         make: Callable[[list[nn.Parameter]], Optimizer],
+        local: tuple[nn.Parameter, ...] = (),
     ):
         self.module = module
         self.params = params
         self.owners = owners
-        owned = [p for p, o in zip(params, owners) if o == me]
+        self.local = local
+        owned = [p for p, o in zip(params, owners) if o == me] + list(local)
         self.inner: Optimizer | None = make(owned) if owned else None
 
 
@@ -93,10 +101,12 @@ class ShardedOptimizer(Optimizer):
         self.parts: list[_Part] = []
         every: list[nn.Parameter] = []
         for module in modules:
-            params = [p for p in module.parameters() if p.requires_grad]
+            trainable = [p for p in module.parameters() if p.requires_grad]
+            params = [p for p in trainable if dp_group is None or not is_expert_param(p)]
+            experts = tuple(p for p in trainable if dp_group is not None and is_expert_param(p))
             owners = partition(params, dp) if dp_group is not None else [0] * len(params)
-            self.parts.append(_Part(module, params, owners, me, lambda ps: optimizer_cls(ps, **kwargs)))
-            every.extend(params)
+            self.parts.append(_Part(module, params, owners, me, lambda ps: optimizer_cls(ps, **kwargs), experts))
+            every.extend(trainable)
         if not every:
             raise JobError("the stage has no trainable parameters to optimise.")
         Optimizer.__init__(self, every, dict(kwargs))
@@ -144,7 +154,7 @@ class ShardedOptimizer(Optimizer):
         """
         for part in self.parts:
             in_buckets = isinstance(part.module, DistributedDataParallel) and part.module.gradient_as_bucket_view
-            for p in part.params:
+            for p in (*part.params, *part.local):
                 if p.grad is None:
                     continue
                 if set_to_none and not in_buckets:

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 import autopar
 from autopar.models import GPT, GPTConfig, Llama, LlamaConfig, MLPConfig, MLPStack, MoEConfig, MoELlama
+from autopar.models.registry import build_named_model
 from autopar.runtime.api import parallelize
 from autopar.runtime.recompute import clean_fqn
 from autopar.runtime.spmd import SPMDSettings, run_spmd
@@ -66,6 +67,8 @@ def build(name: str, device: str = "cpu") -> nn.Module:
             return MoELlama(MOE_CFG)
         if name == "mlp":
             return MLPStack(MLP_CFG)
+        if name == "moe-tiny":  # the registry's 8 experts (top-2), run on SEQ-token samples
+            return build_named_model(name, device)
     raise ValueError(name)
 
 
@@ -85,6 +88,7 @@ LOSSES: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] = {
     "gpt-6-blocks": token_loss,
     "llama": token_loss,
     "moe": token_loss,
+    "moe-tiny": token_loss,
     "mlp": mse_loss,
 }
 
@@ -120,12 +124,12 @@ def megatron_styles(name: str, *, sequence_parallel: bool = False) -> dict[str, 
         for i in range(MLP_CFG.n_layers):
             styles.update({f"layers.{i}.fc1": "column", f"layers.{i}.fc2": "row"})
         return styles
-    cfg = {"llama": LLAMA_CFG, "moe": MOE_CFG}.get(name, GPT_CFG)
+    cfg = {"llama": LLAMA_CFG, "moe": MOE_CFG, "moe-tiny": MOE_CFG}.get(name, GPT_CFG)
     for i in range(cfg.n_layers):
         for leaf in ("attention.wq", "attention.wk", "attention.wv"):
             styles[f"layers.{i}.{leaf}"] = "column"
         styles[f"layers.{i}.attention.wo"] = "row"
-        if name != "moe":  # the experts and the router are replicated
+        if name not in ("moe", "moe-tiny"):  # the experts and the router are replicated
             styles[f"layers.{i}.feed_forward.w1"] = "column"
             styles[f"layers.{i}.feed_forward.w2"] = "row"
         if name == "llama":
@@ -187,6 +191,13 @@ def with_cp(plan: autopar.Plan, cp: int) -> autopar.Plan:
         config=dataclasses.replace(plan.config, cp=cp),
         cluster=autopar.preset("local-cpu", devices_per_node=world),
     )
+
+
+def with_ep(plan: autopar.Plan, ep: int) -> autopar.Plan:
+    """``plan`` with expert-parallel degree ``ep`` (folded into its ``dp x cp`` ranks, so
+    the world size is unchanged): the runtime reads only the config; the prediction
+    stays the ``ep=1`` plan's."""
+    return dataclasses.replace(plan, config=dataclasses.replace(plan.config, ep=ep))
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,7 @@ from torch.distributed.tensor.experimental._context_parallel._load_balancer impo
 from torch.overrides import TorchFunctionMode
 
 from autopar.graph.extract import training_kwargs
+from autopar.models.moe import MoEFeedForward
 from autopar.plan import Plan
 from autopar.runtime.errors import ContextParallelError
 from autopar.runtime.ring_attention import check_ring_call
@@ -139,6 +140,11 @@ def check_context_parallel(model: nn.Module, plan: Plan) -> None:
         raise ContextParallelError(
             f"seq_len={seq_len} does not split into 2 x cp = {2 * cp} equal chunks (head-tail load balancing "
             f"gives each cp rank two); use a sequence length divisible by {2 * cp}, or a cp dividing {seq_len // 2}."
+        )
+    if any(isinstance(m, MoEFeedForward) for m in model.modules()):
+        raise ContextParallelError(
+            f"cp={cp}: capacity-bounded experts (MoEFeedForward) fill each sample's buffers in token order over the "
+            f"whole sequence, which no rank holding {seq_len // cp} of its tokens can do; use cp=1."
         )
     position_keyword(model)
     _check_window(model, cp, seq_len)

@@ -33,9 +33,8 @@ experts (equal splits, known shapes) and refuses dropless ones, whose split size
 on the routing of real tokens.
 
 Refused before any collective (:func:`check_expert_parallel`): a model without experts
-modules, an expert count ``ep`` does not divide, and context parallelism with
-capacity-bounded experts (their buffers are sized from the local sequence, so a cp
-rank would drop other tokens than one process).
+modules, and an expert count ``ep`` does not divide. Context parallelism refuses
+capacity-bounded experts at any ``ep`` (:func:`autopar.runtime.context_parallel.check_context_parallel`).
 """
 
 from __future__ import annotations
@@ -105,11 +104,6 @@ def check_expert_parallel(model: nn.Module, plan: Plan) -> None:
                 f"ep={cfg.ep} does not divide the {expert_count(module)} experts of {name!r}; use an ep dividing "
                 f"{expert_count(module)}."
             )
-    if cfg.cp > 1 and any(isinstance(m, MoEFeedForward) for m in found.values()):
-        raise ExpertParallelError(
-            f"ep={cfg.ep} with cp={cfg.cp}: capacity-bounded experts size their buffers from each rank's "
-            f"{plan.model.seq_len // cfg.cp} tokens and would drop other tokens than one process; use cp=1 or ep=1."
-        )
 
 
 def apply_expert_parallel(stage: nn.Module, ep_mesh: DeviceMesh) -> None:

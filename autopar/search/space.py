@@ -143,7 +143,7 @@ def cp_degrees(graph: LayerGraph, devices: int, constraints: Mapping[str, Any]) 
     fixed ``cp`` is checked by :func:`check_context_parallel` and tried alone."""
     if "cp" in constraints:
         return [constraints["cp"]] if devices % constraints["cp"] == 0 else []
-    if not any(p.kv_bytes > 0 for p in graph.profiles):
+    if not any(p.kv_bytes > 0 for p in graph.profiles) or _capacity_experts(graph):
         return [1]
     s = graph.seq_len
     return [d for d in divisors(devices) if d == 1 or (s % (2 * d) == 0 and s // d >= CP_MIN_TOKENS)]
@@ -160,6 +160,11 @@ def check_context_parallel(graph: LayerGraph, constraints: Mapping[str, Any]) ->
             f"cp={cp} is not allowed for {graph.name}: context parallelism replaces "
             f"F.scaled_dot_product_attention, which this model does not call; use cp=1."
         )
+    if _capacity_experts(graph):
+        raise ConfigError(
+            f"cp={cp} is not allowed for {graph.name}: its capacity-bounded experts fill each sample's buffers in "
+            f"token order over the whole sequence, which a rank holding 1/cp of it cannot; use cp=1."
+        )
     if graph.seq_len % (2 * cp):
         allowed = [d for d in range(2, graph.seq_len // 2 + 1) if graph.seq_len % (2 * d) == 0][:8]
         raise ConfigError(
@@ -167,6 +172,12 @@ def check_context_parallel(graph: LayerGraph, constraints: Mapping[str, Any]) ->
             f"sequence into 2 x cp = {2 * cp} equal chunks; use a cp in {allowed} or a sequence length "
             f"divisible by {2 * cp}."
         )
+
+
+def _capacity_experts(graph: LayerGraph) -> bool:
+    """Whether the model routes into fixed-capacity expert buffers (autopar's
+    ``MoEFeedForward``), which context parallelism cannot split."""
+    return any(leaf.experts and not leaf.dropless for p in graph.profiles for leaf in p.leaves)
 
 
 @dataclass(frozen=True)

@@ -255,3 +255,18 @@ def test_a_stated_routing_imbalance_prices_dropless_plans_and_is_recorded():
     with pytest.raises(ConfigError, match="routing_imbalance=0.5 is not allowed") as info:
         autopar.plan(g, _tiny_cluster(1.0), global_batch_size=4, routing_imbalance=0.5)
     assert "\n" not in str(info.value)
+
+
+def test_context_parallelism_is_not_offered_to_capacity_bounded_experts(graph):
+    """Capacity buffers fill in token order over a whole sample, which a rank holding
+    1/cp of it cannot do: cp is not searched, and a fixed cp is refused in one line
+    (dropless experts route each token on its own and may be split)."""
+    from autopar.search.space import check_context_parallel, cp_degrees
+
+    long = dataclasses.replace(graph, seq_len=4 * 8192)
+    assert cp_degrees(long, 8, {}) == [1]
+    with pytest.raises(ConfigError, match="cp=2 is not allowed for MoELlama: its capacity-bounded experts") as info:
+        check_context_parallel(long, {"cp": 2})
+    assert "\n" not in str(info.value)
+    mixtral = dataclasses.replace(extract(_mixtral(), seq_len=32, dtype="bf16"), seq_len=4 * 8192)
+    assert cp_degrees(mixtral, 8, {}) == [1, 2, 4]

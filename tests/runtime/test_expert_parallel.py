@@ -53,7 +53,7 @@ def test_expert_parallelism_trains_like_one_process_and_holds_half_of_the_expert
     block recomputed: the exchange reruns in backward) or of half of them (ZeRO-3; the
     routers stay whole, wrapped with their experts on the one-rank ``ep_replicate`` mesh)."""
     config = {"zero3": dict(zero_stage=3), "recompute": dict(recompute={f"layers.{i}": "full" for i in range(4)})}
-    plan = with_ep(make_plan(NAME, dp=2, **config.get(case, {})), 2)
+    plan = make_plan(NAME, dp=2, ep=2, **config.get(case, {}))
     results = run(train, 2, NAME, plan, STEPS, 0.5, None, None, 0.9)
     assert_parity(results, reference(NAME, plan, STEPS, clip=0.5, momentum=0.9))
     router = sum(p.numel() for n, p in build(NAME).named_parameters() if n.endswith(".router"))
@@ -69,7 +69,7 @@ def test_experts_replicated_over_two_expert_groups_train_like_one_process(zero):
     shards the experts again over their 2 replicas, so each rank keeps a quarter of
     every weight's momentum, except the routers': sharded with their experts' module
     over the 2 replicas, each rank keeps half of them."""
-    plan = with_ep(make_plan(NAME, dp=4, zero_stage=zero), 2)
+    plan = make_plan(NAME, dp=4, ep=2, zero_stage=zero)
     assert plan.config.expert_replicas == 2
     results = run(train, 4, NAME, plan, STEPS, 0.5, None, None, 0.9, timeout_s=120)
     assert_parity(results, reference(NAME, plan, STEPS, clip=0.5, momentum=0.9))
@@ -82,13 +82,13 @@ def test_experts_replicated_over_two_expert_groups_train_like_one_process(zero):
 def test_expert_parallelism_inside_tensor_parallelism_trains_like_one_process():
     """4 ranks: tp=2 (Megatron styles on the attention; the MoE layer replicated over the
     tp pair) inside dp=2 ep=2: each tp rank exchanges its rows with its own ep group."""
-    plan = with_ep(make_plan(NAME, dp=2, tp=2, styles=megatron_styles(NAME)), 2)
+    plan = make_plan(NAME, dp=2, ep=2, tp=2, styles=megatron_styles(NAME))
     assert_parity(run(train, 4, NAME, plan, STEPS, 0.5, timeout_s=120), reference(NAME, plan, STEPS, clip=0.5))
 
 
 def test_expert_parallelism_under_pipelining_trains_like_one_process():
     """4 ranks: pp=2 over dp=2 ep=2; each stage's MoE layers exchange rows per micro-batch."""
-    plan = with_ep(make_plan(NAME, dp=2, pp=2), 2)
+    plan = make_plan(NAME, dp=2, ep=2, pp=2)
     assert_parity(run(train, 4, NAME, plan, STEPS, 0.5, timeout_s=120), reference(NAME, plan, STEPS, clip=0.5))
 
 
@@ -141,9 +141,9 @@ def test_each_rank_holds_its_experts_and_exchanges_rows_four_times_per_layer(rec
     backward runs their reverses (2 more): 4 x 4 x 2 = 32 per step, as the cost model
     prices it; full recomputation reruns the forward's two in the backward: 6 per layer."""
     m, layers = 2, 4
-    plan = make_plan(NAME, dp=2, num_microbatches=m, recompute={f"layers.{i}": recompute for i in range(layers)})
+    plan = make_plan(NAME, dp=2, ep=2, num_microbatches=m, recompute={f"layers.{i}": recompute for i in range(layers)})
     per_layer = 6 if recompute == "full" else 4
-    for shapes, counts in run(_shards_and_all_to_alls, 2, with_ep(plan, 2), NAME):
+    for shapes, counts in run(_shards_and_all_to_alls, 2, plan, NAME):
         assert len(shapes) == 3 * layers
         assert {(local[0], full_[0], mesh) for local, full_, mesh in shapes.values()} == {
             (EXPERTS // 2, EXPERTS, ("ep_replicate", "ep"))
@@ -165,11 +165,11 @@ def test_dropless_experts_also_exchange_their_token_counts():
         assert counts == {"_c10d_functional": 5 * LAYERS * plan.config.num_microbatches}
 
 
-def _refusal(model, plan):
+def _refusal(model, plan, error=None):
     from autopar.runtime.api import analyse
     from autopar.runtime.errors import ExpertParallelError
 
-    with pytest.raises(ExpertParallelError) as info:
+    with pytest.raises(error or ExpertParallelError) as info:
         analyse(model, plan)
     return str(info.value)
 
@@ -177,13 +177,17 @@ def _refusal(model, plan):
 def test_plans_the_runtime_cannot_run_are_refused_in_one_line():
     """Refused before any collective: an ep that does not divide the experts (ep=4 on
     the 4-expert test MoE, fine; ep=8 on dp=8: 4 experts do not split over 8), a model
-    without experts, and ep with context parallelism on capacity-bounded experts."""
+    without experts, and context parallelism on capacity-bounded experts, with or
+    without ep (their buffers fill in token order over the whole sequence)."""
     message = _refusal(build("moe"), with_ep(make_plan("moe", dp=8), 8))
     assert "ep=8 does not divide the 4 experts" in message and "\n" not in message
     message = _refusal(build("gpt"), with_ep(make_plan("gpt", dp=2), 2))
     assert "has no experts module" in message and "\n" not in message
-    message = _refusal(build(NAME), with_ep(with_cp(make_plan(NAME), 2), 2))
-    assert "cp=2" in message and "\n" not in message
+    from autopar.runtime.errors import ContextParallelError
+
+    for ep in (1, 2):
+        message = _refusal(build(NAME), with_ep(with_cp(make_plan(NAME), 2), ep), ContextParallelError)
+        assert "cp=2: capacity-bounded experts (MoEFeedForward)" in message and "\n" not in message
 
 
 @pytest.mark.parametrize("case", ["dp2", "dp2-pp2", "dp2-tp2", "cp2"])
@@ -220,8 +224,8 @@ def test_a_checkpoint_saved_under_one_expert_split_resumes_under_another(tmp_pat
     their momentum, under ZeRO-3), resumed at the other (ZeRO-1): the resumed run
     continues the uninterrupted single-process run."""
     steps, save_at = 4, 2
-    saver = with_ep(make_plan(NAME, dp=2, zero_stage=3), saver_ep)
-    loader = with_ep(make_plan(NAME, dp=2, zero_stage=1), loader_ep)
+    saver = make_plan(NAME, dp=2, ep=saver_ep, zero_stage=3)
+    loader = make_plan(NAME, dp=2, ep=loader_ep, zero_stage=1)
     ref = reference(NAME, saver, steps, momentum=0.9)
     first = run(_resumable, 2, saver, str(tmp_path), False, steps, save_at)
     second = run(_resumable, 2, loader, str(tmp_path), True, steps, None)

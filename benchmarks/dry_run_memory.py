@@ -46,7 +46,17 @@ CASES = {
         {"dp": 16, "tp": 8, "pp": 1, "micro_batch_size": 1, "zero_stage": 3, "recompute": "full"},
         "Llama-3-70B, ZeRO-3 over dp=16 x tp=8, full recompute",
     ),
+    "moe-ep": (
+        "mixtral-8x7b",
+        "dgx-h100:8",
+        512,
+        None,
+        "Mixtral-8x7B at 4K tokens on 64 H100, the planner's plan (expert parallel)",
+        4096,
+    ),
 }
+"""case -> (model, cluster, global batch, forced config or None for the planner's plan,
+label[, tokens per sample when not the model's default])."""
 
 
 def _one(case: str) -> dict:
@@ -59,9 +69,9 @@ def _one(case: str) -> dict:
     from autopar.models.registry import get_named_model
     from autopar.runtime.dry_run import dry_run
 
-    name, cluster_spec, gbs, config, _ = CASES[case]
+    name, cluster_spec, gbs, config, _, *tokens = CASES[case]
     cluster = parse_cluster(cluster_spec)
-    seq = get_named_model(name).seq_len
+    seq = tokens[0] if tokens else get_named_model(name).seq_len
     with torch.device("meta"):
         model = build_named_model(name)
     started = time.perf_counter()

@@ -54,6 +54,14 @@ CASES = {
         "Mixtral-8x7B at 4K tokens on 64 H100, the planner's plan (expert parallel)",
         4096,
     ),
+    "moe-ep-zero3": (
+        "mixtral-8x7b",
+        "dgx-h100:8",
+        512,
+        {"dp": 64, "tp": 1, "pp": 1, "ep": 8, "micro_batch_size": 1, "zero_stage": 3, "recompute": "none"},
+        "Mixtral-8x7B at 4K tokens, ZeRO-3 over dp=64 with ep=8 (one expert per rank, 8 replicas)",
+        4096,
+    ),
 }
 """case -> (model, cluster, global batch, forced config or None for the planner's plan,
 label[, tokens per sample when not the model's default])."""

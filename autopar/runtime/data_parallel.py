@@ -55,7 +55,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from autopar.runtime.expert_parallel import sharded_experts
+from autopar.runtime.expert_parallel import experts_placement, sharded_experts
 from autopar.vocab import DType
 
 TORCH_DTYPES: dict[DType, torch.dtype] = {
@@ -98,8 +98,11 @@ def apply_data_parallel(
     experts = sharded_experts(stage) if experts_mesh is not None else []
     if spec.zero_stage >= 2 and spec.dp > 1:
         reshard = spec.zero_stage == 3
+        place = experts_placement(experts_mesh.size(experts_mesh.ndim - 1)) if experts else None
         for module in experts:
-            fully_shard(module, mesh=experts_mesh, mp_policy=policy, reshard_after_forward=reshard)
+            fully_shard(
+                module, mesh=experts_mesh, mp_policy=policy, reshard_after_forward=reshard, shard_placement_fn=place
+            )
         for fqn in spec.shard_units:
             fully_shard(stage.get_submodule(fqn), mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
         fully_shard(stage, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)

@@ -127,6 +127,22 @@ def apply_expert_parallel(stage: nn.Module, ep_mesh: DeviceMesh) -> None:
             module.forward = _RoutedDispatch(module, ep_mesh)
 
 
+def experts_placement(shard_ranks: int) -> Callable[[nn.Parameter], Shard | None]:
+    """FSDP2's placement for the weights of an experts module sharded over
+    ``shard_ranks`` ranks: an expert stack whose local experts do not split evenly over
+    them (1 local expert over 8 ranks, at ``ep`` = the expert count) is sharded along its
+    second dimension instead of its experts, as torchtitan does; FSDP2's default, the
+    first dimension, would leave the whole stack on the first ranks and none on the
+    others. Other weights keep the default."""
+
+    def place(p: nn.Parameter) -> Shard | None:
+        if not is_expert_param(p) or p.to_local().shape[0] % shard_ranks == 0:
+            return None
+        return Shard(1)
+
+    return place
+
+
 def sharded_experts(stage: nn.Module) -> list[nn.Module]:
     """The experts modules of ``stage`` whose weights are split over an ep mesh."""
     return [m for m in experts_modules(stage).values() if any(is_expert_param(p) for p in m.parameters())]

@@ -11,6 +11,7 @@ import torch
 from parity import (
     LOSS_ATOL,
     LR,
+    MOE_CFG,
     assert_parity,
     batches,
     build,
@@ -77,6 +78,21 @@ def test_experts_replicated_over_two_expert_groups_train_like_one_process(zero):
         router = sum(p.numel() for n, p in build(NAME).named_parameters() if n.endswith(".router"))
         expected = (_total_numel() - router) // 4 + router // 2
         assert [r.extra["optimizer_state_numel"] for r in results] == [expected] * 4
+
+
+def test_one_local_expert_is_sharded_over_its_replicas_along_its_width():
+    """8 ranks, the 4-expert test MoE at ep=4 under ZeRO-3: each rank holds 1 expert,
+    held by 2 replicas. FSDP2 would shard that stack along its experts (1 over 2 ranks:
+    all on one, none on the other); sharded along its width, every rank keeps an eighth
+    of every weight's momentum and the same losses as one process."""
+    plan = make_plan("moe", dp=8, ep=4, zero_stage=3)
+    assert (plan.config.expert_replicas, MOE_CFG.n_experts // plan.config.ep) == (2, 1)
+    results = run(train, 8, "moe", plan, STEPS, 0.5, None, None, 0.9, timeout_s=180)
+    assert_parity(results, reference("moe", plan, STEPS, clip=0.5, momentum=0.9))
+    model = build("moe")
+    router = sum(p.numel() for n, p in model.named_parameters() if n.endswith(".router"))
+    expected = (sum(p.numel() for p in model.parameters()) - router) // 8 + router // 2
+    assert [r.extra["optimizer_state_numel"] for r in results] == [expected] * 8
 
 
 def test_expert_parallelism_inside_tensor_parallelism_trains_like_one_process():

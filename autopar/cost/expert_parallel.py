@@ -15,7 +15,9 @@ and the next op needs the combined ones (overlapping them needs a schedule that
 interleaves two micro-batches, such as DeepSeek's DualPipe, which autopar does not run).
 
 Dropless experts send the rows their router picked: the busiest rank's share sets the
-pace, ``routing_imbalance`` times the mean (:data:`autopar.cost.model.ROUTING_IMBALANCE`).
+pace, ``routing_imbalance`` times the mean (:data:`autopar.cost.model.ROUTING_IMBALANCE`),
+and the ranks first exchange how many rows each sends each expert (one more all-to-all
+of ``ep`` counts per layer and forward, latency-bound, without a backward).
 Fixed-capacity experts send their whole buffers, the same on every rank.
 """
 
@@ -29,6 +31,9 @@ from autopar.graph.layer_graph import UnitProfile
 
 FORWARD_ALL_TO_ALLS = 2
 """Dispatch and combine; the backward runs their two transposes."""
+
+COUNT_BYTES = 8
+"""A row count exchanged before a dropless dispatch (int64)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,8 +73,10 @@ def expert_exchange(profile: UnitProfile, ctx: TPContext) -> ExpertExchange:
     if not sizes:
         return NO_ALL_TO_ALL
     one_way = sum(all_to_all_s(nbytes, ctx.ep_span, ctx.cluster) for nbytes in sizes)
+    dropless = sum(1 for leaf in profile.leaves if leaf.experts and leaf.dropless)
+    counts = dropless * all_to_all_s(COUNT_BYTES * ctx.ep, ctx.ep_span, ctx.cluster)
     return ExpertExchange(
-        fwd_s=FORWARD_ALL_TO_ALLS * one_way,
+        fwd_s=FORWARD_ALL_TO_ALLS * one_way + counts,
         bwd_s=FORWARD_ALL_TO_ALLS * one_way,
         transient_bytes=max(sizes),
     )

@@ -136,7 +136,8 @@ def test_an_expert_parallel_rank_holds_half_the_experts_and_pays_four_all_to_all
 
 def test_dropless_experts_pace_at_the_routing_imbalance():
     """A skewed router: the busiest rank sends and computes 1.5 x the mean of the routed
-    rows; fixed-capacity experts are balanced by construction."""
+    rows; fixed-capacity experts are balanced by construction. Before its dispatch a
+    dropless layer exchanges its row counts (2 int64 per rank: one latency)."""
     g = extract(_mixtral(), seq_len=32, dtype="bf16")
     config = _config(dp=2, ep=2)
     skewed = CostModel(graph=g, cluster=_tiny_cluster(64.0), optimizer=Optimizer.ADAM, global_batch_size=2)
@@ -144,8 +145,10 @@ def test_dropless_experts_pace_at_the_routing_imbalance():
     skew = expert_exchange(g.profile_of(1), tp_context(dataclasses.replace(skewed, routing_imbalance=1.5), 1, config))
     (leaf,) = [leaf for leaf in g.profile_of(1).leaves if leaf.experts]
     one = leaf.routed_bytes / 2 / 50e9
-    assert balanced.fwd_s == pytest.approx(2 * (one + 5e-6), rel=1e-12)
-    assert skew.fwd_s == pytest.approx(2 * (1.5 * one + 5e-6), rel=1e-12)
+    counts = 8 * 2 / 2 / 50e9 + 5e-6
+    assert balanced.fwd_s == pytest.approx(2 * (one + 5e-6) + counts, rel=1e-12)
+    assert skew.fwd_s == pytest.approx(2 * (1.5 * one + 5e-6) + counts, rel=1e-12)
+    assert skew.bwd_s == pytest.approx(2 * (1.5 * one + 5e-6), rel=1e-12)
 
 
 def test_expert_state_shards_over_the_shard_group_and_reduces_over_expert_replicas():

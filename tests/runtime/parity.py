@@ -17,13 +17,15 @@ into 1e-4 parameter differences.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
 from autopar.models import GPT, GPTConfig, Llama, LlamaConfig, MLPConfig, MLPStack, MoEConfig, MoELlama
@@ -342,3 +344,33 @@ def assert_parity(results: list[RunResult], ref: RunResult) -> None:
             seen.add(n)
     missing = set(ref.params) - seen
     assert not missing, f"no rank holds {sorted(missing)}"
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts the collectives run under it by ``key(func, args)`` (None: not counted).
+    DTensor operations are passed on, so a collective DTensor issues inside its own op is
+    counted once, as ``CommDebugMode`` counts it."""
+
+    def __init__(self, key: Callable[[Any, tuple], Hashable | None]):
+        super().__init__()
+        self.key = key
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        found = self.key(func, args)
+        if found is not None:
+            self.counts[found] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def step_collectives(job: Any, plan: autopar.Plan, key: Callable[[Any, tuple], Hashable | None]) -> dict:
+    """The collectives of a job's second training step, counted by ``key``
+    (:class:`CollectiveCounter`): the first also runs pipelining's shape inference."""
+    counts = []
+    for batch in job.shard(batches("gpt", 2, plan.config.global_batch_size)):
+        with CollectiveCounter(key) as mode:
+            job.step(batch)
+        counts.append(dict(mode.counts))
+    return counts[-1]

@@ -3,7 +3,6 @@ torch's head-tail order, attention run as a ring over them, gradients averaged o
 ``dp x cp``. Runs against one process: the same losses, gradient norms and weights."""
 
 import functools
-from collections import Counter
 
 import pytest
 import torch
@@ -12,12 +11,12 @@ from parity import (
     LOSS_ATOL,
     SEQ,
     assert_parity,
-    batches,
     build,
     make_plan,
     megatron_styles,
     reference,
     run,
+    step_collectives,
     token_loss,
     train,
     with_cp,
@@ -25,8 +24,6 @@ from parity import (
 from test_checkpoint import MOMENTUM, SAVE_AT, STEPS
 from test_checkpoint import _train as checkpoint_train
 from torch.distributed.distributed_c10d import _resolve_process_group
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.runtime.api import parallelize
 
@@ -90,19 +87,11 @@ def test_hsdp_with_context_parallelism_trains_like_one_process():
     assert [r.extra["optimizer_state_numel"] for r in results] == [total // 4] * 8
 
 
-class _CountRingCollectives(TorchDispatchMode):
-    """Counts the functional collectives torch's ring issues, by op and group size."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented
-        if func.namespace == "_c10d_functional" and func._opname in ("all_gather_into_tensor", "all_to_all_single"):
-            self.counts[(func._opname, _resolve_process_group(args[-1]).size())] += 1
-        return func(*args, **(kwargs or {}))
+def _ring_collective(func, args):
+    """A functional collective torch's ring issues, by op and group size."""
+    if func.namespace == "_c10d_functional" and func._opname in ("all_gather_into_tensor", "all_to_all_single"):
+        return func._opname, _resolve_process_group(args[-1]).size()
+    return None
 
 
 def _tokens_and_collectives(rank, world, plan):
@@ -111,12 +100,8 @@ def _tokens_and_collectives(rank, world, plan):
     for module in job.stages[0].modules():
         if type(module).__name__ == "Attention":
             module.register_forward_hook(lambda _m, args, _out: tokens.append(tuple(args[0].shape)))
-    counts = []
-    for batch in job.shard(batches("gpt", 2, plan.config.global_batch_size)):
-        with _CountRingCollectives() as mode:
-            job.step(batch)
-        counts.append(dict(mode.counts))
-    return job._p.positions.tolist(), set(tokens), counts[-1]  # the first step also infers stage shapes
+    counts = step_collectives(job, plan, _ring_collective)
+    return job._p.positions.tolist(), set(tokens), counts
 
 
 def test_each_rank_holds_its_head_and_tail_and_the_ring_gathers_once_per_attention():

@@ -4,7 +4,6 @@ ranks holding the same experts. Runs against one process: the same losses, gradi
 norms and weights, on autopar's ``moe-tiny`` (8 experts, top-2, capacity buffers)."""
 
 import functools
-from collections import Counter
 
 import pytest
 import torch
@@ -13,20 +12,18 @@ from parity import (
     LR,
     MOE_CFG,
     assert_parity,
-    batches,
     build,
     make_plan,
     megatron_styles,
     reference,
     resumable,
     run,
+    step_collectives,
     token_loss,
     train,
     with_cp,
     with_ep,
 )
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.runtime.api import parallelize
 from autopar.runtime.recompute import clean_fqn
@@ -108,21 +105,11 @@ def test_expert_parallelism_under_pipelining_trains_like_one_process():
     assert_parity(run(train, 4, NAME, plan, STEPS, 0.5, timeout_s=120), reference(NAME, plan, STEPS, clip=0.5))
 
 
-class _CountAllToAlls(TorchDispatchMode):
-    """Counts the all-to-alls issued, by op namespace: the functional collectives'
-    ``all_to_all_single`` (``all_to_all_single_autograd`` dispatches it in forward and
-    backward), the only all-to-all op expert parallelism uses."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented
-        if func._opname == "all_to_all_single":
-            self.counts[func.namespace] += 1
-        return func(*args, **(kwargs or {}))
+def _all_to_all(func, args):
+    """An all-to-all, by op namespace: the functional collectives' ``all_to_all_single``
+    (``all_to_all_single_autograd`` dispatches it in forward and backward), the only
+    all-to-all op expert parallelism uses."""
+    return func.namespace if func._opname == "all_to_all_single" else None
 
 
 EXPERT_WEIGHTS = {"moe-tiny": (".w1", ".w2", ".w3"), "mixtral": (".gate_up_proj", ".down_proj")}
@@ -141,12 +128,7 @@ def _shards_and_all_to_alls(rank, world, plan, name):
         for n, p in stage.named_parameters()
         if n.endswith(EXPERT_WEIGHTS[name])
     }
-    counts = []
-    for batch in job.shard(batches("gpt", 2, plan.config.global_batch_size)):
-        with _CountAllToAlls() as mode:
-            job.step(batch)
-        counts.append(dict(mode.counts))
-    return shapes, counts[-1]
+    return shapes, step_collectives(job, plan, _all_to_all)
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])

@@ -4,12 +4,9 @@ parameter, and communicate as the cost model prices it: per wrapped unit and
 micro-batch, all-gathers and a reduce-scatter in the shard group and one all-reduce
 across the replicate group."""
 
-from collections import Counter
-
 import pytest
-from parity import assert_parity, batches, build, make_plan, megatron_styles, reference, run, token_loss, train
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.utils._python_dispatch import TorchDispatchMode
+from parity import assert_parity, build, make_plan, megatron_styles, reference, run, step_collectives, token_loss, train
+from torch.distributed.tensor import Replicate, Shard
 
 from autopar.runtime.api import parallelize
 from autopar.runtime.recompute import clean_fqn
@@ -31,19 +28,9 @@ def test_hsdp_trains_like_one_process(zero):
     assert [r.extra["optimizer_state_numel"] for r in results] == [total // 2] * 4
 
 
-class _CountProcessGroupCalls(TorchDispatchMode):
-    """Counts the process-group collectives FSDP2 issues (``c10d`` ops), one per call."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented
-        if func.namespace == "c10d":
-            self.counts[func._opname] += 1
-        return func(*args, **(kwargs or {}))
+def _process_group_call(func, args):
+    """A process-group collective FSDP2 issues (a ``c10d`` op), one per call."""
+    return func._opname if func.namespace == "c10d" else None
 
 
 def _shards_and_collectives(rank, world, plan):
@@ -54,12 +41,7 @@ def _shards_and_collectives(rank, world, plan):
             shapes[clean_fqn(n)] = (tuple(p.to_local().shape), tuple(p.shape))
             placements.add(tuple(p.placements))
             meshes.add((p.device_mesh.mesh_dim_names, str(p.device_mesh.mesh.tolist())))
-    counts = []
-    for batch in job.shard(batches("gpt", 2, plan.config.global_batch_size)):
-        with _CountProcessGroupCalls() as mode:
-            job.step(batch)
-        counts.append(dict(mode.counts))
-    return shapes, placements, meshes, counts[-1]
+    return shapes, placements, meshes, step_collectives(job, plan, _process_group_call)
 
 
 def test_hsdp_shards_over_the_shard_group_and_reduces_on_two_levels():

@@ -3,13 +3,11 @@ collectives of one step against the Megatron-LM / Korthikanti et al. counts the 
 implies, and typed errors raised on every rank before any collective."""
 
 import time
-from collections import Counter
 
 import pytest
 import torch
-from parity import GPT_CFG, PG_TIMEOUT_S, batches, build, make_plan, megatron_styles, run, token_loss
+from parity import GPT_CFG, PG_TIMEOUT_S, build, make_plan, megatron_styles, run, step_collectives, token_loss
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.errors import AutoparError
 from autopar.models import CNNConfig, ResNet
@@ -47,35 +45,17 @@ def test_local_shapes_follow_the_plan():
     assert not any(n.startswith(plan.stages[0]) for n in last)
 
 
-class _CountCollectives(TorchDispatchMode):
-    """Counts functional collectives, including those DTensor issues inside its own ops
-    (DTensor operations are passed on, as CommDebugMode does)."""
+FUNCTIONAL_COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
 
-    def __init__(self):
-        super().__init__()
-        self.counts = Counter()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented
-        if func.namespace == "_c10d_functional" and func._opname in (
-            "all_reduce",
-            "all_gather_into_tensor",
-            "reduce_scatter_tensor",
-            "all_to_all_single",
-        ):
-            self.counts[func._opname] += 1
-        return func(*args, **(kwargs or {}))
+def _functional_collective(func, args):
+    """A functional collective, including those DTensor issues inside its own ops."""
+    return func._opname if func.namespace == "_c10d_functional" and func._opname in FUNCTIONAL_COLLECTIVES else None
 
 
 def _count_step(rank, world, plan):
     job = parallelize(build("gpt"), plan, loss_fn=token_loss)
-    counts = []
-    for batch in job.shard(batches("gpt", 2, plan.config.global_batch_size)):
-        with _CountCollectives() as mode:
-            job.step(batch)
-        counts.append(dict(mode.counts))
-    return counts[-1]  # the first step also runs pipelining's shape inference
+    return step_collectives(job, plan, _functional_collective)
 
 
 @pytest.mark.parametrize("sp", [False, True])

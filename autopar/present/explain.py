@@ -88,38 +88,48 @@ def _mesh(c: ParallelConfig) -> str:
     return f"mesh pp, dp_replicate={c.replicate_size}, dp_shard={c.dp_shard}, {cp}tp{ep}"
 
 
-def _context(plan: Plan) -> list[str]:
-    """How context parallelism splits each sample and what its exchange costs; for a plan
-    without it that searched it, the best runner-up with it (or the other way round)."""
-    c, m, b = plan.config, plan.model, plan.prediction.breakdown
-    other = next((a for a in plan.alternatives if a.status == "runner-up" and (a.config.cp > 1) != (c.cp > 1)), None)
-    if c.cp == 1 and other is None:
+def _axis_line(plan: Plan, label: str, axis: str, used: str | None) -> list[str]:
+    """The line of one parallel axis (``cp``, ``ep``): ``used`` says how the plan uses it
+    (None where it does not), followed by the best runner-up on the other side of the
+    choice, with the axis where the plan has none and the other way round; no line where
+    the plan does not use it and no runner-up does."""
+    degree = getattr(plan.config, axis)
+    other = next(
+        (a for a in plan.alternatives if a.status == "runner-up" and (getattr(a.config, axis) > 1) != (degree > 1)),
+        None,
+    )
+    if used is None and other is None:
         return []
+    text = used or "none"
+    if other is not None:
+        text += (
+            f"; best {'without' if degree > 1 else f'with {axis}={getattr(other.config, axis)}'}: "
+            f"{other.config.short()} {duration(other.step_time_s)} (+{100 * other.slower_by:.1f}%)"
+        )
+    return [f"{label:<15}{text}"]
+
+
+def _context(plan: Plan) -> list[str]:
+    """How context parallelism splits each sample and what its exchange costs
+    (:func:`_axis_line`)."""
+    c, m, b = plan.config, plan.model, plan.prediction.breakdown
+    used = None
     if c.cp > 1:
-        text = (
+        used = (
             f"cp={c.cp}: each sample's {m.seq_len:,} tokens in {c.cp} shards of {m.seq_len // c.cp:,} (head-tail "
             f"balanced); ring attention's key/value exchange exposes {duration(b.cp_comm_s)} per step; gradients "
             f"reduced over dp x cp = {c.dp_cp} ranks"
         )
-    else:
-        text = "none"
-    if other is not None:
-        text += (
-            f"; best {'without' if c.cp > 1 else f'with cp={other.config.cp}'}: {other.config.short()} "
-            f"{duration(other.step_time_s)} (+{100 * other.slower_by:.1f}%)"
-        )
-    return [f"Context par.   {text}"]
+    return _axis_line(plan, "Context par.", "cp", used)
 
 
 def _experts(plan: Plan) -> list[str]:
-    """How expert parallelism splits the experts and what its all-to-alls cost; for a
-    plan without it that searched it, the best runner-up with it (or the other way)."""
+    """How expert parallelism splits the experts and what its all-to-alls cost
+    (:func:`_axis_line`)."""
     c, b = plan.config, plan.prediction.breakdown
-    other = next((a for a in plan.alternatives if a.status == "runner-up" and (a.config.ep > 1) != (c.ep > 1)), None)
-    if c.ep == 1 and other is None:
-        return []
+    used = None
     if c.ep > 1:
-        text = (
+        used = (
             f"ep={c.ep}: each mixture-of-experts layer's experts split over {c.ep} of the {c.dp_cp} ranks holding "
             f"the same weights; 4 all-to-alls per layer and micro-batch expose {duration(b.ep_comm_s)} per step; "
             + (
@@ -129,15 +139,8 @@ def _experts(plan: Plan) -> list[str]:
             )
         )
         if plan.settings.routing_imbalance != 1.0:
-            text += f"; dropless experts priced at {plan.settings.routing_imbalance:g}x the mean rows"
-    else:
-        text = "none"
-    if other is not None:
-        text += (
-            f"; best {'without' if c.ep > 1 else f'with ep={other.config.ep}'}: {other.config.short()} "
-            f"{duration(other.step_time_s)} (+{100 * other.slower_by:.1f}%)"
-        )
-    return [f"Expert par.    {text}"]
+            used += f"; dropless experts priced at {plan.settings.routing_imbalance:g}x the mean rows"
+    return _axis_line(plan, "Expert par.", "ep", used)
 
 
 def _sharding(plan: Plan) -> list[str]:

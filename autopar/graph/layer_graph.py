@@ -12,6 +12,7 @@ precision: the cost model scales by the micro-batch size.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import cached_property
@@ -183,9 +184,10 @@ class UnitProfile:
 
     @cached_property
     def experts(self) -> int:
-        """Experts per mixture-of-experts layer of the unit (the fewest, when layers
-        differ; 0 without one): what an expert-parallel degree must divide."""
-        return min((leaf.experts for leaf in self.leaves if leaf.experts), default=0)
+        """The experts of the unit's mixture-of-experts layers (their greatest common
+        divisor where layers differ; 0 without one): what an expert-parallel degree
+        must divide."""
+        return math.gcd(*(leaf.experts for leaf in self.leaves if leaf.experts))
 
     @cached_property
     def has_attention(self) -> bool:

@@ -35,7 +35,14 @@ def ep_degrees(graph: LayerGraph, weight_replicas: int, shard_group: int, constr
         return [fixed] if fixed == 1 or (weight_replicas % fixed == 0 and shard_group % fixed == 0) else []
     if not experts:
         return [1]
-    return [d for d in divisors(math.gcd(experts, weight_replicas, shard_group))]
+    return divisors(math.gcd(experts, weight_replicas, shard_group))
+
+
+def capacity_experts(graph: LayerGraph) -> bool:
+    """Whether the model routes into fixed-capacity expert buffers (autopar's
+    ``MoEFeedForward``): they fill in token order over a whole sample, which context
+    parallelism cannot split."""
+    return any(leaf.experts and not leaf.dropless for p in graph.profiles for leaf in p.leaves)
 
 
 def check_expert_parallel(graph: LayerGraph, constraints: Mapping[str, Any]) -> None:

@@ -28,7 +28,7 @@ from autopar.errors import ConfigError
 from autopar.graph.layer_graph import LayerGraph, Leaf, LeafKind
 from autopar.hardware.cluster import Cluster
 from autopar.plan import ParallelConfig
-from autopar.search.experts import check_expert_parallel, ep_degrees
+from autopar.search.experts import capacity_experts, check_expert_parallel, ep_degrees
 from autopar.search.integers import divisors
 from autopar.search.split import even_bounds_of
 from autopar.vocab import ZERO_STAGES, DType, Recompute, Schedule, TPStyle
@@ -143,7 +143,7 @@ def cp_degrees(graph: LayerGraph, devices: int, constraints: Mapping[str, Any]) 
     fixed ``cp`` is checked by :func:`check_context_parallel` and tried alone."""
     if "cp" in constraints:
         return [constraints["cp"]] if devices % constraints["cp"] == 0 else []
-    if not any(p.kv_bytes > 0 for p in graph.profiles) or _capacity_experts(graph):
+    if not any(p.kv_bytes > 0 for p in graph.profiles) or capacity_experts(graph):
         return [1]
     s = graph.seq_len
     return [d for d in divisors(devices) if d == 1 or (s % (2 * d) == 0 and s // d >= CP_MIN_TOKENS)]
@@ -160,7 +160,7 @@ def check_context_parallel(graph: LayerGraph, constraints: Mapping[str, Any]) ->
             f"cp={cp} is not allowed for {graph.name}: context parallelism replaces "
             f"F.scaled_dot_product_attention, which this model does not call; use cp=1."
         )
-    if _capacity_experts(graph):
+    if capacity_experts(graph):
         raise ConfigError(
             f"cp={cp} is not allowed for {graph.name}: its capacity-bounded experts fill each sample's buffers in "
             f"token order over the whole sequence, which a rank holding 1/cp of it cannot; use cp=1."
@@ -172,12 +172,6 @@ def check_context_parallel(graph: LayerGraph, constraints: Mapping[str, Any]) ->
             f"sequence into 2 x cp = {2 * cp} equal chunks; use a cp in {allowed} or a sequence length "
             f"divisible by {2 * cp}."
         )
-
-
-def _capacity_experts(graph: LayerGraph) -> bool:
-    """Whether the model routes into fixed-capacity expert buffers (autopar's
-    ``MoEFeedForward``), which context parallelism cannot split."""
-    return any(leaf.experts and not leaf.dropless for p in graph.profiles for leaf in p.leaves)
 
 
 @dataclass(frozen=True)

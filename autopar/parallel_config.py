@@ -56,6 +56,11 @@ class ParallelConfig:
             ``Plan.layer_strategies.recompute`` lists the units that differ.
         sequence_parallel: norms and dropouts run on sequence shards of the TP group.
         dtype: training precision.
+        compile: each block runs compiled (``torch.compile``, as torchtitan does): the
+            element-wise ops between two matmuls or attention kernels run as one fused
+            kernel, which reads what was written to memory before it and writes what a
+            matmul, an attention kernel or the next block reads, where eager mode moves
+            every intermediate tensor through memory.
     """
 
     dp: int
@@ -72,6 +77,7 @@ class ParallelConfig:
     recompute: Recompute = Recompute.NONE
     sequence_parallel: bool = False
     dtype: DType = DType.BF16
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "num_microbatches", "virtual_stages"):
@@ -90,6 +96,8 @@ class ParallelConfig:
         self._check_ep()
         if not isinstance(self.sequence_parallel, bool):
             raise ConfigError(f"sequence_parallel={self.sequence_parallel!r} is not allowed: use True or False.")
+        if not isinstance(self.compile, bool):
+            raise ConfigError(f"compile={self.compile!r} is not allowed: use True or False.")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError(
                 "sequence_parallel=True needs tp > 1: sequence parallelism shards norms over the "
@@ -218,7 +226,7 @@ class ParallelConfig:
     def short(self) -> str:
         """Compact text: ``dp=8 tp=8 pp=16 mbs=1 m=12 1f1b zero=3 shard=4 recompute=full sp bf16``
         (``shard=`` only under HSDP, ``cp=`` and ``ep=`` after ``pp=`` only with context
-        and expert parallelism)."""
+        and expert parallelism, `` compiled`` at the end when blocks are compiled)."""
         sched = self.schedule.value if self.pp > 1 else "no-pp"
         if self.virtual_stages > 1:
             sched += f"(v={self.virtual_stages})"
@@ -229,6 +237,7 @@ class ParallelConfig:
         return (
             f"dp={self.dp} tp={self.tp} pp={self.pp}{cp}{ep} mbs={self.micro_batch_size} m={self.num_microbatches} "
             f"{sched} zero={self.zero_stage}{hsdp} recompute={self.recompute.value}{sp} {self.dtype.value}"
+            f"{' compiled' if self.compile else ''}"
         )
 
 

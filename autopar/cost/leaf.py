@@ -67,6 +67,9 @@ class TPContext:
             where the group's ranks are.
         routing_imbalance: the busiest rank's routed rows over the mean under expert
             parallelism, for dropless experts (:attr:`autopar.cost.model.CostModel.routing_imbalance`).
+        compile: the unit runs compiled: its element-wise work moves the bytes and
+            starts the kernels of the fused kernels the trace modelled
+            (:mod:`autopar.graph.fusion`) rather than those of its eager ops.
     """
 
     tp: int
@@ -89,6 +92,7 @@ class TPContext:
     ep: int = 1
     ep_span: GroupSpan = field(default_factory=lambda: GroupSpan(size=1, per_node=1, nodes=1))
     routing_imbalance: float = 1.0
+    compile: bool = False
 
     @property
     def input_layout(self) -> Layout:
@@ -174,7 +178,7 @@ def leaf_fwd_s(leaf: Leaf, style: TPStyle, ctx: TPContext) -> float:
         # rank's share of dropless rows sets the pace
         weights -= weights * leaf.expert_numel / leaf.param_numel * (1 - 1 / ctx.ep)
         matmul += leaf.expert_flops * (ctx.routing_imbalance - 1) if leaf.dropless else 0.0
-    overhead = dispatch_s(ctx.host, leaf.fwd_ops) + tp_dispatch_s(
+    overhead = dispatch_s(ctx.host, leaf.kernels(ctx.compile)) + tp_dispatch_s(
         ctx.host, sharded=style is not TPStyle.REPLICATE and ctx.tp > 1
     )
     return ctx.compute_scale * (
@@ -182,7 +186,7 @@ def leaf_fwd_s(leaf: Leaf, style: TPStyle, ctx: TPContext) -> float:
         + kernel_s(
             matmul_flops=matmul * scale,
             other_flops=(leaf.fwd_flops - leaf.matmul_flops) * scale,
-            activation_bytes=leaf.fwd_bytes * scale,
+            activation_bytes=leaf.moved_bytes(ctx.compile) * scale,
             weight_bytes=weights,
             r=ctx.rates,
             host=ctx.host,
@@ -206,9 +210,11 @@ def glue_layout(a: Layout, b: Layout) -> Layout:
 def glue_fwd_s(flow: Flow, layout: Layout, ctx: TPContext, *, attention_only: bool = False) -> float:
     """Forward time of a flow's glue (or only its attention core) in ``layout``."""
     scale = ctx.micro_batch / (ctx.tp if layout in SHARDED else 1)
-    attn = work_s(matmul_flops=flow.attn_flops * scale, other_flops=0.0, nbytes=flow.attn_bytes * scale, r=ctx.rates)
-    attn += dispatch_s(ctx.host, flow.attn_ops)
+    attn_bytes, attn_ops = flow.attention(ctx.compile)
+    attn = work_s(matmul_flops=flow.attn_flops * scale, other_flops=0.0, nbytes=attn_bytes * scale, r=ctx.rates)
+    attn += dispatch_s(ctx.host, attn_ops)
     if attention_only:
         return ctx.compute_scale * attn
-    rest = work_s(matmul_flops=0.0, other_flops=flow.glue_flops * scale, nbytes=flow.glue_bytes * scale, r=ctx.rates)
-    return ctx.compute_scale * (attn + rest + dispatch_s(ctx.host, flow.glue_ops))
+    glue_bytes, glue_ops = flow.glue(ctx.compile)
+    rest = work_s(matmul_flops=0.0, other_flops=flow.glue_flops * scale, nbytes=glue_bytes * scale, r=ctx.rates)
+    return ctx.compute_scale * (attn + rest + dispatch_s(ctx.host, glue_ops))

@@ -86,4 +86,5 @@ def tp_context(model: CostModel, unit: int, config: ParallelConfig) -> TPContext
         ep=config.ep,
         ep_span=group_span(config.ep, config.tp, model.cluster.devices_per_node),
         routing_imbalance=model.routing_imbalance,
+        compile=config.compile,
     )

@@ -84,6 +84,10 @@ class Leaf:
             per-expert matmuls): the busiest rank sets the pace under expert
             parallelism. False for fixed-capacity buffers (a batched matmul over the
             whole stack), which are balanced by construction.
+        compiled_bytes, compiled_ops: what ``fwd_bytes`` and ``fwd_ops`` become when
+            the unit is compiled (:mod:`autopar.graph.fusion`): the bytes its fused
+            kernels move, and the kernels it starts, matmuls included. None: as in
+            eager mode (a graph built by hand).
     """
 
     name: str
@@ -108,6 +112,16 @@ class Leaf:
     expert_flops: float = 0.0
     routed_bytes: float = 0.0
     dropless: bool = False
+    compiled_bytes: float | None = None
+    compiled_ops: int | None = None
+
+    def moved_bytes(self, compiled: bool) -> float:
+        """Activation bytes the forward moves per sample, eager or compiled."""
+        return self.compiled_bytes if compiled and self.compiled_bytes is not None else self.fwd_bytes
+
+    def kernels(self, compiled: bool) -> int:
+        """Ops (eager) or kernels (compiled) the forward dispatches per call."""
+        return self.compiled_ops if compiled and self.compiled_ops is not None else self.fwd_ops
 
     def styles(self, *, sequence_parallel: bool) -> tuple[TPStyle, ...]:
         """Tensor-parallel styles this kind of leaf allows (divisibility aside)."""
@@ -128,7 +142,9 @@ class Flow:
     ``tensor_bytes`` is the size of the producer's output that reaches the consumer
     (what a resharding collective moves). ``attn_*`` is the part of the glue inside an
     attention core (``F.scaled_dot_product_attention``), which selective recomputation
-    drops from memory and recomputes.
+    drops from memory and recomputes. ``compiled_*`` are the glue's and the attention
+    core's bytes and kernels when the unit is compiled (:mod:`autopar.graph.fusion`);
+    None: as in eager mode.
     """
 
     src: int
@@ -142,6 +158,22 @@ class Flow:
     attn_saved_bytes: float
     glue_ops: float = 0.0
     attn_ops: float = 0.0
+    compiled_glue_bytes: float | None = None
+    compiled_attn_bytes: float | None = None
+    compiled_glue_ops: float | None = None
+    compiled_attn_ops: float | None = None
+
+    def glue(self, compiled: bool) -> tuple[float, float]:
+        """The glue's bytes per sample and ops per call, eager or compiled."""
+        if compiled and self.compiled_glue_bytes is not None:
+            return self.compiled_glue_bytes, self.compiled_glue_ops or 0.0
+        return self.glue_bytes, self.glue_ops
+
+    def attention(self, compiled: bool) -> tuple[float, float]:
+        """The attention core's bytes per sample and ops per call, eager or compiled."""
+        if compiled and self.compiled_attn_bytes is not None:
+            return self.compiled_attn_bytes, self.compiled_attn_ops or 0.0
+        return self.attn_bytes, self.attn_ops
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,7 +10,7 @@ and turns into a per-sample :class:`~autopar.graph.layer_graph.UnitProfile`.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from autopar.graph.flops import MATMUL_OPS
+from autopar.graph.fusion import Account, Fusion
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, Flow, Leaf, LeafKind, UnitProfile
 from autopar.graph.units import is_conv1d, leaf_kind, matrix_shape
 
@@ -39,6 +40,20 @@ class Op:
     saved: float = 0.0
     attn_saved: float = 0.0
     assigned: bool = False
+    compiled_nbytes: float = 0.0
+    kernels: int = 0
+    settled: list[tuple[_FlowAcc, float]] = field(default_factory=list)
+
+    def add_compiled(self, nbytes: float) -> None:
+        """A result of this op is written when compiled (:mod:`autopar.graph.fusion`):
+        charged to the flows it went to, or kept until it goes to one."""
+        if not self.assigned:
+            self.compiled_nbytes += nbytes
+        for acc, share in self.settled:
+            if self.attn:
+                acc.compiled_attn_bytes += nbytes * share
+            else:
+                acc.compiled_glue_bytes += nbytes * share
 
 
 @dataclass
@@ -66,6 +81,12 @@ class _LeafAcc:
     expert_flops: float = 0.0
     row_bytes: float = 0.0
     dropless: bool = False
+    compiled_bytes: float = 0.0
+    kernels: int = 0
+
+    def add_compiled(self, nbytes: float) -> None:
+        """A result of this leaf's ops is written when compiled (:mod:`autopar.graph.fusion`)."""
+        self.compiled_bytes += nbytes
 
     def charge(self, func: Any, flops: float, activation_bytes: float, weight_bytes: float, routed: Any) -> None:
         """Add one op of the leaf's forward; ``routed`` is the activation an expert
@@ -101,6 +122,10 @@ class _FlowAcc:
     attn_saved: float = 0.0
     glue_ops: float = 0.0
     attn_ops: float = 0.0
+    compiled_glue_bytes: float = 0.0
+    compiled_attn_bytes: float = 0.0
+    compiled_glue_ops: float = 0.0
+    compiled_attn_ops: float = 0.0
 
 
 @dataclass
@@ -153,6 +178,8 @@ class SegmentTrace:
                     weight_bytes=acc.weight_bytes,
                     saved_bytes=acc.saved / batch,
                     fwd_ops=acc.ops,
+                    compiled_bytes=acc.compiled_bytes / batch,
+                    compiled_ops=acc.kernels,
                     **_expert_fields(acc, batch),
                 )
             )
@@ -169,6 +196,10 @@ class SegmentTrace:
                 attn_saved_bytes=f.attn_saved / batch,
                 glue_ops=f.glue_ops,
                 attn_ops=f.attn_ops,
+                compiled_glue_bytes=f.compiled_glue_bytes / batch,
+                compiled_attn_bytes=f.compiled_attn_bytes / batch,
+                compiled_glue_ops=f.compiled_glue_ops,
+                compiled_attn_ops=f.compiled_attn_ops,
             )
             for (s, d), f in sorted(self.flows.items())
             if s in remap and d in remap
@@ -224,6 +255,17 @@ class Segment:
         self.input_bytes = 0.0
         self.output_bytes = 0.0
         self.kv_bytes = 0.0
+        self.fusion = Fusion()
+
+    def compiled(
+        self, func: Any, inputs: list[tuple[int, float]], outputs: list[tuple[int, float]], account: Account
+    ) -> tuple[float, int]:
+        """Bytes an op moves and kernels it starts when the segment is compiled
+        (:mod:`autopar.graph.fusion`; parameters left out of ``inputs``)."""
+        if func._overloadpacket in MATMUL_OPS:
+            self.fusion.library_kernel(inputs)
+            return sum(b for _, b in inputs) + sum(b for _, b in outputs), 1
+        return self.fusion.fused_op(inputs, outputs, account)
 
     def note_parts(self, t: Any, dim: int, whole: bool) -> None:
         """Mark the linear leaf whose output ``t`` is, if the op took parts of its
@@ -273,14 +315,19 @@ class Segment:
             share = 1.0 / len(srcs)
             for o in srcs:
                 acc = self.flows.setdefault((o, dst), _FlowAcc())
+                op.settled.append((acc, share))
                 if op.attn:
                     acc.attn_flops += op.flops * share
                     acc.attn_bytes += op.nbytes * share
                     acc.attn_ops += op.calls * share
+                    acc.compiled_attn_bytes += op.compiled_nbytes * share
+                    acc.compiled_attn_ops += op.kernels * share
                 else:
                     acc.glue_flops += op.flops * share
                     acc.glue_bytes += op.nbytes * share
                     acc.glue_ops += op.calls * share
+                    acc.compiled_glue_bytes += op.compiled_nbytes * share
+                    acc.compiled_glue_ops += op.kernels * share
                 acc.saved += op.saved * share
                 acc.attn_saved += op.attn_saved * share
 

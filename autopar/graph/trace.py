@@ -79,15 +79,22 @@ class _Recorder(TorchDispatchMode):
         counted = op_flops(func, args, kwargs, out)
         flops = counted if counted is not None else 0.0
         nbytes = float(sum(nbytes_of(t) for t in ins) + sum(nbytes_of(t) for t in outs))
+        activations = _keyed(t for t in ins if not self.tracer.is_parameter(t))
         if seg.leaf_stack:
             weights = float(sum(nbytes_of(t) for t in ins if self.tracer.is_parameter(t)))
             if counted is None and may_compute(func) and self.tracer.combines_matrices(ins):
                 self.tracer.uncounted.add(str(func._overloadpacket))
-            seg.leaves[seg.leaf_stack[-1]].charge(func, flops, nbytes - weights, weights, self.tracer.routed(func, ins))
+            leaf = seg.leaves[seg.leaf_stack[-1]]
+            leaf.charge(func, flops, nbytes - weights, weights, self.tracer.routed(func, ins))
+            compiled, kernels = seg.compiled(func, activations, _keyed(outs), leaf.add_compiled)
+            leaf.compiled_bytes += compiled
+            leaf.kernels += kernels
             for t in outs:
                 seg.register(t, Info(origins=frozenset({seg.leaf_stack[-1]}), pending=frozenset(), attn_heads=0))
             return out
         op = Op(flops=flops, nbytes=nbytes, attn=self.tracer.in_attention, origins=origins)
+        compiled, op.kernels = seg.compiled(func, activations, _keyed(outs), op.add_compiled)
+        op.compiled_nbytes += compiled
         seg.ops.append(op)
         op_id = len(seg.ops) - 1
         pending = frozenset({op_id}).union(*(i.pending for i in in_infos)) if in_infos else frozenset({op_id})
@@ -96,6 +103,16 @@ class _Recorder(TorchDispatchMode):
         seg.charge_waiting(op)
         seg.last_outputs = frozenset(_storage_key(t) for t in outs)
         return out
+
+
+def _keyed(tensors) -> list[tuple[int, float]]:
+    """(storage key, bytes) of each tensor whose storage can be named."""
+    out = []
+    for t in tensors:
+        key = _storage_key(t)
+        if key is not None:
+            out.append((key, float(nbytes_of(t))))
+    return out
 
 
 def _storage_key(t: torch.Tensor) -> int | None:
@@ -332,6 +349,7 @@ def run_trace(
             return
         outs = tensors_in(outputs)
         seg.output_bytes = float(sum(nbytes_of(t) for t in outs))
+        seg.fusion.write(key for key, _ in _keyed(outs))
         seg.consume(outs, UNIT_OUTPUT)
         if seg.prefix in served:
             result.traces[seg.prefix] = result.traces[served[seg.prefix]]

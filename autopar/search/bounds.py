@@ -73,7 +73,7 @@ class TimeBound:
         # that scales; recomputing units could be cheaper at one size and not another
         if micro_batch_scaling_holds(solver.model) and Recompute.NONE in modes:
             for c in configs:
-                family = (c.tp, c.cp, c.ep, c.sequence_parallel, c.dtype)
+                family = (c.tp, c.cp, c.ep, c.compile, c.sequence_parallel, c.dtype)
                 self._largest[family] = max(self._largest.get(family, 0), c.micro_batch_size)
 
     def __call__(self, config: ParallelConfig) -> float:
@@ -98,6 +98,7 @@ class TimeBound:
             config.tp,
             config.cp,
             config.ep,
+            config.compile,
             config.sequence_parallel,
             config.dtype,
             "sibling tails",
@@ -111,7 +112,9 @@ class TimeBound:
 
     def _scaled_pipeline(self, config: ParallelConfig) -> float:
         """:meth:`scaled` without the tail."""
-        largest = self._largest.get((config.tp, config.cp, config.ep, config.sequence_parallel, config.dtype), 0)
+        largest = self._largest.get(
+            (config.tp, config.cp, config.ep, config.compile, config.sequence_parallel, config.dtype), 0
+        )
         if largest < config.micro_batch_size:
             return self._pipeline_s(config, config.micro_batch_size, *self._p2p(config))
         pipeline = self._pipeline_s(config, largest, 0.0, 0.0) * (config.micro_batch_size / largest)
@@ -198,7 +201,16 @@ class TimeBound:
 
     def _units(self, config: ParallelConfig, micro_batch_size: int) -> _Units:
         """The unit times of ``config``'s structure on micro-batches of ``micro_batch_size``."""
-        key = (config.tp, config.cp, config.ep, config.sequence_parallel, micro_batch_size, config.dtype, "units")
+        key = (
+            config.tp,
+            config.cp,
+            config.ep,
+            config.compile,
+            config.sequence_parallel,
+            micro_batch_size,
+            config.dtype,
+            "units",
+        )
         if key not in self._cache:
             solver = self.solver
             if micro_batch_size != config.micro_batch_size:
@@ -217,6 +229,7 @@ class TimeBound:
             config.tp,
             config.cp,
             config.ep,
+            config.compile,
             config.sequence_parallel,
             config.micro_batch_size,
             config.dtype,
@@ -234,6 +247,7 @@ class TimeBound:
             config.tp,
             config.cp,
             config.ep,
+            config.compile,
             config.sequence_parallel,
             config.dtype,
             "tail",
@@ -249,7 +263,7 @@ class TimeBound:
         return self._cache[key]
 
     def _fewest_params(self, config: ParallelConfig) -> float:
-        key = (config.tp, config.cp, config.ep, config.sequence_parallel, config.dtype, "params")
+        key = (config.tp, config.cp, config.ep, config.compile, config.sequence_parallel, config.dtype, "params")
         if key not in self._cache:
             solver = self.solver
             self._cache[key] = sum(
@@ -271,6 +285,7 @@ class TimeBound:
             config.tp,
             config.cp,
             config.ep,
+            config.compile,
             config.sequence_parallel,
             micro_batch_size,
             config.dtype,

@@ -99,7 +99,18 @@ class LayoutSolver:
         options = [allowed_styles(leaf, ctx) for leaf in profile.leaves]
         outputs = ctx.output_layouts()
         cap = self._fewest(profile, ctx) if small else None
-        key = (id(profile), ctx.tp, ctx.ep, ctx.sequence_parallel, ctx.first, ctx.last, ctx.boundary, ctx.rates, small)
+        key = (
+            id(profile),
+            ctx.tp,
+            ctx.ep,
+            ctx.compile,
+            ctx.sequence_parallel,
+            ctx.first,
+            ctx.last,
+            ctx.boundary,
+            ctx.rates,
+            small,
+        )
         b = ctx.micro_batch
         affine = not ctx.rates.curve
         if affine and self._ends and self._ends[0] <= b <= self._ends[1]:

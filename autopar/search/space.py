@@ -83,8 +83,9 @@ def check_constraints(constraints: Mapping[str, Any] | None, *, what: str = "con
             f"constraint dp_shard={shard!r} is not allowed: give the FSDP shard group's size (an integer >= 2 "
             f"dividing dp), or None for plain FSDP."
         )
-    if "sequence_parallel" in out and not isinstance(out["sequence_parallel"], bool):
-        raise ConfigError(f"constraint sequence_parallel={out['sequence_parallel']!r} must be True or False.")
+    for name in ("sequence_parallel", "compile"):
+        if name in out and not isinstance(out[name], bool):
+            raise ConfigError(f"constraint {name}={out[name]!r} is not allowed: use True or False.")
     return out
 
 
@@ -292,6 +293,7 @@ def enumerate_space(
                                     recompute=c.get("recompute", Recompute.NONE),
                                     sequence_parallel=sp,
                                     dtype=dtype,
+                                    compile=c.get("compile", cluster.device.compile_default),
                                 )
                             )
     return configs, rejected
@@ -428,7 +430,15 @@ def memory_floor(model: CostModel, config: ParallelConfig, cache: dict) -> float
     """The peak memory per device ``config`` needs at least
     (:func:`autopar.cost.bounds.memory_floor_bytes` over the units' floors; ``cache``
     keeps the units' floors per unit structure and the model states per sharding)."""
-    units = (config.tp, config.cp, config.ep, config.sequence_parallel, config.micro_batch_size, config.dtype)
+    units = (
+        config.tp,
+        config.cp,
+        config.ep,
+        config.compile,
+        config.sequence_parallel,
+        config.micro_batch_size,
+        config.dtype,
+    )
     floors = cache.get(units)
     if floors is None:
         kinds = cache.get("kinds")
@@ -449,6 +459,7 @@ def memory_floor(model: CostModel, config: ParallelConfig, cache: dict) -> float
         config.tp,
         config.cp,
         config.ep,
+        config.compile,
         config.sequence_parallel,
         config.dtype,
         config.zero_stage,

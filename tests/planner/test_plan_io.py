@@ -1,10 +1,16 @@
 """Plan files: exact round trip, versioned, malformed input named precisely."""
 
+import dataclasses
 import json
 
 import pytest
 
 from autopar import Plan, PlanFormatError
+
+
+def eager(plan: Plan) -> Plan:
+    """``plan`` with its blocks not compiled: what a file older than version 6 held."""
+    return dataclasses.replace(plan, config=dataclasses.replace(plan.config, compile=False))
 
 
 @pytest.mark.parametrize("fixture", ["gpt2_plan", "pipelined_plan"])
@@ -88,9 +94,9 @@ def test_a_version_2_plan_file_loads_as_plain_fsdp(gpt2_plan):
     data = json.loads(gpt2_plan.to_json())
     data["schema_version"] = 2
     del data["config"]["dp_shard"], data["config"]["cp"], data["prediction"]["breakdown"]["cp_comm_s"]
-    del data["config"]["ep"], data["prediction"]["breakdown"]["ep_comm_s"]
+    del data["config"]["ep"], data["prediction"]["breakdown"]["ep_comm_s"], data["config"]["compile"]
     old = Plan.from_dict(data)
-    assert old == gpt2_plan and old.config.dp_shard is None and old.config.shard_size == gpt2_plan.config.dp
+    assert old == eager(gpt2_plan) and old.config.dp_shard is None and old.config.shard_size == gpt2_plan.config.dp
     data["config"]["dp_shard"] = 2
     with pytest.raises(PlanFormatError, match="config.dp_shard needs schema_version 3"):
         Plan.from_dict(data)
@@ -101,9 +107,9 @@ def test_a_version_3_plan_file_loads_without_context_parallelism(gpt2_plan):
     data = json.loads(gpt2_plan.to_json())
     data["schema_version"] = 3
     del data["config"]["cp"], data["prediction"]["breakdown"]["cp_comm_s"]
-    del data["config"]["ep"], data["prediction"]["breakdown"]["ep_comm_s"]
+    del data["config"]["ep"], data["prediction"]["breakdown"]["ep_comm_s"], data["config"]["compile"]
     old = Plan.from_dict(data)
-    assert old == gpt2_plan and old.config.cp == 1 and old.config.dp_cp == old.config.dp
+    assert old == eager(gpt2_plan) and old.config.cp == 1 and old.config.dp_cp == old.config.dp
     data["config"]["cp"] = 2
     with pytest.raises(PlanFormatError, match="config.cp needs schema_version 4"):
         Plan.from_dict(data)
@@ -113,9 +119,21 @@ def test_a_version_4_plan_file_loads_without_expert_parallelism(gpt2_plan):
     """Version 4 had no ep: its plans read with ep=1; an ep field needs version 5."""
     data = json.loads(gpt2_plan.to_json())
     data["schema_version"] = 4
-    del data["config"]["ep"], data["prediction"]["breakdown"]["ep_comm_s"]
+    del data["config"]["ep"], data["prediction"]["breakdown"]["ep_comm_s"], data["config"]["compile"]
     old = Plan.from_dict(data)
-    assert old == gpt2_plan and old.config.ep == 1 and old.config.expert_replicas == old.config.dp_cp
+    assert old == eager(gpt2_plan) and old.config.ep == 1 and old.config.expert_replicas == old.config.dp_cp
     data["config"]["ep"] = 2
     with pytest.raises(PlanFormatError, match="config.ep needs schema_version 5"):
+        Plan.from_dict(data)
+
+
+def test_a_version_5_plan_file_loads_without_compiled_blocks(gpt2_plan):
+    """Version 5 had no compile: its plans read as eager; a compile field needs version 6."""
+    data = json.loads(gpt2_plan.to_json())
+    data["schema_version"] = 5
+    del data["config"]["compile"]
+    old = Plan.from_dict(data)
+    assert old == eager(gpt2_plan) and old.config.compile is False
+    data["config"]["compile"] = True
+    with pytest.raises(PlanFormatError, match="config.compile needs schema_version 6"):
         Plan.from_dict(data)

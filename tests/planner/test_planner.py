@@ -31,7 +31,7 @@ def test_constraints_are_honoured():
     m = build_named_model("gpt2-medium")
     p = autopar.plan(m, DGX1, global_batch_size=32, seq_len=1024, constraints={"tp": 2, "pp": 2})
     assert (p.config.tp, p.config.pp, p.config.dp) == (2, 2, 2)
-    assert len(p.stages) == 2 and sum(len(s) for s in p.stages) == len(p.model.units)
+    assert len(p.stages) == p.config.num_stages and sum(len(s) for s in p.stages) == len(p.model.units)
 
 
 def test_estimate_is_a_space_of_size_one_and_never_raises_for_memory():

@@ -1,0 +1,116 @@
+"""What a compiled block moves through memory: the trace's model of ``torch.compile``.
+
+Inductor (``torch.compile``'s backend) leaves matrix multiplies and attention kernels to
+their libraries and fuses the element-wise ops and reductions around them into generated
+kernels. A fused kernel reads each tensor it needs from memory once and writes only the
+results something outside it reads; its intermediates stay in registers. So, per
+segment (a compiled block, or what runs before or after the blocks):
+
+- a matmul or attention kernel (:data:`~autopar.graph.flops.MATMUL_OPS`) moves what it
+  moves in eager mode, and every tensor it reads must be in memory: the fused kernel
+  that made one writes it;
+- an element-wise op joins the kernel of the element-wise ops whose results it reads,
+  unless a matmul or attention kernel ran since they did (the kernel finished before it;
+  what it made is written then and read back). Joining several such kernels merges
+  them; an op that reads no such result starts a kernel of its own;
+- a kernel reads each tensor that is in memory (a matmul's result, a parameter, the
+  segment's input, a written intermediate) once, whichever of its ops reads it;
+- the segment's outputs are written.
+
+Tensors autograd saves for the backward are not written on that account: inductor's
+partitioner saves a fused region's inputs and recomputes its cheap element-wise work in
+the backward rather than storing intermediates, so the saved bytes the trace measured in
+eager mode stay an upper bound of a compiled block's. Parameters are not counted here:
+the cost model charges their reads once per call (``Leaf.weight_bytes``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+Account = Callable[[float], None]
+"""Where a tensor's write is charged: the leaf or glue op whose kernel made it."""
+
+
+@dataclass
+class _Pending:
+    """A result of a fused kernel that nothing outside the kernel has read yet."""
+
+    kernel: int
+    nbytes: float
+    account: Account
+    epoch: int
+
+
+@dataclass
+class Fusion:
+    """The fused kernels of one segment as its ops are recorded (module docstring)."""
+
+    epoch: int = 0
+    """Matmul and attention kernels recorded so far: a fused kernel cannot span one."""
+    pending: dict[int, _Pending] = field(default_factory=dict)
+    parent: dict[int, int] = field(default_factory=dict)
+    reads: dict[int, set[int]] = field(default_factory=dict)
+
+    def library_kernel(self, inputs: list[tuple[int, float]]) -> None:
+        """A matmul or attention kernel reads ``inputs`` (storage key, bytes): each
+        pending one is written by its kernel first."""
+        self.write(key for key, _ in inputs)
+        self.epoch += 1
+
+    def write(self, keys) -> None:
+        """The tensors of ``keys`` are read outside their kernels (a library kernel, the
+        segment's output): charge their writes to what made them."""
+        for key in keys:
+            found = self.pending.pop(key, None)
+            if found is not None:
+                found.account(found.nbytes)
+
+    def fused_op(
+        self, inputs: list[tuple[int, float]], outputs: list[tuple[int, float]], account: Account
+    ) -> tuple[float, int]:
+        """An element-wise op reads ``inputs`` and makes ``outputs`` (storage key,
+        bytes; parameters left out): returns the bytes it reads from memory and the
+        kernels it starts (1 or 0). Its outputs are charged to ``account`` if something
+        outside the kernel reads them later."""
+        joined = set()
+        for key, _ in inputs:
+            found = self.pending.get(key)
+            if found is None:
+                continue
+            if found.epoch == self.epoch:
+                joined.add(self._root(found.kernel))
+            else:  # its kernel ended before a library kernel ran
+                self.write([key])
+        started = 0 if joined else 1
+        kernel = self._merge(joined) if joined else self._new()
+        read = self.reads[kernel]
+        nbytes = 0.0
+        for key, size in inputs:
+            if key in self.pending and self.pending[key].epoch == self.epoch:
+                continue  # computed inside the kernel
+            if key not in read:
+                read.add(key)
+                nbytes += size
+        for key, size in outputs:
+            self.pending[key] = _Pending(kernel=kernel, nbytes=size, account=account, epoch=self.epoch)
+        return nbytes, started
+
+    def _new(self) -> int:
+        kernel = len(self.parent)
+        self.parent[kernel] = kernel
+        self.reads[kernel] = set()
+        return kernel
+
+    def _root(self, kernel: int) -> int:
+        while self.parent[kernel] != kernel:
+            kernel = self.parent[kernel]
+        return kernel
+
+    def _merge(self, kernels: set[int]) -> int:
+        root, *rest = sorted(kernels)
+        for other in rest:
+            self.parent[other] = root
+            self.reads[root] |= self.reads.pop(other)
+        return root

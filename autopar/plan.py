@@ -167,11 +167,12 @@ class Alternative:
     winner's step time), ``out-of-memory`` (needs ``over_memory_bytes`` more than a
     device has, even with its best per-layer choices) or ``sharding`` (the winner with
     the other data-parallel sharding, plain FSDP or its best HSDP shard group, slower by
-    ``slower_by``).
+    ``slower_by``) or ``compile`` (the winner with its blocks compiled the other way;
+    ``slower_by`` is negative where compiling would be faster but was not chosen).
     """
 
     config: ParallelConfig
-    status: Literal["runner-up", "out-of-memory", "sharding"]
+    status: Literal["runner-up", "out-of-memory", "sharding", "compile"]
     step_time_s: float
     memory_bytes_per_device: float
     slower_by: float

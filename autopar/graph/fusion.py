@@ -26,11 +26,13 @@ the cost model charges their reads once per call (``Leaf.weight_bytes``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-Account = Callable[[float], None]
-"""Where a tensor's write is charged: the leaf or glue op whose kernel made it."""
+Account = Callable[[float, int], None]
+"""Where an op's bytes and kernels are charged, ``account(nbytes, kernels)``: the leaf or
+glue op that ran it (for a written result, the one whose kernel made it). Merging two
+kernels refunds what they both charged, with negative amounts."""
 
 
 @dataclass
@@ -44,36 +46,47 @@ class _Pending:
 
 
 @dataclass
+class _Kernel:
+    """A fused kernel: who started it, and each tensor it reads from memory with who was
+    charged for the read."""
+
+    account: Account
+    reads: dict[int, tuple[float, Account]] = field(default_factory=dict)
+
+
+@dataclass
 class Fusion:
     """The fused kernels of one segment as its ops are recorded (module docstring)."""
 
     epoch: int = 0
     """Matmul and attention kernels recorded so far: a fused kernel cannot span one."""
     pending: dict[int, _Pending] = field(default_factory=dict)
+    kernels: dict[int, _Kernel] = field(default_factory=dict)
     parent: dict[int, int] = field(default_factory=dict)
-    reads: dict[int, set[int]] = field(default_factory=dict)
 
-    def library_kernel(self, inputs: list[tuple[int, float]]) -> None:
-        """A matmul or attention kernel reads ``inputs`` (storage key, bytes): each
-        pending one is written by its kernel first."""
+    def library_kernel(
+        self, inputs: list[tuple[int, float]], outputs: list[tuple[int, float]], account: Account
+    ) -> None:
+        """A matmul or attention kernel reads ``inputs`` and writes ``outputs`` (storage
+        key, bytes; parameters left out): each pending input is written by its kernel
+        first, and the kernel moves what it moves in eager mode."""
         self.write(key for key, _ in inputs)
         self.epoch += 1
+        account(sum(b for _, b in inputs) + sum(b for _, b in outputs), 1)
 
-    def write(self, keys) -> None:
+    def write(self, keys: Iterable[int]) -> None:
         """The tensors of ``keys`` are read outside their kernels (a library kernel, the
         segment's output): charge their writes to what made them."""
         for key in keys:
             found = self.pending.pop(key, None)
             if found is not None:
-                found.account(found.nbytes)
+                found.account(found.nbytes, 0)
 
-    def fused_op(
-        self, inputs: list[tuple[int, float]], outputs: list[tuple[int, float]], account: Account
-    ) -> tuple[float, int]:
+    def fused_op(self, inputs: list[tuple[int, float]], outputs: list[tuple[int, float]], account: Account) -> None:
         """An element-wise op reads ``inputs`` and makes ``outputs`` (storage key,
-        bytes; parameters left out): returns the bytes it reads from memory and the
-        kernels it starts (1 or 0). Its outputs are charged to ``account`` if something
-        outside the kernel reads them later."""
+        bytes; parameters left out): it joins (or starts) a kernel and is charged what
+        the kernel reads for it from memory. Its outputs are charged to ``account`` when
+        something outside the kernel reads them."""
         joined = set()
         for key, _ in inputs:
             found = self.pending.get(key)
@@ -83,25 +96,21 @@ class Fusion:
                 joined.add(self._root(found.kernel))
             else:  # its kernel ended before a library kernel ran
                 self.write([key])
-        started = 0 if joined else 1
-        kernel = self._merge(joined) if joined else self._new()
-        read = self.reads[kernel]
-        nbytes = 0.0
+        if joined:
+            kernel = self._merge(joined)
+        else:
+            kernel = len(self.parent)
+            self.parent[kernel] = kernel
+            self.kernels[kernel] = _Kernel(account=account)
+            account(0.0, 1)
+        reads = self.kernels[kernel].reads
         for key, size in inputs:
-            if key in self.pending and self.pending[key].epoch == self.epoch:
-                continue  # computed inside the kernel
-            if key not in read:
-                read.add(key)
-                nbytes += size
+            if key in self.pending or key in reads:
+                continue  # computed inside the kernel, or read by it already
+            reads[key] = (size, account)
+            account(size, 0)
         for key, size in outputs:
             self.pending[key] = _Pending(kernel=kernel, nbytes=size, account=account, epoch=self.epoch)
-        return nbytes, started
-
-    def _new(self) -> int:
-        kernel = len(self.parent)
-        self.parent[kernel] = kernel
-        self.reads[kernel] = set()
-        return kernel
 
     def _root(self, kernel: int) -> int:
         while self.parent[kernel] != kernel:
@@ -109,8 +118,17 @@ class Fusion:
         return kernel
 
     def _merge(self, kernels: set[int]) -> int:
+        """One kernel of ``kernels``: the others' starts and the reads they share are
+        refunded."""
         root, *rest = sorted(kernels)
+        into = self.kernels[root]
         for other in rest:
             self.parent[other] = root
-            self.reads[root] |= self.reads.pop(other)
+            merged = self.kernels.pop(other)
+            merged.account(0.0, -1)
+            for key, (size, account) in merged.reads.items():
+                if key in into.reads:
+                    account(-size, 0)
+                else:
+                    into.reads[key] = (size, account)
         return root

@@ -44,16 +44,19 @@ class Op:
     kernels: int = 0
     settled: list[tuple[_FlowAcc, float]] = field(default_factory=list)
 
-    def add_compiled(self, nbytes: float) -> None:
-        """A result of this op is written when compiled (:mod:`autopar.graph.fusion`):
+    def add_compiled(self, nbytes: float, kernels: int) -> None:
+        """Bytes and kernels of this op when compiled (:mod:`autopar.graph.fusion`):
         charged to the flows it went to, or kept until it goes to one."""
         if not self.assigned:
             self.compiled_nbytes += nbytes
+            self.kernels += kernels
         for acc, share in self.settled:
             if self.attn:
                 acc.compiled_attn_bytes += nbytes * share
+                acc.compiled_attn_ops += kernels * share
             else:
                 acc.compiled_glue_bytes += nbytes * share
+                acc.compiled_glue_ops += kernels * share
 
 
 @dataclass
@@ -84,9 +87,10 @@ class _LeafAcc:
     compiled_bytes: float = 0.0
     kernels: int = 0
 
-    def add_compiled(self, nbytes: float) -> None:
-        """A result of this leaf's ops is written when compiled (:mod:`autopar.graph.fusion`)."""
+    def add_compiled(self, nbytes: float, kernels: int) -> None:
+        """Bytes and kernels of this leaf's ops when compiled (:mod:`autopar.graph.fusion`)."""
         self.compiled_bytes += nbytes
+        self.kernels += kernels
 
     def charge(self, func: Any, flops: float, activation_bytes: float, weight_bytes: float, routed: Any) -> None:
         """Add one op of the leaf's forward; ``routed`` is the activation an expert
@@ -259,13 +263,14 @@ class Segment:
 
     def compiled(
         self, func: Any, inputs: list[tuple[int, float]], outputs: list[tuple[int, float]], account: Account
-    ) -> tuple[float, int]:
-        """Bytes an op moves and kernels it starts when the segment is compiled
-        (:mod:`autopar.graph.fusion`; parameters left out of ``inputs``)."""
+    ) -> None:
+        """Charge ``account`` the bytes an op moves and the kernels it starts when the
+        segment is compiled (:mod:`autopar.graph.fusion`; parameters left out of
+        ``inputs``)."""
         if func._overloadpacket in MATMUL_OPS:
-            self.fusion.library_kernel(inputs)
-            return sum(b for _, b in inputs) + sum(b for _, b in outputs), 1
-        return self.fusion.fused_op(inputs, outputs, account)
+            self.fusion.library_kernel(inputs, outputs, account)
+        else:
+            self.fusion.fused_op(inputs, outputs, account)
 
     def note_parts(self, t: Any, dim: int, whole: bool) -> None:
         """Mark the linear leaf whose output ``t`` is, if the op took parts of its

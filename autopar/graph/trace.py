@@ -86,15 +86,12 @@ class _Recorder(TorchDispatchMode):
                 self.tracer.uncounted.add(str(func._overloadpacket))
             leaf = seg.leaves[seg.leaf_stack[-1]]
             leaf.charge(func, flops, nbytes - weights, weights, self.tracer.routed(func, ins))
-            compiled, kernels = seg.compiled(func, activations, _keyed(outs), leaf.add_compiled)
-            leaf.compiled_bytes += compiled
-            leaf.kernels += kernels
+            seg.compiled(func, activations, _keyed(outs), leaf.add_compiled)
             for t in outs:
                 seg.register(t, Info(origins=frozenset({seg.leaf_stack[-1]}), pending=frozenset(), attn_heads=0))
             return out
         op = Op(flops=flops, nbytes=nbytes, attn=self.tracer.in_attention, origins=origins)
-        compiled, op.kernels = seg.compiled(func, activations, _keyed(outs), op.add_compiled)
-        op.compiled_nbytes += compiled
+        seg.compiled(func, activations, _keyed(outs), op.add_compiled)
         seg.ops.append(op)
         op_id = len(seg.ops) - 1
         pending = frozenset({op_id}).union(*(i.pending for i in in_infos)) if in_infos else frozenset({op_id})

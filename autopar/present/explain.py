@@ -33,6 +33,7 @@ def explain(plan: Plan, *, top: int = 5) -> str:
         *_context(plan),
         *_experts(plan),
         *_sharding(plan),
+        *_compiled(plan),
         "",
         "Stages (pipeline rank: units | forward / backward per micro-batch | peak memory)",
     ]
@@ -141,6 +142,22 @@ def _experts(plan: Plan) -> list[str]:
         if plan.settings.routing_imbalance != 1.0:
             used += f"; dropless experts priced at {plan.settings.routing_imbalance:g}x the mean rows"
     return _axis_line(plan, "Expert par.", "ep", used)
+
+
+def _compiled(plan: Plan) -> list[str]:
+    """Whether the blocks run compiled, and what the other way would take."""
+    c = plan.config
+    if c.compile:
+        text = "blocks compiled (torch.compile: element-wise ops fused between matmuls; --set compile=false for eager)"
+    elif plan.cluster.device.compile_default:
+        text = "blocks run eager, as asked"
+    else:
+        text = f"blocks run eager ({plan.cluster.device.name} does not compile by default; --set compile=true)"
+    for a in plan.alternatives:
+        if a.status == "compile":
+            other = "compiled" if a.config.compile else "eager"
+            text += f"; {other}: {duration(a.step_time_s)} ({100 * a.slower_by:+.1f}%)"
+    return [f"Compiled       {text}"]
 
 
 def _sharding(plan: Plan) -> list[str]:

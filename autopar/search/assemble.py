@@ -120,6 +120,9 @@ def _alternatives(result: SearchResult, solver: ConfigSolver) -> tuple[Alternati
 
     out = [priced(o, "runner-up", "") for o in result.runners_up]
     for o in result.contrasts:
+        if o.config.compile != result.best.config.compile:
+            out.append(priced(o, "compile", f"the winner {'compiled' if o.config.compile else 'eager'}: "))
+            continue
         sharding = "plain FSDP" if o.config.dp_shard is None else f"HSDP with shard groups of {o.config.dp_shard}"
         out.append(priced(o, "sharding", f"the winner with {sharding}: "))
     cap = result.best.prediction.memory_capacity_bytes if result.best.prediction else 0.0

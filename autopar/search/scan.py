@@ -43,7 +43,8 @@ class SearchResult:
         region_sizes: how many candidates each (tp, pp) region has (a region is out of
             memory when all of them are).
         contrasts: the best configuration changed in its data-parallel sharding alone
-            (:func:`sharding_contrasts`), priced, to show what HSDP is worth.
+            (:func:`sharding_contrasts`), priced, to show what HSDP is worth; and with
+            its blocks compiled the other way (:func:`compile_contrast`).
     """
 
     best: Outcome
@@ -142,7 +143,9 @@ def search(solver: ConfigSolver, fixed: Mapping[str, Any], *, top: int) -> Searc
     if not fitting:
         return SearchResult(best=min(infeasible, key=lambda o: o.min_memory_bytes), runners_up=(), **common)
     finished = [replace(o, prediction=price(model, decided(o))) for o in fitting[:keep]]
-    contrasts = sharding_contrasts(solver, finished[0].config, fixed, modes)
+    contrasts = sharding_contrasts(solver, finished[0].config, fixed, modes) + compile_contrast(
+        solver, finished[0].config, modes
+    )
     return SearchResult(best=finished[0], runners_up=tuple(finished[1:]), contrasts=contrasts, **common)
 
 
@@ -166,6 +169,16 @@ def sharding_contrasts(
         return ()
     fastest = min(found, key=lambda o: o.step_time_s)
     return (replace(fastest, prediction=price(solver.model, decided(fastest))),)
+
+
+def compile_contrast(solver: ConfigSolver, best: ParallelConfig, modes: tuple[Recompute, ...]) -> tuple[Outcome, ...]:
+    """``best`` with its blocks the other way (compiled or eager), priced: what compiling
+    is worth on this plan, whichever way ``compile`` was decided. Empty if it does not
+    fit that way."""
+    other = solver.evaluate(replace(best, compile=not best.compile), modes)
+    if not other.fits:
+        return ()
+    return (replace(other, prediction=price(solver.model, decided(other))),)
 
 
 def decided(outcome: Outcome) -> Decided:

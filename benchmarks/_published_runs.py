@@ -1,0 +1,226 @@
+"""Published training runs for ``planner_faithful.py``: what each source states, the
+models they trained (built on the meta device), the clusters they ran on, and the FLOP
+counts they divided by.
+
+Every number here is copied from the source named above its table; where a source
+leaves a choice unsaid, the table says so and ``planner_faithful.py`` lets
+``autopar.plan`` pick it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import autopar
+
+# Narayanan et al. 2021, table 1 (A100 80GB, fp16, full recomputation, materialized attention).
+# (label, hidden, heads, layers, gpus, batch, tp, pp, published TFLOP/s per GPU incl. recompute)
+NARAYANAN_2021 = [
+    ("1.7B", 2304, 24, 24, 32, 512, 1, 1, 137),
+    ("3.6B", 3072, 32, 30, 64, 512, 2, 1, 138),
+    ("7.5B", 4096, 32, 36, 128, 512, 4, 1, 142),
+    ("18.4B", 6144, 48, 40, 256, 1024, 8, 1, 135),
+    ("39.1B", 8192, 64, 48, 512, 1536, 8, 2, 138),
+    ("76.1B", 10240, 80, 60, 1024, 1792, 8, 4, 140),
+    ("145.6B", 12288, 96, 80, 1536, 2304, 8, 8, 148),
+    ("310.1B", 16384, 128, 96, 1920, 2160, 8, 16, 155),
+    ("529.6B", 20480, 128, 105, 2520, 2520, 8, 35, 163),
+    ("1008B", 25600, 160, 128, 3072, 3072, 8, 64, 163),
+]
+
+# Llama Team 2024, table 4: (gpus, tp, cp, pp, dp, sequence length, sequences per dp rank, BF16 MFU %).
+# The two 8K-token rows hold the global batch (2048 sequences) over 8,192 and 16,384 GPUs.
+LLAMA3_2024 = [
+    (8192, 8, 1, 16, 64, 8192, 32, 43),
+    (16384, 8, 1, 16, 128, 8192, 16, 41),
+    (16384, 8, 16, 16, 8, 131072, 16, 38),
+]
+
+# NVIDIA/Megatron-LM README.md, "Training Speed and Scalability" (commit f2e5db402c, 2024-07-15),
+# table images/model_table.png: GPT models on H100, vocabulary 131,072, sequence 4096, data-parallel
+# 48, Megatron-Core r0.8.0 with data-, tensor- and pipeline-parallel communication overlapped.
+# Recomputation, micro-batch and schedule are not stated.
+# (label, heads, hidden, layers, tp, pp, gpus, batch, published TFLOP/s per GPU, published MFU %)
+MEGATRON_CORE_2024 = [
+    ("1.7B", 16, 2048, 24, 1, 1, 48, 192, 408.8, 41),
+    ("7.1B", 32, 4096, 30, 2, 1, 96, 192, 465.9, 47),
+    ("16B", 48, 6144, 32, 4, 1, 192, 192, 489.1, 49),
+    ("32B", 56, 7168, 48, 8, 1, 384, 192, 459.6, 46),
+    ("70B", 64, 8192, 84, 8, 2, 768, 384, 419.7, 42),
+    ("119B", 80, 10240, 92, 8, 4, 1536, 768, 420.5, 43),
+    ("177B", 96, 12288, 96, 8, 6, 2304, 1152, 432.8, 44),
+    ("314B", 128, 16384, 96, 8, 8, 3072, 1536, 474.4, 48),
+    ("462B", 144, 18432, 112, 8, 16, 6144, 3072, 459.9, 47),
+]
+
+# Same README, strong scaling: "the standard GPT-3 model (... slightly more than 175 billion
+# parameters due to larger vocabulary size) from 96 H100 GPUs to 4608 GPUs, using the same batch
+# size of 1152 sequences throughout ... a reduction in MFU from 47% to 42%". The degrees are not
+# stated; the table's 177B row (the same model and batch on 2304 GPUs) uses tp=8 pp=6.
+# (gpus, published MFU %)
+MEGATRON_CORE_STRONG = [(96, 47), (4608, 42)]
+
+# NVIDIA/Megatron-LM megatron/core/transformer/moe/README.md at commit 0b981f9c53 (2024-08-02):
+# "boosts Mixtral 8X7B bf16 training to achieve 438 TFLOPS as of MCore v0.8", and its "Reference
+# Best Parallel Mapping" of MCore v0.8: Mixtral 8x7B (dropless, all-to-all dispatcher, BF16,
+# vocabulary 32K) on 64 H100 80GB, sequence 4096, TP 1, EP 8, PP 4, VP 8, MBS 1, GBS 256.
+MIXTRAL_8X7B_TFLOPS = 438.0
+
+# bigscience-workshop/bigscience train/tr11-176B-ml/README.md (commit 00327f8c): BLOOM 176B on 384
+# A100 80GB (48 nodes, "4 OmniPath links" per node), TP 4, PP 12, DP 8, MBS 2, GBS 2048, sequence
+# 2048, bf16, Megatron-DeepSpeed with activation checkpointing and its own ZeRO-1; hidden 14336,
+# 70 layers, 112 heads, vocabulary padded to 250880 (tied). Section "Important checkpoints": the
+# log line at iteration 85376 reads "elapsed time per iteration (s): 104.70 ... TFLOPs: 149.77".
+BLOOM_STEP_S = 104.70
+BLOOM_TFLOPS = 149.77
+
+# Smith et al. 2022, "Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B", section 2.4, as
+# quoted by cli99/llm-analysis examples/megatron-turing-nlg/README.md (commit b60b392f): global batch
+# 1920 on 280, 350 and 420 DGX A100 servers, 60.1, 50.2 and 44.4 s per iteration (126, 121, 113
+# TFLOP/s per GPU); tensor 8 and pipeline 35 from the same folder's run_train.sh. The model as in
+# Korthikanti et al. 2022 (hidden 20480, 105 layers, 128 heads, sequence 2048). One model at one
+# batch over growing GPU counts: a strong-scaling series. (gpus, published s/step, TFLOP/s per GPU)
+MT_NLG_2022 = [(2240, 60.1, 126), (2800, 50.2, 121), (3360, 44.4, 113)]
+
+# pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, tables 1 and 3: Llama 3.1 8B,
+# FSDP, local batch 2, selective activation checkpointing, no torch.compile, no Float8, on H100
+# 96GB HBM2e (2.4 TB/s, 500 W, 400 Gb/s RDMA per GPU). Sequence 8192 from train_configs/llama3_8b.toml
+# at the torchtitan commit the document names (9dec370).
+# (gpus, global batch, published tokens/s per GPU, published memory GiB)
+TORCHTITAN_2024 = [(8, 16, 5762, 82.4), (128, 256, 5605, 67.0)]
+
+# Published runs that need what autopar does not model yet (torch.compile, Float8/FP8): listed
+# after the table, not scored. (source, configuration, published)
+NOT_SCORED = [
+    (
+        "torchtitan benchmarks/llama3_h100_202412_torchtitan.md table 1",
+        "Llama 3.1 8B, 8 H100 96GB, FSDP 8, local batch 2, selective AC, torch.compile (+ Float8)",
+        "6,667 TPS/GPU 77.0 GiB (compile); 8,532 TPS/GPU 76.8 GiB (compile + Float8)",
+    ),
+    (
+        "torchtitan benchmarks/llama3_h100_202412_torchtitan.md table 3",
+        "Llama 3.1 8B, 128 H100 96GB, FSDP 128, local batch 2, selective AC, torch.compile (+ Float8)",
+        "6,514 TPS/GPU 62.0 GiB (compile); 8,380 TPS/GPU 61.8 GiB (compile + Float8)",
+    ),
+    (
+        "torchtitan benchmarks/llama3_h100_202412_torchtitan.md table 2",
+        "Llama 3.1 8B, 8 H100, FSDP x CP = 8, local batch 1, full AC, compile + Float8, seq 32K-256K",
+        "3,890 / 2,540 / 1,071 / 548 TPS/GPU (CP 1/2/4/8), 83.9-84.5 GiB",
+    ),
+    (
+        "torchtitan benchmarks/llama3_h100_202412_torchtitan.md table 4",
+        "Llama 3.1 70B, 256 H100, FSDP 32 TP 8, local batch 16, full AC, compile + Float8",
+        "829 TPS/GPU 71.9 GiB; with AsyncTP 876 TPS/GPU 67.6 GiB",
+    ),
+    (
+        "torchtitan benchmarks/llama3_h100_202412_torchtitan.md table 5",
+        "Llama 3.1 405B, 512 H100, FSDP 8 TP 8 PP 8, local batch 32, full AC, compile + Float8 + AsyncTP",
+        "1F1B 100 TPS/GPU 82.5 GiB; interleaved 1F1B 128 TPS/GPU 72.7 GiB",
+    ),
+    (
+        "torchtitan benchmarks/llama3_h100_202412_torchtitan.md table 6",
+        "Llama 3.1 405B, 512 H100, TP 8 PP 8, FSDP x CP = 8, 1F1B, full AC, compile + Float8 + AsyncTP",
+        "76 / 47 / 31 / 16 TPS/GPU (CP 1/2/4/8, seq 32K-256K), 75.3-84.9 GiB",
+    ),
+    (
+        "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md",
+        "Llama 3 70B, 256 H100, FSDP 32 TP 8, torch.compile, full AC, local batch 16, bf16",
+        "597.3 tokens/s (vanilla TP), 652.4 (async TP)",
+    ),
+    (
+        "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md",
+        "Llama 3 8B, 64 H100, FSDP 8 TP 8, torch.compile, per-op SAC, local batch 12, bf16",
+        "4378 tokens/s (vanilla TP), 4809.4 (async TP)",
+    ),
+    (
+        "torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md",
+        "Llama 3.1 8B, 32 / 64 H200, FSDP, local batch 2, torch.compile + Float8",
+        "10938 / 10753 TPS/GPU, 47.96 / 46.97 GiB",
+    ),
+    (
+        "Zhang et al. 2022, OPT (section 2.4 Training Efficiency)",
+        "OPT-175B, 992 A100 80GB, FSDP + Megatron tensor parallelism, FP16 weights (degrees, batch not stated)",
+        "up to 147 TFLOP/s per GPU (a maximum, and no configuration to estimate)",
+    ),
+    (
+        "NVIDIA/Megatron-LM examples/llama/README.md, FP8 Performance",
+        "Llama 3 8B / 70B / 405B, 8 / 64 / 1024 H100, FP8 hybrid, seq 8192 (TP/PP/CP/VP in the table)",
+        "13812 / 1621 / 315 tokens/s/GPU; 800 / 780 / 834 TFLOP/s/GPU",
+    ),
+]
+
+
+def megatron_flops(
+    batch: int,
+    seq: int,
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    ffn: int,
+    vocab: int,
+    *,
+    topk=1,
+    glu=False,
+) -> float:
+    """FLOPs of one step as Megatron-LM counts them for its TFLOP/s and MFU (Narayanan et al.
+    2021, appendix, extended to grouped-query attention, gated MLPs and top-k experts): every
+    GEMM three times, attention scores over the whole ``seq x seq`` square, no recomputation.
+    Assumes ``heads x head dim == hidden``, true of every model it is used for here."""
+    attention = 1 + kv_heads / heads + seq / hidden
+    mlp = ffn / hidden * topk * (1.5 if glu else 1.0)
+    logits = vocab / (2 * layers * hidden)
+    return 12 * batch * seq * layers * hidden**2 * (attention + mlp + logits)
+
+
+def gpt(hidden: int, heads: int, layers: int, *, vocab: int = 51200, seq: int = 2048):
+    """A GPT with tied embeddings on the meta device."""
+    import torch
+
+    from autopar.models.gpt import GPT, GPTConfig
+
+    with torch.device("meta"):
+        return GPT(GPTConfig(vocab_size=vocab, seq_len=seq, dim=hidden, n_layers=layers, n_heads=heads))
+
+
+def llama(dim: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab: int, seq: int):
+    """A Llama on the meta device."""
+    import torch
+
+    from autopar.models.llama import Llama, LlamaConfig
+
+    cfg = LlamaConfig(
+        dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv_heads, ffn_dim=ffn, vocab_size=vocab, seq_len=seq
+    )
+    with torch.device("meta"):
+        return Llama(cfg)
+
+
+def mixtral_8x7b(seq: int):
+    """Mixtral 8x7B (Jiang et al. 2024: dim 4096, 32 layers, 32 heads, 8 KV heads, 8 experts of
+    width 14336, top-2, vocabulary 32000) with autopar's capacity-bounded experts at capacity
+    factor 1: the balanced cost of a dropless layer."""
+    import torch
+
+    from autopar.models.moe import MoEConfig, MoELlama
+
+    cfg = MoEConfig(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32000, seq_len=seq, rope_theta=1e6
+    )
+    with torch.device("meta"):
+        return MoELlama(cfg)
+
+
+def grand_teton_h100(nodes: int) -> autopar.Cluster:
+    """torchtitan's H100 hosts as its benchmark describes them: the DGX H100 preset with 96 GB
+    of HBM2e at 2.4 TB/s per GPU (same NVLink, 400 Gb/s per GPU between hosts). Peak FLOP/s
+    stays the SXM datasheet's: the document says the 500 W part's peak lies between SXM and NVL."""
+    base = autopar.preset("dgx-h100", nodes=nodes)
+    device = base.device
+    device = replace(
+        device,
+        name="H100-96GB-HBM2e-500W",
+        roofline=replace(device.roofline, memory_bandwidth_bytes_per_s=2.4e12),
+        memory=replace(device.memory, capacity_bytes=96e9),
+    )
+    return replace(base, name=f"grand-teton-h100 x {nodes}", device=device)

@@ -214,11 +214,6 @@ class DeviceSpec:
             FSDP/DDP communication. CPU processes get 0: gloo reduces on the cores the
             compute uses.
         preferred_dtype: the precision plans use unless told otherwise.
-        compile_default: whether plans compile their blocks (``torch.compile``) unless
-            told otherwise. True on GPUs, where inductor generates Triton kernels whose
-            memory traffic the cost model prices; False for CPU processes, whose
-            framework costs were measured in eager mode and where inductor's C++
-            build takes minutes per block (``compile=True`` still plans it).
         source: where the numbers come from.
     """
 
@@ -228,7 +223,6 @@ class DeviceSpec:
     host: HostEffects = field(default_factory=HostEffects.none)
     comm_overlap: float = 0.8
     preferred_dtype: DType = DType.BF16
-    compile_default: bool = True
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -243,8 +237,6 @@ class DeviceSpec:
         )
         object.__setattr__(self, "comm_overlap", overlap)
         object.__setattr__(self, "preferred_dtype", dtype_of(self.preferred_dtype, f"{owner} preferred_dtype"))
-        if not isinstance(self.compile_default, bool):
-            raise ClusterError(f"{owner} compile_default={self.compile_default!r} is not allowed: use true or false.")
         if self.preferred_dtype not in self.roofline.peak_flops:
             raise ClusterError(f"{owner} preferred_dtype={self.preferred_dtype.value} has no peak_flops entry.")
 

@@ -193,7 +193,6 @@ def local_cpu_device(processes: int) -> DeviceSpec:
         ),
         comm_overlap=0.0,
         preferred_dtype=DType.FP32,
-        compile_default=False,
         source="nominal: ~60 GFLOP/s fp32 per core (oneDNN/MKL SGEMM on one AVX-512 core), bf16 half of that "
         "without AMX; ~10 GB/s per core; memory = physical RAM / processes less 512 MiB for the "
         "interpreter and libraries, so memory per device counts tensor allocations only (what the "

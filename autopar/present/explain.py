@@ -148,14 +148,12 @@ def _compiled(plan: Plan) -> list[str]:
     """Whether the blocks run compiled, and what the other way would take."""
     c = plan.config
     if c.compile:
-        text = "blocks compiled (torch.compile: element-wise ops fused between matmuls; --set compile=false for eager)"
-    elif plan.cluster.device.compile_default:
-        text = "blocks run eager, as asked"
+        text = "blocks compiled (torch.compile: element-wise ops fused between matmuls)"
     else:
-        text = f"blocks run eager ({plan.cluster.device.name} does not compile by default; --set compile=true)"
+        text = "blocks run eager"
     for a in plan.alternatives:
         if a.status == "compile":
-            other = "compiled" if a.config.compile else "eager"
+            other = "eager" if c.compile else "compiled (--set compile=true)"
             text += f"; {other}: {duration(a.step_time_s)} ({100 * a.slower_by:+.1f}%)"
     return [f"Compiled       {text}"]
 

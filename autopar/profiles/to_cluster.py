@@ -191,7 +191,6 @@ def _device(found: tuple[str, DeviceProfile], base: Cluster | None, per_node: in
         ),
         comm_overlap=overlap,
         preferred_dtype=preferred,
-        compile_default=not cpu and (base is None or bdev.compile_default),
         source=(
             f"measured ({origin}, {where}): matmul curves {', '.join(dt.value for dt in curves)} over "
             f"{len(d.matmul)} shapes, streaming bandwidth {d.memory_bandwidth_bytes_per_s / 1e9:.3g} "

@@ -328,7 +328,7 @@ def _complete(fixed: dict[str, Any], cluster: Cluster, global_batch_size: int) -
     out.setdefault("dp_shard", None)
     out.setdefault("sequence_parallel", False)
     out.setdefault("dtype", cluster.device.preferred_dtype)
-    out.setdefault("compile", cluster.device.compile_default)
+    out.setdefault("compile", False)
     return check_constraints(out)
 
 

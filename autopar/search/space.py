@@ -293,7 +293,7 @@ def enumerate_space(
                                     recompute=c.get("recompute", Recompute.NONE),
                                     sequence_parallel=sp,
                                     dtype=dtype,
-                                    compile=c.get("compile", cluster.device.compile_default),
+                                    compile=c.get("compile", False),
                                 )
                             )
     return configs, rejected

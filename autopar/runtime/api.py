@@ -113,8 +113,9 @@ def parallelize(
             forward); token models are traced with the plan's sequence length.
         device: where this rank computes (default ``cuda:LOCAL_RANK`` on NCCL, else CPU).
         measure_memory: record each step's peak memory in ``job.metrics`` (on CPU this
-            counts tensor storages through a dispatch mode, which slows small steps;
-            see :mod:`autopar.runtime.metrics`).
+            counts tensor storages through a dispatch mode, which slows small steps,
+            and under which dynamo compiles nothing: compiled blocks run eager in such
+            steps; see :mod:`autopar.runtime.metrics`).
         analysis: the result of :func:`analyse` for this model and plan, if already made.
         materialize: False keeps a meta model on the meta device, sharded but without
             storage, and skips DDP (which needs real tensors) and compiling the blocks
@@ -164,6 +165,7 @@ def parallelize(
     replicas = weight_replicas_mesh(mesh, dims, device.type)
     dp_mesh = data_parallel_mesh(replicas, dims, device.type)
     experts_mesh = expert_meshes(replicas, dims, device.type) if dims.ep > 1 else None
+    compiled: list[str] = []
     for stage, i in zip(stages, indices):
         if positions is not None:
             bind_positions(stage, position_keyword(model), positions)
@@ -174,7 +176,7 @@ def parallelize(
             apply_expert_parallel(stage, experts_mesh.ep)
         apply_recompute(stage, list(plan.stages[i]), plan)
         if plan.config.compile and materialize:
-            compile_blocks(stage, list(plan.stages[i]))
+            compiled += compile_blocks(stage, list(plan.stages[i]))
     spec_of = [_dp_spec(plan, stage, plan.stages[i]) for stage, i in zip(stages, indices)]
     sharded_on_meta = plan.config.zero_stage >= 2 and dims.dp_cp > 1
     ep_replicate = experts_mesh.replicas if experts_mesh is not None else None
@@ -210,6 +212,7 @@ def parallelize(
         memory=memory,
         scaler=scaler,
         skips=SkipCounter(max_consecutive_skips=max_consecutive_skips),
+        compiled_blocks=tuple(compiled),
     )
     return Job(parts)
 

@@ -21,17 +21,23 @@ and the tied-weight bookkeeping see the units as before, and the hooks FSDP2 reg
 on the unit later run eagerly around the compiled forward.
 
 Compilation happens at a block's first call (the first step) and again only when
-shapes change. A failure there raises :class:`~autopar.runtime.errors.CompileError`,
-naming the block and the compiler's own first line, with the original exception chained:
-the plan can be remade with ``compile=False``. A measured dry run (fake tensors,
+shapes change; the backward's graph is compiled at the first backward through it. A
+failure raises :class:`~autopar.runtime.errors.CompileError` with the compiler's own
+first line and the original exception chained, naming the block (forward) or the blocks
+whose backward it is (:func:`compile_failures`, around the step's schedule): the plan
+can be remade with ``compile=False``. A measured dry run (fake tensors,
 :mod:`autopar.runtime.dry_step`) runs the blocks eager: compiling needs real tensors,
-and eager memory is the upper bound the planner prices for compiled blocks too.
+and eager memory is the upper bound the planner prices for compiled blocks too. Nor
+does dynamo compile under a dispatch mode: a CPU step that measures its memory
+(``parallelize(measure_memory=True)``, :mod:`autopar.runtime.metrics`) runs the blocks
+eager.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -84,6 +90,43 @@ def _reporting(compiled: Callable[..., Any], block: str) -> Callable[..., Any]:
             ) from exc
 
     return run
+
+
+@contextlib.contextmanager
+def compile_failures(blocks: list[str]) -> Iterator[None]:
+    """Let a compiler failure of ``blocks`` (the compiled blocks whose forward and
+    backward run inside) leave as :class:`CompileError`: the forward's, which names its
+    block, is found under the ``RuntimeError`` a pipeline stage wraps every forward
+    failure in; the backward's becomes one naming ``blocks``. Any other exception, and
+    everything when ``blocks`` is empty, passes through unchanged."""
+    try:
+        yield
+    except Exception as exc:
+        if not blocks or isinstance(exc, CompileError):
+            raise
+        named = _in_chain(exc, (CompileError,))
+        if named is not None:
+            raise named from named.__cause__
+        failure = _in_chain(exc, COMPILE_FAILURES)
+        if failure is None:
+            raise
+        names = repr(blocks[0]) if len(blocks) == 1 else f"{blocks[0]!r} to {blocks[-1]!r}"
+        raise CompileError(
+            f"the backward of compiled blocks {names} failed to compile with torch.compile "
+            f"({_first_line(failure)}); plan with --set compile=false (compile=False) to run eager."
+        ) from failure
+
+
+def _in_chain(exc: BaseException, types: tuple[type[BaseException], ...]) -> BaseException | None:
+    """The first exception of ``types`` among ``exc`` and its causes."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, types):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def _first_line(exc: Exception) -> str:

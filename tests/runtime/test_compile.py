@@ -11,10 +11,25 @@ ops, which moves values by a few ulps, as a parallel run's reordered sums do.
 
 import pytest
 import torch
-from parity import GPT_CFG, assert_parity, build, make_plan, megatron_styles, reference, run, token_loss, train
+from parity import (
+    GPT_CFG,
+    assert_parity,
+    batches,
+    build,
+    make_plan,
+    megatron_styles,
+    reference,
+    run,
+    token_loss,
+    train,
+)
+from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
+from torch._inductor.exc import InductorError
 
-from autopar.runtime.compile import block_units, compile_blocks
+from autopar.runtime.api import parallelize
+from autopar.runtime.compile import block_units, compile_blocks, compile_failures
+from autopar.runtime.dry_run import dry_run
 from autopar.runtime.errors import CompileError
 from autopar.runtime.recompute import apply_recompute
 
@@ -78,25 +93,64 @@ def test_compiled_blocks_under_parallelism_train_like_one_process(config):
     assert all(stats.get("unique_graphs", 0) >= 1 for _, stats in results), results
 
 
-def _failing_backend(gm, example_inputs):
-    raise RuntimeError("no C++ compiler found")
+def _failing_compiler(gm, example_inputs):
+    """What inductor's ``compile_fx_inner`` raises when its C++ compiler fails."""
+    raise InductorError(RuntimeError("no C++ compiler found"), None)
 
 
-def test_a_block_that_fails_to_compile_is_named_in_one_line(dynamo_reset):
-    """A backend that fails (as inductor does without a C++ compiler): the first call
-    raises CompileError naming the first block and the way back to eager, with the
-    compiler's exception chained."""
-    model = build("gpt")
-    units = ["tok_embeddings", "pos_embeddings"] + [f"layers.{i}" for i in range(GPT_CFG.n_layers)] + ["norm", "output"]
-    assert compile_blocks(model, units, backend=_failing_backend) == [f"layers.{i}" for i in range(GPT_CFG.n_layers)]
-    with pytest.raises(CompileError) as info:
-        model(torch.zeros(1, GPT_CFG.seq_len, dtype=torch.long))
-    message = str(info.value)
+def _first_step_error(rank, world, plan, where):
+    """The error of a job's first step when compiling the blocks' ``forward`` or
+    ``backward`` graph fails as inductor's does without a C++ compiler (AOTAutograd
+    compiles the backward at the first backward): ``torch.compile`` is replaced in this
+    forked rank, which ends with the run."""
+    identity = lambda gm, _: gm  # noqa: E731
+    failing = aot_autograd(
+        fw_compiler=_failing_compiler if where == "forward" else identity, bw_compiler=_failing_compiler
+    )
+    real = torch.compile
+    torch.compile = lambda fn, backend=None: real(fn, backend=failing)
+    job = parallelize(build("gpt"), plan, loss_fn=token_loss, measure_memory=False)
+    job.optimizer(torch.optim.SGD, lr=0.1)
+    try:
+        job.step(next(iter(job.shard(batches("gpt", 1, plan.config.global_batch_size)))))
+    except Exception as exc:
+        return type(exc).__name__, str(exc), type(exc.__cause__).__name__
+    return None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("where", "named"),
+    [("forward", "block 'layers.0' failed"), ("backward", "the backward of compiled blocks 'layers.0' to 'layers.3'")],
+)
+def test_a_failed_compilation_stops_the_first_step_with_one_line(where, named):
+    """The forward's failure names the block that failed (under the RuntimeError a
+    pipeline stage wraps it in), the backward's (compiled at the first backward) the
+    rank's compiled blocks; both say the compiler's message and the way back to eager,
+    with the compiler's exception chained."""
+    plan = make_plan("gpt", compile=True)
+    ((kind, message, cause),) = run(_first_step_error, 1, plan, where)
+    assert kind == "CompileError"
     assert "\n" not in message
-    assert "block 'layers.0' failed to compile" in message
-    assert "no C++ compiler found" in message
-    assert "plan with --set compile=false (compile=False) to run eager" in message
-    assert isinstance(info.value.__cause__, torch._dynamo.exc.BackendCompilerFailed)
+    assert named in message
+    assert "(RuntimeError: no C++ compiler found)" in message
+    assert message.endswith("plan with --set compile=false (compile=False) to run eager.")
+    assert cause == "InductorError"
+
+
+def test_a_named_failure_leaves_the_pipeline_stages_wrapper_and_others_pass():
+    """A pipeline stage wraps a failing forward in a RuntimeError (a block recompiled in
+    a micro-batch's forward fails there): the block's CompileError comes out as it was.
+    A failure that is not the compiler's passes through unchanged, as does everything
+    when the rank compiled no block."""
+    named = CompileError("block 'layers.1' failed to compile")
+    with pytest.raises(CompileError) as info, compile_failures(["layers.0", "layers.1"]):
+        raise RuntimeError("[Stage 0] failed to run forward") from named
+    assert info.value is named
+    with pytest.raises(ValueError), compile_failures(["layers.0"]):
+        raise ValueError("a bad batch")
+    with pytest.raises(InductorError), compile_failures([]):
+        raise InductorError(RuntimeError("no C++ compiler found"), None)
 
 
 def test_an_error_of_the_blocks_own_code_passes_through(dynamo_reset):
@@ -126,3 +180,18 @@ def test_the_compiled_unit_is_the_checkpoint_wrapped_block(dynamo_reset):
     assert counters["stats"]["unique_graphs"] >= 1
     for (n, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.mark.multiprocess
+def test_a_measured_dry_run_runs_the_blocks_eager_and_says_so():
+    """Fake tensors cannot be compiled: the dry run of a compiled plan measures the
+    eager step, byte for byte the eager plan's, and its report notes it."""
+    compiled = make_plan("gpt", dp=2, zero_stage=3, compile=True)
+    eager = make_plan("gpt", dp=2, zero_stage=3)
+    reports = [dry_run(lambda: build("gpt", "meta"), p, ranks=[0, 1], measure=True) for p in (compiled, eager)]
+    assert all(r.ok for r in reports), [r.problems for r in reports]
+    assert [r.eager_blocks for r in reports] == [True, False]
+    assert "dry run runs them eager" in reports[0].to_text()
+    assert "eager" not in reports[1].to_text()
+    peaks = [[(r.measured.peak_bytes, r.measured.held_bytes) for r in report.ranks] for report in reports]
+    assert peaks[0] == peaks[1]

@@ -50,9 +50,10 @@ _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 COMPILE_FAILURES = (BackendCompilerFailed, InternalTorchDynamoError)
 """What dynamo and inductor raise when they fail, the backend's own exception reaching
-the caller as ``BackendCompilerFailed`` (inductor's ``InductorError`` is one). An error of the block's own code found while
-tracing (``TorchRuntimeError``: an op that fails on its inputs' shapes) is not one of
-them: it passes through as it is, since running eager would raise it too."""
+the caller as ``BackendCompilerFailed`` (inductor's ``InductorError`` is one). An error
+of the block's own code found while tracing (``TorchRuntimeError``: an op that fails on
+its inputs' shapes) is not one of them: it passes through as it is, since running eager
+would raise it too."""
 
 
 def block_units(stage: nn.Module, units: list[str]) -> list[str]:
@@ -118,7 +119,8 @@ def compile_failures(blocks: list[str]) -> Iterator[None]:
 
 
 def _in_chain(exc: BaseException, types: tuple[type[BaseException], ...]) -> BaseException | None:
-    """The first exception of ``types`` among ``exc`` and its causes."""
+    """The first exception of ``types`` among ``exc`` and those it was raised from or
+    while handling."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:

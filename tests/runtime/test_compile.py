@@ -163,17 +163,20 @@ def test_an_error_of_the_blocks_own_code_passes_through(dynamo_reset):
         model.layers["0"](wrong)
 
 
-def test_the_compiled_unit_is_the_checkpoint_wrapped_block(dynamo_reset):
-    """With full recomputation the unit the stage holds is the checkpoint wrapper, and
-    it is what is compiled: the recomputed forward runs compiled too, and gradients
-    equal the eager model's."""
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recomputing_blocks_are_compiled_with_their_recomputation(mode, dynamo_reset):
+    """Full recomputation: the unit the stage holds is the checkpoint wrapper, and it is
+    what is compiled, so the recomputed forward is traced too; selective: the block's
+    forward that checkpoints its attention core. Dynamo traces one graph for the blocks
+    and the gradients equal the eager model's (AOTAutograd with eager kernels: the same
+    ops, in the same order)."""
     eager, compiled = build("gpt"), build("gpt")
-    plan = make_plan("gpt", compile=True, recompute={f"layers.{i}": "full" for i in range(GPT_CFG.n_layers)})
+    plan = make_plan("gpt", compile=True, recompute={f"layers.{i}": mode for i in range(GPT_CFG.n_layers)})
     apply_recompute(compiled, list(plan.model.units), plan)
-    assert compile_blocks(compiled, list(plan.model.units), backend="aot_eager") == [
-        f"layers.{i}" for i in range(GPT_CFG.n_layers)
-    ]
-    assert type(compiled.get_submodule("layers.0")).__name__ == "CheckpointWrapper"
+    blocks = [f"layers.{i}" for i in range(GPT_CFG.n_layers)]
+    assert compile_blocks(compiled, list(plan.model.units), backend="aot_eager") == blocks
+    wrapper = type(compiled.get_submodule("layers.0")).__name__
+    assert wrapper == ("CheckpointWrapper" if mode == "full" else "Block")
     x = torch.randint(0, GPT_CFG.vocab_size, (2, GPT_CFG.seq_len))
     for m in (eager, compiled):
         token_loss(m(x), x).backward()

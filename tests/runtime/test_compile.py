@@ -77,16 +77,17 @@ def test_a_compiled_plan_trains_like_one_eager_process():
 @pytest.mark.parametrize(
     "config",
     [
+        dict(dp=2, zero_stage=0),
         dict(dp=2, zero_stage=3),
         dict(tp=2, styles=megatron_styles("gpt")),
         dict(pp=2),
     ],
-    ids=["fsdp-zero3", "tp2", "pp2"],
+    ids=["ddp", "fsdp-zero3", "tp2", "pp2"],
 )
 def test_compiled_blocks_under_parallelism_train_like_one_process(config):
-    """Two gloo ranks: FSDP2 gathering each compiled block's parameters around it, the
-    Megatron layout's DTensors inside the compiled graph, or two pipeline stages each
-    compiling its own blocks."""
+    """Two gloo ranks: DDP reducing the gradients compiled backwards produce, FSDP2
+    gathering each compiled block's parameters around it, the Megatron layout's DTensors
+    inside the compiled graph, or two pipeline stages each compiling its own blocks."""
     plan = make_plan("gpt", compile=True, **config)
     results = run(_train_counting, 2, "gpt", plan, STEPS, timeout_s=COMPILE_TIMEOUT_S)
     assert_parity([r for r, _ in results], reference("gpt", plan, STEPS))

@@ -4,7 +4,8 @@ Every check that can fail on local facts runs first, identically on every rank, 
 wrong plan raises a typed error everywhere before any collective (world size, model
 fingerprint, units, schedule, tensor-parallel styles). Then, in torchtitan's order:
 device mesh -> cut to this rank's stages -> tensor parallel -> activation
-checkpointing -> FSDP2 (sharding on the meta device when the model is there) ->
+checkpointing -> compiled blocks (:mod:`autopar.runtime.compile`; not in dry runs) ->
+FSDP2 (sharding on the meta device when the model is there) ->
 materialisation of a meta model -> DDP -> ``PipelineStage`` and the schedule.
 """
 
@@ -25,6 +26,7 @@ from autopar.graph.extract import extract
 from autopar.graph.units import model_fingerprint
 from autopar.plan import Plan
 from autopar.runtime.agreement import check_agreement
+from autopar.runtime.compile import compile_blocks
 from autopar.runtime.context_parallel import bind_positions, check_context_parallel, local_positions, position_keyword
 from autopar.runtime.data_parallel import DataParallelSpec, apply_data_parallel
 from autopar.runtime.errors import PlanMismatchError
@@ -111,11 +113,13 @@ def parallelize(
             forward); token models are traced with the plan's sequence length.
         device: where this rank computes (default ``cuda:LOCAL_RANK`` on NCCL, else CPU).
         measure_memory: record each step's peak memory in ``job.metrics`` (on CPU this
-            counts tensor storages through a dispatch mode, which slows small steps;
-            see :mod:`autopar.runtime.metrics`).
+            counts tensor storages through a dispatch mode, which slows small steps,
+            and under which dynamo compiles nothing: compiled blocks run eager in such
+            steps; see :mod:`autopar.runtime.metrics`).
         analysis: the result of :func:`analyse` for this model and plan, if already made.
         materialize: False keeps a meta model on the meta device, sharded but without
-            storage, and skips DDP (which needs real tensors): for dry runs only.
+            storage, and skips DDP (which needs real tensors) and compiling the blocks
+            (which needs real tensors too): for dry runs only.
         fake_mode: with ``materialize=False``, give the parameters fake storage in this
             ``FakeTensorMode`` and then apply data parallelism and mixed precision as for a
             real run (DDP's all-reduce through FSDP2's ``replicate``, which takes fake
@@ -161,6 +165,7 @@ def parallelize(
     replicas = weight_replicas_mesh(mesh, dims, device.type)
     dp_mesh = data_parallel_mesh(replicas, dims, device.type)
     experts_mesh = expert_meshes(replicas, dims, device.type) if dims.ep > 1 else None
+    compiled: list[str] = []
     for stage, i in zip(stages, indices):
         if positions is not None:
             bind_positions(stage, position_keyword(model), positions)
@@ -170,6 +175,8 @@ def parallelize(
         if experts_mesh is not None:
             apply_expert_parallel(stage, experts_mesh.ep)
         apply_recompute(stage, list(plan.stages[i]), plan)
+        if plan.config.compile and materialize:
+            compiled += compile_blocks(stage, list(plan.stages[i]))
     spec_of = [_dp_spec(plan, stage, plan.stages[i]) for stage, i in zip(stages, indices)]
     sharded_on_meta = plan.config.zero_stage >= 2 and dims.dp_cp > 1
     ep_replicate = experts_mesh.replicas if experts_mesh is not None else None
@@ -205,6 +212,7 @@ def parallelize(
         memory=memory,
         scaler=scaler,
         skips=SkipCounter(max_consecutive_skips=max_consecutive_skips),
+        compiled_blocks=tuple(compiled),
     )
     return Job(parts)
 

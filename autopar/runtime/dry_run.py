@@ -11,6 +11,9 @@ the plan's prediction.
 With ``measure=True`` each chosen rank also runs one training step on fake tensors
 (:mod:`autopar.runtime.dry_step`), and its measured peak of tensor bytes is set beside
 the plan's predicted allocation for that rank (its peak less the device's reserve).
+A plan with compiled blocks (``compile=True``) runs them eager here: compiling needs
+real tensors, and eager memory is the upper bound the planner prices for compiled
+blocks too (:mod:`autopar.runtime.compile`); the report says so.
 
 Reported problems: names the plan uses that the model lacks (or the reverse), stage
 assignments that do not cover the model's units exactly once, tensor-parallel splits a
@@ -78,12 +81,14 @@ class RankReport:
 
 @dataclass(frozen=True, kw_only=True)
 class DryRunReport:
-    """The outcome of :func:`dry_run`."""
+    """The outcome of :func:`dry_run`. ``eager_blocks``: the plan compiles its blocks,
+    which the dry run ran eager."""
 
     plan: str
     world_size: int
     problems: tuple[str, ...]
     ranks: tuple[RankReport, ...]
+    eager_blocks: bool = False
 
     @property
     def ok(self) -> bool:
@@ -97,6 +102,10 @@ class DryRunReport:
             f"{'OK' if self.ok else f'{len(self.problems)} problem(s)'}"
         ]
         lines += [f"  problem: {p}" for p in self.problems]
+        if self.eager_blocks:
+            lines.append(
+                "  note: the plan compiles its blocks; the dry run runs them eager (eager memory, an upper bound)"
+            )
         if self.ranks:
             lines.append("  rank  (pp,dp,cp,tp)  stages      params held   predicted params   predicted peak")
             for r in self.ranks:
@@ -179,7 +188,11 @@ def dry_run(
                 f"not checked (their predecessors' ranks were not run); leave --ranks out to check them"
             )
     return DryRunReport(
-        plan=plan.config.short(), world_size=dims.world_size, problems=tuple(problems), ranks=tuple(reports)
+        plan=plan.config.short(),
+        world_size=dims.world_size,
+        problems=tuple(problems),
+        ranks=tuple(reports),
+        eager_blocks=plan.config.compile,
     )
 
 

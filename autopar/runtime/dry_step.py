@@ -28,7 +28,10 @@ Under context parallelism the step feeds this rank's ``s / cp`` tokens of each s
 attention on fake tensors runs locally (:mod:`autopar.runtime.ring_attention`), so the
 K/V shards a real ring gathers for one attention core at a time are not counted.
 
-The finite check and the loss's reduction for reporting (8 bytes each) are not run. DDP
+Compiled blocks (``compile=True``) run eager: ``parallelize`` does not compile them
+without real tensors, and the eager step's memory is the upper bound the planner prices
+for compiled blocks too (:mod:`autopar.runtime.compile`). The finite check and the
+loss's reduction for reporting (8 bytes each) are not run. DDP
 (ZeRO 0 and 1 with dp > 1, where the real run uses it) needs real tensors, so the fake
 step runs FSDP2's ``replicate``, the same all-reduce: DDP's gradient buckets, which it
 keeps between steps, are not counted after the step (at the peak the gradients are).

@@ -47,3 +47,8 @@ class JobError(AutoparError):
 class NonFiniteError(AutoparError):
     """Too many steps in a row had a non-finite loss or gradient on some rank; every
     rank raises it at the same step (:mod:`autopar.runtime.finite`)."""
+
+
+class CompileError(AutoparError):
+    """A block of a plan with ``compile=True`` failed to compile at its first call
+    (:mod:`autopar.runtime.compile`); a plan with ``compile=False`` runs it eager."""

@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 from autopar.errors import ConfigError
 from autopar.plan import Plan
 from autopar.runtime import checkpoint as ckpt
+from autopar.runtime.compile import compile_failures
 from autopar.runtime.context_parallel import check_sequence, shard_sequence
 from autopar.runtime.errors import JobError
 from autopar.runtime.expert_parallel import SharedWeightSync
@@ -65,6 +66,8 @@ class JobParts:
         scaler: the dynamic loss scale of an fp16 plan (None otherwise); the schedule's
             loss is already multiplied by it.
         skips: counts steps skipped for non-finite values (:mod:`autopar.runtime.finite`).
+        compiled_blocks: the blocks of the local stages that run compiled
+            (:mod:`autopar.runtime.compile`), named when their backward fails to compile.
         metrics: one record per step.
     """
 
@@ -84,6 +87,7 @@ class JobParts:
     memory: MemoryMeter
     scaler: LossScaler | None = None
     skips: SkipCounter = field(default_factory=SkipCounter)
+    compiled_blocks: tuple[str, ...] = ()
     metrics: list[StepMetrics] = field(default_factory=list)
 
 
@@ -241,7 +245,8 @@ class Job:
         """Forward and backward of every micro-batch through this rank's stages: inputs
         on the first stage, targets and ``losses`` on the last."""
         cp = ring_attention(self.mesh[MeshAxis.CP.value]) if self.dims.cp > 1 else contextlib.nullcontext()
-        with cp, loss_parallel() if self._p.loss_parallel else contextlib.nullcontext():
+        parallel_loss = loss_parallel() if self._p.loss_parallel else contextlib.nullcontext()
+        with cp, parallel_loss, compile_failures(list(self._p.compiled_blocks)):
             # return_outputs=False: the last stage would otherwise keep every micro-batch's
             # output (the logits) until the step ends, which the planner does not budget
             if self.is_first_stage and self.is_last_stage:

@@ -62,7 +62,8 @@ def tp_context(model: CostModel, unit: int, config: ParallelConfig) -> TPContext
     rates and host effects, its place in the model, a profile's corrections, and its
     share of each sample under context parallelism (the cp ring: ``cp`` ranks, ``tp``
     apart, :class:`autopar.vocab.MeshAxis`), and its expert-parallel group (``ep``
-    ranks, ``tp`` apart)."""
+    ranks, ``tp`` apart). Compiled plans compile the blocks only, as the runtime does
+    (:mod:`autopar.runtime.compile`): the prologue and epilogue stay eager."""
     signature = model.graph.profile_of(unit).signature
     device = model.cluster.device
     return TPContext(
@@ -86,5 +87,5 @@ def tp_context(model: CostModel, unit: int, config: ParallelConfig) -> TPContext
         ep=config.ep,
         ep_span=group_span(config.ep, config.tp, model.cluster.devices_per_node),
         routing_imbalance=model.routing_imbalance,
-        compile=config.compile,
+        compile=config.compile and model.graph.units[unit].is_block,
     )

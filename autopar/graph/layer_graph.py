@@ -248,6 +248,12 @@ class Unit:
     profile: int
     param_numel: int
 
+    @property
+    def is_block(self) -> bool:
+        """Whether the unit is one of the model's repeated blocks (not a prologue or an
+        epilogue, nor a model without blocks): what compiled plans compile."""
+        return bool(self.prefix)
+
     def leaf_fqn(self, leaf_name: str) -> str:
         """The model-level FQN of one of this unit's leaves."""
         if not self.prefix:

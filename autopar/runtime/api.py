@@ -12,6 +12,7 @@ materialisation of a meta model -> DDP -> ``PipelineStage`` and the schedule.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -113,9 +114,10 @@ def parallelize(
             forward); token models are traced with the plan's sequence length.
         device: where this rank computes (default ``cuda:LOCAL_RANK`` on NCCL, else CPU).
         measure_memory: record each step's peak memory in ``job.metrics`` (on CPU this
-            counts tensor storages through a dispatch mode, which slows small steps,
-            and under which dynamo compiles nothing: compiled blocks run eager in such
-            steps; see :mod:`autopar.runtime.metrics`).
+            counts tensor storages through a dispatch mode, which slows small steps;
+            see :mod:`autopar.runtime.metrics`). Dynamo compiles nothing under a
+            dispatch mode, so a compiled plan on CPU does not measure its memory, and
+            says so in a warning.
         analysis: the result of :func:`analyse` for this model and plan, if already made.
         materialize: False keeps a meta model on the meta device, sharded but without
             storage, and skips DDP (which needs real tensors) and compiling the blocks
@@ -149,6 +151,13 @@ def parallelize(
     analysis = analysis or analyse(model, plan, sample_input=sample_input)
     layout, tied = analysis.layout, analysis.tied
     device = torch.device(device) if device is not None else _default_device()
+    if measure_memory and plan.config.compile and device.type == "cpu" and materialize:
+        warnings.warn(
+            "compile=True on CPU: the step's memory is not measured (the dispatch mode that counts it on CPU "
+            "keeps torch.compile from compiling); pass measure_memory=False to silence this.",
+            stacklevel=2,
+        )
+        measure_memory = False
     memory = MemoryMeter(device, enabled=measure_memory)
 
     mesh = build_mesh(dims, device.type)

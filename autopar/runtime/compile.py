@@ -28,9 +28,9 @@ whose backward it is (:func:`compile_failures`, around the step's schedule): the
 can be remade with ``compile=False``. A measured dry run (fake tensors,
 :mod:`autopar.runtime.dry_step`) runs the blocks eager: compiling needs real tensors,
 and eager memory is the upper bound the planner prices for compiled blocks too. Nor
-does dynamo compile under a dispatch mode: a CPU step that measures its memory
-(``parallelize(measure_memory=True)``, :mod:`autopar.runtime.metrics`) runs the blocks
-eager.
+does dynamo compile under a dispatch mode, which is how a CPU step measures its memory
+(:mod:`autopar.runtime.metrics`): a compiled plan on CPU skips that measurement
+(:func:`autopar.runtime.parallelize` warns).
 """
 
 from __future__ import annotations

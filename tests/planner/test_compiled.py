@@ -143,7 +143,7 @@ def test_plans_run_eager_unless_asked_and_say_what_compiling_would_take():
     plan = autopar.plan(hf, cluster, global_batch_size=64, seq_len=1024)
     assert not plan.config.compile
     compiled, line = _contrast(plan)
-    assert compiled.slower_by < -0.3  # GPT-2's element-wise passes are most of its step
+    assert compiled.slower_by < -0.15  # seven passes through memory for each GELU, one compiled
     assert "blocks run eager" in line and f"{100 * compiled.slower_by:+.1f}%" in line
     asked = autopar.plan(hf, cluster, global_batch_size=64, seq_len=1024, constraints={"compile": True})
     assert asked.config.compile and "compiled" in asked.config.short()

@@ -61,6 +61,12 @@ class ParallelConfig:
             kernel, which reads what was written to memory before it and writes what a
             matmul, an attention kernel or the next block reads, where eager mode moves
             every intermediate tensor through memory.
+        fp8: the linear layers of the blocks multiply in FP8 (torchao's float8
+            training: inputs and weights cast to e4m3 and output gradients to e5m2 with
+            one dynamic scale per tensor), at the device's FP8 tensor-core rate; weights,
+            gradients, optimizer state and every other op stay in ``dtype``, which must
+            be bf16. The embeddings, the head and mixture-of-experts stacks are not
+            converted.
     """
 
     dp: int
@@ -78,6 +84,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     dtype: DType = DType.BF16
     compile: bool = False
+    fp8: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "num_microbatches", "virtual_stages"):
@@ -96,8 +103,14 @@ class ParallelConfig:
         self._check_ep()
         if not isinstance(self.sequence_parallel, bool):
             raise ConfigError(f"sequence_parallel={self.sequence_parallel!r} is not allowed: use True or False.")
-        if not isinstance(self.compile, bool):
-            raise ConfigError(f"compile={self.compile!r} is not allowed: use True or False.")
+        for name in ("compile", "fp8"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} is not allowed: use True or False.")
+        if self.fp8 and self.dtype is not DType.BF16:
+            raise ConfigError(
+                f"fp8=True needs dtype='bf16' (got {self.dtype.value!r}): FP8 matmuls keep bf16 weights and "
+                f"activations around them; set dtype='bf16' or fp8=False."
+            )
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError(
                 "sequence_parallel=True needs tp > 1: sequence parallelism shards norms over the "
@@ -226,7 +239,8 @@ class ParallelConfig:
     def short(self) -> str:
         """Compact text: ``dp=8 tp=8 pp=16 mbs=1 m=12 1f1b zero=3 shard=4 recompute=full sp bf16``
         (``shard=`` only under HSDP, ``cp=`` and ``ep=`` after ``pp=`` only with context
-        and expert parallelism, `` compiled`` at the end when blocks are compiled)."""
+        and expert parallelism, `` compiled`` and `` fp8`` at the end when blocks are compiled
+        and multiply in FP8)."""
         sched = self.schedule.value if self.pp > 1 else "no-pp"
         if self.virtual_stages > 1:
             sched += f"(v={self.virtual_stages})"
@@ -237,7 +251,7 @@ class ParallelConfig:
         return (
             f"dp={self.dp} tp={self.tp} pp={self.pp}{cp}{ep} mbs={self.micro_batch_size} m={self.num_microbatches} "
             f"{sched} zero={self.zero_stage}{hsdp} recompute={self.recompute.value}{sp} {self.dtype.value}"
-            f"{' compiled' if self.compile else ''}"
+            f"{' compiled' if self.compile else ''}{' fp8' if self.fp8 else ''}"
         )
 
 

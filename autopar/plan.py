@@ -25,10 +25,10 @@ SCHEMA_VERSION = 6
 """2: the cluster's device is nested by concern (roofline, memory, host effects);
 3: ``ParallelConfig.dp_shard`` (HSDP); 4: ``ParallelConfig.cp`` (context parallelism)
 and ``StepBreakdown.cp_comm_s``; 5: ``ParallelConfig.ep`` (expert parallelism) and
-``StepBreakdown.ep_comm_s``; 6: ``ParallelConfig.compile`` (compiled blocks). Older
+``StepBreakdown.ep_comm_s``; 6: ``ParallelConfig.compile`` (compiled blocks) and ``fp8`` (FP8 matmuls). Older
 files read as plans without the newer axes."""
 READABLE_VERSIONS = (2, 3, 4, 5, SCHEMA_VERSION)
-_INTRODUCED = {"dp_shard": 3, "cp": 4, "ep": 5, "compile": 6}
+_INTRODUCED = {"dp_shard": 3, "cp": 4, "ep": 5, "compile": 6, "fp8": 6}
 """The schema version that introduced each newer ``config`` field."""
 
 

@@ -65,6 +65,8 @@ class Roofline:
         matmul_curves: measured achieved FLOP/s against the FLOPs of one matmul call,
             per precision (from a device profile); where present the cost model
             interpolates it instead of using ``matmul_efficiency``.
+        fp8_flops: dense FP8 tensor-core peak FLOP/s; 0 on a device without FP8
+            matmuls (A100, V100, CPU processes), which plans with ``fp8=True`` refuse.
     """
 
     peak_flops: Mapping[DType, float]
@@ -72,9 +74,16 @@ class Roofline:
     matmul_efficiency: float = 0.8
     memory_efficiency: float = 0.8
     matmul_curves: Mapping[DType, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    fp8_flops: float = 0.0
 
     def __post_init__(self) -> None:
         owner = "roofline"
+        if isinstance(self.fp8_flops, bool) or not isinstance(self.fp8_flops, (int, float)) or self.fp8_flops < 0:
+            raise ClusterError(
+                f"roofline fp8_flops={self.fp8_flops!r} is not allowed: give the dense FP8 peak in FLOP/s, or 0 "
+                f"for a device without FP8 matmuls."
+            )
+        object.__setattr__(self, "fp8_flops", float(self.fp8_flops))
         bandwidth = check_positive_float(
             f"{owner} memory_bandwidth_bytes_per_s", self.memory_bandwidth_bytes_per_s, error=ClusterError
         )

@@ -22,10 +22,12 @@ MIB = 2**20
 
 _A100_DATASHEET = "NVIDIA A100 Tensor Core GPU datasheet (2021): dense BF16/FP16 312 TFLOP/s, TF32 156, FP32 19.5"
 _H100_DATASHEET = (
-    "NVIDIA H100 Tensor Core GPU datasheet (SXM5): dense BF16/FP16 989 TFLOP/s (1979 with sparsity), FP32 67"
+    "NVIDIA H100 Tensor Core GPU datasheet (SXM5): dense BF16/FP16 989 TFLOP/s (1979 with sparsity), dense "
+    "FP8 1979, FP32 67"
 )
 _H200_DATASHEET = (
-    "NVIDIA H200 Tensor Core GPU datasheet (SXM): dense BF16/FP16 989 TFLOP/s, FP32 67, 141 GB HBM3e at 4.8 TB/s"
+    "NVIDIA H200 Tensor Core GPU datasheet (SXM): dense BF16/FP16 989 TFLOP/s, dense FP8 1979, FP32 67, 141 GB "
+    "HBM3e at 4.8 TB/s"
 )
 _V100_DATASHEET = (
     "NVIDIA V100 Tensor Core GPU datasheet (SXM2): FP16 tensor 125 TFLOP/s, FP32 15.7, 900 GB/s HBM2; no BF16"
@@ -65,6 +67,7 @@ def _h100() -> DeviceSpec:
         roofline=Roofline(
             peak_flops={DType.BF16: 989e12, DType.FP16: 989e12, DType.FP32: 67e12},
             memory_bandwidth_bytes_per_s=3.35e12,
+            fp8_flops=1979e12,
         ),
         memory=_gpu_memory(81559),
         source=f"{_H100_DATASHEET}; HBM3 3.35 TB/s; memory 81559 MiB as nvidia-smi reports; {_EFFICIENCY}; "
@@ -78,6 +81,7 @@ def _h200() -> DeviceSpec:
         roofline=Roofline(
             peak_flops={DType.BF16: 989e12, DType.FP16: 989e12, DType.FP32: 67e12},
             memory_bandwidth_bytes_per_s=4.8e12,
+            fp8_flops=1979e12,
         ),
         memory=_gpu_memory(143771),
         source=f"{_H200_DATASHEET}; memory 143771 MiB as nvidia-smi reports; {_EFFICIENCY}; {_RESERVE_NOTE}",

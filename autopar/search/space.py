@@ -83,10 +83,19 @@ def check_constraints(constraints: Mapping[str, Any] | None, *, what: str = "con
             f"constraint dp_shard={shard!r} is not allowed: give the FSDP shard group's size (an integer >= 2 "
             f"dividing dp), or None for plain FSDP."
         )
-    for name in ("sequence_parallel", "compile"):
+    for name in ("sequence_parallel", "compile", "fp8"):
         if name in out and not isinstance(out[name], bool):
             raise ConfigError(f"constraint {name}={out[name]!r} is not allowed: use True or False.")
     return out
+
+
+def check_fp8(constraints: Mapping[str, Any], cluster: Cluster) -> None:
+    """``fp8=True`` needs a device with FP8 matmuls (``Roofline.fp8_flops``)."""
+    if constraints.get("fp8") and not cluster.device.roofline.fp8_flops:
+        raise ConfigError(
+            f"fp8=True needs FP8 tensor cores, which {cluster.device.name} does not have (no fp8_flops in its "
+            f"roofline); plan with fp8=False, or for an H100 or H200 cluster."
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,6 +206,7 @@ def enumerate_space(
     (:func:`shard_siblings` lists them), which the caller expands when it needs them."""
     world = cluster.world_size
     c = constraints
+    check_fp8(c, cluster)
     rejected: list[Rejection] = []
     dtype = c.get("dtype", cluster.device.preferred_dtype)
     cluster.device.peak(dtype)  # raises a clear error if the device lacks it
@@ -294,6 +304,7 @@ def enumerate_space(
                                     sequence_parallel=sp,
                                     dtype=dtype,
                                     compile=c.get("compile", False),
+                                    fp8=c.get("fp8", False),
                                 )
                             )
     return configs, rejected

@@ -94,7 +94,12 @@ def test_a_version_2_plan_file_loads_as_plain_fsdp(gpt2_plan):
     data = json.loads(gpt2_plan.to_json())
     data["schema_version"] = 2
     del data["config"]["dp_shard"], data["config"]["cp"], data["prediction"]["breakdown"]["cp_comm_s"]
-    del data["config"]["ep"], data["prediction"]["breakdown"]["ep_comm_s"], data["config"]["compile"]
+    del (
+        data["config"]["ep"],
+        data["prediction"]["breakdown"]["ep_comm_s"],
+        data["config"]["compile"],
+        data["config"]["fp8"],
+    )
     old = Plan.from_dict(data)
     assert old == eager(gpt2_plan) and old.config.dp_shard is None and old.config.shard_size == gpt2_plan.config.dp
     data["config"]["dp_shard"] = 2
@@ -107,7 +112,12 @@ def test_a_version_3_plan_file_loads_without_context_parallelism(gpt2_plan):
     data = json.loads(gpt2_plan.to_json())
     data["schema_version"] = 3
     del data["config"]["cp"], data["prediction"]["breakdown"]["cp_comm_s"]
-    del data["config"]["ep"], data["prediction"]["breakdown"]["ep_comm_s"], data["config"]["compile"]
+    del (
+        data["config"]["ep"],
+        data["prediction"]["breakdown"]["ep_comm_s"],
+        data["config"]["compile"],
+        data["config"]["fp8"],
+    )
     old = Plan.from_dict(data)
     assert old == eager(gpt2_plan) and old.config.cp == 1 and old.config.dp_cp == old.config.dp
     data["config"]["cp"] = 2
@@ -119,7 +129,12 @@ def test_a_version_4_plan_file_loads_without_expert_parallelism(gpt2_plan):
     """Version 4 had no ep: its plans read with ep=1; an ep field needs version 5."""
     data = json.loads(gpt2_plan.to_json())
     data["schema_version"] = 4
-    del data["config"]["ep"], data["prediction"]["breakdown"]["ep_comm_s"], data["config"]["compile"]
+    del (
+        data["config"]["ep"],
+        data["prediction"]["breakdown"]["ep_comm_s"],
+        data["config"]["compile"],
+        data["config"]["fp8"],
+    )
     old = Plan.from_dict(data)
     assert old == eager(gpt2_plan) and old.config.ep == 1 and old.config.expert_replicas == old.config.dp_cp
     data["config"]["ep"] = 2
@@ -131,7 +146,7 @@ def test_a_version_5_plan_file_loads_without_compiled_blocks(gpt2_plan):
     """Version 5 had no compile: its plans read as eager; a compile field needs version 6."""
     data = json.loads(gpt2_plan.to_json())
     data["schema_version"] = 5
-    del data["config"]["compile"]
+    del data["config"]["compile"], data["config"]["fp8"]
     old = Plan.from_dict(data)
     assert old == eager(gpt2_plan) and old.config.compile is False
     data["config"]["compile"] = True

@@ -168,11 +168,12 @@ class Alternative:
     device has, even with its best per-layer choices) or ``sharding`` (the winner with
     the other data-parallel sharding, plain FSDP or its best HSDP shard group, slower by
     ``slower_by``) or ``compile`` (the winner with its blocks compiled the other way;
-    ``slower_by`` is negative where compiling would be faster but was not chosen).
+    ``slower_by`` is negative where compiling would be faster but was not chosen) or
+    ``fp8`` (the winner with its linear layers the other way, FP8 or not).
     """
 
     config: ParallelConfig
-    status: Literal["runner-up", "out-of-memory", "sharding", "compile"]
+    status: Literal["runner-up", "out-of-memory", "sharding", "compile", "fp8"]
     step_time_s: float
     memory_bytes_per_device: float
     slower_by: float

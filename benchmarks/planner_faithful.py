@@ -40,8 +40,9 @@ Sources (the numbers and what each leaves unsaid are in ``_published_runs.py``):
   TP 4, PP 12, MBS 2, GBS 2048, bf16, activation checkpointing, ZeRO-1; its logged step time
   104.70 s is compared with autopar's.
 - pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, tables 1 and 3: Llama 3.1
-  8B with FSDP (ZeRO-3) on 8 and 128 H100 96GB, eager and with ``torch.compile``
-  (estimated with ``compile`` as each ran), selective checkpointing; tokens/s per GPU and
+  8B with FSDP (ZeRO-3) on 8 and 128 H100 96GB, eager, with ``torch.compile``, and with
+  ``torch.compile`` and Float8 (estimated with ``compile`` and ``fp8`` as each ran),
+  selective checkpointing; tokens/s per GPU and
   peak memory published.
 
 Every other row is estimated eager (``compile`` left off): Megatron-LM, Megatron-DeepSpeed
@@ -292,11 +293,11 @@ def torchtitan_rows() -> list[dict[str, object]]:
     """torchtitan's FSDP runs of Llama 3.1 8B, eager and compiled; tokens/s per GPU and
     memory as published."""
     rows = []
-    for gpus, batch, compiled, tps, memory in TORCHTITAN_2024:
+    for gpus, batch, compiled, fp8, tps, memory in TORCHTITAN_2024:
         plan = autopar.estimate(
             llama(4096, 32, 32, 8, 14336, 128256, 8192),
             grand_teton_h100(gpus // 8),
-            {"micro_batch_size": 2, "recompute": "selective", "zero_stage": 3, "compile": compiled},
+            {"micro_batch_size": 2, "recompute": "selective", "zero_stage": 3, "compile": compiled, "fp8": fp8},
             global_batch_size=batch,
             seq_len=8192,
         )
@@ -305,7 +306,8 @@ def torchtitan_rows() -> list[dict[str, object]]:
             _row(
                 "torchtitan Llama 3.1 8B",
                 gpus,
-                f"FSDP {gpus} (ZeRO-3) local batch 2, selective recompute, {'compiled' if compiled else 'eager'} bf16",
+                f"FSDP {gpus} (ZeRO-3) local batch 2, selective recompute, {'compiled' if compiled else 'eager'} "
+                f"bf16{' + Float8' if fp8 else ''}",
                 f"{tps} tokens/s",
                 f"{predicted:.0f} tokens/s",
                 predicted / tps,
@@ -364,7 +366,10 @@ def _strong_scaling(rows: list[dict[str, object]]) -> str:
 
 def _not_scored() -> str:
     """The published runs kept as candidates, with their sources."""
-    lines = ["Not scored yet (need Float8/FP8, which autopar does not model, or leave the configuration unsaid):"]
+    lines = [
+        "Not scored yet (the configuration left unsaid, or what autopar does not model, such as asynchronous "
+        "tensor parallelism):"
+    ]
     lines += [f"- {source}: {config}: {published}" for source, config, published in NOT_SCORED]
     return "\n".join(lines)
 

@@ -7,7 +7,8 @@ graph, the cluster, the optimizer, the batch, a profile's corrections) and a ful
 computes a cost itself:
 
 - ``compute``, ``comm``: the roofline and the collectives (alpha-beta, hierarchical);
-- ``leaf``, ``tensor_parallel``: a unit under a tensor-parallel layout;
+- ``leaf``, ``tensor_parallel``: a unit under a tensor-parallel layout (``fp8``: its
+  linear layers in FP8);
 - ``recompute``: that layout under a recompute mode;
 - ``memory``, ``peak``: model states by ZeRO stage, a rank's peak;
 - ``pipeline``, ``stage``: schedules, bubbles, point-to-point, the schedule's buffers;

@@ -30,6 +30,15 @@ class ComputeRates:
     vector_flops_per_s: float
     bytes_per_s: float
     curve: tuple[tuple[float, float], ...] = ()
+    fp8_matmul_flops_per_s: float = 0.0
+
+    def in_fp8(self) -> ComputeRates:
+        """These rates with matmuls at the FP8 rate (:mod:`autopar.cost.fp8`)."""
+        return ComputeRates(
+            matmul_flops_per_s=self.fp8_matmul_flops_per_s,
+            vector_flops_per_s=self.vector_flops_per_s,
+            bytes_per_s=self.bytes_per_s,
+        )
 
     def matmul_rate(self, call_flops: float) -> float:
         """Achieved FLOP/s of one matmul call of ``call_flops`` FLOPs."""
@@ -48,6 +57,7 @@ def rates(device: DeviceSpec, dtype: DType) -> ComputeRates:
         vector_flops_per_s=vector * roof.matmul_efficiency,
         bytes_per_s=roof.memory_bandwidth_bytes_per_s * roof.memory_efficiency,
         curve=tuple(roof.matmul_curves.get(dtype, ())),
+        fp8_matmul_flops_per_s=roof.fp8_flops * roof.matmul_efficiency,
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from autopar.cost import fp8
 from autopar.cost.comm import GroupSpan
 from autopar.cost.compute import ComputeRates, work_s
 from autopar.cost.host import accumulate_s, dispatch_s, kernel_s, tp_dispatch_s
@@ -70,6 +71,8 @@ class TPContext:
         compile: the unit runs compiled: its element-wise work moves the bytes and
             starts the kernels of the fused kernels the trace modelled
             (:mod:`autopar.graph.fusion`) rather than those of its eager ops.
+        fp8: the unit's linear layers multiply in FP8 where the runtime converts them
+            (:mod:`autopar.cost.fp8`).
     """
 
     tp: int
@@ -93,6 +96,7 @@ class TPContext:
     ep_span: GroupSpan = field(default_factory=lambda: GroupSpan(size=1, per_node=1, nodes=1))
     routing_imbalance: float = 1.0
     compile: bool = False
+    fp8: bool = False
 
     @property
     def input_layout(self) -> Layout:
@@ -181,14 +185,21 @@ def leaf_fwd_s(leaf: Leaf, style: TPStyle, ctx: TPContext) -> float:
     overhead = dispatch_s(ctx.host, leaf.kernels(ctx.compile)) + tp_dispatch_s(
         ctx.host, sharded=style is not TPStyle.REPLICATE and ctx.tp > 1
     )
+    activations = leaf.moved_bytes(ctx.compile) * scale
+    r = ctx.rates
+    if ctx.fp8 and fp8.converted(leaf, style, ctx.tp):
+        itemsize = ctx.dtype.itemsize
+        weight_numel = weights / itemsize
+        activations += fp8.cast_bytes(leaf, activations, weight_numel, itemsize=itemsize, compiled=ctx.compile)
+        r = r.in_fp8()
     return ctx.compute_scale * (
         overhead
         + kernel_s(
             matmul_flops=matmul * scale,
             other_flops=(leaf.fwd_flops - leaf.matmul_flops) * scale,
-            activation_bytes=leaf.moved_bytes(ctx.compile) * scale,
+            activation_bytes=activations,
             weight_bytes=weights,
-            r=ctx.rates,
+            r=r,
             host=ctx.host,
         )
     )

@@ -88,4 +88,5 @@ def tp_context(model: CostModel, unit: int, config: ParallelConfig) -> TPContext
         ep_span=group_span(config.ep, config.tp, model.cluster.devices_per_node),
         routing_imbalance=model.routing_imbalance,
         compile=config.compile and model.graph.units[unit].is_block,
+        fp8=config.fp8 and model.graph.units[unit].is_block,
     )

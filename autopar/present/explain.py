@@ -34,6 +34,7 @@ def explain(plan: Plan, *, top: int = 5) -> str:
         *_experts(plan),
         *_sharding(plan),
         *_compiled(plan),
+        *_fp8(plan),
         "",
         "Stages (pipeline rank: units | forward / backward per micro-batch | peak memory)",
     ]
@@ -156,6 +157,20 @@ def _compiled(plan: Plan) -> list[str]:
             other = "eager" if c.compile else "compiled (--set compile=true)"
             text += f"; {other}: {duration(a.step_time_s)} ({100 * a.slower_by:+.1f}%)"
     return [f"Compiled       {text}"]
+
+
+def _fp8(plan: Plan) -> list[str]:
+    """Whether the blocks' linear layers multiply in FP8, and what the other way would
+    take; nothing where the plan could not use FP8."""
+    c = plan.config
+    found = [a for a in plan.alternatives if a.status == "fp8"]
+    if not c.fp8 and not found:
+        return []
+    text = "blocks' linear layers in FP8 (torchao float8, tensorwise scales)" if c.fp8 else "off"
+    for a in found:
+        other = "bf16" if c.fp8 else "FP8 (--set fp8=true)"
+        text += f"; {other}: {duration(a.step_time_s)} ({100 * a.slower_by:+.1f}%)"
+    return [f"FP8 matmuls    {text}"]
 
 
 def _sharding(plan: Plan) -> list[str]:

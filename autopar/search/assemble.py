@@ -123,6 +123,9 @@ def _alternatives(result: SearchResult, solver: ConfigSolver) -> tuple[Alternati
         if o.config.compile != result.best.config.compile:
             out.append(priced(o, "compile", f"the winner {'compiled' if o.config.compile else 'eager'}: "))
             continue
+        if o.config.fp8 != result.best.config.fp8:
+            out.append(priced(o, "fp8", f"the winner {'with' if o.config.fp8 else 'without'} FP8 matmuls: "))
+            continue
         sharding = "plain FSDP" if o.config.dp_shard is None else f"HSDP with shard groups of {o.config.dp_shard}"
         out.append(priced(o, "sharding", f"the winner with {sharding}: "))
     cap = result.best.prediction.memory_capacity_bytes if result.best.prediction else 0.0

@@ -73,7 +73,7 @@ class TimeBound:
         # that scales; recomputing units could be cheaper at one size and not another
         if micro_batch_scaling_holds(solver.model) and Recompute.NONE in modes:
             for c in configs:
-                family = (c.tp, c.cp, c.ep, c.compile, c.sequence_parallel, c.dtype)
+                family = (c.tp, c.cp, c.ep, c.compile, c.fp8, c.sequence_parallel, c.dtype)
                 self._largest[family] = max(self._largest.get(family, 0), c.micro_batch_size)
 
     def __call__(self, config: ParallelConfig) -> float:
@@ -99,6 +99,7 @@ class TimeBound:
             config.cp,
             config.ep,
             config.compile,
+            config.fp8,
             config.sequence_parallel,
             config.dtype,
             "sibling tails",
@@ -113,7 +114,7 @@ class TimeBound:
     def _scaled_pipeline(self, config: ParallelConfig) -> float:
         """:meth:`scaled` without the tail."""
         largest = self._largest.get(
-            (config.tp, config.cp, config.ep, config.compile, config.sequence_parallel, config.dtype), 0
+            (config.tp, config.cp, config.ep, config.compile, config.fp8, config.sequence_parallel, config.dtype), 0
         )
         if largest < config.micro_batch_size:
             return self._pipeline_s(config, config.micro_batch_size, *self._p2p(config))
@@ -206,6 +207,7 @@ class TimeBound:
             config.cp,
             config.ep,
             config.compile,
+            config.fp8,
             config.sequence_parallel,
             micro_batch_size,
             config.dtype,
@@ -230,6 +232,7 @@ class TimeBound:
             config.cp,
             config.ep,
             config.compile,
+            config.fp8,
             config.sequence_parallel,
             config.micro_batch_size,
             config.dtype,
@@ -248,6 +251,7 @@ class TimeBound:
             config.cp,
             config.ep,
             config.compile,
+            config.fp8,
             config.sequence_parallel,
             config.dtype,
             "tail",
@@ -263,7 +267,16 @@ class TimeBound:
         return self._cache[key]
 
     def _fewest_params(self, config: ParallelConfig) -> float:
-        key = (config.tp, config.cp, config.ep, config.compile, config.sequence_parallel, config.dtype, "params")
+        key = (
+            config.tp,
+            config.cp,
+            config.ep,
+            config.compile,
+            config.fp8,
+            config.sequence_parallel,
+            config.dtype,
+            "params",
+        )
         if key not in self._cache:
             solver = self.solver
             self._cache[key] = sum(
@@ -286,6 +299,7 @@ class TimeBound:
             config.cp,
             config.ep,
             config.compile,
+            config.fp8,
             config.sequence_parallel,
             micro_batch_size,
             config.dtype,

@@ -104,6 +104,7 @@ class LayoutSolver:
             ctx.tp,
             ctx.ep,
             ctx.compile,
+            ctx.fp8,
             ctx.sequence_parallel,
             ctx.first,
             ctx.last,

@@ -23,7 +23,7 @@ from autopar.plan import ParallelConfig
 from autopar.search.bounds import TimeBound
 from autopar.search.solve import ConfigSolver, Outcome
 from autopar.search.space import Rejection, enumerate_space, memory_floor, shard_siblings, shard_sizes
-from autopar.vocab import Recompute
+from autopar.vocab import DType, Recompute
 
 ALL_MODES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
 
@@ -44,7 +44,8 @@ class SearchResult:
             memory when all of them are).
         contrasts: the best configuration changed in its data-parallel sharding alone
             (:func:`sharding_contrasts`), priced, to show what HSDP is worth; and with
-            its blocks compiled the other way (:func:`compile_contrast`).
+            its blocks compiled, or its linear layers in FP8, the other way
+            (:func:`option_contrasts`).
     """
 
     best: Outcome
@@ -143,7 +144,7 @@ def search(solver: ConfigSolver, fixed: Mapping[str, Any], *, top: int) -> Searc
     if not fitting:
         return SearchResult(best=min(infeasible, key=lambda o: o.min_memory_bytes), runners_up=(), **common)
     finished = [replace(o, prediction=price(model, decided(o))) for o in fitting[:keep]]
-    contrasts = sharding_contrasts(solver, finished[0].config, fixed, modes) + compile_contrast(
+    contrasts = sharding_contrasts(solver, finished[0].config, fixed, modes) + option_contrasts(
         solver, finished[0].config, modes
     )
     return SearchResult(best=finished[0], runners_up=tuple(finished[1:]), contrasts=contrasts, **common)
@@ -171,14 +172,16 @@ def sharding_contrasts(
     return (replace(fastest, prediction=price(solver.model, decided(fastest))),)
 
 
-def compile_contrast(solver: ConfigSolver, best: ParallelConfig, modes: tuple[Recompute, ...]) -> tuple[Outcome, ...]:
-    """``best`` with its blocks the other way (compiled or eager), priced: what compiling
-    is worth on this plan, whichever way ``compile`` was decided. Empty if it does not
-    fit that way."""
-    other = solver.evaluate(replace(best, compile=not best.compile), modes)
-    if not other.fits:
-        return ()
-    return (replace(other, prediction=price(solver.model, decided(other))),)
+def option_contrasts(solver: ConfigSolver, best: ParallelConfig, modes: tuple[Recompute, ...]) -> tuple[Outcome, ...]:
+    """``best`` with its blocks the other way (compiled or eager), and with its linear
+    layers the other way (FP8 or not) where the device has FP8 matmuls and the plan is
+    in bf16; priced, those that fit: what each option is worth on this plan, whichever
+    way it was decided."""
+    others = [replace(best, compile=not best.compile)]
+    if solver.model.cluster.device.roofline.fp8_flops and best.dtype is DType.BF16:
+        others.append(replace(best, fp8=not best.fp8))
+    found = [o for o in (solver.evaluate(c, modes) for c in others) if o.fits]
+    return tuple(replace(o, prediction=price(solver.model, decided(o))) for o in found)
 
 
 def decided(outcome: Outcome) -> Decided:

@@ -20,11 +20,15 @@ import torch
 from parity import (
     GPT_CFG,
     LLAMA_CFG,
+    LR,
+    all_params,
     assert_parity,
+    batches,
     build,
     make_plan,
     megatron_styles,
     run,
+    token_loss,
     train,
 )
 from torch import nn
@@ -59,10 +63,10 @@ def without_fp8(plan: autopar.Plan) -> autopar.Plan:
     return dataclasses.replace(plan, config=dataclasses.replace(plan.config, fp8=False))
 
 
-def torchao_converted(name: str) -> nn.Module:
-    """The reference model: ``build(name)`` with torchao's own conversion of the block
-    linears (under ``layers.``) whose dimensions are multiples of 16, emulated FP8."""
-    model = build(name)
+def torchao_converted(name: str, device: str = "cpu") -> nn.Module:
+    """The reference model: ``build(name, device)`` with torchao's own conversion of the
+    block linears (under ``layers.``) whose dimensions are multiples of 16, emulated FP8."""
+    model = build(name, device)
 
     def blocks_only(module: nn.Module, fqn: str) -> bool:
         return fqn.startswith("layers.") and module.in_features % 16 == 0 and module.out_features % 16 == 0
@@ -129,6 +133,7 @@ COMPOSITIONS = {
     "pp2": (dict(pp=2, num_microbatches=4), None),
     "fsdp2-zero3": (dict(dp=2, zero_stage=3), BF16_RTOL),
     "tp2": (dict(tp=2, styles=megatron_styles("gpt")), BF16_RTOL),
+    "ddp-full-recompute": (dict(dp=2, zero_stage=0, recompute={f"layers.{i}": "full" for i in range(4)}), None),
 }
 
 
@@ -156,3 +161,54 @@ def test_fp8_composes_with_data_tensor_and_pipeline_parallelism(config, rtol):
     else:
         for res in results:
             torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(single.losses), rtol=rtol, atol=0)
+
+
+def _meta_gpt() -> nn.Module:
+    return build("gpt", "meta")
+
+
+def _meta_reference_run(rank, world, plan, steps):
+    """The plan without fp8 on a meta model torchao converted, initialised by the runtime."""
+    return train(rank, world, "gpt", without_fp8(plan), steps, model_fn=lambda: torchao_converted("gpt", "meta"))
+
+
+@pytest.mark.multiprocess
+def test_a_meta_model_converts_before_fsdp2_shards_it():
+    """ZeRO-3 over two ranks on a meta model: converted on the meta device, sharded, then
+    each rank fills its shards; bit for bit the torchao-converted meta model's run."""
+    plan = fp8_plan(dp=2, zero_stage=3)
+    results = run(train, 2, "gpt", plan, STEPS, None, _meta_gpt)
+    refs = run(_meta_reference_run, 2, plan, STEPS)
+    for res, ref in zip(results, refs):
+        torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(ref.losses), **EXACT)
+        for n, value in res.params.items():
+            torch.testing.assert_close(value, ref.params[n], **EXACT, msg=lambda m, n=n: f"parameter {n}: {m}")
+
+
+def _save_after_one_step(rank, world, plan, path):
+    job = parallelize(build("gpt"), plan, loss_fn=token_loss, measure_memory=False)
+    opt = job.optimizer(torch.optim.SGD, lr=LR)
+    for batch in job.shard(batches("gpt", 1, plan.config.global_batch_size)):
+        job.step(batch)
+        opt.step()
+        opt.zero_grad()
+    job.save_checkpoint(path, step=1)
+    return all_params(job)
+
+
+def _load(rank, world, plan, path):
+    job = parallelize(build("gpt"), plan, loss_fn=token_loss, measure_memory=False)
+    job.optimizer(torch.optim.SGD, lr=LR)
+    return job.load_checkpoint(path), all_params(job)
+
+
+@pytest.mark.multiprocess
+def test_a_fp8_checkpoint_loads_under_a_bf16_plan(tmp_path):
+    """Float8Linear keeps the linears' parameter names: a checkpoint saved by an fp8
+    ZeRO-3 plan on two ranks loads into one bf16 process with the same weights."""
+    saved = run(_save_after_one_step, 2, fp8_plan(dp=2, zero_stage=3), str(tmp_path))
+    ((step, loaded),) = run(_load, 1, without_fp8(fp8_plan()), str(tmp_path))
+    assert step == 1
+    assert loaded.keys() == saved[0].keys()
+    for n, value in loaded.items():
+        torch.testing.assert_close(value, saved[0][n], **EXACT, msg=lambda m, n=n: f"parameter {n}: {m}")

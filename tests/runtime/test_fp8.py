@@ -34,7 +34,9 @@ from parity import (
 from torch import nn
 
 import autopar
+from autopar.models import Llama
 from autopar.runtime.api import parallelize
+from autopar.runtime.fp8 import convert_blocks
 
 float8 = pytest.importorskip("torchao.float8", reason="FP8 plans need torchao")
 Float8Linear = pytest.importorskip("torchao.float8.float8_linear").Float8Linear
@@ -102,6 +104,22 @@ def test_the_block_linears_become_float8_and_nothing_else(name):
     assert fp8 == sorted(f"layers.{i}.{leaf}" for i in range(n_layers) for leaf in leaves)
     assert plain == ["output"]
     assert params == sorted(n for n, _ in build(name).named_parameters())
+
+
+def test_experts_and_linears_with_dimensions_off_16_stay_bf16():
+    """Llama with ffn_dim 40 (not a multiple of 16): only the attention projections of
+    its blocks convert. The MoE model's experts are 3-D stacks and its router a bare
+    parameter, so again only the attention projections convert."""
+    units = ["tok_embeddings", "layers.0", "layers.1", "norm", "output"]
+    attention = [f"layers.{i}.attention.{w}" for i in range(2) for w in ("wq", "wk", "wv", "wo")]
+    torch.manual_seed(0)
+    llama = Llama(dataclasses.replace(LLAMA_CFG, n_layers=2, ffn_dim=40))
+    assert convert_blocks(llama, units, emulate=True) == attention
+    assert not isinstance(llama.layers["0"].feed_forward.w1, Float8Linear)
+    assert isinstance(llama.layers["0"].attention.wk, Float8Linear)
+    moe = build("moe")
+    assert convert_blocks(moe, ["layers.0", "layers.1"], emulate=True) == attention
+    assert sorted(n for n, m in moe.named_modules() if isinstance(m, Float8Linear)) == sorted(attention)
 
 
 @pytest.mark.multiprocess

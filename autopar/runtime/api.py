@@ -3,7 +3,8 @@
 Every check that can fail on local facts runs first, identically on every rank, so a
 wrong plan raises a typed error everywhere before any collective (world size, model
 fingerprint, units, schedule, tensor-parallel styles). Then, in torchtitan's order:
-device mesh -> cut to this rank's stages -> tensor parallel -> activation
+device mesh -> cut to this rank's stages -> FP8 linears in the blocks
+(:mod:`autopar.runtime.fp8`, when the plan asks) -> tensor parallel -> activation
 checkpointing -> compiled blocks (:mod:`autopar.runtime.compile`; not in dry runs) ->
 FSDP2 (sharding on the meta device when the model is there) ->
 materialisation of a meta model -> DDP -> ``PipelineStage`` and the schedule.
@@ -33,6 +34,7 @@ from autopar.runtime.data_parallel import DataParallelSpec, apply_data_parallel
 from autopar.runtime.errors import PlanMismatchError
 from autopar.runtime.expert_parallel import SharedWeightSync, apply_expert_parallel, check_expert_parallel
 from autopar.runtime.finite import DEFAULT_MAX_CONSECUTIVE_SKIPS, SkipCounter
+from autopar.runtime.fp8 import EMULATION_WARNING, check_fp8, convert_blocks, emulated
 from autopar.runtime.init import InitFn, Materializer, is_meta
 from autopar.runtime.job import Job, JobParts
 from autopar.runtime.layouts import TPLayout, resolve
@@ -146,11 +148,14 @@ def parallelize(
             "no default process group: call torch.distributed.init_process_group (torchrun or "
             "autopar run do it) before autopar.parallelize."
         )
+    device = torch.device(device) if device is not None else _default_device()
+    float8 = check_fp8(plan.config.compile and materialize, device) if plan.config.fp8 else None
     check_agreement(plan, model_fingerprint(model))
     dims.check_world_size(dist.get_world_size())
     analysis = analysis or analyse(model, plan, sample_input=sample_input)
     layout, tied = analysis.layout, analysis.tied
-    device = torch.device(device) if device is not None else _default_device()
+    if float8 is not None and emulated(device):
+        warnings.warn(EMULATION_WARNING.format(device=device), stacklevel=2)
     if measure_memory and plan.config.compile and device.type == "cpu" and materialize:
         warnings.warn(
             "compile=True on CPU: the step's memory is not measured (the dispatch mode that counts it on CPU "
@@ -179,6 +184,8 @@ def parallelize(
         if positions is not None:
             bind_positions(stage, position_keyword(model), positions)
         tensor_outputs(stage)
+        if float8 is not None:
+            convert_blocks(stage, list(plan.stages[i]), emulate=emulated(device), float8=float8)
         if layout is not None:
             apply_tensor_parallel(stage, layout, mesh["tp"], tuple(t.fqns for t in tied))
         if experts_mesh is not None:

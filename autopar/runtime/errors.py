@@ -52,3 +52,8 @@ class NonFiniteError(AutoparError):
 class CompileError(AutoparError):
     """A block of a plan with ``compile=True`` failed to compile at its first call
     (:mod:`autopar.runtime.compile`); a plan with ``compile=False`` runs it eager."""
+
+
+class FP8Error(ConfigError):
+    """A plan with ``fp8=True`` cannot run here: torchao is missing, or FP8 is combined
+    with a choice the runtime does not run with it (:mod:`autopar.runtime.fp8`)."""

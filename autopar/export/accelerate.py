@@ -25,6 +25,7 @@ from autopar.export.common import (
     blocks_of,
     commented,
     header,
+    kernel_options_note,
     mixed_recompute_note,
     outside_blocks_note,
     require_seq_multiple,
@@ -63,6 +64,9 @@ def export_accelerate(plan: Plan, shape: ModelShape | None) -> Export:
         f"Accelerator(gradient_accumulation_steps={c.num_microbatches}) and a DataLoader of batch_size "
         f"{c.micro_batch_size}",
     ]
+    kernels = kernel_options_note(plan, "Accelerate")
+    if kernels:
+        notes.append(kernels)
     fsdp = c.tp > 1 or c.cp > 1 or (c.dp > 1 and c.zero_stage > 0)
     config: dict = {"compute_environment": "LOCAL_MACHINE", "debug": False}
     if fsdp:

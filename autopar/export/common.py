@@ -228,6 +228,19 @@ CP_EXCHANGE = (
 framework offers another by default."""
 
 
+def kernel_options_note(plan: Plan, framework: str) -> str | None:
+    """The plan's compiled blocks and FP8 matmuls, for an export that does not carry them
+    over; None when the plan has neither."""
+    c = plan.config
+    missing = [what for on, what in ((c.compile, "compiled blocks"), (c.fp8, "FP8 matmuls")) if on]
+    if not missing:
+        return None
+    return (
+        f"the plan's {' and '.join(missing)} are not written for {framework}: its prediction assumes them; turn on "
+        f"{framework}'s own equivalent, or expect a slower step"
+    )
+
+
 def expert_tp_note(plan: Plan, framework: str, flag: str) -> str:
     """The note for a plan with expert and tensor parallelism, which ``framework`` writes
     with expert tensor parallelism 1 (``flag`` 1): whole experts on each rank, as the

@@ -28,6 +28,7 @@ from autopar.export.common import (
     ExportError,
     blocks_of,
     header,
+    kernel_options_note,
     mixed_recompute_note,
     outside_blocks_note,
     shell_line,
@@ -84,6 +85,9 @@ def export_deepspeed(plan: Plan, shape: ModelShape | None) -> Export:
         "gradient_accumulation_steps": c.num_microbatches,
         "zero_optimization": {"stage": _zero_stage(plan, notes)},
     }
+    kernels = kernel_options_note(plan, "DeepSpeed")
+    if kernels:
+        notes.append(kernels)
     if c.ep > 1:
         config["expert_parallel"] = _expert_parallel(plan, shape, notes)
     if c.dtype is DType.BF16:

@@ -18,6 +18,7 @@ from autopar.export.common import (
     expert_tp_note,
     experts_split_over_tp_note,
     header,
+    kernel_options_note,
     mixed_recompute_note,
     outside_blocks_note,
     require_seq_multiple,
@@ -47,6 +48,9 @@ def export_megatron(plan: Plan, shape: ModelShape | None) -> Export:
         "--pipeline-model-parallel-size",
         str(c.pp),
     ]
+    kernels = kernel_options_note(plan, "Megatron-LM")
+    if kernels:
+        notes.append(kernels)
     args += _context_parallel_args(plan, notes, info)
     args += _expert_args(plan, shape, notes, info)
     if c.sequence_parallel:

@@ -110,6 +110,10 @@ def export_torchtitan(plan: Plan, shape: ModelShape | None) -> Export:
         "training": training,
         "activation_checkpoint": _activation_checkpoint(blocks, notes),
     }
+    if c.compile:  # the blocks, as autopar's runtime compiles them; the loss stays eager
+        sections["compile"] = {"enable": True, "components": ["model"]}
+    if c.fp8:  # torchao's tensorwise recipe, the head left in bf16 as the plan prices it
+        sections["quantize.linear.float8"] = {"recipe_name": "tensorwise", "filter_fqns": ["output"]}
     launch = shell_line([*torchrun(plan), "-m", "torchtitan.train", "--job.config_file", CONFIG_NAME])
     info = [
         "for torchtitan 0.2.x (--job.config_file); torchtitan >= 0.3 takes the same fields on Trainer.Config",
@@ -117,6 +121,8 @@ def export_torchtitan(plan: Plan, shape: ModelShape | None) -> Export:
     ]
     if c.ep > 1:
         info.append("expert_parallel_degree acts on MoE models only: choose a [model] flavor with experts")
+    if c.fp8:
+        info.append('FP8 matmuls: add converters = ["quantize.linear.float8"] to [model]')
     if c.pp > 1:
         placement = "in a V (rank r runs stages r and 2pp-1-r)" if c.schedule is Schedule.ZBV else "on rank i % pp"
         info.append(f"module_fqns_per_model_part lists the plan's stages by module name; stage i runs {placement}")

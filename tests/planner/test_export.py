@@ -383,3 +383,17 @@ def test_layer_strategies_without_block_split_are_noted(pipelined_plan):
     for target in ("megatron", "torchtitan"):
         assert any("per-layer styles differ" in n for n in export(replicated, to=target).notes)
     assert not any("per-layer styles" in n for n in export(pipelined_plan, to="megatron").notes)
+
+
+def test_compiled_blocks_and_fp8_are_written_for_torchtitan_and_noted_for_the_others(gpt2_plan):
+    """torchtitan compiles blocks and converts linears to float8 as autopar does; the other
+    frameworks are told, in a note, that the plan assumed both."""
+    plan = variant(gpt2_plan, compile=True, fp8=True)
+    titan = export(plan, to="torchtitan")
+    assert '[compile]\nenable = true\ncomponents = ["model"]' in titan.text
+    assert '[quantize.linear.float8]\nrecipe_name = "tensorwise"\nfilter_fqns = ["output"]' in titan.text
+    assert 'converters = ["quantize.linear.float8"]' in titan.text
+    for target, name in (("megatron", "Megatron-LM"), ("deepspeed", "DeepSpeed"), ("accelerate", "Accelerate")):
+        (note,) = [n for n in export(plan, to=target).notes if "compiled blocks and FP8 matmuls" in n]
+        assert f"are not written for {name}" in note
+        assert not [n for n in export(gpt2_plan, to=target).notes if "FP8" in n]

@@ -50,7 +50,7 @@ def llama_plan():
 @pytest.fixture()
 def cases(gpt2_plan, pipelined_plan, llama_plan):
     """Plans that cover every mapping: ZeRO 0-3, pipelining even, uneven and interleaved,
-    recompute uniform and per block, fp16, context parallelism."""
+    recompute uniform and per block, fp16, context parallelism, compiled blocks with FP8."""
     llama, _ = llama_plan
     full = {f"layers.{i}": Recompute.FULL for i in (0, 1, 2, 20, 21, 22)}
     return {
@@ -65,6 +65,7 @@ def cases(gpt2_plan, pipelined_plan, llama_plan):
         "llama-interleaved-zb": variant(llama, schedule="interleaved-zb"),
         "gpt2-cp": variant(gpt2_plan, dp=4, cp=2),
         "gpt-tp-pp-cp": variant(pipelined_plan, dp=1, cp=2, zero_stage=1),
+        "llama-compiled-fp8": variant(llama, compile=True, fp8=True),
     }
 
 
@@ -127,6 +128,9 @@ def test_torchtitan_parses_every_export(cases, tmp_path, monkeypatch):
         expected = {Recompute.NONE: "none", Recompute.FULL: "full", Recompute.SELECTIVE: "selective"}[c.recompute]
         if not plan.layer_strategies.recompute:
             assert job.activation_checkpoint.mode == expected, name
+        assert job.compile.enable == c.compile and (not c.compile or job.compile.components == ["model"]), name
+        float8 = job.quantize.linear.float8
+        assert (float8.recipe_name, float8.filter_fqns) == (("tensorwise", ["output"]) if c.fp8 else (None, [])), name
 
 
 def test_accelerate_parses_and_launches_every_export(cases, tmp_path, monkeypatch):

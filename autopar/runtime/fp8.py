@@ -34,11 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from autopar.cost.fp8 import ALIGNMENT
 from autopar.runtime.compile import block_units
 from autopar.runtime.errors import FP8Error
-
-FP8_MULTIPLE = 16
-"""FP8 matmuls need both dimensions of a linear layer to be multiples of 16."""
 
 FP8_CAPABILITY = (8, 9)
 """The first CUDA compute capability with FP8 tensor cores (Ada, then Hopper)."""
@@ -72,8 +70,8 @@ def convertible(module: nn.Module) -> bool:
     """A linear layer that FP8 matmuls can run: both dimensions multiples of 16."""
     return (
         isinstance(module, nn.Linear)
-        and module.in_features % FP8_MULTIPLE == 0
-        and module.out_features % FP8_MULTIPLE == 0
+        and module.in_features % ALIGNMENT == 0
+        and module.out_features % ALIGNMENT == 0
     )
 
 

@@ -181,6 +181,7 @@ def _device(found: tuple[str, DeviceProfile], base: Cluster | None, per_node: in
             matmul_efficiency=efficiency,
             memory_efficiency=1.0,
             matmul_curves=curves,
+            fp8_flops=bdev.roofline.fp8_flops if base is not None else 0.0,
         ),
         memory=DeviceMemory(capacity_bytes=memory, reserved_bytes=reserved),
         host=HostEffects(

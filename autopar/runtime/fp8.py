@@ -69,9 +69,7 @@ def float8_api() -> Any:
 def convertible(module: nn.Module) -> bool:
     """A linear layer that FP8 matmuls can run: both dimensions multiples of 16."""
     return (
-        isinstance(module, nn.Linear)
-        and module.in_features % ALIGNMENT == 0
-        and module.out_features % ALIGNMENT == 0
+        isinstance(module, nn.Linear) and module.in_features % ALIGNMENT == 0 and module.out_features % ALIGNMENT == 0
     )
 
 

@@ -342,3 +342,13 @@ def test_the_planner_prices_full_recomputation_at_the_measured_fraction():
     )
     redo = [sum(s.recompute_s for s in p.prediction.stages) for p in (with_f, without)]
     assert redo[1] > 0 and redo[0] == pytest.approx(f * redo[1], rel=1e-9)
+
+
+def test_a_gpu_base_keeps_its_fp8_peak_and_a_measured_device_alone_has_none():
+    """A profile measures bf16/fp32 matmuls, not FP8: an H100 base's datasheet FP8 peak
+    stays (so fp8 plans remain possible), and a device measured without a base has none."""
+    gpu = device(rate_flop_per_s=7e14, bandwidth=3e12, kind="cuda", dtypes=("bf16", "fp32"), memory_bytes=80 * 2**30)
+    h100 = cluster_from_profiles([gpu, network(kind="cuda")], base=preset("dgx-h100", nodes=2))
+    assert h100.device.roofline.fp8_flops == 1979e12
+    alone = cluster_from_profiles([gpu, network(kind="cuda", node_of_rank=("n0",) * 8)])
+    assert alone.device.roofline.fp8_flops == 0.0

@@ -23,6 +23,19 @@ PyTorch, per parameter held by a TP rank:
   views the old ones, so for a moment the stage holds its gradients twice. No
   activation is alive then, so the stage peaks at ``max(steady peak, model states +
   gradients)`` (measured: ``docs/cost-model.md``).
+- ZeRO-0/1 under FSDP2's ``replicate`` wrap the whole stage as one group, whose
+  post-backward runs once the stage's backward is over: with mixed precision every
+  parameter's gradient in the compute precision (the unsharded low-precision
+  parameter's ``.grad``) stays alive until then beside the fp32 gradients, which it is
+  then cast and added into (:func:`held_grad_bytes`).
+- A vocabulary-parallel embedding's weight gradient is computed whole, the full table
+  on every rank of the tensor-parallel group (``UnitCost.whole_grad_numel``): a
+  transient in the compute precision under ZeRO-2/3 (FSDP2 slices it to the shard
+  before its reduce-scatter), part of :func:`held_grad_bytes` under ``replicate``, and
+  under ZeRO-0/1 a whole fp32 gradient from its first backward to ``zero_grad``:
+  ``replicate`` casts, accumulates and all-reduces the gradient in the placement it
+  came in (whole), and without data parallelism (no wrapper) ``param.grad`` is the
+  replicated table itself.
 - Under pipeline parallelism ``torch.distributed.pipelining`` keeps FSDP2 parameters
   unsharded after backward and accumulates unsharded gradients until the last
   micro-batch (``PipelineStage`` sets ``reshard_after_backward`` and
@@ -84,14 +97,18 @@ def config_state_bytes(
     factored_numel: float = 0.0,
     largest_unit_numel: float = 0.0,
     expert_numel: float = 0.0,
+    whole_grad_numel: float = 0.0,
 ) -> StateBytes:
     """:func:`state_bytes` under ``config``'s precision, ZeRO stage and data-, tensor- and
     pipeline-parallel degrees; the state shards over ``config.state_shards`` ranks (the
     HSDP shard group, or ``dp * cp``). ``expert_numel``: of ``param_numel``, the expert
     parameters held (``1 / ep`` of the stacks): the shard group divides the state of
-    every expert of its ``ep`` groups, ``ep`` times what one rank holds."""
+    every expert of its ``ep`` groups, ``ep`` times what one rank holds.
+    ``whole_grad_numel``: the whole size of the split weights whose gradient is computed
+    whole (``UnitCost.whole_grad_numel``)."""
     return state_bytes(
         param_numel=param_numel,
+        whole_grad_numel=whole_grad_numel,
         shard_numel=param_numel + expert_numel * (config.ep - 1),
         factored_numel=factored_numel,
         largest_unit_numel=largest_unit_numel,
@@ -116,6 +133,7 @@ def state_bytes(
     pipelined: bool,
     tp: int = 1,
     shard_numel: float | None = None,
+    whole_grad_numel: float = 0.0,
 ) -> StateBytes:
     """Model-state memory of a pipeline stage on one device.
 
@@ -138,8 +156,11 @@ def state_bytes(
             or tensor parallelism, where the runtime uses FSDP2's ``replicate``
             (``autopar.runtime.data_parallel``): it gathers an unsharded copy of every
             parameter (fp32 params: a second fp32 copy) from forward to backward.
+        whole_grad_numel: the whole size of the split weights among them whose gradient
+            is computed whole (a vocabulary-parallel embedding's table; module docstring).
     """
     copy = compute_copy_bytes(dtype)
+    beyond_shard = whole_grad_numel * (1 - 1 / tp)
     opt_full = factored_numel * 4.0 if optimizer is Optimizer.ADAFACTOR else param_numel * _OPT_BYTES[optimizer]
     widen = 1.0 if shard_numel is None or not param_numel else shard_numel / param_numel
     opt_sharded = opt_full * widen / dp
@@ -150,19 +171,20 @@ def state_bytes(
         ddp = dp > 1 and not replicate
         return StateBytes(
             params_bytes=params,
-            grads_bytes=param_numel * GRAD_BYTES,
+            grads_bytes=(param_numel + beyond_shard) * GRAD_BYTES,
             optimizer_bytes=opt_full if zero_stage == 0 else opt_sharded,
             transient_bytes=0.0,
             rebuild_bytes=param_numel * GRAD_BYTES if ddp else 0.0,
         )
     master = param_numel * widen * MASTER_BYTES / dp
     grads = param_numel * widen * GRAD_BYTES / dp
+    whole_grad = whole_grad_numel * unsharded_copy  # sliced to the shard before the reduce-scatter
     if pipelined:
         return StateBytes(
             params_bytes=master + param_numel * unsharded_copy,
             grads_bytes=grads + param_numel * GRAD_BYTES,
             optimizer_bytes=opt_sharded,
-            transient_bytes=0.0,
+            transient_bytes=whole_grad,
         )
     reduce_buffer = REDUCE_SCATTER_BUFFERS * largest_unit_numel * GRAD_BYTES
     if zero_stage == 2:
@@ -170,14 +192,29 @@ def state_bytes(
             params_bytes=master + param_numel * unsharded_copy,
             grads_bytes=grads,
             optimizer_bytes=opt_sharded,
-            transient_bytes=reduce_buffer,
+            transient_bytes=reduce_buffer + whole_grad,
         )
     return StateBytes(
         params_bytes=master,
         grads_bytes=grads,
         optimizer_bytes=opt_sharded,
-        transient_bytes=2 * largest_unit_numel * unsharded_copy + reduce_buffer,
+        transient_bytes=2 * largest_unit_numel * unsharded_copy + reduce_buffer + whole_grad,
     )
+
+
+def held_grad_bytes(config: ParallelConfig, *, param_numel: float, whole_grad_numel: float = 0.0) -> float:
+    """Bytes of the compute-precision gradients of ``param_numel`` parameters (and of the
+    split weights whose gradient is whole, ``whole_grad_numel`` of them at their whole
+    size) that ZeRO-0/1 under FSDP2's ``replicate`` hold until the stage's backward is
+    over: ``replicate`` wraps the stage as one group, and its post-backward, which casts
+    each gradient to fp32 and adds it into the fp32 one (or reduces it), runs at the end
+    (``FSDPParamGroup.post_backward``). Only with mixed precision: in fp32 the unsharded
+    parameter's gradient is the fp32 gradient itself, already counted."""
+    copy = compute_copy_bytes(config.dtype)
+    replicate = uses_replicate(dp=config.state_shards, pipelined=config.pp > 1, tp=config.tp)
+    if config.zero_stage >= 2 or not replicate or not copy:
+        return 0.0
+    return (param_numel + whole_grad_numel * (1 - 1 / config.tp)) * copy
 
 
 def optimizer_step_bytes(optimizer: Optimizer) -> float:

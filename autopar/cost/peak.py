@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.cost.memory import config_state_bytes
+from autopar.cost.memory import config_state_bytes, held_grad_bytes
 from autopar.cost.model import CostModel
 from autopar.cost.pipeline import inflight_microbatches
 from autopar.cost.recompute import UnitOption
@@ -77,14 +77,18 @@ def footprint(model: CostModel, option: UnitOption, config: ParallelConfig) -> F
         factored_numel=lay.factored_numel,
         largest_unit_numel=lay.param_numel,
         expert_numel=lay.expert_numel,
+        whole_grad_numel=lay.whole_grad_numel,
     )
+    # replicate's compute-precision gradients last until the stage's backward ends: in the
+    # bound they are kept for the step, as the model states are
+    held = held_grad_bytes(config, param_numel=lay.param_numel, whole_grad_numel=lay.whole_grad_numel)
     freed = lay.loss_working_bytes + (
         lay.loss_saved_bytes - lay.held_output_bytes if option.recompute is not Recompute.FULL else 0.0
     )
     transient = max(option.transient_bytes, option.transient_bytes - freed + st.transient_bytes)
     return Footprint(
         time_s=option.time_s,
-        static_bytes=st.params_bytes + st.grads_bytes + st.optimizer_bytes,
+        static_bytes=st.params_bytes + st.grads_bytes + st.optimizer_bytes + held,
         act_bytes=option.act_bytes,
         transient_bytes=transient,
         rebuild_bytes=st.rebuild_bytes,
@@ -149,20 +153,29 @@ def rank_memory(
     params = sum(o.layout.param_numel for _, o in rank)
     factored = sum(o.layout.factored_numel for _, o in rank)
     experts = sum(o.layout.expert_numel for _, o in rank)
-    st = config_state_bytes(config, model.optimizer, param_numel=params, factored_numel=factored, expert_numel=experts)
+    whole = sum(o.layout.whole_grad_numel for _, o in rank)
+    st = config_state_bytes(
+        config,
+        model.optimizer,
+        param_numel=params,
+        factored_numel=factored,
+        expert_numel=experts,
+        whole_grad_numel=whole,
+    )
     static = st.params_bytes + st.grads_bytes + st.optimizer_bytes
     shared = shared_state_bytes(model, config, held_once_numel(model, config, dict(rank)))
     scale = (static - shared) / static if static else 1.0
     grads = st.grads_bytes * scale
+    transients = [p.transient_bytes + h for p, h in zip(prints, _held_grads(config, rank))]
     if pp > 1 and config.schedule.multi_stage:
-        acts, transient = stage.inflight * sum(p.act_bytes for p in prints), max(p.transient_bytes for p in prints)
+        acts, transient = stage.inflight * sum(p.act_bytes for p in prints), max(transients)
     else:
         share = [o.layout.param_numel / params if params else 0.0 for _, o in rank]
         fresh = stage.inflight >= config.num_microbatches and not st.rebuild_bytes
         last = [o.layout.held_output_bytes for u, o in rank if u == model.num_units - 1]
         acts, grads, transient = backward_peak(
             [p.act_bytes for p in prints],
-            [p.transient_bytes for p in prints],
+            transients,
             [grads * f for f in share],
             stage.inflight,
             fresh_gradients=fresh,
@@ -184,6 +197,25 @@ def rank_memory(
         buffers_bytes=buffers,
         reserve_bytes=memory.reserved_bytes + memory.fragmentation * allocated,
     )
+
+
+def _held_grads(config: ParallelConfig, rank: Sequence[tuple[int, UnitOption]]) -> list[float]:
+    """Per unit of a rank (its stages' units in order, ``(unit, option)``), the
+    compute-precision gradients ``replicate`` holds while that unit runs its backward
+    (:func:`autopar.cost.memory.held_grad_bytes`): its own and those of the units after it
+    in its stage, whose backward has run (a stage is a run of consecutive units)."""
+    held = [
+        held_grad_bytes(config, param_numel=o.layout.param_numel, whole_grad_numel=o.layout.whole_grad_numel)
+        for _, o in rank
+    ]
+    out = [0.0] * len(rank)
+    after = 0.0
+    for i in range(len(rank) - 1, -1, -1):
+        if i == len(rank) - 1 or rank[i + 1][0] != rank[i][0] + 1:
+            after = 0.0
+        after += held[i]
+        out[i] = after
+    return out
 
 
 def backward_peak(

@@ -168,6 +168,12 @@ class UnitCost:
         expert_numel: of ``param_numel``, the expert parameters held (``1 / ep`` of the
             unit's expert stacks): their gradients are reduced, and their state
             sharded, over the ranks holding the same experts.
+        whole_grad_numel: elements of the weights this layout splits whose gradient is
+            nevertheless computed whole on every rank of the group: a vocabulary-parallel
+            embedding's (torch 2.13's DTensor has no vocabulary-sharded strategy for
+            ``embedding_dense_backward``, only sharding on the embedding dimension or the
+            batch, so the gradient of a ``Shard(0)`` table comes out ``Replicate``, the
+            whole table on each rank; :mod:`autopar.cost.memory` prices what that holds).
     """
 
     styles: tuple[TPStyle, ...]
@@ -194,6 +200,7 @@ class UnitCost:
     held_output_bytes: float
     kv_bytes: float = 0.0
     expert_numel: float = 0.0
+    whole_grad_numel: float = 0.0
 
     @property
     def time_s(self) -> float:
@@ -313,4 +320,7 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         held_output_bytes=held,
         kv_bytes=profile.kv_bytes * b / (t if attn_sharded else 1),
         expert_numel=sum(leaf.expert_numel for leaf in profile.leaves) / ctx.ep,
+        whole_grad_numel=sum(leaf.weight_numel for leaf, s in zip(profile.leaves, styles) if s is TPStyle.VOCAB)
+        if t > 1
+        else 0.0,
     )

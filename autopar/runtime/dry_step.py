@@ -50,6 +50,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.pipelining import schedules, stage
 from torch.distributed.pipelining._utils import _derive_grad_metas, _StageBackwardMeta, _StageForwardMeta
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
 from autopar.plan import Plan
 from autopar.runtime.job import Job
@@ -146,16 +147,48 @@ def local_pipeline_metadata(known: PipelineMetadata) -> Iterator[None]:
 
 
 class FakeBytesMeter(TensorBytesMeter):
-    """:class:`TensorBytesMeter` over the fake tensors of one ``FakeTensorMode`` (those
-    of other modes are DTensor's shape propagation, not memory)."""
+    """:class:`TensorBytesMeter` over the fake tensors of one ``FakeTensorMode``, less
+    DTensor's shape propagation: to learn an op's output shape, DTensor runs the op once
+    on fake tensors of the *global* shape (``ShardingPropagator._propagate_tensor_meta_non_cached``,
+    on each new op signature), in the fake mode it finds active, which in a measured step
+    is this one. On a device those are never allocated (DTensor runs them in a fake mode
+    of its own there), so they are not counted: a vocabulary-sized one (the logits of
+    the whole vocabulary) had made the first micro-batch's loss the step's peak."""
 
     def __init__(self, mode: FakeTensorMode, live: list[torch.Tensor]):
         self.mode = mode
+        self._propagating = 0
         super().__init__(torch.device("meta"))  # a fake tensor's storage is a meta storage (resizes are matched on it)
         for t in live:
             self._track(t)
 
+    def __enter__(self) -> FakeBytesMeter:
+        propagate = self._propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+        meter = self
+
+        def shape_only(prop: ShardingPropagator, op_schema: Any) -> Any:
+            meter._propagating += 1
+            try:
+                return propagate(prop, op_schema)
+            finally:
+                meter._propagating -= 1
+
+        ShardingPropagator._propagate_tensor_meta_non_cached = shape_only  # type: ignore[method-assign]
+        try:
+            return super().__enter__()
+        except BaseException:
+            ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[method-assign]
+            raise
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            ShardingPropagator._propagate_tensor_meta_non_cached = self._propagate  # type: ignore[method-assign]
+
     def _track(self, t: Any) -> None:
+        if self._propagating:
+            return
         if isinstance(t, DTensor):
             t = t.to_local()
         if isinstance(t, FakeTensor) and t.fake_mode is self.mode:

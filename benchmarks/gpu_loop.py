@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import statistics
 import time
 from pathlib import Path
@@ -131,9 +130,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     cluster = _cluster(device, work, args.base, args.tiny)
     size = "tiny" if args.tiny else "1b"
     seq, batch = (32, 2) if args.tiny else (args.seq_len, args.batch)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    # a group of one needs no rendezvous: an in-memory store, and no environment touched
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     rows = []
     try:
         for label, fixed in _variants(cluster, device):

@@ -78,6 +78,6 @@ def test_torch_lower_bound_is_the_release_ci_tests():
 def test_user_extras_hold_no_test_tools_and_all_holds_everything():
     extras = PYPROJECT["project"]["optional-dependencies"]
     tools = ("pytest", "hypothesis", "ruff")
-    assert not any(dep.startswith(tools) for name in ("hf", "notebooks", "interop") for dep in extras[name])
+    assert not any(dep.startswith(tools) for name in ("hf", "notebooks", "interop", "fp8") for dep in extras[name])
     assert any(dep.startswith("pytest") for dep in extras["test"])
-    assert extras["all"] == ["autopar[hf,notebooks,interop,test,dev]"]  # what .ci/run and the README install
+    assert extras["all"] == ["autopar[hf,notebooks,interop,fp8,test,dev]"]  # what .ci/run and the README install

@@ -222,6 +222,14 @@ class ParallelConfig:
         return self.dp // self.shard_size
 
     @property
+    def unit_family(self) -> tuple:
+        """What a unit's options depend on besides the micro-batch size and the
+        sharding: the tensor-, context- and expert-parallel degrees, compiled blocks,
+        FP8 matmuls, sequence parallelism and precision. The search's caches are keyed
+        by it, so an axis added here reaches every one of them."""
+        return (self.tp, self.cp, self.ep, self.compile, self.fp8, self.sequence_parallel, self.dtype)
+
+    @property
     def world_size(self) -> int:
         """Devices the plan runs on."""
         return self.dp * self.cp * self.tp * self.pp

@@ -22,24 +22,17 @@ from autopar.models.gpt import GPT, GPTConfig
 from autopar.models.llama import Llama, LlamaConfig
 
 
+def _gpt2(label: str, *, dim: int, layers: int, heads: int):
+    """transformers' GPT-2 and autopar's GPT of one shape, 8 sequences of 1024 tokens."""
+    cfg = transformers.GPT2Config(n_layer=layers, n_embd=dim, n_head=heads, n_positions=1024)
+    own = GPTConfig(vocab_size=cfg.vocab_size, seq_len=1024, dim=dim, n_layers=layers, n_heads=heads)
+    return label, transformers.GPT2LMHeadModel(cfg), GPT(own), 1024, 8
+
+
 def _pairs():
     with torch.device("meta"):
-        gpt2 = transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12, n_positions=1024)
-        yield (
-            "GPT-2 124M",
-            transformers.GPT2LMHeadModel(gpt2),
-            GPT(GPTConfig(vocab_size=gpt2.vocab_size, seq_len=1024, dim=768, n_layers=12, n_heads=12)),
-            1024,
-            8,
-        )
-        gpt2xl = transformers.GPT2Config(n_layer=48, n_embd=1600, n_head=25, n_positions=1024)
-        yield (
-            "GPT-2 1.5B",
-            transformers.GPT2LMHeadModel(gpt2xl),
-            GPT(GPTConfig(vocab_size=gpt2xl.vocab_size, seq_len=1024, dim=1600, n_layers=48, n_heads=25)),
-            1024,
-            8,
-        )
+        yield _gpt2("GPT-2 124M", dim=768, layers=12, heads=12)
+        yield _gpt2("GPT-2 1.5B", dim=1600, layers=48, heads=25)
         llama = transformers.LlamaConfig(
             hidden_size=2048,
             intermediate_size=8192,

@@ -33,8 +33,8 @@ def explain(plan: Plan, *, top: int = 5) -> str:
         *_context(plan),
         *_experts(plan),
         *_sharding(plan),
-        *_compiled(plan),
-        *_fp8(plan),
+        *_option_line(plan, "compile", "Compiled", COMPILE_WAYS, always=True),
+        *_option_line(plan, "fp8", "FP8 matmuls", FP8_WAYS, always=False),
         "",
         "Stages (pipeline rank: units | forward / backward per micro-batch | peak memory)",
     ]
@@ -145,32 +145,31 @@ def _experts(plan: Plan) -> list[str]:
     return _axis_line(plan, "Expert par.", "ep", used)
 
 
-def _compiled(plan: Plan) -> list[str]:
-    """Whether the blocks run compiled, and what the other way would take."""
-    c = plan.config
-    if c.compile:
-        text = "blocks compiled (torch.compile: element-wise ops fused between matmuls)"
-    else:
-        text = "blocks run eager"
-    for a in plan.alternatives:
-        if a.status == "compile":
-            other = "eager" if c.compile else "compiled (--set compile=true)"
-            text += f"; {other}: {duration(a.step_time_s)} ({100 * a.slower_by:+.1f}%)"
-    return [f"Compiled       {text}"]
-
-
-def _fp8(plan: Plan) -> list[str]:
-    """Whether the blocks' linear layers multiply in FP8, and what the other way would
-    take; nothing where the plan could not use FP8."""
-    c = plan.config
-    found = [a for a in plan.alternatives if a.status == "fp8"]
-    if not c.fp8 and not found:
+def _option_line(plan: Plan, option: str, label: str, ways: tuple[str, str, str, str], *, always: bool) -> list[str]:
+    """How the plan sets a kernel option (``option``: ``compile`` or ``fp8``, also the
+    status of its priced contrast in ``plan.alternatives``), and what the other way would
+    take. ``ways``: the text of the option on, off, and the names of the other way when
+    it is on and when it is off. Without ``always``, nothing where the option is off and
+    was not priced (the device cannot use it)."""
+    on, off, other_when_on, other_when_off = ways
+    enabled = getattr(plan.config, option)
+    found = [a for a in plan.alternatives if a.status == option]
+    if not (always or enabled or found):
         return []
-    text = "blocks' linear layers in FP8 (torchao float8, tensorwise scales)" if c.fp8 else "off"
+    text = on if enabled else off
     for a in found:
-        other = "bf16" if c.fp8 else "FP8 (--set fp8=true)"
+        other = other_when_on if enabled else other_when_off
         text += f"; {other}: {duration(a.step_time_s)} ({100 * a.slower_by:+.1f}%)"
-    return [f"FP8 matmuls    {text}"]
+    return [f"{label:<15}{text}"]
+
+
+COMPILE_WAYS = (
+    "blocks compiled (torch.compile: element-wise ops fused between matmuls)",
+    "blocks run eager",
+    "eager",
+    "compiled (--set compile=true)",
+)
+FP8_WAYS = ("blocks' linear layers in FP8 (torchao float8, tensorwise scales)", "off", "bf16", "FP8 (--set fp8=true)")
 
 
 def _sharding(plan: Plan) -> list[str]:

@@ -42,22 +42,18 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._dynamo.exc import BackendCompilerFailed, InternalTorchDynamoError
 
 from autopar.runtime.errors import CompileError
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
-
-def compile_failures_types() -> tuple[type[BaseException], ...]:
-    """What dynamo and inductor raise when they fail, the backend's own exception reaching
-    the caller as ``BackendCompilerFailed`` (inductor's ``InductorError`` is one). An error
-    of the block's own code found while tracing (``TorchRuntimeError``: an op that fails on
-    its inputs' shapes) is not one of them: it passes through as it is, since running eager
-    would raise it too. Imported when asked: importing dynamo takes seconds, which every
-    rank of an eager plan would pay at start-up."""
-    from torch._dynamo.exc import BackendCompilerFailed, InternalTorchDynamoError
-
-    return (BackendCompilerFailed, InternalTorchDynamoError)
+COMPILE_FAILURES = (BackendCompilerFailed, InternalTorchDynamoError)
+"""What dynamo and inductor raise when they fail, the backend's own exception reaching
+the caller as ``BackendCompilerFailed`` (inductor's ``InductorError`` is one). An error
+of the block's own code found while tracing (``TorchRuntimeError``: an op that fails on
+its inputs' shapes) is not one of them: it passes through as it is, since running eager
+would raise it too."""
 
 
 def block_units(stage: nn.Module, units: list[str]) -> list[str]:
@@ -88,7 +84,7 @@ def _reporting(compiled: Callable[..., Any], block: str) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
         try:
             return compiled(*args, **kwargs)
-        except compile_failures_types() as exc:
+        except COMPILE_FAILURES as exc:
             raise CompileError(
                 f"block {block!r} failed to compile with torch.compile ({_first_line(exc)}); "
                 f"plan with --set compile=false (compile=False) to run eager."
@@ -112,7 +108,7 @@ def compile_failures(blocks: list[str]) -> Iterator[None]:
         named = _in_chain(exc, (CompileError,))
         if named is not None:
             raise named from named.__cause__
-        failure = _in_chain(exc, compile_failures_types())
+        failure = _in_chain(exc, COMPILE_FAILURES)
         if failure is None:
             raise
         names = repr(blocks[0]) if len(blocks) == 1 else f"{blocks[0]!r} to {blocks[-1]!r}"

@@ -67,13 +67,13 @@ class TimeBound:
         self.shape = solver.skeleton
         self._cache: dict[tuple, Any] = {}
         self._largest: dict[tuple, int] = {}
-        """Per family (tensor, context and sequence parallelism, precision), the largest
+        """Per family (:attr:`ParallelConfig.unit_family`), the largest
         micro-batch size among ``configs``: :meth:`scaled`'s reference."""
         # the fastest option is then a layout's time with no recomputation, the quantity
         # that scales; recomputing units could be cheaper at one size and not another
         if micro_batch_scaling_holds(solver.model) and Recompute.NONE in modes:
             for c in configs:
-                family = (c.tp, c.cp, c.ep, c.compile, c.fp8, c.sequence_parallel, c.dtype)
+                family = c.unit_family
                 self._largest[family] = max(self._largest.get(family, 0), c.micro_batch_size)
 
     def __call__(self, config: ParallelConfig) -> float:
@@ -95,13 +95,7 @@ class TimeBound:
         if not shards:
             return self.scaled(config)
         key = (
-            config.tp,
-            config.cp,
-            config.ep,
-            config.compile,
-            config.fp8,
-            config.sequence_parallel,
-            config.dtype,
+            *config.unit_family,
             "sibling tails",
             config.pp,
             config.dp,
@@ -113,9 +107,7 @@ class TimeBound:
 
     def _scaled_pipeline(self, config: ParallelConfig) -> float:
         """:meth:`scaled` without the tail."""
-        largest = self._largest.get(
-            (config.tp, config.cp, config.ep, config.compile, config.fp8, config.sequence_parallel, config.dtype), 0
-        )
+        largest = self._largest.get(config.unit_family, 0)
         if largest < config.micro_batch_size:
             return self._pipeline_s(config, config.micro_batch_size, *self._p2p(config))
         pipeline = self._pipeline_s(config, largest, 0.0, 0.0) * (config.micro_batch_size / largest)
@@ -203,14 +195,8 @@ class TimeBound:
     def _units(self, config: ParallelConfig, micro_batch_size: int) -> _Units:
         """The unit times of ``config``'s structure on micro-batches of ``micro_batch_size``."""
         key = (
-            config.tp,
-            config.cp,
-            config.ep,
-            config.compile,
-            config.fp8,
-            config.sequence_parallel,
+            *config.unit_family,
             micro_batch_size,
-            config.dtype,
             "units",
         )
         if key not in self._cache:
@@ -228,14 +214,8 @@ class TimeBound:
 
     def _p2p(self, config: ParallelConfig) -> tuple[float, float]:
         key = (
-            config.tp,
-            config.cp,
-            config.ep,
-            config.compile,
-            config.fp8,
-            config.sequence_parallel,
+            *config.unit_family,
             config.micro_batch_size,
-            config.dtype,
             "p2p",
             config.pp,
         )
@@ -247,13 +227,7 @@ class TimeBound:
         """What no schedule hides of the tail, for the fewest parameters any layout holds
         (each leaf at its fewest: :func:`autopar.cost.bounds.unit_floor`)."""
         key = (
-            config.tp,
-            config.cp,
-            config.ep,
-            config.compile,
-            config.fp8,
-            config.sequence_parallel,
-            config.dtype,
+            *config.unit_family,
             "tail",
             config.pp,
             config.dp,
@@ -268,13 +242,7 @@ class TimeBound:
 
     def _fewest_params(self, config: ParallelConfig) -> float:
         key = (
-            config.tp,
-            config.cp,
-            config.ep,
-            config.compile,
-            config.fp8,
-            config.sequence_parallel,
-            config.dtype,
+            *config.unit_family,
             "params",
         )
         if key not in self._cache:
@@ -295,14 +263,8 @@ class TimeBound:
         if pp == 1:
             return pipeline_lower_bound_s(units.total_s, config)
         key = (
-            config.tp,
-            config.cp,
-            config.ep,
-            config.compile,
-            config.fp8,
-            config.sequence_parallel,
+            *config.unit_family,
             micro_batch_size,
-            config.dtype,
             "pipeline",
             pp,
             v,

@@ -162,14 +162,8 @@ class ConfigSolver:
             self.model.graph.units[unit].profile,
             unit == 0,
             unit == n - 1,
-            config.tp,
-            config.cp,
-            config.ep,
-            config.compile,
-            config.fp8,
-            config.sequence_parallel,
+            *config.unit_family,
             config.micro_batch_size,
-            config.dtype,
             modes,
         )
         if key not in self._options:
@@ -211,14 +205,8 @@ class ConfigSolver:
     def config_key(self, config: ParallelConfig, modes: tuple[Recompute, ...]) -> tuple:
         """What a unit's priced options depend on."""
         return (
-            config.tp,
-            config.cp,
-            config.ep,
-            config.compile,
-            config.fp8,
-            config.sequence_parallel,
+            *config.unit_family,
             config.micro_batch_size,
-            config.dtype,
             config.zero_stage,
             config.dp,
             config.dp_shard,

@@ -442,14 +442,8 @@ def memory_floor(model: CostModel, config: ParallelConfig, cache: dict) -> float
     (:func:`autopar.cost.bounds.memory_floor_bytes` over the units' floors; ``cache``
     keeps the units' floors per unit structure and the model states per sharding)."""
     units = (
-        config.tp,
-        config.cp,
-        config.ep,
-        config.compile,
-        config.fp8,
-        config.sequence_parallel,
+        *config.unit_family,
         config.micro_batch_size,
-        config.dtype,
     )
     floors = cache.get(units)
     if floors is None:
@@ -468,13 +462,7 @@ def memory_floor(model: CostModel, config: ParallelConfig, cache: dict) -> float
     params, inputs = floors
     sharding = (
         "states",
-        config.tp,
-        config.cp,
-        config.ep,
-        config.compile,
-        config.fp8,
-        config.sequence_parallel,
-        config.dtype,
+        *config.unit_family,
         config.zero_stage,
         config.dp,
         config.dp_shard,

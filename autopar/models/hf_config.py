@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from autopar.errors import ConfigError, longest_length_note, max_positions
+from autopar.quiet import quiet_imports
 
 CONFIG_NAME = "config.json"
 """The config's file name in a checkpoint directory (``save_pretrained``'s layout)."""
@@ -74,6 +75,11 @@ class HFInput:
 def load_hf_model(text: str, *, trust_remote_code: bool = False) -> HFModel:
     """The model ``--model-config text`` names, ready to build (a config file, or a
     checkpoint directory holding ``config.json``)."""
+    with quiet_imports():
+        return _load(text, trust_remote_code)
+
+
+def _load(text: str, trust_remote_code: bool) -> HFModel:
     transformers = _transformers()
     from huggingface_hub.errors import StrictDataclassError  # transformers' error for a field of the wrong type
 
@@ -233,7 +239,7 @@ def build_hf_model(hf: HFModel, device: str | torch.device) -> nn.Module:
     """``hf``'s model built on ``device``; a config whose values the class rejects is one
     line naming the class."""
     try:
-        with torch.device(device):
+        with torch.device(device), quiet_imports():
             return hf.build()
     except (ValueError, TypeError, AttributeError, KeyError, IndexError, RuntimeError, ImportError) as exc:
         raise ConfigError(

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from autopar.cost.fp8 import ALIGNMENT
+from autopar.quiet import quiet_imports
 from autopar.runtime.compile import block_units
 from autopar.runtime.errors import FP8Error
 
@@ -58,7 +59,8 @@ def emulated(device: torch.device) -> bool:
 def float8_api() -> Any:
     """torchao's ``torchao.float8`` module, imported now; :class:`FP8Error` without it."""
     try:
-        return importlib.import_module("torchao.float8")
+        with quiet_imports():
+            return importlib.import_module("torchao.float8")
     except ImportError as exc:
         raise FP8Error(
             f"fp8=True needs torchao's float8 training, which cannot be imported here ({exc}); "

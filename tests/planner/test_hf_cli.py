@@ -5,6 +5,7 @@ said, and every refusal is one line with exit code 2."""
 
 import json
 import shlex
+import subprocess
 import sys
 
 import pytest
@@ -236,3 +237,37 @@ def test_profile_model_takes_a_model_config(name, hf, tmp_path, capsys):
     assert code == 0, err
     assert out.is_file()
     assert "Planned for seq_len " in err and "(config.max_position_embeddings)" in err
+
+
+def test_planning_a_config_prints_nothing_from_optional_packages(hf):
+    """transformers imports torchao whenever it is installed; torchao's import-time
+    warnings (CUDA extensions a CPU machine cannot load) must not reach a user who plans
+    a model. A fresh interpreter, as torchao logs only on its first import."""
+    pytest.importorskip("torchao")
+    script = (
+        "from autopar.cli import main; "
+        f"main(['plan', '--model-config', {str(hf / 'llama')!r}, '--seq-len', '16', *{CPU.split()!r}])"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "autopar plan:" in done.stdout
+    noise = [
+        line for line in done.stderr.splitlines() if any(w in line for w in ("torchao", "Enum subclass", "triton"))
+    ]
+    assert noise == []
+
+
+def test_quiet_imports_restores_the_loggers():
+    import logging
+
+    from autopar.quiet import NOISY_LOGGERS, quiet_imports
+
+    logger = logging.getLogger(NOISY_LOGGERS[0])
+    before = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        with quiet_imports():
+            assert logger.getEffectiveLevel() == logging.ERROR
+        assert logger.level == logging.INFO
+    finally:
+        logger.setLevel(before)

@@ -40,7 +40,28 @@ PyTorch, per parameter held by a TP rank:
   unsharded after backward and accumulates unsharded gradients until the last
   micro-batch (``PipelineStage`` sets ``reshard_after_backward`` and
   ``requires_gradient_sync`` to False), so ZeRO-2/3 then hold a full compute copy and a
-  full fp32 gradient of their stage; the optimizer state and master weights stay sharded.
+  full fp32 gradient of their stage (a whole-computed weight's at its whole size: FSDP2
+  accumulates the gradient in the placement it came in); the optimizer state and master
+  weights stay sharded. With mixed precision a unit's gradients come in the compute
+  precision and stay until its post-backward casts and adds them into the fp32 ones (the
+  unit's transient). The sharded fp32 gradients are not counted: ``zero_grad`` freed the
+  last step's, and the last micro-batch's backward makes each unit's by reduce-scattering
+  its unsharded one, which is then freed (a ``dp``-th of it), with one micro-batch's
+  activations alive, fewer than at the peak.
+- Multi-stage schedules (interleaved, zero-bubble) gather a rank's FSDP2 stages by
+  explicit actions: torch 2.13 lowers them with ``UNSHARD`` and ``RESHARD`` steps that
+  keep the next :data:`UNSHARDED_STAGES` stages the rank computes gathered and reshard
+  the others (``_add_unshard_reshard``), so under ZeRO-2/3 a rank holds the gathered copy
+  of at most that many stages (:func:`resharded_copy_bytes`; ``replicate`` keeps its
+  copy through them).
+- Zero-bubble schedules run a stage's backward as an input-gradient pass ``I`` and a
+  later weight-gradient pass ``W``. FSDP2's post-backward hook fires in ``I`` (it hangs
+  on the stage's inputs), before ``W`` computes the weight gradients, so with mixed
+  precision they wait in the unsharded parameters' ``.grad`` in the compute precision
+  until the stage's next ``I`` (or the step's end) casts and adds them into the fp32
+  gradient: every stage holds them between its ``W`` and its next ``I``, nearly all the
+  step (:func:`deferred_weight_grad_bytes`). The pipeline's first stage is the exception:
+  its inputs need no gradient, so torch runs its whole backward at ``W``.
 
 Pure functions of numbers.
 """
@@ -57,6 +78,10 @@ if TYPE_CHECKING:
 
 MASTER_BYTES = 4.0
 GRAD_BYTES = 4.0
+UNSHARDED_STAGES = 3
+"""Stages of a pipeline rank whose FSDP2 parameters a multi-stage schedule keeps gathered
+at once: torch 2.13's ``_add_unshard_reshard`` (``max_active_stages=3``) gathers the next
+three stages the rank computes and reshards the others."""
 REDUCE_SCATTER_BUFFERS = 2
 """Unit-sized fp32 gradient buffers ZeRO-2/3 hold while a unit's backward reduces: its
 unsharded gradients and the flat reduce-scatter input FSDP2 copies them into, or, while
@@ -182,9 +207,10 @@ def state_bytes(
     if pipelined:
         return StateBytes(
             params_bytes=master + param_numel * unsharded_copy,
-            grads_bytes=grads + param_numel * GRAD_BYTES,
+            grads_bytes=(param_numel + beyond_shard) * GRAD_BYTES,
             optimizer_bytes=opt_sharded,
-            transient_bytes=whole_grad,
+            # the unit's compute-precision gradients until its post-backward casts them
+            transient_bytes=(largest_unit_numel + whole_grad_numel * (1 - 1 / tp)) * copy,
         )
     reduce_buffer = REDUCE_SCATTER_BUFFERS * largest_unit_numel * GRAD_BYTES
     if zero_stage == 2:
@@ -213,6 +239,38 @@ def held_grad_bytes(config: ParallelConfig, *, param_numel: float, whole_grad_nu
     copy = compute_copy_bytes(config.dtype)
     replicate = uses_replicate(dp=config.state_shards, pipelined=config.pp > 1, tp=config.tp)
     if config.zero_stage >= 2 or not replicate or not copy:
+        return 0.0
+    return (param_numel + whole_grad_numel * (1 - 1 / config.tp)) * copy
+
+
+def fsdp_wrapped(config: ParallelConfig) -> bool:
+    """Whether FSDP2 wraps the stages (``fully_shard`` for ZeRO-2/3, ``replicate`` for
+    ZeRO-0/1; ``autopar.runtime.data_parallel``)."""
+    dp = config.state_shards
+    return dp > 1 and (config.zero_stage >= 2 or uses_replicate(dp=dp, pipelined=config.pp > 1, tp=config.tp))
+
+
+def resharded_copy_bytes(config: ParallelConfig, stage_param_numels: list[float]) -> float:
+    """Bytes of the gathered copies a multi-stage schedule keeps resharded on a rank whose
+    stages hold ``stage_param_numels`` parameters each: under ZeRO-2/3, those of all but
+    its :data:`UNSHARDED_STAGES` largest stages (module docstring). The gathered copy is
+    the compute-precision one, or a second fp32 copy in fp32. ``replicate`` (ZeRO-0/1)
+    takes the same ``RESHARD`` steps but keeps its copy (measured:
+    ``docs/cost-model.md``)."""
+    if config.pp == 1 or not config.schedule.multi_stage or config.zero_stage < 2 or not fsdp_wrapped(config):
+        return 0.0
+    gathered = compute_copy_bytes(config.dtype) or MASTER_BYTES
+    return sum(sorted(stage_param_numels)[:-UNSHARDED_STAGES]) * gathered
+
+
+def deferred_weight_grad_bytes(config: ParallelConfig, *, param_numel: float, whole_grad_numel: float = 0.0) -> float:
+    """Bytes of the compute-precision weight gradients a stage of ``param_numel``
+    parameters (and of split weights whose gradient is whole, ``whole_grad_numel`` at
+    their whole size) holds under a zero-bubble schedule between its ``W`` and its next
+    ``I`` (module docstring): only where FSDP2 wraps it with mixed precision (in fp32
+    the gradient accumulates in place). The pipeline's first stage holds none."""
+    copy = compute_copy_bytes(config.dtype)
+    if config.pp == 1 or not config.schedule.zero_bubble or not fsdp_wrapped(config) or not copy:
         return 0.0
     return (param_numel + whole_grad_numel * (1 - 1 / config.tp)) * copy
 

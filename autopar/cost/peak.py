@@ -10,7 +10,11 @@ before its first backward (no pipelining with one micro-batch, GPipe, 1F1B with 
 micro-batches than stages after this one) and no gradient outlives a step (anything but
 DDP, whose buckets hold them), ``zero_grad`` left no gradient, so they grow as that
 backward frees the activations. Interleaved schedules keep the bound. What the search
-accepts under the bound fits; the prediction is the peak.
+accepts under the bound fits; the prediction is the peak. One term is in the prediction
+only: the compute-precision weight gradients a zero-bubble schedule defers
+(:func:`autopar.cost.memory.deferred_weight_grad_bytes`), as the search caches a unit's
+terms per configuration without its schedule; a zero-bubble plan's prediction can
+exceed what its bound accepted by them.
 
 A weight tied between two units (GPT's embedding and head) is counted once only where
 one rank holds it as one tensor: both owners on the rank, splitting it alike
@@ -24,7 +28,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.cost.memory import config_state_bytes, held_grad_bytes
+from autopar.cost.memory import (
+    config_state_bytes,
+    deferred_weight_grad_bytes,
+    held_grad_bytes,
+    resharded_copy_bytes,
+)
 from autopar.cost.model import CostModel
 from autopar.cost.pipeline import inflight_microbatches
 from autopar.cost.recompute import UnitOption
@@ -65,10 +74,16 @@ def budget_bytes(memory: DeviceMemory) -> float:
     return (memory.capacity_bytes - memory.reserved_bytes) / (1 + memory.fragmentation)
 
 
-def footprint(model: CostModel, option: UnitOption, config: ParallelConfig) -> Footprint:
+def footprint(
+    model: CostModel, option: UnitOption, config: ParallelConfig, *, grads_deferred: bool = False
+) -> Footprint:
     """``option``'s time and memory terms under ``config``'s sharding of model states.
     The loss's backward is over, and what it kept but the logits freed, before the
-    unit's gathers and reductions begin (fully recomputed, those stay activations)."""
+    unit's gathers and reductions begin (fully recomputed, those stay activations).
+    ``grads_deferred``: the unit's stage defers its weight gradients (a zero-bubble
+    schedule, any stage but the pipeline's first), whose compute-precision gradients
+    are then counted for the whole step, not as the unit's transient (the search, which
+    does not know the stage, keeps the transient)."""
     lay = option.layout
     st = config_state_bytes(
         config,
@@ -80,12 +95,15 @@ def footprint(model: CostModel, option: UnitOption, config: ParallelConfig) -> F
         whole_grad_numel=lay.whole_grad_numel,
     )
     # replicate's compute-precision gradients last until the stage's backward ends: in the
-    # bound they are kept for the step, as the model states are
+    # bound they are kept for the step, as the model states are. A zero-bubble schedule's
+    # deferred weight gradients are not in the bound: the search caches these terms per
+    # configuration without its schedule (rank_memory adds them to the prediction)
     held = held_grad_bytes(config, param_numel=lay.param_numel, whole_grad_numel=lay.whole_grad_numel)
     freed = lay.loss_working_bytes + (
         lay.loss_saved_bytes - lay.held_output_bytes if option.recompute is not Recompute.FULL else 0.0
     )
-    transient = max(option.transient_bytes, option.transient_bytes - freed + st.transient_bytes)
+    grad_transient = 0.0 if grads_deferred and config.pp > 1 and config.zero_stage >= 2 else st.transient_bytes
+    transient = max(option.transient_bytes, option.transient_bytes - freed + grad_transient)
     return Footprint(
         time_s=option.time_s,
         static_bytes=st.params_bytes + st.grads_bytes + st.optimizer_bytes + held,
@@ -148,8 +166,25 @@ def rank_memory(
     at its peak, term by term (module docstring)."""
     pp = config.pp
     here = config.rank_of_stage(stage.index)
-    rank = [(u, o) for p in stages if config.rank_of_stage(p.index) == here for u, o in zip(p.units, p.options)]
-    prints = [footprint(model, o, config) for _, o in rank]
+    mine = [p for p in stages if config.rank_of_stage(p.index) == here]
+    rank = [(u, o) for p in mine for u, o in zip(p.units, p.options)]
+    stage_numel = [sum(o.layout.param_numel for o in p.options) for p in mine]
+    # a zero-bubble schedule's weight gradients wait from each stage's W to its next I
+    # (the pipeline's first stage runs its backward whole)
+    deferred = sum(
+        deferred_weight_grad_bytes(
+            config,
+            param_numel=sum(o.layout.param_numel for o in p.options),
+            whole_grad_numel=sum(o.layout.whole_grad_numel for o in p.options),
+        )
+        for p in mine
+        if p.index != 0
+    )
+    deferring = deferred_weight_grad_bytes(config, param_numel=1.0) > 0
+    first_units = {u for p in mine if p.index == 0 for u in p.units} if deferring else None
+    prints = [
+        footprint(model, o, config, grads_deferred=first_units is not None and u not in first_units) for u, o in rank
+    ]
     params = sum(o.layout.param_numel for _, o in rank)
     factored = sum(o.layout.factored_numel for _, o in rank)
     experts = sum(o.layout.expert_numel for _, o in rank)
@@ -165,8 +200,9 @@ def rank_memory(
     static = st.params_bytes + st.grads_bytes + st.optimizer_bytes
     shared = shared_state_bytes(model, config, held_once_numel(model, config, dict(rank)))
     scale = (static - shared) / static if static else 1.0
-    grads = st.grads_bytes * scale
-    transients = [p.transient_bytes + h for p, h in zip(prints, _held_grads(config, rank))]
+    params_bytes = st.params_bytes * scale - resharded_copy_bytes(config, stage_numel)
+    grads = st.grads_bytes * scale + deferred
+    transients = [p.transient_bytes + h for p, h in zip(prints, _held_grads(config, rank, first_units))]
     if pp > 1 and config.schedule.multi_stage:
         acts, transient = stage.inflight * sum(p.act_bytes for p in prints), max(transients)
     else:
@@ -187,9 +223,9 @@ def rank_memory(
     chosen = dict(rank)
     buffers = rank_buffer_bytes(model, tuple(chosen), config, stage.inflight, lambda u: chosen[u].layout)
     memory = model.cluster.device.memory
-    allocated = st.params_bytes * scale + grads + st.optimizer_bytes * scale + acts + transient + buffers
+    allocated = params_bytes + grads + st.optimizer_bytes * scale + acts + transient + buffers
     return MemoryBreakdown(
-        params_bytes=st.params_bytes * scale,
+        params_bytes=params_bytes,
         grads_bytes=grads,
         optimizer_bytes=st.optimizer_bytes * scale,
         activations_bytes=acts,
@@ -199,14 +235,22 @@ def rank_memory(
     )
 
 
-def _held_grads(config: ParallelConfig, rank: Sequence[tuple[int, UnitOption]]) -> list[float]:
+def _held_grads(
+    config: ParallelConfig, rank: Sequence[tuple[int, UnitOption]], first_units: set[int] | None
+) -> list[float]:
     """Per unit of a rank (its stages' units in order, ``(unit, option)``), the
     compute-precision gradients ``replicate`` holds while that unit runs its backward
     (:func:`autopar.cost.memory.held_grad_bytes`): its own and those of the units after it
-    in its stage, whose backward has run (a stage is a run of consecutive units)."""
+    in its stage, whose backward has run (a stage is a run of consecutive units). Under a
+    zero-bubble schedule, whose deferred weight gradients are counted for the whole step
+    (:func:`autopar.cost.memory.deferred_weight_grad_bytes`), only the units of the
+    pipeline's first stage (``first_units``; None otherwise), which runs its backward
+    whole, add them."""
     held = [
-        held_grad_bytes(config, param_numel=o.layout.param_numel, whole_grad_numel=o.layout.whole_grad_numel)
-        for _, o in rank
+        0.0
+        if first_units is not None and u not in first_units
+        else held_grad_bytes(config, param_numel=o.layout.param_numel, whole_grad_numel=o.layout.whole_grad_numel)
+        for u, o in rank
     ]
     out = [0.0] * len(rank)
     after = 0.0

@@ -40,7 +40,13 @@ from autopar.errors import AutoparError, ConfigError
 from autopar.graph.units import find_units
 from autopar.plan import Plan
 from autopar.runtime.api import Analysis, analyse, parallelize
-from autopar.runtime.dry_step import PipelineMetadata, StepMemory, local_pipeline_metadata, measure_step
+from autopar.runtime.dry_step import (
+    PipelineMetadata,
+    StepMemory,
+    local_pipeline_metadata,
+    measure_step,
+    measured_microbatches,
+)
 from autopar.runtime.hf import is_conv1d
 from autopar.runtime.local import cross_entropy
 from autopar.runtime.mesh import MeshDims
@@ -282,7 +288,7 @@ def _apply(
         held = sum(_local(p).numel() * _local(p).element_size() for p in job.parameters())
         if metadata is not None:
             with local_pipeline_metadata(metadata):
-                measured = measure_step(job, plan, mode)
+                measured = measure_step(job, plan, mode, microbatches=measured_microbatches(plan.config))
     finally:
         dist.destroy_process_group()
     coord = dims.coordinate(rank)

@@ -28,6 +28,19 @@ Under context parallelism the step feeds this rank's ``s / cp`` tokens of each s
 attention on fake tensors runs locally (:mod:`autopar.runtime.ring_attention`), so the
 K/V shards a real ring gathers for one attention core at a time are not counted.
 
+The step runs fewer micro-batches than the plan where the others would repeat, byte for
+byte, one that ran (:func:`measured_microbatches`): without pipelining each micro-batch's
+forward and backward end before the next begins, so the first (no gradient yet), one
+in the middle (the accumulated gradients alive) and the last (the data-parallel
+reduction) are every state the step passes through; under 1F1B a rank runs ``pp - r``
+warm-up forwards, then alternates a backward and a forward with the same micro-batches
+in flight, then drains, so ``pp + 2`` micro-batches hold every phase, each steady
+alternation after the first backward alike. GPipe's and the interleaved schedules'
+peaks grow with, or are ordered by, the micro-batch count; they run them all. What the
+shortened step leaves out is a scalar loss per micro-batch skipped (the schedule keeps
+every loss to the step's end); the whole batch's token ids are allocated, as a whole
+step would read them.
+
 Compiled blocks (``compile=True``) run eager: ``parallelize`` does not compile them
 without real tensors, and the eager step's memory is the upper bound the planner prices
 for compiled blocks too (:mod:`autopar.runtime.compile`). The finite check and the
@@ -52,9 +65,12 @@ from torch.distributed.pipelining._utils import _derive_grad_metas, _StageBackwa
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
+from autopar.parallel_config import ParallelConfig
 from autopar.plan import Plan
 from autopar.runtime.job import Job
 from autopar.runtime.metrics import TensorBytesMeter
+from autopar.runtime.pipeline import build_schedule
+from autopar.vocab import Schedule
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,15 +217,31 @@ OPTIMIZERS = {"adam": torch.optim.AdamW, "sgd": torch.optim.SGD, "adafactor": to
 """The torch optimizer whose state the plan's optimizer stands for."""
 
 
-def measure_step(job: Job, plan: Plan, mode: FakeTensorMode | None) -> StepMemory:
+def measured_microbatches(config: ParallelConfig) -> int:
+    """Micro-batches a measured step runs: the plan's, or fewer where the rest would
+    repeat one that ran (module docstring): 3 without pipelining, ``pp + 2`` under 1F1B."""
+    m = config.num_microbatches
+    if config.pp == 1:
+        return min(m, 3)
+    if config.schedule is Schedule.ONE_F_ONE_B:
+        return min(m, config.pp + 2)
+    return m
+
+
+def measure_step(job: Job, plan: Plan, mode: FakeTensorMode | None, *, microbatches: int | None = None) -> StepMemory:
     """Run one step of ``job`` and count its tensor bytes: on the fake tensors of ``mode``
     (the job parallelized with ``materialize=False, fake_mode=mode``, run inside
     :func:`local_pipeline_metadata`), or with ``mode`` None on the job's real ones (the
-    same count on a real run, to check the fake one). The optimizer state is created
-    first, by one optimizer step on zero gradients, so the measured step runs with it
-    alive, as every step after the first does."""
+    same count on a real run, to check the fake one). ``microbatches``: how many the step
+    runs (the plan's when None; :func:`measured_microbatches`). The optimizer state is
+    created first, by one optimizer step on zero gradients, so the measured step runs
+    with it alive, as every step after the first does."""
     cfg = plan.config
-    rows, seq = cfg.micro_batch_size * cfg.num_microbatches, plan.model.seq_len // cfg.cp  # a cp rank's share
+    m = cfg.num_microbatches if microbatches is None else microbatches
+    if m != cfg.num_microbatches:  # the schedule runs before any step: its stages take the new count
+        old = job._p.schedule
+        job._p.schedule = build_schedule(job._p.pipeline_stages, plan, old._loss_fn, num_microbatches=m)
+    seq = plan.model.seq_len // cfg.cp  # a cp rank's share
     with mode if mode is not None else contextlib.nullcontext():
         opt = job.optimizer(OPTIMIZERS[plan.settings.optimizer.value], lr=1e-4)
         inner = [o for o in opt.inner if o is not None]
@@ -218,7 +250,10 @@ def measure_step(job: Job, plan: Plan, mode: FakeTensorMode | None) -> StepMemor
         for o in inner:
             o.step()
         opt.zero_grad()
-        tokens = torch.zeros(rows, seq, dtype=torch.long)
+        # the whole batch's token ids, of which the step reads its micro-batches' rows
+        # (views of it: the meter counts the whole batch, as a whole step's would)
+        batch = torch.zeros(cfg.micro_batch_size * cfg.num_microbatches, seq, dtype=torch.long)
+        tokens = batch[: cfg.micro_batch_size * m]
         live = job._live_tensors()
         meter = FakeBytesMeter(mode, live) if mode is not None else TensorBytesMeter(torch.device("cpu"), live)
         del live

@@ -275,13 +275,22 @@ def recv_buffers(stages: list[PipelineStage]) -> list[torch.Tensor]:
     ]
 
 
-def build_schedule(stages: list[PipelineStage], plan: Plan, loss_fn: Callable[..., torch.Tensor]) -> Any:
+def build_schedule(
+    stages: list[PipelineStage],
+    plan: Plan,
+    loss_fn: Callable[..., torch.Tensor],
+    *,
+    num_microbatches: int | None = None,
+) -> Any:
     """The plan's schedule over this rank's stages. Without pipelining (``pp == 1``)
     it is 1F1B over one stage: each micro-batch's backward runs before the next forward,
     plain gradient accumulation with one micro-batch of activations alive, as the
-    planner's memory model assumes (GPipe would keep all of them)."""
+    planner's memory model assumes (GPipe would keep all of them). ``num_microbatches``:
+    run that many instead of the plan's (a measured dry run's shortened step,
+    :func:`autopar.runtime.dry_step.measured_microbatches`)."""
     cfg = plan.config
     kind = cfg.schedule if cfg.pp > 1 else Schedule.ONE_F_ONE_B
     cls = SCHEDULES[kind]
     target = stages if kind.multi_stage else stages[0]
-    return cls(target, n_microbatches=cfg.num_microbatches, loss_fn=loss_fn, scale_grads=True)
+    m = cfg.num_microbatches if num_microbatches is None else num_microbatches
+    return cls(target, n_microbatches=m, loss_fn=loss_fn, scale_grads=True)

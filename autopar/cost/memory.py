@@ -82,11 +82,6 @@ UNSHARDED_STAGES = 3
 """Stages of a pipeline rank whose FSDP2 parameters a multi-stage schedule keeps gathered
 at once: torch 2.13's ``_add_unshard_reshard`` (``max_active_stages=3``) gathers the next
 three stages the rank computes and reshards the others."""
-REDUCE_SCATTER_BUFFERS = 2
-"""Unit-sized fp32 gradient buffers ZeRO-2/3 hold while a unit's backward reduces: its
-unsharded gradients and the flat reduce-scatter input FSDP2 copies them into, or, while
-the unit computes, the previous unit's input, which FSDP2 keeps until the next
-reduction (``reduce_scatter_max_input_buffers``, 1 by default in torch 2.13)."""
 _OPT_BYTES = {Optimizer.ADAM: 8.0, Optimizer.SGD: 4.0}
 
 
@@ -106,6 +101,16 @@ class StateBytes:
 def compute_copy_bytes(dtype: DType) -> float:
     """Bytes per parameter of the low-precision copy used in compute (0 in fp32)."""
     return 0.0 if dtype is DType.FP32 else float(dtype.itemsize)
+
+
+def reduce_scatter_bytes(unit_numel: float, dtype: DType) -> float:
+    """Bytes ZeRO-2/3 hold while a unit of ``unit_numel`` parameters reduces its gradients
+    (FSDP2): the flat fp32 reduce-scatter input and the unit's unsharded gradients, which
+    come in the compute precision (fp32 without mixed precision) and are cast into it;
+    or, while the unit computes, the previous unit's input, which FSDP2 keeps until the
+    next reduction (``reduce_scatter_max_input_buffers``, 1 by default in torch 2.13),
+    beside the gradients the unit makes."""
+    return unit_numel * (GRAD_BYTES + (compute_copy_bytes(dtype) or GRAD_BYTES))
 
 
 def uses_replicate(*, dp: int, pipelined: bool, tp: int) -> bool:
@@ -212,7 +217,7 @@ def state_bytes(
             # the unit's compute-precision gradients until its post-backward casts them
             transient_bytes=(largest_unit_numel + whole_grad_numel * (1 - 1 / tp)) * copy,
         )
-    reduce_buffer = REDUCE_SCATTER_BUFFERS * largest_unit_numel * GRAD_BYTES
+    reduce_buffer = reduce_scatter_bytes(largest_unit_numel, dtype)
     if zero_stage == 2:
         return StateBytes(
             params_bytes=master + param_numel * unsharded_copy,

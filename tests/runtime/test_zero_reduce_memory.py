@@ -1,0 +1,49 @@
+"""The planner's peak memory against a measured dry run where ZeRO-2/3 reduce a unit's
+gradients under mixed precision (autopar.cost.memory.reduce_scatter_bytes): the unit's
+unsharded gradients in bf16 beside FSDP2's fp32 reduce-scatter input."""
+
+import pytest
+import torch
+
+import autopar
+from autopar.models.gpt import GPT, GPTConfig
+from autopar.runtime.dry_run import dry_run
+
+pytestmark = pytest.mark.multiprocess
+
+CFG = GPTConfig(vocab_size=8192, seq_len=128, dim=2048, n_layers=4, n_heads=16, tie_embeddings=False)
+"""Blocks of 50M parameters and short sequences: a unit's gathers and reduction, not the
+activations, make the peak."""
+
+
+def _meta_gpt() -> GPT:
+    with torch.device("meta"):
+        return GPT(CFG)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{"dp": 8, "tp": 1, "zero_stage": 3}, {"dp": 8, "tp": 1, "zero_stage": 2}, {"dp": 4, "tp": 2, "zero_stage": 3}],
+    ids=["zero3", "zero2", "zero3-tp2"],
+)
+def test_a_bf16_unit_reduces_beside_its_bf16_gradients(config):
+    """Rank 0 of a bf16 plan without pipelining, one step on fake tensors at the full
+    world size: the planner's allocation is within 3% of the measured peak. Pricing the
+    unit's unsharded gradients in fp32 (two fp32 unit-sized buffers) predicted 0.89 to
+    0.92 of these peaks (measured over predicted)."""
+    config = {"pp": 1, "micro_batch_size": 1, "num_microbatches": 4, "dtype": "bf16", "recompute": "none"} | config
+    devices = config["dp"] * config["tp"]
+    plan = autopar.estimate(
+        _meta_gpt(),
+        autopar.preset("dgx-h100", nodes=devices // 8),
+        config,
+        global_batch_size=config["dp"] * 4,
+        seq_len=CFG.seq_len,
+    )
+    report = dry_run(_meta_gpt, plan, ranks=[0], measure=True)
+    assert report.ok, report.problems
+    rank = report.ranks[0]
+    assert rank.measured.peak_bytes == pytest.approx(rank.predicted_allocated_bytes, rel=0.03), (
+        rank.measured.peak_bytes,
+        rank.predicted_allocated_bytes,
+    )

@@ -4,6 +4,7 @@
 import pytest
 from parity import build, make_plan, megatron_styles, run
 
+from autopar.runtime import dry_run as dry_run_module
 from autopar.runtime.api import parallelize
 from autopar.runtime.dry_run import dry_run
 from autopar.runtime.dry_step import measure_step, measured_microbatches
@@ -54,14 +55,6 @@ def test_a_fake_step_allocates_what_the_same_step_allocates_on_real_tensors(conf
             assert r.measured.held_bytes == pytest.approx(held, rel=0.01), (r.rank, r.measured, held)
 
 
-def _whole_and_shortened(rank, world, plan):
-    peaks = []
-    for microbatches in (None, measured_microbatches(plan.config)):
-        job = parallelize(build("gpt"), plan, loss_fn=cross_entropy, measure_memory=False)
-        peaks.append(measure_step(job, plan, None, microbatches=microbatches).peak_bytes)
-    return peaks
-
-
 @pytest.mark.parametrize(
     "config",
     [
@@ -71,14 +64,23 @@ def _whole_and_shortened(rank, world, plan):
     ],
     ids=["zero3", "zero1-bf16", "pp-1f1b"],
 )
-def test_a_shortened_step_peaks_as_the_whole_step(config):
+def test_a_shortened_step_peaks_as_the_whole_step(config, monkeypatch):
     """The measured dry run runs 3 micro-batches without pipelining and ``pp + 2`` under
-    1F1B (``dry_step.measured_microbatches``); on real tensors in a real 2-process gloo
-    run, the whole step of 8 or 12 peaks at the same bytes on every rank within 0.1%
-    (the schedule keeps a 4-byte loss of each micro-batch; under ZeRO-3 the shortened
-    step peaked 232 bytes above the whole one, not isolated)."""
+    1F1B (``dry_step.measured_microbatches``); the same dry run made to run all 8 or 12
+    peaks at the same bytes on every rank, but for the 4-byte loss the schedule keeps of
+    each micro-batch it left out. (On real tensors, gloo's asynchronous collectives move
+    a ZeRO-3 peak by up to 2% from run to run, so the comparison is on fake ones.)"""
     plan = make_plan("gpt", **config)
     m, shortened = plan.config.num_microbatches, measured_microbatches(plan.config)
     assert shortened < m
-    for rank, (whole, short) in enumerate(run(_whole_and_shortened, 2, plan)):
-        assert short == pytest.approx(whole, rel=1e-3), (rank, whole, short)
+    ranks = list(range(plan.config.world_size))
+    short = dry_run(lambda: build("gpt", "meta"), plan, ranks=ranks, measure=True)
+    monkeypatch.setattr(dry_run_module, "measured_microbatches", lambda c: c.num_microbatches)
+    whole = dry_run(lambda: build("gpt", "meta"), plan, ranks=ranks, measure=True)
+    assert short.ok and whole.ok, (short.problems, whole.problems)
+    for s, w in zip(short.ranks, whole.ranks):
+        assert w.measured.peak_bytes - 4 * (m - shortened) <= s.measured.peak_bytes <= w.measured.peak_bytes, (
+            s.rank,
+            w.measured,
+            s.measured,
+        )

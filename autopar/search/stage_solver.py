@@ -19,6 +19,7 @@ are tested against.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -191,6 +192,14 @@ def _best_counts(k: int, opts: tuple[Priced, ...], room: float, inflight: float)
             if k * w[0] <= room and k * t[0] < best_t:
                 best_t, best = k * t[0], {idx[0]: k}
             continue
+        if len(idx) == 2:  # the common case, in scalars
+            if k * w[1] > room + 1e-9 * max(1.0, abs(room)):
+                continue
+            n1 = min(k, math.floor((room - k * w[1]) / (w[0] - w[1]) + 1e-12))
+            total = n1 * t[0] + (k - n1) * t[1]
+            if total < best_t - 1e-15:
+                best_t, best = float(total), {idx[0]: n1, idx[1]: k - n1}
+            continue
         slow = _splits(k, len(idx) - 2)
         r = k - slow.sum(axis=1)
         left = room - slow @ w[2:]
@@ -208,13 +217,20 @@ def _best_counts(k: int, opts: tuple[Priced, ...], room: float, inflight: float)
     return best_t, {i: c for i, c in best.items() if c}
 
 
+@functools.cache
 def _splits(k: int, parts: int) -> np.ndarray:
-    """Every vector of ``parts`` non-negative counts summing to at most ``k`` (one row
-    each; a single empty row for no parts)."""
-    if not parts:
-        return np.zeros((1, 0), dtype=np.int64)
-    grid = np.stack(np.meshgrid(*[np.arange(k + 1)] * parts, indexing="ij"), axis=-1).reshape(-1, parts)
-    return grid[grid.sum(axis=1) <= k]
+    """Every vector of ``parts`` (0, 1 or 2) non-negative counts summing to at most ``k``,
+    one row each (read-only: cached, as the search asks for the same few again and
+    again)."""
+    if parts == 0:
+        out = np.zeros((1, 0), dtype=np.int64)
+    elif parts == 1:
+        out = np.arange(k + 1)[:, None]
+    else:
+        first, total = np.triu_indices(k + 1)
+        out = np.stack([first, total - first], axis=1)
+    out.setflags(write=False)
+    return out
 
 
 def _pareto(opts: tuple[Priced, ...], idx: list[int], inflight: float) -> list[int]:
@@ -337,7 +353,6 @@ def _run_times(
     rooms, inflights = rooms[:, None, None], inflights[:, None, None]
     wanted = np.arange(n_max + 1) if counts is None else np.asarray(counts)
     n = wanted.astype(np.float64)[None, :, None]
-    n3 = np.arange(int(wanted.max(initial=0)) + 1, dtype=np.float64)[None, None, :]
     best = np.full((rooms.shape[0], wanted.size), np.inf)
     if not allowed:
         best[:, wanted == 0] = np.where(rooms[:, 0, 0] >= 0, 0.0, np.inf)[:, None]
@@ -350,22 +365,28 @@ def _run_times(
             times = np.where(n[:, :, 0] * w[0][:, :, 0] <= rooms[:, :, 0], n[:, :, 0] * t[0], np.inf)
             best = np.minimum(best, times)
             continue
-        # a fourth option's count is scanned here, the third's vectorised in _three_times
-        for n4 in range(int(wanted.max(initial=0)) + 1) if len(idx) == 4 else (0,):
-            fourth_w, fourth_t = (n4 * w[3], n4 * t[3]) if n4 else (0.0, 0.0)
-            times = _three_times(n - n4, rooms - fourth_w, w[:3], t[:3], n3) + fourth_t
-            times = np.where(n[:, :, 0] >= n4, times, np.inf)
-            best = np.minimum(best, times)
+        # the last axis: every count of the options slower than the fastest two
+        slow = _splits(int(wanted.max(initial=0)), len(idx) - 2).astype(np.float64)
+        step = max(1, KERNEL_ELEMENTS // (rooms.shape[0] * len(slow)))
+        for lo in range(0, wanted.size, step):
+            part = slice(lo, lo + step)
+            best[:, part] = np.minimum(best[:, part], _mixed_times(n[:, part], rooms, w, t, slow))
     return best[0] if scalar else best
 
 
-def _three_times(n: np.ndarray, rooms: np.ndarray, w: list, t: list, n3: np.ndarray) -> np.ndarray:
-    """:func:`_run_times`' kernel for two or three options of one layout: every count of
-    the third, the fastest two splitting the rest in closed form."""
-    slow = n3 if len(w) == 3 else np.zeros_like(n3[:, :, :1])
-    r = n - slow
-    left = rooms - (slow * w[2] if len(w) == 3 else 0.0)
-    ok = (slow <= n) & ~(r * w[1] > left + 1e-9 * np.maximum(1.0, np.abs(left)))
-    n1 = r if np.all(w[0] <= w[1]) else np.minimum(r, np.floor((left - r * w[1]) / (w[0] - w[1]) + 1e-12))
-    total = n1 * t[0] + (r - n1) * t[1] + (slow * t[2] if len(w) == 3 else 0.0)
+KERNEL_ELEMENTS = 1 << 22
+"""Elements of the largest array :func:`_run_times` builds at once (32 MiB of float64):
+a deep stage with four options per layout runs in slices of its counts."""
+
+
+def _mixed_times(n: np.ndarray, rooms: np.ndarray, w: list, t: list, slow: np.ndarray) -> np.ndarray:
+    """``out[stage, count]`` for counts ``n`` (shape ``(1, W, 1)``): the fastest mix of a
+    layout's options, every row of ``slow`` (counts of the options slower than the
+    fastest two) tried and the fastest two splitting the rest in closed form."""
+    used = slow.sum(axis=1)[None, None, :]
+    r = n - used
+    left = rooms - sum((slow[None, None, :, j] * w[2 + j] for j in range(slow.shape[1])), np.zeros(1))
+    ok = (used <= n) & ~(r * w[1] > left + 1e-9 * np.maximum(1.0, np.abs(left)))
+    n1 = np.minimum(r, np.floor((left - r * w[1]) / (w[0] - w[1]) + 1e-12))
+    total = n1 * t[0] + (r - n1) * t[1] + slow @ np.array(t[2:], dtype=np.float64)
     return np.where(ok, total, np.inf).min(axis=2)

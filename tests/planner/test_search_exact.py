@@ -39,6 +39,7 @@ from autopar.models import (
     get_named_model,
 )
 from autopar.plan import ParallelConfig
+from autopar.search import stage_solver
 from autopar.search.bounds import TimeBound
 from autopar.search.intra_op import LayoutSolver, brute_force_layout
 from autopar.search.scan import ALL_MODES, search
@@ -217,7 +218,7 @@ def test_vectorised_repeated_blocks_match_the_knapsack(seed):
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_four_recompute_modes_per_layout_match_brute_force(seed):
+def test_four_recompute_modes_per_layout_match_brute_force(seed, monkeypatch):
     """Every layout with four options, each slower and smaller than the last (none,
     selective, op, full): the closed form scans two slow counts, the vectorised table
     the fourth's; both equal enumerating every assignment."""
@@ -238,6 +239,8 @@ def test_four_recompute_modes_per_layout_match_brute_force(seed):
         assert got.time_s == pytest.approx(want.time_s, rel=1e-12)
     table = homogeneous_times(opts, k, budget, inflight)
     assert table[k] == (pytest.approx(want.time_s, rel=1e-12) if want else math.inf)
+    monkeypatch.setattr(stage_solver, "KERNEL_ELEMENTS", 1)  # one count per slice: the same table
+    assert np.array_equal(homogeneous_times(opts, k, budget, inflight), table)
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -16,6 +16,18 @@ CFG = GPTConfig(vocab_size=4096, seq_len=64, dim=128, n_layers=2, n_heads=4)
 of gradients): both show in a peak of about 31 MiB."""
 
 
+def _two_steps(build, plan: autopar.Plan, vocab_size: int, seq_len: int, timeout_s: float = 120):
+    """Two training steps of ``plan`` on local processes, no warm-up."""
+    return run_locally(
+        build,
+        plan,
+        token_batches(vocab_size, seq_len),
+        steps=2,
+        warmup=0,
+        settings=SPMDSettings(timeout_s=timeout_s, pg_timeout_s=timeout_s / 2),
+    )
+
+
 def _run(num_microbatches: int, **config) -> tuple[list[float], list[float], autopar.Plan]:
     """Predicted and measured peak tensor bytes of every rank."""
     config = {"dp": 1, "tp": 1, "pp": 1, "micro_batch_size": 4, "recompute": "none", "dtype": "fp32", **config}
@@ -23,14 +35,7 @@ def _run(num_microbatches: int, **config) -> tuple[list[float], list[float], aut
     plan = autopar.estimate(
         GPT(CFG), cluster, config, global_batch_size=config["micro_batch_size"] * num_microbatches, seq_len=CFG.seq_len
     )
-    run = run_locally(
-        lambda: GPT(CFG),
-        plan,
-        token_batches(CFG.vocab_size, CFG.seq_len),
-        steps=2,
-        warmup=0,
-        settings=SPMDSettings(timeout_s=120, pg_timeout_s=60),
-    )
+    run = _two_steps(lambda: GPT(CFG), plan, CFG.vocab_size, CFG.seq_len)
     stage = {
         r: s.memory
         for s in plan.prediction.stages
@@ -122,14 +127,7 @@ def test_a_megatron_layout_shards_what_the_attention_core_keeps():
     )
     assert plan.layer_strategies.tp.get("layers.0.attention.wq") is TPStyle.COLUMN
     assert plan.layer_strategies.tp.get("layers.0.attention.wo") is TPStyle.ROW
-    run = run_locally(
-        lambda: GPT(cfg),
-        plan,
-        token_batches(cfg.vocab_size, cfg.seq_len),
-        steps=2,
-        warmup=0,
-        settings=SPMDSettings(timeout_s=120, pg_timeout_s=60),
-    )
+    run = _two_steps(lambda: GPT(cfg), plan, cfg.vocab_size, cfg.seq_len)
     mem = plan.prediction.stages[0].memory
     for got in run.peak_memory_bytes:
         assert mem.total_bytes - mem.reserve_bytes == pytest.approx(got, rel=0.01)
@@ -146,14 +144,7 @@ def _llama_peak(recompute: str, tp: int) -> tuple[float, float, list[float]]:
     config["sequence_parallel"] = tp > 1
     cluster = autopar.preset("local-cpu", devices_per_node=tp)
     plan = autopar.estimate(Llama(LLAMA), cluster, config, global_batch_size=8, seq_len=LLAMA.seq_len)
-    run = run_locally(
-        lambda: Llama(LLAMA),
-        plan,
-        token_batches(LLAMA.vocab_size, LLAMA.seq_len),
-        steps=2,
-        warmup=0,
-        settings=SPMDSettings(timeout_s=300, pg_timeout_s=120),
-    )
+    run = _two_steps(lambda: Llama(LLAMA), plan, LLAMA.vocab_size, LLAMA.seq_len, timeout_s=300)
     mem = plan.prediction.stages[0].memory
     return mem.total_bytes - mem.reserve_bytes, float(max(run.peak_memory_bytes)), list(run.losses)
 

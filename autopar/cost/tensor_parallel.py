@@ -46,7 +46,7 @@ from autopar.cost.leaf import (
 )
 from autopar.cost.saved_ops import kept_matmuls
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, Flow, UnitProfile
-from autopar.vocab import STYLE_IO, Layout, TPStyle
+from autopar.vocab import STYLE_IO, DType, Layout, TPStyle
 
 
 def model_output_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], ctx: TPContext) -> Layout:
@@ -98,8 +98,35 @@ the target logit."""
 
 
 LOSS_PARALLEL_WORKING_COPIES = 1
-"""Logits shards a vocabulary-parallel cross-entropy's backward (torch's
-``loss_parallel``) holds beyond a plain one's (measured: ``docs/cost-model.md``)."""
+"""Gradients of the logits (shards, in the loss's precision) a vocabulary-parallel
+cross-entropy's backward (torch's ``loss_parallel``) holds beyond a plain one's
+(measured: ``docs/cost-model.md``)."""
+
+
+LOSS_GRADIENTS = 2
+"""Gradients of the logits' size a cross-entropy's backward holds at its peak, beside the
+log-probabilities it saved: the log-probabilities' gradient (``nll_loss_backward``) and
+the gradient of its input (``_log_softmax_backward_data``). The cast back to the logits'
+dtype comes after, once the first and the log-probabilities are freed."""
+
+
+CROSS_ENTROPY_DTYPE = DType.FP32
+"""The precision a token model's cross-entropy runs in: it upcasts the logits before
+``log_softmax``, as Megatron-LM and Hugging Face do (the loss the planner traces,
+:mod:`autopar.graph.extract`, and the runtime's, :func:`autopar.runtime.local.cross_entropy`)."""
+
+
+def loss_working_bytes(input_bytes: float, ctx: TPContext, *, vocab_parallel: bool) -> float:
+    """What the loss's backward holds at its peak beyond the gradient it returns (one of
+    ``input_bytes``, the logits as the loss takes them, in the compute precision): a
+    token model's cross-entropy holds :data:`LOSS_GRADIENTS` gradients of the logits in
+    :data:`CROSS_ENTROPY_DTYPE` (twice the bf16 logits each), a vocabulary-parallel one
+    :data:`LOSS_PARALLEL_WORKING_COPIES` more; another loss is taken to hold the one it
+    returns."""
+    if not ctx.loss_parallel:
+        return input_bytes
+    copies = LOSS_GRADIENTS + (LOSS_PARALLEL_WORKING_COPIES if vocab_parallel else 0)
+    return copies * input_bytes * CROSS_ENTROPY_DTYPE.itemsize / ctx.dtype.itemsize - input_bytes
 
 
 REDUCED_OUTPUT_COPIES = 2
@@ -155,13 +182,14 @@ class UnitCost:
         factored_numel: optimizer state elements of a factored optimizer (Adafactor:
             one row and one column vector per local weight matrix, vectors in full).
         working_bytes: backward working memory: the gradients of the largest tensor
-            flowing in the unit (its output gradient and its input gradient), and a
-            vocabulary-parallel loss's extra shard (:data:`LOSS_PARALLEL_WORKING_COPIES`).
+            flowing in the unit (its output gradient and its input gradient), in the last
+            unit the loss's backward beyond the one it returns (``loss_working_bytes``).
         loss_working_bytes, loss_saved_bytes: of ``working_bytes`` and ``saved_bytes``,
-            what only the loss holds (the gradient of the logits, a vocabulary-parallel
-            loss's extra shard; the logits held, the log-probabilities), also under full
-            recomputation (the loss runs outside the checkpoint). All but the logits are
-            freed before the unit's backward starts and its FSDP2 gathers and reductions.
+            what only the loss holds (its backward's working memory beyond the gradient
+            it returns, :func:`loss_working_bytes`; the logits held, the
+            log-probabilities), also under full recomputation (the loss runs
+            outside the checkpoint). All but the logits are freed before the unit's
+            backward starts and its FSDP2 gathers and reductions.
         held_output_bytes: of that, the logits, kept until the stage's backward ends.
         kv_bytes: the keys and values of the unit's attention cores on this rank (split
             by heads where the attention runs sharded): what a context-parallel ring
@@ -315,7 +343,7 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         bwd_syncs += r > 0
     vocab_parallel = ctx.last and output is Layout.F
     loss_comm, loss_syncs = (loss_parallel_s(ctx), LOSS_PARALLEL_REDUCTIONS) if vocab_parallel else (0.0, 0)
-    loss_working = loss_input * (1 + (LOSS_PARALLEL_WORKING_COPIES if vocab_parallel else 0))
+    loss_working = loss_working_bytes(loss_input, ctx, vocab_parallel=vocab_parallel)
     fwd_comm += loss_comm
     fwd_syncs += loss_syncs
     params = sum(leaf_param_numel(leaf, s, t, ctx.ep) for leaf, s in zip(profile.leaves, styles))

@@ -141,6 +141,7 @@ def test_the_head_holds_its_logits_and_a_row_parallel_one_three_times():
         last=True,
         loss_parallel=True,
         sequence_parallel=False,
+        dtype=DType.FP32,
     )
     inner = TPContext(**{**ctx.__dict__, "last": False})
     logits = b * cfg.seq_len * cfg.vocab_size * 4
@@ -154,14 +155,49 @@ def test_the_head_holds_its_logits_and_a_row_parallel_one_three_times():
         assert cost.saved_bytes - evaluate_layout(head, styles, output, inner).saved_bytes == pytest.approx(extra), (
             style
         )
-        # the loss's backward holds one more gradient of the logits as the head lays them
-        # out (partial sums are whole), a vocabulary-parallel one another shard (two
-        # shards: the logits' size again), all freed before the head's own backward
+        # the loss's backward holds one more gradient of the fp32 logits as the head lays
+        # them out (partial sums are whole) than the one it returns, a vocabulary-parallel
+        # one another shard (two shards: the logits' size again), all freed before the
+        # head's own backward
         assert cost.loss_working_bytes == pytest.approx(logits), style
         assert cost.working_bytes - evaluate_layout(head, styles, output, inner).working_bytes == pytest.approx(
             logits / 2 if output is Layout.F else 0.0
         ), style
         assert evaluate_layout(head, styles, output, inner).loss_working_bytes == 0.0
+
+
+@pytest.mark.parametrize("tp, output", [(1, Layout.R), (2, Layout.F)], ids=["replicated", "vocabulary-parallel"])
+def test_the_loss_backward_holds_fp32_gradients_of_bf16_logits(tp, output):
+    """The cross-entropy upcasts bf16 logits to fp32: at its backward's peak it holds the
+    gradient of its log-probabilities and that of its input, both fp32 (twice the bf16
+    logits each), a vocabulary-parallel one a third, in shards; beyond the bf16 gradient
+    it returns (the head's output gradient, in its working memory anyway), that is
+    3 bf16 logits replicated and 5 shards vocabulary-parallel."""
+    from autopar.models import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=2048, seq_len=64, dim=128, n_layers=1, n_heads=4)
+    graph = extract(GPT(cfg), seq_len=cfg.seq_len, dtype=DType.BF16)
+    head = graph.profile_of(len(graph.units) - 1)
+    c = preset("local-cpu", devices_per_node=2)
+    b = 4
+    ctx = TPContext(
+        tp=tp,
+        span=group_span(tp, 1, 2),
+        cluster=c,
+        rates=rates(c.device, DType.BF16),
+        micro_batch=b,
+        tokens=cfg.seq_len,
+        boundary=Layout.R,
+        first=False,
+        last=True,
+        loss_parallel=True,
+        sequence_parallel=False,
+        dtype=DType.BF16,
+    )
+    styles = tuple(TPStyle.COLUMN if leaf.name == "output" and tp > 1 else TPStyle.REPLICATE for leaf in head.leaves)
+    shard = b * cfg.seq_len * cfg.vocab_size * 2 / tp
+    cost = evaluate_layout(head, styles, output, ctx)
+    assert cost.loss_working_bytes == pytest.approx((3 if tp == 1 else 5) * shard)
 
 
 def test_full_recomputation_reruns_the_forward_but_the_loss_at_the_measured_fraction():

@@ -21,15 +21,18 @@ from autopar.hardware.cluster import Cluster
 from autopar.parallel_config import ParallelConfig
 from autopar.vocab import Attention, Optimizer, Recompute, TPStyle
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 """2: the cluster's device is nested by concern (roofline, memory, host effects);
 3: ``ParallelConfig.dp_shard`` (HSDP); 4: ``ParallelConfig.cp`` (context parallelism)
 and ``StepBreakdown.cp_comm_s``; 5: ``ParallelConfig.ep`` (expert parallelism) and
-``StepBreakdown.ep_comm_s``; 6: ``ParallelConfig.compile`` (compiled blocks) and ``fp8`` (FP8 matmuls). Older
-files read as plans without the newer axes."""
-READABLE_VERSIONS = (2, 3, 4, 5, SCHEMA_VERSION)
+``StepBreakdown.ep_comm_s``; 6: ``ParallelConfig.compile`` (compiled blocks) and ``fp8`` (FP8 matmuls); 7: the
+recompute mode ``op`` (per-operator selective recomputation). Older files read as plans
+without the newer axes."""
+READABLE_VERSIONS = (2, 3, 4, 5, 6, SCHEMA_VERSION)
 _INTRODUCED = {"dp_shard": 3, "cp": 4, "ep": 5, "compile": 6, "fp8": 6}
 """The schema version that introduced each newer ``config`` field."""
+_OP_RECOMPUTE_SINCE = 7
+"""The schema version that introduced the recompute mode ``op``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -292,6 +295,10 @@ class Plan:
         for name, since in _INTRODUCED.items():
             if version < since and name in config:
                 raise PlanFormatError(f"{origin}: config.{name} needs schema_version {since} or later (got {version}).")
+        if version < _OP_RECOMPUTE_SINCE and Recompute.OP.value in _recompute_values(data, config):
+            raise PlanFormatError(
+                f"{origin}: recompute 'op' needs schema_version {_OP_RECOMPUTE_SINCE} or later (got {version})."
+            )
         data = {**data, "schema_version": SCHEMA_VERSION}  # an older file is a plan without the newer axes
         return codec.decode(Plan, data, origin, error=PlanFormatError)
 
@@ -337,3 +344,10 @@ _PLAN_FIELDS = (
 def _cut(name: str, limit: int = 40) -> str:
     """``name``, or its first ``limit - 1`` characters and an ellipsis."""
     return name if len(name) <= limit else name[: limit - 1] + "…"
+
+
+def _recompute_values(data: dict[str, Any], config: dict[str, Any]) -> list[Any]:
+    """The recompute modes a plan file names, its default's and its per-unit ones."""
+    strategies = data.get("layer_strategies") if isinstance(data.get("layer_strategies"), dict) else {}
+    per_unit = strategies.get("recompute") if isinstance(strategies.get("recompute"), dict) else {}
+    return [config.get("recompute"), *per_unit.values()]

@@ -88,12 +88,23 @@ class Recompute(StrEnum):
 
     ``selective`` recomputes only the attention core (scores, softmax, dropout), as in
     Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-    Models"; ``full`` keeps only the unit's input and recomputes its whole forward.
+    Models"; ``op`` keeps the unit's input and the outputs of a few operators (every
+    other bias-free matmul, the attention cores, sequence-parallel reduce-scatters) and
+    recomputes the rest, torchtitan's per-operator selective checkpointing; ``full``
+    keeps only the unit's input and recomputes its whole forward. Listed from the least
+    recomputation to the most.
     """
 
     NONE = "none"
     SELECTIVE = "selective"
+    OP = "op"
     FULL = "full"
+
+    @property
+    def checkpoints_unit(self) -> bool:
+        """The unit's forward runs under a checkpoint (its input kept, what it does not
+        save recomputed in backward); the loss, outside the checkpoint, keeps its own."""
+        return self in (Recompute.OP, Recompute.FULL)
 
 
 class TPStyle(StrEnum):

@@ -83,7 +83,8 @@ BLOOM_TFLOPS = 149.77
 MT_NLG_2022 = [(2240, 60.1, 126), (2800, 50.2, 121), (3360, 44.4, 113)]
 
 # pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, tables 1 and 3: Llama 3.1 8B,
-# FSDP, local batch 2, selective activation checkpointing, eager, with torch.compile, and with
+# FSDP, local batch 2, per-operator selective activation checkpointing (selective_ac_option 'op'
+# in the train config), eager, with torch.compile, and with
 # torch.compile and Float8 (torchao, tensorwise), on H100 96GB HBM2e (2.4 TB/s, 500 W, 400 Gb/s RDMA
 # per GPU). Sequence 8192 from train_configs/llama3_8b.toml at the torchtitan commit the document
 # names (9dec370).

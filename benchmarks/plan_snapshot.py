@@ -27,9 +27,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import _published_runs as published
 import compare
 import measured
-import planner_faithful
 import torch
 
 import autopar
@@ -85,12 +85,12 @@ def _cases() -> Iterator[tuple[str, Callable[[], autopar.Plan | None]]]:
             rest = cluster.world_size // tp
             for pp in [p for p in range(1, rest + 1) if rest % p == 0][:3]:
                 yield f"{base}/megatron-tp{tp}-pp{pp}", planned({"tp": tp, "pp": pp})
-    for label, hidden, heads, layers, gpus, batch, tp, pp, _ in planner_faithful.NARAYANAN_2021:
+    for label, hidden, heads, layers, gpus, batch, tp, pp, _ in published.NARAYANAN_2021:
         config = {"tp": tp, "pp": pp, "micro_batch_size": 1, "recompute": "full", "zero_stage": 0, "dtype": "fp16"}
         yield (
             f"faithful/{label}",
             lambda h=hidden, a=heads, n=layers, g=gpus, b=batch, c=config: autopar.estimate(
-                planner_faithful._gpt(h, a, n),
+                published.gpt(h, a, n),
                 autopar.preset("dgx-a100-80gb", nodes=g // 8),
                 c,
                 global_batch_size=b,
@@ -110,7 +110,7 @@ def _cases() -> Iterator[tuple[str, Callable[[], autopar.Plan | None]]]:
         yield (
             f"faithful/530b-{recompute}",
             lambda c=config: autopar.estimate(
-                planner_faithful._gpt(20480, 128, 105),
+                published.gpt(20480, 128, 105),
                 autopar.preset("dgx-a100-80gb", nodes=280),
                 c,
                 global_batch_size=2240,

@@ -42,8 +42,8 @@ Sources (the numbers and what each leaves unsaid are in ``_published_runs.py``):
 - pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, tables 1 and 3: Llama 3.1
   8B with FSDP (ZeRO-3) on 8 and 128 H100 96GB, eager, with ``torch.compile``, and with
   ``torch.compile`` and Float8 (estimated with ``compile`` and ``fp8`` as each ran),
-  selective checkpointing; tokens/s per GPU and
-  peak memory published.
+  per-operator selective checkpointing (``selective_ac_option = "op"``, autopar's ``op``);
+  tokens/s per GPU and peak memory published.
 
 Every other row is estimated eager (``compile`` left off): Megatron-LM, Megatron-DeepSpeed
 and Llama 3's trainer ran hand-fused kernels, not inductor.
@@ -297,7 +297,7 @@ def torchtitan_rows() -> list[dict[str, object]]:
         plan = autopar.estimate(
             llama(4096, 32, 32, 8, 14336, 128256, 8192),
             grand_teton_h100(gpus // 8),
-            {"micro_batch_size": 2, "recompute": "selective", "zero_stage": 3, "compile": compiled, "fp8": fp8},
+            {"micro_batch_size": 2, "recompute": "op", "zero_stage": 3, "compile": compiled, "fp8": fp8},
             global_batch_size=batch,
             seq_len=8192,
         )
@@ -306,7 +306,7 @@ def torchtitan_rows() -> list[dict[str, object]]:
             _row(
                 "torchtitan Llama 3.1 8B",
                 gpus,
-                f"FSDP {gpus} (ZeRO-3) local batch 2, selective recompute, {'compiled' if compiled else 'eager'} "
+                f"FSDP {gpus} (ZeRO-3) local batch 2, per-op selective recompute, {'compiled' if compiled else 'eager'} "
                 f"bf16{' + Float8' if fp8 else ''}",
                 f"{tps} tokens/s",
                 f"{predicted:.0f} tokens/s",

@@ -40,7 +40,7 @@ from autopar.cost.recompute import UnitOption
 from autopar.cost.stage import PricedStage, rank_buffer_bytes
 from autopar.hardware.device import DeviceMemory
 from autopar.plan import MemoryBreakdown, ParallelConfig
-from autopar.vocab import Recompute, TPStyle
+from autopar.vocab import TPStyle
 
 WEIGHT_SPLIT: dict[TPStyle, int | None] = {
     TPStyle.REPLICATE: None,
@@ -100,7 +100,7 @@ def footprint(
     # configuration without its schedule (rank_memory adds them to the prediction)
     held = held_grad_bytes(config, param_numel=lay.param_numel, whole_grad_numel=lay.whole_grad_numel)
     freed = lay.loss_working_bytes + (
-        lay.loss_saved_bytes - lay.held_output_bytes if option.recompute is not Recompute.FULL else 0.0
+        lay.loss_saved_bytes - lay.held_output_bytes if not option.recompute.checkpoints_unit else 0.0
     )
     grad_transient = 0.0 if grads_deferred and config.pp > 1 and config.zero_stage >= 2 else st.transient_bytes
     transient = max(option.transient_bytes, option.transient_bytes - freed + grad_transient)

@@ -1,18 +1,25 @@
-"""Recompute modes, priced: one unit's layout under ``none``, ``selective`` or ``full``
-activation recomputation.
+"""Recompute modes, priced: one unit's layout under ``none``, ``selective``, ``op`` or
+``full`` activation recomputation.
 
 - ``none``: keep every saved activation;
 - ``selective``: drop the attention core's activations, recompute its forward in
   backward (Korthikanti et al. 2022, section 5);
+- ``op``: keep the unit's input and the outputs of the operators torchtitan's
+  per-operator policy saves (:mod:`autopar.cost.saved_ops`), rerun the rest of the
+  forward, its collectives but the kept reduce-scatters included, as ``full`` does;
+  during the unit's backward the rerun forward's activations are held as under
+  ``full`` (an upper bound: a kept output that autograd also saves is counted twice
+  there);
 - ``full``: keep only the unit's input, recompute its forward, TP collectives included
   (Chen et al. 2016), and hold its activations again during its backward. The loss is
   not rerun (the runtime checkpoints the unit's modules and the loss runs outside
   them: ``UnitCost.loss_fwd_compute_s``), and the rerun compute costs a
   ``recompute_fraction`` of the recorded one, which a layer profile measures.
 
-Under context parallelism both recomputing modes rerun the attention core's key/value
-exchange with it (:mod:`autopar.cost.context_parallel`); full recomputation reruns the
-forward all-to-alls of expert parallelism (:mod:`autopar.cost.expert_parallel`).
+Under context parallelism every recomputing mode reruns the attention core's key/value
+exchange (:mod:`autopar.cost.context_parallel`; ``op`` keeps the attention's output but
+not the exchange's collectives); ``op`` and ``full`` rerun the forward all-to-alls of
+expert parallelism (:mod:`autopar.cost.expert_parallel`).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from dataclasses import dataclass
 from autopar.cost.context_parallel import NO_EXCHANGE, RingExchange, ring_exchange
 from autopar.cost.expert_parallel import NO_ALL_TO_ALL, ExpertExchange, expert_exchange
 from autopar.cost.leaf import TPContext
+from autopar.cost.saved_ops import kept_flops
 from autopar.cost.tensor_parallel import UnitCost
 from autopar.graph.layer_graph import UNIT_OUTPUT, UnitProfile
 from autopar.vocab import Recompute
@@ -66,14 +74,24 @@ class UnitOption:
     @property
     def tp_comm_s(self) -> float:
         """Tensor-parallel communication (forward, backward and recomputed forward)."""
-        extra = self.layout.fwd_comm_s - self.layout.loss_fwd_comm_s if self.recompute is Recompute.FULL else 0.0
-        return self.layout.fwd_comm_s + self.layout.bwd_comm_s + extra
+        return self.layout.fwd_comm_s + self.layout.bwd_comm_s + rerun_comm(self.layout, self.recompute)[0]
 
     @property
     def syncs(self) -> int:
         """Blocking tensor-parallel collectives (forward, backward and recomputed forward)."""
-        extra = self.layout.fwd_syncs - self.layout.loss_fwd_syncs if self.recompute is Recompute.FULL else 0
-        return self.layout.fwd_syncs + self.layout.bwd_syncs + extra
+        return self.layout.fwd_syncs + self.layout.bwd_syncs + rerun_comm(self.layout, self.recompute)[1]
+
+
+def rerun_comm(lay: UnitCost, mode: Recompute) -> tuple[float, int]:
+    """Seconds and blocking collectives of the tensor-parallel forward communication
+    that ``mode`` reruns in backward: none but under ``op`` and ``full``, which rerun
+    the forward's but the loss's (and, under ``op``, but the kept reduce-scatters)."""
+    if not mode.checkpoints_unit:
+        return 0.0, 0
+    seconds, syncs = lay.fwd_comm_s - lay.loss_fwd_comm_s, lay.fwd_syncs - lay.loss_fwd_syncs
+    if mode is Recompute.OP:
+        seconds, syncs = seconds - lay.op_kept_comm_s, syncs - lay.op_kept_syncs
+    return seconds, syncs
 
 
 def make_option(
@@ -84,11 +102,13 @@ def make_option(
     recompute_fraction: float,
     ring: RingExchange = NO_EXCHANGE,
     experts: ExpertExchange = NO_ALL_TO_ALL,
+    kept_flops: float = 0.0,
 ) -> UnitOption:
     """Price one (layout, recompute) pair; full recomputation reruns the forward but
     the loss, its compute at ``recompute_fraction`` of the recorded time, its TP
-    collectives and expert all-to-alls whole; both recomputing modes rerun the
-    context-parallel exchange ``ring``."""
+    collectives and expert all-to-alls whole; ``op`` reruns the same less what it keeps
+    (``kept_flops`` of ``rerun_flops``, the layout's ``op_kept_*``); every recomputing
+    mode reruns the context-parallel exchange ``ring``."""
     full_act = lay.saved_bytes + lay.attn_saved_bytes
     if mode is Recompute.NONE:
         act, transient, redo, flops = full_act, lay.working_bytes, 0.0, 0.0
@@ -100,13 +120,15 @@ def make_option(
             attn_flops,
         )
     else:
-        redo = recompute_fraction * (lay.fwd_compute_s - lay.loss_fwd_compute_s) + lay.fwd_comm_s - lay.loss_fwd_comm_s
+        kept_s, kept_bytes = (lay.op_kept_compute_s, lay.op_kept_bytes) if mode is Recompute.OP else (0.0, 0.0)
+        redo = recompute_fraction * (lay.fwd_compute_s - lay.loss_fwd_compute_s - kept_s) + rerun_comm(lay, mode)[0]
         # the loss runs outside the checkpoint: what it keeps stays an activation
-        act, flops = lay.input_bytes + lay.loss_saved_bytes, rerun_flops
+        act = lay.input_bytes + lay.loss_saved_bytes + kept_bytes
+        flops = rerun_flops - (kept_flops if mode is Recompute.OP else 0.0)
         transient = full_act - lay.loss_saved_bytes + lay.working_bytes
     if mode is not Recompute.NONE:
         redo += ring.fwd_s
-    if mode is Recompute.FULL:
+    if mode.checkpoints_unit:
         redo += experts.fwd_s
     return UnitOption(
         layout=lay,
@@ -133,4 +155,13 @@ def price_option(profile: UnitProfile, layout: UnitCost, mode: Recompute, ctx: T
     loss_flops = sum(f.glue_flops for f in profile.flows if f.dst == UNIT_OUTPUT) if ctx.last else 0.0
     ring = ring_exchange(layout.kv_bytes, layout.attn_fwd_s, ctx)
     experts = expert_exchange(profile, ctx)
-    return make_option(layout, mode, profile.fwd_flops - loss_flops, attn_flops, ctx.recompute_fraction, ring, experts)
+    return make_option(
+        layout,
+        mode,
+        profile.fwd_flops - loss_flops,
+        attn_flops,
+        ctx.recompute_fraction,
+        ring,
+        experts,
+        kept_flops=kept_flops(profile),
+    )

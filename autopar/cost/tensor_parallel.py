@@ -44,8 +44,9 @@ from autopar.cost.leaf import (
     leaf_fwd_s,
     leaf_param_numel,
 )
+from autopar.cost.saved_ops import kept_matmuls
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, Flow, UnitProfile
-from autopar.vocab import STYLE_IO, Layout, TPStyle
+from autopar.vocab import STYLE_IO, DType, Layout, TPStyle
 
 
 def model_output_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], ctx: TPContext) -> Layout:
@@ -97,8 +98,35 @@ the target logit."""
 
 
 LOSS_PARALLEL_WORKING_COPIES = 1
-"""Logits shards a vocabulary-parallel cross-entropy's backward (torch's
-``loss_parallel``) holds beyond a plain one's (measured: ``docs/cost-model.md``)."""
+"""Gradients of the logits (shards, in the loss's precision) a vocabulary-parallel
+cross-entropy's backward (torch's ``loss_parallel``) holds beyond a plain one's
+(measured: ``docs/cost-model.md``)."""
+
+
+LOSS_GRADIENTS = 2
+"""Gradients of the logits' size a cross-entropy's backward holds at its peak, beside the
+log-probabilities it saved: the log-probabilities' gradient (``nll_loss_backward``) and
+the gradient of its input (``_log_softmax_backward_data``). The cast back to the logits'
+dtype comes after, once the first and the log-probabilities are freed."""
+
+
+CROSS_ENTROPY_DTYPE = DType.FP32
+"""The precision a token model's cross-entropy runs in: it upcasts the logits before
+``log_softmax``, as Megatron-LM and Hugging Face do (the loss the planner traces,
+:mod:`autopar.graph.extract`, and the runtime's, :func:`autopar.runtime.local.cross_entropy`)."""
+
+
+def loss_working_bytes(input_bytes: float, ctx: TPContext, *, vocab_parallel: bool) -> float:
+    """What the loss's backward holds at its peak beyond the gradient it returns (one of
+    ``input_bytes``, the logits as the loss takes them, in the compute precision): a
+    token model's cross-entropy holds :data:`LOSS_GRADIENTS` gradients of the logits in
+    :data:`CROSS_ENTROPY_DTYPE` (twice the bf16 logits each), a vocabulary-parallel one
+    :data:`LOSS_PARALLEL_WORKING_COPIES` more; another loss is taken to hold the one it
+    returns."""
+    if not ctx.loss_parallel:
+        return input_bytes
+    copies = LOSS_GRADIENTS + (LOSS_PARALLEL_WORKING_COPIES if vocab_parallel else 0)
+    return copies * input_bytes * CROSS_ENTROPY_DTYPE.itemsize / ctx.dtype.itemsize - input_bytes
 
 
 REDUCED_OUTPUT_COPIES = 2
@@ -154,13 +182,14 @@ class UnitCost:
         factored_numel: optimizer state elements of a factored optimizer (Adafactor:
             one row and one column vector per local weight matrix, vectors in full).
         working_bytes: backward working memory: the gradients of the largest tensor
-            flowing in the unit (its output gradient and its input gradient), and a
-            vocabulary-parallel loss's extra shard (:data:`LOSS_PARALLEL_WORKING_COPIES`).
+            flowing in the unit (its output gradient and its input gradient), in the last
+            unit the loss's backward beyond the one it returns (``loss_working_bytes``).
         loss_working_bytes, loss_saved_bytes: of ``working_bytes`` and ``saved_bytes``,
-            what only the loss holds (the gradient of the logits, a vocabulary-parallel
-            loss's extra shard; the logits held, the log-probabilities), also under full
-            recomputation (the loss runs outside the checkpoint). All but the logits are
-            freed before the unit's backward starts and its FSDP2 gathers and reductions.
+            what only the loss holds (its backward's working memory beyond the gradient
+            it returns, :func:`loss_working_bytes`; the logits held, the
+            log-probabilities), also under full recomputation (the loss runs
+            outside the checkpoint). All but the logits are freed before the unit's
+            backward starts and its FSDP2 gathers and reductions.
         held_output_bytes: of that, the logits, kept until the stage's backward ends.
         kv_bytes: the keys and values of the unit's attention cores on this rank (split
             by heads where the attention runs sharded): what a context-parallel ring
@@ -168,6 +197,15 @@ class UnitCost:
         expert_numel: of ``param_numel``, the expert parameters held (``1 / ep`` of the
             unit's expert stacks): their gradients are reduced, and their state
             sharded, over the ranks holding the same experts.
+        op_kept_bytes: what per-operator selective recomputation keeps beyond the
+            unit's input (:mod:`autopar.cost.saved_ops`): the kept matmuls' outputs as
+            this layout leaves them (a row-parallel one's partial sums whole), the
+            attention cores' outputs (their log-sum-exp, one fp32 per head and token,
+            not counted) and the sequence-parallel reduce-scatters' shards; a leaf
+            feeding the loss is left out, since the loss holds its output anyway.
+        op_kept_compute_s, op_kept_comm_s, op_kept_syncs: the forward work behind those
+            outputs, which that recomputation does not rerun: the kept matmuls and the
+            attention cores; the reduce-scatters.
         whole_grad_numel: elements of the weights this layout splits whose gradient is
             nevertheless computed whole on every rank of the group: a vocabulary-parallel
             embedding's (torch 2.13's DTensor has no vocabulary-sharded strategy for
@@ -201,6 +239,10 @@ class UnitCost:
     kv_bytes: float = 0.0
     expert_numel: float = 0.0
     whole_grad_numel: float = 0.0
+    op_kept_bytes: float = 0.0
+    op_kept_compute_s: float = 0.0
+    op_kept_comm_s: float = 0.0
+    op_kept_syncs: int = 0
 
     @property
     def time_s(self) -> float:
@@ -253,6 +295,11 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
     conversions: dict[tuple[int, Layout], Layout] = {}
     partial: dict[int, Layout] = {}
     largest = producer_bytes(profile)
+    kept = kept_matmuls(profile)
+    into_loss = {f.src for f in profile.flows if ctx.last and f.dst == UNIT_OUTPUT}
+    op_bytes = sum(_shard(largest.get(i, 0.0) * b, STYLE_IO[styles[i]][1], t) for i in kept if i not in into_loss)
+    op_compute = sum(leaf_fwd_s(profile.leaves[i], styles[i], ctx) for i in kept)
+    attn_out: dict[int, float] = {}
     for flow in profile.flows:
         a = out_layout(profile, styles, ctx, flow.src)
         need = in_layout(styles, output, flow.dst)
@@ -260,6 +307,10 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         glue = glue_fwd_s(flow, g, ctx)
         fwd_compute += glue
         attn_fwd += glue_fwd_s(flow, g, ctx, attention_only=True)
+        if flow.attn_flops > 0:
+            attn_out[flow.dst] = max(
+                attn_out.get(flow.dst, 0.0), _shard(attention_output_bytes(profile, flow) * b, need, t)
+            )
         kept = _shard(flow.saved_bytes * b, g, t)
         attn_saved += _shard(flow.attn_saved_bytes * b, g, t)
         attn_sharded |= flow.attn_flops > 0 and g in SHARDED
@@ -275,19 +326,24 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
             partial[flow.src] = a
     fwd_comm = bwd_comm = 0.0
     fwd_syncs = bwd_syncs = 0
+    op_comm, op_syncs = 0.0, 0
     for (src, need), a in conversions.items():
         f, bw = conversion_s(a, need, largest[src] * b, ctx)
         fwd_comm += f
         bwd_comm += bw
         fwd_syncs += f > 0
         bwd_syncs += bw > 0
+        if a is Layout.P and need is Layout.Q and t > 1:  # a reduce-scatter: kept
+            op_bytes += largest[src] * b / t
+            op_comm += f
+            op_syncs += f > 0
     for src, a in partial.items():
         r = reduction_s(a, largest[src] * b, ctx)
         bwd_comm += r
         bwd_syncs += r > 0
     vocab_parallel = ctx.last and output is Layout.F
     loss_comm, loss_syncs = (loss_parallel_s(ctx), LOSS_PARALLEL_REDUCTIONS) if vocab_parallel else (0.0, 0)
-    loss_working = loss_input * (1 + (LOSS_PARALLEL_WORKING_COPIES if vocab_parallel else 0))
+    loss_working = loss_working_bytes(loss_input, ctx, vocab_parallel=vocab_parallel)
     fwd_comm += loss_comm
     fwd_syncs += loss_syncs
     params = sum(leaf_param_numel(leaf, s, t, ctx.ep) for leaf, s in zip(profile.leaves, styles))
@@ -323,4 +379,21 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         whole_grad_numel=sum(leaf.weight_numel for leaf, s in zip(profile.leaves, styles) if s is TPStyle.VOCAB)
         if t > 1
         else 0.0,
+        op_kept_bytes=op_bytes + sum(attn_out.values()),
+        op_kept_compute_s=op_compute + attn_fwd,
+        op_kept_comm_s=op_comm,
+        op_kept_syncs=op_syncs,
     )
+
+
+def attention_output_bytes(profile: UnitProfile, flow: Flow) -> float:
+    """Per sample, the output of the attention core on ``flow``: its consumer's input
+    (the output projection's features, at the bytes per feature of the producer's
+    output, so a fused q/k/v projection counts its query part only); the flow's tensor
+    where either end is not a leaf with features."""
+    if flow.src < 0 or flow.dst < 0:
+        return flow.tensor_bytes
+    src, dst = profile.leaves[flow.src], profile.leaves[flow.dst]
+    if not src.out_features or not dst.in_features:
+        return flow.tensor_bytes
+    return flow.tensor_bytes / src.out_features * dst.in_features

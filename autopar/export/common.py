@@ -10,6 +10,7 @@ say how many layers each stage holds and which layers recompute.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import shlex
@@ -119,6 +120,15 @@ class Blocks:
     def mode_counts(self) -> Counter:
         """How many blocks take each recompute mode."""
         return Counter(self.modes)
+
+    def replacing(self, mode: Recompute, by: Recompute) -> Blocks:
+        """These blocks with ``mode`` written as ``by``: a framework without ``mode``."""
+        swap = {mode: by}
+        return dataclasses.replace(
+            self,
+            modes=tuple(swap.get(m, m) for m in self.modes),
+            stage_modes=tuple(tuple(swap.get(m, m) for m in stage) for stage in self.stage_modes),
+        )
 
 
 def blocks_of(plan: Plan) -> Blocks:

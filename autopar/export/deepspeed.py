@@ -168,10 +168,12 @@ def _plain_recompute_notes(blocks: Blocks, notes: list[str]) -> None:
         "DeepSpeed's config does not turn recomputation on: wrap each block the plan recomputes in "
         "deepspeed.checkpointing.checkpoint (a Hugging Face model: model.gradient_checkpointing_enable())"
     )
-    if blocks.mode_counts()[Recompute.SELECTIVE]:
+    counts = blocks.mode_counts()
+    if counts[Recompute.SELECTIVE] or counts[Recompute.OP]:
         notes.append(
-            "DeepSpeed checkpoints whole blocks: the plan's selective recomputation (attention core only) has no "
-            "equivalent; checkpointing those blocks in full is the closest (less memory, more compute)"
+            "DeepSpeed checkpoints whole blocks: the plan's selective (attention core only) or per-operator "
+            "recomputation has no equivalent; checkpointing those blocks in full is the closest (less memory, "
+            "more compute)"
         )
     if blocks.uniform() is None and blocks.count:
         notes.append(mixed_recompute_note(blocks, "checkpoint only the blocks the plan names"))

@@ -277,6 +277,12 @@ def recompute_args(blocks: Blocks, notes: list[str]) -> list[str]:
     note = outside_blocks_note(blocks)
     if note:
         notes.append(note)
+    if blocks.mode_counts()[Recompute.OP]:
+        notes.append(
+            "Megatron-LM has no per-operator selective recomputation (torchtitan's): the plan's op blocks are "
+            "written as full recomputation (less memory, more compute than predicted)"
+        )
+        blocks = blocks.replacing(Recompute.OP, Recompute.FULL)
     uniform = blocks.uniform()
     if uniform is Recompute.NONE:
         return []

@@ -170,8 +170,8 @@ def _data_parallel(plan: Plan, notes: list[str]) -> dict:
 
 def _activation_checkpoint(blocks: Blocks, notes: list[str]) -> dict:
     """Recompute -> torchtitan's activation checkpointing: ``full`` per block, per-op
-    ``selective`` (saves matmul and attention outputs, recomputes the cheap ops between
-    them), or every N-th block in full for a plan that recomputes some blocks only."""
+    ``selective`` for ``op`` (the same policy), or every N-th block in full for a plan
+    that recomputes some blocks only."""
     note = outside_blocks_note(blocks)
     if note:
         notes.append(note)
@@ -182,11 +182,15 @@ def _activation_checkpoint(blocks: Blocks, notes: list[str]) -> dict:
     if uniform is Recompute.FULL:
         return {"mode": "full"}
     selective_op = {"mode": "selective", "selective_ac_option": "op"}
+    if uniform is Recompute.OP:
+        return selective_op
     if not counts[Recompute.FULL]:
-        notes.append(
-            "torchtitan's selective checkpointing is per operator (it keeps matmul and attention outputs and "
-            "recomputes the rest), not autopar's attention-core recomputation: memory and compute differ"
-        )
+        if counts[Recompute.SELECTIVE]:
+            notes.append(
+                "torchtitan's selective checkpointing is per operator (autopar's op: it keeps matmul and attention "
+                "outputs and recomputes the rest), not autopar's attention-core recomputation: memory and compute "
+                "differ"
+            )
         if uniform is None:
             notes.append(mixed_recompute_note(blocks, "torchtitan applies one mode: per-operator selective on all"))
         return selective_op

@@ -8,6 +8,7 @@ from collections import Counter, defaultdict
 from autopar.errors import ConfigError
 from autopar.plan import ParallelConfig, Plan
 from autopar.present.units import byte_unit, duration, size
+from autopar.vocab import Recompute
 
 
 def explain(plan: Plan, *, top: int = 5) -> str:
@@ -213,6 +214,9 @@ def _recompute(plan: Plan) -> str:
     if plan.layer_strategies.recompute:
         counts = Counter(v.value for v in plan.layer_strategies.recompute.values())
         text += " (" + ", ".join(f"{n} unit(s) {mode}" for mode, n in sorted(counts.items())) + ")"
+    modes = {c.recompute, *plan.layer_strategies.recompute.values()}
+    if Recompute.OP in modes:
+        text += "; op keeps every other matmul's and the attention's outputs"
     return text
 
 

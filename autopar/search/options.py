@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from autopar.cost.leaf import TPContext
 from autopar.cost.recompute import UnitOption, price_option
+from autopar.cost.saved_ops import kept_matmuls
 from autopar.cost.tensor_parallel import UnitCost
 from autopar.graph.layer_graph import UnitProfile
 from autopar.search.intra_op import LayoutSolver
@@ -36,8 +37,10 @@ def unit_options(
         for mode in recompute_modes:
             if mode is Recompute.SELECTIVE and not profile.has_attention:
                 continue
+            if mode is Recompute.OP and not (kept_matmuls(profile) or profile.has_attention):
+                continue  # keeps nothing but the input: full recomputation by another name
             found.append(price_option(profile, lay, mode, ctx))
-    if not found:  # a unit without attention when only selective was allowed: no recomputation
+    if not found:  # a unit without attention or matmuls when only those modes were allowed: no recomputation
         found = [price_option(profile, lay, Recompute.NONE, ctx) for lay in layouts(profile, ctx, solver)]
     return tuple(o for o in found if not any(_dominates(p, o) for p in found if p is not o))
 

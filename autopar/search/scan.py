@@ -25,7 +25,7 @@ from autopar.search.solve import ConfigSolver, Outcome
 from autopar.search.space import Rejection, enumerate_space, memory_floor, shard_siblings, shard_sizes
 from autopar.vocab import DType, Recompute
 
-ALL_MODES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+ALL_MODES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.OP, Recompute.FULL)
 
 
 @dataclass(frozen=True, kw_only=True)

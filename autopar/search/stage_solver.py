@@ -8,8 +8,8 @@ solved exactly:
 
 - units in groups of identical units (the blocks of a transformer) share one layout per
   stage and choose recompute modes by count: with the options sorted by time (and hence
-  by decreasing memory) the best counts follow from the number of the slowest option by
-  a closed form, an O(k) scan;
+  by decreasing memory) the best counts follow from the numbers of the options slower
+  than the fastest two by a closed form, a scan of O(k^2) vectorised cases at most;
 - anything else (several kinds of repeated blocks, or all-different units as in a CNN)
   is an integer program with counts per option, solved with pulp/HiGHS.
 
@@ -19,6 +19,7 @@ are tested against.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -179,50 +180,70 @@ def _solve_closed_form(groups, room: float, inflight: float, multi: list[int], s
 
 
 def _best_counts(k: int, opts: tuple[Priced, ...], room: float, inflight: float):
-    """Exact best counts for ``k`` identical units sharing one layout."""
+    """Exact best counts for ``k`` identical units sharing one layout: every count of
+    the options slower than the fastest two is tried, and the fastest two split the
+    rest in closed form (as many of the fastest as the memory left allows)."""
     best_t, best = math.inf, None
     for lay in sorted({o.layout for o in opts}):
-        idx = [i for i, o in enumerate(opts) if o.layout == lay]
-        idx = _pareto(opts, idx, inflight)
-        w = [opts[i].static_bytes + inflight * opts[i].act_bytes for i in idx]
-        t = [opts[i].time_s for i in idx]
+        idx = _pareto(opts, [i for i, o in enumerate(opts) if o.layout == lay], inflight)
+        w = np.array([opts[i].static_bytes + inflight * opts[i].act_bytes for i in idx])
+        t = np.array([opts[i].time_s for i in idx])
         if len(idx) == 1:
             if k * w[0] <= room and k * t[0] < best_t:
                 best_t, best = k * t[0], {idx[0]: k}
             continue
-        if len(idx) == 2:
-            n_slow_range = [0]
-        else:
-            n_slow_range = range(k + 1)
-        for n3 in n_slow_range:
-            r = k - n3
-            left = room - (n3 * w[2] if len(idx) == 3 else 0.0)
-            if r * w[1] > left + 1e-9 * max(1.0, abs(left)):
+        if len(idx) == 2:  # the common case, in scalars
+            if k * w[1] > room + 1e-9 * max(1.0, abs(room)):
                 continue
-            n1 = r if w[0] <= w[1] else min(r, math.floor((left - r * w[1]) / (w[0] - w[1]) + 1e-12))
-            n2 = r - n1
-            total = n1 * t[0] + n2 * t[1] + (n3 * t[2] if len(idx) == 3 else 0.0)
+            n1 = min(k, math.floor((room - k * w[1]) / (w[0] - w[1]) + 1e-12))
+            total = n1 * t[0] + (k - n1) * t[1]
             if total < best_t - 1e-15:
-                best_t = total
-                best = {idx[0]: n1, idx[1]: n2}
-                if len(idx) == 3:
-                    best[idx[2]] = n3
+                best_t, best = float(total), {idx[0]: n1, idx[1]: k - n1}
+            continue
+        slow = _splits(k, len(idx) - 2)
+        r = k - slow.sum(axis=1)
+        left = room - slow @ w[2:]
+        fits = r * w[1] <= left + 1e-9 * np.maximum(1.0, np.abs(left))
+        n1 = np.minimum(r, np.floor((left - r * w[1]) / (w[0] - w[1]) + 1e-12)).astype(np.int64)
+        total = n1 * t[0] + (r - n1) * t[1] + slow @ t[2:]
+        total = np.where(fits, total, np.inf)
+        j = int(np.argmin(total))
+        if total[j] < best_t - 1e-15:
+            best_t = float(total[j])
+            counts = [int(n1[j]), int(r[j] - n1[j]), *(int(c) for c in slow[j])]
+            best = dict(zip(idx, counts))
     if best is None:
         return None
     return best_t, {i: c for i, c in best.items() if c}
 
 
+@functools.cache
+def _splits(k: int, parts: int) -> np.ndarray:
+    """Every vector of ``parts`` (0, 1 or 2) non-negative counts summing to at most ``k``,
+    one row each (read-only: cached, as the search asks for the same few again and
+    again)."""
+    if parts == 0:
+        out = np.zeros((1, 0), dtype=np.int64)
+    elif parts == 1:
+        out = np.arange(k + 1)[:, None]
+    else:
+        first, total = np.triu_indices(k + 1)
+        out = np.stack([first, total - first], axis=1)
+    out.setflags(write=False)
+    return out
+
+
 def _pareto(opts: tuple[Priced, ...], idx: list[int], inflight: float) -> list[int]:
     """Options sorted by time with strictly decreasing weight (dominated ones dropped).
-    At most three remain for one layout (none, selective, full)."""
+    At most four remain for one layout (none, selective, op, full)."""
     ordered = sorted(idx, key=lambda i: (opts[i].time_s, opts[i].static_bytes + inflight * opts[i].act_bytes))
     kept: list[int] = []
     for i in ordered:
         w = opts[i].static_bytes + inflight * opts[i].act_bytes
         if not kept or w < opts[kept[-1]].static_bytes + inflight * opts[kept[-1]].act_bytes:
             kept.append(i)
-    if len(kept) > 3:
-        raise AssertionError(f"more than three undominated options for one layout: {len(kept)}")
+    if len(kept) > 4:
+        raise AssertionError(f"more than four undominated options for one layout: {len(kept)}")
     return kept
 
 
@@ -332,7 +353,6 @@ def _run_times(
     rooms, inflights = rooms[:, None, None], inflights[:, None, None]
     wanted = np.arange(n_max + 1) if counts is None else np.asarray(counts)
     n = wanted.astype(np.float64)[None, :, None]
-    n3 = np.arange(int(wanted.max(initial=0)) + 1, dtype=np.float64)[None, None, :]
     best = np.full((rooms.shape[0], wanted.size), np.inf)
     if not allowed:
         best[:, wanted == 0] = np.where(rooms[:, 0, 0] >= 0, 0.0, np.inf)[:, None]
@@ -343,13 +363,30 @@ def _run_times(
         t = [opts[i].time_s for i in idx]
         if len(idx) == 1:
             times = np.where(n[:, :, 0] * w[0][:, :, 0] <= rooms[:, :, 0], n[:, :, 0] * t[0], np.inf)
-        else:
-            slow = n3 if len(idx) == 3 else np.zeros_like(n3[:, :, :1])
-            r = n - slow
-            left = rooms - (slow * w[2] if len(idx) == 3 else 0.0)
-            ok = (slow <= n) & ~(r * w[1] > left + 1e-9 * np.maximum(1.0, np.abs(left)))
-            n1 = r if np.all(w[0] <= w[1]) else np.minimum(r, np.floor((left - r * w[1]) / (w[0] - w[1]) + 1e-12))
-            total = n1 * t[0] + (r - n1) * t[1] + (slow * t[2] if len(idx) == 3 else 0.0)
-            times = np.where(ok, total, np.inf).min(axis=2)
-        best = np.minimum(best, times)
+            best = np.minimum(best, times)
+            continue
+        # the last axis: every count of the options slower than the fastest two
+        slow = _splits(int(wanted.max(initial=0)), len(idx) - 2).astype(np.float64)
+        step = max(1, KERNEL_ELEMENTS // (rooms.shape[0] * len(slow)))
+        for lo in range(0, wanted.size, step):
+            part = slice(lo, lo + step)
+            best[:, part] = np.minimum(best[:, part], _mixed_times(n[:, part], rooms, w, t, slow))
     return best[0] if scalar else best
+
+
+KERNEL_ELEMENTS = 1 << 22
+"""Elements of the largest array :func:`_run_times` builds at once (32 MiB of float64):
+a deep stage with four options per layout runs in slices of its counts."""
+
+
+def _mixed_times(n: np.ndarray, rooms: np.ndarray, w: list, t: list, slow: np.ndarray) -> np.ndarray:
+    """``out[stage, count]`` for counts ``n`` (shape ``(1, W, 1)``): the fastest mix of a
+    layout's options, every row of ``slow`` (counts of the options slower than the
+    fastest two) tried and the fastest two splitting the rest in closed form."""
+    used = slow.sum(axis=1)[None, None, :]
+    r = n - used
+    left = rooms - sum((slow[None, None, :, j] * w[2 + j] for j in range(slow.shape[1])), np.zeros(1))
+    ok = (used <= n) & ~(r * w[1] > left + 1e-9 * np.maximum(1.0, np.abs(left)))
+    n1 = np.minimum(r, np.floor((left - r * w[1]) / (w[0] - w[1]) + 1e-12))
+    total = n1 * t[0] + (r - n1) * t[1] + slow @ np.array(t[2:], dtype=np.float64)
+    return np.where(ok, total, np.inf).min(axis=2)

@@ -118,6 +118,10 @@ def test_megatron_recompute(pipelined_plan):
     assert megatron_args(variant(pipelined_plan, recompute=Recompute.SELECTIVE))["--recompute-granularity"] == (
         "selective"
     )
+    # no per-operator policy in Megatron-LM: op blocks in full, which keeps less, noted
+    op = export(variant(pipelined_plan, recompute=Recompute.OP), to="megatron")
+    assert "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1" in op.launch
+    assert any("no per-operator selective recomputation" in n for n in op.notes)
     # the first 3 blocks of each stage in full, the rest none: Megatron's block method exactly
     first3 = {f"layers.{i}": Recompute.FULL for s in (0, 20) for i in range(s, s + 3)}
     exact = export(variant(pipelined_plan, overrides=first3), to="megatron")
@@ -288,6 +292,9 @@ def test_torchtitan_activation_checkpoint(pipelined_plan):
     selective = export(variant(pipelined_plan, recompute=Recompute.SELECTIVE), to="torchtitan")
     assert tomllib.loads(selective.text)["activation_checkpoint"]["selective_ac_option"] == "op"
     assert any("per operator" in n for n in selective.notes)
+    op = export(variant(pipelined_plan, recompute=Recompute.OP), to="torchtitan")  # the same policy: no note
+    assert tomllib.loads(op.text)["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "op"}
+    assert not any("per operator" in n or "no exact equivalent" in n for n in op.notes)
 
 
 def accelerate_config(plan: Plan, **kw) -> dict:

@@ -50,7 +50,7 @@ def llama_plan():
 @pytest.fixture()
 def cases(gpt2_plan, pipelined_plan, llama_plan):
     """Plans that cover every mapping: ZeRO 0-3, pipelining even, uneven and interleaved,
-    recompute uniform and per block, fp16, context parallelism, compiled blocks with FP8."""
+    recompute uniform (each mode) and per block, fp16, context parallelism, compiled blocks with FP8."""
     llama, _ = llama_plan
     full = {f"layers.{i}": Recompute.FULL for i in (0, 1, 2, 20, 21, 22)}
     return {
@@ -66,6 +66,7 @@ def cases(gpt2_plan, pipelined_plan, llama_plan):
         "gpt2-cp": variant(gpt2_plan, dp=4, cp=2),
         "gpt-tp-pp-cp": variant(pipelined_plan, dp=1, cp=2, zero_stage=1),
         "llama-compiled-fp8": variant(llama, compile=True, fp8=True),
+        "llama-op-recompute": variant(llama, recompute=Recompute.OP),
     }
 
 
@@ -125,7 +126,7 @@ def test_torchtitan_parses_every_export(cases, tmp_path, monkeypatch):
             # torchtitan hands the name to torch's own lookup: it must name the runtime's class
             assert get_schedule_class(p.pipeline_parallel_schedule) is SCHEDULES[c.schedule], name
             assert t.local_batch_size // p.pipeline_parallel_microbatch_size == c.num_microbatches, name
-        expected = {Recompute.NONE: "none", Recompute.FULL: "full", Recompute.SELECTIVE: "selective"}[c.recompute]
+        expected = {Recompute.NONE: "none", Recompute.FULL: "full"}.get(c.recompute, "selective")
         if not plan.layer_strategies.recompute:
             assert job.activation_checkpoint.mode == expected, name
         assert job.compile.enable == c.compile and (not c.compile or job.compile.components == ["model"]), name

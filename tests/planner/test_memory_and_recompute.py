@@ -140,6 +140,7 @@ def test_the_head_holds_its_logits_and_a_row_parallel_one_three_times():
         last=True,
         loss_parallel=True,
         sequence_parallel=False,
+        dtype=DType.FP32,
     )
     inner = TPContext(**{**ctx.__dict__, "last": False})
     logits = b * cfg.seq_len * cfg.vocab_size * 4
@@ -153,14 +154,49 @@ def test_the_head_holds_its_logits_and_a_row_parallel_one_three_times():
         assert cost.saved_bytes - evaluate_layout(head, styles, output, inner).saved_bytes == pytest.approx(extra), (
             style
         )
-        # the loss's backward holds one more gradient of the logits as the head lays them
-        # out (partial sums are whole), a vocabulary-parallel one another shard (two
-        # shards: the logits' size again), all freed before the head's own backward
+        # the loss's backward holds one more gradient of the fp32 logits as the head lays
+        # them out (partial sums are whole) than the one it returns, a vocabulary-parallel
+        # one another shard (two shards: the logits' size again), all freed before the
+        # head's own backward
         assert cost.loss_working_bytes == pytest.approx(logits), style
         assert cost.working_bytes - evaluate_layout(head, styles, output, inner).working_bytes == pytest.approx(
             logits / 2 if output is Layout.F else 0.0
         ), style
         assert evaluate_layout(head, styles, output, inner).loss_working_bytes == 0.0
+
+
+@pytest.mark.parametrize("tp, output", [(1, Layout.R), (2, Layout.F)], ids=["replicated", "vocabulary-parallel"])
+def test_the_loss_backward_holds_fp32_gradients_of_bf16_logits(tp, output):
+    """The cross-entropy upcasts bf16 logits to fp32: at its backward's peak it holds the
+    gradient of its log-probabilities and that of its input, both fp32 (twice the bf16
+    logits each), a vocabulary-parallel one a third, in shards; beyond the bf16 gradient
+    it returns (the head's output gradient, in its working memory anyway), that is
+    3 bf16 logits replicated and 5 shards vocabulary-parallel."""
+    from autopar.models import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=2048, seq_len=64, dim=128, n_layers=1, n_heads=4)
+    graph = extract(GPT(cfg), seq_len=cfg.seq_len, dtype=DType.BF16)
+    head = graph.profile_of(len(graph.units) - 1)
+    c = preset("local-cpu", devices_per_node=2)
+    b = 4
+    ctx = TPContext(
+        tp=tp,
+        span=group_span(tp, 1, 2),
+        cluster=c,
+        rates=rates(c.device, DType.BF16),
+        micro_batch=b,
+        tokens=cfg.seq_len,
+        boundary=Layout.R,
+        first=False,
+        last=True,
+        loss_parallel=True,
+        sequence_parallel=False,
+        dtype=DType.BF16,
+    )
+    styles = tuple(TPStyle.COLUMN if leaf.name == "output" and tp > 1 else TPStyle.REPLICATE for leaf in head.leaves)
+    shard = b * cfg.seq_len * cfg.vocab_size * 2 / tp
+    cost = evaluate_layout(head, styles, output, ctx)
+    assert cost.loss_working_bytes == pytest.approx((3 if tp == 1 else 5) * shard)
 
 
 def test_full_recomputation_reruns_the_forward_but_the_loss_at_the_measured_fraction():
@@ -318,3 +354,72 @@ def test_a_tied_weight_is_held_once_only_where_both_owners_split_it_alike():
         assert held_once_numel(model, config, {0: both[0]}) == 0.0  # the head on another pipeline rank
         # fp32 parameters, gradients and Adam's two moments: 16 bytes an element
         assert shared_state_bytes(model, config, once) == 16 * once
+
+
+def _llama_block_ctx(tp: int, sp: bool):
+    from autopar.models import Llama, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=1000, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, seq_len=64)
+    graph = extract(Llama(cfg), seq_len=cfg.seq_len)  # bf16: 128 bytes per feature of a 64-token sample
+    c = preset("dgx-h100", devices_per_node=8)
+    ctx = TPContext(
+        tp=tp,
+        span=group_span(tp, 1, 8),
+        cluster=c,
+        rates=rates(c.device, DType.BF16),
+        micro_batch=2,
+        tokens=cfg.seq_len,
+        boundary=Layout.Q if sp else Layout.R,
+        first=False,
+        last=False,
+        loss_parallel=True,
+        sequence_parallel=sp,
+    )
+    return graph.profile_of(1), ctx
+
+
+@pytest.mark.parametrize("tp, sp", [(1, False), (2, True)])
+def test_per_operator_recomputation_keeps_every_other_matmul_the_attention_and_the_scatters(tp, sp):
+    """A Llama block's seven bias-free matmuls run wq wk wv wo w1 w3 w2: ``op`` keeps the
+    outputs of wq, wv, w1 and w2 (the first, third, fifth and seventh), the attention's
+    output and, with sequence parallelism, the two reduce-scatters' shards; by hand in
+    bytes per sample (64 tokens x 2 bytes = 128 per feature): q 256, v 128, w1 512, w2
+    256 and the attention 256 features, column-split ones halved at tp=2, the
+    row-parallel w2's partial sums whole. It reruns the rest of the forward: the
+    forward less the kept matmuls and the attention core."""
+    from autopar.cost.recompute import price_option
+    from autopar.cost.saved_ops import kept_flops, kept_matmuls
+    from autopar.vocab import Recompute
+
+    block, ctx = _llama_block_ctx(tp, sp)
+    names = [leaf.name for leaf in block.leaves]
+    assert sorted(names[i] for i in kept_matmuls(block)) == sorted(
+        ["attention.wq", "attention.wv", "feed_forward.w1", "feed_forward.w2"]
+    )
+    col, row = (TPStyle.COLUMN, TPStyle.ROW) if tp > 1 else (TPStyle.REPLICATE, TPStyle.REPLICATE)
+    norm = TPStyle.SEQUENCE if sp else TPStyle.REPLICATE
+    by_name = {
+        "attention_norm": norm,
+        "ffn_norm": norm,
+        "attention.wo": row,
+        "feed_forward.w2": row,
+    }
+    styles = tuple(by_name.get(n, col) for n in names)
+    lay = evaluate_layout(block, styles, Layout.Q if sp else Layout.R, ctx)
+    per_feature = 128 * ctx.micro_batch
+    split = 2 if tp > 1 else 1
+    kept = (256 / split + 128 / split + 512 / split + 256 + 256 / split) * per_feature
+    scatters = 2 * 256 * per_feature / split if sp else 0.0
+    assert lay.op_kept_bytes == pytest.approx(kept + scatters)
+    none = price_option(block, lay, Recompute.NONE, ctx)
+    op = price_option(block, lay, Recompute.OP, ctx)
+    full = price_option(block, lay, Recompute.FULL, ctx)
+    assert op.act_bytes == pytest.approx(lay.input_bytes + kept + scatters)
+    assert full.act_bytes < op.act_bytes < none.act_bytes
+    rerun = ctx.recompute_fraction * (lay.fwd_compute_s - lay.op_kept_compute_s) + lay.fwd_comm_s - lay.op_kept_comm_s
+    assert op.recompute_s == pytest.approx(rerun)
+    assert 0 < op.recompute_s < full.recompute_s
+    kept_mm = sum(block.leaves[i].fwd_flops for i in kept_matmuls(block))
+    assert kept_flops(block) == pytest.approx(kept_mm + sum(f.attn_flops for f in block.flows))
+    assert op.recompute_flops == pytest.approx(full.recompute_flops - kept_flops(block))
+    assert op.syncs == full.syncs - (2 if sp else 0)  # the reduce-scatters are not rerun

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from autopar import Plan, PlanFormatError
+from autopar import Plan, PlanFormatError, Recompute
 
 
 def eager(plan: Plan) -> Plan:
@@ -152,3 +152,23 @@ def test_a_version_5_plan_file_loads_without_compiled_blocks(gpt2_plan):
     data["config"]["compile"] = True
     with pytest.raises(PlanFormatError, match="config.compile needs schema_version 6"):
         Plan.from_dict(data)
+
+
+def test_a_version_6_plan_file_loads_and_op_recompute_needs_version_7(gpt2_plan):
+    """Version 6 had no ``op`` recompute mode: its plans read unchanged; naming ``op``,
+    as the default or for one unit, needs version 7."""
+    data = json.loads(gpt2_plan.to_json())
+    data["schema_version"] = 6
+    assert Plan.from_dict(data) == gpt2_plan
+    for where in ("config", "unit"):
+        bad = json.loads(json.dumps(data))
+        if where == "config":
+            bad["config"]["recompute"] = "op"
+        else:
+            bad["layer_strategies"]["recompute"] = {"layers.0": "op"}
+        with pytest.raises(PlanFormatError, match="recompute 'op' needs schema_version 7"):
+            Plan.from_dict(bad)
+        bad["schema_version"] = 7
+        assert Plan.from_dict(bad).layer_strategies.recompute_of("layers.0", Plan.from_dict(bad).config.recompute) is (
+            Recompute.OP
+        )

@@ -156,3 +156,42 @@ def test_selective_recompute_never_holds_more_than_none_under_tensor_parallelism
     assert none.config.recompute is autopar.Recompute.NONE  # the units not listed recompute nothing either
     assert_parity(run(train, 2, "gpt", selective), reference("gpt", selective))
     assert max(run(_peak, 2, selective)) <= max(run(_peak, 2, none))
+
+
+LLAMA_OP = {f"layers.{i}": "op" for i in range(4)}
+
+
+def _count_llama_ops(rank, world, plan):
+    job = parallelize(build("llama"), plan, loss_fn=token_loss)
+    for batch in job.shard(batches("llama", 2, plan.config.global_batch_size)):
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False), _CountOps() as mode:
+            job.step(batch)
+    return mode.counts["mm"], mode.counts["_scaled_dot_product_flash_attention_for_cpu"]
+
+
+@pytest.mark.parametrize(
+    "axes",
+    [
+        {"tp": 2, "sequence_parallel": True, "styles": megatron_styles("llama", sequence_parallel=True)},
+        {"pp": 2, "schedule": "1f1b", "num_microbatches": 4},
+    ],
+    ids=["tp2-sp", "pp2"],
+)
+def test_per_operator_recompute_trains_like_one_process(axes):
+    """``op`` on every block of a Llama, on 2 ranks with tensor and sequence parallelism
+    or with a pipeline: losses and parameters equal the single process's."""
+    plan = make_plan("llama", recompute=LLAMA_OP, **axes)
+    assert_parity(run(train, 2, "llama", plan), reference("llama", plan))
+
+
+def test_per_operator_recompute_reruns_every_second_matmul_and_no_attention():
+    """A Llama block runs seven bias-free matmuls (wq wk wv wo w1 w3 w2): ``op`` keeps the
+    first, third, fifth and seventh and reruns the other three in backward, and keeps
+    the attention's output, so it never reruns attention."""
+    none = make_plan("llama", num_microbatches=2)
+    op = make_plan("llama", num_microbatches=2, recompute=LLAMA_OP)
+    ((mm_none, sdpa_none),) = run(_count_llama_ops, 1, none)
+    ((mm_op, sdpa_op),) = run(_count_llama_ops, 1, op)
+    blocks, m = 4, 2
+    assert mm_op - mm_none == 3 * blocks * m
+    assert sdpa_op == sdpa_none

@@ -10,11 +10,11 @@ before its first backward (no pipelining with one micro-batch, GPipe, 1F1B with 
 micro-batches than stages after this one) and no gradient outlives a step (anything but
 DDP, whose buckets hold them), ``zero_grad`` left no gradient, so they grow as that
 backward frees the activations. Interleaved schedules keep the bound. What the search
-accepts under the bound fits; the prediction is the peak. One term is in the prediction
-only: the compute-precision weight gradients a zero-bubble schedule defers
-(:func:`autopar.cost.memory.deferred_weight_grad_bytes`), as the search caches a unit's
-terms per configuration without its schedule; a zero-bubble plan's prediction can
-exceed what its bound accepted by them.
+accepts under the bound fits; the prediction is the peak. The compute-precision weight
+gradients a zero-bubble schedule defers
+(:func:`autopar.cost.memory.deferred_weight_grad_bytes`) are static in the bound for
+every unit (it does not know which units the pipeline's first stage holds, which defers
+none) and, in the prediction, for the stages that defer them.
 
 A weight tied between two units (GPT's embedding and head) is counted once only where
 one rank holds it as one tensor: both owners on the rank, splitting it alike
@@ -94,11 +94,13 @@ def footprint(
         expert_numel=lay.expert_numel,
         whole_grad_numel=lay.whole_grad_numel,
     )
-    # replicate's compute-precision gradients last until the stage's backward ends: in the
-    # bound they are kept for the step, as the model states are. A zero-bubble schedule's
-    # deferred weight gradients are not in the bound: the search caches these terms per
-    # configuration without its schedule (rank_memory adds them to the prediction)
+    # replicate's compute-precision gradients last until the stage's backward ends, and a
+    # zero-bubble schedule's deferred weight gradients from a stage's W to its next I: in
+    # the bound both are kept for the step, as the model states are (the bound does not
+    # know which units the pipeline's first stage holds, which defer none)
     held = held_grad_bytes(config, param_numel=lay.param_numel, whole_grad_numel=lay.whole_grad_numel)
+    if not grads_deferred:
+        held += deferred_weight_grad_bytes(config, param_numel=lay.param_numel, whole_grad_numel=lay.whole_grad_numel)
     freed = lay.loss_working_bytes + (
         lay.loss_saved_bytes - lay.held_output_bytes if not option.recompute.checkpoints_unit else 0.0
     )

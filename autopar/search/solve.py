@@ -211,6 +211,7 @@ class ConfigSolver:
             config.dp,
             config.dp_shard,
             config.pp > 1,
+            config.pp > 1 and config.schedule.zero_bubble,  # deferred weight gradients (cost.peak.footprint)
             modes,
         )
 

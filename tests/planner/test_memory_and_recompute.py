@@ -115,33 +115,40 @@ def test_zero0_parameters_under_replicate(dtype, dp, pipelined, tp, params):
     assert st.params_bytes == pytest.approx(params)
 
 
-def test_the_head_holds_its_logits_and_a_row_parallel_one_three_times():
-    """The pipeline schedule holds the model's output until that micro-batch's backward
-    (the loss saves its log-probabilities, not the logits): b s V 4 bytes more than the
-    same unit holds where it is not the last, a vocabulary-sharded (column) head its
-    shard, and a head whose output is all-reduced before the loss (row-parallel)
-    DTensor's two extra copies too."""
+def _gpt_head(dtype: DType, tp: int):
+    """A one-block GPT's config, its head unit and the head's context: the last unit, on
+    ``tp`` of 2 local devices, 4 samples a micro-batch."""
     from autopar.models import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=2048, seq_len=64, dim=128, n_layers=1, n_heads=4)
-    graph = extract(GPT(cfg), seq_len=cfg.seq_len, dtype=DType.FP32)
-    head = graph.profile_of(len(graph.units) - 1)
+    graph = extract(GPT(cfg), seq_len=cfg.seq_len, dtype=dtype)
     c = preset("local-cpu", devices_per_node=2)
-    b = 4
     ctx = TPContext(
-        tp=2,
-        span=group_span(2, 1, 2),
+        tp=tp,
+        span=group_span(tp, 1, 2),
         cluster=c,
-        rates=rates(c.device, DType.FP32),
-        micro_batch=b,
+        rates=rates(c.device, dtype),
+        micro_batch=4,
         tokens=cfg.seq_len,
         boundary=Layout.R,
         first=False,
         last=True,
         loss_parallel=True,
         sequence_parallel=False,
-        dtype=DType.FP32,
+        dtype=dtype,
     )
+    return cfg, graph.profile_of(len(graph.units) - 1), ctx
+
+
+def test_the_head_holds_its_logits_and_a_row_parallel_one_three_times():
+    """The pipeline schedule holds the model's output until that micro-batch's backward
+    (the loss saves its log-probabilities, not the logits): b s V 4 bytes more than the
+    same unit holds where it is not the last, a vocabulary-sharded (column) head its
+    shard, and a head whose output is all-reduced before the loss (row-parallel)
+    DTensor's two extra copies too."""
+
+    cfg, head, ctx = _gpt_head(DType.FP32, tp=2)
+    b = ctx.micro_batch
     inner = TPContext(**{**ctx.__dict__, "last": False})
     logits = b * cfg.seq_len * cfg.vocab_size * 4
     for style, output, extra in (
@@ -172,27 +179,9 @@ def test_the_loss_backward_holds_fp32_gradients_of_bf16_logits(tp, output):
     logits each), a vocabulary-parallel one a third, in shards; beyond the bf16 gradient
     it returns (the head's output gradient, in its working memory anyway), that is
     3 bf16 logits replicated and 5 shards vocabulary-parallel."""
-    from autopar.models import GPT, GPTConfig
 
-    cfg = GPTConfig(vocab_size=2048, seq_len=64, dim=128, n_layers=1, n_heads=4)
-    graph = extract(GPT(cfg), seq_len=cfg.seq_len, dtype=DType.BF16)
-    head = graph.profile_of(len(graph.units) - 1)
-    c = preset("local-cpu", devices_per_node=2)
-    b = 4
-    ctx = TPContext(
-        tp=tp,
-        span=group_span(tp, 1, 2),
-        cluster=c,
-        rates=rates(c.device, DType.BF16),
-        micro_batch=b,
-        tokens=cfg.seq_len,
-        boundary=Layout.R,
-        first=False,
-        last=True,
-        loss_parallel=True,
-        sequence_parallel=False,
-        dtype=DType.BF16,
-    )
+    cfg, head, ctx = _gpt_head(DType.BF16, tp=tp)
+    b = ctx.micro_batch
     styles = tuple(TPStyle.COLUMN if leaf.name == "output" and tp > 1 else TPStyle.REPLICATE for leaf in head.leaves)
     shard = b * cfg.seq_len * cfg.vocab_size * 2 / tp
     cost = evaluate_layout(head, styles, output, ctx)

@@ -4,10 +4,10 @@ parallelism."""
 
 import pytest
 import torch
+from dry_memory import assert_rank0_allocation_measured
 
 import autopar
 from autopar.models.gpt import GPT, GPTConfig
-from autopar.runtime.dry_run import dry_run
 
 pytestmark = pytest.mark.multiprocess
 
@@ -42,10 +42,4 @@ def test_a_vocabulary_parallel_embedding_gradient_is_priced_whole(config):
     cluster = autopar.preset("dgx-h100", nodes=devices // 8)
     plan = autopar.estimate(_meta_gpt(), cluster, config, global_batch_size=gbs, seq_len=CFG.seq_len)
     assert plan.layer_strategies.tp["tok_embeddings"] is autopar.TPStyle.VOCAB
-    report = dry_run(_meta_gpt, plan, ranks=[0], measure=True)
-    assert report.ok, report.problems
-    rank = report.ranks[0]
-    assert rank.measured.peak_bytes == pytest.approx(rank.predicted_allocated_bytes, rel=0.03), (
-        rank.measured.peak_bytes,
-        rank.predicted_allocated_bytes,
-    )
+    assert_rank0_allocation_measured(_meta_gpt, plan)

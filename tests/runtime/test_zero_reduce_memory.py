@@ -4,10 +4,10 @@ unsharded gradients in bf16 beside FSDP2's fp32 reduce-scatter input."""
 
 import pytest
 import torch
+from dry_memory import assert_rank0_allocation_measured
 
 import autopar
 from autopar.models.gpt import GPT, GPTConfig
-from autopar.runtime.dry_run import dry_run
 
 pytestmark = pytest.mark.multiprocess
 
@@ -40,10 +40,4 @@ def test_a_bf16_unit_reduces_beside_its_bf16_gradients(config):
         global_batch_size=config["dp"] * 4,
         seq_len=CFG.seq_len,
     )
-    report = dry_run(_meta_gpt, plan, ranks=[0], measure=True)
-    assert report.ok, report.problems
-    rank = report.ranks[0]
-    assert rank.measured.peak_bytes == pytest.approx(rank.predicted_allocated_bytes, rel=0.03), (
-        rank.measured.peak_bytes,
-        rank.predicted_allocated_bytes,
-    )
+    assert_rank0_allocation_measured(_meta_gpt, plan)

@@ -132,6 +132,9 @@ class DryRunReport:
                     f"  {r.rank:<6} {_gib(m.peak_bytes):>13}   {_gib(r.predicted_allocated_bytes):>13}   "
                     f"{r.measured_over_predicted:5.3f}   {_gib(m.held_bytes):>15}   {m.seconds:7.1f} s"
                 )
+                if m.peak_phase_bytes:
+                    parts = " | ".join(f"{phase} {_gib(b)}" for phase, b in m.peak_phase_bytes.items() if b)
+                    lines.append(f"         at the peak, by when allocated: {parts}")
         return "\n".join(lines)
 
 

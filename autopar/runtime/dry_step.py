@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,7 +68,7 @@ from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from autopar.parallel_config import ParallelConfig
 from autopar.plan import Plan
 from autopar.runtime.job import Job
-from autopar.runtime.metrics import TensorBytesMeter
+from autopar.runtime.metrics import OPTIMIZER, TensorBytesMeter
 from autopar.runtime.pipeline import build_schedule
 from autopar.vocab import Schedule
 
@@ -83,11 +83,17 @@ class StepMemory:
         held_bytes: tensor bytes alive after the step (parameters, optimizer state; the
             gradients were released by ``zero_grad``).
         seconds: wall time of the measured step here.
+        peak_phase_bytes: ``peak_bytes`` by when those bytes were allocated
+            (``autopar.runtime.metrics.BEFORE_STEP``, ``FORWARD``, ``BACKWARD``,
+            ``OPTIMIZER``): what the step held from its start (parameters and optimizer
+            state), what its forwards left alive (activations, gathered parameters,
+            logits) and its backwards (gradients, recomputed activations).
     """
 
     peak_bytes: int
     held_bytes: int
     seconds: float
+    peak_phase_bytes: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -174,9 +180,8 @@ class FakeBytesMeter(TensorBytesMeter):
     def __init__(self, mode: FakeTensorMode, live: list[torch.Tensor]):
         self.mode = mode
         self._propagating = 0
-        super().__init__(torch.device("meta"))  # a fake tensor's storage is a meta storage (resizes are matched on it)
-        for t in live:
-            self._track(t)
+        # a fake tensor's storage is a meta storage (resizes are matched on it)
+        super().__init__(torch.device("meta"), live)
 
     def __enter__(self) -> FakeBytesMeter:
         propagate = self._propagate = ShardingPropagator._propagate_tensor_meta_non_cached
@@ -260,8 +265,14 @@ def measure_step(job: Job, plan: Plan, mode: FakeTensorMode | None, *, microbatc
         start = time.perf_counter()
         with meter:
             job._run_schedule((tokens,), tokens, [])
+            meter.phase = OPTIMIZER
             for o in inner:
                 o.step()
         seconds = time.perf_counter() - start
         opt.zero_grad()
-        return StepMemory(peak_bytes=meter.peak_bytes, held_bytes=meter.current_bytes, seconds=seconds)
+        return StepMemory(
+            peak_bytes=meter.peak_bytes,
+            held_bytes=meter.current_bytes,
+            seconds=seconds,
+            peak_phase_bytes=meter.peak_phase_bytes,
+        )

@@ -97,18 +97,42 @@ class MemoryMeter:
         return self._cpu.peak_bytes if self._cpu is not None else -1
 
 
+BEFORE_STEP, FORWARD, BACKWARD, OPTIMIZER = "before the step", "forward", "backward", "optimizer"
+"""When a storage got its bytes: alive when the meter started (parameters, optimizer
+state), or allocated or regrown in a forward, a backward (autograd running: gradients,
+recomputed activations, parameters gathered again) or the optimizer step."""
+
+
 class TensorBytesMeter(TorchDispatchMode):
-    """Live tensor-storage bytes on one device, and their peak (module docstring)."""
+    """Live tensor-storage bytes on one device, and their peak (module docstring), also
+    by when they were allocated (:data:`FORWARD`, ...): ``peak_phase_bytes`` splits the
+    peak. A storage regrown (FSDP2's all-gather into a freed parameter) counts in the
+    phase that regrew it.
+
+    Attributes:
+        phase: the phase new bytes count in; None: forward or backward, as autograd
+            says (set it to :data:`OPTIMIZER` around an optimizer step).
+    """
 
     def __init__(self, device: torch.device, live: Iterable[torch.Tensor] = ()):
         super().__init__()
         self.device = device
         self._bytes: dict[int, int] = {}
+        self._phase_of: dict[int, str] = {}
         self._refs: dict[int, weakref.ref] = {}
         self.current_bytes = 0
         self.peak_bytes = 0
+        self.phase_bytes: dict[str, int] = dict.fromkeys((BEFORE_STEP, FORWARD, BACKWARD, OPTIMIZER), 0)
+        self.peak_phase_bytes = dict(self.phase_bytes)
+        self.phase: str | None = BEFORE_STEP
         for t in live:
             self._track(t)
+        self.phase = None
+
+    def _current_phase(self) -> str:
+        if self.phase is not None:
+            return self.phase
+        return BACKWARD if torch._C._current_graph_task_id() >= 0 else FORWARD
 
     def _track(self, t: Any) -> None:
         if isinstance(t, DTensor):
@@ -130,6 +154,7 @@ class TensorBytesMeter(TorchDispatchMode):
     def _watch(self, storage: torch.UntypedStorage) -> None:
         key = storage._cdata
         self._bytes[key] = 0
+        self._phase_of[key] = self._current_phase()
         self._refs[key] = weakref.ref(storage, lambda _r, k=key: self._free(k))
         self._resized(storage)
 
@@ -138,13 +163,25 @@ class TensorBytesMeter(TorchDispatchMode):
         if key not in self._bytes:
             self._watch(storage)  # grown from 0 bytes before the step began: an allocation now
             return
-        size = storage.nbytes()
-        self.current_bytes += size - self._bytes[key]
+        size, old = storage.nbytes(), self._bytes[key]
+        if size > old:  # (re)grown: all of it counts in the phase growing it
+            self.phase_bytes[self._phase_of[key]] -= old
+            self._phase_of[key] = self._current_phase()
+            self.phase_bytes[self._phase_of[key]] += size
+        else:
+            self.phase_bytes[self._phase_of[key]] += size - old
+        self.current_bytes += size - old
         self._bytes[key] = size
-        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        if self.current_bytes > self.peak_bytes:
+            self.peak_bytes = self.current_bytes
+            self.peak_phase_bytes = dict(self.phase_bytes)
 
     def _free(self, key: int) -> None:
-        self.current_bytes -= self._bytes.pop(key, 0)
+        freed = self._bytes.pop(key, 0)
+        self.current_bytes -= freed
+        phase = self._phase_of.pop(key, None)
+        if phase is not None:
+            self.phase_bytes[phase] -= freed
         self._refs.pop(key, None)
 
     def __enter__(self) -> TensorBytesMeter:

@@ -84,3 +84,28 @@ def test_a_shortened_step_peaks_as_the_whole_step(config, monkeypatch):
             w.measured,
             s.measured,
         )
+
+
+def _phases(rank, world, plan):
+    model = build("gpt")
+    numel, tensors = sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
+    job = parallelize(model, plan, loss_fn=cross_entropy, measure_memory=False)
+    step = measure_step(job, plan, None)
+    return step, numel, tensors
+
+
+def test_the_peak_is_split_by_when_its_bytes_were_allocated():
+    """One process, fp32, Adam, real tensors: the peak's parts add up to it; what it held
+    from before the step is the parameters and Adam's two moments and step counters (12
+    bytes per parameter and 4 per tensor, by hand); the rest was allocated by the forward
+    (activations, logits) and the backward (gradients), none by the optimizer step,
+    which runs after the peak."""
+    from autopar.runtime.metrics import BACKWARD, BEFORE_STEP, FORWARD, OPTIMIZER
+
+    plan = make_plan("gpt")
+    assert plan.settings.optimizer.value == "adam"
+    ((step, numel, tensors),) = run(_phases, 1, plan)
+    phases = step.peak_phase_bytes
+    assert sum(phases.values()) == step.peak_bytes
+    assert phases[BEFORE_STEP] == 12 * numel + 4 * tensors
+    assert phases[FORWARD] > 0 and phases[BACKWARD] > 0 and phases[OPTIMIZER] == 0

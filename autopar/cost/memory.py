@@ -215,7 +215,7 @@ def state_bytes(
             grads_bytes=(param_numel + beyond_shard) * GRAD_BYTES,
             optimizer_bytes=opt_sharded,
             # the unit's compute-precision gradients until its post-backward casts them
-            transient_bytes=(largest_unit_numel + whole_grad_numel * (1 - 1 / tp)) * copy,
+            transient_bytes=(largest_unit_numel + beyond_shard) * copy,
         )
     reduce_buffer = reduce_scatter_bytes(largest_unit_numel, dtype)
     if zero_stage == 2:
@@ -245,7 +245,7 @@ def held_grad_bytes(config: ParallelConfig, *, param_numel: float, whole_grad_nu
     replicate = uses_replicate(dp=config.state_shards, pipelined=config.pp > 1, tp=config.tp)
     if config.zero_stage >= 2 or not replicate or not copy:
         return 0.0
-    return (param_numel + whole_grad_numel * (1 - 1 / config.tp)) * copy
+    return _compute_grad_bytes(config, param_numel, whole_grad_numel)
 
 
 def fsdp_wrapped(config: ParallelConfig) -> bool:
@@ -277,7 +277,13 @@ def deferred_weight_grad_bytes(config: ParallelConfig, *, param_numel: float, wh
     copy = compute_copy_bytes(config.dtype)
     if config.pp == 1 or not config.schedule.zero_bubble or not fsdp_wrapped(config) or not copy:
         return 0.0
-    return (param_numel + whole_grad_numel * (1 - 1 / config.tp)) * copy
+    return _compute_grad_bytes(config, param_numel, whole_grad_numel)
+
+
+def _compute_grad_bytes(config: ParallelConfig, param_numel: float, whole_grad_numel: float) -> float:
+    """Compute-precision gradients of ``param_numel`` parameters held by a tensor-parallel
+    rank, those of split weights computed whole (``whole_grad_numel``) at their whole size."""
+    return (param_numel + whole_grad_numel * (1 - 1 / config.tp)) * compute_copy_bytes(config.dtype)
 
 
 def optimizer_step_bytes(optimizer: Optimizer) -> float:

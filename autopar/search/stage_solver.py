@@ -201,17 +201,13 @@ def _best_counts(k: int, opts: tuple[Priced, ...], room: float, inflight: float)
                 best_t, best = float(total), {idx[0]: n1, idx[1]: k - n1}
             continue
         slow = _splits(k, len(idx) - 2)
-        r = k - slow.sum(axis=1)
-        left = room - slow @ w[2:]
-        fits = r * w[1] <= left + 1e-9 * np.maximum(1.0, np.abs(left))
-        n1 = np.minimum(r, np.floor((left - r * w[1]) / (w[0] - w[1]) + 1e-12)).astype(np.int64)
-        total = n1 * t[0] + (r - n1) * t[1] + slow @ t[2:]
-        total = np.where(fits, total, np.inf)
+        total, fastest = _mix_totals(np.full((1, 1, 1), float(k)), room, list(w), list(t), slow.astype(np.float64))
+        total, fastest = total[0, 0], fastest[0, 0]
         j = int(np.argmin(total))
         if total[j] < best_t - 1e-15:
             best_t = float(total[j])
-            counts = [int(n1[j]), int(r[j] - n1[j]), *(int(c) for c in slow[j])]
-            best = dict(zip(idx, counts))
+            n1, rest = int(fastest[j]), k - int(slow[j].sum())
+            best = dict(zip(idx, [n1, rest - n1, *(int(c) for c in slow[j])]))
     if best is None:
         return None
     return best_t, {i: c for i, c in best.items() if c}
@@ -370,7 +366,7 @@ def _run_times(
         step = max(1, KERNEL_ELEMENTS // (rooms.shape[0] * len(slow)))
         for lo in range(0, wanted.size, step):
             part = slice(lo, lo + step)
-            best[:, part] = np.minimum(best[:, part], _mixed_times(n[:, part], rooms, w, t, slow))
+            best[:, part] = np.minimum(best[:, part], _mix_totals(n[:, part], rooms, w, t, slow)[0].min(axis=2))
     return best[0] if scalar else best
 
 
@@ -379,14 +375,16 @@ KERNEL_ELEMENTS = 1 << 22
 a deep stage with four options per layout runs in slices of its counts."""
 
 
-def _mixed_times(n: np.ndarray, rooms: np.ndarray, w: list, t: list, slow: np.ndarray) -> np.ndarray:
-    """``out[stage, count]`` for counts ``n`` (shape ``(1, W, 1)``): the fastest mix of a
-    layout's options, every row of ``slow`` (counts of the options slower than the
-    fastest two) tried and the fastest two splitting the rest in closed form."""
+def _mix_totals(n: np.ndarray, rooms: np.ndarray | float, w: list, t: list, slow: np.ndarray) -> tuple:
+    """The fastest mixes of a layout's options for counts ``n`` (shape ``(1, W, 1)``),
+    one per row of ``slow`` (counts of the options slower than the fastest two, the
+    last axis): ``(time, count of the fastest)``, each ``[stage, count, row]``, the time
+    infinite where the mix does not fit ``rooms``. The fastest two split the rest in
+    closed form: as many of the fastest as the memory left allows."""
     used = slow.sum(axis=1)[None, None, :]
     r = n - used
     left = rooms - sum((slow[None, None, :, j] * w[2 + j] for j in range(slow.shape[1])), np.zeros(1))
     ok = (used <= n) & ~(r * w[1] > left + 1e-9 * np.maximum(1.0, np.abs(left)))
     n1 = np.minimum(r, np.floor((left - r * w[1]) / (w[0] - w[1]) + 1e-12))
     total = n1 * t[0] + (r - n1) * t[1] + slow @ np.array(t[2:], dtype=np.float64)
-    return np.where(ok, total, np.inf).min(axis=2)
+    return np.where(ok, total, np.inf), n1

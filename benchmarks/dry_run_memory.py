@@ -128,8 +128,8 @@ def main() -> None:
         "(the first pipeline rank); one step on fake tensors at the full world size (fewer micro-batches where "
         "the others repeat one that ran: `autopar.runtime.dry_step.measured_microbatches`).",
         "",
-        "| case | plan | predicted peak | predicted allocation | measured peak | measured / predicted | held after step "
-        "| dry run (s) |",
+        "| case | plan | predicted peak | predicted allocation | measured peak | measured / predicted "
+        "| held after step | dry run (s) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for case in args.cases.split(","):

@@ -306,8 +306,8 @@ def torchtitan_rows() -> list[dict[str, object]]:
             _row(
                 "torchtitan Llama 3.1 8B",
                 gpus,
-                f"FSDP {gpus} (ZeRO-3) local batch 2, per-op selective recompute, {'compiled' if compiled else 'eager'} "
-                f"bf16{' + Float8' if fp8 else ''}",
+                f"FSDP {gpus} (ZeRO-3) local batch 2, per-op selective recompute, "
+                f"{'compiled' if compiled else 'eager'} bf16{' + Float8' if fp8 else ''}",
                 f"{tps} tokens/s",
                 f"{predicted:.0f} tokens/s",
                 predicted / tps,

@@ -13,9 +13,10 @@ recomputation, and the core's own intermediates are rebuilt from q, k and v in b
 
 Selective activation checkpointing with a policy saving every op but the core's was
 used for ``selective`` before and measured worse than no recomputation: it caches the
-output of *every* op in the unit, including those autograd never keeps (residual sums, the partial and the all-reduced outputs of row-parallel
-layers), so a tp=4 GPT held 95 MiB per rank with it against 63 without
-(benchmarks/results/measured_2026-11-29.md, gpt-56mib). The wrapper of ``full`` adds
+output of *every* op in the unit, including those autograd never keeps (residual sums,
+the partial and the all-reduced outputs of row-parallel layers), so a tp=4 GPT held
+95 MiB per rank with it against 63 without (benchmarks/results/measured_2026-11-29.md,
+gpt-56mib). The wrapper of ``full`` adds
 ``_checkpoint_wrapped_module`` to parameter names; :func:`clean_fqn` removes it
 (``torch.distributed.checkpoint`` does the same). Attention written as explicit
 matmuls and softmax (transformers' "eager" implementation) is not recognised: such a

@@ -1,8 +1,8 @@
 """Every solver against brute-force enumeration of the same cost model.
 
-The search is exact for its own cost model: the intra-op ILP, the stage knapsack, the
-pipeline-split DP, and the whole search (bounds, pruning and all) must find the optimum
-that exhaustive enumeration finds.
+The search is exact for its own cost model: the intra-op ILP, the pipeline-split DP, and
+the whole search (bounds, pruning and all) must find the optimum that exhaustive
+enumeration finds (the stage knapsack: ``test_stage_knapsack.py``).
 """
 
 import dataclasses
@@ -39,7 +39,6 @@ from autopar.models import (
     get_named_model,
 )
 from autopar.plan import ParallelConfig
-from autopar.search import stage_solver
 from autopar.search.bounds import TimeBound
 from autopar.search.intra_op import LayoutSolver, brute_force_layout
 from autopar.search.scan import ALL_MODES, search
@@ -47,11 +46,7 @@ from autopar.search.solve import ConfigSolver
 from autopar.search.space import check_constraints, enumerate_space
 from autopar.search.split import band_of, best_split, brute_force_split
 from autopar.search.stage_solver import (
-    Priced,
-    brute_force_stage,
-    homogeneous_times,
     memory_of,
-    solve_stage,
 )
 from autopar.vocab import DType, Layout, Optimizer, Schedule, TPStyle
 
@@ -171,76 +166,6 @@ def test_layout_ilp_on_a_real_block_is_megatron(tp, sp):
     norm = TPStyle.SEQUENCE if sp else TPStyle.REPLICATE
     assert styles["attention_norm"] is norm and styles["ffn_norm"] is norm
     assert cost.time_s == pytest.approx(brute_force_layout(block, _ctx(cluster, tp=tp, sp=sp)).time_s, rel=1e-12)
-
-
-def _random_groups(rng):
-    groups = []
-    for _ in range(rng.choice([1, 2, 3])):
-        k = rng.choice([1, 1, 2, 3, 4])
-        opts = []
-        for lay in range(rng.choice([1, 2])):
-            static = rng.uniform(0, 5)
-            for mode in range(rng.choice([1, 2, 3, 4])):  # none, selective, op, full
-                opts.append(
-                    Priced(
-                        time_s=rng.uniform(1, 2) * (1 + 0.3 * mode),
-                        static_bytes=static,
-                        act_bytes=rng.uniform(1, 10) / (1 + 3 * mode),
-                        transient_bytes=rng.uniform(0, 4),
-                        layout=lay,
-                    )
-                )
-        groups.append((k, tuple(opts)))
-    return groups
-
-
-@pytest.mark.parametrize("seed", range(60))
-def test_stage_knapsack_matches_brute_force(seed):
-    rng = random.Random(seed)
-    groups = _random_groups(rng)
-    budget, inflight = rng.uniform(5, 60), rng.choice([1.0, 2.0, 3.5])
-    got, want = solve_stage(groups, budget, inflight), brute_force_stage(groups, budget, inflight)
-    assert (got is None) == (want is None)
-    if got is not None:
-        assert got.time_s == pytest.approx(want.time_s, rel=1e-12)
-        assert got.memory_bytes <= budget * (1 + 1e-12)
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_vectorised_repeated_blocks_match_the_knapsack(seed):
-    rng = random.Random(100 + seed)
-    ((_, opts),) = [g for g in _random_groups(rng)][:1]
-    budget, inflight = rng.uniform(5, 80), rng.choice([1.0, 2.0, 3.5])
-    table = homogeneous_times(opts, 12, budget, inflight)
-    for n in range(1, 13):
-        found = solve_stage([(n, opts)], budget, inflight)
-        assert table[n] == (pytest.approx(found.time_s, rel=1e-12) if found else math.inf)
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_four_recompute_modes_per_layout_match_brute_force(seed, monkeypatch):
-    """Every layout with four options, each slower and smaller than the last (none,
-    selective, op, full): the closed form scans two slow counts, the vectorised table
-    the fourth's; both equal enumerating every assignment."""
-    rng = random.Random(500 + seed)
-    opts = []
-    for lay in range(rng.choice([1, 2])):
-        static, time_s, act = rng.uniform(0, 3), rng.uniform(1, 2), rng.uniform(6, 10)
-        for _ in range(4):
-            opts.append(Priced(time_s=time_s, static_bytes=static, act_bytes=act, transient_bytes=0.0, layout=lay))
-            time_s, act = time_s * rng.uniform(1.05, 1.5), act * rng.uniform(0.3, 0.9)
-    opts = tuple(opts)
-    inflight = rng.choice([1.0, 2.0])
-    k = rng.choice([3, 4, 5, 6])
-    budget = k * rng.uniform(3, 12)
-    got, want = solve_stage([(k, opts)], budget, inflight), brute_force_stage([(k, opts)], budget, inflight)
-    assert (got is None) == (want is None)
-    if got is not None:
-        assert got.time_s == pytest.approx(want.time_s, rel=1e-12)
-    table = homogeneous_times(opts, k, budget, inflight)
-    assert table[k] == (pytest.approx(want.time_s, rel=1e-12) if want else math.inf)
-    monkeypatch.setattr(stage_solver, "KERNEL_ELEMENTS", 1)  # one count per slice: the same table
-    assert np.array_equal(homogeneous_times(opts, k, budget, inflight), table)
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -1,0 +1,82 @@
+"""The stage knapsack (autopar.search.stage_solver) against brute-force enumeration:
+one option per unit, fastest under the stage's memory, by its closed form for groups
+of identical units, its vectorised table and its integer program."""
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from autopar.search import stage_solver
+from autopar.search.stage_solver import Priced, brute_force_stage, homogeneous_times, solve_stage
+
+
+def _random_groups(rng):
+    groups = []
+    for _ in range(rng.choice([1, 2, 3])):
+        k = rng.choice([1, 1, 2, 3, 4])
+        opts = []
+        for lay in range(rng.choice([1, 2])):
+            static = rng.uniform(0, 5)
+            for mode in range(rng.choice([1, 2, 3, 4])):  # none, selective, op, full
+                opts.append(
+                    Priced(
+                        time_s=rng.uniform(1, 2) * (1 + 0.3 * mode),
+                        static_bytes=static,
+                        act_bytes=rng.uniform(1, 10) / (1 + 3 * mode),
+                        transient_bytes=rng.uniform(0, 4),
+                        layout=lay,
+                    )
+                )
+        groups.append((k, tuple(opts)))
+    return groups
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_stage_knapsack_matches_brute_force(seed):
+    rng = random.Random(seed)
+    groups = _random_groups(rng)
+    budget, inflight = rng.uniform(5, 60), rng.choice([1.0, 2.0, 3.5])
+    got, want = solve_stage(groups, budget, inflight), brute_force_stage(groups, budget, inflight)
+    assert (got is None) == (want is None)
+    if got is not None:
+        assert got.time_s == pytest.approx(want.time_s, rel=1e-12)
+        assert got.memory_bytes <= budget * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_vectorised_repeated_blocks_match_the_knapsack(seed):
+    rng = random.Random(100 + seed)
+    ((_, opts),) = [g for g in _random_groups(rng)][:1]
+    budget, inflight = rng.uniform(5, 80), rng.choice([1.0, 2.0, 3.5])
+    table = homogeneous_times(opts, 12, budget, inflight)
+    for n in range(1, 13):
+        found = solve_stage([(n, opts)], budget, inflight)
+        assert table[n] == (pytest.approx(found.time_s, rel=1e-12) if found else math.inf)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_four_recompute_modes_per_layout_match_brute_force(seed, monkeypatch):
+    """Every layout with four options, each slower and smaller than the last (none,
+    selective, op, full): the closed form scans two slow counts, the vectorised table
+    the fourth's; both equal enumerating every assignment."""
+    rng = random.Random(500 + seed)
+    opts = []
+    for lay in range(rng.choice([1, 2])):
+        static, time_s, act = rng.uniform(0, 3), rng.uniform(1, 2), rng.uniform(6, 10)
+        for _ in range(4):
+            opts.append(Priced(time_s=time_s, static_bytes=static, act_bytes=act, transient_bytes=0.0, layout=lay))
+            time_s, act = time_s * rng.uniform(1.05, 1.5), act * rng.uniform(0.3, 0.9)
+    opts = tuple(opts)
+    inflight = rng.choice([1.0, 2.0])
+    k = rng.choice([3, 4, 5, 6])
+    budget = k * rng.uniform(3, 12)
+    got, want = solve_stage([(k, opts)], budget, inflight), brute_force_stage([(k, opts)], budget, inflight)
+    assert (got is None) == (want is None)
+    if got is not None:
+        assert got.time_s == pytest.approx(want.time_s, rel=1e-12)
+    table = homogeneous_times(opts, k, budget, inflight)
+    assert table[k] == (pytest.approx(want.time_s, rel=1e-12) if want else math.inf)
+    monkeypatch.setattr(stage_solver, "KERNEL_ELEMENTS", 1)  # one count per slice: the same table
+    assert np.array_equal(homogeneous_times(opts, k, budget, inflight), table)

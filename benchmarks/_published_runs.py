@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import autopar
+from autopar.vocab import DType
 
 # Narayanan et al. 2021, table 1 (A100 80GB, fp16, full recomputation, materialized attention).
 # (label, hidden, heads, layers, gpus, batch, tp, pp, published TFLOP/s per GPU incl. recompute)
@@ -211,16 +212,43 @@ def mixtral_8x7b(seq: int):
         return MoELlama(cfg)
 
 
-def grand_teton_h100(nodes: int) -> autopar.Cluster:
+# The dense peaks (TFLOP/s) of the two H100 parts torchtitan's footnote 2 brackets its 500 W HBM2e
+# H100 between: SXM5 (H100 datasheet) and NVL (the same datasheet's NVL column, 1671 BF16 and 3341
+# FP8 with sparsity, halved). The document does not know the exact value.
+H100_SXM_PEAKS = (989.0, 1979.0)
+H100_NVL_PEAKS = (835.5, 1670.5)
+
+HOPPER_FUSED_ATTENTION = 0.7
+"""Fraction of the bf16 peak a Hopper-native fused attention kernel reaches, for the runs that
+did not use torch's scaled_dot_product_attention: Transformer Engine's cuDNN attention (Megatron-
+Core) and Meta's own (Llama 3, kernel unstated). huggingface/transformers#48163 measures cuDNN's
+Hopper kernels 1.7-2.3x faster than FlashAttention-2 on training shapes, which reaches 35% of H100
+peak (FlashAttention-3 paper): 0.35 x 2.0 = 0.7, under FlashAttention-3's 75% forward."""
+
+
+def with_attention(cluster: autopar.Cluster, efficiency: float) -> autopar.Cluster:
+    """``cluster`` whose devices' fused attention kernel reaches ``efficiency`` of peak."""
+    device = cluster.device
+    roofline = replace(device.roofline, attention_efficiency=efficiency)
+    return replace(cluster, device=replace(device, roofline=roofline))
+
+
+def grand_teton_h100(nodes: int, peak_tflops: tuple[float, float] | None = None) -> autopar.Cluster:
     """torchtitan's H100 hosts as its benchmark describes them: the DGX H100 preset with 96 GB
-    of HBM2e at 2.4 TB/s per GPU (same NVLink, 400 Gb/s per GPU between hosts). Peak FLOP/s
-    stays the SXM datasheet's: the document says the 500 W part's peak lies between SXM and NVL."""
+    of HBM2e at 2.4 TB/s per GPU (same NVLink, 400 Gb/s per GPU between hosts), at the (bf16,
+    FP8) dense peaks ``peak_tflops``; by default the middle of the range its footnote gives
+    for the 500 W part (between the SXM and NVL peaks), within 9.2% of either end. Its attention is torch's scaled_dot_product_attention, as the preset assumes."""
+    low, high = H100_NVL_PEAKS, H100_SXM_PEAKS
+    bf16, fp8 = peak_tflops or ((low[0] + high[0]) / 2, (low[1] + high[1]) / 2)
     base = autopar.preset("dgx-h100", nodes=nodes)
     device = base.device
+    peaks = {
+        dtype: bf16 * 1e12 if dtype is not DType.FP32 else flops for dtype, flops in device.roofline.peak_flops.items()
+    }
     device = replace(
         device,
         name="H100-96GB-HBM2e-500W",
-        roofline=replace(device.roofline, memory_bandwidth_bytes_per_s=2.4e12),
+        roofline=replace(device.roofline, memory_bandwidth_bytes_per_s=2.4e12, peak_flops=peaks, fp8_flops=fp8 * 1e12),
         memory=replace(device.memory, capacity_bytes=96e9),
     )
     return replace(base, name=f"grand-teton-h100 x {nodes}", device=device)

@@ -31,11 +31,23 @@ class ComputeRates:
     bytes_per_s: float
     curve: tuple[tuple[float, float], ...] = ()
     fp8_matmul_flops_per_s: float = 0.0
+    attention_flops_per_s: float = 0.0
 
     def in_fp8(self) -> ComputeRates:
         """These rates with matmuls at the FP8 rate (:mod:`autopar.cost.fp8`)."""
         return ComputeRates(
             matmul_flops_per_s=self.fp8_matmul_flops_per_s,
+            vector_flops_per_s=self.vector_flops_per_s,
+            bytes_per_s=self.bytes_per_s,
+        )
+
+    def in_fused_attention(self) -> ComputeRates:
+        """These rates with matmuls at the fused attention kernel's rate, where the
+        device states one (``Roofline.attention_efficiency``); else unchanged."""
+        if not self.attention_flops_per_s:
+            return self
+        return ComputeRates(
+            matmul_flops_per_s=self.attention_flops_per_s,
             vector_flops_per_s=self.vector_flops_per_s,
             bytes_per_s=self.bytes_per_s,
         )
@@ -57,7 +69,8 @@ def rates(device: DeviceSpec, dtype: DType) -> ComputeRates:
         vector_flops_per_s=vector * roof.matmul_efficiency,
         bytes_per_s=roof.memory_bandwidth_bytes_per_s * roof.memory_efficiency,
         curve=tuple(roof.matmul_curves.get(dtype, ())),
-        fp8_matmul_flops_per_s=roof.fp8_flops * roof.matmul_efficiency,
+        fp8_matmul_flops_per_s=roof.fp8_flops * (roof.fp8_matmul_efficiency or roof.matmul_efficiency),
+        attention_flops_per_s=peak * roof.attention_efficiency if roof.attention_efficiency else 0.0,
     )
 
 

@@ -73,6 +73,8 @@ class TPContext:
             (:mod:`autopar.graph.fusion`) rather than those of its eager ops.
         fp8: the unit's linear layers multiply in FP8 where the runtime converts them
             (:mod:`autopar.cost.fp8`).
+        fused_attention: attention cores run one fused (flash) kernel, at the device's
+            attention rate (:meth:`autopar.cost.compute.ComputeRates.in_fused_attention`).
     """
 
     tp: int
@@ -97,6 +99,7 @@ class TPContext:
     routing_imbalance: float = 1.0
     compile: bool = False
     fp8: bool = False
+    fused_attention: bool = False
 
     @property
     def input_layout(self) -> Layout:
@@ -222,7 +225,8 @@ def glue_fwd_s(flow: Flow, layout: Layout, ctx: TPContext, *, attention_only: bo
     """Forward time of a flow's glue (or only its attention core) in ``layout``."""
     scale = ctx.micro_batch / (ctx.tp if layout in SHARDED else 1)
     attn_bytes, attn_ops = flow.attention(ctx.compile)
-    attn = work_s(matmul_flops=flow.attn_flops * scale, other_flops=0.0, nbytes=attn_bytes * scale, r=ctx.rates)
+    attn_rates = ctx.rates.in_fused_attention() if ctx.fused_attention else ctx.rates
+    attn = work_s(matmul_flops=flow.attn_flops * scale, other_flops=0.0, nbytes=attn_bytes * scale, r=attn_rates)
     attn += dispatch_s(ctx.host, attn_ops)
     if attention_only:
         return ctx.compute_scale * attn

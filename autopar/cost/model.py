@@ -16,7 +16,7 @@ from autopar.cost.leaf import TPContext
 from autopar.graph.layer_graph import LayerGraph
 from autopar.hardware.cluster import Cluster
 from autopar.plan import ParallelConfig
-from autopar.vocab import Layout, Optimizer
+from autopar.vocab import Attention, Layout, Optimizer
 
 ROUTING_IMBALANCE = 1.0
 """Dropless experts' default load factor: a router trained with a load-balancing loss
@@ -89,4 +89,5 @@ def tp_context(model: CostModel, unit: int, config: ParallelConfig) -> TPContext
         routing_imbalance=model.routing_imbalance,
         compile=config.compile and model.graph.units[unit].is_block,
         fp8=config.fp8 and model.graph.units[unit].is_block,
+        fused_attention=model.graph.attention is Attention.FLASH,
     )

@@ -67,6 +67,15 @@ class Roofline:
             interpolates it instead of using ``matmul_efficiency``.
         fp8_flops: dense FP8 tensor-core peak FLOP/s; 0 on a device without FP8
             matmuls (A100, V100, CPU processes), which plans with ``fp8=True`` refuse.
+        fp8_matmul_efficiency: fraction of ``fp8_flops`` a large FP8 matrix multiply
+            reaches (None: ``matmul_efficiency``); FP8 GEMMs stay further below their
+            peak than bf16 ones (the presets' sources say by how much).
+        attention_efficiency: fraction of the compute-precision peak the fused (flash)
+            attention kernel of the runtime's ``scaled_dot_product_attention`` reaches
+            (None: ``matmul_efficiency``, and a measured matmul curve where there is
+            one). Its softmax runs between the two matmuls of every tile, so it stays
+            below a GEMM, by how much depends on the kernel: materialized attention
+            runs ordinary batched matmuls and ignores it.
     """
 
     peak_flops: Mapping[DType, float]
@@ -75,9 +84,15 @@ class Roofline:
     memory_efficiency: float = 0.8
     matmul_curves: Mapping[DType, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     fp8_flops: float = 0.0
+    fp8_matmul_efficiency: float | None = None
+    attention_efficiency: float | None = None
 
     def __post_init__(self) -> None:
         owner = "roofline"
+        for name in ("fp8_matmul_efficiency", "attention_efficiency"):
+            if getattr(self, name) is not None:
+                value = _fraction(owner, name, getattr(self, name), zero_ok=False, one_ok=True, unit=" (or null)")
+                object.__setattr__(self, name, value)
         if isinstance(self.fp8_flops, bool) or not isinstance(self.fp8_flops, (int, float)) or self.fp8_flops < 0:
             raise ClusterError(
                 f"roofline fp8_flops={self.fp8_flops!r} is not allowed: give the dense FP8 peak in FLOP/s, or 0 "

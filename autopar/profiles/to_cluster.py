@@ -182,6 +182,8 @@ def _device(found: tuple[str, DeviceProfile], base: Cluster | None, per_node: in
             memory_efficiency=1.0,
             matmul_curves=curves,
             fp8_flops=bdev.roofline.fp8_flops if base is not None else 0.0,
+            fp8_matmul_efficiency=bdev.roofline.fp8_matmul_efficiency if base is not None else None,
+            attention_efficiency=bdev.roofline.attention_efficiency if base is not None else None,
         ),
         memory=DeviceMemory(capacity_bytes=memory, reserved_bytes=reserved),
         host=HostEffects(

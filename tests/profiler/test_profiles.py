@@ -352,3 +352,15 @@ def test_a_gpu_base_keeps_its_fp8_peak_and_a_measured_device_alone_has_none():
     assert h100.device.roofline.fp8_flops == 1979e12
     alone = cluster_from_profiles([gpu, network(kind="cuda", node_of_rank=("n0",) * 8)])
     assert alone.device.roofline.fp8_flops == 0.0
+
+
+def test_a_gpu_base_keeps_its_attention_and_fp8_efficiencies():
+    """A profile measures GEMMs, not the fused attention kernel nor FP8 GEMMs: the base's
+    stated efficiencies for both stay; a device measured without a base states none."""
+    gpu = device(rate_flop_per_s=7e14, bandwidth=3e12, kind="cuda", dtypes=("bf16", "fp32"), memory_bytes=80 * 2**30)
+    base = preset("dgx-h100", nodes=2).device.roofline
+    roof = cluster_from_profiles([gpu, network(kind="cuda")], base=preset("dgx-h100", nodes=2)).device.roofline
+    assert (roof.attention_efficiency, roof.fp8_matmul_efficiency) == (0.35, 0.709)
+    assert (base.attention_efficiency, base.fp8_matmul_efficiency) == (0.35, 0.709)
+    alone = cluster_from_profiles([gpu, network(kind="cuda", node_of_rank=("n0",) * 8)]).device.roofline
+    assert (alone.attention_efficiency, alone.fp8_matmul_efficiency) == (None, None)

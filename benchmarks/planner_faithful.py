@@ -299,15 +299,23 @@ def bloom_row() -> dict[str, object]:
 
 def main() -> None:
     """Score every row, print and write the table, summary, strong-scaling series and candidates."""
+    sources = {
+        "Megatron-LM, A100 (Narayanan 2021, Korthikanti 2022)": lambda: narayanan_rows() + korthikanti_rows(),
+        "Megatron-DeepSpeed, A100 (MT-NLG 530B, BLOOM 176B)": lambda: [*mt_nlg_rows(), bloom_row()],
+        "Llama 3 405B, H100 (Meta)": llama3_rows,
+        "Megatron-Core, H100 (GPT 1.7B-462B, Mixtral 8x7B)": lambda: [*megatron_core_rows(), mixtral_row()],
+        "torchtitan, H100 and H200 (Llama 3.1 8B and 70B)": torchtitan_rows,
+    }
     rows: list[dict[str, object]] = []
-    for group in (narayanan_rows, korthikanti_rows, mt_nlg_rows, llama3_rows, megatron_core_rows, torchtitan_rows):
-        for scored in group():
-            rows.append(scored)
+    by_source: dict[str, list[dict[str, object]]] = {}
+    for source, make in sources.items():
+        by_source[source] = make()
+        for scored in by_source[source]:
             print(scored, flush=True)
-    for single in (mixtral_row, bloom_row):
-        rows.append(single())
-        print(rows[-1], flush=True)
-    body = markdown_table(rows) + "\n\n" + _summary(rows) + "\n\n" + _strong_scaling(rows) + "\n\n" + _not_scored()
+        rows += by_source[source]
+    body = "\n\n".join(
+        [markdown_table(rows), _summary(rows), _by_source(by_source), _strong_scaling(rows), _not_scored()]
+    )
     csv_path = write_csv("planner_faithful", rows)
     print(body)
     print(
@@ -319,7 +327,7 @@ def main() -> None:
 
 def _summary(rows: list[dict[str, object]]) -> str:
     """Mean and worst absolute error and the false out-of-memory rows, named."""
-    errors = [abs(float(str(r["error"]).rstrip("%"))) for r in rows]
+    errors = _errors(rows)
     false_ooms = [f"{r['run']} on {r['GPUs']} GPUs" for r in rows if r["fits"] != "yes"]
     worst = max(range(len(rows)), key=lambda i: errors[i])
     return (
@@ -332,6 +340,19 @@ def _summary(rows: list[dict[str, object]]) -> str:
         f"Transformer Engine's and Meta's Hopper attention at {HOPPER_FUSED_ATTENTION} of peak, torchtitan's "
         f"500 W H100 at the middle of the peak range its footnote gives."
     )
+
+
+def _errors(rows: list[dict[str, object]]) -> list[float]:
+    return [abs(float(str(r["error"]).rstrip("%"))) for r in rows]
+
+
+def _by_source(by_source: dict[str, list[dict[str, object]]]) -> str:
+    """Mean and worst absolute error of each framework's runs (what README shows)."""
+    lines = ["| runs of | count | mean error | worst error |", "|---|---|---|---|"]
+    for source, rows in by_source.items():
+        errors = _errors(rows)
+        lines.append(f"| {source} | {len(rows)} | {sum(errors) / len(errors):.1f}% | {max(errors):.1f}% |")
+    return "\n".join(lines)
 
 
 def _strong_scaling(rows: list[dict[str, object]]) -> str:

@@ -5,7 +5,8 @@ wrong plan raises a typed error everywhere before any collective (world size, mo
 fingerprint, units, schedule, tensor-parallel styles). Then, in torchtitan's order:
 device mesh -> cut to this rank's stages -> FP8 linears in the blocks
 (:mod:`autopar.runtime.fp8`, when the plan asks) -> tensor parallel -> activation
-checkpointing -> compiled blocks (:mod:`autopar.runtime.compile`; not in dry runs) ->
+checkpointing -> compiled blocks (:mod:`autopar.runtime.compile`; not in dry runs; an ``async_tp``
+plan first registers the tensor-parallel group for symmetric memory, :mod:`autopar.runtime.async_tp`) ->
 FSDP2 (sharding on the meta device when the model is there) ->
 materialisation of a meta model -> DDP -> ``PipelineStage`` and the schedule.
 """
@@ -28,6 +29,7 @@ from autopar.graph.extract import extract
 from autopar.graph.units import model_fingerprint
 from autopar.plan import Plan
 from autopar.runtime.agreement import check_agreement
+from autopar.runtime.async_tp import check_async_tp, enable_async_tp
 from autopar.runtime.compile import compile_blocks
 from autopar.runtime.context_parallel import bind_positions, check_context_parallel, local_positions, position_keyword
 from autopar.runtime.data_parallel import DataParallelSpec, apply_data_parallel
@@ -150,6 +152,9 @@ def parallelize(
         )
     device = torch.device(device) if device is not None else _default_device()
     float8 = check_fp8(plan.config.compile and materialize, device) if plan.config.fp8 else None
+    async_tp = plan.config.async_tp and materialize  # a dry run compiles nothing: its collectives run synchronously
+    if async_tp:
+        check_async_tp(device)
     check_agreement(plan, model_fingerprint(model))
     dims.check_world_size(dist.get_world_size())
     analysis = analysis or analyse(model, plan, sample_input=sample_input)
@@ -179,6 +184,8 @@ def parallelize(
     replicas = weight_replicas_mesh(mesh, dims, device.type)
     dp_mesh = data_parallel_mesh(replicas, dims, device.type)
     experts_mesh = expert_meshes(replicas, dims, device.type) if dims.ep > 1 else None
+    if async_tp:
+        enable_async_tp(mesh["tp"], device)
     compiled: list[str] = []
     for stage, i in zip(stages, indices):
         if positions is not None:
@@ -229,6 +236,7 @@ def parallelize(
         scaler=scaler,
         skips=SkipCounter(max_consecutive_skips=max_consecutive_skips),
         compiled_blocks=tuple(compiled),
+        async_tp=async_tp,
     )
     return Job(parts)
 

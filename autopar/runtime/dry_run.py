@@ -13,7 +13,10 @@ With ``measure=True`` each chosen rank also runs one training step on fake tenso
 the plan's predicted allocation for that rank (its peak less the device's reserve).
 A plan with compiled blocks (``compile=True``) runs them eager here: compiling needs
 real tensors, and eager memory is the upper bound the planner prices for compiled
-blocks too (:mod:`autopar.runtime.compile`); the report says so.
+blocks too (:mod:`autopar.runtime.compile`); the report says so. An ``async_tp`` plan,
+whose fused collectives live in those compiled blocks, therefore runs its
+tensor-parallel collectives synchronously here, and the report says async TP was not
+exercised.
 
 Reported problems: names the plan uses that the model lacks (or the reverse), stage
 assignments that do not cover the model's units exactly once, tensor-parallel splits a
@@ -88,13 +91,15 @@ class RankReport:
 @dataclass(frozen=True, kw_only=True)
 class DryRunReport:
     """The outcome of :func:`dry_run`. ``eager_blocks``: the plan compiles its blocks,
-    which the dry run ran eager."""
+    which the dry run ran eager. ``synchronous_tp``: the plan fuses its tensor-parallel
+    collectives into those blocks' matmuls (``async_tp``), which the dry run did not."""
 
     plan: str
     world_size: int
     problems: tuple[str, ...]
     ranks: tuple[RankReport, ...]
     eager_blocks: bool = False
+    synchronous_tp: bool = False
 
     @property
     def ok(self) -> bool:
@@ -111,6 +116,11 @@ class DryRunReport:
         if self.eager_blocks:
             lines.append(
                 "  note: the plan compiles its blocks; the dry run runs them eager (eager memory, an upper bound)"
+            )
+        if self.synchronous_tp:
+            lines.append(
+                "  note: async TP was not exercised: the dry run runs the tensor-parallel collectives synchronously "
+                "(async_tp fuses them into compiled matmuls on CUDA only)"
             )
         if self.ranks:
             lines.append("  rank  (pp,dp,cp,tp)  stages      params held   predicted params   predicted peak")
@@ -202,6 +212,7 @@ def dry_run(
         problems=tuple(problems),
         ranks=tuple(reports),
         eager_blocks=plan.config.compile,
+        synchronous_tp=plan.config.async_tp,
     )
 
 

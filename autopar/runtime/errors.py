@@ -57,3 +57,8 @@ class CompileError(AutoparError):
 class FP8Error(ConfigError):
     """A plan with ``fp8=True`` cannot run here: torchao is missing, or FP8 is combined
     with a choice the runtime does not run with it (:mod:`autopar.runtime.fp8`)."""
+
+
+class AsyncTPError(ConfigError):
+    """A plan with ``async_tp=True`` cannot run here: asynchronous tensor parallelism
+    needs CUDA devices (:mod:`autopar.runtime.async_tp`)."""

@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 from autopar.errors import ConfigError
 from autopar.plan import Plan
 from autopar.runtime import checkpoint as ckpt
+from autopar.runtime.async_tp import micro_pipeline_tp
 from autopar.runtime.compile import compile_failures
 from autopar.runtime.context_parallel import check_sequence, shard_sequence
 from autopar.runtime.errors import JobError
@@ -68,6 +69,9 @@ class JobParts:
         skips: counts steps skipped for non-finite values (:mod:`autopar.runtime.finite`).
         compiled_blocks: the blocks of the local stages that run compiled
             (:mod:`autopar.runtime.compile`), named when their backward fails to compile.
+        async_tp: the steps run with inductor's micro-pipeline TP pass on, so the blocks
+            compile with their tensor-parallel collectives fused into their matmuls
+            (:mod:`autopar.runtime.async_tp`).
         metrics: one record per step.
     """
 
@@ -88,6 +92,7 @@ class JobParts:
     scaler: LossScaler | None = None
     skips: SkipCounter = field(default_factory=SkipCounter)
     compiled_blocks: tuple[str, ...] = ()
+    async_tp: bool = False
     metrics: list[StepMetrics] = field(default_factory=list)
 
 
@@ -246,7 +251,8 @@ class Job:
         on the first stage, targets and ``losses`` on the last."""
         cp = ring_attention(self.mesh[MeshAxis.CP.value]) if self.dims.cp > 1 else contextlib.nullcontext()
         parallel_loss = loss_parallel() if self._p.loss_parallel else contextlib.nullcontext()
-        with cp, parallel_loss, compile_failures(list(self._p.compiled_blocks)):
+        fused_tp = micro_pipeline_tp() if self._p.async_tp else contextlib.nullcontext()
+        with cp, parallel_loss, fused_tp, compile_failures(list(self._p.compiled_blocks)):
             # return_outputs=False: the last stage would otherwise keep every micro-batch's
             # output (the logits) until the step ends, which the planner does not budget
             if self.is_first_stage and self.is_last_stage:

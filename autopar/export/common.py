@@ -238,15 +238,22 @@ CP_EXCHANGE = (
 framework offers another by default."""
 
 
-def kernel_options_note(plan: Plan, framework: str) -> str | None:
-    """The plan's compiled blocks and FP8 matmuls, for an export that does not carry them
-    over; None when the plan has neither."""
+def kernel_options_note(plan: Plan, framework: str, *, writes_async_tp: bool = False) -> str | None:
+    """The plan's compiled blocks, FP8 matmuls and asynchronous tensor parallelism, for an
+    export that does not carry them over (``writes_async_tp``: it writes its own flag for
+    the last); None when the plan has none of them."""
     c = plan.config
-    missing = [what for on, what in ((c.compile, "compiled blocks"), (c.fp8, "FP8 matmuls")) if on]
+    options = (
+        (c.compile, "compiled blocks"),
+        (c.fp8, "FP8 matmuls"),
+        (c.async_tp and not writes_async_tp, "asynchronous tensor parallelism"),
+    )
+    missing = [what for on, what in options if on]
     if not missing:
         return None
+    listed = missing[0] if len(missing) == 1 else f"{', '.join(missing[:-1])} and {missing[-1]}"
     return (
-        f"the plan's {' and '.join(missing)} are not written for {framework}: its prediction assumes them; turn on "
+        f"the plan's {listed} are not written for {framework}: its prediction assumes them; turn on "
         f"{framework}'s own equivalent, or expect a slower step"
     )
 

@@ -32,6 +32,13 @@ from autopar.vocab import DType, Optimizer, Recompute, Schedule
 
 SCRIPT = "pretrain_gpt.py"
 """Megatron-LM's GPT pre-training entry point (Llama-style models run through it too)."""
+TP_COMM_OVERLAP_NOTE = (
+    "the plan's asynchronous tensor parallelism is torch's micro-pipeline TP (inductor fuses the sequence-parallel "
+    "all-gathers and reduce-scatters into the compiled blocks' matmuls); --tp-comm-overlap is Transformer Engine's "
+    "userbuffers overlap, a different mechanism overlapping the same collectives (it needs Transformer Engine's "
+    "layers), so how much of them hides, and the step time, may differ from the prediction"
+)
+"""What ``--tp-comm-overlap`` stands for when it carries a plan's ``async_tp``."""
 
 
 def export_megatron(plan: Plan, shape: ModelShape | None) -> Export:
@@ -48,13 +55,16 @@ def export_megatron(plan: Plan, shape: ModelShape | None) -> Export:
         "--pipeline-model-parallel-size",
         str(c.pp),
     ]
-    kernels = kernel_options_note(plan, "Megatron-LM")
+    kernels = kernel_options_note(plan, "Megatron-LM", writes_async_tp=True)
     if kernels:
         notes.append(kernels)
     args += _context_parallel_args(plan, notes, info)
     args += _expert_args(plan, shape, notes, info)
     if c.sequence_parallel:
         args.append("--sequence-parallel")
+    if c.async_tp:
+        args.append("--tp-comm-overlap")
+        notes.append(TP_COMM_OVERLAP_NOTE)
     args += _pipeline_args(plan, blocks, notes, info)
     args += ["--micro-batch-size", str(c.micro_batch_size), "--global-batch-size", str(c.global_batch_size)]
     args += _data_parallel_args(plan, notes)

@@ -63,7 +63,8 @@ def export_torchtitan(plan: Plan, shape: ModelShape | None) -> Export:
     blocks = blocks_of(plan)
     notes: list[str] = []
     parallelism = {**_data_parallel(plan, notes), "tensor_parallel_degree": c.tp}
-    parallelism["enable_async_tensor_parallel"] = False
+    # torch's micro-pipeline TP in the compiled blocks, as autopar's runtime enables it
+    parallelism["enable_async_tensor_parallel"] = c.async_tp
     parallelism["pipeline_parallel_degree"] = c.pp
     parallelism["pipeline_parallel_schedule"] = SCHEDULES[c.schedule]
     parallelism["pipeline_parallel_microbatch_size"] = c.micro_batch_size

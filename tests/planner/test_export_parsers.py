@@ -50,7 +50,8 @@ def llama_plan():
 @pytest.fixture()
 def cases(gpt2_plan, pipelined_plan, llama_plan):
     """Plans that cover every mapping: ZeRO 0-3, pipelining even, uneven and interleaved,
-    recompute uniform (each mode) and per block, fp16, context parallelism, compiled blocks with FP8."""
+    recompute uniform (each mode) and per block, fp16, context parallelism, compiled blocks with FP8,
+    asynchronous tensor parallelism."""
     llama, _ = llama_plan
     full = {f"layers.{i}": Recompute.FULL for i in (0, 1, 2, 20, 21, 22)}
     return {
@@ -67,6 +68,7 @@ def cases(gpt2_plan, pipelined_plan, llama_plan):
         "gpt-tp-pp-cp": variant(pipelined_plan, dp=1, cp=2, zero_stage=1),
         "llama-compiled-fp8": variant(llama, compile=True, fp8=True),
         "llama-op-recompute": variant(llama, recompute=Recompute.OP),
+        "llama-async-tp": variant(llama, sequence_parallel=True, compile=True, async_tp=True),
     }
 
 
@@ -130,6 +132,7 @@ def test_torchtitan_parses_every_export(cases, tmp_path, monkeypatch):
         if not plan.layer_strategies.recompute:
             assert job.activation_checkpoint.mode == expected, name
         assert job.compile.enable == c.compile and (not c.compile or job.compile.components == ["model"]), name
+        assert p.enable_async_tensor_parallel == c.async_tp, name
         float8 = job.quantize.linear.float8
         assert (float8.recipe_name, float8.filter_fqns) == (("tensorwise", ["output"]) if c.fp8 else (None, [])), name
 
@@ -209,6 +212,7 @@ MEGATRON_FLAGS = {
     # documents and Transformer Engine accepts (the help text's "allgather" is neither)
     "--cp-comm-type": (str, ["p2p", "all_gather", "a2a", "a2a+p2p"]),
     "--sequence-parallel": (None, None),
+    "--tp-comm-overlap": (None, None),
     "--num-layers-per-virtual-pipeline-stage": (int, None),
     "--decoder-first-pipeline-num-layers": (int, None),
     "--decoder-last-pipeline-num-layers": (int, None),

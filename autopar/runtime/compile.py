@@ -25,7 +25,9 @@ shapes change; the backward's graph is compiled at the first backward through it
 failure raises :class:`~autopar.runtime.errors.CompileError` with the compiler's own
 first line and the original exception chained, naming the block (forward) or the blocks
 whose backward it is (:func:`compile_failures`, around the step's schedule): the plan
-can be remade with ``compile=False``. A measured dry run (fake tensors,
+can be remade with ``compile=False``. An ``async_tp`` plan compiles them with inductor's
+micro-pipeline TP pass on, which fuses their sequence-parallel collectives into their
+matmuls (:mod:`autopar.runtime.async_tp`). A measured dry run (fake tensors,
 :mod:`autopar.runtime.dry_step`) runs the blocks eager: compiling needs real tensors,
 and eager memory is the upper bound the planner prices for compiled blocks too. Nor
 does dynamo compile under a dispatch mode, which is how a CPU step measures its memory

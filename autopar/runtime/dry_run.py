@@ -11,6 +11,9 @@ the plan's prediction.
 With ``measure=True`` each chosen rank also runs one training step on fake tensors
 (:mod:`autopar.runtime.dry_step`), and its measured peak of tensor bytes is set beside
 the plan's predicted allocation for that rank (its peak less the device's reserve).
+Dropless experts under expert parallelism run there at the routing the plan prices
+(balanced, or the plan's routing imbalance: :mod:`autopar.runtime.assumed_routing`),
+since fake tensors have no routing to count; the report says so.
 A plan with compiled blocks (``compile=True``) runs them eager here: compiling needs
 real tensors, and eager memory is the upper bound the planner prices for compiled
 blocks too (:mod:`autopar.runtime.compile`); the report says so.
@@ -47,6 +50,7 @@ from autopar.runtime.dry_step import (
     measure_step,
     measured_microbatches,
 )
+from autopar.runtime.expert_parallel import experts_modules, is_routed_experts
 from autopar.runtime.hf import is_conv1d
 from autopar.runtime.local import cross_entropy
 from autopar.runtime.mesh import MeshDims
@@ -88,13 +92,17 @@ class RankReport:
 @dataclass(frozen=True, kw_only=True)
 class DryRunReport:
     """The outcome of :func:`dry_run`. ``eager_blocks``: the plan compiles its blocks,
-    which the dry run ran eager."""
+    which the dry run ran eager. ``assumed_routing``: the routing imbalance the measured
+    steps assumed for dropless experts under expert parallelism (1: balanced; fake
+    tensors have no routing, :mod:`autopar.runtime.assumed_routing`), None where no
+    such experts ran."""
 
     plan: str
     world_size: int
     problems: tuple[str, ...]
     ranks: tuple[RankReport, ...]
     eager_blocks: bool = False
+    assumed_routing: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -112,6 +120,8 @@ class DryRunReport:
             lines.append(
                 "  note: the plan compiles its blocks; the dry run runs them eager (eager memory, an upper bound)"
             )
+        if self.assumed_routing is not None:
+            lines.append(f"  note: {_routing_note(self.assumed_routing)}")
         if self.ranks:
             lines.append("  rank  (pp,dp,cp,tp)  stages      params held   predicted params   predicted peak")
             for r in self.ranks:
@@ -136,6 +146,18 @@ class DryRunReport:
                     parts = " | ".join(f"{phase} {_gib(b)}" for phase, b in m.peak_phase_bytes.items() if b)
                     lines.append(f"         at the peak, by when allocated: {parts}")
         return "\n".join(lines)
+
+
+def _routing_note(imbalance: float) -> str:
+    if imbalance == 1.0:
+        return (
+            "dropless experts measured at balanced routing (each expert receives tokens x top_k / experts rows), "
+            "as the plan prices them; a skewed router holds more"
+        )
+    return (
+        f"dropless experts measured at the plan's routing imbalance (this rank receives {imbalance:g}x its "
+        f"balanced rows), as the plan prices them"
+    )
 
 
 def _gib(n: float) -> str:
@@ -202,7 +224,15 @@ def dry_run(
         problems=tuple(problems),
         ranks=tuple(reports),
         eager_blocks=plan.config.compile,
+        assumed_routing=_assumed_routing(model, plan) if measure and reports else None,
     )
+
+
+def _assumed_routing(model: nn.Module, plan: Plan) -> float | None:
+    """The routing imbalance a measured step of ``plan`` assumes for ``model``'s dropless
+    experts: the plan's, under expert parallelism; None without such experts or ``ep``."""
+    dropless = any(is_routed_experts(m) for m in experts_modules(model).values())
+    return plan.settings.routing_imbalance if plan.config.ep > 1 and dropless else None
 
 
 def coverage_problems(model: nn.Module, plan: Plan) -> list[str]:

@@ -54,7 +54,7 @@ from autopar.runtime.expert_parallel import experts_modules, is_routed_experts
 from autopar.runtime.hf import is_conv1d
 from autopar.runtime.local import cross_entropy
 from autopar.runtime.mesh import MeshDims
-from autopar.vocab import TPStyle
+from autopar.vocab import DType, TPStyle
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,6 +199,8 @@ def dry_run(
         problems.append(
             "a measured dry run needs a token model (its step feeds token ids); this one takes sample_input"
         )
+    if measure:
+        problems += grouped_experts_problems(model, plan)
     reports: list[RankReport] = []
     if analysis is not None and not problems:
         chosen = ranks if ranks is not None else [dims.rank_at(p, 0, 0, 0) for p in range(dims.pp)]
@@ -226,6 +228,27 @@ def dry_run(
         eager_blocks=plan.config.compile,
         assumed_routing=_assumed_routing(model, plan) if measure and reports else None,
     )
+
+
+def grouped_experts_problems(model: nn.Module, plan: Plan) -> list[str]:
+    """Transformers experts modules a measured step cannot run at the plan's precision:
+    those running grouped matmuls (``_experts_implementation = "grouped_mm"``), whose
+    fake kernel takes bf16 only (torch's, as CUDA's), outside a bf16 plan. One problem
+    naming the first of them."""
+    if plan.config.dtype is DType.BF16:
+        return []
+    grouped = [
+        name
+        for name, m in experts_modules(model).items()
+        if is_routed_experts(m) and getattr(getattr(m, "config", None), "_experts_implementation", None) == "grouped_mm"
+    ]
+    if not grouped:
+        return []
+    return [
+        f"a measured dry run cannot run {len(grouped)} experts module(s) ({grouped[0]!r}, ...) in "
+        f"{plan.config.dtype.value}: transformers runs them as grouped matmuls, which torch's fake tensors take in "
+        f"bf16 only; measure the plan at dtype='bf16', or dry-run it without measuring"
+    ]
 
 
 def _assumed_routing(model: nn.Module, plan: Plan) -> float | None:

@@ -247,6 +247,13 @@ def test_a_measured_dry_run_splits_the_experts():
     assert report.assumed_routing is None  # capacity buffers: no routing assumed
 
 
+def _meta_mixtral():
+    from test_models import mixtral
+
+    with torch.device("meta"):
+        return mixtral()
+
+
 def _balanced_routers(model, tokens):
     """Make every router of the tiny Mixtral pick a perfectly balanced pattern: token
     ``t``'s ``j``-th choice is expert ``(t * top_k + j) mod experts``, so each expert gets
@@ -297,13 +304,9 @@ def test_a_measured_dry_run_runs_dropless_experts_at_balanced_routing():
 
     from autopar.runtime.dry_run import dry_run
 
-    def meta_mixtral():
-        with torch.device("meta"):
-            return mixtral()
-
     plan = with_ep(make(mixtral(), dp=2, zero_stage=3, dtype="bf16"), 2)
     real = run(_balanced_peak, 2, plan, timeout_s=120)
-    report = dry_run(meta_mixtral, plan, ranks=[0, 1], measure=True)
+    report = dry_run(_meta_mixtral, plan, ranks=[0, 1], measure=True)
     assert report.ok, report.problems
     assert report.assumed_routing == 1.0
     assert "dropless experts measured at balanced routing" in report.to_text()
@@ -311,6 +314,21 @@ def test_a_measured_dry_run_runs_dropless_experts_at_balanced_routing():
         peak, held = real[r.rank]
         assert r.measured.peak_bytes == pytest.approx(peak, rel=0.02), (r.rank, r.measured, peak)
         assert r.measured.held_bytes == pytest.approx(held, rel=0.01), (r.rank, r.measured, held)
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_a_measured_dry_run_of_grouped_experts_outside_bf16_is_a_one_line_problem(ep):
+    """transformers runs the Mixtral's experts as grouped matmuls, whose fake kernel
+    takes bf16 only: an fp32 plan's measured dry run reports that in one line, at any ep,
+    before running a step (it had failed inside the step with torch's traceback)."""
+    from test_models import make, mixtral
+
+    from autopar.runtime.dry_run import dry_run
+
+    report = dry_run(_meta_mixtral, with_ep(make(mixtral(), dp=2, zero_stage=3), ep), measure=True)
+    (problem,) = report.problems
+    assert "in fp32: transformers runs them as grouped matmuls" in problem and "\n" not in problem
+    assert not report.ranks
 
 
 def test_hsdp_shards_the_experts_within_a_shard_group_and_trains_like_one_process():

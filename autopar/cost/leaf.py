@@ -75,6 +75,8 @@ class TPContext:
             (:mod:`autopar.cost.fp8`).
         fused_attention: attention cores run one fused (flash) kernel, at the device's
             attention rate (:meth:`autopar.cost.compute.ComputeRates.in_fused_attention`).
+        async_tp: the unit's sequence-parallel collectives run fused with the matmuls
+            beside them (:func:`autopar.cost.tensor_parallel.fused_hidden_s`).
     """
 
     tp: int
@@ -100,6 +102,7 @@ class TPContext:
     compile: bool = False
     fp8: bool = False
     fused_attention: bool = False
+    async_tp: bool = False
 
     @property
     def input_layout(self) -> Layout:

@@ -238,6 +238,9 @@ class DeviceSpec:
             FSDP/DDP communication. CPU processes get 0: gloo reduces on the cores the
             compute uses.
         preferred_dtype: the precision plans use unless told otherwise.
+        async_tp: the device runs torch's asynchronous tensor parallelism (CUDA GPUs
+            whose peers map each other's memory over NVLink, torch's symmetric memory):
+            the H100 and H200 presets, where torchtitan measured it.
         source: where the numbers come from.
     """
 
@@ -247,6 +250,7 @@ class DeviceSpec:
     host: HostEffects = field(default_factory=HostEffects.none)
     comm_overlap: float = 0.8
     preferred_dtype: DType = DType.BF16
+    async_tp: bool = False
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -261,6 +265,8 @@ class DeviceSpec:
         )
         object.__setattr__(self, "comm_overlap", overlap)
         object.__setattr__(self, "preferred_dtype", dtype_of(self.preferred_dtype, f"{owner} preferred_dtype"))
+        if not isinstance(self.async_tp, bool):
+            raise ClusterError(f"{owner} async_tp={self.async_tp!r} is not allowed: it must be true or false.")
         if self.preferred_dtype not in self.roofline.peak_flops:
             raise ClusterError(f"{owner} preferred_dtype={self.preferred_dtype.value} has no peak_flops entry.")
 

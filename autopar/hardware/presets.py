@@ -84,6 +84,7 @@ def _h100() -> DeviceSpec:
             fp8_matmul_efficiency=0.709,
             attention_efficiency=0.35,
         ),
+        async_tp=True,
         memory=_gpu_memory(81559),
         source=f"{_H100_DATASHEET}; HBM3 3.35 TB/s; memory 81559 MiB as nvidia-smi reports; {_EFFICIENCY}; "
         f"FP8 matmul 0.709 of peak ({_MAMF}: 1402.6 of 1979 TFLOP/s; bf16 794.5 of 989, 0.803); "
@@ -101,6 +102,7 @@ def _h200() -> DeviceSpec:
             fp8_matmul_efficiency=0.734,
             attention_efficiency=0.35,
         ),
+        async_tp=True,
         memory=_gpu_memory(143771),
         source=f"{_H200_DATASHEET}; memory 143771 MiB as nvidia-smi reports; {_EFFICIENCY}; FP8 matmul 0.734 of "
         f"peak ({_MAMF}: 1453.4 of 1979 TFLOP/s); {_HOPPER_ATTENTION}; {_RESERVE_NOTE}",

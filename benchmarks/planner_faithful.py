@@ -369,10 +369,7 @@ def _strong_scaling(rows: list[dict[str, object]]) -> str:
 
 def _not_scored() -> str:
     """The published runs kept as candidates, with their sources."""
-    lines = [
-        "Not scored yet (the configuration left unsaid, or what autopar does not model, such as asynchronous "
-        "tensor parallelism):"
-    ]
+    lines = ["Not scored yet (the configuration left unsaid, or what autopar does not model):"]
     lines += [f"- {source}: {config}: {published}" for source, config, published in NOT_SCORED]
     return "\n".join(lines)
 

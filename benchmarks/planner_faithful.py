@@ -304,7 +304,7 @@ def main() -> None:
         "Megatron-DeepSpeed, A100 (MT-NLG 530B, BLOOM 176B)": lambda: [*mt_nlg_rows(), bloom_row()],
         "Llama 3 405B, H100 (Meta)": llama3_rows,
         "Megatron-Core, H100 (GPT 1.7B-462B, Mixtral 8x7B)": lambda: [*megatron_core_rows(), mixtral_row()],
-        "torchtitan, H100 and H200 (Llama 3.1 8B and 70B)": torchtitan_rows,
+        "torchtitan, H100 and H200 (Llama 3.1 8B, 70B and 405B)": torchtitan_rows,
     }
     rows: list[dict[str, object]] = []
     by_source: dict[str, list[dict[str, object]]] = {}

@@ -232,12 +232,13 @@ def mixtral_8x7b(seq: int):
 H100_SXM_PEAKS = (989.0, 1979.0)
 H100_NVL_PEAKS = (835.5, 1670.5)
 
-HOPPER_FUSED_ATTENTION = 0.7
-"""Fraction of the bf16 peak a Hopper-native fused attention kernel reaches, for the runs that
-did not use torch's scaled_dot_product_attention: Transformer Engine's cuDNN attention (Megatron-
-Core) and Meta's own (Llama 3, kernel unstated). huggingface/transformers#48163 measures cuDNN's
-Hopper kernels 1.7-2.3x faster than FlashAttention-2 on training shapes, which reaches 35% of H100
-peak (FlashAttention-3 paper): 0.35 x 2.0 = 0.7, under FlashAttention-3's 75% forward."""
+HOPPER_FUSED_ATTENTION = 0.64
+"""Fraction of the bf16 peak a Hopper-native fused attention kernel reaches (the presets'
+convention, ``Roofline.attention_efficiency``), for the runs that did not use torch's
+scaled_dot_product_attention: Transformer Engine's cuDNN attention (Megatron-Core) and Meta's own
+(Llama 3, kernel unstated): cuDNN's kernel and FlashAttention-3 reached 631 TFLOP/s on H100 in
+tritonbench (pytorch/pytorch#142132; 0.64 of 989), where the FlashAttention-2 torch runs reached
+329.5."""
 
 
 def with_attention(cluster: autopar.Cluster, efficiency: float) -> autopar.Cluster:

@@ -19,6 +19,7 @@ import numpy as np
 from autopar.cost.leaf import (
     BACKWARD_FACTOR,
     TPContext,
+    attention_backward_extra_s,
     glue_fwd_s,
     glue_layout,
     leaf_accumulate_s,
@@ -89,7 +90,14 @@ def layout_table(profile: UnitProfile, ctx: TPContext, options: Sequence[tuple[T
     for flow in profile.flows:
         a, need = produced[flow.src], needed[flow.dst]
         glue = np.array(
-            [[(1 + BACKWARD_FACTOR) * glue_fwd_s(flow, glue_layout(x, y), ctx) for y in LAYOUTS] for x in LAYOUTS]
+            [
+                [
+                    (1 + BACKWARD_FACTOR) * glue_fwd_s(flow, glue_layout(x, y), ctx)
+                    + attention_backward_extra_s(flow, glue_layout(x, y), ctx)
+                    for y in LAYOUTS
+                ]
+                for x in LAYOUTS
+            ]
         )
         time += glue[a, need]
         owed = wanted.setdefault(flow.src, np.zeros((count, len(LAYOUTS)), dtype=bool))

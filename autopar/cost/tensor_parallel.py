@@ -38,6 +38,7 @@ from autopar.cost.leaf import (
     SHARDED,
     TPContext,
     allowed_styles,
+    attention_backward_extra_s,
     glue_fwd_s,
     glue_layout,
     leaf_accumulate_s,
@@ -339,7 +340,7 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
     t = ctx.tp
     fwd_compute = sum(leaf_fwd_s(leaf, s, ctx) for leaf, s in zip(profile.leaves, styles))
     accumulate = sum(leaf_accumulate_s(leaf, s, ctx) for leaf, s in zip(profile.leaves, styles))
-    attn_fwd = loss_fwd = loss_input = loss_saved = held = 0.0
+    attn_fwd = attn_bwd_extra = loss_fwd = loss_input = loss_saved = held = 0.0
     attn_sharded = False
     saved = sum(_shard(leaf.saved_bytes * b, STYLE_IO[s][0], t) for leaf, s in zip(profile.leaves, styles))
     attn_saved = 0.0
@@ -358,6 +359,7 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         glue = glue_fwd_s(flow, g, ctx)
         fwd_compute += glue
         attn_fwd += glue_fwd_s(flow, g, ctx, attention_only=True)
+        attn_bwd_extra += attention_backward_extra_s(flow, g, ctx)
         if flow.attn_flops > 0:
             attn_out[flow.dst] = max(
                 attn_out.get(flow.dst, 0.0), _shard(attention_output_bytes(profile, flow) * b, need, t)
@@ -420,7 +422,7 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         styles=styles,
         output=output,
         fwd_compute_s=fwd_compute,
-        bwd_compute_s=BACKWARD_FACTOR * fwd_compute + accumulate,
+        bwd_compute_s=BACKWARD_FACTOR * fwd_compute + accumulate + attn_bwd_extra,
         fwd_comm_s=fwd_comm,
         bwd_comm_s=bwd_comm,
         fwd_syncs=fwd_syncs,

@@ -71,11 +71,15 @@ class Roofline:
             reaches (None: ``matmul_efficiency``); FP8 GEMMs stay further below their
             peak than bf16 ones (the presets' sources say by how much).
         attention_efficiency: fraction of the compute-precision peak the fused (flash)
-            attention kernel of the runtime's ``scaled_dot_product_attention`` reaches
-            (None: ``matmul_efficiency``, and a measured matmul curve where there is
-            one). Its softmax runs between the two matmuls of every tile, so it stays
-            below a GEMM, by how much depends on the kernel: materialized attention
-            runs ordinary batched matmuls and ignores it.
+            attention kernel of the runtime's ``scaled_dot_product_attention`` reaches,
+            in the FlashAttention benchmarks' convention: on the FLOPs it computes (a
+            causal mask halves the score products, whose masked tiles it skips), with
+            a backward of 2.5 times the forward's FLOPs. None: the core is priced as
+            matmuls of the flop counter's (full) products, at ``matmul_efficiency`` or
+            a measured matmul curve, with the backward every op gets. Its softmax runs
+            between the two matmuls of every tile, so it stays below a GEMM, by how much
+            depends on the kernel; materialized attention runs ordinary batched matmuls
+            and ignores it.
     """
 
     peak_flops: Mapping[DType, float]

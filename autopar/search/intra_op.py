@@ -28,6 +28,7 @@ from autopar.cost.leaf import (
     BACKWARD_FACTOR,
     TPContext,
     allowed_styles,
+    attention_backward_extra_s,
     glue_fwd_s,
     glue_layout,
     leaf_accumulate_s,
@@ -229,7 +230,8 @@ def _solve_ilp(
     for flow in profile.flows:
         nbytes = largest[flow.src] * b
         for (a, xa), (need, xn) in itertools.product(produces(flow.src), needs(flow.dst)):
-            glue = (1 + BACKWARD_FACTOR) * glue_fwd_s(flow, glue_layout(a, need), ctx)
+            layout = glue_layout(a, need)
+            glue = (1 + BACKWARD_FACTOR) * glue_fwd_s(flow, layout, ctx) + attention_backward_extra_s(flow, layout, ctx)
             if glue > 0:
                 at_least_both(prog.var(cost=glue), xa, xn)
             f, bw = conversion_s(a, need, nbytes, ctx)

@@ -67,6 +67,12 @@ class ParallelConfig:
             gradients, optimizer state and every other op stay in ``dtype``, which must
             be bf16. The embeddings, the head and mixture-of-experts stacks are not
             converted.
+        async_tp: asynchronous tensor parallelism (torch's micro-pipeline TP, as
+            torchtitan's ``enable_async_tensor_parallel``): the compiled blocks' sequence-
+            parallel all-gathers and reduce-scatters run fused with the matmuls next to
+            them, chunk by chunk, so the transfer of one chunk hides behind the matmul of
+            another. Needs ``tp > 1``, ``sequence_parallel`` and ``compile``; the runtime
+            runs it on CUDA devices (symmetric memory).
     """
 
     dp: int
@@ -85,6 +91,7 @@ class ParallelConfig:
     dtype: DType = DType.BF16
     compile: bool = False
     fp8: bool = False
+    async_tp: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "num_microbatches", "virtual_stages"):
@@ -103,9 +110,15 @@ class ParallelConfig:
         self._check_ep()
         if not isinstance(self.sequence_parallel, bool):
             raise ConfigError(f"sequence_parallel={self.sequence_parallel!r} is not allowed: use True or False.")
-        for name in ("compile", "fp8"):
+        for name in ("compile", "fp8", "async_tp"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} is not allowed: use True or False.")
+        if self.async_tp and not (self.tp > 1 and self.sequence_parallel and self.compile):
+            raise ConfigError(
+                f"async_tp=True needs tp > 1 with sequence_parallel=True and compile=True (got tp={self.tp}, "
+                f"sequence_parallel={self.sequence_parallel}, compile={self.compile}): torch fuses the sequence-"
+                f"parallel collectives into the compiled blocks' matmuls; set them, or async_tp=False."
+            )
         if self.fp8 and self.dtype is not DType.BF16:
             raise ConfigError(
                 f"fp8=True needs dtype='bf16' (got {self.dtype.value!r}): FP8 matmuls keep bf16 weights and "
@@ -225,9 +238,9 @@ class ParallelConfig:
     def unit_family(self) -> tuple:
         """What a unit's options depend on besides the micro-batch size and the
         sharding: the tensor-, context- and expert-parallel degrees, compiled blocks,
-        FP8 matmuls, sequence parallelism and precision. The search's caches are keyed
-        by it, so an axis added here reaches every one of them."""
-        return (self.tp, self.cp, self.ep, self.compile, self.fp8, self.sequence_parallel, self.dtype)
+        FP8 matmuls, asynchronous TP, sequence parallelism and precision. The search's
+        caches are keyed by it, so an axis added here reaches every one of them."""
+        return (self.tp, self.cp, self.ep, self.compile, self.fp8, self.async_tp, self.sequence_parallel, self.dtype)
 
     @property
     def world_size(self) -> int:
@@ -247,8 +260,8 @@ class ParallelConfig:
     def short(self) -> str:
         """Compact text: ``dp=8 tp=8 pp=16 mbs=1 m=12 1f1b zero=3 shard=4 recompute=full sp bf16``
         (``shard=`` only under HSDP, ``cp=`` and ``ep=`` after ``pp=`` only with context
-        and expert parallelism, `` compiled`` and `` fp8`` at the end when blocks are compiled
-        and multiply in FP8)."""
+        and expert parallelism, `` compiled``, `` fp8`` and `` async-tp`` at the end when
+        blocks are compiled, multiply in FP8 and overlap their tensor-parallel collectives)."""
         sched = self.schedule.value if self.pp > 1 else "no-pp"
         if self.virtual_stages > 1:
             sched += f"(v={self.virtual_stages})"
@@ -259,7 +272,7 @@ class ParallelConfig:
         return (
             f"dp={self.dp} tp={self.tp} pp={self.pp}{cp}{ep} mbs={self.micro_batch_size} m={self.num_microbatches} "
             f"{sched} zero={self.zero_stage}{hsdp} recompute={self.recompute.value}{sp} {self.dtype.value}"
-            f"{' compiled' if self.compile else ''}{' fp8' if self.fp8 else ''}"
+            f"{' compiled' if self.compile else ''}{' fp8' if self.fp8 else ''}{' async-tp' if self.async_tp else ''}"
         )
 
 

@@ -64,15 +64,15 @@ from _published_runs import (
     MT_NLG_2022,
     NARAYANAN_2021,
     NOT_SCORED,
-    TORCHTITAN_2024,
     gpt,
-    grand_teton_h100,
     llama,
     megatron_flops,
     mixtral_8x7b,
     with_attention,
 )
 from _report import markdown_table, write_csv, write_result
+from _score import picked, row
+from _torchtitan_rows import torchtitan_rows
 
 import autopar
 
@@ -95,7 +95,7 @@ def narayanan_rows() -> list[dict[str, object]]:
         predicted = plan.prediction.hfu * A100_PEAK_TFLOPS
         config = f"tp={tp} pp={pp} dp={plan.config.dp} batch {batch}, full recompute"
         rows.append(
-            _row(
+            row(
                 f"Narayanan 2021 {label}",
                 gpus,
                 config,
@@ -130,7 +130,7 @@ def korthikanti_rows() -> list[dict[str, object]]:
         p = plan.prediction
         config = f"tp=8 pp=35 dp=8 batch 2240, {recompute}{' + SP' if sp else ''}"
         rows.append(
-            _row(
+            row(
                 "Korthikanti 2022 530B", 2240, config, f"MFU {mfu}%", f"MFU {100 * p.mfu:.1f}%", p.mfu * 100 / mfu, plan
             )
         )
@@ -152,7 +152,7 @@ def mt_nlg_rows() -> list[dict[str, object]]:
         )
         predicted = plan.prediction.step_time_s
         rows.append(
-            _row(
+            row(
                 "MT-NLG 530B",
                 gpus,
                 f"tp=8 pp=35 dp={gpus // 280} batch 1920, full recompute, 1F1B; picked: ZeRO-{plan.config.zero_stage}",
@@ -187,10 +187,10 @@ def llama3_rows() -> list[dict[str, object]]:
             constraints=fixed,
         )
         p = plan.prediction
-        config = f"tp={tp} cp={cp} pp={pp} dp={dp} x {per_dp} sequences; picked: {_picked(plan)}"
+        config = f"tp={tp} cp={cp} pp={pp} dp={dp} x {per_dp} sequences; picked: {picked(plan)}"
         series = "Llama 3 405B, 2048 x 8K tokens" if seq == 8192 else ""
         rows.append(
-            _row(
+            row(
                 f"Llama 3 405B, {seq // 1024}K tokens",
                 gpus,
                 config,
@@ -212,9 +212,9 @@ def megatron_core_rows() -> list[dict[str, object]]:
         plan = _megatron_gpt(heads, hidden, layers, tp, pp, gpus, batch)
         predicted = _megatron_tflops(plan, batch, layers, hidden, heads, gpus)
         series = "Megatron-Core GPT-3 175B, 1152 x 4K tokens" if label == "177B" else ""
-        config = f"tp={tp} pp={pp} dp={gpus // (tp * pp)} batch {batch}; picked: {_picked(plan)}"
+        config = f"tp={tp} pp={pp} dp={gpus // (tp * pp)} batch {batch}; picked: {picked(plan)}"
         rows.append(
-            _row(
+            row(
                 f"Megatron-Core 2024 {label}",
                 gpus,
                 config,
@@ -228,9 +228,9 @@ def megatron_core_rows() -> list[dict[str, object]]:
     for gpus, mfu in MEGATRON_CORE_STRONG:
         plan = _megatron_gpt(96, 12288, 96, 8, 6, gpus, 1152)
         predicted = _megatron_tflops(plan, 1152, 96, 12288, 96, gpus) / H100_PEAK_TFLOPS * 100
-        config = f"tp=8 pp=6 (as the 177B row; unstated) dp={gpus // 48} batch 1152; picked: {_picked(plan)}"
+        config = f"tp=8 pp=6 (as the 177B row; unstated) dp={gpus // 48} batch 1152; picked: {picked(plan)}"
         rows.append(
-            _row(
+            row(
                 "Megatron-Core 2024 GPT-3 175B",
                 gpus,
                 config,
@@ -263,8 +263,8 @@ def mixtral_row() -> dict[str, object]:
     )
     flops = megatron_flops(256, 4096, 32, 4096, 32, 8, 14336, 32000, topk=2, glu=True)
     predicted = flops / plan.prediction.step_time_s / 64 / 1e12
-    config = f"tp=1 ep=8 pp=4 vp=8 dp=16 batch 256; picked: {_picked(plan)}"
-    return _row(
+    config = f"tp=1 ep=8 pp=4 vp=8 dp=16 batch 256; picked: {picked(plan)}"
+    return row(
         "Megatron-Core MoE Mixtral 8x7B",
         64,
         config,
@@ -286,7 +286,7 @@ def bloom_row() -> dict[str, object]:
         attention="materialized",
     )
     step = plan.prediction.step_time_s
-    return _row(
+    return row(
         "BLOOM 176B",
         384,
         "tp=4 pp=12 dp=8 mbs 2 batch 2048, full recompute, ZeRO-1",
@@ -297,46 +297,25 @@ def bloom_row() -> dict[str, object]:
     )
 
 
-def torchtitan_rows() -> list[dict[str, object]]:
-    """torchtitan's FSDP runs of Llama 3.1 8B, eager and compiled; tokens/s per GPU and
-    memory as published."""
-    rows = []
-    for gpus, batch, compiled, fp8, tps, memory in TORCHTITAN_2024:
-        plan = autopar.estimate(
-            llama(4096, 32, 32, 8, 14336, 128256, 8192),
-            grand_teton_h100(gpus // 8),
-            {"micro_batch_size": 2, "recompute": "op", "zero_stage": 3, "compile": compiled, "fp8": fp8},
-            global_batch_size=batch,
-            seq_len=8192,
-        )
-        predicted = plan.prediction.tokens_per_s / gpus
-        rows.append(
-            _row(
-                "torchtitan Llama 3.1 8B",
-                gpus,
-                f"FSDP {gpus} (ZeRO-3) local batch 2, per-op selective recompute, "
-                f"{'compiled' if compiled else 'eager'} bf16{' + Float8' if fp8 else ''}",
-                f"{tps} tokens/s",
-                f"{predicted:.0f} tokens/s",
-                predicted / tps,
-                plan,
-                memory=f"{memory} GiB",
-            )
-        )
-    return rows
-
-
 def main() -> None:
     """Score every row, print and write the table, summary, strong-scaling series and candidates."""
+    sources = {
+        "Megatron-LM, A100 (Narayanan 2021, Korthikanti 2022)": lambda: narayanan_rows() + korthikanti_rows(),
+        "Megatron-DeepSpeed, A100 (MT-NLG 530B, BLOOM 176B)": lambda: [*mt_nlg_rows(), bloom_row()],
+        "Llama 3 405B, H100 (Meta)": llama3_rows,
+        "Megatron-Core, H100 (GPT 1.7B-462B, Mixtral 8x7B)": lambda: [*megatron_core_rows(), mixtral_row()],
+        "torchtitan, H100 and H200 (Llama 3.1 8B, 70B and 405B)": torchtitan_rows,
+    }
     rows: list[dict[str, object]] = []
-    for group in (narayanan_rows, korthikanti_rows, mt_nlg_rows, llama3_rows, megatron_core_rows, torchtitan_rows):
-        for row in group():
-            rows.append(row)
-            print(row, flush=True)
-    for single in (mixtral_row, bloom_row):
-        rows.append(single())
-        print(rows[-1], flush=True)
-    body = markdown_table(rows) + "\n\n" + _summary(rows) + "\n\n" + _strong_scaling(rows) + "\n\n" + _not_scored()
+    by_source: dict[str, list[dict[str, object]]] = {}
+    for source, make in sources.items():
+        by_source[source] = make()
+        for scored in by_source[source]:
+            print(scored, flush=True)
+        rows += by_source[source]
+    body = "\n\n".join(
+        [markdown_table(rows), _summary(rows), _by_source(by_source), _strong_scaling(rows), _not_scored()]
+    )
     csv_path = write_csv("planner_faithful", rows)
     print(body)
     print(
@@ -348,7 +327,7 @@ def main() -> None:
 
 def _summary(rows: list[dict[str, object]]) -> str:
     """Mean and worst absolute error and the false out-of-memory rows, named."""
-    errors = [abs(float(str(r["error"]).rstrip("%"))) for r in rows]
+    errors = _errors(rows)
     false_ooms = [f"{r['run']} on {r['GPUs']} GPUs" for r in rows if r["fits"] != "yes"]
     worst = max(range(len(rows)), key=lambda i: errors[i])
     return (
@@ -361,6 +340,19 @@ def _summary(rows: list[dict[str, object]]) -> str:
         f"Transformer Engine's and Meta's Hopper attention at {HOPPER_FUSED_ATTENTION} of peak, torchtitan's "
         f"500 W H100 at the middle of the peak range its footnote gives."
     )
+
+
+def _errors(rows: list[dict[str, object]]) -> list[float]:
+    return [abs(float(str(r["error"]).rstrip("%"))) for r in rows]
+
+
+def _by_source(by_source: dict[str, list[dict[str, object]]]) -> str:
+    """Mean and worst absolute error of each framework's runs (what README shows)."""
+    lines = ["| runs of | count | mean error | worst error |", "|---|---|---|---|"]
+    for source, rows in by_source.items():
+        errors = _errors(rows)
+        lines.append(f"| {source} | {len(rows)} | {sum(errors) / len(errors):.1f}% | {max(errors):.1f}% |")
+    return "\n".join(lines)
 
 
 def _strong_scaling(rows: list[dict[str, object]]) -> str:
@@ -377,10 +369,7 @@ def _strong_scaling(rows: list[dict[str, object]]) -> str:
 
 def _not_scored() -> str:
     """The published runs kept as candidates, with their sources."""
-    lines = [
-        "Not scored yet (the configuration left unsaid, or what autopar does not model, such as asynchronous "
-        "tensor parallelism):"
-    ]
+    lines = ["Not scored yet (the configuration left unsaid, or what autopar does not model):"]
     lines += [f"- {source}: {config}: {published}" for source, config, published in NOT_SCORED]
     return "\n".join(lines)
 
@@ -417,41 +406,6 @@ def _megatron_tflops(plan: autopar.Plan, batch: int, layers: int, hidden: int, h
     """Megatron's FLOP count of the step over autopar's step time, per GPU, in TFLOP/s."""
     flops = megatron_flops(batch, 4096, layers, hidden, heads, heads, 4 * hidden, 131072)
     return flops / plan.prediction.step_time_s / gpus / 1e12
-
-
-def _picked(plan: autopar.Plan) -> str:
-    """What autopar chose where the source is silent."""
-    c = plan.config
-    schedule = c.schedule.value + (f" v={c.virtual_stages}" if c.virtual_stages > 1 else "") if c.pp > 1 else "no pp"
-    recompute = c.recompute.value + (" (some units differ)" if plan.layer_strategies.recompute else "")
-    return f"mbs {c.micro_batch_size}, {schedule}, recompute {recompute}, ZeRO-{c.zero_stage}"
-
-
-def _row(
-    run: str,
-    gpus: int,
-    config: str,
-    published: str,
-    predicted: str,
-    ratio: float,
-    plan: autopar.Plan,
-    *,
-    memory: str = "-",
-    series: str = "",
-) -> dict[str, object]:
-    p = plan.prediction
-    return {
-        "run": run,
-        "GPUs": gpus,
-        "config": config,
-        "published": published,
-        "predicted": predicted,
-        "error": f"{100 * (ratio - 1):+.1f}%",
-        "published memory": memory,
-        "predicted memory": f"{p.memory_bytes_per_device / 2**30:.1f} GiB",
-        "fits": "yes" if p.fits else "NO",
-        "series": series,
-    }
 
 
 if __name__ == "__main__":

@@ -83,10 +83,36 @@ def check_constraints(constraints: Mapping[str, Any] | None, *, what: str = "con
             f"constraint dp_shard={shard!r} is not allowed: give the FSDP shard group's size (an integer >= 2 "
             f"dividing dp), or None for plain FSDP."
         )
-    for name in ("sequence_parallel", "compile", "fp8"):
+    for name in ("sequence_parallel", "compile", "fp8", "async_tp"):
         if name in out and not isinstance(out[name], bool):
             raise ConfigError(f"constraint {name}={out[name]!r} is not allowed: use True or False.")
+    if out.get("async_tp"):  # it runs inside compiled blocks, on sequence-parallel collectives
+        for needed in ("compile", "sequence_parallel"):
+            if out.setdefault(needed, True) is False:
+                raise ConfigError(
+                    f"constraint async_tp=True with {needed}=False is not allowed: asynchronous TP fuses the "
+                    f"sequence-parallel collectives into the compiled blocks; drop {needed}=False or async_tp=True."
+                )
     return out
+
+
+def check_async_tp(constraints: Mapping[str, Any], cluster: Cluster) -> None:
+    """``async_tp=True`` needs a device that runs it (``DeviceSpec.async_tp``)."""
+    if constraints.get("async_tp") and not cluster.device.async_tp:
+        raise ConfigError(
+            f"async_tp=True needs GPUs that run torch's asynchronous tensor parallelism (symmetric memory over "
+            f"NVLink), which {cluster.device.name} is not known to (its async_tp is false); plan with "
+            f"async_tp=False, or for an H100 or H200 cluster."
+        )
+
+
+def async_tp_options(c: Mapping[str, Any], cluster: Cluster, tp: int, sp: bool) -> list[bool]:
+    """Whether to try asynchronous TP: as fixed, else both ways where it applies (a
+    device that runs it, tp > 1, sequence parallelism, compiled blocks)."""
+    applies = tp > 1 and sp and c.get("compile", False)
+    if "async_tp" in c:
+        return [c["async_tp"]] if applies or not c["async_tp"] else []
+    return [False, True] if applies and cluster.device.async_tp else [False]
 
 
 def check_fp8(constraints: Mapping[str, Any], cluster: Cluster) -> None:
@@ -207,6 +233,7 @@ def enumerate_space(
     world = cluster.world_size
     c = constraints
     check_fp8(c, cluster)
+    check_async_tp(c, cluster)
     rejected: list[Rejection] = []
     dtype = c.get("dtype", cluster.device.preferred_dtype)
     cluster.device.peak(dtype)  # raises a clear error if the device lacks it
@@ -287,7 +314,7 @@ def enumerate_space(
                         for sp, ep in itertools.product(sps, ep_degrees(graph, dp * cp, (shard or dp) * cp, c)):
                             if sp and tp == 1:
                                 continue
-                            configs.append(
+                            configs += [
                                 ParallelConfig(
                                     dp=dp,
                                     tp=tp,
@@ -305,8 +332,10 @@ def enumerate_space(
                                     dtype=dtype,
                                     compile=c.get("compile", False),
                                     fp8=c.get("fp8", False),
+                                    async_tp=overlapped,
                                 )
-                            )
+                                for overlapped in async_tp_options(c, cluster, tp, sp)
+                            ]
     return configs, rejected
 
 

@@ -93,6 +93,7 @@ def test_a_version_2_plan_file_loads_as_plain_fsdp(gpt2_plan):
     """Version 2 had no dp_shard and no cp: its plans read as one shard group of all of dp."""
     data = json.loads(gpt2_plan.to_json())
     data["schema_version"] = 2
+    del data["config"]["async_tp"]
     del data["config"]["dp_shard"], data["config"]["cp"], data["prediction"]["breakdown"]["cp_comm_s"]
     del (
         data["config"]["ep"],
@@ -111,6 +112,7 @@ def test_a_version_3_plan_file_loads_without_context_parallelism(gpt2_plan):
     """Version 3 had no cp: its plans read with cp=1; a cp field needs version 4."""
     data = json.loads(gpt2_plan.to_json())
     data["schema_version"] = 3
+    del data["config"]["async_tp"]
     del data["config"]["cp"], data["prediction"]["breakdown"]["cp_comm_s"]
     del (
         data["config"]["ep"],
@@ -129,6 +131,7 @@ def test_a_version_4_plan_file_loads_without_expert_parallelism(gpt2_plan):
     """Version 4 had no ep: its plans read with ep=1; an ep field needs version 5."""
     data = json.loads(gpt2_plan.to_json())
     data["schema_version"] = 4
+    del data["config"]["async_tp"]
     del (
         data["config"]["ep"],
         data["prediction"]["breakdown"]["ep_comm_s"],
@@ -146,6 +149,7 @@ def test_a_version_5_plan_file_loads_without_compiled_blocks(gpt2_plan):
     """Version 5 had no compile: its plans read as eager; a compile field needs version 6."""
     data = json.loads(gpt2_plan.to_json())
     data["schema_version"] = 5
+    del data["config"]["async_tp"]
     del data["config"]["compile"], data["config"]["fp8"]
     old = Plan.from_dict(data)
     assert old == eager(gpt2_plan) and old.config.compile is False
@@ -159,6 +163,7 @@ def test_a_version_6_plan_file_loads_and_op_recompute_needs_version_7(gpt2_plan)
     as the default or for one unit, needs version 7."""
     data = json.loads(gpt2_plan.to_json())
     data["schema_version"] = 6
+    del data["config"]["async_tp"]
     assert Plan.from_dict(data) == gpt2_plan
     for where in ("config", "unit"):
         bad = json.loads(json.dumps(data))
@@ -172,3 +177,16 @@ def test_a_version_6_plan_file_loads_and_op_recompute_needs_version_7(gpt2_plan)
         assert Plan.from_dict(bad).layer_strategies.recompute_of("layers.0", Plan.from_dict(bad).config.recompute) is (
             Recompute.OP
         )
+
+
+def test_a_version_7_plan_file_loads_without_async_tp(gpt2_plan):
+    """Version 7 had no async_tp: its plans read with synchronous tensor parallelism; an
+    async_tp field needs version 8."""
+    data = json.loads(gpt2_plan.to_json())
+    assert data["schema_version"] == 8 and data["config"]["async_tp"] is False
+    data["schema_version"] = 7
+    del data["config"]["async_tp"]
+    assert Plan.from_dict(data) == gpt2_plan
+    data["config"]["async_tp"] = False
+    with pytest.raises(PlanFormatError, match="config.async_tp needs schema_version 8"):
+        Plan.from_dict(data)

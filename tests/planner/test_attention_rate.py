@@ -62,7 +62,7 @@ def _ctx(cluster: autopar.Cluster, *, fused: bool) -> TPContext:
 
 def test_a_fused_attention_core_runs_at_the_devices_attention_rate():
     """By hand: on H100 the fused kernel computes half the counted FLOPs under a causal
-    mask, at 0.33 x 989 TFLOP/s (its preset's cited FlashAttention-2 figure), and its
+    mask, at 0.19 x 989 TFLOP/s (its preset's cited FlashAttention-2 figure, forward and backward), and its
     backward is 2.5x that; an unfused (materialized) core's batched matmuls compute all of
     them at the GEMM efficiency 0.8, with the 2x backward of every op. All above their
     bytes through 3.35 TB/s x 0.8."""
@@ -70,7 +70,7 @@ def test_a_fused_attention_core_runs_at_the_devices_attention_rate():
     fused_ctx, unfused_ctx = _ctx(H100, fused=True), _ctx(H100, fused=False)
     fused = glue_fwd_s(_flow(), Layout.R, fused_ctx, attention_only=True)
     unfused = glue_fwd_s(_flow(), Layout.R, unfused_ctx, attention_only=True)
-    assert fused == pytest.approx(max(ATTN_FLOPS / 2 / (989e12 * 0.33), bytes_s))
+    assert fused == pytest.approx(max(ATTN_FLOPS / 2 / (989e12 * 0.19), bytes_s))
     assert unfused == pytest.approx(max(ATTN_FLOPS / (989e12 * 0.8), bytes_s))
     assert attention_backward_extra_s(_flow(), Layout.R, fused_ctx) == pytest.approx(0.5 * fused)
     assert attention_backward_extra_s(_flow(), Layout.R, unfused_ctx) == 0.0

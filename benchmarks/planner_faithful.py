@@ -335,8 +335,8 @@ def _summary(rows: list[dict[str, object]]) -> str:
         f"({rows[worst]['run']} on {rows[worst]['GPUs']} GPUs) over {len(rows)} published runs; "
         f"{len(false_ooms)} false out-of-memory{': ' + '; '.join(false_ooms) if false_ooms else ''}. "
         f"No constant was fitted to these numbers: efficiencies are the presets' cited defaults (matmul "
-        f"0.8 of peak, FP8 matmul 0.709 on H100, fused attention 0.6 on A100 and 0.35 on H100 (torch's "
-        f"FlashAttention-2), memory 0.8 of bandwidth, NCCL busbw); per run, what its source states: "
+        f"0.8 of peak, FP8 matmul 0.709 on H100, fused attention forward and backward 0.25 on A100 and 0.19 on "
+        f"H100 (torch's FlashAttention-2), memory 0.8 of bandwidth, NCCL busbw); per run, what its source states: "
         f"Transformer Engine's and Meta's Hopper attention at {HOPPER_FUSED_ATTENTION} of peak, torchtitan's "
         f"500 W H100 at the middle of the peak range its footnote gives."
     )

@@ -176,7 +176,7 @@ class Alternative:
     """
 
     config: ParallelConfig
-    status: Literal["runner-up", "out-of-memory", "sharding", "compile", "fp8"]
+    status: Literal["runner-up", "out-of-memory", "sharding", "compile", "fp8", "async_tp"]
     step_time_s: float
     memory_bytes_per_device: float
     slower_by: float

@@ -105,13 +105,32 @@ TORCHTITAN_2024 = [
 # TP columns: Llama 3 70B on 256 H100 (FSDP 32, TP 8, compile, full AC, local batch 16) and Llama 3 8B
 # on 64 H100 (FSDP 8, TP 8, compile, per-op SAC, local batch 12), bf16 and float8 tensorwise.
 # Sequence 8192 from the llama3 train configs at the commits the documents name (9dec370, 820504e).
-# (model, gpus, local batch, recompute, Float8, published tokens/s per GPU, published memory GiB or None)
+# (model, gpus, local batch, recompute, Float8, async TP, published tokens/s per GPU, published memory GiB)
 TORCHTITAN_TP = [
-    ("70B", 256, 16, "full", True, 829.0, 71.9),
-    ("70B", 256, 16, "full", False, 597.3, None),
-    ("70B", 256, 16, "full", True, 809.8, None),
-    ("8B", 64, 12, "op", False, 4378.0, None),
-    ("8B", 64, 12, "op", True, 5078.1, None),
+    ("70B", 256, 16, "full", True, False, 829.0, 71.9),
+    ("70B", 256, 16, "full", False, False, 597.3, None),
+    ("70B", 256, 16, "full", True, False, 809.8, None),
+    ("70B", 256, 16, "full", False, True, 652.4, None),
+    ("70B", 256, 16, "full", True, True, 942.4, None),
+    ("8B", 64, 12, "op", False, False, 4378.0, None),
+    ("8B", 64, 12, "op", True, False, 5078.1, None),
+    ("8B", 64, 12, "op", False, True, 4809.4, None),
+    ("8B", 64, 12, "op", True, True, 5570.1, None),
+]
+
+# llama3_h100_202412_torchtitan.md tables 5 and 6: Llama 3.1 405B on 512 H100, TP 8 and PP 8, torch.compile
+# + Float8 (with FP8 all-gathers, llama3_405b.toml) + async TP, full activation checkpointing. Micro-batches:
+# torchtitan's default at that commit (9dec370), as many as pipeline stages, stages 1 per rank (1F1B) or 2
+# (interleaved, generate_split_points). Table 5: FSDP 8, local batch 32, sequence 8192. Table 6: 1F1B,
+# FSDP x CP = 8, local batch 8, one sequence of 32K-256K tokens.
+# (schedule, stages per rank, cp, sequence length, local batch, published tokens/s per GPU, memory GiB)
+TORCHTITAN_405B = [
+    ("1f1b", 1, 1, 8192, 32, 100.0, 82.5),
+    ("interleaved-1f1b", 2, 1, 8192, 32, 128.0, 72.7),
+    ("1f1b", 1, 1, 32768, 8, 76.0, 75.3),
+    ("1f1b", 1, 2, 65536, 8, 47.0, 75.9),
+    ("1f1b", 1, 4, 131072, 8, 31.0, 77.1),
+    ("1f1b", 1, 8, 262144, 8, 16.0, 84.9),
 ]
 
 # llama3_h100_202412_torchtitan.md table 2: Llama 3.1 8B on 8 H100, FSDP x CP = 8, local batch 1, full
@@ -130,30 +149,9 @@ TORCHTITAN_CP = [
 # at the commit it names (e7c0cae). (hosts, published tokens/s per GPU, published memory GiB)
 TORCHTITAN_H200 = [(4, 10938.0, 47.96), (8, 10753.0, 46.97)]
 
-# Published runs not scored yet (their configuration left unsaid, or features autopar does not
-# model such as asynchronous tensor parallelism): listed
+# Published runs not scored yet (their configuration left unsaid, or what autopar does not model): listed
 # after the table, not scored. (source, configuration, published)
 NOT_SCORED = [
-    (
-        "torchtitan benchmarks/llama3_h100_202412_torchtitan.md table 5",
-        "Llama 3.1 405B, 512 H100, FSDP 8 TP 8 PP 8, local batch 32, full AC, compile + Float8 + AsyncTP",
-        "1F1B 100 TPS/GPU 82.5 GiB; interleaved 1F1B 128 TPS/GPU 72.7 GiB",
-    ),
-    (
-        "torchtitan benchmarks/llama3_h100_202412_torchtitan.md table 6",
-        "Llama 3.1 405B, 512 H100, TP 8 PP 8, FSDP x CP = 8, 1F1B, full AC, compile + Float8 + AsyncTP",
-        "76 / 47 / 31 / 16 TPS/GPU (CP 1/2/4/8, seq 32K-256K), 75.3-84.9 GiB",
-    ),
-    (
-        "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md",
-        "Llama 3 70B, 256 H100, FSDP 32 TP 8, torch.compile, full AC, local batch 16, bf16",
-        "async TP 652.4 tokens/s (bf16), 942.4 (float8 tensorwise); the vanilla TP columns are scored",
-    ),
-    (
-        "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md",
-        "Llama 3 8B, 64 H100, FSDP 8 TP 8, torch.compile, per-op SAC, local batch 12, bf16",
-        "async TP 4809.4 tokens/s (bf16), 5570.1 (float8 tensorwise); the vanilla TP columns are scored",
-    ),
     (
         "Zhang et al. 2022, OPT (section 2.4 Training Efficiency)",
         "OPT-175B, 992 A100 80GB, FSDP + Megatron tensor parallelism, FP16 weights (degrees, batch not stated)",
@@ -234,12 +232,12 @@ def mixtral_8x7b(seq: int):
 H100_SXM_PEAKS = (989.0, 1979.0)
 H100_NVL_PEAKS = (835.5, 1670.5)
 
-HOPPER_FUSED_ATTENTION = 0.7
-"""Fraction of the bf16 peak a Hopper-native fused attention kernel reaches, for the runs that
-did not use torch's scaled_dot_product_attention: Transformer Engine's cuDNN attention (Megatron-
-Core) and Meta's own (Llama 3, kernel unstated). huggingface/transformers#48163 measures cuDNN's
-Hopper kernels 1.7-2.3x faster than FlashAttention-2 on training shapes, which reaches 35% of H100
-peak (FlashAttention-3 paper): 0.35 x 2.0 = 0.7, under FlashAttention-3's 75% forward."""
+HOPPER_FUSED_ATTENTION = 0.38
+"""Fraction of the bf16 peak a Hopper-native fused attention kernel reaches, forward and backward
+(the presets' convention, ``Roofline.attention_efficiency``), for the runs that did not use torch's
+scaled_dot_product_attention: Transformer Engine's cuDNN attention (Megatron-Core) and Meta's own
+(Llama 3, kernel unstated). cuDNN's Hopper kernels run training shapes 1.7-2.3x faster than the
+FlashAttention-2 torch runs (huggingface/transformers#48163): 2.0 x the H100 preset's 0.19."""
 
 
 def with_attention(cluster: autopar.Cluster, efficiency: float) -> autopar.Cluster:

@@ -11,7 +11,15 @@ configuration predicted not to fit counts as a false out-of-memory.
 
 from __future__ import annotations
 
-from _published_runs import TORCHTITAN_2024, TORCHTITAN_CP, TORCHTITAN_H200, TORCHTITAN_TP, grand_teton_h100, llama
+from _published_runs import (
+    TORCHTITAN_405B,
+    TORCHTITAN_2024,
+    TORCHTITAN_CP,
+    TORCHTITAN_H200,
+    TORCHTITAN_TP,
+    grand_teton_h100,
+    llama,
+)
 from _score import row
 
 import autopar
@@ -62,10 +70,10 @@ def fsdp_rows() -> list[dict[str, object]]:
 
 def tensor_parallel_rows() -> list[dict[str, object]]:
     """FSDP with 8-way tensor parallelism (sequence parallel, as torchtitan's plan runs it),
-    compiled: table 4 of the December 2024 document and the vanilla-TP columns of the June
-    2025 async-TP document."""
+    compiled: table 4 of the December 2024 document and the June 2025 async-TP document,
+    synchronous and asynchronous."""
     rows = []
-    for size, gpus, local, recompute, fp8, tps, memory in TORCHTITAN_TP:
+    for size, gpus, local, recompute, fp8, overlapped, tps, memory in TORCHTITAN_TP:
         fixed = {
             "tp": 8,
             "sequence_parallel": True,
@@ -74,6 +82,7 @@ def tensor_parallel_rows() -> list[dict[str, object]]:
             "zero_stage": 3,
             "compile": True,
             "fp8": fp8,
+            "async_tp": overlapped,
         }
         plan = autopar.estimate(
             llama31(size), grand_teton_h100(gpus // 8), fixed, global_batch_size=gpus // 8 * local, seq_len=SEQ
@@ -84,8 +93,8 @@ def tensor_parallel_rows() -> list[dict[str, object]]:
             row(
                 f"torchtitan Llama 3.1 {size}",
                 gpus,
-                f"FSDP {gpus // 8} TP 8 (sequence parallel) local batch {local}, {checkpointing}, "
-                f"{_techniques(True, fp8)}",
+                f"FSDP {gpus // 8} TP 8 (sequence parallel{', async' if overlapped else ''}) local batch {local}, "
+                f"{checkpointing}, {_techniques(True, fp8)}",
                 f"{tps} tokens/s",
                 f"{predicted:.0f} tokens/s",
                 predicted / tps,
@@ -112,6 +121,54 @@ def context_parallel_rows() -> list[dict[str, object]]:
                 f"{_techniques(True, True)}",
                 f"{tps} tokens/s",
                 f"{predicted:.0f} tokens/s",
+                predicted / tps,
+                plan,
+                memory=f"{memory} GiB",
+            )
+        )
+    return rows
+
+
+def llama405b_rows() -> list[dict[str, object]]:
+    """Tables 5 and 6 of the December 2024 document: Llama 3.1 405B on 512 H100 with FSDP,
+    TP 8 (asynchronous) and PP 8, compiled with Float8, full recomputation; 1F1B and
+    interleaved 1F1B at 8K tokens, and 1F1B with context parallelism 1-8 at 32K-256K. Its
+    FP8 all-gathers are priced as bf16 ones."""
+    rows = []
+    for schedule, stages, cp, seq, local, tps, memory in TORCHTITAN_405B:
+        m = 8 * stages  # torchtitan's default: as many micro-batches as stages
+        fixed = {
+            "tp": 8,
+            "pp": 8,
+            "cp": cp,
+            "sequence_parallel": True,
+            "schedule": schedule,
+            "virtual_stages": stages,
+            "num_microbatches": m,
+            "micro_batch_size": local // m,
+            "recompute": "full",
+            "zero_stage": 3,
+            "compile": True,
+            "fp8": True,
+            "async_tp": True,
+        }
+        dp = 512 // (64 * cp)
+        plan = autopar.estimate(
+            llama(16384, 126, 128, 8, 53248, 128256, seq),
+            grand_teton_h100(64),
+            fixed,
+            global_batch_size=dp * local,
+            seq_len=seq,
+        )
+        predicted = plan.prediction.tokens_per_s / 512
+        rows.append(
+            row(
+                "torchtitan Llama 3.1 405B",
+                512,
+                f"FSDP {dp}{f' x CP {cp}' if cp > 1 else ''} TP 8 (async) PP 8 {schedule} ({m} micro-batches), "
+                f"{seq // 1024}K tokens, local batch {local}, full recompute, {_techniques(True, True)}",
+                f"{tps:.0f} tokens/s",
+                f"{predicted:.1f} tokens/s",
                 predicted / tps,
                 plan,
                 memory=f"{memory} GiB",
@@ -150,4 +207,4 @@ def h200_rows() -> list[dict[str, object]]:
 
 def torchtitan_rows() -> list[dict[str, object]]:
     """Every torchtitan row, in the order above."""
-    return fsdp_rows() + tensor_parallel_rows() + context_parallel_rows() + h200_rows()
+    return fsdp_rows() + tensor_parallel_rows() + context_parallel_rows() + llama405b_rows() + h200_rows()

@@ -5,8 +5,9 @@ this runs many): the intra-op layout ILP, the per-stage knapsack, the pipeline-s
 and the whole search on small real models at several memory capacities (a configuration
 space small enough to enumerate every configuration, split and per-unit option), one of
 them on two nodes, where HSDP shard groups are candidates, one at 16K tokens, where
-context parallelism (cp=2, 8K tokens per rank) is, and a mixture of experts, where expert
-parallelism (ep 1, 2 and 4) is.
+context parallelism (cp=2, 8K tokens per rank) is, a mixture of experts, where expert
+parallelism (ep 1, 2 and 4) is, and compiled blocks on a device that runs asynchronous
+tensor parallelism, where it is (the layout ILP's random units take it too).
 """
 
 from __future__ import annotations
@@ -25,13 +26,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "planner"))
 
 from _report import markdown_table, write_csv, write_result
-from test_search_exact import (
-    _brute_force_search,
-    _ctx,
-    _random_groups,
-    _random_profile,
-    _tiny_cluster,
-)
+from test_search_exact import _brute_force_search, _ctx, _random_profile, _tiny_cluster
+from test_stage_knapsack import _random_groups
 
 from autopar.cost.model import CostModel
 from autopar.cost.peak import budget_bytes
@@ -53,13 +49,9 @@ def layouts(n: int) -> tuple[int, int, float]:
     for seed in range(n):
         rng = random.Random(seed)
         prof = _random_profile(rng)
-        ctx = _ctx(
-            cluster,
-            tp=rng.choice([2, 4, 8, 16]),
-            sp=rng.random() < 0.5,
-            mbs=rng.choice([1, 2, 8]),
-            last=rng.random() < 0.3,
-        )
+        sp = rng.random() < 0.5
+        ctx = _ctx(cluster, tp=rng.choice([2, 4, 8, 16]), sp=sp, mbs=rng.choice([1, 2, 8]), last=rng.random() < 0.3)
+        ctx = dataclasses.replace(ctx, async_tp=sp and rng.random() < 0.5)  # fused collectives need SP
         ok += math.isclose(
             LayoutSolver().fastest(prof, ctx).time_s, brute_force_layout(prof, ctx).time_s, rel_tol=1e-9, abs_tol=1e-15
         )
@@ -138,9 +130,13 @@ def whole() -> list[dict[str, str]]:
     moe = MoEConfig(vocab_size=256, seq_len=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, n_experts=4)
     moe_graph = extract(MoELlama(moe), seq_len=128, dtype="bf16")
     runs.append(("MoE Llama 2 blocks, 4 experts (ep)", (0.006, 0.008, 0.01, 1.0), moe_graph, 1, (1, 2, 4, 8), {}))
+    # compiled blocks on a device that runs asynchronous TP: every tp > 1 candidate with SP tried both ways
+    runs.append(("GPT 2 blocks, compiled (async TP)", (0.012, 0.02, 0.05), gpt, 1, (1, 2, 4, 8), {"compile": True}))
     for name, levels, graph, nodes, sizes, constraints in runs:
         for memory_gib in levels:
             cluster = dataclasses.replace(_tiny_cluster(memory_gib), nodes=nodes)
+            if constraints.get("compile"):
+                cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, async_tp=True))
             model = CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8)
             budget = budget_bytes(cluster.device.memory)
             start = time.perf_counter()
@@ -180,7 +176,7 @@ def main() -> None:
     n = args.instances
     checks: list[dict[str, str]] = []
     for label, fn, count in (
-        ("layout ILP (random units, tp 2-16, SP, micro-batch)", layouts, n),
+        ("layout ILP (random units, tp 2-16, SP, async TP, micro-batch)", layouts, n),
         ("stage knapsack (random option groups)", stages, 3 * n),
         ("pipeline split DP (random cost tables)", splits, 3 * n),
     ):

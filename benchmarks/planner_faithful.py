@@ -304,7 +304,7 @@ def main() -> None:
         "Megatron-DeepSpeed, A100 (MT-NLG 530B, BLOOM 176B)": lambda: [*mt_nlg_rows(), bloom_row()],
         "Llama 3 405B, H100 (Meta)": llama3_rows,
         "Megatron-Core, H100 (GPT 1.7B-462B, Mixtral 8x7B)": lambda: [*megatron_core_rows(), mixtral_row()],
-        "torchtitan, H100 and H200 (Llama 3.1 8B and 70B)": torchtitan_rows,
+        "torchtitan, H100 and H200 (Llama 3.1 8B, 70B and 405B)": torchtitan_rows,
     }
     rows: list[dict[str, object]] = []
     by_source: dict[str, list[dict[str, object]]] = {}
@@ -335,8 +335,8 @@ def _summary(rows: list[dict[str, object]]) -> str:
         f"({rows[worst]['run']} on {rows[worst]['GPUs']} GPUs) over {len(rows)} published runs; "
         f"{len(false_ooms)} false out-of-memory{': ' + '; '.join(false_ooms) if false_ooms else ''}. "
         f"No constant was fitted to these numbers: efficiencies are the presets' cited defaults (matmul "
-        f"0.8 of peak, FP8 matmul 0.709 on H100, fused attention 0.6 on A100 and 0.35 on H100 (torch's "
-        f"FlashAttention-2), memory 0.8 of bandwidth, NCCL busbw); per run, what its source states: "
+        f"0.8 of peak, FP8 matmul 0.709 on H100, fused attention forward and backward 0.25 on A100 and 0.19 on "
+        f"H100 (torch's FlashAttention-2), memory 0.8 of bandwidth, NCCL busbw); per run, what its source states: "
         f"Transformer Engine's and Meta's Hopper attention at {HOPPER_FUSED_ATTENTION} of peak, torchtitan's "
         f"500 W H100 at the middle of the peak range its footnote gives."
     )
@@ -369,10 +369,7 @@ def _strong_scaling(rows: list[dict[str, object]]) -> str:
 
 def _not_scored() -> str:
     """The published runs kept as candidates, with their sources."""
-    lines = [
-        "Not scored yet (the configuration left unsaid, or what autopar does not model, such as asynchronous "
-        "tensor parallelism):"
-    ]
+    lines = ["Not scored yet (the configuration left unsaid, or what autopar does not model):"]
     lines += [f"- {source}: {config}: {published}" for source, config, published in NOT_SCORED]
     return "\n".join(lines)
 

@@ -19,13 +19,22 @@ import numpy as np
 from autopar.cost.leaf import (
     BACKWARD_FACTOR,
     TPContext,
+    attention_backward_extra_s,
     glue_fwd_s,
     glue_layout,
     leaf_accumulate_s,
     leaf_fwd_s,
     leaf_param_numel,
 )
-from autopar.cost.tensor_parallel import conversion_s, loss_parallel_s, producer_bytes, reduction_s
+from autopar.cost.tensor_parallel import (
+    column_matmul_s,
+    consumers,
+    conversion_s,
+    loss_parallel_s,
+    producer_bytes,
+    reduction_s,
+    row_matmul_s,
+)
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, UnitProfile
 from autopar.vocab import STYLE_IO, Layout, TPStyle
 
@@ -54,7 +63,7 @@ def layout_table(profile: UnitProfile, ctx: TPContext, options: Sequence[tuple[T
     count = choice.shape[0]
     time = np.zeros(count)
     params = np.zeros(count)
-    produced, needed, column = {}, {}, {}
+    produced, needed, column, row = {}, {}, {}, {}
     for i, opts in enumerate(options):
         leaf = profile.leaves[i]
         pick = choice[:, i]
@@ -64,6 +73,7 @@ def layout_table(profile: UnitProfile, ctx: TPContext, options: Sequence[tuple[T
         produced[i] = np.asarray([_INDEX[STYLE_IO[s][1]] for s in opts])[pick]
         needed[i] = np.asarray([_INDEX[STYLE_IO[s][0]] for s in opts])[pick]
         column[i] = np.asarray([s is TPStyle.COLUMN for s in opts])[pick]
+        row[i] = np.asarray([s is TPStyle.ROW for s in opts])[pick]
     produced[UNIT_INPUT] = np.full(count, _INDEX[ctx.input_layout])
     outputs = ctx.output_layouts()
     if len(outputs) > 1:  # vocabulary-sharded exactly where a column-parallel leaf produces the output
@@ -80,20 +90,77 @@ def layout_table(profile: UnitProfile, ctx: TPContext, options: Sequence[tuple[T
     for flow in profile.flows:
         a, need = produced[flow.src], needed[flow.dst]
         glue = np.array(
-            [[(1 + BACKWARD_FACTOR) * glue_fwd_s(flow, glue_layout(x, y), ctx) for y in LAYOUTS] for x in LAYOUTS]
+            [
+                [
+                    (1 + BACKWARD_FACTOR) * glue_fwd_s(flow, glue_layout(x, y), ctx)
+                    + attention_backward_extra_s(flow, glue_layout(x, y), ctx)
+                    for y in LAYOUTS
+                ]
+                for x in LAYOUTS
+            ]
         )
         time += glue[a, need]
         owed = wanted.setdefault(flow.src, np.zeros((count, len(LAYOUTS)), dtype=bool))
         owed[np.arange(count), need] = True
         if flow.dst >= 0:
             partial[flow.src] = partial.get(flow.src, np.zeros(count, dtype=bool)) | column[flow.dst]
+    hidden = _AsyncTP(profile, ctx, column, row, count) if ctx.async_tp else None
     for src, owed in wanted.items():
         nbytes = largest[src] * ctx.micro_batch
         conversion = np.array([[sum(conversion_s(x, y, nbytes, ctx)) for y in LAYOUTS] for x in LAYOUTS])
         time += (owed * conversion[produced[src]]).sum(axis=1)
+        if hidden is not None:
+            time -= hidden.conversions(src, nbytes, owed, produced[src])
     for src, reduced in partial.items():
         reduction = np.array([reduction_s(x, largest[src] * ctx.micro_batch, ctx) for x in LAYOUTS])
         time += np.where(reduced, reduction[produced[src]], 0.0)
+        if hidden is not None:
+            time -= np.where(reduced, hidden.reduction(src, reduction[_INDEX[Layout.Q]], produced[src]), 0.0)
     if ctx.last:
         time += np.where(needed[UNIT_OUTPUT] == _INDEX[Layout.F], loss_parallel_s(ctx), 0.0)
     return LayoutTable(choice=choice, time_s=time, param_numel=params, output=needed[UNIT_OUTPUT])
+
+
+class _AsyncTP:
+    """What asynchronous TP hides of each combination's sequence-parallel collectives,
+    as :func:`autopar.cost.tensor_parallel.evaluate_layout` prices it
+    (:func:`autopar.cost.tensor_parallel.fused_hidden_s`)."""
+
+    def __init__(self, profile: UnitProfile, ctx: TPContext, column: dict, row: dict, count: int):
+        self.ctx = ctx
+        self.row, self.row_mm = row, row_matmul_s(profile, ctx)
+        column_mm = column_matmul_s(profile, ctx)
+        self.under: dict[int, np.ndarray] = {}  # producer -> the column-parallel matmuls reading it
+        self.readers: dict[int, np.ndarray] = {}  # producer -> how many column-parallel leaves read it
+        for src, dsts in consumers(profile).items():
+            self.under[src] = sum((np.where(column[d], column_mm[d], 0.0) for d in dsts), np.zeros(count))
+            self.readers[src] = sum((column[d].astype(int) for d in dsts), np.zeros(count, dtype=int))
+
+    def _hide(self, comm: float, matmul: np.ndarray) -> np.ndarray:
+        k = (self.ctx.tp - 1) / self.ctx.tp
+        return np.minimum(comm, matmul * k)
+
+    def conversions(self, src: int, nbytes: float, owed: np.ndarray, produced: np.ndarray) -> np.ndarray:
+        """Hidden of the conversions of ``src``'s output owed in each combination: an
+        all-gather (Q -> R) behind its column-parallel readers, a reduce-scatter (P -> Q)
+        of a row-parallel output behind that matmul, and its backward all-gather too."""
+        gather = conversion_s(Layout.Q, Layout.R, nbytes, self.ctx)[0]
+        out = np.zeros(len(produced))
+        if src in self.under:
+            out += np.where(
+                owed[:, _INDEX[Layout.R]] & (produced == _INDEX[Layout.Q]), self._hide(gather, self.under[src]), 0.0
+            )
+        if src >= 0:
+            f, bw = conversion_s(Layout.P, Layout.Q, nbytes, self.ctx)
+            scattered = owed[:, _INDEX[Layout.Q]] & (produced == _INDEX[Layout.P]) & self.row[src]
+            mm = np.full(len(produced), self.row_mm[src])
+            out += np.where(scattered, self._hide(f, mm) + self._hide(bw, mm), 0.0)
+        return out
+
+    def reduction(self, src: int, reduce_scatter: float, produced: np.ndarray) -> np.ndarray:
+        """Hidden of the reduce-scatter of ``src``'s input gradient from its one
+        column-parallel reader's input-gradient matmul (Q only)."""
+        if src not in self.under:
+            return np.zeros(len(produced))
+        single = np.where(self.readers[src] == 1, self.under[src], 0.0)
+        return np.where(produced == _INDEX[Layout.Q], self._hide(reduce_scatter, single), 0.0)

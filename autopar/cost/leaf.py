@@ -26,6 +26,12 @@ BACKWARD_FACTOR = 2.0
 weight gradient (Narayanan et al. 2021, section 5.1); a memory-bound op reads the output
 gradient and its saved input and writes the input gradient, about twice its traffic."""
 
+FUSED_ATTENTION_BACKWARD_FACTOR = 2.5
+"""A fused attention kernel's backward computes 2.5 times its forward's FLOPs: it
+recomputes the scores and runs four more matmuls of their size (Dao 2023,
+FlashAttention-2, whose benchmarks count 2.5x). Applied where the device states the
+kernel's rate (``Roofline.attention_efficiency``, quoted in that convention)."""
+
 VOCAB_MULTIPLE = 128
 """Megatron-LM pads the vocabulary to a multiple of 128 x tp (``make_vocab_size_divisible_by``)."""
 
@@ -75,6 +81,8 @@ class TPContext:
             (:mod:`autopar.cost.fp8`).
         fused_attention: attention cores run one fused (flash) kernel, at the device's
             attention rate (:meth:`autopar.cost.compute.ComputeRates.in_fused_attention`).
+        async_tp: the unit's sequence-parallel collectives run fused with the matmuls
+            beside them (:func:`autopar.cost.tensor_parallel.fused_hidden_s`).
     """
 
     tp: int
@@ -100,6 +108,7 @@ class TPContext:
     compile: bool = False
     fp8: bool = False
     fused_attention: bool = False
+    async_tp: bool = False
 
     @property
     def input_layout(self) -> Layout:
@@ -221,15 +230,33 @@ def glue_layout(a: Layout, b: Layout) -> Layout:
     return b if a is Layout.P else a
 
 
+def kernel_rated(ctx: TPContext) -> bool:
+    """Whether the unit's attention cores run at the fused kernel's stated rate (flash
+    attention on a device that states it): on the FLOPs the kernel computes, with
+    :data:`FUSED_ATTENTION_BACKWARD_FACTOR`."""
+    return ctx.fused_attention and ctx.rates.attention_flops_per_s > 0
+
+
 def glue_fwd_s(flow: Flow, layout: Layout, ctx: TPContext, *, attention_only: bool = False) -> float:
     """Forward time of a flow's glue (or only its attention core) in ``layout``."""
     scale = ctx.micro_batch / (ctx.tp if layout in SHARDED else 1)
     attn_bytes, attn_ops = flow.attention(ctx.compile)
-    attn_rates = ctx.rates.in_fused_attention() if ctx.fused_attention else ctx.rates
-    attn = work_s(matmul_flops=flow.attn_flops * scale, other_flops=0.0, nbytes=attn_bytes * scale, r=attn_rates)
+    rated = kernel_rated(ctx)
+    flops = flow.fused_attention_flops if rated else flow.attn_flops
+    attn_rates = ctx.rates.in_fused_attention() if rated else ctx.rates
+    attn = work_s(matmul_flops=flops * scale, other_flops=0.0, nbytes=attn_bytes * scale, r=attn_rates)
     attn += dispatch_s(ctx.host, attn_ops)
     if attention_only:
         return ctx.compute_scale * attn
     glue_bytes, glue_ops = flow.glue(ctx.compile)
     rest = work_s(matmul_flops=0.0, other_flops=flow.glue_flops * scale, nbytes=glue_bytes * scale, r=ctx.rates)
     return ctx.compute_scale * (attn + rest + dispatch_s(ctx.host, glue_ops))
+
+
+def attention_backward_extra_s(flow: Flow, layout: Layout, ctx: TPContext) -> float:
+    """What a fused attention core's backward takes beyond the :data:`BACKWARD_FACTOR`
+    every unit's forward is charged: ``FUSED_ATTENTION_BACKWARD_FACTOR - BACKWARD_FACTOR``
+    of its forward where it runs at the kernel's stated rate, else nothing."""
+    if not kernel_rated(ctx) or flow.attn_flops <= 0:
+        return 0.0
+    return (FUSED_ATTENTION_BACKWARD_FACTOR - BACKWARD_FACTOR) * glue_fwd_s(flow, layout, ctx, attention_only=True)

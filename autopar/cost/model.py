@@ -63,7 +63,8 @@ def tp_context(model: CostModel, unit: int, config: ParallelConfig) -> TPContext
     share of each sample under context parallelism (the cp ring: ``cp`` ranks, ``tp``
     apart, :class:`autopar.vocab.MeshAxis`), and its expert-parallel group (``ep``
     ranks, ``tp`` apart). Compiled plans compile the blocks only, as the runtime does
-    (:mod:`autopar.runtime.compile`): the prologue and epilogue stay eager."""
+    (:mod:`autopar.runtime.compile`): the prologue and epilogue stay eager, and so do
+    their tensor-parallel collectives under asynchronous TP."""
     signature = model.graph.profile_of(unit).signature
     device = model.cluster.device
     return TPContext(
@@ -90,4 +91,5 @@ def tp_context(model: CostModel, unit: int, config: ParallelConfig) -> TPContext
         compile=config.compile and model.graph.units[unit].is_block,
         fp8=config.fp8 and model.graph.units[unit].is_block,
         fused_attention=model.graph.attention is Attention.FLASH,
+        async_tp=config.async_tp and model.graph.units[unit].is_block,
     )

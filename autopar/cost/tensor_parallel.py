@@ -37,6 +37,8 @@ from autopar.cost.leaf import (
     BACKWARD_FACTOR,
     SHARDED,
     TPContext,
+    allowed_styles,
+    attention_backward_extra_s,
     glue_fwd_s,
     glue_layout,
     leaf_accumulate_s,
@@ -90,6 +92,56 @@ def reduction_s(a: Layout, nbytes: float, ctx: TPContext) -> float:
     if a in (Layout.R, Layout.P):
         return all_reduce_s(nbytes, ctx.span, ctx.cluster)  # Megatron's f operator
     return reduce_scatter_s(nbytes, ctx.span, ctx.cluster)  # sequence parallel: gather <-> scatter
+
+
+def fused_hidden_s(comm_s: float, matmul_s: float, ctx: TPContext) -> float:
+    """What asynchronous tensor parallelism hides of a sequence-parallel collective fused
+    with the matmul beside it (torch's micro-pipeline TP, ``fused_all_gather_matmul`` and
+    ``fused_matmul_reduce_scatter``; Wang et al. 2023, "Overlap Communication with Dependent
+    Computation via Decomposition in Large Deep Learning Models"): the matmul runs in
+    ``tp`` chunks, one per shard, and the transfer of each shard but the rank's own hides
+    behind another chunk's matmul, so at most ``(tp - 1) / tp`` of the matmul's time hides
+    the collective. 0 without asynchronous TP.
+
+    Which matmul: an all-gather of a sequence-sharded tensor with all the column-parallel
+    matmuls that read it (one fused op takes several weights); a reduce-scatter with the
+    row-parallel matmul that made its input, or in backward with the input-gradient
+    matmul of the one column-parallel reader (several readers' gradients are summed first,
+    which the fusion does not match); the backward all-gather of a row-parallel output's
+    gradient with that layer's input-gradient matmul (its weight gradient reads the
+    gathered tensor as the right operand, which the fusion does not gather)."""
+    if not ctx.async_tp or ctx.tp == 1:
+        return 0.0
+    return min(comm_s, matmul_s * (ctx.tp - 1) / ctx.tp)
+
+
+def consumers(profile: UnitProfile) -> dict[int, tuple[int, ...]]:
+    """Per producer, the leaves reading its output (each once)."""
+    out: dict[int, list[int]] = {}
+    for flow in profile.flows:
+        if flow.dst >= 0 and flow.dst not in out.setdefault(flow.src, []):
+            out[flow.src].append(flow.dst)
+    return {src: tuple(dsts) for src, dsts in out.items()}
+
+
+def column_matmul_s(profile: UnitProfile, ctx: TPContext) -> list[float]:
+    """Each leaf's forward time as a column-parallel matmul (0 where it cannot be one):
+    what an all-gather of its input, and in backward the reduce-scatter of its input
+    gradient (the same matmul's size), hide behind under asynchronous TP."""
+    return [
+        leaf_fwd_s(leaf, TPStyle.COLUMN, ctx) if TPStyle.COLUMN in allowed_styles(leaf, ctx) else 0.0
+        for leaf in profile.leaves
+    ]
+
+
+def row_matmul_s(profile: UnitProfile, ctx: TPContext) -> list[float]:
+    """Each leaf's forward time as a row-parallel matmul (0 where it cannot be one): what
+    the reduce-scatter of its output hides behind under asynchronous TP, and (its input-
+    gradient matmul, the same size) the all-gather of its output gradient."""
+    return [
+        leaf_fwd_s(leaf, TPStyle.ROW, ctx) if TPStyle.ROW in allowed_styles(leaf, ctx) else 0.0
+        for leaf in profile.leaves
+    ]
 
 
 LOSS_PARALLEL_REDUCTIONS = 3
@@ -288,7 +340,7 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
     t = ctx.tp
     fwd_compute = sum(leaf_fwd_s(leaf, s, ctx) for leaf, s in zip(profile.leaves, styles))
     accumulate = sum(leaf_accumulate_s(leaf, s, ctx) for leaf, s in zip(profile.leaves, styles))
-    attn_fwd = loss_fwd = loss_input = loss_saved = held = 0.0
+    attn_fwd = attn_bwd_extra = loss_fwd = loss_input = loss_saved = held = 0.0
     attn_sharded = False
     saved = sum(_shard(leaf.saved_bytes * b, STYLE_IO[s][0], t) for leaf, s in zip(profile.leaves, styles))
     attn_saved = 0.0
@@ -307,6 +359,7 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         glue = glue_fwd_s(flow, g, ctx)
         fwd_compute += glue
         attn_fwd += glue_fwd_s(flow, g, ctx, attention_only=True)
+        attn_bwd_extra += attention_backward_extra_s(flow, g, ctx)
         if flow.attn_flops > 0:
             attn_out[flow.dst] = max(
                 attn_out.get(flow.dst, 0.0), _shard(attention_output_bytes(profile, flow) * b, need, t)
@@ -327,8 +380,20 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
     fwd_comm = bwd_comm = 0.0
     fwd_syncs = bwd_syncs = 0
     op_comm, op_syncs = 0.0, 0
+    column_mm = column_matmul_s(profile, ctx) if ctx.async_tp else []
+    row_mm = row_matmul_s(profile, ctx) if ctx.async_tp else []
+    readers = consumers(profile)
+
+    def under_column(src: int, *, single: bool = False) -> float:  # the column-parallel matmuls reading src
+        columns = [column_mm[d] for d in readers.get(src, ()) if styles[d] is TPStyle.COLUMN] if ctx.async_tp else []
+        return 0.0 if single and len(columns) != 1 else sum(columns)
+
     for (src, need), a in conversions.items():
         f, bw = conversion_s(a, need, largest[src] * b, ctx)
+        if a is Layout.Q and need is Layout.R:  # an all-gather into column-parallel matmuls
+            f -= fused_hidden_s(f, under_column(src), ctx)
+        elif a is Layout.P and need is Layout.Q and src >= 0 and styles[src] is TPStyle.ROW and ctx.async_tp:
+            f, bw = f - fused_hidden_s(f, row_mm[src], ctx), bw - fused_hidden_s(bw, row_mm[src], ctx)
         fwd_comm += f
         bwd_comm += bw
         fwd_syncs += f > 0
@@ -339,6 +404,8 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
             op_syncs += f > 0
     for src, a in partial.items():
         r = reduction_s(a, largest[src] * b, ctx)
+        if a is Layout.Q:  # the reduce-scatter of the column-parallel matmuls' input gradient
+            r -= fused_hidden_s(r, under_column(src, single=True), ctx)
         bwd_comm += r
         bwd_syncs += r > 0
     vocab_parallel = ctx.last and output is Layout.F
@@ -355,7 +422,7 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         styles=styles,
         output=output,
         fwd_compute_s=fwd_compute,
-        bwd_compute_s=BACKWARD_FACTOR * fwd_compute + accumulate,
+        bwd_compute_s=BACKWARD_FACTOR * fwd_compute + accumulate + attn_bwd_extra,
         fwd_comm_s=fwd_comm,
         bwd_comm_s=bwd_comm,
         fwd_syncs=fwd_syncs,

@@ -144,7 +144,10 @@ class Flow:
     attention core (``F.scaled_dot_product_attention``), which selective recomputation
     drops from memory and recomputes. ``compiled_*`` are the glue's and the attention
     core's bytes and kernels when the unit is compiled (:mod:`autopar.graph.fusion`);
-    None: as in eager mode.
+    None: as in eager mode. ``attn_work_flops``: of ``attn_flops`` (the flop counter's,
+    the full score and value products, as model-FLOP utilization counts them), what a
+    fused attention kernel computes: half under a causal mask, whose masked tiles it
+    skips (None: all of them).
     """
 
     src: int
@@ -162,6 +165,12 @@ class Flow:
     compiled_attn_bytes: float | None = None
     compiled_glue_ops: float | None = None
     compiled_attn_ops: float | None = None
+    attn_work_flops: float | None = None
+
+    @property
+    def fused_attention_flops(self) -> float:
+        """What a fused attention kernel computes of ``attn_flops``."""
+        return self.attn_flops if self.attn_work_flops is None else self.attn_work_flops
 
     def glue(self, compiled: bool) -> tuple[float, float]:
         """The glue's bytes per sample and ops per call, eager or compiled."""

@@ -39,6 +39,7 @@ class Op:
     calls: int = 1
     saved: float = 0.0
     attn_saved: float = 0.0
+    attn_work: float = 1.0
     assigned: bool = False
     compiled_nbytes: float = 0.0
     kernels: int = 0
@@ -122,6 +123,7 @@ class _FlowAcc:
     glue_bytes: float = 0.0
     saved: float = 0.0
     attn_flops: float = 0.0
+    attn_work_flops: float = 0.0
     attn_bytes: float = 0.0
     attn_saved: float = 0.0
     glue_ops: float = 0.0
@@ -196,6 +198,7 @@ class SegmentTrace:
                 glue_bytes=f.glue_bytes / batch,
                 saved_bytes=f.saved / batch,
                 attn_flops=f.attn_flops / batch,
+                attn_work_flops=f.attn_work_flops / batch,
                 attn_bytes=f.attn_bytes / batch,
                 attn_saved_bytes=f.attn_saved / batch,
                 glue_ops=f.glue_ops,
@@ -323,6 +326,7 @@ class Segment:
                 op.settled.append((acc, share))
                 if op.attn:
                     acc.attn_flops += op.flops * share
+                    acc.attn_work_flops += op.flops * share * op.attn_work
                     acc.attn_bytes += op.nbytes * share
                     acc.attn_ops += op.calls * share
                     acc.compiled_attn_bytes += op.compiled_nbytes * share

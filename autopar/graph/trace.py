@@ -90,7 +90,13 @@ class _Recorder(TorchDispatchMode):
             for t in outs:
                 seg.register(t, Info(origins=frozenset({seg.leaf_stack[-1]}), pending=frozenset(), attn_heads=0))
             return out
-        op = Op(flops=flops, nbytes=nbytes, attn=self.tracer.in_attention, origins=origins)
+        op = Op(
+            flops=flops,
+            nbytes=nbytes,
+            attn=self.tracer.in_attention,
+            origins=origins,
+            attn_work=self.tracer.attn_work if self.tracer.in_attention else 1.0,
+        )
         seg.compiled(func, activations, _keyed(outs), op.add_compiled)
         seg.ops.append(op)
         op_id = len(seg.ops) - 1
@@ -142,6 +148,7 @@ class Tracer:
         self.expert_storages = expert_storages
         self.segment: Segment | None = None
         self.in_attention = False
+        self.attn_work = 1.0  # of the attention core's counted FLOPs, what a fused kernel computes
         self.attn_inputs: set[int] = set()
         self.seen_storages: set[int] = set()
         self.head_dim = 0
@@ -210,6 +217,8 @@ class Tracer:
             self.head_dim = int(q.shape[-1])
         self.attn_inputs.update(t.untyped_storage()._cdata for t in (q, k, v))
         self.in_attention = True
+        # a fused kernel skips the tiles a causal mask removes; the flop count does not
+        self.attn_work = 0.5 if self.attention is Attention.FLASH and is_causal and attn_mask is None else 1.0
         try:
             if self.attention is Attention.FLASH:
                 kk, vv = k, v

@@ -71,11 +71,15 @@ class Roofline:
             reaches (None: ``matmul_efficiency``); FP8 GEMMs stay further below their
             peak than bf16 ones (the presets' sources say by how much).
         attention_efficiency: fraction of the compute-precision peak the fused (flash)
-            attention kernel of the runtime's ``scaled_dot_product_attention`` reaches
-            (None: ``matmul_efficiency``, and a measured matmul curve where there is
-            one). Its softmax runs between the two matmuls of every tile, so it stays
-            below a GEMM, by how much depends on the kernel: materialized attention
-            runs ordinary batched matmuls and ignores it.
+            attention kernel of the runtime's ``scaled_dot_product_attention`` reaches,
+            in the FlashAttention benchmarks' convention: on the FLOPs it computes (a
+            causal mask halves the score products, whose masked tiles it skips), with
+            a backward of 2.5 times the forward's FLOPs. None: the core is priced as
+            matmuls of the flop counter's (full) products, at ``matmul_efficiency`` or
+            a measured matmul curve, with the backward every op gets. Its softmax runs
+            between the two matmuls of every tile, so it stays below a GEMM, by how much
+            depends on the kernel; materialized attention runs ordinary batched matmuls
+            and ignores it.
     """
 
     peak_flops: Mapping[DType, float]
@@ -238,6 +242,9 @@ class DeviceSpec:
             FSDP/DDP communication. CPU processes get 0: gloo reduces on the cores the
             compute uses.
         preferred_dtype: the precision plans use unless told otherwise.
+        async_tp: the device runs torch's asynchronous tensor parallelism (CUDA GPUs
+            whose peers map each other's memory over NVLink, torch's symmetric memory):
+            the H100 and H200 presets, where torchtitan measured it.
         source: where the numbers come from.
     """
 
@@ -247,6 +254,7 @@ class DeviceSpec:
     host: HostEffects = field(default_factory=HostEffects.none)
     comm_overlap: float = 0.8
     preferred_dtype: DType = DType.BF16
+    async_tp: bool = False
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -261,6 +269,8 @@ class DeviceSpec:
         )
         object.__setattr__(self, "comm_overlap", overlap)
         object.__setattr__(self, "preferred_dtype", dtype_of(self.preferred_dtype, f"{owner} preferred_dtype"))
+        if not isinstance(self.async_tp, bool):
+            raise ClusterError(f"{owner} async_tp={self.async_tp!r} is not allowed: it must be true or false.")
         if self.preferred_dtype not in self.roofline.peak_flops:
             raise ClusterError(f"{owner} preferred_dtype={self.preferred_dtype.value} has no peak_flops entry.")
 

@@ -36,6 +36,7 @@ def explain(plan: Plan, *, top: int = 5) -> str:
         *_sharding(plan),
         *_option_line(plan, "compile", "Compiled", COMPILE_WAYS, always=True),
         *_option_line(plan, "fp8", "FP8 matmuls", FP8_WAYS, always=False),
+        *_option_line(plan, "async_tp", "Async TP", ASYNC_TP_WAYS, always=False),
         "",
         "Stages (pipeline rank: units | forward / backward per micro-batch | peak memory)",
     ]
@@ -147,7 +148,7 @@ def _experts(plan: Plan) -> list[str]:
 
 
 def _option_line(plan: Plan, option: str, label: str, ways: tuple[str, str, str, str], *, always: bool) -> list[str]:
-    """How the plan sets a kernel option (``option``: ``compile`` or ``fp8``, also the
+    """How the plan sets an option (``option``: ``compile``, ``fp8`` or ``async_tp``, also the
     status of its priced contrast in ``plan.alternatives``), and what the other way would
     take. ``ways``: the text of the option on, off, and the names of the other way when
     it is on and when it is off. Without ``always``, nothing where the option is off and
@@ -171,6 +172,12 @@ COMPILE_WAYS = (
     "compiled (--set compile=true)",
 )
 FP8_WAYS = ("blocks' linear layers in FP8 (torchao float8, tensorwise scales)", "off", "bf16", "FP8 (--set fp8=true)")
+ASYNC_TP_WAYS = (
+    "sequence-parallel collectives fused with their matmuls (torch's micro-pipeline TP)",
+    "off",
+    "synchronous",
+    "asynchronous (--set async_tp=true)",
+)
 
 
 def _sharding(plan: Plan) -> list[str]:

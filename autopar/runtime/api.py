@@ -196,7 +196,7 @@ def parallelize(
         if layout is not None:
             apply_tensor_parallel(stage, layout, mesh["tp"], tuple(t.fqns for t in tied))
         if experts_mesh is not None:
-            apply_expert_parallel(stage, experts_mesh.ep)
+            apply_expert_parallel(stage, experts_mesh.ep, plan.settings.routing_imbalance)
         apply_recompute(stage, list(plan.stages[i]), plan)
         if plan.config.compile and materialize:
             compiled += compile_blocks(stage, list(plan.stages[i]))

@@ -11,6 +11,9 @@ the plan's prediction.
 With ``measure=True`` each chosen rank also runs one training step on fake tensors
 (:mod:`autopar.runtime.dry_step`), and its measured peak of tensor bytes is set beside
 the plan's predicted allocation for that rank (its peak less the device's reserve).
+Dropless experts under expert parallelism run there at the routing the plan prices
+(balanced, or the plan's routing imbalance: :mod:`autopar.runtime.assumed_routing`),
+since fake tensors have no routing to count; the report says so.
 A plan with compiled blocks (``compile=True``) runs them eager here: compiling needs
 real tensors, and eager memory is the upper bound the planner prices for compiled
 blocks too (:mod:`autopar.runtime.compile`); the report says so. An ``async_tp`` plan,
@@ -50,10 +53,11 @@ from autopar.runtime.dry_step import (
     measure_step,
     measured_microbatches,
 )
+from autopar.runtime.expert_parallel import experts_modules, is_routed_experts
 from autopar.runtime.hf import is_conv1d
 from autopar.runtime.local import cross_entropy
 from autopar.runtime.mesh import MeshDims
-from autopar.vocab import TPStyle
+from autopar.vocab import DType, TPStyle
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,7 +96,10 @@ class RankReport:
 class DryRunReport:
     """The outcome of :func:`dry_run`. ``eager_blocks``: the plan compiles its blocks,
     which the dry run ran eager. ``synchronous_tp``: the plan fuses its tensor-parallel
-    collectives into those blocks' matmuls (``async_tp``), which the dry run did not."""
+    collectives into those blocks' matmuls (``async_tp``), which the dry run did not.
+    ``assumed_routing``: the routing imbalance the measured steps assumed for dropless
+    experts under expert parallelism (1: balanced; fake tensors have no routing,
+    :mod:`autopar.runtime.assumed_routing`), None where no such experts ran."""
 
     plan: str
     world_size: int
@@ -100,6 +107,7 @@ class DryRunReport:
     ranks: tuple[RankReport, ...]
     eager_blocks: bool = False
     synchronous_tp: bool = False
+    assumed_routing: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -122,6 +130,8 @@ class DryRunReport:
                 "  note: async TP was not exercised: the dry run runs the tensor-parallel collectives synchronously "
                 "(async_tp fuses them into compiled matmuls on CUDA only)"
             )
+        if self.assumed_routing is not None:
+            lines.append(f"  note: {_routing_note(self.assumed_routing)}")
         if self.ranks:
             lines.append("  rank  (pp,dp,cp,tp)  stages      params held   predicted params   predicted peak")
             for r in self.ranks:
@@ -146,6 +156,18 @@ class DryRunReport:
                     parts = " | ".join(f"{phase} {_gib(b)}" for phase, b in m.peak_phase_bytes.items() if b)
                     lines.append(f"         at the peak, by when allocated: {parts}")
         return "\n".join(lines)
+
+
+def _routing_note(imbalance: float) -> str:
+    if imbalance == 1.0:
+        return (
+            "dropless experts measured at balanced routing (each expert receives tokens x top_k / experts rows), "
+            "as the plan prices them; a skewed router holds more"
+        )
+    return (
+        f"dropless experts measured at the plan's routing imbalance (this rank receives {imbalance:g}x its "
+        f"balanced rows), as the plan prices them"
+    )
 
 
 def _gib(n: float) -> str:
@@ -187,6 +209,8 @@ def dry_run(
         problems.append(
             "a measured dry run needs a token model (its step feeds token ids); this one takes sample_input"
         )
+    if measure:
+        problems += grouped_experts_problems(model, plan)
     reports: list[RankReport] = []
     if analysis is not None and not problems:
         chosen = ranks if ranks is not None else [dims.rank_at(p, 0, 0, 0) for p in range(dims.pp)]
@@ -213,7 +237,36 @@ def dry_run(
         ranks=tuple(reports),
         eager_blocks=plan.config.compile,
         synchronous_tp=plan.config.async_tp,
+        assumed_routing=_assumed_routing(model, plan) if measure and reports else None,
     )
+
+
+def grouped_experts_problems(model: nn.Module, plan: Plan) -> list[str]:
+    """Transformers experts modules a measured step cannot run at the plan's precision:
+    those running grouped matmuls (``_experts_implementation = "grouped_mm"``), whose
+    fake kernel takes bf16 only (torch's, as CUDA's), outside a bf16 plan. One problem
+    naming the first of them."""
+    if plan.config.dtype is DType.BF16:
+        return []
+    grouped = [
+        name
+        for name, m in experts_modules(model).items()
+        if is_routed_experts(m) and getattr(getattr(m, "config", None), "_experts_implementation", None) == "grouped_mm"
+    ]
+    if not grouped:
+        return []
+    return [
+        f"a measured dry run cannot run {len(grouped)} experts module(s) ({grouped[0]!r}, ...) in "
+        f"{plan.config.dtype.value}: transformers runs them as grouped matmuls, which torch's fake tensors take in "
+        f"bf16 only; measure the plan at dtype='bf16', or dry-run it without measuring"
+    ]
+
+
+def _assumed_routing(model: nn.Module, plan: Plan) -> float | None:
+    """The routing imbalance a measured step of ``plan`` assumes for ``model``'s dropless
+    experts: the plan's, under expert parallelism; None without such experts or ``ep``."""
+    dropless = any(is_routed_experts(m) for m in experts_modules(model).values())
+    return plan.settings.routing_imbalance if plan.config.ep > 1 and dropless else None
 
 
 def coverage_problems(model: nn.Module, plan: Plan) -> list[str]:

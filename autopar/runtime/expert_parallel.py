@@ -29,8 +29,10 @@ weights (autopar's router) are averaged over ``ep`` after backward
 (:class:`SharedWeightSync`), which completes their mean over ``dp x cp``.
 
 A measured dry run (fake tensors, :mod:`autopar.runtime.dry_step`) runs capacity-bounded
-experts (equal splits, known shapes) and refuses dropless ones, whose split sizes depend
-on the routing of real tokens.
+experts as they are (equal splits, known shapes). Dropless experts' split sizes depend on
+the routing of real tokens, which fake tensors lack: there they take the routing the
+planner prices (:mod:`autopar.runtime.assumed_routing`: balanced, or the plan's routing
+imbalance), and the same ops run on rows of those sizes.
 
 Refused before any collective (:func:`check_expert_parallel`): a model without experts
 modules, and an expert count ``ep`` does not divide. Context parallelism refuses
@@ -54,6 +56,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from autopar.models.moe import MoEFeedForward, swiglu_experts
 from autopar.plan import Plan
+from autopar.runtime.assumed_routing import assumed_routing
 from autopar.runtime.errors import ExpertParallelError
 from autopar.vocab import MeshAxis
 
@@ -106,9 +109,11 @@ def check_expert_parallel(model: nn.Module, plan: Plan) -> None:
             )
 
 
-def apply_expert_parallel(stage: nn.Module, ep_mesh: DeviceMesh) -> None:
+def apply_expert_parallel(stage: nn.Module, ep_mesh: DeviceMesh, routing_imbalance: float) -> None:
     """Keep this ep rank's experts of every experts module of ``stage`` (DTensors
-    ``Shard(0)`` on ``ep_mesh``, no communication) and route their rows over the group."""
+    ``Shard(0)`` on ``ep_mesh``, no communication) and route their rows over the group.
+    ``routing_imbalance``: the plan's, which dropless experts assume on fake tensors
+    (:mod:`autopar.runtime.assumed_routing`)."""
     for module in experts_modules(stage).values():
         names = (
             STACKED_WEIGHTS if isinstance(module, MoEFeedForward) else tuple(n for n, _ in module.named_parameters())
@@ -124,7 +129,7 @@ def apply_expert_parallel(stage: nn.Module, ep_mesh: DeviceMesh) -> None:
         if isinstance(module, MoEFeedForward):
             module.experts = _StackedDispatch(module, ep_mesh)
         else:
-            module.forward = _RoutedDispatch(module, ep_mesh)
+            module.forward = _RoutedDispatch(module, ep_mesh, routing_imbalance)
 
 
 def experts_placement(shard_ranks: int) -> Callable[[nn.Parameter], Shard | None]:
@@ -220,36 +225,55 @@ class _StackedDispatch:
 class _RoutedDispatch:
     """A transformers experts module's forward under expert parallelism (module docstring)."""
 
-    def __init__(self, module: nn.Module, ep_mesh: DeviceMesh):
+    def __init__(self, module: nn.Module, ep_mesh: DeviceMesh, imbalance: float):
         self.module = module
         self.forward: Callable[..., torch.Tensor] = module.forward
         self.group = ep_mesh.get_group()
         self.ep = ep_mesh.size()
+        self.rank = ep_mesh.get_local_rank()
+        self.imbalance = imbalance
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Any:
-        if isinstance(hidden_states, FakeTensor):
-            raise ExpertParallelError(
-                f"ep={self.ep}: a measured dry run cannot exchange the rows of dropless experts "
-                f"({type(self.module).__name__}): their split sizes depend on the routing of real tokens; "
-                f"dry-run this plan without measuring (measure=False), or with ep=1."
-            )
         tokens, k = top_k_index.shape
-        experts = expert_count(self.module)
-        n = experts // self.ep
+        n = expert_count(self.module) // self.ep
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
+        if isinstance(hidden_states, FakeTensor):
+            send, recv, local_ids = self._assumed_counts(flat)
+        else:
+            send, recv, local_ids = self._routed_counts(flat)
+        rows = _all_to_all(hidden_states[order // k].contiguous(), recv, send, self.group)
+        ids = local_ids()
+        with _local_experts(self.module, n, self.ep):
+            ones = rows.new_ones(rows.shape[0], 1)
+            out = self.forward(rows, ids.unsqueeze(-1), ones)
+        back = _all_to_all(out.contiguous(), send, recv, self.group)
+        per_assignment = back[torch.argsort(order)].view(tokens, k, -1)
+        return (per_assignment * top_k_weights.unsqueeze(-1).to(back.dtype)).sum(dim=1).to(hidden_states.dtype)
+
+    def _routed_counts(self, flat: torch.Tensor) -> tuple[list[int], list[int], Callable[[], torch.Tensor]]:
+        """Rows sent to and received from each ep rank, counted from the routing
+        ``flat`` and exchanged, and the builder of the local expert id of each received row."""
+        experts = expert_count(self.module)
+        n = experts // self.ep
         counts = torch.bincount(flat, minlength=experts)
         received_counts = funcol.wait_tensor(funcol.all_to_all_single(counts, None, None, self.group))
         send = counts.view(self.ep, n).sum(dim=1).tolist()
         recv = received_counts.view(self.ep, n).sum(dim=1).tolist()
-        rows = _all_to_all(hidden_states[order // k].contiguous(), recv, send, self.group)
-        local_ids = torch.arange(n, device=flat.device).repeat(self.ep).repeat_interleave(received_counts)
-        with _local_experts(self.module, n, self.ep):
-            ones = rows.new_ones(rows.shape[0], 1)
-            out = self.forward(rows, local_ids.unsqueeze(-1), ones)
-        back = _all_to_all(out.contiguous(), send, recv, self.group)
-        per_assignment = back[torch.argsort(order)].view(tokens, k, -1)
-        return (per_assignment * top_k_weights.unsqueeze(-1).to(back.dtype)).sum(dim=1).to(hidden_states.dtype)
+        return (
+            send,
+            recv,
+            lambda: torch.arange(n, device=flat.device).repeat(self.ep).repeat_interleave(received_counts),
+        )
+
+    def _assumed_counts(self, flat: torch.Tensor) -> tuple[list[int], list[int], Callable[[], torch.Tensor]]:
+        """:meth:`_routed_counts` on fake tensors, whose routing has no values: the
+        planner's routing (:mod:`autopar.runtime.assumed_routing`). The counts still
+        travel, as in a real step; what comes back is not read."""
+        routing = assumed_routing(flat.numel(), expert_count(self.module), self.ep, self.rank, self.imbalance)
+        counts = torch.tensor(routing.expert_rows, device=flat.device)
+        funcol.wait_tensor(funcol.all_to_all_single(counts, None, None, self.group))
+        return routing.send, routing.recv, lambda: routing.local_ids(flat.device)
 
 
 @contextmanager

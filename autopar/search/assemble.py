@@ -126,6 +126,10 @@ def _alternatives(result: SearchResult, solver: ConfigSolver) -> tuple[Alternati
         if o.config.fp8 != result.best.config.fp8:
             out.append(priced(o, "fp8", f"the winner {'with' if o.config.fp8 else 'without'} FP8 matmuls: "))
             continue
+        if o.config.async_tp != result.best.config.async_tp:
+            way = "asynchronous" if o.config.async_tp else "synchronous"
+            out.append(priced(o, "async_tp", f"the winner with {way} tensor parallelism: "))
+            continue
         sharding = "plain FSDP" if o.config.dp_shard is None else f"HSDP with shard groups of {o.config.dp_shard}"
         out.append(priced(o, "sharding", f"the winner with {sharding}: "))
     cap = result.best.prediction.memory_capacity_bytes if result.best.prediction else 0.0

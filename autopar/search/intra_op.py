@@ -28,6 +28,7 @@ from autopar.cost.leaf import (
     BACKWARD_FACTOR,
     TPContext,
     allowed_styles,
+    attention_backward_extra_s,
     glue_fwd_s,
     glue_layout,
     leaf_accumulate_s,
@@ -36,16 +37,24 @@ from autopar.cost.leaf import (
 )
 from autopar.cost.tensor_parallel import (
     UnitCost,
+    column_matmul_s,
+    consumers,
     conversion_s,
     evaluate_layout,
     loss_parallel_s,
     model_output_layout,
     producer_bytes,
     reduction_s,
+    row_matmul_s,
 )
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, UnitProfile
 from autopar.search.ilp import Program, check_solver, solve
 from autopar.vocab import STYLE_IO, Layout, TPStyle
+
+MICROSECONDS = 1e6
+"""The layout program's objective and its hidden-time rows are in microseconds: HiGHS
+stops at an absolute gap of 1e-6 and tolerates row violations of that order, which in
+seconds would blur layouts a microsecond apart."""
 
 TABLE_LIMIT = 200_000
 """Layout spaces up to this size are priced whole (:mod:`autopar.cost.layout_table`),
@@ -105,6 +114,7 @@ class LayoutSolver:
             ctx.ep,
             ctx.compile,
             ctx.fp8,
+            ctx.async_tp,
             ctx.sequence_parallel,
             ctx.first,
             ctx.last,
@@ -220,7 +230,8 @@ def _solve_ilp(
     for flow in profile.flows:
         nbytes = largest[flow.src] * b
         for (a, xa), (need, xn) in itertools.product(produces(flow.src), needs(flow.dst)):
-            glue = (1 + BACKWARD_FACTOR) * glue_fwd_s(flow, glue_layout(a, need), ctx)
+            layout = glue_layout(a, need)
+            glue = (1 + BACKWARD_FACTOR) * glue_fwd_s(flow, layout, ctx) + attention_backward_extra_s(flow, layout, ctx)
             if glue > 0:
                 at_least_both(prog.var(cost=glue), xa, xn)
             f, bw = conversion_s(a, need, nbytes, ctx)
@@ -237,6 +248,8 @@ def _solve_ilp(
                     if key2 not in reduce_vars:
                         reduce_vars[key2] = prog.var(cost=cost)
                     at_least_both(reduce_vars[key2], xa, {x[flow.dst, TPStyle.COLUMN]: 1.0})
+    if ctx.async_tp:
+        _hide_fused(prog, profile, ctx, options, x, conv, reduce_vars)
     if param_cap is not None:
         params = {
             x[i, s]: leaf_param_numel(profile.leaves[i], s, ctx.tp, ctx.ep)
@@ -244,7 +257,51 @@ def _solve_ilp(
             for s in opts
         }
         prog.constrain(params, upper=param_cap)
+    prog.cost = [c * MICROSECONDS for c in prog.cost]  # HiGHS's absolute gap and tolerances are ~1e-6
     values = solve(prog, solver)
     styles = tuple(next(s for s in opts if values[x[i, s]] > 0.5) for i, opts in enumerate(options))
     output = next(lay for lay in outputs if values[o[lay]] > 0.5)
     return styles, output
+
+
+def _hide_fused(
+    prog: Program,
+    profile: UnitProfile,
+    ctx: TPContext,
+    options: list[tuple[TPStyle, ...]],
+    x: dict[tuple[int, TPStyle], int],
+    conv: dict[tuple[int, Layout, Layout], int],
+    reduce_vars: dict[tuple[int, Layout], int],
+) -> None:
+    """Asynchronous TP's hidden time (:func:`autopar.cost.tensor_parallel.fused_hidden_s`)
+    as variables the objective subtracts: each at most its collective's time where that
+    collective is paid, and at most ``(tp - 1) / tp`` of the matmuls it fuses with where
+    those leaves take the fusing style, so at the optimum each is the smaller bound. A
+    reduce-scatter of input gradients hides only behind a single column-parallel reader:
+    at most the collective times ``2 - readers``. In microseconds (:data:`MICROSECONDS`)."""
+    k = (ctx.tp - 1) / ctx.tp
+    column_mm, row_mm = column_matmul_s(profile, ctx), row_matmul_s(profile, ctx)
+    readers = consumers(profile)
+    largest = producer_bytes(profile)
+
+    def hide(paid: int, comm: float, behind: dict[int, float]) -> int:  # the hidden time, in microseconds
+        h = prog.var(cost=-1.0 / MICROSECONDS)
+        prog.constrain({h: 1.0, paid: -comm * MICROSECONDS}, upper=0.0)
+        prog.constrain({h: 1.0, **{v: -k * mm * MICROSECONDS for v, mm in behind.items()}}, upper=0.0)
+        return h
+
+    def columns(src: int) -> dict[int, float]:
+        return {x[d, TPStyle.COLUMN]: column_mm[d] for d in readers.get(src, ()) if TPStyle.COLUMN in options[d]}
+
+    for (src, a, need), paid in conv.items():
+        f, bw = conversion_s(a, need, largest[src] * ctx.micro_batch, ctx)
+        if a is Layout.Q and need is Layout.R and columns(src):
+            hide(paid, f, columns(src))
+        elif a is Layout.P and need is Layout.Q and src >= 0 and TPStyle.ROW in options[src]:
+            for comm in (f, bw):
+                hide(paid, comm, {x[src, TPStyle.ROW]: row_mm[src]})
+    for (src, a), paid in reduce_vars.items():
+        if a is Layout.Q and columns(src):
+            r = reduction_s(a, largest[src] * ctx.micro_batch, ctx)
+            h = hide(paid, r, columns(src))
+            prog.constrain({h: 1.0, **dict.fromkeys(columns(src), r * MICROSECONDS)}, upper=2 * r * MICROSECONDS)

@@ -42,9 +42,10 @@ from autopar.profiles.apply import Measurements, measurements
 from autopar.profiles.identity import LayerProfileMatch, match_layer_profile
 from autopar.search.assemble import Provenance, infeasible_error, to_plan
 from autopar.search.ilp import check_solver
+from autopar.search.kernel_options import check_async_tp, check_fp8
 from autopar.search.scan import decided, search
 from autopar.search.solve import ConfigSolver, Outcome
-from autopar.search.space import check_constraints, check_fp8, micro_batch_range
+from autopar.search.space import check_constraints, micro_batch_range
 from autopar.vocab import Attention, Optimizer, Recompute
 
 P = ParamSpec("P")
@@ -330,7 +331,9 @@ def _complete(fixed: dict[str, Any], cluster: Cluster, global_batch_size: int) -
     out.setdefault("dtype", cluster.device.preferred_dtype)
     out.setdefault("compile", False)
     out.setdefault("fp8", False)
+    out.setdefault("async_tp", False)
     check_fp8(out, cluster)
+    check_async_tp(out, cluster)
     return check_constraints(out)
 
 

@@ -30,6 +30,7 @@ from autopar.hardware.cluster import Cluster
 from autopar.plan import ParallelConfig
 from autopar.search.experts import capacity_experts, check_expert_parallel, ep_degrees
 from autopar.search.integers import divisors
+from autopar.search.kernel_options import async_tp_options, check_async_tp, check_fp8
 from autopar.search.split import even_bounds_of
 from autopar.vocab import ZERO_STAGES, DType, Recompute, Schedule, TPStyle
 
@@ -83,19 +84,17 @@ def check_constraints(constraints: Mapping[str, Any] | None, *, what: str = "con
             f"constraint dp_shard={shard!r} is not allowed: give the FSDP shard group's size (an integer >= 2 "
             f"dividing dp), or None for plain FSDP."
         )
-    for name in ("sequence_parallel", "compile", "fp8"):
+    for name in ("sequence_parallel", "compile", "fp8", "async_tp"):
         if name in out and not isinstance(out[name], bool):
             raise ConfigError(f"constraint {name}={out[name]!r} is not allowed: use True or False.")
+    if out.get("async_tp"):  # it runs inside compiled blocks, on sequence-parallel collectives
+        for needed in ("compile", "sequence_parallel"):
+            if out.setdefault(needed, True) is False:
+                raise ConfigError(
+                    f"constraint async_tp=True with {needed}=False is not allowed: asynchronous TP fuses the "
+                    f"sequence-parallel collectives into the compiled blocks; drop {needed}=False or async_tp=True."
+                )
     return out
-
-
-def check_fp8(constraints: Mapping[str, Any], cluster: Cluster) -> None:
-    """``fp8=True`` needs a device with FP8 matmuls (``Roofline.fp8_flops``)."""
-    if constraints.get("fp8") and not cluster.device.roofline.fp8_flops:
-        raise ConfigError(
-            f"fp8=True needs FP8 tensor cores, which {cluster.device.name} does not have (no fp8_flops in its "
-            f"roofline); plan with fp8=False, or for an H100 or H200 cluster."
-        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,6 +206,7 @@ def enumerate_space(
     world = cluster.world_size
     c = constraints
     check_fp8(c, cluster)
+    check_async_tp(c, cluster)
     rejected: list[Rejection] = []
     dtype = c.get("dtype", cluster.device.preferred_dtype)
     cluster.device.peak(dtype)  # raises a clear error if the device lacks it
@@ -287,7 +287,7 @@ def enumerate_space(
                         for sp, ep in itertools.product(sps, ep_degrees(graph, dp * cp, (shard or dp) * cp, c)):
                             if sp and tp == 1:
                                 continue
-                            configs.append(
+                            configs += [
                                 ParallelConfig(
                                     dp=dp,
                                     tp=tp,
@@ -305,8 +305,10 @@ def enumerate_space(
                                     dtype=dtype,
                                     compile=c.get("compile", False),
                                     fp8=c.get("fp8", False),
+                                    async_tp=overlapped,
                                 )
-                            )
+                                for overlapped in async_tp_options(c, cluster, tp, sp)
+                            ]
     return configs, rejected
 
 

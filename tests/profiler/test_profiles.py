@@ -360,7 +360,7 @@ def test_a_gpu_base_keeps_its_attention_and_fp8_efficiencies():
     gpu = device(rate_flop_per_s=7e14, bandwidth=3e12, kind="cuda", dtypes=("bf16", "fp32"), memory_bytes=80 * 2**30)
     base = preset("dgx-h100", nodes=2).device.roofline
     roof = cluster_from_profiles([gpu, network(kind="cuda")], base=preset("dgx-h100", nodes=2)).device.roofline
-    assert (roof.attention_efficiency, roof.fp8_matmul_efficiency) == (0.35, 0.709)
-    assert (base.attention_efficiency, base.fp8_matmul_efficiency) == (0.35, 0.709)
+    assert (roof.attention_efficiency, roof.fp8_matmul_efficiency) == (0.19, 0.709)
+    assert (base.attention_efficiency, base.fp8_matmul_efficiency) == (0.19, 0.709)
     alone = cluster_from_profiles([gpu, network(kind="cuda", node_of_rank=("n0",) * 8)]).device.roofline
     assert (alone.attention_efficiency, alone.fp8_matmul_efficiency) == (None, None)

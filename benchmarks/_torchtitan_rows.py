@@ -39,6 +39,23 @@ def _techniques(compiled: bool, fp8: bool) -> str:
     return f"{'compiled' if compiled else 'eager'} bf16{' + Float8' if fp8 else ''}"
 
 
+def _scored(
+    run: str, gpus: int, config: str, tps: float, plan: autopar.Plan, memory: float | None, *, digits: int = 0
+) -> dict[str, object]:
+    """A row in tokens/s per GPU (the global rate over the GPUs, as torchtitan reports it)."""
+    predicted = plan.prediction.tokens_per_s / gpus
+    return row(
+        run,
+        gpus,
+        config,
+        f"{tps:g} tokens/s",
+        f"{predicted:.{digits}f} tokens/s",
+        predicted / tps,
+        plan,
+        memory=f"{memory} GiB" if memory else "-",
+    )
+
+
 def fsdp_rows() -> list[dict[str, object]]:
     """Tables 1 and 3 of the December 2024 document: Llama 3.1 8B with FSDP on 8 and 128 H100,
     eager, compiled, and compiled with Float8."""
@@ -51,20 +68,8 @@ def fsdp_rows() -> list[dict[str, object]]:
             global_batch_size=batch,
             seq_len=SEQ,
         )
-        predicted = plan.prediction.tokens_per_s / gpus
         config = f"FSDP {gpus} (ZeRO-3) local batch 2, per-op selective recompute, {_techniques(compiled, fp8)}"
-        rows.append(
-            row(
-                "torchtitan Llama 3.1 8B",
-                gpus,
-                config,
-                f"{tps} tokens/s",
-                f"{predicted:.0f} tokens/s",
-                predicted / tps,
-                plan,
-                memory=f"{memory} GiB",
-            )
-        )
+        rows.append(_scored("torchtitan Llama 3.1 8B", gpus, config, tps, plan, memory))
     return rows
 
 
@@ -87,21 +92,12 @@ def tensor_parallel_rows() -> list[dict[str, object]]:
         plan = autopar.estimate(
             llama31(size), grand_teton_h100(gpus // 8), fixed, global_batch_size=gpus // 8 * local, seq_len=SEQ
         )
-        predicted = plan.prediction.tokens_per_s / gpus
         checkpointing = "full recompute" if recompute == "full" else "per-op selective recompute"
-        rows.append(
-            row(
-                f"torchtitan Llama 3.1 {size}",
-                gpus,
-                f"FSDP {gpus // 8} TP 8 (sequence parallel{', async' if overlapped else ''}) local batch {local}, "
-                f"{checkpointing}, {_techniques(True, fp8)}",
-                f"{tps} tokens/s",
-                f"{predicted:.0f} tokens/s",
-                predicted / tps,
-                plan,
-                memory=f"{memory} GiB" if memory else "-",
-            )
+        config = (
+            f"FSDP {gpus // 8} TP 8 (sequence parallel{', async' if overlapped else ''}) local batch {local}, "
+            f"{checkpointing}, {_techniques(True, fp8)}"
         )
+        rows.append(_scored(f"torchtitan Llama 3.1 {size}", gpus, config, tps, plan, memory))
     return rows
 
 
@@ -112,20 +108,10 @@ def context_parallel_rows() -> list[dict[str, object]]:
     for cp, seq, tps, memory in TORCHTITAN_CP:
         fixed = {"cp": cp, "micro_batch_size": 1, "recompute": "full", "zero_stage": 3, "compile": True, "fp8": True}
         plan = autopar.estimate(llama31("8B", seq), grand_teton_h100(1), fixed, global_batch_size=8 // cp, seq_len=seq)
-        predicted = plan.prediction.tokens_per_s / 8
-        rows.append(
-            row(
-                "torchtitan Llama 3.1 8B",
-                8,
-                f"FSDP {8 // cp} x CP {cp}, {seq // 1024}K tokens, local batch 1, full recompute, "
-                f"{_techniques(True, True)}",
-                f"{tps} tokens/s",
-                f"{predicted:.0f} tokens/s",
-                predicted / tps,
-                plan,
-                memory=f"{memory} GiB",
-            )
+        config = (
+            f"FSDP {8 // cp} x CP {cp}, {seq // 1024}K tokens, local batch 1, full recompute, {_techniques(True, True)}"
         )
+        rows.append(_scored("torchtitan Llama 3.1 8B", 8, config, tps, plan, memory))
     return rows
 
 
@@ -160,20 +146,11 @@ def llama405b_rows() -> list[dict[str, object]]:
             global_batch_size=dp * local,
             seq_len=seq,
         )
-        predicted = plan.prediction.tokens_per_s / 512
-        rows.append(
-            row(
-                "torchtitan Llama 3.1 405B",
-                512,
-                f"FSDP {dp}{f' x CP {cp}' if cp > 1 else ''} TP 8 (async) PP 8 {schedule} ({m} micro-batches), "
-                f"{seq // 1024}K tokens, local batch {local}, full recompute, {_techniques(True, True)}",
-                f"{tps:.0f} tokens/s",
-                f"{predicted:.1f} tokens/s",
-                predicted / tps,
-                plan,
-                memory=f"{memory} GiB",
-            )
+        config = (
+            f"FSDP {dp}{f' x CP {cp}' if cp > 1 else ''} TP 8 (async) PP 8 {schedule} ({m} micro-batches), "
+            f"{seq // 1024}K tokens, local batch {local}, full recompute, {_techniques(True, True)}"
         )
+        rows.append(_scored("torchtitan Llama 3.1 405B", 512, config, tps, plan, memory, digits=1))
     return rows
 
 
@@ -188,20 +165,11 @@ def h200_rows() -> list[dict[str, object]]:
         plan = autopar.estimate(
             llama31("8B"), autopar.preset("hgx-h200", nodes=hosts), fixed, global_batch_size=2 * gpus, seq_len=SEQ
         )
-        predicted = plan.prediction.tokens_per_s / gpus
-        rows.append(
-            row(
-                "torchtitan Llama 3.1 8B (H200, Trainy)",
-                gpus,
-                f"FSDP {gpus} (ZeRO-3) local batch 2, per-op selective recompute, {_techniques(True, True)} "
-                "(its FP8 all-gathers priced as bf16)",
-                f"{tps:.0f} tokens/s",
-                f"{predicted:.0f} tokens/s",
-                predicted / tps,
-                plan,
-                memory=f"{memory} GiB",
-            )
+        config = (
+            f"FSDP {gpus} (ZeRO-3) local batch 2, per-op selective recompute, {_techniques(True, True)} "
+            "(its FP8 all-gathers priced as bf16)"
         )
+        rows.append(_scored("torchtitan Llama 3.1 8B (H200, Trainy)", gpus, config, tps, plan, memory))
     return rows
 
 

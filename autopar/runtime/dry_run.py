@@ -215,15 +215,18 @@ def dry_run(
     if analysis is not None and not problems:
         chosen = ranks if ranks is not None else [dims.rank_at(p, 0, 0, 0) for p in range(dims.pp)]
         metadata = PipelineMetadata()
-        for rank in sorted(chosen, key=lambda r: (dims.coordinate(r)[0], r)):  # stages announce their outputs in order
-            try:
-                if measure:
-                    report, metadata = _in_child(_apply, model_fn, plan, analysis, rank, dims, metadata)
-                    reports.append(report)
-                else:
-                    reports.append(_apply(model_fn, plan, analysis, rank, dims, None)[0])
-            except AutoparError as exc:
-                problems.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+        try:
+            for rank in sorted(chosen, key=lambda r: (dims.coordinate(r)[0], r)):  # stages announce outputs in order
+                try:
+                    if measure:
+                        report, metadata = _in_child(_apply, model_fn, plan, analysis, rank, dims, metadata)
+                        reports.append(report)
+                    else:
+                        reports.append(_apply(model_fn, plan, analysis, rank, dims, None)[0])
+                except AutoparError as exc:
+                    problems.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+        finally:
+            _forget_fake_sharding()
         problems += metadata.problems()
         if metadata.unchecked():
             problems.append(
@@ -239,6 +242,17 @@ def dry_run(
         synchronous_tp=plan.config.async_tp,
         assumed_routing=_assumed_routing(model, plan) if measure and reports else None,
     )
+
+
+def _forget_fake_sharding() -> None:
+    """Drop what DTensor's sharding propagation cached while ranks were applied here, on
+    the fake process group: the cache outlives the group, and a tensor-parallel run later
+    in this process, or in one forked from it, reused those entries and trained to losses
+    about 1e-4 apart from one process's (torch 2.13, a plan with a vocabulary-parallel
+    embedding or a column-parallel head)."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
 
 
 def grouped_experts_problems(model: nn.Module, plan: Plan) -> list[str]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.cost.comm import all_gather_s, p2p_s
-from autopar.cost.leaf import BACKWARD_FACTOR, FUSED_ATTENTION_BACKWARD_FACTOR, TPContext, kernel_rated
+from autopar.cost.leaf import TPContext, attention_backward_factor
 
 ACCUMULATOR_BYTES = 4
 """Key and value gradients travel the ring in fp32 (torch's ``convert_to_f32``)."""
@@ -59,7 +59,7 @@ def ring_exchange(kv_bytes: float, attn_fwd_s: float, ctx: TPContext) -> RingExc
     if n == 1 or kv_bytes <= 0:
         return NO_EXCHANGE
     block_fwd = attn_fwd_s / n
-    block_bwd = (FUSED_ATTENTION_BACKWARD_FACTOR if kernel_rated(ctx) else BACKWARD_FACTOR) * attn_fwd_s / n
+    block_bwd = attention_backward_factor(ctx) * attn_fwd_s / n
     gather = all_gather_s(n * kv_bytes, ctx.cp_span, ctx.cluster)
     grads = kv_bytes * ACCUMULATOR_BYTES / ctx.dtype.itemsize
     shift = p2p_s(grads, cross_node=ctx.cp_span.crosses_nodes, cluster=ctx.cluster)

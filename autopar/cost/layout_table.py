@@ -19,21 +19,19 @@ import numpy as np
 from autopar.cost.leaf import (
     BACKWARD_FACTOR,
     TPContext,
-    attention_backward_extra_s,
-    glue_fwd_s,
     glue_layout,
+    glue_step_s,
     leaf_accumulate_s,
     leaf_fwd_s,
     leaf_param_numel,
 )
 from autopar.cost.tensor_parallel import (
-    column_matmul_s,
     consumers,
     conversion_s,
     loss_parallel_s,
+    matmul_s,
     producer_bytes,
     reduction_s,
-    row_matmul_s,
 )
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, UnitProfile
 from autopar.vocab import STYLE_IO, Layout, TPStyle
@@ -89,16 +87,7 @@ def layout_table(profile: UnitProfile, ctx: TPContext, options: Sequence[tuple[T
     partial: dict[int, np.ndarray] = {}
     for flow in profile.flows:
         a, need = produced[flow.src], needed[flow.dst]
-        glue = np.array(
-            [
-                [
-                    (1 + BACKWARD_FACTOR) * glue_fwd_s(flow, glue_layout(x, y), ctx)
-                    + attention_backward_extra_s(flow, glue_layout(x, y), ctx)
-                    for y in LAYOUTS
-                ]
-                for x in LAYOUTS
-            ]
-        )
+        glue = np.array([[glue_step_s(flow, glue_layout(x, y), ctx) for y in LAYOUTS] for x in LAYOUTS])
         time += glue[a, need]
         owed = wanted.setdefault(flow.src, np.zeros((count, len(LAYOUTS)), dtype=bool))
         owed[np.arange(count), need] = True
@@ -128,8 +117,8 @@ class _AsyncTP:
 
     def __init__(self, profile: UnitProfile, ctx: TPContext, column: dict, row: dict, count: int):
         self.ctx = ctx
-        self.row, self.row_mm = row, row_matmul_s(profile, ctx)
-        column_mm = column_matmul_s(profile, ctx)
+        self.row, self.row_mm = row, matmul_s(profile, ctx, TPStyle.ROW)
+        column_mm = matmul_s(profile, ctx, TPStyle.COLUMN)
         self.under: dict[int, np.ndarray] = {}  # producer -> the column-parallel matmuls reading it
         self.readers: dict[int, np.ndarray] = {}  # producer -> how many column-parallel leaves read it
         for src, dsts in consumers(profile).items():

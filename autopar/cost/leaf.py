@@ -237,6 +237,12 @@ def kernel_rated(ctx: TPContext) -> bool:
     return ctx.fused_attention and ctx.rates.attention_flops_per_s > 0
 
 
+def attention_backward_factor(ctx: TPContext) -> float:
+    """The attention core's backward over its forward: the fused kernel's where it runs
+    at its stated rate, else :data:`BACKWARD_FACTOR`, every op's."""
+    return FUSED_ATTENTION_BACKWARD_FACTOR if kernel_rated(ctx) else BACKWARD_FACTOR
+
+
 def glue_fwd_s(flow: Flow, layout: Layout, ctx: TPContext, *, attention_only: bool = False) -> float:
     """Forward time of a flow's glue (or only its attention core) in ``layout``."""
     scale = ctx.micro_batch / (ctx.tp if layout in SHARDED else 1)
@@ -253,10 +259,18 @@ def glue_fwd_s(flow: Flow, layout: Layout, ctx: TPContext, *, attention_only: bo
     return ctx.compute_scale * (attn + rest + dispatch_s(ctx.host, glue_ops))
 
 
-def attention_backward_extra_s(flow: Flow, layout: Layout, ctx: TPContext) -> float:
-    """What a fused attention core's backward takes beyond the :data:`BACKWARD_FACTOR`
-    every unit's forward is charged: ``FUSED_ATTENTION_BACKWARD_FACTOR - BACKWARD_FACTOR``
-    of its forward where it runs at the kernel's stated rate, else nothing."""
-    if not kernel_rated(ctx) or flow.attn_flops <= 0:
+def attention_backward_extra_s(flow: Flow, layout: Layout, ctx: TPContext, attn_fwd_s: float | None = None) -> float:
+    """What a flow's attention core's backward takes beyond the :data:`BACKWARD_FACTOR`
+    every unit's forward is charged (:func:`attention_backward_factor`), from its forward
+    ``attn_fwd_s`` where the caller has it."""
+    extra = attention_backward_factor(ctx) - BACKWARD_FACTOR
+    if not extra or flow.attn_flops <= 0:
         return 0.0
-    return (FUSED_ATTENTION_BACKWARD_FACTOR - BACKWARD_FACTOR) * glue_fwd_s(flow, layout, ctx, attention_only=True)
+    return extra * (glue_fwd_s(flow, layout, ctx, attention_only=True) if attn_fwd_s is None else attn_fwd_s)
+
+
+def glue_step_s(flow: Flow, layout: Layout, ctx: TPContext) -> float:
+    """Forward plus backward of a flow's glue in ``layout``: what the layout searches
+    charge for it (:func:`autopar.cost.tensor_parallel.evaluate_layout` sums the same
+    terms by direction)."""
+    return (1 + BACKWARD_FACTOR) * glue_fwd_s(flow, layout, ctx) + attention_backward_extra_s(flow, layout, ctx)

@@ -124,24 +124,13 @@ def consumers(profile: UnitProfile) -> dict[int, tuple[int, ...]]:
     return {src: tuple(dsts) for src, dsts in out.items()}
 
 
-def column_matmul_s(profile: UnitProfile, ctx: TPContext) -> list[float]:
-    """Each leaf's forward time as a column-parallel matmul (0 where it cannot be one):
-    what an all-gather of its input, and in backward the reduce-scatter of its input
-    gradient (the same matmul's size), hide behind under asynchronous TP."""
-    return [
-        leaf_fwd_s(leaf, TPStyle.COLUMN, ctx) if TPStyle.COLUMN in allowed_styles(leaf, ctx) else 0.0
-        for leaf in profile.leaves
-    ]
-
-
-def row_matmul_s(profile: UnitProfile, ctx: TPContext) -> list[float]:
-    """Each leaf's forward time as a row-parallel matmul (0 where it cannot be one): what
-    the reduce-scatter of its output hides behind under asynchronous TP, and (its input-
-    gradient matmul, the same size) the all-gather of its output gradient."""
-    return [
-        leaf_fwd_s(leaf, TPStyle.ROW, ctx) if TPStyle.ROW in allowed_styles(leaf, ctx) else 0.0
-        for leaf in profile.leaves
-    ]
+def matmul_s(profile: UnitProfile, ctx: TPContext, style: TPStyle) -> list[float]:
+    """Each leaf's forward time as a ``style`` (column- or row-parallel) matmul, 0 where it
+    cannot take it: what asynchronous TP hides a collective behind. A column matmul hides
+    the all-gather of its input and, in backward, the reduce-scatter of its input gradient
+    (a matmul of the same size); a row matmul the reduce-scatter of its output and the
+    all-gather of its output gradient."""
+    return [leaf_fwd_s(leaf, style, ctx) if style in allowed_styles(leaf, ctx) else 0.0 for leaf in profile.leaves]
 
 
 LOSS_PARALLEL_REDUCTIONS = 3
@@ -358,8 +347,9 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         g = glue_layout(a, need)
         glue = glue_fwd_s(flow, g, ctx)
         fwd_compute += glue
-        attn_fwd += glue_fwd_s(flow, g, ctx, attention_only=True)
-        attn_bwd_extra += attention_backward_extra_s(flow, g, ctx)
+        core = glue_fwd_s(flow, g, ctx, attention_only=True)
+        attn_fwd += core
+        attn_bwd_extra += attention_backward_extra_s(flow, g, ctx, core)
         if flow.attn_flops > 0:
             attn_out[flow.dst] = max(
                 attn_out.get(flow.dst, 0.0), _shard(attention_output_bytes(profile, flow) * b, need, t)
@@ -380,8 +370,8 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
     fwd_comm = bwd_comm = 0.0
     fwd_syncs = bwd_syncs = 0
     op_comm, op_syncs = 0.0, 0
-    column_mm = column_matmul_s(profile, ctx) if ctx.async_tp else []
-    row_mm = row_matmul_s(profile, ctx) if ctx.async_tp else []
+    column_mm = matmul_s(profile, ctx, TPStyle.COLUMN) if ctx.async_tp else []
+    row_mm = matmul_s(profile, ctx, TPStyle.ROW) if ctx.async_tp else []
     readers = consumers(profile)
 
     def under_column(src: int, *, single: bool = False) -> float:  # the column-parallel matmuls reading src

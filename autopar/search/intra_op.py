@@ -28,24 +28,22 @@ from autopar.cost.leaf import (
     BACKWARD_FACTOR,
     TPContext,
     allowed_styles,
-    attention_backward_extra_s,
-    glue_fwd_s,
     glue_layout,
+    glue_step_s,
     leaf_accumulate_s,
     leaf_fwd_s,
     leaf_param_numel,
 )
 from autopar.cost.tensor_parallel import (
     UnitCost,
-    column_matmul_s,
     consumers,
     conversion_s,
     evaluate_layout,
     loss_parallel_s,
+    matmul_s,
     model_output_layout,
     producer_bytes,
     reduction_s,
-    row_matmul_s,
 )
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, UnitProfile
 from autopar.search.ilp import Program, check_solver, solve
@@ -230,8 +228,7 @@ def _solve_ilp(
     for flow in profile.flows:
         nbytes = largest[flow.src] * b
         for (a, xa), (need, xn) in itertools.product(produces(flow.src), needs(flow.dst)):
-            layout = glue_layout(a, need)
-            glue = (1 + BACKWARD_FACTOR) * glue_fwd_s(flow, layout, ctx) + attention_backward_extra_s(flow, layout, ctx)
+            glue = glue_step_s(flow, glue_layout(a, need), ctx)
             if glue > 0:
                 at_least_both(prog.var(cost=glue), xa, xn)
             f, bw = conversion_s(a, need, nbytes, ctx)
@@ -280,7 +277,7 @@ def _hide_fused(
     reduce-scatter of input gradients hides only behind a single column-parallel reader:
     at most the collective times ``2 - readers``. In microseconds (:data:`MICROSECONDS`)."""
     k = (ctx.tp - 1) / ctx.tp
-    column_mm, row_mm = column_matmul_s(profile, ctx), row_matmul_s(profile, ctx)
+    column_mm, row_mm = matmul_s(profile, ctx, TPStyle.COLUMN), matmul_s(profile, ctx, TPStyle.ROW)
     readers = consumers(profile)
     largest = producer_bytes(profile)
 
@@ -295,13 +292,15 @@ def _hide_fused(
 
     for (src, a, need), paid in conv.items():
         f, bw = conversion_s(a, need, largest[src] * ctx.micro_batch, ctx)
-        if a is Layout.Q and need is Layout.R and columns(src):
-            hide(paid, f, columns(src))
+        readers_mm = columns(src)
+        if a is Layout.Q and need is Layout.R and readers_mm:
+            hide(paid, f, readers_mm)
         elif a is Layout.P and need is Layout.Q and src >= 0 and TPStyle.ROW in options[src]:
             for comm in (f, bw):
                 hide(paid, comm, {x[src, TPStyle.ROW]: row_mm[src]})
     for (src, a), paid in reduce_vars.items():
-        if a is Layout.Q and columns(src):
+        readers_mm = columns(src)
+        if a is Layout.Q and readers_mm:
             r = reduction_s(a, largest[src] * ctx.micro_batch, ctx)
-            h = hide(paid, r, columns(src))
-            prog.constrain({h: 1.0, **dict.fromkeys(columns(src), r * MICROSECONDS)}, upper=2 * r * MICROSECONDS)
+            h = hide(paid, r, readers_mm)
+            prog.constrain({h: 1.0, **dict.fromkeys(readers_mm, r * MICROSECONDS)}, upper=2 * r * MICROSECONDS)

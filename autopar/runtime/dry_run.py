@@ -215,18 +215,15 @@ def dry_run(
     if analysis is not None and not problems:
         chosen = ranks if ranks is not None else [dims.rank_at(p, 0, 0, 0) for p in range(dims.pp)]
         metadata = PipelineMetadata()
-        try:
-            for rank in sorted(chosen, key=lambda r: (dims.coordinate(r)[0], r)):  # stages announce outputs in order
-                try:
-                    if measure:
-                        report, metadata = _in_child(_apply, model_fn, plan, analysis, rank, dims, metadata)
-                        reports.append(report)
-                    else:
-                        reports.append(_apply(model_fn, plan, analysis, rank, dims, None)[0])
-                except AutoparError as exc:
-                    problems.append(f"rank {rank}: {type(exc).__name__}: {exc}")
-        finally:
-            _forget_fake_sharding()
+        for rank in sorted(chosen, key=lambda r: (dims.coordinate(r)[0], r)):  # stages announce their outputs in order
+            try:
+                if measure:
+                    report, metadata = _in_child(_apply, model_fn, plan, analysis, rank, dims, metadata)
+                    reports.append(report)
+                else:
+                    reports.append(_apply(model_fn, plan, analysis, rank, dims, None)[0])
+            except AutoparError as exc:
+                problems.append(f"rank {rank}: {type(exc).__name__}: {exc}")
         problems += metadata.problems()
         if metadata.unchecked():
             problems.append(
@@ -245,11 +242,11 @@ def dry_run(
 
 
 def _forget_fake_sharding() -> None:
-    """Drop what DTensor's sharding propagation cached while ranks were applied here, on
-    the fake process group: the cache outlives the group, and a tensor-parallel run later
-    in this process, or in one forked from it, reused those entries and trained to losses
-    about 1e-4 apart from one process's (torch 2.13, a plan with a vocabulary-parallel
-    embedding or a column-parallel head)."""
+    """Drop what DTensor's sharding propagation cached under a rank's fake process group,
+    with the group: the cache outlives it, and a tensor-parallel run later in this
+    process, or in one forked from it, reused those entries and trained to losses about
+    1e-4 apart from one process's (torch 2.13, a plan with a vocabulary-parallel embedding
+    or a column-parallel head)."""
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     _clear_sharding_prop_cache()
@@ -372,6 +369,7 @@ def _apply(
                 measured = measure_step(job, plan, mode, microbatches=measured_microbatches(plan.config))
     finally:
         dist.destroy_process_group()
+        _forget_fake_sharding()
     coord = dims.coordinate(rank)
     indices = plan.stage_of_rank(coord[0])
     # a stage's memory in the prediction is its pipeline rank's: every stage the rank holds

@@ -251,7 +251,8 @@ def grand_teton_h100(nodes: int, peak_tflops: tuple[float, float] | None = None)
     """torchtitan's H100 hosts as its benchmark describes them: the DGX H100 preset with 96 GB
     of HBM2e at 2.4 TB/s per GPU (same NVLink, 400 Gb/s per GPU between hosts), at the (bf16,
     FP8) dense peaks ``peak_tflops``; by default the middle of the range its footnote gives
-    for the 500 W part (between the SXM and NVL peaks), within 9.2% of either end. Its attention is torch's scaled_dot_product_attention, as the preset assumes."""
+    for the 500 W part (between the SXM and NVL peaks), within 9.2% of either end. Its
+    attention is torch's scaled_dot_product_attention, as the preset assumes."""
     low, high = H100_NVL_PEAKS, H100_SXM_PEAKS
     bf16, fp8 = peak_tflops or ((low[0] + high[0]) / 2, (low[1] + high[1]) / 2)
     base = autopar.preset("dgx-h100", nodes=nodes)

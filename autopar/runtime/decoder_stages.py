@@ -77,14 +77,17 @@ class _Elsewhere(StandIn):
 
 
 class _ZeroEmbedding(StandIn):
-    """An embedding another stage holds: zeros of the shape and dtype it would give."""
+    """An embedding another stage holds: zeros of the shape it would give, in the dtype
+    of the hidden states this stage received (what the embedding gave there: bf16 where
+    mixed precision cast its weight, though the model was built in fp32), so the rotary
+    tables the forward derives from them match the received states' dtype."""
 
-    def __init__(self, dim: int, dtype: torch.dtype):
+    def __init__(self, dim: int, entry: _Entry):
         super().__init__()
-        self.dim, self.dtype = dim, dtype
+        self.dim, self.entry = dim, entry
 
     def forward(self, ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return torch.zeros((), dtype=self.dtype, device=ids.device).expand(*ids.shape, self.dim)
+        return torch.zeros((), dtype=self.entry.hidden.dtype, device=ids.device).expand(*ids.shape, self.dim)
 
 
 class _PassOn(StandIn):
@@ -137,6 +140,7 @@ def make_stage(
     (``position_ids``) reach the model's forward."""
     held = [i for i, u in enumerate(units) if u in keep]
     last = held[-1]
+    entry = _Entry(units[held[0]]) if held[0] > 0 else None
     for i, unit in enumerate(units):
         if unit in keep:
             continue
@@ -149,14 +153,13 @@ def make_stage(
         elif next(original.parameters(), None) is None:
             stand_in = _own_copy(original, model)  # parameterless (rotary tables, dropout): run on every stage
         elif isinstance(original, nn.Embedding) and not after:
-            stand_in = _ZeroEmbedding(original.embedding_dim, original.weight.dtype)
+            stand_in = _ZeroEmbedding(original.embedding_dim, entry)
         else:
             stand_in = _PassOn(ends_share=after)
         if parent_name == blocks:
             parent[int(child)] = stand_in
         else:
             setattr(parent, child, stand_in)
-    entry = _Entry(units[held[0]]) if held[0] > 0 else None
     stage.forward = types.MethodType(functools.partial(_forward, entry=entry, seq_len=seq_len), stage)
     return stage
 

@@ -6,6 +6,7 @@ pipelines."""
 import functools
 
 import pytest
+import torch
 from hf_decoders import FAMILIES, TP_DIVERGES, build_decoder, megatron_styles
 from parity import assert_parity, run
 from test_models import as_reference_shapes, hf_reference, hf_train, make
@@ -82,3 +83,23 @@ def test_fused_projections_are_never_column_split(family):
     for leaf in block.leaves:
         if leaf.fused:
             assert autopar.TPStyle.COLUMN not in leaf.styles(sequence_parallel=False)
+
+
+BF16_RTOL = 2e-2
+"""bf16 keeps 8 bits of mantissa; a few steps' losses accumulate several roundings per
+matmul (as tests/runtime/test_features.py)."""
+
+
+def test_a_decoder_built_in_fp32_runs_pipelined_in_bf16():
+    """A model built in fp32 (a config without torch_dtype), trained in bf16 with pp=2
+    and dp=2: mixed precision casts the weights, so stage 0's embedding gives bf16, and
+    stage 1 derives its rotary tables from stand-in embeddings of the received states'
+    dtype (fp32 ones made attention's query and key fp32 beside a bf16 value, which SDPA
+    refuses). Losses track the fp32 single process within bf16 precision and differ from
+    it (bf16 really ran)."""
+    build = functools.partial(build_decoder, "llama")
+    plan = make(build(), pp=2, dp=2, dtype="bf16")
+    ref = hf_reference(build, plan, steps=3)
+    for res in run(hf_train, plan.config.world_size, build, plan, 3, timeout_s=180):
+        torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(ref.losses), rtol=BF16_RTOL, atol=0)
+        assert res.losses != ref.losses

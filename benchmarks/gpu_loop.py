@@ -4,7 +4,7 @@ and write predicted against measured step time and peak memory.
 One prepared script for the sessions that are lent a GPU (the device machine runs it
 with ``--out $OUT``; nothing here needs the network):
 
-1. ``profiler.profile_device`` measures the device's matmul curves and bandwidth; the
+1. ``profiler.profile_device`` measures the device's matmul curves, fused attention and bandwidth; the
    report is saved as ``gpu_profile.json``, and the cluster made from it with the
    matching datasheet preset as base (``--base``, guessed from the device's name) is
    saved as ``gpu_cluster.json``: a usable cluster file (``autopar plan --cluster``).

@@ -7,7 +7,8 @@ reach a fraction of the nominal bandwidth (McCalpin's STREAM benchmark). So the 
 measures the curve the cost model needs: achieved FLOP/s against the FLOPs of one call,
 square ``(n, n) @ (n, n)`` matmuls from small to large in every precision the device
 runs, and the bandwidth of streaming ``copy`` and ``add`` kernels (STREAM's Copy and
-Add) over arrays from in-cache to far beyond the last-level cache.
+Add) over arrays from in-cache to far beyond the last-level cache. On a GPU it also
+measures the fused attention kernel (:mod:`profiler.attention`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from autopar.profiles.report import ProfileReport
-from autopar.profiles.sections import BandwidthPoint, DeviceProfile, MatmulPoint
+from autopar.profiles.sections import AttentionPoint, BandwidthPoint, DeviceProfile, MatmulPoint
+from profiler.attention import HALF_PRECISIONS, SEQ_LENS, measure_attention
 from profiler.errors import MeasurementError, SettingsError
 from profiler.framework_overhead import tp_overhead_s
 from profiler.machine import cpu_model, physical_memory_bytes, provenance
@@ -93,6 +95,12 @@ def profile_device(
             for point in measure_matmuls([(n, n, n) for n in sizes], name, dev, sweep.repeats):
                 points.append(point)
                 say(f"matmul {name} {point.m}x{point.n}x{point.k}: {point.achieved_flop_per_s / 1e9:.1f} GFLOP/s")
+        attention: list[AttentionPoint] = []
+        if dev.type == "cuda":
+            for name in (d for d in HALF_PRECISIONS if d in {p.dtype for p in points}):
+                for ap in measure_attention(SEQ_LENS, TORCH_DTYPES[name], name, dev, sweep.repeats):
+                    attention.append(ap)
+                    say(f"attention {name} {ap.batch}x{ap.seq_len}: {ap.achieved_flop_per_s / 1e12:.1f} TFLOP/s")
         op_overhead = measure_op_overhead(dev, sweep.repeats)
         say(f"framework overhead: {op_overhead * 1e6:.1f} us per op")
         tp_overhead = measure_tp_overhead(sweep.repeats) if dev.type == "cpu" else 0.0
@@ -125,6 +133,7 @@ def profile_device(
         op_overhead_s=op_overhead,
         tp_overhead_s=tp_overhead,
         optimizer_s_per_param=optimizer,
+        attention=tuple(attention),
         provenance=provenance(command),
     )
     return ProfileReport(device=profile)

@@ -143,6 +143,27 @@ def _device_blocks(d: DeviceProfile) -> list[_Block]:
         _Figure("stream", "Streaming memory bandwidth against array size.", lambda: plots.stream_bandwidth(d)),
         _Table(("kernel", "array", "median ms", "GB/s"), bw),
     ]
+    if d.attention:
+        blocks_ += [
+            _Text(
+                "Fused attention: causal scaled_dot_product_attention forward and backward, FLOPs in the "
+                "FlashAttention convention (half the score products under the mask, backward 2.5x the forward)."
+            ),
+            _Table(
+                ("dtype", "batch x heads x seq x head dim", "FLOPs/call", "median ms", "spread", "TFLOP/s"),
+                tuple(
+                    (
+                        p.dtype,
+                        f"{p.batch}x{p.heads}x{p.seq_len}x{p.head_dim}",
+                        f"{p.flops:.3g}",
+                        _ms(p.time.median_s),
+                        f"{100 * p.time.spread:.0f}%",
+                        f"{p.achieved_flop_per_s / 1e12:.1f}",
+                    )
+                    for p in d.attention
+                ),
+            ),
+        ]
     if d.skipped_dtypes:
         blocks_.append(_Text("Skipped: " + "; ".join(f"{k}: {v}" for k, v in d.skipped_dtypes.items())))
     return blocks_

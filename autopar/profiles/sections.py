@@ -117,6 +117,30 @@ class MatmulPoint:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AttentionPoint:
+    """One fused attention call, forward and backward: causal
+    ``F.scaled_dot_product_attention`` over ``(batch, heads, seq_len, head_dim)`` queries,
+    keys and values in ``dtype``. ``flops`` is what the kernel computes in the
+    FlashAttention benchmarks' convention, the planner's
+    (:attr:`autopar.hardware.device.Roofline.attention_efficiency`): the forward's score
+    and value products, half of them under the causal mask, and a backward of 2.5 times
+    that."""
+
+    dtype: DType
+    batch: int
+    heads: int
+    seq_len: int
+    head_dim: int
+    flops: float
+    time: Timing
+
+    @property
+    def achieved_flop_per_s(self) -> float:
+        """FLOPs of one forward and backward over its median time."""
+        return self.flops / self.time.median_s
+
+
+@dataclass(frozen=True, kw_only=True)
 class BandwidthPoint:
     """One streaming kernel (``copy``: ``b.copy_(a)``; ``add``: ``c = a + b``) over
     arrays of ``array_bytes``, moving ``moved_bytes`` through memory per call."""
@@ -157,6 +181,8 @@ class DeviceProfile:
             measured (GPU, where it hides behind kernels).
         optimizer_s_per_param: time of one AdamW step per fp32 parameter (PyTorch's
             default implementation); 0 when not measured.
+        attention: the fused attention sweep (GPU only: on CPU the planner prices
+            attention by the flop counter, at no kernel rate); empty when not measured.
     """
 
     name: str
@@ -173,6 +199,7 @@ class DeviceProfile:
     op_overhead_s: float = 0.0
     tp_overhead_s: float = 0.0
     optimizer_s_per_param: float = 0.0
+    attention: tuple[AttentionPoint, ...] = ()
     provenance: Provenance
 
     @property
@@ -188,6 +215,13 @@ class DeviceProfile:
             if p.dtype == dtype:
                 by_flops.setdefault(p.flops, []).append(p.achieved_flop_per_s)
         return tuple((f, sum(v) / len(v)) for f, v in sorted(by_flops.items()))
+
+    def attention_flop_per_s(self, dtype: str) -> float | None:
+        """The fused attention kernel's mean achieved rate in ``dtype`` over the measured
+        shapes (None where none was measured): the one rate the planner prices every
+        attention core at."""
+        rates = [p.achieved_flop_per_s for p in self.attention if p.dtype == dtype]
+        return statistics.mean(rates) if rates else None
 
     def peak_flop_per_s(self, dtype: str) -> float:
         """The fastest achieved matmul rate in ``dtype``."""

@@ -183,7 +183,7 @@ def _device(found: tuple[str, DeviceProfile], base: Cluster | None, per_node: in
             matmul_curves=curves,
             fp8_flops=bdev.roofline.fp8_flops if base is not None else 0.0,
             fp8_matmul_efficiency=bdev.roofline.fp8_matmul_efficiency if base is not None else None,
-            attention_efficiency=bdev.roofline.attention_efficiency if base is not None else None,
+            attention_efficiency=_attention_efficiency(d, peaks, preferred, bdev if base is not None else None),
         ),
         memory=DeviceMemory(capacity_bytes=memory, reserved_bytes=reserved),
         host=HostEffects(
@@ -206,6 +206,7 @@ def _device(found: tuple[str, DeviceProfile], base: Cluster | None, per_node: in
                 if per_param > 0
                 else ""
             )
+            + (f"fused attention (causal SDPA forward and backward) {_attention_note(d)}; " if d.attention else "")
             + (
                 "communication overlaps no compute (gloo shares the cores), weight traffic is not hidden under "
                 "the arithmetic; "
@@ -221,6 +222,27 @@ def _device(found: tuple[str, DeviceProfile], base: Cluster | None, per_node: in
         return spec
     return time_shared(
         spec, cores / (per_node * threads), f"{per_node} processes of {threads} thread(s) time-share {cores} cores"
+    )
+
+
+def _attention_efficiency(
+    d: DeviceProfile, peaks: dict[DType, float], preferred: DType, base: DeviceSpec | None
+) -> float | None:
+    """The fused attention kernel's fraction of the peak: measured (the preferred
+    precision's rate, else the first measured one's, over that precision's peak), else
+    the base's stated value (None without a base: attention priced by the flop counter)."""
+    measured = [DType(p.dtype) for p in d.attention]
+    for dt in dict.fromkeys([preferred, *measured]):
+        rate = d.attention_flop_per_s(dt)
+        if rate is not None and peaks.get(dt):
+            return rate / peaks[dt]
+    return base.roofline.attention_efficiency if base is not None else None
+
+
+def _attention_note(d: DeviceProfile) -> str:
+    rates = {p.dtype: d.attention_flop_per_s(p.dtype) or 0.0 for p in d.attention}
+    return ", ".join(f"{dt} {rate / 1e12:.3g} TFLOP/s" for dt, rate in rates.items()) + (
+        f" over {len({p.seq_len for p in d.attention})} sequence lengths"
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from autopar.profiles.report import ProfileReport
 from autopar.profiles.sections import (
+    AttentionPoint,
     BandwidthPoint,
     CommPoint,
     CommSeries,
@@ -45,8 +46,10 @@ def device(
     dtypes=("fp32",),
     memory_bytes: float = 24.0 * 2**30,
     host: str = "testhost",
+    attention_flop_per_s: tuple[float, ...] = (),
 ) -> ProfileReport:
-    """A device whose matmuls all run at ``rate_flop_per_s`` (a flat curve)."""
+    """A device whose matmuls all run at ``rate_flop_per_s`` (a flat curve), and whose
+    causal bf16 attention runs at the given rates, one shape each (none: not measured)."""
     points = tuple(
         MatmulPoint(dtype=dt, m=n, n=n, k=n, flops=2.0 * n**3, time=exact(2.0 * n**3 / rate_flop_per_s))
         for dt in dtypes
@@ -57,6 +60,12 @@ def device(
             kernel=k, array_bytes=float(2**26), moved_bytes=float(m * 2**26), time=exact(m * 2**26 / bandwidth)
         )
         for k, m in (("copy", 2), ("add", 3))
+    )
+    attention = tuple(
+        AttentionPoint(
+            dtype="bf16", batch=8 // 2**i, heads=32, seq_len=2048 * 2**i, head_dim=128, flops=1e12, time=exact(1e12 / r)
+        )
+        for i, r in enumerate(attention_flop_per_s)
     )
     return ProfileReport(
         device=DeviceProfile(
@@ -70,6 +79,7 @@ def device(
             matmul=points,
             bandwidth=bw,
             memory_bandwidth_bytes_per_s=bandwidth,
+            attention=attention,
             provenance=prov(host),
         )
     )

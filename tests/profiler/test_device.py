@@ -5,6 +5,7 @@ import time
 import pytest
 import torch
 
+from profiler.attention import attention_step_flops, measure_attention
 from profiler.device import DeviceSweep, profile_device
 from profiler.errors import SettingsError
 from profiler.machine import physical_memory_bytes
@@ -25,6 +26,7 @@ def test_cpu_sweep_measures_curves_and_bandwidth():
     assert (d.kind, d.threads, d.timer, d.memory_shared) == ("cpu", 1, "wall-clock", True)
     assert d.memory_bytes == physical_memory_bytes() > 0
     assert d.dtypes == ("bf16", "fp32")
+    assert d.attention == ()  # a CPU prices attention by the flop counter, at no kernel rate
     for p in d.matmul:
         assert p.flops == 2.0 * p.m * p.n * p.k and p.time.repeats == 3 and p.achieved_flop_per_s > 0
     for dt in d.dtypes:
@@ -125,3 +127,21 @@ def test_cuda_sweep_uses_events():
     assert (d.kind, d.timer, d.memory_shared) == ("cuda", "cuda-events", False)
     assert "fp32" in d.dtypes and d.memory_bytes == torch.cuda.get_device_properties(0).total_memory
     assert d.peak_flop_per_s(d.dtypes[0]) > 0
+
+
+def test_attention_flops_by_hand():
+    """FlashAttention's convention: 4 b h s^2 d forward products, half under the causal
+    mask, and a backward of 2.5x: 2 x 32 heads x 4096^2 x 128 x 2 x 3.5."""
+    assert attention_step_flops(2, 32, 4096, 128) == 2 * 32 * 4096**2 * 128 * 2 * 3.5
+
+
+def test_attention_sweep_times_forward_and_backward():
+    """The sweep (run on a GPU by profile_device) on the CPU's kernel, tiny shapes: the
+    batch keeps the tokens per call, the FLOPs are the hand formula's, each point is
+    timed (no speed is asserted: on this CPU both shapes take about the same time)."""
+    points = measure_attention(
+        (32, 128), torch.bfloat16, "bf16", torch.device("cpu"), FAST, heads=2, head_dim=16, tokens=256
+    )
+    assert [(p.batch, p.seq_len) for p in points] == [(8, 32), (2, 128)]
+    for p in points:
+        assert p.flops == attention_step_flops(p.batch, 2, p.seq_len, 16) and p.time.repeats == 3

@@ -355,8 +355,9 @@ def test_a_gpu_base_keeps_its_fp8_peak_and_a_measured_device_alone_has_none():
 
 
 def test_a_gpu_base_keeps_its_attention_and_fp8_efficiencies():
-    """A profile measures GEMMs, not the fused attention kernel nor FP8 GEMMs: the base's
-    stated efficiencies for both stay; a device measured without a base states none."""
+    """A profile measures GEMMs, not FP8 GEMMs, and this one no fused attention kernel:
+    the base's stated efficiencies for both stay; a device measured without a base
+    states none."""
     gpu = device(rate_flop_per_s=7e14, bandwidth=3e12, kind="cuda", dtypes=("bf16", "fp32"), memory_bytes=80 * 2**30)
     base = preset("dgx-h100", nodes=2).device.roofline
     roof = cluster_from_profiles([gpu, network(kind="cuda")], base=preset("dgx-h100", nodes=2)).device.roofline
@@ -364,3 +365,24 @@ def test_a_gpu_base_keeps_its_attention_and_fp8_efficiencies():
     assert (base.attention_efficiency, base.fp8_matmul_efficiency) == (0.19, 0.709)
     alone = cluster_from_profiles([gpu, network(kind="cuda", node_of_rank=("n0",) * 8)]).device.roofline
     assert (alone.attention_efficiency, alone.fp8_matmul_efficiency) == (None, None)
+
+
+def test_a_measured_attention_rate_replaces_the_stated_one():
+    """A GPU profile that timed the fused attention kernel gives its mean rate as the
+    fraction of the peak: over the base's datasheet peak (989 TFLOP/s bf16 on H100), or
+    without a base over the fastest measured matmul. The cluster's rates price
+    attention at exactly the measured mean."""
+    gpu = device(
+        rate_flop_per_s=7e14,
+        bandwidth=3e12,
+        kind="cuda",
+        dtypes=("bf16", "fp32"),
+        memory_bytes=80 * 2**30,
+        attention_flop_per_s=(2.5e14, 3.5e14),
+    )
+    h100 = cluster_from_profiles([gpu, network(kind="cuda")], base=preset("dgx-h100", nodes=2))
+    assert h100.device.roofline.attention_efficiency == pytest.approx(3e14 / 989e12, rel=1e-12)
+    assert rates(h100.device, DType.BF16).attention_flops_per_s == pytest.approx(3e14, rel=1e-12)
+    assert "fused attention (causal SDPA forward and backward) bf16 300 TFLOP/s" in h100.device.source
+    alone = cluster_from_profiles([gpu, network(kind="cuda", node_of_rank=("n0",) * 8)]).device.roofline
+    assert alone.attention_efficiency == pytest.approx(3e14 / 7e14, rel=1e-12)

@@ -4,7 +4,7 @@ import base64
 import re
 from dataclasses import replace
 
-from profile_factories import full, layers, network
+from profile_factories import device, full, layers, network
 
 from autopar.profiles.report import ProfileReport
 from profiler.render import render_html, render_markdown
@@ -55,3 +55,11 @@ def test_group_measurements_are_shown_when_taken():
     assert "400 us per tensor-parallel layer forward" in text and "900 us per FSDP2 collective call" in text
     assert "30 us per parameter tensor of its unit" in text
     assert "streaming at once: 0.70 of what one rank has alone" in text
+
+
+def test_a_measured_attention_kernel_is_tabled():
+    """Shown where it was measured (GPU profiles), absent otherwise."""
+    assert "Fused attention" not in render_markdown(full())
+    text = render_markdown(device(kind="cuda", dtypes=("bf16",), attention_flop_per_s=(2.5e14, 5e14)))
+    assert "| bf16 | 8x32x2048x128 | 1e+12 | 4 | 0% | 250.0 |" in text
+    assert "| bf16 | 4x32x4096x128 | 1e+12 | 2 | 0% | 500.0 |" in text

@@ -148,3 +148,14 @@ def test_derived_numbers():
     assert net.link("inter").bandwidth_bytes_per_s == 1e8
     assert network(inter=None).network.link("inter") is None
     assert prov().host == "testhost"
+
+
+def test_attention_points_round_trip_and_older_reports_have_none(tmp_path):
+    """A GPU profile's attention sweep survives the file exactly; a report written before
+    it existed (no ``attention`` field) reads as one that measured none."""
+    report = device(kind="cuda", dtypes=("bf16",), attention_flop_per_s=(2.5e14, 3.5e14))
+    back = ProfileReport.load(report.save(tmp_path / "gpu.json"))
+    assert back == report and back.device.attention_flop_per_s("bf16") == pytest.approx(3e14, rel=1e-12)
+    data = report.to_dict()
+    del data["device"]["attention"]
+    assert ProfileReport.from_dict(data).device.attention == ()

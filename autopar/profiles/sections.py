@@ -99,14 +99,10 @@ class Timing:
 
 
 @dataclass(frozen=True, kw_only=True)
-class MatmulPoint:
-    """One matmul shape: ``(m, k) @ (k, n)`` in ``dtype`` (a training precision the
-    planner prices), ``2 m n k`` FLOPs per call."""
+class TimedKernel:
+    """A kernel call of known FLOPs in ``dtype``, timed: ``flops`` per call."""
 
     dtype: DType
-    m: int
-    n: int
-    k: int
     flops: float
     time: Timing
 
@@ -117,7 +113,17 @@ class MatmulPoint:
 
 
 @dataclass(frozen=True, kw_only=True)
-class AttentionPoint:
+class MatmulPoint(TimedKernel):
+    """One matmul shape: ``(m, k) @ (k, n)`` in ``dtype`` (a training precision the
+    planner prices), ``2 m n k`` FLOPs per call."""
+
+    m: int
+    n: int
+    k: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionPoint(TimedKernel):
     """One fused attention call, forward and backward: causal
     ``F.scaled_dot_product_attention`` over ``(batch, heads, seq_len, head_dim)`` queries,
     keys and values in ``dtype``. ``flops`` is what the kernel computes in the
@@ -126,18 +132,10 @@ class AttentionPoint:
     and value products, half of them under the causal mask, and a backward of 2.5 times
     that."""
 
-    dtype: DType
     batch: int
     heads: int
     seq_len: int
     head_dim: int
-    flops: float
-    time: Timing
-
-    @property
-    def achieved_flop_per_s(self) -> float:
-        """FLOPs of one forward and backward over its median time."""
-        return self.flops / self.time.median_s
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -41,7 +41,7 @@ class ParallelConfig:
             accumulation); the global batch is ``dp * micro_batch_size * num_microbatches``.
         schedule: pipeline schedule (ignored when ``pp == 1``).
         virtual_stages: stages per pipeline rank (> 1 only with ``interleaved-1f1b``,
-            ``interleaved-zb``; exactly 2 with ``zbv``).
+            ``interleaved-zb``; exactly 2 with ``zbv`` and ``dualpipev``).
         zero_stage: 0-3, see :data:`autopar.vocab.ZERO_STAGES`.
         dp_shard: ranks of one FSDP shard group under hybrid sharding (HSDP): the ``dp``
             data-parallel ranks form ``dp / dp_shard`` replicate groups of ``dp_shard``
@@ -132,17 +132,17 @@ class ParallelConfig:
         sched, multi_stage = self.schedule.value, self.schedule.multi_stage
         if self.virtual_stages > 1 and not multi_stage:
             raise ConfigError(
-                f"virtual_stages={self.virtual_stages} needs schedule 'interleaved-1f1b', 'interleaved-zb' or "
-                f"'zbv' (got {sched!r}); use virtual_stages=1 for {sched}."
+                f"virtual_stages={self.virtual_stages} needs schedule 'interleaved-1f1b', 'interleaved-zb', "
+                f"'zbv' or 'dualpipev' (got {sched!r}); use virtual_stages=1 for {sched}."
             )
         if multi_stage and self.virtual_stages < 2:
             raise ConfigError(
                 f"schedule={sched!r} needs virtual_stages >= 2 (stages per pipeline rank); "
                 "use schedule='1f1b' for one stage per rank."
             )
-        if self.schedule is Schedule.ZBV and self.virtual_stages != 2:
+        if self.schedule.v_shape and self.virtual_stages != 2:
             raise ConfigError(
-                f"schedule='zbv' runs exactly 2 stages per pipeline rank (a V), got virtual_stages="
+                f"schedule={sched!r} runs exactly 2 stages per pipeline rank (a V), got virtual_stages="
                 f"{self.virtual_stages}; use virtual_stages=2 or schedule='interleaved-zb'."
             )
         if multi_stage and self.pp < 2:

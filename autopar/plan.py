@@ -19,20 +19,23 @@ from autopar import codec
 from autopar.errors import PlanFormatError
 from autopar.hardware.cluster import Cluster
 from autopar.parallel_config import ParallelConfig
-from autopar.vocab import Attention, Optimizer, Recompute, TPStyle
+from autopar.vocab import Attention, Optimizer, Recompute, Schedule, TPStyle
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 """2: the cluster's device is nested by concern (roofline, memory, host effects);
 3: ``ParallelConfig.dp_shard`` (HSDP); 4: ``ParallelConfig.cp`` (context parallelism)
 and ``StepBreakdown.cp_comm_s``; 5: ``ParallelConfig.ep`` (expert parallelism) and
 ``StepBreakdown.ep_comm_s``; 6: ``ParallelConfig.compile`` (compiled blocks) and ``fp8`` (FP8 matmuls); 7: the
 recompute mode ``op`` (per-operator selective recomputation); 8: ``ParallelConfig.async_tp``
-(asynchronous tensor parallelism). Older files read as plans without the newer axes."""
-READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, SCHEMA_VERSION)
+(asynchronous tensor parallelism); 9: the schedule ``dualpipev``. Older files read as plans without the
+newer axes."""
+READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, SCHEMA_VERSION)
 _INTRODUCED = {"dp_shard": 3, "cp": 4, "ep": 5, "compile": 6, "fp8": 6, "async_tp": 8}
 """The schema version that introduced each newer ``config`` field."""
 _OP_RECOMPUTE_SINCE = 7
 """The schema version that introduced the recompute mode ``op``."""
+_DUALPIPEV_SINCE = 9
+"""The schema version that introduced the schedule ``dualpipev``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -298,6 +301,10 @@ class Plan:
         if version < _OP_RECOMPUTE_SINCE and Recompute.OP.value in _recompute_values(data, config):
             raise PlanFormatError(
                 f"{origin}: recompute 'op' needs schema_version {_OP_RECOMPUTE_SINCE} or later (got {version})."
+            )
+        if version < _DUALPIPEV_SINCE and config.get("schedule") == Schedule.DUALPIPEV.value:
+            raise PlanFormatError(
+                f"{origin}: schedule 'dualpipev' needs schema_version {_DUALPIPEV_SINCE} or later (got {version})."
             )
         data = {**data, "schema_version": SCHEMA_VERSION}  # an older file is a plan without the newer axes
         return codec.decode(Plan, data, origin, error=PlanFormatError)

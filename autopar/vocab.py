@@ -56,6 +56,10 @@ class Schedule(StrEnum):
     would be bubbles). ``interleaved-zb`` runs interleaved 1F1B's order with deferred
     weight gradients (the paper's ZB-H1 over virtual stages); ``zbv`` holds exactly two
     stages per rank in a V: rank ``r`` runs stages ``r`` and ``2p - 1 - r`` (ZB-V).
+    ``dualpipev`` is torch's ``ScheduleDualPipeV`` (DeepSeek-AI 2024, "DeepSeek-V3
+    Technical Report", DualPipe folded into the same V): its steady state pairs one
+    micro-batch's forward with another's full backward (which torch 2.13 runs one after
+    the other), and only its warm-up and drain split the backward.
     """
 
     GPIPE = "gpipe"
@@ -63,22 +67,28 @@ class Schedule(StrEnum):
     INTERLEAVED_1F1B = "interleaved-1f1b"
     INTERLEAVED_ZB = "interleaved-zb"
     ZBV = "zbv"
+    DUALPIPEV = "dualpipev"
 
     @property
     def multi_stage(self) -> bool:
         """Whether the schedule runs several stages per pipeline rank (virtual stages)."""
-        return self is Schedule.INTERLEAVED_1F1B or self is Schedule.INTERLEAVED_ZB or self is Schedule.ZBV
+        return self in (Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZB, Schedule.ZBV, Schedule.DUALPIPEV)
 
     @property
     def zero_bubble(self) -> bool:
         """Whether the schedule splits the backward into input and weight gradients."""
-        return self is Schedule.INTERLEAVED_ZB or self is Schedule.ZBV
+        return self in (Schedule.INTERLEAVED_ZB, Schedule.ZBV, Schedule.DUALPIPEV)
+
+    @property
+    def v_shape(self) -> bool:
+        """Whether the schedule places exactly two stages per rank in a V (``zbv``, ``dualpipev``)."""
+        return self is Schedule.ZBV or self is Schedule.DUALPIPEV
 
     def rank_of_stage(self, index: int, pp: int) -> int:
         """The pipeline rank that runs stage ``index``: ``index % pp`` (round robin), or
-        the V of ``zbv``, where stage ``i < p`` runs on rank ``i`` and stage ``i >= p``
-        on rank ``2p - 1 - i``, so the first and last stages share rank 0."""
-        if self is Schedule.ZBV and index >= pp:
+        the V of ``zbv`` and ``dualpipev``, where stage ``i < p`` runs on rank ``i`` and
+        stage ``i >= p`` on rank ``2p - 1 - i``, so the first and last stages share rank 0."""
+        if self.v_shape and index >= pp:
             return 2 * pp - 1 - index
         return index % pp
 

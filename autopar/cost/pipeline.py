@@ -31,7 +31,15 @@ divides 1F1B's; ``zbv`` (torch's ``ScheduleZBVZeroBubble``, the paper's ZB-V, se
 for ``W <= min(F, I)``, the closed form of torch's ZB-V order with per-stage times
 ``F/2, I/2, W/2`` (derived from that order; the paper gives only the ``F = I = W``
 case). Both are checked against a simulation of torch's own action lists
-(``tests/planner/test_zero_bubble_cost.py``). The deferred ``W`` keeps a micro-batch's
+(``tests/planner/test_zero_bubble_cost.py``). ``dualpipev`` (torch's ``ScheduleDualPipeV``,
+DeepSeek-V3's DualPipe folded into the same V) takes, for ``m >= 2p`` and ``W <= min(F, I)``,
+``m (F + I + W) + max((p - 1) max(F + I - W, 2 (F - W)), (p - 1)(2 I - W) - F) / 2``:
+the longest path through torch's order with per-stage times ``F/2, I/2, W/2``: the
+paths of excess ``((p - 1 + j) F + (k - j) I - (j + k) W) / 2`` (``0 <= j, k <= p - 1``)
+and ``((p - 1)(2 I - W) - F) / 2``, enumerated on that order (derived here, not in the
+report). Its steady state pairs a forward with a full backward, which torch 2.13 runs
+one after the other: nothing of DualPipe's overlap of one micro-batch's communication
+with another's compute is there to price. The deferred ``W`` keeps a micro-batch's
 activations until it runs (torch's ``stage_backward_input`` retains the graph), so
 their in-flight micro-batches are counted from each forward to its ``W``.
 """
@@ -49,6 +57,8 @@ def schedule_problem(schedule: Schedule, pp: int, virtual_stages: int, num_micro
     m = num_microbatches
     if schedule is Schedule.ONE_F_ONE_B and m < pp:
         return f"1f1b needs at least as many micro-batches as stages (m={m} < pp={pp})"
+    if schedule is Schedule.DUALPIPEV and m < 2 * pp:
+        return f"dualpipev needs at least as many micro-batches as stages (m={m} < 2 * pp={2 * pp})"
     if schedule in (Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZB):
         rounds = max(1, m // pp)
         if m % rounds:
@@ -61,8 +71,9 @@ def inflight_microbatches(
 ) -> float:
     """Micro-batches whose activations rank ``pipeline_rank`` holds at its peak, in units
     of "all of the rank's stages for one micro-batch": non-increasing in the rank, but
-    non-decreasing for ``zbv`` (its last rank holds the V's turn), so the least and the
-    most loaded ranks are the first and the last."""
+    non-decreasing for ``zbv`` (its last rank holds the V's turn) and equal on every rank
+    for ``dualpipev`` (``m >= 2p``), so the least and the most loaded ranks are the first
+    and the last."""
     m = num_microbatches
     if pp == 1:
         return 1.0
@@ -70,13 +81,16 @@ def inflight_microbatches(
         return float(m)
     if schedule is Schedule.ONE_F_ONE_B:
         return float(min(m, pp - pipeline_rank))
-    if schedule is Schedule.INTERLEAVED_ZB:  # every chunk of min(p, m) micro-batches before its first W
-        return float(min(pp, m))
-    if schedule is Schedule.ZBV:  # forwards of 2 chunks run ahead of their W by m + 1 + r at most
-        return min(2 * pp, m + 1 + pipeline_rank, 2 * m) / 2
     v = virtual_stages
     rounds = max(1, m // pp)
     per_round = m // rounds
+    if schedule is Schedule.INTERLEAVED_ZB:  # every chunk of min(p, mpr) micro-batches before its first W,
+        # and the first v - 1 chunks of a round's micro-batches beyond p
+        return min(pp, per_round) + (v - 1) * max(per_round - pp, 0) / v
+    if schedule is Schedule.ZBV:  # forwards of 2 chunks run ahead of their W by m + 1 + r at most
+        return min(2 * pp, m + 1 + pipeline_rank, 2 * m) / 2
+    if schedule is Schedule.DUALPIPEV:  # every rank: 2p chunks' forwards and the first steady-state one
+        return (2 * pp + 1) / 2
     warmup = min((v - 1) * per_round + 2 * (pp - 1 - pipeline_rank), m * v)
     return min(warmup + 1, m * v) / v
 
@@ -164,7 +178,12 @@ def zero_bubble_rank_fill_s(
 ) -> float:
     """The fill and drain of one rank of a zero-bubble pipeline of ``pp`` ranks: ``(p - 1)
     max(F + I - W, F, I) / v`` under ``interleaved-zb``, ``(p - 1)(max(F, I) - min(W, I/2))
-    - min(W, max(F - I, 0)) / 2`` under ``zbv`` (module docstring; :func:`zero_bubble_fill_s`)."""
+    - min(W, max(F - I, 0)) / 2`` under ``zbv`` (module docstring; :func:`zero_bubble_fill_s`),
+    ``max((p - 1) max(F + I - W, 2 (F - W)), (p - 1)(2 I - W) - F) / 2`` under ``dualpipev``."""
+    if schedule is Schedule.DUALPIPEV:
+        f, i, q = forward_s, input_grad_s, pp - 1
+        w = min(weight_grad_s, f, i)
+        return max(q * max(f + i - w, 2 * (f - w)), q * (2 * i - w) - f, 0.0) / 2
     fill = (pp - 1) * zero_bubble_fill_s(schedule, forward_s, input_grad_s, weight_grad_s)
     if schedule is Schedule.ZBV:
         w = min(weight_grad_s, forward_s, input_grad_s)
@@ -176,8 +195,11 @@ def zero_bubble_floor_s(schedule: Schedule, work_s: float, pp: int, virtual_stag
     """The least :func:`zero_bubble_rank_fill_s` of a rank whose work ``F + I + W`` is
     ``work_s``: ``W <= F`` (:func:`weight_grad_s`) makes the work at most ``3 max(F, I)``,
     so the fill is at least ``(p - 1)/3`` of it under ``interleaved-zb`` (over ``v``), and
-    under ``zbv`` at least ``(p - 1)/6`` of it less ``W / 2``, at most a quarter of it.
+    under ``zbv`` at least ``(p - 1)/6`` of it less ``W / 2``, at most a quarter of it;
+    under ``dualpipev`` at least ``(p - 1)/6`` of it (``F + I - W >= max(F, I)``).
     Non-decreasing in the work, as a search bound must be."""
+    if schedule is Schedule.DUALPIPEV:
+        return (pp - 1) * work_s / 6
     if schedule is Schedule.ZBV:
         return max((pp - 1) * work_s / 6 - work_s / 4, 0.0)
     return (pp - 1) * work_s / (3 * virtual_stages)

@@ -183,10 +183,21 @@ def test_a_version_7_plan_file_loads_without_async_tp(gpt2_plan):
     """Version 7 had no async_tp: its plans read with synchronous tensor parallelism; an
     async_tp field needs version 8."""
     data = json.loads(gpt2_plan.to_json())
-    assert data["schema_version"] == 8 and data["config"]["async_tp"] is False
+    assert data["config"]["async_tp"] is False
     data["schema_version"] = 7
     del data["config"]["async_tp"]
     assert Plan.from_dict(data) == gpt2_plan
     data["config"]["async_tp"] = False
     with pytest.raises(PlanFormatError, match="config.async_tp needs schema_version 8"):
+        Plan.from_dict(data)
+
+
+def test_a_version_8_plan_file_loads_and_dualpipev_needs_version_9(gpt2_plan):
+    """Version 8 had no dualpipev schedule: its plans read unchanged; naming it needs version 9."""
+    data = json.loads(gpt2_plan.to_json())
+    assert data["schema_version"] == 9
+    data["schema_version"] = 8
+    assert Plan.from_dict(data) == gpt2_plan
+    data["config"].update(schedule="dualpipev", virtual_stages=2)
+    with pytest.raises(PlanFormatError, match="schedule 'dualpipev' needs schema_version 9 or later \\(got 8\\)"):
         Plan.from_dict(data)

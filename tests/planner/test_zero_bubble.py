@@ -25,8 +25,9 @@ BASE = dict(dp=1, tp=1, pp=4, micro_batch_size=1, num_microbatches=8)
     [
         ("zbv", 3, "schedule='zbv' runs exactly 2 stages per pipeline rank.*virtual_stages=3"),
         ("zbv", 1, "schedule='zbv' needs virtual_stages >= 2"),
+        ("dualpipev", 3, "schedule='dualpipev' runs exactly 2 stages per pipeline rank.*virtual_stages=3"),
         ("interleaved-zb", 1, "schedule='interleaved-zb' needs virtual_stages >= 2"),
-        ("1f1b", 2, "virtual_stages=2 needs schedule 'interleaved-1f1b', 'interleaved-zb' or 'zbv'"),
+        ("1f1b", 2, "virtual_stages=2 needs schedule 'interleaved-1f1b', 'interleaved-zb', 'zbv' or 'dualpipev'"),
     ],
 )
 def test_virtual_stages_checked(schedule, v, message):

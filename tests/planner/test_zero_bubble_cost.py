@@ -1,7 +1,7 @@
 """The zero-bubble cost terms (autopar.cost.pipeline) against hand calculation and
 against an independent reference: torch's own schedules' action lists
-(``pipeline_order`` of ``ScheduleInterleavedZeroBubble``/``ScheduleZBVZeroBubble``, built
-on a fake process group, no communication), run by a small event simulation with
+(``pipeline_order`` of ``ScheduleInterleavedZeroBubble``/``ScheduleZBVZeroBubble``/
+``ScheduleDualPipeV``, built on a fake process group, no communication), run by a small event simulation with
 per-stage forward, input-gradient and weight-gradient times."""
 
 import contextlib
@@ -11,14 +11,29 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
+from torch.distributed.pipelining import (
+    PipelineStage,
+    ScheduleDualPipeV,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 from torch.distributed.pipelining.schedules import _ComputationType as Kind
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from autopar.cost.pipeline import inflight_microbatches, pipeline_time_s, weight_grad_s, zero_bubble_fill_s
+from autopar.cost.pipeline import (
+    inflight_microbatches,
+    pipeline_time_s,
+    schedule_problem,
+    weight_grad_s,
+    zero_bubble_fill_s,
+)
 from autopar.vocab import Schedule
 
-TORCH = {Schedule.INTERLEAVED_ZB: ScheduleInterleavedZeroBubble, Schedule.ZBV: ScheduleZBVZeroBubble}
+TORCH = {
+    Schedule.INTERLEAVED_ZB: ScheduleInterleavedZeroBubble,
+    Schedule.ZBV: ScheduleZBVZeroBubble,
+    Schedule.DUALPIPEV: ScheduleDualPipeV,
+}
 
 
 @contextlib.contextmanager
@@ -31,12 +46,19 @@ def _fake_group(world):
 
 
 def torch_order(schedule, p, v, m):
-    """torch's compute actions per rank (bubbles dropped: the simulation waits instead)."""
+    """torch's compute actions per rank (bubbles dropped: the simulation waits instead;
+    an overlapped pair is its two actions in order, as torch's runtime runs it)."""
     stages = tuple(i for i in range(p * v) if schedule.rank_of_stage(i, p) == 0)
     with _fake_group(p):
         pipe = [PipelineStage(nn.Linear(1, 1), i, p * v, torch.device("cpu")) for i in stages]
         order = TORCH[schedule](pipe, m).pipeline_order
-    return {r: [a for a in actions if a is not None] for r, actions in order.items()}
+    # dualpipev's overlapped forward and full backward run one after the other in torch 2.13
+    flat = {r: [] for r in order}
+    for r, actions in order.items():
+        for a in actions:
+            if a is not None:
+                flat[r].extend(a.sub_actions if a.computation_type is Kind.OVERLAP_F_B else [a])
+    return flat
 
 
 def simulate(order, n_stages, f, i, w):
@@ -101,6 +123,13 @@ def test_terms_by_hand():
     assert pipeline_time_s([6.0, 6.0, 6.0], 8, 2, schedule=Schedule.INTERLEAVED_ZB) == 48 + 12 / 6
     assert pipeline_time_s([6.0, 6.0, 6.0], 8, 2, schedule=Schedule.ZBV) == 48 + 12 / 6 - 6 / 4
     assert pipeline_time_s([6.0, 5.0], 8, 2, schedule=Schedule.ZBV) == 48.0
+    # dualpipev: max((p - 1) max(F + I - W, 2 (F - W)), (p - 1)(2 I - W) - F) / 2
+    # F=2, I=3, W=1 on p=4: max(3 * 4, 3 * 5 - 2) / 2 = 6.5; F=3, I=1, W=1: max(3 * 4, 1 - 3) / 2 = 6
+    assert pipeline_time_s([6.0] * 4, 8, 2, schedule=Schedule.DUALPIPEV, rank_forward_s=[2.0] * 4,
+                           rank_weight_grad_s=[1.0] * 4) == 48 + 6.5  # fmt: skip
+    assert pipeline_time_s([5.0] * 4, 8, 2, schedule=Schedule.DUALPIPEV, rank_forward_s=[3.0] * 4,
+                           rank_weight_grad_s=[1.0] * 4) == 40 + 6.0  # fmt: skip
+    assert pipeline_time_s([6.0] * 3, 8, 2, schedule=Schedule.DUALPIPEV) == 48 + 12 / 6
 
 
 def test_unequal_ranks_never_gain_from_more_work():
@@ -108,21 +137,22 @@ def test_unequal_ranks_never_gain_from_more_work():
     time on any rank never shortens the step (the search takes each rank's fastest
     options), and the slowest rank bounds it."""
     works, forward, weight = [6.0, 5.0, 5.9], [2.0, 1.5, 2.2], [1.0, 0.8, 1.1]
-    for schedule in (Schedule.INTERLEAVED_ZB, Schedule.ZBV):
-        base = pipeline_time_s(works, 4, 2, schedule=schedule, rank_forward_s=forward, rank_weight_grad_s=weight)
-        assert base >= 4 * 6.0
+    for schedule in (Schedule.INTERLEAVED_ZB, Schedule.ZBV, Schedule.DUALPIPEV):
+        m = 6 if schedule is Schedule.DUALPIPEV else 4  # dualpipev needs m >= 2p
+        base = pipeline_time_s(works, m, 2, schedule=schedule, rank_forward_s=forward, rank_weight_grad_s=weight)
+        assert base >= m * 6.0
         for r in range(3):
             for df, di in ((0.3, 0.0), (0.0, 0.3)):
                 more = [w + (df + di) * (q == r) for q, w in enumerate(works)]
                 fwd = [f + df * (q == r) for q, f in enumerate(forward)]
-                t = pipeline_time_s(more, 4, 2, schedule=schedule, rank_forward_s=fwd, rank_weight_grad_s=weight)
+                t = pipeline_time_s(more, m, 2, schedule=schedule, rank_forward_s=fwd, rank_weight_grad_s=weight)
                 assert t >= base, (schedule, r, df, di)
 
 
 def test_floor_is_below_every_split_of_the_backward():
     """The search's floor never exceeds the time of any (F, I, W) with W <= F that adds
     up to the same work, on equal and unequal ranks."""
-    for schedule in (Schedule.INTERLEAVED_ZB, Schedule.ZBV):
+    for schedule in (Schedule.INTERLEAVED_ZB, Schedule.ZBV, Schedule.DUALPIPEV):
         for works in ([6.0] * 4, [6.0, 3.0, 4.5], [2.0, 6.0]):
             floor = pipeline_time_s(works, 8, 2, schedule=schedule)
             for ff, wf in itertools.product([0.2, 0.34, 0.5, 0.8], [0.0, 0.5, 1.0]):
@@ -159,11 +189,33 @@ def test_zbv_time_is_torch_order(p, m):
         assert closed == pytest.approx(simulate(order, 2 * p, f / 2, i / 2, w / 2)), (f, i, w)
 
 
-@pytest.mark.parametrize("schedule", [Schedule.INTERLEAVED_ZB, Schedule.ZBV])
-@pytest.mark.parametrize("p, m", [(2, 1), (2, 2), (2, 4), (4, 2), (4, 4), (4, 8), (4, 16), (8, 8)])
+@pytest.mark.parametrize("p, m", [(2, 4), (2, 5), (3, 6), (3, 10), (4, 8), (5, 13), (6, 12), (8, 16), (12, 24)])
+def test_dualpipev_time_is_torch_order(p, m):
+    """Every (F, I, W) on the grid with W <= min(F, I), for m >= 2p: the enumerated
+    path families hold on every pipeline depth and micro-batch count checked."""
+    order = torch_order(Schedule.DUALPIPEV, p, 2, m)
+    for f, i, w in itertools.product(TIMES, TIMES, [0.0, *TIMES]):
+        if w > min(f, i):
+            continue
+        closed = pipeline_time_s([f + i + w] * p, m, 2, schedule=Schedule.DUALPIPEV,
+                                 rank_forward_s=[f] * p, rank_weight_grad_s=[w] * p)  # fmt: skip
+        assert closed == pytest.approx(simulate(order, 2 * p, f / 2, i / 2, w / 2)), (f, i, w)
+
+
+def test_dualpipev_needs_two_microbatches_per_rank_as_torch_does():
+    assert schedule_problem(Schedule.DUALPIPEV, 4, 2, 8) is None
+    assert "m=7 < 2 * pp=8" in schedule_problem(Schedule.DUALPIPEV, 4, 2, 7)
+    with _fake_group(4), pytest.raises(ValueError, match="at least as many microbatches as stages"):
+        ScheduleDualPipeV([PipelineStage(nn.Linear(1, 1), i, 8, torch.device("cpu")) for i in (0, 7)], 7)
+
+
+@pytest.mark.parametrize("schedule", [Schedule.INTERLEAVED_ZB, Schedule.ZBV, Schedule.DUALPIPEV])
+@pytest.mark.parametrize(
+    "p, m", [(2, 1), (2, 2), (2, 4), (4, 2), (4, 4), (4, 6), (4, 8), (4, 16), (8, 8), (8, 16), (8, 20)]
+)
 def test_inflight_is_torch_order(schedule, p, m):
     """Micro-batches held from forward to weight gradient, counted on torch's order."""
-    if schedule is Schedule.INTERLEAVED_ZB and m % max(1, m // p):
+    if schedule_problem(schedule, p, 2, m):
         pytest.skip("torch refuses these micro-batch counts")
     for v in (2, 3) if schedule is Schedule.INTERLEAVED_ZB else (2,):
         order = torch_order(schedule, p, v, m)

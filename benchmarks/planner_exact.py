@@ -6,8 +6,10 @@ and the whole search on small real models at several memory capacities (a config
 space small enough to enumerate every configuration, split and per-unit option), one of
 them on two nodes, where HSDP shard groups are candidates, one at 16K tokens, where
 context parallelism (cp=2, 8K tokens per rank) is, a mixture of experts, where expert
-parallelism (ep 1, 2 and 4) is, and compiled blocks on a device that runs asynchronous
-tensor parallelism, where it is (the layout ILP's random units take it too).
+parallelism (ep 1, 2 and 4) is, a two-stage-per-rank pipeline of untied weights, where
+every multi-stage schedule (DualPipeV included) is, and compiled blocks on a device that
+runs asynchronous tensor parallelism, where it is (the layout ILP's random units take it
+too).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from autopar.cost.model import CostModel
 from autopar.cost.peak import budget_bytes
 from autopar.graph import extract
 from autopar.hardware import preset
-from autopar.models import GPT, CNNConfig, GPTConfig, MoEConfig, MoELlama, ResNet
+from autopar.models import GPT, CNNConfig, GPTConfig, Llama, LlamaConfig, MoEConfig, MoELlama, ResNet
 from autopar.search.intra_op import LayoutSolver, brute_force_layout
 from autopar.search.scan import search
 from autopar.search.solve import ConfigSolver
@@ -130,6 +132,23 @@ def whole() -> list[dict[str, str]]:
     moe = MoEConfig(vocab_size=256, seq_len=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, n_experts=4)
     moe_graph = extract(MoELlama(moe), seq_len=128, dtype="bf16")
     runs.append(("MoE Llama 2 blocks, 4 experts (ep)", (0.006, 0.008, 0.01, 1.0), moe_graph, 1, (1, 2, 4, 8), {}))
+    # pipeline schedules at pp=2 with two stages per rank on untied weights: interleaved 1F1B,
+    # interleaved ZB, ZB-V and DualPipeV (m >= 4) compete on the same splits. dp=1: with data
+    # parallelism a slower option (recomputation) on a rank off the critical path hides more of
+    # its gradient reduction in the tail model and can lower the step, which the per-stage
+    # option choice does not see (docs/cost-model.md, "What the search does not see")
+    llama = LlamaConfig(vocab_size=512, seq_len=256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384)
+    llama_graph = extract(Llama(llama), seq_len=256, dtype="bf16")
+    runs.append(
+        (
+            "Llama 4 blocks, pp=2 x 2 stages, dp=1 (schedules)",
+            (0.006, 0.01, 1.0),
+            llama_graph,
+            1,
+            (1, 2, 4, 8),
+            {"pp": 2, "virtual_stages": 2, "dp": 1},
+        )
+    )
     # compiled blocks on a device that runs asynchronous TP: every tp > 1 candidate with SP tried both ways
     runs.append(("GPT 2 blocks, compiled (async TP)", (0.012, 0.02, 0.05), gpt, 1, (1, 2, 4, 8), {"compile": True}))
     for name, levels, graph, nodes, sizes, constraints in runs:

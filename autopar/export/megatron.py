@@ -193,7 +193,7 @@ def _pipeline_args(plan: Plan, blocks: Blocks, notes: list[str], info: list[str]
         notes.append(
             f"Megatron-LM has no {c.schedule.value} (zero-bubble) schedule: written as interleaved 1F1B over the "
             f"same stages, stage i on rank i % pp, with full backwards (a longer bubble than predicted"
-            f"{'; and other stage placement than the V' if c.schedule is Schedule.ZBV else ''})"
+            f"{'; and other stage placement than the V' if c.schedule.v_shape else ''})"
         )
     if not blocks.count:
         notes.append("the plan's model has no repeated blocks; Megatron-LM splits its own layers evenly")

@@ -46,6 +46,7 @@ SCHEDULES = {
     Schedule.INTERLEAVED_1F1B: "Interleaved1F1B",
     Schedule.INTERLEAVED_ZB: "InterleavedZeroBubble",
     Schedule.ZBV: "ZBVZeroBubble",
+    Schedule.DUALPIPEV: "DualPipeV",
 }
 """autopar's schedules by their names in ``torch.distributed.pipelining`` (what torchtitan
 passes on)."""
@@ -125,7 +126,7 @@ def export_torchtitan(plan: Plan, shape: ModelShape | None) -> Export:
     if c.fp8:
         info.append('FP8 matmuls: add converters = ["quantize.linear.float8"] to [model]')
     if c.pp > 1:
-        placement = "in a V (rank r runs stages r and 2pp-1-r)" if c.schedule is Schedule.ZBV else "on rank i % pp"
+        placement = "in a V (rank r runs stages r and 2pp-1-r)" if c.schedule.v_shape else "on rank i % pp"
         info.append(f"module_fqns_per_model_part lists the plan's stages by module name; stage i runs {placement}")
     text = commented(header(plan, "torchtitan") + info, notes) + "".join(_toml(n, s) for n, s in sections.items())
     return Export(target="torchtitan", text=text, filename=CONFIG_NAME, launch=launch, notes=tuple(notes))

@@ -1,7 +1,7 @@
 """Pipeline parallelism: cut the model to this rank's stages and run the plan's schedule.
 
 Stage ``i`` of the plan runs on pipeline rank ``i % pp``, or in a V under ``zbv``
-(``Plan.stage_of_rank``). A stage
+and ``dualpipev`` (``Plan.stage_of_rank``). A stage
 module is a skeleton copy of the model that shares the kept units (no weights copied) and
 lacks the others: a block is deleted from its ``nn.ModuleDict`` (the others keep their
 names, so parameter FQNs and checkpoint keys are the same on every plan), any other unit
@@ -11,7 +11,8 @@ cannot skip blocks, run their share of the forward through
 ``torch.distributed.pipelining``'s ``PipelineStage`` (holding only the messages in
 flight, :class:`BoundedStage`) and ``ScheduleGPipe``,
 ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` (Narayanan et al. 2021),
-``ScheduleInterleavedZeroBubble`` or ``ScheduleZBVZeroBubble`` (Qi et al. 2023); only the first
+``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble`` (Qi et al. 2023) or
+``ScheduleDualPipeV`` (DeepSeek-AI 2024); only the first
 stage gets inputs and only the last gets targets. With ``pp == 1`` the same machinery
 runs one stage, so micro-batching, gradient scaling by ``1/num_microbatches`` and the
 data-parallel gradient sync of the last micro-batch are shared by every plan.
@@ -30,6 +31,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
@@ -51,6 +53,7 @@ SCHEDULES = {
     Schedule.INTERLEAVED_1F1B: ScheduleInterleaved1F1B,
     Schedule.INTERLEAVED_ZB: ScheduleInterleavedZeroBubble,
     Schedule.ZBV: ScheduleZBVZeroBubble,
+    Schedule.DUALPIPEV: ScheduleDualPipeV,
 }
 
 
@@ -62,6 +65,11 @@ def check_schedule(plan: Plan) -> None:
         raise PipelineError(
             f"schedule '1f1b' with pp={pp} needs num_microbatches >= pp, got {m}: the pipeline "
             f"never fills. Use num_microbatches >= {pp} or schedule 'gpipe'."
+        )
+    if cfg.schedule is Schedule.DUALPIPEV and pp > 1 and m < 2 * pp:
+        raise PipelineError(
+            f"schedule 'dualpipev' with pp={pp} needs num_microbatches >= 2 * pp (one per stage of its V), "
+            f"got {m}. Use num_microbatches >= {2 * pp} or schedule 'zbv'."
         )
     if cfg.schedule.zero_bubble and cfg.zero_stage == 3 and cfg.dp_cp > 1:
         raise PipelineError(

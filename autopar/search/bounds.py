@@ -165,7 +165,7 @@ class TimeBound:
         for r, single in ends.items():
             if single is not None:
                 alone = solver.priced_options(single, config, self.modes)[1]
-                # under zbv both land on rank 0: the epilogue's time replaces the prologue's (still a bound)
+                # in a V both land on rank 0: the epilogue's time replaces the prologue's (still a bound)
                 times[r] = single_and_run_times(
                     alone, blocks, counts[r], rooms[r], flights[r], counts=np.array([counts[r]])
                 )[0]

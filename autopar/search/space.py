@@ -376,18 +376,20 @@ def _check_divides(c: Mapping[str, Any], world: int) -> None:
 
 def _check_zero_bubble(c: Mapping[str, Any], graph: LayerGraph) -> None:
     """A pinned zero-bubble schedule the runtime would refuse, said at once (unpinned, the
-    search leaves these out): ZeRO-3 under a split backward, ``zbv`` for tied weights."""
-    if c.get("schedule") in (Schedule.INTERLEAVED_ZB, Schedule.ZBV) and c.get("zero_stage") == 3:
+    search leaves these out): ZeRO-3 under a split backward, a V (``zbv``, ``dualpipev``)
+    for tied weights."""
+    schedule = c.get("schedule")
+    if schedule is not None and schedule.zero_bubble and c.get("zero_stage") == 3:
         raise ConfigError(
             f"schedule={c['schedule'].value!r} with zero_stage=3 is not offered: autopar's runtime refuses it (FSDP2 "
             f"resharding after forward under the split backward trained to wrong losses); use zero_stage <= 2."
         )
-    if c.get("schedule") is Schedule.ZBV and graph.shared:
+    if schedule is not None and schedule.v_shape and graph.shared:
         tie = graph.shared[0]
         raise ConfigError(
-            f"schedule='zbv' cannot run this model: {tie.first_module!r} and {tie.second_module!r} share a weight, "
-            f"and ZB-V's stages in a V may put both on one pipeline rank in two stages, which the runtime refuses; "
-            f"use schedule='interleaved-zb' or untie the weights."
+            f"schedule={schedule.value!r} cannot run this model: {tie.first_module!r} and {tie.second_module!r} share "
+            f"a weight, and its stages in a V may put both on one pipeline rank in two stages, which the runtime "
+            f"refuses; use schedule='interleaved-zb' or untie the weights."
         )
 
 
@@ -421,10 +423,10 @@ def _schedules(pp: int, graph: LayerGraph, c: Mapping[str, Any]) -> Iterator[tup
     for schedule in (Schedule.ONE_F_ONE_B, Schedule.GPIPE):
         if wanted in (None, schedule) and c.get("virtual_stages", 1) == 1:
             yield schedule, 1
-    for schedule in (Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZB, Schedule.ZBV):
-        if wanted not in (None, schedule) or (schedule is Schedule.ZBV and graph.shared):
-            continue  # tied weights could land in two stages of one rank (zbv's V)
-        top = 2 if schedule is Schedule.ZBV else MAX_VIRTUAL_STAGES
+    for schedule in (Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZB, Schedule.ZBV, Schedule.DUALPIPEV):
+        if wanted not in (None, schedule) or (schedule.v_shape and graph.shared):
+            continue  # tied weights could land in two stages of one rank (the V)
+        top = 2 if schedule.v_shape else MAX_VIRTUAL_STAGES
         for v in [c["virtual_stages"]] if "virtual_stages" in c else range(2, top + 1):
             if 2 <= v <= top and even_bounds_of(graph.units, pp * v, exact=True) is not None:
                 yield schedule, v

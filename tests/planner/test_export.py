@@ -106,6 +106,8 @@ def test_megatron_pipeline_splits(pipelined_plan):
     zbv = variant(pipelined_plan, virtual_stages=2, schedule="zbv")
     assert megatron_args(zbv)["--num-layers-per-virtual-pipeline-stage"] == "10"
     assert any("no zbv (zero-bubble) schedule" in n for n in export(zbv, to="megatron").notes)
+    dualpipev = export(variant(pipelined_plan, virtual_stages=2, schedule="dualpipev"), to="megatron")
+    assert any("no dualpipev (zero-bubble) schedule" in n and "the V" in n for n in dualpipev.notes)
 
 
 def test_megatron_recompute(pipelined_plan):
@@ -268,7 +270,11 @@ def test_torchtitan_pipeline_and_batch(pipelined_plan, gpt2_plan):
     config = torchtitan_config(interleaved)
     p, t = config["parallelism"], config["training"]
     assert p["pipeline_parallel_schedule"] == "Interleaved1F1B"
-    for schedule, name in (("interleaved-zb", "InterleavedZeroBubble"), ("zbv", "ZBVZeroBubble")):
+    for schedule, name in (
+        ("interleaved-zb", "InterleavedZeroBubble"),
+        ("zbv", "ZBVZeroBubble"),
+        ("dualpipev", "DualPipeV"),
+    ):
         zb = variant(interleaved, schedule=schedule)
         assert torchtitan_config(zb)["parallelism"]["pipeline_parallel_schedule"] == name
     assert p["module_fqns_per_model_part"] == [list(s) for s in interleaved.stages]

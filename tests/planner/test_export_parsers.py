@@ -63,6 +63,7 @@ def cases(gpt2_plan, pipelined_plan, llama_plan):
         "gpt-layout": variant(pipelined_plan, pp=4, dp=1, blocks_per_stage=[9, 11, 12, 8], zero_stage=0),
         "llama-interleaved": llama,
         "llama-zbv": variant(llama, schedule="zbv"),
+        "llama-dualpipev": variant(llama, schedule="dualpipev"),
         "llama-interleaved-zb": variant(llama, schedule="interleaved-zb"),
         "gpt2-cp": variant(gpt2_plan, dp=4, cp=2),
         "gpt-tp-pp-cp": variant(pipelined_plan, dp=1, cp=2, zero_stage=1),

@@ -47,7 +47,7 @@ def test_v_placement():
     assert [Schedule.INTERLEAVED_ZB.rank_of_stage(i, 4) for i in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("schedule", ["interleaved-zb", "zbv"])
+@pytest.mark.parametrize("schedule", ["interleaved-zb", "zbv", "dualpipev"])
 def test_round_trip(pipelined_plan, schedule):
     config = dataclasses.replace(pipelined_plan.config, schedule=Schedule(schedule), virtual_stages=2)
     stages = pipelined_plan.stages
@@ -56,7 +56,7 @@ def test_round_trip(pipelined_plan, schedule):
     plan = dataclasses.replace(pipelined_plan, config=config, stages=(*cut, *cut2))
     again = Plan.from_json(plan.to_json())
     assert again == plan and again.config.schedule is Schedule(schedule)
-    expected = ((0, 3), (1, 2)) if schedule == "zbv" else ((0, 2), (1, 3))
+    expected = ((0, 3), (1, 2)) if Schedule(schedule).v_shape else ((0, 2), (1, 3))
     assert (again.stage_of_rank(0), again.stage_of_rank(1)) == expected
 
 
@@ -67,9 +67,9 @@ def _tiny_llama():
 
 
 def test_search_offers_zero_bubble_schedules():
-    """With two stages per rank the search costs interleaved 1F1B, interleaved ZB and
-    ZB-V on the same split; deferring the weight gradients shortens the fill, so
-    interleaved ZB beats interleaved 1F1B, and ``explain`` lists the others."""
+    """With two stages per rank the search costs interleaved 1F1B, interleaved ZB, ZB-V
+    and DualPipeV on the same split; deferring the weight gradients shortens the fill,
+    so interleaved ZB beats interleaved 1F1B, and ``explain`` lists the others."""
     p = autopar.plan(
         _tiny_llama(),
         DGX1,
@@ -79,19 +79,33 @@ def test_search_offers_zero_bubble_schedules():
     )
     times = {a.config.schedule: a.step_time_s for a in p.alternatives if a.status == "runner-up"}
     times[p.config.schedule] = p.prediction.step_time_s
-    assert set(times) == {Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZB, Schedule.ZBV}
+    assert set(times) == {Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZB, Schedule.ZBV, Schedule.DUALPIPEV}
     assert times[Schedule.INTERLEAVED_ZB] < times[Schedule.INTERLEAVED_1F1B]
     text = autopar.explain(p)
     assert all(f"{s.value}(v=2)" in text for s in times if s is not p.config.schedule)
 
 
-def test_zbv_is_pinned_by_constraints():
-    p = autopar.plan(_tiny_llama(), DGX1, global_batch_size=64, seq_len=2048, constraints={"pp": 4, "schedule": "zbv"})
-    assert p.config.schedule is Schedule.ZBV and p.config.virtual_stages == 2
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_schedules_are_pinned_by_constraints(schedule):
+    p = autopar.plan(
+        _tiny_llama(), DGX1, global_batch_size=64, seq_len=2048, constraints={"pp": 4, "schedule": schedule}
+    )
+    assert p.config.schedule is Schedule(schedule) and p.config.virtual_stages == 2
     assert [s.pipeline_rank for s in p.prediction.stages] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert Plan.from_json(p.to_json()) == p
     fig = timeline_figure(p)  # the simulation knows no split backward: a note, not a wrong picture
     [ax] = fig.axes  # one bare axes holding the note, so that a notebook draws it
-    assert not ax.axison and not ax.collections and "zbv with 2 stages per rank" in ax.texts[0].get_text()
+    assert not ax.axison and not ax.collections and f"{schedule} with 2 stages per rank" in ax.texts[0].get_text()
+
+
+def test_dualpipev_needs_two_microbatches_per_rank():
+    """torch's DualPipeV needs m >= 2p: with fewer the search offers it nowhere, and a
+    pinned one finds no candidate."""
+    graph = extract(_tiny_llama(), seq_len=2048)
+    configs, _ = enumerate_space(graph, DGX1, 16, check_constraints({"pp": 4, "tp": 2, "virtual_stages": 2}))
+    dualpipev = [c for c in configs if c.schedule is Schedule.DUALPIPEV]
+    assert dualpipev and {c.num_microbatches for c in dualpipev} == {8, 16}
+    assert any(c.num_microbatches == 4 for c in configs if c.schedule is Schedule.ZBV)
 
 
 def test_zero3_is_not_offered_with_zero_bubble():
@@ -102,16 +116,20 @@ def test_zero3_is_not_offered_with_zero_bubble():
     zero_bubble = [c for c in configs if c.schedule.zero_bubble]
     assert zero_bubble and {c.zero_stage for c in zero_bubble} == {0, 1, 2}
     assert any(c.zero_stage == 3 for c in configs if c.schedule is Schedule.INTERLEAVED_1F1B)
-    with pytest.raises(ConfigError, match="schedule='zbv' with zero_stage=3 is not offered"):
-        check = check_constraints({"pp": 2, "schedule": "zbv", "zero_stage": 3})
-        enumerate_space(graph, DGX1, 64, check)
+    for schedule in ("zbv", "dualpipev"):
+        with pytest.raises(ConfigError, match=f"schedule='{schedule}' with zero_stage=3 is not offered"):
+            check = check_constraints({"pp": 2, "schedule": schedule, "zero_stage": 3})
+            enumerate_space(graph, DGX1, 64, check)
 
 
-def test_zbv_is_not_offered_for_tied_weights():
-    """GPT-2 ties its embedding and head: ZB-V would put both in two stages of rank 0,
-    which the runtime refuses, so the search leaves it out and refuses it when pinned."""
+def test_v_schedules_are_not_offered_for_tied_weights():
+    """GPT-2 ties its embedding and head: a V (ZB-V, DualPipeV) would put both in two
+    stages of rank 0, which the runtime refuses, so the search leaves it out and refuses
+    it when pinned."""
     gpt = build_named_model("gpt2-small")
     p = autopar.plan(gpt, DGX1, global_batch_size=64, seq_len=1024, constraints={"pp": 2, "virtual_stages": 2})
-    assert Schedule.ZBV not in {a.config.schedule for a in p.alternatives} | {p.config.schedule}
-    with pytest.raises(ConfigError, match="schedule='zbv' cannot run this model: 'tok_embeddings' and 'output'"):
-        autopar.plan(gpt, DGX1, global_batch_size=64, seq_len=1024, constraints={"pp": 2, "schedule": "zbv"})
+    offered = {a.config.schedule for a in p.alternatives} | {p.config.schedule}
+    assert Schedule.INTERLEAVED_ZB in offered and not offered & {Schedule.ZBV, Schedule.DUALPIPEV}
+    for schedule in ("zbv", "dualpipev"):
+        with pytest.raises(ConfigError, match=f"schedule='{schedule}' cannot run this model: 'tok_embeddings'"):
+            autopar.plan(gpt, DGX1, global_batch_size=64, seq_len=1024, constraints={"pp": 2, "schedule": schedule})

@@ -154,7 +154,7 @@ class ParallelConfig:
 
     def stages_of_rank(self, pipeline_rank: int) -> tuple[int, ...]:
         """Indices of the stages a pipeline rank runs, in pipeline order."""
-        return tuple(i for i in range(self.num_stages) if self.rank_of_stage(i) == pipeline_rank)
+        return self.schedule.stages_of_rank(pipeline_rank, self.pp, self.num_stages)
 
     def _check_dp_shard(self) -> None:
         """``dp_shard`` divides ``dp``, shards over at least 2 ranks, and needs ZeRO-2/3;

@@ -92,6 +92,13 @@ class Schedule(StrEnum):
             return 2 * pp - 1 - index
         return index % pp
 
+    def stages_of_rank(self, rank: int, pp: int, num_stages: int) -> tuple[int, ...]:
+        """The stages :meth:`rank_of_stage` puts on ``rank``, in pipeline order (the search
+        asks this for every rank of every candidate, so it is not a scan of the stages)."""
+        if self.v_shape:
+            return (rank, 2 * pp - 1 - rank)
+        return tuple(range(rank, num_stages, pp))
+
 
 class Recompute(StrEnum):
     """Activation recomputation of a unit.

@@ -363,16 +363,63 @@ def _run_times(
             continue
         # the last axis: every count of the options slower than the fastest two
         slow = _splits(int(wanted.max(initial=0)), len(idx) - 2).astype(np.float64)
-        step = max(1, KERNEL_ELEMENTS // (rooms.shape[0] * len(slow)))
-        for lo in range(0, wanted.size, step):
-            part = slice(lo, lo + step)
-            best[:, part] = np.minimum(best[:, part], _mix_totals(n[:, part], rooms, w, t, slow)[0].min(axis=2))
+        mixed = (slow > 0).all(axis=1) if slow.shape[1] == 2 else np.zeros(len(slow), dtype=bool)
+        best = np.minimum(best, _mix_rows(n, rooms, w, t, slow[~mixed]))
+        if mixed.any():
+            best = np.minimum(best, _mixed_rows(n, rooms, w, t, slow[mixed], best))
     return best[0] if scalar else best
+
+
+def _mix_rows(n: np.ndarray, rooms: np.ndarray, w: list, t: list, slow: np.ndarray) -> np.ndarray:
+    """``out[stage, count]``: the fastest of the mixes ``slow`` (rows of counts of the
+    options slower than the fastest two), in slices of at most :data:`KERNEL_ELEMENTS`."""
+    out = np.full((rooms.shape[0], n.shape[1]), np.inf)
+    step = max(1, KERNEL_ELEMENTS // (rooms.shape[0] * max(len(slow), 1)))
+    for lo in range(0, n.shape[1], step):
+        part = slice(lo, lo + step)
+        out[:, part] = _mix_totals(n[:, part], rooms, w, t, slow)[0].min(axis=2)
+    return out
+
+
+def _mixed_rows(n: np.ndarray, rooms: np.ndarray, w: list, t: list, slow: np.ndarray, found: np.ndarray) -> np.ndarray:
+    """:func:`_mix_rows` of the mixes that use both slow options, for the stages and
+    counts where they can beat ``found`` (a feasible time): a mix costs at least ``n``
+    fastest units plus its slow units' excess over the fastest, so rows are taken in
+    order of that excess, each only where it is below ``found``'s slack. Exact, and
+    where memory is loose it leaves almost every row out (the two slow options together
+    are a corner case, the mixes of ``n`` units grow as ``n^2``)."""
+    extra = slow @ (np.asarray(t[2:], dtype=np.float64) - t[0])
+    slow = slow[np.argsort(extra, kind="stable")]
+    extra = np.sort(extra, kind="stable")
+    stages = np.broadcast_to(np.arange(rooms.shape[0])[:, None], found.shape)
+    counts = np.broadcast_to(np.arange(n.shape[1])[None, :], found.shape)
+    # where no row of one slow option fits, neither does a mix: all of the slowest holds the least
+    slack = np.where(np.isfinite(found), found - n[:, :, 0] * t[0] + 1e-9 * np.maximum(1.0, np.abs(found)), -np.inf)
+    out = np.full(found.shape, np.inf)
+    chunk = MIXED_ROWS_PER_PASS
+    for lo in range(0, len(slow), chunk):
+        live = slack >= extra[lo]
+        if not live.any():
+            break
+        k, c = stages[live], counts[live]
+        e_n = n[0, c, 0][:, None, None]
+        e_rooms = np.broadcast_to(rooms, (rooms.shape[0], 1, 1))[k]
+        e_w = [np.broadcast_to(x, (rooms.shape[0], 1, 1))[k] for x in w]
+        rows = slow[lo : lo + chunk]
+        step = max(1, KERNEL_ELEMENTS // max(len(rows), 1))
+        for a in range(0, len(k), step):
+            part = slice(a, a + step)
+            got = _mix_totals(e_n[part], e_rooms[part], [x[part] for x in e_w], t, rows)[0].min(axis=2)[:, 0]
+            out[k[part], c[part]] = np.minimum(out[k[part], c[part]], got)
+    return out
 
 
 KERNEL_ELEMENTS = 1 << 22
 """Elements of the largest array :func:`_run_times` builds at once (32 MiB of float64):
 a deep stage with four options per layout runs in slices of its counts."""
+MIXED_ROWS_PER_PASS = 256
+"""Mixes of both slow options :func:`_mixed_rows` prices at once, in order of their excess
+time: small enough that the stages and counts left live shrink from one pass to the next."""
 
 
 def _mix_totals(n: np.ndarray, rooms: np.ndarray | float, w: list, t: list, slow: np.ndarray) -> tuple:

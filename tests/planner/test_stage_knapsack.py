@@ -80,3 +80,37 @@ def test_four_recompute_modes_per_layout_match_brute_force(seed, monkeypatch):
     assert table[k] == (pytest.approx(want.time_s, rel=1e-12) if want else math.inf)
     monkeypatch.setattr(stage_solver, "KERNEL_ELEMENTS", 1)  # one count per slice: the same table
     assert np.array_equal(homogeneous_times(opts, k, budget, inflight), table)
+
+
+def test_mixes_of_both_slow_options_are_priced_where_they_can_win(monkeypatch):
+    """Deep stages (up to 60 blocks, several budgets at once, loose to tight): leaving out
+    the mixes of the two slowest options that cannot beat a mix of one of them gives the
+    same table as pricing every mix, on draws where such mixes are the fastest somewhere."""
+    full, per_pass = stage_solver._mixed_rows, stage_solver.MIXED_ROWS_PER_PASS
+    mixes_won = 0
+    for seed in range(12):
+        rng = random.Random(900 + seed)
+        opts, time_s, act = [], rng.uniform(1, 2), rng.uniform(6, 10)
+        static = rng.uniform(0, 3)
+        for _ in range(4):
+            opts.append(Priced(time_s=time_s, static_bytes=static, act_bytes=act, transient_bytes=0.0, layout=0))
+            time_s, act = time_s * rng.uniform(1.01, 1.5), act * rng.uniform(0.3, 0.95)
+        opts, n_max = tuple(opts), 60
+        budgets = np.array([n_max * rng.uniform(1, 12) for _ in range(6)])
+        inflight = np.array([rng.choice([1.0, 2.0, 3.0]) for _ in range(6)])
+        pruned = homogeneous_times(opts, n_max, budgets, inflight)
+        monkeypatch.setattr(stage_solver, "MIXED_ROWS_PER_PASS", 7)  # more passes: the same table
+        assert np.array_equal(homogeneous_times(opts, n_max, budgets, inflight), pruned), seed
+        monkeypatch.setattr(
+            stage_solver,
+            "_mixed_rows",
+            lambda n, rooms, w, t, slow, found: stage_solver._mix_rows(n, rooms, w, t, slow),
+        )
+        assert np.array_equal(homogeneous_times(opts, n_max, budgets, inflight), pruned), seed
+        monkeypatch.setattr(
+            stage_solver, "_mixed_rows", lambda n, rooms, w, t, slow, found: np.full(found.shape, np.inf)
+        )
+        mixes_won += bool((pruned < homogeneous_times(opts, n_max, budgets, inflight)).any())
+        monkeypatch.setattr(stage_solver, "_mixed_rows", full)
+        monkeypatch.setattr(stage_solver, "MIXED_ROWS_PER_PASS", per_pass)
+    assert mixes_won

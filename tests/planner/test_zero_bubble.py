@@ -35,6 +35,16 @@ def test_virtual_stages_checked(schedule, v, message):
         ParallelConfig(**BASE, schedule=schedule, virtual_stages=v)
 
 
+def test_stages_of_rank_are_the_stages_placed_on_it():
+    for schedule in Schedule:
+        for pp in (1, 2, 3, 4, 8):
+            for v in (2,) if schedule.v_shape else (1, 2, 3):
+                n = pp * v
+                for r in range(pp):
+                    placed = tuple(i for i in range(n) if schedule.rank_of_stage(i, pp) == r)
+                    assert schedule.stages_of_rank(r, pp, n) == placed, (schedule, pp, v, r)
+
+
 def test_zero_bubble_needs_a_pipeline():
     with pytest.raises(ConfigError, match="schedule='zbv' needs pp >= 2"):
         ParallelConfig(**{**BASE, "pp": 1}, schedule="zbv", virtual_stages=2)

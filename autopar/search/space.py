@@ -274,6 +274,8 @@ def enumerate_space(
                 for schedule, v in _schedules(pp, graph, c):
                     problem = schedule_problem(schedule, pp, v, m)
                     if problem:
+                        if "schedule" in c:  # pinned: say why it never runs here
+                            rejected.append(Rejection(what=f"pp={pp} micro_batch_size={mbs} (dp={dp})", reason=problem))
                         continue
                     if schedule is Schedule.GPIPE and "schedule" not in c and m >= pp:
                         continue  # dominated: 1F1B takes the same time and holds fewer micro-batches

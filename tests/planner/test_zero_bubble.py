@@ -116,6 +116,12 @@ def test_dualpipev_needs_two_microbatches_per_rank():
     dualpipev = [c for c in configs if c.schedule is Schedule.DUALPIPEV]
     assert dualpipev and {c.num_microbatches for c in dualpipev} == {8, 16}
     assert any(c.num_microbatches == 4 for c in configs if c.schedule is Schedule.ZBV)
+    with pytest.raises(
+        ConfigError, match=r"dualpipev needs at least as many micro-batches as stages \(m=4 < 2 \* pp=8\)"
+    ):
+        autopar.plan(
+            _tiny_llama(), DGX1, global_batch_size=4, seq_len=2048, constraints={"pp": 4, "schedule": "dualpipev"}
+        )
 
 
 def test_zero3_is_not_offered_with_zero_bubble():

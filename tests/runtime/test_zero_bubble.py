@@ -159,9 +159,10 @@ def test_dualpipev_memory_prediction_against_the_meter():
     """DualPipeV runs 2p chunks' forwards and the first steady-state forward before its
     first weight gradient, on every rank: 2.5 micro-batches of both stages with p = 2.
     On rank 1 (two middle stages of equal activations) the prediction is within 5% of
-    the meter. Rank 0's peak holds three micro-batches of the first stage and two of the
-    last (torch's order: F0 F0 F0 F3 I3 F3), the model 2.5 of each; the last stage holds
-    the head's logits, so rank 0 is over-predicted (never under: the plan stays safe)."""
+    the meter. Rank r's peak holds 2p - r micro-batches of its first stage and r + 1 of
+    its second (rank 0, torch's order: F0 F0 F0 F3 I3 W3 F3 F0, four of the first stage
+    and one of the last), the model 2.5 of each; the last stage holds the head's logits,
+    so rank 0 is over-predicted (never under: the plan stays safe)."""
     pred, meas = _peaks("dualpipev", tie_embeddings=False)
     assert pred[1] == pytest.approx(meas[1], rel=0.05), (pred, meas)
     assert meas[0] <= pred[0] <= 1.25 * meas[0], (pred, meas)

@@ -174,10 +174,11 @@ def _resumable(rank, world, plan, path, resume, steps, save_at):
     return resumable(job, opt, "llama", path, resume, steps, save_at)
 
 
-def test_a_zbv_checkpoint_resumes_in_one_process(tmp_path):
-    """Saved by ZB-V on 2 ranks (rank 0 holds the first and the last stage), resumed by
-    one process: the resumed losses continue the uninterrupted single-process run."""
-    saver = make_plan("llama", pp=2, schedule="zbv", virtual_stages=2, num_microbatches=4)
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_a_v_schedule_checkpoint_resumes_in_one_process(tmp_path, schedule):
+    """Saved by ZB-V or DualPipeV on 2 ranks (rank 0 holds the first and the last stage),
+    resumed by one process: the resumed losses continue the uninterrupted single-process run."""
+    saver = make_plan("llama", pp=2, schedule=schedule, virtual_stages=2, num_microbatches=4)
     loader = make_plan("llama", num_microbatches=4)
     ref = reference("llama", saver, steps=6, momentum=0.9)
     first = run(_resumable, 2, saver, str(tmp_path), False, 6, 3)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from autopar.cost.leaf import allowed_styles, leaf_param_numel
 from autopar.cost.memory import config_state_bytes
 from autopar.cost.model import CostModel, tp_context
-from autopar.cost.pipeline import inflight_microbatches
+from autopar.cost.pipeline import least_stage_inflight
 from autopar.hardware.device import HostEffects
 from autopar.plan import ParallelConfig
 from autopar.vocab import Optimizer
@@ -60,8 +60,9 @@ def memory_floor_bytes(model: CostModel, config: ParallelConfig, states_bytes: f
     units' inputs sum to ``input_bytes``: the states and the least loaded rank's
     in-flight inputs, spread evenly over the pipeline ranks, plus the device's reserve."""
     pp, m = config.pp, config.num_microbatches
-    # monotone in the rank (inflight_microbatches), so the least loaded rank is the first or the last
-    inflight = min(inflight_microbatches(config.schedule, pp, config.virtual_stages, m, r) for r in {0, pp - 1})
+    # monotone in the rank (inflight_microbatches), so the least loaded rank is the first or the last;
+    # a V's stages hold unequal counts, bounded by the fewer (least_stage_inflight)
+    inflight = min(least_stage_inflight(config.schedule, pp, config.virtual_stages, m, r) for r in {0, pp - 1})
     return (states_bytes + inflight * input_bytes) / pp + model.cluster.device.memory.reserved_bytes
 
 

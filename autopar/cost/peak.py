@@ -205,8 +205,9 @@ def rank_memory(
     params_bytes = st.params_bytes * scale - resharded_copy_bytes(config, stage_numel)
     grads = st.grads_bytes * scale + deferred
     transients = [p.transient_bytes + h for p, h in zip(prints, _held_grads(config, rank, first_units))]
-    if pp > 1 and config.schedule.multi_stage:
-        acts, transient = stage.inflight * sum(p.act_bytes for p in prints), max(transients)
+    if pp > 1 and config.schedule.multi_stage:  # each stage's micro-batches (unequal in a V)
+        held = [p.inflight for p in mine for _ in p.units]
+        acts, transient = sum(h * p.act_bytes for h, p in zip(held, prints)), max(transients)
     else:
         share = [o.layout.param_numel / params if params else 0.0 for _, o in rank]
         fresh = stage.inflight >= config.num_microbatches and not st.rebuild_bytes
@@ -223,7 +224,8 @@ def rank_memory(
     # by what it holds beyond them
     transient = max(transient, st.rebuild_bytes * scale - acts)
     chosen = dict(rank)
-    buffers = rank_buffer_bytes(model, tuple(chosen), config, stage.inflight, lambda u: chosen[u].layout)
+    inflight = inflight_microbatches(config.schedule, pp, config.virtual_stages, config.num_microbatches, here)
+    buffers = rank_buffer_bytes(model, tuple(chosen), config, inflight, lambda u: chosen[u].layout)
     memory = model.cluster.device.memory
     allocated = params_bytes + grads + st.optimizer_bytes * scale + acts + transient + buffers
     return MemoryBreakdown(

@@ -95,6 +95,29 @@ def inflight_microbatches(
     return min(warmup + 1, m * v) / v
 
 
+def stage_inflight_microbatches(
+    schedule: Schedule, pp: int, virtual_stages: int, num_microbatches: int, stage_index: int
+) -> float:
+    """Micro-batches of stage ``stage_index`` whose activations its rank holds at its
+    peak. A V (``zbv``, ``dualpipev``) holds its two stages unevenly: rank ``r``'s first
+    stage ``min(2p - r, m)``, its second ``min(r + 1, m)`` (the most of each at any of
+    the rank's peaks, counted on torch's orders: exact for ``dualpipev``, at most one
+    chunk of the lighter stage over for ``zbv``). Every other schedule holds all of a
+    rank's stages alike (:func:`inflight_microbatches`)."""
+    rank = schedule.rank_of_stage(stage_index, pp)
+    if pp > 1 and schedule.v_shape:
+        return float(min(2 * pp - rank if stage_index < pp else rank + 1, num_microbatches))
+    return inflight_microbatches(schedule, pp, virtual_stages, num_microbatches, rank)
+
+
+def least_stage_inflight(schedule: Schedule, pp: int, virtual_stages: int, num_microbatches: int, rank: int) -> float:
+    """The fewest micro-batches any stage of ``rank`` holds at its peak
+    (:func:`stage_inflight_microbatches`): what a bound on the rank's activations that
+    does not know how they split between its stages may count."""
+    stages = schedule.stages_of_rank(rank, pp, pp * virtual_stages)
+    return min(stage_inflight_microbatches(schedule, pp, virtual_stages, num_microbatches, s) for s in stages)
+
+
 def stage_buffer_bytes(
     *,
     receives_input: bool,

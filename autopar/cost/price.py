@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.cost.model import CostModel, tp_context
-from autopar.cost.pipeline import inflight_microbatches
+from autopar.cost.pipeline import stage_inflight_microbatches
 from autopar.cost.recompute import UnitOption, price_option
 from autopar.cost.stage import PricedStage
 from autopar.cost.step import predict
@@ -85,8 +85,8 @@ def priced_stages(model: CostModel, decided: Decided) -> tuple[PricedStage, ...]
             if key not in priced:
                 priced[key] = _price_unit(model, u, choice, config)
             options.append(priced[key])
-        inflight = inflight_microbatches(
-            config.schedule, config.pp, config.virtual_stages, config.num_microbatches, config.rank_of_stage(index)
+        inflight = stage_inflight_microbatches(
+            config.schedule, config.pp, config.virtual_stages, config.num_microbatches, index
         )
         stages.append(PricedStage(index=index, units=tuple(units), options=tuple(options), inflight=inflight))
     return tuple(stages)

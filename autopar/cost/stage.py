@@ -19,11 +19,12 @@ class PricedStage:
     """One pipeline stage, decided and priced.
 
     Attributes:
-        index: its place in pipeline order; it runs on pipeline rank ``index % pp``.
+        index: its place in pipeline order; it runs on pipeline rank
+            ``config.rank_of_stage(index)``.
         units: the model's units it holds, in order.
         options: the option each unit runs (layout and recomputation, priced).
-        inflight: micro-batches whose activations its rank holds at its peak
-            (:func:`autopar.cost.pipeline.inflight_microbatches`).
+        inflight: micro-batches of this stage whose activations its rank holds at its
+            peak (:func:`autopar.cost.pipeline.stage_inflight_microbatches`).
     """
 
     index: int

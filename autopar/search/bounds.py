@@ -21,7 +21,7 @@ import numpy as np
 
 from autopar.cost.bounds import micro_batch_scaling_holds, unit_floor
 from autopar.cost.data_parallel import unhidden_floor_s
-from autopar.cost.pipeline import inflight_microbatches, pipeline_lower_bound_s, pipeline_time_s
+from autopar.cost.pipeline import inflight_microbatches, least_stage_inflight, pipeline_lower_bound_s, pipeline_time_s
 from autopar.cost.stage import runs_buffer_bytes, stage_p2p_s
 from autopar.plan import ParallelConfig
 from autopar.search.solve import ConfigSolver, Skeleton
@@ -150,7 +150,8 @@ class TimeBound:
             held = sum(bounds[c + 1] - bounds[c] for c in config.stages_of_rank(r))
             held -= (r == 0 and shape.prologue is not None) + (r == last and shape.epilogue is not None)
             counts.append(held)
-        flights = [inflight_microbatches(config.schedule, pp, v, m, r) for r in range(pp)]
+        # a V's two stages hold unequal counts: its blocks are bounded by the fewer
+        flights = [least_stage_inflight(config.schedule, pp, v, m, r) for r in range(pp)]
         layout = solver.any_layout(config, self.modes)
         rooms = []
         for r in range(pp):

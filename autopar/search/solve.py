@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -25,7 +25,7 @@ from autopar.cost.peak import (
     held_once_numel,
     shared_state_bytes,
 )
-from autopar.cost.pipeline import inflight_microbatches
+from autopar.cost.pipeline import inflight_microbatches, stage_inflight_microbatches
 from autopar.cost.recompute import UnitOption
 from autopar.cost.stage import PricedStage, rank_buffer_bytes, stage_p2p_s
 from autopar.cost.step import timing
@@ -217,18 +217,26 @@ class ConfigSolver:
 
     # ----- stages -------------------------------------------------------------------
     def solve_units(
-        self, units: tuple[int, ...], config: ParallelConfig, modes: tuple[Recompute, ...], inflight: float, index: int
+        self,
+        units: tuple[int, ...],
+        config: ParallelConfig,
+        modes: tuple[Recompute, ...],
+        inflight: float,
+        index: int,
+        *,
+        held: tuple[float, ...] | None = None,
     ) -> tuple[PricedStage, float] | None:
         """The fastest options for ``units`` as one stage and the memory bound they take
-        (None if they cannot fit)."""
+        (None if they cannot fit). ``held``: the micro-batches each unit's stage keeps at
+        the rank's peak, where they differ from ``inflight`` (a V's two stages)."""
         if units[-1] - units[0] + 1 == len(units):  # contiguous: the precomputed range signature
             content: object = int(self.range_signature[units[0], units[-1] + 1])
         else:
             content = tuple(self.unit_keys[u] for u in units)
         pipeline = (config.num_microbatches, config.virtual_stages) if config.pp > 1 else ()
-        key = (content, self.config_key(config, modes), inflight, pipeline)
+        key = (content, self.config_key(config, modes), inflight, pipeline, held)
         if key not in self._memo:
-            self._memo[key] = self._solve(units, config, modes, inflight)
+            self._memo[key] = self._solve(units, config, modes, inflight, held)
         found = self._memo[key]
         if found is None:
             return None
@@ -236,12 +244,19 @@ class ConfigSolver:
         return PricedStage(index=index, units=units, options=options, inflight=inflight), choice.memory_bytes
 
     def _solve(
-        self, units: tuple[int, ...], config: ParallelConfig, modes: tuple[Recompute, ...], inflight: float
+        self,
+        units: tuple[int, ...],
+        config: ParallelConfig,
+        modes: tuple[Recompute, ...],
+        inflight: float,
+        held: tuple[float, ...] | None,
     ) -> tuple[StageChoice, tuple[UnitOption, ...]] | None:
         groups_keys: list[tuple] = []
         members: dict[tuple, list[int]] = {}
-        for u in units:
-            k = self.unit_keys[u]
+        # a unit whose stage holds h micro-batches weighs its activations h / inflight times
+        scale = [1.0] * len(units) if held is None else [h / inflight for h in held]
+        for u, f in zip(units, scale):
+            k = (self.unit_keys[u], f)
             if k not in members:
                 members[k] = []
                 groups_keys.append(k)
@@ -250,6 +265,8 @@ class ConfigSolver:
         group_opts = []
         for k in groups_keys:
             opts, priced = self.priced_options(members[k][0], config, modes)
+            if k[1] != 1.0:
+                priced = tuple(replace(p, act_bytes=p.act_bytes * k[1]) for p in priced)
             groups.append((len(members[k]), priced))
             group_opts.append(opts)
 
@@ -351,10 +368,14 @@ class ConfigSolver:
         if bounds is None:
             return None
         per_rank: dict[int, tuple[PricedStage, float]] = {}
+        pp, v, m = config.pp, config.virtual_stages, config.num_microbatches
+        stage_held = [stage_inflight_microbatches(config.schedule, pp, v, m, c) for c in range(chunks)]
         for r in range(config.pp):
-            units = tuple(u for c in config.stages_of_rank(r) for u in range(bounds[c], bounds[c + 1]))
-            infl = inflight_microbatches(config.schedule, config.pp, config.virtual_stages, config.num_microbatches, r)
-            found = self.solve_units(units, config, modes, infl, r)
+            mine = config.stages_of_rank(r)
+            units = tuple(u for c in mine for u in range(bounds[c], bounds[c + 1]))
+            infl = inflight_microbatches(config.schedule, pp, v, m, r)
+            held = tuple(stage_held[c] for c in mine for _ in range(bounds[c], bounds[c + 1]))
+            found = self.solve_units(units, config, modes, infl, r, held=held if config.schedule.v_shape else None)
             if found is None:
                 return None
             per_rank[r] = found
@@ -364,7 +385,7 @@ class ConfigSolver:
             idx = [rank_stage.units.index(u) for u in range(bounds[c], bounds[c + 1])]
             options = tuple(rank_stage.options[i] for i in idx)
             stage = PricedStage(
-                index=c, units=tuple(range(bounds[c], bounds[c + 1])), options=options, inflight=rank_stage.inflight
+                index=c, units=tuple(range(bounds[c], bounds[c + 1])), options=options, inflight=stage_held[c]
             )
             out.append((stage, memory))
         return out

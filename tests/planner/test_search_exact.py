@@ -19,7 +19,7 @@ from autopar.cost.compute import rates
 from autopar.cost.leaf import TPContext, allowed_styles
 from autopar.cost.model import CostModel
 from autopar.cost.peak import budget_bytes, held_once_numel, shared_state_bytes
-from autopar.cost.pipeline import inflight_microbatches
+from autopar.cost.pipeline import inflight_microbatches, stage_inflight_microbatches
 from autopar.cost.stage import PricedStage, rank_buffer_bytes
 from autopar.cost.step import timing
 from autopar.cost.tensor_parallel import evaluate_layout, model_output_layout
@@ -230,7 +230,25 @@ def _brute_force_search(evaluator: ConfigSolver, constraints: dict) -> float:
                         ok = False
                         break
                     inflight = inflight_microbatches(cfg.schedule, cfg.pp, cfg.virtual_stages, cfg.num_microbatches, r)
-                    groups = [(1, (per_unit[u][1][choice[u]],)) for u in units]
+                    held = {
+                        u: stage_inflight_microbatches(
+                            cfg.schedule, cfg.pp, cfg.virtual_stages, cfg.num_microbatches, c
+                        )
+                        for c in cfg.stages_of_rank(r)
+                        for u in range(bounds[c], bounds[c + 1])
+                    }
+                    groups = [
+                        (
+                            1,
+                            (
+                                dataclasses.replace(
+                                    per_unit[u][1][choice[u]],
+                                    act_bytes=per_unit[u][1][choice[u]].act_bytes * held[u] / inflight,
+                                ),
+                            ),
+                        )
+                        for u in units
+                    ]
                     mem = memory_of(groups, tuple((1,) for _ in units), inflight)
                     taken = {u: per_unit[u][0][choice[u]] for u in units}
                     mem -= shared_state_bytes(model, cfg, held_once_numel(model, cfg, taken))
@@ -244,7 +262,9 @@ def _brute_force_search(evaluator: ConfigSolver, constraints: dict) -> float:
                     units = tuple(range(bounds[c], bounds[c + 1]))
                     opts = tuple(per_unit[u][0][choice[u]] for u in units)
                     r = cfg.rank_of_stage(c)
-                    inflight = inflight_microbatches(cfg.schedule, cfg.pp, cfg.virtual_stages, cfg.num_microbatches, r)
+                    inflight = stage_inflight_microbatches(
+                        cfg.schedule, cfg.pp, cfg.virtual_stages, cfg.num_microbatches, c
+                    )
                     stages.append(PricedStage(index=c, units=units, options=opts, inflight=inflight))
                 best = min(best, timing(model, cfg, stages).step_s)
     return best

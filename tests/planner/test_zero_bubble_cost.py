@@ -24,6 +24,7 @@ from autopar.cost.pipeline import (
     inflight_microbatches,
     pipeline_time_s,
     schedule_problem,
+    stage_inflight_microbatches,
     weight_grad_s,
     zero_bubble_fill_s,
 )
@@ -284,3 +285,27 @@ def test_v_schedules_on_unequal_ranks():
             assert -0.03 <= model[schedule] / simulated[schedule] - 1 <= 0.12, (schedule, p, m)
         chosen = min(model, key=model.get)
         assert simulated[chosen] <= 1.04 * min(simulated.values()), (p, m, model, simulated)
+
+
+@pytest.mark.parametrize("schedule", [Schedule.ZBV, Schedule.DUALPIPEV])
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_v_stages_hold_what_torch_order_holds_at_the_peak(schedule, p):
+    """A V holds its rank's two stages unevenly at the peak: each stage's count is the
+    most it holds at any of the rank's peaks on torch's order, and together they are
+    never below the peak (exact for dualpipev, one chunk over at most for zbv)."""
+    for m in range(1, 3 * p + 1):
+        if schedule_problem(schedule, p, 2, m):
+            continue
+        for r, actions in torch_order(schedule, p, 2, m).items():
+            held, total, most, at_peak = {}, 0, -1, []
+            for a in actions:
+                step = {Kind.FORWARD: 1, Kind.BACKWARD_WEIGHT: -1, Kind.FULL_BACKWARD: -1}.get(a.computation_type, 0)
+                held[a.stage_index] = held.get(a.stage_index, 0) + step
+                total += step
+                if total > most:
+                    most, at_peak = total, []
+                if total == most:
+                    at_peak.append(dict(held))
+            counts = {s: stage_inflight_microbatches(schedule, p, 2, m, s) for s in (r, 2 * p - 1 - r)}
+            assert counts == {s: max(h.get(s, 0) for h in at_peak) for s in counts}, (m, r)
+            assert most <= sum(counts.values()) <= most + (schedule is Schedule.ZBV), (m, r)

@@ -36,6 +36,7 @@ from autopar.search.intra_op import LayoutSolver
 from autopar.search.options import unit_options
 from autopar.search.split import best_split, even_bounds_of
 from autopar.search.split_table import cost_band, split_cutoff
+from autopar.search.split_weights import TwoWeights
 from autopar.search.stage_solver import Priced, StageChoice, solve_stage
 from autopar.vocab import Recompute
 
@@ -251,29 +252,39 @@ class ConfigSolver:
         inflight: float,
         held: tuple[float, ...] | None,
     ) -> tuple[StageChoice, tuple[UnitOption, ...]] | None:
+        # a unit whose stage holds h micro-batches weighs its activations h / inflight times
+        weight = dict.fromkeys(units, 1.0) if held is None else {u: h / inflight for u, h in zip(units, held)}
         groups_keys: list[tuple] = []
         members: dict[tuple, list[int]] = {}
-        # a unit whose stage holds h micro-batches weighs its activations h / inflight times
-        scale = [1.0] * len(units) if held is None else [h / inflight for h in held]
-        for u, f in zip(units, scale):
-            k = (self.unit_keys[u], f)
+        for u in units:
+            k = self.unit_keys[u]
             if k not in members:
                 members[k] = []
                 groups_keys.append(k)
             members[k].append(u)
-        groups = []
-        group_opts = []
+        groups, group_opts, weights = [], [], []
         for k in groups_keys:
             opts, priced = self.priced_options(members[k][0], config, modes)
-            if k[1] != 1.0:
-                priced = tuple(replace(p, act_bytes=p.act_bytes * k[1]) for p in priced)
+            members[k].sort(key=lambda u: -weight[u])  # the heavier first
+            kinds = sorted({weight[u] for u in members[k]}, reverse=True)
+            two = None
+            if len(kinds) == 2:  # a V's kind in both of the rank's stages
+                two = TwoWeights(
+                    heavy_units=sum(weight[u] == kinds[0] for u in members[k]), heavy=kinds[0], light=kinds[1]
+                )
+            elif kinds[0] != 1.0:
+                priced = tuple(replace(p, act_bytes=p.act_bytes * kinds[0]) for p in priced)
             groups.append((len(members[k]), priced))
             group_opts.append(opts)
+            weights.append(two)
 
         def assign(choice: StageChoice) -> dict[int, UnitOption]:
             chosen: dict[int, UnitOption] = {}
-            for k, opts, counts in zip(groups_keys, group_opts, choice.counts):
-                picks = [o for o, c in zip(opts, counts) for _ in range(c)]
+            for k, opts, (_, priced), counts in zip(groups_keys, group_opts, groups, choice.counts):
+                order = list(range(len(opts)))
+                if held is not None:  # smallest activations first, to the heavier units
+                    order.sort(key=lambda i: priced[i].act_bytes)
+                picks = [opts[i] for i in order for _ in range(counts[i])]
                 for u, o in zip(members[k], picks):
                     chosen[u] = o
             return chosen
@@ -286,13 +297,13 @@ class ConfigSolver:
         budget = self.budget_bytes - rank_buffer_bytes(
             self.model, units, config, inflight, self.any_layout(config, modes)
         )
-        choice = solve_stage(groups, budget + shared, inflight, self.solver)
+        choice = solve_stage(groups, budget + shared, inflight, self.solver, weights)
         chosen = assign(choice) if choice is not None else {}
         if choice is not None and shared:
             shared = shared_state_bytes(self.model, config, held_once_numel(self.model, config, chosen))
             if choice.memory_bytes > budget + shared:
                 shared = 0.0
-                choice = solve_stage(groups, budget, inflight, self.solver)
+                choice = solve_stage(groups, budget, inflight, self.solver, weights)
                 chosen = assign(choice) if choice is not None else {}
         if choice is None:
             return None

@@ -22,11 +22,14 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from autopar.search.ilp import Infeasible, Program, solve
+from autopar.search.split_weights import TwoWeights, placed_act_bytes
+from autopar.search.split_weights import best_counts as two_weights_counts
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,15 +58,20 @@ class StageChoice:
 
 
 def memory_of(
-    groups: list[tuple[int, tuple[Priced, ...]]], counts: tuple[tuple[int, ...], ...], inflight: float
+    groups: list[tuple[int, tuple[Priced, ...]]],
+    counts: tuple[tuple[int, ...], ...],
+    inflight: float,
+    weights: Sequence[TwoWeights | None] | None = None,
 ) -> float:
-    """Peak bytes of a stage for given counts."""
+    """Peak bytes of a stage for given counts (a group with :class:`TwoWeights` places
+    its smallest activations on its heavier units)."""
     total = 0.0
     transient = 0.0
-    for (_, opts), cs in zip(groups, counts):
+    for g, ((_, opts), cs) in enumerate(zip(groups, counts)):
+        total += inflight * placed_act_bytes(opts, cs, weights[g] if weights else None)
         for o, c in zip(opts, cs):
             if c:
-                total += c * (o.static_bytes + inflight * o.act_bytes)
+                total += c * o.static_bytes
                 transient = max(transient, o.transient_bytes)
     return total + transient
 
@@ -78,12 +86,14 @@ def solve_stage(
     budget_bytes: float,
     inflight: float,
     solver: str = "highs",
+    weights: Sequence[TwoWeights | None] | None = None,
 ) -> StageChoice | None:
     """Fastest counts within ``budget_bytes``, or None if nothing fits.
 
-    ``groups``: (number of identical units, their options)."""
+    ``groups``: (number of identical units, their options); ``weights``: per group, the
+    two weights of its activations where its units weigh them unequally (a V's rank)."""
     fastest = tuple(tuple(k if i == _argmin_time(opts) else 0 for i in range(len(opts))) for k, opts in groups)
-    mem = memory_of(groups, fastest, inflight)
+    mem = memory_of(groups, fastest, inflight, weights)
     if mem <= budget_bytes:
         return StageChoice(time_s=time_of(groups, fastest), memory_bytes=mem, counts=fastest)
     levels = sorted({o.transient_bytes for _, opts in groups for o in opts}, reverse=True)
@@ -99,14 +109,14 @@ def solve_stage(
             continue  # even the fastest options allowed at this level cannot do better
         room = budget_bytes - tau
         if len(multi) <= 1 and single_combos <= 64:
-            found = _solve_closed_form(allowed, room, inflight, multi, singles)
+            found = _solve_closed_form(allowed, room, inflight, multi, singles, weights)
         else:
-            found = _solve_ilp(allowed, room, inflight, solver)
+            found = _solve_ilp_weighted(allowed, room, inflight, solver, weights)
         if found is None:
             continue
         counts = _expand(groups, allowed, found)
         choice = StageChoice(
-            time_s=time_of(groups, counts), memory_bytes=memory_of(groups, counts, inflight), counts=counts
+            time_s=time_of(groups, counts), memory_bytes=memory_of(groups, counts, inflight, weights), counts=counts
         )
         if best is None or choice.time_s < best.time_s - 1e-15:
             best = choice
@@ -151,7 +161,33 @@ def _expand(groups, allowed, found: list[dict[int, int]]) -> tuple[tuple[int, ..
     return tuple(out)
 
 
-def _solve_closed_form(groups, room: float, inflight: float, multi: list[int], singles: list[int]):
+def _solve_ilp_weighted(groups, room: float, inflight: float, solver: str, weights):
+    """The integer program, a group of two weights split into its heavier and lighter
+    units (each its own group, exact), their counts added back."""
+    if not weights or all(w is None for w in weights):
+        return _solve_ilp(groups, room, inflight, solver)
+    parts, owner, ties = [], [], []
+    for g, (k, opts) in enumerate(groups):
+        w = weights[g]
+        if w is None:
+            parts.append((k, opts))
+            owner.append(g)
+            continue
+        for n, f in ((w.heavy_units, w.heavy), (k - w.heavy_units, w.light)):
+            parts.append((n, tuple(replace(o, act_bytes=o.act_bytes * f) for o in opts)))
+            owner.append(g)
+        ties.append((len(parts) - 2, len(parts) - 1))
+    found = _solve_ilp(parts, room, inflight, solver, ties)
+    if found is None:
+        return None
+    merged: list[dict[int, int]] = [{} for _ in groups]
+    for g, counts in zip(owner, found):
+        for j, c in counts.items():
+            merged[g][j] = merged[g].get(j, 0) + c
+    return merged
+
+
+def _solve_closed_form(groups, room: float, inflight: float, multi: list[int], singles: list[int], weights=None):
     best_t, best = math.inf, None
     for combo in itertools.product(*(range(len(groups[i][1])) for i in singles)):
         used_t, used_m = 0.0, 0.0
@@ -161,7 +197,7 @@ def _solve_closed_form(groups, room: float, inflight: float, multi: list[int], s
             used_m += o.static_bytes + inflight * o.act_bytes
         if multi:
             g = multi[0]
-            res = _best_counts(groups[g][0], groups[g][1], room - used_m, inflight)
+            res = _best_counts(groups[g][0], groups[g][1], room - used_m, inflight, weights[g] if weights else None)
             if res is None:
                 continue
             t, counts = res
@@ -179,13 +215,19 @@ def _solve_closed_form(groups, room: float, inflight: float, multi: list[int], s
     return best
 
 
-def _best_counts(k: int, opts: tuple[Priced, ...], room: float, inflight: float):
+def _best_counts(k: int, opts: tuple[Priced, ...], room: float, inflight: float, weights: TwoWeights | None = None):
     """Exact best counts for ``k`` identical units sharing one layout: every count of
     the options slower than the fastest two is tried, and the fastest two split the
-    rest in closed form (as many of the fastest as the memory left allows)."""
+    rest in closed form (as many of the fastest as the memory left allows; over the
+    heavier and the lighter units with ``weights``, :mod:`autopar.search.split_weights`)."""
     best_t, best = math.inf, None
     for lay in sorted({o.layout for o in opts}):
         idx = _pareto(opts, [i for i, o in enumerate(opts) if o.layout == lay], inflight)
+        if weights is not None:
+            found = two_weights_counts(k, opts, idx, _splits(k, len(idx) - 2), room, inflight, weights)
+            if found is not None and found[0] < best_t - 1e-15:
+                best_t, best = found
+            continue
         w = np.array([opts[i].static_bytes + inflight * opts[i].act_bytes for i in idx])
         t = np.array([opts[i].time_s for i in idx])
         if len(idx) == 1:
@@ -243,13 +285,16 @@ def _pareto(opts: tuple[Priced, ...], idx: list[int], inflight: float) -> list[i
     return kept
 
 
-def _solve_ilp(groups, room: float, inflight: float, solver: str):
+def _solve_ilp(groups, room: float, inflight: float, solver: str, ties: Sequence[tuple[int, int]] = ()):
+    """The knapsack as an integer program; ``ties``: pairs of groups that share one layout
+    (the heavier and lighter units of one kind)."""
     prog = Program("stage_recompute")
     n = {}
     layout_of = {}
+    tied = {g for pair in ties for g in pair}
     for g, (k, opts) in enumerate(groups):
         lays = sorted({o.layout for o in opts})
-        if k > 1 and len(lays) > 1:
+        if (k > 1 or g in tied) and len(lays) > 1:
             for lay in lays:
                 layout_of[g, lay] = prog.binary()
             prog.constrain({layout_of[g, lay]: 1.0 for lay in lays}, lower=1.0, upper=1.0)
@@ -264,6 +309,10 @@ def _solve_ilp(groups, room: float, inflight: float, solver: str):
         for j, o in enumerate(opts)
     }
     prog.constrain(weights, upper=room)
+    for a, b in ties:
+        for lay in sorted({o.layout for o in groups[a][1]}):
+            if (a, lay) in layout_of:
+                prog.constrain({layout_of[a, lay]: 1.0, layout_of[b, lay]: -1.0}, lower=0.0, upper=0.0)
     try:
         values = solve(prog, solver)
     except Infeasible:

@@ -2,6 +2,7 @@
 one option per unit, fastest under the stage's memory, by its closed form for groups
 of identical units, its vectorised table and its integer program."""
 
+import dataclasses
 import math
 import random
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from autopar.search import stage_solver
+from autopar.search.split_weights import TwoWeights
 from autopar.search.stage_solver import Priced, brute_force_stage, homogeneous_times, solve_stage
 
 
@@ -114,3 +116,71 @@ def test_mixes_of_both_slow_options_are_priced_where_they_can_win(monkeypatch):
         monkeypatch.setattr(stage_solver, "_mixed_rows", full)
         monkeypatch.setattr(stage_solver, "MIXED_ROWS_PER_PASS", per_pass)
     assert mixes_won
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_two_weights_match_every_per_unit_assignment(seed):
+    """A kind of unit in both stages of a V's rank: some units weigh their activations
+    more. The closed form (smallest activations on the heavier units, the fastest two
+    split over the heavier and lighter slots left) equals enumerating every option of
+    every unit, each unit weighed by its own stage, within one layout."""
+    rng = random.Random(1300 + seed)
+    opts = []
+    for lay in range(rng.choice([1, 2])):
+        static, time_s, act = rng.uniform(0, 3), rng.uniform(1, 2), rng.uniform(6, 10)
+        for _ in range(rng.choice([1, 2, 3, 4])):
+            opts.append(Priced(time_s=time_s, static_bytes=static, act_bytes=act, transient_bytes=0.0, layout=lay))
+            time_s, act = time_s * rng.uniform(1.05, 1.5), act * rng.uniform(0.3, 0.9)
+    opts = tuple(opts)
+    k = rng.choice([2, 3, 4, 5])
+    weights = TwoWeights(heavy_units=rng.randint(1, k - 1), heavy=rng.uniform(1.5, 4.0), light=rng.uniform(0.2, 1.4))
+    inflight = rng.choice([1.0, 2.0])
+    budget = k * rng.uniform(3, 14)
+    got = solve_stage([(k, opts)], budget, inflight, weights=[weights])
+    want = math.inf
+    for lay in {o.layout for o in opts}:
+        mine = [o for o in opts if o.layout == lay]
+        per_unit = [
+            (1, tuple(dataclasses.replace(o, act_bytes=o.act_bytes * f) for o in mine))
+            for f in [weights.heavy] * weights.heavy_units + [weights.light] * (k - weights.heavy_units)
+        ]
+        found = brute_force_stage(per_unit, budget, inflight)
+        want = min(want, found.time_s if found else math.inf)
+    assert (got is None) == math.isinf(want)
+    if got is not None:
+        assert got.time_s == pytest.approx(want, rel=1e-12)
+        assert got.memory_bytes <= budget * (1 + 1e-12)
+
+
+def _random_layouts(rng, n_layouts):
+    opts = []
+    for lay in range(n_layouts):
+        static, time_s, act = rng.uniform(0, 3), rng.uniform(1, 2), rng.uniform(6, 10)
+        for _ in range(rng.choice([1, 2, 3])):
+            opts.append(Priced(time_s=time_s, static_bytes=static, act_bytes=act, transient_bytes=0.0, layout=lay))
+            time_s, act = time_s * rng.uniform(1.05, 1.5), act * rng.uniform(0.3, 0.9)
+    return tuple(opts)
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_two_weights_beside_another_group_match_every_per_unit_assignment(seed):
+    """Two repeated kinds (the integer program), one of them in both stages of a V: its
+    heavier and lighter units solved as two groups that share a layout, equal to
+    enumerating every option of every unit."""
+    rng = random.Random(1700 + seed)
+    opts, other = _random_layouts(rng, rng.choice([1, 2])), _random_layouts(rng, rng.choice([1, 2]))
+    k = rng.choice([2, 3, 4])
+    weights = TwoWeights(heavy_units=rng.randint(1, k - 1), heavy=rng.uniform(1.5, 4.0), light=rng.uniform(0.2, 1.4))
+    inflight, budget = rng.choice([1.0, 2.0]), (k + 2) * rng.uniform(3, 14)
+    got = solve_stage([(k, opts), (2, other)], budget, inflight, weights=[weights, None])
+    want = math.inf
+    factors = [weights.heavy] * weights.heavy_units + [weights.light] * (k - weights.heavy_units)
+    for lay in {o.layout for o in opts}:
+        mine = [o for o in opts if o.layout == lay]
+        per_unit = [(1, tuple(dataclasses.replace(o, act_bytes=o.act_bytes * f) for o in mine)) for f in factors]
+        found = brute_force_stage([*per_unit, (2, other)], budget, inflight)
+        want = min(want, found.time_s if found else math.inf)
+    assert (got is None) == math.isinf(want)
+    if got is not None:
+        assert got.time_s == pytest.approx(want, rel=1e-12)
+        assert got.memory_bytes <= budget * (1 + 1e-12)

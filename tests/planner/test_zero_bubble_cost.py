@@ -309,3 +309,27 @@ def test_v_stages_hold_what_torch_order_holds_at_the_peak(schedule, p):
             counts = {s: stage_inflight_microbatches(schedule, p, 2, m, s) for s in (r, 2 * p - 1 - r)}
             assert counts == {s: max(h.get(s, 0) for h in at_peak) for s in counts}, (m, r)
             assert most <= sum(counts.values()) <= most + (schedule is Schedule.ZBV), (m, r)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+@pytest.mark.parametrize("capacity_gib", [4.0, 5.0])
+def test_a_v_plan_the_search_accepts_fits(schedule, capacity_gib):
+    """Where memory binds, the knapsack recomputes some blocks of a V's ranks, weighing
+    each block's activations by its own stage's in-flight count: the plan it returns
+    fits by its own prediction, which counts them the same way."""
+    import dataclasses
+
+    import autopar
+    from autopar.models import Llama, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=32000, seq_len=2048, dim=1024, n_layers=16, n_heads=16, n_kv_heads=8, ffn_dim=2816)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    cluster = autopar.preset("dgx-h100", devices_per_node=8)
+    memory = dataclasses.replace(cluster.device.memory, capacity_bytes=capacity_gib * 2**30)
+    cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory=memory))
+    plan = autopar.plan(
+        model, cluster, global_batch_size=64, seq_len=cfg.seq_len, constraints={"schedule": schedule, "pp": 4}
+    )
+    assert plan.config.schedule is Schedule(schedule) and plan.layer_strategies.recompute
+    assert max(s.memory.total_bytes for s in plan.prediction.stages) <= capacity_gib * 2**30

@@ -252,8 +252,6 @@ class ConfigSolver:
         inflight: float,
         held: tuple[float, ...] | None,
     ) -> tuple[StageChoice, tuple[UnitOption, ...]] | None:
-        # a unit whose stage holds h micro-batches weighs its activations h / inflight times
-        weight = dict.fromkeys(units, 1.0) if held is None else {u: h / inflight for u, h in zip(units, held)}
         groups_keys: list[tuple] = []
         members: dict[tuple, list[int]] = {}
         for u in units:
@@ -262,18 +260,19 @@ class ConfigSolver:
                 members[k] = []
                 groups_keys.append(k)
             members[k].append(u)
+        # a unit whose stage holds h micro-batches weighs its activations h / inflight times
+        weight = {} if held is None else {u: h / inflight for u, h in zip(units, held)}
         groups, group_opts, weights = [], [], []
         for k in groups_keys:
             opts, priced = self.priced_options(members[k][0], config, modes)
-            members[k].sort(key=lambda u: -weight[u])  # the heavier first
-            kinds = sorted({weight[u] for u in members[k]}, reverse=True)
             two = None
-            if len(kinds) == 2:  # a V's kind in both of the rank's stages
-                two = TwoWeights(
-                    heavy_units=sum(weight[u] == kinds[0] for u in members[k]), heavy=kinds[0], light=kinds[1]
-                )
-            elif kinds[0] != 1.0:
-                priced = tuple(replace(p, act_bytes=p.act_bytes * kinds[0]) for p in priced)
+            if held is not None:
+                members[k].sort(key=lambda u: -weight[u])  # the heavier first
+                heavy, light = weight[members[k][0]], weight[members[k][-1]]
+                if heavy != light:  # a V's kind in both of the rank's stages
+                    two = TwoWeights(heavy_units=sum(weight[u] == heavy for u in members[k]), heavy=heavy, light=light)
+                elif heavy != 1.0:
+                    priced = tuple(replace(p, act_bytes=p.act_bytes * heavy) for p in priced)
             groups.append((len(members[k]), priced))
             group_opts.append(opts)
             weights.append(two)
@@ -385,7 +384,7 @@ class ConfigSolver:
             mine = config.stages_of_rank(r)
             units = tuple(u for c in mine for u in range(bounds[c], bounds[c + 1]))
             infl = inflight_microbatches(config.schedule, pp, v, m, r)
-            held = tuple(stage_held[c] for c in mine for _ in range(bounds[c], bounds[c + 1]))
+            held = tuple(stage_held[c] for c in mine for _ in range(bounds[c], bounds[c + 1]))  # unequal in a V
             found = self.solve_units(units, config, modes, infl, r, held=held if config.schedule.v_shape else None)
             if found is None:
                 return None

@@ -224,7 +224,7 @@ def _best_counts(k: int, opts: tuple[Priced, ...], room: float, inflight: float,
     for lay in sorted({o.layout for o in opts}):
         idx = _pareto(opts, [i for i, o in enumerate(opts) if o.layout == lay], inflight)
         if weights is not None:
-            found = two_weights_counts(k, opts, idx, _splits(k, len(idx) - 2), room, inflight, weights)
+            found = two_weights_counts(k, opts, idx, _splits(k, max(len(idx) - 2, 0)), room, inflight, weights)
             if found is not None and found[0] < best_t - 1e-15:
                 best_t, best = found
             continue

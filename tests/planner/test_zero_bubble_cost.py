@@ -97,11 +97,16 @@ def simulate(order, times):
     return max(free.values())
 
 
+HOLDS = {Kind.FORWARD: 1, Kind.BACKWARD_WEIGHT: -1, Kind.FULL_BACKWARD: -1}
+"""Chunks an action adds to what its rank holds: a forward keeps its activations until
+the weight gradient (or the full backward) of the same chunk frees them."""
+
+
 def peak_chunks(actions):
     """Most chunks a rank holds between a forward and its weight gradient."""
     held = most = 0
     for a in actions:
-        held += {Kind.FORWARD: 1, Kind.BACKWARD_WEIGHT: -1, Kind.FULL_BACKWARD: -1}.get(a.computation_type, 0)
+        held += HOLDS.get(a.computation_type, 0)
         most = max(most, held)
     return most
 
@@ -225,27 +230,35 @@ def test_inflight_is_torch_order(schedule, p, m):
             assert inflight_microbatches(schedule, p, v, m, r) == peak_chunks(order[r]) / v, (v, r)
 
 
+def _plan_at_capacity(model, capacity_gib, seq_len, schedule):
+    """The plan of ``model`` with ``schedule`` on 4 pipeline ranks of H100s cut to
+    ``capacity_gib`` GiB each, and the most memory any of its ranks is predicted to use."""
+    import dataclasses
+
+    import autopar
+
+    cluster = autopar.preset("dgx-h100", devices_per_node=8)
+    memory = dataclasses.replace(cluster.device.memory, capacity_bytes=capacity_gib * 2**30)
+    cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory=memory))
+    plan = autopar.plan(
+        model, cluster, global_batch_size=64, seq_len=seq_len, constraints={"schedule": schedule, "pp": 4}
+    )
+    return plan, max(s.memory.total_bytes for s in plan.prediction.stages)
+
+
 @pytest.mark.parametrize("capacity_gib", [3.75, 4.0, 4.25])
 def test_a_zero_bubble_plan_the_search_accepts_fits(capacity_gib):
     """The bound the search accepts a configuration under counts the weight gradients a
     zero-bubble schedule defers from a stage's W to its next I, so the plan it returns
     fits by its own prediction. Without them in the bound, a ZeRO-2 interleaved-zb plan
     was accepted at these capacities and predicted 0.01-0.16 GiB over."""
-    import dataclasses
-
-    import autopar
     from autopar.models import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=32768, seq_len=1024, dim=1024, n_layers=16, n_heads=16)
     with torch.device("meta"):
         model = GPT(cfg)
-    cluster = autopar.preset("dgx-h100", devices_per_node=8)
-    memory = dataclasses.replace(cluster.device.memory, capacity_bytes=capacity_gib * 2**30)
-    cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory=memory))
-    plan = autopar.plan(
-        model, cluster, global_batch_size=64, seq_len=cfg.seq_len, constraints={"schedule": "interleaved-zb", "pp": 4}
-    )
-    assert max(s.memory.total_bytes for s in plan.prediction.stages) <= capacity_gib * 2**30
+    _, peak = _plan_at_capacity(model, capacity_gib, cfg.seq_len, "interleaved-zb")
+    assert peak <= capacity_gib * 2**30
 
 
 def _heavy_ends(rng, p):
@@ -299,7 +312,7 @@ def test_v_stages_hold_what_torch_order_holds_at_the_peak(schedule, p):
         for r, actions in torch_order(schedule, p, 2, m).items():
             held, total, most, at_peak = {}, 0, -1, []
             for a in actions:
-                step = {Kind.FORWARD: 1, Kind.BACKWARD_WEIGHT: -1, Kind.FULL_BACKWARD: -1}.get(a.computation_type, 0)
+                step = HOLDS.get(a.computation_type, 0)
                 held[a.stage_index] = held.get(a.stage_index, 0) + step
                 total += step
                 if total > most:
@@ -317,19 +330,11 @@ def test_a_v_plan_the_search_accepts_fits(schedule, capacity_gib):
     """Where memory binds, the knapsack recomputes some blocks of a V's ranks, weighing
     each block's activations by its own stage's in-flight count: the plan it returns
     fits by its own prediction, which counts them the same way."""
-    import dataclasses
-
-    import autopar
     from autopar.models import Llama, LlamaConfig
 
     cfg = LlamaConfig(vocab_size=32000, seq_len=2048, dim=1024, n_layers=16, n_heads=16, n_kv_heads=8, ffn_dim=2816)
     with torch.device("meta"):
         model = Llama(cfg)
-    cluster = autopar.preset("dgx-h100", devices_per_node=8)
-    memory = dataclasses.replace(cluster.device.memory, capacity_bytes=capacity_gib * 2**30)
-    cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory=memory))
-    plan = autopar.plan(
-        model, cluster, global_batch_size=64, seq_len=cfg.seq_len, constraints={"schedule": schedule, "pp": 4}
-    )
+    plan, peak = _plan_at_capacity(model, capacity_gib, cfg.seq_len, schedule)
     assert plan.config.schedule is Schedule(schedule) and plan.layer_strategies.recompute
-    assert max(s.memory.total_bytes for s in plan.prediction.stages) <= capacity_gib * 2**30
+    assert peak <= capacity_gib * 2**30

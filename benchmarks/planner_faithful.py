@@ -47,8 +47,9 @@ Sources (the numbers and what each leaves unsaid are in ``_published_runs.py``):
   per-operator selective checkpointing (``selective_ac_option = "op"``, autopar's ``op``);
   tokens/s per GPU and peak memory published.
 
-Every other row is estimated eager (``compile`` left off): Megatron-LM, Megatron-DeepSpeed
-and Llama 3's trainer ran hand-fused kernels, not inductor.
+Every other row is estimated eager and in bf16 matmuls (``compile`` and ``fp8`` pinned off,
+which the search would otherwise decide on GPUs): Megatron-LM, Megatron-DeepSpeed and Llama
+3's trainer ran hand-fused kernels, not inductor.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ from _torchtitan_rows import torchtitan_rows
 import autopar
 
 H100_PEAK_TFLOPS = 989
+AS_RAN = {"compile": False, "fp8": False}
+"""What every run but torchtitan's used: its own hand-fused kernels (eager here), bf16 matmuls."""
 A100_PEAK_TFLOPS = 312
 
 
@@ -87,7 +90,15 @@ def narayanan_rows() -> list[dict[str, object]]:
         plan = autopar.estimate(
             gpt(hidden, heads, layers),
             autopar.preset("dgx-a100-80gb", nodes=gpus // 8),
-            {"tp": tp, "pp": pp, "micro_batch_size": 1, "recompute": "full", "zero_stage": 0, "dtype": "fp16"},
+            {
+                "tp": tp,
+                "pp": pp,
+                "micro_batch_size": 1,
+                "recompute": "full",
+                "zero_stage": 0,
+                "dtype": "fp16",
+                **AS_RAN,
+            },
             global_batch_size=batch,
             seq_len=2048,
             attention="materialized",
@@ -122,6 +133,7 @@ def korthikanti_rows() -> list[dict[str, object]]:
                 "recompute": recompute,
                 "sequence_parallel": sp,
                 "zero_stage": 0,
+                **AS_RAN,
             },
             global_batch_size=2240,
             seq_len=2048,
@@ -141,7 +153,7 @@ def mt_nlg_rows() -> list[dict[str, object]]:
     """MT-NLG 530B over three GPU counts at one batch; step time against step time."""
     rows = []
     for gpus, step_s, tflops in MT_NLG_2022:
-        fixed = {"tp": 8, "pp": 35, "micro_batch_size": 1, "schedule": "1f1b", "recompute": "full"}
+        fixed = {"tp": 8, "pp": 35, "micro_batch_size": 1, "schedule": "1f1b", "recompute": "full", **AS_RAN}
         plan = autopar.plan(
             gpt(20480, 128, 105),
             autopar.preset("dgx-a100-80gb", nodes=gpus // 8),
@@ -178,6 +190,7 @@ def llama3_rows() -> list[dict[str, object]]:
             "schedule": "interleaved-1f1b",
             "sequence_parallel": True,
             "zero_stage": 1,
+            **AS_RAN,
         }
         plan = autopar.plan(
             llama(16384, 126, 128, 8, 53248, 128256, seq),
@@ -253,6 +266,7 @@ def mixtral_row() -> dict[str, object]:
         "virtual_stages": 8,
         "schedule": "interleaved-1f1b",
         "micro_batch_size": 1,
+        **AS_RAN,
     }
     plan = autopar.plan(
         mixtral_8x7b(4096),
@@ -280,7 +294,7 @@ def bloom_row() -> dict[str, object]:
     plan = autopar.estimate(
         gpt(14336, 112, 70, vocab=250880),
         autopar.preset("dgx-a100-80gb", nodes=48),
-        {"tp": 4, "pp": 12, "micro_batch_size": 2, "recompute": "full", "zero_stage": 1, "dtype": "bf16"},
+        {"tp": 4, "pp": 12, "micro_batch_size": 2, "recompute": "full", "zero_stage": 1, "dtype": "bf16", **AS_RAN},
         global_batch_size=2048,
         seq_len=2048,
         attention="materialized",
@@ -384,7 +398,7 @@ def _megatron_gpt(heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: 
     parameters and gradient buffers, so its memory (not published) exceeds ZeRO-2's. A pipeline
     runs one of the schedules Megatron-Core r0.8 had (1F1B, interleaved 1F1B): the faster."""
     cluster = with_attention(autopar.preset("dgx-h100", nodes=gpus // 8), HOPPER_FUSED_ATTENTION)
-    fixed = {"tp": tp, "pp": pp, "sequence_parallel": tp > 1, "zero_stage": 2}
+    fixed = {"tp": tp, "pp": pp, "sequence_parallel": tp > 1, "zero_stage": 2, **AS_RAN}
     plans = []
     for schedule in ("1f1b", "interleaved-1f1b") if pp > 1 else ("",):
         try:

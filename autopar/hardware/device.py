@@ -245,6 +245,12 @@ class DeviceSpec:
         async_tp: the device runs torch's asynchronous tensor parallelism (CUDA GPUs
             whose peers map each other's memory over NVLink, torch's symmetric memory):
             the H100 and H200 presets, where torchtitan measured it.
+        compiles: the search compiles the blocks unless told not to. True on GPUs:
+            torch.compile makes their fused kernels (Triton on CUDA) in the first step
+            of a run of thousands, as torchtitan does by default, and a compiled block
+            never costs more than the eager one (the fusion only removes memory traffic
+            and kernels). False for CPU processes, where plans compile only when asked:
+            inductor's C++ builds take minutes, a large share of a short CPU run.
         source: where the numbers come from.
     """
 
@@ -255,6 +261,7 @@ class DeviceSpec:
     comm_overlap: float = 0.8
     preferred_dtype: DType = DType.BF16
     async_tp: bool = False
+    compiles: bool = False
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -269,8 +276,9 @@ class DeviceSpec:
         )
         object.__setattr__(self, "comm_overlap", overlap)
         object.__setattr__(self, "preferred_dtype", dtype_of(self.preferred_dtype, f"{owner} preferred_dtype"))
-        if not isinstance(self.async_tp, bool):
-            raise ClusterError(f"{owner} async_tp={self.async_tp!r} is not allowed: it must be true or false.")
+        for name in ("async_tp", "compiles"):
+            if not isinstance(getattr(self, name), bool):
+                raise ClusterError(f"{owner} {name}={getattr(self, name)!r} is not allowed: it must be true or false.")
         if self.preferred_dtype not in self.roofline.peak_flops:
             raise ClusterError(f"{owner} preferred_dtype={self.preferred_dtype.value} has no peak_flops entry.")
 

@@ -72,6 +72,7 @@ def _a100(memory_mib: int, hbm_bytes_per_s: float, label: str) -> DeviceSpec:
             attention_efficiency=0.25,
         ),
         memory=_gpu_memory(memory_mib),
+        compiles=True,
         source=f"{_A100_DATASHEET}; memory {memory_mib} MiB as nvidia-smi reports; {_EFFICIENCY}; {_A100_ATTENTION}; "
         f"{_RESERVE_NOTE}",
     )
@@ -88,6 +89,7 @@ def _h100() -> DeviceSpec:
             attention_efficiency=0.19,
         ),
         async_tp=True,
+        compiles=True,
         memory=_gpu_memory(81559),
         source=f"{_H100_DATASHEET}; HBM3 3.35 TB/s; memory 81559 MiB as nvidia-smi reports; {_EFFICIENCY}; "
         f"FP8 matmul 0.709 of peak ({_MAMF}: 1402.6 of 1979 TFLOP/s; bf16 794.5 of 989, 0.803); "
@@ -106,6 +108,7 @@ def _h200() -> DeviceSpec:
             attention_efficiency=0.19,
         ),
         async_tp=True,
+        compiles=True,
         memory=_gpu_memory(143771),
         source=f"{_H200_DATASHEET}; memory 143771 MiB as nvidia-smi reports; {_EFFICIENCY}; FP8 matmul 0.734 of "
         f"peak ({_MAMF}: 1453.4 of 1979 TFLOP/s); {_HOPPER_ATTENTION}; {_RESERVE_NOTE}",
@@ -122,6 +125,7 @@ def _v100() -> DeviceSpec:
         ),
         memory=_gpu_memory(16160),
         preferred_dtype=DType.FP16,
+        compiles=True,
         source=f"{_V100_DATASHEET}; memory 16160 MiB as nvidia-smi reports; matmul 0.75 of peak (V100 "
         f"tensor-core GEMMs reach 70-80%), memory 0.8 of peak; {_RESERVE_NOTE}",
     )

@@ -168,14 +168,19 @@ def _option_line(plan: Plan, option: str, label: str, ways: tuple[str, str, str,
 COMPILE_WAYS = (
     "blocks compiled (torch.compile: element-wise ops fused between matmuls)",
     "blocks run eager",
-    "eager",
+    "eager (--set compile=false)",
     "compiled (--set compile=true)",
 )
-FP8_WAYS = ("blocks' linear layers in FP8 (torchao float8, tensorwise scales)", "off", "bf16", "FP8 (--set fp8=true)")
+FP8_WAYS = (
+    "blocks' linear layers in FP8 (torchao float8, tensorwise scales)",
+    "off",
+    "bf16 (--set fp8=false)",
+    "FP8 (--set fp8=true)",
+)
 ASYNC_TP_WAYS = (
     "sequence-parallel collectives fused with their matmuls (torch's micro-pipeline TP)",
     "off",
-    "synchronous",
+    "synchronous (--set async_tp=false)",
     "asynchronous (--set async_tp=true)",
 )
 

@@ -195,6 +195,7 @@ def _device(found: tuple[str, DeviceProfile], base: Cluster | None, per_node: in
         comm_overlap=overlap,
         preferred_dtype=preferred,
         async_tp=bdev.async_tp if base is not None else False,
+        compiles=not cpu,
         source=(
             f"measured ({origin}, {where}): matmul curves {', '.join(dt.value for dt in curves)} over "
             f"{len(d.matmul)} shapes, streaming bandwidth {d.memory_bandwidth_bytes_per_s / 1e9:.3g} "

@@ -1,6 +1,13 @@
-"""Which kernel options a device allows and the search tries: FP8 matmuls where the device
-has FP8 tensor cores, asynchronous tensor parallelism where it runs it (and the plan
-compiles its blocks with sequence parallelism). Compiled blocks are only ever asked for."""
+"""Which kernel options a device allows and the search tries, each as fixed where the
+constraints fix it: compiled blocks where the device compiles (``DeviceSpec.compiles``),
+FP8 matmuls where it has FP8 tensor cores, asynchronous tensor parallelism where it runs
+it (and the plan compiles its blocks with sequence parallelism).
+
+Compiled blocks and asynchronous TP are tried one way only where they apply: in the cost
+model neither ever costs more than its absence (fusion only removes memory traffic and
+kernels; async TP only hides collective time) and neither changes memory, so the other
+way cannot win, and ``explain()`` prices it as a contrast. FP8 is tried both ways: its
+casts can cost more than its faster matmuls save on small layers."""
 
 from __future__ import annotations
 
@@ -9,6 +16,7 @@ from typing import Any
 
 from autopar.errors import ConfigError
 from autopar.hardware.cluster import Cluster
+from autopar.vocab import DType
 
 
 def check_async_tp(constraints: Mapping[str, Any], cluster: Cluster) -> None:
@@ -21,13 +29,26 @@ def check_async_tp(constraints: Mapping[str, Any], cluster: Cluster) -> None:
         )
 
 
-def async_tp_options(c: Mapping[str, Any], cluster: Cluster, tp: int, sp: bool) -> list[bool]:
-    """Whether to try asynchronous TP: as fixed, else both ways where it applies (a
-    device that runs it, tp > 1, sequence parallelism, compiled blocks)."""
-    applies = tp > 1 and sp and c.get("compile", False)
+def compile_options(c: Mapping[str, Any], cluster: Cluster) -> list[bool]:
+    """Whether to compile the blocks: as fixed, else where the device compiles."""
+    return [c["compile"]] if "compile" in c else [cluster.device.compiles]
+
+
+def fp8_options(c: Mapping[str, Any], cluster: Cluster, dtype: DType) -> list[bool]:
+    """Whether to multiply in FP8: as fixed, else both ways where the device has FP8 and
+    the plan trains in bf16 (FP8 matmuls keep bf16 weights and activations around them)."""
+    if "fp8" in c:
+        return [c["fp8"]]
+    return [False, True] if cluster.device.roofline.fp8_flops and dtype is DType.BF16 else [False]
+
+
+def async_tp_options(c: Mapping[str, Any], cluster: Cluster, tp: int, sp: bool, compiled: bool) -> list[bool]:
+    """Whether to run TP asynchronously: as fixed, else where it applies (a device that
+    runs it, tp > 1, sequence parallelism, compiled blocks)."""
+    applies = tp > 1 and sp and compiled
     if "async_tp" in c:
         return [c["async_tp"]] if applies or not c["async_tp"] else []
-    return [False, True] if applies and cluster.device.async_tp else [False]
+    return [applies and cluster.device.async_tp]
 
 
 def check_fp8(constraints: Mapping[str, Any], cluster: Cluster) -> None:

@@ -164,7 +164,8 @@ def estimate(
     Fields not given are filled: ``dp`` from the device count, ``num_microbatches`` from
     the batch, stages and per-layer styles by the same search, defaults for the rest
     (micro-batch 1, 1F1B, no virtual stages, ZeRO 0 sharded over all of dp (no HSDP),
-    the device's preferred precision, no sequence parallelism; recompute chosen per unit
+    the device's preferred precision, no sequence parallelism, blocks compiled where the
+    device compiles unasked (``DeviceSpec.compiles``), no FP8 or asynchronous TP; recompute chosen per unit
     when not given). Never raises for
     memory: a configuration that does not fit comes back with ``prediction.fits`` False
     and the memory it would need. A layer profile is checked as :func:`plan` checks it,
@@ -329,7 +330,7 @@ def _complete(fixed: dict[str, Any], cluster: Cluster, global_batch_size: int) -
     out.setdefault("dp_shard", None)
     out.setdefault("sequence_parallel", False)
     out.setdefault("dtype", cluster.device.preferred_dtype)
-    out.setdefault("compile", False)
+    out.setdefault("compile", cluster.device.compiles)
     out.setdefault("fp8", False)
     out.setdefault("async_tp", False)
     check_fp8(out, cluster)

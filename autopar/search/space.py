@@ -30,7 +30,7 @@ from autopar.hardware.cluster import Cluster
 from autopar.plan import ParallelConfig
 from autopar.search.experts import capacity_experts, check_expert_parallel, ep_degrees
 from autopar.search.integers import divisors
-from autopar.search.kernel_options import async_tp_options, check_async_tp, check_fp8
+from autopar.search.kernel_options import async_tp_options, check_async_tp, check_fp8, compile_options, fp8_options
 from autopar.search.split import even_bounds_of
 from autopar.vocab import ZERO_STAGES, DType, Recompute, Schedule, TPStyle
 
@@ -286,7 +286,10 @@ def enumerate_space(
                     for zero, shard in _shardings(zeros, dp, tp * cp, cluster.devices_per_node, c, fold_shard_groups):
                         if schedule.zero_bubble and zero == 3:
                             continue  # the runtime refuses it (autopar.runtime.pipeline.check_schedule)
-                        for sp, ep in itertools.product(sps, ep_degrees(graph, dp * cp, (shard or dp) * cp, c)):
+                        kernels = itertools.product(compile_options(c, cluster), fp8_options(c, cluster, dtype))
+                        for sp, ep, (compiled, fp8) in itertools.product(
+                            sps, ep_degrees(graph, dp * cp, (shard or dp) * cp, c), kernels
+                        ):
                             if sp and tp == 1:
                                 continue
                             configs += [
@@ -305,11 +308,11 @@ def enumerate_space(
                                     recompute=c.get("recompute", Recompute.NONE),
                                     sequence_parallel=sp,
                                     dtype=dtype,
-                                    compile=c.get("compile", False),
-                                    fp8=c.get("fp8", False),
+                                    compile=compiled,
+                                    fp8=fp8,
                                     async_tp=overlapped,
                                 )
-                                for overlapped in async_tp_options(c, cluster, tp, sp)
+                                for overlapped in async_tp_options(c, cluster, tp, sp, compiled)
                             ]
     return configs, rejected
 

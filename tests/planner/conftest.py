@@ -18,11 +18,12 @@ def gpt2_plan():
 
 @pytest.fixture(scope="session")
 def pipelined_plan():
-    """A plan with pipeline and tensor parallelism, so every field is non-trivial."""
+    """A plan with pipeline and tensor parallelism, so every field is non-trivial; eager, so
+    an export to a framework without inductor carries no note of it."""
     return autopar.estimate(
         build_named_model("gpt3-13b"),
         autopar.preset("dgx-a100-80gb", nodes=2),
-        {"tp": 4, "pp": 2, "micro_batch_size": 1, "sequence_parallel": True},
+        {"tp": 4, "pp": 2, "micro_batch_size": 1, "sequence_parallel": True, "compile": False},
         global_batch_size=32,
         seq_len=2048,
     )

@@ -91,22 +91,30 @@ def test_heads_experts_and_unaligned_matrices_stay_in_bf16():
     assert at[8][0] != at[8][1] and at[16][0] == at[16][1]
 
 
-def _llama():
+def _llama(dim: int = 4096, ffn_dim: int = 14336, n_heads: int = 32):
     with torch.device("meta"):
-        return Llama(LlamaConfig(dim=4096, n_layers=2, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32000))
+        return Llama(LlamaConfig(dim=dim, n_layers=2, n_heads=n_heads, n_kv_heads=8, ffn_dim=ffn_dim, vocab_size=32000))
 
 
-def test_fp8_is_offered_on_h100_and_refused_where_it_cannot_run():
-    """An 8B-wide Llama's matmuls are worth FP8 on H100 (a 1024-wide one's are not: the
-    casts of its weights cost more than the matmuls save)."""
-    plan = autopar.plan(_llama(), H100, global_batch_size=16, seq_len=2048)
-    assert not plan.config.fp8
-    (other,) = [a for a in plan.alternatives if a.status == "fp8"]
-    assert other.config.fp8 and other.slower_by < 0
-    line = next(x for x in autopar.explain(plan).splitlines() if x.startswith("FP8 matmuls"))
-    assert f"{100 * other.slower_by:+.1f}%" in line and "--set fp8=true" in line
-    asked = autopar.plan(_llama(), H100, global_batch_size=16, seq_len=2048, constraints={"fp8": True})
-    assert asked.config.fp8 and asked.prediction.step_time_s < plan.prediction.step_time_s
+def test_fp8_is_searched_on_h100_and_refused_where_it_cannot_run():
+    """An 8B-wide Llama's matmuls are worth FP8 on H100, so the plan takes it and explain
+    prices bf16 beside it; a 512-wide one's are not (the casts of its weights cost more
+    than the matmuls save), so it stays in bf16. Either way the plan is the faster of the
+    two plans pinned each way."""
+    for llama, wins in ((_llama(), True), (_llama(dim=512, ffn_dim=1792, n_heads=8), False)):
+        plan = autopar.plan(llama, H100, global_batch_size=16, seq_len=2048)
+        assert plan.config.fp8 is wins
+        (other,) = [a for a in plan.alternatives if a.status == "fp8"]
+        assert other.config.fp8 is not wins and other.slower_by > 0
+        line = next(x for x in autopar.explain(plan).splitlines() if x.startswith("FP8 matmuls"))
+        assert f"{100 * other.slower_by:+.1f}%" in line
+        assert ("bf16 (--set fp8=false)" if wins else "FP8 (--set fp8=true)") in line
+        pinned = [
+            autopar.plan(llama, H100, global_batch_size=16, seq_len=2048, constraints={"fp8": f}).prediction.step_time_s
+            for f in (False, True)
+        ]
+        assert plan.prediction.step_time_s == pytest.approx(min(pinned), rel=1e-9)
+        assert max(pinned) > min(pinned)
     a100 = autopar.preset("dgx-a100-80gb", nodes=1)
     assert not [
         a for a in autopar.plan(_llama(), a100, global_batch_size=16, seq_len=2048).alternatives if a.status == "fp8"

@@ -202,11 +202,30 @@ def _tiny_cluster(memory_gib: float) -> Cluster:
     )
 
 
+def _kernel_variants(cfg: ParallelConfig, cluster: Cluster, fixed: dict) -> list[ParallelConfig]:
+    """``cfg`` with every way of compiling (where the device compiles unasked), FP8 and
+    asynchronous TP the device and the constraints allow, whichever ways the search's
+    space tries: the brute force does not take the space's word that the ways it leaves
+    out never win."""
+    compiles = [False, True] if cluster.device.compiles else [fixed.get("compile", False)]
+    fp8s = [False, True] if cluster.device.roofline.fp8_flops and cfg.dtype is DType.BF16 else [False]
+    out = set()
+    for compiled, fp8, overlapped in itertools.product(compiles, fp8s, [False, True]):
+        if overlapped and not (cluster.device.async_tp and compiled and cfg.sequence_parallel):
+            continue
+        v = dataclasses.replace(cfg, compile=compiled, fp8=fp8, async_tp=overlapped)
+        if all(getattr(v, k) == fixed[k] for k in ("compile", "fp8", "async_tp") if k in fixed):
+            out.add(v)
+    return sorted(out, key=repr)
+
+
 def _brute_force_search(evaluator: ConfigSolver, constraints: dict) -> float:
     """Every configuration x every split x every per-unit option (identical units of a
     stage sharing a layout), priced by the cost model."""
     model = evaluator.model
-    configs, _ = enumerate_space(model.graph, model.cluster, model.global_batch_size, check_constraints(constraints))
+    fixed = check_constraints(constraints)
+    configs, _ = enumerate_space(model.graph, model.cluster, model.global_batch_size, fixed)
+    configs = [v for cfg in configs for v in _kernel_variants(cfg, model.cluster, fixed)]
     n = len(model.graph.units)
     budget = evaluator.budget_bytes
     best = math.inf
@@ -288,6 +307,41 @@ def test_whole_search_matches_brute_force(memory_gib):
     else:
         assert result.best.fits
         assert result.best.step_time_s == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.parametrize(("fp8_efficiency", "bandwidth", "fp8_wins"), [(0.5, 1e12, False), (0.9, 10e12, True)])
+@pytest.mark.parametrize("memory_gib", [0.02, 0.1])
+def test_whole_search_with_kernel_options_matches_brute_force(memory_gib, fp8_efficiency, bandwidth, fp8_wins):
+    """On a device that compiles unasked, has FP8 matmuls and runs asynchronous TP, the
+    search tries compiled blocks only, asynchronous TP only where it applies and FP8 both
+    ways; brute force over every way of all three (and every configuration, split and
+    per-unit option) finds nothing faster. FP8 loses where its casts cost more than its
+    matmuls save (a slow FP8 rate, little bandwidth) and wins on fast FP8 and memory."""
+    model = GPT(GPTConfig(vocab_size=512, seq_len=256, dim=256, n_layers=2, n_heads=8))
+    graph = extract(model, seq_len=256, dtype="bf16")
+    tiny = _tiny_cluster(memory_gib)
+    roof = dataclasses.replace(
+        tiny.device.roofline,
+        fp8_flops=200e12,
+        fp8_matmul_efficiency=fp8_efficiency,
+        memory_bandwidth_bytes_per_s=bandwidth,
+    )
+    device = dataclasses.replace(tiny.device, roofline=roof, compiles=True, async_tp=True)
+    cluster = dataclasses.replace(tiny, device=device)
+    constraints = {"micro_batch_size": 2}
+    model = CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8)
+
+    def solver() -> ConfigSolver:
+        return ConfigSolver(model=model, budget_bytes=budget_bytes(cluster.device.memory), micro_batches=(2,))
+
+    configs, _ = enumerate_space(graph, cluster, 8, check_constraints(constraints))
+    assert all(c.compile and c.async_tp == c.sequence_parallel for c in configs)
+    assert {c.fp8 for c in configs} == {False, True}
+    want = _brute_force_search(solver(), constraints)
+    result = search(solver(), check_constraints(constraints), top=3)
+    assert math.isfinite(want) and result.best.fits
+    assert result.best.step_time_s == pytest.approx(want, rel=1e-9)
+    assert result.best.config.fp8 is fp8_wins
 
 
 @pytest.mark.parametrize("schedule", [None, "interleaved-zb"])

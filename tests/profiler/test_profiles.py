@@ -354,6 +354,16 @@ def test_a_gpu_base_keeps_its_fp8_peak_and_a_measured_device_alone_has_none():
     assert alone.device.roofline.fp8_flops == 0.0
 
 
+def test_a_gpu_profile_compiles_unasked_and_a_cpu_profile_does_not():
+    """Plans for a profiled GPU compile their blocks as the presets' do, with or without a
+    base; CPU processes compile only when asked."""
+    gpu = device(rate_flop_per_s=7e14, bandwidth=3e12, kind="cuda", dtypes=("bf16", "fp32"), memory_bytes=80 * 2**30)
+    assert cluster_from_profiles([gpu, network(kind="cuda")], base=preset("dgx-h100", nodes=2)).device.compiles
+    assert cluster_from_profiles([gpu, network(kind="cuda", node_of_rank=("n0",) * 8)]).device.compiles
+    assert preset("dgx-a100-80gb").device.compiles and not preset("local-cpu").device.compiles
+    assert not cluster_from_profiles([device(), network()]).device.compiles
+
+
 def test_a_gpu_base_keeps_its_attention_and_fp8_efficiencies():
     """A profile measures GEMMs, not FP8 GEMMs, and this one no fused attention kernel:
     the base's stated efficiencies for both stay; a device measured without a base

@@ -154,8 +154,9 @@ def make_plan(
     cluster: autopar.Cluster | None = None,
     **config: Any,
 ) -> autopar.Plan:
-    """A plan from the planner's ``estimate`` for ``config`` (fp32 unless given), with
-    the per-layer decisions replaced by ``styles``/``recompute`` when given."""
+    """A plan from the planner's ``estimate`` for ``config`` (fp32 and eager unless given,
+    on a GPU cluster too), with the per-layer decisions replaced by ``styles``/``recompute``
+    when given."""
     model = build(name, "meta")
     config = {
         "dp": 1,
@@ -165,6 +166,7 @@ def make_plan(
         "micro_batch_size": 2,
         "num_microbatches": 2,
         "dtype": "fp32",
+        "compile": False,
         **config,
     }
     world = config["dp"] * config["cp"] * config["tp"] * config["pp"]

@@ -114,6 +114,8 @@ def least_stage_inflight(schedule: Schedule, pp: int, virtual_stages: int, num_m
     """The fewest micro-batches any stage of ``rank`` holds at its peak
     (:func:`stage_inflight_microbatches`): what a bound on the rank's activations that
     does not know how they split between its stages may count."""
+    if pp == 1 or not schedule.v_shape:  # every stage of the rank holds the same count
+        return inflight_microbatches(schedule, pp, virtual_stages, num_microbatches, rank)
     stages = schedule.stages_of_rank(rank, pp, pp * virtual_stages)
     return min(stage_inflight_microbatches(schedule, pp, virtual_stages, num_microbatches, s) for s in stages)
 

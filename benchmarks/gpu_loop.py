@@ -90,8 +90,8 @@ def _variants(cluster: autopar.Cluster, device: torch.device) -> list[tuple[str,
     """Eager, compiled, and compiled FP8 where the device runs FP8 (CPU: eager only;
     compiling on CPU runs under the memory meter's dispatch mode uncompiled)."""
     if device.type != "cuda":
-        return [("eager", {})]
-    found = [("eager", {"dtype": "bf16"}), ("compiled", {"dtype": "bf16", "compile": True})]
+        return [("eager", {"compile": False})]
+    found = [("eager", {"dtype": "bf16", "compile": False}), ("compiled", {"dtype": "bf16", "compile": True})]
     if cluster.device.roofline.fp8_flops:
         found.append(("compiled fp8", {"dtype": "bf16", "compile": True, "fp8": True}))
     return found

@@ -175,3 +175,16 @@ def test_a_compile_constraint_must_be_a_bool():
     cluster = autopar.preset("local-cpu", nodes=1, devices_per_node=2)
     with pytest.raises(ConfigError, match=r"constraint compile='yes' is not allowed: use True or False"):
         autopar.plan(model, cluster, global_batch_size=4, seq_len=32, constraints={"compile": "yes"})
+
+
+def test_estimate_compiles_where_the_search_would():
+    """``estimate`` fills ``compile`` as the search decides it: compiled on a GPU, eager on
+    CPU processes, as given when given."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=256, seq_len=32, dim=32, n_layers=2, n_heads=2))
+    gpu, cpu = autopar.preset("dgx-h100", nodes=1), autopar.preset("local-cpu", nodes=1, devices_per_node=2)
+    fixed = {"tp": 1, "pp": 1}
+    assert autopar.estimate(model, gpu, fixed, global_batch_size=8, seq_len=32).config.compile
+    assert not autopar.estimate(model, cpu, fixed, global_batch_size=4, seq_len=32).config.compile
+    told = {**fixed, "compile": False}
+    assert not autopar.estimate(model, gpu, told, global_batch_size=8, seq_len=32).config.compile

@@ -4,10 +4,13 @@ FP8 matmuls where it has FP8 tensor cores, asynchronous tensor parallelism where
 it (and the plan compiles its blocks with sequence parallelism).
 
 Compiled blocks and asynchronous TP are tried one way only where they apply: in the cost
-model neither ever costs more than its absence (fusion only removes memory traffic and
-kernels; async TP only hides collective time) and neither changes memory, so the other
-way cannot win, and ``explain()`` prices it as a contrast. FP8 is tried both ways: its
-casts can cost more than its faster matmuls save on small layers."""
+model neither makes a unit slower (fusion only removes memory traffic and kernels; async
+TP only hides collective time) and neither changes memory, so the other way is left out,
+and ``explain()`` prices it as a contrast. (A shorter backward hides less of the
+data-parallel tail, the one way a faster unit can lengthen the predicted step; the search
+does not take such gains for any option, docs/cost-model.md, and brute force over both
+ways agrees on the test instances.) FP8 is tried both ways: its casts can cost more than
+its faster matmuls save on small layers."""
 
 from __future__ import annotations
 

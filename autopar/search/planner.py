@@ -165,8 +165,8 @@ def estimate(
     the batch, stages and per-layer styles by the same search, defaults for the rest
     (micro-batch 1, 1F1B, no virtual stages, ZeRO 0 sharded over all of dp (no HSDP),
     the device's preferred precision, no sequence parallelism, blocks compiled where the
-    device compiles unasked (``DeviceSpec.compiles``), no FP8 or asynchronous TP; recompute chosen per unit
-    when not given). Never raises for
+    device compiles unasked (``DeviceSpec.compiles``), no FP8 or asynchronous TP;
+    recompute chosen per unit when not given). Never raises for
     memory: a configuration that does not fit comes back with ``prediction.fits`` False
     and the memory it would need. A layer profile is checked as :func:`plan` checks it,
     and a missing ``seq_len`` defaults as in :func:`plan`.

@@ -38,7 +38,7 @@ class Step:
     attention: str = "flash"
 
 
-def gpt3_walk() -> tuple[str, list[Step], dict[str, Any]]:
+def gpt3_walk() -> tuple[str, str, list[Step], dict[str, Any]]:
     """GPT-3 175B, 1,024 A100 80GB, 1536 x 2048 tokens: from Megatron-LM's 2021 recipe."""
     a100 = autopar.preset("dgx-a100-80gb", nodes=128)
     eager = {"compile": False, "fp8": False}
@@ -84,10 +84,11 @@ def gpt3_walk() -> tuple[str, list[Step], dict[str, Any]]:
         ),
     ]
     plan_args = {"global_batch_size": 1536, "seq_len": 2048}
-    return "GPT-3 175B on 1,024 A100 (dgx-a100-80gb:128), 1536 x 2048 tokens", _to_plan(steps, a100), plan_args
+    title = "GPT-3 175B on 1,024 A100 (dgx-a100-80gb:128), 1536 x 2048 tokens"
+    return title, "gpt3-175b", _to_plan(steps, a100), plan_args
 
 
-def llama70b_walk() -> tuple[str, list[Step], dict[str, Any]]:
+def llama70b_walk() -> tuple[str, str, list[Step], dict[str, Any]]:
     """Llama-3-70B, 128 H100, 512 x 8192 tokens: from torchtitan's 70B recipe."""
     h100 = autopar.preset("dgx-h100", nodes=16)
     recipe = {
@@ -134,7 +135,7 @@ def llama70b_walk() -> tuple[str, list[Step], dict[str, Any]]:
         ),
     ]
     plan_args = {"global_batch_size": 512, "seq_len": 8192}
-    return "Llama-3-70B on 128 H100 (dgx-h100:16), 512 x 8192 tokens", _to_plan(steps, h100), plan_args
+    return "Llama-3-70B on 128 H100 (dgx-h100:16), 512 x 8192 tokens", "llama3-70b", _to_plan(steps, h100), plan_args
 
 
 def _to_plan(steps: list[Step], cluster: autopar.Cluster) -> list[Step]:
@@ -146,28 +147,12 @@ def _to_plan(steps: list[Step], cluster: autopar.Cluster) -> list[Step]:
     ]
 
 
-MODELS = {"GPT-3 175B": "gpt3-175b", "Llama-3-70B": "llama3-70b"}
-
-
-def walk(title: str, steps: list[Step], plan_args: dict[str, Any]) -> list[dict[str, object]]:
-    model = build_named_model(MODELS[title.split(" on ")[0]])
+def walk(title: str, name: str, steps: list[Step], plan_args: dict[str, Any]) -> list[dict[str, object]]:
+    """The rows of one walk of the named model (``autopar.models``)."""
+    model = build_named_model(name)
     plan = autopar.plan(model, steps[-1].cluster, **plan_args)
-    c = plan.config
-    chosen = {
-        "tp": c.tp,
-        "pp": c.pp,
-        "cp": c.cp,
-        "micro_batch_size": c.micro_batch_size,
-        "schedule": c.schedule,
-        "virtual_stages": c.virtual_stages,
-        "zero_stage": c.zero_stage,
-        "dp_shard": c.dp_shard,
-        "sequence_parallel": c.sequence_parallel,
-        "dtype": c.dtype,
-        "compile": c.compile,
-        "fp8": c.fp8,
-        "async_tp": c.async_tp,
-    }
+    # every field but the recompute mode, which the plan sets per block
+    chosen = {k: v for k, v in vars(plan.config).items() if k != "recompute"}
     rows, before = [], None
     for step in steps:
         if step.config is None:
@@ -212,7 +197,7 @@ def anchors() -> list[dict[str, object]]:
 
 def main() -> None:
     near = anchors()
-    rows = [row for title, steps, args in (gpt3_walk(), llama70b_walk()) for row in walk(title, steps, args)]
+    rows = [row for walked in (gpt3_walk(), llama70b_walk()) for row in walk(*walked)]
     body = [
         "The published runs nearest to the two plans, as the scoreboard "
         "(`benchmarks/planner_faithful.py`) estimates them:",

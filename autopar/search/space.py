@@ -210,6 +210,7 @@ def enumerate_space(
     rejected: list[Rejection] = []
     dtype = c.get("dtype", cluster.device.preferred_dtype)
     cluster.device.peak(dtype)  # raises a clear error if the device lacks it
+    kernels = list(itertools.product(compile_options(c, cluster), fp8_options(c, cluster, dtype)))
     n_units = len(graph.units)
     allowed_tp = tp_degrees(graph, world)
     if "tp" in c and c["tp"] not in allowed_tp:
@@ -286,7 +287,6 @@ def enumerate_space(
                     for zero, shard in _shardings(zeros, dp, tp * cp, cluster.devices_per_node, c, fold_shard_groups):
                         if schedule.zero_bubble and zero == 3:
                             continue  # the runtime refuses it (autopar.runtime.pipeline.check_schedule)
-                        kernels = itertools.product(compile_options(c, cluster), fp8_options(c, cluster, dtype))
                         for sp, ep, (compiled, fp8) in itertools.product(
                             sps, ep_degrees(graph, dp * cp, (shard or dp) * cp, c), kernels
                         ):

@@ -28,7 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "planner"))
 
 from _report import markdown_table, write_csv, write_result
-from test_search_exact import _brute_force_search, _ctx, _random_profile, _tiny_cluster
+from exact_reference import brute_force_search, layout_ctx, random_profile, tiny_cluster
 from test_stage_knapsack import _random_groups
 
 from autopar.cost.model import CostModel
@@ -50,9 +50,11 @@ def layouts(n: int) -> tuple[int, int, float]:
     ok, start = 0, time.perf_counter()
     for seed in range(n):
         rng = random.Random(seed)
-        prof = _random_profile(rng)
+        prof = random_profile(rng)
         sp = rng.random() < 0.5
-        ctx = _ctx(cluster, tp=rng.choice([2, 4, 8, 16]), sp=sp, mbs=rng.choice([1, 2, 8]), last=rng.random() < 0.3)
+        ctx = layout_ctx(
+            cluster, tp=rng.choice([2, 4, 8, 16]), sp=sp, mbs=rng.choice([1, 2, 8]), last=rng.random() < 0.3
+        )
         ctx = dataclasses.replace(ctx, async_tp=sp and rng.random() < 0.5)  # fused collectives need SP
         ok += math.isclose(
             LayoutSolver().fastest(prof, ctx).time_s, brute_force_layout(prof, ctx).time_s, rel_tol=1e-9, abs_tol=1e-15
@@ -153,13 +155,13 @@ def whole() -> list[dict[str, str]]:
     runs.append(("GPT 2 blocks, compiled (async TP)", (0.012, 0.02, 0.05), gpt, 1, (1, 2, 4, 8), {"compile": True}))
     for name, levels, graph, nodes, sizes, constraints in runs:
         for memory_gib in levels:
-            cluster = dataclasses.replace(_tiny_cluster(memory_gib), nodes=nodes)
+            cluster = dataclasses.replace(tiny_cluster(memory_gib), nodes=nodes)
             if constraints.get("compile"):
                 cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, async_tp=True))
             model = CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8)
             budget = budget_bytes(cluster.device.memory)
             start = time.perf_counter()
-            want = _brute_force_search(ConfigSolver(model=model, budget_bytes=budget, micro_batches=sizes), constraints)
+            want = brute_force_search(ConfigSolver(model=model, budget_bytes=budget, micro_batches=sizes), constraints)
             brute_s = time.perf_counter() - start
             start = time.perf_counter()
             got = search(

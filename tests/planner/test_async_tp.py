@@ -28,7 +28,7 @@ from autopar.search.solve import ConfigSolver
 from autopar.search.space import check_constraints, enumerate_space
 from autopar.vocab import Layout, Optimizer, TPStyle
 
-from .test_search_exact import _brute_force_search, _ctx, _random_profile, _tiny_cluster
+from .exact_reference import brute_force_search, layout_ctx, random_profile, tiny_cluster
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -38,9 +38,9 @@ def test_async_layout_search_matches_brute_force_on_random_units(seed, table_lim
     optimum that brute force over the reference (:func:`evaluate_layout`) finds."""
     rng = random.Random(1000 + seed)
     cluster = preset("dgx-h100", nodes=2)
-    prof = _random_profile(rng)
+    prof = random_profile(rng)
     for tp, mbs in [(2, 1), (4, 3), (8, 8)]:
-        ctx = dataclasses.replace(_ctx(cluster, tp=tp, sp=True, mbs=mbs, last=rng.random() < 0.3), async_tp=True)
+        ctx = dataclasses.replace(layout_ctx(cluster, tp=tp, sp=True, mbs=mbs, last=rng.random() < 0.3), async_tp=True)
         got = LayoutSolver(table_limit=table_limit).fastest(prof, ctx)
         want = brute_force_layout(prof, ctx)
         assert got.time_s == pytest.approx(want.time_s, rel=1e-9, abs=1e-15)
@@ -50,7 +50,7 @@ def _block(tp: int):
     cluster = preset("dgx-h100", nodes=1)
     graph = extract(build_named_model("gpt3-6.7b"), seq_len=2048)
     block = graph.profile_of(1)
-    ctx = _ctx(cluster, tp=tp, sp=True, mbs=2)
+    ctx = layout_ctx(cluster, tp=tp, sp=True, mbs=2)
     styles = LayoutSolver().fastest(block, ctx).styles
     return block, ctx, styles
 
@@ -116,7 +116,7 @@ def test_async_tp_without_its_prerequisites_is_refused_in_one_line(changes, miss
 
 
 def _async_cluster(memory_gib: float):
-    cluster = _tiny_cluster(memory_gib)
+    cluster = tiny_cluster(memory_gib)
     return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, async_tp=True))
 
 
@@ -136,7 +136,7 @@ def test_whole_search_with_async_tp_candidates_matches_brute_force(memory_gib):
 
     configs, _ = enumerate_space(graph, cluster, 8, check_constraints(constraints))
     assert {(c.async_tp, c.tp > 1 and c.sequence_parallel) for c in configs} == {(False, False), (True, True)}
-    want = _brute_force_search(solver(), constraints)
+    want = brute_force_search(solver(), constraints)
     result = search(solver(), check_constraints(constraints), top=3)
     assert math.isfinite(want) and result.best.fits
     assert result.best.step_time_s == pytest.approx(want, rel=1e-9)

@@ -25,7 +25,7 @@ from autopar.search.solve import ConfigSolver
 from autopar.search.space import CP_MIN_TOKENS, check_constraints, check_context_parallel, cp_degrees, enumerate_space
 from autopar.vocab import Optimizer, Recompute
 
-from .test_search_exact import _brute_force_search, _tiny_cluster
+from .exact_reference import brute_force_search, tiny_cluster
 
 
 def _config(**kw) -> ParallelConfig:
@@ -69,7 +69,7 @@ def _tiny_gpt_graph(seq_len: int):
 
 @pytest.fixture(scope="module")
 def model() -> CostModel:
-    cluster = dataclasses.replace(_tiny_cluster(64.0), nodes=2)
+    cluster = dataclasses.replace(tiny_cluster(64.0), nodes=2)
     return CostModel(graph=_tiny_gpt_graph(4096), cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8)
 
 
@@ -174,7 +174,7 @@ def test_whole_search_with_context_parallel_candidates_matches_brute_force(long_
     configuration, split and per-unit option. With little memory nothing fits; with a
     little more only splitting the sequence does (cp=2 wins); with enough, data
     parallelism without the exchange is faster."""
-    cluster = _tiny_cluster(memory_gib)
+    cluster = tiny_cluster(memory_gib)
     constraints = {"micro_batch_size": 1, "sequence_parallel": False}
     model = CostModel(graph=long_graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=4)
 
@@ -183,7 +183,7 @@ def test_whole_search_with_context_parallel_candidates_matches_brute_force(long_
 
     configs, _ = enumerate_space(long_graph, cluster, 4, check_constraints(constraints))
     assert {c.cp for c in configs} == {1, 2}
-    want = _brute_force_search(solver(), constraints)
+    want = brute_force_search(solver(), constraints)
     result = search(solver(), check_constraints(constraints), top=3)
     assert result.best.fits == (not math.isinf(want)) == (winner_cp is not None)
     if result.best.fits:
@@ -196,7 +196,7 @@ def test_a_context_parallel_plan_is_explained_and_round_trips(long_graph):
     the exchange's exposed time in the step's terms, and the tokens per rank."""
     plan = autopar.plan(
         long_graph,
-        _tiny_cluster(0.1),
+        tiny_cluster(0.1),
         global_batch_size=4,
         constraints={"micro_batch_size": 1, "sequence_parallel": False},
     )
@@ -227,7 +227,7 @@ def test_hsdp_shard_groups_hold_whole_context_parallel_rings():
 def test_hsdp_candidates_with_cp_cover_whole_nodes(long_graph):
     """On two nodes of 4 with tp=1 and cp=2, HSDP shard groups of 2 data-parallel ranks
     cover one node (2 x cp 2 = 4 devices) and are candidates beside plain FSDP."""
-    cluster = dataclasses.replace(_tiny_cluster(1.0), nodes=2)
+    cluster = dataclasses.replace(tiny_cluster(1.0), nodes=2)
     fixed = check_constraints({"tp": 1, "cp": 2, "pp": 1, "zero_stage": 3, "micro_batch_size": 1})
     configs, _ = enumerate_space(long_graph, cluster, 8, fixed)
     assert {(c.dp, c.dp_shard) for c in configs} == {(4, None), (4, 2)}

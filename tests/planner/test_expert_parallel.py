@@ -26,8 +26,8 @@ from autopar.search.solve import ConfigSolver
 from autopar.search.space import check_constraints, enumerate_space
 from autopar.vocab import Optimizer, Recompute
 
+from .exact_reference import brute_force_search, tiny_cluster
 from .test_moe import _mixtral
-from .test_search_exact import _brute_force_search, _tiny_cluster
 
 # a tiny MoE Llama: hidden D, expert width F, E experts of which K per token, S tokens
 D, F, E, K, S = 64, 512, 4, 2, 128
@@ -50,7 +50,7 @@ def graph():
 
 @pytest.fixture(scope="module")
 def model(graph) -> CostModel:
-    return CostModel(graph=graph, cluster=_tiny_cluster(64.0), optimizer=Optimizer.ADAM, global_batch_size=8)
+    return CostModel(graph=graph, cluster=tiny_cluster(64.0), optimizer=Optimizer.ADAM, global_batch_size=8)
 
 
 def _block_option(model: CostModel, mode: Recompute = Recompute.NONE, **kw):
@@ -140,7 +140,7 @@ def test_dropless_experts_pace_at_the_routing_imbalance():
     dropless layer exchanges its row counts (2 int64 per rank: one latency)."""
     g = extract(_mixtral(), seq_len=32, dtype="bf16")
     config = _config(dp=2, ep=2)
-    skewed = CostModel(graph=g, cluster=_tiny_cluster(64.0), optimizer=Optimizer.ADAM, global_batch_size=2)
+    skewed = CostModel(graph=g, cluster=tiny_cluster(64.0), optimizer=Optimizer.ADAM, global_batch_size=2)
     balanced = expert_exchange(g.profile_of(1), tp_context(skewed, 1, config))
     skew = expert_exchange(g.profile_of(1), tp_context(dataclasses.replace(skewed, routing_imbalance=1.5), 1, config))
     (leaf,) = [leaf for leaf in g.profile_of(1).leaves if leaf.experts]
@@ -194,7 +194,7 @@ def test_a_fixed_ep_is_checked_against_the_model_at_once(graph):
         check_expert_parallel(gpt, {"ep": 2})
     assert "\n" not in str(info.value)
     with pytest.raises(ConfigError, match=r"its layers have 4 experts, which ep must divide; use one of \[1, 2, 4\]"):
-        enumerate_space(graph, dataclasses.replace(_tiny_cluster(1.0), nodes=2), 8, check_constraints({"ep": 8}))
+        enumerate_space(graph, dataclasses.replace(tiny_cluster(1.0), nodes=2), 8, check_constraints({"ep": 8}))
     with pytest.raises(ConfigError, match="constraint ep=0 is not allowed"):
         check_constraints({"ep": 0})
 
@@ -206,7 +206,7 @@ def test_whole_search_with_expert_parallel_candidates_matches_brute_force(graph,
     per-unit option. With little memory nothing fits; with a little more, splitting the
     experts fits where replicating them does not (ep=2 wins); with enough, no
     all-to-all is faster."""
-    cluster = _tiny_cluster(memory_gib)
+    cluster = tiny_cluster(memory_gib)
     constraints = {"micro_batch_size": 1, "sequence_parallel": False}
     model = CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=4)
 
@@ -215,7 +215,7 @@ def test_whole_search_with_expert_parallel_candidates_matches_brute_force(graph,
 
     configs, _ = enumerate_space(graph, cluster, 4, check_constraints(constraints))
     assert {c.ep for c in configs} == {1, 2, 4}
-    want = _brute_force_search(solver(), constraints)
+    want = brute_force_search(solver(), constraints)
     result = search(solver(), check_constraints(constraints), top=3)
     assert result.best.fits == (not math.isinf(want)) == (winner_ep is not None)
     if result.best.fits:
@@ -225,7 +225,7 @@ def test_whole_search_with_expert_parallel_candidates_matches_brute_force(graph,
 
 def test_an_expert_parallel_plan_is_explained_and_round_trips(graph):
     plan = autopar.plan(
-        graph, _tiny_cluster(0.01), global_batch_size=4, constraints={"micro_batch_size": 1, "sequence_parallel": False}
+        graph, tiny_cluster(0.01), global_batch_size=4, constraints={"micro_batch_size": 1, "sequence_parallel": False}
     )
     c, b = plan.config, plan.prediction.breakdown
     assert c.ep == 2 and b.ep_comm_s > 0
@@ -239,7 +239,7 @@ def test_an_expert_parallel_plan_is_explained_and_round_trips(graph):
 
 def test_the_plan_of_a_model_without_experts_never_names_ep():
     gpt = extract(GPT(GPTConfig(vocab_size=64, seq_len=16, dim=32, n_layers=1, n_heads=2)), seq_len=16)
-    plan = autopar.plan(gpt, _tiny_cluster(1.0), global_batch_size=4)
+    plan = autopar.plan(gpt, tiny_cluster(1.0), global_batch_size=4)
     assert plan.config.ep == 1 and all(a.config.ep == 1 for a in plan.alternatives)
     assert "Expert par." not in autopar.explain(plan)
 
@@ -249,14 +249,14 @@ def test_a_stated_routing_imbalance_prices_dropless_plans_and_is_recorded():
     all-to-all, says so, and keeps the factor in its file; a factor below 1 is refused."""
     g = extract(_mixtral(), seq_len=32, dtype="bf16")
     fixed = {"dp": 4, "tp": 1, "pp": 1, "ep": 2, "micro_batch_size": 1, "zero_stage": 0, "recompute": "none"}
-    even = autopar.estimate(g, _tiny_cluster(1.0), fixed, global_batch_size=4)
-    skew = autopar.estimate(g, _tiny_cluster(1.0), fixed, global_batch_size=4, routing_imbalance=1.5)
+    even = autopar.estimate(g, tiny_cluster(1.0), fixed, global_batch_size=4)
+    skew = autopar.estimate(g, tiny_cluster(1.0), fixed, global_batch_size=4, routing_imbalance=1.5)
     assert skew.prediction.breakdown.ep_comm_s > even.prediction.breakdown.ep_comm_s > 0
     assert (even.settings.routing_imbalance, skew.settings.routing_imbalance) == (1.0, 1.5)
     assert "dropless experts priced at 1.5x the mean rows" in autopar.explain(skew)
     assert Plan.from_json(skew.to_json()) == skew
     with pytest.raises(ConfigError, match="routing_imbalance=0.5 is not allowed") as info:
-        autopar.plan(g, _tiny_cluster(1.0), global_batch_size=4, routing_imbalance=0.5)
+        autopar.plan(g, tiny_cluster(1.0), global_batch_size=4, routing_imbalance=0.5)
     assert "\n" not in str(info.value)
 
 

@@ -18,7 +18,7 @@ from autopar.search.solve import ConfigSolver
 from autopar.search.space import check_constraints, enumerate_space, shard_sizes
 from autopar.vocab import Optimizer
 
-from .test_search_exact import _brute_force_search, _tiny_cluster
+from .exact_reference import brute_force_search, tiny_cluster
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,7 @@ def test_whole_search_with_hsdp_candidates_matches_brute_force(memory_gib):
     graph = extract(
         GPT(GPTConfig(vocab_size=512, seq_len=256, dim=256, n_layers=2, n_heads=8)), seq_len=256, dtype="bf16"
     )
-    cluster = dataclasses.replace(_tiny_cluster(memory_gib), nodes=2)
+    cluster = dataclasses.replace(tiny_cluster(memory_gib), nodes=2)
     constraints = {"micro_batch_size": 1, "tp": 1, "zero_stage": 3}
     model = CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8)
 
@@ -110,7 +110,7 @@ def test_whole_search_with_hsdp_candidates_matches_brute_force(memory_gib):
 
     configs, _ = enumerate_space(graph, cluster, 8, check_constraints(constraints))
     assert {(c.dp, c.dp_shard) for c in configs} >= {(8, None), (8, 4), (4, None)}
-    want = _brute_force_search(solver(), constraints)
+    want = brute_force_search(solver(), constraints)
     result = search(solver(), check_constraints(constraints), top=3)
     assert result.best.fits == (not math.isinf(want))
     if result.best.fits:
@@ -121,7 +121,7 @@ def test_a_fixed_shard_group_is_searched_alone():
     graph = extract(
         GPT(GPTConfig(vocab_size=512, seq_len=256, dim=256, n_layers=2, n_heads=8)), seq_len=256, dtype="bf16"
     )
-    cluster = dataclasses.replace(_tiny_cluster(1.0), nodes=2)
+    cluster = dataclasses.replace(tiny_cluster(1.0), nodes=2)
     configs, rejected = enumerate_space(graph, cluster, 8, check_constraints({"dp_shard": 4}))
     assert {c.dp for c in configs} == {4, 8}
     assert all(c.shard_size == 4 and c.zero_stage >= 2 for c in configs)

@@ -1,8 +1,8 @@
 """Every solver against brute-force enumeration of the same cost model.
 
-The search is exact for its own cost model: the intra-op ILP, the pipeline-split DP, and
-the whole search (bounds, pruning and all) must find the optimum that exhaustive
-enumeration finds (the stage knapsack: ``test_stage_knapsack.py``).
+The search is exact for its own cost model: the intra-op ILP, the pipeline-split DP, the
+time bounds and the stage bands must find what exhaustive enumeration finds (the stage
+knapsack: ``test_stage_knapsack.py``; the whole search: ``test_whole_search.py``).
 """
 
 import dataclasses
@@ -14,24 +14,16 @@ import numpy as np
 import pytest
 import torch
 
-from autopar.cost.comm import group_span
-from autopar.cost.compute import rates
-from autopar.cost.leaf import TPContext, allowed_styles
+from autopar.cost.leaf import allowed_styles
 from autopar.cost.model import CostModel
-from autopar.cost.peak import budget_bytes, held_once_numel, shared_state_bytes
-from autopar.cost.pipeline import inflight_microbatches, stage_inflight_microbatches
-from autopar.cost.stage import PricedStage, rank_buffer_bytes
-from autopar.cost.step import timing
+from autopar.cost.peak import budget_bytes
 from autopar.cost.tensor_parallel import evaluate_layout, model_output_layout
 from autopar.graph import extract
-from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, Flow, Leaf, LeafKind, UnitProfile
-from autopar.hardware import Cluster, DeviceMemory, DeviceSpec, LinkSpec, Roofline, preset
+from autopar.hardware import Cluster, preset
 from autopar.models import (
     GPT,
     CNNConfig,
     GPTConfig,
-    Llama,
-    LlamaConfig,
     MLPConfig,
     MLPStack,
     ResNet,
@@ -45,76 +37,9 @@ from autopar.search.scan import ALL_MODES, search
 from autopar.search.solve import ConfigSolver
 from autopar.search.space import check_constraints, enumerate_space
 from autopar.search.split import band_of, best_split, brute_force_split
-from autopar.search.stage_solver import (
-    memory_of,
-)
-from autopar.vocab import DType, Layout, Optimizer, Schedule, TPStyle
+from autopar.vocab import DType, Optimizer, TPStyle
 
-
-def _ctx(cluster, *, tp, mbs=1, sp=False, first=False, last=False):
-    return TPContext(
-        tp=tp,
-        span=group_span(tp, 1, cluster.devices_per_node),
-        cluster=cluster,
-        rates=rates(cluster.device, DType.BF16),
-        micro_batch=mbs,
-        tokens=64,
-        boundary=Layout.Q if sp else Layout.R,
-        first=first,
-        last=last,
-        loss_parallel=True,
-        sequence_parallel=sp,
-    )
-
-
-def _random_profile(rng: random.Random) -> UnitProfile:
-    """A random chain-with-skips unit: 2-6 leaves of mixed kinds and random sizes."""
-    kinds = [
-        rng.choice([LeafKind.LINEAR, LeafKind.LINEAR, LeafKind.NORM, LeafKind.EMBEDDING])
-        for _ in range(rng.randint(2, 6))
-    ]
-    leaves = []
-    for i, kind in enumerate(kinds):
-        fin, fout = rng.choice([64, 96, 128, 256]), rng.choice([64, 128, 192, 256])
-        numel = fin * fout if kind is not LeafKind.NORM else fout
-        flops = rng.uniform(1e6, 1e9)
-        leaves.append(
-            Leaf(
-                name=f"l{i}",
-                kind=kind,
-                param_numel=numel + fout,
-                weight_numel=numel if kind is not LeafKind.NORM else 0,
-                in_features=fin,
-                out_features=fout,
-                in_heads=rng.choice([0, 0, 4, 8]),
-                out_heads=rng.choice([0, 0, 4, 8]),
-                vocab=False,
-                fwd_flops=flops,
-                matmul_flops=flops if kind is LeafKind.LINEAR else 0.0,
-                fwd_bytes=rng.uniform(1e4, 1e7),
-                saved_bytes=rng.uniform(1e3, 1e6),
-            )
-        )
-    flows = []
-    nodes = [UNIT_INPUT, *range(len(leaves))]
-    for dst in [*range(len(leaves)), UNIT_OUTPUT]:
-        for src in rng.sample([n for n in nodes if n == UNIT_INPUT or (dst == UNIT_OUTPUT or n < dst)], k=1):
-            flows.append(
-                Flow(
-                    src=src,
-                    dst=dst,
-                    tensor_bytes=rng.uniform(1e4, 1e7),
-                    glue_flops=rng.uniform(0, 1e7),
-                    glue_bytes=rng.uniform(0, 1e6),
-                    saved_bytes=rng.uniform(0, 1e5),
-                    attn_flops=rng.choice([0.0, rng.uniform(1e6, 1e8)]),
-                    attn_bytes=0.0,
-                    attn_saved_bytes=0.0,
-                )
-            )
-    return UnitProfile(
-        signature=f"r{rng.random()}", leaves=tuple(leaves), flows=tuple(flows), input_bytes=1e5, output_bytes=1e5
-    )
+from .exact_reference import brute_force_search, layout_ctx, random_profile, tiny_cluster
 
 
 @pytest.mark.parametrize("seed", range(25))
@@ -125,9 +50,9 @@ def test_layout_search_matches_brute_force_on_random_units(seed, table_limit):
     layout's too)."""
     rng = random.Random(seed)
     cluster = preset("dgx-a100-80gb", nodes=2)
-    prof = _random_profile(rng)
+    prof = random_profile(rng)
     for tp, sp, mbs in [(2, False, 1), (4, True, 3), (8, False, 8), (16, True, 2)]:
-        ctx = _ctx(cluster, tp=tp, sp=sp, mbs=mbs, last=rng.random() < 0.3)
+        ctx = layout_ctx(cluster, tp=tp, sp=sp, mbs=mbs, last=rng.random() < 0.3)
         got = LayoutSolver(table_limit=table_limit).fastest(prof, ctx)
         want = brute_force_layout(prof, ctx)
         assert got.time_s == pytest.approx(want.time_s, rel=1e-9, abs=1e-15)
@@ -157,15 +82,17 @@ def test_layout_ilp_on_a_real_block_is_megatron(tp, sp):
     cluster = preset("dgx-a100-80gb", nodes=1)
     graph = extract(build_named_model("gpt3-6.7b"), seq_len=2048)
     block = graph.profile_of(1)
-    cost = LayoutSolver(table_limit=0).fastest(block, _ctx(cluster, tp=tp, sp=sp))
-    assert LayoutSolver().fastest(block, _ctx(cluster, tp=tp, sp=sp)).time_s == pytest.approx(cost.time_s, rel=1e-12)
+    cost = LayoutSolver(table_limit=0).fastest(block, layout_ctx(cluster, tp=tp, sp=sp))
+    assert LayoutSolver().fastest(block, layout_ctx(cluster, tp=tp, sp=sp)).time_s == pytest.approx(
+        cost.time_s, rel=1e-12
+    )
     styles = dict(zip((leaf.name for leaf in block.leaves), cost.styles))
     for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1"):
         assert styles[name] is TPStyle.COLUMN
     assert styles["attention.wo"] is TPStyle.ROW and styles["feed_forward.w2"] is TPStyle.ROW
     norm = TPStyle.SEQUENCE if sp else TPStyle.REPLICATE
     assert styles["attention_norm"] is norm and styles["ffn_norm"] is norm
-    assert cost.time_s == pytest.approx(brute_force_layout(block, _ctx(cluster, tp=tp, sp=sp)).time_s, rel=1e-12)
+    assert cost.time_s == pytest.approx(brute_force_layout(block, layout_ctx(cluster, tp=tp, sp=sp)).time_s, rel=1e-12)
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -183,192 +110,6 @@ def test_split_dp_matches_brute_force(seed):
     assert (got is None) == (want is None)
     if got is not None:
         assert got[0] == pytest.approx(want[0])
-
-
-def _tiny_cluster(memory_gib: float) -> Cluster:
-    device = DeviceSpec(
-        name="toy",
-        roofline=Roofline(peak_flops={DType.BF16: 100e12, DType.FP32: 20e12}, memory_bandwidth_bytes_per_s=1e12),
-        memory=DeviceMemory(capacity_bytes=memory_gib * 2**30, reserved_bytes=2**20),
-    )
-    link = LinkSpec(bandwidth_bytes_per_s=50e9, latency_s=5e-6)
-    return Cluster(
-        name="toy x 1",
-        nodes=1,
-        devices_per_node=4,
-        device=device,
-        intra_node=link,
-        inter_node=LinkSpec(bandwidth_bytes_per_s=5e9, latency_s=2e-5),
-    )
-
-
-def _kernel_variants(cfg: ParallelConfig, cluster: Cluster, fixed: dict) -> list[ParallelConfig]:
-    """``cfg`` with every way of compiling (where the device compiles unasked), FP8 and
-    asynchronous TP the device and the constraints allow, whichever ways the search's
-    space tries: the brute force does not take the space's word that the ways it leaves
-    out never win."""
-    compiles = [False, True] if cluster.device.compiles else [fixed.get("compile", False)]
-    fp8s = [False, True] if cluster.device.roofline.fp8_flops and cfg.dtype is DType.BF16 else [False]
-    out = set()
-    for compiled, fp8, overlapped in itertools.product(compiles, fp8s, [False, True]):
-        if overlapped and not (cluster.device.async_tp and compiled and cfg.sequence_parallel):
-            continue
-        v = dataclasses.replace(cfg, compile=compiled, fp8=fp8, async_tp=overlapped)
-        if all(getattr(v, k) == fixed[k] for k in ("compile", "fp8", "async_tp") if k in fixed):
-            out.add(v)
-    return sorted(out, key=repr)
-
-
-def _brute_force_search(evaluator: ConfigSolver, constraints: dict) -> float:
-    """Every configuration x every split x every per-unit option (identical units of a
-    stage sharing a layout), priced by the cost model."""
-    model = evaluator.model
-    fixed = check_constraints(constraints)
-    configs, _ = enumerate_space(model.graph, model.cluster, model.global_batch_size, fixed)
-    configs = [v for cfg in configs for v in _kernel_variants(cfg, model.cluster, fixed)]
-    n = len(model.graph.units)
-    budget = evaluator.budget_bytes
-    best = math.inf
-    for cfg in configs:
-        per_unit = [evaluator.priced_options(u, cfg, ALL_MODES) for u in range(n)]
-        if cfg.virtual_stages > 1:
-            splits = [evaluator.even_split(cfg.pp * cfg.virtual_stages, exact=True)]
-        else:
-            splits = [(0, *cuts, n) for cuts in itertools.combinations(range(1, n), cfg.pp - 1)]
-        for bounds in splits:
-            if bounds is None:
-                continue
-            for choice in itertools.product(*(range(len(p[0])) for p in per_unit)):
-                stages, ok = [], True
-                for r in range(cfg.pp):
-                    units = [u for c in cfg.stages_of_rank(r) for u in range(bounds[c], bounds[c + 1])]
-                    kinds = {}
-                    for u in units:
-                        kinds.setdefault(evaluator.unit_keys[u], set()).add(per_unit[u][1][choice[u]].layout)
-                    if any(len(lays) > 1 for lays in kinds.values()):
-                        ok = False
-                        break
-                    inflight = inflight_microbatches(cfg.schedule, cfg.pp, cfg.virtual_stages, cfg.num_microbatches, r)
-                    held = {
-                        u: stage_inflight_microbatches(
-                            cfg.schedule, cfg.pp, cfg.virtual_stages, cfg.num_microbatches, c
-                        )
-                        for c in cfg.stages_of_rank(r)
-                        for u in range(bounds[c], bounds[c + 1])
-                    }
-                    groups = [
-                        (
-                            1,
-                            (
-                                dataclasses.replace(
-                                    per_unit[u][1][choice[u]],
-                                    act_bytes=per_unit[u][1][choice[u]].act_bytes * held[u] / inflight,
-                                ),
-                            ),
-                        )
-                        for u in units
-                    ]
-                    mem = memory_of(groups, tuple((1,) for _ in units), inflight)
-                    taken = {u: per_unit[u][0][choice[u]] for u in units}
-                    mem -= shared_state_bytes(model, cfg, held_once_numel(model, cfg, taken))
-                    mem += rank_buffer_bytes(model, tuple(units), cfg, inflight, lambda u: taken[u].layout)
-                    if mem > budget * (1 + 1e-12):
-                        ok = False
-                        break
-                if not ok:
-                    continue
-                for c in range(len(bounds) - 1):
-                    units = tuple(range(bounds[c], bounds[c + 1]))
-                    opts = tuple(per_unit[u][0][choice[u]] for u in units)
-                    r = cfg.rank_of_stage(c)
-                    inflight = stage_inflight_microbatches(
-                        cfg.schedule, cfg.pp, cfg.virtual_stages, cfg.num_microbatches, c
-                    )
-                    stages.append(PricedStage(index=c, units=units, options=opts, inflight=inflight))
-                best = min(best, timing(model, cfg, stages).step_s)
-    return best
-
-
-@pytest.mark.parametrize("memory_gib", [0.012, 0.02, 0.03, 0.1])
-def test_whole_search_matches_brute_force(memory_gib):
-    model = GPT(GPTConfig(vocab_size=512, seq_len=256, dim=256, n_layers=2, n_heads=8))
-    graph = extract(model, seq_len=256, dtype="bf16")
-    cluster = _tiny_cluster(memory_gib)
-    constraints = {"micro_batch_size": 2}
-    model = CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8)
-
-    def solver() -> ConfigSolver:
-        return ConfigSolver(model=model, budget_bytes=budget_bytes(cluster.device.memory), micro_batches=(2,))
-
-    want = _brute_force_search(solver(), constraints)
-    result = search(solver(), check_constraints(constraints), top=3)
-    if math.isinf(want):
-        assert not result.best.fits
-    else:
-        assert result.best.fits
-        assert result.best.step_time_s == pytest.approx(want, rel=1e-9)
-
-
-@pytest.mark.parametrize(("fp8_efficiency", "bandwidth", "fp8_wins"), [(0.5, 1e12, False), (0.9, 10e12, True)])
-@pytest.mark.parametrize("memory_gib", [0.02, 0.1])
-def test_whole_search_with_kernel_options_matches_brute_force(memory_gib, fp8_efficiency, bandwidth, fp8_wins):
-    """On a device that compiles unasked, has FP8 matmuls and runs asynchronous TP, the
-    search tries compiled blocks only, asynchronous TP only where it applies and FP8 both
-    ways; brute force over every way of all three (and every configuration, split and
-    per-unit option) finds nothing faster. FP8 loses where its casts cost more than its
-    matmuls save (a slow FP8 rate, little bandwidth) and wins on fast FP8 and memory."""
-    model = GPT(GPTConfig(vocab_size=512, seq_len=256, dim=256, n_layers=2, n_heads=8))
-    graph = extract(model, seq_len=256, dtype="bf16")
-    tiny = _tiny_cluster(memory_gib)
-    roof = dataclasses.replace(
-        tiny.device.roofline,
-        fp8_flops=200e12,
-        fp8_matmul_efficiency=fp8_efficiency,
-        memory_bandwidth_bytes_per_s=bandwidth,
-    )
-    device = dataclasses.replace(tiny.device, roofline=roof, compiles=True, async_tp=True)
-    cluster = dataclasses.replace(tiny, device=device)
-    constraints = {"micro_batch_size": 2}
-    model = CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8)
-
-    def solver() -> ConfigSolver:
-        return ConfigSolver(model=model, budget_bytes=budget_bytes(cluster.device.memory), micro_batches=(2,))
-
-    configs, _ = enumerate_space(graph, cluster, 8, check_constraints(constraints))
-    assert all(c.compile and c.async_tp == c.sequence_parallel for c in configs)
-    assert {c.fp8 for c in configs} == {False, True}
-    want = _brute_force_search(solver(), constraints)
-    result = search(solver(), check_constraints(constraints), top=3)
-    assert math.isfinite(want) and result.best.fits
-    assert result.best.step_time_s == pytest.approx(want, rel=1e-9)
-    assert result.best.config.fp8 is fp8_wins
-
-
-@pytest.mark.parametrize("schedule", [None, "interleaved-zb"])
-@pytest.mark.parametrize("memory_gib", [0.01, 0.02, 1.0])
-def test_whole_search_matches_brute_force_on_two_stages_per_rank(memory_gib, schedule):
-    """Interleaved 1F1B, interleaved ZB and ZB-V (its V placement: rank 0 holds the
-    first and the last stage) on an untied 4-block Llama, and interleaved ZB alone: the
-    search equals brute force. ZeRO-2 is fixed: under DDP and ZeRO-1 a longer backward
-    hides more of the data-parallel tail, so recomputation can pay off through the tail,
-    which the per-rank choice does not see (for interleaved 1F1B as well)."""
-    model = Llama(LlamaConfig(vocab_size=512, seq_len=128, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=256))
-    graph = extract(model, seq_len=128, dtype="bf16")
-    cluster = _tiny_cluster(memory_gib)
-    constraints = {"micro_batch_size": 2, "pp": 2, "tp": 1, "virtual_stages": 2, "zero_stage": 2}
-    constraints.update({"schedule": schedule} if schedule else {})
-    model = CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8)
-
-    def solver() -> ConfigSolver:
-        return ConfigSolver(model=model, budget_bytes=budget_bytes(cluster.device.memory), micro_batches=(2,))
-
-    configs, _ = enumerate_space(graph, cluster, 8, check_constraints(constraints))
-    offered = {Schedule(schedule)} if schedule else {Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZB, Schedule.ZBV}
-    assert {c.schedule for c in configs} == offered
-    want = _brute_force_search(solver(), constraints)
-    result = search(solver(), check_constraints(constraints), top=3)
-    assert math.isfinite(want) and result.best.fits
-    assert result.best.step_time_s == pytest.approx(want, rel=1e-9)
 
 
 @pytest.mark.parametrize(
@@ -389,7 +130,7 @@ def test_time_bound_never_exceeds_the_exact_step(name, build, inputs):
         inputs = {"sample_input": torch.zeros(1, 3, 32, 32)}
     graph = extract(build(), dtype="bf16", **inputs)
     # tight enough that some candidates need recomputation, some do not fit at all
-    cluster = dataclasses.replace(_tiny_cluster(0.012 if name == "gpt" else 0.05), nodes=2)
+    cluster = dataclasses.replace(tiny_cluster(0.012 if name == "gpt" else 0.05), nodes=2)
     model = CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=16)
     solver = ConfigSolver(model=model, budget_bytes=budget_bytes(cluster.device.memory), micro_batches=(1, 2, 4))
     configs, _ = enumerate_space(graph, cluster, 16, check_constraints({}))
@@ -426,7 +167,7 @@ def test_skeleton_band_matches_solving_each_stage(pp, schedule, m, memory_gib):
     graph = extract(
         GPT(GPTConfig(vocab_size=512, seq_len=64, dim=128, n_layers=8, n_heads=4)), seq_len=64, dtype="bf16"
     )
-    cluster = _tiny_cluster(memory_gib)
+    cluster = tiny_cluster(memory_gib)
     model = CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=2 * m)
     solver = ConfigSolver(model=model, budget_bytes=budget_bytes(cluster.device.memory))
     assert solver.skeleton is not None and solver.skeleton.count == 8
@@ -505,7 +246,7 @@ def test_a_longer_stage_can_be_cheaper_and_the_split_still_finds_it():
     def solver() -> ConfigSolver:
         return ConfigSolver(model=model, budget_bytes=budget_bytes(cluster.device.memory), micro_batches=(1,))
 
-    want = _brute_force_search(solver(), constraints)
+    want = brute_force_search(solver(), constraints)
     found = search(solver(), check_constraints(constraints), top=0).best
     assert math.isfinite(want) and found.fits
     assert found.step_time_s == pytest.approx(want, rel=1e-9)

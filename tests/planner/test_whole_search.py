@@ -1,0 +1,101 @@
+"""The whole search (bounds, pruning and all) against brute-force enumeration of the same
+cost model (:mod:`tests.planner.exact_reference`): plain, with the kernel options a
+device may search, and on two stages per rank."""
+
+import dataclasses
+import math
+
+import pytest
+
+from autopar.cost.model import CostModel
+from autopar.cost.peak import budget_bytes
+from autopar.graph import extract
+from autopar.models import GPT, GPTConfig, Llama, LlamaConfig
+from autopar.search.scan import search
+from autopar.search.solve import ConfigSolver
+from autopar.search.space import check_constraints, enumerate_space
+from autopar.vocab import Optimizer, Schedule
+
+from .exact_reference import brute_force_search, tiny_cluster
+
+
+@pytest.mark.parametrize("memory_gib", [0.012, 0.02, 0.03, 0.1])
+def test_whole_search_matches_brute_force(memory_gib):
+    model = GPT(GPTConfig(vocab_size=512, seq_len=256, dim=256, n_layers=2, n_heads=8))
+    graph = extract(model, seq_len=256, dtype="bf16")
+    cluster = tiny_cluster(memory_gib)
+    constraints = {"micro_batch_size": 2}
+    model = CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8)
+
+    def solver() -> ConfigSolver:
+        return ConfigSolver(model=model, budget_bytes=budget_bytes(cluster.device.memory), micro_batches=(2,))
+
+    want = brute_force_search(solver(), constraints)
+    result = search(solver(), check_constraints(constraints), top=3)
+    if math.isinf(want):
+        assert not result.best.fits
+    else:
+        assert result.best.fits
+        assert result.best.step_time_s == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.parametrize(("fp8_efficiency", "bandwidth", "fp8_wins"), [(0.5, 1e12, False), (0.9, 10e12, True)])
+@pytest.mark.parametrize("memory_gib", [0.02, 0.1])
+def test_whole_search_with_kernel_options_matches_brute_force(memory_gib, fp8_efficiency, bandwidth, fp8_wins):
+    """On a device that compiles unasked, has FP8 matmuls and runs asynchronous TP, the
+    search tries compiled blocks only, asynchronous TP only where it applies and FP8 both
+    ways; brute force over every way of all three (and every configuration, split and
+    per-unit option) finds nothing faster. FP8 loses where its casts cost more than its
+    matmuls save (a slow FP8 rate, little bandwidth) and wins on fast FP8 and memory."""
+    model = GPT(GPTConfig(vocab_size=512, seq_len=256, dim=256, n_layers=2, n_heads=8))
+    graph = extract(model, seq_len=256, dtype="bf16")
+    tiny = tiny_cluster(memory_gib)
+    roof = dataclasses.replace(
+        tiny.device.roofline,
+        fp8_flops=200e12,
+        fp8_matmul_efficiency=fp8_efficiency,
+        memory_bandwidth_bytes_per_s=bandwidth,
+    )
+    device = dataclasses.replace(tiny.device, roofline=roof, compiles=True, async_tp=True)
+    cluster = dataclasses.replace(tiny, device=device)
+    constraints = {"micro_batch_size": 2}
+    model = CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8)
+
+    def solver() -> ConfigSolver:
+        return ConfigSolver(model=model, budget_bytes=budget_bytes(cluster.device.memory), micro_batches=(2,))
+
+    configs, _ = enumerate_space(graph, cluster, 8, check_constraints(constraints))
+    assert all(c.compile and c.async_tp == c.sequence_parallel for c in configs)
+    assert {c.fp8 for c in configs} == {False, True}
+    want = brute_force_search(solver(), constraints)
+    result = search(solver(), check_constraints(constraints), top=3)
+    assert math.isfinite(want) and result.best.fits
+    assert result.best.step_time_s == pytest.approx(want, rel=1e-9)
+    assert result.best.config.fp8 is fp8_wins
+
+
+@pytest.mark.parametrize("schedule", [None, "interleaved-zb"])
+@pytest.mark.parametrize("memory_gib", [0.01, 0.02, 1.0])
+def test_whole_search_matches_brute_force_on_two_stages_per_rank(memory_gib, schedule):
+    """Interleaved 1F1B, interleaved ZB and ZB-V (its V placement: rank 0 holds the
+    first and the last stage) on an untied 4-block Llama, and interleaved ZB alone: the
+    search equals brute force. ZeRO-2 is fixed: under DDP and ZeRO-1 a longer backward
+    hides more of the data-parallel tail, so recomputation can pay off through the tail,
+    which the per-rank choice does not see (for interleaved 1F1B as well)."""
+    model = Llama(LlamaConfig(vocab_size=512, seq_len=128, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=256))
+    graph = extract(model, seq_len=128, dtype="bf16")
+    cluster = tiny_cluster(memory_gib)
+    constraints = {"micro_batch_size": 2, "pp": 2, "tp": 1, "virtual_stages": 2, "zero_stage": 2}
+    constraints.update({"schedule": schedule} if schedule else {})
+    model = CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8)
+
+    def solver() -> ConfigSolver:
+        return ConfigSolver(model=model, budget_bytes=budget_bytes(cluster.device.memory), micro_batches=(2,))
+
+    configs, _ = enumerate_space(graph, cluster, 8, check_constraints(constraints))
+    offered = {Schedule(schedule)} if schedule else {Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZB, Schedule.ZBV}
+    assert {c.schedule for c in configs} == offered
+    want = brute_force_search(solver(), constraints)
+    result = search(solver(), check_constraints(constraints), top=3)
+    assert math.isfinite(want) and result.best.fits
+    assert result.best.step_time_s == pytest.approx(want, rel=1e-9)

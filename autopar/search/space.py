@@ -273,9 +273,9 @@ def enumerate_space(
                 if "num_microbatches" in c and c["num_microbatches"] != m:
                     continue
                 for schedule, v in _schedules(pp, graph, c):
-                    problem = schedule_problem(schedule, pp, v, m)
+                    problem = schedule_problem(schedule, pp, v, m) or split_problem(graph, schedule, pp, v)
                     if problem:
-                        if "schedule" in c:  # pinned: say why it never runs here
+                        if "schedule" in c or "virtual_stages" in c:  # pinned: say why it never runs here
                             rejected.append(Rejection(what=f"pp={pp} micro_batch_size={mbs} (dp={dp})", reason=problem))
                         continue
                     if schedule is Schedule.GPIPE and "schedule" not in c and m >= pp:
@@ -433,8 +433,31 @@ def _schedules(pp: int, graph: LayerGraph, c: Mapping[str, Any]) -> Iterator[tup
             continue  # tied weights could land in two stages of one rank (the V)
         top = 2 if schedule.v_shape else MAX_VIRTUAL_STAGES
         for v in [c["virtual_stages"]] if "virtual_stages" in c else range(2, top + 1):
-            if 2 <= v <= top and even_bounds_of(graph.units, pp * v, exact=True) is not None:
+            if 2 <= v <= top:
                 yield schedule, v
+
+
+def split_problem(graph: LayerGraph, schedule: Schedule, pp: int, virtual_stages: int) -> str | None:
+    """Why ``schedule`` cannot split the model over ``pp x virtual_stages`` stages, or None.
+
+    Several stages per rank take a fixed even split (:func:`autopar.search.split.even_bounds`).
+    Under interleaved 1F1B it may go down to one unit per stage, the embedding and the loss
+    alone at the ends (Llama 3 405B's split). The zero-bubble schedules keep a block on every
+    stage: their step is the slowest rank's own timeline, so such light end stages leave a
+    rank off the critical path, where the step model's tail takes a gain from a slower
+    option that the search does not take (docs/cost-model.md)."""
+    if virtual_stages == 1:
+        return None
+    chunks = pp * virtual_stages
+    if even_bounds_of(graph.units, chunks, exact=True, lone_ends=not schedule.zero_bubble) is not None:
+        return None
+    units = len(graph.units)
+    blocks = sum(1 for u in graph.units if u.is_block)
+    ends = " with a block on every stage" if schedule.zero_bubble else ""
+    return (
+        f"{schedule.value} over pp x virtual_stages = {chunks} stages needs its {blocks} blocks, or its "
+        f"{units} units with the embedding and the loss counted as a layer each, to split evenly{ends}"
+    )
 
 
 def micro_batch_range(

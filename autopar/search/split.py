@@ -125,30 +125,37 @@ def brute_force_split(table: np.ndarray, num_microbatches: int) -> tuple[float, 
     return best_value, best_bounds
 
 
-def even_bounds_of(units: Sequence[Unit], chunks: int, *, exact: bool = False) -> tuple[int, ...] | None:
+def even_bounds_of(
+    units: Sequence[Unit], chunks: int, *, exact: bool = False, lone_ends: bool = True
+) -> tuple[int, ...] | None:
     """:func:`even_bounds` for a model's units: a first unit outside any block is the
     prologue, a last one (of three or more) the epilogue."""
     n = len(units)
     first = 1 if n > 1 and not units[0].prefix else 0
     last = 1 if n > 2 and not units[-1].prefix else 0
-    return even_bounds(n, first, last, chunks, exact=exact)
+    return even_bounds(n, first, last, chunks, exact=exact, lone_ends=lone_ends)
 
 
-def even_bounds(n: int, first: int, last: int, chunks: int, *, exact: bool = False) -> tuple[int, ...] | None:
+def even_bounds(
+    n: int, first: int, last: int, chunks: int, *, exact: bool = False, lone_ends: bool = True
+) -> tuple[int, ...] | None:
     """Stage boundaries spreading ``n`` units over ``chunks`` stages evenly: the blocks
     (the units but a prologue, ``first`` = 1, and an epilogue, ``last`` = 1) as evenly as
     possible, the prologue on the first stage and the epilogue on the last. None when
-    there are fewer blocks than stages.
+    there are fewer blocks than stages (but for one unit per stage, below).
 
     With ``exact`` (the rule for interleaved stages), every stage must hold the same
     number: of blocks (Megatron-LM's rule), or else of units, when a prologue and an
     epilogue exist and the units divide evenly: the first and the last stage then hold
     one block fewer, the embedding and the loss counting as a layer each (Megatron-LM's
-    ``--account-for-embedding-in-pipeline-split`` and ``--account-for-loss-in-pipeline-split``;
-    Llama 3 405B trained so, 126 layers on 16 x 2 stages: Llama Team 2024, "The Llama 3
-    Herd of Models", section 3.3.2). None when neither divides."""
+    ``--account-for-embedding-in-pipeline-split`` and ``--account-for-loss-in-pipeline-split``).
+    At one unit per stage the first stage holds the embedding alone and the last the
+    loss alone: Llama 3 405B trained so, 126 layers and those two on 16 x 8 stages
+    (Llama Team 2024, "The Llama 3 Herd of Models", section 3.3.2: its first chunk "has
+    only the embedding"); ``lone_ends=False`` refuses that split. None when neither
+    divides."""
     blocks = n - first - last
-    if blocks < chunks:
+    if blocks < chunks and not (exact and lone_ends and first and last and n == chunks):
         return None
     if exact and blocks % chunks:
         if not (first and last) or n % chunks:

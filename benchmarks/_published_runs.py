@@ -30,7 +30,13 @@ NARAYANAN_2021 = [
 ]
 
 # Llama Team 2024, table 4: (gpus, tp, cp, pp, dp, sequence length, sequences per dp rank, BF16 MFU %).
-# The two 8K-token rows hold the global batch (2048 sequences) over 8,192 and 16,384 GPUs.
+# The two 8K-token rows hold the global batch (2048 sequences) over 8,192 and 16,384 GPUs. Section
+# 3.3.2 says how they ran: FSDP that "shards optimizer states and gradients, but for model shards we
+# do not reshard after forward computation" (autopar's ZeRO-2); an interleaved schedule whose "first
+# model chunk on the first stage has only the embedding" and last chunk only the output and loss, so
+# one layer per chunk: 126 layers and those two on 16 x 8 stages (V = 8); and "sequences of 8K
+# tokens without activation checkpointing". Micro-batches of one sequence.
+LLAMA3_VIRTUAL_STAGES = 8
 LLAMA3_2024 = [
     (8192, 8, 1, 16, 64, 8192, 32, 43),
     (16384, 8, 1, 16, 128, 8192, 16, 41),

@@ -31,7 +31,7 @@ from autopar.plan import ParallelConfig
 from autopar.search.experts import capacity_experts, check_expert_parallel, ep_degrees
 from autopar.search.integers import divisors
 from autopar.search.kernel_options import async_tp_options, check_async_tp, check_fp8, compile_options, fp8_options
-from autopar.search.split import even_bounds_of
+from autopar.search.schedules import check_schedule_constraints, offered_schedules, split_problem
 from autopar.vocab import ZERO_STAGES, DType, Recompute, Schedule, TPStyle
 
 CONFIG_FIELDS = tuple(f.name for f in fields(ParallelConfig))
@@ -41,7 +41,6 @@ CUT_NOTE = (
     "autopar.models do); pp > 1 is searched only when asked for with constraints"
 )
 MAX_MICRO_BATCH = 64
-MAX_VIRTUAL_STAGES = 8
 CP_MIN_TOKENS = 8192
 """The search tries context parallelism only where each rank keeps at least this many
 tokens of a sample: below it the key/value exchange of every layer can no longer hide
@@ -219,7 +218,7 @@ def enumerate_space(
             f"KV heads and FFN sizes must divide by it); allowed: {allowed_tp}."
         )
     _check_divides(c, world)
-    _check_zero_bubble(c, graph)
+    check_schedule_constraints(c, graph)
     check_context_parallel(graph, c)
     check_expert_parallel(graph, c)
     tps = [c["tp"]] if "tp" in c else allowed_tp
@@ -272,7 +271,7 @@ def enumerate_space(
                 m = per_rank // mbs
                 if "num_microbatches" in c and c["num_microbatches"] != m:
                     continue
-                for schedule, v in _schedules(pp, graph, c):
+                for schedule, v in offered_schedules(pp, graph, c):
                     problem = schedule_problem(schedule, pp, v, m) or split_problem(graph, schedule, pp, v)
                     if problem:
                         if "schedule" in c or "virtual_stages" in c:  # pinned: say why it never runs here
@@ -379,25 +378,6 @@ def _check_divides(c: Mapping[str, Any], world: int) -> None:
             )
 
 
-def _check_zero_bubble(c: Mapping[str, Any], graph: LayerGraph) -> None:
-    """A pinned zero-bubble schedule the runtime would refuse, said at once (unpinned, the
-    search leaves these out): ZeRO-3 under a split backward, a V (``zbv``, ``dualpipev``)
-    for tied weights."""
-    schedule = c.get("schedule")
-    if schedule is not None and schedule.zero_bubble and c.get("zero_stage") == 3:
-        raise ConfigError(
-            f"schedule={c['schedule'].value!r} with zero_stage=3 is not offered: autopar's runtime refuses it (FSDP2 "
-            f"resharding after forward under the split backward trained to wrong losses); use zero_stage <= 2."
-        )
-    if schedule is not None and schedule.v_shape and graph.shared:
-        tie = graph.shared[0]
-        raise ConfigError(
-            f"schedule={schedule.value!r} cannot run this model: {tie.first_module!r} and {tie.second_module!r} share "
-            f"a weight, and its stages in a V may put both on one pipeline rank in two stages, which the runtime "
-            f"refuses; use schedule='interleaved-zb' or untie the weights."
-        )
-
-
 def _batch_rejection(c: Mapping[str, Any], dp: int, per_rank: int) -> Rejection | None:
     """Why a fixed micro-batch size or count cannot split the ``per_rank`` samples of each
     of ``dp`` data-parallel ranks, if it cannot (the search would find no candidate, and
@@ -418,46 +398,6 @@ def _batch_rejection(c: Mapping[str, Any], dp: int, per_rank: int) -> Rejection 
             f"search tries; fix micro_batch_size too",
         )
     return None
-
-
-def _schedules(pp: int, graph: LayerGraph, c: Mapping[str, Any]) -> Iterator[tuple[Schedule, int]]:
-    if pp == 1:
-        yield Schedule.ONE_F_ONE_B, 1
-        return
-    wanted = c.get("schedule")
-    for schedule in (Schedule.ONE_F_ONE_B, Schedule.GPIPE):
-        if wanted in (None, schedule) and c.get("virtual_stages", 1) == 1:
-            yield schedule, 1
-    for schedule in (Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZB, Schedule.ZBV, Schedule.DUALPIPEV):
-        if wanted not in (None, schedule) or (schedule.v_shape and graph.shared):
-            continue  # tied weights could land in two stages of one rank (the V)
-        top = 2 if schedule.v_shape else MAX_VIRTUAL_STAGES
-        for v in [c["virtual_stages"]] if "virtual_stages" in c else range(2, top + 1):
-            if 2 <= v <= top:
-                yield schedule, v
-
-
-def split_problem(graph: LayerGraph, schedule: Schedule, pp: int, virtual_stages: int) -> str | None:
-    """Why ``schedule`` cannot split the model over ``pp x virtual_stages`` stages, or None.
-
-    Several stages per rank take a fixed even split (:func:`autopar.search.split.even_bounds`).
-    Under interleaved 1F1B it may go down to one unit per stage, the embedding and the loss
-    alone at the ends (Llama 3 405B's split). The zero-bubble schedules keep a block on every
-    stage: their step is the slowest rank's own timeline, so such light end stages leave a
-    rank off the critical path, where the step model's tail takes a gain from a slower
-    option that the search does not take (docs/cost-model.md)."""
-    if virtual_stages == 1:
-        return None
-    chunks = pp * virtual_stages
-    if even_bounds_of(graph.units, chunks, exact=True, lone_ends=not schedule.zero_bubble) is not None:
-        return None
-    units = len(graph.units)
-    blocks = sum(1 for u in graph.units if u.is_block)
-    ends = " with a block on every stage" if schedule.zero_bubble else ""
-    return (
-        f"{schedule.value} over pp x virtual_stages = {chunks} stages needs its {blocks} blocks, or its "
-        f"{units} units with the embedding and the loss counted as a layer each, to split evenly{ends}"
-    )
 
 
 def micro_batch_range(

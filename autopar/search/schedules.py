@@ -1,0 +1,78 @@
+"""Which pipeline schedules the search tries for a pipeline degree, and why a pinned one
+cannot run: the schedules and their stages per rank, the model's split over them, and the
+combinations autopar's runtime refuses."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from autopar.errors import ConfigError
+from autopar.graph.layer_graph import LayerGraph
+from autopar.search.split import even_bounds_of
+from autopar.vocab import Schedule
+
+MAX_VIRTUAL_STAGES = 8
+
+
+def check_schedule_constraints(c: Mapping[str, Any], graph: LayerGraph) -> None:
+    """A pinned zero-bubble schedule the runtime would refuse, said at once (unpinned, the
+    search leaves these out): ZeRO-3 under a split backward, a V (``zbv``, ``dualpipev``)
+    for tied weights."""
+    schedule = c.get("schedule")
+    if schedule is not None and schedule.zero_bubble and c.get("zero_stage") == 3:
+        raise ConfigError(
+            f"schedule={c['schedule'].value!r} with zero_stage=3 is not offered: autopar's runtime refuses it (FSDP2 "
+            f"resharding after forward under the split backward trained to wrong losses); use zero_stage <= 2."
+        )
+    if schedule is not None and schedule.v_shape and graph.shared:
+        tie = graph.shared[0]
+        raise ConfigError(
+            f"schedule={schedule.value!r} cannot run this model: {tie.first_module!r} and {tie.second_module!r} share "
+            f"a weight, and its stages in a V may put both on one pipeline rank in two stages, which the runtime "
+            f"refuses; use schedule='interleaved-zb' or untie the weights."
+        )
+
+
+def offered_schedules(pp: int, graph: LayerGraph, c: Mapping[str, Any]) -> Iterator[tuple[Schedule, int]]:
+    """The (schedule, stages per rank) pairs a pipeline of ``pp`` ranks is tried with under
+    the constraints ``c``: one stage per rank for 1F1B and GPipe, 2 to
+    :data:`MAX_VIRTUAL_STAGES` for the interleaved ones, 2 for a V (left out for tied
+    weights). Whether the model splits over them is :func:`split_problem`'s."""
+    if pp == 1:
+        yield Schedule.ONE_F_ONE_B, 1
+        return
+    wanted = c.get("schedule")
+    for schedule in (Schedule.ONE_F_ONE_B, Schedule.GPIPE):
+        if wanted in (None, schedule) and c.get("virtual_stages", 1) == 1:
+            yield schedule, 1
+    for schedule in (Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZB, Schedule.ZBV, Schedule.DUALPIPEV):
+        if wanted not in (None, schedule) or (schedule.v_shape and graph.shared):
+            continue  # tied weights could land in two stages of one rank (the V)
+        top = 2 if schedule.v_shape else MAX_VIRTUAL_STAGES
+        for v in [c["virtual_stages"]] if "virtual_stages" in c else range(2, top + 1):
+            if 2 <= v <= top:
+                yield schedule, v
+
+
+def split_problem(graph: LayerGraph, schedule: Schedule, pp: int, virtual_stages: int) -> str | None:
+    """Why ``schedule`` cannot split the model over ``pp x virtual_stages`` stages, or None.
+
+    Several stages per rank take a fixed even split (:func:`autopar.search.split.even_bounds`).
+    Under interleaved 1F1B it may go down to one unit per stage, the embedding and the loss
+    alone at the ends (Llama 3 405B's split). The zero-bubble schedules keep a block on every
+    stage: their step is the slowest rank's own timeline, so such light end stages leave a
+    rank off the critical path, where the step model's tail takes a gain from a slower
+    option that the search does not take (docs/cost-model.md)."""
+    if virtual_stages == 1:
+        return None
+    chunks = pp * virtual_stages
+    if even_bounds_of(graph.units, chunks, exact=True, lone_ends=not schedule.zero_bubble) is not None:
+        return None
+    units = len(graph.units)
+    blocks = sum(1 for u in graph.units if u.is_block)
+    ends = " with a block on every stage" if schedule.zero_bubble else ""
+    return (
+        f"{schedule.value} over pp x virtual_stages = {chunks} stages needs its {blocks} blocks, or its "
+        f"{units} units with the embedding and the loss counted as a layer each, to split evenly{ends}"
+    )

@@ -72,6 +72,8 @@ def split_problem(graph: LayerGraph, schedule: Schedule, pp: int, virtual_stages
     units = len(graph.units)
     blocks = sum(1 for u in graph.units if u.is_block)
     ends = " with a block on every stage" if schedule.zero_bubble else ""
+    if schedule.zero_bubble and even_bounds_of(graph.units, chunks, exact=True) is not None:
+        ends += " (interleaved-1f1b takes one unit per stage)"
     return (
         f"{schedule.value} over pp x virtual_stages = {chunks} stages needs its {blocks} blocks, or its "
         f"{units} units with the embedding and the loss counted as a layer each, to split evenly{ends}"

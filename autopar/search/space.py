@@ -272,10 +272,12 @@ def enumerate_space(
                 if "num_microbatches" in c and c["num_microbatches"] != m:
                     continue
                 for schedule, v in offered_schedules(pp, graph, c):
-                    problem = schedule_problem(schedule, pp, v, m) or split_problem(graph, schedule, pp, v)
+                    what, problem = f"pp={pp} micro_batch_size={mbs} (dp={dp})", schedule_problem(schedule, pp, v, m)
+                    if not problem:  # the same for every batch split: said once
+                        what, problem = f"pp={pp} virtual_stages={v}", split_problem(graph, schedule, pp, v)
                     if problem:
                         if "schedule" in c or "virtual_stages" in c:  # pinned: say why it never runs here
-                            rejected.append(Rejection(what=f"pp={pp} micro_batch_size={mbs} (dp={dp})", reason=problem))
+                            rejected.append(Rejection(what=what, reason=problem))
                         continue
                     if schedule is Schedule.GPIPE and "schedule" not in c and m >= pp:
                         continue  # dominated: 1F1B takes the same time and holds fewer micro-batches

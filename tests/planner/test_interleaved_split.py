@@ -72,7 +72,12 @@ def test_a_llama_of_126_layers_interleaves_one_layer_per_stage():
 @pytest.mark.parametrize(
     ("schedule", "v", "why"),
     [
-        ("interleaved-zb", 8, r"128 stages needs its 126 blocks, or its 128 units .* with a block on every stage"),
+        (
+            "interleaved-zb",
+            8,
+            r"128 stages needs its 126 blocks, or its 128 units .* with a block on every stage "
+            r"\(interleaved-1f1b takes one unit per stage\)\.",
+        ),
         ("interleaved-1f1b", 7, r"112 stages needs its 126 blocks, or its 128 units .* to split evenly\."),
     ],
 )
@@ -84,6 +89,7 @@ def test_a_split_that_does_not_divide_is_refused_in_one_line(schedule, v, why):
     with pytest.raises(autopar.ConfigError, match=why) as err:
         _estimate_llama_126(fixed)
     assert "\n" not in str(err.value)
+    assert str(err.value).count("needs its") == 1  # said once, not once per batch split
 
 
 def _estimate_llama_126(fixed: dict) -> autopar.Plan:

@@ -68,43 +68,76 @@ def _sharded(local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     return DTensor(local, spec, requires_grad=False)
 
 
+class _WaitedRotater:
+    """One of torch's ring rotaters whose every exchange is waited for as soon as it is
+    issued, so that no gloo collective of the ring is in flight when the next one starts
+    or when the buffers it reads and writes are replaced."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def exchange_buffers(self, curr_buffer: torch.Tensor) -> None:
+        self._inner.exchange_buffers(curr_buffer)
+        self._inner.next_buffer()
+
+    def next_buffer(self) -> torch.Tensor:
+        return self._inner.next_buffer()
+
+
+@contextlib.contextmanager
+def _waited_exchanges() -> Iterator[None]:
+    """Torch's ring functions with their exchanges waited at once (:class:`_WaitedRotater`).
+    The CPU path runs on gloo, where a rank of the full test suite twice aborted with a
+    corrupted heap inside the ring backward's asynchronous exchanges (the all-gather of
+    K/V and the all-to-all of dK/dV in flight together); on the CPU nothing hides the
+    exchanges anyway."""
+    create = cp_attention._create_rotater
+    cp_attention._create_rotater = lambda *args, **kwargs: _WaitedRotater(create(*args, **kwargs))
+    try:
+        yield
+    finally:
+        cp_attention._create_rotater = create
+
+
 def _cpu_flash_ring(op_call: Any, args: tuple, kwargs: dict) -> tuple[DTensor, DTensor]:
     query, key, value, *rest = args
     dropout_p = rest[0] if len(rest) > 0 else kwargs.get("dropout_p", 0.0)
     is_causal = rest[1] if len(rest) > 1 else kwargs.get("is_causal", False)
     mesh = query.device_mesh
-    out, lse = cp_attention._templated_ring_attention(
-        mesh.get_group(),
-        SEQ_DIM,
-        _CPU_FORWARD,
-        query=_local(query),
-        key=_local(key),
-        value=_local(value),
-        is_causal=is_causal,
-        dropout_p=dropout_p,
-        scale=kwargs.get("scale"),
-    )
+    with _waited_exchanges():
+        out, lse = cp_attention._templated_ring_attention(
+            mesh.get_group(),
+            SEQ_DIM,
+            _CPU_FORWARD,
+            query=_local(query),
+            key=_local(key),
+            value=_local(value),
+            is_causal=is_causal,
+            dropout_p=dropout_p,
+            scale=kwargs.get("scale"),
+        )
     return _sharded(out, mesh), _sharded(lse, mesh)
 
 
 def _cpu_flash_ring_backward(op_call: Any, args: tuple, kwargs: dict) -> tuple[DTensor, ...]:
     grad_out, query, key, value, out, lse, dropout_p, is_causal = args
     mesh = query.device_mesh
-    grads = cp_attention._templated_ring_attention_backward(
-        mesh.get_group(),
-        SEQ_DIM,
-        _CPU_BACKWARD,
-        grad_out=_local(grad_out),
-        grad_out_name="grad_out",
-        query=_local(query),
-        key=_local(key),
-        value=_local(value),
-        out=_local(out),
-        logsumexp=_local(lse),
-        is_causal=is_causal,
-        dropout_p=dropout_p,
-        scale=kwargs.get("scale"),
-    )
+    with _waited_exchanges():
+        grads = cp_attention._templated_ring_attention_backward(
+            mesh.get_group(),
+            SEQ_DIM,
+            _CPU_BACKWARD,
+            grad_out=_local(grad_out),
+            grad_out_name="grad_out",
+            query=_local(query),
+            key=_local(key),
+            value=_local(value),
+            out=_local(out),
+            logsumexp=_local(lse),
+            is_causal=is_causal,
+            dropout_p=dropout_p,
+            scale=kwargs.get("scale"),
+        )
     return tuple(_sharded(g, mesh) for g in grads)
 
 

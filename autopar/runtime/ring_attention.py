@@ -89,8 +89,9 @@ def _waited_exchanges() -> Iterator[None]:
     """Torch's ring functions with their exchanges waited at once (:class:`_WaitedRotater`).
     The CPU path runs on gloo, where a rank of the full test suite twice aborted with a
     corrupted heap inside the ring backward's asynchronous exchanges (the all-gather of
-    K/V and the all-to-all of dK/dV in flight together); on the CPU nothing hides the
-    exchanges anyway."""
+    K/V and the all-to-all of dK/dV in flight together). The CPU path gives up the overlap
+    of exchange and attention that :mod:`autopar.cost.context_parallel` prices from
+    torch's schedule, which the GPU path keeps."""
     create = cp_attention._create_rotater
     cp_attention._create_rotater = lambda *args, **kwargs: _WaitedRotater(create(*args, **kwargs))
     try:

@@ -265,16 +265,18 @@ def enumerate_space(
             mbs_list = (
                 [c["micro_batch_size"]] if "micro_batch_size" in c else divisors(per_rank, at_most=MAX_MICRO_BATCH)
             )
+            # whether the model splits over a schedule's stages does not depend on the batch split
+            schedules = [(s, v, split_problem(graph, s, pp, v)) for s, v in offered_schedules(pp, graph, c)]
             for mbs in mbs_list:
                 if per_rank % mbs:
                     continue
                 m = per_rank // mbs
                 if "num_microbatches" in c and c["num_microbatches"] != m:
                     continue
-                for schedule, v in offered_schedules(pp, graph, c):
+                for schedule, v, unsplit in schedules:
                     what, problem = f"pp={pp} micro_batch_size={mbs} (dp={dp})", schedule_problem(schedule, pp, v, m)
-                    if not problem:  # the same for every batch split: said once
-                        what, problem = f"pp={pp} virtual_stages={v}", split_problem(graph, schedule, pp, v)
+                    if not problem:
+                        what, problem = f"pp={pp} virtual_stages={v}", unsplit
                     if problem:
                         if "schedule" in c or "virtual_stages" in c:  # pinned: say why it never runs here
                             rejected.append(Rejection(what=what, reason=problem))

@@ -135,20 +135,19 @@ def whole() -> list[dict[str, str]]:
     moe_graph = extract(MoELlama(moe), seq_len=128, dtype="bf16")
     runs.append(("MoE Llama 2 blocks, 4 experts (ep)", (0.006, 0.008, 0.01, 1.0), moe_graph, 1, (1, 2, 4, 8), {}))
     # pipeline schedules at pp=2 with two stages per rank on untied weights: interleaved 1F1B,
-    # interleaved ZB, ZB-V and DualPipeV (m >= 4) compete on the same splits. dp=1: with data
-    # parallelism a slower option (recomputation) on a rank off the critical path hides more of
-    # its gradient reduction in the tail model and can lower the step, which the per-stage
-    # option choice does not see (docs/cost-model.md, "What the search does not see")
+    # interleaved ZB, ZB-V and DualPipeV (m >= 4) compete on the same splits, with data
+    # parallelism free: a rank off the critical path is where a slower option could hide more
+    # of its gradient reduction (docs/cost-model.md, "Each rank's idle time")
     llama = LlamaConfig(vocab_size=512, seq_len=256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384)
     llama_graph = extract(Llama(llama), seq_len=256, dtype="bf16")
     runs.append(
         (
-            "Llama 4 blocks, pp=2 x 2 stages, dp=1 (schedules)",
-            (0.006, 0.01, 1.0),
+            "Llama 4 blocks, pp=2 x 2 stages (schedules)",
+            (0.006, 0.01, 0.02, 1.0),
             llama_graph,
             1,
             (1, 2, 4, 8),
-            {"pp": 2, "virtual_stages": 2, "dp": 1},
+            {"pp": 2, "virtual_stages": 2},
         )
     )
     # compiled blocks on a device that runs asynchronous TP: every tp > 1 candidate with SP tried both ways

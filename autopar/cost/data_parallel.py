@@ -37,6 +37,7 @@ from autopar.cost.host import fsdp_copy_s, fsdp_framework_s, optimizer_bytes_per
 from autopar.cost.memory import GRAD_BYTES, compute_copy_bytes, optimizer_step_bytes
 from autopar.cost.model import CostModel
 from autopar.cost.peak import held_once_numel
+from autopar.cost.pipeline import RankSlack
 from autopar.cost.stage import PricedStage
 from autopar.hardware.cluster import Cluster
 from autopar.hardware.device import DeviceSpec
@@ -63,9 +64,13 @@ def finite_check_s(model: CostModel, config: ParallelConfig, grad_numel: float) 
     return read_s + all_reduce_s(2 * 4.0, world, cl)
 
 
-def tail_s(model: CostModel, stage: PricedStage, config: ParallelConfig) -> tuple[float, float]:
+def tail_s(model: CostModel, stage: PricedStage, config: ParallelConfig, slack: RankSlack) -> tuple[float, float]:
     """(exposed data-parallel communication, optimizer step with its finite check) of a
-    stage per step (module docstring)."""
+    stage per step (module docstring). Under pipelining the stage's rank idles
+    ``slack.lead_s`` before its first forward, where the first gather of ZeRO-2/3 runs
+    too, and ``slack.trail_s`` after its last backward, where DDP's reduction runs on
+    (:func:`autopar.cost.pipeline.rank_slack_s`); ``slack.own_share`` of its own compute
+    hides them."""
     n = model.num_units
     params = sum(o.layout.param_numel for o in stage.options)
     params -= held_once_numel(model, config, dict(zip(stage.units, stage.options)))  # one tensor: reduced, stepped once
@@ -82,11 +87,11 @@ def tail_s(model: CostModel, stage: PricedStage, config: ParallelConfig) -> tupl
     exposed = 0.0
     if config.dp_cp > 1:
         overlap = cl.device.comm_overlap  # share of compute that hides communication
-        hidden_bwd = overlap * bwd * (1 - 1 / units)
-        hidden_fwd = overlap * fwd * (1 - 1 / units)
+        hidden_bwd = overlap * slack.own_share * bwd * (1 - 1 / units)
+        hidden_fwd = overlap * slack.own_share * fwd * (1 - 1 / units)
         if config.zero_stage <= 1:
             reduce = sum(all_reduce_s(4.0 * n, replicas_span(config, cl.devices_per_node, e), cl) for n, e in groups)
-            exposed = max(reduce - hidden_bwd, 0.0)
+            exposed = max(reduce - hidden_bwd - slack.trail_s, 0.0)
             # DDP's last bucket meets once per step, after all of the rank's work
             exposed += ranks_wait_s(host, config.dp_cp, 1, m * (fwd + bwd))
             if config.zero_stage == 1:
@@ -96,7 +101,7 @@ def tail_s(model: CostModel, stage: PricedStage, config: ParallelConfig) -> tupl
         elif config.pp > 1:
             rs, ag = _fsdp_collectives_s(model, groups, copy, config, units)
             gathers = 1 if config.zero_stage == 2 else m + 1
-            exposed = rs + max(gathers * ag - gathers * hidden_fwd, ag / units)
+            exposed = rs + max(gathers * (ag - hidden_fwd) - slack.lead_s, ag / units)
             per_unit = 1 + gathers
             exposed += fsdp_framework_s(host, calls_per_unit=per_unit, units=units, tensors=tensors) + _fsdp_waits_s(
                 model, config, per_unit * units, m * (fwd + bwd)

@@ -46,6 +46,8 @@ their in-flight micro-batches are counted from each forward to its ``W``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from autopar.plan import ParallelConfig
 from autopar.vocab import Schedule
 
@@ -196,6 +198,61 @@ def pipeline_time_s(
         m * work + zero_bubble_rank_fill_s(schedule, p, virtual_stages, f, work - f - w, w)
         for work, f, w in zip(rank_work_s, rank_forward_s, rank_weight_grad_s)
     )
+
+
+@dataclass(frozen=True)
+class RankSlack:
+    """Where one pipeline rank idles in a step of the pipeline's makespan, and how much of
+    its own work a data-parallel collective overlaps (:func:`rank_slack_s`): ``lead_s``
+    before its first forward, ``trail_s`` after its last backward, and ``own_share``, the
+    share of its forward and backward per micro-batch that the step model charges for
+    one more second of them on a rank off the critical path."""
+
+    lead_s: float = 0.0
+    trail_s: float = 0.0
+    own_share: float = 1.0
+
+
+def rank_slack_s(
+    rank_work_s: list[float],
+    rank_forward_s: list[float],
+    rank_weight_grad_s: list[float],
+    num_microbatches: int,
+    virtual_stages: int,
+    *,
+    schedule: Schedule,
+    step_s: float,
+) -> list[RankSlack]:
+    """Each rank's idle time around its work in a pipeline step of ``step_s``
+    (:func:`pipeline_time_s`), in which its data-parallel collectives run as well as they
+    do under compute: the parameter gather before its first forward and the gradient
+    reduction after its last backward.
+
+    - GPipe and 1F1B: rank ``r`` waits for the first micro-batch's forward on the ranks
+      before it, ``sum_{r' < r} F_r'``, and after its last backward for theirs,
+      ``sum_{r' < r} B_r'`` (the drain passes the gradient from the last rank to the first).
+    - Interleaved 1F1B: the same over one chunk of each rank (``/ v``); a second more of an
+      off-critical rank's work costs the step ``1 / v`` of it (the module's closed form), and
+      so the collectives overlap ``1 / v`` of the rank's own work (``own_share``): the last
+      chunk's.
+    - Zero-bubble schedules: each rank runs its own timeline (:func:`zero_bubble_rank_fill_s`),
+      and idles what separates it from the step's, before or after.
+
+    Each window grows with a rank's work by no more than the step does, so a slower option
+    never prices a faster step by hiding more of its rank's communication."""
+    p, m, v = len(rank_work_s), num_microbatches, virtual_stages
+    if p == 1:
+        return [RankSlack()]
+    if schedule.zero_bubble:
+        own = [
+            m * work + zero_bubble_rank_fill_s(schedule, p, v, f, work - f - w, w)
+            for work, f, w in zip(rank_work_s, rank_forward_s, rank_weight_grad_s)
+        ]
+        return [RankSlack(lead_s=step_s - o, trail_s=step_s - o) for o in own]
+    backward = [w - f for w, f in zip(rank_work_s, rank_forward_s)]
+    return [
+        RankSlack(lead_s=sum(rank_forward_s[:r]) / v, trail_s=sum(backward[:r]) / v, own_share=1 / v) for r in range(p)
+    ]
 
 
 def zero_bubble_rank_fill_s(

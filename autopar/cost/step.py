@@ -16,7 +16,7 @@ from autopar.cost.data_parallel import tail_s
 from autopar.cost.host import ranks_wait_s
 from autopar.cost.model import CostModel
 from autopar.cost.peak import rank_memory
-from autopar.cost.pipeline import pipeline_time_s, weight_grad_s
+from autopar.cost.pipeline import pipeline_time_s, rank_slack_s, weight_grad_s
 from autopar.cost.stage import PricedStage, stage_p2p_s
 from autopar.plan import ParallelConfig, Prediction, StagePrediction, StepBreakdown
 
@@ -64,8 +64,12 @@ def timing(model: CostModel, config: ParallelConfig, stages: Sequence[PricedStag
         rank_weight_grad[r] += sum(weight_grad_s(o.layout.fwd_compute_s, o.layout.attn_fwd_s) for o in stage.options)
         p2p.append((f_p2p, b_p2p))
         waits.append((f_wait, b_wait))
+    t_pipe = pipeline_time_s(
+        rank_work, m, v, schedule=config.schedule, rank_forward_s=rank_forward, rank_weight_grad_s=rank_weight_grad
+    )
+    slack = rank_slack_s(rank_work, rank_forward, rank_weight_grad, m, v, schedule=config.schedule, step_s=t_pipe)
     if v == 1:
-        tails = [tail_s(model, stage, config) for stage in stages]
+        tails = [tail_s(model, stage, config, slack[config.rank_of_stage(stage.index)]) for stage in stages]
     else:  # tails are per rank: over the union of its chunks
         per_rank = []
         for r in range(pp):
@@ -76,11 +80,8 @@ def timing(model: CostModel, config: ParallelConfig, stages: Sequence[PricedStag
                 options=tuple(o for p in on_rank for o in p.options),
                 inflight=on_rank[0].inflight,
             )
-            per_rank.append(tail_s(model, merged, config))
+            per_rank.append(tail_s(model, merged, config, slack[r]))
         tails = [per_rank[config.rank_of_stage(p.index)] for p in stages]
-    t_pipe = pipeline_time_s(
-        rank_work, m, v, schedule=config.schedule, rank_forward_s=rank_forward, rank_weight_grad_s=rank_weight_grad
-    )
     worst = max(range(len(tails)), key=lambda i: tails[i][0] + tails[i][1])
     return Timing(
         rank_work=tuple(rank_work),

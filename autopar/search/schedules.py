@@ -58,23 +58,17 @@ def offered_schedules(pp: int, graph: LayerGraph, c: Mapping[str, Any]) -> Itera
 def split_problem(graph: LayerGraph, schedule: Schedule, pp: int, virtual_stages: int) -> str | None:
     """Why ``schedule`` cannot split the model over ``pp x virtual_stages`` stages, or None.
 
-    Several stages per rank take a fixed even split (:func:`autopar.search.split.even_bounds`).
-    Under interleaved 1F1B it may go down to one unit per stage, the embedding and the loss
-    alone at the ends (Llama 3 405B's split). The zero-bubble schedules keep a block on every
-    stage: their step is the slowest rank's own timeline, so such light end stages leave a
-    rank off the critical path, where the step model's tail takes a gain from a slower
-    option that the search does not take (docs/cost-model.md)."""
+    Several stages per rank take a fixed even split (:func:`autopar.search.split.even_bounds`),
+    down to one unit per stage with the embedding and the loss alone at the ends (Llama 3
+    405B's split)."""
     if virtual_stages == 1:
         return None
     chunks = pp * virtual_stages
-    if even_bounds_of(graph.units, chunks, exact=True, lone_ends=not schedule.zero_bubble) is not None:
+    if even_bounds_of(graph.units, chunks, exact=True) is not None:
         return None
     units = len(graph.units)
     blocks = sum(1 for u in graph.units if u.is_block)
-    ends = " with a block on every stage" if schedule.zero_bubble else ""
-    if schedule.zero_bubble and even_bounds_of(graph.units, chunks, exact=True) is not None:
-        ends += " (interleaved-1f1b takes one unit per stage)"
     return (
         f"{schedule.value} over pp x virtual_stages = {chunks} stages needs its {blocks} blocks, or its "
-        f"{units} units with the embedding and the loss counted as a layer each, to split evenly{ends}"
+        f"{units} units with the embedding and the loss counted as a layer each, to split evenly"
     )

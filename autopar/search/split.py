@@ -125,20 +125,16 @@ def brute_force_split(table: np.ndarray, num_microbatches: int) -> tuple[float, 
     return best_value, best_bounds
 
 
-def even_bounds_of(
-    units: Sequence[Unit], chunks: int, *, exact: bool = False, lone_ends: bool = True
-) -> tuple[int, ...] | None:
+def even_bounds_of(units: Sequence[Unit], chunks: int, *, exact: bool = False) -> tuple[int, ...] | None:
     """:func:`even_bounds` for a model's units: a first unit outside any block is the
     prologue, a last one (of three or more) the epilogue."""
     n = len(units)
     first = 1 if n > 1 and not units[0].prefix else 0
     last = 1 if n > 2 and not units[-1].prefix else 0
-    return even_bounds(n, first, last, chunks, exact=exact, lone_ends=lone_ends)
+    return even_bounds(n, first, last, chunks, exact=exact)
 
 
-def even_bounds(
-    n: int, first: int, last: int, chunks: int, *, exact: bool = False, lone_ends: bool = True
-) -> tuple[int, ...] | None:
+def even_bounds(n: int, first: int, last: int, chunks: int, *, exact: bool = False) -> tuple[int, ...] | None:
     """Stage boundaries spreading ``n`` units over ``chunks`` stages evenly: the blocks
     (the units but a prologue, ``first`` = 1, and an epilogue, ``last`` = 1) as evenly as
     possible, the prologue on the first stage and the epilogue on the last. None when
@@ -152,10 +148,9 @@ def even_bounds(
     At one unit per stage the first stage holds the embedding alone and the last the
     loss alone: Llama 3 405B trained so, 126 layers and those two on 16 x 8 stages
     (Llama Team 2024, "The Llama 3 Herd of Models", section 3.3.2: its first chunk "has
-    only the embedding"); ``lone_ends=False`` refuses that split. None when neither
-    divides."""
+    only the embedding"). None when neither divides."""
     blocks = n - first - last
-    if blocks < chunks and not (exact and lone_ends and first and last and n == chunks):
+    if blocks < chunks and not (exact and first and last and n == chunks):
         return None
     if exact and blocks % chunks:
         if not (first and last) or n % chunks:

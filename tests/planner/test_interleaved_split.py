@@ -36,13 +36,6 @@ def test_even_bounds_by_hand(n, first, last, chunks, exact, want):
     assert even_bounds(n, first, last, chunks, exact=exact) == want
 
 
-def test_lone_ends_can_be_refused():
-    """Without ``lone_ends`` one unit per stage is refused; splits with a block on every
-    stage are unchanged."""
-    assert even_bounds(6, 1, 1, 6, exact=True, lone_ends=False) is None
-    assert even_bounds(8, 1, 1, 4, exact=True, lone_ends=False) == (0, 2, 4, 6, 8)
-
-
 def test_a_llama_of_126_layers_interleaves_over_32_stages_with_lighter_ends():
     """126 layers on pp=16 x v=2: 126 blocks do not divide by 32, its 128 units do; the
     estimate runs the interleaved schedule, the first stage holding the embedding and 3
@@ -72,19 +65,13 @@ def test_a_llama_of_126_layers_interleaves_one_layer_per_stage():
 @pytest.mark.parametrize(
     ("schedule", "v", "why"),
     [
-        (
-            "interleaved-zb",
-            8,
-            r"128 stages needs its 126 blocks, or its 128 units .* with a block on every stage "
-            r"\(interleaved-1f1b takes one unit per stage\)\.",
-        ),
+        ("interleaved-zb", 7, r"112 stages needs its 126 blocks, or its 128 units .* to split evenly\."),
         ("interleaved-1f1b", 7, r"112 stages needs its 126 blocks, or its 128 units .* to split evenly\."),
     ],
 )
 def test_a_split_that_does_not_divide_is_refused_in_one_line(schedule, v, why):
     """A pinned schedule over stages the model cannot fill evenly is refused naming the
-    stages, the blocks and the units; one unit per stage is interleaved 1F1B's alone (a
-    zero-bubble schedule keeps a block on every stage)."""
+    stages, the blocks and the units."""
     fixed = {"tp": 1, "pp": 16, "micro_batch_size": 1, "schedule": schedule, "virtual_stages": v}
     with pytest.raises(autopar.ConfigError, match=why) as err:
         _estimate_llama_126(fixed)

@@ -102,11 +102,13 @@ def test_embedding_styles(tok, pos, sequence_parallel):
     assert_parity(run(train, 2, "gpt", plan), reference("gpt", plan))
 
 
-def test_llama_interleaved_one_unit_per_stage():
-    """Interleaved 1F1B with as many stages as units (pp=2 x v=3 for 6), as Llama 3 405B
-    split its pipeline: the first stage runs the embedding alone, the last the final
-    norm, the head and the loss alone."""
-    plan = make_plan("llama", pp=2, schedule="interleaved-1f1b", virtual_stages=3)
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "interleaved-zb"])
+def test_llama_interleaved_one_unit_per_stage(schedule):
+    """An interleaved schedule with as many stages as units (pp=2 x v=3 for 6), as Llama 3
+    405B split its pipeline: the first stage runs the embedding alone, the last the final
+    norm, the head and the loss alone; under the zero-bubble schedule their backwards split
+    in two as every other stage's."""
+    plan = make_plan("llama", pp=2, schedule=schedule, virtual_stages=3)
     assert plan.stages[0] == ("tok_embeddings",)
     assert plan.stages[-1] == ("norm", "output")
     assert_parity(run(train, 2, "llama", plan), reference("llama", plan))

@@ -4,6 +4,7 @@ slower option never prices a faster step by hiding more of its rank's communicat
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -15,9 +16,10 @@ from autopar.cost.stage import PricedStage
 from autopar.cost.step import timing
 from autopar.graph import extract
 from autopar.models import Llama, LlamaConfig
+from autopar.search.scan import ALL_MODES
 from autopar.search.solve import ConfigSolver
 from autopar.search.space import check_constraints, enumerate_space
-from autopar.vocab import Optimizer, Recompute, Schedule
+from autopar.vocab import Optimizer, Schedule
 
 from .exact_reference import tiny_cluster
 
@@ -73,27 +75,28 @@ def _stages(config, bounds, options):
     ]
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1, 2])
-def test_recomputing_a_unit_never_prices_a_faster_step(zero_stage):
-    """Every pipeline schedule at dp=2 x pp=2 on a 4-block Llama, every split, every unit:
-    recomputing one more unit (the same layout, a longer backward) never lowers the step.
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_a_slower_option_never_prices_a_faster_step(zero_stage):
+    """Every pipeline schedule at dp=2 x pp=2 x tp=2 on a 4-block Llama, every split, every
+    unit: running one unit with an option no faster in its forward and its backward than
+    the fastest, holding no fewer parameters (recomputation, another tensor-parallel
+    layout), never lowers the step.
     Before each rank's idle time was counted, the tail's overlap grew with a rank's whole
     backward while the step, set by another rank, grew by a chunk of it: interleaved 1F1B
     at ZeRO-0, split E+1 | 1 | 1 | 1+L, priced 0.47418 ms with the first block recomputed
     against 0.47449 ms without."""
     cfg = LlamaConfig(vocab_size=512, seq_len=256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384)
     graph = extract(Llama(cfg), seq_len=256, dtype="bf16")
-    cluster = tiny_cluster(1.0)
+    cluster = dataclasses.replace(tiny_cluster(1.0), nodes=2)
     model = CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8)
     solver = ConfigSolver(model=model, budget_bytes=budget_bytes(cluster.device.memory), micro_batches=(1, 2))
-    fixed = check_constraints({"dp": 2, "pp": 2, "tp": 1, "zero_stage": zero_stage})
+    fixed = check_constraints({"dp": 2, "pp": 2, "tp": 2, "zero_stage": zero_stage})
     configs, _ = enumerate_space(graph, cluster, 8, fixed)
     n = len(graph.units)
     schedules, checked = set(), 0
     for config in configs:
-        modes = (Recompute.NONE, Recompute.FULL)
-        options = {u: solver.options(u, config, modes) for u in range(n)}
-        fast = [next(o for o in options[u] if o.recompute is Recompute.NONE) for u in range(n)]
+        options = {u: solver.options(u, config, ALL_MODES) for u in range(n)}
+        fast = [min(options[u], key=lambda o: o.fwd_s + o.bwd_s) for u in range(n)]
         if config.virtual_stages > 1:
             splits = [solver.even_split(config.pp * config.virtual_stages, exact=True)]
         else:
@@ -101,9 +104,11 @@ def test_recomputing_a_unit_never_prices_a_faster_step(zero_stage):
         for bounds in splits:
             base = timing(model, config, _stages(config, bounds, fast)).step_s
             for u in range(n):
-                slow = [o for o in options[u] if o.recompute is Recompute.FULL and o.layout == fast[u].layout]
-                for o in slow:
-                    assert o.bwd_s > fast[u].bwd_s
+                for o in options[u]:
+                    if o is fast[u] or min(o.fwd_s - fast[u].fwd_s, o.bwd_s - fast[u].bwd_s) < 0:
+                        continue
+                    if o.layout.param_numel < fast[u].layout.param_numel:  # fewer gradients to reduce
+                        continue
                     chosen = [*fast[:u], o, *fast[u + 1 :]]
                     assert timing(model, config, _stages(config, bounds, chosen)).step_s >= base * (1 - 1e-12), (
                         config.short(),
@@ -112,5 +117,8 @@ def test_recomputing_a_unit_never_prices_a_faster_step(zero_stage):
                     )
                     checked += 1
         schedules.add(config.schedule)
-    assert schedules == set(Schedule)
+    zero_bubble = {s for s in Schedule if s.zero_bubble}
+    assert schedules == (
+        set(Schedule) - zero_bubble if zero_stage == 3 else set(Schedule)
+    )  # the runtime refuses ZeRO-3 there
     assert checked > 100

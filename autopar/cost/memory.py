@@ -128,6 +128,7 @@ def config_state_bytes(
     largest_unit_numel: float = 0.0,
     expert_numel: float = 0.0,
     whole_grad_numel: float = 0.0,
+    largest_grad_numel: float = 0.0,
 ) -> StateBytes:
     """:func:`state_bytes` under ``config``'s precision, ZeRO stage and data-, tensor- and
     pipeline-parallel degrees; the state shards over ``config.state_shards`` ranks (the
@@ -135,10 +136,13 @@ def config_state_bytes(
     parameters held (``1 / ep`` of the stacks): the shard group divides the state of
     every expert of its ``ep`` groups, ``ep`` times what one rank holds.
     ``whole_grad_numel``: the whole size of the split weights whose gradient is computed
-    whole (``UnitCost.whole_grad_numel``)."""
+    whole (``UnitCost.whole_grad_numel``); ``largest_grad_numel``: the largest gradient a
+    unit makes at once (``UnitCost.largest_grad_numel``)."""
     return state_bytes(
         param_numel=param_numel,
         whole_grad_numel=whole_grad_numel,
+        largest_grad_numel=largest_grad_numel,
+        accumulates=config.num_microbatches > 1,
         shard_numel=param_numel + expert_numel * (config.ep - 1),
         factored_numel=factored_numel,
         largest_unit_numel=largest_unit_numel,
@@ -164,6 +168,8 @@ def state_bytes(
     tp: int = 1,
     shard_numel: float | None = None,
     whole_grad_numel: float = 0.0,
+    largest_grad_numel: float = 0.0,
+    accumulates: bool = True,
 ) -> StateBytes:
     """Model-state memory of a pipeline stage on one device.
 
@@ -188,6 +194,11 @@ def state_bytes(
             parameter (fp32 params: a second fp32 copy) from forward to backward.
         whole_grad_numel: the whole size of the split weights among them whose gradient
             is computed whole (a vocabulary-parallel embedding's table; module docstring).
+        largest_grad_numel: elements of the largest gradient a unit makes at once. Under
+            ZeRO-0/1 without ``replicate`` a new gradient is made beside the one kept
+            and then added to it (autograd's ``AccumulateGrad``; DDP copies it into its
+            bucket), one tensor at a time: its transient, where a step accumulates
+            (``accumulates``: more than one micro-batch) or DDP keeps the buckets.
     """
     copy = compute_copy_bytes(dtype)
     beyond_shard = whole_grad_numel * (1 - 1 / tp)
@@ -203,7 +214,7 @@ def state_bytes(
             params_bytes=params,
             grads_bytes=(param_numel + beyond_shard) * GRAD_BYTES,
             optimizer_bytes=opt_full if zero_stage == 0 else opt_sharded,
-            transient_bytes=0.0,
+            transient_bytes=largest_grad_numel * GRAD_BYTES if not replicate and (ddp or accumulates) else 0.0,
             rebuild_bytes=param_numel * GRAD_BYTES if ddp else 0.0,
         )
     master = param_numel * widen * MASTER_BYTES / dp

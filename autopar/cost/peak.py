@@ -93,6 +93,7 @@ def footprint(
         largest_unit_numel=lay.param_numel,
         expert_numel=lay.expert_numel,
         whole_grad_numel=lay.whole_grad_numel,
+        largest_grad_numel=lay.largest_grad_numel,
     )
     # replicate's compute-precision gradients last until the stage's backward ends, and a
     # zero-bubble schedule's deferred weight gradients from a stage's W to its next I: in

@@ -253,6 +253,9 @@ class UnitCost:
             ``embedding_dense_backward``, only sharding on the embedding dimension or the
             batch, so the gradient of a ``Shard(0)`` table comes out ``Replicate``, the
             whole table on each rank; :mod:`autopar.cost.memory` prices what that holds).
+        largest_grad_numel: elements of the largest gradient the unit's backward makes
+            at once, its largest weight's (the whole table where the gradient is whole):
+            what a gradient accumulated into one already there holds beside it.
     """
 
     styles: tuple[TPStyle, ...]
@@ -280,6 +283,7 @@ class UnitCost:
     kv_bytes: float = 0.0
     expert_numel: float = 0.0
     whole_grad_numel: float = 0.0
+    largest_grad_numel: float = 0.0
     op_kept_bytes: float = 0.0
     op_kept_compute_s: float = 0.0
     op_kept_comm_s: float = 0.0
@@ -436,6 +440,13 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         whole_grad_numel=sum(leaf.weight_numel for leaf, s in zip(profile.leaves, styles) if s is TPStyle.VOCAB)
         if t > 1
         else 0.0,
+        largest_grad_numel=max(
+            (
+                leaf.weight_numel if s is TPStyle.VOCAB and t > 1 else leaf_param_numel(leaf, s, t, ctx.ep)
+                for leaf, s in zip(profile.leaves, styles)
+            ),
+            default=0.0,
+        ),
         op_kept_bytes=op_bytes + sum(attn_out.values()),
         op_kept_compute_s=op_compute + attn_fwd,
         op_kept_comm_s=op_comm,

@@ -104,19 +104,44 @@ def stage_inflight_microbatches(
     peak. A V (``zbv``, ``dualpipev``) holds its two stages unevenly: rank ``r``'s first
     stage ``min(2p - r, m)``, its second ``min(r + 1, m)`` (the most of each at any of
     the rank's peaks, counted on torch's orders: exact for ``dualpipev``, at most one
-    chunk of the lighter stage over for ``zbv``). Every other schedule holds all of a
-    rank's stages alike (:func:`inflight_microbatches`)."""
+    chunk of the lighter stage over for ``zbv``). Interleaved 1F1B runs its warm-up
+    forwards chunk by chunk, ``mpr`` micro-batches each, so at the rank's peak its first
+    chunks hold more than its last (:func:`interleaved_chunk_counts`). Every other
+    schedule holds all of a rank's stages alike (:func:`inflight_microbatches`)."""
     rank = schedule.rank_of_stage(stage_index, pp)
     if pp > 1 and schedule.v_shape:
         return float(min(2 * pp - rank if stage_index < pp else rank + 1, num_microbatches))
+    if pp > 1 and schedule is Schedule.INTERLEAVED_1F1B:
+        return float(interleaved_chunk_counts(pp, virtual_stages, num_microbatches, rank)[stage_index // pp])
     return inflight_microbatches(schedule, pp, virtual_stages, num_microbatches, rank)
+
+
+def interleaved_chunk_counts(pp: int, virtual_stages: int, num_microbatches: int, rank: int) -> tuple[int, ...]:
+    """Micro-batches each of rank ``rank``'s chunks holds when its activations peak under
+    torch 2.13's ``ScheduleInterleaved1F1B``: the first ``N`` forwards (the warm-up and the
+    first of the steady state, :func:`inflight_microbatches`) go to chunk
+    ``(i // mpr) % v``, and no backward has run. Their sum is ``v`` times the rank's
+    mean; checked against torch's own order (``tests/planner/test_zero_bubble_cost.py``).
+
+    They take two values at most, as a V's stages do (the search's knapsack weighs a kind
+    of unit two ways at most, :mod:`autopar.search.split_weights`): the ``2 (p - 1 - r) + 1``
+    forwards beyond the first ``v - 1`` chunks' ``mpr`` each are fewer than ``2 mpr``
+    where ``m >= p`` (``mpr >= p``), and where ``m < p`` (``mpr = m``) either fewer than
+    ``mpr`` or enough to fill every chunk with all ``m``."""
+    m, v = num_microbatches, virtual_stages
+    rounds = max(1, m // pp)
+    per_round = m // rounds
+    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
+    n = min(warmup + 1, m * v)
+    cycles, rest = divmod(n, per_round * v)
+    return tuple(cycles * per_round + min(max(rest - k * per_round, 0), per_round) for k in range(v))
 
 
 def least_stage_inflight(schedule: Schedule, pp: int, virtual_stages: int, num_microbatches: int, rank: int) -> float:
     """The fewest micro-batches any stage of ``rank`` holds at its peak
     (:func:`stage_inflight_microbatches`): what a bound on the rank's activations that
     does not know how they split between its stages may count."""
-    if pp == 1 or not schedule.v_shape:  # every stage of the rank holds the same count
+    if pp == 1 or not schedule.multi_stage:  # one stage per rank
         return inflight_microbatches(schedule, pp, virtual_stages, num_microbatches, rank)
     stages = schedule.stages_of_rank(rank, pp, pp * virtual_stages)
     return min(stage_inflight_microbatches(schedule, pp, virtual_stages, num_microbatches, s) for s in stages)

@@ -384,8 +384,9 @@ class ConfigSolver:
             mine = config.stages_of_rank(r)
             units = tuple(u for c in mine for u in range(bounds[c], bounds[c + 1]))
             infl = inflight_microbatches(config.schedule, pp, v, m, r)
-            held = tuple(stage_held[c] for c in mine for _ in range(bounds[c], bounds[c + 1]))  # unequal in a V
-            found = self.solve_units(units, config, modes, infl, r, held=held if config.schedule.v_shape else None)
+            held = tuple(stage_held[c] for c in mine for _ in range(bounds[c], bounds[c + 1]))
+            unequal = len(set(held)) > 1  # a V's stages, interleaved 1F1B's first and last chunks
+            found = self.solve_units(units, config, modes, infl, r, held=held if unequal else None)
             if found is None:
                 return None
             per_rank[r] = found

@@ -1,8 +1,10 @@
-"""Identical units whose activations weigh two amounts: a V schedule's rank.
+"""Identical units whose activations weigh two amounts: a V schedule's rank, an
+interleaved 1F1B rank.
 
-A rank of ``zbv`` or ``dualpipev`` holds its two stages' micro-batches in unequal numbers
-(:func:`autopar.cost.pipeline.stage_inflight_microbatches`), so a block of its first
-stage weighs its activations more than the same block of its second. For counts of
+A rank of ``zbv`` or ``dualpipev`` holds its two stages' micro-batches in unequal numbers,
+and an interleaved 1F1B rank its first chunks' more than its last's, in two numbers
+(:func:`autopar.cost.pipeline.stage_inflight_microbatches`), so a block of a heavier
+stage weighs its activations more than the same block of a lighter one. For counts of
 options over such a kind of unit, the least memory puts the options with the smallest
 activations on the heavier units (exchanging a heavier unit's larger option with a
 lighter unit's smaller one never adds bytes and keeps the time), so a kind stays one

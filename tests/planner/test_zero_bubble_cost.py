@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
     ScheduleDualPipeV,
+    ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
@@ -22,6 +23,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autopar.cost.pipeline import (
     inflight_microbatches,
+    interleaved_chunk_counts,
     pipeline_time_s,
     schedule_problem,
     stage_inflight_microbatches,
@@ -31,6 +33,7 @@ from autopar.cost.pipeline import (
 from autopar.vocab import Schedule
 
 TORCH = {
+    Schedule.INTERLEAVED_1F1B: ScheduleInterleaved1F1B,
     Schedule.INTERLEAVED_ZB: ScheduleInterleavedZeroBubble,
     Schedule.ZBV: ScheduleZBVZeroBubble,
     Schedule.DUALPIPEV: ScheduleDualPipeV,
@@ -228,6 +231,30 @@ def test_inflight_is_torch_order(schedule, p, m):
         order = torch_order(schedule, p, v, m)
         for r in range(p):
             assert inflight_microbatches(schedule, p, v, m, r) == peak_chunks(order[r]) / v, (v, r)
+
+
+@pytest.mark.parametrize("p, m", [(2, 2), (2, 4), (2, 6), (4, 4), (4, 8), (4, 12), (8, 8), (8, 16), (8, 24)])
+def test_interleaved_1f1b_chunk_counts_are_torch_order(p, m):
+    """Interleaved 1F1B's micro-batches per chunk when a rank first holds its most, on
+    torch's order (a forward holds one of its chunk until that chunk's backward): what
+    each stage is counted at, two values at most (the knapsack weighs a kind of unit two
+    ways at most), their mean the rank's count."""
+    for v in (2, 3, 4):
+        if schedule_problem(Schedule.INTERLEAVED_1F1B, p, v, m):
+            continue
+        order = torch_order(Schedule.INTERLEAVED_1F1B, p, v, m)
+        for r in range(p):
+            held, most, at_most = [0] * v, 0, None
+            for a in order[r]:
+                held[a.stage_index // p] += HOLDS.get(a.computation_type, 0)
+                if sum(held) > most:
+                    most, at_most = sum(held), tuple(held)
+            counts = interleaved_chunk_counts(p, v, m, r)
+            assert counts == at_most, (v, r)
+            assert sum(counts) / v == inflight_microbatches(Schedule.INTERLEAVED_1F1B, p, v, m, r)
+            stages = [r + k * p for k in range(v)]
+            got = [stage_inflight_microbatches(Schedule.INTERLEAVED_1F1B, p, v, m, s) for s in stages]
+            assert got == list(counts) and len(set(counts)) <= 2
 
 
 def _plan_at_capacity(model, capacity_gib, seq_len, schedule):

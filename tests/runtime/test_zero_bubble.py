@@ -171,20 +171,24 @@ def test_v_schedule_memory_prediction_against_the_meter(schedule):
         assert p == pytest.approx(got, rel=0.05), (pred, meas)
 
 
-@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "interleaved-zb"])
-def test_one_unit_per_stage_memory_prediction_against_the_meter(schedule):
+@pytest.mark.parametrize(("schedule", "low", "high"), [("interleaved-1f1b", 0.98, 1.02), ("interleaved-zb", 1.0, 1.07)])
+def test_one_unit_per_stage_memory_prediction_against_the_meter(schedule, low, high):
     """Two blocks on pp=2 x v=2 stages: rank 0 runs the embedding alone and the second
     block, rank 1 the first block and the head alone (the split Llama 3 405B trained
-    with, which the planner picks under either schedule). The prediction is never below
-    the meter and within 7% of it. It stays above because the stage bound counts each of
-    a rank's stages at the rank's mean in-flight count, where torch's interleaved order
-    holds more of the rank's first stage than of its last: at its peak rank 1 holds two
-    micro-batches of its block and one of the head, counted 1.5 each, and the head's
-    logits weigh the more. Rank 0's backward holds the embedding table's new gradient
-    beside the one kept (2.1 MB, the unit's transient)."""
+    with, which the planner picks under either schedule).
+
+    Under interleaved 1F1B each stage is counted at what torch's order holds of it at the
+    rank's peak (rank 0: 3 micro-batches of the embedding's stage, 2 of the block's;
+    rank 1: 2 of the block's, 1 of the head's, whose logits weigh the most), and rank 0's
+    backward holds the embedding table's new gradient beside the one kept (2.1 MB): both
+    ranks within 2% of the meter. Counted at the rank's mean (1.5 of each on rank 1), the
+    head's rank came out 5.6% over. Interleaved ZB holds every chunk alike at its peak
+    but is priced with the stage bound (every activation beside the largest transient,
+    where the meter's peak comes in a backward that has freed some): never under, within
+    7%."""
     pred, meas = _peaks(schedule, n_layers=2)
     for p, got in zip(pred, meas):
-        assert got <= p <= 1.07 * got, (pred, meas)
+        assert low * got <= p <= high * got, (pred, meas)
 
 
 def _resumable(rank, world, plan, path, resume, steps, save_at):

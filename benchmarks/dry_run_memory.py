@@ -54,6 +54,24 @@ CASES = {
         "Mixtral-8x7B at 4K tokens on 64 H100, the planner's plan (expert parallel)",
         4096,
     ),
+    "lone-ends": (
+        "llama3-405b",
+        "dgx-h100:32",
+        64,
+        {
+            "dp": 2,
+            "tp": 8,
+            "pp": 16,
+            "micro_batch_size": 1,
+            "schedule": "interleaved-1f1b",
+            "virtual_stages": 8,
+            "zero_stage": 1,
+            "recompute": "full",
+            "sequence_parallel": True,
+            "compile": False,
+        },
+        "Llama-3-405B as Meta split it: 16 x 8 stages, the embedding and the loss alone (32 micro-batches)",
+    ),
     "moe-ep-zero3": (
         "mixtral-8x7b",
         "dgx-h100:8",
@@ -65,10 +83,14 @@ CASES = {
 }
 """case -> (model, cluster, global batch, forced config or None for the planner's plan,
 label[, tokens per sample when not the model's default])."""
+BOTH_ENDS = {"lone-ends"}
+"""Cases whose last pipeline rank is measured too (it holds the loss's stage, whose
+micro-batches interleaved 1F1B keeps the fewest of)."""
 
 
-def _one(case: str) -> dict:
-    """Plan and dry-run one case in this process; the first pipeline rank is measured."""
+def _one(case: str) -> list[dict]:
+    """Plan and dry-run one case in this process: the first pipeline rank is measured,
+    and the last too for :data:`BOTH_ENDS`; one row per rank."""
     import torch
 
     import autopar
@@ -93,21 +115,27 @@ def _one(case: str) -> dict:
         with torch.device("meta"):
             return build_named_model(name)
 
+    c = plan.config
+    last = (c.pp - 1) * c.world_size // c.pp  # the first device of the last pipeline rank
     started = time.perf_counter()
-    report = dry_run(build, plan, ranks=[0], measure=True)
-    rank = report.ranks[0] if report.ranks else None
-    return {
-        "plan": plan.config.short(),
-        "world": plan.config.world_size,
-        "planned_s": planned_s,
-        "dry_run_s": time.perf_counter() - started,
-        "problems": list(report.problems),
-        "predicted_peak": plan.prediction.memory_bytes_per_device,
-        "predicted_allocated": rank.predicted_allocated_bytes if rank else 0.0,
-        "measured_peak": rank.measured.peak_bytes if rank and rank.measured else -1,
-        "measured_held": rank.measured.held_bytes if rank and rank.measured else -1,
-        "step_s": rank.measured.seconds if rank and rank.measured else 0.0,
-    }
+    report = dry_run(build, plan, ranks=[0, last] if case in BOTH_ENDS else [0], measure=True)
+    seconds = time.perf_counter() - started
+    return [
+        {
+            "plan": c.short(),
+            "world": c.world_size,
+            "rank": rank.rank,
+            "planned_s": planned_s,
+            "dry_run_s": seconds,
+            "problems": list(report.problems),
+            "predicted_peak": plan.prediction.memory_bytes_per_device,
+            "predicted_allocated": rank.predicted_allocated_bytes,
+            "measured_peak": rank.measured.peak_bytes if rank.measured else -1,
+            "measured_held": rank.measured.held_bytes if rank.measured else -1,
+            "step_s": rank.measured.seconds if rank.measured else 0.0,
+        }
+        for rank in report.ranks
+    ]
 
 
 def main() -> None:
@@ -125,7 +153,7 @@ def main() -> None:
         f"# Measured dry run against the plan's memory ({datetime.date.today()})",
         "",
         f"`python benchmarks/dry_run_memory.py --cases {args.cases}` on a 2-core CPU machine; rank 0 of each plan "
-        "(the first pipeline rank); one step on fake tensors at the full world size (fewer micro-batches where "
+        "(the first pipeline rank), and the last pipeline rank's first where the case says (rank N); one step on fake tensors at the full world size (fewer micro-batches where "
         "the others repeat one that ran: `autopar.runtime.dry_step.measured_microbatches`).",
         "",
         "| case | plan | predicted peak | predicted allocation | measured peak | measured / predicted "
@@ -138,22 +166,23 @@ def main() -> None:
             out = subprocess.run(
                 [sys.executable, __file__, "--one", case], capture_output=True, text=True, timeout=args.timeout_s
             )
-            row = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
-            failure = None if row else (out.stderr.strip().splitlines() or ["no output"])[-1]
+            rows = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else []
+            failure = None if rows else (out.stderr.strip().splitlines() or ["no output"])[-1]
         except subprocess.TimeoutExpired:
-            row, failure = None, f"over the {args.timeout_s:g} s limit"
+            rows, failure = [], f"over the {args.timeout_s:g} s limit"
         label = CASES[case][4]
-        if row is None:
+        if not rows:
             lines.append(f"| {label} | | | | not measured: {failure} | | | {time.perf_counter() - started:.0f} |")
-        else:
+        for row in rows:
             ratio = row["measured_peak"] / row["predicted_allocated"] if row["predicted_allocated"] else 0.0
+            where = f" (rank {row['rank']})" if row["rank"] else ""
             lines.append(
-                f"| {label} | {row['plan']} on {row['world']} | {row['predicted_peak'] / gib:.2f} GiB | "
+                f"| {label}{where} | {row['plan']} on {row['world']} | {row['predicted_peak'] / gib:.2f} GiB | "
                 f"{row['predicted_allocated'] / gib:.2f} GiB | {row['measured_peak'] / gib:.2f} GiB | {ratio:.3f} | "
                 f"{row['measured_held'] / gib:.2f} GiB | {row['dry_run_s']:.0f} |"
             )
-            if row["problems"]:
-                lines.append(f"| | problems: {'; '.join(row['problems'])} | | | | | | |")
+        if rows and rows[0]["problems"]:
+            lines.append(f"| | problems: {'; '.join(rows[0]['problems'])} | | | | | | |")
         print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     if args.out:

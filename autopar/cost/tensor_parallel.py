@@ -254,8 +254,9 @@ class UnitCost:
             batch, so the gradient of a ``Shard(0)`` table comes out ``Replicate``, the
             whole table on each rank; :mod:`autopar.cost.memory` prices what that holds).
         largest_grad_numel: elements of the largest gradient the unit's backward makes
-            at once, its largest weight's (the whole table where the gradient is whole):
-            what a gradient accumulated into one already there holds beside it.
+            at once, its largest local weight's: what a gradient accumulated into one
+            already there holds beside it (a whole-computed table's is in
+            ``whole_grad_numel``'s count already).
     """
 
     styles: tuple[TPStyle, ...]
@@ -441,11 +442,7 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         if t > 1
         else 0.0,
         largest_grad_numel=max(
-            (
-                leaf.weight_numel if s is TPStyle.VOCAB and t > 1 else leaf_param_numel(leaf, s, t, ctx.ep)
-                for leaf, s in zip(profile.leaves, styles)
-            ),
-            default=0.0,
+            (leaf_param_numel(leaf, s, t, ctx.ep) for leaf, s in zip(profile.leaves, styles)), default=0.0
         ),
         op_kept_bytes=op_bytes + sum(attn_out.values()),
         op_kept_compute_s=op_compute + attn_fwd,

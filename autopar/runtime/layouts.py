@@ -356,7 +356,9 @@ def _hoist(
     when it enters the attention module, not when it enters ``wq`` (torchtitan's
     ``PrepareModuleInput`` on ``attention``). The *entry* leaves of a child of the unit
     are those fed only from outside it; when they all convert alike, the conversion moves
-    to the child's input. When they are all column-parallel, the child receives a
+    to the child's input. When they need a sequence-sharded input in different layouts
+    (q column-parallel, k and v row-parallel), it is gathered at the child's input and
+    each slices what it needs (a slice's backward gathers, so the gradients add up whole). When they are all column-parallel, the child receives a
     replicated DTensor that they consume directly, so the partial input gradients of q,
     k and v add up first and are reduced once (an all-reduce, or a reduce-scatter with
     sequence parallelism), as the planner prices it and as Megatron-LM does.
@@ -377,9 +379,16 @@ def _hoist(
     for child, leaves in entries.items():
         arriving = {arrives_at[i] for i in leaves}
         needed = {STYLE_IO[styles[i]][0] for i in leaves}
-        if len(arriving) != 1 or len(needed) != 1:
+        if len(arriving) != 1:
             continue
-        src, dst = arriving.pop(), needed.pop()
+        src = arriving.pop()
+        if len(needed) != 1:
+            if src is Layout.Q:  # gathered where user code reads its sizes; each leaf slices what it needs
+                hoisted[child] = ModuleInput(
+                    src=src, dst=Layout.R, dtensor=False, leaves=tuple(names[i] for i in leaves)
+                )
+            continue
+        dst = needed.pop()
         columns = all(styles[i] is TPStyle.COLUMN for i in leaves)
         if columns or src is not dst:
             hoisted[child] = ModuleInput(src=src, dst=dst, dtensor=columns, leaves=tuple(names[i] for i in leaves))

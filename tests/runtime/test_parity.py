@@ -2,7 +2,7 @@
 single-process run of the same model, data and seed (tolerances in parity.py)."""
 
 import pytest
-from parity import assert_parity, make_plan, megatron_styles, reference, run, train
+from parity import LLAMA_CFG, assert_parity, make_plan, megatron_styles, reference, run, train
 
 pytestmark = pytest.mark.multiprocess
 
@@ -73,6 +73,20 @@ def test_gpt_3d_zero3_interleaved_sp():
         styles=megatron_styles("gpt", sequence_parallel=True),
     )
     assert_parity(run(train, 8, "gpt", plan, timeout_s=120), reference("gpt", plan))
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "no-sp"])
+def test_row_parallel_keys_and_values_beside_column_parallel_queries(sequence_parallel):
+    """k and v row-parallel (their outputs reduced into head shards) beside a
+    column-parallel q: the planner's layout for Llama-3-405B on 2048 H100 at tp=4, whose
+    8 key/value heads make k and v small. With sequence parallelism the three need the
+    attention's sequence-sharded input in two layouts; its dry run failed in ``wo`` until
+    that input was gathered at the attention module, where the model reads its sizes."""
+    styles = megatron_styles("llama", sequence_parallel=sequence_parallel)
+    for i in range(LLAMA_CFG.n_layers):
+        styles[f"layers.{i}.attention.wk"] = styles[f"layers.{i}.attention.wv"] = "row"
+    plan = make_plan("llama", tp=2, styles=styles, sequence_parallel=sequence_parallel)
+    assert_parity(run(train, 2, "llama", plan), reference("llama", plan))
 
 
 def test_vocabulary_that_does_not_divide():

@@ -219,10 +219,24 @@ def pipeline_time_s(
     p = len(rank_work_s)
     if rank_forward_s is None or rank_weight_grad_s is None:
         return max(m * w + zero_bubble_floor_s(schedule, w, p, virtual_stages) for w in rank_work_s)
-    return max(
-        m * work + zero_bubble_rank_fill_s(schedule, p, virtual_stages, f, work - f - w, w)
+    return max(zero_bubble_timelines_s(schedule, rank_work_s, rank_forward_s, rank_weight_grad_s, m, virtual_stages))
+
+
+def zero_bubble_timelines_s(
+    schedule: Schedule,
+    rank_work_s: list[float],
+    rank_forward_s: list[float],
+    rank_weight_grad_s: list[float],
+    num_microbatches: int,
+    virtual_stages: int,
+) -> list[float]:
+    """Each rank's own timeline under a zero-bubble schedule: its ``m`` micro-batches of
+    work and its fill and drain (:func:`zero_bubble_rank_fill_s`); the step is the longest."""
+    p = len(rank_work_s)
+    return [
+        num_microbatches * work + zero_bubble_rank_fill_s(schedule, p, virtual_stages, f, work - f - w, w)
         for work, f, w in zip(rank_work_s, rank_forward_s, rank_weight_grad_s)
-    )
+    ]
 
 
 @dataclass(frozen=True)
@@ -260,7 +274,7 @@ def rank_slack_s(
       off-critical rank's work costs the step ``1 / v`` of it (the module's closed form), and
       so the collectives overlap ``1 / v`` of the rank's own work (``own_share``): the last
       chunk's.
-    - Zero-bubble schedules: each rank runs its own timeline (:func:`zero_bubble_rank_fill_s`),
+    - Zero-bubble schedules: each rank runs its own timeline (:func:`zero_bubble_timelines_s`),
       and idles what separates it from the step's, before or after.
 
     Each window grows with a rank's work by no more than the step does, so a slower option
@@ -269,10 +283,7 @@ def rank_slack_s(
     if p == 1:
         return [RankSlack()]
     if schedule.zero_bubble:
-        own = [
-            m * work + zero_bubble_rank_fill_s(schedule, p, v, f, work - f - w, w)
-            for work, f, w in zip(rank_work_s, rank_forward_s, rank_weight_grad_s)
-        ]
+        own = zero_bubble_timelines_s(schedule, rank_work_s, rank_forward_s, rank_weight_grad_s, m, v)
         return [RankSlack(lead_s=step_s - o, trail_s=step_s - o) for o in own]
     backward = [w - f for w, f in zip(rank_work_s, rank_forward_s)]
     return [

@@ -84,17 +84,15 @@ def inflight_microbatches(
     if schedule is Schedule.ONE_F_ONE_B:
         return float(min(m, pp - pipeline_rank))
     v = virtual_stages
-    rounds = max(1, m // pp)
-    per_round = m // rounds
     if schedule is Schedule.INTERLEAVED_ZB:  # every chunk of min(p, mpr) micro-batches before its first W,
         # and the first v - 1 chunks of a round's micro-batches beyond p
+        per_round = m // max(1, m // pp)
         return min(pp, per_round) + (v - 1) * max(per_round - pp, 0) / v
     if schedule is Schedule.ZBV:  # forwards of 2 chunks run ahead of their W by m + 1 + r at most
         return min(2 * pp, m + 1 + pipeline_rank, 2 * m) / 2
     if schedule is Schedule.DUALPIPEV:  # every rank: 2p chunks' forwards and the first steady-state one
         return (2 * pp + 1) / 2
-    warmup = min((v - 1) * per_round + 2 * (pp - 1 - pipeline_rank), m * v)
-    return min(warmup + 1, m * v) / v
+    return sum(interleaved_chunk_counts(pp, v, m, pipeline_rank)) / v
 
 
 def stage_inflight_microbatches(
@@ -118,10 +116,11 @@ def stage_inflight_microbatches(
 
 def interleaved_chunk_counts(pp: int, virtual_stages: int, num_microbatches: int, rank: int) -> tuple[int, ...]:
     """Micro-batches each of rank ``rank``'s chunks holds when its activations peak under
-    torch 2.13's ``ScheduleInterleaved1F1B``: the first ``N`` forwards (the warm-up and the
-    first of the steady state, :func:`inflight_microbatches`) go to chunk
-    ``(i // mpr) % v``, and no backward has run. Their sum is ``v`` times the rank's
-    mean; checked against torch's own order (``tests/planner/test_zero_bubble_cost.py``).
+    torch 2.13's ``ScheduleInterleaved1F1B``: the first ``N`` forwards (the
+    ``(v - 1) mpr + 2 (p - 1 - r)`` of the warm-up, ``_get_warmup_ops``, and the first of
+    the steady state, at most ``m v``) go to chunk ``(i // mpr) % v``, and no backward has
+    run. Their sum over ``v`` is the rank's count (:func:`inflight_microbatches`); checked
+    against torch's own order (``tests/planner/test_zero_bubble_cost.py``).
 
     They take two values at most, as a V's stages do (the search's knapsack weighs a kind
     of unit two ways at most, :mod:`autopar.search.split_weights`): the ``2 (p - 1 - r) + 1``

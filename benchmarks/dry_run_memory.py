@@ -153,8 +153,9 @@ def main() -> None:
         f"# Measured dry run against the plan's memory ({datetime.date.today()})",
         "",
         f"`python benchmarks/dry_run_memory.py --cases {args.cases}` on a 2-core CPU machine; rank 0 of each plan "
-        "(the first pipeline rank), and the last pipeline rank's first where the case says (rank N); one step on fake tensors at the full world size (fewer micro-batches where "
-        "the others repeat one that ran: `autopar.runtime.dry_step.measured_microbatches`).",
+        "(the first pipeline rank), and the last pipeline rank's first where the case says (rank N); one step "
+        "on fake tensors at the full world size (fewer micro-batches where the others repeat one that ran: "
+        "`autopar.runtime.dry_step.measured_microbatches`).",
         "",
         "| case | plan | predicted peak | predicted allocation | measured peak | measured / predicted "
         "| held after step | dry run (s) |",

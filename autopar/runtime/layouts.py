@@ -358,10 +358,11 @@ def _hoist(
     are those fed only from outside it; when they all convert alike, the conversion moves
     to the child's input. When they need a sequence-sharded input in different layouts
     (q column-parallel, k and v row-parallel), it is gathered at the child's input and
-    each slices what it needs (a slice's backward gathers, so the gradients add up whole). When they are all column-parallel, the child receives a
-    replicated DTensor that they consume directly, so the partial input gradients of q,
-    k and v add up first and are reduced once (an all-reduce, or a reduce-scatter with
-    sequence parallelism), as the planner prices it and as Megatron-LM does.
+    each slices what it needs (a slice's backward gathers, so the gradients add up
+    whole). When they are all column-parallel, the child receives a replicated DTensor
+    that they consume directly, so the partial input gradients of q, k and v add up
+    first and are reduced once (an all-reduce, or a reduce-scatter with sequence
+    parallelism), as the planner prices it and as Megatron-LM does.
     """
     prefix = unit.prefix
     entries: dict[str, list[int]] = {}
@@ -381,17 +382,15 @@ def _hoist(
         needed = {STYLE_IO[styles[i]][0] for i in leaves}
         if len(arriving) != 1:
             continue
-        src = arriving.pop()
+        src, entry = arriving.pop(), tuple(names[i] for i in leaves)
         if len(needed) != 1:
             if src is Layout.Q:  # gathered where user code reads its sizes; each leaf slices what it needs
-                hoisted[child] = ModuleInput(
-                    src=src, dst=Layout.R, dtensor=False, leaves=tuple(names[i] for i in leaves)
-                )
+                hoisted[child] = ModuleInput(src=src, dst=Layout.R, dtensor=False, leaves=entry)
             continue
         dst = needed.pop()
         columns = all(styles[i] is TPStyle.COLUMN for i in leaves)
         if columns or src is not dst:
-            hoisted[child] = ModuleInput(src=src, dst=dst, dtensor=columns, leaves=tuple(names[i] for i in leaves))
+            hoisted[child] = ModuleInput(src=src, dst=dst, dtensor=columns, leaves=entry)
     return hoisted
 
 

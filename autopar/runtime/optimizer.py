@@ -1,8 +1,11 @@
 """The job's optimizer: one inner optimizer per local stage, state sharded for ZeRO-1.
 
 With ``zero_stage == 1`` each data-parallel rank owns a balanced subset of the
-parameters (greedy by element count, the same on every rank), keeps optimizer state
-only for those, steps them, and broadcasts the updated values to the other replicas:
+parameters of all its local stages together (greedy by element count, the same on every
+rank: partitioned stage by stage, every stage's largest weight went to the first rank,
+and with interleaved stages its optimizer state grew by one weight per stage), keeps
+optimizer state only for those, steps them, and broadcasts the updated values to the
+other replicas:
 ZeRO stage 1 (Rajbhandari et al. 2020), as ``ZeroRedundancyOptimizer`` does. It is
 written here rather than wrapping ``ZeroRedundancyOptimizer`` because that class keeps a
 rank-indexed state dict that must be consolidated onto one rank, which
@@ -98,15 +101,22 @@ class ShardedOptimizer(Optimizer):
         self._gate = gate
         dp = dist.get_world_size(dp_group) if dp_group is not None else 1
         me = dist.get_rank(dp_group) if dp_group is not None else 0
-        self.parts: list[_Part] = []
         every: list[nn.Parameter] = []
+        shared: list[list[nn.Parameter]] = []
+        experts: list[tuple[nn.Parameter, ...]] = []
         for module in modules:
             trainable = [p for p in module.parameters() if p.requires_grad]
-            params = [p for p in trainable if dp_group is None or not is_expert_param(p)]
-            experts = tuple(p for p in trainable if dp_group is not None and is_expert_param(p))
-            owners = partition(params, dp) if dp_group is not None else [0] * len(params)
-            self.parts.append(_Part(module, params, owners, me, lambda ps: optimizer_cls(ps, **kwargs), experts))
+            shared.append([p for p in trainable if dp_group is None or not is_expert_param(p)])
+            experts.append(tuple(p for p in trainable if dp_group is not None and is_expert_param(p)))
             every.extend(trainable)
+        flat = [p for params in shared for p in params]
+        owners = partition(flat, dp) if dp_group is not None else [0] * len(flat)
+        self.parts: list[_Part] = []
+        start = 0
+        for module, params, local in zip(modules, shared, experts):
+            mine = owners[start : start + len(params)]
+            start += len(params)
+            self.parts.append(_Part(module, params, mine, me, lambda ps: optimizer_cls(ps, **kwargs), local))
         if not every:
             raise JobError("the stage has no trainable parameters to optimise.")
         Optimizer.__init__(self, every, dict(kwargs))

@@ -51,9 +51,10 @@ PyTorch, per parameter held by a TP rank:
 - Multi-stage schedules (interleaved, zero-bubble) gather a rank's FSDP2 stages by
   explicit actions: torch 2.13 lowers them with ``UNSHARD`` and ``RESHARD`` steps that
   keep the next :data:`UNSHARDED_STAGES` stages the rank computes gathered and reshard
-  the others (``_add_unshard_reshard``), so under ZeRO-2/3 a rank holds the gathered copy
-  of at most that many stages (:func:`resharded_copy_bytes`; ``replicate`` keeps its
-  copy through them).
+  the others (``_add_unshard_reshard``), so a rank holds the gathered copy of at most
+  that many stages (:func:`resharded_copy_bytes`), ``replicate``'s compute-precision
+  copy too (its ``UNSHARD`` gathers nothing, so the copy is made when the stage next
+  computes; :func:`autopar.cost.pipeline.gathered_chunks`).
 - Zero-bubble schedules run a stage's backward as an input-gradient pass ``I`` and a
   later weight-gradient pass ``W``. FSDP2's post-backward hook fires in ``I`` (it hangs
   on the stage's inputs), before ``W`` computes the weight gradients, so with mixed
@@ -268,15 +269,21 @@ def fsdp_wrapped(config: ParallelConfig) -> bool:
 
 def resharded_copy_bytes(config: ParallelConfig, stage_param_numels: list[float]) -> float:
     """Bytes of the gathered copies a multi-stage schedule keeps resharded on a rank whose
-    stages hold ``stage_param_numels`` parameters each: under ZeRO-2/3, those of all but
-    its :data:`UNSHARDED_STAGES` largest stages (module docstring). The gathered copy is
-    the compute-precision one, or a second fp32 copy in fp32. ``replicate`` (ZeRO-0/1)
-    takes the same ``RESHARD`` steps but keeps its copy (measured:
-    ``docs/cost-model.md``)."""
-    if config.pp == 1 or not config.schedule.multi_stage or config.zero_stage < 2 or not fsdp_wrapped(config):
+    stages hold ``stage_param_numels`` parameters each: those of all but its
+    :data:`UNSHARDED_STAGES` largest stages (module docstring). The gathered copy is the
+    compute-precision one, or under ZeRO-2/3 in fp32 a second fp32 copy; ``replicate``
+    (ZeRO-0/1) frees its compute-precision copy at the same ``RESHARD`` steps, and in
+    fp32 has no copy (measured: ``docs/cost-model.md``)."""
+    return sum(sorted(stage_param_numels)[:-UNSHARDED_STAGES]) * gathered_copy_bytes(config)
+
+
+def gathered_copy_bytes(config: ParallelConfig) -> float:
+    """Bytes per parameter of the gathered copy a multi-stage schedule's ``UNSHARD`` and
+    ``RESHARD`` steps make and free (:func:`resharded_copy_bytes`), 0 where they make
+    none: no such schedule, no FSDP2 wrapper, or ``replicate`` in fp32."""
+    if config.pp == 1 or not config.schedule.multi_stage or not fsdp_wrapped(config):
         return 0.0
-    gathered = compute_copy_bytes(config.dtype) or MASTER_BYTES
-    return sum(sorted(stage_param_numels)[:-UNSHARDED_STAGES]) * gathered
+    return compute_copy_bytes(config.dtype) or (MASTER_BYTES if config.zero_stage >= 2 else 0.0)
 
 
 def deferred_weight_grad_bytes(config: ParallelConfig, *, param_numel: float, whole_grad_numel: float = 0.0) -> float:

@@ -9,8 +9,12 @@ before it in its own micro-batch, and where a rank runs every micro-batch's forw
 before its first backward (no pipelining with one micro-batch, GPipe, 1F1B with no more
 micro-batches than stages after this one) and no gradient outlives a step (anything but
 DDP, whose buckets hold them), ``zero_grad`` left no gradient, so they grow as that
-backward frees the activations. Interleaved schedules keep the bound. What the search
-accepts under the bound fits; the prediction is the peak. The compute-precision weight
+backward frees the activations. Interleaved 1F1B is followed action by action in torch's
+order (:func:`interleaved_peak`): its warm-up's activations meet only the gradients of
+the chunk whose backward runs first, and a chunk may hold more micro-batches later in
+the step than at the warm-up's end (its bound counts them there; the knapsack gives the
+chunks counted heaviest the smallest options). The other interleaved schedules keep the
+bound. What the search accepts under the bound fits; the prediction is the peak. The compute-precision weight
 gradients a zero-bubble schedule defers
 (:func:`autopar.cost.memory.deferred_weight_grad_bytes`) are static in the bound for
 every unit (it does not know which units the pipeline's first stage holds, which defers
@@ -29,18 +33,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.cost.memory import (
+    UNSHARDED_STAGES,
     config_state_bytes,
     deferred_weight_grad_bytes,
+    gathered_copy_bytes,
     held_grad_bytes,
     resharded_copy_bytes,
 )
 from autopar.cost.model import CostModel
-from autopar.cost.pipeline import inflight_microbatches
+from autopar.cost.pipeline import gathered_chunks, inflight_microbatches, interleaved_order
 from autopar.cost.recompute import UnitOption
 from autopar.cost.stage import PricedStage, rank_buffer_bytes
 from autopar.hardware.device import DeviceMemory
 from autopar.plan import MemoryBreakdown, ParallelConfig
-from autopar.vocab import TPStyle
+from autopar.vocab import Schedule, TPStyle
 
 WEIGHT_SPLIT: dict[TPStyle, int | None] = {
     TPStyle.REPLICATE: None,
@@ -203,16 +209,31 @@ def rank_memory(
     static = st.params_bytes + st.grads_bytes + st.optimizer_bytes
     shared = shared_state_bytes(model, config, held_once_numel(model, config, dict(rank)))
     scale = (static - shared) / static if static else 1.0
-    params_bytes = st.params_bytes * scale - resharded_copy_bytes(config, stage_numel)
     grads = st.grads_bytes * scale + deferred
     transients = [p.transient_bytes + h for p, h in zip(prints, _held_grads(config, rank, first_units))]
-    if pp > 1 and config.schedule.multi_stage:  # each stage's micro-batches (unequal in a V)
+    last = [o.layout.held_output_bytes for u, o in rank if u == model.num_units - 1]
+    share = [o.layout.param_numel / params if params else 0.0 for _, o in rank]
+    params_bytes = st.params_bytes * scale - resharded_copy_bytes(config, stage_numel)
+    if pp > 1 and config.schedule is Schedule.INTERLEAVED_1F1B:  # its order, action by action
+        sizes = [len(p.units) for p in mine]
+        copies = [n * gathered_copy_bytes(config) for n in stage_numel]
+        peak = interleaved_peak(
+            _chunked([p.act_bytes for p in prints], sizes),
+            _chunked(transients, sizes),
+            _chunked([grads * f for f in share], sizes),
+            copies,
+            interleaved_order(pp, config.virtual_stages, config.num_microbatches, here),
+            fresh_gradients=not st.rebuild_bytes,
+            held_to_end=sum(last),
+            lazy_gather=config.zero_stage < 2,
+        )
+        acts, grads, transient = peak.activations_bytes, peak.grads_bytes, peak.transient_bytes
+        params_bytes = st.params_bytes * scale - sum(copies) + peak.gathered_bytes
+    elif pp > 1 and config.schedule.multi_stage:  # each stage's micro-batches (unequal in a V)
         held = [p.inflight for p in mine for _ in p.units]
         acts, transient = sum(h * p.act_bytes for h, p in zip(held, prints)), max(transients)
     else:
-        share = [o.layout.param_numel / params if params else 0.0 for _, o in rank]
         fresh = stage.inflight >= config.num_microbatches and not st.rebuild_bytes
-        last = [o.layout.held_output_bytes for u, o in rank if u == model.num_units - 1]
         acts, grads, transient = backward_peak(
             [p.act_bytes for p in prints],
             transients,
@@ -298,6 +319,80 @@ def backward_peak(
         for moment in moments:
             if sum(moment) > sum(best):
                 best = moment
+    return best
+
+
+def _chunked(values: Sequence[float], sizes: Sequence[int]) -> list[list[float]]:
+    """``values`` (a rank's units in order) cut into its stages of ``sizes`` units."""
+    out, at = [], 0
+    for n in sizes:
+        out.append(list(values[at : at + n]))
+        at += n
+    return out
+
+
+@dataclass(frozen=True)
+class RankPeak:
+    """What a pipeline rank holds at its peak beyond its model states' fixed part: its
+    activations, gradients, the transient of the unit in backward, and the gathered
+    parameter copies of the stages a multi-stage schedule keeps unsharded then."""
+
+    activations_bytes: float
+    grads_bytes: float
+    transient_bytes: float
+    gathered_bytes: float = 0.0
+
+    @property
+    def total_bytes(self) -> float:
+        return self.activations_bytes + self.grads_bytes + self.transient_bytes + self.gathered_bytes
+
+
+def interleaved_peak(
+    acts: Sequence[Sequence[float]],
+    transients: Sequence[Sequence[float]],
+    grads: Sequence[Sequence[float]],
+    copies: Sequence[float],
+    order: tuple[tuple[bool, int], ...],
+    *,
+    fresh_gradients: bool,
+    held_to_end: float = 0.0,
+    lazy_gather: bool = False,
+) -> RankPeak:
+    """What a rank that runs its chunks in ``order`` (``(is_forward, chunk)``,
+    :func:`autopar.cost.pipeline.interleaved_order`) holds at its peak: ``acts[c][k]``
+    of unit ``k`` of chunk ``c`` per micro-batch, in forward order (likewise
+    ``transients`` and ``grads``), and ``copies[c]`` of chunk ``c``'s gathered
+    parameters while torch keeps it unsharded (:func:`autopar.cost.pipeline.gathered_chunks`,
+    ``lazy_gather`` for ``replicate``).
+
+    A forward adds one micro-batch of its chunk's activations, a backward frees them; while
+    unit ``k`` of chunk ``c`` runs its backward, the micro-batch it works on holds the
+    activations of the units up to ``k`` and ``k`` its transient, as in
+    :func:`backward_peak`. Gradients: all of them, except with ``fresh_gradients``
+    (``zero_grad`` left none), where a unit's exists from its first backward on, so that
+    the warm-up's activations meet only the last chunk's gradients, and the earlier
+    chunks' arrive as the steady state has freed some. ``held_to_end``: the last chunk's
+    logits, kept until its micro-batch's backward is over (the chunk with the model's
+    last unit is the last of the rank's)."""
+    whole = [sum(a) for a in acts]
+    total = sum(sum(g) for g in grads)
+    held, seen = [0] * len(acts), [False] * len(acts)
+    best = RankPeak(0.0, total, 0.0)  # after the last backward, nothing but the gradients
+    for (forward, c), gathered in zip(order, gathered_chunks(order, UNSHARDED_STAGES, lazy=lazy_gather)):
+        if forward:
+            held[c] += 1
+            continue
+        others = sum(n * w for n, w in zip(held, whole)) - whole[c]
+        done = sum(sum(g) for g, s in zip(grads, seen) if s)
+        alive_copies = sum(copies[g] for g in gathered)
+        for k in range(len(acts[c])):
+            ends = held_to_end if c == len(acts) - 1 and k < len(acts[c]) - 1 else 0.0
+            alive = done + (0.0 if seen[c] else sum(grads[c][k + 1 :])) if fresh_gradients else total
+            moment = RankPeak(others + sum(acts[c][: k + 1]) + ends, alive, transients[c][k], alive_copies)
+            if moment.total_bytes > best.total_bytes:
+                best = moment
+        held[c] -= 1
+        seen[c] = True
     return best
 
 

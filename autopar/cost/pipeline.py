@@ -136,6 +136,48 @@ def interleaved_chunk_counts(pp: int, virtual_stages: int, num_microbatches: int
     return tuple(cycles * per_round + min(max(rest - k * per_round, 0), per_round) for k in range(v))
 
 
+def interleaved_order(pp: int, virtual_stages: int, num_microbatches: int, rank: int) -> tuple[tuple[bool, int], ...]:
+    """Rank ``rank``'s compute actions under torch 2.13's ``ScheduleInterleaved1F1B``, as
+    ``(is_forward, chunk)``: the warm-up's forwards (:func:`interleaved_chunk_counts`),
+    then a forward and a backward in turn, then the remaining backwards. Forward ``i``
+    runs chunk ``(i // mpr) % v``, backward ``j`` chunk ``v - 1 - (j // mpr) % v``, each
+    chunk's micro-batches in order; checked against torch's own order
+    (``tests/planner/test_zero_bubble_cost.py``)."""
+    m, v = num_microbatches, virtual_stages
+    per_round = m // max(1, m // pp)
+    total = m * v
+    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), total)
+    forward = [(True, (i // per_round) % v) for i in range(total)]
+    backward = [(False, v - 1 - (j // per_round) % v) for j in range(total)]
+    steady = total - warmup
+    paired = [a for i in range(steady) for a in (forward[warmup + i], backward[i])]
+    return tuple(forward[:warmup] + paired + backward[steady:])
+
+
+def gathered_chunks(
+    order: tuple[tuple[bool, int], ...], active: int, *, lazy: bool = False
+) -> tuple[tuple[int, ...], ...]:
+    """The chunks whose parameters are gathered while each action of ``order`` runs: the
+    next ``active`` distinct chunks from it on, as torch 2.13's ``_add_unshard_reshard``
+    (``max_active_stages``) lowers a multi-stage schedule for FSDP2. With ``lazy``
+    (``replicate``, whose shard group is one rank: its ``unshard`` gathers nothing and
+    the copy is made when the chunk next computes), only those of them that have
+    computed since their ``UNSHARD``."""
+    ahead: tuple[int, ...] = ()
+    nexts: list[tuple[int, ...]] = []
+    for _, chunk in reversed(order):
+        ahead = (chunk, *(c for c in ahead if c != chunk))
+        nexts.append(ahead[:active])
+    nexts.reverse()
+    if not lazy:
+        return tuple(nexts)
+    out, made = [], ()
+    for (_, chunk), now in zip(order, nexts):
+        made = tuple(c for c in now if c in made or c == chunk)
+        out.append(made)
+    return tuple(out)
+
+
 def least_stage_inflight(schedule: Schedule, pp: int, virtual_stages: int, num_microbatches: int, rank: int) -> float:
     """The fewest micro-batches any stage of ``rank`` holds at its peak
     (:func:`stage_inflight_microbatches`): what a bound on the rank's activations that

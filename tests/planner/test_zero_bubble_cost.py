@@ -22,8 +22,10 @@ from torch.distributed.pipelining.schedules import _ComputationType as Kind
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autopar.cost.pipeline import (
+    gathered_chunks,
     inflight_microbatches,
     interleaved_chunk_counts,
+    interleaved_order,
     pipeline_time_s,
     schedule_problem,
     stage_inflight_microbatches,
@@ -257,6 +259,43 @@ def test_interleaved_1f1b_chunk_counts_are_torch_order(p, m):
             assert got == list(counts) and len(set(counts)) <= 2
 
 
+@pytest.mark.parametrize("p, m", [(2, 2), (2, 4), (4, 2), (4, 4), (4, 8), (8, 4), (8, 16), (8, 24)])
+def test_interleaved_1f1b_order_is_torch_order(p, m):
+    """Every rank's forwards and backwards, chunk by chunk and in order, as torch's
+    ``ScheduleInterleaved1F1B`` lists them (the order the memory walk follows)."""
+    for v in (2, 3, 4):
+        if schedule_problem(Schedule.INTERLEAVED_1F1B, p, v, m):
+            continue
+        order = torch_order(Schedule.INTERLEAVED_1F1B, p, v, m)
+        for r in range(p):
+            theirs = tuple((a.computation_type is Kind.FORWARD, a.stage_index // p) for a in order[r])
+            assert interleaved_order(p, v, m, r) == theirs, (v, r)
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 2), (4, 8), (8, 16)])
+def test_gathered_chunks_are_torch_lowering(p, m):
+    """The chunks whose FSDP2 parameters are gathered at each action are those torch's
+    ``_add_unshard_reshard`` leaves unsharded there (its ``UNSHARD`` and ``RESHARD``
+    steps replayed on torch's own interleaved 1F1B order)."""
+    from torch.distributed.pipelining.schedules import _add_unshard_reshard
+
+    for v in (2, 3, 4):
+        if schedule_problem(Schedule.INTERLEAVED_1F1B, p, v, m):
+            continue
+        order = torch_order(Schedule.INTERLEAVED_1F1B, p, v, m)
+        for r in range(p):
+            active, theirs = set(), []
+            for a in _add_unshard_reshard(order[r], 3):
+                if a.computation_type is Kind.UNSHARD:
+                    active.add(a.stage_index // p)
+                elif a.computation_type is Kind.RESHARD:
+                    active.discard(a.stage_index // p)
+                else:
+                    theirs.append(active.copy())
+            ours = [set(g) for g in gathered_chunks(interleaved_order(p, v, m, r), 3)]
+            assert ours == theirs, (v, r)
+
+
 def _plan_at_capacity(model, capacity_gib, seq_len, schedule):
     """The plan of ``model`` with ``schedule`` on 4 pipeline ranks of H100s cut to
     ``capacity_gib`` GiB each, and the most memory any of its ranks is predicted to use."""
@@ -286,6 +325,22 @@ def test_a_zero_bubble_plan_the_search_accepts_fits(capacity_gib):
         model = GPT(cfg)
     _, peak = _plan_at_capacity(model, capacity_gib, cfg.seq_len, "interleaved-zb")
     assert peak <= capacity_gib * 2**30
+
+
+@pytest.mark.parametrize("capacity_gib", [3.0, 3.25])
+def test_an_interleaved_1f1b_plan_the_search_accepts_fits(capacity_gib):
+    """The search bounds an interleaved 1F1B rank by its chunks' micro-batches at its
+    first peak and every gradient; the prediction follows torch's order action by action
+    (:func:`autopar.cost.peak.interleaved_peak`). At capacities where the plan is within
+    a few percent of the budget, the plan the search returns fits by that prediction."""
+    from autopar.models import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=32768, seq_len=1024, dim=1024, n_layers=16, n_heads=16)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    plan, peak = _plan_at_capacity(model, capacity_gib, cfg.seq_len, "interleaved-1f1b")
+    assert plan.config.virtual_stages > 1
+    assert 0.9 * capacity_gib * 2**30 <= peak <= capacity_gib * 2**30
 
 
 def _heavy_ends(rng, p):

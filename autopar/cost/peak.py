@@ -375,24 +375,48 @@ def interleaved_peak(
     logits, kept until its micro-batch's backward is over (the chunk with the model's
     last unit is the last of the rank's)."""
     whole = [sum(a) for a in acts]
-    total = sum(sum(g) for g in grads)
+    grad_sums = [sum(g) for g in grads]
+    total = sum(grad_sums)
+    # each chunk's worst unit in its backward, by whether its gradients exist yet: what
+    # the unit adds to the other chunks' activations and the gradients already made
+    worst = [
+        {seen: _worst_unit(a, t, g, held_to_end if c == len(acts) - 1 else 0.0, seen) for seen in (False, True)}
+        for c, (a, t, g) in enumerate(zip(acts, transients, grads))
+    ]
     held, seen = [0] * len(acts), [False] * len(acts)
+    held_bytes, done = 0.0, 0.0
     best = RankPeak(0.0, total, 0.0)  # after the last backward, nothing but the gradients
     for (forward, c), gathered in zip(order, gathered_chunks(order, UNSHARDED_STAGES, lazy=lazy_gather)):
         if forward:
             held[c] += 1
+            held_bytes += whole[c]
             continue
-        others = sum(n * w for n, w in zip(held, whole)) - whole[c]
-        done = sum(sum(g) for g, s in zip(grads, seen) if s)
-        alive_copies = sum(copies[g] for g in gathered)
-        for k in range(len(acts[c])):
-            ends = held_to_end if c == len(acts) - 1 and k < len(acts[c]) - 1 else 0.0
-            alive = done + (0.0 if seen[c] else sum(grads[c][k + 1 :])) if fresh_gradients else total
-            moment = RankPeak(others + sum(acts[c][: k + 1]) + ends, alive, transients[c][k], alive_copies)
-            if moment.total_bytes > best.total_bytes:
-                best = moment
+        unit_acts, unit_grads, transient = worst[c][seen[c] or not fresh_gradients]
+        alive = done + unit_grads if fresh_gradients else total
+        moment = RankPeak(held_bytes - whole[c] + unit_acts, alive, transient, sum(copies[g] for g in gathered))
+        if moment.total_bytes > best.total_bytes:
+            best = moment
         held[c] -= 1
-        seen[c] = True
+        held_bytes -= whole[c]
+        if not seen[c]:
+            seen[c] = True
+            done += grad_sums[c]
+    return best
+
+
+def _worst_unit(
+    acts: Sequence[float], transients: Sequence[float], grads: Sequence[float], held_to_end: float, seen: bool
+) -> tuple[float, float, float]:
+    """(activations, gradients, transient) of one chunk's micro-batch at the worst unit
+    of its backward (:func:`interleaved_peak`): the activations of the units up to it
+    (and ``held_to_end`` before the last), the unit's transient, and, before the
+    chunk's first backward is over (not ``seen``), the gradients of the units after it."""
+    best, most = (0.0, 0.0, 0.0), -1.0
+    for k in range(len(acts)):
+        ends = held_to_end if k < len(acts) - 1 else 0.0
+        moment = (sum(acts[: k + 1]) + ends, 0.0 if seen else sum(grads[k + 1 :]), transients[k])
+        if sum(moment) > most:
+            best, most = moment, sum(moment)
     return best
 
 

@@ -46,6 +46,7 @@ their in-flight micro-batches are counted from each forward to its ``W``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from autopar.plan import ParallelConfig
@@ -136,6 +137,7 @@ def interleaved_chunk_counts(pp: int, virtual_stages: int, num_microbatches: int
     return tuple(cycles * per_round + min(max(rest - k * per_round, 0), per_round) for k in range(v))
 
 
+@functools.lru_cache(maxsize=1024)
 def interleaved_order(pp: int, virtual_stages: int, num_microbatches: int, rank: int) -> tuple[tuple[bool, int], ...]:
     """Rank ``rank``'s compute actions under torch 2.13's ``ScheduleInterleaved1F1B``, as
     ``(is_forward, chunk)``: the warm-up's forwards (:func:`interleaved_chunk_counts`),
@@ -154,6 +156,7 @@ def interleaved_order(pp: int, virtual_stages: int, num_microbatches: int, rank:
     return tuple(forward[:warmup] + paired + backward[steady:])
 
 
+@functools.lru_cache(maxsize=1024)
 def gathered_chunks(
     order: tuple[tuple[bool, int], ...], active: int, *, lazy: bool = False
 ) -> tuple[tuple[int, ...], ...]:

@@ -1,6 +1,7 @@
 """Test configuration: import the distributed stack once in the parent so that forked
 ranks start in ~0.1 s."""
 
+import pytest
 import torch
 import torch.distributed.checkpoint
 import torch.distributed.fsdp
@@ -8,3 +9,13 @@ import torch.distributed.pipelining
 import torch.distributed.tensor.parallel
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def fake_world():
+    """A two-rank fake process group in this process (collectives do nothing), rank 0."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch.distributed.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    yield
+    torch.distributed.destroy_process_group()

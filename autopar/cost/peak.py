@@ -213,10 +213,11 @@ def rank_memory(
     transients = [p.transient_bytes + h for p, h in zip(prints, _held_grads(config, rank, first_units))]
     last = [o.layout.held_output_bytes for u, o in rank if u == model.num_units - 1]
     share = [o.layout.param_numel / params if params else 0.0 for _, o in rank]
-    params_bytes = st.params_bytes * scale - resharded_copy_bytes(config, stage_numel)
+    params_bytes = st.params_bytes * scale
     if pp > 1 and config.schedule is Schedule.INTERLEAVED_1F1B:  # its order, action by action
         sizes = [len(p.units) for p in mine]
-        copies = [n * gathered_copy_bytes(config) for n in stage_numel]
+        gathered = gathered_copy_bytes(config)
+        copies = [n * gathered for n in stage_numel]
         peak = interleaved_peak(
             _chunked([p.act_bytes for p in prints], sizes),
             _chunked(transients, sizes),
@@ -228,10 +229,11 @@ def rank_memory(
             lazy_gather=config.zero_stage < 2,
         )
         acts, grads, transient = peak.activations_bytes, peak.grads_bytes, peak.transient_bytes
-        params_bytes = st.params_bytes * scale - sum(copies) + peak.gathered_bytes
+        params_bytes += peak.gathered_bytes - sum(copies)
     elif pp > 1 and config.schedule.multi_stage:  # each stage's micro-batches (unequal in a V)
         held = [p.inflight for p in mine for _ in p.units]
         acts, transient = sum(h * p.act_bytes for h, p in zip(held, prints)), max(transients)
+        params_bytes -= resharded_copy_bytes(config, stage_numel)
     else:
         fresh = stage.inflight >= config.num_microbatches and not st.rebuild_bytes
         acts, grads, transient = backward_peak(
@@ -383,12 +385,11 @@ def interleaved_peak(
         {seen: _worst_unit(a, t, g, held_to_end if c == len(acts) - 1 else 0.0, seen) for seen in (False, True)}
         for c, (a, t, g) in enumerate(zip(acts, transients, grads))
     ]
-    held, seen = [0] * len(acts), [False] * len(acts)
+    seen = [False] * len(acts)
     held_bytes, done = 0.0, 0.0
     best = RankPeak(0.0, total, 0.0)  # after the last backward, nothing but the gradients
     for (forward, c), gathered in zip(order, gathered_chunks(order, UNSHARDED_STAGES, lazy=lazy_gather)):
         if forward:
-            held[c] += 1
             held_bytes += whole[c]
             continue
         unit_acts, unit_grads, transient = worst[c][seen[c] or not fresh_gradients]
@@ -396,7 +397,6 @@ def interleaved_peak(
         moment = RankPeak(held_bytes - whole[c] + unit_acts, alive, transient, sum(copies[g] for g in gathered))
         if moment.total_bytes > best.total_bytes:
             best = moment
-        held[c] -= 1
         held_bytes -= whole[c]
         if not seen[c]:
             seen[c] = True

@@ -129,12 +129,19 @@ def interleaved_chunk_counts(pp: int, virtual_stages: int, num_microbatches: int
     where ``m >= p`` (``mpr >= p``), and where ``m < p`` (``mpr = m``) either fewer than
     ``mpr`` or enough to fill every chunk with all ``m``."""
     m, v = num_microbatches, virtual_stages
-    rounds = max(1, m // pp)
-    per_round = m // rounds
-    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
+    per_round, warmup = _interleaved_warmup(pp, v, m, rank)
     n = min(warmup + 1, m * v)
     cycles, rest = divmod(n, per_round * v)
     return tuple(cycles * per_round + min(max(rest - k * per_round, 0), per_round) for k in range(v))
+
+
+def _interleaved_warmup(pp: int, virtual_stages: int, num_microbatches: int, rank: int) -> tuple[int, int]:
+    """Interleaved 1F1B's micro-batches per round (``mpr``) and rank ``rank``'s warm-up
+    forwards before its first backward, ``(v - 1) mpr + 2 (p - 1 - r)`` at most ``m v``
+    (torch 2.13's ``_get_warmup_ops``)."""
+    m = num_microbatches
+    per_round = m // max(1, m // pp)
+    return per_round, min((virtual_stages - 1) * per_round + 2 * (pp - 1 - rank), m * virtual_stages)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -146,9 +153,8 @@ def interleaved_order(pp: int, virtual_stages: int, num_microbatches: int, rank:
     chunk's micro-batches in order; checked against torch's own order
     (``tests/planner/test_zero_bubble_cost.py``)."""
     m, v = num_microbatches, virtual_stages
-    per_round = m // max(1, m // pp)
     total = m * v
-    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), total)
+    per_round, warmup = _interleaved_warmup(pp, v, m, rank)
     forward = [(True, (i // per_round) % v) for i in range(total)]
     backward = [(False, v - 1 - (j // per_round) % v) for j in range(total)]
     steady = total - warmup

@@ -81,16 +81,6 @@ def test_every_rank_refuses_on_cpu_before_any_collective():
         assert started == ()
 
 
-@pytest.fixture
-def fake_world():
-    """A two-rank fake process group in this process (collectives do nothing), rank 0."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
-    yield
-    dist.destroy_process_group()
-
-
 def test_enabling_registers_the_tensor_parallel_group_for_symmetric_memory(fake_world, monkeypatch):
     from torch.distributed import _symmetric_memory
 

@@ -1,22 +1,11 @@
 """ZeRO-1's partition of optimizer state over the data-parallel ranks, built on a fake
 two-rank process group in this process."""
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from autopar.runtime.optimizer import ShardedOptimizer
-
-
-@pytest.fixture
-def fake_world():
-    """A two-rank fake process group in this process (collectives do nothing), rank 0."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
-    yield
-    dist.destroy_process_group()
 
 
 def _block() -> nn.Module:

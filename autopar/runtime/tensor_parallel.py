@@ -85,9 +85,6 @@ def apply_tensor_parallel(
     :class:`autopar.runtime.tied.TiedGradSync` sums their gradients.
     """
     modules = {n: m for n, m in stage.named_modules() if not isinstance(m, StandIn)}
-    for fqn, arrives in layout.unit_inputs.items():
-        if fqn in modules:
-            modules[fqn].register_forward_pre_hook(_input_converter(mesh, arrives, layout.boundary), with_kwargs=True)
     for fqn, conversion in layout.module_inputs.items():
         if fqn in modules:
             modules[fqn].register_forward_pre_hook(
@@ -104,6 +101,25 @@ def apply_tensor_parallel(
             parallelize_module(module, mesh, style)
     for names in tied:
         retie(stage, names)
+
+
+def convert_unit_inputs(stage: nn.Module, layout: TPLayout, mesh: DeviceMesh) -> None:
+    """Convert each block's input that arrives in another layout to the boundary's, on
+    the block as the stage now holds it.
+
+    Called after recomputation wraps the blocks, so the conversion runs outside a
+    block's checkpoint: the checkpoint then keeps the converted (sequence-sharded)
+    input, not the whole tensor it was cut from. A learned position embedding is added
+    replicated, so a GPT's first block would otherwise keep the whole sum for every
+    micro-batch in flight.
+    """
+    for fqn, arrives in layout.unit_inputs.items():
+        try:
+            module = stage.get_submodule(fqn)
+        except AttributeError:
+            continue
+        if not isinstance(module, StandIn):
+            module.register_forward_pre_hook(_input_converter(mesh, arrives, layout.boundary), with_kwargs=True)
 
 
 def styles_for(module: nn.Module, leaf: LeafLayout, parent: nn.Module | None = None) -> list[ParallelStyle]:

@@ -4,7 +4,6 @@ replicated; with sequence parallelism the first block cuts it into sequence shar
 on a fake two-rank process group in this process (collectives do nothing; shapes and
 storages are real)."""
 
-import torch
 from parity import GPT_CFG, SEQ, batches, build, make_plan, megatron_styles, token_loss
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as wrapper_module
 

@@ -3,7 +3,8 @@
 
 - ``none``: keep every saved activation;
 - ``selective``: drop the attention core's activations, recompute its forward in
-  backward (Korthikanti et al. 2022, section 5);
+  backward (Korthikanti et al. 2022, section 5); its output stays, kept by the output
+  projection, and is made again by the rerun core;
 - ``op``: keep the unit's input and the outputs of the operators torchtitan's
   per-operator policy saves (:mod:`autopar.cost.saved_ops`), rerun the rest of the
   forward, its collectives but the kept reduce-scatters included, as ``full`` does;
@@ -115,7 +116,7 @@ def make_option(
     elif mode is Recompute.SELECTIVE:
         act, transient, redo, flops = (
             lay.saved_bytes,
-            lay.attn_saved_bytes + lay.working_bytes,
+            lay.attn_saved_bytes + lay.attn_output_bytes + lay.working_bytes,
             lay.attn_fwd_s,
             attn_flops,
         )

@@ -217,7 +217,10 @@ class UnitCost:
             them.
         param_numel: parameters held.
         saved_bytes: activations kept for backward (no recomputation), attention core
-            excluded; ``attn_saved_bytes``: the attention core's.
+            excluded; ``attn_saved_bytes``: the attention core's, but what an op after
+            it saves too (its output, the output projection's input), which selective
+            recomputation keeps. ``attn_output_bytes``: the cores' outputs, made again
+            when selective recomputation reruns them.
         input_bytes: the unit's input as held (what full recomputation keeps).
         output_bytes: the unit's output as sent to the next pipeline stage.
         factored_numel: optimizer state elements of a factored optimizer (Adafactor:
@@ -285,6 +288,7 @@ class UnitCost:
     expert_numel: float = 0.0
     whole_grad_numel: float = 0.0
     largest_grad_numel: float = 0.0
+    attn_output_bytes: float = 0.0
     op_kept_bytes: float = 0.0
     op_kept_compute_s: float = 0.0
     op_kept_comm_s: float = 0.0
@@ -444,6 +448,7 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         largest_grad_numel=max(
             (leaf_param_numel(leaf, s, t, ctx.ep) for leaf, s in zip(profile.leaves, styles)), default=0.0
         ),
+        attn_output_bytes=sum(attn_out.values()),
         op_kept_bytes=op_bytes + sum(attn_out.values()),
         op_kept_compute_s=op_compute + attn_fwd,
         op_kept_comm_s=op_comm,

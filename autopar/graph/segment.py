@@ -45,6 +45,18 @@ class Op:
     kernels: int = 0
     settled: list[tuple[_FlowAcc, float]] = field(default_factory=list)
 
+    def keep_outside_attention(self, nbytes: float) -> None:
+        """``nbytes`` of this attention op's saved outputs are also saved by an op after
+        the attention core (its output, which the output projection keeps): they stay
+        when the core is recomputed, so they count as ``saved``, here and in the flows
+        the op went to."""
+        if not self.assigned:
+            self.attn_saved -= nbytes
+            self.saved += nbytes
+        for acc, share in self.settled:
+            acc.attn_saved -= nbytes * share
+            acc.saved += nbytes * share
+
     def add_compiled(self, nbytes: float, kernels: int) -> None:
         """Bytes and kernels of this op when compiled (:mod:`autopar.graph.fusion`):
         charged to the flows it went to, or kept until it goes to one."""

@@ -151,6 +151,7 @@ class Tracer:
         self.attn_work = 1.0  # of the attention core's counted FLOPs, what a fused kernel computes
         self.attn_inputs: set[int] = set()
         self.seen_storages: set[int] = set()
+        self.attn_outputs: dict[int, tuple[Op, float]] = {}  # saved attention outputs: their op, bytes
         self.head_dim = 0
         self.uncounted: set[str] = set()
 
@@ -182,6 +183,9 @@ class Tracer:
         except (RuntimeError, NotImplementedError):
             return t
         key = storage._cdata
+        if key in self.attn_outputs and not self.in_attention:
+            op, nbytes = self.attn_outputs.pop(key)
+            op.keep_outside_attention(nbytes)
         if key in self.param_storages or key in self.seen_storages:
             return t
         self.seen_storages.add(key)
@@ -197,6 +201,7 @@ class Tracer:
             op = seg.ops[-1]
             if attn:
                 op.attn_saved += nbytes
+                self.attn_outputs[key] = (op, nbytes)
             else:
                 op.saved += nbytes
         else:

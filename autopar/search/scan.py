@@ -23,6 +23,7 @@ from autopar.plan import ParallelConfig
 from autopar.search.bounds import TimeBound
 from autopar.search.solve import ConfigSolver, Outcome
 from autopar.search.space import Rejection, enumerate_space, memory_floor, shard_siblings, shard_sizes
+from autopar.search.walk_room import with_walk_room
 from autopar.vocab import DType, Recompute
 
 ALL_MODES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.OP, Recompute.FULL)
@@ -65,9 +66,12 @@ def _constraints_text(fixed: Mapping[str, Any]) -> str:
     return "constraints " + ", ".join(f"{name}={value}" for name, value in fixed.items())
 
 
-def search(solver: ConfigSolver, fixed: Mapping[str, Any], *, top: int) -> SearchResult:
+def search(solver: ConfigSolver, fixed: Mapping[str, Any], *, top: int, walk_room: bool = True) -> SearchResult:
     """Solve the candidates that satisfy ``fixed`` in bound order (module docstring);
-    the kept ones come with their prediction."""
+    the kept ones come with their prediction. The order and the stop are exact for the
+    memory bound every configuration is solved under; with ``walk_room`` every one solved
+    that fits then takes the room its pipeline ranks' walk leaves below that bound
+    (:mod:`autopar.search.walk_room`), which may reorder them."""
     model = solver.model
     graph, cluster = model.graph, model.cluster
     configs, rejected = enumerate_space(graph, cluster, model.global_batch_size, fixed, fold_shard_groups=True)
@@ -143,6 +147,14 @@ def search(solver: ConfigSolver, fixed: Mapping[str, Any], *, top: int) -> Searc
     }
     if not fitting:
         return SearchResult(best=min(infeasible, key=lambda o: o.min_memory_bytes), runners_up=(), **common)
+    if walk_room:  # fastest first; one whose bound cannot beat the kept ones stays out
+        roomy: list[Outcome] = []
+        for o in fitting:
+            if len(roomy) >= keep and bound_of(o.config) >= roomy[keep - 1].step_time_s:
+                continue
+            roomy.append(with_walk_room(solver, o, modes))
+            roomy.sort(key=lambda o: o.step_time_s)
+        fitting = roomy
     finished = [replace(o, prediction=price(model, decided(o))) for o in fitting[:keep]]
     contrasts = sharding_contrasts(solver, finished[0].config, fixed, modes) + option_contrasts(
         solver, finished[0].config, modes
@@ -165,7 +177,7 @@ def sharding_contrasts(
     else:
         sizes = shard_sizes(best.dp, best.tp * best.cp, solver.model.cluster.devices_per_node)
         others = [replace(best, dp_shard=d) for d in sizes]
-    found = [o for o in (solver.evaluate(c, modes) for c in others) if o.fits]
+    found = [o for o in (with_walk_room(solver, solver.evaluate(c, modes), modes) for c in others) if o.fits]
     if not found:
         return ()
     fastest = min(found, key=lambda o: o.step_time_s)
@@ -184,7 +196,7 @@ def option_contrasts(solver: ConfigSolver, best: ParallelConfig, modes: tuple[Re
         others.append(replace(best, fp8=not best.fp8))
     if device.async_tp and best.compile and best.sequence_parallel:
         others.append(replace(best, async_tp=not best.async_tp))
-    found = [o for o in (solver.evaluate(c, modes) for c in others) if o.fits]
+    found = [o for o in (with_walk_room(solver, solver.evaluate(c, modes), modes) for c in others) if o.fits]
     return tuple(replace(o, prediction=price(solver.model, decided(o))) for o in found)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -226,18 +226,21 @@ class ConfigSolver:
         index: int,
         *,
         held: tuple[float, ...] | None = None,
+        allowance: float = 0.0,
     ) -> tuple[PricedStage, float] | None:
         """The fastest options for ``units`` as one stage and the memory bound they take
         (None if they cannot fit). ``held``: the micro-batches each unit's stage keeps at
-        the rank's peak, where they differ from ``inflight`` (a V's two stages)."""
+        the rank's peak, where they differ from ``inflight`` (a V's two stages).
+        ``allowance``: bytes the bound may take beyond the budget, where the rank's peak
+        is known to stay below its bound by that much (:mod:`autopar.search.walk_room`)."""
         if units[-1] - units[0] + 1 == len(units):  # contiguous: the precomputed range signature
             content: object = int(self.range_signature[units[0], units[-1] + 1])
         else:
             content = tuple(self.unit_keys[u] for u in units)
         pipeline = (config.num_microbatches, config.virtual_stages) if config.pp > 1 else ()
-        key = (content, self.config_key(config, modes), inflight, pipeline, held)
+        key = (content, self.config_key(config, modes), inflight, pipeline, held, allowance)
         if key not in self._memo:
-            self._memo[key] = self._solve(units, config, modes, inflight, held)
+            self._memo[key] = self._solve(units, config, modes, inflight, held, allowance)
         found = self._memo[key]
         if found is None:
             return None
@@ -251,6 +254,7 @@ class ConfigSolver:
         modes: tuple[Recompute, ...],
         inflight: float,
         held: tuple[float, ...] | None,
+        allowance: float,
     ) -> tuple[StageChoice, tuple[UnitOption, ...]] | None:
         groups_keys: list[tuple] = []
         members: dict[tuple, list[int]] = {}
@@ -293,8 +297,10 @@ class ConfigSolver:
         graph = self.model.graph
         bound = sum(s.numel for s in graph.shared if s.first_unit in units and s.second_unit in units)
         shared = shared_state_bytes(self.model, config, bound) if bound else 0.0
-        budget = self.budget_bytes - rank_buffer_bytes(
-            self.model, units, config, inflight, self.any_layout(config, modes)
+        budget = (
+            self.budget_bytes
+            + allowance
+            - rank_buffer_bytes(self.model, units, config, inflight, self.any_layout(config, modes))
         )
         choice = solve_stage(groups, budget + shared, inflight, self.solver, weights)
         chosen = assign(choice) if choice is not None else {}
@@ -307,7 +313,7 @@ class ConfigSolver:
         if choice is None:
             return None
         taken = [(p, c) for (_, opts), cs in zip(groups, choice.counts) for p, c in zip(opts, cs) if c]
-        if not fits_bucket_rebuild(taken, shared, self.budget_bytes):
+        if not fits_bucket_rebuild(taken, shared, self.budget_bytes + allowance):
             return None
         return choice, tuple(chosen[u] for u in units)
 
@@ -322,7 +328,7 @@ class ConfigSolver:
         pp, v = config.pp, config.virtual_stages
         solved: list[tuple[PricedStage, float]] | None
         if v > 1:
-            solved = self._interleaved(config, modes)
+            solved = self.interleaved(config, modes)
         else:
             inflight = [inflight_microbatches(config.schedule, pp, v, config.num_microbatches, k) for k in range(pp)]
             cutoff = split_cutoff(self, config, modes, inflight)
@@ -365,14 +371,15 @@ class ConfigSolver:
     def _even_split(self, pp: int, exact: bool) -> tuple[int, ...] | None:
         return even_bounds_of(self.model.graph.units, pp, exact=exact)
 
-    def _interleaved(
-        self, config: ParallelConfig, modes: tuple[Recompute, ...]
+    def interleaved(
+        self, config: ParallelConfig, modes: tuple[Recompute, ...], allowances: Sequence[float] = ()
     ) -> list[tuple[PricedStage, float]] | None:
         """Interleaved 1F1B: blocks split evenly over the pp x v chunks (Megatron-LM's
         rule), the prologue on chunk 0 and the epilogue on the last, or the units evenly
         where only they divide (:func:`autopar.search.split.even_bounds`); each rank's options
-        are chosen over the union of its chunks, under its memory. Each chunk's stage
-        carries its own units and its rank's memory bound (the rank is what memory binds)."""
+        are chosen over the union of its chunks, under its memory (and its entry of
+        ``allowances`` beyond the budget, where given). Each chunk's stage carries its own
+        units and its rank's memory bound (the rank is what memory binds)."""
         chunks = config.pp * config.virtual_stages
         bounds = self.even_split(chunks, exact=True)
         if bounds is None:
@@ -386,7 +393,8 @@ class ConfigSolver:
             infl = inflight_microbatches(config.schedule, pp, v, m, r)
             held = tuple(stage_held[c] for c in mine for _ in range(bounds[c], bounds[c + 1]))
             unequal = len(set(held)) > 1  # a V's stages, interleaved 1F1B's first and last chunks
-            found = self.solve_units(units, config, modes, infl, r, held=held if unequal else None)
+            extra = allowances[r] if allowances else 0.0
+            found = self.solve_units(units, config, modes, infl, r, held=held if unequal else None, allowance=extra)
             if found is None:
                 return None
             per_rank[r] = found

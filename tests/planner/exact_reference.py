@@ -22,7 +22,8 @@ from autopar.search.scan import ALL_MODES
 from autopar.search.solve import ConfigSolver
 from autopar.search.space import check_constraints, enumerate_space
 from autopar.search.stage_solver import memory_of
-from autopar.vocab import DType, Layout
+from autopar.search.walk_room import walked_bytes
+from autopar.vocab import DType, Layout, Schedule
 
 
 def layout_ctx(cluster, *, tp, mbs=1, sp=False, first=False, last=False):
@@ -126,9 +127,11 @@ def kernel_variants(cfg: ParallelConfig, cluster: Cluster, fixed: dict) -> list[
     return sorted(out, key=repr)
 
 
-def brute_force_search(evaluator: ConfigSolver, constraints: dict) -> float:
+def brute_force_search(evaluator: ConfigSolver, constraints: dict, *, walked: bool = False) -> float:
     """Every configuration x every split x every per-unit option (identical units of a
-    stage sharing a layout), priced by the cost model."""
+    stage sharing a layout), priced by the cost model. A choice fits where every rank's
+    memory bound does, or with ``walked``, where an interleaved 1F1B rank's predicted
+    peak (its walk, :func:`autopar.cost.peak.rank_memory`) does."""
     model = evaluator.model
     fixed = check_constraints(constraints)
     configs, _ = enumerate_space(model.graph, model.cluster, model.global_batch_size, fixed)
@@ -179,7 +182,7 @@ def brute_force_search(evaluator: ConfigSolver, constraints: dict) -> float:
                     taken = {u: per_unit[u][0][choice[u]] for u in units}
                     mem -= shared_state_bytes(model, cfg, held_once_numel(model, cfg, taken))
                     mem += rank_buffer_bytes(model, tuple(units), cfg, inflight, lambda u: taken[u].layout)
-                    if mem > budget * (1 + 1e-12):
+                    if mem > budget * (1 + 1e-12) and not (walked and cfg.schedule is Schedule.INTERLEAVED_1F1B):
                         ok = False
                         break
                 if not ok:
@@ -191,5 +194,8 @@ def brute_force_search(evaluator: ConfigSolver, constraints: dict) -> float:
                         cfg.schedule, cfg.pp, cfg.virtual_stages, cfg.num_microbatches, c
                     )
                     stages.append(PricedStage(index=c, units=units, options=opts, inflight=inflight))
+                if walked and cfg.schedule is Schedule.INTERLEAVED_1F1B:
+                    if any(walked_bytes(evaluator, cfg, stages, r) > budget * (1 + 1e-12) for r in range(cfg.pp)):
+                        continue
                 best = min(best, timing(model, cfg, stages).step_s)
     return best

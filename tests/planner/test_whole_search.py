@@ -96,6 +96,34 @@ def test_whole_search_matches_brute_force_on_two_stages_per_rank(memory_gib, sch
     offered = {Schedule(schedule)} if schedule else {Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZB, Schedule.ZBV}
     assert {c.schedule for c in configs} == offered
     want = brute_force_search(solver(), constraints)
-    result = search(solver(), check_constraints(constraints), top=3)
+    result = search(solver(), check_constraints(constraints), top=3, walk_room=False)
     assert math.isfinite(want) and result.best.fits
     assert result.best.step_time_s == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.parametrize(("memory_gib", "gains"), [(0.009, True), (0.01, True), (0.011, True), (0.012, False)])
+def test_the_walk_room_is_between_the_bound_and_the_walked_optimum(memory_gib, gains):
+    """Interleaved 1F1B ranks re-solved in the room their walk leaves below the bound
+    (:mod:`autopar.search.walk_room`): never slower than the search under the bound, never
+    faster than brute force under the walk itself (every configuration, split and option
+    whose ranks' predicted peaks fit), and what it returns fits by its prediction. Where
+    memory is tight it is faster (0.009 GiB: 0.336 ms under the bound, 0.317 with the
+    room, 0.316 the walked optimum; 0.011 GiB: the walked optimum); with room to spare
+    all three agree."""
+    model = Llama(LlamaConfig(vocab_size=512, seq_len=128, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=256))
+    graph = extract(model, seq_len=128, dtype="bf16")
+    cluster = tiny_cluster(memory_gib)
+    constraints = {"micro_batch_size": 2, "pp": 2, "tp": 1, "virtual_stages": 2, "zero_stage": 2}
+    constraints["schedule"] = "interleaved-1f1b"
+    model = CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8)
+
+    def solver() -> ConfigSolver:
+        return ConfigSolver(model=model, budget_bytes=budget_bytes(cluster.device.memory), micro_batches=(2,))
+
+    bound = search(solver(), check_constraints(constraints), top=0, walk_room=False).best
+    roomy = search(solver(), check_constraints(constraints), top=0).best
+    walked = brute_force_search(solver(), constraints, walked=True)
+    assert bound.fits and roomy.fits
+    assert walked * (1 - 1e-9) <= roomy.step_time_s <= bound.step_time_s
+    assert (roomy.step_time_s < bound.step_time_s) is gains
+    assert max(s.memory.total_bytes for s in roomy.prediction.stages) <= cluster.device.memory.capacity_bytes

@@ -212,7 +212,7 @@ def rank_memory(
     grads = st.grads_bytes * scale + deferred
     transients = [p.transient_bytes + h for p, h in zip(prints, _held_grads(config, rank, first_units))]
     last = [o.layout.held_output_bytes for u, o in rank if u == model.num_units - 1]
-    share = [o.layout.param_numel / params if params else 0.0 for _, o in rank]
+    share = _grad_shares(model, config, rank)
     params_bytes = st.params_bytes * scale
     if pp > 1 and config.schedule is Schedule.INTERLEAVED_1F1B:  # its order, action by action
         sizes = [len(p.units) for p in mine]
@@ -261,6 +261,26 @@ def rank_memory(
         buffers_bytes=buffers,
         reserve_bytes=memory.reserved_bytes + memory.fragmentation * allocated,
     )
+
+
+def _grad_shares(model: CostModel, config: ParallelConfig, rank: Sequence[tuple[int, UnitOption]]) -> list[float]:
+    """Each unit's part of its rank's gradients: its own state's, so that a
+    vocabulary-parallel table's whole gradient (``UnitCost.whole_grad_numel``) belongs to
+    its unit alone and exists only from that unit's backward, not shared out by
+    parameters over units whose gradients exist earlier."""
+    own = [
+        config_state_bytes(
+            config,
+            model.optimizer,
+            param_numel=o.layout.param_numel,
+            factored_numel=o.layout.factored_numel,
+            expert_numel=o.layout.expert_numel,
+            whole_grad_numel=o.layout.whole_grad_numel,
+        ).grads_bytes
+        for _, o in rank
+    ]
+    total = sum(own)
+    return [g / total if total else 0.0 for g in own]
 
 
 def _held_grads(

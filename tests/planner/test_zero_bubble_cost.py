@@ -420,3 +420,30 @@ def test_a_v_plan_the_search_accepts_fits(schedule, capacity_gib):
     plan, peak = _plan_at_capacity(model, capacity_gib, cfg.seq_len, schedule)
     assert plan.config.schedule is Schedule(schedule) and plan.layer_strategies.recompute
     assert peak <= capacity_gib * 2**30
+
+
+def test_a_rank_holds_only_the_gradients_of_the_chunks_whose_backward_ran():
+    """Llama 3 405B at 128K tokens as Meta split it (one layer per stage on 16 x 8
+    stages, the embedding alone on rank 0's first; tp=8, cp=16, dp=8, ZeRO-2): rank 0
+    runs every forward before its first backward and peaks in its second, when only
+    its last chunk's gradients exist: one layer's fp32 gradient, by hand. The
+    vocabulary-parallel table's whole gradient is the embedding's, which runs its
+    backward last; shared out over the rank's units by parameters, 0.9 GiB of it was
+    counted on that layer (1.60 of the hand count)."""
+    import autopar
+    from autopar.models import Llama, LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=128256, seq_len=131072, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248
+    )
+    with torch.device("meta"):
+        model = Llama(cfg)
+    fixed = {"tp": 8, "cp": 16, "pp": 16, "micro_batch_size": 1, "schedule": "interleaved-1f1b"}
+    fixed |= {"virtual_stages": 8, "sequence_parallel": True, "zero_stage": 2, "recompute": "op"}
+    plan = autopar.estimate(
+        model, autopar.preset("dgx-h100", nodes=2048), fixed, global_batch_size=128, seq_len=cfg.seq_len
+    )
+    rank0 = next(s.memory for s in plan.prediction.stages if s.pipeline_rank == 0)
+    layer_numel = (2 * 16384 * 16384 + 2 * 16384 * 1024 + 3 * 16384 * 53248) / 8  # q, o; k, v; the MLP
+    norms_numel = 2 * 16384  # its two RMSNorm weights, whole on every rank
+    assert rank0.grads_bytes == pytest.approx((layer_numel + norms_numel) * 4, rel=1e-9)

@@ -106,9 +106,11 @@ def test_mismatched_settings_and_a_rank_that_cannot_join_the_group():
 
 
 def test_a_missing_interface_stops_before_the_process_group():
+    """The one error is the environment's, on the rank whose interface is missing: no
+    process group was formed, so none timed out (timed, the check failed on a loaded
+    machine, where three ranks starting took longer than the bound)."""
     env = {"GLOO_SOCKET_IFNAME": "nosuchnic0"}
-    start = time.monotonic()
-    report = _report(launch_local(_doctor, 3, QUICK, timeout_s=20, env_of_rank=lambda r: env if r == 2 else {}))
-    assert time.monotonic() - start < 15  # no process-group timeout was needed
+    report = _report(launch_local(_doctor, 3, QUICK, timeout_s=60, env_of_rank=lambda r: env if r == 2 else {}))
+    assert not [f for f in report.findings if f.check == "process group"]
     (err,) = report.errors()
     assert err.check == "environment" and err.ranks == (2,) and "nosuchnic0" in err.message and "lo" in err.fix

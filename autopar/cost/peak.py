@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from autopar.cost.memory import (
@@ -408,20 +409,32 @@ def interleaved_peak(
     seen = [False] * len(acts)
     held_bytes, done = 0.0, 0.0
     best = RankPeak(0.0, total, 0.0)  # after the last backward, nothing but the gradients
-    for (forward, c), gathered in zip(order, gathered_chunks(order, UNSHARDED_STAGES, lazy=lazy_gather)):
+    most = best.total_bytes
+    for forward, c, gathered in _walk_steps(order, lazy_gather):
         if forward:
             held_bytes += whole[c]
             continue
         unit_acts, unit_grads, transient = worst[c][seen[c] or not fresh_gradients]
         alive = done + unit_grads if fresh_gradients else total
-        moment = RankPeak(held_bytes - whole[c] + unit_acts, alive, transient, sum(copies[g] for g in gathered))
-        if moment.total_bytes > best.total_bytes:
-            best = moment
+        moment_acts = held_bytes - whole[c] + unit_acts
+        copy = sum(copies[g] for g in gathered)
+        if moment_acts + alive + transient + copy > most:  # RankPeak.total_bytes, summed alike
+            best = RankPeak(moment_acts, alive, transient, copy)
+            most = best.total_bytes
         held_bytes -= whole[c]
         if not seen[c]:
             seen[c] = True
             done += grad_sums[c]
     return best
+
+
+@lru_cache(maxsize=256)
+def _walk_steps(order: tuple[tuple[bool, int], ...], lazy: bool) -> tuple[tuple[bool, int, tuple[int, ...]], ...]:
+    """``order``'s actions with the chunks gathered during each
+    (:func:`autopar.cost.pipeline.gathered_chunks`), once per order: the search walks
+    the same orders for every candidate it gives room to."""
+    gathered = gathered_chunks(order, UNSHARDED_STAGES, lazy=lazy)
+    return tuple((forward, c, g) for (forward, c), g in zip(order, gathered))
 
 
 def _worst_unit(

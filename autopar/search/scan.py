@@ -147,14 +147,15 @@ def search(solver: ConfigSolver, fixed: Mapping[str, Any], *, top: int, walk_roo
     }
     if not fitting:
         return SearchResult(best=min(infeasible, key=lambda o: o.min_memory_bytes), runners_up=(), **common)
-    if walk_room:  # fastest first; one whose bound cannot beat the kept ones stays out
+    if walk_room:  # only a candidate whose bound beats the fastest so far can win with room
+        fastest_s = math.inf
         roomy: list[Outcome] = []
         for o in fitting:
-            if len(roomy) >= keep and bound_of(o.config) >= roomy[keep - 1].step_time_s:
-                continue
-            roomy.append(with_walk_room(solver, o, modes))
-            roomy.sort(key=lambda o: o.step_time_s)
-        fitting = roomy
+            if bound_of(o.config) < fastest_s:
+                o = with_walk_room(solver, o, modes)
+            roomy.append(o)
+            fastest_s = min(fastest_s, o.step_time_s)
+        fitting = sorted(roomy, key=lambda o: o.step_time_s)
     finished = [replace(o, prediction=price(model, decided(o))) for o in fitting[:keep]]
     contrasts = sharding_contrasts(solver, finished[0].config, fixed, modes) + option_contrasts(
         solver, finished[0].config, modes

@@ -41,9 +41,16 @@ def with_walk_room(solver: ConfigSolver, outcome: Outcome, modes: tuple[Recomput
     config = outcome.config
     if not outcome.fits or config.pp == 1 or config.schedule is not Schedule.INTERLEAVED_1F1B:
         return outcome
+    if all(  # every unit at its fastest option: no room makes the step shorter
+        option.time_s <= min(o.time_s for o in solver.options(unit, config, modes))
+        for stage in outcome.stages
+        for unit, option in zip(stage.units, stage.options)
+    ):
+        return outcome
     budget = solver.budget_bytes
     fits = [0.0] * config.pp  # allowances known to fit (none: the search's own options)
-    over = [max(budget - walked_bytes(solver, config, outcome.stages, r), 0.0) for r in range(config.pp)]
+    walked = [walked_bytes(solver, config, outcome.stages, r) for r in range(config.pp)]  # of the kept options
+    over = [max(budget - w, 0.0) for w in walked]
     if max(over) == 0.0:
         return outcome
     best = list(outcome.stages)
@@ -56,8 +63,9 @@ def with_walk_room(solver: ConfigSolver, outcome: Outcome, modes: tuple[Recomput
         for r in range(config.pp):
             if trial[r] <= fits[r]:
                 continue
-            if walked_bytes(solver, config, stages, r) <= budget:
-                fits[r] = trial[r]
+            peak_r = walked_bytes(solver, config, stages, r)
+            if peak_r <= budget:
+                fits[r], walked[r] = trial[r], peak_r
                 for c in config.stages_of_rank(r):
                     best[c] = stages[c]
             else:
@@ -65,7 +73,7 @@ def with_walk_room(solver: ConfigSolver, outcome: Outcome, modes: tuple[Recomput
     step_s = timing(solver.model, config, best).step_s
     if step_s >= outcome.step_time_s:
         return outcome
-    peak = max(walked_bytes(solver, config, best, r) for r in range(config.pp))
+    peak = max(walked)
     reserved = solver.model.cluster.device.memory.reserved_bytes
     return replace(outcome, step_time_s=step_s, stages=tuple(best), min_memory_bytes=peak + reserved)
 

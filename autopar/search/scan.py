@@ -69,9 +69,10 @@ def _constraints_text(fixed: Mapping[str, Any]) -> str:
 def search(solver: ConfigSolver, fixed: Mapping[str, Any], *, top: int, walk_room: bool = True) -> SearchResult:
     """Solve the candidates that satisfy ``fixed`` in bound order (module docstring);
     the kept ones come with their prediction. The order and the stop are exact for the
-    memory bound every configuration is solved under; with ``walk_room`` every one solved
-    that fits then takes the room its pipeline ranks' walk leaves below that bound
-    (:mod:`autopar.search.walk_room`), which may reorder them."""
+    memory bound every configuration is solved under; with ``walk_room`` each one solved
+    that fits and whose time bound beats the fastest so far then takes the room its
+    pipeline ranks' walk leaves below that bound (:mod:`autopar.search.walk_room`), which
+    may reorder them (no other can become the fastest: room only changes options)."""
     model = solver.model
     graph, cluster = model.graph, model.cluster
     configs, rejected = enumerate_space(graph, cluster, model.global_batch_size, fixed, fold_shard_groups=True)

@@ -1,9 +1,8 @@
 """What machine and software a measurement ran on (a report's provenance).
 
 Numbers measured on one cluster are worthless on another unless the file says where
-they came from (STYLE.md: "hardware numbers belong in profile files that record their
-source"), so every section records the host, CPU, accelerator, memory and the versions
-of the software stack that decides the speed (torch, CUDA, cuDNN, NCCL).
+they came from, so every section records the host, CPU, accelerator, memory and the
+versions of the software stack that decides the speed (torch, CUDA, cuDNN, NCCL).
 """
 
 from __future__ import annotations

@@ -73,6 +73,13 @@ class ParallelConfig:
             them, chunk by chunk, so the transfer of one chunk hides behind the matmul of
             another. Needs ``tp > 1``, ``sequence_parallel`` and ``compile``; the runtime
             runs it on CUDA devices (symmetric memory).
+        regather: with sequence parallelism, a unit that keeps its activations
+            (recompute ``none`` or ``selective``) keeps its rank's sequence shard of each
+            input it all-gathers for column-parallel matmuls, and all-gathers it again in
+            the backward, as Megatron-LM does, rather than holding the gathered copy
+            (:mod:`autopar.runtime.regather`): ``1 / tp`` of those activations for one
+            more all-gather each in the backward. Needs ``sequence_parallel`` and eager
+            blocks (``compile=False``): the runtime does it with saved-tensor hooks.
     """
 
     dp: int
@@ -92,6 +99,7 @@ class ParallelConfig:
     compile: bool = False
     fp8: bool = False
     async_tp: bool = False
+    regather: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "num_microbatches", "virtual_stages"):
@@ -110,7 +118,7 @@ class ParallelConfig:
         self._check_ep()
         if not isinstance(self.sequence_parallel, bool):
             raise ConfigError(f"sequence_parallel={self.sequence_parallel!r} is not allowed: use True or False.")
-        for name in ("compile", "fp8", "async_tp"):
+        for name in ("compile", "fp8", "async_tp", "regather"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} is not allowed: use True or False.")
         if self.async_tp and not (self.tp > 1 and self.sequence_parallel and self.compile):
@@ -118,6 +126,12 @@ class ParallelConfig:
                 f"async_tp=True needs tp > 1 with sequence_parallel=True and compile=True (got tp={self.tp}, "
                 f"sequence_parallel={self.sequence_parallel}, compile={self.compile}): torch fuses the sequence-"
                 f"parallel collectives into the compiled blocks' matmuls; set them, or async_tp=False."
+            )
+        if self.regather and not (self.sequence_parallel and not self.compile):
+            raise ConfigError(
+                f"regather=True needs sequence_parallel=True and compile=False (got sequence_parallel="
+                f"{self.sequence_parallel}, compile={self.compile}): it keeps shards of the sequence-parallel "
+                f"gathers, with saved-tensor hooks on eager blocks; set them, or regather=False."
             )
         if self.fp8 and self.dtype is not DType.BF16:
             raise ConfigError(
@@ -238,9 +252,20 @@ class ParallelConfig:
     def unit_family(self) -> tuple:
         """What a unit's options depend on besides the micro-batch size and the
         sharding: the tensor-, context- and expert-parallel degrees, compiled blocks,
-        FP8 matmuls, asynchronous TP, sequence parallelism and precision. The search's
-        caches are keyed by it, so an axis added here reaches every one of them."""
-        return (self.tp, self.cp, self.ep, self.compile, self.fp8, self.async_tp, self.sequence_parallel, self.dtype)
+        FP8 matmuls, asynchronous TP, sequence parallelism, kept gather shards and
+        precision. The search's caches are keyed by it, so an axis added here reaches
+        every one of them."""
+        return (
+            self.tp,
+            self.cp,
+            self.ep,
+            self.compile,
+            self.fp8,
+            self.async_tp,
+            self.sequence_parallel,
+            self.regather,
+            self.dtype,
+        )
 
     @property
     def world_size(self) -> int:
@@ -260,8 +285,9 @@ class ParallelConfig:
     def short(self) -> str:
         """Compact text: ``dp=8 tp=8 pp=16 mbs=1 m=12 1f1b zero=3 shard=4 recompute=full sp bf16``
         (``shard=`` only under HSDP, ``cp=`` and ``ep=`` after ``pp=`` only with context
-        and expert parallelism, `` compiled``, `` fp8`` and `` async-tp`` at the end when
-        blocks are compiled, multiply in FP8 and overlap their tensor-parallel collectives)."""
+        and expert parallelism, `` compiled``, `` fp8``, `` async-tp`` and `` regather`` at the
+        end when blocks are compiled, multiply in FP8, overlap their tensor-parallel
+        collectives and keep the shards of their sequence-parallel gathers)."""
         sched = self.schedule.value if self.pp > 1 else "no-pp"
         if self.virtual_stages > 1:
             sched += f"(v={self.virtual_stages})"
@@ -273,6 +299,7 @@ class ParallelConfig:
             f"dp={self.dp} tp={self.tp} pp={self.pp}{cp}{ep} mbs={self.micro_batch_size} m={self.num_microbatches} "
             f"{sched} zero={self.zero_stage}{hsdp} recompute={self.recompute.value}{sp} {self.dtype.value}"
             f"{' compiled' if self.compile else ''}{' fp8' if self.fp8 else ''}{' async-tp' if self.async_tp else ''}"
+            f"{' regather' if self.regather else ''}"
         )
 
 

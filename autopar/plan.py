@@ -21,16 +21,16 @@ from autopar.hardware.cluster import Cluster
 from autopar.parallel_config import ParallelConfig
 from autopar.vocab import Attention, Optimizer, Recompute, Schedule, TPStyle
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 """2: the cluster's device is nested by concern (roofline, memory, host effects);
 3: ``ParallelConfig.dp_shard`` (HSDP); 4: ``ParallelConfig.cp`` (context parallelism)
 and ``StepBreakdown.cp_comm_s``; 5: ``ParallelConfig.ep`` (expert parallelism) and
 ``StepBreakdown.ep_comm_s``; 6: ``ParallelConfig.compile`` (compiled blocks) and ``fp8`` (FP8 matmuls); 7: the
 recompute mode ``op`` (per-operator selective recomputation); 8: ``ParallelConfig.async_tp``
-(asynchronous tensor parallelism); 9: the schedule ``dualpipev``. Older files read as plans without the
-newer axes."""
-READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, SCHEMA_VERSION)
-_INTRODUCED = {"dp_shard": 3, "cp": 4, "ep": 5, "compile": 6, "fp8": 6, "async_tp": 8}
+(asynchronous tensor parallelism); 9: the schedule ``dualpipev``; 10: ``ParallelConfig.regather``
+(sequence-parallel gathers kept as shards). Older files read as plans without the newer axes."""
+READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9, SCHEMA_VERSION)
+_INTRODUCED = {"dp_shard": 3, "cp": 4, "ep": 5, "compile": 6, "fp8": 6, "async_tp": 8, "regather": 10}
 """The schema version that introduced each newer ``config`` field."""
 _OP_RECOMPUTE_SINCE = 7
 """The schema version that introduced the recompute mode ``op``."""
@@ -179,7 +179,7 @@ class Alternative:
     """
 
     config: ParallelConfig
-    status: Literal["runner-up", "out-of-memory", "sharding", "compile", "fp8", "async_tp"]
+    status: Literal["runner-up", "out-of-memory", "sharding", "compile", "fp8", "async_tp", "regather"]
     step_time_s: float
     memory_bytes_per_device: float
     slower_by: float

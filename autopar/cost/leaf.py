@@ -83,6 +83,9 @@ class TPContext:
             attention rate (:meth:`autopar.cost.compute.ComputeRates.in_fused_attention`).
         async_tp: the unit's sequence-parallel collectives run fused with the matmuls
             beside them (:func:`autopar.cost.tensor_parallel.fused_hidden_s`).
+        regather: the unit keeps its shard of each input it gathers for column-parallel
+            matmuls and gathers it again in the backward where it keeps its activations
+            (``ParallelConfig.regather``; :func:`autopar.cost.tensor_parallel.regather_terms`).
     """
 
     tp: int
@@ -109,6 +112,7 @@ class TPContext:
     fp8: bool = False
     fused_attention: bool = False
     async_tp: bool = False
+    regather: bool = False
 
     @property
     def input_layout(self) -> Layout:

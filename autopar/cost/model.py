@@ -92,4 +92,5 @@ def tp_context(model: CostModel, unit: int, config: ParallelConfig) -> TPContext
         fp8=config.fp8 and model.graph.units[unit].is_block,
         fused_attention=model.graph.attention is Attention.FLASH,
         async_tp=config.async_tp and model.graph.units[unit].is_block,
+        regather=config.regather,
     )

@@ -17,6 +17,10 @@
   them: ``UnitCost.loss_fwd_compute_s``), and the rerun compute costs a
   ``recompute_fraction`` of the recorded one, which a layer profile measures.
 
+Where the plan keeps the shards of its sequence-parallel gathers (``regather``), the
+modes that keep activations (``none``, ``selective``) keep the shards and gather again
+in the backward (:mod:`autopar.cost.regather`); a checkpoint keeps its own.
+
 Under context parallelism every recomputing mode reruns the attention core's key/value
 exchange (:mod:`autopar.cost.context_parallel`; ``op`` keeps the attention's output but
 not the exchange's collectives); ``op`` and ``full`` rerun the forward all-to-alls of
@@ -75,12 +79,23 @@ class UnitOption:
     @property
     def tp_comm_s(self) -> float:
         """Tensor-parallel communication (forward, backward and recomputed forward)."""
-        return self.layout.fwd_comm_s + self.layout.bwd_comm_s + rerun_comm(self.layout, self.recompute)[0]
+        lay = self.layout
+        return lay.fwd_comm_s + lay.bwd_comm_s + rerun_comm(lay, self.recompute)[0] + regathered(lay, self.recompute)[0]
 
     @property
     def syncs(self) -> int:
         """Blocking tensor-parallel collectives (forward, backward and recomputed forward)."""
-        return self.layout.fwd_syncs + self.layout.bwd_syncs + rerun_comm(self.layout, self.recompute)[1]
+        lay = self.layout
+        return lay.fwd_syncs + lay.bwd_syncs + rerun_comm(lay, self.recompute)[1] + regathered(lay, self.recompute)[1]
+
+
+def regathered(lay: UnitCost, mode: Recompute) -> tuple[float, int]:
+    """Seconds and blocking collectives of the backward's all-gathers of kept shards
+    (:mod:`autopar.cost.regather`): only where ``mode`` keeps activations; a checkpoint
+    keeps its own."""
+    if mode.checkpoints_unit:
+        return 0.0, 0
+    return lay.regather.backward_s, lay.regather.syncs
 
 
 def rerun_comm(lay: UnitCost, mode: Recompute) -> tuple[float, int]:
@@ -127,6 +142,9 @@ def make_option(
         act = lay.input_bytes + lay.loss_saved_bytes + kept_bytes
         flops = rerun_flops - (kept_flops if mode is Recompute.OP else 0.0)
         transient = full_act - lay.loss_saved_bytes + lay.working_bytes
+    if not mode.checkpoints_unit:  # the sequence-parallel gathers kept as shards, if the plan does
+        act -= lay.regather.saved_bytes
+        transient += lay.regather.held_bytes
     if mode is not Recompute.NONE:
         redo += ring.fwd_s
     if mode.checkpoints_unit:
@@ -135,7 +153,7 @@ def make_option(
         layout=lay,
         recompute=mode,
         fwd_s=lay.fwd_s + ring.fwd_s + experts.fwd_s,
-        bwd_s=lay.bwd_compute_s + lay.bwd_comm_s + ring.bwd_s + experts.bwd_s + redo,
+        bwd_s=lay.bwd_compute_s + lay.bwd_comm_s + regathered(lay, mode)[0] + ring.bwd_s + experts.bwd_s + redo,
         recompute_s=redo,
         act_bytes=act,
         transient_bytes=transient + max(ring.transient_bytes, experts.transient_bytes),

@@ -46,6 +46,7 @@ from autopar.cost.leaf import (
     leaf_fwd_s,
     leaf_param_numel,
 )
+from autopar.cost.regather import NO_REGATHER, Regather, gathered, regather_terms
 from autopar.cost.saved_ops import kept_matmuls
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, Flow, UnitProfile
 from autopar.vocab import STYLE_IO, DType, Layout, TPStyle
@@ -260,6 +261,9 @@ class UnitCost:
             at once, its largest local weight's: what a gradient accumulated into one
             already there holds beside it (a whole-computed table's is in
             ``whole_grad_numel``'s count already).
+        regather: what keeping the shards of its sequence-parallel gathers saves and
+            costs where the unit keeps its activations (:mod:`autopar.cost.regather`;
+            nothing unless the plan does).
     """
 
     styles: tuple[TPStyle, ...]
@@ -293,6 +297,7 @@ class UnitCost:
     op_kept_compute_s: float = 0.0
     op_kept_comm_s: float = 0.0
     op_kept_syncs: int = 0
+    regather: Regather = NO_REGATHER
 
     @property
     def time_s(self) -> float:
@@ -401,6 +406,7 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
             op_bytes += largest[src] * b / t
             op_comm += f
             op_syncs += f > 0
+    gathers = [(src, largest[src] * b) for (src, need), a in conversions.items() if gathered(a, need)]
     for src, a in partial.items():
         r = reduction_s(a, largest[src] * b, ctx)
         if a is Layout.Q:  # the reduce-scatter of the column-parallel matmuls' input gradient
@@ -453,6 +459,7 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         op_kept_compute_s=op_compute + attn_fwd,
         op_kept_comm_s=op_comm,
         op_kept_syncs=op_syncs,
+        regather=regather_terms(profile, styles, gathers, ctx),
     )
 
 

@@ -258,6 +258,27 @@ def kernel_options_note(plan: Plan, framework: str, *, writes_async_tp: bool = F
     )
 
 
+def regather_note(plan: Plan, framework: str, *, regathers: bool) -> str | None:
+    """The note for a sequence-parallel plan whose ``regather`` differs from what
+    ``framework`` does (``regathers``: Megatron-LM and its DeepSpeed fork keep the shards
+    of their gathers; torchtitan and Accelerate hold the gathered copies); None where
+    they agree."""
+    c = plan.config
+    if not c.sequence_parallel or c.regather == regathers:
+        return None
+    if regathers:
+        return (
+            f"{framework}'s sequence parallelism keeps the shards of its all-gathers and gathers again in the "
+            f"backward, which the plan does not (regather=False): activation memory is lower, and the backward's "
+            f"communication higher, than predicted"
+        )
+    return (
+        f"the plan keeps the shards of its sequence-parallel all-gathers (regather=True), which {framework} does "
+        f"not: it holds the gathered copies, so activation memory is higher than predicted and may not fit; plan "
+        f"with regather=False for {framework}"
+    )
+
+
 def expert_tp_note(plan: Plan, framework: str, flag: str) -> str:
     """The note for a plan with expert and tensor parallelism, which ``framework`` writes
     with expert tensor parallelism 1 (``flag`` 1): whole experts on each rank, as the

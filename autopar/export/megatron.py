@@ -21,6 +21,7 @@ from autopar.export.common import (
     kernel_options_note,
     mixed_recompute_note,
     outside_blocks_note,
+    regather_note,
     require_seq_multiple,
     shell_line,
     torchrun,
@@ -62,6 +63,9 @@ def export_megatron(plan: Plan, shape: ModelShape | None) -> Export:
     args += _expert_args(plan, shape, notes, info)
     if c.sequence_parallel:
         args.append("--sequence-parallel")
+    regather = regather_note(plan, "Megatron-LM", regathers=True)
+    if regather:
+        notes.append(regather)
     if c.async_tp:
         args.append("--tp-comm-overlap")
         notes.append(TP_COMM_OVERLAP_NOTE)

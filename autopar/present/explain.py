@@ -37,6 +37,7 @@ def explain(plan: Plan, *, top: int = 5) -> str:
         *_option_line(plan, "compile", "Compiled", COMPILE_WAYS, always=True),
         *_option_line(plan, "fp8", "FP8 matmuls", FP8_WAYS, always=False),
         *_option_line(plan, "async_tp", "Async TP", ASYNC_TP_WAYS, always=False),
+        *_option_line(plan, "regather", "SP gathers", REGATHER_WAYS, always=False),
         "",
         "Stages (pipeline rank: units | forward / backward per micro-batch | peak memory)",
     ]
@@ -148,7 +149,7 @@ def _experts(plan: Plan) -> list[str]:
 
 
 def _option_line(plan: Plan, option: str, label: str, ways: tuple[str, str, str, str], *, always: bool) -> list[str]:
-    """How the plan sets an option (``option``: ``compile``, ``fp8`` or ``async_tp``, also the
+    """How the plan sets an option (``option``: ``compile``, ``fp8``, ``async_tp`` or ``regather``, also the
     status of its priced contrast in ``plan.alternatives``), and what the other way would
     take. ``ways``: the text of the option on, off, and the names of the other way when
     it is on and when it is off. Without ``always``, nothing where the option is off and
@@ -182,6 +183,12 @@ ASYNC_TP_WAYS = (
     "off",
     "synchronous (--set async_tp=false)",
     "asynchronous (--set async_tp=true)",
+)
+REGATHER_WAYS = (
+    "shards kept, gathered again in the backward (Megatron-LM's sequence parallelism)",
+    "gathered copies held for the backward",
+    "holding them (--set regather=false)",
+    "keeping shards (--set regather=true)",
 )
 
 

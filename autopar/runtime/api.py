@@ -46,6 +46,7 @@ from autopar.runtime.metrics import MemoryMeter
 from autopar.runtime.orphan import tie_to_launcher
 from autopar.runtime.pipeline import build_schedule, build_stages, check_cuttable, check_schedule, cut, tensor_outputs
 from autopar.runtime.recompute import apply_recompute
+from autopar.runtime.regather import apply_regather
 from autopar.runtime.tensor_parallel import apply_tensor_parallel, convert_unit_inputs
 from autopar.runtime.tied import TiedGradSync, TiedParam, check_tied_stages, find_tied
 from autopar.vocab import DType, TPStyle
@@ -197,6 +198,8 @@ def parallelize(
             apply_tensor_parallel(stage, layout, mesh["tp"], tuple(t.fqns for t in tied))
         if experts_mesh is not None:
             apply_expert_parallel(stage, experts_mesh.ep, plan.settings.routing_imbalance)
+        if plan.config.regather and layout is not None:
+            apply_regather(stage, list(plan.stages[i]), layout, plan)
         apply_recompute(stage, list(plan.stages[i]), plan)
         if layout is not None:
             convert_unit_inputs(stage, layout, mesh["tp"])

@@ -130,6 +130,10 @@ def _alternatives(result: SearchResult, solver: ConfigSolver) -> tuple[Alternati
             way = "asynchronous" if o.config.async_tp else "synchronous"
             out.append(priced(o, "async_tp", f"the winner with {way} tensor parallelism: "))
             continue
+        if o.config.regather != result.best.config.regather:
+            way = "keeping shards of" if o.config.regather else "holding"
+            out.append(priced(o, "regather", f"the winner {way} the sequence-parallel gathers: "))
+            continue
         sharding = "plain FSDP" if o.config.dp_shard is None else f"HSDP with shard groups of {o.config.dp_shard}"
         out.append(priced(o, "sharding", f"the winner with {sharding}: "))
     cap = result.best.prediction.memory_capacity_bytes if result.best.prediction else 0.0

@@ -10,7 +10,8 @@ and ``explain()`` prices it as a contrast. (A shorter backward hides less of the
 data-parallel tail, the one way a faster unit can lengthen the predicted step; the search
 does not take such gains for any option, docs/cost-model.md, and brute force over both
 ways agrees on the test instances.) FP8 is tried both ways: its casts can cost more than
-its faster matmuls save on small layers."""
+its faster matmuls save on small layers. So is keeping the shards of sequence-parallel
+gathers (``regather``, eager blocks only): it trades an all-gather for memory."""
 
 from __future__ import annotations
 
@@ -52,6 +53,16 @@ def async_tp_options(c: Mapping[str, Any], cluster: Cluster, tp: int, sp: bool, 
     if "async_tp" in c:
         return [c["async_tp"]] if applies or not c["async_tp"] else []
     return [applies and cluster.device.async_tp]
+
+
+def regather_options(c: Mapping[str, Any], sp: bool, compiled: bool) -> list[bool]:
+    """Whether to keep shards of the sequence-parallel gathers: as fixed, else both ways
+    where it applies (sequence parallelism, eager blocks): it saves memory for one more
+    all-gather each in the backward."""
+    applies = sp and not compiled
+    if "regather" in c:
+        return [c["regather"]] if applies or not c["regather"] else []
+    return [False, True] if applies else [False]
 
 
 def check_fp8(constraints: Mapping[str, Any], cluster: Cluster) -> None:

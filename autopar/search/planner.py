@@ -333,6 +333,7 @@ def _complete(fixed: dict[str, Any], cluster: Cluster, global_batch_size: int) -
     out.setdefault("compile", cluster.device.compiles)
     out.setdefault("fp8", False)
     out.setdefault("async_tp", False)
+    out.setdefault("regather", False)
     check_fp8(out, cluster)
     check_async_tp(out, cluster)
     return check_constraints(out)

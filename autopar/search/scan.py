@@ -191,13 +191,16 @@ def option_contrasts(solver: ConfigSolver, best: ParallelConfig, modes: tuple[Re
     synchronous TP), with its linear layers the other way (FP8 or not) where the device
     has FP8 matmuls and the plan is in bf16, and with its tensor parallelism the other
     way (asynchronous or not) where that applies; priced, those that fit: what each option
-    is worth on this plan, whichever way it was decided."""
-    others = [replace(best, compile=not best.compile, async_tp=False)]
+    is worth on this plan, whichever way it was decided; likewise keeping the shards of
+    sequence-parallel gathers (``regather``) where the blocks are eager."""
+    others = [replace(best, compile=not best.compile, async_tp=False, regather=False)]
     device = solver.model.cluster.device
     if device.roofline.fp8_flops and best.dtype is DType.BF16:
         others.append(replace(best, fp8=not best.fp8))
     if device.async_tp and best.compile and best.sequence_parallel:
         others.append(replace(best, async_tp=not best.async_tp))
+    if best.sequence_parallel and not best.compile:
+        others.append(replace(best, regather=not best.regather))
     found = [o for o in (with_walk_room(solver, solver.evaluate(c, modes), modes) for c in others) if o.fits]
     return tuple(replace(o, prediction=price(solver.model, decided(o))) for o in found)
 

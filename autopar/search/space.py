@@ -30,7 +30,14 @@ from autopar.hardware.cluster import Cluster
 from autopar.plan import ParallelConfig
 from autopar.search.experts import capacity_experts, check_expert_parallel, ep_degrees
 from autopar.search.integers import divisors
-from autopar.search.kernel_options import async_tp_options, check_async_tp, check_fp8, compile_options, fp8_options
+from autopar.search.kernel_options import (
+    async_tp_options,
+    check_async_tp,
+    check_fp8,
+    compile_options,
+    fp8_options,
+    regather_options,
+)
 from autopar.search.schedules import check_schedule_constraints, offered_schedules, split_problem
 from autopar.vocab import ZERO_STAGES, DType, Recompute, Schedule, TPStyle
 
@@ -83,7 +90,7 @@ def check_constraints(constraints: Mapping[str, Any] | None, *, what: str = "con
             f"constraint dp_shard={shard!r} is not allowed: give the FSDP shard group's size (an integer >= 2 "
             f"dividing dp), or None for plain FSDP."
         )
-    for name in ("sequence_parallel", "compile", "fp8", "async_tp"):
+    for name in ("sequence_parallel", "compile", "fp8", "async_tp", "regather"):
         if name in out and not isinstance(out[name], bool):
             raise ConfigError(f"constraint {name}={out[name]!r} is not allowed: use True or False.")
     if out.get("async_tp"):  # it runs inside compiled blocks, on sequence-parallel collectives
@@ -92,6 +99,14 @@ def check_constraints(constraints: Mapping[str, Any] | None, *, what: str = "con
                 raise ConfigError(
                     f"constraint async_tp=True with {needed}=False is not allowed: asynchronous TP fuses the "
                     f"sequence-parallel collectives into the compiled blocks; drop {needed}=False or async_tp=True."
+                )
+    if out.get("regather"):  # it keeps shards of sequence-parallel gathers, on eager blocks
+        for needed, value in (("sequence_parallel", True), ("compile", False)):
+            if out.setdefault(needed, value) is not value:
+                raise ConfigError(
+                    f"constraint regather=True with {needed}={not value} is not allowed: it keeps the shards of "
+                    f"sequence-parallel gathers with saved-tensor hooks on eager blocks; drop {needed}={not value} "
+                    f"or regather=True."
                 )
     return out
 
@@ -314,8 +329,10 @@ def enumerate_space(
                                     compile=compiled,
                                     fp8=fp8,
                                     async_tp=overlapped,
+                                    regather=regather,
                                 )
                                 for overlapped in async_tp_options(c, cluster, tp, sp, compiled)
+                                for regather in regather_options(c, sp, compiled)
                             ]
     return configs, rejected
 

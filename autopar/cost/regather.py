@@ -1,0 +1,76 @@
+"""What keeping the shards of sequence-parallel gathers costs and saves
+(``ParallelConfig.regather``, Megatron-LM's sequence parallelism).
+
+With sequence parallelism a column-parallel matmul reads a tensor all-gathered from
+sequence shards, and autograd keeps what it reads for its weight gradient: the whole
+gathered tensor, ``tp`` times the shard. Under ``regather`` a unit that keeps its
+activations keeps the shard instead and all-gathers it again when its backward first
+needs it (:mod:`autopar.runtime.regather`), once however many column-parallel matmuls
+read it (q, k and v share one). Per gathered input, that saves ``1 - 1 / tp`` of what
+its readers saved, costs one all-gather of the whole tensor in the backward, which the
+backward waits for, and holds the gathered tensor again while its readers' backward runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.cost.comm import all_gather_s
+from autopar.cost.leaf import TPContext
+from autopar.graph.layer_graph import UnitProfile
+from autopar.vocab import Layout, TPStyle
+
+
+@dataclass(frozen=True)
+class Regather:
+    """Per micro-batch, per TP rank.
+
+    Attributes:
+        saved_bytes: activations no longer kept (the gathered copies less their shards).
+        held_bytes: the largest gathered tensor, made again during the unit's backward.
+        backward_s: the all-gathers the backward waits for.
+        syncs: how many.
+    """
+
+    saved_bytes: float = 0.0
+    held_bytes: float = 0.0
+    backward_s: float = 0.0
+    syncs: int = 0
+
+
+NO_REGATHER = Regather()
+
+
+def regather_terms(
+    profile: UnitProfile,
+    styles: tuple[TPStyle, ...],
+    gathers: list[tuple[int, float]],
+    ctx: TPContext,
+) -> Regather:
+    """The terms of a layout whose forward all-gathers ``gathers`` (producer, whole
+    tensor's bytes per micro-batch: each conversion of a sequence-sharded tensor into a
+    replicated one) under ``ctx``; nothing unless ``ctx.regather``. What a gather's
+    readers saved is what the trace recorded on its column-parallel readers (a tensor
+    saved by several is recorded once)."""
+    if not ctx.regather or ctx.tp == 1:
+        return NO_REGATHER
+    readers: dict[int, set[int]] = {}
+    for flow in profile.flows:
+        if flow.dst >= 0 and styles[flow.dst] is TPStyle.COLUMN:
+            readers.setdefault(flow.src, set()).add(flow.dst)
+    saved = held = seconds = 0.0
+    syncs = 0
+    for src, whole in gathers:
+        kept = sum(profile.leaves[d].saved_bytes for d in readers.get(src, ())) * ctx.micro_batch
+        if kept <= 0:
+            continue
+        saved += kept * (1 - 1 / ctx.tp)
+        held = max(held, whole)
+        seconds += all_gather_s(whole, ctx.span, ctx.cluster)
+        syncs += 1
+    return Regather(saved_bytes=saved, held_bytes=held, backward_s=seconds, syncs=syncs)
+
+
+def gathered(a: Layout, need: Layout) -> bool:
+    """Whether converting layout ``a`` into ``need`` is a sequence-parallel all-gather."""
+    return a is Layout.Q and need is Layout.R

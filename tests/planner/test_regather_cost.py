@@ -1,0 +1,123 @@
+"""Keeping the shards of sequence-parallel gathers (``regather``) in the cost model: a
+real block's terms against a hand count, the recompute modes that take them, the
+configuration's refusals, and a plan that picks it where memory is short."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import autopar
+from autopar.cost.comm import all_gather_s
+from autopar.cost.recompute import make_option
+from autopar.cost.tensor_parallel import evaluate_layout
+from autopar.errors import ConfigError
+from autopar.graph import extract
+from autopar.hardware import preset
+from autopar.models import Llama, LlamaConfig, build_named_model
+from autopar.plan import ParallelConfig
+from autopar.search.intra_op import LayoutSolver
+from autopar.search.space import check_constraints
+from autopar.vocab import Layout, Recompute
+
+from .exact_reference import layout_ctx
+
+MBS, SEQ, DIM = 2, 2048, 4096
+SEQ_64K = 65536
+
+
+def _block(tp: int):
+    graph = extract(build_named_model("llama2-7b"), seq_len=SEQ)
+    block = graph.profile_of(1)
+    ctx = layout_ctx(preset("dgx-h100", nodes=1), tp=tp, sp=True, mbs=MBS)
+    styles = LayoutSolver().fastest(block, ctx).styles
+    return block, ctx, styles
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+def test_a_block_keeps_one_shard_of_each_of_its_two_gathers(tp):
+    """By hand, on Llama 2 7B's block with sequence parallelism: the attention's input
+    (read by wq, wk and wv) and the MLP's (read by w1 and w3) are the two gathers; each
+    is ``mbs x seq x dim`` bf16 values, of which a rank keeps ``1 / tp`` instead of all,
+    gathers it again once in the backward, and holds one whole at a time."""
+    block, ctx, styles = _block(tp)
+    held = evaluate_layout(block, styles, Layout.Q, ctx)
+    kept = evaluate_layout(block, styles, Layout.Q, dataclasses.replace(ctx, regather=True))
+    whole = MBS * SEQ * DIM * 2.0
+    assert held.regather.saved_bytes == 0
+    assert kept.regather.saved_bytes == pytest.approx(2 * whole * (1 - 1 / tp), rel=1e-12)
+    assert kept.regather.held_bytes == whole
+    assert kept.regather.backward_s == pytest.approx(2 * all_gather_s(whole, ctx.span, ctx.cluster), rel=1e-12)
+    assert kept.regather.syncs == 2
+    assert kept.time_s == held.time_s and kept.saved_bytes == held.saved_bytes
+
+
+def test_only_the_modes_that_keep_activations_take_the_shards():
+    """``none`` and ``selective`` keep the shards (less activation memory, one whole
+    gathered again while the unit's backward runs, the all-gathers in its backward);
+    ``op`` and ``full`` keep a checkpoint, priced as without."""
+    block, ctx, styles = _block(8)
+    held = evaluate_layout(block, styles, Layout.Q, ctx)
+    kept = evaluate_layout(block, styles, Layout.Q, dataclasses.replace(ctx, regather=True))
+    r = kept.regather
+    for mode in Recompute:
+        a, b = make_option(held, mode, 1.0, 1.0, 1.0), make_option(kept, mode, 1.0, 1.0, 1.0)
+        if mode.checkpoints_unit:
+            assert (b.act_bytes, b.transient_bytes, b.bwd_s, b.syncs) == (
+                a.act_bytes,
+                a.transient_bytes,
+                a.bwd_s,
+                a.syncs,
+            )
+        else:
+            assert b.act_bytes == pytest.approx(a.act_bytes - r.saved_bytes, rel=1e-12)
+            assert b.transient_bytes == pytest.approx(a.transient_bytes + r.held_bytes, rel=1e-12)
+            assert b.bwd_s == pytest.approx(a.bwd_s + r.backward_s, rel=1e-12)
+            assert b.syncs == a.syncs + r.syncs
+
+
+def test_regather_needs_sequence_parallelism_and_eager_blocks():
+    """One line naming the values and what to set, from the configuration and from the
+    planner's constraints."""
+    base = dict(dp=1, tp=2, pp=1, micro_batch_size=1, num_microbatches=1, regather=True)
+    with pytest.raises(ConfigError, match="regather=True needs sequence_parallel=True and compile=False"):
+        ParallelConfig(**base)
+    with pytest.raises(ConfigError, match="regather=True needs sequence_parallel=True and compile=False"):
+        ParallelConfig(**base, sequence_parallel=True, compile=True)
+    assert ParallelConfig(**base, sequence_parallel=True).regather
+    with pytest.raises(ConfigError, match="constraint regather=True with compile=True is not allowed"):
+        check_constraints({"regather": True, "compile": True})
+    with pytest.raises(ConfigError, match="constraint regather=True with sequence_parallel=False is not allowed"):
+        check_constraints({"regather": True, "sequence_parallel": False})
+    with pytest.raises(ConfigError, match="constraint regather='yes' is not allowed: use True or False"):
+        check_constraints({"regather": "yes"})
+
+
+def _recomputed(plan: autopar.Plan) -> int:
+    """Units that recompute anything."""
+    units = plan.model.units
+    return sum(plan.layer_strategies.recompute_of(u, plan.config.recompute) is not Recompute.NONE for u in units)
+
+
+def test_a_plan_short_of_memory_keeps_the_shards_rather_than_recompute():
+    """A Llama 3 8B shape on 8 H100 with tp=8, eager, one sample of 64K tokens: holding
+    the gathers, 20 of its 35 units recompute (per operator); keeping their shards, 4 do,
+    and the step is faster; the other way is priced and said."""
+    cfg = LlamaConfig(vocab_size=32000, seq_len=SEQ_64K, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    fixed = {"tp": 8, "pp": 1, "compile": False, "sequence_parallel": True, "fp8": False}
+    cluster = preset("dgx-h100", nodes=1)
+    plan = autopar.plan(model, cluster, global_batch_size=1, seq_len=SEQ_64K, constraints=fixed)
+    held = autopar.plan(model, cluster, global_batch_size=1, seq_len=SEQ_64K, constraints={**fixed, "regather": False})
+    assert plan.config.regather and not held.config.regather
+    assert plan.prediction.fits and held.prediction.fits
+    assert (_recomputed(plan), _recomputed(held)) == (4, 20)
+    assert plan.prediction.step_time_s < held.prediction.step_time_s
+    contrast = [a for a in plan.alternatives if a.status == "regather"]
+    assert contrast and not contrast[0].config.regather
+    assert contrast[0].step_time_s == pytest.approx(held.prediction.step_time_s, rel=1e-9)
+    line = next(x for x in autopar.explain(plan).splitlines() if x.startswith("SP gathers"))
+    assert "shards kept" in line and "holding them (--set regather=false)" in line

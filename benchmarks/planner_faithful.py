@@ -137,6 +137,7 @@ def korthikanti_rows() -> list[dict[str, object]]:
                 "micro_batch_size": 1,
                 "recompute": recompute,
                 "sequence_parallel": sp,
+                "regather": sp,  # Megatron's sequence parallelism keeps the shards of its gathers
                 "zero_stage": 0,
                 **AS_RAN,
             },
@@ -404,9 +405,11 @@ def _megatron_gpt(heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: 
     how FSDP2 without resharding communicates (autopar's ZeRO-2); ZeroRedundancyOptimizer
     (autopar's ZeRO-1) gathers after the step, exposed. Megatron also keeps whole bf16
     parameters and gradient buffers, so its memory (not published) exceeds ZeRO-2's. A pipeline
-    runs one of the schedules Megatron-Core r0.8 had (1F1B, interleaved 1F1B): the faster."""
+    runs one of the schedules Megatron-Core r0.8 had (1F1B, interleaved 1F1B): the faster. Its
+    sequence parallelism keeps the shards of its gathers and gathers again in the backward
+    (autopar's ``regather``)."""
     cluster = with_attention(autopar.preset("dgx-h100", nodes=gpus // 8), HOPPER_FUSED_ATTENTION)
-    fixed = {"tp": tp, "pp": pp, "sequence_parallel": tp > 1, "zero_stage": 2, **AS_RAN}
+    fixed = {"tp": tp, "pp": pp, "sequence_parallel": tp > 1, "regather": tp > 1, "zero_stage": 2, **AS_RAN}
     plans = []
     for schedule in ("1f1b", "interleaved-1f1b") if pp > 1 else ("",):
         try:

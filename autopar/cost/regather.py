@@ -7,8 +7,11 @@ gathered tensor, ``tp`` times the shard. Under ``regather`` a unit that keeps it
 activations keeps the shard instead and all-gathers it again when its backward first
 needs it (:mod:`autopar.runtime.regather`), once however many column-parallel matmuls
 read it (q, k and v share one). Per gathered input, that saves ``1 - 1 / tp`` of what
-its readers saved, costs one all-gather of the whole tensor in the backward, which the
-backward waits for, and holds the gathered tensor again while its readers' backward runs.
+its readers saved, holds the gathered tensor again while its readers' backward runs, and
+costs one all-gather of the whole tensor in the backward. The gather runs while the
+first reader to run its backward computes its input gradient (a matmul the size of its
+forward, which does not read the input), as Megatron-LM overlaps it; which reader runs
+first is autograd's order, so the smallest reader's is what surely hides it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.cost.comm import all_gather_s
-from autopar.cost.leaf import TPContext
+from autopar.cost.leaf import TPContext, leaf_fwd_s
 from autopar.graph.layer_graph import UnitProfile
 from autopar.vocab import Layout, TPStyle
 
@@ -28,8 +31,8 @@ class Regather:
     Attributes:
         saved_bytes: activations no longer kept (the gathered copies less their shards).
         held_bytes: the largest gathered tensor, made again during the unit's backward.
-        backward_s: the all-gathers the backward waits for.
-        syncs: how many.
+        backward_s: what the backward waits for of the all-gathers.
+        syncs: how many all-gathers.
     """
 
     saved_bytes: float = 0.0
@@ -51,7 +54,8 @@ def regather_terms(
     tensor's bytes per micro-batch: each conversion of a sequence-sharded tensor into a
     replicated one) under ``ctx``; nothing unless ``ctx.regather``. What a gather's
     readers saved is what the trace recorded on its column-parallel readers (a tensor
-    saved by several is recorded once)."""
+    saved by several is recorded once); each gather hides behind the smallest reader's
+    input-gradient matmul (module docstring)."""
     if not ctx.regather or ctx.tp == 1:
         return NO_REGATHER
     readers: dict[int, set[int]] = {}
@@ -66,7 +70,9 @@ def regather_terms(
             continue
         saved += kept * (1 - 1 / ctx.tp)
         held = max(held, whole)
-        seconds += all_gather_s(whole, ctx.span, ctx.cluster)
+        gather = all_gather_s(whole, ctx.span, ctx.cluster)
+        hiding = min(leaf_fwd_s(profile.leaves[d], TPStyle.COLUMN, ctx) for d in readers[src])
+        seconds += max(0.0, gather - hiding)
         syncs += 1
     return Regather(saved_bytes=saved, held_bytes=held, backward_s=seconds, syncs=syncs)
 

@@ -17,7 +17,9 @@ column-parallel layers run under saved-tensor hooks that
 
 The q, k and v projections save one gathered tensor three times: the storage is packed
 once and gathered once, and the gathered copy lives until the last of them has read it.
-The extra all-gather is synchronous (the backward waits for it), as the cost model prices
+The extra all-gather is asynchronous: autograd unpacks a matmul's saved tensors before its
+input-gradient matmul, which does not read the input, so that matmul runs while the
+gather is in flight and the weight-gradient matmul waits for it, as Megatron-LM overlaps
 it. Units that recompute everything (``full``, ``op``) keep nothing but their checkpoint,
 whose own hooks take precedence inside it; they are left alone. Parameters, integer
 tensors and tensors that were replicated without a collective are never touched.
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
@@ -88,11 +90,11 @@ class _Shard:
 
     def gather(self) -> torch.Tensor:
         """The whole storage (flat), gathered at its first use in the backward and kept
-        until its last."""
+        until its last. The all-gather is asynchronous (a functional collective): the
+        backward waits for it where an op first reads the values, so the reader's
+        input-gradient matmul, which does not read them, runs while it is in flight."""
         if self.whole is None:
-            out = self.shard.new_empty(self.shard.numel() * self.mesh.size())
-            dist.all_gather_single(out, self.shard, group=self.mesh.get_group())
-            self.whole = out[: self.numel]
+            self.whole = funcol.all_gather_single(self.shard, 0, self.mesh)[: self.numel]
         whole = self.whole
         self.uses -= 1
         if self.uses == 0:

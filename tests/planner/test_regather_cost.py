@@ -11,6 +11,7 @@ import torch
 
 import autopar
 from autopar.cost.comm import all_gather_s
+from autopar.cost.leaf import leaf_fwd_s
 from autopar.cost.recompute import make_option
 from autopar.cost.tensor_parallel import evaluate_layout
 from autopar.errors import ConfigError
@@ -20,7 +21,7 @@ from autopar.models import Llama, LlamaConfig, build_named_model
 from autopar.plan import ParallelConfig
 from autopar.search.intra_op import LayoutSolver
 from autopar.search.space import check_constraints
-from autopar.vocab import Layout, Recompute
+from autopar.vocab import Layout, Recompute, TPStyle
 
 from .exact_reference import layout_ctx
 
@@ -41,15 +42,23 @@ def test_a_block_keeps_one_shard_of_each_of_its_two_gathers(tp):
     """By hand, on Llama 2 7B's block with sequence parallelism: the attention's input
     (read by wq, wk and wv) and the MLP's (read by w1 and w3) are the two gathers; each
     is ``mbs x seq x dim`` bf16 values, of which a rank keeps ``1 / tp`` instead of all,
-    gathers it again once in the backward, and holds one whole at a time."""
+    gathers it again once in the backward, behind the smallest reader's input-gradient
+    matmul (the size of its forward one), and holds one whole at a time."""
     block, ctx, styles = _block(tp)
+    by = {leaf.name: leaf for leaf in block.leaves}
     held = evaluate_layout(block, styles, Layout.Q, ctx)
     kept = evaluate_layout(block, styles, Layout.Q, dataclasses.replace(ctx, regather=True))
     whole = MBS * SEQ * DIM * 2.0
     assert held.regather.saved_bytes == 0
     assert kept.regather.saved_bytes == pytest.approx(2 * whole * (1 - 1 / tp), rel=1e-12)
     assert kept.regather.held_bytes == whole
-    assert kept.regather.backward_s == pytest.approx(2 * all_gather_s(whole, ctx.span, ctx.cluster), rel=1e-12)
+    gather = all_gather_s(whole, ctx.span, ctx.cluster)
+    hiding = [
+        min(leaf_fwd_s(by[name], TPStyle.COLUMN, ctx) for name in group)
+        for group in (("attention.wq", "attention.wk", "attention.wv"), ("feed_forward.w1", "feed_forward.w3"))
+    ]
+    assert 0 < min(hiding)
+    assert kept.regather.backward_s == pytest.approx(sum(max(0.0, gather - h) for h in hiding), rel=1e-12)
     assert kept.regather.syncs == 2
     assert kept.time_s == held.time_s and kept.saved_bytes == held.saved_bytes
 

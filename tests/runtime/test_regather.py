@@ -4,7 +4,7 @@ planner predicts, measured."""
 
 import pytest
 import torch
-import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from parity import (
     LLAMA_CFG,
     assert_parity,
@@ -17,6 +17,7 @@ from parity import (
     token_loss,
     train,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
 from autopar.models import Llama, LlamaConfig
@@ -52,23 +53,42 @@ def test_each_gathered_input_is_gathered_once_again_in_the_backward(fake_world, 
     """On a fake two-rank group: per micro-batch, the backward all-gathers the
     attention's input once for wq, wk and wv, the MLP's once for w1 and w3, in each block
     that keeps its activations (3 of 4), and the head's input: 7; the checkpointed
-    block's recomputed forward keeps its own copies."""
+    block's recomputed forward keeps its own copies. Each gather is in flight while a
+    matmul runs (its reader's input gradient) and waited for after it."""
     plan = _plan()
-    calls: list[int] = []
-    original = dist.all_gather_single
+    events: list[tuple[str, int]] = []
+    gather, wait = funcol.all_gather_single, funcol.AsyncCollectiveTensor.trigger_wait
 
-    def counting(out, shard, group=None, async_op=False):
-        calls.append(shard.numel())
-        return original(out, shard, group=group, async_op=async_op)
+    def gathering(shard, gather_dim, group, tag=""):
+        if shard.dim() == 1:  # a kept shard (DTensor's own gathers are of shaped tensors)
+            events.append(("gather", shard.numel()))
+        return gather(shard, gather_dim, group, tag)
 
-    monkeypatch.setattr(dist, "all_gather_single", counting)
+    def waiting(self):
+        if not self.completed:
+            events.append(("wait", self.elem.numel()))
+        return wait(self)
+
+    class Matmuls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.mm.default:
+                events.append(("mm", 0))
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(funcol, "all_gather_single", gathering)
+    monkeypatch.setattr(funcol.AsyncCollectiveTensor, "trigger_wait", waiting)
     job = parallelize(build("llama"), plan, loss_fn=token_loss, measure_memory=False)
     first, second = job.shard(batches("llama", 2, plan.config.global_batch_size))
     job.step(first)
-    calls.clear()
-    job.step(second)
+    events.clear()
+    with Matmuls():
+        job.step(second)
     shard = plan.config.micro_batch_size * LLAMA_CFG.seq_len * LLAMA_CFG.dim // 2
-    assert calls == [shard] * (7 * plan.config.num_microbatches)
+    gathers = [i for i, (what, _) in enumerate(events) if what == "gather"]
+    assert [events[i][1] for i in gathers] == [shard] * (7 * plan.config.num_microbatches)
+    for i in gathers:
+        first_wait = next(j for j in range(i, len(events)) if events[j] == ("wait", 2 * shard))
+        assert ("mm", 0) in events[i:first_wait]
 
 
 CFG = LlamaConfig(vocab_size=8192, seq_len=2048, dim=1024, n_layers=4, n_heads=16, n_kv_heads=8, ffn_dim=2816)

@@ -292,30 +292,55 @@ class ConfigSolver:
                     chosen[u] = o
             return chosen
 
-        # tied weights held once at most (both owners replicated); if the options taken
-        # keep them apart, the stage must fit with what they save, else solve without
-        graph = self.model.graph
-        bound = sum(s.numel for s in graph.shared if s.first_unit in units and s.second_unit in units)
-        shared = shared_state_bytes(self.model, config, bound) if bound else 0.0
         budget = (
             self.budget_bytes
             + allowance
             - rank_buffer_bytes(self.model, units, config, inflight, self.any_layout(config, modes))
         )
-        choice = solve_stage(groups, budget + shared, inflight, self.solver, weights)
-        chosen = assign(choice) if choice is not None else {}
-        if choice is not None and shared:
-            shared = shared_state_bytes(self.model, config, held_once_numel(self.model, config, chosen))
-            if choice.memory_bytes > budget + shared:
-                shared = 0.0
-                choice = solve_stage(groups, budget, inflight, self.solver, weights)
-                chosen = assign(choice) if choice is not None else {}
+        # a tied weight both of whose owners are here is held once where their layouts
+        # split it alike (autopar.runtime.tied.retie): the stage may count that saving only
+        # with such layouts, so each pair of them is solved with its saving, beside the
+        # choice without it, and the fastest that fits is taken
+        choice, shared = solve_stage(groups, budget, inflight, self.solver, weights), 0.0
+        for restricted, picked, saving in self._tied_layouts(units, config, groups, group_opts, groups_keys):
+            if choice is not None and sum(k * min(p.time_s for p in o) for k, o in restricted) >= choice.time_s:
+                continue  # not even its fastest options would be faster
+            found = solve_stage(restricted, budget + saving, inflight, self.solver, weights)
+            if found is not None and (choice is None or found.time_s < choice.time_s - 1e-15):
+                counts = tuple(
+                    tuple(c[idx.index(i)] if i in idx else 0 for i in range(len(opts)))
+                    for (_, opts), c, idx in zip(groups, found.counts, picked)
+                )
+                choice, shared = replace(found, counts=counts), saving
         if choice is None:
             return None
+        chosen = assign(choice)
         taken = [(p, c) for (_, opts), cs in zip(groups, choice.counts) for p, c in zip(opts, cs) if c]
         if not fits_bucket_rebuild(taken, shared, self.budget_bytes + allowance):
             return None
         return choice, tuple(chosen[u] for u in units)
+
+    def _tied_layouts(self, units, config, groups, group_opts, groups_keys):
+        """Per tied weight whose two owners are single units of this stage, per pair of
+        their layouts that holds it once: the groups with the owners' options cut to that
+        pair, the option indices kept per group, and the bytes holding it once saves."""
+        model = self.model
+        for s in model.graph.shared:
+            if s.first_unit not in units or s.second_unit not in units:
+                continue
+            ga, gb = (groups_keys.index(self.unit_keys[u]) for u in (s.first_unit, s.second_unit))
+            if ga == gb or groups[ga][0] != 1 or groups[gb][0] != 1:
+                continue  # an owner among identical units: no saving counted
+            for la in sorted({p.layout for p in groups[ga][1]}):
+                for lb in sorted({p.layout for p in groups[gb][1]}):
+                    picked = [tuple(range(len(opts))) for _, opts in groups]
+                    picked[ga] = tuple(i for i, p in enumerate(groups[ga][1]) if p.layout == la)
+                    picked[gb] = tuple(i for i, p in enumerate(groups[gb][1]) if p.layout == lb)
+                    pair = {s.first_unit: group_opts[ga][picked[ga][0]], s.second_unit: group_opts[gb][picked[gb][0]]}
+                    numel = held_once_numel(model, config, pair)
+                    if numel:
+                        restricted = [(k, tuple(opts[i] for i in idx)) for (k, opts), idx in zip(groups, picked)]
+                        yield restricted, picked, shared_state_bytes(model, config, numel)
 
     def stage_cost_s(self, stage: PricedStage, config: ParallelConfig) -> float:
         """Per-micro-batch time of a stage (units and point-to-point)."""

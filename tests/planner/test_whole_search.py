@@ -127,3 +127,27 @@ def test_the_walk_room_is_between_the_bound_and_the_walked_optimum(memory_gib, g
     assert walked * (1 - 1e-9) <= roomy.step_time_s <= bound.step_time_s
     assert (roomy.step_time_s < bound.step_time_s) is gains
     assert max(s.memory.total_bytes for s in roomy.prediction.stages) <= cluster.device.memory.capacity_bytes
+
+
+def test_a_tied_weight_is_counted_once_only_where_its_owners_split_it_alike():
+    """A tied GPT at 1K tokens on devices where every byte counts: the fastest choice
+    that fits holds the tied table once (embedding and head split it alike) and fits only
+    with what that saves, by recomputing the embedding and taking the per-operator policy
+    for a block. The search once solved the stage with the saving for every choice and,
+    when its pick kept the table twice, again without it, missing this one; it now solves
+    each pair of the owners' layouts that holds it once with its saving, and equals brute
+    force."""
+    graph = extract(GPT(GPTConfig(vocab_size=512, seq_len=1024, dim=256, n_layers=2, n_heads=8)), seq_len=1024)
+    assert graph.shared
+    cluster = tiny_cluster(0.02)
+    constraints = {"micro_batch_size": 2, "compile": False, "regather": False}
+    model = CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8)
+
+    def solver() -> ConfigSolver:
+        return ConfigSolver(model=model, budget_bytes=budget_bytes(cluster.device.memory), micro_batches=(2,))
+
+    want = brute_force_search(solver(), constraints)
+    result = search(solver(), check_constraints(constraints), top=3)
+    assert result.best.step_time_s == pytest.approx(want, rel=1e-9)
+    modes = [o.recompute.value for stage in result.best.stages for o in stage.options]
+    assert modes[0] == "full" and "op" in modes[1:3]

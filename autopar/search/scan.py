@@ -5,7 +5,9 @@ best exact step time found, so the optimum and the runners-up are exact for the 
 model while most of the space is never solved. Candidates whose memory floor exceeds a
 device are ruled out before any bound is taken; a candidate about to be solved first
 gets a tighter bound where one is cheap (:meth:`TimeBound.refined`) and goes back in
-line if that is larger.
+line if that is larger. A candidate keeping the shards of its sequence-parallel gathers
+is not solved where its twin holding them fits with every unit keeping its activations:
+each of its options is one of the twin's with a re-gather added, so it is never faster.
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ def search(solver: ConfigSolver, fixed: Mapping[str, Any], *, top: int, walk_roo
     ]
     heapq.heapify(queue)
     fitting: list[Outcome] = []
+    unrecomputed: set[ParallelConfig] = set()  # fitting with every unit keeping its activations
     evaluated = 0
     keep = max(top, 0) + 1
     while queue:
@@ -132,8 +135,12 @@ def search(solver: ConfigSolver, fixed: Mapping[str, Any], *, top: int, walk_roo
             else:
                 heapq.heappush(queue, (max(bound, better), order, tier + 1, cfg))
             continue
+        if cfg.regather and replace(cfg, regather=False) in unrecomputed:
+            continue  # its twin holding the gathers keeps every activation: keeping shards only adds time
         outcome = solver.evaluate(cfg, modes)
         evaluated += 1
+        if outcome.fits and not cfg.regather and recomputes_nothing(outcome):
+            unrecomputed.add(cfg)
         if outcome.fits:
             fitting.append(outcome)
             fitting.sort(key=lambda o: o.step_time_s)
@@ -162,6 +169,11 @@ def search(solver: ConfigSolver, fixed: Mapping[str, Any], *, top: int, walk_roo
         solver, finished[0].config, modes
     )
     return SearchResult(best=finished[0], runners_up=tuple(finished[1:]), contrasts=contrasts, **common)
+
+
+def recomputes_nothing(outcome: Outcome) -> bool:
+    """Whether every unit of a solved configuration keeps its activations."""
+    return all(o.recompute is Recompute.NONE for stage in outcome.stages for o in stage.options)
 
 
 def sharding_contrasts(

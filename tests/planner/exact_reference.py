@@ -111,18 +111,20 @@ def tiny_cluster(memory_gib: float) -> Cluster:
 
 
 def kernel_variants(cfg: ParallelConfig, cluster: Cluster, fixed: dict) -> list[ParallelConfig]:
-    """``cfg`` with every way of compiling (where the device compiles unasked), FP8 and
-    asynchronous TP the device and the constraints allow, whichever ways the search's
-    space tries: the brute force does not take the space's word that the ways it leaves
-    out never win."""
+    """``cfg`` with every way of compiling (where the device compiles unasked), FP8,
+    asynchronous TP and kept gather shards the device and the constraints allow,
+    whichever ways the search's space tries: the brute force does not take the space's
+    word that the ways it leaves out never win."""
     compiles = [False, True] if cluster.device.compiles else [fixed.get("compile", False)]
     fp8s = [False, True] if cluster.device.roofline.fp8_flops and cfg.dtype is DType.BF16 else [False]
     out = set()
-    for compiled, fp8, overlapped in itertools.product(compiles, fp8s, [False, True]):
+    for compiled, fp8, overlapped, regather in itertools.product(compiles, fp8s, [False, True], [False, True]):
         if overlapped and not (cluster.device.async_tp and compiled and cfg.sequence_parallel):
             continue
-        v = dataclasses.replace(cfg, compile=compiled, fp8=fp8, async_tp=overlapped)
-        if all(getattr(v, k) == fixed[k] for k in ("compile", "fp8", "async_tp") if k in fixed):
+        if regather and not (cfg.sequence_parallel and not compiled):
+            continue
+        v = dataclasses.replace(cfg, compile=compiled, fp8=fp8, async_tp=overlapped, regather=regather)
+        if all(getattr(v, k) == fixed[k] for k in ("compile", "fp8", "async_tp", "regather") if k in fixed):
             out.add(v)
     return sorted(out, key=repr)
 

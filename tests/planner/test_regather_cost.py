@@ -5,6 +5,7 @@ configuration's refusals, and a plan that picks it where memory is short."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -12,18 +13,22 @@ import torch
 import autopar
 from autopar.cost.comm import all_gather_s
 from autopar.cost.leaf import leaf_fwd_s
+from autopar.cost.model import CostModel
+from autopar.cost.peak import budget_bytes
 from autopar.cost.recompute import make_option
 from autopar.cost.tensor_parallel import evaluate_layout
 from autopar.errors import ConfigError
 from autopar.graph import extract
 from autopar.hardware import preset
-from autopar.models import Llama, LlamaConfig, build_named_model
+from autopar.models import GPT, GPTConfig, Llama, LlamaConfig, build_named_model
 from autopar.plan import ParallelConfig
 from autopar.search.intra_op import LayoutSolver
-from autopar.search.space import check_constraints
-from autopar.vocab import Layout, Recompute, TPStyle
+from autopar.search.scan import search
+from autopar.search.solve import ConfigSolver
+from autopar.search.space import check_constraints, enumerate_space
+from autopar.vocab import Layout, Optimizer, Recompute, TPStyle
 
-from .exact_reference import layout_ctx
+from .exact_reference import brute_force_search, layout_ctx, tiny_cluster
 
 MBS, SEQ, DIM = 2, 2048, 4096
 SEQ_64K = 65536
@@ -130,3 +135,25 @@ def test_a_plan_short_of_memory_keeps_the_shards_rather_than_recompute():
     assert contrast[0].step_time_s == pytest.approx(held.prediction.step_time_s, rel=1e-9)
     line = next(x for x in autopar.explain(plan).splitlines() if x.startswith("SP gathers"))
     assert "shards kept" in line and "holding them (--set regather=false)" in line
+
+
+@pytest.mark.parametrize("memory_gib", [0.02, 0.04])
+def test_whole_search_with_kept_shards_matches_brute_force(memory_gib):
+    """Eager blocks with sequence parallelism searched both ways: the search (which skips
+    a kept-shard candidate whose twin holding the gathers recomputes nothing) equals brute
+    force over every configuration, split and per-unit option, where units must recompute
+    (0.02 GiB) and where the best keeps every activation (0.04)."""
+    graph = extract(GPT(GPTConfig(vocab_size=512, seq_len=1024, dim=256, n_layers=2, n_heads=8)), seq_len=1024)
+    cluster = tiny_cluster(memory_gib)
+    constraints = {"micro_batch_size": 2, "compile": False}
+    model = CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8)
+
+    def solver() -> ConfigSolver:
+        return ConfigSolver(model=model, budget_bytes=budget_bytes(cluster.device.memory), micro_batches=(2,))
+
+    configs, _ = enumerate_space(graph, cluster, 8, check_constraints(constraints))
+    assert {(c.regather, c.sequence_parallel) for c in configs} == {(False, False), (False, True), (True, True)}
+    want = brute_force_search(solver(), constraints)
+    result = search(solver(), check_constraints(constraints), top=3)
+    assert math.isfinite(want) and result.best.fits
+    assert result.best.step_time_s == pytest.approx(want, rel=1e-9)

@@ -11,19 +11,20 @@ import random
 from autopar.cost.comm import group_span
 from autopar.cost.compute import rates
 from autopar.cost.leaf import TPContext
-from autopar.cost.peak import held_once_numel, shared_state_bytes
+from autopar.cost.model import CostModel
+from autopar.cost.peak import budget_bytes, held_once_numel, shared_state_bytes
 from autopar.cost.pipeline import inflight_microbatches, stage_inflight_microbatches
 from autopar.cost.stage import PricedStage, rank_buffer_bytes
 from autopar.cost.step import timing
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, Flow, Leaf, LeafKind, UnitProfile
 from autopar.hardware import Cluster, DeviceMemory, DeviceSpec, LinkSpec, Roofline
 from autopar.plan import ParallelConfig
-from autopar.search.scan import ALL_MODES
+from autopar.search.scan import ALL_MODES, SearchResult, search
 from autopar.search.solve import ConfigSolver
 from autopar.search.space import check_constraints, enumerate_space
 from autopar.search.stage_solver import memory_of
 from autopar.search.walk_room import walked_bytes
-from autopar.vocab import DType, Layout, Schedule
+from autopar.vocab import DType, Layout, Optimizer, Schedule
 
 
 def layout_ctx(cluster, *, tp, mbs=1, sp=False, first=False, last=False):
@@ -201,3 +202,19 @@ def brute_force_search(evaluator: ConfigSolver, constraints: dict, *, walked: bo
                         continue
                 best = min(best, timing(model, cfg, stages).step_s)
     return best
+
+
+def search_and_brute_force(
+    graph, cluster: Cluster, constraints: dict, *, global_batch_size: int, micro_batch_size: int
+) -> tuple[SearchResult, float]:
+    """The whole search (top 3) and :func:`brute_force_search` over one cost model:
+    ``graph`` on ``cluster`` with Adam under ``constraints``, each with a fresh solver
+    of the device's budget."""
+    model = CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=global_batch_size)
+
+    def solver() -> ConfigSolver:
+        return ConfigSolver(
+            model=model, budget_bytes=budget_bytes(cluster.device.memory), micro_batches=(micro_batch_size,)
+        )
+
+    return search(solver(), check_constraints(constraints), top=3), brute_force_search(solver(), constraints)

@@ -14,8 +14,6 @@ import torch
 import autopar
 from autopar.cost.comm import all_gather_s, reduce_scatter_s
 from autopar.cost.leaf import leaf_fwd_s
-from autopar.cost.model import CostModel
-from autopar.cost.peak import budget_bytes
 from autopar.cost.tensor_parallel import evaluate_layout
 from autopar.errors import ConfigError
 from autopar.graph import extract
@@ -23,12 +21,10 @@ from autopar.hardware import preset
 from autopar.models import GPT, GPTConfig, Llama, LlamaConfig, build_named_model
 from autopar.plan import ParallelConfig
 from autopar.search.intra_op import LayoutSolver, brute_force_layout
-from autopar.search.scan import search
-from autopar.search.solve import ConfigSolver
 from autopar.search.space import check_constraints, enumerate_space
-from autopar.vocab import Layout, Optimizer, TPStyle
+from autopar.vocab import Layout, TPStyle
 
-from .exact_reference import brute_force_search, layout_ctx, random_profile, tiny_cluster
+from .exact_reference import layout_ctx, random_profile, search_and_brute_force, tiny_cluster
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -129,15 +125,9 @@ def test_whole_search_with_async_tp_candidates_matches_brute_force(memory_gib):
     graph = extract(GPT(GPTConfig(vocab_size=512, seq_len=256, dim=256, n_layers=2, n_heads=8)), seq_len=256)
     cluster = _async_cluster(memory_gib)
     constraints = {"micro_batch_size": 2, "compile": True}
-    model = CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8)
-
-    def solver() -> ConfigSolver:
-        return ConfigSolver(model=model, budget_bytes=budget_bytes(cluster.device.memory), micro_batches=(2,))
-
     configs, _ = enumerate_space(graph, cluster, 8, check_constraints(constraints))
     assert {(c.async_tp, c.tp > 1 and c.sequence_parallel) for c in configs} == {(False, False), (True, True)}
-    want = brute_force_search(solver(), constraints)
-    result = search(solver(), check_constraints(constraints), top=3)
+    result, want = search_and_brute_force(graph, cluster, constraints, global_batch_size=8, micro_batch_size=2)
     assert math.isfinite(want) and result.best.fits
     assert result.best.step_time_s == pytest.approx(want, rel=1e-9)
 

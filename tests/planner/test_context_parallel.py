@@ -15,17 +15,15 @@ from autopar.cost.context_parallel import ring_exchange
 from autopar.cost.data_parallel import replicate_span, shard_span, unhidden_floor_s
 from autopar.cost.memory import config_state_bytes
 from autopar.cost.model import CostModel, tp_context
-from autopar.cost.peak import budget_bytes
 from autopar.errors import ConfigError
 from autopar.graph import extract
 from autopar.models import GPT, GPTConfig, MLPConfig, MLPStack
 from autopar.plan import ParallelConfig, Plan
-from autopar.search.scan import search
 from autopar.search.solve import ConfigSolver
 from autopar.search.space import CP_MIN_TOKENS, check_constraints, check_context_parallel, cp_degrees, enumerate_space
 from autopar.vocab import Optimizer, Recompute
 
-from .exact_reference import brute_force_search, tiny_cluster
+from .exact_reference import search_and_brute_force, tiny_cluster
 
 
 def _config(**kw) -> ParallelConfig:
@@ -176,15 +174,9 @@ def test_whole_search_with_context_parallel_candidates_matches_brute_force(long_
     parallelism without the exchange is faster."""
     cluster = tiny_cluster(memory_gib)
     constraints = {"micro_batch_size": 1, "sequence_parallel": False}
-    model = CostModel(graph=long_graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=4)
-
-    def solver() -> ConfigSolver:
-        return ConfigSolver(model=model, budget_bytes=budget_bytes(cluster.device.memory), micro_batches=(1,))
-
     configs, _ = enumerate_space(long_graph, cluster, 4, check_constraints(constraints))
     assert {c.cp for c in configs} == {1, 2}
-    want = brute_force_search(solver(), constraints)
-    result = search(solver(), check_constraints(constraints), top=3)
+    result, want = search_and_brute_force(long_graph, cluster, constraints, global_batch_size=4, micro_batch_size=1)
     assert result.best.fits == (not math.isinf(want)) == (winner_cp is not None)
     if result.best.fits:
         assert result.best.step_time_s == pytest.approx(want, rel=1e-9)

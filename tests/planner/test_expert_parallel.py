@@ -15,18 +15,16 @@ from autopar.cost.data_parallel import replicas_span, shard_span
 from autopar.cost.expert_parallel import expert_exchange
 from autopar.cost.memory import config_state_bytes
 from autopar.cost.model import CostModel, tp_context
-from autopar.cost.peak import budget_bytes
 from autopar.errors import ConfigError
 from autopar.graph import extract
 from autopar.models import GPT, GPTConfig, MoEConfig, MoELlama
 from autopar.plan import ParallelConfig, Plan
 from autopar.search.experts import check_expert_parallel, ep_degrees
-from autopar.search.scan import search
 from autopar.search.solve import ConfigSolver
 from autopar.search.space import check_constraints, enumerate_space
 from autopar.vocab import Optimizer, Recompute
 
-from .exact_reference import brute_force_search, tiny_cluster
+from .exact_reference import search_and_brute_force, tiny_cluster
 from .test_moe import _mixtral
 
 # a tiny MoE Llama: hidden D, expert width F, E experts of which K per token, S tokens
@@ -208,15 +206,9 @@ def test_whole_search_with_expert_parallel_candidates_matches_brute_force(graph,
     all-to-all is faster."""
     cluster = tiny_cluster(memory_gib)
     constraints = {"micro_batch_size": 1, "sequence_parallel": False}
-    model = CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=4)
-
-    def solver() -> ConfigSolver:
-        return ConfigSolver(model=model, budget_bytes=budget_bytes(cluster.device.memory), micro_batches=(1,))
-
     configs, _ = enumerate_space(graph, cluster, 4, check_constraints(constraints))
     assert {c.ep for c in configs} == {1, 2, 4}
-    want = brute_force_search(solver(), constraints)
-    result = search(solver(), check_constraints(constraints), top=3)
+    result, want = search_and_brute_force(graph, cluster, constraints, global_batch_size=4, micro_batch_size=1)
     assert result.best.fits == (not math.isinf(want)) == (winner_ep is not None)
     if result.best.fits:
         assert result.best.step_time_s == pytest.approx(want, rel=1e-9)

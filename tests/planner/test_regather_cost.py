@@ -13,8 +13,6 @@ import torch
 import autopar
 from autopar.cost.comm import all_gather_s
 from autopar.cost.leaf import leaf_fwd_s
-from autopar.cost.model import CostModel
-from autopar.cost.peak import budget_bytes
 from autopar.cost.recompute import make_option
 from autopar.cost.tensor_parallel import evaluate_layout
 from autopar.errors import ConfigError
@@ -23,12 +21,10 @@ from autopar.hardware import preset
 from autopar.models import GPT, GPTConfig, Llama, LlamaConfig, build_named_model
 from autopar.plan import ParallelConfig
 from autopar.search.intra_op import LayoutSolver
-from autopar.search.scan import search
-from autopar.search.solve import ConfigSolver
 from autopar.search.space import check_constraints, enumerate_space
-from autopar.vocab import Layout, Optimizer, Recompute, TPStyle
+from autopar.vocab import Layout, Recompute, TPStyle
 
-from .exact_reference import brute_force_search, layout_ctx, tiny_cluster
+from .exact_reference import layout_ctx, search_and_brute_force, tiny_cluster
 
 MBS, SEQ, DIM = 2, 2048, 4096
 SEQ_64K = 65536
@@ -146,14 +142,8 @@ def test_whole_search_with_kept_shards_matches_brute_force(memory_gib):
     graph = extract(GPT(GPTConfig(vocab_size=512, seq_len=1024, dim=256, n_layers=2, n_heads=8)), seq_len=1024)
     cluster = tiny_cluster(memory_gib)
     constraints = {"micro_batch_size": 2, "compile": False}
-    model = CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8)
-
-    def solver() -> ConfigSolver:
-        return ConfigSolver(model=model, budget_bytes=budget_bytes(cluster.device.memory), micro_batches=(2,))
-
     configs, _ = enumerate_space(graph, cluster, 8, check_constraints(constraints))
     assert {(c.regather, c.sequence_parallel) for c in configs} == {(False, False), (False, True), (True, True)}
-    want = brute_force_search(solver(), constraints)
-    result = search(solver(), check_constraints(constraints), top=3)
+    result, want = search_and_brute_force(graph, cluster, constraints, global_batch_size=8, micro_batch_size=2)
     assert math.isfinite(want) and result.best.fits
     assert result.best.step_time_s == pytest.approx(want, rel=1e-9)

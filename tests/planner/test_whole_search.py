@@ -16,7 +16,7 @@ from autopar.search.solve import ConfigSolver
 from autopar.search.space import check_constraints, enumerate_space
 from autopar.vocab import Optimizer, Schedule
 
-from .exact_reference import brute_force_search, tiny_cluster
+from .exact_reference import brute_force_search, search_and_brute_force, tiny_cluster
 
 
 @pytest.mark.parametrize("memory_gib", [0.012, 0.02, 0.03, 0.1])
@@ -25,13 +25,7 @@ def test_whole_search_matches_brute_force(memory_gib):
     graph = extract(model, seq_len=256, dtype="bf16")
     cluster = tiny_cluster(memory_gib)
     constraints = {"micro_batch_size": 2}
-    model = CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8)
-
-    def solver() -> ConfigSolver:
-        return ConfigSolver(model=model, budget_bytes=budget_bytes(cluster.device.memory), micro_batches=(2,))
-
-    want = brute_force_search(solver(), constraints)
-    result = search(solver(), check_constraints(constraints), top=3)
+    result, want = search_and_brute_force(graph, cluster, constraints, global_batch_size=8, micro_batch_size=2)
     if math.isinf(want):
         assert not result.best.fits
     else:
@@ -141,13 +135,7 @@ def test_a_tied_weight_is_counted_once_only_where_its_owners_split_it_alike():
     assert graph.shared
     cluster = tiny_cluster(0.02)
     constraints = {"micro_batch_size": 2, "compile": False, "regather": False}
-    model = CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8)
-
-    def solver() -> ConfigSolver:
-        return ConfigSolver(model=model, budget_bytes=budget_bytes(cluster.device.memory), micro_batches=(2,))
-
-    want = brute_force_search(solver(), constraints)
-    result = search(solver(), check_constraints(constraints), top=3)
+    result, want = search_and_brute_force(graph, cluster, constraints, global_batch_size=8, micro_batch_size=2)
     assert result.best.step_time_s == pytest.approx(want, rel=1e-9)
     modes = [o.recompute.value for stage in result.best.stages for o in stage.options]
     assert modes[0] == "full" and "op" in modes[1:3]

@@ -30,6 +30,9 @@ def _report(results):
 
 
 def test_healthy_run_checks_the_plans_groups(tmp_path, capsys):
+    """Four healthy ranks are ready, with every group of the plan checked. The ranks join
+    within the default 60 s: four processes importing torch on two busy cores took more
+    than 10 s in a full CI run, and a healthy run waits only as long as its ranks take."""
     model = MLPStack(MLPConfig(in_dim=16, dim=32, ffn_dim=64, n_layers=2, out_dim=4))
     cluster = autopar.preset("local-cpu", devices_per_node=4)
     plan = autopar.estimate(
@@ -43,8 +46,6 @@ def test_healthy_run_checks_the_plans_groups(tmp_path, capsys):
             "4",
             "--plan",
             str(tmp_path / "plan.json"),
-            "--join-timeout",
-            "10",
             "--link-bytes",
             "262144",
             "--out",

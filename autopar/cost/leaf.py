@@ -85,7 +85,7 @@ class TPContext:
             beside them (:func:`autopar.cost.tensor_parallel.fused_hidden_s`).
         regather: the unit keeps its shard of each input it gathers for column-parallel
             matmuls and gathers it again in the backward where it keeps its activations
-            (``ParallelConfig.regather``; :func:`autopar.cost.tensor_parallel.regather_terms`).
+            (``ParallelConfig.regather``; :func:`autopar.cost.regather.regather_terms`).
     """
 
     tp: int

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from autopar.cost.comm import all_gather_s
 from autopar.cost.leaf import TPContext, leaf_fwd_s
 from autopar.graph.layer_graph import UnitProfile
-from autopar.vocab import Layout, TPStyle
+from autopar.vocab import TPStyle
 
 
 @dataclass(frozen=True)
@@ -44,39 +44,25 @@ class Regather:
 NO_REGATHER = Regather()
 
 
-def regather_terms(
-    profile: UnitProfile,
-    styles: tuple[TPStyle, ...],
-    gathers: list[tuple[int, float]],
-    ctx: TPContext,
-) -> Regather:
-    """The terms of a layout whose forward all-gathers ``gathers`` (producer, whole
-    tensor's bytes per micro-batch: each conversion of a sequence-sharded tensor into a
-    replicated one) under ``ctx``; nothing unless ``ctx.regather``. What a gather's
-    readers saved is what the trace recorded on its column-parallel readers (a tensor
-    saved by several is recorded once); each gather hides behind the smallest reader's
-    input-gradient matmul (module docstring)."""
+def regather_terms(profile: UnitProfile, gathers: list[tuple[float, tuple[int, ...]]], ctx: TPContext) -> Regather:
+    """The terms of a layout whose forward all-gathers ``gathers`` (each conversion of a
+    sequence-sharded tensor into a replicated one: the whole tensor's bytes per
+    micro-batch, and the column-parallel leaves reading it) under ``ctx``; nothing unless
+    ``ctx.regather``. What a gather's readers saved is what the trace recorded on them (a
+    tensor saved by several is recorded once); each gather hides behind the smallest
+    reader's input-gradient matmul (module docstring)."""
     if not ctx.regather or ctx.tp == 1:
         return NO_REGATHER
-    readers: dict[int, set[int]] = {}
-    for flow in profile.flows:
-        if flow.dst >= 0 and styles[flow.dst] is TPStyle.COLUMN:
-            readers.setdefault(flow.src, set()).add(flow.dst)
     saved = held = seconds = 0.0
     syncs = 0
-    for src, whole in gathers:
-        kept = sum(profile.leaves[d].saved_bytes for d in readers.get(src, ())) * ctx.micro_batch
+    for whole, readers in gathers:
+        kept = sum(profile.leaves[d].saved_bytes for d in readers) * ctx.micro_batch
         if kept <= 0:
             continue
         saved += kept * (1 - 1 / ctx.tp)
         held = max(held, whole)
         gather = all_gather_s(whole, ctx.span, ctx.cluster)
-        hiding = min(leaf_fwd_s(profile.leaves[d], TPStyle.COLUMN, ctx) for d in readers[src])
+        hiding = min(leaf_fwd_s(profile.leaves[d], TPStyle.COLUMN, ctx) for d in readers)
         seconds += max(0.0, gather - hiding)
         syncs += 1
     return Regather(saved_bytes=saved, held_bytes=held, backward_s=seconds, syncs=syncs)
-
-
-def gathered(a: Layout, need: Layout) -> bool:
-    """Whether converting layout ``a`` into ``need`` is a sequence-parallel all-gather."""
-    return a is Layout.Q and need is Layout.R

@@ -46,7 +46,7 @@ from autopar.cost.leaf import (
     leaf_fwd_s,
     leaf_param_numel,
 )
-from autopar.cost.regather import NO_REGATHER, Regather, gathered, regather_terms
+from autopar.cost.regather import NO_REGATHER, Regather, regather_terms
 from autopar.cost.saved_ops import kept_matmuls
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, Flow, UnitProfile
 from autopar.vocab import STYLE_IO, DType, Layout, TPStyle
@@ -392,10 +392,12 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         columns = [column_mm[d] for d in readers.get(src, ()) if styles[d] is TPStyle.COLUMN] if ctx.async_tp else []
         return 0.0 if single and len(columns) != 1 else sum(columns)
 
+    gathers: list[tuple[float, tuple[int, ...]]] = []  # whole bytes, column-parallel readers
     for (src, need), a in conversions.items():
         f, bw = conversion_s(a, need, largest[src] * b, ctx)
         if a is Layout.Q and need is Layout.R:  # an all-gather into column-parallel matmuls
             f -= fused_hidden_s(f, under_column(src), ctx)
+            gathers.append((largest[src] * b, tuple(d for d in readers.get(src, ()) if styles[d] is TPStyle.COLUMN)))
         elif a is Layout.P and need is Layout.Q and src >= 0 and styles[src] is TPStyle.ROW and ctx.async_tp:
             f, bw = f - fused_hidden_s(f, row_mm[src], ctx), bw - fused_hidden_s(bw, row_mm[src], ctx)
         fwd_comm += f
@@ -406,7 +408,6 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
             op_bytes += largest[src] * b / t
             op_comm += f
             op_syncs += f > 0
-    gathers = [(src, largest[src] * b) for (src, need), a in conversions.items() if gathered(a, need)]
     for src, a in partial.items():
         r = reduction_s(a, largest[src] * b, ctx)
         if a is Layout.Q:  # the reduce-scatter of the column-parallel matmuls' input gradient
@@ -459,7 +460,7 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         op_kept_compute_s=op_compute + attn_fwd,
         op_kept_comm_s=op_comm,
         op_kept_syncs=op_syncs,
-        regather=regather_terms(profile, styles, gathers, ctx),
+        regather=regather_terms(profile, gathers, ctx),
     )
 
 

@@ -177,9 +177,9 @@ class KeepShards:
         return run
 
 
-def apply_regather(stage: nn.Module, units: list[str], layout: TPLayout, plan: Plan) -> list[str]:
+def apply_regather(stage: nn.Module, units: list[str], layout: TPLayout, plan: Plan) -> None:
     """Run the column-parallel layers of each of ``units`` (FQNs on ``stage``) that keeps
-    its activations under one :class:`KeepShards` per unit; return the layers changed.
+    its activations under one :class:`KeepShards` per unit.
 
     The hooks wrap the layers, not the unit: a hook that hands back the tensor it is
     given makes a reference cycle of a tensor that its own op saves (its output), which
@@ -187,7 +187,6 @@ def apply_regather(stage: nn.Module, units: list[str], layout: TPLayout, plan: P
     never its output."""
     modules = {n: m for n, m in stage.named_modules() if not isinstance(m, StandIn)}
     columns = [fqn for fqn, leaf in layout.leaves.items() if leaf.style is TPStyle.COLUMN and fqn in modules]
-    changed = []
     for unit in units:
         if plan.layer_strategies.recompute_of(unit, plan.config.recompute).checkpoints_unit:
             continue
@@ -195,5 +194,3 @@ def apply_regather(stage: nn.Module, units: list[str], layout: TPLayout, plan: P
         for fqn in columns:
             if fqn == unit or fqn.startswith(unit + "."):
                 modules[fqn].forward = hooks.around(modules[fqn].forward)
-                changed.append(fqn)
-    return changed

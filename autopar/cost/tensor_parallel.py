@@ -345,7 +345,7 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
     accumulate = sum(leaf_accumulate_s(leaf, s, ctx) for leaf, s in zip(profile.leaves, styles))
     attn_fwd = attn_bwd_extra = loss_fwd = loss_input = loss_saved = held = 0.0
     attn_sharded = False
-    saved = sum(_shard(leaf.saved_bytes * b, STYLE_IO[s][0], t) for leaf, s in zip(profile.leaves, styles))
+    saved = sum(_shard(leaf.saved(ctx.compile) * b, STYLE_IO[s][0], t) for leaf, s in zip(profile.leaves, styles))
     attn_saved = 0.0
     conversions: dict[tuple[int, Layout], Layout] = {}
     partial: dict[int, Layout] = {}
@@ -368,7 +368,7 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
             attn_out[flow.dst] = max(
                 attn_out.get(flow.dst, 0.0), _shard(attention_output_bytes(profile, flow) * b, need, t)
             )
-        kept = _shard(flow.saved_bytes * b, g, t)
+        kept = _shard(flow.saved(ctx.compile) * b, g, t)
         attn_saved += _shard(flow.attn_saved_bytes * b, g, t)
         attn_sharded |= flow.attn_flops > 0 and g in SHARDED
         if ctx.last and flow.dst == UNIT_OUTPUT:  # into the loss

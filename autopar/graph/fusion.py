@@ -17,11 +17,11 @@ segment (a compiled block, or what runs before or after the blocks):
   segment's input, a written intermediate) once, whichever of its ops reads it;
 - the segment's outputs are written.
 
-Tensors autograd saves for the backward are not written on that account: inductor's
-partitioner saves a fused region's inputs and recomputes its cheap element-wise work in
-the backward rather than storing intermediates, so the saved bytes the trace measured in
-eager mode stay an upper bound of a compiled block's. Parameters are not counted here:
-the cost model charges their reads once per call (``Leaf.weight_bytes``).
+Tensors autograd saves for the backward are not written on that account: what a
+compiled block saves is :mod:`autopar.graph.compiled_saved`'s, from the record kept here
+of which element-wise op made each tensor from which, and which tensors were written.
+Parameters are not counted here: the cost model charges their reads once per call
+(``Leaf.weight_bytes``).
 """
 
 from __future__ import annotations
@@ -63,6 +63,17 @@ class Fusion:
     pending: dict[int, _Pending] = field(default_factory=dict)
     kernels: dict[int, _Kernel] = field(default_factory=dict)
     parent: dict[int, int] = field(default_factory=dict)
+    sources: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    """Each result of an element-wise op: the tensors (storage keys) the op read."""
+    never_recomputed: set[int] = field(default_factory=set)
+    """Results the partitioner keeps rather than recompute: reductions' and random ops'
+    (:mod:`autopar.graph.compiled_saved`)."""
+    materialized: set[int] = field(default_factory=set)
+    """Tensors a matmul or attention kernel reads, and the segment's outputs: in memory
+    whatever inductor fuses (a later element-wise op may join the kernel that made one
+    where this model writes it, as inductor reorders independent work)."""
+    sizes: dict[int, float] = field(default_factory=dict)
+    """Bytes of each tensor an op read or made."""
 
     def library_kernel(
         self, inputs: list[tuple[int, float]], outputs: list[tuple[int, float]], account: Account
@@ -71,22 +82,43 @@ class Fusion:
         key, bytes; parameters left out): each pending input is written by its kernel
         first, and the kernel moves what it moves in eager mode."""
         self.write(key for key, _ in inputs)
+        self.sizes.update(inputs)
         self.epoch += 1
         account(sum(b for _, b in inputs) + sum(b for _, b in outputs), 1)
 
-    def write(self, keys: Iterable[int]) -> None:
+    def write(self, keys: Iterable[int], *, materialized: bool = True) -> None:
         """The tensors of ``keys`` are read outside their kernels (a library kernel, the
-        segment's output): charge their writes to what made them."""
+        segment's output; ``materialized``, or a later element-wise kernel): charge their
+        writes to what made them."""
         for key in keys:
             found = self.pending.pop(key, None)
             if found is not None:
                 found.account(found.nbytes, 0)
+            if materialized:
+                self.materialized.add(key)
 
-    def fused_op(self, inputs: list[tuple[int, float]], outputs: list[tuple[int, float]], account: Account) -> None:
+    def fused_op(
+        self,
+        inputs: list[tuple[int, float]],
+        outputs: list[tuple[int, float]],
+        account: Account,
+        *,
+        never_recomputed: frozenset[int] = frozenset(),
+    ) -> None:
         """An element-wise op reads ``inputs`` and makes ``outputs`` (storage key,
         bytes; parameters left out): it joins (or starts) a kernel and is charged what
         the kernel reads for it from memory. Its outputs are charged to ``account`` when
-        something outside the kernel reads them."""
+        something outside the kernel reads them. ``never_recomputed``: the outputs a
+        compiled backward does not recompute (a reduction's, a random op's)."""
+        self.sizes.update(inputs)
+        self.sizes.update(outputs)
+        read = tuple(k for k, _ in inputs)
+        for key, _ in outputs:
+            if key in read:
+                continue  # in place: the tensor stays what made it first
+            self.sources[key] = read
+            if key in never_recomputed:
+                self.never_recomputed.add(key)
         joined = set()
         for key, _ in inputs:
             found = self.pending.get(key)
@@ -95,7 +127,7 @@ class Fusion:
             if found.epoch == self.epoch:
                 joined.add(self._root(found.kernel))
             else:  # its kernel ended before a library kernel ran
-                self.write([key])
+                self.write([key], materialized=False)
         if joined:
             kernel = self._merge(joined)
         else:

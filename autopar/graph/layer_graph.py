@@ -88,6 +88,8 @@ class Leaf:
             the unit is compiled (:mod:`autopar.graph.fusion`): the bytes its fused
             kernels move, and the kernels it starts, matmuls included. None: as in
             eager mode (a graph built by hand).
+        compiled_saved_bytes: what ``saved_bytes`` becomes when the unit is compiled
+            (:mod:`autopar.graph.compiled_saved`); None: as in eager mode.
     """
 
     name: str
@@ -114,6 +116,11 @@ class Leaf:
     dropless: bool = False
     compiled_bytes: float | None = None
     compiled_ops: int | None = None
+    compiled_saved_bytes: float | None = None
+
+    def saved(self, compiled: bool) -> float:
+        """Activation bytes kept for backward per sample, eager or compiled."""
+        return _compiled_or_eager(self.saved_bytes, self.compiled_saved_bytes, compiled)
 
     def moved_bytes(self, compiled: bool) -> float:
         """Activation bytes the forward moves per sample, eager or compiled."""
@@ -143,8 +150,9 @@ class Flow:
     (what a resharding collective moves). ``attn_*`` is the part of the glue inside an
     attention core (``F.scaled_dot_product_attention``), which selective recomputation
     drops from memory and recomputes. ``compiled_*`` are the glue's and the attention
-    core's bytes and kernels when the unit is compiled (:mod:`autopar.graph.fusion`);
-    None: as in eager mode. ``attn_work_flops``: of ``attn_flops`` (the flop counter's,
+    core's bytes and kernels when the unit is compiled (:mod:`autopar.graph.fusion`),
+    and ``saved_bytes`` then (:mod:`autopar.graph.compiled_saved`; the attention core's
+    stay); None: as in eager mode. ``attn_work_flops``: of ``attn_flops`` (the flop counter's,
     the full score and value products, as model-FLOP utilization counts them), what a
     fused attention kernel computes: half under a causal mask, whose masked tiles it
     skips (None: all of them).
@@ -166,6 +174,11 @@ class Flow:
     compiled_glue_ops: float | None = None
     compiled_attn_ops: float | None = None
     attn_work_flops: float | None = None
+    compiled_saved_bytes: float | None = None
+
+    def saved(self, compiled: bool) -> float:
+        """Bytes kept for backward per sample outside the attention core, eager or compiled."""
+        return _compiled_or_eager(self.saved_bytes, self.compiled_saved_bytes, compiled)
 
     @property
     def fused_attention_flops(self) -> float:
@@ -374,6 +387,10 @@ class LayerGraph:
             if i + 1 < len(self.units):
                 g.add_edge(unit.fqn, self.units[i + 1].fqn, tensor_bytes=prof.output_bytes)
         return g
+
+
+def _compiled_or_eager(eager: float, compiled: float | None, want_compiled: bool) -> float:
+    return compiled if want_compiled and compiled is not None else eager
 
 
 def _endpoint(unit: Unit, prof: UnitProfile, index: int) -> str:

@@ -9,7 +9,7 @@ and turns into a per-sample :class:`~autopar.graph.layer_graph.UnitProfile`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from autopar.graph.compiled_saved import compiled_saved_deltas
 from autopar.graph.flops import MATMUL_OPS
 from autopar.graph.fusion import Account, Fusion
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, Flow, Leaf, LeafKind, UnitProfile
@@ -43,6 +44,7 @@ class Op:
     assigned: bool = False
     compiled_nbytes: float = 0.0
     kernels: int = 0
+    compiled_saved: float = 0.0
     settled: list[tuple[_FlowAcc, float]] = field(default_factory=list)
 
     def keep_outside_attention(self, nbytes: float) -> None:
@@ -56,6 +58,14 @@ class Op:
         for acc, share in self.settled:
             acc.attn_saved -= nbytes * share
             acc.saved += nbytes * share
+
+    def add_compiled_saved(self, nbytes: float) -> None:
+        """What compiling adds to the bytes this op saves (:mod:`autopar.graph.
+        compiled_saved`): charged to the flows it went to, or kept until it goes to one."""
+        if not self.assigned:
+            self.compiled_saved += nbytes
+        for acc, share in self.settled:
+            acc.compiled_saved += nbytes * share
 
     def add_compiled(self, nbytes: float, kernels: int) -> None:
         """Bytes and kernels of this op when compiled (:mod:`autopar.graph.fusion`):
@@ -99,11 +109,16 @@ class _LeafAcc:
     dropless: bool = False
     compiled_bytes: float = 0.0
     kernels: int = 0
+    compiled_saved: float = 0.0
 
     def add_compiled(self, nbytes: float, kernels: int) -> None:
         """Bytes and kernels of this leaf's ops when compiled (:mod:`autopar.graph.fusion`)."""
         self.compiled_bytes += nbytes
         self.kernels += kernels
+
+    def add_compiled_saved(self, nbytes: float) -> None:
+        """What compiling adds to the bytes this leaf saves (:mod:`autopar.graph.compiled_saved`)."""
+        self.compiled_saved += nbytes
 
     def charge(self, func: Any, flops: float, activation_bytes: float, weight_bytes: float, routed: Any) -> None:
         """Add one op of the leaf's forward; ``routed`` is the activation an expert
@@ -144,6 +159,7 @@ class _FlowAcc:
     compiled_attn_bytes: float = 0.0
     compiled_glue_ops: float = 0.0
     compiled_attn_ops: float = 0.0
+    compiled_saved: float = 0.0
 
 
 @dataclass
@@ -195,6 +211,7 @@ class SegmentTrace:
                     fwd_bytes=acc.fwd_bytes / batch,
                     weight_bytes=acc.weight_bytes,
                     saved_bytes=acc.saved / batch,
+                    compiled_saved_bytes=(acc.saved + acc.compiled_saved) / batch,
                     fwd_ops=acc.ops,
                     compiled_bytes=acc.compiled_bytes / batch,
                     compiled_ops=acc.kernels,
@@ -209,6 +226,7 @@ class SegmentTrace:
                 glue_flops=f.glue_flops / batch,
                 glue_bytes=f.glue_bytes / batch,
                 saved_bytes=f.saved / batch,
+                compiled_saved_bytes=(f.saved + f.compiled_saved) / batch,
                 attn_flops=f.attn_flops / batch,
                 attn_work_flops=f.attn_work_flops / batch,
                 attn_bytes=f.attn_bytes / batch,
@@ -268,7 +286,10 @@ class Segment:
         self.ops: list[Op] = []
         self.flows: dict[tuple[int, int], _FlowAcc] = {}
         self.leaf_stack: list[int] = []
-        self.waiting: list[tuple[float, bool]] = []
+        self.waiting: list[tuple[int, float, bool]] = []
+        self.saved: list[tuple[int, float, bool, Callable[[float], None]]] = []
+        """Each tensor autograd saved (storage key, bytes, in the attention core) and what
+        it was charged to: where compiling's change is charged too."""
         self.last_outputs: frozenset[int] = frozenset()
         """Storages the last glue op wrote: what autograd saves of them is that op's."""
         self.input_bytes = 0.0
@@ -277,15 +298,22 @@ class Segment:
         self.fusion = Fusion()
 
     def compiled(
-        self, func: Any, inputs: list[tuple[int, float]], outputs: list[tuple[int, float]], account: Account
+        self,
+        func: Any,
+        inputs: list[tuple[int, float]],
+        outputs: list[tuple[int, float]],
+        account: Account,
+        *,
+        never_recomputed: frozenset[int] = frozenset(),
     ) -> None:
         """Charge ``account`` the bytes an op moves and the kernels it starts when the
         segment is compiled (:mod:`autopar.graph.fusion`; parameters left out of
-        ``inputs``)."""
+        ``inputs``). ``never_recomputed``: the outputs a compiled backward does not
+        recompute (:mod:`autopar.graph.compiled_saved`)."""
         if func._overloadpacket in MATMUL_OPS:
             self.fusion.library_kernel(inputs, outputs, account)
         else:
-            self.fusion.fused_op(inputs, outputs, account)
+            self.fusion.fused_op(inputs, outputs, account, never_recomputed=never_recomputed)
 
     def note_parts(self, t: Any, dim: int, whole: bool) -> None:
         """Mark the linear leaf whose output ``t`` is, if the op took parts of its
@@ -351,14 +379,16 @@ class Segment:
                     acc.compiled_glue_ops += op.kernels * share
                 acc.saved += op.saved * share
                 acc.attn_saved += op.attn_saved * share
+                acc.compiled_saved += op.compiled_saved * share
 
     def charge_waiting(self, op: Op) -> None:
         """Charge the saved tensors waiting for their op to ``op``."""
-        for nbytes, attn in self.waiting:
+        for key, nbytes, attn in self.waiting:
             if attn:
                 op.attn_saved += nbytes
             else:
                 op.saved += nbytes
+            self.saved.append((key, nbytes, attn, op.add_compiled_saved))
         self.waiting.clear()
 
     def finish(self) -> SegmentTrace:
@@ -371,6 +401,10 @@ class Segment:
         leftovers = frozenset(i for i, op in enumerate(self.ops) if not op.assigned)
         if leftovers:
             self._settle(leftovers, UNIT_OUTPUT, frozenset(o for o, d in self.flows if d == UNIT_OUTPUT))
+        deltas = compiled_saved_deltas([entry[:3] for entry in self.saved], self.fusion)
+        for (*_, charge), delta in zip(self.saved, deltas):
+            if delta:
+                charge(delta)
         for (src, _), acc in self.flows.items():
             acc.tensor_bytes = self.input_bytes if src == UNIT_INPUT else self.leaves[src].out_bytes
         return SegmentTrace(

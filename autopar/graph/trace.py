@@ -86,7 +86,7 @@ class _Recorder(TorchDispatchMode):
                 self.tracer.uncounted.add(str(func._overloadpacket))
             leaf = seg.leaves[seg.leaf_stack[-1]]
             leaf.charge(func, flops, nbytes - weights, weights, self.tracer.routed(func, ins))
-            seg.compiled(func, activations, _keyed(outs), leaf.add_compiled)
+            seg.compiled(func, activations, _keyed(outs), leaf.add_compiled, never_recomputed=_kept(func, ins, outs))
             for t in outs:
                 seg.register(t, Info(origins=frozenset({seg.leaf_stack[-1]}), pending=frozenset(), attn_heads=0))
             return out
@@ -97,7 +97,7 @@ class _Recorder(TorchDispatchMode):
             origins=origins,
             attn_work=self.tracer.attn_work if self.tracer.in_attention else 1.0,
         )
-        seg.compiled(func, activations, _keyed(outs), op.add_compiled)
+        seg.compiled(func, activations, _keyed(outs), op.add_compiled, never_recomputed=_kept(func, ins, outs))
         seg.ops.append(op)
         op_id = len(seg.ops) - 1
         pending = frozenset({op_id}).union(*(i.pending for i in in_infos)) if in_infos else frozenset({op_id})
@@ -106,6 +106,16 @@ class _Recorder(TorchDispatchMode):
         seg.charge_waiting(op)
         seg.last_outputs = frozenset(_storage_key(t) for t in outs)
         return out
+
+
+def _kept(func: Any, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> frozenset[int]:
+    """The outputs of an op a compiled backward keeps rather than recomputes
+    (:mod:`autopar.graph.compiled_saved`): a random op's, and those with fewer elements
+    than the op's largest input (a reduction's: a norm's mean or its reciprocal
+    deviation)."""
+    largest = max((t.numel() for t in ins), default=0)
+    seeded = torch.Tag.nondeterministic_seeded in func.tags
+    return frozenset(k for t in outs if (seeded or t.numel() < largest) and (k := _storage_key(t)) is not None)
 
 
 def _keyed(tensors) -> list[tuple[int, float]]:
@@ -192,7 +202,9 @@ class Tracer:
         nbytes = float(storage.nbytes())
         attn = self.in_attention and key not in self.attn_inputs
         if seg.leaf_stack:
-            seg.leaves[seg.leaf_stack[-1]].saved += nbytes
+            leaf = seg.leaves[seg.leaf_stack[-1]]
+            leaf.saved += nbytes
+            seg.saved.append((key, nbytes, attn, leaf.add_compiled_saved))
         elif seg.ops and key in seg.last_outputs:
             # an output the op just recorded keeps (attention's output and log-sum-exp, a
             # softmax's result): autograd packs those once the op has run. Left for the
@@ -204,10 +216,11 @@ class Tracer:
                 self.attn_outputs[key] = (op, nbytes)
             else:
                 op.saved += nbytes
+            seg.saved.append((key, nbytes, attn, op.add_compiled_saved))
         else:
             # autograd packs an op's inputs before the op reaches the dispatch mode: the
             # next glue op recorded is the one that saved this tensor
-            seg.waiting.append((nbytes, attn))
+            seg.waiting.append((key, nbytes, attn))
         return t
 
     # -- attention ------------------------------------------------------------------

@@ -29,7 +29,8 @@ can be remade with ``compile=False``. An ``async_tp`` plan compiles them with in
 micro-pipeline TP pass on, which fuses their sequence-parallel collectives into their
 matmuls (:mod:`autopar.runtime.async_tp`). A measured dry run (fake tensors,
 :mod:`autopar.runtime.dry_step`) runs the blocks eager: compiling needs real tensors,
-and eager memory is the upper bound the planner prices for compiled blocks too. Nor
+and eager blocks keep the element-wise intermediates that compiled ones recompute
+(:mod:`autopar.graph.compiled_saved`). Nor
 does dynamo compile under a dispatch mode, which is how a CPU step measures its memory
 (:mod:`autopar.runtime.metrics`): a compiled plan on CPU skips that measurement
 (:func:`autopar.runtime.parallelize` warns).

@@ -15,8 +15,11 @@ Dropless experts under expert parallelism run there at the routing the plan pric
 (balanced, or the plan's routing imbalance: :mod:`autopar.runtime.assumed_routing`),
 since fake tensors have no routing to count; the report says so.
 A plan with compiled blocks (``compile=True``) runs them eager here: compiling needs
-real tensors, and eager memory is the upper bound the planner prices for compiled
-blocks too (:mod:`autopar.runtime.compile`); the report says so. An ``async_tp`` plan,
+real tensors (:mod:`autopar.runtime.compile`). Eager blocks keep the element-wise
+intermediates that compiled ones recompute in their backward
+(:mod:`autopar.graph.compiled_saved`), so the measured peak may exceed the compiled
+prediction by those; the report says so, and the same plan with ``compile=False`` is
+the like-for-like check. An ``async_tp`` plan,
 whose fused collectives live in those compiled blocks, therefore runs its
 tensor-parallel collectives synchronously here, and the report says async TP was not
 exercised.
@@ -123,7 +126,9 @@ class DryRunReport:
         lines += [f"  problem: {p}" for p in self.problems]
         if self.eager_blocks:
             lines.append(
-                "  note: the plan compiles its blocks; the dry run runs them eager (eager memory, an upper bound)"
+                "  note: the plan compiles its blocks; the dry run runs them eager, keeping the intermediates "
+                "compiled blocks recompute (its peak may exceed the compiled prediction by those; "
+                "dry-run the plan with compile=False to compare like for like)"
             )
         if self.synchronous_tp:
             lines.append(

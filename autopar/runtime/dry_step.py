@@ -42,8 +42,8 @@ every loss to the step's end); the whole batch's token ids are allocated, as a w
 step would read them.
 
 Compiled blocks (``compile=True``) run eager: ``parallelize`` does not compile them
-without real tensors, and the eager step's memory is the upper bound the planner prices
-for compiled blocks too (:mod:`autopar.runtime.compile`). The finite check and the
+without real tensors, so the step keeps the element-wise intermediates a compiled block
+would recompute in its backward (:mod:`autopar.graph.compiled_saved`). The finite check and the
 loss's reduction for reporting (8 bytes each) are not run. DDP
 (ZeRO 0 and 1 with dp > 1, where the real run uses it) needs real tensors, so the fake
 step runs FSDP2's ``replicate``, the same all-reduce: DDP's gradient buckets, which it

@@ -82,6 +82,17 @@ def test_element_wise_chain_is_one_kernel_reading_its_input_once():
         assert leaf.kernels(True) == 1
 
 
+def test_a_written_out_gelu_saves_its_input_and_output_compiled():
+    """The same block's saved tensors (:mod:`autopar.graph.compiled_saved`): eager
+    saves GELU's intermediates; compiled, fc's input x, fc's output h (4 rows, what
+    GELU is recomputed from) and proj's input (4 rows) stay, and nothing else."""
+    profile = _block_profile(_GeluBlock)
+    compiled = sum(leaf.saved(True) for leaf in profile.leaves) + sum(f.saved(True) for f in profile.flows)
+    eager = sum(leaf.saved(False) for leaf in profile.leaves) + sum(f.saved(False) for f in profile.flows)
+    assert compiled == 9 * ROW
+    assert eager > compiled
+
+
 def test_a_result_read_after_a_matmul_is_written_and_read_back():
     """2x is written once (fc reads it) and read back by the add after fc ran: the mul
     moves 2 rows, the add reads 2 and writes 1; two kernels."""

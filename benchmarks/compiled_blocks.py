@@ -7,8 +7,11 @@ seven), which eager mode runs as as many kernels, each a pass through memory. Co
 (:mod:`autopar.graph.fusion`), both are the same fused kernels, so their predictions
 should meet. Each row estimates one configuration (data parallelism over 8 H100,
 micro-batch 8 sequences of 1024 tokens, or 2 of 4096 for the Llama pair, no
-recomputation) with ``compile`` off and on. A cost-model comparison, not a measurement:
-no GPU ran here.
+recomputation) with ``compile`` off and on, and reports the step and the activations a
+device keeps: compiled, the element-wise intermediates that eager mode saves (GPT-2's
+GELU chain, RMSNorm's fp32 copies) are recomputed in the backward
+(:mod:`autopar.graph.compiled_saved`). A cost-model comparison, not a measurement: no
+GPU ran here.
 """
 
 from __future__ import annotations
@@ -52,12 +55,13 @@ def main() -> None:
     cluster = autopar.preset("dgx-h100", nodes=1)
     rows = []
     for label, hf, own, seq, mbs in _pairs():
-        step = {}
+        step, held = {}, {}
         for name, model in (("transformers", hf), ("autopar", own)):
             for compiled in (False, True):
                 fixed = {"tp": 1, "pp": 1, "micro_batch_size": mbs, "recompute": "none", "compile": compiled}
                 plan = autopar.estimate(model, cluster, fixed, global_batch_size=8 * mbs, seq_len=seq)
                 step[name, compiled] = plan.prediction.step_time_s
+                held[name, compiled] = plan.prediction.stages[0].memory.activations_bytes / 2**30
         rows.append(
             {
                 "model": label,
@@ -68,6 +72,12 @@ def main() -> None:
                 "autopar compiled (ms)": f"{1e3 * step['autopar', True]:.2f}",
                 "compiled ratio": f"{step['transformers', True] / step['autopar', True]:.3f}",
                 "compiled / eager (transformers)": f"{step['transformers', True] / step['transformers', False]:.3f}",
+                "activations eager / compiled, transformers (GiB)": (
+                    f"{held['transformers', False]:.2f} / {held['transformers', True]:.2f}"
+                ),
+                "activations eager / compiled, autopar (GiB)": (
+                    f"{held['autopar', False]:.2f} / {held['autopar', True]:.2f}"
+                ),
             }
         )
         print(rows[-1], flush=True)
@@ -76,7 +86,9 @@ def main() -> None:
         "compiled_blocks",
         "Compiled blocks in the cost model: transformers against autopar's models",
         markdown_table(rows) + "\n\nOne step on 8 H100 (dgx-h100 preset), data parallelism, bf16, flash attention, no "
-        "recomputation; `ratio` is transformers' step over autopar's. Predicted, not measured.\n",
+        "recomputation; `ratio` is transformers' step over autopar's. Activations: what a device keeps for the "
+        "backward at its peak, eager and compiled (a compiled block saves what torch.compile's partitioner "
+        "saves, `autopar.graph.compiled_saved`). Predicted, not measured.\n",
     )
 
 

@@ -8,9 +8,11 @@ same for a model on the meta device (a 1T-parameter GPT costs no memory) and a r
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -113,12 +115,13 @@ def extract(
         attention=attention,
     )
     on_meta = device.type == "meta" and not _checks_for_fake_tensors(model)
-    try:
-        trace = trace_with(on_meta=on_meta)
-    except ModelError:
-        if not on_meta:
-            raise
-        trace = trace_with(on_meta=False)  # an op without a C++ meta kernel, or one reading data
+    with _unpacked_sequences(model):
+        try:
+            trace = trace_with(on_meta=on_meta)
+        except ModelError:
+            if not on_meta:
+                raise
+            trace = trace_with(on_meta=False)  # an op without a C++ meta kernel, or one reading data
 
     prologue_mods, epilogue_mods = [], []
     if blocks and (PROLOGUE in segments):
@@ -208,6 +211,27 @@ def _checks_for_fake_tensors(model: nn.Module) -> bool:
     """Whether ``model`` is a Hugging Face transformers model: their forward reads data
     (a mask's ``.all()``) unless it sees fake tensors, so they trace on fake tensors."""
     return any(cls.__module__.startswith("transformers.") for cls in type(model).__mro__)
+
+
+@contextlib.contextmanager
+def _unpacked_sequences(model: nn.Module) -> Iterator[None]:
+    """While a transformers model is traced, its check for packed sequences (several
+    sequences in one row, told by position ids that restart) finds none, as it does on
+    the trace's token ids, which are one sequence per row. The check reads the position
+    ids' values; on fake tensors it cannot, assumes packing, and builds an explicit
+    causal mask, so the trace saw attention with a mask where a real run calls SDPA with
+    ``is_causal=True`` and the kernel skips the masked half (priced at twice its work).
+    A padding mask or a sliding window still builds its mask, as on a real run."""
+    masking = sys.modules.get("transformers.masking_utils") if _checks_for_fake_tensors(model) else None
+    if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
+        yield
+        return
+    original = masking.find_packed_sequence_indices
+    masking.find_packed_sequence_indices = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
 
 
 def training_kwargs(model: nn.Module) -> dict[str, Any]:

@@ -214,6 +214,39 @@ def test_hf_llama_bert_bloom_extract():
     assert len(go.units) == 4 and go.fwd_flops_per_sample > 0
 
 
+def _attention_work(graph) -> tuple[float, float]:
+    """A block's attention FLOPs as counted, and what the attention kernel computes."""
+    flows = graph.profile_of(1).flows
+    return sum(f.attn_flops for f in flows), sum(f.fused_attention_flops for f in flows)
+
+
+def test_transformers_causal_models_trace_sdpa_as_a_real_run_calls_it():
+    """transformers' Llama and GPT-2 on one unpadded sequence per row call SDPA with
+    ``is_causal=True`` on real token ids; traced on fake tensors they did not (their
+    packed-sequence check cannot read position ids there, and they built a mask), which
+    priced the attention kernel at all of its score products. Now the kernel computes
+    half, as in autopar's Llama of the same shape (its own SDPA call, is_causal=True). A
+    sliding window narrower than the sequence still builds its mask (all work counted)."""
+    transformers = pytest.importorskip("transformers")
+    shape = {"hidden_size": H, "intermediate_size": 256, "num_hidden_layers": 2, "vocab_size": V}
+    with torch.device("meta"):
+        llama = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(**shape, num_attention_heads=A, num_key_value_heads=2, max_position_embeddings=S)
+        )
+        gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=H, n_layer=2, n_head=A, vocab_size=V))
+        windowed = transformers.MistralForCausalLM(
+            transformers.MistralConfig(**shape, num_attention_heads=A, num_key_value_heads=2, sliding_window=S // 4)
+        )
+        own = Llama(LlamaConfig(vocab_size=V, seq_len=S, dim=H, n_layers=2, n_heads=A, n_kv_heads=2, ffn_dim=256))
+    reference = _attention_work(extract(own, seq_len=S, dtype="fp32"))
+    assert reference[1] == reference[0] / 2
+    assert _attention_work(extract(llama, seq_len=S, dtype="fp32")) == reference
+    counted, work = _attention_work(extract(gpt2, seq_len=S, dtype="fp32"))
+    assert counted > 0 and work == counted / 2
+    counted, work = _attention_work(extract(windowed, seq_len=S, dtype="fp32"))
+    assert counted > 0 and work == counted
+
+
 def test_cnn_units_and_conv_flops():
     cfg = CNNConfig(image_size=32, width=16, stages=2, blocks_per_stage=2, num_classes=10)
     g = extract(ResNet(cfg), sample_input=torch.zeros(2, 3, 32, 32), dtype="fp32")

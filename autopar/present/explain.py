@@ -151,7 +151,8 @@ def _experts(plan: Plan) -> list[str]:
 def _option_line(plan: Plan, option: str, label: str, ways: tuple[str, str, str, str], *, always: bool) -> list[str]:
     """How the plan sets an option (``option``: ``compile``, ``fp8``, ``async_tp`` or ``regather``, also the
     status of its priced contrast in ``plan.alternatives``), and what the other way would
-    take. ``ways``: the text of the option on, off, and the names of the other way when
+    take, in time and memory per device (compiled blocks and kept shards save
+    activations, FP8 adds its casts). ``ways``: the text of the option on, off, and the names of the other way when
     it is on and when it is off. Without ``always``, nothing where the option is off and
     was not priced (the device cannot use it)."""
     on, off, other_when_on, other_when_off = ways
@@ -162,7 +163,7 @@ def _option_line(plan: Plan, option: str, label: str, ways: tuple[str, str, str,
     text = on if enabled else off
     for a in found:
         other = other_when_on if enabled else other_when_off
-        text += f"; {other}: {duration(a.step_time_s)} ({100 * a.slower_by:+.1f}%)"
+        text += f"; {other}: {duration(a.step_time_s)} ({100 * a.slower_by:+.1f}%), {size(a.memory_bytes_per_device)}"
     return [f"{label:<15}{text}"]
 
 

@@ -115,7 +115,7 @@ def extract(
         attention=attention,
     )
     on_meta = device.type == "meta" and not _checks_for_fake_tensors(model)
-    with _unpacked_sequences(model):
+    with unpacked_sequences():
         try:
             trace = trace_with(on_meta=on_meta)
         except ModelError:
@@ -214,15 +214,16 @@ def _checks_for_fake_tensors(model: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def _unpacked_sequences(model: nn.Module) -> Iterator[None]:
-    """While a transformers model is traced, its check for packed sequences (several
-    sequences in one row, told by position ids that restart) finds none, as it does on
-    the trace's token ids, which are one sequence per row. The check reads the position
-    ids' values; on fake tensors it cannot, assumes packing, and builds an explicit
-    causal mask, so the trace saw attention with a mask where a real run calls SDPA with
-    ``is_causal=True`` and the kernel skips the masked half (priced at twice its work).
-    A padding mask or a sliding window still builds its mask, as on a real run."""
-    masking = sys.modules.get("transformers.masking_utils") if _checks_for_fake_tensors(model) else None
+def unpacked_sequences() -> Iterator[None]:
+    """Within: transformers' check for packed sequences (several sequences in one row,
+    told by position ids that restart) finds none, as it does on one sequence per row of
+    real token ids, which is what the trace and the dry run feed. The check reads the
+    position ids' values; on fake tensors it cannot, assumes packing, and builds an
+    explicit causal mask, so SDPA ran with a mask where a real run calls it with
+    ``is_causal=True`` and the kernel skips the masked half. A padding mask or a sliding
+    window still builds its mask, as on a real run. Nothing changes where transformers'
+    masking is not loaded."""
+    masking = sys.modules.get("transformers.masking_utils")
     if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
         yield
         return

@@ -43,8 +43,10 @@ step would read them.
 
 Compiled blocks (``compile=True``) run eager: ``parallelize`` does not compile them
 without real tensors, so the step keeps the element-wise intermediates a compiled block
-would recompute in its backward (:mod:`autopar.graph.compiled_saved`). The finite check and the
-loss's reduction for reporting (8 bytes each) are not run. DDP
+would recompute in its backward (:mod:`autopar.graph.compiled_saved`). transformers'
+models see one unpadded sequence per row, as on real token ids, and call SDPA causal
+without a mask, as a real run does (:func:`autopar.graph.extract.unpacked_sequences`).
+The finite check and the loss's reduction for reporting (8 bytes each) are not run. DDP
 (ZeRO 0 and 1 with dp > 1, where the real run uses it) needs real tensors, so the fake
 step runs FSDP2's ``replicate``, the same all-reduce: DDP's gradient buckets, which it
 keeps between steps, are not counted after the step (at the peak the gradients are).
@@ -65,6 +67,7 @@ from torch.distributed.pipelining._utils import _derive_grad_metas, _StageBackwa
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
+from autopar.graph.extract import unpacked_sequences
 from autopar.parallel_config import ParallelConfig
 from autopar.plan import Plan
 from autopar.runtime.job import Job
@@ -263,7 +266,8 @@ def measure_step(job: Job, plan: Plan, mode: FakeTensorMode | None, *, microbatc
         meter = FakeBytesMeter(mode, live) if mode is not None else TensorBytesMeter(torch.device("cpu"), live)
         del live
         start = time.perf_counter()
-        with meter:
+        unpacked = unpacked_sequences() if mode is not None else contextlib.nullcontext()
+        with meter, unpacked:
             job._run_schedule((tokens,), tokens, [])
             meter.phase = OPTIMIZER
             for o in inner:

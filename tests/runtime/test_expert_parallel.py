@@ -295,13 +295,13 @@ def test_a_measured_dry_run_runs_dropless_experts_at_balanced_routing():
     4 experts gets tokens x top_k / 4 rows) and says so. dp=2 ep=2 ZeRO-3 (bf16: torch's
     fake grouped matmul takes bf16 only, as on CUDA), against the same count on a real
     2-process gloo step whose routers are forced to that balanced pattern: the same
-    split sizes, rows and local experts' forward. Measured: 698,088 bytes at the peak
-    against 691,944 (+0.9%), held bytes equal. Logged op by op, the experts' allocations
-    match but for a 32-byte counts tensor and two 16-byte sums; the gap is the attention's
-    (transformers builds the causal mask on fake tensors, which it skips on real ones,
-    and their SDPA backwards differ). Peaks within 2% (the dense models' fake-real gap
-    reaches 3.3%, test_dry_step), which still catches a wrong routing: the same step at
-    an imbalance of 1.5 measures +5.6%; held bytes within 1%."""
+    split sizes, rows and local experts' forward. Measured: 691,944 bytes at the peak on
+    both, byte for byte, held bytes equal (the real step measured 8 KiB more on one rank
+    once in four runs). Before the dry run's transformers models called SDPA causal as
+    real ones do, they built a causal mask on fake tensors: 698,088 (+0.9%). Peaks within
+    2% (the dense models' fake-real gap reaches 3.3%, test_dry_step), which still catches
+    a wrong routing: the same step at an imbalance of 1.5 measures +4.7%; held bytes
+    within 1%."""
     from test_models import make, mixtral
 
     from autopar.runtime.dry_run import dry_run

@@ -18,8 +18,8 @@ A plan with compiled blocks (``compile=True``) runs them eager here: compiling n
 real tensors (:mod:`autopar.runtime.compile`). Eager blocks keep the element-wise
 intermediates that compiled ones recompute in their backward
 (:mod:`autopar.graph.compiled_saved`), so the measured peak may exceed the compiled
-prediction by those; the report says so, and the same plan with ``compile=False`` is
-the like-for-like check. An ``async_tp`` plan,
+prediction by those; the report says so, with the plan's peak priced eager where the
+plan carries it (else the same plan with ``compile=False`` is the like-for-like check). An ``async_tp`` plan,
 whose fused collectives live in those compiled blocks, therefore runs its
 tensor-parallel collectives synchronously here, and the report says async TP was not
 exercised.
@@ -102,7 +102,10 @@ class DryRunReport:
     collectives into those blocks' matmuls (``async_tp``), which the dry run did not.
     ``assumed_routing``: the routing imbalance the measured steps assumed for dropless
     experts under expert parallelism (1: balanced; fake tensors have no routing,
-    :mod:`autopar.runtime.assumed_routing`), None where no such experts ran."""
+    :mod:`autopar.runtime.assumed_routing`), None where no such experts ran.
+    ``eager_peak_bytes``: for compiled blocks run eager, the plan's peak per device priced
+    eager, where the plan carries that contrast (``Alternative`` of status ``compile``):
+    what the eager step measured is like for like with it."""
 
     plan: str
     world_size: int
@@ -111,6 +114,7 @@ class DryRunReport:
     eager_blocks: bool = False
     synchronous_tp: bool = False
     assumed_routing: float | None = None
+    eager_peak_bytes: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -125,10 +129,14 @@ class DryRunReport:
         ]
         lines += [f"  problem: {p}" for p in self.problems]
         if self.eager_blocks:
+            like = (
+                f"priced eager, the plan's peak is {_gib(self.eager_peak_bytes)} per device"
+                if self.eager_peak_bytes is not None
+                else "dry-run the plan with compile=False to compare like for like"
+            )
             lines.append(
                 "  note: the plan compiles its blocks; the dry run runs them eager, keeping the intermediates "
-                "compiled blocks recompute (its peak may exceed the compiled prediction by those; "
-                "dry-run the plan with compile=False to compare like for like)"
+                f"compiled blocks recompute (its peak may exceed the compiled prediction by those; {like})"
             )
         if self.synchronous_tp:
             lines.append(
@@ -241,9 +249,17 @@ def dry_run(
         problems=tuple(problems),
         ranks=tuple(reports),
         eager_blocks=plan.config.compile,
+        eager_peak_bytes=_eager_peak_bytes(plan),
         synchronous_tp=plan.config.async_tp,
         assumed_routing=_assumed_routing(model, plan) if measure and reports else None,
     )
+
+
+def _eager_peak_bytes(plan: Plan) -> float | None:
+    """The compiled plan's peak per device priced with eager blocks, where it carries it."""
+    if not plan.config.compile:
+        return None
+    return next((a.memory_bytes_per_device for a in plan.alternatives if a.status == "compile"), None)
 
 
 def _forget_fake_sharding() -> None:

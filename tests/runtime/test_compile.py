@@ -189,13 +189,18 @@ def test_recomputing_blocks_are_compiled_with_their_recomputation(mode, dynamo_r
 @pytest.mark.multiprocess
 def test_a_measured_dry_run_runs_the_blocks_eager_and_says_so():
     """Fake tensors cannot be compiled: the dry run of a compiled plan measures the
-    eager step, byte for byte the eager plan's, and its report notes it."""
+    eager step, byte for byte the eager plan's, and its report notes it with the plan's
+    peak priced eager (the contrast the plan carries: the eager plan's own peak)."""
     compiled = make_plan("gpt", dp=2, zero_stage=3, compile=True)
     eager = make_plan("gpt", dp=2, zero_stage=3)
     reports = [dry_run(lambda: build("gpt", "meta"), p, ranks=[0, 1], measure=True) for p in (compiled, eager)]
     assert all(r.ok for r in reports), [r.problems for r in reports]
     assert [r.eager_blocks for r in reports] == [True, False]
     assert "dry run runs them eager" in reports[0].to_text()
-    assert "eager" not in reports[1].to_text()
+    assert reports[0].eager_peak_bytes == eager.prediction.memory_bytes_per_device
+    assert f"priced eager, the plan's peak is {eager.prediction.memory_bytes_per_device / 2**30:.3f} GiB" in (
+        reports[0].to_text()
+    )
+    assert "eager" not in reports[1].to_text() and reports[1].eager_peak_bytes is None
     peaks = [[(r.measured.peak_bytes, r.measured.held_bytes) for r in report.ranks] for report in reports]
     assert peaks[0] == peaks[1]

@@ -73,7 +73,7 @@ class Fusion:
     whatever inductor fuses (a later element-wise op may join the kernel that made one
     where this model writes it, as inductor reorders independent work)."""
     sizes: dict[int, float] = field(default_factory=dict)
-    """Bytes of each tensor an op read or made."""
+    """Bytes of each tensor an element-wise op read: every one of ``sources``."""
 
     def library_kernel(
         self, inputs: list[tuple[int, float]], outputs: list[tuple[int, float]], account: Account
@@ -82,7 +82,6 @@ class Fusion:
         key, bytes; parameters left out): each pending input is written by its kernel
         first, and the kernel moves what it moves in eager mode."""
         self.write(key for key, _ in inputs)
-        self.sizes.update(inputs)
         self.epoch += 1
         account(sum(b for _, b in inputs) + sum(b for _, b in outputs), 1)
 
@@ -111,7 +110,6 @@ class Fusion:
         something outside the kernel reads them. ``never_recomputed``: the outputs a
         compiled backward does not recompute (a reduction's, a random op's)."""
         self.sizes.update(inputs)
-        self.sizes.update(outputs)
         read = tuple(k for k, _ in inputs)
         for key, _ in outputs:
             if key in read:

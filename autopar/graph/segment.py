@@ -44,7 +44,6 @@ class Op:
     assigned: bool = False
     compiled_nbytes: float = 0.0
     kernels: int = 0
-    compiled_saved: float = 0.0
     settled: list[tuple[_FlowAcc, float]] = field(default_factory=list)
 
     def keep_outside_attention(self, nbytes: float) -> None:
@@ -61,9 +60,8 @@ class Op:
 
     def add_compiled_saved(self, nbytes: float) -> None:
         """What compiling adds to the bytes this op saves (:mod:`autopar.graph.
-        compiled_saved`): charged to the flows it went to, or kept until it goes to one."""
-        if not self.assigned:
-            self.compiled_saved += nbytes
+        compiled_saved`), charged to the flows it went to: known once the segment has
+        run, when every op has gone to its flows (:meth:`Segment.finish`)."""
         for acc, share in self.settled:
             acc.compiled_saved += nbytes * share
 
@@ -379,7 +377,6 @@ class Segment:
                     acc.compiled_glue_ops += op.kernels * share
                 acc.saved += op.saved * share
                 acc.attn_saved += op.attn_saved * share
-                acc.compiled_saved += op.compiled_saved * share
 
     def charge_waiting(self, op: Op) -> None:
         """Charge the saved tensors waiting for their op to ``op``."""

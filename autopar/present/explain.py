@@ -152,9 +152,9 @@ def _option_line(plan: Plan, option: str, label: str, ways: tuple[str, str, str,
     """How the plan sets an option (``option``: ``compile``, ``fp8``, ``async_tp`` or ``regather``, also the
     status of its priced contrast in ``plan.alternatives``), and what the other way would
     take, in time and memory per device (compiled blocks and kept shards save
-    activations, FP8 adds its casts). ``ways``: the text of the option on, off, and the names of the other way when
-    it is on and when it is off. Without ``always``, nothing where the option is off and
-    was not priced (the device cannot use it)."""
+    activations, FP8 adds its casts). ``ways``: the text of the option on, off, and the
+    names of the other way when it is on and when it is off. Without ``always``, nothing
+    where the option is off and was not priced (the device cannot use it)."""
     on, off, other_when_on, other_when_off = ways
     enabled = getattr(plan.config, option)
     found = [a for a in plan.alternatives if a.status == option]

@@ -30,10 +30,9 @@ micro-pipeline TP pass on, which fuses their sequence-parallel collectives into 
 matmuls (:mod:`autopar.runtime.async_tp`). A measured dry run (fake tensors,
 :mod:`autopar.runtime.dry_step`) runs the blocks eager: compiling needs real tensors,
 and eager blocks keep the element-wise intermediates that compiled ones recompute
-(:mod:`autopar.graph.compiled_saved`). Nor
-does dynamo compile under a dispatch mode, which is how a CPU step measures its memory
-(:mod:`autopar.runtime.metrics`): a compiled plan on CPU skips that measurement
-(:func:`autopar.runtime.parallelize` warns).
+(:mod:`autopar.graph.compiled_saved`). Nor does dynamo compile under a dispatch mode,
+which is how a CPU step measures its memory (:mod:`autopar.runtime.metrics`): a
+compiled plan on CPU skips that measurement (:func:`autopar.runtime.parallelize` warns).
 """
 
 from __future__ import annotations

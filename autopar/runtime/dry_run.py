@@ -19,10 +19,10 @@ real tensors (:mod:`autopar.runtime.compile`). Eager blocks keep the element-wis
 intermediates that compiled ones recompute in their backward
 (:mod:`autopar.graph.compiled_saved`), so the measured peak may exceed the compiled
 prediction by those; the report says so, with the plan's peak priced eager where the
-plan carries it (else the same plan with ``compile=False`` is the like-for-like check). An ``async_tp`` plan,
-whose fused collectives live in those compiled blocks, therefore runs its
-tensor-parallel collectives synchronously here, and the report says async TP was not
-exercised.
+plan carries it (else the same plan with ``compile=False`` is the like-for-like check).
+An ``async_tp`` plan, whose fused collectives live in those compiled blocks, therefore
+runs its tensor-parallel collectives synchronously here, and the report says async TP
+was not exercised.
 
 Reported problems: names the plan uses that the model lacks (or the reverse), stage
 assignments that do not cover the model's units exactly once, tensor-parallel splits a

@@ -34,7 +34,7 @@ from autopar.plan import Alternative, LayerStrategies, ParallelConfig, Plan, Pre
 from autopar.present import explain
 from autopar.profiles import ProfileReport, cluster_from_profiles
 from autopar.search.planner import estimate, plan
-from autopar.vocab import Attention, DType, MeshAxis, Optimizer, Recompute, Schedule, TPStyle
+from autopar.vocab import ActivationLayout, Attention, DType, MeshAxis, Optimizer, Recompute, Schedule, TPStyle
 
 
 def _installed_version() -> str:
@@ -49,6 +49,7 @@ def _installed_version() -> str:
 __version__ = _installed_version()
 
 __all__ = [
+    "ActivationLayout",
     "Alternative",
     "Attention",
     "AutoparError",

@@ -19,7 +19,7 @@ from autopar import codec
 from autopar.errors import PlanFormatError
 from autopar.hardware.cluster import Cluster
 from autopar.parallel_config import ParallelConfig
-from autopar.vocab import Attention, Optimizer, Recompute, Schedule, TPStyle
+from autopar.vocab import ActivationLayout, Attention, Optimizer, Recompute, Schedule, TPStyle
 
 SCHEMA_VERSION = 10
 """2: the cluster's device is nested by concern (roofline, memory, host effects);
@@ -211,6 +211,8 @@ class PlanSettings:
     routing_imbalance: float = 1.0
     """Dropless experts' busiest expert-parallel rank over the mean rows
     (:attr:`autopar.cost.model.CostModel.routing_imbalance`)."""
+    activations: ActivationLayout = ActivationLayout.BATCH_FIRST
+    """The activation layout the plan was priced for (:class:`autopar.vocab.ActivationLayout`)."""
 
 
 @dataclass(frozen=True, kw_only=True)

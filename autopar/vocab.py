@@ -204,6 +204,22 @@ class Attention(StrEnum):
     MATERIALIZED = "materialized"
 
 
+class ActivationLayout(StrEnum):
+    """How the training program lays out a token model's activations, which decides
+    whether its sequence-parallel collectives copy (:mod:`autopar.cost.layout_copies`).
+
+    ``batch-first``: ``(batch, sequence, features)``, sequence shards on dimension 1, as
+    autopar's runtime, torchtitan and transformers lay them: a reduce-scatter copies its
+    input, and an all-gather of more than one sequence per micro-batch its output.
+    ``sequence-first``: ``(sequence, batch, features)``, Megatron-LM's layout, which
+    gathers and scatters the leading dimension without copying: for predicting a plan
+    exported to Megatron-LM; autopar's runtime still lays activations out batch-first.
+    """
+
+    BATCH_FIRST = "batch-first"
+    SEQUENCE_FIRST = "sequence-first"
+
+
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 """ZeRO stages (Rajbhandari et al. 2020) as autopar's runtime realises them: 0 DDP;
 1 optimizer state sharded (ZeroRedundancyOptimizer); 2 FSDP2 without resharding after

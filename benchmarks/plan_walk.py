@@ -15,12 +15,13 @@ printed first, with the model's error on them.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from _published_runs import NOT_SCORED, grand_teton_h100
 from _report import markdown_table, write_csv, write_result
 from _torchtitan_rows import tensor_parallel_rows
-from planner_faithful import korthikanti_rows, narayanan_rows
+from planner_faithful import korthikanti_rows, megatron_core_rows, narayanan_rows
 
 import autopar
 from autopar.models import build_named_model
@@ -38,8 +39,40 @@ class Step:
     attention: str = "flash"
 
 
-def gpt3_walk() -> tuple[str, str, list[Step], dict[str, Any]]:
-    """GPT-3 175B, 1,024 A100 80GB, 1536 x 2048 tokens: from Megatron-LM's 2021 recipe."""
+def _value(text: object) -> float:
+    """The number in a scoreboard cell ("807 tokens/s", "MFU 56.4%")."""
+    found = re.search(r"[\d.]+", str(text))
+    if found is None:
+        raise ValueError(f"no number in {text!r}")
+    return float(found.group())
+
+
+def _rows(rows: list[dict[str, object]], run: str, *config: str, end: str = "") -> list[dict[str, object]]:
+    """The scoreboard rows of ``run`` whose configuration has every piece of ``config``
+    and ends with ``end``."""
+    return [
+        r
+        for r in rows
+        if r["run"] == run and all(part in str(r["config"]) for part in config) and str(r["config"]).endswith(end)
+    ]
+
+
+def _errors(rows: list[dict[str, object]], prefix: str) -> str:
+    """The range of the model's errors on the runs whose name starts with ``prefix``."""
+    errors = [float(str(r["error"]).rstrip("%")) for r in rows if str(r["run"]).startswith(prefix)]
+    return f"{min(errors):+.1f}% .. {max(errors):+.1f}%"
+
+
+def _gain(before: dict[str, object], after: dict[str, object], key: str) -> str:
+    return f"{_value(after[key]) / _value(before[key]):.2f}x"
+
+
+def gpt3_walk(near: list[dict[str, object]]) -> tuple[str, str, list[Step], dict[str, Any]]:
+    """GPT-3 175B, 1,024 A100 80GB, 1536 x 2048 tokens: from Megatron-LM's 2021 recipe;
+    the evidence from the scoreboard's rows ``near``."""
+    [full] = _rows(near, "Korthikanti 2022 530B", "full")
+    [selective_row] = _rows(near, "Korthikanti 2022 530B", "selective")
+    [nearest] = _rows(near, "Narayanan 2021 145.6B")
     a100 = autopar.preset("dgx-a100-80gb", nodes=128)
     eager = {"compile": False, "fp8": False}
     recipe = {
@@ -57,14 +90,15 @@ def gpt3_walk() -> tuple[str, str, list[Step], dict[str, Any]]:
     steps = [
         Step(
             "Megatron-LM 2021's recipe: tp8 pp8 1F1B, full recompute, fp16, materialized attention, eager",
-            "Narayanan 2021 rows, same recipe: -1.0% .. +9.3% (145.6B on 1536 GPUs: +8.0%)",
+            f"Narayanan 2021 rows, same recipe: {_errors(near, 'Narayanan')} (145.6B on 1536 GPUs: {nearest['error']})",
             recipe,
             a100,
             "materialized",
         ),
         Step(
             "selective recompute + sequence parallelism (Korthikanti 2022)",
-            "Korthikanti 2022, 530B on 2240 GPUs: measured 1.29x (MFU 42.1% -> 54.2%), model 1.39x",
+            f"Korthikanti 2022, 530B on 2240 GPUs: measured {_gain(full, selective_row, 'published')} "
+            f"({full['published']} -> {selective_row['published']}), model {_gain(full, selective_row, 'predicted')}",
             selective,
             a100,
             "materialized",
@@ -78,7 +112,7 @@ def gpt3_walk() -> tuple[str, str, list[Step], dict[str, Any]]:
         Step("bf16 instead of fp16", "same tensor-core peak; no loss scaling", {**flash, "dtype": "bf16"}, a100),
         Step(
             "ZeRO-2 (gradients and optimizer state sharded over dp)",
-            "Megatron-Core's distributed optimizer rows (H100): -8.9% .. +39.4%",
+            f"Megatron-Core's distributed optimizer rows (H100): {_errors(near, 'Megatron-Core 2024')}",
             {**flash, "dtype": "bf16", "zero_stage": 2},
             a100,
         ),
@@ -88,8 +122,15 @@ def gpt3_walk() -> tuple[str, str, list[Step], dict[str, Any]]:
     return title, "gpt3-175b", _to_plan(steps, a100), plan_args
 
 
-def llama70b_walk() -> tuple[str, str, list[Step], dict[str, Any]]:
-    """Llama-3-70B, 128 H100, 512 x 8192 tokens: from torchtitan's 70B recipe."""
+def llama70b_walk(near: list[dict[str, object]]) -> tuple[str, str, list[Step], dict[str, Any]]:
+    """Llama-3-70B, 128 H100, 512 x 8192 tokens: from torchtitan's 70B recipe; the evidence
+    from the scoreboard's rows ``near``."""
+    run = "torchtitan Llama 3.1 70B"
+    [bf16] = _rows(near, run, "parallel)", end="compiled bf16")
+    fp8 = _rows(near, run, "parallel)", end="Float8")
+    [both] = _rows(near, run, "async", end="Float8")
+    fp8_gain = f"measured {_gain(bf16, fp8[-1], 'published')}, model {_gain(bf16, fp8[-1], 'predicted')}"
+    async_gain = f"measured {_gain(fp8[-1], both, 'published')}, model {_gain(fp8[-1], both, 'predicted')}"
     h100 = autopar.preset("dgx-h100", nodes=16)
     recipe = {
         "tp": 8,
@@ -104,19 +145,19 @@ def llama70b_walk() -> tuple[str, str, list[Step], dict[str, Any]]:
         Step(
             "torchtitan's 70B recipe: FSDP x TP 8 (sequence parallel), local batch 16, full recompute, compiled bf16, "
             "on its 500 W H100 hosts",
-            "torchtitan 70B on 256 GPUs, same recipe: +16.9%",
+            f"torchtitan 70B on 256 GPUs, same recipe: {bf16['error']}",
             recipe,
             grand_teton_h100(16),
         ),
         Step(
             "Float8 matmuls (torchao, tensorwise)",
-            "torchtitan 70B: measured 1.36x, model 1.29x; with Float8 the row is +8.6% / +11.1%",
+            f"torchtitan 70B: {fp8_gain}; with Float8 the row is {' / '.join(str(r['error']) for r in fp8)}",
             {**recipe, "fp8": True},
             grand_teton_h100(16),
         ),
         Step(
             "asynchronous TP",
-            "torchtitan 70B with Float8: measured 1.16x, model 1.18x (row +12.8%)",
+            f"torchtitan 70B with Float8: {async_gain} (row {both['error']})",
             {**recipe, "fp8": True, "async_tp": True},
             grand_teton_h100(16),
         ),
@@ -185,24 +226,23 @@ def _differing(plan: autopar.Plan) -> str:
 
 
 def anchors() -> list[dict[str, object]]:
-    """The scoreboard rows nearest to the two plans, with the model's error on them."""
-    keep = ("Narayanan 2021 145.6B", "Narayanan 2021 310.1B", "Korthikanti 2022 530B", "torchtitan Llama 3.1 70B")
-    found = [*narayanan_rows(), *korthikanti_rows(), *tensor_parallel_rows()]
-    return [
-        {k: r[k] for k in ("run", "GPUs", "config", "published", "predicted", "error")}
-        for r in found
-        if str(r["run"]).startswith(keep)
-    ]
+    """The scoreboard rows the walks cite, with the model's error on them."""
+    found = [*narayanan_rows(), *korthikanti_rows(), *megatron_core_rows(), *tensor_parallel_rows()]
+    return [{k: r[k] for k in ("run", "GPUs", "config", "published", "predicted", "error")} for r in found]
+
+
+SHOWN = ("Narayanan 2021 145.6B", "Narayanan 2021 310.1B", "Korthikanti 2022 530B", "torchtitan Llama 3.1 70B")
+"""The rows printed before the walks: the recipes' own."""
 
 
 def main() -> None:
     near = anchors()
-    rows = [row for walked in (gpt3_walk(), llama70b_walk()) for row in walk(*walked)]
+    rows = [row for walked in (gpt3_walk(near), llama70b_walk(near)) for row in walk(*walked)]
     body = [
         "The published runs nearest to the two plans, as the scoreboard "
         "(`benchmarks/planner_faithful.py`) estimates them:",
         "",
-        markdown_table(near),
+        markdown_table([r for r in near if str(r["run"]).startswith(SHOWN)]),
         "",
         "Not scored (Transformer Engine's hybrid FP8, not the torchao Float8 autopar prices), but "
         "bracketing the Llama plan: "

@@ -86,6 +86,9 @@ H100_PEAK_TFLOPS = 989
 AS_RAN = {"compile": False, "fp8": False}
 """What every run but torchtitan's used: its own hand-fused kernels (eager here), bf16 matmuls."""
 A100_PEAK_TFLOPS = 312
+MEGATRON_LAYOUT = "sequence-first"
+"""Megatron-LM, Megatron-Core and Megatron-DeepSpeed lay activations out (sequence, batch,
+hidden): their sequence-parallel collectives make no copies (``autopar.cost.layout_copies``)."""
 
 
 def narayanan_rows() -> list[dict[str, object]]:
@@ -107,6 +110,7 @@ def narayanan_rows() -> list[dict[str, object]]:
             global_batch_size=batch,
             seq_len=2048,
             attention="materialized",
+            activations=MEGATRON_LAYOUT,
         )
         predicted = plan.prediction.hfu * A100_PEAK_TFLOPS
         config = f"tp={tp} pp={pp} dp={plan.config.dp} batch {batch}, full recompute"
@@ -144,6 +148,7 @@ def korthikanti_rows() -> list[dict[str, object]]:
             global_batch_size=2240,
             seq_len=2048,
             attention="materialized",
+            activations=MEGATRON_LAYOUT,
         )
         p = plan.prediction
         config = f"tp=8 pp=35 dp=8 batch 2240, {recompute}{' + SP' if sp else ''}"
@@ -167,6 +172,7 @@ def mt_nlg_rows() -> list[dict[str, object]]:
             seq_len=2048,
             constraints=fixed,
             attention="materialized",
+            activations=MEGATRON_LAYOUT,
         )
         predicted = plan.prediction.step_time_s
         rows.append(
@@ -283,6 +289,7 @@ def mixtral_row() -> dict[str, object]:
         global_batch_size=256,
         seq_len=4096,
         constraints=fixed,
+        activations=MEGATRON_LAYOUT,
     )
     flops = megatron_flops(256, 4096, 32, 4096, 32, 8, 14336, 32000, topk=2, glu=True)
     predicted = flops / plan.prediction.step_time_s / 64 / 1e12
@@ -307,6 +314,7 @@ def bloom_row() -> dict[str, object]:
         global_batch_size=2048,
         seq_len=2048,
         attention="materialized",
+        activations=MEGATRON_LAYOUT,
     )
     step = plan.prediction.step_time_s
     return row(
@@ -420,6 +428,7 @@ def _megatron_gpt(heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: 
                     global_batch_size=batch,
                     seq_len=4096,
                     constraints={**fixed, **({"schedule": schedule} if schedule else {})},
+                    activations=MEGATRON_LAYOUT,
                 )
             )
         except autopar.ConfigError:  # no stage split for this schedule (layers over stages)

@@ -7,18 +7,18 @@ Every subcommand prints what a person needs and exits non-zero with a one-line e
 from __future__ import annotations
 
 import argparse
-import importlib
 import math
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
 
 from autopar import __version__
 from autopar.cli.demo import add_demo_parser
-from autopar.errors import AutoparError, ConfigError, longest_length_note, max_positions
+from autopar.cli.model_args import LoadedModel, add_model_args, load_model
+from autopar.errors import AutoparError, ConfigError
 from autopar.export import add_export_parser
 from autopar.present.report_cli import add_report_parser
 from autopar.runtime.dry_run_cli import add_dry_run_parser
@@ -56,174 +56,8 @@ def parse_assignments(items: Sequence[str] | None) -> dict[str, Any]:
     return out
 
 
-@dataclass(frozen=True)
-class LoadedModel:
-    """A model built on the meta device, the planner's keywords describing its input,
-    lines stating the defaults taken for it (printed with the result), and those of them
-    that are warnings: a plan carries them among its notes (a sequence length taken from
-    the model's maximum)."""
-
-    model: Any
-    inputs: dict[str, Any]
-    notes: tuple[str, ...] = ()
-    warnings: tuple[str, ...] = ()
-
-
-def load_model(args: argparse.Namespace) -> LoadedModel:
-    """The model named by ``--model``, ``--model-config`` or ``--model-fn`` (built on the
-    meta device), and the keyword arguments that describe its input."""
-    chosen = [x for x in (args.model, args.model_config, args.model_fn) if x]
-    if len(chosen) != 1:
-        raise ConfigError(
-            "give exactly one of --model NAME, --model-config CONFIG.json|CHECKPOINT_DIR or --model-fn module:function."
-        )
-    seq_len = _seq_len(getattr(args, "seq_len", None))
-    text = getattr(args, "sample_shape", None)
-    shape = _sample_shape(text) if text is not None else None
-    if args.model:
-        return _named_model(args.model, seq_len, shape)
-    if args.model_config:
-        return _config_model(args.model_config, seq_len, shape, args.trust_remote_code)
-    return _function_model(args.model_fn, seq_len, shape)
-
-
-def _seq_len(value: int | None) -> int | None:
-    """``--seq-len`` as given, refused when not positive (0 would otherwise read as
-    "not given" and plan at the model's own length without a word)."""
-    if value is not None and value < 1:
-        raise ConfigError(
-            f"--seq-len {value} is not allowed: give the tokens per sample, a positive integer, or leave it "
-            f"out to use the model's own length."
-        )
-    return value
-
-
-def _sample_shape(text: str) -> tuple[int, ...]:
-    """``--sample-shape 3,224,224`` as a tuple of positive dimensions."""
-    try:
-        dims = tuple(int(d) for d in text.split(","))
-    except ValueError:
-        dims = ()
-    if not dims or min(dims) < 1:
-        raise ConfigError(
-            f"--sample-shape {text!r} is not allowed: give one sample's dimensions as positive integers, "
-            f"e.g. 3,224,224."
-        )
-    return dims
-
-
-def _no_sample_shape(shape: tuple[int, ...] | None, model: str) -> None:
-    """Refuse ``--sample-shape`` for a model that takes token ids (it would be ignored)."""
-    if shape is not None:
-        raise ConfigError(f"--sample-shape is for models without token input; {model} takes token ids: give --seq-len.")
-
-
-def _meta_sample(shape: tuple[int, ...]) -> dict[str, Any]:
-    """The planner's ``sample_input`` for one sample of ``shape``, on the meta device."""
-    import torch
-
-    return {"sample_input": torch.zeros(1, *shape, device="meta")}
-
-
-def _named_model(name: str, seq_len: int | None, shape: tuple[int, ...] | None) -> LoadedModel:
-    """A registered model and its input: token models at ``--seq-len`` (their own length
-    by default: the longest they were built for, said in a warning), others at
-    ``--sample-shape`` (their own sample by default)."""
-    from autopar.models.registry import build_named_model, get_named_model
-
-    entry = get_named_model(name)
-    if entry.input_kind == "tokens":
-        _no_sample_shape(shape, name)
-        if seq_len is not None:
-            return LoadedModel(build_named_model(name), {"seq_len": seq_len})
-        model = build_named_model(name)
-        limit = max_positions(model) or (entry.seq_len, "seq_len")
-        note = longest_length_note((entry.seq_len, limit[1]), "--seq-len")
-        return LoadedModel(model, {"seq_len": entry.seq_len}, (note,), (note,))
-    if seq_len is not None:
-        raise ConfigError(
-            f"--seq-len is for token models; {name} takes {entry.input_kind} of shape {entry.sample_shape}: "
-            f"leave --seq-len out, or give --sample-shape."
-        )
-    sample = _meta_sample(shape) if shape else {"sample_input": entry.sample_input(1)}
-    return LoadedModel(build_named_model(name), sample)
-
-
-def _config_model(
-    text: str, seq_len: int | None, shape: tuple[int, ...] | None, trust_remote_code: bool
-) -> LoadedModel:
-    """A Hugging Face model built from its config (a file or a checkpoint directory) on
-    the meta device, fed token ids at ``--seq-len`` or images of ``--sample-shape``, the
-    config's own sizes by default (said in a note, as is the class built when the config
-    names none)."""
-    from autopar.models.hf_config import build_hf_model, hf_input, load_hf_model
-
-    hf = load_hf_model(text, trust_remote_code=trust_remote_code)
-    model = build_hf_model(hf, "meta")
-    feed = hf_input(model, hf.config, seq_len=seq_len, sample_shape=shape)
-    longest = (feed.note,) if feed.note and seq_len is None and feed.seq_len is not None else ()
-    return LoadedModel(model, feed.planner_inputs(), tuple(n for n in (hf.note, feed.note) if n), longest)
-
-
-def _function_model(spec: str, seq_len: int | None, shape: tuple[int, ...] | None) -> LoadedModel:
-    """The module ``--model-fn module:function`` returns, called with no arguments on the
-    meta device, and its input: ``--seq-len`` or ``--sample-shape``."""
-    import torch
-    from torch import nn
-
-    module_name, _, fn_name = spec.partition(":")
-    if not fn_name:
-        raise ConfigError(f"--model-fn {spec!r}: expected module:function, e.g. mypkg.models:build.")
-    try:
-        fn: Callable[[], Any] = getattr(importlib.import_module(module_name), fn_name)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"--model-fn {spec!r}: cannot import it ({exc}).") from None
-    except Exception as exc:  # the module's own code failed as it was imported
-        raise ConfigError(
-            f"--model-fn {spec!r}: importing it failed ({type(exc).__name__}: {_first_line(exc)})."
-        ) from None
-    if seq_len is not None and shape is not None:
-        raise ConfigError("give one of --seq-len (token models) or --sample-shape (others), not both.")
-    if seq_len is None and shape is None:
-        raise ConfigError("--model-fn needs --seq-len (token models) or --sample-shape C,H,W (one sample's shape).")
-    try:
-        with torch.device("meta"):
-            model = fn()
-    except Exception as exc:  # the user's own code: any failure is theirs to fix, said in one line
-        raise ConfigError(
-            f"--model-fn {spec!r} failed when called with no arguments ({type(exc).__name__}: {_first_line(exc)}); "
-            f"it must build the model by itself."
-        ) from None
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"--model-fn {spec!r} returned a {type(model).__name__}, not a torch.nn.Module.")
-    return LoadedModel(model, {"seq_len": seq_len} if seq_len is not None else _meta_sample(shape))
-
-
-def _first_line(exc: BaseException) -> str:
-    """The first line of an exception's message (library messages run over several)."""
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="a registered model name (see 'autopar models')")
-    p.add_argument(
-        "--model-config",
-        help="a Hugging Face config.json, or a checkpoint directory holding one: the class its architectures "
-        "names, built with random weights on meta (weights are not read)",
-    )
-    p.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="run the custom code a --model-config's auto_map names (models outside transformers)",
-    )
-    p.add_argument("--model-fn", help="module:function returning an nn.Module")
-    p.add_argument("--seq-len", type=int, help="tokens per sample (token models)")
-    p.add_argument("--sample-shape", help="one sample's shape for non-token models, e.g. 3,224,224")
-
-
 def _add_search_args(p: argparse.ArgumentParser) -> None:
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--cluster", required=True, help="preset:nodes (e.g. dgx-a100-80gb:128) or a cluster JSON file")
     p.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step")
     p.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "adafactor"])
@@ -233,6 +67,13 @@ def _add_search_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=1.0,
         help="dropless experts under expert parallelism: the busiest rank's routed rows over the mean (default 1.0)",
+    )
+    p.add_argument(
+        "--activations",
+        default="batch-first",
+        choices=["batch-first", "sequence-first"],
+        help="activation layout to price: batch-first (autopar's runtime) or sequence-first (Megatron-LM's, "
+        "no copies around sequence-parallel collectives)",
     )
     p.add_argument("--profile", action="append", help="profiler report(s) whose measurements to use")
     p.add_argument("--out", help="write the plan file here")
@@ -259,6 +100,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         attention=args.attention,
         profile=_load_profiles(args.profile),
         routing_imbalance=args.routing_imbalance,
+        activations=args.activations,
         **loaded.inputs,
     )
     return _emit(result, args, loaded)
@@ -278,6 +120,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         attention=args.attention,
         profile=_load_profiles(args.profile),
         routing_imbalance=args.routing_imbalance,
+        activations=args.activations,
         **loaded.inputs,
     )
     code = _emit(result, args, loaded)

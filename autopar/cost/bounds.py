@@ -8,7 +8,8 @@ never exceeds the peak of any split and choice.
 
 Time scales too: on the analytic device model a unit's time per sample never grows
 with the micro-batch size (:func:`micro_batch_scaling_holds`), so the time of a larger
-micro-batch bounds every smaller one's from below.
+micro-batch bounds every smaller one's from below, down to
+:func:`smallest_scaled_micro_batch`.
 """
 
 from __future__ import annotations
@@ -66,9 +67,19 @@ def memory_floor_bytes(model: CostModel, config: ParallelConfig, states_bytes: f
     return (states_bytes + inflight * input_bytes) / pp + model.cluster.device.memory.reserved_bytes
 
 
+def smallest_scaled_micro_batch(model: CostModel, config: ParallelConfig) -> int:
+    """The smallest micro-batch size whose time :func:`micro_batch_scaling_holds` bounds
+    by a larger one's: 2 where sequence-parallel gathers of batch-first activations copy
+    (:mod:`autopar.cost.layout_copies`), which one sequence per micro-batch gathers
+    without, so its time per sample can be the smaller; else 1."""
+    copies = model.batch_first and config.tp > 1 and config.sequence_parallel
+    return 2 if copies else 1
+
+
 def micro_batch_scaling_holds(model: CostModel) -> bool:
     """Whether a unit's time on ``b`` samples is at least ``b / B`` of its time on ``B``
-    samples (``b <= B``), for every layout and recomputation: every term of the analytic
+    samples (``smallest_scaled_micro_batch <= b <= B``), for every layout and
+    recomputation: every term of the analytic
     model is a fixed part plus a part linear in the batch, or the larger of such (a
     roofline reads the weights once and the activations per sample; a collective is
     latency plus bytes over bandwidth), so its time per sample never grows with the

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autopar.cost.layout_copies import conversion_copy_s, reduction_copy_s
 from autopar.cost.leaf import (
     BACKWARD_FACTOR,
     TPContext,
@@ -104,7 +105,8 @@ def layout_table(profile: UnitProfile, ctx: TPContext, options: Sequence[tuple[T
         reduction = np.array([reduction_s(x, largest[src] * ctx.micro_batch, ctx) for x in LAYOUTS])
         time += np.where(reduced, reduction[produced[src]], 0.0)
         if hidden is not None:
-            time -= np.where(reduced, hidden.reduction(src, reduction[_INDEX[Layout.Q]], produced[src]), 0.0)
+            nbytes = largest[src] * ctx.micro_batch
+            time -= np.where(reduced, hidden.reduction(src, nbytes, reduction[_INDEX[Layout.Q]], produced[src]), 0.0)
     if ctx.last:
         time += np.where(needed[UNIT_OUTPUT] == _INDEX[Layout.F], loss_parallel_s(ctx), 0.0)
     return LayoutTable(choice=choice, time_s=time, param_numel=params, output=needed[UNIT_OUTPUT])
@@ -125,31 +127,33 @@ class _AsyncTP:
             self.under[src] = sum((np.where(column[d], column_mm[d], 0.0) for d in dsts), np.zeros(count))
             self.readers[src] = sum((column[d].astype(int) for d in dsts), np.zeros(count, dtype=int))
 
-    def _hide(self, comm: float, matmul: np.ndarray) -> np.ndarray:
+    def _hide(self, transfer: float, matmul: np.ndarray, removed_copy: float = 0.0) -> np.ndarray:
         k = (self.ctx.tp - 1) / self.ctx.tp
-        return np.minimum(comm, matmul * k)
+        return np.where(matmul > 0, removed_copy + np.minimum(transfer, matmul * k), 0.0)
 
     def conversions(self, src: int, nbytes: float, owed: np.ndarray, produced: np.ndarray) -> np.ndarray:
         """Hidden of the conversions of ``src``'s output owed in each combination: an
         all-gather (Q -> R) behind its column-parallel readers, a reduce-scatter (P -> Q)
         of a row-parallel output behind that matmul, and its backward all-gather too."""
         gather = conversion_s(Layout.Q, Layout.R, nbytes, self.ctx)[0]
+        gather_copy = conversion_copy_s(Layout.Q, Layout.R, nbytes, self.ctx)[0]
         out = np.zeros(len(produced))
         if src in self.under:
-            out += np.where(
-                owed[:, _INDEX[Layout.R]] & (produced == _INDEX[Layout.Q]), self._hide(gather, self.under[src]), 0.0
-            )
+            gathered = owed[:, _INDEX[Layout.R]] & (produced == _INDEX[Layout.Q])
+            out += np.where(gathered, self._hide(gather - gather_copy, self.under[src]), 0.0)
         if src >= 0:
             f, bw = conversion_s(Layout.P, Layout.Q, nbytes, self.ctx)
+            cf, cb = conversion_copy_s(Layout.P, Layout.Q, nbytes, self.ctx)
             scattered = owed[:, _INDEX[Layout.Q]] & (produced == _INDEX[Layout.P]) & self.row[src]
             mm = np.full(len(produced), self.row_mm[src])
-            out += np.where(scattered, self._hide(f, mm) + self._hide(bw, mm), 0.0)
+            out += np.where(scattered, self._hide(f - cf, mm, cf) + self._hide(bw - cb, mm), 0.0)
         return out
 
-    def reduction(self, src: int, reduce_scatter: float, produced: np.ndarray) -> np.ndarray:
-        """Hidden of the reduce-scatter of ``src``'s input gradient from its one
-        column-parallel reader's input-gradient matmul (Q only)."""
+    def reduction(self, src: int, nbytes: float, reduce_scatter: float, produced: np.ndarray) -> np.ndarray:
+        """Hidden of the reduce-scatter of ``src``'s input gradient (``nbytes``) from its
+        one column-parallel reader's input-gradient matmul (Q only)."""
         if src not in self.under:
             return np.zeros(len(produced))
         single = np.where(self.readers[src] == 1, self.under[src], 0.0)
-        return np.where(produced == _INDEX[Layout.Q], self._hide(reduce_scatter, single), 0.0)
+        copy = reduction_copy_s(Layout.Q, nbytes, self.ctx)
+        return np.where(produced == _INDEX[Layout.Q], self._hide(reduce_scatter - copy, single, copy), 0.0)

@@ -86,6 +86,10 @@ class TPContext:
         regather: the unit keeps its shard of each input it gathers for column-parallel
             matmuls and gathers it again in the backward where it keeps its activations
             (``ParallelConfig.regather``; :func:`autopar.cost.regather.regather_terms`).
+        batch_first: activations are laid out ``(batch, sequence, features)``, as the
+            runtime lays them, so sequence-parallel collectives copy around the
+            transfer (:mod:`autopar.cost.layout_copies`); False for Megatron-LM's
+            sequence-first layout.
     """
 
     tp: int
@@ -113,6 +117,7 @@ class TPContext:
     fused_attention: bool = False
     async_tp: bool = False
     regather: bool = False
+    batch_first: bool = True
 
     @property
     def input_layout(self) -> Layout:

@@ -41,6 +41,10 @@ class CostModel:
         routing_imbalance: under expert parallelism, the busiest rank's routed rows
             over the mean for dropless experts (:data:`ROUTING_IMBALANCE`); experts with
             fixed capacity buffers are balanced by construction.
+        batch_first: activations are laid out ``(batch, sequence, features)``, as
+            autopar's runtime lays them, so sequence-parallel collectives copy around
+            their transfers (:mod:`autopar.cost.layout_copies`); False prices Megatron-LM's
+            sequence-first layout (:class:`autopar.vocab.ActivationLayout`).
     """
 
     graph: LayerGraph
@@ -50,6 +54,7 @@ class CostModel:
     calibration: Mapping[str, float] = field(default_factory=dict)
     recompute_fractions: Mapping[str, float] = field(default_factory=dict)
     routing_imbalance: float = ROUTING_IMBALANCE
+    batch_first: bool = True
 
     @property
     def num_units(self) -> int:
@@ -93,4 +98,5 @@ def tp_context(model: CostModel, unit: int, config: ParallelConfig) -> TPContext
         fused_attention=model.graph.attention is Attention.FLASH,
         async_tp=config.async_tp and model.graph.units[unit].is_block,
         regather=config.regather,
+        batch_first=model.batch_first,
     )

@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.cost.comm import all_gather_s, all_reduce_s, all_to_all_s, reduce_scatter_s
+from autopar.cost.layout_copies import conversion_copy_s, reduction_copy_s
 from autopar.cost.leaf import (
     BACKWARD_FACTOR,
     SHARDED,
@@ -70,9 +71,17 @@ def model_output_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], ctx: 
 
 def conversion_s(a: Layout, b: Layout, nbytes: float, ctx: TPContext) -> tuple[float, float]:
     """(forward, backward) seconds to turn a tensor of ``nbytes`` (full size) from
-    layout ``a`` into ``b``, not counting partial-gradient reductions."""
+    layout ``a`` into ``b``, not counting partial-gradient reductions: the transfers and
+    the copies around them (:mod:`autopar.cost.layout_copies`)."""
     if a is b or ctx.tp == 1:
         return 0.0, 0.0
+    f, bw = _transfer_s(a, b, nbytes, ctx)
+    cf, cb = conversion_copy_s(a, b, nbytes, ctx)
+    return f + cf, bw + cb
+
+
+def _transfer_s(a: Layout, b: Layout, nbytes: float, ctx: TPContext) -> tuple[float, float]:
+    """The collectives' share of :func:`conversion_s`."""
     sp, cl = ctx.span, ctx.cluster
     if a is Layout.R:
         return 0.0, all_gather_s(nbytes, sp, cl)  # slice; gather the sharded gradient
@@ -92,17 +101,20 @@ def reduction_s(a: Layout, nbytes: float, ctx: TPContext) -> float:
         return 0.0
     if a in (Layout.R, Layout.P):
         return all_reduce_s(nbytes, ctx.span, ctx.cluster)  # Megatron's f operator
-    return reduce_scatter_s(nbytes, ctx.span, ctx.cluster)  # sequence parallel: gather <-> scatter
+    # sequence parallel: gather <-> scatter
+    return reduce_scatter_s(nbytes, ctx.span, ctx.cluster) + reduction_copy_s(a, nbytes, ctx)
 
 
-def fused_hidden_s(comm_s: float, matmul_s: float, ctx: TPContext) -> float:
-    """What asynchronous tensor parallelism hides of a sequence-parallel collective fused
-    with the matmul beside it (torch's micro-pipeline TP, ``fused_all_gather_matmul`` and
-    ``fused_matmul_reduce_scatter``; Wang et al. 2023, "Overlap Communication with Dependent
-    Computation via Decomposition in Large Deep Learning Models"): the matmul runs in
-    ``tp`` chunks, one per shard, and the transfer of each shard but the rank's own hides
-    behind another chunk's matmul, so at most ``(tp - 1) / tp`` of the matmul's time hides
-    the collective. 0 without asynchronous TP.
+def fused_hidden_s(transfer_s: float, matmul_s: float, ctx: TPContext, removed_copy_s: float = 0.0) -> float:
+    """What asynchronous tensor parallelism saves of a sequence-parallel collective whose
+    transfer takes ``transfer_s``, fused with the matmul beside it (torch's micro-pipeline
+    TP, ``fused_all_gather_matmul`` and ``fused_matmul_reduce_scatter``; Wang et al. 2023,
+    "Overlap Communication with Dependent Computation via Decomposition in Large Deep
+    Learning Models"): the matmul runs in ``tp`` chunks, one per shard, and the transfer
+    of each shard but the rank's own hides behind another chunk's matmul, so at most
+    ``(tp - 1) / tp`` of the matmul's time hides the transfer; and ``removed_copy_s``, the
+    copy the fusion makes unnecessary (a reduce-scatter's, :mod:`autopar.cost.layout_copies`).
+    0 without asynchronous TP, or with no matmul to fuse with.
 
     Which matmul: an all-gather of a sequence-sharded tensor with all the column-parallel
     matmuls that read it (one fused op takes several weights); a reduce-scatter with the
@@ -111,9 +123,9 @@ def fused_hidden_s(comm_s: float, matmul_s: float, ctx: TPContext) -> float:
     which the fusion does not match); the backward all-gather of a row-parallel output's
     gradient with that layer's input-gradient matmul (its weight gradient reads the
     gathered tensor as the right operand, which the fusion does not gather)."""
-    if not ctx.async_tp or ctx.tp == 1:
+    if not ctx.async_tp or ctx.tp == 1 or matmul_s <= 0:
         return 0.0
-    return min(comm_s, matmul_s * (ctx.tp - 1) / ctx.tp)
+    return removed_copy_s + min(transfer_s, matmul_s * (ctx.tp - 1) / ctx.tp)
 
 
 def consumers(profile: UnitProfile) -> dict[int, tuple[int, ...]]:
@@ -395,11 +407,12 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
     gathers: list[tuple[float, tuple[int, ...]]] = []  # whole bytes, column-parallel readers
     for (src, need), a in conversions.items():
         f, bw = conversion_s(a, need, largest[src] * b, ctx)
+        cf, cb = conversion_copy_s(a, need, largest[src] * b, ctx)
         if a is Layout.Q and need is Layout.R:  # an all-gather into column-parallel matmuls
-            f -= fused_hidden_s(f, under_column(src), ctx)
+            f -= fused_hidden_s(f - cf, under_column(src), ctx)
             gathers.append((largest[src] * b, tuple(d for d in readers.get(src, ()) if styles[d] is TPStyle.COLUMN)))
         elif a is Layout.P and need is Layout.Q and src >= 0 and styles[src] is TPStyle.ROW and ctx.async_tp:
-            f, bw = f - fused_hidden_s(f, row_mm[src], ctx), bw - fused_hidden_s(bw, row_mm[src], ctx)
+            f, bw = f - fused_hidden_s(f - cf, row_mm[src], ctx, cf), bw - fused_hidden_s(bw - cb, row_mm[src], ctx)
         fwd_comm += f
         bwd_comm += bw
         fwd_syncs += f > 0
@@ -411,7 +424,8 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
     for src, a in partial.items():
         r = reduction_s(a, largest[src] * b, ctx)
         if a is Layout.Q:  # the reduce-scatter of the column-parallel matmuls' input gradient
-            r -= fused_hidden_s(r, under_column(src, single=True), ctx)
+            copy = reduction_copy_s(a, largest[src] * b, ctx)
+            r -= fused_hidden_s(r - copy, under_column(src, single=True), ctx, copy)
         bwd_comm += r
         bwd_syncs += r > 0
     vocab_parallel = ctx.last and output is Layout.F

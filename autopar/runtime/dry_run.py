@@ -262,12 +262,13 @@ def _eager_peak_bytes(plan: Plan) -> float | None:
     return next((a.memory_bytes_per_device for a in plan.alternatives if a.status == "compile"), None)
 
 
-def _forget_fake_sharding() -> None:
-    """Drop what DTensor's sharding propagation cached under a rank's fake process group,
-    with the group: the cache outlives it, and a tensor-parallel run later in this
-    process, or in one forked from it, reused those entries and trained to losses about
-    1e-4 apart from one process's (torch 2.13, a plan with a vocabulary-parallel embedding
-    or a column-parallel head)."""
+def forget_fake_sharding() -> None:
+    """Drop what DTensor's sharding propagation cached under a fake process group, with
+    the group: the cache outlives it, and a tensor-parallel run later in this process, or
+    in one forked from it, reused those entries: after a dry run it trained to losses
+    about 1e-4 apart from one process's (a plan with a vocabulary-parallel embedding or a
+    column-parallel head); after a step trained on a fake group, forked tensor-parallel
+    ranks trained wrong and wrote checkpoints that do not load (torch 2.13)."""
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     _clear_sharding_prop_cache()
@@ -390,7 +391,7 @@ def _apply(
                 measured = measure_step(job, plan, mode, microbatches=measured_microbatches(plan.config))
     finally:
         dist.destroy_process_group()
-        _forget_fake_sharding()
+        forget_fake_sharding()
     coord = dims.coordinate(rank)
     indices = plan.stage_of_rank(coord[0])
     # a stage's memory in the prediction is its pipeline rank's: every stage the rank holds

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from autopar.cost.bounds import micro_batch_scaling_holds, unit_floor
+from autopar.cost.bounds import micro_batch_scaling_holds, smallest_scaled_micro_batch, unit_floor
 from autopar.cost.data_parallel import unhidden_floor_s
 from autopar.cost.pipeline import inflight_microbatches, least_stage_inflight, pipeline_lower_bound_s, pipeline_time_s
 from autopar.cost.stage import runs_buffer_bytes, stage_p2p_s
@@ -83,7 +83,8 @@ class TimeBound:
     def scaled(self, config: ParallelConfig) -> float:
         """A looser bound, priced from the options of the family's largest micro-batch
         size ``B`` alone: every unit at ``b / B`` of its fastest time there
-        (:func:`autopar.cost.bounds.micro_batch_scaling_holds`) and no point-to-point
+        (:func:`autopar.cost.bounds.micro_batch_scaling_holds`; from
+        :func:`autopar.cost.bounds.smallest_scaled_micro_batch` up) and no point-to-point
         (the boundary's layout may differ between sizes); the pipeline's bound scales
         with its units' times. The plain bound where the scaling does not hold."""
         return self._scaled_pipeline(config) + self._tail_s(config)
@@ -108,7 +109,8 @@ class TimeBound:
     def _scaled_pipeline(self, config: ParallelConfig) -> float:
         """:meth:`scaled` without the tail."""
         largest = self._largest.get(config.unit_family, 0)
-        if largest < config.micro_batch_size:
+        smallest = smallest_scaled_micro_batch(self.solver.model, config)
+        if largest < config.micro_batch_size or config.micro_batch_size < smallest:
             return self._pipeline_s(config, config.micro_batch_size, *self._p2p(config))
         pipeline = self._pipeline_s(config, largest, 0.0, 0.0) * (config.micro_batch_size / largest)
         return pipeline * (1 - 1e-12)

@@ -23,6 +23,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from autopar.cost.layout_copies import conversion_copy_s, reduction_copy_s
 from autopar.cost.layout_table import LAYOUTS, layout_table
 from autopar.cost.leaf import (
     BACKWARD_FACTOR,
@@ -275,32 +276,45 @@ def _hide_fused(
     collective is paid, and at most ``(tp - 1) / tp`` of the matmuls it fuses with where
     those leaves take the fusing style, so at the optimum each is the smaller bound. A
     reduce-scatter of input gradients hides only behind a single column-parallel reader:
-    at most the collective times ``2 - readers``. In microseconds (:data:`MICROSECONDS`)."""
+    at most the collective times ``2 - readers``. Each bounds the transfer alone; a fused
+    reduce-scatter also makes no copy, which a second variable takes back: at most the
+    copy where the collective is paid and where any of those leaves fuses. In
+    microseconds (:data:`MICROSECONDS`)."""
     k = (ctx.tp - 1) / ctx.tp
     column_mm, row_mm = matmul_s(profile, ctx, TPStyle.COLUMN), matmul_s(profile, ctx, TPStyle.ROW)
     readers = consumers(profile)
     largest = producer_bytes(profile)
 
-    def hide(paid: int, comm: float, behind: dict[int, float]) -> int:  # the hidden time, in microseconds
+    def hide(paid: int, transfer: float, behind: dict[int, float], copy: float) -> dict[int, float]:
+        """The saved time's variables, in microseconds: the transfer's, the removed copy's."""
         h = prog.var(cost=-1.0 / MICROSECONDS)
-        prog.constrain({h: 1.0, paid: -comm * MICROSECONDS}, upper=0.0)
+        prog.constrain({h: 1.0, paid: -transfer * MICROSECONDS}, upper=0.0)
         prog.constrain({h: 1.0, **{v: -k * mm * MICROSECONDS for v, mm in behind.items()}}, upper=0.0)
-        return h
+        if copy <= 0:
+            return {h: 1.0}
+        c = prog.var(cost=-1.0 / MICROSECONDS)
+        prog.constrain({c: 1.0, paid: -copy * MICROSECONDS}, upper=0.0)
+        prog.constrain({c: 1.0, **dict.fromkeys(behind, -copy * MICROSECONDS)}, upper=0.0)
+        return {h: 1.0, c: 1.0}
 
     def columns(src: int) -> dict[int, float]:
         return {x[d, TPStyle.COLUMN]: column_mm[d] for d in readers.get(src, ()) if TPStyle.COLUMN in options[d]}
 
     for (src, a, need), paid in conv.items():
-        f, bw = conversion_s(a, need, largest[src] * ctx.micro_batch, ctx)
+        nbytes = largest[src] * ctx.micro_batch
+        f, bw = conversion_s(a, need, nbytes, ctx)
+        cf, cb = conversion_copy_s(a, need, nbytes, ctx)
         readers_mm = columns(src)
         if a is Layout.Q and need is Layout.R and readers_mm:
-            hide(paid, f, readers_mm)
+            hide(paid, f - cf, readers_mm, 0.0)
         elif a is Layout.P and need is Layout.Q and src >= 0 and TPStyle.ROW in options[src]:
-            for comm in (f, bw):
-                hide(paid, comm, {x[src, TPStyle.ROW]: row_mm[src]})
+            row = {x[src, TPStyle.ROW]: row_mm[src]}
+            hide(paid, f - cf, row, cf)  # the reduce-scatter
+            hide(paid, bw - cb, row, 0.0)  # its backward all-gather
     for (src, a), paid in reduce_vars.items():
         readers_mm = columns(src)
         if a is Layout.Q and readers_mm:
-            r = reduction_s(a, largest[src] * ctx.micro_batch, ctx)
-            h = hide(paid, r, readers_mm)
-            prog.constrain({h: 1.0, **dict.fromkeys(readers_mm, r * MICROSECONDS)}, upper=2 * r * MICROSECONDS)
+            nbytes = largest[src] * ctx.micro_batch
+            r, copy = reduction_s(a, nbytes, ctx), reduction_copy_s(a, nbytes, ctx)
+            hidden = hide(paid, r - copy, readers_mm, copy)
+            prog.constrain({**hidden, **dict.fromkeys(readers_mm, r * MICROSECONDS)}, upper=2 * r * MICROSECONDS)

@@ -46,7 +46,7 @@ from autopar.search.kernel_options import check_async_tp, check_fp8
 from autopar.search.scan import decided, search
 from autopar.search.solve import ConfigSolver, Outcome
 from autopar.search.space import check_constraints, micro_batch_range
-from autopar.vocab import Attention, Optimizer, Recompute
+from autopar.vocab import ActivationLayout, Attention, Optimizer, Recompute
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -88,6 +88,7 @@ def plan(
     top: int = 5,
     solver: str = "highs",
     routing_imbalance: float = ROUTING_IMBALANCE,
+    activations: ActivationLayout | str = ActivationLayout.BATCH_FIRST,
 ) -> Plan:
     """The fastest plan for ``model`` on ``cluster`` that fits in memory.
 
@@ -110,6 +111,9 @@ def plan(
         solver: ``highs`` or ``cbc``.
         routing_imbalance: under expert parallelism, the busiest rank's routed rows over
             the mean for dropless experts (a number >= 1; 1: a balanced router).
+        activations: ``batch-first`` (autopar's runtime) or ``sequence-first``
+            (Megatron-LM's layout, which makes no copies around sequence-parallel
+            collectives: for a plan to be exported there; the plan's notes say so).
 
     Raises:
         InfeasiblePlanError: nothing fits; the message names the smallest memory found.
@@ -126,13 +130,14 @@ def plan(
     _check_imbalance(routing_imbalance)
     cluster = _cluster(cluster)
     optimizer, attention = _option("optimizer", optimizer, Optimizer), _option("attention", attention, Attention)
+    activations = _option("activations", activations, ActivationLayout)
     fixed = check_constraints(constraints)
     measured = measurements(cluster, profile)
     seq_len, seq_note = _default_seq_len(model, seq_len, sample_input)
     graph = _graph(model, measured.cluster, fixed, seq_len, sample_input, attention)
     match = match_layer_profile(measured.layers, model, graph)
     solver_ = ConfigSolver(
-        model=_cost_model(graph, measured, optimizer, global_batch_size, routing_imbalance),
+        model=_cost_model(graph, measured, optimizer, global_batch_size, routing_imbalance, activations),
         budget_bytes=budget_bytes(measured.cluster.device.memory),
         solver=solver,
         micro_batches=micro_batch_range(graph, measured.cluster, global_batch_size, fixed),
@@ -140,8 +145,8 @@ def plan(
     result = search(solver_, fixed, top=top)
     if not result.best.fits:
         raise infeasible_error(result, measured.cluster, graph)
-    provenance = _provenance(measured, optimizer, attention, solver, routing_imbalance, started)
-    return _noted(to_plan(solver_, result, provenance), match, seq_note)
+    provenance = _provenance(measured, optimizer, attention, solver, routing_imbalance, activations, started)
+    return _noted(to_plan(solver_, result, provenance), match, seq_note, activations)
 
 
 @_cycles_collected_after
@@ -158,6 +163,7 @@ def estimate(
     profile: Any = None,
     solver: str = "highs",
     routing_imbalance: float = ROUTING_IMBALANCE,
+    activations: ActivationLayout | str = ActivationLayout.BATCH_FIRST,
 ) -> Plan:
     """The plan of one given configuration: a search space of size one.
 
@@ -177,19 +183,20 @@ def estimate(
     _check_imbalance(routing_imbalance)
     cluster = _cluster(cluster)
     optimizer, attention = _option("optimizer", optimizer, Optimizer), _option("attention", attention, Attention)
+    activations = _option("activations", activations, ActivationLayout)
     fixed = check_constraints(config.__dict__ if isinstance(config, ParallelConfig) else config, what="config")
     measured = measurements(cluster, profile)
     fixed = _complete(fixed, measured.cluster, global_batch_size)
     seq_len, seq_note = _default_seq_len(model, seq_len, sample_input)
     graph = _graph(model, measured.cluster, fixed, seq_len, sample_input, attention)
     match = match_layer_profile(measured.layers, model, graph)
-    cost_model = _cost_model(graph, measured, optimizer, global_batch_size, routing_imbalance)
+    cost_model = _cost_model(graph, measured, optimizer, global_batch_size, routing_imbalance, activations)
     solver_ = ConfigSolver(model=cost_model, budget_bytes=budget_bytes(measured.cluster.device.memory), solver=solver)
     result = search(solver_, fixed, top=0)
     if not result.best.fits:
         result = replace(result, best=_overflow(cost_model, result.best.config, fixed, solver))
-    provenance = _provenance(measured, optimizer, attention, solver, routing_imbalance, started)
-    return _noted(to_plan(solver_, result, provenance), match, seq_note)
+    provenance = _provenance(measured, optimizer, attention, solver, routing_imbalance, activations, started)
+    return _noted(to_plan(solver_, result, provenance), match, seq_note, activations)
 
 
 def _cluster(cluster: object) -> Cluster:
@@ -231,7 +238,12 @@ def _check_imbalance(value: object) -> None:
 
 
 def _cost_model(
-    graph: LayerGraph, measured: Measurements, optimizer: Optimizer, batch: int, routing_imbalance: float
+    graph: LayerGraph,
+    measured: Measurements,
+    optimizer: Optimizer,
+    batch: int,
+    routing_imbalance: float,
+    activations: ActivationLayout,
 ) -> CostModel:
     return CostModel(
         graph=graph,
@@ -241,14 +253,25 @@ def _cost_model(
         calibration=measured.calibration,
         recompute_fractions=measured.recompute_fractions,
         routing_imbalance=float(routing_imbalance),
+        batch_first=activations is ActivationLayout.BATCH_FIRST,
     )
 
 
-def _noted(plan: Plan, match: LayerProfileMatch | None, seq_note: str | None) -> Plan:
+SEQUENCE_FIRST_NOTE = (
+    "Priced for sequence-first activations (Megatron-LM's layout), whose sequence-parallel collectives copy "
+    "nothing; autopar's runtime lays activations out batch-first and pays those copies, which this prediction "
+    "leaves out."
+)
+
+
+def _noted(plan: Plan, match: LayerProfileMatch | None, seq_note: str | None, activations: ActivationLayout) -> Plan:
     """``plan`` with, among its notes, the sequence length taken from the model's
-    maximum, and what its layer profile's match says: where the profile was measured at
-    another shape, or matched without a model fingerprint."""
+    maximum, what its layer profile's match says (where the profile was measured at
+    another shape, or matched without a model fingerprint), and a sequence-first
+    pricing of a plan that has sequence-parallel collectives."""
     extra: tuple[str, ...] = (seq_note,) if seq_note else ()
+    if activations is ActivationLayout.SEQUENCE_FIRST and plan.config.sequence_parallel:
+        extra += (SEQUENCE_FIRST_NOTE,)
     if match is not None:
         c = plan.config
         extra += match.notes(micro_batch=c.micro_batch_size, seq_len=plan.model.seq_len, dtype=c.dtype.value)
@@ -271,7 +294,13 @@ def _default_seq_len(model: object, seq_len: int | None, sample_input: Any) -> t
 
 
 def _provenance(
-    measured: Measurements, optimizer: Optimizer, attention: Attention, solver: str, imbalance: float, started: float
+    measured: Measurements,
+    optimizer: Optimizer,
+    attention: Attention,
+    solver: str,
+    imbalance: float,
+    activations: ActivationLayout,
+    started: float,
 ) -> Provenance:
     settings = PlanSettings(
         optimizer=optimizer,
@@ -279,6 +308,7 @@ def _provenance(
         profile_sources=measured.sources,
         solver=solver,
         routing_imbalance=float(imbalance),
+        activations=activations,
     )
     return Provenance(settings=settings, search_time_s=time.perf_counter() - started)
 

@@ -89,7 +89,10 @@ def test_a_pipeline_stage_holds_its_outputs_in_flight_and_one_message_on_its_way
 def test_megatron_block_communication_and_memory():
     """A GPT block at tp=t: two all-reduces forward and two backward of b s h bytes
     (Shoeybi et al. 2019); with sequence parallelism two all-gathers and two
-    reduce-scatters each way, and activations divided by t (Korthikanti et al. 2022)."""
+    reduce-scatters each way, and activations divided by t (Korthikanti et al. 2022). On
+    the runtime's batch-first activations each reduce-scatter also copies its whole input
+    (torch puts the sequence chunks first for NCCL); a micro-batch of one sequence
+    gathers without a copy. Megatron-LM's sequence-first layout copies nothing."""
     graph = extract(build_named_model("gpt3-6.7b"), seq_len=2048, attention="flash")
     block = graph.profile_of(1)
     t, b, s, h = 8, 1, 2048, 4096
@@ -122,9 +125,13 @@ def test_megatron_block_communication_and_memory():
     sp_styles = tuple(TPStyle.SEQUENCE if leaf.name.endswith("norm") else s for leaf, s in zip(block.leaves, chosen))
     sp_ctx = TPContext(**{**ctx.__dict__, "boundary": Layout.Q, "sequence_parallel": True})
     sp = evaluate_layout(block, sp_styles, Layout.Q, sp_ctx)
-    assert sp.fwd_comm_s == pytest.approx(4 * all_gather_s(x, span, DGX))
-    assert sp.bwd_comm_s == pytest.approx(4 * all_gather_s(x, span, DGX))
+    copy = 2 * x / DGX.device.roofline.memory_bandwidth_bytes_per_s / DGX.device.roofline.memory_efficiency
+    assert sp.fwd_comm_s == pytest.approx(4 * all_gather_s(x, span, DGX) + 2 * copy)
+    assert sp.bwd_comm_s == pytest.approx(4 * all_gather_s(x, span, DGX) + 2 * copy)
     assert (sp.fwd_syncs, sp.bwd_syncs) == (4, 4)
+    megatron = evaluate_layout(block, sp_styles, Layout.Q, TPContext(**{**sp_ctx.__dict__, "batch_first": False}))
+    assert megatron.fwd_comm_s == pytest.approx(4 * all_gather_s(x, span, DGX))
+    assert megatron.bwd_comm_s == pytest.approx(4 * all_gather_s(x, span, DGX))
     full = evaluate_layout(
         block,
         (TPStyle.REPLICATE,) * len(block.leaves),

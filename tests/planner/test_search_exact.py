@@ -187,29 +187,42 @@ def test_a_units_fastest_time_per_sample_never_grows_with_the_micro_batch(preset
     """What :meth:`TimeBound.scaled` rests on (``micro_batch_scaling_holds``): on a GPU
     preset, every unit kind's fastest option on ``b`` samples takes at least ``b / B`` of
     its time on ``B >= b`` samples, at every tensor-parallel degree, with and without
-    sequence parallelism."""
-    from autopar.cost.bounds import micro_batch_scaling_holds
+    sequence parallelism, from ``smallest_scaled_micro_batch`` up: with sequence
+    parallelism on batch-first activations one sequence per micro-batch gathers without
+    a copy, and is faster per sample than two (which the bound must not assume away);
+    on Megatron-LM's sequence-first layout the scaling holds from one."""
+    from autopar.cost.bounds import micro_batch_scaling_holds, smallest_scaled_micro_batch
 
     cluster = preset(preset_name, nodes=2)
     graph = extract(build_named_model(model_name), seq_len=2048, dtype="bf16")
-    model = CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=48)
-    assert micro_batch_scaling_holds(model)
-    sizes = (1, 2, 3, 4, 6, 8, 12, 16, 24, 48)
-    solver = ConfigSolver(model=model, budget_bytes=80 * 2**30, micro_batches=sizes)
     checked = 0
-    for tp, sp in [(1, False), (2, False), (2, True), (8, True), (16, True)]:
-        per_sample = []
-        for b in sizes:
-            cfg = ParallelConfig(dp=32 // tp, tp=tp, pp=1, micro_batch_size=b, num_microbatches=48 // b)
-            cfg = dataclasses.replace(cfg, sequence_parallel=sp)
-            per_sample.append(
-                [min(o.time_s for o in solver.options(u, cfg, ALL_MODES)) / b for u, _ in solver.unit_kinds]
-            )
-        for smaller, larger in itertools.pairwise(per_sample):
-            for a, c in zip(smaller, larger):
-                assert c <= a * (1 + 1e-12)
-                checked += 1
-    assert checked > 100
+    grew: list[bool] = []
+    for batch_first in (True, False):
+        model = CostModel(
+            graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=48, batch_first=batch_first
+        )
+        assert micro_batch_scaling_holds(model)
+        sizes = (1, 2, 3, 4, 6, 8, 12, 16, 24, 48)
+        solver = ConfigSolver(model=model, budget_bytes=80 * 2**30, micro_batches=sizes)
+        for tp, sp in [(1, False), (2, False), (2, True), (8, True), (16, True)]:
+            per_sample = []
+            for b in sizes:
+                cfg = ParallelConfig(dp=32 // tp, tp=tp, pp=1, micro_batch_size=b, num_microbatches=48 // b)
+                cfg = dataclasses.replace(cfg, sequence_parallel=sp)
+                per_sample.append(
+                    [min(o.time_s for o in solver.options(u, cfg, ALL_MODES)) / b for u, _ in solver.unit_kinds]
+                )
+            smallest = smallest_scaled_micro_batch(model, cfg)
+            assert smallest == (2 if batch_first and sp else 1)
+            for (b, smaller), (_, larger) in itertools.pairwise(zip(sizes, per_sample)):
+                for a, c in zip(smaller, larger):
+                    if b >= smallest:
+                        assert c <= a * (1 + 1e-12)
+                        checked += 1
+            if smallest == 2:  # where the copy makes two sequences dearer per sample than one
+                grew += [c > a for a, c in zip(per_sample[0], per_sample[1])]
+    assert checked > 200
+    assert any(grew)
 
 
 def test_the_scaling_is_not_assumed_on_measured_or_host_bound_devices():
@@ -250,3 +263,34 @@ def test_a_longer_stage_can_be_cheaper_and_the_split_still_finds_it():
     found = search(solver(), check_constraints(constraints), top=0).best
     assert math.isfinite(want) and found.fits
     assert found.step_time_s == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_the_search_over_micro_batch_sizes_finds_one_sequence_when_copies_make_it_fastest(batch_first):
+    """The scaled bound prices a micro-batch of one sequence from a larger one's time only
+    where that cannot overstate it: with sequence parallelism on batch-first activations,
+    one sequence gathers without the copy two or more make, and the search over sizes 1-16
+    must still find what the best of the searches of one size each finds. On a device
+    whose links are fast and whose memory is slow (copies dear, weights small), one
+    sequence is fastest."""
+    graph = extract(GPT(GPTConfig(vocab_size=512, seq_len=1024, dim=128, n_layers=4, n_heads=4)), seq_len=1024)
+    base = tiny_cluster(4.0)
+    device = dataclasses.replace(
+        base.device, roofline=dataclasses.replace(base.device.roofline, memory_bandwidth_bytes_per_s=5e10)
+    )
+    fast = dataclasses.replace(base.intra_node, bandwidth_bytes_per_s=5e12, latency_s=1e-7)
+    cluster = dataclasses.replace(base, device=device, intra_node=fast)
+    model = CostModel(
+        graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=16, batch_first=batch_first
+    )
+    fixed = {"dp": 1, "tp": 4, "pp": 1, "sequence_parallel": True, "recompute": "none"}
+    sizes = (1, 2, 4, 8, 16)
+
+    def best(constraints: dict):
+        solver = ConfigSolver(model=model, budget_bytes=budget_bytes(cluster.device.memory), micro_batches=sizes)
+        return search(solver, check_constraints(constraints), top=0).best
+
+    each = [best({**fixed, "micro_batch_size": b}) for b in sizes]
+    fastest = min(each, key=lambda outcome: outcome.step_time_s)
+    assert best(fixed).step_time_s == pytest.approx(fastest.step_time_s, rel=1e-12)
+    assert (fastest.config.micro_batch_size == 1) is batch_first

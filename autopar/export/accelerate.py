@@ -28,8 +28,8 @@ from autopar.export.common import (
     kernel_options_note,
     mixed_recompute_note,
     outside_blocks_note,
-    regather_note,
     require_seq_multiple,
+    sequence_parallel_notes,
     shell_line,
 )
 from autopar.export.shape import ModelShape
@@ -103,9 +103,7 @@ def export_accelerate(plan: Plan, shape: ModelShape | None) -> Export:
                 "Accelerate's tensor parallelism follows the model's tp_plan for norms; the plan's sequence "
                 "parallelism is kept only where that tp_plan shards them"
             )
-        regather = regather_note(plan, "Accelerate", regathers=False)
-        if regather:
-            notes.append(regather)
+        notes += sequence_parallel_notes(plan, "Accelerate", megatron=False)
     config.update(
         {
             "machine_rank": 0,

@@ -21,7 +21,7 @@ from pathlib import Path
 from autopar import codec
 from autopar.errors import ConfigError, PlanFormatError
 from autopar.plan import Plan
-from autopar.vocab import Recompute, TPStyle
+from autopar.vocab import ActivationLayout, Recompute, TPStyle
 
 
 class ExportError(ConfigError):
@@ -258,13 +258,36 @@ def kernel_options_note(plan: Plan, framework: str, *, writes_async_tp: bool = F
     )
 
 
-def regather_note(plan: Plan, framework: str, *, regathers: bool) -> str | None:
+def sequence_parallel_notes(plan: Plan, framework: str, *, megatron: bool) -> list[str]:
+    """The notes for a sequence-parallel plan whose conventions differ from
+    ``framework``'s (``megatron``: Megatron-LM and its DeepSpeed fork keep the shards of
+    their gathers and lay activations out sequence-first; torchtitan and Accelerate hold
+    the gathered copies and lay them out batch-first): what it keeps
+    (:func:`_regather_note`) and the copies around its collectives the prediction
+    assumes (:mod:`autopar.cost.layout_copies`)."""
+    if not plan.config.sequence_parallel:
+        return []
+    notes = [_regather_note(plan, framework, regathers=megatron)]
+    priced_first = plan.settings.activations is ActivationLayout.SEQUENCE_FIRST
+    if megatron and not priced_first:
+        notes.append(
+            f"{framework} lays activations out sequence-first, so its sequence-parallel collectives make none of "
+            f"the copies around the transfers that the plan's batch-first prediction counts: expect a faster step; "
+            f"plan with --activations sequence-first to price {framework}"
+        )
+    elif priced_first and not megatron:
+        notes.append(
+            f"the plan was priced for sequence-first activations, but {framework} lays them out batch-first and "
+            f"copies around its sequence-parallel collectives, which the prediction leaves out: expect a slower "
+            f"step; plan with --activations batch-first for {framework}"
+        )
+    return [note for note in notes if note]
+
+
+def _regather_note(plan: Plan, framework: str, *, regathers: bool) -> str | None:
     """The note for a sequence-parallel plan whose ``regather`` differs from what
-    ``framework`` does (``regathers``: Megatron-LM and its DeepSpeed fork keep the shards
-    of their gathers; torchtitan and Accelerate hold the gathered copies); None where
-    they agree."""
-    c = plan.config
-    if not c.sequence_parallel or c.regather == regathers:
+    ``framework`` does; None where they agree."""
+    if plan.config.regather == regathers:
         return None
     if regathers:
         return (

@@ -31,7 +31,7 @@ from autopar.export.common import (
     kernel_options_note,
     mixed_recompute_note,
     outside_blocks_note,
-    regather_note,
+    sequence_parallel_notes,
     shell_line,
     tp_note,
 )
@@ -217,9 +217,7 @@ def _megatron_deepspeed(plan: Plan, blocks: Blocks, notes: list[str]) -> list[st
     ]
     if c.sequence_parallel:
         words.append("--sequence-parallel")
-    regather = regather_note(plan, "Megatron-DeepSpeed", regathers=True)
-    if regather:
-        notes.append(regather)
+    notes += sequence_parallel_notes(plan, "Megatron-DeepSpeed", megatron=True)
     if c.pp == 1:
         words.append("--no-pipeline-parallel")
     words += ["--micro-batch-size", str(c.micro_batch_size), "--global-batch-size", str(c.global_batch_size)]

@@ -21,8 +21,8 @@ from autopar.export.common import (
     kernel_options_note,
     mixed_recompute_note,
     outside_blocks_note,
-    regather_note,
     require_seq_multiple,
+    sequence_parallel_notes,
     shell_line,
     torchrun,
     tp_note,
@@ -63,9 +63,7 @@ def export_megatron(plan: Plan, shape: ModelShape | None) -> Export:
     args += _expert_args(plan, shape, notes, info)
     if c.sequence_parallel:
         args.append("--sequence-parallel")
-    regather = regather_note(plan, "Megatron-LM", regathers=True)
-    if regather:
-        notes.append(regather)
+    notes += sequence_parallel_notes(plan, "Megatron-LM", megatron=True)
     if c.async_tp:
         args.append("--tp-comm-overlap")
         notes.append(TP_COMM_OVERLAP_NOTE)

@@ -30,8 +30,8 @@ from autopar.export.common import (
     header,
     mixed_recompute_note,
     outside_blocks_note,
-    regather_note,
     require_seq_multiple,
+    sequence_parallel_notes,
     shell_line,
     torchrun,
     tp_note,
@@ -86,9 +86,7 @@ def export_torchtitan(plan: Plan, shape: ModelShape | None) -> Export:
             "torchtitan always runs norms on sequence shards under tensor parallelism (sequence parallelism), "
             "which the plan does not: activation memory is lower and communication differs from the prediction"
         )
-    regather = regather_note(plan, "torchtitan", regathers=False)
-    if regather:
-        notes.append(regather)
+    notes += sequence_parallel_notes(plan, "torchtitan", megatron=False)
     note = tp_note(plan, "torchtitan")
     if note:
         notes.append(note)

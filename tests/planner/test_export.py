@@ -17,7 +17,7 @@ from autopar.errors import ConfigError, PlanFormatError
 from autopar.export import ExportError, UnreadablePlanError, export
 from autopar.models import build_named_model
 from autopar.plan import LayerStrategies
-from autopar.vocab import Recompute
+from autopar.vocab import ActivationLayout, Recompute
 
 TARGETS = ("megatron", "deepspeed", "torchtitan", "accelerate")
 
@@ -125,9 +125,14 @@ def test_megatron_recompute(pipelined_plan):
     assert "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1" in op.launch
     assert any("no per-operator selective recomputation" in n for n in op.notes)
     # the first 3 blocks of each stage in full, the rest none: Megatron's block method exactly
-    # (its sequence parallelism keeping shards of the gathers, as the plan then does)
+    # (its sequence parallelism keeping shards of the gathers, as the plan then does, on
+    # the sequence-first activations the plan is priced for)
     first3 = {f"layers.{i}": Recompute.FULL for s in (0, 20) for i in range(s, s + 3)}
-    exact = export(variant(pipelined_plan, overrides=first3, regather=True), to="megatron")
+    as_megatron = variant(pipelined_plan, overrides=first3, regather=True)
+    as_megatron = replace(
+        as_megatron, settings=replace(as_megatron.settings, activations=ActivationLayout.SEQUENCE_FIRST)
+    )
+    exact = export(as_megatron, to="megatron")
     assert "--recompute-method block --recompute-num-layers 3" in exact.launch and not exact.notes
     # 2 blocks on stage 0, 5 scattered on stage 1: the most any stage recomputes, noted
     scattered = {f"layers.{i}": Recompute.FULL for i in (0, 1, 21, 25, 30, 33, 39)}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autopar.cost.layout_copies import collectives_copy
 from autopar.cost.leaf import allowed_styles, leaf_param_numel
 from autopar.cost.memory import config_state_bytes
 from autopar.cost.model import CostModel, tp_context
@@ -72,7 +73,7 @@ def smallest_scaled_micro_batch(model: CostModel, config: ParallelConfig) -> int
     by a larger one's: 2 where sequence-parallel gathers of batch-first activations copy
     (:mod:`autopar.cost.layout_copies`), which one sequence per micro-batch gathers
     without, so its time per sample can be the smaller; else 1."""
-    copies = model.batch_first and config.tp > 1 and config.sequence_parallel
+    copies = config.sequence_parallel and collectives_copy(batch_first=model.batch_first, tp=config.tp)
     return 2 if copies else 1
 
 

@@ -44,8 +44,14 @@ def copy_s(nbytes: float, ctx: TPContext) -> float:
     return READ_AND_WRITE * nbytes / ctx.rates.bytes_per_s
 
 
+def collectives_copy(*, batch_first: bool, tp: int) -> bool:
+    """Whether sequence-parallel collectives copy around their transfer: batch-first
+    activations sharded over more than one rank (module docstring)."""
+    return batch_first and tp > 1
+
+
 def _copies(ctx: TPContext) -> bool:
-    return ctx.batch_first and ctx.tp > 1
+    return collectives_copy(batch_first=ctx.batch_first, tp=ctx.tp)
 
 
 def _batched(ctx: TPContext) -> bool:

@@ -33,6 +33,8 @@ from autopar.cost.tensor_parallel import (
     matmul_s,
     producer_bytes,
     reduction_s,
+    reduction_transfer_s,
+    transfer_s,
 )
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, UnitProfile
 from autopar.vocab import STYLE_IO, Layout, TPStyle
@@ -106,7 +108,7 @@ def layout_table(profile: UnitProfile, ctx: TPContext, options: Sequence[tuple[T
         time += np.where(reduced, reduction[produced[src]], 0.0)
         if hidden is not None:
             nbytes = largest[src] * ctx.micro_batch
-            time -= np.where(reduced, hidden.reduction(src, nbytes, reduction[_INDEX[Layout.Q]], produced[src]), 0.0)
+            time -= np.where(reduced, hidden.reduction(src, nbytes, produced[src]), 0.0)
     if ctx.last:
         time += np.where(needed[UNIT_OUTPUT] == _INDEX[Layout.F], loss_parallel_s(ctx), 0.0)
     return LayoutTable(choice=choice, time_s=time, param_numel=params, output=needed[UNIT_OUTPUT])
@@ -135,25 +137,24 @@ class _AsyncTP:
         """Hidden of the conversions of ``src``'s output owed in each combination: an
         all-gather (Q -> R) behind its column-parallel readers, a reduce-scatter (P -> Q)
         of a row-parallel output behind that matmul, and its backward all-gather too."""
-        gather = conversion_s(Layout.Q, Layout.R, nbytes, self.ctx)[0]
-        gather_copy = conversion_copy_s(Layout.Q, Layout.R, nbytes, self.ctx)[0]
         out = np.zeros(len(produced))
         if src in self.under:
+            gather = transfer_s(Layout.Q, Layout.R, nbytes, self.ctx)[0]
             gathered = owed[:, _INDEX[Layout.R]] & (produced == _INDEX[Layout.Q])
-            out += np.where(gathered, self._hide(gather - gather_copy, self.under[src]), 0.0)
+            out += np.where(gathered, self._hide(gather, self.under[src]), 0.0)
         if src >= 0:
-            f, bw = conversion_s(Layout.P, Layout.Q, nbytes, self.ctx)
-            cf, cb = conversion_copy_s(Layout.P, Layout.Q, nbytes, self.ctx)
+            f, bw = transfer_s(Layout.P, Layout.Q, nbytes, self.ctx)
+            copy = conversion_copy_s(Layout.P, Layout.Q, nbytes, self.ctx)[0]
             scattered = owed[:, _INDEX[Layout.Q]] & (produced == _INDEX[Layout.P]) & self.row[src]
             mm = np.full(len(produced), self.row_mm[src])
-            out += np.where(scattered, self._hide(f - cf, mm, cf) + self._hide(bw - cb, mm), 0.0)
+            out += np.where(scattered, self._hide(f, mm, copy) + self._hide(bw, mm), 0.0)
         return out
 
-    def reduction(self, src: int, nbytes: float, reduce_scatter: float, produced: np.ndarray) -> np.ndarray:
+    def reduction(self, src: int, nbytes: float, produced: np.ndarray) -> np.ndarray:
         """Hidden of the reduce-scatter of ``src``'s input gradient (``nbytes``) from its
         one column-parallel reader's input-gradient matmul (Q only)."""
         if src not in self.under:
             return np.zeros(len(produced))
         single = np.where(self.readers[src] == 1, self.under[src], 0.0)
-        copy = reduction_copy_s(Layout.Q, nbytes, self.ctx)
-        return np.where(produced == _INDEX[Layout.Q], self._hide(reduce_scatter - copy, single, copy), 0.0)
+        transfer, copy = reduction_transfer_s(Layout.Q, nbytes, self.ctx), reduction_copy_s(Layout.Q, nbytes, self.ctx)
+        return np.where(produced == _INDEX[Layout.Q], self._hide(transfer, single, copy), 0.0)

@@ -73,15 +73,16 @@ def conversion_s(a: Layout, b: Layout, nbytes: float, ctx: TPContext) -> tuple[f
     """(forward, backward) seconds to turn a tensor of ``nbytes`` (full size) from
     layout ``a`` into ``b``, not counting partial-gradient reductions: the transfers and
     the copies around them (:mod:`autopar.cost.layout_copies`)."""
-    if a is b or ctx.tp == 1:
-        return 0.0, 0.0
-    f, bw = _transfer_s(a, b, nbytes, ctx)
+    f, bw = transfer_s(a, b, nbytes, ctx)
     cf, cb = conversion_copy_s(a, b, nbytes, ctx)
     return f + cf, bw + cb
 
 
-def _transfer_s(a: Layout, b: Layout, nbytes: float, ctx: TPContext) -> tuple[float, float]:
-    """The collectives' share of :func:`conversion_s`."""
+def transfer_s(a: Layout, b: Layout, nbytes: float, ctx: TPContext) -> tuple[float, float]:
+    """The collectives' share of :func:`conversion_s`: what asynchronous TP can hide
+    behind a matmul (:func:`fused_hidden_s`)."""
+    if a is b or ctx.tp == 1:
+        return 0.0, 0.0
     sp, cl = ctx.span, ctx.cluster
     if a is Layout.R:
         return 0.0, all_gather_s(nbytes, sp, cl)  # slice; gather the sharded gradient
@@ -97,12 +98,16 @@ def _transfer_s(a: Layout, b: Layout, nbytes: float, ctx: TPContext) -> tuple[fl
 def reduction_s(a: Layout, nbytes: float, ctx: TPContext) -> float:
     """Backward seconds to reduce the partial input gradient that column-parallel
     consumers return for a replicated copy of a producer in layout ``a``."""
+    return reduction_transfer_s(a, nbytes, ctx) + reduction_copy_s(a, nbytes, ctx)
+
+
+def reduction_transfer_s(a: Layout, nbytes: float, ctx: TPContext) -> float:
+    """The collective's share of :func:`reduction_s`."""
     if ctx.tp == 1:
         return 0.0
     if a in (Layout.R, Layout.P):
         return all_reduce_s(nbytes, ctx.span, ctx.cluster)  # Megatron's f operator
-    # sequence parallel: gather <-> scatter
-    return reduce_scatter_s(nbytes, ctx.span, ctx.cluster) + reduction_copy_s(a, nbytes, ctx)
+    return reduce_scatter_s(nbytes, ctx.span, ctx.cluster)  # sequence parallel: gather <-> scatter
 
 
 def fused_hidden_s(transfer_s: float, matmul_s: float, ctx: TPContext, removed_copy_s: float = 0.0) -> float:
@@ -406,13 +411,14 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
 
     gathers: list[tuple[float, tuple[int, ...]]] = []  # whole bytes, column-parallel readers
     for (src, need), a in conversions.items():
-        f, bw = conversion_s(a, need, largest[src] * b, ctx)
+        tf, tb = transfer_s(a, need, largest[src] * b, ctx)
         cf, cb = conversion_copy_s(a, need, largest[src] * b, ctx)
+        f, bw = tf + cf, tb + cb
         if a is Layout.Q and need is Layout.R:  # an all-gather into column-parallel matmuls
-            f -= fused_hidden_s(f - cf, under_column(src), ctx)
+            f -= fused_hidden_s(tf, under_column(src), ctx)
             gathers.append((largest[src] * b, tuple(d for d in readers.get(src, ()) if styles[d] is TPStyle.COLUMN)))
         elif a is Layout.P and need is Layout.Q and src >= 0 and styles[src] is TPStyle.ROW and ctx.async_tp:
-            f, bw = f - fused_hidden_s(f - cf, row_mm[src], ctx, cf), bw - fused_hidden_s(bw - cb, row_mm[src], ctx)
+            f, bw = f - fused_hidden_s(tf, row_mm[src], ctx, cf), bw - fused_hidden_s(tb, row_mm[src], ctx)
         fwd_comm += f
         bwd_comm += bw
         fwd_syncs += f > 0
@@ -424,8 +430,8 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
     for src, a in partial.items():
         r = reduction_s(a, largest[src] * b, ctx)
         if a is Layout.Q:  # the reduce-scatter of the column-parallel matmuls' input gradient
-            copy = reduction_copy_s(a, largest[src] * b, ctx)
-            r -= fused_hidden_s(r - copy, under_column(src, single=True), ctx, copy)
+            transfer, copy = reduction_transfer_s(a, largest[src] * b, ctx), reduction_copy_s(a, largest[src] * b, ctx)
+            r -= fused_hidden_s(transfer, under_column(src, single=True), ctx, copy)
         bwd_comm += r
         bwd_syncs += r > 0
     vocab_parallel = ctx.last and output is Layout.F

@@ -45,6 +45,8 @@ from autopar.cost.tensor_parallel import (
     model_output_layout,
     producer_bytes,
     reduction_s,
+    reduction_transfer_s,
+    transfer_s,
 )
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, UnitProfile
 from autopar.search.ilp import Program, check_solver, solve
@@ -302,19 +304,18 @@ def _hide_fused(
 
     for (src, a, need), paid in conv.items():
         nbytes = largest[src] * ctx.micro_batch
-        f, bw = conversion_s(a, need, nbytes, ctx)
-        cf, cb = conversion_copy_s(a, need, nbytes, ctx)
+        f, bw = transfer_s(a, need, nbytes, ctx)
         readers_mm = columns(src)
         if a is Layout.Q and need is Layout.R and readers_mm:
-            hide(paid, f - cf, readers_mm, 0.0)
+            hide(paid, f, readers_mm, 0.0)
         elif a is Layout.P and need is Layout.Q and src >= 0 and TPStyle.ROW in options[src]:
             row = {x[src, TPStyle.ROW]: row_mm[src]}
-            hide(paid, f - cf, row, cf)  # the reduce-scatter
-            hide(paid, bw - cb, row, 0.0)  # its backward all-gather
+            hide(paid, f, row, conversion_copy_s(a, need, nbytes, ctx)[0])  # the reduce-scatter
+            hide(paid, bw, row, 0.0)  # its backward all-gather
     for (src, a), paid in reduce_vars.items():
         readers_mm = columns(src)
         if a is Layout.Q and readers_mm:
             nbytes = largest[src] * ctx.micro_batch
             r, copy = reduction_s(a, nbytes, ctx), reduction_copy_s(a, nbytes, ctx)
-            hidden = hide(paid, r - copy, readers_mm, copy)
+            hidden = hide(paid, reduction_transfer_s(a, nbytes, ctx), readers_mm, copy)
             prog.constrain({**hidden, **dict.fromkeys(readers_mm, r * MICROSECONDS)}, upper=2 * r * MICROSECONDS)

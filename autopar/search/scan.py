@@ -24,7 +24,7 @@ from autopar.errors import ConfigError
 from autopar.plan import ParallelConfig
 from autopar.search.bounds import TimeBound
 from autopar.search.solve import ConfigSolver, Outcome
-from autopar.search.space import Rejection, enumerate_space, memory_floor, shard_siblings, shard_sizes
+from autopar.search.space import Rejection, config_shard_sizes, enumerate_space, memory_floor, shard_siblings
 from autopar.search.walk_room import with_walk_room
 from autopar.vocab import DType, Recompute
 
@@ -181,7 +181,7 @@ def sharding_contrasts(
 ) -> tuple[Outcome, ...]:
     """The fastest fitting version of ``best`` with the other data-parallel sharding: plain
     FSDP for an HSDP winner, the best of the searched HSDP shard groups
-    (:func:`autopar.search.space.shard_sizes`) for a plain ZeRO-2/3 winner; priced. None
+    (:func:`autopar.search.space.config_shard_sizes`) for a plain ZeRO-2/3 winner; priced. None
     when ``dp_shard`` was fixed or the winner does not shard through FSDP2. Every such
     configuration is in the searched space, so none beats the winner."""
     if "dp_shard" in fixed or best.zero_stage < 2 or best.dp == 1:
@@ -189,7 +189,7 @@ def sharding_contrasts(
     if best.dp_shard is not None:
         others = [replace(best, dp_shard=None)]
     else:
-        sizes = shard_sizes(best.dp, best.tp * best.cp, solver.model.cluster.devices_per_node)
+        sizes = config_shard_sizes(best, solver.model.cluster.devices_per_node)
         others = [replace(best, dp_shard=d) for d in sizes]
     found = [o for o in (with_walk_room(solver, solver.evaluate(c, modes), modes) for c in others) if o.fits]
     if not found:

@@ -268,7 +268,7 @@ def enumerate_space(
                     )
                 )
                 continue
-            shard_rejection = _shard_rejection(c, dp)
+            shard_rejection = _shard_rejection(c, dp, cp)
             if shard_rejection:
                 rejected.append(shard_rejection)
                 continue
@@ -365,8 +365,14 @@ def shard_siblings(config: ParallelConfig, devices_per_node: int, constraints: M
     ``dp_shard`` is fixed or the candidate is itself HSDP."""
     if "dp_shard" in constraints or config.dp_shard is not None or config.zero_stage < 2:
         return ()
+    return config_shard_sizes(config, devices_per_node)
+
+
+def config_shard_sizes(config: ParallelConfig, devices_per_node: int) -> tuple[int, ...]:
+    """The HSDP shard groups of :func:`shard_sizes` that ``config``'s degrees allow: those
+    whose group (``dp_shard x cp`` ranks) holds whole expert groups of ``ep`` ranks."""
     sizes = shard_sizes(config.dp, config.tp * config.cp, devices_per_node)
-    return tuple(s for s in sizes if s * config.cp % config.ep == 0)  # an expert group inside a shard group
+    return tuple(s for s in sizes if s * config.cp % config.ep == 0)
 
 
 def _cp_pp(graph: LayerGraph, devices: int, c: Mapping[str, Any]) -> Iterator[tuple[int, int]]:
@@ -376,8 +382,8 @@ def _cp_pp(graph: LayerGraph, devices: int, c: Mapping[str, Any]) -> Iterator[tu
             yield cp, pp
 
 
-def _shard_rejection(c: Mapping[str, Any], dp: int) -> Rejection | None:
-    """Why a fixed ``dp_shard`` cannot shard ``dp`` ranks, if it cannot."""
+def _shard_rejection(c: Mapping[str, Any], dp: int, cp: int) -> Rejection | None:
+    """Why a fixed ``dp_shard`` cannot shard ``dp`` ranks (``cp`` apart), if it cannot."""
     shard = c.get("dp_shard")
     if shard is None:
         return None
@@ -385,6 +391,12 @@ def _shard_rejection(c: Mapping[str, Any], dp: int) -> Rejection | None:
         return Rejection(what=f"dp_shard={shard} (dp={dp})", reason=f"the shard group does not divide dp={dp}")
     if c.get("zero_stage", 3) < 2:
         return Rejection(what=f"dp_shard={shard}", reason="HSDP shards through FSDP2: it needs zero_stage 2 or 3")
+    ep = c.get("ep", 1)
+    if shard * cp % ep:
+        return Rejection(
+            what=f"ep={ep} dp_shard={shard} (cp={cp})",
+            reason=f"an expert group of {ep} ranks must lie inside one shard group of dp_shard x cp = {shard * cp}",
+        )
     return None
 
 

@@ -130,3 +130,20 @@ def test_a_fixed_shard_group_is_searched_alone():
     assert plain and all(c.dp_shard is None for c in plain)
     with pytest.raises(ConfigError, match="constraint dp_shard=1 is not allowed"):
         check_constraints({"dp_shard": 1})
+
+
+def test_the_hsdp_contrast_of_an_expert_parallel_winner_keeps_expert_groups_whole():
+    """moe-tiny's 8 experts over 8 ranks on two nodes of 4: a node-sized shard group of 4
+    cannot hold an expert group, so the search never tries one, and the explanation's
+    HSDP contrast must not either (it raised a ConfigError from ``plan`` before)."""
+    cluster = dataclasses.replace(tiny_cluster(1.0), nodes=2)
+    assert shard_sizes(8, 1, cluster.devices_per_node) == [4]
+    fixed = {"tp": 1, "pp": 1, "ep": 8, "zero_stage": 2}
+    plan = autopar.plan(build_named_model("moe-tiny"), cluster, global_batch_size=8, seq_len=128, constraints=fixed)
+    assert (plan.config.dp, plan.config.ep, plan.config.dp_shard) == (8, 8, None)
+    assert not [a for a in plan.alternatives if a.status == "sharding"]  # no shard group allows ep=8
+    pinned = {**fixed, "dp_shard": 4}
+    with pytest.raises(
+        ConfigError, match="an expert group of 8 ranks must lie inside one shard group of dp_shard x cp = 4"
+    ):
+        autopar.estimate(build_named_model("moe-tiny"), cluster, pinned, global_batch_size=8, seq_len=128)

@@ -24,6 +24,7 @@ from autopar.graph.decoders import uncuttable_unit
 from autopar.graph.layer_graph import LayerGraph, SharedParam, Unit, UnitProfile
 from autopar.graph.trace import EPILOGUE, PROLOGUE, run_trace
 from autopar.graph.units import _block_container, find_units, model_fingerprint, module_signature, unique_numel
+from autopar.models.experts import unsplit_experts
 from autopar.vocab import Attention, DType
 
 _TORCH_DTYPE = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
@@ -185,6 +186,7 @@ def extract(
         vocab_size=vocab_size,
         cuttable=cuttable,
         uncounted_ops=trace.uncounted_ops,
+        unsplit_experts=unsplit_experts(model),
     )
 
 

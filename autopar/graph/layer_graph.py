@@ -320,6 +320,9 @@ class LayerGraph:
             when one is removed).
         uncounted_ops: aten ops that read a weight matrix but have no FLOP formula
             (:mod:`autopar.graph.flops`): counted as free, so the plan says so.
+        unsplit_experts: classes of modules with weights stacked over experts that
+            expert parallelism cannot split (:func:`autopar.models.experts.unsplit_experts`):
+            priced as dense layers, so the plan says so.
     """
 
     name: str
@@ -335,6 +338,7 @@ class LayerGraph:
     vocab_size: int = 0
     cuttable: bool = True
     uncounted_ops: tuple[str, ...] = ()
+    unsplit_experts: tuple[str, ...] = ()
 
     def profile_of(self, unit_index: int) -> UnitProfile:
         """The profile of unit ``unit_index``."""

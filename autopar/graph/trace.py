@@ -46,6 +46,7 @@ from autopar.graph.flops import EXPERT_MATMULS, op_flops
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT
 from autopar.graph.op_kinds import FREE_OPS, PARTS_OPS, may_compute, parts_dim, shaped, whole_slice
 from autopar.graph.segment import Info, Op, Segment, SegmentTrace, nbytes_of, tensors_in
+from autopar.models.experts import experts_modules
 from autopar.vocab import Attention
 
 
@@ -320,7 +321,8 @@ def run_trace(
 
     params: dict[str, torch.Tensor] = {}
     param_storages: set[int] = set()
-    expert_storages: set[int] = set()  # stacked 3-D weights: a mixture of experts'
+    expert_storages: set[int] = set()  # stacked 3-D weights of experts that expert parallelism splits
+    experts = {id(p) for m in experts_modules(model).values() for p in m.parameters()}
     # One tensor per (shape, dtype, device): the weights' values are never read, and a
     # 1T-parameter model has thousands of parameters but a handful of shapes.
     by_shape: dict[tuple, torch.Tensor] = {}
@@ -332,8 +334,8 @@ def run_trace(
                 device = "meta" if fake is None else p.device
                 by_shape[key] = torch.empty(key[0], dtype=dtype, device=device).requires_grad_(p.is_floating_point())
                 param_storages.add(by_shape[key].untyped_storage()._cdata)
-                if p.dim() == 3:
-                    expert_storages.add(by_shape[key].untyped_storage()._cdata)
+            if p.dim() == 3 and id(p) in experts:
+                expert_storages.add(by_shape[key].untyped_storage()._cdata)
             params[name] = by_shape[key]
         for name, b in model.named_buffers(remove_duplicate=False):
             params[name] = adopt(b)

@@ -47,6 +47,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autopar.errors import AutoparError, ConfigError
 from autopar.graph.units import find_units
+from autopar.models.experts import experts_modules, is_routed_experts
 from autopar.plan import Plan
 from autopar.runtime.api import Analysis, analyse, parallelize
 from autopar.runtime.dry_step import (
@@ -56,7 +57,6 @@ from autopar.runtime.dry_step import (
     measure_step,
     measured_microbatches,
 )
-from autopar.runtime.expert_parallel import experts_modules, is_routed_experts
 from autopar.runtime.hf import is_conv1d
 from autopar.runtime.local import cross_entropy
 from autopar.runtime.mesh import MeshDims

@@ -41,7 +41,6 @@ capacity-bounded experts at any ``ep`` (:func:`autopar.runtime.context_parallel.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -54,6 +53,7 @@ from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from autopar.models.experts import expert_count, experts_modules
 from autopar.models.moe import MoEFeedForward, swiglu_experts
 from autopar.plan import Plan
 from autopar.runtime.assumed_routing import assumed_routing
@@ -62,32 +62,6 @@ from autopar.vocab import MeshAxis
 
 STACKED_WEIGHTS = ("w1", "w3", "w2")
 """The stacked expert weights of :class:`~autopar.models.moe.MoEFeedForward` (its router stays whole)."""
-ROUTED_SIGNATURE = ("hidden_states", "top_k_index", "top_k_weights")
-"""The forward arguments of a transformers experts module, in order."""
-
-
-def is_routed_experts(module: nn.Module) -> bool:
-    """Whether ``module`` is a transformers-style experts module: an int ``num_experts``,
-    a forward taking (hidden_states, top_k_index, top_k_weights), and only its own
-    parameters, each stacked over the experts in dimension 0."""
-    n = getattr(module, "num_experts", None)
-    if isinstance(module, MoEFeedForward) or not isinstance(n, int) or n < 1:
-        return False
-    params = list(module.named_parameters())
-    if not params or any("." in name or p.dim() < 2 or p.shape[0] != n for name, p in params):
-        return False
-    names = tuple(inspect.signature(module.forward).parameters)
-    return names[: len(ROUTED_SIGNATURE)] == ROUTED_SIGNATURE
-
-
-def experts_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """The model's experts modules by FQN: autopar's MoE layers and transformers' experts."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, MoEFeedForward) or is_routed_experts(m)}
-
-
-def expert_count(module: nn.Module) -> int:
-    """Experts of one experts module."""
-    return module.cfg.n_experts if isinstance(module, MoEFeedForward) else int(module.num_experts)
 
 
 def check_expert_parallel(model: nn.Module, plan: Plan) -> None:

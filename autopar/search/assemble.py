@@ -210,6 +210,12 @@ def _notes(graph: LayerGraph, config: ParallelConfig) -> tuple[str, ...]:
             f"Vocabulary {graph.vocab_size} padded to {padded(graph.vocab_size, config.tp)} for tp={config.tp} "
             f"(a multiple of 128 x tp, as Megatron-LM does)."
         )
+    if graph.unsplit_experts:
+        notes.append(
+            f"The experts of {', '.join(graph.unsplit_experts)} run whole on every rank (ep=1), priced as the "
+            f"dense matmuls their forward runs: expert parallelism splits only modules that take routed tokens, "
+            f"forward(hidden_states, top_k_index, top_k_weights), and autopar's MoEFeedForward."
+        )
     if graph.uncounted_ops:
         notes.append(
             f"Counted as 0 FLOPs: {', '.join(graph.uncounted_ops)} read weight matrices but have no FLOP formula "

@@ -52,6 +52,12 @@ def check_expert_parallel(graph: LayerGraph, constraints: Mapping[str, Any]) -> 
     if ep == 1:
         return
     experts = model_experts(graph)
+    if not experts and graph.unsplit_experts:
+        raise ConfigError(
+            f"ep={ep} is not allowed for {graph.name}: its {', '.join(graph.unsplit_experts)} stack weights over "
+            f"experts but do not take routed tokens, forward(hidden_states, top_k_index, top_k_weights), so expert "
+            f"parallelism cannot split them; use ep=1."
+        )
     if not experts:
         raise ConfigError(
             f"ep={ep} is not allowed for {graph.name}: expert parallelism splits mixture-of-experts layers "

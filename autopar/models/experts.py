@@ -1,0 +1,62 @@
+"""Which modules hold mixture-of-experts layers that expert parallelism can split.
+
+Two kinds: autopar's :class:`~autopar.models.moe.MoEFeedForward`, and a transformers
+experts module that takes its tokens already routed, ``forward(hidden_states,
+top_k_index, top_k_weights)`` over weights stacked over the experts in dimension 0
+(Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, ...). The planner offers ``ep > 1`` only
+for these (:mod:`autopar.graph.trace` marks their stacked weights as experts), and the
+runtime splits only these (:mod:`autopar.runtime.expert_parallel`): one test for both.
+Other modules with stacked per-expert weights (transformers' Llama 4 experts, which run
+every expert on every token; GPT-OSS's, whose forward takes other arguments) run whole
+on each rank, priced as the dense matmuls they are.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from torch import nn
+
+from autopar.models.moe import MoEFeedForward
+
+ROUTED_SIGNATURE = ("hidden_states", "top_k_index", "top_k_weights")
+"""The forward arguments of a transformers experts module, in order."""
+
+
+def is_routed_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers-style experts module: an int ``num_experts``,
+    a forward taking (hidden_states, top_k_index, top_k_weights), and only its own
+    parameters, each stacked over the experts in dimension 0."""
+    n = getattr(module, "num_experts", None)
+    if isinstance(module, MoEFeedForward) or not isinstance(n, int) or n < 1:
+        return False
+    params = list(module.named_parameters())
+    if not params or any("." in name or p.dim() < 2 or p.shape[0] != n for name, p in params):
+        return False
+    names = tuple(inspect.signature(module.forward).parameters)
+    return names[: len(ROUTED_SIGNATURE)] == ROUTED_SIGNATURE
+
+
+def experts_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's experts modules by FQN: autopar's MoE layers and transformers' experts."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, MoEFeedForward) or is_routed_experts(m)}
+
+
+def expert_count(module: nn.Module) -> int:
+    """Experts of one experts module."""
+    return module.cfg.n_experts if isinstance(module, MoEFeedForward) else int(module.num_experts)
+
+
+def unsplit_experts(model: nn.Module) -> tuple[str, ...]:
+    """Class names of the model's modules that stack weights over ``num_experts`` in
+    dimension 0 but are not experts modules (:func:`experts_modules`): expert
+    parallelism cannot split them."""
+    split = set(experts_modules(model).values())
+    found = []
+    for m in model.modules():
+        n = getattr(m, "num_experts", None)
+        if m in split or not isinstance(n, int) or n < 2:
+            continue
+        if any(p.dim() == 3 and p.shape[0] == n for p in m.parameters(recurse=False)):
+            found.append(type(m).__name__)
+    return tuple(dict.fromkeys(found))

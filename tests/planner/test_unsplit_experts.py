@@ -1,0 +1,76 @@
+"""The planner offers expert parallelism exactly where the runtime can split the experts:
+a module taking routed tokens (transformers' Mixtral) or autopar's MoEFeedForward, not
+transformers' Llama 4 experts (every expert runs on every token) nor GPT-OSS's (other
+forward arguments), whose stacked weights the trace once took for splittable experts,
+so ``plan`` picked ep=16 for GPT-OSS on 512 GPUs and the runtime refused it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autopar
+from autopar.errors import ConfigError
+from autopar.graph import extract
+from autopar.models import build_named_model
+from autopar.models.experts import experts_modules, unsplit_experts
+from autopar.search.experts import model_experts
+from autopar.search.space import check_constraints, enumerate_space
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=100,
+    max_position_embeddings=64,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+)
+
+
+def _tiny(kind: str) -> nn.Module:
+    if kind == "moe-tiny":
+        return build_named_model("moe-tiny")
+    if kind == "llama4":
+        cfg, cls = transformers.Llama4TextConfig(**TINY, intermediate_size_mlp=128, head_dim=16), "Llama4ForCausalLM"
+    elif kind == "gpt-oss":
+        cfg, cls = transformers.GptOssConfig(**TINY, head_dim=16), "GptOssForCausalLM"
+    else:
+        cfg, cls = transformers.MixtralConfig(**TINY), "MixtralForCausalLM"
+    with torch.device("meta"):
+        return getattr(transformers, cls)(cfg)
+
+
+@pytest.mark.parametrize(
+    ("kind", "experts", "unsplit"),
+    [
+        ("mixtral", 4, ()),
+        ("moe-tiny", 8, ()),
+        ("llama4", 0, ("Llama4TextExperts",)),
+        ("gpt-oss", 0, ("GptOssExperts",)),
+    ],
+)
+def test_the_planner_sees_the_experts_the_runtime_splits(kind, experts, unsplit):
+    model = _tiny(kind)
+    graph = extract(model, seq_len=32)
+    assert model_experts(graph) == experts
+    assert bool(model_experts(graph)) == bool(experts_modules(model))  # the runtime's own test
+    assert graph.unsplit_experts == unsplit == unsplit_experts(model)
+    configs, _ = enumerate_space(graph, autopar.preset("dgx-h100", nodes=1), 8, check_constraints({}))
+    assert (max(c.ep for c in configs) > 1) == bool(experts)
+
+
+@pytest.mark.parametrize("kind", ["llama4", "gpt-oss"])
+def test_unsplit_experts_plan_with_ep_1_and_say_why(kind):
+    model = _tiny(kind)
+    plan = autopar.plan(model, "dgx-h100:1", global_batch_size=8, seq_len=32, top=0)
+    assert plan.config.ep == 1
+    (note,) = [n for n in plan.notes if "run whole on every rank" in n]
+    assert unsplit_experts(model)[0] in note and "forward(hidden_states, top_k_index, top_k_weights)" in note
+    with pytest.raises(ConfigError, match=r"^ep=2 is not allowed for .*cannot split them; use ep=1\.$"):
+        autopar.estimate(model, "dgx-h100:1", {"ep": 2}, global_batch_size=8, seq_len=32)

@@ -2,13 +2,13 @@
 
 Two kinds: autopar's :class:`~autopar.models.moe.MoEFeedForward`, and a transformers
 experts module that takes its tokens already routed, ``forward(hidden_states,
-top_k_index, top_k_weights)`` over weights stacked over the experts in dimension 0
-(Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, ...). The planner offers ``ep > 1`` only
-for these (:mod:`autopar.graph.trace` marks their stacked weights as experts), and the
-runtime splits only these (:mod:`autopar.runtime.expert_parallel`): one test for both.
-Other modules with stacked per-expert weights (transformers' Llama 4 experts, which run
-every expert on every token; GPT-OSS's, whose forward takes other arguments) run whole
-on each rank, priced as the dense matmuls they are.
+top_k_index, top_k_weights)`` (GPT-OSS: ``router_indices, routing_weights``) over
+weights stacked over the experts in dimension 0 (Mixtral, Qwen2-MoE, Qwen3-MoE,
+DeepSeek-V2/V3, GPT-OSS, ...). The planner offers ``ep > 1`` only for these
+(:mod:`autopar.graph.trace` marks their stacked weights as experts), and the runtime
+splits only these (:mod:`autopar.runtime.expert_parallel`): one test for both. Other
+modules with stacked per-expert weights (transformers' Llama 4 experts, which run every
+expert on every token) run whole on each rank, priced as the dense matmuls they are.
 """
 
 from __future__ import annotations
@@ -19,14 +19,18 @@ from torch import nn
 
 from autopar.models.moe import MoEFeedForward
 
-ROUTED_SIGNATURE = ("hidden_states", "top_k_index", "top_k_weights")
-"""The forward arguments of a transformers experts module, in order."""
+ROUTED_SIGNATURES = (
+    ("hidden_states", "top_k_index", "top_k_weights"),
+    ("hidden_states", "router_indices", "routing_weights"),
+)
+"""The forward arguments of a transformers experts module, in order: the tokens, each
+token's top-k experts and their weights (GPT-OSS names the last two otherwise)."""
 
 
 def is_routed_experts(module: nn.Module) -> bool:
     """Whether ``module`` is a transformers-style experts module: an int ``num_experts``,
-    a forward taking (hidden_states, top_k_index, top_k_weights), and only its own
-    parameters, each stacked over the experts in dimension 0."""
+    a forward taking the tokens, their top-k experts and weights (:data:`ROUTED_SIGNATURES`),
+    and only its own parameters, each stacked over the experts in dimension 0."""
     n = getattr(module, "num_experts", None)
     if isinstance(module, MoEFeedForward) or not isinstance(n, int) or n < 1:
         return False
@@ -34,7 +38,7 @@ def is_routed_experts(module: nn.Module) -> bool:
     if not params or any("." in name or p.dim() < 2 or p.shape[0] != n for name, p in params):
         return False
     names = tuple(inspect.signature(module.forward).parameters)
-    return names[: len(ROUTED_SIGNATURE)] == ROUTED_SIGNATURE
+    return any(names[: len(signature)] == signature for signature in ROUTED_SIGNATURES)
 
 
 def experts_modules(model: nn.Module) -> dict[str, nn.Module]:

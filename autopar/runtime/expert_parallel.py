@@ -12,7 +12,8 @@ group, whose backward are two more (torch's ``all_to_all_single_autograd``):
   splits, the local experts run on the rows of every ep rank at once, and the reverse
   all-to-all returns them;
 - a transformers experts module (``forward(hidden_states, top_k_index,
-  top_k_weights)`` over stacked 3-D weights whose first dimension is ``num_experts``:
+  top_k_weights)``, GPT-OSS's naming the last two otherwise, over weights stacked over
+  ``num_experts`` in dimension 0, :func:`autopar.models.experts.is_routed_experts`:
   Mixtral, Qwen2-MoE, Qwen3-MoE, ...) is dropless: the assignments are sorted by expert,
   the ranks exchange their counts per expert (one more all-to-all, without gradient),
   the rows travel with those split sizes, the module's own forward runs on its local

@@ -209,6 +209,17 @@ def test_transformers_mixtral_experts_exchange_their_tokens_like_one_process(cas
     assert_parity(run(hf_train, plan.config.world_size, "mixtral", plan, STEPS, timeout_s=120), ref)
 
 
+def test_transformers_gpt_oss_experts_exchange_their_tokens_like_one_process():
+    """A tiny GPT-OSS at dp=2 ep=2: experts with biases, stacked transposed to Mixtral's,
+    whose forward names its arguments (hidden_states, router_indices, routing_weights);
+    each rank holds 2 of the 4 experts, biases included, and trains as one process."""
+    from test_models import gpt_oss, hf_reference, hf_train, make
+
+    plan = with_ep(make(gpt_oss(), dp=2), 2)
+    ref = hf_reference("gpt-oss", plan, steps=STEPS)
+    assert_parity(run(hf_train, plan.config.world_size, "gpt-oss", plan, STEPS, timeout_s=120), ref)
+
+
 def _resumable(rank, world, plan, path, resume, steps, save_at):
     job = parallelize(build(NAME), plan, loss_fn=token_loss, measure_memory=False)
     opt = job.optimizer(torch.optim.SGD, lr=LR, momentum=0.9)

@@ -39,43 +39,43 @@ def gpt2():
     )
 
 
+TINY_DECODER = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=SEQ,
+    use_cache=False,
+    bos_token_id=0,
+    eos_token_id=0,
+)
+"""The tiny transformers decoders' sizes."""
+TINY_MOE = {**TINY_DECODER, "num_local_experts": 4, "num_experts_per_tok": 2}
+"""The tiny mixtures of experts' sizes: 4 experts, top-2."""
+
+
 def llama():
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=LAYERS,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=SEQ,
-            use_cache=False,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-    )
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_DECODER))
 
 
 def mixtral():
     """A tiny Mixtral: transformers runs its 4 experts (top-2) as grouped matmuls."""
     torch.manual_seed(0)
-    return transformers.MixtralForCausalLM(
-        transformers.MixtralConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=LAYERS,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            max_position_embeddings=SEQ,
-            use_cache=False,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-    )
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(**TINY_MOE))
+
+
+def gpt_oss():
+    """A tiny GPT-OSS: 4 experts (top-2) with biases, their weights stacked transposed to
+    Mixtral's and their forward taking (hidden_states, router_indices, routing_weights)."""
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**TINY_MOE, head_dim=8))
+    for name, p in model.named_parameters():
+        if name.endswith("_bias") and "experts" in name:
+            torch.nn.init.normal_(p, std=0.1)  # zeros at init: values, so a misplaced bias would show
+    return model
 
 
 def resnet():
@@ -83,7 +83,7 @@ def resnet():
     return ResNet(CNNConfig(image_size=8, width=4, stages=2, blocks_per_stage=1, num_classes=4))
 
 
-BUILD = {"gpt2": gpt2, "llama": llama, "mixtral": mixtral}
+BUILD = {"gpt2": gpt2, "llama": llama, "mixtral": mixtral, "gpt-oss": gpt_oss}
 
 
 def hf_loss(output, target):

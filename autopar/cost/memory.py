@@ -267,6 +267,13 @@ def fsdp_wrapped(config: ParallelConfig) -> bool:
     return dp > 1 and (config.zero_stage >= 2 or uses_replicate(dp=dp, pipelined=config.pp > 1, tp=config.tp))
 
 
+def holds_gathered_params(config: ParallelConfig) -> bool:
+    """Whether the rank holds FSDP2's gathered copies of its parameters through the step
+    (ZeRO-2, and ZeRO-3 under pipelining): its parameter bytes in the prediction count
+    them beside the shards, though between steps it holds only the shards."""
+    return config.zero_stage == 2 or (config.zero_stage == 3 and config.pp > 1)
+
+
 def resharded_copy_bytes(config: ParallelConfig, stage_param_numels: list[float]) -> float:
     """Bytes of the gathered copies a multi-stage schedule keeps resharded on a rank whose
     stages hold ``stage_param_numels`` parameters each: those of all but its

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from autopar.cost.memory import holds_gathered_params
 from autopar.errors import AutoparError, ConfigError
 from autopar.graph.units import find_units
 from autopar.models.experts import experts_modules, is_routed_experts
@@ -105,7 +106,9 @@ class DryRunReport:
     :mod:`autopar.runtime.assumed_routing`), None where no such experts ran.
     ``eager_peak_bytes``: for compiled blocks run eager, the plan's peak per device priced
     eager, where the plan carries that contrast (``Alternative`` of status ``compile``):
-    what the eager step measured is like for like with it."""
+    what the eager step measured is like for like with it. ``gathered_params``: the
+    predicted parameter bytes count the gathered copies the step holds
+    (:func:`autopar.cost.memory.holds_gathered_params`), the held ones the shards alone."""
 
     plan: str
     world_size: int
@@ -115,6 +118,7 @@ class DryRunReport:
     synchronous_tp: bool = False
     assumed_routing: float | None = None
     eager_peak_bytes: float | None = None
+    gathered_params: bool = False
 
     @property
     def ok(self) -> bool:
@@ -145,6 +149,11 @@ class DryRunReport:
             )
         if self.assumed_routing is not None:
             lines.append(f"  note: {_routing_note(self.assumed_routing)}")
+        if self.ranks and self.gathered_params:
+            lines.append(
+                "  note: params held are the shards a rank keeps between steps; predicted params add the "
+                "gathered copies the plan's ZeRO stage keeps through the step (in the measured peak)"
+            )
         if self.ranks:
             lines.append("  rank  (pp,dp,cp,tp)  stages      params held   predicted params   predicted peak")
             for r in self.ranks:
@@ -252,6 +261,7 @@ def dry_run(
         eager_peak_bytes=_eager_peak_bytes(plan),
         synchronous_tp=plan.config.async_tp,
         assumed_routing=_assumed_routing(model, plan) if measure and reports else None,
+        gathered_params=holds_gathered_params(plan.config) and plan.config.state_shards > 1,
     )
 
 

@@ -86,6 +86,24 @@ def test_a_dry_run_holds_the_shard_groups_half_of_the_model_as_predicted():
     assert rank.param_bytes == rank.predicted_param_bytes == 4 * total / 2
 
 
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_a_dry_run_says_when_predicted_params_count_gathered_copies(zero_stage):
+    """ZeRO-2 keeps FSDP2's gathered parameters through the step, ZeRO-3 reshards them:
+    in both a rank holds a quarter of every fp32 parameter between steps (dp=4), and the
+    prediction adds, under ZeRO-2, the whole fp32 copy it gathers; the report says which
+    the two columns count."""
+    from autopar.runtime.dry_run import dry_run
+
+    plan = make_plan("gpt", dp=4, zero_stage=zero_stage)
+    report = dry_run(lambda: build("gpt", "meta"), plan)
+    (rank,) = report.ranks
+    total = sum(p.numel() for p in build("gpt").parameters())
+    assert rank.param_bytes == 4 * total / 4
+    assert rank.predicted_param_bytes == 4 * total / 4 + (4 * total if zero_stage == 2 else 0)
+    assert report.gathered_params == (zero_stage == 2)
+    assert ("predicted params add the gathered copies" in report.to_text()) == (zero_stage == 2)
+
+
 def test_hsdp_under_pipelining_trains_like_one_process():
     """8 ranks: pp=2 over dp=4 in shard groups of 2; the tied embedding and head, on the
     first and last pipeline rank, are reduced between them shard by shard."""

@@ -219,11 +219,12 @@ def state_bytes(
             rebuild_bytes=param_numel * GRAD_BYTES if ddp else 0.0,
         )
     master = param_numel * widen * MASTER_BYTES / dp
+    held = master + param_numel * unsharded_copy if gathers_through_step(zero_stage, pipelined) else master
     grads = param_numel * widen * GRAD_BYTES / dp
     whole_grad = whole_grad_numel * unsharded_copy  # sliced to the shard before the reduce-scatter
     if pipelined:
         return StateBytes(
-            params_bytes=master + param_numel * unsharded_copy,
+            params_bytes=held,
             grads_bytes=(param_numel + beyond_shard) * GRAD_BYTES,
             optimizer_bytes=opt_sharded,
             # the unit's compute-precision gradients until its post-backward casts them
@@ -232,13 +233,13 @@ def state_bytes(
     reduce_buffer = reduce_scatter_bytes(largest_unit_numel, dtype)
     if zero_stage == 2:
         return StateBytes(
-            params_bytes=master + param_numel * unsharded_copy,
+            params_bytes=held,
             grads_bytes=grads,
             optimizer_bytes=opt_sharded,
             transient_bytes=reduce_buffer + whole_grad,
         )
     return StateBytes(
-        params_bytes=master,
+        params_bytes=held,
         grads_bytes=grads,
         optimizer_bytes=opt_sharded,
         transient_bytes=2 * largest_unit_numel * unsharded_copy + reduce_buffer + whole_grad,
@@ -267,11 +268,18 @@ def fsdp_wrapped(config: ParallelConfig) -> bool:
     return dp > 1 and (config.zero_stage >= 2 or uses_replicate(dp=dp, pipelined=config.pp > 1, tp=config.tp))
 
 
+def gathers_through_step(zero_stage: int, pipelined: bool) -> bool:
+    """Whether FSDP2 keeps the parameters it gathers from a unit's first forward to its
+    last backward: ZeRO-2 (no reshard after forward), and ZeRO-3 under pipelining
+    (``PipelineStage`` keeps them gathered). ZeRO-0/1 hold whole parameters anyway."""
+    return zero_stage == 2 or (zero_stage == 3 and pipelined)
+
+
 def holds_gathered_params(config: ParallelConfig) -> bool:
     """Whether the rank holds FSDP2's gathered copies of its parameters through the step
-    (ZeRO-2, and ZeRO-3 under pipelining): its parameter bytes in the prediction count
-    them beside the shards, though between steps it holds only the shards."""
-    return config.zero_stage == 2 or (config.zero_stage == 3 and config.pp > 1)
+    (:func:`gathers_through_step`): its parameter bytes in the prediction count them
+    beside the shards, though between steps it holds only the shards."""
+    return gathers_through_step(config.zero_stage, config.pp > 1)
 
 
 def resharded_copy_bytes(config: ParallelConfig, stage_param_numels: list[float]) -> float:

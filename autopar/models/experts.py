@@ -25,6 +25,8 @@ ROUTED_SIGNATURES = (
 )
 """The forward arguments of a transformers experts module, in order: the tokens, each
 token's top-k experts and their weights (GPT-OSS names the last two otherwise)."""
+ROUTED_FORM = f"forward({', '.join(ROUTED_SIGNATURES[0])})"
+"""The routed experts' forward as messages name it."""
 
 
 def is_routed_experts(module: nn.Module) -> bool:

@@ -54,7 +54,7 @@ from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from autopar.models.experts import expert_count, experts_modules
+from autopar.models.experts import ROUTED_FORM, expert_count, experts_modules
 from autopar.models.moe import MoEFeedForward, swiglu_experts
 from autopar.plan import Plan
 from autopar.runtime.assumed_routing import assumed_routing
@@ -74,7 +74,7 @@ def check_expert_parallel(model: nn.Module, plan: Plan) -> None:
     if not found:
         raise ExpertParallelError(
             f"ep={cfg.ep}: {type(model).__name__} has no experts module (autopar's MoEFeedForward, or a module with "
-            f"stacked expert weights and forward(hidden_states, top_k_index, top_k_weights)); use ep=1."
+            f"stacked expert weights and {ROUTED_FORM}); use ep=1."
         )
     for name, module in found.items():
         if expert_count(module) % cfg.ep:

@@ -12,6 +12,7 @@ from autopar.cost.peak import frugal_peak_bytes
 from autopar.errors import InfeasiblePlanError
 from autopar.graph.layer_graph import LayerGraph
 from autopar.hardware.cluster import Cluster
+from autopar.models.experts import ROUTED_FORM
 from autopar.plan import Alternative, LayerStrategies, ModelSummary, ParallelConfig, Plan, PlanSettings
 from autopar.search.scan import SearchResult
 from autopar.search.solve import ConfigSolver, Outcome
@@ -214,7 +215,7 @@ def _notes(graph: LayerGraph, config: ParallelConfig) -> tuple[str, ...]:
         notes.append(
             f"The experts of {', '.join(graph.unsplit_experts)} run whole on every rank (ep=1), priced as the "
             f"dense matmuls their forward runs: expert parallelism splits only modules that take routed tokens, "
-            f"forward(hidden_states, top_k_index, top_k_weights), and autopar's MoEFeedForward."
+            f"{ROUTED_FORM}, and autopar's MoEFeedForward."
         )
     if graph.uncounted_ops:
         notes.append(

@@ -15,6 +15,7 @@ from typing import Any
 
 from autopar.errors import ConfigError
 from autopar.graph.layer_graph import LayerGraph
+from autopar.models.experts import ROUTED_FORM
 from autopar.search.integers import divisors
 
 
@@ -55,8 +56,7 @@ def check_expert_parallel(graph: LayerGraph, constraints: Mapping[str, Any]) -> 
     if not experts and graph.unsplit_experts:
         raise ConfigError(
             f"ep={ep} is not allowed for {graph.name}: its {', '.join(graph.unsplit_experts)} stack weights over "
-            f"experts but do not take routed tokens, forward(hidden_states, top_k_index, top_k_weights), so expert "
-            f"parallelism cannot split them; use ep=1."
+            f"experts but do not take routed tokens, {ROUTED_FORM}, so expert parallelism cannot split them; use ep=1."
         )
     if not experts:
         raise ConfigError(

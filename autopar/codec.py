@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import errno
 import json
 import math
 import types
@@ -72,8 +73,11 @@ def read_json(path: str | Path, *, what: str, error: type[AutoparError], remedy:
 
 def write_atomically(path: str | Path, text: str) -> Path:
     """Write ``text`` to ``path`` through a temporary file, so a crash never leaves half a
-    file; parents are created. Returns the path."""
+    file; parents are created. Returns the path. A directory or an empty path raises
+    ``IsADirectoryError`` before anything is written (no stray temporary file)."""
     p = Path(path)
+    if not str(path) or p.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "a directory, not a file", str(path))
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(p.name + ".tmp")
     tmp.write_text(text)

@@ -214,3 +214,16 @@ def test_a_version_9_plan_file_loads_holding_the_gathers(gpt2_plan):
     data["config"]["regather"] = False
     with pytest.raises(PlanFormatError, match="config.regather needs schema_version 10 or later \\(got 9\\)"):
         Plan.from_dict(data)
+
+
+def test_saving_onto_a_directory_is_refused_before_writing(gpt2_plan, tmp_path):
+    """A directory (or an empty path) as the file to write raises before any temporary file
+    appears beside it, which the atomic rename would otherwise leave behind."""
+    target = tmp_path / "plans"
+    target.mkdir()
+    with pytest.raises(IsADirectoryError):
+        gpt2_plan.save(target)
+    with pytest.raises(IsADirectoryError):
+        gpt2_plan.save("")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plans"]
+    assert list(target.iterdir()) == []

@@ -115,3 +115,16 @@ def test_a_missing_interface_stops_before_the_process_group():
     assert not [f for f in report.findings if f.check == "process group"]
     (err,) = report.errors()
     assert err.check == "environment" and err.ranks == (2,) and "nosuchnic0" in err.message and "lo" in err.fix
+
+
+def test_a_directory_as_out_is_refused_before_the_check(tmp_path, capsys):
+    """``--out`` naming a directory is one line before any rank starts, not an error after
+    the whole check has run."""
+    code = main(["doctor", "--nproc", "2", "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code != 0
+    assert "ranks joined" not in out.lower()
+    assert f"--out {str(tmp_path)!r} is a directory" in err
+    assert "Traceback" not in err
+    assert "wrote" not in out
+    assert list(tmp_path.iterdir()) == []

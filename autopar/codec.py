@@ -76,7 +76,7 @@ def write_atomically(path: str | Path, text: str) -> Path:
     file; parents are created. Returns the path. A directory or an empty path raises
     ``IsADirectoryError`` before anything is written (no stray temporary file)."""
     p = Path(path)
-    if not str(path) or p.is_dir():
+    if p.is_dir():  # an empty path is '.', a directory too
         raise IsADirectoryError(errno.EISDIR, "a directory, not a file", str(path))
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(p.name + ".tmp")

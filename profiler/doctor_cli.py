@@ -111,7 +111,7 @@ def settings_from_args(args: argparse.Namespace) -> DoctorSettings:
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
-    if args.out is not None and (not args.out.name or args.out.is_dir()):
+    if args.out is not None and args.out.is_dir():
         raise SettingsError(f"--out {str(args.out)!r} is a directory; give a file path for the JSON report.")
     if args.nproc is not None and args.nproc < 1:
         raise SettingsError(f"--nproc {args.nproc} is not allowed: give the number of local processes, at least 1.")

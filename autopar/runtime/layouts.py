@@ -428,8 +428,16 @@ def _reduce_to(
     *,
     last: bool,
 ) -> Layout:
-    """The layout a partial output is reduced to (module docstring, first rule)."""
-    siblings = {out[s] for c in consumers.get(i, ()) for s in producers.get(c, ()) if s != i and s in out}
+    """The layout a partial output is reduced to (module docstring, first rule). Where
+    leaf outputs meet the unit's input, they decide, as in :func:`_resolve_unit`'s
+    ``arrival`` (transformers hands each block its rotary tables, which reach the
+    attention beside q)."""
+    siblings: set[Layout] = set()
+    for c in consumers.get(i, ()):
+        others = {s for s in producers.get(c, ()) if s != i and s in out}
+        if len(others) > 1:
+            others.discard(UNIT_INPUT)
+        siblings |= {out[s] for s in others}
     if len(siblings) == 1:
         return siblings.pop()
     if len(siblings) > 1:

@@ -218,6 +218,22 @@ def test_transformers_models(name, case):
     assert_parity(as_reference_shapes(run(hf_train, plan.config.world_size, name, plan, timeout_s=120), ref), ref)
 
 
+@pytest.mark.parametrize("sp", [True, False], ids=["sp", "no-sp"])
+def test_transformers_llama_with_row_parallel_keys_and_values(sp):
+    """k and v row-parallel (reduced into head shards) beside a column-parallel q: the
+    planner's layout for Llama 3.1 70B and 405B at tp=4, whose 8 key/value heads make k
+    and v small. transformers hands each layer its rotary tables as inputs, which the
+    trace sees reaching the attention beside q; the dry run refused the plan ("summed
+    with tensors in several layouts") until the reduction ignored them as the other
+    meeting points do."""
+    styles = megatron("llama", sp)
+    for i in range(LAYERS):
+        styles[f"model.layers.{i}.self_attn.k_proj"] = styles[f"model.layers.{i}.self_attn.v_proj"] = "row"
+    plan = make(llama(), styles, tp=2, sequence_parallel=sp)
+    ref = hf_reference("llama", plan)
+    assert_parity(run(hf_train, 2, "llama", plan, timeout_s=120), ref)
+
+
 @pytest.mark.parametrize("case", ["dp2", "pp2", "tp2", "tp2-sp"])
 def test_transformers_mixtral(case):
     """A transformers mixture-of-experts model against the unsplit model: tokens route

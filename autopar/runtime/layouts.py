@@ -35,9 +35,10 @@ Pure functions of the graph and the styles: no process group, testable alone.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, LayerGraph, Leaf, LeafKind, Unit
+from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, LayerGraph, Leaf, LeafKind, Unit, UnitProfile
 from autopar.runtime.errors import PlanMismatchError, ShardingError
 from autopar.vocab import STYLE_IO, Layout, TPStyle
 
@@ -199,7 +200,7 @@ def resolve(
             arrives = boundary
         last = index == n - 1
         out, unit_leaves, hoisted, carried = _resolve_unit(
-            graph, unit, styles, arrives, boundary, last=last, loss_parallel=loss_parallel
+            graph.profiles[unit.profile], unit, styles, arrives, boundary, last=last, loss_parallel=loss_parallel
         )
         leaves.update(unit_leaves)
         module_inputs.update(hoisted)
@@ -222,8 +223,33 @@ def _single_module(unit: Unit) -> bool:
     return len(unit.modules) == 1 and unit.prefix == unit.modules[0]
 
 
+def refusal(
+    profile: UnitProfile,
+    styles: Sequence[TPStyle],
+    *,
+    arrives: Layout,
+    boundary: Layout,
+    last: bool,
+    loss_parallel: bool,
+) -> str | None:
+    """Why the runtime cannot run one unit under ``styles`` (one per leaf of ``profile``,
+    its input arriving in ``arrives``), or None when it can.
+
+    The planner prices each flow's conversion on its own, so its cost model admits
+    layouts whose tensors meet in user code in two layouts (q column-parallel beside a
+    replicated k), which :func:`resolve` refuses; the search asks this of the layouts it
+    picks, so every plan it returns runs."""
+    unit = Unit(fqn="unit", modules=(), prefix="", profile=0, param_numel=0)
+    named = {leaf.name: style for leaf, style in zip(profile.leaves, styles, strict=True)}
+    try:
+        _resolve_unit(profile, unit, named, arrives, boundary, last=last, loss_parallel=loss_parallel)
+    except ShardingError as err:
+        return str(err)
+    return None
+
+
 def _resolve_unit(
-    graph: LayerGraph,
+    prof: UnitProfile,
     unit: Unit,
     styles: dict[str, TPStyle],
     arrives: Layout,
@@ -232,7 +258,6 @@ def _resolve_unit(
     last: bool,
     loss_parallel: bool,
 ) -> tuple[Layout, dict[str, LeafLayout], dict[str, ModuleInput], dict[str, tuple[Layout, Layout]]]:
-    prof = graph.profiles[unit.profile]
     names = [unit.leaf_fqn(leaf.name) for leaf in prof.leaves]
     leaf_styles = [styles.get(name, TPStyle.REPLICATE) for name in names]
     consumers: dict[int, set[int]] = {}

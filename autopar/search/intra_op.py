@@ -10,6 +10,14 @@ and target layout however many consumers need it, and the partial input gradient
 column-parallel consumers once per producer (see :mod:`autopar.cost.tensor_parallel`,
 whose :func:`evaluate_layout` is the reference both are tested against).
 
+Only layouts the runtime can run are taken: the cost model prices each flow's
+conversion on its own and so admits layouts whose tensors would meet in user code in
+two layouts, which the runtime refuses (:func:`autopar.runtime.layouts.refusal`); the
+table is read in order of time until one runs, and the integer program excludes each
+refused answer and is solved again. Where none runs (a last unit that hands its own
+sequence-sharded input to the loss), the fastest is taken and the runtime refuses it by
+name.
+
 Solved once per distinct unit structure, TP degree and boundary layout (and, only
 where the costs are not affine in it, micro-batch size); a 96-block GPT needs one block
 solve per such configuration, not 96.
@@ -49,13 +57,18 @@ from autopar.cost.tensor_parallel import (
     transfer_s,
 )
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, UnitProfile
-from autopar.search.ilp import Program, check_solver, solve
+from autopar.runtime.layouts import refusal
+from autopar.search.ilp import Infeasible, Program, check_solver, solve
 from autopar.vocab import STYLE_IO, Layout, TPStyle
 
 MICROSECONDS = 1e6
 """The layout program's objective and its hidden-time rows are in microseconds: HiGHS
 stops at an absolute gap of 1e-6 and tolerates row violations of that order, which in
 seconds would blur layouts a microsecond apart."""
+
+MAX_REFUSED = 20
+"""How many layouts the integer program may propose that the runtime refuses (each is
+excluded and the program solved again) before the search takes its first answer."""
 
 TABLE_LIMIT = 200_000
 """Layout spaces up to this size are priced whole (:mod:`autopar.cost.layout_table`),
@@ -145,29 +158,54 @@ class LayoutSolver:
         return self._cache[full_key]
 
 
+def _runs(profile: UnitProfile, styles: tuple[TPStyle, ...], ctx: TPContext) -> bool:
+    """Whether the runtime can run ``profile`` under ``styles`` (:func:`autopar.runtime.layouts.refusal`)."""
+    reason = refusal(
+        profile,
+        styles,
+        arrives=ctx.input_layout,
+        boundary=ctx.boundary,
+        last=ctx.last,
+        loss_parallel=ctx.loss_parallel,
+    )
+    return reason is None
+
+
 def _from_table(profile, ctx, options, cap) -> tuple[tuple[TPStyle, ...], Layout]:
-    """The fastest layout (of those within ``cap`` parameters) by pricing them all
-    (:func:`autopar.cost.layout_table.layout_table`)."""
+    """The fastest layout the runtime can run (of those within ``cap`` parameters, else of
+    all) by pricing them all (:func:`autopar.cost.layout_table.layout_table`); where none
+    runs, the fastest (module docstring)."""
     table = layout_table(profile, ctx, options)
     time = table.time_s if cap is None else np.where(table.param_numel <= cap, table.time_s, np.inf)
-    best = int(np.argmin(time))
-    styles = tuple(opts[k] for opts, k in zip(options, table.choice[best].tolist()))
-    return styles, LAYOUTS[int(table.output[best])]
+    order = np.argsort(time, kind="stable").tolist()
+
+    def picked(c: int) -> tuple[tuple[TPStyle, ...], Layout]:
+        return tuple(opts[k] for opts, k in zip(options, table.choice[c].tolist())), LAYOUTS[int(table.output[c])]
+
+    for c in order:
+        if not np.isfinite(time[c]):
+            break
+        if _runs(profile, picked(c)[0], ctx):
+            return picked(c)
+    if cap is not None:
+        return _from_table(profile, ctx, options, None)
+    return picked(order[0])
 
 
 def brute_force_layout(profile: UnitProfile, ctx: TPContext) -> UnitCost:
-    """The fastest layout by enumerating every assignment (exponential: tests only)."""
+    """The fastest layout the runtime can run (where none runs, the fastest), by
+    enumerating every assignment (exponential: tests only)."""
     options = [allowed_styles(leaf, ctx) for leaf in profile.leaves]
-    best: UnitCost | None = None
+    best: dict[bool, UnitCost] = {}
     for styles in itertools.product(*options):
+        runs = _runs(profile, tuple(styles), ctx)
         for output in ctx.output_layouts():
             if output is not model_output_layout(profile, styles, ctx):
                 continue
             cost = evaluate_layout(profile, tuple(styles), output, ctx)
-            if best is None or cost.time_s < best.time_s - 1e-15:
-                best = cost
-    assert best is not None
-    return best
+            if runs not in best or cost.time_s < best[runs].time_s - 1e-15:
+                best[runs] = cost
+    return best[True] if True in best else best[False]
 
 
 def _solve_ilp(
@@ -258,10 +296,23 @@ def _solve_ilp(
         }
         prog.constrain(params, upper=param_cap)
     prog.cost = [c * MICROSECONDS for c in prog.cost]  # HiGHS's absolute gap and tolerances are ~1e-6
-    values = solve(prog, solver)
-    styles = tuple(next(s for s in opts if values[x[i, s]] > 0.5) for i, opts in enumerate(options))
-    output = next(lay for lay in outputs if values[o[lay]] > 0.5)
-    return styles, output
+    first: tuple[tuple[TPStyle, ...], Layout] | None = None
+    for _ in range(MAX_REFUSED):
+        try:
+            values = solve(prog, solver)
+        except Infeasible:
+            if first is None and param_cap is None:
+                raise
+            break
+        styles = tuple(next(s for s in opts if values[x[i, s]] > 0.5) for i, opts in enumerate(options))
+        found = styles, next(lay for lay in outputs if values[o[lay]] > 0.5)
+        if _runs(profile, styles, ctx):
+            return found
+        first = first or found
+        prog.constrain({x[i, s]: 1.0 for i, s in enumerate(styles)}, upper=len(styles) - 1.0)  # not this one again
+    if param_cap is not None:  # none of the smallest runs: the fastest of all
+        return _solve_ilp(profile, ctx, options, outputs, solver)
+    return first
 
 
 def _hide_fused(

@@ -19,6 +19,7 @@ from autopar.cost.model import CostModel
 from autopar.cost.peak import budget_bytes
 from autopar.cost.tensor_parallel import evaluate_layout, model_output_layout
 from autopar.graph import extract
+from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, Flow, Leaf, LeafKind, UnitProfile
 from autopar.hardware import Cluster, preset
 from autopar.models import (
     GPT,
@@ -31,6 +32,7 @@ from autopar.models import (
     get_named_model,
 )
 from autopar.plan import ParallelConfig
+from autopar.runtime.layouts import refusal
 from autopar.search.bounds import TimeBound
 from autopar.search.intra_op import LayoutSolver, brute_force_layout
 from autopar.search.scan import ALL_MODES, search
@@ -56,6 +58,7 @@ def test_layout_search_matches_brute_force_on_random_units(seed, table_limit):
         got = LayoutSolver(table_limit=table_limit).fastest(prof, ctx)
         want = brute_force_layout(prof, ctx)
         assert got.time_s == pytest.approx(want.time_s, rel=1e-9, abs=1e-15)
+        assert _refusal(prof, got.styles, ctx) is None
         # the loss gets the layout the runtime hands it, never a gathered column output
         assert got.output is model_output_layout(prof, got.styles, ctx)
         small = LayoutSolver(table_limit=table_limit).smallest(prof, ctx)
@@ -67,13 +70,111 @@ def test_layout_search_matches_brute_force_on_random_units(seed, table_limit):
         assert small.time_s == pytest.approx(want_small.time_s, rel=1e-9, abs=1e-15)
 
 
-def _every_layout(prof, ctx):
-    """Every layout the runtime can realise, priced by the reference."""
+def _every_layout(prof, ctx, *, runnable=True):
+    """Every layout the runtime can realise (``runnable``: that its sharding check
+    accepts), priced by the reference."""
     options = [allowed_styles(leaf, ctx) for leaf in prof.leaves]
     for styles in itertools.product(*options):
+        if runnable and _refusal(prof, styles, ctx):
+            continue
         for output in ctx.output_layouts():
             if output is model_output_layout(prof, styles, ctx):
                 yield evaluate_layout(prof, tuple(styles), output, ctx)
+
+
+def _refusal(prof, styles, ctx):
+    return refusal(
+        prof,
+        styles,
+        arrives=ctx.input_layout,
+        boundary=ctx.boundary,
+        last=ctx.last,
+        loss_parallel=ctx.loss_parallel,
+    )
+
+
+def _attention(kv_heads: int) -> UnitProfile:
+    """An attention block whose keys have ``kv_heads`` heads of 64 features: q, k and an
+    output projection o, the attention core where q and k meet before o."""
+
+    def linear(name, fin, fout, *, in_heads=0, out_heads=0):
+        flops = 2.0 * fin * fout * 64
+        return Leaf(
+            name=name,
+            kind=LeafKind.LINEAR,
+            param_numel=fin * fout,
+            weight_numel=fin * fout,
+            in_features=fin,
+            out_features=fout,
+            in_heads=in_heads,
+            out_heads=out_heads,
+            vocab=False,
+            fwd_flops=flops,
+            matmul_flops=flops,
+            fwd_bytes=2.0 * (fin * fout + 64 * (fin + fout)),
+            saved_bytes=2.0 * 64 * fin,
+        )
+
+    def flow(src, dst, nbytes, attn_flops=0.0):
+        return Flow(
+            src=src,
+            dst=dst,
+            tensor_bytes=nbytes,
+            glue_flops=0.0,
+            glue_bytes=0.0,
+            saved_bytes=0.0,
+            attn_flops=attn_flops,
+            attn_bytes=0.0,
+            attn_saved_bytes=0.0,
+        )
+
+    leaves = (
+        linear("q", 4096, 4096, out_heads=64),
+        linear("k", 4096, 64 * kv_heads, out_heads=kv_heads),
+        linear("o", 4096, 4096, in_heads=64),
+    )
+    width = 2.0 * 64
+    flows = (
+        flow(UNIT_INPUT, 0, width * 4096),
+        flow(UNIT_INPUT, 1, width * 4096),
+        flow(0, 2, width * 4096, attn_flops=4.0 * 64 * 64 * 4096),
+        flow(1, 2, width * 64 * kv_heads),
+        flow(2, UNIT_OUTPUT, width * 4096),
+        flow(UNIT_INPUT, UNIT_OUTPUT, width * 4096),
+    )
+    return UnitProfile(signature=f"mqa{kv_heads}", leaves=leaves, flows=flows, input_bytes=1e5, output_bytes=1e5)
+
+
+@pytest.mark.parametrize("table_limit", [0, 10**6], ids=["ilp", "table"])
+def test_the_layout_search_takes_the_fastest_layout_the_runtime_runs(table_limit):
+    """With one key head, k cannot be split by heads; the cost model's cheapest layout
+    computes k whole beside a column-parallel q, but the runtime refuses tensors that
+    meet in two layouts (its sharding check, run here on every layout). The search takes
+    the fastest layout the runtime accepts, for its fastest and its smallest layouts."""
+    prof = _attention(kv_heads=1)
+    ctx = layout_ctx(preset("dgx-a100-80gb", nodes=1), tp=2)
+    cheapest = min(_every_layout(prof, ctx, runnable=False), key=lambda c: c.time_s)
+    assert "different tensor-parallel layouts" in _refusal(prof, cheapest.styles, ctx)
+    got = LayoutSolver(table_limit=table_limit).fastest(prof, ctx)
+    assert _refusal(prof, got.styles, ctx) is None
+    assert got.time_s == pytest.approx(min(c.time_s for c in _every_layout(prof, ctx)), rel=1e-9, abs=1e-15)
+    assert got.time_s > cheapest.time_s
+    small = LayoutSolver(table_limit=table_limit).smallest(prof, ctx)
+    assert _refusal(prof, small.styles, ctx) is None
+
+
+@pytest.mark.parametrize("table_limit", [0, 10**6], ids=["ilp", "table"])
+def test_where_no_layout_runs_the_search_takes_the_fastest(table_limit):
+    """A last unit that hands its own sequence-sharded input to the loss has no layout
+    the runtime runs (it refuses each, naming the model's output); the search then
+    takes the cheapest, for the runtime to refuse by name."""
+    prof = random_profile(random.Random(61))
+    ctx = layout_ctx(preset("dgx-a100-80gb", nodes=2), tp=4, sp=True, mbs=3, last=True)
+    assert not list(_every_layout(prof, ctx))
+    cheapest = min(_every_layout(prof, ctx, runnable=False), key=lambda c: c.time_s)
+    got = LayoutSolver(table_limit=table_limit).fastest(prof, ctx)
+    assert got.time_s == pytest.approx(cheapest.time_s, rel=1e-9, abs=1e-15)
+    assert "the model's output" in _refusal(prof, got.styles, ctx)
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])

@@ -17,7 +17,9 @@ agree by construction:
   what arrives into what it needs at its input (a column leaf after a sequence-parallel
   norm all-gathers, Megatron's ``f``);
 - tensors that meet in the glue must be in the same layout, else the plan is refused
-  naming the leaves (e.g. q column-sharded but k replicated). Where leaf outputs meet
+  naming the leaves (e.g. q column-sharded but k replicated); nor may the glue's
+  attention read sequence shards (OLMo 2's norm over the whole query projection
+  run on sequence shards), since attention reads every position. Where leaf outputs meet
   the unit's input, the leaf outputs decide: the tracer attributes constants made inside
   a unit (positions, rotary tables, the loss's targets) to the unit input, and the real
   residual stream is already in the layout partial outputs are reduced to;
@@ -310,6 +312,13 @@ def _resolve_unit(
             )
         return seen.pop()
 
+    for flow in prof.flows:
+        if flow.attn_flops > 0 and flow.src >= 0 and out[flow.src] is Layout.Q:
+            raise ShardingError(
+                f"layer {names[flow.src]!r} (style {leaf_styles[flow.src].value!r}) hands the attention in unit "
+                f"{unit.fqn!r} sequence shards, but attention reads every position of the sequence: give it a "
+                f"style whose output keeps whole sequences ('replicate' for a norm inside the attention)."
+            )
     arrives_at = {i: arrival(i) for i in range(len(names))}
     hoisted = _hoist(unit, names, leaf_styles, arrives_at, producers, dtensor_out)
     for conversion in hoisted.values():

@@ -226,6 +226,33 @@ def test_dry_run_takes_a_model_config(name, hf, tmp_path, capsys):
     assert "the config names no architectures" in err
 
 
+def test_olmo2s_whole_projection_norms_are_not_planned_on_sequence_shards(tmp_path, capsys):
+    """OLMo 2 13B's widths (two of its 40 layers) at tp=4 on four H100 nodes: its
+    q_norm and k_norm normalise the whole query and key projections before the
+    attention. The planner ran them on sequence shards, so the attention would have
+    read sequence shards (the runtime's check now refuses that); the plan it makes now
+    keeps them whole, and its dry run passes that check."""
+    config = transformers.Olmo2Config(
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_hidden_layers=2,
+        num_attention_heads=40,
+        num_key_value_heads=40,
+        vocab_size=100352,
+        max_position_embeddings=4096,
+    )
+    folder = _saved(config, tmp_path / "olmo2")
+    plan = tmp_path / "plan.json"
+    cluster = "--cluster dgx-h100:4 --global-batch-size 64 --seq-len 4096 --set tp=4"
+    code, _, err = _run(f"plan --model-config {folder} {cluster} --out {plan}", capsys)
+    assert code == 0, err
+    styles = json.loads(plan.read_text())["layer_strategies"]["tp"]
+    assert styles["model.layers.0.self_attn.q_proj"] == "column"
+    assert styles.get("model.layers.0.self_attn.q_norm", "replicate") != "sequence", styles
+    code, out, err = _run(f"dry-run --plan {plan} --model-config {folder}", capsys)
+    assert code == 0 and ": OK" in out, out + err
+
+
 @pytest.mark.parametrize("name", ["bert", "llama"])
 def test_profile_model_takes_a_model_config(name, hf, tmp_path, capsys):
     out = tmp_path / "m.json"

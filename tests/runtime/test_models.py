@@ -12,7 +12,8 @@ from torch import nn
 
 import autopar
 from autopar.models import CNNConfig, ResNet
-from autopar.runtime.api import parallelize
+from autopar.runtime.api import analyse, parallelize
+from autopar.runtime.errors import ShardingError
 
 pytestmark = pytest.mark.multiprocess
 transformers = pytest.importorskip("transformers")
@@ -232,6 +233,37 @@ def test_transformers_llama_with_row_parallel_keys_and_values(sp):
     plan = make(llama(), styles, tp=2, sequence_parallel=sp)
     ref = hf_reference("llama", plan)
     assert_parity(run(hf_train, 2, "llama", plan, timeout_s=120), ref)
+
+
+def olmo2():
+    """A tiny OLMo 2: its q_norm and k_norm normalise the whole query and key
+    projections (not each head), before the attention."""
+    torch.manual_seed(0)
+    return transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**TINY_DECODER, pad_token_id=0))
+
+
+def _olmo2_styles(qk_norm: str) -> dict[str, str]:
+    """The planner's OLMo 2 layout at tp=2 with sequence parallelism, its q_norm and
+    k_norm given ``qk_norm``."""
+    styles = megatron("llama", sp=True)
+    for i in range(LAYERS):
+        del styles[f"model.layers.{i}.input_layernorm"]  # OLMo 2 normalises after each sublayer
+        styles[f"model.layers.{i}.post_feedforward_layernorm"] = "sequence"
+        styles[f"model.layers.{i}.self_attn.v_proj"] = "row"
+        for norm in ("q_norm", "k_norm"):
+            styles[f"model.layers.{i}.self_attn.{norm}"] = qk_norm
+    return styles
+
+
+def test_olmo2_under_tensor_and_sequence_parallelism():
+    """The planner's layout for OLMo 2 (q and k column-parallel, gathered for their
+    whole-projection norms, v row-parallel) matches one process. Its previous layout
+    ran those norms on sequence shards, so the attention read sequence shards: the
+    runtime now refuses that (test_hf_cli: the planner no longer offers it)."""
+    plan = make(olmo2(), _olmo2_styles("replicate"), tp=2, sequence_parallel=True)
+    assert_parity(run(hf_train, 2, olmo2, plan, timeout_s=120), hf_reference(olmo2, plan))
+    with pytest.raises(ShardingError, match="sequence shards, but attention reads every position"):
+        analyse(olmo2(), make(olmo2(), _olmo2_styles("sequence"), tp=2, sequence_parallel=True))
 
 
 @pytest.mark.parametrize("case", ["dp2", "pp2", "tp2", "tp2-sp"])

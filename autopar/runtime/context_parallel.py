@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
 from torch.overrides import TorchFunctionMode
 
-from autopar.graph.extract import training_kwargs
+from autopar.graph.extract import training_kwargs, unpacked_sequences
 from autopar.models.moe import MoEFeedForward
 from autopar.plan import Plan
 from autopar.runtime.errors import ContextParallelError
@@ -151,8 +151,10 @@ def check_context_parallel(model: nn.Module, plan: Plan) -> None:
     device = next(iter(model.parameters())).device
     probe = _AttentionCalls()
     # a real forward of 2 x cp tokens (on the meta device for a meta model): under fake
-    # tensors transformers takes the forward for a trace and builds an explicit mask
-    with torch.no_grad(), torch.random.fork_rng(devices=[]), probe:
+    # tensors transformers takes the forward for a trace and builds an explicit mask; on
+    # meta its check for packed sequences cannot read the positions, which are one
+    # sequence per row here as on a real run
+    with torch.no_grad(), torch.random.fork_rng(devices=[]), unpacked_sequences(), probe:
         model(torch.zeros(1, 2 * cp, dtype=torch.long, device=device), **training_kwargs(model))
     if not probe.calls:
         raise ContextParallelError(

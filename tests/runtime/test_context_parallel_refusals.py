@@ -96,3 +96,20 @@ def test_sliding_window_attention_narrower_than_the_sequence_is_refused():
     model = build_decoder("mistral")
     with pytest.raises(ContextParallelError, match=r"sliding-window attention \(sliding_window=8 < seq_len=16\)"):
         analyse(model, with_cp(make(model), 2))
+
+
+def test_a_transformers_decoder_on_the_meta_device_passes_the_check():
+    """The dry run builds a transformers model on the meta device; the check's trial
+    forward reaches transformers' test for packed sequences, which reads the position
+    ids' values (``.item()`` on meta raised). A causal Llama passes, as on real weights;
+    a narrow sliding window is still refused."""
+    from hf_decoders import build_decoder
+    from test_models import make
+
+    model = build_decoder("llama")
+    with torch.device("meta"):
+        meta = type(model)(model.config)
+    analyse(meta, with_cp(make(model), 2))
+    windowed = build_decoder("mistral")
+    with torch.device("meta"), pytest.raises(ContextParallelError, match="sliding-window attention"):
+        analyse(type(windowed)(windowed.config), with_cp(make(windowed), 2))

@@ -66,9 +66,11 @@ MICROSECONDS = 1e6
 stops at an absolute gap of 1e-6 and tolerates row violations of that order, which in
 seconds would blur layouts a microsecond apart."""
 
-MAX_REFUSED = 20
+MAX_REFUSED = 1_000
 """How many layouts the integer program may propose that the runtime refuses (each is
-excluded and the program solved again) before the search takes its first answer."""
+excluded and the program solved again) before it takes its first answer. Refused
+layouts are few among a real block's fastest; a random unit's can be dozens, and a
+unit with fewer layouts than this gets the exact answer."""
 
 TABLE_LIMIT = 200_000
 """Layout spaces up to this size are priced whole (:mod:`autopar.cost.layout_table`),
@@ -99,8 +101,9 @@ class LayoutSolver:
         return self._layout(profile, ctx, small=False)
 
     def smallest(self, profile: UnitProfile, ctx: TPContext) -> UnitCost:
-        """The fastest among the layouts holding the fewest parameters (often the
-        fastest layout itself, which then needs no second solve)."""
+        """The fastest of the layouts the runtime runs that hold the fewest parameters
+        of any it runs (often the fastest layout itself, which then needs no second
+        solve)."""
         fast = self._layout(profile, ctx, small=False)
         if fast.param_numel <= self._fewest(profile, ctx):
             return fast
@@ -108,20 +111,18 @@ class LayoutSolver:
 
     @staticmethod
     def _fewest(profile: UnitProfile, ctx: TPContext) -> float:
-        """The fewest parameters any layout holds: separable per leaf."""
-        return (
+        """The fewest parameters any layout holds, run or not (separable per leaf): a
+        fastest layout holding no more is the smallest too."""
+        return _cap(
             sum(
                 min(leaf_param_numel(leaf, s, ctx.tp, ctx.ep) for s in allowed_styles(leaf, ctx))
                 for leaf in profile.leaves
             )
-            * (1 + 1e-9)
-            + 1e-6
         )
 
     def _layout(self, profile: UnitProfile, ctx: TPContext, *, small: bool) -> UnitCost:
         options = [allowed_styles(leaf, ctx) for leaf in profile.leaves]
         outputs = ctx.output_layouts()
-        cap = self._fewest(profile, ctx) if small else None
         key = (
             id(profile),
             ctx.tp,
@@ -139,21 +140,22 @@ class LayoutSolver:
         b = ctx.micro_batch
         affine = not ctx.rates.curve
         if affine and self._ends and self._ends[0] <= b <= self._ends[1]:
-            lo = self._styles(profile, replace(ctx, micro_batch=self._ends[0]), options, outputs, cap, key)
-            hi = self._styles(profile, replace(ctx, micro_batch=self._ends[1]), options, outputs, cap, key)
+            lo = self._styles(profile, replace(ctx, micro_batch=self._ends[0]), options, outputs, small, key)
+            hi = self._styles(profile, replace(ctx, micro_batch=self._ends[1]), options, outputs, small, key)
             if lo == hi:
                 return evaluate_layout(profile, lo[0], lo[1], ctx)
-        styles, output = self._styles(profile, ctx, options, outputs, cap, key)
+        styles, output = self._styles(profile, ctx, options, outputs, small, key)
         return evaluate_layout(profile, styles, output, ctx)
 
-    def _styles(self, profile, ctx, options, outputs, cap, key) -> tuple[tuple[TPStyle, ...], Layout]:
+    def _styles(self, profile, ctx, options, outputs, small, key) -> tuple[tuple[TPStyle, ...], Layout]:
         full_key = (*key, ctx.micro_batch)
         if full_key not in self._cache:
             combinations = math.prod(len(o) for o in options)
             if combinations <= self._table_limit:
-                self._cache[full_key] = _from_table(profile, ctx, options, cap)
+                self._cache[full_key] = _from_table(profile, ctx, options, small=small)
             else:
                 self.solves += 1
+                cap = _fewest_runnable(profile, ctx, options, self._solver) if small else None
                 self._cache[full_key] = _solve_ilp(profile, ctx, options, outputs, self._solver, param_cap=cap)
         return self._cache[full_key]
 
@@ -171,25 +173,64 @@ def _runs(profile: UnitProfile, styles: tuple[TPStyle, ...], ctx: TPContext) -> 
     return reason is None
 
 
-def _from_table(profile, ctx, options, cap) -> tuple[tuple[TPStyle, ...], Layout]:
-    """The fastest layout the runtime can run (of those within ``cap`` parameters, else of
-    all) by pricing them all (:func:`autopar.cost.layout_table.layout_table`); where none
-    runs, the fastest (module docstring)."""
+def _from_table(profile, ctx, options, *, small: bool) -> tuple[tuple[TPStyle, ...], Layout]:
+    """The fastest layout the runtime can run (``small``: of those holding the fewest
+    parameters of any it runs) by pricing them all
+    (:func:`autopar.cost.layout_table.layout_table`); where none runs, the fastest
+    (module docstring)."""
     table = layout_table(profile, ctx, options)
-    time = table.time_s if cap is None else np.where(table.param_numel <= cap, table.time_s, np.inf)
-    order = np.argsort(time, kind="stable").tolist()
 
     def picked(c: int) -> tuple[tuple[TPStyle, ...], Layout]:
         return tuple(opts[k] for opts, k in zip(options, table.choice[c].tolist())), LAYOUTS[int(table.output[c])]
 
+    time = table.time_s
+    if small:
+        fewest = next(
+            (
+                float(table.param_numel[c])
+                for c in np.argsort(table.param_numel, kind="stable").tolist()
+                if _runs(profile, picked(c)[0], ctx)
+            ),
+            None,
+        )
+        if fewest is not None:
+            time = np.where(table.param_numel <= _cap(fewest), time, np.inf)
+    order = np.argsort(time, kind="stable").tolist()
     for c in order:
         if not np.isfinite(time[c]):
             break
         if _runs(profile, picked(c)[0], ctx):
             return picked(c)
-    if cap is not None:
-        return _from_table(profile, ctx, options, None)
     return picked(order[0])
+
+
+def _cap(numel: float) -> float:
+    """Parameters within rounding of ``numel``: the layouts a smallest one is chosen among."""
+    return numel * (1 + 1e-9) + 1e-6
+
+
+def _fewest_runnable(profile: UnitProfile, ctx: TPContext, options, solver: str) -> float | None:
+    """A parameter cap holding the layouts with the fewest parameters of any the runtime
+    runs (an integer program over the styles, each refused answer excluded); None where
+    none runs within :data:`MAX_REFUSED` answers."""
+    prog = Program("fewest_params")
+    x = {
+        (i, s): prog.binary(cost=leaf_param_numel(profile.leaves[i], s, ctx.tp, ctx.ep))
+        for i, opts in enumerate(options)
+        for s in opts
+    }
+    for i, opts in enumerate(options):
+        prog.constrain({x[i, s]: 1.0 for s in opts}, lower=1.0, upper=1.0)
+    for _ in range(MAX_REFUSED):
+        try:
+            values = solve(prog, solver)
+        except Infeasible:
+            return None
+        styles = tuple(next(s for s in opts if values[x[i, s]] > 0.5) for i, opts in enumerate(options))
+        if _runs(profile, styles, ctx):
+            return _cap(sum(leaf_param_numel(leaf, s, ctx.tp, ctx.ep) for leaf, s in zip(profile.leaves, styles)))
+        prog.constrain({x[i, s]: 1.0 for i, s in enumerate(styles)}, upper=len(styles) - 1.0)
+    return None
 
 
 def brute_force_layout(profile: UnitProfile, ctx: TPContext) -> UnitCost:
@@ -300,18 +341,14 @@ def _solve_ilp(
     for _ in range(MAX_REFUSED):
         try:
             values = solve(prog, solver)
-        except Infeasible:
-            if first is None and param_cap is None:
-                raise
-            break
+        except Infeasible:  # every layout was refused: the fastest
+            return first
         styles = tuple(next(s for s in opts if values[x[i, s]] > 0.5) for i, opts in enumerate(options))
         found = styles, next(lay for lay in outputs if values[o[lay]] > 0.5)
         if _runs(profile, styles, ctx):
             return found
         first = first or found
         prog.constrain({x[i, s]: 1.0 for i, s in enumerate(styles)}, upper=len(styles) - 1.0)  # not this one again
-    if param_cap is not None:  # none of the smallest runs: the fastest of all
-        return _solve_ilp(profile, ctx, options, outputs, solver)
     return first
 
 

@@ -463,15 +463,16 @@ def _reduce_to(
     last: bool,
 ) -> Layout:
     """The layout a partial output is reduced to (module docstring, first rule). Where
-    leaf outputs meet the unit's input, they decide, as in :func:`_resolve_unit`'s
-    ``arrival`` (transformers hands each block its rotary tables, which reach the
-    attention beside q)."""
+    other leaves' outputs meet the unit's input, they decide, as in
+    :func:`_resolve_unit`'s ``arrival`` (transformers hands each block its rotary
+    tables, which reach the attention beside q), even while they are partial too (q, k
+    and v all row-parallel are reduced to what the attention's consumer needs)."""
     siblings: set[Layout] = set()
     for c in consumers.get(i, ()):
-        others = {s for s in producers.get(c, ()) if s != i and s in out}
-        if len(others) > 1:
-            others.discard(UNIT_INPUT)
-        siblings |= {out[s] for s in others}
+        others = producers.get(c, set()) - {i}
+        if any(s >= 0 for s in others):
+            others = others - {UNIT_INPUT}
+        siblings |= {out[s] for s in others if s in out}
     if len(siblings) == 1:
         return siblings.pop()
     if len(siblings) > 1:

@@ -220,16 +220,19 @@ def test_transformers_models(name, case):
 
 
 @pytest.mark.parametrize("sp", [True, False], ids=["sp", "no-sp"])
-def test_transformers_llama_with_row_parallel_keys_and_values(sp):
-    """k and v row-parallel (reduced into head shards) beside a column-parallel q: the
-    planner's layout for Llama 3.1 70B and 405B at tp=4, whose 8 key/value heads make k
-    and v small. transformers hands each layer its rotary tables as inputs, which the
-    trace sees reaching the attention beside q; the dry run refused the plan ("summed
-    with tensors in several layouts") until the reduction ignored them as the other
-    meeting points do."""
+@pytest.mark.parametrize("rows", ["kv", "qkv"])
+def test_transformers_llama_with_row_parallel_projections(sp, rows):
+    """k and v (or q, k and v) row-parallel, reduced into head shards for the attention:
+    the planner's layout for Llama 3.1 70B and 405B at tp=4, whose 8 key/value heads
+    make k and v small. transformers hands each layer its rotary tables as inputs, which
+    the trace sees reaching the attention beside q; the dry run refused the plan
+    ("summed with tensors in several layouts") until the reduction let the other
+    projections decide, as the other meeting points do; with all three row-parallel it
+    reduced them to sequence shards, which the attention cannot read."""
     styles = megatron("llama", sp)
     for i in range(LAYERS):
-        styles[f"model.layers.{i}.self_attn.k_proj"] = styles[f"model.layers.{i}.self_attn.v_proj"] = "row"
+        for p in rows:
+            styles[f"model.layers.{i}.self_attn.{p}_proj"] = "row"
     plan = make(llama(), styles, tp=2, sequence_parallel=sp)
     ref = hf_reference("llama", plan)
     assert_parity(run(hf_train, 2, "llama", plan, timeout_s=120), ref)

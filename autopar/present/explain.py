@@ -19,7 +19,8 @@ def explain(plan: Plan, *, top: int = 5) -> str:
     b = p.breakdown
     lines = [
         f"autopar plan: {m.name} ({count(m.num_params)} parameters) on {cl.describe()}",
-        f"  batch {m.global_batch_size} x {m.seq_len} tokens, {c.dtype.value}, {plan.settings.optimizer.value} "
+        f"  batch {m.global_batch_size} x {m.seq_len} tokens, {c.dtype.value}{' with FP8 matmuls' if c.fp8 else ''}, "
+        f"{plan.settings.optimizer.value} "
         f"optimizer, {plan.settings.attention.value} attention",
         "",
         f"Configuration  dp={c.dp} x {_cp(c)}tp={c.tp} x pp={c.pp}{_ep(c)} ({_mesh(c)}), micro-batch {c.micro_batch_size} x "
@@ -27,7 +28,8 @@ def explain(plan: Plan, *, top: int = 5) -> str:
         f"{', sequence parallel' if c.sequence_parallel else ''}",
         f"Predicted      step {duration(p.step_time_s)} | {p.samples_per_s:,.1f} samples/s | "
         f"{p.tokens_per_s:,.0f} tokens/s | "
-        f"{rate(p.tflops_per_device * 1e12)} per device | MFU {100 * p.mfu:.1f}% (HFU {100 * p.hfu:.1f}%)",
+        f"{rate(p.tflops_per_device * 1e12)} per device | MFU {100 * p.mfu:.1f}% (HFU {100 * p.hfu:.1f}%)"
+        f"{f' of the {c.dtype.value} peak (FP8 matmuls run faster)' if c.fp8 else ''}",
         f"Memory         {size(p.memory_bytes_per_device)} peak per device of "
         f"{size(p.memory_capacity_bytes)} ({'fits' if p.fits else 'DOES NOT FIT'}); {_worst_memory(plan)}",
         f"Step time      {_breakdown(p.step_time_s, b)}",

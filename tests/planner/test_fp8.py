@@ -109,6 +109,11 @@ def test_fp8_is_searched_on_h100_and_refused_where_it_cannot_run():
         line = next(x for x in autopar.explain(plan).splitlines() if x.startswith("FP8 matmuls"))
         assert f"{100 * other.slower_by:+.1f}%" in line
         assert ("bf16 (--set fp8=false)" if wins else "FP8 (--set fp8=true)") in line
+        header, predicted = (
+            next(x for x in autopar.explain(plan).splitlines() if x.lstrip().startswith(k))
+            for k in ("batch 16", "Predicted")
+        )
+        assert ("bf16 with FP8 matmuls" in header) is wins and ("of the bf16 peak" in predicted) is wins
         pinned = [
             autopar.plan(llama, H100, global_batch_size=16, seq_len=2048, constraints={"fp8": f}).prediction.step_time_s
             for f in (False, True)

@@ -24,9 +24,9 @@ from autopar.cost.data_parallel import unhidden_floor_s
 from autopar.cost.pipeline import inflight_microbatches, least_stage_inflight, pipeline_lower_bound_s, pipeline_time_s
 from autopar.cost.stage import runs_buffer_bytes, stage_p2p_s
 from autopar.plan import ParallelConfig
+from autopar.search.run_times import homogeneous_times, single_and_run_times
 from autopar.search.solve import ConfigSolver, Skeleton
 from autopar.search.split_table import skeleton_stage_times
-from autopar.search.stage_solver import homogeneous_times, single_and_run_times
 from autopar.vocab import Recompute
 
 

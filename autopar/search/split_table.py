@@ -6,8 +6,8 @@ of identical units, so a range's time depends on few things: for a skeleton (a r
 blocks between at most one unit on each side: a transformer), only the stage and how
 many blocks it holds. Those are priced as arrays over the count, once per stage (its
 in-flight count, what it sends and receives), from the knapsack's closed form
-vectorised over counts and stages (:func:`~autopar.search.stage_solver.homogeneous_times`,
-:func:`~autopar.search.stage_solver.single_and_run_times`), and the band is filled by
+vectorised over counts and stages (:func:`~autopar.search.run_times.homogeneous_times`,
+:func:`~autopar.search.run_times.single_and_run_times`), and the band is filled by
 broadcasting them. Another model's ranges (a CNN's mixed units) are solved as stages,
 once per distinct content. Entries above a cutoff stay infinite: no split better than
 the even one uses a stage dearer than the cutoff, nor one of more units than the cutoff
@@ -25,7 +25,7 @@ import numpy as np
 
 from autopar.cost.stage import rank_buffer_bytes, stage_p2p_s
 from autopar.plan import ParallelConfig
-from autopar.search.stage_solver import homogeneous_times, single_and_run_times
+from autopar.search.run_times import homogeneous_times, single_and_run_times
 from autopar.vocab import Recompute
 
 if TYPE_CHECKING:

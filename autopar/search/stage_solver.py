@@ -9,9 +9,15 @@ solved exactly:
 - units in groups of identical units (the blocks of a transformer) share one layout per
   stage and choose recompute modes by count: with the options sorted by time (and hence
   by decreasing memory) the best counts follow from the numbers of the options slower
-  than the fastest two by a closed form, a scan of O(k^2) vectorised cases at most;
-- anything else (several kinds of repeated blocks, or all-different units as in a CNN)
-  is an integer program with counts per option, solved with pulp/HiGHS.
+  than the fastest two by a closed form, a scan of O(k^2) vectorised cases at most
+  (:mod:`autopar.search.run_times`);
+- two kinds of repeated blocks (Gemma 3's five sliding-window layers to one global,
+  dense layers between mixture-of-experts ones): every count of the smaller group's
+  options whose time no lighter count beats, each with the larger group's closed form
+  for the memory left, vectorised over those counts;
+- anything else (three kinds of repeated blocks or more, all-different units as in a
+  CNN, two kinds of a V's rank weighing activations unequally) is an integer program
+  with counts per option, solved with pulp/HiGHS.
 
 :func:`brute_force_stage` enumerates every per-unit assignment: the reference both paths
 are tested against.
@@ -28,6 +34,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from autopar.search.ilp import Infeasible, Program, solve
+from autopar.search.run_times import mix_totals, pareto, run_times, splits
 from autopar.search.split_weights import TwoWeights, placed_act_bytes
 from autopar.search.split_weights import best_counts as two_weights_counts
 
@@ -110,6 +117,8 @@ def solve_stage(
         room = budget_bytes - tau
         if len(multi) <= 1 and single_combos <= 64:
             found = _solve_closed_form(allowed, room, inflight, multi, singles, weights)
+        elif len(multi) == 2 and single_combos <= 64 and not (weights and any(weights[g] for g in multi)):
+            found = _solve_two_kinds(allowed, room, inflight, multi, singles)
         else:
             found = _solve_ilp_weighted(allowed, room, inflight, solver, weights)
         if found is None:
@@ -215,6 +224,70 @@ def _solve_closed_form(groups, room: float, inflight: float, multi: list[int], s
     return best
 
 
+def _solve_two_kinds(groups, room: float, inflight: float, multi: list[int], singles: list[int]):
+    """Two groups of identical units beside at most 64 combinations of single units:
+    every count of the smaller group's options on its time-memory frontier (per layout,
+    :func:`autopar.search.run_times.pareto`), the larger group's best time in the memory
+    each leaves (:func:`autopar.search.run_times.run_times`, vectorised over them)."""
+    small, large = sorted(multi, key=lambda g: (groups[g][0], g))
+    k_small, opts_small = groups[small]
+    k_large, opts_large = groups[large]
+    weight, time, counts = _frontier(k_small, opts_small, inflight)
+    best_t, best = math.inf, None
+    for combo in itertools.product(*(range(len(groups[i][1])) for i in singles)):
+        picked = [groups[i][1][j] for i, j in zip(singles, combo)]
+        used_t = sum(o.time_s for o in picked)
+        used_m = sum(o.static_bytes + inflight * o.act_bytes for o in picked)
+        rest = room - used_m - weight
+        large_t = run_times(opts_large, list(range(len(opts_large))), k_large, rest, inflight, counts=[k_large])[:, 0]
+        total = used_t + time + large_t
+        f = int(np.argmin(total))
+        if total[f] < best_t - 1e-15:
+            best_t, best = float(total[f]), (combo, f, float(rest[f]))
+    if best is None:
+        return None
+    combo, f, rest = best
+    found = _best_counts(k_large, opts_large, rest, inflight)
+    if found is None:  # the vectorised and the scalar closed form disagree at the memory's edge
+        return None
+    out: list[dict[int, int]] = [{} for _ in groups]
+    for i, j in zip(singles, combo):
+        out[i] = {j: 1}
+    out[small], out[large] = dict(counts[f]), found[1]
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _frontier(k: int, opts: tuple[Priced, ...], inflight: float) -> tuple[np.ndarray, np.ndarray, list[dict[int, int]]]:
+    """Every way ``k`` identical units sharing a layout can take its options (those worth
+    keeping) that no way holding fewer bytes beats in time: bytes, times and counts,
+    lightest first (cached: a band asks for the same groups under many budgets)."""
+    weights, times, ways = [], [], []
+    for lay in sorted({o.layout for o in opts}):
+        idx = pareto(opts, [i for i, o in enumerate(opts) if o.layout == lay], inflight)
+        counts = _compositions(k, len(idx))
+        weights.append(counts @ np.array([opts[i].static_bytes + inflight * opts[i].act_bytes for i in idx]))
+        times.append(counts @ np.array([opts[i].time_s for i in idx]))
+        ways += [(idx, row) for row in counts]
+    weight, time = np.concatenate(weights), np.concatenate(times)
+    order = np.lexsort((time, weight))
+    best_before = np.minimum.accumulate(np.concatenate([[np.inf], time[order][:-1]]))
+    chosen = order[time[order] < best_before].tolist()
+    weight, time = weight[chosen], time[chosen]
+    weight.setflags(write=False)
+    time.setflags(write=False)
+    return weight, time, [{i: int(n) for i, n in zip(*ways[c]) if n} for c in chosen]
+
+
+@functools.cache
+def _compositions(k: int, parts: int) -> np.ndarray:
+    """Every vector of ``parts`` non-negative counts summing to ``k``, one row each."""
+    rows = [c for c in itertools.product(range(k + 1), repeat=parts - 1) if sum(c) <= k]
+    out = np.array([[*c, k - sum(c)] for c in rows], dtype=np.int64).reshape(-1, parts)
+    out.setflags(write=False)
+    return out
+
+
 def _best_counts(k: int, opts: tuple[Priced, ...], room: float, inflight: float, weights: TwoWeights | None = None):
     """Exact best counts for ``k`` identical units sharing one layout: every count of
     the options slower than the fastest two is tried, and the fastest two split the
@@ -222,9 +295,9 @@ def _best_counts(k: int, opts: tuple[Priced, ...], room: float, inflight: float,
     heavier and the lighter units with ``weights``, :mod:`autopar.search.split_weights`)."""
     best_t, best = math.inf, None
     for lay in sorted({o.layout for o in opts}):
-        idx = _pareto(opts, [i for i, o in enumerate(opts) if o.layout == lay], inflight)
+        idx = pareto(opts, [i for i, o in enumerate(opts) if o.layout == lay], inflight)
         if weights is not None:
-            found = two_weights_counts(k, opts, idx, _splits(k, max(len(idx) - 2, 0)), room, inflight, weights)
+            found = two_weights_counts(k, opts, idx, splits(k, max(len(idx) - 2, 0)), room, inflight, weights)
             if found is not None and found[0] < best_t - 1e-15:
                 best_t, best = found
             continue
@@ -242,8 +315,8 @@ def _best_counts(k: int, opts: tuple[Priced, ...], room: float, inflight: float,
             if total < best_t - 1e-15:
                 best_t, best = float(total), {idx[0]: n1, idx[1]: k - n1}
             continue
-        slow = _splits(k, len(idx) - 2)
-        total, fastest = _mix_totals(np.full((1, 1, 1), float(k)), room, list(w), list(t), slow.astype(np.float64))
+        slow = splits(k, len(idx) - 2)
+        total, fastest = mix_totals(np.full((1, 1, 1), float(k)), room, list(w), list(t), slow.astype(np.float64))
         total, fastest = total[0, 0], fastest[0, 0]
         j = int(np.argmin(total))
         if total[j] < best_t - 1e-15:
@@ -253,36 +326,6 @@ def _best_counts(k: int, opts: tuple[Priced, ...], room: float, inflight: float,
     if best is None:
         return None
     return best_t, {i: c for i, c in best.items() if c}
-
-
-@functools.cache
-def _splits(k: int, parts: int) -> np.ndarray:
-    """Every vector of ``parts`` (0, 1 or 2) non-negative counts summing to at most ``k``,
-    one row each (read-only: cached, as the search asks for the same few again and
-    again)."""
-    if parts == 0:
-        out = np.zeros((1, 0), dtype=np.int64)
-    elif parts == 1:
-        out = np.arange(k + 1)[:, None]
-    else:
-        first, total = np.triu_indices(k + 1)
-        out = np.stack([first, total - first], axis=1)
-    out.setflags(write=False)
-    return out
-
-
-def _pareto(opts: tuple[Priced, ...], idx: list[int], inflight: float) -> list[int]:
-    """Options sorted by time with strictly decreasing weight (dominated ones dropped).
-    At most four remain for one layout (none, selective, op, full)."""
-    ordered = sorted(idx, key=lambda i: (opts[i].time_s, opts[i].static_bytes + inflight * opts[i].act_bytes))
-    kept: list[int] = []
-    for i in ordered:
-        w = opts[i].static_bytes + inflight * opts[i].act_bytes
-        if not kept or w < opts[kept[-1]].static_bytes + inflight * opts[kept[-1]].act_bytes:
-            kept.append(i)
-    if len(kept) > 4:
-        raise AssertionError(f"more than four undominated options for one layout: {len(kept)}")
-    return kept
 
 
 def _solve_ilp(groups, room: float, inflight: float, solver: str, ties: Sequence[tuple[int, int]] = ()):
@@ -321,166 +364,3 @@ def _solve_ilp(groups, room: float, inflight: float, solver: str, ties: Sequence
         {j: round(values[n[g, j]]) for j in range(len(opts)) if round(values[n[g, j]])}
         for g, (_, opts) in enumerate(groups)
     ]
-
-
-def homogeneous_times(
-    opts: tuple[Priced, ...],
-    n_max: int,
-    budget_bytes: np.ndarray | float,
-    inflight: np.ndarray | float,
-    *,
-    counts: np.ndarray | None = None,
-) -> np.ndarray:
-    """``out[..., n]``: the fastest time of ``n`` identical units with options ``opts`` in
-    one stage (inf where they do not fit), for every ``n <= n_max`` at once (or only the
-    ``counts`` given): the closed form of :func:`solve_stage` vectorised over ``n``, and
-    over stages (budgets and in-flight counts given as arrays: a leading axis) that hold
-    the same kind of unit (what pipeline splits of repeated blocks ask for)."""
-    budgets, inflights = np.broadcast_arrays(np.atleast_1d(budget_bytes), np.atleast_1d(inflight))
-    wanted = np.arange(n_max + 1) if counts is None else np.asarray(counts)
-    best = np.where(wanted == 0, 0.0, np.inf)[None, :].repeat(budgets.size, axis=0)
-    some = wanted > 0
-    for tau in sorted({o.transient_bytes for o in opts}):
-        allowed = [i for i, o in enumerate(opts) if o.transient_bytes <= tau]
-        times = _run_times(opts, allowed, n_max, budgets - tau, inflights, counts=wanted)
-        best[:, some] = np.minimum(best[:, some], times[:, some])
-    return best if np.ndim(budget_bytes) or np.ndim(inflight) else best[0]
-
-
-def single_and_run_times(
-    single: tuple[Priced, ...],
-    run: tuple[Priced, ...],
-    n_max: int,
-    budget_bytes: float,
-    inflight: float,
-    *,
-    counts: np.ndarray | None = None,
-) -> np.ndarray:
-    """``out[n]``: the fastest time of one unit with options ``single`` and ``n`` identical
-    units with options ``run`` in one stage (inf where they do not fit), for every
-    ``n <= n_max`` at once (or only the ``counts`` given): :func:`solve_stage`'s closed
-    form for a single unit beside a group (the first or last stage of a transformer: the
-    embeddings or the head with blocks), vectorised over ``n`` and the single's options."""
-    n = np.arange(n_max + 1) if counts is None else np.asarray(counts)
-    out = np.full(n.size, np.inf)
-    # one pass per set of run options a transient allows, every (transient, single) room at once
-    rooms: dict[tuple[int, ...], list[tuple[float, float]]] = {}
-    for tau in sorted({o.transient_bytes for o in (*single, *run)}):
-        allowed = tuple(i for i, o in enumerate(run) if o.transient_bytes <= tau)
-        for s in single:
-            if s.transient_bytes <= tau:
-                room = budget_bytes - tau - (s.static_bytes + inflight * s.act_bytes)
-                rooms.setdefault(allowed, []).append((room, s.time_s))
-    for allowed, pairs in rooms.items():
-        room, single_s = np.array(pairs).T
-        times = _run_times(run, list(allowed), n_max, room, inflight, counts=n)
-        out = np.minimum(out, (single_s[:, None] + times).min(axis=0))
-    return out
-
-
-def _run_times(
-    opts: tuple[Priced, ...],
-    allowed: list[int],
-    n_max: int,
-    room: np.ndarray | float,
-    inflight: np.ndarray | float,
-    *,
-    counts: np.ndarray | None = None,
-) -> np.ndarray:
-    """``out[..., n]``: the fastest time of ``n`` identical units sharing one layout, each
-    taking one of ``opts[allowed]``, with their bytes (static plus ``inflight`` x
-    activations) within ``room``; 0 for no unit where ``room`` is not negative. ``room``
-    and ``inflight`` may be arrays (a leading axis of stages). Options of one layout hold
-    the same model states, so their order by bytes, and which of them are worth
-    keeping, do not depend on the in-flight count."""
-    scalar = np.ndim(room) == 0 and np.ndim(inflight) == 0
-    rooms, inflights = np.broadcast_arrays(np.atleast_1d(np.asarray(room, dtype=float)), np.atleast_1d(inflight))
-    rooms, inflights = rooms[:, None, None], inflights[:, None, None]
-    wanted = np.arange(n_max + 1) if counts is None else np.asarray(counts)
-    n = wanted.astype(np.float64)[None, :, None]
-    best = np.full((rooms.shape[0], wanted.size), np.inf)
-    if not allowed:
-        best[:, wanted == 0] = np.where(rooms[:, 0, 0] >= 0, 0.0, np.inf)[:, None]
-        return best[0] if scalar else best
-    for lay in sorted({opts[i].layout for i in allowed}):
-        idx = _pareto(opts, [i for i in allowed if opts[i].layout == lay], float(inflights.flat[0]))
-        w = [opts[i].static_bytes + inflights * opts[i].act_bytes for i in idx]
-        t = [opts[i].time_s for i in idx]
-        if len(idx) == 1:
-            times = np.where(n[:, :, 0] * w[0][:, :, 0] <= rooms[:, :, 0], n[:, :, 0] * t[0], np.inf)
-            best = np.minimum(best, times)
-            continue
-        # the last axis: every count of the options slower than the fastest two
-        slow = _splits(int(wanted.max(initial=0)), len(idx) - 2).astype(np.float64)
-        mixed = (slow > 0).all(axis=1) if slow.shape[1] == 2 else np.zeros(len(slow), dtype=bool)
-        best = np.minimum(best, _mix_rows(n, rooms, w, t, slow[~mixed]))
-        if mixed.any():
-            best = np.minimum(best, _mixed_rows(n, rooms, w, t, slow[mixed], best))
-    return best[0] if scalar else best
-
-
-def _mix_rows(n: np.ndarray, rooms: np.ndarray, w: list, t: list, slow: np.ndarray) -> np.ndarray:
-    """``out[stage, count]``: the fastest of the mixes ``slow`` (rows of counts of the
-    options slower than the fastest two), in slices of at most :data:`KERNEL_ELEMENTS`."""
-    out = np.full((rooms.shape[0], n.shape[1]), np.inf)
-    step = max(1, KERNEL_ELEMENTS // (rooms.shape[0] * max(len(slow), 1)))
-    for lo in range(0, n.shape[1], step):
-        part = slice(lo, lo + step)
-        out[:, part] = _mix_totals(n[:, part], rooms, w, t, slow)[0].min(axis=2)
-    return out
-
-
-def _mixed_rows(n: np.ndarray, rooms: np.ndarray, w: list, t: list, slow: np.ndarray, found: np.ndarray) -> np.ndarray:
-    """:func:`_mix_rows` of the mixes that use both slow options, for the stages and
-    counts where they can beat ``found`` (a feasible time): a mix costs at least ``n``
-    fastest units plus its slow units' excess over the fastest, so rows are taken in
-    order of that excess, each only where it is below ``found``'s slack. Exact, and
-    where memory is loose it leaves almost every row out (the two slow options together
-    are a corner case, the mixes of ``n`` units grow as ``n^2``)."""
-    extra = slow @ (np.asarray(t[2:], dtype=np.float64) - t[0])
-    slow = slow[np.argsort(extra, kind="stable")]
-    extra = np.sort(extra, kind="stable")
-    stages = np.broadcast_to(np.arange(rooms.shape[0])[:, None], found.shape)
-    counts = np.broadcast_to(np.arange(n.shape[1])[None, :], found.shape)
-    # where no row of one slow option fits, neither does a mix: all of the slowest holds the least
-    slack = np.where(np.isfinite(found), found - n[:, :, 0] * t[0] + 1e-9 * np.maximum(1.0, np.abs(found)), -np.inf)
-    out = np.full(found.shape, np.inf)
-    chunk = MIXED_ROWS_PER_PASS
-    for lo in range(0, len(slow), chunk):
-        live = slack >= extra[lo]
-        if not live.any():
-            break
-        k, c = stages[live], counts[live]
-        e_n = n[0, c, 0][:, None, None]
-        e_rooms = np.broadcast_to(rooms, (rooms.shape[0], 1, 1))[k]
-        e_w = [np.broadcast_to(x, (rooms.shape[0], 1, 1))[k] for x in w]
-        rows = slow[lo : lo + chunk]
-        step = max(1, KERNEL_ELEMENTS // max(len(rows), 1))
-        for a in range(0, len(k), step):
-            part = slice(a, a + step)
-            got = _mix_totals(e_n[part], e_rooms[part], [x[part] for x in e_w], t, rows)[0].min(axis=2)[:, 0]
-            out[k[part], c[part]] = np.minimum(out[k[part], c[part]], got)
-    return out
-
-
-KERNEL_ELEMENTS = 1 << 22
-"""Elements of the largest array :func:`_run_times` builds at once (32 MiB of float64):
-a deep stage with four options per layout runs in slices of its counts."""
-MIXED_ROWS_PER_PASS = 256
-"""Mixes of both slow options :func:`_mixed_rows` prices at once, in order of their excess
-time: small enough that the stages and counts left live shrink from one pass to the next."""
-
-
-def _mix_totals(n: np.ndarray, rooms: np.ndarray | float, w: list, t: list, slow: np.ndarray) -> tuple:
-    """The fastest mixes of a layout's options for counts ``n`` (shape ``(1, W, 1)``),
-    one per row of ``slow`` (counts of the options slower than the fastest two, the
-    last axis): ``(time, count of the fastest)``, each ``[stage, count, row]``, the time
-    infinite where the mix does not fit ``rooms``. The fastest two split the rest in
-    closed form: as many of the fastest as the memory left allows."""
-    used = slow.sum(axis=1)[None, None, :]
-    r = n - used
-    left = rooms - sum((slow[None, None, :, j] * w[2 + j] for j in range(slow.shape[1])), np.zeros(1))
-    ok = (used <= n) & ~(r * w[1] > left + 1e-9 * np.maximum(1.0, np.abs(left)))
-    n1 = np.minimum(r, np.floor((left - r * w[1]) / (w[0] - w[1]) + 1e-12))
-    total = n1 * t[0] + (r - n1) * t[1] + slow @ np.array(t[2:], dtype=np.float64)
-    return np.where(ok, total, np.inf), n1

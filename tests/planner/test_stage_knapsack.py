@@ -9,9 +9,10 @@ import random
 import numpy as np
 import pytest
 
-from autopar.search import stage_solver
+from autopar.search import run_times, stage_solver
+from autopar.search.run_times import homogeneous_times
 from autopar.search.split_weights import TwoWeights
-from autopar.search.stage_solver import Priced, brute_force_stage, homogeneous_times, solve_stage
+from autopar.search.stage_solver import Priced, brute_force_stage, solve_stage
 
 
 def _random_groups(rng):
@@ -80,7 +81,7 @@ def test_four_recompute_modes_per_layout_match_brute_force(seed, monkeypatch):
         assert got.time_s == pytest.approx(want.time_s, rel=1e-12)
     table = homogeneous_times(opts, k, budget, inflight)
     assert table[k] == (pytest.approx(want.time_s, rel=1e-12) if want else math.inf)
-    monkeypatch.setattr(stage_solver, "KERNEL_ELEMENTS", 1)  # one count per slice: the same table
+    monkeypatch.setattr(run_times, "KERNEL_ELEMENTS", 1)  # one count per slice: the same table
     assert np.array_equal(homogeneous_times(opts, k, budget, inflight), table)
 
 
@@ -88,7 +89,7 @@ def test_mixes_of_both_slow_options_are_priced_where_they_can_win(monkeypatch):
     """Deep stages (up to 60 blocks, several budgets at once, loose to tight): leaving out
     the mixes of the two slowest options that cannot beat a mix of one of them gives the
     same table as pricing every mix, on draws where such mixes are the fastest somewhere."""
-    full, per_pass = stage_solver._mixed_rows, stage_solver.MIXED_ROWS_PER_PASS
+    full, per_pass = run_times._mixed_rows, run_times.MIXED_ROWS_PER_PASS
     mixes_won = 0
     for seed in range(12):
         rng = random.Random(900 + seed)
@@ -101,20 +102,18 @@ def test_mixes_of_both_slow_options_are_priced_where_they_can_win(monkeypatch):
         budgets = np.array([n_max * rng.uniform(1, 12) for _ in range(6)])
         inflight = np.array([rng.choice([1.0, 2.0, 3.0]) for _ in range(6)])
         pruned = homogeneous_times(opts, n_max, budgets, inflight)
-        monkeypatch.setattr(stage_solver, "MIXED_ROWS_PER_PASS", 7)  # more passes: the same table
+        monkeypatch.setattr(run_times, "MIXED_ROWS_PER_PASS", 7)  # more passes: the same table
         assert np.array_equal(homogeneous_times(opts, n_max, budgets, inflight), pruned), seed
         monkeypatch.setattr(
-            stage_solver,
+            run_times,
             "_mixed_rows",
-            lambda n, rooms, w, t, slow, found: stage_solver._mix_rows(n, rooms, w, t, slow),
+            lambda n, rooms, w, t, slow, found: run_times._mix_rows(n, rooms, w, t, slow),
         )
         assert np.array_equal(homogeneous_times(opts, n_max, budgets, inflight), pruned), seed
-        monkeypatch.setattr(
-            stage_solver, "_mixed_rows", lambda n, rooms, w, t, slow, found: np.full(found.shape, np.inf)
-        )
+        monkeypatch.setattr(run_times, "_mixed_rows", lambda n, rooms, w, t, slow, found: np.full(found.shape, np.inf))
         mixes_won += bool((pruned < homogeneous_times(opts, n_max, budgets, inflight)).any())
-        monkeypatch.setattr(stage_solver, "_mixed_rows", full)
-        monkeypatch.setattr(stage_solver, "MIXED_ROWS_PER_PASS", per_pass)
+        monkeypatch.setattr(run_times, "_mixed_rows", full)
+        monkeypatch.setattr(run_times, "MIXED_ROWS_PER_PASS", per_pass)
     assert mixes_won
 
 
@@ -183,4 +182,29 @@ def test_two_weights_beside_another_group_match_every_per_unit_assignment(seed):
     assert (got is None) == math.isinf(want)
     if got is not None:
         assert got.time_s == pytest.approx(want, rel=1e-12)
+        assert got.memory_bytes <= budget * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_two_kinds_of_repeated_units_match_brute_force_without_the_integer_program(seed, monkeypatch):
+    """Two groups of identical units (Gemma 3's sliding-window and global layers) beside
+    up to two single units: the frontier of the smaller group's counts with the larger
+    group's closed form finds what enumerating every per-unit assignment finds, and the
+    integer program is never asked."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the integer program was asked")
+
+    monkeypatch.setattr(stage_solver, "_solve_ilp_weighted", refuse)
+    rng = random.Random(2000 + seed)
+    groups = []
+    for k in (rng.choice([2, 3, 4, 5]), rng.choice([2, 3, 4]), *([1] * rng.choice([0, 1, 2]))):
+        (_, opts), *_ = _random_groups(random.Random(rng.random()))
+        groups.append((k, opts))
+    rng.shuffle(groups)
+    budget, inflight = rng.uniform(10, 120), rng.choice([1.0, 2.0, 3.5])
+    got, want = solve_stage(groups, budget, inflight), brute_force_stage(groups, budget, inflight)
+    assert (got is None) == (want is None)
+    if got is not None:
+        assert got.time_s == pytest.approx(want.time_s, rel=1e-12)
         assert got.memory_bytes <= budget * (1 + 1e-12)

@@ -41,15 +41,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, LayerGraph, Leaf, LeafKind, Unit, UnitProfile
-from autopar.runtime.errors import PlanMismatchError, ShardingError
+from autopar.runtime.errors import ShardingError
+from autopar.runtime.style_checks import check_styles
 from autopar.vocab import STYLE_IO, Layout, TPStyle
-
-_KIND_STYLES: dict[LeafKind, tuple[TPStyle, ...]] = {
-    LeafKind.LINEAR: (TPStyle.REPLICATE, TPStyle.COLUMN, TPStyle.ROW),
-    LeafKind.EMBEDDING: (TPStyle.REPLICATE, TPStyle.VOCAB),
-    LeafKind.NORM: (TPStyle.REPLICATE, TPStyle.SEQUENCE),
-    LeafKind.OTHER: (TPStyle.REPLICATE,),
-}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,61 +113,6 @@ class TPLayout:
     unit_outputs: dict[str, Layout]
     loss_parallel: bool
     module_outputs: dict[str, tuple[Layout, Layout]] = field(default_factory=dict)
-
-
-def check_styles(
-    graph: LayerGraph,
-    styles: dict[str, TPStyle],
-    *,
-    sequence_parallel: bool,
-    tp: int,
-    module_types: dict[str, str] | None = None,
-) -> None:
-    """Refuse styles for layers the model lacks, that the layer's kind cannot take, or
-    whose split does not divide the layer's features or attention heads (a vocabulary
-    may split unevenly: DTensor shards it in ``torch.chunk`` pieces where Megatron-LM
-    pads it). ``module_types``: FQN -> class name, for the messages."""
-    leaves = {unit.leaf_fqn(leaf.name): leaf for unit in graph.units for leaf in graph.profiles[unit.profile].leaves}
-    for fqn, style in sorted(styles.items()):
-        leaf = leaves.get(fqn)
-        if leaf is None:
-            raise PlanMismatchError(
-                f"the plan gives layer {fqn!r} the style {style.value!r}, but the model has no "
-                f"layer with parameters of that name. Make the plan for this model."
-            )
-        if style not in _KIND_STYLES[leaf.kind]:
-            allowed = ", ".join(s.value for s in _KIND_STYLES[leaf.kind])
-            what = (module_types or {}).get(fqn, f"{leaf.kind.value} layer")
-            raise ShardingError(
-                f"the plan gives layer {fqn!r} (a {what}) the tensor-parallel style {style.value!r}, "
-                f"which it cannot take: column and row split a Linear's matrix, vocab an Embedding's "
-                f"rows, sequence runs a norm on sequence shards; this layer allows {allowed}. "
-                f"Use 'replicate' for it."
-            )
-        _check_divides(fqn, leaf, style, tp)
-        if style is TPStyle.SEQUENCE and not sequence_parallel:
-            raise ShardingError(
-                f"the plan gives layer {fqn!r} the style 'sequence' but sequence_parallel is off. "
-                f"Set sequence_parallel=True or use 'replicate'."
-            )
-
-
-def _check_divides(fqn: str, leaf: Leaf, style: TPStyle, tp: int) -> None:
-    if style is TPStyle.COLUMN:
-        size, heads, what = leaf.out_features, leaf.out_heads, "output features"
-    elif style is TPStyle.ROW:
-        size, heads, what = leaf.in_features, leaf.in_heads, "input features"
-    else:
-        return
-    if leaf.vocab and style is TPStyle.COLUMN:
-        return
-    if size % tp or (heads and heads % tp):
-        detail = f"{size} {what}" + (f" from {heads} attention heads" if heads else "")
-        raise ShardingError(
-            f"the plan splits layer {fqn!r} {style.value}-wise over tp={tp}, but its {detail} do not "
-            f"divide by {tp}: each rank must hold whole heads and equal slices. Use a tp that "
-            f"divides them, or 'replicate' for this layer."
-        )
 
 
 def resolve(
@@ -248,6 +187,24 @@ def refusal(
     except ShardingError as err:
         return str(err)
     return None
+
+
+def always_refused(profile: UnitProfile, leaf: int, style: TPStyle, *, last: bool) -> bool:
+    """Whether :func:`refusal` refuses ``style`` for leaf ``leaf`` of ``profile`` whatever
+    the other leaves take: a sequence-parallel leaf whose output reaches an attention,
+    where nothing gathers it first (its output is not the model's, and a consumer reads
+    another leaf with parameters beside it, so :func:`_gather_at_output` never holds).
+    The search leaves such styles out before pricing (Gemma 3's and OLMo 2's norms of
+    queries and keys)."""
+    if style is not TPStyle.SEQUENCE or not any(f.src == leaf and f.attn_flops > 0 for f in profile.flows):
+        return False
+    readers = {f.dst for f in profile.flows if f.src == leaf}
+    if last and UNIT_OUTPUT in readers:
+        return False
+    return UNIT_OUTPUT in readers or any(
+        f.dst in readers and f.src >= 0 and f.src != leaf and profile.leaves[f.src].kind is not LeafKind.OTHER
+        for f in profile.flows
+    )
 
 
 def _resolve_unit(

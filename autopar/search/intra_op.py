@@ -57,7 +57,7 @@ from autopar.cost.tensor_parallel import (
     transfer_s,
 )
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, UnitProfile
-from autopar.runtime.layouts import refusal
+from autopar.runtime.layouts import always_refused, refusal
 from autopar.search.ilp import Infeasible, Program, check_solver, solve
 from autopar.vocab import STYLE_IO, Layout, TPStyle
 
@@ -121,7 +121,7 @@ class LayoutSolver:
         )
 
     def _layout(self, profile: UnitProfile, ctx: TPContext, *, small: bool) -> UnitCost:
-        options = [allowed_styles(leaf, ctx) for leaf in profile.leaves]
+        options = _options(profile, ctx)
         outputs = ctx.output_layouts()
         key = (
             id(profile),
@@ -158,6 +158,15 @@ class LayoutSolver:
                 cap = _fewest_runnable(profile, ctx, options, self._solver) if small else None
                 self._cache[full_key] = _solve_ilp(profile, ctx, options, outputs, self._solver, param_cap=cap)
         return self._cache[full_key]
+
+
+def _options(profile: UnitProfile, ctx: TPContext) -> list[tuple[TPStyle, ...]]:
+    """Per leaf, the styles it may take at this TP degree, less those the runtime refuses
+    whatever the other leaves take (:func:`autopar.runtime.layouts.always_refused`)."""
+    return [
+        tuple(s for s in allowed_styles(leaf, ctx) if not always_refused(profile, i, s, last=ctx.last))
+        for i, leaf in enumerate(profile.leaves)
+    ]
 
 
 def _runs(profile: UnitProfile, styles: tuple[TPStyle, ...], ctx: TPContext) -> bool:
@@ -236,7 +245,7 @@ def _fewest_runnable(profile: UnitProfile, ctx: TPContext, options, solver: str)
 def brute_force_layout(profile: UnitProfile, ctx: TPContext) -> UnitCost:
     """The fastest layout the runtime can run (where none runs, the fastest), by
     enumerating every assignment (exponential: tests only)."""
-    options = [allowed_styles(leaf, ctx) for leaf in profile.leaves]
+    options = _options(profile, ctx)
     best: dict[bool, UnitCost] = {}
     for styles in itertools.product(*options):
         runs = _runs(profile, tuple(styles), ctx)

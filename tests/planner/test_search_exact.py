@@ -32,7 +32,7 @@ from autopar.models import (
     get_named_model,
 )
 from autopar.plan import ParallelConfig
-from autopar.runtime.layouts import refusal
+from autopar.runtime.layouts import always_refused, refusal
 from autopar.search.bounds import TimeBound
 from autopar.search.intra_op import LayoutSolver, brute_force_layout
 from autopar.search.scan import ALL_MODES, search
@@ -143,6 +143,24 @@ def _attention(kv_heads: int) -> UnitProfile:
         flow(UNIT_INPUT, UNIT_OUTPUT, width * 4096),
     )
     return UnitProfile(signature=f"mqa{kv_heads}", leaves=leaves, flows=flows, input_bytes=1e5, output_bytes=1e5)
+
+
+def test_styles_the_search_leaves_out_are_refused_whatever_the_others_take():
+    """The search drops a leaf's style up front where the runtime's check refuses it in
+    every layout (a sequence-parallel norm feeding an attention): on random units with
+    sequence parallelism, every layout holding such a style is refused."""
+    cluster, dropped = preset("dgx-a100-80gb", nodes=2), 0
+    for seed in range(40):
+        prof = random_profile(random.Random(seed))
+        for last in (False, True):
+            ctx = layout_ctx(cluster, tp=4, sp=True, last=last)
+            options = [allowed_styles(leaf, ctx) for leaf in prof.leaves]
+            out = {(i, s) for i, opts in enumerate(options) for s in opts if always_refused(prof, i, s, last=last)}
+            dropped += len(out)
+            for styles in itertools.product(*options):
+                if any((i, s) in out for i, s in enumerate(styles)):
+                    assert _refusal(prof, styles, ctx), (seed, styles)
+    assert dropped
 
 
 @pytest.mark.parametrize("table_limit", [0, 10**6], ids=["ilp", "table"])

@@ -103,3 +103,18 @@ def check_seq_len(seq_len: object, model: object) -> int:
             f"(config.{limit[1]}); give seq_len <= {limit[0]}, or a model configured for longer sequences."
         )
     return length
+
+
+def first_line(exc: BaseException) -> str:
+    """A library's exception message in one line: its first, joined with the next while
+    a line ends in a colon (a heading over the detail, as transformers' config checks
+    write them)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    text = lines[0]
+    for line in lines[1:]:
+        if not text.endswith(":"):
+            break
+        text = f"{text} {line}"
+    return text

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.errors import ConfigError, longest_length_note, max_positions
+from autopar.errors import ConfigError, first_line, longest_length_note, max_positions
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,7 @@ def _function_model(spec: str, seq_len: int | None, shape: tuple[int, ...] | Non
         raise ConfigError(f"--model-fn {spec!r}: cannot import it ({exc}).") from None
     except Exception as exc:  # the module's own code failed as it was imported
         raise ConfigError(
-            f"--model-fn {spec!r}: importing it failed ({type(exc).__name__}: {_first_line(exc)})."
+            f"--model-fn {spec!r}: importing it failed ({type(exc).__name__}: {first_line(exc)})."
         ) from None
     if seq_len is not None and shape is not None:
         raise ConfigError("give one of --seq-len (token models) or --sample-shape (others), not both.")
@@ -147,18 +147,12 @@ def _function_model(spec: str, seq_len: int | None, shape: tuple[int, ...] | Non
             model = fn()
     except Exception as exc:  # the user's own code: any failure is theirs to fix, said in one line
         raise ConfigError(
-            f"--model-fn {spec!r} failed when called with no arguments ({type(exc).__name__}: {_first_line(exc)}); "
+            f"--model-fn {spec!r} failed when called with no arguments ({type(exc).__name__}: {first_line(exc)}); "
             f"it must build the model by itself."
         ) from None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"--model-fn {spec!r} returned a {type(model).__name__}, not a torch.nn.Module.")
     return LoadedModel(model, {"seq_len": seq_len} if seq_len is not None else _meta_sample(shape))
-
-
-def _first_line(exc: BaseException) -> str:
-    """The first line of an exception's message (library messages run over several)."""
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

@@ -25,13 +25,26 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopar.errors import ConfigError, longest_length_note, max_positions
+from autopar.errors import ConfigError, first_line, longest_length_note, max_positions
 from autopar.quiet import quiet_imports
 
 CONFIG_NAME = "config.json"
 """The config's file name in a checkpoint directory (``save_pretrained``'s layout)."""
 
 FLAG = "--model-config"
+
+SIZES = {
+    "hidden_size": (1, "features"),
+    "intermediate_size": (1, "features"),
+    "num_attention_heads": (1, "heads"),
+    "num_key_value_heads": (1, "heads"),
+    "head_dim": (1, "features"),
+    "vocab_size": (1, "tokens"),
+    "max_position_embeddings": (1, "positions"),
+    "num_hidden_layers": (0, "layers"),
+}
+"""Config sizes checked before transformers reads them (some it divides by): the least
+each may be, and what it counts."""
 
 
 @dataclass(frozen=True)
@@ -89,9 +102,9 @@ def _load(text: str, trust_remote_code: bool) -> HFModel:
     source = path.parent if path.name == CONFIG_NAME else path
     try:
         config = transformers.AutoConfig.from_pretrained(str(source), trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError, TypeError, ImportError, StrictDataclassError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, ImportError, ArithmeticError, StrictDataclassError) as exc:
         raise ConfigError(
-            f"{FLAG} {str(path)!r} is not a config transformers can read ({_first_line(exc)}); give a config.json "
+            f"{FLAG} {str(path)!r} is not a config transformers can read ({first_line(exc)}); give a config.json "
             f"written by save_pretrained."
         ) from None
     return _model_of(config, trust_remote_code, transformers)
@@ -145,7 +158,15 @@ def _config_dict(path: Path) -> dict[str, Any]:
 def _check_loadable(raw: dict[str, Any], path: Path, trust_remote_code: bool, transformers: Any) -> None:
     """Refuse, before transformers reads it, a config it cannot read: custom code that
     was not trusted (transformers would ask on the terminal), custom code outside a
-    checkpoint directory, no ``model_type``, or a type this transformers does not know."""
+    checkpoint directory, no ``model_type``, a type this transformers does not know, or
+    a size it would divide by zero (:data:`SIZES`)."""
+    for key, (least, what) in SIZES.items():
+        value = raw.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value < least:
+            raise ConfigError(
+                f"{FLAG} {str(path)!r}: {key}={value} is not allowed; it counts {what}, at least {least}. "
+                f"Fix the config."
+            )
     if "auto_map" in raw:
         if not trust_remote_code:
             raise ConfigError(
@@ -177,6 +198,13 @@ def _model_of(config: Any, trust_remote_code: bool, transformers: Any) -> HFMode
     """How to build ``config``'s model: the class its ``architectures`` names, else
     transformers' causal language model for its type."""
     names = getattr(config, "architectures", None) or []
+    if isinstance(names, str):  # one class name written without its list
+        names = [names]
+    if names and not isinstance(names[0], str):
+        raise ConfigError(
+            f"{FLAG}: architectures is {names!r}; give the class to build by name, e.g. "
+            f'"architectures": ["LlamaForCausalLM"].'
+        )
     if names:
         return _named_class(config, names[0], trust_remote_code, transformers)
     auto_map = getattr(config, "auto_map", None) or {}
@@ -202,7 +230,7 @@ def _named_class(config: Any, name: str, trust_remote_code: bool, transformers: 
     try:
         cls = getattr(transformers, name, None)
     except ImportError as exc:  # a model class whose optional dependency is missing
-        raise ConfigError(f"{FLAG}: building {name} needs a package that is missing ({_first_line(exc)}).") from None
+        raise ConfigError(f"{FLAG}: building {name} needs a package that is missing ({first_line(exc)}).") from None
     if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
         if not isinstance(config, cls.config_class):
             raise ConfigError(
@@ -241,9 +269,18 @@ def build_hf_model(hf: HFModel, device: str | torch.device) -> nn.Module:
     try:
         with torch.device(device), quiet_imports():
             return hf.build()
-    except (ValueError, TypeError, AttributeError, KeyError, IndexError, RuntimeError, ImportError) as exc:
+    except (
+        ValueError,
+        TypeError,
+        AttributeError,
+        KeyError,
+        IndexError,
+        RuntimeError,
+        ImportError,
+        ArithmeticError,
+    ) as exc:
         raise ConfigError(
-            f"{FLAG}: building {hf.class_name} from the config failed ({type(exc).__name__}: {_first_line(exc)}); "
+            f"{FLAG}: building {hf.class_name} from the config failed ({type(exc).__name__}: {first_line(exc)}); "
             f"check the config's values."
         ) from None
 
@@ -327,9 +364,3 @@ def _image_shape(config: Any, kind: str, shape_flag: str) -> tuple[tuple[int, ..
     return shape, (
         f"sample {'x'.join(map(str, shape))} (the config's num_channels and image_size; pass {shape_flag} to change)"
     )
-
-
-def _first_line(exc: BaseException) -> str:
-    """The first line of an exception's message (transformers' run over several)."""
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__

@@ -61,6 +61,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
+from autopar.errors import first_line
 from autopar.runtime.errors import CheckpointError
 
 FORMAT_VERSION = 2
@@ -222,7 +223,7 @@ def load(
         dcp.load(state, checkpoint_id=str(path))
     except dcp.api.CheckpointException as exc:
         raise CheckpointError(
-            f"checkpoint step {step} at {str(path)!r} could not be read: {_first_line(exc)}. Load another "
+            f"checkpoint step {step} at {str(path)!r} could not be read: {first_line(exc)}. Load another "
             f"step (the complete ones are the step-* directories with {_META})."
         ) from None
     for (group, key), target in reshaped.items():
@@ -264,11 +265,6 @@ def _check_files(path: Path, files: Mapping[str, int], step: int) -> None:
                 f"checkpoint step {step} at {str(path)!r} is damaged: {name} has {f.stat().st_size} bytes, "
                 f"{size} were written. Load another step, or copy the checkpoint again."
             )
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _stand_ins(state: dict[str, dict[str, Any]], metadata: Any) -> dict[tuple[str, str], torch.Tensor]:

@@ -46,6 +46,7 @@ import torch
 from torch import nn
 from torch._dynamo.exc import BackendCompilerFailed, InternalTorchDynamoError
 
+from autopar.errors import first_line
 from autopar.runtime.errors import CompileError
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
@@ -88,7 +89,7 @@ def _reporting(compiled: Callable[..., Any], block: str) -> Callable[..., Any]:
             return compiled(*args, **kwargs)
         except COMPILE_FAILURES as exc:
             raise CompileError(
-                f"block {block!r} failed to compile with torch.compile ({_first_line(exc)}); "
+                f"block {block!r} failed to compile with torch.compile ({_compiler_message(exc)}); "
                 f"plan with --set compile=false (compile=False) to run eager."
             ) from exc
 
@@ -116,7 +117,7 @@ def compile_failures(blocks: list[str]) -> Iterator[None]:
         names = repr(blocks[0]) if len(blocks) == 1 else f"{blocks[0]!r} to {blocks[-1]!r}"
         raise CompileError(
             f"the backward of compiled blocks {names} failed to compile with torch.compile "
-            f"({_first_line(failure)}); plan with --set compile=false (compile=False) to run eager."
+            f"({_compiler_message(failure)}); plan with --set compile=false (compile=False) to run eager."
         ) from failure
 
 
@@ -133,9 +134,8 @@ def _in_chain(exc: BaseException, types: tuple[type[BaseException], ...]) -> Bas
     return None
 
 
-def _first_line(exc: Exception) -> str:
+def _compiler_message(exc: Exception) -> str:
     """The compiler's own exception (what the backend raised, not dynamo's wrapper), as
     ``Type: first line of its message``."""
     inner = getattr(exc, "inner_exception", None) or exc
-    lines = str(inner).strip().splitlines()
-    return f"{type(inner).__name__}: {lines[0]}" if lines else type(inner).__name__
+    return f"{type(inner).__name__}: {first_line(inner)}" if str(inner).strip() else type(inner).__name__

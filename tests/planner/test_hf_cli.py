@@ -92,6 +92,12 @@ def hf(tmp_path_factory):
     (root / "unknown.json").write_text(json.dumps({"model_type": "no-such-type"}))
     (root / "untyped.json").write_text(json.dumps({"hidden_size": 64}))
     (root / "wrong.json").write_text(json.dumps({"model_type": "llama", "hidden_size": "big"}))
+    llama = {**TINY_LLAMA, "model_type": "llama"}
+    (root / "no-heads.json").write_text(json.dumps({**llama, "num_attention_heads": 0}))
+    (root / "negative-layers.json").write_text(json.dumps({**llama, "num_hidden_layers": -3}))
+    (root / "heads-do-not-divide.json").write_text(json.dumps({**llama, "hidden_size": 65}))
+    (root / "numbered-class.json").write_text(json.dumps({**llama, "architectures": [5]}))
+    (root / "one-class.json").write_text(json.dumps({**llama, "architectures": "LlamaForCausalLM"}))
     return root
 
 
@@ -193,6 +199,10 @@ ERRORS = {
     "sequence length for images": ("{d}/vit --seq-len 16", ["--seq-len is for token models", "ViT"]),
     "image shape for tokens": ("{d}/bert --sample-shape 3,32,32", ["--sample-shape", "token ids"]),
     "no length in the config": ("{d}/t5-encoder", ["T5EncoderModel (t5)", "no maximum sequence length", "--seq-len"]),
+    "no attention heads": ("{d}/no-heads.json", ["num_attention_heads=0 is not allowed", "at least 1"]),
+    "negative layers": ("{d}/negative-layers.json", ["num_hidden_layers=-3 is not allowed", "at least 0"]),
+    "heads that do not divide": ("{d}/heads-do-not-divide.json", ["hidden size (65) is not a multiple", "(2)"]),
+    "a number for a class": ("{d}/numbered-class.json", ["architectures is [5]", '["LlamaForCausalLM"]']),
 }
 
 
@@ -205,6 +215,11 @@ def test_bad_config_is_one_line(given, words, hf, capsys):
     assert line.startswith("autopar: error: "), line
     for word in words:
         assert word in line
+
+
+def test_architectures_given_as_one_name_is_read_as_that_class(hf, capsys):
+    data, _ = _plan(str(hf / "one-class.json"), capsys, "--seq-len 16")
+    assert data["model"]["name"] == "LlamaForCausalLM"
 
 
 def test_trust_remote_code_builds_the_custom_class(hf, capsys, tmp_path, monkeypatch):

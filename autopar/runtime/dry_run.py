@@ -76,6 +76,8 @@ class RankReport:
         predicted_peak_bytes: the plan's peak memory per device (all terms).
         predicted_allocated_bytes: the plan's peak for this pipeline rank less the
             device's reserve: the tensor bytes a measured step is compared with.
+        usable_bytes: the device's memory less that reserve: what the measured peak
+            must stay within (0: not known).
         measured: the measured step (None without ``measure``).
     """
 
@@ -86,7 +88,13 @@ class RankReport:
     predicted_param_bytes: float
     predicted_peak_bytes: float
     predicted_allocated_bytes: float = 0.0
+    usable_bytes: float = 0.0
     measured: StepMemory | None = None
+
+    @property
+    def over_device(self) -> bool:
+        """The measured peak does not fit the device (less its reserve)."""
+        return self.measured is not None and 0 < self.usable_bytes < self.measured.peak_bytes
 
     @property
     def measured_over_predicted(self) -> float:
@@ -104,6 +112,8 @@ class DryRunReport:
     ``assumed_routing``: the routing imbalance the measured steps assumed for dropless
     experts under expert parallelism (1: balanced; fake tensors have no routing,
     :mod:`autopar.runtime.assumed_routing`), None where no such experts ran.
+    ``added_ranks``: ranks a measured run ran besides those asked for, the first of each
+    earlier pipeline rank, whose stages announce the inputs of the later ones.
     ``eager_peak_bytes``: for compiled blocks run eager, the plan's peak per device priced
     eager, where the plan carries that contrast (``Alternative`` of status ``compile``):
     what the eager step measured is like for like with it. ``gathered_params``: the
@@ -119,6 +129,7 @@ class DryRunReport:
     assumed_routing: float | None = None
     eager_peak_bytes: float | None = None
     gathered_params: bool = False
+    added_ranks: tuple[int, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -132,6 +143,11 @@ class DryRunReport:
             f"{'OK' if self.ok else f'{len(self.problems)} problem(s)'}"
         ]
         lines += [f"  problem: {p}" for p in self.problems]
+        if self.added_ranks:
+            lines.append(
+                f"  note: ranks {', '.join(map(str, self.added_ranks))} ran too: a measured pipeline rank takes the "
+                f"shape of its input from the stages before it, which only their ranks announce"
+            )
         if self.eager_blocks:
             like = (
                 f"priced eager, the plan's peak is {_gib(self.eager_peak_bytes)} per device"
@@ -234,8 +250,13 @@ def dry_run(
     if measure:
         problems += grouped_experts_problems(model, plan)
     reports: list[RankReport] = []
+    added: list[int] = []
     if analysis is not None and not problems:
-        chosen = ranks if ranks is not None else [dims.rank_at(p, 0, 0, 0) for p in range(dims.pp)]
+        chosen = list(ranks) if ranks is not None else [dims.rank_at(p, 0, 0, 0) for p in range(dims.pp)]
+        if measure:
+            held = {dims.coordinate(r)[0] for r in chosen}
+            added = [dims.rank_at(p, 0, 0, 0) for p in range(max(held)) if p not in held]
+            chosen += added
         metadata = PipelineMetadata()
         for rank in sorted(chosen, key=lambda r: (dims.coordinate(r)[0], r)):  # stages announce their outputs in order
             try:
@@ -247,6 +268,12 @@ def dry_run(
             except AutoparError as exc:
                 problems.append(f"rank {rank}: {type(exc).__name__}: {exc}")
         problems += metadata.problems()
+        problems += [
+            f"rank {r.rank}'s measured step peaks at {_gib(r.measured.peak_bytes)}, more than the "
+            f"{_gib(r.usable_bytes)} its device holds beside the reserve: the plan does not fit as run"
+            for r in reports
+            if r.over_device and r.measured is not None
+        ]
         if metadata.unchecked():
             problems.append(
                 f"the inputs of stages {metadata.unchecked()} were assumed equal to an earlier stage boundary and "
@@ -262,6 +289,7 @@ def dry_run(
         synchronous_tp=plan.config.async_tp,
         assumed_routing=_assumed_routing(model, plan) if measure and reports else None,
         gathered_params=holds_gathered_params(plan.config) and plan.config.state_shards > 1,
+        added_ranks=tuple(added),
     )
 
 
@@ -414,6 +442,7 @@ def _apply(
         predicted_param_bytes=max((m.params_bytes for m in mine), default=0.0),
         predicted_peak_bytes=plan.prediction.memory_bytes_per_device,
         predicted_allocated_bytes=max((m.total_bytes - m.reserve_bytes for m in mine), default=0.0),
+        usable_bytes=plan.prediction.memory_capacity_bytes - max((m.reserve_bytes for m in mine), default=0.0),
         measured=measured,
     ), metadata
 

@@ -1,6 +1,8 @@
 """A measured dry run counts on fake tensors what the same step allocates on real ones
 (autopar.runtime.dry_step)."""
 
+import dataclasses
+
 import pytest
 from parity import build, make_plan, megatron_styles, run
 
@@ -113,3 +115,25 @@ def test_the_peak_is_split_by_when_its_bytes_were_allocated():
     assert sum(phases.values()) == step.peak_bytes
     assert phases[BEFORE_STEP] == 12 * numel + 4 * tensors
     assert phases[FORWARD] > 0 and phases[BACKWARD] > 0 and phases[OPTIMIZER] == 0
+
+
+def test_a_later_pipeline_rank_alone_runs_its_predecessors_too():
+    """Asked for the second pipeline rank only, a measured dry run also runs the first,
+    whose stage announces the shape of the second's input (asked alone, it stopped with
+    "no stage before stage 1 announced its output"), says so, and measures the second as
+    it does when both are asked for. A device smaller than that peak is a problem."""
+    plan = make_plan("gpt", pp=2, num_microbatches=4)
+    both = dry_run(lambda: build("gpt", "meta"), plan, ranks=[0, 1], measure=True)
+    alone = dry_run(lambda: build("gpt", "meta"), plan, ranks=[1], measure=True)
+    assert alone.ok, alone.problems
+    assert alone.added_ranks == (0,) and "note: ranks 0 ran too" in alone.to_text()
+    assert [r.rank for r in alone.ranks] == [0, 1]
+    assert alone.ranks[1].measured.peak_bytes == both.ranks[1].measured.peak_bytes
+    reserve = max(s.memory.reserve_bytes for s in plan.prediction.stages)
+    tiny = dataclasses.replace(
+        plan, prediction=dataclasses.replace(plan.prediction, memory_capacity_bytes=reserve + 1024)
+    )
+    small = dry_run(lambda: build("gpt", "meta"), tiny, ranks=[1], measure=True)
+    assert [p.split("'s measured step peaks at")[0] for p in small.problems] == ["rank 0", "rank 1"]
+    assert all("the plan does not fit as run" in p for p in small.problems)
+    assert small.ranks[1].over_device and not alone.ranks[1].over_device

@@ -32,7 +32,10 @@ def _report(results):
 def test_healthy_run_checks_the_plans_groups(tmp_path, capsys):
     """Four healthy ranks are ready, with every group of the plan checked. The ranks join
     within the default 60 s: four processes importing torch on two busy cores took more
-    than 10 s in a full CI run, and a healthy run waits only as long as its ranks take."""
+    than 10 s in a full CI run, and a healthy run waits only as long as its ranks take.
+    The process-group timeout of 40 s puts the doctor's own limit on its ranks (join +
+    2 x that + 120 s) under pytest's 300 s, so a rank that hangs is reported by name
+    rather than the test killed (a full CI run once sat here past 300 s)."""
     model = MLPStack(MLPConfig(in_dim=16, dim=32, ffn_dim=64, n_layers=2, out_dim=4))
     cluster = autopar.preset("local-cpu", devices_per_node=4)
     plan = autopar.estimate(
@@ -48,12 +51,15 @@ def test_healthy_run_checks_the_plans_groups(tmp_path, capsys):
             str(tmp_path / "plan.json"),
             "--link-bytes",
             "262144",
+            "--pg-timeout",
+            "40",
             "--out",
             str(tmp_path / "doctor.json"),
         ]
     )
-    out = capsys.readouterr().out
-    assert code == 0, out
+    captured = capsys.readouterr()
+    assert code == 0, captured.out + captured.err
+    out = captured.out
     assert "[ ok ] rendezvous: all 4 ranks joined" in out
     assert "[ ok ] all-reduce: 5 groups (world, tp, dp) returned exact sums on every rank" in out
     assert "verdict: ready" in out and (tmp_path / "doctor.json").is_file()

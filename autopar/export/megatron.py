@@ -345,6 +345,13 @@ def _model_args(plan: Plan, blocks: Blocks, shape: ModelShape | None, info: list
     args += [word for flag, value in sizes.items() if value is not None for word in (flag, str(value))]
     if shape.num_kv_heads is not None and shape.num_attention_heads not in (None, shape.num_kv_heads):
         args += ["--group-query-attention", "--num-query-groups", str(shape.num_kv_heads)]
+    args += _attention_args(shape, info)
+    geglu = bool(shape.gated_mlp) and shape.gated_activation not in (None, "silu", "swish")
+    if geglu:
+        info.append(
+            f"the model's gated MLP multiplies by {shape.gated_activation} (GeGLU, not SwiGLU), which no "
+            f"Megatron-LM flag selects (--swiglu is SiLU's): give the activation in a model spec"
+        )
     if not shape.known_architecture:
         info.append(
             "add the architecture flags (--normalization, --swiglu, --position-embedding-type, "
@@ -355,14 +362,50 @@ def _model_args(plan: Plan, blocks: Blocks, shape: ModelShape | None, info: list
         args += ["--normalization", "RMSNorm"]
     if shape.norm_epsilon is not None:
         args += ["--norm-epsilon", f"{shape.norm_epsilon:g}"]
-    if shape.gated_mlp:
+    if shape.gated_mlp and not geglu:
         args.append("--swiglu")
     if shape.rope_base is not None:
         args += ["--position-embedding-type", "rope", "--rotary-base", str(int(shape.rope_base))]
+        args += _rope_args(shape, info)
     if shape.tied_embeddings is False:
         args.append("--untie-embeddings-and-output-weights")
     if shape.linear_bias is False:
         args.append("--disable-bias-linear")
+        if shape.qkv_bias:
+            args.append("--add-qkv-bias")
+    return args
+
+
+def _rope_args(shape: ModelShape, info: list[str]) -> list[str]:
+    """Partial rotary embeddings and Llama 3's rope scaling; another scaling is said."""
+    args = []
+    if shape.rotary_percent is not None and shape.rotary_percent != 1.0:
+        args += ["--rotary-percent", f"{shape.rotary_percent:g}"]
+    if shape.rope_scaling is not None:
+        kind, factor = shape.rope_scaling
+        if kind == "llama3":
+            args += ["--use-rope-scaling", "--rope-scaling-factor", f"{factor:g}"]
+        else:
+            info.append(
+                f"the model scales its rotary embeddings ({kind}, factor {factor:g}), which Megatron-LM's flags "
+                f"express only for Llama 3's scaling: set it in the model's config"
+            )
+    return args
+
+
+def _attention_args(shape: ModelShape, info: list[str]) -> list[str]:
+    """Head width where it is not ``hidden / heads``, and normalised queries and keys."""
+    args = []
+    heads, hidden = shape.num_attention_heads, shape.hidden_size
+    if shape.head_dim is not None and heads and hidden and shape.head_dim * heads != hidden:
+        args += ["--kv-channels", str(shape.head_dim)]
+    if shape.qk_norm == "head":
+        args.append("--qk-layernorm")
+    elif shape.qk_norm == "projection":
+        info.append(
+            "the model normalises queries and keys over the whole projection (OLMo 2), Megatron-LM's "
+            "--qk-layernorm over each head: give the norm in a model spec"
+        )
     return args
 
 

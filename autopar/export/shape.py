@@ -58,7 +58,18 @@ class ModelShape:
             ``learned_positions`` means learned absolute positions.
         learned_positions: a learned position embedding table.
         tied_embeddings: the output head shares the token embedding's weight.
-        linear_bias: the attention and MLP projections have biases.
+        linear_bias: the attention's output projection and the MLP have biases.
+        qkv_bias: the query, key and value projections have biases (Qwen2's alone do).
+        head_dim: features per attention head where the config states them (they need
+            not be ``hidden_size / num_attention_heads``: Gemma, Qwen3).
+        qk_norm: queries and keys are normalised before the attention: ``head`` per
+            head (Qwen3, Gemma 3), ``projection`` over the whole projection (OLMo 2),
+            ``none``.
+        rotary_percent: the fraction of each head's features rotary embeddings rotate
+            (GPT-NeoX's ``rotary_pct``, ``partial_rotary_factor``).
+        rope_scaling: the config's rope scaling (``rope_type`` and ``factor``), if any.
+        gated_activation: the activation of a gated MLP (``silu``: SwiGLU; a GELU:
+            GeGLU, Gemma's).
         norm_epsilon: the norms' epsilon.
         block_class: class name of one transformer block (what FSDP wraps).
         experts: the routed experts; ``None`` for a model without experts (or none that
@@ -79,6 +90,12 @@ class ModelShape:
     learned_positions: bool | None = None
     tied_embeddings: bool | None = None
     linear_bias: bool | None = None
+    qkv_bias: bool | None = None
+    head_dim: int | None = None
+    qk_norm: str | None = None
+    rotary_percent: float | None = None
+    rope_scaling: tuple[str, float] | None = None
+    gated_activation: str | None = None
     norm_epsilon: float | None = None
     block_class: str | None = None
     experts: Experts | None = None
@@ -109,6 +126,8 @@ def shape_of(model: nn.Module, plan: Plan) -> ModelShape:
             learned_positions=True,
             tied_embeddings=config.tie_embeddings,
             linear_bias=True,
+            qkv_bias=True,
+            qk_norm="none",
             norm_epsilon=config.norm_eps,
             block_class=block_class,
             known_architecture=True,
@@ -123,10 +142,13 @@ def shape_of(model: nn.Module, plan: Plan) -> ModelShape:
             max_position_embeddings=config.seq_len,
             normalization="RMSNorm",
             gated_mlp=True,
+            gated_activation="silu",
             rope_base=config.rope_theta,
             learned_positions=False,
             tied_embeddings=False,
             linear_bias=False,
+            qkv_bias=False,
+            qk_norm="none",
             norm_epsilon=config.norm_eps,
             block_class=block_class,
             experts=_moe_experts(config) if isinstance(config, MoEConfig) else None,
@@ -149,6 +171,9 @@ def _hf_shape(config: Any, block_class: str | None, block: nn.Module | None) -> 
         ffn_hidden_size=_int(config, "intermediate_size"),
         vocab_size=_int(config, "vocab_size"),
         max_position_embeddings=_int(config, "max_position_embeddings"),
+        head_dim=_int(config, "head_dim"),
+        rotary_percent=_rotary_percent(config),
+        rope_scaling=_rope_scaling(config),
         block_class=block_class,
         experts=_hf_experts(config),
         **(_hf_architecture(config, block) if block is not None else {}),
@@ -224,7 +249,10 @@ def _hf_architecture(config: Any, block: nn.Module) -> dict[str, Any]:
     normalization = (
         "RMSNorm" if any(n.endswith("RMSNorm") for n in norms) else "LayerNorm" if "LayerNorm" in norms else None
     )
-    act = getattr(config, "hidden_act", None) or getattr(config, "activation_function", None)
+    act = next(
+        (a for k in ("hidden_act", "hidden_activation", "activation_function") if (a := getattr(config, k, None))),
+        None,
+    )
     # a gate module, or a gate weight stacked over experts (Mixtral's experts in transformers 5)
     names = [*leaves, *(name for name, _ in block.named_parameters())]
     gated = True if any(name.rsplit(".", 1)[-1] in _GATES for name in names) else None
@@ -232,7 +260,8 @@ def _hf_architecture(config: Any, block: nn.Module) -> dict[str, Any]:
         gated = False
     rope = getattr(config, "rope_theta", None) or (getattr(config, "rope_parameters", None) or {}).get("rope_theta")
     learned = _int(config, "n_positions") is not None or getattr(config, "position_embedding_type", None) == "absolute"
-    attention = next((m for name, m in leaves.items() if name.endswith(("q_proj", "c_attn"))), None)
+    query = next((m for name, m in leaves.items() if name.endswith(("q_proj", "c_attn"))), None)
+    output = next((m for name, m in leaves.items() if name.endswith(_OUTPUT_PROJECTIONS)), query)
     fields = {
         "normalization": normalization,
         "norm_epsilon": next(
@@ -243,10 +272,56 @@ def _hf_architecture(config: Any, block: nn.Module) -> dict[str, Any]:
         "rope_base": float(rope) if rope and not learned else None,
         "learned_positions": learned if learned or rope else None,
         "tied_embeddings": getattr(config, "tie_word_embeddings", None),
-        "linear_bias": getattr(attention, "bias", None) is not None if attention is not None else None,
+        "linear_bias": getattr(output, "bias", None) is not None if output is not None else None,
     }
     stated = all(v is not None for k, v in fields.items() if k != "rope_base")
-    return {**fields, "known_architecture": stated}
+    extra = {
+        "qkv_bias": getattr(query, "bias", None) is not None if query is not None else None,
+        "qk_norm": _qk_norm(leaves, query),
+        "gated_activation": act if gated else None,
+    }
+    return {**fields, **extra, "known_architecture": stated}
+
+
+_OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "attn.c_proj", "attention.dense", "self_attention.dense")
+"""Names of the attention's output projection in transformers' decoders (Llama's, OPT's,
+GPT-2's, GPT-NeoX's, Falcon's)."""
+
+
+def _qk_norm(leaves: dict[str, nn.Module], query: nn.Module | None) -> str:
+    """How a block normalises its queries (and keys) before the attention: ``head``
+    (a norm over one head's features), ``projection`` (over the whole query projection's
+    output), ``none``."""
+    norm = next((m for name, m in leaves.items() if name.endswith("q_norm")), None)
+    if norm is None:
+        return "none"
+    width = getattr(norm, "weight", None)
+    whole = getattr(query, "out_features", None)
+    return "projection" if width is not None and whole is not None and width.numel() == whole else "head"
+
+
+def _rope_scaling(config: Any) -> tuple[str, float] | None:
+    """The config's rope scaling as (type, factor); None without one (or a default one)."""
+    scaling = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
+    kind = scaling.get("rope_type") or scaling.get("type")
+    factor = scaling.get("factor")
+    if not kind or kind == "default" or not isinstance(factor, (int, float)):
+        return None
+    return str(kind), float(factor)
+
+
+def _rotary_percent(config: Any) -> float | None:
+    """The fraction of each head rotary embeddings rotate, where the config states it
+    (GPT-NeoX's ``rotary_pct``, ``partial_rotary_factor``, or that in transformers 5's
+    ``rope_parameters``)."""
+    stated = _float(config, "partial_rotary_factor") or _float(config, "rotary_pct")
+    factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor")
+    return stated or (float(factor) if isinstance(factor, (int, float)) else None)
+
+
+def _float(config: Any, name: str) -> float | None:
+    value = getattr(config, name, None)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _int(config: Any, name: str) -> int | None:

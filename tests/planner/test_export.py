@@ -171,6 +171,52 @@ def _hf_export(tmp_path, config: dict) -> dict[str, str | bool]:
     return megatron_args(Plan.load(plan), model=_built(folder))
 
 
+TINY_DECODER = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512,
+}  # fmt: skip
+LLAMA3_SCALING = {
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 256,
+}  # fmt: skip
+ARCHITECTURES = {
+    "qwen2": ("Qwen2ForCausalLM", {}, {"--disable-bias-linear": True, "--add-qkv-bias": True}, None),
+    "qwen3": ("Qwen3ForCausalLM", {"head_dim": 32}, {"--kv-channels": "32", "--qk-layernorm": True}, None),
+    "gemma3_text": (
+        "Gemma3ForCausalLM",
+        {"head_dim": 32, "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 64},
+        {"--kv-channels": "32", "--qk-layernorm": True, "--swiglu": None},
+        "multiplies by gelu_pytorch_tanh (GeGLU, not SwiGLU)",
+    ),
+    "gpt_neox": ("GPTNeoXForCausalLM", {"rotary_pct": 0.25}, {"--rotary-percent": "0.25"}, None),
+    "llama": (
+        "LlamaForCausalLM",
+        {"rope_scaling": LLAMA3_SCALING, "rope_theta": 500000.0},
+        {"--use-rope-scaling": True, "--rope-scaling-factor": "8", "--swiglu": True},
+        None,
+    ),
+    "olmo2": ("Olmo2ForCausalLM", {}, {"--qk-layernorm": None}, "over the whole projection (OLMo 2)"),
+}
+
+
+@pytest.mark.parametrize("model_type", list(ARCHITECTURES))
+def test_megatron_architecture_flags_of_transformers_decoders(model_type, tmp_path):
+    """The flags each family's shape needs, read from its config and one built block,
+    checked against what the config states (None: the flag must be absent), and where no
+    flag can say it (GeGLU, OLMo 2's norms over the whole projection) a comment in the
+    script; every flag is one Megatron-LM declares."""
+    from .test_export_parsers import declared_megatron_parser
+
+    cls, extra, expected, comment = ARCHITECTURES[model_type]
+    args = _hf_export(tmp_path, {"architectures": [cls], "model_type": model_type, **TINY_DECODER, **extra})
+    for flag, value in expected.items():
+        assert args.get(flag) == value, (flag, args)
+    script = (tmp_path / "megatron.sh").read_text()
+    assert comment is None or comment in script
+    words = [w for k, v in args.items() for w in ([k] if v is True else [k, v])]
+    declared_megatron_parser().parse_known_args(words)
+
+
 def _built(folder):
     from autopar.models.hf_config import build_hf_model, load_hf_model
 

@@ -36,16 +36,20 @@ def _random_groups(rng):
     return groups
 
 
-@pytest.mark.parametrize("seed", range(60))
-def test_stage_knapsack_matches_brute_force(seed):
-    rng = random.Random(seed)
-    groups = _random_groups(rng)
-    budget, inflight = rng.uniform(5, 60), rng.choice([1.0, 2.0, 3.5])
+def _matches_brute_force(groups, budget, inflight):
     got, want = solve_stage(groups, budget, inflight), brute_force_stage(groups, budget, inflight)
     assert (got is None) == (want is None)
     if got is not None:
         assert got.time_s == pytest.approx(want.time_s, rel=1e-12)
         assert got.memory_bytes <= budget * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_stage_knapsack_matches_brute_force(seed):
+    rng = random.Random(seed)
+    groups = _random_groups(rng)
+    budget, inflight = rng.uniform(5, 60), rng.choice([1.0, 2.0, 3.5])
+    _matches_brute_force(groups, budget, inflight)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -203,8 +207,4 @@ def test_two_kinds_of_repeated_units_match_brute_force_without_the_integer_progr
         groups.append((k, opts))
     rng.shuffle(groups)
     budget, inflight = rng.uniform(10, 120), rng.choice([1.0, 2.0, 3.5])
-    got, want = solve_stage(groups, budget, inflight), brute_force_stage(groups, budget, inflight)
-    assert (got is None) == (want is None)
-    if got is not None:
-        assert got.time_s == pytest.approx(want.time_s, rel=1e-12)
-        assert got.memory_bytes <= budget * (1 + 1e-12)
+    _matches_brute_force(groups, budget, inflight)

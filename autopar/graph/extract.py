@@ -186,6 +186,7 @@ def extract(
         vocab_size=vocab_size,
         cuttable=cuttable,
         uncounted_ops=trace.uncounted_ops,
+        ring_attention=trace.ring_attention,
         unsplit_experts=unsplit_experts(model),
     )
 

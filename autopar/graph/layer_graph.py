@@ -323,6 +323,10 @@ class LayerGraph:
         unsplit_experts: classes of modules with weights stacked over experts that
             expert parallelism cannot split (:func:`autopar.models.experts.unsplit_experts`):
             priced as dense layers, so the plan says so.
+        ring_attention: every attention core of the traced forward was
+            ``F.scaled_dot_product_attention`` causal without a mask, the only attention a
+            causal ring computes (context parallelism needs it; a sliding window narrower
+            than the sequence, or a bidirectional encoder, builds a mask or is not causal).
     """
 
     name: str
@@ -339,6 +343,7 @@ class LayerGraph:
     cuttable: bool = True
     uncounted_ops: tuple[str, ...] = ()
     unsplit_experts: tuple[str, ...] = ()
+    ring_attention: bool = True
 
     def profile_of(self, unit_index: int) -> UnitProfile:
         """The profile of unit ``unit_index``."""

@@ -165,6 +165,7 @@ class Tracer:
         self.attn_outputs: dict[int, tuple[Op, float]] = {}  # saved attention outputs: their op, bytes
         self.head_dim = 0
         self.uncounted: set[str] = set()
+        self.masked_attention = False  # an attention core with a mask, or not causal
 
     def combines_matrices(self, ins: list[torch.Tensor]) -> bool:
         """Whether ``ins`` hold a floating-point weight and an activation, both of 2 or
@@ -236,6 +237,7 @@ class Tracer:
             self.head_dim = int(q.shape[-1])
         self.attn_inputs.update(t.untyped_storage()._cdata for t in (q, k, v))
         self.in_attention = True
+        self.masked_attention |= not is_causal or attn_mask is not None
         # a fused kernel skips the tiles a causal mask removes; the flop count does not
         self.attn_work = 0.5 if self.attention is Attention.FLASH and is_causal and attn_mask is None else 1.0
         try:
@@ -287,6 +289,8 @@ class TraceResult:
     """unit module FQN -> the segment open at each of its calls."""
     uncounted_ops: tuple[str, ...] = ()
     """aten ops without a FLOP formula that read a weight matrix (counted as 0 FLOPs)."""
+    ring_attention: bool = True
+    """Every attention core was causal without a mask: what a causal ring computes."""
 
 
 PROLOGUE = "<prologue>"
@@ -481,4 +485,5 @@ def run_trace(
             del mod.forward
     result.head_dim = tracer.head_dim
     result.uncounted_ops = tuple(sorted(tracer.uncounted))
+    result.ring_attention = not tracer.masked_attention
     return result

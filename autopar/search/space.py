@@ -162,11 +162,12 @@ def cp_degrees(graph: LayerGraph, devices: int, constraints: Mapping[str, Any]) 
     parallelism): 1, and each divisor ``d`` that leaves every rank at least
     :data:`CP_MIN_TOKENS` tokens and splits the sequence into the ``2 d`` chunks of
     head-tail load balancing, for a model whose attention runs through
-    ``F.scaled_dot_product_attention`` (the call torch's ring attention replaces). A
+    ``F.scaled_dot_product_attention`` (the call torch's ring attention replaces),
+    causal and without a mask (:attr:`~autopar.graph.layer_graph.LayerGraph.ring_attention`). A
     fixed ``cp`` is checked by :func:`check_context_parallel` and tried alone."""
     if "cp" in constraints:
         return [constraints["cp"]] if devices % constraints["cp"] == 0 else []
-    if not any(p.kv_bytes > 0 for p in graph.profiles) or capacity_experts(graph):
+    if not any(p.kv_bytes > 0 for p in graph.profiles) or capacity_experts(graph) or not graph.ring_attention:
         return [1]
     s = graph.seq_len
     return [d for d in divisors(devices) if d == 1 or (s % (2 * d) == 0 and s // d >= CP_MIN_TOKENS)]
@@ -182,6 +183,12 @@ def check_context_parallel(graph: LayerGraph, constraints: Mapping[str, Any]) ->
         raise ConfigError(
             f"cp={cp} is not allowed for {graph.name}: context parallelism replaces "
             f"F.scaled_dot_product_attention, which this model does not call; use cp=1."
+        )
+    if not graph.ring_attention:
+        raise ConfigError(
+            f"cp={cp} is not allowed for {graph.name} at seq_len={graph.seq_len}: its attention is not causal "
+            f"without a mask (a sliding window narrower than the sequence, or bidirectional attention), which "
+            f"the causal ring of context parallelism cannot compute; use cp=1."
         )
     if capacity_experts(graph):
         raise ConfigError(

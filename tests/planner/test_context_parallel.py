@@ -223,3 +223,27 @@ def test_hsdp_candidates_with_cp_cover_whole_nodes(long_graph):
     fixed = check_constraints({"tp": 1, "cp": 2, "pp": 1, "zero_stage": 3, "micro_batch_size": 1})
     configs, _ = enumerate_space(long_graph, cluster, 8, fixed)
     assert {(c.dp, c.dp_shard) for c in configs} == {(4, None), (4, 2)}
+
+
+@pytest.mark.parametrize(("window", "ring"), [(4096, False), (32768, True)], ids=["narrower", "wider"])
+def test_a_sliding_window_narrower_than_the_sequence_is_not_offered_a_ring(window, ring):
+    """A transformers Mistral whose sliding window is narrower than the 16K-token
+    sequence builds an attention mask, which the causal ring cannot compute: the trace
+    sees it, the search offers no cp and a fixed one is refused in one line (the runtime
+    refused such plans only at launch). With a window wider than the sequence it is
+    plain causal attention, and cp=2 is offered and accepted."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MistralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16384, sliding_window=window, use_cache=False,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.MistralForCausalLM(config)
+    graph = extract(model, seq_len=16384)
+    assert graph.ring_attention is ring
+    assert (2 in cp_degrees(graph, 8, {})) is ring
+    if ring:
+        check_context_parallel(graph, {"cp": 2})
+    else:
+        with pytest.raises(ConfigError, match=r"cp=2 is not allowed for MistralForCausalLM at seq_len=16384"):
+            check_context_parallel(graph, {"cp": 2})

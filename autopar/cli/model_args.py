@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -65,7 +66,17 @@ def _sample_shape(text: str) -> tuple[int, ...]:
             f"--sample-shape {text!r} is not allowed: give one sample's dimensions as positive integers, "
             f"e.g. 3,224,224."
         )
+    if math.prod(dims) > MAX_SAMPLE_ELEMENTS:
+        raise ConfigError(
+            f"--sample-shape {text!r} is {math.prod(dims):.3g} values per sample, more than 2^40, beyond any "
+            f"device's memory; give one sample's real dimensions, e.g. 3,224,224."
+        )
     return dims
+
+
+MAX_SAMPLE_ELEMENTS = 2**40
+"""The most values ``--sample-shape`` may give one sample (a tebibyte at a byte each:
+beyond any device; much larger ones overflow torch's sizes with a C++ error)."""
 
 
 def _no_sample_shape(shape: tuple[int, ...] | None, model: str) -> None:

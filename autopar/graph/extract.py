@@ -269,6 +269,11 @@ def _batch_of(sample: Any) -> int:
     )
     for item in items:
         if isinstance(item, torch.Tensor) and item.dim() >= 1:
+            if item.shape[0] < 1:
+                raise ModelError(
+                    f"sample_input's batch dimension is {item.shape[0]} (shape {tuple(item.shape)}); give at least "
+                    f"one sample, e.g. torch.zeros(1, 3, 224, 224)."
+                )
             return int(item.shape[0])
     raise ModelError("sample_input holds no tensor with a batch dimension; give e.g. torch.zeros(1, 3, 224, 224).")
 

@@ -76,6 +76,11 @@ def cluster_from_dict(data: Any, *, origin: str = "cluster data") -> Cluster:
 
 def save_cluster(cluster: Cluster, path: str | Path) -> Path:
     """Write a cluster file (atomically)."""
+    if not isinstance(cluster, Cluster):
+        raise ClusterError(
+            f"save_cluster takes a Cluster (autopar.preset(...), load_cluster(...) or a profile's cluster), "
+            f"got {type(cluster).__name__} {cluster!r:.60}; nothing was written."
+        )
     return codec.write_atomically(path, codec.dumps(cluster, error=ClusterError))
 
 

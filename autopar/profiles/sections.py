@@ -329,6 +329,25 @@ class ModelProfile:
     units: tuple[UnitMeasurement, ...]
     provenance: Provenance
 
+    def __post_init__(self) -> None:
+        dtypes = [d.value for d in DType]
+        problem = (
+            f"dtype {self.dtype!r} is not one of {', '.join(dtypes)}"
+            if self.dtype not in dtypes
+            else f"batch {self.batch} is not a sample count (at least 1)"
+            if self.batch < 1
+            else f"seq_len {self.seq_len} is not a token count (at least 1)"
+            if self.seq_len < 1
+            else "it measured no unit"
+            if not self.units
+            else None
+        )
+        if problem:
+            raise ProfileFormatError(
+                f"the layers section of {self.model}'s profile is not one 'autopar profile model' writes: {problem}; "
+                f"measure the model again."
+            )
+
     def step_s(self) -> float:
         """Forward plus backward of the whole model: every instance of every unit."""
         return sum(u.time_s * len(u.instances) for u in self.units)

@@ -76,6 +76,10 @@ CLI_CASES = {
         "plan --model resnet-small --cluster local-cpu:1 --global-batch-size 8 --sample-shape 3,0,224",
         ["'3,0,224'", "positive integers"],
     ),
+    "sample past any memory": (
+        "plan --model resnet-small --cluster local-cpu:1 --global-batch-size 8 --sample-shape 3,99999999999999999999,2",
+        ["'3,99999999999999999999,2'", "6e+20 values per sample", "more than 2^40"],
+    ),
     "model function that fails": (
         "plan --model-fn torch.nn:Linear --seq-len 8 --cluster local-cpu:1 --global-batch-size 8",
         ["torch.nn:Linear", "TypeError", "no arguments"],

@@ -57,6 +57,13 @@ def test_json_round_trip(tmp_path):
     assert parse_cluster("hgx-h200:4") == cluster
 
 
+def test_saving_something_else_as_a_cluster_is_refused(tmp_path):
+    """A string saved as a cluster wrote a file load_cluster then refused."""
+    with pytest.raises(ClusterError, match=r"save_cluster takes a Cluster .* got str 'hgx-h200:4'"):
+        save_cluster("hgx-h200:4", tmp_path / "c.json")
+    assert not (tmp_path / "c.json").exists()
+
+
 @pytest.mark.parametrize(
     "bad, message",
     [

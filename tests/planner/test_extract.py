@@ -300,6 +300,8 @@ def test_input_errors():
         extract(MLPStack(MLPConfig()), seq_len=16)
     with pytest.raises(ModelError, match="tracing MLPStack on fake tensors failed"):
         extract(MLPStack(MLPConfig(in_dim=8)), sample_input=torch.zeros(2, 5))
+    with pytest.raises(ModelError, match=r"batch dimension is 0 \(shape \(0, 8\)\); give at least one sample"):
+        extract(MLPStack(MLPConfig(in_dim=8)), sample_input=torch.zeros(0, 8))  # a division by zero deeper in
 
 
 @pytest.mark.parametrize("name", ["gpt2-small", "llama3-8b", "mlp-wide", "resnet-small"])

@@ -1,6 +1,7 @@
 """ProfileReport: exact JSON round trip, merging, and clear errors for bad files."""
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -85,6 +86,16 @@ def test_malformed_files_name_the_field(tmp_path):
     bad_precision["device"]["matmul"][0]["dtype"] = "fp64"  # a precision the planner does not price
     with pytest.raises(ProfileFormatError, match=r"device\.matmul\[0\]\.dtype: 'fp64' is not one of 'fp32'"):
         ProfileReport.load(_write(tmp_path, bad_precision))
+    for field, value, said in (
+        ("dtype", "fp64", "dtype 'fp64' is not one of fp32, bf16, fp16"),
+        ("batch", 0, "batch 0 is not a sample count"),
+        ("seq_len", -1, "seq_len -1 is not a token count"),
+        ("units", [], "it measured no unit"),
+    ):  # each reached the planner and failed there with a traceback (a division, an enum)
+        bad_layers = json.loads(json.dumps(data))
+        bad_layers["layers"][field] = value
+        with pytest.raises(ProfileFormatError, match=re.escape(said)):
+            ProfileReport.load(_write(tmp_path, bad_layers))
     bad_timing = json.loads(json.dumps(data))
     bad_timing["layers"]["units"][0]["fwd"]["min_s"] = 5.0
     with pytest.raises(ProfileFormatError, match="inconsistent"):

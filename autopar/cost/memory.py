@@ -319,6 +319,12 @@ def _compute_grad_bytes(config: ParallelConfig, param_numel: float, whole_grad_n
     return (param_numel + whole_grad_numel * (1 - 1 / config.tp)) * compute_copy_bytes(config.dtype)
 
 
+def optimizer_state_bytes(optimizer: Optimizer) -> float:
+    """Bytes of optimizer state per parameter (Adafactor's factored moments: none per
+    parameter, as a lower bound)."""
+    return _OPT_BYTES.get(optimizer, 0.0)
+
+
 def optimizer_step_bytes(optimizer: Optimizer) -> float:
     """Bytes of memory traffic per parameter of one optimizer step: read and write the
     fp32 weight and each state, read the gradient, write the compute copy."""

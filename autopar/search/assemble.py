@@ -4,11 +4,15 @@ that says nothing fits and what would help."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 from autopar.cost.leaf import padded
-from autopar.cost.peak import frugal_peak_bytes
+from autopar.cost.memory import GRAD_BYTES, MASTER_BYTES, optimizer_state_bytes
+from autopar.cost.peak import budget_bytes, frugal_peak_bytes
 from autopar.errors import InfeasiblePlanError
 from autopar.graph.layer_graph import LayerGraph
 from autopar.hardware.cluster import Cluster
@@ -17,7 +21,7 @@ from autopar.plan import Alternative, LayerStrategies, ModelSummary, ParallelCon
 from autopar.search.scan import SearchResult
 from autopar.search.solve import ConfigSolver, Outcome
 from autopar.search.space import CUT_NOTE
-from autopar.vocab import Recompute, TPStyle
+from autopar.vocab import Optimizer, Recompute, TPStyle
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,16 +85,30 @@ def strategies_of(graph: LayerGraph, outcome: Outcome) -> tuple[LayerStrategies,
     return LayerStrategies(tp=tp_map, recompute=overrides), default
 
 
-def infeasible_error(result: SearchResult, cluster: Cluster, graph: LayerGraph) -> InfeasiblePlanError:
-    """Nothing fits: the least memory found against a device's, and what would help."""
+def infeasible_error(
+    result: SearchResult, cluster: Cluster, graph: LayerGraph, *, fixed: Mapping[str, Any], optimizer: Optimizer
+) -> InfeasiblePlanError:
+    """Nothing fits: the least memory found against a device's, and what would help: a
+    ZeRO stage or recomputation the search was not allowed, and as many nodes as the
+    model's states alone need, fully sharded (a lower bound: activations come on top)."""
     best = min(result.infeasible, key=lambda o: o.min_memory_bytes)
     cap = cluster.device.memory.capacity_bytes
-    cfg = best.config
+    searched_full = fixed.get("recompute", Recompute.FULL) is Recompute.FULL
+    cfg = best.config if not searched_full else replace(best.config, recompute=Recompute.FULL)
     hints = []
     if cfg.zero_stage < 3 and cfg.dp > 1:
         hints.append("zero_stage=3")
-    hints.append("recompute='full'")
-    hints.append(f"more devices (e.g. {2 * cluster.nodes} nodes)")
+    if not searched_full:
+        hints.append("recompute='full'")
+    per_param = MASTER_BYTES + GRAD_BYTES + optimizer_state_bytes(optimizer)
+    devices = math.ceil(graph.num_params * per_param / budget_bytes(cluster.device.memory))
+    nodes = max(cluster.nodes + 1, math.ceil(devices / cluster.devices_per_node))
+    states = (
+        f" (its weights, gradients and {optimizer.value} states alone fill {devices} devices, fully sharded)"
+        if devices > cluster.world_size
+        else ""
+    )
+    hints.append(f"at least {nodes} nodes{states}")
     return InfeasiblePlanError(
         f"no plan fits: {graph.name} ({graph.num_params / 1e9:.2f}B parameters) needs at least "
         f"{best.min_memory_bytes / 2**30:.1f} GiB per device in the best case found ({cfg.short()}); each "

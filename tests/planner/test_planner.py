@@ -1,12 +1,14 @@
 """plan() and estimate(): behaviour a user relies on, and errors a user can act on."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
 
 import autopar
 from autopar import ConfigError, InfeasiblePlanError, Recompute, explain
+from autopar.cost.peak import budget_bytes
 from autopar.graph import extract
 from autopar.models import GPT, GPTConfig, MLPConfig, MLPStack, build_named_model
 from autopar.present.whatif import fewest_nodes, time_to_train
@@ -47,9 +49,21 @@ def test_estimate_is_a_space_of_size_one_and_never_raises_for_memory():
 
 
 def test_infeasible_plan_names_the_memory():
+    """A trillion parameters on one node: the least memory found, against the device's,
+    and as many nodes as the states alone need: 16 bytes a parameter under Adam (fp32
+    weights, gradients, two moments), over the 80 GB less the reserve of each device,
+    by hand. Full recomputation was searched, so it is not suggested."""
+    model = build_named_model("gpt-1t")
     with pytest.raises(InfeasiblePlanError, match=r"needs at least [\d.]+ GiB per device.*has 80.0 GiB") as err:
-        autopar.plan(build_named_model("gpt-1t"), DGX1, global_batch_size=8, seq_len=2048)
+        autopar.plan(model, DGX1, global_batch_size=8, seq_len=2048)
     assert err.value.min_memory_bytes > err.value.capacity_bytes
+    devices = math.ceil(sum(p.numel() for p in model.parameters()) * 16 / budget_bytes(DGX1.device.memory))
+    assert f"at least {math.ceil(devices / 8)} nodes (its weights, gradients and adam states alone fill " in str(
+        err.value
+    )
+    assert f"fill {devices} devices, fully sharded)" in str(err.value) and "recompute='full'" not in str(err.value)
+    with pytest.raises(InfeasiblePlanError, match=r"Try recompute='full', at least"):
+        autopar.plan(model, DGX1, global_batch_size=8, seq_len=2048, constraints={"recompute": "none"})
 
 
 def test_tp_only_where_shapes_allow():

@@ -215,6 +215,9 @@ class PlanSettings:
     (:attr:`autopar.cost.model.CostModel.routing_imbalance`)."""
     activations: ActivationLayout = ActivationLayout.BATCH_FIRST
     """The activation layout the plan was priced for (:class:`autopar.vocab.ActivationLayout`)."""
+    searched: bool = True
+    """The configuration was searched (``autopar.plan``); False where it was given and
+    priced as it is (``autopar.estimate``)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -59,7 +59,9 @@ def explain(plan: Plan, *, top: int = 5) -> str:
     lines += [
         "",
         f"Why this plan ({plan.candidates_evaluated} configurations costed in {duration(plan.search_time_s)}; "
-        f"the search is exact for its cost model)",
+        f"the search is exact for its cost model)"
+        if plan.settings.searched
+        else f"The configuration as given, priced in {duration(plan.search_time_s)} (nothing searched)",
     ]
     if runners:
         lines.append("  runners-up:")

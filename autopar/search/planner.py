@@ -193,9 +193,12 @@ def estimate(
     cost_model = _cost_model(graph, measured, optimizer, global_batch_size, routing_imbalance, activations)
     solver_ = ConfigSolver(model=cost_model, budget_bytes=budget_bytes(measured.cluster.device.memory), solver=solver)
     result = search(solver_, fixed, top=0)
-    if not result.best.fits:
-        result = replace(result, best=_overflow(cost_model, result.best.config, fixed, solver))
-    provenance = _provenance(measured, optimizer, attention, solver, routing_imbalance, activations, started)
+    if not result.best.fits:  # priced as given: nothing else was rejected, and it is one configuration
+        result = replace(result, best=_overflow(cost_model, result.best.config, fixed, solver), infeasible=())
+    result = replace(result, evaluated=1)
+    provenance = _provenance(
+        measured, optimizer, attention, solver, routing_imbalance, activations, started, searched=False
+    )
     return _noted(to_plan(solver_, result, provenance), match, seq_note, activations)
 
 
@@ -301,8 +304,11 @@ def _provenance(
     imbalance: float,
     activations: ActivationLayout,
     started: float,
+    *,
+    searched: bool = True,
 ) -> Provenance:
     settings = PlanSettings(
+        searched=searched,
         optimizer=optimizer,
         attention=attention,
         profile_sources=measured.sources,

@@ -234,3 +234,18 @@ def test_ddp_must_also_fit_its_bucket_rebuild():
         autopar.plan(model, cluster, constraints=ddp, **kwargs)
     p = autopar.plan(model, cluster, constraints={"dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 4}, **kwargs)
     assert p.config.zero_stage >= 1 and p.prediction.fits
+
+
+def test_an_estimate_says_it_searched_nothing():
+    """An estimate prices the configuration given: its explanation said 'Why this plan
+    (0 configurations costed ...; the search is exact ...)' and, where it did not fit,
+    listed the same configuration as rejected at another size than the one it printed."""
+    model = build_named_model("llama3-70b")
+    cluster = autopar.preset("dgx-h100", nodes=4)
+    est = autopar.estimate(model, cluster, {"tp": 8, "pp": 2}, global_batch_size=64, seq_len=8192)
+    text = explain(est)
+    assert not est.prediction.fits and not est.settings.searched and est.candidates_evaluated == 1
+    assert "(nothing searched)" in text and "Why this plan" not in text and "rejected" not in text
+    assert autopar.Plan.from_json(est.to_json()).settings.searched is False
+    planned = autopar.plan(build_named_model("gpt2-small"), DGX1, global_batch_size=8, seq_len=128)
+    assert planned.settings.searched and "Why this plan" in explain(planned)

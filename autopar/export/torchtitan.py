@@ -64,6 +64,7 @@ def export_torchtitan(plan: Plan, shape: ModelShape | None) -> Export:
     require_seq_multiple(plan, "torchtitan", {"tp": c.tp, "2 x cp": 2 * c.cp})
     blocks = blocks_of(plan)
     notes: list[str] = []
+    renamed: list[str] = []
     parallelism = {**_data_parallel(plan, notes), "tensor_parallel_degree": c.tp}
     # torch's micro-pipeline TP in the compiled blocks, as autopar's runtime enables it
     parallelism["enable_async_tensor_parallel"] = c.async_tp
@@ -71,7 +72,7 @@ def export_torchtitan(plan: Plan, shape: ModelShape | None) -> Export:
     parallelism["pipeline_parallel_schedule"] = SCHEDULES[c.schedule]
     parallelism["pipeline_parallel_microbatch_size"] = c.micro_batch_size
     if c.pp > 1:
-        parallelism["module_fqns_per_model_part"] = [list(stage) for stage in plan.stages]
+        parallelism["module_fqns_per_model_part"] = _torchtitan_stages(plan.stages, renamed)
     parallelism["context_parallel_degree"] = c.cp
     if c.cp > 1:
         parallelism["context_parallel_rotate_method"] = "allgather"
@@ -130,8 +131,32 @@ def export_torchtitan(plan: Plan, shape: ModelShape | None) -> Export:
     if c.pp > 1:
         placement = "in a V (rank r runs stages r and 2pp-1-r)" if c.schedule.v_shape else "on rank i % pp"
         info.append(f"module_fqns_per_model_part lists the plan's stages by module name; stage i runs {placement}")
+    info += renamed
     text = commented(header(plan, "torchtitan") + info, notes) + "".join(_toml(n, s) for n, s in sections.items())
     return Export(target="torchtitan", text=text, filename=CONFIG_NAME, launch=launch, notes=tuple(notes))
+
+
+TRANSFORMERS_NAMES = {"model.embed_tokens": "tok_embeddings", "model.norm": "norm", "lm_head": "output"}
+"""transformers decoders' module names that torchtitan's decoders (Llama, Qwen3) call
+otherwise; ``model.layers.N`` is ``layers.N``, and the rotary table is a buffer there."""
+
+
+def _torchtitan_stages(stages: tuple[tuple[str, ...], ...], info: list[str]) -> list[list[str]]:
+    """The plan's stages by module name, in torchtitan's names where the plan is of a
+    transformers decoder laid out as its Llama (``model.layers.N`` between an embedding
+    and a head), else as the plan names them."""
+    names = [m for stage in stages for m in stage]
+    known = set(TRANSFORMERS_NAMES) | {"model.rotary_emb"}
+    if not all(m in known or (m.startswith("model.layers.") and m[13:].isdigit()) for m in names):
+        return [list(stage) for stage in stages]
+    info.append(
+        "module names are torchtitan's decoders' (tok_embeddings, layers.N, norm, output), mapped from the "
+        "transformers model the plan was made for"
+    )
+    return [
+        [TRANSFORMERS_NAMES.get(m, m.removeprefix("model.")) for m in stage if m != "model.rotary_emb"]
+        for stage in stages
+    ]
 
 
 def _data_parallel(plan: Plan, notes: list[str]) -> dict:

@@ -9,6 +9,7 @@ import tomllib
 from dataclasses import replace
 
 import pytest
+import torch
 
 import autopar
 from autopar import Plan
@@ -462,3 +463,30 @@ def test_compiled_blocks_and_fp8_are_written_for_torchtitan_and_noted_for_the_ot
         (note,) = [n for n in export(plan, to=target).notes if "compiled blocks and FP8 matmuls" in n]
         assert f"are not written for {name}" in note
         assert not [n for n in export(gpt2_plan, to=target).notes if "FP8" in n]
+
+
+def test_torchtitan_stages_of_a_transformers_llama_use_torchtitans_names():
+    """torchtitan's Llama names its modules tok_embeddings, layers.N, norm and output
+    (the FP8 filter already said output); a plan of transformers' Llama listed its
+    stages as model.embed_tokens, model.layers.N, model.norm and lm_head, with the
+    rotary table, a buffer in torchtitan, as a module. The stages hold the same layers."""
+    import tomllib
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(**{**TINY_DECODER, "num_hidden_layers": 4})
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    plan = autopar.estimate(
+        model, autopar.preset("dgx-a100-80gb", nodes=1), {"pp": 2}, global_batch_size=8, seq_len=128
+    )
+    out = export(plan, to="torchtitan")
+    stages = tomllib.loads(out.text)["parallelism"]["module_fqns_per_model_part"]
+    assert [m for stage in stages for m in stage] == [
+        "tok_embeddings",
+        *(f"layers.{i}" for i in range(4)),
+        "norm",
+        "output",
+    ]
+    assert [len(s) for s in stages] == [len([m for m in s if m != "model.rotary_emb"]) for s in plan.stages]
+    assert "model.rotary_emb" in plan.stages[0]
+    assert "mapped from the transformers model" in out.text

@@ -8,6 +8,7 @@ import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from autopar.errors import ConfigError, first_line, longest_length_note, max_positions
@@ -144,10 +145,21 @@ def _function_model(spec: str, seq_len: int | None, shape: tuple[int, ...] | Non
     try:
         fn: Callable[[], Any] = getattr(importlib.import_module(module_name), fn_name)
     except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"--model-fn {spec!r}: cannot import it ({exc}).") from None
+        local = Path(*module_name.split(".")).with_suffix(".py")
+        hint = (
+            f"; {local} is here, but this directory is not on Python's import path (set PYTHONPATH=. to add it)"
+            if isinstance(exc, ModuleNotFoundError) and local.is_file()
+            else ""
+        )
+        raise ConfigError(f"--model-fn {spec!r}: cannot import it ({exc}){hint}.") from None
     except Exception as exc:  # the module's own code failed as it was imported
         raise ConfigError(
             f"--model-fn {spec!r}: importing it failed ({type(exc).__name__}: {first_line(exc)})."
+        ) from None
+    except SystemExit as exc:  # a script's sys.exit at import: the process would end without a word
+        raise ConfigError(
+            f"--model-fn {spec!r}: importing it called sys.exit({exc.code!r}); give a module whose import builds "
+            f"nothing and exits nothing (put script code under if __name__ == '__main__')."
         ) from None
     if seq_len is not None and shape is not None:
         raise ConfigError("give one of --seq-len (token models) or --sample-shape (others), not both.")
@@ -160,6 +172,10 @@ def _function_model(spec: str, seq_len: int | None, shape: tuple[int, ...] | Non
         raise ConfigError(
             f"--model-fn {spec!r} failed when called with no arguments ({type(exc).__name__}: {first_line(exc)}); "
             f"it must build the model by itself."
+        ) from None
+    except SystemExit as exc:
+        raise ConfigError(
+            f"--model-fn {spec!r} called sys.exit({exc.code!r}) instead of returning a torch.nn.Module."
         ) from None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"--model-fn {spec!r} returned a {type(model).__name__}, not a torch.nn.Module.")

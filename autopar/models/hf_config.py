@@ -45,6 +45,9 @@ SIZES = {
 }
 """Config sizes checked before transformers reads them (some it divides by): the least
 each may be, and what it counts."""
+MAX_LAYERS = 10_000
+"""The most layers a config may have: a model is built layer by layer before it is
+planned, a few milliseconds each."""
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,12 @@ def _check_loadable(raw: dict[str, Any], path: Path, trust_remote_code: bool, tr
                 f"{FLAG} {str(path)!r}: {key}={value} is not allowed; it counts {what}, at least {least}. "
                 f"Fix the config."
             )
+    layers = raw.get("num_hidden_layers")
+    if isinstance(layers, int) and layers > MAX_LAYERS:
+        raise ConfigError(
+            f"{FLAG} {str(path)!r}: num_hidden_layers={layers} is more than {MAX_LAYERS:,} (the deepest trained "
+            f"models have a few hundred; building this many would take hours before planning). Fix the config."
+        )
     if "auto_map" in raw:
         if not trust_remote_code:
             raise ConfigError(

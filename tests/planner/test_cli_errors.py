@@ -144,6 +144,23 @@ def test_command_says_what_is_wrong_in_one_line(command, words, folder, capsys):
         assert word in lines[0]
 
 
+def test_a_model_function_that_exits_or_is_not_on_the_path_is_said(tmp_path, monkeypatch, capsys):
+    """A --model-fn module beside the user that is not on the import path gets the
+    hint to add it; one whose import or function calls sys.exit ended the process
+    without a word (exit code 4)."""
+    (tmp_path / "exits_on_import.py").write_text("import sys\nsys.exit(4)\n")
+    (tmp_path / "exits_when_called.py").write_text("import sys\n\ndef build():\n    sys.exit(5)\n")
+    monkeypatch.chdir(tmp_path)
+    command = "plan --seq-len 8 --cluster local-cpu:1 --global-batch-size 8 --model-fn"
+    code, err = _run([*command.split(), "exits_on_import:build"], capsys)
+    assert code == 2 and "exits_on_import.py is here" in err and "set PYTHONPATH=. to add it" in err, err
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, err = _run([*command.split(), "exits_on_import:build"], capsys)
+    assert code == 2 and "importing it called sys.exit(4)" in err, err
+    code, err = _run([*command.split(), "exits_when_called:build"], capsys)
+    assert code == 2 and "called sys.exit(5) instead of returning a torch.nn.Module" in err, err
+
+
 API_CASES = {
     "optimizer": (
         lambda: autopar.plan(tiny_gpt(), two_cpus(), global_batch_size=4, seq_len=16, optimizer="lamb"),

@@ -427,6 +427,11 @@ def _network_local(args: argparse.Namespace, sweep: Any, command: str) -> int:
             "--nproc launches CPU processes with gloo (forking after CUDA is initialised is unsafe); "
             "for GPUs run under torchrun: 'torchrun --nproc-per-node N -m profiler network ...'."
         )
+    if "intra" not in sweep.levels:
+        raise SettingsError(
+            f"--levels {','.join(sweep.levels)} measures links between nodes, but --nproc runs every process on "
+            f"this machine: add intra, or run under torchrun on two nodes or more."
+        )
     settings = SPMDSettings(timeout_s=args.timeout, pg_timeout_s=min(args.timeout, 300.0))
     report = run_spmd(_network_worker, args.nproc, sweep, command, not args.quiet, settings=settings)[0]
     return _finish(report, args.out)

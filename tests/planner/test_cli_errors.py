@@ -116,6 +116,10 @@ CLI_CASES = {
     "profile unknown device": ("profile model --model gpt2-small --device gpu0 --out {d}/m.json", ["'gpu0'", "cuda:N"]),
     "profile into a folder": ("profile model --model gpt2-small --out {d}", ["--out", "is a directory"]),
     "network unknown level": ("profile network --nproc 2 --levels rack --out {d}/n.json", ["rack", "intra"]),
+    "network between nodes on one": (
+        "profile network --nproc 2 --levels inter --out {d}/n.json",
+        ["--levels inter", "every process on this machine", "add intra"],
+    ),
     "network timeout negative": ("profile network --nproc 2 --timeout -1 --out {d}/n.json", ["--timeout", "> 0"]),
     "doctor ratio above 1": ("doctor --nproc 2 --slow-ratio 2", ["--slow-ratio", "between 0 and 1"]),
     "doctor no processes": ("doctor --nproc 0", ["--nproc 0", "at least 1"]),

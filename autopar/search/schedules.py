@@ -40,7 +40,8 @@ def offered_schedules(pp: int, graph: LayerGraph, c: Mapping[str, Any]) -> Itera
     :data:`MAX_VIRTUAL_STAGES` for the interleaved ones, 2 for a V (left out for tied
     weights). Whether the model splits over them is :func:`split_problem`'s."""
     if pp == 1:
-        yield Schedule.ONE_F_ONE_B, 1
+        if c.get("virtual_stages", 1) == 1:  # stages per pipeline rank need a pipeline
+            yield Schedule.ONE_F_ONE_B, 1
         return
     wanted = c.get("schedule")
     for schedule in (Schedule.ONE_F_ONE_B, Schedule.GPIPE):

@@ -108,6 +108,18 @@ def check_constraints(constraints: Mapping[str, Any] | None, *, what: str = "con
                     f"sequence-parallel gathers with saved-tensor hooks on eager blocks; drop {needed}={not value} "
                     f"or regather=True."
                 )
+    if out.get("pp") == 1 and out.get("virtual_stages", 1) > 1:
+        raise ConfigError(
+            f"constraint virtual_stages={out['virtual_stages']} with pp=1 is not allowed: it counts the stages of "
+            f"each pipeline rank, and pp=1 has no pipeline; drop one of them."
+        )
+    if out.get("tp") == 1:  # each shards or fuses what tensor parallelism splits
+        given = [name for name in ("async_tp", "regather", "sequence_parallel") if out.get(name) is True]
+        if given:
+            raise ConfigError(
+                f"constraint {given[0]}=True with tp=1 is not allowed: it works on the tensor-parallel ranks' "
+                f"shards of each layer, which tp=1 does not split; drop {given[0]}=True or allow tp > 1."
+            )
     return out
 
 

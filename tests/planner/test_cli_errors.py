@@ -94,6 +94,15 @@ CLI_CASES = {
     ),
     # sizes, degrees and clusters
     "output is a folder": (f"{CPU} --out {{d}}", ["--out", "cannot be written", "file path"]),
+    "sequence parallel without tp": (
+        f"{DGX} --set tp=1 --set sequence_parallel=true",
+        ["sequence_parallel=True", "tp=1"],
+    ),
+    "async TP without tp": (f"{DGX} --set tp=1 --set async_tp=true", ["async_tp=True with tp=1", "allow tp > 1"]),
+    "stages per rank without a pipeline": (
+        f"{DGX} --set pp=1 --set virtual_stages=3",
+        ["virtual_stages=3 with pp=1", "no pipeline"],
+    ),
     "dp not dividing": (f"{DGX} --set dp=3", ["dp=3", "8 devices", "[1, 2, 4, 8]"]),
     "micro-batch not dividing": (f"{DGX} --set micro_batch_size=3", ["micro_batch_size=3", "does not divide"]),
     "micro-batch above the batch": (

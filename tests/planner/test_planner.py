@@ -249,3 +249,11 @@ def test_an_estimate_says_it_searched_nothing():
     assert autopar.Plan.from_json(est.to_json()).settings.searched is False
     planned = autopar.plan(build_named_model("gpt2-small"), DGX1, global_batch_size=8, seq_len=128)
     assert planned.settings.searched and "Why this plan" in explain(planned)
+
+
+def test_stages_per_rank_are_honoured_or_refused():
+    """virtual_stages=3 was silently dropped: the plan had no pipeline. It now takes a
+    pipeline of three stages per rank, or none is found."""
+    plan = autopar.plan(build_named_model("gpt2-small"), DGX1, global_batch_size=8, seq_len=128,
+                        constraints={"virtual_stages": 3})  # fmt: skip
+    assert plan.config.pp > 1 and plan.config.virtual_stages == 3

@@ -296,6 +296,12 @@ class Plan:
         if not isinstance(data, dict):
             raise PlanFormatError(f"{origin}: expected a JSON object, got {type(data).__name__}.")
         version = data.get("schema_version")
+        if "schema_version" not in data and "config" not in data:
+            keys = ", ".join(sorted(map(str, data))[:5]) or "none"
+            raise PlanFormatError(
+                f"{origin}: not an autopar plan (no schema_version or config; its keys: {keys}); give a file "
+                f"written by 'autopar plan --out' or Plan.save."
+            )
         if isinstance(version, bool) or version not in READABLE_VERSIONS:
             raise PlanFormatError(
                 f"{origin}: schema_version {version!r} is not supported; this autopar reads versions "

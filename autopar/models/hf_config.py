@@ -170,6 +170,12 @@ def _check_loadable(raw: dict[str, Any], path: Path, trust_remote_code: bool, tr
                 f"{FLAG} {str(path)!r}: {key}={value} is not allowed; it counts {what}, at least {least}. "
                 f"Fix the config."
             )
+    heads, kv = raw.get("num_attention_heads"), raw.get("num_key_value_heads")
+    if isinstance(heads, int) and isinstance(kv, int) and kv >= 1 and heads % kv:
+        raise ConfigError(
+            f"{FLAG} {str(path)!r}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}; "
+            f"each key/value head serves a whole group of query heads. Fix the config."
+        )
     layers = raw.get("num_hidden_layers")
     if isinstance(layers, int) and layers > MAX_LAYERS:
         raise ConfigError(

@@ -96,6 +96,7 @@ def hf(tmp_path_factory):
     (root / "no-heads.json").write_text(json.dumps({**llama, "num_attention_heads": 0}))
     (root / "negative-layers.json").write_text(json.dumps({**llama, "num_hidden_layers": -3}))
     (root / "ten-million-layers.json").write_text(json.dumps({**llama, "num_hidden_layers": 10_000_000}))
+    (root / "kv-groups.json").write_text(json.dumps({**llama, "num_attention_heads": 4, "num_key_value_heads": 3}))
     (root / "heads-do-not-divide.json").write_text(json.dumps({**llama, "hidden_size": 65}))
     (root / "numbered-class.json").write_text(json.dumps({**llama, "architectures": [5]}))
     (root / "one-class.json").write_text(json.dumps({**llama, "architectures": "LlamaForCausalLM"}))
@@ -203,6 +204,7 @@ ERRORS = {
     "no attention heads": ("{d}/no-heads.json", ["num_attention_heads=0 is not allowed", "at least 1"]),
     "negative layers": ("{d}/negative-layers.json", ["num_hidden_layers=-3 is not allowed", "at least 0"]),
     "ten million layers": ("{d}/ten-million-layers.json", ["num_hidden_layers=10000000 is more than 10,000"]),
+    "key/value heads not grouping": ("{d}/kv-groups.json", ["num_attention_heads=4 is not a multiple", "=3"]),
     "heads that do not divide": ("{d}/heads-do-not-divide.json", ["hidden size (65) is not a multiple", "(2)"]),
     "a number for a class": ("{d}/numbered-class.json", ["architectures is [5]", '["LlamaForCausalLM"]']),
 }

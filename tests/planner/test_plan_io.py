@@ -32,6 +32,13 @@ def test_unknown_schema_version(gpt2_plan):
         Plan.from_dict(data)
 
 
+def test_another_json_file_is_said_not_to_be_a_plan():
+    """A cluster file or any other JSON object given as a plan read 'schema_version None
+    is not supported ... Re-create the plan with this autopar version'."""
+    with pytest.raises(PlanFormatError, match=r"not an autopar plan \(no schema_version or config; its keys: "):
+        Plan.from_dict({"name": "dgx-h100", "nodes": 2})
+
+
 @pytest.mark.parametrize(
     "mutate, message",
     [

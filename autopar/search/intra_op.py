@@ -169,9 +169,10 @@ def _options(profile: UnitProfile, ctx: TPContext) -> list[tuple[TPStyle, ...]]:
     ]
 
 
-def _runs(profile: UnitProfile, styles: tuple[TPStyle, ...], ctx: TPContext) -> bool:
-    """Whether the runtime can run ``profile`` under ``styles`` (:func:`autopar.runtime.layouts.refusal`)."""
-    reason = refusal(
+def refusal_in(profile: UnitProfile, styles: tuple[TPStyle, ...], ctx: TPContext) -> str | None:
+    """Why the runtime refuses ``profile`` under ``styles`` in ``ctx``'s layouts, or None
+    (:func:`autopar.runtime.layouts.refusal`)."""
+    return refusal(
         profile,
         styles,
         arrives=ctx.input_layout,
@@ -179,7 +180,10 @@ def _runs(profile: UnitProfile, styles: tuple[TPStyle, ...], ctx: TPContext) -> 
         last=ctx.last,
         loss_parallel=ctx.loss_parallel,
     )
-    return reason is None
+
+
+def _runs(profile: UnitProfile, styles: tuple[TPStyle, ...], ctx: TPContext) -> bool:
+    return refusal_in(profile, styles, ctx) is None
 
 
 def _from_table(profile, ctx, options, *, small: bool) -> tuple[tuple[TPStyle, ...], Layout]:

@@ -32,9 +32,9 @@ from autopar.models import (
     get_named_model,
 )
 from autopar.plan import ParallelConfig
-from autopar.runtime.layouts import always_refused, refusal
+from autopar.runtime.layouts import always_refused
 from autopar.search.bounds import TimeBound
-from autopar.search.intra_op import LayoutSolver, brute_force_layout
+from autopar.search.intra_op import LayoutSolver, brute_force_layout, refusal_in
 from autopar.search.scan import ALL_MODES, search
 from autopar.search.solve import ConfigSolver
 from autopar.search.space import check_constraints, enumerate_space
@@ -58,7 +58,7 @@ def test_layout_search_matches_brute_force_on_random_units(seed, table_limit):
         got = LayoutSolver(table_limit=table_limit).fastest(prof, ctx)
         want = brute_force_layout(prof, ctx)
         assert got.time_s == pytest.approx(want.time_s, rel=1e-9, abs=1e-15)
-        assert _refusal(prof, got.styles, ctx) is None
+        assert refusal_in(prof, got.styles, ctx) is None
         # the loss gets the layout the runtime hands it, never a gathered column output
         assert got.output is model_output_layout(prof, got.styles, ctx)
         small = LayoutSolver(table_limit=table_limit).smallest(prof, ctx)
@@ -75,22 +75,11 @@ def _every_layout(prof, ctx, *, runnable=True):
     accepts), priced by the reference."""
     options = [allowed_styles(leaf, ctx) for leaf in prof.leaves]
     for styles in itertools.product(*options):
-        if runnable and _refusal(prof, styles, ctx):
+        if runnable and refusal_in(prof, styles, ctx):
             continue
         for output in ctx.output_layouts():
             if output is model_output_layout(prof, styles, ctx):
                 yield evaluate_layout(prof, tuple(styles), output, ctx)
-
-
-def _refusal(prof, styles, ctx):
-    return refusal(
-        prof,
-        styles,
-        arrives=ctx.input_layout,
-        boundary=ctx.boundary,
-        last=ctx.last,
-        loss_parallel=ctx.loss_parallel,
-    )
 
 
 def _attention(kv_heads: int) -> UnitProfile:
@@ -159,7 +148,7 @@ def test_styles_the_search_leaves_out_are_refused_whatever_the_others_take():
             dropped += len(out)
             for styles in itertools.product(*options):
                 if any((i, s) in out for i, s in enumerate(styles)):
-                    assert _refusal(prof, styles, ctx), (seed, styles)
+                    assert refusal_in(prof, styles, ctx), (seed, styles)
     assert dropped
 
 
@@ -172,13 +161,13 @@ def test_the_layout_search_takes_the_fastest_layout_the_runtime_runs(table_limit
     prof = _attention(kv_heads=1)
     ctx = layout_ctx(preset("dgx-a100-80gb", nodes=1), tp=2)
     cheapest = min(_every_layout(prof, ctx, runnable=False), key=lambda c: c.time_s)
-    assert "different tensor-parallel layouts" in _refusal(prof, cheapest.styles, ctx)
+    assert "different tensor-parallel layouts" in refusal_in(prof, cheapest.styles, ctx)
     got = LayoutSolver(table_limit=table_limit).fastest(prof, ctx)
-    assert _refusal(prof, got.styles, ctx) is None
+    assert refusal_in(prof, got.styles, ctx) is None
     assert got.time_s == pytest.approx(min(c.time_s for c in _every_layout(prof, ctx)), rel=1e-9, abs=1e-15)
     assert got.time_s > cheapest.time_s
     small = LayoutSolver(table_limit=table_limit).smallest(prof, ctx)
-    assert _refusal(prof, small.styles, ctx) is None
+    assert refusal_in(prof, small.styles, ctx) is None
 
 
 @pytest.mark.parametrize("table_limit", [0, 10**6], ids=["ilp", "table"])
@@ -192,7 +181,7 @@ def test_where_no_layout_runs_the_search_takes_the_fastest(table_limit):
     cheapest = min(_every_layout(prof, ctx, runnable=False), key=lambda c: c.time_s)
     got = LayoutSolver(table_limit=table_limit).fastest(prof, ctx)
     assert got.time_s == pytest.approx(cheapest.time_s, rel=1e-9, abs=1e-15)
-    assert "the model's output" in _refusal(prof, got.styles, ctx)
+    assert "the model's output" in refusal_in(prof, got.styles, ctx)
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])

@@ -118,7 +118,7 @@ def solve_stage(
         if len(multi) <= 1 and single_combos <= 64:
             found = _solve_closed_form(allowed, room, inflight, multi, singles, weights)
         elif len(multi) == 2 and single_combos <= 64 and not (weights and any(weights[g] for g in multi)):
-            found = _solve_two_kinds(allowed, room, inflight, multi, singles)
+            found = _solve_two_kinds(allowed, room, inflight, multi, singles, solver)
         else:
             found = _solve_ilp_weighted(allowed, room, inflight, solver, weights)
         if found is None:
@@ -224,7 +224,7 @@ def _solve_closed_form(groups, room: float, inflight: float, multi: list[int], s
     return best
 
 
-def _solve_two_kinds(groups, room: float, inflight: float, multi: list[int], singles: list[int]):
+def _solve_two_kinds(groups, room: float, inflight: float, multi: list[int], singles: list[int], solver: str):
     """Two groups of identical units beside at most 64 combinations of single units:
     every count of the smaller group's options on its time-memory frontier (per layout,
     :func:`autopar.search.run_times.pareto`), the larger group's best time in the memory
@@ -249,7 +249,7 @@ def _solve_two_kinds(groups, room: float, inflight: float, multi: list[int], sin
     combo, f, rest = best
     found = _best_counts(k_large, opts_large, rest, inflight)
     if found is None:  # the vectorised and the scalar closed form disagree at the memory's edge
-        return None
+        return _solve_ilp(groups, room, inflight, solver)
     out: list[dict[int, int]] = [{} for _ in groups]
     for i, j in zip(singles, combo):
         out[i] = {j: 1}

@@ -144,9 +144,10 @@ class DryRunReport:
         ]
         lines += [f"  problem: {p}" for p in self.problems]
         if self.added_ranks:
+            ranks = ", ".join(map(str, self.added_ranks))
             lines.append(
-                f"  note: ranks {', '.join(map(str, self.added_ranks))} ran too: a measured pipeline rank takes the "
-                f"shape of its input from the stages before it, which only their ranks announce"
+                f"  note: rank{'s' * (len(self.added_ranks) > 1)} {ranks} ran too: a measured pipeline rank takes "
+                f"the shape of its input from the stages before it, which only their ranks announce"
             )
         if self.eager_blocks:
             like = (

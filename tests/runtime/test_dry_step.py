@@ -126,7 +126,7 @@ def test_a_later_pipeline_rank_alone_runs_its_predecessors_too():
     both = dry_run(lambda: build("gpt", "meta"), plan, ranks=[0, 1], measure=True)
     alone = dry_run(lambda: build("gpt", "meta"), plan, ranks=[1], measure=True)
     assert alone.ok, alone.problems
-    assert alone.added_ranks == (0,) and "note: ranks 0 ran too" in alone.to_text()
+    assert alone.added_ranks == (0,) and "note: rank 0 ran too: a measured pipeline rank" in alone.to_text()
     assert [r.rank for r in alone.ranks] == [0, 1]
     assert alone.ranks[1].measured.peak_bytes == both.ranks[1].measured.peak_bytes
     reserve = max(s.memory.reserve_bytes for s in plan.prediction.stages)

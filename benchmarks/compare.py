@@ -37,9 +37,10 @@ from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.graph import extract
 from autopar.models import get_named_model
 from autopar.models.registry import build_named_model
+from autopar.search.constraints import check_constraints
 from autopar.search.scan import ALL_MODES
 from autopar.search.solve import ConfigSolver
-from autopar.search.space import check_constraints, enumerate_space, tp_degrees
+from autopar.search.space import enumerate_space, tp_degrees
 from autopar.vocab import Optimizer
 
 ZOO = [

@@ -36,10 +36,10 @@ from autopar.cost.peak import budget_bytes
 from autopar.graph import extract
 from autopar.hardware import preset
 from autopar.models import GPT, CNNConfig, GPTConfig, Llama, LlamaConfig, MoEConfig, MoELlama, ResNet
+from autopar.search.constraints import check_constraints
 from autopar.search.intra_op import LayoutSolver, brute_force_layout
 from autopar.search.scan import search
 from autopar.search.solve import ConfigSolver
-from autopar.search.space import check_constraints
 from autopar.search.split import band_of, best_split, brute_force_split
 from autopar.search.stage_solver import brute_force_stage, solve_stage
 from autopar.vocab import Optimizer

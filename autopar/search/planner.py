@@ -41,11 +41,12 @@ from autopar.plan import ParallelConfig, Plan, PlanSettings
 from autopar.profiles.apply import Measurements, measurements
 from autopar.profiles.identity import LayerProfileMatch, match_layer_profile
 from autopar.search.assemble import Provenance, infeasible_error, to_plan
+from autopar.search.constraints import check_constraints
 from autopar.search.ilp import check_solver
 from autopar.search.kernel_options import check_async_tp, check_fp8
 from autopar.search.scan import decided, search
 from autopar.search.solve import ConfigSolver, Outcome
-from autopar.search.space import check_constraints, micro_batch_range
+from autopar.search.space import micro_batch_range
 from autopar.vocab import ActivationLayout, Attention, Optimizer, Recompute
 
 P = ParamSpec("P")

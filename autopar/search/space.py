@@ -15,9 +15,8 @@ candidates before they are solved.
 from __future__ import annotations
 
 import itertools
-import reprlib
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from autopar.cost.bounds import memory_floor_bytes, states_floor_bytes, unit_floor
@@ -39,9 +38,8 @@ from autopar.search.kernel_options import (
     regather_options,
 )
 from autopar.search.schedules import check_schedule_constraints, offered_schedules, split_problem
-from autopar.vocab import ZERO_STAGES, DType, Recompute, Schedule, TPStyle
+from autopar.vocab import ZERO_STAGES, Recompute, Schedule, TPStyle
 
-CONFIG_FIELDS = tuple(f.name for f in fields(ParallelConfig))
 CUT_NOTE = (
     "autopar's runtime cannot cut this model into pipeline stages: its blocks sit in an nn.ModuleList or "
     "nn.Sequential, which renumber their children when one is removed (hold them in an nn.ModuleDict, as "
@@ -55,72 +53,6 @@ under the attention it feeds (whose work per rank grows with the tokens squared)
 the sequence is short enough for tensor and pipeline parallelism to hold. Llama 3 trained
 its 128K-token stage with 16-way context parallelism, 8K tokens per rank (Llama Team 2024,
 "The Llama 3 Herd of Models", section 3.3.2). A ``cp`` constraint is always honoured."""
-
-
-def check_constraints(constraints: Mapping[str, Any] | None, *, what: str = "constraints") -> dict[str, Any]:
-    """Validate the names and types of fixed fields (values are checked by ParallelConfig);
-    ``what`` names the argument in the message for anything but a mapping."""
-    if constraints is not None and not isinstance(constraints, Mapping):
-        raise ConfigError(
-            f"{what}={reprlib.repr(constraints)} is not allowed: give a mapping of config fields, "
-            f"e.g. {{'tp': 8, 'pp': 16}}."
-        )
-    out = dict(constraints or {})
-    unknown = sorted(set(out) - set(CONFIG_FIELDS), key=repr)
-    if unknown:
-        raise ConfigError(f"unknown constraint(s) {unknown}; allowed: {', '.join(CONFIG_FIELDS)}.")
-    for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "num_microbatches", "virtual_stages"):
-        if name in out:
-            v = out[name]
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"constraint {name}={v!r} is not allowed: it must be a positive integer.")
-    conv = {"schedule": Schedule, "recompute": Recompute, "dtype": DType}
-    for name, cls in conv.items():
-        if name in out:
-            try:
-                out[name] = cls(out[name])
-            except ValueError:
-                allowed = ", ".join(repr(m.value) for m in cls)
-                raise ConfigError(f"constraint {name}={out[name]!r} is not allowed; use one of {allowed}.") from None
-    if "zero_stage" in out and (isinstance(out["zero_stage"], bool) or out["zero_stage"] not in ZERO_STAGES):
-        raise ConfigError(f"constraint zero_stage={out['zero_stage']!r} is not allowed; use 0, 1, 2 or 3.")
-    shard = out.get("dp_shard")
-    if shard is not None and (isinstance(shard, bool) or not isinstance(shard, int) or shard < 2):
-        raise ConfigError(
-            f"constraint dp_shard={shard!r} is not allowed: give the FSDP shard group's size (an integer >= 2 "
-            f"dividing dp), or None for plain FSDP."
-        )
-    for name in ("sequence_parallel", "compile", "fp8", "async_tp", "regather"):
-        if name in out and not isinstance(out[name], bool):
-            raise ConfigError(f"constraint {name}={out[name]!r} is not allowed: use True or False.")
-    if out.get("async_tp"):  # it runs inside compiled blocks, on sequence-parallel collectives
-        for needed in ("compile", "sequence_parallel"):
-            if out.setdefault(needed, True) is False:
-                raise ConfigError(
-                    f"constraint async_tp=True with {needed}=False is not allowed: asynchronous TP fuses the "
-                    f"sequence-parallel collectives into the compiled blocks; drop {needed}=False or async_tp=True."
-                )
-    if out.get("regather"):  # it keeps shards of sequence-parallel gathers, on eager blocks
-        for needed, value in (("sequence_parallel", True), ("compile", False)):
-            if out.setdefault(needed, value) is not value:
-                raise ConfigError(
-                    f"constraint regather=True with {needed}={not value} is not allowed: it keeps the shards of "
-                    f"sequence-parallel gathers with saved-tensor hooks on eager blocks; drop {needed}={not value} "
-                    f"or regather=True."
-                )
-    if out.get("pp") == 1 and out.get("virtual_stages", 1) > 1:
-        raise ConfigError(
-            f"constraint virtual_stages={out['virtual_stages']} with pp=1 is not allowed: it counts the stages of "
-            f"each pipeline rank, and pp=1 has no pipeline; drop one of them."
-        )
-    if out.get("tp") == 1:  # each shards or fuses what tensor parallelism splits
-        given = [name for name in ("async_tp", "regather", "sequence_parallel") if out.get(name) is True]
-        if given:
-            raise ConfigError(
-                f"constraint {given[0]}=True with tp=1 is not allowed: it works on the tensor-parallel ranks' "
-                f"shards of each layer, which tp=1 does not split; drop {given[0]}=True or allow tp > 1."
-            )
-    return out
 
 
 @dataclass(frozen=True, kw_only=True)

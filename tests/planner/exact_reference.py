@@ -19,9 +19,10 @@ from autopar.cost.step import timing
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, Flow, Leaf, LeafKind, UnitProfile
 from autopar.hardware import Cluster, DeviceMemory, DeviceSpec, LinkSpec, Roofline
 from autopar.plan import ParallelConfig
+from autopar.search.constraints import check_constraints
 from autopar.search.scan import ALL_MODES, SearchResult, search
 from autopar.search.solve import ConfigSolver
-from autopar.search.space import check_constraints, enumerate_space
+from autopar.search.space import enumerate_space
 from autopar.search.stage_solver import memory_of
 from autopar.search.walk_room import walked_bytes
 from autopar.vocab import DType, Layout, Optimizer, Schedule

@@ -19,9 +19,10 @@ from autopar.errors import ConfigError
 from autopar.graph import extract
 from autopar.models import GPT, GPTConfig, MoEConfig, MoELlama
 from autopar.plan import ParallelConfig, Plan
+from autopar.search.constraints import check_constraints
 from autopar.search.experts import check_expert_parallel, ep_degrees
 from autopar.search.solve import ConfigSolver
-from autopar.search.space import check_constraints, enumerate_space
+from autopar.search.space import enumerate_space
 from autopar.vocab import Optimizer, Recompute
 
 from .exact_reference import search_and_brute_force, tiny_cluster

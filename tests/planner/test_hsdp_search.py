@@ -13,9 +13,10 @@ from autopar.cost.peak import budget_bytes
 from autopar.errors import ConfigError
 from autopar.graph import extract
 from autopar.models import GPT, GPTConfig, build_named_model
+from autopar.search.constraints import check_constraints
 from autopar.search.scan import search
 from autopar.search.solve import ConfigSolver
-from autopar.search.space import check_constraints, enumerate_space, shard_sizes
+from autopar.search.space import enumerate_space, shard_sizes
 from autopar.vocab import Optimizer
 
 from .exact_reference import brute_force_search, tiny_cluster

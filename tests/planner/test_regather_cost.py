@@ -20,8 +20,9 @@ from autopar.graph import extract
 from autopar.hardware import preset
 from autopar.models import GPT, GPTConfig, Llama, LlamaConfig, build_named_model
 from autopar.plan import ParallelConfig
+from autopar.search.constraints import check_constraints
 from autopar.search.intra_op import LayoutSolver
-from autopar.search.space import check_constraints, enumerate_space
+from autopar.search.space import enumerate_space
 from autopar.vocab import Layout, Recompute, TPStyle
 
 from .exact_reference import layout_ctx, search_and_brute_force, tiny_cluster

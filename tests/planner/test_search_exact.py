@@ -34,10 +34,11 @@ from autopar.models import (
 from autopar.plan import ParallelConfig
 from autopar.runtime.layouts import always_refused
 from autopar.search.bounds import TimeBound
+from autopar.search.constraints import check_constraints
 from autopar.search.intra_op import LayoutSolver, brute_force_layout, refusal_in
 from autopar.search.scan import ALL_MODES, search
 from autopar.search.solve import ConfigSolver
-from autopar.search.space import check_constraints, enumerate_space
+from autopar.search.space import enumerate_space
 from autopar.search.split import band_of, best_split, brute_force_split
 from autopar.vocab import DType, Optimizer, TPStyle
 

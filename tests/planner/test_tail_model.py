@@ -16,9 +16,10 @@ from autopar.cost.stage import PricedStage
 from autopar.cost.step import timing
 from autopar.graph import extract
 from autopar.models import Llama, LlamaConfig
+from autopar.search.constraints import check_constraints
 from autopar.search.scan import ALL_MODES
 from autopar.search.solve import ConfigSolver
-from autopar.search.space import check_constraints, enumerate_space
+from autopar.search.space import enumerate_space
 from autopar.vocab import Optimizer, Schedule
 
 from .exact_reference import tiny_cluster

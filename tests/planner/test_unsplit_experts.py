@@ -15,8 +15,9 @@ from autopar.errors import ConfigError
 from autopar.graph import extract
 from autopar.models import build_named_model
 from autopar.models.experts import experts_modules, unsplit_experts
+from autopar.search.constraints import check_constraints
 from autopar.search.experts import model_experts
-from autopar.search.space import check_constraints, enumerate_space
+from autopar.search.space import enumerate_space
 
 transformers = pytest.importorskip("transformers")
 

@@ -11,9 +11,10 @@ from autopar.cost.model import CostModel
 from autopar.cost.peak import budget_bytes
 from autopar.graph import extract
 from autopar.models import GPT, GPTConfig, Llama, LlamaConfig
+from autopar.search.constraints import check_constraints
 from autopar.search.scan import search
 from autopar.search.solve import ConfigSolver
-from autopar.search.space import check_constraints, enumerate_space
+from autopar.search.space import enumerate_space
 from autopar.vocab import Optimizer, Schedule
 
 from .exact_reference import brute_force_search, search_and_brute_force, tiny_cluster

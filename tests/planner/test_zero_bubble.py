@@ -12,7 +12,8 @@ from autopar.graph import extract
 from autopar.models import Llama, LlamaConfig, build_named_model
 from autopar.plan import ParallelConfig
 from autopar.present.report import timeline_figure
-from autopar.search.space import check_constraints, enumerate_space
+from autopar.search.constraints import check_constraints
+from autopar.search.space import enumerate_space
 from autopar.vocab import Schedule
 
 DGX1 = autopar.preset("dgx-a100-80gb", nodes=1)

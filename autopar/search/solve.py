@@ -10,6 +10,7 @@ Every number it decides on comes from :mod:`autopar.cost`.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -235,8 +236,8 @@ class ConfigSolver:
         is known to stay below its bound by that much (:mod:`autopar.search.walk_room`)."""
         if units[-1] - units[0] + 1 == len(units):  # contiguous: the precomputed range signature
             content: object = int(self.range_signature[units[0], units[-1] + 1])
-        else:
-            content = tuple(self.unit_keys[u] for u in units)
+        else:  # a rank's stages: its units' kinds in order, and where one stage ends
+            content = (tuple(self.unit_keys[u] for u in units), tuple(b > a + 1 for a, b in itertools.pairwise(units)))
         pipeline = (config.num_microbatches, config.virtual_stages) if config.pp > 1 else ()
         key = (content, self.config_key(config, modes), inflight, pipeline, held, allowance)
         if key not in self._memo:
@@ -244,8 +245,27 @@ class ConfigSolver:
         found = self._memo[key]
         if found is None:
             return None
-        choice, options = found
+        # the same content may order its kinds otherwise (Gemma 3's global layers): each
+        # kind's options go to this stage's own units of that kind
+        choice, picks = found
+        chosen = {u: o for k, group in self._members(units, inflight, held).items() for u, o in zip(group, picks[k])}
+        options = tuple(chosen[u] for u in units)
         return PricedStage(index=index, units=units, options=options, inflight=inflight), choice.memory_bytes
+
+    def _members(
+        self, units: tuple[int, ...], inflight: float, held: tuple[float, ...] | None
+    ) -> dict[tuple, list[int]]:
+        """A stage's units by kind, each kind's in the order its options are handed out:
+        as they come, the heavier first where their stages hold unequal micro-batches
+        (a V's rank)."""
+        members: dict[tuple, list[int]] = {}
+        for u in units:
+            members.setdefault(self.unit_keys[u], []).append(u)
+        if held is not None:
+            weight = dict(zip(units, held))
+            for group in members.values():
+                group.sort(key=lambda u: -weight[u])
+        return members
 
     def _solve(
         self,
@@ -255,23 +275,18 @@ class ConfigSolver:
         inflight: float,
         held: tuple[float, ...] | None,
         allowance: float,
-    ) -> tuple[StageChoice, tuple[UnitOption, ...]] | None:
-        groups_keys: list[tuple] = []
-        members: dict[tuple, list[int]] = {}
-        for u in units:
-            k = self.unit_keys[u]
-            if k not in members:
-                members[k] = []
-                groups_keys.append(k)
-            members[k].append(u)
+    ) -> tuple[StageChoice, dict[tuple, tuple[UnitOption, ...]]] | None:
+        """The choice for ``units`` and, per kind, the options its units take, in the
+        order of :meth:`_members`."""
+        members = self._members(units, inflight, held)
+        groups_keys = list(members)
         # a unit whose stage holds h micro-batches weighs its activations h / inflight times
         weight = {} if held is None else {u: h / inflight for u, h in zip(units, held)}
         groups, group_opts, weights = [], [], []
         for k in groups_keys:
             opts, priced = self.priced_options(members[k][0], config, modes)
             two = None
-            if held is not None:
-                members[k].sort(key=lambda u: -weight[u])  # the heavier first
+            if held is not None:  # the heavier first
                 heavy, light = weight[members[k][0]], weight[members[k][-1]]
                 if heavy != light:  # a V's kind in both of the rank's stages
                     two = TwoWeights(heavy_units=sum(weight[u] == heavy for u in members[k]), heavy=heavy, light=light)
@@ -281,16 +296,14 @@ class ConfigSolver:
             group_opts.append(opts)
             weights.append(two)
 
-        def assign(choice: StageChoice) -> dict[int, UnitOption]:
-            chosen: dict[int, UnitOption] = {}
+        def assign(choice: StageChoice) -> dict[tuple, tuple[UnitOption, ...]]:
+            picks = {}
             for k, opts, (_, priced), counts in zip(groups_keys, group_opts, groups, choice.counts):
                 order = list(range(len(opts)))
                 if held is not None:  # smallest activations first, to the heavier units
                     order.sort(key=lambda i: priced[i].act_bytes)
-                picks = [opts[i] for i in order for _ in range(counts[i])]
-                for u, o in zip(members[k], picks):
-                    chosen[u] = o
-            return chosen
+                picks[k] = tuple(opts[i] for i in order for _ in range(counts[i]))
+            return picks
 
         budget = (
             self.budget_bytes
@@ -314,11 +327,10 @@ class ConfigSolver:
                 choice, shared = replace(found, counts=counts), saving
         if choice is None:
             return None
-        chosen = assign(choice)
         taken = [(p, c) for (_, opts), cs in zip(groups, choice.counts) for p, c in zip(opts, cs) if c]
         if not fits_bucket_rebuild(taken, shared, self.budget_bytes + allowance):
             return None
-        return choice, tuple(chosen[u] for u in units)
+        return choice, assign(choice)
 
     def _tied_layouts(self, units, config, groups, group_opts, groups_keys):
         """Per tied weight whose two owners are single units of this stage, per pair of

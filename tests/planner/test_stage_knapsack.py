@@ -208,3 +208,44 @@ def test_two_kinds_of_repeated_units_match_brute_force_without_the_integer_progr
     rng.shuffle(groups)
     budget, inflight = rng.uniform(10, 120), rng.choice([1.0, 2.0, 3.5])
     _matches_brute_force(groups, budget, inflight)
+
+
+def test_ranges_of_the_same_content_in_another_order_give_each_unit_its_own_kinds_options():
+    """Two ranges holding as many blocks of each kind, between blocks of the same kinds,
+    in another order (Gemma 3's global layers at other places): the second, solved from
+    the first's memo, gives each unit an option of its own kind, as a fresh solver does.
+    Handing the first range's options over by position had put global layers' options on
+    sliding-window ones, and a plan predicted at 81.9 GiB on a 79.6 GiB H100 passed as
+    fitting."""
+    import torch
+
+    from autopar.cost.model import CostModel
+    from autopar.cost.peak import budget_bytes
+    from autopar.graph import extract
+    from autopar.models import MLPConfig, MLPStack
+    from autopar.plan import ParallelConfig
+    from autopar.search.scan import ALL_MODES
+    from autopar.search.solve import ConfigSolver
+    from autopar.vocab import Optimizer
+
+    from .exact_reference import tiny_cluster
+
+    small, large = 256, 1024
+    widths = (small, small, large, small, small, large, small, small)  # blocks are units 1..8
+    graph = extract(
+        MLPStack(MLPConfig(in_dim=64, dim=128, out_dim=32, widths=widths)),
+        sample_input=torch.zeros(1, 256, 64),
+        dtype="bf16",
+    )
+    cluster = tiny_cluster(0.02)
+    model = CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8)
+    cfg = ParallelConfig(dp=1, tp=1, pp=2, micro_batch_size=1, num_microbatches=8, schedule="1f1b")
+    first, second = tuple(range(1, 5)), tuple(range(5, 9))  # small small large small | small large small small
+    solver = ConfigSolver(model=model, budget_bytes=budget_bytes(cluster.device.memory))
+    assert solver.range_signature[1, 5] == solver.range_signature[5, 9]
+    solver.solve_units(first, cfg, ALL_MODES, 2.0, 1)
+    stage, _ = solver.solve_units(second, cfg, ALL_MODES, 2.0, 1)
+    fresh, _ = ConfigSolver(model=model, budget_bytes=solver.budget_bytes).solve_units(second, cfg, ALL_MODES, 2.0, 1)
+    for u, got, want in zip(second, stage.options, fresh.options):
+        assert got.layout.param_numel == solver.options(u, cfg, ALL_MODES)[0].layout.param_numel
+        assert got.recompute is want.recompute

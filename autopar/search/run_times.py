@@ -119,17 +119,18 @@ def run_times(
     """``out[..., n]``: the fastest time of ``n`` identical units sharing one layout, each
     taking one of ``opts[allowed]``, with their bytes (static plus ``inflight`` x
     activations) within ``room``; 0 for no unit where ``room`` is not negative. ``room``
-    and ``inflight`` may be arrays (a leading axis of stages). Options of one layout hold
-    the same model states, so their order by bytes, and which of them are worth
-    keeping, do not depend on the in-flight count."""
+    and ``inflight`` may be arrays (a leading axis of stages); ``counts``, where given,
+    the counts to price, for all of them or (two axes) one row per stage. Options of one
+    layout hold the same model states, so their order by bytes, and which of them are
+    worth keeping, do not depend on the in-flight count."""
     scalar = np.ndim(room) == 0 and np.ndim(inflight) == 0
     rooms, inflights = np.broadcast_arrays(np.atleast_1d(np.asarray(room, dtype=float)), np.atleast_1d(inflight))
     rooms, inflights = rooms[:, None, None], inflights[:, None, None]
     wanted = np.arange(n_max + 1) if counts is None else np.asarray(counts)
-    n = wanted.astype(np.float64)[None, :, None]
-    best = np.full((rooms.shape[0], wanted.size), np.inf)
+    n = wanted.astype(np.float64)[..., None] if wanted.ndim == 2 else wanted.astype(np.float64)[None, :, None]
+    best = np.full((rooms.shape[0], wanted.shape[-1]), np.inf)
     if not allowed:
-        best[:, wanted == 0] = np.where(rooms[:, 0, 0] >= 0, 0.0, np.inf)[:, None]
+        best[...] = np.where((wanted == 0) & (rooms[:, :, 0] >= 0), 0.0, np.inf)
         return best[0] if scalar else best
     for lay in sorted({opts[i].layout for i in allowed}):
         idx = pareto(opts, [i for i in allowed if opts[i].layout == lay], float(inflights.flat[0]))
@@ -171,6 +172,7 @@ def _mixed_rows(n: np.ndarray, rooms: np.ndarray, w: list, t: list, slow: np.nda
     extra = np.sort(extra, kind="stable")
     stages = np.broadcast_to(np.arange(rooms.shape[0])[:, None], found.shape)
     counts = np.broadcast_to(np.arange(n.shape[1])[None, :], found.shape)
+    n_of = np.broadcast_to(n, (*found.shape, 1))  # counts are per stage or shared
     # where no row of one slow option fits, neither does a mix: all of the slowest holds the least
     slack = np.where(np.isfinite(found), found - n[:, :, 0] * t[0] + 1e-9 * np.maximum(1.0, np.abs(found)), -np.inf)
     out = np.full(found.shape, np.inf)
@@ -180,7 +182,7 @@ def _mixed_rows(n: np.ndarray, rooms: np.ndarray, w: list, t: list, slow: np.nda
         if not live.any():
             break
         k, c = stages[live], counts[live]
-        e_n = n[0, c, 0][:, None, None]
+        e_n = n_of[k, c, 0][:, None, None]
         e_rooms = np.broadcast_to(rooms, (rooms.shape[0], 1, 1))[k]
         e_w = [np.broadcast_to(x, (rooms.shape[0], 1, 1))[k] for x in w]
         rows = slow[lo : lo + chunk]

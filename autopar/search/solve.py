@@ -39,6 +39,7 @@ from autopar.search.split import best_split, even_bounds_of
 from autopar.search.split_table import cost_band, split_cutoff
 from autopar.search.split_weights import TwoWeights
 from autopar.search.stage_solver import Priced, StageChoice, solve_stage
+from autopar.search.two_kinds_band import two_kinds_of
 from autopar.vocab import Recompute
 
 
@@ -127,6 +128,9 @@ class ConfigSolver:
         """The model as a run of identical blocks between at most one unit on each side,
         or None where it is not (a CNN of mixed blocks): splits of a skeleton depend on
         block counts only."""
+        self.two_kinds = None if self.skeleton is not None else two_kinds_of(self.unit_keys, graph)
+        """The model as blocks of two kinds between its first and last unit (Gemma 3),
+        or None: its splits depend on the counts of each kind."""
         sigs: dict[tuple, int] = {}
         self.range_signature = np.zeros((n + 1, n + 1), dtype=np.int64)
         for i in range(n):

@@ -162,3 +162,14 @@ def even_bounds(n: int, first: int, last: int, chunks: int, *, exact: bool = Fal
         bounds.append(bounds[-1] + size + (first if k == 0 else 0))
     bounds[-1] = n
     return tuple(bounds)
+
+
+def placeable(n: int, pp: int, width: int) -> np.ndarray:
+    """``mask[k, i, w - 1]``: whether a split can give stage ``k`` the ``w`` units from
+    ``i`` (the stages before it and after it each hold at least one unit)."""
+    k = np.arange(pp)[:, None, None]
+    i = np.arange(n + 1)[None, :, None]
+    j = i + np.arange(1, width + 1)[None, None, :]
+    first = np.where(k == 0, i == 0, (i >= k) & (i <= n - (pp - k)))
+    last = np.where(k == pp - 1, j == n, (j >= k + 1) & (j <= n - (pp - k - 1)))
+    return first & last

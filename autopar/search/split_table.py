@@ -8,8 +8,9 @@ many blocks it holds. Those are priced as arrays over the count, once per stage 
 in-flight count, what it sends and receives), from the knapsack's closed form
 vectorised over counts and stages (:func:`~autopar.search.run_times.homogeneous_times`,
 :func:`~autopar.search.run_times.single_and_run_times`), and the band is filled by
-broadcasting them. Another model's ranges (a CNN's mixed units) are solved as stages,
-once per distinct content. Entries above a cutoff stay infinite: no split better than
+broadcasting them; blocks of two kinds in any order (Gemma 3) by the count of each
+kind (:mod:`autopar.search.two_kinds_band`). Another model's ranges (a CNN's mixed
+units) are solved as stages, once per distinct content. Entries above a cutoff stay infinite: no split better than
 the even one uses a stage dearer than the cutoff, nor one of more units than the cutoff
 over the fastest unit's time. A stage's time need not grow with its range (it includes
 sending its output, which shrinks along a CNN), so every range within that width is
@@ -26,6 +27,8 @@ import numpy as np
 from autopar.cost.stage import rank_buffer_bytes, stage_p2p_s
 from autopar.plan import ParallelConfig
 from autopar.search.run_times import homogeneous_times, single_and_run_times
+from autopar.search.split import placeable
+from autopar.search.two_kinds_band import two_kinds_band
 from autopar.vocab import Recompute
 
 if TYPE_CHECKING:
@@ -52,6 +55,8 @@ def cost_band(
     width = max(1, min(n - config.pp + 1, width))
     if ev.skeleton is not None and config.pp > 1:
         band = _skeleton_band(ev, config, modes, inflight, width)
+    elif ev.two_kinds is not None and config.pp > 1:
+        band = two_kinds_band(ev, config, modes, inflight, width)
     else:
         band = _general_band(ev, config, modes, inflight, width)
     band = np.where(band <= cutoff_s, band, np.inf)
@@ -102,18 +107,7 @@ def _skeleton_band(
     band[0, 0, :] = times[0, widths - first_units]
     last_units = 1 if shape.epilogue is not None else 0
     band[pp - 1, n - widths, widths - 1] = times[pp - 1, widths - last_units]
-    return np.where(_placeable(n, pp, width), band, np.inf)
-
-
-def _placeable(n: int, pp: int, width: int) -> np.ndarray:
-    """``mask[k, i, w - 1]``: whether a split can give stage ``k`` the ``w`` units from
-    ``i`` (the stages before it and after it each hold at least one unit)."""
-    k = np.arange(pp)[:, None, None]
-    i = np.arange(n + 1)[None, :, None]
-    j = i + np.arange(1, width + 1)[None, None, :]
-    first = np.where(k == 0, i == 0, (i >= k) & (i <= n - (pp - k)))
-    last = np.where(k == pp - 1, j == n, (j >= k + 1) & (j <= n - (pp - k - 1)))
-    return first & last
+    return np.where(placeable(n, pp, width), band, np.inf)
 
 
 def _times(

@@ -232,7 +232,7 @@ def _solve_two_kinds(groups, room: float, inflight: float, multi: list[int], sin
     small, large = sorted(multi, key=lambda g: (groups[g][0], g))
     k_small, opts_small = groups[small]
     k_large, opts_large = groups[large]
-    weight, time, counts = _frontier(k_small, opts_small, inflight)
+    weight, time, counts = frontier(k_small, opts_small, inflight)
     best_t, best = math.inf, None
     for combo in itertools.product(*(range(len(groups[i][1])) for i in singles)):
         picked = [groups[i][1][j] for i, j in zip(singles, combo)]
@@ -258,7 +258,7 @@ def _solve_two_kinds(groups, room: float, inflight: float, multi: list[int], sin
 
 
 @functools.lru_cache(maxsize=4096)
-def _frontier(k: int, opts: tuple[Priced, ...], inflight: float) -> tuple[np.ndarray, np.ndarray, list[dict[int, int]]]:
+def frontier(k: int, opts: tuple[Priced, ...], inflight: float) -> tuple[np.ndarray, np.ndarray, list[dict[int, int]]]:
     """Every way ``k`` identical units sharing a layout can take its options (those worth
     keeping) that no way holding fewer bytes beats in time: bytes, times and counts,
     lightest first (cached: a band asks for the same groups under many budgets)."""

@@ -39,7 +39,7 @@ from autopar.search.intra_op import LayoutSolver, brute_force_layout, refusal_in
 from autopar.search.scan import ALL_MODES, search
 from autopar.search.solve import ConfigSolver
 from autopar.search.space import enumerate_space
-from autopar.search.split import band_of, best_split, brute_force_split
+from autopar.search.split import band_of, best_split, brute_force_split, placeable
 from autopar.vocab import DType, Optimizer, TPStyle
 
 from .exact_reference import brute_force_search, layout_ctx, random_profile, tiny_cluster
@@ -287,6 +287,45 @@ def test_skeleton_band_matches_solving_each_stage(pp, schedule, m, memory_gib):
     slow = _general_band(solver, cfg, ALL_MODES, inflight, width)
     assert np.array_equal(np.isfinite(fast), np.isfinite(slow))
     assert np.isfinite(fast).sum() > 10
+    np.testing.assert_allclose(fast[np.isfinite(fast)], slow[np.isfinite(slow)], rtol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "seed, pp, tp, schedule, m, memory_gib",
+    [(0, 2, 1, "1f1b", 4, 0.03), (1, 3, 2, "gpipe", 2, 0.02), (2, 4, 1, "1f1b", 8, 0.02), (3, 3, 2, "1f1b", 6, 0.01)],
+)
+def test_two_kinds_band_matches_solving_each_stage(seed, pp, tp, schedule, m, memory_gib):
+    """A model of two kinds of blocks in any order (Gemma 3's sliding-window and global
+    layers), its split costs priced per count of each kind in arrays, equals solving
+    every range as a stage, stage by stage; under memory tight enough that some ranges
+    need recomputation and some do not fit."""
+    from autopar.cost.pipeline import inflight_microbatches as inflight_of
+    from autopar.search.split_table import _general_band
+    from autopar.search.two_kinds_band import two_kinds_band
+
+    rng = random.Random(seed)
+    widths = tuple(rng.choice([256, 256, 256, 768]) for _ in range(10))
+    widths = (*widths[:-2], 256, 768)  # both kinds, whatever the draw
+    graph = extract(
+        MLPStack(MLPConfig(in_dim=64, dim=128, out_dim=32, widths=widths)),
+        sample_input=torch.zeros(1, 256, 64),
+        dtype="bf16",
+    )
+    cluster = dataclasses.replace(tiny_cluster(memory_gib), nodes=2)
+    model = CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8 * m)
+    solver = ConfigSolver(model=model, budget_bytes=budget_bytes(cluster.device.memory))
+    assert solver.skeleton is None and solver.two_kinds is not None
+    assert sum(solver.two_kinds.rare) == min(widths.count(256), widths.count(768))
+    cfg = ParallelConfig(dp=1, tp=tp, pp=pp, micro_batch_size=8, num_microbatches=m, schedule=schedule)
+    inflight = [inflight_of(cfg.schedule, pp, 1, m, k) for k in range(pp)]
+    width = len(graph.units) - pp + 1
+    fast = two_kinds_band(solver, cfg, ALL_MODES, inflight, width)
+    slow = _general_band(solver, cfg, ALL_MODES, inflight, width)
+    assert np.array_equal(np.isfinite(fast), np.isfinite(slow))
+    assert 10 < np.isfinite(fast).sum() < np.count_nonzero(placeable(len(graph.units), pp, width))
+    # the memory binds: some ranges recompute (slower than with memory to spare)
+    free = two_kinds_band(ConfigSolver(model=model, budget_bytes=math.inf), cfg, ALL_MODES, inflight, width)
+    assert (fast[np.isfinite(fast)] > free[np.isfinite(fast)] * (1 + 1e-9)).any()
     np.testing.assert_allclose(fast[np.isfinite(fast)], slow[np.isfinite(slow)], rtol=1e-12)
 
 

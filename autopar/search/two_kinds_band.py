@@ -1,0 +1,207 @@
+"""The pipeline split's band for a model of two kinds of repeated blocks.
+
+Gemma 3 puts one global-attention layer after five sliding-window ones; a model may
+follow each dense block with a mixture-of-experts one. Between its first unit and its
+last, such a model is blocks of two kinds in any order, so what a stage of it costs
+depends only on how many blocks of each kind it holds, which units bound it (what it
+receives and sends), and the stage (its in-flight micro-batches, and the first and last
+stage's own unit). :func:`two_kinds_band` prices every pair of counts once per stage
+as arrays, as :func:`autopar.search.stage_solver.solve_stage` solves one range: for
+every transient level, every count of the rarer kind's options on its time-memory
+frontier, and the commoner kind's closed form
+(:func:`autopar.search.run_times.run_times`) for the memory each leaves, vectorised
+over those frontiers and over the commoner kind's count. Solving each distinct range as
+its own stage took a Gemma 3 27B plan on 128 GPUs minutes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from autopar.cost.stage import runs_buffer_bytes, stage_p2p_s
+from autopar.plan import ParallelConfig
+from autopar.search.run_times import run_times
+from autopar.search.split import placeable
+from autopar.search.stage_solver import Priced, frontier
+from autopar.vocab import Recompute
+
+if TYPE_CHECKING:
+    from autopar.graph.layer_graph import LayerGraph
+    from autopar.search.solve import ConfigSolver
+
+
+@dataclass(frozen=True, kw_only=True)
+class TwoKinds:
+    """A model as its first unit, blocks of two kinds in any order, and its last unit:
+    ``rare[u]`` says whether unit ``u`` is a block of the kind with fewer blocks
+    (``rare_unit`` is one of them, ``common_unit`` one of the others)."""
+
+    rare: tuple[bool, ...]
+    rare_unit: int
+    common_unit: int
+
+
+def two_kinds_of(unit_keys: tuple[tuple, ...], graph: LayerGraph) -> TwoKinds | None:
+    """The model's shape as :class:`TwoKinds`, or None where the units between the
+    first and the last are not of exactly two kinds, or where a parameter shared
+    between blocks could be held once in a stage (what a range solved as a stage
+    counts, :meth:`autopar.search.solve.ConfigSolver.solve_units`)."""
+    n = len(unit_keys)
+    middle = unit_keys[1 : n - 1]
+    kinds = list(dict.fromkeys(middle))
+    if len(kinds) != 2 or unit_keys[0] in kinds or unit_keys[-1] in kinds:
+        return None
+    if any({s.first_unit, s.second_unit} & set(range(1, n - 1)) for s in graph.shared):
+        return None
+    rare_key = min(kinds, key=lambda k: (middle.count(k), kinds.index(k)))
+    rare = tuple(0 < u < n - 1 and key == rare_key for u, key in enumerate(unit_keys))
+    common = next(u for u in range(1, n - 1) if not rare[u])
+    return TwoKinds(rare=rare, rare_unit=rare.index(True), common_unit=common)
+
+
+def two_kinds_band(
+    ev: ConfigSolver, config: ParallelConfig, modes: tuple[Recompute, ...], inflight: list[float], width: int
+) -> np.ndarray:
+    """``band[k, i, w - 1]`` (:func:`autopar.search.split_table.cost_band`) of a
+    :class:`TwoKinds` model over ``config.pp > 1`` stages: stage 0 holds the first unit
+    and blocks, the last stage blocks and the last unit, the others blocks only; inf
+    where a range does not fit or a split cannot put it there."""
+    shape = ev.two_kinds
+    n, pp = ev.num_units, config.pp
+    rare = np.array(shape.rare, dtype=np.int64)
+    block = np.zeros(n, dtype=np.int64)
+    block[1 : n - 1] = 1
+    rare_before = np.concatenate([[0], np.cumsum(rare)])
+    blocks_before = np.concatenate([[0], np.cumsum(block)])
+    starts = np.arange(n + 1)[:, None]
+    ends = np.minimum(starts + np.arange(1, width + 1)[None, :], n)
+    a = rare_before[ends] - rare_before[starts]
+    b = blocks_before[ends] - blocks_before[starts] - a
+    # each range's first and last unit by kind: 0 the first unit, 1 rare, 2 common, 3 the last unit
+    kind = np.where(rare == 1, 1, 2)
+    kind[0], kind[n - 1] = 0, 3
+    kind = np.append(kind, 3)
+    first_kind, last_kind = kind[np.minimum(starts, n - 1)].repeat(width, axis=1), kind[ends - 1]
+    reps = {0: 0, 1: shape.rare_unit, 2: shape.common_unit, 3: n - 1}
+    layout = ev.any_layout(config, modes)
+    band = np.full((pp, n + 1, width), np.inf)
+    for k in range(pp):
+        single = 0 if k == 0 else n - 1 if k == pp - 1 else None
+        for f in (0,) if k == 0 else (1, 2, 3) if k == pp - 1 else (1, 2):
+            for g in (3,) if k == pp - 1 else (0, 1, 2) if k == 0 else (1, 2):
+                here = (first_kind == f) & (last_kind == g)
+                if not here.any():
+                    continue
+                runs = [(reps[f], reps[g])]
+                room = ev.budget_bytes - runs_buffer_bytes(ev.model, runs, config, inflight[k], layout)
+                times = _count_times(ev, config, modes, inflight[k], single, room, a[here], b[here])
+                first, last = ev.options(reps[f], config, modes)[0], ev.options(reps[g], config, modes)[0]
+                fwd, bwd = stage_p2p_s(ev.model, (reps[f], reps[g]), (first, last), config)
+                times = times + (fwd + bwd)
+                fits = _fits_rebuild(ev, config, modes, single, a[here], b[here])
+                band[k][here] = np.where(fits, times, np.inf)
+    return np.where(placeable(n, pp, width), band, np.inf)
+
+
+def _count_times(
+    ev: ConfigSolver,
+    config: ParallelConfig,
+    modes: tuple[Recompute, ...],
+    inflight: float,
+    single: int | None,
+    room_bytes: float,
+    rare_count: np.ndarray,
+    common_count: np.ndarray,
+) -> np.ndarray:
+    """The fastest time of ``rare_count`` rare and ``common_count`` common blocks (and
+    the unit ``single``, where given) in one stage within ``room_bytes``, pair by pair;
+    inf where they do not fit (memoised per stage and budget, each pair once)."""
+    key = ("two kinds", ev.config_key(config, modes), inflight, single is None or ev.unit_keys[single], room_bytes)
+    shape = (int(rare_count.max()) + 1, int(common_count.max()) + 1)
+    table = ev._memo.get(key, np.full((0, 0), np.nan))
+    if table.shape[0] < shape[0] or table.shape[1] < shape[1]:
+        grown = np.full(np.maximum(table.shape, shape), np.nan)
+        grown[: table.shape[0], : table.shape[1]] = table
+        ev._memo[key] = table = grown
+    missing = np.isnan(table[rare_count, common_count])
+    if missing.any():
+        a, b = rare_count[missing], common_count[missing]
+        rares = np.unique(a)
+        lo = np.array([b[a == r].min() for r in rares])
+        span = int(max(b[a == r].max() - b[a == r].min() for r in rares)) + 1
+        counts = np.minimum(lo[:, None] + np.arange(span)[None, :], table.shape[1] - 1)
+        times = _times(ev, config, modes, inflight, single, room_bytes, rares, counts)
+        table[rares[:, None], counts] = times
+    return table[rare_count, common_count]
+
+
+def _times(
+    ev: ConfigSolver,
+    config: ParallelConfig,
+    modes: tuple[Recompute, ...],
+    inflight: float,
+    single: int | None,
+    room_bytes: float,
+    rares: np.ndarray,
+    commons: np.ndarray,
+) -> np.ndarray:
+    """``out[r, c]``: the fastest time of ``rares[r]`` rare and ``commons[r, c]`` common
+    blocks (and the unit ``single``, where given) in one stage within ``room_bytes``: per
+    transient level, every way on the rare count's frontier beside the common blocks'
+    closed form for the memory it leaves."""
+    shape = ev.two_kinds
+    rare_opts = ev.priced_options(shape.rare_unit, config, modes)[1]
+    common_opts = ev.priced_options(shape.common_unit, config, modes)[1]
+    single_opts: tuple[Priced | None, ...] = (None,) if single is None else ev.priced_options(single, config, modes)[1]
+    out = np.full(commons.shape, np.inf)
+    every = (*rare_opts, *common_opts, *(s for s in single_opts if s is not None))
+    for tau in sorted({o.transient_bytes for o in every}):
+        singles = [s for s in single_opts if s is None or s.transient_bytes <= tau]
+        allowed_rare = tuple(o for o in rare_opts if o.transient_bytes <= tau)
+        allowed_common = [i for i, o in enumerate(common_opts) if o.transient_bytes <= tau]
+        # each rare count's frontier, one row per way, stacked in the order of ``rares``
+        ways = [
+            (np.zeros(1), np.zeros(1)) if r == 0 else frontier(int(r), allowed_rare, inflight)[:2]
+            for r in rares
+            if r == 0 or allowed_rare
+        ]
+        if not singles or not ways:
+            continue
+        owner = np.flatnonzero([r == 0 or bool(allowed_rare) for r in rares])
+        weight = np.concatenate([w for w, _ in ways])
+        time = np.concatenate([t for _, t in ways])
+        sizes = [len(w) for w, _ in ways]
+        first_row = np.cumsum([0, *sizes[:-1]])
+        row_counts = np.repeat(commons[owner], sizes, axis=0)
+        for s in singles:
+            s_bytes = 0.0 if s is None else s.static_bytes + inflight * s.act_bytes
+            s_time = 0.0 if s is None else s.time_s
+            rooms = room_bytes - tau - s_bytes - weight
+            common = run_times(common_opts, allowed_common, 0, rooms, inflight, counts=row_counts)
+            best = np.minimum.reduceat(s_time + time[:, None] + common, first_row, axis=0)
+            out[owner] = np.minimum(out[owner], best)
+    return out
+
+
+def _fits_rebuild(
+    ev: ConfigSolver,
+    config: ParallelConfig,
+    modes: tuple[Recompute, ...],
+    single: int | None,
+    rare_count: np.ndarray,
+    common_count: np.ndarray,
+) -> np.ndarray:
+    """Whether stages of these counts also fit DDP's one-time bucket rebuild
+    (:func:`autopar.cost.peak.fits_bucket_rebuild`): every option of a unit holds the
+    same states where it rebuilds, so it depends on the counts alone."""
+    shape = ev.two_kinds
+    units = [(shape.rare_unit, rare_count), (shape.common_unit, common_count)]
+    if single is not None:
+        units.append((single, 1))
+    static = sum(c * ev.priced_options(u, config, modes)[1][0].static_bytes for u, c in units)
+    rebuild = sum(c * ev.priced_options(u, config, modes)[1][0].rebuild_bytes for u, c in units)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return (rebuild == 0.0) | (static * (1 + rebuild / static) <= ev.budget_bytes)

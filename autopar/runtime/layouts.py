@@ -255,9 +255,7 @@ def _resolve_unit(
             out[i] = _reduce_to(i, names, leaf_styles, consumers, producers, out, boundary, last=last)
 
     def arrival(dst: int) -> Layout:
-        srcs = sorted(producers.get(dst, {UNIT_INPUT}))
-        if len(srcs) > 1 and UNIT_INPUT in srcs:
-            srcs.remove(UNIT_INPUT)  # leaf outputs decide; see "constants" in the module docstring
+        srcs = sorted(_deciding(producers.get(dst, {UNIT_INPUT})))
         seen = {out[s] for s in srcs}
         if len(seen) > 1:
             where = "the unit's output" if dst == UNIT_OUTPUT else repr(names[dst])
@@ -408,6 +406,12 @@ def _shard_replicated_addends(
     return found
 
 
+def _deciding(sources: set[int]) -> set[int]:
+    """Of the tensors meeting at one place, those whose layouts decide it: the leaves'
+    outputs where any meets the unit's input (see "constants" in the module docstring)."""
+    return sources - {UNIT_INPUT} if any(s >= 0 for s in sources) else sources
+
+
 def _reduce_to(
     i: int,
     names: list[str],
@@ -420,16 +424,13 @@ def _reduce_to(
     last: bool,
 ) -> Layout:
     """The layout a partial output is reduced to (module docstring, first rule). Where
-    other leaves' outputs meet the unit's input, they decide, as in
-    :func:`_resolve_unit`'s ``arrival`` (transformers hands each block its rotary
-    tables, which reach the attention beside q), even while they are partial too (q, k
-    and v all row-parallel are reduced to what the attention's consumer needs)."""
+    other leaves' outputs meet the unit's input, they decide (:func:`_deciding`;
+    transformers hands each block its rotary tables, which reach the attention beside
+    q), even while they are partial too (q, k and v all row-parallel are reduced to what
+    the attention's consumer needs)."""
     siblings: set[Layout] = set()
     for c in consumers.get(i, ()):
-        others = producers.get(c, set()) - {i}
-        if any(s >= 0 for s in others):
-            others = others - {UNIT_INPUT}
-        siblings |= {out[s] for s in others if s in out}
+        siblings |= {out[s] for s in _deciding(producers.get(c, set()) - {i}) if s in out}
     if len(siblings) == 1:
         return siblings.pop()
     if len(siblings) > 1:

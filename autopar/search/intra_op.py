@@ -234,16 +234,24 @@ def _fewest_runnable(profile: UnitProfile, ctx: TPContext, options, solver: str)
     }
     for i, opts in enumerate(options):
         prog.constrain({x[i, s]: 1.0 for s in opts}, lower=1.0, upper=1.0)
+    for _, styles in _answers(prog, x, options, solver):
+        if _runs(profile, styles, ctx):
+            return _cap(sum(leaf_param_numel(leaf, s, ctx.tp, ctx.ep) for leaf, s in zip(profile.leaves, styles)))
+    return None
+
+
+def _answers(prog: Program, x: dict[tuple[int, TPStyle], int], options, solver: str):
+    """``prog``'s answers best first, at most :data:`MAX_REFUSED`: each one's values and
+    the styles its variables ``x`` pick, excluded from the next (a no-good cut) when the
+    caller asks for another; none left where the program becomes infeasible."""
     for _ in range(MAX_REFUSED):
         try:
             values = solve(prog, solver)
         except Infeasible:
-            return None
+            return
         styles = tuple(next(s for s in opts if values[x[i, s]] > 0.5) for i, opts in enumerate(options))
-        if _runs(profile, styles, ctx):
-            return _cap(sum(leaf_param_numel(leaf, s, ctx.tp, ctx.ep) for leaf, s in zip(profile.leaves, styles)))
+        yield values, styles
         prog.constrain({x[i, s]: 1.0 for i, s in enumerate(styles)}, upper=len(styles) - 1.0)
-    return None
 
 
 def brute_force_layout(profile: UnitProfile, ctx: TPContext) -> UnitCost:
@@ -351,18 +359,12 @@ def _solve_ilp(
         prog.constrain(params, upper=param_cap)
     prog.cost = [c * MICROSECONDS for c in prog.cost]  # HiGHS's absolute gap and tolerances are ~1e-6
     first: tuple[tuple[TPStyle, ...], Layout] | None = None
-    for _ in range(MAX_REFUSED):
-        try:
-            values = solve(prog, solver)
-        except Infeasible:  # every layout was refused: the fastest
-            return first
-        styles = tuple(next(s for s in opts if values[x[i, s]] > 0.5) for i, opts in enumerate(options))
+    for values, styles in _answers(prog, x, options, solver):
         found = styles, next(lay for lay in outputs if values[o[lay]] > 0.5)
         if _runs(profile, styles, ctx):
             return found
         first = first or found
-        prog.constrain({x[i, s]: 1.0 for i, s in enumerate(styles)}, upper=len(styles) - 1.0)  # not this one again
-    return first
+    return first  # every layout was refused: the fastest
 
 
 def _hide_fused(

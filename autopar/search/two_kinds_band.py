@@ -133,29 +133,30 @@ def _count_times(
         lo = np.array([b[a == r].min() for r in rares])
         span = int(max(b[a == r].max() - b[a == r].min() for r in rares)) + 1
         counts = np.minimum(lo[:, None] + np.arange(span)[None, :], table.shape[1] - 1)
-        times = _times(ev, config, modes, inflight, single, room_bytes, rares, counts)
+        shape = ev.two_kinds
+        rare_opts = ev.priced_options(shape.rare_unit, config, modes)[1]
+        common_opts = ev.priced_options(shape.common_unit, config, modes)[1]
+        single_opts = None if single is None else ev.priced_options(single, config, modes)[1]
+        times = _times(rare_opts, common_opts, single_opts, inflight, room_bytes, rares, counts)
         table[rares[:, None], counts] = times
     return table[rare_count, common_count]
 
 
 def _times(
-    ev: ConfigSolver,
-    config: ParallelConfig,
-    modes: tuple[Recompute, ...],
+    rare_opts: tuple[Priced, ...],
+    common_opts: tuple[Priced, ...],
+    single: tuple[Priced, ...] | None,
     inflight: float,
-    single: int | None,
     room_bytes: float,
     rares: np.ndarray,
     commons: np.ndarray,
 ) -> np.ndarray:
-    """``out[r, c]``: the fastest time of ``rares[r]`` rare and ``commons[r, c]`` common
-    blocks (and the unit ``single``, where given) in one stage within ``room_bytes``: per
-    transient level, every way on the rare count's frontier beside the common blocks'
-    closed form for the memory it leaves."""
-    shape = ev.two_kinds
-    rare_opts = ev.priced_options(shape.rare_unit, config, modes)[1]
-    common_opts = ev.priced_options(shape.common_unit, config, modes)[1]
-    single_opts: tuple[Priced | None, ...] = (None,) if single is None else ev.priced_options(single, config, modes)[1]
+    """``out[r, c]``: the fastest time of ``rares[r]`` blocks with options ``rare_opts``
+    and ``commons[r, c]`` with ``common_opts`` (and one unit with options ``single``,
+    where given) in one stage within ``room_bytes``: per transient level, every way on
+    the rare count's frontier beside the common blocks' closed form for the memory it
+    leaves."""
+    single_opts: tuple[Priced | None, ...] = (None,) if single is None else single
     out = np.full(commons.shape, np.inf)
     every = (*rare_opts, *common_opts, *(s for s in single_opts if s is not None))
     for tau in sorted({o.transient_bytes for o in every}):

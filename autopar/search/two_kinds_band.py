@@ -88,6 +88,7 @@ def two_kinds_band(
     reps = {0: 0, 1: shape.rare_unit, 2: shape.common_unit, 3: n - 1}
     layout = ev.any_layout(config, modes)
     band = np.full((pp, n + 1, width), np.inf)
+    places, stages = [], []
     for k in range(pp):
         single = 0 if k == 0 else n - 1 if k == pp - 1 else None
         for f in (0,) if k == 0 else (1, 2, 3) if k == pp - 1 else (1, 2):
@@ -97,12 +98,12 @@ def two_kinds_band(
                     continue
                 runs = [(reps[f], reps[g])]
                 room = ev.budget_bytes - runs_buffer_bytes(ev.model, runs, config, inflight[k], layout)
-                times = _count_times(ev, config, modes, inflight[k], single, room, a[here], b[here])
                 first, last = ev.options(reps[f], config, modes)[0], ev.options(reps[g], config, modes)[0]
-                fwd, bwd = stage_p2p_s(ev.model, (reps[f], reps[g]), (first, last), config)
-                times = times + (fwd + bwd)
-                fits = _fits_rebuild(ev, config, modes, single, a[here], b[here])
-                band[k][here] = np.where(fits, times, np.inf)
+                p2p = sum(stage_p2p_s(ev.model, (reps[f], reps[g]), (first, last), config))
+                places.append((k, here, p2p, _fits_rebuild(ev, config, modes, single, a[here], b[here])))
+                stages.append((inflight[k], single, room, a[here], b[here]))
+    for (k, here, p2p, fits), times in zip(places, _count_times(ev, config, modes, stages)):
+        band[k][here] = np.where(fits, times + p2p, np.inf)
     return np.where(placeable(n, pp, width), band, np.inf)
 
 
@@ -110,52 +111,69 @@ def _count_times(
     ev: ConfigSolver,
     config: ParallelConfig,
     modes: tuple[Recompute, ...],
-    inflight: float,
-    single: int | None,
-    room_bytes: float,
-    rare_count: np.ndarray,
-    common_count: np.ndarray,
-) -> np.ndarray:
-    """The fastest time of ``rare_count`` rare and ``common_count`` common blocks (and
-    the unit ``single``, where given) in one stage within ``room_bytes``, pair by pair;
-    inf where they do not fit (memoised per stage and budget, each pair once)."""
-    key = ("two kinds", ev.config_key(config, modes), inflight, single is None or ev.unit_keys[single], room_bytes)
-    shape = (int(rare_count.max()) + 1, int(common_count.max()) + 1)
-    table = ev._memo.get(key, np.full((0, 0), np.nan))
-    if table.shape[0] < shape[0] or table.shape[1] < shape[1]:
-        grown = np.full(np.maximum(table.shape, shape), np.nan)
-        grown[: table.shape[0], : table.shape[1]] = table
-        ev._memo[key] = table = grown
-    missing = np.isnan(table[rare_count, common_count])
-    if missing.any():
-        a, b = rare_count[missing], common_count[missing]
-        rares = np.unique(a)
-        lo = np.array([b[a == r].min() for r in rares])
-        span = int(max(b[a == r].max() - b[a == r].min() for r in rares)) + 1
-        counts = np.minimum(lo[:, None] + np.arange(span)[None, :], table.shape[1] - 1)
-        shape = ev.two_kinds
-        rare_opts = ev.priced_options(shape.rare_unit, config, modes)[1]
-        common_opts = ev.priced_options(shape.common_unit, config, modes)[1]
+    stages: list[tuple[float, int | None, float, np.ndarray, np.ndarray]],
+) -> list[np.ndarray]:
+    """Per stage ``(inflight, single, room_bytes, rare_count, common_count)``: the
+    fastest time of ``rare_count`` rare and ``common_count`` common blocks (and the unit
+    ``single``, where given) in one stage with ``inflight`` micro-batches in flight
+    within ``room_bytes``, pair by pair; inf where they do not fit. Memoised per stage
+    and budget, each pair once; the pairs missing are priced together, one batch per
+    ``single``."""
+    keys, batches = [], {}
+    for inflight, single, room, rare_count, common_count in stages:
+        key = ("two kinds", ev.config_key(config, modes), inflight, single is None or ev.unit_keys[single], room)
+        shape = (int(rare_count.max()) + 1, int(common_count.max()) + 1)
+        table = ev._memo.get(key, np.full((0, 0), np.nan))
+        if table.shape[0] < shape[0] or table.shape[1] < shape[1]:
+            grown = np.full(np.maximum(table.shape, shape), np.nan)
+            grown[: table.shape[0], : table.shape[1]] = table
+            ev._memo[key] = table = grown
+        keys.append(key)
+        missing = np.isnan(table[rare_count, common_count])
+        if missing.any():  # stages of one key ask for the union of their pairs
+            _, _, _, a, b = batches.setdefault(single, {}).get(key, (table, inflight, room, (), ()))
+            a, b = np.append(a, rare_count[missing]), np.append(b, common_count[missing])
+            batches[single][key] = (table, inflight, room, a, b)
+    shape = ev.two_kinds
+    rare_opts = ev.priced_options(shape.rare_unit, config, modes)[1]
+    common_opts = ev.priced_options(shape.common_unit, config, modes)[1]
+    for single, batch in batches.items():
+        # each stage's rare counts, with a window of the common counts they need
+        rows = []
+        for table, inflight, room, a, b in batch.values():
+            for r in np.unique(a):
+                rows.append((table, inflight, room, int(r), int(b[a == r].min()), int(b[a == r].max())))
+        span = max(hi - lo for *_, lo, hi in rows) + 1
+        counts = np.array([np.minimum(lo + np.arange(span), t.shape[1] - 1) for t, *_, lo, _ in rows])
         single_opts = None if single is None else ev.priced_options(single, config, modes)[1]
-        times = _times(rare_opts, common_opts, single_opts, inflight, room_bytes, rares, counts)
-        table[rares[:, None], counts] = times
-    return table[rare_count, common_count]
+        times = _times(
+            rare_opts,
+            common_opts,
+            single_opts,
+            np.array([x for _, x, *_ in rows]),
+            np.array([room for _, _, room, *_ in rows]),
+            np.array([r for *_, r, _, _ in rows]),
+            counts,
+        )
+        for (table, *_, r, _, _), c, t in zip(rows, counts, times):
+            table[r, c] = t
+    return [ev._memo[key][a, b] for key, (*_, a, b) in zip(keys, stages)]
 
 
 def _times(
     rare_opts: tuple[Priced, ...],
     common_opts: tuple[Priced, ...],
     single: tuple[Priced, ...] | None,
-    inflight: float,
-    room_bytes: float,
+    inflight: np.ndarray,
+    room_bytes: np.ndarray,
     rares: np.ndarray,
     commons: np.ndarray,
 ) -> np.ndarray:
     """``out[r, c]``: the fastest time of ``rares[r]`` blocks with options ``rare_opts``
     and ``commons[r, c]`` with ``common_opts`` (and one unit with options ``single``,
-    where given) in one stage within ``room_bytes``: per transient level, every way on
-    the rare count's frontier beside the common blocks' closed form for the memory it
-    leaves."""
+    where given) in one stage with ``inflight[r]`` micro-batches in flight within
+    ``room_bytes[r]``: per transient level, every way on the rare count's frontier beside
+    the common blocks' closed form for the memory it leaves."""
     single_opts: tuple[Priced | None, ...] = (None,) if single is None else single
     out = np.full(commons.shape, np.inf)
     every = (*rare_opts, *common_opts, *(s for s in single_opts if s is not None))
@@ -163,25 +181,26 @@ def _times(
         singles = [s for s in single_opts if s is None or s.transient_bytes <= tau]
         allowed_rare = tuple(o for o in rare_opts if o.transient_bytes <= tau)
         allowed_common = [i for i, o in enumerate(common_opts) if o.transient_bytes <= tau]
-        # each rare count's frontier, one row per way, stacked in the order of ``rares``
-        ways = [
-            (np.zeros(1), np.zeros(1)) if r == 0 else frontier(int(r), allowed_rare, inflight)[:2]
-            for r in rares
-            if r == 0 or allowed_rare
-        ]
-        if not singles or not ways:
+        # each row's frontier of ways, stacked
+        owner = np.flatnonzero((rares == 0) | bool(allowed_rare))
+        if not singles or not owner.size:
             continue
-        owner = np.flatnonzero([r == 0 or bool(allowed_rare) for r in rares])
+        ways = [
+            (np.zeros(1), np.zeros(1)) if rares[g] == 0 else frontier(int(rares[g]), allowed_rare, inflight[g])[:2]
+            for g in owner
+        ]
+        sizes = [len(w) for w, _ in ways]
         weight = np.concatenate([w for w, _ in ways])
         time = np.concatenate([t for _, t in ways])
-        sizes = [len(w) for w, _ in ways]
         first_row = np.cumsum([0, *sizes[:-1]])
+        row_inflight = np.repeat(inflight[owner], sizes)
+        row_room = np.repeat(room_bytes[owner], sizes)
         row_counts = np.repeat(commons[owner], sizes, axis=0)
         for s in singles:
-            s_bytes = 0.0 if s is None else s.static_bytes + inflight * s.act_bytes
+            s_bytes = 0.0 if s is None else s.static_bytes + row_inflight * s.act_bytes
             s_time = 0.0 if s is None else s.time_s
-            rooms = room_bytes - tau - s_bytes - weight
-            common = run_times(common_opts, allowed_common, 0, rooms, inflight, counts=row_counts)
+            rooms = row_room - tau - s_bytes - weight
+            common = run_times(common_opts, allowed_common, 0, rooms, row_inflight, counts=row_counts)
             best = np.minimum.reduceat(s_time + time[:, None] + common, first_row, axis=0)
             out[owner] = np.minimum(out[owner], best)
     return out

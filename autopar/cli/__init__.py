@@ -10,6 +10,7 @@ import argparse
 import math
 import sys
 import textwrap
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -326,6 +327,8 @@ def check_dry_run_args(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``autopar`` console script."""
     args = build_parser().parse_args(argv)
+    python_format = warnings.formatwarning
+    warnings.formatwarning = warning_line
     try:
         return int(args.func(args) or 0)
     except AutoparError as exc:
@@ -336,6 +339,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into head: not an error
         sys.stderr.close()
         return 0
+    finally:
+        warnings.formatwarning = python_format
+
+
+def warning_line(message: Warning | str, category: type[Warning], filename: str, lineno: int, line=None) -> str:
+    """A Python warning as the command line prints its own: one line, ``warning:`` and
+    the message, without the source line Python shows under it; another package's
+    warning also names its category and where it was raised."""
+    own = Path(filename).resolve().is_relative_to(Path(__file__).resolve().parents[1])
+    origin = "" if own else f" ({category.__name__} at {filename}:{lineno})"
+    return f"warning: {message}{origin}\n"
 
 
 if __name__ == "__main__":

@@ -96,3 +96,38 @@ def test_parse_assignments():
         "zero_stage": 3,
     }
     assert parse_assignments(["dp_shard=8"]) == {"dp_shard": 8}
+
+
+def test_python_warnings_print_as_one_line_each():
+    """A warning raised while a command runs prints as the command line's own: one line,
+    ``warning:`` and the message, without the source line Python adds under it (what an
+    FP8 dry run on CPU printed: ``job = parallelize(``); another package's warning names
+    its category and place. pytest records warnings in its own process, so the console
+    script runs in a fresh one, its ``presets`` command made to warn."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import sys, warnings
+        from autopar import cli
+        from autopar.runtime import dry_run
+
+        def warn(args):  # one as raised in autopar's dry run, one from another package
+            warnings.warn_explicit("fp8=True on cpu: emulated", UserWarning, dry_run.__file__, 417)
+            warnings.warn_explicit("old knob", DeprecationWarning, "/site-packages/other/mod.py", 7)
+            return 0
+
+        cli.cmd_presets = warn
+        sys.exit(cli.main(["presets"]))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "always", "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert lines[0] == "warning: fp8=True on cpu: emulated"
+    assert lines[1] == "warning: old knob (DeprecationWarning at /site-packages/other/mod.py:7)"
+    assert len(lines) == 2

@@ -66,6 +66,16 @@ CASES = (
     # the larger space of the modern-parallelism issue: expert and context parallelism searched
     Case("Mixtral-8x22B, autopar MoELlama (ep searched)", "mixtral-8x22b", "dgx-h100:64", 1024, 4096, 2.0, "-"),
     Case("Llama-3.1-8B at 128K tokens (cp searched)", "llama3.1-8b", "dgx-h100:8", 32, 131072, 2.0, "-"),
+    # two kinds of blocks: Gemma 3's five sliding-window layers to one global, at 32K tokens
+    Case(
+        "Gemma-3-27B at 32K tokens, transformers Gemma3ForCausalLM",
+        "hf-gemma3:27b",
+        "dgx-h100:16",
+        1024,
+        32768,
+        2.0,
+        "335",
+    ),
 )
 
 WORKER = r"""
@@ -90,6 +100,14 @@ def build(spec):
             num_attention_heads=128, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
         with torch.device("meta"):
             return LlamaForCausalLM(config)
+    if spec == "hf-gemma3:27b":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+        config = Gemma3TextConfig(hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
+            num_attention_heads=32, num_key_value_heads=16, head_dim=128, vocab_size=262208,
+            max_position_embeddings=131072, query_pre_attn_scalar=168, sliding_window=1024,
+            rope_scaling={"factor": 8.0, "rope_type": "linear"}, sliding_window_pattern=6)
+        with torch.device("meta"):
+            return Gemma3ForCausalLM(config)
     from autopar.models import build_named_model
     return build_named_model(spec)
 
@@ -173,7 +191,8 @@ def main() -> None:
         "so extraction, search and the Plan are all in it. *Whole process* adds the interpreter, "
         "`import torch`, PyTorch's one-off import of its compiler stack (its own column; the first "
         "operation on meta or fake tensors in a process pays it) and building the model. *Before* is the planner-core issue's measurement "
-        "of the same case before the restructure. *Load avg* is the one-minute load when the "
+        "of the same case before the restructure (Gemma 3: the CLI's wall time before its two kinds of blocks were "
+        "priced by count, 2026-12-05). *Load avg* is the one-minute load when the "
         "case started (2 cores)."
     )
     print(write_result("planner_speed", "Planner speed", body))

@@ -10,8 +10,9 @@ as arrays, as :func:`autopar.search.stage_solver.solve_stage` solves one range: 
 every transient level, every count of the rarer kind's options on its time-memory
 frontier, and the commoner kind's closed form
 (:func:`autopar.search.run_times.run_times`) for the memory each leaves, vectorised
-over those frontiers and over the commoner kind's count. Solving each distinct range as
-its own stage took a Gemma 3 27B plan on 128 GPUs minutes.
+over those frontiers, over a window of the commoner kind's counts, and over the stages
+(each its in-flight count and budget), where solving each range as a stage would solve
+every distinct one on its own.
 """
 
 from __future__ import annotations
@@ -83,7 +84,6 @@ def two_kinds_band(
     # each range's first and last unit by kind: 0 the first unit, 1 rare, 2 common, 3 the last unit
     kind = np.where(rare == 1, 1, 2)
     kind[0], kind[n - 1] = 0, 3
-    kind = np.append(kind, 3)
     first_kind, last_kind = kind[np.minimum(starts, n - 1)].repeat(width, axis=1), kind[ends - 1]
     reps = {0: 0, 1: shape.rare_unit, 2: shape.common_unit, 3: n - 1}
     layout = ev.any_layout(config, modes)

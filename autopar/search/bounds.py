@@ -27,6 +27,7 @@ from autopar.plan import ParallelConfig
 from autopar.search.run_times import homogeneous_times, single_and_run_times
 from autopar.search.solve import ConfigSolver, Skeleton
 from autopar.search.split_table import skeleton_stage_times
+from autopar.search.two_kinds_bound import refined_pipeline_s
 from autopar.vocab import Recompute
 
 
@@ -120,19 +121,26 @@ class TimeBound:
         solve: for an interleaved schedule on a skeleton, each rank's units at the fastest
         options that fit its memory (the stage knapsack, priced for every rank at once,
         where the plain bound takes every unit at its fastest), every boundary's send,
-        and the tail's floor. Infinite where a rank cannot fit. Other candidates keep the
-        plain bound.
+        and the tail's floor; on blocks of two kinds (Gemma 3), the same through a
+        relaxation of each stage's knapsack (:mod:`autopar.search.two_kinds_bound`).
+        Infinite where a rank cannot fit. Other candidates keep the plain bound.
 
         An HSDP candidate takes the pipeline part of its plain-FSDP twin: it holds more
         state per device (sharded over its group, not all of dp), so no unit gets a faster
         option that fits than its twin's, and the twin's knapsack, priced once, bounds
         every shard group's."""
-        if self.shape is None or config.pp == 1:
+        two_kinds = self.shape is None and self.solver.two_kinds is not None
+        if config.pp == 1 or (self.shape is None and not two_kinds):
             return self(config)
         twin = replace(config, dp_shard=None)
         key = ("refined", twin)
         if key not in self._cache:
-            self._cache[key] = self._refined_pipeline(twin)
+            if two_kinds:  # no looser than the plain bound, which holds too
+                fastest = self._units(twin, twin.micro_batch_size).fastest
+                found = refined_pipeline_s(self.solver, twin, self.modes, fastest, *self._p2p(twin))
+                self._cache[key] = max(found, self._pipeline_s(twin, twin.micro_batch_size, *self._p2p(twin)))
+            else:
+                self._cache[key] = self._refined_pipeline(twin)
         return self._cache[key] + self._tail_s(config)
 
     def _refined_pipeline(self, config: ParallelConfig) -> float:

@@ -62,17 +62,18 @@ def homogeneous_times(
 ) -> np.ndarray:
     """``out[..., n]``: the fastest time of ``n`` identical units with options ``opts`` in
     one stage (inf where they do not fit), for every ``n <= n_max`` at once (or only the
-    ``counts`` given): the closed form of :func:`solve_stage` vectorised over ``n``, and
+    ``counts`` given, shared or one row per stage as :func:`run_times` takes them): the
+    closed form of :func:`solve_stage` vectorised over ``n``, and
     over stages (budgets and in-flight counts given as arrays: a leading axis) that hold
     the same kind of unit (what pipeline splits of repeated blocks ask for)."""
     budgets, inflights = np.broadcast_arrays(np.atleast_1d(budget_bytes), np.atleast_1d(inflight))
     wanted = np.arange(n_max + 1) if counts is None else np.asarray(counts)
-    best = np.where(wanted == 0, 0.0, np.inf)[None, :].repeat(budgets.size, axis=0)
     some = wanted > 0
+    best = np.broadcast_to(np.where(some, np.inf, 0.0), (budgets.size, wanted.shape[-1])).copy()
     for tau in sorted({o.transient_bytes for o in opts}):
         allowed = [i for i, o in enumerate(opts) if o.transient_bytes <= tau]
         times = run_times(opts, allowed, n_max, budgets - tau, inflights, counts=wanted)
-        best[:, some] = np.minimum(best[:, some], times[:, some])
+        best = np.where(some, np.minimum(best, times), best)
     return best if np.ndim(budget_bytes) or np.ndim(inflight) else best[0]
 
 

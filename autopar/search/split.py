@@ -33,21 +33,11 @@ def best_split(band: np.ndarray, num_microbatches: int) -> tuple[float, tuple[in
     ``(m - 1) max c + sum c`` over the stage costs ``band[k, i, w - 1]`` (stage ``k``
     holding the ``w`` units from ``i``; :func:`band_of` makes one from a full table),
     with its value; None if no split fits."""
-    finite = band[np.isfinite(band)]
-    if finite.size == 0:
-        return None
-    thresholds = np.unique(finite)
+    thresholds = np.unique(band[np.isfinite(band)])
     lower_sum = _min_sum(band, np.inf)
     if lower_sum is None:
         return None
-    # feasibility is monotone in the threshold: bisect for the smallest feasible one
-    lo, hi = 0, len(thresholds) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _min_sum(band, thresholds[mid]) is None:
-            lo = mid + 1
-        else:
-            hi = mid
+    lo = _first_feasible(band, thresholds)
     best_value, best_bounds = math.inf, None
     for c in thresholds[lo:]:
         if (num_microbatches - 1) * c + lower_sum[0] >= best_value:
@@ -62,6 +52,29 @@ def best_split(band: np.ndarray, num_microbatches: int) -> tuple[float, tuple[in
     if best_bounds is None:
         return None
     return best_value, best_bounds
+
+
+def least_largest(band: np.ndarray) -> float:
+    """The least cost of the dearest stage over every split of the stage costs ``band``
+    (:func:`best_split`'s form); inf where no split fits."""
+    thresholds = np.unique(band[np.isfinite(band)])
+    if _min_sum(band, np.inf) is None:
+        return math.inf
+    return float(thresholds[_first_feasible(band, thresholds)])
+
+
+def _first_feasible(band: np.ndarray, thresholds: np.ndarray) -> int:
+    """The index of the smallest of the sorted ``thresholds`` under which a split fits
+    (one does under the largest): feasibility is monotone in the threshold, so by
+    bisection."""
+    lo, hi = 0, len(thresholds) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _min_sum(band, thresholds[mid]) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 def band_of(table: np.ndarray) -> np.ndarray:

@@ -396,7 +396,12 @@ def run_network_rank(args: argparse.Namespace, sweep: Any, command: str) -> int:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
     try:
         rank = dist.get_rank()
-        report = profile_network(sweep=sweep, progress=_progress(args) if rank == 0 else None, command=command)
+        try:
+            report = profile_network(sweep=sweep, progress=_progress(args) if rank == 0 else None, command=command)
+        except ProfilerError:  # what it refuses it refuses on every rank alike: rank 0 says it once
+            if rank == 0:
+                raise
+            return 2
         if rank == 0:
             _finish(report, args.out)
         dist.barrier()

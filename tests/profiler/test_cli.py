@@ -183,3 +183,30 @@ def test_doctor_under_torchrun(tmp_path):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "[ ok ] rendezvous: all 2 ranks joined" in done.stdout and "verdict: ready" in done.stdout
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(
+    shutil.which("torchrun") is None and not (Path(sys.executable).parent / "torchrun").exists(),
+    reason="torchrun not installed",
+)
+def test_a_network_profile_refused_on_every_rank_says_so_once(tmp_path):
+    """Between-node links only, on one node: every rank finds no group to measure; rank
+    0 says why in one line, the others exit with its code without repeating it (each rank
+    printed the same error before)."""
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "profiler", "network", "--levels", "inter"]
+        + ["--out", str(tmp_path / "net.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=ROOT,
+    )
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, done.stderr
+    assert "no group of >= 2 ranks at levels ('inter',)" in errors[0] and "choose other levels" in errors[0]
+    assert not (tmp_path / "net.json").exists()

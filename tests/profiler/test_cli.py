@@ -196,9 +196,9 @@ def test_a_network_profile_refused_on_every_rank_says_so_once(tmp_path):
     printed the same error before)."""
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = ["-m", "profiler", "network", "--levels", "inter", "--out", str(tmp_path / "net.json")]
     done = subprocess.run(
-        [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "profiler", "network", "--levels", "inter"]
-        + ["--out", str(tmp_path / "net.json")],
+        [torchrun, "--standalone", "--nproc-per-node", "2", *command],
         capture_output=True,
         text=True,
         timeout=120,

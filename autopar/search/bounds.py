@@ -130,7 +130,7 @@ class TimeBound:
         option that fits than its twin's, and the twin's knapsack, priced once, bounds
         every shard group's."""
         two_kinds = self.shape is None and self.solver.two_kinds is not None
-        if config.pp == 1 or (self.shape is None and not two_kinds):
+        if not two_kinds and (config.pp == 1 or self.shape is None):
             return self(config)
         twin = replace(config, dp_shard=None)
         key = ("refined", twin)

@@ -23,7 +23,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from autopar.cost.pipeline import inflight_microbatches, least_stage_inflight, pipeline_time_s
+from autopar.cost.pipeline import (
+    inflight_microbatches,
+    least_stage_inflight,
+    pipeline_lower_bound_s,
+    pipeline_time_s,
+)
 from autopar.cost.stage import runs_buffer_bytes
 from autopar.plan import ParallelConfig
 from autopar.search.run_times import homogeneous_times
@@ -66,8 +71,10 @@ def refined_pipeline_s(
     send_s: float,
     back_s: float,
 ) -> float:
-    """The pipeline's part of the refined bound of ``config`` (``pp > 1``) on a
-    :class:`~autopar.search.two_kinds_band.TwoKinds` model: with one stage per rank,
+    """The pipeline's part of the refined bound of ``config`` on a
+    :class:`~autopar.search.two_kinds_band.TwoKinds` model: without a pipeline, the
+    relaxed time of the whole model through :func:`pipeline_lower_bound_s`; with one
+    stage per rank,
     ``(m - 1)`` times the least largest relaxed stage over every split plus every unit
     at its fastest (``fastest``: per unit kind) and every boundary's sends; with several,
     each rank's relaxed time on the even split through the schedule's formula. Infinite
@@ -96,6 +103,10 @@ def refined_pipeline_s(
             return own + min(runs_buffer_bytes(ev.model, r, config, x, layout) for r in runs_of)
         return own + runs_buffer_bytes(ev.model, runs, config, x, layout)
 
+    if pp == 1:  # one stage of everything
+        room = ev.budget_bytes - held_beside(1.0, (True, True), [(0, n - 1)])
+        found = relaxed_times(ev, config, modes, np.ones(1), np.array([room]), rare[-1:], block[-1:] - rare[-1:])
+        return pipeline_lower_bound_s(float(found[0]) + first + last, config)
     if v == 1:
         flights = np.array([inflight_microbatches(config.schedule, pp, 1, m, k) for k in range(pp)])
         rooms = np.array([ev.budget_bytes - held_beside(flights[k], (k == 0, k == pp - 1), None) for k in range(pp)])

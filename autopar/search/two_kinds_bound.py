@@ -74,11 +74,10 @@ def refined_pipeline_s(
     """The pipeline's part of the refined bound of ``config`` on a
     :class:`~autopar.search.two_kinds_band.TwoKinds` model: without a pipeline, the
     relaxed time of the whole model through :func:`pipeline_lower_bound_s`; with one
-    stage per rank,
-    ``(m - 1)`` times the least largest relaxed stage over every split plus every unit
-    at its fastest (``fastest``: per unit kind) and every boundary's sends; with several,
-    each rank's relaxed time on the even split through the schedule's formula. Infinite
-    where some stage or rank cannot fit."""
+    stage per rank, ``(m - 1)`` times the least largest relaxed stage over every split
+    plus every unit at its fastest (``fastest``: per unit kind) and every boundary's
+    sends; with several, each rank's relaxed time on the even split through the
+    schedule's formula. Infinite where some stage or rank cannot fit."""
     shape, n = ev.two_kinds, ev.num_units
     pp, v, m = config.pp, config.virtual_stages, config.num_microbatches
     first, last = fastest[ev.kind_rep[0]], fastest[ev.kind_rep[n - 1]]
@@ -99,7 +98,7 @@ def refined_pipeline_s(
         # a weight tied between the two (GPT's embedding and head) may be held once
         own = max(lightest, default=0.0) if ev.model.graph.shared else sum(lightest)
         if runs is None:
-            runs_of = [[(f, g)] for f in reps for g in reps if f <= g]
+            runs_of = [[(f, g)] for f in reps for g in reps]  # any kind may start or end it
             return own + min(runs_buffer_bytes(ev.model, r, config, x, layout) for r in runs_of)
         return own + runs_buffer_bytes(ev.model, runs, config, x, layout)
 

@@ -11,7 +11,8 @@ lightest, plus the time ``b`` common blocks take alone in the memory ``a`` rare 
 leave at their lightest (each part's bytes and transient fit beside the other's least
 bytes, so neither part can be faster than that). Beside them a stage holds at least its
 own end unit at its lightest and its pipeline buffers (the least any range's bounds give,
-where the split is not known), and that unit counts at its fastest time. Both kinds' closed forms are vectorised over counts and stages
+where the split is not known), and that unit counts at its fastest time. Both kinds'
+closed forms are vectorised over counts and stages
 (:func:`autopar.search.run_times.homogeneous_times`), so the bound costs a fraction of
 solving the candidate.
 """

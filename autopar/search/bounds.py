@@ -136,9 +136,9 @@ class TimeBound:
         key = ("refined", twin)
         if key not in self._cache:
             if two_kinds:  # no looser than the plain bound, which holds too
-                fastest = self._units(twin, twin.micro_batch_size).fastest
-                found = refined_pipeline_s(self.solver, twin, self.modes, fastest, *self._p2p(twin))
-                self._cache[key] = max(found, self._pipeline_s(twin, twin.micro_batch_size, *self._p2p(twin)))
+                fastest, p2p = self._units(twin, twin.micro_batch_size).fastest, self._p2p(twin)
+                found = refined_pipeline_s(self.solver, twin, self.modes, fastest, *p2p)
+                self._cache[key] = max(found, self._pipeline_s(twin, twin.micro_batch_size, *p2p))
             else:
                 self._cache[key] = self._refined_pipeline(twin)
         return self._cache[key] + self._tail_s(config)

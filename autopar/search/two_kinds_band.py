@@ -18,6 +18,7 @@ every distinct one on its own.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -43,6 +44,28 @@ class TwoKinds:
     rare: tuple[bool, ...]
     rare_unit: int
     common_unit: int
+
+    @cached_property
+    def rare_before(self) -> np.ndarray:
+        """``rare_before[u]``: how many rare blocks come before unit ``u`` (``u`` up to
+        the number of units)."""
+        return np.concatenate([[0], np.cumsum(self.rare)])
+
+    @cached_property
+    def blocks_before(self) -> np.ndarray:
+        """``blocks_before[u]``: how many blocks of either kind come before unit ``u``."""
+        n = len(self.rare)
+        return np.concatenate([[0], np.cumsum([0 < u < n - 1 for u in range(n)])])
+
+    def range_counts(self, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For the range of ``w`` units from unit ``i``, every start ``i`` (up to the
+        number of units) and width ``w`` up to ``width``: ``ends[i, w - 1]``, where it
+        ends (at most the number of units), and ``rare[i, w - 1]`` and
+        ``common[i, w - 1]``, how many blocks of each kind it holds."""
+        starts = np.arange(len(self.rare) + 1)[:, None]
+        ends = np.minimum(starts + np.arange(1, width + 1)[None, :], len(self.rare))
+        rare = self.rare_before[ends] - self.rare_before[starts]
+        return ends, rare, self.blocks_before[ends] - self.blocks_before[starts] - rare
 
 
 def two_kinds_of(unit_keys: tuple[tuple, ...], graph: LayerGraph) -> TwoKinds | None:
@@ -72,19 +95,12 @@ def two_kinds_band(
     where a range does not fit or a split cannot put it there."""
     shape = ev.two_kinds
     n, pp = ev.num_units, config.pp
-    rare = np.array(shape.rare, dtype=np.int64)
-    block = np.zeros(n, dtype=np.int64)
-    block[1 : n - 1] = 1
-    rare_before = np.concatenate([[0], np.cumsum(rare)])
-    blocks_before = np.concatenate([[0], np.cumsum(block)])
-    starts = np.arange(n + 1)[:, None]
-    ends = np.minimum(starts + np.arange(1, width + 1)[None, :], n)
-    a = rare_before[ends] - rare_before[starts]
-    b = blocks_before[ends] - blocks_before[starts] - a
+    ends, a, b = shape.range_counts(width)
     # each range's first and last unit by kind: 0 the first unit, 1 rare, 2 common, 3 the last unit
-    kind = np.where(rare == 1, 1, 2)
+    kind = np.where(shape.rare, 1, 2)
     kind[0], kind[n - 1] = 0, 3
-    first_kind, last_kind = kind[np.minimum(starts, n - 1)].repeat(width, axis=1), kind[ends - 1]
+    first_kind = kind[np.minimum(np.arange(n + 1), n - 1)][:, None].repeat(width, axis=1)
+    last_kind = kind[ends - 1]
     reps = {0: 0, 1: shape.rare_unit, 2: shape.common_unit, 3: n - 1}
     layout = ev.any_layout(config, modes)
     band = np.full((pp, n + 1, width), np.inf)

@@ -82,8 +82,7 @@ def refined_pipeline_s(
     shape, n = ev.two_kinds, ev.num_units
     pp, v, m = config.pp, config.virtual_stages, config.num_microbatches
     first, last = fastest[ev.kind_rep[0]], fastest[ev.kind_rep[n - 1]]
-    rare = np.concatenate([[0], np.cumsum(shape.rare)])
-    block = np.concatenate([[0], np.cumsum([0 < u < n - 1 for u in range(n)])])
+    rare, block = shape.rare_before, shape.blocks_before
     layout = ev.any_layout(config, modes)
     reps = (0, shape.rare_unit, shape.common_unit, n - 1)
 
@@ -111,10 +110,8 @@ def refined_pipeline_s(
         flights = np.array([inflight_microbatches(config.schedule, pp, 1, m, k) for k in range(pp)])
         rooms = np.array([ev.budget_bytes - held_beside(flights[k], (k == 0, k == pp - 1), None) for k in range(pp)])
         width = n - pp + 1
-        starts = np.arange(n + 1)[:, None]
-        ends = np.minimum(starts + np.arange(1, width + 1)[None, :], n)
-        a = rare[ends] - rare[starts]
-        pairs = np.stack([a, block[ends] - block[starts] - a], axis=-1).reshape(-1, 2)
+        _, a, b = shape.range_counts(width)
+        pairs = np.stack([a, b], axis=-1).reshape(-1, 2)
         pairs, where = np.unique(pairs, axis=0, return_inverse=True)
         p = len(pairs)  # every stage with every pair, one row each
         rows = (np.repeat(flights, p), np.repeat(rooms, p), np.tile(pairs[:, 0], pp), np.tile(pairs[:, 1], pp))

@@ -249,7 +249,8 @@ def enumerate_space(
                         continue
                     if schedule is Schedule.GPIPE and "schedule" not in c and m >= pp:
                         continue  # dominated: 1F1B takes the same time and holds fewer micro-batches
-                    zeros = [c["zero_stage"]] if "zero_stage" in c else ([0] if dp == 1 else list(ZERO_STAGES))
+                    # model states shard over dp x cp: context-parallel ranks hold the same weights
+                    zeros = [c["zero_stage"]] if "zero_stage" in c else ([0] if dp * cp == 1 else list(ZERO_STAGES))
                     sps = (
                         [c["sequence_parallel"]] if "sequence_parallel" in c else ([False, True] if tp > 1 else [False])
                     )

@@ -166,6 +166,19 @@ def test_cp_on_a_model_without_sdpa_is_refused_in_one_line():
         check_context_parallel(mlp, {"cp": 2})
 
 
+def test_context_parallel_ranks_alone_shard_the_model_states(long_graph):
+    """One sample per step on 4 devices: no data parallelism, but a cp=2 ring holds the
+    same weights on 2 ranks, so every ZeRO stage is offered there (FSDP2 over the ring,
+    as the runtime applies it); without cp there is nothing to shard over. The space
+    offered ZeRO-0 alone wherever dp was 1, and a long-context job on one node whose
+    tp x cp filled it lost its sharded plans (Llama 3.1 8B at 128K on 8 H100: 116 s at
+    ZeRO-0 for 91 s at ZeRO-3, and with cp=8 fixed "no plan fits")."""
+    configs, _ = enumerate_space(long_graph, tiny_cluster(1.0), 1, check_constraints({"micro_batch_size": 1}))
+    assert {c.dp for c in configs} == {1}
+    assert {c.zero_stage for c in configs if c.cp == 2} == {0, 1, 2, 3}
+    assert {c.zero_stage for c in configs if c.cp == 1} == {0}
+
+
 @pytest.mark.parametrize("memory_gib, winner_cp", [(0.05, None), (0.1, 2), (0.2, 1)])
 def test_whole_search_with_context_parallel_candidates_matches_brute_force(long_graph, memory_gib, winner_cp):
     """One node of 4 at 16K tokens: cp=2 and cp=1 candidates, every dp x tp x pp and

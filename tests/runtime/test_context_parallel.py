@@ -75,6 +75,19 @@ def test_context_parallel_with_sharded_data_parallelism_trains_like_one_process(
     assert [r.extra["optimizer_state_numel"] for r in results] == [total // 4] * 4
 
 
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_sharded_states_over_context_parallel_ranks_alone_train_like_one_process(zero_stage):
+    """2 ranks: ZeRO over cp=2 with no data parallelism (what a long-context job on one
+    node plans when tp x cp fills it): the optimizer (and under ZeRO-2/3 FSDP2) shards
+    over the cp pair, each rank holds half of the momentum."""
+    plan = make_plan("gpt", cp=2, zero_stage=zero_stage)
+    assert (plan.config.dp, plan.config.state_shards) == (1, 2)
+    results = run(train, 2, "gpt", plan, 5, 0.5, None, None, 0.9)
+    assert_parity(results, reference("gpt", plan, clip=0.5, momentum=0.9))
+    total = sum(p.numel() for p in build("gpt").parameters())
+    assert [r.extra["optimizer_state_numel"] for r in results] == [total // 2] * 2
+
+
 def test_hsdp_with_context_parallelism_trains_like_one_process():
     """8 ranks: dp=4 in 2 replicate groups of shard groups of 2 data-parallel ranks, each
     with its cp=2 ring: FSDP2 shards over 2 x 2 = 4 ranks and replicates across the 2

@@ -178,6 +178,10 @@ class Alternative:
     ``slower_by``) or ``compile`` (the winner with its blocks compiled the other way;
     ``slower_by`` is negative where compiling would be faster but was not chosen) or
     ``fp8`` (the winner with its linear layers the other way, FP8 or not).
+    ``config.recompute`` is the mode most of its units take, and ``unit_recompute`` how
+    many units take each other mode (the search picks recomputation per unit), so that
+    the same configuration given to ``autopar.estimate`` without a ``recompute`` prices
+    the same choice.
     """
 
     config: ParallelConfig
@@ -187,6 +191,18 @@ class Alternative:
     slower_by: float
     over_memory_bytes: float
     reason: str
+    unit_recompute: Mapping[Recompute, int] = field(default_factory=dict)
+
+    def short(self) -> str:
+        """The configuration's compact text (:meth:`ParallelConfig.short`), its recompute
+        followed by how many units the search gave another mode, where it gave some:
+        ``recompute=op(3 none)``; ``config.recompute`` is the mode most units take."""
+        text = self.config.short()
+        if not self.unit_recompute:
+            return text
+        mode = f"recompute={self.config.recompute.value}"
+        others = ",".join(f"{n} {m.value}" for m, n in sorted(self.unit_recompute.items(), key=lambda kv: kv[0].value))
+        return text.replace(mode, f"{mode}({others})", 1)
 
 
 @dataclass(frozen=True, kw_only=True)

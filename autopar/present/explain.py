@@ -29,7 +29,7 @@ def explain(plan: Plan, *, top: int = 5) -> str:
         f"Predicted      step {duration(p.step_time_s)} | {p.samples_per_s:,.1f} samples/s | "
         f"{p.tokens_per_s:,.0f} tokens/s | "
         f"{rate(p.tflops_per_device * 1e12)} per device | MFU {100 * p.mfu:.1f}% (HFU {100 * p.hfu:.1f}%)"
-        f"{f' of the {c.dtype.value} peak (FP8 matmuls run faster)' if c.fp8 else ''}",
+        f"{_fp8_peak(plan)}",
         f"Memory         {size(p.memory_bytes_per_device)} peak per device of "
         f"{size(p.memory_capacity_bytes)} ({'fits' if p.fits else 'DOES NOT FIT'}); {_worst_memory(plan)}",
         f"Step time      {_breakdown(p.step_time_s, b)}",
@@ -67,7 +67,7 @@ def explain(plan: Plan, *, top: int = 5) -> str:
         lines.append("  runners-up:")
         for a in runners:
             lines.append(
-                f"    {a.config.short():<78} {duration(a.step_time_s)}  +{100 * a.slower_by:.1f}%  "
+                f"    {a.short():<78} {duration(a.step_time_s)}  +{100 * a.slower_by:.1f}%  "
                 f"{size(a.memory_bytes_per_device)}"
             )
     if oom:
@@ -97,6 +97,17 @@ def _mesh(c: ParallelConfig) -> str:
     return f"mesh pp, dp_replicate={c.replicate_size}, dp_shard={c.dp_shard}, {cp}tp{ep}"
 
 
+def _fp8_peak(plan: Plan) -> str:
+    """Under FP8 matmuls, which peak MFU and HFU are of (the compute precision's, as
+    torchtitan quotes them), and what they are of the FP8 peak: an FP8 plan's HFU may
+    pass 100% of the bf16 peak, and reads as a fraction of neither alone."""
+    c, p = plan.config, plan.prediction
+    if not c.fp8:
+        return ""
+    share = plan.cluster.device.peak(c.dtype) / plan.cluster.device.roofline.fp8_flops
+    return f" of the {c.dtype.value} peak; {100 * p.mfu * share:.1f}% ({100 * p.hfu * share:.1f}%) of the FP8 peak"
+
+
 def _axis_line(plan: Plan, label: str, axis: str, used: str | None) -> list[str]:
     """The line of one parallel axis (``cp``, ``ep``): ``used`` says how the plan uses it
     (None where it does not), followed by the best runner-up on the other side of the
@@ -113,7 +124,7 @@ def _axis_line(plan: Plan, label: str, axis: str, used: str | None) -> list[str]
     if other is not None:
         text += (
             f"; best {'without' if degree > 1 else f'with {axis}={getattr(other.config, axis)}'}: "
-            f"{other.config.short()} {duration(other.step_time_s)} (+{100 * other.slower_by:.1f}%)"
+            f"{other.short()} {duration(other.step_time_s)} (+{100 * other.slower_by:.1f}%)"
         )
     return [f"{label:<15}{text}"]
 

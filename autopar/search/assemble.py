@@ -70,7 +70,6 @@ def strategies_of(graph: LayerGraph, outcome: Outcome) -> tuple[LayerStrategies,
     an embedding unit of two modules does not outvote a block)."""
     tp_map: dict[str, TPStyle] = {}
     modes: dict[str, Recompute] = {}
-    per_unit: Counter = Counter()
     for stage in outcome.stages:
         for u, opt in zip(stage.units, stage.options):
             unit = graph.units[u]
@@ -79,10 +78,15 @@ def strategies_of(graph: LayerGraph, outcome: Outcome) -> tuple[LayerStrategies,
                     tp_map[unit.leaf_fqn(leaf.name)] = style
             for mod in unit.modules:
                 modes[mod] = opt.recompute
-            per_unit[opt.recompute] += 1
+    per_unit = unit_modes(outcome)
     default = per_unit.most_common(1)[0][0] if per_unit else Recompute.NONE
     overrides = {k: v for k, v in modes.items() if v is not default}
     return LayerStrategies(tp=tp_map, recompute=overrides), default
+
+
+def unit_modes(outcome: Outcome) -> Counter[Recompute]:
+    """How many units of a solved configuration take each recompute mode."""
+    return Counter(opt.recompute for stage in outcome.stages for opt in stage.options)
 
 
 def infeasible_error(
@@ -127,14 +131,17 @@ def _alternatives(result: SearchResult, solver: ConfigSolver) -> tuple[Alternati
         p = o.prediction
         assert p is not None
         slower = p.step_time_s / best_t - 1
+        modes = unit_modes(o)
+        default = modes.most_common(1)[0][0] if modes else o.config.recompute
         return Alternative(
-            config=o.config,
+            config=replace(o.config, recompute=default),
             status=status,
             step_time_s=p.step_time_s,
             memory_bytes_per_device=p.memory_bytes_per_device,
             slower_by=slower,
             over_memory_bytes=0.0,
             reason=f"{why}{100 * slower:.1f}% slower",
+            unit_recompute={mode: n for mode, n in modes.items() if mode is not default},
         )
 
     out = [priced(o, "runner-up", "") for o in result.runners_up]

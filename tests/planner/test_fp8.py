@@ -114,6 +114,9 @@ def test_fp8_is_searched_on_h100_and_refused_where_it_cannot_run():
             for k in ("batch 16", "Predicted")
         )
         assert ("bf16 with FP8 matmuls" in header) is wins and ("of the bf16 peak" in predicted) is wins
+        if wins:  # and of the FP8 peak (1979 of H100's 989 TFLOP/s bf16), where an HFU may pass 100% of bf16's
+            p, share = plan.prediction, 989e12 / 1979e12
+            assert f"; {100 * p.mfu * share:.1f}% ({100 * p.hfu * share:.1f}%) of the FP8 peak" in predicted
         pinned = [
             autopar.plan(llama, H100, global_batch_size=16, seq_len=2048, constraints={"fp8": f}).prediction.step_time_s
             for f in (False, True)

@@ -257,3 +257,36 @@ def test_stages_per_rank_are_honoured_or_refused():
     plan = autopar.plan(build_named_model("gpt2-small"), DGX1, global_batch_size=8, seq_len=128,
                         constraints={"virtual_stages": 3})  # fmt: skip
     assert plan.config.pp > 1 and plan.config.virtual_stages == 3
+
+
+def test_runners_up_say_their_recomputation_per_unit_and_estimate_the_same():
+    """GPT-2 medium on 8 V100 cut to 8 GiB: some runners-up recompute some blocks and not
+    others. Each says the mode most of its units take and how many take which other
+    (``recompute=none(8 op)``), and its configuration given to ``estimate`` with the
+    recomputation left to the search prices the same step and choice. Before, a
+    runner-up said the searched default (``recompute=none``), which re-estimated as
+    given recomputes nothing and does not fit."""
+    base = autopar.preset("p3.16xlarge", nodes=1)
+    memory = dataclasses.replace(base.device.memory, capacity_bytes=8 * 2**30)
+    cluster = dataclasses.replace(base, device=dataclasses.replace(base.device, memory=memory))
+    model = build_named_model("gpt2-medium")
+    plan = autopar.plan(model, cluster, global_batch_size=64, seq_len=1024)
+    mixed = [a for a in plan.alternatives if a.status == "runner-up" and a.unit_recompute]
+    assert mixed
+    units = extract(model, seq_len=1024).units
+    for a in mixed:
+        fields = ("dp", "tp", "pp", "micro_batch_size", "num_microbatches", "schedule", "zero_stage", "dtype")
+        given = {f: getattr(a.config, f) for f in fields} | {"compile": a.config.compile}
+        again = autopar.estimate(model, cluster, given, global_batch_size=64, seq_len=1024)
+        assert again.prediction.step_time_s == pytest.approx(a.step_time_s, rel=1e-9)
+        counts = {m: 0 for m in Recompute}
+        for unit in units:  # a unit's modules (GPT's two embeddings) share its mode
+            counts[again.layer_strategies.recompute.get(unit.modules[0], again.config.recompute)] += 1
+        assert again.config.recompute is a.config.recompute
+        assert {m: n for m, n in counts.items() if n and m is not a.config.recompute} == dict(a.unit_recompute)
+        text = ",".join(f"{n} {m.value}" for m, n in sorted(a.unit_recompute.items(), key=lambda kv: kv[0].value))
+        assert f"recompute={a.config.recompute.value}({text})" in a.short()
+        as_given = autopar.estimate(model, cluster, given | {"recompute": "none"}, global_batch_size=64, seq_len=1024)
+        if a.config.recompute is Recompute.NONE:
+            assert not as_given.prediction.fits  # every unit without recomputation does not fit
+    assert any("(" in line for line in explain(plan).splitlines() if "recompute=" in line)

@@ -4,7 +4,8 @@ optimizer step.
 Gradient reduction overlaps the backward of the last micro-batch except its last unit
 (bucketed all-reduce, Li et al. 2020; FSDP2's per-unit reduce-scatter), and its last
 bucket makes the ranks wait for the slowest once a step (:func:`autopar.cost.host.ranks_wait_s`,
-the whole step's work between meetings); ZeRO-1 all-gathers updated parameters after the
+the whole step's work between meetings). Hiding is not free: the compute beside a
+collective runs slower while it runs (:func:`overlapped_s`); ZeRO-1 all-gathers updated parameters after the
 step; ZeRO-3 gathers parameters before each unit's forward and backward, overlapped with
 the previous unit's compute. FSDP2 issues ZeRO-2/3's gathers and reductions one per
 unit, so each unit pays the collective's latency, the copies into and out of the flat
@@ -86,12 +87,19 @@ def tail_s(model: CostModel, stage: PricedStage, config: ParallelConfig, slack: 
     copy = compute_copy_bytes(config.dtype) or 4.0
     exposed = 0.0
     if config.dp_cp > 1:
-        overlap = cl.device.comm_overlap  # share of compute that hides communication
-        hidden_bwd = overlap * slack.own_share * bwd * (1 - 1 / units)
-        hidden_fwd = overlap * slack.own_share * fwd * (1 - 1 / units)
+        slowdown = 1 - cl.device.comm_overlap
+        window_bwd = slack.own_share * bwd * (1 - 1 / units)  # the compute that can hide it
+        window_fwd = slack.own_share * fwd * (1 - 1 / units)
+
+        def bwd_cost(comm_s: float) -> float:
+            return overlapped_s(comm_s, window_bwd, slowdown)
+
+        def fwd_cost(comm_s: float) -> float:
+            return overlapped_s(comm_s, window_fwd, slowdown)
+
         if config.zero_stage <= 1:
             reduce = sum(all_reduce_s(4.0 * n, replicas_span(config, cl.devices_per_node, e), cl) for n, e in groups)
-            exposed = max(reduce - hidden_bwd - slack.trail_s, 0.0)
+            exposed = max(bwd_cost(reduce) - slack.trail_s, 0.0)
             # DDP's last bucket meets once per step, after all of the rank's work
             exposed += ranks_wait_s(host, config.dp_cp, 1, m * (fwd + bwd))
             if config.zero_stage == 1:
@@ -101,7 +109,7 @@ def tail_s(model: CostModel, stage: PricedStage, config: ParallelConfig, slack: 
         elif config.pp > 1:
             rs, ag = _fsdp_collectives_s(model, groups, copy, config, units)
             gathers = 1 if config.zero_stage == 2 else m + 1
-            exposed = rs + max(gathers * (ag - hidden_fwd) - slack.lead_s, ag / units)
+            exposed = rs + max(gathers * fwd_cost(ag) - slack.lead_s, ag / units)
             per_unit = 1 + gathers
             exposed += fsdp_framework_s(host, calls_per_unit=per_unit, units=units, tensors=tensors) + _fsdp_waits_s(
                 model, config, per_unit * units, m * (fwd + bwd)
@@ -109,10 +117,10 @@ def tail_s(model: CostModel, stage: PricedStage, config: ParallelConfig, slack: 
         else:
             rs, ag = _fsdp_collectives_s(model, groups, copy, config, units)
             if config.zero_stage == 2:
-                exposed = m * max(rs - hidden_bwd, rs / units) + max(ag - hidden_fwd, ag / units)
+                exposed = m * max(bwd_cost(rs), rs / units) + max(fwd_cost(ag), ag / units)
                 per_unit = m + 1
             else:
-                exposed = m * (max(ag - hidden_fwd, ag / units) + max(ag + rs - hidden_bwd, (ag + rs) / units))
+                exposed = m * (max(fwd_cost(ag), ag / units) + max(bwd_cost(ag + rs), (ag + rs) / units))
                 per_unit = 3 * m
             exposed += fsdp_framework_s(host, calls_per_unit=per_unit, units=units, tensors=tensors) + _fsdp_waits_s(
                 model, config, per_unit * units, m * (fwd + bwd)
@@ -125,6 +133,16 @@ def tail_s(model: CostModel, stage: PricedStage, config: ParallelConfig, slack: 
     return exposed, optimizer_step_s(cl.device, config.dtype, model.optimizer, local) + finite_check_s(
         model, config, grads
     )
+
+
+def overlapped_s(comm_s: float, window_s: float, slowdown: float) -> float:
+    """What a collective of ``comm_s`` seconds adds to a rank's time beside ``window_s``
+    seconds of compute that can hide it: the part beyond the window in full, and the
+    part within it ``slowdown`` of its time, as the compute beside it runs that much
+    slower while NCCL's kernels hold streaming multiprocessors and memory bandwidth
+    (``1 - DeviceSpec.comm_overlap``). A collective shorter than the compute still costs:
+    hiding it slows the compute."""
+    return max(comm_s - window_s, 0.0) + slowdown * min(comm_s, window_s)
 
 
 def tied_all_reduce_s(model: CostModel, config: ParallelConfig) -> float:

@@ -235,12 +235,14 @@ class DeviceSpec:
         roofline: compute and bandwidth.
         memory: capacity and what is lost of it.
         host: host-side costs (none on GPUs).
-        comm_overlap: share of the compute time that can hide data-parallel
-            communication. Overlapped collectives are not free: NCCL's kernels occupy
-            streaming multiprocessors and compete for memory bandwidth, so 0.8 is a
-            conservative middle of the 10-30% slowdowns reported for overlapped
-            FSDP/DDP communication. CPU processes get 0: gloo reduces on the cores the
-            compute uses.
+        comm_overlap: the rate compute keeps, as a share of its own, while a
+            data-parallel collective runs beside it. Overlapped collectives are not
+            free: NCCL's kernels occupy streaming multiprocessors and compete for memory
+            bandwidth, so a hidden collective costs ``1 - comm_overlap`` of its time
+            (:func:`autopar.cost.data_parallel.overlapped_s`); 0.8 is the middle of the
+            10-30% slowdowns reported for overlapped FSDP/DDP communication. CPU
+            processes get 0: gloo reduces on the cores the compute uses, so nothing
+            hides.
         preferred_dtype: the precision plans use unless told otherwise.
         async_tp: the device runs torch's asynchronous tensor parallelism (CUDA GPUs
             whose peers map each other's memory over NVLink, torch's symmetric memory):

@@ -9,13 +9,16 @@ import itertools
 
 import pytest
 
+from autopar.cost.comm import all_reduce_s, group_span
+from autopar.cost.data_parallel import overlapped_s
 from autopar.cost.model import CostModel
 from autopar.cost.peak import budget_bytes
 from autopar.cost.pipeline import pipeline_time_s, rank_slack_s, stage_inflight_microbatches
 from autopar.cost.stage import PricedStage
 from autopar.cost.step import timing
 from autopar.graph import extract
-from autopar.models import Llama, LlamaConfig
+from autopar.hardware import preset
+from autopar.models import Llama, LlamaConfig, build_named_model
 from autopar.search.constraints import check_constraints
 from autopar.search.scan import ALL_MODES
 from autopar.search.solve import ConfigSolver
@@ -123,3 +126,41 @@ def test_a_slower_option_never_prices_a_faster_step(zero_stage):
         set(Schedule) - zero_bubble if zero_stage == 3 else set(Schedule)
     )  # the runtime refuses ZeRO-3 there
     assert checked > 100
+
+
+def test_a_hidden_collective_costs_the_slowdown_of_the_compute_beside_it():
+    """A collective of ``c`` beside ``W`` of compute that can hide it, with the compute
+    keeping 0.8 of its rate while it runs: ``0.2 c`` when it fits in the window, the rest in
+    full when it does not, and the whole of it where nothing overlaps."""
+    assert overlapped_s(2.0, 10.0, 0.2) == pytest.approx(0.4)  # hidden: slows 2 s of compute by a fifth
+    assert overlapped_s(10.0, 4.0, 0.2) == pytest.approx(6.0 + 0.8)  # 6 s beyond it, 4 s slowed
+    assert overlapped_s(3.0, 5.0, 0.0) == 0.0  # compute unslowed: free
+    assert overlapped_s(3.0, 5.0, 1.0) == 3.0  # compute stops: all of it
+
+
+def test_ddp_reduction_hidden_by_the_backward_still_slows_it():
+    """DDP over the 8 GPUs of one DGX H100 node, GPT-2 small at 8 x 1024 tokens per GPU: the
+    all-reduce of its fp32 gradients (a few ms over NVLink) is shorter than the backward, so
+    it costs ``1 - comm_overlap`` of its time; before, anything under ``comm_overlap`` of the
+    backward was priced free (0 s). Nothing overlapping costs the whole all-reduce."""
+    import autopar
+
+    model = build_named_model("gpt2-small")
+    cluster = preset("dgx-h100", nodes=1)
+    cfg = {"dp": 8, "tp": 1, "pp": 1, "micro_batch_size": 8, "zero_stage": 0, "recompute": "none"}
+    numel = sum(p.numel() for p in model.parameters())
+    reduce_s = all_reduce_s(4.0 * numel, group_span(8, 1, 8), cluster)
+
+    def tail(overlap):
+        device = dataclasses.replace(cluster.device, comm_overlap=overlap)
+        est = autopar.estimate(
+            model, dataclasses.replace(cluster, device=device), cfg, global_batch_size=64, seq_len=1024
+        )
+        stage = est.prediction.stages[0]
+        assert stage.backward_s > reduce_s  # the backward could hide it all
+        return est.prediction.breakdown.dp_comm_s
+
+    assert cluster.device.comm_overlap == 0.8 and cluster.device.host.sync_speed_spread == 0.0
+    assert tail(0.8) == pytest.approx(0.2 * reduce_s, rel=1e-6)
+    assert tail(1.0) == 0.0
+    assert tail(0.0) == pytest.approx(reduce_s, rel=1e-6)

@@ -3,13 +3,14 @@ optimizer step.
 
 Gradient reduction overlaps the backward of the last micro-batch except its last unit
 (bucketed all-reduce, Li et al. 2020; FSDP2's per-unit reduce-scatter), and its last
-bucket makes the ranks wait for the slowest once a step (:func:`autopar.cost.host.ranks_wait_s`,
-the whole step's work between meetings). Hiding is not free: the compute beside a
-collective runs slower while it runs (:func:`overlapped_s`); ZeRO-1 all-gathers updated parameters after the
-step; ZeRO-3 gathers parameters before each unit's forward and backward, overlapped with
-the previous unit's compute. FSDP2 issues ZeRO-2/3's gathers and reductions one per
-unit, so each unit pays the collective's latency, the copies into and out of the flat
-buffers (:func:`autopar.cost.host.fsdp_copy_s`), FSDP2's framework time per call and per
+bucket makes the ranks wait for the slowest once a step
+(:func:`autopar.cost.host.ranks_wait_s`, the whole step's work between meetings). Hiding
+is not free: the compute beside a collective runs slower while it runs
+(:func:`overlapped_s`). ZeRO-1 all-gathers updated parameters after the step; ZeRO-3
+gathers parameters before each unit's forward and backward, overlapped with the previous
+unit's compute. FSDP2 issues ZeRO-2/3's gathers and reductions one per unit, so each
+unit pays the collective's latency, the copies into and out of the flat buffers
+(:func:`autopar.cost.host.fsdp_copy_s`), FSDP2's framework time per call and per
 parameter tensor, and, where communication does not hide them, the wait for the slowest
 rank at each. Under pipelining ``PipelineStage`` defers ZeRO-2/3's reduction to the last
 micro-batch and keeps parameters gathered (:mod:`autopar.cost.memory`). Tied weights

@@ -259,7 +259,7 @@ def test_stages_per_rank_are_honoured_or_refused():
     assert plan.config.pp > 1 and plan.config.virtual_stages == 3
 
 
-def test_runners_up_say_their_recomputation_per_unit_and_estimate_the_same():
+def test_runners_up_say_their_recomputation_per_unit_and_estimate_the_same(tmp_path):
     """GPT-2 medium on 8 V100 cut to 8 GiB: some runners-up recompute some blocks and not
     others. Each says the mode most of its units take and how many take which other
     (``recompute=none(8 op)``), and its configuration given to ``estimate`` with the
@@ -290,3 +290,4 @@ def test_runners_up_say_their_recomputation_per_unit_and_estimate_the_same():
         if a.config.recompute is Recompute.NONE:
             assert not as_given.prediction.fits  # every unit without recomputation does not fit
     assert any("(" in line for line in explain(plan).splitlines() if "recompute=" in line)
+    assert autopar.Plan.load(plan.save(tmp_path / "plan.json")).alternatives == plan.alternatives

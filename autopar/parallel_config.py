@@ -109,7 +109,11 @@ class ParallelConfig:
         object.__setattr__(self, "schedule", enum_value(Schedule, self.schedule, "schedule"))
         object.__setattr__(self, "recompute", enum_value(Recompute, self.recompute, "recompute"))
         object.__setattr__(self, "dtype", enum_value(DType, self.dtype, "dtype"))
-        if isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES:
+        if (
+            isinstance(self.zero_stage, bool)
+            or not isinstance(self.zero_stage, int)
+            or self.zero_stage not in ZERO_STAGES
+        ):
             raise ConfigError(
                 f"zero_stage={self.zero_stage!r} is not allowed: use 0 (DDP), 1 (sharded optimizer state), "
                 f"2 (+ sharded gradients) or 3 (+ sharded parameters)."

@@ -29,6 +29,7 @@ later identical blocks return its (fake) output without running.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT
 from autopar.graph.op_kinds import FREE_OPS, PARTS_OPS, may_compute, parts_dim, shaped, whole_slice
 from autopar.graph.segment import Info, Op, Segment, SegmentTrace, nbytes_of, tensors_in
 from autopar.models.experts import experts_modules
+from autopar.quiet import FAKE_TENSOR_LOGGER, quiet_loggers
 from autopar.vocab import Attention
 
 
@@ -463,6 +465,7 @@ def run_trace(
         if PROLOGUE in segments:
             open_segment(PROLOGUE, tensors_in((args, kwargs)), as_unit_input=False)
         with (
+            quiet_loggers((FAKE_TENSOR_LOGGER,), logging.CRITICAL),  # its traceback: the error below says it
             tensors,
             _Recorder(tracer),
             _AttentionInterceptor(tracer),
@@ -475,7 +478,7 @@ def run_trace(
     except Exception as exc:
         raise ModelError(
             f"tracing {type(model).__name__} on {'meta' if on_meta else 'fake'} tensors failed: "
-            f"{type(exc).__name__}: {exc}. "
+            f"{type(exc).__name__}: {str(exc).rstrip('.')}. "
             f"Check that the sample input (or seq_len) matches what the model's forward expects."
         ) from exc
     finally:

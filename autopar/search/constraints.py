@@ -42,7 +42,8 @@ def check_constraints(constraints: Mapping[str, Any] | None, *, what: str = "con
             except ValueError:
                 allowed = ", ".join(repr(m.value) for m in cls)
                 raise ConfigError(f"constraint {name}={out[name]!r} is not allowed; use one of {allowed}.") from None
-    if "zero_stage" in out and (isinstance(out["zero_stage"], bool) or out["zero_stage"] not in ZERO_STAGES):
+    zero = out.get("zero_stage")
+    if "zero_stage" in out and (isinstance(zero, bool) or not isinstance(zero, int) or zero not in ZERO_STAGES):
         raise ConfigError(f"constraint zero_stage={out['zero_stage']!r} is not allowed; use 0, 1, 2 or 3.")
     shard = out.get("dp_shard")
     if shard is not None and (isinstance(shard, bool) or not isinstance(shard, int) or shard < 2):

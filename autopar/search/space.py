@@ -141,10 +141,10 @@ def check_context_parallel(graph: LayerGraph, constraints: Mapping[str, Any]) ->
         )
     if graph.seq_len % (2 * cp):
         allowed = [d for d in range(2, graph.seq_len // 2 + 1) if graph.seq_len % (2 * d) == 0][:8]
+        other = f"a cp in {allowed} or " if allowed else "cp=1 or "  # an odd length splits for no cp > 1
         raise ConfigError(
             f"cp={cp} is not allowed with seq_len={graph.seq_len}: head-tail load balancing splits each "
-            f"sequence into 2 x cp = {2 * cp} equal chunks; use a cp in {allowed} or a sequence length "
-            f"divisible by {2 * cp}."
+            f"sequence into 2 x cp = {2 * cp} equal chunks; use {other}a sequence length divisible by {2 * cp}."
         )
 
 

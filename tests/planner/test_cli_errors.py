@@ -39,6 +39,9 @@ def folder(tmp_path_factory):
     (folder / "broken.json").write_text('{"schema": ')
     (folder / "list.json").write_text("[1, 2]")
     (folder / "future.json").write_text(json.dumps({"schema": "autopar-profile", "schema_version": 99}))
+    llama = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+    llama |= {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}
+    (folder / "dtype.json").write_text(json.dumps(llama | {"torch_dtype": "float99"}))
     return folder
 
 
@@ -91,6 +94,15 @@ CLI_CASES = {
     "model config not JSON": (
         "plan --model-config {d}/broken.json --cluster local-cpu:1 --global-batch-size 8",
         ["--model-config", "broken.json"],
+    ),
+    "model config of a dtype torch lacks": (
+        "plan --model-config {d}/dtype.json --seq-len 8 --cluster local-cpu:1 --global-batch-size 8",
+        ["dtype.json", "float99", "config transformers can read"],
+    ),
+    "ZeRO stage not an integer": (f"{DGX} --set zero_stage=1.0", ["zero_stage=1.0", "use 0, 1, 2 or 3"]),
+    "an odd sequence over a ring": (
+        "plan --model gpt2-small --seq-len 15 --global-batch-size 8 --cluster dgx-a100-80gb:1 --set cp=2",
+        ["cp=2 is not allowed with seq_len=15", "use cp=1 or a sequence length divisible by 4."],
     ),
     # sizes, degrees and clusters
     "output is a folder": (f"{CPU} --out {{d}}", ["--out", "cannot be written", "file path"]),
@@ -275,3 +287,25 @@ def test_help_texts_are_plain_words():
     markup = re.compile(r"``|:(func|mod|class|meth|attr)?:`")
     for name, text in _help_texts(build_parser(), "autopar"):
         assert not markup.search(text), f"'{name} --help' prints reStructuredText markup"
+
+
+def test_a_model_that_fails_on_fake_tensors_is_said_without_torchs_logged_traceback(tmp_path):
+    """torch logs the whole traceback of an op that fails on fake tensors (some hundred
+    lines) before raising it; the trace says the failure in one line, so the log is held
+    back. Run in a fresh process: torch's log handler writes to the stderr it found."""
+    import subprocess
+    import sys
+
+    (tmp_path / "mymod.py").write_text(
+        "from torch import nn\n\ndef build():\n    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))\n"
+    )
+    command = "plan --model-fn mymod:build --cluster dgx-h100:1 --global-batch-size 8 --sample-shape 17"
+    script = f"import sys; from autopar.cli import main; sys.exit(main({command.split()!r}))"
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr[-2000:]
+    assert lines[0].startswith("autopar: error: tracing Sequential on fake tensors failed: RuntimeError:")
+    assert "[1, 17] X [16, 32]. Check that the sample input" in lines[0]  # one full stop

@@ -235,6 +235,27 @@ def test_trust_remote_code_builds_the_custom_class(hf, capsys, tmp_path, monkeyp
     assert data["model"]["name"] == "TinyForCausalLM"
 
 
+def test_a_config_whose_own_code_fails_is_said_in_one_line(capsys, tmp_path, monkeypatch):
+    """A checkpoint's configuration class that raises as it is imported (its code runs
+    under --trust-remote-code) is the config's problem, said in one line like a value
+    transformers cannot read; it was a traceback (a model class that raises already was
+    one line). The module cache is a temporary one, and the modules it made are dropped."""
+    monkeypatch.setattr(transformers.dynamic_module_utils, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "modules", dict(sys.modules))
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    auto_map = {"AutoConfig": "conf.MyConfig", "AutoModelForCausalLM": "mod.MyThing"}
+    (remote / "config.json").write_text(json.dumps({"model_type": "mything", "auto_map": auto_map}))
+    (remote / "conf.py").write_text('raise RuntimeError("boom from the config\'s code")\n')
+    code, _, err = _run(f"plan --model-config {remote} {CPU} --seq-len 16 --trust-remote-code", capsys)
+    assert code == 2, err
+    assert err.strip() == (
+        f"autopar: error: --model-config '{remote / 'config.json'}' is not a config transformers can read (boom "
+        f"from the config's code); give a config.json written by save_pretrained."
+    )
+
+
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_dry_run_takes_a_model_config(name, hf, tmp_path, capsys):
     plan = tmp_path / "plan.json"

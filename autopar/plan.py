@@ -166,6 +166,31 @@ class Prediction:
     breakdown: StepBreakdown
     stages: tuple[StagePrediction, ...]
 
+    def __post_init__(self) -> None:
+        """What any prediction satisfies (a plan file edited by hand may not): a step
+        that takes time, rates and memory that are not negative, a stage at least, and
+        no peak above the device called fitting."""
+        problem = ""
+        if not self.step_time_s > 0:
+            problem = f"step_time_s={self.step_time_s!r} must be > 0"
+        elif not self.stages:
+            problem = "stages must list at least one stage"
+        elif self.fits and self.memory_bytes_per_device > self.memory_capacity_bytes * (1 + 1e-9):
+            problem = (
+                f"fits is true with memory_bytes_per_device={self.memory_bytes_per_device!r} above "
+                f"memory_capacity_bytes={self.memory_capacity_bytes!r}"
+            )
+        else:
+            rates = ("samples_per_s", "tokens_per_s", "tflops_per_device", "mfu", "hfu", "memory_bytes_per_device")
+            negative = [name for name in rates if getattr(self, name) < 0]
+            if negative:
+                problem = f"{negative[0]}={getattr(self, negative[0])!r} must be >= 0"
+        if problem:
+            raise ValueError(
+                f"{problem}. The file was edited or damaged: make the plan again (autopar plan, or "
+                f"autopar.estimate for a fixed configuration)."
+            )
+
 
 @dataclass(frozen=True, kw_only=True)
 class Alternative:

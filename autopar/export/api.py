@@ -37,11 +37,19 @@ def export(plan: Plan | str | Path, to: str, *, model: nn.Module | None = None) 
         ExportError: an unknown target, a model that is not the plan's, or a plan the
             target cannot run (accelerate with pipelining or expert parallelism, deepspeed
             with context parallelism, a sequence length the target cannot split, expert
-            parallelism for a model without experts or with a count it does not divide);
+            parallelism for a model without experts or with a count it does not divide), or a
+            plan predicted not to fit;
             UnreadablePlanError (also an ExportError) for a missing or malformed plan file.
     """
     exporter = exporter_for(to)
     loaded = load_plan(plan)
+    if not loaded.prediction.fits:  # an estimate that does not fit would run out of memory on the cluster
+        p = loaded.prediction
+        raise ExportError(
+            f"the plan does not fit: it predicts {p.memory_bytes_per_device / 2**30:.1f} GiB per device, more than "
+            f"the {p.memory_capacity_bytes / 2**30:.1f} GiB each {loaded.cluster.device.name} holds; export a plan "
+            f"that fits (autopar plan searches them, or estimate another configuration)."
+        )
     shape = shape_of(model, loaded) if model is not None else None
     if shape is not None:
         require_experts(loaded, shape)

@@ -280,6 +280,13 @@ def dry_run(
                 f"the inputs of stages {metadata.unchecked()} were assumed equal to an earlier stage boundary and "
                 f"not checked (their predecessors' ranks were not run); leave --ranks out to check them"
             )
+    if not plan.prediction.fits:  # an estimate of a configuration that does not fit: it runs here, not there
+        p = plan.prediction
+        problems.append(
+            f"the plan predicts {_gib(p.memory_bytes_per_device)} per device, more than the "
+            f"{_gib(p.memory_capacity_bytes)} each {plan.cluster.device.name} holds: it does not fit; make a plan "
+            f"that does with autopar plan (or estimate another configuration)"
+        )
     return DryRunReport(
         plan=plan.config.short(),
         world_size=dims.world_size,

@@ -490,3 +490,23 @@ def test_torchtitan_stages_of_a_transformers_llama_use_torchtitans_names():
     assert [len(s) for s in stages] == [len([m for m in s if m != "model.rotary_emb"]) for s in plan.stages]
     assert "model.rotary_emb" in plan.stages[0]
     assert "mapped from the transformers model" in out.text
+
+
+@pytest.mark.parametrize("to", ["megatron", "deepspeed", "torchtitan", "accelerate"])
+def test_a_plan_predicted_not_to_fit_is_not_exported(to, tmp_path, capsys):
+    """An estimate of GPT-2 medium on 8 V100 cut to 2 GiB does not fit; written for a
+    framework it would run out of memory on the cluster, so every target refuses it in
+    one line that says by how much, and the command writes nothing."""
+    base = autopar.preset("p3.16xlarge", nodes=1)
+    memory = replace(base.device.memory, capacity_bytes=2 * 2**30)
+    cluster = replace(base, device=replace(base.device, memory=memory))
+    model = build_named_model("gpt2-medium")
+    plan = autopar.estimate(model, cluster, {"dp": 8}, global_batch_size=64, seq_len=1024)
+    assert not plan.prediction.fits
+    peak = f"{plan.prediction.memory_bytes_per_device / 2**30:.1f} GiB per device, more than the 2.0 GiB"
+    with pytest.raises(ExportError, match=f"the plan does not fit: it predicts {peak}"):
+        export(plan, to)
+    saved = plan.save(tmp_path / "plan.json")
+    assert main(["export", str(saved), "--to", to, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the plan does not fit" in err[0] and not (tmp_path / "out").exists()

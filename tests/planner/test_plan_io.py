@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -58,6 +59,27 @@ def test_malformed_fields_are_named(pipelined_plan, mutate, message):
     mutate(data)
     with pytest.raises(PlanFormatError, match=message):
         Plan.from_dict(data)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("step_time_s", 0.0, "step_time_s=0.0 must be > 0"),  # explain divided by it
+        ("step_time_s", -1.0, "step_time_s=-1.0 must be > 0"),
+        ("stages", [], "stages must list at least one stage"),  # explain took the max of none
+        ("memory_bytes_per_device", 1e15, "fits is true with memory_bytes_per_device=1000000000000000.0 above"),
+        ("mfu", -0.5, "mfu=-0.5 must be >= 0"),
+    ],
+)
+def test_a_prediction_edited_past_what_any_prediction_is_refused(pipelined_plan, field, value, message):
+    """A hand-edited prediction that no cost model makes is refused at load, in one line
+    naming the field, rather than crashing ``autopar report`` or reading as a plan."""
+    data = json.loads(pipelined_plan.to_json())
+    assert data["prediction"]["fits"]
+    data["prediction"][field] = value
+    with pytest.raises(PlanFormatError, match=re.escape(f"plan.prediction: {message}")) as info:
+        Plan.from_dict(data)
+    assert "\n" not in str(info.value) and "make the plan again" in str(info.value)
 
 
 def test_inconsistent_plan_refused(pipelined_plan):

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from autopar.hardware.device import CPU_PROCESS
 from autopar.profiles.report import ProfileReport
 from autopar.profiles.sections import AttentionPoint, BandwidthPoint, DeviceProfile, MatmulPoint
 from profiler.attention import HALF_PRECISIONS, SEQ_LENS, measure_attention
@@ -270,7 +271,7 @@ def device_name(device: torch.device, threads: int) -> str:
     """``"NVIDIA H100 80GB HBM3"`` or ``"cpu-process: AMD EPYC, 1 thread"``."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu-process: {cpu_model()}, {threads} thread{'s' if threads != 1 else ''}"
+    return f"{CPU_PROCESS}: {cpu_model()}, {threads} thread{'s' if threads != 1 else ''}"
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:

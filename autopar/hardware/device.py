@@ -21,6 +21,10 @@ from typing import Any
 from autopar.errors import ClusterError, check_positive_float
 from autopar.vocab import DType
 
+CPU_PROCESS = "cpu-process"
+"""How a CPU process is named as a device: the preset's name, and the start of a measured
+one (which adds the CPU model and its threads)."""
+
 _SHARE_NOTE = "; time share: "
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from autopar.errors import ClusterError
 from autopar.hardware.cluster import Cluster, load_cluster
-from autopar.hardware.device import DeviceMemory, DeviceSpec, HostEffects, Roofline, time_shared
+from autopar.hardware.device import CPU_PROCESS, DeviceMemory, DeviceSpec, HostEffects, Roofline, time_shared
 from autopar.hardware.links import LinkSpec
 from autopar.vocab import DType
 
@@ -208,7 +208,7 @@ def local_cpu_device(processes: int) -> DeviceSpec:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     share = min(1.0, cores / processes)
     device = DeviceSpec(
-        name="cpu-process",
+        name=CPU_PROCESS,
         roofline=Roofline(
             peak_flops={DType.FP32: 60e9, DType.BF16: 30e9},
             memory_bandwidth_bytes_per_s=10e9,

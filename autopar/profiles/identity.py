@@ -30,6 +30,7 @@ from torch import nn
 from autopar.errors import ConfigError
 from autopar.graph.layer_graph import LayerGraph
 from autopar.graph.units import strip_wrappers
+from autopar.hardware.device import CPU_PROCESS
 from autopar.profiles.sections import ModelProfile
 
 REMEDY = "profile this model with 'autopar profile model ...' or drop --profile"
@@ -56,12 +57,20 @@ class LayerProfileMatch:
     legacy: bool = False
     resized: tuple[str, ...] = ()
 
-    def notes(self, *, micro_batch: int, seq_len: int, dtype: str) -> tuple[str, ...]:
-        """What a plan at ``micro_batch`` x ``seq_len`` in ``dtype`` should say about this
-        profile: nothing where it was measured at exactly that shape and precision of the
-        model as planned; else where it was measured and that it is applied here."""
+    def notes(self, *, micro_batch: int, seq_len: int, dtype: str, device: str) -> tuple[str, ...]:
+        """What a plan at ``micro_batch`` x ``seq_len`` in ``dtype`` on ``device`` (the
+        cluster's device name) should say about this profile: nothing where it was
+        measured at exactly that shape and precision of the model as planned, on the same
+        kind of device (CPU processes or GPUs); else where it was measured and that it is
+        applied here."""
         m = self.layers
         out = []
+        if (m.device_kind == "cpu") != device.startswith(CPU_PROCESS):  # its factors carry the other's efficiency
+            out.append(
+                f"The layer profile of {m.model} in {self.origin} was measured on {m.device} ({m.device_kind}) and is "
+                f"applied to the cluster's {device}: its per-unit factors (measured over predicted) carry that "
+                f"device's efficiency over; profile the model on the cluster's devices for a prediction of them."
+            )
         if self.legacy:
             out.append(
                 f"The layer profile of {m.model} in {self.origin} was written before profiles recorded their model's "

@@ -278,7 +278,12 @@ def _noted(plan: Plan, match: LayerProfileMatch | None, seq_note: str | None, ac
         extra += (SEQUENCE_FIRST_NOTE,)
     if match is not None:
         c = plan.config
-        extra += match.notes(micro_batch=c.micro_batch_size, seq_len=plan.model.seq_len, dtype=c.dtype.value)
+        extra += match.notes(
+            micro_batch=c.micro_batch_size,
+            seq_len=plan.model.seq_len,
+            dtype=c.dtype.value,
+            device=plan.cluster.device.name,
+        )
     return replace(plan, notes=plan.notes + extra) if extra else plan
 
 

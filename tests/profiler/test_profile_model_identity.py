@@ -162,3 +162,21 @@ def test_another_precision_is_named_in_the_note(tiny):
     )
     (note,) = _profile_notes(plan)
     assert "measured at batch 2, seq 32 (fp32) and is applied at micro-batch 2, seq 32 (bf16)" in note
+
+
+def test_a_profile_measured_on_cpu_processes_says_so_on_a_gpu_cluster(tiny):
+    """The profile's per-unit factors (measured over predicted) carry the CPU's efficiency
+    to whatever device the cluster has: planned for a DGX H100 it still applies, but the
+    plan says where it was measured; for CPU processes, as the profile's own, it does not."""
+    cluster = preset("dgx-h100", nodes=1)
+    plan = autopar.estimate(
+        GPT(TINY), cluster, {**ESTIMATE, "dp": 8}, global_batch_size=8 * BATCH, seq_len=32, profile=tiny
+    )
+    device = tiny.layers.device
+    assert device.startswith("cpu-process: ") and tiny.layers.device_kind == "cpu"
+    assert (
+        f"The layer profile of tiny-gpt in report #1 was measured on {device} (cpu) and is applied to the cluster's "
+        f"H100-SXM5-80GB: its per-unit factors (measured over predicted) carry that device's efficiency over; "
+        f"profile the model on the cluster's devices for a prediction of them."
+    ) in _profile_notes(plan)
+    assert not any("was measured on" in n for n in _profile_notes(_estimate(TINY, tiny, seq_len=32)))

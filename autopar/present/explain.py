@@ -18,7 +18,8 @@ def explain(plan: Plan, *, top: int = 5) -> str:
     c, p, m, cl = plan.config, plan.prediction, plan.model, plan.cluster
     b = p.breakdown
     lines = [
-        f"autopar plan: {m.name} ({count(m.num_params)} parameters) on {cl.describe()}",
+        f"autopar {'plan' if plan.settings.searched else 'estimate'}: {m.name} ({count(m.num_params)} parameters) on "
+        f"{cl.describe()}",
         f"  batch {m.global_batch_size} x {m.seq_len} tokens, {c.dtype.value}{' with FP8 matmuls' if c.fp8 else ''}, "
         f"{plan.settings.optimizer.value} "
         f"optimizer, {plan.settings.attention.value} attention",
@@ -329,6 +330,11 @@ def compact(names: tuple[str, ...] | list[str]) -> str:
 
 
 def _tp_summary(plan: Plan) -> list[str]:
+    """Each layer pattern's tensor-parallel styles; under tp > 1 with no layer split (a
+    model too small for the split to pay), that every layer is replicated, which the
+    degree alone would hide."""
+    if plan.config.tp > 1 and not plan.layer_strategies.tp:
+        return [f"no layer is split: every layer is replicated over the {plan.config.tp} tensor-parallel ranks"]
     by_pattern: dict[str, Counter] = defaultdict(Counter)
     for fqn, style in plan.layer_strategies.tp.items():
         pattern = re.sub(r"\.\d+\.", ".*.", fqn, count=1)

@@ -291,3 +291,25 @@ def test_runners_up_say_their_recomputation_per_unit_and_estimate_the_same(tmp_p
             assert not as_given.prediction.fits  # every unit without recomputation does not fit
     assert any("(" in line for line in explain(plan).splitlines() if "recompute=" in line)
     assert autopar.Plan.load(plan.save(tmp_path / "plan.json")).alternatives == plan.alternatives
+
+
+def test_an_estimate_is_titled_as_one():
+    """explain() titles a searched plan ``autopar plan:`` and a priced configuration
+    ``autopar estimate:`` (it said ``autopar plan:`` for both)."""
+    model = build_named_model("gpt2-small")
+    searched = autopar.plan(model, DGX1, global_batch_size=16, seq_len=256)
+    given = autopar.estimate(model, DGX1, {"dp": 8}, global_batch_size=16, seq_len=256)
+    assert explain(searched).startswith("autopar plan: GPT (")
+    assert explain(given).startswith("autopar estimate: GPT (")
+
+
+def test_a_tensor_parallel_plan_that_splits_no_layer_says_so():
+    """A 64-wide GPT on H100 at tp=2: every layer's split costs more than it saves, so the
+    search replicates all of them; the explanation says so under the degree, which alone
+    read as tensor parallelism in use (no section was printed)."""
+    model = GPT(GPTConfig(vocab_size=256, seq_len=64, dim=64, n_layers=2, n_heads=2))
+    plan = autopar.estimate(model, autopar.preset("dgx-h100", nodes=1), {"tp": 2}, global_batch_size=8, seq_len=64)
+    assert plan.config.tp == 2 and not plan.layer_strategies.tp
+    text = explain(plan).splitlines()
+    at = text.index("Tensor parallelism (tp=2)")
+    assert text[at + 1] == "  no layer is split: every layer is replicated over the 2 tensor-parallel ranks"

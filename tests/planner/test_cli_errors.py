@@ -296,9 +296,8 @@ def test_a_model_that_fails_on_fake_tensors_is_said_without_torchs_logged_traceb
     import subprocess
     import sys
 
-    (tmp_path / "mymod.py").write_text(
-        "from torch import nn\n\ndef build():\n    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))\n"
-    )
+    layers = "nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)"
+    (tmp_path / "mymod.py").write_text(f"from torch import nn\n\ndef build():\n    return nn.Sequential({layers})\n")
     command = "plan --model-fn mymod:build --cluster dgx-h100:1 --global-batch-size 8 --sample-shape 17"
     script = f"import sys; from autopar.cli import main; sys.exit(main({command.split()!r}))"
     done = subprocess.run(

@@ -166,30 +166,23 @@ class Prediction:
     breakdown: StepBreakdown
     stages: tuple[StagePrediction, ...]
 
-    def __post_init__(self) -> None:
-        """What any prediction satisfies (a plan file edited by hand may not): a step
-        that takes time, rates and memory that are not negative, a stage at least, and
-        no peak above the device called fitting."""
-        problem = ""
-        if not self.step_time_s > 0:
-            problem = f"step_time_s={self.step_time_s!r} must be > 0"
-        elif not self.stages:
-            problem = "stages must list at least one stage"
-        elif self.fits and self.memory_bytes_per_device > self.memory_capacity_bytes * (1 + 1e-9):
-            problem = (
-                f"fits is true with memory_bytes_per_device={self.memory_bytes_per_device!r} above "
-                f"memory_capacity_bytes={self.memory_capacity_bytes!r}"
-            )
-        else:
-            rates = ("samples_per_s", "tokens_per_s", "tflops_per_device", "mfu", "hfu", "memory_bytes_per_device")
-            negative = [name for name in rates if getattr(self, name) < 0]
-            if negative:
-                problem = f"{negative[0]}={getattr(self, negative[0])!r} must be >= 0"
-        if problem:
-            raise ValueError(
-                f"{problem}. The file was edited or damaged: make the plan again (autopar plan, or "
-                f"autopar.estimate for a fixed configuration)."
-            )
+
+def _prediction_problem(p: Prediction) -> str:
+    """What a prediction read from a file breaks of what any prediction satisfies (a step
+    that takes time, a stage at least, no peak above the device called fitting, rates and
+    memory not negative); empty where nothing. A hand-edited file may break it."""
+    if not p.step_time_s > 0:
+        return f"step_time_s={p.step_time_s!r} must be > 0"
+    if not p.stages:
+        return "stages must list at least one stage"
+    if p.fits and p.memory_bytes_per_device > p.memory_capacity_bytes * (1 + 1e-9):
+        return (
+            f"fits is true with memory_bytes_per_device={p.memory_bytes_per_device!r} above "
+            f"memory_capacity_bytes={p.memory_capacity_bytes!r}"
+        )
+    rates = ("samples_per_s", "tokens_per_s", "tflops_per_device", "mfu", "hfu", "memory_bytes_per_device")
+    negative = [name for name in rates if getattr(p, name) < 0]
+    return f"{negative[0]}={getattr(p, negative[0])!r} must be >= 0" if negative else ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -361,7 +354,14 @@ class Plan:
                 f"{origin}: schedule 'dualpipev' needs schema_version {_DUALPIPEV_SINCE} or later (got {version})."
             )
         data = {**data, "schema_version": SCHEMA_VERSION}  # an older file is a plan without the newer axes
-        return codec.decode(Plan, data, origin, error=PlanFormatError)
+        plan = codec.decode(Plan, data, origin, error=PlanFormatError)
+        problem = _prediction_problem(plan.prediction)
+        if problem:
+            raise PlanFormatError(
+                f"{origin}.prediction: {problem}. The file was edited or damaged: make the plan again (autopar plan, "
+                f"or autopar.estimate for a fixed configuration)."
+            )
+        return plan
 
     @staticmethod
     def from_json(text: str, *, origin: str = "plan") -> Plan:

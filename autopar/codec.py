@@ -60,7 +60,7 @@ def read_json(path: str | Path, *, what: str, error: type[AutoparError], remedy:
     the kind of file, ``remedy`` how to make one)."""
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8-sig")  # a byte-order mark, as some editors write, is not JSON
     except FileNotFoundError:
         raise error(f"{what} {str(p)!r} does not exist; {remedy}.") from None
     except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:

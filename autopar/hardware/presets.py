@@ -298,7 +298,8 @@ def preset(name: str, *, nodes: int = 1, devices_per_node: int | None = None) ->
     if not isinstance(name, str) or name not in _PRESETS:
         known = ", ".join(sorted(_PRESETS))
         raise ClusterError(
-            f"unknown cluster preset {name!r}; known presets: {known}. Or load a cluster file (autopar.load_cluster)."
+            f"unknown cluster preset {name!r}; known presets: {known}. Or give a cluster JSON file "
+            f"(--cluster cluster.json; autopar.load_cluster in Python)."
         )
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
         raise ClusterError(f"nodes={nodes!r} is not allowed for preset {name!r}: it must be a positive integer.")

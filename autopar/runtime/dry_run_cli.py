@@ -78,7 +78,7 @@ def dry_run_command(args: argparse.Namespace) -> int:
         ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else None
         report = dry_run(build, plan, sample_input=sample, ranks=ranks, measure=args.measure)
     except AutoparError as exc:
-        print(f"autopar dry-run: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"autopar: error: {exc}", file=sys.stderr)  # as every command says bad input
         return 2
     print(json.dumps(asdict(report), indent=1) if args.json else report.to_text())
     if note:

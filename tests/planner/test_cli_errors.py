@@ -55,6 +55,7 @@ CLI_CASES = {
     "report missing": ("profile report {d}/missing.json", ["missing.json", "does not exist"]),
     "report a folder": ("profile report {d}", ["cannot be read", "JSON file"]),
     # dry-run --ranks
+    "dry run of a broken plan file": ("dry-run --plan {d}/broken.json --model gpt2-small", ["broken.json", "JSON"]),
     "ranks past the world": ("dry-run --plan {d}/plan.json --model gpt2-small --ranks 99", ["rank 99", "0 to 1"]),
     "ranks negative": ("dry-run --plan {d}/plan.json --model gpt2-small --ranks -1", ["rank -1", "0 to 1"]),
     "ranks not numbers": ("dry-run --plan {d}/plan.json --model gpt2-small --ranks a", ["'a'", "0 to 1"]),
@@ -123,6 +124,7 @@ CLI_CASES = {
     ),
     "no nodes": (f"plan {PLAN} --cluster local-cpu:0", ["nodes=0", "positive integer"]),
     "more processes than memory": (f"plan {PLAN} --cluster local-cpu:100000", ["local-cpu", "fewer than"]),
+    "unknown preset": (f"plan {PLAN} --cluster dgx-z:1", ["unknown cluster preset 'dgx-z'", "--cluster cluster.json"]),
     "no node count": (f"plan {PLAN} --cluster dgx-h100:", ["dgx-h100:", "node count"]),
     "cluster is a folder": (f"plan {PLAN} --cluster {{d}}", ["cluster file", "cannot be read"]),
     "not a number": (f"{CPU} --global-batch-size x", ["--global-batch-size", "invalid int", "autopar plan --help"]),

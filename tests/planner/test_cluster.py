@@ -57,6 +57,15 @@ def test_json_round_trip(tmp_path):
     assert parse_cluster("hgx-h200:4") == cluster
 
 
+def test_a_file_an_editor_saved_with_a_byte_order_mark_loads(tmp_path):
+    """Some editors start a UTF-8 file with a byte-order mark, which is not JSON: such a
+    cluster file was refused as "not valid JSON ... was it truncated?"."""
+    cluster = preset("hgx-h200", nodes=4)
+    path = save_cluster(cluster, tmp_path / "c.json")
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert load_cluster(path) == cluster
+
+
 def test_saving_something_else_as_a_cluster_is_refused(tmp_path):
     """A string saved as a cluster wrote a file load_cluster then refused."""
     with pytest.raises(ClusterError, match=r"save_cluster takes a Cluster .* got str 'hgx-h200:4'"):

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from autopar.export.api import EXPORTERS, export, exporter_for
+from autopar.export.common import ExportError
 
 
 def add_export_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -51,6 +53,10 @@ def export_command(args: argparse.Namespace) -> int:
     """Run ``autopar export``: print or write the export, then its launch line and notes
     on standard error."""
     exporter_for(args.to)  # an unknown target fails before a model is built
+    if args.out is not None and Path(args.out).resolve() == Path(args.plan).resolve():
+        raise ExportError(
+            f"--out {args.out!r} is the plan file itself: the export would overwrite the plan; give another path."
+        )
     model = None
     if args.model:
         from autopar.models.registry import build_named_model

@@ -55,6 +55,10 @@ CLI_CASES = {
     "report missing": ("profile report {d}/missing.json", ["missing.json", "does not exist"]),
     "report a folder": ("profile report {d}", ["cannot be read", "JSON file"]),
     # dry-run --ranks
+    "export onto its own plan file": (
+        "export {d}/plan.json --to deepspeed --out {d}/plan.json",
+        ["plan.json' is the plan file itself", "give another path"],
+    ),
     "dry run of a broken plan file": ("dry-run --plan {d}/broken.json --model gpt2-small", ["broken.json", "JSON"]),
     "ranks past the world": ("dry-run --plan {d}/plan.json --model gpt2-small --ranks 99", ["rank 99", "0 to 1"]),
     "ranks negative": ("dry-run --plan {d}/plan.json --model gpt2-small --ranks -1", ["rank -1", "0 to 1"]),

@@ -143,9 +143,9 @@ def _emit(result: Any, args: argparse.Namespace, loaded: LoadedModel) -> int:
 
     result = replace(result, notes=result.notes + loaded.warnings)
     notes = [n for n in loaded.notes if n not in loaded.warnings]
-    if args.out:
+    if args.out is not None:  # an empty path too: it is refused, not taken for no --out
         _write("--out", args.out, result.save)
-    if args.html:
+    if args.html is not None:
         from autopar.present.report import save_html
 
         _write("--html", args.html, lambda path: save_html(result, path))

@@ -111,6 +111,7 @@ CLI_CASES = {
     ),
     # sizes, degrees and clusters
     "output is a folder": (f"{CPU} --out {{d}}", ["--out", "cannot be written", "file path"]),
+    "output of no name": (f"{CPU} --out ''", ["--out ''", "cannot be written", "file path"]),
     "sequence parallel without tp": (
         f"{DGX} --set tp=1 --set sequence_parallel=true",
         ["sequence_parallel=True", "tp=1"],

@@ -108,7 +108,28 @@ def _load(text: str, trust_remote_code: bool) -> HFModel:
             f"{FLAG} {str(path)!r} is not a config transformers can read ({first_line(exc)}); give a config.json "
             f"written by save_pretrained."
         ) from None
+    _check_experts(config, path)
     return _model_of(config, trust_remote_code, transformers)
+
+
+EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+"""How transformers' mixture-of-experts configs name their expert count (Mixtral, Qwen-MoE,
+DeepSeek), each beside ``num_experts_per_tok``."""
+
+
+def _check_experts(config: Any, path: Path) -> None:
+    """Refuses a config routing each token to more experts than it has (or to none): its
+    router's top-k fails deep in the trace, which would blame the sample input."""
+    k = getattr(config, "num_experts_per_tok", None)
+    count = next((getattr(config, f) for f in EXPERT_COUNT_FIELDS if getattr(config, f, None) is not None), None)
+    if not isinstance(k, int) or not isinstance(count, int) or isinstance(k, bool) or isinstance(count, bool):
+        return
+    name = next(f for f in EXPERT_COUNT_FIELDS if getattr(config, f, None) is not None)
+    if count >= 1 and not 1 <= k <= count:  # no experts (0) is a dense variant of some families
+        raise ConfigError(
+            f"{FLAG} {str(path)!r} routes each token to num_experts_per_tok={k} of its {name}={count} experts; "
+            f"route each token to between 1 and {count}."
+        )
 
 
 def config_file(text: str) -> Path:

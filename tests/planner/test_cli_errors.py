@@ -42,6 +42,8 @@ def folder(tmp_path_factory):
     llama = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
     llama |= {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}
     (folder / "dtype.json").write_text(json.dumps(llama | {"torch_dtype": "float99"}))
+    experts = {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 8}
+    (folder / "top8of4.json").write_text(json.dumps(llama | experts))
     return folder
 
 
@@ -103,6 +105,10 @@ CLI_CASES = {
     "model config of a dtype torch lacks": (
         "plan --model-config {d}/dtype.json --seq-len 8 --cluster local-cpu:1 --global-batch-size 8",
         ["dtype.json", "float99", "config transformers can read"],
+    ),
+    "more experts per token than experts": (
+        "plan --model-config {d}/top8of4.json --seq-len 8 --cluster local-cpu:1 --global-batch-size 8",
+        ["num_experts_per_tok=8 of its num_local_experts=4 experts", "between 1 and 4"],
     ),
     "ZeRO stage not an integer": (f"{DGX} --set zero_stage=1.0", ["zero_stage=1.0", "use 0, 1, 2 or 3"]),
     "an odd sequence over a ring": (

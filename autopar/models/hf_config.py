@@ -121,10 +121,10 @@ def _check_experts(config: Any, path: Path) -> None:
     """Refuses a config routing each token to more experts than it has (or to none): its
     router's top-k fails deep in the trace, which would blame the sample input."""
     k = getattr(config, "num_experts_per_tok", None)
-    count = next((getattr(config, f) for f in EXPERT_COUNT_FIELDS if getattr(config, f, None) is not None), None)
+    name = next((f for f in EXPERT_COUNT_FIELDS if getattr(config, f, None) is not None), None)
+    count = getattr(config, name) if name else None
     if not isinstance(k, int) or not isinstance(count, int) or isinstance(k, bool) or isinstance(count, bool):
         return
-    name = next(f for f in EXPERT_COUNT_FIELDS if getattr(config, f, None) is not None)
     if count >= 1 and not 1 <= k <= count:  # no experts (0) is a dense variant of some families
         raise ConfigError(
             f"{FLAG} {str(path)!r} routes each token to num_experts_per_tok={k} of its {name}={count} experts; "

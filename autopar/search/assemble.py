@@ -78,15 +78,17 @@ def strategies_of(graph: LayerGraph, outcome: Outcome) -> tuple[LayerStrategies,
                     tp_map[unit.leaf_fqn(leaf.name)] = style
             for mod in unit.modules:
                 modes[mod] = opt.recompute
-    per_unit = unit_modes(outcome)
-    default = per_unit.most_common(1)[0][0] if per_unit else Recompute.NONE
+    default, _ = unit_modes(outcome)
     overrides = {k: v for k, v in modes.items() if v is not default}
     return LayerStrategies(tp=tp_map, recompute=overrides), default
 
 
-def unit_modes(outcome: Outcome) -> Counter[Recompute]:
-    """How many units of a solved configuration take each recompute mode."""
-    return Counter(opt.recompute for stage in outcome.stages for opt in stage.options)
+def unit_modes(outcome: Outcome) -> tuple[Recompute, Counter[Recompute]]:
+    """The recompute mode most units of a solved configuration take (the configuration's
+    own where it has no units), and how many units take each mode."""
+    counts = Counter(opt.recompute for stage in outcome.stages for opt in stage.options)
+    default = counts.most_common(1)[0][0] if counts else outcome.config.recompute
+    return default, counts
 
 
 def infeasible_error(
@@ -131,8 +133,7 @@ def _alternatives(result: SearchResult, solver: ConfigSolver) -> tuple[Alternati
         p = o.prediction
         assert p is not None
         slower = p.step_time_s / best_t - 1
-        modes = unit_modes(o)
-        default = modes.most_common(1)[0][0] if modes else o.config.recompute
+        default, modes = unit_modes(o)
         return Alternative(
             config=replace(o.config, recompute=default),
             status=status,

@@ -49,6 +49,22 @@ def _ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers.") from None
 
 
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``, refused while the command line is read
+    (before a model is built or processes launched)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is not allowed; give an integer >= {minimum}.")
+        return value
+
+    return parse
+
+
 def _words(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
@@ -114,8 +130,8 @@ def add_profile_commands(sub: Any) -> None:
     m.add_argument("--input-shape", type=_ints, help="per-sample input shape for non-token models, e.g. 3,224,224")
     m.add_argument("--batch", type=int, default=1, help="samples per measured call (default 1)")
     m.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
-    m.add_argument("--repeats", type=int, default=5, help="timed repeats per unit (default 5)")
-    m.add_argument("--warmup", type=int, default=1)
+    m.add_argument("--repeats", type=_int_at_least(1), default=5, help="timed repeats per unit (default 5)")
+    m.add_argument("--warmup", type=_int_at_least(0), default=1, help="untimed calls per unit first (default 1)")
     m.add_argument(
         "--no-device",
         action="store_true",
@@ -141,12 +157,12 @@ def add_profile_commands(sub: Any) -> None:
     n.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl with CUDA, else gloo")
     n.add_argument("--min-bytes", type=parse_bytes, default=2**10)
     n.add_argument("--max-bytes", type=parse_bytes, default=0, help="default 256M on GPUs, 64M on CPUs")
-    n.add_argument("--factor", type=int, default=2, help="size multiplier between points (default 2)")
+    n.add_argument("--factor", type=_int_at_least(2), default=2, help="size multiplier between points (default 2)")
     n.add_argument(
         "--ops", type=_words, default=(), help="default: all_reduce,all_gather,reduce_scatter,broadcast,send_recv"
     )
     n.add_argument("--levels", type=_words, default=(), help="default: intra,inter,mixed")
-    n.add_argument("--repeats", type=int, default=3)
+    n.add_argument("--repeats", type=_int_at_least(1), default=3, help="timed repeats per size (default 3)")
     n.add_argument("--timeout", type=parse_seconds, default=600.0, help="seconds before a hung run is stopped")
     n.add_argument("--out", required=True, type=_output, help="where to write the report (JSON)")
     n.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -162,7 +178,7 @@ def add_profile_commands(sub: Any) -> None:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", type=_device, help="cpu or cuda[:N] (default: cuda if available)")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: one local-cpu device)")
+    p.add_argument("--threads", type=_int_at_least(1), default=1, help="CPU threads (default 1: one local-cpu device)")
     p.add_argument("--out", required=True, type=_output, help="where to write the report (JSON)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 

@@ -108,8 +108,22 @@ def _load(text: str, trust_remote_code: bool) -> HFModel:
             f"{FLAG} {str(path)!r} is not a config transformers can read ({first_line(exc)}); give a config.json "
             f"written by save_pretrained."
         ) from None
+    _check_layers(config, path)
     _check_experts(config, path)
     return _model_of(config, trust_remote_code, transformers)
+
+
+def _check_layers(config: Any, path: Path) -> None:
+    """Refuses a config of no layers (``num_hidden_layers``, which transformers maps to
+    each family's own name, such as GPT-2's ``n_layer``): its model is an embedding and a
+    head, whose plan would be planned and explained as if it were the model meant."""
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(layers, int) and not isinstance(layers, bool) and layers < 1:
+        name = getattr(config, "attribute_map", {}).get("num_hidden_layers", "num_hidden_layers")
+        raise ConfigError(
+            f"{FLAG} {str(path)!r} has {name}={layers}: a model of no layers is its embedding and head "
+            f"alone; give the layer count of the model you train (1 or more)."
+        )
 
 
 EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")

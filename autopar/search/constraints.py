@@ -74,6 +74,11 @@ def check_constraints(constraints: Mapping[str, Any] | None, *, what: str = "con
             f"constraint virtual_stages={out['virtual_stages']} with pp=1 is not allowed: it counts the stages of "
             f"each pipeline rank, and pp=1 has no pipeline; drop one of them."
         )
+    if out.get("pp") == 1 and out.get("schedule", Schedule.ONE_F_ONE_B) is not Schedule.ONE_F_ONE_B:
+        raise ConfigError(
+            f"constraint schedule={out['schedule'].value!r} with pp=1 is not allowed: it orders the micro-batches of "
+            f"a pipeline, and pp=1 has no pipeline; drop one of them."
+        )
     if out.get("tp") == 1:  # each shards or fuses what tensor parallelism splits
         given = [name for name in ("async_tp", "regather", "sequence_parallel") if out.get(name) is True]
         if given:

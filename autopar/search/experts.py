@@ -68,3 +68,20 @@ def check_expert_parallel(graph: LayerGraph, constraints: Mapping[str, Any]) -> 
             f"ep={ep} is not allowed for {graph.name}: its layers have {experts} experts, which ep must divide; "
             f"use one of {divisors(experts)}."
         )
+
+
+def check_routing_imbalance(graph: LayerGraph, routing_imbalance: float) -> None:
+    """A routing imbalance other than 1 moves only dropless experts (the busiest
+    expert-parallel rank runs that many times its even share of routed rows); given for
+    a model without them, it would be silently ignored, so it is refused in one line."""
+    if routing_imbalance == 1.0 or any(leaf.experts and leaf.dropless for p in graph.profiles for leaf in p.leaves):
+        return
+    has = (
+        "fixed-capacity expert buffers, whose work does not depend on the routing"
+        if capacity_experts(graph)
+        else "no mixture-of-experts layers"
+    )
+    raise ConfigError(
+        f"routing_imbalance={routing_imbalance:g} is not allowed for {graph.name}: it prices dropless experts, and "
+        f"this model has {has}; leave it at 1."
+    )

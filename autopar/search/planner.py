@@ -42,6 +42,7 @@ from autopar.profiles.apply import Measurements, measurements
 from autopar.profiles.identity import LayerProfileMatch, match_layer_profile
 from autopar.search.assemble import Provenance, infeasible_error, to_plan
 from autopar.search.constraints import check_constraints
+from autopar.search.experts import check_routing_imbalance
 from autopar.search.ilp import check_solver
 from autopar.search.kernel_options import check_async_tp, check_fp8
 from autopar.search.scan import decided, search
@@ -136,6 +137,7 @@ def plan(
     measured = measurements(cluster, profile)
     seq_len, seq_note = _default_seq_len(model, seq_len, sample_input)
     graph = _graph(model, measured.cluster, fixed, seq_len, sample_input, attention)
+    check_routing_imbalance(graph, routing_imbalance)
     match = match_layer_profile(measured.layers, model, graph)
     solver_ = ConfigSolver(
         model=_cost_model(graph, measured, optimizer, global_batch_size, routing_imbalance, activations),
@@ -190,6 +192,7 @@ def estimate(
     fixed = _complete(fixed, measured.cluster, global_batch_size)
     seq_len, seq_note = _default_seq_len(model, seq_len, sample_input)
     graph = _graph(model, measured.cluster, fixed, seq_len, sample_input, attention)
+    check_routing_imbalance(graph, routing_imbalance)
     match = match_layer_profile(measured.layers, model, graph)
     cost_model = _cost_model(graph, measured, optimizer, global_batch_size, routing_imbalance, activations)
     solver_ = ConfigSolver(model=cost_model, budget_bytes=budget_bytes(measured.cluster.device.memory), solver=solver)

@@ -2,8 +2,11 @@
 
 import json
 
+import pytest
+
 from autopar import Plan
 from autopar.cli import main, parse_assignments
+from autopar.errors import ConfigError
 
 
 def test_plan_writes_a_loadable_file(tmp_path, capsys):
@@ -131,3 +134,9 @@ def test_python_warnings_print_as_one_line_each():
     assert lines[0] == "warning: fp8=True on cpu: emulated"
     assert lines[1] == "warning: old knob (DeprecationWarning at /site-packages/other/mod.py:7)"
     assert len(lines) == 2
+
+
+def test_a_field_set_twice_is_refused():
+    """``--set tp=2,tp=4`` kept the last value without a word: the user meant one of them."""
+    with pytest.raises(ConfigError, match=r"--set tp= is given twice \(tp=2 and tp=4\)"):
+        parse_assignments(["tp=2", "pp=2,tp=4"])

@@ -44,6 +44,9 @@ def folder(tmp_path_factory):
     (folder / "dtype.json").write_text(json.dumps(llama | {"torch_dtype": "float99"}))
     experts = {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 8}
     (folder / "top8of4.json").write_text(json.dumps(llama | experts))
+    (folder / "nolayers.json").write_text(json.dumps(llama | {"num_hidden_layers": 0}))
+    gpt2 = {"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 0, "vocab_size": 256}
+    (folder / "gpt2_nolayers.json").write_text(json.dumps(gpt2 | {"bos_token_id": 0, "eos_token_id": 0}))
     return folder
 
 
@@ -110,6 +113,18 @@ CLI_CASES = {
         "plan --model-config {d}/top8of4.json --seq-len 8 --cluster local-cpu:1 --global-batch-size 8",
         ["num_experts_per_tok=8 of its num_local_experts=4 experts", "between 1 and 4"],
     ),
+    "model config of no layers": (
+        "plan --model-config {d}/nolayers.json --seq-len 8 --cluster local-cpu:1 --global-batch-size 8",
+        ["nolayers.json' has num_hidden_layers=0", "embedding and head alone", "1 or more"],
+    ),
+    "GPT-2 config of no layers, in its own words": (
+        "plan --model-config {d}/gpt2_nolayers.json --seq-len 8 --cluster local-cpu:1 --global-batch-size 8",
+        ["has n_layer=0"],
+    ),
+    "routing imbalance of a dense model": (
+        f"{DGX} --routing-imbalance 1.5",
+        ["routing_imbalance=1.5", "leave it at 1"],
+    ),
     "ZeRO stage not an integer": (f"{DGX} --set zero_stage=1.0", ["zero_stage=1.0", "use 0, 1, 2 or 3"]),
     "an odd sequence over a ring": (
         "plan --model gpt2-small --seq-len 15 --global-batch-size 8 --cluster dgx-a100-80gb:1 --set cp=2",
@@ -127,6 +142,11 @@ CLI_CASES = {
         f"{DGX} --set pp=1 --set virtual_stages=3",
         ["virtual_stages=3 with pp=1", "no pipeline"],
     ),
+    "schedule without a pipeline": (
+        f"{DGX} --set pp=1,schedule=interleaved-1f1b",
+        ["schedule='interleaved-1f1b' with pp=1", "no pipeline"],
+    ),
+    "a field set twice": (f"{DGX} --set tp=2,tp=4", ["tp= is given twice", "tp=2 and tp=4"]),
     "dp not dividing": (f"{DGX} --set dp=3", ["dp=3", "8 devices", "[1, 2, 4, 8]"]),
     "micro-batch not dividing": (f"{DGX} --set micro_batch_size=3", ["micro_batch_size=3", "does not divide"]),
     "micro-batch above the batch": (
@@ -143,6 +163,15 @@ CLI_CASES = {
     "no command": ("", ["command"]),
     # the profiler, the doctor and the demo
     "profile sequence of 0": ("profile model --model gpt2-small --seq-len 0 --out {d}/m.json", ["--seq-len 0"]),
+    "profile no repeats": (
+        "profile model --model gpt2-small --repeats 0 --out {d}/m.json",
+        ["argument --repeats: '0' is not allowed", "integer >= 1"],
+    ),
+    "profile no threads": ("profile model --model gpt2-small --threads 0 --out {d}/m.json", ["--threads: '0'"]),
+    "network sizes that never grow": (
+        "profile network --nproc 2 --factor 1 --out {d}/n.json",
+        ["argument --factor: '1' is not allowed", "integer >= 2"],
+    ),
     "profile model function that fails": (
         "profile model --model-fn torch.nn:Linear --seq-len 8 --out {d}/m.json",
         ["torch.nn:Linear", "TypeError"],

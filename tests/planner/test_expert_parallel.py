@@ -237,6 +237,18 @@ def test_the_plan_of_a_model_without_experts_never_names_ep():
     assert "Expert par." not in autopar.explain(plan)
 
 
+def test_a_routing_imbalance_without_dropless_experts_is_refused(graph):
+    """A stated routing imbalance only moves dropless experts; for a dense model, or one
+    of fixed-capacity buffers (``graph``: autopar's MoE), it would be ignored without a
+    word, so it is refused in one line naming what the model has."""
+    gpt = extract(GPT(GPTConfig(vocab_size=64, seq_len=16, dim=32, n_layers=1, n_heads=2)), seq_len=16)
+    for model, has in ((gpt, "no mixture-of-experts layers"), (graph, "fixed-capacity expert buffers")):
+        with pytest.raises(ConfigError, match=f"routing_imbalance=1.3 is not allowed .* this model has {has}") as info:
+            autopar.plan(model, tiny_cluster(1.0), global_batch_size=4, routing_imbalance=1.3)
+        assert "\n" not in str(info.value)
+    autopar.plan(gpt, tiny_cluster(1.0), global_batch_size=4, routing_imbalance=1.0)  # the default: nothing to say
+
+
 def test_a_stated_routing_imbalance_prices_dropless_plans_and_is_recorded():
     """The same Mixtral plan at a balanced and a skewed router: the skewed one pays more
     all-to-all, says so, and keeps the factor in its file; a factor below 1 is refused."""

@@ -21,6 +21,7 @@ from autopar.models.gpt import GPT, GPTConfig
 from autopar.models.llama import Llama, LlamaConfig
 from autopar.models.mlp import MLPConfig, MLPStack
 from autopar.models.moe import MoEConfig, MoELlama
+from autopar.quiet import quiet_imports
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,6 +98,13 @@ def _moe(
 
 
 def _bert_large() -> nn.Module:
+    """BERT-large from transformers, built with its optional imports' load-time logs held
+    back (:func:`autopar.quiet.quiet_imports`)."""
+    with quiet_imports():
+        return _build_bert_large()
+
+
+def _build_bert_large() -> nn.Module:
     try:
         from transformers import BertConfig, BertForMaskedLM
     except ImportError:

@@ -306,15 +306,15 @@ def test_profile_model_takes_a_model_config(name, hf, tmp_path, capsys):
     assert "Planned for seq_len " in err and "(config.max_position_embeddings)" in err
 
 
-def test_planning_a_config_prints_nothing_from_optional_packages(hf):
+@pytest.mark.parametrize("given", ["config", "registered"])
+def test_planning_a_transformers_model_prints_nothing_from_optional_packages(given, hf):
     """transformers imports torchao whenever it is installed; torchao's import-time
     warnings (CUDA extensions a CPU machine cannot load) must not reach a user who plans
-    a model. A fresh interpreter, as torchao logs only on its first import."""
+    a model, from a config or registered (bert-large, built with transformers). A fresh
+    interpreter, as torchao logs only on its first import."""
     pytest.importorskip("torchao")
-    script = (
-        "from autopar.cli import main; "
-        f"main(['plan', '--model-config', {str(hf / 'llama')!r}, '--seq-len', '16', *{CPU.split()!r}])"
-    )
+    model = ["--model-config", str(hf / "llama")] if given == "config" else ["--model", "bert-large"]
+    script = f"from autopar.cli import main; main(['plan', *{model!r}, '--seq-len', '16', *{CPU.split()!r}])"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "autopar plan:" in done.stdout

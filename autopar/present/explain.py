@@ -11,6 +11,12 @@ from autopar.present.units import byte_unit, duration, size
 from autopar.vocab import Recompute
 
 
+def _batch(samples: int, seq_len: int) -> str:
+    """The global batch in samples, and tokens per sample for a sequence model (a model
+    of one position per sample, such as an image model, has no tokens to count)."""
+    return f"{samples} x {seq_len} tokens" if seq_len > 1 else f"{samples} samples"
+
+
 def explain(plan: Plan, *, top: int = 5) -> str:
     """The plan, its predicted cost and why it won, as text a person reads."""
     if not isinstance(plan, Plan):
@@ -20,7 +26,7 @@ def explain(plan: Plan, *, top: int = 5) -> str:
     lines = [
         f"autopar {'plan' if plan.settings.searched else 'estimate'}: {m.name} ({count(m.num_params)} parameters) on "
         f"{cl.describe()}",
-        f"  batch {m.global_batch_size} x {m.seq_len} tokens, {c.dtype.value}{' with FP8 matmuls' if c.fp8 else ''}, "
+        f"  batch {_batch(m.global_batch_size, m.seq_len)}, {c.dtype.value}{' with FP8 matmuls' if c.fp8 else ''}, "
         f"{plan.settings.optimizer.value} "
         f"optimizer, {plan.settings.attention.value} attention",
         "",
@@ -28,7 +34,7 @@ def explain(plan: Plan, *, top: int = 5) -> str:
         f"{c.num_microbatches} per step, {schedule_text(c)}, ZeRO-{c.zero_stage}, {_recompute(plan)}"
         f"{', sequence parallel' if c.sequence_parallel else ''}",
         f"Predicted      step {duration(p.step_time_s)} | {p.samples_per_s:,.1f} samples/s | "
-        f"{p.tokens_per_s:,.0f} tokens/s | "
+        f"{f'{p.tokens_per_s:,.0f} tokens/s | ' if m.seq_len > 1 else ''}"
         f"{rate(p.tflops_per_device * 1e12)} per device | MFU {100 * p.mfu:.1f}% (HFU {100 * p.hfu:.1f}%)"
         f"{_fp8_peak(plan)}",
         f"Memory         {size(p.memory_bytes_per_device)} peak per device of "

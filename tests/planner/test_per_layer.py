@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from autopar import InfeasiblePlanError, plan
+from autopar import InfeasiblePlanError, explain, plan
 from autopar.hardware import Cluster, DeviceMemory, DeviceSpec, LinkSpec, Roofline
 from autopar.models import CNNConfig, MLPConfig, MLPStack, ResNet
 from autopar.vocab import DType, Recompute
@@ -55,6 +55,8 @@ def test_cnn_mix_beats_every_uniform_choice():
     uniform = _uniform_times(model, cluster, fixed, **kw)
     assert best.prediction.step_time_s < min(uniform.values())
     assert math.isinf(uniform[Recompute.NONE])
+    text = explain(best)  # an image model: samples, no tokens
+    assert "  batch 16 samples, " in text and " tokens" not in text
 
 
 def test_transformer_with_a_few_wide_layers():

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import math
 
-_TIME_UNITS = ((1.0, "s"), (1e-3, "ms"), (1e-6, "us"), (1e-9, "ns"))
+_TIME_UNITS = ((86400.0, "d"), (3600.0, "h"), (1.0, "s"), (1e-3, "ms"), (1e-6, "us"), (1e-9, "ns"))
 _BYTE_UNITS = ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
 
 
 def duration(seconds: float) -> str:
-    """``seconds`` with three significant digits in ns, us, ms or s: ``0.0123`` ->
-    ``12.3 ms``, ``16.14`` -> ``16.1 s``, ``1234.0`` -> ``1230 s``."""
+    """``seconds`` with three significant digits in ns, us, ms, s, hours or days:
+    ``0.0123`` -> ``12.3 ms``, ``16.14`` -> ``16.1 s``, ``1234.0`` -> ``1230 s``,
+    ``9000.0`` -> ``2.5 h`` (a step of hours says its batch is not what was meant)."""
     if not math.isfinite(seconds):
         return f"{seconds} s"
     if seconds == 0:

@@ -168,6 +168,8 @@ def test_the_html_summary_is_a_fragment_with_the_pictures(interleaved_plan):
         (1.5, "1.5 s"),
         (16.14, "16.1 s"),
         (1234.0, "1230 s"),
+        (9000.0, "2.5 h"),
+        (3 * 86400.0, "3 d"),
         (4.5e-9, "4.5 ns"),
         (7e-6, "7 us"),
     ],

@@ -1,9 +1,13 @@
 """The end of a step: data-parallel communication the backward does not hide, and the
 optimizer step.
 
-Gradient reduction overlaps the backward of the last micro-batch except its last unit
-(bucketed all-reduce, Li et al. 2020; FSDP2's per-unit reduce-scatter), and its last
-bucket makes the ranks wait for the slowest once a step
+Gradient reduction overlaps the backward of the last micro-batch except its last bucket
+(bucketed all-reduce, Li et al. 2020; FSDP2's per-unit reduce-scatter): the stage's first
+unit, whose gradients are ready last, is reduced after all of its compute, so its own
+collective is exposed in full (an embedding of a large vocabulary weighs far more than an
+average unit); ZeRO-2/3's first gather of a forward (and ZeRO-3's first of a backward,
+of the last unit) likewise waits with nothing to hide behind. The last bucket also makes
+the ranks wait for the slowest once a step
 (:func:`autopar.cost.host.ranks_wait_s`, the whole step's work between meetings). Hiding
 is not free: the compute beside a collective runs slower while it runs
 (:func:`overlapped_s`). ZeRO-1 all-gathers updated parameters after the step; ZeRO-3
@@ -40,6 +44,7 @@ from autopar.cost.memory import GRAD_BYTES, compute_copy_bytes, optimizer_step_b
 from autopar.cost.model import CostModel
 from autopar.cost.peak import held_once_numel
 from autopar.cost.pipeline import RankSlack
+from autopar.cost.recompute import UnitOption
 from autopar.cost.stage import PricedStage
 from autopar.hardware.cluster import Cluster
 from autopar.hardware.device import DeviceSpec
@@ -98,9 +103,14 @@ def tail_s(model: CostModel, stage: PricedStage, config: ParallelConfig, slack: 
         def fwd_cost(comm_s: float) -> float:
             return overlapped_s(comm_s, window_fwd, slowdown)
 
+        first, last = _unit_groups(stage.options[0]), _unit_groups(stage.options[-1])
         if config.zero_stage <= 1:
-            reduce = sum(all_reduce_s(4.0 * n, replicas_span(config, cl.devices_per_node, e), cl) for n, e in groups)
-            exposed = max(bwd_cost(reduce) - slack.trail_s, 0.0)
+            reduce, reduce0 = (
+                sum(all_reduce_s(4.0 * n, replicas_span(config, cl.devices_per_node, e), cl) for n, e in g)
+                for g in (groups, first)
+            )
+            reduce0 = min(reduce0, reduce)
+            exposed = max(bwd_cost(reduce - reduce0) + reduce0 - slack.trail_s, 0.0)
             # DDP's last bucket meets once per step, after all of the rank's work
             exposed += ranks_wait_s(host, config.dp_cp, 1, m * (fwd + bwd))
             if config.zero_stage == 1:
@@ -109,19 +119,24 @@ def tail_s(model: CostModel, stage: PricedStage, config: ParallelConfig, slack: 
                 )
         elif config.pp > 1:
             rs, ag = _fsdp_collectives_s(model, groups, copy, config, units)
+            _, ag0 = _fsdp_collectives_s(model, first, copy, config, 1)
             gathers = 1 if config.zero_stage == 2 else m + 1
-            exposed = rs + max(gathers * fwd_cost(ag) - slack.lead_s, ag / units)
+            exposed = rs + max(gathers * fwd_cost(ag) - slack.lead_s, min(ag0, ag))
             per_unit = 1 + gathers
             exposed += fsdp_framework_s(host, calls_per_unit=per_unit, units=units, tensors=tensors) + _fsdp_waits_s(
                 model, config, per_unit * units, m * (fwd + bwd)
             )
         else:
             rs, ag = _fsdp_collectives_s(model, groups, copy, config, units)
+            rs0, ag0 = (min(x, total) for x, total in zip(_fsdp_collectives_s(model, first, copy, config, 1), (rs, ag)))
+            # the first unit's reduction, after each micro-batch's backward, hides behind the next forward
+            tail = rs0 + (m - 1) * slowdown * rs0
             if config.zero_stage == 2:
-                exposed = m * max(bwd_cost(rs), rs / units) + max(fwd_cost(ag), ag / units)
+                exposed = m * bwd_cost(rs - rs0) + tail + fwd_cost(ag - ag0) + ag0
                 per_unit = m + 1
             else:
-                exposed = m * (max(fwd_cost(ag), ag / units) + max(bwd_cost(ag + rs), (ag + rs) / units))
+                agl = min(_fsdp_collectives_s(model, last, copy, config, 1)[1], ag)
+                exposed = m * (fwd_cost(ag - ag0) + ag0 + bwd_cost(ag - agl + rs - rs0) + agl) + tail
                 per_unit = 3 * m
             exposed += fsdp_framework_s(host, calls_per_unit=per_unit, units=units, tensors=tensors) + _fsdp_waits_s(
                 model, config, per_unit * units, m * (fwd + bwd)
@@ -232,6 +247,12 @@ def _fsdp_collectives_s(
             cl.device.host, param_bytes, span.size, streaming_bytes_per_s=streaming
         )
     return rs, ag
+
+
+def _unit_groups(option: UnitOption) -> tuple[tuple[float, bool], ...]:
+    """One unit's (parameters, whether they are experts), as ``tail_s`` groups a stage's."""
+    experts = option.layout.expert_numel
+    return ((option.layout.param_numel - experts, False), (experts, True))
 
 
 def _fsdp_waits_s(model: CostModel, config: ParallelConfig, calls: int, work_s: float) -> float:

@@ -9,8 +9,10 @@ import itertools
 
 import pytest
 
-from autopar.cost.comm import all_reduce_s, group_span
+from autopar.cost.comm import all_gather_s, all_reduce_s, group_span, reduce_scatter_s
+from autopar.cost.compute import rates
 from autopar.cost.data_parallel import overlapped_s
+from autopar.cost.host import fsdp_copy_s
 from autopar.cost.model import CostModel
 from autopar.cost.peak import budget_bytes
 from autopar.cost.pipeline import pipeline_time_s, rank_slack_s, stage_inflight_microbatches
@@ -23,7 +25,7 @@ from autopar.search.constraints import check_constraints
 from autopar.search.scan import ALL_MODES
 from autopar.search.solve import ConfigSolver
 from autopar.search.space import enumerate_space
-from autopar.vocab import Optimizer, Schedule
+from autopar.vocab import DType, Optimizer, Schedule
 
 from .exact_reference import tiny_cluster
 
@@ -141,15 +143,19 @@ def test_a_hidden_collective_costs_the_slowdown_of_the_compute_beside_it():
 def test_ddp_reduction_hidden_by_the_backward_still_slows_it():
     """DDP over the 8 GPUs of one DGX H100 node, GPT-2 small at 8 x 1024 tokens per GPU: the
     all-reduce of its fp32 gradients (a few ms over NVLink) is shorter than the backward, so
-    it costs ``1 - comm_overlap`` of its time; before, anything under ``comm_overlap`` of the
-    backward was priced free (0 s). Nothing overlapping costs the whole all-reduce."""
+    it costs ``1 - comm_overlap`` of its time, but for its last bucket: the first unit's
+    gradients (the token and position embeddings, a third of the model, the output layer's
+    tied weight among them) are ready when the backward ends, and their all-reduce has
+    nothing left to hide behind. Before, anything under ``comm_overlap`` of the backward was
+    priced free (0 s). Nothing overlapping costs the whole all-reduce."""
     import autopar
 
     model = build_named_model("gpt2-small")
     cluster = preset("dgx-h100", nodes=1)
     cfg = {"dp": 8, "tp": 1, "pp": 1, "micro_batch_size": 8, "zero_stage": 0, "recompute": "none"}
     numel = sum(p.numel() for p in model.parameters())
-    reduce_s = all_reduce_s(4.0 * numel, group_span(8, 1, 8), cluster)
+    embeddings = model.tok_embeddings.weight.numel() + model.pos_embeddings.weight.numel()
+    reduce_s, last_s = (all_reduce_s(4.0 * n, group_span(8, 1, 8), cluster) for n in (numel, embeddings))
 
     def tail(overlap):
         device = dataclasses.replace(cluster.device, comm_overlap=overlap)
@@ -157,10 +163,41 @@ def test_ddp_reduction_hidden_by_the_backward_still_slows_it():
             model, dataclasses.replace(cluster, device=device), cfg, global_batch_size=64, seq_len=1024
         )
         stage = est.prediction.stages[0]
+        assert stage.units[:2] == ("tok_embeddings", "pos_embeddings")  # the first unit: reduced last
         assert stage.backward_s > reduce_s  # the backward could hide it all
         return est.prediction.breakdown.dp_comm_s
 
     assert cluster.device.comm_overlap == 0.8 and cluster.device.host.sync_speed_spread == 0.0
-    assert tail(0.8) == pytest.approx(0.2 * reduce_s, rel=1e-6)
-    assert tail(1.0) == 0.0
+    assert 0.3 < embeddings / numel < 0.35
+    assert tail(0.8) == pytest.approx(0.2 * (reduce_s - last_s) + last_s, rel=1e-6)
+    assert tail(1.0) == pytest.approx(last_s, rel=1e-6)
     assert tail(0.0) == pytest.approx(reduce_s, rel=1e-6)
+
+
+def test_fsdp_exposes_the_first_units_gather_and_reduce_scatter():
+    """FSDP2 without resharding (ZeRO-2) over one DGX H100 node, GPT-2 small, one
+    micro-batch, every collective otherwise hidden (``comm_overlap`` 1, no framework time):
+    what is left is the first unit's all-gather, which its forward waits for with nothing
+    before it, and its reduce-scatter, issued when the backward ends, each with FSDP2's
+    copies: the token and position embeddings, a third of the model. Before, a stage paid
+    an average unit's share of each."""
+    import autopar
+
+    model = build_named_model("gpt2-small")
+    cluster = preset("dgx-h100", nodes=1)
+    host = dataclasses.replace(cluster.device.host, fsdp_overhead_s=0.0, fsdp_tensor_overhead_s=0.0)
+    device = dataclasses.replace(cluster.device, comm_overlap=1.0, host=host)
+    cluster = dataclasses.replace(cluster, device=device)
+    cfg = {"dp": 8, "tp": 1, "pp": 1, "micro_batch_size": 8, "zero_stage": 2, "recompute": "none", "compile": False}
+    est = autopar.estimate(model, cluster, cfg, global_batch_size=64, seq_len=1024)
+    embeddings = model.tok_embeddings.weight.numel() + model.pos_embeddings.weight.numel()
+    span = group_span(8, 1, 8)
+    streaming = rates(device, DType.BF16).bytes_per_s
+    gather = all_gather_s(2.0 * embeddings, span, cluster) + fsdp_copy_s(
+        host, 2.0 * embeddings, 8, streaming_bytes_per_s=streaming
+    )
+    reduce = reduce_scatter_s(4.0 * embeddings, span, cluster) + fsdp_copy_s(
+        host, 4.0 * embeddings, 8, streaming_bytes_per_s=streaming
+    )
+    assert est.config.dtype is DType.BF16
+    assert est.prediction.breakdown.dp_comm_s == pytest.approx(gather + reduce, rel=1e-6)

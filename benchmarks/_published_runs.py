@@ -45,7 +45,9 @@ LLAMA3_2024 = [
 
 # NVIDIA/Megatron-LM README.md, "Training Speed and Scalability" (commit f2e5db402c, 2024-07-15),
 # table images/model_table.png: GPT models on H100, vocabulary 131,072, sequence 4096, data-parallel
-# 48, Megatron-Core r0.8.0 with data-, tensor- and pipeline-parallel communication overlapped.
+# 48, Megatron-Core r0.8.0 with data-, tensor- and pipeline-parallel communication overlapped. The labels
+# count untied embeddings (1.7B: 1.754B parameters untied, 1.485B tied; 7.1B: 7.12B against 6.58B; 177B:
+# 177.1B against 175.5B), so the output layer holds its own weight.
 # Recomputation, micro-batch and schedule are not stated.
 # (label, heads, hidden, layers, tp, pp, gpus, batch, published TFLOP/s per GPU, published MFU %)
 MEGATRON_CORE_2024 = [
@@ -126,11 +128,12 @@ TORCHTITAN_TP = [
 
 # llama3_h100_202412_torchtitan.md tables 5 and 6: Llama 3.1 405B on 512 H100, TP 8 and PP 8, torch.compile
 # + Float8 (with FP8 all-gathers, llama3_405b.toml) + async TP, full activation checkpointing. Stages: 1 per
-# rank (1F1B) or 2 (interleaved, generate_split_points at commit 9dec370). Micro-batches are not stated: the
-# code's default there is the pipeline degree, 8, and its help text says "the number of pipeline stages".
-# 8 for 1F1B; 16 for interleaved, the count its published memory fits: 72.7 GiB, 10 below 1F1B's, is
-# predicted 72.6 for 16 micro-batches of 2 and 81.0 for 8 of 4 (torch's interleaved warm-up holds 11.5 of
-# rank 0's micro-batches of 4 there, against 1F1B's 8). Table 5: FSDP 8, local batch 32, sequence 8192.
+# rank (1F1B) or 2 (interleaved, generate_split_points at commit 9dec370). Micro-batches are not stated, and
+# neither the document nor llama3_405b.toml sets them: the code's default there is the pipeline degree, 8
+# (pipeline_llama.py; its help text says "the number of pipeline stages"), for both schedules. The published
+# memory does not tell the count apart: interleaved's 72.7 GiB is predicted 64.2 for 8 micro-batches of 4 and
+# 72.0 for 16 of 2, where the 1F1B row (8 of 4) is predicted 6.0 under its own. Table 5: FSDP 8, local batch
+# 32, sequence 8192.
 # Table 6: 1F1B, FSDP x CP = 8, local batch 8, one sequence of 32K-256K tokens.
 # (schedule, stages per rank, cp, sequence length, local batch, published tokens/s per GPU, memory GiB)
 TORCHTITAN_405B = [
@@ -197,14 +200,16 @@ def megatron_flops(
     return 12 * batch * seq * layers * hidden**2 * (attention + mlp + logits)
 
 
-def gpt(hidden: int, heads: int, layers: int, *, vocab: int = 51200, seq: int = 2048):
-    """A GPT with tied embeddings on the meta device."""
+def gpt(hidden: int, heads: int, layers: int, *, vocab: int = 51200, seq: int = 2048, tied: bool = True):
+    """A GPT on the meta device, its output layer sharing the embedding's weight (``tied``)
+    or holding its own."""
     import torch
 
     from autopar.models.gpt import GPT, GPTConfig
 
+    cfg = GPTConfig(vocab_size=vocab, seq_len=seq, dim=hidden, n_layers=layers, n_heads=heads, tie_embeddings=tied)
     with torch.device("meta"):
-        return GPT(GPTConfig(vocab_size=vocab, seq_len=seq, dim=hidden, n_layers=layers, n_heads=heads))
+        return GPT(cfg)
 
 
 def llama(dim: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab: int, seq: int):

@@ -123,7 +123,7 @@ def llama405b_rows() -> list[dict[str, object]]:
     resharding after the forward (``parallelize_llama.py`` at 9dec370), autopar's ZeRO-2."""
     rows = []
     for schedule, stages, cp, seq, local, tps, memory in TORCHTITAN_405B:
-        m = 8 * stages  # as many micro-batches as stages (_published_runs.TORCHTITAN_405B says why)
+        m = 8  # the code's default, the pipeline degree (_published_runs.TORCHTITAN_405B says why)
         fixed = {
             "tp": 8,
             "pp": 8,

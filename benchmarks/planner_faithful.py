@@ -415,7 +415,8 @@ def _megatron_gpt(heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: 
     parameters and gradient buffers, so its memory (not published) exceeds ZeRO-2's. A pipeline
     runs one of the schedules Megatron-Core r0.8 had (1F1B, interleaved 1F1B): the faster. Its
     sequence parallelism keeps the shards of its gathers and gathers again in the backward
-    (autopar's ``regather``)."""
+    (autopar's ``regather``). Its output layer holds its own weight, as the table's labels count
+    (``MEGATRON_CORE_2024``)."""
     cluster = with_attention(autopar.preset("dgx-h100", nodes=gpus // 8), HOPPER_FUSED_ATTENTION)
     fixed = {"tp": tp, "pp": pp, "sequence_parallel": tp > 1, "regather": tp > 1, "zero_stage": 2, **AS_RAN}
     plans = []
@@ -423,7 +424,7 @@ def _megatron_gpt(heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: 
         try:
             plans.append(
                 autopar.plan(
-                    gpt(hidden, heads, layers, vocab=131072, seq=4096),
+                    gpt(hidden, heads, layers, vocab=131072, seq=4096, tied=False),
                     cluster,
                     global_batch_size=batch,
                     seq_len=4096,

@@ -15,9 +15,9 @@ from autopar.cost.memory import GRAD_BYTES, MASTER_BYTES, optimizer_state_bytes
 from autopar.cost.peak import budget_bytes, frugal_peak_bytes
 from autopar.errors import InfeasiblePlanError
 from autopar.graph.layer_graph import LayerGraph
-from autopar.hardware.cluster import Cluster
 from autopar.models.experts import ROUTED_FORM
 from autopar.plan import Alternative, LayerStrategies, ModelSummary, ParallelConfig, Plan, PlanSettings
+from autopar.present.units import size
 from autopar.search.scan import SearchResult
 from autopar.search.solve import ConfigSolver, Outcome
 from autopar.search.space import CUT_NOTE
@@ -92,37 +92,64 @@ def unit_modes(outcome: Outcome) -> tuple[Recompute, Counter[Recompute]]:
 
 
 def infeasible_error(
-    result: SearchResult, cluster: Cluster, graph: LayerGraph, *, fixed: Mapping[str, Any], optimizer: Optimizer
+    result: SearchResult,
+    solver: ConfigSolver,
+    graph: LayerGraph,
+    *,
+    fixed: Mapping[str, Any],
+    optimizer: Optimizer,
 ) -> InfeasiblePlanError:
     """Nothing fits: the least memory found against a device's, and what would help: a
     ZeRO stage or recomputation the search was not allowed, and as many nodes as the
-    model's states alone need, fully sharded (a lower bound: activations come on top)."""
-    best = min(result.infeasible, key=lambda o: o.min_memory_bytes)
+    model's states need fully sharded: alone where they outgrow the cluster (a lower
+    bound: activations come on top), else beside what the best case holds besides its
+    states (taken to stay as it is). Where that alone overflows a device (activations
+    and transients per sample), more nodes do not help, and none are suggested."""
+    cluster = solver.model.cluster
+    best = _least_memory(result, solver)
     cap = cluster.device.memory.capacity_bytes
     searched_full = fixed.get("recompute", Recompute.FULL) is Recompute.FULL
     cfg = best.config if not searched_full else replace(best.config, recompute=Recompute.FULL)
     hints = []
-    if cfg.zero_stage < 3 and cfg.dp > 1:
+    if fixed.get("zero_stage", 3) < 3 and cluster.world_size > 1:
         hints.append("zero_stage=3")
     if not searched_full:
         hints.append("recompute='full'")
-    per_param = MASTER_BYTES + GRAD_BYTES + optimizer_state_bytes(optimizer)
-    devices = math.ceil(graph.num_params * per_param / budget_bytes(cluster.device.memory))
-    nodes = max(cluster.nodes + 1, math.ceil(devices / cluster.devices_per_node))
-    states = (
-        f" (its weights, gradients and {optimizer.value} states alone fill {devices} devices, fully sharded)"
-        if devices > cluster.world_size
-        else ""
-    )
-    hints.append(f"at least {nodes} nodes{states}")
+    states = graph.num_params * (MASTER_BYTES + GRAD_BYTES + optimizer_state_bytes(optimizer))
+    budget = budget_bytes(cluster.device.memory)
+    devices = math.ceil(states / budget)
+    rest = best.min_memory_bytes - states / cluster.world_size  # what the best case holds beside its states
+    if devices > cluster.world_size:
+        nodes = math.ceil(devices / cluster.devices_per_node)
+        hints.append(
+            f"at least {nodes} nodes (its weights, gradients and {optimizer.value} states alone fill {devices} "
+            f"devices, fully sharded)"
+        )
+    elif rest < budget:
+        nodes = max(math.ceil(states / (budget - rest) / cluster.devices_per_node), cluster.nodes + 1)
+        hints.append(
+            f"about {nodes} nodes (its states sharded over them beside the best case's {size(rest)} of "
+            f"activations and buffers)"
+        )
+    tries = "".join(f"{hint}, " for hint in hints) + ("or " if hints else "")
     return InfeasiblePlanError(
         f"no plan fits: {graph.name} ({graph.num_params / 1e9:.2f}B parameters) needs at least "
-        f"{best.min_memory_bytes / 2**30:.1f} GiB per device in the best case found ({cfg.short()}); each "
-        f"{cluster.device.name} has {cap / 2**30:.1f} GiB. Try {', '.join(hints)}, or a smaller micro-batch or "
-        f"sequence length.",
+        f"{size(best.min_memory_bytes)} per device in the best case found ({cfg.short()}); each "
+        f"{cluster.device.name} has {size(cap)}. Try {tries}a smaller micro-batch or sequence length.",
         min_memory_bytes=best.min_memory_bytes,
         capacity_bytes=cap,
     )
+
+
+def _least_memory(result: SearchResult, solver: ConfigSolver) -> Outcome:
+    """The infeasible candidate needing the least memory, sized: a candidate carries a
+    lower bound (its states and one unit's activations, or the device's capacity where
+    its stages found no split or per-unit choice that fits), so the most frugal
+    candidates of each (tp, pp) region are sized at their smallest options
+    (:func:`_frugal_peak`), as the plan's out-of-memory regions are."""
+    cap = solver.model.cluster.device.memory.capacity_bytes
+    sized = _oom_regions(result, cap, solver, limit=len(result.infeasible))
+    return min(sized or result.infeasible, key=lambda o: o.min_memory_bytes)
 
 
 def _alternatives(result: SearchResult, solver: ConfigSolver) -> tuple[Alternative, ...]:
@@ -184,7 +211,8 @@ def _alternatives(result: SearchResult, solver: ConfigSolver) -> tuple[Alternati
 def _oom_regions(result: SearchResult, cap: float, solver: ConfigSolver, limit: int = 5) -> list[Outcome]:
     """For each (tp, pp) region where no candidate fits, the closest to fitting: the
     smaller footprint of its two most frugal candidates (smallest micro-batch, highest
-    ZeRO stage, sequence parallel)."""
+    ZeRO stage sharded over all of dp, most experts and context split, sequence
+    parallel)."""
     regions: dict[tuple[int, int], list[Outcome]] = {}
     for o in result.infeasible:
         regions.setdefault((o.config.tp, o.config.pp), []).append(o)
@@ -195,7 +223,14 @@ def _oom_regions(result: SearchResult, cap: float, solver: ConfigSolver, limit: 
         smallest_mbs = min(o.config.micro_batch_size for o in members)
         frugal = sorted(
             (o for o in members if o.config.micro_batch_size == smallest_mbs),
-            key=lambda o: (-o.config.zero_stage, not o.config.sequence_parallel, o.config.virtual_stages),
+            key=lambda o: (
+                -o.config.zero_stage,
+                o.config.dp_shard is not None,  # plain FSDP shards over all of dp, HSDP over a group
+                -o.config.ep,
+                -o.config.cp,
+                not o.config.sequence_parallel,
+                o.config.virtual_stages,
+            ),
         )
         sized = [
             replace(o, min_memory_bytes=max(o.min_memory_bytes, _frugal_peak(solver, o.config))) for o in frugal[:2]

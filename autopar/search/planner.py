@@ -147,7 +147,7 @@ def plan(
     )
     result = search(solver_, fixed, top=top)
     if not result.best.fits:
-        raise infeasible_error(result, measured.cluster, graph, fixed=fixed, optimizer=optimizer)
+        raise infeasible_error(result, solver_, graph, fixed=fixed, optimizer=optimizer)
     provenance = _provenance(measured, optimizer, attention, solver, routing_imbalance, activations, started)
     return _noted(to_plan(solver_, result, provenance), match, seq_note, activations)
 

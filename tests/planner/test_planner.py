@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ from autopar.cost.peak import budget_bytes
 from autopar.graph import extract
 from autopar.models import GPT, GPTConfig, MLPConfig, MLPStack, build_named_model
 from autopar.present.whatif import fewest_nodes, time_to_train
+
+from .exact_reference import tiny_cluster
 
 DGX1 = autopar.preset("dgx-a100-80gb", nodes=1)
 
@@ -313,3 +316,22 @@ def test_a_tensor_parallel_plan_that_splits_no_layer_says_so():
     text = explain(plan).splitlines()
     at = text.index("Tensor parallelism (tp=2)")
     assert text[at + 1] == "  no layer is split: every layer is replicated over the 2 tensor-parallel ranks"
+
+
+def test_infeasible_plan_sizes_its_best_case_and_the_nodes_it_needs():
+    """A GPT whose states (16 bytes a parameter, 204 MiB) fit 4 devices of 60 MiB fully
+    sharded, but not beside its activations: the best case is sized at its smallest
+    options (above the device, not the device's own size, which a candidate whose
+    stages found no fitting split carries), and the nodes suggested hold the states
+    beside the rest of that case: planned on them, it fits."""
+    model = GPT(GPTConfig(vocab_size=1000, seq_len=512, dim=512, n_layers=4, n_heads=8))
+    cluster = tiny_cluster(60 / 1024)
+    with pytest.raises(InfeasiblePlanError) as err:
+        autopar.plan(model, cluster, global_batch_size=64, seq_len=512)
+    assert err.value.min_memory_bytes > err.value.capacity_bytes == 60 * 2**20
+    found = re.search(r"Try about (\d+) nodes \(its states sharded over them beside the best case's", str(err.value))
+    assert found, str(err.value)
+    nodes = int(found.group(1))
+    assert nodes > 1
+    plan = autopar.plan(model, dataclasses.replace(cluster, nodes=nodes), global_batch_size=64, seq_len=512)
+    assert plan.prediction.fits

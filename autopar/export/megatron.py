@@ -9,6 +9,8 @@ are not in a plan: the script passes its own arguments on, for the user to add t
 
 from __future__ import annotations
 
+import itertools
+
 from autopar.export.common import (
     CP_EXCHANGE,
     Blocks,
@@ -27,7 +29,7 @@ from autopar.export.common import (
     torchrun,
     tp_note,
 )
-from autopar.export.shape import ModelShape
+from autopar.export.shape import Experts, ModelShape
 from autopar.plan import Plan
 from autopar.vocab import DType, Optimizer, Recompute, Schedule
 
@@ -143,6 +145,7 @@ def _expert_args(plan: Plan, shape: ModelShape | None, notes: list[str], info: l
         args += ["--num-experts", str(experts.count), "--moe-router-topk", str(experts.top_k)]
         if experts.ffn_hidden_size is not None:
             args += ["--moe-ffn-hidden-size", str(experts.ffn_hidden_size)]
+        args += _router_args(experts)
         if experts.top_k == 1:
             # Megatron raises on top-1 routing without it (a softmax over one logit has no gradient)
             args.append("--moe-router-pre-softmax")
@@ -176,6 +179,27 @@ def _expert_args(plan: Plan, shape: ModelShape | None, notes: list[str], info: l
             "expert parallelism needs the model's experts: add --num-experts, --moe-router-topk and "
             "--moe-ffn-hidden-size (autopar export --model NAME or --model-config PATH fills them)"
         )
+    return args
+
+
+def _router_args(experts: Experts) -> list[str]:
+    """Shared experts, the blocks holding experts (``--moe-layer-freq`` as the pattern
+    Megatron-LM evaluates, ``([0]*3+[1]*58)``: 1 a mixture-of-experts block), and a
+    sigmoid, biased, grouped or scaled router, as the model states them."""
+    args = []
+    if experts.shared_ffn_hidden_size is not None:
+        args += ["--moe-shared-expert-intermediate-size", str(experts.shared_ffn_hidden_size)]
+    if experts.layers is not None:
+        runs = [(held, len(list(group))) for held, group in itertools.groupby(experts.layers)]
+        args += ["--moe-layer-freq", "(" + "+".join(f"[{int(held)}]*{n}" for held, n in runs) + ")"]
+    if experts.score_function != "softmax":
+        args += ["--moe-router-score-function", experts.score_function]
+    if experts.expert_bias:
+        args.append("--moe-router-enable-expert-bias")
+    if experts.groups is not None:
+        args += ["--moe-router-num-groups", str(experts.groups[0]), "--moe-router-group-topk", str(experts.groups[1])]
+    if experts.scaling_factor is not None:
+        args += ["--moe-router-topk-scaling-factor", f"{experts.scaling_factor:g}"]
     return args
 
 
@@ -394,7 +418,16 @@ def _rope_args(shape: ModelShape, info: list[str]) -> list[str]:
 
 
 def _attention_args(shape: ModelShape, info: list[str]) -> list[str]:
-    """Head width where it is not ``hidden / heads``, and normalised queries and keys."""
+    """Multi-latent attention's sizes, else the head width where it is not ``hidden /
+    heads``; and normalised queries and keys (a latent attention's latents)."""
+    latent = shape.latent_attention
+    if latent is not None:
+        args = ["--multi-latent-attention"]
+        if latent.q_lora_rank is not None:
+            args += ["--q-lora-rank", str(latent.q_lora_rank)]
+        args += ["--kv-lora-rank", str(latent.kv_lora_rank), "--qk-head-dim", str(latent.qk_head_dim)]
+        args += ["--qk-pos-emb-head-dim", str(latent.qk_pos_emb_head_dim), "--v-head-dim", str(latent.v_head_dim)]
+        return args + (["--qk-layernorm"] if latent.latent_norms else [])
     args = []
     heads, hidden = shape.num_attention_heads, shape.hidden_size
     if shape.head_dim is not None and heads and hidden and shape.head_dim * heads != hidden:

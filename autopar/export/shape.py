@@ -17,6 +17,7 @@ from torch import nn
 
 from autopar.export.common import ExportError, blocks_of
 from autopar.graph.units import model_fingerprint
+from autopar.models.experts import is_routed_experts
 from autopar.models.gpt import GPTConfig
 from autopar.models.llama import LlamaConfig
 from autopar.models.moe import MoEConfig
@@ -36,6 +37,17 @@ class Experts:
             routed token.
         model_type: the transformers ``model_type`` (``mixtral``); ``None`` for
             autopar's own :class:`~autopar.models.moe.MoELlama`.
+        shared_ffn_hidden_size: the hidden width of the shared experts every token runs
+            beside its routed ones, all of them together (DeepSeek's ``n_shared_experts``
+            x ``moe_intermediate_size``, Qwen2-MoE's ``shared_expert_intermediate_size``);
+            ``None`` without.
+        layers: which blocks, in order, hold experts (DeepSeek's first dense layers);
+            ``None`` where every block does or it is unknown.
+        score_function: how the router scores experts: ``softmax`` or ``sigmoid``.
+        expert_bias: a learned per-expert bias chooses the top-k (DeepSeek-V3's
+            auxiliary-loss-free balancing, told by its router's ``e_score_correction_bias``).
+        groups: (groups, groups each token may use) of a group-limited router.
+        scaling_factor: what the routed experts' weights are multiplied by.
     """
 
     count: int
@@ -43,6 +55,27 @@ class Experts:
     ffn_hidden_size: int | None
     capacity_factor: float | None
     model_type: str | None
+    shared_ffn_hidden_size: int | None = None
+    layers: tuple[bool, ...] | None = None
+    score_function: str = "softmax"
+    expert_bias: bool = False
+    groups: tuple[int, int] | None = None
+    scaling_factor: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class LatentAttention:
+    """Multi-latent attention (DeepSeek-V2/V3): queries and keys/values projected through
+    low-rank latents, each head's query and key a part without positions and a rotary
+    part, as Megatron-LM's flags name the sizes; ``latent_norms``: the latents are
+    normalised (DeepSeek's ``q_a_layernorm`` and ``kv_a_layernorm``)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_head_dim: int
+    qk_pos_emb_head_dim: int
+    v_head_dim: int
+    latent_norms: bool
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +107,7 @@ class ModelShape:
         block_class: class name of one transformer block (what FSDP wraps).
         experts: the routed experts; ``None`` for a model without experts (or none that
             its config counts).
+        latent_attention: its multi-latent attention's sizes; ``None`` for another.
         known_architecture: the architecture fields above were read from a model autopar
             knows, not left unknown.
     """
@@ -99,6 +133,7 @@ class ModelShape:
     norm_epsilon: float | None = None
     block_class: str | None = None
     experts: Experts | None = None
+    latent_attention: LatentAttention | None = None
     known_architecture: bool = False
 
 
@@ -154,10 +189,12 @@ def shape_of(model: nn.Module, plan: Plan) -> ModelShape:
             experts=_moe_experts(config) if isinstance(config, MoEConfig) else None,
             known_architecture=True,
         )
-    return _hf_shape(config, block_class, _first_block(model, plan))
+    return _hf_shape(config, block_class, _first_block(model, plan), _blocks(model, plan))
 
 
-def _hf_shape(config: Any, block_class: str | None, block: nn.Module | None) -> ModelShape:
+def _hf_shape(
+    config: Any, block_class: str | None, block: nn.Module | None, blocks: list[nn.Module] | None = None
+) -> ModelShape:
     """Sizes from a Hugging Face config's standard attribute names (``attribute_map``
     lets GPT-2's ``n_embd`` answer to ``hidden_size``), and the architecture where the
     config and one built block state it (:func:`_hf_architecture`)."""
@@ -175,7 +212,8 @@ def _hf_shape(config: Any, block_class: str | None, block: nn.Module | None) -> 
         rotary_percent=_rotary_percent(config),
         rope_scaling=_rope_scaling(config),
         block_class=block_class,
-        experts=_hf_experts(config),
+        experts=_hf_experts(config, blocks or []),
+        latent_attention=_latent_attention(config, block),
         **(_hf_architecture(config, block) if block is not None else {}),
     )
 
@@ -196,20 +234,57 @@ _HF_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 Qwen-MoE, DeepSeek)."""
 
 
-def _hf_experts(config: Any) -> Experts | None:
+def _hf_experts(config: Any, blocks: list[nn.Module]) -> Experts | None:
     """The routed experts a transformers config counts (``num_local_experts`` and
-    ``num_experts_per_tok`` in Mixtral's), dropless as transformers runs them; None
-    when it counts none."""
+    ``num_experts_per_tok`` in Mixtral's), dropless as transformers runs them, with what
+    its config and ``blocks`` (the built blocks, in order) state of its shared experts,
+    its dense layers and its router; None when it counts none."""
     count = next((n for name in _HF_EXPERT_COUNTS if (n := _int(config, name))), None)
     top_k = _int(config, "num_experts_per_tok")
     if count is None or top_k is None:
         return None
+    width = _int(config, "moe_intermediate_size") or _int(config, "intermediate_size")
+    shared = _int(config, "shared_expert_intermediate_size")
+    if shared is None and (n := _int(config, "n_shared_experts")) and width:
+        shared = n * width
+    holds = [any(is_routed_experts(m) for m in b.modules()) for b in blocks]
+    tensors = (name for b in blocks for name, _ in (*b.named_buffers(), *b.named_parameters()))
+    biased = any(name.endswith("e_score_correction_bias") for name in tensors)
+    groups, group_top = _int(config, "n_group"), _int(config, "topk_group")
+    grouped = groups and group_top and groups > 1 and getattr(config, "topk_method", None) != "greedy"
+    scaling = _float(config, "routed_scaling_factor")
     return Experts(
         count=count,
         top_k=top_k,
-        ffn_hidden_size=_int(config, "moe_intermediate_size") or _int(config, "intermediate_size"),
+        ffn_hidden_size=width,
         capacity_factor=None,
         model_type=getattr(config, "model_type", None) or None,
+        shared_ffn_hidden_size=shared or None,
+        layers=tuple(holds) if any(holds) and not all(holds) else None,
+        score_function="sigmoid" if biased or getattr(config, "scoring_func", None) == "sigmoid" else "softmax",
+        expert_bias=biased,
+        groups=(groups, group_top) if grouped else None,
+        scaling_factor=scaling if scaling not in (None, 1.0) else None,
+    )
+
+
+def _latent_attention(config: Any, block: nn.Module | None) -> LatentAttention | None:
+    """The sizes of a multi-latent attention, where the config states its key/value
+    latent (DeepSeek-V2/V3's ``kv_lora_rank``), and whether ``block`` normalises the
+    latents; None otherwise."""
+    kv = _int(config, "kv_lora_rank")
+    sizes = [_int(config, n) for n in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")]
+    if kv is None or any(v is None for v in sizes):
+        return None
+    nope, rope, v = sizes
+    names = [name for name, _ in block.named_modules()] if block is not None else []
+    return LatentAttention(
+        q_lora_rank=_int(config, "q_lora_rank"),
+        kv_lora_rank=kv,
+        qk_head_dim=nope,
+        qk_pos_emb_head_dim=rope,
+        v_head_dim=v,
+        latent_norms=any(name.endswith("kv_a_layernorm") for name in names),
     )
 
 
@@ -333,6 +408,15 @@ def _block_class(model: nn.Module, plan: Plan) -> str | None:
     """The class name of the plan's first transformer block in ``model``."""
     block = _first_block(model, plan)
     return type(block).__name__ if block is not None else None
+
+
+def _blocks(model: nn.Module, plan: Plan) -> list[nn.Module]:
+    """The plan's transformer blocks in ``model``, in order (none where a name is not
+    found)."""
+    try:
+        return [model.get_submodule(name) for name in blocks_of(plan).names]
+    except AttributeError:
+        return []
 
 
 def _first_block(model: nn.Module, plan: Plan) -> nn.Module | None:

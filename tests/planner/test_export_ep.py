@@ -7,6 +7,7 @@ that does not divide the experts."""
 
 import importlib
 import json
+import shlex
 import types
 from dataclasses import replace
 
@@ -124,6 +125,9 @@ def test_megatron_reads_a_transformers_mixtral(mixtral):
     assert (args["--num-experts"], args["--moe-router-topk"], args["--moe-ffn-hidden-size"]) == ("4", "2", "128")
     assert "--moe-expert-capacity-factor" not in args  # transformers' Mixtral is dropless, as Megatron's default
     assert args["--swiglu"] is True  # the experts' stacked gate_up_proj states the gated MLP
+    # every block routes, by softmax, without shared experts or a latent attention
+    assert not {"--moe-layer-freq", "--moe-shared-expert-intermediate-size", "--moe-router-score-function"} & set(args)
+    assert "--multi-latent-attention" not in args
     # top-1 routing: Megatron raises without pre-softmax routing; same parameters, so the same plan
     top1 = export(plan, to="megatron", model=_mixtral(top_k=1))
     assert "--moe-router-topk 1 " in top1.launch and "--moe-router-pre-softmax" in top1.launch
@@ -228,3 +232,60 @@ def test_refusals_are_one_line(moe_plans, mixtral, tiny_gpt, tmp_path, capsys):
     eight = _estimate(model, 8, 128, dp=8, tp=1)
     with pytest.raises(ExportError, match=r"^ep=8 does not divide the model's 4 experts .* ep in \[1, 2, 4\]\.$"):
         export(replace(eight, config=replace(eight.config, ep=8)), to="megatron", model=model)
+
+
+def test_megatron_builds_a_transformers_deepseek_v3():
+    """A small DeepSeek-V3 (transformers' own classes): its multi-latent attention, shared
+    expert, first dense block and sigmoid, biased, grouped and scaled router are written as
+    Megatron-LM's flags with the config's values, and its pattern of mixture-of-experts
+    blocks, evaluated as Megatron evaluates it, is the model's own (which blocks hold a
+    routed-experts module); read back by the flags as Megatron declares them. Without
+    them Megatron builds another model: softmax routing, no shared expert, every block
+    routed, standard attention."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DeepseekV3Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=160,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=2,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        max_position_embeddings=128,
+    )
+    with torch.device("meta"):
+        model = transformers.DeepseekV3ForCausalLM(config)
+    plan = _estimate(model, 4, 64, dp=4, tp=1)
+    args = megatron_args(replace(plan, config=replace(plan.config, ep=2)), model=model)
+    assert (args["--num-experts"], args["--moe-router-topk"], args["--moe-ffn-hidden-size"]) == ("8", "2", "32")
+    assert args["--moe-shared-expert-intermediate-size"] == str(2 * 32)
+    assert args["--ffn-hidden-size"] == "160"  # the dense block's
+    routed = [any(type(m).__name__ == "DeepseekV3MoE" for m in layer.modules()) for layer in model.model.layers]
+    assert routed == [False, True, True]
+    assert [int(x) for x in eval(args["--moe-layer-freq"])] == routed  # as Megatron's moe_freq_type evaluates it
+    assert args["--moe-router-score-function"] == "sigmoid" and args["--moe-router-enable-expert-bias"] is True
+    assert (args["--moe-router-num-groups"], args["--moe-router-group-topk"]) == ("4", "2")
+    assert args["--moe-router-topk-scaling-factor"] == "2.5"
+    latent = {f: args[f] for f in ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim")}
+    assert latent == {
+        "--q-lora-rank": "24",
+        "--kv-lora-rank": "16",
+        "--qk-head-dim": "16",
+        "--qk-pos-emb-head-dim": "8",
+    }
+    assert args["--v-head-dim"] == "16" and args["--multi-latent-attention"] is True and args["--qk-layernorm"] is True
+    assert "--kv-channels" not in args
+    launch = export(replace(plan, config=replace(plan.config, ep=2)), to="megatron", model=model).launch
+    declared_megatron_parser().parse_args(shlex.split(launch.split("pretrain_gpt.py ")[1]))

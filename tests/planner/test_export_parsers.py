@@ -261,6 +261,20 @@ MEGATRON_FLAGS = {
     "--expert-model-parallel-size": (int, None),
     "--expert-tensor-parallel-size": (int, None),
     "--moe-token-dispatcher-type": (str, ["allgather", "alltoall", "flex"]),
+    "--moe-shared-expert-intermediate-size": (int, None),
+    "--moe-layer-freq": (str, None),  # moe_freq_type: an int, or a list expression it evaluates
+    # from TransformerConfig's fields (ArgumentGroupFactory): a Literal's choices, a bool a switch
+    "--moe-router-score-function": (str, ["softmax", "sigmoid"]),
+    "--moe-router-enable-expert-bias": (None, None),
+    "--moe-router-num-groups": (int, None),
+    "--moe-router-group-topk": (int, None),
+    "--moe-router-topk-scaling-factor": (float, None),
+    "--multi-latent-attention": (None, None),
+    "--q-lora-rank": (int, None),
+    "--kv-lora-rank": (int, None),
+    "--qk-head-dim": (int, None),
+    "--qk-pos-emb-head-dim": (int, None),
+    "--v-head-dim": (int, None),
 }
 
 

@@ -48,7 +48,7 @@ from autopar.search.kernel_options import check_async_tp, check_fp8
 from autopar.search.scan import decided, search
 from autopar.search.solve import ConfigSolver, Outcome
 from autopar.search.space import micro_batch_range
-from autopar.vocab import ActivationLayout, Attention, Optimizer, Recompute
+from autopar.vocab import ActivationLayout, Attention, Optimizer, Recompute, Schedule
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -172,7 +172,8 @@ def estimate(
 
     Fields not given are filled: ``dp`` from the device count, ``num_microbatches`` from
     the batch, stages and per-layer styles by the same search, defaults for the rest
-    (micro-batch 1, 1F1B, no virtual stages, ZeRO 0 sharded over all of dp (no HSDP),
+    (micro-batch 1, 1F1B, no virtual stages (2 for a schedule given that runs several
+    per rank), ZeRO 0 sharded over all of dp (no HSDP),
     the device's preferred precision, no sequence parallelism, blocks compiled where the
     device compiles unasked (``DeviceSpec.compiles``), no FP8 or asynchronous TP;
     recompute chosen per unit when not given). Never raises for
@@ -369,7 +370,8 @@ def _complete(fixed: dict[str, Any], cluster: Cluster, global_batch_size: int) -
             )
         out["micro_batch_size"] = per // out["num_microbatches"]
     out.setdefault("micro_batch_size", 1)
-    out.setdefault("virtual_stages", 1)
+    several = out.get("schedule") in {s.value for s in Schedule if s.multi_stage}  # a StrEnum: its value
+    out.setdefault("virtual_stages", 2 if several else 1)  # a schedule of stages per rank: its fewest
     out.setdefault("schedule", "interleaved-1f1b" if out["virtual_stages"] > 1 else "1f1b")
     out.setdefault("zero_stage", 0)
     out.setdefault("dp_shard", None)

@@ -39,6 +39,18 @@ def test_constraints_are_honoured():
     assert len(p.stages) == p.config.num_stages and sum(len(s) for s in p.stages) == len(p.model.units)
 
 
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv"])
+def test_estimate_of_a_schedule_of_several_stages_per_rank_runs_two(schedule):
+    """A schedule that runs several stages per pipeline rank, given without their count,
+    runs its fewest, two (it found no candidate with the one stage per rank the other
+    defaults fill in, and said only that)."""
+    m = build_named_model("llama3-8b")
+    e = autopar.estimate(m, DGX1, {"pp": 4, "schedule": schedule}, global_batch_size=16, seq_len=1024)
+    assert (e.config.schedule.value, e.config.virtual_stages, e.config.num_stages) == (schedule, 2, 8)
+    one = autopar.estimate(m, DGX1, {"pp": 4}, global_batch_size=16, seq_len=1024)
+    assert (one.config.schedule.value, one.config.virtual_stages) == ("1f1b", 1)
+
+
 def test_estimate_is_a_space_of_size_one_and_never_raises_for_memory():
     m = build_named_model("gpt3-13b")
     e = autopar.estimate(

@@ -278,6 +278,12 @@ def _notes(graph: LayerGraph, config: ParallelConfig) -> tuple[str, ...]:
             f"dense matmuls their forward runs: expert parallelism splits only modules that take routed tokens, "
             f"{ROUTED_FORM}, and autopar's MoEFeedForward."
         )
+    if graph.seq_len > 1 and not any(p.has_attention for p in graph.profiles):
+        notes.append(
+            "No unit calls scaled_dot_product_attention: its attention, if any, is priced as the matmuls and "
+            "softmax its trace runs (scores materialized), whatever attention= says (a custom attention, such as "
+            "gpt-oss's with sinks, which transformers runs eagerly)."
+        )
     if graph.uncounted_ops:
         notes.append(
             f"Counted as 0 FLOPs: {', '.join(graph.uncounted_ops)} read weight matrices but have no FLOP formula "

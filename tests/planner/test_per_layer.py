@@ -55,8 +55,9 @@ def test_cnn_mix_beats_every_uniform_choice():
     uniform = _uniform_times(model, cluster, fixed, **kw)
     assert best.prediction.step_time_s < min(uniform.values())
     assert math.isinf(uniform[Recompute.NONE])
-    text = explain(best)  # an image model: samples, no tokens
+    text = explain(best)  # an image model: samples, no tokens, and nothing said of attention
     assert "  batch 16 samples, " in text and " tokens" not in text
+    assert not any("scaled_dot_product_attention" in n for n in best.notes)
 
 
 def test_transformer_with_a_few_wide_layers():

@@ -74,3 +74,19 @@ def test_unsplit_experts_plan_with_ep_1_and_say_why():
     assert unsplit_experts(model)[0] in note and "forward(hidden_states, top_k_index, top_k_weights)" in note
     with pytest.raises(ConfigError, match=r"^ep=2 is not allowed for .*cannot split them; use ep=1\.$"):
         autopar.estimate(model, "dgx-h100:1", {"ep": 2}, global_batch_size=8, seq_len=32)
+
+
+@pytest.mark.parametrize(("kind", "eager"), [("gpt-oss", True), ("mixtral", False)])
+def test_an_attention_without_sdpa_is_said_to_ignore_the_attention_setting(kind, eager):
+    """transformers runs gpt-oss's attention (with sinks) eagerly, not through
+    scaled_dot_product_attention: flash or materialized, it is priced as the trace runs
+    it, identically, and the plan says so; Mixtral's goes through SDPA and is not noted."""
+    model = _tiny(kind)
+    plans = [
+        autopar.estimate(model, "dgx-h100:1", {"dp": 8}, global_batch_size=8, seq_len=32, attention=a)
+        for a in ("flash", "materialized")
+    ]
+    noted = [any("No unit calls scaled_dot_product_attention" in n for n in p.notes) for p in plans]
+    assert noted == [eager, eager]
+    same = plans[0].prediction.step_time_s == plans[1].prediction.step_time_s
+    assert same == eager

@@ -251,11 +251,22 @@ def schedule_text(c: ParallelConfig) -> str:
 
 
 def _recompute(plan: Plan) -> str:
+    """The recompute mode, and the modules that take another; where those outnumber the
+    modules taking the default (no mode holds a majority), every mode's count, most first."""
     c = plan.config
+    overrides = plan.layer_strategies.recompute
     text = f"recompute {c.recompute.value}"
-    if plan.layer_strategies.recompute:
-        counts = Counter(v.value for v in plan.layer_strategies.recompute.values())
-        text += " (" + ", ".join(f"{n} unit(s) {mode}" for mode, n in sorted(counts.items())) + ")"
+    if overrides:
+        counts = Counter(v.value for v in overrides.values())
+        default = len(plan.model.units) - len(overrides)
+        if default < len(overrides):
+            counts[c.recompute.value] = default
+            ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+            text = f"recompute mixed over {len(plan.model.units)} modules: " + ", ".join(
+                f"{n} {mode}" for mode, n in ranked
+            )
+        else:
+            text += " (" + ", ".join(f"{n} unit(s) {mode}" for mode, n in sorted(counts.items())) + ")"
     modes = {c.recompute, *plan.layer_strategies.recompute.values()}
     if Recompute.OP in modes:
         text += "; op keeps every other matmul's and the attention's outputs"

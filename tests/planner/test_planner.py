@@ -347,3 +347,20 @@ def test_infeasible_plan_sizes_its_best_case_and_the_nodes_it_needs():
     assert nodes > 1
     plan = autopar.plan(model, dataclasses.replace(cluster, nodes=nodes), global_batch_size=64, seq_len=512)
     assert plan.prediction.fits
+
+
+def test_a_recompute_mode_without_a_majority_is_not_the_headline():
+    """The configuration line names the most common mode and the modules that differ; when
+    those outnumber it (Mixtral-8x22B: 24 modules none, 32 recomputing in three modes), it
+    gives every mode's count instead of 'recompute none'."""
+    p = autopar.estimate(build_named_model("gpt2-small"), DGX1, {"dp": 8}, global_batch_size=8, seq_len=1024)
+    units = p.model.units
+    assert len(units) == 16 and not p.layer_strategies.recompute
+    few = {units[2]: Recompute.FULL, units[3]: Recompute.SELECTIVE}
+    many = {u: Recompute.FULL if i < 6 else Recompute.SELECTIVE for i, u in enumerate(units[2:12])}
+    text = {}
+    for name, modes in (("few", few), ("many", many)):
+        plan = dataclasses.replace(p, layer_strategies=dataclasses.replace(p.layer_strategies, recompute=modes))
+        text[name] = next(line for line in explain(plan).splitlines() if line.startswith("Configuration"))
+    assert text["few"].endswith("recompute none (1 unit(s) full, 1 unit(s) selective)")
+    assert text["many"].endswith("recompute mixed over 16 modules: 6 full, 6 none, 4 selective")

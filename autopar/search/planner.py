@@ -189,6 +189,7 @@ def estimate(
     optimizer, attention = _option("optimizer", optimizer, Optimizer), _option("attention", attention, Attention)
     activations = _option("activations", activations, ActivationLayout)
     fixed = check_constraints(config.__dict__ if isinstance(config, ParallelConfig) else config, what="config")
+    given = set(fixed)
     measured = measurements(cluster, profile)
     fixed = _complete(fixed, measured.cluster, global_batch_size)
     seq_len, seq_note = _default_seq_len(model, seq_len, sample_input)
@@ -197,7 +198,7 @@ def estimate(
     match = match_layer_profile(measured.layers, model, graph)
     cost_model = _cost_model(graph, measured, optimizer, global_batch_size, routing_imbalance, activations)
     solver_ = ConfigSolver(model=cost_model, budget_bytes=budget_bytes(measured.cluster.device.memory), solver=solver)
-    result = search(solver_, fixed, top=0)
+    result = search(solver_, fixed, top=0, given=given)
     if not result.best.fits:  # priced as given: nothing else was rejected, and it is one configuration
         result = replace(result, best=_overflow(cost_model, result.best.config, fixed, solver), infeasible=())
     result = replace(result, evaluated=1)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -68,9 +68,22 @@ def _constraints_text(fixed: Mapping[str, Any]) -> str:
     return "constraints " + ", ".join(f"{name}={value}" for name, value in fixed.items())
 
 
-def search(solver: ConfigSolver, fixed: Mapping[str, Any], *, top: int, walk_room: bool = True) -> SearchResult:
+def _given(fixed: Mapping[str, Any], given: Collection[str] | None) -> Mapping[str, Any]:
+    """The fields of ``fixed`` the caller set: ``given``, or all of them."""
+    return fixed if given is None else {name: value for name, value in fixed.items() if name in given}
+
+
+def search(
+    solver: ConfigSolver,
+    fixed: Mapping[str, Any],
+    *,
+    top: int,
+    walk_room: bool = True,
+    given: Collection[str] | None = None,
+) -> SearchResult:
     """Solve the candidates that satisfy ``fixed`` in bound order (module docstring);
-    the kept ones come with their prediction. The order and the stop are exact for the
+    the kept ones come with their prediction. ``given`` names the fields of ``fixed`` the
+    caller set (the rest filled by defaults), which a refusal repeats; all by default. The order and the stop are exact for the
     memory bound every configuration is solved under; with ``walk_room`` each one solved
     that fits and whose time bound beats the fastest so far then takes the room its
     pipeline ranks' walk leaves below that bound (:mod:`autopar.search.walk_room`), which
@@ -82,7 +95,7 @@ def search(solver: ConfigSolver, fixed: Mapping[str, Any], *, top: int, walk_roo
         reasons = "; ".join(list(dict.fromkeys(f"{r.what}: {r.reason}" for r in rejected))[:6]) or "no candidate"
         raise ConfigError(
             f"no configuration of {cluster.world_size} devices can run global_batch_size="
-            f"{model.global_batch_size} with {_constraints_text(fixed)}: {reasons}. Change the batch "
+            f"{model.global_batch_size} with {_constraints_text(_given(fixed, given))}: {reasons}. Change the batch "
             f"size, the device count or the constraints."
         )
     modes = (fixed["recompute"],) if "recompute" in fixed else ALL_MODES

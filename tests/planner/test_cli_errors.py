@@ -147,6 +147,11 @@ CLI_CASES = {
         ["schedule='interleaved-1f1b' with pp=1", "no pipeline"],
     ),
     "a field set twice": (f"{DGX} --set tp=2,tp=4", ["tp= is given twice", "tp=2 and tp=4"]),
+    "estimate refusal names only what was set": (
+        "estimate --model gpt2-small --seq-len 16 --global-batch-size 8 --cluster dgx-a100-80gb:1 "
+        "--set pp=2,micro_batch_size=8",
+        ["with constraints pp=2, micro_batch_size=8:", "does not divide"],
+    ),
     "dp not dividing": (f"{DGX} --set dp=3", ["dp=3", "8 devices", "[1, 2, 4, 8]"]),
     "micro-batch not dividing": (f"{DGX} --set micro_batch_size=3", ["micro_batch_size=3", "does not divide"]),
     "micro-batch above the batch": (

@@ -147,7 +147,8 @@ def predict(model: CostModel, config: ParallelConfig, stages: Sequence[PricedSta
             )
         )
     gb = model.global_batch_size
-    model_flops = 3.0 * model.graph.fwd_flops_per_sample * gb
+    model_flops = 3.0 * model.graph.model_fwd_flops_per_sample * gb
+    hardware_flops = 3.0 * model.graph.fwd_flops_per_sample * gb
     reco_flops = sum(o.recompute_flops for p in stages for o in p.options) * config.micro_batch_size * m * config.dp
     world = config.world_size
     peak_flops = device.peak(config.dtype)
@@ -158,7 +159,7 @@ def predict(model: CostModel, config: ParallelConfig, stages: Sequence[PricedSta
         tokens_per_s=gb * model.graph.seq_len / step,
         tflops_per_device=model_flops / step / world / 1e12,
         mfu=model_flops / (step * world * peak_flops),
-        hfu=(model_flops + reco_flops) / (step * world * peak_flops),
+        hfu=(hardware_flops + reco_flops) / (step * world * peak_flops),
         memory_bytes_per_device=peak,
         memory_capacity_bytes=capacity,
         fits=peak <= capacity,

@@ -24,7 +24,7 @@ from autopar.graph.decoders import uncuttable_unit
 from autopar.graph.layer_graph import LayerGraph, SharedParam, Unit, UnitProfile
 from autopar.graph.trace import EPILOGUE, PROLOGUE, run_trace
 from autopar.graph.units import _block_container, find_units, model_fingerprint, module_signature, unique_numel
-from autopar.models.experts import unsplit_experts
+from autopar.models.experts import routed_share, unsplit_experts
 from autopar.vocab import Attention, DType
 
 _TORCH_DTYPE = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
@@ -172,6 +172,14 @@ def extract(
             add_unit("+".join(epilogue_mods), epilogue_mods, "", EPILOGUE, epilogue_mods)
     seq = seq_len if seq_len is not None else _seq_of(sample_input)
     cuttable = uncuttable_unit(model, units) is None
+    shares = routed_share(model)
+    unrouted = sum(
+        leaf.fwd_flops * (1 - share)
+        for u in graph_units
+        for leaf in profiles[u.profile].leaves
+        for fqn, share in shares.items()
+        if _under(u.leaf_fqn(leaf.name), fqn)
+    )
     return LayerGraph(
         name=type(model).__name__,
         units=tuple(graph_units),
@@ -188,6 +196,7 @@ def extract(
         uncounted_ops=trace.uncounted_ops,
         ring_attention=trace.ring_attention,
         unsplit_experts=unsplit_experts(model),
+        unrouted_flops=unrouted,
     )
 
 

@@ -327,6 +327,9 @@ class LayerGraph:
             ``F.scaled_dot_product_attention`` causal without a mask, the only attention a
             causal ring computes (context parallelism needs it; a sliding window narrower
             than the sequence, or a bidirectional encoder, builds a mask or is not causal).
+        unrouted_flops: forward FLOPs per sample that unsplit experts run on tokens not
+            routed to them (:func:`autopar.models.experts.routed_share`): hardware work,
+            not model FLOPs.
     """
 
     name: str
@@ -344,6 +347,7 @@ class LayerGraph:
     uncounted_ops: tuple[str, ...] = ()
     unsplit_experts: tuple[str, ...] = ()
     ring_attention: bool = True
+    unrouted_flops: float = 0.0
 
     def profile_of(self, unit_index: int) -> UnitProfile:
         """The profile of unit ``unit_index``."""
@@ -351,8 +355,16 @@ class LayerGraph:
 
     @cached_property
     def fwd_flops_per_sample(self) -> float:
-        """Forward FLOPs of one sample through the whole model (loss included)."""
+        """Forward FLOPs of one sample through the whole model (loss included): what the
+        hardware runs."""
         return sum(self.profiles[u.profile].fwd_flops for u in self.units)
+
+    @property
+    def model_fwd_flops_per_sample(self) -> float:
+        """Forward FLOPs of one sample that the model's math asks for, as model-FLOP
+        utilization counts them: :attr:`fwd_flops_per_sample` less what experts run on
+        tokens not routed to them (``unrouted_flops``)."""
+        return self.fwd_flops_per_sample - self.unrouted_flops
 
     @property
     def unit_names(self) -> tuple[str, ...]:

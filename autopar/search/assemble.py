@@ -54,7 +54,7 @@ def to_plan(solver: ConfigSolver, result: SearchResult, provenance: Provenance) 
             fingerprint=graph.fingerprint,
             seq_len=graph.seq_len,
             global_batch_size=model.global_batch_size,
-            flops_per_sample=3 * graph.fwd_flops_per_sample,
+            flops_per_sample=3 * graph.model_fwd_flops_per_sample,
         ),
         cluster=model.cluster,
         settings=provenance.settings,
@@ -275,8 +275,8 @@ def _notes(graph: LayerGraph, config: ParallelConfig) -> tuple[str, ...]:
     if graph.unsplit_experts:
         notes.append(
             f"The experts of {', '.join(graph.unsplit_experts)} run whole on every rank (ep=1), priced as the "
-            f"dense matmuls their forward runs: expert parallelism splits only modules that take routed tokens, "
-            f"{ROUTED_FORM}, and autopar's MoEFeedForward."
+            f"dense matmuls their forward runs (MFU counts the routed share of them, HFU all): expert parallelism "
+            f"splits only modules that take routed tokens, {ROUTED_FORM}, and autopar's MoEFeedForward."
         )
     if graph.seq_len > 1 and not any(p.has_attention for p in graph.profiles):
         notes.append(

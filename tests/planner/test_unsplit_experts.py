@@ -90,3 +90,23 @@ def test_an_attention_without_sdpa_is_said_to_ignore_the_attention_setting(kind,
     assert noted == [eager, eager]
     same = plans[0].prediction.step_time_s == plans[1].prediction.step_time_s
     assert same == eager
+
+
+def test_unrouted_expert_work_is_hardware_not_model_flops():
+    """transformers' Llama 4 experts run every expert on every token (the tokens not routed
+    to one weighted zero): their matmuls, 2 x E x T x H x 2I up and 2 x E x T x I x H down
+    per layer by hand, are what the hardware runs, but only top-k / E of them is model
+    work. MFU counts that share, HFU all of it (no recomputation here: their ratio is the
+    hardware's FLOPs over the model's); a model whose experts take routed tokens has no
+    unrouted work."""
+    model = _tiny("llama4")
+    graph = extract(model, seq_len=32)
+    experts, tokens, hidden, width, layers = 4, 32, 64, 128, 2
+    matmuls = layers * (2 * experts * tokens * hidden * 2 * width + 2 * experts * tokens * width * hidden)
+    assert graph.unrouted_flops == pytest.approx((1 - 2 / experts) * matmuls, rel=1e-9)
+    plan = autopar.estimate(model, "dgx-h100:1", {"dp": 8, "recompute": "none"}, global_batch_size=8, seq_len=32)
+    p = plan.prediction
+    ratio = graph.fwd_flops_per_sample / (graph.fwd_flops_per_sample - graph.unrouted_flops)
+    assert p.hfu / p.mfu == pytest.approx(ratio, rel=1e-9) and ratio > 1.3
+    assert plan.model.flops_per_sample == pytest.approx(3 * graph.model_fwd_flops_per_sample, rel=1e-12)
+    assert extract(_tiny("mixtral"), seq_len=32).unrouted_flops == 0.0

@@ -183,12 +183,18 @@ def _expert_args(plan: Plan, shape: ModelShape | None, notes: list[str], info: l
 
 
 def _router_args(experts: Experts) -> list[str]:
-    """Shared experts, the blocks holding experts (``--moe-layer-freq`` as the pattern
-    Megatron-LM evaluates, ``([0]*3+[1]*58)``: 1 a mixture-of-experts block), and a
-    sigmoid, biased, grouped or scaled router, as the model states them."""
+    """Shared experts (gated or not), the blocks holding experts (``--moe-layer-freq`` as
+    the pattern Megatron-LM evaluates, ``([0]*3+[1]*58)``: 1 a mixture-of-experts block),
+    top-k weights left as the softmax over every expert (``--moe-router-pre-softmax``;
+    Megatron renormalises them by default), and a sigmoid, biased, grouped or scaled
+    router, as the model states them."""
     args = []
     if experts.shared_ffn_hidden_size is not None:
         args += ["--moe-shared-expert-intermediate-size", str(experts.shared_ffn_hidden_size)]
+        if experts.shared_gate:
+            args.append("--moe-shared-expert-gate")
+    if not experts.renormalized and experts.top_k > 1 and experts.score_function == "softmax":
+        args.append("--moe-router-pre-softmax")  # the softmax over all experts, not renormalised over the top-k
     if experts.layers is not None:
         runs = [(held, len(list(group))) for held, group in itertools.groupby(experts.layers)]
         args += ["--moe-layer-freq", "(" + "+".join(f"[{int(held)}]*{n}" for held, n in runs) + ")"]

@@ -17,7 +17,7 @@ from torch import nn
 
 from autopar.export.common import ExportError, blocks_of
 from autopar.graph.units import model_fingerprint
-from autopar.models.experts import is_routed_experts
+from autopar.models.experts import is_routed_experts, unsplit_experts
 from autopar.models.gpt import GPTConfig
 from autopar.models.llama import LlamaConfig
 from autopar.models.moe import MoEConfig
@@ -41,6 +41,11 @@ class Experts:
             beside its routed ones, all of them together (DeepSeek's ``n_shared_experts``
             x ``moe_intermediate_size``, Qwen2-MoE's ``shared_expert_intermediate_size``);
             ``None`` without.
+        shared_gate: the shared experts' output is scaled by a learned sigmoid gate
+            (Qwen2-MoE's ``shared_expert_gate``).
+        renormalized: the top-k weights are renormalised to sum to 1 (the config's
+            ``norm_topk_prob``, true where it does not say); else they stay the softmax
+            over all experts (OLMoE, Qwen2-MoE).
         layers: which blocks, in order, hold experts (DeepSeek's first dense layers);
             ``None`` where every block does or it is unknown.
         score_function: how the router scores experts: ``softmax`` or ``sigmoid``.
@@ -56,6 +61,8 @@ class Experts:
     capacity_factor: float | None
     model_type: str | None
     shared_ffn_hidden_size: int | None = None
+    shared_gate: bool = False
+    renormalized: bool = True
     layers: tuple[bool, ...] | None = None
     score_function: str = "softmax"
     expert_bias: bool = False
@@ -244,10 +251,10 @@ def _hf_experts(config: Any, blocks: list[nn.Module]) -> Experts | None:
     if count is None or top_k is None:
         return None
     width = _int(config, "moe_intermediate_size") or _int(config, "intermediate_size")
-    shared = _int(config, "shared_expert_intermediate_size")
+    shared, gated = _shared_experts(blocks)
     if shared is None and (n := _int(config, "n_shared_experts")) and width:
         shared = n * width
-    holds = [any(is_routed_experts(m) for m in b.modules()) for b in blocks]
+    holds = [any(is_routed_experts(m) for m in b.modules()) or bool(unsplit_experts(b)) for b in blocks]
     tensors = (name for b in blocks for name, _ in (*b.named_buffers(), *b.named_parameters()))
     biased = any(name.endswith("e_score_correction_bias") for name in tensors)
     groups, group_top = _int(config, "n_group"), _int(config, "topk_group")
@@ -260,12 +267,28 @@ def _hf_experts(config: Any, blocks: list[nn.Module]) -> Experts | None:
         capacity_factor=None,
         model_type=getattr(config, "model_type", None) or None,
         shared_ffn_hidden_size=shared or None,
+        shared_gate=gated,
+        renormalized=getattr(config, "norm_topk_prob", True) is not False,
         layers=tuple(holds) if any(holds) and not all(holds) else None,
         score_function="sigmoid" if biased or getattr(config, "scoring_func", None) == "sigmoid" else "softmax",
         expert_bias=biased,
         groups=(groups, group_top) if grouped else None,
         scaling_factor=scaling if scaling not in (None, 1.0) else None,
     )
+
+
+def _shared_experts(blocks: list[nn.Module]) -> tuple[int | None, bool]:
+    """(hidden width, gated output) of the shared experts of the first block holding one
+    (a module named ``shared_expert``/``shared_experts``: Qwen2-MoE, DeepSeek, Llama 4;
+    its down projection's input width), or (None, False)."""
+    for block in blocks:
+        modules = dict(block.named_modules())
+        for name, module in modules.items():
+            last = name.rsplit(".", 1)[-1]
+            down = getattr(module, "down_proj", None)
+            if last in ("shared_expert", "shared_experts") and isinstance(down, nn.Linear):
+                return down.in_features, f"{name}_gate" in modules
+    return None, False
 
 
 def _latent_attention(config: Any, block: nn.Module | None) -> LatentAttention | None:

@@ -289,3 +289,44 @@ def test_megatron_builds_a_transformers_deepseek_v3():
     assert "--kv-channels" not in args
     launch = export(replace(plan, config=replace(plan.config, ep=2)), to="megatron", model=model).launch
     declared_megatron_parser().parse_args(shlex.split(launch.split("pretrain_gpt.py ")[1]))
+
+
+def test_megatron_reads_shared_experts_and_dense_blocks_from_the_built_model():
+    """Qwen2-MoE: a gated shared expert of its own width, and top-k weights left as the
+    softmax over every expert (``norm_topk_prob`` false: Megatron's pre-softmax routing);
+    Llama 4 with a mixture-of-experts block every second one: the pattern of the blocks
+    as built (its experts, which run every token, count as experts here too)."""
+    transformers = pytest.importorskip("transformers")
+    tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=100)
+    qwen = transformers.Qwen2MoeConfig(
+        **tiny,
+        num_key_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        norm_topk_prob=False,
+    )
+    llama4 = transformers.Llama4TextConfig(
+        **tiny,
+        num_key_value_heads=4,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        intermediate_size_mlp=96,
+        head_dim=16,
+        interleave_moe_layer_step=2,
+    )
+    found = {}
+    for name, config, cls in (("qwen", qwen, "Qwen2MoeForCausalLM"), ("llama4", llama4, "Llama4ForCausalLM")):
+        with torch.device("meta"):
+            model = getattr(transformers, cls)(config)
+        plan = _estimate(model, 4, 32, dp=4, tp=1)
+        found[name] = megatron_args(plan, model=model)
+        declared_megatron_parser().parse_args(
+            shlex.split(export(plan, to="megatron", model=model).launch.split("pretrain_gpt.py ")[1])
+        )
+    q, l4 = found["qwen"], found["llama4"]
+    assert q["--moe-shared-expert-intermediate-size"] == "48" and q["--moe-shared-expert-gate"] is True
+    assert q["--moe-router-pre-softmax"] is True and "--moe-layer-freq" not in q
+    assert [int(x) for x in eval(l4["--moe-layer-freq"])] == [0, 1]
+    assert l4["--moe-shared-expert-intermediate-size"] == "128" and "--moe-shared-expert-gate" not in l4

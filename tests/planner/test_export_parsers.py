@@ -262,6 +262,7 @@ MEGATRON_FLAGS = {
     "--expert-tensor-parallel-size": (int, None),
     "--moe-token-dispatcher-type": (str, ["allgather", "alltoall", "flex"]),
     "--moe-shared-expert-intermediate-size": (int, None),
+    "--moe-shared-expert-gate": (None, None),
     "--moe-layer-freq": (str, None),  # moe_freq_type: an int, or a list expression it evaluates
     # from TransformerConfig's fields (ArgumentGroupFactory): a Literal's choices, a bool a switch
     "--moe-router-score-function": (str, ["softmax", "sigmoid"]),

@@ -55,8 +55,8 @@ def parse_assignments(items: Sequence[str] | None) -> dict[str, Any]:
             key, value = key.strip(), value.strip()
             if key in out:
                 raise ConfigError(
-                    f"--set {key}= is given twice ({key}={out[key]} and {key}={value}): a field takes one value; keep the one "
-                    "you mean."
+                    f"--set {key}= is given twice ({key}={out[key]} and {key}={value}): a field takes one value; "
+                    "keep the one you mean."
                 )
             out[key] = None if key in NULLABLE_FIELDS and value.lower() == "none" else _parse_value(value)
     return out

@@ -83,8 +83,9 @@ def search(
 ) -> SearchResult:
     """Solve the candidates that satisfy ``fixed`` in bound order (module docstring);
     the kept ones come with their prediction. ``given`` names the fields of ``fixed`` the
-    caller set (the rest filled by defaults), which a refusal repeats; all by default. The order and the stop are exact for the
-    memory bound every configuration is solved under; with ``walk_room`` each one solved
+    caller set (the rest filled by defaults), which a refusal repeats; all by default.
+    The order and the stop are exact for the memory bound every configuration is solved
+    under; with ``walk_room`` each one solved
     that fits and whose time bound beats the fastest so far then takes the room its
     pipeline ranks' walk leaves below that bound (:mod:`autopar.search.walk_room`), which
     may reorder them (no other can become the fastest: room only changes options)."""

@@ -85,10 +85,10 @@ def search(
     the kept ones come with their prediction. ``given`` names the fields of ``fixed`` the
     caller set (the rest filled by defaults), which a refusal repeats; all by default.
     The order and the stop are exact for the memory bound every configuration is solved
-    under; with ``walk_room`` each one solved
-    that fits and whose time bound beats the fastest so far then takes the room its
-    pipeline ranks' walk leaves below that bound (:mod:`autopar.search.walk_room`), which
-    may reorder them (no other can become the fastest: room only changes options)."""
+    under; with ``walk_room`` each one solved that fits and whose time bound beats the
+    fastest so far then takes the room its pipeline ranks' walk leaves below that bound
+    (:mod:`autopar.search.walk_room`), which may reorder them (no other can become the
+    fastest: room only changes options)."""
     model = solver.model
     graph, cluster = model.graph, model.cluster
     configs, rejected = enumerate_space(graph, cluster, model.global_batch_size, fixed, fold_shard_groups=True)

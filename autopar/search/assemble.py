@@ -106,7 +106,7 @@ def infeasible_error(
     states (taken to stay as it is). Where that alone overflows a device (activations
     and transients per sample), more nodes do not help, and none are suggested."""
     cluster = solver.model.cluster
-    best = _least_memory(result, solver)
+    best = _least_memory(result, solver, (fixed["recompute"],) if "recompute" in fixed else (Recompute.FULL,))
     cap = cluster.device.memory.capacity_bytes
     searched_full = fixed.get("recompute", Recompute.FULL) is Recompute.FULL
     cfg = best.config if not searched_full else replace(best.config, recompute=Recompute.FULL)
@@ -141,14 +141,14 @@ def infeasible_error(
     )
 
 
-def _least_memory(result: SearchResult, solver: ConfigSolver) -> Outcome:
+def _least_memory(result: SearchResult, solver: ConfigSolver, modes: tuple[Recompute, ...]) -> Outcome:
     """The infeasible candidate needing the least memory, sized: a candidate carries a
     lower bound (its states and one unit's activations, or the device's capacity where
     its stages found no split or per-unit choice that fits), so the most frugal
     candidates of each (tp, pp) region are sized at their smallest options
     (:func:`_frugal_peak`), as the plan's out-of-memory regions are."""
     cap = solver.model.cluster.device.memory.capacity_bytes
-    sized = _oom_regions(result, cap, solver, limit=len(result.infeasible))
+    sized = _oom_regions(result, cap, solver, limit=len(result.infeasible), modes=modes)
     return min(sized or result.infeasible, key=lambda o: o.min_memory_bytes)
 
 
@@ -208,7 +208,13 @@ def _alternatives(result: SearchResult, solver: ConfigSolver) -> tuple[Alternati
     return tuple(out)
 
 
-def _oom_regions(result: SearchResult, cap: float, solver: ConfigSolver, limit: int = 5) -> list[Outcome]:
+def _oom_regions(
+    result: SearchResult,
+    cap: float,
+    solver: ConfigSolver,
+    limit: int = 5,
+    modes: tuple[Recompute, ...] = (Recompute.FULL,),
+) -> list[Outcome]:
     """For each (tp, pp) region where no candidate fits, the closest to fitting: the
     smaller footprint of its two most frugal candidates (smallest micro-batch, highest
     ZeRO stage sharded over all of dp, most experts and context split, sequence
@@ -233,7 +239,8 @@ def _oom_regions(result: SearchResult, cap: float, solver: ConfigSolver, limit: 
             ),
         )
         sized = [
-            replace(o, min_memory_bytes=max(o.min_memory_bytes, _frugal_peak(solver, o.config))) for o in frugal[:2]
+            replace(o, min_memory_bytes=max(o.min_memory_bytes, _frugal_peak(solver, o.config, modes)))
+            for o in frugal[:2]
         ]
         best = min(sized, key=lambda o: o.min_memory_bytes)
         if best.min_memory_bytes > cap:
@@ -241,10 +248,9 @@ def _oom_regions(result: SearchResult, cap: float, solver: ConfigSolver, limit: 
     return sorted(found, key=lambda o: o.min_memory_bytes)[:limit]
 
 
-def _frugal_peak(solver: ConfigSolver, config: ParallelConfig) -> float:
+def _frugal_peak(solver: ConfigSolver, config: ParallelConfig, modes: tuple[Recompute, ...]) -> float:
     """The peak of ``config``'s most loaded rank on the even split (interleaved stages'
     rule for ``v > 1``) with every unit at its smallest option (:func:`autopar.cost.peak.frugal_peak_bytes`)."""
-    modes = (Recompute.FULL,)
     pp, v = config.pp, config.virtual_stages
     chunks = pp * v
     bounds = solver.even_split(chunks, exact=v > 1) if chunks > 1 else (0, solver.num_units)

@@ -347,6 +347,11 @@ def test_infeasible_plan_sizes_its_best_case_and_the_nodes_it_needs():
     assert nodes > 1
     plan = autopar.plan(model, dataclasses.replace(cluster, nodes=nodes), global_batch_size=64, seq_len=512)
     assert plan.prediction.fits
+    # recomputation pinned off: its best case keeps every activation, and is sized so (it
+    # was sized with full recomputation, the figure of a plan the user did not allow)
+    with pytest.raises(InfeasiblePlanError) as kept:
+        autopar.plan(model, cluster, global_batch_size=64, seq_len=512, constraints={"recompute": "none"})
+    assert kept.value.min_memory_bytes > err.value.min_memory_bytes
 
 
 def test_a_recompute_mode_without_a_majority_is_not_the_headline():

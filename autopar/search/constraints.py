@@ -74,6 +74,14 @@ def check_constraints(constraints: Mapping[str, Any] | None, *, what: str = "con
             f"constraint virtual_stages={out['virtual_stages']} with pp=1 is not allowed: it counts the stages of "
             f"each pipeline rank, and pp=1 has no pipeline; drop one of them."
         )
+    schedule, stages = out.get("schedule"), out.get("virtual_stages")
+    if schedule is not None and stages is not None:  # the pair ParallelConfig would refuse, said before the search
+        if (stages > 1 and not schedule.multi_stage) or (schedule.v_shape and stages != 2):
+            runs = "exactly 2 stages per pipeline rank (a V)" if schedule.v_shape else "one stage per pipeline rank"
+            raise ConfigError(
+                f"constraint schedule={schedule.value!r} with virtual_stages={stages} is not allowed: it runs "
+                f"{runs}; drop virtual_stages or pick a schedule that runs {stages} (interleaved-1f1b, interleaved-zb)."
+            )
     if out.get("pp") == 1 and out.get("schedule", Schedule.ONE_F_ONE_B) is not Schedule.ONE_F_ONE_B:
         raise ConfigError(
             f"constraint schedule={out['schedule'].value!r} with pp=1 is not allowed: it orders the micro-batches of "

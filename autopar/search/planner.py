@@ -372,6 +372,11 @@ def _complete(fixed: dict[str, Any], cluster: Cluster, global_batch_size: int) -
         out["micro_batch_size"] = per // out["num_microbatches"]
     out.setdefault("micro_batch_size", 1)
     several = out.get("schedule") in {s.value for s in Schedule if s.multi_stage}  # a StrEnum: its value
+    if several and "pp" not in fixed:
+        raise ConfigError(
+            f"schedule={str(out['schedule'])!r} runs several stages per rank of a pipeline, and no pp was given (1 by "
+            f"default); set pp to 2 or more as well."
+        )
     out.setdefault("virtual_stages", 2 if several else 1)  # a schedule of stages per rank: its fewest
     out.setdefault("schedule", "interleaved-1f1b" if out["virtual_stages"] > 1 else "1f1b")
     out.setdefault("zero_stage", 0)

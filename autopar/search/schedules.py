@@ -39,8 +39,8 @@ def offered_schedules(pp: int, graph: LayerGraph, c: Mapping[str, Any]) -> Itera
     the constraints ``c``: one stage per rank for 1F1B and GPipe, 2 to
     :data:`MAX_VIRTUAL_STAGES` for the interleaved ones, 2 for a V (left out for tied
     weights). Whether the model splits over them is :func:`split_problem`'s."""
-    if pp == 1:
-        if c.get("virtual_stages", 1) == 1:  # stages per pipeline rank need a pipeline
+    if pp == 1:  # stages per rank, or a pinned schedule other than 1F1B, need a pipeline
+        if c.get("virtual_stages", 1) == 1 and c.get("schedule", Schedule.ONE_F_ONE_B) is Schedule.ONE_F_ONE_B:
             yield Schedule.ONE_F_ONE_B, 1
         return
     wanted = c.get("schedule")

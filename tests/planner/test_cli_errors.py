@@ -146,6 +146,18 @@ CLI_CASES = {
         f"{DGX} --set pp=1,schedule=interleaved-1f1b",
         ["schedule='interleaved-1f1b' with pp=1", "no pipeline"],
     ),
+    "estimate of stages per rank without a pipeline": (
+        f"estimate {PLAN} --cluster dgx-a100-80gb:1 --set schedule=interleaved-1f1b",
+        ["schedule='interleaved-1f1b' runs several stages per rank", "no pp was given", "set pp to 2 or more"],
+    ),
+    "a V of three stages": (
+        f"{DGX} --set pp=2,schedule=zbv,virtual_stages=3",
+        ["schedule='zbv' with virtual_stages=3 is not allowed", "exactly 2 stages per pipeline rank"],
+    ),
+    "one stage per rank, twice": (
+        f"{DGX} --set pp=2,schedule=1f1b,virtual_stages=2",
+        ["schedule='1f1b' with virtual_stages=2 is not allowed", "one stage per pipeline rank"],
+    ),
     "a field set twice": (f"{DGX} --set tp=2,tp=4", ["tp= is given twice", "tp=2 and tp=4"]),
     "estimate refusal names only what was set": (
         "estimate --model gpt2-small --seq-len 16 --global-batch-size 8 --cluster dgx-a100-80gb:1 "

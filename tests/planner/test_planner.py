@@ -49,6 +49,11 @@ def test_estimate_of_a_schedule_of_several_stages_per_rank_runs_two(schedule):
     assert (e.config.schedule.value, e.config.virtual_stages, e.config.num_stages) == (schedule, 2, 8)
     one = autopar.estimate(m, DGX1, {"pp": 4}, global_batch_size=16, seq_len=1024)
     assert (one.config.schedule.value, one.config.virtual_stages) == ("1f1b", 1)
+    # planned with the schedule pinned and pp free: only pipelines are candidates (a plan
+    # without one came back as 1F1B, the pinned schedule dropped)
+    planned = autopar.plan(m, DGX1, global_batch_size=16, seq_len=1024, constraints={"schedule": schedule})
+    assert planned.config.pp > 1 and planned.config.schedule.value == schedule
+    assert all(a.config.pp > 1 and a.config.schedule.value == schedule for a in planned.alternatives)
 
 
 def test_estimate_is_a_space_of_size_one_and_never_raises_for_memory():

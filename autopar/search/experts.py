@@ -76,11 +76,12 @@ def check_routing_imbalance(graph: LayerGraph, routing_imbalance: float) -> None
     a model without them, it would be silently ignored, so it is refused in one line."""
     if routing_imbalance == 1.0 or any(leaf.experts and leaf.dropless for p in graph.profiles for leaf in p.leaves):
         return
-    has = (
-        "fixed-capacity expert buffers, whose work does not depend on the routing"
-        if capacity_experts(graph)
-        else "no mixture-of-experts layers"
-    )
+    if capacity_experts(graph):
+        has = "fixed-capacity expert buffers, whose work does not depend on the routing"
+    elif graph.unsplit_experts:
+        has = f"experts that run every token ({', '.join(graph.unsplit_experts)}), whatever the routing"
+    else:
+        has = "no mixture-of-experts layers"
     raise ConfigError(
         f"routing_imbalance={routing_imbalance:g} is not allowed for {graph.name}: it prices dropless experts, and "
         f"this model has {has}; leave it at 1."

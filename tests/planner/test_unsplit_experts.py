@@ -110,3 +110,10 @@ def test_unrouted_expert_work_is_hardware_not_model_flops():
     assert p.hfu / p.mfu == pytest.approx(ratio, rel=1e-9) and ratio > 1.3
     assert plan.model.flops_per_sample == pytest.approx(3 * graph.model_fwd_flops_per_sample, rel=1e-12)
     assert extract(_tiny("mixtral"), seq_len=32).unrouted_flops == 0.0
+
+
+def test_a_routing_imbalance_for_experts_that_run_every_token_is_refused_for_what_they_are():
+    """Llama 4's experts run every token whatever the router picks: a routing imbalance
+    would change nothing, and the refusal says so (it said the model had no experts)."""
+    with pytest.raises(ConfigError, match=r"this model has experts that run every token \(Llama4TextExperts\)"):
+        autopar.plan(_tiny("llama4"), "dgx-h100:1", global_batch_size=8, seq_len=32, routing_imbalance=1.5)

@@ -415,11 +415,35 @@ def _rope_args(shape: ModelShape, info: list[str]) -> list[str]:
         kind, factor = shape.rope_scaling
         if kind == "llama3":
             args += ["--use-rope-scaling", "--rope-scaling-factor", f"{factor:g}"]
+        elif kind == "yarn" and shape.latent_attention is not None:
+            args += _yarn_args(factor, dict(shape.yarn), info)
         else:
             info.append(
                 f"the model scales its rotary embeddings ({kind}, factor {factor:g}), which Megatron-LM's flags "
                 f"express only for Llama 3's scaling: set it in the model's config"
             )
+    return args
+
+
+MLA_YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "original_max_position_embeddings": 4096.0}
+"""What Megatron-LM's multi-latent attention takes for YaRN's numbers it has no flag for
+(``MLATransformerConfig``, core_v0.16.1)."""
+
+
+def _yarn_args(factor: float, yarn: dict[str, float], info: list[str]) -> list[str]:
+    """A multi-latent attention's YaRN scaling (DeepSeek-V2/V3): its factor and softmax
+    scales as flags; the numbers without one said where they differ from Megatron's."""
+    args = ["--rope-type", "yarn", "--rotary-scaling-factor", f"{factor:g}"]
+    for name in ("mscale", "mscale_all_dim"):
+        if name in yarn:
+            args += [f"--{name.replace('_', '-')}", f"{yarn[name]:g}"]
+    differ = [f"{k}={yarn[k]:g}" for k, v in MLA_YARN_DEFAULTS.items() if k in yarn and yarn[k] != v]
+    if differ:
+        info.append(
+            f"the model's YaRN scaling states {', '.join(differ)}, which Megatron-LM's flags do not set (its "
+            f"multi-latent attention takes {', '.join(f'{k}={v:g}' for k, v in MLA_YARN_DEFAULTS.items())}): "
+            f"set them in the model's config"
+        )
     return args
 
 

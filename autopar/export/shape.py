@@ -108,6 +108,9 @@ class ModelShape:
         rotary_percent: the fraction of each head's features rotary embeddings rotate
             (GPT-NeoX's ``rotary_pct``, ``partial_rotary_factor``).
         rope_scaling: the config's rope scaling (``rope_type`` and ``factor``), if any.
+        yarn: YaRN's other numbers where the config scales that way (``mscale``,
+            ``mscale_all_dim``, ``beta_fast``, ``beta_slow``,
+            ``original_max_position_embeddings``: those it states).
         gated_activation: the activation of a gated MLP (``silu``: SwiGLU; a GELU:
             GeGLU, Gemma's).
         norm_epsilon: the norms' epsilon.
@@ -136,6 +139,7 @@ class ModelShape:
     qk_norm: str | None = None
     rotary_percent: float | None = None
     rope_scaling: tuple[str, float] | None = None
+    yarn: tuple[tuple[str, float], ...] = ()
     gated_activation: str | None = None
     norm_epsilon: float | None = None
     block_class: str | None = None
@@ -218,6 +222,7 @@ def _hf_shape(
         head_dim=_int(config, "head_dim"),
         rotary_percent=_rotary_percent(config),
         rope_scaling=_rope_scaling(config),
+        yarn=_yarn(config),
         block_class=block_class,
         experts=_hf_experts(config, blocks or []),
         latent_attention=_latent_attention(config, block),
@@ -396,6 +401,21 @@ def _qk_norm(leaves: dict[str, nn.Module], query: nn.Module | None) -> str:
     width = getattr(norm, "weight", None)
     whole = getattr(query, "out_features", None)
     return "projection" if width is not None and whole is not None and width.numel() == whole else "head"
+
+
+_YARN_FIELDS = ("mscale", "mscale_all_dim", "beta_fast", "beta_slow", "original_max_position_embeddings")
+
+
+def _yarn(config: Any) -> tuple[tuple[str, float], ...]:
+    """The numbers of a YaRN rope scaling the config states (:data:`_YARN_FIELDS`)."""
+    scaling = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
+    if (scaling.get("rope_type") or scaling.get("type")) != "yarn":
+        return ()
+    return tuple(
+        (name, float(scaling[name]))
+        for name in _YARN_FIELDS
+        if isinstance(scaling.get(name), (int, float)) and not isinstance(scaling.get(name), bool)
+    )
 
 
 def _rope_scaling(config: Any) -> tuple[str, float] | None:

@@ -264,6 +264,15 @@ def test_megatron_builds_a_transformers_deepseek_v3():
         qk_rope_head_dim=8,
         v_head_dim=16,
         max_position_embeddings=128,
+        rope_scaling={
+            "type": "yarn",
+            "factor": 40,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.707,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "original_max_position_embeddings": 64,
+        },
     )
     with torch.device("meta"):
         model = transformers.DeepseekV3ForCausalLM(config)
@@ -287,6 +296,15 @@ def test_megatron_builds_a_transformers_deepseek_v3():
     }
     assert args["--v-head-dim"] == "16" and args["--multi-latent-attention"] is True and args["--qk-layernorm"] is True
     assert "--kv-channels" not in args
+    yarn = {f: args[f] for f in ("--rope-type", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim")}
+    assert yarn == {
+        "--rope-type": "yarn",
+        "--rotary-scaling-factor": "40",
+        "--mscale": "1",
+        "--mscale-all-dim": "0.707",
+    }
+    text = export(replace(plan, config=replace(plan.config, ep=2)), to="megatron", model=model).text
+    assert "original_max_position_embeddings=64, which Megatron-LM's flags do not set" in text  # its default 4096
     launch = export(replace(plan, config=replace(plan.config, ep=2)), to="megatron", model=model).launch
     declared_megatron_parser().parse_args(shlex.split(launch.split("pretrain_gpt.py ")[1]))
 

@@ -145,8 +145,8 @@ def _expert_args(plan: Plan, shape: ModelShape | None, notes: list[str], info: l
         args += ["--num-experts", str(experts.count), "--moe-router-topk", str(experts.top_k)]
         if experts.ffn_hidden_size is not None:
             args += ["--moe-ffn-hidden-size", str(experts.ffn_hidden_size)]
-        args += _router_args(experts)
-        if experts.top_k == 1:
+        args += _router_args(experts, notes)
+        if experts.top_k == 1 and experts.score_function == "softmax":
             # Megatron raises on top-1 routing without it (a softmax over one logit has no gradient)
             args.append("--moe-router-pre-softmax")
             notes.append(
@@ -182,7 +182,7 @@ def _expert_args(plan: Plan, shape: ModelShape | None, notes: list[str], info: l
     return args
 
 
-def _router_args(experts: Experts) -> list[str]:
+def _router_args(experts: Experts, notes: list[str]) -> list[str]:
     """Shared experts (gated or not), the blocks holding experts (``--moe-layer-freq`` as
     the pattern Megatron-LM evaluates, ``([0]*3+[1]*58)``: 1 a mixture-of-experts block),
     top-k weights left as the softmax over every expert (``--moe-router-pre-softmax``;
@@ -200,8 +200,15 @@ def _router_args(experts: Experts) -> list[str]:
         args += ["--moe-layer-freq", "(" + "+".join(f"[{int(held)}]*{n}" for held, n in runs) + ")"]
     if experts.score_function != "softmax":
         args += ["--moe-router-score-function", experts.score_function]
+        if not experts.renormalized and experts.top_k > 1:
+            notes.append(
+                "Megatron-LM renormalises a sigmoid router's top-k weights to sum to 1; the model leaves them as "
+                "they are (norm_topk_prob false), which no flag selects"
+            )
     if experts.expert_bias:
         args.append("--moe-router-enable-expert-bias")
+    if experts.probs_on_input:
+        args.append("--moe-apply-probs-on-input")
     if experts.groups is not None:
         args += ["--moe-router-num-groups", str(experts.groups[0]), "--moe-router-group-topk", str(experts.groups[1])]
     if experts.scaling_factor is not None:

@@ -51,6 +51,8 @@ class Experts:
         score_function: how the router scores experts: ``softmax`` or ``sigmoid``.
         expert_bias: a learned per-expert bias chooses the top-k (DeepSeek-V3's
             auxiliary-loss-free balancing, told by its router's ``e_score_correction_bias``).
+        probs_on_input: the routing weight scales the expert's input, not its output
+            (Llama 4, whose router applies a sigmoid to the top-k logits).
         groups: (groups, groups each token may use) of a group-limited router.
         scaling_factor: what the routed experts' weights are multiplied by.
     """
@@ -66,6 +68,7 @@ class Experts:
     layers: tuple[bool, ...] | None = None
     score_function: str = "softmax"
     expert_bias: bool = False
+    probs_on_input: bool = False
     groups: tuple[int, int] | None = None
     scaling_factor: float | None = None
 
@@ -216,7 +219,7 @@ def _hf_shape(
         hidden_size=_int(config, "hidden_size"),
         num_attention_heads=heads,
         num_kv_heads=_int(config, "num_key_value_heads") or heads,
-        ffn_hidden_size=_int(config, "intermediate_size"),
+        ffn_hidden_size=_int(config, "intermediate_size_mlp") or _int(config, "intermediate_size"),  # Llama 4's dense
         vocab_size=_int(config, "vocab_size"),
         max_position_embeddings=_int(config, "max_position_embeddings"),
         head_dim=_int(config, "head_dim"),
@@ -265,6 +268,7 @@ def _hf_experts(config: Any, blocks: list[nn.Module]) -> Experts | None:
     groups, group_top = _int(config, "n_group"), _int(config, "topk_group")
     grouped = groups and group_top and groups > 1 and getattr(config, "topk_method", None) != "greedy"
     scaling = _float(config, "routed_scaling_factor")
+    llama4 = getattr(config, "model_type", None) in ("llama4", "llama4_text")  # sigmoid of the top-k, on the input
     return Experts(
         count=count,
         top_k=top_k,
@@ -275,8 +279,11 @@ def _hf_experts(config: Any, blocks: list[nn.Module]) -> Experts | None:
         shared_gate=gated,
         renormalized=getattr(config, "norm_topk_prob", True) is not False,
         layers=tuple(holds) if any(holds) and not all(holds) else None,
-        score_function="sigmoid" if biased or getattr(config, "scoring_func", None) == "sigmoid" else "softmax",
+        score_function="sigmoid"
+        if biased or llama4 or getattr(config, "scoring_func", None) == "sigmoid"
+        else "softmax",
         expert_bias=biased,
+        probs_on_input=llama4,
         groups=(groups, group_top) if grouped else None,
         scaling_factor=scaling if scaling not in (None, 1.0) else None,
     )

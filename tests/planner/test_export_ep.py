@@ -348,3 +348,8 @@ def test_megatron_reads_shared_experts_and_dense_blocks_from_the_built_model():
     assert q["--moe-router-pre-softmax"] is True and "--moe-layer-freq" not in q
     assert [int(x) for x in eval(l4["--moe-layer-freq"])] == [0, 1]
     assert l4["--moe-shared-expert-intermediate-size"] == "128" and "--moe-shared-expert-gate" not in l4
+    # Llama 4: the sigmoid of the top-1 logit scales the expert's input; its dense block is
+    # intermediate_size_mlp wide, its experts intermediate_size
+    assert l4["--moe-router-score-function"] == "sigmoid" and l4["--moe-apply-probs-on-input"] is True
+    assert "--moe-router-pre-softmax" not in l4
+    assert (l4["--ffn-hidden-size"], l4["--moe-ffn-hidden-size"]) == ("96", "128")

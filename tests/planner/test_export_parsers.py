@@ -267,6 +267,7 @@ MEGATRON_FLAGS = {
     # from TransformerConfig's fields (ArgumentGroupFactory): a Literal's choices, a bool a switch
     "--moe-router-score-function": (str, ["softmax", "sigmoid"]),
     "--moe-router-enable-expert-bias": (None, None),
+    "--moe-apply-probs-on-input": (None, None),
     "--moe-router-num-groups": (int, None),
     "--moe-router-group-topk": (int, None),
     "--moe-router-topk-scaling-factor": (float, None),

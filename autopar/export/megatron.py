@@ -211,6 +211,12 @@ def _router_args(experts: Experts, notes: list[str]) -> list[str]:
         args.append("--moe-apply-probs-on-input")
     if experts.groups is not None:
         args += ["--moe-router-num-groups", str(experts.groups[0]), "--moe-router-group-topk", str(experts.groups[1])]
+        if experts.groups_by_best:
+            notes.append(
+                "Megatron-LM ranks a router's expert groups by the sum of their top experts' scores (DeepSeek-V3's "
+                "rule); the model ranks them by their best expert (DeepSeek-V2's group_limited_greedy), which no "
+                "flag selects"
+            )
     if experts.scaling_factor is not None:
         args += ["--moe-router-topk-scaling-factor", f"{experts.scaling_factor:g}"]
     return args

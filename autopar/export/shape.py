@@ -54,6 +54,8 @@ class Experts:
         probs_on_input: the routing weight scales the expert's input, not its output
             (Llama 4, whose router applies a sigmoid to the top-k logits).
         groups: (groups, groups each token may use) of a group-limited router.
+        groups_by_best: the router ranks groups by their best expert (DeepSeek-V2's
+            ``group_limited_greedy``), not by the sum of their top experts (DeepSeek-V3's).
         scaling_factor: what the routed experts' weights are multiplied by.
     """
 
@@ -70,6 +72,7 @@ class Experts:
     expert_bias: bool = False
     probs_on_input: bool = False
     groups: tuple[int, int] | None = None
+    groups_by_best: bool = False
     scaling_factor: float | None = None
 
 
@@ -268,16 +271,18 @@ def _hf_experts(config: Any, blocks: list[nn.Module]) -> Experts | None:
     groups, group_top = _int(config, "n_group"), _int(config, "topk_group")
     grouped = groups and group_top and groups > 1 and getattr(config, "topk_method", None) != "greedy"
     scaling = _float(config, "routed_scaling_factor")
-    llama4 = getattr(config, "model_type", None) in ("llama4", "llama4_text")  # sigmoid of the top-k, on the input
+    model_type = getattr(config, "model_type", None)
+    llama4 = model_type in ("llama4", "llama4_text")  # sigmoid of the top-k, on the input
     return Experts(
         count=count,
         top_k=top_k,
         ffn_hidden_size=width,
         capacity_factor=None,
-        model_type=getattr(config, "model_type", None) or None,
+        model_type=model_type or None,
         shared_ffn_hidden_size=shared or None,
         shared_gate=gated,
-        renormalized=getattr(config, "norm_topk_prob", True) is not False,
+        # transformers' DeepSeek-V2 keeps the softmax weights whatever norm_topk_prob says
+        renormalized=getattr(config, "norm_topk_prob", True) is not False and model_type != "deepseek_v2",
         layers=tuple(holds) if any(holds) and not all(holds) else None,
         score_function="sigmoid"
         if biased or llama4 or getattr(config, "scoring_func", None) == "sigmoid"
@@ -285,6 +290,7 @@ def _hf_experts(config: Any, blocks: list[nn.Module]) -> Experts | None:
         expert_bias=biased,
         probs_on_input=llama4,
         groups=(groups, group_top) if grouped else None,
+        groups_by_best=bool(grouped) and getattr(config, "topk_method", None) == "group_limited_greedy",
         scaling_factor=scaling if scaling not in (None, 1.0) else None,
     )
 

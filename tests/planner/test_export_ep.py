@@ -353,3 +353,41 @@ def test_megatron_reads_shared_experts_and_dense_blocks_from_the_built_model():
     assert l4["--moe-router-score-function"] == "sigmoid" and l4["--moe-apply-probs-on-input"] is True
     assert "--moe-router-pre-softmax" not in l4
     assert (l4["--ffn-hidden-size"], l4["--moe-ffn-hidden-size"]) == ("96", "128")
+
+
+def test_megatron_keeps_deepseek_v2s_softmax_weights_and_says_its_groups_differ():
+    """transformers' DeepSeek-V2 never renormalises its top-k softmax weights, whatever
+    norm_topk_prob says (Megatron's --moe-router-pre-softmax), and ranks expert groups by
+    their best expert, which Megatron's grouped router does not: noted."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DeepseekV2Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=160,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        topk_method="group_limited_greedy",
+        norm_topk_prob=True,
+        first_k_dense_replace=0,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        max_position_embeddings=128,
+    )
+    with torch.device("meta"):
+        model = transformers.DeepseekV2ForCausalLM(config)
+    plan = _estimate(model, 4, 64, dp=4, tp=1)
+    args = megatron_args(plan, model=model)
+    assert args["--moe-router-pre-softmax"] is True and "--moe-router-score-function" not in args
+    assert (args["--moe-router-num-groups"], args["--moe-router-group-topk"]) == ("4", "2")
+    assert "--q-lora-rank" not in args and args["--kv-lora-rank"] == "16"
+    assert any("ranks them by their best expert" in n for n in export(plan, to="megatron", model=model).notes)

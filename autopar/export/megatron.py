@@ -74,7 +74,7 @@ def export_megatron(plan: Plan, shape: ModelShape | None) -> Export:
     args += _data_parallel_args(plan, notes)
     args += recompute_args(blocks, notes)
     args += {DType.BF16: ["--bf16"], DType.FP16: ["--fp16"], DType.FP32: []}[c.dtype]
-    args += _model_args(plan, blocks, shape, info)
+    args += _model_args(plan, blocks, shape, info, notes)
     if plan.settings.optimizer is Optimizer.SGD:
         args += ["--optimizer", "sgd"]
     elif plan.settings.optimizer is Optimizer.ADAFACTOR:
@@ -366,7 +366,7 @@ def recompute_args(blocks: Blocks, notes: list[str]) -> list[str]:
     return ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", str(n)]
 
 
-def _model_args(plan: Plan, blocks: Blocks, shape: ModelShape | None, info: list[str]) -> list[str]:
+def _model_args(plan: Plan, blocks: Blocks, shape: ModelShape | None, info: list[str], notes: list[str]) -> list[str]:
     """The model's sizes: layers and sequence length from the plan, the rest from
     ``shape`` when the caller gave the model."""
     args = ["--seq-length", str(plan.model.seq_len)]
@@ -389,6 +389,11 @@ def _model_args(plan: Plan, blocks: Blocks, shape: ModelShape | None, info: list
     if shape.num_kv_heads is not None and shape.num_attention_heads not in (None, shape.num_kv_heads):
         args += ["--group-query-attention", "--num-query-groups", str(shape.num_kv_heads)]
     args += _attention_args(shape, info)
+    if shape.unwritten:
+        notes.append(
+            f"the model has {', '.join(shape.unwritten)}, which these flags do not build: add them in a model spec "
+            f"(Megatron-LM's --window-size and --window-attn-skip-freq, softmax_type, activation_func_clamp_value)"
+        )
     geglu = bool(shape.gated_mlp) and shape.gated_activation not in (None, "silu", "swish")
     if geglu:
         info.append(

@@ -124,6 +124,9 @@ class ModelShape:
         experts: the routed experts; ``None`` for a model without experts (or none that
             its config counts).
         latent_attention: its multi-latent attention's sizes; ``None`` for another.
+        unwritten: what the config states of its attention and MLP that flag-built models
+            take in a spec rather than from sizes (sliding-window layers, attention sinks,
+            a clamped SwiGLU), each as a phrase.
         known_architecture: the architecture fields above were read from a model autopar
             knows, not left unknown.
     """
@@ -151,6 +154,7 @@ class ModelShape:
     block_class: str | None = None
     experts: Experts | None = None
     latent_attention: LatentAttention | None = None
+    unwritten: tuple[str, ...] = ()
     known_architecture: bool = False
 
 
@@ -232,6 +236,7 @@ def _hf_shape(
         block_class=block_class,
         experts=_hf_experts(config, blocks or []),
         latent_attention=_latent_attention(config, block),
+        unwritten=_unwritten(config, block),
         **(_hf_architecture(config, block) if block is not None else {}),
     )
 
@@ -293,6 +298,23 @@ def _hf_experts(config: Any, blocks: list[nn.Module]) -> Experts | None:
         groups_by_best=bool(grouped) and getattr(config, "topk_method", None) == "group_limited_greedy",
         scaling_factor=scaling if scaling not in (None, 1.0) else None,
     )
+
+
+def _unwritten(config: Any, block: nn.Module | None) -> tuple[str, ...]:
+    """What the config states that Megatron-LM's size flags do not build: sliding-window
+    attention on some layers (``layer_types``), attention sinks (a block's ``sinks``
+    parameter, gpt-oss), a clamped SwiGLU (``swiglu_limit``)."""
+    found = []
+    kinds = getattr(config, "layer_types", None) or []
+    window = _int(config, "sliding_window")
+    sliding = sum(1 for kind in kinds if kind == "sliding_attention")
+    if window and sliding:
+        found.append(f"sliding-window attention (window {window}) on {sliding} of its {len(kinds)} layers")
+    if block is not None and any(name.rsplit(".", 1)[-1] == "sinks" for name, _ in block.named_parameters()):
+        found.append("attention sinks (a learned logit per head)")
+    if (limit := _float(config, "swiglu_limit")) is not None:
+        found.append(f"a SwiGLU clamped at {limit:g}")
+    return tuple(found)
 
 
 def _shared_experts(blocks: list[nn.Module]) -> tuple[int | None, bool]:

@@ -391,3 +391,31 @@ def test_megatron_keeps_deepseek_v2s_softmax_weights_and_says_its_groups_differ(
     assert (args["--moe-router-num-groups"], args["--moe-router-group-topk"]) == ("4", "2")
     assert "--q-lora-rank" not in args and args["--kv-lora-rank"] == "16"
     assert any("ranks them by their best expert" in n for n in export(plan, to="megatron", model=model).notes)
+
+
+def test_megatron_export_names_what_its_flags_do_not_build():
+    """gpt-oss: sliding-window attention on half its layers, attention sinks and a clamped
+    SwiGLU, none of which Megatron-LM builds from size flags: the export says so, on the
+    command line's notes, rather than write a launch for another model in silence."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GptOssConfig(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=16,
+        max_position_embeddings=64,
+    )
+    with torch.device("meta"):
+        model = transformers.GptOssForCausalLM(config)
+    plan = _estimate(model, 4, 32, dp=4, tp=1)
+    (note,) = [n for n in export(plan, to="megatron", model=model).notes if "which these flags do not build" in n]
+    assert "sliding-window attention (window 16) on 1 of its 2 layers" in note
+    assert "attention sinks" in note and "a SwiGLU clamped at 7" in note
+    mixtral = export(_estimate(_mixtral(), 4, 32, dp=4, tp=1), to="megatron", model=_mixtral())
+    assert not any("which these flags do not build" in n for n in mixtral.notes)

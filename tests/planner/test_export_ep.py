@@ -64,6 +64,14 @@ def _mixtral(top_k: int = 2):
         return transformers.MixtralForCausalLM(config)
 
 
+def _planned(cls, config, seq_len: int):
+    """A transformers model of ``cls`` built from ``config`` on the meta device, and its
+    plan on 4 devices of data parallelism."""
+    with torch.device("meta"):
+        model = cls(config)
+    return model, _estimate(model, 4, seq_len, dp=4, tp=1)
+
+
 @pytest.fixture(scope="module")
 def mixtral():
     """A transformers Mixtral (4 experts, top-2) and its plan with dp 4 x ep 2."""
@@ -274,9 +282,7 @@ def test_megatron_builds_a_transformers_deepseek_v3():
             "original_max_position_embeddings": 64,
         },
     )
-    with torch.device("meta"):
-        model = transformers.DeepseekV3ForCausalLM(config)
-    plan = _estimate(model, 4, 64, dp=4, tp=1)
+    model, plan = _planned(transformers.DeepseekV3ForCausalLM, config, 64)
     args = megatron_args(replace(plan, config=replace(plan.config, ep=2)), model=model)
     assert (args["--num-experts"], args["--moe-router-topk"], args["--moe-ffn-hidden-size"]) == ("8", "2", "32")
     assert args["--moe-shared-expert-intermediate-size"] == str(2 * 32)
@@ -336,9 +342,7 @@ def test_megatron_reads_shared_experts_and_dense_blocks_from_the_built_model():
     )
     found = {}
     for name, config, cls in (("qwen", qwen, "Qwen2MoeForCausalLM"), ("llama4", llama4, "Llama4ForCausalLM")):
-        with torch.device("meta"):
-            model = getattr(transformers, cls)(config)
-        plan = _estimate(model, 4, 32, dp=4, tp=1)
+        model, plan = _planned(getattr(transformers, cls), config, 32)
         found[name] = megatron_args(plan, model=model)
         declared_megatron_parser().parse_args(
             shlex.split(export(plan, to="megatron", model=model).launch.split("pretrain_gpt.py ")[1])
@@ -383,9 +387,7 @@ def test_megatron_keeps_deepseek_v2s_softmax_weights_and_says_its_groups_differ(
         v_head_dim=16,
         max_position_embeddings=128,
     )
-    with torch.device("meta"):
-        model = transformers.DeepseekV2ForCausalLM(config)
-    plan = _estimate(model, 4, 64, dp=4, tp=1)
+    model, plan = _planned(transformers.DeepseekV2ForCausalLM, config, 64)
     args = megatron_args(plan, model=model)
     assert args["--moe-router-pre-softmax"] is True and "--moe-router-score-function" not in args
     assert (args["--moe-router-num-groups"], args["--moe-router-group-topk"]) == ("4", "2")
@@ -411,9 +413,7 @@ def test_megatron_export_names_what_its_flags_do_not_build():
         sliding_window=16,
         max_position_embeddings=64,
     )
-    with torch.device("meta"):
-        model = transformers.GptOssForCausalLM(config)
-    plan = _estimate(model, 4, 32, dp=4, tp=1)
+    model, plan = _planned(transformers.GptOssForCausalLM, config, 32)
     (note,) = [n for n in export(plan, to="megatron", model=model).notes if "which these flags do not build" in n]
     assert "sliding-window attention (window 16) on 1 of its 2 layers" in note
     assert "attention sinks" in note and "a SwiGLU clamped at 7" in note

@@ -14,7 +14,8 @@ the plan was made for, its sizes are filled in where the framework takes them as
 from autopar.export.api import EXPORTERS, export
 from autopar.export.cli import add_export_parser
 from autopar.export.common import Export, ExportError, UnreadablePlanError
-from autopar.export.shape import Experts, ModelShape
+from autopar.export.experts_shape import Experts
+from autopar.export.shape import ModelShape
 
 __all__ = [
     "EXPORTERS",

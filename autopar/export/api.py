@@ -10,8 +10,9 @@ from torch import nn
 from autopar.export.accelerate import export_accelerate
 from autopar.export.common import Export, ExportError, load_plan
 from autopar.export.deepspeed import export_deepspeed
+from autopar.export.experts_shape import require_experts
 from autopar.export.megatron import export_megatron
-from autopar.export.shape import ModelShape, require_experts, shape_of
+from autopar.export.shape import ModelShape, shape_of
 from autopar.export.torchtitan import export_torchtitan
 from autopar.plan import Plan
 

@@ -17,6 +17,7 @@ import shlex
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from autopar import codec
 from autopar.errors import ConfigError, PlanFormatError
@@ -377,3 +378,15 @@ def torchrun(plan: Plan) -> list[str]:
         "--master-port",
         "${MASTER_PORT:-29500}",
     ]
+
+
+def config_float(config: Any, name: str) -> float | None:
+    """A config's number ``name``, as a float; None where it is absent or not a number."""
+    value = getattr(config, name, None)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def config_int(config: Any, name: str) -> int | None:
+    """A config's integer ``name``; None where it is absent or not an integer."""
+    value = getattr(config, name, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -5,7 +5,8 @@ A plan records the model's units, parameter count and fingerprint, not its hidde
 or head count. When the caller passes the model the plan was made for, its config gives
 them: autopar's own GPT, Llama and mixture-of-experts Llama (every registry model), or
 any Hugging Face model (sizes, the architecture where its config and blocks state it,
-and the routed experts where its config counts them, as Mixtral's does).
+and the routed experts where its config counts them, as Mixtral's does: read by
+:mod:`autopar.export.experts_shape`).
 """
 
 from __future__ import annotations
@@ -15,65 +16,13 @@ from typing import Any
 
 from torch import nn
 
-from autopar.export.common import ExportError, blocks_of
+from autopar.export.common import ExportError, blocks_of, config_float, config_int
+from autopar.export.experts_shape import Experts, hf_experts, moe_experts
 from autopar.graph.units import model_fingerprint
-from autopar.models.experts import is_routed_experts, unsplit_experts
 from autopar.models.gpt import GPTConfig
 from autopar.models.llama import LlamaConfig
 from autopar.models.moe import MoEConfig
 from autopar.plan import Plan
-
-
-@dataclass(frozen=True, kw_only=True)
-class Experts:
-    """The routed experts of a mixture-of-experts model (every block's MLP).
-
-    Attributes:
-        count: experts per layer.
-        top_k: experts each token is routed to.
-        ffn_hidden_size: one expert's hidden width; ``None`` where unknown.
-        capacity_factor: the slots of a balanced routing each expert's buffer holds
-            (tokens beyond are dropped); ``None`` for a dropless model, which runs every
-            routed token.
-        model_type: the transformers ``model_type`` (``mixtral``); ``None`` for
-            autopar's own :class:`~autopar.models.moe.MoELlama`.
-        shared_ffn_hidden_size: the hidden width of the shared experts every token runs
-            beside its routed ones, all of them together (DeepSeek's ``n_shared_experts``
-            x ``moe_intermediate_size``, Qwen2-MoE's ``shared_expert_intermediate_size``);
-            ``None`` without.
-        shared_gate: the shared experts' output is scaled by a learned sigmoid gate
-            (Qwen2-MoE's ``shared_expert_gate``).
-        renormalized: the top-k weights are renormalised to sum to 1 (the config's
-            ``norm_topk_prob``, true where it does not say); else they stay the softmax
-            over all experts (OLMoE, Qwen2-MoE).
-        layers: which blocks, in order, hold experts (DeepSeek's first dense layers);
-            ``None`` where every block does or it is unknown.
-        score_function: how the router scores experts: ``softmax`` or ``sigmoid``.
-        expert_bias: a learned per-expert bias chooses the top-k (DeepSeek-V3's
-            auxiliary-loss-free balancing, told by its router's ``e_score_correction_bias``).
-        probs_on_input: the routing weight scales the expert's input, not its output
-            (Llama 4, whose router applies a sigmoid to the top-k logits).
-        groups: (groups, groups each token may use) of a group-limited router.
-        groups_by_best: the router ranks groups by their best expert (DeepSeek-V2's
-            ``group_limited_greedy``), not by the sum of their top experts (DeepSeek-V3's).
-        scaling_factor: what the routed experts' weights are multiplied by.
-    """
-
-    count: int
-    top_k: int
-    ffn_hidden_size: int | None
-    capacity_factor: float | None
-    model_type: str | None
-    shared_ffn_hidden_size: int | None = None
-    shared_gate: bool = False
-    renormalized: bool = True
-    layers: tuple[bool, ...] | None = None
-    score_function: str = "softmax"
-    expert_bias: bool = False
-    probs_on_input: bool = False
-    groups: tuple[int, int] | None = None
-    groups_by_best: bool = False
-    scaling_factor: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,7 +156,7 @@ def shape_of(model: nn.Module, plan: Plan) -> ModelShape:
             qk_norm="none",
             norm_epsilon=config.norm_eps,
             block_class=block_class,
-            experts=_moe_experts(config) if isinstance(config, MoEConfig) else None,
+            experts=moe_experts(config) if isinstance(config, MoEConfig) else None,
             known_architecture=True,
         )
     return _hf_shape(config, block_class, _first_block(model, plan), _blocks(model, plan))
@@ -221,82 +170,24 @@ def _hf_shape(
     config and one built block state it (:func:`_hf_architecture`)."""
     if config is None:
         return ModelShape(block_class=block_class)
-    heads = _int(config, "num_attention_heads")
+    heads = config_int(config, "num_attention_heads")
     return ModelShape(
-        hidden_size=_int(config, "hidden_size"),
+        hidden_size=config_int(config, "hidden_size"),
         num_attention_heads=heads,
-        num_kv_heads=_int(config, "num_key_value_heads") or heads,
-        ffn_hidden_size=_int(config, "intermediate_size_mlp") or _int(config, "intermediate_size"),  # Llama 4's dense
-        vocab_size=_int(config, "vocab_size"),
-        max_position_embeddings=_int(config, "max_position_embeddings"),
-        head_dim=_int(config, "head_dim"),
+        num_kv_heads=config_int(config, "num_key_value_heads") or heads,
+        ffn_hidden_size=config_int(config, "intermediate_size_mlp")
+        or config_int(config, "intermediate_size"),  # Llama 4's dense
+        vocab_size=config_int(config, "vocab_size"),
+        max_position_embeddings=config_int(config, "max_position_embeddings"),
+        head_dim=config_int(config, "head_dim"),
         rotary_percent=_rotary_percent(config),
         rope_scaling=_rope_scaling(config),
         yarn=_yarn(config),
         block_class=block_class,
-        experts=_hf_experts(config, blocks or []),
+        experts=hf_experts(config, blocks or []),
         latent_attention=_latent_attention(config, block),
         unwritten=_unwritten(config, block),
         **(_hf_architecture(config, block) if block is not None else {}),
-    )
-
-
-def _moe_experts(config: MoEConfig) -> Experts:
-    """The experts of autopar's mixture-of-experts Llama: capacity-bounded buffers."""
-    return Experts(
-        count=config.n_experts,
-        top_k=config.top_k,
-        ffn_hidden_size=config.ffn_dim,
-        capacity_factor=config.capacity_factor,
-        model_type=None,
-    )
-
-
-_HF_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
-"""Names transformers' mixture-of-experts configs give the experts per layer (Mixtral,
-Qwen-MoE, DeepSeek)."""
-
-
-def _hf_experts(config: Any, blocks: list[nn.Module]) -> Experts | None:
-    """The routed experts a transformers config counts (``num_local_experts`` and
-    ``num_experts_per_tok`` in Mixtral's), dropless as transformers runs them, with what
-    its config and ``blocks`` (the built blocks, in order) state of its shared experts,
-    its dense layers and its router; None when it counts none."""
-    count = next((n for name in _HF_EXPERT_COUNTS if (n := _int(config, name))), None)
-    top_k = _int(config, "num_experts_per_tok")
-    if count is None or top_k is None:
-        return None
-    width = _int(config, "moe_intermediate_size") or _int(config, "intermediate_size")
-    shared, gated = _shared_experts(blocks)
-    if shared is None and (n := _int(config, "n_shared_experts")) and width:
-        shared = n * width
-    holds = [any(is_routed_experts(m) for m in b.modules()) or bool(unsplit_experts(b)) for b in blocks]
-    tensors = (name for b in blocks for name, _ in (*b.named_buffers(), *b.named_parameters()))
-    biased = any(name.endswith("e_score_correction_bias") for name in tensors)
-    groups, group_top = _int(config, "n_group"), _int(config, "topk_group")
-    grouped = groups and group_top and groups > 1 and getattr(config, "topk_method", None) != "greedy"
-    scaling = _float(config, "routed_scaling_factor")
-    model_type = getattr(config, "model_type", None)
-    llama4 = model_type in ("llama4", "llama4_text")  # sigmoid of the top-k, on the input
-    return Experts(
-        count=count,
-        top_k=top_k,
-        ffn_hidden_size=width,
-        capacity_factor=None,
-        model_type=model_type or None,
-        shared_ffn_hidden_size=shared or None,
-        shared_gate=gated,
-        # transformers' DeepSeek-V2 keeps the softmax weights whatever norm_topk_prob says
-        renormalized=getattr(config, "norm_topk_prob", True) is not False and model_type != "deepseek_v2",
-        layers=tuple(holds) if any(holds) and not all(holds) else None,
-        score_function="sigmoid"
-        if biased or llama4 or getattr(config, "scoring_func", None) == "sigmoid"
-        else "softmax",
-        expert_bias=biased,
-        probs_on_input=llama4,
-        groups=(groups, group_top) if grouped else None,
-        groups_by_best=bool(grouped) and getattr(config, "topk_method", None) == "group_limited_greedy",
-        scaling_factor=scaling if scaling not in (None, 1.0) else None,
     )
 
 
@@ -306,69 +197,35 @@ def _unwritten(config: Any, block: nn.Module | None) -> tuple[str, ...]:
     parameter, gpt-oss), a clamped SwiGLU (``swiglu_limit``)."""
     found = []
     kinds = getattr(config, "layer_types", None) or []
-    window = _int(config, "sliding_window")
+    window = config_int(config, "sliding_window")
     sliding = sum(1 for kind in kinds if kind == "sliding_attention")
     if window and sliding:
         found.append(f"sliding-window attention (window {window}) on {sliding} of its {len(kinds)} layers")
     if block is not None and any(name.rsplit(".", 1)[-1] == "sinks" for name, _ in block.named_parameters()):
         found.append("attention sinks (a learned logit per head)")
-    if (limit := _float(config, "swiglu_limit")) is not None:
+    if (limit := config_float(config, "swiglu_limit")) is not None:
         found.append(f"a SwiGLU clamped at {limit:g}")
     return tuple(found)
-
-
-def _shared_experts(blocks: list[nn.Module]) -> tuple[int | None, bool]:
-    """(hidden width, gated output) of the shared experts of the first block holding one
-    (a module named ``shared_expert``/``shared_experts``: Qwen2-MoE, DeepSeek, Llama 4;
-    its down projection's input width), or (None, False)."""
-    for block in blocks:
-        modules = dict(block.named_modules())
-        for name, module in modules.items():
-            last = name.rsplit(".", 1)[-1]
-            down = getattr(module, "down_proj", None)
-            if last in ("shared_expert", "shared_experts") and isinstance(down, nn.Linear):
-                return down.in_features, f"{name}_gate" in modules
-    return None, False
 
 
 def _latent_attention(config: Any, block: nn.Module | None) -> LatentAttention | None:
     """The sizes of a multi-latent attention, where the config states its key/value
     latent (DeepSeek-V2/V3's ``kv_lora_rank``), and whether ``block`` normalises the
     latents; None otherwise."""
-    kv = _int(config, "kv_lora_rank")
-    sizes = [_int(config, n) for n in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")]
+    kv = config_int(config, "kv_lora_rank")
+    sizes = [config_int(config, n) for n in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")]
     if kv is None or any(v is None for v in sizes):
         return None
     nope, rope, v = sizes
     names = [name for name, _ in block.named_modules()] if block is not None else []
     return LatentAttention(
-        q_lora_rank=_int(config, "q_lora_rank"),
+        q_lora_rank=config_int(config, "q_lora_rank"),
         kv_lora_rank=kv,
         qk_head_dim=nope,
         qk_pos_emb_head_dim=rope,
         v_head_dim=v,
         latent_norms=any(name.endswith("kv_a_layernorm") for name in names),
     )
-
-
-def require_experts(plan: Plan, shape: ModelShape) -> None:
-    """ExportError unless a plan with expert parallelism has a model whose experts split
-    evenly over its ``ep`` ranks (every framework asserts both)."""
-    ep = plan.config.ep
-    if ep == 1:
-        return
-    experts = shape.experts
-    if experts is None:
-        raise ExportError(
-            f"ep={ep} splits a mixture-of-experts model's experts, but the model given for {plan.model.name} has "
-            f"none (its config counts no experts); export a plan made with --set ep=1."
-        )
-    if experts.count % ep:
-        allowed = [d for d in range(1, experts.count + 1) if experts.count % d == 0]
-        raise ExportError(
-            f"ep={ep} does not divide the model's {experts.count} experts per layer, which every framework "
-            f"requires; make the plan with ep in {allowed}."
-        )
 
 
 _GATES = ("gate_proj", "gate_up_proj")
@@ -397,7 +254,9 @@ def _hf_architecture(config: Any, block: nn.Module) -> dict[str, Any]:
     if gated is None and act in _UNGATED_ACTS:
         gated = False
     rope = getattr(config, "rope_theta", None) or (getattr(config, "rope_parameters", None) or {}).get("rope_theta")
-    learned = _int(config, "n_positions") is not None or getattr(config, "position_embedding_type", None) == "absolute"
+    learned = (
+        config_int(config, "n_positions") is not None or getattr(config, "position_embedding_type", None) == "absolute"
+    )
     query = next((m for name, m in leaves.items() if name.endswith(("q_proj", "c_attn"))), None)
     output = next((m for name, m in leaves.items() if name.endswith(_OUTPUT_PROJECTIONS)), query)
     fields = {
@@ -467,19 +326,9 @@ def _rotary_percent(config: Any) -> float | None:
     """The fraction of each head rotary embeddings rotate, where the config states it
     (GPT-NeoX's ``rotary_pct``, ``partial_rotary_factor``, or that in transformers 5's
     ``rope_parameters``)."""
-    stated = _float(config, "partial_rotary_factor") or _float(config, "rotary_pct")
+    stated = config_float(config, "partial_rotary_factor") or config_float(config, "rotary_pct")
     factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor")
     return stated or (float(factor) if isinstance(factor, (int, float)) else None)
-
-
-def _float(config: Any, name: str) -> float | None:
-    value = getattr(config, name, None)
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def _int(config: Any, name: str) -> int | None:
-    value = getattr(config, name, None)
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _block_class(model: nn.Module, plan: Plan) -> str | None:

@@ -13,6 +13,7 @@ from torch import nn
 
 from autopar.export.common import ExportError, config_float, config_int
 from autopar.models.experts import is_routed_experts, unsplit_experts
+from autopar.models.hf_config import EXPERT_COUNT_FIELDS
 from autopar.models.moe import MoEConfig
 from autopar.plan import Plan
 
@@ -83,17 +84,12 @@ def moe_experts(config: MoEConfig) -> Experts:
     )
 
 
-_HF_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
-"""Names transformers' mixture-of-experts configs give the experts per layer (Mixtral,
-Qwen-MoE, DeepSeek)."""
-
-
 def hf_experts(config: Any, blocks: list[nn.Module]) -> Experts | None:
     """The routed experts a transformers config counts (``num_local_experts`` and
     ``num_experts_per_tok`` in Mixtral's), dropless as transformers runs them, with what
     its config and ``blocks`` (the built blocks, in order) state of its shared experts,
     its dense layers and its router; None when it counts none."""
-    count = next((n for name in _HF_EXPERT_COUNTS if (n := config_int(config, name))), None)
+    count = next((n for name in EXPERT_COUNT_FIELDS if (n := config_int(config, name))), None)
     top_k = config_int(config, "num_experts_per_tok")
     if count is None or top_k is None:
         return None

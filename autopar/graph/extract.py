@@ -172,7 +172,8 @@ def extract(
             add_unit("+".join(epilogue_mods), epilogue_mods, "", EPILOGUE, epilogue_mods)
     seq = seq_len if seq_len is not None else _seq_of(sample_input)
     cuttable = uncuttable_unit(model, units) is None
-    shares = routed_share(model)
+    unsplit = unsplit_experts(model)
+    shares = routed_share(model, unsplit)
     unrouted = sum(
         leaf.fwd_flops * (1 - share)
         for u in graph_units
@@ -195,7 +196,7 @@ def extract(
         cuttable=cuttable,
         uncounted_ops=trace.uncounted_ops,
         ring_attention=trace.ring_attention,
-        unsplit_experts=unsplit_experts(model),
+        unsplit_experts=unsplit,
         unrouted_flops=unrouted,
     )
 

@@ -68,8 +68,8 @@ def unsplit_experts(model: nn.Module) -> tuple[str, ...]:
     return tuple(dict.fromkeys(found))
 
 
-def routed_share(model: nn.Module) -> dict[str, float]:
-    """For each module :func:`unsplit_experts` finds (by FQN), the share of its work that
+def routed_share(model: nn.Module, unsplit: tuple[str, ...]) -> dict[str, float]:
+    """For each module of a class :func:`unsplit_experts` found (``unsplit``), by FQN, the share of its work that
     routing asks for: ``num_experts_per_tok / num_experts`` of the model's config. Such a
     module (transformers' Llama 4 experts) runs every expert on every token, the tokens
     not routed to an expert weighted zero; the rest is work no model FLOP counts. Empty
@@ -77,7 +77,7 @@ def routed_share(model: nn.Module) -> dict[str, float]:
     top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         return {}
-    names = set(unsplit_experts(model))
+    names = set(unsplit)
     return {
         fqn: min(top_k / m.num_experts, 1.0)
         for fqn, m in model.named_modules()

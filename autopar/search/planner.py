@@ -48,7 +48,7 @@ from autopar.search.kernel_options import check_async_tp, check_fp8
 from autopar.search.scan import decided, search
 from autopar.search.solve import ConfigSolver, Outcome
 from autopar.search.space import micro_batch_range
-from autopar.vocab import ActivationLayout, Attention, Optimizer, Recompute, Schedule
+from autopar.vocab import ActivationLayout, Attention, Optimizer, Recompute
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -371,10 +371,11 @@ def _complete(fixed: dict[str, Any], cluster: Cluster, global_batch_size: int) -
             )
         out["micro_batch_size"] = per // out["num_microbatches"]
     out.setdefault("micro_batch_size", 1)
-    several = out.get("schedule") in {s.value for s in Schedule if s.multi_stage}  # a StrEnum: its value
+    schedule = out.get("schedule")  # a Schedule: check_constraints converted it
+    several = schedule is not None and schedule.multi_stage
     if several and "pp" not in fixed:
         raise ConfigError(
-            f"schedule={str(out['schedule'])!r} runs several stages per rank of a pipeline, and no pp was given (1 by "
+            f"schedule={schedule.value!r} runs several stages per rank of a pipeline, and no pp was given (1 by "
             f"default); set pp to 2 or more as well."
         )
     out.setdefault("virtual_stages", 2 if several else 1)  # a schedule of stages per rank: its fewest

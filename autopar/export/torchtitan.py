@@ -223,12 +223,19 @@ def _activation_checkpoint(blocks: Blocks, notes: list[str]) -> dict:
         if uniform is None:
             notes.append(mixed_recompute_note(blocks, "torchtitan applies one mode: per-operator selective on all"))
         return selective_op
-    every = max(1, round(blocks.count / counts[Recompute.FULL]))
+    # Blocks the plan recomputes in part (op, selective) are written in full with the rest:
+    # as torchtitan's every-N-th block they would keep everything (more memory than
+    # predicted). N is the largest that still checkpoints the plan's count: blocks
+    # 0, N, 2N... number ceil(count / N), which is at least k while N < count / (k - 1).
+    recomputed = blocks.count - counts[Recompute.NONE]
+    every = blocks.count if recomputed == 1 else -(-blocks.count // (recomputed - 1)) - 1
+    partial = counts[Recompute.OP] + counts[Recompute.SELECTIVE]
     notes.append(
         mixed_recompute_note(
             blocks,
             f"torchtitan checkpoints every N-th block in full: wrote N = {every} "
-            f"({-(-blocks.count // every)} blocks), the nearest to the plan's count",
+            f"({-(-blocks.count // every)} blocks, at least the plan's {recomputed})"
+            + (f"; its {partial} partly recomputed blocks are checkpointed in full: more compute" if partial else ""),
         )
     )
     return {"mode": "selective", "selective_ac_option": str(every)}

@@ -348,6 +348,16 @@ def test_torchtitan_activation_checkpoint(pipelined_plan):
     result = export(variant(pipelined_plan, overrides=half), to="torchtitan")
     assert tomllib.loads(result.text)["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "2"}
     assert any("every N-th block" in n for n in result.notes)
+    # torchtitan checkpoints the blocks whose index N divides; the largest N that still
+    # checkpoints at least the plan's recomputed blocks, partial ones counted in full
+    for full, op in ((15, 0), (10, 10), (1, 12), (3, 0)):
+        modes = {f"layers.{i}": Recompute.FULL for i in range(full)}
+        modes |= {f"layers.{i}": Recompute.OP for i in range(full, full + op)}
+        result = export(variant(pipelined_plan, overrides=modes), to="torchtitan")
+        every = int(tomllib.loads(result.text)["activation_checkpoint"]["selective_ac_option"])
+        checkpointed = [len(range(0, 40, n)) for n in range(1, 41)]
+        assert every == max(n for n in range(1, 41) if checkpointed[n - 1] >= full + op)
+        assert any("checkpointed in full" in n for n in result.notes) == (op > 0)
     selective = export(variant(pipelined_plan, recompute=Recompute.SELECTIVE), to="torchtitan")
     assert tomllib.loads(selective.text)["activation_checkpoint"]["selective_ac_option"] == "op"
     assert any("per operator" in n for n in selective.notes)

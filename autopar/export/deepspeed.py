@@ -36,6 +36,7 @@ from autopar.export.common import (
     tp_note,
 )
 from autopar.export.megatron import recompute_args
+from autopar.export.megatron_deepspeed import model_args
 from autopar.export.shape import ModelShape
 from autopar.plan import Plan
 from autopar.vocab import DType, Recompute, Schedule
@@ -68,7 +69,7 @@ device and unpartitioned (what the plan's memory model assumes)."""
 
 def export_deepspeed(plan: Plan, shape: ModelShape | None) -> Export:
     """The DeepSpeed config of ``plan`` and how to launch it. ``shape`` names the model's
-    experts for AutoEP; the config does not describe the model otherwise. Raises
+    experts for AutoEP and its sizes on a Megatron-DeepSpeed launch line. Raises
     ExportError for a context-parallel plan, and for an expert-parallel one AutoEP cannot
     run."""
     c = plan.config
@@ -99,7 +100,7 @@ def export_deepspeed(plan: Plan, shape: ModelShape | None) -> Export:
     if recomputes:
         config["activation_checkpointing"] = dict(ACTIVATION_CHECKPOINTING)
     if c.tp > 1 or c.pp > 1:
-        words = _megatron_deepspeed(plan, blocks, notes)
+        words = _megatron_deepspeed(plan, blocks, shape, notes)
     else:
         words = ["train.py", "--deepspeed", "--deepspeed_config", CONFIG_NAME]
         if recomputes:
@@ -183,7 +184,7 @@ def _plain_recompute_notes(blocks: Blocks, notes: list[str]) -> None:
         notes.append(note)
 
 
-def _megatron_deepspeed(plan: Plan, blocks: Blocks, notes: list[str]) -> list[str]:
+def _megatron_deepspeed(plan: Plan, blocks: Blocks, shape: ModelShape | None, notes: list[str]) -> list[str]:
     """Megatron-DeepSpeed's script and flags for the model-parallel part of the plan (the
     flags it shares with Megatron-LM). Its pipeline runs on DeepSpeed's engine: one
     stage per rank, layers split evenly, DeepSpeed's own 1F1B-style schedule."""
@@ -221,9 +222,7 @@ def _megatron_deepspeed(plan: Plan, blocks: Blocks, notes: list[str]) -> list[st
     if c.pp == 1:
         words.append("--no-pipeline-parallel")
     words += ["--micro-batch-size", str(c.micro_batch_size), "--global-batch-size", str(c.global_batch_size)]
-    if blocks.count:
-        words += ["--num-layers", str(blocks.count)]
-    words += ["--seq-length", str(plan.model.seq_len)]
+    words += model_args(plan, blocks, shape, notes)
     words += recompute_args(blocks, notes)
     words += {DType.BF16: ["--bf16"], DType.FP16: ["--fp16"], DType.FP32: []}[c.dtype]
     return [*words, "--deepspeed", "--deepspeed_config", CONFIG_NAME]

@@ -77,11 +77,18 @@ class NetworkSweep:
     max_calls: int = 50
 
     def __post_init__(self) -> None:
-        if self.min_bytes < 4 or (self.max_bytes and self.max_bytes < self.min_bytes) or self.factor < 2:
+        if self.min_bytes < 4:
             raise SettingsError(
-                f"sizes: min_bytes={self.min_bytes}, max_bytes={self.max_bytes}, factor={self.factor}"
-                f" are not allowed: need 4 <= min_bytes <= max_bytes and factor >= 2."
+                f"min_bytes={self.min_bytes} is not allowed: the smallest message is one 4-byte element; give "
+                f"min_bytes >= 4."
             )
+        if self.max_bytes and self.max_bytes < self.min_bytes:
+            raise SettingsError(
+                f"max_bytes={self.max_bytes} is below min_bytes={self.min_bytes}; give max_bytes >= min_bytes, or "
+                f"leave it out (256 MiB on GPUs, 64 MiB on CPUs)."
+            )
+        if self.factor < 2:
+            raise SettingsError(f"factor={self.factor} is not allowed: sizes grow by a factor >= 2; give factor >= 2.")
         unknown = [op for op in self.ops if op not in ALL_OPS]
         if unknown or not self.ops:
             raise SettingsError(f"ops {list(self.ops)} are not allowed; choose from {', '.join(ALL_OPS)}.")

@@ -75,8 +75,13 @@ def test_two_nodes_of_two_ranks_sweep_three_levels():
 
 
 def test_settings_are_checked():
-    with pytest.raises(SettingsError, match="factor"):
+    with pytest.raises(SettingsError, match=r"^factor=1 is not allowed: .*; give factor >= 2\.$"):
         NetworkSweep(factor=1)
+    # each message names the value given, not the unset maximum (0: the device's default)
+    with pytest.raises(SettingsError, match=r"^min_bytes=2 is not allowed: [^=]*; give min_bytes >= 4\.$"):
+        NetworkSweep(min_bytes=2)
+    with pytest.raises(SettingsError, match=r"^max_bytes=1024 is below min_bytes=4096; give max_bytes >= min_bytes"):
+        NetworkSweep(min_bytes=4096, max_bytes=1024)
     with pytest.raises(SettingsError, match="all_to_all"):
         NetworkSweep(ops=("all_to_all",))
     assert NetworkSweep(min_bytes=KIB, factor=2).sizes("cpu")[-1] == 64 * MIB

@@ -234,6 +234,9 @@ class ModelSummary:
     seq_len: int
     global_batch_size: int
     flops_per_sample: float
+    has_attention: bool = True
+    """The model runs attention cores (an image model of convolutions does not): what the
+    plan's attention setting applies to."""
 
 
 @dataclass(frozen=True, kw_only=True)

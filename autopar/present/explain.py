@@ -27,8 +27,8 @@ def explain(plan: Plan, *, top: int = 5) -> str:
         f"autopar {'plan' if plan.settings.searched else 'estimate'}: {m.name} ({count(m.num_params)} parameters) on "
         f"{cl.describe()}",
         f"  batch {_batch(m.global_batch_size, m.seq_len)}, {c.dtype.value}{' with FP8 matmuls' if c.fp8 else ''}, "
-        f"{plan.settings.optimizer.value} "
-        f"optimizer, {plan.settings.attention.value} attention",
+        f"{plan.settings.optimizer.value} optimizer"
+        f"{f', {plan.settings.attention.value} attention' if m.has_attention else ''}",
         "",
         f"Configuration  dp={c.dp} x {_cp(c)}tp={c.tp} x pp={c.pp}{_ep(c)} ({_mesh(c)}), micro-batch {c.micro_batch_size} x "
         f"{c.num_microbatches} per step, {schedule_text(c)}, ZeRO-{c.zero_stage}, {_recompute(plan)}"

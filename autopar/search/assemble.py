@@ -55,6 +55,7 @@ def to_plan(solver: ConfigSolver, result: SearchResult, provenance: Provenance) 
             seq_len=graph.seq_len,
             global_batch_size=model.global_batch_size,
             flops_per_sample=3 * graph.model_fwd_flops_per_sample,
+            has_attention=any(prof.has_attention for prof in graph.profiles),
         ),
         cluster=model.cluster,
         settings=provenance.settings,

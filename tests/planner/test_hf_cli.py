@@ -163,6 +163,7 @@ def test_registered_model_length_is_said(capsys):
     warning = LONGEST.format(n=1024, field="seq_len")
     assert f"warning: {warning}" in err.splitlines()
     assert "batch 4 x 1024 tokens" in out and warning in out
+    assert "adam optimizer, flash attention" in out  # a model with attention says which is priced
 
 
 def test_image_model_is_planned_at_the_config_image_size(hf, capsys):

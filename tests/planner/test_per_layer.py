@@ -56,7 +56,8 @@ def test_cnn_mix_beats_every_uniform_choice():
     assert best.prediction.step_time_s < min(uniform.values())
     assert math.isinf(uniform[Recompute.NONE])
     text = explain(best)  # an image model: samples, no tokens, and nothing said of attention
-    assert "  batch 16 samples, " in text and " tokens" not in text
+    assert "  batch 16 samples, " in text and " tokens" not in text and "attention" not in text
+    assert not best.model.has_attention
     assert not any("scaled_dot_product_attention" in n for n in best.notes)
 
 

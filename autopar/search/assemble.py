@@ -102,10 +102,11 @@ def infeasible_error(
 ) -> InfeasiblePlanError:
     """Nothing fits: the least memory found against a device's, and what would help: a
     ZeRO stage or recomputation the search was not allowed, and as many nodes as the
-    model's states need fully sharded: alone where they outgrow the cluster (a lower
-    bound: activations come on top), else beside what the best case holds besides its
+    model's states need fully sharded beside what the best case holds besides its
     states (taken to stay as it is). Where that alone overflows a device (activations
-    and transients per sample), more nodes do not help, and none are suggested."""
+    and transients per sample), more nodes do not help by themselves: only where the
+    states outgrow the cluster are nodes suggested then, as many as they need alone (a
+    lower bound)."""
     cluster = solver.model.cluster
     best = _least_memory(result, solver, (fixed["recompute"],) if "recompute" in fixed else (Recompute.FULL,))
     cap = cluster.device.memory.capacity_bytes
@@ -120,18 +121,17 @@ def infeasible_error(
     budget = budget_bytes(cluster.device.memory)
     devices = math.ceil(states / budget)
     rest = best.min_memory_bytes - states / cluster.world_size  # what the best case holds beside its states
-    if devices > cluster.world_size:
-        nodes = math.ceil(devices / cluster.devices_per_node)
-        hints.append(
-            f"at least {nodes} nodes (its weights, gradients and {optimizer.value} states alone fill {devices} "
-            f"devices, fully sharded)"
-        )
-    elif rest < budget:
+    beside = f"its states sharded over them beside the best case's {size(rest)} of activations and buffers"
+    least = math.ceil(devices / cluster.devices_per_node)
+    alone = f"its weights, gradients and {optimizer.value} states alone fill {devices} devices, fully sharded"
+    if rest < budget:
         nodes = max(math.ceil(states / (budget - rest) / cluster.devices_per_node), cluster.nodes + 1)
-        hints.append(
-            f"about {nodes} nodes (its states sharded over them beside the best case's {size(rest)} of "
-            f"activations and buffers)"
-        )
+        if devices > cluster.world_size and least < nodes:
+            hints.append(f"{least} to {nodes} nodes ({alone}: {least}; {beside}: {nodes})")
+        else:
+            hints.append(f"about {nodes} nodes ({beside})")
+    elif devices > cluster.world_size:
+        hints.append(f"at least {least} nodes ({alone})")
     tries = "".join(f"{hint}, " for hint in hints) + ("or " if hints else "")
     return InfeasiblePlanError(
         f"no plan fits: {graph.name} ({graph.num_params / 1e9:.2f}B parameters) needs at least "

@@ -357,6 +357,19 @@ def test_infeasible_plan_sizes_its_best_case_and_the_nodes_it_needs():
     with pytest.raises(InfeasiblePlanError) as kept:
         autopar.plan(model, cluster, global_batch_size=64, seq_len=512, constraints={"recompute": "none"})
     assert kept.value.min_memory_bytes > err.value.min_memory_bytes
+    # 40 MiB devices: the states outgrow the node, so the count they need alone (a lower
+    # bound, by hand) comes first, then the count beside the activations, which fits
+    small = tiny_cluster(40 / 1024)
+    with pytest.raises(InfeasiblePlanError) as err:
+        autopar.plan(model, small, global_batch_size=64, seq_len=512)
+    devices = math.ceil(sum(p.numel() for p in model.parameters()) * 16 / budget_bytes(small.device.memory))
+    found = re.search(
+        rf"Try (\d+) to (\d+) nodes \(.* states alone fill {devices} devices, fully sharded: (\d+);", str(err.value)
+    )
+    assert found and devices > 4, str(err.value)
+    assert int(found.group(1)) == int(found.group(3)) == math.ceil(devices / 4) < int(found.group(2))
+    plan = autopar.plan(model, dataclasses.replace(small, nodes=int(found.group(2))), global_batch_size=64, seq_len=512)
+    assert plan.prediction.fits
 
 
 def test_a_recompute_mode_without_a_majority_is_not_the_headline():

@@ -131,6 +131,8 @@ class TPStyle(StrEnum):
     ``row``: split over input features, output all-reduced or reduce-scattered;
     ``vocab``: an embedding split over its vocabulary rows;
     ``sequence``: a norm run on a sequence shard (sequence parallelism);
+    ``heads``: a norm over each attention head's features run on the head shards a
+    column-parallel projection writes (Qwen3's ``q_norm``), its weight replicated;
     ``replicate``: every tensor-parallel rank holds and runs the whole leaf.
     """
 
@@ -139,6 +141,7 @@ class TPStyle(StrEnum):
     ROW = "row"
     VOCAB = "vocab"
     SEQUENCE = "sequence"
+    HEADS = "heads"
 
 
 class Layout(StrEnum):
@@ -158,6 +161,7 @@ STYLE_IO: dict[TPStyle, tuple[Layout, Layout]] = {
     TPStyle.ROW: (Layout.F, Layout.P),
     TPStyle.VOCAB: (Layout.R, Layout.P),
     TPStyle.SEQUENCE: (Layout.Q, Layout.Q),
+    TPStyle.HEADS: (Layout.F, Layout.F),
 }
 """The layout each style takes in and gives out: what the planner prices and the runtime
 realises (a column-parallel linear reads a replicated input and writes feature shards; a

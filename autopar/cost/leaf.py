@@ -152,6 +152,8 @@ def allowed_styles(leaf: Leaf, ctx: TPContext) -> tuple[TPStyle, ...]:
             ok = (leaf.out_features % t == 0 or leaf.vocab) and (leaf.out_heads == 0 or leaf.out_heads % t == 0)
         elif s is TPStyle.ROW:
             ok = leaf.in_features % t == 0 and (leaf.in_heads == 0 or leaf.in_heads % t == 0)
+        elif s is TPStyle.HEADS:
+            ok = leaf.out_heads % t == 0
         else:
             ok = True
         if ok:
@@ -191,7 +193,7 @@ def leaf_fwd_s(leaf: Leaf, style: TPStyle, ctx: TPContext) -> float:
     """Forward compute time of ``leaf`` for one micro-batch on one TP rank: its kernel
     time (the weights read once per call; :func:`autopar.cost.host.kernel_s`) plus the
     framework's time to dispatch its ops (:mod:`autopar.cost.host`)."""
-    shard = ctx.tp if style in (TPStyle.COLUMN, TPStyle.ROW, TPStyle.SEQUENCE) else 1
+    shard = ctx.tp if style in (TPStyle.COLUMN, TPStyle.ROW, TPStyle.SEQUENCE, TPStyle.HEADS) else 1
     scale = ctx.micro_batch / shard
     # parameters are read once per call; a column/row/vocab split shards them (a norm's
     # sequence split does not). An embedding's whole table counts: its dense backward

@@ -52,6 +52,7 @@ from autopar.vocab import Schedule, TPStyle
 WEIGHT_SPLIT: dict[TPStyle, int | None] = {
     TPStyle.REPLICATE: None,
     TPStyle.SEQUENCE: None,
+    TPStyle.HEADS: None,
     TPStyle.COLUMN: 0,
     TPStyle.VOCAB: 0,
     TPStyle.ROW: 1,

@@ -90,6 +90,10 @@ class Leaf:
             eager mode (a graph built by hand).
         compiled_saved_bytes: what ``saved_bytes`` becomes when the unit is compiled
             (:mod:`autopar.graph.compiled_saved`); None: as in eager mode.
+        per_head: a norm over each attention head's features between a projection and
+            the attention (Qwen3's and Gemma 3's ``q_norm`` and ``k_norm``): it runs on
+            the head shards a column-parallel projection writes (style ``heads``), and
+            ``out_heads`` counts the heads it normalises.
     """
 
     name: str
@@ -117,6 +121,7 @@ class Leaf:
     compiled_bytes: float | None = None
     compiled_ops: int | None = None
     compiled_saved_bytes: float | None = None
+    per_head: bool = False
 
     def saved(self, compiled: bool) -> float:
         """Activation bytes kept for backward per sample, eager or compiled."""
@@ -136,6 +141,8 @@ class Leaf:
             return (TPStyle.REPLICATE, TPStyle.ROW) if self.fused else (TPStyle.REPLICATE, TPStyle.COLUMN, TPStyle.ROW)
         if self.kind is LeafKind.EMBEDDING:
             return (TPStyle.REPLICATE, TPStyle.VOCAB)
+        if self.kind is LeafKind.NORM and self.per_head:
+            return (TPStyle.REPLICATE, TPStyle.HEADS)
         if self.kind is LeafKind.NORM and sequence_parallel:
             return (TPStyle.REPLICATE, TPStyle.SEQUENCE)
         return (TPStyle.REPLICATE,)

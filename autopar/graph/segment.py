@@ -92,6 +92,7 @@ class _LeafAcc:
     in_heads: int = 0
     out_heads: int = 0
     splits_by_heads: bool = False
+    head_norm_heads: int = 0  # a norm over each head's features: the heads it normalises
     output_in_parts: bool = False
     fwd_flops: float = 0.0
     matmul_flops: float = 0.0
@@ -187,6 +188,7 @@ class SegmentTrace:
                 continue
             in_heads = acc.in_features // head_dim if acc.in_heads and head_dim else 0
             out_heads = acc.out_features // head_dim // max(acc.out_heads, 1) if acc.out_heads and head_dim else 0
+            out_heads = acc.head_norm_heads or out_heads
             leaves.append(
                 Leaf(
                     name=acc.name,
@@ -213,6 +215,7 @@ class SegmentTrace:
                     fwd_ops=acc.ops,
                     compiled_bytes=acc.compiled_bytes / batch,
                     compiled_ops=acc.kernels,
+                    per_head=acc.head_norm_heads > 0,
                     **_expert_fields(acc, batch),
                 )
             )

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +42,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.errors import ModelError
+from autopar.graph.attention_core import materialized_attention, through_norm
 from autopar.graph.flops import EXPERT_MATMULS, op_flops
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT
 from autopar.graph.op_kinds import FREE_OPS, PARTS_OPS, may_compute, parts_dim, shaped, whole_slice
@@ -235,6 +235,7 @@ class Tracer:
                 for o in seg.lookup(t).origins:
                     if o >= 0:
                         seg.leaves[o].out_heads += 1  # counts the q/k/v inputs this leaf feeds
+                        through_norm(seg, o, t)
             seg.kv_bytes += nbytes_of(k) + nbytes_of(v)  # what a context-parallel ring exchanges
             self.head_dim = int(q.shape[-1])
         self.attn_inputs.update(t.untyped_storage()._cdata for t in (q, k, v))
@@ -253,31 +254,13 @@ class Tracer:
                     q, kk, vv, attn_mask, True, dropout_p, is_causal, scale=scale
                 )[0]
             else:
-                out = _materialized_attention(q, k, v, attn_mask, dropout_p, is_causal, scale)
+                out = materialized_attention(q, k, v, attn_mask, dropout_p, is_causal, scale)
         finally:
             self.in_attention = False
         if seg is not None:
             info = seg.lookup(out)
             seg.register(out, Info(origins=info.origins, pending=info.pending, attn_heads=int(q.shape[-3])))
         return out
-
-
-def _materialized_attention(q, k, v, attn_mask, dropout_p, is_causal, scale):
-    """Attention that stores its scores and probabilities, as an unfused kernel does."""
-    if q.shape[-3] != k.shape[-3]:
-        rep = q.shape[-3] // k.shape[-3]
-        k = k.repeat_interleave(rep, dim=-3)
-        v = v.repeat_interleave(rep, dim=-3)
-    s = torch.matmul(q, k.transpose(-2, -1)) * (scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
-    if is_causal:
-        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-        s = s.masked_fill(~mask, float("-inf"))
-    elif attn_mask is not None:
-        s = s + attn_mask if attn_mask.dtype != torch.bool else s.masked_fill(~attn_mask, float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    if dropout_p > 0:
-        p = F.dropout(p, dropout_p)
-    return torch.matmul(p, v)
 
 
 @dataclass

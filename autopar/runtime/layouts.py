@@ -274,6 +274,9 @@ def _resolve_unit(
                 f"{unit.fqn!r} sequence shards, but attention reads every position of the sequence: give it a "
                 f"style whose output keeps whole sequences ('replicate' for a norm inside the attention)."
             )
+    for i, leaf in enumerate(prof.leaves):  # first: the meeting after them would name no cause
+        if leaf.per_head:
+            _check_head_norm(names[i], leaf_styles[i], arrival(i), out[i])
     arrives_at = {i: arrival(i) for i in range(len(names))}
     hoisted = _hoist(unit, names, leaf_styles, arrives_at, producers, dtensor_out)
     for conversion in hoisted.values():
@@ -294,6 +297,21 @@ def _resolve_unit(
             f"it replicated (or vocabulary-sharded)."
         )
     return unit_out, result, hoisted, carried
+
+
+def _check_head_norm(name: str, style: TPStyle, arrives: Layout, output: Layout) -> None:
+    """A norm of each attention head reads ``(..., heads, head_dim)`` views: feature
+    shards there hold whole heads, which a conversion along the last dim would cut. In
+    style ``heads`` it runs on the head shards a column-parallel projection writes and
+    hands them on as they are; replicated, it reads a projection gathered where it is
+    written (:func:`_gather_at_output`)."""
+    if style is TPStyle.HEADS and (arrives is not Layout.F or output is not Layout.F):
+        raise ShardingError(
+            f"layer {name!r} (style 'heads') normalises each attention head on the head shards a "
+            f"column-parallel projection writes, but its input arrives in layout {arrives.value} and its output "
+            f"is wanted in {output.value}: give its projection 'column' and its readers head shards, or give it "
+            f"'replicate'."
+        )
 
 
 def _child(unit: Unit, name: str) -> str:

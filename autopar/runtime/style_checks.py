@@ -36,13 +36,15 @@ def check_styles(
                 f"the plan gives layer {fqn!r} the style {style.value!r}, but the model has no "
                 f"layer with parameters of that name. Make the plan for this model."
             )
-        if style not in _KIND_STYLES[leaf.kind]:
-            allowed = ", ".join(s.value for s in _KIND_STYLES[leaf.kind])
+        allows = leaf.styles(sequence_parallel=True) if leaf.per_head else _KIND_STYLES[leaf.kind]
+        if style not in allows:
+            allowed = ", ".join(s.value for s in allows)
             what = (module_types or {}).get(fqn, f"{leaf.kind.value} layer")
             raise ShardingError(
                 f"the plan gives layer {fqn!r} (a {what}) the tensor-parallel style {style.value!r}, "
                 f"which it cannot take: column and row split a Linear's matrix, vocab an Embedding's "
-                f"rows, sequence runs a norm on sequence shards; this layer allows {allowed}. "
+                f"rows, sequence runs a norm on sequence shards, heads a norm of each attention head on head "
+                f"shards; this layer allows {allowed}. "
                 f"Use 'replicate' for it."
             )
         _check_divides(fqn, leaf, style, tp)
@@ -58,6 +60,8 @@ def _check_divides(fqn: str, leaf: Leaf, style: TPStyle, tp: int) -> None:
         size, heads, what = leaf.out_features, leaf.out_heads, "output features"
     elif style is TPStyle.ROW:
         size, heads, what = leaf.in_features, leaf.in_heads, "input features"
+    elif style is TPStyle.HEADS:
+        size, heads, what = leaf.out_heads, 0, "attention heads"
     else:
         return
     if leaf.vocab and style is TPStyle.COLUMN:

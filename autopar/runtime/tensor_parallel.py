@@ -147,6 +147,11 @@ def styles_for(module: nn.Module, leaf: LeafLayout, parent: nn.Module | None = N
         return [RowwiseParallel(input_layouts=Replicate(), output_layouts=embedding_placement(leaf.output))]
     if style is TPStyle.SEQUENCE:
         return _around(SequenceParallel(use_local_output=True), Layout.Q, leaf)
+    if style is TPStyle.HEADS:
+        # the norm reads (..., heads, head_dim) views of a column-parallel projection's
+        # feature shards: whole heads, Shard(-2) to DTensor, whose replicated weight then
+        # has its partial gradients summed over the group (torchtitan's Qwen3 does so)
+        return [SequenceParallel(sequence_dim=-2, use_local_output=True)]
     if style is TPStyle.REPLICATE:
         return _around(None, Layout.R, leaf)
     raise ShardingError(

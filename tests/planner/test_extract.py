@@ -348,3 +348,26 @@ def test_a_meta_model_that_needs_fake_tensors_falls_back_to_them():
         model = _FakeOnly()
     g = extract(model, sample_input=torch.zeros(2, 8, device="meta"), dtype="fp32")
     assert g.profile_of(0).leaves[0].matmul_flops == pytest.approx(2 * 8 * 8)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "olmo2"])
+def test_norms_between_projections_and_attention(family):
+    """Qwen3 normalises each head of q and k (a weight of head_dim features), OLMo 2 the
+    whole projections: either way q_proj and k_proj feed the attention's heads (32 and
+    8 here), and only Qwen3's norms run on any whole heads (``per_head``)."""
+    transformers = pytest.importorskip("transformers")
+    sizes = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=32)
+    sizes |= dict(num_key_value_heads=8, vocab_size=128, max_position_embeddings=64)
+    if family == "qwen3":
+        config, cls = transformers.Qwen3Config(**sizes, head_dim=8), transformers.Qwen3ForCausalLM
+    else:
+        config, cls = transformers.Olmo2Config(**sizes, pad_token_id=0), transformers.Olmo2ForCausalLM
+    with torch.device("meta"):
+        graph = extract(cls(config), seq_len=64)
+    block = next(graph.profile_of(i) for i, u in enumerate(graph.units) if u.fqn == "model.layers.0")
+    leaves = {leaf.name: leaf for leaf in block.leaves}
+    assert (leaves["self_attn.q_proj"].out_heads, leaves["self_attn.k_proj"].out_heads) == (32, 8)
+    q_norm, k_norm = leaves["self_attn.q_norm"], leaves["self_attn.k_norm"]
+    assert q_norm.per_head == k_norm.per_head == (family == "qwen3")
+    if family == "qwen3":
+        assert (q_norm.out_heads, k_norm.out_heads) == (32, 8)

@@ -21,21 +21,24 @@ from autopar.hardware.cluster import Cluster
 from autopar.parallel_config import ParallelConfig
 from autopar.vocab import ActivationLayout, Attention, Optimizer, Recompute, Schedule, TPStyle
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 """2: the cluster's device is nested by concern (roofline, memory, host effects);
 3: ``ParallelConfig.dp_shard`` (HSDP); 4: ``ParallelConfig.cp`` (context parallelism)
 and ``StepBreakdown.cp_comm_s``; 5: ``ParallelConfig.ep`` (expert parallelism) and
 ``StepBreakdown.ep_comm_s``; 6: ``ParallelConfig.compile`` (compiled blocks) and ``fp8`` (FP8 matmuls); 7: the
 recompute mode ``op`` (per-operator selective recomputation); 8: ``ParallelConfig.async_tp``
 (asynchronous tensor parallelism); 9: the schedule ``dualpipev``; 10: ``ParallelConfig.regather``
-(sequence-parallel gathers kept as shards). Older files read as plans without the newer axes."""
-READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9, SCHEMA_VERSION)
+(sequence-parallel gathers kept as shards); 11: the tensor-parallel style ``heads`` and
+``ModelSummary.has_attention``. Older files read as plans without the newer axes."""
+READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9, 10, SCHEMA_VERSION)
 _INTRODUCED = {"dp_shard": 3, "cp": 4, "ep": 5, "compile": 6, "fp8": 6, "async_tp": 8, "regather": 10}
 """The schema version that introduced each newer ``config`` field."""
 _OP_RECOMPUTE_SINCE = 7
 """The schema version that introduced the recompute mode ``op``."""
 _DUALPIPEV_SINCE = 9
 """The schema version that introduced the schedule ``dualpipev``."""
+_HEADS_SINCE = 11
+"""The schema version that introduced the style ``heads`` and ``model.has_attention``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -356,6 +359,11 @@ class Plan:
             raise PlanFormatError(
                 f"{origin}: schedule 'dualpipev' needs schema_version {_DUALPIPEV_SINCE} or later (got {version})."
             )
+        if version < _HEADS_SINCE and (TPStyle.HEADS.value in _tp_values(data) or "has_attention" in _model(data)):
+            raise PlanFormatError(
+                f"{origin}: the style 'heads' and model.has_attention need schema_version {_HEADS_SINCE} or later "
+                f"(got {version})."
+            )
         data = {**data, "schema_version": SCHEMA_VERSION}  # an older file is a plan without the newer axes
         plan = codec.decode(Plan, data, origin, error=PlanFormatError)
         problem = _prediction_problem(plan.prediction)
@@ -408,6 +416,17 @@ _PLAN_FIELDS = (
 def _cut(name: str, limit: int = 40) -> str:
     """``name``, or its first ``limit - 1`` characters and an ellipsis."""
     return name if len(name) <= limit else name[: limit - 1] + "…"
+
+
+def _tp_values(data: dict[str, Any]) -> list[Any]:
+    """The tensor-parallel styles a plan file names."""
+    strategies = data.get("layer_strategies") if isinstance(data.get("layer_strategies"), dict) else {}
+    return list(strategies["tp"].values()) if isinstance(strategies.get("tp"), dict) else []
+
+
+def _model(data: dict[str, Any]) -> dict[str, Any]:
+    """A plan file's model summary (empty where it has none)."""
+    return data["model"] if isinstance(data.get("model"), dict) else {}
 
 
 def _recompute_values(data: dict[str, Any], config: dict[str, Any]) -> list[Any]:

@@ -32,8 +32,8 @@ def model_args(plan: Plan, blocks: Blocks, shape: ModelShape | None, notes: list
         return args
     sizes = (shape.hidden_size, shape.num_attention_heads, shape.ffn_hidden_size)
     args += [w for flag, value in zip(REQUIRED_SIZES, sizes) if value is not None for w in (flag, str(value))]
-    # required; a model that states none takes the planned sequence's length
-    args += ["--max-position-embeddings", str(shape.max_position_embeddings or seq)]
+    # required, and asserted to cover the sequence
+    args += ["--max-position-embeddings", str(max(shape.max_position_embeddings or 0, seq))]
     if shape.num_kv_heads is not None and shape.num_attention_heads not in (None, shape.num_kv_heads):
         args += ["--num-key-value-heads", str(shape.num_kv_heads)]
     heads, hidden = shape.num_attention_heads, shape.hidden_size

@@ -113,7 +113,7 @@ def export_torchtitan(plan: Plan, shape: ModelShape | None) -> Export:
     sections = {
         "parallelism": parallelism,
         "training": training,
-        "activation_checkpoint": _activation_checkpoint(blocks, notes),
+        "activation_checkpoint": _activation_checkpoint(blocks, plan.config.pp, notes),
     }
     if c.compile:  # the blocks, as autopar's runtime compiles them; the loss stays eager
         sections["compile"] = {"enable": True, "components": ["model"]}
@@ -197,7 +197,7 @@ def _data_parallel(plan: Plan, notes: list[str]) -> dict:
     }
 
 
-def _activation_checkpoint(blocks: Blocks, notes: list[str]) -> dict:
+def _activation_checkpoint(blocks: Blocks, pp: int, notes: list[str]) -> dict:
     """Recompute -> torchtitan's activation checkpointing: ``full`` per block, per-op
     ``selective`` for ``op`` (the same policy), or every N-th block in full for a plan
     that recomputes some blocks only."""
@@ -225,16 +225,21 @@ def _activation_checkpoint(blocks: Blocks, notes: list[str]) -> dict:
         return selective_op
     # Blocks the plan recomputes in part (op, selective) are written in full with the rest:
     # as torchtitan's every-N-th block they would keep everything (more memory than
-    # predicted). N is the largest that still checkpoints the plan's count: blocks
-    # 0, N, 2N... number ceil(count / N), which is at least k while N < count / (k - 1).
-    recomputed = blocks.count - counts[Recompute.NONE]
-    every = blocks.count if recomputed == 1 else -(-blocks.count // (recomputed - 1)) - 1
+    # predicted). torchtitan counts the blocks each process builds from 1 and checkpoints
+    # those the count divides: floor(held / N) of a pipeline rank's held blocks, at least
+    # its recomputed k while N <= held // k; the largest such N on every rank is written.
+    ranks: dict[int, tuple[int, int]] = {}
+    for stage, modes in enumerate(blocks.stage_modes):
+        held, recomputed = ranks.get(stage % pp, (0, 0))
+        ranks[stage % pp] = (held + len(modes), recomputed + sum(m is not Recompute.NONE for m in modes))
+    every = min(held // k for held, k in ranks.values() if k)
+    written = sum(held // every for held, _ in ranks.values())
     partial = counts[Recompute.OP] + counts[Recompute.SELECTIVE]
     notes.append(
         mixed_recompute_note(
             blocks,
             f"torchtitan checkpoints every N-th block in full: wrote N = {every} "
-            f"({-(-blocks.count // every)} blocks, at least the plan's {recomputed})"
+            f"({written} blocks, at least the plan's {blocks.count - counts[Recompute.NONE]} on each pipeline rank)"
             + (f"; its {partial} partly recomputed blocks are checkpointed in full: more compute" if partial else ""),
         )
     )

@@ -22,8 +22,10 @@ def through_norm(seg: Segment, leaf: int, t: torch.Tensor) -> None:
     if acc.kind is not LeafKind.NORM:
         return
     projections = [seg.leaves[src] for src, dst in list(seg.flows) if dst == leaf and src >= 0]
-    for projection in projections:
-        projection.out_heads += 1
+    if not acc.credited:  # once: a norm shared by q and k is seen twice, its projections each feed once
+        acc.credited = True
+        for projection in projections:
+            projection.out_heads += 1
     head_dim = int(t.shape[-1])
     if acc.param_numel and acc.param_numel == head_dim * acc.param_tensors:
         # the projection's heads (the attention may see key heads repeated for its queries)

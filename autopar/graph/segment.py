@@ -93,6 +93,7 @@ class _LeafAcc:
     out_heads: int = 0
     splits_by_heads: bool = False
     head_norm_heads: int = 0  # a norm over each head's features: the heads it normalises
+    credited: bool = False  # a norm before an attention: its projections were credited with its heads
     output_in_parts: bool = False
     fwd_flops: float = 0.0
     matmul_flops: float = 0.0

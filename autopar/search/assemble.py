@@ -125,7 +125,7 @@ def infeasible_error(
     least = math.ceil(devices / cluster.devices_per_node)
     alone = f"its weights, gradients and {optimizer.value} states alone fill {devices} devices, fully sharded"
     if rest < budget:
-        nodes = max(math.ceil(states / (budget - rest) / cluster.devices_per_node), cluster.nodes + 1)
+        nodes = max(math.ceil(states / (budget - rest) / cluster.devices_per_node), cluster.nodes + 1, least)
         if devices > cluster.world_size and least < nodes:
             hints.append(f"{least} to {nodes} nodes ({alone}: {least}; {beside}: {nodes})")
         else:

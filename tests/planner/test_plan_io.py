@@ -122,6 +122,7 @@ def test_a_version_2_plan_file_loads_as_plain_fsdp(gpt2_plan):
     """Version 2 had no dp_shard and no cp: its plans read as one shard group of all of dp."""
     data = json.loads(gpt2_plan.to_json())
     data["schema_version"] = 2
+    del data["model"]["has_attention"]  # version 11
     del data["config"]["async_tp"], data["config"]["regather"]
     del data["config"]["dp_shard"], data["config"]["cp"], data["prediction"]["breakdown"]["cp_comm_s"]
     del (
@@ -141,6 +142,7 @@ def test_a_version_3_plan_file_loads_without_context_parallelism(gpt2_plan):
     """Version 3 had no cp: its plans read with cp=1; a cp field needs version 4."""
     data = json.loads(gpt2_plan.to_json())
     data["schema_version"] = 3
+    del data["model"]["has_attention"]  # version 11
     del data["config"]["async_tp"], data["config"]["regather"]
     del data["config"]["cp"], data["prediction"]["breakdown"]["cp_comm_s"]
     del (
@@ -160,6 +162,7 @@ def test_a_version_4_plan_file_loads_without_expert_parallelism(gpt2_plan):
     """Version 4 had no ep: its plans read with ep=1; an ep field needs version 5."""
     data = json.loads(gpt2_plan.to_json())
     data["schema_version"] = 4
+    del data["model"]["has_attention"]  # version 11
     del data["config"]["async_tp"], data["config"]["regather"]
     del (
         data["config"]["ep"],
@@ -178,6 +181,7 @@ def test_a_version_5_plan_file_loads_without_compiled_blocks(gpt2_plan):
     """Version 5 had no compile: its plans read as eager; a compile field needs version 6."""
     data = json.loads(gpt2_plan.to_json())
     data["schema_version"] = 5
+    del data["model"]["has_attention"]  # version 11
     del data["config"]["async_tp"], data["config"]["regather"]
     del data["config"]["compile"], data["config"]["fp8"]
     old = Plan.from_dict(data)
@@ -192,6 +196,7 @@ def test_a_version_6_plan_file_loads_and_op_recompute_needs_version_7(gpt2_plan)
     as the default or for one unit, needs version 7."""
     data = json.loads(gpt2_plan.to_json())
     data["schema_version"] = 6
+    del data["model"]["has_attention"]  # version 11
     del data["config"]["async_tp"], data["config"]["regather"]
     assert Plan.from_dict(data) == gpt2_plan
     for where in ("config", "unit"):
@@ -214,6 +219,7 @@ def test_a_version_7_plan_file_loads_without_async_tp(gpt2_plan):
     data = json.loads(gpt2_plan.to_json())
     assert data["config"]["async_tp"] is False
     data["schema_version"] = 7
+    del data["model"]["has_attention"]  # version 11
     del data["config"]["async_tp"], data["config"]["regather"]
     assert Plan.from_dict(data) == gpt2_plan
     data["config"]["async_tp"] = False
@@ -225,6 +231,7 @@ def test_a_version_8_plan_file_loads_and_dualpipev_needs_version_9(gpt2_plan):
     """Version 8 had no dualpipev schedule: its plans read unchanged; naming it needs version 9."""
     data = json.loads(gpt2_plan.to_json())
     data["schema_version"] = 8
+    del data["model"]["has_attention"]  # version 11
     del data["config"]["regather"]
     assert Plan.from_dict(data) == gpt2_plan
     data["config"].update(schedule="dualpipev", virtual_stages=2)
@@ -236,12 +243,25 @@ def test_a_version_9_plan_file_loads_holding_the_gathers(gpt2_plan):
     """Version 9 had no regather: its plans read holding the sequence-parallel gathers; a
     regather field needs version 10."""
     data = json.loads(gpt2_plan.to_json())
-    assert data["schema_version"] == 10 and data["config"]["regather"] is False
     data["schema_version"] = 9
     del data["config"]["regather"]
+    del data["model"]["has_attention"]
     assert Plan.from_dict(data) == gpt2_plan
     data["config"]["regather"] = False
     with pytest.raises(PlanFormatError, match="config.regather needs schema_version 10 or later \\(got 9\\)"):
+        Plan.from_dict(data)
+
+
+def test_a_version_10_plan_file_loads_and_heads_needs_version_11(gpt2_plan):
+    """Version 10 had no per-head norm style and no has_attention: its plans read as
+    models with attention; naming either needs version 11."""
+    data = json.loads(gpt2_plan.to_json())
+    assert data["schema_version"] == 11 and data["model"]["has_attention"] is True
+    data["schema_version"] = 10
+    del data["model"]["has_attention"]
+    assert Plan.from_dict(data) == gpt2_plan
+    data["layer_strategies"]["tp"] = {"transformer.h.0.ln_1": "heads"}
+    with pytest.raises(PlanFormatError, match="the style 'heads' and model.has_attention need schema_version 11"):
         Plan.from_dict(data)
 
 

@@ -1,7 +1,8 @@
 """Norms of each attention head (Qwen3's and Gemma 3's q_norm and k_norm) under tensor
 parallelism: run on the head shards of their column-parallel projections (style
-``heads``) they match the unsplit single-process model, and the planner picks that
-layout; on a projection that writes no head shards the style is refused."""
+``heads``) a tiny Qwen3 and a tiny Gemma 3 (one sliding-window layer) match the unsplit
+single-process model, and the planner picks that layout; on a projection that writes no
+head shards the style is refused."""
 
 import pytest
 import torch
@@ -29,10 +30,28 @@ def qwen3():
     return model
 
 
-def _head_norm_styles(sp: bool, norm: str = "heads") -> dict[str, str]:
+def gemma3():
+    """A tiny Gemma 3: its head norms scale by one plus their weight, drawn around zero;
+    one sliding-window layer of 4 positions beside one global layer."""
+    torch.manual_seed(0)
+    config = transformers.Gemma3TextConfig(
+        **TINY_DECODER, head_dim=8, sliding_window=4, layer_types=["sliding_attention", "full_attention"]
+    )
+    model = transformers.Gemma3ForCausalLM(config)
+    for name, p in model.named_parameters():
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            torch.nn.init.normal_(p, std=0.3)
+    return model
+
+
+def _head_norm_styles(sp: bool, norm: str = "heads", gemma: bool = False) -> dict[str, str]:
+    """Megatron-LM's layout with the head norms given ``norm``; Gemma 3 normalises before
+    and after its MLP too, on sequence shards with sequence parallelism."""
     styles = megatron("llama", sp)
     for i in range(LAYERS):
         styles |= {f"model.layers.{i}.self_attn.{n}": norm for n in ("q_norm", "k_norm")}
+        if gemma and sp:
+            styles |= {f"model.layers.{i}.{n}_feedforward_layernorm": "sequence" for n in ("pre", "post")}
     return styles
 
 
@@ -53,9 +72,11 @@ def test_the_planner_runs_head_norms_on_head_shards():
             assert tp[f"model.layers.{i}.self_attn.{p}_norm"] is TPStyle.HEADS
 
 
-def test_head_norms_with_sequence_parallelism():
-    plan = make(qwen3(), _head_norm_styles(sp=True), tp=2, sequence_parallel=True)
-    assert_parity(run(hf_train, 2, qwen3, plan, timeout_s=120), hf_reference(qwen3, plan))
+@pytest.mark.parametrize("build", [qwen3, gemma3], ids=["qwen3", "gemma3"])
+def test_head_norms_with_sequence_parallelism(build):
+    styles = _head_norm_styles(sp=True, gemma=build is gemma3)
+    plan = make(build(), styles, tp=2, sequence_parallel=True)
+    assert_parity(run(hf_train, 2, build, plan, timeout_s=120), hf_reference(build, plan))
 
 
 def test_head_norms_without_sequence_parallelism():

@@ -1,6 +1,6 @@
-"""What the trace does at an attention core besides counting: the attention an unfused
-kernel runs (scores and probabilities stored), and the projections that feed its heads
-through a norm."""
+"""What the trace does at an attention core besides counting: the additive mask torch
+makes of a boolean one, the attention an unfused kernel runs (scores and probabilities
+stored), and the projections that feed its heads through a norm."""
 
 from __future__ import annotations
 
@@ -30,6 +30,16 @@ def through_norm(seg: Segment, leaf: int, t: torch.Tensor) -> None:
     if acc.param_numel and acc.param_numel == head_dim * acc.param_tensors:
         # the projection's heads (the attention may see key heads repeated for its queries)
         acc.head_norm_heads = max((p.out_features // head_dim for p in projections), default=0)
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What ``F.scaled_dot_product_attention`` makes of a boolean mask before any kernel
+    runs: an additive mask in the query's dtype (0 where attended, -inf elsewhere), a new
+    tensor at every call, which the kernels keep for their backward (torch dispatches
+    ``aten.where`` on the mask, then the kernel). A sliding window's ``(b, 1, s, s)``
+    mask so costs every such layer 2 bytes per score in bf16."""
+    zero = torch.zeros((), dtype=dtype, device=mask.device)
+    return torch.where(mask, zero, torch.full((), float("-inf"), dtype=dtype, device=mask.device))
 
 
 def materialized_attention(q, k, v, attn_mask, dropout_p, is_causal, scale):

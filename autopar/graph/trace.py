@@ -42,7 +42,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.errors import ModelError
-from autopar.graph.attention_core import materialized_attention, through_norm
+from autopar.graph.attention_core import additive_mask, materialized_attention, through_norm
 from autopar.graph.flops import EXPERT_MATMULS, op_flops
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT
 from autopar.graph.op_kinds import FREE_OPS, PARTS_OPS, may_compute, parts_dim, shaped, whole_slice
@@ -244,6 +244,8 @@ class Tracer:
         # a fused kernel skips the tiles a causal mask removes; the flop count does not
         self.attn_work = 0.5 if self.attention is Attention.FLASH and is_causal and attn_mask is None else 1.0
         try:
+            if attn_mask is not None and attn_mask.dtype == torch.bool:
+                attn_mask = additive_mask(attn_mask, q.dtype)
             if self.attention is Attention.FLASH:
                 kk, vv = k, v
                 if q.shape[-3] != k.shape[-3]:

@@ -5,6 +5,7 @@ import importlib
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from autopar import ModelError
@@ -371,3 +372,44 @@ def test_norms_between_projections_and_attention(family):
     assert q_norm.per_head == k_norm.per_head == (family == "qwen3")
     if family == "qwen3":
         assert (q_norm.out_heads, k_norm.out_heads) == (32, 8)
+
+
+class _WindowedAttention(nn.Module):
+    """One attention of 2 heads of 8 features, causal (``is_causal``) or under a boolean
+    sliding-window mask of 16 positions (Gemma 3's sliding layers)."""
+
+    def __init__(self, windowed: bool):
+        super().__init__()
+        self.qkv, self.o, self.windowed = nn.Linear(16, 48), nn.Linear(16, 16), windowed
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        if self.windowed:
+            i = torch.arange(s, device=x.device)
+            mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 16)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None])
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, s, 16))
+
+
+def test_a_boolean_mask_is_kept_as_torch_keeps_it():
+    """F.scaled_dot_product_attention turns a boolean mask into an additive one in the
+    query's dtype before any kernel, and the kernel keeps it for its backward: what the
+    trace counts beside a causal attention is that tensor, as a real bf16 run on CPU
+    saves it (read with saved-tensor hooks)."""
+    seq = 64
+    saved = []
+    x = torch.randn(1, seq, 16, dtype=torch.bfloat16)
+    real = _WindowedAttention(True).to(torch.bfloat16)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        real(x)
+    bias = [t for t in saved if t.shape == (1, 1, seq, seq)]
+    assert [t.dtype for t in bias] == [torch.bfloat16]  # the additive copy, not the boolean mask
+    kept = {}
+    for windowed in (False, True):
+        model = nn.Sequential(_WindowedAttention(windowed))  # one block, its own unit
+        graph = extract(model, sample_input=torch.zeros(1, seq, 16))
+        kept[windowed] = sum(f.attn_saved_bytes for p in graph.profiles for f in p.flows)
+    assert kept[True] - kept[False] == bias[0].numel() * bias[0].element_size() == 2 * seq * seq

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -54,6 +55,13 @@ def _child(fn: Callable, rank: int, world: int, args: tuple, env: dict[str, str]
         os._exit(0)  # skip interpreter teardown: gloo's threads can abort it
 
 
+def _free_port() -> int:
+    """A port no one listens on now, as the operating system picks it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def launch_local(
     fn: Callable[..., Any],
     world_size: int,
@@ -69,9 +77,13 @@ def launch_local(
     """
     if world_size < 1:
         raise SettingsError(f"world_size={world_size} must be >= 1.")
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    # The children are forked before the store's server thread starts: a fork taken
+    # while another thread holds a lock (the allocator's, the store's own) can leave a
+    # child blocked forever. Clients retry until the store listens.
+    port = _free_port()
     ctx = mp.get_context("fork")
     pipes, procs = [], []
+    store = None
     try:
         for rank in range(world_size):
             env = {
@@ -81,7 +93,7 @@ def launch_local(
                 "LOCAL_WORLD_SIZE": str(world_size),
                 "GROUP_RANK": "0",
                 "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(store.port),
+                "MASTER_PORT": str(port),
                 "TORCHELASTIC_USE_AGENT_STORE": "True",
                 "OMP_NUM_THREADS": "1",
             }
@@ -92,6 +104,7 @@ def launch_local(
             child_end.close()
             pipes.append(parent_end)
             procs.append(proc)
+        store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
         results: dict[int, RankResult] = {}
         deadline = time.monotonic() + timeout_s
         while len(results) < world_size and time.monotonic() < deadline:

@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import replace
 
 import numpy as np
 
 from autopar.cost.layout_copies import conversion_copy_s, reduction_copy_s
-from autopar.cost.layout_table import LAYOUTS, layout_table
+from autopar.cost.layout_table import LAYOUTS, LayoutGrid, layout_grid, layout_table
 from autopar.cost.leaf import (
     BACKWARD_FACTOR,
     TPContext,
@@ -94,6 +95,7 @@ class LayoutSolver:
         self._table_limit = table_limit
         self._ends = (min(micro_batches), max(micro_batches)) if micro_batches else ()
         self._cache: dict[tuple, tuple[tuple[TPStyle, ...], Layout]] = {}
+        self._grids: dict[tuple, LayoutGrid] = {}
         self.solves = 0
 
     def fastest(self, profile: UnitProfile, ctx: TPContext) -> UnitCost:
@@ -152,12 +154,20 @@ class LayoutSolver:
         if full_key not in self._cache:
             combinations = math.prod(len(o) for o in options)
             if combinations <= self._table_limit:
-                self._cache[full_key] = _from_table(profile, ctx, options, small=small)
+                self._cache[full_key] = _from_table(profile, ctx, self._grid(profile, ctx, options), small=small)
             else:
                 self.solves += 1
                 cap = _fewest_runnable(profile, ctx, options, self._solver) if small else None
                 self._cache[full_key] = _solve_ilp(profile, ctx, options, outputs, self._solver, param_cap=cap)
         return self._cache[full_key]
+
+    def _grid(self, profile: UnitProfile, ctx: TPContext, options: list[tuple[TPStyle, ...]]) -> LayoutGrid:
+        """The unit's layout combinations for ``ctx``'s input and output rule, built once
+        and priced in every context (:class:`autopar.cost.layout_table.LayoutGrid`)."""
+        key = (id(profile), tuple(options), ctx.input_layout, ctx.output_layouts())
+        if key not in self._grids:
+            self._grids[key] = layout_grid(profile, options, ctx.input_layout, ctx.output_layouts())
+        return self._grids[key]
 
 
 def _options(profile: UnitProfile, ctx: TPContext) -> list[tuple[TPStyle, ...]]:
@@ -186,12 +196,12 @@ def _runs(profile: UnitProfile, styles: tuple[TPStyle, ...], ctx: TPContext) -> 
     return refusal_in(profile, styles, ctx) is None
 
 
-def _from_table(profile, ctx, options, *, small: bool) -> tuple[tuple[TPStyle, ...], Layout]:
+def _from_table(profile, ctx, grid: LayoutGrid, *, small: bool) -> tuple[tuple[TPStyle, ...], Layout]:
     """The fastest layout the runtime can run (``small``: of those holding the fewest
     parameters of any it runs) by pricing them all
     (:func:`autopar.cost.layout_table.layout_table`); where none runs, the fastest
     (module docstring)."""
-    table = layout_table(profile, ctx, options)
+    table, options = layout_table(grid, profile, ctx), grid.options
 
     def picked(c: int) -> tuple[tuple[TPStyle, ...], Layout]:
         return tuple(opts[k] for opts, k in zip(options, table.choice[c].tolist())), LAYOUTS[int(table.output[c])]
@@ -199,22 +209,33 @@ def _from_table(profile, ctx, options, *, small: bool) -> tuple[tuple[TPStyle, .
     time = table.time_s
     if small:
         fewest = next(
-            (
-                float(table.param_numel[c])
-                for c in np.argsort(table.param_numel, kind="stable").tolist()
-                if _runs(profile, picked(c)[0], ctx)
-            ),
+            (float(table.param_numel[c]) for c in _ascending(table.param_numel) if _runs(profile, picked(c)[0], ctx)),
             None,
         )
         if fewest is not None:
             time = np.where(table.param_numel <= _cap(fewest), time, np.inf)
-    order = np.argsort(time, kind="stable").tolist()
-    for c in order:
+    for c in _ascending(time):
         if not np.isfinite(time[c]):
             break
         if _runs(profile, picked(c)[0], ctx):
             return picked(c)
-    return picked(order[0])
+    return picked(int(np.argmin(time)))
+
+
+def _ascending(values: np.ndarray, eager: int = 8) -> Iterator[int]:
+    """The indices of ``values`` from the smallest, ties in index order (a stable sort's
+    order): the first few by repeated minimum, as the search mostly takes the first
+    layout it is offered, and the rest by sorting them all."""
+    work = np.array(values, dtype=float)
+    taken: set[int] = set()
+    for _ in range(eager):
+        c = int(np.argmin(work))
+        if not np.isfinite(work[c]):
+            break
+        taken.add(c)
+        yield c
+        work[c] = np.inf
+    yield from (c for c in np.argsort(values, kind="stable").tolist() if c not in taken)
 
 
 def _cap(numel: float) -> float:

@@ -35,7 +35,7 @@ from autopar.plan import ParallelConfig
 from autopar.runtime.layouts import always_refused
 from autopar.search.bounds import TimeBound
 from autopar.search.constraints import check_constraints
-from autopar.search.intra_op import LayoutSolver, brute_force_layout, refusal_in
+from autopar.search.intra_op import LayoutSolver, _ascending, brute_force_layout, refusal_in
 from autopar.search.scan import ALL_MODES, search
 from autopar.search.solve import ConfigSolver
 from autopar.search.space import enumerate_space
@@ -69,6 +69,41 @@ def test_layout_search_matches_brute_force_on_random_units(seed, table_limit):
             (c for c in _every_layout(prof, ctx) if c.param_numel <= fewest * (1 + 1e-9)), key=lambda c: c.time_s
         )
         assert small.time_s == pytest.approx(want_small.time_s, rel=1e-9, abs=1e-15)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_one_solver_prices_every_context_with_the_layouts_it_enumerated_once(seed):
+    """A solver builds a unit's layout combinations once per input and output rule and
+    prices them again in every context (degree, micro-batch, sequence parallelism, async
+    TP, first or last unit); each answer is still brute force's optimum."""
+    rng = random.Random(5000 + seed)
+    cluster = preset("dgx-h100", nodes=2)
+    prof = random_profile(rng)
+    solver = LayoutSolver(table_limit=10**6)
+    for tp, sp, mbs, first, last, async_tp in [
+        (2, True, 1, False, False, True),
+        (2, True, 1, True, False, True),
+        (4, True, 3, False, True, False),
+        (2, False, 2, False, False, False),
+        (8, True, 8, True, True, True),
+        (4, True, 5, False, False, True),
+    ]:
+        ctx = layout_ctx(cluster, tp=tp, sp=sp, mbs=mbs, first=first, last=last)
+        ctx = dataclasses.replace(ctx, async_tp=async_tp)
+        got = solver.fastest(prof, ctx)
+        assert got.time_s == pytest.approx(brute_force_layout(prof, ctx).time_s, rel=1e-9, abs=1e-15)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_layouts_are_offered_in_a_stable_sorts_order(seed):
+    """The lazy order the table search walks (few minima, then the sort) is numpy's
+    stable argsort, ties by index and infinities last."""
+    rng = np.random.default_rng(seed)
+    values = rng.integers(0, 5, size=40).astype(float)
+    values[rng.integers(0, 40, size=6)] = np.inf
+    want = np.argsort(values, kind="stable").tolist()
+    assert list(_ascending(values, eager=3)) == want
+    assert list(_ascending(values, eager=100)) == want
 
 
 def _every_layout(prof, ctx, *, runnable=True):

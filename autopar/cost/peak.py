@@ -44,7 +44,7 @@ from autopar.cost.memory import (
 from autopar.cost.model import CostModel
 from autopar.cost.pipeline import gathered_chunks, inflight_microbatches, interleaved_order
 from autopar.cost.recompute import UnitOption
-from autopar.cost.stage import PricedStage, rank_buffer_bytes
+from autopar.cost.stage import PricedStage, on_rank, rank_buffer_bytes
 from autopar.hardware.device import DeviceMemory
 from autopar.plan import MemoryBreakdown, ParallelConfig
 from autopar.vocab import Schedule, TPStyle
@@ -177,7 +177,7 @@ def rank_memory(
     at its peak, term by term (module docstring)."""
     pp = config.pp
     here = config.rank_of_stage(stage.index)
-    mine = [p for p in stages if config.rank_of_stage(p.index) == here]
+    mine = on_rank(config, stages, here)
     rank = [(u, o) for p in mine for u, o in zip(p.units, p.options)]
     stage_numel = [sum(o.layout.param_numel for o in p.options) for p in mine]
     # a zero-bubble schedule's weight gradients wait from each stage's W to its next I

@@ -96,6 +96,7 @@ def inflight_microbatches(
     return sum(interleaved_chunk_counts(pp, v, m, pipeline_rank)) / v
 
 
+@functools.cache  # pure, and asked for every stage of every candidate
 def stage_inflight_microbatches(
     schedule: Schedule, pp: int, virtual_stages: int, num_microbatches: int, stage_index: int
 ) -> float:
@@ -115,6 +116,7 @@ def stage_inflight_microbatches(
     return inflight_microbatches(schedule, pp, virtual_stages, num_microbatches, rank)
 
 
+@functools.cache  # pure, and asked for every stage of every candidate
 def interleaved_chunk_counts(pp: int, virtual_stages: int, num_microbatches: int, rank: int) -> tuple[int, ...]:
     """Micro-batches each of rank ``rank``'s chunks holds when its activations peak under
     torch 2.13's ``ScheduleInterleaved1F1B``: the first ``N`` forwards (the

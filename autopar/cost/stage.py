@@ -38,6 +38,14 @@ class PricedStage:
         return sum(o.time_s for o in self.options)
 
 
+def on_rank(config: ParallelConfig, stages: Sequence[PricedStage], rank: int) -> list[PricedStage]:
+    """The stages of ``stages`` that pipeline rank ``rank`` runs, in their order (the
+    search asks for every rank of every candidate: its stage indices, not a scan asking
+    each stage its rank)."""
+    held = set(config.stages_of_rank(rank))
+    return [p for p in stages if p.index in held]
+
+
 def stage_p2p_s(
     model: CostModel, units: tuple[int, ...], options: tuple[UnitOption, ...], config: ParallelConfig
 ) -> tuple[float, float]:

@@ -17,8 +17,8 @@ from autopar.cost.host import ranks_wait_s
 from autopar.cost.model import CostModel
 from autopar.cost.peak import rank_memory
 from autopar.cost.pipeline import pipeline_time_s, rank_slack_s, weight_grad_s
-from autopar.cost.stage import PricedStage, stage_p2p_s
-from autopar.plan import ParallelConfig, Prediction, StagePrediction, StepBreakdown
+from autopar.cost.stage import PricedStage, on_rank, stage_p2p_s
+from autopar.plan import MemoryBreakdown, ParallelConfig, Prediction, StagePrediction, StepBreakdown
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,12 +73,12 @@ def timing(model: CostModel, config: ParallelConfig, stages: Sequence[PricedStag
     else:  # tails are per rank: over the union of its chunks
         per_rank = []
         for r in range(pp):
-            on_rank = [p for p in stages if config.rank_of_stage(p.index) == r]
+            mine = on_rank(config, stages, r)
             merged = PricedStage(
                 index=r,
-                units=tuple(u for p in on_rank for u in p.units),
-                options=tuple(o for p in on_rank for o in p.options),
-                inflight=on_rank[0].inflight,
+                units=tuple(u for p in mine for u in p.units),
+                options=tuple(o for p in mine for o in p.options),
+                inflight=mine[0].inflight,
             )
             per_rank.append(tail_s(model, merged, config, slack[r]))
         tails = [per_rank[config.rank_of_stage(p.index)] for p in stages]
@@ -126,14 +126,18 @@ def predict(model: CostModel, config: ParallelConfig, stages: Sequence[PricedSta
     )
     preds = []
     peak = 0.0
+    rank_memories: dict[int, MemoryBreakdown] = {}  # a rank's memory is all of its stages'
     for i, stage in enumerate(stages):
         (f_p2p, b_p2p), (f_wait, b_wait), (exposed, opt_s) = tm.p2p[i], tm.waits[i], tails[i]
-        memory = rank_memory(model, stage, config, stages)
+        rank = config.rank_of_stage(stage.index)
+        if rank not in rank_memories:
+            rank_memories[rank] = rank_memory(model, stage, config, stages)
+        memory = rank_memories[rank]
         peak = max(peak, memory.total_bytes)
         preds.append(
             StagePrediction(
                 index=stage.index,
-                pipeline_rank=config.rank_of_stage(stage.index),
+                pipeline_rank=rank,
                 units=tuple(mod for u in stage.units for mod in model.graph.units[u].modules),
                 forward_s=sum(o.fwd_s for o in stage.options) + f_p2p + f_wait,
                 backward_s=sum(o.bwd_s for o in stage.options) + b_p2p + b_wait,

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from autopar.cost.peak import rank_memory
-from autopar.cost.stage import PricedStage
+from autopar.cost.stage import PricedStage, on_rank
 from autopar.cost.step import timing
 from autopar.plan import ParallelConfig
 from autopar.search.solve import ConfigSolver, Outcome
@@ -81,6 +81,6 @@ def with_walk_room(solver: ConfigSolver, outcome: Outcome, modes: tuple[Recomput
 def walked_bytes(solver: ConfigSolver, config: ParallelConfig, stages: Sequence[PricedStage], rank: int) -> float:
     """What pipeline rank ``rank`` of ``config`` allocates at its peak (its prediction
     less the device's reserve), ``stages`` the configuration's, in chunk order."""
-    mine = [s for s in stages if config.rank_of_stage(s.index) == rank]
+    mine = on_rank(config, stages, rank)
     memory = rank_memory(solver.model, mine[0], config, mine)
     return memory.total_bytes - memory.reserve_bytes

@@ -73,7 +73,8 @@ class RankReport:
         stages: the pipeline stages it runs.
         param_bytes: bytes of the parameters it holds (measured on its shards).
         predicted_param_bytes: the plan's parameter bytes for this pipeline rank.
-        predicted_peak_bytes: the plan's peak memory per device (all terms).
+        predicted_peak_bytes: the plan's peak memory on this rank's pipeline rank (all
+            terms; the plan's per-device figure is the largest of these).
         predicted_allocated_bytes: the plan's peak for this pipeline rank less the
             device's reserve: the tensor bytes a measured step is compared with.
         usable_bytes: the device's memory less that reserve: what the measured peak
@@ -448,7 +449,7 @@ def _apply(
         stages=indices,
         param_bytes=int(held),
         predicted_param_bytes=max((m.params_bytes for m in mine), default=0.0),
-        predicted_peak_bytes=plan.prediction.memory_bytes_per_device,
+        predicted_peak_bytes=max((m.total_bytes for m in mine), default=0.0),
         predicted_allocated_bytes=max((m.total_bytes - m.reserve_bytes for m in mine), default=0.0),
         usable_bytes=plan.prediction.memory_capacity_bytes - max((m.reserve_bytes for m in mine), default=0.0),
         measured=measured,

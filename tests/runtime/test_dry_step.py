@@ -144,3 +144,20 @@ def test_a_later_pipeline_rank_alone_runs_its_predecessors_too():
         f"that does with autopar plan (or estimate another configuration)"
     ]
     assert small.ranks[1].over_device and not alone.ranks[1].over_device
+
+
+def test_each_rank_is_shown_its_own_pipeline_ranks_predicted_peak():
+    """Under 1F1B the first pipeline rank holds more micro-batches in flight than the
+    last, so the two ranks' predicted peaks differ; each is its pipeline rank's figure in
+    the prediction, and the larger is the plan's peak per device."""
+    plan = make_plan("gpt", pp=2, num_microbatches=4)
+    report = dry_run(lambda: build("gpt", "meta"), plan)
+    assert report.ok, report.problems
+    peaks = {}
+    for r in report.ranks:
+        own = [s.memory.total_bytes for s in plan.prediction.stages if s.pipeline_rank == r.coordinate[0]]
+        assert r.predicted_peak_bytes == max(own)
+        peaks[r.coordinate[0]] = r.predicted_peak_bytes
+    assert sorted(peaks) == [0, 1]
+    assert peaks[0] > peaks[1]
+    assert max(peaks.values()) == plan.prediction.memory_bytes_per_device

@@ -82,8 +82,7 @@ def tp_degrees(graph: LayerGraph, world: int) -> list[int]:
     """TP degrees that divide the device count and the layer shapes: every linear leaf
     of the repeated blocks (or of every unit, for a model without repeats) must be
     splittable (heads, KV heads and FFN sizes divisible), as in Megatron-LM."""
-    block_profiles = {u.profile for u in graph.units if u.prefix} or {u.profile for u in graph.units}
-    linears = [leaf for p in block_profiles for leaf in graph.profiles[p].leaves if leaf.kind is LeafKind.LINEAR]
+    linears = _tp_linears(graph)
     out = [1]
     if not linears:
         return out
@@ -91,6 +90,28 @@ def tp_degrees(graph: LayerGraph, world: int) -> list[int]:
         if all(_splittable(leaf, t) for leaf in linears):
             out.append(t)
     return out
+
+
+def _tp_linears(graph: LayerGraph) -> list[Leaf]:
+    """The linear leaves a TP degree must split: the repeated blocks' (or every unit's,
+    for a model without repeats)."""
+    block_profiles = {u.profile for u in graph.units if u.prefix} or {u.profile for u in graph.units}
+    return [leaf for p in block_profiles for leaf in graph.profiles[p].leaves if leaf.kind is LeafKind.LINEAR]
+
+
+def tp_misfit(graph: LayerGraph, world: int, t: int) -> str:
+    """Why ``t`` is not among :func:`tp_degrees`, in words: the device count it does not
+    divide, or the first layer it cannot split and that layer's size."""
+    if t < 1 or world % t:
+        return f"it does not divide the {world} devices"
+    for leaf in _tp_linears(graph):
+        if _splittable(leaf, t):
+            continue
+        if leaf.out_heads or leaf.in_heads:
+            heads = leaf.out_heads if leaf.out_heads % t else leaf.in_heads
+            return f"{leaf.name} splits by whole attention heads and has {heads}"
+        return f"{leaf.name} ({leaf.in_features} -> {leaf.out_features} features) divides by it on neither side"
+    return "the model's layer shapes do not divide by it"
 
 
 def _splittable(leaf: Leaf, t: int) -> bool:
@@ -180,8 +201,7 @@ def enumerate_space(
     allowed_tp = tp_degrees(graph, world)
     if "tp" in c and c["tp"] not in allowed_tp:
         raise ConfigError(
-            f"tp={c['tp']} does not fit the model's layer shapes on {world} devices (attention heads, "
-            f"KV heads and FFN sizes must divide by it); allowed: {allowed_tp}."
+            f"tp={c['tp']} does not fit: {tp_misfit(graph, world, c['tp'])}; allowed on {world} devices: {allowed_tp}."
         )
     _check_divides(c, world)
     check_schedule_constraints(c, graph)

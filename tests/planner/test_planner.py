@@ -87,10 +87,21 @@ def test_infeasible_plan_names_the_memory():
 
 
 def test_tp_only_where_shapes_allow():
+    """A refused tp names what it does not divide: the layer and its head count, or the
+    device count."""
     model = GPT(GPTConfig(vocab_size=1000, seq_len=128, dim=768, n_layers=2, n_heads=12))
     cluster = autopar.preset("dgx-a100-80gb", nodes=2)
-    with pytest.raises(ConfigError, match=r"tp=16 does not fit.*allowed: \[1, 2, 4\]"):
+    heads = r"tp=16 does not fit: attention.wq splits by whole attention heads and has 12; allowed on 16 devices: "
+    with pytest.raises(ConfigError, match=heads + r"\[1, 2, 4\]\.$"):
         autopar.plan(model, cluster, global_batch_size=16, seq_len=128, constraints={"tp": 16})
+    with pytest.raises(ConfigError, match=r"tp=3 does not fit: it does not divide the 16 devices"):
+        autopar.plan(model, cluster, global_batch_size=16, seq_len=128, constraints={"tp": 3})
+    # grouped-query attention: 32 query heads divide by 16, the 8 KV heads do not
+    llama = build_named_model("llama3-8b")
+    with pytest.raises(
+        ConfigError, match=r"tp=16 does not fit: attention.wk splits by whole attention heads and has 8;"
+    ):
+        autopar.plan(llama, cluster, global_batch_size=16, seq_len=128, constraints={"tp": 16})
     p = autopar.plan(model, cluster, global_batch_size=16, seq_len=128)
     assert p.config.tp in (1, 2, 4) and all(a.config.tp in (1, 2, 4) for a in p.alternatives)
 

@@ -189,24 +189,6 @@ def refusal(
     return None
 
 
-def always_refused(profile: UnitProfile, leaf: int, style: TPStyle, *, last: bool) -> bool:
-    """Whether :func:`refusal` refuses ``style`` for leaf ``leaf`` of ``profile`` whatever
-    the other leaves take: a sequence-parallel leaf whose output reaches an attention,
-    where nothing gathers it first (its output is not the model's, and a consumer reads
-    another leaf with parameters beside it, so :func:`_gather_at_output` never holds).
-    The search leaves such styles out before pricing (Gemma 3's and OLMo 2's norms of
-    queries and keys)."""
-    if style is not TPStyle.SEQUENCE or not any(f.src == leaf and f.attn_flops > 0 for f in profile.flows):
-        return False
-    readers = {f.dst for f in profile.flows if f.src == leaf}
-    if last and UNIT_OUTPUT in readers:
-        return False
-    return UNIT_OUTPUT in readers or any(
-        f.dst in readers and f.src >= 0 and f.src != leaf and profile.leaves[f.src].kind is not LeafKind.OTHER
-        for f in profile.flows
-    )
-
-
 def _resolve_unit(
     prof: UnitProfile,
     unit: Unit,

@@ -4,16 +4,9 @@ split divides its features and attention heads."""
 
 from __future__ import annotations
 
-from autopar.graph.layer_graph import LayerGraph, Leaf, LeafKind
+from autopar.graph.layer_graph import UNIT_OUTPUT, LayerGraph, Leaf, LeafKind, UnitProfile
 from autopar.runtime.errors import PlanMismatchError, ShardingError
 from autopar.vocab import TPStyle
-
-_KIND_STYLES: dict[LeafKind, tuple[TPStyle, ...]] = {
-    LeafKind.LINEAR: (TPStyle.REPLICATE, TPStyle.COLUMN, TPStyle.ROW),
-    LeafKind.EMBEDDING: (TPStyle.REPLICATE, TPStyle.VOCAB),
-    LeafKind.NORM: (TPStyle.REPLICATE, TPStyle.SEQUENCE),
-    LeafKind.OTHER: (TPStyle.REPLICATE,),
-}
 
 
 def check_styles(
@@ -28,24 +21,34 @@ def check_styles(
     whose split does not divide the layer's features or attention heads (a vocabulary
     may split unevenly: DTensor shards it in ``torch.chunk`` pieces where Megatron-LM
     pads it). ``module_types``: FQN -> class name, for the messages."""
-    leaves = {unit.leaf_fqn(leaf.name): leaf for unit in graph.units for leaf in graph.profiles[unit.profile].leaves}
+    last = len(graph.units) - 1
+    leaves = {
+        unit.leaf_fqn(leaf.name): (graph.profiles[unit.profile], i, leaf, u == last)
+        for u, unit in enumerate(graph.units)
+        for i, leaf in enumerate(graph.profiles[unit.profile].leaves)
+    }
     for fqn, style in sorted(styles.items()):
-        leaf = leaves.get(fqn)
-        if leaf is None:
+        if fqn not in leaves:
             raise PlanMismatchError(
                 f"the plan gives layer {fqn!r} the style {style.value!r}, but the model has no "
                 f"layer with parameters of that name. Make the plan for this model."
             )
-        allows = leaf.styles(sequence_parallel=True) if leaf.per_head else _KIND_STYLES[leaf.kind]
+        profile, i, leaf, at_end = leaves[fqn]
+        kind_allows = leaf.styles(sequence_parallel=True)
+        allows = tuple(s for s in kind_allows if not always_refused(profile, i, s, last=at_end))
         if style not in allows:
             allowed = ", ".join(s.value for s in allows)
             what = (module_types or {}).get(fqn, f"{leaf.kind.value} layer")
+            why = (
+                "its output feeds an attention beside another projection, which reads whole sequences, and "
+                "nothing gathers it first"
+                if style in kind_allows
+                else "column and row split a Linear's matrix (a fused one by rows only), vocab an Embedding's "
+                "rows, sequence runs a norm on sequence shards, heads a norm of each attention head on head shards"
+            )
             raise ShardingError(
-                f"the plan gives layer {fqn!r} (a {what}) the tensor-parallel style {style.value!r}, "
-                f"which it cannot take: column and row split a Linear's matrix, vocab an Embedding's "
-                f"rows, sequence runs a norm on sequence shards, heads a norm of each attention head on head "
-                f"shards; this layer allows {allowed}. "
-                f"Use 'replicate' for it."
+                f"the plan gives layer {fqn!r} ({what}) the tensor-parallel style {style.value!r}, "
+                f"which it cannot take: {why}; this layer allows {allowed}. Use 'replicate' for it."
             )
         _check_divides(fqn, leaf, style, tp)
         if style is TPStyle.SEQUENCE and not sequence_parallel:
@@ -73,3 +76,21 @@ def _check_divides(fqn: str, leaf: Leaf, style: TPStyle, tp: int) -> None:
             f"divide by {tp}: each rank must hold whole heads and equal slices. Use a tp that "
             f"divides them, or 'replicate' for this layer."
         )
+
+
+def always_refused(profile: UnitProfile, leaf: int, style: TPStyle, *, last: bool) -> bool:
+    """Whether :func:`refusal` refuses ``style`` for leaf ``leaf`` of ``profile`` whatever
+    the other leaves take: a sequence-parallel leaf whose output reaches an attention,
+    where nothing gathers it first (its output is not the model's, and a consumer reads
+    another leaf with parameters beside it, so :func:`_gather_at_output` never holds).
+    The search leaves such styles out before pricing (Gemma 3's and OLMo 2's norms of
+    queries and keys)."""
+    if style is not TPStyle.SEQUENCE or not any(f.src == leaf and f.attn_flops > 0 for f in profile.flows):
+        return False
+    readers = {f.dst for f in profile.flows if f.src == leaf}
+    if last and UNIT_OUTPUT in readers:
+        return False
+    return UNIT_OUTPUT in readers or any(
+        f.dst in readers and f.src >= 0 and f.src != leaf and profile.leaves[f.src].kind is not LeafKind.OTHER
+        for f in profile.flows
+    )

@@ -58,7 +58,8 @@ from autopar.cost.tensor_parallel import (
     transfer_s,
 )
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, UnitProfile
-from autopar.runtime.layouts import always_refused, refusal
+from autopar.runtime.layouts import refusal
+from autopar.runtime.style_checks import always_refused
 from autopar.search.ilp import Infeasible, Program, check_solver, solve
 from autopar.vocab import STYLE_IO, Layout, TPStyle
 
@@ -172,7 +173,7 @@ class LayoutSolver:
 
 def _options(profile: UnitProfile, ctx: TPContext) -> list[tuple[TPStyle, ...]]:
     """Per leaf, the styles it may take at this TP degree, less those the runtime refuses
-    whatever the other leaves take (:func:`autopar.runtime.layouts.always_refused`)."""
+    whatever the other leaves take (:func:`autopar.runtime.style_checks.always_refused`)."""
     return [
         tuple(s for s in allowed_styles(leaf, ctx) if not always_refused(profile, i, s, last=ctx.last))
         for i, leaf in enumerate(profile.leaves)

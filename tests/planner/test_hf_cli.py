@@ -292,6 +292,16 @@ def test_olmo2s_whole_projection_norms_are_not_planned_on_sequence_shards(tmp_pa
     assert styles.get("model.layers.0.self_attn.q_norm", "replicate") != "sequence", styles
     code, out, err = _run(f"dry-run --plan {plan} --model-config {folder}", capsys)
     assert code == 0 and ": OK" in out, out + err
+    # hand-edited: the refusal lists what the norm may take here, replicated only
+    data = json.loads(plan.read_text())
+    for style, why in [("sequence", "feeds an attention"), ("column", "column and row split a Linear")]:
+        data["layer_strategies"]["tp"]["model.layers.0.self_attn.q_norm"] = style
+        plan.write_text(json.dumps(data))
+        code, out, err = _run(f"dry-run --plan {plan} --model-config {folder}", capsys)
+        assert code != 0, out
+        said = out + err
+        assert f"'model.layers.0.self_attn.q_norm' (Olmo2RMSNorm) the tensor-parallel style '{style}'" in said, said
+        assert why in said and "this layer allows replicate. Use 'replicate'" in said, said
 
 
 @pytest.mark.parametrize("name", ["bert", "llama"])

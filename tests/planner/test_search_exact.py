@@ -32,7 +32,7 @@ from autopar.models import (
     get_named_model,
 )
 from autopar.plan import ParallelConfig
-from autopar.runtime.layouts import always_refused
+from autopar.runtime.style_checks import always_refused
 from autopar.search.bounds import TimeBound
 from autopar.search.constraints import check_constraints
 from autopar.search.intra_op import LayoutSolver, _ascending, brute_force_layout, refusal_in

@@ -138,5 +138,5 @@ def test_style_a_layer_cannot_take_names_the_layer_on_every_rank():
     )
     for kind, message in run(_resnet, 2, plan):
         assert kind == "ShardingError" and message.startswith(
-            "the plan gives layer 'layers.0.conv1' (a Conv2d) the tensor-parallel style 'column'"
+            "the plan gives layer 'layers.0.conv1' (Conv2d) the tensor-parallel style 'column'"
         )

@@ -418,9 +418,14 @@ def _cut(name: str, limit: int = 40) -> str:
     return name if len(name) <= limit else name[: limit - 1] + "…"
 
 
+def _strategies(data: dict[str, Any]) -> dict[str, Any]:
+    """A plan file's per-layer strategies (empty where it has none)."""
+    return data["layer_strategies"] if isinstance(data.get("layer_strategies"), dict) else {}
+
+
 def _tp_values(data: dict[str, Any]) -> list[Any]:
     """The tensor-parallel styles a plan file names."""
-    strategies = data.get("layer_strategies") if isinstance(data.get("layer_strategies"), dict) else {}
+    strategies = _strategies(data)
     return list(strategies["tp"].values()) if isinstance(strategies.get("tp"), dict) else []
 
 
@@ -431,6 +436,6 @@ def _model(data: dict[str, Any]) -> dict[str, Any]:
 
 def _recompute_values(data: dict[str, Any], config: dict[str, Any]) -> list[Any]:
     """The recompute modes a plan file names, its default's and its per-unit ones."""
-    strategies = data.get("layer_strategies") if isinstance(data.get("layer_strategies"), dict) else {}
+    strategies = _strategies(data)
     per_unit = strategies.get("recompute") if isinstance(strategies.get("recompute"), dict) else {}
     return [config.get("recompute"), *per_unit.values()]

@@ -40,8 +40,8 @@ def check_styles(
             allowed = ", ".join(s.value for s in allows)
             what = (module_types or {}).get(fqn, f"{leaf.kind.value} layer")
             why = (
-                "its output feeds an attention beside another projection, which reads whole sequences, and "
-                "nothing gathers it first"
+                "here it would hand the attention sequence shards, but attention reads every position of the "
+                "sequence (nothing gathers its output first)"
                 if style in kind_allows
                 else "column and row split a Linear's matrix (a fused one by rows only), vocab an Embedding's "
                 "rows, sequence runs a norm on sequence shards, heads a norm of each attention head on head shards"

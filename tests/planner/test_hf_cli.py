@@ -294,7 +294,10 @@ def test_olmo2s_whole_projection_norms_are_not_planned_on_sequence_shards(tmp_pa
     assert code == 0 and ": OK" in out, out + err
     # hand-edited: the refusal lists what the norm may take here, replicated only
     data = json.loads(plan.read_text())
-    for style, why in [("sequence", "feeds an attention"), ("column", "column and row split a Linear")]:
+    for style, why in [
+        ("sequence", "sequence shards, but attention reads every position"),
+        ("column", "column and row split a Linear"),
+    ]:
         data["layer_strategies"]["tp"]["model.layers.0.self_attn.q_norm"] = style
         plan.write_text(json.dumps(data))
         code, out, err = _run(f"dry-run --plan {plan} --model-config {folder}", capsys)

@@ -38,9 +38,10 @@ class RankResult:
     error: str = ""
 
 
-def _child(fn: Callable, rank: int, world: int, args: tuple, env: dict[str, str], conn: Any) -> None:
+def _child(fn: Callable, rank: int, world: int, args: tuple, env: dict[str, str], conn: Any, listening: int) -> None:
     status: tuple[bool, Any] = (False, f"rank {rank}: did not finish")
     try:
+        os.close(listening)  # the parent's store socket: only the parent accepts on it
         os.environ.update(env)
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # the variable alone is read only at torch's start
         status = (True, fn(rank, world, *args))
@@ -55,11 +56,13 @@ def _child(fn: Callable, rank: int, world: int, args: tuple, env: dict[str, str]
         os._exit(0)  # skip interpreter teardown: gloo's threads can abort it
 
 
-def _free_port() -> int:
-    """A port no one listens on now, as the operating system picks it."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _listening_socket(backlog: int) -> socket.socket:
+    """A socket on a port the operating system picks, already listening: a rank that
+    connects before the store's server serves it waits in the queue."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(backlog)
+    return sock
 
 
 def launch_local(
@@ -79,8 +82,9 @@ def launch_local(
         raise SettingsError(f"world_size={world_size} must be >= 1.")
     # The children are forked before the store's server thread starts: a fork taken
     # while another thread holds a lock (the allocator's, the store's own) can leave a
-    # child blocked forever. Clients retry until the store listens.
-    port = _free_port()
+    # child blocked forever. The store then serves the socket they connect to.
+    sock = _listening_socket(backlog=world_size)
+    port = sock.getsockname()[1]
     ctx = mp.get_context("fork")
     pipes, procs = [], []
     store = None
@@ -99,12 +103,14 @@ def launch_local(
             }
             env.update(env_of_rank(rank) if env_of_rank else {})
             parent_end, child_end = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_child, args=(fn, rank, world_size, args, env, child_end), daemon=True)
+            proc = ctx.Process(
+                target=_child, args=(fn, rank, world_size, args, env, child_end, sock.fileno()), daemon=True
+            )
             proc.start()
             child_end.close()
             pipes.append(parent_end)
             procs.append(proc)
-        store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+        store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach())
         results: dict[int, RankResult] = {}
         deadline = time.monotonic() + timeout_s
         while len(results) < world_size and time.monotonic() < deadline:
@@ -136,4 +142,5 @@ def launch_local(
             if proc.is_alive():
                 proc.kill()
             proc.join(5)
+        sock.close()  # where the store did not take it over
         del store

@@ -14,10 +14,10 @@ solved exactly:
 - two kinds of repeated blocks (Gemma 3's five sliding-window layers to one global,
   dense layers between mixture-of-experts ones): every count of the smaller group's
   options whose time no lighter count beats, each with the larger group's closed form
-  for the memory left, vectorised over those counts;
+  for the memory left, vectorised over those counts (also where a kind sits in chunks
+  of an interleaved rank that weigh its activations unequally);
 - anything else (three kinds of repeated blocks or more, all-different units as in a
-  CNN, two kinds of a V's rank weighing activations unequally) is an integer program
-  with counts per option, solved with pulp/HiGHS.
+  CNN) is an integer program with counts per option, solved with pulp/HiGHS.
 
 :func:`brute_force_stage` enumerates every per-unit assignment: the reference both paths
 are tested against.
@@ -117,8 +117,8 @@ def solve_stage(
         room = budget_bytes - tau
         if len(multi) <= 1 and single_combos <= 64:
             found = _solve_closed_form(allowed, room, inflight, multi, singles, weights)
-        elif len(multi) == 2 and single_combos <= 64 and not (weights and any(weights[g] for g in multi)):
-            found = _solve_two_kinds(allowed, room, inflight, multi, singles, solver)
+        elif len(multi) == 2 and single_combos <= 64:
+            found = _solve_two_kinds(allowed, room, inflight, multi, singles, solver, weights)
         else:
             found = _solve_ilp_weighted(allowed, room, inflight, solver, weights)
         if found is None:
@@ -224,22 +224,32 @@ def _solve_closed_form(groups, room: float, inflight: float, multi: list[int], s
     return best
 
 
-def _solve_two_kinds(groups, room: float, inflight: float, multi: list[int], singles: list[int], solver: str):
+def _solve_two_kinds(
+    groups, room: float, inflight: float, multi: list[int], singles: list[int], solver: str, weights=None
+):
     """Two groups of identical units beside at most 64 combinations of single units:
     every count of the smaller group's options on its time-memory frontier (per layout,
     :func:`autopar.search.run_times.pareto`), the larger group's best time in the memory
-    each leaves (:func:`autopar.search.run_times.run_times`, vectorised over them)."""
+    each leaves (:func:`autopar.search.run_times.run_times`, vectorised over them; for
+    a group of two weights, its closed form per count). A group of two weights (a kind
+    in both of an interleaved rank's chunks) places its smallest activations on its
+    heavier units, on the frontier as in the closed form."""
+    two = list(weights) if weights else [None] * len(groups)
     small, large = sorted(multi, key=lambda g: (groups[g][0], g))
     k_small, opts_small = groups[small]
     k_large, opts_large = groups[large]
-    weight, time, counts = frontier(k_small, opts_small, inflight)
+    weight, time, counts = frontier(k_small, opts_small, inflight, two[small])
     best_t, best = math.inf, None
     for combo in itertools.product(*(range(len(groups[i][1])) for i in singles)):
         picked = [groups[i][1][j] for i, j in zip(singles, combo)]
         used_t = sum(o.time_s for o in picked)
         used_m = sum(o.static_bytes + inflight * o.act_bytes for o in picked)
         rest = room - used_m - weight
-        large_t = run_times(opts_large, list(range(len(opts_large))), k_large, rest, inflight, counts=[k_large])[:, 0]
+        if two[large] is None:
+            large_t = run_times(opts_large, list(range(len(opts_large))), k_large, rest, inflight, counts=[k_large])
+            large_t = large_t[:, 0]
+        else:
+            large_t = _weighted_times(k_large, opts_large, rest, inflight, two[large], best_t - used_t - time)
         total = used_t + time + large_t
         f = int(np.argmin(total))
         if total[f] < best_t - 1e-15:
@@ -247,9 +257,9 @@ def _solve_two_kinds(groups, room: float, inflight: float, multi: list[int], sin
     if best is None:
         return None
     combo, f, rest = best
-    found = _best_counts(k_large, opts_large, rest, inflight)
+    found = _best_counts(k_large, opts_large, rest, inflight, two[large])
     if found is None:  # the vectorised and the scalar closed form disagree at the memory's edge
-        return _solve_ilp(groups, room, inflight, solver)
+        return _solve_ilp_weighted(groups, room, inflight, solver, weights)
     out: list[dict[int, int]] = [{} for _ in groups]
     for i, j in zip(singles, combo):
         out[i] = {j: 1}
@@ -257,16 +267,37 @@ def _solve_two_kinds(groups, room: float, inflight: float, multi: list[int], sin
     return out
 
 
+def _weighted_times(
+    k: int, opts: tuple[Priced, ...], rooms: np.ndarray, inflight: float, w: TwoWeights, worth_s: np.ndarray
+) -> np.ndarray:
+    """The fastest time of ``k`` units of two weights in each of ``rooms`` (inf where
+    they do not fit), priced only where it could come under ``worth_s`` (inf elsewhere):
+    no count of them is faster than all at their fastest option."""
+    floor_s = k * min(o.time_s for o in opts)
+    out = np.full(len(rooms), math.inf)
+    for f in np.flatnonzero(worth_s > floor_s):
+        found = _best_counts(k, opts, float(rooms[f]), inflight, w)
+        if found is not None:
+            out[f] = found[0]
+    return out
+
+
 @functools.lru_cache(maxsize=4096)
-def frontier(k: int, opts: tuple[Priced, ...], inflight: float) -> tuple[np.ndarray, np.ndarray, list[dict[int, int]]]:
+def frontier(
+    k: int, opts: tuple[Priced, ...], inflight: float, w: TwoWeights | None = None
+) -> tuple[np.ndarray, np.ndarray, list[dict[int, int]]]:
     """Every way ``k`` identical units sharing a layout can take its options (those worth
     keeping) that no way holding fewer bytes beats in time: bytes, times and counts,
-    lightest first (cached: a band asks for the same groups under many budgets)."""
+    lightest first (cached: a band asks for the same groups under many budgets). With
+    ``w``, the bytes place the smallest activations on the heavier units
+    (:func:`autopar.search.split_weights.placed_act_bytes`)."""
     weights, times, ways = [], [], []
     for lay in sorted({o.layout for o in opts}):
         idx = pareto(opts, [i for i, o in enumerate(opts) if o.layout == lay], inflight)
         counts = _compositions(k, len(idx))
-        weights.append(counts @ np.array([opts[i].static_bytes + inflight * opts[i].act_bytes for i in idx]))
+        static = np.array([opts[i].static_bytes for i in idx])
+        act = np.array([opts[i].act_bytes for i in idx])
+        weights.append(counts @ static + inflight * _placed(counts, act, w))
         times.append(counts @ np.array([opts[i].time_s for i in idx]))
         ways += [(idx, row) for row in counts]
     weight, time = np.concatenate(weights), np.concatenate(times)
@@ -279,7 +310,18 @@ def frontier(k: int, opts: tuple[Priced, ...], inflight: float) -> tuple[np.ndar
     return weight, time, [{i: int(n) for i, n in zip(*ways[c]) if n} for c in chosen]
 
 
-@functools.cache
+def _placed(counts: np.ndarray, act: np.ndarray, w: TwoWeights | None) -> np.ndarray:
+    """Each row's activation bytes (``counts`` of the options with ``act``), the smallest
+    on the heavier units where ``w`` weighs them two ways."""
+    if w is None:
+        return counts @ act
+    order = np.argsort(act, kind="stable")
+    ordered = counts[:, order].astype(np.float64)
+    before = np.cumsum(ordered, axis=1) - ordered
+    heavy = np.clip(w.heavy_units - before, 0.0, ordered)
+    return (heavy * w.heavy + (ordered - heavy) * w.light) @ act[order]
+
+
 def _compositions(k: int, parts: int) -> np.ndarray:
     """Every vector of ``parts`` non-negative counts summing to ``k``, one row each."""
     rows = [c for c in itertools.product(range(k + 1), repeat=parts - 1) if sum(c) <= k]

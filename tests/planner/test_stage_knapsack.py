@@ -189,6 +189,48 @@ def test_two_weights_beside_another_group_match_every_per_unit_assignment(seed):
         assert got.memory_bytes <= budget * (1 + 1e-12)
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_two_kinds_of_two_weights_match_every_per_unit_assignment_without_the_integer_program(seed, monkeypatch):
+    """Gemma 3's two kinds on an interleaved rank: either kind or both in chunks that
+    hold unequal micro-batches, beside up to two single units. The frontier of the
+    smaller kind (its smallest activations on its heavier units) with the larger
+    kind's closed form equals enumerating every option of every unit, each weighed by
+    its own chunk, and the integer program is never asked."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the integer program was asked")
+
+    monkeypatch.setattr(stage_solver, "_solve_ilp_weighted", refuse)
+    rng = random.Random(2600 + seed)
+    kinds, weights = [], []
+    for _ in range(2):
+        k = rng.choice([2, 3])
+        kinds.append((k, _random_layouts(rng, rng.choice([1, 2]))))
+        heavy = TwoWeights(heavy_units=rng.randint(1, k - 1), heavy=rng.uniform(1.5, 4.0), light=rng.uniform(0.2, 1.4))
+        weights.append(heavy if rng.random() < 0.7 else None)
+    singles = [(1, _random_layouts(rng, 1)) for _ in range(rng.choice([0, 1, 2]))]
+    inflight = rng.choice([1.0, 2.0])
+    budget = (kinds[0][0] + kinds[1][0] + len(singles)) * rng.uniform(3, 14) * inflight
+    got = solve_stage([*kinds, *singles], budget, inflight, weights=[*weights, *[None] * len(singles)])
+
+    def per_unit(k, opts, w):
+        factors = [1.0] * k if w is None else [w.heavy] * w.heavy_units + [w.light] * (k - w.heavy_units)
+        return [(1, tuple(dataclasses.replace(o, act_bytes=o.act_bytes * f) for o in opts)) for f in factors]
+
+    want = math.inf
+    (k0, opts0), (k1, opts1) = kinds
+    for lay0 in {o.layout for o in opts0}:
+        for lay1 in {o.layout for o in opts1}:
+            units = per_unit(k0, tuple(o for o in opts0 if o.layout == lay0), weights[0])
+            units += per_unit(k1, tuple(o for o in opts1 if o.layout == lay1), weights[1])
+            found = brute_force_stage([*units, *singles], budget, inflight)
+            want = min(want, found.time_s if found else math.inf)
+    assert (got is None) == math.isinf(want)
+    if got is not None:
+        assert got.time_s == pytest.approx(want, rel=1e-12)
+        assert got.memory_bytes <= budget * (1 + 1e-12)
+
+
 @pytest.mark.parametrize("seed", range(60))
 def test_two_kinds_of_repeated_units_match_brute_force_without_the_integer_program(seed, monkeypatch):
     """Two groups of identical units (Gemma 3's sliding-window and global layers) beside

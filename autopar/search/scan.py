@@ -174,7 +174,7 @@ def search(
         roomy: list[Outcome] = []
         for o in fitting:
             if bound_of(o.config) < fastest_s:
-                o = with_walk_room(solver, o, modes)
+                o = with_walk_room(solver, o, modes, beat_s=fastest_s)
             roomy.append(o)
             fastest_s = min(fastest_s, o.step_time_s)
         fitting = sorted(roomy, key=lambda o: o.step_time_s)

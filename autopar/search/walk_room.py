@@ -19,6 +19,7 @@ search's, and it replaces the search's only where it is faster.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -34,10 +35,14 @@ ROUNDS = 5
 allowance between what fits by its walk and what does not."""
 
 
-def with_walk_room(solver: ConfigSolver, outcome: Outcome, modes: tuple[Recompute, ...]) -> Outcome:
+def with_walk_room(
+    solver: ConfigSolver, outcome: Outcome, modes: tuple[Recompute, ...], beat_s: float = math.inf
+) -> Outcome:
     """``outcome`` with each rank re-solved in the room its walk leaves (module
     docstring), where that is faster; unchanged for anything but a fitting interleaved
-    1F1B configuration."""
+    1F1B configuration, and where even the whole room cannot bring its step under
+    ``beat_s`` (the fastest the caller holds): the first round gives every rank the most
+    room any round gives it, so no later round's options are faster."""
     config = outcome.config
     if not outcome.fits or config.pp == 1 or config.schedule is not Schedule.INTERLEAVED_1F1B:
         return outcome
@@ -60,6 +65,8 @@ def with_walk_room(solver: ConfigSolver, outcome: Outcome, modes: tuple[Recomput
         if solved is None:
             break
         stages = tuple(stage for stage, _ in solved)
+        if k == 0 and timing(solver.model, config, stages).step_s >= beat_s:
+            return outcome
         for r in range(config.pp):
             if trial[r] <= fits[r]:
                 continue

@@ -11,10 +11,12 @@ from autopar.cost.model import CostModel
 from autopar.cost.peak import budget_bytes
 from autopar.graph import extract
 from autopar.models import GPT, GPTConfig, Llama, LlamaConfig
+from autopar.search.bounds import TimeBound
 from autopar.search.constraints import check_constraints
-from autopar.search.scan import search
+from autopar.search.scan import ALL_MODES, search
 from autopar.search.solve import ConfigSolver
 from autopar.search.space import enumerate_space
+from autopar.search.walk_room import with_walk_room
 from autopar.vocab import Optimizer, Schedule
 
 from .exact_reference import brute_force_search, search_and_brute_force, tiny_cluster
@@ -122,6 +124,28 @@ def test_the_walk_room_is_between_the_bound_and_the_walked_optimum(memory_gib, g
     assert walked * (1 - 1e-9) <= roomy.step_time_s <= bound.step_time_s
     assert (roomy.step_time_s < bound.step_time_s) is gains
     assert max(s.memory.total_bytes for s in roomy.prediction.stages) <= cluster.device.memory.capacity_bytes
+
+
+def test_the_walk_room_is_skipped_only_where_it_cannot_beat_the_fastest_so_far():
+    """The room is priced for a configuration only while its first round (every rank
+    given the most room any round gives it) beats the fastest step the search holds: at
+    the configuration's own lower bound (every unit at its fastest option) nothing can,
+    and the outcome comes back as it was; at its own step time the room is taken, as
+    with no incumbent at all."""
+    model = Llama(LlamaConfig(vocab_size=512, seq_len=128, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=256))
+    graph = extract(model, seq_len=128, dtype="bf16")
+    cluster = tiny_cluster(0.009)
+    constraints = {"micro_batch_size": 2, "pp": 2, "tp": 1, "virtual_stages": 2, "zero_stage": 2}
+    constraints["schedule"] = "interleaved-1f1b"
+    model = CostModel(graph=graph, cluster=cluster, optimizer=Optimizer.ADAM, global_batch_size=8)
+    solver = ConfigSolver(model=model, budget_bytes=budget_bytes(cluster.device.memory), micro_batches=(2,))
+    outcome = search(solver, check_constraints(constraints), top=0, walk_room=False).best
+    modes = ALL_MODES
+    roomy = with_walk_room(solver, outcome, modes)
+    assert roomy.step_time_s < outcome.step_time_s  # the room pays here (the test above, 0.009 GiB)
+    floor_s = TimeBound(solver, modes)(outcome.config)
+    assert with_walk_room(solver, outcome, modes, beat_s=floor_s) is outcome
+    assert with_walk_room(solver, outcome, modes, beat_s=outcome.step_time_s) == roomy
 
 
 def test_a_tied_weight_is_counted_once_only_where_its_owners_split_it_alike():

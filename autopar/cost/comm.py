@@ -15,8 +15,11 @@ All functions are pure: numbers in, seconds out.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from autopar.hardware.cluster import Cluster
 from autopar.hardware.links import LinkSpec
@@ -24,7 +27,8 @@ from autopar.hardware.links import LinkSpec
 
 @dataclass(frozen=True, kw_only=True)
 class GroupSpan:
-    """Where a process group's devices are: ``per_node`` devices in each of ``nodes`` nodes."""
+    """Where a process group's devices are: ``per_node`` devices in each of ``nodes`` nodes
+    (on a group that lies unevenly, the fewest it has on one of them)."""
 
     size: int
     per_node: int
@@ -36,17 +40,31 @@ class GroupSpan:
         return self.nodes > 1
 
 
+@functools.cache
 def group_span(size: int, stride: int, devices_per_node: int) -> GroupSpan:
-    """The span of a group of ``size`` ranks spaced ``stride`` apart (rank-major layout).
+    """The span of the slowest group of ``size`` ranks spaced ``stride`` apart (rank-major
+    layout).
 
     With mesh axes (pp, dp, tp) row-major, a tp group has stride 1, a dp group stride
     ``tp`` and a pp group stride ``tp * dp``; node ``k`` holds ranks
-    ``[k * devices_per_node, (k + 1) * devices_per_node)``.
-    """
+    ``[k * devices_per_node, (k + 1) * devices_per_node)``. Groups tile the ranks in
+    blocks of ``size * stride``, so where that block and the node do not divide each
+    other, groups lie differently: tp=6 on nodes of 8 puts ranks 6-11 on two nodes (2
+    and 4 of them). Every group of one axis runs each collective together, so the
+    slowest sets the pace: the one with the fewest members on one node (each of them
+    carries the largest share across nodes), then the most nodes. Every way a group
+    can lie repeats within a world of whole nodes, so looking at one period of the
+    layout is exact."""
     if size <= 1:
         return GroupSpan(size=1, per_node=1, nodes=1)
-    per_node = max(1, min(size, devices_per_node // stride)) if stride < devices_per_node else 1
-    return GroupSpan(size=size, per_node=per_node, nodes=math.ceil(size / per_node))
+    block = size * stride
+    members = np.arange(size, dtype=np.int64) * stride
+    worst = (size, -1)  # (fewest on one node, -nodes): the least is the slowest
+    for first in range(devices_per_node // math.gcd(block, devices_per_node)):
+        for offset in range(min(stride, devices_per_node)):
+            _, counts = np.unique((first * block + offset + members) // devices_per_node, return_counts=True)
+            worst = min(worst, (int(counts.min()), -len(counts)))
+    return GroupSpan(size=size, per_node=worst[0], nodes=-worst[1])
 
 
 def _ring_latency_s(n: int, alpha_s: float) -> float:

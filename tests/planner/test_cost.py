@@ -1,6 +1,7 @@
 """Cost-model terms against closed-form hand calculations."""
 
 import math
+from collections import Counter
 
 import pytest
 
@@ -27,6 +28,26 @@ def test_group_spans_follow_the_rank_layout():
     assert (dp.per_node, dp.nodes) == (4, 4)
     tp = group_span(16, 1, 8)  # a TP group across two nodes
     assert (tp.per_node, tp.nodes) == (8, 2)
+
+
+@pytest.mark.parametrize("devices_per_node", [2, 4, 6, 8, 16])
+def test_a_group_span_is_the_slowest_group_of_the_whole_world(devices_per_node):
+    """Against every group of an explicit world of whole nodes (each axis's groups tiling
+    the ranks in blocks of size x stride): the span is the group with the fewest members
+    on one node, then the most nodes. tp=6 on nodes of 8 puts ranks 6-11 on two nodes,
+    2 and 4 of them, where the old rule saw one node."""
+    for size in (2, 3, 4, 6, 8, 12, 16):
+        for stride in (1, 2, 3, 4, 6, 8, 12, 16, 48):
+            block = size * stride
+            world = 2 * math.lcm(block, devices_per_node)
+            worst = (size, -1)
+            for base in (b for b in range(world) if b % block < stride):
+                nodes = Counter((base + k * stride) // devices_per_node for k in range(size))
+                worst = min(worst, (min(nodes.values()), -len(nodes)))
+            span = group_span(size, stride, devices_per_node)
+            assert (span.per_node, span.nodes) == (worst[0], -worst[1]), (size, stride, devices_per_node)
+    six = group_span(6, 1, 8)
+    assert (six.per_node, six.nodes) == (2, 2)
 
 
 def test_ring_all_reduce_inside_a_node():

@@ -301,7 +301,11 @@ def _worst_memory(plan: Plan) -> str:
         ("reserve", mb.reserve_bytes),
     ]
     divisor, unit = byte_unit(mb.total_bytes)
-    return f"stage {s.index} ({unit}): " + " | ".join(f"{n} {v / divisor:.1f}" for n, v in parts)
+    config = plan.config
+    # a rank holding several stages holds their memory together: name the rank, as the
+    # stage table's "(rank r)" does
+    where = f"pipeline rank {config.rank_of_stage(s.index)}" if config.virtual_stages > 1 else f"stage {s.index}"
+    return f"{where} ({unit}): " + " | ".join(f"{n} {v / divisor:.1f}" for n, v in parts)
 
 
 def count(n: float) -> str:

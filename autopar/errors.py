@@ -15,6 +15,14 @@ class ClusterError(ConfigError):
     """A cluster description is malformed or names an unknown preset."""
 
 
+class DeviceCountError(ConfigError):
+    """No configuration of the cluster's device count satisfies the batch and the
+    constraints (a fixed degree that does not divide it, no candidate left), where
+    another device count may have one: what :func:`autopar.present.whatif.fewest_nodes`
+    moves on from, as it does from a plan that does not fit, while any other ConfigError
+    is the input's fault at every node count."""
+
+
 class ModelError(AutoparError, ValueError):
     """The model cannot be analysed (no forward input, an unsupported structure)."""
 

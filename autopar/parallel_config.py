@@ -151,7 +151,8 @@ class ParallelConfig:
         if self.virtual_stages > 1 and not multi_stage:
             raise ConfigError(
                 f"virtual_stages={self.virtual_stages} needs schedule 'interleaved-1f1b', 'interleaved-zb', "
-                f"'zbv' or 'dualpipev' (got {sched!r}); use virtual_stages=1 for {sched}."
+                f"'zbv' or 'dualpipev' (got {sched!r}, which runs one stage per pipeline rank); use virtual_stages=1 "
+                f"for {sched}."
             )
         if multi_stage and self.virtual_stages < 2:
             raise ConfigError(

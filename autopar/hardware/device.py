@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 from autopar.errors import ClusterError, check_positive_float
 from autopar.vocab import DType
@@ -24,6 +24,14 @@ from autopar.vocab import DType
 CPU_PROCESS = "cpu-process"
 """How a CPU process is named as a device: the preset's name, and the start of a measured
 one (which adds the CPU model and its threads)."""
+
+
+def device_kind(name: str) -> Literal["cpu", "cuda"]:
+    """The kind of device ``name`` is, as a profile records it (``cpu`` for a CPU
+    process, preset or measured; else ``cuda``), so that a measurement can be checked
+    against the cluster it is applied to."""
+    return "cpu" if name.startswith(CPU_PROCESS) else "cuda"
+
 
 _SHARE_NOTE = "; time share: "
 

@@ -11,11 +11,18 @@ from typing import Any
 
 from torch import nn
 
-from autopar.errors import ConfigError, InfeasiblePlanError, check_positive_float, check_positive_int
+from autopar.errors import (
+    AutoparError,
+    DeviceCountError,
+    InfeasiblePlanError,
+    check_positive_float,
+    check_positive_int,
+)
 from autopar.graph.extract import extract
 from autopar.graph.layer_graph import LayerGraph
 from autopar.hardware.cluster import Cluster
 from autopar.plan import Plan
+from autopar.search.constraints import check_constraints
 from autopar.search.planner import plan as make_plan
 
 
@@ -61,9 +68,19 @@ def fewest_nodes(
     """The plan on the fewest nodes of ``cluster``'s type that fit the model.
 
     Doubles the node count until a plan fits, then bisects between the last two counts
-    (a count that fits may still be passed over if the batch does not divide it).
+    (a count that fits may still be passed over if the batch does not divide it). A
+    count moves on where nothing fits in memory or no configuration of its devices
+    exists (:class:`~autopar.errors.DeviceCountError`); any other error is the input's
+    at every count, and is raised at once.
+
+    Raises:
+        ConfigError: a bad constraint, option or size, or one the device lacks.
+        DeviceCountError: no count up to ``max_nodes`` has a configuration (none ran
+            out of memory); the message gives why at 1 node.
+        InfeasiblePlanError: no count up to ``max_nodes`` fits.
     """
     check_positive_int("max_nodes", max_nodes)
+    fixed = check_constraints(plan_kwargs.get("constraints"))  # read for the precision, and refused before any plan
     graph = (
         model
         if isinstance(model, LayerGraph)
@@ -71,15 +88,17 @@ def fewest_nodes(
             model,
             seq_len=seq_len,
             sample_input=sample_input,
-            dtype=plan_kwargs.get("constraints", {}).get("dtype", cluster.device.preferred_dtype),
+            dtype=fixed.get("dtype", cluster.device.preferred_dtype),
             attention=plan_kwargs.get("attention", "flash"),
         )
     )
+    failures: list[AutoparError] = []
 
     def attempt(nodes: int) -> Plan | None:
         try:
             return make_plan(graph, cluster.with_nodes(nodes), global_batch_size=global_batch_size, **plan_kwargs)
-        except (InfeasiblePlanError, ConfigError):
+        except (InfeasiblePlanError, DeviceCountError) as err:
+            failures.append(err)
             return None
 
     lo, hi, found = 0, 1, None
@@ -88,6 +107,11 @@ def fewest_nodes(
         if found is not None:
             break
         lo, hi = hi, hi * 2
+    if found is None and all(isinstance(err, DeviceCountError) for err in failures):
+        raise DeviceCountError(
+            f"no configuration runs on 1 to {max_nodes} nodes of {cluster.kind} (node counts doubled from 1); on 1 "
+            f"node: {failures[0]}"
+        )
     if found is None:
         raise InfeasiblePlanError(
             f"no plan fits on up to {max_nodes} nodes of {cluster.kind}; the "

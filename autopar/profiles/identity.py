@@ -30,7 +30,7 @@ from torch import nn
 from autopar.errors import ConfigError
 from autopar.graph.layer_graph import LayerGraph
 from autopar.graph.units import strip_wrappers
-from autopar.hardware.device import CPU_PROCESS
+from autopar.hardware.device import device_kind
 from autopar.profiles.sections import ModelProfile
 
 REMEDY = "profile this model with 'autopar profile model ...' or drop --profile"
@@ -65,7 +65,7 @@ class LayerProfileMatch:
         applied here."""
         m = self.layers
         out = []
-        if (m.device_kind == "cpu") != device.startswith(CPU_PROCESS):  # its factors carry the other's efficiency
+        if m.device_kind != device_kind(device):  # its factors carry the other's efficiency
             out.append(
                 f"The layer profile of {m.model} in {self.origin} was measured on {m.device} ({m.device_kind}) and is "
                 f"applied to the cluster's {device}: its per-unit factors (measured over predicted) carry that "

@@ -25,6 +25,7 @@ from autopar.hardware.device import (
     Roofline,
     alone,
     bandwidth_shared,
+    device_kind,
     time_shared,
     with_host,
 )
@@ -91,11 +92,16 @@ def cluster_from_profiles(reports: Any, base: Cluster | None = None) -> Cluster:
     cores as they will in training, applies where it ran as many processes per node as
     the cluster has: its framework overheads (tensor-parallel and FSDP) replace the
     device profile's one-rank figures, and its memory share lowers the bandwidth.
+
+    Raises:
+        ClusterError: a device or network section measured another kind of device than
+            ``base``'s (:func:`_check_kinds`), or what is needed was not measured.
     """
     rs = read_reports(reports)
     dev = latest(rs, "device")
     net = latest(rs, "network")
     layers = latest(rs, "layers")
+    _check_kinds(dev, net, base)
     kinds = {found[1].device_kind for found in (net, layers) if found is not None}
     if dev is not None:
         kinds.add(dev[1].kind)
@@ -121,6 +127,39 @@ def cluster_from_profiles(reports: Any, base: Cluster | None = None) -> Cluster:
         intra_node=intra,
         inter_node=inter,
     )
+
+
+def _check_kinds(
+    dev: tuple[str, DeviceProfile] | None, net: tuple[str, NetworkProfile] | None, base: Cluster | None
+) -> None:
+    """Refuse a device or network section measured on another kind of device (CPU
+    processes or CUDA GPUs) than ``base``'s: its rates, memory or gloo links would stand
+    in for the cluster's without a word (gloo between two CPU processes priced a GPT-2
+    step on 16 H100s at 21 to 125 ms over runs, the datasheet's links at 2.5 ms). A
+    layer section is kept, with a note: its factors are relative to the device it
+    measured (:mod:`autopar.profiles.identity`)."""
+    if base is None:
+        return
+    want = device_kind(base.device.name)
+    if want == "cpu":
+        remedy = "pass a --cluster of the GPUs it measured (a preset or cluster file)"
+    else:
+        remedy = f"plan for the machine it measured with --cluster local-cpu:{net[1].nodes if net else 1}"
+    for what, found in (("device", dev), ("network", net)):
+        if found is None:
+            continue
+        origin, section = found
+        if isinstance(section, DeviceProfile):
+            kind, measured, replaced = section.kind, f"{section.name} ({section.kind})", "rates and memory"
+        else:
+            kind, replaced = section.device_kind, "links"
+            measured = f"{section.backend} between {section.world_size} {kind} ranks"
+        if kind != want:
+            raise ClusterError(
+                f"the {what} profile in {origin} measured {measured} but the cluster {base.name} has "
+                f"{base.device.name} ({want}) devices, whose {replaced} it would silently replace; profile the "
+                f"{what} on the cluster's devices, drop --profile, or {remedy}."
+            )
 
 
 def _local_cpu_base(net: NetworkProfile | None) -> Cluster:

@@ -5,13 +5,15 @@ shards of gathers need eager blocks) or tensor parallelism at all."""
 
 from __future__ import annotations
 
+import math
 import reprlib
 from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, DeviceCountError
 from autopar.plan import ParallelConfig
+from autopar.search.integers import divisors
 from autopar.vocab import ZERO_STAGES, DType, Recompute, Schedule
 
 CONFIG_FIELDS = tuple(f.name for f in fields(ParallelConfig))
@@ -76,12 +78,14 @@ def check_constraints(constraints: Mapping[str, Any] | None, *, what: str = "con
         )
     schedule, stages = out.get("schedule"), out.get("virtual_stages")
     if schedule is not None and stages is not None:  # the pair ParallelConfig would refuse, said before the search
-        if (stages > 1 and not schedule.multi_stage) or (schedule.v_shape and stages != 2):
-            runs = "exactly 2 stages per pipeline rank (a V)" if schedule.v_shape else "one stage per pipeline rank"
-            raise ConfigError(
-                f"constraint schedule={schedule.value!r} with virtual_stages={stages} is not allowed: it runs "
-                f"{runs}; drop virtual_stages or pick a schedule that runs {stages} (interleaved-1f1b, interleaved-zb)."
+        try:  # on a pipeline: a schedule without one is refused below
+            ParallelConfig(
+                dp=1, tp=1, pp=2, micro_batch_size=1, num_microbatches=1, schedule=schedule, virtual_stages=stages
             )
+        except ConfigError as err:
+            raise ConfigError(
+                f"constraint schedule={schedule.value!r} with virtual_stages={stages} is not allowed: {err}"
+            ) from None
     if out.get("pp") == 1 and out.get("schedule", Schedule.ONE_F_ONE_B) is not Schedule.ONE_F_ONE_B:
         raise ConfigError(
             f"constraint schedule={out['schedule'].value!r} with pp=1 is not allowed: it orders the micro-batches of "
@@ -95,3 +99,35 @@ def check_constraints(constraints: Mapping[str, Any] | None, *, what: str = "con
                 f"shards of each layer, which tp=1 does not split; drop {given[0]}=True or allow tp > 1."
             )
     return out
+
+
+DEGREES = ("dp", "cp", "tp", "pp")
+"""The degrees whose product is the device count, in the order messages name them."""
+
+
+def check_degrees(fixed: Mapping[str, Any], world: int) -> None:
+    """The degrees ``fixed`` gives (any of :data:`DEGREES`) must multiply to ``world``
+    devices, all four given, or to a divisor of it: else a DeviceCountError naming them,
+    their product and the device count, which another device count may satisfy. The
+    search checks the constraints with it before any candidate, and ``estimate`` its
+    completed configuration, so both name the same contradiction."""
+    given = {name: fixed[name] for name in DEGREES if name in fixed}
+    product = math.prod(given.values())
+    names, values = " x ".join(given), " x ".join(map(str, given.values()))
+    if len(given) == len(DEGREES) and product != world:
+        raise DeviceCountError(
+            f"{names} = {values} = {product} but the cluster has {world} devices; fix them to multiply to {world}, "
+            f"or plan for another cluster."
+        )
+    if world % product == 0:
+        return
+    if len(given) == 1:
+        (name,) = given
+        raise DeviceCountError(
+            f"{name}={product} does not divide the cluster's {world} devices; fix {name} to one of "
+            f"{divisors(world)}, or plan for another cluster."
+        )
+    raise DeviceCountError(
+        f"{names} = {values} = {product} does not divide the cluster's {world} devices; fix them to a product "
+        f"that does, or plan for another cluster."
+    )

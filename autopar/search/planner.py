@@ -41,7 +41,7 @@ from autopar.plan import ParallelConfig, Plan, PlanSettings
 from autopar.profiles.apply import Measurements, measurements
 from autopar.profiles.identity import LayerProfileMatch, match_layer_profile
 from autopar.search.assemble import Provenance, infeasible_error, to_plan
-from autopar.search.constraints import check_constraints
+from autopar.search.constraints import check_constraints, check_degrees
 from autopar.search.experts import check_routing_imbalance
 from autopar.search.ilp import check_solver
 from autopar.search.kernel_options import check_async_tp, check_fp8
@@ -355,14 +355,8 @@ def _complete(fixed: dict[str, Any], cluster: Cluster, global_batch_size: int) -
     out = dict(fixed)
     world = cluster.world_size
     tp, pp, cp = out.setdefault("tp", 1), out.setdefault("pp", 1), out.setdefault("cp", 1)
-    if world % (tp * cp * pp):
-        raise ConfigError(f"tp x cp x pp = {tp} x {cp} x {pp} does not divide the cluster's {world} devices.")
+    check_degrees(out, world)  # the product of those given divides world; of all four, is world
     out.setdefault("dp", world // (tp * cp * pp))
-    if out["dp"] * tp * cp * pp != world:
-        raise ConfigError(
-            f"dp x cp x tp x pp = {out['dp']} x {cp} x {tp} x {pp} = {out['dp'] * cp * tp * pp} but the cluster has "
-            f"{world} devices."
-        )
     if "num_microbatches" in out and "micro_batch_size" not in out:
         per = global_batch_size // out["dp"]
         if per % out["num_microbatches"]:

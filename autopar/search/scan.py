@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from autopar.cost.price import Decided, UnitChoice, price
-from autopar.errors import ConfigError
+from autopar.errors import DeviceCountError
 from autopar.plan import ParallelConfig
 from autopar.search.bounds import TimeBound
 from autopar.search.solve import ConfigSolver, Outcome
@@ -92,9 +92,10 @@ def search(
     model = solver.model
     graph, cluster = model.graph, model.cluster
     configs, rejected = enumerate_space(graph, cluster, model.global_batch_size, fixed, fold_shard_groups=True)
-    if not configs:
-        reasons = "; ".join(list(dict.fromkeys(f"{r.what}: {r.reason}" for r in rejected))[:6]) or "no candidate"
-        raise ConfigError(
+    if not configs:  # what rules out the fixed values, where something does, not the search's own picks
+        pinned = [r for r in rejected if not set(r.searched) - fixed.keys()] or rejected
+        reasons = "; ".join(list(dict.fromkeys(f"{r.what}: {r.reason}" for r in pinned))[:6]) or "no candidate"
+        raise DeviceCountError(
             f"no configuration of {cluster.world_size} devices can run global_batch_size="
             f"{model.global_batch_size} with {_constraints_text(_given(fixed, given))}: {reasons}. Change the batch "
             f"size, the device count or the constraints."

@@ -23,10 +23,11 @@ from autopar.cost.bounds import memory_floor_bytes, states_floor_bytes, unit_flo
 from autopar.cost.leaf import allowed_styles
 from autopar.cost.model import CostModel
 from autopar.cost.pipeline import schedule_problem
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, DeviceCountError
 from autopar.graph.layer_graph import LayerGraph, Leaf, LeafKind
 from autopar.hardware.cluster import Cluster
 from autopar.plan import ParallelConfig
+from autopar.search.constraints import DEGREES, check_degrees
 from autopar.search.experts import capacity_experts, check_expert_parallel, ep_degrees
 from autopar.search.integers import divisors
 from autopar.search.kernel_options import (
@@ -57,10 +58,13 @@ its 128K-token stage with 16-way context parallelism, 8K tokens per rank (Llama 
 
 @dataclass(frozen=True, kw_only=True)
 class Rejection:
-    """A region of the space ruled out before costing, and why."""
+    """A region of the space ruled out before costing, and why; ``searched``: the fields
+    whose values, where the search picks them, it rules out (none: it is about fixed
+    values, such as a pinned schedule), so that a refusal can keep to what the user fixed."""
 
     what: str
     reason: str
+    searched: tuple[str, ...] = ()
 
 
 def shard_sizes(dp: int, tp: int, devices_per_node: int) -> list[int]:
@@ -99,19 +103,21 @@ def _tp_linears(graph: LayerGraph) -> list[Leaf]:
     return [leaf for p in block_profiles for leaf in graph.profiles[p].leaves if leaf.kind is LeafKind.LINEAR]
 
 
-def tp_misfit(graph: LayerGraph, world: int, t: int) -> str:
-    """Why ``t`` is not among :func:`tp_degrees`, in words: the device count it does not
-    divide, or the first layer it cannot split and that layer's size."""
-    if t < 1 or world % t:
-        return f"it does not divide the {world} devices"
-    for leaf in _tp_linears(graph):
+def layer_misfit(graph: LayerGraph, t: int) -> str | None:
+    """Why the model's layers do not split ``t`` ways, in words (the first layer it cannot
+    split and that layer's size), or None where they do: then only a device count ``t``
+    does not divide keeps it out of :func:`tp_degrees`."""
+    linears = _tp_linears(graph)
+    if not linears and t > 1:
+        return "the model has no linear layer for tensor parallelism to split"
+    for leaf in linears:
         if _splittable(leaf, t):
             continue
         if leaf.out_heads or leaf.in_heads:
             heads = leaf.out_heads if leaf.out_heads % t else leaf.in_heads
             return f"{leaf.name} splits by whole attention heads and has {heads}"
         return f"{leaf.name} ({leaf.in_features} -> {leaf.out_features} features) divides by it on neither side"
-    return "the model's layer shapes do not divide by it"
+    return None
 
 
 def _splittable(leaf: Leaf, t: int) -> bool:
@@ -199,43 +205,58 @@ def enumerate_space(
     kernels = list(itertools.product(compile_options(c, cluster), fp8_options(c, cluster, dtype)))
     n_units = len(graph.units)
     allowed_tp = tp_degrees(graph, world)
-    if "tp" in c and c["tp"] not in allowed_tp:
-        raise ConfigError(
-            f"tp={c['tp']} does not fit: {tp_misfit(graph, world, c['tp'])}; allowed on {world} devices: {allowed_tp}."
+    if "tp" in c and c["tp"] not in allowed_tp:  # the model's fault at any device count, or this count's
+        why = layer_misfit(graph, c["tp"])
+        raise (ConfigError if why else DeviceCountError)(
+            f"tp={c['tp']} does not fit: {why or f'it does not divide the {world} devices'}; allowed on {world} "
+            f"devices: {allowed_tp}."
         )
-    _check_divides(c, world)
     check_schedule_constraints(c, graph)
     check_context_parallel(graph, c)
     check_expert_parallel(graph, c)
+    check_degrees(c, world)  # after the checks that hold at any device count
     tps = [c["tp"]] if "tp" in c else allowed_tp
     configs: list[ParallelConfig] = []
     for tp in tps:
         if world % tp:
-            rejected.append(Rejection(what=f"tp={tp}", reason=f"does not divide the {world} devices"))
+            rejected.append(Rejection(what=f"tp={tp}", reason=f"does not divide the {world} devices", searched=("tp",)))
             continue
         for cp, pp in _cp_pp(graph, world // tp, c):
             if (world // tp) % (cp * pp):
                 rejected.append(
-                    Rejection(what=f"tp={tp} cp={cp} pp={pp}", reason=f"tp x cp x pp does not divide {world} devices")
+                    Rejection(
+                        what=f"tp={tp} cp={cp} pp={pp}",
+                        reason=f"tp x cp x pp does not divide {world} devices",
+                        searched=DEGREES[1:],
+                    )
                 )
                 continue
             if pp > n_units:
-                rejected.append(Rejection(what=f"pp={pp}", reason=f"more stages than the model's {n_units} units"))
+                rejected.append(
+                    Rejection(what=f"pp={pp}", reason=f"more stages than the model's {n_units} units", searched=("pp",))
+                )
                 continue
             if pp > 1 and not graph.sequential:
-                rejected.append(Rejection(what=f"pp={pp}", reason="the model's blocks do not run once each, in order"))
+                rejected.append(
+                    Rejection(
+                        what=f"pp={pp}", reason="the model's blocks do not run once each, in order", searched=("pp",)
+                    )
+                )
                 continue
             if pp > 1 and not graph.cuttable and "pp" not in c:
-                rejected.append(Rejection(what=f"pp={pp}", reason=CUT_NOTE))
+                rejected.append(Rejection(what=f"pp={pp}", reason=CUT_NOTE, searched=("pp",)))
                 continue
             dp = world // (tp * cp * pp)
             if "dp" in c and c["dp"] != dp:
+                if {"tp", "pp"} <= c.keys():  # only cp was left to the search, and it does not try the one needed
+                    rejected.append(_cp_left(c, world, graph.seq_len))
                 continue
             if global_batch_size % dp:
                 rejected.append(
                     Rejection(
                         what=f"dp={dp} (tp={tp} pp={pp})",
                         reason=f"global batch {global_batch_size} is not divisible by dp={dp}",
+                        searched=("dp",),
                     )
                 )
                 continue
@@ -354,6 +375,18 @@ def _cp_pp(graph: LayerGraph, devices: int, c: Mapping[str, Any]) -> Iterator[tu
             yield cp, pp
 
 
+def _cp_left(c: Mapping[str, Any], world: int, seq_len: int) -> Rejection:
+    """Why fixed ``dp``, ``tp`` and ``pp`` found no candidate: the context-parallel degree
+    they leave is not one :func:`cp_degrees` tries for this model and sequence."""
+    cp = world // (c["dp"] * c["tp"] * c["pp"])  # a whole number: check_degrees passed
+    return Rejection(
+        what=f"dp={c['dp']} tp={c['tp']} pp={c['pp']}",
+        reason=f"they leave cp={cp} of the {world} devices, a degree the search does not try at seq_len={seq_len} "
+        f"(it tries context parallelism where attention allows it and each rank keeps >= {CP_MIN_TOKENS} tokens); "
+        f"set cp={cp} to plan with it, or change dp, tp or pp",
+    )
+
+
 def _shard_rejection(c: Mapping[str, Any], dp: int, cp: int) -> Rejection | None:
     """Why a fixed ``dp_shard`` cannot shard ``dp`` ranks (``cp`` apart), if it cannot."""
     shard = c.get("dp_shard")
@@ -370,17 +403,6 @@ def _shard_rejection(c: Mapping[str, Any], dp: int, cp: int) -> Rejection | None
             reason=f"an expert group of {ep} ranks must lie inside one shard group of dp_shard x cp = {shard * cp}",
         )
     return None
-
-
-def _check_divides(c: Mapping[str, Any], world: int) -> None:
-    """A fixed ``dp`` or ``pp`` must divide the device count; said at once, rather than as
-    every (tp, pp) region the search would reject for it."""
-    for axis in ("dp", "pp"):
-        if axis in c and world % c[axis]:
-            raise ConfigError(
-                f"{axis}={c[axis]} does not divide the cluster's {world} devices; fix {axis} to one of "
-                f"{divisors(world)}, or plan for another cluster."
-            )
 
 
 def _batch_rejection(c: Mapping[str, Any], dp: int, per_rank: int) -> Rejection | None:

@@ -1,0 +1,78 @@
+"""plan() names a contradiction in the fixed fields alone (degrees whose product is not
+the device count, a schedule with stages per rank it cannot take) as estimate() does,
+in one line, and the reasons it gives are about the values the user fixed, not the
+ones the search tried."""
+
+import pytest
+
+import autopar
+from autopar import ConfigError
+from autopar.cli import main
+from autopar.graph import extract
+from autopar.models import build_named_model
+
+CLUSTER = autopar.preset("dgx-a100-80gb", nodes=4)  # 32 devices
+BATCH = 512
+
+
+@pytest.fixture(scope="module")
+def gpt3():
+    """GPT-3 1.3B (24 blocks, 26 units, 16 heads) at 2048 tokens, on the meta device."""
+    return extract(build_named_model("gpt3-1.3b"), seq_len=2048)
+
+
+def _refusal(call, graph, fixed) -> str:
+    with pytest.raises(ConfigError) as err:
+        call(graph, CLUSTER, fixed, global_batch_size=BATCH)
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+def _plan(graph, cluster, fixed, **kw):
+    return autopar.plan(graph, cluster, constraints=fixed, **kw)
+
+
+def test_degrees_whose_product_is_not_the_device_count(gpt3):
+    message = _refusal(_plan, gpt3, {"dp": 4, "tp": 4, "pp": 4})
+    assert message.startswith("dp x tp x pp = 4 x 4 x 4 = 64 does not divide the cluster's 32 devices; fix them")
+    given = {"dp": 4, "cp": 1, "tp": 4, "pp": 4}
+    assert _refusal(_plan, gpt3, given) == _refusal(autopar.estimate, gpt3, given)
+    assert _refusal(_plan, gpt3, given).startswith("dp x cp x tp x pp = 4 x 1 x 4 x 4 = 64 but the cluster has 32")
+    assert _refusal(_plan, gpt3, {"pp": 4, "dp": 16}).startswith("dp x pp = 16 x 4 = 64 does not divide the cluster's")
+
+
+@pytest.mark.parametrize("extra", [{}, {"tp": 1}])
+def test_an_interleaved_schedule_of_one_stage_per_rank(gpt3, extra):
+    fixed = {"schedule": "interleaved-1f1b", "virtual_stages": 1, "pp": 4, **extra}
+    message = _refusal(_plan, gpt3, fixed)
+    assert message == (
+        "constraint schedule='interleaved-1f1b' with virtual_stages=1 is not allowed: schedule='interleaved-1f1b' "
+        "needs virtual_stages >= 2 (stages per pipeline rank); use schedule='1f1b' for one stage per rank."
+    )
+    assert _refusal(autopar.estimate, gpt3, fixed) == message
+
+
+def test_the_reasons_are_about_what_was_fixed(gpt3):
+    message = _refusal(_plan, gpt3, {"micro_batch_size": 3})
+    assert "micro_batch_size=3 (dp=32): does not divide the 16 samples per data-parallel rank" in message
+    assert "pp=32" not in message
+    message = _refusal(_plan, gpt3, {"schedule": "interleaved-1f1b", "pp": 32})
+    assert ": pp=32: more stages than the model's 26 units. Change the batch size" in message
+    assert "tp x cp x pp" not in message
+
+
+def test_the_context_parallel_degree_left_over_is_named(gpt3):
+    message = _refusal(_plan, gpt3, {"dp": 2, "tp": 4, "pp": 2})
+    assert "dp=2 tp=4 pp=2: they leave cp=2 of the 32 devices, a degree the search does not try at seq_len=2048" in (
+        message
+    )
+    assert "set cp=2 to plan with it, or change dp, tp or pp" in message and "no candidate" not in message
+
+
+def test_the_cli_says_it_in_one_line(capsys):
+    args = ["plan", "--model", "gpt3-1.3b", "--cluster", "dgx-a100-80gb:4", "--global-batch-size", "512"]
+    assert main([*args, "--seq-len", "2048", "--set", "dp=4", "--set", "tp=4", "--set", "pp=4"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err and captured.err.count("\n") == 1
+    assert captured.err.startswith("autopar: error: dp x tp x pp = 4 x 4 x 4 = 64 does not divide the cluster's 32")

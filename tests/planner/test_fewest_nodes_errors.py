@@ -1,0 +1,62 @@
+"""fewest_nodes: a bad input is raised at once as the ConfigError it is; only a node
+count that runs out of memory or has no configuration of its devices moves on."""
+
+import pytest
+
+import autopar
+from autopar import ConfigError
+from autopar.errors import DeviceCountError
+from autopar.graph import extract
+from autopar.models import GPT, GPTConfig
+from autopar.present.whatif import fewest_nodes
+
+A100 = autopar.preset("dgx-a100-80gb")
+
+
+@pytest.fixture(scope="module")
+def graph():
+    """A small GPT of 16 heads and 8 blocks."""
+    return extract(GPT(GPTConfig(vocab_size=1024, seq_len=128, dim=256, n_layers=8, n_heads=16)), seq_len=128)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"constraints": {"tpp": 4}}, r"^unknown constraint\(s\) \['tpp'\]; allowed: dp, tp, pp"),
+        ({"optimizer": "lion"}, r"^optimizer='lion' is not allowed; use one of 'adam'"),
+        ({"constraints": {"tp": 3}}, r"^tp=3 does not fit: attention\.wq splits by whole attention heads and has 16;"),
+        ({"constraints": {"fp8": True}}, r"^fp8=True needs FP8 tensor cores, which A100-SXM4-80GB does not have"),
+        ({"constraints": "tp=2"}, r"^constraints='tp=2' is not allowed: give a mapping"),
+    ],
+)
+def test_an_input_error_is_raised_as_it_is(graph, kwargs, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        fewest_nodes(graph, A100, global_batch_size=64, **kwargs)
+    assert not isinstance(err.value, DeviceCountError) and "\n" not in str(err.value)
+
+
+def test_a_degree_the_nodes_do_not_divide_moves_on(graph):
+    plan = fewest_nodes(graph, A100, global_batch_size=64, constraints={"dp": 16, "tp": 1, "pp": 1})
+    assert plan.cluster.nodes == 2 and plan.config.dp == 16
+
+
+def test_no_configuration_of_a_small_cluster_moves_on(graph):
+    """On 1 node (8 devices) dp is at most 8, so no rank gets 4 samples in one micro-batch:
+    the search finds no candidate there, and 2 nodes run dp=16."""
+    fixed = {"micro_batch_size": 4, "num_microbatches": 1}
+    with pytest.raises(DeviceCountError, match="no configuration of 8 devices can run global_batch_size=64"):
+        autopar.plan(graph, A100.with_nodes(1), global_batch_size=64, constraints=fixed)
+    plan = fewest_nodes(graph, A100, global_batch_size=64, constraints=fixed)
+    assert plan.cluster.nodes == 2 and plan.config.dp * plan.config.cp == 16
+
+
+def test_a_count_no_doubling_reaches_is_refused_with_the_reason_at_one_node():
+    """12 heads split 3 ways, but 3 divides no power of two of 8-GPU nodes."""
+    model = GPT(GPTConfig(vocab_size=1024, seq_len=128, dim=192, n_layers=2, n_heads=12))
+    with pytest.raises(DeviceCountError) as err:
+        fewest_nodes(model, A100, global_batch_size=64, seq_len=128, max_nodes=8, constraints={"tp": 3})
+    message = str(err.value)
+    assert message.startswith("no configuration runs on 1 to 8 nodes of dgx-a100-80gb (node counts doubled from 1);")
+    assert message.endswith(
+        "on 1 node: tp=3 does not fit: it does not divide the 8 devices; allowed on 8 devices: [1, 2, 4]."
+    )

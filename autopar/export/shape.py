@@ -107,15 +107,21 @@ class ModelShape:
     known_architecture: bool = False
 
 
-def shape_of(model: nn.Module, plan: Plan) -> ModelShape:
-    """The shape of ``model``, which must be the model ``plan`` was made for (same
-    parameter names and shapes); an ExportError otherwise."""
+def check_plans_model(model: nn.Module, plan: Plan, *, advice: str = "pass the plan's model, or none") -> None:
+    """Refuse ``model`` (an ExportError ending in ``advice``) unless it is the model
+    ``plan`` was made for: the same parameter names and shapes."""
     found = model_fingerprint(model)
     if found != plan.model.fingerprint:
         raise ExportError(
             f"the model given ({type(model).__name__}, fingerprint {found}) is not the one the plan was made for "
-            f"({plan.model.name}, fingerprint {plan.model.fingerprint}); pass the plan's model, or none."
+            f"({plan.model.name}, fingerprint {plan.model.fingerprint}); {advice}."
         )
+
+
+def shape_of(model: nn.Module, plan: Plan) -> ModelShape:
+    """The shape of ``model``, which must be the model ``plan`` was made for
+    (:func:`check_plans_model`)."""
+    check_plans_model(model, plan)
     block_class = _block_class(model, plan)
     config = getattr(model, "config", None)
     if isinstance(config, GPTConfig):

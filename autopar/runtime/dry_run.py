@@ -13,16 +13,15 @@ With ``measure=True`` each chosen rank also runs one training step on fake tenso
 the plan's predicted allocation for that rank (its peak less the device's reserve).
 Dropless experts under expert parallelism run there at the routing the plan prices
 (balanced, or the plan's routing imbalance: :mod:`autopar.runtime.assumed_routing`),
-since fake tensors have no routing to count; the report says so.
-A plan with compiled blocks (``compile=True``) runs them eager here: compiling needs
-real tensors (:mod:`autopar.runtime.compile`). Eager blocks keep the element-wise
-intermediates that compiled ones recompute in their backward
-(:mod:`autopar.graph.compiled_saved`), so the measured peak may exceed the compiled
-prediction by those; the report says so, with the plan's peak priced eager where the
-plan carries it (else the same plan with ``compile=False`` is the like-for-like check).
-An ``async_tp`` plan, whose fused collectives live in those compiled blocks, therefore
-runs its tensor-parallel collectives synchronously here, and the report says async TP
-was not exercised.
+since fake tensors have no routing to count; the report says so. A plan with compiled
+blocks (``compile=True``) runs them eager here: compiling needs real tensors
+(:mod:`autopar.runtime.compile`). Eager blocks keep the element-wise intermediates that
+compiled ones recompute in their backward (:mod:`autopar.graph.compiled_saved`), so the
+measured peak may exceed the compiled prediction by those; the report says so, with the
+plan's peak priced eager where the plan carries it (else the same plan with
+``compile=False`` is the like-for-like check). An ``async_tp`` plan, whose fused
+collectives live in those compiled blocks, therefore runs its tensor-parallel
+collectives synchronously here, and the report says async TP was not exercised.
 
 Reported problems: names the plan uses that the model lacks (or the reverse), stage
 assignments that do not cover the model's units exactly once, tensor-parallel splits a
@@ -115,6 +114,7 @@ class DryRunReport:
     :mod:`autopar.runtime.assumed_routing`), None where no such experts ran.
     ``added_ranks``: ranks a measured run ran besides those asked for, the first of each
     earlier pipeline rank, whose stages announce the inputs of the later ones.
+    ``assumed_inputs``: stages whose input was assumed, unchecked: ``ranks`` left out their predecessors'.
     ``eager_peak_bytes``: for compiled blocks run eager, the plan's peak per device priced
     eager, where the plan carries that contrast (``Alternative`` of status ``compile``):
     what the eager step measured is like for like with it. ``gathered_params``: the
@@ -131,6 +131,7 @@ class DryRunReport:
     eager_peak_bytes: float | None = None
     gathered_params: bool = False
     added_ranks: tuple[int, ...] = ()
+    assumed_inputs: tuple[int, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -149,6 +150,11 @@ class DryRunReport:
             lines.append(
                 f"  note: rank{'s' * (len(self.added_ranks) > 1)} {ranks} ran too: a measured pipeline rank takes "
                 f"the shape of its input from the stages before it, which only their ranks announce"
+            )
+        if self.assumed_inputs:
+            lines.append(
+                f"  note: the inputs of stages {list(self.assumed_inputs)} were assumed equal to an earlier stage "
+                f"boundary and not checked (their predecessors' ranks were not run); leave --ranks out to check them"
             )
         if self.eager_blocks:
             like = (
@@ -253,13 +259,13 @@ def dry_run(
         problems += grouped_experts_problems(model, plan)
     reports: list[RankReport] = []
     added: list[int] = []
+    metadata = PipelineMetadata()
     if analysis is not None and not problems:
         chosen = list(ranks) if ranks is not None else [dims.rank_at(p, 0, 0, 0) for p in range(dims.pp)]
         if measure:
             held = {dims.coordinate(r)[0] for r in chosen}
             added = [dims.rank_at(p, 0, 0, 0) for p in range(max(held)) if p not in held]
             chosen += added
-        metadata = PipelineMetadata()
         for rank in sorted(chosen, key=lambda r: (dims.coordinate(r)[0], r)):  # stages announce their outputs in order
             try:
                 if measure:
@@ -276,11 +282,6 @@ def dry_run(
             for r in reports
             if r.over_device and r.measured is not None
         ]
-        if metadata.unchecked():
-            problems.append(
-                f"the inputs of stages {metadata.unchecked()} were assumed equal to an earlier stage boundary and "
-                f"not checked (their predecessors' ranks were not run); leave --ranks out to check them"
-            )
     if not plan.prediction.fits:  # an estimate of a configuration that does not fit: it runs here, not there
         p = plan.prediction
         problems.append(
@@ -299,6 +300,7 @@ def dry_run(
         assumed_routing=_assumed_routing(model, plan) if measure and reports else None,
         gathered_params=holds_gathered_params(plan.config) and plan.config.state_shards > 1,
         added_ranks=tuple(added),
+        assumed_inputs=tuple(metadata.unchecked()),
     )
 
 

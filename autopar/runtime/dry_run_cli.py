@@ -4,6 +4,9 @@
 --model-config PATH`` applies the plan for some ranks with meta tensors and a fake
 process group (:mod:`autopar.runtime.dry_run`); with ``--measure`` it also runs one
 training step of each on fake tensors and compares its peak memory with the plan's.
+A model the plan was not made for (another fingerprint: parameter names or shapes) is
+refused first, in one line and with exit code 2, by the same check as ``autopar export``'s;
+each of its units and layers would otherwise be a problem of its own.
 """
 
 from __future__ import annotations
@@ -59,7 +62,9 @@ def add_dry_run_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def dry_run_command(args: argparse.Namespace) -> int:
-    """``autopar dry-run``: 0 when the plan applies cleanly, 1 with problems, 2 on bad input."""
+    """``autopar dry-run``: 0 when the plan applies cleanly, 1 with problems, 2 on bad input
+    (a model the plan was not made for included)."""
+    from autopar.export.shape import check_plans_model
     from autopar.models import get_named_model
     from autopar.runtime.dry_run import dry_run
 
@@ -75,6 +80,7 @@ def dry_run_command(args: argparse.Namespace) -> int:
             build, sample, note = _config_source(args.model_config, args.trust_remote_code, plan)
         else:
             build = partial(_built_by, args.model_fn)
+        check_plans_model(build(), plan, advice="pass the plan's model")  # export's check, in one line
         ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else None
         report = dry_run(build, plan, sample_input=sample, ranks=ranks, measure=args.measure)
     except AutoparError as exc:

@@ -7,8 +7,11 @@
 rendezvous), checks that the launch has the plan's world size, then starts ``script.py``
 on every process with PyTorch's own launcher. What torchrun leaves to its user, autopar
 decides from the plan: ``--nproc-per-node`` defaults to the plan's world size over
-``--nnodes``; one node with no rendezvous flags runs ``--standalone``; an
-``--rdzv-endpoint`` without ``--rdzv-backend`` means c10d. The script finds the plan in
+``--nnodes`` (one node when not given); a plan for several nodes given neither flag is
+refused, naming ``--nnodes`` (its node count, run on every node with a rendezvous) and
+``--nproc-per-node`` (its world size, every rank on this machine), since starting all its
+ranks on one node is rarely meant; one node with no rendezvous flags runs
+``--standalone``; an ``--rdzv-endpoint`` without ``--rdzv-backend`` means c10d. The script finds the plan in
 ``AUTOPAR_PLAN`` and creates its process group with :func:`init_distributed`, whose
 collective timeout (``AUTOPAR_PG_TIMEOUT_S``) bounds how long a rank waits for a dead or
 stuck peer; when a rank fails, torchrun stops the others and the command names the failed
@@ -55,6 +58,7 @@ _NO_ERROR_FILE = "<N/A>"
 """torch's ``ProcessFailure.error_file`` of a rank that recorded no error."""
 _DECIDED_FROM_THE_PLAN = {
     "nproc_per_node": None,
+    "nnodes": None,
     "rdzv_backend": None,
     "rdzv_id": "autopar",
     "node_rank": None,
@@ -113,7 +117,7 @@ def torchrun_args(plan: Plan, args: argparse.Namespace) -> argparse.Namespace:
     """The arguments torchrun runs for ``autopar run``'s ``args``, its defaults decided from
     ``plan``; refuses a launch of another world size, and what torchrun itself would refuse
     with a traceback."""
-    nnodes = _node_count(str(args.nnodes))
+    nnodes = _default_node_count(plan, args) if args.nnodes is None else _node_count(str(args.nnodes))
     nproc = _local_world_size(args.nproc_per_node, plan.config.world_size, nnodes)
     if nproc * nnodes != plan.config.world_size:
         given = "" if str(args.nproc_per_node) == str(nproc) else f" ({args.nproc_per_node} here)"
@@ -139,6 +143,22 @@ def torchrun_args(plan: Plan, args: argparse.Namespace) -> argparse.Namespace:
     launch.master_port = args.master_port or _TORCHRUN_MASTER[1]
     _check_torchrun_accepts(launch)
     return launch
+
+
+def _default_node_count(plan: Plan, args: argparse.Namespace) -> int:
+    """``--nnodes`` when not given: one node, unless the plan's cluster has several and
+    ``--nproc-per-node`` is not given either, which would start every rank of the plan on
+    this node (1024 ranks on 8 GPUs); that is refused, naming what to pass instead."""
+    cluster = plan.cluster
+    if cluster.nodes > 1 and args.nproc_per_node is None:
+        raise ConfigError(
+            f"the plan is for {cluster.nodes} nodes x {cluster.devices_per_node} devices = {cluster.world_size} "
+            f"processes, and without --nnodes and --nproc-per-node all {cluster.world_size} would start on this "
+            f"node: on each node pass --nnodes {cluster.nodes} with a rendezvous (--rdzv-endpoint host:port), which "
+            f"starts {cluster.devices_per_node} processes per node, or pass --nproc-per-node {cluster.world_size} "
+            f"to run every rank on this machine."
+        )
+    return 1
 
 
 def _node_count(nnodes: str) -> int:

@@ -146,6 +146,27 @@ def test_a_later_pipeline_rank_alone_runs_its_predecessors_too():
     assert small.ranks[1].over_device and not alone.ranks[1].over_device
 
 
+def test_inputs_assumed_because_ranks_left_out_their_predecessors_are_a_note_not_a_problem():
+    """Interleaved over 2 pipeline ranks, rank 0 runs stages 0 and 2. Asked for alone
+    (``--ranks 0``), stage 2's input, stage 1's output that only rank 1 announces, is
+    assumed to be stage 0's and not checked: what the user asked for, so the report is
+    OK and says what was assumed in a note. Run with rank 1 as well, nothing is assumed
+    unchecked, and rank 0 peaks at the same bytes: the assumption held."""
+    plan = make_plan("gpt", pp=2, num_microbatches=4, schedule="interleaved-1f1b", virtual_stages=2)
+    later = plan.stage_of_rank(0)[1:]
+    assert later == (2,)
+    alone = dry_run(lambda: build("gpt", "meta"), plan, ranks=[0], measure=True)
+    every = dry_run(lambda: build("gpt", "meta"), plan, measure=True)
+    assert alone.ok and every.ok, (alone.problems, every.problems)
+    assert alone.assumed_inputs == later and every.assumed_inputs == ()
+    text = alone.to_text()
+    assert text.splitlines()[0].endswith(": OK") and "problem" not in text, text
+    assert "note: the inputs of stages [2] were assumed equal to an earlier stage boundary and not checked" in text
+    assert "leave --ranks out to check them" in text and "note: the inputs" not in every.to_text()
+    assert [r.rank for r in alone.ranks] == [0] and [r.rank for r in every.ranks] == [0, 1]
+    assert alone.ranks[0].measured.peak_bytes == every.ranks[0].measured.peak_bytes
+
+
 def test_each_rank_is_shown_its_own_pipeline_ranks_predicted_peak():
     """Under 1F1B the first pipeline rank holds more micro-batches in flight than the
     last, so the two ranks' predicted peaks differ; each is its pipeline rank's figure in

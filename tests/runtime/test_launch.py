@@ -17,6 +17,7 @@ import torch
 from parity import LOSS_ATOL, make_plan, reference
 
 import autopar
+from autopar.graph.units import model_fingerprint
 from autopar.models import build_named_model
 from autopar.runtime import orphan
 from autopar.runtime.dry_run import dry_run
@@ -152,13 +153,31 @@ def test_dry_run_of_gpt3_175b_on_64_ranks():
     assert all(r.predicted_param_bytes > 0 for r in report.ranks)
 
 
-def test_dry_run_reports_a_plan_for_another_model(tmp_path):
-    plan = _big_plan(dp=1, tp=8, pp=8, zero_stage=1)
-    plan.save(tmp_path / "plan.json")
-    done = _cli("dry-run", "--plan", str(tmp_path / "plan.json"), "--model", "gpt3-13b")
-    assert done.returncode == 1
-    assert "units of the model in no stage" in done.stdout or "stages name units" in done.stdout
-    assert "PlanMismatchError: the plan was made for another model" in done.stdout
+def test_dry_run_refuses_a_plan_for_another_model_in_one_line_as_export_does(tmp_path, capsys):
+    """A plan for GPT-2 small dry-run with GPT-2 medium: one line naming both fingerprints,
+    exit 2, what ``autopar export`` says of the same mistake but for its advice (a dry
+    run needs a model: it cannot take none), and no report (it had listed a problem for
+    every unit and layer, the real cause near the end)."""
+    from autopar.cli import main
+
+    plan_file = tmp_path / "plan.json"
+    cpu = ["--cluster", "local-cpu:1", "--seq-len", "16", "--global-batch-size", "8"]
+    assert main(["plan", "--model", "gpt2-small", *cpu, "--out", str(plan_file)]) == 0
+    capsys.readouterr()
+    assert main(["dry-run", "--plan", str(plan_file), "--model", "gpt2-medium"]) == 2
+    dry = capsys.readouterr()
+    assert main(["export", str(plan_file), "--to", "megatron", "--model", "gpt2-medium"]) == 2
+    export = capsys.readouterr()
+    assert dry.out == "" and dry.err.count("\n") == 1, dry
+    assert dry.err.endswith("; pass the plan's model.\n") and export.err.endswith("; pass the plan's model, or none.\n")
+    assert dry.err.rsplit(";", 1)[0] == export.err.rsplit(";", 1)[0]
+    medium = model_fingerprint(build_named_model("gpt2-medium"))
+    small = autopar.Plan.load(plan_file).model.fingerprint
+    assert medium != small
+    assert dry.err.startswith(f"autopar: error: the model given (GPT, fingerprint {medium}) is not "), dry
+    assert f"the plan was made for (GPT, fingerprint {small})" in dry.err
+    assert main(["dry-run", "--plan", str(plan_file), "--model", "gpt2-small"]) == 0  # the plan's own model
+    assert ": OK" in capsys.readouterr().out
 
 
 def _alive(pid: int) -> bool:

@@ -13,6 +13,7 @@ import torch
 from parity import LOSS_ATOL, make_plan, reference
 from torch.distributed.run import determine_local_world_size, get_args_parser
 
+import autopar
 from autopar.errors import ConfigError
 from autopar.runtime.errors import PlanMismatchError
 from autopar.runtime.launch import add_run_parser, check_endpoint, torchrun_args
@@ -27,10 +28,15 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _launch(*argv: str, dp: int = 2, tp: int = 1) -> argparse.Namespace:
-    """torchrun's arguments for ``autopar run ARGV train.py`` under a dp x tp plan."""
+def _launch(*argv: str, dp: int = 2, tp: int = 1, cluster: autopar.Cluster | None = None) -> argparse.Namespace:
+    """torchrun's arguments for ``autopar run ARGV train.py`` under a dp x tp plan (on
+    ``cluster``, else one local-cpu node of dp x tp processes)."""
     args = _parser().parse_args(["run", "--plan", "plan.json", *argv, "train.py", "--lr", "1"])
-    return torchrun_args(make_plan("gpt", dp=dp, tp=tp), args)
+    return torchrun_args(make_plan("gpt", dp=dp, tp=tp, cluster=cluster), args)
+
+
+DGX_X4 = autopar.preset("dgx-a100-80gb", nodes=4)
+"""A cluster of 4 nodes of 8 GPUs: a plan for it runs 32 processes, 8 on each node."""
 
 
 def test_every_torchrun_flag_is_an_autopar_run_flag_in_every_spelling():
@@ -58,8 +64,47 @@ def test_the_script_and_its_flags_pass_through_untouched():
 
 
 def test_one_node_defaults_to_the_plans_world_size_standalone():
+    assert make_plan("gpt", dp=2, tp=2).cluster.nodes == 1
     launch = _launch(dp=2, tp=2)
     assert (launch.nproc_per_node, launch.nnodes, launch.standalone) == ("4", "1", True)
+
+
+def test_a_plan_for_several_nodes_needs_nnodes_or_nproc_per_node():
+    """Neither flag would start all 32 ranks of a 4 x 8 plan on this node: refused, naming
+    the plan's nodes and devices per node and both ways on."""
+    with pytest.raises(ConfigError) as caught:
+        _launch(dp=8, tp=4, cluster=DGX_X4)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "the plan is for 4 nodes x 8 devices = 32 processes" in message
+    assert "pass --nnodes 4 with a rendezvous" in message and "starts 8 processes per node" in message
+    assert "--nproc-per-node 32 to run every rank on this machine" in message
+
+
+def test_nnodes_of_a_multi_node_plan_defaults_nproc_per_node_to_its_devices_per_node():
+    launch = _launch("--nnodes", "4", "--rdzv-endpoint", "node0:29400", dp=8, tp=4, cluster=DGX_X4)
+    assert (launch.nproc_per_node, launch.nnodes, launch.rdzv_backend, launch.standalone) == ("8", "4", "c10d", False)
+    static = _launch("--nnodes", "4", "--master-addr", "node0", "--node-rank", "3", dp=8, tp=4, cluster=DGX_X4)
+    assert (static.nproc_per_node, static.nnodes, static.node_rank) == ("8", "4", 3)
+
+
+def test_nproc_per_node_runs_every_rank_of_a_multi_node_plan_here_deliberately():
+    launch = _launch("--nproc-per-node", "32", dp=8, tp=4, cluster=DGX_X4)
+    assert (launch.nproc_per_node, launch.nnodes, launch.standalone) == ("32", "1", True)
+    with pytest.raises(PlanMismatchError, match=r"--nproc-per-node 8 x --nnodes 1 = 8"):
+        _launch("--nproc-per-node", "8", dp=8, tp=4, cluster=DGX_X4)
+
+
+def test_the_command_refuses_a_multi_node_plan_in_one_line_before_starting(tmp_path, capsys):
+    """Through ``autopar``'s entry point: exit 2 and one line. The script does not exist,
+    so were the plan not refused the script check would stop the command, not 32 ranks."""
+    from autopar.cli import main
+
+    make_plan("gpt", dp=8, tp=4, cluster=DGX_X4).save(tmp_path / "plan.json")
+    code = main(["run", "--plan", str(tmp_path / "plan.json"), str(tmp_path / "missing.py")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("autopar: error: the plan is for 4 nodes x 8 devices"), err
 
 
 def test_an_endpoint_means_c10d_and_master_addr_means_static():

@@ -9,7 +9,9 @@ caller names the error type (a plan file raises ``PlanFormatError``, a cluster f
 ``ClusterError``, a profile ``ProfileFormatError``), and a dataclass's own validation
 error is re-raised as that type with the path in front. Floats survive exactly: ``json``
 writes ``repr(float)``, which reads back to the same bits; a non-finite float is refused
-on both sides, since no field of these files may hold one.
+on both sides, since no field of these files may hold one. The files are written
+atomically, and a command checks the paths it will write up front with the same rules
+(:func:`check_output`), so a bad ``--out`` fails before the work, not after it.
 """
 
 from __future__ import annotations
@@ -19,14 +21,15 @@ import dataclasses
 import errno
 import json
 import math
+import tempfile
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from enum import Enum
 from pathlib import Path
 from typing import Any, Literal, Union
 
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, ConfigError
 
 
 def encode(value: Any, *, error: type[AutoparError]) -> Any:
@@ -72,17 +75,56 @@ def read_json(path: str | Path, *, what: str, error: type[AutoparError], remedy:
 
 
 def write_atomically(path: str | Path, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file, so a crash never leaves half a
-    file; parents are created. Returns the path. A directory or an empty path raises
-    ``IsADirectoryError`` before anything is written (no stray temporary file)."""
-    p = Path(path)
-    if p.is_dir():  # an empty path is '.', a directory too
-        raise IsADirectoryError(errno.EISDIR, "a directory, not a file", str(path))
+    """Write ``text`` to ``path`` (UTF-8) through a temporary file, so a crash never leaves
+    half a file; parents are created. Returns the path. A path :func:`check_writable`
+    refuses raises its error before anything is written (no stray temporary file)."""
+    p = check_writable(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(text)
+    tmp.write_text(text, encoding="utf-8")
     tmp.replace(p)
     return p
+
+
+def check_writable(path: str | Path) -> Path:
+    """``path``, or the OSError that writing a file there (its missing folders created)
+    would meet, found without writing it: a directory or the empty path is
+    IsADirectoryError; a file where a folder should be is NotADirectoryError naming that
+    file (creating the folders would say FileExistsError, which reads as if the output
+    were there); a folder that takes no new file (no permission, read-only, ``/proc``)
+    fails creating a probe file in it, as the write would."""
+    p = Path(path)
+    if p.is_dir():  # an empty path is '.', a directory too
+        raise IsADirectoryError(errno.EISDIR, "it is a directory", str(path))
+    folder = next((a for a in p.parents if a.exists()), Path("."))
+    if not folder.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, f"{str(folder)!r} is a file, not a directory", str(path))
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{p.name}.", suffix=".probe"):
+            pass
+    except OSError as exc:
+        raise type(exc)(exc.errno, f"no file can be created in {str(folder)!r}: {exc.strerror}", str(path)) from None
+    return p
+
+
+def write_output(flag: str, path: str | Path, write: Callable[[str | Path], Any]) -> None:
+    """``write(path)`` for the command-line option ``flag``; its OSError (a directory, a
+    file where a folder should be, no permission, a full disk) is a one-line ConfigError
+    naming the option, the path and why."""
+    try:
+        write(path)
+    except OSError as exc:
+        raise ConfigError(
+            f"{flag} {str(path)!r} cannot be written ({exc.strerror or exc}); give a file path in a writable directory."
+        ) from None
+
+
+def check_output(flag: str, path: str | Path | None) -> None:
+    """Refuse ``flag``'s output path (None: the option was not given) as
+    :func:`write_output` would, before the work whose result it is to hold: a bad path
+    is one line at once, not after minutes of planning or measuring."""
+    if path is not None:
+        write_output(flag, path, check_writable)
 
 
 class _Decoder:

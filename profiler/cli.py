@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from autopar.codec import check_output, write_output
 from profiler.errors import ProfilerError, SettingsError
 
 if TYPE_CHECKING:
@@ -67,15 +68,6 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
 
 def _words(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
-
-
-def _output(text: str) -> Path:
-    """An output path, refused at once when it is a directory (the report would be lost
-    after minutes of measuring)."""
-    path = Path(text)
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file path.")
-    return path
 
 
 def parse_seconds(text: str) -> float:
@@ -164,22 +156,22 @@ def add_profile_commands(sub: Any) -> None:
     n.add_argument("--levels", type=_words, default=(), help="default: intra,inter,mixed")
     n.add_argument("--repeats", type=_int_at_least(1), default=3, help="timed repeats per size (default 3)")
     n.add_argument("--timeout", type=parse_seconds, default=600.0, help="seconds before a hung run is stopped")
-    n.add_argument("--out", required=True, type=_output, help="where to write the report (JSON)")
+    n.add_argument("--out", required=True, type=Path, help="where to write the report (JSON)")
     n.add_argument("--quiet", action="store_true", help="no progress lines")
     n.set_defaults(func=_cmd_network)
 
     r = sub.add_parser("report", help="merge reports and render them as HTML or Markdown")
     r.add_argument("reports", nargs="+", type=Path, help="report JSON files (later ones win on shared sections)")
-    r.add_argument("--html", type=_output, help="write a standalone HTML report here")
-    r.add_argument("--markdown", type=_output, help="write Markdown here (figures in <name>_files/)")
-    r.add_argument("--out", type=_output, help="write the merged report (JSON) here")
+    r.add_argument("--html", type=Path, help="write a standalone HTML report here")
+    r.add_argument("--markdown", type=Path, help="write Markdown here (figures in <name>_files/)")
+    r.add_argument("--out", type=Path, help="write the merged report (JSON) here")
     r.set_defaults(func=_cmd_report)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", type=_device, help="cpu or cuda[:N] (default: cuda if available)")
     p.add_argument("--threads", type=_int_at_least(1), default=1, help="CPU threads (default 1: one local-cpu device)")
-    p.add_argument("--out", required=True, type=_output, help="where to write the report (JSON)")
+    p.add_argument("--out", required=True, type=Path, help="where to write the report (JSON)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
@@ -196,22 +188,22 @@ def _progress(args: argparse.Namespace) -> Any:
     return lambda line: print(f"[{datetime.datetime.now():%H:%M:%S}] {line}", file=sys.stderr, flush=True)
 
 
+def check_report_out(args: argparse.Namespace) -> None:
+    """Refuse ``--out`` before anything is measured, in the process that writes the report:
+    a local launch's (``--nproc``) or rank 0 of a launcher's (the other ranks write
+    nothing, and their nodes need not have its folder)."""
+    if args.nproc is not None or os.environ.get("RANK", "0") == "0":
+        check_output("--out", args.out)
+
+
 def _finish(report: Any, out: Path) -> int:
     from profiler.render import summary
 
-    _write(out, report.save)
+    write_output("--out", out, report.save)
     for line in summary(report):
         print(line)
     print(f"wrote {out}")
     return 0
-
-
-def _write(path: Path, write: Callable[[Path], Any]) -> None:
-    """``write(path)``, its OS error (no permission, a full disk) as one line."""
-    try:
-        write(path)
-    except OSError as exc:
-        raise SettingsError(f"{str(path)!r} cannot be written ({exc.strerror or exc}); give a writable path.") from None
 
 
 def _cmd_model(args: argparse.Namespace) -> int:
@@ -220,6 +212,7 @@ def _cmd_model(args: argparse.Namespace) -> int:
     from profiler.layers import LayerSweep, profile_model
     from profiler.timing import Repeats
 
+    check_output("--out", args.out)
     device = resolve_device(args.device)
     model, sample, name = load_model(args, device)
     sweep = LayerSweep(
@@ -360,6 +353,7 @@ def _built(build: Callable[[], Any], device: torch.device, name: str, hint: str)
 def _cmd_device(args: argparse.Namespace) -> int:
     from profiler.device import DeviceSweep, profile_device
 
+    check_output("--out", args.out)
     sweep = DeviceSweep(matmul_sizes=args.sizes, dtypes=args.dtypes, array_bytes=args.array_sizes)
     report = profile_device(
         device=args.device, sweep=sweep, threads=args.threads, progress=_progress(args), command=_command_line(args)
@@ -386,6 +380,7 @@ def _network_sweep(args: argparse.Namespace) -> Any:
 
 
 def _cmd_network(args: argparse.Namespace) -> int:
+    check_report_out(args)
     sweep = _network_sweep(args)
     command = _command_line(args)
     if args.nproc is not None:
@@ -462,18 +457,22 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from autopar.profiles.report import ProfileReport
     from profiler.render import render_html, render_markdown, summary
 
+    check_output("--out", args.out)
+    check_output("--html", args.html)
+    check_output("--markdown", args.markdown)
     report = ProfileReport.merge(*(ProfileReport.load(p) for p in args.reports))
     for line in summary(report):
         print(line)
     if args.out:
-        _write(args.out, report.save)
+        write_output("--out", args.out, report.save)
         print(f"wrote {args.out}")
     if args.html:
-        _write(args.html, lambda path: _write_text(path, render_html(report)))
+        write_output("--html", args.html, lambda path: _write_text(path, render_html(report)))
         print(f"wrote {args.html}")
     if args.markdown:
         files = args.markdown.with_name(args.markdown.stem + "_files")
-        _write(
+        write_output(
+            "--markdown",
             args.markdown,
             lambda path: _write_text(path, render_markdown(report, image_dir=files, link_prefix=f"{files.name}/")),
         )

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from profiler.cli import parse_bytes, parse_seconds
+from autopar.codec import write_output
+from profiler.cli import check_report_out, parse_bytes, parse_seconds
 from profiler.doctor import DoctorReport, DoctorSettings, run_doctor
 from profiler.doctor_checks import plan_groups
 from profiler.errors import SettingsError
@@ -111,8 +112,7 @@ def settings_from_args(args: argparse.Namespace) -> DoctorSettings:
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
-    if args.out is not None and args.out.is_dir():
-        raise SettingsError(f"--out {str(args.out)!r} is a directory; give a file path for the JSON report.")
+    check_report_out(args)
     if args.nproc is not None and args.nproc < 1:
         raise SettingsError(f"--nproc {args.nproc} is not allowed: give the number of local processes, at least 1.")
     if args.nproc is not None:
@@ -133,6 +133,6 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         return 1
     print(report.text())
     if args.out:
-        report.save(args.out)
+        write_output("--out", args.out, report.save)
         print(f"wrote {args.out}")
     return 0 if report.ok else 1

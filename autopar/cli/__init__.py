@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 from autopar import __version__
 from autopar.cli.demo import add_demo_parser
 from autopar.cli.model_args import LoadedModel, add_model_args, load_model
+from autopar.codec import check_output, write_output
 from autopar.errors import AutoparError, ConfigError
 from autopar.export import add_export_parser
 from autopar.present.report_cli import add_report_parser
@@ -149,11 +150,11 @@ def _emit(result: Any, args: argparse.Namespace, loaded: LoadedModel) -> int:
     result = replace(result, notes=result.notes + loaded.warnings)
     notes = [n for n in loaded.notes if n not in loaded.warnings]
     if args.out is not None:  # an empty path too: it is refused, not taken for no --out
-        _write("--out", args.out, result.save)
+        write_output("--out", args.out, result.save)
     if args.html is not None:
         from autopar.present.report import save_html
 
-        _write("--html", args.html, lambda path: save_html(result, path))
+        write_output("--html", args.html, lambda path: save_html(result, path))
         print(f"report written to {args.html}", file=sys.stderr)
     print(result.to_json() if args.json else explain(result))
     if notes:
@@ -165,15 +166,11 @@ def _emit(result: Any, args: argparse.Namespace, loaded: LoadedModel) -> int:
     return 0
 
 
-def _write(flag: str, path: str, write: Callable[[str], Any]) -> None:
-    """``write(path)``, its OS error (a directory, no permission, a full disk) as one line
-    naming the option."""
-    try:
-        write(path)
-    except OSError as exc:
-        raise ConfigError(
-            f"{flag} {path!r} cannot be written ({exc.strerror or exc}); give a file path in a writable directory."
-        ) from None
+def check_outputs(args: argparse.Namespace) -> None:
+    """Refuse ``--out`` and ``--html`` paths that cannot be written before the model is
+    built and searched (the plan would be lost after the search)."""
+    check_output("--out", args.out)
+    check_output("--html", args.html)
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
@@ -195,8 +192,11 @@ def cmd_models(args: argparse.Namespace) -> int:
 RUN_DESCRIPTION = (
     "Run a training script under a plan with PyTorch's own launcher (torchrun), one process per device; "
     "every torchrun flag is accepted. The launch must have the plan's world size, --nproc-per-node (default: "
-    "the plan's world size over --nnodes) times --nnodes: one node starts by itself, several meet at "
-    "--rdzv-endpoint (c10d) or --master-addr with --node-rank (static). The script reads the plan with "
+    "the plan's world size over --nnodes) times --nnodes (default 1): one node starts by itself, several meet at "
+    "--rdzv-endpoint (c10d) or --master-addr with --node-rank (static). A plan for several nodes needs one of "
+    "the two: run it on every node with --nnodes (e.g. --nnodes 128 for 128 nodes of 8 devices, which starts 8 "
+    "processes per node), or pass --nproc-per-node with the plan's world size to start every rank on this "
+    "machine. The script reads the plan with "
     "plan_from_env() and joins the process "
     "group with init_distributed() (both in autopar.runtime.launch), whose collective timeout is "
     "--pg-timeout-s. When a rank fails, the others are stopped and the failed rank is named; Ctrl-C stops "
@@ -243,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--set", action="append", metavar="FIELD=VALUE", help="fix config fields, e.g. --set tp=8 --set pp=16"
     )
     p.set_defaults(func=cmd_plan)
+    _check_first(p, check_outputs)
     e = sub.add_parser("estimate", help="predict one given configuration")
     _add_search_args(e)
     e.add_argument(
@@ -253,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the configuration, e.g. --set tp=8,pp=16,micro_batch_size=1,recompute=full",
     )
     e.set_defaults(func=cmd_estimate)
+    _check_first(e, check_outputs)
     sub.add_parser("presets", help="list cluster presets").set_defaults(func=cmd_presets)
     sub.add_parser("models", help="list registered models").set_defaults(func=cmd_models)
     # the profiler's subcommands: it builds on autopar, so it is loaded here, when the

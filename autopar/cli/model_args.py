@@ -179,6 +179,11 @@ def _function_model(spec: str, seq_len: int | None, shape: tuple[int, ...] | Non
         ) from None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"--model-fn {spec!r} returned a {type(model).__name__}, not a torch.nn.Module.")
+    if seq_len is not None and not any(isinstance(m, nn.Embedding) for m in model.modules()):
+        raise ConfigError(
+            f"--seq-len {seq_len} is for token models, but --model-fn {spec!r} built a {type(model).__name__} with no "
+            f"nn.Embedding to take token ids; give --sample-shape with one sample's dimensions instead, e.g. 3,224,224."
+        )
     return LoadedModel(model, {"seq_len": seq_len} if seq_len is not None else _meta_sample(shape))
 
 

@@ -3,9 +3,10 @@
 
 Without ``--out`` the exported file is printed (so it can be piped or redirected); the
 launch line and the notes go to standard error either way. A bad target, an unreadable
-plan or an unwritable ``--out`` is one line (an ExportError), exit code 2, as every
-autopar command fails. The lead wires it into ``autopar/cli`` with
-:func:`add_export_parser`, which sets ``func`` on its sub-parser, returning an exit code.
+plan or an unwritable ``--out`` (checked before the model is built) is one line (an
+ExportError or a ConfigError), exit code 2, as every autopar command fails. The lead
+wires it into ``autopar/cli`` with :func:`add_export_parser`, which sets ``func`` on its
+sub-parser, returning an exit code.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from autopar.codec import check_output
 from autopar.export.api import EXPORTERS, export, exporter_for
 from autopar.export.common import ExportError
 
@@ -53,6 +55,7 @@ def export_command(args: argparse.Namespace) -> int:
     """Run ``autopar export``: print or write the export, then its launch line and notes
     on standard error."""
     exporter_for(args.to)  # an unknown target fails before a model is built
+    check_output("--out", args.out)
     if args.out is not None and Path(args.out).resolve() == Path(args.plan).resolve():
         raise ExportError(
             f"--out {args.out!r} is the plan file itself: the export would overwrite the plan; give another path."

@@ -15,6 +15,7 @@ would be one indivisible unit of the first stage. Every refusal is a one-line
 
 from __future__ import annotations
 
+import ast
 import inspect
 import json
 from collections.abc import Callable
@@ -226,6 +227,7 @@ def _check_loadable(raw: dict[str, Any], path: Path, trust_remote_code: bool, tr
                 f"{FLAG} {str(path)!r} needs custom code, which is read next to {CONFIG_NAME}; give the checkpoint "
                 f"directory holding {CONFIG_NAME} and the code's .py files."
             )
+        _check_custom_code(raw["auto_map"], path)
         return
     model_type = raw.get("model_type")
     if not model_type:
@@ -240,6 +242,44 @@ def _check_loadable(raw: dict[str, Any], path: Path, trust_remote_code: bool, tr
             f"{FLAG} {str(path)!r}: model_type {model_type!r} is unknown to transformers {transformers.__version__}; "
             f"fix model_type, upgrade transformers, or (a custom model) give its auto_map and --trust-remote-code."
         )
+
+
+def _check_custom_code(auto_map: Any, path: Path) -> None:
+    """Refuse custom code that transformers would fail to import with a traceback of its
+    own: a ``.py`` file missing beside ``path`` or one Python cannot parse, among the
+    files ``auto_map`` names for the config and model classes (not the tokenizer's, which
+    is never loaded) and those they import relatively (``from .x import y``: ``x.py``),
+    as transformers reads them. A class in another repository (``repo--module.Class``)
+    is downloaded by transformers and left to it."""
+    refs = auto_map.items() if isinstance(auto_map, dict) else ()
+    todo = [
+        path.parent / f"{ref.rpartition('.')[0]}.py"
+        for key, ref in refs
+        if (key == "AutoConfig" or key.startswith("AutoModel")) and isinstance(ref, str) and "--" not in ref
+    ]
+    seen: set[Path] = set()
+    while todo:
+        file = todo.pop()
+        if file in seen:
+            continue
+        seen.add(file)
+        where = f"{FLAG} {str(path)!r}: its custom code {str(file)!r}"
+        if not file.is_file():
+            raise ConfigError(
+                f"{where} is missing; copy the checkpoint's .py files next to {CONFIG_NAME}, or fix auto_map."
+            )
+        try:
+            tree = ast.parse(file.read_bytes(), str(file))
+        except SyntaxError as exc:
+            raise ConfigError(
+                f"{where} is not valid Python ({exc.msg}, line {exc.lineno}); fix the file or copy it from the "
+                f"checkpoint again."
+            ) from None
+        todo += [
+            file.parent / f"{node.module}.py"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module
+        ]
 
 
 def _model_of(config: Any, trust_remote_code: bool, transformers: Any) -> HFModel:

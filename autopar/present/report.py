@@ -16,6 +16,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from autopar import codec
 from autopar.plan import MemoryBreakdown, Plan
 from autopar.present.explain import explain, schedule_text
 from autopar.present.page import figure, page
@@ -217,7 +218,7 @@ def render_plan_html(plan: Plan | str | Path) -> str:
 
 
 def save_html(plan: Plan | str | Path, path: str | Path) -> Path:
-    """Write :func:`render_plan_html` of ``plan`` (a plan or a plan file) to ``path``."""
-    p = Path(path)
-    p.write_text(render_plan_html(plan), encoding="utf-8")
-    return p
+    """Write :func:`render_plan_html` of ``plan`` (a plan or a plan file) to ``path``
+    (atomically, its folders created, as the plan file is: a path ``--out`` takes, the
+    page takes too)."""
+    return codec.write_atomically(path, render_plan_html(plan))

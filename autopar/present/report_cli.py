@@ -13,7 +13,7 @@ import argparse
 import sys
 from typing import Any
 
-from autopar.errors import ConfigError
+from autopar.codec import check_output, write_output
 
 
 def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -38,15 +38,11 @@ def report_command(args: argparse.Namespace) -> int:
     from autopar.present.explain import explain
     from autopar.present.report import save_html
 
+    check_output("--html", args.html)  # before the page is drawn, as plan --html does
     plan = Plan.load(args.plan)  # read before the page is opened, so a bad plan leaves no file
     if args.html is None:
         print(explain(plan))
         return 0
-    try:
-        save_html(plan, args.html)
-    except OSError as exc:
-        raise ConfigError(
-            f"--html {args.html!r} cannot be written ({exc.strerror or exc}); give a file path in a writable directory."
-        ) from None
+    write_output("--html", args.html, lambda path: save_html(plan, path))
     print(f"report written to {args.html}", file=sys.stderr)
     return 0

@@ -249,6 +249,7 @@ def test_a_config_whose_own_code_fails_is_said_in_one_line(capsys, tmp_path, mon
     auto_map = {"AutoConfig": "conf.MyConfig", "AutoModelForCausalLM": "mod.MyThing"}
     (remote / "config.json").write_text(json.dumps({"model_type": "mything", "auto_map": auto_map}))
     (remote / "conf.py").write_text('raise RuntimeError("boom from the config\'s code")\n')
+    (remote / "mod.py").write_text("")  # the model's module is there: only the config's code fails
     code, _, err = _run(f"plan --model-config {remote} {CPU} --seq-len 16 --trust-remote-code", capsys)
     assert code == 2, err
     assert err.strip() == (

@@ -137,7 +137,7 @@ def test_a_directory_as_out_is_refused_before_the_check(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert code != 0
     assert "ranks joined" not in out.lower()
-    assert f"--out {str(tmp_path)!r} is a directory" in err
+    assert f"--out {str(tmp_path)!r} cannot be written (it is a directory)" in err
     assert "Traceback" not in err
     assert "wrote" not in out
     assert list(tmp_path.iterdir()) == []

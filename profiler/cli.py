@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from autopar.codec import check_output, write_output
+from autopar.codec import check_output, write_atomically, write_output
 from profiler.errors import ProfilerError, SettingsError
 
 if TYPE_CHECKING:
@@ -467,22 +467,17 @@ def _cmd_report(args: argparse.Namespace) -> int:
         write_output("--out", args.out, report.save)
         print(f"wrote {args.out}")
     if args.html:
-        write_output("--html", args.html, lambda path: _write_text(path, render_html(report)))
+        write_output("--html", args.html, lambda path: write_atomically(path, render_html(report)))
         print(f"wrote {args.html}")
     if args.markdown:
         files = args.markdown.with_name(args.markdown.stem + "_files")
         write_output(
             "--markdown",
             args.markdown,
-            lambda path: _write_text(path, render_markdown(report, image_dir=files, link_prefix=f"{files.name}/")),
+            lambda path: write_atomically(path, render_markdown(report, image_dir=files, link_prefix=f"{files.name}/")),
         )
         print(f"wrote {args.markdown} and {files}/")
     return 0
-
-
-def _write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
 
 
 def run(args: argparse.Namespace) -> int:

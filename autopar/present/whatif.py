@@ -6,6 +6,7 @@ planner's exactness and its assumptions.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,7 @@ from autopar.graph.extract import extract
 from autopar.graph.layer_graph import LayerGraph
 from autopar.hardware.cluster import Cluster
 from autopar.plan import Plan
-from autopar.search.constraints import check_constraints
+from autopar.search.constraints import DEGREES, check_constraints
 from autopar.search.planner import plan as make_plan
 
 
@@ -68,15 +69,17 @@ def fewest_nodes(
     """The plan on the fewest nodes of ``cluster``'s type that fit the model.
 
     Doubles the node count until a plan fits, then bisects between the last two counts
-    (a count that fits may still be passed over if the batch does not divide it). A
-    count moves on where nothing fits in memory or no configuration of its devices
-    exists (:class:`~autopar.errors.DeviceCountError`); any other error is the input's
-    at every count, and is raised at once.
+    (a count that fits may still be passed over if the batch does not divide it). The
+    counts are multiples of the fewest nodes whose devices the fixed degrees in
+    ``constraints`` divide: ``tp=3`` on nodes of 8 tries 3, 6, 12, ... nodes. A count
+    moves on where nothing fits in memory or no configuration of its devices exists
+    (:class:`~autopar.errors.DeviceCountError`); any other error is the input's at every
+    count, and is raised at once.
 
     Raises:
         ConfigError: a bad constraint, option or size, or one the device lacks.
         DeviceCountError: no count up to ``max_nodes`` has a configuration (none ran
-            out of memory); the message gives why at 1 node.
+            out of memory); the message gives why at the first count tried.
         InfeasiblePlanError: no count up to ``max_nodes`` fits.
     """
     check_positive_int("max_nodes", max_nodes)
@@ -101,16 +104,23 @@ def fewest_nodes(
             failures.append(err)
             return None
 
-    lo, hi, found = 0, 1, None
+    step = node_step(fixed, cluster.devices_per_node)
+    if step > max_nodes:
+        raise DeviceCountError(
+            f"the fixed degrees need a multiple of {step} nodes of {cluster.devices_per_node} devices, more than "
+            f"max_nodes={max_nodes}; raise max_nodes to {step} or more, or fix other degrees."
+        )
+    lo, hi, found = 0, step, None
     while hi <= max_nodes:
         found = attempt(hi)
         if found is not None:
             break
         lo, hi = hi, hi * 2
     if found is None and all(isinstance(err, DeviceCountError) for err in failures):
+        first = "1 node" if step == 1 else f"{step} nodes"
         raise DeviceCountError(
-            f"no configuration runs on 1 to {max_nodes} nodes of {cluster.kind} (node counts doubled from 1); on 1 "
-            f"node: {failures[0]}"
+            f"no configuration runs on {step} to {max_nodes} nodes of {cluster.kind} (node counts doubled from "
+            f"{step}); on {first}: {failures[0]}"
         )
     if found is None:
         raise InfeasiblePlanError(
@@ -119,11 +129,18 @@ def fewest_nodes(
             min_memory_bytes=float("inf"),
             capacity_bytes=cluster.device.memory.capacity_bytes,
         )
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
+    while hi - lo > step:
+        mid = (lo + hi) // (2 * step) * step
         candidate = attempt(mid)
         if candidate is not None:
             hi, found = mid, candidate
         else:
             lo = mid
     return found
+
+
+def node_step(fixed: dict[str, Any], devices_per_node: int) -> int:
+    """The fewest nodes of ``devices_per_node`` devices whose device count the product of
+    the fixed degrees in ``fixed`` divides; every count that can run them is a multiple."""
+    product = math.prod(fixed[name] for name in DEGREES if name in fixed)
+    return product // math.gcd(product, devices_per_node)

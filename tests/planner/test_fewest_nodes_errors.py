@@ -50,13 +50,50 @@ def test_no_configuration_of_a_small_cluster_moves_on(graph):
     assert plan.cluster.nodes == 2 and plan.config.dp * plan.config.cp == 16
 
 
-def test_a_count_no_doubling_reaches_is_refused_with_the_reason_at_one_node():
-    """12 heads split 3 ways, but 3 divides no power of two of 8-GPU nodes."""
+def test_a_fixed_degree_the_node_does_not_divide_is_tried_on_multiples_of_its_nodes():
+    """12 heads split 3 ways on 8-GPU nodes: 3 divides no power of two of nodes, so the
+    counts tried are 3, 6, ... nodes; the tiny model fits on the first."""
+    model = GPT(GPTConfig(vocab_size=1024, seq_len=128, dim=192, n_layers=2, n_heads=12))
+    plan = fewest_nodes(model, A100, global_batch_size=48, seq_len=128, max_nodes=8, constraints={"tp": 3})
+    assert plan.cluster.nodes == 3 and plan.config.tp == 3 and plan.config.world_size == 24
+
+
+@pytest.mark.parametrize(
+    "fixed, devices, step",
+    [({"tp": 3}, 8, 3), ({"tp": 4, "pp": 3}, 8, 3), ({"tp": 8, "cp": 2}, 8, 2), ({"tp": 6}, 4, 3), ({}, 8, 1)],
+)
+def test_node_step_is_the_fewest_nodes_the_fixed_degrees_divide(fixed, devices, step):
+    from autopar.present.whatif import node_step
+
+    assert node_step(fixed, devices) == step
+    product = 1
+    for name in ("dp", "cp", "tp", "pp"):
+        product *= fixed.get(name, 1)
+    assert min(n for n in range(1, 100) if n * devices % product == 0) == step
+
+
+def test_a_step_beyond_max_nodes_is_refused_with_the_step():
     model = GPT(GPTConfig(vocab_size=1024, seq_len=128, dim=192, n_layers=2, n_heads=12))
     with pytest.raises(DeviceCountError) as err:
-        fewest_nodes(model, A100, global_batch_size=64, seq_len=128, max_nodes=8, constraints={"tp": 3})
-    message = str(err.value)
-    assert message.startswith("no configuration runs on 1 to 8 nodes of dgx-a100-80gb (node counts doubled from 1);")
-    assert message.endswith(
-        "on 1 node: tp=3 does not fit: it does not divide the 8 devices; allowed on 8 devices: [1, 2, 4]."
+        fewest_nodes(model, A100, global_batch_size=48, seq_len=128, max_nodes=2, constraints={"tp": 3})
+    assert str(err.value) == (
+        "the fixed degrees need a multiple of 3 nodes of 8 devices, more than max_nodes=2; raise max_nodes to 3 "
+        "or more, or fix other degrees."
     )
+
+
+def test_a_count_no_doubling_reaches_is_refused_with_the_reason_at_the_first_count():
+    """All four degrees fixed to 3 devices: whole nodes of 8 never hold exactly 3."""
+    model = GPT(GPTConfig(vocab_size=1024, seq_len=128, dim=192, n_layers=2, n_heads=12))
+    with pytest.raises(DeviceCountError) as err:
+        fewest_nodes(
+            model,
+            A100,
+            global_batch_size=48,
+            seq_len=128,
+            max_nodes=8,
+            constraints={"tp": 3, "dp": 1, "pp": 1, "cp": 1},
+        )
+    message = str(err.value)
+    assert message.startswith("no configuration runs on 3 to 8 nodes of dgx-a100-80gb (node counts doubled from 3);")
+    assert "on 3 nodes: " in message and "\n" not in message

@@ -42,6 +42,14 @@ Sources (the numbers and what each leaves unsaid are in ``_published_runs.py``):
 - NVIDIA/Megatron-LM megatron/core/transformer/moe/README.md (commit 0b981f9c53): Mixtral
   8x7B, 438 TFLOPS in BF16 with MCore v0.8, and the same file's reference mapping for it
   (64 H100, TP 1, EP 8, PP 4, VP 8, MBS 1, GBS 256, sequence 4096); counted as above.
+- NVIDIA/Megatron-LM examples/llama/README.md (commit 20441fa1cc), "FP8 Performance": Llama
+  3 8B, 70B and 405B on 8, 64 and 1024 H100 in Transformer Engine's FP8, with the table's
+  degrees and batch, no recomputation and (with tensor parallelism) TE's overlapped
+  tensor-parallel communication, as the NeMo performance scripts it follows set them;
+  estimated as they ran, tokens/s per GPU against tokens/s per GPU. TE emits FP8 from its
+  fused norm and activation kernels, so the casts are priced fused (``compile``: the
+  casts of torchao's float8 fused into the ops that produce its inputs), not as eager
+  torchao's separate passes; its overlapped communication is priced as async TP.
 - bigscience-workshop/bigscience train/tr11-176B-ml/README.md: BLOOM 176B on 384 A100 80GB,
   TP 4, PP 12, MBS 2, GBS 2048, bf16, activation checkpointing, ZeRO-1; its logged step time
   104.70 s is compared with autopar's.
@@ -66,6 +74,7 @@ from _published_runs import (
     LLAMA3_VIRTUAL_STAGES,
     MEGATRON_CORE_2024,
     MEGATRON_CORE_STRONG,
+    MEGATRON_FP8_LLAMA3,
     MIXTRAL_8X7B_TFLOPS,
     MT_NLG_2022,
     NARAYANAN_2021,
@@ -305,6 +314,42 @@ def mixtral_row() -> dict[str, object]:
     )
 
 
+def megatron_fp8_rows() -> list[dict[str, object]]:
+    """Megatron-Core's FP8 Llama 3 runs as they ran (module docstring), tokens/s per GPU."""
+    rows = []
+    for label, dim, layers, heads, kv_heads, ffn, gpus, batch, tp, pp, cp, vp, tokens in MEGATRON_FP8_LLAMA3:
+        dp = gpus // (tp * pp * cp)
+        fixed = {
+            **{"dp": dp, "tp": tp, "pp": pp, "cp": cp, "micro_batch_size": 1, "recompute": "none", "zero_stage": 2},
+            **{"compile": True, "fp8": True, "sequence_parallel": tp > 1, "async_tp": tp > 1},
+        }
+        if pp > 1:
+            fixed.update(schedule="interleaved-1f1b" if vp > 1 else "1f1b", virtual_stages=vp)
+        plan = autopar.estimate(
+            llama(dim, layers, heads, kv_heads, ffn, 128256, 8192),
+            with_attention(autopar.preset("dgx-h100", nodes=gpus // 8), HOPPER_FUSED_ATTENTION),
+            fixed,
+            global_batch_size=batch,
+            seq_len=8192,
+            activations=MEGATRON_LAYOUT,
+        )
+        predicted = plan.prediction.tokens_per_s / gpus
+        schedule = f", interleaved v={vp}" if vp > 1 else ""
+        rows.append(
+            row(
+                f"Megatron-Core FP8 Llama 3 {label}",
+                gpus,
+                f"tp={tp} pp={pp} cp={cp} dp={dp}{schedule} batch {batch}, no recompute, TE FP8"
+                + (", TP overlap" if tp > 1 else ""),
+                f"{tokens:.0f} tokens/s",
+                f"{predicted:.0f} tokens/s",
+                predicted / tokens,
+                plan,
+            )
+        )
+    return rows
+
+
 def bloom_row() -> dict[str, object]:
     """BLOOM 176B as its README gives it; the logged step time against autopar's."""
     plan = autopar.estimate(
@@ -335,6 +380,7 @@ def main() -> None:
         "Megatron-DeepSpeed, A100 (MT-NLG 530B, BLOOM 176B)": lambda: [*mt_nlg_rows(), bloom_row()],
         "Llama 3 405B, H100 (Meta)": llama3_rows,
         "Megatron-Core, H100 (GPT 1.7B-462B, Mixtral 8x7B)": lambda: [*megatron_core_rows(), mixtral_row()],
+        "Megatron-Core FP8, H100 (Llama 3 8B, 70B, 405B)": megatron_fp8_rows,
         "torchtitan, H100 and H200 (Llama 3.1 8B, 70B and 405B)": torchtitan_rows,
     }
     rows: list[dict[str, object]] = []

@@ -10,8 +10,9 @@ refused with the path of the offending field. Rendering a plan for people is
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -320,6 +321,19 @@ class Plan:
     def stage_of_rank(self, pipeline_rank: int) -> tuple[int, ...]:
         """Indices of the stages a pipeline rank runs, in order (:meth:`ParallelConfig.rank_of_stage`)."""
         return self.config.stages_of_rank(pipeline_rank)
+
+    def eager_contrast(self) -> Alternative | None:
+        """The plan's own choices priced with eager blocks, where the search priced them:
+        its ``compile`` alternative when that differs from the plan in compiling alone
+        (same degrees, kernels and recomputation per mode), else None. The search picks
+        recomputation again for the eager contrast, so it may differ."""
+        eager = replace(self.config, compile=False, async_tp=False)
+        overrides = Counter(m for m in self.layer_strategies.recompute.values() if m is not self.config.recompute)
+        for alternative in self.alternatives:
+            if alternative.status != "compile" or alternative.config != eager:
+                continue
+            return alternative if dict(alternative.unit_recompute) == dict(overrides) else None
+        return None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able data, the inverse of :meth:`from_dict`."""

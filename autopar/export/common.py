@@ -11,6 +11,7 @@ say how many layers each stage holds and which layers recompute.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 import shlex
@@ -22,6 +23,7 @@ from typing import Any
 from autopar import codec
 from autopar.errors import ConfigError, PlanFormatError
 from autopar.plan import Plan
+from autopar.present.units import count
 from autopar.vocab import ActivationLayout, Recompute, TPStyle
 
 
@@ -60,12 +62,18 @@ class Export:
         """The launch line for the file saved at ``path`` instead of ``filename``."""
         return self.launch.replace(shlex.quote(self.filename), shlex.quote(str(path)))
 
+    def text_for(self, path: str | Path) -> str:
+        """``text`` as saved at ``path``: the launch line a JSON config quotes (DeepSpeed's)
+        names ``path`` instead of ``filename``."""
+        return self.text.replace(json.dumps(self.launch), json.dumps(self.launch_for(path)))
+
     def save(self, path: str | Path) -> Path:
-        """Write ``text`` to ``path`` (atomically); an unwritable path is an ExportError."""
+        """Write :meth:`text_for` ``path`` to ``path`` (atomically); an unwritable path is
+        an ExportError."""
         if Path(path).is_dir():  # checked first: the atomic write would leave its temporary file beside it
             raise ExportError(f"cannot write {str(path)!r}: it is a directory; give a file name.")
         try:
-            return codec.write_atomically(path, self.text)
+            return codec.write_atomically(path, self.text_for(path))
         except OSError as exc:
             raise ExportError(f"cannot write {str(path)!r} ({exc.strerror or type(exc).__name__}).") from None
 
@@ -225,7 +233,7 @@ def header(plan: Plan, target: str) -> list[str]:
     split = f", split over cp {c.cp} ranks" if c.cp > 1 else ""
     return [
         f"{target} configuration exported by autopar from a plan for {plan.model.name} "
-        f"({plan.model.num_params / 1e9:.2f}B parameters) on {plan.cluster.describe()}",
+        f"({count(plan.model.num_params)} parameters) on {plan.cluster.describe()}",
         f"plan: {c.short()}; global batch {c.global_batch_size} = dp {c.dp} x micro-batch "
         f"{c.micro_batch_size} x {c.num_microbatches} micro-batches; sequence length {plan.model.seq_len}{split}",
     ]

@@ -100,7 +100,7 @@ def export_deepspeed(plan: Plan, shape: ModelShape | None) -> Export:
     if recomputes:
         config["activation_checkpointing"] = dict(ACTIVATION_CHECKPOINTING)
     if c.tp > 1 or c.pp > 1:
-        words = _megatron_deepspeed(plan, blocks, shape, notes)
+        words = _megatron_deepspeed(plan, blocks, shape, config["zero_optimization"]["stage"], notes)
     else:
         words = ["train.py", "--deepspeed", "--deepspeed_config", CONFIG_NAME]
         if recomputes:
@@ -184,10 +184,15 @@ def _plain_recompute_notes(blocks: Blocks, notes: list[str]) -> None:
         notes.append(note)
 
 
-def _megatron_deepspeed(plan: Plan, blocks: Blocks, shape: ModelShape | None, notes: list[str]) -> list[str]:
+def _megatron_deepspeed(
+    plan: Plan, blocks: Blocks, shape: ModelShape | None, zero_stage: int, notes: list[str]
+) -> list[str]:
     """Megatron-DeepSpeed's script and flags for the model-parallel part of the plan (the
     flags it shares with Megatron-LM). Its pipeline runs on DeepSpeed's engine: one
-    stage per rank, layers split evenly, DeepSpeed's own 1F1B-style schedule."""
+    stage per rank, layers split evenly, DeepSpeed's own 1F1B-style schedule, and whole
+    layers recomputed only by the ``uniform`` method. ``--zero-stage`` repeats the
+    config's stage: the script reads its own flag (default 1) to build a ZeRO-3 model
+    already partitioned."""
     c = plan.config
     notes.append(
         f"DeepSpeed takes tensor and pipeline parallelism (tp={c.tp}, pp={c.pp}) from Megatron-DeepSpeed: the "
@@ -223,9 +228,9 @@ def _megatron_deepspeed(plan: Plan, blocks: Blocks, shape: ModelShape | None, no
         words.append("--no-pipeline-parallel")
     words += ["--micro-batch-size", str(c.micro_batch_size), "--global-batch-size", str(c.global_batch_size)]
     words += model_args(plan, blocks, shape, notes)
-    words += recompute_args(blocks, notes)
+    words += recompute_args(blocks, notes, pipe_engine=c.pp > 1)
     words += {DType.BF16: ["--bf16"], DType.FP16: ["--fp16"], DType.FP32: []}[c.dtype]
-    return [*words, "--deepspeed", "--deepspeed_config", CONFIG_NAME]
+    return [*words, "--zero-stage", str(zero_stage), "--deepspeed", "--deepspeed_config", CONFIG_NAME]
 
 
 def _deepspeed(plan: Plan) -> list[str]:

@@ -281,11 +281,17 @@ def _data_parallel_args(plan: Plan, notes: list[str]) -> list[str]:
     return ["--use-distributed-optimizer"]
 
 
-def recompute_args(blocks: Blocks, notes: list[str]) -> list[str]:
+FULL_UNIFORM = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
+"""Every layer recomputed in full, each keeping its input only."""
+
+
+def recompute_args(blocks: Blocks, notes: list[str], *, pipe_engine: bool = False) -> list[str]:
     """Recompute flags. Megatron's ``selective`` recomputes the attention core, as
     autopar's does; ``full`` with the ``uniform`` method over 1 layer keeps each layer's
     input only; the ``block`` method recomputes the first N layers of every stage, which
-    is the closest to a per-layer choice."""
+    is the closest to a per-layer choice. On DeepSpeed's pipeline engine
+    (``pipe_engine``: Megatron-DeepSpeed with pp > 1) a method other than ``uniform``
+    recomputes nothing, so there a per-layer choice is written as every layer in full."""
     if not blocks.count:
         return []
     note = outside_blocks_note(blocks)
@@ -303,11 +309,20 @@ def recompute_args(blocks: Blocks, notes: list[str]) -> list[str]:
     if uniform is Recompute.SELECTIVE:
         return ["--recompute-granularity", "selective"]
     if uniform is Recompute.FULL:
-        return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+        return list(FULL_UNIFORM)
     counts = blocks.mode_counts()
     if not counts[Recompute.FULL]:
         notes.append(mixed_recompute_note(blocks, "Megatron-LM applies one granularity: selective on every layer"))
         return ["--recompute-granularity", "selective"]
+    if pipe_engine:
+        notes.append(
+            mixed_recompute_note(
+                blocks,
+                "DeepSpeed's pipeline engine recomputes whole layers only by the uniform method (any other recomputes "
+                "none): wrote every layer in full, so no stage keeps more than the plan (more compute than predicted)",
+            )
+        )
+        return list(FULL_UNIFORM)
     per_stage = [sum(m is Recompute.FULL for m in stage) for stage in blocks.stage_modes]
     n = max(per_stage)
     exact = not counts[Recompute.SELECTIVE] and all(

@@ -2,7 +2,8 @@
 
 Megatron-DeepSpeed forked Megatron-LM before several of its flags were renamed: key-value
 heads are ``--num-key-value-heads``, rotary embeddings ``--use-rotary-position-embeddings``
-with an integer ``--rotary-position-embeddings-theta``, the norm ``--normalization
+with an integer ``--rotary-position-embeddings-theta`` (and ``--no-position-embedding``: the
+two are independent there, and learned positions are on by default), the norm ``--normalization
 rmsnorm`` with ``--layernorm-epsilon``. It requires ``--num-layers``, ``--hidden-size``,
 ``--num-attention-heads`` and ``--max-position-embeddings`` (at least ``--seq-length``).
 Its experts are DeepSpeed-MoE layers: softmax top-k gating over ``--num-experts`` copies
@@ -57,6 +58,7 @@ def model_args(plan: Plan, blocks: Blocks, shape: ModelShape | None, notes: list
         args.append("--swiglu")
     if shape.rope_base is not None:
         args += ["--use-rotary-position-embeddings", "--rotary-position-embeddings-theta", str(int(shape.rope_base))]
+        args.append("--no-position-embedding")  # else its Embedding adds a learned position table besides
         if shape.rotary_percent is not None and shape.rotary_percent < 1:
             args += ["--rotary-percent", f"{shape.rotary_percent:g}"]
     if shape.tied_embeddings is False:

@@ -199,8 +199,9 @@ def _data_parallel(plan: Plan, notes: list[str]) -> dict:
 
 def _activation_checkpoint(blocks: Blocks, pp: int, notes: list[str]) -> dict:
     """Recompute -> torchtitan's activation checkpointing: ``full`` per block, per-op
-    ``selective`` for ``op`` (the same policy), or every N-th block in full for a plan
-    that recomputes some blocks only."""
+    ``selective`` for ``op`` (the same policy), every N-th block in full for a plan that
+    recomputes some blocks in full and others not, and per-op ``selective`` on every
+    block for one that recomputes none in full (its only mode between none and full)."""
     note = outside_blocks_note(blocks)
     if note:
         notes.append(note)
@@ -239,7 +240,8 @@ def _activation_checkpoint(blocks: Blocks, pp: int, notes: list[str]) -> dict:
         mixed_recompute_note(
             blocks,
             f"torchtitan checkpoints every N-th block in full: wrote N = {every} "
-            f"({written} blocks, at least the plan's {blocks.count - counts[Recompute.NONE]} on each pipeline rank)"
+            f"({written} blocks, on each pipeline rank at least as many as the plan's "
+            f"{blocks.count - counts[Recompute.NONE]} recompute there)"
             + (f"; its {partial} partly recomputed blocks are checkpointed in full: more compute" if partial else ""),
         )
     )

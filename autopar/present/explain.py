@@ -7,7 +7,7 @@ from collections import Counter, defaultdict
 
 from autopar.errors import ConfigError
 from autopar.plan import ParallelConfig, Plan
-from autopar.present.units import byte_unit, duration, size
+from autopar.present.units import byte_unit, count, duration, size
 from autopar.vocab import Recompute
 
 
@@ -306,14 +306,6 @@ def _worst_memory(plan: Plan) -> str:
     # stage table's "(rank r)" does
     where = f"pipeline rank {config.rank_of_stage(s.index)}" if config.virtual_stages > 1 else f"stage {s.index}"
     return f"{where} ({unit}): " + " | ".join(f"{n} {v / divisor:.1f}" for n, v in parts)
-
-
-def count(n: float) -> str:
-    """A parameter count: 174.62B, 124.4M, 830.2K."""
-    for div, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= div:
-            return f"{n / div:.2f}{suffix}" if suffix == "B" else f"{n / div:.1f}{suffix}"
-    return str(int(n))
 
 
 def rate(flops_per_s: float) -> str:

@@ -48,3 +48,11 @@ def size(nbytes: float) -> str:
     """Bytes in GiB, MiB or KiB with one decimal (``67.8 GiB``, ``154.9 MiB``), or whole bytes."""
     divisor, unit = byte_unit(nbytes)
     return f"{nbytes:.0f} B" if unit == "B" else f"{nbytes / divisor:.1f} {unit}"
+
+
+def count(n: float) -> str:
+    """A parameter count: 174.62B, 124.4M, 830.2K."""
+    for div, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.2f}{suffix}" if suffix == "B" else f"{n / div:.1f}{suffix}"
+    return str(int(n))

@@ -305,10 +305,10 @@ def dry_run(
 
 
 def _eager_peak_bytes(plan: Plan) -> float | None:
-    """The compiled plan's peak per device priced with eager blocks, where it carries it."""
-    if not plan.config.compile:
-        return None
-    return next((a.memory_bytes_per_device for a in plan.alternatives if a.status == "compile"), None)
+    """The compiled plan's peak per device priced with eager blocks, where it carries it
+    like for like (:meth:`~autopar.plan.Plan.eager_contrast`)."""
+    contrast = plan.eager_contrast() if plan.config.compile else None
+    return contrast.memory_bytes_per_device if contrast is not None else None
 
 
 def forget_fake_sharding() -> None:

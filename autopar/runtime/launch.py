@@ -193,7 +193,11 @@ def _local_world_size(nproc: str | None, world: int, nnodes: int) -> int:
     try:
         count = determine_local_world_size(nproc)
     except ValueError as exc:
-        reason = str(exc).rstrip(".") if nproc in ("gpu", "xpu") else "it is not understood"
+        if nproc in ("gpu", "xpu"):  # the node lacks that device: the other words remain
+            other = "xpu" if nproc == "gpu" else "gpu"
+            reason, allowed = str(exc).rstrip("."), f"a positive integer, or cpu, auto or {other} (what this node has)"
+        else:
+            reason = "it is not understood"
         raise ConfigError(
             f"--nproc-per-node {nproc} is not allowed here ({reason}): give {allowed}; the plan runs {world} processes."
         ) from None

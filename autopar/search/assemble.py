@@ -17,7 +17,7 @@ from autopar.errors import InfeasiblePlanError
 from autopar.graph.layer_graph import LayerGraph
 from autopar.models.experts import ROUTED_FORM
 from autopar.plan import Alternative, LayerStrategies, ModelSummary, ParallelConfig, Plan, PlanSettings
-from autopar.present.units import size
+from autopar.present.units import count, size
 from autopar.search.scan import SearchResult
 from autopar.search.solve import ConfigSolver, Outcome
 from autopar.search.space import CUT_NOTE
@@ -134,7 +134,7 @@ def infeasible_error(
         hints.append(f"at least {least} nodes ({alone})")
     tries = "".join(f"{hint}, " for hint in hints) + ("or " if hints else "")
     return InfeasiblePlanError(
-        f"no plan fits: {graph.name} ({graph.num_params / 1e9:.2f}B parameters) needs at least "
+        f"no plan fits: {graph.name} ({count(graph.num_params)} parameters) needs at least "
         f"{size(best.min_memory_bytes)} per device in the best case found ({cfg.short()}); each "
         f"{cluster.device.name} has {size(cap)}. Try {tries}a smaller micro-batch or sequence length.",
         min_memory_bytes=best.min_memory_bytes,

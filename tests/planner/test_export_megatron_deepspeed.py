@@ -5,6 +5,7 @@ raises, the four sizes it requires are there, and the values are the transformer
 config's."""
 
 import argparse
+import json
 import shlex
 
 import pytest
@@ -13,7 +14,9 @@ import torch
 import autopar
 from autopar.export import export
 from autopar.models import build_named_model
+from autopar.vocab import Recompute
 
+from .test_export import variant
 from .test_export_ep import _mixtral
 
 MEGATRON_DEEPSPEED_FLAGS = {
@@ -41,6 +44,7 @@ MEGATRON_DEEPSPEED_FLAGS = {
     "--layernorm-epsilon": (float, None, None),
     "--swiglu": (None, None, None),
     "--use-rotary-position-embeddings": (None, None, None),
+    "--no-position-embedding": (None, None, None),
     "--rotary-position-embeddings-theta": (int, None, None),
     "--rotary-percent": (float, None, None),
     "--untie-embeddings-and-output-weights": (None, None, None),
@@ -51,6 +55,7 @@ MEGATRON_DEEPSPEED_FLAGS = {
     "--create-moe-param-group": (None, None, None),
     "--disable-moe-token-dropping": (None, None, None),
     "--moe-train-capacity-factor": (float, None, None),
+    "--zero-stage": (int, None, None),
     # DeepSpeed's own (deepspeed.add_config_arguments)
     "--deepspeed": (None, None, None),
     "--deepspeed_config": (str, None, None),
@@ -95,6 +100,8 @@ def test_llama_sizes_and_architecture():
         1e-5,
     )
     assert args.swiglu and args.use_rotary_position_embeddings
+    # its Embedding adds learned positions unless told not to, whatever the rotary flag says
+    assert args.no_position_embedding
     assert args.untie_embeddings_and_output_weights and args.disable_bias_linear
     assert args.kv_channels is None and args.num_experts is None
 
@@ -114,6 +121,7 @@ def test_gpt2_learned_positions_and_biases():
     # GPT-2's config leaves the MLP width to 4 x hidden, Megatron-DeepSpeed's default too
     assert (args.hidden_size, args.num_attention_heads, args.ffn_hidden_size or 4 * args.hidden_size) == (64, 4, 256)
     assert args.max_position_embeddings == 256 and not args.use_rotary_position_embeddings
+    assert not args.no_position_embedding
     assert not (args.swiglu or args.disable_bias_linear or args.untie_embeddings_and_output_weights)
     assert args.normalization is None  # Megatron-DeepSpeed's default, layernorm
 
@@ -156,3 +164,40 @@ def test_deepseek_dense_first_layers_have_no_interval():
     assert any("sit on blocks 1, 2, 3, which no --expert-interval" in n for n in result.notes)
     built = next(n for n in result.notes if n.startswith("Megatron-DeepSpeed's flags do not build"))
     assert "multi-latent attention" in built and "shared experts" in built and "router" in built
+
+
+@pytest.mark.parametrize("config, stage", [({"tp": 2, "zero_stage": 3}, 3), ({"tp": 2, "pp": 2, "zero_stage": 2}, 1)])
+def test_the_launch_line_names_the_configs_zero_stage(config, stage):
+    """Megatron-DeepSpeed reads its own --zero-stage (default 1) to build a ZeRO-3 model
+    already partitioned; the pipeline engine runs stage 1 at most."""
+    model = build_named_model("llama3-8b")
+    plan = _on_8(model, 2048, **config)
+    result = export(plan, to="deepspeed", model=model)
+    assert json.loads(result.text)["zero_optimization"]["stage"] == stage
+    assert _parsed(plan, model).zero_stage == stage
+
+
+def test_a_pipelined_plan_recomputes_by_the_uniform_method_only():
+    """DeepSpeed's pipeline engine (GPTModelPipe) recomputes only by the uniform method:
+    the first blocks of each stage in full are written as every layer in full, noted."""
+    model = build_named_model("llama3-8b")
+    plan = _on_8(model, 2048, tp=4, pp=2)
+    first3 = {f"layers.{i}": Recompute.FULL for s in (0, 16) for i in range(s, s + 3)}
+    mixed = variant(plan, overrides=first3)
+    args = _parsed(mixed, model)
+    assert (args.recompute_granularity, args.recompute_method, args.recompute_num_layers) == ("full", "uniform", 1)
+    notes = export(mixed, to="deepspeed", model=model).notes
+    assert any("6 full" in n and "uniform method" in n for n in notes)
+    # without a pipeline the script's own model takes Megatron's block method
+    flat = variant(_on_8(model, 2048, tp=8), overrides={f"layers.{i}": Recompute.FULL for i in range(3)})
+    assert _parsed(flat, model).recompute_method == "block"
+
+
+def test_a_saved_config_quotes_the_launch_line_of_its_own_path(tmp_path):
+    model = build_named_model("llama3-8b")
+    result = export(_on_8(model, 2048, tp=8), to="deepspeed", model=model)
+    path = tmp_path / "my ds.json"
+    result.save(path)
+    quoted = json.loads(path.read_text())["autopar"]["launch"]
+    assert quoted == result.launch_for(path) and shlex.split(quoted)[-1] == str(path)
+    assert json.loads(result.text)["autopar"]["launch"] == result.launch  # unsaved: the default name

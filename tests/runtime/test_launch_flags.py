@@ -138,8 +138,9 @@ def test_nproc_per_node_words_are_read_as_torchrun_reads_them():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_nproc_per_node_gpu_without_gpus_is_one_line():
-    with pytest.raises(ConfigError, match=r"--nproc-per-node gpu is not allowed here \(Cuda is not available\)"):
+    with pytest.raises(ConfigError, match=r"--nproc-per-node gpu is not allowed here \(Cuda is not available\)") as err:
         _launch("--nproc-per-node", "gpu")
+    assert "give a positive integer, or cpu, auto or xpu (what this node has)" in str(err.value)
 
 
 @pytest.mark.parametrize(

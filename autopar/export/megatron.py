@@ -33,6 +33,8 @@ from autopar.plan import Plan
 from autopar.vocab import DType, Optimizer, Recompute, Schedule
 
 SCRIPT = "pretrain_gpt.py"
+DISPATCHER = ("--moe-token-dispatcher-type", "alltoall")
+"""The token dispatcher expert parallelism and a fixed expert capacity run with."""
 """Megatron-LM's GPT pre-training entry point (Llama-style models run through it too)."""
 TP_COMM_OVERLAP_NOTE = (
     "the plan's asynchronous tensor parallelism is torch's micro-pipeline TP (inductor fuses the sequence-parallel "
@@ -159,6 +161,7 @@ def _expert_args(plan: Plan, shape: ModelShape | None, notes: list[str], info: l
                 "--moe-pad-expert-input-to-capacity",
                 "--moe-token-drop-policy",
                 "position",
+                *DISPATCHER,  # Megatron-Core releases up to 2025 refuse a capacity with another dispatcher
             ]
             notes.append(
                 "Megatron-LM counts an expert's capacity over a rank's micro-batch (capacity factor x tokens x top-k "
@@ -169,7 +172,7 @@ def _expert_args(plan: Plan, shape: ModelShape | None, notes: list[str], info: l
         if experts is not None and c.tp > 1:
             notes.append(experts_split_over_tp_note(plan, "Megatron-LM"))
         return args
-    args += ["--expert-model-parallel-size", str(c.ep), "--moe-token-dispatcher-type", "alltoall"]
+    args += ["--expert-model-parallel-size", str(c.ep), *([] if DISPATCHER[0] in args else DISPATCHER)]
     if c.tp > 1:
         args += ["--expert-tensor-parallel-size", "1"]
         notes.append(expert_tp_note(plan, "Megatron-LM", "--expert-tensor-parallel-size"))

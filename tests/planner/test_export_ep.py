@@ -90,6 +90,7 @@ def test_megatron_expert_flags(moe_plans, moe_tiny):
     assert float(args["--moe-expert-capacity-factor"]) == cfg.capacity_factor
     assert args["--moe-pad-expert-input-to-capacity"] is True and args["--moe-token-drop-policy"] == "position"
     assert (args["--expert-model-parallel-size"], args["--moe-token-dispatcher-type"]) == ("2", "alltoall")
+    assert export(plan, to="megatron", model=moe_tiny).launch.count("--moe-token-dispatcher-type") == 1
     assert "--expert-tensor-parallel-size" not in args and "--moe-router-pre-softmax" not in args
     # Megatron's expert grid (order tp-ep-dp-pp, expert tp defaulting to tp = 1): expert data
     # parallelism world / (etp x ep x pp) = 2 ranks, the plan's expert replicas; an ep group
@@ -105,6 +106,17 @@ def test_megatron_expert_flags(moe_plans, moe_tiny):
     bare = export(plan, to="megatron")
     assert "--expert-model-parallel-size 2" in bare.launch and "--num-experts" not in bare.launch
     assert "add --num-experts, --moe-router-topk and --moe-ffn-hidden-size" in bare.text
+
+
+def test_a_capacity_without_expert_parallelism_takes_the_alltoall_dispatcher(moe_tiny):
+    """Megatron-Core releases up to 2025 refuse --moe-expert-capacity-factor with any other
+    dispatcher than alltoall, the default being allgather; it runs without ep as well."""
+    plan = _estimate(moe_tiny, 4, 128, dp=4, tp=1)
+    assert plan.config.ep == 1
+    words = export(plan, to="megatron", model=moe_tiny).launch.split("pretrain_gpt.py ")[1].split()
+    assert words.count("--moe-token-dispatcher-type") == 1
+    assert words[words.index("--moe-token-dispatcher-type") + 1] == "alltoall"
+    assert "--moe-expert-capacity-factor" in words and "--expert-model-parallel-size" not in words
 
 
 def test_megatron_expert_parallelism_beside_tensor_parallelism(moe_plans, moe_tiny):

@@ -20,7 +20,7 @@ from autopar.plan import Alternative, LayerStrategies, ModelSummary, ParallelCon
 from autopar.present.units import count, size
 from autopar.search.scan import SearchResult
 from autopar.search.solve import ConfigSolver, Outcome
-from autopar.search.space import CUT_NOTE
+from autopar.search.space import CP_MIN_TOKENS, CUT_NOTE, ring_blocker
 from autopar.vocab import Optimizer, Recompute, TPStyle
 
 
@@ -133,10 +133,13 @@ def infeasible_error(
     elif devices > cluster.world_size:
         hints.append(f"at least {least} nodes ({alone})")
     tries = "".join(f"{hint}, " for hint in hints) + ("or " if hints else "")
+    smaller = "a smaller micro-batch or sequence length" if cfg.micro_batch_size > 1 else "a shorter sequence"
+    blocker = ring_blocker(graph) if "cp" not in fixed and (graph.seq_len or 0) >= 2 * CP_MIN_TOKENS else None
+    no_ring = f" Context parallelism, which would split the sequence, cannot run it: {blocker}." if blocker else ""
     return InfeasiblePlanError(
         f"no plan fits: {graph.name} ({count(graph.num_params)} parameters) needs at least "
         f"{size(best.min_memory_bytes)} per device in the best case found ({cfg.short()}); each "
-        f"{cluster.device.name} has {size(cap)}. Try {tries}a smaller micro-batch or sequence length.",
+        f"{cluster.device.name} has {size(cap)}. Try {tries}{smaller}.{no_ring}",
         min_memory_bytes=best.min_memory_bytes,
         capacity_bytes=cap,
     )

@@ -358,6 +358,12 @@ def _complete(fixed: dict[str, Any], cluster: Cluster, global_batch_size: int) -
     check_degrees(out, world)  # the product of those given divides world; of all four, is world
     out.setdefault("dp", world // (tp * cp * pp))
     if "num_microbatches" in out and "micro_batch_size" not in out:
+        if global_batch_size % out["dp"]:
+            raise ConfigError(
+                f"num_microbatches={out['num_microbatches']} splits each data-parallel rank's samples, but global "
+                f"batch {global_batch_size} is not divisible by dp={out['dp']}; fix dp, micro_batch_size or the batch "
+                f"size."
+            )
         per = global_batch_size // out["dp"]
         if per % out["num_microbatches"]:
             raise ConfigError(

@@ -23,8 +23,9 @@ from autopar.cost.price import Decided, UnitChoice, price
 from autopar.errors import DeviceCountError
 from autopar.plan import ParallelConfig
 from autopar.search.bounds import TimeBound
+from autopar.search.rejections import Rejection
 from autopar.search.solve import ConfigSolver, Outcome
-from autopar.search.space import Rejection, config_shard_sizes, enumerate_space, memory_floor, shard_siblings
+from autopar.search.space import config_shard_sizes, enumerate_space, memory_floor, shard_siblings
 from autopar.search.walk_room import with_walk_room
 from autopar.vocab import DType, Recompute
 

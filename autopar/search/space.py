@@ -38,6 +38,7 @@ from autopar.search.kernel_options import (
     fp8_options,
     regather_options,
 )
+from autopar.search.rejections import Rejection, expert_rejection, shard_rejection
 from autopar.search.schedules import check_schedule_constraints, offered_schedules, split_problem
 from autopar.vocab import ZERO_STAGES, Recompute, Schedule, TPStyle
 
@@ -54,17 +55,6 @@ under the attention it feeds (whose work per rank grows with the tokens squared)
 the sequence is short enough for tensor and pipeline parallelism to hold. Llama 3 trained
 its 128K-token stage with 16-way context parallelism, 8K tokens per rank (Llama Team 2024,
 "The Llama 3 Herd of Models", section 3.3.2). A ``cp`` constraint is always honoured."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Rejection:
-    """A region of the space ruled out before costing, and why; ``searched``: the fields
-    whose values, where the search picks them, it rules out (none: it is about fixed
-    values, such as a pinned schedule), so that a refusal can keep to what the user fixed."""
-
-    what: str
-    reason: str
-    searched: tuple[str, ...] = ()
 
 
 def shard_sizes(dp: int, tp: int, devices_per_node: int) -> list[int]:
@@ -135,37 +125,47 @@ def cp_degrees(graph: LayerGraph, devices: int, constraints: Mapping[str, Any]) 
     head-tail load balancing, for a model whose attention runs through
     ``F.scaled_dot_product_attention`` (the call torch's ring attention replaces),
     causal and without a mask (:attr:`~autopar.graph.layer_graph.LayerGraph.ring_attention`). A
-    fixed ``cp`` is checked by :func:`check_context_parallel` and tried alone."""
+    fixed ``ep > 1`` lifts the token floor: its expert groups must divide ``dp x cp``, which
+    fixed degrees may reach only through ``cp``. A fixed ``cp`` is checked by
+    :func:`check_context_parallel` and tried alone."""
     if "cp" in constraints:
         return [constraints["cp"]] if devices % constraints["cp"] == 0 else []
-    if not any(p.kv_bytes > 0 for p in graph.profiles) or capacity_experts(graph) or not graph.ring_attention:
+    if ring_blocker(graph):
         return [1]
     s = graph.seq_len
-    return [d for d in divisors(devices) if d == 1 or (s % (2 * d) == 0 and s // d >= CP_MIN_TOKENS)]
+    fewest = 1 if constraints.get("ep", 1) > 1 else CP_MIN_TOKENS  # expert groups may need dp x cp
+    return [d for d in divisors(devices) if d == 1 or (s % (2 * d) == 0 and s // d >= fewest)]
+
+
+def ring_blocker(graph: LayerGraph) -> str | None:
+    """Why no context-parallel degree runs ``graph`` at its sequence length, if none does:
+    torch's ring attention replaces ``F.scaled_dot_product_attention`` calls that are
+    causal without a mask, over a sequence every rank can hold a part of."""
+    if not any(p.kv_bytes > 0 for p in graph.profiles):
+        return "context parallelism replaces F.scaled_dot_product_attention, which this model does not call"
+    if not graph.ring_attention:
+        return (
+            "its attention is not causal without a mask (a sliding window narrower than the sequence, or "
+            "bidirectional attention), which the causal ring of context parallelism cannot compute"
+        )
+    if capacity_experts(graph):
+        return (
+            "its capacity-bounded experts fill each sample's buffers in token order over the whole sequence, which "
+            "a rank holding a part of it cannot"
+        )
+    return None
 
 
 def check_context_parallel(graph: LayerGraph, constraints: Mapping[str, Any]) -> None:
-    """A fixed ``cp > 1`` needs attention through ``F.scaled_dot_product_attention`` and a
-    sequence that splits into ``2 cp`` equal chunks; said at once, in one line."""
+    """A fixed ``cp > 1`` needs attention that ring attention runs (:func:`ring_blocker`)
+    and a sequence that splits into ``2 cp`` equal chunks; said at once, in one line."""
     cp = constraints.get("cp", 1)
     if cp == 1:
         return
-    if not any(p.kv_bytes > 0 for p in graph.profiles):
-        raise ConfigError(
-            f"cp={cp} is not allowed for {graph.name}: context parallelism replaces "
-            f"F.scaled_dot_product_attention, which this model does not call; use cp=1."
-        )
-    if not graph.ring_attention:
-        raise ConfigError(
-            f"cp={cp} is not allowed for {graph.name} at seq_len={graph.seq_len}: its attention is not causal "
-            f"without a mask (a sliding window narrower than the sequence, or bidirectional attention), which "
-            f"the causal ring of context parallelism cannot compute; use cp=1."
-        )
-    if capacity_experts(graph):
-        raise ConfigError(
-            f"cp={cp} is not allowed for {graph.name}: its capacity-bounded experts fill each sample's buffers in "
-            f"token order over the whole sequence, which a rank holding 1/cp of it cannot; use cp=1."
-        )
+    why = ring_blocker(graph)
+    if why:
+        at = f" at seq_len={graph.seq_len}" if why.startswith("its attention") else ""
+        raise ConfigError(f"cp={cp} is not allowed for {graph.name}{at}: {why}; use cp=1.")
     if graph.seq_len % (2 * cp):
         allowed = [d for d in range(2, graph.seq_len // 2 + 1) if graph.seq_len % (2 * d) == 0][:8]
         other = f"a cp in {allowed} or " if allowed else "cp=1 or "  # an odd length splits for no cp > 1
@@ -223,6 +223,8 @@ def enumerate_space(
             continue
         for cp, pp in _cp_pp(graph, world // tp, c):
             if (world // tp) % (cp * pp):
+                if "dp" in c:  # no such split leaves the fixed dp either: no reason about it
+                    continue
                 rejected.append(
                     Rejection(
                         what=f"tp={tp} cp={cp} pp={pp}",
@@ -230,6 +232,12 @@ def enumerate_space(
                         searched=DEGREES[1:],
                     )
                 )
+                continue
+            dp = world // (tp * cp * pp)
+            if "dp" in c and c["dp"] != dp:
+                left = world // (c["dp"] * tp * pp)  # only cp was left to the search: does it try the one needed?
+                if {"tp", "pp"} <= c.keys() and left not in cp_degrees(graph, world // tp, c):
+                    rejected.append(_cp_left(c, world, graph.seq_len))
                 continue
             if pp > n_units:
                 rejected.append(
@@ -246,10 +254,9 @@ def enumerate_space(
             if pp > 1 and not graph.cuttable and "pp" not in c:
                 rejected.append(Rejection(what=f"pp={pp}", reason=CUT_NOTE, searched=("pp",)))
                 continue
-            dp = world // (tp * cp * pp)
-            if "dp" in c and c["dp"] != dp:
-                if {"tp", "pp"} <= c.keys():  # only cp was left to the search, and it does not try the one needed
-                    rejected.append(_cp_left(c, world, graph.seq_len))
+            why_not = expert_rejection(c, dp, cp) or shard_rejection(c, dp, cp)
+            if why_not:
+                rejected.append(why_not)
                 continue
             if global_batch_size % dp:
                 rejected.append(
@@ -259,10 +266,6 @@ def enumerate_space(
                         searched=("dp",),
                     )
                 )
-                continue
-            shard_rejection = _shard_rejection(c, dp, cp)
-            if shard_rejection:
-                rejected.append(shard_rejection)
                 continue
             per_rank = global_batch_size // dp
             batch_rejection = _batch_rejection(c, dp, per_rank)
@@ -385,24 +388,6 @@ def _cp_left(c: Mapping[str, Any], world: int, seq_len: int) -> Rejection:
         f"(it tries context parallelism where attention allows it and each rank keeps >= {CP_MIN_TOKENS} tokens); "
         f"set cp={cp} to plan with it, or change dp, tp or pp",
     )
-
-
-def _shard_rejection(c: Mapping[str, Any], dp: int, cp: int) -> Rejection | None:
-    """Why a fixed ``dp_shard`` cannot shard ``dp`` ranks (``cp`` apart), if it cannot."""
-    shard = c.get("dp_shard")
-    if shard is None:
-        return None
-    if dp % shard:
-        return Rejection(what=f"dp_shard={shard} (dp={dp})", reason=f"the shard group does not divide dp={dp}")
-    if c.get("zero_stage", 3) < 2:
-        return Rejection(what=f"dp_shard={shard}", reason="HSDP shards through FSDP2: it needs zero_stage 2 or 3")
-    ep = c.get("ep", 1)
-    if shard * cp % ep:
-        return Rejection(
-            what=f"ep={ep} dp_shard={shard} (cp={cp})",
-            reason=f"an expert group of {ep} ranks must lie inside one shard group of dp_shard x cp = {shard * cp}",
-        )
-    return None
 
 
 def _batch_rejection(c: Mapping[str, Any], dp: int, per_rank: int) -> Rejection | None:

@@ -76,3 +76,14 @@ def test_the_cli_says_it_in_one_line(capsys):
     captured = capsys.readouterr()
     assert captured.out == "" and "Traceback" not in captured.err and captured.err.count("\n") == 1
     assert captured.err.startswith("autopar: error: dp x tp x pp = 4 x 4 x 4 = 64 does not divide the cluster's 32")
+
+
+def test_estimate_num_microbatches_with_a_batch_dp_does_not_divide(gpt3):
+    """dp defaults to the devices left (32); 24 samples do not split over them, which is
+    the contradiction, not the micro-batch of 0 samples it would derive."""
+    with pytest.raises(ConfigError) as err:
+        autopar.estimate(gpt3, CLUSTER, {"num_microbatches": 2}, global_batch_size=24)
+    assert str(err.value) == (
+        "num_microbatches=2 splits each data-parallel rank's samples, but global batch 24 is not divisible by "
+        "dp=32; fix dp, micro_batch_size or the batch size."
+    )

@@ -1,0 +1,64 @@
+"""A fixed expert-parallel degree: its groups tile the dp x cp ranks holding the same
+weights, so fixed degrees may reach a multiple of ep only through context parallelism,
+which the search then tries at any sequence length; where nothing reaches one, the
+refusal says so instead of naming splits the fixed degrees never allowed."""
+
+import pytest
+
+import autopar
+from autopar.errors import DeviceCountError
+from autopar.graph import extract
+from autopar.search.space import CP_MIN_TOKENS
+
+CLUSTER = autopar.preset("dgx-h100", nodes=8)  # 64 devices
+SEQ = 1024
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    """A dropless transformers Mixtral of 8 experts, 4 heads and 4 blocks at 1024 tokens."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    config = transformers.MixtralConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=SEQ,
+    )
+    with torch.device("meta"):
+        return extract(transformers.MixtralForCausalLM(config), seq_len=SEQ)
+
+
+def test_a_fixed_ep_reaches_its_groups_through_context_parallelism(mixtral):
+    """dp=4 x pp=2 leave tp x cp = 8 of the 64 devices, and tp divides 4 heads at most:
+    only cp >= 2 makes dp x cp a multiple of 8, at 1024 tokens, below the search's usual
+    floor for context parallelism."""
+    assert SEQ // 2 < CP_MIN_TOKENS
+    plan = autopar.plan(mixtral, CLUSTER, global_batch_size=64, constraints={"ep": 8, "dp": 4, "pp": 2})
+    c = plan.config
+    assert (c.ep, c.dp, c.pp) == (8, 4, 2) and c.cp >= 2 and (c.dp * c.cp) % 8 == 0
+    assert c.tp * c.cp == 8 and plan.prediction.fits
+
+
+def test_no_split_reaching_a_multiple_of_ep_is_refused_with_that_reason(mixtral):
+    fixed = {"ep": 8, "dp": 2, "tp": 4, "pp": 4}
+    with pytest.raises(DeviceCountError) as err:
+        autopar.plan(mixtral, CLUSTER, global_batch_size=64, constraints=fixed)
+    assert str(err.value) == (
+        "no configuration of 64 devices can run global_batch_size=64 with constraints ep=8, dp=2, tp=4, pp=4: ep=8 "
+        "(dp=2 cp=2): an expert group of 8 ranks must divide dp x cp = 4; make dp x cp a multiple of 8, or lower "
+        "ep. Change the batch size, the device count or the constraints."
+    )
+
+
+def test_without_a_fixed_ep_short_sequences_keep_the_floor(mixtral):
+    from autopar.search.space import cp_degrees
+
+    assert cp_degrees(mixtral, 8, {}) == [1]
+    assert cp_degrees(mixtral, 8, {"ep": 8}) == [1, 2, 4, 8]

@@ -73,46 +73,6 @@ def check_cluster_seconds(name: str, value: object) -> float:
     return float(value)
 
 
-POSITION_FIELDS = ("max_position_embeddings", "n_positions", "seq_len")
-"""Where a model's ``config`` gives the longest sequence it was built for: Hugging Face
-configs (``n_positions`` in GPT-2's), then autopar's own GPT and Llama configs."""
-
-
-def max_positions(model: object) -> tuple[int, str] | None:
-    """The longest sequence ``model`` was built for and the config field that says so, or
-    None for a model without such a config (then any length is taken)."""
-    config = getattr(model, "config", None)
-    for field in POSITION_FIELDS:
-        value = getattr(config, field, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value, field
-    return None
-
-
-def longest_length_note(limit: tuple[int, str], flag: str) -> str:
-    """What a plan says when it was made for the longest sequence its model was built for
-    (``limit``, from :func:`max_positions`) because no length was given; ``flag`` is how
-    the caller gives one (``--seq-len``, ``seq_len=``)."""
-    return (
-        f"Planned for seq_len {limit[0]}, the model's maximum (config.{limit[1]}), as no sequence length was given; "
-        f"pass {flag} with your training length: memory, FLOPs and the chosen plan depend on it."
-    )
-
-
-def check_seq_len(seq_len: object, model: object) -> int:
-    """Return ``seq_len`` if it is a positive integer no longer than the positions
-    ``model`` was built for, else raise ConfigError: a longer sequence indexes past a
-    learned position table, or past the context a rotary model was trained for."""
-    length = check_positive_int("seq_len", seq_len)
-    limit = max_positions(model)
-    if limit is not None and length > limit[0]:
-        raise ConfigError(
-            f"seq_len={length} is longer than the {limit[0]} positions {type(model).__name__} was built for "
-            f"(config.{limit[1]}); give seq_len <= {limit[0]}, or a model configured for longer sequences."
-        )
-    return length
-
-
 def first_line(exc: BaseException) -> str:
     """A library's exception message in one line: its first, joined with the next while
     a line ends in a colon (a heading over the detail, as transformers' config checks

@@ -232,7 +232,7 @@ def _cmd_model(args: argparse.Namespace) -> int:
 def load_model(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, Any, str]:
     """The model and one batch of inputs that ``--model``/``--model-fn``/``--model-config``
     and the shape options describe, built on ``device`` in ``--dtype``."""
-    from autopar.errors import check_seq_len
+    from autopar.models.positions import check_seq_len
     from autopar.models.registry import get_named_model
 
     if args.batch < 1:
@@ -271,7 +271,7 @@ def _config_model(
     in ``--dtype``, and one batch of its keyword inputs: token ids at ``--seq-len`` or
     images of ``--input-shape``, the config's own sizes by default (said on stderr, as is
     the class built when the config names none)."""
-    from autopar.errors import check_seq_len
+    from autopar.models.positions import check_seq_len
     from autopar.models.hf_config import hf_input, load_hf_model
 
     hf = load_hf_model(args.model_config, trust_remote_code=args.trust_remote_code)

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autopar.errors import ConfigError, first_line, longest_length_note, max_positions
+from autopar.errors import ConfigError, first_line
+from autopar.models.positions import longest_length_note, max_positions
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopar.errors import ConfigError, first_line, longest_length_note, max_positions
+from autopar.errors import ConfigError, first_line
+from autopar.models.positions import longest_length_note, max_positions
 from autopar.quiet import quiet_imports
 
 CONFIG_NAME = "config.json"
@@ -249,14 +250,23 @@ def _check_custom_code(auto_map: Any, path: Path) -> None:
     own: a ``.py`` file missing beside ``path`` or one Python cannot parse, among the
     files ``auto_map`` names for the config and model classes (not the tokenizer's, which
     is never loaded) and those they import relatively (``from .x import y``: ``x.py``),
-    as transformers reads them. A class in another repository (``repo--module.Class``)
-    is downloaded by transformers and left to it."""
-    refs = auto_map.items() if isinstance(auto_map, dict) else ()
-    todo = [
-        path.parent / f"{ref.rpartition('.')[0]}.py"
-        for key, ref in refs
-        if (key == "AutoConfig" or key.startswith("AutoModel")) and isinstance(ref, str) and "--" not in ref
+    as transformers reads them. A class in a Hub repository (``repo--module.Class``) is
+    refused too: transformers would download it (or wait on the network, then fail)."""
+    items = auto_map.items() if isinstance(auto_map, dict) else ()
+    refs = [
+        (key, ref)
+        for key, ref in items
+        if (key == "AutoConfig" or key.startswith("AutoModel")) and isinstance(ref, str)
     ]
+    for key, ref in refs:
+        repo, hub, name = ref.partition("--")
+        if hub:
+            raise ConfigError(
+                f"{FLAG} {str(path)!r}: auto_map's {key} names code in the Hub repository {repo!r} ({ref!r}), which "
+                f"autopar does not fetch (it loads custom code from the config's directory only); copy "
+                f"{name.rpartition('.')[0]}.py from that repository next to {CONFIG_NAME} and set {key} to {name!r}."
+            )
+    todo = [path.parent / f"{ref.rpartition('.')[0]}.py" for _, ref in refs]
     seen: set[Path] = set()
     while todo:
         file = todo.pop()

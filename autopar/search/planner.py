@@ -29,14 +29,12 @@ from autopar.errors import (
     ConfigError,
     ModelError,
     check_positive_int,
-    check_seq_len,
-    longest_length_note,
-    max_positions,
 )
 from autopar.graph.extract import extract
 from autopar.graph.layer_graph import LayerGraph
 from autopar.hardware.cluster import Cluster
 from autopar.hardware.presets import parse_cluster
+from autopar.models.positions import check_seq_len, longest_length_note, max_positions
 from autopar.plan import ParallelConfig, Plan, PlanSettings
 from autopar.profiles.apply import Measurements, measurements
 from autopar.profiles.identity import LayerProfileMatch, match_layer_profile

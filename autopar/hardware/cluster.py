@@ -20,6 +20,12 @@ from autopar.errors import ClusterError
 from autopar.hardware.device import DeviceSpec
 from autopar.hardware.links import LinkSpec
 
+MAX_DEVICES = 2**20
+"""The most devices a cluster may have: 1,048,576, several times the largest training
+clusters built, and few enough that the search's integer work (divisors of the device
+count, by trial division up to its square root) takes milliseconds, where a count of
+10**19 would take hours."""
+
 CLUSTER_FILE_REMEDY = "give a path to a JSON file written by save_cluster, or a preset such as 'dgx-a100-80gb:4'"
 
 
@@ -41,6 +47,12 @@ class Cluster:
                 raise ClusterError(
                     f"cluster {self.name!r} {attr}={value!r} is not allowed: it must be a positive integer."
                 )
+        if self.world_size > MAX_DEVICES:
+            raise ClusterError(
+                f"cluster {self.name!r} has {self.world_size:,} devices ({self.nodes:,} node(s) x "
+                f"{self.devices_per_node:,}); autopar plans up to {MAX_DEVICES:,}: give fewer nodes or devices "
+                f"per node."
+            )
 
     @property
     def world_size(self) -> int:

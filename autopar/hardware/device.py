@@ -35,6 +35,44 @@ def device_kind(name: str) -> Literal["cpu", "cuda"]:
 
 _SHARE_NOTE = "; time share: "
 
+MIN_FLOP_PER_S = 1e8
+"""The slowest compute a device may state (FLOP/s: a peak, the fastest point of a matmul
+curve), for the whole device (before a time share): 100 MFLOP/s, some 30 times below one
+core of an old CPU and 10**7 below an H100, so only a value in the wrong unit (989 for
+989 TFLOP/s) falls under it, where the plans it gives would be absurd yet marked fitting."""
+
+MIN_MEMORY_BYTES_PER_S = 1e8
+"""The slowest memory bandwidth a device may state (bytes per second, the whole device):
+100 MB/s, some 100 times below one DDR channel, so only a value in the wrong unit falls
+under it."""
+
+
+def sci(x: float) -> str:
+    """``x`` in at most three significant digits, its exponent without a sign or zeros
+    (``9.89e14``, ``1e8``, ``2e-6``, ``0.002``): how the magnitude errors write numbers."""
+    text = f"{x:.3g}"
+    if "e" not in text:
+        return text
+    mantissa, exponent = text.split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+_PREFIXES = {"T": 1e12, "G": 1e9, "M": 1e6}
+
+
+def too_small(
+    what: str, value: float, bound: float, unit: str, prefixes: str, *, note: str = "", remedy: str = ""
+) -> ClusterError:
+    """The error for a rate below ``bound``: ``what`` (the field and how it was given) is
+    slower than any real device or link, the field is in ``unit``, and ``value`` read
+    with each of ``prefixes`` (``"TG"``: tera, giga) shows what it should have been;
+    ``note`` is added to that, ``remedy`` to fixing the cluster file."""
+    examples = ", ".join(f"{value:g} {p}{unit} is {sci(value * _PREFIXES[p])}" for p in prefixes)
+    return ClusterError(
+        f"{what} is below {sci(bound)} {unit}, slower than any real hardware: the field is in {unit} "
+        f"({note}{examples}); fix the cluster file{remedy}."
+    )
+
 
 def _fraction(owner: str, name: str, value: object, *, zero_ok: bool, one_ok: bool, unit: str = "") -> float:
     """``value`` as a float in [0 or (0, 1] or 1), else ClusterError naming it."""
@@ -295,6 +333,44 @@ class DeviceSpec:
                 raise ClusterError(f"{owner} {name}={getattr(self, name)!r} is not allowed: it must be true or false.")
         if self.preferred_dtype not in self.roofline.peak_flops:
             raise ClusterError(f"{owner} preferred_dtype={self.preferred_dtype.value} has no peak_flops entry.")
+        self._check_magnitudes()
+
+    def _check_magnitudes(self) -> None:
+        """Refuse rates no real device is as slow as (:data:`MIN_FLOP_PER_S`,
+        :data:`MIN_MEMORY_BYTES_PER_S`): a value in the wrong unit (989 for 989
+        TFLOP/s) would otherwise plan as fitting with absurd times. Checked here, not in
+        :class:`Roofline`, because a time-shared process states its share of the device
+        (:func:`time_shared`, :func:`bandwidth_shared`): the bounds apply to the whole
+        device, so many processes on a few cores still pass."""
+        roof, host = self.roofline, self.host
+        owner = f"device {self.name!r} roofline"
+
+        def stated(value: float, share: float, unit: str) -> str:
+            whole = (
+                f", {sci(value / share)} {unit} for the whole device of which it has {sci(share)}," if share < 1 else ""
+            )
+            return f"{value!r} {unit}{whole}"
+
+        for dtype, peak in roof.peak_flops.items():
+            if peak / host.time_share < MIN_FLOP_PER_S:
+                what = f"{owner} peak_flops[{dtype.value}]={stated(peak, host.time_share, 'FLOP/s')}"
+                raise too_small(what, peak, MIN_FLOP_PER_S, "FLOP/s", "TG")
+        if 0 < roof.fp8_flops < MIN_FLOP_PER_S:  # never time-shared: CPU processes have no FP8 matmuls
+            what = f"{owner} fp8_flops={roof.fp8_flops!r} FLOP/s"
+            raise too_small(what, roof.fp8_flops, MIN_FLOP_PER_S, "FLOP/s", "TG", note="0: no FP8 matmuls; ")
+        for dtype, points in roof.matmul_curves.items():
+            # the fastest point only: a tiny call is dispatch-bound (a 1x1x1 matmul reaches ~1e6 FLOP/s)
+            best = max(rate for _, rate in points)
+            if best / host.time_share < MIN_FLOP_PER_S:
+                what = f"{owner} matmul_curves[{dtype.value}] at best {stated(best, host.time_share, 'FLOP/s')}"
+                note = "each point is [FLOPs per call, FLOP/s]; "
+                raise too_small(
+                    what, best, MIN_FLOP_PER_S, "FLOP/s", "TG", note=note, remedy=", or profile larger matmuls"
+                )
+        bandwidth, share = roof.memory_bandwidth_bytes_per_s, host.time_share * host.bandwidth_share
+        if bandwidth / share < MIN_MEMORY_BYTES_PER_S:
+            what = f"{owner} memory_bandwidth_bytes_per_s={stated(bandwidth, share, 'B/s')}"
+            raise too_small(what, bandwidth, MIN_MEMORY_BYTES_PER_S, "B/s", "TG")
 
     def peak(self, dtype: DType) -> float:
         """Peak FLOP/s in ``dtype``; raises ClusterError if the device lacks it."""

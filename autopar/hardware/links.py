@@ -13,9 +13,35 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.errors import ClusterError, check_cluster_seconds, check_positive_float
+from autopar.hardware.device import sci, too_small
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 """The operations a link may carry a fit of its own for (what ``autopar.cost.comm`` prices)."""
+
+MIN_LINK_BYTES_PER_S = 1e6
+"""The slowest bus bandwidth a link may state (bytes per second): 1 MB/s, below 10 Mbit
+Ethernet and some 3 times below the 25 Mbit link the profiler's shaped-link test fits, so
+only a value in the wrong unit (45 for 45 GB/s) falls under it."""
+
+MAX_LATENCY_S = 1.0
+"""The longest latency per hop a link may state (seconds): a second, a thousand times a
+gloo hop over loopback TCP and several times a round trip around the Earth, so only a
+value in the wrong unit (2 for 2 ms) lies above it."""
+
+
+def check_link_magnitudes(owner: str, bandwidth_bytes_per_s: float, latency_s: float) -> None:
+    """Refuse a bandwidth below :data:`MIN_LINK_BYTES_PER_S` or a latency above
+    :data:`MAX_LATENCY_S` (``owner`` names the link or fit): such values are in the
+    wrong unit, and the plans they give would be absurd yet marked fitting."""
+    if bandwidth_bytes_per_s < MIN_LINK_BYTES_PER_S:
+        what = f"{owner} bandwidth_bytes_per_s={bandwidth_bytes_per_s!r} B/s"
+        raise too_small(what, bandwidth_bytes_per_s, MIN_LINK_BYTES_PER_S, "B/s", "GM")
+    if latency_s > MAX_LATENCY_S:
+        raise ClusterError(
+            f"{owner} latency_s={latency_s!r} s is above {sci(MAX_LATENCY_S)} s, longer than any real link: the field "
+            f"is in seconds per hop ({latency_s:g} ms is {sci(latency_s / 1e3)}, {latency_s:g} us is "
+            f"{sci(latency_s / 1e6)}); fix the cluster file."
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +133,7 @@ class OpLink:
         )
         object.__setattr__(self, "bandwidth_bytes_per_s", bandwidth)
         object.__setattr__(self, "latency_s", check_cluster_seconds(f"{self.op} latency_s", self.latency_s))
+        check_link_magnitudes(self.op, self.bandwidth_bytes_per_s, self.latency_s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,6 +151,7 @@ class LinkSpec:
         bandwidth = check_positive_float("link bandwidth_bytes_per_s", self.bandwidth_bytes_per_s, error=ClusterError)
         object.__setattr__(self, "bandwidth_bytes_per_s", bandwidth)
         object.__setattr__(self, "latency_s", check_cluster_seconds("link latency_s", self.latency_s))
+        check_link_magnitudes("link", self.bandwidth_bytes_per_s, self.latency_s)
         ops = [f.op for f in self.per_op]
         if len(set(ops)) != len(ops):
             raise ClusterError(f"link per_op has {ops}: give each collective at most one fit.")

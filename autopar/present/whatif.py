@@ -21,7 +21,7 @@ from autopar.errors import (
 )
 from autopar.graph.extract import extract
 from autopar.graph.layer_graph import LayerGraph
-from autopar.hardware.cluster import Cluster
+from autopar.hardware.cluster import MAX_DEVICES, Cluster
 from autopar.plan import Plan
 from autopar.search.constraints import DEGREES, check_constraints
 from autopar.search.planner import plan as make_plan
@@ -74,7 +74,8 @@ def fewest_nodes(
     ``constraints`` divide: ``tp=3`` on nodes of 8 tries 3, 6, 12, ... nodes. A count
     moves on where nothing fits in memory or no configuration of its devices exists
     (:class:`~autopar.errors.DeviceCountError`); any other error is the input's at every
-    count, and is raised at once.
+    count, and is raised at once. ``max_nodes`` stops at the nodes of the largest cluster
+    autopar plans (:data:`~autopar.hardware.cluster.MAX_DEVICES` devices).
 
     Raises:
         ConfigError: a bad constraint, option or size, or one the device lacks.
@@ -83,6 +84,7 @@ def fewest_nodes(
         InfeasiblePlanError: no count up to ``max_nodes`` fits.
     """
     check_positive_int("max_nodes", max_nodes)
+    max_nodes = min(max_nodes, MAX_DEVICES // cluster.devices_per_node)  # the largest cluster autopar plans
     fixed = check_constraints(plan_kwargs.get("constraints"))  # read for the precision, and refused before any plan
     graph = (
         model

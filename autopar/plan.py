@@ -10,9 +10,10 @@ refused with the path of the offending field. Rendering a plan for people is
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -171,10 +172,11 @@ class Prediction:
     stages: tuple[StagePrediction, ...]
 
 
-def _prediction_problem(p: Prediction) -> str:
+def _prediction_problem(p: Prediction, model: ModelSummary) -> str:
     """What a prediction read from a file breaks of what any prediction satisfies (a step
-    that takes time, a stage at least, no peak above the device called fitting, rates and
-    memory not negative); empty where nothing. A hand-edited file may break it."""
+    that takes time, a stage at least, no peak above the device called fitting, rates,
+    memory and step terms not negative, terms adding up to the step, rates that are the
+    batch over the step, MFU not above HFU); empty where nothing. A hand-edited file may break it."""
     if not p.step_time_s > 0:
         return f"step_time_s={p.step_time_s!r} must be > 0"
     if not p.stages:
@@ -186,7 +188,40 @@ def _prediction_problem(p: Prediction) -> str:
         )
     rates = ("samples_per_s", "tokens_per_s", "tflops_per_device", "mfu", "hfu", "memory_bytes_per_device")
     negative = [name for name in rates if getattr(p, name) < 0]
-    return f"{negative[0]}={getattr(p, negative[0])!r} must be >= 0" if negative else ""
+    if negative:
+        return f"{negative[0]}={getattr(p, negative[0])!r} must be >= 0"
+    return _consistency_problem(p, model)
+
+
+def _consistency_problem(p: Prediction, model: ModelSummary) -> str:
+    """What a prediction breaks of the identities :func:`autopar.cost.step.predict` writes
+    (to a relative 1e-6; float sums round): empty where nothing."""
+    b, step, batch = p.breakdown, p.step_time_s, model.global_batch_size
+    terms = [(f.name, getattr(b, f.name)) for f in fields(StepBreakdown)]
+    negative = [(name, value) for name, value in terms if not value >= -1e-9 * step]  # a residual rounds below 0
+    if negative:
+        return f"breakdown.{negative[0][0]}={negative[0][1]!r} must be >= 0"
+    if not math.isclose(b.total_s, step, rel_tol=1e-6):
+        return f"step_time_s={step!r} must be the sum of its breakdown's terms, {_g(b.total_s)}"
+    if not math.isclose(p.samples_per_s, batch / step, rel_tol=1e-6):
+        return (
+            f"samples_per_s={p.samples_per_s!r} must be model.global_batch_size / step_time_s = {batch} / "
+            f"{step!r} = {_g(batch / step)}"
+        )
+    tokens = p.samples_per_s * model.seq_len if isinstance(model.seq_len, int) else p.tokens_per_s
+    if not math.isclose(p.tokens_per_s, tokens, rel_tol=1e-6):
+        return (
+            f"tokens_per_s={p.tokens_per_s!r} must be samples_per_s x model.seq_len = {_g(p.samples_per_s)} x "
+            f"{model.seq_len} = {_g(tokens)}"
+        )
+    if p.mfu > p.hfu * (1 + 1e-6):
+        return f"mfu={p.mfu!r} must be <= hfu={p.hfu!r} (hardware FLOPs are the model's and its recomputation)"
+    return ""
+
+
+def _g(value: float) -> str:
+    """``value`` in six significant digits, whole where it has more digits (no exponent)."""
+    return f"{value:.6g}" if abs(value) < 1e6 else f"{value:.0f}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -380,7 +415,7 @@ class Plan:
             )
         data = {**data, "schema_version": SCHEMA_VERSION}  # an older file is a plan without the newer axes
         plan = codec.decode(Plan, data, origin, error=PlanFormatError)
-        problem = _prediction_problem(plan.prediction)
+        problem = _prediction_problem(plan.prediction, plan.model)
         if problem:
             raise PlanFormatError(
                 f"{origin}.prediction: {problem}. The file was edited or damaged: make the plan again (autopar plan, "

@@ -7,7 +7,7 @@ from collections import Counter, defaultdict
 
 from autopar.errors import ConfigError
 from autopar.plan import ParallelConfig, Plan
-from autopar.present.units import byte_unit, count, duration, size
+from autopar.present.units import byte_unit, count, duration, per_second, size
 from autopar.vocab import Recompute
 
 
@@ -33,8 +33,8 @@ def explain(plan: Plan, *, top: int = 5) -> str:
         f"Configuration  dp={c.dp} x {_cp(c)}tp={c.tp} x pp={c.pp}{_ep(c)} ({_mesh(c)}), micro-batch {c.micro_batch_size} x "
         f"{c.num_microbatches} per step, {schedule_text(c)}, ZeRO-{c.zero_stage}, {_recompute(plan)}"
         f"{', sequence parallel' if c.sequence_parallel else ''}",
-        f"Predicted      step {duration(p.step_time_s)} | {p.samples_per_s:,.1f} samples/s | "
-        f"{f'{p.tokens_per_s:,.0f} tokens/s | ' if m.seq_len > 1 else ''}"
+        f"Predicted      step {duration(p.step_time_s)} | {per_second(p.samples_per_s, 1)} samples/s | "
+        f"{f'{per_second(p.tokens_per_s, 0)} tokens/s | ' if m.seq_len > 1 else ''}"
         f"{rate(p.tflops_per_device * 1e12)} per device | MFU {100 * p.mfu:.1f}% (HFU {100 * p.hfu:.1f}%)"
         f"{_fp8_peak(plan)}",
         f"Memory         {size(p.memory_bytes_per_device)} peak per device of "

@@ -56,3 +56,12 @@ def count(n: float) -> str:
         if n >= div:
             return f"{n / div:.2f}{suffix}" if suffix == "B" else f"{n / div:.1f}{suffix}"
     return str(int(n))
+
+
+def per_second(value: float, decimals: int) -> str:
+    """A rate of 1 or more with thousands separators and ``decimals`` decimals (``115.4``,
+    ``24,661``); a smaller one with three significant digits (:func:`significant`), so
+    that a step of minutes reads ``0.0235``, not ``0.0``."""
+    if abs(value) >= 1 or value == 0 or not math.isfinite(value):
+        return f"{value:,.{decimals}f}"
+    return significant(value)

@@ -4,24 +4,14 @@ config's directory only, and transformers would try the network (half a minute o
 before failing with a message about the config. No network is touched."""
 
 import json
-import shlex
 
 import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from autopar.cli import main  # noqa: E402
+from .test_hf_cli import _run  # noqa: E402
 
 CPU = "--cluster local-cpu:1 --global-batch-size 4 --seq-len 16"
-
-
-def _run(command: str, capsys) -> tuple[int, str, str]:
-    try:
-        code = main(shlex.split(command))
-    except SystemExit as stopped:
-        code = stopped.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 @pytest.fixture

@@ -271,8 +271,8 @@ def _config_model(
     in ``--dtype``, and one batch of its keyword inputs: token ids at ``--seq-len`` or
     images of ``--input-shape``, the config's own sizes by default (said on stderr, as is
     the class built when the config names none)."""
-    from autopar.models.positions import check_seq_len
     from autopar.models.hf_config import hf_input, load_hf_model
+    from autopar.models.positions import check_seq_len
 
     hf = load_hf_model(args.model_config, trust_remote_code=args.trust_remote_code)
     model = _built(hf.build, device, args.model_config, "profile a smaller model, or on a device with more memory")

@@ -117,8 +117,10 @@ class MemoryLap:
             self._base = torch.cuda.memory_allocated(self.device)
             return
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        older = torch.empty(16)  # allocated before the profiler starts, freed while it runs:
         with _quiet_stderr():
             self._prof.start()
+            del older  # torch warns once a process, on fd 2, of such a block: the warning is spent here, silenced
 
     def _stop_peak(self) -> float:
         if self.device.type == "cuda":
@@ -148,7 +150,9 @@ def cpu_peak_bytes(prof: profile) -> int:
 
 @contextlib.contextmanager
 def _quiet_stderr() -> Iterator[None]:
-    """Silence the two ``USDT: profiler_start/stop`` lines kineto writes to fd 2."""
+    """Silence the two ``USDT: profiler_start/stop`` lines kineto writes to fd 2 (and,
+    once a process, torch's warning that a block allocated before the profiler started
+    was freed while it ran, which the measured step does to its inputs)."""
     saved = os.dup(2)
     try:
         with open(os.devnull, "w") as null:

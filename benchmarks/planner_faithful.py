@@ -319,10 +319,8 @@ def megatron_fp8_rows() -> list[dict[str, object]]:
     rows = []
     for label, dim, layers, heads, kv_heads, ffn, gpus, batch, tp, pp, cp, vp, tokens in MEGATRON_FP8_LLAMA3:
         dp = gpus // (tp * pp * cp)
-        fixed = {
-            **{"dp": dp, "tp": tp, "pp": pp, "cp": cp, "micro_batch_size": 1, "recompute": "none", "zero_stage": 2},
-            **{"compile": True, "fp8": True, "sequence_parallel": tp > 1, "async_tp": tp > 1},
-        }
+        fixed = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "micro_batch_size": 1, "recompute": "none", "zero_stage": 2}
+        fixed.update(compile=True, fp8=True, sequence_parallel=tp > 1, async_tp=tp > 1)
         if pp > 1:
             fixed.update(schedule="interleaved-1f1b" if vp > 1 else "1f1b", virtual_stages=vp)
         plan = autopar.estimate(

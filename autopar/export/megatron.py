@@ -33,9 +33,9 @@ from autopar.plan import Plan
 from autopar.vocab import DType, Optimizer, Recompute, Schedule
 
 SCRIPT = "pretrain_gpt.py"
+"""Megatron-LM's GPT pre-training entry point (Llama-style models run through it too)."""
 DISPATCHER = ("--moe-token-dispatcher-type", "alltoall")
 """The token dispatcher expert parallelism and a fixed expert capacity run with."""
-"""Megatron-LM's GPT pre-training entry point (Llama-style models run through it too)."""
 TP_COMM_OVERLAP_NOTE = (
     "the plan's asynchronous tensor parallelism is torch's micro-pipeline TP (inductor fuses the sequence-parallel "
     "all-gathers and reduce-scatters into the compiled blocks' matmuls); --tp-comm-overlap is Transformer Engine's "

@@ -343,34 +343,40 @@ class DeviceSpec:
         (:func:`time_shared`, :func:`bandwidth_shared`): the bounds apply to the whole
         device, so many processes on a few cores still pass."""
         roof, host = self.roofline, self.host
-        owner = f"device {self.name!r} roofline"
 
-        def stated(value: float, share: float, unit: str) -> str:
+        def refuse_below(bound: float, unit: str, field: str, value: float, share: float = 1.0, **extra: str) -> None:
+            """Refuse ``value`` (``field`` ends in how it is given: ``=`` or `` at best ``)
+            where the whole device, of which it states a ``share``, is slower than ``bound``."""
+            if value / share >= bound:
+                return
             whole = (
                 f", {sci(value / share)} {unit} for the whole device of which it has {sci(share)}," if share < 1 else ""
             )
-            return f"{value!r} {unit}{whole}"
+            what = f"device {self.name!r} roofline {field}{value!r} {unit}{whole}"
+            raise too_small(what, value, bound, unit, "TG", **extra)
 
         for dtype, peak in roof.peak_flops.items():
-            if peak / host.time_share < MIN_FLOP_PER_S:
-                what = f"{owner} peak_flops[{dtype.value}]={stated(peak, host.time_share, 'FLOP/s')}"
-                raise too_small(what, peak, MIN_FLOP_PER_S, "FLOP/s", "TG")
-        if 0 < roof.fp8_flops < MIN_FLOP_PER_S:  # never time-shared: CPU processes have no FP8 matmuls
-            what = f"{owner} fp8_flops={roof.fp8_flops!r} FLOP/s"
-            raise too_small(what, roof.fp8_flops, MIN_FLOP_PER_S, "FLOP/s", "TG", note="0: no FP8 matmuls; ")
+            refuse_below(MIN_FLOP_PER_S, "FLOP/s", f"peak_flops[{dtype.value}]=", peak, host.time_share)
+        if roof.fp8_flops:  # never time-shared: CPU processes have no FP8 matmuls
+            refuse_below(MIN_FLOP_PER_S, "FLOP/s", "fp8_flops=", roof.fp8_flops, note="0: no FP8 matmuls; ")
         for dtype, points in roof.matmul_curves.items():
             # the fastest point only: a tiny call is dispatch-bound (a 1x1x1 matmul reaches ~1e6 FLOP/s)
-            best = max(rate for _, rate in points)
-            if best / host.time_share < MIN_FLOP_PER_S:
-                what = f"{owner} matmul_curves[{dtype.value}] at best {stated(best, host.time_share, 'FLOP/s')}"
-                note = "each point is [FLOPs per call, FLOP/s]; "
-                raise too_small(
-                    what, best, MIN_FLOP_PER_S, "FLOP/s", "TG", note=note, remedy=", or profile larger matmuls"
-                )
-        bandwidth, share = roof.memory_bandwidth_bytes_per_s, host.time_share * host.bandwidth_share
-        if bandwidth / share < MIN_MEMORY_BYTES_PER_S:
-            what = f"{owner} memory_bandwidth_bytes_per_s={stated(bandwidth, share, 'B/s')}"
-            raise too_small(what, bandwidth, MIN_MEMORY_BYTES_PER_S, "B/s", "TG")
+            refuse_below(
+                MIN_FLOP_PER_S,
+                "FLOP/s",
+                f"matmul_curves[{dtype.value}] at best ",
+                max(rate for _, rate in points),
+                host.time_share,
+                note="each point is [FLOPs per call, FLOP/s]; ",
+                remedy=", or profile larger matmuls",
+            )
+        refuse_below(
+            MIN_MEMORY_BYTES_PER_S,
+            "B/s",
+            "memory_bandwidth_bytes_per_s=",
+            roof.memory_bandwidth_bytes_per_s,
+            host.time_share * host.bandwidth_share,
+        )
 
     def peak(self, dtype: DType) -> float:
         """Peak FLOP/s in ``dtype``; raises ClusterError if the device lacks it."""

@@ -64,7 +64,13 @@ def _is_rotary(model: object, limit: int) -> bool:
     return not any(isinstance(m, nn.Embedding) and limit <= m.num_embeddings <= limit + 2 for m in model.modules())
 
 
+def _rope_type(params: dict) -> str | None:
+    """The scaling type of one set of rotary parameters (``rope_type``, formerly ``type``)."""
+    return params.get("rope_type") or params.get("type")
+
+
 def _number(value: object) -> float | None:
+    """``value`` as a float where it is a positive number, else None."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
     return float(value) if ok else None
 
@@ -76,7 +82,7 @@ def rope_context(config: object) -> tuple[int, str] | None:
     ``max_position_embeddings``, which the config already says)."""
     best = None
     for params in _rope_parameters(config):
-        kind = params.get("rope_type") or params.get("type")
+        kind = _rope_type(params)
         factor = _number(params.get("factor"))
         field = "original_max_position_embeddings"
         original = _number(getattr(config, field, None)) or _number(params.get(field))
@@ -108,9 +114,7 @@ def check_seq_len(seq_len: object, model: object) -> int:
         )
     config = getattr(model, "config", None)
     scaled = rope_context(config)
-    kinds = sorted(
-        {str(p.get("rope_type") or p.get("type") or "default") for p in _rope_parameters(config)} - {"default"}
-    )
+    kinds = sorted({str(_rope_type(p) or "default") for p in _rope_parameters(config)} - {"default"})
     if scaled is None and kinds:  # a longrope without factor: max_position_embeddings is its stretched context
         raise ConfigError(
             f"seq_len={length} is longer than the {limit[0]} positions {name} was built for ({field}, with "

@@ -164,7 +164,8 @@ def check_context_parallel(graph: LayerGraph, constraints: Mapping[str, Any]) ->
         return
     why = ring_blocker(graph)
     if why:
-        at = f" at seq_len={graph.seq_len}" if why.startswith("its attention") else ""
+        masked = not graph.ring_attention and any(p.kv_bytes > 0 for p in graph.profiles)
+        at = f" at seq_len={graph.seq_len}" if masked else ""  # a window is narrower than this sequence
         raise ConfigError(f"cp={cp} is not allowed for {graph.name}{at}: {why}; use cp=1.")
     if graph.seq_len % (2 * cp):
         allowed = [d for d in range(2, graph.seq_len // 2 + 1) if graph.seq_len % (2 * d) == 0][:8]

@@ -131,11 +131,10 @@ class ParallelConfig:
                 f"sequence_parallel={self.sequence_parallel}, compile={self.compile}): torch fuses the sequence-"
                 f"parallel collectives into the compiled blocks' matmuls; set them, or async_tp=False."
             )
-        if self.regather and not (self.sequence_parallel and not self.compile):
+        if self.regather and not self.sequence_parallel:
             raise ConfigError(
-                f"regather=True needs sequence_parallel=True and compile=False (got sequence_parallel="
-                f"{self.sequence_parallel}, compile={self.compile}): it keeps shards of the sequence-parallel "
-                f"gathers, with saved-tensor hooks on eager blocks; set them, or regather=False."
+                "regather=True needs sequence_parallel=True (got sequence_parallel=False): it keeps shards of the "
+                "sequence-parallel gathers; set sequence_parallel=True, or regather=False."
             )
         if self.fp8 and self.dtype is not DType.BF16:
             raise ConfigError(

@@ -49,7 +49,11 @@ Sources (the numbers and what each leaves unsaid are in ``_published_runs.py``):
   estimated as they ran, tokens/s per GPU against tokens/s per GPU. TE emits FP8 from its
   fused norm and activation kernels, so the casts are priced fused (``compile``: the
   casts of torchao's float8 fused into the ops that produce its inputs), not as eager
-  torchao's separate passes; its overlapped communication is priced as async TP.
+  torchao's separate passes; its overlapped communication is priced as async TP. Its
+  sequence-parallel linear layers keep their input's shard and gather it again in the
+  backward (``regather``), as Megatron-LM's do (Korthikanti et al. 2022),
+  which priced for Megatron's kernels (``activations="sequence-first"``) goes with fused
+  blocks.
 - bigscience-workshop/bigscience train/tr11-176B-ml/README.md: BLOOM 176B on 384 A100 80GB,
   TP 4, PP 12, MBS 2, GBS 2048, bf16, activation checkpointing, ZeRO-1; its logged step time
   104.70 s is compared with autopar's.
@@ -320,7 +324,7 @@ def megatron_fp8_rows() -> list[dict[str, object]]:
     for label, dim, layers, heads, kv_heads, ffn, gpus, batch, tp, pp, cp, vp, tokens in MEGATRON_FP8_LLAMA3:
         dp = gpus // (tp * pp * cp)
         fixed = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "micro_batch_size": 1, "recompute": "none", "zero_stage": 2}
-        fixed.update(compile=True, fp8=True, sequence_parallel=tp > 1, async_tp=tp > 1)
+        fixed.update(compile=True, fp8=True, sequence_parallel=tp > 1, async_tp=tp > 1, regather=tp > 1)
         if pp > 1:
             fixed.update(schedule="interleaved-1f1b" if vp > 1 else "1f1b", virtual_stages=vp)
         plan = autopar.estimate(

@@ -25,6 +25,7 @@ from autopar.hardware.cluster import MAX_DEVICES, Cluster
 from autopar.plan import Plan
 from autopar.search.constraints import DEGREES, check_constraints
 from autopar.search.planner import plan as make_plan
+from autopar.vocab import ActivationLayout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,7 +86,9 @@ def fewest_nodes(
     """
     check_positive_int("max_nodes", max_nodes)
     max_nodes = min(max_nodes, MAX_DEVICES // cluster.devices_per_node)  # the largest cluster autopar plans
-    fixed = check_constraints(plan_kwargs.get("constraints"))  # read for the precision, and refused before any plan
+    megatron = str(plan_kwargs.get("activations", "")) == ActivationLayout.SEQUENCE_FIRST
+    # read for the precision, and refused before any plan
+    fixed = check_constraints(plan_kwargs.get("constraints"), megatron_kernels=megatron)
     graph = (
         model
         if isinstance(model, LayerGraph)

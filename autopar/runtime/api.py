@@ -46,7 +46,7 @@ from autopar.runtime.metrics import MemoryMeter
 from autopar.runtime.orphan import tie_to_launcher
 from autopar.runtime.pipeline import build_schedule, build_stages, check_cuttable, check_schedule, cut, tensor_outputs
 from autopar.runtime.recompute import apply_recompute
-from autopar.runtime.regather import apply_regather
+from autopar.runtime.regather import apply_regather, check_regather
 from autopar.runtime.tensor_parallel import apply_tensor_parallel, convert_unit_inputs
 from autopar.runtime.tied import TiedGradSync, TiedParam, check_tied_stages, find_tied
 from autopar.vocab import DType, TPStyle
@@ -72,6 +72,7 @@ def analyse(model: nn.Module, plan: Plan, *, sample_input: Any = None) -> Analys
     and expert parallelism."""
     _check_model(model, plan)
     check_schedule(plan)
+    check_regather(plan)
     check_context_parallel(model, plan)
     check_expert_parallel(model, plan)
     check_cuttable(model, plan)

@@ -41,6 +41,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from autopar.errors import ConfigError
 from autopar.plan import Plan
 from autopar.runtime.decoder_stages import StandIn
 from autopar.runtime.layouts import TPLayout
@@ -175,6 +176,18 @@ class KeepShards:
                 return forward(*args, **kwargs)
 
         return run
+
+
+def check_regather(plan: Plan) -> None:
+    """Refuse kept shards on compiled blocks: the saved-tensor hooks run on eager blocks
+    only. Such a plan prices Megatron-LM's fused kernels (``activations='sequence-first'``),
+    which keep the shards themselves."""
+    if plan.config.regather and plan.config.compile:
+        raise ConfigError(
+            "regather=True with compile=True is priced for Megatron-LM's kernels (activations='sequence-first'); "
+            "autopar's runtime keeps shards of sequence-parallel gathers on eager blocks only. Plan again with "
+            "compile=False or regather=False (or without --activations sequence-first) to run it here."
+        )
 
 
 def apply_regather(stage: nn.Module, units: list[str], layout: TPLayout, plan: Plan) -> None:

@@ -1,7 +1,8 @@
 """The constraints a user fixes (any subset of :class:`~autopar.plan.ParallelConfig`'s
 fields), checked and completed before any search: each value allowed, and the options
 that need others (asynchronous TP needs compiled blocks and sequence parallelism, kept
-shards of gathers need eager blocks) or tensor parallelism at all."""
+shards of gathers need sequence parallelism, and eager blocks where autopar's runtime
+runs the plan) or tensor parallelism at all."""
 
 from __future__ import annotations
 
@@ -19,9 +20,14 @@ from autopar.vocab import ZERO_STAGES, DType, Recompute, Schedule
 CONFIG_FIELDS = tuple(f.name for f in fields(ParallelConfig))
 
 
-def check_constraints(constraints: Mapping[str, Any] | None, *, what: str = "constraints") -> dict[str, Any]:
+def check_constraints(
+    constraints: Mapping[str, Any] | None, *, what: str = "constraints", megatron_kernels: bool = False
+) -> dict[str, Any]:
     """Validate the names and types of fixed fields (values are checked by ParallelConfig);
-    ``what`` names the argument in the message for anything but a mapping."""
+    ``what`` names the argument in the message for anything but a mapping.
+    ``megatron_kernels``: the plan is priced for Megatron-LM (sequence-first activations),
+    whose fused kernels keep the shards of sequence-parallel gathers, so ``regather`` goes
+    with ``compile`` there."""
     if constraints is not None and not isinstance(constraints, Mapping):
         raise ConfigError(
             f"{what}={reprlib.repr(constraints)} is not allowed: give a mapping of config fields, "
@@ -63,13 +69,19 @@ def check_constraints(constraints: Mapping[str, Any] | None, *, what: str = "con
                     f"constraint async_tp=True with {needed}=False is not allowed: asynchronous TP fuses the "
                     f"sequence-parallel collectives into the compiled blocks; drop {needed}=False or async_tp=True."
                 )
-    if out.get("regather"):  # it keeps shards of sequence-parallel gathers, on eager blocks
-        for needed, value in (("sequence_parallel", True), ("compile", False)):
+    if out.get("regather"):  # it keeps shards of sequence-parallel gathers, on eager blocks in autopar's runtime
+        needs = (("sequence_parallel", True),) + ((("compile", False),) if not megatron_kernels else ())
+        for needed, value in needs:
             if out.setdefault(needed, value) is not value:
                 raise ConfigError(
                     f"constraint regather=True with {needed}={not value} is not allowed: it keeps the shards of "
-                    f"sequence-parallel gathers with saved-tensor hooks on eager blocks; drop {needed}={not value} "
-                    f"or regather=True."
+                    f"sequence-parallel gathers, which autopar's runtime does with saved-tensor hooks on eager "
+                    f"blocks; drop {needed}={not value} or regather=True"
+                    + (
+                        " (or price Megatron-LM's kernels with activations='sequence-first')."
+                        if needed == "compile"
+                        else "."
+                    )
                 )
     if out.get("pp") == 1 and out.get("virtual_stages", 1) > 1:
         raise ConfigError(

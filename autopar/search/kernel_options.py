@@ -11,7 +11,8 @@ data-parallel tail, the one way a faster unit can lengthen the predicted step; t
 does not take such gains for any option, docs/cost-model.md, and brute force over both
 ways agrees on the test instances.) FP8 is tried both ways: its casts can cost more than
 its faster matmuls save on small layers. So is keeping the shards of sequence-parallel
-gathers (``regather``, eager blocks only): it trades an all-gather for memory."""
+gathers (``regather``; on eager blocks only where autopar's runtime runs the plan, on any
+where the plan prices Megatron-LM's kernels): it trades an all-gather for memory."""
 
 from __future__ import annotations
 
@@ -55,11 +56,12 @@ def async_tp_options(c: Mapping[str, Any], cluster: Cluster, tp: int, sp: bool, 
     return [applies and cluster.device.async_tp]
 
 
-def regather_options(c: Mapping[str, Any], sp: bool, compiled: bool) -> list[bool]:
+def regather_options(c: Mapping[str, Any], sp: bool, compiled: bool, megatron_kernels: bool = False) -> list[bool]:
     """Whether to keep shards of the sequence-parallel gathers: as fixed, else both ways
-    where it applies (sequence parallelism, eager blocks): it saves memory for one more
-    all-gather each in the backward."""
-    applies = sp and not compiled
+    where it applies (sequence parallelism; eager blocks in autopar's runtime, any blocks
+    under ``megatron_kernels``, Megatron-LM's, which keep them in fused kernels too): it
+    saves memory for one more all-gather each in the backward."""
+    applies = sp and (megatron_kernels or not compiled)
     if "regather" in c:
         return [c["regather"]] if applies or not c["regather"] else []
     return [False, True] if applies else [False]

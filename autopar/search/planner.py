@@ -131,7 +131,8 @@ def plan(
     cluster = _cluster(cluster)
     optimizer, attention = _option("optimizer", optimizer, Optimizer), _option("attention", attention, Attention)
     activations = _option("activations", activations, ActivationLayout)
-    fixed = check_constraints(constraints)
+    megatron = activations is ActivationLayout.SEQUENCE_FIRST
+    fixed = check_constraints(constraints, megatron_kernels=megatron)
     measured = measurements(cluster, profile)
     seq_len, seq_note = _default_seq_len(model, seq_len, sample_input)
     graph = _graph(model, measured.cluster, fixed, seq_len, sample_input, attention)
@@ -186,10 +187,13 @@ def estimate(
     cluster = _cluster(cluster)
     optimizer, attention = _option("optimizer", optimizer, Optimizer), _option("attention", attention, Attention)
     activations = _option("activations", activations, ActivationLayout)
-    fixed = check_constraints(config.__dict__ if isinstance(config, ParallelConfig) else config, what="config")
+    megatron = activations is ActivationLayout.SEQUENCE_FIRST
+    fixed = check_constraints(
+        config.__dict__ if isinstance(config, ParallelConfig) else config, what="config", megatron_kernels=megatron
+    )
     given = set(fixed)
     measured = measurements(cluster, profile)
-    fixed = _complete(fixed, measured.cluster, global_batch_size)
+    fixed = _complete(fixed, measured.cluster, global_batch_size, megatron_kernels=megatron)
     seq_len, seq_note = _default_seq_len(model, seq_len, sample_input)
     graph = _graph(model, measured.cluster, fixed, seq_len, sample_input, attention)
     check_routing_imbalance(graph, routing_imbalance)
@@ -349,7 +353,9 @@ _NO_PARAMETERS = (
 )
 
 
-def _complete(fixed: dict[str, Any], cluster: Cluster, global_batch_size: int) -> dict[str, Any]:
+def _complete(
+    fixed: dict[str, Any], cluster: Cluster, global_batch_size: int, *, megatron_kernels: bool = False
+) -> dict[str, Any]:
     out = dict(fixed)
     world = cluster.world_size
     tp, pp, cp = out.setdefault("tp", 1), out.setdefault("pp", 1), out.setdefault("cp", 1)
@@ -388,7 +394,7 @@ def _complete(fixed: dict[str, Any], cluster: Cluster, global_batch_size: int) -
     out.setdefault("regather", False)
     check_fp8(out, cluster)
     check_async_tp(out, cluster)
-    return check_constraints(out)
+    return check_constraints(out, megatron_kernels=megatron_kernels)
 
 
 def _overflow(model: CostModel, config: ParallelConfig, fixed: Mapping[str, Any], solver: str) -> Outcome:

@@ -92,7 +92,9 @@ def search(
     fastest: room only changes options)."""
     model = solver.model
     graph, cluster = model.graph, model.cluster
-    configs, rejected = enumerate_space(graph, cluster, model.global_batch_size, fixed, fold_shard_groups=True)
+    configs, rejected = enumerate_space(
+        graph, cluster, model.global_batch_size, fixed, fold_shard_groups=True, megatron_kernels=not model.batch_first
+    )
     if not configs:  # what rules out the fixed values, where something does, not the search's own picks
         pinned = [r for r in rejected if not set(r.searched) - fixed.keys()] or rejected
         reasons = "; ".join(list(dict.fromkeys(f"{r.what}: {r.reason}" for r in pinned))[:6]) or "no candidate"

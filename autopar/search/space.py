@@ -191,11 +191,14 @@ def enumerate_space(
     constraints: Mapping[str, Any],
     *,
     fold_shard_groups: bool = False,
+    megatron_kernels: bool = False,
 ) -> tuple[list[ParallelConfig], list[Rejection]]:
     """Every candidate configuration that satisfies ``constraints``, and the regions
     rejected outright (batch not divisible, too many stages, schedule limits). With
     ``fold_shard_groups``, a plain ZeRO-2/3 candidate stands for its HSDP siblings too
-    (:func:`shard_siblings` lists them), which the caller expands when it needs them."""
+    (:func:`shard_siblings` lists them), which the caller expands when it needs them.
+    ``megatron_kernels``: priced for Megatron-LM (sequence-first activations), whose
+    compiled-like fused blocks keep gather shards too (:func:`regather_options`)."""
     world = cluster.world_size
     c = constraints
     check_fp8(c, cluster)
@@ -329,7 +332,7 @@ def enumerate_space(
                                     regather=regather,
                                 )
                                 for overlapped in async_tp_options(c, cluster, tp, sp, compiled)
-                                for regather in regather_options(c, sp, compiled)
+                                for regather in regather_options(c, sp, compiled, megatron_kernels)
                             ]
     return configs, rejected
 

@@ -20,6 +20,7 @@ from autopar.graph import extract
 from autopar.hardware import preset
 from autopar.models import GPT, GPTConfig, Llama, LlamaConfig, build_named_model
 from autopar.plan import ParallelConfig
+from autopar.runtime.api import analyse
 from autopar.search.constraints import check_constraints
 from autopar.search.intra_op import LayoutSolver
 from autopar.search.space import enumerate_space
@@ -89,19 +90,25 @@ def test_only_the_modes_that_keep_activations_take_the_shards():
             assert b.syncs == a.syncs + r.syncs
 
 
-def test_regather_needs_sequence_parallelism_and_eager_blocks():
+def test_regather_needs_sequence_parallelism_and_eager_blocks_where_autopar_runs_it():
     """One line naming the values and what to set, from the configuration and from the
-    planner's constraints."""
+    planner's constraints. Compiled blocks are refused for autopar's runtime only: priced
+    for Megatron-LM's kernels (sequence-first), which keep the shards in fused kernels,
+    the pair is allowed, and the runtime refuses such a plan before any collective."""
     base = dict(dp=1, tp=2, pp=1, micro_batch_size=1, num_microbatches=1, regather=True)
-    with pytest.raises(ConfigError, match="regather=True needs sequence_parallel=True and compile=False"):
+    with pytest.raises(ConfigError, match="regather=True needs sequence_parallel=True"):
         ParallelConfig(**base)
-    with pytest.raises(ConfigError, match="regather=True needs sequence_parallel=True and compile=False"):
-        ParallelConfig(**base, sequence_parallel=True, compile=True)
     assert ParallelConfig(**base, sequence_parallel=True).regather
-    with pytest.raises(ConfigError, match="constraint regather=True with compile=True is not allowed"):
+    with pytest.raises(ConfigError, match="constraint regather=True with compile=True is not allowed.*sequence-first"):
         check_constraints({"regather": True, "compile": True})
-    with pytest.raises(ConfigError, match="constraint regather=True with sequence_parallel=False is not allowed"):
-        check_constraints({"regather": True, "sequence_parallel": False})
+    assert check_constraints({"regather": True, "compile": True}, megatron_kernels=True) == {
+        "regather": True,
+        "compile": True,
+        "sequence_parallel": True,
+    }
+    for megatron in (False, True):
+        with pytest.raises(ConfigError, match="constraint regather=True with sequence_parallel=False is not allowed"):
+            check_constraints({"regather": True, "sequence_parallel": False}, megatron_kernels=megatron)
     with pytest.raises(ConfigError, match="constraint regather='yes' is not allowed: use True or False"):
         check_constraints({"regather": "yes"})
 
@@ -148,3 +155,44 @@ def test_whole_search_with_kept_shards_matches_brute_force(memory_gib):
     result, want = search_and_brute_force(graph, cluster, constraints, global_batch_size=8, micro_batch_size=2)
     assert math.isfinite(want) and result.best.fits
     assert result.best.step_time_s == pytest.approx(want, rel=1e-9)
+
+
+def test_megatron_priced_compiled_blocks_keep_shards_and_the_runtime_refuses_them():
+    """Priced for Megatron-LM (sequence-first), a compiled, sequence-parallel estimate
+    with ``regather`` holds less by exactly the kept-shard saving of every unit in flight,
+    the search offers the pair there and nowhere else, and ``autopar.analyse`` refuses the
+    plan in one line: autopar's hooks run on eager blocks."""
+    cfg = LlamaConfig(vocab_size=32000, seq_len=4096, dim=1024, n_layers=2, n_heads=8, n_kv_heads=8, ffn_dim=2816)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    cluster = preset("dgx-h100", nodes=1)
+    fixed = {"tp": 8, "compile": True, "sequence_parallel": True, "recompute": "none", "fp8": False}
+    kw = dict(global_batch_size=1, seq_len=4096, activations="sequence-first")
+    held = autopar.estimate(model, cluster, {**fixed, "regather": False}, **kw)
+    kept = autopar.estimate(model, cluster, {**fixed, "regather": True}, **kw)
+    assert kept.config.regather and kept.config.compile
+    # two gathers per block (attention and MLP inputs) and the output layer's input, each
+    # 4096 x 1024 bf16 per sample, one micro-batch in flight
+    whole = 4096 * 1024 * 2.0
+    saved = (cfg.n_layers * 2 + 1) * whole * (1 - 1 / 8)
+    got = held.prediction.stages[0].memory.activations_bytes - kept.prediction.stages[0].memory.activations_bytes
+    assert got == pytest.approx(saved, rel=1e-9)
+    with pytest.raises(ConfigError, match="regather=True with compile=True"):
+        autopar.estimate(model, cluster, {**fixed, "regather": True}, global_batch_size=1, seq_len=4096)
+    graph = extract(model, seq_len=4096)
+    pairs = {
+        megatron: {
+            (c.compile, c.regather)
+            for c in enumerate_space(
+                graph,
+                cluster,
+                8,
+                check_constraints({"tp": 8, "sequence_parallel": True, "fp8": False}, megatron_kernels=megatron),
+                megatron_kernels=megatron,
+            )[0]
+        }
+        for megatron in (False, True)
+    }
+    assert (True, True) in pairs[True] and (True, True) not in pairs[False]
+    with torch.device("meta"), pytest.raises(ConfigError, match="priced for Megatron-LM's kernels"):
+        analyse(Llama(cfg), kept)

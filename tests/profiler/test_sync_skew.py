@@ -43,16 +43,18 @@ def _sync_noise(work):
 
 def test_the_noise_injected_into_each_ranks_work_is_measured_back():
     """Each rank sleeps its work with Gaussian noise of a known standard deviation,
-    ``INJECTED * sqrt(T)``, drawn independently per rank: the measurement recovers
-    ``INJECTED`` within 15% (the seeded draws, 100 per length, give 0.0186 on this box;
-    what is left is their own sampling error). Sleeping the same time on both ranks
-    measures a small part of it (sleeps wake up unevenly too: 0.02-0.05 of it over nine
-    runs). Both ranks report one figure."""
+    ``INJECTED * sqrt(T)``, drawn independently per rank. Sleeps also wake up unevenly,
+    more so on a busy machine (0.02-0.05 of ``INJECTED`` on an idle box, 0.26 once under a
+    full test suite), and that jitter is independent of the injected noise, so the two add
+    in variance: the same run measures the jitter alone by sleeping the same time on both
+    ranks, and the injected noise, recovered as ``sqrt(noisy^2 - even^2)``, is within 15%
+    of ``INJECTED`` (the seeded draws, 100 per length, give 0.0186; what is left is their
+    own sampling error), with the jitter well below it. Both ranks report one figure."""
     results = run_spmd(_noisy_and_even, 2, _sync_noise, _random_walk, 0, settings=SETTINGS)
     assert results[0] == results[1]
     got = results[0]
-    assert got["noisy"] == pytest.approx(INJECTED, rel=0.15)
-    assert got["even"] < 0.25 * INJECTED
+    assert got["even"] < 0.5 * got["noisy"]
+    assert math.sqrt(got["noisy"] ** 2 - got["even"] ** 2) == pytest.approx(INJECTED, rel=0.15)
 
 
 def test_the_estimate_from_work_times_by_hand():

@@ -10,10 +10,9 @@ refused with the path of the offending field. Rendering a plan for people is
 from __future__ import annotations
 
 import json
-import math
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,6 +20,7 @@ from autopar import codec
 from autopar.errors import PlanFormatError
 from autopar.hardware.cluster import Cluster
 from autopar.parallel_config import ParallelConfig
+from autopar.plan_checks import device_problem, prediction_problem
 from autopar.vocab import ActivationLayout, Attention, Optimizer, Recompute, Schedule, TPStyle
 
 SCHEMA_VERSION = 11
@@ -170,58 +170,6 @@ class Prediction:
     fits: bool
     breakdown: StepBreakdown
     stages: tuple[StagePrediction, ...]
-
-
-def _prediction_problem(p: Prediction, model: ModelSummary) -> str:
-    """What a prediction read from a file breaks of what any prediction satisfies (a step
-    that takes time, a stage at least, no peak above the device called fitting, rates,
-    memory and step terms not negative, terms adding up to the step, rates that are the
-    batch over the step, MFU not above HFU); empty where nothing. A hand-edited file may break it."""
-    if not p.step_time_s > 0:
-        return f"step_time_s={p.step_time_s!r} must be > 0"
-    if not p.stages:
-        return "stages must list at least one stage"
-    if p.fits and p.memory_bytes_per_device > p.memory_capacity_bytes * (1 + 1e-9):
-        return (
-            f"fits is true with memory_bytes_per_device={p.memory_bytes_per_device!r} above "
-            f"memory_capacity_bytes={p.memory_capacity_bytes!r}"
-        )
-    rates = ("samples_per_s", "tokens_per_s", "tflops_per_device", "mfu", "hfu", "memory_bytes_per_device")
-    negative = [name for name in rates if getattr(p, name) < 0]
-    if negative:
-        return f"{negative[0]}={getattr(p, negative[0])!r} must be >= 0"
-    return _consistency_problem(p, model)
-
-
-def _consistency_problem(p: Prediction, model: ModelSummary) -> str:
-    """What a prediction breaks of the identities :func:`autopar.cost.step.predict` writes
-    (to a relative 1e-6; float sums round): empty where nothing."""
-    b, step, batch = p.breakdown, p.step_time_s, model.global_batch_size
-    terms = [(f.name, getattr(b, f.name)) for f in fields(StepBreakdown)]
-    negative = [(name, value) for name, value in terms if not value >= -1e-9 * step]  # a residual rounds below 0
-    if negative:
-        return f"breakdown.{negative[0][0]}={negative[0][1]!r} must be >= 0"
-    if not math.isclose(b.total_s, step, rel_tol=1e-6):
-        return f"step_time_s={step!r} must be the sum of its breakdown's terms, {_g(b.total_s)}"
-    if not math.isclose(p.samples_per_s, batch / step, rel_tol=1e-6):
-        return (
-            f"samples_per_s={p.samples_per_s!r} must be model.global_batch_size / step_time_s = {batch} / "
-            f"{step!r} = {_g(batch / step)}"
-        )
-    tokens = p.samples_per_s * model.seq_len if isinstance(model.seq_len, int) else p.tokens_per_s
-    if not math.isclose(p.tokens_per_s, tokens, rel_tol=1e-6):
-        return (
-            f"tokens_per_s={p.tokens_per_s!r} must be samples_per_s x model.seq_len = {_g(p.samples_per_s)} x "
-            f"{model.seq_len} = {_g(tokens)}"
-        )
-    if p.mfu > p.hfu * (1 + 1e-6):
-        return f"mfu={p.mfu!r} must be <= hfu={p.hfu!r} (hardware FLOPs are the model's and its recomputation)"
-    return ""
-
-
-def _g(value: float) -> str:
-    """``value`` in six significant digits, whole where it has more digits (no exponent)."""
-    return f"{value:.6g}" if abs(value) < 1e6 else f"{value:.0f}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -415,10 +363,12 @@ class Plan:
             )
         data = {**data, "schema_version": SCHEMA_VERSION}  # an older file is a plan without the newer axes
         plan = codec.decode(Plan, data, origin, error=PlanFormatError)
-        problem = _prediction_problem(plan.prediction, plan.model)
+        where, problem = "config", device_problem(plan.config, plan.cluster)
+        if not problem:
+            where, problem = "prediction", prediction_problem(plan.prediction, plan.model)
         if problem:
             raise PlanFormatError(
-                f"{origin}.prediction: {problem}. The file was edited or damaged: make the plan again (autopar plan, "
+                f"{origin}.{where}: {problem}. The file was edited or damaged: make the plan again (autopar plan, "
                 f"or autopar.estimate for a fixed configuration)."
             )
         return plan

@@ -17,6 +17,7 @@ from autopar.cost.host import ranks_wait_s
 from autopar.cost.model import CostModel
 from autopar.cost.peak import rank_memory
 from autopar.cost.pipeline import pipeline_time_s, rank_slack_s, weight_grad_s
+from autopar.cost.recompute import regathered
 from autopar.cost.stage import PricedStage, on_rank, stage_p2p_s
 from autopar.plan import MemoryBreakdown, ParallelConfig, Prediction, StagePrediction, StepBreakdown
 
@@ -107,7 +108,8 @@ def predict(model: CostModel, config: ParallelConfig, stages: Sequence[PricedSta
     options = [o for i in crit_stages for o in stages[i].options]
     comp = sum(o.layout.fwd_compute_s + o.layout.bwd_compute_s for o in options)
     reco = sum(o.recompute_s for o in options)
-    tpc = sum(o.layout.fwd_comm_s + o.layout.bwd_comm_s for o in options)
+    # the backward's gathers of kept shards are TP communication (a recomputed forward's is in reco)
+    tpc = sum(o.layout.fwd_comm_s + o.layout.bwd_comm_s + regathered(o.layout, o.recompute)[0] for o in options)
     tpc += sum(sum(tm.waits[i]) for i in crit_stages)
     cpc = sum(o.cp_comm_s for o in options)
     epc = sum(o.ep_comm_s for o in options)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from autopar.export.experts_shape import require_experts
 from autopar.export.megatron import export_megatron
 from autopar.export.shape import ModelShape, shape_of
 from autopar.export.torchtitan import export_torchtitan
+from autopar.models.registry import build_named_model
 from autopar.plan import Plan
 
 EXPORTERS: dict[str, Callable[[Plan, ModelShape | None], Export]] = {
@@ -25,22 +27,25 @@ EXPORTERS: dict[str, Callable[[Plan, ModelShape | None], Export]] = {
 """Each target's exporter, by the name ``--to`` takes."""
 
 
-def export(plan: Plan | str | Path, to: str, *, model: nn.Module | None = None) -> Export:
+def export(plan: Plan | str | Path, to: str, *, model: nn.Module | str | None = None) -> Export:
     """``plan`` (or the plan file it names) written for framework ``to``.
 
     Args:
         plan: a Plan or the path of a plan file.
         to: ``megatron``, ``deepspeed``, ``torchtitan`` or ``accelerate``.
-        model: the model the plan was made for (on the meta device is enough), to fill
-            in its sizes; checked against the plan's fingerprint.
+        model: the model the plan was made for (on the meta device is enough), or the
+            name of a registered one (``autopar models``, as ``--model`` takes it), to
+            fill in its sizes; checked against the plan's fingerprint.
 
     Raises:
-        ExportError: an unknown target, a model that is not the plan's, or a plan the
+        ExportError: an unknown target, a model that is not the plan's (or neither a
+            module nor a name), or a plan the
             target cannot run (accelerate with pipelining or expert parallelism, deepspeed
             with context parallelism, a sequence length the target cannot split, expert
             parallelism for a model without experts or with a count it does not divide), or a
             plan predicted not to fit;
             UnreadablePlanError (also an ExportError) for a missing or malformed plan file.
+        ConfigError: a model name that is not registered.
     """
     exporter = exporter_for(to)
     loaded = load_plan(plan)
@@ -50,6 +55,13 @@ def export(plan: Plan | str | Path, to: str, *, model: nn.Module | None = None) 
             f"the plan does not fit: it predicts {p.memory_bytes_per_device / 2**30:.1f} GiB per device, more than "
             f"the {p.memory_capacity_bytes / 2**30:.1f} GiB each {loaded.cluster.device.name} holds; export a plan "
             f"that fits (autopar plan searches them, or estimate another configuration)."
+        )
+    if isinstance(model, str):
+        model = build_named_model(model)
+    elif model is not None and not isinstance(model, nn.Module):
+        raise ExportError(
+            f"model={reprlib.repr(model)} is not allowed: give the torch.nn.Module the plan was made for (on the meta "
+            f"device) or a registered model's name (autopar models), or leave it out."
         )
     shape = shape_of(model, loaded) if model is not None else None
     if shape is not None:

@@ -53,6 +53,8 @@ AUTOEP_PRESETS = {
 }
 """AutoEP's preset (``expert_parallel.preset_model``) for each transformers
 ``model_type`` it replaces the MoE layers of (DeepSpeed 0.19.8's registry)."""
+AUTOPAR_MOE = "MoELlama"
+"""The model name a plan of autopar's mixture-of-experts Llama records (its class)."""
 FP16_LOSS_SCALING = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2}
 """Dynamic loss scaling (``loss_scale`` 0) with DeepSpeed's documented starting values."""
 ACTIVATION_CHECKPOINTING = {
@@ -105,7 +107,14 @@ def export_deepspeed(plan: Plan, shape: ModelShape | None) -> Export:
         words = ["train.py", "--deepspeed", "--deepspeed_config", CONFIG_NAME]
         if recomputes:
             _plain_recompute_notes(blocks, notes)
-    launch = shell_line([*_deepspeed(plan), *words])
+    # Megatron-DeepSpeed's tensor-parallel layers require one CUDA work queue, as Megatron-LM's
+    env = ["CUDA_DEVICE_MAX_CONNECTIONS=1"] if c.tp > 1 else []
+    if env and plan.cluster.nodes > 1:
+        notes.append(
+            "the deepspeed launcher passes CUDA_DEVICE_MAX_CONNECTIONS=1 to the other nodes only from a "
+            ".deepspeed_env file: add that line to it in the directory you launch from"
+        )
+    launch = shell_line([*env, *_deepspeed(plan), *words])
     config["autopar"] = {"about": header(plan, "DeepSpeed"), "launch": launch, "notes": notes}
     text = json.dumps(config, indent=2) + "\n"
     return Export(target="deepspeed", text=text, filename=CONFIG_NAME, launch=launch, notes=tuple(notes))
@@ -125,6 +134,8 @@ def _expert_parallel(plan: Plan, shape: ModelShape | None, notes: list[str]) -> 
         )
     experts = shape.experts if shape is not None else None
     section: dict = {"enabled": True, "autoep_size": c.ep}
+    if experts is None and plan.model.name == AUTOPAR_MOE:  # the plan names autopar's own model
+        raise _no_autoep("autopar's mixture-of-experts Llama")
     if experts is None:
         notes.append(
             "AutoEP finds the MoE layers when deepspeed.initialize is given a transformers model it has a preset for "
@@ -133,13 +144,19 @@ def _expert_parallel(plan: Plan, shape: ModelShape | None, notes: list[str]) -> 
         return section
     preset = AUTOEP_PRESETS.get(experts.model_type or "")
     if preset is None:
-        kind = f"model_type {experts.model_type!r}" if experts.model_type else "autopar's mixture-of-experts Llama"
-        raise ExportError(
-            f"deepspeed's expert parallelism (AutoEP) replaces the MoE layers of transformers models of types "
-            f"{', '.join(AUTOEP_PRESETS)} only, not {kind}; export to megatron or torchtitan, or make a plan with "
-            f"--set ep=1."
+        raise _no_autoep(
+            f"model_type {experts.model_type!r}" if experts.model_type else "autopar's mixture-of-experts Llama"
         )
     return {**section, "preset_model": preset}
+
+
+def _no_autoep(kind: str) -> ExportError:
+    """The refusal of an expert-parallel plan for a model AutoEP has no preset for."""
+    return ExportError(
+        f"deepspeed's expert parallelism (AutoEP) replaces the MoE layers of transformers models of types "
+        f"{', '.join(AUTOEP_PRESETS)} only, not {kind}; export to megatron or torchtitan, or make a plan with "
+        f"--set ep=1."
+    )
 
 
 def _zero_stage(plan: Plan, notes: list[str]) -> int:

@@ -24,6 +24,7 @@ from autopar.graph.layer_graph import LayerGraph
 from autopar.hardware.cluster import MAX_DEVICES, Cluster
 from autopar.plan import Plan
 from autopar.search.constraints import DEGREES, check_constraints
+from autopar.search.planner import as_cluster
 from autopar.search.planner import plan as make_plan
 from autopar.vocab import ActivationLayout
 
@@ -59,7 +60,7 @@ def time_to_train(plan: Plan, tokens: float) -> TrainingTime:
 
 def fewest_nodes(
     model: nn.Module | LayerGraph,
-    cluster: Cluster,
+    cluster: Cluster | str,
     *,
     global_batch_size: int,
     seq_len: int | None = None,
@@ -67,7 +68,8 @@ def fewest_nodes(
     max_nodes: int = 4096,
     **plan_kwargs: Any,
 ) -> Plan:
-    """The plan on the fewest nodes of ``cluster``'s type that fit the model.
+    """The plan on the fewest nodes of ``cluster``'s type that fit the model (a Cluster,
+    or a spec string as :func:`autopar.plan` takes; its node count is not used).
 
     Doubles the node count until a plan fits, then bisects between the last two counts
     (a count that fits may still be passed over if the batch does not divide it). The
@@ -85,6 +87,7 @@ def fewest_nodes(
         InfeasiblePlanError: no count up to ``max_nodes`` fits.
     """
     check_positive_int("max_nodes", max_nodes)
+    cluster = as_cluster(cluster)
     max_nodes = min(max_nodes, MAX_DEVICES // cluster.devices_per_node)  # the largest cluster autopar plans
     megatron = str(plan_kwargs.get("activations", "")) == ActivationLayout.SEQUENCE_FIRST
     # read for the precision, and refused before any plan

@@ -66,13 +66,19 @@ class Analysis:
     tied: tuple[TiedParam, ...]
 
 
+def check_plan(plan: Plan) -> None:
+    """The checks that need the plan alone, so ``autopar run`` makes them before any rank
+    starts: the schedule can run its micro-batches, kept shards are on eager blocks."""
+    check_schedule(plan)
+    check_regather(plan)
+
+
 def analyse(model: nn.Module, plan: Plan, *, sample_input: Any = None) -> Analysis:
     """Every check that needs no process group, raising a typed error on a bad plan:
     model fingerprint and units, schedule, pipeline cut, tensor-parallel styles, context
     and expert parallelism."""
     _check_model(model, plan)
-    check_schedule(plan)
-    check_regather(plan)
+    check_plan(plan)
     check_context_parallel(model, plan)
     check_expert_parallel(model, plan)
     check_cuttable(model, plan)

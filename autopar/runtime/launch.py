@@ -268,8 +268,11 @@ def run_command(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.run import run
 
+    from autopar.runtime.api import check_plan
+
     try:
         plan = Plan.load(args.plan)
+        check_plan(plan)
         launch = torchrun_args(plan, args)
         check_endpoint(args, launch)
     except AutoparError as exc:

@@ -121,7 +121,10 @@ def infeasible_error(
     budget = budget_bytes(cluster.device.memory)
     devices = math.ceil(states / budget)
     rest = best.min_memory_bytes - states / cluster.world_size  # what the best case holds beside its states
-    beside = f"its states sharded over them beside the best case's {size(rest)} of activations and buffers"
+    beside = (
+        f"its states sharded over them beside the best case's {size(rest)} of activations and buffers; a count "
+        f"whose degrees shard less needs more, and fewest_nodes finds the first that fits"
+    )
     least = math.ceil(devices / cluster.devices_per_node)
     alone = f"its weights, gradients and {optimizer.value} states alone fill {devices} devices, fully sharded"
     if rest < budget:

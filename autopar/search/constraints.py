@@ -61,7 +61,9 @@ def check_constraints(
         )
     for name in ("sequence_parallel", "compile", "fp8", "async_tp", "regather"):
         if name in out and not isinstance(out[name], bool):
-            raise ConfigError(f"constraint {name}={out[name]!r} is not allowed: use True or False.")
+            raise ConfigError(
+                f"constraint {name}={out[name]!r} is not allowed: use True or False (--set {name}=true or false)."
+            )
     if out.get("async_tp"):  # it runs inside compiled blocks, on sequence-parallel collectives
         for needed in ("compile", "sequence_parallel"):
             if out.setdefault(needed, True) is False:

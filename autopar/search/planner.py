@@ -128,7 +128,7 @@ def plan(
     _check_top(top)
     check_solver(solver)
     _check_imbalance(routing_imbalance)
-    cluster = _cluster(cluster)
+    cluster = as_cluster(cluster)
     optimizer, attention = _option("optimizer", optimizer, Optimizer), _option("attention", attention, Attention)
     activations = _option("activations", activations, ActivationLayout)
     megatron = activations is ActivationLayout.SEQUENCE_FIRST
@@ -184,7 +184,7 @@ def estimate(
     check_positive_int("global_batch_size", global_batch_size)
     check_solver(solver)
     _check_imbalance(routing_imbalance)
-    cluster = _cluster(cluster)
+    cluster = as_cluster(cluster)
     optimizer, attention = _option("optimizer", optimizer, Optimizer), _option("attention", attention, Attention)
     activations = _option("activations", activations, ActivationLayout)
     megatron = activations is ActivationLayout.SEQUENCE_FIRST
@@ -210,7 +210,7 @@ def estimate(
     return _noted(to_plan(solver_, result, provenance), match, seq_note, activations)
 
 
-def _cluster(cluster: object) -> Cluster:
+def as_cluster(cluster: object) -> Cluster:
     """``cluster`` itself, or the cluster a spec string names, read as the command line
     reads ``--cluster``: the same words work in both places."""
     if isinstance(cluster, str):

@@ -37,8 +37,8 @@ def check_schedule_constraints(c: Mapping[str, Any], graph: LayerGraph) -> None:
 def offered_schedules(pp: int, graph: LayerGraph, c: Mapping[str, Any]) -> Iterator[tuple[Schedule, int]]:
     """The (schedule, stages per rank) pairs a pipeline of ``pp`` ranks is tried with under
     the constraints ``c``: one stage per rank for 1F1B and GPipe, 2 to
-    :data:`MAX_VIRTUAL_STAGES` for the interleaved ones, 2 for a V (left out for tied
-    weights). Whether the model splits over them is :func:`split_problem`'s."""
+    :data:`MAX_VIRTUAL_STAGES` for the interleaved ones (any count given), 2 for a V (left
+    out for tied weights). Whether the model splits over them is :func:`split_problem`'s."""
     if pp == 1:  # stages per rank, or a pinned schedule other than 1F1B, need a pipeline
         if c.get("virtual_stages", 1) == 1 and c.get("schedule", Schedule.ONE_F_ONE_B) is Schedule.ONE_F_ONE_B:
             yield Schedule.ONE_F_ONE_B, 1
@@ -51,9 +51,10 @@ def offered_schedules(pp: int, graph: LayerGraph, c: Mapping[str, Any]) -> Itera
         if wanted not in (None, schedule) or (schedule.v_shape and graph.shared):
             continue  # tied weights could land in two stages of one rank (the V)
         top = 2 if schedule.v_shape else MAX_VIRTUAL_STAGES
-        for v in [c["virtual_stages"]] if "virtual_stages" in c else range(2, top + 1):
-            if 2 <= v <= top:
-                yield schedule, v
+        if "virtual_stages" not in c:
+            yield from ((schedule, v) for v in range(2, top + 1))
+        elif c["virtual_stages"] == 2 or (c["virtual_stages"] > 2 and not schedule.v_shape):
+            yield schedule, c["virtual_stages"]  # a count given is tried beyond the search's own
 
 
 def split_problem(graph: LayerGraph, schedule: Schedule, pp: int, virtual_stages: int) -> str | None:

@@ -284,6 +284,10 @@ def test_deepspeed_config(pipelined_plan, zero, pp, stage):
     assert config["autopar"]["notes"] == list(result.notes)
     assert ("--no-pipeline-parallel" in result.launch) == (pp == 1)
     assert (stage != zero) == any("ZeRO stage 0 or 1" in n for n in result.notes)
+    # Megatron-DeepSpeed refuses tensor parallelism on more than one CUDA work queue; the
+    # launcher forwards it to other nodes from .deepspeed_env only
+    assert result.launch.startswith("CUDA_DEVICE_MAX_CONNECTIONS=1 deepspeed --num_nodes")
+    assert any(".deepspeed_env" in n for n in result.notes) == (plan.cluster.nodes > 1)
 
 
 def test_deepspeed_plain_data_parallel(gpt2_plan):
@@ -476,3 +480,16 @@ def test_torchtitan_stages_of_a_transformers_llama_use_torchtitans_names():
     assert [len(s) for s in stages] == [len([m for m in s if m != "model.rotary_emb"]) for s in plan.stages]
     assert "model.rotary_emb" in plan.stages[0]
     assert "mapped from the transformers model" in out.text
+
+
+def test_the_model_may_be_named_as_the_command_line_names_it(gpt2_plan):
+    """``model=`` takes a registered name as ``--model`` does: the same export as the
+    module; a name or object that is neither is one line."""
+    assert export(gpt2_plan, to="megatron", model="gpt2-small") == export(
+        gpt2_plan, to="megatron", model=build_named_model("gpt2-small")
+    )
+    with pytest.raises(autopar.ConfigError, match=r"^unknown model 'gpt2-tiny'; known models: gpt2-small"):
+        export(gpt2_plan, to="megatron", model="gpt2-tiny")
+    with pytest.raises(ExportError, match=r"^model=3 is not allowed: give the torch.nn.Module") as err:
+        export(gpt2_plan, to="megatron", model=3)
+    assert "\n" not in str(err.value)

@@ -238,6 +238,9 @@ def test_refusals_are_one_line(moe_plans, mixtral, tiny_gpt, tmp_path, capsys):
     with pytest.raises(ExportError, match=r"^deepspeed's .* does not run under Megatron-DeepSpeed, .* tp=2 pp=1"):
         export(moe_plans["tp2-dp4-ep2"], to="deepspeed")
     plan = moe_plans["dp4-ep2"]
+    # the plan names autopar's own model, which AutoEP has no preset for, with --model or without
+    with pytest.raises(ExportError, match=r"^deepspeed's expert parallelism \(AutoEP\) .* not autopar's mixture-of"):
+        export(plan, to="deepspeed")
     with pytest.raises(ExportError, match=r"^accelerate's ParallelismConfig has no expert-parallel axis \(.*ep=2;"):
         export(plan, to="accelerate")
     plan_file = plan.save(tmp_path / "plan.json")

@@ -97,3 +97,14 @@ def test_a_count_no_doubling_reaches_is_refused_with_the_reason_at_the_first_cou
     message = str(err.value)
     assert message.startswith("no configuration runs on 3 to 8 nodes of dgx-a100-80gb (node counts doubled from 3);")
     assert "on 3 nodes: " in message and "\n" not in message
+
+
+def test_a_cluster_spec_string_is_read_as_plan_reads_it(graph):
+    """A spec names the node type, as ``autopar.plan`` takes it (its node count is not
+    used); anything else is refused in one line."""
+    by_spec = fewest_nodes(graph, "dgx-a100-80gb:4", global_batch_size=64)
+    by_preset = fewest_nodes(graph, A100, global_batch_size=64)
+    assert (by_spec.cluster.nodes, by_spec.config) == (by_preset.cluster.nodes, by_preset.config)
+    with pytest.raises(autopar.ClusterError, match=r"^cluster=42 is not allowed: give an autopar.Cluster") as err:
+        fewest_nodes(graph, 42, global_batch_size=64)
+    assert "\n" not in str(err.value)

@@ -67,6 +67,8 @@ def test_a_llama_of_126_layers_interleaves_one_layer_per_stage():
     [
         ("interleaved-zb", 7, r"112 stages needs its 126 blocks, or its 128 units .* to split evenly\."),
         ("interleaved-1f1b", 7, r"112 stages needs its 126 blocks, or its 128 units .* to split evenly\."),
+        # beyond the counts the search tries unasked: the same reason, not another candidate's
+        ("interleaved-1f1b", 9, r"144 stages needs its 126 blocks, or its 128 units .* to split evenly\."),
     ],
 )
 def test_a_split_that_does_not_divide_is_refused_in_one_line(schedule, v, why):
@@ -85,3 +87,13 @@ def _estimate_llama_126(fixed: dict) -> autopar.Plan:
     with torch.device("meta"):
         model = Llama(cfg)
     return autopar.estimate(model, autopar.preset("dgx-h100", nodes=2), fixed, global_batch_size=32, seq_len=256)
+
+
+def test_a_count_of_stages_given_beyond_the_searched_ones_is_planned():
+    """The search tries up to eight stages per rank by itself; a count given is tried as
+    given: 4 ranks of 32 stages each hold one unit per stage, the embedding and the loss
+    alone at the ends."""
+    fixed = {"tp": 1, "pp": 4, "micro_batch_size": 1, "schedule": "interleaved-1f1b", "virtual_stages": 32}
+    plan = _estimate_llama_126(fixed)
+    assert plan.config.virtual_stages == 32 and len(plan.stages) == 128
+    assert plan.stages[0] == ("tok_embeddings",) and plan.stages[-1] == ("norm", "output")

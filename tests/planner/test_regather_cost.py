@@ -196,3 +196,27 @@ def test_megatron_priced_compiled_blocks_keep_shards_and_the_runtime_refuses_the
     assert (True, True) in pairs[True] and (True, True) not in pairs[False]
     with torch.device("meta"), pytest.raises(ConfigError, match="priced for Megatron-LM's kernels"):
         analyse(Llama(cfg), kept)
+
+
+def test_the_backwards_gathers_of_kept_shards_are_tp_communication_not_bubble():
+    """Without a pipeline there is no bubble: a plan that keeps the shards differs from
+    one holding the gathers only by the backward's all-gathers (same compute, one TP
+    rank group, no data parallelism), and the step's whole difference is TP
+    communication."""
+    cfg = LlamaConfig(vocab_size=32000, seq_len=8192, dim=1024, n_layers=2, n_heads=8, n_kv_heads=8, ffn_dim=2816)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    fixed = {"tp": 8, "compile": False, "sequence_parallel": True, "recompute": "none", "fp8": False}
+    plans = {
+        regather: autopar.estimate(
+            model, preset("dgx-h100", nodes=1), {**fixed, "regather": regather}, global_batch_size=2, seq_len=8192
+        ).prediction
+        for regather in (False, True)
+    }
+    held, kept = plans[False], plans[True]
+    assert kept.step_time_s > held.step_time_s
+    assert held.breakdown.bubble_s == pytest.approx(0.0, abs=1e-12)
+    assert kept.breakdown.bubble_s == pytest.approx(0.0, abs=1e-12)
+    assert kept.breakdown.tp_comm_s - held.breakdown.tp_comm_s == pytest.approx(
+        kept.step_time_s - held.step_time_s, rel=1e-9
+    )

@@ -19,6 +19,7 @@ import pytest
 from parity import make_plan
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, ProcessFailure
 
+import autopar
 from autopar.errors import ConfigError
 from autopar.plan import Plan
 from autopar.runtime import orphan
@@ -349,3 +350,29 @@ def test_autopar_run_names_the_rank_however_it_failed(tmp_path, mode, expected):
     assert done.returncode == 1, done.stdout[-3000:]
     summary = [line for line in _lines(done.stdout) if line.startswith("autopar run:")]
     assert summary == [f"autopar run: rank 1 (local rank 1) {expected}"], done.stdout[-3000:]
+
+
+def test_a_plan_the_runtime_cannot_run_is_refused_before_any_rank_starts(tmp_path, monkeypatch, capsys):
+    """Kept gather shards on compiled blocks price Megatron-LM's kernels: ``autopar run``
+    refuses the plan in one line, exit 2, without launching (torchrun's ``run`` raises
+    if it is called)."""
+    import torch.distributed.run
+
+    from autopar.graph import extract
+    from autopar.models import GPT, GPTConfig
+
+    graph = extract(GPT(GPTConfig(vocab_size=256, seq_len=64, dim=64, n_layers=2, n_heads=4)), seq_len=64)
+    fixed = {"dp": 1, "tp": 2, "pp": 1, "sequence_parallel": True, "regather": True, "compile": True}
+    cluster = autopar.preset("local-cpu", devices_per_node=2)
+    plan = autopar.estimate(graph, cluster, fixed, global_batch_size=2, activations="sequence-first")
+    path = tmp_path / "plan.json"
+    plan.save(path)
+
+    def run(_args):
+        raise AssertionError("launched")
+
+    monkeypatch.setattr(torch.distributed.run, "run", run)
+    assert run_command(_run_args("--nproc-per-node", "2", plan=str(path))) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("autopar run: ConfigError: regather=True with compile=True is priced for Megatron-LM")
+    assert "\n" not in err

@@ -59,6 +59,11 @@ def check_constraints(
             f"constraint dp_shard={shard!r} is not allowed: give the FSDP shard group's size (an integer >= 2 "
             f"dividing dp), or None for plain FSDP."
         )
+    if shard is not None and "zero_stage" in out and out["zero_stage"] < 2:
+        raise ConfigError(
+            f"constraint dp_shard={shard} with zero_stage={out['zero_stage']} is not allowed: HSDP shards through "
+            f"FSDP2, which needs zero_stage 2 or 3; set zero_stage=2 or 3, or drop dp_shard."
+        )
     for name in ("sequence_parallel", "compile", "fp8", "async_tp", "regather"):
         if name in out and not isinstance(out[name], bool):
             raise ConfigError(

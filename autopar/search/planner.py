@@ -175,7 +175,9 @@ def estimate(
     per rank), ZeRO 0 sharded over all of dp (no HSDP),
     the device's preferred precision, no sequence parallelism, blocks compiled where the
     device compiles unasked (``DeviceSpec.compiles``), no FP8 or asynchronous TP;
-    recompute chosen per unit when not given). Never raises for
+    recompute chosen per unit when not given). A :class:`ParallelConfig` gives every
+    field, its own defaults included (recompute ``none``, eager blocks), so it is priced
+    as it stands; pass a mapping to have the rest filled as above. Never raises for
     memory: a configuration that does not fit comes back with ``prediction.fits`` False
     and the memory it would need. A layer profile is checked as :func:`plan` checks it,
     and a missing ``seq_len`` defaults as in :func:`plan`.

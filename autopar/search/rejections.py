@@ -42,8 +42,6 @@ def shard_rejection(c: Mapping[str, Any], dp: int, cp: int) -> Rejection | None:
         return None
     if dp % shard:
         return Rejection(what=f"dp_shard={shard} (dp={dp})", reason=f"the shard group does not divide dp={dp}")
-    if c.get("zero_stage", 3) < 2:
-        return Rejection(what=f"dp_shard={shard}", reason="HSDP shards through FSDP2: it needs zero_stage 2 or 3")
     ep = c.get("ep", 1)
     if shard * cp % ep:
         return Rejection(

@@ -148,3 +148,16 @@ def test_the_hsdp_contrast_of_an_expert_parallel_winner_keeps_expert_groups_whol
         ConfigError, match="an expert group of 8 ranks must lie inside one shard group of dp_shard x cp = 4"
     ):
         autopar.estimate(build_named_model("moe-tiny"), cluster, pinned, global_batch_size=8, seq_len=128)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_a_shard_group_with_a_zero_stage_that_does_not_shard_is_refused_as_a_contradiction(zero):
+    """dp_shard with ZeRO-0/1 is the constraints' own contradiction: one line naming both,
+    before any search, not a search that finds no candidate."""
+    with pytest.raises(ConfigError) as err:
+        check_constraints({"dp": 16, "dp_shard": 4, "zero_stage": zero})
+    message = str(err.value)
+    assert message == (
+        f"constraint dp_shard=4 with zero_stage={zero} is not allowed: HSDP shards through FSDP2, which needs "
+        f"zero_stage 2 or 3; set zero_stage=2 or 3, or drop dp_shard."
+    )

@@ -7,6 +7,9 @@ import math
 from dataclasses import fields
 from typing import TYPE_CHECKING
 
+from autopar.errors import ConfigError
+from autopar.search.kernel_options import check_async_tp, check_fp8
+
 if TYPE_CHECKING:
     from autopar.hardware.cluster import Cluster
     from autopar.parallel_config import ParallelConfig
@@ -14,16 +17,14 @@ if TYPE_CHECKING:
 
 
 def device_problem(config: ParallelConfig, cluster: Cluster) -> str:
-    """A kernel option the plan's device cannot run (the planner never picks one there):
-    FP8 matmuls without FP8 tensor cores, asynchronous TP where torch does not run it;
-    empty where none."""
-    device = cluster.device
-    for name, what, has in (
-        ("fp8", "FP8 tensor cores (fp8_flops in the roofline)", device.roofline.fp8_flops),
-        ("async_tp", "torch's asynchronous tensor parallelism (async_tp)", device.async_tp),
-    ):
-        if getattr(config, name) and not has:
-            return f"{name}=True, which needs {what}, and its cluster's {device.name} has none"
+    """A kernel option the plan's device cannot run, as the planner refuses it
+    (:func:`~autopar.search.kernel_options.check_fp8`, ``check_async_tp``): FP8 matmuls
+    without FP8 tensor cores, asynchronous TP where torch does not run it; empty where none."""
+    try:
+        check_fp8(config.__dict__, cluster)
+        check_async_tp(config.__dict__, cluster)
+    except ConfigError as refused:
+        return str(refused).rstrip(".")
     return ""
 
 

@@ -35,9 +35,10 @@ from autopar.export.common import (
     shell_line,
     tp_note,
 )
-from autopar.export.megatron import recompute_args
+from autopar.export.megatron import ONE_QUEUE, recompute_args
 from autopar.export.megatron_deepspeed import model_args
 from autopar.export.shape import ModelShape
+from autopar.models.moe import MoELlama
 from autopar.plan import Plan
 from autopar.vocab import DType, Recompute, Schedule
 
@@ -53,8 +54,6 @@ AUTOEP_PRESETS = {
 }
 """AutoEP's preset (``expert_parallel.preset_model``) for each transformers
 ``model_type`` it replaces the MoE layers of (DeepSpeed 0.19.8's registry)."""
-AUTOPAR_MOE = "MoELlama"
-"""The model name a plan of autopar's mixture-of-experts Llama records (its class)."""
 FP16_LOSS_SCALING = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2}
 """Dynamic loss scaling (``loss_scale`` 0) with DeepSpeed's documented starting values."""
 ACTIVATION_CHECKPOINTING = {
@@ -108,11 +107,11 @@ def export_deepspeed(plan: Plan, shape: ModelShape | None) -> Export:
         if recomputes:
             _plain_recompute_notes(blocks, notes)
     # Megatron-DeepSpeed's tensor-parallel layers require one CUDA work queue, as Megatron-LM's
-    env = ["CUDA_DEVICE_MAX_CONNECTIONS=1"] if c.tp > 1 else []
+    env = [ONE_QUEUE] if c.tp > 1 else []
     if env and plan.cluster.nodes > 1:
         notes.append(
-            "the deepspeed launcher passes CUDA_DEVICE_MAX_CONNECTIONS=1 to the other nodes only from a "
-            ".deepspeed_env file: add that line to it in the directory you launch from"
+            f"the deepspeed launcher passes {ONE_QUEUE} to the other nodes only from a .deepspeed_env file: add that "
+            f"line to it in the directory you launch from"
         )
     launch = shell_line([*env, *_deepspeed(plan), *words])
     config["autopar"] = {"about": header(plan, "DeepSpeed"), "launch": launch, "notes": notes}
@@ -134,7 +133,7 @@ def _expert_parallel(plan: Plan, shape: ModelShape | None, notes: list[str]) -> 
         )
     experts = shape.experts if shape is not None else None
     section: dict = {"enabled": True, "autoep_size": c.ep}
-    if experts is None and plan.model.name == AUTOPAR_MOE:  # the plan names autopar's own model
+    if experts is None and plan.model.name == MoELlama.__name__:  # the plan names autopar's own model
         raise _no_autoep("autopar's mixture-of-experts Llama")
     if experts is None:
         notes.append(

@@ -34,6 +34,9 @@ from autopar.vocab import DType, Optimizer, Recompute, Schedule
 
 SCRIPT = "pretrain_gpt.py"
 """Megatron-LM's GPT pre-training entry point (Llama-style models run through it too)."""
+ONE_QUEUE = "CUDA_DEVICE_MAX_CONNECTIONS=1"
+"""One CUDA work queue, so communication and computation kernels run in issue order:
+what Megatron's tensor- and context-parallel layers require."""
 DISPATCHER = ("--moe-token-dispatcher-type", "alltoall")
 """The token dispatcher expert parallelism and a fixed expert capacity run with."""
 TP_COMM_OVERLAP_NOTE = (
@@ -90,7 +93,7 @@ def export_megatron(plan: Plan, shape: ModelShape | None) -> Export:
     # communication and computation kernels run in issue order), and more than one under
     # Megatron-FSDP
     one_queue = (c.tp > 1 or c.cp > 1) and "--use-megatron-fsdp" not in args
-    env = ["CUDA_DEVICE_MAX_CONNECTIONS=1"] if one_queue else []
+    env = [ONE_QUEUE] if one_queue else []
     launch = shell_line([*env, *torchrun(plan), SCRIPT, *args])
     body = "PLAN_ARGS=(\n" + "".join(f"    {line}\n" for line in _paired(args)) + ")\n"
     run = shell_line([*torchrun(plan), SCRIPT]) + ' "${PLAN_ARGS[@]}" "$@"\n'

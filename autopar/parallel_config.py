@@ -80,6 +80,14 @@ class ParallelConfig:
             (:mod:`autopar.runtime.regather`): ``1 / tp`` of those activations for one
             more all-gather each in the backward. Needs ``sequence_parallel`` and eager
             blocks (``compile=False``): the runtime does it with saved-tensor hooks.
+        reduce_dtype: the precision FSDP2 reduces gradients in, and accumulates them in
+            over a pipeline's micro-batches (its ``MixedPrecisionPolicy.reduce_dtype``):
+            ``fp32`` (the default), or ``bf16`` with ``dtype='bf16'``, which halves the
+            bytes of the reduce-scatter and of the unsharded gradients a pipeline stage
+            holds until its last micro-batch, as Megatron-LM's ``--grad-reduce-in-bf16``
+            does. The sharded gradient the optimizer reads stays fp32. Needs ZeRO-2/3
+            (FSDP2's ``fully_shard``); it trades the sum's precision (8 mantissa bits)
+            for memory and bandwidth, so the search never picks it by itself.
     """
 
     dp: int
@@ -100,6 +108,7 @@ class ParallelConfig:
     fp8: bool = False
     async_tp: bool = False
     regather: bool = False
+    reduce_dtype: DType = DType.FP32
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "num_microbatches", "virtual_stages"):
@@ -109,6 +118,7 @@ class ParallelConfig:
         object.__setattr__(self, "schedule", enum_value(Schedule, self.schedule, "schedule"))
         object.__setattr__(self, "recompute", enum_value(Recompute, self.recompute, "recompute"))
         object.__setattr__(self, "dtype", enum_value(DType, self.dtype, "dtype"))
+        object.__setattr__(self, "reduce_dtype", enum_value(DType, self.reduce_dtype, "reduce_dtype"))
         if (
             isinstance(self.zero_stage, bool)
             or not isinstance(self.zero_stage, int)
@@ -141,6 +151,7 @@ class ParallelConfig:
                 f"fp8=True needs dtype='bf16' (got {self.dtype.value!r}): FP8 matmuls keep bf16 weights and "
                 f"activations around them; set dtype='bf16' or fp8=False."
             )
+        self._check_reduce_dtype()
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError(
                 "sequence_parallel=True needs tp > 1: sequence parallelism shards norms over the "
@@ -195,6 +206,22 @@ class ParallelConfig:
             raise ConfigError(
                 f"dp_shard={s} needs zero_stage 2 or 3 (got {self.zero_stage}): only FSDP2 shards over a shard "
                 f"group; set zero_stage=2 or 3, or dp_shard=None."
+            )
+
+    def _check_reduce_dtype(self) -> None:
+        """Gradients reduce in fp32, or in bf16 under bf16 training with ZeRO-2/3."""
+        r = self.reduce_dtype
+        if r is DType.FP32:
+            return
+        if r is not DType.BF16 or self.dtype is not DType.BF16:
+            raise ConfigError(
+                f"reduce_dtype={r.value!r} is not allowed with dtype={self.dtype.value!r}: gradients reduce in "
+                f"'fp32', or in 'bf16' under dtype='bf16'; use reduce_dtype='fp32'."
+            )
+        if self.zero_stage < 2:
+            raise ConfigError(
+                f"reduce_dtype='bf16' needs zero_stage 2 or 3 (got {self.zero_stage}): FSDP2 reduces and accumulates "
+                f"the gradients in bf16; set zero_stage=2 or 3, or reduce_dtype='fp32'."
             )
 
     def _check_ep(self) -> None:
@@ -291,7 +318,8 @@ class ParallelConfig:
         (``shard=`` only under HSDP, ``cp=`` and ``ep=`` after ``pp=`` only with context
         and expert parallelism, `` compiled``, `` fp8``, `` async-tp`` and `` regather`` at the
         end when blocks are compiled, multiply in FP8, overlap their tensor-parallel
-        collectives and keep the shards of their sequence-parallel gathers)."""
+        collectives and keep the shards of their sequence-parallel gathers, and
+        `` reduce-bf16`` when gradients reduce in bf16)."""
         sched = self.schedule.value if self.pp > 1 else "no-pp"
         if self.virtual_stages > 1:
             sched += f"(v={self.virtual_stages})"
@@ -303,7 +331,7 @@ class ParallelConfig:
             f"dp={self.dp} tp={self.tp} pp={self.pp}{cp}{ep} mbs={self.micro_batch_size} m={self.num_microbatches} "
             f"{sched} zero={self.zero_stage}{hsdp} recompute={self.recompute.value}{sp} {self.dtype.value}"
             f"{' compiled' if self.compile else ''}{' fp8' if self.fp8 else ''}{' async-tp' if self.async_tp else ''}"
-            f"{' regather' if self.regather else ''}"
+            f"{' regather' if self.regather else ''}{' reduce-bf16' if self.reduce_dtype is DType.BF16 else ''}"
         )
 
 

@@ -23,7 +23,7 @@ from autopar.parallel_config import ParallelConfig
 from autopar.plan_checks import device_problem, prediction_problem
 from autopar.vocab import ActivationLayout, Attention, Optimizer, Recompute, Schedule, TPStyle
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 """2: the cluster's device is nested by concern (roofline, memory, host effects);
 3: ``ParallelConfig.dp_shard`` (HSDP); 4: ``ParallelConfig.cp`` (context parallelism)
 and ``StepBreakdown.cp_comm_s``; 5: ``ParallelConfig.ep`` (expert parallelism) and
@@ -31,9 +31,19 @@ and ``StepBreakdown.cp_comm_s``; 5: ``ParallelConfig.ep`` (expert parallelism) a
 recompute mode ``op`` (per-operator selective recomputation); 8: ``ParallelConfig.async_tp``
 (asynchronous tensor parallelism); 9: the schedule ``dualpipev``; 10: ``ParallelConfig.regather``
 (sequence-parallel gathers kept as shards); 11: the tensor-parallel style ``heads`` and
-``ModelSummary.has_attention``. Older files read as plans without the newer axes."""
-READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9, 10, SCHEMA_VERSION)
-_INTRODUCED = {"dp_shard": 3, "cp": 4, "ep": 5, "compile": 6, "fp8": 6, "async_tp": 8, "regather": 10}
+``ModelSummary.has_attention``; 12: ``ParallelConfig.reduce_dtype`` (gradients reduced in
+bf16). Older files read as plans without the newer axes."""
+READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9, 10, 11, SCHEMA_VERSION)
+_INTRODUCED = {
+    "dp_shard": 3,
+    "cp": 4,
+    "ep": 5,
+    "compile": 6,
+    "fp8": 6,
+    "async_tp": 8,
+    "regather": 10,
+    "reduce_dtype": 12,
+}
 """The schema version that introduced each newer ``config`` field."""
 _OP_RECOMPUTE_SINCE = 7
 """The schema version that introduced the recompute mode ``op``."""

@@ -167,7 +167,11 @@ TORCHTITAN_H200 = [(4, 10938.0, 47.96), (8, 10753.0, 46.97)]
 # NVIDIA/NeMo scripts/performance/recommended_model_configs/model_configs_h100.csv (commit 000e8c17a3) lists
 # the same rows with no recomputation (recompute_layers 0), no activation offload and no CUDA graphs, and
 # scripts/performance/llm/pretrain_llama3_70b.py (commit 07a643a82d) and pretrain_llama31_405b.py turn on
-# Transformer Engine's tensor-parallel communication overlap (userbuffers) for FP8 on H100.
+# Transformer Engine's tensor-parallel communication overlap (userbuffers) for FP8 on H100. The same scripts
+# reduce and accumulate gradients in bf16: scripts/performance/helpers.py, set_precision_configs, sets
+# recipe.trainer.plugins.grad_reduce_in_fp32 = False for bf16 and FP8 runs alike (since commit 78f445f8,
+# 2025-01-30; the Llama 3 recipes' pretrain_performance_optimizations set it too). Which commit of the
+# scripts made the published table is not stated.
 # (label, dim, layers, heads, kv heads, ffn, gpus, global batch, tp, pp, cp, vp, published tokens/s per GPU)
 MEGATRON_FP8_LLAMA3 = [
     ("8B", 4096, 32, 32, 8, 14336, 8, 128, 1, 1, 2, 1, 13812.0),

@@ -53,7 +53,8 @@ Sources (the numbers and what each leaves unsaid are in ``_published_runs.py``):
   sequence-parallel linear layers keep their input's shard and gather it again in the
   backward (``regather``), as Megatron-LM's do (Korthikanti et al. 2022),
   which priced for Megatron's kernels (``activations="sequence-first"``) goes with fused
-  blocks.
+  blocks. NeMo's performance scripts reduce gradients in bf16 (``reduce_dtype="bf16"``;
+  the source in ``_published_runs.MEGATRON_FP8_LLAMA3``).
 - bigscience-workshop/bigscience train/tr11-176B-ml/README.md: BLOOM 176B on 384 A100 80GB,
   TP 4, PP 12, MBS 2, GBS 2048, bf16, activation checkpointing, ZeRO-1; its logged step time
   104.70 s is compared with autopar's.
@@ -325,6 +326,7 @@ def megatron_fp8_rows() -> list[dict[str, object]]:
         dp = gpus // (tp * pp * cp)
         fixed = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "micro_batch_size": 1, "recompute": "none", "zero_stage": 2}
         fixed.update(compile=True, fp8=True, sequence_parallel=tp > 1, async_tp=tp > 1, regather=tp > 1)
+        fixed.update(reduce_dtype="bf16")
         if pp > 1:
             fixed.update(schedule="interleaved-1f1b" if vp > 1 else "1f1b", virtual_stages=vp)
         plan = autopar.estimate(

@@ -182,7 +182,7 @@ def unhidden_floor_s(model: CostModel, config: ParallelConfig, local_params: flo
         if config.zero_stage == 1:
             floor += all_gather_s(4.0 * local_params, span, cl)
         elif config.zero_stage >= 2 and config.pp > 1:
-            floor += hsdp_reduce_s(4.0 * local_params, config, cl)
+            floor += hsdp_reduce_s(config.reduce_dtype.itemsize * local_params, config, cl)
     return floor
 
 
@@ -213,7 +213,8 @@ def replicate_span(config: ParallelConfig, devices_per_node: int) -> GroupSpan:
 def hsdp_reduce_s(
     grad_bytes: float, config: ParallelConfig, cluster: Cluster, *, calls: int = 1, experts: bool = False
 ) -> float:
-    """FSDP2's gradient reduction of ``grad_bytes`` (unsharded fp32 gradients) in
+    """FSDP2's gradient reduction of ``grad_bytes`` (unsharded gradients in
+    ``ParallelConfig.reduce_dtype``) in
     ``calls`` collectives: a reduce-scatter over the shard group (of ``experts``: the
     ranks of it holding the same experts), then, under HSDP, an all-reduce of each
     rank's slice over its replicate group (module docstring). Without HSDP it is the
@@ -227,8 +228,8 @@ def hsdp_reduce_s(
 def _fsdp_collectives_s(
     model: CostModel, groups: tuple[tuple[float, bool], ...], copy: float, config: ParallelConfig, units: int
 ) -> tuple[float, float]:
-    """(reduction, all-gather) of a stage's gradients and parameters (``copy`` bytes
-    each), one call per unit and shard group, each with FSDP2's copies around it;
+    """(reduction, all-gather) of a stage's gradients (in ``config.reduce_dtype``) and
+    parameters (``copy`` bytes each), one call per unit and shard group, each with FSDP2's copies around it;
     ``groups`` lists (parameters, whether they are experts): dense parameters over the
     shard group, expert ones over its ranks holding the same experts. The reduction
     is :func:`hsdp_reduce_s` (two levels under HSDP)."""
@@ -239,7 +240,7 @@ def _fsdp_collectives_s(
         if experts and not numel:
             continue
         span = shard_span(config, cl.devices_per_node, experts)
-        grad_bytes, param_bytes = 4.0 * numel, copy * numel
+        grad_bytes, param_bytes = config.reduce_dtype.itemsize * numel, copy * numel
         rs += hsdp_reduce_s(grad_bytes, config, cl, calls=units, experts=experts) + fsdp_copy_s(
             cl.device.host, grad_bytes, span.size, streaming_bytes_per_s=streaming
         )

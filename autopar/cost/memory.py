@@ -48,6 +48,18 @@ PyTorch, per parameter held by a TP rank:
   last step's, and the last micro-batch's backward makes each unit's by reduce-scattering
   its unsharded one, which is then freed (a ``dp``-th of it), with one micro-batch's
   activations alive, fewer than at the peak.
+- Gradients reduced in bf16 (``ParallelConfig.reduce_dtype``, FSDP2's
+  ``MixedPrecisionPolicy(reduce_dtype=bf16)`` under bf16 parameters): FSDP2 then casts
+  nothing (``FSDPParam.init_dtype_attrs`` drops a reduce dtype equal to the parameter
+  dtype), so the reduce-scatter input is bf16 (2 bytes per element instead of 4) and,
+  under pipelining, the unsharded gradients accumulate in the bf16 parameters' ``.grad``
+  itself: 2 bytes per parameter instead of 4, and the transient is autograd's new
+  gradient of one tensor before it is added in (``AccumulateGrad``), not the unit's
+  gradients before a cast. The reduced shard is cast to the fp32 sharded gradient as
+  before (``foreach_reduce``), so the optimizer's bytes do not change. Megatron-LM's
+  distributed optimizer counts the same two bytes: ``4 + 16/d`` bytes per parameter with
+  16-bit weights and gradients against ``6 + 12/d`` with fp32 gradients (its
+  ``docs/user-guide/features/dist_optimizer.md``).
 - Multi-stage schedules (interleaved, zero-bubble) gather a rank's FSDP2 stages by
   explicit actions: torch 2.13 lowers them with ``UNSHARD`` and ``RESHARD`` steps that
   keep the next :data:`UNSHARDED_STAGES` stages the rank computes gathered and reshard
@@ -104,14 +116,14 @@ def compute_copy_bytes(dtype: DType) -> float:
     return 0.0 if dtype is DType.FP32 else float(dtype.itemsize)
 
 
-def reduce_scatter_bytes(unit_numel: float, dtype: DType) -> float:
+def reduce_scatter_bytes(unit_numel: float, dtype: DType, reduce_dtype: DType = DType.FP32) -> float:
     """Bytes ZeRO-2/3 hold while a unit of ``unit_numel`` parameters reduces its gradients
-    (FSDP2): the flat fp32 reduce-scatter input and the unit's unsharded gradients, which
-    come in the compute precision (fp32 without mixed precision) and are cast into it;
-    or, while the unit computes, the previous unit's input, which FSDP2 keeps until the
-    next reduction (``reduce_scatter_max_input_buffers``, 1 by default in torch 2.13),
-    beside the gradients the unit makes."""
-    return unit_numel * (GRAD_BYTES + (compute_copy_bytes(dtype) or GRAD_BYTES))
+    (FSDP2): the flat reduce-scatter input in ``reduce_dtype`` and the unit's unsharded
+    gradients, which come in the compute precision (fp32 without mixed precision) and are
+    cast into it; or, while the unit computes, the previous unit's input, which FSDP2
+    keeps until the next reduction (``reduce_scatter_max_input_buffers``, 1 by default in
+    torch 2.13), beside the gradients the unit makes."""
+    return unit_numel * (reduce_dtype.itemsize + (compute_copy_bytes(dtype) or GRAD_BYTES))
 
 
 def uses_replicate(*, dp: int, pipelined: bool, tp: int) -> bool:
@@ -148,6 +160,7 @@ def config_state_bytes(
         factored_numel=factored_numel,
         largest_unit_numel=largest_unit_numel,
         dtype=config.dtype,
+        reduce_dtype=config.reduce_dtype,
         optimizer=optimizer,
         zero_stage=config.zero_stage,
         dp=config.state_shards,
@@ -171,6 +184,7 @@ def state_bytes(
     whole_grad_numel: float = 0.0,
     largest_grad_numel: float = 0.0,
     accumulates: bool = True,
+    reduce_dtype: DType = DType.FP32,
 ) -> StateBytes:
     """Model-state memory of a pipeline stage on one device.
 
@@ -199,7 +213,10 @@ def state_bytes(
             ZeRO-0/1 without ``replicate`` a new gradient is made beside the one kept
             and then added to it (autograd's ``AccumulateGrad``; DDP copies it into its
             bucket), one tensor at a time: its transient, where a step accumulates
-            (``accumulates``: more than one micro-batch) or DDP keeps the buckets.
+            (``accumulates``: more than one micro-batch) or DDP keeps the buckets; the
+            same under ZeRO-2/3 pipelined with gradients accumulated in bf16.
+        reduce_dtype: the precision ZeRO-2/3 reduce gradients in, and accumulate them in
+            under pipelining (``ParallelConfig.reduce_dtype``; module docstring).
     """
     copy = compute_copy_bytes(dtype)
     beyond_shard = whole_grad_numel * (1 - 1 / tp)
@@ -222,6 +239,13 @@ def state_bytes(
     held = master + param_numel * unsharded_copy if gathers_through_step(zero_stage, pipelined) else master
     grads = param_numel * widen * GRAD_BYTES / dp
     whole_grad = whole_grad_numel * unsharded_copy  # sliced to the shard before the reduce-scatter
+    if pipelined and reduce_dtype is not DType.FP32:  # accumulated in .grad itself, one new gradient at a time
+        return StateBytes(
+            params_bytes=held,
+            grads_bytes=(param_numel + beyond_shard) * reduce_dtype.itemsize,
+            optimizer_bytes=opt_sharded,
+            transient_bytes=largest_grad_numel * copy if accumulates else 0.0,
+        )
     if pipelined:
         return StateBytes(
             params_bytes=held,
@@ -230,7 +254,7 @@ def state_bytes(
             # the unit's compute-precision gradients until its post-backward casts them
             transient_bytes=(largest_unit_numel + beyond_shard) * copy,
         )
-    reduce_buffer = reduce_scatter_bytes(largest_unit_numel, dtype)
+    reduce_buffer = reduce_scatter_bytes(largest_unit_numel, dtype, reduce_dtype)
     if zero_stage == 2:
         return StateBytes(
             params_bytes=held,
@@ -305,10 +329,13 @@ def deferred_weight_grad_bytes(config: ParallelConfig, *, param_numel: float, wh
     """Bytes of the compute-precision weight gradients a stage of ``param_numel``
     parameters (and of split weights whose gradient is whole, ``whole_grad_numel`` at
     their whole size) holds under a zero-bubble schedule between its ``W`` and its next
-    ``I`` (module docstring): only where FSDP2 wraps it with mixed precision (in fp32
-    the gradient accumulates in place). The pipeline's first stage holds none."""
+    ``I`` (module docstring): only where FSDP2 wraps it with mixed precision and reduces
+    in fp32 (in fp32, or reducing in bf16, the gradient accumulates in place). The
+    pipeline's first stage holds none."""
     copy = compute_copy_bytes(config.dtype)
     if config.pp == 1 or not config.schedule.zero_bubble or not fsdp_wrapped(config) or not copy:
+        return 0.0
+    if config.reduce_dtype is not DType.FP32:
         return 0.0
     return _compute_grad_bytes(config, param_numel, whole_grad_numel)
 

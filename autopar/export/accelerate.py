@@ -38,6 +38,7 @@ from autopar.vocab import DType, Recompute
 
 CONFIG_NAME = "accelerate_config.yaml"
 MIXED_PRECISION = {DType.BF16: "bf16", DType.FP16: "fp16", DType.FP32: "no"}
+TORCH_NAMES = {DType.BF16: "bfloat16", DType.FP16: "float16"}
 
 
 def export_accelerate(plan: Plan, shape: ModelShape | None) -> Export:
@@ -80,6 +81,13 @@ def export_accelerate(plan: Plan, shape: ModelShape | None) -> Export:
                 "Accelerate's config turns recomputation on only with FSDP: call model.gradient_checkpointing_enable() "
                 "(a Hugging Face model) or checkpoint the blocks the plan recomputes in the training script"
             )
+    if fsdp and c.dp_cp > 1 and c.dtype is not DType.FP32 and c.reduce_dtype is DType.FP32:
+        notes.append(
+            f"Accelerate's FSDP reduces gradients in {c.dtype.value} under mixed_precision {MIXED_PRECISION[c.dtype]}, "
+            f"and the plan reduces them in fp32: give FullyShardedDataParallelPlugin(mixed_precision_policy="
+            f"MixedPrecisionPolicy(param_dtype=torch.{TORCH_NAMES[c.dtype]}, reduce_dtype=torch.float32)) to the "
+            f"Accelerator, or make the plan with --set reduce_dtype={c.dtype.value}"
+        )
     if c.tp > 1 or c.cp > 1 or c.dp_shard is not None:
         config["parallelism_config"] = {
             "parallelism_config_dp_replicate_size": c.replicate_size,

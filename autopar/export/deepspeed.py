@@ -97,6 +97,8 @@ def export_deepspeed(plan: Plan, shape: ModelShape | None) -> Export:
         config["bf16"] = {"enabled": True}
     elif c.dtype is DType.FP16:
         config["fp16"] = {"enabled": True, **FP16_LOSS_SCALING}
+    if c.dtype is not DType.FP32:  # DeepSpeed reduces in the training precision unless told
+        config["communication_data_type"] = c.reduce_dtype.value
     recomputes = any(m is not Recompute.NONE for m in blocks.modes) or bool(blocks.others_recomputed)
     if recomputes:
         config["activation_checkpointing"] = dict(ACTIVATION_CHECKPOINTING)

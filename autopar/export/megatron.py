@@ -78,6 +78,8 @@ def export_megatron(plan: Plan, shape: ModelShape | None) -> Export:
     args += _data_parallel_args(plan, notes)
     args += recompute_args(blocks, notes)
     args += {DType.BF16: ["--bf16"], DType.FP16: ["--fp16"], DType.FP32: []}[c.dtype]
+    if c.reduce_dtype is DType.BF16:  # --bf16 alone accumulates and reduces gradients in fp32
+        args.append("--grad-reduce-in-bf16")
     args += model_args(plan, blocks, shape, info, notes)
     if plan.settings.optimizer is Optimizer.SGD:
         args += ["--optimizer", "sgd"]

@@ -23,6 +23,7 @@ import json
 from autopar.export.common import (
     Blocks,
     Export,
+    ExportError,
     blocks_of,
     commented,
     expert_tp_note,
@@ -57,8 +58,14 @@ def export_torchtitan(plan: Plan, shape: ModelShape | None) -> Export:
     """The torchtitan job config of ``plan``. torchtitan builds the model from its own
     ``[model]`` name and flavor: ``shape`` only says whether the model has experts, and
     whether they drop tokens (torchtitan's do not), for the notes. Raises ExportError for a sequence length
-    torchtitan's models cannot split."""
+    torchtitan's models cannot split, and for gradients reduced in bf16, which torchtitan does not offer."""
     c = plan.config
+    if c.reduce_dtype is not DType.FP32:
+        raise ExportError(
+            f"torchtitan reduces gradients in float32 only (training.mixed_precision_reduce), and the plan reduces "
+            f"them in {c.reduce_dtype.value}, holding half the gradient bytes it would: make the plan with --set "
+            f"reduce_dtype=fp32 for torchtitan, or export to megatron or deepspeed."
+        )
     # its models assert it: tensor parallelism shards the sequence over tp, context
     # parallelism cuts it into 2 x cp chunks
     require_seq_multiple(plan, "torchtitan", {"tp": c.tp, "2 x cp": 2 * c.cp})

@@ -8,7 +8,7 @@ from collections import Counter, defaultdict
 from autopar.errors import ConfigError
 from autopar.plan import ParallelConfig, Plan
 from autopar.present.units import byte_unit, count, duration, per_second, size
-from autopar.vocab import Recompute
+from autopar.vocab import DType, Recompute
 
 
 def _batch(samples: int, seq_len: int) -> str:
@@ -216,8 +216,9 @@ REGATHER_WAYS = (
 
 
 def _sharding(plan: Plan) -> list[str]:
-    """How ZeRO-2/3 shard over the data-parallel ranks, and what the other sharding (plain
-    FSDP or HSDP) would cost, when the search priced it."""
+    """How ZeRO-2/3 shard over the data-parallel ranks and in what precision they reduce
+    gradients, and what the other sharding (plain FSDP or HSDP) would cost, when the
+    search priced it."""
     c = plan.config
     if c.zero_stage < 2 or c.dp_cp == 1:
         return []
@@ -231,6 +232,8 @@ def _sharding(plan: Plan) -> list[str]:
             f"HSDP: ZeRO-{c.zero_stage} sharded over groups of {group} ranks, replicated across "
             f"{c.replicate_size} groups"
         )
+    if c.reduce_dtype is not DType.FP32:
+        text += f", gradients reduced in {c.reduce_dtype.value}"
     for a in plan.alternatives:
         if a.status == "sharding":
             other = "plain FSDP" if a.config.dp_shard is None else f"best HSDP (shard groups of {a.config.dp_shard})"

@@ -305,4 +305,5 @@ def _dp_spec(plan: Plan, stage: nn.Module, units: tuple[str, ...]) -> DataParall
         dp=plan.config.dp_cp,
         shard_units=tuple(u for u in units if u not in sharing),
         pipelined=plan.config.pp > 1,
+        reduce_dtype=plan.config.reduce_dtype,
     )

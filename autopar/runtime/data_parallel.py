@@ -36,7 +36,10 @@ stage's own wrapping then leaves them alone.
 
 Mixed precision (``bf16``/``fp16``) keeps fp32 master weights, gradients and optimizer
 state: FSDP2 and ``replicate`` cast parameters with ``MixedPrecisionPolicy(param_dtype,
-reduce_dtype=fp32)``; DDP runs the forward under ``torch.autocast``. fp16 plans also scale
+reduce_dtype=fp32)``, or under ZeRO-2/3 with ``reduce_dtype=bf16`` where the plan reduces
+gradients in bf16 (``ParallelConfig.reduce_dtype``: FSDP2 then reduce-scatters, and under
+pipelining accumulates, the bf16 gradients as they come, and casts the reduced shard to
+the fp32 gradient); DDP runs the forward under ``torch.autocast``. fp16 plans also scale
 the loss dynamically (:mod:`autopar.runtime.loss_scale`); bf16 needs no scaling.
 """
 
@@ -77,6 +80,7 @@ class DataParallelSpec:
         shard_units: unit module FQNs FSDP2 wraps on their own (units that share a
             parameter with another unit of the stage stay in the root's group).
         pipelined: the plan has more than one pipeline stage.
+        reduce_dtype: the precision ZeRO-2/3 reduce gradients in.
     """
 
     zero_stage: int
@@ -84,6 +88,7 @@ class DataParallelSpec:
     dp: int
     shard_units: tuple[str, ...]
     pipelined: bool
+    reduce_dtype: DType = DType.FP32
 
 
 def apply_data_parallel(
@@ -98,6 +103,7 @@ def apply_data_parallel(
     experts = sharded_experts(stage) if experts_mesh is not None else []
     if spec.zero_stage >= 2 and spec.dp > 1:
         reshard = spec.zero_stage == 3
+        policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=TORCH_DTYPES[spec.reduce_dtype]) if low else policy
         place = experts_placement(experts_mesh.size(experts_mesh.ndim - 1)) if experts else None
         for module in experts:
             fully_shard(

@@ -42,7 +42,7 @@ def check_constraints(
             v = out[name]
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"constraint {name}={v!r} is not allowed: it must be a positive integer.")
-    conv = {"schedule": Schedule, "recompute": Recompute, "dtype": DType}
+    conv = {"schedule": Schedule, "recompute": Recompute, "dtype": DType, "reduce_dtype": DType}
     for name, cls in conv.items():
         if name in out:
             try:
@@ -64,6 +64,23 @@ def check_constraints(
             f"constraint dp_shard={shard} with zero_stage={out['zero_stage']} is not allowed: HSDP shards through "
             f"FSDP2, which needs zero_stage 2 or 3; set zero_stage=2 or 3, or drop dp_shard."
         )
+    if out.get("reduce_dtype", DType.FP32) is not DType.FP32:  # FSDP2's reduce precision: ZeRO-2/3 only
+        if "zero_stage" in out and out["zero_stage"] < 2:
+            raise ConfigError(
+                f"constraint reduce_dtype={out['reduce_dtype'].value!r} with zero_stage={out['zero_stage']} is not "
+                f"allowed: FSDP2 reduces the gradients in it, which needs zero_stage 2 or 3; set zero_stage=2 or 3, "
+                f"or drop reduce_dtype."
+            )
+        if "dtype" in out:  # ParallelConfig's own message, said before the search
+            ParallelConfig(
+                dp=2,
+                tp=1,
+                pp=1,
+                micro_batch_size=1,
+                num_microbatches=1,
+                zero_stage=2,
+                **{k: out[k] for k in ("dtype", "reduce_dtype")},
+            )
     for name in ("sequence_parallel", "compile", "fp8", "async_tp", "regather"):
         if name in out and not isinstance(out[name], bool):
             raise ConfigError(

@@ -40,7 +40,7 @@ from autopar.search.kernel_options import (
 )
 from autopar.search.rejections import Rejection, expert_rejection, shard_rejection
 from autopar.search.schedules import check_schedule_constraints, offered_schedules, split_problem
-from autopar.vocab import ZERO_STAGES, Recompute, Schedule, TPStyle
+from autopar.vocab import ZERO_STAGES, DType, Recompute, Schedule, TPStyle
 
 CUT_NOTE = (
     "autopar's runtime cannot cut this model into pipeline stages: its blocks sit in an nn.ModuleList or "
@@ -206,6 +206,12 @@ def enumerate_space(
     rejected: list[Rejection] = []
     dtype = c.get("dtype", cluster.device.preferred_dtype)
     cluster.device.peak(dtype)  # raises a clear error if the device lacks it
+    reduce_dtype = c.get("reduce_dtype", DType.FP32)
+    if reduce_dtype is not DType.FP32 and dtype is not reduce_dtype:
+        raise ConfigError(
+            f"constraint reduce_dtype={reduce_dtype.value!r} needs dtype={reduce_dtype.value!r}, and this "
+            f"{cluster.device.name} trains in {dtype.value!r} by default; set dtype={reduce_dtype.value!r} too."
+        )
     kernels = list(itertools.product(compile_options(c, cluster), fp8_options(c, cluster, dtype)))
     n_units = len(graph.units)
     allowed_tp = tp_degrees(graph, world)
@@ -299,6 +305,8 @@ def enumerate_space(
                         continue  # dominated: 1F1B takes the same time and holds fewer micro-batches
                     # model states shard over dp x cp: context-parallel ranks hold the same weights
                     zeros = [c["zero_stage"]] if "zero_stage" in c else ([0] if dp * cp == 1 else list(ZERO_STAGES))
+                    if reduce_dtype is not DType.FP32:  # FSDP2 reduces in it: ZeRO-2/3 only
+                        zeros = [z for z in zeros if z >= 2] or [2]
                     sps = (
                         [c["sequence_parallel"]] if "sequence_parallel" in c else ([False, True] if tp > 1 else [False])
                     )
@@ -330,6 +338,7 @@ def enumerate_space(
                                     fp8=fp8,
                                     async_tp=overlapped,
                                     regather=regather,
+                                    reduce_dtype=reduce_dtype,
                                 )
                                 for overlapped in async_tp_options(c, cluster, tp, sp, compiled)
                                 for regather in regather_options(c, sp, compiled, megatron_kernels)

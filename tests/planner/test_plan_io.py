@@ -123,7 +123,7 @@ def test_a_version_2_plan_file_loads_as_plain_fsdp(gpt2_plan):
     data = json.loads(gpt2_plan.to_json())
     data["schema_version"] = 2
     del data["model"]["has_attention"]  # version 11
-    del data["config"]["async_tp"], data["config"]["regather"]
+    del data["config"]["async_tp"], data["config"]["regather"], data["config"]["reduce_dtype"]
     del data["config"]["dp_shard"], data["config"]["cp"], data["prediction"]["breakdown"]["cp_comm_s"]
     del (
         data["config"]["ep"],
@@ -143,7 +143,7 @@ def test_a_version_3_plan_file_loads_without_context_parallelism(gpt2_plan):
     data = json.loads(gpt2_plan.to_json())
     data["schema_version"] = 3
     del data["model"]["has_attention"]  # version 11
-    del data["config"]["async_tp"], data["config"]["regather"]
+    del data["config"]["async_tp"], data["config"]["regather"], data["config"]["reduce_dtype"]
     del data["config"]["cp"], data["prediction"]["breakdown"]["cp_comm_s"]
     del (
         data["config"]["ep"],
@@ -163,7 +163,7 @@ def test_a_version_4_plan_file_loads_without_expert_parallelism(gpt2_plan):
     data = json.loads(gpt2_plan.to_json())
     data["schema_version"] = 4
     del data["model"]["has_attention"]  # version 11
-    del data["config"]["async_tp"], data["config"]["regather"]
+    del data["config"]["async_tp"], data["config"]["regather"], data["config"]["reduce_dtype"]
     del (
         data["config"]["ep"],
         data["prediction"]["breakdown"]["ep_comm_s"],
@@ -182,7 +182,7 @@ def test_a_version_5_plan_file_loads_without_compiled_blocks(gpt2_plan):
     data = json.loads(gpt2_plan.to_json())
     data["schema_version"] = 5
     del data["model"]["has_attention"]  # version 11
-    del data["config"]["async_tp"], data["config"]["regather"]
+    del data["config"]["async_tp"], data["config"]["regather"], data["config"]["reduce_dtype"]
     del data["config"]["compile"], data["config"]["fp8"]
     old = Plan.from_dict(data)
     assert old == eager(gpt2_plan) and old.config.compile is False
@@ -197,7 +197,7 @@ def test_a_version_6_plan_file_loads_and_op_recompute_needs_version_7(gpt2_plan)
     data = json.loads(gpt2_plan.to_json())
     data["schema_version"] = 6
     del data["model"]["has_attention"]  # version 11
-    del data["config"]["async_tp"], data["config"]["regather"]
+    del data["config"]["async_tp"], data["config"]["regather"], data["config"]["reduce_dtype"]
     assert Plan.from_dict(data) == gpt2_plan
     for where in ("config", "unit"):
         bad = json.loads(json.dumps(data))
@@ -220,7 +220,7 @@ def test_a_version_7_plan_file_loads_without_async_tp(gpt2_plan):
     assert data["config"]["async_tp"] is False
     data["schema_version"] = 7
     del data["model"]["has_attention"]  # version 11
-    del data["config"]["async_tp"], data["config"]["regather"]
+    del data["config"]["async_tp"], data["config"]["regather"], data["config"]["reduce_dtype"]
     assert Plan.from_dict(data) == gpt2_plan
     data["config"]["async_tp"] = False
     with pytest.raises(PlanFormatError, match="config.async_tp needs schema_version 8"):
@@ -232,7 +232,7 @@ def test_a_version_8_plan_file_loads_and_dualpipev_needs_version_9(gpt2_plan):
     data = json.loads(gpt2_plan.to_json())
     data["schema_version"] = 8
     del data["model"]["has_attention"]  # version 11
-    del data["config"]["regather"]
+    del data["config"]["regather"], data["config"]["reduce_dtype"]
     assert Plan.from_dict(data) == gpt2_plan
     data["config"].update(schedule="dualpipev", virtual_stages=2)
     with pytest.raises(PlanFormatError, match="schedule 'dualpipev' needs schema_version 9 or later \\(got 8\\)"):
@@ -244,7 +244,7 @@ def test_a_version_9_plan_file_loads_holding_the_gathers(gpt2_plan):
     regather field needs version 10."""
     data = json.loads(gpt2_plan.to_json())
     data["schema_version"] = 9
-    del data["config"]["regather"]
+    del data["config"]["regather"], data["config"]["reduce_dtype"]
     del data["model"]["has_attention"]
     assert Plan.from_dict(data) == gpt2_plan
     data["config"]["regather"] = False
@@ -256,12 +256,25 @@ def test_a_version_10_plan_file_loads_and_heads_needs_version_11(gpt2_plan):
     """Version 10 had no per-head norm style and no has_attention: its plans read as
     models with attention; naming either needs version 11."""
     data = json.loads(gpt2_plan.to_json())
-    assert data["schema_version"] == 11 and data["model"]["has_attention"] is True
+    assert data["model"]["has_attention"] is True
     data["schema_version"] = 10
-    del data["model"]["has_attention"]
+    del data["model"]["has_attention"], data["config"]["reduce_dtype"]
     assert Plan.from_dict(data) == gpt2_plan
     data["layer_strategies"]["tp"] = {"transformer.h.0.ln_1": "heads"}
     with pytest.raises(PlanFormatError, match="the style 'heads' and model.has_attention need schema_version 11"):
+        Plan.from_dict(data)
+
+
+def test_a_version_11_plan_file_reduces_in_fp32_and_reduce_dtype_needs_version_12(gpt2_plan):
+    """Version 11 had no reduce_dtype: its plans read reducing gradients in fp32; naming
+    it needs version 12."""
+    data = json.loads(gpt2_plan.to_json())
+    assert data["schema_version"] == 12 and data["config"]["reduce_dtype"] == "fp32"
+    data["schema_version"] = 11
+    del data["config"]["reduce_dtype"]
+    assert Plan.from_dict(data) == gpt2_plan
+    data["config"]["reduce_dtype"] = "fp32"
+    with pytest.raises(PlanFormatError, match="config.reduce_dtype needs schema_version 12 or later \\(got 11\\)"):
         Plan.from_dict(data)
 
 

@@ -23,14 +23,21 @@ def _meta_gpt() -> GPT:
 
 @pytest.mark.parametrize(
     "config",
-    [{"dp": 8, "tp": 1, "zero_stage": 3}, {"dp": 8, "tp": 1, "zero_stage": 2}, {"dp": 4, "tp": 2, "zero_stage": 3}],
-    ids=["zero3", "zero2", "zero3-tp2"],
+    [
+        {"dp": 8, "tp": 1, "zero_stage": 3},
+        {"dp": 8, "tp": 1, "zero_stage": 2},
+        {"dp": 4, "tp": 2, "zero_stage": 3},
+        {"dp": 8, "tp": 1, "zero_stage": 3, "reduce_dtype": "bf16"},
+        {"dp": 8, "tp": 1, "zero_stage": 2, "reduce_dtype": "bf16"},
+    ],
+    ids=["zero3", "zero2", "zero3-tp2", "zero3-bf16-reduce", "zero2-bf16-reduce"],
 )
 def test_a_bf16_unit_reduces_beside_its_bf16_gradients(config):
     """Rank 0 of a bf16 plan without pipelining, one step on fake tensors at the full
     world size: the planner's allocation is within 3% of the measured peak. Pricing the
     unit's unsharded gradients in fp32 (two fp32 unit-sized buffers) predicted 0.89 to
-    0.92 of these peaks (measured over predicted)."""
+    0.92 of these peaks (measured over predicted). Reducing in bf16 (``reduce_dtype``),
+    the reduce-scatter input is bf16: one unit-sized buffer at 2 bytes instead of 4."""
     config = {"pp": 1, "micro_batch_size": 1, "num_microbatches": 4, "dtype": "bf16", "recompute": "none"} | config
     devices = config["dp"] * config["tp"]
     plan = autopar.estimate(

@@ -16,7 +16,7 @@ from autopar.cost import fp8
 from autopar.cost.comm import GroupSpan
 from autopar.cost.compute import ComputeRates, work_s
 from autopar.cost.host import accumulate_s, dispatch_s, kernel_s, tp_dispatch_s
-from autopar.graph.layer_graph import Flow, Leaf, LeafKind
+from autopar.graph.layer_graph import Flow, Leaf, LeafKind, UnitProfile
 from autopar.hardware.cluster import Cluster
 from autopar.hardware.device import HostEffects
 from autopar.vocab import DType, Layout, TPStyle
@@ -89,7 +89,8 @@ class TPContext:
         batch_first: activations are laid out ``(batch, sequence, features)``, as the
             runtime lays them, so sequence-parallel collectives copy around the
             transfer (:mod:`autopar.cost.layout_copies`); False for Megatron-LM's
-            sequence-first layout.
+            sequence-first layout, which also prices its kernels' FP8 inputs
+            (:attr:`fp8_inputs_kept_in_fp8`).
     """
 
     tp: int
@@ -118,6 +119,26 @@ class TPContext:
     async_tp: bool = False
     regather: bool = False
     batch_first: bool = True
+
+    @property
+    def fp8_inputs_kept_in_fp8(self) -> bool:
+        """The unit's FP8 linear layers keep their inputs in FP8: priced for Megatron-LM's
+        kernels (sequence-first activations), whose Transformer Engine layers do
+        (:func:`autopar.cost.fp8.saved_bytes`); autopar's runtime keeps them in bf16."""
+        return self.fp8 and not self.batch_first
+
+    def leaf_saved_bytes(self, profile: UnitProfile, index: int, styles: tuple[TPStyle, ...]) -> float:
+        """Activation bytes leaf ``index`` of ``profile`` keeps per sample under ``styles``
+        (:func:`autopar.cost.fp8.saved_bytes`)."""
+        return fp8.saved_bytes(
+            profile,
+            index,
+            styles,
+            self.tp,
+            compiled=self.compile,
+            itemsize=self.dtype.itemsize,
+            inputs_in_fp8=self.fp8_inputs_kept_in_fp8,
+        )
 
     @property
     def input_layout(self) -> Layout:

@@ -44,19 +44,26 @@ class Regather:
 NO_REGATHER = Regather()
 
 
-def regather_terms(profile: UnitProfile, gathers: list[tuple[float, tuple[int, ...]]], ctx: TPContext) -> Regather:
-    """The terms of a layout whose forward all-gathers ``gathers`` (each conversion of a
-    sequence-sharded tensor into a replicated one: the whole tensor's bytes per
-    micro-batch, and the column-parallel leaves reading it) under ``ctx``; nothing unless
-    ``ctx.regather``. What a gather's readers saved is what the trace recorded on them (a
-    tensor saved by several is recorded once); each gather hides behind the smallest
-    reader's input-gradient matmul (module docstring)."""
+def regather_terms(
+    profile: UnitProfile,
+    styles: tuple[TPStyle, ...],
+    gathers: list[tuple[float, tuple[int, ...]]],
+    ctx: TPContext,
+) -> Regather:
+    """The terms of a layout (leaf ``styles``) whose forward all-gathers ``gathers`` (each
+    conversion of a sequence-sharded tensor into a replicated one: the whole tensor's
+    bytes per micro-batch, and the column-parallel leaves reading it) under ``ctx``;
+    nothing unless ``ctx.regather``. What a gather's readers saved is what the trace
+    recorded on them (a tensor saved by several is recorded once), in FP8 where they keep
+    their inputs so (:meth:`TPContext.leaf_saved_bytes`); the gathers themselves are
+    priced in the compute precision. Each gather hides behind the smallest reader's
+    input-gradient matmul (module docstring)."""
     if not ctx.regather or ctx.tp == 1:
         return NO_REGATHER
     saved = held = seconds = 0.0
     syncs = 0
     for whole, readers in gathers:
-        kept = sum(profile.leaves[d].saved_bytes for d in readers) * ctx.micro_batch
+        kept = sum(ctx.leaf_saved_bytes(profile, d, styles) for d in readers) * ctx.micro_batch
         if kept <= 0:
             continue
         saved += kept * (1 - 1 / ctx.tp)

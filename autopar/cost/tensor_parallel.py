@@ -362,7 +362,7 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
     accumulate = sum(leaf_accumulate_s(leaf, s, ctx) for leaf, s in zip(profile.leaves, styles))
     attn_fwd = attn_bwd_extra = loss_fwd = loss_input = loss_saved = held = 0.0
     attn_sharded = False
-    saved = sum(_shard(leaf.saved(ctx.compile) * b, STYLE_IO[s][0], t) for leaf, s in zip(profile.leaves, styles))
+    saved = sum(_shard(ctx.leaf_saved_bytes(profile, i, styles) * b, STYLE_IO[s][0], t) for i, s in enumerate(styles))
     attn_saved = 0.0
     conversions: dict[tuple[int, Layout], Layout] = {}
     partial: dict[int, Layout] = {}
@@ -480,7 +480,7 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         op_kept_compute_s=op_compute + attn_fwd,
         op_kept_comm_s=op_comm,
         op_kept_syncs=op_syncs,
-        regather=regather_terms(profile, gathers, ctx),
+        regather=regather_terms(profile, styles, gathers, ctx),
     )
 
 

@@ -247,14 +247,16 @@ CP_EXCHANGE = (
 framework offers another by default."""
 
 
-def kernel_options_note(plan: Plan, framework: str, *, writes_async_tp: bool = False) -> str | None:
+def kernel_options_note(
+    plan: Plan, framework: str, *, writes_async_tp: bool = False, writes_fp8: bool = False
+) -> str | None:
     """The plan's compiled blocks, FP8 matmuls and asynchronous tensor parallelism, for an
-    export that does not carry them over (``writes_async_tp``: it writes its own flag for
-    the last); None when the plan has none of them."""
+    export that does not carry them over (``writes_async_tp``, ``writes_fp8``: it writes
+    its own flag for them); None when the plan has none of them."""
     c = plan.config
     options = (
         (c.compile, "compiled blocks"),
-        (c.fp8, "FP8 matmuls"),
+        (c.fp8 and not writes_fp8, "FP8 matmuls"),
         (c.async_tp and not writes_async_tp, "asynchronous tensor parallelism"),
     )
     missing = [what for on, what in options if on]

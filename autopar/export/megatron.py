@@ -46,6 +46,13 @@ TP_COMM_OVERLAP_NOTE = (
     "layers), so how much of them hides, and the step time, may differ from the prediction"
 )
 """What ``--tp-comm-overlap`` stands for when it carries a plan's ``async_tp``."""
+FP8_NOTE = (
+    "the plan's FP8 matmuls are written as Transformer Engine's hybrid format (--fp8-format hybrid: e4m3 forward, "
+    "e5m2 backward, as the plan's) under Megatron-LM's default delayed scaling, whose scales come from a history of "
+    "each tensor's largest values rather than its current one; Transformer Engine keeps the FP8 layers' inputs in "
+    "FP8, so a plan priced batch-first (for torchao, which keeps them in bf16) predicts more activation memory"
+)
+"""What ``--fp8-format hybrid`` stands for when it carries a plan's ``fp8``."""
 
 
 def export_megatron(plan: Plan, shape: ModelShape | None) -> Export:
@@ -62,7 +69,7 @@ def export_megatron(plan: Plan, shape: ModelShape | None) -> Export:
         "--pipeline-model-parallel-size",
         str(c.pp),
     ]
-    kernels = kernel_options_note(plan, "Megatron-LM", writes_async_tp=True)
+    kernels = kernel_options_note(plan, "Megatron-LM", writes_async_tp=True, writes_fp8=True)
     if kernels:
         notes.append(kernels)
     args += _context_parallel_args(plan, notes, info)
@@ -78,6 +85,9 @@ def export_megatron(plan: Plan, shape: ModelShape | None) -> Export:
     args += _data_parallel_args(plan, notes)
     args += recompute_args(blocks, notes)
     args += {DType.BF16: ["--bf16"], DType.FP16: ["--fp16"], DType.FP32: []}[c.dtype]
+    if c.fp8:
+        args += ["--fp8-format", "hybrid"]
+        notes.append(FP8_NOTE)
     if c.reduce_dtype is DType.BF16:  # --bf16 alone accumulates and reduces gradients in fp32
         args.append("--grad-reduce-in-bf16")
     args += model_args(plan, blocks, shape, info, notes)

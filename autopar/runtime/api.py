@@ -36,7 +36,7 @@ from autopar.runtime.data_parallel import DataParallelSpec, apply_data_parallel
 from autopar.runtime.errors import PlanMismatchError
 from autopar.runtime.expert_parallel import SharedWeightSync, apply_expert_parallel, check_expert_parallel
 from autopar.runtime.finite import DEFAULT_MAX_CONSECUTIVE_SKIPS, SkipCounter
-from autopar.runtime.fp8 import EMULATION_WARNING, check_fp8, convert_blocks, emulated
+from autopar.runtime.fp8 import EMULATION_WARNING, check_fp8, check_saved_inputs, convert_blocks, emulated
 from autopar.runtime.init import InitFn, Materializer, is_meta
 from autopar.runtime.job import Job, JobParts
 from autopar.runtime.layouts import TPLayout, resolve
@@ -68,9 +68,11 @@ class Analysis:
 
 def check_plan(plan: Plan) -> None:
     """The checks that need the plan alone, so ``autopar run`` makes them before any rank
-    starts: the schedule can run its micro-batches, kept shards are on eager blocks."""
+    starts: the schedule can run its micro-batches, kept shards are on eager blocks, FP8
+    layers' inputs are priced as torchao keeps them."""
     check_schedule(plan)
     check_regather(plan)
+    check_saved_inputs(plan)
 
 
 def analyse(model: nn.Module, plan: Plan, *, sample_input: Any = None) -> Analysis:

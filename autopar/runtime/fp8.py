@@ -24,6 +24,11 @@ capability 8.9) torchao *emulates* FP8: operands are rounded to FP8 values and t
 multiplied in high precision, which checks the numerics but brings no speed; the
 runtime warns once. torchao is imported only when the plan asks for FP8; without it
 the job stops with :class:`~autopar.runtime.errors.FP8Error` before any collective.
+
+torchao's float8 layers save their inputs in bf16. A plan priced for Megatron-LM's
+kernels (``activations='sequence-first'``) counts them in FP8, as Transformer Engine
+keeps them (:func:`autopar.cost.fp8.saved_bytes`), so this runtime would hold more than
+its prediction: it is refused before any rank starts (:func:`check_saved_inputs`).
 """
 
 from __future__ import annotations
@@ -35,9 +40,12 @@ import torch
 from torch import nn
 
 from autopar.cost.fp8 import ALIGNMENT
+from autopar.errors import ConfigError
+from autopar.plan import Plan
 from autopar.quiet import quiet_imports
 from autopar.runtime.compile import block_units
 from autopar.runtime.errors import FP8Error
+from autopar.vocab import ActivationLayout
 
 FP8_CAPABILITY = (8, 9)
 """The first CUDA compute capability with FP8 tensor cores (Ada, then Hopper)."""
@@ -93,6 +101,16 @@ def convert_blocks(stage: nn.Module, units: list[str], *, emulate: bool, float8:
 
         float8.convert_to_float8_training(stage.get_submodule(block), module_filter_fn=keep, config=config)
     return converted
+
+
+def check_saved_inputs(plan: Plan) -> None:
+    """Refuse an FP8 plan priced for Megatron-LM's kernels (module docstring)."""
+    if plan.config.fp8 and plan.settings.activations is ActivationLayout.SEQUENCE_FIRST:
+        raise ConfigError(
+            "fp8=True priced for Megatron-LM's kernels (activations='sequence-first') keeps the FP8 layers' inputs "
+            "in FP8, as Transformer Engine does; autopar's runtime (torchao) keeps them in bf16 and would hold more "
+            "than predicted. Plan again without --activations sequence-first to run it here, or export it to megatron."
+        )
 
 
 def check_fp8(compile_blocks: bool, device: torch.device) -> Any:

@@ -352,19 +352,38 @@ def test_autopar_run_names_the_rank_however_it_failed(tmp_path, mode, expected):
     assert summary == [f"autopar run: rank 1 (local rank 1) {expected}"], done.stdout[-3000:]
 
 
-def test_a_plan_the_runtime_cannot_run_is_refused_before_any_rank_starts(tmp_path, monkeypatch, capsys):
-    """Kept gather shards on compiled blocks price Megatron-LM's kernels: ``autopar run``
-    refuses the plan in one line, exit 2, without launching (torchrun's ``run`` raises
-    if it is called)."""
+@pytest.mark.parametrize(
+    "fixed, cluster, refusal",
+    [
+        (
+            {"dp": 1, "tp": 2, "pp": 1, "sequence_parallel": True, "regather": True, "compile": True},
+            ("local-cpu", {"devices_per_node": 2}),
+            "regather=True with compile=True is priced for Megatron-LM",
+        ),
+        (
+            {"dp": 8, "tp": 1, "pp": 1, "fp8": True, "compile": False},
+            ("dgx-h100", {"nodes": 1}),
+            "fp8=True priced for Megatron-LM's kernels",
+        ),
+    ],
+    ids=["kept-shards-compiled", "fp8-inputs-in-fp8"],
+)
+def test_a_plan_the_runtime_cannot_run_is_refused_before_any_rank_starts(
+    tmp_path, monkeypatch, capsys, fixed, cluster, refusal
+):
+    """Plans priced for Megatron-LM's kernels that autopar's runtime would not run as
+    priced (kept gather shards on compiled blocks; FP8 layers keeping their inputs in
+    FP8): ``autopar run`` refuses the plan in one line, exit 2, without launching
+    (torchrun's ``run`` raises if it is called)."""
     import torch.distributed.run
 
     from autopar.graph import extract
     from autopar.models import GPT, GPTConfig
 
     graph = extract(GPT(GPTConfig(vocab_size=256, seq_len=64, dim=64, n_layers=2, n_heads=4)), seq_len=64)
-    fixed = {"dp": 1, "tp": 2, "pp": 1, "sequence_parallel": True, "regather": True, "compile": True}
-    cluster = autopar.preset("local-cpu", devices_per_node=2)
-    plan = autopar.estimate(graph, cluster, fixed, global_batch_size=2, activations="sequence-first")
+    devices = fixed["dp"] * fixed["tp"]
+    preset = autopar.preset(cluster[0], **cluster[1])
+    plan = autopar.estimate(graph, preset, fixed, global_batch_size=fixed["dp"] * 2, activations="sequence-first")
     path = tmp_path / "plan.json"
     plan.save(path)
 
@@ -372,7 +391,7 @@ def test_a_plan_the_runtime_cannot_run_is_refused_before_any_rank_starts(tmp_pat
         raise AssertionError("launched")
 
     monkeypatch.setattr(torch.distributed.run, "run", run)
-    assert run_command(_run_args("--nproc-per-node", "2", plan=str(path))) == 2
+    assert run_command(_run_args("--nproc-per-node", str(devices), plan=str(path))) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("autopar run: ConfigError: regather=True with compile=True is priced for Megatron-LM")
+    assert err.startswith(f"autopar run: ConfigError: {refusal}")
     assert "\n" not in err

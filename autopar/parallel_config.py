@@ -86,7 +86,7 @@ class ParallelConfig:
             bytes of the reduce-scatter and of the unsharded gradients a pipeline stage
             holds until its last micro-batch, as Megatron-LM's ``--grad-reduce-in-bf16``
             does. The sharded gradient the optimizer reads stays fp32. Needs ZeRO-2/3
-            (FSDP2's ``fully_shard``); it trades the sum's precision (8 mantissa bits)
+            (FSDP2's ``fully_shard``) and ``dp * cp > 1``; it trades the sum's precision (8 mantissa bits)
             for memory and bandwidth, so the search never picks it by itself.
     """
 
@@ -222,6 +222,11 @@ class ParallelConfig:
             raise ConfigError(
                 f"reduce_dtype='bf16' needs zero_stage 2 or 3 (got {self.zero_stage}): FSDP2 reduces and accumulates "
                 f"the gradients in bf16; set zero_stage=2 or 3, or reduce_dtype='fp32'."
+            )
+        if self.dp_cp == 1:
+            raise ConfigError(
+                "reduce_dtype='bf16' needs data parallelism (dp x cp > 1, got 1): it is the precision gradients are "
+                "reduced in over the data-parallel ranks, and one replica reduces none; use reduce_dtype='fp32'."
             )
 
     def _check_ep(self) -> None:

@@ -80,7 +80,8 @@ def _add_search_args(p: argparse.ArgumentParser) -> None:
         default="batch-first",
         choices=["batch-first", "sequence-first"],
         help="activation layout to price: batch-first (autopar's runtime) or sequence-first (Megatron-LM's, "
-        "no copies around sequence-parallel collectives)",
+        "no copies around sequence-parallel collectives; its kernels keep gather shards and FP8 layers' inputs "
+        "in FP8)",
     )
     p.add_argument("--profile", action="append", help="profiler report(s) whose measurements to use")
     p.add_argument("--out", help="write the plan file here")

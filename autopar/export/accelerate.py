@@ -24,6 +24,7 @@ from autopar.export.common import (
     ExportError,
     blocks_of,
     commented,
+    fp8_inputs_note,
     header,
     kernel_options_note,
     mixed_recompute_note,
@@ -69,6 +70,9 @@ def export_accelerate(plan: Plan, shape: ModelShape | None) -> Export:
     kernels = kernel_options_note(plan, "Accelerate")
     if kernels:
         notes.append(kernels)
+    inputs = fp8_inputs_note(plan, "Accelerate")
+    if inputs:
+        notes.append(inputs)
     fsdp = c.tp > 1 or c.cp > 1 or (c.dp > 1 and c.zero_stage > 0)
     config: dict = {"compute_environment": "LOCAL_MACHINE", "debug": False}
     if fsdp:

@@ -269,6 +269,19 @@ def kernel_options_note(
     )
 
 
+def fp8_inputs_note(plan: Plan, framework: str) -> str | None:
+    """For an export other than Megatron-LM of an FP8 plan priced for Megatron-LM's kernels
+    (its FP8 layers' inputs counted in FP8, as Transformer Engine keeps them): the
+    framework keeps them in bf16, so the run holds more activations than predicted."""
+    if not plan.config.fp8 or plan.settings.activations is not ActivationLayout.SEQUENCE_FIRST:
+        return None
+    return (
+        f"the plan was priced for Megatron-LM's kernels, whose FP8 layers keep their inputs in FP8; {framework} keeps "
+        f"them in bf16, so expect more activation memory than predicted: plan without --activations sequence-first "
+        f"to price {framework}"
+    )
+
+
 def sequence_parallel_notes(plan: Plan, framework: str, *, megatron: bool) -> list[str]:
     """The notes for a sequence-parallel plan whose conventions differ from
     ``framework``'s (``megatron``: Megatron-LM and its DeepSpeed fork keep the shards of

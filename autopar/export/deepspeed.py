@@ -27,6 +27,7 @@ from autopar.export.common import (
     Export,
     ExportError,
     blocks_of,
+    fp8_inputs_note,
     header,
     kernel_options_note,
     mixed_recompute_note,
@@ -91,6 +92,9 @@ def export_deepspeed(plan: Plan, shape: ModelShape | None) -> Export:
     kernels = kernel_options_note(plan, "DeepSpeed")
     if kernels:
         notes.append(kernels)
+    inputs = fp8_inputs_note(plan, "DeepSpeed")
+    if inputs:
+        notes.append(inputs)
     if c.ep > 1:
         config["expert_parallel"] = _expert_parallel(plan, shape, notes)
     if c.dtype is DType.BF16:

@@ -30,7 +30,7 @@ from autopar.export.common import (
 from autopar.export.megatron_model import model_args, router_args
 from autopar.export.shape import ModelShape
 from autopar.plan import Plan
-from autopar.vocab import DType, Optimizer, Recompute, Schedule
+from autopar.vocab import ActivationLayout, DType, Optimizer, Recompute, Schedule
 
 SCRIPT = "pretrain_gpt.py"
 """Megatron-LM's GPT pre-training entry point (Llama-style models run through it too)."""
@@ -49,10 +49,14 @@ TP_COMM_OVERLAP_NOTE = (
 FP8_NOTE = (
     "the plan's FP8 matmuls are written as Transformer Engine's hybrid format (--fp8-format hybrid: e4m3 forward, "
     "e5m2 backward, as the plan's) under Megatron-LM's default delayed scaling, whose scales come from a history of "
-    "each tensor's largest values rather than its current one; Transformer Engine keeps the FP8 layers' inputs in "
-    "FP8, so a plan priced batch-first (for torchao, which keeps them in bf16) predicts more activation memory"
+    "each tensor's largest values rather than its current one"
 )
 """What ``--fp8-format hybrid`` stands for when it carries a plan's ``fp8``."""
+FP8_BATCH_FIRST_NOTE = (
+    "; Transformer Engine keeps the FP8 layers' inputs in FP8, where the plan, priced batch-first for torchao, keeps "
+    "them in bf16: expect less activation memory than predicted (plan with --activations sequence-first to price it)"
+)
+"""Added to :data:`FP8_NOTE` for a plan priced for autopar's runtime."""
 
 
 def export_megatron(plan: Plan, shape: ModelShape | None) -> Export:
@@ -87,7 +91,8 @@ def export_megatron(plan: Plan, shape: ModelShape | None) -> Export:
     args += {DType.BF16: ["--bf16"], DType.FP16: ["--fp16"], DType.FP32: []}[c.dtype]
     if c.fp8:
         args += ["--fp8-format", "hybrid"]
-        notes.append(FP8_NOTE)
+        batch_first = plan.settings.activations is ActivationLayout.BATCH_FIRST
+        notes.append(FP8_NOTE + (FP8_BATCH_FIRST_NOTE if batch_first else ""))
     if c.reduce_dtype is DType.BF16:  # --bf16 alone accumulates and reduces gradients in fp32
         args.append("--grad-reduce-in-bf16")
     args += model_args(plan, blocks, shape, info, notes)

@@ -28,6 +28,7 @@ from autopar.export.common import (
     commented,
     expert_tp_note,
     experts_split_over_tp_note,
+    fp8_inputs_note,
     header,
     mixed_recompute_note,
     outside_blocks_note,
@@ -95,6 +96,9 @@ def export_torchtitan(plan: Plan, shape: ModelShape | None) -> Export:
             "which the plan does not: activation memory is lower and communication differs from the prediction"
         )
     notes += sequence_parallel_notes(plan, "torchtitan", megatron=False)
+    inputs = fp8_inputs_note(plan, "torchtitan")
+    if inputs:
+        notes.append(inputs)
     note = tp_note(plan, "torchtitan")
     if note:
         notes.append(note)

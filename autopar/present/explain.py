@@ -8,7 +8,7 @@ from collections import Counter, defaultdict
 from autopar.errors import ConfigError
 from autopar.plan import ParallelConfig, Plan
 from autopar.present.units import byte_unit, count, duration, per_second, size
-from autopar.vocab import DType, Recompute
+from autopar.vocab import ActivationLayout, DType, Recompute
 
 
 def _batch(samples: int, seq_len: int) -> str:
@@ -23,6 +23,7 @@ def explain(plan: Plan, *, top: int = 5) -> str:
         raise ConfigError(f"explain() takes a Plan (autopar.plan(...) or Plan.load(path)), got {type(plan).__name__}.")
     c, p, m, cl = plan.config, plan.prediction, plan.model, plan.cluster
     b = p.breakdown
+    first = plan.settings.activations is ActivationLayout.BATCH_FIRST  # else priced for Megatron-LM's kernels
     lines = [
         f"autopar {'plan' if plan.settings.searched else 'estimate'}: {m.name} ({count(m.num_params)} parameters) on "
         f"{cl.describe()}",
@@ -44,7 +45,7 @@ def explain(plan: Plan, *, top: int = 5) -> str:
         *_experts(plan),
         *_sharding(plan),
         *_option_line(plan, "compile", "Compiled", COMPILE_WAYS, always=True),
-        *_option_line(plan, "fp8", "FP8 matmuls", FP8_WAYS, always=False),
+        *_option_line(plan, "fp8", "FP8 matmuls", FP8_WAYS if first else MEGATRON_FP8_WAYS, always=False),
         *_option_line(plan, "async_tp", "Async TP", ASYNC_TP_WAYS, always=False),
         *_option_line(plan, "regather", "SP gathers", REGATHER_WAYS, always=False),
         "",
@@ -200,6 +201,10 @@ FP8_WAYS = (
     "off",
     "bf16 (--set fp8=false)",
     "FP8 (--set fp8=true)",
+)
+MEGATRON_FP8_WAYS = (
+    "blocks' linear layers in FP8 (Transformer Engine's, inputs kept in FP8)",
+    *FP8_WAYS[1:],
 )
 ASYNC_TP_WAYS = (
     "sequence-parallel collectives fused with their matmuls (torch's micro-pipeline TP)",

@@ -103,7 +103,7 @@ def infeasible_error(
     """Nothing fits: the least memory found against a device's, and what would help: a
     ZeRO stage, recomputation or bf16 gradient reduction the search was not allowed
     (the last where the closest candidate is pipelined ZeRO-2/3 and halving its held
-    gradients alone would make up the difference), and as many nodes as the
+    gradients alone would make it fit), and as many nodes as the
     model's states need fully sharded beside what the best case holds besides its
     states (taken to stay as it is). Where that alone overflows a device (activations
     and transients per sample), more nodes do not help by themselves: only where the
@@ -119,13 +119,15 @@ def infeasible_error(
         hints.append("zero_stage=3")
     if not searched_full:
         hints.append("recompute='full'")
-    if "reduce_dtype" not in fixed and cfg.dtype is DType.BF16 and cfg.pp > 1 and cfg.zero_stage >= 2:
-        # a rank's unsharded pipelined gradients at 2 bytes instead of 4: offered where that alone would fit
-        saved = graph.num_params / (cfg.tp * cfg.pp) * (GRAD_BYTES - cfg.dtype.itemsize)
-        if saved >= best.min_memory_bytes - cap:
+    c = best.config
+    if "reduce_dtype" not in fixed and c.dtype is DType.BF16 and c.pp > 1 and c.zero_stage >= 2 and c.dp_cp > 1:
+        # a rank's unsharded pipelined gradients at 2 bytes instead of 4: offered where that alone fits
+        modes = (fixed["recompute"],) if "recompute" in fixed else (Recompute.FULL,)
+        low = _frugal_peak(solver, replace(c, reduce_dtype=DType.BF16), modes)
+        if low <= cap:
             hints.append(
                 f"reduce_dtype='bf16' (pipeline stages then hold their gradients in 2 bytes per parameter, not 4: "
-                f"about {size(saved)} less)"
+                f"{size(_frugal_peak(solver, c, modes) - low)} less)"
             )
     states = graph.num_params * (MASTER_BYTES + GRAD_BYTES + optimizer_state_bytes(optimizer))
     budget = budget_bytes(cluster.device.memory)

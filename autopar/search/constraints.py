@@ -64,6 +64,11 @@ def check_constraints(
             f"constraint dp_shard={shard} with zero_stage={out['zero_stage']} is not allowed: HSDP shards through "
             f"FSDP2, which needs zero_stage 2 or 3; set zero_stage=2 or 3, or drop dp_shard."
         )
+    if out.get("reduce_dtype", DType.BF16) not in (DType.FP32, DType.BF16):
+        raise ConfigError(
+            f"constraint reduce_dtype={out['reduce_dtype'].value!r} is not allowed: gradients reduce in 'fp32' (the "
+            f"default) or 'bf16' (with dtype='bf16'); use one of those."
+        )
     if out.get("reduce_dtype", DType.FP32) is not DType.FP32:  # FSDP2's reduce precision: ZeRO-2/3 only
         if "zero_stage" in out and out["zero_stage"] < 2:
             raise ConfigError(

@@ -46,7 +46,7 @@ from autopar.search.kernel_options import check_async_tp, check_fp8
 from autopar.search.scan import decided, search
 from autopar.search.solve import ConfigSolver, Outcome
 from autopar.search.space import micro_batch_range
-from autopar.vocab import ActivationLayout, Attention, Optimizer, Recompute
+from autopar.vocab import ActivationLayout, Attention, DType, Optimizer, Recompute
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -386,6 +386,12 @@ def _complete(
         )
     out.setdefault("virtual_stages", 2 if several else 1)  # a schedule of stages per rank: its fewest
     out.setdefault("schedule", "interleaved-1f1b" if out["virtual_stages"] > 1 else "1f1b")
+    reduce_dtype = out.get("reduce_dtype", DType.FP32)
+    if reduce_dtype is not DType.FP32 and "zero_stage" not in out:
+        raise ConfigError(
+            f"reduce_dtype={reduce_dtype.value!r} needs zero_stage 2 or 3, and estimate prices zero_stage=0 unless "
+            f"given; set zero_stage=2 or 3 too."
+        )
     out.setdefault("zero_stage", 0)
     out.setdefault("dp_shard", None)
     out.setdefault("sequence_parallel", False)

@@ -264,6 +264,16 @@ def enumerate_space(
             if pp > 1 and not graph.cuttable and "pp" not in c:
                 rejected.append(Rejection(what=f"pp={pp}", reason=CUT_NOTE, searched=("pp",)))
                 continue
+            if reduce_dtype is not DType.FP32 and dp * cp == 1:
+                rejected.append(
+                    Rejection(
+                        what=f"dp={dp} cp={cp}",
+                        reason=f"reduce_dtype={reduce_dtype.value!r} needs dp x cp > 1 (the gradients' reduction "
+                        f"over data-parallel ranks runs in it)",
+                        searched=("dp",),
+                    )
+                )
+                continue
             why_not = expert_rejection(c, dp, cp) or shard_rejection(c, dp, cp)
             if why_not:
                 rejected.append(why_not)
@@ -306,7 +316,7 @@ def enumerate_space(
                     # model states shard over dp x cp: context-parallel ranks hold the same weights
                     zeros = [c["zero_stage"]] if "zero_stage" in c else ([0] if dp * cp == 1 else list(ZERO_STAGES))
                     if reduce_dtype is not DType.FP32:  # FSDP2 reduces in it: ZeRO-2/3 only
-                        zeros = [z for z in zeros if z >= 2] or [2]
+                        zeros = [z for z in zeros if z >= 2]
                     sps = (
                         [c["sequence_parallel"]] if "sequence_parallel" in c else ([False, True] if tp > 1 else [False])
                     )

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 import autopar
+from autopar import explain
 from autopar.errors import ConfigError
+from autopar.export import export
 from autopar.models.llama import Llama, LlamaConfig
 from autopar.runtime.api import check_plan
 from autopar.vocab import ActivationLayout
@@ -78,3 +80,38 @@ def test_the_runtime_refuses_an_fp8_plan_priced_for_megatron():
     )
     with pytest.raises(ConfigError, match="keeps the FP8 layers' inputs in FP8, as Transformer Engine does"):
         check_plan(plan)
+
+
+def _plan(layout: str) -> autopar.Plan:
+    return autopar.estimate(
+        _llama(),
+        autopar.preset("dgx-h100", nodes=1),
+        {"dp": 4, "tp": 2, "pp": 1, "fp8": True, "compile": False, "micro_batch_size": 1},
+        global_batch_size=8,
+        seq_len=CFG.seq_len,
+        activations=layout,
+    )
+
+
+@pytest.mark.parametrize(
+    "target, name", [("torchtitan", "torchtitan"), ("deepspeed", "DeepSpeed"), ("accelerate", "Accelerate")]
+)
+def test_other_frameworks_are_told_they_keep_more_than_a_megatron_fp8_plan_predicts(target, name):
+    """torchtitan's float8 and the frameworks that write no FP8 keep the inputs in bf16."""
+    (note,) = [n for n in export(_plan("sequence-first"), to=target).notes if "keep their inputs in FP8" in n]
+    assert f"{name} keeps them in bf16, so expect more activation memory than predicted" in note
+    assert not [n for n in export(_plan("batch-first"), to=target).notes if "keep their inputs in FP8" in n]
+
+
+def test_megatron_is_told_its_fp8_keeps_less_only_against_a_batch_first_plan():
+    megatron = [n for n in export(_plan("sequence-first"), to="megatron").notes if "--fp8-format hybrid" in n]
+    runtime = [n for n in export(_plan("batch-first"), to="megatron").notes if "--fp8-format hybrid" in n]
+    assert len(megatron) == len(runtime) == 1
+    assert "expect less activation memory" in runtime[0] and "expect less" not in megatron[0]
+
+
+def test_explain_names_the_fp8_layers_the_plan_was_priced_for():
+    assert "FP8 matmuls    blocks' linear layers in FP8 (Transformer Engine's, inputs kept in FP8)" in explain(
+        _plan("sequence-first")
+    )
+    assert "(torchao float8, tensorwise scales)" in explain(_plan("batch-first"))

@@ -9,9 +9,11 @@ import pytest
 
 import autopar
 from autopar.cost.memory import state_bytes
-from autopar.errors import ConfigError, InfeasiblePlanError
+from autopar.errors import ConfigError, DeviceCountError, InfeasiblePlanError
 from autopar.export import ExportError, export
 from autopar.models import build_named_model
+from autopar.plan import ParallelConfig
+from autopar.present.units import size
 from autopar.vocab import DType, Optimizer
 
 from .test_export import variant
@@ -87,6 +89,7 @@ def test_the_search_reduces_in_fp32_unless_told():
         ({"reduce_dtype": "bf16", "zero_stage": 1}, "constraint reduce_dtype='bf16' with zero_stage=1 is not allowed"),
         ({"reduce_dtype": "bf16", "dtype": "fp16"}, "reduce_dtype='bf16' is not allowed with dtype='fp16'"),
         ({"reduce_dtype": "bf17"}, "constraint reduce_dtype='bf17' is not allowed; use one of 'fp32', 'bf16', 'fp16'"),
+        ({"reduce_dtype": "fp16"}, "constraint reduce_dtype='fp16' is not allowed: gradients reduce in 'fp32'"),
     ],
 )
 def test_a_reduction_the_runtime_cannot_run_is_refused_before_the_search(constraints, message):
@@ -132,17 +135,65 @@ def test_accelerate_is_told_to_keep_an_fp32_reduction(pipelined_plan):
 
 def test_a_pipelined_plan_that_does_not_fit_is_told_of_bf16_reduction_and_fits_with_it():
     """GPT-3 13B pinned to tp=2 pp=4 ZeRO-2 with full recomputation on 16 H100 cut to
-    22 GiB: nothing fits reducing in fp32, and the refusal names reduce_dtype='bf16',
-    with which the search finds a plan that fits."""
+    22 GiB: nothing fits reducing in fp32, and the refusal names reduce_dtype='bf16' with
+    what it saves, the difference of the two configurations' estimates; with it the search
+    finds a plan that fits."""
     cluster = autopar.preset("dgx-h100", nodes=2)
     memory = dataclasses.replace(cluster.device.memory, capacity_bytes=22 * GIB)
     small = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory=memory))
     fixed = {"tp": 2, "pp": 4, "zero_stage": 2, "recompute": "full", "micro_batch_size": 1, "compile": False}
     model = build_named_model("gpt3-13b")
-    with pytest.raises(
-        InfeasiblePlanError,
-        match="reduce_dtype='bf16' \\(pipeline stages then hold their gradients in 2 bytes per parameter, not 4: about 3.0 GiB less\\)",
-    ):
+    peaks = [
+        autopar.estimate(model, small, fixed | {"fp8": True, "reduce_dtype": r}, global_batch_size=32, seq_len=2048)
+        for r in ("fp32", "bf16")
+    ]
+    saved = size(peaks[0].prediction.memory_bytes_per_device - peaks[1].prediction.memory_bytes_per_device)
+    with pytest.raises(InfeasiblePlanError) as err:
         autopar.plan(model, small, global_batch_size=32, seq_len=2048, constraints=fixed)
+    assert (
+        f"reduce_dtype='bf16' (pipeline stages then hold their gradients in 2 bytes per parameter, not 4: {saved} less)"
+        in str(err.value)
+    )
     fits = autopar.plan(model, small, global_batch_size=32, seq_len=2048, constraints=fixed | {"reduce_dtype": "bf16"})
     assert fits.prediction.fits and fits.config.reduce_dtype is DType.BF16
+
+
+def test_the_hint_is_left_out_where_bf16_reduction_would_not_fit():
+    """Mixtral 8x7B pinned to pp=2 ep=4 ZeRO-2 on 8 H100 needs 111 GiB: bf16 reduction saves
+    far less than the 32 GiB over (a rank holds a quarter of each expert stack), so the
+    refusal does not offer it."""
+    with pytest.raises(InfeasiblePlanError) as err:
+        autopar.plan(
+            build_named_model("mixtral-8x7b"),
+            autopar.preset("dgx-h100", nodes=1),
+            global_batch_size=64,
+            seq_len=4096,
+            constraints={"schedule": "1f1b", "zero_stage": 2, "ep": 4, "pp": 2},
+        )
+    assert "no plan fits" in str(err.value) and "reduce_dtype" not in str(err.value)
+
+
+def test_one_replica_reduces_nothing():
+    """With dp x cp = 1 no gradient is reduced, and autopar's runtime wraps nothing in FSDP2:
+    refused as a configuration, and as a search with dp pinned to 1."""
+    with pytest.raises(ConfigError, match="reduce_dtype='bf16' needs data parallelism \\(dp x cp > 1, got 1\\)"):
+        ParallelConfig(dp=1, tp=1, pp=2, micro_batch_size=1, num_microbatches=2, zero_stage=2, reduce_dtype="bf16")
+    with pytest.raises(DeviceCountError, match="dp=1 cp=1: reduce_dtype='bf16' needs dp x cp > 1"):
+        autopar.plan(
+            build_named_model("gpt3-1.3b"),
+            autopar.preset("dgx-h100", nodes=1),
+            global_batch_size=64,
+            seq_len=2048,
+            constraints={"reduce_dtype": "bf16", "dp": 1},
+        )
+
+
+def test_estimate_names_its_default_zero_stage():
+    with pytest.raises(ConfigError, match="estimate prices zero_stage=0 unless given; set zero_stage=2 or 3 too"):
+        autopar.estimate(
+            build_named_model("gpt2-small"),
+            autopar.preset("dgx-h100", nodes=1),
+            {"reduce_dtype": "bf16"},
+            global_batch_size=64,
+            seq_len=1024,
+        )

@@ -86,8 +86,9 @@ class ParallelConfig:
             bytes of the reduce-scatter and of the unsharded gradients a pipeline stage
             holds until its last micro-batch, as Megatron-LM's ``--grad-reduce-in-bf16``
             does. The sharded gradient the optimizer reads stays fp32. Needs ZeRO-2/3
-            (FSDP2's ``fully_shard``) and ``dp * cp > 1``; it trades the sum's precision (8 mantissa bits)
-            for memory and bandwidth, so the search never picks it by itself.
+            (FSDP2's ``fully_shard``) and ``dp * cp > 1``; it trades the sum's precision
+            (8 mantissa bits) for memory and bandwidth, so the search never picks it by
+            itself.
     """
 
     dp: int

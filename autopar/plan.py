@@ -253,6 +253,12 @@ class PlanSettings:
     """The configuration was searched (``autopar.plan``); False where it was given and
     priced as it is (``autopar.estimate``)."""
 
+    @property
+    def megatron_kernels(self) -> bool:
+        """The plan is priced for Megatron-LM's kernels (sequence-first activations,
+        :attr:`autopar.vocab.ActivationLayout.megatron_kernels`)."""
+        return self.activations.megatron_kernels
+
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:

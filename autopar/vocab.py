@@ -223,6 +223,14 @@ class ActivationLayout(StrEnum):
     BATCH_FIRST = "batch-first"
     SEQUENCE_FIRST = "sequence-first"
 
+    @property
+    def megatron_kernels(self) -> bool:
+        """Whether a plan in this layout is priced for Megatron-LM's kernels as well:
+        Transformer Engine's FP8 layers keep their inputs in FP8
+        (:mod:`autopar.cost.fp8`), and fused kernels keep sequence-parallel shards
+        under compilation (:mod:`autopar.search.kernel_options`)."""
+        return self is ActivationLayout.SEQUENCE_FIRST
+
 
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 """ZeRO stages (Rajbhandari et al. 2020) as autopar's runtime realises them: 0 DDP;

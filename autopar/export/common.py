@@ -24,7 +24,7 @@ from autopar import codec
 from autopar.errors import ConfigError, PlanFormatError
 from autopar.plan import Plan
 from autopar.present.units import count
-from autopar.vocab import ActivationLayout, Recompute, TPStyle
+from autopar.vocab import Recompute, TPStyle
 
 
 class ExportError(ConfigError):
@@ -273,7 +273,7 @@ def fp8_inputs_note(plan: Plan, framework: str) -> str | None:
     """For an export other than Megatron-LM of an FP8 plan priced for Megatron-LM's kernels
     (its FP8 layers' inputs counted in FP8, as Transformer Engine keeps them): the
     framework keeps them in bf16, so the run holds more activations than predicted."""
-    if not plan.config.fp8 or plan.settings.activations is not ActivationLayout.SEQUENCE_FIRST:
+    if not plan.config.fp8 or not plan.settings.megatron_kernels:
         return None
     return (
         f"the plan was priced for Megatron-LM's kernels, whose FP8 layers keep their inputs in FP8; {framework} keeps "
@@ -292,7 +292,7 @@ def sequence_parallel_notes(plan: Plan, framework: str, *, megatron: bool) -> li
     if not plan.config.sequence_parallel:
         return []
     notes = [_regather_note(plan, framework, regathers=megatron)]
-    priced_first = plan.settings.activations is ActivationLayout.SEQUENCE_FIRST
+    priced_first = plan.settings.megatron_kernels
     if megatron and not priced_first:
         notes.append(
             f"{framework} lays activations out sequence-first, so its sequence-parallel collectives make none of "

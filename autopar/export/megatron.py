@@ -30,7 +30,7 @@ from autopar.export.common import (
 from autopar.export.megatron_model import model_args, router_args
 from autopar.export.shape import ModelShape
 from autopar.plan import Plan
-from autopar.vocab import ActivationLayout, DType, Optimizer, Recompute, Schedule
+from autopar.vocab import DType, Optimizer, Recompute, Schedule
 
 SCRIPT = "pretrain_gpt.py"
 """Megatron-LM's GPT pre-training entry point (Llama-style models run through it too)."""
@@ -91,7 +91,7 @@ def export_megatron(plan: Plan, shape: ModelShape | None) -> Export:
     args += {DType.BF16: ["--bf16"], DType.FP16: ["--fp16"], DType.FP32: []}[c.dtype]
     if c.fp8:
         args += ["--fp8-format", "hybrid"]
-        batch_first = plan.settings.activations is ActivationLayout.BATCH_FIRST
+        batch_first = not plan.settings.megatron_kernels
         notes.append(FP8_NOTE + (FP8_BATCH_FIRST_NOTE if batch_first else ""))
     if c.reduce_dtype is DType.BF16:  # --bf16 alone accumulates and reduces gradients in fp32
         args.append("--grad-reduce-in-bf16")

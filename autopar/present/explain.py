@@ -8,7 +8,7 @@ from collections import Counter, defaultdict
 from autopar.errors import ConfigError
 from autopar.plan import ParallelConfig, Plan
 from autopar.present.units import byte_unit, count, duration, per_second, size
-from autopar.vocab import ActivationLayout, DType, Recompute
+from autopar.vocab import DType, Recompute
 
 
 def _batch(samples: int, seq_len: int) -> str:
@@ -23,7 +23,7 @@ def explain(plan: Plan, *, top: int = 5) -> str:
         raise ConfigError(f"explain() takes a Plan (autopar.plan(...) or Plan.load(path)), got {type(plan).__name__}.")
     c, p, m, cl = plan.config, plan.prediction, plan.model, plan.cluster
     b = p.breakdown
-    first = plan.settings.activations is ActivationLayout.BATCH_FIRST  # else priced for Megatron-LM's kernels
+    megatron = plan.settings.megatron_kernels
     lines = [
         f"autopar {'plan' if plan.settings.searched else 'estimate'}: {m.name} ({count(m.num_params)} parameters) on "
         f"{cl.describe()}",
@@ -45,7 +45,7 @@ def explain(plan: Plan, *, top: int = 5) -> str:
         *_experts(plan),
         *_sharding(plan),
         *_option_line(plan, "compile", "Compiled", COMPILE_WAYS, always=True),
-        *_option_line(plan, "fp8", "FP8 matmuls", FP8_WAYS if first else MEGATRON_FP8_WAYS, always=False),
+        *_option_line(plan, "fp8", "FP8 matmuls", MEGATRON_FP8_WAYS if megatron else FP8_WAYS, always=False),
         *_option_line(plan, "async_tp", "Async TP", ASYNC_TP_WAYS, always=False),
         *_option_line(plan, "regather", "SP gathers", REGATHER_WAYS, always=False),
         "",

@@ -45,7 +45,6 @@ from autopar.plan import Plan
 from autopar.quiet import quiet_imports
 from autopar.runtime.compile import block_units
 from autopar.runtime.errors import FP8Error
-from autopar.vocab import ActivationLayout
 
 FP8_CAPABILITY = (8, 9)
 """The first CUDA compute capability with FP8 tensor cores (Ada, then Hopper)."""
@@ -105,7 +104,7 @@ def convert_blocks(stage: nn.Module, units: list[str], *, emulate: bool, float8:
 
 def check_saved_inputs(plan: Plan) -> None:
     """Refuse an FP8 plan priced for Megatron-LM's kernels (module docstring)."""
-    if plan.config.fp8 and plan.settings.activations is ActivationLayout.SEQUENCE_FIRST:
+    if plan.config.fp8 and plan.settings.megatron_kernels:
         raise ConfigError(
             "fp8=True priced for Megatron-LM's kernels (activations='sequence-first') keeps the FP8 layers' inputs "
             "in FP8, as Transformer Engine does; autopar's runtime (torchao) keeps them in bf16 and would hold more "

@@ -131,7 +131,7 @@ def plan(
     cluster = as_cluster(cluster)
     optimizer, attention = _option("optimizer", optimizer, Optimizer), _option("attention", attention, Attention)
     activations = _option("activations", activations, ActivationLayout)
-    megatron = activations is ActivationLayout.SEQUENCE_FIRST
+    megatron = activations.megatron_kernels
     fixed = check_constraints(constraints, megatron_kernels=megatron)
     measured = measurements(cluster, profile)
     seq_len, seq_note = _default_seq_len(model, seq_len, sample_input)
@@ -189,7 +189,7 @@ def estimate(
     cluster = as_cluster(cluster)
     optimizer, attention = _option("optimizer", optimizer, Optimizer), _option("attention", attention, Attention)
     activations = _option("activations", activations, ActivationLayout)
-    megatron = activations is ActivationLayout.SEQUENCE_FIRST
+    megatron = activations.megatron_kernels
     fixed = check_constraints(
         config.__dict__ if isinstance(config, ParallelConfig) else config, what="config", megatron_kernels=megatron
     )
@@ -283,7 +283,7 @@ def _noted(plan: Plan, match: LayerProfileMatch | None, seq_note: str | None, ac
     another shape, or matched without a model fingerprint), and a sequence-first
     pricing of a plan that has sequence-parallel collectives."""
     extra: tuple[str, ...] = (seq_note,) if seq_note else ()
-    if activations is ActivationLayout.SEQUENCE_FIRST and plan.config.sequence_parallel:
+    if activations.megatron_kernels and plan.config.sequence_parallel:
         extra += (SEQUENCE_FIRST_NOTE,)
     if match is not None:
         c = plan.config

@@ -31,6 +31,7 @@ def test_sequence_first_pricing_drops_the_copies_and_says_so():
     batch_first, sequence_first = _estimate("batch-first"), _estimate("sequence-first")
     assert sequence_first.settings.activations is ActivationLayout.SEQUENCE_FIRST
     assert batch_first.settings.activations is ActivationLayout.BATCH_FIRST
+    assert sequence_first.settings.megatron_kernels and not batch_first.settings.megatron_kernels
     assert any("sequence-first" in note for note in sequence_first.notes)
     assert not any("sequence-first" in note for note in batch_first.notes)
     per_copy = 2 * (2 * 2048 * 4096 * 2.0) / rates(autopar.preset("dgx-h100").device, DType.BF16).bytes_per_s
@@ -44,7 +45,8 @@ def test_a_plan_priced_sequence_first_round_trips(tmp_path):
     plan = _estimate("sequence-first")
     path = tmp_path / "plan.json"
     plan.save(path)
-    assert autopar.Plan.load(path).settings.activations is ActivationLayout.SEQUENCE_FIRST
+    loaded = autopar.Plan.load(path)
+    assert loaded.settings.activations is ActivationLayout.SEQUENCE_FIRST and loaded.settings.megatron_kernels
 
 
 def test_a_bad_layout_is_refused_in_one_line():

@@ -1,6 +1,7 @@
 """A plan as a DeepSpeed config JSON and the ``deepspeed`` launch line.
 
-DeepSpeed's config holds the batch arithmetic, the ZeRO stage and the precision. Its
+DeepSpeed's config holds the batch arithmetic, the ZeRO stage and the precisions: of
+the training, of the gradients' reduction and of their accumulation. Its
 tensor and pipeline parallelism for training come from Megatron-DeepSpeed (a fork of
 Megatron-LM that runs on the DeepSpeed engine), whose command-line flags set them; a
 plan with ``tp`` or ``pp`` above 1 is launched through it. JSON has no comments, so the
@@ -101,8 +102,11 @@ def export_deepspeed(plan: Plan, shape: ModelShape | None) -> Export:
         config["bf16"] = {"enabled": True}
     elif c.dtype is DType.FP16:
         config["fp16"] = {"enabled": True, **FP16_LOSS_SCALING}
-    if c.dtype is not DType.FP32:  # DeepSpeed reduces in the training precision unless told
+    if c.dtype is not DType.FP32:  # DeepSpeed reduces and accumulates in the training precision unless told
         config["communication_data_type"] = c.reduce_dtype.value
+        accumulation = _grad_accumulation(plan, config["zero_optimization"]["stage"], notes)
+        if accumulation:
+            config["data_types"] = accumulation
     recomputes = any(m is not Recompute.NONE for m in blocks.modes) or bool(blocks.others_recomputed)
     if recomputes:
         config["activation_checkpointing"] = dict(ACTIVATION_CHECKPOINTING)
@@ -183,6 +187,25 @@ def _zero_stage(plan: Plan, notes: list[str]) -> int:
             f"than the plan predicts)"
         )
     return c.zero_stage
+
+
+def _grad_accumulation(plan: Plan, stage: int, notes: list[str]) -> dict:
+    """``data_types``: gradients held and summed over micro-batches in the precision
+    autopar's runtime keeps them in, fp32, or bf16 where a pipelined plan reduces in bf16
+    (:mod:`autopar.cost.memory`). DeepSpeed 0.19 keeps them in the training precision
+    unless ``grad_accum_dtype`` says otherwise, and without ZeRO refuses any other
+    (``DeepSpeedEngine._do_optimizer_sanity_check``: "unsupported mix"), so at ``stage``
+    0 a note says what differs instead."""
+    c = plan.config
+    accumulate = DType.BF16 if c.reduce_dtype is DType.BF16 and c.pp > 1 else DType.FP32
+    if stage > 0:
+        return {"grad_accum_dtype": accumulate.value}
+    notes.append(
+        f"DeepSpeed without ZeRO keeps and accumulates gradients in {c.dtype.value} and refuses fp32 there "
+        f"(data_types.grad_accum_dtype): 2 bytes per parameter where the plan predicts fp32's 4, summed in "
+        f"{c.dtype.value}; make the plan with --set zero_stage=1 to keep them in fp32"
+    )
+    return {}
 
 
 def _plain_recompute_notes(blocks: Blocks, notes: list[str]) -> None:

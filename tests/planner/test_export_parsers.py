@@ -72,7 +72,13 @@ def cases(gpt2_plan, pipelined_plan, llama_plan):
         "llama-op-recompute": variant(llama, recompute=Recompute.OP),
         "llama-async-tp": variant(llama, sequence_parallel=True, compile=True, async_tp=True),
         "gpt2-zero3-bf16-reduce": variant(gpt2_plan, zero_stage=3, reduce_dtype="bf16"),
+        "gpt-tp-pp-bf16-reduce": variant(pipelined_plan, zero_stage=2, reduce_dtype="bf16"),
     }
+
+
+ACCUMULATED_IN_BF16 = {"gpt-tp-pp-bf16-reduce"}
+"""The cases whose gradients autopar's runtime sums over micro-batches in bf16 (pipelined,
+reduced in bf16: FSDP2 accumulates the unsharded bf16 ``.grad``); fp32 elsewhere."""
 
 
 def test_deepspeed_parses_every_export(cases, monkeypatch):
@@ -96,9 +102,31 @@ def test_deepspeed_parses_every_export(cases, monkeypatch):
         assert parsed.float16_config.enabled == (c.dtype.value == "fp16"), name
         reduced = {"bf16": torch.bfloat16, "fp32": torch.float32}[c.reduce_dtype.value]
         assert parsed.communication_data_type == (reduced if c.dtype.value != "fp32" else None), name
+        wrapper, accumulated = _deepspeed_gradients(parsed, pipelined=c.pp > 1)  # DeepSpeed's own choice
+        if c.dtype.value == "fp32":
+            assert (wrapper, accumulated) == (None, torch.float32), name
+        elif parsed.zero_optimization_stage == 0:  # it accumulates in the training precision only, and is told so
+            assert accumulated is {"bf16": torch.bfloat16, "fp16": torch.float16}[c.dtype.value], name
+            assert any("accumulates gradients in" in note for note in data["autopar"]["notes"]), name
+        else:
+            expected = torch.bfloat16 if name in ACCUMULATED_IN_BF16 else torch.float32
+            assert accumulated is expected, name
     wrong = types.SimpleNamespace(get_data_parallel_world_size=lambda: 3)
     with pytest.raises(AssertionError, match="train_batch_size is not equal"):
         ds_config.DeepSpeedConfig(json.loads(export(cases["gpt2-zero2"], to="deepspeed").text), mpu=wrong)
+
+
+def _deepspeed_gradients(parsed, *, pipelined: bool):
+    """The optimizer wrapper ``deepspeed.initialize`` picks for the config ``parsed`` and the
+    precision it accumulates gradients in, by ``DeepSpeedEngine``'s own methods on an engine
+    holding only the config (which raise for a mix DeepSpeed does not run)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    engine = DeepSpeedEngine.__new__(DeepSpeedEngine)
+    torch.nn.Module.__init__(engine)
+    engine._config, engine.pipeline_parallelism, engine.global_rank = parsed, pipelined, 0
+    wrapper = engine._do_optimizer_sanity_check(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))]))
+    return wrapper, engine.get_data_types()[1]
 
 
 def _torchtitan_config_manager(monkeypatch):

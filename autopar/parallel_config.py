@@ -13,6 +13,13 @@ from typing import Any
 from autopar.errors import ConfigError
 from autopar.vocab import ZERO_STAGES, DType, Recompute, Schedule
 
+ONE_REPLICA_REDUCES_NOTHING = (
+    "reduce_dtype='bf16' needs data parallelism (dp x cp > 1, got 1): it is the precision gradients are reduced in "
+    "over the data-parallel ranks, and one replica reduces none; use reduce_dtype='fp32'."
+)
+"""The refusal of a bf16 reduction without data parallelism, before any other of its
+requirements (no ZeRO stage would make it run)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
@@ -219,15 +226,12 @@ class ParallelConfig:
                 f"reduce_dtype={r.value!r} is not allowed with dtype={self.dtype.value!r}: gradients reduce in "
                 f"'fp32', or in 'bf16' under dtype='bf16'; use reduce_dtype='fp32'."
             )
+        if self.dp_cp == 1:  # first: no zero_stage would help
+            raise ConfigError(ONE_REPLICA_REDUCES_NOTHING)
         if self.zero_stage < 2:
             raise ConfigError(
                 f"reduce_dtype='bf16' needs zero_stage 2 or 3 (got {self.zero_stage}): FSDP2 reduces and accumulates "
                 f"the gradients in bf16; set zero_stage=2 or 3, or reduce_dtype='fp32'."
-            )
-        if self.dp_cp == 1:
-            raise ConfigError(
-                "reduce_dtype='bf16' needs data parallelism (dp x cp > 1, got 1): it is the precision gradients are "
-                "reduced in over the data-parallel ranks, and one replica reduces none; use reduce_dtype='fp32'."
             )
 
     def _check_ep(self) -> None:

@@ -40,6 +40,15 @@ def test_console_script_prints_the_version():
     assert out.strip() == f"autopar {autopar.__version__}"
 
 
+def test_python_dash_m_runs_the_same_command_line():
+    out = subprocess.run(
+        [sys.executable, "-m", "autopar", "--version"], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == f"autopar {autopar.__version__}"
+    refused = subprocess.run([sys.executable, "-m", "autopar", "plan"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+
+
 def test_license_file_is_the_license_the_metadata_names():
     project = PYPROJECT["project"]
     assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]

@@ -49,14 +49,14 @@ def export_accelerate(plan: Plan, shape: ModelShape | None) -> Export:
     c = plan.config
     if c.pp > 1:
         raise ExportError(
-            f"accelerate cannot run pipeline parallelism (the plan has pp={c.pp}); export to megatron, deepspeed "
-            f"or torchtitan, or make a plan with --set pp=1."
+            f"accelerate cannot run pipeline parallelism (the plan has pp={c.pp}); make a plan with --set pp=1 for "
+            f"accelerate."
         )
     if c.ep > 1:
         raise ExportError(
             f"accelerate's ParallelismConfig has no expert-parallel axis (the plan has ep={c.ep}; its Megatron-LM "
-            f"plugin's expert_model_parallel_size runs Megatron's own models); export to megatron, torchtitan or "
-            f"deepspeed, or make a plan with --set ep=1."
+            f"plugin's expert_model_parallel_size runs Megatron's own models); make a plan with --set ep=1 for "
+            f"accelerate."
         )
     if c.cp > 1:
         require_seq_multiple(plan, "Accelerate's context parallelism", {"2 x cp": 2 * c.cp})

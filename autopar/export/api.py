@@ -66,7 +66,28 @@ def export(plan: Plan | str | Path, to: str, *, model: nn.Module | str | None = 
     shape = shape_of(model, loaded) if model is not None else None
     if shape is not None:
         require_experts(loaded, shape)
-    return exporter(loaded, shape)
+    try:
+        return exporter(loaded, shape)
+    except ExportError as exc:
+        raise ExportError(f"{exc} {_elsewhere(loaded, shape, to)}") from None
+
+
+def _elsewhere(plan: Plan, shape: ModelShape | None, refused: str) -> str:
+    """Which other targets export ``plan`` as it is (each exporter tried), so that a
+    refusal never sends the user to a target that refuses the same plan."""
+    takers = []
+    for name, exporter in EXPORTERS.items():
+        if name == refused:
+            continue
+        try:
+            exporter(plan, shape)
+        except ExportError:
+            continue
+        takers.append(name)
+    if not takers:
+        return "No other target exports this plan as it is either."
+    listed = f"{', '.join(takers[:-1])} and {takers[-1]}" if len(takers) > 1 else takers[0]
+    return f"This plan exports as it is to {listed}."
 
 
 def exporter_for(to: str) -> Callable[[Plan, ModelShape | None], Export]:

@@ -22,6 +22,7 @@ from typing import Any
 
 from autopar import codec
 from autopar.errors import ConfigError, PlanFormatError
+from autopar.graph.decoders import causal_lm_class, transformers_class
 from autopar.plan import Plan
 from autopar.present.units import count
 from autopar.vocab import Recompute, TPStyle
@@ -352,6 +353,23 @@ def experts_split_over_tp_note(plan: Plan, framework: str) -> str:
         f"plan keeps whole experts on each tp rank: expert memory is 1/{plan.config.tp} of the prediction and "
         f"tensor-parallel communication differs"
     )
+
+
+def require_decoder(plan: Plan, trainer: str) -> None:
+    """ExportError unless the plan's model is one ``trainer`` builds: a decoder-only causal
+    language model (Megatron-LM's and Megatron-DeepSpeed's ``pretrain_gpt.py``, torchtitan
+    build their own from flags or a flavor). A model that takes no token sequence (an image
+    model, an MLP) is not one, nor a transformers class its causal-LM registry does not
+    list (a bidirectional encoder such as BERT, an encoder-decoder): the trainer would
+    launch another network than the one planned. Any other model passes, its sizes noted."""
+    m = plan.model
+    if m.seq_len <= 1:
+        kind = "takes no token sequence"
+    elif transformers_class(m.name) and not causal_lm_class(m.name):
+        kind = "is not a decoder-only causal language model (transformers' causal-LM classes do not list it)"
+    else:
+        return
+    raise ExportError(f"{trainer} trains the decoder-only causal language models it builds, and {m.name} {kind}.")
 
 
 def require_seq_multiple(plan: Plan, framework: str, factors: dict[str, int]) -> None:

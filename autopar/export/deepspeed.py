@@ -33,6 +33,7 @@ from autopar.export.common import (
     kernel_options_note,
     mixed_recompute_note,
     outside_blocks_note,
+    require_decoder,
     sequence_parallel_notes,
     shell_line,
     tp_note,
@@ -79,9 +80,10 @@ def export_deepspeed(plan: Plan, shape: ModelShape | None) -> Export:
     if c.cp > 1:
         raise ExportError(
             f"deepspeed has no ring-attention context parallelism (the plan has cp={c.cp}; its Ulysses sequence "
-            f"parallelism is another algorithm); export to megatron, torchtitan or accelerate, or make a plan with "
-            f"--set cp=1."
+            f"parallelism is another algorithm); make a plan with --set cp=1 for deepspeed."
         )
+    if c.tp > 1 or c.pp > 1:
+        require_decoder(plan, f"Megatron-DeepSpeed's {MEGATRON_DEEPSPEED_SCRIPT} (which tp > 1 or pp > 1 needs)")
     blocks = blocks_of(plan)
     notes: list[str] = []
     config: dict = {
@@ -135,27 +137,27 @@ def _expert_parallel(plan: Plan, shape: ModelShape | None, notes: list[str]) -> 
     of the model's transformers family when the model is given (AutoEP detects it from
     the model otherwise)."""
     c = plan.config
+    experts = shape.experts if shape is not None else None
+    if experts is None and plan.model.name == MoELlama.__name__:  # the plan names autopar's own model
+        raise _no_autoep("autopar's mixture-of-experts Llama")
+    preset = AUTOEP_PRESETS.get(experts.model_type or "") if experts is not None else None
+    if experts is not None and preset is None:
+        raise _no_autoep(
+            f"model_type {experts.model_type!r}" if experts.model_type else "autopar's mixture-of-experts Llama"
+        )
     if c.tp > 1 or c.pp > 1:
         raise ExportError(
             f"deepspeed's expert parallelism (AutoEP) replaces a transformers model's MoE layers and does not run "
-            f"under Megatron-DeepSpeed, which the plan's tp={c.tp} pp={c.pp} needs; export to megatron or "
-            f"torchtitan, or make a plan with --set tp=1 --set pp=1."
+            f"under Megatron-DeepSpeed, which the plan's tp={c.tp} pp={c.pp} needs; make a plan with --set tp=1 "
+            f"--set pp=1 for deepspeed."
         )
-    experts = shape.experts if shape is not None else None
     section: dict = {"enabled": True, "autoep_size": c.ep}
-    if experts is None and plan.model.name == MoELlama.__name__:  # the plan names autopar's own model
-        raise _no_autoep("autopar's mixture-of-experts Llama")
     if experts is None:
         notes.append(
             "AutoEP finds the MoE layers when deepspeed.initialize is given a transformers model it has a preset for "
             f"({', '.join(sorted(set(AUTOEP_PRESETS.values())))}); add expert_parallel.preset_model to name one"
         )
         return section
-    preset = AUTOEP_PRESETS.get(experts.model_type or "")
-    if preset is None:
-        raise _no_autoep(
-            f"model_type {experts.model_type!r}" if experts.model_type else "autopar's mixture-of-experts Llama"
-        )
     return {**section, "preset_model": preset}
 
 
@@ -163,8 +165,7 @@ def _no_autoep(kind: str) -> ExportError:
     """The refusal of an expert-parallel plan for a model AutoEP has no preset for."""
     return ExportError(
         f"deepspeed's expert parallelism (AutoEP) replaces the MoE layers of transformers models of types "
-        f"{', '.join(AUTOEP_PRESETS)} only, not {kind}; export to megatron or torchtitan, or make a plan with "
-        f"--set ep=1."
+        f"{', '.join(AUTOEP_PRESETS)} only, not {kind}; make a plan with --set ep=1 for deepspeed."
     )
 
 

@@ -21,6 +21,7 @@ from autopar.export.common import (
     kernel_options_note,
     mixed_recompute_note,
     outside_blocks_note,
+    require_decoder,
     require_seq_multiple,
     sequence_parallel_notes,
     shell_line,
@@ -62,7 +63,8 @@ FP8_BATCH_FIRST_NOTE = (
 def export_megatron(plan: Plan, shape: ModelShape | None) -> Export:
     """The Megatron-LM launch script of ``plan``; ``shape`` fills the model's sizes.
     Raises ExportError for a context-parallel plan whose sequence length Megatron cannot
-    split."""
+    split, and for a model that is not a decoder-only causal language model."""
+    require_decoder(plan, f"Megatron-LM's {SCRIPT}")
     c = plan.config
     blocks = blocks_of(plan)
     notes: list[str] = []

@@ -32,6 +32,7 @@ from autopar.export.common import (
     header,
     mixed_recompute_note,
     outside_blocks_note,
+    require_decoder,
     require_seq_multiple,
     sequence_parallel_notes,
     shell_line,
@@ -59,13 +60,15 @@ def export_torchtitan(plan: Plan, shape: ModelShape | None) -> Export:
     """The torchtitan job config of ``plan``. torchtitan builds the model from its own
     ``[model]`` name and flavor: ``shape`` only says whether the model has experts, and
     whether they drop tokens (torchtitan's do not), for the notes. Raises ExportError for a sequence length
-    torchtitan's models cannot split, and for gradients reduced in bf16, which torchtitan does not offer."""
+    torchtitan's models cannot split, for gradients reduced in bf16, which torchtitan does not offer, and for a
+    model that is not a decoder-only causal language model."""
+    require_decoder(plan, "torchtitan")
     c = plan.config
     if c.reduce_dtype is not DType.FP32:
         raise ExportError(
             f"torchtitan reduces gradients in float32 only (training.mixed_precision_reduce), and the plan reduces "
             f"them in {c.reduce_dtype.value}, holding half the gradient bytes it would: make the plan with --set "
-            f"reduce_dtype=fp32 for torchtitan, or export to megatron or deepspeed."
+            f"reduce_dtype=fp32 for torchtitan."
         )
     # its models assert it: tensor parallelism shards the sequence over tp, context
     # parallelism cuts it into 2 x cp chunks

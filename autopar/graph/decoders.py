@@ -21,16 +21,32 @@ def decoder_blocks(model: nn.Module, units: Iterable[str]) -> str | None:
     transformers decoder-only causal LM (a class transformers' own causal-LM registry
     lists, not an encoder-decoder) with its blocks in one list; None for any other
     model. That is the layout :mod:`autopar.runtime.decoder_stages` cuts."""
-    if not type(model).__module__.startswith("transformers."):
-        return None
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    if type(model).__name__ not in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
+    if not type(model).__module__.startswith("transformers.") or not causal_lm_class(type(model).__name__):
         return None
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         return None
     parents = {u.rpartition(".")[0] for u in units if isinstance(_parent(model, u), nn.ModuleList)}
     return parents.pop() if len(parents) == 1 else None
+
+
+def causal_lm_class(name: str) -> bool:
+    """Whether ``name`` is a class transformers' own causal-LM registry lists (a
+    decoder-only language model with its head, as ``AutoModelForCausalLM`` builds);
+    False for any other name, or without transformers."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        return False
+    return name in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
+def transformers_class(name: str) -> bool:
+    """Whether transformers (if installed) exports a model class named ``name``."""
+    try:
+        import transformers
+    except ImportError:
+        return False
+    return isinstance(getattr(transformers, name, None), type)
 
 
 def uncuttable_unit(model: nn.Module, units: Iterable[str]) -> tuple[str, str] | None:

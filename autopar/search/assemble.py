@@ -6,21 +6,22 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from autopar.cost.leaf import padded
 from autopar.cost.memory import GRAD_BYTES, MASTER_BYTES, optimizer_state_bytes
 from autopar.cost.peak import budget_bytes, frugal_peak_bytes
-from autopar.errors import InfeasiblePlanError
+from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.graph.layer_graph import LayerGraph
+from autopar.hardware.cluster import MAX_DEVICES
 from autopar.models.experts import ROUTED_FORM
 from autopar.plan import Alternative, LayerStrategies, ModelSummary, ParallelConfig, Plan, PlanSettings
 from autopar.present.units import count, size
 from autopar.search.scan import SearchResult
 from autopar.search.solve import ConfigSolver, Outcome
-from autopar.search.space import CP_MIN_TOKENS, CUT_NOTE, ring_blocker
+from autopar.search.space import CP_MIN_TOKENS, CUT_NOTE, enumerate_space, ring_blocker
 from autopar.vocab import DType, Optimizer, Recompute, TPStyle
 
 
@@ -108,7 +109,9 @@ def infeasible_error(
     states (taken to stay as it is). Where that alone overflows a device (activations
     and transients per sample), more nodes do not help by themselves: only where the
     states outgrow the cluster are nodes suggested then, as many as they need alone (a
-    lower bound)."""
+    lower bound). Each count suggested is one where a configuration exists for the
+    global batch under the constraints (the search's own space, not priced): the
+    estimate, or the next such count above it."""
     cluster = solver.model.cluster
     best = _least_memory(result, solver, (fixed["recompute"],) if "recompute" in fixed else (Recompute.FULL,))
     cap = cluster.device.memory.capacity_bytes
@@ -134,18 +137,22 @@ def infeasible_error(
     devices = math.ceil(states / budget)
     rest = best.min_memory_bytes - states / cluster.world_size  # what the best case holds beside its states
     beside = (
-        f"its states sharded over them beside the best case's {size(rest)} of activations and buffers; a count "
-        f"whose degrees shard less needs more, and fewest_nodes finds the first that fits"
+        f"an estimate: its states sharded over them beside the best case's {size(rest)} of activations and buffers; "
+        f"a count whose degrees shard less needs more, and autopar.present.whatif.fewest_nodes finds the first "
+        f"that fits"
     )
-    least = math.ceil(devices / cluster.devices_per_node)
+    usable = _usable_nodes(graph, solver, fixed)
+    least = usable(math.ceil(devices / cluster.devices_per_node))
     alone = f"its weights, gradients and {optimizer.value} states alone fill {devices} devices, fully sharded"
     if rest < budget:
-        nodes = max(math.ceil(states / (budget - rest) / cluster.devices_per_node), cluster.nodes + 1, least)
-        if devices > cluster.world_size and least < nodes:
+        nodes = usable(max(math.ceil(states / (budget - rest) / cluster.devices_per_node), cluster.nodes + 1))
+        if least is not None and nodes is not None and least > nodes:
+            nodes = least
+        if devices > cluster.world_size and least is not None and nodes is not None and least < nodes:
             hints.append(f"{least} to {nodes} nodes ({alone}: {least}; {beside}: {nodes})")
-        else:
+        elif nodes is not None:
             hints.append(f"about {nodes} nodes ({beside})")
-    elif devices > cluster.world_size:
+    elif devices > cluster.world_size and least is not None:
         hints.append(f"at least {least} nodes ({alone})")
     tries = "".join(f"{hint}, " for hint in hints) + ("or " if hints else "")
     smaller = "a smaller micro-batch or sequence length" if cfg.micro_batch_size > 1 else "a shorter sequence"
@@ -158,6 +165,36 @@ def infeasible_error(
         min_memory_bytes=best.min_memory_bytes,
         capacity_bytes=cap,
     )
+
+
+def _usable_nodes(graph: LayerGraph, solver: ConfigSolver, fixed: Mapping[str, Any]) -> Callable[[int], int | None]:
+    """A function from a node count to the first count from it up (at most twice it, and
+    within autopar's largest cluster) where the search's space holds a configuration for
+    the global batch under ``fixed``, or None: so that a count suggested is one the
+    constraints and the batch allow (a batch of 64 on 5 nodes of 8 has no data-parallel
+    degree of 40 to divide it)."""
+    model = solver.model
+    cluster = model.cluster
+    most = MAX_DEVICES // cluster.devices_per_node
+
+    def has_space(nodes: int) -> bool:
+        try:
+            space, _ = enumerate_space(
+                graph,
+                replace(cluster, nodes=nodes),
+                model.global_batch_size,
+                fixed,
+                fold_shard_groups=True,
+                megatron_kernels=not model.batch_first,
+            )
+        except ConfigError:  # a pinned degree that this count cannot hold
+            return False
+        return bool(space)
+
+    def usable(nodes: int) -> int | None:
+        return next((n for n in range(nodes, min(2 * nodes, most) + 1) if has_space(n)), None)
+
+    return usable
 
 
 def _least_memory(result: SearchResult, solver: ConfigSolver, modes: tuple[Recompute, ...]) -> Outcome:

@@ -35,6 +35,7 @@ from autopar.graph.layer_graph import LayerGraph
 from autopar.hardware.cluster import Cluster
 from autopar.hardware.presets import parse_cluster
 from autopar.models.positions import check_seq_len, longest_length_note, max_positions
+from autopar.parallel_config import ONE_REPLICA_REDUCES_NOTHING
 from autopar.plan import ParallelConfig, Plan, PlanSettings
 from autopar.profiles.apply import Measurements, measurements
 from autopar.profiles.identity import LayerProfileMatch, match_layer_profile
@@ -387,6 +388,8 @@ def _complete(
     out.setdefault("virtual_stages", 2 if several else 1)  # a schedule of stages per rank: its fewest
     out.setdefault("schedule", "interleaved-1f1b" if out["virtual_stages"] > 1 else "1f1b")
     reduce_dtype = out.get("reduce_dtype", DType.FP32)
+    if reduce_dtype is not DType.FP32 and out["dp"] * out["cp"] == 1:  # first: no zero_stage would help
+        raise ConfigError(ONE_REPLICA_REDUCES_NOTHING)
     if reduce_dtype is not DType.FP32 and "zero_stage" not in out:
         raise ConfigError(
             f"reduce_dtype={reduce_dtype.value!r} needs zero_stage 2 or 3, and estimate prices zero_stage=0 unless "

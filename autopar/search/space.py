@@ -156,9 +156,10 @@ def ring_blocker(graph: LayerGraph) -> str | None:
     return None
 
 
-def check_context_parallel(graph: LayerGraph, constraints: Mapping[str, Any]) -> None:
+def check_context_parallel(graph: LayerGraph, constraints: Mapping[str, Any], world: int) -> None:
     """A fixed ``cp > 1`` needs attention that ring attention runs (:func:`ring_blocker`)
-    and a sequence that splits into ``2 cp`` equal chunks; said at once, in one line."""
+    and a sequence that splits into ``2 cp`` equal chunks; said at once, in one line, with
+    the degrees that would split it among those that divide the ``world`` devices."""
     cp = constraints.get("cp", 1)
     if cp == 1:
         return
@@ -168,7 +169,8 @@ def check_context_parallel(graph: LayerGraph, constraints: Mapping[str, Any]) ->
         at = f" at seq_len={graph.seq_len}" if masked else ""  # a window is narrower than this sequence
         raise ConfigError(f"cp={cp} is not allowed for {graph.name}{at}: {why}; use cp=1.")
     if graph.seq_len % (2 * cp):
-        allowed = [d for d in range(2, graph.seq_len // 2 + 1) if graph.seq_len % (2 * d) == 0][:8]
+        allowed = [d for d in range(2, min(graph.seq_len // 2, world) + 1) if not graph.seq_len % (2 * d) + world % d]
+        allowed = allowed[:8]
         other = f"a cp in {allowed} or " if allowed else "cp=1 or "  # an odd length splits for no cp > 1
         raise ConfigError(
             f"cp={cp} is not allowed with seq_len={graph.seq_len}: head-tail load balancing splits each "
@@ -222,7 +224,7 @@ def enumerate_space(
             f"devices: {allowed_tp}."
         )
     check_schedule_constraints(c, graph)
-    check_context_parallel(graph, c)
+    check_context_parallel(graph, c, world)
     check_expert_parallel(graph, c)
     check_degrees(c, world)  # after the checks that hold at any device count
     tps = [c["tp"]] if "tp" in c else allowed_tp

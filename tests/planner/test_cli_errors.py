@@ -130,6 +130,10 @@ CLI_CASES = {
         "plan --model gpt2-small --seq-len 15 --global-batch-size 8 --cluster dgx-a100-80gb:1 --set cp=2",
         ["cp=2 is not allowed with seq_len=15", "use cp=1 or a sequence length divisible by 4."],
     ),
+    "a ring degree that cuts no sequence, on 16 devices": (
+        "plan --model gpt2-small --seq-len 1000 --global-batch-size 8 --cluster dgx-a100-80gb:2 --set cp=3",
+        ["cp=3 is not allowed with seq_len=1000", "use a cp in [2, 4] or"],  # 5, 10, 20... cut 1000, not 16
+    ),
     # sizes, degrees and clusters
     "output is a folder": (f"{CPU} --out {{d}}", ["--out", "cannot be written", "file path"]),
     "output of no name": (f"{CPU} --out ''", ["--out ''", "cannot be written", "file path"]),

@@ -163,7 +163,7 @@ def test_a_fixed_cp_is_checked_at_once(model):
 def test_cp_on_a_model_without_sdpa_is_refused_in_one_line():
     mlp = extract(MLPStack(MLPConfig(in_dim=64, dim=64, ffn_dim=128, n_layers=2)), sample_input=torch.zeros(4, 64))
     with pytest.raises(ConfigError, match="cp=2 is not allowed for MLPStack: context parallelism replaces"):
-        check_context_parallel(mlp, {"cp": 2})
+        check_context_parallel(mlp, {"cp": 2}, 8)
 
 
 def test_context_parallel_ranks_alone_shard_the_model_states(long_graph):
@@ -257,7 +257,7 @@ def test_a_sliding_window_narrower_than_the_sequence_is_not_offered_a_ring(windo
     assert graph.ring_attention is ring
     assert (2 in cp_degrees(graph, 8, {})) is ring
     if ring:
-        check_context_parallel(graph, {"cp": 2})
+        check_context_parallel(graph, {"cp": 2}, 8)
     else:
         with pytest.raises(ConfigError, match=r"cp=2 is not allowed for MistralForCausalLM at seq_len=16384"):
-            check_context_parallel(graph, {"cp": 2})
+            check_context_parallel(graph, {"cp": 2}, 8)

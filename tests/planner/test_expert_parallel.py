@@ -274,7 +274,7 @@ def test_context_parallelism_is_not_offered_to_capacity_bounded_experts(graph):
     long = dataclasses.replace(graph, seq_len=4 * 8192)
     assert cp_degrees(long, 8, {}) == [1]
     with pytest.raises(ConfigError, match="cp=2 is not allowed for MoELlama: its capacity-bounded experts") as info:
-        check_context_parallel(long, {"cp": 2})
+        check_context_parallel(long, {"cp": 2}, 8)
     assert "\n" not in str(info.value)
     mixtral = dataclasses.replace(extract(_mixtral(), seq_len=32, dtype="bf16"), seq_len=4 * 8192)
     assert cp_degrees(mixtral, 8, {}) == [1, 2, 4]

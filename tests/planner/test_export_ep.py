@@ -235,7 +235,12 @@ def test_deepspeed_autoep_reads_the_section_and_finds_the_experts(mixtral, moe_p
 
 
 def test_refusals_are_one_line(moe_plans, mixtral, tiny_gpt, tmp_path, capsys):
+    model, plan = mixtral
+    tp2 = replace(plan, config=replace(plan.config, tp=2, dp=2, num_microbatches=2 * plan.config.num_microbatches))
     with pytest.raises(ExportError, match=r"^deepspeed's .* does not run under Megatron-DeepSpeed, .* tp=2 pp=1"):
+        export(tp2, to="deepspeed")
+    # a model AutoEP cannot take is refused as such first: no --set tp=1 that would be refused in turn
+    with pytest.raises(ExportError, match=r"not autopar's mixture-of-experts Llama; make a plan with --set ep=1 for"):
         export(moe_plans["tp2-dp4-ep2"], to="deepspeed")
     plan = moe_plans["dp4-ep2"]
     # the plan names autopar's own model, which AutoEP has no preset for, with --model or without

@@ -36,3 +36,29 @@ def test_a_sliding_window_at_a_long_sequence_says_context_parallelism_is_out():
         "mask (a sliding window narrower than the sequence, or bidirectional attention), which the causal ring of "
         "context parallelism cannot compute."
     )
+
+
+def test_suggested_node_counts_hold_a_configuration_for_the_batch():
+    """Llama 3 70B on one node of 8 H100, batch 64, pinned to pp=1 without recomputation:
+    the refusal's node counts are ones where the batch divides over the data-parallel
+    ranks for some tensor-parallel degree (8 n / tp divides 64, counted by hand; 5 nodes,
+    the memory estimate's count, has none: 40, 20, 10, 5), and planning at the largest
+    count suggested is not refused for the batch."""
+    import re
+
+    from autopar.models import build_named_model
+
+    model = build_named_model("llama3-70b")
+    pins = {"recompute": "none", "pp": 1}
+    with pytest.raises(InfeasiblePlanError) as err:
+        autopar.plan(model, "dgx-h100:1", global_batch_size=64, seq_len=4096, constraints=pins)
+    message = str(err.value)
+    assert "an estimate" in message and "fewest_nodes finds the first that fits" in message
+    hint = re.search(r"Try .*?(\d+) to (\d+) nodes", message)
+    counts = [int(n) for n in hint.groups()]
+    for n in counts:
+        assert any(64 % (8 * n // tp) == 0 for tp in (1, 2, 4, 8)), n
+    try:
+        autopar.plan(model, f"dgx-h100:{max(counts)}", global_batch_size=64, seq_len=4096, constraints=pins)
+    except InfeasiblePlanError:
+        pass  # memory, not the batch

@@ -188,6 +188,19 @@ def test_one_replica_reduces_nothing():
         )
 
 
+def test_estimate_names_what_a_bf16_reduction_lacks_first():
+    """On 8 devices at tp=8, dp x cp is 1: no ZeRO stage would make the reduction run, so
+    that is what the refusal names, not the zero_stage it would ask for next."""
+    with pytest.raises(ConfigError, match="reduce_dtype='bf16' needs data parallelism \\(dp x cp > 1, got 1\\)"):
+        autopar.estimate(
+            build_named_model("gpt2-small"),
+            autopar.preset("dgx-h100", nodes=1),
+            {"reduce_dtype": "bf16", "tp": 4, "pp": 2},
+            global_batch_size=64,
+            seq_len=1024,
+        )
+
+
 def test_estimate_names_its_default_zero_stage():
     with pytest.raises(ConfigError, match="estimate prices zero_stage=0 unless given; set zero_stage=2 or 3 too"):
         autopar.estimate(

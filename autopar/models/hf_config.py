@@ -319,7 +319,9 @@ def _model_of(config: Any, trust_remote_code: bool, transformers: Any) -> HFMode
             f"and {config.model_type} has none; add the class to build to the config, e.g. "
             f'"architectures": ["{base}"].'
         )
-    return HFModel(config, cls.__name__, lambda: cls._from_config(config), _default_note(cls.__name__))
+    return HFModel(
+        config, cls.__name__, lambda: cls._from_config(config, dtype=torch.float32), _default_note(cls.__name__)
+    )
 
 
 def _named_class(config: Any, name: str, trust_remote_code: bool, transformers: Any) -> HFModel:
@@ -335,8 +337,9 @@ def _named_class(config: Any, name: str, trust_remote_code: bool, transformers: 
                 f"{FLAG}: architectures names {name}, a {cls.config_class.model_type} model, but the config's "
                 f"model_type is {config.model_type!r}; make the two agree."
             )
-        # _from_config is what the Auto classes' from_config calls: random init, the config's dtype
-        return HFModel(config, name, lambda: cls._from_config(config), None)
+        # _from_config is what the Auto classes' from_config calls: random init, in fp32 (the
+        # master weights autopar's runtime keeps) whatever torch_dtype the checkpoint's config names
+        return HFModel(config, name, lambda: cls._from_config(config, dtype=torch.float32), None)
     auto_map = getattr(config, "auto_map", None) or {}
     auto = next((key for key, ref in auto_map.items() if ref.rpartition(".")[2] == name), None)
     if trust_remote_code and auto is not None and auto != "AutoConfig":
@@ -350,7 +353,7 @@ def _named_class(config: Any, name: str, trust_remote_code: bool, transformers: 
 
 def _remote(config: Any, auto: Any, name: str, note: str | None) -> HFModel:
     """A custom-code model, built through the Auto class its ``auto_map`` lists."""
-    return HFModel(config, name, lambda: auto.from_config(config, trust_remote_code=True), note)
+    return HFModel(config, name, lambda: auto.from_config(config, trust_remote_code=True, dtype=torch.float32), note)
 
 
 def _default_note(name: str) -> str:

@@ -193,14 +193,14 @@ def _option_line(plan: Plan, option: str, label: str, ways: tuple[str, str, str,
 COMPILE_WAYS = (
     "blocks compiled (torch.compile: element-wise ops fused between matmuls)",
     "blocks run eager",
-    "eager (--set compile=false)",
-    "compiled (--set compile=true)",
+    "this configuration eager",
+    "this configuration compiled",
 )
 FP8_WAYS = (
     "blocks' linear layers in FP8 (torchao float8, tensorwise scales)",
     "off",
-    "bf16 (--set fp8=false)",
-    "FP8 (--set fp8=true)",
+    "this configuration in bf16",
+    "this configuration in FP8",
 )
 MEGATRON_FP8_WAYS = (
     "blocks' linear layers in FP8 (Transformer Engine's, inputs kept in FP8)",
@@ -209,14 +209,14 @@ MEGATRON_FP8_WAYS = (
 ASYNC_TP_WAYS = (
     "sequence-parallel collectives fused with their matmuls (torch's micro-pipeline TP)",
     "off",
-    "synchronous (--set async_tp=false)",
-    "asynchronous (--set async_tp=true)",
+    "this configuration synchronous",
+    "this configuration asynchronous",
 )
 REGATHER_WAYS = (
     "shards kept, gathered again in the backward (Megatron-LM's sequence parallelism)",
     "gathered copies held for the backward",
-    "holding them (--set regather=false)",
-    "keeping shards (--set regather=true)",
+    "this configuration holding them",
+    "this configuration keeping shards",
 )
 
 

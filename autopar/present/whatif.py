@@ -88,7 +88,9 @@ def fewest_nodes(
     """
     check_positive_int("max_nodes", max_nodes)
     cluster = as_cluster(cluster)
-    max_nodes = min(max_nodes, MAX_DEVICES // cluster.devices_per_node)  # the largest cluster autopar plans
+    largest = MAX_DEVICES // cluster.devices_per_node  # the largest cluster autopar plans
+    capped = max_nodes < largest  # the caller's bound, not autopar's, stopped the search
+    max_nodes = min(max_nodes, largest)
     megatron = str(plan_kwargs.get("activations", "")) == ActivationLayout.SEQUENCE_FIRST
     # read for the precision, and refused before any plan
     fixed = check_constraints(plan_kwargs.get("constraints"), megatron_kernels=megatron)
@@ -132,8 +134,12 @@ def fewest_nodes(
         )
     if found is None:
         raise InfeasiblePlanError(
-            f"no plan fits on up to {max_nodes} nodes of {cluster.kind}; the "
-            f"model needs another device type or a smaller batch/sequence.",
+            f"no plan fits on up to {max_nodes} nodes of {cluster.kind}; "
+            + (
+                f"raise max_nodes above {max_nodes}, or give a smaller batch or sequence."
+                if capped
+                else "the model needs another device type or a smaller batch or sequence."
+            ),
             min_memory_bytes=float("inf"),
             capacity_bytes=cluster.device.memory.capacity_bytes,
         )

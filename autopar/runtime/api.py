@@ -269,6 +269,15 @@ def _check_model(model: nn.Module, plan: Plan) -> None:
             f"{plan.model.fingerprint}); this {type(model).__name__} has fingerprint {fingerprint} "
             f"(parameter names or shapes differ). Make a plan for this model."
         )
+    low = next(
+        ((n, p.dtype) for n, p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32), None
+    )
+    if low is not None:
+        raise PlanMismatchError(
+            f"parameter {low[0]} is {str(low[1]).removeprefix('torch.')}; autopar's runtime keeps fp32 master "
+            f"weights and computes in the plan's {plan.config.dtype.value}: build the model in float32 "
+            f"(model.float(), or transformers' from_config(config, dtype=torch.float32))."
+        )
     modules = dict(model.named_modules())
     missing = [u for u in plan.model.units if u not in modules]
     if missing:

@@ -70,7 +70,10 @@ def split_problem(graph: LayerGraph, schedule: Schedule, pp: int, virtual_stages
         return None
     units = len(graph.units)
     blocks = sum(1 for u in graph.units if u.is_block)
+    top = 2 if schedule.v_shape else MAX_VIRTUAL_STAGES
+    fits = [v for v in range(2, top + 1) if even_bounds_of(graph.units, pp * v, exact=True) is not None]
+    hint = f"virtual_stages={fits} split at pp={pp}" if fits else f"no virtual_stages up to {top} splits at pp={pp}"
     return (
         f"{schedule.value} over pp x virtual_stages = {chunks} stages needs its {blocks} blocks, or its "
-        f"{units} units with the embedding and the loss counted as a layer each, to split evenly"
+        f"{units} units with the embedding and the loss counted as a layer each, to split evenly ({hint})"
     )

@@ -152,7 +152,7 @@ def test_a_compiled_tensor_parallel_plan_prices_async_tp_and_explains_it():
     sync = next(a for a in plan.alternatives if a.status == "async_tp")
     assert not sync.config.async_tp and sync.slower_by > 0
     line = next(x for x in autopar.explain(plan).splitlines() if x.startswith("Async TP"))
-    assert "synchronous (--set async_tp=false): " in line and f"{100 * sync.slower_by:+.1f}%" in line
+    assert "this configuration synchronous: " in line and f"{100 * sync.slower_by:+.1f}%" in line
     sync_plan = autopar.plan(
         _llama(), h100, global_batch_size=8, seq_len=4096, constraints={**fixed, "async_tp": False}
     )

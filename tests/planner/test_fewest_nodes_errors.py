@@ -40,6 +40,21 @@ def test_a_degree_the_nodes_do_not_divide_moves_on(graph):
     assert plan.cluster.nodes == 2 and plan.config.dp == 16
 
 
+def test_a_caller_bound_that_stops_the_search_is_named(graph):
+    """A GPT that overflows one node of 60 MiB devices and fits on more (as in
+    ``test_planner``): with max_nodes=1 the refusal says to raise the bound (what stopped
+    it), not that the model needs another device; without the bound a count fits."""
+    from autopar.errors import InfeasiblePlanError
+
+    from .exact_reference import tiny_cluster
+
+    model = GPT(GPTConfig(vocab_size=1000, seq_len=512, dim=512, n_layers=4, n_heads=8))
+    cluster = tiny_cluster(60 / 1024)
+    with pytest.raises(InfeasiblePlanError, match=r"^no plan fits on up to 1 nodes of .*; raise max_nodes above 1"):
+        fewest_nodes(model, cluster, global_batch_size=64, seq_len=512, max_nodes=1)
+    assert fewest_nodes(model, cluster, global_batch_size=64, seq_len=512, max_nodes=8).cluster.nodes > 1
+
+
 def test_no_configuration_of_a_small_cluster_moves_on(graph):
     """On 1 node (8 devices) dp is at most 8, so no rank gets 4 samples in one micro-batch:
     the search finds no candidate there, and 2 nodes run dp=16."""

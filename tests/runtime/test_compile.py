@@ -9,6 +9,8 @@ Tolerances are parity.py's: inductor's fused kernels sum in another order than e
 ops, which moves values by a few ulps, as a parallel run's reordered sums do.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from parity import (
@@ -204,3 +206,24 @@ def test_a_measured_dry_run_runs_the_blocks_eager_and_says_so():
     assert "eager" not in reports[1].to_text() and reports[1].eager_peak_bytes is None
     peaks = [[(r.measured.peak_bytes, r.measured.held_bytes) for r in report.ranks] for report in reports]
     assert peaks[0] == peaks[1]
+
+
+@pytest.mark.multiprocess
+def test_an_eager_step_over_the_device_is_a_note_for_a_compiled_plan():
+    """On a device just above the reserve, the measured eager step overflows: a problem for
+    the eager plan ("does not fit as run"), but for the compiled one, whose own step keeps
+    less and cannot be measured here, a note naming the ranks (the report stays OK)."""
+    reports = []
+    for compiled in (True, False):
+        plan = make_plan("gpt", dp=2, zero_stage=3, compile=compiled)
+        reserve = max(s.memory.reserve_bytes for s in plan.prediction.stages)
+        small = dataclasses.replace(
+            plan, prediction=dataclasses.replace(plan.prediction, memory_capacity_bytes=reserve + 1024)
+        )
+        reports.append(dry_run(lambda: build("gpt", "meta"), small, ranks=[0, 1], measure=True))
+    compiled_report, eager_report = reports
+    assert compiled_report.ok and compiled_report.eager_over_device == (0, 1)
+    assert "note: the eager step of ranks 0, 1 exceeds the device" in compiled_report.to_text()
+    assert [p.split("'s measured")[0] for p in eager_report.problems] == ["rank 0", "rank 1"]
+    assert all(p.endswith("the plan does not fit as run") for p in eager_report.problems)
+    assert eager_report.eager_over_device == ()

@@ -23,6 +23,7 @@ from autopar.models.gpt import GPTConfig
 from autopar.models.llama import LlamaConfig
 from autopar.models.moe import MoEConfig
 from autopar.plan import Plan
+from autopar.present.units import count
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,8 +114,9 @@ def check_plans_model(model: nn.Module, plan: Plan, *, advice: str = "pass the p
     found = model_fingerprint(model)
     if found != plan.model.fingerprint:
         raise ExportError(
-            f"the model given ({type(model).__name__}, fingerprint {found}) is not the one the plan was made for "
-            f"({plan.model.name}, fingerprint {plan.model.fingerprint}); {advice}."
+            f"the model given ({type(model).__name__}, {count(sum(p.numel() for p in model.parameters()))} "
+            f"parameters, fingerprint {found}) is not the one the plan was made for ({plan.model.name}, "
+            f"{count(plan.model.num_params)} parameters, fingerprint {plan.model.fingerprint}); {advice}."
         )
 
 

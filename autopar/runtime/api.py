@@ -28,6 +28,7 @@ from autopar.errors import ConfigError
 from autopar.graph.extract import extract
 from autopar.graph.units import model_fingerprint
 from autopar.plan import Plan
+from autopar.present.units import count
 from autopar.runtime.agreement import check_agreement
 from autopar.runtime.async_tp import check_async_tp, enable_async_tp
 from autopar.runtime.compile import compile_blocks
@@ -169,7 +170,7 @@ def parallelize(
     dims.check_world_size(dist.get_world_size())
     analysis = analysis or analyse(model, plan, sample_input=sample_input)
     layout, tied = analysis.layout, analysis.tied
-    if float8 is not None and emulated(device):
+    if float8 is not None and emulated(device) and materialize:  # a dry run times nothing
         warnings.warn(EMULATION_WARNING.format(device=device), stacklevel=2)
     if measure_memory and plan.config.compile and device.type == "cpu" and materialize:
         warnings.warn(
@@ -264,10 +265,11 @@ def _default_device() -> torch.device:
 def _check_model(model: nn.Module, plan: Plan) -> None:
     fingerprint = model_fingerprint(model)
     if fingerprint != plan.model.fingerprint:
+        given = count(sum(p.numel() for p in model.parameters()))
         raise PlanMismatchError(
-            f"the plan was made for another model ({plan.model.name}, fingerprint "
-            f"{plan.model.fingerprint}); this {type(model).__name__} has fingerprint {fingerprint} "
-            f"(parameter names or shapes differ). Make a plan for this model."
+            f"the plan was made for another model ({plan.model.name}, {count(plan.model.num_params)} parameters, "
+            f"fingerprint {plan.model.fingerprint}); this {type(model).__name__} has {given} parameters and "
+            f"fingerprint {fingerprint} (parameter names or shapes differ). Make a plan for this model."
         )
     low = next(
         ((n, p.dtype) for n, p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32), None

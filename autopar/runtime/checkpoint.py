@@ -138,9 +138,12 @@ def save(
     *,
     step: int,
     data_position: int,
+    global_batch_size: int | None = None,
     loss_scale: Mapping[str, float] | None = None,
 ) -> str:
-    """Write a checkpoint collectively (every rank calls it); returns its directory."""
+    """Write a checkpoint collectively (every rank calls it); returns its directory.
+    ``data_position`` counts global batches of ``global_batch_size`` samples, recorded
+    so that a plan of another batch size resumes at the same sample (:func:`load`)."""
     root = Path(root)
     final = step_dir(root, step)
     tmp = root / f".{final.name}.tmp"
@@ -150,7 +153,15 @@ def save(
         tmp.mkdir()
     dist.barrier()
     state = {"model": _model_state(parts), "optim": _optim_state(parts)}
-    dcp.save(state, checkpoint_id=str(tmp))
+    try:
+        dcp.save(state, checkpoint_id=str(tmp))
+    except dcp.api.CheckpointException as exc:  # a BaseException, raised on every rank alike
+        if parts.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"checkpoint step {step} could not be written under {str(root)!r}: {_cause(exc)}; the previous "
+            f"checkpoints are untouched. Free space or fix the path, then save again."
+        ) from None
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank-{parts.rank}.pt")
     dist.barrier()
@@ -159,6 +170,7 @@ def save(
             "format": FORMAT_VERSION,
             "step": step,
             "data_position": data_position,
+            "global_batch_size": global_batch_size,
             "world_size": parts.world_size,
             "plan": parts.summary,
             "loss_scale": dict(loss_scale) if loss_scale is not None else None,
@@ -180,10 +192,17 @@ def save(
 
 
 def load(
-    parts: CheckpointParts, root: str | Path, *, step: int | None = None, weights_only: bool = False
+    parts: CheckpointParts,
+    root: str | Path,
+    *,
+    step: int | None = None,
+    weights_only: bool = False,
+    global_batch_size: int | None = None,
 ) -> LoadedState:
     """Load a checkpoint written by any plan into this job (every rank calls it);
-    ``weights_only`` loads the model's tensors and leaves any saved optimizer state."""
+    ``weights_only`` loads the model's tensors and leaves any saved optimizer state. The
+    data position is returned in global batches of ``global_batch_size`` (this job's):
+    the saved run's samples over it, refused where no batch boundary falls there."""
     if step is None:
         step, note = newest_complete_step(root)
         if step is None:
@@ -200,13 +219,20 @@ def load(
             f"checkpoint {str(path)!r} is incomplete or missing ({_META} not found): it was never "
             f"finished. Load another step (latest is {latest_step(root)})."
         )
-    meta = json.loads(meta_file.read_text())
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} has a damaged {_META} ({first_line(exc)}): it was cut short or edited. Load "
+            f"another step (the complete ones are the step-* directories with a readable {_META})."
+        ) from None
     if meta.get("format") not in READABLE_FORMATS:
         raise CheckpointError(
             f"checkpoint {str(path)!r} has format {meta.get('format')!r}; this autopar reads formats "
             f"{', '.join(map(str, READABLE_FORMATS))}. Load it with the autopar version that wrote it."
         )
     _check_files(path, meta.get("files", {}), step)
+    position = _data_position(meta, global_batch_size, path)
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
     saved_optim = any(key.startswith("optim.") for key in metadata.state_dict_metadata)
     if saved_optim and not weights_only and all(o is None for o in parts.optimizers):
@@ -223,8 +249,8 @@ def load(
         dcp.load(state, checkpoint_id=str(path))
     except dcp.api.CheckpointException as exc:
         raise CheckpointError(
-            f"checkpoint step {step} at {str(path)!r} could not be read: {first_line(exc)}. Load another "
-            f"step (the complete ones are the step-* directories with {_META})."
+            f"checkpoint step {step} at {str(path)!r} could not be read: {_cause(exc)}. Load another step (the "
+            f"complete ones are the step-* directories with {_META}), or check it was saved for this model."
         ) from None
     for (group, key), target in reshaped.items():
         _copy_reshaped(target, state[group][key])
@@ -241,10 +267,36 @@ def load(
             _set_rng_state(torch.load(rng_file, weights_only=False))
     return LoadedState(
         step=int(meta["step"]),
-        data_position=int(meta["data_position"]),
+        data_position=position,
         path=str(path),
         loss_scale=meta.get("loss_scale"),
     )
+
+
+def _cause(exc: BaseException) -> str:
+    """The first rank's own error inside DCP's ``CheckpointException`` (whose text lists
+    only the ranks that failed), as one line."""
+    failures = getattr(exc, "failures", None) or {}
+    for rank, (inner, _) in sorted(failures.items()):
+        return f"rank {rank}: {type(inner).__name__}: {first_line(inner)}"
+    return first_line(exc)
+
+
+def _data_position(meta: Mapping[str, Any], global_batch_size: int | None, path: Path) -> int:
+    """The saved run's data position in global batches of ``global_batch_size``: the
+    samples it consumed (its position times its own batch size, where recorded) over
+    this job's batch size, so that the same loader resumes at the same sample."""
+    position, saved = int(meta["data_position"]), meta.get("global_batch_size")
+    if global_batch_size is None or saved is None or saved == global_batch_size:
+        return position
+    samples = position * saved
+    if samples % global_batch_size:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} consumed {samples} samples in global batches of {saved}; this plan's global "
+            f"batch of {global_batch_size} does not divide that, so no batch of its loader starts where the run "
+            f"stopped: resume with a global batch that divides {samples}, or from another step."
+        )
+    return samples // global_batch_size
 
 
 def _manifest(directory: Path) -> dict[str, int]:

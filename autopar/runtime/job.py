@@ -333,13 +333,26 @@ class Job:
         """Save model, optimizer, data position, RNG and an fp16 plan's loss scale under
         ``path/step-<step>`` atomically; returns that directory."""
         scale = self._p.scaler.state() if self._p.scaler is not None else None
-        return ckpt.save(self._checkpoint_parts(), path, step=step, data_position=self._data_position, loss_scale=scale)
+        return ckpt.save(
+            self._checkpoint_parts(),
+            path,
+            step=step,
+            data_position=self._data_position,
+            global_batch_size=self.plan.config.global_batch_size,
+            loss_scale=scale,
+        )
 
     def load_checkpoint(self, path: str, *, step: int | None = None, weights_only: bool = False) -> int:
         """Load the latest (or the given) step saved under ``path`` by any plan; returns
         the step. Call after ``job.optimizer(...)``: a checkpoint with optimizer state is
         refused before it (the state would be lost), unless ``weights_only``."""
-        state = ckpt.load(self._checkpoint_parts(), path, step=step, weights_only=weights_only)
+        state = ckpt.load(
+            self._checkpoint_parts(),
+            path,
+            step=step,
+            weights_only=weights_only,
+            global_batch_size=self.plan.config.global_batch_size,
+        )
         self._data_position = state.data_position
         if self._p.scaler is not None and state.loss_scale is not None:
             self._p.scaler.restore(state.loss_scale)

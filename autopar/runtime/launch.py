@@ -228,9 +228,24 @@ def _backend(args: argparse.Namespace, nnodes: int) -> str:
 
 def _check_torchrun_accepts(launch: argparse.Namespace) -> None:
     """torchrun's own reading of ``launch`` (its launch configuration, built and dropped),
-    whose refusals are asserts and bare ValueErrors, as one line. Its warnings and the
-    environment it sets are left to the launch itself."""
+    whose refusals are asserts and bare ValueErrors, as one line, and what it reads only
+    once the agent starts (the monitor interval, asserted then; the signals to forward,
+    an unknown one skipped with a log line). Its warnings and the environment it sets are
+    left to the launch itself."""
     import torch.distributed.run as torchrun
+
+    if launch.monitor_interval <= 0:
+        raise ConfigError(
+            f"--monitor-interval {launch.monitor_interval:g} is not allowed: the launcher checks its ranks every that "
+            f"many seconds; give a positive number (torchrun's default is 0.1)."
+        )
+    names = [name.strip() for name in str(launch.signals_to_handle).split(",")]
+    unknown = [name for name in names if not isinstance(getattr(signal, name, None), signal.Signals)]
+    if unknown:
+        raise ConfigError(
+            f"--signals-to-handle names {', '.join(map(repr, unknown))}, which {'is' if len(unknown) == 1 else 'are'} "
+            f"not a signal here; give signal names such as SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1."
+        )
 
     saved_env, saved_level = dict(os.environ), torchrun.logger.level
     torchrun.logger.setLevel(logging.ERROR)

@@ -154,7 +154,12 @@ def test_megatron_model_sizes():
     assert args["--normalization"] == "RMSNorm" and args["--rotary-base"] == "500000"
     assert {"--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear"} <= set(args)
     assert "--hidden-size" not in megatron_args(plan)
-    with pytest.raises(ExportError, match="not the one the plan was made for"):
+    # two models both called Llama, told apart by their sizes (the plan's model is Llama 3 8B)
+    with pytest.raises(
+        ExportError,
+        match=r"\(Llama, 6\.74B parameters, .* not the one the plan was made for \(Llama, "
+        r"8\.03B parameters",
+    ):
         export(plan, to="megatron", model=build_named_model("llama2-7b"))
 
 

@@ -232,3 +232,67 @@ def test_a_stale_latest_falls_back_to_the_newest_complete_checkpoint(tmp_path, s
         assert step == 1
         assert len(notes) == 1 and "'latest' names step-00000002, which is incomplete or missing" in notes[0]
         assert "loading step-00000001" in notes[0]
+
+
+def _load_position(rank, world, plan, path):
+    job = parallelize(build("gpt"), plan, loss_fn=token_loss)
+    job.optimizer(torch.optim.SGD, lr=LR, momentum=MOMENTUM)
+    try:
+        job.load_checkpoint(path)
+    except CheckpointError as exc:
+        return "CheckpointError", str(exc)
+    return "position", job.data_position
+
+
+def test_a_plan_of_another_global_batch_resumes_at_the_same_sample(tmp_path):
+    """Saved after one global batch of 8 samples (dp=2, 2 x 2 per rank): a plan of 4
+    samples per batch resumes after batch 2 (sample 8), one of 16 cannot start at sample 8
+    and is refused in one line, as is a manifest cut short."""
+    saver = make_plan("gpt", dp=2)
+    assert saver.config.global_batch_size == 8
+    run(_save_one_step, 2, saver, str(tmp_path), timeout_s=120)
+    smaller = make_plan("gpt", num_microbatches=2, micro_batch_size=2)
+    larger = make_plan("gpt", num_microbatches=4, micro_batch_size=4)
+    assert (smaller.config.global_batch_size, larger.config.global_batch_size) == (4, 16)
+    assert run(_load_position, 1, smaller, str(tmp_path), timeout_s=120) == [("position", 2)]
+    [(kind, message)] = run(_load_position, 1, larger, str(tmp_path), timeout_s=120)
+    assert kind == "CheckpointError" and "consumed 8 samples in global batches of 8" in message
+    assert "\n" not in message
+    meta = tmp_path / "step-00000001" / "autopar.json"
+    meta.write_text(meta.read_text()[:40])
+    [(kind, message)] = run(_load_position, 1, smaller, str(tmp_path), timeout_s=120)
+    assert kind == "CheckpointError" and "has a damaged autopar.json" in message
+
+
+def _save_on_a_full_disk(rank, world, plan, path):
+    """Step 1 saved; step 2's writes fail as a full disk fails them, inside DCP's writer."""
+    import errno
+
+    import torch.distributed.checkpoint.filesystem as fs
+
+    job = parallelize(build("gpt"), plan, loss_fn=token_loss)
+    job.optimizer(torch.optim.SGD, lr=LR, momentum=MOMENTUM)
+    job.save_checkpoint(path, step=1)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    fs._write_item = full
+    try:
+        job.save_checkpoint(path, step=2)
+    except CheckpointError as exc:
+        return "CheckpointError", str(exc)
+    return "saved", ""
+
+
+def test_a_save_that_fails_is_one_typed_error_and_leaves_nothing_behind(tmp_path):
+    """DCP raises its CheckpointException, a BaseException that ``except Exception`` and
+    torchrun's error record miss, naming only the failed ranks: the save raises a
+    CheckpointError with a rank's own cause (ENOSPC), removes its partial directory, and
+    the previous checkpoint stays the latest."""
+    plan = make_plan("gpt", dp=2)
+    for kind, message in run(_save_on_a_full_disk, 2, plan, str(tmp_path), timeout_s=120):
+        assert kind == "CheckpointError" and "checkpoint step 2 could not be written" in message
+        assert "No space left on device" in message and "\n" not in message
+    assert latest_step(tmp_path) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001"]

@@ -230,3 +230,14 @@ def test_a_fp8_checkpoint_loads_under_a_bf16_plan(tmp_path):
     assert loaded.keys() == saved[0].keys()
     for n, value in loaded.items():
         torch.testing.assert_close(value, saved[0][n], **EXACT, msg=lambda m, n=n: f"parameter {n}: {m}")
+
+
+def test_a_dry_run_does_not_warn_of_emulation(recwarn):
+    """A dry run converts the blocks as a run would but times nothing: the warning that
+    emulated FP8 is not faster belongs to real steps only (a dry run printed it once per
+    rank; applied here in this process, where the warning would be recorded)."""
+    from autopar.runtime.dry_run import dry_run
+
+    report = dry_run(lambda: build("gpt", "meta"), fp8_plan(dp=2, zero_stage=3), ranks=[0, 1])
+    assert report.ok, report.problems
+    assert not [w for w in recwarn if "no FP8 tensor cores" in str(w.message)]

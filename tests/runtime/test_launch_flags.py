@@ -161,6 +161,8 @@ def test_nproc_per_node_gpu_without_gpus_is_one_line():
         (("--max-restarts", "-1"), r"torchrun refuses these arguments: max_restarts must be >= 0"),
         (("--local-ranks-filter", "a,b"), r"torchrun refuses these arguments: --local_ranks_filter must be"),
         (("--redirects", "7"), r"torchrun refuses these arguments"),
+        (("--monitor-interval", "0"), r"--monitor-interval 0 is not allowed: .* give a positive number"),
+        (("--signals-to-handle", "SIGTERM,SIGFOO"), r"--signals-to-handle names 'SIGFOO', which is not a signal"),
     ],
 )
 def test_what_torchrun_would_refuse_with_a_traceback_is_one_line(argv, match):

@@ -168,11 +168,12 @@ def infeasible_error(
 
 
 def _usable_nodes(graph: LayerGraph, solver: ConfigSolver, fixed: Mapping[str, Any]) -> Callable[[int], int | None]:
-    """A function from a node count to the first count from it up (at most twice it, and
-    within autopar's largest cluster) where the search's space holds a configuration for
-    the global batch under ``fixed``, or None: so that a count suggested is one the
-    constraints and the batch allow (a batch of 64 on 5 nodes of 8 has no data-parallel
-    degree of 40 to divide it)."""
+    """A function from a node count to the first count from it up where the search's space
+    holds a configuration for the global batch under ``fixed``, or None: so that a count
+    suggested is one the constraints and the batch allow (a batch of 64 on 5 nodes of 8
+    has no data-parallel degree of 40 to divide it). It tries the next eight counts, then
+    the powers of two up to twice the count (within autopar's largest cluster): a few
+    unpriced enumerations, however large the cluster."""
     model = solver.model
     cluster = model.cluster
     most = MAX_DEVICES // cluster.devices_per_node
@@ -192,7 +193,9 @@ def _usable_nodes(graph: LayerGraph, solver: ConfigSolver, fixed: Mapping[str, A
         return bool(space)
 
     def usable(nodes: int) -> int | None:
-        return next((n for n in range(nodes, min(2 * nodes, most) + 1) if has_space(n)), None)
+        near = range(nodes, min(nodes + 8, 2 * nodes, most) + 1)
+        powers = (2**k for k in range(nodes.bit_length(), (2 * nodes).bit_length()) if near[-1] < 2**k <= most)
+        return next((n for n in (*near, *powers) if has_space(n)), None)
 
     return usable
 

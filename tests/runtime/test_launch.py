@@ -19,6 +19,7 @@ from parity import LOSS_ATOL, make_plan, reference
 import autopar
 from autopar.graph.units import model_fingerprint
 from autopar.models import build_named_model
+from autopar.present.units import count
 from autopar.runtime import orphan
 from autopar.runtime.dry_run import dry_run
 from autopar.runtime.dry_run_cli import add_dry_run_parser
@@ -171,11 +172,16 @@ def test_dry_run_refuses_a_plan_for_another_model_in_one_line_as_export_does(tmp
     assert dry.out == "" and dry.err.count("\n") == 1, dry
     assert dry.err.endswith("; pass the plan's model.\n") and export.err.endswith("; pass the plan's model, or none.\n")
     assert dry.err.rsplit(";", 1)[0] == export.err.rsplit(";", 1)[0]
-    medium = model_fingerprint(build_named_model("gpt2-medium"))
-    small = autopar.Plan.load(plan_file).model.fingerprint
+    medium_model = build_named_model("gpt2-medium")
+    medium = model_fingerprint(medium_model)
+    planned = autopar.Plan.load(plan_file).model
+    small = planned.fingerprint
     assert medium != small
-    assert dry.err.startswith(f"autopar: error: the model given (GPT, fingerprint {medium}) is not "), dry
-    assert f"the plan was made for (GPT, fingerprint {small})" in dry.err
+    sizes = count(sum(p.numel() for p in medium_model.parameters())), count(planned.num_params)
+    assert dry.err.startswith(
+        f"autopar: error: the model given (GPT, {sizes[0]} parameters, fingerprint {medium}) is not "
+    ), dry
+    assert f"the plan was made for (GPT, {sizes[1]} parameters, fingerprint {small})" in dry.err
     assert main(["dry-run", "--plan", str(plan_file), "--model", "gpt2-small"]) == 0  # the plan's own model
     assert ": OK" in capsys.readouterr().out
 

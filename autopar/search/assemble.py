@@ -111,7 +111,9 @@ def infeasible_error(
     states outgrow the cluster are nodes suggested then, as many as they need alone (a
     lower bound). Each count suggested is one where a configuration exists for the
     global batch under the constraints (the search's own space, not priced): the
-    estimate, or the next such count above it."""
+    estimate, or the next such count above it. Where a wider context-parallel ring
+    fits (:func:`_wider_context`), its nodes and degree are offered instead: the
+    activations the estimate keeps as they are shrink with ``cp``."""
     cluster = solver.model.cluster
     best = _least_memory(result, solver, (fixed["recompute"],) if "recompute" in fixed else (Recompute.FULL,))
     cap = cluster.device.memory.capacity_bytes
@@ -144,7 +146,15 @@ def infeasible_error(
     usable = _usable_nodes(graph, solver, fixed)
     least = usable(math.ceil(devices / cluster.devices_per_node))
     alone = f"its weights, gradients and {optimizer.value} states alone fill {devices} devices, fully sharded"
-    if rest < budget:
+    wider = None if "cp" in fixed else _wider_context(graph, solver, cfg, (cfg.recompute,), cap)
+    if wider is not None:
+        split, peak = wider
+        hints.append(
+            f"{math.ceil(split.world_size / cluster.devices_per_node)} nodes at cp={split.cp} ({split.short()}: each "
+            f"rank holds 1/{split.cp} of every sequence's activations, {size(peak)} per device with each unit at its "
+            f"smallest option)"
+        )
+    elif rest < budget:
         nodes = usable(max(math.ceil(states / (budget - rest) / cluster.devices_per_node), cluster.nodes + 1))
         if least is not None and nodes is not None and least > nodes:
             nodes = least
@@ -198,6 +208,30 @@ def _usable_nodes(graph: LayerGraph, solver: ConfigSolver, fixed: Mapping[str, A
         return next((n for n in (*near, *powers) if has_space(n)), None)
 
     return usable
+
+
+def _wider_context(
+    graph: LayerGraph, solver: ConfigSolver, config: ParallelConfig, modes: tuple[Recompute, ...], cap: float
+) -> tuple[ParallelConfig, float] | None:
+    """``config`` with its context-parallel degree doubled until it fits, its other
+    degrees kept, and its peak (:func:`_frugal_peak`): the nodes a long sequence needs,
+    which the states' estimate misses by taking the activations beside them as they are
+    (each doubling of ``cp`` halves them). None where ring attention cannot run the
+    model, or no degree within autopar's largest cluster that splits the sequence into
+    ``2 cp`` chunks of at least :data:`CP_MIN_TOKENS` tokens fits."""
+    if ring_blocker(graph):
+        return None
+    seq_len = graph.seq_len or 0
+    cp = 2 * config.cp
+    while config.world_size // config.cp * cp <= MAX_DEVICES and seq_len % (2 * cp) == 0:
+        if seq_len // cp < CP_MIN_TOKENS:
+            return None
+        wider = replace(config, cp=cp)
+        peak = _frugal_peak(solver, wider, modes)
+        if peak <= cap:
+            return wider, peak
+        cp *= 2
+    return None
 
 
 def _least_memory(result: SearchResult, solver: ConfigSolver, modes: tuple[Recompute, ...]) -> Outcome:

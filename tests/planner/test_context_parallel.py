@@ -261,3 +261,19 @@ def test_a_sliding_window_narrower_than_the_sequence_is_not_offered_a_ring(windo
     else:
         with pytest.raises(ConfigError, match=r"cp=2 is not allowed for MistralForCausalLM at seq_len=16384"):
             check_context_parallel(graph, {"cp": 2}, 8)
+
+
+@pytest.mark.parametrize("memory_gib, nodes, cp", [(0.3, 2, 4), (0.2, 4, 8)])
+def test_a_sequence_too_long_for_the_node_is_offered_the_nodes_a_wider_ring_needs(memory_gib, nodes, cp):
+    """A 64K-token GPT whose activations alone overflow a device at the ring one node
+    holds: the refusal offered only a shorter sequence (its node estimate keeps the
+    activations beside the states as they are, and they alone overflow), where doubling
+    ``cp`` halves them. It names the nodes and degree at which the closest case fits,
+    and planned on those nodes, it fits."""
+    model = GPT(GPTConfig(vocab_size=256, seq_len=65536, dim=256, n_layers=4, n_heads=2))
+    cluster = tiny_cluster(memory_gib)
+    with pytest.raises(autopar.InfeasiblePlanError) as err:
+        autopar.plan(model, cluster, global_batch_size=4, seq_len=65536)
+    assert f"Try {nodes} nodes at cp={cp} (" in str(err.value), str(err.value)
+    plan = autopar.plan(model, dataclasses.replace(cluster, nodes=nodes), global_batch_size=4, seq_len=65536)
+    assert plan.prediction.fits and plan.config.cp >= cp

@@ -18,12 +18,11 @@ from torch import nn
 
 from autopar.export.common import ExportError, blocks_of, config_float, config_int
 from autopar.export.experts_shape import Experts, hf_experts, moe_experts
-from autopar.graph.units import model_fingerprint
+from autopar.model_match import model_problem
 from autopar.models.gpt import GPTConfig
 from autopar.models.llama import LlamaConfig
 from autopar.models.moe import MoEConfig
 from autopar.plan import Plan
-from autopar.present.units import count
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,14 +109,10 @@ class ModelShape:
 
 def check_plans_model(model: nn.Module, plan: Plan, *, advice: str = "pass the plan's model, or none") -> None:
     """Refuse ``model`` (an ExportError ending in ``advice``) unless it is the model
-    ``plan`` was made for: the same parameter names and shapes."""
-    found = model_fingerprint(model)
-    if found != plan.model.fingerprint:
-        raise ExportError(
-            f"the model given ({type(model).__name__}, {count(sum(p.numel() for p in model.parameters()))} "
-            f"parameters, fingerprint {found}) is not the one the plan was made for ({plan.model.name}, "
-            f"{count(plan.model.num_params)} parameters, fingerprint {plan.model.fingerprint}); {advice}."
-        )
+    ``plan`` was made for (:func:`autopar.model_match.model_problem`)."""
+    problem = model_problem(model, plan.model)
+    if problem:
+        raise ExportError(f"{problem}; {advice}.")
 
 
 def shape_of(model: nn.Module, plan: Plan) -> ModelShape:

@@ -27,8 +27,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from autopar.errors import ConfigError
 from autopar.graph.extract import extract
 from autopar.graph.units import model_fingerprint
+from autopar.model_match import model_problem
 from autopar.plan import Plan
-from autopar.present.units import count
 from autopar.runtime.agreement import check_agreement
 from autopar.runtime.async_tp import check_async_tp, enable_async_tp
 from autopar.runtime.compile import compile_blocks
@@ -263,14 +263,9 @@ def _default_device() -> torch.device:
 
 
 def _check_model(model: nn.Module, plan: Plan) -> None:
-    fingerprint = model_fingerprint(model)
-    if fingerprint != plan.model.fingerprint:
-        given = count(sum(p.numel() for p in model.parameters()))
-        raise PlanMismatchError(
-            f"the plan was made for another model ({plan.model.name}, {count(plan.model.num_params)} parameters, "
-            f"fingerprint {plan.model.fingerprint}); this {type(model).__name__} has {given} parameters and "
-            f"fingerprint {fingerprint} (parameter names or shapes differ). Make a plan for this model."
-        )
+    problem = model_problem(model, plan.model)
+    if problem:
+        raise PlanMismatchError(f"{problem}; make a plan for this model, or pass the plan's.")
     low = next(
         ((n, p.dtype) for n, p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32), None
     )

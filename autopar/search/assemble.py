@@ -104,16 +104,14 @@ def infeasible_error(
     """Nothing fits: the least memory found against a device's, and what would help: a
     ZeRO stage, recomputation or bf16 gradient reduction the search was not allowed
     (the last where the closest candidate is pipelined ZeRO-2/3 and halving its held
-    gradients alone would make it fit), and as many nodes as the
-    model's states need fully sharded beside what the best case holds besides its
-    states (taken to stay as it is). Where that alone overflows a device (activations
-    and transients per sample), more nodes do not help by themselves: only where the
-    states outgrow the cluster are nodes suggested then, as many as they need alone (a
-    lower bound). Each count suggested is one where a configuration exists for the
-    global batch under the constraints (the search's own space, not priced): the
-    estimate, or the next such count above it. Where a wider context-parallel ring
-    fits (:func:`_wider_context`), its nodes and degree are offered instead: the
-    activations the estimate keeps as they are shrink with ``cp``."""
+    gradients alone would make it fit), and the first node count found where a
+    configuration of the search's space fits with every unit at its smallest option
+    (:func:`_first_fitting`: another mix of degrees, a wider context-parallel ring, more
+    ranks sharding the states), from the count the model's states need fully sharded
+    (a lower bound, said beside it where the states outgrow the cluster). Estimates from
+    the states alone mislead where expert parallelism or small ZeRO groups hold them
+    unevenly, or where a wider ring would shrink the activations, so only a count with a
+    configuration that fits is offered."""
     cluster = solver.model.cluster
     best = _least_memory(result, solver, (fixed["recompute"],) if "recompute" in fixed else (Recompute.FULL,))
     cap = cluster.device.memory.capacity_bytes
@@ -135,34 +133,21 @@ def infeasible_error(
                 f"{size(_frugal_peak(solver, c, modes) - low)} less)"
             )
     states = graph.num_params * (MASTER_BYTES + GRAD_BYTES + optimizer_state_bytes(optimizer))
-    budget = budget_bytes(cluster.device.memory)
-    devices = math.ceil(states / budget)
-    rest = best.min_memory_bytes - states / cluster.world_size  # what the best case holds beside its states
-    beside = (
-        f"an estimate: its states sharded over them beside the best case's {size(rest)} of activations and buffers; "
-        f"a count whose degrees shard less needs more, and autopar.present.whatif.fewest_nodes finds the first "
-        f"that fits"
-    )
-    usable = _usable_nodes(graph, solver, fixed)
-    least = usable(math.ceil(devices / cluster.devices_per_node))
+    devices = math.ceil(states / budget_bytes(cluster.device.memory))
+    least = _usable_nodes(graph, solver, fixed)(math.ceil(devices / cluster.devices_per_node))
     alone = f"its weights, gradients and {optimizer.value} states alone fill {devices} devices, fully sharded"
-    wider = None if "cp" in fixed else _wider_context(graph, solver, cfg, (cfg.recompute,), cap)
-    if wider is not None:
-        split, peak = wider
+    outgrown = devices > cluster.world_size and least is not None
+    found = _first_fitting(graph, solver, fixed, (cfg.recompute,), max(cluster.nodes + 1, least or 0))
+    if found is not None:
+        config, peak = found
+        nodes = config.world_size // cluster.devices_per_node
+        fit = f"{config.short()} fits there, {size(peak)} per device with each unit at its smallest option"
         hints.append(
-            f"{math.ceil(split.world_size / cluster.devices_per_node)} nodes at cp={split.cp} ({split.short()}: each "
-            f"rank holds 1/{split.cp} of every sequence's activations, {size(peak)} per device with each unit at its "
-            f"smallest option)"
+            f"{least} to {nodes} nodes ({alone}: {least}; {fit})"
+            if outgrown and least < nodes
+            else f"{nodes} nodes ({fit})"
         )
-    elif rest < budget:
-        nodes = usable(max(math.ceil(states / (budget - rest) / cluster.devices_per_node), cluster.nodes + 1))
-        if least is not None and nodes is not None and least > nodes:
-            nodes = least
-        if devices > cluster.world_size and least is not None and nodes is not None and least < nodes:
-            hints.append(f"{least} to {nodes} nodes ({alone}: {least}; {beside}: {nodes})")
-        elif nodes is not None:
-            hints.append(f"about {nodes} nodes ({beside})")
-    elif devices > cluster.world_size and least is not None:
+    elif outgrown:
         hints.append(f"at least {least} nodes ({alone})")
     tries = "".join(f"{hint}, " for hint in hints) + ("or " if hints else "")
     smaller = "a smaller micro-batch or sequence length" if cfg.micro_batch_size > 1 else "a shorter sequence"
@@ -203,6 +188,8 @@ def _usable_nodes(graph: LayerGraph, solver: ConfigSolver, fixed: Mapping[str, A
         return bool(space)
 
     def usable(nodes: int) -> int | None:
+        if nodes > most:  # more than autopar's largest cluster
+            return None
         near = range(nodes, min(nodes + 8, 2 * nodes, most) + 1)
         powers = (2**k for k in range(nodes.bit_length(), (2 * nodes).bit_length()) if near[-1] < 2**k <= most)
         return next((n for n in (*near, *powers) if has_space(n)), None)
@@ -210,28 +197,63 @@ def _usable_nodes(graph: LayerGraph, solver: ConfigSolver, fixed: Mapping[str, A
     return usable
 
 
-def _wider_context(
-    graph: LayerGraph, solver: ConfigSolver, config: ParallelConfig, modes: tuple[Recompute, ...], cap: float
+def _first_fitting(
+    graph: LayerGraph, solver: ConfigSolver, fixed: Mapping[str, Any], modes: tuple[Recompute, ...], start: int
 ) -> tuple[ParallelConfig, float] | None:
-    """``config`` with its context-parallel degree doubled until it fits, its other
-    degrees kept, and its peak (:func:`_frugal_peak`): the nodes a long sequence needs,
-    which the states' estimate misses by taking the activations beside them as they are
-    (each doubling of ``cp`` halves them). None where ring attention cannot run the
-    model, or no degree within autopar's largest cluster that splits the sequence into
-    ``2 cp`` chunks of at least :data:`CP_MIN_TOKENS` tokens fits."""
-    if ring_blocker(graph):
-        return None
-    seq_len = graph.seq_len or 0
-    cp = 2 * config.cp
-    while config.world_size // config.cp * cp <= MAX_DEVICES and seq_len % (2 * cp) == 0:
-        if seq_len // cp < CP_MIN_TOKENS:
-            return None
-        wider = replace(config, cp=cp)
-        peak = _frugal_peak(solver, wider, modes)
-        if peak <= cap:
-            return wider, peak
-        cp *= 2
+    """The first node count from ``start`` (:func:`_node_counts`) where a configuration
+    of the search's space under ``fixed`` fits a device with every unit at its smallest
+    option (:func:`_frugal_peak`, on the even split): that configuration and its peak,
+    or None where no count tried within autopar's largest cluster has one. The search
+    on that count finds a plan that fits, since each unit may take its smallest option."""
+    model = solver.model
+    cap = model.cluster.device.memory.capacity_bytes
+    for nodes in _node_counts(start, MAX_DEVICES // model.cluster.devices_per_node):
+        try:
+            space, _ = enumerate_space(
+                graph,
+                replace(model.cluster, nodes=nodes),
+                model.global_batch_size,
+                fixed,
+                fold_shard_groups=True,
+                megatron_kernels=not model.batch_first,
+            )
+        except ConfigError:  # a pinned degree that this count cannot hold
+            continue
+        sized = [(_frugal_peak(solver, c, modes), c) for c in _frugal_variants(space, modes[0], model.batch_first)]
+        fitting = [(peak, c) for peak, c in sized if peak <= cap]
+        if fitting:
+            peak, config = min(fitting, key=lambda f: (f[0], f[1].short()))
+            return config, peak
     return None
+
+
+def _frugal_variants(space: list[ParallelConfig], recompute: Recompute, batch_first: bool) -> list[ParallelConfig]:
+    """One configuration of ``space`` per mix of degrees, batch split and schedule, with
+    ``recompute``: the one sharding most (the highest ZeRO stage, plain FSDP), with
+    sequence parallelism and kept gather shards where it has them, and FP8 only where
+    its layers keep their inputs in FP8 (not ``batch_first``): what holds least, without
+    sizing every kernel option of each."""
+
+    def key(c: ParallelConfig) -> tuple[Any, ...]:
+        return (c.dp, c.tp, c.pp, c.cp, c.ep, c.micro_batch_size, c.num_microbatches, c.schedule, c.virtual_stages)
+
+    def thrift(c: ParallelConfig) -> tuple[Any, ...]:
+        return (c.zero_stage, c.dp_shard is None, c.sequence_parallel, c.regather, c.fp8 != batch_first)
+
+    chosen: dict[tuple[Any, ...], ParallelConfig] = {}
+    for c in space:
+        if key(c) not in chosen or thrift(c) > thrift(chosen[key(c)]):
+            chosen[key(c)] = c
+    return [replace(c, recompute=recompute) for c in chosen.values()]
+
+
+def _node_counts(start: int, most: int) -> list[int]:
+    """The node counts a refusal tries from ``start``: the next eight, then the powers of
+    two up to ``most`` (a few unpriced enumerations, however large the cluster)."""
+    if start > most:
+        return []
+    near = list(range(start, min(start + 8, most) + 1))
+    return near + [2**k for k in range(start.bit_length(), most.bit_length()) if near[-1] < 2**k <= most]
 
 
 def _least_memory(result: SearchResult, solver: ConfigSolver, modes: tuple[Recompute, ...]) -> Outcome:

@@ -39,6 +39,7 @@ from autopar.parallel_config import ONE_REPLICA_REDUCES_NOTHING
 from autopar.plan import ParallelConfig, Plan, PlanSettings
 from autopar.profiles.apply import Measurements, measurements
 from autopar.profiles.identity import LayerProfileMatch, match_layer_profile
+from autopar.profiles.report import ProfileReport
 from autopar.search.assemble import Provenance, infeasible_error, to_plan
 from autopar.search.constraints import check_constraints, check_degrees
 from autopar.search.experts import check_routing_imbalance
@@ -46,7 +47,7 @@ from autopar.search.ilp import check_solver
 from autopar.search.kernel_options import check_async_tp, check_fp8
 from autopar.search.scan import decided, search
 from autopar.search.solve import ConfigSolver, Outcome
-from autopar.search.space import micro_batch_range
+from autopar.search.space import CP_MIN_TOKENS, cp_below_floor, micro_batch_range
 from autopar.vocab import ActivationLayout, Attention, DType, Optimizer, Recompute
 
 P = ParamSpec("P")
@@ -149,7 +150,21 @@ def plan(
     if not result.best.fits:
         raise infeasible_error(result, solver_, graph, fixed=fixed, optimizer=optimizer)
     provenance = _provenance(measured, optimizer, attention, solver, routing_imbalance, activations, started)
-    return _noted(to_plan(solver_, result, provenance), match, seq_note, activations)
+    plan = _noted(to_plan(solver_, result, provenance), match, seq_note, activations)
+    unsearched = cp_below_floor(graph, measured.cluster.world_size, fixed)
+    return replace(plan, notes=(*plan.notes, cp_floor_note(unsearched, graph.seq_len))) if unsearched else plan
+
+
+def cp_floor_note(degrees: list[int], seq_len: int) -> str:
+    """What a plan says of the context-parallel degrees its search left out for
+    :data:`~autopar.search.space.CP_MIN_TOKENS` (:func:`~autopar.search.space.cp_below_floor`)."""
+    shown = ", ".join(map(str, degrees[:4])) + (", ..." if len(degrees) > 4 else "")
+    return (
+        f"Context parallelism was searched only where each rank keeps at least {CP_MIN_TOKENS:,} tokens of a "
+        f"sequence, as Llama 3's 128K-token training did (below that, ring attention's key/value exchange hides "
+        f"under less attention work); cp={shown} would also split these {seq_len:,} tokens: fix one "
+        f"(constraints={{'cp': {degrees[0]}}}, --set cp={degrees[0]}) to price it."
+    )
 
 
 @_cycles_collected_after
@@ -219,9 +234,11 @@ def as_cluster(cluster: object) -> Cluster:
     if isinstance(cluster, str):
         return parse_cluster(cluster)
     if not isinstance(cluster, Cluster):
+        profile = " (a profile report goes in profile=, or autopar.cluster_from_profiles makes a cluster of it)"
         raise ClusterError(
             f"cluster={reprlib.repr(cluster)} is not allowed: give an autopar.Cluster "
-            f"(autopar.preset, autopar.load_cluster) or a spec such as 'dgx-a100-80gb:4'."
+            f"(autopar.preset, autopar.load_cluster) or a spec such as 'dgx-a100-80gb:4'"
+            f"{profile if isinstance(cluster, ProfileReport) else ''}."
         )
     return cluster
 

@@ -266,14 +266,38 @@ def test_a_sliding_window_narrower_than_the_sequence_is_not_offered_a_ring(windo
 @pytest.mark.parametrize("memory_gib, nodes, cp", [(0.3, 2, 4), (0.2, 4, 8)])
 def test_a_sequence_too_long_for_the_node_is_offered_the_nodes_a_wider_ring_needs(memory_gib, nodes, cp):
     """A 64K-token GPT whose activations alone overflow a device at the ring one node
-    holds: the refusal offered only a shorter sequence (its node estimate keeps the
-    activations beside the states as they are, and they alone overflow), where doubling
-    ``cp`` halves them. It names the nodes and degree at which the closest case fits,
-    and planned on those nodes, it fits."""
+    holds: the refusal offered only a shorter sequence (its node estimate kept the
+    activations beside the states as they are, and they alone overflow), where a wider
+    ring shrinks them. It names a count and a configuration there that fits with a
+    wider ring, and planned on those nodes, it fits."""
     model = GPT(GPTConfig(vocab_size=256, seq_len=65536, dim=256, n_layers=4, n_heads=2))
     cluster = tiny_cluster(memory_gib)
     with pytest.raises(autopar.InfeasiblePlanError) as err:
         autopar.plan(model, cluster, global_batch_size=4, seq_len=65536)
-    assert f"Try {nodes} nodes at cp={cp} (" in str(err.value), str(err.value)
+    assert f"Try {nodes} nodes (dp=1 tp=2 pp=1 cp={cp} " in str(err.value), str(err.value)
     plan = autopar.plan(model, dataclasses.replace(cluster, nodes=nodes), global_batch_size=4, seq_len=65536)
     assert plan.prediction.fits and plan.config.cp >= cp
+
+
+def test_a_plan_says_which_context_parallel_degrees_it_did_not_search():
+    """4K tokens on 4 devices: cp=2 and cp=4 split the sequence but leave each rank
+    fewer than CP_MIN_TOKENS, so the search skips them; the plan says so and how to
+    price one, and fixing it prices it. Nothing is said where cp is fixed, or where
+    ring attention cannot run the model (a sliding window narrower than the sequence)."""
+    model = GPT(GPTConfig(vocab_size=256, seq_len=4096, dim=64, n_layers=2, n_heads=2))
+    cluster = tiny_cluster(1.0)
+    plan = autopar.plan(model, cluster, global_batch_size=8, seq_len=4096)
+    assert 4096 // 2 < CP_MIN_TOKENS and plan.config.cp == 1
+    (note,) = [n for n in plan.notes if n.startswith("Context parallelism was searched only")]
+    assert f"at least {CP_MIN_TOKENS:,} tokens" in note
+    assert "cp=2, 4 would also split these 4,096 tokens: fix one (constraints={'cp': 2}, --set cp=2)" in note
+    pinned = autopar.plan(model, cluster, global_batch_size=8, seq_len=4096, constraints={"cp": 2})
+    assert pinned.config.cp == 2 and not any(n.startswith("Context parallelism was") for n in pinned.notes)
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MistralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=4096, sliding_window=1024, use_cache=False,
+    )  # fmt: skip
+    with torch.device("meta"):
+        windowed = autopar.plan(transformers.MistralForCausalLM(config), cluster, global_batch_size=8, seq_len=4096)
+    assert not any(n.startswith("Context parallelism was") for n in windowed.notes)

@@ -86,3 +86,24 @@ def first_line(exc: BaseException) -> str:
             break
         text = f"{text} {line}"
     return text
+
+
+def out_of_memory(exc: BaseException) -> str | None:
+    """What a command says of ``exc`` where it is an allocation that failed (Python's
+    MemoryError, torch's out-of-memory error, or its CPU allocator's refusal, which
+    torch raises as a plain RuntimeError): the cause's first line and what to do; None
+    for any other error."""
+    if isinstance(exc, MemoryError):
+        cause = first_line(exc) if str(exc) else "MemoryError"
+    elif isinstance(exc, RuntimeError):
+        import torch
+
+        if not (isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)):
+            return None
+        cause = first_line(exc)
+    else:
+        return None
+    return (
+        f"this machine ran out of memory ({cause}); give smaller sizes (the profiler's --sizes, --array-sizes, "
+        f"--max-bytes, --batch or --seq-len, as the command takes them), or free memory on this machine."
+    )

@@ -483,10 +483,15 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     """Run a parsed command, turning typed errors (the profiler's and autopar's) into a
     message and exit code 2."""
-    from autopar.errors import AutoparError
+    from autopar.errors import AutoparError, out_of_memory
 
     try:
         return int(args.func(args))
     except (ProfilerError, AutoparError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (MemoryError, RuntimeError) as exc:
+        if (message := out_of_memory(exc)) is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
         return 2

@@ -20,7 +20,7 @@ from autopar import __version__
 from autopar.cli.demo import add_demo_parser
 from autopar.cli.model_args import LoadedModel, add_model_args, load_model
 from autopar.codec import check_output, write_output
-from autopar.errors import AutoparError, ConfigError
+from autopar.errors import AutoparError, ConfigError, out_of_memory
 from autopar.export import add_export_parser
 from autopar.present.report_cli import add_report_parser
 from autopar.runtime.dry_run_cli import add_dry_run_parser
@@ -175,8 +175,20 @@ def check_outputs(args: argparse.Namespace) -> None:
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
-    from autopar.hardware import preset_names
+    """List the presets; with ``--save SPEC FILE``, write the cluster ``SPEC`` names as a
+    cluster file to edit (its fields carry their units in their names)."""
+    from autopar.hardware import parse_cluster, preset_names, save_cluster
 
+    if args.save:
+        spec, path = args.save
+        check_output("--save", path)
+        cluster = parse_cluster(spec)
+        save_cluster(cluster, path)
+        print(
+            f"wrote {path}: {cluster.name}, {cluster.world_size} x {cluster.device.name}; edit it, then "
+            f"--cluster {path}"
+        )
+        return 0
     for name, desc in preset_names().items():
         print(f"{name:<16} {desc}")
     return 0
@@ -256,7 +268,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.set_defaults(func=cmd_estimate)
     _check_first(e, check_outputs)
-    sub.add_parser("presets", help="list cluster presets").set_defaults(func=cmd_presets)
+    presets = sub.add_parser("presets", help="list cluster presets, or write one as a cluster file to edit")
+    presets.add_argument(
+        "--save",
+        nargs=2,
+        metavar=("SPEC", "FILE"),
+        help="write the cluster SPEC names (e.g. dgx-h100:16) to FILE, a cluster file to edit and pass as --cluster",
+    )
+    presets.set_defaults(func=cmd_presets)
     sub.add_parser("models", help="list registered models").set_defaults(func=cmd_models)
     # the profiler's subcommands: it builds on autopar, so it is loaded here, when the
     # command line is read, and never by the library
@@ -341,6 +360,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except AutoparError as exc:
         print(f"autopar: error: {exc}", file=sys.stderr)
+        return 2
+    except (MemoryError, RuntimeError) as exc:
+        if (message := out_of_memory(exc)) is None:
+            raise
+        print(f"autopar: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

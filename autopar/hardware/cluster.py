@@ -101,4 +101,10 @@ def load_cluster(path: str | Path) -> Cluster:
     if not isinstance(path, (str, Path)):
         raise ClusterError(f"cluster file path {path!r} is not allowed: {CLUSTER_FILE_REMEDY}.")
     data = codec.read_json(path, what="cluster file", error=ClusterError, remedy=CLUSTER_FILE_REMEDY)
+    if isinstance(data, dict) and "schema" in data:  # a tag cluster files lack and profile reports carry
+        raise ClusterError(
+            f"cluster file {str(path)!r} is a profile report ('autopar profile' wrote it), not a cluster: pass it as "
+            f"--profile {str(path)!r} beside a cluster such as --cluster local-cpu:1 (profile= in autopar.plan), or "
+            f"make a cluster of it with autopar.cluster_from_profiles."
+        )
     return cluster_from_dict(data, origin=f"cluster file {str(path)!r}")

@@ -41,6 +41,11 @@ curve), for the whole device (before a time share): 100 MFLOP/s, some 30 times b
 core of an old CPU and 10**7 below an H100, so only a value in the wrong unit (989 for
 989 TFLOP/s) falls under it, where the plans it gives would be absurd yet marked fitting."""
 
+MIN_MEMORY_BYTES = 2**20
+"""The least memory a device may state (bytes): 1 MiB, thousands of times below any
+accelerator or CPU process, so only a value in the wrong unit (80 for 80 GiB) falls
+under it, which would otherwise be refused as a reserve above the capacity, or fit nothing."""
+
 MIN_MEMORY_BYTES_PER_S = 1e8
 """The slowest memory bandwidth a device may state (bytes per second, the whole device):
 100 MB/s, some 100 times below one DDR channel, so only a value in the wrong unit falls
@@ -192,6 +197,11 @@ class DeviceMemory:
 
     def __post_init__(self) -> None:
         capacity = check_positive_float("memory capacity_bytes", self.capacity_bytes, error=ClusterError)
+        if capacity < MIN_MEMORY_BYTES:
+            raise ClusterError(
+                f"memory capacity_bytes={self.capacity_bytes!r} is below {MIN_MEMORY_BYTES} (1 MiB), smaller than any "
+                f"device: the field is in bytes ({capacity:g} GiB is {sci(capacity * 2**30)}); fix the cluster file."
+            )
         object.__setattr__(self, "capacity_bytes", capacity)
         reserved = self.reserved_bytes
         if isinstance(reserved, bool) or not (isinstance(reserved, (int, float)) and 0 <= reserved < capacity):

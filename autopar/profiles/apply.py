@@ -43,7 +43,7 @@ def measurements(cluster: Cluster, profile: Any) -> Measurements:
     found = latest(read_reports(profile), "layers")
     return Measurements(
         cluster=cluster_from_profiles(profile, base=cluster),
-        sources=profile_sources(profile),
+        sources=profile_sources(profile, cluster.devices_per_node),
         calibration=layer_calibration(profile, base=cluster) if found is not None else {},
         recompute_fractions=recompute_calibration(profile),
         layers=found,

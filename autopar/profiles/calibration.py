@@ -27,8 +27,11 @@ from autopar.profiles.to_cluster import cluster_from_profiles, latest, read_repo
 from autopar.vocab import DType
 
 
-def profile_sources(reports: Any) -> tuple[str, ...]:
-    """One line per report: what it measured, where and when."""
+def profile_sources(reports: Any, devices_per_node: int | None = None) -> tuple[str, ...]:
+    """One line per report: what it measured, where and when; and, for a network measured
+    with another count of processes per node than ``devices_per_node``, that its
+    per-process figures were left out (:func:`autopar.profiles.to_cluster.cluster_from_profiles`
+    applies them only at the count they were measured at)."""
     lines = []
     for origin, r in read_reports(reports):
         parts = []
@@ -44,6 +47,11 @@ def profile_sources(reports: Any) -> tuple[str, ...]:
         if r.network is not None:
             n = r.network
             parts.append(f"network {n.backend} x {n.world_size} ranks [{where_measured(n.provenance)}]")
+            if devices_per_node is not None and n.ranks_per_node != devices_per_node:
+                parts[-1] += (
+                    f" (its framework overheads, memory share and rank spread not applied: measured with "
+                    f"{n.ranks_per_node} processes per node, the cluster has {devices_per_node})"
+                )
         lines.append(f"{origin}: " + ("; ".join(parts) if parts else "no measurements"))
     return tuple(lines)
 

@@ -106,6 +106,13 @@ class TimedKernel:
     flops: float
     time: Timing
 
+    def __post_init__(self) -> None:
+        if not self.flops > 0 or not self.time.median_s > 0:
+            raise ProfileFormatError(
+                f"a kernel of flops={self.flops!r} timed at median_s={self.time.median_s!r} is not allowed: a kernel "
+                f"does work (flops > 0) and takes time (median_s > 0); measure the profile again with autopar profile."
+            )
+
     @property
     def achieved_flop_per_s(self) -> float:
         """FLOPs of one call over its median time."""

@@ -76,6 +76,12 @@ CASES = {
         f"{H100} fp8_flops=1979.0 FLOP/s is below 1e8 FLOP/s, slower than any real hardware: the field is in FLOP/s "
         "(0: no FP8 matmuls; 1979 TFLOP/s is 1.98e15, 1979 GFLOP/s is 1.98e12); fix the cluster file.",
     ),
+    "a memory capacity in GiB": (
+        _set("device", "memory", "capacity_bytes", 80),
+        "device.memory",
+        "memory capacity_bytes=80.0 is below 1048576 (1 MiB), smaller than any device: the field is in bytes (80 GiB "
+        "is 8.59e10); fix the cluster file.",
+    ),
     "a per-collective fit in GB/s": (
         _set("intra_node", "per_op", [{"op": "reduce_scatter", "bandwidth_bytes_per_s": 0.4, "latency_s": 1e-4}]),
         "intra_node.per_op[0]",
@@ -99,9 +105,13 @@ def test_a_value_in_the_wrong_unit_is_refused_in_one_line(tmp_path, edit, where,
     assert str(err.value) == f"cluster file {str(path)!r}.{where}: {message}"
 
 
-@pytest.mark.parametrize("case", ["a peak in TFLOP/s", "a matmul curve of 2 FLOP/s", "a latency in ms"])
+@pytest.mark.parametrize(
+    "case", ["a peak in TFLOP/s", "a matmul curve of 2 FLOP/s", "a latency in ms", "a memory capacity in GiB"]
+)
 def test_the_reported_files_stop_the_command_with_one_line(tmp_path, capsys, case):
-    """The three files of the report planned as fitting (rc 0); now the command exits 2."""
+    """The first three files of the reports planned as fitting (rc 0); the fourth, a
+    capacity in GiB, was refused for its reserve above it, or ended in a traceback with
+    no reserve; now the command exits 2."""
     edit, where, message = CASES[case]
     path = _edited(tmp_path / "c.json", edit)
     argv = ["plan", "--model", "gpt2-small", "--cluster", str(path), "--global-batch-size", "16", "--seq-len", "1024"]
@@ -188,3 +198,19 @@ def test_slow_but_real_hardware_loads():
     cluster = dataclasses.replace(preset("local-cpu", devices_per_node=1), device=device, intra_node=link)
     assert cluster.intra_node.bandwidth_bytes_per_s == pytest.approx(3.125e6)
     assert cluster.device.roofline.peak_flops == {DType.FP32: 1e9}
+
+
+def test_a_preset_is_saved_as_a_cluster_file_to_edit(tmp_path, capsys):
+    """``autopar presets --save SPEC FILE`` writes the cluster the spec names, which
+    loads back equal; edited (half the inter-node bandwidth) it plans as edited; an
+    unknown preset is one line, exit 2, nothing written."""
+    path = tmp_path / "cluster.json"
+    assert main(["presets", "--save", "dgx-h100:16", str(path)]) == 0
+    assert capsys.readouterr().out.startswith(f"wrote {path}: dgx-h100 x 16, 128 x H100-SXM5-80GB")
+    assert load_cluster(path) == preset("dgx-h100", nodes=16)
+    edited = _edited(tmp_path / "edited.json", _set("inter_node", "bandwidth_bytes_per_s", 22.5e9))
+    assert load_cluster(edited).inter_node.bandwidth_bytes_per_s == 22.5e9
+    assert main(["presets", "--save", "dgx-h200:2", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("autopar: error: unknown cluster preset 'dgx-h200'")
+    assert not (tmp_path / "x.json").exists()

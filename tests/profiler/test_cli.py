@@ -152,6 +152,35 @@ def test_errors_are_messages_not_tracebacks(tmp_path, capsys, monkeypatch):
     assert "--seq-len" in capsys.readouterr().err
 
 
+def test_profiling_more_than_the_machine_holds_is_one_line(tmp_path, capsys):
+    """A batch of two billion samples (2 TB of inputs, more than any machine holds): torch's
+    allocator refuses it with a RuntimeError, which both command lines (``python -m
+    profiler`` and ``autopar profile``) print as one line with what to do, exit 2, where
+    it was a traceback."""
+    from autopar.cli import main as autopar_main
+
+    argv = ["model", "--model", "moe-tiny", "--seq-len", "128", "--batch", "2000000000", "--no-device"]
+    argv += ["--out", str(tmp_path / "m.json")]
+    for run, prefix in ((main, "error: "), (lambda a: autopar_main(["profile", *a]), "autopar: error: ")):
+        assert run(argv) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"{prefix}this machine ran out of memory (")
+        assert "can't allocate memory" in lines[0] and lines[0].endswith("or free memory on this machine.")
+    assert not (tmp_path / "m.json").exists()
+
+
+def test_only_failed_allocations_are_called_out_of_memory():
+    import torch
+
+    from autopar.errors import out_of_memory
+
+    assert out_of_memory(MemoryError()).startswith("this machine ran out of memory (MemoryError); give smaller")
+    assert out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")) is not None
+    assert out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried")) is not None
+    assert out_of_memory(RuntimeError("shape '[2, 3]' is invalid for input of size 5")) is None
+    assert out_of_memory(ValueError("can't allocate memory")) is None
+
+
 @pytest.mark.multiprocess
 @pytest.mark.skipif(
     shutil.which("torchrun") is None and not (Path(sys.executable).parent / "torchrun").exists(),

@@ -396,3 +396,23 @@ def test_a_measured_attention_rate_replaces_the_stated_one():
     assert "fused attention (causal SDPA forward and backward) bf16 300 TFLOP/s" in h100.device.source
     alone = cluster_from_profiles([gpu, network(kind="cuda", node_of_rank=("n0",) * 8)]).device.roofline
     assert alone.attention_efficiency == pytest.approx(3e14 / 7e14, rel=1e-12)
+
+
+def test_a_network_measured_at_another_count_per_node_says_what_it_left_out():
+    """A network profile of 4 processes on one node applied to a cluster of 2 per node:
+    its links are used, but its per-process figures (measured with 4 sharing the node)
+    are not, which the plan's measurements line now says instead of keeping silent."""
+    model = GPT(GPTConfig(vocab_size=256, seq_len=32, dim=64, n_layers=2, n_heads=4))
+    base = preset("local-cpu", devices_per_node=2)
+    four = network(node_of_rank=("a",) * 4, inter=None, tp_overhead_s=3e-4, memory_share=0.5)
+    plan = autopar.plan(model, base, global_batch_size=8, seq_len=32, profile=[four])
+    (line,) = plan.settings.profile_sources
+    assert line.endswith(
+        "(its framework overheads, memory share and rank spread not applied: measured with 4 processes per node, "
+        "the cluster has 2)"
+    )
+    assert plan.cluster.device.host.tp_overhead_s != 3e-4
+    two = network(node_of_rank=("a", "a"), inter=None, tp_overhead_s=3e-4)
+    matched = autopar.plan(model, base, global_batch_size=8, seq_len=32, profile=[two])
+    assert "not applied" not in matched.settings.profile_sources[0]
+    assert matched.cluster.device.host.tp_overhead_s == 3e-4

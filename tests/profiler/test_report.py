@@ -170,3 +170,16 @@ def test_attention_points_round_trip_and_older_reports_have_none(tmp_path):
     data = report.to_dict()
     del data["device"]["attention"]
     assert ProfileReport.from_dict(data).device.attention == ()
+
+
+def test_a_kernel_timed_at_zero_is_refused_naming_where(tmp_path):
+    """A matmul point whose times were zeroed (hand-edited) loaded, then ended a plan in
+    a ZeroDivisionError traceback; it is refused on load, naming the file and the point."""
+    data = json.loads(full().to_json())
+    data["device"]["matmul"][1]["time"] = {"median_s": 0.0, "min_s": 0.0, "max_s": 0.0, "repeats": 3}
+    path = tmp_path / "zero.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileFormatError) as err:
+        ProfileReport.load(path)
+    assert str(err.value).startswith(f"profile {str(path)!r}: device.matmul[1]: a kernel of flops=")
+    assert "timed at median_s=0.0 is not allowed" in str(err.value)

@@ -207,6 +207,14 @@ class DeviceProfile:
     attention: tuple[AttentionPoint, ...] = ()
     provenance: Provenance
 
+    def __post_init__(self) -> None:
+        if not self.memory_bytes > 0 or not 0 <= self.reserved_bytes < self.memory_bytes:
+            raise ProfileFormatError(
+                f"memory_bytes={self.memory_bytes!r} with reserved_bytes={self.reserved_bytes!r} is not allowed: a "
+                f"device has memory (memory_bytes > 0) and reserves part of it (0 <= reserved_bytes < memory_bytes); "
+                f"measure the profile again with autopar profile."
+            )
+
     @property
     def dtypes(self) -> tuple[str, ...]:
         """Precisions with a measured matmul curve."""
@@ -370,6 +378,13 @@ class CommPoint:
     time: Timing
     algbw_bytes_per_s: float
     busbw_bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        if not self.nbytes > 0:
+            raise ProfileFormatError(
+                f"a message of nbytes={self.nbytes!r} is not allowed: a collective moves bytes (nbytes > 0); measure "
+                f"the profile again with autopar profile."
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -183,3 +183,28 @@ def test_a_kernel_timed_at_zero_is_refused_naming_where(tmp_path):
         ProfileReport.load(path)
     assert str(err.value).startswith(f"profile {str(path)!r}: device.matmul[1]: a kernel of flops=")
     assert "timed at median_s=0.0 is not allowed" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("edit", "where", "says"),
+    [
+        (lambda d: d["device"].update(memory_bytes=0.0), "device", "memory_bytes=0.0 with reserved_bytes="),
+        (
+            lambda d: d["network"]["series"][1]["points"][0].update(nbytes=-1024.0),
+            "network.series[1].points[0]",
+            "a message of nbytes=-1024.0 is not allowed",
+        ),
+    ],
+    ids=["no memory", "a negative message"],
+)
+def test_impossible_sizes_are_refused_naming_the_file_and_field(tmp_path, edit, where, says):
+    """A device of no memory, a collective of negative bytes: refused on load with the
+    file and field, where they failed later naming neither (a cluster capacity of 0, a
+    curve of -1024 bytes)."""
+    data = json.loads(full().to_json())
+    edit(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileFormatError) as err:
+        ProfileReport.load(path)
+    assert str(err.value).startswith(f"profile {str(path)!r}: {where}: {says}")

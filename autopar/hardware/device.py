@@ -41,6 +41,15 @@ curve), for the whole device (before a time share): 100 MFLOP/s, some 30 times b
 core of an old CPU and 10**7 below an H100, so only a value in the wrong unit (989 for
 989 TFLOP/s) falls under it, where the plans it gives would be absurd yet marked fitting."""
 
+MAX_FLOP_PER_S = 1e17
+"""The fastest compute a device may state (FLOP/s): 100 PFLOP/s, some 50 times an H100's
+dense FP8 peak, so only a value in the wrong unit (989e15 for 989 TFLOP/s) passes it,
+where the plans it gives would have an MFU near zero."""
+
+MAX_MEMORY_BYTES = 2**45
+"""The most memory a device may state (bytes): 32 TiB, some 200 times an H200's, so only
+a value in the wrong unit passes it."""
+
 MIN_MEMORY_BYTES = 2**20
 """The least memory a device may state (bytes): 1 MiB, thousands of times below any
 accelerator or CPU process, so only a value in the wrong unit (80 for 80 GiB) falls
@@ -197,6 +206,11 @@ class DeviceMemory:
 
     def __post_init__(self) -> None:
         capacity = check_positive_float("memory capacity_bytes", self.capacity_bytes, error=ClusterError)
+        if capacity > MAX_MEMORY_BYTES:
+            raise ClusterError(
+                f"memory capacity_bytes={self.capacity_bytes!r} is above {sci(MAX_MEMORY_BYTES)} (32 TiB), more than "
+                f"any device holds: the field is in bytes (80 GiB is {sci(80 * 2**30)}); fix the cluster file."
+            )
         if capacity < MIN_MEMORY_BYTES:
             raise ClusterError(
                 f"memory capacity_bytes={self.capacity_bytes!r} is below {MIN_MEMORY_BYTES} (1 MiB), smaller than any "
@@ -367,6 +381,16 @@ class DeviceSpec:
 
         for dtype, peak in roof.peak_flops.items():
             refuse_below(MIN_FLOP_PER_S, "FLOP/s", f"peak_flops[{dtype.value}]=", peak, host.time_share)
+        for name, peak in (
+            *((f"peak_flops[{d.value}]", p) for d, p in roof.peak_flops.items()),
+            ("fp8_flops", roof.fp8_flops),
+        ):
+            if peak > MAX_FLOP_PER_S:
+                raise ClusterError(
+                    f"device {self.name!r} roofline {name}={peak!r} FLOP/s is above {sci(MAX_FLOP_PER_S)} FLOP/s, "
+                    f"faster than any real device: the field is in FLOP/s (989 TFLOP/s is 9.89e14); fix the cluster "
+                    f"file."
+                )
         if roof.fp8_flops:  # never time-shared: CPU processes have no FP8 matmuls
             refuse_below(MIN_FLOP_PER_S, "FLOP/s", "fp8_flops=", roof.fp8_flops, note="0: no FP8 matmuls; ")
         for dtype, points in roof.matmul_curves.items():

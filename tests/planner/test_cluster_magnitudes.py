@@ -82,6 +82,18 @@ CASES = {
         "memory capacity_bytes=80.0 is below 1048576 (1 MiB), smaller than any device: the field is in bytes (80 GiB "
         "is 8.59e10); fix the cluster file.",
     ),
+    "a peak a thousand times too large": (
+        _set("device", "roofline", "peak_flops", "bf16", 989e15),
+        "device",
+        f"{H100} peak_flops[bf16]=9.89e+17 FLOP/s is above 1e17 FLOP/s, faster "
+        "than any real device: the field is in FLOP/s (989 TFLOP/s is 9.89e14); fix the cluster file.",
+    ),
+    "a capacity of 1e300 bytes": (
+        _set("device", "memory", "capacity_bytes", 1e300),
+        "device.memory",
+        "memory capacity_bytes=1e+300 is above 3.52e13 (32 TiB), more than any device holds: the field is in bytes "
+        "(80 GiB is 8.59e10); fix the cluster file.",
+    ),
     "a per-collective fit in GB/s": (
         _set("intra_node", "per_op", [{"op": "reduce_scatter", "bandwidth_bytes_per_s": 0.4, "latency_s": 1e-4}]),
         "intra_node.per_op[0]",

@@ -41,12 +41,17 @@ class InfeasiblePlanError(AutoparError):
     Attributes:
         min_memory_bytes: the smallest peak memory per device found.
         capacity_bytes: the memory of one device.
+        nodes_that_fit: a node count of the same cluster where a configuration fits,
+            as the message offers it; None where none was found.
     """
 
-    def __init__(self, message: str, *, min_memory_bytes: float, capacity_bytes: float):
+    def __init__(
+        self, message: str, *, min_memory_bytes: float, capacity_bytes: float, nodes_that_fit: int | None = None
+    ):
         super().__init__(message)
         self.min_memory_bytes = min_memory_bytes
         self.capacity_bytes = capacity_bytes
+        self.nodes_that_fit = nodes_that_fit
 
 
 def check_positive_int(name: str, value: object, hint: str = "") -> int:

@@ -58,6 +58,15 @@ def time_to_train(plan: Plan, tokens: float) -> TrainingTime:
     return TrainingTime(steps=steps, seconds=seconds, device_hours=seconds * plan.config.world_size / 3600)
 
 
+def _next_count(nodes: int, failure: AutoparError, step: int, most: int) -> int:
+    """The count to try after ``nodes`` failed with ``failure``: the count its refusal
+    found a configuration fitting on (:attr:`~autopar.errors.InfeasiblePlanError.nodes_that_fit`),
+    as a multiple of ``step``, where that is within ``most``; else twice ``nodes``."""
+    fits = failure.nodes_that_fit if isinstance(failure, InfeasiblePlanError) else None
+    rounded = -(-fits // step) * step if fits is not None else 0
+    return rounded if nodes < rounded <= most else 2 * nodes
+
+
 def fewest_nodes(
     model: nn.Module | LayerGraph,
     cluster: Cluster | str,
@@ -71,7 +80,8 @@ def fewest_nodes(
     """The plan on the fewest nodes of ``cluster``'s type that fit the model (a Cluster,
     or a spec string as :func:`autopar.plan` takes; its node count is not used).
 
-    Doubles the node count until a plan fits, then bisects between the last two counts
+    Doubles the node count until a plan fits (or moves to the count a refusal found a
+    configuration fitting on), then bisects between the last two counts
     (a count that fits may still be passed over if the batch does not divide it). The
     counts are multiples of the fewest nodes whose devices the fixed degrees in
     ``constraints`` divide: ``tp=3`` on nodes of 8 tries 3, 6, 12, ... nodes. A count
@@ -125,7 +135,7 @@ def fewest_nodes(
         found = attempt(hi)
         if found is not None:
             break
-        lo, hi = hi, hi * 2
+        lo, hi = hi, _next_count(hi, failures[-1], step, max_nodes)
     if found is None and all(isinstance(err, DeviceCountError) for err in failures):
         first = "1 node" if step == 1 else f"{step} nodes"
         raise DeviceCountError(

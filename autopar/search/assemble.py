@@ -159,6 +159,7 @@ def infeasible_error(
         f"{cluster.device.name} has {size(cap)}. Try {tries}{smaller}.{no_ring}",
         min_memory_bytes=best.min_memory_bytes,
         capacity_bytes=cap,
+        nodes_that_fit=None if found is None else found[0].world_size // cluster.devices_per_node,
     )
 
 

@@ -427,3 +427,24 @@ def test_a_recompute_mode_without_a_majority_is_not_the_headline():
         text[name] = next(line for line in explain(plan).splitlines() if line.startswith("Configuration"))
     assert text["few"].endswith("recompute none (1 unit(s) full, 1 unit(s) selective)")
     assert text["many"].endswith("recompute mixed over 16 modules: 6 full, 6 none, 4 selective")
+
+
+def test_fewest_nodes_moves_to_the_count_a_refusal_found_and_is_the_fewest():
+    """fewest_nodes now moves to the node count a refusal found a configuration fitting
+    on (instead of only doubling), then bisects: its answer is still the fewest nodes
+    that fit, checked against planning every count from 1 up (brute force)."""
+    model = GPT(GPTConfig(vocab_size=1000, seq_len=512, dim=512, n_layers=4, n_heads=8))
+    cluster = tiny_cluster(20 / 1024)
+    with pytest.raises(InfeasiblePlanError) as err:
+        autopar.plan(model, cluster, global_batch_size=64, seq_len=512)
+    assert err.value.nodes_that_fit is not None and err.value.nodes_that_fit > 2
+    brute = None
+    for nodes in range(1, err.value.nodes_that_fit + 1):
+        try:
+            autopar.plan(model, cluster.with_nodes(nodes), global_batch_size=64, seq_len=512)
+        except InfeasiblePlanError:
+            continue
+        brute = nodes
+        break
+    found = fewest_nodes(model, cluster, global_batch_size=64, seq_len=512)
+    assert found.prediction.fits and found.cluster.nodes == brute

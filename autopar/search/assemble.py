@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -134,7 +134,7 @@ def infeasible_error(
             )
     states = graph.num_params * (MASTER_BYTES + GRAD_BYTES + optimizer_state_bytes(optimizer))
     devices = math.ceil(states / budget_bytes(cluster.device.memory))
-    least = _usable_nodes(graph, solver, fixed)(math.ceil(devices / cluster.devices_per_node))
+    least = _usable_count(graph, solver, fixed, math.ceil(devices / cluster.devices_per_node))
     alone = f"its weights, gradients and {optimizer.value} states alone fill {devices} devices, fully sharded"
     outgrown = devices > cluster.world_size and least is not None
     found = _first_fitting(graph, solver, fixed, (cfg.recompute,), max(cluster.nodes + 1, least or 0))
@@ -163,39 +163,15 @@ def infeasible_error(
     )
 
 
-def _usable_nodes(graph: LayerGraph, solver: ConfigSolver, fixed: Mapping[str, Any]) -> Callable[[int], int | None]:
-    """A function from a node count to the first count from it up where the search's space
-    holds a configuration for the global batch under ``fixed``, or None: so that a count
+def _usable_count(graph: LayerGraph, solver: ConfigSolver, fixed: Mapping[str, Any], nodes: int) -> int | None:
+    """The first node count from ``nodes`` up where the search's space holds a
+    configuration for the global batch under ``fixed``, or None: so that a count
     suggested is one the constraints and the batch allow (a batch of 64 on 5 nodes of 8
     has no data-parallel degree of 40 to divide it). It tries the next eight counts, then
     the powers of two up to twice the count (within autopar's largest cluster): a few
     unpriced enumerations, however large the cluster."""
-    model = solver.model
-    cluster = model.cluster
-    most = MAX_DEVICES // cluster.devices_per_node
-
-    def has_space(nodes: int) -> bool:
-        try:
-            space, _ = enumerate_space(
-                graph,
-                replace(cluster, nodes=nodes),
-                model.global_batch_size,
-                fixed,
-                fold_shard_groups=True,
-                megatron_kernels=not model.batch_first,
-            )
-        except ConfigError:  # a pinned degree that this count cannot hold
-            return False
-        return bool(space)
-
-    def usable(nodes: int) -> int | None:
-        if nodes > most:  # more than autopar's largest cluster
-            return None
-        near = range(nodes, min(nodes + 8, 2 * nodes, most) + 1)
-        powers = (2**k for k in range(nodes.bit_length(), (2 * nodes).bit_length()) if near[-1] < 2**k <= most)
-        return next((n for n in (*near, *powers) if has_space(n)), None)
-
-    return usable
+    most = min(2 * nodes, MAX_DEVICES // solver.model.cluster.devices_per_node)
+    return next((n for n in _node_counts(nodes, most) if _space_at(graph, solver, fixed, n)), None)
 
 
 def _first_fitting(
@@ -209,17 +185,7 @@ def _first_fitting(
     model = solver.model
     cap = model.cluster.device.memory.capacity_bytes
     for nodes in _node_counts(start, MAX_DEVICES // model.cluster.devices_per_node):
-        try:
-            space, _ = enumerate_space(
-                graph,
-                replace(model.cluster, nodes=nodes),
-                model.global_batch_size,
-                fixed,
-                fold_shard_groups=True,
-                megatron_kernels=not model.batch_first,
-            )
-        except ConfigError:  # a pinned degree that this count cannot hold
-            continue
+        space = _space_at(graph, solver, fixed, nodes)
         sized = [(_frugal_peak(solver, c, modes), c) for c in _frugal_variants(space, modes[0], model.batch_first)]
         fitting = [(peak, c) for peak, c in sized if peak <= cap]
         if fitting:
@@ -246,6 +212,24 @@ def _frugal_variants(space: list[ParallelConfig], recompute: Recompute, batch_fi
         if key(c) not in chosen or thrift(c) > thrift(chosen[key(c)]):
             chosen[key(c)] = c
     return [replace(c, recompute=recompute) for c in chosen.values()]
+
+
+def _space_at(graph: LayerGraph, solver: ConfigSolver, fixed: Mapping[str, Any], nodes: int) -> list[ParallelConfig]:
+    """The search's space under ``fixed`` on ``nodes`` nodes of the solver's cluster
+    (unpriced), empty where a pinned degree cannot be held there."""
+    model = solver.model
+    try:
+        space, _ = enumerate_space(
+            graph,
+            replace(model.cluster, nodes=nodes),
+            model.global_batch_size,
+            fixed,
+            fold_shard_groups=True,
+            megatron_kernels=not model.batch_first,
+        )
+    except ConfigError:
+        return []
+    return space
 
 
 def _node_counts(start: int, most: int) -> list[int]:

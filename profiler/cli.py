@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from autopar.codec import check_output, write_atomically, write_output
+from autopar.errors import AutoparError, out_of_memory
 from profiler.errors import ProfilerError, SettingsError
 
 if TYPE_CHECKING:
@@ -409,8 +410,9 @@ def run_network_rank(args: argparse.Namespace, sweep: Any, command: str) -> int:
         rank = dist.get_rank()
         try:
             report = profile_network(sweep=sweep, progress=_progress(args) if rank == 0 else None, command=command)
-        except ProfilerError:  # what it refuses it refuses on every rank alike: rank 0 says it once
-            if rank == 0:
+        except (ProfilerError, MemoryError, RuntimeError) as exc:
+            # what it refuses, or cannot allocate, it does on every rank alike: rank 0 says it once
+            if rank == 0 or not (isinstance(exc, ProfilerError) or out_of_memory(exc)):
                 raise
             return 2
         if rank == 0:
@@ -422,6 +424,8 @@ def run_network_rank(args: argparse.Namespace, sweep: Any, command: str) -> int:
 
 
 def _network_worker(rank: int, world: int, sweep: Any, command: str, verbose: bool) -> Any:
+    """One rank of ``--nproc``'s profile: rank 0's report, None on the others, or what
+    running out of memory says (every rank allocates the same buffers)."""
     from profiler.network import profile_network
 
     say = (
@@ -429,7 +433,12 @@ def _network_worker(rank: int, world: int, sweep: Any, command: str, verbose: bo
         if verbose and rank == 0
         else None
     )
-    report = profile_network(sweep=sweep, progress=say, command=command)
+    try:
+        report = profile_network(sweep=sweep, progress=say, command=command)
+    except (MemoryError, RuntimeError) as exc:  # returned, to be said once for all ranks
+        if (message := out_of_memory(exc)) is None:
+            raise
+        return message
     return report if rank == 0 else None
 
 
@@ -449,8 +458,11 @@ def _network_local(args: argparse.Namespace, sweep: Any, command: str) -> int:
             f"this machine: add intra, or run under torchrun on two nodes or more."
         )
     settings = SPMDSettings(timeout_s=args.timeout, pg_timeout_s=min(args.timeout, 300.0))
-    report = run_spmd(_network_worker, args.nproc, sweep, command, not args.quiet, settings=settings)[0]
-    return _finish(report, args.out)
+    results = run_spmd(_network_worker, args.nproc, sweep, command, not args.quiet, settings=settings)
+    short = next((r for r in results if isinstance(r, str)), None)  # a rank that could not allocate its buffers
+    if short is not None:
+        raise ProfilerError(short)
+    return _finish(results[0], args.out)
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -483,7 +495,6 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     """Run a parsed command, turning typed errors (the profiler's and autopar's) into a
     message and exit code 2."""
-    from autopar.errors import AutoparError, out_of_memory
 
     try:
         return int(args.func(args))

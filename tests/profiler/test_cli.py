@@ -169,6 +169,16 @@ def test_profiling_more_than_the_machine_holds_is_one_line(tmp_path, capsys):
     assert not (tmp_path / "m.json").exists()
 
 
+def test_a_network_profile_larger_than_memory_is_one_line(tmp_path, capsys):
+    """4 TiB messages on 2 local processes: each rank's allocation fails; the command
+    says so once, in one line, where each rank's traceback was printed."""
+    argv = ["network", "--nproc", "2", "--min-bytes", "4096G", "--max-bytes", "4096G", "--ops", "all_reduce", "--quiet"]
+    assert main([*argv, "--out", str(tmp_path / "n.json")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: this machine ran out of memory (")
+    assert not (tmp_path / "n.json").exists()
+
+
 def test_only_failed_allocations_are_called_out_of_memory():
     import torch
 

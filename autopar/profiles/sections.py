@@ -301,6 +301,14 @@ class UnitMeasurement:
     work: tuple[WorkItem, ...]
     recompute_bwd: Timing | None = None
 
+    def __post_init__(self) -> None:
+        if not (self.fwd.median_s > 0 and self.bwd.median_s > 0):
+            raise ProfileFormatError(
+                f"unit {self.fqn!r} timed at forward median_s={self.fwd.median_s!r}, backward "
+                f"median_s={self.bwd.median_s!r} is not allowed: a unit's forward and backward take time (median_s > "
+                f"0); measure the profile again with autopar profile."
+            )
+
     @property
     def time_s(self) -> float:
         """Median forward plus median backward time."""

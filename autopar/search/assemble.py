@@ -15,7 +15,7 @@ from autopar.cost.memory import GRAD_BYTES, MASTER_BYTES, optimizer_state_bytes
 from autopar.cost.peak import budget_bytes, frugal_peak_bytes
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.graph.layer_graph import LayerGraph
-from autopar.hardware.cluster import MAX_DEVICES
+from autopar.hardware.cluster import MAX_DEVICES, Cluster
 from autopar.models.experts import ROUTED_FORM
 from autopar.plan import Alternative, LayerStrategies, ModelSummary, ParallelConfig, Plan, PlanSettings
 from autopar.present.units import count, size
@@ -137,7 +137,8 @@ def infeasible_error(
     least = _usable_count(graph, solver, fixed, math.ceil(devices / cluster.devices_per_node))
     alone = f"its weights, gradients and {optimizer.value} states alone fill {devices} devices, fully sharded"
     outgrown = devices > cluster.world_size and least is not None
-    found = _first_fitting(graph, solver, fixed, (cfg.recompute,), max(cluster.nodes + 1, least or 0))
+    start = max(cluster.nodes + 1, least or 0)
+    found = _first_fitting(graph, solver, fixed, (cfg.recompute,), start)
     if found is not None:
         config, peak = found
         nodes = config.world_size // cluster.devices_per_node
@@ -147,8 +148,12 @@ def infeasible_error(
             if outgrown and least < nodes
             else f"{nodes} nodes ({fit})"
         )
-    elif outgrown:
-        hints.append(f"at least {least} nodes ({alone})")
+    pins = ", ".join(f"{k}={getattr(fixed[k], 'value', fixed[k])!r}" for k in sorted(fixed))
+    nowhere = ""
+    if found is None and (outgrown or fixed):  # more nodes alone do not help: say so, not a lower bound
+        last = _scan_end(start, cluster)
+        counts = f"from {start} to {last}" if start <= last else f"up to {last}"
+        nowhere = f" No node count {counts} fits" + (f" with {pins} fixed: fix fewer." if fixed else ".")
     tries = "".join(f"{hint}, " for hint in hints) + ("or " if hints else "")
     smaller = "a smaller micro-batch or sequence length" if cfg.micro_batch_size > 1 else "a shorter sequence"
     blocker = ring_blocker(graph) if "cp" not in fixed and (graph.seq_len or 0) >= 2 * CP_MIN_TOKENS else None
@@ -156,7 +161,7 @@ def infeasible_error(
     return InfeasiblePlanError(
         f"no plan fits: {graph.name} ({count(graph.num_params)} parameters) needs at least "
         f"{size(best.min_memory_bytes)} per device in the best case found ({cfg.short()}); each "
-        f"{cluster.device.name} has {size(cap)}. Try {tries}{smaller}.{no_ring}",
+        f"{cluster.device.name} has {size(cap)}. Try {tries}{smaller}.{nowhere}{no_ring}",
         min_memory_bytes=best.min_memory_bytes,
         capacity_bytes=cap,
         nodes_that_fit=None if found is None else found[0].world_size // cluster.devices_per_node,
@@ -180,32 +185,41 @@ def _first_fitting(
     """The first node count from ``start`` (:func:`_node_counts`) where a configuration
     of the search's space under ``fixed`` fits a device with every unit at its smallest
     option (:func:`_frugal_peak`, on the even split): that configuration and its peak,
-    or None where no count tried within autopar's largest cluster has one. The search
+    or None where no count tried (up to :func:`_scan_end`) has one. The search
     on that count finds a plan that fits, since each unit may take its smallest option."""
     model = solver.model
     cap = model.cluster.device.memory.capacity_bytes
-    for nodes in _node_counts(start, MAX_DEVICES // model.cluster.devices_per_node):
+    per_node = model.cluster.devices_per_node
+    for nodes in _node_counts(start, _scan_end(start, model.cluster)):
         space = _space_at(graph, solver, fixed, nodes)
         sized = [(_frugal_peak(solver, c, modes), c) for c in _frugal_variants(space, modes[0], model.batch_first)]
         fitting = [(peak, c) for peak, c in sized if peak <= cap]
-        if fitting:
-            peak, config = min(fitting, key=lambda f: (f[0], f[1].short()))
+        if fitting:  # tensor parallelism inside a node where one fits, as the search would pick
+            peak, config = min(fitting, key=lambda f: (f[1].tp > per_node, f[0], f[1].short()))
             return config, peak
     return None
 
 
 def _frugal_variants(space: list[ParallelConfig], recompute: Recompute, batch_first: bool) -> list[ParallelConfig]:
-    """One configuration of ``space`` per mix of degrees, batch split and schedule, with
-    ``recompute``: the one sharding most (the highest ZeRO stage, plain FSDP), with
+    """One configuration of ``space`` per mix of degrees and schedule, with ``recompute``:
+    the one with the smallest micro-batch (a pipeline holds at most ``pp`` micro-batches,
+    so more of them add none), sharding most (the highest ZeRO stage, plain FSDP), with
     sequence parallelism and kept gather shards where it has them, and FP8 only where
     its layers keep their inputs in FP8 (not ``batch_first``): what holds least, without
-    sizing every kernel option of each."""
+    sizing every option of each."""
 
     def key(c: ParallelConfig) -> tuple[Any, ...]:
-        return (c.dp, c.tp, c.pp, c.cp, c.ep, c.micro_batch_size, c.num_microbatches, c.schedule, c.virtual_stages)
+        return (c.dp, c.tp, c.pp, c.cp, c.ep, c.schedule, c.virtual_stages)
 
     def thrift(c: ParallelConfig) -> tuple[Any, ...]:
-        return (c.zero_stage, c.dp_shard is None, c.sequence_parallel, c.regather, c.fp8 != batch_first)
+        return (
+            -c.micro_batch_size,
+            c.zero_stage,
+            c.dp_shard is None,
+            c.sequence_parallel,
+            c.regather,
+            c.fp8 != batch_first,
+        )
 
     chosen: dict[tuple[Any, ...], ParallelConfig] = {}
     for c in space:
@@ -230,6 +244,12 @@ def _space_at(graph: LayerGraph, solver: ConfigSolver, fixed: Mapping[str, Any],
     except ConfigError:
         return []
     return space
+
+
+def _scan_end(start: int, cluster: Cluster) -> int:
+    """The most nodes a refusal tries from ``start``: sixteen times as many, within
+    autopar's largest cluster (a model that fits on none of them needs other choices)."""
+    return min(16 * start, MAX_DEVICES // cluster.devices_per_node)
 
 
 def _node_counts(start: int, most: int) -> list[int]:

@@ -10,6 +10,9 @@ import torch
 import autopar
 from autopar.errors import InfeasiblePlanError
 from autopar.graph import extract
+from autopar.models import GPT, GPTConfig
+
+from .exact_reference import tiny_cluster
 
 
 def _small_h100s():
@@ -60,3 +63,23 @@ def test_suggested_node_counts_hold_a_configuration_for_the_batch():
         assert any(64 % (8 * n // tp) == 0 for tp in (1, 2, 4, 8)), n
     plan = autopar.plan(model, f"dgx-h100:{max(counts)}", global_batch_size=64, seq_len=4096, constraints=pins)
     assert plan.prediction.fits
+
+
+def test_pins_no_node_count_can_hold_are_named_instead_of_a_lower_bound():
+    """tp=1, pp=1 and no recomputation pinned: each device holds a whole sequence's
+    activations, which no count of nodes divides, so the refusal says no count it tried
+    fits with those pins and to fix fewer (it offered "at least N nodes", and planning
+    there was refused again). Planning on 16 nodes (dp=64, one sample per rank) is
+    refused too."""
+    model = GPT(GPTConfig(vocab_size=1000, seq_len=512, dim=512, n_layers=4, n_heads=8))
+    pins = {"tp": 1, "pp": 1, "recompute": "none"}
+    cluster = tiny_cluster(20 / 1024)
+    with pytest.raises(InfeasiblePlanError) as err:
+        autopar.plan(model, cluster, global_batch_size=64, seq_len=512, constraints=pins)
+    assert str(err.value).endswith(
+        "Try recompute='full', or a shorter sequence. No node count from 4 to 64 fits with pp=1, recompute='none', "
+        "tp=1 fixed: fix fewer."
+    )
+    assert err.value.nodes_that_fit is None
+    with pytest.raises(InfeasiblePlanError):
+        autopar.plan(model, cluster.with_nodes(16), global_batch_size=64, seq_len=512, constraints=pins)

@@ -194,13 +194,19 @@ def test_a_kernel_timed_at_zero_is_refused_naming_where(tmp_path):
             "network.series[1].points[0]",
             "a message of nbytes=-1024.0 is not allowed",
         ),
+        (
+            lambda d: d["layers"]["units"][0]["bwd"].update(median_s=0.0, min_s=0.0, mean_s=0.0),
+            "layers.units[0]",
+            "unit '",
+        ),
     ],
-    ids=["no memory", "a negative message"],
+    ids=["no memory", "a negative message", "a backward of no time"],
 )
 def test_impossible_sizes_are_refused_naming_the_file_and_field(tmp_path, edit, where, says):
-    """A device of no memory, a collective of negative bytes: refused on load with the
-    file and field, where they failed later naming neither (a cluster capacity of 0, a
-    curve of -1024 bytes)."""
+    """A device of no memory, a collective of negative bytes, a unit whose backward took
+    no time: refused on load with the file and field, where they failed later naming
+    neither (a cluster capacity of 0, a curve of -1024 bytes) or planned at an MFU of
+    172%."""
     data = json.loads(full().to_json())
     edit(data)
     path = tmp_path / "bad.json"

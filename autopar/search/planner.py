@@ -44,10 +44,11 @@ from autopar.search.assemble import Provenance, infeasible_error, to_plan
 from autopar.search.constraints import check_constraints, check_degrees
 from autopar.search.experts import check_routing_imbalance
 from autopar.search.ilp import check_solver
+from autopar.search.integers import divisors
 from autopar.search.kernel_options import check_async_tp, check_fp8
 from autopar.search.scan import decided, search
 from autopar.search.solve import ConfigSolver, Outcome
-from autopar.search.space import CP_MIN_TOKENS, cp_below_floor, micro_batch_range
+from autopar.search.space import CP_MIN_TOKENS, micro_batch_range, ring_blocker
 from autopar.vocab import ActivationLayout, Attention, DType, Optimizer, Recompute
 
 P = ParamSpec("P")
@@ -151,13 +152,29 @@ def plan(
         raise infeasible_error(result, solver_, graph, fixed=fixed, optimizer=optimizer)
     provenance = _provenance(measured, optimizer, attention, solver, routing_imbalance, activations, started)
     plan = _noted(to_plan(solver_, result, provenance), match, seq_note, activations)
-    unsearched = cp_below_floor(graph, measured.cluster.world_size, fixed)
+    unsearched = _cp_below_floor(graph, measured.cluster.world_size, fixed)
     return replace(plan, notes=(*plan.notes, cp_floor_note(unsearched, graph.seq_len))) if unsearched else plan
+
+
+def _cp_below_floor(graph: LayerGraph, devices: int, constraints: Mapping[str, Any]) -> list[int]:
+    """The context-parallel degrees :func:`~autopar.search.space.cp_degrees` leaves out only for
+    :data:`~autopar.search.space.CP_MIN_TOKENS`: those dividing the ``devices`` the fixed ``dp``, ``tp`` and
+    ``pp`` leave (the whole remainder where all three are fixed) that split the sequence
+    into ``2 d`` chunks and that ring attention could run, none where ``cp`` is fixed. A plan
+    says it did not search them, so that a user may price one by fixing it."""
+    if "cp" in constraints or ring_blocker(graph) or constraints.get("ep", 1) > 1:
+        return []
+    pinned = math.prod(constraints.get(k, 1) for k in ("dp", "tp", "pp"))
+    if devices % pinned:
+        return []
+    left, s = devices // pinned, graph.seq_len
+    fits = (lambda d: d == left) if "dp" in constraints and {"tp", "pp"} <= constraints.keys() else (lambda d: True)
+    return [d for d in divisors(left) if d > 1 and fits(d) and s % (2 * d) == 0 and s // d < CP_MIN_TOKENS]
 
 
 def cp_floor_note(degrees: list[int], seq_len: int) -> str:
     """What a plan says of the context-parallel degrees its search left out for
-    :data:`~autopar.search.space.CP_MIN_TOKENS` (:func:`~autopar.search.space.cp_below_floor`)."""
+    :data:`~autopar.search.space.CP_MIN_TOKENS` (:func:`_cp_below_floor`)."""
     shown = ", ".join(map(str, degrees[:4])) + (", ..." if len(degrees) > 4 else "")
     return (
         f"Context parallelism was searched only where each rank keeps at least {CP_MIN_TOKENS:,} tokens of a "

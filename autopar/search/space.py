@@ -137,17 +137,6 @@ def cp_degrees(graph: LayerGraph, devices: int, constraints: Mapping[str, Any]) 
     return [d for d in divisors(devices) if d == 1 or (s % (2 * d) == 0 and s // d >= fewest)]
 
 
-def cp_below_floor(graph: LayerGraph, devices: int, constraints: Mapping[str, Any]) -> list[int]:
-    """The context-parallel degrees :func:`cp_degrees` leaves out only for
-    :data:`CP_MIN_TOKENS`: those dividing ``devices`` that split the sequence into
-    ``2 d`` chunks and that ring attention could run, none where ``cp`` is fixed. A plan
-    says it did not search them, so that a user may price one by fixing it."""
-    if "cp" in constraints or ring_blocker(graph) or constraints.get("ep", 1) > 1:
-        return []
-    s = graph.seq_len
-    return [d for d in divisors(devices) if d > 1 and s % (2 * d) == 0 and s // d < CP_MIN_TOKENS]
-
-
 def ring_blocker(graph: LayerGraph) -> str | None:
     """Why no context-parallel degree runs ``graph`` at its sequence length, if none does:
     torch's ring attention replaces ``F.scaled_dot_product_attention`` calls that are

@@ -282,7 +282,8 @@ def test_a_sequence_too_long_for_the_node_is_offered_the_nodes_a_wider_ring_need
 def test_a_plan_says_which_context_parallel_degrees_it_did_not_search():
     """4K tokens on 4 devices: cp=2 and cp=4 split the sequence but leave each rank
     fewer than CP_MIN_TOKENS, so the search skips them; the plan says so and how to
-    price one, and fixing it prices it. Nothing is said where cp is fixed, or where
+    price one, and fixing it prices it; only degrees the fixed ones leave room for are
+    named. Nothing is said where cp is fixed, or where
     ring attention cannot run the model (a sliding window narrower than the sequence)."""
     model = GPT(GPTConfig(vocab_size=256, seq_len=4096, dim=64, n_layers=2, n_heads=2))
     cluster = tiny_cluster(1.0)
@@ -293,6 +294,13 @@ def test_a_plan_says_which_context_parallel_degrees_it_did_not_search():
     assert "cp=2, 4 would also split these 4,096 tokens: fix one (constraints={'cp': 2}, --set cp=2)" in note
     pinned = autopar.plan(model, cluster, global_batch_size=8, seq_len=4096, constraints={"cp": 2})
     assert pinned.config.cp == 2 and not any(n.startswith("Context parallelism was") for n in pinned.notes)
+    # tp=2 fixed leaves 2 of the 4 devices: only cp=2 could run (it listed cp=4, which cannot)
+    (note,) = [
+        n
+        for n in autopar.plan(model, cluster, global_batch_size=8, seq_len=4096, constraints={"tp": 2}).notes
+        if n.startswith("Context parallelism was")
+    ]
+    assert "cp=2 would also split these 4,096 tokens" in note
     transformers = pytest.importorskip("transformers")
     config = transformers.MistralConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,

@@ -118,10 +118,15 @@ def infeasible_error(
     searched_full = fixed.get("recompute", Recompute.FULL) is Recompute.FULL
     cfg = best.config if not searched_full else replace(best.config, recompute=Recompute.FULL)
     hints = []
+    here = cluster.nodes
     if fixed.get("zero_stage", 3) < 3 and cluster.world_size > 1:
-        hints.append("zero_stage=3")
+        lifted = {k: v for k, v in fixed.items() if k != "zero_stage"}
+        alone = _first_fitting(graph, solver, lifted, (cfg.recompute,), here, last=here) is not None
+        hints.append("zero_stage=3" + ("" if alone else " (not enough alone)"))
     if not searched_full:
-        hints.append("recompute='full'")
+        lifted = {k: v for k, v in fixed.items() if k != "recompute"}
+        alone = _first_fitting(graph, solver, lifted, (Recompute.FULL,), here, last=here) is not None
+        hints.append("recompute='full'" + ("" if alone else " (not enough alone)"))
     c = best.config
     if "reduce_dtype" not in fixed and c.dtype is DType.BF16 and c.pp > 1 and c.zero_stage >= 2 and c.dp_cp > 1:
         # a rank's unsharded pipelined gradients at 2 bytes instead of 4: offered where that alone fits
@@ -180,17 +185,23 @@ def _usable_count(graph: LayerGraph, solver: ConfigSolver, fixed: Mapping[str, A
 
 
 def _first_fitting(
-    graph: LayerGraph, solver: ConfigSolver, fixed: Mapping[str, Any], modes: tuple[Recompute, ...], start: int
+    graph: LayerGraph,
+    solver: ConfigSolver,
+    fixed: Mapping[str, Any],
+    modes: tuple[Recompute, ...],
+    start: int,
+    *,
+    last: int | None = None,
 ) -> tuple[ParallelConfig, float] | None:
     """The first node count from ``start`` (:func:`_node_counts`) where a configuration
     of the search's space under ``fixed`` fits a device with every unit at its smallest
     option (:func:`_frugal_peak`, on the even split): that configuration and its peak,
-    or None where no count tried (up to :func:`_scan_end`) has one. The search
+    or None where no count tried (up to ``last``, or :func:`_scan_end`) has one. The search
     on that count finds a plan that fits, since each unit may take its smallest option."""
     model = solver.model
     cap = model.cluster.device.memory.capacity_bytes
     per_node = model.cluster.devices_per_node
-    for nodes in _node_counts(start, _scan_end(start, model.cluster)):
+    for nodes in _node_counts(start, _scan_end(start, model.cluster) if last is None else last):
         space = _space_at(graph, solver, fixed, nodes)
         sized = [(_frugal_peak(solver, c, modes), c) for c in _frugal_variants(space, modes[0], model.batch_first)]
         fitting = [(peak, c) for peak, c in sized if peak <= cap]

@@ -69,17 +69,40 @@ def test_pins_no_node_count_can_hold_are_named_instead_of_a_lower_bound():
     """tp=1, pp=1 and no recomputation pinned: each device holds a whole sequence's
     activations, which no count of nodes divides, so the refusal says no count it tried
     fits with those pins and to fix fewer (it offered "at least N nodes", and planning
-    there was refused again). Planning on 16 nodes (dp=64, one sample per rank) is
-    refused too."""
+    there was refused again), and that full recomputation, which it still offers, is not
+    enough alone (checked on this node, as each remedy is). Planning on 16 nodes (dp=64,
+    one sample per rank) is refused too; with recomputation alone, here, also."""
     model = GPT(GPTConfig(vocab_size=1000, seq_len=512, dim=512, n_layers=4, n_heads=8))
     pins = {"tp": 1, "pp": 1, "recompute": "none"}
     cluster = tiny_cluster(20 / 1024)
     with pytest.raises(InfeasiblePlanError) as err:
         autopar.plan(model, cluster, global_batch_size=64, seq_len=512, constraints=pins)
     assert str(err.value).endswith(
-        "Try recompute='full', or a shorter sequence. No node count from 4 to 64 fits with pp=1, recompute='none', "
+        "Try recompute='full' (not enough alone), or a shorter sequence. No node count from 4 to 64 fits with pp=1, "
+        "recompute='none', "
         "tp=1 fixed: fix fewer."
     )
     assert err.value.nodes_that_fit is None
     with pytest.raises(InfeasiblePlanError):
         autopar.plan(model, cluster.with_nodes(16), global_batch_size=64, seq_len=512, constraints=pins)
+    with pytest.raises(InfeasiblePlanError):
+        autopar.plan(model, cluster, global_batch_size=64, seq_len=512, constraints={**pins, "recompute": "full"})
+
+
+@pytest.mark.parametrize("memory_mib, alone", [(80, True), (60, False)])
+def test_recomputation_is_offered_alone_only_where_it_fits_alone(memory_mib, alone):
+    """Recomputation pinned off: the refusal offers recompute='full' as it is where that
+    alone fits this cluster, and marks it not enough alone where it does not, each
+    checked by planning with it on the same cluster."""
+    model = GPT(GPTConfig(vocab_size=1000, seq_len=512, dim=512, n_layers=4, n_heads=8))
+    cluster = tiny_cluster(memory_mib / 1024)
+    with pytest.raises(InfeasiblePlanError) as err:
+        autopar.plan(model, cluster, global_batch_size=64, seq_len=512, constraints={"recompute": "none"})
+    offered = "Try recompute='full', " if alone else "Try recompute='full' (not enough alone), "
+    assert offered in str(err.value), str(err.value)
+    try:
+        autopar.plan(model, cluster, global_batch_size=64, seq_len=512, constraints={"recompute": "full"})
+        fits = True
+    except InfeasiblePlanError:
+        fits = False
+    assert fits is alone

@@ -86,7 +86,7 @@ def test_infeasible_plan_names_the_memory():
         str(err.value),
     )
     assert found and "recompute='full'" not in str(err.value), str(err.value)
-    with pytest.raises(InfeasiblePlanError, match=rf"Try recompute='full', {least} to \d+ nodes"):
+    with pytest.raises(InfeasiblePlanError, match=rf"Try recompute='full' \(not enough alone\), {least} to \d+ nodes"):
         autopar.plan(model, DGX1, global_batch_size=8, seq_len=2048, constraints={"recompute": "none"})
 
 

@@ -19,6 +19,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from autopar.errors import ClusterError, check_positive_float
+from autopar.hardware.magnitudes import (
+    MAX_FLOP_PER_S,
+    MAX_MEMORY_BYTES,
+    MIN_FLOP_PER_S,
+    MIN_MEMORY_BYTES,
+    MIN_MEMORY_BYTES_PER_S,
+    sci,
+    too_small,
+)
 from autopar.vocab import DType
 
 CPU_PROCESS = "cpu-process"
@@ -34,58 +43,6 @@ def device_kind(name: str) -> Literal["cpu", "cuda"]:
 
 
 _SHARE_NOTE = "; time share: "
-
-MIN_FLOP_PER_S = 1e8
-"""The slowest compute a device may state (FLOP/s: a peak, the fastest point of a matmul
-curve), for the whole device (before a time share): 100 MFLOP/s, some 30 times below one
-core of an old CPU and 10**7 below an H100, so only a value in the wrong unit (989 for
-989 TFLOP/s) falls under it, where the plans it gives would be absurd yet marked fitting."""
-
-MAX_FLOP_PER_S = 1e17
-"""The fastest compute a device may state (FLOP/s): 100 PFLOP/s, some 50 times an H100's
-dense FP8 peak, so only a value in the wrong unit (989e15 for 989 TFLOP/s) passes it,
-where the plans it gives would have an MFU near zero."""
-
-MAX_MEMORY_BYTES = 2**45
-"""The most memory a device may state (bytes): 32 TiB, some 200 times an H200's, so only
-a value in the wrong unit passes it."""
-
-MIN_MEMORY_BYTES = 2**20
-"""The least memory a device may state (bytes): 1 MiB, thousands of times below any
-accelerator or CPU process, so only a value in the wrong unit (80 for 80 GiB) falls
-under it, which would otherwise be refused as a reserve above the capacity, or fit nothing."""
-
-MIN_MEMORY_BYTES_PER_S = 1e8
-"""The slowest memory bandwidth a device may state (bytes per second, the whole device):
-100 MB/s, some 100 times below one DDR channel, so only a value in the wrong unit falls
-under it."""
-
-
-def sci(x: float) -> str:
-    """``x`` in at most three significant digits, its exponent without a sign or zeros
-    (``9.89e14``, ``1e8``, ``2e-6``, ``0.002``): how the magnitude errors write numbers."""
-    text = f"{x:.3g}"
-    if "e" not in text:
-        return text
-    mantissa, exponent = text.split("e")
-    return f"{mantissa}e{int(exponent)}"
-
-
-_PREFIXES = {"T": 1e12, "G": 1e9, "M": 1e6}
-
-
-def too_small(
-    what: str, value: float, bound: float, unit: str, prefixes: str, *, note: str = "", remedy: str = ""
-) -> ClusterError:
-    """The error for a rate below ``bound``: ``what`` (the field and how it was given) is
-    slower than any real device or link, the field is in ``unit``, and ``value`` read
-    with each of ``prefixes`` (``"TG"``: tera, giga) shows what it should have been;
-    ``note`` is added to that, ``remedy`` to fixing the cluster file."""
-    examples = ", ".join(f"{value:g} {p}{unit} is {sci(value * _PREFIXES[p])}" for p in prefixes)
-    return ClusterError(
-        f"{what} is below {sci(bound)} {unit}, slower than any real hardware: the field is in {unit} "
-        f"({note}{examples}); fix the cluster file{remedy}."
-    )
 
 
 def _fraction(owner: str, name: str, value: object, *, zero_ok: bool, one_ok: bool, unit: str = "") -> float:
@@ -360,8 +317,8 @@ class DeviceSpec:
         self._check_magnitudes()
 
     def _check_magnitudes(self) -> None:
-        """Refuse rates no real device is as slow as (:data:`MIN_FLOP_PER_S`,
-        :data:`MIN_MEMORY_BYTES_PER_S`): a value in the wrong unit (989 for 989
+        """Refuse rates no real device is as slow as (:data:`~autopar.hardware.magnitudes.MIN_FLOP_PER_S`,
+        :data:`~autopar.hardware.magnitudes.MIN_MEMORY_BYTES_PER_S`): a value in the wrong unit (989 for 989
         TFLOP/s) would otherwise plan as fitting with absurd times. Checked here, not in
         :class:`Roofline`, because a time-shared process states its share of the device
         (:func:`time_shared`, :func:`bandwidth_shared`): the bounds apply to the whole

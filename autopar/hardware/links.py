@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.errors import ClusterError, check_cluster_seconds, check_positive_float
-from autopar.hardware.device import sci, too_small
+from autopar.hardware.magnitudes import sci, too_small
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 """The operations a link may carry a fit of its own for (what ``autopar.cost.comm`` prices)."""

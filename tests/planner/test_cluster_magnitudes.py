@@ -12,8 +12,9 @@ import pytest
 from autopar import ClusterError, DType, load_cluster, preset, save_cluster
 from autopar.cli import main
 from autopar.hardware import LinkSpec, OpLink, cluster_to_dict, preset_names
-from autopar.hardware.device import MIN_FLOP_PER_S, MIN_MEMORY_BYTES_PER_S, DeviceSpec, time_shared
+from autopar.hardware.device import DeviceSpec, time_shared
 from autopar.hardware.links import MAX_LATENCY_S, MIN_LINK_BYTES_PER_S
+from autopar.hardware.magnitudes import MIN_FLOP_PER_S, MIN_MEMORY_BYTES_PER_S
 from autopar.hardware.presets import local_cpu_device
 
 H100 = "device 'H100-SXM5-80GB' roofline"

@@ -153,7 +153,7 @@ def plan(
     provenance = _provenance(measured, optimizer, attention, solver, routing_imbalance, activations, started)
     plan = _noted(to_plan(solver_, result, provenance), match, seq_note, activations)
     unsearched = _cp_below_floor(graph, measured.cluster.world_size, fixed)
-    return replace(plan, notes=(*plan.notes, cp_floor_note(unsearched, graph.seq_len))) if unsearched else plan
+    return replace(plan, notes=(*plan.notes, _cp_floor_note(unsearched, graph.seq_len))) if unsearched else plan
 
 
 def _cp_below_floor(graph: LayerGraph, devices: int, constraints: Mapping[str, Any]) -> list[int]:
@@ -172,7 +172,7 @@ def _cp_below_floor(graph: LayerGraph, devices: int, constraints: Mapping[str, A
     return [d for d in divisors(left) if d > 1 and fits(d) and s % (2 * d) == 0 and s // d < CP_MIN_TOKENS]
 
 
-def cp_floor_note(degrees: list[int], seq_len: int) -> str:
+def _cp_floor_note(degrees: list[int], seq_len: int) -> str:
     """What a plan says of the context-parallel degrees its search left out for
     :data:`~autopar.search.space.CP_MIN_TOKENS` (:func:`_cp_below_floor`)."""
     shown = ", ".join(map(str, degrees[:4])) + (", ..." if len(degrees) > 4 else "")

@@ -23,15 +23,14 @@ from autopar.errors import ProfileFormatError
 from autopar.hardware.cluster import Cluster
 from autopar.hardware.device import alone
 from autopar.profiles.sections import UnitMeasurement
-from autopar.profiles.to_cluster import cluster_from_profiles, latest, read_reports, where_measured
+from autopar.profiles.to_cluster import cluster_from_profiles, group_figures_apply, latest, read_reports, where_measured
 from autopar.vocab import DType
 
 
 def profile_sources(reports: Any, devices_per_node: int | None = None) -> tuple[str, ...]:
     """One line per report: what it measured, where and when; and, for a network measured
     with another count of processes per node than ``devices_per_node``, that its
-    per-process figures were left out (:func:`autopar.profiles.to_cluster.cluster_from_profiles`
-    applies them only at the count they were measured at)."""
+    per-process figures were left out (:func:`autopar.profiles.to_cluster.group_figures_apply`)."""
     lines = []
     for origin, r in read_reports(reports):
         parts = []
@@ -47,7 +46,7 @@ def profile_sources(reports: Any, devices_per_node: int | None = None) -> tuple[
         if r.network is not None:
             n = r.network
             parts.append(f"network {n.backend} x {n.world_size} ranks [{where_measured(n.provenance)}]")
-            if devices_per_node is not None and n.ranks_per_node != devices_per_node:
+            if devices_per_node is not None and not group_figures_apply(n, devices_per_node):
                 parts[-1] += (
                     f" (its framework overheads, memory share and rank spread not applied: measured with "
                     f"{n.ranks_per_node} processes per node, the cluster has {devices_per_node})"

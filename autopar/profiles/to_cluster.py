@@ -286,13 +286,20 @@ def _attention_note(d: DeviceProfile) -> str:
     )
 
 
+def group_figures_apply(network: NetworkProfile, per_node: int) -> bool:
+    """Whether what ``network`` measured per process (framework overheads, memory share,
+    how unevenly ranks finish) applies to a cluster of ``per_node`` processes per node:
+    only at the count it was measured with, as the figures depend on how many share a node."""
+    return network.ranks_per_node == per_node
+
+
 def _with_group_measurements(device: DeviceSpec, net: tuple[str, NetworkProfile] | None, per_node: int) -> DeviceSpec:
     """The device with what a network profile measured on its real groups, where it was
     measured with this cluster's processes per node (the figures depend on how many
     share a node): the framework overheads and the rate of FSDP's copies, how unevenly
     the ranks finish the same work, and the memory bandwidth a process keeps while the
     others stream (the time share the device already has is divided out of it)."""
-    if net is None or net[1].ranks_per_node != per_node:
+    if net is None or not group_figures_apply(net[1], per_node):
         return device
     origin, n = net
     where = f"measured on {n.world_size} {n.backend} ranks ({origin})"

@@ -15,7 +15,7 @@ from autopar.cost.memory import GRAD_BYTES, MASTER_BYTES, optimizer_state_bytes
 from autopar.cost.peak import budget_bytes, frugal_peak_bytes
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.graph.layer_graph import LayerGraph
-from autopar.hardware.cluster import MAX_DEVICES, Cluster
+from autopar.hardware.cluster import MAX_DEVICES
 from autopar.models.experts import ROUTED_FORM
 from autopar.plan import Alternative, LayerStrategies, ModelSummary, ParallelConfig, Plan, PlanSettings
 from autopar.present.units import count, size
@@ -111,26 +111,31 @@ def infeasible_error(
     (a lower bound, said beside it where the states outgrow the cluster). Estimates from
     the states alone mislead where expert parallelism or small ZeRO groups hold them
     unevenly, or where a wider ring would shrink the activations, so only a count with a
-    configuration that fits is offered."""
+    configuration that fits is offered; where none fits up to sixteen times the first
+    count, the refusal says so and names the fixed choices instead. A ZeRO stage or
+    recomputation the constraints pinned is marked where lifting it alone fits nothing
+    on this cluster."""
     cluster = solver.model.cluster
-    best = _least_memory(result, solver, (fixed["recompute"],) if "recompute" in fixed else (Recompute.FULL,))
+    modes = (fixed["recompute"],) if "recompute" in fixed else (Recompute.FULL,)
+    best = _least_memory(result, solver, modes)
     cap = cluster.device.memory.capacity_bytes
     searched_full = fixed.get("recompute", Recompute.FULL) is Recompute.FULL
     cfg = best.config if not searched_full else replace(best.config, recompute=Recompute.FULL)
     hints = []
-    here = cluster.nodes
+
+    def unpinned(pin: str, hint: str, mode: Recompute) -> str:
+        """``hint``, marked where lifting ``pin`` alone fits nothing on this cluster."""
+        lifted = {k: v for k, v in fixed.items() if k != pin}
+        alone = _first_fitting(graph, solver, lifted, (mode,), cluster.nodes, cluster.nodes) is not None
+        return hint + ("" if alone else " (not enough alone)")
+
     if fixed.get("zero_stage", 3) < 3 and cluster.world_size > 1:
-        lifted = {k: v for k, v in fixed.items() if k != "zero_stage"}
-        alone = _first_fitting(graph, solver, lifted, (cfg.recompute,), here, last=here) is not None
-        hints.append("zero_stage=3" + ("" if alone else " (not enough alone)"))
+        hints.append(unpinned("zero_stage", "zero_stage=3", cfg.recompute))
     if not searched_full:
-        lifted = {k: v for k, v in fixed.items() if k != "recompute"}
-        alone = _first_fitting(graph, solver, lifted, (Recompute.FULL,), here, last=here) is not None
-        hints.append("recompute='full'" + ("" if alone else " (not enough alone)"))
+        hints.append(unpinned("recompute", "recompute='full'", Recompute.FULL))
     c = best.config
     if "reduce_dtype" not in fixed and c.dtype is DType.BF16 and c.pp > 1 and c.zero_stage >= 2 and c.dp_cp > 1:
         # a rank's unsharded pipelined gradients at 2 bytes instead of 4: offered where that alone fits
-        modes = (fixed["recompute"],) if "recompute" in fixed else (Recompute.FULL,)
         low = _frugal_peak(solver, replace(c, reduce_dtype=DType.BF16), modes)
         if low <= cap:
             hints.append(
@@ -143,20 +148,20 @@ def infeasible_error(
     alone = f"its weights, gradients and {optimizer.value} states alone fill {devices} devices, fully sharded"
     outgrown = devices > cluster.world_size and least is not None
     start = max(cluster.nodes + 1, least or 0)
-    found = _first_fitting(graph, solver, fixed, (cfg.recompute,), start)
+    last = min(16 * start, MAX_DEVICES // cluster.devices_per_node)  # fitting on none of them needs other choices
+    found = _first_fitting(graph, solver, fixed, (cfg.recompute,), start, last)
+    nodes = None if found is None else found[0].world_size // cluster.devices_per_node
+    nowhere = ""
     if found is not None:
         config, peak = found
-        nodes = config.world_size // cluster.devices_per_node
         fit = f"{config.short()} fits there, {size(peak)} per device with each unit at its smallest option"
         hints.append(
             f"{least} to {nodes} nodes ({alone}: {least}; {fit})"
             if outgrown and least < nodes
             else f"{nodes} nodes ({fit})"
         )
-    pins = ", ".join(f"{k}={getattr(fixed[k], 'value', fixed[k])!r}" for k in sorted(fixed))
-    nowhere = ""
-    if found is None and (outgrown or fixed):  # more nodes alone do not help: say so, not a lower bound
-        last = _scan_end(start, cluster)
+    elif outgrown or fixed:  # more nodes alone do not help: say so, not a lower bound
+        pins = ", ".join(f"{k}={getattr(fixed[k], 'value', fixed[k])!r}" for k in sorted(fixed))
         counts = f"from {start} to {last}" if start <= last else f"up to {last}"
         nowhere = f" No node count {counts} fits" + (f" with {pins} fixed: fix fewer." if fixed else ".")
     tries = "".join(f"{hint}, " for hint in hints) + ("or " if hints else "")
@@ -169,7 +174,7 @@ def infeasible_error(
         f"{cluster.device.name} has {size(cap)}. Try {tries}{smaller}.{nowhere}{no_ring}",
         min_memory_bytes=best.min_memory_bytes,
         capacity_bytes=cap,
-        nodes_that_fit=None if found is None else found[0].world_size // cluster.devices_per_node,
+        nodes_that_fit=nodes,
     )
 
 
@@ -190,18 +195,17 @@ def _first_fitting(
     fixed: Mapping[str, Any],
     modes: tuple[Recompute, ...],
     start: int,
-    *,
-    last: int | None = None,
+    last: int,
 ) -> tuple[ParallelConfig, float] | None:
-    """The first node count from ``start`` (:func:`_node_counts`) where a configuration
-    of the search's space under ``fixed`` fits a device with every unit at its smallest
-    option (:func:`_frugal_peak`, on the even split): that configuration and its peak,
-    or None where no count tried (up to ``last``, or :func:`_scan_end`) has one. The search
-    on that count finds a plan that fits, since each unit may take its smallest option."""
+    """The first node count from ``start`` to ``last`` (:func:`_node_counts`) where a
+    configuration of the search's space under ``fixed`` fits a device with every unit at
+    its smallest option (:func:`_frugal_peak`, on the even split): that configuration and
+    its peak, or None where no count tried has one. The search on that count finds a plan
+    that fits, since each unit may take its smallest option."""
     model = solver.model
     cap = model.cluster.device.memory.capacity_bytes
     per_node = model.cluster.devices_per_node
-    for nodes in _node_counts(start, _scan_end(start, model.cluster) if last is None else last):
+    for nodes in _node_counts(start, last):
         space = _space_at(graph, solver, fixed, nodes)
         sized = [(_frugal_peak(solver, c, modes), c) for c in _frugal_variants(space, modes[0], model.batch_first)]
         fitting = [(peak, c) for peak, c in sized if peak <= cap]
@@ -255,12 +259,6 @@ def _space_at(graph: LayerGraph, solver: ConfigSolver, fixed: Mapping[str, Any],
     except ConfigError:
         return []
     return space
-
-
-def _scan_end(start: int, cluster: Cluster) -> int:
-    """The most nodes a refusal tries from ``start``: sixteen times as many, within
-    autopar's largest cluster (a model that fits on none of them needs other choices)."""
-    return min(16 * start, MAX_DEVICES // cluster.devices_per_node)
 
 
 def _node_counts(start: int, most: int) -> list[int]:

@@ -44,11 +44,10 @@ from autopar.search.assemble import Provenance, infeasible_error, to_plan
 from autopar.search.constraints import check_constraints, check_degrees
 from autopar.search.experts import check_routing_imbalance
 from autopar.search.ilp import check_solver
-from autopar.search.integers import divisors
 from autopar.search.kernel_options import check_async_tp, check_fp8
 from autopar.search.scan import decided, search
 from autopar.search.solve import ConfigSolver, Outcome
-from autopar.search.space import CP_MIN_TOKENS, micro_batch_range, ring_blocker
+from autopar.search.space import CP_MIN_TOKENS, micro_batch_range, ring_blocker, ring_splits
 from autopar.vocab import ActivationLayout, Attention, DType, Optimizer, Recompute
 
 P = ParamSpec("P")
@@ -169,7 +168,7 @@ def _cp_below_floor(graph: LayerGraph, devices: int, constraints: Mapping[str, A
         return []
     left, s = devices // pinned, graph.seq_len
     fits = (lambda d: d == left) if "dp" in constraints and {"tp", "pp"} <= constraints.keys() else (lambda d: True)
-    return [d for d in divisors(left) if d > 1 and fits(d) and s % (2 * d) == 0 and s // d < CP_MIN_TOKENS]
+    return [d for d in ring_splits(s, left) if fits(d) and s // d < CP_MIN_TOKENS]
 
 
 def _cp_floor_note(degrees: list[int], seq_len: int) -> str:

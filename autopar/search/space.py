@@ -134,7 +134,14 @@ def cp_degrees(graph: LayerGraph, devices: int, constraints: Mapping[str, Any]) 
         return [1]
     s = graph.seq_len
     fewest = 1 if constraints.get("ep", 1) > 1 else CP_MIN_TOKENS  # expert groups may need dp x cp
-    return [d for d in divisors(devices) if d == 1 or (s % (2 * d) == 0 and s // d >= fewest)]
+    return [1, *(d for d in ring_splits(s, devices) if s // d >= fewest)]
+
+
+def ring_splits(seq_len: int, devices: int) -> list[int]:
+    """The context-parallel degrees above 1 that divide ``devices`` and split a sequence of
+    ``seq_len`` tokens into the ``2 d`` equal chunks of head-tail load balancing, in
+    increasing order (whatever the tokens each rank keeps)."""
+    return [d for d in divisors(devices) if d > 1 and seq_len % (2 * d) == 0]
 
 
 def ring_blocker(graph: LayerGraph) -> str | None:
@@ -169,8 +176,7 @@ def check_context_parallel(graph: LayerGraph, constraints: Mapping[str, Any], wo
         at = f" at seq_len={graph.seq_len}" if masked else ""  # a window is narrower than this sequence
         raise ConfigError(f"cp={cp} is not allowed for {graph.name}{at}: {why}; use cp=1.")
     if graph.seq_len % (2 * cp):
-        allowed = [d for d in range(2, min(graph.seq_len // 2, world) + 1) if not graph.seq_len % (2 * d) + world % d]
-        allowed = allowed[:8]
+        allowed = ring_splits(graph.seq_len, world)[:8]
         other = f"a cp in {allowed} or " if allowed else "cp=1 or "  # an odd length splits for no cp > 1
         raise ConfigError(
             f"cp={cp} is not allowed with seq_len={graph.seq_len}: head-tail load balancing splits each "

@@ -18,10 +18,10 @@ import dataclasses
 import re
 from typing import Any
 
-from _published_runs import NOT_SCORED, grand_teton_h100
+from _published_runs import grand_teton_h100
 from _report import markdown_table, write_csv, write_result
 from _torchtitan_rows import tensor_parallel_rows
-from planner_faithful import korthikanti_rows, megatron_core_rows, narayanan_rows
+from planner_faithful import korthikanti_rows, megatron_core_rows, megatron_fp8_rows, narayanan_rows
 
 import autopar
 from autopar.models import build_named_model
@@ -227,12 +227,26 @@ def _differing(plan: autopar.Plan) -> str:
 
 def anchors() -> list[dict[str, object]]:
     """The scoreboard rows the walks cite, with the model's error on them."""
-    found = [*narayanan_rows(), *korthikanti_rows(), *megatron_core_rows(), *tensor_parallel_rows()]
+    found = [
+        *narayanan_rows(),
+        *korthikanti_rows(),
+        *megatron_core_rows(),
+        *megatron_fp8_rows(),
+        *tensor_parallel_rows(),
+    ]
     return [{k: r[k] for k in ("run", "GPUs", "config", "published", "predicted", "error")} for r in found]
 
 
-SHOWN = ("Narayanan 2021 145.6B", "Narayanan 2021 310.1B", "Korthikanti 2022 530B", "torchtitan Llama 3.1 70B")
-"""The rows printed before the walks: the recipes' own."""
+SHOWN = (
+    "Narayanan 2021 145.6B",
+    "Narayanan 2021 310.1B",
+    "Korthikanti 2022 530B",
+    "torchtitan Llama 3.1 70B",
+    "Megatron-Core FP8 Llama 3",
+)
+"""The rows printed before the walks: the recipes' own, and Megatron-Core's FP8 Llama 3 runs
+(Transformer Engine's FP8, at 8K tokens, with context parallelism in two of them), which
+bracket the Llama plan."""
 
 
 def main() -> None:
@@ -243,10 +257,6 @@ def main() -> None:
         "(`benchmarks/planner_faithful.py`) estimates them:",
         "",
         markdown_table([r for r in near if str(r["run"]).startswith(SHOWN)]),
-        "",
-        "Not scored (Transformer Engine's hybrid FP8, not the torchao Float8 autopar prices), but "
-        "bracketing the Llama plan: "
-        + "; ".join(f"{source}: {what}: {figures}" for source, what, figures in NOT_SCORED if "FP8" in source),
         "",
         "From the nearest recipe to the plan, one change at a time (each priced by the cost model; "
         "*vs previous* is the previous step's time over this one's):",

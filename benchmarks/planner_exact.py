@@ -5,7 +5,7 @@ this runs many): the intra-op layout ILP, the per-stage knapsack, the pipeline-s
 and the whole search on small real models at several memory capacities (a configuration
 space small enough to enumerate every configuration, split and per-unit option), one of
 them on two nodes, where HSDP shard groups are candidates, one at 16K tokens, where
-context parallelism (cp=2, 8K tokens per rank) is, a mixture of experts, where expert
+context parallelism (cp=2 and 4, 8K and 4K tokens per rank) is, a mixture of experts, where expert
 parallelism (ep 1, 2 and 4) is, a two-stage-per-rank pipeline of untied weights, where
 every multi-stage schedule (DualPipeV included) is, and compiled blocks on a device that
 runs asynchronous tensor parallelism, where it is (the layout ILP's random units take it
@@ -125,7 +125,7 @@ def whole() -> list[dict[str, str]]:
     runs.append(
         ("GPT 2 blocks, 2 nodes, ZeRO-3, tp=1 (HSDP)", (0.012, 0.03), gpt, 2, (1, 2), {"tp": 1, "zero_stage": 3})
     )
-    # 16K tokens: cp=2 keeps 8K tokens per rank (autopar.search.space.CP_MIN_TOKENS), so it is a candidate
+    # 16K tokens: cp=2 and cp=4 keep 8K and 4K tokens per rank (autopar.search.space.CP_MIN_TOKENS): candidates
     long_gpt = extract(
         GPT(GPTConfig(vocab_size=512, seq_len=16384, dim=128, n_layers=2, n_heads=4)), seq_len=16384, dtype="bf16"
     )

@@ -177,7 +177,7 @@ def _cp_floor_note(degrees: list[int], seq_len: int) -> str:
     shown = ", ".join(map(str, degrees[:4])) + (", ..." if len(degrees) > 4 else "")
     return (
         f"Context parallelism was searched only where each rank keeps at least {CP_MIN_TOKENS:,} tokens of a "
-        f"sequence, as Llama 3's 128K-token training did (below that, ring attention's key/value exchange hides "
+        f"sequence, as NVIDIA's Llama 3 recipes at 8K tokens do (below that, ring attention's key/value exchange hides "
         f"under less attention work); cp={shown} would also split these {seq_len:,} tokens: fix one "
         f"(constraints={{'cp': {degrees[0]}}}, --set cp={degrees[0]}) to price it."
     )

@@ -48,13 +48,16 @@ CUT_NOTE = (
     "autopar.models do); pp > 1 is searched only when asked for with constraints"
 )
 MAX_MICRO_BATCH = 64
-CP_MIN_TOKENS = 8192
+CP_MIN_TOKENS = 4096
 """The search tries context parallelism only where each rank keeps at least this many
 tokens of a sample: below it the key/value exchange of every layer can no longer hide
 under the attention it feeds (whose work per rank grows with the tokens squared), and
-the sequence is short enough for tensor and pipeline parallelism to hold. Llama 3 trained
-its 128K-token stage with 16-way context parallelism, 8K tokens per rank (Llama Team 2024,
-"The Llama 3 Herd of Models", section 3.3.2). A ``cp`` constraint is always honoured."""
+the sequence is short enough for tensor and pipeline parallelism to hold. NVIDIA's NeMo
+pretraining recipes for Llama 3 at 8,192 tokens keep 4K tokens per rank or fewer: cp=2
+for 8B and 70B (``nemo/collections/llm/recipes/llama3_70b.py``: tp 4, pp 4, vp 5, cp 2),
+cp=2 to 4 for 405B (``llama31_405b.py``); the floor takes the larger share. Llama 3's own
+128K-token stage kept 8K per rank (Llama Team 2024, "The Llama 3 Herd of Models",
+section 3.3.2). A ``cp`` constraint is always honoured."""
 
 
 def shard_sizes(dp: int, tp: int, devices_per_node: int) -> list[int]:

@@ -269,12 +269,12 @@ def test_context_parallelism_is_not_offered_to_capacity_bounded_experts(graph):
     """Capacity buffers fill in token order over a whole sample, which a rank holding
     1/cp of it cannot do: cp is not searched, and a fixed cp is refused in one line
     (dropless experts route each token on its own and may be split)."""
-    from autopar.search.space import check_context_parallel, cp_degrees
+    from autopar.search.space import CP_MIN_TOKENS, check_context_parallel, cp_degrees
 
-    long = dataclasses.replace(graph, seq_len=4 * 8192)
+    long = dataclasses.replace(graph, seq_len=4 * CP_MIN_TOKENS)
     assert cp_degrees(long, 8, {}) == [1]
     with pytest.raises(ConfigError, match="cp=2 is not allowed for MoELlama: its capacity-bounded experts") as info:
         check_context_parallel(long, {"cp": 2}, 8)
     assert "\n" not in str(info.value)
-    mixtral = dataclasses.replace(extract(_mixtral(), seq_len=32, dtype="bf16"), seq_len=4 * 8192)
+    mixtral = dataclasses.replace(extract(_mixtral(), seq_len=32, dtype="bf16"), seq_len=4 * CP_MIN_TOKENS)
     assert cp_degrees(mixtral, 8, {}) == [1, 2, 4]

@@ -156,7 +156,8 @@ def infeasible_error(
         config, peak = found
         fit = f"{config.short()} fits there, {size(peak)} per device with each unit at its smallest option"
         hints.append(
-            f"{least} to {nodes} nodes ({alone}: {least}; {fit})"
+            f"{nodes} nodes ({fit}; below {least} nodes none can: {alone}; "
+            f"autopar.present.whatif.fewest_nodes plans the counts between)"
             if outgrown and least < nodes
             else f"{nodes} nodes ({fit})"
         )

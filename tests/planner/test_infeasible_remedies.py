@@ -56,7 +56,7 @@ def test_suggested_node_counts_hold_a_configuration_for_the_batch():
     with pytest.raises(InfeasiblePlanError) as err:
         autopar.plan(model, "dgx-h100:1", global_batch_size=64, seq_len=4096, constraints=pins)
     message = str(err.value)
-    hint = re.search(r"Try .*?(\d+) to (\d+) nodes .* fits there", message)
+    hint = re.search(r"Try .*?(\d+) nodes \(.* fits there, .*; below (\d+) nodes none can", message)
     assert hint, message
     counts = [int(n) for n in hint.groups()]
     for n in counts:

@@ -40,6 +40,7 @@ from autopar.export.common import (
     tp_note,
 )
 from autopar.export.shape import ModelShape
+from autopar.parallel_config import ParallelConfig
 from autopar.plan import Plan
 from autopar.vocab import DType, Recompute, Schedule
 
@@ -127,7 +128,7 @@ def export_torchtitan(plan: Plan, shape: ModelShape | None) -> Export:
     sections = {
         "parallelism": parallelism,
         "training": training,
-        "activation_checkpoint": _activation_checkpoint(blocks, plan.config.pp, notes),
+        "activation_checkpoint": _activation_checkpoint(blocks, plan.config, notes),
     }
     if c.compile:  # the blocks, as autopar's runtime compiles them; the loss stays eager
         sections["compile"] = {"enable": True, "components": ["model"]}
@@ -211,7 +212,7 @@ def _data_parallel(plan: Plan, notes: list[str]) -> dict:
     }
 
 
-def _activation_checkpoint(blocks: Blocks, pp: int, notes: list[str]) -> dict:
+def _activation_checkpoint(blocks: Blocks, config: ParallelConfig, notes: list[str]) -> dict:
     """Recompute -> torchtitan's activation checkpointing: ``full`` per block, per-op
     ``selective`` for ``op`` (the same policy), every N-th block in full for a plan that
     recomputes some blocks in full and others not, and per-op ``selective`` on every
@@ -243,10 +244,12 @@ def _activation_checkpoint(blocks: Blocks, pp: int, notes: list[str]) -> dict:
     # predicted). torchtitan counts the blocks each process builds from 1 and checkpoints
     # those the count divides: floor(held / N) of a pipeline rank's held blocks, at least
     # its recomputed k while N <= held // k; the largest such N on every rank is written.
+    # A rank holds the stages the schedule places on it (a V for ZB-V and DualPipeV).
     ranks: dict[int, tuple[int, int]] = {}
     for stage, modes in enumerate(blocks.stage_modes):
-        held, recomputed = ranks.get(stage % pp, (0, 0))
-        ranks[stage % pp] = (held + len(modes), recomputed + sum(m is not Recompute.NONE for m in modes))
+        rank = config.rank_of_stage(stage)
+        held, recomputed = ranks.get(rank, (0, 0))
+        ranks[rank] = (held + len(modes), recomputed + sum(m is not Recompute.NONE for m in modes))
     every = min(held // k for held, k in ranks.values() if k)
     written = sum(held // every for held, _ in ranks.values())
     partial = counts[Recompute.OP] + counts[Recompute.SELECTIVE]

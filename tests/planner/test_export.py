@@ -18,7 +18,7 @@ from autopar.cli import main
 from autopar.export import ExportError, export
 from autopar.models import build_named_model
 from autopar.plan import LayerStrategies
-from autopar.vocab import ActivationLayout, Recompute
+from autopar.vocab import ActivationLayout, Recompute, Schedule
 
 TARGETS = ("megatron", "deepspeed", "torchtitan", "accelerate")
 
@@ -386,6 +386,21 @@ def test_torchtitan_activation_checkpoint(pipelined_plan):
     op = export(variant(pipelined_plan, recompute=Recompute.OP), to="torchtitan")  # the same policy: no note
     assert tomllib.loads(op.text)["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "op"}
     assert not any("per operator" in n or "no exact equivalent" in n for n in op.notes)
+
+
+def test_torchtitan_activation_checkpoint_counts_a_v_schedules_ranks(pipelined_plan):
+    """ZB-V places stages 0 and 3 of four on pipeline rank 0 (torchtitan's "v" stage ids):
+    a plan recomputing those two stages' 20 blocks in full holds all 20 on rank 0, so
+    torchtitan, which counts the blocks a process builds, must checkpoint every one
+    (N = 1). Counting stages round robin put stages 0 and 2 on rank 0 and wrote N = 2,
+    which checkpoints 10 of them: more memory than the plan predicts."""
+    v = variant(pipelined_plan, schedule=Schedule.ZBV, virtual_stages=2)
+    held = [[u for u in stage if u.startswith("layers.")] for stage in v.stages]
+    recomputed = {u: Recompute.FULL for u in held[0] + held[3]}
+    result = export(variant(v, schedule=Schedule.ZBV, virtual_stages=2, overrides=recomputed), to="torchtitan")
+    assert len(recomputed) == 20
+    assert tomllib.loads(result.text)["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "1"}
+    assert any("wrote N = 1 (40 blocks" in n for n in result.notes), result.notes
 
 
 def accelerate_config(plan: Plan, **kw) -> dict:

@@ -87,7 +87,7 @@ def test_infeasible_plan_names_the_memory():
         str(err.value),
     )
     assert found and "recompute='full'" not in str(err.value), str(err.value)
-    with pytest.raises(InfeasiblePlanError, match=rf"Try recompute='full' \(not enough alone\), \d+ nodes \(dp="):
+    with pytest.raises(InfeasiblePlanError, match=r"Try recompute='full' \(not enough alone\), \d+ nodes \(dp="):
         autopar.plan(model, DGX1, global_batch_size=8, seq_len=2048, constraints={"recompute": "none"})
 
 

@@ -31,6 +31,7 @@ from autopar.export.common import (
     outside_blocks_note,
     require_seq_multiple,
     sequence_parallel_notes,
+    setting_notes,
     shell_line,
 )
 from autopar.export.shape import ModelShape
@@ -61,7 +62,7 @@ def export_accelerate(plan: Plan, shape: ModelShape | None) -> Export:
     if c.cp > 1:
         require_seq_multiple(plan, "Accelerate's context parallelism", {"2 x cp": 2 * c.cp})
     blocks = blocks_of(plan)
-    notes: list[str] = []
+    notes: list[str] = setting_notes(plan, "Accelerate", builds=None)
     info = [
         f"per-device batch {c.micro_batch_size}; gradient accumulation {c.num_microbatches} steps: "
         f"Accelerator(gradient_accumulation_steps={c.num_microbatches}) and a DataLoader of batch_size "

@@ -21,11 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from autopar import codec
+from autopar.cost.memory import optimizer_state_bytes
 from autopar.errors import ConfigError, PlanFormatError
 from autopar.graph.decoders import causal_lm_class, transformers_class
+from autopar.hardware.device import device_kind
 from autopar.plan import Plan
 from autopar.present.units import count
-from autopar.vocab import Recompute, TPStyle
+from autopar.vocab import Optimizer, Recompute, TPStyle
 
 
 class ExportError(ConfigError):
@@ -221,6 +223,46 @@ def tp_note(plan: Plan, framework: str) -> str | None:
         f"its vocabulary; the plan's per-layer styles differ ({'; '.join(differences)}), so tensor-parallel "
         f"memory and communication will differ from the plan's prediction"
     )
+
+
+OPTIMIZERS = {
+    Optimizer.SGD: ("SGD", "SGD with one momentum buffer", "torch.optim.SGD with momentum"),
+    Optimizer.ADAFACTOR: ("Adafactor", "Adafactor (factored second moments)", "torch.optim.Adafactor"),
+}
+"""Per optimizer other than Adam: its name, what the plan prices, what a script builds."""
+
+
+def setting_notes(plan: Plan, framework: str, *, builds: tuple[Optimizer, ...] | None) -> list[str]:
+    """Notes on what the plan was priced for that the exported file does not carry: a
+    plan for CPU processes (``framework`` trains on CUDA GPUs), and an optimizer other
+    than Adam, whose state the plan's memory counts. ``builds`` names the optimizers
+    ``framework`` builds from its own configuration (Adam always among them), or None
+    where the user's training script builds it."""
+    notes = []
+    if device_kind(plan.cluster.device.name) == "cpu":
+        notes.append(
+            f"the plan is for CPU processes ({plan.cluster.device.name}), and {framework} trains on CUDA GPUs, where "
+            f"its predictions do not hold: plan on the GPU cluster it will run on (a preset such as --cluster "
+            f"dgx-h100:2, or a profile taken there) and export that plan"
+        )
+    optimizer = plan.settings.optimizer
+    if optimizer is Optimizer.ADAM or (builds is not None and optimizer in builds):
+        return notes
+    name, priced, cls = OPTIMIZERS[optimizer]
+    state = optimizer_state_bytes(optimizer)
+    more = optimizer_state_bytes(Optimizer.ADAM) - state
+    if builds is None:
+        notes.append(
+            f"the plan prices {priced} ({state:g} bytes of state per parameter), and the training script builds the "
+            f"optimizer: build {cls}; Adam would hold {more:g} more bytes per parameter than predicted"
+        )
+    else:
+        notes.append(
+            f"{framework} has no {name}: it trains with Adam, whose two moments take {more:g} more bytes per "
+            f"parameter than the plan's optimizer state; plan with optimizer='adam' (--optimizer adam) to price what "
+            f"it runs"
+        )
+    return notes
 
 
 def _inside(leaf: str, unit: str) -> bool:

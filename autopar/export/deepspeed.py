@@ -35,6 +35,7 @@ from autopar.export.common import (
     outside_blocks_note,
     require_decoder,
     sequence_parallel_notes,
+    setting_notes,
     shell_line,
     tp_note,
 )
@@ -43,7 +44,7 @@ from autopar.export.megatron_deepspeed import model_args
 from autopar.export.shape import ModelShape
 from autopar.models.moe import MoELlama
 from autopar.plan import Plan
-from autopar.vocab import DType, Recompute, Schedule
+from autopar.vocab import DType, Optimizer, Recompute, Schedule
 
 CONFIG_NAME = "ds_config.json"
 MEGATRON_DEEPSPEED_SCRIPT = "pretrain_gpt.py"
@@ -114,10 +115,12 @@ def export_deepspeed(plan: Plan, shape: ModelShape | None) -> Export:
         config["activation_checkpointing"] = dict(ACTIVATION_CHECKPOINTING)
     if c.tp > 1 or c.pp > 1:
         words = _megatron_deepspeed(plan, blocks, shape, config["zero_optimization"]["stage"], notes)
+        notes += setting_notes(plan, "Megatron-DeepSpeed", builds=(Optimizer.ADAM, Optimizer.SGD))
     else:
         words = ["train.py", "--deepspeed", "--deepspeed_config", CONFIG_NAME]
         if recomputes:
             _plain_recompute_notes(blocks, notes)
+        notes += setting_notes(plan, "DeepSpeed", builds=None)
     # Megatron-DeepSpeed's tensor-parallel layers require one CUDA work queue, as Megatron-LM's
     env = [ONE_QUEUE] if c.tp > 1 else []
     if env and plan.cluster.nodes > 1:
@@ -276,6 +279,8 @@ def _megatron_deepspeed(
     words += model_args(plan, blocks, shape, notes)
     words += recompute_args(blocks, notes, pipe_engine=c.pp > 1)
     words += {DType.BF16: ["--bf16"], DType.FP16: ["--fp16"], DType.FP32: []}[c.dtype]
+    if plan.settings.optimizer is Optimizer.SGD:  # Megatron's flag: SGD with momentum
+        words += ["--optimizer", "sgd"]
     return [*words, "--zero-stage", str(zero_stage), "--deepspeed", "--deepspeed_config", CONFIG_NAME]
 
 

@@ -24,6 +24,7 @@ from autopar.export.common import (
     require_decoder,
     require_seq_multiple,
     sequence_parallel_notes,
+    setting_notes,
     shell_line,
     torchrun,
     tp_note,
@@ -100,11 +101,7 @@ def export_megatron(plan: Plan, shape: ModelShape | None) -> Export:
     args += model_args(plan, blocks, shape, info, notes)
     if plan.settings.optimizer is Optimizer.SGD:
         args += ["--optimizer", "sgd"]
-    elif plan.settings.optimizer is Optimizer.ADAFACTOR:
-        notes.append(
-            "Megatron-LM has no Adafactor: it trains with Adam, whose two moments take 8 more bytes per "
-            "parameter than the plan's optimizer state"
-        )
+    notes += setting_notes(plan, "Megatron-LM", builds=(Optimizer.ADAM, Optimizer.SGD))
     note = tp_note(plan, "Megatron-LM")
     if note:
         notes.append(note)

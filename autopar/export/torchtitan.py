@@ -35,6 +35,7 @@ from autopar.export.common import (
     require_decoder,
     require_seq_multiple,
     sequence_parallel_notes,
+    setting_notes,
     shell_line,
     torchrun,
     tp_note,
@@ -42,7 +43,7 @@ from autopar.export.common import (
 from autopar.export.shape import ModelShape
 from autopar.parallel_config import ParallelConfig
 from autopar.plan import Plan
-from autopar.vocab import DType, Recompute, Schedule
+from autopar.vocab import DType, Optimizer, Recompute, Schedule
 
 CONFIG_NAME = "torchtitan.toml"
 SCHEDULES = {
@@ -75,7 +76,7 @@ def export_torchtitan(plan: Plan, shape: ModelShape | None) -> Export:
     # parallelism cuts it into 2 x cp chunks
     require_seq_multiple(plan, "torchtitan", {"tp": c.tp, "2 x cp": 2 * c.cp})
     blocks = blocks_of(plan)
-    notes: list[str] = []
+    notes: list[str] = setting_notes(plan, "torchtitan", builds=(Optimizer.ADAM,))
     renamed: list[str] = []
     parallelism = {**_data_parallel(plan, notes), "tensor_parallel_degree": c.tp}
     # torch's micro-pipeline TP in the compiled blocks, as autopar's runtime enables it

@@ -270,19 +270,16 @@ def _data_parallel_args(plan: Plan, notes: list[str]) -> list[str]:
     """ZeRO stage -> Megatron's data-parallel options. Its distributed optimizer shards
     the optimizer state (ZeRO-1) and reduce-scatters gradients into a whole-size buffer;
     Megatron-FSDP shards parameters too (ZeRO-3), without pipelining. Both shard over the
-    data- and context-parallel ranks together, as the plan does. HSDP is written as
-    sharding over all of dp, with a note."""
+    data- and context-parallel ranks together, as the plan does. HSDP is
+    ``--num-distributed-optimizer-instances`` (the replicate groups): each instance
+    shards over a block of consecutive data-parallel ranks, replicated across instances
+    (Megatron-FSDP's hybrid sharding, its outer groups unsharded by default)."""
     c = plan.config
     if c.dp_cp == 1 or c.zero_stage == 0:
         return []
-    if c.dp_shard is not None:
-        notes.append(
-            f"the plan's HSDP (ZeRO-{c.zero_stage} sharded over groups of {c.dp_shard}, replicated across "
-            f"{c.replicate_size}) written as sharding over all {c.dp} data-parallel ranks: the flags below have no "
-            f"shard-group size (less memory per device, more inter-node traffic than the plan predicts)"
-        )
+    hsdp = ["--num-distributed-optimizer-instances", str(c.replicate_size)] if c.dp_shard is not None else []
     if c.zero_stage == 1:
-        return ["--use-distributed-optimizer"]
+        return ["--use-distributed-optimizer", *hsdp]
     if c.zero_stage == 3 and c.pp == 1:
         return [
             "--use-megatron-fsdp",
@@ -290,6 +287,7 @@ def _data_parallel_args(plan: Plan, notes: list[str]) -> list[str]:
             "optim_grads_params",
             "--ckpt-format",
             "fsdp_dtensor",
+            *hsdp,
         ]
     why = (
         "Megatron's distributed optimizer keeps a whole gradient buffer"
@@ -300,7 +298,7 @@ def _data_parallel_args(plan: Plan, notes: list[str]) -> list[str]:
         f"ZeRO-{c.zero_stage} written as --use-distributed-optimizer (ZeRO-1 memory): {why}, so each device holds "
         f"more than the plan predicts"
     )
-    return ["--use-distributed-optimizer"]
+    return ["--use-distributed-optimizer", *hsdp]
 
 
 FULL_UNIFORM = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")

@@ -379,12 +379,19 @@ def test_megatron_flags_as_megatron_declares_them(cases, llama_plan):
 
 def test_hsdp_exports_parse_with_the_replicate_and_shard_degrees(gpt2_plan, tmp_path, monkeypatch):
     """dp=8 as 4 replicate groups x shard groups of 2, ZeRO-3: torchtitan and Accelerate
-    read the two degrees back from their own parsers; DeepSpeed and Megatron write the
-    closest (sharding over all of dp) and say so."""
+    read the two degrees back from their own parsers; Megatron-LM writes the replicate
+    groups as distributed-optimizer instances (Megatron-FSDP's hybrid sharding); DeepSpeed
+    writes the closest (sharding over all of dp) and says so."""
     plan = variant(gpt2_plan, zero_stage=3, dp_shard=2)
     assert (plan.config.dp, plan.config.replicate_size) == (8, 4)
-    for target in ("deepspeed", "megatron"):
-        assert any("HSDP" in note and "all 8 data-parallel ranks" in note for note in export(plan, to=target).notes)
+    assert any("HSDP" in note and "all 8 data-parallel ranks" in note for note in export(plan, to="deepspeed").notes)
+    megatron = export(plan, to="megatron")
+    assert not any("HSDP" in note for note in megatron.notes)
+    for zero in (2, 3):  # the distributed optimizer's instances, Megatron-FSDP's
+        _, words = _megatron_words(variant(gpt2_plan, zero_stage=zero, dp_shard=2))
+        assert words[words.index("--num-distributed-optimizer-instances") + 1] == "4", zero
+    _, words = _megatron_words(variant(gpt2_plan, zero_stage=3))
+    assert "--num-distributed-optimizer-instances" not in words
     if importlib.util.find_spec("tyro") and importlib.util.find_spec("torchtitan"):
         manager = _torchtitan_config_manager(monkeypatch)
         path = export(plan, to="torchtitan").save(tmp_path / "hsdp.toml")

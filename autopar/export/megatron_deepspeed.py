@@ -75,6 +75,8 @@ def _experts_args(shape: ModelShape, notes: list[str]) -> list[str]:
     if experts is None:
         return []
     args = ["--num-experts", str(experts.count), "--topk", str(experts.top_k)]
+    if experts.top_k == 2:  # DeepSpeed-MoE samples the second expert with noise unless told
+        args.append("--disable-moe-top2-2nd-expert-sampling")
     holds = experts.layers
     interval = 1 if holds is None else _interval(holds)
     if interval is None:
@@ -89,6 +91,11 @@ def _experts_args(shape: ModelShape, notes: list[str]) -> list[str]:
         args.append("--disable-moe-token-dropping")
     else:
         args += ["--moe-train-capacity-factor", f"{experts.capacity_factor:g}"]
+        notes.append(
+            "DeepSpeed-MoE counts an expert's capacity over a rank's micro-batch (capacity factor x tokens x top-k / "
+            "experts, at least --moe-min-capacity, 4 by default), the plan's model per sample: the same slots in all, "
+            "but a token is dropped when its expert's micro-batch buffer is full rather than its sample's"
+        )
     if experts.ffn_hidden_size is not None and experts.ffn_hidden_size != shape.ffn_hidden_size:
         notes.append(
             f"DeepSpeed-MoE copies the block's MLP (--ffn-hidden-size {shape.ffn_hidden_size}) as each expert; the "

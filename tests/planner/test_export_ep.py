@@ -119,6 +119,19 @@ def test_a_capacity_without_expert_parallelism_takes_the_alltoall_dispatcher(moe
     assert "--moe-expert-capacity-factor" in words and "--expert-model-parallel-size" not in words
 
 
+def test_megatron_deepspeed_routes_top_2_by_argmax_and_says_how_it_counts_capacity(moe_tiny):
+    """moe-tiny under tp=2 runs on Megatron-DeepSpeed's DeepSpeed-MoE, which samples the
+    second of two experts with noise unless told, and counts capacity per micro-batch."""
+    plan = _estimate(moe_tiny, 8, 128, dp=4, tp=2, sequence_parallel=True)
+    result = export(plan, to="deepspeed", model=moe_tiny)
+    words = result.launch.split("pretrain_gpt.py ")[1].split()
+    assert words[words.index("--topk") + 1] == "2" and "--disable-moe-top2-2nd-expert-sampling" in words
+    assert "--moe-train-capacity-factor" in words
+    assert any(
+        n.startswith("DeepSpeed-MoE counts an expert's capacity over a rank's micro-batch") for n in result.notes
+    )
+
+
 def test_megatron_expert_parallelism_beside_tensor_parallelism(moe_plans, moe_tiny):
     """Whole experts per rank (expert TP 1, not Megatron's default of tp); Megatron's ep
     groups then take the tp ranks in, which the note quantifies."""

@@ -54,6 +54,7 @@ MEGATRON_DEEPSPEED_FLAGS = {
     "--expert-interval": (int, None, None),
     "--create-moe-param-group": (None, None, None),
     "--disable-moe-token-dropping": (None, None, None),
+    "--disable-moe-top2-2nd-expert-sampling": (None, None, None),
     "--moe-train-capacity-factor": (float, None, None),
     "--zero-stage": (int, None, None),
     # DeepSpeed's own (deepspeed.add_config_arguments)
@@ -132,6 +133,8 @@ def test_mixtral_experts_every_layer_dropless():
     # every block holds experts: DeepSpeed-MoE's layer_num % interval == 0 on all of them
     assert (args.num_experts, args.topk, args.expert_interval) == ([4], 2, 1)
     assert args.create_moe_param_group and args.disable_moe_token_dropping
+    # top-2 by argmax, as the model routes (DeepSpeed-MoE samples the second with noise by default)
+    assert args.disable_moe_top2_2nd_expert_sampling
     assert (args.max_position_embeddings, args.ffn_hidden_size) == (128, 128)
 
 

@@ -64,7 +64,9 @@ def export_command(args: argparse.Namespace) -> int:
     if args.model:
         from autopar.models.registry import build_named_model
 
-        model = build_named_model(args.model)
+        model = build_named_model(
+            args.model, others="--model-config (a transformers config JSON or checkpoint directory)"
+        )
     elif args.model_config:
         from autopar.models.hf_config import build_hf_model, load_hf_model
 

@@ -263,19 +263,22 @@ def named_models() -> dict[str, NamedModel]:
     return _registry()
 
 
-def get_named_model(name: str) -> NamedModel:
-    """The registered model ``name``, or a ConfigError listing the known names."""
+OTHER_SOURCES = "--model-config (a transformers config JSON) or --model-fn module:function"
+"""The other ways the command lines that take ``--model`` take a model."""
+
+
+def get_named_model(name: str, *, others: str = OTHER_SOURCES) -> NamedModel:
+    """The registered model ``name``, or a ConfigError listing the known names and
+    ``others``, the command line's other ways to give a model."""
     reg = _registry()
     if name not in reg:
-        raise ConfigError(
-            f"unknown model {name!r}; known models: {', '.join(reg)}. Or use --model-config "
-            f"(a transformers config JSON) or --model-fn module:function."
-        )
+        raise ConfigError(f"unknown model {name!r}; known models: {', '.join(reg)}. Or use {others}.")
     return reg[name]
 
 
-def build_named_model(name: str, device: str | torch.device = "meta") -> nn.Module:
-    """Build registered model ``name`` on ``device`` (meta by default: no memory)."""
-    entry = get_named_model(name)
+def build_named_model(name: str, device: str | torch.device = "meta", *, others: str = OTHER_SOURCES) -> nn.Module:
+    """Build registered model ``name`` on ``device`` (meta by default: no memory);
+    ``others`` as :func:`get_named_model` takes it."""
+    entry = get_named_model(name, others=others)
     with torch.device(device):
         return entry.build()

@@ -209,6 +209,10 @@ CLI_CASES = {
     "doctor no processes": ("doctor --nproc 0", ["--nproc 0", "at least 1"]),
     "demo one process": ("demo --nproc 1", ["--nproc 1", "at least 2"]),
     "demo no timed step": ("demo --steps 2", ["--steps 2", "at least 3"]),
+    "export unknown model": (
+        "export {d}/p.json --to megatron --model nosuch",
+        ["unknown model 'nosuch'", "Or use --model-config (a transformers config JSON or checkpoint directory)."],
+    ),
 }
 
 
@@ -230,6 +234,14 @@ def test_command_says_what_is_wrong_in_one_line(command, words, folder, capsys):
     assert len(lines) == 1 and lines[0].startswith("autopar: error: "), err
     for word in words:
         assert word in lines[0]
+
+
+def test_an_unknown_model_is_offered_only_the_sources_the_command_takes(folder, capsys):
+    """``autopar export`` has no --model-fn; ``autopar plan`` has."""
+    _, err = _run(["export", f"{folder}/p.json", "--to", "megatron", "--model", "nosuch"], capsys)
+    assert "--model-fn" not in err
+    _, err = _run(["plan", "--model", "nosuch", "--cluster", "dgx-h100:1", "--global-batch-size", "8"], capsys)
+    assert err.rstrip().endswith("Or use --model-config (a transformers config JSON) or --model-fn module:function.")
 
 
 def test_a_model_function_that_exits_or_is_not_on_the_path_is_said(tmp_path, monkeypatch, capsys):

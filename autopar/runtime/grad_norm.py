@@ -94,9 +94,11 @@ def global_grad_norm(
     for name, p in params.items():
         if p.grad is None or name in duplicates:
             continue
+        # every rank of a partial sum's group reduces it (a collective), whichever counts it
+        grad = local_grad(p.grad)
         if _counted_elsewhere(p.grad, coord):
             continue
-        total += local_grad(p.grad).double().pow(2).sum()
+        total += grad.double().pow(2).sum()
     dist.all_reduce(total)
     return total.sqrt()
 

@@ -114,6 +114,19 @@ def test_global_norm_clipping_across_all_axes():
     assert_parity(run(train, 8, "gpt", plan, 5, 0.05, timeout_s=120), ref)
 
 
+def test_global_norm_with_sequence_parallel_tp_alone():
+    """tp=2 with sequence parallelism and no data parallelism: the sequence-parallel norm
+    weights' gradients are partial sums over tp that no data-parallel wrapper reduces.
+    Reducing one needs both tp ranks; only the first counts it. The second skipped the
+    reduction and waited in the world all-reduce, the first in the tp one: a hang until
+    the process group's timeout. Now both reduce, and the norm and updates match one
+    process's clip_grad_norm_."""
+    plan = make_plan("gpt", dp=1, tp=2, sequence_parallel=True, styles=megatron_styles("gpt", sequence_parallel=True))
+    ref = reference("gpt", plan, clip=0.05)
+    assert all(n > 0.05 for n in ref.grad_norms)  # clipping is active
+    assert_parity(run(train, 2, "gpt", plan, 5, 0.05, timeout_s=120), ref)
+
+
 BF16_RTOL = 2e-2
 """bf16 keeps 8 bits of mantissa (relative precision 2^-8 = 3.9e-3 per rounding); the
 losses of a few steps accumulate several roundings per matmul, so 2e-2 relative."""

@@ -188,6 +188,7 @@ def parallelize(
     meta = is_meta(model)
     materializer = Materializer(model, plan.model.units, local_units, init_fn, seed) if meta and materialize else None
     cp = dims.cp
+    _without_kv_cache(model)
     stages = [cut(model, plan.stages[i], plan.model.units, plan.model.seq_len // cp) for i in indices]
     if not meta:
         stages = [s.to(device) for s in stages]
@@ -254,6 +255,16 @@ def parallelize(
         async_tp=async_tp,
     )
     return Job(parts)
+
+
+def _without_kv_cache(model: nn.Module) -> None:
+    """Turn off a transformers model's key/value cache (``config.use_cache``, on by default
+    in most decoders): training needs none, and a recomputed layer would run its attention
+    again against the cache its forward filled (per-operator recomputation then fails at
+    the first backward). transformers turns it off under its own gradient checkpointing."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False) is True:
+        config.use_cache = False
 
 
 def _default_device() -> torch.device:

@@ -62,6 +62,13 @@ def llama():
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_DECODER))
 
 
+def llama_cached():
+    """A tiny Llama whose config keeps transformers' default ``use_cache=True``, as a
+    config from a model hub does."""
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY_DECODER, "use_cache": True}))
+
+
 def mixtral():
     """A tiny Mixtral: transformers runs its 4 experts (top-2) as grouped matmuls."""
     torch.manual_seed(0)
@@ -84,7 +91,7 @@ def resnet():
     return ResNet(CNNConfig(image_size=8, width=4, stages=2, blocks_per_stage=1, num_classes=4))
 
 
-BUILD = {"gpt2": gpt2, "llama": llama, "mixtral": mixtral, "gpt-oss": gpt_oss}
+BUILD = {"gpt2": gpt2, "llama": llama, "llama-cached": llama_cached, "mixtral": mixtral, "gpt-oss": gpt_oss}
 
 
 def hf_loss(output, target):
@@ -217,6 +224,18 @@ def test_transformers_models(name, case):
     plan = make(BUILD[name](), styles, **spec)
     ref = hf_reference(name, plan)
     assert_parity(as_reference_shapes(run(hf_train, plan.config.world_size, name, plan, timeout_s=120), ref), ref)
+
+
+@pytest.mark.parametrize("recompute", ["op", "full"])
+def test_a_transformers_decoder_recomputes_with_its_default_key_value_cache(recompute):
+    """A config's use_cache=True (transformers' default) builds a key/value cache in every
+    forward: recomputing a layer ran its attention again against the cache the forward
+    had filled, and per-operator recomputation failed at the first backward ("aten.slice
+    ... not found in storage"). The runtime trains without the cache, as transformers'
+    own gradient checkpointing does."""
+    plan = make(llama_cached(), dp=2, recompute=recompute)
+    ref = hf_reference("llama-cached", plan)
+    assert_parity(run(hf_train, 2, "llama-cached", plan, timeout_s=120), ref)
 
 
 @pytest.mark.parametrize("sp", [True, False], ids=["sp", "no-sp"])

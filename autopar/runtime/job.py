@@ -344,8 +344,10 @@ class Job:
 
     def load_checkpoint(self, path: str, *, step: int | None = None, weights_only: bool = False) -> int:
         """Load the latest (or the given) step saved under ``path`` by any plan; returns
-        the step. Call after ``job.optimizer(...)``: a checkpoint with optimizer state is
-        refused before it (the state would be lost), unless ``weights_only``."""
+        the step it was saved at. The job's metrics count on from the batches consumed
+        (:attr:`data_position`), which is where a loop's step index resumes. Call after ``job.optimizer(...)``: a checkpoint with
+        optimizer state is refused before it (the state would be lost), unless
+        ``weights_only``."""
         state = ckpt.load(
             self._checkpoint_parts(),
             path,
@@ -354,6 +356,7 @@ class Job:
             global_batch_size=self.plan.config.global_batch_size,
         )
         self._data_position = state.data_position
+        self._step = state.data_position
         if self._p.scaler is not None and state.loss_scale is not None:
             self._p.scaler.restore(state.loss_scale)
         return state.step

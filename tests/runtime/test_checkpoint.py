@@ -215,6 +215,30 @@ def _load_latest(rank, world, plan, path):
     return step, [str(w.message) for w in caught if "autopar checkpoint" in str(w.message)]
 
 
+def _resume_one_step(rank, world, plan, path):
+    job = parallelize(build("gpt"), plan, loss_fn=token_loss)
+    opt = job.optimizer(torch.optim.SGD, lr=LR)
+    job.load_checkpoint(path)
+    start = job.data_position
+    labels = []
+    for step, batch in enumerate(job.shard(batches("gpt", 3, plan.config.global_batch_size)), start=start):
+        job.step(batch)
+        opt.step()
+        labels.append(step)
+    return start, labels, [m.step for m in job.metrics]
+
+
+def test_a_resumed_loop_and_the_metrics_count_on_from_the_batches_consumed(tmp_path):
+    """Two steps saved, then a resumed job over the same three batches: the loop's index,
+    started at ``data_position`` as docs/runtime.md writes it, and the job's metrics both
+    number the one batch left 2 (the metrics restarted at 0; the documented loop started
+    at the saved step's label, one behind, and saved over the checkpoint it resumed)."""
+    plan = make_plan("gpt", dp=2)
+    run(_save_two_steps, 2, plan, str(tmp_path))
+    for start, labels, metric_steps in run(_resume_one_step, 2, plan, str(tmp_path)):
+        assert (start, labels, metric_steps) == (2, [2], [2])
+
+
 @pytest.mark.parametrize("stale", ["killed between the renames", "incomplete"])
 def test_a_stale_latest_falls_back_to_the_newest_complete_checkpoint(tmp_path, stale):
     """``latest`` names step 2, but step 2 is gone (a save of it killed after the old

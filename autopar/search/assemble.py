@@ -42,6 +42,12 @@ def to_plan(solver: ConfigSolver, result: SearchResult, provenance: Provenance) 
         raise ValueError("to_plan needs a priced best configuration; the search prices the ones it keeps.")
     strategies, default = strategies_of(graph, best)
     config = replace(best.config, recompute=default)
+    if config.sequence_parallel and not strategies.tp:
+        raise ConfigError(
+            f"sequence_parallel=True with tp={config.tp} is not allowed for {graph.name}: the fastest layout splits "
+            f"none of its layers (each is replicated over the {config.tp} tensor-parallel ranks), so no layer "
+            f"gathers the sharded sequence back; set sequence_parallel=False, or a smaller tp."
+        )
     return Plan(
         config=config,
         stages=tuple(tuple(m for u in s.units for m in graph.units[u].modules) for s in best.stages),

@@ -111,6 +111,30 @@ def test_tp_only_where_shapes_allow():
     assert p.config.tp in (1, 2, 4) and all(a.config.tp in (1, 2, 4) for a in p.alternatives)
 
 
+def test_sequence_parallelism_is_refused_where_no_layer_is_split():
+    """A tiny transformers Llama at tp=2 runs fastest with every layer replicated: pinned
+    to sequence parallelism, nothing gathers the sharded sequence back, and the plan the
+    search emitted failed at its first step (a residual add of 32 tokens to 64). It is
+    refused in one line; without the pin the plan replicates and does not shard."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    cluster = autopar.preset("local-cpu", devices_per_node=2)  # nominal rates: the same on any machine of 2+ cores
+    plan = autopar.plan(model, cluster, global_batch_size=8, seq_len=64, constraints={"tp": 2})
+    assert not plan.layer_strategies.tp and not plan.config.sequence_parallel
+    with pytest.raises(ConfigError, match=r"^sequence_parallel=True with tp=2 is not allowed for LlamaForCausalLM: "):
+        autopar.plan(model, cluster, global_batch_size=8, seq_len=64, constraints={"tp": 2, "sequence_parallel": True})
+
+
 def test_vocabulary_padding_is_reported():
     p = autopar.estimate(build_named_model("gpt2-small"), DGX1, {"tp": 4}, global_batch_size=8, seq_len=1024)
     assert any("50257 padded to 50688" in n for n in p.notes)

@@ -159,10 +159,11 @@ def _cp_below_floor(graph: LayerGraph, devices: int, constraints: Mapping[str, A
     """The context-parallel degrees :func:`~autopar.search.space.cp_degrees` leaves out only for
     :data:`~autopar.search.space.CP_MIN_TOKENS`: those dividing the ``devices`` the fixed ``dp``, ``tp`` and
     ``pp`` leave (the whole remainder where all three are fixed) that split the sequence
-    into ``2 d`` chunks and that ring attention could run, none where ``cp`` is fixed. A plan
-    says it did not search them, so that a user may price one by fixing it."""
-    if "cp" in constraints or ring_blocker(graph) or constraints.get("ep", 1) > 1:
-        return []
+    into ``2 d`` chunks and that ring attention could run, none where ``cp`` is fixed or the
+    sequence is shorter than the floor itself. A plan says it did not search them, so that
+    a user may price one by fixing it."""
+    if "cp" in constraints or graph.seq_len < CP_MIN_TOKENS or ring_blocker(graph) or constraints.get("ep", 1) > 1:
+        return []  # a sequence shorter than the floor: tensor and pipeline parallelism hold it
     pinned = math.prod(constraints.get(k, 1) for k in ("dp", "tp", "pp"))
     if devices % pinned:
         return []

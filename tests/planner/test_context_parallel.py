@@ -283,8 +283,9 @@ def test_a_plan_says_which_context_parallel_degrees_it_did_not_search():
     """4K tokens on 4 devices: cp=2 and cp=4 split the sequence but leave each rank
     fewer than CP_MIN_TOKENS, so the search skips them; the plan says so and how to
     price one, and fixing it prices it; only degrees the fixed ones leave room for are
-    named. Nothing is said where cp is fixed, or where
-    ring attention cannot run the model (a sliding window narrower than the sequence)."""
+    named. Nothing is said where cp is fixed, where the sequence is shorter than the
+    floor, or where ring attention cannot run the model (a sliding window narrower than
+    the sequence)."""
     model = GPT(GPTConfig(vocab_size=256, seq_len=4096, dim=64, n_layers=2, n_heads=2))
     cluster = tiny_cluster(1.0)
     plan = autopar.plan(model, cluster, global_batch_size=8, seq_len=4096)
@@ -301,6 +302,12 @@ def test_a_plan_says_which_context_parallel_degrees_it_did_not_search():
         if n.startswith("Context parallelism was")
     ]
     assert "cp=2 would also split these 4,096 tokens" in note
+    # a sequence shorter than the floor itself: nothing to say (it was said of every 2K plan)
+    short = GPT(GPTConfig(vocab_size=256, seq_len=2048, dim=64, n_layers=2, n_heads=2))
+    assert not any(
+        n.startswith("Context parallelism was")
+        for n in autopar.plan(short, cluster, global_batch_size=8, seq_len=2048).notes
+    )
     transformers = pytest.importorskip("transformers")
     config = transformers.MistralConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,

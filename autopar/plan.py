@@ -142,20 +142,30 @@ class StepBreakdown:
     cp_comm_s: float = 0.0
     ep_comm_s: float = 0.0
 
+    def terms(self) -> tuple[tuple[str, float], ...]:
+        """Every term by the name explanations and reports give it, in the order they show
+        them."""
+        return (
+            ("compute", self.compute_s),
+            ("recompute", self.recompute_s),
+            ("TP comm", self.tp_comm_s),
+            ("CP comm", self.cp_comm_s),
+            ("EP comm", self.ep_comm_s),
+            ("PP comm", self.pp_comm_s),
+            ("bubble", self.bubble_s),
+            ("DP comm", self.dp_comm_s),
+            ("optimizer", self.optimizer_s),
+        )
+
+    def shown(self) -> tuple[tuple[str, float], ...]:
+        """The terms worth showing: above a ten-thousandth of the step (a float residue,
+        such as the bubble of a plan without pipelining, is not a term)."""
+        return tuple((name, v) for name, v in self.terms() if v > 1e-4 * self.total_s)
+
     @property
     def total_s(self) -> float:
         """Sum of the terms (equals ``Prediction.step_time_s``)."""
-        return (
-            self.compute_s
-            + self.recompute_s
-            + self.tp_comm_s
-            + self.cp_comm_s
-            + self.ep_comm_s
-            + self.pp_comm_s
-            + self.bubble_s
-            + self.dp_comm_s
-            + self.optimizer_s
-        )
+        return sum(v for _, v in self.terms())
 
 
 @dataclass(frozen=True, kw_only=True)

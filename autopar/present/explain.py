@@ -282,18 +282,7 @@ def _recompute(plan: Plan) -> str:
 
 
 def _breakdown(total: float, b) -> str:
-    parts = [
-        ("compute", b.compute_s),
-        ("recompute", b.recompute_s),
-        ("TP comm", b.tp_comm_s),
-        ("CP comm", b.cp_comm_s),
-        ("EP comm", b.ep_comm_s),
-        ("PP comm", b.pp_comm_s),
-        ("bubble", b.bubble_s),
-        ("DP comm", b.dp_comm_s),
-        ("optimizer", b.optimizer_s),
-    ]
-    return " | ".join(f"{name} {duration(v)} ({100 * v / total:.0f}%)" for name, v in parts if v > 1e-4 * total)
+    return " | ".join(f"{name} {duration(v)} ({100 * v / total:.0f}%)" for name, v in b.shown())
 
 
 def _worst_memory(plan: Plan) -> str:

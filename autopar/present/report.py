@@ -34,17 +34,6 @@ _MEMORY = [
     ("pipeline buffers", "buffers_bytes", "#DA8BC3"),
     ("reserve", "reserve_bytes", "#937860"),
 ]
-_STEP = [
-    ("compute", "compute_s"),
-    ("recompute", "recompute_s"),
-    ("TP comm", "tp_comm_s"),
-    ("PP comm", "pp_comm_s"),
-    ("bubble", "bubble_s"),
-    ("DP comm", "dp_comm_s"),
-    ("optimizer", "optimizer_s"),
-]
-
-
 NO_PIPELINE = "No pipeline (pp=1): every device runs the whole model, so there is no pipeline timeline."
 NO_ZERO_BUBBLE_TIMELINE = (
     "{schedule}: the timeline simulation does not split backwards into input and weight gradients, so no "
@@ -143,11 +132,9 @@ def step_figure(plan: Plan) -> Figure:
     fig = Figure(figsize=(9, 2.0))
     ax = fig.add_subplot()
     left = 0.0
-    for i, (label, attr) in enumerate(_STEP):
-        value = getattr(b, attr)
-        if value <= 0:
-            continue
-        ax.barh([0], [value], left=left, color=f"C{i}", label=f"{label} {duration(value)}")
+    colors = {name: f"C{i}" for i, (name, _) in enumerate(b.terms())}  # a term keeps its colour in every plan
+    for label, value in b.shown():
+        ax.barh([0], [value], left=left, color=colors[label], label=f"{label} {duration(value)}")
         left += value
     ax.set_yticks([])
     ax.set_xlabel("seconds per step")

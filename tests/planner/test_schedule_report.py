@@ -1,6 +1,7 @@
 """The schedule simulator against the closed-form bubble, and the plan's pictures."""
 
 import base64
+import dataclasses
 import itertools
 
 import pytest
@@ -52,6 +53,21 @@ def test_every_operation_runs_once():
     for rank in range(4):
         mine = sorted((o for o in ops if o.rank == rank), key=lambda o: o.start_s)
         assert all(a.end_s <= b.start_s + 1e-12 for a, b in itertools.pairwise(mine))
+
+
+def test_the_step_figure_shows_every_term_of_the_step(pipelined_plan):
+    """Context- and expert-parallel exchanges are terms of the step like the others: the
+    bars add up to the title's step time (the figure left both out), and a float residue
+    (a bubble of 1e-14 s) is no bar."""
+    p = pipelined_plan.prediction
+    b = dataclasses.replace(p.breakdown, cp_comm_s=0.25, ep_comm_s=0.5, bubble_s=1e-14)
+    plan = dataclasses.replace(pipelined_plan, prediction=dataclasses.replace(p, breakdown=b, step_time_s=b.total_s))
+    ax = step_figure(plan).axes[0]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    names = [name for name, _ in b.shown()]
+    assert "CP comm" in names and "EP comm" in names and "bubble" not in names
+    assert len(legend) == len(names) and all(text.startswith(f"{name} ") for text, name in zip(legend, names))
+    assert sum(r.get_width() for r in ax.patches) == pytest.approx(b.total_s, rel=1e-3)
 
 
 def test_pictures_and_html(pipelined_plan, tmp_path):

@@ -19,12 +19,11 @@ from autopar.errors import (
     check_positive_float,
     check_positive_int,
 )
-from autopar.graph.extract import extract
 from autopar.graph.layer_graph import LayerGraph
 from autopar.hardware.cluster import MAX_DEVICES, Cluster
 from autopar.plan import Plan
 from autopar.search.constraints import DEGREES, check_constraints
-from autopar.search.planner import as_cluster
+from autopar.search.planner import as_cluster, model_graph
 from autopar.search.planner import plan as make_plan
 from autopar.vocab import ActivationLayout
 
@@ -104,16 +103,13 @@ def fewest_nodes(
     megatron = str(plan_kwargs.get("activations", "")) == ActivationLayout.SEQUENCE_FIRST
     # read for the precision, and refused before any plan
     fixed = check_constraints(plan_kwargs.get("constraints"), megatron_kernels=megatron)
-    graph = (
-        model
-        if isinstance(model, LayerGraph)
-        else extract(
-            model,
-            seq_len=seq_len,
-            sample_input=sample_input,
-            dtype=fixed.get("dtype", cluster.device.preferred_dtype),
-            attention=plan_kwargs.get("attention", "flash"),
-        )
+    graph = model_graph(  # as plan() would: its checks and its default length
+        model,
+        cluster,
+        fixed,
+        seq_len=seq_len,
+        sample_input=sample_input,
+        attention=plan_kwargs.get("attention", "flash"),
     )
     failures: list[AutoparError] = []
 

@@ -369,8 +369,31 @@ def _provenance(
     return Provenance(settings=settings, search_time_s=time.perf_counter() - started)
 
 
+def model_graph(
+    model: nn.Module | LayerGraph,
+    cluster: Cluster,
+    constraints: Mapping[str, Any],
+    *,
+    seq_len: int | None,
+    sample_input: Any,
+    attention: Attention | str,
+) -> LayerGraph:
+    """The layer graph :func:`plan` prices ``model`` by, with its checks and its default
+    sequence length (a warning says so): for callers that plan one model many times,
+    such as :func:`autopar.present.whatif.fewest_nodes`."""
+    seq_len, _ = _default_seq_len(model, seq_len, sample_input)
+    return _graph(model, cluster, constraints, seq_len, sample_input, _option("attention", attention, Attention))
+
+
 def _graph(model, cluster: Cluster, fixed, seq_len, sample_input, attention) -> LayerGraph:
     if isinstance(model, LayerGraph):
+        if sample_input is not None or (seq_len is not None and seq_len != model.seq_len):
+            given = f"seq_len={seq_len}" if sample_input is None else "sample_input="
+            raise ConfigError(
+                f"{given} is not allowed with a LayerGraph: the graph of {model.name} was extracted at "
+                f"{model.seq_len} tokens and prices that length only; extract it again at the length wanted "
+                f"(autopar.graph.extract), or pass the model."
+            )
         graph = model
     else:
         if isinstance(model, nn.Module) and next(model.parameters(), None) is None:

@@ -178,6 +178,33 @@ def test_fewest_nodes_and_time_to_train():
     assert t.device_hours == pytest.approx(t.seconds * p.config.world_size / 3600)
 
 
+def test_fewest_nodes_checks_and_defaults_the_model_as_plan_does():
+    """fewest_nodes extracted the graph itself: a sequence longer than the model's
+    positions was planned where plan() refuses it, and a token model without seq_len was
+    refused where plan() takes its longest length with a warning."""
+    model = GPT(GPTConfig(vocab_size=256, seq_len=256, dim=64, n_layers=2, n_heads=2))
+    cluster = autopar.preset("dgx-h100")
+    with pytest.raises(ConfigError, match=r"seq_len=512") as plain:
+        autopar.plan(model, cluster.with_nodes(1), global_batch_size=8, seq_len=512)
+    with pytest.raises(ConfigError) as fewest:
+        fewest_nodes(model, cluster, global_batch_size=8, seq_len=512)
+    assert str(fewest.value) == str(plain.value)
+    with pytest.warns(UserWarning, match="256"):
+        assert fewest_nodes(model, cluster, global_batch_size=8).model.seq_len == 256
+
+
+def test_a_layer_graph_prices_the_length_it_was_extracted_at_only():
+    """A graph extracted at 128 tokens and planned with seq_len=512 was priced at 128,
+    without a word."""
+    graph = extract(GPT(GPTConfig(vocab_size=256, seq_len=512, dim=64, n_layers=2, n_heads=2)), seq_len=128)
+    cluster = autopar.preset("dgx-h100", nodes=1)
+    assert autopar.plan(graph, cluster, global_batch_size=8, seq_len=128).model.seq_len == 128
+    with pytest.raises(ConfigError, match=r"^seq_len=512 is not allowed with a LayerGraph: .* extracted at 128 tokens"):
+        autopar.plan(graph, cluster, global_batch_size=8, seq_len=512)
+    with pytest.raises(ConfigError, match=r"^sample_input= is not allowed with a LayerGraph"):
+        autopar.estimate(graph, cluster, {"tp": 1}, global_batch_size=8, sample_input=torch.zeros(8, 128).long())
+
+
 def test_gpt3_175b_on_1024_a100():
     p = autopar.plan(
         build_named_model("gpt3-175b"),

@@ -14,6 +14,7 @@ from torch import nn
 
 from autopar.errors import (
     AutoparError,
+    ConfigError,
     DeviceCountError,
     InfeasiblePlanError,
     check_positive_float,
@@ -49,7 +50,19 @@ class TrainingTime:
 
 
 def time_to_train(plan: Plan, tokens: float) -> TrainingTime:
-    """Steps, wall time and device-hours to train on ``tokens`` tokens with ``plan``."""
+    """Steps, wall time and device-hours to train on ``tokens`` tokens with ``plan``, a
+    plan that fits (one that does not would run out of memory at its first step)."""
+    if not isinstance(plan, Plan):
+        raise ConfigError(
+            f"time_to_train() takes a Plan (autopar.plan(...) or Plan.load(path)), got {type(plan).__name__}."
+        )
+    if not plan.prediction.fits:
+        p = plan.prediction
+        raise ConfigError(
+            f"the plan does not fit: it predicts {p.memory_bytes_per_device / 2**30:.1f} GiB per device, more than "
+            f"the {p.memory_capacity_bytes / 2**30:.1f} GiB each {plan.cluster.device.name} holds, so it would not "
+            f"train; time a plan that fits (autopar.plan searches them)."
+        )
     check_positive_float("tokens", tokens)
     per_step = plan.model.global_batch_size * plan.model.seq_len
     steps = int(-(-tokens // per_step))

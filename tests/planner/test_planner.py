@@ -176,6 +176,13 @@ def test_fewest_nodes_and_time_to_train():
     t = time_to_train(p, tokens=1e9)
     assert t.steps == -(-int(1e9) // (256 * 2048))
     assert t.device_hours == pytest.approx(t.seconds * p.config.world_size / 3600)
+    # a configuration that does not fit has no training time; a path is not a plan
+    crammed = autopar.estimate(m, p.cluster.with_nodes(1), {"tp": 1, "pp": 1}, global_batch_size=256, seq_len=2048)
+    assert not crammed.prediction.fits
+    with pytest.raises(ConfigError, match=r"^the plan does not fit: it predicts .* GiB per device"):
+        time_to_train(crammed, tokens=1e9)
+    with pytest.raises(ConfigError, match=r"^time_to_train\(\) takes a Plan .*, got str\.$"):
+        time_to_train("plan.json", tokens=1e9)
 
 
 def test_fewest_nodes_checks_and_defaults_the_model_as_plan_does():

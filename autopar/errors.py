@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 
 class AutoparError(Exception):
     """Base class of every error autopar raises on purpose."""
@@ -55,11 +57,12 @@ class InfeasiblePlanError(AutoparError):
 
 
 def check_positive_int(name: str, value: object, hint: str = "") -> int:
-    """Return ``value`` if it is an int >= 1, else raise ConfigError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """Return ``value`` as an int if it is an integer >= 1 (a numpy integer too), else
+    raise ConfigError naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         extra = f" {hint}" if hint else ""
         raise ConfigError(f"{name}={value!r} is not allowed: it must be a positive integer.{extra}")
-    return value
+    return int(value)
 
 
 def check_positive_float(name: str, value: object, unit: str = "", *, error: type[ConfigError] = ConfigError) -> float:

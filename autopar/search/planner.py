@@ -126,7 +126,8 @@ def plan(
             notes say so).
     """
     started = time.perf_counter()
-    check_positive_int("global_batch_size", global_batch_size)
+    global_batch_size = check_positive_int("global_batch_size", global_batch_size)
+    seq_len = check_positive_int("seq_len", seq_len) if seq_len is not None else None
     _check_top(top)
     check_solver(solver)
     _check_imbalance(routing_imbalance)
@@ -216,7 +217,8 @@ def estimate(
     and a missing ``seq_len`` defaults as in :func:`plan`.
     """
     started = time.perf_counter()
-    check_positive_int("global_batch_size", global_batch_size)
+    global_batch_size = check_positive_int("global_batch_size", global_batch_size)
+    seq_len = check_positive_int("seq_len", seq_len) if seq_len is not None else None
     check_solver(solver)
     _check_imbalance(routing_imbalance)
     cluster = as_cluster(cluster)

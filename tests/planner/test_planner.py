@@ -200,6 +200,16 @@ def test_fewest_nodes_checks_and_defaults_the_model_as_plan_does():
         assert fewest_nodes(model, cluster, global_batch_size=8).model.seq_len == 256
 
 
+def test_numpy_integers_are_integers():
+    """A batch and length from numpy (a sweep over np.arange) plan as the ints they are,
+    and the plan file holds plain ints; they were refused as "not a positive integer"."""
+    np = pytest.importorskip("numpy")
+    model = GPT(GPTConfig(vocab_size=256, seq_len=256, dim=64, n_layers=2, n_heads=2))
+    plan = autopar.plan(model, "dgx-h100:1", global_batch_size=np.int64(64), seq_len=np.int32(128))
+    assert (plan.model.global_batch_size, plan.model.seq_len) == (64, 128)
+    assert autopar.Plan.from_json(plan.to_json()) == plan
+
+
 def test_a_layer_graph_prices_the_length_it_was_extracted_at_only():
     """A graph extracted at 128 tokens and planned with seq_len=512 was priced at 128,
     without a word."""

@@ -51,14 +51,7 @@ def explain(plan: Plan, *, top: int = 5) -> str:
         "",
         "Stages (pipeline rank: units | forward / backward per micro-batch | peak memory)",
     ]
-    shown = p.stages if len(p.stages) <= 8 else p.stages[:4] + p.stages[-3:]
-    for s in shown:
-        if len(p.stages) > 8 and s is p.stages[-3]:
-            lines.append(f"  ... {len(p.stages) - 7} more stages ...")
-        lines.append(
-            f"  {s.index:>3} (rank {s.pipeline_rank}): {compact(s.units)} | {duration(s.forward_s)} / "
-            f"{duration(s.backward_s)} | {size(s.memory.total_bytes)}"
-        )
+    lines += _stage_lines(p.stages)
     tp = _tp_summary(plan)
     if tp:
         lines += ["", f"Tensor parallelism (tp={c.tp})", *[f"  {line}" for line in tp]]
@@ -279,6 +272,26 @@ def _recompute(plan: Plan) -> str:
     if Recompute.OP in modes:
         text += "; op keeps every other matmul's and the attention's outputs"
     return text
+
+
+def _stage_lines(stages) -> list[str]:
+    """One line per stage; past eight, the first four, the last three and the one with
+    the most memory (the peak the Memory line names), the others counted between."""
+    heaviest = max(stages, key=lambda st: st.memory.total_bytes).index
+    keep = set(range(len(stages))) if len(stages) <= 8 else {0, 1, 2, 3, *range(len(stages) - 3, len(stages)), heaviest}
+    lines, hidden = [], 0
+    for s in stages:
+        if s.index not in keep:
+            hidden += 1
+            continue
+        if hidden:
+            lines.append(f"  ... {hidden} more stage{'s' if hidden > 1 else ''} ...")
+            hidden = 0
+        lines.append(
+            f"  {s.index:>3} (rank {s.pipeline_rank}): {compact(s.units)} | {duration(s.forward_s)} / "
+            f"{duration(s.backward_s)} | {size(s.memory.total_bytes)}"
+        )
+    return lines
 
 
 def _breakdown(total: float, b) -> str:

@@ -278,8 +278,16 @@ def _cause(exc: BaseException) -> str:
     only the ranks that failed), as one line."""
     failures = getattr(exc, "failures", None) or {}
     for rank, (inner, _) in sorted(failures.items()):
-        return f"rank {rank}: {type(inner).__name__}: {first_line(inner)}"
-    return first_line(exc)
+        return f"rank {rank}: {type(inner).__name__}: {_damaged(first_line(inner))}"
+    return _damaged(first_line(exc))
+
+
+def _damaged(text: str) -> str:
+    """``text``, but where torch's unpickler failed on a shard's bytes its advice (load
+    with ``weights_only=False``, trusting the file) is the wrong one for a damaged file."""
+    if "weights only" not in text.lower().replace("_", " "):
+        return text
+    return "a shard's bytes do not unpickle: the file is damaged (its size matches the manifest)"
 
 
 def _data_position(meta: Mapping[str, Any], global_batch_size: int | None, path: Path) -> int:

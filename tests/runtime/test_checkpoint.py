@@ -2,6 +2,8 @@
 next losses equal to an uninterrupted run; a save killed midway leaves the previous
 checkpoint intact and loadable."""
 
+import datetime
+import io
 import json
 import os
 import signal
@@ -320,3 +322,23 @@ def test_a_save_that_fails_is_one_typed_error_and_leaves_nothing_behind(tmp_path
         assert "No space left on device" in message and "\n" not in message
     assert latest_step(tmp_path) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001"]
+
+
+def test_a_shard_that_does_not_unpickle_is_called_damaged():
+    """torch's unpickler, failing on a damaged shard, advises loading it with
+    weights_only=False (trusting the file): the error relayed says the file is damaged
+    instead, and leaves any other cause as it was."""
+    shard = io.BytesIO()
+    torch.save(datetime.date(2026, 12, 7), shard)  # a global the weights-only unpickler refuses, as damage makes
+    shard.seek(0)
+    with pytest.raises(Exception, match="weights_only") as caught:  # what DCP's reader would wrap
+        torch.load(shard, weights_only=True)
+    unpickled = caught.value
+    failure = dcp.api.CheckpointException("load failed", {1: (unpickled, None)})
+    cause = ckpt_module._cause(failure)
+    assert (
+        cause
+        == "rank 1: UnpicklingError: a shard's bytes do not unpickle: the file is damaged (its size matches the manifest)"
+    )
+    other = dcp.api.CheckpointException("load failed", {0: (FileNotFoundError("no such shard"), None)})
+    assert ckpt_module._cause(other) == "rank 0: FileNotFoundError: no such shard"

@@ -336,9 +336,7 @@ def test_a_shard_that_does_not_unpickle_is_called_damaged():
     unpickled = caught.value
     failure = dcp.api.CheckpointException("load failed", {1: (unpickled, None)})
     cause = ckpt_module._cause(failure)
-    assert (
-        cause
-        == "rank 1: UnpicklingError: a shard's bytes do not unpickle: the file is damaged (its size matches the manifest)"
-    )
+    damaged = "a shard's bytes do not unpickle: the file is damaged (its size matches the manifest)"
+    assert cause == f"rank 1: UnpicklingError: {damaged}"
     other = dcp.api.CheckpointException("load failed", {0: (FileNotFoundError("no such shard"), None)})
     assert ckpt_module._cause(other) == "rank 0: FileNotFoundError: no such shard"

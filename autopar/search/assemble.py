@@ -33,8 +33,11 @@ class Provenance:
     search_time_s: float
 
 
-def to_plan(solver: ConfigSolver, result: SearchResult, provenance: Provenance) -> Plan:
-    """The plan of the search's best configuration."""
+def to_plan(
+    solver: ConfigSolver, result: SearchResult, provenance: Provenance, fixed: Mapping[str, Any] | None = None
+) -> Plan:
+    """The plan of the search's best configuration; ``fixed``, the constraints, sizes its
+    out-of-memory alternatives with the recomputation they allow."""
     model = solver.model
     graph = model.graph
     best = result.best
@@ -53,7 +56,7 @@ def to_plan(solver: ConfigSolver, result: SearchResult, provenance: Provenance) 
         stages=tuple(tuple(m for u in s.units for m in graph.units[u].modules) for s in best.stages),
         layer_strategies=strategies,
         prediction=best.prediction,
-        alternatives=_alternatives(result, solver),
+        alternatives=_alternatives(result, solver, _sizing_modes(fixed or {})),
         model=ModelSummary(
             name=graph.name,
             num_params=graph.num_params,
@@ -122,7 +125,7 @@ def infeasible_error(
     recomputation the constraints pinned is marked where lifting it alone fits nothing
     on this cluster."""
     cluster = solver.model.cluster
-    modes = (fixed["recompute"],) if "recompute" in fixed else (Recompute.FULL,)
+    modes = _sizing_modes(fixed)
     best = _least_memory(result, solver, modes)
     cap = cluster.device.memory.capacity_bytes
     searched_full = fixed.get("recompute", Recompute.FULL) is Recompute.FULL
@@ -288,7 +291,13 @@ def _least_memory(result: SearchResult, solver: ConfigSolver, modes: tuple[Recom
     return min(sized or result.infeasible, key=lambda o: o.min_memory_bytes)
 
 
-def _alternatives(result: SearchResult, solver: ConfigSolver) -> tuple[Alternative, ...]:
+def _sizing_modes(fixed: Mapping[str, Any]) -> tuple[Recompute, ...]:
+    """The recomputation a configuration that does not fit is sized with: the pinned mode,
+    else full (the least memory the search could reach)."""
+    return (fixed["recompute"],) if "recompute" in fixed else (Recompute.FULL,)
+
+
+def _alternatives(result: SearchResult, solver: ConfigSolver, modes: tuple[Recompute, ...]) -> tuple[Alternative, ...]:
     best_t = result.best.step_time_s
 
     def priced(o: Outcome, status: str, why: str) -> Alternative:
@@ -327,18 +336,19 @@ def _alternatives(result: SearchResult, solver: ConfigSolver) -> tuple[Alternati
         sharding = "plain FSDP" if o.config.dp_shard is None else f"HSDP with shard groups of {o.config.dp_shard}"
         out.append(priced(o, "sharding", f"the winner with {sharding}: "))
     cap = result.best.prediction.memory_capacity_bytes if result.best.prediction else 0.0
-    for o in _oom_regions(result, cap, solver):
+    sized_with = "full recomputation" if modes[0] is Recompute.FULL else f"recompute={modes[0].value!r}"
+    for o in _oom_regions(result, cap, solver, modes=modes):
         over = o.min_memory_bytes - cap
         out.append(
             Alternative(
-                config=o.config,
+                config=replace(o.config, recompute=modes[0]),  # as it was sized
                 status="out-of-memory",
                 step_time_s=0.0,
                 memory_bytes_per_device=o.min_memory_bytes,
                 slower_by=0.0,
                 over_memory_bytes=over,
                 reason=f"tp={o.config.tp} pp={o.config.pp}: needs about {o.min_memory_bytes / 2**30:.1f} "
-                f"GiB per device even with full recomputation ({over / 2**30:.1f} GiB over)",
+                f"GiB per device even with {sized_with} ({over / 2**30:.1f} GiB over)",
             )
         )
     return tuple(out)

@@ -151,7 +151,7 @@ def plan(
     if not result.best.fits:
         raise infeasible_error(result, solver_, graph, fixed=fixed, optimizer=optimizer)
     provenance = _provenance(measured, optimizer, attention, solver, routing_imbalance, activations, started)
-    plan = _noted(to_plan(solver_, result, provenance), match, seq_note, activations)
+    plan = _noted(to_plan(solver_, result, provenance, fixed), match, seq_note, activations)
     unsearched = _cp_below_floor(graph, measured.cluster.world_size, fixed)
     return replace(plan, notes=(*plan.notes, _cp_floor_note(unsearched, graph.seq_len))) if unsearched else plan
 

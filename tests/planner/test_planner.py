@@ -200,6 +200,24 @@ def test_fewest_nodes_checks_and_defaults_the_model_as_plan_does():
         assert fewest_nodes(model, cluster, global_batch_size=8).model.seq_len == 256
 
 
+def test_out_of_memory_alternatives_carry_the_recomputation_they_were_sized_with():
+    """An alternative that does not fit is sized at its most frugal: with full
+    recomputation where the search may choose it, with the pinned mode where it may not.
+    Its config said recompute=none beside a reason saying full recomputation, and a
+    plan pinned to none was sized with full recomputation all the same."""
+    model = build_named_model("gpt3-13b")
+    cluster = autopar.preset("dgx-a100-40gb", nodes=1)
+    for pins, mode, words in (
+        (None, Recompute.FULL, "full recomputation"),
+        ({"recompute": "none"}, Recompute.NONE, "recompute='none'"),
+    ):
+        plan = autopar.plan(model, cluster, global_batch_size=64, seq_len=2048, constraints=pins)
+        oom = [a for a in plan.alternatives if a.status == "out-of-memory"]
+        assert oom, pins
+        for a in oom:
+            assert a.config.recompute is mode and f"even with {words} (" in a.reason, (pins, a.reason)
+
+
 def test_numpy_integers_are_integers():
     """A batch and length from numpy (a sweep over np.arange) plan as the ints they are,
     and the plan file holds plain ints; they were refused as "not a positive integer"."""

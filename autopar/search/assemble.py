@@ -45,12 +45,7 @@ def to_plan(
         raise ValueError("to_plan needs a priced best configuration; the search prices the ones it keeps.")
     strategies, default = strategies_of(graph, best)
     config = replace(best.config, recompute=default)
-    if config.sequence_parallel and not strategies.tp:
-        raise ConfigError(
-            f"sequence_parallel=True with tp={config.tp} is not allowed for {graph.name}: the fastest layout splits "
-            f"none of its layers (each is replicated over the {config.tp} tensor-parallel ranks), so no layer "
-            f"gathers the sharded sequence back; set sequence_parallel=False, or a smaller tp."
-        )
+    idle = (idle_sequence_parallel(graph.name, config),) if config.sequence_parallel and not strategies.tp else ()
     return Plan(
         config=config,
         stages=tuple(tuple(m for u in s.units for m in graph.units[u].modules) for s in best.stages),
@@ -69,7 +64,7 @@ def to_plan(
         ),
         cluster=model.cluster,
         settings=provenance.settings,
-        notes=_notes(graph, config),
+        notes=(*_notes(graph, config), *idle),
         search_time_s=provenance.search_time_s,
         candidates_evaluated=result.evaluated,
     )
@@ -100,6 +95,17 @@ def unit_modes(outcome: Outcome) -> tuple[Recompute, Counter[Recompute]]:
     counts = Counter(opt.recompute for stage in outcome.stages for opt in stage.options)
     default = counts.most_common(1)[0][0] if counts else outcome.config.recompute
     return default, counts
+
+
+def idle_sequence_parallel(name: str, config: ParallelConfig) -> str:
+    """Why a configuration with sequence parallelism whose layout splits no layer does
+    not run: nothing gathers the sharded sequence back (a plan search refuses it; an
+    estimate notes it)."""
+    return (
+        f"sequence_parallel=True with tp={config.tp} is not allowed for {name}: the fastest layout splits none of "
+        f"its layers (each is replicated over the {config.tp} tensor-parallel ranks), so no layer gathers the "
+        f"sharded sequence back and autopar's runtime cannot run it; set sequence_parallel=False, or a smaller tp."
+    )
 
 
 def infeasible_error(

@@ -40,7 +40,7 @@ from autopar.plan import ParallelConfig, Plan, PlanSettings
 from autopar.profiles.apply import Measurements, measurements
 from autopar.profiles.identity import LayerProfileMatch, match_layer_profile
 from autopar.profiles.report import ProfileReport
-from autopar.search.assemble import Provenance, infeasible_error, to_plan
+from autopar.search.assemble import Provenance, idle_sequence_parallel, infeasible_error, to_plan
 from autopar.search.constraints import check_constraints, check_degrees
 from autopar.search.experts import check_routing_imbalance
 from autopar.search.ilp import check_solver
@@ -152,6 +152,8 @@ def plan(
         raise infeasible_error(result, solver_, graph, fixed=fixed, optimizer=optimizer)
     provenance = _provenance(measured, optimizer, attention, solver, routing_imbalance, activations, started)
     plan = _noted(to_plan(solver_, result, provenance, fixed), match, seq_note, activations)
+    if plan.config.sequence_parallel and not plan.layer_strategies.tp:  # an estimate notes it
+        raise ConfigError(idle_sequence_parallel(graph.name, plan.config))
     unsearched = _cp_below_floor(graph, measured.cluster.world_size, fixed)
     return replace(plan, notes=(*plan.notes, _cp_floor_note(unsearched, graph.seq_len))) if unsearched else plan
 

@@ -115,7 +115,8 @@ def test_sequence_parallelism_is_refused_where_no_layer_is_split():
     """A tiny transformers Llama at tp=2 runs fastest with every layer replicated: pinned
     to sequence parallelism, nothing gathers the sharded sequence back, and the plan the
     search emitted failed at its first step (a residual add of 32 tokens to 64). It is
-    refused in one line; without the pin the plan replicates and does not shard."""
+    refused in one line (an estimate of it says so in a note); without the pin the plan
+    replicates and does not shard."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         vocab_size=512,
@@ -133,6 +134,9 @@ def test_sequence_parallelism_is_refused_where_no_layer_is_split():
     assert not plan.layer_strategies.tp and not plan.config.sequence_parallel
     with pytest.raises(ConfigError, match=r"^sequence_parallel=True with tp=2 is not allowed for LlamaForCausalLM: "):
         autopar.plan(model, cluster, global_batch_size=8, seq_len=64, constraints={"tp": 2, "sequence_parallel": True})
+    # an estimate prices what it is given, and says the runtime cannot run it
+    priced = autopar.estimate(model, cluster, {"tp": 2, "sequence_parallel": True}, global_batch_size=8, seq_len=64)
+    assert any(n.startswith("sequence_parallel=True with tp=2 is not allowed") for n in priced.notes)
 
 
 def test_vocabulary_padding_is_reported():

@@ -108,13 +108,17 @@ def _speed_spread(work):
 def test_a_spread_in_the_ranks_speed_is_measured_back():
     """Each rank sleeps each 50 ms stretch at a speed drawn independently with a known
     spread, 10%: the measurement recovers it within 30% (40 draws per rank; the waits
-    are half the ranks' difference, a noisy statistic). Sleeping the same time on both
-    ranks measures a small part of it. Both ranks report one figure."""
+    are half the ranks' difference, a noisy statistic). Sleeps also wake up unevenly,
+    by how busy the machine is (a spread of 0.031 once, under a full test suite),
+    independently of the drawn speeds: as in the sync-noise test, the same run measures
+    that jitter alone by sleeping the same time on both ranks, well below the drawn
+    spread, and the drawn spread is what is left in variance. A fixed bound on the jitter
+    failed a CI run on a busy machine. Both ranks report one figure."""
     results = run_spmd(_noisy_and_even, 2, _speed_spread, _wandering_speed, 100, settings=SETTINGS)
     assert results[0] == results[1]
     got = results[0]
-    assert got["noisy"] == pytest.approx(SPREAD, rel=0.3)
-    assert got["even"] < 0.25 * SPREAD
+    assert got["even"] < 0.5 * got["noisy"]
+    assert math.sqrt(got["noisy"] ** 2 - got["even"] ** 2) == pytest.approx(SPREAD, rel=0.3)
 
 
 def test_the_spread_from_work_times_by_hand():

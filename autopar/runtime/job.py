@@ -345,9 +345,9 @@ class Job:
     def load_checkpoint(self, path: str, *, step: int | None = None, weights_only: bool = False) -> int:
         """Load the latest (or the given) step saved under ``path`` by any plan; returns
         the step it was saved at. The job's metrics count on from the batches consumed
-        (:attr:`data_position`), which is where a loop's step index resumes. Call after ``job.optimizer(...)``: a checkpoint with
-        optimizer state is refused before it (the state would be lost), unless
-        ``weights_only``."""
+        (:attr:`data_position`), which is where a loop's step index resumes. Call after
+        ``job.optimizer(...)``: a checkpoint with optimizer state is refused before it (the
+        state would be lost), unless ``weights_only``."""
         state = ckpt.load(
             self._checkpoint_parts(),
             path,

@@ -99,9 +99,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from autopar.search.planner import plan
 
     loaded = load_model(args)
-    result = plan(
-        loaded.model,
-        parse_cluster(args.cluster),
+    cluster = parse_cluster(args.cluster)
+    options = dict(
         global_batch_size=args.global_batch_size,
         constraints=parse_assignments(args.set),
         optimizer=args.optimizer,
@@ -110,6 +109,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
         routing_imbalance=args.routing_imbalance,
         activations=args.activations,
         **loaded.inputs,
+    )
+    if not args.fewest_nodes:
+        return _emit(plan(loaded.model, cluster, **options), args, loaded)
+    from autopar.present.whatif import fewest_nodes
+
+    limit = {} if args.max_nodes is None else {"max_nodes": args.max_nodes}
+    result = fewest_nodes(loaded.model, cluster, **limit, **options)
+    nodes = result.config.world_size // cluster.devices_per_node
+    print(
+        f"fewest nodes of {cluster.kind} a plan fits on: {nodes} ({result.config.world_size} devices; the node "
+        f"count of --cluster is not used)",
+        file=sys.stderr,
     )
     return _emit(result, args, loaded)
 
@@ -172,6 +183,17 @@ def check_outputs(args: argparse.Namespace) -> None:
     built and searched (the plan would be lost after the search)."""
     check_output("--out", args.out)
     check_output("--html", args.html)
+
+
+def check_plan_args(args: argparse.Namespace) -> None:
+    """Refuse ``--max-nodes`` without ``--fewest-nodes`` (it bounds that search only), and
+    unwritable output paths, before the model is built."""
+    if args.max_nodes is not None and not args.fewest_nodes:
+        raise ConfigError(
+            f"--max-nodes {args.max_nodes} is only used with --fewest-nodes: add --fewest-nodes to plan on the "
+            f"fewest nodes up to {args.max_nodes}, or drop --max-nodes and give the node count in --cluster."
+        )
+    check_outputs(args)
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
@@ -255,8 +277,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--set", action="append", metavar="FIELD=VALUE", help="fix config fields, e.g. --set tp=8 --set pp=16"
     )
+    p.add_argument(
+        "--fewest-nodes",
+        action="store_true",
+        help="plan on the fewest nodes of --cluster's node type where a plan fits (its node count is not used)",
+    )
+    p.add_argument("--max-nodes", type=int, help="with --fewest-nodes: the most nodes to try (default 4096)")
     p.set_defaults(func=cmd_plan)
-    _check_first(p, check_outputs)
+    _check_first(p, check_plan_args)
     e = sub.add_parser("estimate", help="predict one given configuration")
     _add_search_args(e)
     e.add_argument(

@@ -455,11 +455,17 @@ def _worst_unit(
 
 
 def frugal_peak_bytes(
-    model: CostModel, config: ParallelConfig, ranks: Sequence[Sequence[Sequence[UnitOption]]]
+    model: CostModel,
+    config: ParallelConfig,
+    ranks: Sequence[Sequence[Sequence[UnitOption]]],
+    *,
+    states_only: bool = False,
 ) -> float:
     """The peak memory per device of the most loaded pipeline rank with every unit at
     its smallest option: ``ranks[r]`` lists, for each unit rank ``r`` holds, its
-    options. What a configuration that does not fit needs at least, about."""
+    options. What a configuration that does not fit needs at least, about. With
+    ``states_only``, its weights, gradients and optimizer states alone (what no shorter
+    sequence or smaller micro-batch reduces)."""
     memory = model.cluster.device.memory
     worst = 0.0
     for r, units in enumerate(ranks):
@@ -474,6 +480,6 @@ def frugal_peak_bytes(
             acts += inflight * smallest.act_bytes
             transient = max(transient, smallest.transient_bytes)
             rebuild += smallest.rebuild_bytes
-        peak = static + max(acts + transient, rebuild)
+        peak = static + (0.0 if states_only else max(acts + transient, rebuild))
         worst = max(worst, peak * (1 + memory.fragmentation) + memory.reserved_bytes)
     return worst

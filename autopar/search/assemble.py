@@ -172,7 +172,7 @@ def infeasible_error(
         fit = f"{config.short()} fits there, {size(peak)} per device with each unit at its smallest option"
         hints.append(
             f"{nodes} nodes ({fit}; below {least} nodes none can: {alone}; "
-            f"autopar.present.whatif.fewest_nodes plans the counts between)"
+            f"autopar plan --fewest-nodes (autopar.present.whatif.fewest_nodes) plans the counts between)"
             if outgrown and least < nodes
             else f"{nodes} nodes ({fit})"
         )
@@ -180,14 +180,17 @@ def infeasible_error(
         pins = ", ".join(f"{k}={getattr(fixed[k], 'value', fixed[k])!r}" for k in sorted(fixed))
         counts = f"from {start} to {last}" if start <= last else f"up to {last}"
         nowhere = f" No node count {counts} fits" + (f" with {pins} fixed: fix fewer." if fixed else ".")
-    tries = "".join(f"{hint}, " for hint in hints) + ("or " if hints else "")
-    smaller = "a smaller micro-batch or sequence length" if cfg.micro_batch_size > 1 else "a shorter sequence"
+    held = _frugal_peak(solver, cfg, modes, states_only=True)
+    if held <= cap:  # else the model states alone overflow: fewer activations cannot help
+        hints.append("a smaller micro-batch or sequence length" if cfg.micro_batch_size > 1 else "a shorter sequence")
+    states_over = f"; its weights, gradients and optimizer states alone take {size(held)} there" if held > cap else ""
+    tries = f" Try {', '.join(hints[:-1])}{', or ' if len(hints) > 1 else ''}{hints[-1]}." if hints else ""
     blocker = ring_blocker(graph) if "cp" not in fixed and (graph.seq_len or 0) >= 2 * CP_MIN_TOKENS else None
     no_ring = f" Context parallelism, which would split the sequence, cannot run it: {blocker}." if blocker else ""
     return InfeasiblePlanError(
         f"no plan fits: {graph.name} ({count(graph.num_params)} parameters) needs at least "
-        f"{size(best.min_memory_bytes)} per device in the best case found ({cfg.short()}); each "
-        f"{cluster.device.name} has {size(cap)}. Try {tries}{smaller}.{nowhere}{no_ring}",
+        f"{size(best.min_memory_bytes)} per device in the best case found ({cfg.short()}{states_over}); each "
+        f"{cluster.device.name} has {size(cap)}.{tries}{nowhere}{no_ring}",
         min_memory_bytes=best.min_memory_bytes,
         capacity_bytes=cap,
         nodes_that_fit=nodes,
@@ -400,9 +403,12 @@ def _oom_regions(
     return sorted(found, key=lambda o: o.min_memory_bytes)[:limit]
 
 
-def _frugal_peak(solver: ConfigSolver, config: ParallelConfig, modes: tuple[Recompute, ...]) -> float:
+def _frugal_peak(
+    solver: ConfigSolver, config: ParallelConfig, modes: tuple[Recompute, ...], *, states_only: bool = False
+) -> float:
     """The peak of ``config``'s most loaded rank on the even split (interleaved stages'
-    rule for ``v > 1``) with every unit at its smallest option (:func:`autopar.cost.peak.frugal_peak_bytes`)."""
+    rule for ``v > 1``) with every unit at its smallest option (:func:`autopar.cost.peak.frugal_peak_bytes`;
+    ``states_only``: its model states alone)."""
     pp, v = config.pp, config.virtual_stages
     chunks = pp * v
     bounds = solver.even_split(chunks, exact=v > 1) if chunks > 1 else (0, solver.num_units)
@@ -412,7 +418,7 @@ def _frugal_peak(solver: ConfigSolver, config: ParallelConfig, modes: tuple[Reco
         [solver.options(u, config, modes) for c in config.stages_of_rank(r) for u in range(bounds[c], bounds[c + 1])]
         for r in range(pp)
     ]
-    return frugal_peak_bytes(solver.model, config, ranks)
+    return frugal_peak_bytes(solver.model, config, ranks, states_only=states_only)
 
 
 def _notes(graph: LayerGraph, config: ParallelConfig) -> tuple[str, ...]:

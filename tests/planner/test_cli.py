@@ -140,3 +140,23 @@ def test_a_field_set_twice_is_refused():
     """``--set tp=2,tp=4`` kept the last value without a word: the user meant one of them."""
     with pytest.raises(ConfigError, match=r"--set tp= is given twice \(tp=2 and tp=4\)"):
         parse_assignments(["tp=2", "pp=2,tp=4"])
+
+
+def test_plan_on_the_fewest_nodes(tmp_path, capsys):
+    """--fewest-nodes plans on the fewest nodes of the cluster's type (its count unused):
+    Llama 3 70B on A100 40GB, batch 256 of 8K tokens, needs 5 DGX nodes; 4 nodes are
+    refused when planned directly, and a bound of 4 refuses in one line, as --max-nodes
+    without --fewest-nodes does before any search."""
+    args = ["plan", "--model", "llama3-70b", "--global-batch-size", "256", "--seq-len", "8192"]
+    out = tmp_path / "plan.json"
+    assert main([*args, "--cluster", "dgx-a100-40gb:64", "--fewest-nodes", "--out", str(out)]) == 0
+    shown = capsys.readouterr()
+    plan = Plan.load(out)
+    assert plan.cluster.nodes == 5 and plan.prediction.fits
+    assert "fewest nodes of dgx-a100-40gb a plan fits on: 5 (40 devices;" in shown.err
+    assert main([*args, "--cluster", "dgx-a100-40gb:4"]) == 2
+    assert "no plan fits" in capsys.readouterr().err
+    assert main([*args, "--cluster", "dgx-a100-40gb", "--fewest-nodes", "--max-nodes", "4"]) == 2
+    assert capsys.readouterr().err.startswith("autopar: error: no plan fits on up to 4 nodes of dgx-a100-40gb")
+    assert main([*args, "--cluster", "dgx-a100-40gb:4", "--max-nodes", "4"]) == 2
+    assert "--max-nodes 4 is only used with --fewest-nodes" in capsys.readouterr().err

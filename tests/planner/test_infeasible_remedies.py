@@ -3,6 +3,7 @@ when the least memory found already runs one sample per micro-batch, and, for a 
 sequence the model's attention keeps from context parallelism, why that split is out."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -47,8 +48,6 @@ def test_suggested_node_counts_hold_a_configuration_for_the_batch():
     ranks for some tensor-parallel degree (8 n / tp divides 64, counted by hand; 5 nodes,
     the memory estimate's count, has none: 40, 20, 10, 5), and planning at the largest
     count suggested fits."""
-    import re
-
     from autopar.models import build_named_model
 
     model = build_named_model("llama3-70b")
@@ -70,7 +69,9 @@ def test_pins_no_node_count_can_hold_are_named_instead_of_a_lower_bound():
     activations, which no count of nodes divides, so the refusal says no count it tried
     fits with those pins and to fix fewer (it offered "at least N nodes", and planning
     there was refused again), and that full recomputation, which it still offers, is not
-    enough alone (checked on this node, as each remedy is). Planning on 16 nodes (dp=64,
+    enough alone (checked on this node, as each remedy is). A shorter sequence is not
+    offered: on this node the model states alone (13.4M parameters, 16 bytes each at
+    least, over at most 4 ranks: 51 MiB) outgrow a device. Planning on 16 nodes (dp=64,
     one sample per rank) is refused too; with recomputation alone, here, also."""
     model = GPT(GPTConfig(vocab_size=1000, seq_len=512, dim=512, n_layers=4, n_heads=8))
     pins = {"tp": 1, "pp": 1, "recompute": "none"}
@@ -78,7 +79,7 @@ def test_pins_no_node_count_can_hold_are_named_instead_of_a_lower_bound():
     with pytest.raises(InfeasiblePlanError) as err:
         autopar.plan(model, cluster, global_batch_size=64, seq_len=512, constraints=pins)
     assert str(err.value).endswith(
-        "Try recompute='full' (not enough alone), or a shorter sequence. No node count from 4 to 64 fits with pp=1, "
+        "Try recompute='full' (not enough alone). No node count from 4 to 64 fits with pp=1, "
         "recompute='none', "
         "tp=1 fixed: fix fewer."
     )
@@ -106,3 +107,25 @@ def test_recomputation_is_offered_alone_only_where_it_fits_alone(memory_mib, alo
     except InfeasiblePlanError:
         fits = False
     assert fits is alone
+
+
+def test_no_shorter_sequence_is_offered_where_the_model_states_alone_overflow():
+    """tp=1, pp=1 and ZeRO-0 pinned on 4 devices of 40 MiB: each holds the whole model's
+    weights, gradients and Adam states, 16 bytes per parameter at least (fp32 master,
+    gradient, two moments) by hand, about 48 MiB for these 3.2M parameters. The refusal
+    offered a shorter sequence; it now names the states' share instead, and planning at
+    an eighth of the sequence is refused too, so the remedy it left out would not have
+    helped."""
+    model = GPT(GPTConfig(vocab_size=1000, seq_len=512, dim=256, n_layers=4, n_heads=4))
+    pins = {"tp": 1, "pp": 1, "zero_stage": 0}
+    cluster = tiny_cluster(40 / 1024)
+    with pytest.raises(InfeasiblePlanError) as err:
+        autopar.plan(model, cluster, global_batch_size=64, seq_len=512, constraints=pins)
+    message = str(err.value)
+    assert "shorter sequence" not in message and "micro-batch" not in message, message
+    held = re.search(r"; its weights, gradients and optimizer states alone take ([\d.]+) MiB there\)", message)
+    assert held, message
+    params = sum(p.numel() for p in model.parameters())
+    assert float(held.group(1)) >= 16 * params / 2**20 > 40
+    with pytest.raises(InfeasiblePlanError):
+        autopar.plan(model, cluster, global_batch_size=64, seq_len=64, constraints=pins)

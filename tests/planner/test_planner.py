@@ -82,12 +82,12 @@ def test_infeasible_plan_names_the_memory():
     least = math.ceil(devices / 8)
     found = re.search(
         rf"Try (\d+) nodes \(dp=.* fits there, .*; below {least} nodes none can: its weights, gradients and adam "
-        rf"states alone fill {devices} devices, fully sharded; autopar.present.whatif.fewest_nodes plans the counts "
-        rf"between\)",
+        rf"states alone fill {devices} devices, fully sharded; autopar plan --fewest-nodes "
+        rf"\(autopar.present.whatif.fewest_nodes\) plans the counts between\)\.$",
         str(err.value),
     )
     assert found and "recompute='full'" not in str(err.value), str(err.value)
-    with pytest.raises(InfeasiblePlanError, match=r"Try recompute='full' \(not enough alone\), \d+ nodes \(dp="):
+    with pytest.raises(InfeasiblePlanError, match=r"Try recompute='full' \(not enough alone\), or \d+ nodes \(dp="):
         autopar.plan(model, DGX1, global_batch_size=8, seq_len=2048, constraints={"recompute": "none"})
 
 

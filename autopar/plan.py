@@ -173,7 +173,9 @@ class Prediction:
     """What the cost model predicts for one step of a configuration.
 
     ``mfu`` counts model FLOPs without recomputation, ``hfu`` with it (Chowdhery et al.
-    2022, PaLM, appendix B), both against the device's peak in the plan's ``dtype``: a
+    2022, PaLM, appendix B; both count causal attention's whole score matrix, as PaLM's,
+    Megatron-LM's and torchtitan's counts do, though a flash kernel computes about half
+    of it), both against the device's peak in the plan's ``dtype``: a
     plan with FP8 matmuls is measured against the bf16 peak, which its matmuls exceed,
     so its HFU can pass 100%. ``memory_bytes_per_device`` is the peak on the most loaded
     device, compared with ``memory_capacity_bytes``.

@@ -11,8 +11,10 @@ al. 2021, "GShard"; torchtitan's and Megatron-LM's all-to-all dispatcher):
 That is four all-to-alls per layer and micro-batch, each of the rows the rank routes
 (``Leaf.routed_bytes`` per sample), six under full recomputation, which reruns the
 forward pair. None is hidden: the experts need the dispatched rows before they start
-and the next op needs the combined ones (overlapping them needs a schedule that
-interleaves two micro-batches, such as DeepSeek's DualPipe, which autopar does not run).
+and the next op needs the combined ones. Overlapping them needs a schedule that runs one
+micro-batch's computation while another's all-to-all is in flight, as DeepSeek's
+DualPipe does; autopar's ``dualpipev`` runs DualPipe's order of micro-batches (its
+bubble), one action at a time, so its all-to-alls stay exposed as well.
 
 Dropless experts send the rows their router picked: the busiest rank's share sets the
 pace, ``routing_imbalance`` times the mean (:data:`autopar.cost.model.ROUTING_IMBALANCE`),

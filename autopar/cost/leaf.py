@@ -129,8 +129,12 @@ class TPContext:
 
     def leaf_saved_bytes(self, profile: UnitProfile, index: int, styles: tuple[TPStyle, ...]) -> float:
         """Activation bytes leaf ``index`` of ``profile`` keeps per sample under ``styles``
-        (:func:`autopar.cost.fp8.saved_bytes`)."""
-        return fp8.saved_bytes(
+        (:func:`autopar.cost.fp8.saved_bytes`); of dropless experts under expert
+        parallelism, the busiest rank's: ``routing_imbalance`` times the mean, as its
+        rows are (its router's few per-token bytes scaled with them)."""
+        leaf = profile.leaves[index]
+        skew = self.routing_imbalance if leaf.experts and leaf.dropless and self.ep > 1 else 1.0
+        return skew * fp8.saved_bytes(
             profile,
             index,
             styles,

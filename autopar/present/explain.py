@@ -60,7 +60,7 @@ def explain(plan: Plan, *, top: int = 5) -> str:
     lines += [
         "",
         f"Why this plan ({plan.candidates_evaluated} configurations costed in {duration(plan.search_time_s)}; "
-        f"the search is exact for its cost model)"
+        f"the search is exact for its cost model over the space it searches)"
         if plan.settings.searched
         else f"The configuration as given, priced in {duration(plan.search_time_s)} (nothing searched)",
     ]

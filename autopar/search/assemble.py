@@ -442,6 +442,13 @@ def _notes(graph: LayerGraph, config: ParallelConfig) -> tuple[str, ...]:
             f"dense matmuls their forward runs (MFU counts the routed share of them, HFU all): expert parallelism "
             f"splits only modules that take routed tokens, {ROUTED_FORM}, and autopar's MoEFeedForward."
         )
+    if config.tp > 1 and any(leaf.experts for p in graph.profiles for leaf in p.leaves):
+        notes.append(
+            f"Tensor parallelism does not split experts: under tp={config.tp} each rank runs its experts whole on "
+            f"every routed row of its tensor-parallel group, {config.tp} times the expert work of tp=1 per device "
+            f"(expert parallelism, ep, is what splits them; Megatron-Core's expert tensor parallelism is not "
+            f"modelled)."
+        )
     if graph.seq_len > 1 and not any(p.has_attention for p in graph.profiles):
         notes.append(
             "No unit calls scaled_dot_product_attention: its attention, if any, is priced as the matmuls and "

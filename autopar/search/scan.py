@@ -21,8 +21,11 @@ from typing import Any
 
 from autopar.cost.price import Decided, UnitChoice, price
 from autopar.errors import DeviceCountError
+from autopar.graph.layer_graph import LayerGraph
 from autopar.plan import ParallelConfig
 from autopar.search.bounds import TimeBound
+from autopar.search.experts import model_experts
+from autopar.search.integers import divisors
 from autopar.search.rejections import Rejection
 from autopar.search.solve import ConfigSolver, Outcome
 from autopar.search.space import config_shard_sizes, enumerate_space, memory_floor, shard_siblings
@@ -74,6 +77,23 @@ def _given(fixed: Mapping[str, Any], given: Collection[str] | None) -> Mapping[s
     return fixed if given is None else {name: value for name, value in fixed.items() if name in given}
 
 
+def _check_expert_room(graph: LayerGraph, devices: int, fixed: Mapping[str, Any]) -> None:
+    """Refuse in one line a fixed ``ep`` that divides none of the ``dp x cp`` products the
+    ``devices`` leave beside the fixed ``tp`` and ``pp`` (each divides what they leave),
+    naming the degrees that do, instead of one reason per product."""
+    ep, pinned = fixed.get("ep", 1), math.prod(fixed.get(k, 1) for k in ("tp", "pp"))
+    if ep == 1 or devices % pinned or (devices // pinned) % ep == 0:
+        return
+    room = devices // pinned
+    usable = [d for d in divisors(model_experts(graph)) if d > 1 and room % d == 0]
+    beside = f" beside {' '.join(f'{k}={fixed[k]}' for k in ('tp', 'pp') if k in fixed)}" if pinned > 1 else ""
+    raise DeviceCountError(
+        f"ep={ep} cannot split the experts on {devices} devices{beside}: an expert group lies within the "
+        f"data- and context-parallel ranks, whose count divides {room}, which {ep} does not; use "
+        + (f"ep in {usable} (dividing both {room} and the {model_experts(graph)} experts)." if usable else "ep=1.")
+    )
+
+
 def search(
     solver: ConfigSolver,
     fixed: Mapping[str, Any],
@@ -96,6 +116,7 @@ def search(
         graph, cluster, model.global_batch_size, fixed, fold_shard_groups=True, megatron_kernels=not model.batch_first
     )
     if not configs:  # what rules out the fixed values, where something does, not the search's own picks
+        _check_expert_room(graph, cluster.world_size, fixed)
         pinned = [r for r in rejected if not set(r.searched) - fixed.keys()] or rejected
         reasons = "; ".join(list(dict.fromkeys(f"{r.what}: {r.reason}" for r in pinned))[:6]) or "no candidate"
         raise DeviceCountError(

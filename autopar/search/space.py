@@ -155,8 +155,9 @@ def ring_blocker(graph: LayerGraph) -> str | None:
         return "context parallelism replaces F.scaled_dot_product_attention, which this model does not call"
     if not graph.ring_attention:
         return (
-            "its attention is not causal without a mask (a sliding window narrower than the sequence, or "
-            "bidirectional attention), which the causal ring of context parallelism cannot compute"
+            "its attention is not causal without a mask (a sliding window, for which transformers passes a mask "
+            "unless the window is wider than the sequence, or bidirectional attention), which the causal ring of "
+            "context parallelism cannot compute"
         )
     if capacity_experts(graph):
         return (

@@ -47,14 +47,26 @@ def test_a_fixed_ep_reaches_its_groups_through_context_parallelism(mixtral):
 
 
 def test_no_split_reaching_a_multiple_of_ep_is_refused_with_that_reason(mixtral):
-    fixed = {"ep": 8, "dp": 2, "tp": 4, "pp": 4}
+    """tp=4 x pp=4 leave 4 of the 64 devices to dp x cp: no expert group of 8 fits there,
+    said once with the degrees that do (2 and 4 divide both 4 and the 8 experts), not
+    once per split of those 4 ranks."""
     with pytest.raises(DeviceCountError) as err:
-        autopar.plan(mixtral, CLUSTER, global_batch_size=64, constraints=fixed)
+        autopar.plan(mixtral, CLUSTER, global_batch_size=64, constraints={"ep": 8, "dp": 2, "tp": 4, "pp": 4})
     assert str(err.value) == (
-        "no configuration of 64 devices can run global_batch_size=64 with constraints ep=8, dp=2, tp=4, pp=4: ep=8 "
-        "(dp=2 cp=2): an expert group of 8 ranks must divide dp x cp = 4; make dp x cp a multiple of 8, or lower "
-        "ep. Change the batch size, the device count or the constraints."
+        "ep=8 cannot split the experts on 64 devices beside tp=4 pp=4: an expert group lies within the data- and "
+        "context-parallel ranks, whose count divides 4, which 8 does not; use ep in [2, 4] (dividing both 4 and the "
+        "8 experts)."
     )
+
+
+def test_an_ep_dividing_no_device_count_left_is_refused_once(mixtral):
+    """ep=8 on one node of 4 devices: whatever tp, pp and cp the search picks, dp x cp
+    divides 4, so the refusal is one reason with the degrees that fit, not one per split;
+    the ep it names plans."""
+    cluster = autopar.preset("dgx-h100", nodes=1, devices_per_node=4)
+    with pytest.raises(DeviceCountError, match=r"^ep=8 cannot split the experts on 4 devices: .* use ep in \[2, 4\]"):
+        autopar.plan(mixtral, cluster, global_batch_size=8, constraints={"ep": 8})
+    assert autopar.plan(mixtral, cluster, global_batch_size=8, constraints={"ep": 4}).config.ep == 4
 
 
 def test_without_a_fixed_ep_short_sequences_keep_the_floor(mixtral):

@@ -239,12 +239,16 @@ def test_hsdp_candidates_with_cp_cover_whole_nodes(long_graph):
     assert {(c.dp, c.dp_shard) for c in configs} == {(4, None), (4, 2)}
 
 
-@pytest.mark.parametrize(("window", "ring"), [(4096, False), (32768, True)], ids=["narrower", "wider"])
+@pytest.mark.parametrize(
+    ("window", "ring"), [(4096, False), (16384, False), (32768, True)], ids=["narrower", "equal", "wider"]
+)
 def test_a_sliding_window_narrower_than_the_sequence_is_not_offered_a_ring(window, ring):
-    """A transformers Mistral whose sliding window is narrower than the 16K-token
-    sequence builds an attention mask, which the causal ring cannot compute: the trace
-    sees it, the search offers no cp and a fixed one is refused in one line (the runtime
-    refused such plans only at launch). With a window wider than the sequence it is
+    """A transformers Mistral whose sliding window is no wider than the 16K-token
+    sequence builds an attention mask (one as wide masks nothing but the future, yet
+    transformers passes it), which the causal ring cannot compute: the trace sees it,
+    the search offers no cp and a fixed one is refused in one line, with that reason
+    (the runtime refused such plans only at launch; the reason said "narrower than the
+    sequence" for a window equal to it). With a window wider than the sequence it is
     plain causal attention, and cp=2 is offered and accepted."""
     transformers = pytest.importorskip("transformers")
     config = transformers.MistralConfig(
@@ -259,8 +263,9 @@ def test_a_sliding_window_narrower_than_the_sequence_is_not_offered_a_ring(windo
     if ring:
         check_context_parallel(graph, {"cp": 2}, 8)
     else:
-        with pytest.raises(ConfigError, match=r"cp=2 is not allowed for MistralForCausalLM at seq_len=16384"):
+        with pytest.raises(ConfigError, match=r"cp=2 is not allowed for MistralForCausalLM at seq_len=16384") as err:
             check_context_parallel(graph, {"cp": 2}, 8)
+        assert "a sliding window, for which transformers passes a mask unless the window is wider" in str(err.value)
 
 
 @pytest.mark.parametrize("memory_gib, nodes, cp", [(0.3, 2, 4), (0.2, 4, 8)])

@@ -129,25 +129,3 @@ def test_no_shorter_sequence_is_offered_where_the_model_states_alone_overflow():
     assert float(held.group(1)) >= 16 * params / 2**20 > 40
     with pytest.raises(InfeasiblePlanError):
         autopar.plan(model, cluster, global_batch_size=64, seq_len=64, constraints=pins)
-
-
-@pytest.mark.parametrize("window, ring", [(4096, True), (1024, False), (1025, True)])
-def test_a_sliding_window_blocks_the_ring_where_transformers_passes_a_mask(window, ring):
-    """Mistral at 1,024 tokens: transformers passes a mask to attention for a sliding
-    window of at most the sequence (1,024, though it then masks nothing but the future),
-    and none for a wider one; the ring runs only without one, and a pinned cp=2 is
-    refused with the reason, which said "narrower than the sequence" for a window equal
-    to it."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.MistralConfig(
-        vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=8192, sliding_window=window, use_cache=False,
-    )  # fmt: skip
-    with torch.device("meta"):
-        graph = extract(transformers.MistralForCausalLM(config), seq_len=1024)
-    assert graph.ring_attention is ring
-    if ring:
-        assert autopar.estimate(graph, _small_h100s(), {"cp": 2}, global_batch_size=8).config.cp == 2
-    else:
-        with pytest.raises(autopar.ConfigError, match="a sliding window, for which transformers passes a mask unless"):
-            autopar.estimate(graph, _small_h100s(), {"cp": 2}, global_batch_size=8)

@@ -50,8 +50,8 @@ from profiler.timing import Repeats, synchronize
 
 ROWS = 4
 DIM = 64
-ACTIVATION_BYTES = ROWS * DIM * 4
-"""The fp32 activation each of the tensor-parallel pair's two all-reduces moves."""
+"""The probe layers' width; the tensor-parallel probe rounds it up to a multiple of its
+group (:func:`tp_width`), so that every rank holds whole columns and rows."""
 FSDP_UNITS = 2
 FSDP_MANY_LINEARS = 8
 """Linears per unit where the per-tensor cost is measured (16 parameter tensors, against
@@ -75,11 +75,20 @@ def tp_overhead_s(mesh: DeviceMesh, device: torch.device, repeats: Repeats, all_
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     torch.manual_seed(0)
-    plain, sharded = _stack(2, device), _stack(2, device)
+    dim = tp_width(mesh.size())
+    plain, sharded = _stack(2, device, dim), _stack(2, device, dim)
     parallelize_module(sharded, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
-    x = torch.randn(ROWS, DIM, device=device, requires_grad=True)
-    excess = _excess_s(plain, sharded, x, device, repeats, mesh.get_group()) - 2 * all_reduce_s(ACTIVATION_BYTES)
+    x = torch.randn(ROWS, dim, device=device, requires_grad=True)
+    activation_bytes = ROWS * dim * 4  # the fp32 activation each of the pair's two all-reduces moves
+    excess = _excess_s(plain, sharded, x, device, repeats, mesh.get_group()) - 2 * all_reduce_s(activation_bytes)
     return max(excess, 0.0) / (2 * (1 + BACKWARD_FACTOR))
+
+
+def tp_width(ranks: int) -> int:
+    """The tensor-parallel probe's width on ``ranks`` ranks: :data:`DIM` rounded up to a
+    multiple of them (3 ranks: 66), as a column split of 64 over 3 leaves ranks
+    unequal shards that the row-parallel layer after it cannot take."""
+    return -(-DIM // ranks) * ranks
 
 
 def fsdp_overhead_s(

@@ -21,7 +21,7 @@ from autopar.cost.host import dispatch_s, kernel_s
 from autopar.cost.leaf import BACKWARD_FACTOR
 from autopar.errors import ProfileFormatError
 from autopar.hardware.cluster import Cluster
-from autopar.hardware.device import alone
+from autopar.hardware.device import alone, device_kind
 from autopar.profiles.sections import UnitMeasurement
 from autopar.profiles.to_cluster import cluster_from_profiles, group_figures_apply, latest, read_reports, where_measured
 from autopar.vocab import DType
@@ -86,7 +86,11 @@ def calibrate_units(reports: Any, *, base: Cluster | None = None) -> tuple[UnitC
     ``cluster_from_profiles(reports, base=base)``, backward ``BACKWARD_FACTOR`` times
     forward: exactly what the cost model computes for the unit on one device, less the
     gradient accumulation (the profiler resets ``.grad`` before each run, so none
-    happened). Units with nothing to predict (no FLOPs, no bytes) are left out.
+    happened). Units with nothing to predict (no FLOPs, no bytes) are left out. A layer
+    section measured on another kind of device than ``base``'s (CPU processes against
+    GPUs) is predicted on the machine that measured it (``base=None``): its factors are
+    that device's measured over predicted time, which a plan on ``base`` carries over (a
+    CPU's milliseconds over an H100's microseconds made factors of 600 and more).
     """
     rs = read_reports(reports)
     found = latest(rs, "layers")
@@ -96,6 +100,8 @@ def calibrate_units(reports: Any, *, base: Cluster | None = None) -> tuple[UnitC
             f"with 'autopar profile model'."
         )
     layers = found[1]
+    if base is not None and device_kind(base.device.name) != layers.device_kind:
+        base = None  # the machine that measured
     # the unit was measured by one process alone: compare with the device alone, so
     # that the factors carry over to time-shared processes
     device = alone(cluster_from_profiles(reports, base=base).device)

@@ -7,7 +7,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.runtime.spmd import SPMDSettings, run_spmd
 from profiler.contention import contended_share
-from profiler.framework_overhead import fsdp_copy_bytes_per_s, fsdp_overhead_s, fsdp_tensor_overhead_s, tp_overhead_s
+from profiler.framework_overhead import (
+    fsdp_copy_bytes_per_s,
+    fsdp_overhead_s,
+    fsdp_tensor_overhead_s,
+    tp_overhead_s,
+    tp_width,
+)
 from profiler.timing import Repeats
 
 pytestmark = pytest.mark.multiprocess
@@ -54,3 +60,18 @@ def test_sharded_layers_cost_more_than_plain_ones_and_the_rest_is_clamped():
     assert 0 <= got["tensor"] < got["fsdp"]
     assert 1e8 < got["copies"] < 1e12 and got["copies_dear"] == 0.0
     assert 0 < got["share"] <= 1
+
+
+def _tp_on_three(rank, world):
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    return tp_overhead_s(mesh, torch.device("cpu"), Repeats(warmup=1, repeats=3), lambda nbytes: 0.0)
+
+
+def test_the_tensor_parallel_probe_runs_on_a_group_that_does_not_divide_its_width():
+    """Three ranks: the probe's 64 columns do not split evenly over them, and its row-
+    parallel layer then failed on every rank (``profile network --nproc 3`` lost its whole
+    sweep); the probe widens to 66, a multiple of 3, and measures a finite, positive
+    time, the same on every rank."""
+    assert tp_width(3) == 66 and tp_width(2) == 64 and tp_width(8) == 64
+    results = run_spmd(_tp_on_three, 3, settings=SETTINGS)
+    assert results[0] == results[1] == results[2] and 0 < results[0] < 0.05

@@ -180,3 +180,9 @@ def test_a_profile_measured_on_cpu_processes_says_so_on_a_gpu_cluster(tiny):
         f"profile the model on the cluster's devices for a prediction of them."
     ) in _profile_notes(plan)
     assert not any("was measured on" in n for n in _profile_notes(_estimate(TINY, tiny, seq_len=32)))
+    # its factors are the CPU's measured over the CPU's predicted time, as on the machine
+    # that measured it: they were its milliseconds over an H100's microseconds (600x and
+    # more), which made the plan's compute as slow as the CPU's
+    assert layer_calibration(tiny, base=cluster) == layer_calibration(tiny)
+    plain = autopar.estimate(GPT(TINY), cluster, {**ESTIMATE, "dp": 8}, global_batch_size=8 * BATCH, seq_len=32)
+    assert plan.prediction.step_time_s < 10 * plain.prediction.step_time_s

@@ -77,13 +77,21 @@ def read_json(path: str | Path, *, what: str, error: type[AutoparError], remedy:
 def write_atomically(path: str | Path, text: str) -> Path:
     """Write ``text`` to ``path`` (UTF-8) through a temporary file, so a crash never leaves
     half a file; parents are created. Returns the path. A path :func:`check_writable`
-    refuses raises its error before anything is written (no stray temporary file)."""
-    p = check_writable(path)
+    refuses raises its error before anything is written (no stray temporary file). A
+    symbolic link is written through (its target replaced, the link kept), and what is
+    there but is no regular file (a pipe, a device such as ``/dev/stdout``) is written
+    to directly: renaming over either would replace it with a file."""
+    given = check_writable(path)
+    p = given.resolve() if given.is_symlink() else given
+    if p.exists() and not p.is_file():
+        with open(p, "w", encoding="utf-8") as stream:
+            stream.write(text)
+        return given
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(p.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(p)
-    return p
+    return given
 
 
 def check_writable(path: str | Path) -> Path:

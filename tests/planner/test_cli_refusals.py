@@ -7,7 +7,9 @@ said in the command line's own flags."""
 import argparse
 import importlib
 import json
+import os
 import shlex
+import threading
 from pathlib import Path
 
 import pytest
@@ -186,3 +188,25 @@ def test_a_sequence_length_for_a_model_fn_without_tokens_names_the_flag_to_use(t
         "autopar: error: --seq-len 128 is for token models, but --model-fn 'vision:build' built a Sequential with no "
         "nn.Embedding to take token ids; give --sample-shape with one sample's dimensions instead, e.g. 3,224,224."
     ]
+
+
+def test_outputs_write_through_links_and_into_pipes(tmp_path, capsys):
+    """A plan written to a symbolic link replaces the file it points to and keeps the
+    link; one written to a named pipe reaches its reader. Both were renamed over: the
+    link became a file (its target unchanged), the pipe's reader read nothing."""
+    target = tmp_path / "shared" / "plan.json"
+    target.parent.mkdir()
+    target.write_text("old")
+    link = tmp_path / "plan.json"
+    link.symlink_to(target)
+    args = "plan --model gpt2-small --cluster dgx-a100-80gb:1 --global-batch-size 8 --seq-len 128 --out"
+    assert _run(f"{args} {link}", capsys)[0] == 0
+    assert link.is_symlink() and autopar.Plan.load(target).config.world_size == 8
+    pipe = tmp_path / "plan.fifo"
+    os.mkfifo(pipe)
+    read: list[str] = []
+    reader = threading.Thread(target=lambda: read.append(pipe.read_text()), daemon=True)
+    reader.start()
+    assert _run(f"{args} {pipe}", capsys)[0] == 0
+    reader.join(timeout=60)
+    assert pipe.is_fifo() and autopar.Plan.from_json(read[0]).config.world_size == 8

@@ -16,12 +16,14 @@ Units are in the field names: ``_s``, ``_bytes``, ``_flops``, ``_per_s``. The
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from autopar.errors import ProfileFormatError
+from autopar.hardware.magnitudes import MIN_MEMORY_BYTES_PER_S, sci
 from autopar.vocab import DType
 
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv"]
@@ -53,6 +55,20 @@ class Provenance:
     software: Mapping[str, str]
     created_utc: str
     command: str
+
+
+REMEASURE = "measure the profile again with autopar profile"
+
+
+def _check_measured(owner: str, **fields: float) -> None:
+    """Refuse a measured figure of ``owner`` that no measurement gives: negative, NaN or
+    infinite (a hand edit, or a file of another tool), naming the field."""
+    for name, value in fields.items():
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise ProfileFormatError(
+                f"{owner} {name}={value!r} is not allowed: a measured time, rate or share is a finite number >= 0; "
+                f"{REMEASURE}."
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,6 +143,14 @@ class MatmulPoint(TimedKernel):
     m: int
     n: int
     k: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if min(self.m, self.n, self.k) < 1:
+            raise ProfileFormatError(
+                f"a matmul of m={self.m}, n={self.n}, k={self.k} is not allowed: each dimension is at least 1; "
+                f"{REMEASURE}."
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -214,6 +238,23 @@ class DeviceProfile:
                 f"device has memory (memory_bytes > 0) and reserves part of it (0 <= reserved_bytes < memory_bytes); "
                 f"measure the profile again with autopar profile."
             )
+        if self.threads < 1:
+            raise ProfileFormatError(
+                f"threads={self.threads} is not allowed: a device was measured with at least one thread; {REMEASURE}."
+            )
+        bandwidth = self.memory_bandwidth_bytes_per_s
+        if not (math.isfinite(bandwidth) and bandwidth >= MIN_MEMORY_BYTES_PER_S):
+            raise ProfileFormatError(
+                f"memory_bandwidth_bytes_per_s={bandwidth!r} is not allowed: a device streams at least "
+                f"{sci(MIN_MEMORY_BYTES_PER_S)} bytes per second (the field is in bytes per second: 13.8 GB/s is "
+                f"1.38e10); {REMEASURE}."
+            )
+        _check_measured(
+            "the device's",
+            op_overhead_s=self.op_overhead_s,
+            tp_overhead_s=self.tp_overhead_s,
+            optimizer_s_per_param=self.optimizer_s_per_param,
+        )
 
     @property
     def dtypes(self) -> tuple[str, ...]:
@@ -430,6 +471,14 @@ class LinkFit:
     rms_rel_error: float
     points: int
 
+    def __post_init__(self) -> None:
+        _check_measured(f"the {self.level} link fit's", alpha_s=self.alpha_s, rms_rel_error=self.rms_rel_error)
+        if not (math.isfinite(self.bandwidth_bytes_per_s) and self.bandwidth_bytes_per_s > 0):
+            raise ProfileFormatError(
+                f"the {self.level} link fit's bandwidth_bytes_per_s={self.bandwidth_bytes_per_s!r} is not allowed: a "
+                f"fitted link moves bytes (a finite number > 0, in bytes per second); {REMEASURE}."
+            )
+
 
 @dataclass(frozen=True, kw_only=True)
 class NetworkProfile:
@@ -467,6 +516,31 @@ class NetworkProfile:
     sync_noise_s_per_sqrt_s: float = 0.0
     sync_speed_spread: float = 0.0
     provenance: Provenance
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or len(self.node_of_rank) != self.world_size:
+            raise ProfileFormatError(
+                f"world_size={self.world_size} with {len(self.node_of_rank)} node labels (node_of_rank) is not "
+                f"allowed: a network profile labels the node of each of its ranks, at least one; {REMEASURE}."
+            )
+        if not self.series:
+            raise ProfileFormatError(
+                f"series is empty: a network profile measures at least one collective; {REMEASURE}."
+            )
+        _check_measured(
+            "the network's",
+            tp_overhead_s=self.tp_overhead_s,
+            fsdp_overhead_s=self.fsdp_overhead_s,
+            fsdp_tensor_overhead_s=self.fsdp_tensor_overhead_s,
+            fsdp_copy_bytes_per_s=self.fsdp_copy_bytes_per_s,
+            sync_noise_s_per_sqrt_s=self.sync_noise_s_per_sqrt_s,
+            sync_speed_spread=self.sync_speed_spread,
+        )
+        if not 0 < self.memory_share <= 1:
+            raise ProfileFormatError(
+                f"memory_share={self.memory_share!r} is not allowed: the bandwidth a rank keeps while its node's "
+                f"ranks stream together is a share of what it has alone, in (0, 1]; {REMEASURE}."
+            )
 
     @property
     def nodes(self) -> int:

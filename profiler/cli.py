@@ -24,7 +24,7 @@ import torch
 
 from autopar.codec import check_output, write_atomically, write_output
 from autopar.errors import AutoparError, out_of_memory
-from profiler.errors import ProfilerError, SettingsError
+from profiler.errors import MeasurementError, ProfilerError, SettingsError
 from profiler.model_loading import load_model
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?)(?:i?B)?\s*$", re.IGNORECASE)
@@ -278,7 +278,7 @@ def run_network_rank(args: argparse.Namespace, sweep: Any, command: str) -> int:
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
+    _join(dist, backend, args.timeout)
     try:
         rank = dist.get_rank()
         try:
@@ -294,6 +294,23 @@ def run_network_rank(args: argparse.Namespace, sweep: Any, command: str) -> int:
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def _join(dist: Any, backend: str, timeout_s: float) -> None:
+    """Join the launcher's process group; a rank that cannot (its peers never came, the
+    rendezvous address does not answer) is a one-line MeasurementError naming this rank,
+    the address and what to check, not the store's traceback."""
+    try:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    except dist.DistError as exc:
+        env = os.environ
+        where = f"{env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}"
+        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise MeasurementError(
+            f"rank {env.get('RANK', '?')} of {env.get('WORLD_SIZE', '?')} could not join the process group at "
+            f"{where} within --timeout {timeout_s:g} s ({cause}); start every rank of the launch, check that "
+            f"{where} is reachable from each node ('autopar doctor' checks the ranks join), or raise --timeout."
+        ) from None
 
 
 def _network_worker(rank: int, world: int, sweep: Any, command: str, verbose: bool) -> Any:

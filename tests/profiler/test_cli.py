@@ -3,6 +3,7 @@
 import argparse
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -249,3 +250,30 @@ def test_a_network_profile_refused_on_every_rank_says_so_once(tmp_path):
     assert len(errors) == 1, done.stderr
     assert "no group of >= 2 ranks at levels ('inter',)" in errors[0] and "choose other levels" in errors[0]
     assert not (tmp_path / "net.json").exists()
+
+
+@pytest.mark.multiprocess
+def test_a_rank_whose_peers_never_join_says_so_in_one_line(tmp_path):
+    """Rank 0 of 2 started alone under torchrun's environment: after --timeout it names
+    itself, the rendezvous address and what to check, exit 2, where the store's
+    traceback was printed."""
+    with socket.socket() as probe:  # a port nothing listens on now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "WORLD_SIZE": "2",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    command = [sys.executable, "-m", "profiler", "network", "--timeout", "3", "--out", str(tmp_path / "net.json")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(
+        f"error: rank 0 of 2 could not join the process group at 127.0.0.1:{port} within --timeout 3 s"
+    )
+    assert line.endswith("or raise --timeout.") and not (tmp_path / "net.json").exists()

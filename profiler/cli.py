@@ -209,6 +209,11 @@ def _cmd_model(args: argparse.Namespace) -> int:
 
     check_output("--out", args.out)
     device = resolve_device(args.device)
+    if device.type == "cpu" and args.dtype == "fp16":
+        raise SettingsError(
+            "--dtype fp16 on cpu is not allowed: the planner prices CPU processes in fp32 or bf16 (fp16 is a GPU "
+            "training precision), so no plan could use this profile; give --dtype fp32 or bf16, or profile on a GPU."
+        )
     model, sample, name = load_model(args, device)
     sweep = LayerSweep(
         repeats=Repeats(warmup=args.warmup, repeats=args.repeats, min_repeats=min(3, args.repeats), budget_s=30.0)

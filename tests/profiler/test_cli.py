@@ -151,6 +151,14 @@ def test_errors_are_messages_not_tracebacks(tmp_path, capsys, monkeypatch):
     assert "does not exist" in capsys.readouterr().err
     assert main(["model", "--model-fn", "test_cli:tiny_gpt", "--out", str(tmp_path / "m.json")]) == 2
     assert "--seq-len" in capsys.readouterr().err
+    # an fp16 layer profile of CPU processes, which no plan can use, is refused before measuring
+    assert (
+        main(
+            ["model", "--model", "gpt2-small", "--dtype", "fp16", "--device", "cpu", "--out", str(tmp_path / "m.json")]
+        )
+        == 2
+    )
+    assert "--dtype fp16 on cpu is not allowed" in capsys.readouterr().err and not (tmp_path / "m.json").exists()
 
 
 def test_profiling_more_than_the_machine_holds_is_one_line(tmp_path, capsys):

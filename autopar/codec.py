@@ -74,6 +74,31 @@ def read_json(path: str | Path, *, what: str, error: type[AutoparError], remedy:
         raise error(f"{what} {str(p)!r} is not valid JSON ({exc}); was it truncated?") from None
 
 
+PROFILE_SCHEMA = "autopar-profile"
+"""The tag every profile report carries (and plan and cluster files do not)."""
+
+
+def file_kind(data: Any) -> tuple[str, str] | None:
+    """Which of autopar's files ``data`` (a file's parsed JSON) is, and what takes it: so
+    that a loader given another kind names what it was given, not a missing field of its
+    own (None: none of them)."""
+    if not isinstance(data, dict):
+        return None
+    if data.get("schema") == PROFILE_SCHEMA:
+        return "a profile report", (
+            "'autopar profile' wrote it: pass it to planning as --profile (profile= in autopar.plan), or render it "
+            "with 'autopar profile report'"
+        )
+    if {"config", "layer_strategies", "prediction"} <= data.keys():
+        return "a plan file", (
+            "'autopar plan --out' wrote it: give it to 'autopar report', 'autopar export', 'autopar run --plan' or "
+            "'autopar dry-run --plan' (Plan.load)"
+        )
+    if {"nodes", "devices_per_node", "device"} <= data.keys():
+        return "a cluster file", "'autopar presets --save' writes one: pass it as --cluster (cluster= in autopar.plan)"
+    return None
+
+
 def write_atomically(path: str | Path, text: str) -> Path:
     """Write ``text`` to ``path`` (UTF-8) through a temporary file, so a crash never leaves
     half a file; parents are created. Returns the path. A path :func:`check_writable`

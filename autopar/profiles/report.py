@@ -18,7 +18,7 @@ from autopar import codec
 from autopar.errors import ProfileFormatError
 from autopar.profiles.sections import DeviceProfile, ModelProfile, NetworkProfile
 
-SCHEMA = "autopar-profile"
+SCHEMA = codec.PROFILE_SCHEMA
 SCHEMA_VERSION = 1
 SECTIONS = ("device", "layers", "network")
 PROFILE_REMEDY = "make one with 'autopar profile model|device|network --out FILE'"
@@ -47,6 +47,9 @@ class ProfileReport:
         """Build from :meth:`to_dict` output; errors name the file and the bad field."""
         if not isinstance(data, dict):
             raise ProfileFormatError(f"{origin}: a profile report is a JSON object, got {type(data).__name__}.")
+        kind = codec.file_kind(data)
+        if kind is not None and data.get("schema") != SCHEMA:
+            raise ProfileFormatError(f"{origin} is {kind[0]}, not a profile report ({kind[1]}).")
         if data.get("schema") != SCHEMA:
             raise ProfileFormatError(
                 f"{origin}: not an autopar profile report (its 'schema' is "

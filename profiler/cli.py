@@ -241,7 +241,7 @@ def _cmd_device(args: argparse.Namespace) -> int:
 
 
 def _network_sweep(args: argparse.Namespace) -> Any:
-    from autopar.profiles.sections import Level
+    from autopar.profiles.network_section import Level
     from profiler.network import NetworkSweep
 
     kwargs: dict[str, Any] = dict(

@@ -36,8 +36,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.cost.comm import level_s
 from autopar.hardware import CommCurve, LinkSpec, OpLink
+from autopar.profiles.network_section import CollectiveOp, CommPoint, CommSeries, Level, LinkFit, NetworkProfile
 from autopar.profiles.report import ProfileReport
-from autopar.profiles.sections import CollectiveOp, CommPoint, CommSeries, Level, LinkFit, NetworkProfile, Timing
+from autopar.profiles.sections import Timing
 from profiler.contention import contended_share
 from profiler.errors import MeasurementError, SettingsError
 from profiler.fit import Sample, bus_factor, coefficients, fit_alpha_beta

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 from matplotlib.figure import Figure
 
-from autopar.profiles.sections import DeviceProfile, ModelProfile, NetworkProfile
+from autopar.profiles.network_section import NetworkProfile
+from autopar.profiles.sections import DeviceProfile, ModelProfile
 from profiler.fit import coefficients
 
 _COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")

@@ -15,8 +15,9 @@ from pathlib import Path
 
 from autopar.present.page import figure, page, table
 from autopar.present.units import significant, size
+from autopar.profiles.network_section import NetworkProfile
 from autopar.profiles.report import ProfileReport
-from autopar.profiles.sections import DeviceProfile, ModelProfile, NetworkProfile, Provenance
+from autopar.profiles.sections import DeviceProfile, ModelProfile, Provenance
 from autopar.profiles.to_cluster import where_measured
 from profiler import plots
 

@@ -16,7 +16,8 @@ from typing import Any
 
 from autopar import codec
 from autopar.errors import ProfileFormatError
-from autopar.profiles.sections import DeviceProfile, ModelProfile, NetworkProfile
+from autopar.profiles.network_section import NetworkProfile
+from autopar.profiles.sections import DeviceProfile, ModelProfile
 
 SCHEMA = codec.PROFILE_SCHEMA
 SCHEMA_VERSION = 1

@@ -31,8 +31,9 @@ from autopar.hardware.device import (
 )
 from autopar.hardware.links import COLLECTIVE_OPS, CommCurve, LinkSpec, OpLink
 from autopar.hardware.presets import preset
+from autopar.profiles.network_section import NetworkProfile
 from autopar.profiles.report import ProfileReport
-from autopar.profiles.sections import DeviceProfile, NetworkProfile, Provenance
+from autopar.profiles.sections import DeviceProfile, Provenance
 from autopar.vocab import DType, Optimizer
 
 

@@ -12,8 +12,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "profiler"))
 import _local_runs
 from profile_factories import network
 
+from autopar.profiles.network_section import CommPoint, CommSeries
 from autopar.profiles.report import ProfileReport
-from autopar.profiles.sections import CommPoint, CommSeries, Timing
+from autopar.profiles.sections import Timing
 from profiler.fit import coefficients
 
 SIZES = tuple(2**k for k in range(10, 22, 2))

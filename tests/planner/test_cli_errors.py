@@ -55,7 +55,10 @@ CLI_CASES = {
     "profile not JSON": (f"{CPU} --profile {{d}}/broken.json", ["broken.json", "not valid JSON"]),
     "profile a list": (f"{CPU} --profile {{d}}/list.json", ["list.json", "JSON object"]),
     "profile of a future version": (f"{CPU} --profile {{d}}/future.json", ["schema_version 99", "upgrade autopar"]),
-    "profile is a plan": (f"{CPU} --profile {{d}}/plan.json", ["is a plan file, not a profile report", "autopar report"]),
+    "profile is a plan": (
+        f"{CPU} --profile {{d}}/plan.json",
+        ["is a plan file, not a profile report", "autopar report"],
+    ),
     "report not JSON": ("profile report {d}/broken.json", ["broken.json", "not valid JSON"]),
     "report missing": ("profile report {d}/missing.json", ["missing.json", "does not exist"]),
     "report a folder": ("profile report {d}", ["cannot be read", "JSON file"]),

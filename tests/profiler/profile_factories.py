@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
+from autopar.profiles.network_section import CommPoint, CommSeries, LinkFit, NetworkProfile
 from autopar.profiles.report import ProfileReport
 from autopar.profiles.sections import (
     AttentionPoint,
     BandwidthPoint,
-    CommPoint,
-    CommSeries,
     DeviceProfile,
-    LinkFit,
     MatmulPoint,
     ModelProfile,
-    NetworkProfile,
     Provenance,
     Timing,
     UnitMeasurement,

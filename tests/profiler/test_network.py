@@ -2,7 +2,8 @@
 
 import pytest
 
-from autopar.profiles.sections import CommPoint, CommSeries, Timing
+from autopar.profiles.network_section import CommPoint, CommSeries
+from autopar.profiles.sections import Timing
 from autopar.runtime.spmd import SPMDSettings, run_spmd
 from profiler.errors import MeasurementError, SettingsError
 from profiler.network import ALL_OPS, KIB, MIB, NetworkSweep, fit_levels, profile_network

@@ -117,7 +117,8 @@ def _bumpy_all_reduce(report: ProfileReport, tailed: bool = False) -> ProfileRep
     dip at 4 KiB (3 ms at 2 KiB, 2 ms at 4 KiB), as gloo's noisy sweeps do. ``tailed``:
     each size's repeats are ``t, t, 4 t`` (median ``t``, mean ``2 t``), as gloo's are."""
 
-    from autopar.profiles.sections import CommPoint, CommSeries, Timing
+    from autopar.profiles.network_section import CommPoint, CommSeries
+    from autopar.profiles.sections import Timing
 
     times = {1024: 1e-3, 2048: 3e-3, 4096: 2e-3, 8192: 4e-3}
     pts = tuple(

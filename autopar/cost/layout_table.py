@@ -18,6 +18,7 @@ they are priced per case and gathered.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -95,14 +96,26 @@ class LayoutGrid:
     reduced: tuple[int, ...]  # producers with leaf readers, in flow order (indexes ``converted``)
 
 
+def _combinations(sizes: Sequence[int]) -> np.ndarray:
+    """Every combination of one index per choice of ``sizes`` options, a row each, the
+    last choice varying fastest (``np.meshgrid(..., indexing="ij")`` raveled, without its
+    limit of 64 choices: a unit of a hundred leaves, most with one option, had more)."""
+    count = math.prod(sizes)
+    index = np.arange(count)
+    columns, stride = [], count
+    for size in sizes:
+        stride //= size
+        columns.append((index // stride) % size)
+    return np.stack(columns, axis=1).astype(np.int8) if sizes else np.zeros((1, 0), dtype=np.int8)
+
+
 def layout_grid(
     profile: UnitProfile, options: Sequence[tuple[TPStyle, ...]], input_layout: Layout, outputs: Sequence[Layout]
 ) -> LayoutGrid:
     """The combinations of ``options`` when the unit's input arrives ``input_layout`` and
     its output may leave in ``outputs`` (vocabulary-sharded, ``F``, exactly where a
     column-parallel leaf produces it, when there are two)."""
-    grids = np.meshgrid(*[np.arange(len(o), dtype=np.int8) for o in options], indexing="ij")
-    choice = np.stack([g.ravel() for g in grids], axis=1) if options else np.zeros((1, 0), dtype=np.int8)
+    choice = _combinations([len(o) for o in options])
     count = choice.shape[0]
     produced, needed, column, row = {}, {}, {}, {}
     for i, opts in enumerate(options):

@@ -410,8 +410,14 @@ def hf_input(
             raise ConfigError(
                 f"{shape_flag} is for models without token input; {kind} takes token ids: give --seq-len."
             )
+        try:
+            vocab = model.get_input_embeddings().num_embeddings
+        except NotImplementedError:  # a model of several towers (CLIP: text and images) has no one embedding
+            raise ConfigError(
+                f"{kind} has no single token embedding: it runs several towers on several inputs, and "
+                f"{FLAG} makes one kind of sample; {_one_tower(config)}."
+            ) from None
         length, note = _token_length(model, kind, seq_len)
-        vocab = model.get_input_embeddings().num_embeddings
         return HFInput(seq_len=length, image_shape=None, vocab_size=vocab, note=note)
     if main == "pixel_values":
         if seq_len is not None:
@@ -425,6 +431,28 @@ def hf_input(
         f"{kind} takes {main}, of which {FLAG} cannot make a sample (it makes token ids and images); plan it "
         f"from Python: autopar.plan(model, ..., sample_input={{{main!r}: one batch}})."
     )
+
+
+def _one_tower(config: Any) -> str:
+    """What to plan instead of a model of several towers: one of them, where transformers
+    has a class for it (``CLIPTextModel``, ``CLIPVisionModel``), else from Python."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    stem = MODEL_MAPPING_NAMES.get(config.model_type, "").removesuffix("Model")
+    towers = []
+    for part in ("Text", "Vision") if stem else ():
+        tower = getattr(transformers, f"{stem}{part}Model", None)
+        if isinstance(tower, type) and hasattr(tower, "config_class"):
+            key = f"{part.lower()}_config"
+            source = f'its "{key}"' if hasattr(config, key) else "a config"
+            towers.append(
+                f'{source} with "model_type": "{tower.config_class.model_type}" and "architectures": '
+                f'["{tower.__name__}"]'
+            )
+    if towers:
+        return "plan one tower: " + ", or ".join(towers)
+    return "plan it from Python: autopar.plan(model, ..., sample_input={...}) with every input it takes"
 
 
 def _encoder_only(config: Any) -> str:

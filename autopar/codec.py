@@ -21,6 +21,7 @@ import dataclasses
 import errno
 import json
 import math
+import os
 import tempfile
 import types
 import typing
@@ -107,11 +108,11 @@ def write_atomically(path: str | Path, text: str) -> Path:
     there but is no regular file (a pipe, a device such as ``/dev/stdout``) is written
     to directly: renaming over either would replace it with a file."""
     given = check_writable(path)
-    p = given.resolve() if given.is_symlink() else given
-    if p.exists() and not p.is_file():
-        with open(p, "w", encoding="utf-8") as stream:
+    if given.exists() and not given.is_file():  # through any link: /dev/stdout is one to a pipe or a file
+        with open(given, "w", encoding="utf-8") as stream:
             stream.write(text)
         return given
+    p = given.resolve() if given.is_symlink() else given
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(p.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")
@@ -125,11 +126,17 @@ def check_writable(path: str | Path) -> Path:
     IsADirectoryError; a file where a folder should be is NotADirectoryError naming that
     file (creating the folders would say FileExistsError, which reads as if the output
     were there); a folder that takes no new file (no permission, read-only, ``/proc``)
-    fails creating a probe file in it, as the write would."""
+    fails creating a probe file in it, as the write would. A pipe or a device (``/dev/null``)
+    is written to where it is (:func:`write_atomically`), so it needs only to be writable."""
     p = Path(path)
     if p.is_dir():  # an empty path is '.', a directory too
         raise IsADirectoryError(errno.EISDIR, "it is a directory", str(path))
-    folder = next((a for a in p.parents if a.exists()), Path("."))
+    if p.exists() and not p.is_file():  # a pipe or a device (a link to one too): written to where it is
+        if not os.access(p, os.W_OK):
+            raise PermissionError(errno.EACCES, "it cannot be written to", str(path))
+        return p
+    target = p.resolve() if p.is_symlink() else p  # a link's file is replaced in the link's target's folder
+    folder = next((a for a in target.parents if a.exists()), Path("."))
     if not folder.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, f"{str(folder)!r} is a file, not a directory", str(path))
     try:

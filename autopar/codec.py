@@ -167,6 +167,28 @@ def check_output(flag: str, path: str | Path | None) -> None:
         write_output(flag, path, check_writable)
 
 
+def check_distinct(outputs: Mapping[str, Any], inputs: Mapping[str, Any] | None = None) -> None:
+    """Refuse an output path that is one of the command's inputs, or another output: the
+    write would replace the file the command read (the only copy of a plan, a cluster
+    file, a model config) or the other output. ``outputs`` and ``inputs``: option ->
+    path (None where not given; an input may be a list of paths or a spec that is no
+    file, such as ``dgx-h100:8``, which matches nothing)."""
+    seen: dict[Path, str] = {}
+    for flag, value in (inputs or {}).items():
+        for path in value if isinstance(value, (list, tuple)) else (value,):
+            if path is not None and Path(path).is_file():
+                seen.setdefault(Path(path).resolve(), f"{flag} {str(path)!r}")
+    for flag, path in outputs.items():
+        if path is None:
+            continue
+        where = Path(path).resolve()
+        if where in seen:
+            raise ConfigError(
+                f"{flag} {str(path)!r} is {seen[where]} too: writing it would replace that file; give another path."
+            )
+        seen[where] = f"{flag} {str(path)!r}"
+
+
 class _Decoder:
     def __init__(self, error: type[AutoparError]):
         self.error = error

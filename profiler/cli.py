@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from autopar.codec import check_output, write_atomically, write_output
+from autopar.codec import check_distinct, check_output, write_atomically, write_output
 from autopar.errors import AutoparError, out_of_memory
 from profiler.errors import MeasurementError, ProfilerError, SettingsError
 from profiler.model_loading import load_model
@@ -367,6 +367,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
     check_output("--out", args.out)
     check_output("--html", args.html)
     check_output("--markdown", args.markdown)
+    check_distinct({"--out": args.out, "--html": args.html, "--markdown": args.markdown}, {"report": args.reports})
     report = ProfileReport.merge(*(ProfileReport.load(p) for p in args.reports))
     for line in summary(report):
         print(line)

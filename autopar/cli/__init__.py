@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 from autopar import __version__
 from autopar.cli.demo import add_demo_parser
 from autopar.cli.model_args import LoadedModel, add_model_args, load_model
-from autopar.codec import check_output, write_output
+from autopar.codec import check_distinct, check_output, write_output
 from autopar.errors import AutoparError, ConfigError, out_of_memory
 from autopar.export import add_export_parser
 from autopar.present.report_cli import add_report_parser
@@ -183,6 +183,13 @@ def check_outputs(args: argparse.Namespace) -> None:
     built and searched (the plan would be lost after the search)."""
     check_output("--out", args.out)
     check_output("--html", args.html)
+    config = args.model_config
+    if config is not None and Path(config).is_dir():
+        config = Path(config) / "config.json"
+    check_distinct(
+        {"--out": args.out, "--html": args.html},
+        {"--cluster": args.cluster, "--model-config": config, "--profile": args.profile},
+    )
 
 
 def check_plan_args(args: argparse.Namespace) -> None:

@@ -13,7 +13,7 @@ import argparse
 import sys
 from typing import Any
 
-from autopar.codec import check_output, write_output
+from autopar.codec import check_distinct, check_output, write_output
 
 
 def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -39,6 +39,7 @@ def report_command(args: argparse.Namespace) -> int:
     from autopar.present.report import save_html
 
     check_output("--html", args.html)  # before the page is drawn, as plan --html does
+    check_distinct({"--html": args.html}, {"plan file": args.plan})
     plan = Plan.load(args.plan)  # read before the page is opened, so a bad plan leaves no file
     if args.html is None:
         print(explain(plan))

@@ -210,3 +210,25 @@ def test_outputs_write_through_links_and_into_pipes(tmp_path, capsys):
     assert _run(f"{args} {pipe}", capsys)[0] == 0
     reader.join(timeout=60)
     assert pipe.is_fifo() and autopar.Plan.from_json(read[0]).config.world_size == 8
+
+
+def test_an_output_that_is_an_input_or_another_output_is_refused(tmp_path, capsys):
+    """The plan file given to report as its --html, a cluster file as plan's --out, --out
+    and --html the same path: each is refused before any work, naming both, and the
+    input is left as it was (each was overwritten, exit 0)."""
+    plan_file = tmp_path / "plan.json"
+    args = "--model gpt2-small --global-batch-size 8 --seq-len 128"
+    assert _run(f"plan {args} --cluster dgx-h100:1 --out {plan_file}", capsys)[0] == 0
+    cluster = tmp_path / "cluster.json"
+    assert _run(f"presets --save dgx-h100:1 {cluster}", capsys)[0] == 0
+    before = {p: p.read_bytes() for p in (plan_file, cluster)}
+    cases = {
+        f"report {plan_file} --html {plan_file}": f"--html '{plan_file}' is plan file '{plan_file}' too",
+        f"plan {args} --cluster {cluster} --out {cluster}": f"--out '{cluster}' is --cluster '{cluster}' too",
+        f"plan {args} --cluster {cluster} --out {tmp_path / 'x'} --html {tmp_path / 'x'}": "--html",
+    }
+    for command, said in cases.items():
+        code, lines = _run(command, capsys)
+        assert code == 2 and len(lines) == 1 and said in lines[0], (command, lines)
+        assert lines[0].endswith("writing it would replace that file; give another path.")
+    assert {p: p.read_bytes() for p in before} == before and not (tmp_path / "x").exists()

@@ -251,9 +251,8 @@ def _check_torchrun_accepts(launch: argparse.Namespace) -> None:
     torchrun.logger.setLevel(logging.ERROR)
     try:
         torchrun.config_from_args(launch)
-    except (AssertionError, ValueError, RuntimeError) as exc:
-        detail = " ".join(str(exc).split()) or type(exc).__name__
-        raise ConfigError(f"torchrun refuses these arguments: {detail}; see 'autopar run --help'.") from None
+    except (AssertionError, ValueError, RuntimeError, OSError) as exc:  # OSError: --log-dir is a file
+        raise ConfigError(f"torchrun refuses these arguments: {_one_line(exc)}; see 'autopar run --help'.") from None
     finally:
         torchrun.logger.setLevel(saved_level)
         os.environ.clear()
@@ -315,7 +314,18 @@ def run_command(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # torch handles signals only once the ranks start
         print("autopar run: interrupted before any rank started", file=sys.stderr)
         return 128 + signal.SIGINT
+    except ValueError as exc:  # what torchrun reads only as it starts: an unknown --rdzv-backend
+        print(
+            f"autopar run: torchrun refuses these arguments: {_one_line(exc)}; see 'autopar run --help'.",
+            file=sys.stderr,
+        )
+        return 2
     return 0
+
+
+def _one_line(exc: BaseException) -> str:
+    """``exc``'s message on one line, or its type where it has none."""
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _rendezvous_failed(exc: Exception, launch: argparse.Namespace) -> str:

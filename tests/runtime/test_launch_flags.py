@@ -161,6 +161,7 @@ def test_nproc_per_node_gpu_without_gpus_is_one_line():
         (("--max-restarts", "-1"), r"torchrun refuses these arguments: max_restarts must be >= 0"),
         (("--local-ranks-filter", "a,b"), r"torchrun refuses these arguments: --local_ranks_filter must be"),
         (("--redirects", "7"), r"torchrun refuses these arguments"),
+        (("--log-dir", __file__), r"torchrun refuses these arguments: log_dir: .* is a file"),
         (("--monitor-interval", "0"), r"--monitor-interval 0 is not allowed: .* give a positive number"),
         (("--signals-to-handle", "SIGTERM,SIGFOO"), r"--signals-to-handle names 'SIGFOO', which is not a signal"),
     ],
@@ -169,6 +170,24 @@ def test_what_torchrun_would_refuse_with_a_traceback_is_one_line(argv, match):
     with pytest.raises(ConfigError, match=match) as caught:
         _launch(*argv)
     assert "\n" not in str(caught.value)
+
+
+def test_an_unknown_rendezvous_backend_is_one_line(tmp_path):
+    """torchrun reads --rdzv-backend only as its agent starts, and raised a ValueError
+    with its traceback; 'autopar run' says it in one line, exit 2, no rank started."""
+    make_plan("gpt", dp=2).save(tmp_path / "plan.json")
+    command = ["run", "--plan", str(tmp_path / "plan.json"), "--rdzv-backend", "bogus", str(tmp_path / "t.py")]
+    (tmp_path / "t.py").write_text("raise SystemExit('no rank should start')\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "autopar", *command], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .startswith("autopar run: torchrun refuses these arguments: The rendezvous backend 'bogus' is not registered")
+    )
+    assert "no rank should start" not in done.stderr
 
 
 def test_a_held_static_master_port_is_refused_like_a_rendezvous_port():

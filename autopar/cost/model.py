@@ -40,7 +40,9 @@ class CostModel:
             as a fraction of the recorded forward, from a layer profile (1 where absent).
         routing_imbalance: under expert parallelism, the busiest rank's routed rows
             over the mean for dropless experts (:data:`ROUTING_IMBALANCE`); experts with
-            fixed capacity buffers are balanced by construction.
+            fixed capacity buffers are balanced by construction. Under ``ep`` ranks it
+            is at most ``ep`` (one rank receiving every row), which a configuration's
+            pricing takes where it is given more.
         batch_first: activations are laid out ``(batch, sequence, features)``, as
             autopar's runtime lays them, so sequence-parallel collectives copy around
             their transfers (:mod:`autopar.cost.layout_copies`); False prices Megatron-LM's
@@ -92,7 +94,7 @@ def tp_context(model: CostModel, unit: int, config: ParallelConfig) -> TPContext
         dtype=config.dtype,
         ep=config.ep,
         ep_span=group_span(config.ep, config.tp, model.cluster.devices_per_node),
-        routing_imbalance=model.routing_imbalance,
+        routing_imbalance=min(model.routing_imbalance, config.ep),  # at most every row on one of ep ranks
         compile=config.compile and model.graph.units[unit].is_block,
         fp8=config.fp8 and model.graph.units[unit].is_block,
         fused_attention=model.graph.attention is Attention.FLASH,

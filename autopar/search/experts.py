@@ -74,7 +74,16 @@ def check_routing_imbalance(graph: LayerGraph, routing_imbalance: float) -> None
     """A routing imbalance other than 1 moves only dropless experts (the busiest
     expert-parallel rank runs that many times its even share of routed rows); given for
     a model without them, it would be silently ignored, so it is refused in one line."""
-    if routing_imbalance == 1.0 or any(leaf.experts and leaf.dropless for p in graph.profiles for leaf in p.leaves):
+    if any(leaf.experts and leaf.dropless for p in graph.profiles for leaf in p.leaves):
+        experts = model_experts(graph)
+        if routing_imbalance > experts:
+            raise ConfigError(
+                f"routing_imbalance={routing_imbalance:g} is not allowed for {graph.name}: the busiest rank receives "
+                f"at most every routed row, {experts} times the mean when each of its {experts} experts has its "
+                f"own rank; give a number from 1 to {experts}."
+            )
+        return
+    if routing_imbalance == 1.0:
         return
     if capacity_experts(graph):
         has = "fixed-capacity expert buffers, whose work does not depend on the routing"

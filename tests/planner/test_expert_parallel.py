@@ -317,3 +317,23 @@ def test_a_plan_with_tensor_parallelism_says_it_does_not_split_experts(graph):
         seq_len=S,
     )
     assert not any("does not split experts" in n for n in (*tp1.notes, *dense.notes))
+
+
+def test_the_imbalance_is_at_most_every_row_on_one_rank():
+    """Under ep=2 the busiest rank receives at most every routed row, twice the mean: an
+    imbalance of 4 is priced as 2 (it was priced as given, past what any router can do),
+    and one above the model's expert count, which no ep reaches, is refused in one line
+    (1e300 ended in a NaN inside the search)."""
+    g = extract(_mixtral(), seq_len=32, dtype="bf16")
+    base = CostModel(graph=g, cluster=tiny_cluster(64.0), optimizer=Optimizer.ADAM, global_batch_size=2)
+    config = _config(dp=2, ep=2)
+    at = {
+        r: expert_exchange(g.profile_of(1), tp_context(dataclasses.replace(base, routing_imbalance=r), 1, config))
+        for r in (2.0, 4.0)
+    }
+    assert at[4.0] == at[2.0]
+    experts = max(p.experts for p in g.profiles)
+    with pytest.raises(
+        ConfigError, match=rf"routing_imbalance=1e\+300 is not allowed .* give a number from 1 to {experts}\."
+    ):
+        autopar.plan(g, tiny_cluster(64.0), global_batch_size=8, routing_imbalance=1e300)

@@ -126,7 +126,7 @@ def plan(
             notes say so).
     """
     started = time.perf_counter()
-    global_batch_size = check_positive_int("global_batch_size", global_batch_size)
+    global_batch_size = _check_batch(global_batch_size)
     seq_len = check_positive_int("seq_len", seq_len) if seq_len is not None else None
     _check_top(top)
     check_solver(solver)
@@ -219,7 +219,7 @@ def estimate(
     and a missing ``seq_len`` defaults as in :func:`plan`.
     """
     started = time.perf_counter()
-    global_batch_size = check_positive_int("global_batch_size", global_batch_size)
+    global_batch_size = _check_batch(global_batch_size)
     seq_len = check_positive_int("seq_len", seq_len) if seq_len is not None else None
     check_solver(solver)
     _check_imbalance(routing_imbalance)
@@ -272,6 +272,25 @@ def _option(name: str, value: object, kind: type[E]) -> E:
     except (ValueError, TypeError):
         allowed = ", ".join(repr(m.value) for m in kind)
         raise ConfigError(f"{name}={value!r} is not allowed; use one of {allowed}.") from None
+
+
+MAX_GLOBAL_BATCH = 2**20
+"""The most samples per optimizer step a plan takes: 1,048,576, some 16 times the largest
+published batches (64K images; 16M tokens are 2K sequences of 8K). Beyond it a batch is a
+typo (an exponent, tokens given as samples), and its micro-batch schedules would take
+minutes and gigabytes to build (10 million samples over an interleaved pipeline: 67 s,
+8.4 GB)."""
+
+
+def _check_batch(global_batch_size: object) -> int:
+    """``global_batch_size`` as an int from 1 to :data:`MAX_GLOBAL_BATCH`."""
+    batch = check_positive_int("global_batch_size", global_batch_size)
+    if batch > MAX_GLOBAL_BATCH:
+        raise ConfigError(
+            f"global_batch_size={batch:,} is not allowed: it counts samples (sequences) per optimizer step, at most "
+            f"{MAX_GLOBAL_BATCH:,} here; give the batch in samples, not tokens."
+        )
+    return batch
 
 
 def _check_top(top: object) -> None:

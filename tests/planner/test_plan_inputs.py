@@ -9,6 +9,7 @@ from autopar import ConfigError, Recompute
 from autopar.graph import extract
 from autopar.models import GPT, GPTConfig, build_named_model
 from autopar.present.whatif import fewest_nodes
+from autopar.search.planner import MAX_GLOBAL_BATCH
 
 
 def test_sequence_parallelism_is_refused_where_no_layer_is_split():
@@ -92,3 +93,17 @@ def test_out_of_memory_alternatives_carry_the_recomputation_they_were_sized_with
         assert oom, pins
         for a in oom:
             assert a.config.recompute is mode and f"even with {words} (" in a.reason, (pins, a.reason)
+
+
+def test_a_batch_past_a_million_samples_is_refused_in_one_line():
+    """10 million samples per step (tokens given as samples, or an exponent) built an
+    interleaved pipeline's schedule for 67 s and 8.4 GB; 10**30 was planned at "step
+    3946759259259259060224 d". Both are refused, by plan and estimate alike, and the
+    bound itself plans."""
+    model = GPT(GPTConfig(vocab_size=128, seq_len=32, dim=64, n_layers=2, n_heads=2))
+    for batch in (MAX_GLOBAL_BATCH + 1, 10**30):
+        with pytest.raises(ConfigError, match=rf"^global_batch_size={batch:,} is not allowed: .* at most 1,048,576"):
+            autopar.plan(model, "dgx-h100:1", global_batch_size=batch, seq_len=32)
+        with pytest.raises(ConfigError, match=r"give the batch in samples, not tokens\.$"):
+            autopar.estimate(model, "dgx-h100:1", {"dp": 8}, global_batch_size=batch, seq_len=32)
+    assert autopar.plan(model, "dgx-h100:1", global_batch_size=MAX_GLOBAL_BATCH, seq_len=32).prediction.fits

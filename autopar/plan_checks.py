@@ -28,6 +28,17 @@ def device_problem(config: ParallelConfig, cluster: Cluster) -> str:
     return ""
 
 
+def overflow(p: Prediction, device: str) -> str:
+    """What a plan predicted not to fit holds against ``device``'s memory, for the
+    refusals of what would run it (export, run, time to train); empty where it fits."""
+    if p.fits:
+        return ""
+    return (
+        f"the plan does not fit: it predicts {p.memory_bytes_per_device / 2**30:.1f} GiB per device, more than the "
+        f"{p.memory_capacity_bytes / 2**30:.1f} GiB each {device} holds, so it would run out of memory"
+    )
+
+
 def prediction_problem(p: Prediction, model: ModelSummary) -> str:
     """What a prediction read from a file breaks of what any prediction satisfies (a step
     that takes time, a stage at least, no peak above the device called fitting, rates,

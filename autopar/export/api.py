@@ -17,6 +17,7 @@ from autopar.export.shape import ModelShape, shape_of
 from autopar.export.torchtitan import export_torchtitan
 from autopar.models.registry import build_named_model
 from autopar.plan import Plan
+from autopar.plan_checks import overflow
 
 EXPORTERS: dict[str, Callable[[Plan, ModelShape | None], Export]] = {
     "megatron": export_megatron,
@@ -49,12 +50,10 @@ def export(plan: Plan | str | Path, to: str, *, model: nn.Module | str | None = 
     """
     exporter = exporter_for(to)
     loaded = load_plan(plan)
-    if not loaded.prediction.fits:  # an estimate that does not fit would run out of memory on the cluster
-        p = loaded.prediction
+    problem = overflow(loaded.prediction, loaded.cluster.device.name)
+    if problem:  # an estimate that does not fit
         raise ExportError(
-            f"the plan does not fit: it predicts {p.memory_bytes_per_device / 2**30:.1f} GiB per device, more than "
-            f"the {p.memory_capacity_bytes / 2**30:.1f} GiB each {loaded.cluster.device.name} holds; export a plan "
-            f"that fits (autopar plan searches them, or estimate another configuration)."
+            f"{problem}; export a plan that fits (autopar plan searches them, or estimate another configuration)."
         )
     if isinstance(model, str):
         model = build_named_model(model)

@@ -23,6 +23,7 @@ from autopar.errors import (
 from autopar.graph.layer_graph import LayerGraph
 from autopar.hardware.cluster import MAX_DEVICES, Cluster
 from autopar.plan import Plan
+from autopar.plan_checks import overflow
 from autopar.search.constraints import DEGREES, check_constraints
 from autopar.search.planner import as_cluster, model_graph
 from autopar.search.planner import plan as make_plan
@@ -56,13 +57,9 @@ def time_to_train(plan: Plan, tokens: float) -> TrainingTime:
         raise ConfigError(
             f"time_to_train() takes a Plan (autopar.plan(...) or Plan.load(path)), got {type(plan).__name__}."
         )
-    if not plan.prediction.fits:
-        p = plan.prediction
-        raise ConfigError(
-            f"the plan does not fit: it predicts {p.memory_bytes_per_device / 2**30:.1f} GiB per device, more than "
-            f"the {p.memory_capacity_bytes / 2**30:.1f} GiB each {plan.cluster.device.name} holds, so it would not "
-            f"train; time a plan that fits (autopar.plan searches them)."
-        )
+    problem = overflow(plan.prediction, plan.cluster.device.name)
+    if problem:
+        raise ConfigError(f"{problem}; time a plan that fits (autopar.plan searches them).")
     check_positive_float("tokens", tokens)
     per_step = plan.model.global_batch_size * plan.model.seq_len
     steps = int(-(-tokens // per_step))

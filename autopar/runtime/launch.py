@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from autopar.errors import AutoparError, ConfigError
 from autopar.plan import Plan
+from autopar.plan_checks import overflow
 from autopar.runtime.errors import PlanMismatchError
 from autopar.runtime.orphan import LAUNCHER_ENV, tie_to_launcher
 from autopar.runtime.rendezvous import check_rendezvous
@@ -287,6 +288,7 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         plan = Plan.load(args.plan)
         check_plan(plan)
+        check_fits(plan)
         launch = torchrun_args(plan, args)
         check_endpoint(args, launch)
     except AutoparError as exc:
@@ -321,6 +323,17 @@ def run_command(args: argparse.Namespace) -> int:
         )
         return 2
     return 0
+
+
+def check_fits(plan: Plan) -> None:
+    """Refuse to launch a plan predicted not to fit (an estimate saved as it was): every
+    rank would run out of memory at its first step, on the cluster's whole allocation."""
+    problem = overflow(plan.prediction, plan.cluster.device.name)
+    if problem:
+        raise ConfigError(
+            f"{problem} at its first step; run a plan that fits (autopar plan searches them, or estimate another "
+            f"configuration)."
+        )
 
 
 def _one_line(exc: BaseException) -> str:

@@ -190,6 +190,27 @@ def test_an_unknown_rendezvous_backend_is_one_line(tmp_path):
     assert "no rank should start" not in done.stderr
 
 
+def test_a_plan_predicted_not_to_fit_is_not_launched(tmp_path):
+    """An estimate saved as it was, predicted at 394 GiB per 80 GiB A100: 'autopar run'
+    refuses it in one line before any rank starts (it started every rank), as export
+    and time_to_train refuse it."""
+    from autopar.models import build_named_model
+
+    with torch.device("meta"):
+        model = build_named_model("gpt3-175b")
+    plan = autopar.estimate(model, "dgx-a100-80gb:1", {"tp": 8}, global_batch_size=8, seq_len=2048)
+    assert not plan.prediction.fits
+    plan.save(tmp_path / "plan.json")
+    (tmp_path / "t.py").write_text("raise SystemExit('no rank should start')\n")
+    command = ["run", "--plan", str(tmp_path / "plan.json"), str(tmp_path / "t.py")]
+    done = subprocess.run(
+        [sys.executable, "-c", CLI, *command], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr and "no rank" not in done.stderr, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert "the plan does not fit: it predicts" in line and "so it would run out of memory at its first step" in line
+
+
 def test_a_held_static_master_port_is_refused_like_a_rendezvous_port():
     import socket
 

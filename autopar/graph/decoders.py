@@ -15,6 +15,8 @@ from collections.abc import Iterable
 
 from torch import nn
 
+from autopar.quiet import quiet_imports
+
 
 def decoder_blocks(model: nn.Module, units: Iterable[str]) -> str | None:
     """The FQN of the ``nn.ModuleList`` holding the blocks of ``model`` if it is a
@@ -42,11 +44,12 @@ def causal_lm_class(name: str) -> bool:
 
 def transformers_class(name: str) -> bool:
     """Whether transformers (if installed) exports a model class named ``name``."""
-    try:
-        import transformers
-    except ImportError:
-        return False
-    return isinstance(getattr(transformers, name, None), type)
+    with quiet_imports():  # looking the class up imports its module, and torchao with it
+        try:
+            import transformers
+        except ImportError:
+            return False
+        return isinstance(getattr(transformers, name, None), type)
 
 
 def uncuttable_unit(model: nn.Module, units: Iterable[str]) -> tuple[str, str] | None:

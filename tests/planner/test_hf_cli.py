@@ -339,6 +339,20 @@ def test_planning_a_transformers_model_prints_nothing_from_optional_packages(giv
     assert noise == []
 
 
+def test_exporting_a_transformers_plan_prints_nothing_from_optional_packages(hf, tmp_path, capsys):
+    """The export of a plan made from a config looks the model's class up in
+    transformers, which imported torchao with its four lines of warnings before the
+    script (a fresh interpreter, as torchao logs only on its first import)."""
+    pytest.importorskip("torchao")
+    plan = tmp_path / "plan.json"
+    assert _run(f"plan --model-config {hf / 'llama'} --seq-len 16 {CPU} --out {plan}", capsys)[0] == 0
+    script = f"from autopar.cli import main; main(['export', {str(plan)!r}, '--to', 'megatron'])"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.startswith("#!/usr/bin/env bash"), done.stderr
+    noise = [line for line in done.stderr.splitlines() if any(w in line for w in ("torchao", "Enum subclass"))]
+    assert noise == []
+
+
 def test_quiet_imports_restores_the_loggers():
     import logging
 

@@ -302,6 +302,14 @@ def run_command(args: argparse.Namespace) -> int:
         # the previous attempt's addresses from it: gloo and NCCL then connect to dead peers
         # (pytorch/pytorch#135712, #167288). A store of each attempt's own avoids that.
         os.environ.setdefault(_OWN_STORE_ENV, "1")
+    if int(launch.nnodes) > 1:  # torchrun waits for the other nodes without a word
+        where = launch.rdzv_endpoint or f"{launch.master_addr}:{launch.master_port}"
+        print(
+            f"autopar run: waiting at {where} until all {launch.nnodes} nodes join (start 'autopar run' with the same "
+            f"--nnodes and rendezvous on each); the ranks start then",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         run(launch)
     except ChildFailedError as exc:

@@ -192,7 +192,8 @@ def test_a_rendezvous_torchrun_gives_up_on_is_one_line(monkeypatch, tmp_path, ca
     with _held_port() as port:  # node 0's store, as far as the check before launching sees
         node_1 = ["--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", f"localhost:{port}"]
         assert _run_command_raising(monkeypatch, tmp_path, exc, *node_1) == 2
-    [line] = _lines(capsys.readouterr().err)
+    waiting, line = _lines(capsys.readouterr().err)
+    assert waiting == _waiting(f"localhost:{port}")
     assert line.startswith(
         f"autopar run: RendezvousConnectionError: the rendezvous through localhost:{port} failed (Ping failed, invalid"
     )
@@ -252,6 +253,14 @@ def test_a_rank_prints_no_traceback_for_ctrl_c_but_for_any_other_error():
     assert seen == [ValueError]
 
 
+def _waiting(endpoint: str) -> str:
+    """The line a launcher of a two-node plan says before it waits for the other node."""
+    return (
+        f"autopar run: waiting at {endpoint} until all 2 nodes join (start 'autopar run' with the same --nnodes and "
+        f"rendezvous on each); the ranks start then"
+    )
+
+
 def test_ctrl_c_while_waiting_for_the_other_nodes_exits_130_in_one_line(tmp_path):
     """Before the ranks start torch handles no signal: Ctrl-C is a KeyboardInterrupt in
     the rendezvous, here node 0 waiting for a node 1 that never comes."""
@@ -271,7 +280,8 @@ def test_ctrl_c_while_waiting_for_the_other_nodes_exits_130_in_one_line(tmp_path
         output, _ = launcher.communicate(timeout=60)
         assert launcher.returncode == 130, output[-3000:]
         assert [line for line in _lines(output) if not TORCH_LOG.match(line)] == [
-            "autopar run: interrupted before any rank started"
+            _waiting(f"localhost:{port}"),
+            "autopar run: interrupted before any rank started",
         ], output[-3000:]
     finally:
         launcher.kill()

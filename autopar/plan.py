@@ -109,8 +109,10 @@ class StagePrediction:
     communication (with the waits on the group's slowest rank at its blocking
     collectives, :func:`autopar.cost.host.ranks_wait_s`) and recomputation; ``dp_comm_s`` is the
     step's exposed data-parallel
-    communication and ``optimizer_s`` the optimizer step, with the check before it that
-    every rank's loss and gradients are finite.
+    communication (on the ranks of the first and last stages with the all-reduce of tied
+    weights' gradients, which :class:`StepBreakdown` counts as ``pp_comm_s``) and
+    ``optimizer_s`` the optimizer step, with the check before it that every rank's loss
+    and gradients are finite.
     """
 
     index: int
@@ -130,7 +132,9 @@ class StagePrediction:
 @dataclass(frozen=True, kw_only=True)
 class StepBreakdown:
     """The step time split into terms that add up to it (critical path of the slowest
-    pipeline rank)."""
+    pipeline rank). ``pp_comm_s`` holds the point-to-point transfers and the all-reduce
+    of tied weights' gradients between the first and last stages; ``dp_comm_s`` what the
+    data-parallel collectives expose."""
 
     compute_s: float
     recompute_s: float

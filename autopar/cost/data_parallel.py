@@ -37,6 +37,8 @@ same overlap.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from autopar.cost.comm import GroupSpan, all_gather_s, all_reduce_s, group_span, reduce_scatter_s
 from autopar.cost.compute import rates
 from autopar.cost.host import fsdp_copy_s, fsdp_framework_s, optimizer_bytes_per_s, ranks_wait_s
@@ -78,7 +80,6 @@ def tail_s(model: CostModel, stage: PricedStage, config: ParallelConfig, slack: 
     too, and ``slack.trail_s`` after its last backward, where DDP's reduction runs on
     (:func:`autopar.cost.pipeline.rank_slack_s`); ``slack.own_share`` of its own compute
     hides them."""
-    n = model.num_units
     params = sum(o.layout.param_numel for o in stage.options)
     params -= held_once_numel(model, config, dict(zip(stage.units, stage.options)))  # one tensor: reduced, stepped once
     experts = sum(o.layout.expert_numel for o in stage.options)
@@ -141,8 +142,7 @@ def tail_s(model: CostModel, stage: PricedStage, config: ParallelConfig, slack: 
             exposed += fsdp_framework_s(host, calls_per_unit=per_unit, units=units, tensors=tensors) + _fsdp_waits_s(
                 model, config, per_unit * units, m * (fwd + bwd)
             )
-    if config.pp > 1 and model.graph.shared and (0 in stage.units or n - 1 in stage.units):
-        exposed += tied_all_reduce_s(model, config)
+    exposed += tied_exposed_s(model, stage.units, config)
     sharded = (params + experts * (config.ep - 1)) / config.state_shards  # every expert of the shard group's
     local = sharded if config.zero_stage >= 1 else params
     grads = sharded if config.zero_stage >= 2 else params
@@ -159,6 +159,16 @@ def overlapped_s(comm_s: float, window_s: float, slowdown: float) -> float:
     (``1 - DeviceSpec.comm_overlap``). A collective shorter than the compute still costs:
     hiding it slows the compute."""
     return max(comm_s - window_s, 0.0) + slowdown * min(comm_s, window_s)
+
+
+def tied_exposed_s(model: CostModel, units: Collection[int], config: ParallelConfig) -> float:
+    """The all-reduce of tied weights' gradients (:func:`tied_all_reduce_s`) in the tail
+    of a pipeline rank holding ``units``: where it holds the first or the last unit of a
+    pipelined model with tied weights; else 0. Communication between pipeline stages,
+    which a step's breakdown counts as such."""
+    if config.pp > 1 and model.graph.shared and (0 in units or model.num_units - 1 in units):
+        return tied_all_reduce_s(model, config)
+    return 0.0
 
 
 def tied_all_reduce_s(model: CostModel, config: ParallelConfig) -> float:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autopar.cost.data_parallel import tail_s
+from autopar.cost.data_parallel import tail_s, tied_exposed_s
 from autopar.cost.host import ranks_wait_s
 from autopar.cost.model import CostModel
 from autopar.cost.peak import rank_memory
@@ -115,15 +115,19 @@ def predict(model: CostModel, config: ParallelConfig, stages: Sequence[PricedSta
     epc = sum(o.ep_comm_s for o in options)
     ppc = sum(sum(tm.p2p[i]) for i in crit_stages)
     bubble = t_pipe - m * rank_work[crit]
+    # the tail's all-reduce of tied weights runs between pipeline stages: PP, not DP, communication
+    tail_rank = config.rank_of_stage(stages[worst_tail].index)
+    tail_units = [u for p in stages if config.rank_of_stage(p.index) == tail_rank for u in p.units]
+    tied = tied_exposed_s(model, tail_units, config)
     breakdown = StepBreakdown(
         compute_s=m * comp,
         recompute_s=m * reco,
         tp_comm_s=m * tpc,
         cp_comm_s=m * cpc,
         ep_comm_s=m * epc,
-        pp_comm_s=m * ppc,
+        pp_comm_s=m * ppc + tied,
         bubble_s=bubble + m * (rank_work[crit] - comp - reco - tpc - cpc - epc - ppc),
-        dp_comm_s=tails[worst_tail][0],
+        dp_comm_s=tails[worst_tail][0] - tied,
         optimizer_s=tails[worst_tail][1],
     )
     preds = []

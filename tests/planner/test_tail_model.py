@@ -9,9 +9,10 @@ import itertools
 
 import pytest
 
+import autopar
 from autopar.cost.comm import all_gather_s, all_reduce_s, group_span, reduce_scatter_s
 from autopar.cost.compute import rates
-from autopar.cost.data_parallel import overlapped_s
+from autopar.cost.data_parallel import overlapped_s, tied_all_reduce_s
 from autopar.cost.host import fsdp_copy_s
 from autopar.cost.model import CostModel
 from autopar.cost.peak import budget_bytes
@@ -20,7 +21,7 @@ from autopar.cost.stage import PricedStage
 from autopar.cost.step import timing
 from autopar.graph import extract
 from autopar.hardware import preset
-from autopar.models import Llama, LlamaConfig, build_named_model
+from autopar.models import GPT, GPTConfig, Llama, LlamaConfig, build_named_model
 from autopar.search.constraints import check_constraints
 from autopar.search.scan import ALL_MODES
 from autopar.search.solve import ConfigSolver
@@ -201,3 +202,24 @@ def test_fsdp_exposes_the_first_units_gather_and_reduce_scatter():
     )
     assert est.config.dtype is DType.BF16
     assert est.prediction.breakdown.dp_comm_s == pytest.approx(gather + reduce, rel=1e-6)
+
+
+def test_the_tied_weights_all_reduce_is_pipeline_communication():
+    """A tied GPT over tp=2 x pp=2 without data parallelism: the all-reduce of the tied
+    embedding's gradient between the first and last stages was shown as "DP comm" of a
+    plan with dp=1. The step's DP term is now 0, its PP term holds the all-reduce (the
+    pair of ranks two stages apart, 4 bytes a shared parameter over tp) beside the
+    point-to-point transfers of the critical rank, and the terms still add up to the step."""
+    model = GPT(GPTConfig(vocab_size=512, seq_len=64, dim=128, n_layers=4, n_heads=4, tie_embeddings=True))
+    cluster = tiny_cluster(64.0)
+    plan = autopar.estimate(model, cluster, {"tp": 2, "pp": 2}, global_batch_size=8, seq_len=64)
+    b, config = plan.prediction.breakdown, plan.config
+    assert config.dp == 1 and b.dp_comm_s == 0.0
+    cost = CostModel(
+        graph=extract(model, seq_len=64), cluster=cluster, optimizer=autopar.Optimizer.ADAM, global_batch_size=8
+    )
+    tied = tied_all_reduce_s(cost, config)
+    assert tied > 0
+    m = config.num_microbatches
+    assert any(b.pp_comm_s == pytest.approx(m * s.pp_comm_s + tied, rel=1e-9) for s in plan.prediction.stages)
+    assert b.total_s == pytest.approx(plan.prediction.step_time_s, rel=1e-12)

@@ -180,6 +180,8 @@ def _option_line(plan: Plan, option: str, label: str, ways: tuple[str, str, str,
     for a in found:
         other = other_when_on if enabled else other_when_off
         text += f"; {other}: {duration(a.step_time_s)} ({100 * a.slower_by:+.1f}%), {size(a.memory_bytes_per_device)}"
+        if option == "compile" and not enabled and a.slower_by < 0 and not plan.cluster.device.compiles:
+            text += " (not searched: this device does not compile unasked; compile=True, --set compile=true, plans it)"
     return [f"{label:<15}{text}"]
 
 

@@ -174,12 +174,18 @@ def test_gpu_plans_compile_unless_told_not_to_and_say_what_eager_would_take():
     assert not told.config.compile
     compiled, line = _contrast(told)
     assert compiled.slower_by < 0 and "blocks run eager" in line and "this configuration compiled: " in line
+    assert "not searched" not in line  # searched, and pinned off
     assert told.prediction.step_time_s == pytest.approx(eager.step_time_s, rel=0.05)
     assert told.prediction.step_time_s > plan.prediction.step_time_s
     with torch.device("meta"):
         small = GPT(GPTConfig(vocab_size=256, seq_len=32, dim=32, n_layers=2, n_heads=2))
     cpu = autopar.preset("local-cpu", nodes=1, devices_per_node=2)
-    assert not autopar.plan(small, cpu, global_batch_size=4, seq_len=32).config.compile
+    eager_on_cpu = autopar.plan(small, cpu, global_batch_size=4, seq_len=32)
+    assert not eager_on_cpu.config.compile
+    compiled, line = _contrast(eager_on_cpu)  # faster, yet not taken: the line says why
+    assert compiled.slower_by < 0 and line.endswith(
+        "(not searched: this device does not compile unasked; compile=True, --set compile=true, plans it)"
+    )
     assert autopar.plan(small, cpu, global_batch_size=4, seq_len=32, constraints={"compile": True}).config.compile
 
 

@@ -63,10 +63,24 @@ def parse_assignments(items: Sequence[str] | None) -> dict[str, Any]:
     return out
 
 
+def _batch(text: str) -> int:
+    """``--global-batch-size`` as argparse reads it: a positive integer, refused in the
+    flag's own words (the planner's refusal names its keyword, global_batch_size=)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not allowed: give the samples per optimizer step, a positive integer"
+        )
+    return value
+
+
 def _add_search_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     p.add_argument("--cluster", required=True, help="preset:nodes (e.g. dgx-a100-80gb:128) or a cluster JSON file")
-    p.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step")
+    p.add_argument("--global-batch-size", type=_batch, required=True, help="samples per optimizer step")
     p.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "adafactor"])
     p.add_argument("--attention", default="flash", choices=["flash", "materialized"])
     p.add_argument(

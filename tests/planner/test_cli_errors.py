@@ -14,6 +14,7 @@ import autopar
 from autopar import ClusterError, ConfigError, PlanFormatError
 from autopar.cli import build_parser, main
 from autopar.models import GPT, GPTConfig
+from autopar.search.planner import MAX_GLOBAL_BATCH
 
 TINY = GPTConfig(vocab_size=256, seq_len=64, dim=64, n_layers=2, n_heads=2)
 PLAN = "--model gpt2-small --seq-len 16 --global-batch-size 8"
@@ -182,7 +183,11 @@ CLI_CASES = {
     "unknown preset": (f"plan {PLAN} --cluster dgx-z:1", ["unknown cluster preset 'dgx-z'", "--cluster cluster.json"]),
     "no node count": (f"plan {PLAN} --cluster dgx-h100:", ["dgx-h100:", "node count"]),
     "cluster is a folder": (f"plan {PLAN} --cluster {{d}}", ["cluster file", "cannot be read"]),
-    "not a number": (f"{CPU} --global-batch-size x", ["--global-batch-size", "invalid int", "autopar plan --help"]),
+    "not a number": (
+        f"{CPU} --global-batch-size x",
+        ["argument --global-batch-size: 'x' is not allowed", "a positive integer", "autopar plan --help"],
+    ),
+    "no batch": (f"{CPU} --global-batch-size 0", ["argument --global-batch-size: '0' is not allowed"]),
     "unknown optimizer": (f"{CPU} --optimizer lamb", ["'lamb'", "adam"]),
     "no command": ("", ["command"]),
     # the profiler, the doctor and the demo
@@ -347,10 +352,15 @@ def test_cluster_may_be_a_spec_string():
 
 
 @pytest.mark.timeout(60)
-def test_a_huge_batch_is_planned_in_seconds():
-    plan = autopar.plan(tiny_gpt(), two_cpus(), global_batch_size=10**18, seq_len=16)
+def test_the_largest_batch_is_planned_and_a_larger_one_refused():
+    """The largest batch a plan takes divides over the ranks exactly; 10**18 samples,
+    which planned in seconds here but built schedules of gigabytes for an interleaved
+    pipeline, is refused (:data:`autopar.search.planner.MAX_GLOBAL_BATCH`)."""
+    plan = autopar.plan(tiny_gpt(), two_cpus(), global_batch_size=MAX_GLOBAL_BATCH, seq_len=16)
     c = plan.config
-    assert c.dp * c.micro_batch_size * c.num_microbatches == 10**18
+    assert c.dp * c.micro_batch_size * c.num_microbatches == MAX_GLOBAL_BATCH
+    with pytest.raises(ConfigError, match="at most 1,048,576"):
+        autopar.plan(tiny_gpt(), two_cpus(), global_batch_size=10**18, seq_len=16)
 
 
 def _help_texts(parser: argparse.ArgumentParser, name: str):

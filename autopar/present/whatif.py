@@ -25,7 +25,8 @@ from autopar.hardware.cluster import MAX_DEVICES, Cluster
 from autopar.plan import Plan
 from autopar.plan_checks import overflow
 from autopar.search.constraints import DEGREES, check_constraints
-from autopar.search.planner import as_cluster, model_graph
+from autopar.search.plan_inputs import as_cluster
+from autopar.search.planner import model_graph
 from autopar.search.planner import plan as make_plan
 from autopar.vocab import ActivationLayout
 

@@ -11,12 +11,10 @@ from __future__ import annotations
 import functools
 import gc
 import math
-import reprlib
 import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from enum import StrEnum
 from typing import Any, ParamSpec, TypeVar
 
 from torch import nn
@@ -25,7 +23,6 @@ from autopar.cost.model import ROUTING_IMBALANCE, CostModel
 from autopar.cost.peak import budget_bytes
 from autopar.cost.price import price
 from autopar.errors import (
-    ClusterError,
     ConfigError,
     ModelError,
     check_positive_int,
@@ -33,18 +30,17 @@ from autopar.errors import (
 from autopar.graph.extract import extract
 from autopar.graph.layer_graph import LayerGraph
 from autopar.hardware.cluster import Cluster
-from autopar.hardware.presets import parse_cluster
 from autopar.models.positions import check_seq_len, longest_length_note, max_positions
 from autopar.parallel_config import ONE_REPLICA_REDUCES_NOTHING
 from autopar.plan import ParallelConfig, Plan, PlanSettings
 from autopar.profiles.apply import Measurements, measurements
 from autopar.profiles.identity import LayerProfileMatch, match_layer_profile
-from autopar.profiles.report import ProfileReport
 from autopar.search.assemble import Provenance, idle_sequence_parallel, infeasible_error, to_plan
 from autopar.search.constraints import check_constraints, check_degrees
 from autopar.search.experts import check_routing_imbalance
 from autopar.search.ilp import check_solver
 from autopar.search.kernel_options import check_async_tp, check_fp8
+from autopar.search.plan_inputs import as_cluster, check_batch, check_imbalance, check_top, option
 from autopar.search.scan import decided, search
 from autopar.search.solve import ConfigSolver, Outcome
 from autopar.search.space import CP_MIN_TOKENS, micro_batch_range, ring_blocker, ring_splits
@@ -52,7 +48,6 @@ from autopar.vocab import ActivationLayout, Attention, DType, Optimizer, Recompu
 
 P = ParamSpec("P")
 R = TypeVar("R")
-E = TypeVar("E", bound=StrEnum)
 
 
 def _cycles_collected_after(fn: Callable[P, R]) -> Callable[P, R]:
@@ -126,14 +121,14 @@ def plan(
             notes say so).
     """
     started = time.perf_counter()
-    global_batch_size = _check_batch(global_batch_size)
+    global_batch_size = check_batch(global_batch_size)
     seq_len = check_positive_int("seq_len", seq_len) if seq_len is not None else None
-    _check_top(top)
+    check_top(top)
     check_solver(solver)
-    _check_imbalance(routing_imbalance)
+    check_imbalance(routing_imbalance)
     cluster = as_cluster(cluster)
-    optimizer, attention = _option("optimizer", optimizer, Optimizer), _option("attention", attention, Attention)
-    activations = _option("activations", activations, ActivationLayout)
+    optimizer, attention = option("optimizer", optimizer, Optimizer), option("attention", attention, Attention)
+    activations = option("activations", activations, ActivationLayout)
     megatron = activations.megatron_kernels
     fixed = check_constraints(constraints, megatron_kernels=megatron)
     measured = measurements(cluster, profile)
@@ -219,13 +214,13 @@ def estimate(
     and a missing ``seq_len`` defaults as in :func:`plan`.
     """
     started = time.perf_counter()
-    global_batch_size = _check_batch(global_batch_size)
+    global_batch_size = check_batch(global_batch_size)
     seq_len = check_positive_int("seq_len", seq_len) if seq_len is not None else None
     check_solver(solver)
-    _check_imbalance(routing_imbalance)
+    check_imbalance(routing_imbalance)
     cluster = as_cluster(cluster)
-    optimizer, attention = _option("optimizer", optimizer, Optimizer), _option("attention", attention, Attention)
-    activations = _option("activations", activations, ActivationLayout)
+    optimizer, attention = option("optimizer", optimizer, Optimizer), option("attention", attention, Attention)
+    activations = option("activations", activations, ActivationLayout)
     megatron = activations.megatron_kernels
     fixed = check_constraints(
         config.__dict__ if isinstance(config, ParallelConfig) else config, what="config", megatron_kernels=megatron
@@ -247,65 +242,6 @@ def estimate(
         measured, optimizer, attention, solver, routing_imbalance, activations, started, searched=False
     )
     return _noted(to_plan(solver_, result, provenance), match, seq_note, activations)
-
-
-def as_cluster(cluster: object) -> Cluster:
-    """``cluster`` itself, or the cluster a spec string names, read as the command line
-    reads ``--cluster``: the same words work in both places."""
-    if isinstance(cluster, str):
-        return parse_cluster(cluster)
-    if not isinstance(cluster, Cluster):
-        profile = " (a profile report goes in profile=, or autopar.cluster_from_profiles makes a cluster of it)"
-        raise ClusterError(
-            f"cluster={reprlib.repr(cluster)} is not allowed: give an autopar.Cluster "
-            f"(autopar.preset, autopar.load_cluster) or a spec such as 'dgx-a100-80gb:4'"
-            f"{profile if isinstance(cluster, ProfileReport) else ''}."
-        )
-    return cluster
-
-
-def _option(name: str, value: object, kind: type[E]) -> E:
-    """``value`` as the member of ``kind`` it names, or a ConfigError listing the allowed
-    values (checked before the model is traced, which takes seconds for a large one)."""
-    try:
-        return kind(value)
-    except (ValueError, TypeError):
-        allowed = ", ".join(repr(m.value) for m in kind)
-        raise ConfigError(f"{name}={value!r} is not allowed; use one of {allowed}.") from None
-
-
-MAX_GLOBAL_BATCH = 2**20
-"""The most samples per optimizer step a plan takes: 1,048,576, some 16 times the largest
-published batches (64K images; 16M tokens are 2K sequences of 8K). Beyond it a batch is a
-typo (an exponent, tokens given as samples), and its micro-batch schedules would take
-minutes and gigabytes to build (10 million samples over an interleaved pipeline: 67 s,
-8.4 GB)."""
-
-
-def _check_batch(global_batch_size: object) -> int:
-    """``global_batch_size`` as an int from 1 to :data:`MAX_GLOBAL_BATCH`."""
-    batch = check_positive_int("global_batch_size", global_batch_size)
-    if batch > MAX_GLOBAL_BATCH:
-        raise ConfigError(
-            f"global_batch_size={batch:,} is not allowed: it counts samples (sequences) per optimizer step, at most "
-            f"{MAX_GLOBAL_BATCH:,} here; give the batch in samples, not tokens."
-        )
-    return batch
-
-
-def _check_top(top: object) -> None:
-    """``top`` counts runners-up: an integer >= 0, else a ConfigError."""
-    if isinstance(top, bool) or not isinstance(top, int) or top < 0:
-        raise ConfigError(f"top={top!r} is not allowed: it must be an integer >= 0 (how many runners-up to keep).")
-
-
-def _check_imbalance(value: object) -> None:
-    """``routing_imbalance`` is a real number >= 1 (the busiest rank over the mean)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1.0 <= value < math.inf:
-        raise ConfigError(
-            f"routing_imbalance={value!r} is not allowed: give the busiest expert-parallel rank's routed rows over "
-            f"the mean, a number >= 1 (1.0: a balanced router)."
-        )
 
 
 def _cost_model(
@@ -405,7 +341,7 @@ def model_graph(
     sequence length (a warning says so): for callers that plan one model many times,
     such as :func:`autopar.present.whatif.fewest_nodes`."""
     seq_len, _ = _default_seq_len(model, seq_len, sample_input)
-    return _graph(model, cluster, constraints, seq_len, sample_input, _option("attention", attention, Attention))
+    return _graph(model, cluster, constraints, seq_len, sample_input, option("attention", attention, Attention))
 
 
 def _graph(model, cluster: Cluster, fixed, seq_len, sample_input, attention) -> LayerGraph:

@@ -14,7 +14,7 @@ import autopar
 from autopar import ClusterError, ConfigError, PlanFormatError
 from autopar.cli import build_parser, main
 from autopar.models import GPT, GPTConfig
-from autopar.search.planner import MAX_GLOBAL_BATCH
+from autopar.search.plan_inputs import MAX_GLOBAL_BATCH
 
 TINY = GPTConfig(vocab_size=256, seq_len=64, dim=64, n_layers=2, n_heads=2)
 PLAN = "--model gpt2-small --seq-len 16 --global-batch-size 8"
@@ -355,7 +355,7 @@ def test_cluster_may_be_a_spec_string():
 def test_the_largest_batch_is_planned_and_a_larger_one_refused():
     """The largest batch a plan takes divides over the ranks exactly; 10**18 samples,
     which planned in seconds here but built schedules of gigabytes for an interleaved
-    pipeline, is refused (:data:`autopar.search.planner.MAX_GLOBAL_BATCH`)."""
+    pipeline, is refused (:data:`autopar.search.plan_inputs.MAX_GLOBAL_BATCH`)."""
     plan = autopar.plan(tiny_gpt(), two_cpus(), global_batch_size=MAX_GLOBAL_BATCH, seq_len=16)
     c = plan.config
     assert c.dp * c.micro_batch_size * c.num_microbatches == MAX_GLOBAL_BATCH

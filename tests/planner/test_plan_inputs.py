@@ -9,7 +9,7 @@ from autopar import ConfigError, Recompute
 from autopar.graph import extract
 from autopar.models import GPT, GPTConfig, build_named_model
 from autopar.present.whatif import fewest_nodes
-from autopar.search.planner import MAX_GLOBAL_BATCH
+from autopar.search.plan_inputs import MAX_GLOBAL_BATCH
 
 
 def test_sequence_parallelism_is_refused_where_no_layer_is_split():

@@ -227,3 +227,22 @@ def test_an_eager_step_over_the_device_is_a_note_for_a_compiled_plan():
     assert [p.split("'s measured")[0] for p in eager_report.problems] == ["rank 0", "rank 1"]
     assert all(p.endswith("the plan does not fit as run") for p in eager_report.problems)
     assert eager_report.eager_over_device == ()
+
+
+@pytest.mark.multiprocess
+def test_an_eager_step_far_past_the_plans_own_price_is_a_problem_for_a_compiled_plan():
+    """A compiled plan whose file was edited to 16 samples per micro-batch (the batch
+    arithmetic kept, the prediction left as it was): its measured eager step (3 MiB) is
+    about three times the plan's own eager peak (1 MiB) and overflows a 2 MiB device. It
+    said OK with a note, as for a compiled step that keeps less than its eager twin; it
+    is a problem now. The plan as made, on the same device, stays OK."""
+    plan = make_plan("gpt", dp=1, micro_batch_size=1, num_microbatches=16, compile=True)
+    reserve = max(s.memory.reserve_bytes for s in plan.prediction.stages)
+    device = dataclasses.replace(plan.prediction, memory_capacity_bytes=reserve + 2 * 2**20)
+    made = dataclasses.replace(plan, prediction=device)
+    edited = dataclasses.replace(made, config=dataclasses.replace(plan.config, micro_batch_size=16, num_microbatches=1))
+    reports = [dry_run(lambda: build("gpt", "meta"), p, ranks=[0], measure=True) for p in (made, edited)]
+    assert reports[0].ok, reports[0].problems
+    (problem,) = reports[1].problems
+    assert problem.startswith("rank 0's measured step peaks at") and "a hand-edited plan?" in problem
+    assert reports[1].ranks[0].measured.peak_bytes > 2.5 * plan.prediction.memory_bytes_per_device

@@ -45,7 +45,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -75,7 +75,9 @@ _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 @dataclass(kw_only=True)
 class CheckpointParts:
     """What a rank saves: its stage modules, their optimizers (None where it owns no
-    optimizer state), the names of tied parameters, and its place in the world."""
+    optimizer state), the names of tied parameters, and its place in the world; the
+    plan's short form, and the model's name and fingerprint (``ModelSummary``), which a
+    load checks."""
 
     modules: list[nn.Module]
     optimizers: list[Optimizer | None]
@@ -83,6 +85,8 @@ class CheckpointParts:
     world_size: int
     aliases: tuple[tuple[str, ...], ...] = field(default_factory=tuple)
     summary: str = ""
+    model: str = ""
+    model_fingerprint: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,15 +160,15 @@ def save(
     try:
         dcp.save(state, checkpoint_id=str(tmp))
     except dcp.api.CheckpointException as exc:  # a BaseException, raised on every rank alike
-        if parts.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(
-            f"checkpoint step {step} could not be written under {str(root)!r}: {_cause(exc)}; the previous "
-            f"checkpoints are untouched. Free space or fix the path, then save again."
-        ) from None
-    (tmp / "rng").mkdir(exist_ok=True)
-    torch.save(_rng_state(), tmp / "rng" / f"rank-{parts.rank}.pt")
-    dist.barrier()
+        _abandon(parts, tmp, step, root, _cause(exc))
+    try:  # each rank's generators: a disk that fills now fails some ranks, and every rank must know
+        (tmp / "rng").mkdir(exist_ok=True)
+        torch.save(_rng_state(), tmp / "rng" / f"rank-{parts.rank}.pt")
+        failure = None
+    except (OSError, RuntimeError) as exc:  # torch.save's writer says a short write as a RuntimeError
+        failure = f"rank {parts.rank}: {type(exc).__name__}: {first_line(exc)}"
+    _abandon_on(_first_failure(failure), parts, tmp, step, root)
+    failure = None
     if parts.rank == 0:
         meta = {
             "format": FORMAT_VERSION,
@@ -173,10 +177,17 @@ def save(
             "global_batch_size": global_batch_size,
             "world_size": parts.world_size,
             "plan": parts.summary,
+            "model": parts.model,
+            "model_fingerprint": parts.model_fingerprint,
             "loss_scale": dict(loss_scale) if loss_scale is not None else None,
             "files": _manifest(tmp),
         }
-        _write_synced(tmp / _META, json.dumps(meta, indent=1))
+        try:
+            _write_synced(tmp / _META, json.dumps(meta, indent=1))
+        except OSError as exc:
+            failure = f"rank 0: {type(exc).__name__}: {first_line(exc)}"
+    _abandon_on(_first_failure(failure), parts, tmp, step, root)
+    if parts.rank == 0:
         if final.exists():
             old = root / f".{final.name}.old"
             shutil.rmtree(old, ignore_errors=True)
@@ -231,6 +242,7 @@ def load(
             f"checkpoint {str(path)!r} has format {meta.get('format')!r}; this autopar reads formats "
             f"{', '.join(map(str, READABLE_FORMATS))}. Load it with the autopar version that wrote it."
         )
+    _check_model(meta, parts, path)
     _check_files(path, meta.get("files", {}), step)
     position = _data_position(meta, global_batch_size, path)
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
@@ -271,6 +283,45 @@ def load(
         path=str(path),
         loss_scale=meta.get("loss_scale"),
     )
+
+
+def _check_model(meta: Mapping[str, Any], parts: CheckpointParts, path: Path) -> None:
+    """Refuse a checkpoint saved from another model (its fingerprint, where both know
+    one): DCP loads what this job's model names and drops the rest, so a model with
+    fewer layers took its tensors and trained on without a word."""
+    saved = meta.get("model_fingerprint") or ""
+    if saved and parts.model_fingerprint and saved != parts.model_fingerprint:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} was saved from {meta.get('model') or 'another model'} (fingerprint {saved}) "
+            f"but this job trains {parts.model or 'a model'} (fingerprint {parts.model_fingerprint}): it would load "
+            f"the tensors whose names match and drop the rest. Load it into the model it was saved from (any plan "
+            f"of it), or read its tensors yourself with torch.distributed.checkpoint."
+        )
+
+
+def _first_failure(failure: str | None) -> str | None:
+    """The first rank's failure of a write every rank made (None where all wrote),
+    known to every rank: so that all raise together, none waiting at the next barrier."""
+    gathered: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, failure)
+    return next((f for f in gathered if f), None)
+
+
+def _abandon_on(failure: str | None, parts: CheckpointParts, tmp: Path, step: int, root: Path) -> None:
+    """:func:`_abandon` where a rank failed."""
+    if failure is not None:
+        _abandon(parts, tmp, step, root, failure)
+
+
+def _abandon(parts: CheckpointParts, tmp: Path, step: int, root: Path, cause: str) -> NoReturn:
+    """Remove the partial checkpoint (rank 0) and raise its CheckpointError on every rank:
+    ``latest`` and the checkpoints before are untouched."""
+    if parts.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    raise CheckpointError(
+        f"checkpoint step {step} could not be written under {str(root)!r}: {cause}; the previous "
+        f"checkpoints are untouched. Free space or fix the path, then save again."
+    ) from None
 
 
 def _cause(exc: BaseException) -> str:

@@ -370,6 +370,8 @@ class Job:
             world_size=dist.get_world_size(),
             aliases=tuple(t.fqns for t in self._p.tied),
             summary=self.plan.config.short(),
+            model=self.plan.model.name,
+            model_fingerprint=self.plan.model.fingerprint,
         )
 
 

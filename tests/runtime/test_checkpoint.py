@@ -290,6 +290,26 @@ def test_a_plan_of_another_global_batch_resumes_at_the_same_sample(tmp_path):
     assert kind == "CheckpointError" and "has a damaged autopar.json" in message
 
 
+def _save_six_blocks(rank, world, plan, path):
+    job = parallelize(build("gpt-6-blocks"), plan, loss_fn=token_loss)
+    job.optimizer(torch.optim.SGD, lr=LR, momentum=MOMENTUM)
+    job.save_checkpoint(path, step=1)
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_both(tmp_path):
+    """Saved from a GPT of 6 blocks, loaded into one of 4 (every name it holds is in the
+    checkpoint): DCP loaded the 4 blocks' tensors, dropped the other 2 and training went
+    on. The load is refused on every rank, naming both fingerprints."""
+    saver = make_plan("gpt-6-blocks", dp=2)
+    run(_save_six_blocks, 2, saver, str(tmp_path), timeout_s=120)
+    loader = make_plan("gpt", dp=2)
+    assert loader.model.fingerprint != saver.model.fingerprint
+    for kind, message in run(_load_position, 2, loader, str(tmp_path), timeout_s=120):
+        assert kind == "CheckpointError" and "\n" not in message
+        assert f"was saved from GPT (fingerprint {saver.model.fingerprint})" in message
+        assert f"but this job trains GPT (fingerprint {loader.model.fingerprint})" in message
+
+
 def _save_on_a_full_disk(rank, world, plan, path):
     """Step 1 saved; step 2's writes fail as a full disk fails them, inside DCP's writer."""
     import errno
@@ -320,6 +340,51 @@ def test_a_save_that_fails_is_one_typed_error_and_leaves_nothing_behind(tmp_path
     for kind, message in run(_save_on_a_full_disk, 2, plan, str(tmp_path), timeout_s=120):
         assert kind == "CheckpointError" and "checkpoint step 2 could not be written" in message
         assert "No space left on device" in message and "\n" not in message
+    assert latest_step(tmp_path) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001"]
+
+
+def _save_filling_the_disk_after_dcp(rank, world, plan, path, where):
+    """Step 1 saved; step 2's shards are written, then the disk fills: under rank 1's
+    random generators (``rng``) or rank 0's ``autopar.json`` (``meta``)."""
+    import errno
+
+    job = parallelize(build("gpt"), plan, loss_fn=token_loss)
+    job.optimizer(torch.optim.SGD, lr=LR, momentum=MOMENTUM)
+    job.save_checkpoint(path, step=1)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if where == "rng" and rank == 1:  # the checkpoint module's torch.save only: DCP's writer keeps its own
+
+        class TorchSavingNothing:
+            save = staticmethod(full)
+
+            def __getattr__(self, name):
+                return getattr(torch, name)
+
+        ckpt_module.torch = TorchSavingNothing()
+    if where == "meta" and rank == 0:
+        ckpt_module._write_synced = full
+    try:
+        job.save_checkpoint(path, step=2)
+    except CheckpointError as exc:
+        return "CheckpointError", str(exc)
+    return "saved", ""
+
+
+@pytest.mark.parametrize("where, failed", [("rng", "rank 1"), ("meta", "rank 0")])
+def test_a_disk_that_fills_after_the_shards_is_one_typed_error_on_every_rank(tmp_path, where, failed):
+    """The shards written, one rank's own files fail (its generators' state, or rank 0's
+    autopar.json): that rank raised a bare OSError (or torch.save's RuntimeError) while
+    the others went on, and the partial directory stayed on the full disk. Every rank
+    raises the failed rank's CheckpointError, the partial directory is removed, and the
+    previous checkpoint stays the latest."""
+    plan = make_plan("gpt", dp=2)
+    for kind, message in run(_save_filling_the_disk_after_dcp, 2, plan, str(tmp_path), where, timeout_s=120):
+        assert kind == "CheckpointError" and "checkpoint step 2 could not be written" in message
+        assert f"{failed}: OSError: [Errno 28] No space left on device" in message and "\n" not in message
     assert latest_step(tmp_path) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001"]
 

@@ -60,11 +60,7 @@ NO_ALL_TO_ALL = ExpertExchange()
 def routed_bytes(profile: UnitProfile, ctx: TPContext) -> list[float]:
     """Bytes each mixture-of-experts layer of the unit sends per all-to-all and
     micro-batch on the busiest rank (module docstring)."""
-    return [
-        leaf.routed_bytes * ctx.micro_batch * (ctx.routing_imbalance if leaf.dropless else 1.0)
-        for leaf in profile.leaves
-        if leaf.experts
-    ]
+    return [leaf.routed_bytes * ctx.micro_batch * ctx.row_skew(leaf) for leaf in profile.leaves if leaf.experts]
 
 
 def expert_exchange(profile: UnitProfile, ctx: TPContext) -> ExpertExchange:

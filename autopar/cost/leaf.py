@@ -127,14 +127,19 @@ class TPContext:
         (:func:`autopar.cost.fp8.saved_bytes`); autopar's runtime keeps them in bf16."""
         return self.fp8 and not self.batch_first
 
+    def row_skew(self, leaf: Leaf) -> float:
+        """The busiest rank's routed rows of ``leaf`` over the mean: ``routing_imbalance``
+        for dropless experts under expert parallelism, else 1 (fixed-capacity experts and
+        every other leaf run the same rows on every rank). Their compute, exchanged
+        bytes and kept activations all scale by it."""
+        return self.routing_imbalance if leaf.experts and leaf.dropless and self.ep > 1 else 1.0
+
     def leaf_saved_bytes(self, profile: UnitProfile, index: int, styles: tuple[TPStyle, ...]) -> float:
         """Activation bytes leaf ``index`` of ``profile`` keeps per sample under ``styles``
         (:func:`autopar.cost.fp8.saved_bytes`); of dropless experts under expert
         parallelism, the busiest rank's: ``routing_imbalance`` times the mean, as its
         rows are (its router's few per-token bytes scaled with them)."""
-        leaf = profile.leaves[index]
-        skew = self.routing_imbalance if leaf.experts and leaf.dropless and self.ep > 1 else 1.0
-        return skew * fp8.saved_bytes(
+        return self.row_skew(profile.leaves[index]) * fp8.saved_bytes(
             profile,
             index,
             styles,
@@ -229,7 +234,7 @@ def leaf_fwd_s(leaf: Leaf, style: TPStyle, ctx: TPContext) -> float:
         # a rank reads 1/ep of the stack, and runs the rows routed to it: the busiest
         # rank's share of dropless rows sets the pace
         weights -= weights * leaf.expert_numel / leaf.param_numel * (1 - 1 / ctx.ep)
-        matmul += leaf.expert_flops * (ctx.routing_imbalance - 1) if leaf.dropless else 0.0
+        matmul += leaf.expert_flops * (ctx.row_skew(leaf) - 1)
     overhead = dispatch_s(ctx.host, leaf.kernels(ctx.compile)) + tp_dispatch_s(
         ctx.host, sharded=style is not TPStyle.REPLICATE and ctx.tp > 1
     )

@@ -79,25 +79,49 @@ PROFILE_SCHEMA = "autopar-profile"
 """The tag every profile report carries (and plan and cluster files do not)."""
 
 
-def file_kind(data: Any) -> tuple[str, str] | None:
-    """Which of autopar's files ``data`` (a file's parsed JSON) is, and what takes it: so
-    that a loader given another kind names what it was given, not a missing field of its
-    own (None: none of them)."""
+_FILE_KINDS = {
+    "profile": (
+        "a profile report",
+        "'autopar profile' wrote it: pass it to planning as --profile (profile= in autopar.plan), or render it with "
+        "'autopar profile report'",
+    ),
+    "plan": (
+        "a plan file",
+        "'autopar plan --out' wrote it: give it to 'autopar report', 'autopar export', 'autopar run --plan' or "
+        "'autopar dry-run --plan' (Plan.load)",
+    ),
+    "cluster": (
+        "a cluster file",
+        "'autopar presets --save' writes one: pass it as --cluster (cluster= in autopar.plan)",
+    ),
+}
+
+
+def file_kind(data: Any) -> str | None:
+    """Which of autopar's files ``data`` (a file's parsed JSON) is: ``profile``, ``plan``
+    or ``cluster`` (None: none of them)."""
     if not isinstance(data, dict):
         return None
     if data.get("schema") == PROFILE_SCHEMA:
-        return "a profile report", (
-            "'autopar profile' wrote it: pass it to planning as --profile (profile= in autopar.plan), or render it "
-            "with 'autopar profile report'"
-        )
+        return "profile"
     if {"config", "layer_strategies", "prediction"} <= data.keys():
-        return "a plan file", (
-            "'autopar plan --out' wrote it: give it to 'autopar report', 'autopar export', 'autopar run --plan' or "
-            "'autopar dry-run --plan' (Plan.load)"
-        )
+        return "plan"
     if {"nodes", "devices_per_node", "device"} <= data.keys():
-        return "a cluster file", "'autopar presets --save' writes one: pass it as --cluster (cluster= in autopar.plan)"
+        return "cluster"
     return None
+
+
+def misfiled(data: Any, own: str, expected: str) -> str | None:
+    """Where ``data`` is another of autopar's files than ``own`` (:func:`file_kind`), what
+    it is and what takes it (``is a plan file, not a cluster ('autopar plan --out' wrote
+    it: ...)``, ``expected`` naming what was wanted): so that a loader given another kind
+    says so, not a missing field of its own. None where it is not one of them, or is
+    ``own``."""
+    kind = file_kind(data)
+    if kind is None or kind == own:
+        return None
+    name, how = _FILE_KINDS[kind]
+    return f"is {name}, not {expected} ({how})"
 
 
 def write_atomically(path: str | Path, text: str) -> Path:

@@ -364,9 +364,9 @@ class Plan:
         """Parse plan data; raises PlanFormatError naming any bad field."""
         if not isinstance(data, dict):
             raise PlanFormatError(f"{origin}: expected a JSON object, got {type(data).__name__}.")
-        kind = codec.file_kind(data)
-        if kind is not None and kind[0] != "a plan file":
-            raise PlanFormatError(f"{origin} is {kind[0]}, not a plan ({kind[1]}).")
+        other = codec.misfiled(data, "plan", "a plan")
+        if other:
+            raise PlanFormatError(f"{origin} {other}.")
         version = data.get("schema_version")
         if "schema_version" not in data and "config" not in data:
             keys = ", ".join(sorted(map(str, data))[:5]) or "none"

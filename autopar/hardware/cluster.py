@@ -107,7 +107,7 @@ def load_cluster(path: str | Path) -> Cluster:
             f"--profile {str(path)!r} beside a cluster such as --cluster local-cpu:1 (profile= in autopar.plan), or "
             f"make a cluster of it with autopar.cluster_from_profiles."
         )
-    kind = codec.file_kind(data)
-    if kind is not None and kind[0] == "a plan file":
-        raise ClusterError(f"cluster file {str(path)!r} is {kind[0]}, not a cluster ({kind[1]}).")
+    other = codec.misfiled(data, "cluster", "a cluster")
+    if other:
+        raise ClusterError(f"cluster file {str(path)!r} {other}.")
     return cluster_from_dict(data, origin=f"cluster file {str(path)!r}")

@@ -48,9 +48,9 @@ class ProfileReport:
         """Build from :meth:`to_dict` output; errors name the file and the bad field."""
         if not isinstance(data, dict):
             raise ProfileFormatError(f"{origin}: a profile report is a JSON object, got {type(data).__name__}.")
-        kind = codec.file_kind(data)
-        if kind is not None and data.get("schema") != SCHEMA:
-            raise ProfileFormatError(f"{origin} is {kind[0]}, not a profile report ({kind[1]}).")
+        other = codec.misfiled(data, "profile", "a profile report")
+        if other:
+            raise ProfileFormatError(f"{origin} {other}.")
         if data.get("schema") != SCHEMA:
             raise ProfileFormatError(
                 f"{origin}: not an autopar profile report (its 'schema' is "

@@ -310,8 +310,10 @@ def test_a_checkpoint_of_another_model_is_refused_naming_both(tmp_path):
         assert f"but this job trains GPT (fingerprint {loader.model.fingerprint})" in message
 
 
-def _save_on_a_full_disk(rank, world, plan, path):
-    """Step 1 saved; step 2's writes fail as a full disk fails them, inside DCP's writer."""
+def _save_on_a_full_disk(rank, world, plan, path, where="dcp"):
+    """Step 1 saved; step 2's writes fail as a full disk fails them: inside DCP's writer
+    (``dcp``, every rank), or once the shards are written, under rank 1's random
+    generators (``rng``) or rank 0's ``autopar.json`` (``meta``)."""
     import errno
 
     import torch.distributed.checkpoint.filesystem as fs
@@ -323,7 +325,19 @@ def _save_on_a_full_disk(rank, world, plan, path):
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    fs._write_item = full
+    if where == "dcp":
+        fs._write_item = full
+    if where == "rng" and rank == 1:  # the checkpoint module's torch.save only: DCP's writer keeps its own
+
+        class TorchSavingNothing:
+            save = staticmethod(full)
+
+            def __getattr__(self, name):
+                return getattr(torch, name)
+
+        ckpt_module.torch = TorchSavingNothing()
+    if where == "meta" and rank == 0:
+        ckpt_module._write_synced = full
     try:
         job.save_checkpoint(path, step=2)
     except CheckpointError as exc:
@@ -344,36 +358,6 @@ def test_a_save_that_fails_is_one_typed_error_and_leaves_nothing_behind(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001"]
 
 
-def _save_filling_the_disk_after_dcp(rank, world, plan, path, where):
-    """Step 1 saved; step 2's shards are written, then the disk fills: under rank 1's
-    random generators (``rng``) or rank 0's ``autopar.json`` (``meta``)."""
-    import errno
-
-    job = parallelize(build("gpt"), plan, loss_fn=token_loss)
-    job.optimizer(torch.optim.SGD, lr=LR, momentum=MOMENTUM)
-    job.save_checkpoint(path, step=1)
-
-    def full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    if where == "rng" and rank == 1:  # the checkpoint module's torch.save only: DCP's writer keeps its own
-
-        class TorchSavingNothing:
-            save = staticmethod(full)
-
-            def __getattr__(self, name):
-                return getattr(torch, name)
-
-        ckpt_module.torch = TorchSavingNothing()
-    if where == "meta" and rank == 0:
-        ckpt_module._write_synced = full
-    try:
-        job.save_checkpoint(path, step=2)
-    except CheckpointError as exc:
-        return "CheckpointError", str(exc)
-    return "saved", ""
-
-
 @pytest.mark.parametrize("where, failed", [("rng", "rank 1"), ("meta", "rank 0")])
 def test_a_disk_that_fills_after_the_shards_is_one_typed_error_on_every_rank(tmp_path, where, failed):
     """The shards written, one rank's own files fail (its generators' state, or rank 0's
@@ -382,7 +366,7 @@ def test_a_disk_that_fills_after_the_shards_is_one_typed_error_on_every_rank(tmp
     raises the failed rank's CheckpointError, the partial directory is removed, and the
     previous checkpoint stays the latest."""
     plan = make_plan("gpt", dp=2)
-    for kind, message in run(_save_filling_the_disk_after_dcp, 2, plan, str(tmp_path), where, timeout_s=120):
+    for kind, message in run(_save_on_a_full_disk, 2, plan, str(tmp_path), where, timeout_s=120):
         assert kind == "CheckpointError" and "checkpoint step 2 could not be written" in message
         assert f"{failed}: OSError: [Errno 28] No space left on device" in message and "\n" not in message
     assert latest_step(tmp_path) == 1

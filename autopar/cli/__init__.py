@@ -197,9 +197,9 @@ def check_outputs(args: argparse.Namespace) -> None:
     built and searched (the plan would be lost after the search)."""
     check_output("--out", args.out)
     check_output("--html", args.html)
-    config = args.model_config
-    if config is not None and Path(config).is_dir():
-        config = Path(config) / "config.json"
+    from autopar.models.hf_config import config_file
+
+    config = config_file(args.model_config) if args.model_config is not None else None
     check_distinct(
         {"--out": args.out, "--html": args.html},
         {"--cluster": args.cluster, "--model-config": config, "--profile": args.profile},

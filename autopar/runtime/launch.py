@@ -253,7 +253,7 @@ def _check_torchrun_accepts(launch: argparse.Namespace) -> None:
     try:
         torchrun.config_from_args(launch)
     except (AssertionError, ValueError, RuntimeError, OSError) as exc:  # OSError: --log-dir is a file
-        raise ConfigError(f"torchrun refuses these arguments: {_one_line(exc)}; see 'autopar run --help'.") from None
+        raise ConfigError(_torchrun_refuses(exc)) from None
     finally:
         torchrun.logger.setLevel(saved_level)
         os.environ.clear()
@@ -325,10 +325,7 @@ def run_command(args: argparse.Namespace) -> int:
         print("autopar run: interrupted before any rank started", file=sys.stderr)
         return 128 + signal.SIGINT
     except ValueError as exc:  # what torchrun reads only as it starts: an unknown --rdzv-backend
-        print(
-            f"autopar run: torchrun refuses these arguments: {_one_line(exc)}; see 'autopar run --help'.",
-            file=sys.stderr,
-        )
+        print(f"autopar run: {_torchrun_refuses(exc)}", file=sys.stderr)
         return 2
     return 0
 
@@ -344,9 +341,10 @@ def check_fits(plan: Plan) -> None:
         )
 
 
-def _one_line(exc: BaseException) -> str:
-    """``exc``'s message on one line, or its type where it has none."""
-    return " ".join(str(exc).split()) or type(exc).__name__
+def _torchrun_refuses(exc: BaseException) -> str:
+    """One line for what torchrun refused, as it reads the arguments or as it starts."""
+    detail = " ".join(str(exc).split()) or type(exc).__name__
+    return f"torchrun refuses these arguments: {detail}; see 'autopar run --help'."
 
 
 def _rendezvous_failed(exc: Exception, launch: argparse.Namespace) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from autopar.codec import check_distinct, check_output, write_atomically, write_output
-from autopar.errors import AutoparError, out_of_memory
+from autopar.errors import AutoparError, first_line, out_of_memory
 from profiler.errors import MeasurementError, ProfilerError, SettingsError
 from profiler.model_loading import load_model
 
@@ -310,7 +310,7 @@ def _join(dist: Any, backend: str, timeout_s: float) -> None:
     except dist.DistError as exc:
         env = os.environ
         where = f"{env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}"
-        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        cause = first_line(exc)
         raise MeasurementError(
             f"rank {env.get('RANK', '?')} of {env.get('WORLD_SIZE', '?')} could not join the process group at "
             f"{where} within --timeout {timeout_s:g} s ({cause}); start every rank of the launch, check that "

@@ -100,6 +100,22 @@ class Schedule(StrEnum):
         return tuple(range(rank, num_stages, pp))
 
 
+SPLIT_BACKWARD_EAGER = (
+    "torch 2.13 splits the backward into input and weight gradients for eager blocks only: its zero-bubble "
+    "schedules refuse torch.compile'd stage modules, and a compiled block's backward fails when run again for the "
+    "weight gradients"
+)
+"""Why a zero-bubble schedule (:attr:`Schedule.zero_bubble`) runs eager blocks: what the
+search leaves out and the constraints and the runtime refuse."""
+
+SPLIT_BACKWARD_RECOMPUTE = (
+    "torch 2.13's split backward reruns a checkpointed unit's forward in the weight-gradient step once per "
+    "group of parameters (9 times for a Llama block), and per-operator checkpointing refuses that second backward"
+)
+"""Why a zero-bubble schedule's units recompute nothing or only the attention cores
+(``none``, ``selective``): what the search offers it."""
+
+
 class Recompute(StrEnum):
     """Activation recomputation of a unit.
 

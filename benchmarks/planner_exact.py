@@ -125,7 +125,7 @@ def whole() -> list[dict[str, str]]:
     runs.append(
         ("GPT 2 blocks, 2 nodes, ZeRO-3, tp=1 (HSDP)", (0.012, 0.03), gpt, 2, (1, 2), {"tp": 1, "zero_stage": 3})
     )
-    # 16K tokens: cp=2 and cp=4 keep 8K and 4K tokens per rank (autopar.search.space.CP_MIN_TOKENS): candidates
+    # 16K tokens: cp=2 and cp=4 keep 8K and 4K tokens per rank (autopar.search.context_degrees.CP_MIN_TOKENS): candidates
     long_gpt = extract(
         GPT(GPTConfig(vocab_size=512, seq_len=16384, dim=128, n_layers=2, n_heads=4)), seq_len=16384, dtype="bf16"
     )

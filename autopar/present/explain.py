@@ -8,7 +8,7 @@ from collections import Counter, defaultdict
 from autopar.errors import ConfigError
 from autopar.plan import ParallelConfig, Plan
 from autopar.present.units import byte_unit, count, duration, per_second, size
-from autopar.vocab import DType, Recompute
+from autopar.vocab import SPLIT_BACKWARD_EAGER, DType, Recompute
 
 
 def _batch(samples: int, seq_len: int) -> str:
@@ -173,6 +173,8 @@ def _option_line(plan: Plan, option: str, label: str, ways: tuple[str, str, str,
     where the option is off and was not priced (the device cannot use it)."""
     on, off, other_when_on, other_when_off = ways
     enabled = getattr(plan.config, option)
+    if option == "compile" and plan.config.schedule.zero_bubble and plan.config.pp > 1:
+        off += f", as {plan.config.schedule.value} needs them ({SPLIT_BACKWARD_EAGER})"
     found = [a for a in plan.alternatives if a.status == option]
     if not (always or enabled or found):
         return []

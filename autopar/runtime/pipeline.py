@@ -45,7 +45,7 @@ from autopar.graph.decoders import decoder_blocks, uncuttable_unit
 from autopar.plan import Plan
 from autopar.runtime.decoder_stages import make_stage
 from autopar.runtime.errors import PipelineError
-from autopar.vocab import Schedule
+from autopar.vocab import SPLIT_BACKWARD_EAGER, SPLIT_BACKWARD_RECOMPUTE, Recompute, Schedule
 
 SCHEDULES = {
     Schedule.GPIPE: ScheduleGPipe,
@@ -76,6 +76,17 @@ def check_schedule(plan: Plan) -> None:
             f"schedule {cfg.schedule.value!r} with zero_stage=3 is refused: with FSDP2 resharding after forward, "
             f"torch 2.13's split backward (input gradients, weight gradients later) trained to wrong losses in "
             f"autopar's parity test. Use zero_stage <= 2 or schedule 'interleaved-1f1b'."
+        )
+    if cfg.schedule.zero_bubble and cfg.compile and pp > 1:
+        raise PipelineError(
+            f"schedule {cfg.schedule.value!r} with compiled blocks is refused: {SPLIT_BACKWARD_EAGER}. Plan with "
+            f"--set compile=false (compile=False) or schedule 'interleaved-1f1b'."
+        )
+    modes = {cfg.recompute, *plan.layer_strategies.recompute.values()}
+    if cfg.schedule.zero_bubble and pp > 1 and Recompute.OP in modes:
+        raise PipelineError(
+            f"schedule {cfg.schedule.value!r} with recompute 'op' is refused: {SPLIT_BACKWARD_RECOMPUTE}. Plan with "
+            f"recompute 'none' or 'selective', or schedule 'interleaved-1f1b'."
         )
     if cfg.schedule in (Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZB):
         rounds = max(1, m // pp)

@@ -19,9 +19,11 @@ from autopar.hardware.cluster import MAX_DEVICES
 from autopar.models.experts import ROUTED_FORM
 from autopar.plan import Alternative, LayerStrategies, ModelSummary, ParallelConfig, Plan, PlanSettings
 from autopar.present.units import count, size
+from autopar.search.context_degrees import CP_MIN_TOKENS, ring_blocker
 from autopar.search.scan import SearchResult
+from autopar.search.schedules import allowed_modes
 from autopar.search.solve import ConfigSolver, Outcome
-from autopar.search.space import CP_MIN_TOKENS, CUT_NOTE, enumerate_space, ring_blocker
+from autopar.search.space import CUT_NOTE, enumerate_space
 from autopar.vocab import DType, Optimizer, Recompute, TPStyle
 
 
@@ -135,7 +137,7 @@ def infeasible_error(
     best = _least_memory(result, solver, modes)
     cap = cluster.device.memory.capacity_bytes
     searched_full = fixed.get("recompute", Recompute.FULL) is Recompute.FULL
-    cfg = best.config if not searched_full else replace(best.config, recompute=Recompute.FULL)
+    cfg = best.config if not searched_full else replace(best.config, recompute=allowed_modes(best.config, modes)[0])
     hints = []
 
     def unpinned(pin: str, hint: str, mode: Recompute) -> str:
@@ -240,7 +242,8 @@ def _frugal_variants(space: list[ParallelConfig], recompute: Recompute, batch_fi
     so more of them add none), sharding most (the highest ZeRO stage, plain FSDP), with
     sequence parallelism and kept gather shards where it has them, and FP8 only where
     its layers keep their inputs in FP8 (not ``batch_first``): what holds least, without
-    sizing every option of each."""
+    sizing every option of each. A zero-bubble schedule takes the mode it allows in place
+    of ``recompute`` (:func:`autopar.search.schedules.allowed_modes`)."""
 
     def key(c: ParallelConfig) -> tuple[Any, ...]:
         return (c.dp, c.tp, c.pp, c.cp, c.ep, c.schedule, c.virtual_stages)
@@ -259,7 +262,7 @@ def _frugal_variants(space: list[ParallelConfig], recompute: Recompute, batch_fi
     for c in space:
         if key(c) not in chosen or thrift(c) > thrift(chosen[key(c)]):
             chosen[key(c)] = c
-    return [replace(c, recompute=recompute) for c in chosen.values()]
+    return [replace(c, recompute=allowed_modes(c, (recompute,))[0]) for c in chosen.values()]
 
 
 def _space_at(graph: LayerGraph, solver: ConfigSolver, fixed: Mapping[str, Any], nodes: int) -> list[ParallelConfig]:
@@ -350,7 +353,7 @@ def _alternatives(result: SearchResult, solver: ConfigSolver, modes: tuple[Recom
         over = o.min_memory_bytes - cap
         out.append(
             Alternative(
-                config=replace(o.config, recompute=modes[0]),  # as it was sized
+                config=replace(o.config, recompute=allowed_modes(o.config, modes)[0]),  # as it was sized
                 status="out-of-memory",
                 step_time_s=0.0,
                 memory_bytes_per_device=o.min_memory_bytes,

@@ -15,7 +15,7 @@ from typing import Any
 from autopar.errors import ConfigError, DeviceCountError
 from autopar.plan import ParallelConfig
 from autopar.search.integers import divisors
-from autopar.vocab import ZERO_STAGES, DType, Recompute, Schedule
+from autopar.vocab import SPLIT_BACKWARD_EAGER, SPLIT_BACKWARD_RECOMPUTE, ZERO_STAGES, DType, Recompute, Schedule
 
 CONFIG_FIELDS = tuple(f.name for f in fields(ParallelConfig))
 
@@ -112,6 +112,19 @@ def check_constraints(
                         else "."
                     )
                 )
+    schedule = out.get("schedule")
+    if schedule is not None and schedule.zero_bubble:  # torch splits the backward of eager blocks only
+        if out.setdefault("compile", False):
+            by = " (asynchronous TP, async_tp=True, runs in compiled blocks)" if out.get("async_tp") else ""
+            raise ConfigError(
+                f"constraint schedule={schedule.value!r} with compile=True{by} is not allowed: {SPLIT_BACKWARD_EAGER}; "
+                f"use compile=False or schedule='interleaved-1f1b'."
+            )
+        if out.get("recompute") in (Recompute.FULL, Recompute.OP):
+            raise ConfigError(
+                f"constraint schedule={schedule.value!r} with recompute={out['recompute'].value!r} is not allowed: "
+                f"{SPLIT_BACKWARD_RECOMPUTE}; use recompute='none' or 'selective', or schedule='interleaved-1f1b'."
+            )
     if out.get("pp") == 1 and out.get("virtual_stages", 1) > 1:
         raise ConfigError(
             f"constraint virtual_stages={out['virtual_stages']} with pp=1 is not allowed: it counts the stages of "

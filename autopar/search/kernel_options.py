@@ -34,8 +34,12 @@ def check_async_tp(constraints: Mapping[str, Any], cluster: Cluster) -> None:
         )
 
 
-def compile_options(c: Mapping[str, Any], cluster: Cluster) -> list[bool]:
-    """Whether to compile the blocks: as fixed, else where the device compiles."""
+def compile_options(c: Mapping[str, Any], cluster: Cluster, *, split_backward: bool = False) -> list[bool]:
+    """Whether to compile the blocks: as fixed, else where the device compiles; eager
+    only under a schedule that splits the backward (:data:`autopar.vocab.SPLIT_BACKWARD_EAGER`),
+    none there where compiling is fixed."""
+    if split_backward:
+        return [] if c.get("compile") else [False]
     return [c["compile"]] if "compile" in c else [cluster.device.compiles]
 
 

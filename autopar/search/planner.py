@@ -37,13 +37,14 @@ from autopar.profiles.apply import Measurements, measurements
 from autopar.profiles.identity import LayerProfileMatch, match_layer_profile
 from autopar.search.assemble import Provenance, idle_sequence_parallel, infeasible_error, to_plan
 from autopar.search.constraints import check_constraints, check_degrees
+from autopar.search.context_degrees import CP_MIN_TOKENS, ring_blocker, ring_splits
 from autopar.search.experts import check_routing_imbalance
 from autopar.search.ilp import check_solver
 from autopar.search.kernel_options import check_async_tp, check_fp8
 from autopar.search.plan_inputs import as_cluster, check_batch, check_imbalance, check_top, option
 from autopar.search.scan import decided, search
 from autopar.search.solve import ConfigSolver, Outcome
-from autopar.search.space import CP_MIN_TOKENS, micro_batch_range, ring_blocker, ring_splits
+from autopar.search.space import micro_batch_range
 from autopar.vocab import ActivationLayout, Attention, DType, Optimizer, Recompute
 
 P = ParamSpec("P")
@@ -154,8 +155,8 @@ def plan(
 
 
 def _cp_below_floor(graph: LayerGraph, devices: int, constraints: Mapping[str, Any]) -> list[int]:
-    """The context-parallel degrees :func:`~autopar.search.space.cp_degrees` leaves out only for
-    :data:`~autopar.search.space.CP_MIN_TOKENS`: those dividing the ``devices`` the fixed ``dp``, ``tp`` and
+    """The context-parallel degrees :func:`~autopar.search.context_degrees.cp_degrees` leaves out only for
+    :data:`~autopar.search.context_degrees.CP_MIN_TOKENS`: those dividing the ``devices`` the fixed ``dp``, ``tp`` and
     ``pp`` leave (the whole remainder where all three are fixed) that split the sequence
     into ``2 d`` chunks and that ring attention could run, none where ``cp`` is fixed or the
     sequence is shorter than the floor itself. A plan says it did not search them, so that
@@ -172,7 +173,7 @@ def _cp_below_floor(graph: LayerGraph, devices: int, constraints: Mapping[str, A
 
 def _cp_floor_note(degrees: list[int], seq_len: int) -> str:
     """What a plan says of the context-parallel degrees its search left out for
-    :data:`~autopar.search.space.CP_MIN_TOKENS` (:func:`_cp_below_floor`)."""
+    :data:`~autopar.search.context_degrees.CP_MIN_TOKENS` (:func:`_cp_below_floor`)."""
     shown = ", ".join(map(str, degrees[:4])) + (", ..." if len(degrees) > 4 else "")
     return (
         f"Context parallelism was searched only where each rank keeps at least {CP_MIN_TOKENS:,} tokens of a "

@@ -243,8 +243,10 @@ def option_contrasts(solver: ConfigSolver, best: ParallelConfig, modes: tuple[Re
     has FP8 matmuls and the plan is in bf16, and with its tensor parallelism the other
     way (asynchronous or not) where that applies; priced, those that fit: what each option
     is worth on this plan, whichever way it was decided; likewise keeping the shards of
-    sequence-parallel gathers (``regather``) where the blocks are eager."""
-    others = [replace(best, compile=not best.compile, async_tp=False, regather=False)]
+    sequence-parallel gathers (``regather``) where the blocks are eager. A schedule that
+    splits the backward runs eager blocks only (:data:`autopar.vocab.SPLIT_BACKWARD_EAGER`)."""
+    split_backward = best.schedule.zero_bubble and best.pp > 1
+    others = [] if split_backward else [replace(best, compile=not best.compile, async_tp=False, regather=False)]
     device = solver.model.cluster.device
     if device.roofline.fp8_flops and best.dtype is DType.BF16:
         others.append(replace(best, fp8=not best.fp8))

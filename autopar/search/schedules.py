@@ -9,8 +9,9 @@ from typing import Any
 
 from autopar.errors import ConfigError
 from autopar.graph.layer_graph import LayerGraph
+from autopar.plan import ParallelConfig
 from autopar.search.split import even_bounds_of
-from autopar.vocab import Schedule
+from autopar.vocab import Recompute, Schedule
 
 MAX_VIRTUAL_STAGES = 8
 
@@ -38,16 +39,23 @@ def offered_schedules(pp: int, graph: LayerGraph, c: Mapping[str, Any]) -> Itera
     """The (schedule, stages per rank) pairs a pipeline of ``pp`` ranks is tried with under
     the constraints ``c``: one stage per rank for 1F1B and GPipe, 2 to
     :data:`MAX_VIRTUAL_STAGES` for the interleaved ones (any count given), 2 for a V (left
-    out for tied weights). Whether the model splits over them is :func:`split_problem`'s."""
+    out for tied weights); the zero-bubble ones left out where compiled blocks or a
+    recomputation they cannot run is fixed (:data:`autopar.vocab.SPLIT_BACKWARD_EAGER`,
+    :data:`autopar.vocab.SPLIT_BACKWARD_RECOMPUTE`). Whether the model splits over them is
+    :func:`split_problem`'s."""
     if pp == 1:  # stages per rank, or a pinned schedule other than 1F1B, need a pipeline
         if c.get("virtual_stages", 1) == 1 and c.get("schedule", Schedule.ONE_F_ONE_B) is Schedule.ONE_F_ONE_B:
             yield Schedule.ONE_F_ONE_B, 1
         return
     wanted = c.get("schedule")
+    # a split backward runs eager blocks that recompute nothing or the attention cores alone
+    splits = not c.get("compile") and c.get("recompute") not in (Recompute.FULL, Recompute.OP)
     for schedule in (Schedule.ONE_F_ONE_B, Schedule.GPIPE):
         if wanted in (None, schedule) and c.get("virtual_stages", 1) == 1:
             yield schedule, 1
     for schedule in (Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZB, Schedule.ZBV, Schedule.DUALPIPEV):
+        if schedule.zero_bubble and not splits:
+            continue
         if wanted not in (None, schedule) or (schedule.v_shape and graph.shared):
             continue  # tied weights could land in two stages of one rank (the V)
         top = 2 if schedule.v_shape else MAX_VIRTUAL_STAGES
@@ -55,6 +63,20 @@ def offered_schedules(pp: int, graph: LayerGraph, c: Mapping[str, Any]) -> Itera
             yield from ((schedule, v) for v in range(2, top + 1))
         elif c["virtual_stages"] == 2 or (c["virtual_stages"] > 2 and not schedule.v_shape):
             yield schedule, c["virtual_stages"]  # a count given is tried beyond the search's own
+
+
+SPLIT_BACKWARD_MODES = (Recompute.NONE, Recompute.SELECTIVE)
+"""What a unit under a split backward may recompute (:func:`allowed_modes`)."""
+
+
+def allowed_modes(config: ParallelConfig, modes: tuple[Recompute, ...]) -> tuple[Recompute, ...]:
+    """Of ``modes``, those a unit of ``config`` may take: under a split backward (a
+    zero-bubble schedule on a pipeline) only ``none`` and ``selective``
+    (:data:`autopar.vocab.SPLIT_BACKWARD_RECOMPUTE`), ``selective`` where neither was
+    asked (a configuration sized with full recomputation: the least memory it can take)."""
+    if config.pp == 1 or not config.schedule.zero_bubble:
+        return modes
+    return tuple(m for m in modes if m in SPLIT_BACKWARD_MODES) or (Recompute.SELECTIVE,)
 
 
 def split_problem(graph: LayerGraph, schedule: Schedule, pp: int, virtual_stages: int) -> str | None:

@@ -35,6 +35,7 @@ from autopar.plan import ParallelConfig, Prediction
 from autopar.search.ilp import check_solver
 from autopar.search.intra_op import LayoutSolver
 from autopar.search.options import unit_options
+from autopar.search.schedules import allowed_modes
 from autopar.search.split import best_split, even_bounds_of
 from autopar.search.split_table import cost_band, split_cutoff
 from autopar.search.split_weights import TwoWeights
@@ -162,7 +163,9 @@ class ConfigSolver:
 
     # ----- per-unit options ---------------------------------------------------------
     def options(self, unit: int, config: ParallelConfig, modes: tuple[Recompute, ...]) -> tuple[UnitOption, ...]:
-        """Options of ``unit`` (cached per distinct profile and position)."""
+        """Options of ``unit`` (cached per distinct profile and position), in the
+        recompute modes of ``modes`` its configuration allows (:func:`allowed_modes`)."""
+        modes = allowed_modes(config, modes)
         n = self.num_units
         key = (
             self.model.graph.units[unit].profile,

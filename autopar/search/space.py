@@ -2,7 +2,7 @@
 
 A candidate is a :class:`ParallelConfig` without per-layer decisions: a factorisation
 ``dp x cp x tp x pp`` of the device count (context parallelism where sequences are long:
-:func:`cp_degrees`), a micro-batch size (the number of micro-batches
+:func:`autopar.search.context_degrees.cp_degrees`), a micro-batch size (the number of micro-batches
 follows from the global batch), a schedule and its virtual stages, a ZeRO stage and,
 for ZeRO-2/3, the HSDP shard group (:func:`shard_sizes`), sequence parallelism and the
 precision. ``constraints`` fix any subset of these fields.
@@ -28,7 +28,8 @@ from autopar.graph.layer_graph import LayerGraph, Leaf, LeafKind
 from autopar.hardware.cluster import Cluster
 from autopar.plan import ParallelConfig
 from autopar.search.constraints import DEGREES, check_degrees
-from autopar.search.experts import capacity_experts, check_expert_parallel, ep_degrees
+from autopar.search.context_degrees import check_context_parallel, cp_degrees, cp_left
+from autopar.search.experts import check_expert_parallel, ep_degrees
 from autopar.search.integers import divisors
 from autopar.search.kernel_options import (
     async_tp_options,
@@ -48,16 +49,6 @@ CUT_NOTE = (
     "autopar.models do); pp > 1 is searched only when asked for with constraints"
 )
 MAX_MICRO_BATCH = 64
-CP_MIN_TOKENS = 4096
-"""The search tries context parallelism only where each rank keeps at least this many
-tokens of a sample: below it the key/value exchange of every layer can no longer hide
-under the attention it feeds (whose work per rank grows with the tokens squared), and
-the sequence is short enough for tensor and pipeline parallelism to hold. NVIDIA's NeMo
-pretraining recipes for Llama 3 at 8,192 tokens keep 4K tokens per rank or fewer: cp=2
-for 8B and 70B (``nemo/collections/llm/recipes/llama3_70b.py``: tp 4, pp 4, vp 5, cp 2),
-cp=2 to 4 for 405B (``llama31_405b.py``); the floor takes the larger share. Llama 3's own
-128K-token stage kept 8K per rank (Llama Team 2024, "The Llama 3 Herd of Models",
-section 3.3.2). A ``cp`` constraint is always honoured."""
 
 
 def shard_sizes(dp: int, tp: int, devices_per_node: int) -> list[int]:
@@ -121,73 +112,6 @@ def _splittable(leaf: Leaf, t: int) -> bool:
     return any(s is not TPStyle.REPLICATE for s in allowed_styles(leaf, _ShapeOnly(t)))
 
 
-def cp_degrees(graph: LayerGraph, devices: int, constraints: Mapping[str, Any]) -> list[int]:
-    """Context-parallel degrees to try on ``devices`` devices (those left after tensor
-    parallelism): 1, and each divisor ``d`` that leaves every rank at least
-    :data:`CP_MIN_TOKENS` tokens and splits the sequence into the ``2 d`` chunks of
-    head-tail load balancing, for a model whose attention runs through
-    ``F.scaled_dot_product_attention`` (the call torch's ring attention replaces),
-    causal and without a mask (:attr:`~autopar.graph.layer_graph.LayerGraph.ring_attention`). A
-    fixed ``ep > 1`` lifts the token floor: its expert groups must divide ``dp x cp``, which
-    fixed degrees may reach only through ``cp``. A fixed ``cp`` is checked by
-    :func:`check_context_parallel` and tried alone."""
-    if "cp" in constraints:
-        return [constraints["cp"]] if devices % constraints["cp"] == 0 else []
-    if ring_blocker(graph):
-        return [1]
-    s = graph.seq_len
-    fewest = 1 if constraints.get("ep", 1) > 1 else CP_MIN_TOKENS  # expert groups may need dp x cp
-    return [1, *(d for d in ring_splits(s, devices) if s // d >= fewest)]
-
-
-def ring_splits(seq_len: int, devices: int) -> list[int]:
-    """The context-parallel degrees above 1 that divide ``devices`` and split a sequence of
-    ``seq_len`` tokens into the ``2 d`` equal chunks of head-tail load balancing, in
-    increasing order (whatever the tokens each rank keeps)."""
-    return [d for d in divisors(devices) if d > 1 and seq_len % (2 * d) == 0]
-
-
-def ring_blocker(graph: LayerGraph) -> str | None:
-    """Why no context-parallel degree runs ``graph`` at its sequence length, if none does:
-    torch's ring attention replaces ``F.scaled_dot_product_attention`` calls that are
-    causal without a mask, over a sequence every rank can hold a part of."""
-    if not any(p.kv_bytes > 0 for p in graph.profiles):
-        return "context parallelism replaces F.scaled_dot_product_attention, which this model does not call"
-    if not graph.ring_attention:
-        return (
-            "its attention is not causal without a mask (a sliding window, for which transformers passes a mask "
-            "unless the window is wider than the sequence, or bidirectional attention), which the causal ring of "
-            "context parallelism cannot compute"
-        )
-    if capacity_experts(graph):
-        return (
-            "its capacity-bounded experts fill each sample's buffers in token order over the whole sequence, which "
-            "a rank holding a part of it cannot"
-        )
-    return None
-
-
-def check_context_parallel(graph: LayerGraph, constraints: Mapping[str, Any], world: int) -> None:
-    """A fixed ``cp > 1`` needs attention that ring attention runs (:func:`ring_blocker`)
-    and a sequence that splits into ``2 cp`` equal chunks; said at once, in one line, with
-    the degrees that would split it among those that divide the ``world`` devices."""
-    cp = constraints.get("cp", 1)
-    if cp == 1:
-        return
-    why = ring_blocker(graph)
-    if why:
-        masked = not graph.ring_attention and any(p.kv_bytes > 0 for p in graph.profiles)
-        at = f" at seq_len={graph.seq_len}" if masked else ""  # a window is narrower than this sequence
-        raise ConfigError(f"cp={cp} is not allowed for {graph.name}{at}: {why}; use cp=1.")
-    if graph.seq_len % (2 * cp):
-        allowed = ring_splits(graph.seq_len, world)[:8]
-        other = f"a cp in {allowed} or " if allowed else "cp=1 or "  # an odd length splits for no cp > 1
-        raise ConfigError(
-            f"cp={cp} is not allowed with seq_len={graph.seq_len}: head-tail load balancing splits each "
-            f"sequence into 2 x cp = {2 * cp} equal chunks; use {other}a sequence length divisible by {2 * cp}."
-        )
-
-
 @dataclass(frozen=True)
 class _ShapeOnly:
     """The part of a TPContext that divisibility checks read."""
@@ -224,7 +148,12 @@ def enumerate_space(
             f"constraint reduce_dtype={reduce_dtype.value!r} needs dtype={reduce_dtype.value!r}, and this "
             f"{cluster.device.name} trains in {dtype.value!r} by default; set dtype={reduce_dtype.value!r} too."
         )
-    kernels = list(itertools.product(compile_options(c, cluster), fp8_options(c, cluster, dtype)))
+    kernels = {  # by whether the schedule splits the backward
+        split: list(
+            itertools.product(compile_options(c, cluster, split_backward=split), fp8_options(c, cluster, dtype))
+        )
+        for split in (False, True)
+    }
     n_units = len(graph.units)
     allowed_tp = tp_degrees(graph, world)
     if "tp" in c and c["tp"] not in allowed_tp:  # the model's fault at any device count, or this count's
@@ -259,7 +188,7 @@ def enumerate_space(
             if "dp" in c and c["dp"] != dp:
                 left = world // (c["dp"] * tp * pp)  # only cp was left to the search: does it try the one needed?
                 if {"tp", "pp"} <= c.keys() and left not in cp_degrees(graph, world // tp, c):
-                    rejected.append(_cp_left(c, world, graph.seq_len))
+                    rejected.append(cp_left(c, world, graph.seq_len))
                 continue
             if pp > n_units:
                 rejected.append(
@@ -336,7 +265,7 @@ def enumerate_space(
                         if schedule.zero_bubble and zero == 3:
                             continue  # the runtime refuses it (autopar.runtime.pipeline.check_schedule)
                         for sp, ep, (compiled, fp8) in itertools.product(
-                            sps, ep_degrees(graph, dp * cp, (shard or dp) * cp, c), kernels
+                            sps, ep_degrees(graph, dp * cp, (shard or dp) * cp, c), kernels[schedule.zero_bubble]
                         ):
                             if sp and tp == 1:
                                 continue
@@ -411,18 +340,6 @@ def _cp_pp(graph: LayerGraph, devices: int, c: Mapping[str, Any]) -> Iterator[tu
     for cp in cp_degrees(graph, devices, c):
         for pp in [c["pp"]] if "pp" in c else divisors(devices // cp):
             yield cp, pp
-
-
-def _cp_left(c: Mapping[str, Any], world: int, seq_len: int) -> Rejection:
-    """Why fixed ``dp``, ``tp`` and ``pp`` found no candidate: the context-parallel degree
-    they leave is not one :func:`cp_degrees` tries for this model and sequence."""
-    cp = world // (c["dp"] * c["tp"] * c["pp"])  # a whole number: check_degrees passed
-    return Rejection(
-        what=f"dp={c['dp']} tp={c['tp']} pp={c['pp']}",
-        reason=f"they leave cp={cp} of the {world} devices, a degree the search does not try at seq_len={seq_len} "
-        f"(it tries context parallelism where attention allows it and each rank keeps >= {CP_MIN_TOKENS} tokens); "
-        f"set cp={cp} to plan with it, or change dp, tp or pp",
-    )
 
 
 def _batch_rejection(c: Mapping[str, Any], dp: int, per_rank: int) -> Rejection | None:

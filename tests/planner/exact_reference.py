@@ -125,6 +125,8 @@ def kernel_variants(cfg: ParallelConfig, cluster: Cluster, fixed: dict) -> list[
             continue
         if regather and not (cfg.sequence_parallel and not compiled):
             continue
+        if compiled and cfg.schedule.zero_bubble and cfg.pp > 1:  # torch splits eager backwards only
+            continue
         v = dataclasses.replace(cfg, compile=compiled, fp8=fp8, async_tp=overlapped, regather=regather)
         if all(getattr(v, k) == fixed[k] for k in ("compile", "fp8", "async_tp", "regather") if k in fixed):
             out.add(v)

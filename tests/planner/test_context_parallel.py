@@ -20,8 +20,9 @@ from autopar.graph import extract
 from autopar.models import GPT, GPTConfig, MLPConfig, MLPStack
 from autopar.plan import ParallelConfig, Plan
 from autopar.search.constraints import check_constraints
+from autopar.search.context_degrees import CP_MIN_TOKENS, check_context_parallel, cp_degrees
 from autopar.search.solve import ConfigSolver
-from autopar.search.space import CP_MIN_TOKENS, check_context_parallel, cp_degrees, enumerate_space
+from autopar.search.space import enumerate_space
 from autopar.vocab import Optimizer, Recompute
 
 from .exact_reference import search_and_brute_force, tiny_cluster

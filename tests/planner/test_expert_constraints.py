@@ -8,7 +8,7 @@ import pytest
 import autopar
 from autopar.errors import DeviceCountError
 from autopar.graph import extract
-from autopar.search.space import CP_MIN_TOKENS
+from autopar.search.context_degrees import CP_MIN_TOKENS
 
 CLUSTER = autopar.preset("dgx-h100", nodes=8)  # 64 devices
 SEQ = 1024
@@ -70,7 +70,7 @@ def test_an_ep_dividing_no_device_count_left_is_refused_once(mixtral):
 
 
 def test_without_a_fixed_ep_short_sequences_keep_the_floor(mixtral):
-    from autopar.search.space import cp_degrees
+    from autopar.search.context_degrees import cp_degrees
 
     assert cp_degrees(mixtral, 8, {}) == [1]
     assert cp_degrees(mixtral, 8, {"ep": 8}) == [1, 2, 4, 8]

@@ -289,7 +289,7 @@ def test_context_parallelism_is_not_offered_to_capacity_bounded_experts(graph):
     """Capacity buffers fill in token order over a whole sample, which a rank holding
     1/cp of it cannot do: cp is not searched, and a fixed cp is refused in one line
     (dropless experts route each token on its own and may be split)."""
-    from autopar.search.space import CP_MIN_TOKENS, check_context_parallel, cp_degrees
+    from autopar.search.context_degrees import CP_MIN_TOKENS, check_context_parallel, cp_degrees
 
     long = dataclasses.replace(graph, seq_len=4 * CP_MIN_TOKENS)
     assert cp_degrees(long, 8, {}) == [1]

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 import autopar
-from autopar import ConfigError, Plan
+from autopar import ConfigError, InfeasiblePlanError, Plan
 from autopar.graph import extract
 from autopar.models import Llama, LlamaConfig, build_named_model
 from autopar.plan import ParallelConfig
 from autopar.present.report import timeline_figure
 from autopar.search.constraints import check_constraints
 from autopar.search.space import enumerate_space
-from autopar.vocab import Schedule
+from autopar.vocab import Recompute, Schedule
 
 DGX1 = autopar.preset("dgx-a100-80gb", nodes=1)
 
@@ -80,13 +80,21 @@ def _tiny_llama():
 def test_search_offers_zero_bubble_schedules():
     """With two stages per rank the search costs interleaved 1F1B, interleaved ZB, ZB-V
     and DualPipeV on the same split; deferring the weight gradients shortens the fill,
-    so interleaved ZB beats interleaved 1F1B, and ``explain`` lists the others."""
+    so with the same (eager) blocks interleaved ZB beats interleaved 1F1B, and
+    ``explain`` lists the others."""
     p = autopar.plan(
         _tiny_llama(),
         DGX1,
         global_batch_size=64,
         seq_len=2048,
-        constraints={"pp": 4, "tp": 2, "virtual_stages": 2, "micro_batch_size": 1, "sequence_parallel": True},
+        constraints={
+            "pp": 4,
+            "tp": 2,
+            "virtual_stages": 2,
+            "micro_batch_size": 1,
+            "sequence_parallel": True,
+            "compile": False,
+        },
     )
     times = {a.config.schedule: a.step_time_s for a in p.alternatives if a.status == "runner-up"}
     times[p.config.schedule] = p.prediction.step_time_s
@@ -150,3 +158,50 @@ def test_v_schedules_are_not_offered_for_tied_weights():
     for schedule in ("zbv", "dualpipev"):
         with pytest.raises(ConfigError, match=f"schedule='{schedule}' cannot run this model: 'tok_embeddings'"):
             autopar.plan(gpt, DGX1, global_batch_size=64, seq_len=1024, constraints={"pp": 2, "schedule": schedule})
+
+
+def test_zero_bubble_schedules_run_eager_blocks():
+    """torch's zero-bubble schedules refuse stage modules that ran through torch.compile
+    (``tests/runtime/test_zero_bubble.py`` shows both refusals): on a device that
+    compiles, the search prices those schedules with eager blocks only, the plan says
+    why, and a pinned pair is refused in one line, asynchronous TP (compiled) too."""
+    assert DGX1.device.compiles
+    graph = extract(_tiny_llama(), seq_len=2048)
+    configs, _ = enumerate_space(graph, DGX1, 64, check_constraints({"pp": 2, "tp": 2, "virtual_stages": 2}))
+    zero_bubble = [c for c in configs if c.schedule.zero_bubble]
+    assert zero_bubble and not any(c.compile for c in zero_bubble)
+    assert {c.compile for c in configs if c.schedule is Schedule.INTERLEAVED_1F1B} == {True}
+    pinned, _ = enumerate_space(graph, DGX1, 64, check_constraints({"pp": 2, "virtual_stages": 2, "compile": True}))
+    assert pinned and not any(c.schedule.zero_bubble for c in pinned)
+    p = autopar.plan(_tiny_llama(), DGX1, global_batch_size=64, seq_len=2048, constraints={"pp": 4, "schedule": "zbv"})
+    assert not p.config.compile and not any(a.status == "compile" for a in p.alternatives)
+    assert "blocks run eager, as zbv needs them (torch 2.13 splits the backward" in autopar.explain(p)
+    for extra in ({"compile": True}, {"async_tp": True, "tp": 2}):
+        with pytest.raises(ConfigError, match="schedule='interleaved-zb' with compile=True.* is not allowed"):
+            check_constraints({"pp": 2, "schedule": "interleaved-zb", **extra})
+    assert check_constraints({"pp": 2, "schedule": "zbv"})["compile"] is False
+
+
+def test_zero_bubble_schedules_recompute_nothing_or_attention_cores():
+    """torch's split backward reruns a checkpointed unit's forward once per group of
+    parameters and refuses a second backward under per-operator checkpointing
+    (``tests/runtime/test_zero_bubble.py``): a zero-bubble plan's units recompute
+    nothing or the attention cores where memory is tight, its refusal names the mode it
+    was sized with, and a pinned pair is refused."""
+    cfg = LlamaConfig(vocab_size=32000, seq_len=32768, dim=4096, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=11008)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    pinned = {"pp": 4, "tp": 1, "cp": 1, "micro_batch_size": 1}
+    p = autopar.plan(model, DGX1, global_batch_size=16, seq_len=16384, constraints={**pinned, "schedule": "zbv"})
+    assert {p.config.recompute, *p.layer_strategies.recompute.values()} == {Recompute.NONE, Recompute.SELECTIVE}
+    free = autopar.plan(model, DGX1, global_batch_size=16, seq_len=32768, constraints=pinned)
+    assert Recompute.OP in {free.config.recompute, *free.layer_strategies.recompute.values()}
+    with pytest.raises(InfeasiblePlanError) as refused:
+        autopar.plan(model, DGX1, global_batch_size=16, seq_len=32768, constraints={**pinned, "schedule": "zbv"})
+    assert "zbv(v=2) zero=2 recompute=selective" in str(refused.value) and "recompute=full" not in str(refused.value)
+    graph = extract(_tiny_llama(), seq_len=2048)
+    for mode in ("full", "op"):
+        configs, _ = enumerate_space(graph, DGX1, 64, check_constraints({"pp": 2, "recompute": mode}))
+        assert configs and not any(c.schedule.zero_bubble for c in configs)
+        with pytest.raises(ConfigError, match=f"schedule='zbv' with recompute='{mode}' is not allowed: torch 2.13"):
+            check_constraints({"pp": 2, "schedule": "zbv", "recompute": mode})

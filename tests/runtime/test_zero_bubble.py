@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.distributed as dist
 from parity import (
     LOSS_ATOL,
     LR,
@@ -21,12 +22,18 @@ from parity import (
     token_loss,
     train,
 )
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils.checkpoint import checkpoint
 
 import autopar
 from autopar.models import GPT, GPTConfig
 from autopar.runtime.api import analyse, parallelize
 from autopar.runtime.errors import PipelineError
 from autopar.runtime.local import run_locally, token_batches
+from autopar.runtime.pipeline import SCHEDULES
 from autopar.runtime.spmd import SPMDSettings
 from autopar.vocab import Schedule
 
@@ -48,6 +55,55 @@ def test_dualpipev_llama(m):
     plan = make_plan("llama", pp=2, schedule="dualpipev", virtual_stages=2, num_microbatches=m)
     assert plan.stage_of_rank(0) == (0, 3) and plan.stage_of_rank(1) == (1, 2)
     assert_parity(run(train, 2, "llama", plan), reference("llama", plan))
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-zb", "zbv", "dualpipev"])
+def test_compiled_blocks_are_refused_under_a_split_backward(schedule):
+    """torch 2.13's zero-bubble schedules refuse a stage module that ran through
+    torch.compile (its own check, on a fake process group), and autopar's compiled blocks,
+    which that check does not see, failed in the first input-gradient step (a compiled
+    backward with donated buffers cannot retain its graph): autopar refuses the pair
+    before any collective."""
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        stages = [PipelineStage(torch.compile(nn.Linear(1, 1)), i, 4, torch.device("cpu")) for i in (0, 3)]
+        with pytest.raises(RuntimeError, match="not supported with stage modules that have used torch.compile"):
+            SCHEDULES[Schedule(schedule)](stages, 4)
+    finally:
+        dist.destroy_process_group()
+    plan = make_plan("llama", pp=2, schedule=schedule, virtual_stages=2, num_microbatches=4)
+    config = dataclasses.replace(plan.config, compile=True)
+    with pytest.raises(PipelineError, match=f"schedule '{schedule}' with compiled blocks is refused: torch 2.13"):
+        analyse(build("llama"), dataclasses.replace(plan, config=config))
+
+
+def test_split_backward_recomputation():
+    """Under torch's split backward a fully recomputed unit trains like one process, but
+    its weight-gradient step reruns the unit's forward once per group of parameters (9
+    times for the tiny Llama's block: what the planner does not offer), and per-operator
+    checkpointing fails there: autopar refuses it before any collective."""
+    model = build("llama")
+    block, calls = model.layers["0"], []
+    block.register_forward_pre_hook(lambda *_: calls.append(1))
+    x = torch.randn(2, 16, block.attention.wq.in_features, requires_grad=True)
+    y = checkpoint(block, x, use_reentrant=False)
+    _, groups = stage_backward_input([y], [torch.ones_like(y)], [x], block.parameters())
+    assert len(calls) == 2  # the forward, then its recomputation for the input gradients
+    stage_backward_weight(block.parameters(), groups)
+    assert len(calls) == 2 + len(groups) == 11
+    plan = make_plan("llama", pp=2, schedule="zbv", virtual_stages=2, num_microbatches=4)
+    for mode in ("full", "op"):
+        one = dataclasses.replace(plan, config=dataclasses.replace(plan.config, recompute=autopar.Recompute(mode)))
+        if mode == "full":
+            assert_parity(run(train, 2, "llama", one), reference("llama", one))
+            continue
+        with pytest.raises(PipelineError, match="schedule 'zbv' with recompute 'op' is refused: torch 2.13's split"):
+            analyse(build("llama"), one)
+    op_one_unit = dataclasses.replace(
+        plan.layer_strategies, recompute={"layers.1": autopar.Recompute.OP, **plan.layer_strategies.recompute}
+    )
+    with pytest.raises(PipelineError, match="with recompute 'op' is refused"):
+        analyse(build("llama"), dataclasses.replace(plan, layer_strategies=op_one_unit))
 
 
 def test_dualpipev_needs_one_microbatch_per_stage():

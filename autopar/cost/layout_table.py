@@ -34,10 +34,10 @@ from autopar.cost.leaf import (
     leaf_fwd_s,
     leaf_param_numel,
 )
+from autopar.cost.loss import loss_parallel_s
 from autopar.cost.tensor_parallel import (
     consumers,
     conversion_s,
-    loss_parallel_s,
     matmul_s,
     producer_bytes,
     reduction_s,

@@ -4,21 +4,26 @@ unit in backward, the schedule's buffers and the device's reserve.
 The search bounds a stage by ``static + inflight x activations + max transient``
 (:class:`Footprint` per option; DDP's one-time bucket rebuild apart,
 :func:`fits_bucket_rebuild`); the prediction follows the backward unit by unit
-(:func:`backward_peak`): a unit's transient meets only the activations of the units
-before it in its own micro-batch, and where a rank runs every micro-batch's forward
-before its first backward (no pipelining with one micro-batch, GPipe, 1F1B with no more
-micro-batches than stages after this one) and no gradient outlives a step (anything but
-DDP, whose buckets hold them), ``zero_grad`` left no gradient, so they grow as that
-backward frees the activations. Interleaved 1F1B is followed action by action in torch's
-order (:func:`interleaved_peak`): its warm-up's activations meet only the gradients of
-the chunk whose backward runs first, and a chunk may hold more micro-batches later in
-the step than at the warm-up's end (its bound counts them there; the knapsack gives the
-chunks counted heaviest the smallest options). The other interleaved schedules keep the
-bound. What the search accepts under the bound fits; the prediction is the peak. The compute-precision weight
-gradients a zero-bubble schedule defers
-(:func:`autopar.cost.memory.deferred_weight_grad_bytes`) are static in the bound for
-every unit (it does not know which units the pipeline's first stage holds, which defers
-none) and, in the prediction, for the stages that defer them.
+(:func:`autopar.cost.peak_walks.backward_peak`): a unit's transient meets only the
+activations of the units before it in its own micro-batch, and where a rank runs every
+micro-batch's forward before its first backward (no pipelining with one micro-batch,
+GPipe, 1F1B with no more micro-batches than stages after this one) and no gradient
+outlives a step (anything but DDP, whose buckets hold them), ``zero_grad`` left no
+gradient, so they grow as that backward frees the activations. Interleaved 1F1B is
+followed action by action in torch's order
+(:func:`autopar.cost.peak_walks.interleaved_peak`): its warm-up's activations meet only
+the gradients of the chunk whose backward runs first, and a chunk may hold more
+micro-batches later in the step than at the warm-up's end (its bound counts them there;
+the knapsack gives the chunks counted heaviest the smallest options). The other
+interleaved schedules keep the bound. What the search accepts under the bound fits; the
+prediction is the peak. The compute-precision weight gradients a zero-bubble schedule
+defers (:func:`autopar.cost.memory.deferred_weight_grad_bytes`) are static in the bound
+for every unit (it does not know which units the pipeline's first stage holds, which
+defers none) and, in the prediction, for the stages that defer them. So are the output
+gradients of the weighted ops of micro-batches awaiting their weight gradient under a
+zero-bubble schedule (``UnitCost.wait_bytes``), as many as any rank awaits at once in the
+bound; the prediction takes the rank's moment where they and the activations peak
+together (:func:`autopar.cost.pipeline.weight_wait_moment`).
 
 A weight tied between two units (GPT's embedding and head) is counted once only where
 one rank holds it as one tensor: both owners on the rank, splitting it alike
@@ -30,11 +35,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 from autopar.cost.memory import (
-    UNSHARDED_STAGES,
     config_state_bytes,
     deferred_weight_grad_bytes,
     gathered_copy_bytes,
@@ -42,7 +45,13 @@ from autopar.cost.memory import (
     resharded_copy_bytes,
 )
 from autopar.cost.model import CostModel
-from autopar.cost.pipeline import gathered_chunks, inflight_microbatches, interleaved_order
+from autopar.cost.peak_walks import backward_peak, chunked, interleaved_peak
+from autopar.cost.pipeline import (
+    inflight_microbatches,
+    interleaved_order,
+    most_awaiting,
+    weight_wait_moment,
+)
 from autopar.cost.recompute import UnitOption
 from autopar.cost.stage import PricedStage, on_rank, rank_buffer_bytes
 from autopar.hardware.device import DeviceMemory
@@ -115,6 +124,9 @@ def footprint(
     )
     grad_transient = 0.0 if grads_deferred and config.pp > 1 and config.zero_stage >= 2 else st.transient_bytes
     transient = max(option.transient_bytes, option.transient_bytes - freed + grad_transient)
+    # the output gradients awaiting weight gradients: as many as any rank awaits, for the step
+    awaiting = most_awaiting(config.schedule, config.pp, config.virtual_stages, config.num_microbatches)
+    held += max(lay.wait_bytes, 0.0) * awaiting / config.virtual_stages
     return Footprint(
         time_s=option.time_s,
         static_bytes=st.params_bytes + st.grads_bytes + st.optimizer_bytes + held,
@@ -221,9 +233,9 @@ def rank_memory(
         gathered = gathered_copy_bytes(config)
         copies = [n * gathered for n in stage_numel]
         peak = interleaved_peak(
-            _chunked([p.act_bytes for p in prints], sizes),
-            _chunked(transients, sizes),
-            _chunked([grads * f for f in share], sizes),
+            chunked([p.act_bytes for p in prints], sizes),
+            chunked(transients, sizes),
+            chunked([grads * f for f in share], sizes),
             copies,
             interleaved_order(pp, config.virtual_stages, config.num_microbatches, here),
             fresh_gradients=not st.rebuild_bytes,
@@ -234,7 +246,9 @@ def rank_memory(
         params_bytes += peak.gathered_bytes - sum(copies)
     elif pp > 1 and config.schedule.multi_stage:  # each stage's micro-batches (unequal in a V)
         held = [p.inflight for p in mine for _ in p.units]
-        acts, transient = sum(h * p.act_bytes for h, p in zip(held, prints)), max(transients)
+        acts, transient = _with_waiting(
+            sum(h * p.act_bytes for h, p in zip(held, prints)), max(transients), mine, config
+        )
         params_bytes -= resharded_copy_bytes(config, stage_numel)
     else:
         fresh = stage.inflight >= config.num_microbatches and not st.rebuild_bytes
@@ -263,6 +277,25 @@ def rank_memory(
         buffers_bytes=buffers,
         reserve_bytes=memory.reserved_bytes + memory.fragmentation * allocated,
     )
+
+
+def _with_waiting(
+    acts: float, transient: float, mine: Sequence[PricedStage], config: ParallelConfig
+) -> tuple[float, float]:
+    """A zero-bubble rank's activations and transient where it holds the most, with the
+    micro-batches then awaiting their weight gradient (:func:`weight_wait_moment`), each
+    holding its stage's ``wait_bytes`` more: those of the rank's last stage, whose
+    micro-batches await there (the pipeline's first stage runs its backward whole). The
+    one whose input-gradient step ran last made its output gradients during that step,
+    when its transient was: the larger of the two counts."""
+    moment = weight_wait_moment(
+        config.schedule, config.pp, config.virtual_stages, config.num_microbatches, config.rank_of_stage(mine[0].index)
+    )
+    if not moment or not moment[1]:
+        return acts, transient
+    last = max(mine, key=lambda p: p.index)
+    wait = sum(o.layout.wait_bytes for o in last.options) if last.index else 0.0
+    return acts + (moment[1] - 1) * wait, max(transient, wait)
 
 
 def _grad_shares(model: CostModel, config: ParallelConfig, rank: Sequence[tuple[int, UnitOption]]) -> list[float]:
@@ -310,148 +343,6 @@ def _held_grads(
         after += held[i]
         out[i] = after
     return out
-
-
-def backward_peak(
-    acts: list[float],
-    transients: list[float],
-    grads: list[float],
-    inflight: float,
-    *,
-    fresh_gradients: bool,
-    held_to_end: float = 0.0,
-) -> tuple[float, float, float]:
-    """(activations, gradients, transient) alive at the peak of a rank's backward, its
-    units in forward order, ``inflight`` micro-batches' activations held at most.
-
-    While unit ``k`` runs its backward, the micro-batch it works on still holds the
-    activations of units up to ``k``, the other micro-batches in flight all theirs, and
-    ``k`` its transient. Gradients: all of them, except with ``fresh_gradients`` (every
-    forward runs before the first backward and ``zero_grad`` left none), where the first
-    micro-batch's backward at ``k`` has only those of the units after ``k``, and every one
-    exists from the second micro-batch on, one micro-batch's activations fewer.
-    ``held_to_end``: of the last unit's activations, what stays until the micro-batch's
-    backward is over (the logits, which ``PipelineStage`` keeps as the output it runs
-    backward from)."""
-    whole = sum(acts)
-    best = (0.0, sum(grads, 0.0), 0.0)  # after the last backward, nothing but the gradients
-    for k in range(len(acts)):
-        held = (inflight - 1) * whole + sum(acts[: k + 1]) + (held_to_end if k < len(acts) - 1 else 0.0)
-        moments = [(held, sum(grads[k + 1 :] if fresh_gradients else grads, 0.0), transients[k])]
-        if fresh_gradients and inflight >= 2:
-            moments.append((held - whole, sum(grads, 0.0), transients[k]))
-        for moment in moments:
-            if sum(moment) > sum(best):
-                best = moment
-    return best
-
-
-def _chunked(values: Sequence[float], sizes: Sequence[int]) -> list[list[float]]:
-    """``values`` (a rank's units in order) cut into its stages of ``sizes`` units."""
-    out, at = [], 0
-    for n in sizes:
-        out.append(list(values[at : at + n]))
-        at += n
-    return out
-
-
-@dataclass(frozen=True)
-class RankPeak:
-    """What a pipeline rank holds at its peak beyond its model states' fixed part: its
-    activations, gradients, the transient of the unit in backward, and the gathered
-    parameter copies of the stages a multi-stage schedule keeps unsharded then."""
-
-    activations_bytes: float
-    grads_bytes: float
-    transient_bytes: float
-    gathered_bytes: float = 0.0
-
-    @property
-    def total_bytes(self) -> float:
-        return self.activations_bytes + self.grads_bytes + self.transient_bytes + self.gathered_bytes
-
-
-def interleaved_peak(
-    acts: Sequence[Sequence[float]],
-    transients: Sequence[Sequence[float]],
-    grads: Sequence[Sequence[float]],
-    copies: Sequence[float],
-    order: tuple[tuple[bool, int], ...],
-    *,
-    fresh_gradients: bool,
-    held_to_end: float = 0.0,
-    lazy_gather: bool = False,
-) -> RankPeak:
-    """What a rank that runs its chunks in ``order`` (``(is_forward, chunk)``,
-    :func:`autopar.cost.pipeline.interleaved_order`) holds at its peak: ``acts[c][k]``
-    of unit ``k`` of chunk ``c`` per micro-batch, in forward order (likewise
-    ``transients`` and ``grads``), and ``copies[c]`` of chunk ``c``'s gathered
-    parameters while torch keeps it unsharded (:func:`autopar.cost.pipeline.gathered_chunks`,
-    ``lazy_gather`` for ``replicate``).
-
-    A forward adds one micro-batch of its chunk's activations, a backward frees them; while
-    unit ``k`` of chunk ``c`` runs its backward, the micro-batch it works on holds the
-    activations of the units up to ``k`` and ``k`` its transient, as in
-    :func:`backward_peak`. Gradients: all of them, except with ``fresh_gradients``
-    (``zero_grad`` left none), where a unit's exists from its first backward on, so that
-    the warm-up's activations meet only the last chunk's gradients, and the earlier
-    chunks' arrive as the steady state has freed some. ``held_to_end``: the last chunk's
-    logits, kept until its micro-batch's backward is over (the chunk with the model's
-    last unit is the last of the rank's)."""
-    whole = [sum(a) for a in acts]
-    grad_sums = [sum(g) for g in grads]
-    total = sum(grad_sums)
-    # each chunk's worst unit in its backward, by whether its gradients exist yet: what
-    # the unit adds to the other chunks' activations and the gradients already made
-    worst = [
-        {seen: _worst_unit(a, t, g, held_to_end if c == len(acts) - 1 else 0.0, seen) for seen in (False, True)}
-        for c, (a, t, g) in enumerate(zip(acts, transients, grads))
-    ]
-    seen = [False] * len(acts)
-    held_bytes, done = 0.0, 0.0
-    best = RankPeak(0.0, total, 0.0)  # after the last backward, nothing but the gradients
-    most = best.total_bytes
-    for forward, c, gathered in _walk_steps(order, lazy_gather):
-        if forward:
-            held_bytes += whole[c]
-            continue
-        unit_acts, unit_grads, transient = worst[c][seen[c] or not fresh_gradients]
-        alive = done + unit_grads if fresh_gradients else total
-        moment_acts = held_bytes - whole[c] + unit_acts
-        copy = sum(copies[g] for g in gathered)
-        if moment_acts + alive + transient + copy > most:  # RankPeak.total_bytes, summed alike
-            best = RankPeak(moment_acts, alive, transient, copy)
-            most = best.total_bytes
-        held_bytes -= whole[c]
-        if not seen[c]:
-            seen[c] = True
-            done += grad_sums[c]
-    return best
-
-
-@lru_cache(maxsize=256)
-def _walk_steps(order: tuple[tuple[bool, int], ...], lazy: bool) -> tuple[tuple[bool, int, tuple[int, ...]], ...]:
-    """``order``'s actions with the chunks gathered during each
-    (:func:`autopar.cost.pipeline.gathered_chunks`), once per order: the search walks
-    the same orders for every candidate it gives room to."""
-    gathered = gathered_chunks(order, UNSHARDED_STAGES, lazy=lazy)
-    return tuple((forward, c, g) for (forward, c), g in zip(order, gathered))
-
-
-def _worst_unit(
-    acts: Sequence[float], transients: Sequence[float], grads: Sequence[float], held_to_end: float, seen: bool
-) -> tuple[float, float, float]:
-    """(activations, gradients, transient) of one chunk's micro-batch at the worst unit
-    of its backward (:func:`interleaved_peak`): the activations of the units up to it
-    (and ``held_to_end`` before the last), the unit's transient, and, before the
-    chunk's first backward is over (not ``seen``), the gradients of the units after it."""
-    best, most = (0.0, 0.0, 0.0), -1.0
-    for k in range(len(acts)):
-        ends = held_to_end if k < len(acts) - 1 else 0.0
-        moment = (sum(acts[: k + 1]) + ends, 0.0 if seen else sum(grads[k + 1 :]), transients[k])
-        if sum(moment) > most:
-            best, most = moment, sum(moment)
-    return best
 
 
 def frugal_peak_bytes(

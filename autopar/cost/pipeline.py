@@ -96,6 +96,37 @@ def inflight_microbatches(
     return sum(interleaved_chunk_counts(pp, v, m, pipeline_rank)) / v
 
 
+@functools.cache  # pure, and asked for every rank of every zero-bubble candidate
+def weight_wait_moment(
+    schedule: Schedule, pp: int, virtual_stages: int, num_microbatches: int, rank: int
+) -> tuple[int, int] | None:
+    """Where a zero-bubble schedule's rank ``rank`` holds the most: chunk micro-batches
+    held from forward to weight gradient and, of them, those past their input gradient
+    awaiting ``W``, each keeping its weighted ops' output gradients too
+    (``UnitCost.wait_bytes``). Counted on torch 2.13's orders
+    (``tests/planner/test_zero_bubble_cost.py``): ``interleaved-zb``
+    ``(H, min(r + 1, v m))``, its last stage's micro-batches awaiting; ``zbv`` ``(H, 1)``;
+    ``dualpipev`` ``(2p + 1, 0)``. A V's drain runs input gradients ahead of weight
+    gradients (ZB-V's last rank reaches ``(2p - 1, 2p - 1)`` from ``m = 2p - 1``), but
+    its measured dry runs peak no higher than this moment predicts
+    (``tests/runtime/test_weight_wait_memory.py``). None for other schedules."""
+    p, v, m, r = pp, virtual_stages, num_microbatches, rank
+    if p == 1 or not schedule.zero_bubble:
+        return None
+    held = round(inflight_microbatches(schedule, p, v, m, r) * v)
+    if schedule is Schedule.INTERLEAVED_ZB:
+        return held, min(r + 1, v * m)
+    return held, 0 if schedule is Schedule.DUALPIPEV else 1
+
+
+@functools.cache  # pure, and asked for every option of every zero-bubble candidate
+def most_awaiting(schedule: Schedule, pp: int, virtual_stages: int, num_microbatches: int) -> int:
+    """The most chunk micro-batches awaiting their weight gradient on any rank where it
+    holds the most (:func:`weight_wait_moment`; 0 for other schedules)."""
+    moments = (weight_wait_moment(schedule, pp, virtual_stages, num_microbatches, r) for r in range(pp))
+    return max((w for moment in moments if moment for _, w in [moment]), default=0)
+
+
 @functools.cache  # pure, and asked for every stage of every candidate
 def stage_inflight_microbatches(
     schedule: Schedule, pp: int, virtual_stages: int, num_microbatches: int, stage_index: int

@@ -47,10 +47,11 @@ from autopar.cost.leaf import (
     leaf_fwd_s,
     leaf_param_numel,
 )
+from autopar.cost.loss import LOSS_PARALLEL_REDUCTIONS, held_output_bytes, loss_parallel_s, loss_working_bytes
 from autopar.cost.regather import NO_REGATHER, Regather, regather_terms
 from autopar.cost.saved_ops import kept_matmuls
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, Flow, UnitProfile
-from autopar.vocab import STYLE_IO, DType, Layout, TPStyle
+from autopar.vocab import STYLE_IO, Layout, TPStyle
 
 
 def model_output_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], ctx: TPContext) -> Layout:
@@ -151,71 +152,6 @@ def matmul_s(profile: UnitProfile, ctx: TPContext, style: TPStyle) -> list[float
     return [leaf_fwd_s(leaf, style, ctx) if style in allowed_styles(leaf, ctx) else 0.0 for leaf in profile.leaves]
 
 
-LOSS_PARALLEL_REDUCTIONS = 3
-"""A vocabulary-parallel cross-entropy all-reduces the max, the sum of exponentials and
-the target logit."""
-
-
-LOSS_PARALLEL_WORKING_COPIES = 1
-"""Gradients of the logits (shards, in the loss's precision) a vocabulary-parallel
-cross-entropy's backward (torch's ``loss_parallel``) holds beyond a plain one's
-(measured: ``docs/cost-model.md``)."""
-
-
-LOSS_GRADIENTS = 2
-"""Gradients of the logits' size a cross-entropy's backward holds at its peak, beside the
-log-probabilities it saved: the log-probabilities' gradient (``nll_loss_backward``) and
-the gradient of its input (``_log_softmax_backward_data``). The cast back to the logits'
-dtype comes after, once the first and the log-probabilities are freed."""
-
-
-CROSS_ENTROPY_DTYPE = DType.FP32
-"""The precision a token model's cross-entropy runs in: it upcasts the logits before
-``log_softmax``, as Megatron-LM and Hugging Face do (the loss the planner traces,
-:mod:`autopar.graph.extract`, and the runtime's, :func:`autopar.runtime.local.cross_entropy`)."""
-
-
-def loss_working_bytes(input_bytes: float, ctx: TPContext, *, vocab_parallel: bool) -> float:
-    """What the loss's backward holds at its peak beyond the gradient it returns (one of
-    ``input_bytes``, the logits as the loss takes them, in the compute precision): a
-    token model's cross-entropy holds :data:`LOSS_GRADIENTS` gradients of the logits in
-    :data:`CROSS_ENTROPY_DTYPE` (twice the bf16 logits each), a vocabulary-parallel one
-    :data:`LOSS_PARALLEL_WORKING_COPIES` more; another loss is taken to hold the one it
-    returns."""
-    if not ctx.loss_parallel:
-        return input_bytes
-    copies = LOSS_GRADIENTS + (LOSS_PARALLEL_WORKING_COPIES if vocab_parallel else 0)
-    return copies * input_bytes * CROSS_ENTROPY_DTYPE.itemsize / ctx.dtype.itemsize - input_bytes
-
-
-REDUCED_OUTPUT_COPIES = 2
-"""Extra copies of a model output that a row-parallel leaf all-reduces (partial -> replicated)
-before the loss, held as long as the output: DTensor's functional all-reduce clones the
-partial sums into a fresh buffer and wraps the result for autograd, and all three storages
-live while the output does; inside a unit they are freed once a consumer has used the
-output, so a row leaf there costs nothing lasting (measured: ``docs/cost-model.md``)."""
-
-
-def held_output_bytes(flow: Flow, a: Layout, need: Layout, ctx: TPContext) -> float:
-    """Bytes the model's output (``flow``, into the last unit's output, from a producer in
-    layout ``a``) holds per micro-batch beyond what autograd saves: the pipeline schedule
-    keeps each stage's output until that micro-batch's backward is over, and a
-    cross-entropy saves its log-probabilities, not the logits. The output in the layout
-    the loss takes (a vocabulary-sharded one in shards), with a row-parallel head's
-    copies (:data:`REDUCED_OUTPUT_COPIES`). A loss that saves the output itself (a mean
-    squared error) has it counted twice, a small output in practice."""
-    nbytes = flow.tensor_bytes * ctx.micro_batch
-    copies = REDUCED_OUTPUT_COPIES if a is Layout.P and need is Layout.R else 0
-    return _shard(nbytes, need, ctx.tp) + copies * nbytes
-
-
-def loss_parallel_s(ctx: TPContext) -> float:
-    """Forward+backward seconds of a vocabulary-parallel cross-entropy's reductions:
-    max, sum of exponentials and the target logit, one fp32 per token each."""
-    per = ctx.micro_batch * ctx.tokens * 4
-    return LOSS_PARALLEL_REDUCTIONS * all_reduce_s(per, ctx.span, ctx.cluster)
-
-
 @dataclass(frozen=True, kw_only=True)
 class UnitCost:
     """Per micro-batch, per TP rank.
@@ -281,6 +217,15 @@ class UnitCost:
         regather: what keeping the shards of its sequence-parallel gathers saves and
             costs where the unit keeps its activations (:mod:`autopar.cost.regather`;
             nothing unless the plan does).
+        wait_bytes: what a micro-batch past its input-gradient step and awaiting its
+            weight-gradient step holds beyond its activations under a split backward
+            (:func:`autopar.cost.pipeline.weight_wait_moment`): the output gradients of
+            the unit's weighted ops as this layout leaves them (a column-parallel
+            matmul's shard, a row-parallel one's partial sums whole;
+            :attr:`autopar.graph.layer_graph.Leaf.weighted_out_bytes`), less what only
+            the loss saved (its log-probabilities, freed when torch detaches the loss
+            after that step; the logits stay held): negative for a loss whose saved
+            tensors outweigh them.
     """
 
     styles: tuple[TPStyle, ...]
@@ -315,6 +260,7 @@ class UnitCost:
     op_kept_comm_s: float = 0.0
     op_kept_syncs: int = 0
     regather: Regather = NO_REGATHER
+    wait_bytes: float = 0.0
 
     @property
     def time_s(self) -> float:
@@ -363,6 +309,10 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
     attn_fwd = attn_bwd_extra = loss_fwd = loss_input = loss_saved = held = 0.0
     attn_sharded = False
     saved = sum(_shard(ctx.leaf_saved_bytes(profile, i, styles) * b, STYLE_IO[s][0], t) for i, s in enumerate(styles))
+    wait = sum(
+        _shard(leaf.weighted_out_bytes * b * ctx.row_skew(leaf), STYLE_IO[s][1], t)
+        for leaf, s in zip(profile.leaves, styles)
+    )
     attn_saved = 0.0
     conversions: dict[tuple[int, Layout], Layout] = {}
     partial: dict[int, Layout] = {}
@@ -481,6 +431,7 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         op_kept_comm_s=op_comm,
         op_kept_syncs=op_syncs,
         regather=regather_terms(profile, styles, gathers, ctx),
+        wait_bytes=wait - loss_saved,
     )
 
 

@@ -67,6 +67,12 @@ class Leaf:
             micro-batch reads its weights once, so a small-batch layer is bound by them
             while its activation traffic grows with the batch.
         saved_bytes: activation bytes this leaf saves for backward, per sample.
+        weighted_out_bytes: output bytes of the leaf's ops that read a parameter and an
+            activation (its matmuls, a norm's scaling), per sample: the gradients torch's
+            split backward keeps from a micro-batch's input-gradient step to its
+            weight-gradient step (``stage_backward_input`` saves them at each node where a
+            weight's path meets the input's). A weight computed from parameters first
+            (Gemma's ``1 + weight``) is not followed.
         matmul_flops: the part of ``fwd_flops`` done by matrix multiplies (tensor cores).
         fwd_ops: aten ops its forward dispatches, per call (not per sample): what a
             per-op framework overhead is charged on.
@@ -109,6 +115,7 @@ class Leaf:
     matmul_flops: float
     fwd_bytes: float
     saved_bytes: float
+    weighted_out_bytes: float = 0.0
     weight_bytes: float = 0.0
     fwd_ops: int = 0
     param_tensors: int = 1

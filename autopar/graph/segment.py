@@ -101,6 +101,7 @@ class _LeafAcc:
     weight_bytes: float = 0.0
     saved: float = 0.0
     out_bytes: float = 0.0
+    weighted_out: float = 0.0
     ops: int = 0
     experts: int = 0
     expert_numel: int = 0
@@ -212,6 +213,7 @@ class SegmentTrace:
                     fwd_bytes=acc.fwd_bytes / batch,
                     weight_bytes=acc.weight_bytes,
                     saved_bytes=acc.saved / batch,
+                    weighted_out_bytes=acc.weighted_out / batch,
                     compiled_saved_bytes=(acc.saved + acc.compiled_saved) / batch,
                     fwd_ops=acc.ops,
                     compiled_bytes=acc.compiled_bytes / batch,

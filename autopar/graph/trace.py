@@ -89,6 +89,8 @@ class _Recorder(TorchDispatchMode):
                 self.tracer.uncounted.add(str(func._overloadpacket))
             leaf = seg.leaves[seg.leaf_stack[-1]]
             leaf.charge(func, flops, nbytes - weights, weights, self.tracer.routed(func, ins))
+            if weights and any(t.is_floating_point() and not self.tracer.is_parameter(t) for t in ins):
+                leaf.weighted_out += nbytes_of(outs[0])  # where a weight meets an activation
             seg.compiled(func, activations, _keyed(outs), leaf.add_compiled, never_recomputed=_kept(func, ins, outs))
             for t in outs:
                 seg.register(t, Info(origins=frozenset({seg.leaf_stack[-1]}), pending=frozenset(), attn_heads=0))

@@ -44,12 +44,12 @@ from autopar.cost.leaf import (
     leaf_fwd_s,
     leaf_param_numel,
 )
+from autopar.cost.loss import loss_parallel_s
 from autopar.cost.tensor_parallel import (
     UnitCost,
     consumers,
     conversion_s,
     evaluate_layout,
-    loss_parallel_s,
     matmul_s,
     model_output_layout,
     producer_bytes,

@@ -4,7 +4,7 @@ options.
 The search bounds a pipeline rank's memory by every in-flight micro-batch's activations
 beside every gradient (:class:`autopar.cost.peak.Footprint`, a knapsack's one linear
 constraint). Under interleaved 1F1B the rank's peak, followed action by action in torch's
-order (:func:`autopar.cost.peak.interleaved_peak`), is often well below it: a chunk's
+order (:func:`autopar.cost.peak_walks.interleaved_peak`), is often well below it: a chunk's
 gradients exist only from its first backward, and where a rank runs most of its forwards
 before its first backward, its activations peak before most gradients exist (Llama 3
 405B at 128K tokens on 16,384 H100: 64.5 GiB walked where the bound counts 75.6).

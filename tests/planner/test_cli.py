@@ -144,16 +144,17 @@ def test_a_field_set_twice_is_refused():
 
 def test_plan_on_the_fewest_nodes(tmp_path, capsys):
     """--fewest-nodes plans on the fewest nodes of the cluster's type (its count unused):
-    Llama 3 70B on A100 40GB, batch 256 of 8K tokens, needs 5 DGX nodes; 4 nodes are
-    refused when planned directly, and a bound of 4 refuses in one line, as --max-nodes
-    without --fewest-nodes does before any search."""
+    Llama 3 70B on A100 40GB, batch 256 of 8K tokens, needs 6 DGX nodes (its dp=1
+    pipeline casts each stage's weights once, and holds their bf16 gradients until the
+    stage's backward is over); 4 nodes are refused when planned directly, and a bound of
+    4 refuses in one line, as --max-nodes without --fewest-nodes does before any search."""
     args = ["plan", "--model", "llama3-70b", "--global-batch-size", "256", "--seq-len", "8192"]
     out = tmp_path / "plan.json"
     assert main([*args, "--cluster", "dgx-a100-40gb:64", "--fewest-nodes", "--out", str(out)]) == 0
     shown = capsys.readouterr()
     plan = Plan.load(out)
-    assert plan.cluster.nodes == 5 and plan.prediction.fits
-    assert "fewest nodes of dgx-a100-40gb a plan fits on: 5 (40 devices;" in shown.err
+    assert plan.cluster.nodes == 6 and plan.prediction.fits
+    assert "fewest nodes of dgx-a100-40gb a plan fits on: 6 (48 devices;" in shown.err
     assert main([*args, "--cluster", "dgx-a100-40gb:4"]) == 2
     assert "no plan fits" in capsys.readouterr().err
     assert main([*args, "--cluster", "dgx-a100-40gb", "--fewest-nodes", "--max-nodes", "4"]) == 2

@@ -27,13 +27,16 @@ import torch
 import torch.distributed as dist
 
 from autopar import codec
+from autopar.errors import first_line
 from profiler.doctor_checks import (
+    COLLECTIVE_PHASES,
     ComputeTime,
     Finding,
     GroupResult,
     LinkTime,
     RankFacts,
     check_backend,
+    check_collectives_stopped,
     check_environment,
     check_groups,
     check_join,
@@ -171,14 +174,22 @@ def _store(join_timeout_s: float) -> tuple[Any, str]:
         ) from None
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     timeout = datetime.timedelta(seconds=join_timeout_s)
-    store = dist.TCPStore(
-        addr,
-        port,
-        world_size=None if agent else world,
-        is_master=not agent and rank == 0,
-        timeout=timeout,
-        wait_for_workers=False,
-    )
+    try:
+        store = dist.TCPStore(
+            addr,
+            port,
+            world_size=None if agent else world,
+            is_master=not agent and rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+    except (RuntimeError, OSError) as exc:  # torch's DistNetworkError is a RuntimeError
+        role = "host the rendezvous store on" if not agent and rank == 0 else "reach the rendezvous store at"
+        raise SettingsError(
+            f"rank {rank} could not {role} {addr}:{port} ({first_line(exc)}): the port is taken by another "
+            f"process, or rank 0 is not up or not reachable from here within {join_timeout_s:g} s; pick a free "
+            f"MASTER_PORT, start rank 0 first, or check the address and firewall."
+        ) from None
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"autopar_doctor/{attempt}", store), f"{addr}:{port}"
 
@@ -269,12 +280,24 @@ def _with_process_group(
         findings += check_process_group(errors, False, backend)
         return DoctorReport(world_size=world, backend=backend, findings=tuple(findings), facts=tuple(present))
     try:
-        return _collective_checks(settings, backend, device, rank, world, findings, present)
+        return _collective_checks(store, settings, backend, device, rank, world, findings, present)
+    except Exception as exc:  # a rank died or hung mid-check: rank 0 says which, from the store
+        if rank != 0:
+            return None
+        findings += check_collectives_stopped(_phases(store, world), world, first_line(exc), settings.pg_timeout_s)
+        return DoctorReport(world_size=world, backend=backend, findings=tuple(findings), facts=tuple(present))
     finally:
         dist.destroy_process_group()
 
 
+def _phases(store: Any, world: int) -> dict[int, str]:
+    """The phase each rank recorded last (none for a rank that recorded none)."""
+    keys = {r: f"phase/{r}" for r in range(world)}
+    return {r: store.get(k).decode() for r, k in keys.items() if store.check([k])}
+
+
 def _collective_checks(
+    store: Any,
     settings: DoctorSettings,
     backend: str,
     device: torch.device,
@@ -288,16 +311,26 @@ def _collective_checks(
         name: (dist.group.WORLD if len(ranks) == world else dist.new_group(list(ranks)))
         for name, ranks in groups.items()
     }
+    phases = iter(COLLECTIVE_PHASES)
+
+    def phase() -> None:
+        store.set(f"phase/{rank}", next(phases))
+
     errors = {}
+    phase()
     for name, ranks in groups.items():
         if rank in ranks:
             x = torch.full((1024,), float(rank + 1), device=device)
             dist.all_reduce(x, group=handles[name])
             errors[name] = float((x - sum(r + 1 for r in ranks)).abs().max())
+    phase()
     compute = _time_matmul(device, rank, world, settings.repeats)
+    phase()
     nodes: list[Any] = [None] * world
     dist.all_gather_object(nodes, node_label())
+    phase()
     links = _time_links(tuple(nodes), device, settings)
+    phase()
     everything: list[Any] = [None] * world
     dist.all_gather_object(everything, (errors, compute, links))
     if rank != 0:

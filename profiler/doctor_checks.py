@@ -9,6 +9,7 @@ machine cannot produce (two torch versions, a node with a missing NIC).
 
 from __future__ import annotations
 
+import itertools
 import re
 import statistics
 from collections.abc import Mapping, Sequence
@@ -342,6 +343,38 @@ def check_groups(results: Sequence[GroupResult]) -> list[Finding]:
     ]
 
 
+COLLECTIVE_PHASES = ("group all-reduces", "matmul timing", "node labels", "link timing", "gathering results")
+"""The collective checks in the order every rank runs them (``profiler.doctor``); each rank
+records the one it is in, so that where a collective fails rank 0 can name the ranks that
+never reached it."""
+
+
+def check_collectives_stopped(phases: Mapping[int, str], world: int, error: str, pg_timeout_s: float) -> list[Finding]:
+    """A collective check that failed on rank 0 (``error``), and the ranks of the
+    ``world`` behind it: those whose last recorded phase (``phases``, in :data:`profiler.doctor.COLLECTIVE_PHASES`
+    order, recorded on entry) comes before rank 0's, or that recorded none. Rank 0
+    stops in the phase where a rank died or hung; a rank still in an earlier one is
+    where to look."""
+    order = {name: i for i, name in enumerate(COLLECTIVE_PHASES)}
+    mine = phases.get(0, COLLECTIVE_PHASES[0])
+    behind = [r for r in range(world) if order.get(phases.get(r, ""), -1) < order[mine]]
+    where = (
+        f"rank(s) {ranks_text(behind)} never reached it"
+        if behind
+        else "every rank had entered it, so one died or hung inside it"
+    )
+    return [
+        Finding(
+            severity="error",
+            check="collectives",
+            message=f"the {mine} failed on rank 0 ({error}); {where}",
+            fix="look at those ranks' output and logs for a crash, a hang or an out-of-memory kill, and on their "
+            f"nodes for the network; a collective waits --pg-timeout ({pg_timeout_s:g} s) for a rank before failing",
+            ranks=tuple(behind),
+        )
+    ]
+
+
 def check_speed(
     links: Sequence[LinkTime], compute: Sequence[ComputeTime], facts: Mapping[int, RankFacts], slow_ratio: float
 ) -> list[Finding]:
@@ -406,26 +439,50 @@ def check_speed(
                     )
                 )
     if not findings and (links or compute):
-        findings.append(
-            Finding(
-                severity="ok",
-                check="speed",
-                message=f"{len(links)} links and {len(compute)} ranks within {slow_ratio:g}x of their peers",
-            )
-        )
+        findings.append(Finding(severity="ok", check="speed", message=_speed_summary(links, compute, slow_ratio)))
     return findings
 
 
-def plan_groups(dp: int, tp: int, pp: int) -> dict[str, tuple[int, ...]]:
-    """The process groups a plan's mesh uses: ranks row-major over (pp, dp, tp), as
+def _speed_summary(links: Sequence[LinkTime], compute: Sequence[ComputeTime], slow_ratio: float) -> str:
+    """What was measured (the median bandwidth of each kind of link, the median compute
+    rate) and what was compared: a kind with fewer than 3 links, or fewer than 3 ranks,
+    has no peers to set a median against, which the verdict says."""
+    parts, compared, alone = [], [], []
+    for kind in ("intra", "inter"):
+        same = [lk.bandwidth_bytes_per_s for lk in links if lk.kind == kind]
+        if same:
+            parts.append(f"{kind}-node links {statistics.median(same) / 1e9:.3g} GB/s")
+            (compared if len(same) >= 3 else alone).append(f"{len(same)} {kind}-node link{'s' * (len(same) > 1)}")
+    if compute:
+        parts.append(f"compute {statistics.median(c.flops / c.time_s for c in compute) / 1e9:.4g} GFLOP/s")
+        (compared if len(compute) >= 3 else alone).append(f"{len(compute)} rank{'s' * (len(compute) > 1)}")
+    text = "measured (medians): " + ", ".join(parts)
+    if compared:
+        text += f"; {' and '.join(compared)} within {slow_ratio:g}x of their peers"
+    if alone:
+        text += f"; {' and '.join(alone)} not compared (fewer than 3 to compare)"
+    return text
+
+
+def plan_groups(dp: int, tp: int, pp: int, cp: int = 1) -> dict[str, tuple[int, ...]]:
+    """The process groups a plan's mesh uses: ranks row-major over (pp, dp, cp, tp), as
     ``autopar.vocab.MeshAxis`` lays them out; groups of one rank are left out."""
+    sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
+    axes = tuple(sizes)
+    coords = list(itertools.product(*(range(n) for n in sizes.values())))
 
-    def rank(p: int, d: int, t: int) -> int:
-        return (p * dp + d) * tp + t
+    def rank(c: tuple[int, ...]) -> int:
+        out = 0
+        for axis, i in zip(axes, c):
+            out = out * sizes[axis] + i
+        return out
 
-    by_axis = {
-        "tp": [[rank(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)],
-        "dp": [[rank(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
-        "pp": [[rank(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
-    }
-    return {f"{axis} group {i}": tuple(g) for axis, gs in by_axis.items() for i, g in enumerate(gs) if len(g) > 1}
+    groups: dict[str, tuple[int, ...]] = {}
+    for axis in ("tp", "cp", "dp", "pp"):
+        k = axes.index(axis)
+        rest = sorted({c[:k] + c[k + 1 :] for c in coords})
+        for i, others in enumerate(rest):
+            group = tuple(rank((*others[:k], j, *others[k:])) for j in range(sizes[axis]))
+            if len(group) > 1:
+                groups[f"{axis} group {i}"] = group
+    return groups

@@ -51,7 +51,7 @@ def add_doctor_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="check that every rank joins, agrees and communicates correctly and fast",
         description=DOCTOR_DESCRIPTION,
     )
-    p.add_argument("--plan", type=Path, help="a plan file: also all-reduce over each of its tp/dp/pp groups")
+    p.add_argument("--plan", type=Path, help="a plan file: also all-reduce over each of its tp/cp/dp/pp groups")
     p.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl with CUDA, else gloo")
     p.add_argument(
         "--join-timeout", type=parse_seconds, default=60.0, help="seconds to wait for every rank (default 60)"
@@ -61,9 +61,9 @@ def add_doctor_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--link-bytes",
-        type=parse_bytes,
+        type=_link_bytes,
         default=0,
-        help="bytes per link test, e.g. 4M (default 4 MiB CPU, 256 MiB GPU)",
+        help="bytes per link test, at least 4 (one float), e.g. 4M (default 4 MiB CPU, 256 MiB GPU)",
     )
     p.add_argument(
         "--slow-ratio", type=_ratio, default=0.5, help="flag what runs below this fraction of its peers (default 0.5)"
@@ -74,11 +74,20 @@ def add_doctor_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def plan_degrees(path: Path) -> tuple[int, int, int]:
-    """``(dp, tp, pp)`` of a plan file, read as data (only the mesh matters here)."""
+def _link_bytes(text: str) -> int:
+    """A link test's size: at least one fp32 element, which is what each link sends."""
+    n = parse_bytes(text)
+    if n < 4:
+        raise argparse.ArgumentTypeError(f"{text!r} is below 4 bytes, one fp32 element; use e.g. 4M.")
+    return n
+
+
+def plan_degrees(path: Path) -> tuple[int, int, int, int]:
+    """``(dp, tp, pp, cp)`` of a plan file, read as data (only the mesh matters here; a
+    plan written before context parallelism has no ``cp``: 1)."""
     try:
         config = json.loads(Path(path).read_text())["config"]
-        degrees = tuple(config[k] for k in ("dp", "tp", "pp"))
+        degrees = (config["dp"], config["tp"], config["pp"], config.get("cp", 1))
     except FileNotFoundError:
         raise SettingsError(
             f"plan file {str(path)!r} does not exist; write one with 'autopar plan ... --out'."
@@ -88,8 +97,8 @@ def plan_degrees(path: Path) -> tuple[int, int, int]:
             f"plan file {str(path)!r} has no readable config.dp/tp/pp ({exc}); is it a plan written by autopar?"
         ) from None
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in degrees):
-        raise SettingsError(f"plan file {str(path)!r}: dp, tp, pp = {degrees} must be positive integers.")
-    return degrees[0], degrees[1], degrees[2]
+        raise SettingsError(f"plan file {str(path)!r}: dp, tp, pp, cp = {degrees} must be positive integers.")
+    return degrees[0], degrees[1], degrees[2], degrees[3]
 
 
 def settings_from_args(args: argparse.Namespace) -> DoctorSettings:
@@ -97,8 +106,8 @@ def settings_from_args(args: argparse.Namespace) -> DoctorSettings:
     groups: dict[str, tuple[int, ...]] = {}
     plan_world_size = None
     if args.plan is not None:
-        dp, tp, pp = plan_degrees(args.plan)
-        groups, plan_world_size = plan_groups(dp, tp, pp), dp * tp * pp
+        dp, tp, pp, cp = plan_degrees(args.plan)
+        groups, plan_world_size = plan_groups(dp, tp, pp, cp), dp * cp * tp * pp
     return DoctorSettings(
         backend=args.backend,
         join_timeout_s=args.join_timeout,

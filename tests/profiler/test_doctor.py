@@ -11,6 +11,7 @@ import autopar
 from autopar.models import MLPConfig, MLPStack
 from profiler.__main__ import main
 from profiler.doctor import DoctorSettings, run_doctor
+from profiler.errors import SettingsError
 from profiler.launch import launch_local
 
 pytestmark = pytest.mark.multiprocess
@@ -141,3 +142,44 @@ def test_a_directory_as_out_is_refused_before_the_check(tmp_path, capsys):
     assert "Traceback" not in err
     assert "wrote" not in out
     assert list(tmp_path.iterdir()) == []
+
+
+def _doctor_hanging_in_links(rank, world, settings):
+    if rank == 1:  # joins, then hangs where the links are timed
+        import profiler.doctor as doctor
+
+        doctor._time_links = lambda *a, **k: time.sleep(120)
+    return run_doctor(settings)
+
+
+def test_a_rank_that_hangs_mid_check_is_a_finding_not_a_traceback():
+    """Rank 1 joins the process group, then hangs in the link timing: rank 0's collective
+    times out after --pg-timeout, and the report says which check failed and that every
+    rank had entered it (the timeout's message on its first line), in place of the
+    RuntimeError that ended the doctor."""
+    results = launch_local(_doctor_hanging_in_links, 2, QUICK, timeout_s=60)
+    report = _report(results)
+    (err,) = report.errors()
+    assert err.check == "collectives" and "the link timing failed on rank 0" in err.message
+    assert "every rank had entered it, so one died or hung inside it" in err.message
+    assert "--pg-timeout (6 s)" in err.fix
+
+
+def test_a_store_it_cannot_reach_is_one_line(monkeypatch):
+    """A rank started without torchrun whose rank 0 is not up: one line naming the
+    address, what to check, in place of torch's DistNetworkError traceback."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29689")
+    with pytest.raises(SettingsError, match=r"rank 1 could not reach the rendezvous store at 127.0.0.1:29689 \("):
+        run_doctor(dataclasses.replace(QUICK, join_timeout_s=1))
+
+
+def test_a_link_test_below_one_float_is_refused(capsys):
+    """Each link sends fp32 elements: fewer than 4 bytes would time empty messages and
+    compare nothing."""
+    with pytest.raises(SystemExit) as stopped:
+        main(["doctor", "--nproc", "2", "--link-bytes", "2"])
+    assert stopped.value.code == 2
+    assert "'2' is below 4 bytes, one fp32 element; use e.g. 4M." in capsys.readouterr().err

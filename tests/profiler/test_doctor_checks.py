@@ -11,6 +11,7 @@ from profiler.doctor_checks import (
     LinkTime,
     RankFacts,
     check_backend,
+    check_collectives_stopped,
     check_environment,
     check_groups,
     check_join,
@@ -152,7 +153,13 @@ def test_a_slow_node_and_a_slow_link_are_told_apart():
     (c,) = check_speed([], compute, fs, 0.5)
     assert c.ranks == (2,) and "0.20x the median 1000" in c.message
     even = [LinkTime(a=0, b=1, kind="intra", nbytes=1e6, time_s=1e-3)] * 3
-    assert check_speed(even, compute[:1], fs, 0.5)[0].severity == "ok"
+    (ok,) = check_speed(even, compute[:1], fs, 0.5)
+    assert ok.severity == "ok" and ok.message == (
+        "measured (medians): intra-node links 1 GB/s, compute 1000 GFLOP/s; 3 intra-node links within 0.5x of "
+        "their peers; 1 rank not compared (fewer than 3 to compare)"
+    )
+    (alone,) = check_speed(even[:1], compute[:2], fs, 0.5)
+    assert "not compared" in alone.message and "within" not in alone.message
 
 
 def test_plan_groups_follow_the_mesh_layout():
@@ -162,6 +169,21 @@ def test_plan_groups_follow_the_mesh_layout():
     assert g["pp group 0"] == (0, 4) and g["pp group 3"] == (3, 7)
     assert len(g) == 4 + 4 + 4
     assert plan_groups(dp=4, tp=1, pp=1) == {"dp group 0": (0, 1, 2, 3)}
+    # the mesh is (pp, dp, cp, tp): cp groups are tp apart, dp groups cp x tp apart
+    g = plan_groups(dp=2, tp=2, pp=1, cp=2)
+    assert g["tp group 0"] == (0, 1) and g["cp group 0"] == (0, 2) and g["dp group 0"] == (0, 4)
+    assert len(g) == 4 + 4 + 4
+
+
+def test_a_collective_that_stops_names_the_ranks_behind_it():
+    """Rank 0 failed in the link timing: ranks still in an earlier check, or that never
+    recorded one, are where to look."""
+    phases = {0: "link timing", 1: "link timing", 2: "matmul timing"}
+    (f,) = check_collectives_stopped(phases | {4: "link timing"}, 6, "Timed out", 60)
+    assert f.severity == "error" and f.ranks == (2, 3, 5)
+    assert f.message == "the link timing failed on rank 0 (Timed out); rank(s) 2, 3, 5 never reached it"
+    (f,) = check_collectives_stopped(phases | {2: "link timing"}, 3, "Timed out", 60)
+    assert f.ranks == () and "every rank had entered it" in f.message
 
 
 @pytest.mark.parametrize(

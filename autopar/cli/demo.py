@@ -26,6 +26,7 @@ from autopar.plan import Plan
 from autopar.present.explain import explain
 from autopar.profiles.to_cluster import cluster_from_profiles
 from autopar.runtime.local import LocalRun, run_locally, token_batches
+from autopar.runtime.mesh import MeshDims
 from autopar.runtime.spmd import SPMDSettings, run_spmd
 from autopar.search.planner import plan as make_plan
 
@@ -120,14 +121,15 @@ def run_demo(*, nproc: int = 2, steps: int = 6, say: Callable[[str], None] = pri
     )
     p = local.prediction
     worst_rank = max(range(len(measured.peak_memory_bytes)), key=lambda r: measured.peak_memory_bytes[r])
-    predicted_mem = max(s.memory.total_bytes for s in p.stages if s.pipeline_rank == worst_rank % local.config.pp)
-    say(f"  {'':<22}{'predicted':>12}{'measured':>12}{'ratio':>8}")
+    pipeline_rank = MeshDims.of(local).coordinate(worst_rank)[0]  # the mesh puts pp outermost
+    predicted_mem = max(s.memory.total_bytes for s in p.stages if s.pipeline_rank == pipeline_rank)
+    say(f"  {'':<22}{'predicted':>12}{'measured':>12}{'pred/meas':>11}")
     say(
         f"  {'step time (s)':<22}{p.step_time_s:>12.3f}{measured.median_step_s:>12.3f}"
-        f"{p.step_time_s / measured.median_step_s:>8.2f}"
+        f"{p.step_time_s / measured.median_step_s:>11.2f}"
     )
     peak = measured.peak_memory_bytes[worst_rank]
-    say(f"  {'peak memory (MiB)':<22}{predicted_mem / 2**20:>12.1f}{peak / 2**20:>12.1f}{predicted_mem / peak:>8.2f}")
+    say(f"  {'peak memory (MiB)':<22}{predicted_mem / 2**20:>12.1f}{peak / 2**20:>12.1f}{predicted_mem / peak:>11.2f}")
     say(f"  loss: {measured.losses[0]:.3f} -> {measured.losses[-1]:.3f} over {len(measured.losses)} steps")
 
     say("\n4/4 Planning GPT-3 175B on 128 DGX A100 nodes (1024 GPUs), global batch 1536 x 2048 tokens")

@@ -22,7 +22,7 @@ from autopar.cost.leaf import BACKWARD_FACTOR
 from autopar.errors import ProfileFormatError
 from autopar.hardware.cluster import Cluster
 from autopar.hardware.device import alone, device_kind
-from autopar.profiles.sections import UnitMeasurement
+from autopar.profiles.sections import Timing, UnitMeasurement
 from autopar.profiles.to_cluster import cluster_from_profiles, group_figures_apply, latest, read_reports, where_measured
 from autopar.vocab import DType
 
@@ -161,9 +161,10 @@ def recompute_calibration(reports: Any) -> dict[str, float]:
     the forward's median is the block's fraction. The units the profiler cannot wrap
     (what runs before the first block and after the last) take the fraction of the
     measured ones together: their differences over their forwards, each counted once per
-    instance. A difference below zero (noise around a cheap rerun) counts as zero.
-    Empty where no unit has the measurement (a report from before it): the planner then
-    prices a rerun forward as the forward.
+    instance. A unit whose difference is within its timings' spread (:func:`_resolved`)
+    counts as not measured: a noisy machine timed reruns at no cost, which made full
+    recomputation look free. Empty where no unit has a measurement (a report from before
+    it, or only noise): the planner then prices a rerun forward as the forward.
     """
     found = latest(read_reports(reports), "layers")
     measured = _recompute_fractions(found[1].units) if found is not None else None
@@ -177,13 +178,21 @@ def recompute_calibration(reports: Any) -> dict[str, float]:
     return fractions
 
 
+def _resolved(rerun: Timing, plain: Timing) -> bool:
+    """Whether a backward with its forward rerun was timed slower than the plain one by
+    more than the two timings' own spread (median less fastest, each): a smaller
+    difference is noise, not a measurement of the rerun (a rerun forward costs time)."""
+    spread = (rerun.median_s - rerun.min_s) + (plain.median_s - plain.min_s)
+    return rerun.median_s - plain.median_s > spread
+
+
 def _recompute_fractions(units: Sequence[UnitMeasurement]) -> tuple[dict[str, float], float] | None:
     """Per measured unit signature its recompute fraction, and the measured units'
     together (see :func:`recompute_calibration`); None where no unit was measured."""
     extra = {
-        u.signature: max(u.recompute_bwd.median_s - u.bwd.median_s, 0.0)
+        u.signature: u.recompute_bwd.median_s - u.bwd.median_s
         for u in units
-        if u.recompute_bwd is not None and u.fwd.median_s > 0
+        if u.recompute_bwd is not None and u.fwd.median_s > 0 and _resolved(u.recompute_bwd, u.bwd)
     }
     if not extra:
         return None

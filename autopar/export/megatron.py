@@ -90,7 +90,7 @@ def export_megatron(plan: Plan, shape: ModelShape | None) -> Export:
     args += _pipeline_args(plan, blocks, notes, info)
     args += ["--micro-batch-size", str(c.micro_batch_size), "--global-batch-size", str(c.global_batch_size)]
     args += _data_parallel_args(plan, notes)
-    args += recompute_args(blocks, notes)
+    args += recompute_args(blocks, notes, chunked=c.virtual_stages > 1)
     args += {DType.BF16: ["--bf16"], DType.FP16: ["--fp16"], DType.FP32: []}[c.dtype]
     if c.fp8:
         args += ["--fp8-format", "hybrid"]
@@ -305,13 +305,14 @@ FULL_UNIFORM = ("--recompute-granularity", "full", "--recompute-method", "unifor
 """Every layer recomputed in full, each keeping its input only."""
 
 
-def recompute_args(blocks: Blocks, notes: list[str], *, pipe_engine: bool = False) -> list[str]:
+def recompute_args(blocks: Blocks, notes: list[str], *, pipe_engine: bool = False, chunked: bool = False) -> list[str]:
     """Recompute flags. Megatron's ``selective`` recomputes the attention core, as
     autopar's does; ``full`` with the ``uniform`` method over 1 layer keeps each layer's
     input only; the ``block`` method recomputes the first N layers of every stage, which
     is the closest to a per-layer choice. On DeepSpeed's pipeline engine
     (``pipe_engine``: Megatron-DeepSpeed with pp > 1) a method other than ``uniform``
-    recomputes nothing, so there a per-layer choice is written as every layer in full."""
+    recomputes nothing, so there a per-layer choice is written as every layer in full.
+    ``chunked``: an interleaved pipeline, whose N Megatron-LM applies to each model chunk."""
     if not blocks.count:
         return []
     note = outside_blocks_note(blocks)
@@ -350,11 +351,15 @@ def recompute_args(blocks: Blocks, notes: list[str], *, pipe_engine: bool = Fals
         for stage in blocks.stage_modes
     )
     if not exact:
+        where = "model chunk (virtual stage)" if chunked else "pipeline stage"
+        total = sum(min(n, len(stage)) for stage in blocks.stage_modes)
         notes.append(
             mixed_recompute_note(
                 blocks,
-                f"Megatron-LM's block method recomputes the first N layers of every pipeline stage in full: "
-                f"wrote N = {n}, the most any stage recomputes, so no stage keeps more than the plan",
+                f"Megatron-LM's block method recomputes the first N layers of every {where} in full: wrote N = {n}, "
+                f"the most any {where} recomputes, so none keeps more than the plan; that recomputes {total} of the "
+                f"{blocks.count} layers in full where the plan recomputes {counts[Recompute.FULL]} (more compute than "
+                f"predicted)",
             )
         )
     return ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", str(n)]

@@ -140,7 +140,21 @@ def test_megatron_recompute(pipelined_plan):
     approx = export(variant(pipelined_plan, overrides=scattered), to="megatron")
     assert "--recompute-num-layers 5" in approx.launch
     assert any("7 full" in n and "N = 5" in n for n in approx.notes)
+    assert any(
+        "every pipeline stage" in n and "recomputes 10 of the 40 layers in full where the plan recomputes 7" in n
+        for n in approx.notes
+    )
     assert all(f"# NOTE: {n}" in approx.text for n in approx.notes)
+    # interleaved, Megatron-LM counts N per model chunk: 4 chunks of 10, the most is 3 (layers 30, 33, 39)
+    chunks = export(
+        variant(pipelined_plan, overrides=scattered, virtual_stages=2, schedule="interleaved-1f1b"), to="megatron"
+    )
+    assert "--num-layers-per-virtual-pipeline-stage 10" in chunks.launch and "--recompute-num-layers 3" in chunks.launch
+    assert any(
+        "every model chunk (virtual stage)" in n
+        and "recomputes 12 of the 40 layers in full where the plan recomputes 7" in n
+        for n in chunks.notes
+    )
 
 
 def test_megatron_model_sizes():

@@ -110,4 +110,8 @@ def load_cluster(path: str | Path) -> Cluster:
     other = codec.misfiled(data, "cluster", "a cluster")
     if other:
         raise ClusterError(f"cluster file {str(path)!r} {other}.")
-    return cluster_from_dict(data, origin=f"cluster file {str(path)!r}")
+    cluster = cluster_from_dict(data, origin=f"cluster file {str(path)!r}")
+    counted = cluster.name.rpartition(" x ")[2]
+    if counted.isdigit() and int(counted) != cluster.nodes:  # a saved preset whose node count was edited
+        cluster = replace(cluster, name=f"{cluster.kind} x {cluster.nodes}")
+    return cluster

@@ -57,6 +57,18 @@ def test_json_round_trip(tmp_path):
     assert parse_cluster("hgx-h200:4") == cluster
 
 
+def test_a_saved_preset_with_its_nodes_edited_is_named_for_them(tmp_path):
+    """``autopar presets --save dgx-h100:16`` then "nodes": 2 in the file: the plan's
+    header and exports said "dgx-h100 x 16" over 2 nodes. A name a user chose is kept."""
+    path = save_cluster(preset("dgx-h100", nodes=16), tmp_path / "c.json")
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps(data | {"nodes": 2}))
+    loaded = load_cluster(path)
+    assert (loaded.nodes, loaded.name, loaded.kind) == (2, "dgx-h100 x 2", "dgx-h100")
+    path.write_text(json.dumps(data | {"nodes": 2, "name": "our rack"}))
+    assert load_cluster(path).name == "our rack"
+
+
 def test_a_file_an_editor_saved_with_a_byte_order_mark_loads(tmp_path):
     """Some editors start a UTF-8 file with a byte-order mark, which is not JSON: such a
     cluster file was refused as "not valid JSON ... was it truncated?"."""

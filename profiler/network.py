@@ -173,7 +173,11 @@ def profile_network(
         say(
             f"framework overhead on the intra-node groups: {tp * 1e6:.0f} us per tensor-parallel layer forward, "
             f"{fsdp * 1e6:.0f} us per FSDP collective and {fsdp_tensor * 1e6:.0f} us per parameter tensor in it, "
-            f"FSDP copies at {fsdp_copy / 1e9:.1f} GB/s"
+            + (
+                f"FSDP copies at {fsdp_copy / 1e9:.1f} GB/s"
+                if fsdp_copy
+                else "FSDP copies not resolved (the device's own figure is kept)"
+            )
         )
     memory_share = _memory_share(groups, rank, device)
     if memory_share < 1:

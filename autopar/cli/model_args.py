@@ -114,8 +114,23 @@ def _named_model(name: str, seq_len: int | None, shape: tuple[int, ...] | None) 
             f"--seq-len is for token models; {name} takes {entry.input_kind} of shape {entry.sample_shape}: "
             f"leave --seq-len out, or give --sample-shape."
         )
+    if shape and not _takes(entry.input_kind, entry.sample_shape, shape):
+        own = ",".join(map(str, entry.sample_shape))
+        raise ConfigError(
+            f"--sample-shape {','.join(map(str, shape))} does not fit {name}, which takes {entry.input_kind.rstrip('s')}s of shape "
+            f"{entry.sample_shape} per sample; give --sample-shape {own} (its default), or leave it out."
+        )
     sample = _meta_sample(shape) if shape else {"sample_input": entry.sample_input(1)}
     return LoadedModel(build_named_model(name), sample)
+
+
+def _takes(kind: str, own: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """Whether a registered model whose sample is ``own`` takes samples of ``shape``:
+    features of the same width (leading dimensions, a sequence of them, allowed), images
+    of the same channels and rank (any height and width)."""
+    if kind == "features":
+        return shape[-1] == own[-1]
+    return len(shape) == len(own) and shape[0] == own[0]
 
 
 def _config_model(

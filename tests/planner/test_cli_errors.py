@@ -97,6 +97,14 @@ CLI_CASES = {
         "plan --model resnet-small --cluster local-cpu:1 --global-batch-size 8 --sample-shape 3,99999999999999999999,2",
         ["'3,99999999999999999999,2'", "6e+20 values per sample", "more than 2^40"],
     ),
+    "features of another width": (
+        "plan --model mlp-wide --cluster local-cpu:1 --global-batch-size 8 --sample-shape 8192",
+        ["--sample-shape 8192 does not fit mlp-wide", "features of shape (1024,)", "--sample-shape 1024"],
+    ),
+    "images of other channels": (
+        "plan --model resnet-small --cluster local-cpu:1 --global-batch-size 8 --sample-shape 1,224,224",
+        ["--sample-shape 1,224,224 does not fit resnet-small", "images of shape (3, 224, 224)"],
+    ),
     "model function that fails": (
         "plan --model-fn torch.nn:Linear --seq-len 8 --cluster local-cpu:1 --global-batch-size 8",
         ["torch.nn:Linear", "TypeError", "no arguments"],

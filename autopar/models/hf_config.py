@@ -478,7 +478,7 @@ def _token_length(model: nn.Module, kind: str, seq_len: int | None) -> tuple[int
             f"{kind} has no maximum sequence length in its config (its positions are relative); give --seq-len, "
             f"e.g. --seq-len 512."
         )
-    return limit[0], longest_length_note(limit, "--seq-len")
+    return limit[0], longest_length_note(limit, "--seq-len", getattr(model, "config", None))
 
 
 def _image_shape(config: Any, kind: str, shape_flag: str) -> tuple[tuple[int, ...], str]:

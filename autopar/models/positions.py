@@ -22,12 +22,18 @@ def max_positions(model: object) -> tuple[int, str] | None:
     return None
 
 
-def longest_length_note(limit: tuple[int, str], flag: str) -> str:
+def longest_length_note(limit: tuple[int, str], flag: str, config: object = None) -> str:
     """What a plan says when it was made for the longest sequence its model was built for
     (``limit``, from :func:`max_positions`) because no length was given; ``flag`` is how
-    the caller gives one (``--seq-len``, ``seq_len=``)."""
+    the caller gives one (``--seq-len``, ``seq_len=``). Where the model's ``config``
+    stretches its rotary context further (:func:`rope_context`), that length is the
+    config's, not the model's maximum, and the note says how far it goes."""
+    scaled = rope_context(config) if config is not None else None
+    what = f"the model's maximum (config.{limit[1]})"
+    if scaled is not None and scaled[0] > limit[0]:
+        what = f"the length its config gives (config.{limit[1]}; its {scaled[1]} takes up to {scaled[0]})"
     return (
-        f"Planned for seq_len {limit[0]}, the model's maximum (config.{limit[1]}), as no sequence length was given; "
+        f"Planned for seq_len {limit[0]}, {what}, as no sequence length was given; "
         f"pass {flag} with your training length: memory, FLOPs and the chosen plan depend on it."
     )
 

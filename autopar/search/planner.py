@@ -301,7 +301,7 @@ def _default_seq_len(model: object, seq_len: int | None, sample_input: Any) -> t
     limit = max_positions(model)
     if limit is None or not any(isinstance(m, nn.Embedding) for m in model.modules()):
         return None, None
-    note = longest_length_note(limit, "seq_len=")
+    note = longest_length_note(limit, "seq_len=", getattr(model, "config", None))
     warnings.warn(note, UserWarning, stacklevel=4)
     return limit[0], note
 

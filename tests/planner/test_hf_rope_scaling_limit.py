@@ -172,3 +172,21 @@ def test_the_cli_plans_a_yarn_scaled_qwen2_at_131072(tmp_path, capsys):
     plan = json.loads(captured.out)
     assert plan["model"]["name"] == "Qwen2ForCausalLM"
     assert plan["model"]["seq_len"] == 131072
+
+
+def test_the_default_length_of_a_yarn_scaled_qwen2_is_not_called_its_maximum():
+    """Planned without a length, at max_position_embeddings: the note said "the model's
+    maximum" while the same model plans at 131072; it now says how far its scaling goes.
+    Without scaling the length is the maximum, and the note says so."""
+    import autopar
+
+    cluster = autopar.preset("dgx-h100", nodes=1)
+    with pytest.warns(UserWarning) as caught:
+        autopar.plan(_qwen(rope_scaling=YARN), cluster, global_batch_size=8)
+    (note,) = [str(w.message) for w in caught if "Planned for" in str(w.message)]
+    assert note.startswith(
+        "Planned for seq_len 32768, the length its config gives (config.max_position_embeddings; its rope_scaling "
+        "yarn: factor 4 x original_max_position_embeddings 32768 takes up to 131072), as no sequence length"
+    )
+    with pytest.warns(UserWarning, match=r"seq_len 32768, the model's maximum \(config.max_position_embeddings\)"):
+        autopar.plan(_qwen(), cluster, global_batch_size=8)

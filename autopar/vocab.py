@@ -109,8 +109,9 @@ SPLIT_BACKWARD_EAGER = (
 search leaves out and the constraints and the runtime refuse."""
 
 SPLIT_BACKWARD_RECOMPUTE = (
-    "torch 2.13's split backward reruns a checkpointed unit's forward in the weight-gradient step once per "
-    "group of parameters (9 times for a Llama block), and per-operator checkpointing refuses that second backward"
+    "torch 2.13's split backward reruns a fully recomputed unit's forward in the weight-gradient step once per "
+    "group of parameters (9 times for a Llama block), which autopar does not price, and per-operator "
+    "checkpointing ('op') refuses that second backward"
 )
 """Why a zero-bubble schedule's units recompute nothing or only the attention cores
 (``none``, ``selective``): what the search offers it."""

@@ -43,7 +43,7 @@ from autopar.export.common import (
 from autopar.export.shape import ModelShape
 from autopar.parallel_config import ParallelConfig
 from autopar.plan import Plan
-from autopar.vocab import DType, Optimizer, Recompute, Schedule
+from autopar.vocab import SPLIT_BACKWARD_EAGER, DType, Optimizer, Recompute, Schedule
 
 CONFIG_NAME = "torchtitan.toml"
 SCHEDULES = {
@@ -62,8 +62,9 @@ def export_torchtitan(plan: Plan, shape: ModelShape | None) -> Export:
     """The torchtitan job config of ``plan``. torchtitan builds the model from its own
     ``[model]`` name and flavor: ``shape`` only says whether the model has experts, and
     whether they drop tokens (torchtitan's do not), for the notes. Raises ExportError for a sequence length
-    torchtitan's models cannot split, for gradients reduced in bf16, which torchtitan does not offer, and for a
-    model that is not a decoder-only causal language model."""
+    torchtitan's models cannot split, for gradients reduced in bf16, which torchtitan does not offer, for a
+    zero-bubble schedule with compiled blocks, which torch does not run, and for a model that is not a
+    decoder-only causal language model."""
     require_decoder(plan, "torchtitan")
     c = plan.config
     if c.reduce_dtype is not DType.FP32:
@@ -71,6 +72,11 @@ def export_torchtitan(plan: Plan, shape: ModelShape | None) -> Export:
             f"torchtitan reduces gradients in float32 only (training.mixed_precision_reduce), and the plan reduces "
             f"them in {c.reduce_dtype.value}, holding half the gradient bytes it would: make the plan with --set "
             f"reduce_dtype=fp32 for torchtitan."
+        )
+    if c.schedule.zero_bubble and c.pp > 1 and c.compile:  # a hand-edited plan: the planner never makes one
+        raise ExportError(
+            f"the plan runs schedule {c.schedule.value!r} with compiled blocks, which torchtitan's torch refuses: "
+            f"{SPLIT_BACKWARD_EAGER}; make the plan with --set compile=false, or another schedule."
         )
     # its models assert it: tensor parallelism shards the sequence over tp, context
     # parallelism cuts it into 2 x cp chunks

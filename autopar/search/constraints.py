@@ -116,9 +116,10 @@ def check_constraints(
     if schedule is not None and schedule.zero_bubble:  # torch splits the backward of eager blocks only
         if out.setdefault("compile", False):
             by = " (asynchronous TP, async_tp=True, runs in compiled blocks)" if out.get("async_tp") else ""
+            drop = "async_tp=False" if out.get("async_tp") else "compile=False"
             raise ConfigError(
                 f"constraint schedule={schedule.value!r} with compile=True{by} is not allowed: {SPLIT_BACKWARD_EAGER}; "
-                f"use compile=False or schedule='interleaved-1f1b'."
+                f"use {drop} or schedule='interleaved-1f1b'."
             )
         if out.get("recompute") in (Recompute.FULL, Recompute.OP):
             raise ConfigError(

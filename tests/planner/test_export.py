@@ -353,6 +353,9 @@ def test_torchtitan_pipeline_and_batch(pipelined_plan, gpt2_plan):
     ):
         zb = variant(interleaved, schedule=schedule)
         assert torchtitan_config(zb)["parallelism"]["pipeline_parallel_schedule"] == name
+        # a hand-edited plan compiling under a split backward, which torch does not run
+        with pytest.raises(ExportError, match=f"schedule '{schedule}' with compiled blocks, which torchtitan's torch"):
+            export(variant(zb, compile=True), to="torchtitan")
     assert p["module_fqns_per_model_part"] == [list(s) for s in interleaved.stages]
     c = interleaved.config
     # pipelined: a rank's whole batch per step, split into micro-batches of the plan's size

@@ -175,6 +175,7 @@ def _option_line(plan: Plan, option: str, label: str, ways: tuple[str, str, str,
     enabled = getattr(plan.config, option)
     if option == "compile" and plan.config.schedule.zero_bubble and plan.config.pp > 1:
         off += f", as {plan.config.schedule.value} needs them ({SPLIT_BACKWARD_EAGER})"
+        on += f"; torch does not run them under {plan.config.schedule.value} ({SPLIT_BACKWARD_EAGER}): plan again"
     found = [a for a in plan.alternatives if a.status == option]
     if not (always or enabled or found):
         return []

@@ -176,6 +176,11 @@ def test_zero_bubble_schedules_run_eager_blocks():
     p = autopar.plan(_tiny_llama(), DGX1, global_batch_size=64, seq_len=2048, constraints={"pp": 4, "schedule": "zbv"})
     assert not p.config.compile and not any(a.status == "compile" for a in p.alternatives)
     assert "blocks run eager, as zbv needs them (torch 2.13 splits the backward" in autopar.explain(p)
+    edited = dataclasses.replace(p, config=dataclasses.replace(p.config, compile=True))  # by hand: said, not hidden
+    assert (
+        "blocks compiled (torch.compile: element-wise ops fused between matmuls); torch does not run them under zbv"
+        in (autopar.explain(edited))
+    )
     for extra, drop in (({"compile": True}, "compile=False"), ({"async_tp": True, "tp": 2}, "async_tp=False")):
         with pytest.raises(
             ConfigError, match=f"schedule='interleaved-zb' with compile=True.* is not allowed.*use {drop} "

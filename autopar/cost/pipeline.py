@@ -124,7 +124,7 @@ def most_awaiting(schedule: Schedule, pp: int, virtual_stages: int, num_microbat
     """The most chunk micro-batches awaiting their weight gradient on any rank where it
     holds the most (:func:`weight_wait_moment`; 0 for other schedules)."""
     moments = (weight_wait_moment(schedule, pp, virtual_stages, num_microbatches, r) for r in range(pp))
-    return max((w for moment in moments if moment for _, w in [moment]), default=0)
+    return max((moment[1] for moment in moments if moment), default=0)
 
 
 @functools.cache  # pure, and asked for every stage of every candidate

@@ -49,7 +49,7 @@ def offered_schedules(pp: int, graph: LayerGraph, c: Mapping[str, Any]) -> Itera
         return
     wanted = c.get("schedule")
     # a split backward runs eager blocks that recompute nothing or the attention cores alone
-    splits = not c.get("compile") and c.get("recompute") not in (Recompute.FULL, Recompute.OP)
+    splits = not c.get("compile") and c.get("recompute", Recompute.NONE) in SPLIT_BACKWARD_MODES
     for schedule in (Schedule.ONE_F_ONE_B, Schedule.GPIPE):
         if wanted in (None, schedule) and c.get("virtual_stages", 1) == 1:
             yield schedule, 1

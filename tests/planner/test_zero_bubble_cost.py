@@ -26,12 +26,10 @@ from autopar.cost.pipeline import (
     inflight_microbatches,
     interleaved_chunk_counts,
     interleaved_order,
-    most_awaiting,
     pipeline_time_s,
     schedule_problem,
     stage_inflight_microbatches,
     weight_grad_s,
-    weight_wait_moment,
     zero_bubble_fill_s,
 )
 from autopar.vocab import Schedule
@@ -116,25 +114,6 @@ def peak_chunks(actions):
         held += HOLDS.get(a.computation_type, 0)
         most = max(most, held)
     return most
-
-
-def moments(actions):
-    """The (held, awaiting) pairs a rank passes through that no other pair it passes
-    through holds as much of both: chunks held from forward to weight gradient, and of
-    them those whose input gradient ran (the pipeline's first stage, whose backward
-    torch runs whole at its ``W``, awaits nothing)."""
-    held, awaiting, seen = set(), set(), set()
-    for a in actions:
-        key = (a.stage_index, a.microbatch_index)
-        if a.computation_type is Kind.FORWARD:
-            held.add(key)
-        elif a.computation_type is Kind.BACKWARD_INPUT and a.stage_index:
-            awaiting.add(key)
-        elif a.computation_type in (Kind.BACKWARD_WEIGHT, Kind.FULL_BACKWARD):
-            held.discard(key)
-            awaiting.discard(key)
-        seen.add((len(held), len(awaiting)))
-    return {s for s in seen if not any(t != s and t[0] >= s[0] and t[1] >= s[1] for t in seen)}
 
 
 def test_terms_by_hand():
@@ -254,31 +233,6 @@ def test_inflight_is_torch_order(schedule, p, m):
         order = torch_order(schedule, p, v, m)
         for r in range(p):
             assert inflight_microbatches(schedule, p, v, m, r) == peak_chunks(order[r]) / v, (v, r)
-
-
-@pytest.mark.parametrize("schedule", [Schedule.INTERLEAVED_ZB, Schedule.ZBV, Schedule.DUALPIPEV])
-@pytest.mark.parametrize("p", [2, 3, 4, 8])
-def test_weight_wait_moment_is_torch_order(schedule, p):
-    """``weight_wait_moment`` is the moment of torch's order where the rank holds the
-    most (as many as :func:`inflight_microbatches` counts), with as many awaiting their
-    weight gradient as torch's order has there; for interleaved ZB it is the only moment
-    no other covers. A V's drain holds fewer with more awaiting (ZB-V's last rank
-    ``(2p - 1, 2p - 1)``), which the dry runs do not peak at
-    (``tests/runtime/test_weight_wait_memory.py``)."""
-    for m in range(1, 3 * p + 2):
-        for v in (2, 3) if schedule is Schedule.INTERLEAVED_ZB else (2,):
-            if schedule_problem(schedule, p, v, m):
-                continue
-            order = torch_order(schedule, p, v, m)
-            for r in range(p):
-                theirs, mine = moments(order[r]), weight_wait_moment(schedule, p, v, m, r)
-                assert mine in theirs and mine[0] == max(a for a, _ in theirs) == peak_chunks(order[r]), (m, v, r)
-                assert mine[0] == inflight_microbatches(schedule, p, v, m, r) * v, (m, v, r)
-                if schedule is Schedule.INTERLEAVED_ZB:
-                    assert {mine} == theirs, (m, v, r)
-            if schedule is Schedule.ZBV and m >= 2 * p - 1:
-                assert (2 * p - 1, 2 * p - 1) in moments(order[p - 1])
-    assert most_awaiting(schedule, 8, 2, 24) == {Schedule.INTERLEAVED_ZB: 8, Schedule.ZBV: 1}.get(schedule, 0)
 
 
 @pytest.mark.parametrize("p, m", [(2, 2), (2, 4), (2, 6), (4, 4), (4, 8), (4, 12), (8, 8), (8, 16), (8, 24)])

@@ -141,6 +141,11 @@ class Recompute(StrEnum):
         return self in (Recompute.OP, Recompute.FULL)
 
 
+SPLIT_BACKWARD_MODES = (Recompute.NONE, Recompute.SELECTIVE)
+"""What a unit under a split backward (a zero-bubble schedule on a pipeline) may
+recompute: :data:`SPLIT_BACKWARD_RECOMPUTE` says why not the others."""
+
+
 class TPStyle(StrEnum):
     """Tensor-parallel style of one leaf module.
 

@@ -15,7 +15,15 @@ from typing import Any
 from autopar.errors import ConfigError, DeviceCountError
 from autopar.plan import ParallelConfig
 from autopar.search.integers import divisors
-from autopar.vocab import SPLIT_BACKWARD_EAGER, SPLIT_BACKWARD_RECOMPUTE, ZERO_STAGES, DType, Recompute, Schedule
+from autopar.vocab import (
+    SPLIT_BACKWARD_EAGER,
+    SPLIT_BACKWARD_MODES,
+    SPLIT_BACKWARD_RECOMPUTE,
+    ZERO_STAGES,
+    DType,
+    Recompute,
+    Schedule,
+)
 
 CONFIG_FIELDS = tuple(f.name for f in fields(ParallelConfig))
 
@@ -121,7 +129,7 @@ def check_constraints(
                 f"constraint schedule={schedule.value!r} with compile=True{by} is not allowed: {SPLIT_BACKWARD_EAGER}; "
                 f"use {drop} or schedule='interleaved-1f1b'."
             )
-        if out.get("recompute") in (Recompute.FULL, Recompute.OP):
+        if out.get("recompute", Recompute.NONE) not in SPLIT_BACKWARD_MODES:
             raise ConfigError(
                 f"constraint schedule={schedule.value!r} with recompute={out['recompute'].value!r} is not allowed: "
                 f"{SPLIT_BACKWARD_RECOMPUTE}; use recompute='none' or 'selective', or schedule='interleaved-1f1b'."

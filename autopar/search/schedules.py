@@ -11,7 +11,7 @@ from autopar.errors import ConfigError
 from autopar.graph.layer_graph import LayerGraph
 from autopar.plan import ParallelConfig
 from autopar.search.split import even_bounds_of
-from autopar.vocab import Recompute, Schedule
+from autopar.vocab import SPLIT_BACKWARD_MODES, Recompute, Schedule
 
 MAX_VIRTUAL_STAGES = 8
 
@@ -63,10 +63,6 @@ def offered_schedules(pp: int, graph: LayerGraph, c: Mapping[str, Any]) -> Itera
             yield from ((schedule, v) for v in range(2, top + 1))
         elif c["virtual_stages"] == 2 or (c["virtual_stages"] > 2 and not schedule.v_shape):
             yield schedule, c["virtual_stages"]  # a count given is tried beyond the search's own
-
-
-SPLIT_BACKWARD_MODES = (Recompute.NONE, Recompute.SELECTIVE)
-"""What a unit under a split backward may recompute (:func:`allowed_modes`)."""
 
 
 def allowed_modes(config: ParallelConfig, modes: tuple[Recompute, ...]) -> tuple[Recompute, ...]:

@@ -28,7 +28,7 @@ from autopar.graph.layer_graph import LayerGraph, Leaf, LeafKind
 from autopar.hardware.cluster import Cluster
 from autopar.plan import ParallelConfig
 from autopar.search.constraints import DEGREES, check_degrees
-from autopar.search.context_degrees import check_context_parallel, cp_degrees, cp_left
+from autopar.search.context_degrees import CP_MIN_TOKENS, check_context_parallel, cp_degrees, cp_left, ring_blocker
 from autopar.search.experts import check_expert_parallel, ep_degrees
 from autopar.search.integers import divisors
 from autopar.search.kernel_options import (
@@ -168,6 +168,7 @@ def enumerate_space(
     check_degrees(c, world)  # after the checks that hold at any device count
     tps = [c["tp"]] if "tp" in c else allowed_tp
     configs: list[ParallelConfig] = []
+    dp_reached = False  # whether any split tried leaves a fixed dp
     for tp in tps:
         if world % tp:
             rejected.append(Rejection(what=f"tp={tp}", reason=f"does not divide the {world} devices", searched=("tp",)))
@@ -185,6 +186,7 @@ def enumerate_space(
                 )
                 continue
             dp = world // (tp * cp * pp)
+            dp_reached = dp_reached or dp == c.get("dp")
             if "dp" in c and c["dp"] != dp:
                 left = world // (c["dp"] * tp * pp)  # only cp was left to the search: does it try the one needed?
                 if {"tp", "pp"} <= c.keys() and left not in cp_degrees(graph, world // tp, c):
@@ -294,6 +296,8 @@ def enumerate_space(
                                 for overlapped in async_tp_options(c, cluster, tp, sp, compiled)
                                 for regather in regather_options(c, sp, compiled, megatron_kernels)
                             ]
+    if "dp" in c and not dp_reached and not {"tp", "pp"} <= c.keys():  # both fixed: cp_left said why
+        rejected.append(_dp_unreached(graph, world, c, tps))
     return configs, rejected
 
 
@@ -340,6 +344,26 @@ def _cp_pp(graph: LayerGraph, devices: int, c: Mapping[str, Any]) -> Iterator[tu
     for cp in cp_degrees(graph, devices, c):
         for pp in [c["pp"]] if "pp" in c else divisors(devices // cp):
             yield cp, pp
+
+
+def _dp_unreached(graph: LayerGraph, world: int, c: Mapping[str, Any], tps: list[int]) -> Rejection:
+    """Why a fixed ``dp`` found no candidate: no tensor-, context- and pipeline-parallel
+    degrees the search tries (``tps``, :func:`cp_degrees`, divisors) make the devices it
+    leaves."""
+    fixed = " ".join(f"{k}={c[k]}" for k in ("dp", *DEGREES[1:]) if k in c)
+    cps = sorted({cp for tp in tps if world % tp == 0 for cp in cp_degrees(graph, world // tp, c)})
+    if "cp" in c:
+        why_cp = ""
+    elif ring_blocker(graph):
+        why_cp = f" ({ring_blocker(graph)})"
+    else:
+        why_cp = f" (where each rank keeps >= {CP_MIN_TOKENS} of the {graph.seq_len} tokens; fix cp to try another)"
+    return Rejection(
+        what=fixed,
+        reason=f"they leave {world // c['dp']} devices to tp x cp x pp, which no degrees the search tries make: tp "
+        f"in {tps}{'' if 'tp' in c else ' (dividing the devices and the layer shapes)'}, cp in {cps}{why_cp}"
+        + (f", pp={c['pp']}" if "pp" in c else ""),
+    )
 
 
 def _batch_rejection(c: Mapping[str, Any], dp: int, per_rank: int) -> Rejection | None:

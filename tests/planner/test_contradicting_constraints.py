@@ -87,3 +87,19 @@ def test_estimate_num_microbatches_with_a_batch_dp_does_not_divide(gpt3):
         "num_microbatches=2 splits each data-parallel rank's samples, but global batch 24 is not divisible by "
         "dp=32; fix dp, micro_batch_size or the batch size."
     )
+
+
+def test_a_fixed_dp_no_split_reaches_says_which_degrees_were_tried(gpt3):
+    """dp=1 pp=2 leave tp x cp = 16 of 32 devices: GPT-3 13B's 40 heads split over tp
+    in 1, 2, 4 and 8, and the search tries cp > 1 only where each rank keeps 4,096
+    tokens, which 2,048 never leaves; with cp=2 fixed the same degrees plan."""
+    graph = extract(build_named_model("gpt3-13b"), seq_len=2048)
+    message = _refusal(_plan, graph, {"dp": 1, "pp": 2})
+    assert (
+        "dp=1 pp=2: they leave 32 devices to tp x cp x pp, which no degrees the search tries make: tp in [1, 2, 4, 8] "
+        "(dividing the devices and the layer shapes), cp in [1] (where each rank keeps >= 4096 of the 2048 tokens; "
+        "fix cp to try another), pp=2. Change the batch size" in message
+    )
+    assert "no candidate" not in message
+    config = _plan(graph, CLUSTER, {"dp": 1, "pp": 2, "cp": 2}, global_batch_size=BATCH).config
+    assert (config.dp, config.cp, config.tp, config.pp) == (1, 2, 8, 2)

@@ -120,6 +120,11 @@ def check_constraints(
                         else "."
                     )
                 )
+    if out.get("pp") == 1 and out.get("schedule", Schedule.ONE_F_ONE_B) is not Schedule.ONE_F_ONE_B:
+        raise ConfigError(
+            f"constraint schedule={out['schedule'].value!r} with pp=1 is not allowed: it orders the micro-batches of "
+            f"a pipeline, and pp=1 has no pipeline; drop one of them."
+        )
     schedule = out.get("schedule")
     if schedule is not None and schedule.zero_bubble:  # torch splits the backward of eager blocks only
         if out.setdefault("compile", False):
@@ -149,11 +154,6 @@ def check_constraints(
             raise ConfigError(
                 f"constraint schedule={schedule.value!r} with virtual_stages={stages} is not allowed: {err}"
             ) from None
-    if out.get("pp") == 1 and out.get("schedule", Schedule.ONE_F_ONE_B) is not Schedule.ONE_F_ONE_B:
-        raise ConfigError(
-            f"constraint schedule={out['schedule'].value!r} with pp=1 is not allowed: it orders the micro-batches of "
-            f"a pipeline, and pp=1 has no pipeline; drop one of them."
-        )
     if out.get("tp") == 1:  # each shards or fuses what tensor parallelism splits
         given = [name for name in ("async_tp", "regather", "sequence_parallel") if out.get(name) is True]
         if given:

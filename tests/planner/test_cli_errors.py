@@ -162,6 +162,10 @@ CLI_CASES = {
         f"{DGX} --set pp=1,schedule=interleaved-1f1b",
         ["schedule='interleaved-1f1b' with pp=1", "no pipeline"],
     ),
+    "a compiled zero-bubble schedule without a pipeline": (  # the pipeline first: no pp=1 schedule runs
+        f"{DGX} --set pp=1,schedule=zbv,compile=true",
+        ["schedule='zbv' with pp=1", "no pipeline"],
+    ),
     "estimate of stages per rank without a pipeline": (
         f"estimate {PLAN} --cluster dgx-a100-80gb:1 --set schedule=interleaved-1f1b",
         ["schedule='interleaved-1f1b' runs several stages per rank", "no pp was given", "set pp to 2 or more"],

@@ -292,7 +292,7 @@ def run_command(args: argparse.Namespace) -> int:
         launch = torchrun_args(plan, args)
         check_endpoint(args, launch)
     except AutoparError as exc:
-        print(f"autopar run: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"autopar run: error: {exc}", file=sys.stderr)
         return 2
     os.environ[PLAN_ENV] = os.path.abspath(args.plan)
     os.environ[TIMEOUT_ENV] = str(args.pg_timeout_s)

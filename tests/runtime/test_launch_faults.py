@@ -164,7 +164,7 @@ def test_autopar_run_on_a_held_port_fails_in_one_line(tmp_path):
         )  # fmt: skip
     assert done.returncode == 2, done.stdout[-3000:]
     assert _lines(done.stdout) == [
-        f"autopar run: ConfigError: the rendezvous port {port} on localhost is held by another process "
+        f"autopar run: error: the rendezvous port {port} on localhost is held by another process "
         f"(pid {os.getpid()}, {Path(f'/proc/{os.getpid()}/comm').read_text().strip()}); omit --rdzv-endpoint (one "
         f"node then picks a free port itself), pass another port, or stop that process."
     ]
@@ -179,7 +179,7 @@ def test_autopar_run_on_another_node_fails_in_one_line_when_node_0_never_comes(t
     )  # fmt: skip
     assert done.returncode == 2
     [line] = _lines(done.stdout)
-    assert line.startswith(f"autopar run: ConfigError: the rendezvous endpoint localhost:{port} could not be reached")
+    assert line.startswith(f"autopar run: error: the rendezvous endpoint localhost:{port} could not be reached")
 
 
 def test_a_rendezvous_torchrun_gives_up_on_is_one_line(monkeypatch, tmp_path, capsys):
@@ -403,5 +403,5 @@ def test_a_plan_the_runtime_cannot_run_is_refused_before_any_rank_starts(
     monkeypatch.setattr(torch.distributed.run, "run", run)
     assert run_command(_run_args("--nproc-per-node", str(devices), plan=str(path))) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"autopar run: ConfigError: {refusal}")
+    assert err.startswith(f"autopar run: error: {refusal}")
     assert "\n" not in err

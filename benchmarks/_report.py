@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import functools
 import platform
 import sys
 from collections.abc import Mapping, Sequence
@@ -37,9 +38,31 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+RESULTS = Path(__file__).parent / "results"
+
+
 def result_path(name: str, suffix: str) -> Path:
-    """``benchmarks/results/<name>_<today><suffix>``."""
-    return Path(__file__).parent / "results" / f"{name}_{datetime.date.today().isoformat()}{suffix}"
+    """``benchmarks/results/<name>_<today><suffix>``, or ``<name>_<today>-2<suffix>`` and
+    on where a file of that stem is there already: a second run of a day never overwrites
+    the first, whose notes may have been written by hand. One stem per script run, so its
+    Markdown, CSV and pictures stay together."""
+    return RESULTS / f"{_run_stem(name, datetime.date.today().isoformat())}{suffix}"
+
+
+@functools.cache  # once per run: every file of one run shares its stem
+def _run_stem(name: str, day: str) -> str:
+    return free_stem(RESULTS, name, day)
+
+
+def free_stem(folder: Path, name: str, day: str) -> str:
+    """``<name>_<day>``, numbered from 2 where ``folder`` holds a file of that stem (its
+    Markdown, CSV, picture, or ``<stem>_profiles.json``)."""
+    names = [p.name for p in folder.glob(f"{name}_{day}*")]
+    stem, n = f"{name}_{day}", 1
+    while any(other[len(stem) : len(stem) + 1] in (".", "_") and other.startswith(stem) for other in names):
+        n += 1
+        stem = f"{name}_{day}-{n}"
+    return stem
 
 
 def command() -> str:
@@ -47,9 +70,10 @@ def command() -> str:
     return "python " + " ".join(["benchmarks/" + Path(sys.argv[0]).name, *sys.argv[1:]])
 
 
-def write_result(name: str, title: str, body: str) -> Path:
-    """Write ``benchmarks/results/<name>_<date>.md`` with the command and environment."""
-    path = result_path(name, ".md")
+def write_result(name: str, title: str, body: str, path: Path | None = None) -> Path:
+    """Write ``benchmarks/results/<name>_<date>.md`` (or ``path``) with the command and
+    environment."""
+    path = path or result_path(name, ".md")
     today = datetime.date.today().isoformat()
     path.write_text(f"# {title}\n\nDate: {today}  \nCommand: `{command()}`  \nEnvironment: {environment()}\n\n{body}\n")
     return path

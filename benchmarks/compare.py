@@ -36,7 +36,7 @@ from autopar.cost.peak import budget_bytes
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.graph import extract
 from autopar.models import get_named_model
-from autopar.models.registry import build_named_model
+from autopar.models.registry import build_named_model, named_models
 from autopar.search.constraints import check_constraints
 from autopar.search.scan import ALL_MODES
 from autopar.search.solve import ConfigSolver
@@ -106,6 +106,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=ZOO)
     parser.add_argument("--scenarios-only", action="store_true", help="plan only the named scenarios")
     args = parser.parse_args()
+    unknown = [m for m in args.models if m not in named_models()]
+    if unknown:
+        parser.error(f"--models {' '.join(unknown)}: unknown; see 'autopar models' for the names")
     rows: list[dict[str, str]] = []
     ratios: list[tuple[str, dict[str, float | None]]] = []
     for name, preset, nodes, fixed_batch, seq_len in _cases(args.models, args.scenarios_only):

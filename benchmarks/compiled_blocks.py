@@ -16,6 +16,8 @@ GPU ran here.
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 import transformers
 from _report import markdown_table, write_csv, write_result
@@ -52,6 +54,7 @@ def _pairs():
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # --help; no options
     cluster = autopar.preset("dgx-h100", nodes=1)
     rows = []
     for label, hf, own, seq, mbs in _pairs():

@@ -8,18 +8,21 @@ runtime allocates. Each case runs in its own process (the dry run creates proces
 groups) with a time limit. The planner's allocation is its peak less the device's
 reserve (CUDA context and fragmentation allowance), which tensor bytes do not include.
 
-    python benchmarks/dry_run_memory.py [--cases gpt3,...] [--timeout-s 600] [--out results/dry_run_memory_<date>.md]
+    python benchmarks/dry_run_memory.py [--cases gpt3,...] [--timeout-s 600] [--out FILE]
+
+It writes ``benchmarks/results/dry_run_memory_<date>.md``, or ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from _report import write_result
 
 CASES = {
     "gpt3": ("gpt3-175b", "dgx-a100-80gb:128", 1536, None, "GPT-3 175B on 1024 A100, the planner's plan"),
@@ -148,14 +151,14 @@ def main() -> None:
     if args.one:
         print(json.dumps(_one(args.one)))
         return
+    unknown = [case for case in args.cases.split(",") if case not in CASES]
+    if unknown:
+        parser.error(f"--cases {','.join(unknown)}: unknown; the cases are {', '.join(CASES)}")
     gib = 2**30
     lines = [
-        f"# Measured dry run against the plan's memory ({datetime.date.today()})",
-        "",
-        f"`python benchmarks/dry_run_memory.py --cases {args.cases}` on a 2-core CPU machine; rank 0 of each plan "
-        "(the first pipeline rank), and the last pipeline rank's first where the case says (rank N); one step "
-        "on fake tensors at the full world size (fewer micro-batches where the others repeat one that ran: "
-        "`autopar.runtime.dry_step.measured_microbatches`).",
+        "Rank 0 of each plan (the first pipeline rank), and the last pipeline rank's first where the case says "
+        "(rank N); one step on fake tensors at the full world size (fewer micro-batches where the others repeat "
+        "one that ran: `autopar.runtime.dry_step.measured_microbatches`).",
         "",
         "| case | plan | predicted peak | predicted allocation | measured peak | measured / predicted "
         "| held after step | dry run (s) |",
@@ -185,10 +188,8 @@ def main() -> None:
         if rows and rows[0]["problems"]:
             lines.append(f"| | problems: {'; '.join(rows[0]['problems'])} | | | | | | |")
         print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        Path(args.out).write_text(text)
-    print(text)
+    title = "Measured dry run against the plan's memory"
+    print(write_result("dry_run_memory", title, "\n".join(lines), Path(args.out) if args.out else None))
 
 
 if __name__ == "__main__":

@@ -251,6 +251,11 @@ def main() -> None:
     parser.add_argument("--configs", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if not (args.write or args.configs or args.compare):
+        parser.error("give --write FILE, --compare BEFORE AFTER or --configs BEFORE AFTER")
+    missing = [str(p) for p in (*(args.compare or ()), *(args.configs or ())) if not p.is_file()]
+    if missing:
+        parser.error(f"{', '.join(missing)}: no such file; give snapshots written with --write")
     torch.set_num_threads(1)
     if args.write:
         write(args.write)

@@ -14,6 +14,7 @@ printed first, with the model's error on them.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 from typing import Any
@@ -250,6 +251,7 @@ bracket the Llama plan."""
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # --help; no options
     near = anchors()
     rows = [row for walked in (gpt3_walk(near), llama70b_walk(near)) for row in walk(*walked)]
     body = [

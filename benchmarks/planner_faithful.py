@@ -71,6 +71,8 @@ which the search would otherwise decide on GPUs): Megatron-LM, Megatron-DeepSpee
 
 from __future__ import annotations
 
+import argparse
+
 from _published_runs import (
     BLOOM_STEP_S,
     BLOOM_TFLOPS,
@@ -379,6 +381,7 @@ def bloom_row() -> dict[str, object]:
 
 def main() -> None:
     """Score every row, print and write the table, summary, strong-scaling series and candidates."""
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # --help; no options
     sources = {
         "Megatron-LM, A100 (Narayanan 2021, Korthikanti 2022)": lambda: narayanan_rows() + korthikanti_rows(),
         "Megatron-DeepSpeed, A100 (MT-NLG 530B, BLOOM 176B)": lambda: [*mt_nlg_rows(), bloom_row()],

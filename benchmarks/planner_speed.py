@@ -158,6 +158,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", default=None, help="run only the cases whose name contains this")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: give at least 1")
+    if args.only and not any(args.only in case.name for case in CASES):
+        parser.error(f"--only {args.only!r} matches no case; the cases are: {', '.join(c.name for c in CASES)}")
     rows = []
     for case in CASES:
         if args.only and args.only not in case.name:

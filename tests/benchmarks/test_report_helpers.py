@@ -109,3 +109,26 @@ def test_a_process_we_do_not_wait_for_counts_as_foreign_and_our_own_work_does_no
     assert reaped >= 0.4  # the child spun for half a second of its own CPU time
     # reaped, it is ours (its CPU time, give or take clock ticks and our own few ms)
     assert end.ours_s - mid.ours_s == pytest.approx(reaped, abs=0.05)
+
+
+def test_a_second_run_of_a_day_never_overwrites_the_first(tmp_path):
+    """A result whose hand-written notes follow the table stays as it was: the next run
+    of the day numbers its files, Markdown, CSV and profiles alike."""
+    assert _report.free_stem(tmp_path, "bench", "2026-12-07") == "bench_2026-12-07"
+    (tmp_path / "bench_2026-12-07.md").write_text("notes")  # and bench_other's is not bench's
+    (tmp_path / "bench_other_2026-12-07.md").write_text("another benchmark's")
+    assert _report.free_stem(tmp_path, "bench", "2026-12-08") == "bench_2026-12-08"
+    assert _report.free_stem(tmp_path, "bench", "2026-12-07") == "bench_2026-12-07-2"
+    (tmp_path / "bench_2026-12-07.md").unlink()
+    (tmp_path / "bench_2026-12-07_profiles.json").write_text("{}")
+    (tmp_path / "bench_2026-12-07-2.csv").write_text("")
+    assert _report.free_stem(tmp_path, "bench", "2026-12-07") == "bench_2026-12-07-3"
+    assert _report.free_stem(tmp_path, "bench_other", "2026-12-07") == "bench_other_2026-12-07-2"
+
+
+def test_one_run_keeps_one_stem(tmp_path, monkeypatch):
+    """The Markdown a run writes after its CSV takes the CSV's stem, not the next free one."""
+    monkeypatch.setattr(_report, "RESULTS", tmp_path)
+    csv_path = _report.write_csv("bench_once", [{"a": 1}])
+    md_path = _report.write_result("bench_once", "title", "body")
+    assert csv_path.name.removesuffix(".csv") == md_path.name.removesuffix(".md")

@@ -13,7 +13,7 @@ from autopar.search.kernel_options import check_async_tp, check_fp8
 if TYPE_CHECKING:
     from autopar.hardware.cluster import Cluster
     from autopar.parallel_config import ParallelConfig
-    from autopar.plan import ModelSummary, Prediction
+    from autopar.plan import ModelSummary, Plan, Prediction
 
 
 def device_problem(config: ParallelConfig, cluster: Cluster) -> str:
@@ -26,6 +26,24 @@ def device_problem(config: ParallelConfig, cluster: Cluster) -> str:
     except ConfigError as refused:
         return str(refused).rstrip(".")
     return ""
+
+
+def idle_sequence_parallel(name: str, config: ParallelConfig) -> str:
+    """Why a configuration with sequence parallelism whose layout splits no layer does
+    not run: nothing gathers the sharded sequence back (a plan search refuses it; an
+    estimate notes it)."""
+    return (
+        f"sequence_parallel=True with tp={config.tp} is not allowed for {name}: the fastest layout splits none of "
+        f"its layers (each is replicated over the {config.tp} tensor-parallel ranks), so no layer gathers the "
+        f"sharded sequence back and autopar's runtime cannot run it; set sequence_parallel=False, or a smaller tp."
+    )
+
+
+def check_sequence_parallel(plan: Plan) -> None:
+    """Refuse a plan with sequence parallelism whose layout splits no layer, as the
+    planner does (:func:`idle_sequence_parallel`): an estimate only notes it."""
+    if plan.config.sequence_parallel and not plan.layer_strategies.tp:
+        raise ConfigError(idle_sequence_parallel(plan.model.name, plan.config))
 
 
 def overflow(p: Prediction, device: str) -> str:

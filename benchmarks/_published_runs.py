@@ -89,6 +89,10 @@ BLOOM_TFLOPS = 149.77
 # TFLOP/s per GPU); tensor 8 and pipeline 35 from the same folder's run_train.sh. The model as in
 # Korthikanti et al. 2022 (hidden 20480, 105 layers, 128 heads, sequence 2048). One model at one
 # batch over growing GPU counts: a strong-scaling series. (gpus, published s/step, TFLOP/s per GPU)
+# Hardware: Selene's DGX A100 servers, eight 80 GB A100 each (Microsoft Research blog, "Using DeepSpeed
+# and Megatron to Train Megatron-Turing NLG 530B", 2021-10-11; llm-analysis's example assumes 40 GB).
+# ZeRO stage 1: DeepSpeed's PipelineEngine refuses ZeRO-2 and -3 ("ZeRO-2 and ZeRO-3 are incompatible
+# with pipeline parallelism", deepspeed/runtime/pipe/engine.py).
 MT_NLG_2022 = [(2240, 60.1, 126), (2800, 50.2, 121), (3360, 44.4, 113)]
 
 # pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, tables 1 and 3: Llama 3.1 8B,
@@ -108,7 +112,8 @@ TORCHTITAN_2024 = [
 ]
 
 # Same document, table 4: Llama 3.1 70B on 256 H100 (FSDP 32, TP 8), local batch 16 per data-parallel
-# rank, full activation checkpointing, torch.compile + Float8: 829 tokens/s per GPU, 71.9 GiB.
+# rank, full activation checkpointing, torch.compile + Float8: 829 tokens/s per GPU, 71.9 GiB; with
+# AsyncTP, 876 tokens/s per GPU, 67.6 GiB.
 # pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (same hosts), the vanilla
 # TP columns: Llama 3 70B on 256 H100 (FSDP 32, TP 8, compile, full AC, local batch 16) and Llama 3 8B
 # on 64 H100 (FSDP 8, TP 8, compile, per-op SAC, local batch 12), bf16 and float8 tensorwise.
@@ -116,6 +121,7 @@ TORCHTITAN_2024 = [
 # (model, gpus, local batch, recompute, Float8, async TP, published tokens/s per GPU, published memory GiB)
 TORCHTITAN_TP = [
     ("70B", 256, 16, "full", True, False, 829.0, 71.9),
+    ("70B", 256, 16, "full", True, True, 876.0, 67.6),
     ("70B", 256, 16, "full", False, False, 597.3, None),
     ("70B", 256, 16, "full", True, False, 809.8, None),
     ("70B", 256, 16, "full", False, True, 652.4, None),

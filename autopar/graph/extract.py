@@ -149,7 +149,7 @@ def extract(
         if key not in profile_index:
             sig = signatures.get(seg_name, "+".join(mods))
             profile_index[key] = len(profiles)
-            profiles.append(seg.to_profile(sig, batch, trace.head_dim, vocab_size=vocab_size, keep=keep))
+            profiles.append(seg.to_profile(sig, batch, trace.head_dim, trace.heads, vocab_size=vocab_size, keep=keep))
         prof = profiles[profile_index[key]]
         graph_units.append(
             Unit(

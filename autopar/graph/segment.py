@@ -80,6 +80,19 @@ class Op:
                 acc.compiled_glue_ops += kernels * share
 
 
+def head_count(features: int, head_dim: int, parts: int, heads: int) -> int:
+    """Attention heads a projection of ``features`` features feeds (``parts`` of q, k and
+    v, each ``head_dim`` wide per head) or reads: ``features / head_dim / parts`` where
+    that is whole, else the attention's ``heads`` where they divide the features.
+    Multi-latent attention (DeepSeek-V2/V3) is the second case: its key/value projection
+    packs each head's key part and value part, narrower than a query head (which adds a
+    rotary part), and its output projection reads value heads of that width."""
+    per_head = head_dim * max(parts, 1)
+    if features % per_head == 0 or not heads or features % heads:
+        return features // per_head
+    return heads
+
+
 @dataclass
 class _LeafAcc:
     name: str
@@ -175,10 +188,18 @@ class SegmentTrace:
     kv_bytes: float = 0.0
 
     def to_profile(
-        self, signature: str, batch: int, head_dim: int, *, vocab_size: int, keep: set[str] | None = None
+        self,
+        signature: str,
+        batch: int,
+        head_dim: int,
+        heads: int = 0,
+        *,
+        vocab_size: int,
+        keep: set[str] | None = None,
     ) -> UnitProfile:
         """Normalise to per-sample numbers, keeping only the leaves named in ``keep``
-        (all when None); flows from or to dropped leaves are dropped too."""
+        (all when None); flows from or to dropped leaves are dropped too. ``head_dim`` and
+        ``heads``: the attention's query head width and count (:func:`head_count`)."""
         index = {}
         for i, acc in enumerate(self.leaves):
             if keep is None or acc.name in keep:
@@ -188,8 +209,10 @@ class SegmentTrace:
         for i, acc in enumerate(self.leaves):
             if i not in index:
                 continue
-            in_heads = acc.in_features // head_dim if acc.in_heads and head_dim else 0
-            out_heads = acc.out_features // head_dim // max(acc.out_heads, 1) if acc.out_heads and head_dim else 0
+            in_heads = head_count(acc.in_features, head_dim, 1, heads) if acc.in_heads and head_dim else 0
+            out_heads = (
+                head_count(acc.out_features, head_dim, acc.out_heads, heads) if acc.out_heads and head_dim else 0
+            )
             out_heads = acc.head_norm_heads or out_heads
             leaves.append(
                 Leaf(

@@ -168,6 +168,7 @@ class Tracer:
         self.seen_storages: set[int] = set()
         self.attn_outputs: dict[int, tuple[Op, float]] = {}  # saved attention outputs: their op, bytes
         self.head_dim = 0
+        self.heads = 0
         self.uncounted: set[str] = set()
         self.masked_attention = False  # an attention core with a mask, or not causal
 
@@ -240,6 +241,7 @@ class Tracer:
                         through_norm(seg, o, t)
             seg.kv_bytes += nbytes_of(k) + nbytes_of(v)  # what a context-parallel ring exchanges
             self.head_dim = int(q.shape[-1])
+            self.heads = int(q.shape[-3])
         self.attn_inputs.update(t.untyped_storage()._cdata for t in (q, k, v))
         self.in_attention = True
         self.masked_attention |= not is_causal or attn_mask is not None
@@ -269,11 +271,13 @@ class Tracer:
 
 @dataclass
 class TraceResult:
-    """Segment traces by segment name, and the head dimension of the attention seen."""
+    """Segment traces by segment name, and the head dimension and query heads of the
+    attention seen."""
 
     traces: dict[str, SegmentTrace] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)
     head_dim: int = 0
+    heads: int = 0
     calls: dict[str, list[str]] = field(default_factory=dict)
     """unit module FQN -> the segment open at each of its calls."""
     uncounted_ops: tuple[str, ...] = ()
@@ -474,6 +478,7 @@ def run_trace(
         for mod in overridden:
             del mod.forward
     result.head_dim = tracer.head_dim
+    result.heads = tracer.heads
     result.uncounted_ops = tuple(sorted(tracer.uncounted))
     result.ring_attention = not tracer.masked_attention
     return result

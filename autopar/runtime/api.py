@@ -29,6 +29,7 @@ from autopar.graph.extract import extract
 from autopar.graph.units import model_fingerprint
 from autopar.model_match import model_problem
 from autopar.plan import Plan
+from autopar.plan_checks import check_sequence_parallel
 from autopar.runtime.agreement import check_agreement
 from autopar.runtime.async_tp import check_async_tp, enable_async_tp
 from autopar.runtime.compile import compile_blocks
@@ -70,7 +71,9 @@ class Analysis:
 def check_plan(plan: Plan) -> None:
     """The checks that need the plan alone, so ``autopar run`` makes them before any rank
     starts: the schedule can run its micro-batches, kept shards are on eager blocks, FP8
-    layers' inputs are priced as torchao keeps them."""
+    layers' inputs are priced as torchao keeps them, sequence parallelism has a layer
+    to gather the sequence back."""
+    check_sequence_parallel(plan)
     check_schedule(plan)
     check_regather(plan)
     check_saved_inputs(plan)

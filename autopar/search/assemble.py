@@ -18,6 +18,7 @@ from autopar.graph.layer_graph import LayerGraph
 from autopar.hardware.cluster import MAX_DEVICES
 from autopar.models.experts import ROUTED_FORM
 from autopar.plan import Alternative, LayerStrategies, ModelSummary, ParallelConfig, Plan, PlanSettings
+from autopar.plan_checks import idle_sequence_parallel
 from autopar.present.units import count, size
 from autopar.search.context_degrees import CP_MIN_TOKENS, ring_blocker
 from autopar.search.scan import SearchResult
@@ -97,17 +98,6 @@ def unit_modes(outcome: Outcome) -> tuple[Recompute, Counter[Recompute]]:
     counts = Counter(opt.recompute for stage in outcome.stages for opt in stage.options)
     default = counts.most_common(1)[0][0] if counts else outcome.config.recompute
     return default, counts
-
-
-def idle_sequence_parallel(name: str, config: ParallelConfig) -> str:
-    """Why a configuration with sequence parallelism whose layout splits no layer does
-    not run: nothing gathers the sharded sequence back (a plan search refuses it; an
-    estimate notes it)."""
-    return (
-        f"sequence_parallel=True with tp={config.tp} is not allowed for {name}: the fastest layout splits none of "
-        f"its layers (each is replicated over the {config.tp} tensor-parallel ranks), so no layer gathers the "
-        f"sharded sequence back and autopar's runtime cannot run it; set sequence_parallel=False, or a smaller tp."
-    )
 
 
 def infeasible_error(

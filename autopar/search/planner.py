@@ -33,9 +33,10 @@ from autopar.hardware.cluster import Cluster
 from autopar.models.positions import check_seq_len, longest_length_note, max_positions
 from autopar.parallel_config import ONE_REPLICA_REDUCES_NOTHING
 from autopar.plan import ParallelConfig, Plan, PlanSettings
+from autopar.plan_checks import idle_sequence_parallel
 from autopar.profiles.apply import Measurements, measurements
 from autopar.profiles.identity import LayerProfileMatch, match_layer_profile
-from autopar.search.assemble import Provenance, idle_sequence_parallel, infeasible_error, to_plan
+from autopar.search.assemble import Provenance, infeasible_error, to_plan
 from autopar.search.constraints import check_constraints, check_degrees
 from autopar.search.context_degrees import CP_MIN_TOKENS, ring_blocker, ring_splits
 from autopar.search.experts import check_routing_imbalance

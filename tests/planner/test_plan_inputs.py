@@ -9,6 +9,7 @@ from autopar import ConfigError, Recompute
 from autopar.graph import extract
 from autopar.models import GPT, GPTConfig, build_named_model
 from autopar.present.whatif import fewest_nodes
+from autopar.runtime.api import check_plan
 from autopar.search.plan_inputs import MAX_GLOBAL_BATCH
 
 
@@ -38,6 +39,10 @@ def test_sequence_parallelism_is_refused_where_no_layer_is_split():
     # an estimate prices what it is given, and says the runtime cannot run it
     priced = autopar.estimate(model, cluster, {"tp": 2, "sequence_parallel": True}, global_batch_size=8, seq_len=64)
     assert any(n.startswith("sequence_parallel=True with tp=2 is not allowed") for n in priced.notes)
+    # and the runtime refuses it before any rank starts (autopar run, parallelize), as the search does; it
+    # failed in the first forward's residual add
+    with pytest.raises(ConfigError, match=r"^sequence_parallel=True with tp=2 is not allowed for LlamaForCausalLM: "):
+        check_plan(priced)
 
 
 def test_fewest_nodes_checks_and_defaults_the_model_as_plan_does():

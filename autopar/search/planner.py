@@ -24,6 +24,7 @@ from autopar.cost.peak import budget_bytes
 from autopar.cost.price import price
 from autopar.errors import (
     ConfigError,
+    DeviceCountError,
     ModelError,
     check_positive_int,
 )
@@ -144,15 +145,24 @@ def plan(
         solver=solver,
         micro_batches=micro_batch_range(graph, measured.cluster, global_batch_size, fixed),
     )
-    result = search(solver_, fixed, top=top)
+    unsearched = _cp_below_floor(graph, measured.cluster.world_size, fixed)
+    floor_note = _cp_floor_note(unsearched, graph.seq_len) if unsearched else ""
+    try:
+        result = search(solver_, fixed, top=top)
+    except DeviceCountError as refused:  # the degrees below the floor may be what the constraints need
+        if not floor_note:
+            raise
+        raise DeviceCountError(f"{refused} {floor_note}") from None
     if not result.best.fits:
-        raise infeasible_error(result, solver_, graph, fixed=fixed, optimizer=optimizer)
+        refused = infeasible_error(result, solver_, graph, fixed=fixed, optimizer=optimizer)
+        if floor_note:  # a wider ring holds fewer tokens per rank
+            refused.args = (f"{refused} {floor_note}",)
+        raise refused
     provenance = _provenance(measured, optimizer, attention, solver, routing_imbalance, activations, started)
     plan = _noted(to_plan(solver_, result, provenance, fixed), match, seq_note, activations)
     if plan.config.sequence_parallel and not plan.layer_strategies.tp:  # an estimate notes it
         raise ConfigError(idle_sequence_parallel(graph.name, plan.config))
-    unsearched = _cp_below_floor(graph, measured.cluster.world_size, fixed)
-    return replace(plan, notes=(*plan.notes, _cp_floor_note(unsearched, graph.seq_len))) if unsearched else plan
+    return replace(plan, notes=(*plan.notes, floor_note)) if floor_note else plan
 
 
 def _cp_below_floor(graph: LayerGraph, devices: int, constraints: Mapping[str, Any]) -> list[int]:

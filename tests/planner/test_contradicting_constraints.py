@@ -103,3 +103,22 @@ def test_a_fixed_dp_no_split_reaches_says_which_degrees_were_tried(gpt3):
     assert "no candidate" not in message
     config = _plan(graph, CLUSTER, {"dp": 1, "pp": 2, "cp": 2}, global_batch_size=BATCH).config
     assert (config.dp, config.cp, config.tp, config.pp) == (1, 2, 8, 2)
+
+
+def test_a_refusal_names_the_context_parallel_degrees_below_the_floor():
+    """Llama 3 8B at 8K tokens on 1,024 H100 with tp=1 pp=1: dp x cp = 1,024 ranks, and
+    the 256 sequences divide no dp the search tries (1,024 at cp=1, 512 at cp=2, the
+    floor of 4,096 tokens per rank); cp=4 leaves dp=256 and plans. The refusal said only
+    that the batch does not divide, as if no configuration could run."""
+    graph = extract(build_named_model("llama3-8b"), seq_len=8192)
+    cluster = autopar.preset("dgx-h100", nodes=128)
+    fixed = {"tp": 1, "pp": 1, "zero_stage": 3}
+    with pytest.raises(ConfigError) as err:
+        autopar.plan(graph, cluster, constraints=fixed, global_batch_size=256)
+    message = str(err.value)
+    assert "global batch 256 is not divisible by dp=512" in message and "\n" not in message
+    assert message.endswith(
+        "cp=4, 8, 16, 32, ... would also split these 8,192 tokens: fix one (constraints={'cp': 4}, --set cp=4) to price it."
+    )
+    config = autopar.plan(graph, cluster, constraints={**fixed, "cp": 4}, global_batch_size=256).config
+    assert (config.dp, config.cp) == (256, 4)

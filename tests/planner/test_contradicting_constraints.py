@@ -118,7 +118,8 @@ def test_a_refusal_names_the_context_parallel_degrees_below_the_floor():
     message = str(err.value)
     assert "global batch 256 is not divisible by dp=512" in message and "\n" not in message
     assert message.endswith(
-        "cp=4, 8, 16, 32, ... would also split these 8,192 tokens: fix one (constraints={'cp': 4}, --set cp=4) to price it."
+        "cp=4, 8, 16, 32, ... would also split these 8,192 tokens: fix one (constraints={'cp': 4}, --set cp=4) to "
+        "price it."
     )
     config = autopar.plan(graph, cluster, constraints={**fixed, "cp": 4}, global_batch_size=256).config
     assert (config.dp, config.cp) == (256, 4)

@@ -41,8 +41,8 @@ def test_whole_search_matches_brute_force(memory_gib):
 def test_whole_search_with_kernel_options_matches_brute_force(memory_gib, fp8_efficiency, bandwidth, fp8_wins):
     """On a device that compiles unasked, has FP8 matmuls and runs asynchronous TP, the
     search tries compiled blocks only (eager under a zero-bubble schedule), asynchronous
-    TP only where it applies and FP8 both ways; brute force over every way of all three (and every configuration, split and
-    per-unit option) finds nothing faster. FP8 loses where its casts cost more than its
+    TP only where it applies and FP8 both ways; brute force over every way of all three
+    (and every configuration, split and per-unit option) finds nothing faster. FP8 loses where its casts cost more than its
     matmuls save (a slow FP8 rate, little bandwidth) and wins on fast FP8 and memory."""
     model = GPT(GPTConfig(vocab_size=512, seq_len=256, dim=256, n_layers=2, n_heads=8))
     graph = extract(model, seq_len=256, dtype="bf16")

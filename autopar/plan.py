@@ -268,6 +268,9 @@ class PlanSettings:
     searched: bool = True
     """The configuration was searched (``autopar.plan``); False where it was given and
     priced as it is (``autopar.estimate``)."""
+    memory_headroom_bytes: float = 0.0
+    """Bytes of each device kept free at the user's request (``memory_headroom_gib``),
+    part of the cluster's reserve in this plan: no configuration was allowed them."""
 
     @property
     def megatron_kernels(self) -> bool:

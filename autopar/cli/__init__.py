@@ -97,6 +97,14 @@ def _add_search_args(p: argparse.ArgumentParser) -> None:
         "no copies around sequence-parallel collectives; its kernels keep gather shards and FP8 layers' inputs "
         "in FP8)",
     )
+    p.add_argument(
+        "--memory-headroom",
+        type=float,
+        default=0.0,
+        metavar="GIB",
+        help="GiB of each device to keep free beyond its reserve, a margin for what the prediction may miss "
+        "(default 0)",
+    )
     p.add_argument("--profile", action="append", help="profiler report(s) whose measurements to use")
     p.add_argument("--out", help="write the plan file here")
     p.add_argument("--html", help="write an HTML report with the pipeline timeline and memory pictures")
@@ -122,6 +130,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         profile=_load_profiles(args.profile),
         routing_imbalance=args.routing_imbalance,
         activations=args.activations,
+        memory_headroom_gib=args.memory_headroom,
         **loaded.inputs,
     )
     if not args.fewest_nodes:
@@ -154,6 +163,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         profile=_load_profiles(args.profile),
         routing_imbalance=args.routing_imbalance,
         activations=args.activations,
+        memory_headroom_gib=args.memory_headroom,
         **loaded.inputs,
     )
     code = _emit(result, args, loaded)

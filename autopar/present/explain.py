@@ -320,7 +320,9 @@ def _worst_memory(plan: Plan) -> str:
     # a rank holding several stages holds their memory together: name the rank, as the
     # stage table's "(rank r)" does
     where = f"pipeline rank {config.rank_of_stage(s.index)}" if config.virtual_stages > 1 else f"stage {s.index}"
-    return f"{where} ({unit}): " + " | ".join(f"{n} {v / divisor:.1f}" for n, v in parts)
+    headroom = plan.settings.memory_headroom_bytes
+    asked = f" (of it {headroom / divisor:.1f} headroom asked for)" if headroom else ""
+    return f"{where} ({unit}): " + " | ".join(f"{n} {v / divisor:.1f}" for n, v in parts) + asked
 
 
 def rate(flops_per_s: float) -> str:

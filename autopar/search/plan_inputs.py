@@ -1,11 +1,12 @@
 """What :func:`~autopar.search.planner.plan` and ``estimate`` take, and refuse in one line
 before any model is traced: the cluster (a Cluster or a spec string), the named options,
-the batch, the number of runners-up and the routing imbalance."""
+the batch, the number of runners-up, the routing imbalance and the memory headroom."""
 
 from __future__ import annotations
 
 import math
 import reprlib
+from dataclasses import replace
 from enum import StrEnum
 from typing import TypeVar
 
@@ -74,3 +75,25 @@ def check_imbalance(value: object) -> None:
             f"routing_imbalance={value!r} is not allowed: give the busiest expert-parallel rank's routed rows over "
             f"the mean, a number >= 1 (1.0: a balanced router)."
         )
+
+
+def with_headroom(cluster: Cluster, headroom_gib: object) -> Cluster:
+    """``cluster`` with ``headroom_gib`` GiB more of each device's memory reserved, which
+    no plan allocates: a margin the user keeps for what the prediction may miss (the
+    allocator, a framework's own buffers, a longer sample). Refused in one line where it
+    is not a finite number >= 0 or leaves the device nothing."""
+    if isinstance(headroom_gib, bool) or not isinstance(headroom_gib, (int, float)) or not math.isfinite(headroom_gib):
+        raise ConfigError(f"memory_headroom_gib={headroom_gib!r} is not allowed: give GiB per device, a number >= 0.")
+    if headroom_gib < 0:
+        raise ConfigError(f"memory_headroom_gib={headroom_gib!r} is not allowed: give GiB per device, a number >= 0.")
+    if headroom_gib == 0:
+        return cluster
+    memory = cluster.device.memory
+    free_gib = (memory.capacity_bytes - memory.reserved_bytes) / 2**30
+    if headroom_gib >= free_gib:
+        raise ConfigError(
+            f"memory_headroom_gib={headroom_gib:g} is not allowed: each {cluster.device.name} has {free_gib:.1f} GiB "
+            f"beyond its {memory.reserved_bytes / 2**30:.1f} GiB reserve; keep less free."
+        )
+    reserved = memory.reserved_bytes + headroom_gib * 2**30
+    return replace(cluster, device=replace(cluster.device, memory=replace(memory, reserved_bytes=reserved)))

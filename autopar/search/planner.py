@@ -43,7 +43,7 @@ from autopar.search.context_degrees import CP_MIN_TOKENS, ring_blocker, ring_spl
 from autopar.search.experts import check_routing_imbalance
 from autopar.search.ilp import check_solver
 from autopar.search.kernel_options import check_async_tp, check_fp8
-from autopar.search.plan_inputs import as_cluster, check_batch, check_imbalance, check_top, option
+from autopar.search.plan_inputs import as_cluster, check_batch, check_imbalance, check_top, option, with_headroom
 from autopar.search.scan import decided, search
 from autopar.search.solve import ConfigSolver, Outcome
 from autopar.search.space import micro_batch_range
@@ -89,6 +89,7 @@ def plan(
     solver: str = "highs",
     routing_imbalance: float = ROUTING_IMBALANCE,
     activations: ActivationLayout | str = ActivationLayout.BATCH_FIRST,
+    memory_headroom_gib: float = 0.0,
 ) -> Plan:
     """The fastest plan for ``model`` on ``cluster`` that fits in memory.
 
@@ -114,6 +115,8 @@ def plan(
         activations: ``batch-first`` (autopar's runtime) or ``sequence-first``
             (Megatron-LM's layout, which makes no copies around sequence-parallel
             collectives: for a plan to be exported there; the plan's notes say so).
+        memory_headroom_gib: GiB of each device to keep free beyond its reserve, a
+            margin for what the prediction may miss: the plan fits without them.
 
     Raises:
         InfeasiblePlanError: nothing fits; the message names the smallest memory found.
@@ -135,6 +138,7 @@ def plan(
     megatron = activations.megatron_kernels
     fixed = check_constraints(constraints, megatron_kernels=megatron)
     measured = measurements(cluster, profile)
+    measured = replace(measured, cluster=with_headroom(measured.cluster, memory_headroom_gib))
     seq_len, seq_note = _default_seq_len(model, seq_len, sample_input)
     graph = _graph(model, measured.cluster, fixed, seq_len, sample_input, attention)
     check_routing_imbalance(graph, routing_imbalance)
@@ -158,7 +162,16 @@ def plan(
         if floor_note:  # a wider ring holds fewer tokens per rank
             refused.args = (f"{refused} {floor_note}",)
         raise refused
-    provenance = _provenance(measured, optimizer, attention, solver, routing_imbalance, activations, started)
+    provenance = _provenance(
+        measured,
+        optimizer,
+        attention,
+        solver,
+        routing_imbalance,
+        activations,
+        started,
+        headroom_bytes=memory_headroom_gib * 2**30,
+    )
     plan = _noted(to_plan(solver_, result, provenance, fixed), match, seq_note, activations)
     if plan.config.sequence_parallel and not plan.layer_strategies.tp:  # an estimate notes it
         raise ConfigError(idle_sequence_parallel(graph.name, plan.config))
@@ -209,6 +222,7 @@ def estimate(
     solver: str = "highs",
     routing_imbalance: float = ROUTING_IMBALANCE,
     activations: ActivationLayout | str = ActivationLayout.BATCH_FIRST,
+    memory_headroom_gib: float = 0.0,
 ) -> Plan:
     """The plan of one given configuration: a search space of size one.
 
@@ -223,7 +237,7 @@ def estimate(
     as it stands; pass a mapping to have the rest filled as above. Never raises for
     memory: a configuration that does not fit comes back with ``prediction.fits`` False
     and the memory it would need. A layer profile is checked as :func:`plan` checks it,
-    and a missing ``seq_len`` defaults as in :func:`plan`.
+    and a missing ``seq_len`` and ``memory_headroom_gib`` mean what they mean there.
     """
     started = time.perf_counter()
     global_batch_size = check_batch(global_batch_size)
@@ -239,6 +253,7 @@ def estimate(
     )
     given = set(fixed)
     measured = measurements(cluster, profile)
+    measured = replace(measured, cluster=with_headroom(measured.cluster, memory_headroom_gib))
     fixed = _complete(fixed, measured.cluster, global_batch_size, megatron_kernels=megatron)
     seq_len, seq_note = _default_seq_len(model, seq_len, sample_input)
     graph = _graph(model, measured.cluster, fixed, seq_len, sample_input, attention)
@@ -251,7 +266,15 @@ def estimate(
         result = replace(result, best=_overflow(cost_model, result.best.config, fixed, solver), infeasible=())
     result = replace(result, evaluated=1)
     provenance = _provenance(
-        measured, optimizer, attention, solver, routing_imbalance, activations, started, searched=False
+        measured,
+        optimizer,
+        attention,
+        solver,
+        routing_imbalance,
+        activations,
+        started,
+        searched=False,
+        headroom_bytes=memory_headroom_gib * 2**30,
     )
     return _noted(to_plan(solver_, result, provenance), match, seq_note, activations)
 
@@ -327,6 +350,7 @@ def _provenance(
     started: float,
     *,
     searched: bool = True,
+    headroom_bytes: float = 0.0,
 ) -> Provenance:
     settings = PlanSettings(
         searched=searched,
@@ -336,6 +360,7 @@ def _provenance(
         solver=solver,
         routing_imbalance=float(imbalance),
         activations=activations,
+        memory_headroom_bytes=headroom_bytes,
     )
     return Provenance(settings=settings, search_time_s=time.perf_counter() - started)
 

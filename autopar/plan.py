@@ -208,7 +208,8 @@ class Alternative:
     the other data-parallel sharding, plain FSDP or its best HSDP shard group, slower by
     ``slower_by``) or ``compile`` (the winner with its blocks compiled the other way;
     ``slower_by`` is negative where compiling would be faster but was not chosen) or
-    ``fp8`` (the winner with its linear layers the other way, FP8 or not).
+    ``fp8`` (the winner with its linear layers the other way, FP8 or not) or ``degrees``
+    (the fastest configuration of another mix of dp, cp, tp, pp and ep than the winner's).
     ``config.recompute`` is the mode most of its units take, and ``unit_recompute`` how
     many units take each other mode (the search picks recomputation per unit), so that
     the same configuration given to ``autopar.estimate`` without a ``recompute`` prices
@@ -216,7 +217,7 @@ class Alternative:
     """
 
     config: ParallelConfig
-    status: Literal["runner-up", "out-of-memory", "sharding", "compile", "fp8", "async_tp", "regather"]
+    status: Literal["runner-up", "out-of-memory", "sharding", "compile", "fp8", "async_tp", "regather", "degrees"]
     step_time_s: float
     memory_bytes_per_device: float
     slower_by: float

@@ -56,6 +56,7 @@ def explain(plan: Plan, *, top: int = 5) -> str:
     if tp:
         lines += ["", f"Tensor parallelism (tp={c.tp})", *[f"  {line}" for line in tp]]
     runners = [a for a in plan.alternatives if a.status == "runner-up"][:top]
+    others = [a for a in plan.alternatives if a.status == "degrees"][:top]
     oom = [a for a in plan.alternatives if a.status == "out-of-memory"][:top]
     lines += [
         "",
@@ -67,6 +68,15 @@ def explain(plan: Plan, *, top: int = 5) -> str:
     if runners:
         lines.append("  runners-up:")
         for a in runners:
+            lines.append(
+                f"    {a.short():<78} {duration(a.step_time_s)}  +{100 * a.slower_by:.1f}%  "
+                f"{size(a.memory_bytes_per_device)}"
+            )
+    if others:
+        cut = any(a.reason.startswith("the fastest of its degrees found") for a in others)
+        within = " found within the search's limit on them; a mix may hold a faster one" if cut else ""
+        lines.append(f"  other degrees (the fastest of each{within}):")
+        for a in others:
             lines.append(
                 f"    {a.short():<78} {duration(a.step_time_s)}  +{100 * a.slower_by:.1f}%  "
                 f"{size(a.memory_bytes_per_device)}"
@@ -116,7 +126,11 @@ def _axis_line(plan: Plan, label: str, axis: str, used: str | None) -> list[str]
     the plan does not use it and no runner-up does."""
     degree = getattr(plan.config, axis)
     other = next(
-        (a for a in plan.alternatives if a.status == "runner-up" and (getattr(a.config, axis) > 1) != (degree > 1)),
+        (
+            a
+            for a in sorted(plan.alternatives, key=lambda a: a.step_time_s)
+            if a.status in ("runner-up", "degrees") and (getattr(a.config, axis) > 1) != (degree > 1)
+        ),
         None,
     )
     if used is None and other is None:

@@ -2,7 +2,9 @@
 
 The scan stops when the bound of the next candidate is no better than the ``top``-th
 best exact step time found, so the optimum and the runners-up are exact for the cost
-model while most of the space is never solved. Candidates whose memory floor exceeds a
+model while most of the space is never solved; and, where the space has other mixes of
+degrees than the optimum's, when it is no better than the fastest of the next
+:data:`OTHER_DEGREES` of them (within as many solves again, 64 at least). Candidates whose memory floor exceeds a
 device are ruled out before any bound is taken; a candidate about to be solved first
 gets a tighter bound where one is cheap (:meth:`TimeBound.refined`) and goes back in
 line if that is larger. A candidate keeping the shards of its sequence-parallel gathers
@@ -53,6 +55,11 @@ class SearchResult:
             (:func:`sharding_contrasts`), priced, to show what HSDP is worth; and with
             its blocks compiled, or its linear layers in FP8, the other way
             (:func:`option_contrasts`).
+        other_degrees: the fastest configuration of each of the next
+            :data:`OTHER_DEGREES` mixes of degrees (:func:`degrees_of`) other than the
+            best's, in order: what runners-up of the best's own degrees do not show.
+        other_degrees_settled: whether those are the fastest of their mixes, or the
+            fastest the scan found before its limit on them.
     """
 
     best: Outcome
@@ -63,6 +70,35 @@ class SearchResult:
     considered: int
     region_sizes: Mapping[tuple[int, int], int] = field(default_factory=dict)
     contrasts: tuple[Outcome, ...] = ()
+    other_degrees: tuple[Outcome, ...] = ()
+    other_degrees_settled: bool = True
+
+
+OTHER_DEGREES = 3
+"""How many mixes of degrees other than the best's a search keeps the fastest of."""
+
+OTHER_DEGREES_SOLVES = 64
+"""The fewest solves a search spends on the other mixes of degrees before it keeps what
+it found (as many as it spent on the best and its runners-up, where that is more)."""
+
+
+def degrees_of(config: ParallelConfig) -> tuple[int, int, int, int, int]:
+    """A configuration's mix of degrees: ``(dp, cp, tp, pp, ep)``."""
+    return (config.dp, config.cp, config.tp, config.pp, config.ep)
+
+
+def other_degrees(fitting: list[Outcome], count: int) -> list[Outcome]:
+    """Of ``fitting`` (fastest first), the fastest of each mix of degrees but the first's,
+    at most ``count``."""
+    seen = {degrees_of(fitting[0].config)} if fitting else set()
+    out: list[Outcome] = []
+    for o in fitting:
+        if len(out) == count:
+            break
+        if degrees_of(o.config) not in seen:
+            seen.add(degrees_of(o.config))
+            out.append(o)
+    return out
 
 
 def _constraints_text(fixed: Mapping[str, Any]) -> str:
@@ -154,10 +190,25 @@ def search(
     unrecomputed: set[ParallelConfig] = set()  # fitting with every unit keeping its activations
     evaluated = 0
     keep = max(top, 0) + 1
+    # the fastest of other mixes of degrees too, where the space has them: they are
+    # settled, as the runners-up are, once the next bound passes the last one's time;
+    # past as many solves again as the runners-up took (OTHER_DEGREES_SOLVES at least),
+    # the scan keeps what it found
+    mixes = len({degrees_of(cfg) for cfg in bounded}) - 1
+    wanted = min(OTHER_DEGREES, mixes) if top > 0 else 0
+    extra: int | None = None
+    settled = True  # whether the other mixes' fastest are exact, not cut short
     while queue:
-        bound, order, tier, cfg = heapq.heappop(queue)
+        bound, order, tier, cfg = queue[0]
         if len(fitting) >= keep and bound >= fitting[keep - 1].step_time_s:
-            break
+            others = other_degrees(fitting, wanted)
+            if len(others) >= wanted and (not others or bound >= others[-1].step_time_s):
+                break
+            extra = evaluated + max(evaluated, OTHER_DEGREES_SOLVES) if extra is None else extra
+            if evaluated >= extra:
+                settled = False
+                break
+        heapq.heappop(queue)
         if tier < 0:
             heapq.heappush(queue, (bound_of.scaled(cfg), order, 0, cfg))
             for k, shard in enumerate(siblings[cfg], 1):
@@ -204,10 +255,18 @@ def search(
             fastest_s = min(fastest_s, o.step_time_s)
         fitting = sorted(roomy, key=lambda o: o.step_time_s)
     finished = [replace(o, prediction=price(model, decided(o))) for o in fitting[:keep]]
+    others = tuple(replace(o, prediction=price(model, decided(o))) for o in other_degrees(fitting, wanted))
     contrasts = sharding_contrasts(solver, finished[0].config, fixed, modes) + option_contrasts(
         solver, finished[0].config, modes
     )
-    return SearchResult(best=finished[0], runners_up=tuple(finished[1:]), contrasts=contrasts, **common)
+    return SearchResult(
+        best=finished[0],
+        runners_up=tuple(finished[1:]),
+        contrasts=contrasts,
+        other_degrees=others,
+        other_degrees_settled=settled,
+        **common,
+    )
 
 
 def recomputes_nothing(outcome: Outcome) -> bool:

@@ -288,6 +288,42 @@ def test_olmo2_under_tensor_and_sequence_parallelism():
         analyse(olmo2(), make(olmo2(), _olmo2_styles("sequence"), tp=2, sequence_parallel=True))
 
 
+def deepseek_v3():
+    """A tiny DeepSeek-V3: multi-latent attention (query and key/value latents, a rotary
+    key part shared by the heads), a dense block, then a block of 4 routed experts."""
+    torch.manual_seed(0)
+    return transformers.DeepseekV3ForCausalLM(
+        transformers.DeepseekV3Config(
+            **{k: v for k, v in TINY_DECODER.items() if k != "num_key_value_heads"},
+            moe_intermediate_size=16,
+            first_k_dense_replace=1,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=8,
+        )
+    )
+
+
+def test_deepseek_v3_latent_attention_under_tensor_parallelism():
+    """The layout the planner gives DeepSeek-V3 at tp > 1 (its attention's projections
+    row-parallel, the key/value projection replicated: it packs each head's key and
+    value parts; the dense MLP and the shared experts column- then row-parallel) trains
+    as one process does."""
+    styles = {}
+    for i in range(LAYERS):
+        attention, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp" + (".shared_experts" if i else "")
+        styles.update({f"{attention}.{n}": "row" for n in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")})
+        styles.update({f"{mlp}.gate_proj": "column", f"{mlp}.up_proj": "column", f"{mlp}.down_proj": "row"})
+    plan = make(deepseek_v3(), styles, tp=2)
+    assert_parity(run(hf_train, 2, deepseek_v3, plan, timeout_s=120), hf_reference(deepseek_v3, plan))
+
+
 @pytest.mark.parametrize("case", ["dp2", "pp2", "tp2", "tp2-sp"])
 def test_transformers_mixtral(case):
     """A transformers mixture-of-experts model against the unsplit model: tokens route

@@ -73,13 +73,13 @@ def explain(plan: Plan, *, top: int = 5) -> str:
                 f"{size(a.memory_bytes_per_device)}"
             )
     if others:
-        cut = any(a.reason.startswith("the fastest of its degrees found") for a in others)
-        within = " found within the search's limit on them; a mix may hold a faster one" if cut else ""
-        lines.append(f"  other degrees (the fastest of each{within}):")
-        for a in others:
+        found = [a.reason.startswith("the fastest of its degrees found") for a in others]
+        tail = "; 'best found': the search stopped before it settled that one" if any(found) else ""
+        lines.append(f"  other degrees (the fastest of each mix the runners-up do not show{tail}):")
+        for a, cut in zip(others, found):
             lines.append(
                 f"    {a.short():<78} {duration(a.step_time_s)}  +{100 * a.slower_by:.1f}%  "
-                f"{size(a.memory_bytes_per_device)}"
+                f"{size(a.memory_bytes_per_device)}{'  (best found)' if cut else ''}"
             )
     if oom:
         lines.append("  rejected (out of memory):")

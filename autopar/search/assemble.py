@@ -320,8 +320,9 @@ def _alternatives(result: SearchResult, solver: ConfigSolver, modes: tuple[Recom
         )
 
     out = [priced(o, "runner-up", "") for o in result.runners_up]
-    found = "" if result.other_degrees_settled else " found"
-    out += [priced(o, "degrees", f"the fastest of its degrees{found}: ") for o in result.other_degrees]
+    for o in result.other_degrees:
+        found = " found" if o.step_time_s > result.other_degrees_frontier_s else ""
+        out.append(priced(o, "degrees", f"the fastest of its degrees{found}: "))
     for o in result.contrasts:
         if o.config.compile != result.best.config.compile:
             out.append(priced(o, "compile", f"the winner {'compiled' if o.config.compile else 'eager'}: "))

@@ -58,8 +58,9 @@ class SearchResult:
         other_degrees: the fastest configuration of each of the next
             :data:`OTHER_DEGREES` mixes of degrees (:func:`degrees_of`) other than the
             best's, in order: what runners-up of the best's own degrees do not show.
-        other_degrees_settled: whether those are the fastest of their mixes, or the
-            fastest the scan found before its limit on them.
+        other_degrees_frontier_s: the time bound where the scan stopped its hunt for
+            them (infinite where nothing was left): those no slower are the fastest of
+            their mixes, and no mix left out beats it; a slower one is the fastest found.
     """
 
     best: Outcome
@@ -71,7 +72,7 @@ class SearchResult:
     region_sizes: Mapping[tuple[int, int], int] = field(default_factory=dict)
     contrasts: tuple[Outcome, ...] = ()
     other_degrees: tuple[Outcome, ...] = ()
-    other_degrees_settled: bool = True
+    other_degrees_frontier_s: float = math.inf
 
 
 OTHER_DEGREES = 3
@@ -87,12 +88,12 @@ def degrees_of(config: ParallelConfig) -> tuple[int, int, int, int, int]:
     return (config.dp, config.cp, config.tp, config.pp, config.ep)
 
 
-def other_degrees(fitting: list[Outcome], count: int) -> list[Outcome]:
-    """Of ``fitting`` (fastest first), the fastest of each mix of degrees but the first's,
-    at most ``count``."""
-    seen = {degrees_of(fitting[0].config)} if fitting else set()
+def other_degrees(fitting: list[Outcome], shown: int, count: int) -> list[Outcome]:
+    """Of ``fitting`` (fastest first), the fastest of each mix of degrees that its first
+    ``shown`` (the best and its runners-up) do not have, at most ``count``."""
+    seen = {degrees_of(o.config) for o in fitting[:shown]}
     out: list[Outcome] = []
-    for o in fitting:
+    for o in fitting[shown:]:
         if len(out) == count:
             break
         if degrees_of(o.config) not in seen:
@@ -190,23 +191,24 @@ def search(
     unrecomputed: set[ParallelConfig] = set()  # fitting with every unit keeping its activations
     evaluated = 0
     keep = max(top, 0) + 1
-    # the fastest of other mixes of degrees too, where the space has them: they are
-    # settled, as the runners-up are, once the next bound passes the last one's time;
-    # past as many solves again as the runners-up took (OTHER_DEGREES_SOLVES at least),
-    # the scan keeps what it found
-    mixes = len({degrees_of(cfg) for cfg in bounded}) - 1
-    wanted = min(OTHER_DEGREES, mixes) if top > 0 else 0
+    # the fastest of other mixes of degrees too, where the space has them: each is
+    # settled, as the runners-up are, once the next bound passes its time; past as many
+    # solves again as the runners-up took (OTHER_DEGREES_SOLVES at least), the scan
+    # keeps what it found, and the bound it stopped at says which of them are settled
+    mixes = {degrees_of(cfg) for cfg in bounded}
     extra: int | None = None
-    settled = True  # whether the other mixes' fastest are exact, not cut short
+    frontier_s = math.inf  # no candidate left unsolved beats it
     while queue:
         bound, order, tier, cfg = queue[0]
         if len(fitting) >= keep and bound >= fitting[keep - 1].step_time_s:
-            others = other_degrees(fitting, wanted)
+            shown = {degrees_of(o.config) for o in fitting[:keep]}
+            wanted = min(OTHER_DEGREES, len(mixes - shown)) if top > 0 else 0
+            others = other_degrees(fitting, keep, wanted)
             if len(others) >= wanted and (not others or bound >= others[-1].step_time_s):
                 break
             extra = evaluated + max(evaluated, OTHER_DEGREES_SOLVES) if extra is None else extra
             if evaluated >= extra:
-                settled = False
+                frontier_s = bound
                 break
         heapq.heappop(queue)
         if tier < 0:
@@ -255,7 +257,8 @@ def search(
             fastest_s = min(fastest_s, o.step_time_s)
         fitting = sorted(roomy, key=lambda o: o.step_time_s)
     finished = [replace(o, prediction=price(model, decided(o))) for o in fitting[:keep]]
-    others = tuple(replace(o, prediction=price(model, decided(o))) for o in other_degrees(fitting, wanted))
+    count = min(OTHER_DEGREES, len(mixes)) if top > 0 else 0
+    others = tuple(replace(o, prediction=price(model, decided(o))) for o in other_degrees(fitting, keep, count))
     contrasts = sharding_contrasts(solver, finished[0].config, fixed, modes) + option_contrasts(
         solver, finished[0].config, modes
     )
@@ -264,7 +267,7 @@ def search(
         runners_up=tuple(finished[1:]),
         contrasts=contrasts,
         other_degrees=others,
-        other_degrees_settled=settled,
+        other_degrees_frontier_s=frontier_s,
         **common,
     )
 

@@ -7,6 +7,7 @@ import csv
 import datetime
 import functools
 import platform
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -43,26 +44,31 @@ RESULTS = Path(__file__).parent / "results"
 
 def result_path(name: str, suffix: str) -> Path:
     """``benchmarks/results/<name>_<today><suffix>``, or ``<name>_<today>-2<suffix>`` and
-    on where a file of that stem is there already: a second run of a day never overwrites
-    the first, whose notes may have been written by hand. One stem per script run, so its
-    Markdown, CSV and pictures stay together."""
-    return RESULTS / f"{_run_stem(name, datetime.date.today().isoformat())}{suffix}"
+    on where a file of this script's run of that day is there already: a second run of a
+    day never overwrites the first, whose notes may have been written by hand. One tag
+    per script run, whatever names it writes (``planner_exact`` and
+    ``planner_exact_parts``), so its Markdown, CSV and pictures stay together."""
+    day = datetime.date.today().isoformat()
+    return RESULTS / f"{name}_{day}{_run_tag(Path(sys.argv[0]).stem, day)}{suffix}"
 
 
-@functools.cache  # once per run: every file of one run shares its stem
-def _run_stem(name: str, day: str) -> str:
-    return free_stem(RESULTS, name, day)
+@functools.cache  # once per run: every file of one run shares its tag
+def _run_tag(family: str, day: str) -> str:
+    return free_tag(RESULTS, family, day)
 
 
-def free_stem(folder: Path, name: str, day: str) -> str:
-    """``<name>_<day>``, numbered from 2 where ``folder`` holds a file of that stem (its
-    Markdown, CSV, picture, or ``<stem>_profiles.json``)."""
-    names = [p.name for p in folder.glob(f"{name}_{day}*")]
-    stem, n = f"{name}_{day}", 1
-    while any(other[len(stem) : len(stem) + 1] in (".", "_") and other.startswith(stem) for other in names):
+def free_tag(folder: Path, family: str, day: str) -> str:
+    """``""``, or ``-2``, ``-3``...: the first that no file of ``folder`` whose name
+    starts with ``family`` has after its ``_<day>`` (before a ``.`` or ``_``)."""
+    names = [p.name for p in folder.glob(f"{family}*_{day}*")]
+    n = 1
+    while any(re.search(rf"_{re.escape(day + tag)}[._]", name) for name in names for tag in [_tag(n)]):
         n += 1
-        stem = f"{name}_{day}-{n}"
-    return stem
+    return _tag(n)
+
+
+def _tag(n: int) -> str:
+    return "" if n == 1 else f"-{n}"
 
 
 def command() -> str:

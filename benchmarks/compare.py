@@ -106,6 +106,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=ZOO)
     parser.add_argument("--scenarios-only", action="store_true", help="plan only the named scenarios")
     args = parser.parse_args()
+    if not args.models:
+        parser.error("--models: give one or more model names (see 'autopar models'), or leave --models out for all")
     unknown = [m for m in args.models if m not in named_models()]
     if unknown:
         parser.error(f"--models {' '.join(unknown)}: unknown; see 'autopar models' for the names")

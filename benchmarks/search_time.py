@@ -27,8 +27,8 @@ def main() -> None:
     parser.add_argument("--depths", type=int, nargs="*", default=DEPTHS)
     parser.add_argument("--nodes", type=int, nargs="*", default=NODES)
     args = parser.parse_args()
-    if any(n < 1 for n in args.nodes) or any(d < 1 for d in args.depths):
-        parser.error(f"--nodes {args.nodes} --depths {args.depths}: give whole numbers of at least 1")
+    if not args.nodes or not args.depths or any(n < 1 for n in args.nodes) or any(d < 1 for d in args.depths):
+        parser.error(f"--nodes {args.nodes} --depths {args.depths}: give one or more whole numbers of at least 1")
     rows: list[dict[str, object]] = []
     series: dict[int, list[tuple[int, float]]] = {}
     for depth in args.depths:

@@ -168,8 +168,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     )
     code = _emit(result, args, loaded)
     if not result.prediction.fits:
+        headroom = result.settings.memory_headroom_bytes
+        kept = f" ({headroom / 2**30:.1f} of it the headroom asked for)" if headroom else ""
         print(
-            f"\nDOES NOT FIT: {result.prediction.memory_bytes_per_device / 2**30:.1f} GiB needed per device, "
+            f"\nDOES NOT FIT: {result.prediction.memory_bytes_per_device / 2**30:.1f} GiB needed per device{kept}, "
             f"{result.prediction.memory_capacity_bytes / 2**30:.1f} GiB available.",
             file=sys.stderr,
         )

@@ -83,12 +83,14 @@ class Op:
 def head_count(features: int, head_dim: int, parts: int, heads: int) -> int:
     """Attention heads a projection of ``features`` features feeds (``parts`` of q, k and
     v, each ``head_dim`` wide per head) or reads: ``features / head_dim / parts`` where
-    that is whole, else the attention's ``heads`` where they divide the features.
-    Multi-latent attention (DeepSeek-V2/V3) is the second case: its key/value projection
-    packs each head's key part and value part, narrower than a query head (which adds a
-    rotary part), and its output projection reads value heads of that width."""
+    that is whole, else, for a projection feeding one or two of them, the attention's
+    ``heads`` where they divide the features. Multi-latent attention (DeepSeek-V2/V3) is
+    that case: its key/value projection packs each head's key part and value part,
+    narrower than a query head (which adds a rotary part), and its output projection
+    reads value heads of that width. A fused q/k/v of a multi-query attention (Falcon's,
+    GPTBigCode's: one key/value head beside the query heads) keeps the first rule."""
     per_head = head_dim * max(parts, 1)
-    if features % per_head == 0 or not heads or features % heads:
+    if features % per_head == 0 or parts > 2 or not heads or features % heads:
         return features // per_head
     return heads
 

@@ -5,6 +5,7 @@ the batch, the number of runners-up, the routing imbalance and the memory headro
 from __future__ import annotations
 
 import math
+import numbers
 import reprlib
 from dataclasses import replace
 from enum import StrEnum
@@ -82,10 +83,10 @@ def with_headroom(cluster: Cluster, headroom_gib: object) -> Cluster:
     no plan allocates: a margin the user keeps for what the prediction may miss (the
     allocator, a framework's own buffers, a longer sample). Refused in one line where it
     is not a finite number >= 0 or leaves the device nothing."""
-    if isinstance(headroom_gib, bool) or not isinstance(headroom_gib, (int, float)) or not math.isfinite(headroom_gib):
+    number = isinstance(headroom_gib, numbers.Real) and not isinstance(headroom_gib, bool)
+    if not number or not math.isfinite(headroom_gib) or headroom_gib < 0:
         raise ConfigError(f"memory_headroom_gib={headroom_gib!r} is not allowed: give GiB per device, a number >= 0.")
-    if headroom_gib < 0:
-        raise ConfigError(f"memory_headroom_gib={headroom_gib!r} is not allowed: give GiB per device, a number >= 0.")
+    headroom_gib = float(headroom_gib)
     if headroom_gib == 0:
         return cluster
     memory = cluster.device.memory

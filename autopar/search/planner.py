@@ -159,6 +159,8 @@ def plan(
         raise DeviceCountError(f"{refused} {floor_note}") from None
     if not result.best.fits:
         refused = infeasible_error(result, solver_, graph, fixed=fixed, optimizer=optimizer)
+        if memory_headroom_gib:
+            refused.args = (f"{refused} These figures count the {memory_headroom_gib:g} GiB of headroom asked for.",)
         if floor_note:  # a wider ring holds fewer tokens per rank
             refused.args = (f"{refused} {floor_note}",)
         raise refused

@@ -357,7 +357,10 @@ def _dp_unreached(graph: LayerGraph, world: int, c: Mapping[str, Any], tps: list
     elif ring_blocker(graph):
         why_cp = f" ({ring_blocker(graph)})"
     else:
-        why_cp = f" (where each rank keeps >= {CP_MIN_TOKENS} of the {graph.seq_len} tokens; fix cp to try another)"
+        why_cp = (
+            f" (cp > 1 only where each rank keeps >= {CP_MIN_TOKENS} tokens of a sequence, here {graph.seq_len}; "
+            f"fix cp to try another)"
+        )
     return Rejection(
         what=fixed,
         reason=f"they leave {world // c['dp']} devices to tp x cp x pp, which no degrees the search tries make: tp "

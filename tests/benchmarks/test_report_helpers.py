@@ -1,6 +1,7 @@
 """The benchmarks' rank correlation, CSV writer and foreign-CPU accounting."""
 
 import csv
+import datetime
 import math
 import os
 import resource
@@ -113,22 +114,31 @@ def test_a_process_we_do_not_wait_for_counts_as_foreign_and_our_own_work_does_no
 
 def test_a_second_run_of_a_day_never_overwrites_the_first(tmp_path):
     """A result whose hand-written notes follow the table stays as it was: the next run
-    of the day numbers its files, Markdown, CSV and profiles alike."""
-    assert _report.free_stem(tmp_path, "bench", "2026-12-07") == "bench_2026-12-07"
-    (tmp_path / "bench_2026-12-07.md").write_text("notes")  # and bench_other's is not bench's
-    (tmp_path / "bench_other_2026-12-07.md").write_text("another benchmark's")
-    assert _report.free_stem(tmp_path, "bench", "2026-12-08") == "bench_2026-12-08"
-    assert _report.free_stem(tmp_path, "bench", "2026-12-07") == "bench_2026-12-07-2"
+    of the day numbers its files, Markdown, CSV and profiles alike, and a script that
+    writes several names (planner_exact, planner_exact_parts) numbers them all alike."""
+    assert _report.free_tag(tmp_path, "bench", "2026-12-07") == ""
+    (tmp_path / "bench_2026-12-07.md").write_text("notes")
+    (tmp_path / "other_2026-12-07.md").write_text("another benchmark's")
+    assert _report.free_tag(tmp_path, "bench", "2026-12-08") == ""
+    assert _report.free_tag(tmp_path, "bench", "2026-12-07") == "-2"
+    assert _report.free_tag(tmp_path, "other", "2026-12-07") == "-2"
     (tmp_path / "bench_2026-12-07.md").unlink()
     (tmp_path / "bench_2026-12-07_profiles.json").write_text("{}")
-    (tmp_path / "bench_2026-12-07-2.csv").write_text("")
-    assert _report.free_stem(tmp_path, "bench", "2026-12-07") == "bench_2026-12-07-3"
-    assert _report.free_stem(tmp_path, "bench_other", "2026-12-07") == "bench_other_2026-12-07-2"
+    (tmp_path / "bench_parts_2026-12-07-2.csv").write_text("")
+    assert _report.free_tag(tmp_path, "bench", "2026-12-07") == "-3"
+    assert _report.free_tag(tmp_path, "nothing", "2026-12-07") == ""
 
 
-def test_one_run_keeps_one_stem(tmp_path, monkeypatch):
-    """The Markdown a run writes after its CSV takes the CSV's stem, not the next free one."""
+def test_one_run_keeps_one_tag(tmp_path, monkeypatch):
+    """The files one script run writes share their tag, whatever their names, and a day's
+    earlier result stays."""
     monkeypatch.setattr(_report, "RESULTS", tmp_path)
-    csv_path = _report.write_csv("bench_once", [{"a": 1}])
+    monkeypatch.setattr(sys, "argv", ["benchmarks/bench_once.py"])
+    _report._run_tag.cache_clear()
+    day = datetime.date.today().isoformat()
+    (tmp_path / f"bench_once_{day}.md").write_text("notes")
+    csv_path = _report.write_csv("bench_once_parts", [{"a": 1}])
     md_path = _report.write_result("bench_once", "title", "body")
-    assert csv_path.name.removesuffix(".csv") == md_path.name.removesuffix(".md")
+    _report._run_tag.cache_clear()
+    assert (csv_path.name, md_path.name) == (f"bench_once_parts_{day}-2.csv", f"bench_once_{day}-2.md")
+    assert (tmp_path / f"bench_once_{day}.md").read_text() == "notes"

@@ -97,8 +97,8 @@ def test_a_fixed_dp_no_split_reaches_says_which_degrees_were_tried(gpt3):
     message = _refusal(_plan, graph, {"dp": 1, "pp": 2})
     assert (
         "dp=1 pp=2: they leave 32 devices to tp x cp x pp, which no degrees the search tries make: tp in [1, 2, 4, 8] "
-        "(dividing the devices and the layer shapes), cp in [1] (where each rank keeps >= 4096 of the 2048 tokens; "
-        "fix cp to try another), pp=2. Change the batch size" in message
+        "(dividing the devices and the layer shapes), cp in [1] (cp > 1 only where each rank keeps >= 4096 tokens "
+        "of a sequence, here 2048; fix cp to try another), pp=2. Change the batch size" in message
     )
     assert "no candidate" not in message
     config = _plan(graph, CLUSTER, {"dp": 1, "pp": 2, "cp": 2}, global_batch_size=BATCH).config

@@ -59,11 +59,14 @@ def test_every_projection_of_the_latent_attention_counts_its_heads():
 def test_the_count_is_the_width_over_the_head_where_that_is_whole():
     """A grouped-query key projection: 8 key heads of 128 under 64 query heads; a fused
     q/k/v (3 parts) of 16 heads of 64; the latent key/value of 128 heads of 128 + 128
-    under query heads of 192 (DeepSeek-V3's sizes)."""
+    under query heads of 192 (DeepSeek-V3's sizes); a multi-query fused q/k/v as before
+    (its tensor-parallel runs are not checked)."""
     assert head_count(8 * 128, 128, 1, 64) == 8
     assert head_count(3 * 16 * 64, 64, 3, 16) == 16
     assert head_count(128 * 256, 192, 2, 128) == 128
     assert head_count(128 * 128, 192, 1, 128) == 128  # its output projection's input
+    # a multi-query fused q/k/v (8 query heads and one key/value head of 4) keeps the width rule
+    assert head_count((8 + 2) * 4, 4, 3, 8) == 3
 
 
 def test_deepseek_v3_splits_over_tensor_parallel_ranks():

@@ -75,3 +75,17 @@ def test_the_cli_takes_it(capsys):
     assert main([*args, "--seq-len", "1024", "--memory-headroom", "-2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("autopar: error: memory_headroom_gib=-2.0 is not allowed") and err.count("\n") == 1
+
+
+def test_refusals_say_their_figures_count_the_headroom(capsys):
+    """A configuration that does not fit, and a model that fits nowhere on one node, are
+    refused with figures that include the headroom asked for, and say so."""
+    args = ["--model", "gpt3-13b", "--cluster", "dgx-a100-80gb:1", "--global-batch-size", "64", "--seq-len", "2048"]
+    fixed = ["--set", "tp=8,pp=1,micro_batch_size=1,recompute=full,zero_stage=1"]
+    assert main(["estimate", *args, *fixed, "--memory-headroom", "70"]) == 3
+    assert "GiB needed per device (70.0 of it the headroom asked for), 80.0 GiB available." in capsys.readouterr().err
+    with pytest.raises(autopar.InfeasiblePlanError) as err:
+        autopar.plan(
+            build_named_model("gpt3-13b"), "dgx-a100-80gb:1", global_batch_size=64, seq_len=2048, memory_headroom_gib=70
+        )
+    assert str(err.value).endswith("These figures count the 70 GiB of headroom asked for.")

@@ -389,12 +389,15 @@ def _oom_regions(
                 o.config.virtual_stages,
             ),
         )
+        # the even split the frugal peak takes may not exist (fewer units than an even cut
+        # needs): then the candidate's own least memory stands
         sized = [
-            replace(o, min_memory_bytes=max(o.min_memory_bytes, _frugal_peak(solver, o.config, modes)))
+            replace(o, min_memory_bytes=max(o.min_memory_bytes, peak)) if math.isfinite(peak) else o
             for o in frugal[:2]
+            for peak in [_frugal_peak(solver, o.config, modes)]
         ]
         best = min(sized, key=lambda o: o.min_memory_bytes)
-        if best.min_memory_bytes > cap:
+        if cap < best.min_memory_bytes < math.inf:
             found.append(best)
     return sorted(found, key=lambda o: o.min_memory_bytes)[:limit]
 

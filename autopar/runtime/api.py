@@ -73,10 +73,10 @@ def check_plan(plan: Plan) -> None:
     starts: the schedule can run its micro-batches, kept shards are on eager blocks, FP8
     layers' inputs are priced as torchao keeps them, sequence parallelism has a layer
     to gather the sequence back."""
-    check_sequence_parallel(plan)
     check_schedule(plan)
     check_regather(plan)
     check_saved_inputs(plan)
+    check_sequence_parallel(plan)
 
 
 def analyse(model: nn.Module, plan: Plan, *, sample_input: Any = None) -> Analysis:

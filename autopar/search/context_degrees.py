@@ -1,17 +1,22 @@
 """Which context-parallel degrees the search tries: a ring over the sequence where torch's
 ring attention can run the model's attention and each rank keeps enough tokens for the
-key/value exchange to hide under the attention it feeds."""
+key/value exchange to hide under the attention it feeds; and what a plan or a refusal
+says of the degrees that floor leaves out, or of a fixed expert-parallel degree lifting it."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autopar.errors import ConfigError
 from autopar.graph.layer_graph import LayerGraph
 from autopar.search.experts import capacity_experts
 from autopar.search.integers import divisors
 from autopar.search.rejections import Rejection
+
+if TYPE_CHECKING:
+    from autopar.plan import ParallelConfig
 
 CP_MIN_TOKENS = 4096
 """The search tries context parallelism only where each rank keeps at least this many
@@ -101,4 +106,46 @@ def cp_left(c: Mapping[str, Any], world: int, seq_len: int) -> Rejection:
         reason=f"they leave cp={cp} of the {world} devices, a degree the search does not try at seq_len={seq_len} "
         f"(it tries context parallelism where attention allows it and each rank keeps >= {CP_MIN_TOKENS} tokens); "
         f"set cp={cp} to plan with it, or change dp, tp or pp",
+    )
+
+
+def cp_below_floor(graph: LayerGraph, devices: int, constraints: Mapping[str, Any]) -> list[int]:
+    """The context-parallel degrees :func:`cp_degrees` leaves out only for
+    :data:`CP_MIN_TOKENS`: those dividing the ``devices`` the fixed ``dp``, ``tp`` and
+    ``pp`` leave (the whole remainder where all three are fixed) that split the sequence
+    into ``2 d`` chunks and that ring attention could run, none where ``cp`` is fixed or the
+    sequence is shorter than the floor itself. A plan says it did not search them, so that
+    a user may price one by fixing it."""
+    if "cp" in constraints or graph.seq_len < CP_MIN_TOKENS or ring_blocker(graph) or constraints.get("ep", 1) > 1:
+        return []  # a sequence shorter than the floor: tensor and pipeline parallelism hold it
+    pinned = math.prod(constraints.get(k, 1) for k in ("dp", "tp", "pp"))
+    if devices % pinned:
+        return []
+    left, s = devices // pinned, graph.seq_len
+    fits = (lambda d: d == left) if "dp" in constraints and {"tp", "pp"} <= constraints.keys() else (lambda d: True)
+    return [d for d in ring_splits(s, left) if fits(d) and s // d < CP_MIN_TOKENS]
+
+
+def floor_lifted_note(config: ParallelConfig, seq_len: int, fixed: Mapping[str, Any]) -> str:
+    """Where a fixed expert-parallel degree lifted the context-parallel token floor
+    (:func:`cp_degrees`) and the plan splits its
+    sequences below it, a note saying why."""
+    if fixed.get("ep", 1) == 1 or config.cp == 1 or seq_len // config.cp >= CP_MIN_TOKENS:
+        return ""
+    return (
+        f"cp={config.cp} leaves each rank {seq_len // config.cp:,} tokens of a sequence, below the "
+        f"{CP_MIN_TOKENS:,} the search otherwise keeps: the fixed ep={fixed['ep']} needs expert groups inside "
+        f"dp x cp, so every context-parallel degree was searched."
+    )
+
+
+def cp_floor_note(degrees: list[int], seq_len: int) -> str:
+    """What a plan says of the context-parallel degrees its search left out for
+    :data:`CP_MIN_TOKENS` (:func:`cp_below_floor`)."""
+    shown = ", ".join(map(str, degrees[:4])) + (", ..." if len(degrees) > 4 else "")
+    return (
+        f"Context parallelism was searched only where each rank keeps at least {CP_MIN_TOKENS:,} tokens of a "
+        f"sequence, as NVIDIA's Llama 3 recipes at 8K tokens do (below that, ring attention's key/value exchange hides "
+        f"under less attention work); cp={shown} would also split these {seq_len:,} tokens: fix one "
+        f"(constraints={{'cp': {degrees[0]}}}, --set cp={degrees[0]}) to price it."
     )

@@ -39,7 +39,7 @@ from autopar.profiles.apply import Measurements, measurements
 from autopar.profiles.identity import LayerProfileMatch, match_layer_profile
 from autopar.search.assemble import Provenance, infeasible_error, to_plan
 from autopar.search.constraints import check_constraints, check_degrees
-from autopar.search.context_degrees import CP_MIN_TOKENS, ring_blocker, ring_splits
+from autopar.search.context_degrees import cp_below_floor, cp_floor_note, floor_lifted_note
 from autopar.search.experts import check_routing_imbalance
 from autopar.search.ilp import check_solver
 from autopar.search.kernel_options import check_async_tp, check_fp8
@@ -149,8 +149,8 @@ def plan(
         solver=solver,
         micro_batches=micro_batch_range(graph, measured.cluster, global_batch_size, fixed),
     )
-    unsearched = _cp_below_floor(graph, measured.cluster.world_size, fixed)
-    floor_note = _cp_floor_note(unsearched, graph.seq_len) if unsearched else ""
+    unsearched = cp_below_floor(graph, measured.cluster.world_size, fixed)
+    floor_note = cp_floor_note(unsearched, graph.seq_len) if unsearched else ""
     try:
         result = search(solver_, fixed, top=top)
     except DeviceCountError as refused:  # the degrees below the floor may be what the constraints need
@@ -177,36 +177,9 @@ def plan(
     plan = _noted(to_plan(solver_, result, provenance, fixed), match, seq_note, activations)
     if plan.config.sequence_parallel and not plan.layer_strategies.tp:  # an estimate notes it
         raise ConfigError(idle_sequence_parallel(graph.name, plan.config))
-    return replace(plan, notes=(*plan.notes, floor_note)) if floor_note else plan
-
-
-def _cp_below_floor(graph: LayerGraph, devices: int, constraints: Mapping[str, Any]) -> list[int]:
-    """The context-parallel degrees :func:`~autopar.search.context_degrees.cp_degrees` leaves out only for
-    :data:`~autopar.search.context_degrees.CP_MIN_TOKENS`: those dividing the ``devices`` the fixed ``dp``, ``tp`` and
-    ``pp`` leave (the whole remainder where all three are fixed) that split the sequence
-    into ``2 d`` chunks and that ring attention could run, none where ``cp`` is fixed or the
-    sequence is shorter than the floor itself. A plan says it did not search them, so that
-    a user may price one by fixing it."""
-    if "cp" in constraints or graph.seq_len < CP_MIN_TOKENS or ring_blocker(graph) or constraints.get("ep", 1) > 1:
-        return []  # a sequence shorter than the floor: tensor and pipeline parallelism hold it
-    pinned = math.prod(constraints.get(k, 1) for k in ("dp", "tp", "pp"))
-    if devices % pinned:
-        return []
-    left, s = devices // pinned, graph.seq_len
-    fits = (lambda d: d == left) if "dp" in constraints and {"tp", "pp"} <= constraints.keys() else (lambda d: True)
-    return [d for d in ring_splits(s, left) if fits(d) and s // d < CP_MIN_TOKENS]
-
-
-def _cp_floor_note(degrees: list[int], seq_len: int) -> str:
-    """What a plan says of the context-parallel degrees its search left out for
-    :data:`~autopar.search.context_degrees.CP_MIN_TOKENS` (:func:`_cp_below_floor`)."""
-    shown = ", ".join(map(str, degrees[:4])) + (", ..." if len(degrees) > 4 else "")
-    return (
-        f"Context parallelism was searched only where each rank keeps at least {CP_MIN_TOKENS:,} tokens of a "
-        f"sequence, as NVIDIA's Llama 3 recipes at 8K tokens do (below that, ring attention's key/value exchange hides "
-        f"under less attention work); cp={shown} would also split these {seq_len:,} tokens: fix one "
-        f"(constraints={{'cp': {degrees[0]}}}, --set cp={degrees[0]}) to price it."
-    )
+    lifted = floor_lifted_note(plan.config, graph.seq_len, fixed)
+    added = tuple(n for n in (floor_note, lifted) if n)
+    return replace(plan, notes=(*plan.notes, *added)) if added else plan
 
 
 @_cycles_collected_after

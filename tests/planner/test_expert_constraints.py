@@ -44,6 +44,13 @@ def test_a_fixed_ep_reaches_its_groups_through_context_parallelism(mixtral):
     c = plan.config
     assert (c.ep, c.dp, c.pp) == (8, 4, 2) and c.cp >= 2 and (c.dp * c.cp) % 8 == 0
     assert c.tp * c.cp == 8 and plan.prediction.fits
+    # the plan says why it splits sequences below the floor its notes otherwise state
+    assert (
+        f"cp={c.cp} leaves each rank {SEQ // c.cp:,} tokens of a sequence, below the 4,096 the search otherwise "
+        f"keeps: the fixed ep=8 needs expert groups inside dp x cp, so every context-parallel degree was searched."
+    ) in plan.notes
+    unpinned = autopar.plan(mixtral, CLUSTER, global_batch_size=64, constraints={"dp": 8, "pp": 2})
+    assert unpinned.config.cp == 1 and not any("every context-parallel degree" in n for n in unpinned.notes)
 
 
 def test_no_split_reaching_a_multiple_of_ep_is_refused_with_that_reason(mixtral):

@@ -193,6 +193,16 @@ def outside_blocks_note(blocks: Blocks) -> str | None:
     )
 
 
+INPUT_PROJECTIONS = frozenset(
+    {
+        "q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "query", "key", "value",
+        "wq", "wk", "wv", "Wqkv", "gate_proj", "up_proj", "gate_up_proj", "w1", "w3", "fc1", "c_fc", "dense_h_to_4h",
+    }
+)  # fmt: skip
+"""The names (in transformers' families, Meta's Llama and autopar's models) of the layers
+that feed a block's attention or MLP, which Megatron-style splits make column-parallel."""
+
+
 def tp_note(plan: Plan, framework: str) -> str | None:
     """A note when the plan's per-leaf tensor-parallel styles differ from the fixed
     Megatron-style split that ``framework`` applies (every block's attention and MLP
@@ -213,6 +223,9 @@ def tp_note(plan: Plan, framework: str) -> str | None:
         differences.append("blocks split differently from each other")
     if any(not {TPStyle.COLUMN.value, TPStyle.ROW.value} <= {s for _, s in sig} for sig in signatures.values()):
         differences.append("blocks without a column-then-row split")
+    rowed = sorted({leaf.rsplit(".", 1)[-1] for leaf, s in styles.items() if s is TPStyle.ROW} & INPUT_PROJECTIONS)
+    if rowed:
+        differences.append(f"{', '.join(rowed)} row-parallel, each output all-reduced, where it splits them by columns")
     outside = {style for leaf, style in styles.items() if not any(_inside(leaf, name) for name in blocks.names)}
     if TPStyle.VOCAB not in outside:
         differences.append("the embedding not split over its vocabulary")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import autopar
-from autopar import Plan
+from autopar import Plan, TPStyle
 from autopar.cli import main
 from autopar.export import ExportError, export
 from autopar.models import build_named_model
@@ -422,6 +422,20 @@ def test_layer_strategies_without_block_split_are_noted(pipelined_plan):
     for target in ("megatron", "torchtitan"):
         assert any("per-layer styles differ" in n for n in export(replicated, to=target).notes)
     assert not any("per-layer styles" in n for n in export(pipelined_plan, to="megatron").notes)
+
+
+def test_row_parallel_key_and_value_projections_are_noted(pipelined_plan):
+    """The planner may split a block's key and value projections by rows (its grouped
+    query attention's few key heads): Megatron-LM and DeepSpeed split them by columns,
+    with no all-reduce after them, and the export says so."""
+    styles = {
+        leaf: TPStyle.ROW if leaf.endswith((".wk", ".wv")) else style
+        for leaf, style in pipelined_plan.layer_strategies.tp.items()
+    }
+    rowed = replace(pipelined_plan, layer_strategies=LayerStrategies(tp=styles))
+    for target in ("megatron", "deepspeed"):
+        note = next(n for n in export(rowed, to=target).notes if "per-layer styles differ" in n)
+        assert "(wk, wv row-parallel, each output all-reduced, where it splits them by columns)" in note
 
 
 def test_torchtitan_stages_of_a_transformers_llama_use_torchtitans_names():

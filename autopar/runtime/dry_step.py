@@ -45,7 +45,9 @@ Compiled blocks (``compile=True``) run eager: ``parallelize`` does not compile t
 without real tensors, so the step keeps the element-wise intermediates a compiled block
 would recompute in its backward (:mod:`autopar.graph.compiled_saved`). transformers'
 models see one unpadded sequence per row, as on real token ids, and call SDPA causal
-without a mask, as a real run does (:func:`autopar.graph.extract.unpacked_sequences`).
+without a mask, as a real run does (:func:`autopar.graph.extract.unpacked_sequences`);
+an attention whose value heads are narrower than its query's runs the memory-efficient
+kernel a GPU runs it in, not the CPU's math path (:mod:`autopar.runtime.dry_attention`).
 The finite check and the loss's reduction for reporting (8 bytes each) are not run. DDP
 (ZeRO 0 and 1 with dp > 1, where the real run uses it) needs real tensors, so the fake
 step runs FSDP2's ``replicate``, the same all-reduce: DDP's gradient buckets, which it
@@ -70,6 +72,7 @@ from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from autopar.graph.extract import unpacked_sequences
 from autopar.parallel_config import ParallelConfig
 from autopar.plan import Plan
+from autopar.runtime.dry_attention import gpu_attention
 from autopar.runtime.job import Job
 from autopar.runtime.metrics import OPTIMIZER, TensorBytesMeter
 from autopar.runtime.pipeline import build_schedule
@@ -267,7 +270,8 @@ def measure_step(job: Job, plan: Plan, mode: FakeTensorMode | None, *, microbatc
         del live
         start = time.perf_counter()
         unpacked = unpacked_sequences() if mode is not None else contextlib.nullcontext()
-        with meter, unpacked:
+        attention = gpu_attention() if mode is not None else contextlib.nullcontext()
+        with meter, unpacked, attention:
             job._run_schedule((tokens,), tokens, [])
             meter.phase = OPTIMIZER
             for o in inner:

@@ -1,0 +1,90 @@
+"""A dry run measures attention whose value heads are narrower than its query heads
+(multi-latent attention, DeepSeek-V2/V3) as a GPU runs it, in torch's memory-efficient
+kernel: on CPU, torch's math path keeps every score, and the dry run of a small
+DeepSeek-V3 measured 8 times the plan's peak (autopar.runtime.dry_attention)."""
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import autopar
+from autopar.runtime.dry_attention import gpu_attention
+from autopar.runtime.dry_run import dry_run
+from autopar.runtime.dry_step import FakeBytesMeter
+
+transformers = pytest.importorskip("transformers")
+
+B, H, S, QK, V = 2, 4, 512, 24, 16
+
+
+def _attention_peak(wrapped: bool) -> tuple[int, tuple[int, ...]]:
+    """Bytes one causal attention of query/key heads of 24 and value heads of 16 holds
+    at its peak through forward and backward, on fake tensors, and its output's shape."""
+    mode = FakeTensorMode()
+    with mode:
+        q, k = (torch.zeros(B, H, S, QK, requires_grad=True) for _ in range(2))
+        v = torch.zeros(B, H, S, V, requires_grad=True)
+        meter = FakeBytesMeter(mode, [q, k, v])
+        with meter, gpu_attention() if wrapped else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out.sum().backward()
+    return meter.peak_bytes - meter.current_bytes, tuple(out.shape)
+
+
+def test_narrow_value_heads_keep_no_scores():
+    scores = B * H * S * S * 4  # one fp32 score per query and key
+    kept, shape = _attention_peak(wrapped=True)
+    assert shape == (B, H, S, V) and kept < scores / 4
+    materialized, _ = _attention_peak(wrapped=False)
+    assert materialized >= scores  # torch's CPU math path, which the dry run used to measure
+
+
+def test_equal_heads_go_through_untouched():
+    """Heads of one width reach torch's own function, which the CPU fuses."""
+    called = []
+    original = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = lambda *a, **kw: called.append(a[0].shape) or original(*a, **kw)
+    try:
+        with gpu_attention():
+            q = torch.zeros(1, 2, 8, 4)
+            F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    finally:
+        F.scaled_dot_product_attention = original
+    assert called == [torch.Size([1, 2, 8, 4])] and F.scaled_dot_product_attention is original
+
+
+def test_a_small_deepseek_v3_dry_run_measures_its_predicted_peak():
+    config = transformers.DeepseekV3Config(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        q_lora_rank=96,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        max_position_embeddings=2048,
+    )
+
+    def model():
+        with torch.device("meta"):
+            return transformers.DeepseekV3ForCausalLM(config)
+
+    fixed = {"tp": 1, "micro_batch_size": 2, "compile": False, "fp8": False, "zero_stage": 2}
+    plan = autopar.estimate(model(), "dgx-h100:1", fixed, global_batch_size=16, seq_len=2048)
+    report = dry_run(model, plan, ranks=[0], measure=True)
+    assert report.ok, report.problems
+    rank = report.ranks[0]
+    assert rank.measured.peak_bytes / rank.predicted_allocated_bytes == pytest.approx(1.0, abs=0.03)

@@ -9,8 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import Shard
 
 import autopar
+from autopar.runtime.data_parallel import even_placement
 from autopar.runtime.dry_attention import gpu_attention
 from autopar.runtime.dry_run import dry_run
 from autopar.runtime.dry_step import FakeBytesMeter
@@ -56,6 +58,16 @@ def test_equal_heads_go_through_untouched():
     assert called == [torch.Size([1, 2, 8, 4])] and F.scaled_dot_product_attention is original
 
 
+def test_even_placement_shards_a_dimension_the_ranks_divide():
+    """16 experts over 128 ranks shard along the experts' rows, not their count; a first
+    dimension the ranks divide, a vector, and no dimension that divides keep FSDP2's own."""
+    place = even_placement(128)
+    assert place(torch.nn.Parameter(torch.zeros(16, 256, 8))) == Shard(1)
+    assert place(torch.nn.Parameter(torch.zeros(256, 16))) is None
+    assert place(torch.nn.Parameter(torch.zeros(16))) is None
+    assert place(torch.nn.Parameter(torch.zeros(16, 24, 8))) is None
+
+
 def test_a_small_deepseek_v3_dry_run_measures_its_predicted_peak():
     config = transformers.DeepseekV3Config(
         vocab_size=1024,
@@ -83,8 +95,11 @@ def test_a_small_deepseek_v3_dry_run_measures_its_predicted_peak():
             return transformers.DeepseekV3ForCausalLM(config)
 
     fixed = {"tp": 1, "micro_batch_size": 2, "compile": False, "fp8": False, "zero_stage": 2}
-    plan = autopar.estimate(model(), "dgx-h100:1", fixed, global_batch_size=16, seq_len=2048)
-    report = dry_run(model, plan, ranks=[0], measure=True)
-    assert report.ok, report.problems
-    rank = report.ranks[0]
-    assert rank.measured.peak_bytes / rank.predicted_allocated_bytes == pytest.approx(1.0, abs=0.03)
+    # on one node, and over 128 data-parallel ranks, more than its 8 experts: FSDP2 padded
+    # the expert stacks' first dimension to 128 rows (autopar.runtime.data_parallel.even_placement)
+    for cluster, batch in (("dgx-h100:1", 16), ("dgx-h100:16", 256)):
+        plan = autopar.estimate(model(), cluster, fixed, global_batch_size=batch, seq_len=2048)
+        report = dry_run(model, plan, ranks=[0], measure=True)
+        assert report.ok, report.problems
+        rank = report.ranks[0]
+        assert rank.measured.peak_bytes / rank.predicted_allocated_bytes == pytest.approx(1.0, abs=0.03), cluster

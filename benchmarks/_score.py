@@ -5,6 +5,12 @@ from __future__ import annotations
 
 import autopar
 
+AS_RAN = {"compile": False, "fp8": False}
+"""What every run but torchtitan's used: its own hand-fused kernels (eager here), bf16 matmuls."""
+MEGATRON_LAYOUT = "sequence-first"
+"""Megatron-LM, Megatron-Core and Megatron-DeepSpeed lay activations out (sequence, batch,
+hidden): their sequence-parallel collectives make no copies (``autopar.cost.layout_copies``)."""
+
 
 def picked(plan: autopar.Plan) -> str:
     """What autopar chose where the source is silent."""

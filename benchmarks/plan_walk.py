@@ -19,10 +19,11 @@ import dataclasses
 import re
 from typing import Any
 
+from _a100_rows import korthikanti_rows, narayanan_rows
 from _published_runs import grand_teton_h100
 from _report import markdown_table, write_csv, write_result
 from _torchtitan_rows import tensor_parallel_rows
-from planner_faithful import korthikanti_rows, megatron_core_rows, megatron_fp8_rows, narayanan_rows
+from planner_faithful import megatron_core_rows, megatron_fp8_rows
 
 import autopar
 from autopar.models import build_named_model

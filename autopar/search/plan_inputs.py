@@ -78,15 +78,20 @@ def check_imbalance(value: object) -> None:
         )
 
 
-def with_headroom(cluster: Cluster, headroom_gib: object) -> Cluster:
-    """``cluster`` with ``headroom_gib`` GiB more of each device's memory reserved, which
-    no plan allocates: a margin the user keeps for what the prediction may miss (the
-    allocator, a framework's own buffers, a longer sample). Refused in one line where it
-    is not a finite number >= 0 or leaves the device nothing."""
+def check_headroom(headroom_gib: object) -> float:
+    """``memory_headroom_gib`` as a float of GiB, refused in one line where it is not a
+    finite real number >= 0 (numpy's too: the plan file keeps the float)."""
     number = isinstance(headroom_gib, numbers.Real) and not isinstance(headroom_gib, bool)
     if not number or not math.isfinite(headroom_gib) or headroom_gib < 0:
         raise ConfigError(f"memory_headroom_gib={headroom_gib!r} is not allowed: give GiB per device, a number >= 0.")
-    headroom_gib = float(headroom_gib)
+    return float(headroom_gib)
+
+
+def with_headroom(cluster: Cluster, headroom_gib: float) -> Cluster:
+    """``cluster`` with ``headroom_gib`` GiB more of each device's memory reserved
+    (:func:`check_headroom`), which no plan allocates: a margin the user keeps for what
+    the prediction may miss (the allocator, a framework's own buffers, a longer sample).
+    Refused in one line where it leaves the device nothing."""
     if headroom_gib == 0:
         return cluster
     memory = cluster.device.memory

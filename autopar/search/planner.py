@@ -34,7 +34,7 @@ from autopar.hardware.cluster import Cluster
 from autopar.models.positions import check_seq_len, longest_length_note, max_positions
 from autopar.parallel_config import ONE_REPLICA_REDUCES_NOTHING
 from autopar.plan import ParallelConfig, Plan, PlanSettings
-from autopar.plan_checks import idle_sequence_parallel
+from autopar.plan_checks import check_sequence_parallel
 from autopar.profiles.apply import Measurements, measurements
 from autopar.profiles.identity import LayerProfileMatch, match_layer_profile
 from autopar.search.assemble import Provenance, infeasible_error, to_plan
@@ -43,7 +43,15 @@ from autopar.search.context_degrees import cp_below_floor, cp_floor_note, floor_
 from autopar.search.experts import check_routing_imbalance
 from autopar.search.ilp import check_solver
 from autopar.search.kernel_options import check_async_tp, check_fp8
-from autopar.search.plan_inputs import as_cluster, check_batch, check_imbalance, check_top, option, with_headroom
+from autopar.search.plan_inputs import (
+    as_cluster,
+    check_batch,
+    check_headroom,
+    check_imbalance,
+    check_top,
+    option,
+    with_headroom,
+)
 from autopar.search.scan import decided, search
 from autopar.search.solve import ConfigSolver, Outcome
 from autopar.search.space import micro_batch_range
@@ -132,13 +140,14 @@ def plan(
     check_top(top)
     check_solver(solver)
     check_imbalance(routing_imbalance)
+    headroom_gib = check_headroom(memory_headroom_gib)
     cluster = as_cluster(cluster)
     optimizer, attention = option("optimizer", optimizer, Optimizer), option("attention", attention, Attention)
     activations = option("activations", activations, ActivationLayout)
     megatron = activations.megatron_kernels
     fixed = check_constraints(constraints, megatron_kernels=megatron)
     measured = measurements(cluster, profile)
-    measured = replace(measured, cluster=with_headroom(measured.cluster, memory_headroom_gib))
+    measured = replace(measured, cluster=with_headroom(measured.cluster, headroom_gib))
     seq_len, seq_note = _default_seq_len(model, seq_len, sample_input)
     graph = _graph(model, measured.cluster, fixed, seq_len, sample_input, attention)
     check_routing_imbalance(graph, routing_imbalance)
@@ -159,10 +168,9 @@ def plan(
         raise DeviceCountError(f"{refused} {floor_note}") from None
     if not result.best.fits:
         refused = infeasible_error(result, solver_, graph, fixed=fixed, optimizer=optimizer)
-        if memory_headroom_gib:
-            refused.args = (f"{refused} These figures count the {memory_headroom_gib:g} GiB of headroom asked for.",)
-        if floor_note:  # a wider ring holds fewer tokens per rank
-            refused.args = (f"{refused} {floor_note}",)
+        counted = f"These figures count the {headroom_gib:g} GiB of headroom asked for." if headroom_gib else ""
+        added = [n for n in (counted, floor_note) if n]  # floor: a wider ring holds fewer tokens per rank
+        refused.args = (" ".join([str(refused), *added]),)
         raise refused
     provenance = _provenance(
         measured,
@@ -172,11 +180,10 @@ def plan(
         routing_imbalance,
         activations,
         started,
-        headroom_bytes=memory_headroom_gib * 2**30,
+        headroom_bytes=headroom_gib * 2**30,
     )
     plan = _noted(to_plan(solver_, result, provenance, fixed), match, seq_note, activations)
-    if plan.config.sequence_parallel and not plan.layer_strategies.tp:  # an estimate notes it
-        raise ConfigError(idle_sequence_parallel(graph.name, plan.config))
+    check_sequence_parallel(plan)  # an estimate notes it
     lifted = floor_lifted_note(plan.config, graph.seq_len, fixed)
     added = tuple(n for n in (floor_note, lifted) if n)
     return replace(plan, notes=(*plan.notes, *added)) if added else plan
@@ -219,6 +226,7 @@ def estimate(
     seq_len = check_positive_int("seq_len", seq_len) if seq_len is not None else None
     check_solver(solver)
     check_imbalance(routing_imbalance)
+    headroom_gib = check_headroom(memory_headroom_gib)
     cluster = as_cluster(cluster)
     optimizer, attention = option("optimizer", optimizer, Optimizer), option("attention", attention, Attention)
     activations = option("activations", activations, ActivationLayout)
@@ -228,7 +236,7 @@ def estimate(
     )
     given = set(fixed)
     measured = measurements(cluster, profile)
-    measured = replace(measured, cluster=with_headroom(measured.cluster, memory_headroom_gib))
+    measured = replace(measured, cluster=with_headroom(measured.cluster, headroom_gib))
     fixed = _complete(fixed, measured.cluster, global_batch_size, megatron_kernels=megatron)
     seq_len, seq_note = _default_seq_len(model, seq_len, sample_input)
     graph = _graph(model, measured.cluster, fixed, seq_len, sample_input, attention)
@@ -249,7 +257,7 @@ def estimate(
         activations,
         started,
         searched=False,
-        headroom_bytes=memory_headroom_gib * 2**30,
+        headroom_bytes=headroom_gib * 2**30,
     )
     return _noted(to_plan(solver_, result, provenance), match, seq_note, activations)
 

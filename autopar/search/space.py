@@ -350,12 +350,13 @@ def _dp_unreached(graph: LayerGraph, world: int, c: Mapping[str, Any], tps: list
     """Why a fixed ``dp`` found no candidate: no tensor-, context- and pipeline-parallel
     degrees the search tries (``tps``, :func:`cp_degrees`, divisors) make the devices it
     leaves."""
-    fixed = " ".join(f"{k}={c[k]}" for k in ("dp", *DEGREES[1:]) if k in c)
+    fixed = " ".join(f"{k}={c[k]}" for k in DEGREES if k in c)
     cps = sorted({cp for tp in tps if world % tp == 0 for cp in cp_degrees(graph, world // tp, c)})
+    blocker = ring_blocker(graph)
     if "cp" in c:
         why_cp = ""
-    elif ring_blocker(graph):
-        why_cp = f" ({ring_blocker(graph)})"
+    elif blocker:
+        why_cp = f" ({blocker})"
     else:
         why_cp = (
             f" (cp > 1 only where each rank keeps >= {CP_MIN_TOKENS} tokens of a sequence, here {graph.seq_len}; "

@@ -89,3 +89,18 @@ def test_refusals_say_their_figures_count_the_headroom(capsys):
             build_named_model("gpt3-13b"), "dgx-a100-80gb:1", global_batch_size=64, seq_len=2048, memory_headroom_gib=70
         )
     assert str(err.value).endswith("These figures count the 70 GiB of headroom asked for.")
+
+
+def test_a_numpy_headroom_is_kept_as_a_number_the_plan_file_holds():
+    """numpy's numbers are accepted as GiB, and the plan keeps a float (a float32 there
+    made the plan unwritable)."""
+    np = pytest.importorskip("numpy")
+    kept = autopar.plan(
+        build_named_model("gpt2-small"),
+        "dgx-a100-80gb:1",
+        global_batch_size=8,
+        seq_len=1024,
+        memory_headroom_gib=np.float32(2),
+    )
+    assert type(kept.settings.memory_headroom_bytes) is float and kept.settings.memory_headroom_bytes == 2 * GIB
+    assert autopar.Plan.from_json(kept.to_json()).settings.memory_headroom_bytes == 2 * GIB

@@ -62,7 +62,7 @@ def free_tag(folder: Path, family: str, day: str) -> str:
     starts with ``family`` has after its ``_<day>`` (before a ``.`` or ``_``)."""
     names = [p.name for p in folder.glob(f"{family}*_{day}*")]
     n = 1
-    while any(re.search(rf"_{re.escape(day + tag)}[._]", name) for name in names for tag in [_tag(n)]):
+    while any(re.search(rf"_{re.escape(day + _tag(n))}[._]", name) for name in names):
         n += 1
     return _tag(n)
 

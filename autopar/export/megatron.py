@@ -267,37 +267,40 @@ def _layout(counts: tuple[int, ...]) -> str:
 
 
 def _data_parallel_args(plan: Plan, notes: list[str]) -> list[str]:
-    """ZeRO stage -> Megatron's data-parallel options. Its distributed optimizer shards
-    the optimizer state (ZeRO-1) and reduce-scatters gradients into a whole-size buffer;
-    Megatron-FSDP shards parameters too (ZeRO-3), without pipelining. Both shard over the
-    data- and context-parallel ranks together, as the plan does. HSDP is
-    ``--num-distributed-optimizer-instances`` (the replicate groups): each instance
+    """ZeRO stage -> Megatron's data-parallel options, sharded over the data- and
+    context-parallel ranks together, as the plan does.
+
+    Megatron's distributed optimizer shards the fp32 master weights and the optimizer
+    state, and keeps whole bf16 weights and a whole fp32 gradient buffer: ``6 + 12/d``
+    bytes per parameter (its ``docs/user-guide/features/dist_optimizer.md``). That is the
+    plan's ZeRO-2 under a pipeline, whose stages accumulate whole gradients until the last
+    micro-batch (:mod:`autopar.cost.memory`), and less than its ZeRO-1, so both are
+    written as it. Without a pipeline the plan's ZeRO-2 shards its gradients too:
+    Megatron-FSDP's ``optim_grads`` does, and ``optim_grads_params`` is ZeRO-3; it does
+    not pipeline, so ZeRO-3 under a pipeline falls back to the distributed optimizer, with
+    more memory than predicted (a plan priced for Megatron-LM's kernels never has it). HSDP
+    is ``--num-distributed-optimizer-instances`` (the replicate groups): each instance
     shards over a block of consecutive data-parallel ranks, replicated across instances
     (Megatron-FSDP's hybrid sharding, its outer groups unsharded by default)."""
     c = plan.config
     if c.dp_cp == 1 or c.zero_stage == 0:
         return []
     hsdp = ["--num-distributed-optimizer-instances", str(c.replicate_size)] if c.dp_shard is not None else []
-    if c.zero_stage == 1:
-        return ["--use-distributed-optimizer", *hsdp]
-    if c.zero_stage == 3 and c.pp == 1:
+    if c.zero_stage >= 2 and c.pp == 1:
+        strategy = "optim_grads" if c.zero_stage == 2 else "optim_grads_params"
         return [
             "--use-megatron-fsdp",
             "--data-parallel-sharding-strategy",
-            "optim_grads_params",
+            strategy,
             "--ckpt-format",
             "fsdp_dtensor",
             *hsdp,
         ]
-    why = (
-        "Megatron's distributed optimizer keeps a whole gradient buffer"
-        if c.zero_stage == 2
-        else "Megatron-FSDP (ZeRO-3) does not pipeline"
-    )
-    notes.append(
-        f"ZeRO-{c.zero_stage} written as --use-distributed-optimizer (ZeRO-1 memory): {why}, so each device holds "
-        f"more than the plan predicts"
-    )
+    if c.zero_stage == 3:
+        notes.append(
+            "ZeRO-3 written as --use-distributed-optimizer (ZeRO-1 memory): Megatron-FSDP (ZeRO-3) does not "
+            "pipeline, so each device holds more than the plan predicts"
+        )
     return ["--use-distributed-optimizer", *hsdp]
 
 

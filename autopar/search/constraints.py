@@ -154,6 +154,8 @@ def check_constraints(
             raise ConfigError(
                 f"constraint schedule={schedule.value!r} with virtual_stages={stages} is not allowed: {err}"
             ) from None
+    if megatron_kernels:
+        check_megatron_runs(out)
     if out.get("tp") == 1:  # each shards or fuses what tensor parallelism splits
         given = [name for name in ("async_tp", "regather", "sequence_parallel") if out.get(name) is True]
         if given:
@@ -162,6 +164,27 @@ def check_constraints(
                 f"shards of each layer, which tp=1 does not split; drop {given[0]}=True or allow tp > 1."
             )
     return out
+
+
+def check_megatron_runs(fixed: Mapping[str, Any]) -> None:
+    """A plan priced for Megatron-LM's kernels is one to run in Megatron-LM, so what
+    Megatron-LM cannot run is refused when fixed (and left out of the search,
+    :func:`autopar.search.space.enumerate_space`): its pipelines run 1F1B and
+    interleaved 1F1B only, and it shards parameters (ZeRO-3, Megatron-FSDP) only without a
+    pipeline."""
+    schedule = fixed.get("schedule")
+    if schedule is not None and schedule.zero_bubble:
+        raise ConfigError(
+            f"constraint schedule={schedule.value!r} is not allowed with activations='sequence-first': the plan is "
+            f"priced for Megatron-LM, which has no zero-bubble schedule; use schedule='1f1b' or 'interleaved-1f1b', "
+            f"or plan for autopar's runtime (activations='batch-first')."
+        )
+    if fixed.get("zero_stage") == 3 and fixed.get("pp", 1) > 1:
+        raise ConfigError(
+            f"constraint zero_stage=3 with pp={fixed['pp']} is not allowed with activations='sequence-first': "
+            f"Megatron-LM shards parameters (Megatron-FSDP) only without a pipeline; use zero_stage <= 2 or pp=1, or "
+            f"plan for autopar's runtime (activations='batch-first')."
+        )
 
 
 DEGREES = ("dp", "cp", "tp", "pp")

@@ -134,7 +134,9 @@ def enumerate_space(
     ``fold_shard_groups``, a plain ZeRO-2/3 candidate stands for its HSDP siblings too
     (:func:`shard_siblings` lists them), which the caller expands when it needs them.
     ``megatron_kernels``: priced for Megatron-LM (sequence-first activations), whose
-    compiled-like fused blocks keep gather shards too (:func:`regather_options`)."""
+    compiled-like fused blocks keep gather shards too (:func:`regather_options`), and
+    which runs no zero-bubble schedule nor ZeRO-3 under a pipeline: those are left out
+    (:func:`autopar.search.constraints.check_megatron_runs`)."""
     world = cluster.world_size
     c = constraints
     check_fp8(c, cluster)
@@ -239,7 +241,11 @@ def enumerate_space(
                 [c["micro_batch_size"]] if "micro_batch_size" in c else divisors(per_rank, at_most=MAX_MICRO_BATCH)
             )
             # whether the model splits over a schedule's stages does not depend on the batch split
-            schedules = [(s, v, split_problem(graph, s, pp, v)) for s, v in offered_schedules(pp, graph, c)]
+            schedules = [
+                (s, v, split_problem(graph, s, pp, v))
+                for s, v in offered_schedules(pp, graph, c)
+                if not (megatron_kernels and s.zero_bubble)  # Megatron-LM has none (check_megatron_runs)
+            ]
             for mbs in mbs_list:
                 if per_rank % mbs:
                     continue
@@ -266,6 +272,8 @@ def enumerate_space(
                     for zero, shard in _shardings(zeros, dp, tp * cp, cluster.devices_per_node, c, fold_shard_groups):
                         if schedule.zero_bubble and zero == 3:
                             continue  # the runtime refuses it (autopar.runtime.pipeline.check_schedule)
+                        if megatron_kernels and zero == 3 and pp > 1:
+                            continue  # Megatron-FSDP does not pipeline (check_megatron_runs)
                         for sp, ep, (compiled, fp8) in itertools.product(
                             sps, ep_degrees(graph, dp * cp, (shard or dp) * cp, c), kernels[schedule.zero_bubble]
                         ):

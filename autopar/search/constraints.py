@@ -170,8 +170,9 @@ def check_megatron_runs(fixed: Mapping[str, Any]) -> None:
     """A plan priced for Megatron-LM's kernels is one to run in Megatron-LM, so what
     Megatron-LM cannot run is refused when fixed (and left out of the search,
     :func:`autopar.search.space.enumerate_space`): its pipelines run 1F1B and
-    interleaved 1F1B only, and it shards parameters (ZeRO-3, Megatron-FSDP) only without a
-    pipeline."""
+    interleaved 1F1B only, it shards parameters (ZeRO-3, Megatron-FSDP) only without a
+    pipeline, it has no per-operator selective recomputation, and its sequence
+    parallelism always keeps the shards of its gathers."""
     schedule = fixed.get("schedule")
     if schedule is not None and schedule.zero_bubble:
         raise ConfigError(
@@ -184,6 +185,18 @@ def check_megatron_runs(fixed: Mapping[str, Any]) -> None:
             f"constraint zero_stage=3 with pp={fixed['pp']} is not allowed with activations='sequence-first': "
             f"Megatron-LM shards parameters (Megatron-FSDP) only without a pipeline; use zero_stage <= 2 or pp=1, or "
             f"plan for autopar's runtime (activations='batch-first')."
+        )
+    if fixed.get("recompute") is Recompute.OP:
+        raise ConfigError(
+            "constraint recompute='op' is not allowed with activations='sequence-first': Megatron-LM has no "
+            "per-operator selective recomputation; use recompute='selective' or 'full' (or leave it to the search), "
+            "or plan for autopar's runtime (activations='batch-first')."
+        )
+    if fixed.get("regather") is False and fixed.get("sequence_parallel"):
+        raise ConfigError(
+            "constraint regather=False with sequence_parallel=True is not allowed with activations='sequence-first': "
+            "Megatron-LM's sequence parallelism always keeps the shards of its gathers and gathers again in the "
+            "backward; drop regather=False, or plan for autopar's runtime (activations='batch-first')."
         )
 
 

@@ -61,11 +61,14 @@ def async_tp_options(c: Mapping[str, Any], cluster: Cluster, tp: int, sp: bool, 
 
 
 def regather_options(c: Mapping[str, Any], sp: bool, compiled: bool, megatron_kernels: bool = False) -> list[bool]:
-    """Whether to keep shards of the sequence-parallel gathers: as fixed, else both ways
-    where it applies (sequence parallelism; eager blocks in autopar's runtime, any blocks
-    under ``megatron_kernels``, Megatron-LM's, which keep them in fused kernels too): it
-    saves memory for one more all-gather each in the backward."""
-    applies = sp and (megatron_kernels or not compiled)
+    """Whether to keep shards of the sequence-parallel gathers: it saves memory for one
+    more all-gather each in the backward. Under ``megatron_kernels`` always with sequence
+    parallelism, as Megatron-LM's kernels do (fixed otherwise, nothing: the plan would
+    price what Megatron-LM does not run); else as fixed, or both ways where it applies
+    (sequence parallelism on eager blocks in autopar's runtime)."""
+    if megatron_kernels and sp:
+        return [True] if c.get("regather", True) else []
+    applies = sp and not compiled
     if "regather" in c:
         return [c["regather"]] if applies or not c["regather"] else []
     return [False, True] if applies else [False]

@@ -438,7 +438,7 @@ def _complete(
     out.setdefault("compile", cluster.device.compiles)
     out.setdefault("fp8", False)
     out.setdefault("async_tp", False)
-    out.setdefault("regather", False)
+    out.setdefault("regather", megatron_kernels and out["sequence_parallel"])  # Megatron-LM's kernels keep shards
     check_fp8(out, cluster)
     check_async_tp(out, cluster)
     return check_constraints(out, megatron_kernels=megatron_kernels)

@@ -35,6 +35,9 @@ from autopar.search.walk_room import with_walk_room
 from autopar.vocab import DType, Recompute
 
 ALL_MODES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.OP, Recompute.FULL)
+MEGATRON_MODES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+"""The modes a unit may take in a plan priced for Megatron-LM's kernels: Megatron-LM has
+no per-operator selective recomputation (torchtitan's ``op``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,7 +164,7 @@ def search(
             f"{model.global_batch_size} with {_constraints_text(_given(fixed, given))}: {reasons}. Change the batch "
             f"size, the device count or the constraints."
         )
-    modes = (fixed["recompute"],) if "recompute" in fixed else ALL_MODES
+    modes = (fixed["recompute"],) if "recompute" in fixed else (ALL_MODES if model.batch_first else MEGATRON_MODES)
     siblings = {cfg: shard_siblings(cfg, cluster.devices_per_node, fixed) for cfg in configs}
     region_sizes = Counter((c.tp, c.pp) for c in configs)
     capacity = cluster.device.memory.capacity_bytes

@@ -12,7 +12,15 @@ from autopar.errors import ConfigError
 from autopar.vocab import ActivationLayout, DType
 
 LLAMA = "llama3-8b"
-CONFIG = {"tp": 8, "sequence_parallel": True, "micro_batch_size": 2, "recompute": "none", "zero_stage": 3}
+CONFIG = {
+    "tp": 8,
+    "sequence_parallel": True,
+    "regather": True,  # what Megatron-LM's sequence parallelism does, and autopar's runtime on eager blocks
+    "compile": False,
+    "micro_batch_size": 2,
+    "recompute": "none",
+    "zero_stage": 3,
+}
 
 
 def _estimate(activations: str) -> autopar.Plan:

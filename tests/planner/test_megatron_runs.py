@@ -15,6 +15,7 @@ from autopar.graph import extract
 from autopar.models import build_named_model
 from autopar.search.constraints import check_constraints
 from autopar.search.space import enumerate_space
+from autopar.vocab import Recompute
 
 
 def _megatron_runs(config) -> bool:
@@ -72,3 +73,44 @@ def test_what_megatron_cannot_run_is_refused_when_fixed(fixed, said, entry):
     # the same choices priced for autopar's runtime are taken
     if entry == "estimate" and fixed.get("zero_stage") != 3:
         autopar.estimate(model, "dgx-h100:2", {"tp": 1, "dp": 8, **fixed}, global_batch_size=64, seq_len=1024)
+
+
+def test_megatron_sequence_parallelism_keeps_the_shards_of_its_gathers():
+    """Megatron-LM's sequence-parallel layers save their input shard and gather it again
+    in the backward: a plan priced for them does so wherever it is sequence-parallel
+    (searched: every candidate; estimated: by default), and holding the gathers is
+    refused. Priced for autopar's runtime, the search tries both."""
+    graph = extract(build_named_model("llama2-7b"), seq_len=4096)
+    cluster = autopar.preset("dgx-h100", nodes=2)
+    fixed = check_constraints({"pp": 2, "compile": False, "tp": 4, "micro_batch_size": 1})
+    everything, _ = enumerate_space(graph, cluster, 32, fixed)
+    megatron, _ = enumerate_space(graph, cluster, 32, fixed, megatron_kernels=True)
+    assert {c.regather for c in everything if c.sequence_parallel} == {False, True}
+    assert all(c.regather == c.sequence_parallel for c in megatron)
+    assert set(megatron) == {c for c in everything if _megatron_runs(c) and c.regather == c.sequence_parallel}
+    model = build_named_model("llama2-7b")
+    kw = dict(global_batch_size=32, seq_len=4096)
+    config = {"tp": 4, "pp": 2, "sequence_parallel": True}
+    assert autopar.estimate(model, "dgx-h100:2", config, activations="sequence-first", **kw).config.regather
+    assert not autopar.estimate(model, "dgx-h100:2", config, **kw).config.regather
+    with pytest.raises(ConfigError, match="regather=False with sequence_parallel=True is not allowed with activ"):
+        autopar.estimate(model, "dgx-h100:2", {**config, "regather": False}, activations="sequence-first", **kw)
+
+
+def test_no_unit_recomputes_per_operator_for_megatron():
+    """Llama 2 7B on 8 H100, eager, micro-batches of 8 at tp=2: priced for autopar's
+    runtime some units recompute per operator (torchtitan's selective recomputation);
+    priced for Megatron-LM, which has none, no unit does, and fixing it is refused."""
+    model = build_named_model("llama2-7b")
+    kw = dict(global_batch_size=64, seq_len=4096)
+    fixed = {"compile": False, "fp8": False, "tp": 2, "pp": 1, "micro_batch_size": 8}
+
+    def modes(plan):
+        return {plan.config.recompute, *plan.layer_strategies.recompute.values()}
+
+    assert Recompute.OP in modes(autopar.plan(model, "dgx-h100:1", constraints=fixed, **kw))
+    assert Recompute.OP not in modes(
+        autopar.plan(model, "dgx-h100:1", constraints=fixed, activations="sequence-first", **kw)
+    )
+    with pytest.raises(ConfigError, match="recompute='op' is not allowed with activations='sequence-first'"):
+        autopar.plan(model, "dgx-h100:1", constraints={**fixed, "recompute": "op"}, activations="sequence-first", **kw)

@@ -159,17 +159,20 @@ def test_whole_search_with_kept_shards_matches_brute_force(memory_gib):
 
 def test_megatron_priced_compiled_blocks_keep_shards_and_the_runtime_refuses_them():
     """Priced for Megatron-LM (sequence-first), a compiled, sequence-parallel estimate
-    with ``regather`` holds less by exactly the kept-shard saving of every unit in flight,
-    the search offers the pair there and nowhere else, and ``autopar.analyse`` refuses the
-    plan in one line: autopar's hooks run on eager blocks."""
+    keeps shards (``regather``, Megatron's only way) and holds less than the same blocks
+    priced for autopar's runtime, which hold the gathers, by exactly the kept-shard saving
+    of every unit in flight; the search offers the pair there and nowhere else, and
+    ``autopar.analyse`` refuses the plan in one line: autopar's hooks run on eager
+    blocks."""
     cfg = LlamaConfig(vocab_size=32000, seq_len=4096, dim=1024, n_layers=2, n_heads=8, n_kv_heads=8, ffn_dim=2816)
     with torch.device("meta"):
         model = Llama(cfg)
     cluster = preset("dgx-h100", nodes=1)
     fixed = {"tp": 8, "compile": True, "sequence_parallel": True, "recompute": "none", "fp8": False}
     kw = dict(global_batch_size=1, seq_len=4096, activations="sequence-first")
-    held = autopar.estimate(model, cluster, {**fixed, "regather": False}, **kw)
-    kept = autopar.estimate(model, cluster, {**fixed, "regather": True}, **kw)
+    held = autopar.estimate(model, cluster, fixed, global_batch_size=1, seq_len=4096)
+    kept = autopar.estimate(model, cluster, fixed, **kw)
+    assert not held.config.regather
     assert kept.config.regather and kept.config.compile
     # two gathers per block (attention and MLP inputs) and the output layer's input, each
     # 4096 x 1024 bf16 per sample, one micro-batch in flight

@@ -67,6 +67,12 @@ class Leaf:
             micro-batch reads its weights once, so a small-batch layer is bound by them
             while its activation traffic grows with the batch.
         saved_bytes: activation bytes this leaf saves for backward, per sample.
+        glue_kept_bytes: what the leaf would save too but the glue before it keeps already
+            (the attention core's output, which the output projection reads), per sample:
+            counted on the glue, not in ``saved_bytes``. A layout conversion between the
+            two (a row-parallel projection slicing a replicated attention's output) hands
+            the leaf a new tensor, which it then keeps beside the glue's
+            (:func:`autopar.cost.tensor_parallel.evaluate_layout`).
         weighted_out_bytes: output bytes of the leaf's ops that read a parameter and an
             activation (its matmuls, a norm's scaling), per sample: the gradients torch's
             split backward keeps from a micro-batch's input-gradient step to its
@@ -115,6 +121,7 @@ class Leaf:
     matmul_flops: float
     fwd_bytes: float
     saved_bytes: float
+    glue_kept_bytes: float = 0.0
     weighted_out_bytes: float = 0.0
     weight_bytes: float = 0.0
     fwd_ops: int = 0

@@ -115,6 +115,7 @@ class _LeafAcc:
     fwd_bytes: float = 0.0
     weight_bytes: float = 0.0
     saved: float = 0.0
+    glue_kept: float = 0.0
     out_bytes: float = 0.0
     weighted_out: float = 0.0
     ops: int = 0
@@ -238,6 +239,7 @@ class SegmentTrace:
                     fwd_bytes=acc.fwd_bytes / batch,
                     weight_bytes=acc.weight_bytes,
                     saved_bytes=acc.saved / batch,
+                    glue_kept_bytes=acc.glue_kept / batch,
                     weighted_out_bytes=acc.weighted_out / batch,
                     compiled_saved_bytes=(acc.saved + acc.compiled_saved) / batch,
                     fwd_ops=acc.ops,

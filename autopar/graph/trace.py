@@ -167,6 +167,8 @@ class Tracer:
         self.attn_inputs: set[int] = set()
         self.seen_storages: set[int] = set()
         self.attn_outputs: dict[int, tuple[Op, float]] = {}  # saved attention outputs: their op, bytes
+        self.glue_kept: dict[int, Segment] = {}  # storages a glue op saved, and the segment it ran in
+        self.leaf_shares: set[tuple[int, int]] = set()  # (storage, leaf) of a leaf's input the glue keeps
         self.head_dim = 0
         self.heads = 0
         self.uncounted: set[str] = set()
@@ -203,7 +205,15 @@ class Tracer:
         if key in self.attn_outputs and not self.in_attention:
             op, nbytes = self.attn_outputs.pop(key)
             op.keep_outside_attention(nbytes)
-        if key in self.param_storages or key in self.seen_storages:
+        if key in self.param_storages:
+            return t
+        if key in self.seen_storages:
+            # a leaf reading what the glue before it already keeps (the attention core's
+            # output, read by the output projection): counted once, on the glue; noted on
+            # the leaf, which keeps a copy of its own where a layout conversion comes between
+            if seg.leaf_stack and self.glue_kept.get(key) is seg and (key, seg.leaf_stack[-1]) not in self.leaf_shares:
+                self.leaf_shares.add((key, seg.leaf_stack[-1]))
+                seg.leaves[seg.leaf_stack[-1]].glue_kept += float(storage.nbytes())
             return t
         self.seen_storages.add(key)
         nbytes = float(storage.nbytes())
@@ -212,7 +222,9 @@ class Tracer:
             leaf = seg.leaves[seg.leaf_stack[-1]]
             leaf.saved += nbytes
             seg.saved.append((key, nbytes, attn, leaf.add_compiled_saved))
-        elif seg.ops and key in seg.last_outputs:
+            return t
+        self.glue_kept[key] = seg
+        if seg.ops and key in seg.last_outputs:
             # an output the op just recorded keeps (attention's output and log-sum-exp, a
             # softmax's result): autograd packs those once the op has run. Left for the
             # next glue op, the attention core's landed after the output projection, on

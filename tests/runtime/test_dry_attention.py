@@ -103,3 +103,40 @@ def test_a_small_deepseek_v3_dry_run_measures_its_predicted_peak():
         assert report.ok, report.problems
         rank = report.ranks[0]
         assert rank.measured.peak_bytes / rank.predicted_allocated_bytes == pytest.approx(1.0, abs=0.03), cluster
+
+
+def test_row_parallel_latent_attention_measures_its_predicted_peak():
+    """The planner splits q_b_proj and o_proj by rows beside a replicated key/value
+    projection: q_b_proj's partial output is then reduced to the replicated layout its
+    sibling has, so the attention core runs whole and keeps whole tensors, and o_proj
+    slices the core's output into a new tensor that it keeps beside the core's. Both were
+    priced as if the core ran on head shards and o_proj shared its output: 2.4% above the
+    plan (1.024) before."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=1024,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        first_k_dense_replace=2,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        q_lora_rank=96,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        max_position_embeddings=4096,
+    )
+
+    def model():
+        with torch.device("meta"):
+            return transformers.DeepseekV3ForCausalLM(config)
+
+    fixed = {"tp": 2, "micro_batch_size": 2, "compile": False, "fp8": False, "zero_stage": 0}
+    plan = autopar.estimate(model(), "dgx-h100:1", fixed, global_batch_size=8, seq_len=4096)
+    rows = {k.rpartition(".")[2] for k, v in plan.layer_strategies.tp.items() if "self_attn" in k and v.value == "row"}
+    assert rows == {"q_b_proj", "o_proj"}
+    report = dry_run(model, plan, ranks=[0], measure=True)
+    assert report.ok, report.problems
+    rank = report.ranks[0]
+    assert rank.measured.peak_bytes / rank.predicted_allocated_bytes == pytest.approx(1.0, abs=0.01)

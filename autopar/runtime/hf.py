@@ -16,6 +16,11 @@ The attention module's ``split_size`` is set to the local hidden size so transfo
 ``split(split_size)`` cuts that local output correctly. Checkpoints then hold
 ``c_attn.weight`` as ``(in, 3, hidden)``; :mod:`autopar.runtime.checkpoint` loads a
 tensor saved in one shape into another of the same size by reshaping it.
+
+Attention modules that view their projections by a stored head count (transformers'
+OPT: ``q.view(bsz, -1, self.num_heads, self.head_dim)``) would, with the global count,
+fold each rank's narrower q, k and v over the sequence and silently attend over the
+wrong positions; :func:`count_local_heads` makes them count the heads on the rank.
 """
 
 from __future__ import annotations
@@ -32,7 +37,28 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from autopar.graph.units import is_conv1d
 from autopar.runtime.errors import ShardingError
 from autopar.runtime.layouts import LeafLayout
+from autopar.runtime.local_tensor import to_local
 from autopar.vocab import Layout, TPStyle
+
+HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_key_value_heads", "num_kv_heads")
+"""Attributes in which transformers' attention modules store how many (query or
+key/value) heads they compute."""
+
+
+def count_local_heads(attention: nn.Module, tp: int, fqn: str) -> None:
+    """Make ``attention`` (at ``fqn``), whose q, k and v projections are column-parallel,
+    count the heads each rank computes: every head count it stores divided by ``tp``.
+    Modules that view by ``-1`` heads (Llama's) store none and need nothing."""
+    for name in HEAD_COUNTS:
+        count = getattr(attention, name, None)
+        if not isinstance(count, int) or isinstance(count, bool):
+            continue
+        if count % tp:
+            raise ShardingError(
+                f"attention {fqn!r} ({type(attention).__name__}) has {name}={count}, which does not divide "
+                f"by tp={tp}: each rank must hold whole heads. Use 'replicate' for its projections."
+            )
+        setattr(attention, name, count // tp)
 
 
 def fused_parts(module: nn.Module, parent: nn.Module | None) -> int:
@@ -115,10 +141,8 @@ def _column_forward(m: nn.Module, x: torch.Tensor, mesh: DeviceMesh, leaf: LeafL
     y = torch.addmm(b.reshape(-1), local.reshape(-1, local.shape[-1]), w.reshape(w.shape[0], -1))
     y = y.view(*local.shape[:-1], -1)
     if leaf.output is not Layout.F:
-        y = (
-            DTensor.from_local(y, mesh, [Shard(-1)], run_check=False)
-            .redistribute(mesh, [_placement(leaf.output)])
-            .to_local()
+        y = to_local(
+            DTensor.from_local(y, mesh, [Shard(-1)], run_check=False).redistribute(mesh, [_placement(leaf.output)])
         )
     return y
 
@@ -134,4 +158,4 @@ def _row_forward(m: nn.Module, x: torch.Tensor, mesh: DeviceMesh, leaf: LeafLayo
         )
     partial = torch.mm(x.reshape(-1, x.shape[-1]), m.weight.to_local()).view(*x.shape[:-1], -1)
     y = DTensor.from_local(partial, mesh, [Partial()], run_check=False).redistribute(mesh, [_placement(leaf.output)])
-    return (y + m.bias).to_local()
+    return to_local(y + m.bias)

@@ -57,6 +57,7 @@ class LeafLayout:
         output: layout its output is handed to user code in (never P).
         dtensor_output: the output stays a DTensor (the vocabulary-sharded logits the
             loss reads under ``loss_parallel``).
+        out_heads: the attention heads its output feeds (the traced leaf's), 0 for none.
     """
 
     fqn: str
@@ -64,6 +65,13 @@ class LeafLayout:
     arrives: Layout
     output: Layout
     dtensor_output: bool = False
+    out_heads: int = 0
+
+    @property
+    def splits_heads(self) -> bool:
+        """Its output reaches the attention split by heads: each rank computes a share
+        of them (a column-parallel projection of q, k or v handed on sharded)."""
+        return self.style is TPStyle.COLUMN and self.output is Layout.F and self.out_heads > 0
 
     @property
     def needs(self) -> Layout:
@@ -268,7 +276,12 @@ def _resolve_unit(
     for i, style in enumerate(leaf_styles):
         output = Layout.R if i in carried_leaves else out[i]
         layout = LeafLayout(
-            fqn=names[i], style=style, arrives=arrives_at[i], output=output, dtensor_output=i in dtensor_out
+            fqn=names[i],
+            style=style,
+            arrives=arrives_at[i],
+            output=output,
+            dtensor_output=i in dtensor_out,
+            out_heads=prof.leaves[i].out_heads,
         )
         if style is not TPStyle.REPLICATE or layout.arrives is not Layout.R or layout.output is not Layout.R:
             result[names[i]] = layout

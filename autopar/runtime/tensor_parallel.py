@@ -6,7 +6,10 @@ layouts :mod:`autopar.runtime.layouts` derived from the planner's data-flow grap
 replicated leaves and blocks whose input arrives in another layout get a small hook that
 converts through DTensor, so every conversion has its correct backward (a slice's is an
 all-gather, a gather's a slice). Leaves of other libraries (transformers' ``Conv1D``)
-get styles from :mod:`autopar.runtime.hf`.
+get styles from :mod:`autopar.runtime.hf`. Local outputs are handed to user code as
+:func:`autopar.runtime.local_tensor.to_local` makes them, so it may add into them in
+place; an attention whose q, k and v are column-parallel counts its local heads
+(:func:`autopar.runtime.hf.count_local_heads`).
 
 Layouts map to placements as in Megatron-LM: R -> ``Replicate()``, F -> ``Shard(-1)``
 (features, so attention keeps whole heads), Q -> ``Shard(1)`` (the sequence dim of a
@@ -30,6 +33,7 @@ from autopar.runtime import hf
 from autopar.runtime.decoder_stages import StandIn
 from autopar.runtime.errors import ShardingError
 from autopar.runtime.layouts import LeafLayout, TPLayout
+from autopar.runtime.local_tensor import local_output, to_local
 from autopar.runtime.tied import retie
 from autopar.vocab import Layout, TPStyle
 
@@ -70,7 +74,7 @@ def convert(x: torch.Tensor, mesh: DeviceMesh, src: Layout, dst: Layout, *, dten
             f"{x.dim()}-D tensor of shape {tuple(x.shape)} arrived; use sequence_parallel=False."
         )
     out = DTensor.from_local(x, mesh, [placement(src)], run_check=False).redistribute(mesh, [placement(dst)])
-    return out if dtensor else out.to_local()
+    return out if dtensor else to_local(out)
 
 
 def apply_tensor_parallel(
@@ -93,12 +97,18 @@ def apply_tensor_parallel(
     for fqn, (src, dst) in layout.module_outputs.items():
         if fqn in modules:
             modules[fqn].register_forward_hook(_output_converter(mesh, src, dst))
+    split_heads = set()
     for fqn, leaf in layout.leaves.items():
         module = modules.get(fqn)
         if module is None:
             continue
         for style in styles_for(module, leaf, modules.get(fqn.rpartition(".")[0])):
             parallelize_module(module, mesh, style)
+        if leaf.splits_heads:
+            split_heads.add(fqn.rpartition(".")[0])
+    for fqn in sorted(split_heads):
+        if fqn in modules:
+            hf.count_local_heads(modules[fqn], mesh.size(), fqn)
     for names in tied:
         retie(stage, names)
 
@@ -129,31 +139,38 @@ def styles_for(module: nn.Module, leaf: LeafLayout, parent: nn.Module | None = N
         return special
     style = leaf.style
     if style is TPStyle.COLUMN and isinstance(module, nn.Linear):
-        return [
-            ColwiseParallel(
-                input_layouts=placement(leaf.arrives),
-                output_layouts=placement(leaf.output),
-                use_local_output=not leaf.dtensor_output,
-            )
-        ]
+        column = ColwiseParallel(
+            input_layouts=placement(leaf.arrives), output_layouts=placement(leaf.output), use_local_output=False
+        )
+        return [column] if leaf.dtensor_output else [column, _LocalOutput()]
     if style is TPStyle.ROW and isinstance(module, nn.Linear):
-        return [RowwiseParallel(input_layouts=placement(leaf.arrives), output_layouts=placement(leaf.output))]
+        return [
+            RowwiseParallel(
+                input_layouts=placement(leaf.arrives), output_layouts=placement(leaf.output), use_local_output=False
+            ),
+            _LocalOutput(),
+        ]
     if style is TPStyle.VOCAB and isinstance(module, nn.Embedding):
         if leaf.arrives is not Layout.R:
             raise ShardingError(
                 f"embedding {leaf.fqn!r} takes token ids, which must arrive replicated, not in "
                 f"layout {leaf.arrives.value}."
             )
-        return [RowwiseParallel(input_layouts=Replicate(), output_layouts=embedding_placement(leaf.output))]
+        return [
+            RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=embedding_placement(leaf.output), use_local_output=False
+            ),
+            _LocalOutput(),
+        ]
     if style is TPStyle.SEQUENCE:
-        return _around(SequenceParallel(use_local_output=True), Layout.Q, leaf)
+        return _around([SequenceParallel(use_local_output=False), _LocalOutput()], Layout.Q, leaf)
     if style is TPStyle.HEADS:
         # the norm reads (..., heads, head_dim) views of a column-parallel projection's
         # feature shards: whole heads, Shard(-2) to DTensor, whose replicated weight then
         # has its partial gradients summed over the group (torchtitan's Qwen3 does so)
-        return [SequenceParallel(sequence_dim=-2, use_local_output=True)]
+        return [SequenceParallel(sequence_dim=-2, use_local_output=False), _LocalOutput()]
     if style is TPStyle.REPLICATE:
-        return _around(None, Layout.R, leaf)
+        return _around([], Layout.R, leaf)
     raise ShardingError(
         f"layer {leaf.fqn!r} is a {type(module).__name__}, which cannot take the tensor-parallel "
         f"style {style.value!r}: column and row need nn.Linear (or transformers' Conv1D), vocab needs "
@@ -161,14 +178,23 @@ def styles_for(module: nn.Module, leaf: LeafLayout, parent: nn.Module | None = N
     )
 
 
-def _around(style: ParallelStyle | None, computes_in: Layout, leaf: LeafLayout) -> list[ParallelStyle]:
+def _around(styles: list[ParallelStyle], computes_in: Layout, leaf: LeafLayout) -> list[ParallelStyle]:
     before = [_Convert(leaf.arrives, computes_in, output=False)] if leaf.arrives is not computes_in else []
     after = (
         [_Convert(computes_in, leaf.output, output=True, dtensor=leaf.dtensor_output)]
         if leaf.output is not computes_in or leaf.dtensor_output
         else []
     )
-    return before + ([style] if style is not None else []) + after
+    return before + styles + after
+
+
+class _LocalOutput(ParallelStyle):
+    """Hand the DTensor output of the style before it on as a local tensor that user
+    code may modify in place (:mod:`autopar.runtime.local_tensor`)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_hook(local_output)
+        return module
 
 
 class _Convert(ParallelStyle):

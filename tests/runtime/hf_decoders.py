@@ -108,24 +108,14 @@ GPT-2's Conv1D c_attn is split by heads, autopar.runtime.hf), so their tensor-pa
 cases shard the MLP, the embedding and the head and keep attention replicated."""
 
 
-TP_DIVERGES = {"opt": ".self_attn.", "falcon": ".mlp."}
-"""Layers whose Megatron split the runtime gets wrong today (test_decoder_stages marks
-them as expected failures): OPT's attention under tp=2 diverges from one process
-(its MLP split matches); Falcon adds the attention output into the row-parallel MLP
-output in place, which autograd refuses on the view the row layer returns."""
-
-
-def megatron_styles(family: str, model: torch.nn.Module, *, known_divergent: bool = False) -> dict[str, str]:
+def megatron_styles(family: str, model: torch.nn.Module) -> dict[str, str]:
     """Megatron-LM's tensor-parallel layout in the family's module names: q, k, v and
     the MLP's first layers column-parallel, the output projections row-parallel, the
-    token embedding vocabulary-parallel and the head column-parallel. The layers of
-    :data:`TP_DIVERGES` stay replicated unless ``known_divergent``."""
+    token embedding vocabulary-parallel and the head column-parallel."""
     embedding = model.get_input_embeddings()
     styles = {}
     for name, module in model.named_modules():
         leaf = name.rpartition(".")[2]
-        if not known_divergent and family in TP_DIVERGES and TP_DIVERGES[family] in name:
-            continue
         if module is embedding:
             styles[name] = "vocab"
         elif name == "lm_head":

@@ -68,41 +68,54 @@ def test_even_placement_shards_a_dimension_the_ranks_divide():
     assert place(torch.nn.Parameter(torch.zeros(16, 24, 8))) is None
 
 
-def test_a_small_deepseek_v3_dry_run_measures_its_predicted_peak():
+def _deepseek_v3(**sizes):
+    """A small DeepSeek-V3 on the meta device, built anew at each call: 8 heads whose
+    latent attention has the real model's proportions, with ``sizes`` on top."""
     config = transformers.DeepseekV3Config(
         vocab_size=1024,
-        hidden_size=256,
-        intermediate_size=512,
-        moe_intermediate_size=128,
-        num_hidden_layers=3,
-        first_k_dense_replace=1,
         num_attention_heads=8,
         num_key_value_heads=8,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
         q_lora_rank=96,
         kv_lora_rank=64,
         qk_nope_head_dim=32,
         qk_rope_head_dim=16,
         v_head_dim=32,
-        max_position_embeddings=2048,
+        **sizes,
     )
 
     def model():
         with torch.device("meta"):
             return transformers.DeepseekV3ForCausalLM(config)
 
+    return model
+
+
+def _measured_over_predicted(model, plan) -> float:
+    report = dry_run(model, plan, ranks=[0], measure=True)
+    assert report.ok, report.problems
+    rank = report.ranks[0]
+    return rank.measured.peak_bytes / rank.predicted_allocated_bytes
+
+
+def test_a_small_deepseek_v3_dry_run_measures_its_predicted_peak():
+    model = _deepseek_v3(
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        max_position_embeddings=2048,
+    )
     fixed = {"tp": 1, "micro_batch_size": 2, "compile": False, "fp8": False, "zero_stage": 2}
     # on one node, and over 128 data-parallel ranks, more than its 8 experts: FSDP2 padded
     # the expert stacks' first dimension to 128 rows (autopar.runtime.data_parallel.even_placement)
     for cluster, batch in (("dgx-h100:1", 16), ("dgx-h100:16", 256)):
         plan = autopar.estimate(model(), cluster, fixed, global_batch_size=batch, seq_len=2048)
-        report = dry_run(model, plan, ranks=[0], measure=True)
-        assert report.ok, report.problems
-        rank = report.ranks[0]
-        assert rank.measured.peak_bytes / rank.predicted_allocated_bytes == pytest.approx(1.0, abs=0.03), cluster
+        assert _measured_over_predicted(model, plan) == pytest.approx(1.0, abs=0.03), cluster
 
 
 def test_row_parallel_latent_attention_measures_its_predicted_peak():
@@ -112,31 +125,15 @@ def test_row_parallel_latent_attention_measures_its_predicted_peak():
     slices the core's output into a new tensor that it keeps beside the core's. Both were
     priced as if the core ran on head shards and o_proj shared its output: 2.4% above the
     plan (1.024) before."""
-    config = transformers.DeepseekV3Config(
-        vocab_size=1024,
+    model = _deepseek_v3(
         hidden_size=512,
         intermediate_size=1024,
         num_hidden_layers=2,
         first_k_dense_replace=2,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        q_lora_rank=96,
-        kv_lora_rank=64,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=16,
-        v_head_dim=32,
         max_position_embeddings=4096,
     )
-
-    def model():
-        with torch.device("meta"):
-            return transformers.DeepseekV3ForCausalLM(config)
-
     fixed = {"tp": 2, "micro_batch_size": 2, "compile": False, "fp8": False, "zero_stage": 0}
     plan = autopar.estimate(model(), "dgx-h100:1", fixed, global_batch_size=8, seq_len=4096)
     rows = {k.rpartition(".")[2] for k, v in plan.layer_strategies.tp.items() if "self_attn" in k and v.value == "row"}
     assert rows == {"q_b_proj", "o_proj"}
-    report = dry_run(model, plan, ranks=[0], measure=True)
-    assert report.ok, report.problems
-    rank = report.ranks[0]
-    assert rank.measured.peak_bytes / rank.predicted_allocated_bytes == pytest.approx(1.0, abs=0.01)
+    assert _measured_over_predicted(model, plan) == pytest.approx(1.0, abs=0.01)

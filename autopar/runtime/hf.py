@@ -26,7 +26,6 @@ wrong positions; :func:`count_local_heads` makes them count the heads on the ran
 from __future__ import annotations
 
 import types
-from typing import Any
 
 import torch
 from torch import nn
@@ -38,6 +37,7 @@ from autopar.graph.units import is_conv1d
 from autopar.runtime.errors import ShardingError
 from autopar.runtime.layouts import LeafLayout
 from autopar.runtime.local_tensor import to_local
+from autopar.runtime.placements import placement
 from autopar.vocab import Layout, TPStyle
 
 HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_key_value_heads", "num_kv_heads")
@@ -86,15 +86,11 @@ def styles_for(module: nn.Module, leaf: LeafLayout, parent: nn.Module | None) ->
     return [_Conv1DParallel(leaf, fused_parts(module, parent), parent)]
 
 
-def _placement(layout: Layout) -> Any:
-    return {Layout.R: Replicate(), Layout.F: Shard(-1), Layout.Q: Shard(1)}[layout]
-
-
 def _as_replicated_input(x: torch.Tensor, mesh: DeviceMesh, arrives: Layout) -> torch.Tensor:
     """The full input of a column split as a local tensor whose gradient is partial (each
     rank's shard of the weight contributes part of it), reduced by DTensor in backward."""
     if not isinstance(x, DTensor):
-        x = DTensor.from_local(x, mesh, [_placement(arrives)], run_check=False)
+        x = DTensor.from_local(x, mesh, [placement(arrives, x.dim())], run_check=False)
     if x.placements != (Replicate(),):
         x = x.redistribute(mesh, [Replicate()])
     return x.to_local(grad_placements=[Partial()])
@@ -142,7 +138,9 @@ def _column_forward(m: nn.Module, x: torch.Tensor, mesh: DeviceMesh, leaf: LeafL
     y = y.view(*local.shape[:-1], -1)
     if leaf.output is not Layout.F:
         y = to_local(
-            DTensor.from_local(y, mesh, [Shard(-1)], run_check=False).redistribute(mesh, [_placement(leaf.output)])
+            DTensor.from_local(y, mesh, [Shard(-1)], run_check=False).redistribute(
+                mesh, [placement(leaf.output, y.dim())]
+            )
         )
     return y
 
@@ -152,10 +150,12 @@ def _row_forward(m: nn.Module, x: torch.Tensor, mesh: DeviceMesh, leaf: LeafLayo
         x = x.redistribute(mesh, [Shard(-1)]).to_local()
     elif leaf.arrives is not Layout.F:
         x = (
-            DTensor.from_local(x, mesh, [_placement(leaf.arrives)], run_check=False)
+            DTensor.from_local(x, mesh, [placement(leaf.arrives, x.dim())], run_check=False)
             .redistribute(mesh, [Shard(-1)])
             .to_local()
         )
     partial = torch.mm(x.reshape(-1, x.shape[-1]), m.weight.to_local()).view(*x.shape[:-1], -1)
-    y = DTensor.from_local(partial, mesh, [Partial()], run_check=False).redistribute(mesh, [_placement(leaf.output)])
+    y = DTensor.from_local(partial, mesh, [Partial()], run_check=False).redistribute(
+        mesh, [placement(leaf.output, partial.dim())]
+    )
     return to_local(y + m.bias)

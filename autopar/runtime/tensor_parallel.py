@@ -13,7 +13,8 @@ place; an attention whose q, k and v are column-parallel counts its local heads
 
 Layouts map to placements as in Megatron-LM: R -> ``Replicate()``, F -> ``Shard(-1)``
 (features, so attention keeps whole heads), Q -> ``Shard(1)`` (the sequence dim of a
-``(batch, seq, ...)`` activation, Korthikanti et al. 2022).
+``(batch, seq, ...)`` activation, Korthikanti et al. 2022), or ``Shard(0)`` of a 2-D
+``(tokens, features)`` view a model flattens its activations to (:func:`placement`).
 """
 
 from __future__ import annotations
@@ -34,19 +35,9 @@ from autopar.runtime.decoder_stages import StandIn
 from autopar.runtime.errors import ShardingError
 from autopar.runtime.layouts import LeafLayout, TPLayout
 from autopar.runtime.local_tensor import local_output, to_local
+from autopar.runtime.placements import at_rank, placement
 from autopar.runtime.tied import retie
 from autopar.vocab import Layout, TPStyle
-
-
-def placement(layout: Layout) -> Placement:
-    """The DTensor placement of a (non-partial) layout."""
-    if layout is Layout.R:
-        return Replicate()
-    if layout is Layout.F:
-        return Shard(-1)
-    if layout is Layout.Q:
-        return Shard(1)
-    raise ShardingError(f"layout {layout.value} has no placement the runtime hands to user code.")
 
 
 def embedding_placement(layout: Layout) -> Placement:
@@ -68,12 +59,13 @@ def convert(x: torch.Tensor, mesh: DeviceMesh, src: Layout, dst: Layout, *, dten
     as a DTensor when ``dtensor``."""
     if src is dst and not dtensor:
         return x
-    if Layout.Q in (src, dst) and x.dim() < 3:
+    if Layout.Q in (src, dst) and x.dim() < 2:
         raise ShardingError(
-            f"sequence parallelism shards dim 1 of (batch, seq, ...) activations, but a "
-            f"{x.dim()}-D tensor of shape {tuple(x.shape)} arrived; use sequence_parallel=False."
+            f"sequence parallelism shards the tokens of (batch, seq, ...) or (tokens, features) "
+            f"activations, but a {x.dim()}-D tensor of shape {tuple(x.shape)} arrived; use sequence_parallel=False."
         )
-    out = DTensor.from_local(x, mesh, [placement(src)], run_check=False).redistribute(mesh, [placement(dst)])
+    src_p, dst_p = placement(src, x.dim()), placement(dst, x.dim())
+    out = DTensor.from_local(x, mesh, [src_p], run_check=False).redistribute(mesh, [dst_p])
     return out if dtensor else to_local(out)
 
 
@@ -139,15 +131,13 @@ def styles_for(module: nn.Module, leaf: LeafLayout, parent: nn.Module | None = N
         return special
     style = leaf.style
     if style is TPStyle.COLUMN and isinstance(module, nn.Linear):
-        column = ColwiseParallel(
+        column = _Column(
             input_layouts=placement(leaf.arrives), output_layouts=placement(leaf.output), use_local_output=False
         )
         return [column] if leaf.dtensor_output else [column, _LocalOutput()]
     if style is TPStyle.ROW and isinstance(module, nn.Linear):
         return [
-            RowwiseParallel(
-                input_layouts=placement(leaf.arrives), output_layouts=placement(leaf.output), use_local_output=False
-            ),
+            _Row(input_layouts=placement(leaf.arrives), output_layouts=placement(leaf.output), use_local_output=False),
             _LocalOutput(),
         ]
     if style is TPStyle.VOCAB and isinstance(module, nn.Embedding):
@@ -163,7 +153,7 @@ def styles_for(module: nn.Module, leaf: LeafLayout, parent: nn.Module | None = N
             _LocalOutput(),
         ]
     if style is TPStyle.SEQUENCE:
-        return _around([SequenceParallel(use_local_output=False), _LocalOutput()], Layout.Q, leaf)
+        return _around([_Sequence(use_local_output=False), _LocalOutput()], Layout.Q, leaf)
     if style is TPStyle.HEADS:
         # the norm reads (..., heads, head_dim) views of a column-parallel projection's
         # feature shards: whole heads, Shard(-2) to DTensor, whose replicated weight then
@@ -186,6 +176,51 @@ def _around(styles: list[ParallelStyle], computes_in: Layout, leaf: LeafLayout) 
         else []
     )
     return before + styles + after
+
+
+def _ndim(inputs: tuple) -> int:
+    """The dims of a module's first input (3 when it has no tensor there: torch's style
+    then refuses it)."""
+    return inputs[0].dim() if inputs and isinstance(inputs[0], torch.Tensor) else 3
+
+
+class _Column(ColwiseParallel):
+    """``ColwiseParallel`` whose sequence-sharded input or output is placed by its rank
+    (:func:`placement`: ``Shard(0)`` of a 2-D ``(tokens, features)`` activation)."""
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):  # type: ignore[override]
+        layouts = at_rank(input_layouts, _ndim(inputs))
+        return ColwiseParallel._prepare_input_fn(layouts, desired_input_layouts, mod, inputs, device_mesh)
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):  # type: ignore[override]
+        layouts = at_rank(output_layouts, outputs.dim())
+        return ColwiseParallel._prepare_output_fn(layouts, use_local_output, mod, outputs, device_mesh)
+
+
+class _Row(RowwiseParallel):
+    """``RowwiseParallel`` placing a sequence-sharded input or output by its rank, as
+    :class:`_Column`."""
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):  # type: ignore[override]
+        layouts = at_rank(input_layouts, _ndim(inputs))
+        return RowwiseParallel._prepare_input_fn(layouts, desired_input_layouts, mod, inputs, device_mesh)
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):  # type: ignore[override]
+        layouts = at_rank(output_layouts, outputs.dim())
+        return RowwiseParallel._prepare_output_fn(layouts, use_local_output, mod, outputs, device_mesh)
+
+
+class _Sequence(SequenceParallel):
+    """``SequenceParallel`` taking its input's sequence dim by its rank (:func:`placement`)."""
+
+    @staticmethod
+    def _prepare_input_fn(sequence_sharding, mod, inputs, device_mesh):  # type: ignore[override]
+        layouts = at_rank(sequence_sharding, _ndim(inputs))
+        return SequenceParallel._prepare_input_fn(layouts, mod, inputs, device_mesh)
 
 
 class _LocalOutput(ParallelStyle):

@@ -99,6 +99,29 @@ def build_decoder(family: str) -> torch.nn.Module:
     return CONFIGS[family](transformers)
 
 
+def build_opt(hidden: int, layers: int = 2) -> torch.nn.Module:
+    """An OPT of ``hidden`` features (4 heads, a 4x MLP), wide enough for the planner to
+    split it, the same values on every call. GELU, not OPT's ReLU: with thousands of
+    units a pre-activation within rounding of zero flips ReLU's gradient under another
+    summation order, moving a weight by far more than the parity tolerance."""
+    torch.manual_seed(0)
+    return transformers.OPTForCausalLM(
+        transformers.OPTConfig(
+            hidden_size=hidden,
+            ffn_dim=4 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=HEADS,
+            max_position_embeddings=SEQ,
+            word_embed_proj_dim=hidden,
+            activation_function="gelu",
+            dropout=0.0,
+            attention_dropout=0.0,
+            layerdrop=0.0,
+            **COMMON,
+        )
+    )
+
+
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1", "dense_h_to_4h", "c_attn", "c_fc")
 ROW = ("o_proj", "out_proj", "down_proj", "fc2", "dense_4h_to_h", "c_proj")
 FUSED_QKV = {"phi3", "gpt_neox", "falcon", "bloom"}

@@ -7,8 +7,8 @@ import functools
 
 import pytest
 import torch
-from hf_decoders import FAMILIES, build_decoder, megatron_styles
-from parity import assert_parity, run
+from hf_decoders import FAMILIES, build_decoder, build_opt, megatron_styles
+from parity import SEQ, assert_parity, run
 from test_models import as_reference_shapes, hf_reference, hf_train, make
 
 import autopar
@@ -73,6 +73,34 @@ def test_tensor_parallel_alone_matches_one_process(family):
     build = functools.partial(build_decoder, family)
     ref = hf_reference(build, plan, steps=3)
     assert_parity(as_reference_shapes(run(hf_train, plan.config.world_size, build, plan, 3, timeout_s=180), ref), ref)
+
+
+@pytest.mark.parametrize("final_norm", ["sequence", "replicate"])
+def test_the_planners_sequence_parallel_opt_matches_one_process(final_norm):
+    """OPT's decoder layer flattens its (batch, seq, hidden) stream to (batch * seq,
+    hidden) before its final norm and MLP; the sequence shard of a 3-D activation
+    (Shard(1)) split the features of that view (the norm failed on the shape; a
+    conversion there refused the 2-D tensor). The runtime shards the tokens of a 2-D
+    activation (Shard(0)), so the planner's own plan at tp=2 with sequence parallelism,
+    micro-batches of several samples, runs: the final norm sequence-sharded as planned,
+    or replicated (gathered before it, the MLP's output scattered over the tokens).
+    Losses and every parameter after three SGD steps match one process."""
+    build = functools.partial(build_opt, 512)
+    plan = autopar.plan(
+        build(),
+        autopar.preset("local-cpu", devices_per_node=2),
+        global_batch_size=4,
+        seq_len=SEQ,
+        constraints={"tp": 2, "pp": 1, "dp": 1, "sequence_parallel": True, "dtype": "fp32", "compile": False},
+    )
+    styles = {k: v.value for k, v in plan.layer_strategies.tp.items()}
+    assert plan.config.sequence_parallel and plan.config.micro_batch_size > 1
+    norm = "model.decoder.layers.0.final_layer_norm"
+    assert styles[norm] == "sequence" and styles["model.decoder.layers.0.fc1"] == "column", styles
+    if final_norm == "replicate":
+        plan = make(build(), {**styles, norm: "replicate"}, tp=2, sequence_parallel=True)
+    ref = hf_reference(build, plan, steps=3)
+    assert_parity(run(hf_train, plan.config.world_size, build, plan, 3, timeout_s=180), ref)
 
 
 FUSED = {

@@ -286,6 +286,20 @@ def _resolve_unit(
         if style is not TPStyle.REPLICATE or layout.arrives is not Layout.R or layout.output is not Layout.R:
             result[names[i]] = layout
     unit_out = arrival(UNIT_OUTPUT)
+    if (
+        not last
+        and out[UNIT_INPUT] is Layout.Q
+        and unit_out is not Layout.Q
+        and UNIT_INPUT in producers.get(UNIT_OUTPUT, ())
+    ):
+        detail = ", ".join(
+            f"{_name(s, names, unit)} in {out[s].value}" for s in sorted(_deciding(producers[UNIT_OUTPUT]))
+        )
+        raise ShardingError(
+            f"the residual stream of unit {unit.fqn!r} is sequence-sharded (Q) but is summed with {detail} "
+            f"(R replicated, F feature-sharded): give those layers styles whose output is reduced or sliced to "
+            f"sequence shards (e.g. the attention's and the MLP's last projections 'row')."
+        )
     if last and unit_out not in (Layout.R, Layout.F):
         raise ShardingError(
             f"the model's output leaves unit {unit.fqn!r} in layout {unit_out.value}; the loss needs "
@@ -399,20 +413,29 @@ def _hoist(
 def _shard_replicated_addends(
     styles: list[TPStyle], consumers: dict[int, set[int]], producers: dict[int, set[int]], out: dict[int, Layout]
 ) -> list[int]:
-    """Under sequence parallelism, a replicated leaf whose output only goes to the
-    unit's output, beside a partial output that is summed into the sequence-sharded
-    residual stream (a replicated mixture-of-experts MLP after a row-parallel attention
-    projection), keeps its sequence shard (a local slice), so that the sum meets in one
-    layout; the planner prices the same conversion at that leaf's output. Returns those
+    """Under sequence parallelism, a replicated leaf whose output is summed into the
+    sequence-sharded residual stream keeps its sequence shard (a local slice), so that
+    the sum meets in one layout; the planner prices the same conversion at that leaf's
+    output (R -> Q towards the unit's output: a slice forward, an all-gather backward).
+
+    Such an addend feeds the unit's output beside the unit's input (the residual), or
+    beside a partial output summed into it (a replicated mixture-of-experts MLP after a
+    row-parallel attention projection); any other leaf it feeds must read the same sum
+    (the unit's input reaches it too: OPT's final norm after a replicated attention's
+    ``out_proj``), and then converts the sequence-sharded sum at its input. Returns those
     leaves: the runtime converts at the leaf's output, or at the output of the unit's
     child module that holds it when the leaf is inside one (transformers' experts return
     ``(tokens, hidden)``, their MoE block the ``(batch, seq, hidden)`` addend)."""
     meets = producers.get(UNIT_OUTPUT, set())
     partial = any(STYLE_IO[styles[s]][1] is Layout.P for s in meets if s >= 0)
-    if not partial or out.get(UNIT_INPUT) is not Layout.Q:
+    if not (partial or UNIT_INPUT in meets) or out.get(UNIT_INPUT) is not Layout.Q:
         return []
     found = [
-        s for s in sorted(meets) if s >= 0 and styles[s] is TPStyle.REPLICATE and consumers.get(s) == {UNIT_OUTPUT}
+        s
+        for s in sorted(meets)
+        if s >= 0
+        and styles[s] is TPStyle.REPLICATE
+        and all(c == UNIT_OUTPUT or UNIT_INPUT in producers.get(c, set()) for c in consumers.get(s, set()))
     ]
     for s in found:
         out[s] = Layout.Q

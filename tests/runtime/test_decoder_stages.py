@@ -103,6 +103,32 @@ def test_the_planners_sequence_parallel_opt_matches_one_process(final_norm):
     assert_parity(run(hf_train, plan.config.world_size, build, plan, 3, timeout_s=180), ref)
 
 
+def test_the_planners_sequence_parallel_opt_with_a_replicated_attention_matches_one_process():
+    """At hidden 384 the planner keeps OPT's attention replicated under sequence
+    parallelism and splits only the MLP. ``out_proj`` handed its whole (batch, seq,
+    hidden) output to the residual add, whose stream held only the rank's sequence shard
+    ("The size of tensor a (8) must match the size of tensor b (16)"): the layout check
+    let the leaves' outputs decide where they met the unit's input. The runtime now
+    slices a replicated addend of the sequence-sharded residual stream to its sequence
+    shard, as the planner prices it (R -> Q at the unit's output). Losses and every
+    parameter after three SGD steps match one process."""
+    build = functools.partial(build_opt, 384)
+    plan = autopar.plan(
+        build(),
+        autopar.preset("local-cpu", devices_per_node=2),
+        global_batch_size=4,
+        seq_len=SEQ,
+        constraints={"tp": 2, "pp": 1, "dp": 1, "sequence_parallel": True, "dtype": "fp32", "compile": False},
+    )
+    styles = {k: v.value for k, v in plan.layer_strategies.tp.items()}
+    layer = "model.decoder.layers.0"
+    assert plan.config.sequence_parallel, plan.config
+    assert styles.get(f"{layer}.self_attn.out_proj", "replicate") == "replicate", styles
+    assert styles[f"{layer}.fc1"] == "column" and styles[f"{layer}.fc2"] == "row", styles
+    ref = hf_reference(build, plan, steps=3)
+    assert_parity(run(hf_train, plan.config.world_size, build, plan, 3, timeout_s=180), ref)
+
+
 FUSED = {
     "phi3": {"self_attn.qkv_proj", "mlp.gate_up_proj"},
     "gpt_neox": {"attention.query_key_value"},

@@ -257,6 +257,23 @@ def test_transformers_llama_with_row_parallel_projections(sp, rows):
     assert_parity(run(hf_train, 2, "llama", plan, timeout_s=120), ref)
 
 
+@pytest.mark.parametrize("mlp", ["split", "replicate"])
+def test_transformers_llama_with_a_replicated_attention_under_sequence_parallelism(mlp):
+    """q, k, v and o replicated, the MLP column then row (or replicated too), norms on
+    sequence shards: o_proj's whole output met the sequence-sharded residual ("The size
+    of tensor a (8) must match the size of tensor b (16)"). The runtime slices it to the
+    rank's sequence shard before the add, as the planner prices it."""
+    styles = megatron("llama", True)
+    for i in range(LAYERS):
+        for p in "qkvo":
+            styles[f"model.layers.{i}.self_attn.{p}_proj"] = "replicate"
+        if mlp == "replicate":
+            styles.update({f"model.layers.{i}.mlp.{p}_proj": "replicate" for p in ("gate", "up", "down")})
+    plan = make(llama(), styles, tp=2, sequence_parallel=True)
+    ref = hf_reference("llama", plan, steps=3)
+    assert_parity(run(hf_train, 2, "llama", plan, 3, timeout_s=120), ref)
+
+
 def olmo2():
     """A tiny OLMo 2: its q_norm and k_norm normalise the whole query and key
     projections (not each head), before the attention."""

@@ -195,7 +195,12 @@ def layout_table(grid: LayoutGrid, profile: UnitProfile, ctx: TPContext) -> Layo
         held = [leaf_param_numel(leaf, s, ctx.tp, ctx.ep) for s in opts]
         params = (params[:, None] + np.asarray(held)[None, :]).ravel()
     for flow, layouts in zip(profile.flows, grid.flow_layouts):
-        glue = np.array([[glue_step_s(flow, glue_layout(x, y), ctx) for y in LAYOUTS] for x in LAYOUTS])
+        glue = np.array(
+            [
+                [glue_step_s(flow, glue_layout(x, y, head_broadcast=flow.head_broadcast), ctx) for y in LAYOUTS]
+                for x in LAYOUTS
+            ]
+        )
         time += glue.ravel()[layouts]
     largest = producer_bytes(profile)
     hidden = _AsyncTP(profile, ctx) if ctx.async_tp else None

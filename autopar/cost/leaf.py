@@ -266,9 +266,12 @@ def leaf_accumulate_s(leaf: Leaf, style: TPStyle, ctx: TPContext) -> float:
     )
 
 
-def glue_layout(a: Layout, b: Layout) -> Layout:
-    """The layout glue between a producer (``a``) and a consumer (``b``) runs in."""
-    return b if a is Layout.P else a
+def glue_layout(a: Layout, b: Layout, *, head_broadcast: bool = False) -> Layout:
+    """The layout glue between a producer (``a``) and a consumer (``b``) runs in: the
+    consumer's where the producer's is partial, or replicated and broadcast over the
+    attention's heads (:attr:`autopar.graph.layer_graph.Flow.head_broadcast`: its share
+    of the attention runs on the heads the consumer's shard reads)."""
+    return b if a is Layout.P or (head_broadcast and a is Layout.R) else a
 
 
 def kernel_rated(ctx: TPContext) -> bool:

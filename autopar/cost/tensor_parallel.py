@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.cost.comm import all_gather_s, all_reduce_s, all_to_all_s, reduce_scatter_s
+from autopar.cost.kept_layouts import converted_input, kept_layout, out_layout, reduced_layouts
 from autopar.cost.layout_copies import conversion_copy_s, reduction_copy_s
 from autopar.cost.leaf import (
     BACKWARD_FACTOR,
@@ -273,13 +274,6 @@ class UnitCost:
         return self.fwd_compute_s + self.fwd_comm_s
 
 
-def out_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], ctx: TPContext, node: int) -> Layout:
-    """Output layout of a flow endpoint."""
-    if node == UNIT_INPUT:
-        return ctx.input_layout
-    return STYLE_IO[styles[node]][1]
-
-
 def in_layout(styles: tuple[TPStyle, ...], output: Layout, node: int) -> Layout:
     """Input layout a flow endpoint needs."""
     if node == UNIT_OUTPUT:
@@ -313,7 +307,7 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
     saved += sum(
         _shard(leaf.glue_kept_bytes * b, STYLE_IO[s][0], t)
         for i, (leaf, s) in enumerate(zip(profile.leaves, styles))
-        if leaf.glue_kept_bytes and _converted_input(profile, styles, ctx, meets, i)
+        if leaf.glue_kept_bytes and converted_input(profile, styles, ctx, meets, i)
     )
     wait = sum(
         _shard(leaf.weighted_out_bytes * b * ctx.row_skew(leaf), STYLE_IO[s][1], t)
@@ -331,8 +325,8 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
     for flow in profile.flows:
         a = out_layout(profile, styles, ctx, flow.src)
         need = in_layout(styles, output, flow.dst)
-        g = glue_layout(a, need)
-        kept_in = glue_layout(meets.get(flow.src, a), need)  # where the glue keeps what it saves
+        g = glue_layout(a, need, head_broadcast=flow.head_broadcast)
+        kept_in = kept_layout(profile, styles, ctx, meets, flow, need)  # where the glue keeps what it saves
         glue = glue_fwd_s(flow, g, ctx)
         fwd_compute += glue
         core = glue_fwd_s(flow, g, ctx, attention_only=True)
@@ -439,48 +433,6 @@ def evaluate_layout(profile: UnitProfile, styles: tuple[TPStyle, ...], output: L
         op_kept_syncs=op_syncs,
         regather=regather_terms(profile, styles, gathers, ctx),
         wait_bytes=wait - loss_saved,
-    )
-
-
-def reduced_layouts(profile: UnitProfile, styles: tuple[TPStyle, ...], ctx: TPContext) -> dict[int, Layout]:
-    """Per partial producer (a row-parallel leaf) that meets other leaves' outputs in one
-    layout at a consumer, that layout: the runtime reduces it there, so that the glue
-    combining them (an attention core reading a row-parallel q beside a replicated
-    key/value projection) runs in it (``autopar.runtime.layouts``; the unit's input
-    decides only where no leaf's output meets it). A partial producer meeting none is
-    reduced to what its consumers need (:func:`autopar.cost.leaf.glue_layout`).
-
-    Memory only: the glue's time, and the conversion's, are priced in the consumer's
-    layout, as the layout search prices them."""
-    producers: dict[int, set[int]] = {}
-    for flow in profile.flows:
-        producers.setdefault(flow.dst, set()).add(flow.src)
-    out: dict[int, Layout] = {}
-    for i, style in enumerate(styles):
-        if STYLE_IO[style][1] is not Layout.P:
-            continue
-        siblings: set[Layout] = set()
-        for c in {f.dst for f in profile.flows if f.src == i}:
-            others = producers[c] - {i}
-            if any(o >= 0 for o in others):
-                others.discard(UNIT_INPUT)
-            siblings |= {out_layout(profile, styles, ctx, o) for o in others} - {Layout.P}
-        if len(siblings) == 1:
-            out[i] = siblings.pop()
-    return out
-
-
-def _converted_input(
-    profile: UnitProfile, styles: tuple[TPStyle, ...], ctx: TPContext, meets: dict[int, Layout], leaf: int
-) -> bool:
-    """Whether the input of ``leaf`` reaches it through a layout conversion after the glue
-    (a replicated attention's output sliced for a row-parallel projection): the leaf then
-    keeps the converted tensor, a new one, where it would have shared the glue's."""
-    need = STYLE_IO[styles[leaf]][0]
-    return any(
-        glue_layout(meets.get(f.src, out_layout(profile, styles, ctx, f.src)), need) is not need
-        for f in profile.flows
-        if f.dst == leaf
     )
 
 

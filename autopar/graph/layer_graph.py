@@ -106,6 +106,13 @@ class Leaf:
             the attention (Qwen3's and Gemma 3's ``q_norm`` and ``k_norm``): it runs on
             the head shards a column-parallel projection writes (style ``heads``), and
             ``out_heads`` counts the heads it normalises.
+        broadcast_features: the range ``(start, stop)`` of its output features that
+            reach an attention only broadcast over its heads (DeepSeek-V3's
+            ``kv_a_proj_with_mqa``: its rotary key part, one head's worth shared by
+            every head, beside the latent its other leaves read): where the heads are
+            sharded, those features' gradient is a partial sum over the shards, which
+            the runtime reduces. None: no such features, or not one range the trace
+            could name.
     """
 
     name: str
@@ -136,6 +143,7 @@ class Leaf:
     compiled_ops: int | None = None
     compiled_saved_bytes: float | None = None
     per_head: bool = False
+    broadcast_features: tuple[int, int] | None = None
 
     def saved(self, compiled: bool) -> float:
         """Activation bytes kept for backward per sample, eager or compiled."""
@@ -176,7 +184,10 @@ class Flow:
     stay); None: as in eager mode. ``attn_work_flops``: of ``attn_flops`` (the flop counter's,
     the full score and value products, as model-FLOP utilization counts them), what a
     fused attention kernel computes: half under a causal mask, whose masked tiles it
-    skips (None: all of them).
+    skips (None: all of them). ``head_broadcast``: the producer's tensor reaches the
+    consumer only broadcast over the attention's heads (one head's worth, expanded to
+    all: DeepSeek-V3's rotary key part), so head shards read it whole, and its gradient
+    from them is a partial sum over the shards.
     """
 
     src: int
@@ -196,6 +207,7 @@ class Flow:
     compiled_attn_ops: float | None = None
     attn_work_flops: float | None = None
     compiled_saved_bytes: float | None = None
+    head_broadcast: bool = False
 
     def saved(self, compiled: bool) -> float:
         """Bytes kept for backward per sample outside the attention core, eager or compiled."""

@@ -15,20 +15,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from autopar.graph.compiled_saved import compiled_saved_deltas
 from autopar.graph.flops import MATMUL_OPS
 from autopar.graph.fusion import Account, Fusion
+from autopar.graph.head_features import head_count, unread_features
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, Flow, Leaf, LeafKind, UnitProfile
+from autopar.graph.tensor_info import Info, broadcast_of, storage_key
 from autopar.graph.units import is_conv1d, leaf_kind, matrix_shape
-
-
-@dataclass
-class Info:
-    origins: frozenset[int]
-    pending: frozenset[int]
-    attn_heads: int
 
 
 @dataclass
@@ -80,23 +74,8 @@ class Op:
                 acc.compiled_glue_ops += kernels * share
 
 
-def head_count(features: int, head_dim: int, parts: int, heads: int) -> int:
-    """Attention heads a projection of ``features`` features feeds (``parts`` of q, k and
-    v, each ``head_dim`` wide per head) or reads: ``features / head_dim / parts`` where
-    that is whole, else, for a projection feeding one or two of them, the attention's
-    ``heads`` where they divide the features. Multi-latent attention (DeepSeek-V2/V3) is
-    that case: its key/value projection packs each head's key part and value part,
-    narrower than a query head (which adds a rotary part), and its output projection
-    reads value heads of that width. A fused q/k/v of a multi-query attention (Falcon's,
-    GPTBigCode's: one key/value head beside the query heads) keeps the first rule."""
-    per_head = head_dim * max(parts, 1)
-    if features % per_head == 0 or parts > 2 or not heads or features % heads:
-        return features // per_head
-    return heads
-
-
 @dataclass
-class _LeafAcc:
+class LeafAcc:
     name: str
     kind: LeafKind
     param_numel: int
@@ -107,6 +86,9 @@ class _LeafAcc:
     in_heads: int = 0
     out_heads: int = 0
     splits_by_heads: bool = False
+    parts_in_heads: bool = False  # its output's features are cut within each head (a head-major q/k/v)
+    cut: bool = False  # its output's features were cut into parts (output_in_parts, or unbound)
+    leaf_read: set[tuple[int, int]] = field(default_factory=set)  # feature ranges of its output other leaves read
     head_norm_heads: int = 0  # a norm over each head's features: the heads it normalises
     credited: bool = False  # a norm before an attention: its projections were credited with its heads
     output_in_parts: bool = False
@@ -177,6 +159,7 @@ class _FlowAcc:
     compiled_glue_ops: float = 0.0
     compiled_attn_ops: float = 0.0
     compiled_saved: float = 0.0
+    head_broadcast: bool | None = None
 
 
 @dataclass
@@ -184,7 +167,7 @@ class SegmentTrace:
     """What the trace measured for one segment (per traced batch, not yet per sample;
     op counts and parameter bytes are per call and stay as they are)."""
 
-    leaves: list[_LeafAcc]
+    leaves: list[LeafAcc]
     flows: dict[tuple[int, int], _FlowAcc]
     input_bytes: float
     output_bytes: float
@@ -228,7 +211,8 @@ class SegmentTrace:
                     out_features=acc.out_features,
                     in_heads=in_heads,
                     out_heads=out_heads,
-                    fused=(acc.out_heads > 1 or acc.output_in_parts) and not acc.splits_by_heads,
+                    fused=((acc.out_heads > 1 and not acc.parts_in_heads) or acc.output_in_parts)
+                    and not acc.splits_by_heads,
                     vocab=vocab_size > 0
                     and (
                         (acc.kind is LeafKind.EMBEDDING and acc.in_features == vocab_size)
@@ -246,6 +230,9 @@ class SegmentTrace:
                     compiled_bytes=acc.compiled_bytes / batch,
                     compiled_ops=acc.kernels,
                     per_head=acc.head_norm_heads > 0,
+                    broadcast_features=unread_features(acc)
+                    if any(f.head_broadcast for (s, _), f in self.flows.items() if s == i)
+                    else None,
                     **_expert_fields(acc, batch),
                 )
             )
@@ -268,6 +255,7 @@ class SegmentTrace:
                 compiled_attn_bytes=f.compiled_attn_bytes / batch,
                 compiled_glue_ops=f.compiled_glue_ops,
                 compiled_attn_ops=f.compiled_attn_ops,
+                head_broadcast=bool(f.head_broadcast),
             )
             for (s, d), f in sorted(self.flows.items())
             if s in remap and d in remap
@@ -288,7 +276,7 @@ class Segment:
     def __init__(self, prefix: str, leaf_modules: list[tuple[str, nn.Module]]):
         self.prefix = prefix
         self.leaf_index: dict[int, int] = {}
-        self.leaves: list[_LeafAcc] = []
+        self.leaves: list[LeafAcc] = []
         for name, mod in leaf_modules:
             # remove_duplicate=False: while tracing, parameters of one shape are one fake
             # tensor (a norm's weight and bias), which parameters() would count once
@@ -298,7 +286,7 @@ class Segment:
             stacked = [p for p in params if p.dim() == 3]
             self.leaf_index[id(mod)] = len(self.leaves)
             self.leaves.append(
-                _LeafAcc(
+                LeafAcc(
                     name=name,
                     kind=kind,
                     param_numel=sum(p.numel() for p in params),
@@ -313,6 +301,8 @@ class Segment:
             )
         self.info: dict[int, Info] = {}
         self.keep: list[torch.Tensor] = []
+        self.by_storage: dict[int, list[torch.Tensor]] = {}
+        self.pieces: dict[int, tuple[int, int, int]] = {}  # id of a piece of a leaf output: (leaf, start, stop)
         self.leaf_outputs: dict[int, tuple[int, torch.Tensor]] = {}  # the tensor kept: its id stays its own
         self.ops: list[Op] = []
         self.flows: dict[tuple[int, int], _FlowAcc] = {}
@@ -346,17 +336,28 @@ class Segment:
         else:
             self.fusion.fused_op(inputs, outputs, account, never_recomputed=never_recomputed)
 
-    def note_parts(self, t: Any, dim: int, whole: bool) -> None:
-        """Mark the linear leaf whose output ``t`` is, if the op took parts of its
-        features (its last dimension)."""
-        found = self.leaf_outputs.get(id(t)) if isinstance(t, torch.Tensor) else None
-        if found is None or whole or found[1] is not t or dim % t.dim() != t.dim() - 1:
-            return
-        self.leaves[found[0]].output_in_parts = True
-
     def register(self, t: torch.Tensor, info: Info) -> None:
         self.info[id(t)] = info
         self.keep.append(t)
+        key = storage_key(t)
+        if key is not None:
+            self.by_storage.setdefault(key, []).append(t)
+
+    def written(self, t: torch.Tensor, info: Info) -> None:
+        """An op wrote ``info``'s data into ``t`` in place: every tensor sharing its
+        storage (the tensor ``t`` is a slice of: transformers' DeepSeek-V3 copies each
+        head's key parts into slices of one new key tensor) now carries it too."""
+        key = storage_key(t)
+        for other in self.by_storage.get(key, ()) if key is not None else ():
+            if other is t or id(other) not in self.info:
+                continue
+            old = self.info[id(other)]
+            self.info[id(other)] = Info(
+                origins=old.origins | info.origins,
+                pending=old.pending | info.pending,
+                attn_heads=max(old.attn_heads, info.attn_heads),
+                broadcast=broadcast_of([old, info]),
+            )
 
     def lookup(self, t: torch.Tensor) -> Info:
         found = self.info.get(id(t))
@@ -378,7 +379,9 @@ class Segment:
             info = self.info.get(id(t)) or Info(origins=frozenset({UNIT_INPUT}), pending=frozenset(), attn_heads=0)
             heads = max(heads, info.attn_heads)
             for o in info.origins:
-                self.flows.setdefault((o, dst), _FlowAcc())
+                acc = self.flows.setdefault((o, dst), _FlowAcc())
+                broadcast = o in info.broadcast
+                acc.head_broadcast = broadcast if acc.head_broadcast is None else acc.head_broadcast and broadcast
             self._settle(info.pending, dst, info.origins)
         return heads
 
@@ -446,7 +449,7 @@ class Segment:
         )
 
 
-def _expert_fields(acc: _LeafAcc, batch: int) -> dict[str, Any]:
+def _expert_fields(acc: LeafAcc, batch: int) -> dict[str, Any]:
     """A leaf's mixture-of-experts fields: set only where matmuls ran through its
     stacked 3-D weights (a 1-D convolution's 3-D weight is not an expert stack)."""
     if not acc.expert_flops:
@@ -458,12 +461,3 @@ def _expert_fields(acc: _LeafAcc, batch: int) -> dict[str, Any]:
         "routed_bytes": acc.routed_bytes(batch),
         "dropless": acc.dropless,
     }
-
-
-def nbytes_of(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def tensors_in(obj: Any) -> list[torch.Tensor]:
-    flat, _ = tree_flatten(obj)
-    return [x for x in flat if isinstance(x, torch.Tensor)]

@@ -44,9 +44,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autopar.errors import ModelError
 from autopar.graph.attention_core import additive_mask, materialized_attention, through_norm
 from autopar.graph.flops import EXPERT_MATMULS, op_flops
+from autopar.graph.head_features import note_parts, note_pieces, read_by_leaf
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT
 from autopar.graph.op_kinds import FREE_OPS, PARTS_OPS, may_compute, parts_dim, shaped, whole_slice
-from autopar.graph.segment import Info, Op, Segment, SegmentTrace, nbytes_of, tensors_in
+from autopar.graph.segment import Op, Segment, SegmentTrace
+from autopar.graph.tensor_info import Info, broadcast_of, expands_heads, keyed, nbytes_of, storage_key, tensors_in
 from autopar.models.experts import experts_modules
 from autopar.quiet import FAKE_TENSOR_LOGGER, quiet_loggers
 from autopar.vocab import Attention
@@ -69,20 +71,24 @@ class _Recorder(TorchDispatchMode):
         if not outs:
             return out
         if func._overloadpacket in PARTS_OPS and not seg.leaf_stack:
-            seg.note_parts(args[0], parts_dim(func, args, kwargs), whole_slice(func, args))
+            note_parts(seg, args[0], parts_dim(func, args, kwargs), whole_slice(func, args))
+            note_pieces(seg, args[0], outs)
         ins = tensors_in((args, kwargs))
         in_infos = [seg.lookup(t) for t in ins]
         origins = frozenset().union(*(i.origins for i in in_infos)) if in_infos else frozenset()
         heads = max((i.attn_heads for i in in_infos), default=0)
+        broadcast = broadcast_of(in_infos)
         if func.is_view or func._overloadpacket in FREE_OPS:
             pending = frozenset().union(*(i.pending for i in in_infos)) if in_infos else frozenset()
+            if expands_heads(func, args, outs):
+                broadcast = frozenset(o for o in origins if o >= 0)
             for t in outs:
-                seg.register(t, Info(origins=origins, pending=pending, attn_heads=heads))
+                seg.register(t, Info(origins=origins, pending=pending, attn_heads=heads, broadcast=broadcast))
             return out
         counted = op_flops(func, args, kwargs, out)
         flops = counted if counted is not None else 0.0
         nbytes = float(sum(nbytes_of(t) for t in ins) + sum(nbytes_of(t) for t in outs))
-        activations = _keyed(t for t in ins if not self.tracer.is_parameter(t))
+        activations = keyed(t for t in ins if not self.tracer.is_parameter(t))
         if seg.leaf_stack:
             weights = float(sum(nbytes_of(t) for t in ins if self.tracer.is_parameter(t)))
             if counted is None and may_compute(func) and self.tracer.combines_matrices(ins):
@@ -91,7 +97,7 @@ class _Recorder(TorchDispatchMode):
             leaf.charge(func, flops, nbytes - weights, weights, self.tracer.routed(func, ins))
             if weights and any(t.is_floating_point() and not self.tracer.is_parameter(t) for t in ins):
                 leaf.weighted_out += nbytes_of(outs[0])  # where a weight meets an activation
-            seg.compiled(func, activations, _keyed(outs), leaf.add_compiled, never_recomputed=_kept(func, ins, outs))
+            seg.compiled(func, activations, keyed(outs), leaf.add_compiled, never_recomputed=_kept(func, ins, outs))
             for t in outs:
                 seg.register(t, Info(origins=frozenset({seg.leaf_stack[-1]}), pending=frozenset(), attn_heads=0))
             return out
@@ -102,14 +108,17 @@ class _Recorder(TorchDispatchMode):
             origins=origins,
             attn_work=self.tracer.attn_work if self.tracer.in_attention else 1.0,
         )
-        seg.compiled(func, activations, _keyed(outs), op.add_compiled, never_recomputed=_kept(func, ins, outs))
+        seg.compiled(func, activations, keyed(outs), op.add_compiled, never_recomputed=_kept(func, ins, outs))
         seg.ops.append(op)
         op_id = len(seg.ops) - 1
         pending = frozenset({op_id}).union(*(i.pending for i in in_infos)) if in_infos else frozenset({op_id})
+        info = Info(origins=origins, pending=pending, attn_heads=heads, broadcast=broadcast)
         for t in outs:
-            seg.register(t, Info(origins=origins, pending=pending, attn_heads=heads))
+            seg.register(t, info)
+        if func._schema.is_mutable and args and isinstance(args[0], torch.Tensor):
+            seg.written(args[0], info)
         seg.charge_waiting(op)
-        seg.last_outputs = frozenset(_storage_key(t) for t in outs)
+        seg.last_outputs = frozenset(storage_key(t) for t in outs)
         return out
 
 
@@ -120,24 +129,7 @@ def _kept(func: Any, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> froze
     deviation)."""
     largest = max((t.numel() for t in ins), default=0)
     seeded = torch.Tag.nondeterministic_seeded in func.tags
-    return frozenset(k for t in outs if (seeded or t.numel() < largest) and (k := _storage_key(t)) is not None)
-
-
-def _keyed(tensors) -> list[tuple[int, float]]:
-    """(storage key, bytes) of each tensor whose storage can be named."""
-    out = []
-    for t in tensors:
-        key = _storage_key(t)
-        if key is not None:
-            out.append((key, float(nbytes_of(t))))
-    return out
-
-
-def _storage_key(t: torch.Tensor) -> int | None:
-    try:
-        return t.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError):
-        return None
+    return frozenset(k for t in outs if (seeded or t.numel() < largest) and (k := storage_key(t)) is not None)
 
 
 class _AttentionInterceptor(TorchFunctionMode):
@@ -184,13 +176,13 @@ class Tracer:
     def routed(self, func: Any, ins: list[torch.Tensor]) -> torch.Tensor | None:
         """The activation a matmul through stacked expert weights reads (a 3-D
         parameter or a view of one), or None for any other op."""
-        if func._overloadpacket not in EXPERT_MATMULS or not any(_storage_key(t) in self.expert_storages for t in ins):
+        if func._overloadpacket not in EXPERT_MATMULS or not any(storage_key(t) in self.expert_storages for t in ins):
             return None
         return next((t for t in ins if t.is_floating_point() and not self.is_parameter(t)), None)
 
     def is_parameter(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is (a view of) a parameter: read once per call whatever the batch."""
-        return _storage_key(t) in self.param_storages
+        return storage_key(t) in self.param_storages
 
     # -- saved tensors --------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -247,8 +239,9 @@ class Tracer:
         seg = self.segment
         if seg is not None:
             for t in (q, k, v):
-                for o in seg.lookup(t).origins:
-                    if o >= 0:
+                info = seg.lookup(t)
+                for o in info.origins:
+                    if o >= 0 and o not in info.broadcast:  # a part shared by every head feeds none of them
                         seg.leaves[o].out_heads += 1  # counts the q/k/v inputs this leaf feeds
                         through_norm(seg, o, t)
             seg.kv_bytes += nbytes_of(k) + nbytes_of(v)  # what a context-parallel ring exchanges
@@ -277,7 +270,10 @@ class Tracer:
             self.in_attention = False
         if seg is not None:
             info = seg.lookup(out)
-            seg.register(out, Info(origins=info.origins, pending=info.pending, attn_heads=int(q.shape[-3])))
+            seg.register(
+                out,
+                Info(origins=info.origins, pending=info.pending, attn_heads=int(q.shape[-3]), broadcast=info.broadcast),
+            )
         return out
 
 
@@ -384,7 +380,7 @@ def run_trace(
             return
         outs = tensors_in(outputs)
         seg.output_bytes = float(sum(nbytes_of(t) for t in outs))
-        seg.fusion.write(key for key, _ in _keyed(outs))
+        seg.fusion.write(key for key, _ in keyed(outs))
         seg.consume(outs, UNIT_OUTPUT)
         if seg.prefix in served:
             result.traces[seg.prefix] = result.traces[served[seg.prefix]]
@@ -397,6 +393,7 @@ def run_trace(
         if seg is None or id(mod) not in seg.leaf_index:
             return
         index = seg.leaf_index[id(mod)]
+        read_by_leaf(seg, tensors_in((args, kwargs)))
         heads = seg.consume(tensors_in((args, kwargs)), index)
         if heads:
             seg.leaves[index].in_heads = heads

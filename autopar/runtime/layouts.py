@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 from autopar.graph.layer_graph import UNIT_INPUT, UNIT_OUTPUT, LayerGraph, Leaf, LeafKind, Unit, UnitProfile
 from autopar.runtime.errors import ShardingError
+from autopar.runtime.partial_outputs import broadcast_features, deciding, reduce_to, unbroadcast
 from autopar.runtime.style_checks import check_styles
 from autopar.vocab import STYLE_IO, Layout, TPStyle
 
@@ -58,6 +59,10 @@ class LeafLayout:
         dtensor_output: the output stays a DTensor (the vocabulary-sharded logits the
             loss reads under ``loss_parallel``).
         out_heads: the attention heads its output feeds (the traced leaf's), 0 for none.
+        reduce_grad: the range of its (replicated) output's features that reaches head
+            shards broadcast over the heads (:attr:`autopar.graph.layer_graph.Leaf.
+            broadcast_features`): their gradient is all-reduced over the group in
+            backward (Megatron-LM's ``f`` on that part alone).
     """
 
     fqn: str
@@ -66,6 +71,7 @@ class LeafLayout:
     output: Layout
     dtensor_output: bool = False
     out_heads: int = 0
+    reduce_grad: tuple[int, int] | None = None
 
     @property
     def splits_heads(self) -> bool:
@@ -240,12 +246,15 @@ def _resolve_unit(
             if child != names[i]:
                 carried[child] = (Layout.R, Layout.Q)
                 carried_leaves.add(i)
+    broadcast = {(f.src, f.dst) for f in prof.flows if f.head_broadcast}
     for i, style in enumerate(leaf_styles):
         if STYLE_IO[style][1] is Layout.P:
-            out[i] = _reduce_to(i, names, leaf_styles, consumers, producers, out, boundary, last=last)
+            out[i] = reduce_to(i, names, leaf_styles, consumers, producers, out, boundary, broadcast, last=last)
+
+    reduced: dict[int, tuple[int, int]] = {}
 
     def arrival(dst: int) -> Layout:
-        srcs = sorted(_deciding(producers.get(dst, {UNIT_INPUT})))
+        srcs = sorted(deciding(unbroadcast(producers.get(dst, {UNIT_INPUT}), dst, broadcast, out)))
         seen = {out[s] for s in srcs}
         if len(seen) > 1:
             where = "the unit's output" if dst == UNIT_OUTPUT else repr(names[dst])
@@ -255,7 +264,12 @@ def _resolve_unit(
                 f"({detail}; R replicated, F feature-sharded, Q sequence-sharded): user code cannot combine them. "
                 f"Give the layers that feed the same computation matching styles (e.g. q, k and v all 'column')."
             )
-        return seen.pop()
+        layout = seen.pop()
+        if layout is not Layout.R:
+            for s in producers.get(dst, set()) - set(srcs):
+                if s >= 0 and (s, dst) in broadcast:
+                    reduced[s] = broadcast_features(s, names, prof, unit)
+        return layout
 
     for flow in prof.flows:
         if flow.attn_flops > 0 and flow.src >= 0 and out[flow.src] is Layout.Q:
@@ -282,8 +296,14 @@ def _resolve_unit(
             output=output,
             dtensor_output=i in dtensor_out,
             out_heads=prof.leaves[i].out_heads,
+            reduce_grad=reduced.get(i),
         )
-        if style is not TPStyle.REPLICATE or layout.arrives is not Layout.R or layout.output is not Layout.R:
+        if (
+            style is not TPStyle.REPLICATE
+            or layout.arrives is not Layout.R
+            or layout.output is not Layout.R
+            or layout.reduce_grad
+        ):
             result[names[i]] = layout
     unit_out = arrival(UNIT_OUTPUT)
     if (
@@ -293,7 +313,7 @@ def _resolve_unit(
         and UNIT_INPUT in producers.get(UNIT_OUTPUT, ())
     ):
         detail = ", ".join(
-            f"{_name(s, names, unit)} in {out[s].value}" for s in sorted(_deciding(producers[UNIT_OUTPUT]))
+            f"{_name(s, names, unit)} in {out[s].value}" for s in sorted(deciding(producers[UNIT_OUTPUT]))
         )
         raise ShardingError(
             f"the residual stream of unit {unit.fqn!r} is sequence-sharded (Q) but is summed with {detail} "
@@ -440,46 +460,6 @@ def _shard_replicated_addends(
     for s in found:
         out[s] = Layout.Q
     return found
-
-
-def _deciding(sources: set[int]) -> set[int]:
-    """Of the tensors meeting at one place, those whose layouts decide it: the leaves'
-    outputs where any meets the unit's input (see "constants" in the module docstring)."""
-    return sources - {UNIT_INPUT} if any(s >= 0 for s in sources) else sources
-
-
-def _reduce_to(
-    i: int,
-    names: list[str],
-    styles: list[TPStyle],
-    consumers: dict[int, set[int]],
-    producers: dict[int, set[int]],
-    out: dict[int, Layout],
-    boundary: Layout,
-    *,
-    last: bool,
-) -> Layout:
-    """The layout a partial output is reduced to (module docstring, first rule). Where
-    other leaves' outputs meet the unit's input, they decide (:func:`_deciding`;
-    transformers hands each block its rotary tables, which reach the attention beside
-    q), even while they are partial too (q, k and v all row-parallel are reduced to what
-    the attention's consumer needs)."""
-    siblings: set[Layout] = set()
-    for c in consumers.get(i, ()):
-        siblings |= {out[s] for s in _deciding(producers.get(c, set()) - {i}) if s in out}
-    if len(siblings) == 1:
-        return siblings.pop()
-    if len(siblings) > 1:
-        raise ShardingError(
-            f"layer {names[i]!r} (style {styles[i].value!r}) is summed with tensors in several layouts "
-            f"({', '.join(sorted(s.value for s in siblings))}); give its neighbours matching styles."
-        )
-    needs = set()
-    for c in consumers.get(i, ()):
-        if c == UNIT_OUTPUT:
-            return Layout.R if last else boundary
-        needs.add(STYLE_IO[styles[c]][0])
-    return needs.pop() if len(needs) == 1 else boundary
 
 
 def _name(index: int, names: list[str], unit: Unit) -> str:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
@@ -98,6 +98,8 @@ def apply_tensor_parallel(
             parallelize_module(module, mesh, style)
         if leaf.splits_heads:
             split_heads.add(fqn.rpartition(".")[0])
+        if leaf.reduce_grad is not None:
+            module.register_forward_hook(_broadcast_grad_reducer(mesh, leaf.reduce_grad))
     for fqn in sorted(split_heads):
         if fqn in modules:
             hf.count_local_heads(modules[fqn], mesh.size(), fqn)
@@ -259,6 +261,27 @@ def _output_converter(mesh: DeviceMesh, src: Layout, dst: Layout) -> Callable[..
             f"{type(_module).__name__} returned {type(out).__name__}, not a tensor to convert from layout "
             f"{src.value} to {dst.value}."
         )
+
+    return hook
+
+
+def _broadcast_grad_reducer(mesh: DeviceMesh, features: tuple[int, int]) -> Callable[..., Any]:
+    """A replicated output whose features ``start:stop`` reach head shards broadcast over
+    the heads (DeepSeek-V3's rotary key part, expanded to the heads each rank holds):
+    their gradient comes back as each rank's sum over its own heads, a partial sum,
+    which Megatron-LM's ``f`` (identity forward, all-reduce backward) on that part alone
+    makes whole; the rest of the output keeps the gradient its leaves reduce already."""
+    start, stop = features
+
+    def hook(_module: nn.Module, _args: tuple, out: Any) -> Any:
+        if not isinstance(out, torch.Tensor):
+            raise ShardingError(
+                f"{type(_module).__name__} returned {type(out).__name__}, not the tensor whose features "
+                f"{start}:{stop} reach the attention's head shards."
+            )
+        part = DTensor.from_local(out[..., start:stop], mesh, [Replicate()], run_check=False)
+        whole = part.to_local(grad_placements=[Partial()])  # its gradient is reduced on the way back
+        return torch.cat((out[..., :start], whole, out[..., stop:]), dim=-1)
 
     return hook
 

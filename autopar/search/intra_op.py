@@ -353,7 +353,7 @@ def _solve_ilp(
     for flow in profile.flows:
         nbytes = largest[flow.src] * b
         for (a, xa), (need, xn) in itertools.product(produces(flow.src), needs(flow.dst)):
-            glue = glue_step_s(flow, glue_layout(a, need), ctx)
+            glue = glue_step_s(flow, glue_layout(a, need, head_broadcast=flow.head_broadcast), ctx)
             if glue > 0:
                 at_least_both(prog.var(cost=glue), xa, xn)
             f, bw = conversion_s(a, need, nbytes, ctx)

@@ -6,8 +6,9 @@ that way (DeepSeek-V3's 128 heads as 85), and no tensor-parallel degree was allo
 import pytest
 import torch
 
+import autopar
 from autopar.graph import extract
-from autopar.graph.segment import head_count
+from autopar.graph.head_features import head_count
 from autopar.search.space import layer_misfit, tp_degrees
 
 transformers = pytest.importorskip("transformers")
@@ -77,3 +78,31 @@ def test_deepseek_v3_splits_over_tensor_parallel_ranks():
         graph = extract(transformers.DeepseekV3ForCausalLM(config), seq_len=4096)
     assert layer_misfit(graph, 2) is None
     assert tp_degrees(graph, 8) == [1, 2, 4, 8]
+
+
+def test_the_latent_attention_splits_by_heads_as_megatron_does():
+    """The key/value up-projection packs each head's key and value parts and is cut
+    within each head (viewed as heads first), so a column split keeps heads whole: it
+    is no fused q/k/v. The rotary key part, one head's worth from kv_a_proj_with_mqa
+    expanded to every head and copied into the keys, reaches the attention broadcast
+    over its heads (features 16:20 of that projection's output), so head shards read it
+    replicated; the planner, at DeepSeek-V3's sizes and tp=8, splits the attention by
+    heads (q_b_proj and kv_b_proj column-parallel, o_proj row-parallel)."""
+    with torch.device("meta"):
+        graph = extract(tiny_deepseek_v3(), seq_len=16)
+    profile = graph.profile_of(1)
+    index = {leaf.name: i for i, leaf in enumerate(profile.leaves)}
+    kv_a, kv_b, o = (index[f"self_attn.{n}"] for n in ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj"))
+    assert not profile.leaves[kv_b].fused and profile.leaves[kv_a].fused
+    assert profile.leaves[kv_a].broadcast_features == (16, 20)  # kv_lora_rank .. + qk_rope_head_dim
+    broadcast = {(f.src, f.dst) for f in profile.flows if f.head_broadcast}
+    assert broadcast == {(kv_a, o)}
+    assert not any(f.src == kv_b and f.dst < 0 for f in profile.flows)  # its keys reach the attention
+
+    config = transformers.DeepseekV3Config(num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=16)
+    with torch.device("meta"):
+        graph = extract(transformers.DeepseekV3ForCausalLM(config), seq_len=4096)
+    config = {"dp": 1, "tp": 8, "pp": 1, "micro_batch_size": 1, "num_microbatches": 8, "dtype": "bf16"}
+    plan = autopar.estimate(graph, autopar.preset("dgx-h100"), config, global_batch_size=8)
+    styles = {k.rpartition(".")[2]: v.value for k, v in plan.layer_strategies.tp.items() if ".1.self_attn." in k}
+    assert (styles["q_b_proj"], styles["kv_b_proj"], styles["o_proj"]) == ("column", "column", "row")

@@ -131,14 +131,16 @@ def test_the_planners_sequence_parallel_opt_with_a_replicated_attention_matches_
 
 FUSED = {
     "phi3": {"self_attn.qkv_proj", "mlp.gate_up_proj"},
-    "gpt_neox": {"attention.query_key_value"},
     "falcon": {"self_attention.query_key_value"},
 }
 """Leaves that compute several projections in one matrix, as the trace finds them
-(BLOOM's query_key_value, viewed by heads before its parts are taken, is not found)."""
+(BLOOM's query_key_value, viewed by heads before its parts are taken, is not found).
+GPT-NeoX's query_key_value is viewed as (heads, 3 x head_dim) before its q, k and v are
+cut within each head, so a column split keeps whole heads and it is not marked (its
+column-parallel split was checked to train as one process does)."""
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", *FUSED])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "gpt_neox", *FUSED])
 def test_fused_projections_are_never_column_split(family):
     """A leaf feeding several of q, k and v, or whose output's features the forward
     takes parts of, is marked fused: a column split would not cut it where its parts
@@ -171,3 +173,17 @@ def test_a_decoder_built_in_fp32_runs_pipelined_in_bf16():
     for res in run(hf_train, plan.config.world_size, build, plan, 3, timeout_s=180):
         torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(ref.losses), rtol=BF16_RTOL, atol=0)
         assert res.losses != ref.losses
+
+
+def test_gpt_neox_fused_qkv_splits_by_heads():
+    """GPT-NeoX's query_key_value holds each head's q, k and v together (head-major):
+    column-parallel, each rank its heads' q, k and v, it trains as one process does."""
+    model = build_decoder("gpt_neox")
+    styles = megatron_styles("gpt_neox", model)
+    for name, _ in model.named_modules():
+        if name.endswith(("attention.query_key_value", "attention.dense")):
+            styles[name] = "column" if name.endswith("query_key_value") else "row"
+    plan = make(model, styles, tp=2)
+    build = functools.partial(build_decoder, "gpt_neox")
+    ref = hf_reference(build, plan, steps=3)
+    assert_parity(run(hf_train, 2, build, plan, 3, timeout_s=180), ref)

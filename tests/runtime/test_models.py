@@ -341,6 +341,30 @@ def test_deepseek_v3_latent_attention_under_tensor_parallelism():
     assert_parity(run(hf_train, 2, deepseek_v3, plan, timeout_s=120), hf_reference(deepseek_v3, plan))
 
 
+@pytest.mark.parametrize("latents", ["replicate", "row"])
+def test_deepseek_v3_latent_attention_split_by_heads(latents):
+    """Megatron-LM's layout for multi-latent attention: the query and key/value up-
+    projections column-parallel (each rank its heads: the key/value one packs each
+    head's key and value parts, cut within the head), the output projection row-
+    parallel, the latent down-projections and their norms replicated. The rotary key
+    part, one head's worth from the replicated kv_a_proj_with_mqa, is expanded to the
+    rank's heads beside its key shards: the runtime reduces its gradient (a sum over the
+    rank's heads) over the group, and training matches one process. The down-
+    projections may also run row-parallel (what the planner picks at tp=8 for
+    DeepSeek-V3's sizes): their partial latents are all-reduced whole."""
+    styles = {}
+    for i in range(LAYERS):
+        attention, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp" + (".shared_experts" if i else "")
+        styles.update({f"{attention}.q_b_proj": "column", f"{attention}.kv_b_proj": "column"})
+        styles.update({f"{attention}.o_proj": "row", f"{attention}.q_a_proj": latents})
+        styles[f"{attention}.kv_a_proj_with_mqa"] = latents
+        styles.update({f"{mlp}.gate_proj": "column", f"{mlp}.up_proj": "column", f"{mlp}.down_proj": "row"})
+    plan = make(deepseek_v3(), styles, tp=2)
+    layout = analyse(deepseek_v3(), plan).layout
+    assert layout.leaves["model.layers.0.self_attn.kv_a_proj_with_mqa"].reduce_grad == (16, 20)  # the rotary part
+    assert_parity(run(hf_train, 2, deepseek_v3, plan, timeout_s=120), hf_reference(deepseek_v3, plan))
+
+
 @pytest.mark.parametrize("case", ["dp2", "pp2", "tp2", "tp2-sp"])
 def test_transformers_mixtral(case):
     """A transformers mixture-of-experts model against the unsplit model: tokens route

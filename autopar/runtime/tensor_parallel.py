@@ -186,34 +186,28 @@ def _ndim(inputs: tuple) -> int:
     return inputs[0].dim() if inputs and isinstance(inputs[0], torch.Tensor) else 3
 
 
-class _Column(ColwiseParallel):
-    """``ColwiseParallel`` whose sequence-sharded input or output is placed by its rank
-    (:func:`placement`: ``Shard(0)`` of a 2-D ``(tokens, features)`` activation)."""
+def _placed_by_rank(style: type[ColwiseParallel] | type[RowwiseParallel]) -> type:
+    """``style`` (torch's ``ColwiseParallel`` or ``RowwiseParallel``) whose sequence-sharded
+    input or output is placed by its rank (:func:`placement`: ``Shard(0)`` of a 2-D
+    ``(tokens, features)`` activation)."""
 
-    @staticmethod
-    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):  # type: ignore[override]
-        layouts = at_rank(input_layouts, _ndim(inputs))
-        return ColwiseParallel._prepare_input_fn(layouts, desired_input_layouts, mod, inputs, device_mesh)
+    class ByRank(style):  # type: ignore[valid-type, misc]
+        @staticmethod
+        def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):  # type: ignore[override]
+            layouts = at_rank(input_layouts, _ndim(inputs))
+            return style._prepare_input_fn(layouts, desired_input_layouts, mod, inputs, device_mesh)
 
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):  # type: ignore[override]
-        layouts = at_rank(output_layouts, outputs.dim())
-        return ColwiseParallel._prepare_output_fn(layouts, use_local_output, mod, outputs, device_mesh)
+        @staticmethod
+        def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):  # type: ignore[override]
+            layouts = at_rank(output_layouts, outputs.dim())
+            return style._prepare_output_fn(layouts, use_local_output, mod, outputs, device_mesh)
+
+    ByRank.__name__ = ByRank.__qualname__ = f"{style.__name__}ByRank"
+    return ByRank
 
 
-class _Row(RowwiseParallel):
-    """``RowwiseParallel`` placing a sequence-sharded input or output by its rank, as
-    :class:`_Column`."""
-
-    @staticmethod
-    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):  # type: ignore[override]
-        layouts = at_rank(input_layouts, _ndim(inputs))
-        return RowwiseParallel._prepare_input_fn(layouts, desired_input_layouts, mod, inputs, device_mesh)
-
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):  # type: ignore[override]
-        layouts = at_rank(output_layouts, outputs.dim())
-        return RowwiseParallel._prepare_output_fn(layouts, use_local_output, mod, outputs, device_mesh)
+_Column = _placed_by_rank(ColwiseParallel)
+_Row = _placed_by_rank(RowwiseParallel)
 
 
 class _Sequence(SequenceParallel):

@@ -75,6 +75,17 @@ def test_tensor_parallel_alone_matches_one_process(family):
     assert_parity(as_reference_shapes(run(hf_train, plan.config.world_size, build, plan, 3, timeout_s=180), ref), ref)
 
 
+def _planned_with_sequence_parallelism(model) -> autopar.Plan:
+    """The planner's plan for ``model`` at tp=2 with sequence parallelism, in fp32 and eager."""
+    return autopar.plan(
+        model,
+        autopar.preset("local-cpu", devices_per_node=2),
+        global_batch_size=4,
+        seq_len=SEQ,
+        constraints={"tp": 2, "pp": 1, "dp": 1, "sequence_parallel": True, "dtype": "fp32", "compile": False},
+    )
+
+
 @pytest.mark.parametrize("final_norm", ["sequence", "replicate"])
 def test_the_planners_sequence_parallel_opt_matches_one_process(final_norm):
     """OPT's decoder layer flattens its (batch, seq, hidden) stream to (batch * seq,
@@ -86,13 +97,7 @@ def test_the_planners_sequence_parallel_opt_matches_one_process(final_norm):
     or replicated (gathered before it, the MLP's output scattered over the tokens).
     Losses and every parameter after three SGD steps match one process."""
     build = functools.partial(build_opt, 512)
-    plan = autopar.plan(
-        build(),
-        autopar.preset("local-cpu", devices_per_node=2),
-        global_batch_size=4,
-        seq_len=SEQ,
-        constraints={"tp": 2, "pp": 1, "dp": 1, "sequence_parallel": True, "dtype": "fp32", "compile": False},
-    )
+    plan = _planned_with_sequence_parallelism(build())
     styles = {k: v.value for k, v in plan.layer_strategies.tp.items()}
     assert plan.config.sequence_parallel and plan.config.micro_batch_size > 1
     norm = "model.decoder.layers.0.final_layer_norm"
@@ -113,13 +118,7 @@ def test_the_planners_sequence_parallel_opt_with_a_replicated_attention_matches_
     shard, as the planner prices it (R -> Q at the unit's output). Losses and every
     parameter after three SGD steps match one process."""
     build = functools.partial(build_opt, 384)
-    plan = autopar.plan(
-        build(),
-        autopar.preset("local-cpu", devices_per_node=2),
-        global_batch_size=4,
-        seq_len=SEQ,
-        constraints={"tp": 2, "pp": 1, "dp": 1, "sequence_parallel": True, "dtype": "fp32", "compile": False},
-    )
+    plan = _planned_with_sequence_parallelism(build())
     styles = {k: v.value for k, v in plan.layer_strategies.tp.items()}
     layer = "model.decoder.layers.0"
     assert plan.config.sequence_parallel, plan.config

@@ -3,6 +3,7 @@ c_attn split by heads) and LlamaForCausalLM built from small configs, and the Re
 CNN with data and pipeline parallelism."""
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -305,9 +306,11 @@ def test_olmo2_under_tensor_and_sequence_parallelism():
         analyse(olmo2(), make(olmo2(), _olmo2_styles("sequence"), tp=2, sequence_parallel=True))
 
 
-def deepseek_v3():
+def deepseek_v3(q_lora_rank: int | None = 24):
     """A tiny DeepSeek-V3: multi-latent attention (query and key/value latents, a rotary
-    key part shared by the heads), a dense block, then a block of 4 routed experts."""
+    key part shared by the heads), a dense block, then a block of 4 routed experts. With
+    ``q_lora_rank=None`` the queries are projected directly (``q_proj``), as in
+    DeepSeek-V2-Lite."""
     torch.manual_seed(0)
     return transformers.DeepseekV3ForCausalLM(
         transformers.DeepseekV3Config(
@@ -318,7 +321,7 @@ def deepseek_v3():
             num_experts_per_tok=2,
             n_group=2,
             topk_group=1,
-            q_lora_rank=24,
+            q_lora_rank=q_lora_rank,
             kv_lora_rank=16,
             qk_nope_head_dim=8,
             qk_rope_head_dim=4,
@@ -341,7 +344,7 @@ def test_deepseek_v3_latent_attention_under_tensor_parallelism():
     assert_parity(run(hf_train, 2, deepseek_v3, plan, timeout_s=120), hf_reference(deepseek_v3, plan))
 
 
-@pytest.mark.parametrize("latents", ["replicate", "row"])
+@pytest.mark.parametrize("latents", ["replicate", "row", "direct queries"])
 def test_deepseek_v3_latent_attention_split_by_heads(latents):
     """Megatron-LM's layout for multi-latent attention: the query and key/value up-
     projections column-parallel (each rank its heads: the key/value one packs each
@@ -351,18 +354,24 @@ def test_deepseek_v3_latent_attention_split_by_heads(latents):
     rank's heads beside its key shards: the runtime reduces its gradient (a sum over the
     rank's heads) over the group, and training matches one process. The down-
     projections may also run row-parallel (what the planner picks at tp=8 for
-    DeepSeek-V3's sizes): their partial latents are all-reduced whole."""
+    DeepSeek-V3's sizes): their partial latents are all-reduced whole. Without a query
+    latent (DeepSeek-V2-Lite) the query projection is split by heads itself."""
+    direct = latents == "direct queries"
+    build = functools.partial(deepseek_v3, q_lora_rank=None) if direct else deepseek_v3
     styles = {}
     for i in range(LAYERS):
         attention, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp" + (".shared_experts" if i else "")
-        styles.update({f"{attention}.q_b_proj": "column", f"{attention}.kv_b_proj": "column"})
-        styles.update({f"{attention}.o_proj": "row", f"{attention}.q_a_proj": latents})
-        styles[f"{attention}.kv_a_proj_with_mqa"] = latents
+        styles.update({f"{attention}.kv_b_proj": "column", f"{attention}.o_proj": "row"})
+        if direct:
+            styles[f"{attention}.q_proj"] = "column"
+        else:
+            styles.update({f"{attention}.q_b_proj": "column", f"{attention}.q_a_proj": latents})
+            styles[f"{attention}.kv_a_proj_with_mqa"] = latents
         styles.update({f"{mlp}.gate_proj": "column", f"{mlp}.up_proj": "column", f"{mlp}.down_proj": "row"})
-    plan = make(deepseek_v3(), styles, tp=2)
-    layout = analyse(deepseek_v3(), plan).layout
+    plan = make(build(), styles, tp=2)
+    layout = analyse(build(), plan).layout
     assert layout.leaves["model.layers.0.self_attn.kv_a_proj_with_mqa"].reduce_grad == (16, 20)  # the rotary part
-    assert_parity(run(hf_train, 2, deepseek_v3, plan, timeout_s=120), hf_reference(deepseek_v3, plan))
+    assert_parity(run(hf_train, 2, build, plan, timeout_s=120), hf_reference(build, plan))
 
 
 @pytest.mark.parametrize("case", ["dp2", "pp2", "tp2", "tp2-sp"])

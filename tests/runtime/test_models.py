@@ -1,6 +1,6 @@
 """Models beyond autopar's own: transformers' GPT2LMHeadModel (Conv1D layers, fused
-c_attn split by heads) and LlamaForCausalLM built from small configs, and the ResNet
-CNN with data and pipeline parallelism."""
+c_attn split by heads), LlamaForCausalLM, OLMo 2, DeepSeek-V3 and Mixtral built from
+small configs, against one process (autopar's ResNet: test_resnet.py)."""
 
 import dataclasses
 import functools
@@ -12,7 +12,6 @@ from parity import LOSS_ATOL, LR, PARAM_ATOL, SEQ, VOCAB, RunResult, all_params,
 from torch import nn
 
 import autopar
-from autopar.models import CNNConfig, ResNet
 from autopar.runtime.api import analyse, parallelize
 from autopar.runtime.errors import ShardingError
 
@@ -85,11 +84,6 @@ def gpt_oss():
         if name.endswith("_bias") and "experts" in name:
             torch.nn.init.normal_(p, std=0.1)  # zeros at init: values, so a misplaced bias would show
     return model
-
-
-def resnet():
-    torch.manual_seed(0)
-    return ResNet(CNNConfig(image_size=8, width=4, stages=2, blocks_per_stage=1, num_classes=4))
 
 
 BUILD = {"gpt2": gpt2, "llama": llama, "llama-cached": llama_cached, "mixtral": mixtral, "gpt-oss": gpt_oss}
@@ -426,50 +420,6 @@ def test_a_pipeline_split_of_blocks_in_a_module_list_is_refused_on_every_rank():
     plan = make(_ListStack(), sample=torch.zeros(1, 8), pp=2)
     for kind, message in run(_refused, 2, plan):
         assert kind == "PipelineError" and "sits in a ModuleList" in message
-
-
-def _cnn_batches(plan, steps):
-    g = torch.Generator().manual_seed(3)
-    n = plan.config.global_batch_size
-    return [(torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 4, (n,), generator=g)) for _ in range(steps)]
-
-
-def _cnn_train(rank, world, plan, steps):
-    job = parallelize(resnet(), plan, loss_fn=F.cross_entropy)
-    opt = job.optimizer(torch.optim.SGD, lr=LR)
-    losses = []
-    for batch in job.shard(_cnn_batches(plan, steps)):
-        losses.append(job.step(batch))
-        opt.step()
-        opt.zero_grad()
-    return RunResult(losses=losses, params=all_params(job))
-
-
-def _cnn_reference(plan, steps):
-    """Batch norm normalises over the samples it sees, so the reference runs the same
-    micro-batches (dp x num_microbatches of micro_batch_size each) and averages their
-    gradients: the single-process equivalent of what the parallel run computes."""
-    model = resnet()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    cfg = plan.config
-    losses = []
-    for x, y in _cnn_batches(plan, steps):
-        chunks = list(zip(x.split(cfg.micro_batch_size), y.split(cfg.micro_batch_size)))
-        total = 0.0
-        for xs, ys in chunks:
-            loss = F.cross_entropy(model(xs), ys) / len(chunks)
-            loss.backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return RunResult(losses=losses, params={n: p.detach().clone() for n, p in model.named_parameters()})
-
-
-@pytest.mark.parametrize("case", [dict(dp=2), dict(pp=2)])
-def test_resnet(case):
-    plan = make(resnet(), sample=torch.zeros(1, 3, 8, 8), **case)
-    assert_parity(run(_cnn_train, plan.config.world_size, plan, 4), _cnn_reference(plan, 4))
 
 
 def _save_gpt2(rank, world, plan, path, steps):

@@ -129,9 +129,11 @@ def reduce_scatter_bytes(unit_numel: float, dtype: DType, reduce_dtype: DType = 
 def uses_replicate(*, dp: int, pipelined: bool, tp: int, dtype: DType) -> bool:
     """Whether ZeRO-0/1 run FSDP2's ``replicate`` rather than DDP or autocast
     (``autopar.runtime.data_parallel``): with pipelining or tensor parallelism over
-    data-parallel ranks, and for a pipeline in mixed precision at any ``dp`` (its cast
-    weights once per stage, not once per micro-batch in flight)."""
-    return (dp > 1 and (pipelined or tp > 1)) or (pipelined and bool(compute_copy_bytes(dtype)))
+    data-parallel ranks, and in mixed precision for a pipeline at any ``dp`` (its cast
+    weights once per stage, not once per micro-batch in flight) and for any plan at
+    ``dp=1`` (the whole block in the low precision, where autocast keeps an fp32 residual
+    stream)."""
+    return (dp > 1 and (pipelined or tp > 1)) or ((pipelined or dp == 1) and bool(compute_copy_bytes(dtype)))
 
 
 def config_state_bytes(

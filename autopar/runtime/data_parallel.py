@@ -17,10 +17,15 @@ zero       what runs
            with one stage, or DDP's first-step bucket rebuild fails on the micro-batched
            backward), and the fake parameters of a measured dry run (DDP needs real
            ones). Stage 1 also shards the optimizer state (:mod:`autopar.runtime.optimizer`).
-           A pipelined plan in bf16 or fp16 runs ``replicate`` at dp=1 too: its mixed
-           precision casts a stage's weights once, where autocast would cast them for
-           every micro-batch in flight and keep each copy for that micro-batch's backward
-           (measured: 1.10 of the prediction on a pp=2 1F1B GPT, 1.00 with ``replicate``).
+           A plan in bf16 or fp16 without data parallelism (dp=1, pipelined or not)
+           runs ``replicate`` on its one-rank group too: its mixed precision casts a
+           stage's weights once and the whole block computes in the low precision, as
+           the cost model prices. Autocast casts only the matmuls' operands, so an
+           embedding's fp32 output keeps the residual stream, the norms and what they
+           save in fp32 (measured: 1.09 of the prediction on one device, 1.29 at tp=8),
+           and under a pipeline it casts the weights anew for every micro-batch in
+           flight and keeps each copy for that micro-batch's backward (1.10 on a pp=2
+           1F1B GPT); 1.00 with ``replicate``.
 2          FSDP2 ``fully_shard`` per unit, then the stage root, ``reshard_after_forward=False``:
            gradients and optimizer state sharded, parameters kept gathered from forward to
            backward (ZeRO-2's memory, Rajbhandari et al. 2020).
@@ -43,7 +48,8 @@ state: FSDP2 and ``replicate`` cast parameters with ``MixedPrecisionPolicy(param
 reduce_dtype=fp32)``, or under ZeRO-2/3 with ``reduce_dtype=bf16`` where the plan reduces
 gradients in bf16 (``ParallelConfig.reduce_dtype``: FSDP2 then reduce-scatters, and under
 pipelining accumulates, the bf16 gradients as they come, and casts the reduced shard to
-the fp32 gradient); DDP runs the forward under ``torch.autocast``. fp16 plans also scale
+the fp32 gradient); DDP runs the forward under ``torch.autocast``, with the fp32
+residual stream that keeps (above). fp16 plans also scale
 the loss dynamically (:mod:`autopar.runtime.loss_scale`); bf16 needs no scaling.
 """
 
@@ -141,11 +147,10 @@ def apply_data_parallel(
             )
         fully_shard(stage, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard, shard_placement_fn=even)
         return stage
-    # under autocast every micro-batch's forward casts the weights anew and keeps the casts
-    # for its backward: a pipeline holding several micro-batches keeps that many copies
-    pipelined_low = spec.pipelined and low is not None
+    # without data parallelism, a low precision runs replicate's casts, not autocast's
+    # (module docstring)
     wrapped = spec.pipelined or any(isinstance(p, (DTensor, FakeTensor)) for p in stage.parameters())
-    if (spec.dp > 1 and wrapped) or pipelined_low:
+    if (spec.dp > 1 and wrapped) or ((spec.pipelined or spec.dp == 1) and low is not None):
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         for module in experts:

@@ -121,8 +121,8 @@ def _recomputed(plan: autopar.Plan) -> int:
 
 def test_a_plan_short_of_memory_keeps_the_shards_rather_than_recompute():
     """A Llama 3 8B shape on 8 H100 with tp=8, eager, one sample of 64K tokens: holding
-    the gathers, 20 of its 35 units recompute (per operator); keeping their shards, 4 do,
-    and the step is faster; the other way is priced and said."""
+    the gathers, 21 of its 35 units recompute; keeping their shards, 7 do, and the step is
+    faster; the other way is priced and said."""
     cfg = LlamaConfig(vocab_size=32000, seq_len=SEQ_64K, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336)
     with torch.device("meta"):
         model = Llama(cfg)
@@ -132,7 +132,7 @@ def test_a_plan_short_of_memory_keeps_the_shards_rather_than_recompute():
     held = autopar.plan(model, cluster, global_batch_size=1, seq_len=SEQ_64K, constraints={**fixed, "regather": False})
     assert plan.config.regather and not held.config.regather
     assert plan.prediction.fits and held.prediction.fits
-    assert (_recomputed(plan), _recomputed(held)) == (4, 20)
+    assert (_recomputed(plan), _recomputed(held)) == (7, 21)
     assert plan.prediction.step_time_s < held.prediction.step_time_s
     contrast = [a for a in plan.alternatives if a.status == "regather"]
     assert contrast and not contrast[0].config.regather
@@ -141,12 +141,12 @@ def test_a_plan_short_of_memory_keeps_the_shards_rather_than_recompute():
     assert "shards kept" in line and "this configuration holding them" in line
 
 
-@pytest.mark.parametrize("memory_gib", [0.02, 0.04])
+@pytest.mark.parametrize("memory_gib", [0.021, 0.04])
 def test_whole_search_with_kept_shards_matches_brute_force(memory_gib):
     """Eager blocks with sequence parallelism searched both ways: the search (which skips
     a kept-shard candidate whose twin holding the gathers recomputes nothing) equals brute
     force over every configuration, split and per-unit option, where units must recompute
-    (0.02 GiB) and where the best keeps every activation (0.04)."""
+    (0.021 GiB) and where the best keeps every activation (0.04)."""
     graph = extract(GPT(GPTConfig(vocab_size=512, seq_len=1024, dim=256, n_layers=2, n_heads=8)), seq_len=1024)
     cluster = tiny_cluster(memory_gib)
     constraints = {"micro_batch_size": 2, "compile": False}

@@ -17,7 +17,7 @@ from autopar.search.scan import ALL_MODES, search
 from autopar.search.solve import ConfigSolver
 from autopar.search.space import enumerate_space
 from autopar.search.walk_room import with_walk_room
-from autopar.vocab import Optimizer, Schedule
+from autopar.vocab import Optimizer, Schedule, TPStyle
 
 from .exact_reference import brute_force_search, search_and_brute_force, tiny_cluster
 
@@ -152,18 +152,22 @@ def test_the_walk_room_is_skipped_only_where_it_cannot_beat_the_fastest_so_far()
 
 
 def test_a_tied_weight_is_counted_once_only_where_its_owners_split_it_alike():
-    """A tied GPT at 1K tokens on devices where every byte counts: the fastest choice
-    that fits holds the tied table once (embedding and head split it alike) and fits only
-    with what that saves, by recomputing the embedding and taking the per-operator policy
-    for a block. The search once solved the stage with the saving for every choice and,
-    when its pick kept the table twice, again without it, missing this one; it now solves
-    each pair of the owners' layouts that holds it once with its saving, and equals brute
-    force."""
+    """A tied GPT at 1K tokens on devices where every byte counts (the least memory any
+    plan fits in, to 0.0001 GiB): the fastest choice that fits holds the tied table once
+    (the embedding split by vocabulary and the head column-parallel: both split it along
+    its rows) and fits only by recomputing both blocks and the head per operator. The
+    search once solved the stage with the saving for every choice and, when its pick kept
+    the table twice, again without it, missing such a pick; it now solves each pair of the
+    owners' layouts that holds it once with its saving, and equals brute force."""
     graph = extract(GPT(GPTConfig(vocab_size=512, seq_len=1024, dim=256, n_layers=2, n_heads=8)), seq_len=1024)
     assert graph.shared
-    cluster = tiny_cluster(0.02)
     constraints = {"micro_batch_size": 2, "compile": False, "regather": False}
-    result, want = search_and_brute_force(graph, cluster, constraints, global_batch_size=8, micro_batch_size=2)
+    for memory_gib in (0.0205, 0.0206):
+        result, want = search_and_brute_force(
+            graph, tiny_cluster(memory_gib), constraints, global_batch_size=8, micro_batch_size=2
+        )
+        assert result.best.fits == math.isfinite(want) == (memory_gib == 0.0206)
     assert result.best.step_time_s == pytest.approx(want, rel=1e-9)
-    modes = [o.recompute.value for stage in result.best.stages for o in stage.options]
-    assert modes[0] == "full" and "op" in modes[1:3]
+    options = [o for stage in result.best.stages for o in stage.options]
+    assert [o.recompute.value for o in options] == ["none", "full", "full", "op"]
+    assert options[0].layout.styles[0] is TPStyle.VOCAB and options[-1].layout.styles[-1] is TPStyle.COLUMN

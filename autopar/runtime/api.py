@@ -227,9 +227,8 @@ def parallelize(
     if materializer is not None:
         materializer.fill(stages, device)
     if fake_mode is not None:
-        with fake_mode:
-            for s in stages:
-                s.to_empty(device=device)
+        for s in stages:
+            _to_fake(s, device, fake_mode)
     if not sharded_on_meta and (materialize or not meta or fake_mode is not None):
         stages = [apply_data_parallel(s, spec, dp_mesh, ep_replicate) for s, spec in zip(stages, spec_of)]
 
@@ -329,3 +328,20 @@ def _dp_spec(plan: Plan, stage: nn.Module, units: tuple[str, ...]) -> DataParall
         pipelined=plan.config.pp > 1,
         reduce_dtype=plan.config.reduce_dtype,
     )
+
+
+def _to_fake(stage: nn.Module, device: torch.device, fake_mode: FakeTensorMode) -> None:
+    """Give ``stage``'s meta parameters fake storage, keeping tied ones tied: ``to_empty``
+    makes a new parameter for each module that holds a shared one (a meta tensor cannot
+    take a fake one's data in place), so a tied table became two, with two gradients
+    and two optimizer states in the measured step."""
+    owners: dict[int, list[str]] = {}
+    for fqn, p in stage.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(fqn)
+    with fake_mode:
+        stage.to_empty(device=device)
+    for first, *others in owners.values():
+        shared = stage.get_parameter(first)
+        for fqn in others:
+            module, _, name = fqn.rpartition(".")
+            setattr(stage.get_submodule(module), name, shared)

@@ -39,7 +39,7 @@ from autopar.runtime.errors import PlanMismatchError
 from autopar.runtime.expert_parallel import SharedWeightSync, apply_expert_parallel, check_expert_parallel
 from autopar.runtime.finite import DEFAULT_MAX_CONSECUTIVE_SKIPS, SkipCounter
 from autopar.runtime.fp8 import EMULATION_WARNING, check_fp8, check_saved_inputs, convert_blocks, emulated
-from autopar.runtime.init import InitFn, Materializer, is_meta
+from autopar.runtime.init import InitFn, Materializer, is_meta, tied_names, to_empty_tied
 from autopar.runtime.job import Job, JobParts
 from autopar.runtime.layouts import TPLayout, resolve
 from autopar.runtime.loss_scale import LossScaler
@@ -190,6 +190,7 @@ def parallelize(
     local_units = tuple(u for i in indices for u in plan.stages[i])
     meta = is_meta(model)
     materializer = Materializer(model, plan.model.units, local_units, init_fn, seed) if meta and materialize else None
+    tied_fqns = tied_names(model)  # before tensor parallelism replaces tied parameters module by module
     cp = dims.cp
     _without_kv_cache(model)
     stages = [cut(model, plan.stages[i], plan.model.units, plan.model.seq_len // cp) for i in indices]
@@ -226,9 +227,10 @@ def parallelize(
         stages = [apply_data_parallel(s, spec, dp_mesh, ep_replicate) for s, spec in zip(stages, spec_of)]
     if materializer is not None:
         materializer.fill(stages, device)
-    if fake_mode is not None:
-        for s in stages:
-            _to_fake(s, device, fake_mode)
+    if fake_mode is not None:  # fake storage, tied parameters kept tied as the materializer keeps them
+        with fake_mode:
+            for s in stages:
+                to_empty_tied(s, device, tied_fqns)
     if not sharded_on_meta and (materialize or not meta or fake_mode is not None):
         stages = [apply_data_parallel(s, spec, dp_mesh, ep_replicate) for s, spec in zip(stages, spec_of)]
 
@@ -328,20 +330,3 @@ def _dp_spec(plan: Plan, stage: nn.Module, units: tuple[str, ...]) -> DataParall
         pipelined=plan.config.pp > 1,
         reduce_dtype=plan.config.reduce_dtype,
     )
-
-
-def _to_fake(stage: nn.Module, device: torch.device, fake_mode: FakeTensorMode) -> None:
-    """Give ``stage``'s meta parameters fake storage, keeping tied ones tied: ``to_empty``
-    makes a new parameter for each module that holds a shared one (a meta tensor cannot
-    take a fake one's data in place), so a tied table became two, with two gradients
-    and two optimizer states in the measured step."""
-    owners: dict[int, list[str]] = {}
-    for fqn, p in stage.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(p), []).append(fqn)
-    with fake_mode:
-        stage.to_empty(device=device)
-    for first, *others in owners.values():
-        shared = stage.get_parameter(first)
-        for fqn in others:
-            module, _, name = fqn.rpartition(".")
-            setattr(stage.get_submodule(module), name, shared)

@@ -68,10 +68,7 @@ def initialize(
     initialise each unit in order under its seed; returns ``model``."""
     init_fn = init_fn or default_init
     if is_meta(model):
-        tied = tied_names(model)
-        model.to_empty(device=device)
-        for names in tied:
-            retie(model, names)
+        to_empty_tied(model, device, tied_names(model))
     for unit in units:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(unit_seed(seed, unit))
@@ -115,9 +112,7 @@ class Materializer:
     def fill(self, stages: list[nn.Module], device: torch.device) -> None:
         """Allocate the stages' (sharded) storage on ``device`` and copy in each shard."""
         for stage in stages:
-            stage.to_empty(device=device)
-            for names in self._tied:
-                retie(stage, names)
+            to_empty_tied(stage, device, self._tied)
         full_units: dict[str, nn.Module] = {}
         for unit in sorted({u for u, _ in self._sources.values()}, key=self._units.index):
             full = copy.deepcopy(self._pristine[unit]).to_empty(device=device)
@@ -136,6 +131,15 @@ class Materializer:
                 src_unit, src_name = self._sources[fqn]
                 value = dict(_named_tensors(full_units[src_unit]))[src_name[len(src_unit) + 1 :]]
                 _copy_shard(target, value)
+
+
+def to_empty_tied(module: nn.Module, device: torch.device | str, tied: list[tuple[str, ...]]) -> None:
+    """``module.to_empty(device=device)``, after which the names of each tied parameter in
+    ``tied`` (:func:`tied_names` of the whole model, taken before tensor parallelism or
+    ``to_empty`` replaced its parameters module by module) share one tensor again."""
+    module.to_empty(device=device)
+    for names in tied:
+        retie(module, names)
 
 
 def tied_names(model: nn.Module) -> list[tuple[str, ...]]:

@@ -46,7 +46,7 @@ def test_a_fake_step_allocates_what_the_same_step_allocates_on_real_tensors(conf
     (interleaved), 1.0-1.7% (DualPipeV), which gloo's collectives allocating temporaries
     the fake group does not would explain; not isolated yet. Within 5%: the accuracy the
     dry run is asked for. The fake step had made a tied table two parameters, one per
-    module, with two gradients and two optimizer states (``autopar.runtime.api``): the
+    module, with two gradients and two optimizer states (``autopar.runtime.init.to_empty_tied``): the
     peaks had differed by up to 3.3% both ways."""
     config = dict(config)
     name = config.pop("model", "gpt")

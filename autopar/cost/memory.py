@@ -6,8 +6,8 @@ PyTorch, per parameter held by a TP rank:
 - fp32 master weight (4 bytes), fp32 gradient (4), optimizer state (Adam: two fp32
   moments, 8; SGD: one momentum, 4; Adafactor: factored, see
   :func:`autopar.cost.tensor_parallel.leaf_factored_numel`);
-- with mixed precision a low-precision compute copy (2): autocast's weight cache under
-  DDP, FSDP2's unsharded parameters under ZeRO-2/3;
+- with mixed precision a low-precision compute copy (2): the unsharded parameters of
+  FSDP2 (ZeRO-2/3) or of its ``replicate`` (ZeRO-0/1, which DDP runs only in fp32);
 - ZeRO-1 (``ZeroRedundancyOptimizer``) shards the optimizer state over ``dp``; ZeRO-2
   (FSDP2, ``reshard_after_forward=False``) also the master weights and gradients, and
   keeps the unsharded compute copy from forward to backward; ZeRO-3 (FSDP2) gathers a
@@ -17,21 +17,26 @@ PyTorch, per parameter held by a TP rank:
   sharded term is divided by ``dp_shard`` instead of ``dp`` (FSDP2's ``fully_shard`` on
   a 2-D mesh, ``Replicate`` x ``Shard(0)`` placements; Zhao et al. 2023, "PyTorch
   FSDP", section 3.2.2, hybrid sharding).
-- DDP (ZeRO-0/1 without pipelining or TP) rebuilds its gradient buckets once, in
+- DDP (ZeRO-0/1 in fp32 without pipelining or TP) rebuilds its gradient buckets once, in
   the pre-forward of an early step (``Reducer::rebuild_buckets``, in the order the
   gradients became ready): the new buckets are allocated while ``param.grad`` still
   views the old ones, so for a moment the stage holds its gradients twice. No
   activation is alive then, so the stage peaks at ``max(steady peak, model states +
   gradients)`` (measured: ``docs/cost-model.md``).
-- ZeRO-0/1 under FSDP2's ``replicate`` wrap the whole stage as one group, whose
-  post-backward runs once the stage's backward is over: with mixed precision every
-  parameter's gradient in the compute precision (the unsharded low-precision
-  parameter's ``.grad``) stays alive until then beside the fp32 gradients, which it is
-  then cast and added into (:func:`held_grad_bytes`).
+- ZeRO-0/1 under FSDP2's ``replicate`` without pipelining wrap each unit, as ZeRO-2 does,
+  and all-reduce its gradients when its backward ends (in a step's last micro-batch;
+  the earlier ones accumulate them): the unit's compute-precision gradients and the
+  flat fp32 buffer they are cast into are its transient, as ZeRO-2's reduce-scatter
+  input (:func:`reduce_scatter_bytes`). Under pipelining ``replicate`` wraps the whole
+  stage as one group, whose post-backward runs once the stage's backward is over: with
+  mixed precision every parameter's gradient in the compute precision (the unsharded
+  low-precision parameter's ``.grad``) stays alive until then beside the fp32
+  gradients, which it is then cast and added into (:func:`held_grad_bytes`).
 - A vocabulary-parallel embedding's weight gradient is computed whole, the full table
   on every rank of the tensor-parallel group (``UnitCost.whole_grad_numel``): a
   transient in the compute precision under ZeRO-2/3 (FSDP2 slices it to the shard
-  before its reduce-scatter), part of :func:`held_grad_bytes` under ``replicate``, and
+  before its reduce-scatter), part of :func:`held_grad_bytes` under a pipelined
+  ``replicate`` and of the unit's transient under an unpipelined one, and
   under ZeRO-0/1 a whole fp32 gradient from its first backward to ``zero_grad``:
   ``replicate`` casts, accumulates and all-reduces the gradient in the placement it
   came in (whole), and without data parallelism (no wrapper) ``param.grad`` is the
@@ -127,13 +132,11 @@ def reduce_scatter_bytes(unit_numel: float, dtype: DType, reduce_dtype: DType = 
 
 
 def uses_replicate(*, dp: int, pipelined: bool, tp: int, dtype: DType) -> bool:
-    """Whether ZeRO-0/1 run FSDP2's ``replicate`` rather than DDP or autocast
+    """Whether ZeRO-0/1 run FSDP2's ``replicate`` rather than DDP
     (``autopar.runtime.data_parallel``): with pipelining or tensor parallelism over
-    data-parallel ranks, and in mixed precision for a pipeline at any ``dp`` (its cast
-    weights once per stage, not once per micro-batch in flight) and for any plan at
-    ``dp=1`` (the whole block in the low precision, where autocast keeps an fp32 residual
-    stream)."""
-    return (dp > 1 and (pipelined or tp > 1)) or ((pipelined or dp == 1) and bool(compute_copy_bytes(dtype)))
+    data-parallel ranks, and in mixed precision always (its casts put the whole block in
+    the low precision, where autocast beside DDP would keep an fp32 residual stream)."""
+    return (dp > 1 and (pipelined or tp > 1)) or bool(compute_copy_bytes(dtype))
 
 
 def config_state_bytes(
@@ -207,10 +210,11 @@ def state_bytes(
         dp: ranks the sharded state is split over: the data- times the context-parallel
             degree, or under HSDP the shard group (``ParallelConfig.state_shards``).
         pipelined: the stage runs under a pipeline schedule (pp > 1).
-        tp: tensor-parallel degree. ZeRO-0/1 with dp > 1 run DDP, except with pipelining
-            or tensor parallelism, where the runtime uses FSDP2's ``replicate``
-            (``autopar.runtime.data_parallel``): it gathers an unsharded copy of every
-            parameter (fp32 params: a second fp32 copy) from forward to backward.
+        tp: tensor-parallel degree. ZeRO-0/1 with dp > 1 in fp32 run DDP, except with
+            pipelining or tensor parallelism, where the runtime uses FSDP2's
+            ``replicate`` (:func:`uses_replicate`): it gathers an unsharded copy of every
+            parameter (fp32 params: a second fp32 copy) from forward to backward, and
+            without pipelining reduces unit by unit (module docstring).
         whole_grad_numel: the whole size of the split weights among them whose gradient
             is computed whole (a vocabulary-parallel embedding's table; module docstring).
         largest_grad_numel: elements of the largest gradient a unit makes at once. Under
@@ -232,11 +236,18 @@ def state_bytes(
         replicate = uses_replicate(dp=dp, pipelined=pipelined, tp=tp, dtype=dtype)
         params = param_numel * (MASTER_BYTES + (unsharded_copy if replicate else copy))
         ddp = dp > 1 and not replicate
+        # replicate reduces per unit without pipelining, as ZeRO-2 (its transient); under
+        # pipelining the stage's gradients are held_grad_bytes
+        if replicate:
+            reduced = reduce_scatter_bytes(largest_unit_numel, dtype) + beyond_shard * unsharded_copy
+            transient = 0.0 if pipelined else reduced
+        else:
+            transient = largest_grad_numel * GRAD_BYTES if ddp or accumulates else 0.0
         return StateBytes(
             params_bytes=params,
             grads_bytes=(param_numel + beyond_shard) * GRAD_BYTES,
             optimizer_bytes=opt_full if zero_stage == 0 else opt_sharded,
-            transient_bytes=largest_grad_numel * GRAD_BYTES if not replicate and (ddp or accumulates) else 0.0,
+            transient_bytes=transient,
             rebuild_bytes=param_numel * GRAD_BYTES if ddp else 0.0,
         )
     master = param_numel * widen * MASTER_BYTES / dp
@@ -278,13 +289,15 @@ def held_grad_bytes(config: ParallelConfig, *, param_numel: float, whole_grad_nu
     """Bytes of the compute-precision gradients of ``param_numel`` parameters (and of the
     split weights whose gradient is whole, ``whole_grad_numel`` of them at their whole
     size) that ZeRO-0/1 under FSDP2's ``replicate`` hold until the stage's backward is
-    over: ``replicate`` wraps the stage as one group, and its post-backward, which casts
-    each gradient to fp32 and adds it into the fp32 one (or reduces it), runs at the end
-    (``FSDPParamGroup.post_backward``). Only with mixed precision: in fp32 the unsharded
-    parameter's gradient is the fp32 gradient itself, already counted."""
+    over: under pipelining ``replicate`` wraps the stage as one group, and its
+    post-backward, which casts each gradient to fp32 and adds it into the fp32 one (or
+    reduces it), runs at the end (``FSDPParamGroup.post_backward``). Only with mixed
+    precision: in fp32 the unsharded parameter's gradient is the fp32 gradient itself,
+    already counted. Without pipelining each unit reduces its own (a transient,
+    :func:`state_bytes`)."""
     copy = compute_copy_bytes(config.dtype)
     replicate = uses_replicate(dp=config.state_shards, pipelined=config.pp > 1, tp=config.tp, dtype=config.dtype)
-    if config.zero_stage >= 2 or not replicate or not copy:
+    if config.zero_stage >= 2 or config.pp == 1 or not replicate or not copy:
         return 0.0
     return _compute_grad_bytes(config, param_numel, whole_grad_numel)
 

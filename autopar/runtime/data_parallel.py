@@ -8,24 +8,25 @@ gradient of the whole sequence's token mean (:mod:`autopar.runtime.context_paral
 =========  ==================================================================================
 zero       what runs
 =========  ==================================================================================
-0, 1       ``DistributedDataParallel(gradient_as_bucket_view=True, static_graph=True)``.
-           Three cases use the FSDP2-based ``replicate`` instead, which runs the same
-           all-reduce: parameters that tensor parallelism made DTensors (DDP cannot hold
-           them; torchtitan refuses DDP with more than one mesh axis for this reason),
-           pipelined plans (measured on torch 2.13: DDP under a multi-stage pipelining
-           schedule gave the last stage wrong gradients; ``static_graph`` is needed even
-           with one stage, or DDP's first-step bucket rebuild fails on the micro-batched
-           backward), and the fake parameters of a measured dry run (DDP needs real
-           ones). Stage 1 also shards the optimizer state (:mod:`autopar.runtime.optimizer`).
-           A plan in bf16 or fp16 without data parallelism (dp=1, pipelined or not)
-           runs ``replicate`` on its one-rank group too: its mixed precision casts a
-           stage's weights once and the whole block computes in the low precision, as
-           the cost model prices. Autocast casts only the matmuls' operands, so an
-           embedding's fp32 output keeps the residual stream, the norms and what they
-           save in fp32 (measured: 1.09 of the prediction on one device, 1.29 at tp=8),
-           and under a pipeline it casts the weights anew for every micro-batch in
-           flight and keeps each copy for that micro-batch's backward (1.10 on a pp=2
-           1F1B GPT); 1.00 with ``replicate``.
+0, 1       ``DistributedDataParallel(gradient_as_bucket_view=True, static_graph=True)`` in
+           fp32. The FSDP2-based ``replicate``, which runs the same all-reduce, in the
+           other cases: mixed precision (its casts put the whole block in the low
+           precision, as the cost model prices: autocast beside DDP casts only the
+           matmuls' operands, so an embedding's fp32 output keeps the residual stream,
+           the norms and what they save in fp32, measured at 1.08-1.29 of the
+           prediction; under a pipeline autocast also casts the weights anew for every
+           micro-batch in flight), parameters that tensor parallelism made DTensors (DDP
+           cannot hold them; torchtitan refuses DDP with more than one mesh axis for this
+           reason), pipelined plans (measured on torch 2.13: DDP under a multi-stage
+           pipelining schedule gave the last stage wrong gradients; ``static_graph`` is
+           needed even with one stage, or DDP's first-step bucket rebuild fails on the
+           micro-batched backward), and the fake parameters of a measured dry run (DDP
+           needs real ones). Without pipelining ``replicate`` wraps each unit, then the
+           stage root, so each unit's gradients are all-reduced as its backward ends,
+           overlapped with the rest as DDP's buckets are
+           (:class:`autopar.runtime.pipeline._UnitReductionStage`); under pipelining
+           the stage is one group, reduced after the last micro-batch. Stage 1 also
+           shards the optimizer state (:mod:`autopar.runtime.optimizer`).
 2          FSDP2 ``fully_shard`` per unit, then the stage root, ``reshard_after_forward=False``:
            gradients and optimizer state sharded, parameters kept gathered from forward to
            backward (ZeRO-2's memory, Rajbhandari et al. 2020).
@@ -48,17 +49,14 @@ state: FSDP2 and ``replicate`` cast parameters with ``MixedPrecisionPolicy(param
 reduce_dtype=fp32)``, or under ZeRO-2/3 with ``reduce_dtype=bf16`` where the plan reduces
 gradients in bf16 (``ParallelConfig.reduce_dtype``: FSDP2 then reduce-scatters, and under
 pipelining accumulates, the bf16 gradients as they come, and casts the reduced shard to
-the fp32 gradient); DDP runs the forward under ``torch.autocast``, with the fp32
-residual stream that keeps (above). fp16 plans also scale
-the loss dynamically (:mod:`autopar.runtime.loss_scale`); bf16 needs no scaling.
+the fp32 gradient). fp16 plans also scale the loss dynamically
+(:mod:`autopar.runtime.loss_scale`); bf16 needs no scaling.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -147,36 +145,19 @@ def apply_data_parallel(
             )
         fully_shard(stage, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard, shard_placement_fn=even)
         return stage
-    # without data parallelism, a low precision runs replicate's casts, not autocast's
-    # (module docstring)
+    # a low precision runs replicate's casts, not autocast's (module docstring)
     wrapped = spec.pipelined or any(isinstance(p, (DTensor, FakeTensor)) for p in stage.parameters())
-    if (spec.dp > 1 and wrapped) or ((spec.pipelined or spec.dp == 1) and low is not None):
+    if (spec.dp > 1 and wrapped) or low is not None:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         for module in experts:
             replicate(module, mesh=experts_mesh, mp_policy=policy)
+        for fqn in () if spec.pipelined else spec.shard_units:
+            replicate(stage.get_submodule(fqn), mesh=dp_mesh, mp_policy=policy)
         replicate(stage, mesh=dp_mesh, mp_policy=policy)
         return stage
-    if low is not None:
-        stage.forward = _autocast(stage.forward, low)
     if spec.dp > 1:
         return DistributedDataParallel(
             stage, process_group=dp_mesh.get_group(), gradient_as_bucket_view=True, static_graph=True
         )
     return stage
-
-
-def _autocast(forward: Callable[..., Any], dtype: torch.dtype) -> Callable[..., Any]:
-    @functools.wraps(forward)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(_device_of(args, kwargs) or "cpu", dtype=dtype):
-            return forward(*args, **kwargs)
-
-    return run
-
-
-def _device_of(args: tuple, kwargs: dict) -> str | None:
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            return value.device.type
-    return None

@@ -163,31 +163,37 @@ def _to_tensors(_module: nn.Module, _args: Any, output: Any) -> Any:
     )
 
 
-class _ShardedAccumulationStage(PipelineStage):
-    """A ``PipelineStage`` whose FSDP2 module reduces gradients every micro-batch.
+class _UnitReductionStage(PipelineStage):
+    """A ``PipelineStage`` whose FSDP2 module reduces each unit's gradients as its
+    backward ends, overlapped with the backward of the units before it.
 
     ``PipelineStage`` runs every micro-batch's backward with FSDP2's gradient sync and
-    resharding switched off and reduces once after the last (``perform_reduce_grad``),
-    so the stage's unsharded gradients pile up across micro-batches and ZeRO-3's
-    parameters stay gathered from one backward to the next forward. Without pipelining
-    the planner prices ZeRO-2/3 as plain FSDP2 gradient accumulation
-    (:func:`autopar.cost.memory.state_bytes`, :func:`autopar.cost.data_parallel.tail_s`):
-    each micro-batch reduce-scatters its gradients into the sharded ones, ZeRO-3
-    reshards after every backward and gathers again for the next micro-batch, and
-    ZeRO-2 keeps its parameters gathered until the last one. This stage does that; the
-    final ``perform_reduce_grad`` then finds no unsharded gradient left and only
-    reshards and scales.
+    resharding switched off and reduces every unit at once after the last
+    (``perform_reduce_grad``): the reduction waits for the whole backward, the stage's
+    unsharded gradients pile up across micro-batches, and ZeRO-3's parameters stay
+    gathered from one backward to the next forward. Without pipelining the planner
+    prices per-unit reductions overlapped with the backward
+    (:func:`autopar.cost.data_parallel.tail_s`), as DDP's buckets do. This stage runs
+    them: ZeRO-2/3 (``sync_each_microbatch``) reduce-scatter each micro-batch's
+    gradients into the sharded ones, ZeRO-3 reshards after every backward and gathers
+    again for the next micro-batch, and ZeRO-2 keeps its parameters gathered until the
+    last one; ``replicate`` (ZeRO-0/1) accumulates the unsharded gradients and
+    all-reduces each unit's during the last micro-batch's backward, as DDP does under
+    ``no_sync``. The final ``perform_reduce_grad`` then finds no unsharded gradient
+    left and only reshards and scales.
     """
 
-    def __init__(self, *args: Any, reshard_each_microbatch: bool, **kwargs: Any):
+    def __init__(self, *args: Any, sync_each_microbatch: bool, reshard_each_microbatch: bool, **kwargs: Any):
         super().__init__(*args, **kwargs)
+        self._sync_each_microbatch = sync_each_microbatch
         self._reshard_each_microbatch = reshard_each_microbatch
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
         if backward_type != "full" or not isinstance(self.submod, FSDPModule):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
-        self.submod.set_is_last_backward(True)
-        self.submod.set_requires_gradient_sync(True)
+        sync = self._sync_each_microbatch or last_backward
+        self.submod.set_is_last_backward(sync)
+        self.submod.set_requires_gradient_sync(sync)
         self.submod.set_reshard_after_backward(self._reshard_each_microbatch or last_backward)
         grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
         return grads, None
@@ -266,15 +272,22 @@ def build_stages(
     modules: list[nn.Module], indices: tuple[int, ...], plan: Plan, device: torch.device, group: Any
 ) -> list[PipelineStage]:
     """One ``PipelineStage`` per local stage module. Without pipelining, a stage that
-    FSDP2 shards (ZeRO-2/3) reduces its gradients every micro-batch
-    (:class:`_ShardedAccumulationStage`); with ``pp > 1`` a :class:`BoundedStage` keeps
+    FSDP2 wraps reduces each unit's gradients during the backward
+    (:class:`_UnitReductionStage`); with ``pp > 1`` a :class:`BoundedStage` keeps
     ``PipelineStage``'s single reduction after the last micro-batch, as the planner's
     pipelined memory and time terms assume."""
     cfg = plan.config
-    if cfg.pp == 1 and cfg.zero_stage >= 2 and cfg.dp_cp > 1:
+    if cfg.pp == 1:
+        sharded = cfg.zero_stage >= 2 and cfg.dp_cp > 1
         return [
-            _ShardedAccumulationStage(
-                m, i, cfg.num_stages, device, group=group, reshard_each_microbatch=cfg.zero_stage == 3
+            _UnitReductionStage(
+                m,
+                i,
+                cfg.num_stages,
+                device,
+                group=group,
+                sync_each_microbatch=sharded,
+                reshard_each_microbatch=sharded and cfg.zero_stage == 3,
             )
             for m, i in zip(modules, indices)
         ]

@@ -121,7 +121,7 @@ def _recomputed(plan: autopar.Plan) -> int:
 
 def test_a_plan_short_of_memory_keeps_the_shards_rather_than_recompute():
     """A Llama 3 8B shape on 8 H100 with tp=8, eager, one sample of 64K tokens: holding
-    the gathers, 21 of its 35 units recompute; keeping their shards, 7 do, and the step is
+    the gathers, 20 of its 35 units recompute; keeping their shards, 6 do, and the step is
     faster; the other way is priced and said."""
     cfg = LlamaConfig(vocab_size=32000, seq_len=SEQ_64K, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336)
     with torch.device("meta"):
@@ -132,7 +132,7 @@ def test_a_plan_short_of_memory_keeps_the_shards_rather_than_recompute():
     held = autopar.plan(model, cluster, global_batch_size=1, seq_len=SEQ_64K, constraints={**fixed, "regather": False})
     assert plan.config.regather and not held.config.regather
     assert plan.prediction.fits and held.prediction.fits
-    assert (_recomputed(plan), _recomputed(held)) == (7, 21)
+    assert (_recomputed(plan), _recomputed(held)) == (6, 20)
     assert plan.prediction.step_time_s < held.prediction.step_time_s
     contrast = [a for a in plan.alternatives if a.status == "regather"]
     assert contrast and not contrast[0].config.regather

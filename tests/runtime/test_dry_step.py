@@ -39,10 +39,11 @@ def _real(rank, world, plan, name="gpt"):
 def test_a_fake_step_allocates_what_the_same_step_allocates_on_real_tensors(config):
     """Every rank of a 2-rank plan, measured by the dry run on fake tensors (fake process
     group, meta model) and by the same count on real tensors in a real 2-process gloo run.
-    The bytes held after the step agree within 1%; the peaks agree exactly under ZeRO-3 and
-    tensor parallelism and fall up to 3.9% short elsewhere on these sub-megabyte models:
-    ZeRO-2 with 4 micro-batches 2.6%, ZeRO-1 in bf16 3.4% (the real run's DDP autocasts,
-    the fake one runs FSDP2's replicate), the pipelines 0.5% (1F1B), 2.4-3.9%
+    The bytes held after the step agree within 1%; the peaks agree exactly under ZeRO-3,
+    tensor parallelism and ZeRO-1 in bf16 (both runs FSDP2's ``replicate`` per unit; it had
+    been 3.4% short of the real run's DDP with autocast), and fall up to 3.9% short
+    elsewhere on these sub-megabyte models: ZeRO-2 with 4 micro-batches 2.6%, the
+    pipelines 0.5% (1F1B), 2.4-3.9%
     (interleaved), 1.0-1.7% (DualPipeV), which gloo's collectives allocating temporaries
     the fake group does not would explain; not isolated yet. Within 5%: the accuracy the
     dry run is asked for. The fake step had made a tied table two parameters, one per
@@ -57,9 +58,10 @@ def test_a_fake_step_allocates_what_the_same_step_allocates_on_real_tensors(conf
     for r in report.ranks:
         peak, held = real[r.rank]
         assert r.measured.peak_bytes == pytest.approx(peak, rel=0.05), (r.rank, r.measured, peak)
-        if config.get("zero_stage", 0) < 2 and config.get("dp", 1) > 1 and config.get("pp", 1) == 1:
-            # the real run's DDP keeps its gradient buckets between steps; the fake one runs
-            # FSDP2's replicate (DDP needs real tensors), whose gradients zero_grad frees
+        ddp = config.get("dtype", "fp32") == "fp32" and config.get("pp", 1) == 1
+        if config.get("zero_stage", 0) < 2 and config.get("dp", 1) > 1 and ddp:
+            # the real run's DDP (fp32) keeps its gradient buckets between steps; the fake one
+            # runs FSDP2's replicate (DDP needs real tensors), whose gradients zero_grad frees
             assert r.measured.held_bytes < held, (r.rank, r.measured, held)
         else:
             assert r.measured.held_bytes == pytest.approx(held, rel=0.01), (r.rank, r.measured, held)

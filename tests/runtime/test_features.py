@@ -134,8 +134,8 @@ losses of a few steps accumulate several roundings per matmul, so 2e-2 relative.
 
 @pytest.mark.parametrize("zero,tp", [(0, 1), (2, 2)])
 def test_bf16_mixed_precision_smoke(zero, tp):
-    """bf16 compute with fp32 master weights: autocast with DDP (zero 0), FSDP2's
-    MixedPrecisionPolicy with TP (zero 2); losses track the fp32 reference within bf16
+    """bf16 compute with fp32 master weights: FSDP2's MixedPrecisionPolicy, under
+    ``replicate`` per unit (zero 0) and ``fully_shard`` with TP (zero 2); losses track the fp32 reference within bf16
     precision, and parameters stay fp32."""
     styles = megatron_styles("gpt") if tp > 1 else None
     plan = make_plan("gpt", dp=2, tp=tp, zero_stage=zero, dtype="bf16", styles=styles)

@@ -311,6 +311,19 @@ def fsdp_wrapped(config: ParallelConfig) -> bool:
     )
 
 
+def unit_freed_copy_bytes(config: ParallelConfig) -> float:
+    """Bytes per parameter of the gathered copy a unit lets go of once its backward in a
+    step's last micro-batch is over: without pipelining, FSDP2 under ZeRO-2 and
+    ``replicate`` per unit reshard then (``autopar.runtime.pipeline._UnitReductionStage``),
+    so the copy held since the unit's first forward is gone while the units before it
+    run their backward, and gone for the optimizer step. 0 under pipelining (every
+    unit's at once after the stage's last micro-batch), under ZeRO-3 (gathered only
+    while a unit runs) and without an FSDP2 wrapper."""
+    if config.pp > 1 or config.zero_stage == 3 or not fsdp_wrapped(config):
+        return 0.0
+    return compute_copy_bytes(config.dtype) or MASTER_BYTES
+
+
 def gathers_through_step(zero_stage: int, pipelined: bool) -> bool:
     """Whether FSDP2 keeps the parameters it gathers from a unit's first forward to its
     last backward: ZeRO-2 (no reshard after forward), and ZeRO-3 under pipelining

@@ -9,8 +9,10 @@ activations of the units before it in its own micro-batch, and where a rank runs
 micro-batch's forward before its first backward (no pipelining with one micro-batch,
 GPipe, 1F1B with no more micro-batches than stages after this one) and no gradient
 outlives a step (anything but DDP, whose buckets hold them), ``zero_grad`` left no
-gradient, so they grow as that backward frees the activations. Interleaved 1F1B is
-followed action by action in torch's order
+gradient, so they grow as that backward frees the activations, and without pipelining
+the gathered copies of ZeRO-2 and ``replicate`` shrink as each unit's backward in the
+last micro-batch ends (:func:`autopar.cost.memory.unit_freed_copy_bytes`).
+Interleaved 1F1B is followed action by action in torch's order
 (:func:`autopar.cost.peak_walks.interleaved_peak`): its warm-up's activations meet only
 the gradients of the chunk whose backward runs first, and a chunk may hold more
 micro-batches later in the step than at the warm-up's end (its bound counts them there;
@@ -43,6 +45,7 @@ from autopar.cost.memory import (
     gathered_copy_bytes,
     held_grad_bytes,
     resharded_copy_bytes,
+    unit_freed_copy_bytes,
 )
 from autopar.cost.model import CostModel
 from autopar.cost.peak_walks import backward_peak, chunked, interleaved_peak
@@ -252,14 +255,16 @@ def rank_memory(
         params_bytes -= resharded_copy_bytes(config, stage_numel)
     else:
         fresh = stage.inflight >= config.num_microbatches and not st.rebuild_bytes
-        acts, grads, transient = backward_peak(
+        acts, grads, transient, freed = backward_peak(
             [p.act_bytes for p in prints],
             transients,
             [grads * f for f in share],
             stage.inflight,
             fresh_gradients=fresh,
             held_to_end=sum(last),
+            freed=_freed_copies(model, config, rank),
         )
+        params_bytes -= freed
     # DDP's bucket rebuild happens with no activation alive: it raises the peak only
     # by what it holds beyond them
     transient = max(transient, st.rebuild_bytes * scale - acts)
@@ -277,6 +282,19 @@ def rank_memory(
         buffers_bytes=buffers,
         reserve_bytes=memory.reserved_bytes + memory.fragmentation * allocated,
     )
+
+
+def _freed_copies(model: CostModel, config: ParallelConfig, rank: Sequence[tuple[int, UnitOption]]) -> list[float]:
+    """Per unit of a rank, the gathered copy it frees once its backward in the step's
+    last micro-batch is over (:func:`autopar.cost.memory.unit_freed_copy_bytes`): none
+    for a unit sharing a weight with another unit of the rank, which stays in the stage
+    root's group (``autopar.runtime.api``) and frees it only when the whole backward is."""
+    per_param = unit_freed_copy_bytes(config)
+    units = {u for u, _ in rank}
+    tied = {
+        u for s in model.graph.shared if {s.first_unit, s.second_unit} <= units for u in (s.first_unit, s.second_unit)
+    }
+    return [0.0 if u in tied else o.layout.param_numel * per_param for u, o in rank]
 
 
 def _with_waiting(

@@ -20,9 +20,11 @@ def backward_peak(
     *,
     fresh_gradients: bool,
     held_to_end: float = 0.0,
-) -> tuple[float, float, float]:
-    """(activations, gradients, transient) alive at the peak of a rank's backward, its
-    units in forward order, ``inflight`` micro-batches' activations held at most.
+    freed: Sequence[float] = (),
+) -> tuple[float, float, float, float]:
+    """(activations, gradients, transient, parameter copies freed) at the peak of a
+    rank's backward, its units in forward order, ``inflight`` micro-batches' activations
+    held at most.
 
     While unit ``k`` runs its backward, the micro-batch it works on still holds the
     activations of units up to ``k``, the other micro-batches in flight all theirs, and
@@ -32,18 +34,31 @@ def backward_peak(
     exists from the second micro-batch on, one micro-batch's activations fewer.
     ``held_to_end``: of the last unit's activations, what stays until the micro-batch's
     backward is over (the logits, which ``PipelineStage`` keeps as the output it runs
-    backward from)."""
+    backward from). ``freed``: per unit, the gathered parameter copy it lets go of once
+    its backward in the step's last micro-batch is over (without pipelining,
+    :func:`autopar.cost.memory.unit_freed_copy_bytes`): all are gone after the last
+    backward, and at ``k`` those of the units after ``k`` where the backward of the
+    first micro-batch is the last's (``fresh_gradients`` with one in flight: a single
+    micro-batch); earlier micro-batches hold every copy."""
     whole = sum(acts)
-    best = (0.0, sum(grads, 0.0), 0.0)  # after the last backward, nothing but the gradients
+    freed = list(freed) or [0.0] * len(acts)
+    # after the last backward, nothing but the gradients
+    best = (0.0, sum(grads, 0.0), 0.0, sum(freed, 0.0))
     for k in range(len(acts)):
         held = (inflight - 1) * whole + sum(acts[: k + 1]) + (held_to_end if k < len(acts) - 1 else 0.0)
-        moments = [(held, sum(grads[k + 1 :] if fresh_gradients else grads, 0.0), transients[k])]
+        gone = sum(freed[k + 1 :], 0.0) if fresh_gradients and inflight < 2 else 0.0
+        moments = [(held, sum(grads[k + 1 :] if fresh_gradients else grads, 0.0), transients[k], gone)]
         if fresh_gradients and inflight >= 2:
-            moments.append((held - whole, sum(grads, 0.0), transients[k]))
+            moments.append((held - whole, sum(grads, 0.0), transients[k], 0.0))
         for moment in moments:
-            if sum(moment) > sum(best):
+            if _alive(moment) > _alive(best):
                 best = moment
     return best
+
+
+def _alive(moment: tuple[float, float, float, float]) -> float:
+    acts, grads, transient, freed = moment
+    return acts + grads + transient - freed
 
 
 def chunked(values: Sequence[float], sizes: Sequence[int]) -> list[list[float]]:

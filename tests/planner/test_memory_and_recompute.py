@@ -286,15 +286,25 @@ def test_the_backward_peak_by_hand():
     from autopar.cost.peak_walks import backward_peak as _backward_peak
 
     acts, transients, grads = [4.0, 2.0, 6.0], [1.0, 5.0, 2.0], [3.0, 3.0, 3.0]
-    assert _backward_peak(acts, transients, grads, 1, fresh_gradients=True) == (6.0, 3.0, 5.0)
-    assert _backward_peak(acts, transients, grads, 2, fresh_gradients=True) == (18.0, 3.0, 5.0)
-    assert _backward_peak([0.0], [0.0], [9.0], 1, fresh_gradients=True) == (0.0, 9.0, 0.0)  # only the gradients
-    assert _backward_peak(acts, transients, grads, 1, fresh_gradients=False) == (12.0, 9.0, 2.0)
-    assert _backward_peak(acts, transients, grads, 2, fresh_gradients=False) == (24.0, 9.0, 2.0)
-    assert _backward_peak(acts, [1.0, 9.0, 2.0], grads, 1, fresh_gradients=False) == (6.0, 9.0, 9.0)
+    assert _backward_peak(acts, transients, grads, 1, fresh_gradients=True) == (6.0, 3.0, 5.0, 0.0)
+    assert _backward_peak(acts, transients, grads, 2, fresh_gradients=True) == (18.0, 3.0, 5.0, 0.0)
+    assert _backward_peak([0.0], [0.0], [9.0], 1, fresh_gradients=True) == (0.0, 9.0, 0.0, 0.0)  # only the gradients
+    assert _backward_peak(acts, transients, grads, 1, fresh_gradients=False) == (12.0, 9.0, 2.0, 0.0)
+    assert _backward_peak(acts, transients, grads, 2, fresh_gradients=False) == (24.0, 9.0, 2.0, 0.0)
+    assert _backward_peak(acts, [1.0, 9.0, 2.0], grads, 1, fresh_gradients=False) == (6.0, 9.0, 9.0, 0.0)
     # the last unit's logits (4 of its 6) stay until the backward is over: the middle
     # unit's moment holds them too, 10 + 9 + 5 = 24, over the last unit's 12 + 9 + 2
-    assert _backward_peak(acts, transients, grads, 1, fresh_gradients=False, held_to_end=4.0) == (10.0, 9.0, 5.0)
+    assert _backward_peak(acts, transients, grads, 1, fresh_gradients=False, held_to_end=4.0) == (10.0, 9.0, 5.0, 0.0)
+    # parameter copies of (1, 1, 4) freed as each unit's backward in the last micro-batch
+    # ends: one micro-batch, the middle unit's moment has lost the last unit's 4 (6 + 3 +
+    # 5 - 4 = 10), the first unit's 5 (4 + 6 + 1 - 5 = 6), so the last unit's 12 + 0 + 2
+    # is the peak; after the backward 9 - 6 = 3. Accumulating, an earlier micro-batch
+    # holds every copy: the peak is as without them.
+    freed = [1.0, 1.0, 4.0]
+    assert _backward_peak(acts, transients, grads, 1, fresh_gradients=True, freed=freed) == (12.0, 0.0, 2.0, 0.0)
+    assert _backward_peak(acts, transients, grads, 1, fresh_gradients=False, freed=freed) == (12.0, 9.0, 2.0, 0.0)
+    # only the gradients, less every copy: 9 - 2 over the unit's moment, 0
+    assert _backward_peak([0.0], [0.0], [9.0], 1, fresh_gradients=True, freed=[2.0]) == (0.0, 9.0, 0.0, 2.0)
 
 
 def test_a_tied_weight_is_held_once_only_where_both_owners_split_it_alike():

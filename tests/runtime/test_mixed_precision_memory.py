@@ -5,6 +5,8 @@ matmuls did: the embedding's fp32 output kept the residual stream, the norms and
 saved inputs in fp32, and rank 0's dry-run peak measured 1.088 of the plan on one
 device and 1.289 at tp=8 on one node."""
 
+import functools
+
 import pytest
 import torch
 from dry_memory import assert_rank0_allocation_measured
@@ -62,3 +64,17 @@ def test_a_bf16_data_parallel_step_on_real_tensors_measures_its_predicted_peak(m
     predicted = memory.total_bytes - memory.reserve_bytes
     for peak in run(_real_peak, 2, plan, timeout_s=300):
         assert peak == pytest.approx(predicted, rel=0.02)
+
+
+@pytest.mark.parametrize("devices, tp, zero_stage", [(1, 1, 0), (8, 2, 1)], ids=["one-device", "tp2-dp4-zero1"])
+def test_a_step_whose_parameters_outweigh_its_activations_frees_each_units_copy(devices, tp, zero_stage):
+    """Hidden 2,048 at 2 x 256 tokens, one micro-batch: the step peaks late in the
+    backward, where ``replicate`` has let go of the bf16 copies of the units whose
+    backward is over (it reshards each unit as its backward in the last micro-batch
+    ends), and they are gone for the optimizer step. Counted to the step's end, as
+    before, the measured peaks were 0.935 and 0.929 of the plan."""
+    fixed = {"tp": tp, "pp": 1, "micro_batch_size": 2, "zero_stage": zero_stage, "compile": False, "fp8": False}
+    cluster = autopar.preset("dgx-h100", devices_per_node=devices)
+    plan = autopar.estimate(_llama(2048), cluster, fixed, global_batch_size=2 * devices // tp, seq_len=256)
+    assert (plan.config.num_microbatches, plan.config.dtype.value) == (1, "bf16")
+    assert_rank0_allocation_measured(functools.partial(_llama, 2048), plan, rel=0.02)

@@ -25,13 +25,16 @@ PyTorch, per parameter held by a TP rank:
   gradients)`` (measured: ``docs/cost-model.md``).
 - ZeRO-0/1 under FSDP2's ``replicate`` without pipelining wrap each unit, as ZeRO-2 does,
   and all-reduce its gradients when its backward ends (in a step's last micro-batch;
-  the earlier ones accumulate them): the unit's compute-precision gradients and the
-  flat fp32 buffer they are cast into are its transient, as ZeRO-2's reduce-scatter
-  input (:func:`reduce_scatter_bytes`). Under pipelining ``replicate`` wraps the whole
-  stage as one group, whose post-backward runs once the stage's backward is over: with
-  mixed precision every parameter's gradient in the compute precision (the unsharded
-  low-precision parameter's ``.grad``) stays alive until then beside the fp32
-  gradients, which it is then cast and added into (:func:`held_grad_bytes`).
+  the earlier ones accumulate them): with one micro-batch the unit's compute-precision
+  gradients and the flat fp32 buffer they are cast into are its transient, as ZeRO-2's
+  reduce-scatter input (:func:`reduce_scatter_bytes`); accumulating, the fp32 buffer
+  the accumulated gradients are copied into, and in the micro-batches before the last
+  the unit's new compute-precision gradients (``StateBytes.before_last_bytes``). Under
+  pipelining ``replicate`` wraps the whole stage as one group, whose post-backward runs
+  once the stage's backward is over: with mixed precision every parameter's gradient in
+  the compute precision (the unsharded low-precision parameter's ``.grad``) stays alive
+  until then beside the fp32 gradients, which it is then cast and added into
+  (:func:`held_grad_bytes`).
 - A vocabulary-parallel embedding's weight gradient is computed whole, the full table
   on every rank of the tensor-parallel group (``UnitCost.whole_grad_numel``): a
   transient in the compute precision under ZeRO-2/3 (FSDP2 slices it to the shard
@@ -106,14 +109,16 @@ _OPT_BYTES = {Optimizer.ADAM: 8.0, Optimizer.SGD: 4.0}
 @dataclass(frozen=True, kw_only=True)
 class StateBytes:
     """Model-state bytes on one device, and the transient peaks they add: while a unit
-    runs (``transient_bytes``, on top of the activations) and at DDP's one-time bucket
-    rebuild (``rebuild_bytes``, before any activation exists)."""
+    runs (``transient_bytes``, on top of the activations), in the micro-batches before a
+    step's last where they hold less (``before_last_bytes``; None where the same) and at
+    DDP's one-time bucket rebuild (``rebuild_bytes``, before any activation exists)."""
 
     params_bytes: float
     grads_bytes: float
     optimizer_bytes: float
     transient_bytes: float
     rebuild_bytes: float = 0.0
+    before_last_bytes: float | None = None
 
 
 def compute_copy_bytes(dtype: DType) -> float:
@@ -238,17 +243,27 @@ def state_bytes(
         ddp = dp > 1 and not replicate
         # replicate reduces per unit without pipelining, as ZeRO-2 (its transient); under
         # pipelining the stage's gradients are held_grad_bytes
-        if replicate:
+        accumulated = largest_grad_numel * GRAD_BYTES if ddp or accumulates else 0.0
+        before_last = None
+        if replicate and accumulates:
+            # the flat fp32 reduce input beside the accumulated gradients it copies, then
+            # the reduced ones; before the last micro-batch the unit's new gradients, which
+            # are added into the accumulated ones
+            transient = 0.0 if pipelined else (largest_unit_numel + beyond_shard) * GRAD_BYTES
+            if not pipelined:
+                before_last = (largest_unit_numel + beyond_shard) * copy if copy else accumulated
+        elif replicate:  # the unit's gradients beside the flat buffer they are cast into
             reduced = reduce_scatter_bytes(largest_unit_numel, dtype) + beyond_shard * unsharded_copy
             transient = 0.0 if pipelined else reduced
         else:
-            transient = largest_grad_numel * GRAD_BYTES if ddp or accumulates else 0.0
+            transient = accumulated
         return StateBytes(
             params_bytes=params,
             grads_bytes=(param_numel + beyond_shard) * GRAD_BYTES,
             optimizer_bytes=opt_full if zero_stage == 0 else opt_sharded,
             transient_bytes=transient,
             rebuild_bytes=param_numel * GRAD_BYTES if ddp else 0.0,
+            before_last_bytes=before_last,
         )
     master = param_numel * widen * MASTER_BYTES / dp
     held = master + param_numel * unsharded_copy if gathers_through_step(zero_stage, pipelined) else master

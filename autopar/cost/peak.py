@@ -78,14 +78,16 @@ place them), None where it stays whole."""
 class Footprint:
     """One option of one unit in a stage, priced for the stage bound: seconds per
     micro-batch, bytes kept for the whole step (``static``), bytes per in-flight
-    micro-batch (``act``), the transient peak while it runs, and its share of DDP's
-    one-time bucket rebuild (``rebuild``), which never meets activations."""
+    micro-batch (``act``), the transient peak while it runs (in a micro-batch before
+    the step's last, ``before_last``, at most that), and its share of DDP's one-time
+    bucket rebuild (``rebuild``), which never meets activations."""
 
     time_s: float
     static_bytes: float
     act_bytes: float
     transient_bytes: float
     rebuild_bytes: float
+    before_last_bytes: float
 
 
 def budget_bytes(memory: DeviceMemory) -> float:
@@ -125,8 +127,11 @@ def footprint(
     freed = lay.loss_working_bytes + (
         lay.loss_saved_bytes - lay.held_output_bytes if not option.recompute.checkpoints_unit else 0.0
     )
-    grad_transient = 0.0 if grads_deferred and config.pp > 1 and config.zero_stage >= 2 else st.transient_bytes
-    transient = max(option.transient_bytes, option.transient_bytes - freed + grad_transient)
+    deferred = grads_deferred and config.pp > 1 and config.zero_stage >= 2
+    before_last, last = (
+        max(option.transient_bytes, option.transient_bytes - freed + (0.0 if deferred else grad))
+        for grad in (st.transient_bytes if st.before_last_bytes is None else st.before_last_bytes, st.transient_bytes)
+    )
     # the output gradients awaiting weight gradients: as many as any rank awaits, for the step
     awaiting = most_awaiting(config.schedule, config.pp, config.virtual_stages, config.num_microbatches)
     held += max(lay.wait_bytes, 0.0) * awaiting / config.virtual_stages
@@ -134,8 +139,9 @@ def footprint(
         time_s=option.time_s,
         static_bytes=st.params_bytes + st.grads_bytes + st.optimizer_bytes + held,
         act_bytes=option.act_bytes,
-        transient_bytes=transient,
+        transient_bytes=last,
         rebuild_bytes=st.rebuild_bytes,
+        before_last_bytes=before_last,
     )
 
 
@@ -227,7 +233,8 @@ def rank_memory(
     shared = shared_state_bytes(model, config, held_once_numel(model, config, dict(rank)))
     scale = (static - shared) / static if static else 1.0
     grads = st.grads_bytes * scale + deferred
-    transients = [p.transient_bytes + h for p, h in zip(prints, _held_grads(config, rank, first_units))]
+    held_grads = _held_grads(config, rank, first_units)
+    transients = [p.transient_bytes + h for p, h in zip(prints, held_grads)]
     last = [o.layout.held_output_bytes for u, o in rank if u == model.num_units - 1]
     share = _grad_shares(model, config, rank)
     params_bytes = st.params_bytes * scale
@@ -263,6 +270,7 @@ def rank_memory(
             fresh_gradients=fresh,
             held_to_end=sum(last),
             freed=_freed_copies(model, config, rank),
+            before_last=[p.before_last_bytes + h for p, h in zip(prints, held_grads)],
         )
         params_bytes -= freed
     # DDP's bucket rebuild happens with no activation alive: it raises the peak only

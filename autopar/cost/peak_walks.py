@@ -21,6 +21,7 @@ def backward_peak(
     fresh_gradients: bool,
     held_to_end: float = 0.0,
     freed: Sequence[float] = (),
+    before_last: Sequence[float] = (),
 ) -> tuple[float, float, float, float]:
     """(activations, gradients, transient, parameter copies freed) at the peak of a
     rank's backward, its units in forward order, ``inflight`` micro-batches' activations
@@ -37,19 +38,26 @@ def backward_peak(
     backward from). ``freed``: per unit, the gathered parameter copy it lets go of once
     its backward in the step's last micro-batch is over (without pipelining,
     :func:`autopar.cost.memory.unit_freed_copy_bytes`): all are gone after the last
-    backward, and at ``k`` those of the units after ``k`` where the backward of the
-    first micro-batch is the last's (``fresh_gradients`` with one in flight: a single
-    micro-batch); earlier micro-batches hold every copy."""
+    backward, and at ``k`` of the last micro-batch those of the units after ``k``.
+    ``before_last``: per unit, its transient in a micro-batch before the step's last
+    (``transients`` by default), which holds every copy."""
     whole = sum(acts)
     freed = list(freed) or [0.0] * len(acts)
+    before_last = list(before_last) or transients
     # after the last backward, nothing but the gradients
     best = (0.0, sum(grads, 0.0), 0.0, sum(freed, 0.0))
     for k in range(len(acts)):
         held = (inflight - 1) * whole + sum(acts[: k + 1]) + (held_to_end if k < len(acts) - 1 else 0.0)
-        gone = sum(freed[k + 1 :], 0.0) if fresh_gradients and inflight < 2 else 0.0
-        moments = [(held, sum(grads[k + 1 :] if fresh_gradients else grads, 0.0), transients[k], gone)]
-        if fresh_gradients and inflight >= 2:
-            moments.append((held - whole, sum(grads, 0.0), transients[k], 0.0))
+        if fresh_gradients:  # the first micro-batch, the last one too where it is alone in flight
+            gone = sum(freed[k + 1 :], 0.0) if inflight < 2 else 0.0
+            moments = [(held, sum(grads[k + 1 :], 0.0), transients[k], gone)]
+            if inflight >= 2:
+                moments.append((held - whole, sum(grads, 0.0), transients[k], 0.0))
+        else:  # the last micro-batch, and one before it
+            moments = [
+                (held, sum(grads, 0.0), transients[k], sum(freed[k + 1 :], 0.0)),
+                (held, sum(grads, 0.0), before_last[k], 0.0),
+            ]
         for moment in moments:
             if _alive(moment) > _alive(best):
                 best = moment

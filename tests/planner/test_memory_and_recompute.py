@@ -305,6 +305,14 @@ def test_the_backward_peak_by_hand():
     assert _backward_peak(acts, transients, grads, 1, fresh_gradients=False, freed=freed) == (12.0, 9.0, 2.0, 0.0)
     # only the gradients, less every copy: 9 - 2 over the unit's moment, 0
     assert _backward_peak([0.0], [0.0], [9.0], 1, fresh_gradients=True, freed=[2.0]) == (0.0, 9.0, 0.0, 2.0)
+    # accumulating, activations (4, 2, 1), transients (1, 9, 2) in the last micro-batch
+    # and 1 each before it: the middle unit's moment in the last micro-batch, 6 + 9 + 9 - 4
+    # = 20, over an earlier micro-batch's 6 + 9 + 1 and the last unit's 7 + 9 + 2; priced
+    # with the last micro-batch's transients in every micro-batch, 6 + 9 + 9 = 24
+    small, spiky = [4.0, 2.0, 1.0], [1.0, 9.0, 2.0]
+    assert _backward_peak(small, spiky, grads, 1, fresh_gradients=False, freed=freed) == (6.0, 9.0, 9.0, 0.0)
+    peak = _backward_peak(small, spiky, grads, 1, fresh_gradients=False, freed=freed, before_last=[1.0] * 3)
+    assert peak == (6.0, 9.0, 9.0, 4.0)
 
 
 def test_a_tied_weight_is_held_once_only_where_both_owners_split_it_alike():

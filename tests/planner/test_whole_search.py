@@ -162,11 +162,11 @@ def test_a_tied_weight_is_counted_once_only_where_its_owners_split_it_alike():
     graph = extract(GPT(GPTConfig(vocab_size=512, seq_len=1024, dim=256, n_layers=2, n_heads=8)), seq_len=1024)
     assert graph.shared
     constraints = {"micro_batch_size": 2, "compile": False, "regather": False}
-    for memory_gib in (0.0201, 0.0202):
+    for memory_gib in (0.0197, 0.0198):
         result, want = search_and_brute_force(
             graph, tiny_cluster(memory_gib), constraints, global_batch_size=8, micro_batch_size=2
         )
-        assert result.best.fits == math.isfinite(want) == (memory_gib == 0.0202)
+        assert result.best.fits == math.isfinite(want) == (memory_gib == 0.0198)
     assert result.best.step_time_s == pytest.approx(want, rel=1e-9)
     options = [o for stage in result.best.stages for o in stage.options]
     assert [o.recompute.value for o in options] == ["none", "full", "full", "op"]

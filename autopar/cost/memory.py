@@ -241,20 +241,18 @@ def state_bytes(
         replicate = uses_replicate(dp=dp, pipelined=pipelined, tp=tp, dtype=dtype)
         params = param_numel * (MASTER_BYTES + (unsharded_copy if replicate else copy))
         ddp = dp > 1 and not replicate
-        # replicate reduces per unit without pipelining, as ZeRO-2 (its transient); under
-        # pipelining the stage's gradients are held_grad_bytes
         accumulated = largest_grad_numel * GRAD_BYTES if ddp or accumulates else 0.0
         before_last = None
-        if replicate and accumulates:
-            # the flat fp32 reduce input beside the accumulated gradients it copies, then
-            # the reduced ones; before the last micro-batch the unit's new gradients, which
-            # are added into the accumulated ones
-            transient = 0.0 if pipelined else (largest_unit_numel + beyond_shard) * GRAD_BYTES
-            if not pipelined:
-                before_last = (largest_unit_numel + beyond_shard) * copy if copy else accumulated
-        elif replicate:  # the unit's gradients beside the flat buffer they are cast into
-            reduced = reduce_scatter_bytes(largest_unit_numel, dtype) + beyond_shard * unsharded_copy
-            transient = 0.0 if pipelined else reduced
+        if replicate and pipelined:  # the stage's gradients are held_grad_bytes
+            transient = 0.0
+        elif replicate and accumulates:
+            # per unit: the flat fp32 reduce input beside the accumulated gradients it
+            # copies, then the reduced ones; before the last micro-batch the unit's new
+            # gradients, which are added into the accumulated ones
+            transient = (largest_unit_numel + beyond_shard) * GRAD_BYTES
+            before_last = (largest_unit_numel + beyond_shard) * copy if copy else accumulated
+        elif replicate:  # per unit: its gradients beside the flat buffer they are cast into
+            transient = reduce_scatter_bytes(largest_unit_numel, dtype) + beyond_shard * unsharded_copy
         else:
             transient = accumulated
         return StateBytes(

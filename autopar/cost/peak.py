@@ -128,10 +128,12 @@ def footprint(
         lay.loss_saved_bytes - lay.held_output_bytes if not option.recompute.checkpoints_unit else 0.0
     )
     deferred = grads_deferred and config.pp > 1 and config.zero_stage >= 2
-    before_last, last = (
-        max(option.transient_bytes, option.transient_bytes - freed + (0.0 if deferred else grad))
-        for grad in (st.transient_bytes if st.before_last_bytes is None else st.before_last_bytes, st.transient_bytes)
-    )
+
+    def with_grads(grad_transient: float) -> float:
+        return max(option.transient_bytes, option.transient_bytes - freed + (0.0 if deferred else grad_transient))
+
+    last = with_grads(st.transient_bytes)
+    before_last = last if st.before_last_bytes is None else with_grads(st.before_last_bytes)
     # the output gradients awaiting weight gradients: as many as any rank awaits, for the step
     awaiting = most_awaiting(config.schedule, config.pp, config.virtual_stages, config.num_microbatches)
     held += max(lay.wait_bytes, 0.0) * awaiting / config.virtual_stages

@@ -83,6 +83,14 @@ CASES = {
         "Mixtral-8x7B at 4K tokens, ZeRO-3 over dp=64 with ep=8 (one expert per rank, 8 replicas)",
         4096,
     ),
+    "zero2": (
+        "llama3-70b",
+        "dgx-h100:16",
+        16,
+        {"dp": 16, "tp": 8, "pp": 1, "micro_batch_size": 1, "zero_stage": 2, "recompute": "full", "compile": False},
+        "Llama-3-70B at 8K tokens, ZeRO-2 over dp=16 x tp=8, full recompute (one micro-batch)",
+        8192,
+    ),
 }
 """case -> (model, cluster, global batch, forced config or None for the planner's plan,
 label[, tokens per sample when not the model's default])."""

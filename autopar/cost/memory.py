@@ -337,6 +337,20 @@ def unit_freed_copy_bytes(config: ParallelConfig) -> float:
     return compute_copy_bytes(config.dtype) or MASTER_BYTES
 
 
+def kept_reduce_input_bytes(config: ParallelConfig, unit_numel: float) -> float:
+    """Bytes of a unit's flat reduce-scatter input (``unit_numel`` parameters in
+    ``config.reduce_dtype``) that FSDP2 keeps after the unit's reduction until the next
+    unit's begins (``FSDPCommContext.reduce_scatter_states``, at most
+    ``reduce_scatter_max_input_buffers`` of them, 1 by default in torch 2.13): under
+    ZeRO-2 without pipelining, where each unit reduces once its backward is over, the
+    backward of the unit before it runs beside it. 0 elsewhere: under pipelining the
+    stage reduces as one after its last micro-batch, and ZeRO-3's transient, which
+    gathers copies in the backward too, stays priced whole."""
+    if config.pp > 1 or config.zero_stage != 2 or config.state_shards < 2:
+        return 0.0
+    return unit_numel * config.reduce_dtype.itemsize
+
+
 def gathers_through_step(zero_stage: int, pipelined: bool) -> bool:
     """Whether FSDP2 keeps the parameters it gathers from a unit's first forward to its
     last backward: ZeRO-2 (no reshard after forward), and ZeRO-3 under pipelining

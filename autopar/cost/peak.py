@@ -11,7 +11,10 @@ GPipe, 1F1B with no more micro-batches than stages after this one) and no gradie
 outlives a step (anything but DDP, whose buckets hold them), ``zero_grad`` left no
 gradient, so they grow as that backward frees the activations, and without pipelining
 the gathered copies of ZeRO-2 and ``replicate`` shrink as each unit's backward in the
-last micro-batch ends (:func:`autopar.cost.memory.unit_freed_copy_bytes`).
+last micro-batch ends (:func:`autopar.cost.memory.unit_freed_copy_bytes`). ZeRO-2's
+reduction there meets neither the unit's activations nor its copy, its backward only
+the reduce input the unit after it left; its first forward gathers each unit beside the
+previous unit's buffer (:func:`autopar.cost.peak_walks.first_forward_peak`).
 Interleaved 1F1B is followed action by action in torch's order
 (:func:`autopar.cost.peak_walks.interleaved_peak`): its warm-up's activations meet only
 the gradients of the chunk whose backward runs first, and a chunk may hold more
@@ -44,11 +47,12 @@ from autopar.cost.memory import (
     deferred_weight_grad_bytes,
     gathered_copy_bytes,
     held_grad_bytes,
+    kept_reduce_input_bytes,
     resharded_copy_bytes,
     unit_freed_copy_bytes,
 )
 from autopar.cost.model import CostModel
-from autopar.cost.peak_walks import backward_peak, chunked, interleaved_peak
+from autopar.cost.peak_walks import alive_bytes, backward_peak, chunked, first_forward_peak, interleaved_peak
 from autopar.cost.pipeline import (
     inflight_microbatches,
     interleaved_order,
@@ -80,7 +84,12 @@ class Footprint:
     micro-batch, bytes kept for the whole step (``static``), bytes per in-flight
     micro-batch (``act``), the transient peak while it runs (in a micro-batch before
     the step's last, ``before_last``, at most that), and its share of DDP's one-time
-    bucket rebuild (``rebuild``), which never meets activations."""
+    bucket rebuild (``rebuild``), which never meets activations. Where the unit reduces
+    once its backward is over (ZeRO-2 without pipelining), ``kept`` is the reduce input
+    that reduction leaves for the backward before it, and :meth:`running_bytes` its
+    transient while its own backward runs; its parts: the compute's own transient
+    (``compute``), what the loss's backward frees before the gradients come
+    (``loss_freed``) and the model states' transient (``state``)."""
 
     time_s: float
     static_bytes: float
@@ -88,6 +97,18 @@ class Footprint:
     transient_bytes: float
     rebuild_bytes: float
     before_last_bytes: float
+    kept_bytes: float = 0.0
+    compute_bytes: float = 0.0
+    loss_freed_bytes: float = 0.0
+    state_bytes: float = 0.0
+
+    def running_bytes(self, kept_before: float) -> float:
+        """The transient while this unit's backward runs, where it reduces only once
+        that backward is over: its gradients as they come (its states' transient less
+        the reduce input, which is not allocated yet) beside ``kept_before``, the input
+        the reduction before it left."""
+        grads = self.state_bytes - self.kept_bytes + kept_before
+        return max(self.compute_bytes, self.compute_bytes - self.loss_freed_bytes + grads)
 
 
 def budget_bytes(memory: DeviceMemory) -> float:
@@ -144,6 +165,10 @@ def footprint(
         transient_bytes=last,
         rebuild_bytes=st.rebuild_bytes,
         before_last_bytes=before_last,
+        kept_bytes=kept_reduce_input_bytes(config, lay.param_numel),
+        compute_bytes=option.transient_bytes,
+        loss_freed_bytes=freed,
+        state_bytes=st.transient_bytes,
     )
 
 
@@ -264,16 +289,22 @@ def rank_memory(
         params_bytes -= resharded_copy_bytes(config, stage_numel)
     else:
         fresh = stage.inflight >= config.num_microbatches and not st.rebuild_bytes
-        acts, grads, transient, freed = backward_peak(
+        freed_copies = _freed_copies(model, config, rank)
+        running = _running(prints, held_grads, freed_copies)
+        moment = backward_peak(
             [p.act_bytes for p in prints],
             transients,
             [grads * f for f in share],
             stage.inflight,
             fresh_gradients=fresh,
             held_to_end=sum(last),
-            freed=_freed_copies(model, config, rank),
+            freed=freed_copies,
             before_last=[p.before_last_bytes + h for p, h in zip(prints, held_grads)],
+            running=running,
         )
+        if any(r is not None for r in running):  # ZeRO-2's units gather as the step's first forward reaches them
+            moment = max(moment, first_forward_peak([p.act_bytes for p in prints], freed_copies), key=alive_bytes)
+        acts, grads, transient, freed = moment
         params_bytes -= freed
     # DDP's bucket rebuild happens with no activation alive: it raises the peak only
     # by what it holds beyond them
@@ -305,6 +336,22 @@ def _freed_copies(model: CostModel, config: ParallelConfig, rank: Sequence[tuple
         u for s in model.graph.shared if {s.first_unit, s.second_unit} <= units for u in (s.first_unit, s.second_unit)
     }
     return [0.0 if u in tied else o.layout.param_numel * per_param for u, o in rank]
+
+
+def _running(prints: Sequence[Footprint], held_grads: Sequence[float], freed: Sequence[float]) -> list[float | None]:
+    """Per unit of a rank in forward order, its transient while its backward runs where
+    it reduces only once that backward is over (:meth:`Footprint.running_bytes`; None
+    elsewhere, and for a unit tied to another, which reduces with the stage root at the
+    end): beside the reduce input the last reduction before it kept, that of the
+    nearest unit after it that reduces on its own."""
+    out: list[float | None] = []
+    kept_before = 0.0
+    for p, h, f in reversed(list(zip(prints, held_grads, freed))):
+        reduces = p.kept_bytes > 0 and f > 0
+        out.append(p.running_bytes(kept_before) + h if reduces else None)
+        if reduces:
+            kept_before = p.kept_bytes
+    return out[::-1]
 
 
 def _with_waiting(

@@ -22,6 +22,7 @@ def backward_peak(
     held_to_end: float = 0.0,
     freed: Sequence[float] = (),
     before_last: Sequence[float] = (),
+    running: Sequence[float | None] = (),
 ) -> tuple[float, float, float, float]:
     """(activations, gradients, transient, parameter copies freed) at the peak of a
     rank's backward, its units in forward order, ``inflight`` micro-batches' activations
@@ -40,7 +41,12 @@ def backward_peak(
     :func:`autopar.cost.memory.unit_freed_copy_bytes`): all are gone after the last
     backward, and at ``k`` of the last micro-batch those of the units after ``k``.
     ``before_last``: per unit, its transient in a micro-batch before the step's last
-    (``transients`` by default), which holds every copy."""
+    (``transients`` by default), which holds every copy. ``running``: per unit that
+    reduces only once its backward is over (ZeRO-2 without pipelining,
+    :func:`autopar.cost.memory.kept_reduce_input_bytes`), its transient while that
+    backward runs (its gradients as they come, beside the reduce input the unit before
+    it in the backward left), None for the others: its reduction (``transients``) then
+    meets neither its activations nor, in the last micro-batch, its copy."""
     whole = sum(acts)
     freed = list(freed) or [0.0] * len(acts)
     before_last = list(before_last) or transients
@@ -48,23 +54,49 @@ def backward_peak(
     best = (0.0, sum(grads, 0.0), 0.0, sum(freed, 0.0))
     for k in range(len(acts)):
         held = (inflight - 1) * whole + sum(acts[: k + 1]) + (held_to_end if k < len(acts) - 1 else 0.0)
+        gone = sum(freed[k + 1 :], 0.0)
+        # (moment, the copy unit k frees at its reduction in it)
         if fresh_gradients:  # the first micro-batch, the last one too where it is alone in flight
-            gone = sum(freed[k + 1 :], 0.0) if inflight < 2 else 0.0
-            moments = [(held, sum(grads[k + 1 :], 0.0), transients[k], gone)]
+            alone = inflight < 2
+            moments = [
+                ((held, sum(grads[k + 1 :], 0.0), transients[k], gone if alone else 0.0), freed[k] if alone else 0.0)
+            ]
             if inflight >= 2:
-                moments.append((held - whole, sum(grads, 0.0), transients[k], 0.0))
+                moments.append(((held - whole, sum(grads, 0.0), transients[k], 0.0), 0.0))
         else:  # the last micro-batch, and one before it
             moments = [
-                (held, sum(grads, 0.0), transients[k], sum(freed[k + 1 :], 0.0)),
-                (held, sum(grads, 0.0), before_last[k], 0.0),
+                ((held, sum(grads, 0.0), transients[k], gone), freed[k]),
+                ((held, sum(grads, 0.0), before_last[k], 0.0), 0.0),
             ]
-        for moment in moments:
-            if _alive(moment) > _alive(best):
-                best = moment
+        runs = running[k] if running else None
+        for (a, g, t, f), own in moments:
+            split = [(a, g, t, f)] if runs is None else [(a, g, runs, f), (a - acts[k], g, t, f + own)]
+            for moment in split:
+                if alive_bytes(moment) > alive_bytes(best):
+                    best = moment
     return best
 
 
-def _alive(moment: tuple[float, float, float, float]) -> float:
+def first_forward_peak(acts: Sequence[float], gathers: Sequence[float]) -> tuple[float, float, float, float]:
+    """(activations, gradients, transient, parameter copies not gathered yet) at the
+    peak of a step's first forward where each unit gathers its parameters as its
+    forward begins and keeps them to its backward (ZeRO-2 without pipelining; units in
+    forward order, ``gathers`` each one's gathered copy): at unit ``k`` the activations
+    of the units before it, its flat all-gather buffer beside that of the unit before
+    it (FSDP2 keeps each until the next all-gather, ``FSDPCommContext.all_gather_state``),
+    no gradient (``zero_grad`` left none) and none of the copies of the units after it."""
+    best = (0.0, 0.0, 0.0, sum(gathers, 0.0))
+    for k in range(len(acts)):
+        buffers = gathers[k] + (gathers[k - 1] if k else 0.0)
+        moment = (sum(acts[:k], 0.0), 0.0, buffers, sum(gathers[k + 1 :], 0.0))
+        if alive_bytes(moment) > alive_bytes(best):
+            best = moment
+    return best
+
+
+def alive_bytes(moment: tuple[float, float, float, float]) -> float:
+    """The bytes a moment (activations, gradients, transient, copies freed) holds beyond
+    the model states."""
     acts, grads, transient, freed = moment
     return acts + grads + transient - freed
 

@@ -313,6 +313,44 @@ def test_the_backward_peak_by_hand():
     assert _backward_peak(small, spiky, grads, 1, fresh_gradients=False, freed=freed) == (6.0, 9.0, 9.0, 0.0)
     peak = _backward_peak(small, spiky, grads, 1, fresh_gradients=False, freed=freed, before_last=[1.0] * 3)
     assert peak == (6.0, 9.0, 9.0, 4.0)
+    # units that reduce once their backward is over (ZeRO-2), transients (1, 2, 1) while
+    # their backward runs: the middle unit's reduction (9) meets neither its activations
+    # (2) nor its copy (1), 4 + 3 + 9 - 5 = 11, over its running backward's 6 + 3 + 2 - 4
+    # = 7 and the last unit's start, 7 + 0 + 1; priced beside both, 6 + 3 + 9 - 4 = 14
+    running = [1.0, 2.0, 1.0]
+    assert _backward_peak(small, spiky, grads, 1, fresh_gradients=True, freed=freed, running=running) == (
+        4.0,
+        3.0,
+        9.0,
+        5.0,
+    )
+    assert _backward_peak(small, spiky, grads, 1, fresh_gradients=True, freed=freed) == (6.0, 3.0, 9.0, 4.0)
+    # accumulating: an earlier micro-batch's reduction of the middle unit, every copy
+    # held, 4 + 9 + 9 = 22 (24 with its activations)
+    peak = _backward_peak(small, spiky, grads, 1, fresh_gradients=False, freed=freed, running=running)
+    assert peak == (4.0, 9.0, 9.0, 0.0)
+    # a unit without a running transient (tied to another, reduced with the root) keeps
+    # its activations beside its transient: the middle unit's 6 + 3 + 9 - 4 again
+    assert _backward_peak(small, spiky, grads, 1, fresh_gradients=True, freed=freed, running=[1.0, None, 1.0]) == (
+        6.0,
+        3.0,
+        9.0,
+        4.0,
+    )
+
+
+def test_the_first_forward_peak_by_hand():
+    """ZeRO-2 gathers each unit's copy (1, 1, 4) as the step's first forward reaches it
+    and keeps it; FSDP2 keeps each flat all-gather buffer until the next all-gather. At
+    the last unit's gather: the activations of the two before it (4 + 2), its buffer (4)
+    beside the middle unit's (1), every copy gathered: 6 + 0 + 5 - 0 = 11, over the
+    middle unit's 4 + 2 - 4 = 2 (the last copy still to come)."""
+    from autopar.cost.peak_walks import first_forward_peak
+
+    assert first_forward_peak([4.0, 2.0, 6.0], [1.0, 1.0, 4.0]) == (6.0, 0.0, 5.0, 0.0)
+    # a large first unit (9): its buffer is still held at the middle unit's gather, 4 +
+    # (9 + 1) - 1 = 13, over its own gather's 0 + 9 - 2 = 7 and the last unit's 4 + 2
+    assert first_forward_peak([4.0, 0.0, 0.0], [9.0, 1.0, 1.0]) == (4.0, 0.0, 10.0, 1.0)
 
 
 def test_a_tied_weight_is_held_once_only_where_both_owners_split_it_alike():

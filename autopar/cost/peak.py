@@ -107,8 +107,13 @@ class Footprint:
         that backward is over: its gradients as they come (its states' transient less
         the reduce input, which is not allocated yet) beside ``kept_before``, the input
         the reduction before it left."""
-        grads = self.state_bytes - self.kept_bytes + kept_before
-        return max(self.compute_bytes, self.compute_bytes - self.loss_freed_bytes + grads)
+        return _with_state(self.compute_bytes, self.loss_freed_bytes, self.state_bytes - self.kept_bytes + kept_before)
+
+
+def _with_state(compute: float, loss_freed: float, state: float) -> float:
+    """A unit's transient: the compute's own (``compute``), or, once the loss's backward
+    has freed ``loss_freed``, the model states' transient (``state``) beside it."""
+    return max(compute, compute - loss_freed + state)
 
 
 def budget_bytes(memory: DeviceMemory) -> float:
@@ -151,7 +156,7 @@ def footprint(
     deferred = grads_deferred and config.pp > 1 and config.zero_stage >= 2
 
     def with_grads(grad_transient: float) -> float:
-        return max(option.transient_bytes, option.transient_bytes - freed + (0.0 if deferred else grad_transient))
+        return _with_state(option.transient_bytes, freed, 0.0 if deferred else grad_transient)
 
     last = with_grads(st.transient_bytes)
     before_last = last if st.before_last_bytes is None else with_grads(st.before_last_bytes)
@@ -291,8 +296,9 @@ def rank_memory(
         fresh = stage.inflight >= config.num_microbatches and not st.rebuild_bytes
         freed_copies = _freed_copies(model, config, rank)
         running = _running(prints, held_grads, freed_copies)
+        unit_acts = [p.act_bytes for p in prints]
         moment = backward_peak(
-            [p.act_bytes for p in prints],
+            unit_acts,
             transients,
             [grads * f for f in share],
             stage.inflight,
@@ -303,7 +309,7 @@ def rank_memory(
             running=running,
         )
         if any(r is not None for r in running):  # ZeRO-2's units gather as the step's first forward reaches them
-            moment = max(moment, first_forward_peak([p.act_bytes for p in prints], freed_copies), key=alive_bytes)
+            moment = max(moment, first_forward_peak(unit_acts, freed_copies), key=alive_bytes)
         acts, grads, transient, freed = moment
         params_bytes -= freed
     # DDP's bucket rebuild happens with no activation alive: it raises the peak only

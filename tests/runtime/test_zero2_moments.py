@@ -14,9 +14,9 @@ forward's gathers."""
 
 import pytest
 import torch
+from dry_memory import rank0_peak_and_allocation
 
 import autopar
-from autopar.runtime.dry_run import dry_run
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,10 +41,8 @@ def _measured_over_predicted(devices: int, **fixed: object) -> float:
     cluster = autopar.preset("dgx-h100", devices_per_node=devices)
     plan = autopar.estimate(_llama(), cluster, fixed, global_batch_size=8, seq_len=256)
     assert (plan.config.zero_stage, plan.config.num_microbatches) == (2, 1)
-    report = dry_run(_llama, plan, ranks=[0], measure=True)
-    assert report.ok, report.problems
-    rank = report.ranks[0]
-    return rank.measured.peak_bytes / rank.predicted_allocated_bytes
+    measured, predicted = rank0_peak_and_allocation(_llama, plan)
+    return measured / predicted
 
 
 @pytest.mark.parametrize("devices, tp", [(4, 1), (8, 2)], ids=["dp4", "tp2-dp4"])
